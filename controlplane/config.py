@@ -1,0 +1,195 @@
+"""Configuration: one TOML file (``infergate.toml``) read into pydantic models.
+
+Every section and field is optional; defaults are the values below. Units are in the
+field names (``_s`` seconds, ``_ms`` milliseconds, ``0-1`` fractions). Environment
+variables override a few fields so secrets need not sit in the file:
+
+- ``INFERGATE_REDIS_URL`` -> ``redis.url``
+- ``INFERGATE_ADMIN_TOKEN`` -> ``controlplane.admin_token``
+
+Errors: :func:`load_settings` raises :class:`ConfigError` (a ``click`` friendly
+``ValueError``) naming the file and the field for unreadable TOML or invalid values.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+NodeKind = Literal["vllm", "tgi", "sglang", "json", "openai"]
+"""Metrics dialect of a node. ``openai`` means "no metrics endpoint" (llama.cpp without
+``--metrics``, Ollama, any OpenAI-compatible server): the node is routed on what the
+edge observes itself. ``vllm`` also accepts the pre-0.10 names (auto-detected)."""
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+class ConfigError(ValueError):
+    """The configuration file or a value in it is invalid."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RedisSettings(_Section):
+    url: str = "redis://127.0.0.1:6379/0"
+    """``redis://[:password@]host:port/db`` (``rediss://`` for TLS)."""
+    socket_timeout_s: float = 0.5
+
+
+class EdgeSettings(_Section):
+    listen: str = "127.0.0.1:8080"
+    """host:port the rendered standalone nginx listens on."""
+    edge_id: str = ""
+    """Name this edge publishes its stats under; empty = ``hostname:port``."""
+    sync_interval_s: float = 0.5
+    """How often a worker pulls the routing snapshot from Redis."""
+    stale_after_s: float = 10.0
+    """Snapshot older than this: scores ignored, edge balances on local signals."""
+    redis_timeout_ms: int = 200
+    max_tries: int = 3
+    """Total attempts per request (first try + retries on other nodes)."""
+    connect_timeout_ms: int = 2000
+    read_timeout_ms: int = 60000
+    """Longest silence from a node while reading its answer (between stream chunks too)."""
+    send_timeout_ms: int = 60000
+    retry_window_s: float = 60.0
+    """``proxy_next_upstream_timeout``: no new try after this long."""
+    client_max_body_size: str = "8m"
+    breaker_failures: int = 5
+    """Consecutive failures that open a node's circuit breaker."""
+    breaker_cooldown_s: float = 10.0
+    """How long a breaker stays open before one half-open probe."""
+    inflight_cost: float = 1.0
+    """Weight of the edge's own in-flight count (per unit of max_concurrency) in the cost."""
+    keepalive: int = 64
+    """Idle keepalive connections per worker to the nodes."""
+    workers: int = 2
+    """``worker_processes`` of the standalone config."""
+
+
+class ScoringSettings(_Section):
+    """Health score = (w_queue*q + w_kv*kv + w_latency*lat) / weight, lower is better.
+
+    q = min(queue_depth / queue_norm, 1) ... see docs in README "Scoring"."""
+
+    w_queue: float = 0.5
+    w_kv: float = 0.3
+    w_latency: float = 0.2
+    queue_norm: float = 16.0
+    """Queue depth that counts as fully loaded (term = 1)."""
+    latency_norm_s: float = 30.0
+    """Recent e2e latency (s) that counts as fully loaded (term = 1)."""
+    saturation_queue: float = 32.0
+    """Queue depth at or above which a node is saturated."""
+    saturation_kv: float = 0.98
+    """KV-cache usage (0-1) at or above which a node is saturated."""
+
+
+class ControlPlaneSettings(_Section):
+    listen: str = "127.0.0.1:8081"
+    """host:port of the admin page and ``/api/v1``."""
+    poll_interval_s: float = 1.0
+    poll_timeout_s: float = 0.8
+    unhealthy_after: int = 3
+    """K consecutive failed polls -> unhealthy."""
+    healthy_after: int = 2
+    """M consecutive good polls -> healthy again."""
+    leader_ttl_s: float = 5.0
+    metrics_ttl_s: float = 30.0
+    history_points: int = 300
+    admin_token: str = ""
+    drain_timeout_s: float = 600.0
+    slow_start_s: float = 30.0
+    events_max: int = 10000
+
+
+class NodeSettings(_Section):
+    name: str
+    url: str
+    """Server root, e.g. ``http://10.0.0.5:8000``; the OpenAI API is under ``/v1``."""
+    kind: NodeKind = "vllm"
+    weight: float = Field(default=1.0, gt=0, le=1000)
+    max_concurrency: int = Field(default=64, ge=1, le=100000)
+    metrics_path: str = "/metrics"
+    health_path: str = "/health"
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError("node name: letters, digits, '-', '_', '.', at most 63")
+        return v
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError("node url must be http://host[:port] (TLS to nodes is not supported)")
+        if parts.path not in ("", "/") or parts.query:
+            raise ValueError("node url is the server root, without a path (the edge adds /v1/...)")
+        try:
+            parts.port
+        except ValueError as exc:
+            raise ValueError(f"node url port: {exc}") from exc
+        return v.rstrip("/")
+
+
+class Settings(_Section):
+    redis: RedisSettings = RedisSettings()
+    edge: EdgeSettings = EdgeSettings()
+    controlplane: ControlPlaneSettings = ControlPlaneSettings()
+    scoring: ScoringSettings = ScoringSettings()
+    nodes: list[NodeSettings] = []
+
+    @field_validator("nodes")
+    @classmethod
+    def _unique(cls, v: list[NodeSettings]) -> list[NodeSettings]:
+        names = [n.name for n in v]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"duplicate node names: {sorted(dup)}")
+        return v
+
+
+def _apply_env(data: dict) -> dict:
+    url = os.environ.get("INFERGATE_REDIS_URL")
+    if url:
+        data.setdefault("redis", {})["url"] = url
+    token = os.environ.get("INFERGATE_ADMIN_TOKEN")
+    if token:
+        data.setdefault("controlplane", {})["admin_token"] = token
+    return data
+
+
+def settings_from_dict(data: dict, source: str = "<dict>") -> Settings:
+    """Validate a plain dict (the TOML document) into :class:`Settings`.
+
+    Raises :class:`ConfigError` with every invalid field listed."""
+    try:
+        return Settings.model_validate(_apply_env(dict(data)))
+    except ValidationError as exc:
+        lines = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
+        raise ConfigError(f"{source}: invalid configuration:\n  " + "\n  ".join(lines)) from None
+
+
+def load_settings(path: str | Path | None) -> Settings:
+    """Read the TOML file at ``path`` (``None``: defaults plus environment)."""
+    if path is None:
+        return settings_from_dict({}, "<defaults>")
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: no such configuration file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+    return settings_from_dict(data, str(p))

@@ -1,0 +1,49 @@
+"""Every Redis key name infergate uses, in one place.
+
+The Lua edge has the same names in ``lua/infergate/keys.lua``; ``tests/test_keys.py``
+checks that both agree. All keys start with ``infergate:`` and carry the schema
+version, so a future layout can live beside this one.
+"""
+
+from __future__ import annotations
+
+PREFIX = "infergate"
+SCHEMA = "v1"
+BASE = f"{PREFIX}:{SCHEMA}"
+
+#: String, JSON routing snapshot (see ``controlplane.snapshot``). Written by the leader.
+ROUTING = f"{BASE}:routing"
+#: String, integer counter INCRed for every snapshot written (snapshot ``version``).
+ROUTING_VERSION = f"{BASE}:routing:version"
+#: String with TTL, the id of the control plane that holds leadership.
+LEADER = f"{BASE}:leader"
+#: Hash, node name -> JSON node config (url, kind, weight, max_concurrency, ...).
+NODES = f"{BASE}:nodes"
+#: Hash, node name -> JSON ``{"state": "active"|"draining"|"drained", "since": epoch_s}``.
+NODE_STATES = f"{BASE}:node_states"
+#: Hash, edge id -> JSON per-edge stats ``{"ts": epoch_s, "nodes": {name: {...}}}``.
+EDGES = f"{BASE}:edges"
+#: Stream of operator-visible events (drains, health changes, config changes), capped.
+EVENTS = f"{BASE}:events"
+
+
+def node_metrics(name: str) -> str:
+    """String with TTL: JSON of the node's latest polled metrics and health."""
+    return f"{BASE}:node:{name}:metrics"
+
+
+def node_history(name: str) -> str:
+    """List, newest first, capped: JSON points ``{"ts", "queue_depth", "e2e_p50_s", ...}``."""
+    return f"{BASE}:node:{name}:history"
+
+
+#: Every fixed key name, by the name used in ``lua/infergate/keys.lua``.
+FIXED = {
+    "routing": ROUTING,
+    "routing_version": ROUTING_VERSION,
+    "leader": LEADER,
+    "nodes": NODES,
+    "node_states": NODE_STATES,
+    "edges": EDGES,
+    "events": EVENTS,
+}

@@ -1,0 +1,69 @@
+"""Shared fixtures. Every process a test needs is started on free loopback ports,
+waited for with a deadline and stopped at teardown (see controlplane.procs)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import redis
+
+from controlplane import procs
+
+# Fixtures of each area live in their own module beside this file.
+pytest_plugins = ["fixtures_stack"]
+
+OUTPUT = Path(__file__).resolve().parent / "output"
+
+
+@pytest.fixture
+def workdir():
+    """A scratch folder under /tmp that nginx workers (which drop root for ``nobody``)
+    can traverse; pytest's own tmp_path is private to root. Removed afterwards."""
+    d = Path(tempfile.mkdtemp(prefix="infergate-test-"))
+    os.chmod(d, 0o755)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def output_dir(request: pytest.FixtureRequest) -> Path:
+    """tests/output/<test name>/ for artifacts a person may want to look at."""
+    d = OUTPUT / request.node.name.replace("/", "_")
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    return d
+
+
+class RedisServer:
+    def __init__(self, managed: procs.Managed, port: int):
+        self.managed = managed
+        self.port = port
+        self.url = f"redis://127.0.0.1:{port}/0"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, decode_responses=True,
+                           socket_timeout=2)
+
+    def stop(self) -> None:
+        self.managed.stop()
+
+    def start_again(self, workdir: Path) -> None:
+        self.managed = procs.start_redis(workdir, self.port)
+
+
+@pytest.fixture
+def redis_server(workdir: Path):
+    """A fresh redis-server on a free port; ``.url``, ``.client()``, ``.stop()``."""
+    port = procs.free_port()
+    m = procs.start_redis(workdir / "redis", port)
+    server = RedisServer(m, port)
+    try:
+        yield server
+    finally:
+        server.managed.stop()

@@ -1,0 +1,1 @@
+"""Fixtures that start several parts together (simulated nodes, control plane, nginx)."""
