@@ -1,0 +1,202 @@
+"""``infergate up``: the whole stack on one machine.
+
+Starts, in order: a local ``redis-server`` when none answers at ``redis.url`` (with
+``maxmemory`` and ``allkeys-lru``, as recommended for production); three simulated
+nodes of different speeds unless ``--node URL`` names real servers; the control plane
+(poller, scorer, admin page and API); nginx with the rendered infergate config. Prints
+the URLs and a curl example; Ctrl-C or SIGTERM stops every process it started, in
+reverse order.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import click
+import redis as redis_lib
+
+from . import procs, registry
+from .config import ConfigError, NodeSettings, Settings, load_settings
+from .redis_conn import make_redis
+
+#: (name, speed factor) of the simulated pool: a fast, a medium and a slow GPU.
+SIM_NODES: tuple[tuple[str, float], ...] = (("sim-fast", 2.0), ("sim-medium", 1.0), ("sim-slow", 0.5))
+LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
+
+
+def _split_hostport(value: str, what: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise click.BadParameter(f"{what} must be HOST:PORT, got {value!r}")
+    return host, int(port)
+
+
+def _redis_answers(settings: Settings) -> bool:
+    try:
+        return bool(make_redis(settings.redis).ping())
+    except redis_lib.RedisError:
+        return False
+
+
+def _ensure_redis(settings: Settings, workdir: Path, stack: procs.ProcessSet) -> str:
+    """Return a description of the Redis in use; start one if needed and possible."""
+    if _redis_answers(settings):
+        return f"{settings.redis.url} (already running)"
+    parts = urlsplit(settings.redis.url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 6379
+    if parts.scheme != "redis" or host not in LOCAL_HOSTS or parts.password:
+        raise click.ClickException(f"no Redis answers at {settings.redis.url} and it is not a "
+                                   "local address infergate could start one on")
+    if procs.port_open("127.0.0.1", port):
+        raise click.ClickException(f"port {port} is taken by something that is not Redis")
+    stack.add(procs.start_redis(workdir / "redis", port))
+    return f"{settings.redis.url} (local redis-server started, maxmemory 256mb, allkeys-lru)"
+
+
+def _sim_nodes(workdir: Path, stack: procs.ProcessSet, time_scale: float) -> list[NodeSettings]:
+    nodes = []
+    for name, speed in SIM_NODES:
+        port = procs.free_port()
+        argv = procs.infergate_argv("simnode", "--host", "127.0.0.1", "--port", str(port),
+                                    "--name", name, "--speed", str(speed),
+                                    "--time-scale", str(time_scale))
+        m = stack.add(procs.Managed(name, argv, workdir / "logs" / f"{name}.log").start())
+        m.wait_ready(lambda p=port: procs.port_open("127.0.0.1", p), timeout=20)
+        nodes.append(NodeSettings(name=name, url=f"http://127.0.0.1:{port}", kind="vllm"))
+    return nodes
+
+
+def _real_nodes(urls: tuple[str, ...], kind: str) -> list[NodeSettings]:
+    nodes = []
+    for i, url in enumerate(urls, 1):
+        try:
+            nodes.append(NodeSettings(name=f"node-{i}", url=url, kind=kind))  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise click.BadParameter(f"--node {url}: {exc}") from None
+    return nodes
+
+
+def _write_runtime_config(settings: Settings, path: Path) -> None:
+    import tomli_w  # small and only needed here
+
+    data = settings.model_dump(mode="json", exclude_none=True)
+    path.write_text(tomli_w.dumps(data), encoding="utf-8")
+    os.chmod(path, 0o600)
+
+
+@click.command("up")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="infergate TOML file (defaults apply without one).")
+@click.option("--node", "node_urls", multiple=True, metavar="URL",
+              help="A real inference server to front (repeatable), e.g. http://10.0.0.5:8000. "
+                   "Without it, three simulated nodes are started.")
+@click.option("--node-kind", default="vllm", show_default=True,
+              type=click.Choice(["vllm", "tgi", "sglang", "json", "openai"]),
+              help="Metrics dialect of the --node servers (openai = no metrics endpoint).")
+@click.option("--listen", default=None, metavar="HOST:PORT",
+              help="Edge address [default: edge.listen, 127.0.0.1:8080].")
+@click.option("--admin-listen", default=None, metavar="HOST:PORT",
+              help="Admin page and API address [default: controlplane.listen, 127.0.0.1:8081].")
+@click.option("--redis-url", default=None, help="Redis URL [default: redis.url].")
+@click.option("--workdir", type=click.Path(file_okay=False), default=None,
+              help="Folder for logs, rendered nginx config and Redis [default: a new temp dir].")
+@click.option("--time-scale", default=1.0, show_default=True, type=float,
+              help="Time scale of the simulated nodes (0.1 = ten times faster).")
+def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
+           listen: str | None, admin_listen: str | None, redis_url: str | None,
+           workdir: str | None, time_scale: float) -> None:
+    """Run the whole stack locally: Redis, nodes, control plane, nginx edge."""
+    try:
+        settings = load_settings(config_path)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    if listen:
+        _split_hostport(listen, "--listen")
+        settings.edge.listen = listen
+    if admin_listen:
+        _split_hostport(admin_listen, "--admin-listen")
+        settings.controlplane.listen = admin_listen
+    if redis_url:
+        settings.redis.url = redis_url
+    edge_host, edge_port = _split_hostport(settings.edge.listen, "edge.listen")
+    admin_host, admin_port = _split_hostport(settings.controlplane.listen, "controlplane.listen")
+    for host, port, what in ((edge_host, edge_port, "edge"), (admin_host, admin_port, "admin")):
+        if procs.port_open("127.0.0.1" if host in ("0.0.0.0", "::") else host, port):
+            raise click.ClickException(f"{what} address {host}:{port} is already in use "
+                                       f"(choose another with --{'listen' if what == 'edge' else 'admin-listen'})")
+    generated_token = False
+    if not settings.controlplane.admin_token:
+        settings.controlplane.admin_token = secrets.token_urlsafe(18)
+        generated_token = True
+
+    wd = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="infergate-up-"))
+    wd.mkdir(parents=True, exist_ok=True)
+    os.chmod(wd, 0o755)  # nginx workers (``nobody`` when started as root) traverse it
+    stack = procs.ProcessSet()
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        redis_desc = _ensure_redis(settings, wd, stack)
+        if node_urls:
+            nodes = _real_nodes(node_urls, node_kind)
+        elif settings.nodes:
+            nodes = settings.nodes
+        else:
+            nodes = _sim_nodes(wd, stack, time_scale)
+        settings.nodes = nodes
+        r = make_redis(settings.redis)
+        for n in nodes:  # the nodes of this run replace same-named entries of an earlier one
+            registry.put_node(r, n)
+        cfg = wd / "infergate.toml"
+        _write_runtime_config(settings, cfg)
+
+        cp = stack.add(procs.Managed("controlplane", procs.infergate_argv("controlplane", "--config", str(cfg)),
+                                     wd / "logs" / "controlplane.log").start())
+        cp.wait_ready(lambda: procs.port_open(admin_host if admin_host not in ("0.0.0.0", "::") else "127.0.0.1",
+                                              admin_port), timeout=30)
+
+        from .nginx_render import render_nginx, start_nginx
+
+        rendered = render_nginx(settings, wd / "nginx", prefix=wd / "nginx")
+        stack.add(start_nginx(rendered.nginx_conf, wd / "nginx"))
+
+        base = f"http://{edge_host}:{edge_port}"
+        model = "sim-llama" if not node_urls else "<your model>"
+        click.echo(f"""
+infergate is up.
+  edge (OpenAI API)   {base}/v1
+  admin page and API  http://{admin_host}:{admin_port}/   token: {settings.controlplane.admin_token}{' (generated)' if generated_token else ''}
+  redis               {redis_desc}
+  nodes               {', '.join(f'{n.name}={n.url}' for n in nodes)}
+  logs and config     {wd}
+
+Try:
+  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+
+Ctrl-C stops everything.""", err=False)
+        sys.stdout.flush()
+        while not stop.is_set():
+            for m in stack.items:
+                if not m.alive():
+                    click.echo(f"{m.name} exited; stopping. Last lines of {m.log_path}:\n{m.log_tail()}", err=True)
+                    stop.set()
+                    break
+            stop.wait(1.0)
+    except procs.StartError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        click.echo("stopping...", err=True)
+        stack.stop_all()
