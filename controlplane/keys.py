@@ -25,6 +25,16 @@ NODE_STATES = f"{BASE}:node_states"
 EDGES = f"{BASE}:edges"
 #: Stream of operator-visible events (drains, health changes, config changes), capped.
 EVENTS = f"{BASE}:events"
+#: Hash, SHA-256 hex of an API key -> JSON ``{"id", "tenant", "rpm", "tpm", "created", "revoked"}``.
+APIKEYS = f"{BASE}:apikeys"
+#: Hash, short key id -> SHA-256 hex of the key (listing and revoking by id).
+APIKEY_IDS = f"{BASE}:apikeys:ids"
+#: Hash of response-cache counters: lookups, hits_exact, hits_semantic, misses, bypass, stores.
+CACHE_STATS = f"{BASE}:cache:stats"
+#: Prefix of response-cache entries (strings, JSON, with TTL): ``CACHE_ENTRY_PREFIX + exact_key_hex``.
+CACHE_ENTRY_PREFIX = f"{BASE}:cache:entry:"
+#: Prefix of response-cache index sets: ``CACHE_INDEX_PREFIX + "tenant:" + t`` (also model, namespace).
+CACHE_INDEX_PREFIX = f"{BASE}:cache:idx:"
 
 
 def node_metrics(name: str) -> str:
@@ -37,6 +47,16 @@ def node_history(name: str) -> str:
     return f"{BASE}:node:{name}:history"
 
 
+def cache_entry(exact_key_hex: str) -> str:
+    """String with TTL: JSON cache entry ``{"tenant", "model", "namespace", "created", "ttl", "body"}``."""
+    return f"{CACHE_ENTRY_PREFIX}{exact_key_hex}"
+
+
+def cache_index(dimension: str, value: str) -> str:
+    """Set of exact key hexes whose entry has ``dimension`` (tenant | model | namespace) = value."""
+    return f"{CACHE_INDEX_PREFIX}{dimension}:{value}"
+
+
 #: Every fixed key name, by the name used in ``lua/infergate/keys.lua``.
 FIXED = {
     "routing": ROUTING,
@@ -46,4 +66,9 @@ FIXED = {
     "node_states": NODE_STATES,
     "edges": EDGES,
     "events": EVENTS,
+    "apikeys": APIKEYS,
+    "apikey_ids": APIKEY_IDS,
+    "cache_stats": CACHE_STATS,
+    "cache_entry_prefix": CACHE_ENTRY_PREFIX,
+    "cache_index_prefix": CACHE_INDEX_PREFIX,
 }

@@ -11,6 +11,11 @@ _M.nodes = BASE .. ":nodes"
 _M.node_states = BASE .. ":node_states"
 _M.edges = BASE .. ":edges"
 _M.events = BASE .. ":events"
+_M.apikeys = BASE .. ":apikeys"
+_M.apikey_ids = BASE .. ":apikeys:ids"
+_M.cache_stats = BASE .. ":cache:stats"
+_M.cache_entry_prefix = BASE .. ":cache:entry:"
+_M.cache_index_prefix = BASE .. ":cache:idx:"
 
 function _M.node_metrics(name)
     return BASE .. ":node:" .. name .. ":metrics"
@@ -18,6 +23,14 @@ end
 
 function _M.node_history(name)
     return BASE .. ":node:" .. name .. ":history"
+end
+
+function _M.cache_entry(exact_key_hex)
+    return _M.cache_entry_prefix .. exact_key_hex
+end
+
+function _M.cache_index(dimension, value)
+    return _M.cache_index_prefix .. dimension .. ":" .. value
 end
 
 return _M
