@@ -36,7 +36,7 @@ vllm:time_to_first_token_seconds_count{{engine="0",{M}}} 10.0
 vllm:time_to_first_token_seconds_sum{{engine="0",{M}}} 1.2
 """
 
-# Before 0.10: no engine label, KV usage under the old name.
+# Up to 0.9.1: no engine label, KV usage under the old name.
 VLLM_LEGACY = f"""\
 # TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{{{M}}} 1.0
@@ -53,7 +53,7 @@ vllm:e2e_request_latency_seconds_count{{{M}}} 3.0
 vllm:e2e_request_latency_seconds_sum{{{M}}} 6.0
 """
 
-# The deprecation window (0.10/0.11): both names; the new one must win.
+# The deprecation window (0.9.2 to 0.10): both names; the new one must win.
 VLLM_BOTH = f"""\
 vllm:num_requests_waiting{{engine="0",{M}}} 0.0
 vllm:num_requests_running{{engine="0",{M}}} 0.0

@@ -2,11 +2,13 @@
 
 Detection looks at the metric names present, in this order:
 
-1. ``vllm:kv_cache_usage_perc`` present -> ``vllm``. The gauge was introduced by vLLM
-   PR #18354 (v0.10.0) as the V1 replacement of ``vllm:gpu_cache_usage_perc``; during
-   the deprecation window (0.10, 0.11 with ``--show-hidden-metrics-for-version``) both
-   are exported and the new one wins. The old name was removed in PR #29330 (0.12).
-2. ``vllm:gpu_cache_usage_perc`` only -> ``vllm-legacy`` (vLLM before 0.10, V0 and
+1. ``vllm:kv_cache_usage_perc`` present -> ``vllm``. The gauge appeared in vLLM
+   v0.9.2 (PR #18354) as the new name of ``vllm:gpu_cache_usage_perc``: v0.9.2 to
+   0.10 export both (the old one marked DEPRECATED), 0.11 hides the old one unless
+   ``--show-hidden-metrics-for-version=0.10``, 0.12.0 removed it (PR #29330). When
+   both are present the new one wins (source: ``vllm/v1/metrics/loggers.py``, comment
+   "Deprecated in 0.9.2 - Renamed as vllm:kv_cache_usage_perc").
+2. ``vllm:gpu_cache_usage_perc`` only -> ``vllm-legacy`` (vLLM up to 0.9.1, V0 and
    early V1 engines).
 3. Any other ``vllm:`` name -> ``vllm`` (KV usage unknown).
 4. A ``tgi_`` name -> ``tgi`` (Hugging Face text-generation-inference, router metrics).
