@@ -35,6 +35,13 @@ CACHE_STATS = f"{BASE}:cache:stats"
 CACHE_ENTRY_PREFIX = f"{BASE}:cache:entry:"
 #: Prefix of response-cache index sets: ``CACHE_INDEX_PREFIX + "tenant:" + t`` (also model, namespace).
 CACHE_INDEX_PREFIX = f"{BASE}:cache:idx:"
+#: List of semantic-index jobs: the edge RPUSHes JSON ``{"key", "namespace", "text", "model",
+#: "tenant", "ttl_s"}``, the embedder consumes with BLPOP (docs/internals.md "Semantic cache").
+CACHE_INDEX_QUEUE = f"{BASE}:cache:index_queue"
+#: Prefix of the embedder's vector hashes: ``CACHE_VEC_PREFIX + "<model_slug>:<dim>:" + exact_key_hex``.
+CACHE_VEC_PREFIX = f"{BASE}:cache:vec:"
+#: Pub/sub channel: the embedder publishes the hash key of every vector it stores.
+CACHE_VEC_CHANNEL = f"{BASE}:cache:vec_added"
 
 
 def node_metrics(name: str) -> str:
@@ -50,6 +57,21 @@ def node_history(name: str) -> str:
 def cache_entry(exact_key_hex: str) -> str:
     """String with TTL: JSON cache entry ``{"tenant", "model", "namespace", "created", "ttl", "body"}``."""
     return f"{CACHE_ENTRY_PREFIX}{exact_key_hex}"
+
+
+def cache_vec_prefix(model_slug: str, dim: int) -> str:
+    """Prefix of the vector hashes of one embedding model and dimension (never mixed)."""
+    return f"{CACHE_VEC_PREFIX}{model_slug}:{dim}:"
+
+
+def cache_vec(model_slug: str, dim: int, exact_key_hex: str) -> str:
+    """Hash with TTL: ``namespace``, ``key``, ``text``, ``vec`` (float32 bytes) of one entry."""
+    return f"{cache_vec_prefix(model_slug, dim)}{exact_key_hex}"
+
+
+def cache_vec_index(model_slug: str, dim: int) -> str:
+    """Name of the Redis search index (FT.CREATE) over ``cache_vec_prefix(model_slug, dim)``."""
+    return f"{BASE}:cache:vecidx:{model_slug}:{dim}"
 
 
 def cache_index(dimension: str, value: str) -> str:
@@ -71,4 +93,7 @@ FIXED = {
     "cache_stats": CACHE_STATS,
     "cache_entry_prefix": CACHE_ENTRY_PREFIX,
     "cache_index_prefix": CACHE_INDEX_PREFIX,
+    "cache_index_queue": CACHE_INDEX_QUEUE,
+    "cache_vec_prefix_base": CACHE_VEC_PREFIX,
+    "cache_vec_channel": CACHE_VEC_CHANNEL,
 }

@@ -16,6 +16,9 @@ _M.apikey_ids = BASE .. ":apikeys:ids"
 _M.cache_stats = BASE .. ":cache:stats"
 _M.cache_entry_prefix = BASE .. ":cache:entry:"
 _M.cache_index_prefix = BASE .. ":cache:idx:"
+_M.cache_index_queue = BASE .. ":cache:index_queue"
+_M.cache_vec_prefix_base = BASE .. ":cache:vec:"
+_M.cache_vec_channel = BASE .. ":cache:vec_added"
 
 function _M.node_metrics(name)
     return BASE .. ":node:" .. name .. ":metrics"
@@ -27,6 +30,18 @@ end
 
 function _M.cache_entry(exact_key_hex)
     return _M.cache_entry_prefix .. exact_key_hex
+end
+
+function _M.cache_vec_prefix(model_slug, dim)
+    return _M.cache_vec_prefix_base .. model_slug .. ":" .. dim .. ":"
+end
+
+function _M.cache_vec(model_slug, dim, exact_key_hex)
+    return _M.cache_vec_prefix(model_slug, dim) .. exact_key_hex
+end
+
+function _M.cache_vec_index(model_slug, dim)
+    return BASE .. ":cache:vecidx:" .. model_slug .. ":" .. dim
 end
 
 function _M.cache_index(dimension, value)
