@@ -1,0 +1,229 @@
+"""One merged view per node: registry + state + latest metrics + edge stats + snapshot.
+
+Sources (docs/internals.md): ``infergate:v1:nodes``, ``infergate:v1:node_states``,
+``infergate:v1:node:{name}:metrics``, ``infergate:v1:node:{name}:history``,
+``infergate:v1:edges`` (entries older than 3 x ``edge.stale_after_s`` are ignored) and
+``infergate:v1:routing`` (for ``effective_weight``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import redis
+
+from .. import keys, registry
+from ..config import Settings
+
+BREAKER_RANK = {"open": 3, "half_open": 2, "closed": 1}
+HISTORY_WINDOW_S = 300.0
+"""Sparklines cover the last 5 minutes of history points."""
+
+
+@dataclass
+class EdgeAgg:
+    """A node's edge stats summed over the fresh edge entries."""
+
+    edges: int = 0
+    """How many fresh edges report this node."""
+    inflight: int = 0
+    requests: int = 0
+    """Requests proxied to the node since each edge started (cumulative)."""
+    failures: int = 0
+    breaker: str | None = None
+    """Worst breaker over the edges: open > half_open > closed; ``None`` = no edge data."""
+    breakers: dict[str, str] = field(default_factory=dict)
+    """edge id -> breaker state."""
+    latency_ewma_ms: float | None = None
+    """Mean of the edges' latency EWMA (ms)."""
+
+
+@dataclass
+class NodeView:
+    """What the nodes page and ``GET /api/v1/nodes`` show for one node.
+
+    Units: seconds for ``*_s``, epoch seconds for ``*_ts``/``since``, 0-1 for
+    ``kv_cache_usage`` and ``error_rate``. ``None`` means unknown (no fresh data)."""
+
+    name: str
+    url: str
+    kind: str
+    weight: float
+    max_concurrency: int
+    metrics_path: str
+    health_path: str
+    state: str
+    """active | draining | drained (the registry state)."""
+    state_since: float
+    state_actor: str
+    healthy: bool | None
+    """Health after hysteresis from the latest poll; ``None`` = never polled / expired."""
+    status: str
+    """For display: ``down`` when unhealthy, else ``state`` (``unknown`` when active and
+    never polled)."""
+    reachable: bool | None = None
+    dialect: str | None = None
+    score: float | None = None
+    saturated: bool | None = None
+    queue_depth: float | None = None
+    running: float | None = None
+    kv_cache_usage: float | None = None
+    ttft_avg_s: float | None = None
+    e2e_avg_s: float | None = None
+    last_error: str | None = None
+    last_poll_ts: float | None = None
+    poll_age_s: float | None = None
+    effective_weight: float | None = None
+    """From the routing snapshot (weight x slow-start ramp)."""
+    inflight: int = 0
+    """Sum of in-flight requests over fresh edges."""
+    requests: int = 0
+    failures: int = 0
+    error_rate: float | None = None
+    """failures / requests over fresh edges (cumulative since the edges started)."""
+    breaker: str | None = None
+    breakers: dict[str, str] = field(default_factory=dict)
+    edge_latency_ms: float | None = None
+    edges: int = 0
+    history: dict[str, list] | None = None
+    """With ``history=True``: oldest first, ``{"ts": [...], "queue_depth": [...],
+    "running": [...], "kv_cache_usage": [...], "e2e_avg_s": [...], "ttft_avg_s": [...],
+    "score": [...]}`` over the last :data:`HISTORY_WINDOW_S` seconds."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _num(v: object) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v)
+
+
+def _loads(raw: str | None) -> dict:
+    if not raw:
+        return {}
+    try:
+        d = json.loads(raw)
+    except ValueError:
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def edge_stats(raw_edges: dict[str, str], now: float, stale_s: float) -> dict[str, EdgeAgg]:
+    """Sum the per-edge stats (hash ``infergate:v1:edges``) per node, skipping edges whose
+    ``ts`` is older than ``stale_s`` seconds."""
+    out: dict[str, EdgeAgg] = {}
+    lat: dict[str, list[float]] = {}
+    for edge_id, raw in raw_edges.items():
+        doc = _loads(raw)
+        ts = _num(doc.get("ts"))
+        if ts is None or now - ts > stale_s or not isinstance(doc.get("nodes"), dict):
+            continue
+        for name, st in doc["nodes"].items():
+            if not isinstance(st, dict):
+                continue
+            a = out.setdefault(name, EdgeAgg())
+            a.edges += 1
+            a.inflight += int(_num(st.get("inflight")) or 0)
+            a.requests += int(_num(st.get("requests")) or 0)
+            a.failures += int(_num(st.get("failures")) or 0)
+            b = st.get("breaker")
+            if b in BREAKER_RANK:
+                a.breakers[str(edge_id)] = b
+                if a.breaker is None or BREAKER_RANK[b] > BREAKER_RANK[a.breaker]:
+                    a.breaker = b
+            ms = _num(st.get("latency_ewma_ms"))
+            if ms is not None:
+                lat.setdefault(name, []).append(ms)
+    for name, vals in lat.items():
+        out[name].latency_ewma_ms = round(sum(vals) / len(vals), 1)
+    return out
+
+
+def _history(raw_points: list[str], now: float, window_s: float) -> dict[str, list]:
+    cols = ("ts", "queue_depth", "running", "kv_cache_usage", "e2e_avg_s", "ttft_avg_s", "score")
+    out: dict[str, list] = {c: [] for c in cols}
+    for raw in reversed(raw_points):  # stored newest first
+        p = _loads(raw)
+        ts = _num(p.get("ts"))
+        if ts is None or now - ts > window_s:
+            continue
+        for c in cols:
+            out[c].append(_num(p.get(c)))
+    return out
+
+
+def build_views(r: redis.Redis, settings: Settings, *, name: str | None = None,
+                history: bool = False, history_window_s: float = HISTORY_WINDOW_S,
+                now: float | None = None) -> list[NodeView]:
+    """Views of every registered node (or only ``name``), sorted by name.
+
+    Raises ``redis.exceptions.RedisError`` when Redis is unreachable."""
+    now = time.time() if now is None else now
+    nodes = registry.list_nodes(r)
+    if name is not None:
+        nodes = [n for n in nodes if n.name == name]
+    states = registry.get_states(r)
+    pipe = r.pipeline()
+    pipe.hgetall(keys.EDGES)
+    pipe.get(keys.ROUTING)
+    for n in nodes:
+        pipe.get(keys.node_metrics(n.name))
+        if history:
+            pipe.lrange(keys.node_history(n.name), 0, settings.controlplane.history_points - 1)
+    res = pipe.execute()
+    edges = edge_stats(res[0] or {}, now, 3 * settings.edge.stale_after_s)
+    snap = _loads(res[1])
+    eff = {}
+    for sn in snap.get("nodes", []) if isinstance(snap.get("nodes"), list) else []:
+        if isinstance(sn, dict) and isinstance(sn.get("name"), str):
+            eff[sn["name"]] = _num(sn.get("effective_weight"))
+    per = 2 if history else 1
+    out = []
+    for i, n in enumerate(nodes):
+        m = _loads(res[2 + i * per])
+        st = states.get(n.name, registry.NodeState())
+        healthy = m.get("healthy") if isinstance(m.get("healthy"), bool) else None
+        if healthy is False:
+            status = "down"
+        elif healthy is None and st.state == "active":
+            status = "unknown"
+        else:
+            status = st.state
+        e = edges.get(n.name, EdgeAgg())
+        ts = _num(m.get("ts"))
+        v = NodeView(
+            name=n.name, url=n.url, kind=n.kind, weight=n.weight,
+            max_concurrency=n.max_concurrency, metrics_path=n.metrics_path,
+            health_path=n.health_path, state=st.state, state_since=st.since,
+            state_actor=st.actor, healthy=healthy, status=status,
+            reachable=m.get("reachable") if isinstance(m.get("reachable"), bool) else None,
+            dialect=m.get("dialect") if isinstance(m.get("dialect"), str) else None,
+            score=_num(m.get("score")),
+            saturated=m.get("saturated") if isinstance(m.get("saturated"), bool) else None,
+            queue_depth=_num(m.get("queue_depth")), running=_num(m.get("running")),
+            kv_cache_usage=_num(m.get("kv_cache_usage")), ttft_avg_s=_num(m.get("ttft_avg_s")),
+            e2e_avg_s=_num(m.get("e2e_avg_s")),
+            last_error=str(m["last_error"]) if m.get("last_error") else None,
+            last_poll_ts=ts, poll_age_s=None if ts is None else round(max(0.0, now - ts), 3),
+            effective_weight=eff.get(n.name),
+            inflight=e.inflight, requests=e.requests, failures=e.failures,
+            error_rate=round(e.failures / e.requests, 4) if e.requests else None,
+            breaker=e.breaker, breakers=e.breakers, edge_latency_ms=e.latency_ewma_ms,
+            edges=e.edges,
+        )
+        if history:
+            v.history = _history(res[3 + i * per] or [], now, history_window_s)
+        out.append(v)
+    return out
+
+
+def build_view(r: redis.Redis, settings: Settings, name: str, *, history: bool = True,
+               history_window_s: float = HISTORY_WINDOW_S) -> NodeView | None:
+    """The view of one node (with history by default), ``None`` if not registered."""
+    views = build_views(r, settings, name=name, history=history,
+                        history_window_s=history_window_s)
+    return views[0] if views else None
