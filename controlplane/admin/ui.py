@@ -39,7 +39,8 @@ def render(template: str, status: int = 200, **ctx: object) -> flask.Response:
 def _guard() -> flask.Response | None:
     if flask.request.endpoint not in OPEN_ENDPOINTS and not auth.logged_in():
         if flask.request.method == "GET":
-            return flask.redirect(flask.url_for("ui.login", next=flask.request.full_path))
+            target = flask.request.full_path if flask.request.query_string else flask.request.path
+            return flask.redirect(flask.url_for("ui.login", next=target))
         return render("error.html", 401, title="Not logged in",
                       message="Your session has ended. Log in again.")
     if flask.request.method == "POST" and not auth.csrf_ok():
@@ -61,7 +62,7 @@ def _safe_next(target: str | None) -> str:
         parts = urlsplit(target)
         if not parts.scheme and not parts.netloc and target.startswith("/") \
                 and not target.startswith("//") and "\\" not in target:
-            return target.rstrip("?") or "/"
+            return target
     return flask.url_for("ui.nodes")
 
 
