@@ -1,0 +1,142 @@
+-- access_by_lua: a small pipeline of steps run in order for every API request.
+--
+--   require("infergate.access").run("inference")   -- POST /v1/chat/completions, ...
+--   require("infergate.access").run("models")      -- GET /v1/models
+--
+-- Each step is function(req) -> nil to continue, or an error table
+-- {status, message, type, code, headers} to answer with a JSON error and stop.
+-- Later stages (auth, rate limit, admission control, cache lookup) are added with
+-- insert_step(name, fn, before) ahead of "eligible", or after it.
+--
+-- The body step reads the whole body (nginx already enforces client_max_body_size:
+-- too big -> 413 JSON from the error page). Bodies nginx buffered in memory are
+-- checked directly; a body nginx spilled to a temp file is read back from the file
+-- (the template sets client_body_buffer_size = client_max_body_size so this only
+-- happens for bodies without Content-Length). The body must be a JSON object.
+local cjson = require("cjson.safe")
+local errors = require("infergate.errors")
+local reqctx = require("infergate.reqctx")
+local snapshot = require("infergate.snapshot")
+local balancer = require("infergate.balancer")
+
+local _M = {}
+
+local type = type
+local tostring = tostring
+local ipairs = ipairs
+local io_open = io.open
+
+local METHODS = {
+    inference = { POST = true, allow = "POST" },
+    models = { GET = true, HEAD = true, allow = "GET, HEAD" },
+}
+
+local function step_method(req)
+    local m = METHODS[req.route]
+    if not m then
+        return { status = 404 }
+    end
+    if not m[ngx.req.get_method()] then
+        return {
+            status = 405,
+            message = "Method " .. ngx.req.get_method() .. " is not allowed on " .. ngx.var.uri
+                .. "; use " .. m.allow .. ".",
+            headers = { Allow = m.allow },
+        }
+    end
+end
+
+local function read_body()
+    ngx.req.read_body()
+    local body = ngx.req.get_body_data()
+    if body then
+        return body
+    end
+    local path = ngx.req.get_body_file()
+    if not path then
+        return nil
+    end
+    local f, err = io_open(path, "rb")
+    if not f then
+        return nil, "cannot read the buffered request body: " .. tostring(err)
+    end
+    body = f:read("*a")
+    f:close()
+    return body
+end
+
+local function bad_request(message)
+    return { status = 400, message = message, type = "invalid_request_error", code = "invalid_json" }
+end
+
+local function step_body(req)
+    if req.route ~= "inference" then
+        return nil
+    end
+    local body, err = read_body()
+    if err then
+        return { status = 500, message = err }
+    end
+    if not body or body == "" then
+        return bad_request("The request body is empty; expected a JSON object.")
+    end
+    if not body:find("^%s*{") then
+        return bad_request("The request body must be a JSON object.")
+    end
+    local obj, derr = cjson.decode(body)
+    if type(obj) ~= "table" then
+        return bad_request("The request body is not valid JSON: " .. tostring(derr))
+    end
+    req.stream = obj.stream == true
+    if type(obj.model) == "string" then
+        req.model = obj.model
+    end
+    req.body = obj
+end
+
+local function step_eligible(req)
+    local t = snapshot.current()
+    if balancer.count_eligible(t, req.tried, ngx.now()) == 0 then
+        return {
+            status = 503,
+            message = "No inference node is available (all are unhealthy, draining or have an "
+                .. "open circuit breaker).",
+            type = "service_unavailable",
+            code = "no_healthy_upstream",
+        }
+    end
+end
+
+_M.steps = {
+    { name = "method", fn = step_method },
+    { name = "body", fn = step_body },
+    { name = "eligible", fn = step_eligible },
+}
+
+-- Adds a step before the step named `before` (at the end when nil or not found).
+function _M.insert_step(name, fn, before)
+    local pos = #_M.steps + 1
+    if before then
+        for i, s in ipairs(_M.steps) do
+            if s.name == before then
+                pos = i
+                break
+            end
+        end
+    end
+    table.insert(_M.steps, pos, { name = name, fn = fn })
+end
+
+function _M.run(route)
+    snapshot.refresh()
+    local req = reqctx.new(route)
+    for _, step in ipairs(_M.steps) do
+        local e = step.fn(req)
+        if e then
+            req.rejected = e.status
+            return errors.send(e.status, e.message, e.type, e.code, e.headers)
+        end
+    end
+end
+
+return _M

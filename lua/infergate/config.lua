@@ -1,0 +1,148 @@
+-- Edge options, rendered into the nginx config by `infergate render-nginx` and loaded
+-- once in init_by_lua (master process, before the workers fork).
+--
+--   require("infergate.config").init([[{"edge_id": ..., "nodes": [...]}]])
+--
+-- init() returns true or nil, err (the rendered init_by_lua turns an error into a
+-- failed nginx start, naming the bad option). get() returns the validated table.
+local cjson = require("cjson.safe")
+
+local _M = {}
+
+local type = type
+local pairs = pairs
+local ipairs = ipairs
+local tostring = tostring
+
+-- Shared dict names; they must match the lua_shared_dict lines of infergate-http.conf.
+_M.DICT_SNAPSHOT = "infergate_snapshot"
+_M.DICT_STATS = "infergate_stats"
+
+local DEFAULTS = {
+    edge_id = "edge",
+    redis_url = "redis://127.0.0.1:6379/0",
+    redis_timeout_ms = 200,
+    sync_interval_s = 0.5,
+    stale_after_s = 10.0,
+    max_tries = 3,
+    connect_timeout_ms = 2000,
+    send_timeout_ms = 60000,
+    read_timeout_ms = 60000,
+    retry_window_s = 60.0,
+    client_max_body_size = "8m",
+    breaker_failures = 5,
+    breaker_cooldown_s = 10.0,
+    inflight_cost = 1.0,
+    latency_norm_s = 30.0,
+}
+
+-- name -> {min, max} for numeric options (inclusive); nil max = unbounded.
+local NUMBERS = {
+    redis_timeout_ms = { 1, 60000 },
+    sync_interval_s = { 0.01, 3600 },
+    stale_after_s = { 0.01 },
+    max_tries = { 1, 100 },
+    connect_timeout_ms = { 1 },
+    send_timeout_ms = { 1 },
+    read_timeout_ms = { 1 },
+    retry_window_s = { 0 },
+    breaker_failures = { 1 },
+    breaker_cooldown_s = { 0 },
+    inflight_cost = { 0 },
+    latency_norm_s = { 0.001 },
+}
+
+local opts = nil
+
+local function check_node(i, n)
+    local where = "nodes[" .. i .. "]"
+    if type(n) ~= "table" then
+        return nil, where .. " must be an object"
+    end
+    if type(n.name) ~= "string" or n.name == "" then
+        return nil, where .. ".name must be a non-empty string"
+    end
+    if n.host ~= nil and type(n.host) ~= "string" then
+        return nil, where .. ".host must be a string"
+    end
+    if type(n.port) ~= "number" or n.port < 1 or n.port > 65535 then
+        return nil, where .. ".port must be 1-65535"
+    end
+    if n.weight ~= nil and (type(n.weight) ~= "number" or n.weight <= 0) then
+        return nil, where .. ".weight must be > 0"
+    end
+    if n.max_concurrency ~= nil and (type(n.max_concurrency) ~= "number" or n.max_concurrency < 1) then
+        return nil, where .. ".max_concurrency must be >= 1"
+    end
+    return true
+end
+
+-- Parses and validates the rendered options (JSON text or a table).
+function _M.init(src)
+    local t = src
+    if type(src) == "string" then
+        local err
+        t, err = cjson.decode(src)
+        if not t then
+            return nil, "infergate options are not valid JSON: " .. tostring(err)
+        end
+    end
+    if type(t) ~= "table" then
+        return nil, "infergate options must be a JSON object"
+    end
+    local o = {}
+    for k, v in pairs(DEFAULTS) do
+        o[k] = v
+    end
+    for k, v in pairs(t) do
+        if k ~= "nodes" then
+            if DEFAULTS[k] == nil then
+                return nil, "unknown infergate option '" .. tostring(k) .. "'"
+            end
+            if type(v) ~= type(DEFAULTS[k]) then
+                return nil, "infergate option '" .. k .. "' must be a " .. type(DEFAULTS[k])
+            end
+            local range = NUMBERS[k]
+            if range and (v < range[1] or (range[2] and v > range[2])) then
+                return nil, "infergate option '" .. k .. "' out of range: " .. tostring(v)
+            end
+            o[k] = v
+        end
+    end
+    local nodes = t.nodes or {}
+    if type(nodes) ~= "table" then
+        return nil, "infergate option 'nodes' must be an array"
+    end
+    local seen = {}
+    o.nodes = {}
+    for i, n in ipairs(nodes) do
+        local ok, err = check_node(i, n)
+        if not ok then
+            return nil, "infergate static node list: " .. err
+        end
+        if seen[n.name] then
+            return nil, "infergate static node list: duplicate node name '" .. n.name .. "'"
+        end
+        seen[n.name] = true
+        o.nodes[i] = {
+            name = n.name,
+            host = n.host,  -- nil when the address could not be resolved at render time
+            port = n.port,
+            weight = n.weight or 1.0,
+            max_concurrency = n.max_concurrency or 64,
+            kind = n.kind,
+        }
+    end
+    opts = o
+    return true
+end
+
+-- The validated options (defaults when init() was never called, e.g. in a test).
+function _M.get()
+    if not opts then
+        _M.init({})
+    end
+    return opts
+end
+
+return _M
