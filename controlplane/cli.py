@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "simnode": "controlplane.simnode.cli:simnode_cmd",
     "render-nginx": "controlplane.nginx_render:render_nginx_cmd",
     "nodes": "controlplane.admin.cli:nodes_cmd",
+    "embedder": "controlplane.embedder.cli:embedder_cmd",
 }
 
 

@@ -1,0 +1,129 @@
+"""HTTP API of the embedder (Flask, served by waitress).
+
+Endpoints (JSON in and out):
+
+- ``POST /v1/lookup`` ``{"namespace": hex, "text": str, "min_similarity"?: 0-1,
+  "guard"?: bool}`` -> 200 :class:`engine.LookupResult` fields
+  ``{"hit", "key", "similarity", "candidate_text", "guard", "model_id", "elapsed_ms",
+  "min_similarity"}``.
+- ``POST /v1/index`` ``{"key": hex, "namespace": hex, "text": str, "ttl_s": int, "model"?,
+  "tenant"?}`` -> 200 ``{"indexed": bool, "key", "ttl_ms": int, "model_id"}``
+  (``indexed`` false when the entry exists with no time left).
+- ``POST /v1/embeddings`` OpenAI-compatible (``input`` str or list of str,
+  ``encoding_format`` float | base64) -> ``{"object": "list", "data": [...], "model", "usage"}``.
+- ``GET /healthz`` -> 200 ``{"status": "ok", "model_id", "dim", "index_backend",
+  "default_min_similarity", "redis": true}``; 503 with ``"status": "degraded"`` and
+  ``"redis": false`` while Redis does not answer.
+- ``GET /metrics`` -> Prometheus text format.
+
+Errors: 400 ``{"error": {"message", "type": "invalid_request_error", "param", "code"}}``
+for bad input (also 404/405/413 in the same shape); 503 ``{"error": {..., "type":
+"service_unavailable"}}`` when Redis or the model cannot serve. The edge treats any
+non-200 as BYPASS.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+
+import numpy as np
+import redis
+from flask import Flask, Response, jsonify, request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from werkzeug.exceptions import HTTPException
+
+from .engine import Engine, EngineUnavailable
+from .wire import BadRequest, embeddings_request, index_item, lookup_request
+
+log = logging.getLogger("infergate.embedder")
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+def _error(status: int, message: str, etype: str, param: str | None = None,
+           code: str | None = None) -> tuple[Response, int]:
+    return jsonify({"error": {"message": message, "type": etype, "param": param,
+                              "code": code}}), status
+
+
+def create_app(engine: Engine) -> Flask:
+    """The Flask app serving ``engine``."""
+    app = Flask("infergate.embedder")
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    app.json.ensure_ascii = False  # type: ignore[attr-defined]
+
+    def body() -> object:
+        data = request.get_json(silent=True)
+        if data is None:
+            raise BadRequest("body must be JSON (Content-Type: application/json)")
+        return data
+
+    @app.errorhandler(BadRequest)
+    def _bad(exc: BadRequest):
+        return _error(400, str(exc), "invalid_request_error", exc.param)
+
+    @app.errorhandler(EngineUnavailable)
+    def _unavailable(exc: EngineUnavailable):
+        return _error(503, f"embedding unavailable: {exc}", "service_unavailable",
+                      code="model_unavailable")
+
+    @app.errorhandler(redis.exceptions.RedisError)
+    def _redis_down(exc: redis.exceptions.RedisError):
+        engine.metrics.errors.labels("redis").inc()
+        return _error(503, f"redis unavailable: {exc}", "service_unavailable",
+                      code="redis_unavailable")
+
+    @app.errorhandler(HTTPException)
+    def _http(exc: HTTPException):
+        return _error(exc.code or 500, exc.description or exc.name, "invalid_request_error")
+
+    @app.errorhandler(Exception)
+    def _unexpected(exc: Exception):
+        log.exception("unexpected error")
+        return _error(500, f"internal error: {type(exc).__name__}", "server_error")
+
+    @app.post("/v1/lookup")
+    def lookup():
+        t0 = time.perf_counter()
+        req = lookup_request(body())
+        res = engine.lookup(req.namespace, req.text, req.min_similarity, req.guard, started=t0)
+        return jsonify(res.to_dict())
+
+    @app.post("/v1/index")
+    def index():
+        item = index_item(body())
+        ttl_ms = engine.index_items([item], source="api")[0]
+        return jsonify({"indexed": ttl_ms > 0, "key": item.key, "ttl_ms": ttl_ms,
+                        "model_id": engine.model.model_id})
+
+    @app.post("/v1/embeddings")
+    def embeddings():
+        texts, fmt = embeddings_request(body())
+        vecs = engine.embed(texts)
+        data = []
+        for i, v in enumerate(vecs):
+            emb: object = (base64.b64encode(np.asarray(v, "<f4").tobytes()).decode()
+                           if fmt == "base64" else [float(x) for x in v])
+            data.append({"object": "embedding", "index": i, "embedding": emb})
+        return jsonify({"object": "list", "data": data, "model": engine.model.model_id,
+                        "usage": {"prompt_tokens": 0, "total_tokens": 0}})
+
+    @app.get("/healthz")
+    def healthz():
+        try:
+            engine.r.ping()
+            ok = True
+        except redis.exceptions.RedisError:
+            ok = False
+        doc = {"status": "ok" if ok else "degraded", "model_id": engine.model.model_id,
+               "dim": engine.model.dim, "index_backend": engine.index.backend,
+               "default_min_similarity": engine.default_min_similarity, "redis": ok}
+        return jsonify(doc), 200 if ok else 503
+
+    @app.get("/metrics")
+    def metrics():
+        return Response(generate_latest(engine.metrics.registry), mimetype=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,134 @@
+"""Micro-batching: texts submitted by concurrent requests are embedded together.
+
+One worker thread owns the model. It takes the first waiting item, then keeps collecting
+for at most ``max_wait_s`` (default 5 ms) or until ``max_batch`` items (default 32) are in
+hand, and runs the encode function once on the whole batch. A lone request pays at most
+``max_wait_s`` extra; under load, batches fill up and the per-text cost falls, so
+throughput grows with concurrency.
+
+Pure logic: the encode function is injected (``list[T] -> sequence of results, same
+length``), so the batcher is unit-tested without a model.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class BatcherClosed(RuntimeError):
+    """Submitted after :meth:`MicroBatcher.close`."""
+
+
+@dataclass
+class _Item(Generic[T, R]):
+    value: T
+    future: "Future[R]"
+
+
+class MicroBatcher(Generic[T, R]):
+    """Collects items into batches for ``encode``.
+
+    ``submit(x)`` returns a :class:`concurrent.futures.Future` resolved with ``encode``'s
+    result for ``x``, or with the exception ``encode`` raised for the batch (every item of
+    that batch gets it). ``on_batch(n)`` is called with each batch size (metrics)."""
+
+    def __init__(self, encode: Callable[[list[T]], Sequence[R]], max_batch: int = 32,
+                 max_wait_s: float = 0.005, on_batch: Callable[[int], None] | None = None,
+                 name: str = "embed-batcher"):
+        if max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        if max_wait_s < 0:
+            raise ValueError("max_wait_s must be >= 0")
+        self._encode = encode
+        self.max_batch = max_batch
+        self.max_wait_s = max_wait_s
+        self._on_batch = on_batch
+        self._q: queue.SimpleQueue[_Item[T, R] | None] = queue.SimpleQueue()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, value: T) -> "Future[R]":
+        """Queue one item; raises :class:`BatcherClosed` after :meth:`close`."""
+        if self._closed.is_set():
+            raise BatcherClosed("batcher is closed")
+        fut: Future[R] = Future()
+        self._q.put(_Item(value, fut))
+        return fut
+
+    def submit_many(self, values: Sequence[T]) -> list["Future[R]"]:
+        return [self.submit(v) for v in values]
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop after the items already queued; waits up to ``timeout`` s for the worker."""
+        self._closed.set()
+        self._q.put(None)
+        self._thread.join(timeout)
+
+    def _collect(self, first: _Item[T, R]) -> tuple[list[_Item[T, R]], bool]:
+        batch = [first]
+        deadline = time.monotonic() + self.max_wait_s
+        stop = False
+        while len(batch) < self.max_batch:
+            remaining = deadline - time.monotonic()
+            try:
+                item = self._q.get_nowait() if remaining <= 0 else self._q.get(timeout=remaining)
+            except queue.Empty:
+                break
+            if item is None:
+                stop = True
+                break
+            batch.append(item)
+        return batch, stop
+
+    def _run(self) -> None:
+        while True:
+            first = self._q.get()
+            if first is None:
+                return
+            batch, stop = self._collect(first)
+            live = [it for it in batch if it.future.set_running_or_notify_cancel()]
+            if live:
+                self._process(live)
+            if stop:
+                self._drain_after_stop()
+                return
+
+    def _process(self, batch: list[_Item[T, R]]) -> None:
+        if self._on_batch is not None:
+            try:
+                self._on_batch(len(batch))
+            except Exception:  # noqa: BLE001 - metrics must not break embedding
+                pass
+        try:
+            results = self._encode([it.value for it in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(f"encode returned {len(results)} results "
+                                   f"for {len(batch)} items")
+        except BaseException as exc:  # noqa: BLE001 - handed to every waiter
+            for it in batch:
+                it.future.set_exception(exc)
+            return
+        for it, res in zip(batch, results):
+            it.future.set_result(res)
+
+    def _drain_after_stop(self) -> None:
+        rest: list[_Item[T, R]] = []
+        while True:
+            try:
+                item = self._q.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None and item.future.set_running_or_notify_cancel():
+                rest.append(item)
+        for i in range(0, len(rest), self.max_batch):
+            self._process(rest[i:i + self.max_batch])

@@ -1,0 +1,190 @@
+"""The embedder's logic, without HTTP: embed (micro-batched), index, look up, count.
+
+:class:`Engine` is shared by the Flask app (``app.py``) and the queue consumer
+(``consumer.py``). Redis is reached through a ``redis.Redis`` with ``decode_responses=False``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import redis
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from .. import keys
+from . import guard as guard_mod
+from .batcher import MicroBatcher
+from .index import Candidate, IndexItem, open_index
+from .models import EmbeddingModel, EmbedError, slug
+
+log = logging.getLogger("infergate.embedder")
+
+
+class EngineUnavailable(RuntimeError):
+    """Redis or the embedding model cannot serve now (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """The ``POST /v1/lookup`` answer.
+
+    ``similarity`` is the cosine (0-1, clipped) of the returned entry on a hit, else of the
+    closest live entry of the namespace (None when the namespace is empty);
+    ``candidate_text`` is that entry's last user message; ``guard`` is ``pass`` on a hit
+    (guard on), ``reject:<reason>`` when every candidate above the threshold was rejected,
+    else None. ``elapsed_ms`` is wall time in the embedder, milliseconds."""
+
+    hit: bool
+    key: str | None
+    similarity: float | None
+    candidate_text: str | None
+    guard: str | None
+    model_id: str
+    elapsed_ms: float
+    min_similarity: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Metrics:
+    """Prometheus metrics of one engine (own registry, so several engines can coexist)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.lookups = Counter("infergate_embedder_lookups_total",
+                               "Semantic lookups answered (200)", registry=r)
+        self.hits = Counter("infergate_embedder_hits_total",
+                            "Semantic lookups that returned a hit", registry=r)
+        self.guard_rejects = Counter("infergate_embedder_guard_rejects_total",
+                                     "Candidates above the threshold rejected by the precision "
+                                     "guard", registry=r)
+        self.errors = Counter("infergate_embedder_errors_total",
+                              "Requests answered 503 (Redis or model unavailable)", ["kind"],
+                              registry=r)
+        self.indexed = Counter("infergate_embedder_indexed_total",
+                               "Vectors stored in the semantic index", ["source"], registry=r)
+        self.invalid_jobs = Counter("infergate_embedder_invalid_jobs_total",
+                                    "Index queue items dropped as malformed", registry=r)
+        self.batch_size = Histogram("infergate_embedder_embed_batch_size",
+                                    "Texts per model call (micro-batch size)",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+        self.lookup_seconds = Histogram(
+            "infergate_embedder_lookup_seconds", "Lookup latency inside the embedder, seconds",
+            buckets=(0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0),
+            registry=r)
+
+
+class Engine:
+    """Embedding model + micro-batcher + vector index + Redis.
+
+    ``index_backend``: ``auto`` | ``redis-search`` | ``local`` (see ``index.open_index``).
+    Construction raises ``redis.exceptions.RedisError`` when Redis is unreachable."""
+
+    def __init__(self, model: EmbeddingModel, r: redis.Redis, index_backend: str = "auto",
+                 max_batch: int = 32, max_wait_ms: float = 5.0, top_k: int = 3,
+                 embed_timeout_s: float = 5.0, subscribe: bool = True):
+        self.model = model
+        self.r = r
+        self.model_slug = slug(model.model_id)
+        self.top_k = top_k
+        self.embed_timeout_s = embed_timeout_s
+        self.metrics = Metrics()
+        self.index = open_index(r, self.model_slug, model.dim, index_backend,
+                                subscribe=subscribe)
+        self.batcher: MicroBatcher[str, np.ndarray] = MicroBatcher(
+            self._encode_batch, max_batch=max_batch, max_wait_s=max_wait_ms / 1000.0,
+            on_batch=self.metrics.batch_size.observe)
+
+    @property
+    def default_min_similarity(self) -> float:
+        return float(self.model.default_min_similarity)
+
+    def _encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return list(self.model.encode(texts))
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        """(len(texts), dim) float32 through the micro-batcher.
+
+        Raises :class:`EngineUnavailable` when the model fails or takes longer than
+        ``embed_timeout_s``."""
+        futs = self.batcher.submit_many(texts)
+        deadline = time.monotonic() + self.embed_timeout_s
+        try:
+            rows = [f.result(timeout=max(0.0, deadline - time.monotonic())) for f in futs]
+        except FutureTimeout:
+            self.metrics.errors.labels("embed_timeout").inc()
+            raise EngineUnavailable(f"embedding took longer than {self.embed_timeout_s}s") \
+                from None
+        except EmbedError as exc:
+            self.metrics.errors.labels("embed").inc()
+            raise EngineUnavailable(str(exc)) from exc
+        if not rows:
+            return np.zeros((0, self.model.dim), dtype=np.float32)
+        return np.vstack(rows).astype(np.float32, copy=False)
+
+    def index_items(self, items: list[IndexItem], source: str = "api") -> list[int]:
+        """Embed and store ``items``; returns applied TTLs in ms (0 = entry already gone).
+
+        Raises :class:`EngineUnavailable` (model) or ``redis.exceptions.RedisError``."""
+        if not items:
+            return []
+        vecs = self.embed([it.text for it in items])
+        applied = self.index.add(items, vecs)
+        self.metrics.indexed.labels(source).inc(sum(1 for t in applied if t > 0))
+        return applied
+
+    def _live(self, cands: list[Candidate]) -> list[Candidate]:
+        """Candidates whose cache entry still exists (expired or purged ones are dropped)."""
+        if not cands:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for c in cands:
+            pipe.exists(keys.cache_entry(c.key))
+        return [c for c, ok in zip(cands, pipe.execute()) if ok]
+
+    def lookup(self, namespace: str, text: str, min_similarity: float | None = None,
+               use_guard: bool = True, started: float | None = None) -> LookupResult:
+        """Closest live entry of ``namespace`` with similarity >= ``min_similarity``
+        (default: the model's) that passes the precision guard (when ``use_guard``).
+
+        Raises :class:`EngineUnavailable` (model) or ``redis.exceptions.RedisError``."""
+        t0 = time.perf_counter() if started is None else started
+        threshold = self.default_min_similarity if min_similarity is None else min_similarity
+        vec = self.embed([text])[0]
+        cands = self._live(self.index.search(namespace, vec, self.top_k))
+        hit: Candidate | None = None
+        verdict: str | None = None
+        for c in cands:
+            if c.similarity < threshold:
+                break
+            if use_guard:
+                g = guard_mod.check(text, c.text)
+                if not g.ok:
+                    self.metrics.guard_rejects.inc()
+                    verdict = verdict or g.label
+                    continue
+                verdict = g.label
+            hit = c
+            break
+        shown = hit or (cands[0] if cands else None)
+        elapsed = time.perf_counter() - t0
+        self.metrics.lookups.inc()
+        self.metrics.lookup_seconds.observe(elapsed)
+        if hit is not None:
+            self.metrics.hits.inc()
+        return LookupResult(
+            hit=hit is not None, key=hit.key if hit else None,
+            similarity=None if shown is None else round(min(1.0, max(0.0, shown.similarity)), 6),
+            candidate_text=shown.text if shown else None,
+            guard=verdict, model_id=self.model.model_id, elapsed_ms=round(elapsed * 1000, 3),
+            min_similarity=threshold)
+
+    def close(self) -> None:
+        self.batcher.close()
+        self.index.close()

