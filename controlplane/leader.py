@@ -59,13 +59,15 @@ class LeaderElector:
 
     def tick(self) -> tuple[bool, bool]:
         """Renew (if ours) or try to take the lock. Returns ``(is_leader, gained)``
-        where ``gained`` is True when this call made us leader. Raises RedisError."""
-        was = self.is_leader
+        where ``gained`` is True when this call took the lock with ``SET NX`` (a
+        renewal is not a gain). Raises RedisError."""
         if int(self.r.eval(RENEW_LUA, 1, self.key, self.id, self.ttl_ms)):
             self.is_leader = True
-        else:
-            self.is_leader = bool(self.r.set(self.key, self.id, nx=True, px=self.ttl_ms))
-        return self.is_leader, self.is_leader and not was
+            return True, False
+        # Not (or no longer) ours: whoever held it may have written in between, so
+        # taking it now is a new leadership even if we believed we held it.
+        self.is_leader = bool(self.r.set(self.key, self.id, nx=True, px=self.ttl_ms))
+        return self.is_leader, self.is_leader
 
     def holder(self) -> str | None:
         """Id of the current holder, ``None`` when nobody holds it. Raises RedisError."""

@@ -61,3 +61,12 @@ def test_release_hands_over_at_once(redis_server):
     assert a.release() is True
     assert not a.is_leader
     assert b.tick() == (True, True)
+
+
+def test_retaking_a_lost_key_is_a_new_gain(redis_server):
+    r = redis_server.client()
+    a = LeaderElector(r, "a", ttl_s=5)
+    assert a.tick() == (True, True)
+    r.delete(keys.LEADER)  # e.g. Redis restarted empty while we believed we held it
+    assert a.tick() == (True, True)
+    assert a.tick() == (True, False)
