@@ -272,7 +272,10 @@ def render_nginx(settings: Settings, out_dir: str | Path, *, listen: str | None 
     host, port = split_listen(listen)
     edge_id = settings.edge.edge_id or f"{socket.gethostname()}:{port}"
 
-    r = urlsplit(settings.redis.url)
+    try:
+        r = urlsplit(settings.redis.url)
+    except ValueError as exc:
+        raise RenderError(f"redis.url: {exc}") from None
     if r.scheme != "redis":
         raise RenderError(f"redis.url: the edge speaks plain redis:// only, got {r.scheme!r}://")
     try:
