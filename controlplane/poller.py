@@ -123,12 +123,23 @@ def _describe(exc: BaseException, timeout: float) -> str:
 
 
 class Poller:
-    """Concurrent HTTP polling of nodes on a thread pool. Thread-safe."""
+    """Concurrent HTTP polling of nodes on a thread pool. :meth:`get` is thread-safe;
+    :meth:`poll_all` is meant for one cycle at a time."""
 
     def __init__(self, timeout_s: float, max_workers: int = 32):
         self.timeout_s = max(timeout_s, 0.05)
+        self._workers = max_workers
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="poll")
         self._local = threading.local()
+
+    def _ensure_workers(self, n: int) -> None:
+        """Enough threads for ``n`` requests at once, so none waits in the queue past
+        the cycle's deadline (the pool grows with the node count, never shrinks)."""
+        if n > self._workers:
+            old = self._pool
+            self._workers = n
+            self._pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="poll")
+            old.shutdown(wait=False)
 
     def _session(self) -> requests.Session:
         s = getattr(self._local, "session", None)
@@ -182,6 +193,7 @@ class Poller:
         Waits at most about twice ``timeout_s`` (health fallback of ``openai`` nodes);
         a request still running then counts as a timeout."""
         futures: dict[str, tuple[Future, Future | None]] = {}
+        self._ensure_workers(2 * len(nodes))
         for n in nodes:
             fh = self._pool.submit(self._health, n)
             fm = None if n.kind == "openai" else self._pool.submit(self.get, n.url + n.metrics_path)

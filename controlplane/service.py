@@ -7,9 +7,10 @@ Every ``controlplane.poll_interval_s`` an APScheduler job runs
 1. Read the node registry, node states and edge stats from Redis (the registry is
    seeded from the TOML ``[[nodes]]`` at start, and again if Redis comes back empty).
    With Redis unreachable the last known nodes (at first: the TOML nodes) are used.
-2. Renew or try to take the leader lock (:mod:`controlplane.leader`).
-3. Poll every node concurrently (:mod:`controlplane.poller`), apply the health
-   hysteresis and compute scores. Followers do this too, so a standby is warm.
+2. Poll every node concurrently (:mod:`controlplane.poller`). Followers do this
+   too, so a standby is warm.
+3. Renew or try to take the leader lock (:mod:`controlplane.leader`), then apply the
+   health hysteresis and compute scores.
 4. Leader only: set ``drained`` where a drain is over (compare-and-set, so an undrain
    in between wins), write each node's metrics (TTL ``metrics_ttl_s``) and history
    point, INCR the snapshot version and write the routing snapshot -- two pipelined
@@ -185,10 +186,11 @@ class ControlPlane:
         with self._lock:
             t0 = time.monotonic()
             redis_ok = self._read_registry()
-            if redis_ok:
-                redis_ok = self._leader_tick()
             nodes = list(self.nodes)
             results = self.poller.poll_all(nodes)
+            # The lease is renewed after polling, right before the writes it guards.
+            if redis_ok:
+                redis_ok = self._leader_tick()
             now = time.time()
             report = CycleReport(ts=now, leader=self.elector.is_leader, redis_ok=redis_ok)
             for name in set(self.trackers) - {n.name for n in nodes}:
