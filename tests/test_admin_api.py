@@ -103,6 +103,7 @@ def test_list_nodes_merges_registry_state_metrics_and_fresh_edges(client, r):
     r.set(keys.node_metrics("sim-b"), json.dumps({
         "name": "sim-b", "ts": now, "healthy": False, "reachable": False,
         "last_error": "connection refused"}))
+    r.set(keys.node_metrics("sim-c"), json.dumps({"name": "sim-c", "healthy": False}))
     for i in range(5):
         r.lpush(keys.node_history("sim-a"), json.dumps({"ts": now - 5 + i, "queue_depth": i,
                                                         "e2e_avg_s": 1.0 + i}))
@@ -142,7 +143,7 @@ def test_list_nodes_merges_registry_state_metrics_and_fresh_edges(client, r):
     assert a["history"]["e2e_avg_s"] == [1.0, 2.0, 3.0, 4.0, 5.0]
     assert b["status"] == "down" and b["healthy"] is False and b["breaker"] == "open"
     assert b["error_rate"] == 1.0 and b["last_error"] == "connection refused"
-    assert c["state"] == "draining" and c["status"] == "draining" and c["healthy"] is None
+    assert c["state"] == "draining" and c["status"] == "draining" and c["healthy"] is False
     assert c["inflight"] == 0 and c["error_rate"] is None and c["poll_age_s"] is None
 
     plain = client.get("/api/v1/nodes", headers=AUTH).get_json()["nodes"]

@@ -61,8 +61,8 @@ class NodeView:
     healthy: bool | None
     """Health after hysteresis from the latest poll; ``None`` = never polled / expired."""
     status: str
-    """For display: ``down`` when unhealthy, else ``state`` (``unknown`` when active and
-    never polled)."""
+    """For display: ``draining`` / ``drained`` when so; for an active node ``active``,
+    ``down`` (unhealthy) or ``unknown`` (never polled, or metrics expired)."""
     reachable: bool | None = None
     dialect: str | None = None
     score: float | None = None
@@ -187,12 +187,12 @@ def build_views(r: redis.Redis, settings: Settings, *, name: str | None = None,
         m = _loads(res[2 + i * per])
         st = states.get(n.name, registry.NodeState())
         healthy = m.get("healthy") if isinstance(m.get("healthy"), bool) else None
-        if healthy is False:
-            status = "down"
-        elif healthy is None and st.state == "active":
+        if st.state != "active":
+            status = st.state
+        elif healthy is None:
             status = "unknown"
         else:
-            status = st.state
+            status = "active" if healthy else "down"
         e = edges.get(n.name, EdgeAgg())
         ts = _num(m.get("ts"))
         v = NodeView(
