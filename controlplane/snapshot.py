@@ -102,6 +102,7 @@ def drain_decisions(states: dict[str, NodeState], running: dict[str, float | Non
 
 
 def node_port(url: str) -> int:
+    """TCP port of a node URL (80 when the URL names none)."""
     parts = urlsplit(url)
     return parts.port or (443 if parts.scheme == "https" else 80)
 
