@@ -329,8 +329,10 @@ class SimNode:
             except web.HTTPRequestEntityTooLarge:
                 raise wire.ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes") from None
             req = wire.parse_request(kind, wire.parse_body(raw), self.opts.model)
+            n, _ = wire.plan_length(req, self.opts.output_min, self.opts.output_max)
+            if not self.scheduler.fits(req.prompt_tokens, n):
+                raise wire.context_error(req, n, self.opts.engine.kv_capacity_tokens)
             plan = wire.plan_output(req, self.opts.output_min, self.opts.output_max)
-            n = len(plan.tokens)
             try:
                 ticket = self.scheduler.submit(req.prompt_tokens, n, plan.finish_reason)
             except RequestTooLarge:

@@ -22,6 +22,7 @@ from typing import Any, Literal
 from . import textgen
 
 Kind = Literal["chat", "completion"]
+FinishReason = Literal["stop", "length"]
 
 #: Upper bound of the extra body field ``sim_output_tokens``.
 MAX_SIM_OUTPUT_TOKENS = 1_000_000
@@ -187,20 +188,27 @@ class Plan:
 
     tokens: list[str]
     """The tokens that will be sent (already cut at max_tokens)."""
-    finish_reason: Literal["stop", "length"]
+    finish_reason: FinishReason
 
 
-def plan_output(req: InferenceRequest, min_tokens: int, max_tokens: int) -> Plan:
-    """Tokens and finish reason for ``req``.
+def plan_length(req: InferenceRequest, min_tokens: int, max_tokens: int) -> tuple[int, FinishReason]:
+    """Number of tokens that will be sent and the finish reason for ``req``.
 
     The natural length is ``sim_output_tokens`` or the prompt-hash length in
     ``[min_tokens, max_tokens]``; ``finish_reason`` is ``length`` when ``max_tokens``
     of the request cuts it (natural length >= max_tokens), else ``stop``."""
     natural = req.sim_output_tokens or textgen.output_length(req.prompt_key, min_tokens, max_tokens)
     if req.max_tokens is not None and natural >= req.max_tokens:
-        n, reason = req.max_tokens, "length"
-    else:
-        n, reason = natural, "stop"
+        return req.max_tokens, "length"
+    return natural, "stop"
+
+
+def plan_output(req: InferenceRequest, min_tokens: int, max_tokens: int) -> Plan:
+    """Tokens and finish reason for ``req`` (see :func:`plan_length`). The tokens are
+    the first ones of the natural-length text, so a cut answer is a prefix of the
+    full one."""
+    n, reason = plan_length(req, min_tokens, max_tokens)
+    natural = req.sim_output_tokens or textgen.output_length(req.prompt_key, min_tokens, max_tokens)
     return Plan(tokens=textgen.generate_tokens(req.prompt_key, natural)[:n], finish_reason=reason)
 
 
