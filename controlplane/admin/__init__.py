@@ -139,6 +139,10 @@ def create_app(settings: Settings, r: redis.Redis, *, secret_key: str | None = N
         """``{"ok": true}``; no auth, no Redis."""
         return flask.jsonify({"ok": True})
 
+    @app.get("/favicon.ico")
+    def favicon() -> flask.Response:
+        return flask.Response(status=204)
+
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException) -> flask.Response:
         # Unmatched URLs and methods never reach a blueprint's handlers.
