@@ -50,7 +50,8 @@ def node_metrics(name: str) -> str:
 
 
 def node_history(name: str) -> str:
-    """List, newest first, capped: JSON points ``{"ts", "queue_depth", "e2e_p50_s", ...}``."""
+    """List, newest first, capped: JSON points ``{"ts", "queue_depth", "running",
+    "kv_cache_usage", "e2e_avg_s", "ttft_avg_s", "score", "healthy"}``."""
     return f"{BASE}:node:{name}:history"
 
 
