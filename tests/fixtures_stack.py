@@ -207,8 +207,10 @@ def simnodes(workdir: Path) -> Iterator[Callable[..., list[SimNode]]]:
             m = procs.Managed(name, argv, workdir / "logs" / f"{name}.log").start()
             node = SimNode(name, "127.0.0.1", port, cport, m)
             started.append(node)
-            m.wait_ready(lambda p=cport: procs.port_open("127.0.0.1", p), timeout=20)
             out.append(node)
+        for node in out:  # started together, waited for together
+            node.managed.wait_ready(lambda p=node.control_port: procs.port_open("127.0.0.1", p),
+                                    timeout=30)
         return out
 
     try:
@@ -243,6 +245,7 @@ class TinyUpstream:
         self.bodies: list[bytes] = []
         self._lock = threading.Lock()
         self._released = threading.Event()
+        self._conns: set[socket.socket] = set()
         self.port = procs.free_port()
         self.host = "127.0.0.1"
         self._server: ThreadingHTTPServer | None = None
@@ -264,9 +267,20 @@ class TinyUpstream:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True
 
             def log_message(self, *args: Any) -> None:
                 pass
+
+            def setup(self) -> None:
+                super().setup()
+                with upstream._lock:
+                    upstream._conns.add(self.connection)
+
+            def finish(self) -> None:
+                with upstream._lock:
+                    upstream._conns.discard(self.connection)
+                super().finish()
 
             def _send(self, status: int, obj: Any, headers: dict | None = None) -> None:
                 body = json.dumps(obj).encode()
@@ -369,8 +383,8 @@ class TinyUpstream:
         self._released.clear()
         self._server = ThreadingHTTPServer((self.host, self.port), Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name=f"tiny-{self.name}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
+                                        name=f"tiny-{self.name}", daemon=True)
         self._thread.start()
 
     def release(self) -> None:
@@ -378,14 +392,22 @@ class TinyUpstream:
         self._released.set()
 
     def stop(self) -> None:
-        """Close the listening port and end hanging requests."""
-        self._released.set()
-        if self.gate is not None:
-            self.gate.set()
+        """Close the listening port and every open connection (kept-alive ones too),
+        ending hanging requests: afterwards connects are refused."""
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._released.set()
+        if self.gate is not None:
+            self.gate.set()
 
 
 @pytest.fixture

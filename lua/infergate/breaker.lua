@@ -15,7 +15,6 @@ local _M = {}
 local shared = ngx.shared
 local log = ngx.log
 local WARN = ngx.WARN
-local NOTICE = ngx.NOTICE
 
 local function dict()
     return shared[config.DICT_STATS]
@@ -78,7 +77,7 @@ function _M.success(name, probe, started)
         d:delete("bo:" .. name)
         d:set("bf:" .. name, 0)
         release_probe(name)
-        log(NOTICE, "infergate: circuit breaker of node ", name, " closed (probe succeeded)")
+        log(WARN, "infergate: circuit breaker of node ", name, " closed (probe succeeded)")
         return
     end
     if opened and started < opened then

@@ -23,7 +23,6 @@ local shared = ngx.shared
 local log = ngx.log
 local ERR = ngx.ERR
 local WARN = ngx.WARN
-local NOTICE = ngx.NOTICE
 local type = type
 local tostring = tostring
 local ipairs = ipairs
@@ -31,7 +30,7 @@ local ipairs = ipairs
 local local_gen = -1      -- gen of the table below
 local current = nil       -- worker-local node table (see build())
 local syncing = false     -- a sync is running in this worker
-local outage = false      -- worker 0: Redis currently unreachable (logged once)
+local outage = false      -- worker 0: since when Redis is unreachable (logged once)
 local bad_snapshot_logged = nil
 local redis_conf, redis_conf_err
 
@@ -235,7 +234,7 @@ local function redis_failed(err)
     d:set("redis_ok", false)
     d:set("redis_error", tostring(err))
     if not outage then
-        outage = true
+        outage = ngx.now()
         log(WARN, "infergate: Redis unreachable, routing on the last snapshot until it returns: ", err)
     end
 end
@@ -270,8 +269,8 @@ function _M.fetch()
     c:keepalive()
     local d = dict()
     if outage then
+        log(WARN, "infergate: Redis reachable again after ", string.format("%.1f", now - outage), " s")
         outage = false
-        log(NOTICE, "infergate: Redis reachable again")
     end
     d:set("redis_ok", true)
     d:delete("redis_error")
