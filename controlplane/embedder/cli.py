@@ -65,20 +65,17 @@ def embedder_cmd(config_path: str | None, listen: str, redis_url: str | None, mo
         raise click.ClickException(str(exc)) from None
     url = redis_url or settings.redis.url
 
-    import redis
     import waitress
 
     from .. import procs
     from .app import create_app
     from .consumer import QueueConsumer
-    from .engine import Engine
+    from .engine import Engine, connect
     from .models import ModelLoadError, ModelSpec, load_model
 
     timeout = settings.redis.socket_timeout_s
-    r = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
-                             decode_responses=False, health_check_interval=10)
-    r_block = redis.Redis.from_url(url, socket_timeout=timeout + 5,
-                                   socket_connect_timeout=timeout, decode_responses=False)
+    r = connect(url, timeout)
+    r_block = connect(url, timeout, blocking=True)
     try:
         procs.wait_until(lambda: bool(r.ping()), redis_wait_s, interval=0.5,
                          what=f"Redis at {url}")

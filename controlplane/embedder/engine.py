@@ -188,3 +188,19 @@ class Engine:
     def close(self) -> None:
         self.batcher.close()
         self.index.close()
+
+
+def connect(url: str, timeout_s: float = 0.5, blocking: bool = False) -> redis.Redis:
+    """A binary (``decode_responses=False``) Redis client for the embedder.
+
+    Fails fast: one immediate retry (a pooled connection may be stale after a Redis
+    restart) instead of redis-py 8's default of 10 retries with backoff (about 4.5 s
+    against a refused port), so lookups answer 503 within ~2 x ``timeout_s``.
+    ``blocking`` clients (BLPOP) get 5 s more read timeout than the block time."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    return redis.Redis.from_url(
+        url, socket_timeout=timeout_s + (5.0 if blocking else 0.0),
+        socket_connect_timeout=timeout_s, decode_responses=False,
+        retry=Retry(NoBackoff(), 1), health_check_interval=0 if blocking else 10)

@@ -1,0 +1,94 @@
+"""Precision guard: pure functions, checked on pairs that embeddings confuse."""
+
+from __future__ import annotations
+
+import pytest
+
+from controlplane.embedder import guard
+
+
+@pytest.mark.parametrize("query,candidate,reason", [
+    ("借款1万", "借款5万", "numbers"),
+    ("借款1万需要什么条件", "借款一万五需要什么条件", "numbers"),
+    ("分三个月还", "分六个月还", "numbers"),
+    ("How do I transfer 500 dollars?", "How do I transfer 5000 dollars?", "numbers"),
+    ("python 3.10 install", "python 3.1 install", "numbers"),
+    ("Best phone under 10,000", "Best phone under 20,000", "numbers"),
+    ("How to transfer 500 dollars", "How to transfer dollars", "numbers"),
+    ("How do I enable two-factor login?", "How do I disable two-factor login?",
+     "antonym:enable/disable"),
+    ("Can I pay with a card?", "Can't I pay with a card?", "negation"),
+    ("Can I pay with a card?", "Can I not pay with a card?", "negation"),
+    ("Why does it work", "Why doesn’t it work", "negation"),
+    ("我能借款吗", "我不能借款吗", "negation"),
+    ("我有借款", "我没有借款", "negation"),
+    ("微粒贷怎么还款", "微粒贷怎么借款", "antonym:借/还"),
+    ("怎么开通微粒贷", "怎么关闭微粒贷", "antonym:开通/关闭"),
+    ("额度可以提高吗", "额度可以降低吗", "antonym:增加/减少"),
+    ("What is the best phone?", "What is the worst phone?", "antonym:max/min"),
+    ("How to upload photos", "How to download photos", "antonym:upload/download"),
+])
+def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason: str) -> None:
+    res = guard.check(query, candidate)
+    assert not res.ok
+    assert res.reason == reason
+    assert res.label == f"reject:{reason}"
+    # The decision does not depend on which side is the query.
+    assert guard.check(candidate, query).reason == reason
+
+
+@pytest.mark.parametrize("query,candidate", [
+    ("借款一万", "借款10000"),
+    ("借款1万", "借款1万元"),
+    ("How do I reset my password?", "How can I reset my password?"),
+    ("能不能借款", "能借款吗"),
+    ("有没有额度", "有额度吗"),
+    ("是不是要手续费", "是要手续费吗"),
+    ("查一下额度", "额度查询"),
+    ("非常着急用钱", "很着急用钱"),
+    ("别人能用我的账户吗", "他人能用我的账户吗"),
+    ("是否可以提前还款", "可以提前还款吗"),
+    ("How do I enable wifi?", "How do I turn on wifi?"),
+    ("How do I enable wifi?", "How do I enable or disable wifi?"),
+    ("我要关闭微粒贷，怎么办", "微粒贷能关闭吗"),
+    ("Why can't I log in?", "Why am I unable to log in?"),
+    ("", ""),
+])
+def test_passes_equivalent_pairs(query: str, candidate: str) -> None:
+    res = guard.check(query, candidate)
+    assert res.ok, res
+    assert res.label == "pass"
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("借款1万", {"10000": 1}),
+    ("借款1.5万", {"15000": 1}),
+    ("一万五千", {"15000": 1}),
+    ("两千块", {"2000": 1}),
+    ("三个月", {"3": 1}),
+    ("十二期", {"12": 1}),
+    ("１０００元", {"1000": 1}),
+    ("10,000 and 3.10", {"10000": 1, "3.10": 1}),
+    ("查一下", {}),
+    ("统一的一个问题", {}),
+    ("007 and 7", {"7": 2}),
+])
+def test_numbers(text: str, expected: dict) -> None:
+    assert dict(guard.numbers(text)) == expected
+
+
+@pytest.mark.parametrize("text,neg", [
+    ("I do not know", True), ("no way", True), ("I never pay", True), ("I can't", True),
+    ("I know", False), ("notable nothingness", False), ("不能借", True), ("没有额度", True),
+    ("能不能借", False), ("可不可以借", False), ("有没有额度", False), ("非常好", False),
+    ("未还款", True), ("无法登录", True), ("未来的利率", False), ("是否收费", False),
+])
+def test_negated(text: str, neg: bool) -> None:
+    assert guard.negated(text) is neg
+
+
+def test_bounded_and_total_on_odd_input() -> None:
+    long = "借款1万" * 100_000
+    assert guard.check(long, long).ok
+    assert not guard.check(None, "1") .ok  # type: ignore[arg-type]
+    assert guard.check("\x00\ud800", "\x00\ud800").ok
