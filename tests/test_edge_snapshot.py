@@ -199,7 +199,8 @@ def test_edge_publishes_its_stats(three) -> None:
         raw = r.hget(keys.EDGES, edge_id)
         data = json.loads(raw) if raw else {}
         nodes = data.get("nodes", {})
-        if sum(n.get("requests", 0) for n in nodes.values()) == 12:
+        if (sum(n.get("requests", 0) for n in nodes.values()) == 12
+                and all(n.get("inflight") == 0 for n in nodes.values())):
             return data
         return {}
 

@@ -14,6 +14,9 @@
 --        | min(latency_ewma_s / latency_norm_s, 1)           otherwise (stale snapshot,
 --                                                             static list, score null)
 --
+-- Costs closer than TIE_EPSILON (0.01: 300 ms of latency EWMA at the default 30 s
+-- latency_norm_s, or less than one request in flight at max_concurrency 64) count as a
+-- tie and a coin decides, so measurement noise does not send everything to one node.
 -- The in-flight term moves with every pick, so an idle-looking score a few seconds old
 -- cannot herd all traffic onto one node. Retries: the first call grants as many extra
 -- tries as there are other eligible nodes (at most max_tries - 1); on each later call
@@ -37,6 +40,8 @@ local ERR = ngx.ERR
 local WARN = ngx.WARN
 
 local SATURATED_PENALTY = 1.0
+local TIE_EPSILON = 0.01
+_M.TIE_EPSILON = TIE_EPSILON
 
 function _M.cost(node, fresh, o)
     local name = node.name
@@ -124,7 +129,8 @@ function _M.pick(t, tried, now)
     local b = weighted(cands, n, total - a.effective_weight, a)
     local fresh = snapshot.is_fresh(t, now)
     local ca, cb = _M.cost(a, fresh, o), _M.cost(b, fresh, o)
-    if cb < ca or (cb == ca and random() < 0.5) then
+    local d = ca - cb
+    if d > TIE_EPSILON or (d >= -TIE_EPSILON and random() < 0.5) then
         a = b
     end
     return a, false, eligible
