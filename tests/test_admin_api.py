@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
+import redis
 
-from controlplane import apikeys, cache_store, keys, registry
+from controlplane import apikeys, cache_store, keys, procs, registry
 from controlplane.admin import create_app
 from controlplane.config import NodeSettings, Settings
 
@@ -20,9 +24,25 @@ def make_settings(token: str = TOKEN) -> Settings:
                                     "edge": {"stale_after_s": 10.0}})
 
 
+@pytest.fixture(scope="module")
+def shared_redis_port():
+    """One redis-server for the module (each test starts from FLUSHALL): fast."""
+    d = Path(tempfile.mkdtemp(prefix="infergate-test-"))
+    port = procs.free_port()
+    m = procs.start_redis(d / "redis", port)
+    try:
+        yield port
+    finally:
+        m.stop()
+        shutil.rmtree(d, ignore_errors=True)
+
+
 @pytest.fixture
-def r(redis_server):
-    return redis_server.client()
+def r(shared_redis_port):
+    client = redis.Redis(host="127.0.0.1", port=shared_redis_port, decode_responses=True,
+                         socket_timeout=2)
+    client.flushall()
+    return client
 
 
 @pytest.fixture
@@ -392,7 +412,9 @@ def test_api_keys_bad_input(client, r, body, frag):
     assert apikeys.list_keys(r) == []
 
 
-def test_redis_down_is_503(client, r, redis_server):
+def test_redis_down_is_503(redis_server):
+    client = create_app(make_settings(), redis_server.client()).test_client()
+    assert client.get("/api/v1/nodes", headers=AUTH).status_code == 200
     redis_server.stop()
     resp = client.get("/api/v1/nodes", headers=AUTH)
     assert resp.status_code == 503

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
+import redis
 
-from controlplane import apikeys, cache_store, keys, registry
+from controlplane import apikeys, cache_store, keys, procs, registry
 from controlplane.admin import create_app
 from controlplane.config import NodeSettings, Settings
 
@@ -21,9 +25,25 @@ def make_app(r, token: str = TOKEN):
     return create_app(s, r, secret_key="fixed-test-secret")
 
 
+@pytest.fixture(scope="module")
+def shared_redis_port():
+    """One redis-server for the module (each test starts from FLUSHALL): fast."""
+    d = Path(tempfile.mkdtemp(prefix="infergate-test-"))
+    port = procs.free_port()
+    m = procs.start_redis(d / "redis", port)
+    try:
+        yield port
+    finally:
+        m.stop()
+        shutil.rmtree(d, ignore_errors=True)
+
+
 @pytest.fixture
-def r(redis_server):
-    return redis_server.client()
+def r(shared_redis_port):
+    client = redis.Redis(host="127.0.0.1", port=shared_redis_port, decode_responses=True,
+                         socket_timeout=2)
+    client.flushall()
+    return client
 
 
 @pytest.fixture
@@ -283,7 +303,9 @@ def test_keys_page_shows_a_new_key_once(client, r):
     assert apikeys.lookup(r, key) is None
 
 
-def test_redis_down_page(client, redis_server):
+def test_redis_down_page(redis_server):
+    client = make_app(redis_server.client()).test_client()
+    login(client)
     redis_server.stop()
     resp = client.get("/nodes")
     assert resp.status_code == 503 and "Redis unavailable" in resp.text
