@@ -5,8 +5,10 @@
 --
 -- Each step is function(req) -> nil to continue, or an error table
 -- {status, message, type, code, headers} to answer with a JSON error and stop.
--- Later stages (auth, rate limit, admission control, cache lookup) are added with
--- insert_step(name, fn, before) ahead of "eligible", or after it.
+-- Order: method -> auth (API key -> req.tenant) -> body -> ratelimit -> eligible ->
+-- admission (load shedding). The cache lookup goes in with
+-- insert_step("cache", fn, "eligible"): after auth and rate limiting, and before
+-- admission, so a cache hit is answered even when every node is saturated.
 --
 -- The body step reads the whole body (nginx already enforces client_max_body_size:
 -- too big -> 413 JSON from the error page). Bodies nginx buffered in memory are
@@ -18,6 +20,9 @@ local errors = require("infergate.errors")
 local reqctx = require("infergate.reqctx")
 local snapshot = require("infergate.snapshot")
 local balancer = require("infergate.balancer")
+local auth = require("infergate.auth")
+local ratelimit = require("infergate.ratelimit")
+local admission = require("infergate.admission")
 
 local _M = {}
 
@@ -109,8 +114,11 @@ end
 
 _M.steps = {
     { name = "method", fn = step_method },
+    { name = "auth", fn = auth.step },
     { name = "body", fn = step_body },
+    { name = "ratelimit", fn = ratelimit.step },
     { name = "eligible", fn = step_eligible },
+    { name = "admission", fn = admission.step_shed },
 }
 
 -- Adds a step before the step named `before` (at the end when nil or not found).

@@ -7,12 +7,16 @@
 -- otherwise power of two choices: two distinct nodes are sampled with probability
 -- proportional to effective_weight and the one with the lower cost wins (ties: coin).
 --
---   cost = inflight_cost * inflight / max_concurrency       (this edge's own load)
---        + failure_rate                                      (EWMA 0-1 of failed attempts)
---        + score + (saturated and 1 or 0)                    when the snapshot is fresh
---                                                             and the node has a score
---        | min(latency_ewma_s / latency_norm_s, 1)           otherwise (stale snapshot,
---                                                             static list, score null)
+--   cost = inflight_cost * inflight / max_concurrency        (this edge's own load)
+--        + score + (saturated and 1 or 0)                     when the snapshot is fresh
+--                                                              and the node has a score
+--        | min(latency_ewma_s / latency_norm_s, 1)            otherwise (stale snapshot,
+--          + failure_rate                                     static list, score null)
+--
+-- failure_rate is the EWMA (0-1) of this edge's failed attempts on the node, decaying
+-- with a half-life of breaker_cooldown_s (infergate.stats). With a fresh score the
+-- control plane's view of the node counts instead, and hard failures are the circuit
+-- breaker's business.
 --
 -- Costs closer than TIE_EPSILON (0.01: 300 ms of latency EWMA at the default 30 s
 -- latency_norm_s, or less than one request in flight at max_concurrency 64) count as a
@@ -29,6 +33,7 @@ local snapshot = require("infergate.snapshot")
 local stats = require("infergate.stats")
 local breaker = require("infergate.breaker")
 local reqctx = require("infergate.reqctx")
+local deadline = require("infergate.deadline")
 
 local _M = {}
 
@@ -43,10 +48,9 @@ local SATURATED_PENALTY = 1.0
 local TIE_EPSILON = 0.01
 _M.TIE_EPSILON = TIE_EPSILON
 
-function _M.cost(node, fresh, o)
+function _M.cost(node, fresh, o, now)
     local name = node.name
     local c = o.inflight_cost * stats.inflight(name) / node.max_concurrency
-    c = c + stats.failure_rate(name)
     if fresh and node.score then
         c = c + node.score
         if node.saturated then
@@ -57,6 +61,7 @@ function _M.cost(node, fresh, o)
         if lat then
             c = c + min(lat / 1000 / o.latency_norm_s, 1)
         end
+        c = c + stats.failure_rate(name, now)
     end
     return c
 end
@@ -128,7 +133,7 @@ function _M.pick(t, tried, now)
     local a = weighted(cands, n, total, nil)
     local b = weighted(cands, n, total - a.effective_weight, a)
     local fresh = snapshot.is_fresh(t, now)
-    local ca, cb = _M.cost(a, fresh, o), _M.cost(b, fresh, o)
+    local ca, cb = _M.cost(a, fresh, o, now), _M.cost(b, fresh, o, now)
     local d = ca - cb
     if d > TIE_EPSILON or (d >= -TIE_EPSILON and random() < 0.5) then
         a = b
@@ -158,12 +163,10 @@ function _M.run()
             local _, status = ngx_balancer.get_last_failure()
             stats.close_attempt(prev, status == 429 and "busy" or "fail", now)
         end
-    else
-        local ok, err = ngx_balancer.set_timeouts(o.connect_timeout_ms / 1000,
-            o.send_timeout_ms / 1000, o.read_timeout_ms / 1000)
-        if not ok then
-            log(ERR, "infergate: set_timeouts: ", err)
-        end
+    end
+    -- timeouts of this try from the request's deadline; no new try once it has passed
+    if not deadline.before_try(req, o, now) then
+        return deadline.fail()
     end
     local t = snapshot.current()
     local tried = req.tried

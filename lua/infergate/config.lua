@@ -34,6 +34,8 @@ local DEFAULTS = {
     breaker_cooldown_s = 10.0,
     inflight_cost = 1.0,
     latency_norm_s = 30.0,
+    -- API keys, rate limits, shedding, deadlines: validated by infergate.admission_options
+    admission = {},
 }
 
 -- name -> {min, max} for numeric options (inclusive); nil max = unbounded.
@@ -109,6 +111,11 @@ function _M.init(src)
             o[k] = v
         end
     end
+    local adm, aerr = require("infergate.admission_options").check(o.admission)
+    if not adm then
+        return nil, aerr
+    end
+    o.admission = adm
     local nodes = t.nodes or {}
     if type(nodes) ~= "table" then
         return nil, "infergate option 'nodes' must be an array"

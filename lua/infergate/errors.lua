@@ -6,6 +6,7 @@
 -- produces (unknown path, body too large, all nodes failed, ...).
 local cjson = require("cjson.safe")
 local config = require("infergate.config")
+local deadline = require("infergate.deadline")
 
 local _M = {}
 
@@ -66,6 +67,14 @@ end
 
 -- Content of the error_page locations: the status nginx was about to send.
 function _M.page(status)
+    -- a try refused or timed out at the request's deadline: 504 deadline_exceeded
+    local dstatus, dtype, dcode, dmessage = deadline.error_page(status)
+    if dstatus then
+        ngx.status = dstatus
+        ngx.header["Content-Type"] = "application/json"
+        ngx.say(_M.body(dmessage, dtype, dcode))
+        return
+    end
     local entry = _M.CATALOG[status] or _M.CATALOG[500]
     local message = entry[3]
     local etype, code = entry[1], entry[2]

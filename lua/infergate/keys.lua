@@ -19,6 +19,7 @@ _M.cache_index_prefix = BASE .. ":cache:idx:"
 _M.cache_index_queue = BASE .. ":cache:index_queue"
 _M.cache_vec_prefix_base = BASE .. ":cache:vec:"
 _M.cache_vec_channel = BASE .. ":cache:vec_added"
+_M.ratelimit_prefix = BASE .. ":ratelimit:"
 
 function _M.node_metrics(name)
     return BASE .. ":node:" .. name .. ":metrics"

@@ -4,6 +4,7 @@
 -- the balancer when it picked the next node.
 local reqctx = require("infergate.reqctx")
 local stats = require("infergate.stats")
+local admission = require("infergate.admission")
 
 local _M = {}
 
@@ -43,6 +44,7 @@ function _M.run()
         return
     end
     reqctx.finish(req)
+    admission.log(req) -- token-usage correction, handed to a timer
     local attempts = req.attempts
     local n = #attempts
     if n == 0 then
@@ -52,6 +54,9 @@ function _M.run()
     local last = attempts[n]
     if not last.closed then
         local result, status = outcome()
+        if req.invalid_answer then
+            result = "fail" -- not HTTP (see infergate.headers)
+        end
         local latency_ms
         if result == "ok" and status < 300 then
             local rt = tonumber(last_entry(ngx.var.upstream_response_time))

@@ -5,7 +5,8 @@
 -- kept in a worker-local table keyed by $request_id until the log phase ends it.
 --
 -- State: {id, route = "inference"|"models", stream = bool, model = string|nil,
---         attempts = {attempt records, see infergate.stats}, tried = {name = true}}
+--         http_version = client's (1.0, 1.1, 2.0), attempts = {attempt records, see
+--         infergate.stats}, tried = {name = true}, invalid_answer = node name|nil}
 local _M = {}
 
 local pending = {}
@@ -13,7 +14,8 @@ local pending_count = 0
 
 function _M.new(route)
     local id = ngx.var.request_id
-    local req = { id = id, route = route, stream = false, attempts = {}, tried = {} }
+    local req = { id = id, route = route, stream = false, attempts = {}, tried = {},
+                  http_version = ngx.req.http_version() }
     ngx.ctx.infergate = req
     if id then
         if not pending[id] then

@@ -226,7 +226,8 @@ local function edge_report(now)
         nodes[n.name] = stats.node_report(n.name, now)
     end
     local o = config.get()
-    return cjson.encode({ edge_id = o.edge_id, ts = now, nodes = nodes })
+    return cjson.encode({ edge_id = o.edge_id, ts = now, nodes = nodes,
+                          admission = require("infergate.admission_stats").all() })
 end
 
 local function redis_failed(err)

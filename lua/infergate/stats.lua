@@ -6,7 +6,10 @@
 --   "rq:<node>"  attempts started (counter since nginx start)
 --   "fl:<node>"  attempts failed (counter since nginx start; includes 429 answers)
 --   "lt:<node>"  latency EWMA in ms of successful attempts (upstream response time)
---   "fr:<node>"  failure-rate EWMA, 0-1 (1 per failed attempt, 0 per success)
+--   "fr:<node>"  failure-rate EWMA, 0-1 (1 per failed attempt, 0 per success), decaying
+--                towards 0 with a half-life of breaker_cooldown_s (at least 1 s) while
+--                the node gets no traffic, so a node is never sidelined for good;
+--   "ft:<node>"  epoch seconds of the last "fr" update
 --
 -- Attempts are tables {node = name, started = epoch s, probe = bool, closed = bool}
 -- kept in the request context (see infergate.reqctx). No I/O: safe in every phase.
@@ -47,8 +50,36 @@ function _M.latency_ewma_ms(name)
     return dict():get("lt:" .. name)
 end
 
-function _M.failure_rate(name)
-    return dict():get("fr:" .. name) or 0
+local function half_life()
+    local h = config.get().breaker_cooldown_s
+    if h < 1 then
+        h = 1
+    end
+    return h
+end
+
+local function decayed_failure_rate(d, name, now)
+    local fr = d:get("fr:" .. name)
+    if not fr or fr == 0 then
+        return 0
+    end
+    local t = d:get("ft:" .. name) or now
+    local dt = now - t
+    if dt <= 0 then
+        return fr
+    end
+    return fr * 2 ^ (-dt / half_life())
+end
+
+-- Failure-rate EWMA (0-1) of the node's attempts, decayed to `now`.
+function _M.failure_rate(name, now)
+    return decayed_failure_rate(dict(), name, now or ngx.now())
+end
+
+local function update_failure_rate(d, name, sample, now)
+    local old = decayed_failure_rate(d, name, now)
+    d:set("fr:" .. name, old + _M.FAILURE_ALPHA * (sample - old))
+    d:set("ft:" .. name, now)
 end
 
 function _M.requests(name)
@@ -87,14 +118,18 @@ function _M.close_attempt(att, outcome, now, latency_ms)
         log(ERR, "infergate: in-flight counter of ", name, " went below zero")
     end
     if outcome == "ok" then
-        ewma(d, "fr:" .. name, 0, _M.FAILURE_ALPHA)
+        if att.probe then
+            d:set("fr:" .. name, 0) -- the breaker closes: a clean start
+        else
+            update_failure_rate(d, name, 0, now)
+        end
         if latency_ms then
             ewma(d, "lt:" .. name, latency_ms, _M.LATENCY_ALPHA)
         end
         breaker.success(name, att.probe, att.started)
     elseif outcome == "fail" then
         d:incr("fl:" .. name, 1, 0)
-        ewma(d, "fr:" .. name, 1, _M.FAILURE_ALPHA)
+        update_failure_rate(d, name, 1, now)
         breaker.failure(name, att.probe, att.started, now)
     elseif outcome == "busy" then
         d:incr("fl:" .. name, 1, 0)

@@ -4,6 +4,8 @@
 --  "snapshot": {"source": "redis"|"static", "version", "generated_at", "fetched_at",
 --               "age_s", "stale", "leader", "redis_ok", "redis_error", "nodes"},
 --  "inflight_total",
+--  "admission": {"auth_rejected", "auth_unavailable", "rate_limited", "limits_local",
+--                "shed", "deadline_exceeded"}   (counters, infergate.admission_stats)
 --  "nodes": [{"name", "host", "port", "state", "healthy", "weight", "effective_weight",
 --             "max_concurrency", "score", "saturated", "eligible", "inflight",
 --             "requests", "failures", "breaker", "consecutive_failures",
@@ -55,7 +57,7 @@ function _M.report(now)
             breaker = br,
             consecutive_failures = breaker.consecutive_failures(n.name),
             latency_ewma_ms = opt(lat),
-            failure_rate = stats.failure_rate(n.name),
+            failure_rate = math.floor(stats.failure_rate(n.name, now) * 1000 + 0.5) / 1000,
         }
     end
     return {
@@ -64,6 +66,7 @@ function _M.report(now)
         now = now,
         snapshot = snapshot.info(now),
         inflight_total = total,
+        admission = require("infergate.admission_stats").all(),
         nodes = setmetatable(nodes, cjson.array_mt),
     }
 end
