@@ -93,6 +93,97 @@ class ScoringSettings(_Section):
     """KV-cache usage (0-1) at or above which a node is saturated."""
 
 
+class AuthSettings(_Section):
+    """API keys checked by the edge on every API request (``Authorization: Bearer KEY``).
+
+    Keys live in Redis as SHA-256 hashes (``controlplane.apikeys``); ``infergate keys``
+    and the admin API create and revoke them. Missing or wrong key: 401 JSON
+    (``code: "invalid_api_key"``). The key is never logged and never sent to the nodes."""
+
+    mode: Literal["off", "required"] = "off"
+    """``required``: a valid key is needed; ``off``: no check, every request belongs to the
+    tenant ``default`` (trusted networks; the default, so a drop-in locks nobody out).
+    ``infergate up`` runs with ``required`` unless the file sets the mode."""
+    cache_ttl_s: float = Field(default=5.0, gt=0, le=3600)
+    """Seconds an edge trusts its cached answer for a valid key; a revoked key stops
+    working at most this long after the revocation."""
+    negative_ttl_s: float = Field(default=5.0, gt=0, le=3600)
+    """Seconds an edge trusts its cached answer for an unknown or revoked key."""
+    stale_ttl_s: float = Field(default=300.0, ge=0, le=86400)
+    """While Redis is unreachable, cached answers up to this many seconds old are still
+    used; a key with no cached answer then gets 503 (never let through)."""
+
+
+class LimitSettings(_Section):
+    """Token-bucket rate limits, shared by every edge through Redis.
+
+    Per key: the key's ``rpm`` (requests per minute) and ``tpm`` (tokens per minute) from
+    ``infergate keys``. Each bucket holds at most its per-minute limit and refills evenly.
+    Tokens are estimated up front as ceil(prompt characters / ``chars_per_token``) and
+    corrected with the response's ``usage.total_tokens`` afterwards. Redis down: each edge
+    enforces the limits on its own (so N edges allow up to N times the limit)."""
+
+    enabled: bool = True
+    """Check the per-key and global buckets (429 ``rate_limit_exceeded`` when empty)."""
+    global_rpm: int = Field(default=0, ge=0, le=10**9)
+    """Requests per minute across all clients and edges; 0 = no global limit."""
+    global_tpm: int = Field(default=0, ge=0, le=10**12)
+    """Tokens per minute across all clients and edges; 0 = no global limit."""
+    chars_per_token: float = Field(default=4.0, gt=0, le=1000)
+    """Prompt characters counted as one token by the up-front estimate."""
+    redis_retry_s: float = Field(default=1.0, gt=0, le=3600)
+    """After a failed Redis call, seconds the edge uses local buckets and cached keys
+    before trying Redis again."""
+
+
+class AdmissionSettings(_Section):
+    """Load shedding at the edge: when every eligible node is saturated (snapshot
+    ``saturated`` from the ``[scoring]`` caps, or this edge's in-flight count at the node's
+    ``max_concurrency``), a new request waits briefly for capacity, then gets 429 with
+    ``Retry-After`` (``type: "server_overloaded"``) instead of queueing into a timeout.
+    Cache hits are answered before this check."""
+
+    shed: bool = True
+    """Shed load as above; off: requests always go to a node and queue there."""
+    max_wait_ms: int = Field(default=500, ge=0, le=60000)
+    """Longest wait for capacity before the 429, milliseconds (never past the deadline)."""
+    poll_ms: int = Field(default=20, ge=1, le=1000)
+    """How often a waiting request checks for capacity again, milliseconds."""
+    retry_after_s: int = Field(default=1, ge=1, le=3600)
+    """``Retry-After`` of the 429, whole seconds."""
+
+
+class RouteDeadlineSettings(_Section):
+    """Per-path overrides of ``[deadlines]``; fields left out keep the global value."""
+
+    request_ms: int | None = Field(default=None, ge=0, le=86400000)
+    stream_idle_ms: int | None = Field(default=None, ge=1, le=86400000)
+
+
+class DeadlineSettings(_Section):
+    """Request deadlines at the edge. Past the deadline the client gets 504 JSON
+    (``type: "timeout"``, ``code: "deadline_exceeded"``), no new try starts, and the
+    connection to the node is closed so it can stop generating."""
+
+    request_ms: int = Field(default=30000, ge=0, le=86400000)
+    """End-to-end deadline of a non-streaming request, milliseconds from its arrival at
+    the edge (auth, rate limiting and the admission wait count); 0 = none. For a stream,
+    no try starts after it."""
+    stream_idle_ms: int = Field(default=30000, ge=1, le=86400000)
+    """Longest silence from the node on a streaming request (before the first chunk and
+    between chunks), milliseconds; then the stream ends."""
+    routes: dict[str, RouteDeadlineSettings] = {}
+    """Per path, e.g. ``[deadlines.routes."/v1/embeddings"]`` ``request_ms = 5000``."""
+
+    @field_validator("routes")
+    @classmethod
+    def _paths(cls, v: dict[str, RouteDeadlineSettings]) -> dict[str, RouteDeadlineSettings]:
+        for path in v:
+            if not path.startswith("/") or any(c.isspace() for c in path):
+                raise ValueError(f"deadlines.routes: {path!r} is not a path like /v1/embeddings")
+        return v
+
+
 class ControlPlaneSettings(_Section):
     listen: str = "127.0.0.1:8081"
     """host:port of the admin page and ``/api/v1``."""
@@ -146,6 +237,10 @@ class NodeSettings(_Section):
 class Settings(_Section):
     redis: RedisSettings = RedisSettings()
     edge: EdgeSettings = EdgeSettings()
+    auth: AuthSettings = AuthSettings()
+    limits: LimitSettings = LimitSettings()
+    admission: AdmissionSettings = AdmissionSettings()
+    deadlines: DeadlineSettings = DeadlineSettings()
     controlplane: ControlPlaneSettings = ControlPlaneSettings()
     scoring: ScoringSettings = ScoringSettings()
     nodes: list[NodeSettings] = []

@@ -42,6 +42,9 @@ CACHE_INDEX_QUEUE = f"{BASE}:cache:index_queue"
 CACHE_VEC_PREFIX = f"{BASE}:cache:vec:"
 #: Pub/sub channel: the embedder publishes the hash key of every vector it stores.
 CACHE_VEC_CHANNEL = f"{BASE}:cache:vec_added"
+#: Prefix of the edge's token buckets (hashes ``tokens``, ``ts``; expire once full):
+#: ``RATELIMIT_PREFIX + "key:<key id>:rpm"`` / ``":tpm"``, ``"global:rpm"``, ``"global:tpm"``.
+RATELIMIT_PREFIX = f"{BASE}:ratelimit:"
 
 
 def node_metrics(name: str) -> str:
@@ -97,4 +100,5 @@ FIXED = {
     "cache_index_queue": CACHE_INDEX_QUEUE,
     "cache_vec_prefix_base": CACHE_VEC_PREFIX,
     "cache_vec_channel": CACHE_VEC_CHANNEL,
+    "ratelimit_prefix": RATELIMIT_PREFIX,
 }

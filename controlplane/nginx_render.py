@@ -22,7 +22,9 @@ and the balancer's extra tries; ``*_timeout_ms`` -> ``proxy_*_timeout`` and the
 balancer's ``set_timeouts``; ``retry_window_s`` -> ``proxy_next_upstream_timeout``;
 ``client_max_body_size`` -> ``client_max_body_size`` and ``client_body_buffer_size``;
 ``keepalive`` -> upstream ``keepalive``; ``workers`` -> ``worker_processes``. From
-``scoring``, ``latency_norm_s`` normalises the latency term of the balancer cost.
+``scoring``, ``latency_norm_s`` normalises the latency term of the balancer cost. The
+``auth``, ``limits``, ``admission`` and ``deadlines`` sections become the ``admission``
+option (:func:`controlplane.admission.edge_admission_options`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import click
 import jinja2
 
 from . import paths, procs
+from .admission import edge_admission_options
 from .config import ConfigError, Settings, load_settings
 
 #: Files written by :func:`render_nginx`, by template name.
@@ -218,6 +221,7 @@ def edge_options(settings: Settings, edge_id: str, nodes: list[dict]) -> dict:
         "breaker_cooldown_s": e.breaker_cooldown_s,
         "inflight_cost": e.inflight_cost,
         "latency_norm_s": settings.scoring.latency_norm_s,
+        "admission": edge_admission_options(settings),
         "nodes": nodes,
     }
 

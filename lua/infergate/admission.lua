@@ -71,12 +71,16 @@ function _M.step_shed(req)
         local state = _M.capacity(snapshot.refresh(), now)
         if state ~= "saturated" then
             if waited then
+                astats.incr("waiting", -1)
                 req.admission_wait_ms = (now - (give_up - wait_s)) * 1000
             end
             return nil
         end
         if now >= give_up then
             break
+        end
+        if not waited then
+            astats.incr("waiting")
         end
         local step = give_up - now
         if step > poll_s then
@@ -86,6 +90,9 @@ function _M.step_shed(req)
         waited = true
         ngx.update_time()
         now = ngx.now()
+    end
+    if waited then
+        astats.incr("waiting", -1)
     end
     astats.incr("shed")
     local headers = { ["Retry-After"] = tostring(o.retry_after_s) }

@@ -8,6 +8,7 @@
 --   limits_local       rate-limit decisions taken on this edge's local buckets (Redis down)
 --   shed               429: every eligible node stayed saturated for the whole wait
 --   deadline_exceeded  504: the request's deadline passed before a node answered
+--   waiting            gauge: requests waiting for capacity right now
 --
 -- No I/O: safe in every phase.
 local options = require("infergate.admission_options")
@@ -15,7 +16,7 @@ local options = require("infergate.admission_options")
 local _M = {}
 
 _M.NAMES = { "auth_rejected", "auth_unavailable", "rate_limited", "limits_local", "shed",
-             "deadline_exceeded" }
+             "deadline_exceeded", "waiting" }
 
 local function dict()
     return ngx.shared[options.DICT_LIMITS]
