@@ -202,6 +202,81 @@ class ControlPlaneSettings(_Section):
     events_max: int = 10000
 
 
+class CacheSettings(_Section):
+    """Response cache at the edge: exact (Redis) and semantic (embedder).
+
+    Off unless ``enabled``: serving a stored answer to another request changes what a
+    sampled (temperature > 0) request returns, so an operator opts in. ``infergate up``
+    turns it on (and starts the embedder) unless the file sets ``enabled`` itself."""
+
+    enabled: bool = False
+    ttl_s: int = Field(default=3600, ge=1, le=366 * 24 * 3600)
+    """Lifetime of a stored answer, seconds (absolute: hits never extend it)."""
+    max_entry_bytes: int = Field(default=262144, ge=1024, le=64 * 1024 * 1024)
+    """Largest answer captured for the cache (bytes as sent by the node, JSON or SSE);
+    a larger answer is passed on and not stored."""
+    max_temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    """Requests with a higher ``temperature`` bypass the cache. A request without
+    ``temperature`` counts as the API default 1.0, so it is cached with this default."""
+    semantic: bool = True
+    """Look up paraphrases through the embedder when the exact key misses."""
+    embedder_url: str = "http://127.0.0.1:8090"
+    """Root of the embedder service (``infergate embedder``), ``http://host:port``."""
+    semantic_budget_ms: int = Field(default=150, ge=1, le=10000)
+    """Time budget of one semantic lookup (connect, send and read timeouts of the
+    subrequest); over it the request goes on to a node with ``X-Cache-Status: BYPASS``."""
+    min_similarity: float | None = Field(default=None, ge=0.0, le=1.0)
+    """Cosine similarity (0-1) a semantic hit needs; unset = the embedder model's own
+    default (0.95 for all-MiniLM-L6-v2, 0.85 for use-multilingual-v3). 0 is a value."""
+    min_similarity_routes: dict[str, float] = {}
+    """Per path (``/v1/chat/completions``, ``/v1/completions``), overrides ``min_similarity``."""
+    min_similarity_models: dict[str, float] = {}
+    """Per requested ``model``, overrides the route and global values."""
+    coalesce: bool = True
+    """Identical requests that miss at the same time: one goes to a node, the others wait
+    for its answer (per edge, shared by the nginx workers)."""
+    coalesce_wait_s: float = Field(default=10.0, ge=0.0, le=600.0)
+    """Longest wait for the first request's answer; then a waiter goes to a node itself."""
+    coalesce_poll_ms: int = Field(default=50, ge=5, le=5000)
+    """How often a waiting request looks for the answer in Redis, milliseconds."""
+    embedder_model: str = "all-MiniLM-L6-v2"
+    """Model ``infergate up`` starts the embedder with (all-MiniLM-L6-v2 or
+    use-multilingual-v3, better for Chinese)."""
+
+    @field_validator("embedder_url")
+    @classmethod
+    def _embedder_url(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError("cache.embedder_url must be http://host:port")
+        if parts.path not in ("", "/") or parts.query:
+            raise ValueError("cache.embedder_url is the embedder root, without a path")
+        try:
+            parts.port
+        except ValueError as exc:
+            raise ValueError(f"cache.embedder_url port: {exc}") from exc
+        return v.rstrip("/")
+
+    @field_validator("min_similarity_routes")
+    @classmethod
+    def _routes(cls, v: dict[str, float]) -> dict[str, float]:
+        for path, sim in v.items():
+            if path not in ("/v1/chat/completions", "/v1/completions"):
+                raise ValueError(f"min_similarity_routes: unknown path {path!r} "
+                                 "(/v1/chat/completions or /v1/completions)")
+            if not 0.0 <= sim <= 1.0:
+                raise ValueError(f"min_similarity_routes[{path!r}]: a number from 0 to 1")
+        return v
+
+    @field_validator("min_similarity_models")
+    @classmethod
+    def _models(cls, v: dict[str, float]) -> dict[str, float]:
+        for model, sim in v.items():
+            if not 0.0 <= sim <= 1.0:
+                raise ValueError(f"min_similarity_models[{model!r}]: a number from 0 to 1")
+        return v
+
+
 class NodeSettings(_Section):
     name: str
     url: str
@@ -243,6 +318,7 @@ class Settings(_Section):
     deadlines: DeadlineSettings = DeadlineSettings()
     controlplane: ControlPlaneSettings = ControlPlaneSettings()
     scoring: ScoringSettings = ScoringSettings()
+    cache: CacheSettings = CacheSettings()
     nodes: list[NodeSettings] = []
 
     @field_validator("nodes")

@@ -44,6 +44,7 @@ import click
 import jinja2
 
 from . import paths, procs
+from .cache_edge import render_context as cache_render_context
 from .admission import edge_admission_options
 from .config import ConfigError, Settings, load_settings
 
@@ -336,6 +337,7 @@ def render_nginx(settings: Settings, out_dir: str | Path, *, listen: str | None 
         "server_conf": str(files["infergate-server.conf"]),
         "nginx_conf": str(files["nginx.conf"]),
         "nginx_bin": "openresty" if openresty else "nginx",
+        **cache_render_context(settings),
     }
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(paths.nginx_templates_dir())),

@@ -14,9 +14,9 @@
 -- an SSE stream (reassembled: role, content, reasoning content, tool calls, finish
 -- reasons, usage) becomes the stored form of infergate.replay. Errors are never stored.
 --
--- The Redis work runs in ngx.timer.at(0): one pipeline with the request's counters
--- (HINCRBY on the stats hash), and for a store SET entry EX ttl, SADD to the tenant,
--- model and namespace index sets, HINCRBY stores, RPUSH of the semantic index job. The
+-- The Redis work runs in ngx.timer.at(0): one pipeline with, for a store, SET entry EX
+-- ttl, SADD to the tenant, model and namespace index sets, HINCRBY stores, RPUSH of the
+-- semantic index job, then the request's counters (HINCRBY on the stats hash). The
 -- coalescing lock of the request (infergate.cache) is released after the store, so
 -- waiting requests find the entry when the lock is gone.
 local cjson = require("cjson.safe")
@@ -299,10 +299,9 @@ local function run_job(premature, job)
         release_lock(job)
         return
     end
+    -- the store first, the counters last: once a request's counters are visible, its
+    -- entry (if any) is too
     local cmds = {}
-    for _, name in ipairs(job.counters) do
-        cmds[#cmds + 1] = { "HINCRBY", keys.cache_stats, name, 1 }
-    end
     local s = job.store
     if s then
         cmds[#cmds + 1] = { "SET", keys.cache_entry(s.key), s.entry, "EX", s.ttl }
@@ -318,6 +317,9 @@ local function run_job(premature, job)
             cmds[#cmds + 1] = { "RPUSH", keys.cache_index_queue, s.index_job }
         end
     end
+    for _, name in ipairs(job.counters) do
+        cmds[#cmds + 1] = { "HINCRBY", keys.cache_stats, name, 1 }
+    end
     if #cmds > 0 then
         local err
         if not redis_conf then
@@ -332,8 +334,8 @@ local function run_job(premature, job)
             res, err = rc:pipeline(cmds)
             if res then
                 rc:keepalive()
-                if s and type(res[#job.counters + 1]) == "table" then
-                    err = "SET: " .. tostring(res[#job.counters + 1].err)
+                if s and type(res[1]) == "table" then
+                    err = "SET: " .. tostring(res[1].err)
                 end
             end
         end
