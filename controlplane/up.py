@@ -3,8 +3,10 @@
 Starts, in order: a local ``redis-server`` when none answers at ``redis.url`` (with
 ``maxmemory`` and ``allkeys-lru``, as recommended for production); three simulated
 nodes of different speeds unless ``--node URL`` names real servers; the control plane
-(poller, scorer, admin page and API); nginx with the rendered infergate config. Prints
-the URLs and a curl example; Ctrl-C or SIGTERM stops every process it started, in
+(poller, scorer, admin page and API); nginx with the rendered infergate config. The
+edge requires API keys (``auth.mode = "required"``) unless the file sets ``auth.mode``:
+a key for the tenant ``demo`` is created at start. Prints the URLs, the key and a curl
+example; Ctrl-C or SIGTERM stops every process it started, in
 reverse order.
 """
 
@@ -22,7 +24,7 @@ from urllib.parse import urlsplit
 import click
 import redis as redis_lib
 
-from . import procs, registry
+from . import apikeys, procs, registry
 from .config import ConfigError, NodeSettings, Settings, load_settings
 from .redis_conn import make_redis
 
@@ -117,6 +119,8 @@ def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
         settings = load_settings(config_path)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
+    if "mode" not in settings.auth.model_fields_set:
+        settings.auth.mode = "required"  # the stack runs with API keys unless the file says "off"
     if listen:
         _split_hostport(listen, "--listen")
         settings.edge.listen = listen
@@ -159,6 +163,9 @@ def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
         r = make_redis(settings.redis)
         for n in nodes:  # the nodes of this run replace same-named entries of an earlier one
             registry.put_node(r, n)
+        demo_key = None
+        if settings.auth.mode == "required":
+            demo_key, _ = apikeys.create_key(r, "demo", label="infergate up demo key")
         cfg = wd / "infergate.toml"
         _write_runtime_config(settings, cfg)
 
@@ -174,16 +181,18 @@ def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
 
         base = f"http://{edge_host}:{edge_port}"
         model = "sim-llama" if not node_urls else "<your model>"
+        key_line = f"\n  API key (demo)      {demo_key}" if demo_key else ""
+        key_header = f" -H 'Authorization: Bearer {demo_key}'" if demo_key else ""
         click.echo(f"""
 infergate is up.
   edge (OpenAI API)   {base}/v1
   admin page and API  http://{admin_host}:{admin_port}/   token: {settings.controlplane.admin_token}{' (generated)' if generated_token else ''}
   redis               {redis_desc}
   nodes               {', '.join(f'{n.name}={n.url}' for n in nodes)}
-  logs and config     {wd}
+  logs and config     {wd}{key_line}
 
 Try:
-  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\
+  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json'{key_header} \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
 
 Ctrl-C stops everything.""", err=False)
