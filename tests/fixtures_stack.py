@@ -144,6 +144,16 @@ http {{
 
 # --------------------------------------------------------------------------- simnodes
 
+def _stop_together(managed: list[procs.Managed]) -> None:
+    """SIGTERM every process first, then wait for each (SIGKILL after the grace)."""
+    import signal
+
+    for m in managed:
+        m.signal(signal.SIGTERM)
+    for m in reversed(managed):
+        m.stop()
+
+
 @dataclass
 class SimNode:
     """One ``infergate simnode`` process."""
@@ -187,10 +197,13 @@ class SimNode:
 @pytest.fixture
 def simnodes(workdir: Path) -> Iterator[Callable[..., list[SimNode]]]:
     """Factory: ``simnodes(n, "--max-running", "1", names=[...], time_scale=0.05)``.
-    Keyword options become ``--key-with-dashes value`` flags (True -> bare flag)."""
+    Keyword options become ``--key-with-dashes value`` flags (True -> bare flag) for
+    every node; ``node_flags={"name": ["--max-running", "1"]}`` adds flags to one node.
+    The nodes start together and are waited for together."""
     started: list[SimNode] = []
 
-    def start(n: int = 1, *flags: str, names: list[str] | None = None, **opts: Any) -> list[SimNode]:
+    def start(n: int = 1, *flags: str, names: list[str] | None = None,
+              node_flags: dict[str, list[str]] | None = None, **opts: Any) -> list[SimNode]:
         extra = list(flags)
         for k, v in opts.items():
             flag = "--" + k.replace("_", "-")
@@ -202,8 +215,9 @@ def simnodes(workdir: Path) -> Iterator[Callable[..., list[SimNode]]]:
         for i in range(n):
             name = names[i] if names else f"sim-{len(started) + 1}"
             port, cport = procs.free_port(), procs.free_port()
+            own = (node_flags or {}).get(name, [])
             argv = procs.infergate_argv("simnode", "--host", "127.0.0.1", "--port", str(port),
-                                        "--control-port", str(cport), "--name", name, *extra)
+                                        "--control-port", str(cport), "--name", name, *extra, *own)
             m = procs.Managed(name, argv, workdir / "logs" / f"{name}.log").start()
             node = SimNode(name, "127.0.0.1", port, cport, m)
             started.append(node)
@@ -216,8 +230,7 @@ def simnodes(workdir: Path) -> Iterator[Callable[..., list[SimNode]]]:
     try:
         yield start
     finally:
-        for node in reversed(started):
-            node.stop()
+        _stop_together([node.managed for node in started])
 
 
 # --------------------------------------------------------------------------- tiny upstreams

@@ -3,8 +3,8 @@
 --
 -- Eligible: healthy, state "active", an IP literal address, breaker not open (a
 -- half-open node admits exactly one probe at a time), not yet tried by this request.
--- A node whose breaker is ready for its probe is taken first (its one probe request),
--- otherwise power of two choices: two distinct nodes are sampled with probability
+-- A node whose breaker is ready for its probe is taken first by a request's first
+-- attempt (its one probe request; never by a retry), otherwise power of two choices: two distinct nodes are sampled with probability
 -- proportional to effective_weight and the one with the lower cost wins (ties: coin).
 --
 --   cost = inflight_cost * inflight / max_concurrency        (this edge's own load)
@@ -99,7 +99,10 @@ local function weighted(cands, n, total, skip)
 end
 
 -- Picks a node for the next attempt. Returns node, is_probe, eligible_count or nil.
-function _M.pick(t, tried, now)
+-- retry: a later attempt of the request; a retry never spends itself on a half-open
+-- probe (the first attempt of another request does that), so the tries granted on
+-- the first attempt go to nodes believed good.
+function _M.pick(t, tried, now, retry)
     local o = config.get()
     local cands, n, total = {}, 0, 0
     local probes = nil
@@ -110,17 +113,16 @@ function _M.pick(t, tried, now)
                 n = n + 1
                 cands[n] = node
                 total = total + node.effective_weight
-            elseif allow == "probe" then
+            elseif allow == "probe" and not retry then
                 probes = probes or {}
                 probes[#probes + 1] = node
             end
         end
     end
-    local eligible = n + (probes and #probes or 0)
     if probes then
         for _, node in ipairs(probes) do
             if breaker.take_probe(node.name) then
-                return node, true, eligible
+                return node, true, n + 1
             end
         end
     end
@@ -128,7 +130,7 @@ function _M.pick(t, tried, now)
         return nil, false, 0
     end
     if n == 1 then
-        return cands[1], false, eligible
+        return cands[1], false, 1
     end
     local a = weighted(cands, n, total, nil)
     local b = weighted(cands, n, total - a.effective_weight, a)
@@ -138,7 +140,7 @@ function _M.pick(t, tried, now)
     if d > TIE_EPSILON or (d >= -TIE_EPSILON and random() < 0.5) then
         a = b
     end
-    return a, false, eligible
+    return a, false, n
 end
 
 local function fail_no_node(req)
@@ -171,7 +173,7 @@ function _M.run()
     local t = snapshot.current()
     local tried = req.tried
     while true do
-        local node, probe, eligible = _M.pick(t, tried, now)
+        local node, probe, eligible = _M.pick(t, tried, now, n > 0)
         if not node then
             return fail_no_node(req)
         end
