@@ -17,6 +17,8 @@ COMMANDS: dict[str, str] = {
     "render-nginx": "controlplane.nginx_render:render_nginx_cmd",
     "nodes": "controlplane.admin.cli:nodes_cmd",
     "embedder": "controlplane.embedder.cli:embedder_cmd",
+    "warmup": "controlplane.warmup:warmup_cmd",
+    "cache": "controlplane.cache_cli:cache_cmd",
     "keys": "controlplane.keys_cli:keys_cmd",
 }
 
