@@ -190,3 +190,17 @@ def test_no_nodes_at_all_gets_503(tiny_upstreams, redis_server, edge_factory) ->
     res = requests.post(f"{edge.url}/v1/chat/completions", json=CHAT, timeout=10)
     _assert_openai_error(res, 503, code="no_healthy_upstream", etype="service_unavailable")
     _assert_openai_error(requests.get(f"{edge.url}/v1/models", timeout=10), 503)
+
+
+def test_teardown_log_check_catches_bad_lines(two_nodes) -> None:
+    """The edge fixture's error-log check (run after every edge test) really fires."""
+    edge, _ = two_nodes
+    assert edge.bad_log_lines() == []
+    clean = edge.error_log()
+    with open(edge.rendered.error_log, "a") as f:
+        f.write("2026/01/01 00:00:00 [warn] 1#1: *1 [lua] x.lua:1: writing a global Lua variable ('x')\n"
+                "2026/01/01 00:00:00 [crit] 1#1: *2 something bad\n")
+    try:
+        assert len(edge.bad_log_lines()) == 2
+    finally:
+        edge.rendered.error_log.write_text(clean)

@@ -227,3 +227,26 @@ def test_effective_weight_shapes_the_shares(three) -> None:
     edge.wait_snapshot(snap["version"])
     shares = _shares(edge, 60, workers=1)
     assert shares["a"] <= 12 and shares["b"] >= 18 and shares["c"] >= 18, shares
+
+
+def test_every_worker_routes_on_the_snapshot(tiny_upstreams, redis_server, edge_factory) -> None:
+    """Worker 0 alone talks to Redis; the other workers follow through the shared dict."""
+    a, b = tiny_upstreams(names=["a", "b"])
+    edge = edge_factory(edge_settings(redis_server.url, [a.node_settings(), b.node_settings()],
+                                      workers=2))
+    snap = write_snapshot(redis_server.client(), [a.snapshot_node(healthy=False), b.snapshot_node()])
+    seen: dict[int, int] = {}
+
+    def both_workers_on_snapshot() -> bool:
+        # a new connection each time, so both workers answer sooner or later
+        st = requests.get(f"{edge.url}/infergate/status", headers={"Connection": "close"},
+                          timeout=5).json()
+        seen[st["worker_pid"]] = st["snapshot"]["version"]
+        return len(seen) == 2 and all(v == snap["version"] for v in seen.values())
+
+    procs.wait_until(both_workers_on_snapshot, 15, what="both workers on the snapshot")
+    for _ in range(20):
+        res = requests.post(f"{edge.url}/v1/chat/completions", json=CHAT,
+                            headers={"Connection": "close"}, timeout=10)
+        assert res.headers["X-Infergate-Node"] == "b"
+    assert a.hits == 0

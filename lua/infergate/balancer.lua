@@ -4,8 +4,9 @@
 -- Eligible: healthy, state "active", an IP literal address, breaker not open (a
 -- half-open node admits exactly one probe at a time), not yet tried by this request.
 -- A node whose breaker is ready for its probe is taken first by a request's first
--- attempt (its one probe request; never by a retry), otherwise power of two choices: two distinct nodes are sampled with probability
--- proportional to effective_weight and the one with the lower cost wins (ties: coin).
+-- attempt (its one probe request; never by a retry), otherwise power of two choices:
+-- two distinct nodes are sampled with probability proportional to effective_weight
+-- and the one with the lower cost wins (ties: coin).
 --
 --   cost = inflight_cost * inflight / max_concurrency        (this edge's own load)
 --        + score + (saturated and 1 or 0)                     when the snapshot is fresh
