@@ -5,7 +5,7 @@
 --               "age_s", "stale", "leader", "redis_ok", "redis_error", "nodes"},
 --  "inflight_total",
 --  "admission": {"auth_rejected", "auth_unavailable", "rate_limited", "limits_local",
---                "shed", "deadline_exceeded"}   (counters, infergate.admission_stats)
+--                "shed", "deadline_exceeded", "waiting"}   (infergate.admission_stats)
 --  "nodes": [{"name", "host", "port", "state", "healthy", "weight", "effective_weight",
 --             "max_concurrency", "score", "saturated", "eligible", "inflight",
 --             "requests", "failures", "breaker", "consecutive_failures",
