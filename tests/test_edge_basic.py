@@ -190,6 +190,7 @@ def test_no_nodes_at_all_gets_503(tiny_upstreams, redis_server, edge_factory) ->
     res = requests.post(f"{edge.url}/v1/chat/completions", json=CHAT, timeout=10)
     _assert_openai_error(res, 503, code="no_healthy_upstream", etype="service_unavailable")
     _assert_openai_error(requests.get(f"{edge.url}/v1/models", timeout=10), 503)
+    assert edge.status()["nodes"] == []
 
 
 def test_teardown_log_check_catches_bad_lines(two_nodes) -> None:

@@ -13,8 +13,9 @@
 -- The body step reads the whole body (nginx already enforces client_max_body_size:
 -- too big -> 413 JSON from the error page). Bodies nginx buffered in memory are
 -- checked directly; a body nginx spilled to a temp file is read back from the file
--- (the template sets client_body_buffer_size = client_max_body_size so this only
--- happens for bodies without Content-Length). The body must be a JSON object.
+-- (blocking disk I/O; the rendered template sets client_body_buffer_size =
+-- client_max_body_size, so nginx keeps every accepted body in memory and this is only
+-- a fallback for hand-written configs). The body must be a JSON object.
 local cjson = require("cjson.safe")
 local errors = require("infergate.errors")
 local reqctx = require("infergate.reqctx")

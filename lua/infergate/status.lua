@@ -67,8 +67,19 @@ function _M.report(now)
         snapshot = snapshot.info(now),
         inflight_total = total,
         admission = require("infergate.admission_stats").all(),
-        nodes = setmetatable(nodes, cjson.array_mt),
+        nodes = nodes,
     }
+end
+
+-- JSON of a report; an empty node list stays an array (Debian's lua-cjson has no
+-- array_mt and would write {}).
+function _M.encode(report)
+    if #report.nodes > 0 then
+        return cjson.encode(report)
+    end
+    report.nodes = false
+    local text = cjson.encode(report)
+    return (text:gsub('"nodes":false', '"nodes":[]', 1))
 end
 
 function _M.run()
@@ -78,7 +89,7 @@ function _M.run()
     end
     ngx.header["Content-Type"] = "application/json"
     ngx.header["Cache-Control"] = "no-store"
-    ngx.say(cjson.encode(_M.report(ngx.now())))
+    ngx.say(_M.encode(_M.report(ngx.now())))
 end
 
 return _M
