@@ -5,9 +5,13 @@ Starts, in order: a local ``redis-server`` when none answers at ``redis.url`` (w
 nodes of different speeds unless ``--node URL`` names real servers; the control plane
 (poller, scorer, admin page and API); nginx with the rendered infergate config. The
 edge requires API keys (``auth.mode = "required"``) unless the file sets ``auth.mode``:
-a key for the tenant ``demo`` is created at start. Prints the URLs, the key and a curl
-example; Ctrl-C or SIGTERM stops every process it started, in
-reverse order.
+a key for the tenant ``demo`` is created at start. The response cache is on unless the
+file sets ``cache.enabled``, with the semantic-cache embedder (``infergate embedder``,
+model ``cache.embedder_model``) started on ``cache.embedder_url`` before nginx; when the
+embedder cannot start (package missing, model not loadable, port taken), the stack runs
+on with the exact cache only and says so ("semantic cache off"); when it exits later,
+semantic lookups answer BYPASS and the rest keeps running. Prints the URLs, the key and
+a curl example; Ctrl-C or SIGTERM stops every process it started, in reverse order.
 """
 
 from __future__ import annotations
@@ -75,6 +79,58 @@ def _sim_nodes(workdir: Path, stack: procs.ProcessSet, time_scale: float) -> lis
     return nodes
 
 
+#: Longest wait for the embedder to load its model and answer ``/healthz``, seconds.
+EMBEDDER_START_S = 180.0
+
+
+def _embedder_healthy(url: str) -> bool:
+    import requests
+
+    try:
+        return requests.get(f"{url}/healthz", timeout=1).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def _start_embedder(settings: Settings, workdir: Path, stack: procs.ProcessSet,
+                    timeout: float = EMBEDDER_START_S) -> str:
+    """Start the semantic-cache embedder for ``settings.cache`` and return a one-line
+    description for the banner. Reuses an embedder that already answers at
+    ``cache.embedder_url``, and never starts one for a non-local URL (the operator runs it
+    there); takes a free port when the local port is busy with something else.
+    On any failure stops what it started, sets ``cache.semantic = False`` and returns
+    ``"off (<reason>)"``: the stack then runs with the exact cache only."""
+    c = settings.cache
+    if not c.enabled:
+        return "off (cache.enabled = false)"
+    if not c.semantic:
+        return "off (cache.semantic = false)"
+    url = c.embedder_url
+    parts = urlsplit(url)
+    host = parts.hostname or "127.0.0.1"
+    if host not in LOCAL_HOSTS:
+        # an embedder the operator runs elsewhere; lookups fail open while it is away
+        return f"{url} (remote, not started here)"
+    if _embedder_healthy(url):
+        return f"{url} (already running)"
+    port = parts.port or 80
+    if procs.port_open("127.0.0.1", port):
+        port = procs.free_port()
+        url = c.embedder_url = f"http://127.0.0.1:{port}"
+    argv = procs.infergate_argv("embedder", "--listen", f"127.0.0.1:{port}",
+                                "--redis-url", settings.redis.url, "--model", c.embedder_model)
+    m = procs.Managed("embedder", argv, workdir / "logs" / "embedder.log").start()
+    try:
+        m.wait_ready(lambda: _embedder_healthy(url), timeout)
+    except procs.StartError as exc:
+        m.stop()
+        c.semantic = False
+        last = [ln for ln in str(exc).splitlines() if ln.strip()]
+        return f"off (the embedder did not start: {last[-1] if last else exc}; see {m.log_path})"
+    stack.add(m)
+    return f"{url} (model {c.embedder_model})"
+
+
 def _real_nodes(urls: tuple[str, ...], kind: str) -> list[NodeSettings]:
     nodes = []
     for i, url in enumerate(urls, 1):
@@ -121,6 +177,8 @@ def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
         raise click.ClickException(str(exc)) from None
     if "mode" not in settings.auth.model_fields_set:
         settings.auth.mode = "required"  # the stack runs with API keys unless the file says "off"
+    if "enabled" not in settings.cache.model_fields_set:
+        settings.cache.enabled = True  # the stack caches answers unless the file sets it
     if listen:
         _split_hostport(listen, "--listen")
         settings.edge.listen = listen
@@ -166,6 +224,9 @@ def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
         demo_key = None
         if settings.auth.mode == "required":
             demo_key, _ = apikeys.create_key(r, "demo", label="infergate up demo key")
+        semantic_desc = _start_embedder(settings, wd, stack)
+        if semantic_desc.startswith("off ("):
+            click.echo(f"semantic cache is off: {semantic_desc[5:-1]}", err=True)
         cfg = wd / "infergate.toml"
         _write_runtime_config(settings, cfg)
 
@@ -189,6 +250,7 @@ infergate is up.
   admin page and API  http://{admin_host}:{admin_port}/   token: {settings.controlplane.admin_token}{' (generated)' if generated_token else ''}
   redis               {redis_desc}
   nodes               {', '.join(f'{n.name}={n.url}' for n in nodes)}
+  response cache      {'on' if settings.cache.enabled else 'off'}; semantic cache {semantic_desc}
   logs and config     {wd}{key_line}
 
 Try:
@@ -197,8 +259,16 @@ Try:
 
 Ctrl-C stops everything.""", err=False)
         sys.stdout.flush()
+        embedder_gone = False
         while not stop.is_set():
             for m in stack.items:
+                if m.name == "embedder" and not m.alive():
+                    if not embedder_gone:
+                        click.echo(f"embedder exited; semantic lookups answer BYPASS, the rest "
+                                   f"runs on. Last lines of {m.log_path}:\n{m.log_tail()}",
+                                   err=True)
+                        embedder_gone = True
+                    continue
                 if not m.alive():
                     click.echo(f"{m.name} exited; stopping. Last lines of {m.log_path}:\n{m.log_tail()}", err=True)
                     stop.set()
