@@ -506,3 +506,68 @@ def test_concurrent_identical_misses_make_one_node_request(stack, edge) -> None:
     assert statuses == ["HIT"] * 5 + ["MISS"]
     assert stack.node_requests() == n + 1
     assert len({content_of(r) for r in results}) == 1
+
+
+# ----------------------------------------------------------------------------- tenants
+
+
+def test_tenants_never_share_answers(stack, edge_factory) -> None:
+    from controlplane import apikeys
+
+    s = cache_settings(stack)
+    s.auth.mode = "required"
+    edge = edge_factory(s)
+    k1, _ = apikeys.create_key(stack.r, "tenant-one")
+    k2, _ = apikeys.create_key(stack.r, "tenant-two")
+    body = body_of("Which language is spoken in Brazil?", temperature=0)
+    h1 = {"Authorization": f"Bearer {k1}"}
+    h2 = {"Authorization": f"Bearer {k2}"}
+    assert post(edge, body, headers=h1).headers["X-Cache-Status"] == "MISS"
+    k = keys.cache_entry(keys_for(CHAT, body, "tenant-one").exact)
+    procs.wait_until(lambda: stack.r.exists(k), 10, what="tenant-one entry")
+    assert json.loads(stack.r.get(k))["tenant"] == "tenant-one"
+    assert stack.r.sismember(keys.cache_index("tenant", "tenant-one"),
+                             keys_for(CHAT, body, "tenant-one").exact)
+    assert post(edge, body, headers=h1).headers["X-Cache-Status"] == "HIT"
+    other = post(edge, body, headers=h2)
+    assert other.status_code == 200 and other.headers["X-Cache-Status"] == "MISS"
+    assert post(edge, body).status_code == 401  # no key: answered by auth, never by the cache
+
+
+# ----------------------------------------------------------------------------- search index
+
+
+def test_semantic_hit_with_the_redis_search_index(stack, edge_factory, workdir) -> None:
+    from controlplane.embedder.redis_search import SearchRedisMissing, start_search_redis
+
+    port = procs.free_port()
+    try:
+        srv = start_search_redis(workdir / "search-redis", port)
+    except SearchRedisMissing as exc:
+        pytest.skip(f"Redis with the search module not installed: {exc}")
+    url = f"redis://127.0.0.1:{port}/0"
+    eport = procs.free_port()
+    emb = procs.Managed("embedder-search", procs.infergate_argv(
+        "embedder", "--listen", f"127.0.0.1:{eport}", "--redis-url", url,
+        "--index", "redis-search", "--threads", "2"), workdir / "logs" / "embedder-search.log")
+    try:
+        emb.start().wait_ready(lambda: _http_ok(f"http://127.0.0.1:{eport}/healthz"), 120)
+        health = requests.get(f"http://127.0.0.1:{eport}/healthz", timeout=5).json()
+        assert health["index_backend"] == "redis-search"
+        edge = edge_factory(cache_settings(stack, redis_url=url,
+                                           embedder_url=f"http://127.0.0.1:{eport}"))
+        r = redis.Redis(host="127.0.0.1", port=port, decode_responses=True)
+        body = body_of("How do I change my email address?", temperature=0)
+        first = post(edge, body)
+        assert first.headers["X-Cache-Status"] == "MISS"
+        k = keys_for(CHAT, body).exact
+        procs.wait_until(lambda: r.exists(keys.cache_entry(k)), 10, what="entry")
+        procs.wait_until(lambda: any(True for _ in r.scan_iter(
+            match=f"{keys.CACHE_VEC_PREFIX}*:{k}")), 20, what="vector")
+        res = post(edge, body_of("How can I change my email address?", temperature=0))
+        assert res.headers["X-Cache-Status"] == "HIT"
+        assert res.headers["X-Cache-Match"] == "semantic"
+        assert content_of(res) == content_of(first)
+    finally:
+        emb.stop()
+        srv.stop()
