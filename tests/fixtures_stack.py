@@ -2,8 +2,9 @@
 
 Factories (each tears down everything it started at the end of the test):
 
-- ``simnodes(n, *flags, names=None, **opts)`` -> list of :class:`SimNode`
-  (``infergate simnode`` processes on free ports, with a control port);
+- ``simnodes(n, *flags, names=None, node_flags=None, **opts)`` -> list of
+  :class:`SimNode` (``infergate simnode`` processes on free ports, with a control
+  port: ``url``, ``control_url``, ``set_faults(...)``, ``state()``);
 - ``tiny_upstreams(n, names=None)`` -> list of :class:`TinyUpstream` (in-process
   OpenAI-compatible HTTP servers with switchable modes, for deterministic edge tests);
 - ``edge_factory(settings, **render_opts)`` -> :class:`Edge` (render + start nginx;
@@ -15,7 +16,8 @@ Factories (each tears down everything it started at the end of the test):
 
 Helpers: :func:`edge_settings` (Settings for a test edge), :func:`snapshot_node` and
 :func:`write_snapshot` (a routing snapshot written straight into Redis, as the
-control plane would, see docs/internals.md).
+control plane would, see docs/internals.md), :func:`lua_eval` (run Lua with the
+infergate modules inside nginx's init_by_lua and get its result back as JSON).
 """
 
 from __future__ import annotations
@@ -35,9 +37,8 @@ import pytest
 import redis
 import requests
 
-from controlplane import keys, procs
+from controlplane import keys, paths, procs
 from controlplane.config import NodeSettings, Settings, settings_from_dict
-from controlplane import paths
 from controlplane.nginx_render import RenderedConfig, default_modules_dir, render_nginx, start_nginx
 
 #: Error-log lines that fail a test whatever it did.
@@ -602,12 +603,3 @@ def controlplane_factory(workdir: Path) -> Iterator[Callable[..., ControlPlanePr
     finally:
         for cp in reversed(started):
             cp.stop()
-
-
-def port_refuses(host: str, port: int) -> bool:
-    """True when nothing listens on host:port."""
-    try:
-        with socket.create_connection((host, port), timeout=0.5):
-            return False
-    except OSError:
-        return True
