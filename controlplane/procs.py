@@ -174,4 +174,8 @@ def start_redis(workdir: Path, port: int, extra: Sequence[str] = (),
             s.sendall(b"PING\r\n")
             return s.recv(16).startswith(b"+PONG")
 
-    return m.wait_ready(ping, timeout)
+    try:
+        return m.wait_ready(ping, timeout)
+    except StartError:
+        m.stop()
+        raise

@@ -185,3 +185,19 @@ def test_upstream_list_parsing(workdir: Path) -> None:
                     last("0.001, 0.600")}
     """, http_extra=DICTS)
     assert got == ["200", "200", "-", "nil", "0.600"]
+
+
+def test_two_nodes_split_by_weight_when_idle(workdir: Path) -> None:
+    # With two eligible nodes both are always sampled: the weights (and the slow-start
+    # ramp, which lowers effective_weight) must still shape the shares.
+    got = run(workdir, """
+            local t = tbl({node("ramp", {effective_weight = 0.25}), node("full")}, true)
+            local idle = count_picks(t, 1000)
+            -- the in-flight term is per unit of weight: 1 in flight on the ramping node
+            -- costs 1 / (10 * 0.25) = 0.4, more than 3 on the full node (0.3)
+            stats.open_attempt("ramp", ngx.now())
+            for _ = 1, 3 do stats.open_attempt("full", ngx.now()) end
+            return {idle = idle, loaded = count_picks(t, 100)}
+    """)
+    assert 120 < got["idle"]["ramp"] < 280                 # expected 200 of 1000 (0.25 / 1.25)
+    assert got["loaded"] == {"full": 100}

@@ -6,9 +6,10 @@
 -- A node whose breaker is ready for its probe is taken first by a request's first
 -- attempt (its one probe request; never by a retry), otherwise power of two choices:
 -- two distinct nodes are sampled with probability proportional to effective_weight
--- and the one with the lower cost wins (ties: coin).
+-- and the one with the lower cost wins (ties: a coin, see below).
 --
---   cost = inflight_cost * inflight / max_concurrency        (this edge's own load)
+--   cost = inflight_cost * inflight / (max_concurrency * w)  (this edge's own load;
+--                                                             w = effective_weight)
 --        + score + (saturated and 1 or 0)                     when the snapshot is fresh
 --                                                              and the node has a score
 --        | min(latency_ewma_s / latency_norm_s, 1)            otherwise (stale snapshot,
@@ -22,6 +23,9 @@
 -- Costs closer than TIE_EPSILON (0.01: 300 ms of latency EWMA at the default 30 s
 -- latency_norm_s, or less than one request in flight at max_concurrency 64) count as a
 -- tie and a coin decides, so measurement noise does not send everything to one node.
+-- With exactly two eligible nodes both are always sampled, so that coin is weighted by
+-- effective_weight: weights (and the slow-start ramp after an undrain) still shape the
+-- shares.
 -- The in-flight term moves with every pick, so an idle-looking score a few seconds old
 -- cannot herd all traffic onto one node. Retries: the first call grants as many extra
 -- tries as there are other eligible nodes (at most max_tries - 1); on each later call
@@ -51,7 +55,7 @@ _M.TIE_EPSILON = TIE_EPSILON
 
 function _M.cost(node, fresh, o, now)
     local name = node.name
-    local c = o.inflight_cost * stats.inflight(name) / node.max_concurrency
+    local c = o.inflight_cost * stats.inflight(name) / (node.max_concurrency * node.effective_weight)
     if fresh and node.score then
         c = c + node.score
         if node.saturated then
@@ -138,7 +142,13 @@ function _M.pick(t, tried, now, retry)
     local fresh = snapshot.is_fresh(t, now)
     local ca, cb = _M.cost(a, fresh, o, now), _M.cost(b, fresh, o, now)
     local d = ca - cb
-    if d > TIE_EPSILON or (d >= -TIE_EPSILON and random() < 0.5) then
+    -- With two candidates both are always sampled, so the tie coin carries the weights;
+    -- with more, the weighted sampling already does and the coin is fair.
+    local pa = 0.5
+    if n == 2 then
+        pa = a.effective_weight / (a.effective_weight + b.effective_weight)
+    end
+    if d > TIE_EPSILON or (d >= -TIE_EPSILON and random() >= pa) then
         a = b
     end
     return a, false, n
