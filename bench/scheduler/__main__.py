@@ -11,9 +11,9 @@ definitions: bench/README.md, bench/scheduler/workload.py and stats.py.
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import click
@@ -76,11 +76,15 @@ def _names(value: str, allowed: tuple[str, ...], what: str) -> list[str]:
               "[default all three; --quick steady,node_hang].")
 @click.option("--strategies", default=",".join(STRATEGIES), show_default=True,
               help="Comma list of strategies to run.")
+@click.option("--max-concurrency", type=click.IntRange(1, 100000), default=None,
+              help="max_concurrency of every node for the infergate balancer and its load "
+              "shedding [default: twice the batch size].")
 @click.option("--seed", type=int, default=7, show_default=True, help="Seed of the load.")
 @click.option("--keep", is_flag=True, help="Keep the scratch folder (configs, logs).")
 def main(quick: bool, prompts_path: str | None, out_dir: str, time_scale: float | None,
          window_sim_s: float | None, loads: str | None, fault_load: float,
-         scenarios: str | None, strategies: str, seed: int, keep: bool) -> None:
+         scenarios: str | None, strategies: str, max_concurrency: int | None, seed: int,
+         keep: bool) -> None:
     """Benchmark the infergate balancer against nginx round-robin and least_conn."""
     ts = time_scale or (0.1 if quick else 0.2)
     window = window_sim_s or (30.0 if quick else 120.0)
@@ -125,6 +129,7 @@ def main(quick: bool, prompts_path: str | None, out_dir: str, time_scale: float 
         "capacity_sim_rps": round(cap_sim, 4),
         "capacity_wall_rps": round(cap_wall, 4),
         **spec_dict(spec, lengths),
+        "max_concurrency": max_concurrency or 2 * spec.max_running,
         "faulty_node": FAULTY_NODE,
         "fault_at_s": round(window_wall * FAULT_AT, 3),
         "faults": FAULTS,
@@ -139,7 +144,8 @@ def main(quick: bool, prompts_path: str | None, out_dir: str, time_scale: float 
     try:
         with sigterm_as_interrupt(), Stack("infergate-bench-sched-", keep=keep) as stack:
             nodes = start_pool(stack, spec, ts)
-            base = start_infergate_base(stack, nodes, spec, ts) if "infergate" in strats else None
+            base = (start_infergate_base(stack, nodes, spec, ts, max_concurrency)
+                    if "infergate" in strats else None)
             rconn = redis.Redis.from_url(base.redis_url, socket_timeout=2) if base else None
             workloads = {}
             for i, (scenario, frac, strategy) in enumerate(plan, 1):
@@ -172,7 +178,8 @@ def main(quick: bool, prompts_path: str | None, out_dir: str, time_scale: float 
                     clear_faults(nodes)
                 rec = {"scenario": scenario, "strategy": strategy, "load_fraction": frac,
                        "offered_rps": round(wl.rate_rps, 3), "deadline_s": deadline,
-                       "time_scale": ts, "window_s": window_wall}
+                       "time_scale": ts, "window_s": window_wall,
+                       "loadavg_1m": round(os.getloadavg()[0], 2)}
                 rec.update(summarise(run.results, deadline_s=deadline, duration_s=window_wall,
                                      states=run.states, max_running=spec.max_running,
                                      faulty=faulty))

@@ -4,10 +4,11 @@ edge config).
 
 Time constants: the pool runs ``time_scale`` wall seconds per simulated second, so every
 time constant of the balancers is scaled by the same factor (the default value x
-``time_scale``): the control plane's poll interval, the edge's snapshot sync interval
-and stale age, breaker cooldown, ``latency_norm_s``, nginx ``fail_timeout`` and the
-proxy read/send timeouts and retry window. Connect timeouts and the poll timeout are
-network facts and stay unscaled.
+``time_scale``): the control plane's poll interval and slow start, the edge's snapshot
+sync interval and stale age, breaker cooldown, ``latency_norm_s``, the admission wait
+and the edge deadlines (request and stream idle), nginx ``fail_timeout`` and the proxy
+read/send timeouts and retry window. Connect timeouts and the poll timeout are network
+facts and stay unscaled.
 
 Plain nginx baselines: ``upstream { server ...; }`` with nginx's defaults
 (``max_fails=1``, ``fail_timeout`` 10 s scaled, in whole seconds as nginx
@@ -164,12 +165,15 @@ def render_plain(strategy: str, nodes: list[SimNodeProc], out_dir: Path, port: i
 
 
 def infergate_settings(redis_url: str, nodes: list[SimNodeProc], spec: PoolSpec,
-                       time_scale: float) -> Settings:
-    """Settings of the infergate stack: defaults, time constants scaled, one nginx
-    worker, nodes with ``max_concurrency`` = the batch size, weight 1 (the balancer is
-    not told which nodes are fast), and the response cache off when the settings have
-    one."""
+                       time_scale: float, max_concurrency: int | None = None) -> Settings:
+    """Settings of the infergate stack: defaults with the time constants scaled (see the
+    module docstring; also the admission wait and the edge deadlines when the settings
+    have them), one nginx worker, weight 1 on every node (the balancer is not told which
+    nodes are fast), ``max_concurrency`` (default: twice the batch size, a queue as long
+    as the batch, which even the slow nodes clear well within the deadline), API keys
+    not required and the response cache off."""
     ts = time_scale
+    maxc = max_concurrency or 2 * spec.max_running
     data: dict = {
         "redis": {"url": redis_url},
         "edge": {
@@ -184,17 +188,19 @@ def infergate_settings(redis_url: str, nodes: list[SimNodeProc], spec: PoolSpec,
             "leader_ttl_s": 5.0, "slow_start_s": 30.0 * ts,
         },
         "scoring": {"latency_norm_s": 30.0 * ts},
-        "nodes": [{"name": n.name, "url": n.url, "kind": "vllm",
-                   "max_concurrency": spec.max_running} for n in nodes],
+        "nodes": [{"name": n.name, "url": n.url, "kind": "vllm", "max_concurrency": maxc}
+                  for n in nodes],
     }
     fields = Settings.model_fields
+    if "auth" in fields:
+        data["auth"] = {"mode": "off"}
+    if "admission" in fields:
+        data["admission"] = {"max_wait_ms": int(500 * ts)}
+    if "deadlines" in fields:
+        data["deadlines"] = {"request_ms": int(30000 * ts), "stream_idle_ms": int(30000 * ts)}
     if "cache" in fields:
         data["cache"] = {"enabled": False}
-    try:
-        return settings_from_dict(data, "scheduler benchmark")
-    except ValueError:
-        data.pop("cache", None)
-        return settings_from_dict(data, "scheduler benchmark")
+    return settings_from_dict(data, "scheduler benchmark")
 
 
 @dataclass
@@ -208,7 +214,7 @@ class InfergateStack:
 
 
 def start_infergate_base(stack: Stack, nodes: list[SimNodeProc], spec: PoolSpec,
-                         time_scale: float) -> InfergateStack:
+                         time_scale: float, max_concurrency: int | None = None) -> InfergateStack:
     """Start redis-server and ``infergate controlplane`` on free ports and wait for the
     first routing snapshot that has every node healthy."""
     import tomli_w
@@ -216,7 +222,7 @@ def start_infergate_base(stack: Stack, nodes: list[SimNodeProc], spec: PoolSpec,
     rport = procs.free_port()
     r_m = stack.add(procs.start_redis(stack.dir / "redis", rport))
     redis_url = f"redis://127.0.0.1:{rport}/0"
-    settings = infergate_settings(redis_url, nodes, spec, time_scale)
+    settings = infergate_settings(redis_url, nodes, spec, time_scale, max_concurrency)
     cport = procs.free_port()
     settings.controlplane.listen = f"127.0.0.1:{cport}"
     cfg = stack.dir / "infergate.toml"
