@@ -165,8 +165,9 @@ def run_warmup(prompts: list[Prompt], edge: str, r: redis_lib.Redis | None, *,
     """Send ``prompts`` through ``edge`` (``http://host:port``) with at most
     ``concurrency`` requests at once; skip those already in the cache (``r`` None: no
     skipping). ``progress``: callable(n) advanced once per prompt. After sending, waits
-    up to ``store_wait_s`` seconds for the entries to appear (they are written just after
-    each answer). Returns the :class:`Summary`."""
+    for the entries to appear (they are written just after each answer): until all are
+    there, none appeared for 1 s, or ``store_wait_s`` seconds passed. Returns the
+    :class:`Summary`."""
     summary = Summary()
     headers = {"Content-Type": "application/json"}
     if api_key:
@@ -217,7 +218,10 @@ def run_warmup(prompts: list[Prompt], edge: str, r: redis_lib.Redis | None, *,
                 progress(1)
 
     if r is not None and sent_keys:
+        # entries land a few ms after their answer; stop when all are there, or when none
+        # appeared for a second (the rest were not storable: cut short, ...)
         deadline = time.monotonic() + store_wait_s
+        last, last_change = -1, time.monotonic()
         while True:
             try:
                 pipe = r.pipeline(transaction=False)
@@ -226,7 +230,10 @@ def run_warmup(prompts: list[Prompt], edge: str, r: redis_lib.Redis | None, *,
                 found = sum(int(x) for x in pipe.execute())
             except redis_lib.RedisError:
                 found = 0
-            if found >= len(sent_keys) or time.monotonic() >= deadline:
+            now = time.monotonic()
+            if found != last:
+                last, last_change = found, now
+            if found >= len(sent_keys) or now >= deadline or now - last_change >= 1.0:
                 summary.stored = found
                 break
             time.sleep(0.1)

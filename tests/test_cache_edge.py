@@ -329,7 +329,7 @@ def test_server_error_is_not_stored(stack, edge) -> None:
         res = post(edge, body)
     finally:
         stack.node.set_faults(error_rate=0.0)
-    assert res.status_code >= 500
+    assert res.status_code >= 500 and res.headers["X-Cache-Status"] == "MISS"
     wait_counted(stack, before, "misses")
     assert not stack.r.exists(keys.cache_entry(exact_key(body)))
     ok = post(edge, body)
@@ -413,7 +413,8 @@ def test_hit_is_served_when_no_node_is_eligible(stack, edge) -> None:
         edge.wait_snapshot(snap["version"])
         res = post(edge, body)
         assert res.status_code == 200 and res.headers["X-Cache-Status"] == "HIT"
-        assert post(edge, body_of("Unseen question?", temperature=0)).status_code == 503
+        unseen = post(edge, body_of("Unseen question?", temperature=0))
+        assert unseen.status_code == 503 and unseen.headers["X-Cache-Status"] == "MISS"
     finally:
         snap = write_snapshot(stack.r, [stack.node.snapshot_node()])
         edge.wait_snapshot(snap["version"])
