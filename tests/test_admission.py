@@ -131,3 +131,30 @@ def test_shedding_off_lets_requests_through(redis_server, tiny_upstreams, edge_f
     res = post(edge.url)
     assert res.status_code == 200
     assert edge.status()["admission"]["shed"] == 0
+
+
+def test_cache_hit_is_served_while_every_node_is_saturated(redis_server, tiny_upstreams,
+                                                           edge_factory) -> None:
+    (up,) = tiny_upstreams(1)
+    s = settings(redis_server.url, [up.node_settings()], max_wait_ms=200)
+    s.cache.enabled = True
+    s.cache.semantic = False
+    edge = edge_factory(s)
+    body = {"model": "tiny", "temperature": 0, "messages": [{"role": "user", "content": "cached?"}]}
+    first = post(edge.url, body)
+    assert first.status_code == 200, first.text
+    procs.wait_until(lambda: post(edge.url, body).headers.get("X-Cache-Status") == "HIT", 5,
+                     what="the answer to be stored in the cache")
+    hits = up.hits
+
+    r = redis_server.client()
+    snap = write_snapshot(r, [up.snapshot_node(saturated=True)])
+    edge.wait_snapshot(snap["version"])
+    started = time.monotonic()
+    res = post(edge.url, body)
+    assert res.status_code == 200 and res.headers["X-Cache-Status"] == "HIT"
+    assert time.monotonic() - started < 0.15, "a hit does not wait for capacity"
+    assert res.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
+    # any other request is shed
+    assert_shed(post(edge.url, {**body, "messages": [{"role": "user", "content": "new"}]}))
+    assert up.hits == hits
