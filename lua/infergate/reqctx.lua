@@ -7,6 +7,9 @@
 -- State: {id, route = "inference"|"models", stream = bool, model = string|nil,
 --         http_version = client's (1.0, 1.1, 2.0), attempts = {attempt records, see
 --         infergate.stats}, tried = {name = true}, invalid_answer = node name|nil}
+-- Admission control adds: tenant ("default" with auth off), key_id, key_limits
+-- (infergate.auth); est_tokens, ratelimit, track_usage, usage, headers_out
+-- (infergate.ratelimit, infergate.usage); deadline, deadline_bound (infergate.deadline).
 local _M = {}
 
 local pending = {}
