@@ -475,6 +475,9 @@ def test_redis_down_is_bypass_and_the_request_is_answered(stack, edge_factory, w
             res = post(edge, body)
             assert res.status_code == 200 and res.headers["X-Cache-Status"] == "BYPASS"
             assert content_of(res)
+        own = procs.start_redis(workdir / "redis-own", port)  # back, empty
+        procs.wait_until(lambda: post(edge, body).headers["X-Cache-Status"] != "BYPASS", 10,
+                         interval=0.3, what="cache lookups again after Redis returned")
     finally:
         own.stop()
 

@@ -13,7 +13,8 @@
 --     than text (image, audio, file); n > 1; logprobs asked (token positions cannot be
 --     replayed); temperature above max_temperature (absent = 1.0, the API default).
 --   * Cache-Control: no-cache: not read, the fresh answer is stored (BYPASS).
---   * exact: GET infergate:v1:cache:entry:<key>; Redis down -> BYPASS, nothing stored.
+--   * exact: GET infergate:v1:cache:entry:<key>; Redis down -> BYPASS, nothing stored
+--     (after a failed call the worker skips Redis for REDIS_RETRY_S = 1 s).
 --   * coalescing: on an exact miss the first request takes a lock in the shared dict
 --     (add with TTL coalesce_wait_s); identical requests arriving meanwhile poll the entry
 --     every coalesce_poll_ms and serve it as an exact HIT when it appears, or go on when
@@ -255,7 +256,15 @@ local redis_conf, redis_conf_err
 local redis_down_logged = false
 local embedder_down_logged = false
 
+-- after a failed Redis call the worker skips Redis for this long (s): a Redis that
+-- drops packets would otherwise cost every request the full timeout
+_M.REDIS_RETRY_S = 1.0
+local redis_down_until = 0
+
 local function redis_connect()
+    if ngx.now() < redis_down_until then
+        return nil, "redis unavailable (retrying in under " .. _M.REDIS_RETRY_S .. " s)"
+    end
     if not redis_conf and not redis_conf_err then
         redis_conf, redis_conf_err = redis.parse_url(config.get().redis_url)
     end
@@ -288,11 +297,15 @@ end
 local function with_redis(fn)
     local rc, err = redis_connect()
     if not rc then
+        if ngx.now() >= redis_down_until then
+            redis_down_until = ngx.now() + _M.REDIS_RETRY_S
+        end
         return nil, err
     end
     local res, ferr = fn(rc)
     if ferr then
         rc:close()
+        redis_down_until = ngx.now() + _M.REDIS_RETRY_S
         return nil, ferr
     end
     rc:keepalive()
