@@ -153,6 +153,10 @@ class AdmissionSettings(_Section):
     """``Retry-After`` of the 429, whole seconds."""
 
 
+#: The API paths the edge serves (locations of nginx/infergate-server.conf.j2).
+API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models")
+
+
 class RouteDeadlineSettings(_Section):
     """Per-path overrides of ``[deadlines]``; fields left out keep the global value."""
 
@@ -179,8 +183,9 @@ class DeadlineSettings(_Section):
     @classmethod
     def _paths(cls, v: dict[str, RouteDeadlineSettings]) -> dict[str, RouteDeadlineSettings]:
         for path in v:
-            if not path.startswith("/") or any(c.isspace() for c in path):
-                raise ValueError(f"deadlines.routes: {path!r} is not a path like /v1/embeddings")
+            if path not in API_PATHS:
+                raise ValueError(f"deadlines.routes: unknown path {path!r} "
+                                 f"(one of {', '.join(API_PATHS)})")
         return v
 
 

@@ -40,7 +40,8 @@ def test_example_file_documents_the_defaults() -> None:
     ({"admission": {"retry_after_s": 0}}, "admission.retry_after_s"),
     ({"admission": {"poll_ms": 0}}, "admission.poll_ms"),
     ({"deadlines": {"stream_idle_ms": 0}}, "deadlines.stream_idle_ms"),
-    ({"deadlines": {"routes": {"v1/chat": {"request_ms": 5}}}}, "not a path"),
+    ({"deadlines": {"routes": {"v1/chat": {"request_ms": 5}}}}, "unknown path 'v1/chat'"),
+    ({"deadlines": {"routes": {"/v1/chat": {"request_ms": 5}}}}, "unknown path"),
     ({"deadlines": {"routes": {"/v1/chat/completions": {"bogus": 5}}}}, "bogus"),
 ])
 def test_bad_settings_are_named(data, message) -> None:
