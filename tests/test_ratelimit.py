@@ -12,6 +12,7 @@ from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import pytest
 import requests
 
 from controlplane import apikeys, keys, procs
@@ -198,3 +199,25 @@ def test_script_sha_matches_redis(redis_server, tiny_upstreams, edge_factory) ->
     r = redis_server.client()
     assert r.script_exists(sha) == [True]  # loaded by the EVAL fallback: EVALSHA works next
     assert post(edge.url).status_code == 200
+
+
+def test_openai_client_sees_rate_limit_and_auth_errors(redis_server, tiny_upstreams, edge_factory) -> None:
+    import openai
+
+    r = redis_server.client()
+    key, _ = apikeys.create_key(r, "acme", rpm=1)
+    (up,) = tiny_upstreams(1)
+    edge = edge_factory(settings(redis_server.url, [up.node_settings()]))
+    client = openai.OpenAI(base_url=f"{edge.url}/v1", api_key=key, max_retries=0, timeout=10)
+    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=CHAT["messages"])
+    assert raw.headers["x-ratelimit-remaining-requests"] == "0"
+    assert raw.parse().choices[0].message.content == f"hello from {up.name}"
+    with pytest.raises(openai.RateLimitError) as limited:
+        client.chat.completions.create(model="tiny", messages=CHAT["messages"])
+    exc = limited.value
+    assert exc.status_code == 429 and exc.code == "rate_limit_exceeded" and exc.type == "requests"
+    assert int(exc.response.headers["retry-after"]) >= 1
+    bad = openai.OpenAI(base_url=f"{edge.url}/v1", api_key="ig-wrong", max_retries=0, timeout=10)
+    with pytest.raises(openai.AuthenticationError) as refused:
+        bad.models.list()
+    assert refused.value.status_code == 401 and refused.value.code == "invalid_api_key"
