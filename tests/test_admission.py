@@ -39,7 +39,7 @@ def assert_shed(res: requests.Response, retry_after: int = 1) -> None:
 def test_all_saturated_sheds_within_the_wait_bound(redis_server, tiny_upstreams, edge_factory) -> None:
     ups = tiny_upstreams(2)
     edge = edge_factory(settings(redis_server.url, [u.node_settings() for u in ups],
-                                 max_wait_ms=300, retry_after_s=2))
+                                 max_wait_ms=1000, retry_after_s=2))
     r = redis_server.client()
     snap = write_snapshot(r, [u.snapshot_node(saturated=True, queue_depth=40) for u in ups])
     edge.wait_snapshot(snap["version"])
@@ -49,7 +49,7 @@ def test_all_saturated_sheds_within_the_wait_bound(redis_server, tiny_upstreams,
         res = post(edge.url)
         elapsed = time.monotonic() - started
         assert_shed(res, retry_after=2)
-        assert 0.28 <= elapsed < 1.5, elapsed  # waited for capacity, then answered: no timeout
+        assert 0.95 <= elapsed < 2.5, elapsed  # waited for capacity, then answered: no timeout
     assert sum(u.hits for u in ups) == 0
     assert edge.status()["admission"]["shed"] == 2
     # GET /v1/models is not shed
@@ -60,7 +60,7 @@ def test_all_saturated_sheds_within_the_wait_bound(redis_server, tiny_upstreams,
     edge.wait_snapshot(snap["version"])
     started = time.monotonic()
     res = post(edge.url)
-    assert res.status_code == 200 and time.monotonic() - started < 0.25
+    assert res.status_code == 200 and time.monotonic() - started < 0.5
     assert res.headers["X-Infergate-Node"] == ups[1].name
 
 
@@ -136,7 +136,7 @@ def test_shedding_off_lets_requests_through(redis_server, tiny_upstreams, edge_f
 def test_cache_hit_is_served_while_every_node_is_saturated(redis_server, tiny_upstreams,
                                                            edge_factory) -> None:
     (up,) = tiny_upstreams(1)
-    s = settings(redis_server.url, [up.node_settings()], max_wait_ms=200)
+    s = settings(redis_server.url, [up.node_settings()], max_wait_ms=1000)
     s.cache.enabled = True
     s.cache.semantic = False
     edge = edge_factory(s)
@@ -153,7 +153,7 @@ def test_cache_hit_is_served_while_every_node_is_saturated(redis_server, tiny_up
     started = time.monotonic()
     res = post(edge.url, body)
     assert res.status_code == 200 and res.headers["X-Cache-Status"] == "HIT"
-    assert time.monotonic() - started < 0.15, "a hit does not wait for capacity"
+    assert time.monotonic() - started < 0.5, "a hit does not wait for capacity"
     assert res.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
     # any other request is shed
     assert_shed(post(edge.url, {**body, "messages": [{"role": "user", "content": "new"}]}))
