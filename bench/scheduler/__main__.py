@@ -70,8 +70,9 @@ def _names(value: str, allowed: tuple[str, ...], what: str) -> list[str]:
               help="Arrival window of each run, simulated seconds [default 120; --quick 30].")
 @click.option("--loads", default=None, help="Load fractions of the pool capacity for the "
               "steady scenario [default 0.5,0.75,0.9,1.05,1.2; --quick 0.6,1.1].")
-@click.option("--fault-load", type=click.FloatRange(0.05, 5), default=0.8, show_default=True,
-              help="Load fraction of the fault scenarios.")
+@click.option("--fault-load", type=click.FloatRange(0.05, 5), default=0.5, show_default=True,
+              help="Load fraction (of the whole pool's capacity) of the fault scenarios; "
+              "0.5 is 80 %% of what remains without the faulty fast node.")
 @click.option("--scenarios", default=None, help="Comma list of steady,node_errors,node_hang "
               "[default all three; --quick steady,node_hang].")
 @click.option("--strategies", default=",".join(STRATEGIES), show_default=True,
