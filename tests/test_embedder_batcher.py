@@ -109,3 +109,28 @@ def test_bad_settings() -> None:
         MicroBatcher(lambda x: x, max_batch=0)
     with pytest.raises(ValueError):
         MicroBatcher(lambda x: x, max_wait_s=-1)
+
+
+def test_lone_item_does_not_wait_when_nobody_else_is_expected() -> None:
+    """With expected() == items in hand, the worker does not sit out max_wait_s (60 s)."""
+    rec = Recorder()
+    b = MicroBatcher(rec, max_batch=8, max_wait_s=60.0, expected=lambda: 1)
+    try:
+        assert b.submit(4).result(timeout=10) == 40
+    finally:
+        b.close()
+
+
+def test_waits_for_expected_items() -> None:
+    """expected() says two items are coming: the worker holds the first until the second
+    arrives (well within max_wait_s) and embeds both together."""
+    rec = Recorder()
+    b = MicroBatcher(rec, max_batch=8, max_wait_s=30.0, expected=lambda: 2)
+    try:
+        first = b.submit(1)
+        assert not first.done()
+        second = b.submit(2)
+        assert (first.result(timeout=10), second.result(timeout=10)) == (10, 20)
+        assert rec.batches == [[1, 2]]
+    finally:
+        b.close()

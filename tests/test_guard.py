@@ -27,6 +27,13 @@ from controlplane.embedder import guard
     ("额度可以提高吗", "额度可以降低吗", "antonym:增加/减少"),
     ("What is the best phone?", "What is the worst phone?", "antonym:max/min"),
     ("How to upload photos", "How to download photos", "antonym:upload/download"),
+    ("重庆到西安的火车票", "西安到重庆的火车票", "order"),
+    ("为什么我左脸比右脸大?", "为什么我右脸比左脸大?", "order"),
+    ("How to convert pdf to word", "How to convert word to pdf", "order"),
+    ("皖是哪个省会的简称", "滇是哪个省会的简称", "key_terms"),
+    ("彬字的行书怎么写", "焱字的行书是怎么写", "key_terms"),
+    ("What is the capital of France?", "What is the capital of Germany?", "key_terms"),
+    ("Shotgun safety rules in Wisconsin", "Shotgun safety rules in Michigan", "key_terms"),
 ])
 def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason: str) -> None:
     res = guard.check(query, candidate)
@@ -52,6 +59,11 @@ def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason
     ("How do I enable wifi?", "How do I enable or disable wifi?"),
     ("我要关闭微粒贷，怎么办", "微粒贷能关闭吗"),
     ("Why can't I log in?", "Why am I unable to log in?"),
+    ("重庆到西安的火车票", "从重庆到西安的火车票多少钱"),
+    ("怎么用电脑扫描二维码", "怎么扫描二维码"),
+    ("How do I get funded for a new app idea?", "How do I get funding for my app idea?"),
+    ("What is the best book for learning Python?", "Which is the best book to learn Python?"),
+    ("糯米网账户余额怎么退回银行卡？", "百度糯米里面的余额怎么转回银行卡里面？"),
     ("", ""),
 ])
 def test_passes_equivalent_pairs(query: str, candidate: str) -> None:
@@ -72,6 +84,9 @@ def test_passes_equivalent_pairs(query: str, candidate: str) -> None:
     ("查一下", {}),
     ("统一的一个问题", {}),
     ("007 and 7", {"7": 2}),
+    ("百度一下", {}),
+    ("千万别借", {}),
+    ("两只狗", {"2": 1}),
 ])
 def test_numbers(text: str, expected: dict) -> None:
     assert dict(guard.numbers(text)) == expected

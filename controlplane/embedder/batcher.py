@@ -2,9 +2,11 @@
 
 One worker thread owns the model. It takes the first waiting item, then keeps collecting
 for at most ``max_wait_s`` (default 5 ms) or until ``max_batch`` items (default 32) are in
-hand, and runs the encode function once on the whole batch. A lone request pays at most
-``max_wait_s`` extra; under load, batches fill up and the per-text cost falls, so
-throughput grows with concurrency.
+hand, and runs the encode function once on the whole batch. Under load, items pile up
+while the model runs, batches fill up and the per-text cost falls, so throughput grows
+with concurrency. An optional ``expected()`` callback (items currently wanted by callers,
+e.g. requests in flight) lets the worker stop waiting as soon as every expected item is
+in the batch, so a lone request does not pay the wait.
 
 Pure logic: the encode function is injected (``list[T] -> sequence of results, same
 length``), so the batcher is unit-tested without a model.
@@ -43,7 +45,7 @@ class MicroBatcher(Generic[T, R]):
 
     def __init__(self, encode: Callable[[list[T]], Sequence[R]], max_batch: int = 32,
                  max_wait_s: float = 0.005, on_batch: Callable[[int], None] | None = None,
-                 name: str = "embed-batcher"):
+                 name: str = "embed-batcher", expected: Callable[[], int] | None = None):
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         if max_wait_s < 0:
@@ -52,6 +54,7 @@ class MicroBatcher(Generic[T, R]):
         self.max_batch = max_batch
         self.max_wait_s = max_wait_s
         self._on_batch = on_batch
+        self._expected = expected
         self._q: queue.SimpleQueue[_Item[T, R] | None] = queue.SimpleQueue()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -79,11 +82,18 @@ class MicroBatcher(Generic[T, R]):
         deadline = time.monotonic() + self.max_wait_s
         stop = False
         while len(batch) < self.max_batch:
-            remaining = deadline - time.monotonic()
             try:
-                item = self._q.get_nowait() if remaining <= 0 else self._q.get(timeout=remaining)
+                item = self._q.get_nowait()
             except queue.Empty:
-                break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or (self._expected is not None
+                                      and self._expected() <= len(batch)):
+                    break  # out of time, or nobody else is about to submit
+                try:
+                    item = self._q.get(timeout=min(remaining, 0.001)
+                                       if self._expected is not None else remaining)
+                except queue.Empty:
+                    continue
             if item is None:
                 stop = True
                 break

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass
@@ -97,9 +98,11 @@ class Engine:
         self.metrics = Metrics()
         self.index = open_index(r, self.model_slug, model.dim, index_backend,
                                 subscribe=subscribe)
+        self._inflight = 0
+        self._inflight_lock = threading.Lock()
         self.batcher: MicroBatcher[str, np.ndarray] = MicroBatcher(
             self._encode_batch, max_batch=max_batch, max_wait_s=max_wait_ms / 1000.0,
-            on_batch=self.metrics.batch_size.observe)
+            on_batch=self.metrics.batch_size.observe, expected=lambda: self._inflight)
 
     @property
     def default_min_similarity(self) -> float:
@@ -113,9 +116,11 @@ class Engine:
 
         Raises :class:`EngineUnavailable` when the model fails or takes longer than
         ``embed_timeout_s``."""
-        futs = self.batcher.submit_many(texts)
-        deadline = time.monotonic() + self.embed_timeout_s
+        with self._inflight_lock:
+            self._inflight += len(texts)
         try:
+            futs = self.batcher.submit_many(texts)
+            deadline = time.monotonic() + self.embed_timeout_s
             rows = [f.result(timeout=max(0.0, deadline - time.monotonic())) for f in futs]
         except FutureTimeout:
             self.metrics.errors.labels("embed_timeout").inc()
@@ -124,6 +129,9 @@ class Engine:
         except EmbedError as exc:
             self.metrics.errors.labels("embed").inc()
             raise EngineUnavailable(str(exc)) from exc
+        finally:
+            with self._inflight_lock:
+                self._inflight -= len(texts)
         if not rows:
             return np.zeros((0, self.model.dim), dtype=np.float32)
         return np.vstack(rows).astype(np.float32, copy=False)

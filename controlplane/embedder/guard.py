@@ -13,8 +13,15 @@ the cached entry's text (the last user message of each):
   ``never``, ``n't`` ...; Chinese 不 / 没 / 无 / 未 / 别 / 非 / 否 / 勿, after removing
   A-not-A questions such as 能不能 / 有没有 and words that do not negate such as 不错,
   非常, 别人, 是否, 未来).
-- ``antonym:<a>/<b>``: both texts use a word of the pair (enable/disable, 借/还, 开通/关闭,
-  增加/减少, ...) but not the same side of it.
+- ``antonym:<a>/<b>``: one text uses only one side of a pair (enable/disable, 借/还,
+  开通/关闭, 增加/减少, ...) and the other text only the other side.
+- ``order``: the two sides of a direction or comparison are swapped (重庆到西安 /
+  西安到重庆, 左脸比右脸大 / 右脸比左脸大, convert pdf to word / convert word to pdf).
+- ``key_terms``: a near-copy with one or two key terms replaced: each text has 1 or 2 key
+  terms the other lacks (Chinese characters outside a function-character list such as
+  皖 / 滇; English words outside a stop list such as Wisconsin / Michigan). The entity
+  swap is the classic wrong hit of a semantic cache; the price is some synonym
+  paraphrases (make / earn money) that are no longer served.
 
 All functions are pure (no I/O) and never raise on any ``str`` input. Results are
 deterministic. The effect on the labelled dev sets is measured by ``bench/cache_quality``.
@@ -54,7 +61,7 @@ _CN_DIGITS = {"零": 0, "〇": 0, "一": 1, "二": 2, "两": 2, "三": 3, "四":
 _CN_SMALL_UNITS = {"十": 10, "百": 100, "千": 1000}
 _CN_BIG_UNITS = {"万": 10_000, "亿": 100_000_000}
 _CN_NUM_CHARS = "".join(_CN_DIGITS) + "".join(_CN_SMALL_UNITS) + "".join(_CN_BIG_UNITS)
-_COUNTERS = "个元块月年天日期次号岁分秒周笔张笔倍成折件位名条家层"
+_COUNTERS = "个元块月年天日期次号岁分秒周笔张倍成折件位名条家层只本种款辆台套"
 
 # Full-width digits and separators -> ASCII, so "１０００" reads as 1000.
 _FULLWIDTH = str.maketrans("０１２３４５６７８９，．％", "0123456789,.%")
@@ -122,6 +129,8 @@ def numbers(text: str) -> Counter[str]:
         s = m.group(0)
         has_unit = any(c in _CN_SMALL_UNITS or c in _CN_BIG_UNITS for c in s)
         nxt = text[m.end():m.end() + 1]
+        if not any(c in _CN_DIGITS for c in s):
+            continue  # 百度, 千万 (by all means), 十分 (very): a magnitude alone is a word
         if s in ("一", "〇", "零") and not has_unit:
             continue  # 一下 / 一个 / 统一: not a quantity worth comparing
         if not has_unit and nxt not in _COUNTERS and len(s) < 2:
@@ -229,7 +238,7 @@ def _sides(text_lower: str, words_en: frozenset[str],
 
 
 def antonym_conflict(query: str, candidate: str) -> str | None:
-    """Name of the first antonym pair the two texts use on different sides, else None.
+    """Name of the first antonym pair the two texts use on opposite sides, else None.
 
     A conflict needs one text to use only side A and the other only side B: "enable X" vs
     "disable X" conflicts; "enable X" vs "turn X on" (same side), "enable X" vs "X settings"
@@ -243,12 +252,122 @@ def antonym_conflict(query: str, candidate: str) -> str | None:
     return None
 
 
+# ---------------------------------------------------------------- Chinese key characters
+
+_CJK_RE = re.compile(r"[\u4e00-\u9fff]")
+#: Characters that carry no topic: particles, pronouns, question words, copulas, common
+#: verbs of asking. What is left are the key characters (the things asked about).
+_ZH_FUNCTION = frozenset(
+    "的了吗呢啊吧呀么嘛哦哈是在有和与或及也都就还又很太最更请问您你我他她它们这那哪个些"
+    "什怎样如何为啥谁几多少能可以会要想把被给让对于从到向往比跟同等之其此所着过得地"
+    "一下里上中吗么啦喔嗯呐哇")
+KEY_CHAR_MAX = 2
+"""A substitution of at most this many key terms on each side is a different question
+(皖/滇, 左/右, Wisconsin/Michigan); a longer rewording is left to the threshold."""
+
+_EN_STOP = frozenset("""
+a about above after again all also am an and any are as at be been being both but by can
+could did do does doing done during each else ever for from get gets getting got had has
+have having he her here hers him his how i if in into is it its itself just let lets me
+might more most much must my myself no nor not now of off on once one only or other our
+ours out over own per please really same shall she should so some such than that the
+their theirs them then there these they thing things this those through to too under
+until up upon us very was way ways we were what whats when where whether which while who
+whom whose why will with without would yet you your yours yourself anyone someone
+something anything everything people person
+""".split())
+
+
+def _stem(w: str) -> str:
+    """Crude English suffix stripping, enough to match funded/funding, indians/indian."""
+    w = w.split("'")[0]
+    for suf in ("ing", "ed", "es", "ly", "s"):
+        if len(w) > len(suf) + 3 and w.endswith(suf):
+            return w[: -len(suf)]
+    return w
+
+
+def _antonym_words() -> frozenset[str]:
+    return frozenset(w for _, a, b in ANTONYMS for phrase in a + b if phrase.isascii()
+                     for w in phrase.split())
+
+
+_ANTONYM_WORDS = _antonym_words()
+
+
+def key_terms(text: str) -> set[str]:
+    """Key terms of ``text``: Chinese characters outside the function list, and English
+    words outside a stop list (crudely stemmed). Words of the antonym pairs are left to
+    the antonym check (so "enable" / "turn on" is no substitution); digits to the number
+    check."""
+    t = text[:MAX_GUARD_CHARS]
+    zh = {c for c in _CJK_RE.findall(t) if c not in _ZH_FUNCTION}
+    en = {_stem(w) for w in _EN_WORD_RE.findall(t.lower())
+          if w not in _EN_STOP and w not in _ANTONYM_WORDS}
+    return zh | {w for w in en if w and w not in _EN_STOP}
+
+
+def key_chars(text: str) -> set[str]:
+    """Chinese key characters of ``text`` (see :func:`key_terms`)."""
+    return {c for c in _CJK_RE.findall(text[:MAX_GUARD_CHARS]) if c not in _ZH_FUNCTION}
+
+
+def key_term_substitution(query: str, candidate: str) -> bool:
+    """True when each text has 1..KEY_CHAR_MAX key terms the other lacks: a near-copy with
+    a word swapped for another ("皖是哪个省会的简称" / "滇是哪个省会的简称", "shotgun rules
+    in Wisconsin" / "shotgun rules in Michigan"). Pure additions or removals ("小孔雀鱼" /
+    "孔雀鱼") and longer rewordings are not flagged."""
+    q, c = key_terms(query), key_terms(candidate)
+    only_q, only_c = q - c, c - q
+    return 0 < len(only_q) <= KEY_CHAR_MAX and 0 < len(only_c) <= KEY_CHAR_MAX
+
+
+def key_char_substitution(query: str, candidate: str) -> bool:
+    """:func:`key_term_substitution` on Chinese key characters only."""
+    q, c = key_chars(query), key_chars(candidate)
+    only_q, only_c = q - c, c - q
+    return 0 < len(only_q) <= KEY_CHAR_MAX and 0 < len(only_c) <= KEY_CHAR_MAX
+
+
+_ZH_DIRECTION = "到比转"
+_EN_DIRECTION = frozenset({"to", "into", "than", "vs", "versus"})
+_EN_SKIP = frozenset({"a", "an", "the", "my", "your", "from", "of"})
+
+
+def _zh_pairs(text: str) -> set[tuple[str, str]]:
+    t = "".join(c for c in text[:MAX_GUARD_CHARS] if _CJK_RE.match(c)
+                and (c not in _ZH_FUNCTION or c in _ZH_DIRECTION))
+    out = set()
+    for i, ch in enumerate(t):
+        if ch in _ZH_DIRECTION and i >= 2 and i + 2 < len(t) + 0:
+            out.add((t[i - 2:i], t[i + 1:i + 3]))
+    return out
+
+
+def _en_pairs(text: str) -> set[tuple[str, str]]:
+    words = [w for w in _EN_WORD_RE.findall(text[:MAX_GUARD_CHARS].lower())
+             if w not in _EN_SKIP]
+    return {(words[i - 1], words[i + 1]) for i, w in enumerate(words)
+            if w in _EN_DIRECTION and 0 < i < len(words) - 1}
+
+
+def swapped(query: str, candidate: str) -> bool:
+    """True when the two sides of a direction or comparison are swapped: "重庆到西安" /
+    "西安到重庆", "左脸比右脸大" / "右脸比左脸大", "convert pdf to word" / "convert word to pdf"."""
+    for pairs in (_zh_pairs, _en_pairs):
+        pq, pc = pairs(query), pairs(candidate)
+        if any((b, a) in pc and a != b and (a, b) not in pc for a, b in pq):
+            return True
+    return False
+
+
 # ---------------------------------------------------------------- the guard
 
 def check(query: str, candidate: str) -> GuardResult:
     """Decide whether ``candidate`` (the cached entry's text) may answer ``query``.
 
-    Checks, in order: numbers, negation, antonyms; the first that differs rejects.
+    Checks, in order: numbers, negation, antonyms, swapped sides (``order``), key-term
+    substitution (``key_terms``); the first that differs rejects.
     Never raises for ``str`` inputs (non-``str`` is treated as empty text)."""
     q = query if isinstance(query, str) else ""
     c = candidate if isinstance(candidate, str) else ""
@@ -259,4 +378,8 @@ def check(query: str, candidate: str) -> GuardResult:
     conflict = antonym_conflict(q, c)
     if conflict:
         return GuardResult(False, f"antonym:{conflict}")
+    if swapped(q, c):
+        return GuardResult(False, "order")
+    if key_term_substitution(q, c):
+        return GuardResult(False, "key_terms")
     return PASS
