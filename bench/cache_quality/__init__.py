@@ -1,0 +1,1 @@
+"""Semantic-cache quality benchmark (see run.py)."""
