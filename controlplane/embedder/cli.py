@@ -45,15 +45,20 @@ def _split_listen(listen: str) -> tuple[str, int]:
 @click.option("--max-batch", default=32, show_default=True, type=click.IntRange(1, 512))
 @click.option("--max-wait-ms", default=5.0, show_default=True, type=click.FloatRange(0, 100))
 @click.option("--top-k", default=3, show_default=True, type=click.IntRange(1, 50))
-@click.option("--threads", default=8, show_default=True, type=click.IntRange(1, 256),
-              help="waitress worker threads.")
+@click.option("--threads", default=32, show_default=True, type=click.IntRange(1, 256),
+              help="waitress worker threads (requests handled at once; they wait on the "
+                   "micro-batcher, so more threads allow bigger batches).")
+@click.option("--model-threads", default=1, show_default=True, type=click.IntRange(0, 256),
+              envvar="INFERGATE_EMBEDDER_MODEL_THREADS",
+              help="CPU threads of a local model (0 = library default).")
 @click.option("--redis-wait-s", default=30.0, show_default=True, type=click.FloatRange(0),
               help="How long to wait for Redis at start.")
 @click.option("--no-queue", is_flag=True, help="Do not consume the index queue.")
 def embedder_cmd(config_path: str | None, listen: str, redis_url: str | None, model: str,
                  embeddings_url: str, embeddings_model: str, embeddings_api_key: str,
                  index_backend: str, max_batch: int, max_wait_ms: float, top_k: int,
-                 threads: int, redis_wait_s: float, no_queue: bool) -> None:
+                 threads: int, model_threads: int, redis_wait_s: float,
+                 no_queue: bool) -> None:
     """Serve semantic lookups and index cache entries (see docs/internals.md)."""
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -74,8 +79,8 @@ def embedder_cmd(config_path: str | None, listen: str, redis_url: str | None, mo
     from .models import ModelLoadError, ModelSpec, load_model
 
     timeout = settings.redis.socket_timeout_s
-    r = connect(url, timeout)
-    r_block = connect(url, timeout, blocking=True)
+    r = connect(url, timeout, redis_settings=settings.redis)
+    r_block = connect(url, timeout, blocking=True, redis_settings=settings.redis)
     try:
         procs.wait_until(lambda: bool(r.ping()), redis_wait_s, interval=0.5,
                          what=f"Redis at {url}")
@@ -83,7 +88,8 @@ def embedder_cmd(config_path: str | None, listen: str, redis_url: str | None, mo
         raise click.ClickException(str(exc)) from None
 
     spec = ModelSpec(model=model, embeddings_url=embeddings_url,
-                     embeddings_model=embeddings_model, embeddings_api_key=embeddings_api_key)
+                     embeddings_model=embeddings_model, embeddings_api_key=embeddings_api_key,
+                     threads=model_threads)
     try:
         m = load_model(spec)
     except ModelLoadError as exc:

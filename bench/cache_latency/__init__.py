@@ -1,0 +1,1 @@
+"""Semantic-cache latency benchmark (see run.py)."""
