@@ -241,7 +241,8 @@ def test_wrk_post_script_holds_bodies_verbatim():
     script = wrk.post_script(['{"x": 1}', tricky], {"Content-Type": "application/json"})
     assert 'wrk.method = "POST"' in script
     assert "[==[" + tricky + "]==]" in script
-    assert '[[Content-Type]]' in script and "STATUSES" in script
+    assert "wrk.headers[ [[Content-Type]] ] = [[application/json]]" in script
+    assert "STATUSES" in script
     with pytest.raises(ValueError):
         wrk.post_script([], {})
 
@@ -265,3 +266,12 @@ def test_edge_overhead_records_ratios_and_unavailable_rows():
     assert recs[4] == {"row": "infergate_semantic_hit", "available": False, "reason": "not measured"}
     table = common.format_table(edge_main.table_rows(recs), edge_main.COLUMNS)
     assert table.count("not available") == 2
+
+
+def test_case_variants_are_distinct_and_keep_the_words():
+    text = "How do I improve my spoken English?"
+    assert edge_main.case_variant(text, 0) == text
+    assert edge_main.case_variant(text, 1) == "how do I improve my spoken English?"
+    variants = {edge_main.case_variant(text, i) for i in range(5000)}
+    assert len(variants) == 5000
+    assert {v.lower() for v in variants} == {text.lower()}

@@ -112,7 +112,7 @@ def post_script(bodies: list[str], headers: dict[str, str]) -> str:
               "end",
               "wrk.method = \"POST\""]
     for k, v in headers.items():
-        lines.append(f"wrk.headers[{_lua_string(k)}] = {_lua_string(v)}")
+        lines.append(f"wrk.headers[ {_lua_string(k)} ] = {_lua_string(v)}")
     lines += [
         "function request()",
         "  i = i % #bodies + 1",
@@ -159,7 +159,8 @@ def wrk_binary() -> str:
 
 def run(url: str, script: Path, *, duration_s: float, connections: int, threads: int = 1,
         timeout_s: float = 5.0) -> WrkResult:
-    """``wrk --latency`` against ``url`` with ``script``; raises :class:`WrkError`."""
+    """``wrk --latency`` against ``url`` with ``script`` (from :func:`post_script`).
+    Raises :class:`WrkError` when wrk fails or the script did not run."""
     argv = [wrk_binary(), f"-t{threads}", f"-c{connections}", f"-d{max(1, round(duration_s))}s",
             f"--timeout={max(1, round(timeout_s))}s", "--latency", "-s", str(script), url]
     try:
@@ -168,4 +169,8 @@ def run(url: str, script: Path, *, duration_s: float, connections: int, threads:
         raise WrkError(f"wrk did not finish: {' '.join(argv)}") from None
     if res.returncode != 0:
         raise WrkError(f"wrk failed ({res.returncode}): {res.stderr.strip() or res.stdout[-500:]}")
-    return parse(res.stdout)
+    out = parse(res.stdout)
+    if out.statuses is None:
+        # wrk goes on with plain GETs when its script fails to load: refuse the numbers
+        raise WrkError(f"the wrk script {script} did not run: {res.stderr.strip()[:500]}")
+    return out
