@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 NodeKind = Literal["vllm", "tgi", "sglang", "json", "openai"]
 """Metrics dialect of a node. ``openai`` means "no metrics endpoint" (llama.cpp without
@@ -39,9 +40,46 @@ class _Section(BaseModel):
 
 
 class RedisSettings(_Section):
+    """The one Redis every part shares (forms of ``url``: :mod:`controlplane.redis_url`)."""
+
     url: str = "redis://127.0.0.1:6379/0"
-    """``redis://[:password@]host:port/db`` (``rediss://`` for TLS)."""
+    """``redis://[[user]:password@]host[:port][/db]``; ``rediss://`` for TLS;
+    ``redis+sentinel://[[user]:password@]h1[:26379][,h2[:26379]...]/<service>[/db]`` for
+    Redis Sentinel (the master of ``<service>``, followed across failovers)."""
     socket_timeout_s: float = 0.5
+    tls_verify: bool = True
+    """``rediss://``: check the server certificate against ``tls_ca_file`` and the host
+    name in the URL (the edge compares it with the certificate's DNS names only: use a
+    name, not an IP address). ``false`` encrypts without checking (test setups only)."""
+    tls_ca_file: str = ""
+    """PEM file of the CA(s) that sign the server certificate; empty = the system bundle
+    (``/etc/ssl/certs/ca-certificates.crt`` at the edge). The edge renders it as
+    ``lua_ssl_trusted_certificate``."""
+    tls_cert_file: str = ""
+    """PEM client certificate, for servers that ask for one (Redis' ``tls-auth-clients
+    yes``, its default); empty = none. Needs ``tls_key_file``."""
+    tls_key_file: str = ""
+    """PEM private key of ``tls_cert_file`` (read by nginx's master process at start)."""
+    sentinel_password: str = ""
+    """Password of the sentinels (their ``requirepass``), if any; the password of the Redis
+    servers themselves goes in the URL."""
+    sentinel_refresh_s: float = Field(default=5.0, gt=0, le=3600)
+    """How often the edge asks the sentinels for the master again (seconds); it also asks
+    at once after a connection error or a ``READONLY`` answer."""
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        from .redis_url import parse_redis_url
+
+        parse_redis_url(v)  # RedisURLError is a ValueError: reported as redis.url
+        return v
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> "RedisSettings":
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("redis.tls_cert_file and redis.tls_key_file go together")
+        return self
 
 
 class EdgeSettings(_Section):
@@ -73,6 +111,13 @@ class EdgeSettings(_Section):
     """Idle keepalive connections per worker to the nodes."""
     workers: int = 2
     """``worker_processes`` of the standalone config."""
+    metrics_listen: str = "127.0.0.1:9145"
+    """``host:port`` of the edge's Prometheus ``/metrics`` (a separate ``server {}`` in the
+    http include); empty = no metrics server. Anyone who reaches it can read it: keep it
+    on an internal address."""
+    client_body_timeout_ms: int = Field(default=60000, ge=1, le=3600000)
+    """Longest wait between two reads of a request body (nginx ``client_body_timeout``);
+    a client that stalls longer gets 408 JSON."""
 
 
 class ScoringSettings(_Section):

@@ -21,7 +21,11 @@ Every ``edge.*`` setting is used: ``listen`` (standalone ``listen``), ``edge_id`
 and the balancer's extra tries; ``*_timeout_ms`` -> ``proxy_*_timeout`` and the
 balancer's ``set_timeouts``; ``retry_window_s`` -> ``proxy_next_upstream_timeout``;
 ``client_max_body_size`` -> ``client_max_body_size`` and ``client_body_buffer_size``;
-``keepalive`` -> upstream ``keepalive``; ``workers`` -> ``worker_processes``. From
+``keepalive`` -> upstream ``keepalive``; ``workers`` -> ``worker_processes``;
+``metrics_listen`` -> the ``server {}`` of ``GET /metrics`` in the http include (none when
+empty); ``client_body_timeout_ms`` -> ``client_body_timeout`` and the Lua body read. The
+``[redis]`` TLS and Sentinel options go to the Lua options (``redis_tls_*``,
+``redis_sentinel_*``), ``tls_ca_file`` to ``lua_ssl_trusted_certificate``. From
 ``scoring``, ``latency_norm_s`` normalises the latency term of the balancer cost. The
 ``auth``, ``limits``, ``admission`` and ``deadlines`` sections become the ``admission``
 option (:func:`controlplane.admission.edge_admission_options`).
@@ -47,6 +51,7 @@ from . import paths, procs
 from .cache_edge import render_context as cache_render_context
 from .admission import edge_admission_options
 from .config import ConfigError, Settings, load_settings
+from .redis_url import RedisURLError, parse_redis_url
 
 #: Files written by :func:`render_nginx`, by template name.
 TEMPLATES = {
@@ -163,6 +168,24 @@ def _lua_long_bracket(text: str) -> str:
     return "=" * level
 
 
+#: Debian's CA bundle (package ca-certificates), used for rediss:// without tls_ca_file.
+SYSTEM_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+
+
+def _redis_ca_file(settings: Settings) -> str | None:
+    """``lua_ssl_trusted_certificate`` for a ``rediss://`` URL: ``redis.tls_ca_file``, else
+    the system bundle; ``None`` without verification. Raises :class:`RenderError` when the
+    file is missing (nginx would refuse to start)."""
+    r = settings.redis
+    if not r.tls_verify:
+        return None
+    path = r.tls_ca_file or SYSTEM_CA_BUNDLE
+    if not Path(path).is_file():
+        raise RenderError(f"redis.tls_ca_file: no such file {path!r} (needed to verify the "
+                          "Redis server certificate; or set redis.tls_verify = false)")
+    return str(Path(path).resolve())
+
+
 def default_modules_dir() -> str:
     """First existing folder holding ``ngx_http_lua_module.so`` (Debian layout)."""
     for d in DEFAULT_MODULES_DIRS:
@@ -222,6 +245,12 @@ def edge_options(settings: Settings, edge_id: str, nodes: list[dict]) -> dict:
         "breaker_cooldown_s": e.breaker_cooldown_s,
         "inflight_cost": e.inflight_cost,
         "latency_norm_s": settings.scoring.latency_norm_s,
+        "redis_tls_verify": settings.redis.tls_verify,
+        "redis_tls_cert_file": settings.redis.tls_cert_file,
+        "redis_tls_key_file": settings.redis.tls_key_file,
+        "redis_sentinel_password": settings.redis.sentinel_password,
+        "redis_sentinel_refresh_s": settings.redis.sentinel_refresh_s,
+        "client_body_timeout_ms": e.client_body_timeout_ms,
         "admission": edge_admission_options(settings),
         "nodes": nodes,
     }
@@ -278,19 +307,20 @@ def render_nginx(settings: Settings, out_dir: str | Path, *, listen: str | None 
     edge_id = settings.edge.edge_id or f"{socket.gethostname()}:{port}"
 
     try:
-        r = urlsplit(settings.redis.url)
-    except ValueError as exc:
+        target = parse_redis_url(settings.redis.url)
+    except RedisURLError as exc:
         raise RenderError(f"redis.url: {exc}") from None
-    if r.scheme != "redis":
-        raise RenderError(f"redis.url: the edge speaks plain redis:// only, got {r.scheme!r}://")
-    try:
-        r.port
-    except ValueError as exc:
-        raise RenderError(f"redis.url: {exc}") from None
-    redis_host = r.hostname or ""
-    if not redis_host:
-        raise RenderError("redis.url has no host")
-    needs_resolver = _ip_literal(redis_host) is None and redis_host != "localhost"
+    redis_hosts = [target.host or ""] if target.kind == "direct" else [h for h, _ in target.sentinels]
+    names = [h for h in redis_hosts if _ip_literal(h) is None and h != "localhost"]
+    redis_host = ", ".join(names or redis_hosts)
+    needs_resolver = bool(names)
+    redis_ca_file = _redis_ca_file(settings) if target.tls else None
+    metrics_listen = settings.edge.metrics_listen.strip()
+    if metrics_listen:
+        split_listen(metrics_listen)
+        if metrics_listen == listen:
+            raise RenderError(f"edge.metrics_listen {metrics_listen!r} is the API listen address; "
+                              "use another port (or \"\" for no metrics server)")
     if needs_resolver and not resolver:
         found = _system_resolvers()
         resolver = " ".join(found) if found else None
@@ -333,6 +363,9 @@ def render_nginx(settings: Settings, out_dir: str | Path, *, listen: str | None 
         "error_log_level": error_log_level,
         "access_log": str(pre / "logs" / "access.log"),
         "listen": listen,
+        "metrics_listen": metrics_listen,
+        "redis_ca_file": redis_ca_file,
+        "client_body_timeout": _duration(settings.edge.client_body_timeout_ms),
         "http_conf": str(files["infergate-http.conf"]),
         "server_conf": str(files["infergate-server.conf"]),
         "nginx_conf": str(files["nginx.conf"]),

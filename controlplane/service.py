@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -43,9 +44,11 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from . import keys, registry
-from .config import ConfigError, NodeSettings, Settings, load_settings
+from .config import ConfigError, NodeSettings, RedisSettings, Settings, load_settings
 from .leader import LeaderElector, make_id
 from .poller import NodeStatus, NodeTracker, Poller
+from .redis_conn import make_redis
+from .redis_url import parse_redis_url
 from .registry import NodeState
 from .snapshot import (
     DRAIN_GRACE_SYNCS, EDGE_FRESH_FACTOR, HostResolver, build_snapshot, drain_decisions,
@@ -109,6 +112,10 @@ class ControlPlane:
         self._lock = threading.Lock()
         self._scheduler: Any = None
         self._last_job_error: str | None = None
+        #: Called with every finished cycle's report (e.g. the Prometheus exporter).
+        self.cycle_listeners: list[Callable[[CycleReport], None]] = []
+        #: Redis failures seen so far (one per failed step of a cycle).
+        self.redis_errors = 0
         if cp.leader_ttl_s < 2 * cp.poll_interval_s:
             log.warning("controlplane.leader_ttl_s (%g s) is under twice poll_interval_s "
                         "(%g s): the leader lock may expire between renewals",
@@ -117,6 +124,7 @@ class ControlPlane:
     # -- Redis bookkeeping ---------------------------------------------------------
 
     def _redis_failed(self, exc: Exception) -> None:
+        self.redis_errors += 1
         if self.redis_ok is not False:
             log.warning("redis unreachable (%s: %s); polling continues on the last known "
                         "%d nodes, writes resume when it answers",
@@ -207,6 +215,11 @@ class ControlPlane:
                 self._write(report, nodes, now)
             report.duration_ms = (time.monotonic() - t0) * 1000
             self.last_report = report
+            for listener in self.cycle_listeners:
+                try:
+                    listener(report)
+                except Exception:  # noqa: BLE001 - a listener never stops the loop
+                    log.exception("cycle listener failed")
             return report
 
     def _health_changed(self, st: NodeStatus) -> None:
@@ -323,12 +336,14 @@ class ControlPlane:
 # -- command line ----------------------------------------------------------------------
 
 
-def make_client(url: str, timeout_s: float) -> redis.Redis:
+def make_client(url: str, timeout_s: float,
+                redis_settings: RedisSettings | None = None) -> redis.Redis:
     """Redis client for the control plane: short timeouts and a single immediate retry,
-    so a cycle with Redis down costs milliseconds, not seconds of backoff."""
-    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                decode_responses=True, health_check_interval=10,
-                                retry=Retry(NoBackoff(), 1))
+    so a cycle with Redis down costs milliseconds, not seconds of backoff. ``url`` may be
+    any form of :mod:`controlplane.redis_url` (TLS and Sentinel options from
+    ``redis_settings``)."""
+    return make_redis(redis_settings or RedisSettings(url=url), url=url,
+                      socket_timeout_s=timeout_s, retry=Retry(NoBackoff(), 1))
 
 
 def split_listen(value: str) -> tuple[str, int]:
@@ -365,10 +380,17 @@ def controlplane_cmd(config_path: str | None, listen: str | None, redis_url: str
 
     from .admin import create_app
 
-    r = make_client(settings.redis.url, settings.redis.socket_timeout_s)
+    from werkzeug.middleware.dispatcher import DispatcherMiddleware
+
+    from .exporter import ControlPlaneMetrics
+
+    r = make_client(settings.redis.url, settings.redis.socket_timeout_s, settings.redis)
     cp = ControlPlane(settings, r)
+    # GET /metrics: Prometheus text format (controlplane/exporter.py), no login
+    app = DispatcherMiddleware(create_app(settings, r),
+                               {"/metrics": ControlPlaneMetrics(cp).wsgi_app()})
     try:
-        server = waitress.create_server(create_app(settings, r), host=host, port=port,
+        server = waitress.create_server(app, host=host, port=port,
                                         threads=8, ident="infergate")
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from None
@@ -383,7 +405,8 @@ def controlplane_cmd(config_path: str | None, listen: str | None, redis_url: str
     signal.signal(signal.SIGINT, stop)
     log.info("control plane %s: %d configured node(s), poll every %g s, redis %s, "
              "admin on http://%s:%d/", cp.id, len(settings.nodes),
-             settings.controlplane.poll_interval_s, settings.redis.url, host, port)
+             settings.controlplane.poll_interval_s,
+             parse_redis_url(settings.redis.url).describe(), host, port)
     try:
         cp.start()
         server.run()

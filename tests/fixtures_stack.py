@@ -458,6 +458,12 @@ class Edge:
     def url(self) -> str:
         return self.rendered.url
 
+    @property
+    def metrics_url(self) -> str:
+        """``http://host:port/metrics`` of the edge's Prometheus server ("" when off)."""
+        listen = self.settings.edge.metrics_listen
+        return f"http://{listen}/metrics" if listen else ""
+
     def status(self) -> dict:
         """``GET /infergate/status`` (see lua/infergate/status.lua)."""
         res = requests.get(f"{self.url}/infergate/status", timeout=5)
@@ -513,11 +519,16 @@ def edge_factory(workdir: Path) -> Iterator[Callable[..., Edge]]:
     """Factory: ``edge_factory(settings, openresty=False, listen=None, check_log=True)``.
 
     At teardown, for each edge: in-flight counters must come back to zero and the
-    error log must be clean (see :data:`BAD_LOG_RE`); then nginx is stopped."""
+    error log must be clean (see :data:`BAD_LOG_RE`); then nginx is stopped. Unless the
+    settings set ``edge.metrics_listen`` themselves, the metrics server listens on a free
+    loopback port (``Edge.metrics_url``), never on the fixed default."""
     edges: list[Edge] = []
 
     def start(settings: Settings, *, listen: str | None = None, check_log: bool = True,
               **render_opts: Any) -> Edge:
+        if "metrics_listen" not in settings.edge.model_fields_set:
+            settings = settings.model_copy(deep=True)
+            settings.edge.metrics_listen = f"127.0.0.1:{procs.free_port()}"
         i = len(edges) + 1
         listen = listen or f"127.0.0.1:{procs.free_port()}"
         base = workdir / f"edge-{i}"

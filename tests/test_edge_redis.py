@@ -212,7 +212,7 @@ def test_parse_url(workdir: Path, url: str, expect: dict) -> None:
 @pytest.mark.parametrize("url,message", [
     ("", "non-empty"),
     ("127.0.0.1:6379", "redis://"),
-    ("rediss://h:1/0", "TLS"),
+    ("rediss+sentinel://h:1/m", "TLS"),
     ("http://h:1", "unsupported"),
     ("redis://h:99999/0", "port out of range"),
     ("redis://h:1/x", "db number"),

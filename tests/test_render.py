@@ -180,7 +180,7 @@ def test_bad_edge_values_are_rejected(workdir: Path) -> None:
     with pytest.raises(RenderError, match="client_max_body_size"):
         render_nginx(_settings(client_max_body_size="lots"), workdir / "out", listen="127.0.0.1:1")
     s = _settings()
-    s.redis.url = "rediss://127.0.0.1:6390/0"
+    s.redis.url = "unix:///tmp/redis.sock"
     with pytest.raises(RenderError, match="redis://"):
         render_nginx(s, workdir / "out", listen="127.0.0.1:1")
 

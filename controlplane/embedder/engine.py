@@ -11,6 +11,7 @@ import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import redis
@@ -21,6 +22,9 @@ from . import guard as guard_mod
 from .batcher import MicroBatcher
 from .index import Candidate, IndexItem, open_index
 from .models import EmbeddingModel, EmbedError, slug
+
+if TYPE_CHECKING:
+    from ..config import RedisSettings
 
 log = logging.getLogger("infergate.embedder")
 
@@ -198,17 +202,24 @@ class Engine:
         self.index.close()
 
 
-def connect(url: str, timeout_s: float = 0.5, blocking: bool = False) -> redis.Redis:
+def connect(url: str, timeout_s: float = 0.5, blocking: bool = False,
+            redis_settings: "RedisSettings | None" = None) -> redis.Redis:
     """A binary (``decode_responses=False``) Redis client for the embedder.
 
     Fails fast: one immediate retry (a pooled connection may be stale after a Redis
     restart) instead of redis-py 8's default of 10 retries with backoff (about 4.5 s
     against a refused port), so lookups answer 503 within ~2 x ``timeout_s``.
-    ``blocking`` clients (BLPOP) get 5 s more read timeout than the block time."""
+    ``blocking`` clients (BLPOP) get 5 s more read timeout than the block time. ``url``
+    may be any form of :mod:`controlplane.redis_url` (``rediss://``, ``redis+sentinel://``;
+    TLS and Sentinel options from ``redis_settings``)."""
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    return redis.Redis.from_url(
-        url, socket_timeout=timeout_s + (5.0 if blocking else 0.0),
-        socket_connect_timeout=timeout_s, decode_responses=False,
-        retry=Retry(NoBackoff(), 1), health_check_interval=0 if blocking else 10)
+    from ..config import RedisSettings
+    from ..redis_conn import make_redis
+
+    return make_redis(
+        redis_settings or RedisSettings(url=url), url=url,
+        socket_timeout_s=timeout_s + (5.0 if blocking else 0.0), connect_timeout_s=timeout_s,
+        decode_responses=False, retry=Retry(NoBackoff(), 1),
+        health_check_interval=0 if blocking else 10)

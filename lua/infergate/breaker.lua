@@ -93,6 +93,7 @@ function _M.failure(name, probe, started, now)
     if probe then
         d:set("bo:" .. name, now)
         release_probe(name)
+        require("infergate.metrics").breaker_opened(name)
         log(WARN, "infergate: circuit breaker of node ", name, " reopened (probe failed)")
         return
     end
@@ -104,6 +105,7 @@ function _M.failure(name, probe, started, now)
         -- add: only one worker opens it (and logs)
         local ok = d:add("bo:" .. name, now)
         if ok then
+            require("infergate.metrics").breaker_opened(name)
             log(WARN, "infergate: circuit breaker of node ", name, " opened after ", n,
                 " consecutive failures; next probe in ", o.breaker_cooldown_s, " s")
         end

@@ -34,6 +34,14 @@ local DEFAULTS = {
     breaker_cooldown_s = 10.0,
     inflight_cost = 1.0,
     latency_norm_s = 30.0,
+    -- rediss:// and redis+sentinel:// (infergate.redis, infergate.sentinel)
+    redis_tls_verify = true,
+    redis_tls_cert_file = "",   -- read at init (master process) into redis_tls_cert_pem
+    redis_tls_key_file = "",
+    redis_sentinel_password = "",
+    redis_sentinel_refresh_s = 5.0,
+    -- request bodies (infergate.inputguard)
+    client_body_timeout_ms = 60000,
     -- API keys, rate limits, shedding, deadlines: validated by infergate.admission_options
     admission = {},
 }
@@ -52,7 +60,22 @@ local NUMBERS = {
     breaker_cooldown_s = { 0 },
     inflight_cost = { 0 },
     latency_norm_s = { 0.001 },
+    redis_sentinel_refresh_s = { 0.01, 3600 },
+    client_body_timeout_ms = { 1, 3600000 },
 }
+
+local function read_file(path, what)
+    local f, err = io.open(path, "rb")
+    if not f then
+        return nil, "cannot read " .. what .. " " .. path .. ": " .. tostring(err)
+    end
+    local text = f:read("*a")
+    f:close()
+    if not text or text == "" then
+        return nil, what .. " " .. path .. " is empty"
+    end
+    return text
+end
 
 local opts = nil
 
@@ -109,6 +132,20 @@ function _M.init(src)
                 return nil, "infergate option '" .. k .. "' out of range: " .. tostring(v)
             end
             o[k] = v
+        end
+    end
+    if (o.redis_tls_cert_file == "") ~= (o.redis_tls_key_file == "") then
+        return nil, "infergate options 'redis_tls_cert_file' and 'redis_tls_key_file' go together"
+    end
+    if o.redis_tls_cert_file ~= "" then
+        local cerr
+        o.redis_tls_cert_pem, cerr = read_file(o.redis_tls_cert_file, "redis.tls_cert_file")
+        if not o.redis_tls_cert_pem then
+            return nil, cerr
+        end
+        o.redis_tls_key_pem, cerr = read_file(o.redis_tls_key_file, "redis.tls_key_file")
+        if not o.redis_tls_key_pem then
+            return nil, cerr
         end
     end
     local adm, aerr = require("infergate.admission_options").check(o.admission)

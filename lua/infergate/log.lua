@@ -5,6 +5,7 @@
 local reqctx = require("infergate.reqctx")
 local stats = require("infergate.stats")
 local admission = require("infergate.admission")
+local metrics = require("infergate.metrics")
 
 local _M = {}
 
@@ -40,6 +41,7 @@ end
 
 function _M.run()
     local req = reqctx.get()
+    metrics.log(req) -- Prometheus counters (infergate.metrics), shared-dict incr only
     if not req then
         return
     end

@@ -15,6 +15,7 @@ local cjson = require("cjson.safe")
 local config = require("infergate.config")
 local keys = require("infergate.keys")
 local redis = require("infergate.redis")
+local sentinel = require("infergate.sentinel")
 local stats = require("infergate.stats")
 
 local _M = {}
@@ -253,6 +254,10 @@ function _M.fetch()
         return nil, redis_conf_err
     end
     local now = ngx.now()
+    if redis_conf.sentinel then
+        -- Sentinel: ask for the master every redis_sentinel_refresh_s (infergate.sentinel)
+        sentinel.tick(redis_conf, o.redis_timeout_ms)
+    end
     local c, err = redis.connect(redis_conf, o.redis_timeout_ms)
     if not c then
         redis_failed(err)
