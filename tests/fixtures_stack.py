@@ -38,7 +38,7 @@ import redis
 import requests
 
 from controlplane import keys, paths, procs
-from controlplane.config import NodeSettings, Settings, settings_from_dict
+from controlplane.config import EdgeSettings, NodeSettings, Settings, settings_from_dict
 from controlplane.nginx_render import RenderedConfig, default_modules_dir, render_nginx, start_nginx
 
 #: Error-log lines that fail a test whatever it did.
@@ -519,14 +519,14 @@ def edge_factory(workdir: Path) -> Iterator[Callable[..., Edge]]:
     """Factory: ``edge_factory(settings, openresty=False, listen=None, check_log=True)``.
 
     At teardown, for each edge: in-flight counters must come back to zero and the
-    error log must be clean (see :data:`BAD_LOG_RE`); then nginx is stopped. Unless the
-    settings set ``edge.metrics_listen`` themselves, the metrics server listens on a free
-    loopback port (``Edge.metrics_url``), never on the fixed default."""
+    error log must be clean (see :data:`BAD_LOG_RE`); then nginx is stopped. While
+    ``edge.metrics_listen`` has its default value, the metrics server listens on a free
+    loopback port instead (``Edge.metrics_url``), never on the fixed default port."""
     edges: list[Edge] = []
 
     def start(settings: Settings, *, listen: str | None = None, check_log: bool = True,
               **render_opts: Any) -> Edge:
-        if "metrics_listen" not in settings.edge.model_fields_set:
+        if settings.edge.metrics_listen == EdgeSettings().metrics_listen:
             settings = settings.model_copy(deep=True)
             settings.edge.metrics_listen = f"127.0.0.1:{procs.free_port()}"
         i = len(edges) + 1
