@@ -31,7 +31,7 @@ import redis
 import requests
 
 from controlplane import keys, paths, procs
-from controlplane.config import Settings, settings_from_dict
+from controlplane.config import EdgeSettings, Settings, settings_from_dict
 from controlplane.nginx_render import render_nginx, start_nginx
 
 from ..common import (RESULTS_DIR, BenchError, Stack, format_table, log, machine_info,
@@ -153,10 +153,12 @@ def cache_support(home: Path) -> tuple[bool, str]:
 
 def edge_settings(redis_url: str, upstream_url: str, cache: dict | None) -> Settings:
     """One-worker edge with the static upstream as its only node (kind ``openai``: no
-    metrics endpoint); ``cache`` is the ``[cache]`` section (``None``: left out when the
+    metrics endpoint), without the edge's own Prometheus listener; ``cache`` is the ``[cache]`` section (``None``: left out when the
     settings have no cache, else ``enabled = false``)."""
     data: dict = {"redis": {"url": redis_url}, "edge": {"workers": 1},
                   "nodes": [{"name": "static", "url": upstream_url, "kind": "openai"}]}
+    if "metrics_listen" in EdgeSettings.model_fields:
+        data["edge"]["metrics_listen"] = ""  # several edges run at once: no fixed port
     if cache is not None:
         data["cache"] = cache
     elif "cache" in Settings.model_fields:

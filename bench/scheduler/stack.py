@@ -28,7 +28,7 @@ import redis
 import requests
 
 from controlplane import keys, procs
-from controlplane.config import Settings, settings_from_dict
+from controlplane.config import EdgeSettings, Settings, settings_from_dict
 from controlplane.nginx_render import render_nginx, start_nginx
 
 from ..common import Stack
@@ -171,7 +171,7 @@ def infergate_settings(redis_url: str, nodes: list[SimNodeProc], spec: PoolSpec,
     have them), one nginx worker, weight 1 on every node (the balancer is not told which
     nodes are fast), ``max_concurrency`` (default: twice the batch size, a queue as long
     as the batch, which even the slow nodes clear well within the deadline), API keys
-    not required and the response cache off."""
+    not required, the response cache and the edge's Prometheus listener off."""
     ts = time_scale
     maxc = max_concurrency or 2 * spec.max_running
     data: dict = {
@@ -191,6 +191,8 @@ def infergate_settings(redis_url: str, nodes: list[SimNodeProc], spec: PoolSpec,
         "nodes": [{"name": n.name, "url": n.url, "kind": "vllm", "max_concurrency": maxc}
                   for n in nodes],
     }
+    if "metrics_listen" in EdgeSettings.model_fields:
+        data["edge"]["metrics_listen"] = ""  # no fixed port: nothing scrapes it here
     fields = Settings.model_fields
     if "auth" in fields:
         data["auth"] = {"mode": "off"}
