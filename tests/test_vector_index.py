@@ -173,3 +173,11 @@ def test_local_index_replaces_and_compacts(plain) -> None:
         assert all(int(x.text.split("-")[0][1:]) % 2 == 0 for x in res)
     finally:
         idx.close()
+
+
+def test_reindex_reports_the_ttl_in_force(index) -> None:
+    ns, k = hx("reindex"), hx("reindex-key")
+    first = add(index, k, ns, unit(1, 1, 1), ttl=20)
+    again = add(index, k, ns, unit(1, 1, 1), ttl=500)
+    assert 0 < again <= first <= 20_000
+    assert [x.key for x in index.search(ns, unit(1, 1, 1), 3)] == [k]  # replaced, not doubled

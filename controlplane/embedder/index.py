@@ -111,7 +111,7 @@ class VectorStore:
         return keys.cache_vec(self.model_slug, self.dim, exact_key)
 
     def write(self, items: list[IndexItem], vecs: np.ndarray) -> list[int]:
-        """HSET + PEXPIRE LT each item; PUBLISH its hash key. Returns applied TTLs (ms).
+        """HSET + PEXPIRE LT each item; PUBLISH its hash key. Returns the TTLs in force (ms).
 
         The TTL is ``min(ttl_s, PTTL(entry))`` when the entry exists with a TTL; an item whose
         entry existed with no time left is skipped (0)."""
@@ -122,8 +122,9 @@ class VectorStore:
             pipe.pttl(keys.cache_entry(it.key))
         entry_ttls = pipe.execute()
         applied: list[int] = []
+        written: list[int] = []
         pipe = self.r.pipeline(transaction=True)
-        for it, vec, ettl in zip(items, vecs, entry_ttls):
+        for n, (it, vec, ettl) in enumerate(zip(items, vecs, entry_ttls)):
             ttl_ms = it.ttl_s * 1000
             if isinstance(ettl, int) and ettl > 0:
                 ttl_ms = min(ttl_ms, ettl)
@@ -139,8 +140,14 @@ class VectorStore:
                 "vec": np.asarray(vec, dtype="<f4").tobytes(),
             })
             pipe.pexpire(hk, ttl_ms, lt=True)
+            pipe.pttl(hk)  # what is in force now (an earlier, shorter TTL is kept)
             pipe.publish(keys.CACHE_VEC_CHANNEL, hk)
-        pipe.execute()
+            written.append(n)
+        res = pipe.execute()
+        for j, n in enumerate(written):
+            pttl = res[4 * j + 2]
+            if isinstance(pttl, int) and pttl > 0:
+                applied[n] = pttl
         return applied
 
     def read(self, hash_keys: list[str]) -> list[tuple[str, str, str, np.ndarray, int] | None]:
@@ -308,12 +315,15 @@ class LocalIndex:
         self._blocks: dict[str, _Block] = {}
         self._where: dict[str, tuple[str, int]] = {}
         self._stop = threading.Event()
+        self._subscribed = threading.Event()
         self._pubsub_thread: threading.Thread | None = None
-        self.reload()
         if subscribe:
+            # Subscribe first, then load: a vector published in between is not missed.
             self._pubsub_thread = threading.Thread(target=self._follow, daemon=True,
                                                    name="vec-follow")
             self._pubsub_thread.start()
+            self._subscribed.wait(5.0)
+        self.reload()
 
     def __len__(self) -> int:
         with self._lock:
@@ -397,15 +407,21 @@ class LocalIndex:
         while not self._stop.is_set():
             ps = None
             try:
-                ps = self.r.pubsub(ignore_subscribe_messages=True)
+                ps = self.r.pubsub()
                 ps.subscribe(keys.CACHE_VEC_CHANNEL)
+                deadline = time.monotonic() + 5.0
+                while time.monotonic() < deadline and not self._stop.is_set():
+                    msg = ps.get_message(timeout=0.5)
+                    if msg and msg.get("type") in ("subscribe", b"subscribe"):
+                        break
+                self._subscribed.set()
                 if lost:  # messages sent while disconnected are gone: read everything
                     self.reload()
                     lost = False
                 backoff = 0.2
                 while not self._stop.is_set():
                     msg = ps.get_message(timeout=0.5)
-                    if not msg or msg.get("type") != "message":
+                    if not msg or msg.get("type") not in ("message", b"message"):
                         continue
                     hk = _s(msg["data"])
                     if not hk.startswith(self.store.prefix):
