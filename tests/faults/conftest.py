@@ -65,13 +65,16 @@ class LoadReport:
                            "by_status": dict(self.by_status(p))} for p in phases},
         }
 
-    def report(self, out_dir: Path | None = None) -> dict:
-        """Print the summary (and write it to ``out_dir/drill.json``); return it."""
-        s = self.summary()
+    def report(self, out_dir: Path | None = None, **extra: Any) -> dict:
+        """Print the summary plus ``extra`` figures (and write them to
+        ``out_dir/drill.json``); return it."""
+        s = {**self.summary(), **extra}
         print(f"\n[drill] {s['drill']}: sent {s['sent']}, answered 200: {s['answered_200']}, "
               f"by status {s['by_status']}")
         for p, v in s["phases"].items():
             print(f"[drill]   {p}: sent {v['sent']}, by status {v['by_status']}")
+        for k, v in extra.items():
+            print(f"[drill]   {k}: {v}")
         if out_dir is not None:
             (out_dir / "drill.json").write_text(json.dumps(s, indent=2))
         return s

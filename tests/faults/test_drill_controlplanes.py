@@ -74,9 +74,8 @@ def test_controlplanes_die_under_load(output_dir, redis_server, simnodes, edge_f
     nodes[0].set_faults(error_rate=1.0)
     load.wait_sent(16)
     report = load.stop()
-    summary = report.report(output_dir)
-    summary["takeover_s"] = round(took, 2)
-    print(f"[drill]   takeover after SIGKILL of the leader: {took:.2f} s (TTL {TTL_S} s, poll {POLL_S} s)")
+    summary = report.report(output_dir, takeover_s=round(took, 2), leader_ttl_s=TTL_S,
+                            poll_interval_s=POLL_S)
 
     assert took <= TTL_S + 2 * POLL_S + 1.0, summary
     assert report.ok_ratio() >= 0.95, summary

@@ -54,12 +54,12 @@ def test_node_crash_mid_stream(output_dir, redis_server, simnodes, edge_factory,
     took = time.monotonic() - t0
     assert b"data: [DONE]" not in received
     assert took < 5, f"the cut stream took {took:.1f} s to end"
-    print(f"[drill]   stream cut after {len(received)} events, client saw "
-          f"{error or 'a closed stream'} {took * 1000:.0f} ms after the kill")
 
     load.wait_sent(16)
     report = load.stop()
-    summary = report.report(output_dir)
+    summary = report.report(output_dir, stream_events_before_cut=len(received),
+                            stream_client_saw=error or "closed stream",
+                            stream_end_after_kill_ms=round(took * 1000))
     edge.wait_idle()
     assert all(n["inflight"] == 0 for n in edge.status()["nodes"])
 
