@@ -256,3 +256,22 @@ def test_tls_failures_are_reported_and_the_edge_stays_up(tls_redis, tiny_upstrea
     assert "lua_ssl_trusted_certificate" not in edge.rendered.http_conf.read_text()
     snap = write_snapshot(make_redis(s.redis), [up.snapshot_node()])
     _edge_routes_on(edge, snap["version"])
+
+
+def test_tls_files_are_checked_before_nginx_runs(workdir: Path) -> None:
+    """A missing CA file stops render-nginx; a missing client certificate stops nginx's
+    start (the master reads it in init_by_lua) with a message naming the file."""
+    from controlplane.nginx_render import RenderError, render_nginx
+
+    s = settings_from_dict({"redis": {"url": "rediss://redis.internal:6380/0",
+                                      "tls_ca_file": str(workdir / "missing-ca.pem")}})
+    with pytest.raises(RenderError, match="missing-ca.pem"):
+        render_nginx(s, workdir / "out", listen="127.0.0.1:1", resolver="127.0.0.1")
+    missing = workdir / "missing-client.pem"
+    with pytest.raises(Exception, match="missing-client.pem"):
+        lua_eval(workdir, f"""
+            local ok, err = require("infergate.config").init({{
+                redis_tls_cert_file = "{missing}", redis_tls_key_file = "{missing}" }})
+            if not ok then error(err, 0) end
+            return ok
+        """)

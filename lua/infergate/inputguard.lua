@@ -55,9 +55,11 @@ end
 -- Reads a Content-Length body through the request socket. Returns true, or nil and
 -- "timeout" | "closed" | another error.
 local function read_with_timeout(len)
-    local sock, err = ngx.req.socket()
+    local sock = ngx.req.socket()
     if not sock then
-        return nil, err
+        -- body already read, discarded, or a protocol without a request socket
+        ngx.req.read_body()
+        return true
     end
     sock:settimeout(config.get().client_body_timeout_ms)
     ngx.req.init_body()

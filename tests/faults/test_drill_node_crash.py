@@ -33,7 +33,7 @@ def test_node_crash_mid_stream(output_dir, redis_server, simnodes, edge_factory,
     load = load_loop("node crash mid-stream", [edge])
     load.wait_sent(8)
 
-    body = {"model": "sim-llama", "stream": True, "sim_output_tokens": 2000,
+    body = {"model": "sim-llama", "stream": True, "sim_output_tokens": 1000,
             "messages": [{"role": "user", "content": "a long story that will be cut"}]}
     res = requests.post(edge.url + CHAT, json=body, stream=True, timeout=10)
     assert res.status_code == 200 and res.headers["X-Cache-Status"] == "MISS"
