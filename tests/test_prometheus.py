@@ -179,3 +179,26 @@ def test_controlplane_metrics(redis_server, simnodes, controlplane_factory) -> N
                 and m.value("infergate_controlplane_redis_errors_total") >= 1)
 
     procs.wait_until(redis_gone, 10, what="redis_up 0 and redis errors counted")
+
+
+def test_embedder_metrics_parse(workdir, redis_server, tiny_upstreams) -> None:
+    """The embedder's own /metrics (controlplane/embedder) is valid exposition text with
+    the documented families; a remote embeddings backend keeps its start fast."""
+    (emb_backend,) = tiny_upstreams(names=["embeddings"])
+    port = procs.free_port()
+    emb = procs.Managed("embedder", procs.infergate_argv(
+        "embedder", "--listen", f"127.0.0.1:{port}", "--redis-url", redis_server.url,
+        "--embeddings-url", emb_backend.url, "--embeddings-model", "tiny-embed", "--index", "local",
+        "--no-queue", "--threads", "2"), workdir / "logs" / "embedder.log").start()
+    try:
+        base = f"http://127.0.0.1:{port}"
+        emb.wait_ready(lambda: requests.get(base + "/healthz", timeout=1).ok, 60)
+        res = requests.post(base + "/v1/lookup", json={"namespace": "0" * 64, "text": "hello"}, timeout=10)
+        assert res.status_code == 200, res.text
+        m = scrape(base + "/metrics")
+    finally:
+        emb.stop()
+    assert m.types["infergate_embedder_lookups"] == "counter"
+    assert m.types["infergate_embedder_lookup_seconds"] == "histogram"
+    assert m.value("infergate_embedder_lookups_total") == 1
+    assert m.value("infergate_embedder_lookup_seconds_count") == 1
