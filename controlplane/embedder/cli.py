@@ -78,9 +78,14 @@ def embedder_cmd(config_path: str | None, listen: str, redis_url: str | None, mo
     from .engine import Engine, connect
     from .models import ModelLoadError, ModelSpec, load_model
 
+    from ..redis_url import RedisURLError
+
     timeout = settings.redis.socket_timeout_s
-    r = connect(url, timeout, redis_settings=settings.redis)
-    r_block = connect(url, timeout, blocking=True, redis_settings=settings.redis)
+    try:
+        r = connect(url, timeout, redis_settings=settings.redis)
+        r_block = connect(url, timeout, blocking=True, redis_settings=settings.redis)
+    except RedisURLError as exc:
+        raise click.ClickException(str(exc)) from None
     try:
         procs.wait_until(lambda: bool(r.ping()), redis_wait_s, interval=0.5,
                          what=f"Redis at {url}")
