@@ -277,7 +277,8 @@ class CacheSettings(_Section):
     subrequest); over it the request goes on to a node with ``X-Cache-Status: BYPASS``."""
     min_similarity: float | None = Field(default=None, ge=0.0, le=1.0)
     """Cosine similarity (0-1) a semantic hit needs; unset = the embedder model's own
-    default (0.95 for all-MiniLM-L6-v2, 0.85 for use-multilingual-v3). 0 is a value."""
+    default (0.98 for all-MiniLM-L6-v2 and for use-multilingual-v3, chosen on the
+    cache-eval dev sets, see README). 0 is a value."""
     min_similarity_routes: dict[str, float] = {}
     """Per path (``/v1/chat/completions``, ``/v1/completions``), overrides ``min_similarity``."""
     min_similarity_models: dict[str, float] = {}

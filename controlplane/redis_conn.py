@@ -22,6 +22,8 @@ import time
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from .config import RedisSettings
@@ -79,7 +81,9 @@ def make_redis(settings: RedisSettings, *, url: str | None = None,
     options of ``settings``.
 
     Timeouts default to ``settings.socket_timeout_s`` (seconds); ``retry`` is a
-    ``redis.retry.Retry`` (``None`` = redis-py's default). Never does I/O here: commands
+    ``redis.retry.Retry`` (``None`` = one immediate retry: redis-py 6+'s own default
+    backs off over several seconds, which would stall a command line or a poll cycle
+    while Redis is down). Never does I/O here: commands
     raise ``redis.exceptions.ConnectionError``/``TimeoutError`` while the server (or, with
     Sentinel, every sentinel) is unreachable, and ``redis.sentinel.MasterNotFoundError``
     (a ``ConnectionError``) when no sentinel names a master. Raises
@@ -94,8 +98,7 @@ def make_redis(settings: RedisSettings, *, url: str | None = None,
         "decode_responses": decode_responses,
         "health_check_interval": health_check_interval,
     }
-    if retry is not None:
-        common["retry"] = retry
+    common["retry"] = retry if retry is not None else Retry(NoBackoff(), 1)
     if target.kind == "direct":
         return redis.Redis.from_url(url, **common, **connection_kwargs(settings, target))
     sentinel_kwargs: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": ctimeout}
