@@ -101,7 +101,10 @@ def make_redis(settings: RedisSettings, *, url: str | None = None,
     common["retry"] = retry if retry is not None else Retry(NoBackoff(), 1)
     if target.kind == "direct":
         return redis.Redis.from_url(url, **common, **connection_kwargs(settings, target))
-    sentinel_kwargs: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": ctimeout}
+    # a sentinel that does not answer is skipped for the next one at once (redis-py's
+    # default retries with backoff would spend seconds on each one that is down)
+    sentinel_kwargs: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": ctimeout,
+                                       "retry": Retry(NoBackoff(), 0)}
     if settings.sentinel_password:
         sentinel_kwargs["password"] = settings.sentinel_password
     sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_kwargs)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import requests
 
 from controlplane import keys, procs
 from controlplane.config import Settings
@@ -102,7 +103,10 @@ def sentinels(workdir: Path):
 
 
 def _settings(s: SentinelSet, nodes: list) -> Settings:
-    st = edge_settings(f"redis+sentinel://:{PW}@127.0.0.1:{s.sentinel_port}/{SERVICE}/2", nodes)
+    # the first sentinel listed is down: clients go on to the next one
+    dead = procs.free_port()
+    st = edge_settings(f"redis+sentinel://:{PW}@127.0.0.1:{dead},127.0.0.1:{s.sentinel_port}/{SERVICE}/2",
+                       nodes)
     st.redis = st.redis.model_validate({"url": st.redis.url, "sentinel_password": SPW,
                                         "sentinel_refresh_s": 0.5})
     st.controlplane.poll_interval_s = 0.3
@@ -151,3 +155,17 @@ def test_edge_and_controlplane_follow_a_failover(sentinels, tiny_upstreams, edge
     r = make_redis(settings.redis)
     r.set("infergate:test:after-failover", "1")
     assert new.get("infergate:test:after-failover") == "1"
+
+
+def test_no_sentinel_answering_is_reported(tiny_upstreams, edge_factory) -> None:
+    """Every sentinel down: the edge says so and routes on its static node list."""
+    (up,) = tiny_upstreams(1)
+    dead = procs.free_port()
+    edge = edge_factory(edge_settings(f"redis+sentinel://127.0.0.1:{dead}/{SERVICE}", [up.node_settings()]))
+    procs.wait_until(lambda: "no sentinel named a master" in str(edge.status()["snapshot"]["redis_error"]),
+                     5, what="edge to report that no sentinel answers")
+    res = requests.post(edge.url + "/v1/chat/completions", timeout=5,
+                        json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert res.status_code == 200
+    with pytest.raises(redis.ConnectionError):
+        make_redis(edge.settings.redis).ping()
