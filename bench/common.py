@@ -72,7 +72,8 @@ def machine_info() -> dict[str, Any]:
     """Facts about the machine a run is on: ``nproc`` (CPUs usable by this process),
     ``cpu_model`` (first "model name" of /proc/cpuinfo), ``mem_total_gib`` (MemTotal of
     /proc/meminfo), ``loadavg_1m`` at the time of the call, kernel, Python and nginx
-    versions. Missing sources give ``None``, never an error."""
+    versions, and the git commit of the code measured. Missing sources give ``None``,
+    never an error."""
     cpu_model = None
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -100,7 +101,19 @@ def machine_info() -> dict[str, Any]:
         "kernel": platform.release(),
         "python": platform.python_version(),
         "nginx": tool_version(["nginx", "-v"]),
+        "commit": git_commit(),
     }
+
+
+def git_commit(path: Path = REPO_ROOT) -> str | None:
+    """``git describe --always --dirty`` of the tree at ``path`` (the code measured), or
+    ``None`` when it is not a git checkout."""
+    try:
+        res = subprocess.run(["git", "-C", str(path), "describe", "--always", "--dirty"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return res.stdout.strip() or None if res.returncode == 0 else None
 
 
 def tool_version(argv: list[str]) -> str | None:

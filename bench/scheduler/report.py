@@ -37,8 +37,8 @@ COLORS = {"round_robin": "tab:red", "least_conn": "tab:blue", "infergate": "tab:
 
 
 def plot(records: Sequence[dict], path: str | Path, title: str = "") -> Path:
-    """Write the PNG: p99 latency, timeout rate, goodput and imbalance against load for
-    the ``steady`` scenario, and timeout rate / goodput per strategy for the fault
+    """Write the PNG: p99 and p50 latency, timeout rate (and timeouts + errors), goodput
+    and imbalance against load for the ``steady`` scenario, and timeout rate / goodput per strategy for the fault
     scenarios (matplotlib, Agg backend)."""
     import matplotlib
 
@@ -49,7 +49,8 @@ def plot(records: Sequence[dict], path: str | Path, title: str = "") -> Path:
     faults = sorted({r["scenario"] for r in records if r["scenario"] != "steady"})
     ncols = 3 if faults else 2
     fig, axes = plt.subplots(2, ncols, figsize=(5.2 * ncols, 8.0), squeeze=False)
-    panels = [("p99_s", "p99 end-to-end latency (s, wall)"), ("timeout_rate", "timeout rate"),
+    panels = [("p99_s", "end-to-end latency (s, wall): p99 solid, p50 dashed"),
+              ("timeout_rate", "timeout rate (solid), timeouts + errors (dashed)"),
               ("goodput_rps", "goodput (ok requests/s, wall)"),
               ("imbalance", "utilisation imbalance (max - min)")]
     cells = [axes[0][0], axes[0][1], axes[1][0], axes[1][1]]
@@ -60,6 +61,15 @@ def plot(records: Sequence[dict], path: str | Path, title: str = "") -> Path:
             if pts:
                 ax.plot([p[0] * 100 for p in pts], [p[1] for p in pts], marker="o",
                         label=s, color=COLORS.get(s))
+        extra = {"p99_s": lambda r: r.get("p50_s"),
+                 "timeout_rate": lambda r: r["timeout_rate"] + (r.get("error_rate") or 0.0)}
+        if key in extra:
+            for s in STRATEGIES:
+                pts = sorted((r["load_fraction"], extra[key](r)) for r in steady
+                             if r["strategy"] == s and extra[key](r) is not None)
+                if pts:
+                    ax.plot([p[0] * 100 for p in pts], [p[1] for p in pts], marker=".",
+                            linestyle="--", color=COLORS.get(s), alpha=0.7)
         if key == "goodput_rps":
             pts = sorted({(r["load_fraction"], r.get("sent_rps") or r["offered_rps"])
                           for r in steady})
