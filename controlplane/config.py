@@ -116,8 +116,9 @@ class EdgeSettings(_Section):
     http include); empty = no metrics server. Anyone who reaches it can read it: keep it
     on an internal address."""
     client_body_timeout_ms: int = Field(default=60000, ge=1, le=3600000)
-    """Longest wait between two reads of a request body (nginx ``client_body_timeout``);
-    a client that stalls longer gets 408 JSON."""
+    """Longest wait between two reads of a request body, milliseconds (nginx
+    ``client_body_timeout``): a client that stalls longer gets 408 JSON and the connection
+    is closed (a chunked body's connection is closed without an answer)."""
 
 
 class ScoringSettings(_Section):
