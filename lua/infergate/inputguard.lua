@@ -9,11 +9,12 @@
 --   request socket, each read waiting at most client_body_timeout_ms, and handed to nginx
 --   with ngx.req.init_body/append_body/finish_body (in memory up to
 --   client_body_buffer_size, like nginx's own read). A client that stalls longer gets 408
---   JSON (code "request_timeout") with "Connection: close": the request goes to the 408
---   error page location, which has keepalive_timeout 0, since the rest of the body may
---   still come. nginx's own client_body_timeout cannot answer: it closes the connection
---   without a response. Chunked bodies and HTTP/2 are read by nginx (the "body" step);
---   a stall there closes the connection after client_body_timeout (logged as 408).
+--   JSON (code "request_timeout") with "Connection: close" (RFC 9110 section 15.5.9: a
+--   408 should close): the request goes to the 408 error page location, which has
+--   keepalive_timeout 0, since the rest of the body may still come. nginx's own
+--   client_body_timeout cannot answer (seen with nginx 1.22: the request is terminated,
+--   the connection closed, the 408 only in the access log). Chunked bodies and HTTP/2
+--   are read by nginx (the "body" step), so a stall there ends that way.
 -- * Invalid UTF-8 anywhere in the body: 400 JSON (code "invalid_utf8"); JSON text must be
 --   UTF-8 (RFC 8259 section 8.1), and the cache keys and nodes expect text.
 --
