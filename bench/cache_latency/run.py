@@ -85,7 +85,7 @@ def _wait_indexed(r, name: str, n: int, timeout: float) -> float:
 
 def bench_index(backend: str, port: int, sizes: list[int], queries: int, seed: int) -> dict:
     """Lookup latency of one backend at each size (a fresh model slug per size)."""
-    r = connect(f"redis://127.0.0.1:{port}/0", 5.0)
+    r = connect(f"redis://127.0.0.1:{port}/0", 60.0)  # HNSW inserts run inside MULTI
     rng = np.random.default_rng(seed)
     out = {}
     for n in sizes:
@@ -93,8 +93,8 @@ def bench_index(backend: str, port: int, sizes: list[int], queries: int, seed: i
         idx = open_index(r, slug, DIM, backend, subscribe=False)
         ns = hx(f"bench-ns-{n}")
         t0 = time.perf_counter()
-        for start in range(0, n, 2000):
-            m = min(2000, n - start)
+        for start in range(0, n, 500):
+            m = min(500, n - start)
             vecs = _unit(rng, m)
             items = [IndexItem(hx(f"{n}-{start + i}"), ns, f"entry {start + i}", 3600)
                      for i in range(m)]
