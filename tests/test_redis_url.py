@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import requests
 
 from controlplane import keys, procs
 from controlplane.config import ConfigError, settings_from_dict
@@ -242,8 +243,8 @@ def test_tls_failures_are_reported_and_the_edge_stays_up(tls_redis, tiny_upstrea
         procs.wait_until(failed, 5, what=f"edge to report the TLS failure ({what})")
         assert "tls" in out["redis_error"].lower(), (what, out)
         # fail-static: the static node list still serves
-        res = __import__("requests").post(f"{edge.url}/v1/chat/completions", timeout=5,
-                                          json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        res = requests.post(f"{edge.url}/v1/chat/completions", timeout=5,
+                            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
         assert res.status_code == 200, (what, res.text)
     # nginx checks the certificate's DNS names only: an IP address in the URL does not match
     # (redis-py accepts the IP SAN); the edge says so instead of routing on nothing
