@@ -95,9 +95,9 @@ def _embedder_healthy(url: str) -> bool:
 def _start_embedder(settings: Settings, workdir: Path, stack: procs.ProcessSet,
                     timeout: float = EMBEDDER_START_S) -> str:
     """Start the semantic-cache embedder for ``settings.cache`` and return a one-line
-    description for the banner. Reuses an embedder that already answers at
-    ``cache.embedder_url``, and never starts one for a non-local URL (the operator runs it
-    there); takes a free port when the local port is busy with something else.
+    description for the banner. Never starts one for a non-local URL (the operator runs
+    it there). A local one is always this run's own, on the configured port or, when that
+    is busy (another stack's embedder may use another Redis), on a free port.
     On any failure stops what it started, sets ``cache.semantic = False`` and returns
     ``"off (<reason>)"``: the stack then runs with the exact cache only."""
     c = settings.cache
@@ -111,8 +111,6 @@ def _start_embedder(settings: Settings, workdir: Path, stack: procs.ProcessSet,
     if host not in LOCAL_HOSTS:
         # an embedder the operator runs elsewhere; lookups fail open while it is away
         return f"{url} (remote, not started here)"
-    if _embedder_healthy(url):
-        return f"{url} (already running)"
     port = parts.port or 80
     if procs.port_open("127.0.0.1", port):
         port = procs.free_port()
@@ -227,6 +225,13 @@ def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
         semantic_desc = _start_embedder(settings, wd, stack)
         if semantic_desc.startswith("off ("):
             click.echo(f"semantic cache is off: {semantic_desc[5:-1]}", err=True)
+        metrics_desc = "off"
+        if settings.edge.metrics_listen:
+            m_host, m_port = _split_hostport(settings.edge.metrics_listen, "edge.metrics_listen")
+            if procs.port_open("127.0.0.1" if m_host in ("0.0.0.0", "::") else m_host, m_port):
+                # an internal port: take a free one rather than fail on another stack's edge
+                settings.edge.metrics_listen = f"{m_host}:{procs.free_port(m_host)}"
+            metrics_desc = f"http://{settings.edge.metrics_listen}/metrics"
         cfg = wd / "infergate.toml"
         _write_runtime_config(settings, cfg)
 
@@ -251,6 +256,7 @@ infergate is up.
   redis               {redis_desc}
   nodes               {', '.join(f'{n.name}={n.url}' for n in nodes)}
   response cache      {'on' if settings.cache.enabled else 'off'}; semantic cache {semantic_desc}
+  edge metrics        {metrics_desc}
   logs and config     {wd}{key_line}
 
 Try:
@@ -260,6 +266,7 @@ Try:
 Ctrl-C stops everything.""", err=False)
         sys.stdout.flush()
         embedder_gone = False
+        failed = ""
         while not stop.is_set():
             for m in stack.items:
                 if m.name == "embedder" and not m.alive():
@@ -270,7 +277,7 @@ Ctrl-C stops everything.""", err=False)
                         embedder_gone = True
                     continue
                 if not m.alive():
-                    click.echo(f"{m.name} exited; stopping. Last lines of {m.log_path}:\n{m.log_tail()}", err=True)
+                    failed = f"{m.name} exited; stopped everything. Last lines of {m.log_path}:\n{m.log_tail()}"
                     stop.set()
                     break
             stop.wait(1.0)
@@ -279,3 +286,5 @@ Ctrl-C stops everything.""", err=False)
     finally:
         click.echo("stopping...", err=True)
         stack.stop_all()
+    if failed:
+        raise click.ClickException(failed)

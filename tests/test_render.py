@@ -26,10 +26,15 @@ MODULE_LINES = (f"load_module {default_modules_dir()}/ndk_http_module.so; "
                 f"load_module {default_modules_dir()}/ngx_http_lua_module.so;")
 
 
+# A free metrics port (the default 127.0.0.1:9145 may be another edge's), the same for
+# every render of this module so that renders can be compared.
+METRICS_LISTEN = f"127.0.0.1:{procs.free_port()}"
+
+
 def _settings(**edge):
     return settings_from_dict({
         "redis": {"url": "redis://127.0.0.1:6390/0"},
-        "edge": {"workers": 1, **edge},
+        "edge": {"workers": 1, "metrics_listen": METRICS_LISTEN, **edge},
         "nodes": [{"name": "gpu-a", "url": "http://127.0.0.1:9001"},
                   {"name": "gpu-b", "url": "http://localhost:9002", "weight": 2.0,
                    "max_concurrency": 8}],

@@ -58,6 +58,7 @@ def bench_settings(redis_url: str, nodes: list[SimNodeProc], spec: PoolSpec, ts:
     data: dict = {
         "redis": {"url": redis_url},
         "edge": {
+            "metrics_listen": "",  # no fixed port: nothing scrapes it here
             "workers": 1, "sync_interval_s": max(0.02, 0.5 * ts), "stale_after_s": 10.0 * ts,
             "connect_timeout_ms": 2000, "read_timeout_ms": int(60000 * ts),
             "send_timeout_ms": int(60000 * ts), "retry_window_s": 60.0 * ts,

@@ -1,0 +1,135 @@
+"""`infergate up`, the README's run command: the whole stack starts, answers the README's
+requests (plain, streaming, OpenAI client), survives a busy internal port, and stops
+every process it started on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import requests
+
+from controlplane import procs
+
+
+def _children(pid: int) -> set[int]:
+    """Every process whose session is ``pid``'s (what `up` started runs in new sessions,
+    so look for their parent chain instead)."""
+    out = set()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid:
+            out.add(int(d.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+
+
+def test_up_serves_the_readme_requests_and_stops_cleanly(workdir: Path) -> None:
+    edge, admin, redis_port = procs.free_port(), procs.free_port(), procs.free_port()
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    metrics_port = busy.getsockname()[1]
+    cfg = workdir / "up.toml"
+    # The semantic cache is covered elsewhere; here the exact cache is enough.
+    cfg.write_text(f'[edge]\nmetrics_listen = "127.0.0.1:{metrics_port}"\n'
+                   '[cache]\nenabled = true\nsemantic = false\n')
+    log = open(workdir / "up.log", "w")
+    p = subprocess.Popen(
+        procs.infergate_argv("up", "--config", str(cfg), "--listen", f"127.0.0.1:{edge}",
+                             "--admin-listen", f"127.0.0.1:{admin}",
+                             "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
+                             "--workdir", str(workdir / "stack"), "--time-scale", "0.05"),
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        procs.wait_until(lambda: "infergate is up." in (workdir / "up.log").read_text()
+                         or p.poll() is not None, timeout=90, what="infergate up banner")
+        text = (workdir / "up.log").read_text()
+        assert p.poll() is None, text
+        key = re.search(r"API key \(demo\)\s+(\S+)", text).group(1)
+        metrics = re.search(r"edge metrics\s+(\S+)", text).group(1)
+        assert f":{metrics_port}/" not in metrics          # the busy port was left alone
+        base = f"http://127.0.0.1:{edge}"
+        h = {"Authorization": f"Bearer {key}"}
+        body = {"model": "sim-llama", "messages": [{"role": "user", "content": "Hello!"}]}
+        procs.wait_until(lambda: requests.post(f"{base}/v1/chat/completions", json=body,
+                                               headers=h, timeout=10).status_code == 200,
+                         timeout=30, what="first answer")
+        r = requests.post(f"{base}/v1/chat/completions", json=body, headers=h, timeout=10)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+        assert r.headers["X-Cache-Status"] == "HIT"        # the README's third example
+        assert requests.post(f"{base}/v1/chat/completions", json=body, timeout=10).status_code == 401
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key=key)
+        chunks = client.chat.completions.create(
+            model="sim-llama", stream=True,
+            messages=[{"role": "user", "content": "Tell me about load balancers."}])
+        text_out = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert len(text_out) > 10
+        assert requests.get(metrics, timeout=5).text.count("infergate_edge_requests_total") > 0
+        kids = _children(p.pid)
+        assert len(kids) >= 6                               # redis, 3 nodes, control plane, nginx
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            rc = p.wait(timeout=30)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            busy.close()
+            log.close()
+    assert rc == 0
+    deadline = time.monotonic() + 10
+    while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(k) for k in kids), "processes left after SIGTERM"
+    for port in (edge, admin, redis_port):
+        assert not procs.port_open("127.0.0.1", port)
+
+
+def test_up_exits_non_zero_when_a_part_dies(workdir: Path) -> None:
+    edge, admin, redis_port = procs.free_port(), procs.free_port(), procs.free_port()
+    cfg = workdir / "up.toml"
+    cfg.write_text('[edge]\nmetrics_listen = ""\n[cache]\nenabled = false\n')
+    log = open(workdir / "up.log", "w")
+    p = subprocess.Popen(
+        procs.infergate_argv("up", "--config", str(cfg), "--listen", f"127.0.0.1:{edge}",
+                             "--admin-listen", f"127.0.0.1:{admin}",
+                             "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
+                             "--workdir", str(workdir / "stack"), "--time-scale", "0.05"),
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        procs.wait_until(lambda: "infergate is up." in (workdir / "up.log").read_text()
+                         or p.poll() is not None, timeout=90, what="infergate up banner")
+        assert p.poll() is None
+        pid = int((workdir / "stack" / "nginx" / "nginx.pid").read_text())
+        os.kill(pid, signal.SIGKILL)                        # the edge dies under it
+        rc = p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        log.close()
+    assert rc != 0
+    assert "nginx exited" in (workdir / "up.log").read_text()
