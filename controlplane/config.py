@@ -29,6 +29,7 @@ NodeKind = Literal["vllm", "tgi", "sglang", "json", "openai"]
 edge observes itself. ``vllm`` also accepts the pre-0.10 names (auto-detected)."""
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+PATH_RE = re.compile(r"^/[A-Za-z0-9/_.-]{0,200}$")
 
 
 class ConfigError(ValueError):
@@ -334,7 +335,7 @@ class NodeSettings(_Section):
     url: str
     """Server root, e.g. ``http://10.0.0.5:8000``; the OpenAI API is under ``/v1``."""
     kind: NodeKind = "vllm"
-    weight: float = Field(default=1.0, gt=0, le=1000)
+    weight: float = Field(default=1.0, ge=0.001, le=1000)
     max_concurrency: int = Field(default=64, ge=1, le=100000)
     metrics_path: str = "/metrics"
     health_path: str = "/health"
@@ -355,10 +356,23 @@ class NodeSettings(_Section):
         if parts.path not in ("", "/") or parts.query:
             raise ValueError("node url is the server root, without a path (the edge adds /v1/...)")
         try:
-            parts.port
+            port = parts.port
         except ValueError as exc:
             raise ValueError(f"node url port: {exc}") from exc
+        if port == 0:
+            raise ValueError("node url port must be 1-65535")
+        if parts.username is not None or parts.password is not None:
+            raise ValueError("node url must not carry credentials (user:password@)")
         return v.rstrip("/")
+
+    @field_validator("metrics_path", "health_path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        # appended to the node URL: a path on the same server, nothing that could name
+        # another host ("@", "//") or leave the path ("..", "?", "#")
+        if not PATH_RE.match(v) or "//" in v or ".." in v:
+            raise ValueError("must be an absolute path such as /metrics (letters, digits, '/', '-', '_', '.')")
+        return v
 
 
 class Settings(_Section):

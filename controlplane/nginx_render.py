@@ -60,7 +60,7 @@ TEMPLATES = {
     "nginx.conf.j2": "nginx.conf",
 }
 #: Statuses nginx may answer itself; each gets an OpenAI-style JSON body.
-ERROR_CODES = (400, 403, 404, 405, 408, 413, 414, 429, 500, 502, 503, 504)
+ERROR_CODES = (400, 403, 404, 405, 408, 413, 414, 429, 494, 500, 501, 502, 503, 504, 505)
 #: Where Debian's libnginx-mod-http-lua installs the dynamic modules.
 DEFAULT_MODULES_DIRS = ("/usr/lib/nginx/modules", "/usr/share/nginx/modules",
                         "/usr/lib64/nginx/modules")

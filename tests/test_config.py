@@ -36,7 +36,13 @@ def test_env_overrides(monkeypatch):
 @pytest.mark.parametrize("node, msg", [
     ({"name": "a", "url": "ftp://x"}, "http://"),
     ({"name": "a", "url": "http://x:1/v1"}, "without a path"),
-    ({"name": "a", "url": "http://x", "weight": 0}, "greater than 0"),
+    ({"name": "a", "url": "http://x", "weight": 0}, "greater than or equal to 0.001"),
+    ({"name": "a", "url": "http://x", "weight": 1e-300}, "greater than or equal to 0.001"),
+    ({"name": "a", "url": "http://x:0"}, "1-65535"),
+    ({"name": "a", "url": "http://u:pw@x:80"}, "credentials"),
+    ({"name": "a", "url": "http://x", "health_path": "@evil:80/health"}, "absolute path"),
+    ({"name": "a", "url": "http://x", "metrics_path": "//evil/metrics"}, "absolute path"),
+    ({"name": "a", "url": "http://x", "metrics_path": "/a/../b"}, "absolute path"),
     ({"name": "bad name", "url": "http://x"}, "node name"),
     ({"name": "a", "url": "http://x", "kind": "nope"}, "kind"),
 ])

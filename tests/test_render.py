@@ -107,7 +107,7 @@ def test_settings_reach_the_directives(workdir: Path) -> None:
     assert "non_idempotent" in server and "proxy_buffering off;" in server
     assert "proxy_request_buffering on;" in server and "proxy_http_version 1.1;" in server
     for code in (400, 404, 405, 413, 429, 500, 502, 503, 504):
-        assert f"error_page {code} = @infergate_error_{code};" in server
+        assert f"error_page {code} = /_infergate/error/{code};" in server
     assert "keepalive 16;" in http
     assert "worker_processes 3;" in r.nginx_conf.read_text()
     opts = _options(r.http_conf)

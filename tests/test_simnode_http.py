@@ -513,3 +513,18 @@ def test_cli_port_in_use():
         s.listen()
         res = CliRunner().invoke(simnode_cmd, ["--port", str(s.getsockname()[1])])
     assert res.exit_code == 1 and "cannot listen" in res.output
+
+
+def test_refuse_needs_a_control_port(logdir):
+    # Without --control-port nothing could turn `refuse` off again: the API refuses it.
+    port = procs.free_port()
+    m = procs.Managed("sim-noctl", procs.infergate_argv("simnode", "--port", str(port),
+                                                        "--name", "sim-noctl"),
+                      logdir / "sim-noctl.log").start()
+    try:
+        m.wait_ready(lambda: procs.port_open("127.0.0.1", port), timeout=30)
+        r = requests.post(f"http://127.0.0.1:{port}/_sim/faults", json={"refuse": True}, timeout=5)
+        assert r.status_code == 400 and "control-port" in r.json()["error"]["message"]
+        assert requests.get(f"http://127.0.0.1:{port}/_sim/faults", timeout=5).json()["refuse"] is False
+    finally:
+        m.stop()

@@ -227,7 +227,8 @@ class SimNode:
     async def post_faults(self, request: web.Request) -> web.Response:
         """``POST /_sim/faults`` with any subset of the faults -> the full faults.
 
-        400 for bad JSON, unknown fields or out-of-range values (nothing changes)."""
+        400 for bad JSON, unknown fields or out-of-range values, and for ``refuse`` on a
+        node started without ``--control-port`` (nothing changes)."""
         try:
             update = wire.parse_body(await request.read())
             new = apply_update(self.faults, update)
@@ -235,6 +236,9 @@ class SimNode:
             return json_response(exc.body(), exc.status)
         except FaultsError as exc:
             return error_response(400, str(exc), param="faults")
+        if new.refuse and self.opts.control_port is None:
+            return error_response(400, "refuse needs --control-port: without it nothing could "
+                                  "turn it off again", param="refuse")
         self.faults = new
         await self._apply_refuse()
         log.info("faults now %s", new.model_dump())

@@ -17,6 +17,10 @@
 -- client_max_body_size, so nginx keeps every accepted body in memory and this is only
 -- a fallback for hand-written configs). The body must be a JSON object.
 local cjson = require("cjson.safe")
+-- Request bodies are parsed by an instance of their own that refuses what JSON does not
+-- allow and lua-cjson accepts by default (NaN, Infinity, hexadecimal numbers).
+local body_json = cjson.new()
+body_json.decode_invalid_numbers(false)
 local errors = require("infergate.errors")
 local reqctx = require("infergate.reqctx")
 local snapshot = require("infergate.snapshot")
@@ -41,6 +45,17 @@ local function step_method(req)
     local m = METHODS[req.route]
     if not m then
         return { status = 404 }
+    end
+    -- Every proxied request carries X-Infergate-Hop: one that comes back means a node is
+    -- registered with the address of an infergate edge (a routing loop).
+    if ngx.var.http_x_infergate_hop then
+        return {
+            status = 508,
+            message = "Routing loop: this request already went through an infergate edge; "
+                .. "a node's URL points at an edge instead of an inference server.",
+            type = "invalid_request_error",
+            code = "loop_detected",
+        }
     end
     if not m[ngx.req.get_method()] then
         return {
@@ -89,7 +104,7 @@ local function step_body(req)
     if not body:find("^%s*{") then
         return bad_request("The request body must be a JSON object.")
     end
-    local obj, derr = cjson.decode(body)
+    local obj, derr = body_json.decode(body)
     if type(obj) ~= "table" then
         return bad_request("The request body is not valid JSON: " .. tostring(derr))
     end

@@ -86,6 +86,9 @@ function _M.step_shed(req)
         if step > poll_s then
             step = poll_s
         end
+        if step < 0.001 then
+            step = 0.001  -- ngx.sleep(0) only yields (and warns): wait at least 1 ms
+        end
         ngx.sleep(step)
         waited = true
         ngx.update_time()

@@ -23,6 +23,10 @@ _M.CATALOG = {
     [408] = { "invalid_request_error", "request_timeout", "The request was not received in time." },
     [413] = { "invalid_request_error", "request_too_large", "The request body is too large." },
     [414] = { "invalid_request_error", "uri_too_long", "The request URI is too long." },
+    -- nginx's internal code for a request header (or cookies) over its buffers; sent as 400
+    [494] = { "invalid_request_error", "header_too_large", "A request header (or the cookies) is too large." },
+    [501] = { "invalid_request_error", "not_implemented", "This transfer encoding is not supported." },
+    [505] = { "invalid_request_error", "http_version_not_supported", "This HTTP version is not supported." },
     [429] = { "rate_limit_error", "rate_limit_exceeded", "Too many requests; retry later." },
     [500] = { "server_error", "internal_error", "The gateway failed to handle the request." },
     [502] = { "bad_gateway", "upstream_error", "No inference node gave a valid answer." },
@@ -92,6 +96,9 @@ function _M.page(status)
         if n then
             message = message .. " Tried " .. n .. " time(s); node answers: " .. list .. "."
         end
+    end
+    if status == 494 then
+        status = 400
     end
     ngx.status = status
     ngx.header["Content-Type"] = "application/json"

@@ -30,7 +30,7 @@ local min = math.min
 local io_open = io.open
 
 _M.CHUNK = 65536
-_M.TIMEOUT_LOCATION = "@infergate_error_408"
+_M.TIMEOUT_LOCATION = "/_infergate/error/408"
 
 local function bad_utf8()
     return {
