@@ -247,6 +247,28 @@ def test_stream_is_stored_and_replayed_for_the_openai_client(stack, edge) -> Non
     assert stack.node_requests() == n
 
 
+def test_entry_without_usage_never_answers_a_request_that_needs_usage(stack, edge) -> None:
+    # A stream that did not ask for usage is stored without it; a plain request (whose
+    # answer always carries usage) must not get `"usage": null` from it.
+    body = body_of("Describe a quiet harbour at dawn.", temperature=0)
+    with post(edge, {**body, "stream": True}) as r:
+        assert r.headers["X-Cache-Status"] == "MISS"
+    entry = wait_stored(stack, body)
+    assert entry["stream"] is True
+    n = stack.node_requests()
+    streamed = post(edge, {**body, "stream": True})
+    assert streamed.headers["X-Cache-Status"] == "HIT"      # no usage asked: served
+    plain = post(edge, body)
+    assert plain.headers["X-Cache-Status"] == "MISS"        # needs usage: to a node
+    assert plain.json()["usage"]["completion_tokens"] > 0
+    assert stack.node_requests() == n + 1
+    procs.wait_until(lambda: json.loads(stack.r.get(keys.cache_entry(exact_key(body))) or "{}")
+                     .get("stream") is False, 10, what="the complete entry in its place")
+    again = post(edge, body)
+    assert again.headers["X-Cache-Status"] == "HIT"
+    assert again.json()["usage"] == plain.json()["usage"]
+
+
 # ----------------------------------------------------------------------------- semantic
 
 

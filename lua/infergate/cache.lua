@@ -274,8 +274,13 @@ local function redis_connect()
     return redis.connect(redis_conf, config.get().redis_timeout_ms)
 end
 
--- The stored entry of `key`: {doc, comp} or nil (absent or unusable), or nil, err.
-local function get_entry(rc, key, kind)
+-- The stored entry of `key` for the request's cache state `c`: {doc, comp} or nil
+-- (absent or unusable), or nil, err. An entry stored from a stream that did not ask
+-- for usage has none: it cannot answer a request whose answer must carry usage (a
+-- non-streaming one, or a stream with stream_options.include_usage), which then goes
+-- to a node and stores a complete entry in its place.
+local function get_entry(rc, key, c)
+    local kind = c.kind
     local raw, err = rc:command("GET", keys.cache_entry(key))
     if raw == nil then
         return nil, err
@@ -289,6 +294,9 @@ local function get_entry(rc, key, kind)
     end
     local comp = replay.decode_stored(doc.body, kind)
     if not comp then
+        return nil
+    end
+    if type(comp.usage) ~= "table" and (not c.stream or c.include_usage) then
         return nil
     end
     return { doc = doc, comp = comp }
@@ -329,7 +337,7 @@ local function wait_for_leader(c, lock)
         ngx.sleep(pause)
         local held = dict:get(lock)
         local entry, err = with_redis(function(rc)
-            return get_entry(rc, c.key, c.kind)
+            return get_entry(rc, c.key, c)
         end)
         if entry then
             return entry
@@ -419,7 +427,7 @@ function _M.lookup(req)
 
     -- exact
     local entry, err = with_redis(function(rc)
-        return get_entry(rc, k.exact, kind)
+        return get_entry(rc, k.exact, c)
     end)
     if err then
         if not redis_down_logged then
@@ -462,7 +470,7 @@ function _M.lookup(req)
         embedder_down_logged = false
         if res.hit == true and type(res.key) == "string" and res.key:find("^%x+$") then
             local hit, herr = with_redis(function(rc)
-                return get_entry(rc, res.key, kind)
+                return get_entry(rc, res.key, c)
             end)
             if hit then
                 return serve(req, c, hit, "semantic", tonumber(res.similarity) or 0)
