@@ -350,6 +350,12 @@ class TinyUpstream:
                     self._send(429, {"error": {"message": "busy", "type": "rate_limit_error",
                                                "param": None, "code": 429}})
                     return
+                if self.path.split("?")[0] not in ("/v1/chat/completions", "/v1/completions",
+                                                   "/v1/embeddings"):
+                    self._send(404, {"error": {"message": f"no route {self.path}",
+                                               "type": "invalid_request_error",
+                                               "param": None, "code": "not_found"}})
+                    return
                 try:
                     req = json.loads(raw or b"{}")
                 except ValueError:

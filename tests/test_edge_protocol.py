@@ -89,3 +89,15 @@ def test_numbers_json_does_not_allow_are_refused(edge, number) -> None:
                       headers={"Content-Type": "application/json"})
     assert r.status_code == 400
     assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("path", ["/v1//chat/completions", "//v1/chat/completions",
+                                  "/v1/x/../chat/completions"])
+def test_paths_are_forwarded_normalised(edge, path) -> None:
+    host, port = edge.rendered.listen.rsplit(":", 1)
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+    status, _, resp = raw(edge, b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+                          b"Content-Type: application/json\r\nConnection: close\r\n"
+                          b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    assert status == 200, resp
+    assert json.loads(resp)["object"] == "chat.completion"
