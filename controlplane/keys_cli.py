@@ -14,75 +14,19 @@ message and exit with status 1. Storage: :mod:`controlplane.apikeys`.
 
 from __future__ import annotations
 
-import getpass
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import click
-import redis
 
 from . import apikeys, registry
-from .config import ConfigError, Settings, load_settings
-from .redis_conn import make_redis
-
-
-class Ctx:
-    """Settings and a Redis client, built on first use (so ``--help`` needs neither)."""
-
-    def __init__(self, config: str | None, redis_url: str | None):
-        self.config = config
-        self.redis_url = redis_url
-        self._settings: Settings | None = None
-        self._r: redis.Redis | None = None
-
-    @property
-    def settings(self) -> Settings:
-        if self._settings is None:
-            try:
-                s = load_settings(self.config)
-            except ConfigError as exc:
-                raise click.ClickException(str(exc)) from None
-            if self.redis_url:
-                s.redis.url = self.redis_url
-            self._settings = s
-        return self._settings
-
-    @property
-    def r(self) -> redis.Redis:
-        if self._r is None:
-            try:
-                self._r = make_redis(self.settings.redis)
-            except ValueError as exc:
-                raise click.ClickException(f"invalid Redis URL {self.settings.redis.url!r}: {exc}")
-        return self._r
-
-
-def actor() -> str:
-    """``cli:<login name>`` (``cli:unknown`` when the user cannot be determined)."""
-    try:
-        return f"cli:{getpass.getuser()}"
-    except (KeyError, OSError):
-        return "cli:unknown"
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Plain text table, columns padded to their widest cell."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(headers)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    return "\n".join(lines)
+from .cli_common import Ctx, actor, run_or_exit, table
 
 
 def _run(ctx: Ctx, fn: Callable[[], Any]) -> Any:
-    try:
-        return fn()
-    except apikeys.ApiKeyError as exc:
-        raise click.ClickException(str(exc)) from None
-    except redis.exceptions.RedisError as exc:
-        raise click.ClickException(f"cannot reach Redis at {ctx.settings.redis.url}: {exc}") from None
+    return run_or_exit(ctx, fn, (apikeys.ApiKeyError,))
 
 
 def _when(ts: float | None) -> str:

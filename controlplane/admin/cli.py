@@ -6,84 +6,24 @@ duplicate name, Redis unreachable, bad config) print a message and exit with sta
 
 from __future__ import annotations
 
-import getpass
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import click
-import redis
 
 from .. import registry
-from ..config import ConfigError, Settings, load_settings
-from ..redis_conn import make_redis
+from ..cli_common import Ctx, actor, run_or_exit, table
 from . import ops
 from .nodeview import build_views
 
 KINDS = ("vllm", "tgi", "sglang", "json", "openai")
 
 
-class Ctx:
-    """Settings and a Redis client, built on first use (so ``--help`` needs neither)."""
-
-    def __init__(self, config: str | None, redis_url: str | None):
-        self.config = config
-        self.redis_url = redis_url
-        self._settings: Settings | None = None
-        self._r: redis.Redis | None = None
-
-    @property
-    def settings(self) -> Settings:
-        if self._settings is None:
-            try:
-                s = load_settings(self.config)
-            except ConfigError as exc:
-                raise click.ClickException(str(exc)) from None
-            if self.redis_url:
-                s.redis.url = self.redis_url
-            self._settings = s
-        return self._settings
-
-    @property
-    def r(self) -> redis.Redis:
-        if self._r is None:
-            try:
-                self._r = make_redis(self.settings.redis)
-            except ValueError as exc:
-                raise click.ClickException(f"invalid Redis URL {self.settings.redis.url!r}: {exc}")
-        return self._r
-
-    @property
-    def events_max(self) -> int:
-        return self.settings.controlplane.events_max
-
-
-def actor() -> str:
-    """``cli:<login name>`` (``cli:unknown`` when the user cannot be determined)."""
-    try:
-        return f"cli:{getpass.getuser()}"
-    except (KeyError, OSError):
-        return "cli:unknown"
-
-
 def run(ctx: Ctx, fn: Callable[[], Any]) -> Any:
     """Call ``fn`` and turn admin and Redis errors into a clean exit 1."""
-    try:
-        return fn()
-    except ops.AdminError as exc:
-        raise click.ClickException(exc.message) from None
-    except redis.exceptions.RedisError as exc:
-        raise click.ClickException(f"cannot reach Redis at {ctx.settings.redis.url}: {exc}") from None
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Plain text table, columns padded to their widest cell."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(headers)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    return "\n".join(lines)
+    return run_or_exit(ctx, fn, (ops.AdminError,))
 
 
 def _f(x: float | None, fmt: str = "{:g}") -> str:
