@@ -67,3 +67,26 @@ def redis_server(workdir: Path):
         yield server
     finally:
         server.managed.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_redis_port():
+    """One redis-server for a whole test module (pair with ``r``, which empties it before
+    each test): much faster than a server per test."""
+    d = Path(tempfile.mkdtemp(prefix="infergate-test-"))
+    port = procs.free_port()
+    m = procs.start_redis(d / "redis", port)
+    try:
+        yield port
+    finally:
+        m.stop()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def r(shared_redis_port) -> redis.Redis:
+    """A client of the module's redis-server, emptied (FLUSHALL) for this test."""
+    client = redis.Redis(host="127.0.0.1", port=shared_redis_port, decode_responses=True,
+                         socket_timeout=2)
+    client.flushall()
+    return client

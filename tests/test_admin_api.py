@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
-import redis
 
-from controlplane import apikeys, cache_store, keys, procs, registry
+from controlplane import apikeys, cache_store, keys, registry
 from controlplane.admin import create_app
 from controlplane.config import NodeSettings, Settings
 
@@ -22,27 +18,6 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 def make_settings(token: str = TOKEN) -> Settings:
     return Settings.model_validate({"controlplane": {"admin_token": token},
                                     "edge": {"stale_after_s": 10.0}})
-
-
-@pytest.fixture(scope="module")
-def shared_redis_port():
-    """One redis-server for the module (each test starts from FLUSHALL): fast."""
-    d = Path(tempfile.mkdtemp(prefix="infergate-test-"))
-    port = procs.free_port()
-    m = procs.start_redis(d / "redis", port)
-    try:
-        yield port
-    finally:
-        m.stop()
-        shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def r(shared_redis_port):
-    client = redis.Redis(host="127.0.0.1", port=shared_redis_port, decode_responses=True,
-                         socket_timeout=2)
-    client.flushall()
-    return client
 
 
 @pytest.fixture

@@ -4,35 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
-import redis
 
-from controlplane import apikeys, cache_store, keys, procs
-
-
-@pytest.fixture(scope="module")
-def shared_redis_port():
-    """One redis-server for the module (each test starts from FLUSHALL): fast."""
-    d = Path(tempfile.mkdtemp(prefix="infergate-test-"))
-    port = procs.free_port()
-    m = procs.start_redis(d / "redis", port)
-    try:
-        yield port
-    finally:
-        m.stop()
-        shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def r(shared_redis_port):
-    client = redis.Redis(host="127.0.0.1", port=shared_redis_port, decode_responses=True,
-                         socket_timeout=2)
-    client.flushall()
-    return client
+from controlplane import apikeys, cache_store, keys
 
 
 # ---- API keys --------------------------------------------------------------------------

@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
-import redis
 
-from controlplane import apikeys, cache_store, keys, procs, registry
+from controlplane import apikeys, cache_store, keys, registry
 from controlplane.admin import create_app
 from controlplane.config import NodeSettings, Settings
 
@@ -23,27 +19,6 @@ TOKEN = "ui-admin-token-456"
 def make_app(r, token: str = TOKEN):
     s = Settings.model_validate({"controlplane": {"admin_token": token}})
     return create_app(s, r, secret_key="fixed-test-secret")
-
-
-@pytest.fixture(scope="module")
-def shared_redis_port():
-    """One redis-server for the module (each test starts from FLUSHALL): fast."""
-    d = Path(tempfile.mkdtemp(prefix="infergate-test-"))
-    port = procs.free_port()
-    m = procs.start_redis(d / "redis", port)
-    try:
-        yield port
-    finally:
-        m.stop()
-        shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def r(shared_redis_port):
-    client = redis.Redis(host="127.0.0.1", port=shared_redis_port, decode_responses=True,
-                         socket_timeout=2)
-    client.flushall()
-    return client
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import socket
 import time
-from pathlib import Path
 
 import openai
 import pytest

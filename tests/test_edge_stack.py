@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -67,8 +66,9 @@ def test_node_with_a_deep_queue_gets_a_clearly_smaller_share(stack, simnodes) ->
     edge, _, _ = stack([busy, *idle])
     # keep the busy node's single slot taken, with a queue behind it
     direct = ThreadPoolExecutor(6)
-    futs = [direct.submit(requests.post, f"{busy.url}/v1/chat/completions",
-                          json={**CHAT, "sim_output_tokens": 150}, timeout=60) for _ in range(6)]
+    for _ in range(6):
+        direct.submit(requests.post, f"{busy.url}/v1/chat/completions",
+                      json={**CHAT, "sim_output_tokens": 150}, timeout=60)
     try:
         procs.wait_until(lambda: busy.state()["waiting"] >= 4, 10, what="queue on sim-busy")
         procs.wait_until(lambda: edge.node_status("sim-busy")["score"] >

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import openai
-import pytest
 import requests
 
 from controlplane import procs
