@@ -15,24 +15,22 @@
 local bit = require("bit")
 local ffi = require("ffi")
 local cjson = require("cjson.safe")
+local jsonenc = require("infergate.jsonenc")
 
 local _M = {}
 
 local type = type
 local pairs = pairs
 local ipairs = ipairs
-local next = next
 local floor = math.floor
-local abs = math.abs
 local format = string.format
 local concat = table.concat
-local sort = table.sort
 local byte = string.byte
 local char = string.char
 local null = cjson.null
+local array_len = jsonenc.seq_len
 
 local SCHEMA = 1
-local MAX_SAFE = 2 ^ 53
 
 _M.EXCLUDED = { stream = true, stream_options = true, user = true }
 
@@ -134,108 +132,13 @@ end
 
 -- ------------------------------------------------------------------ canonical text
 
-local ESC = { ['"'] = '\\"', ["\\"] = "\\\\" }
-for c = 0, 31 do
-    ESC[char(c)] = format("\\u%04x", c)
-end
+local CANONICAL = { canonical = true }
 
-local function enc_string(s)
-    return '"' .. s:gsub('[%z\1-\31"\\]', ESC) .. '"'
-end
-
-local function enc_number(v)
-    if v == floor(v) and abs(v) < MAX_SAFE then
-        return format("%d", v)
-    end
-    return format("%.17g", v)
-end
-
--- array length when t is a non-empty sequence 1..n, else nil
-local function array_len(t)
-    local n = 0
-    for k in pairs(t) do
-        if type(k) ~= "number" then
-            return nil
-        end
-        n = n + 1
-    end
-    for i = 1, n do
-        if t[i] == nil then
-            return nil
-        end
-    end
-    return n
-end
-
-local enc
-
-local function enc_table(t, out, depth)
-    if depth > 200 then
-        error("nesting too deep")
-    end
-    if next(t) == nil then
-        out[#out + 1] = "[]"
-        return
-    end
-    local n = array_len(t)
-    if n then
-        out[#out + 1] = "["
-        for i = 1, n do
-            if i > 1 then
-                out[#out + 1] = ","
-            end
-            enc(t[i], out, depth + 1)
-        end
-        out[#out + 1] = "]"
-        return
-    end
-    local ks = {}
-    for k in pairs(t) do
-        ks[#ks + 1] = type(k) == "string" and k or tostring(k)
-    end
-    sort(ks)
-    out[#out + 1] = "{"
-    for i, k in ipairs(ks) do
-        if i > 1 then
-            out[#out + 1] = ","
-        end
-        out[#out + 1] = enc_string(k)
-        out[#out + 1] = ":"
-        local v = t[k]
-        if v == nil then
-            v = t[tonumber(k)]
-        end
-        enc(v, out, depth + 1)
-    end
-    out[#out + 1] = "}"
-end
-
-enc = function(v, out, depth)
-    local t = type(v)
-    if v == nil or v == null then
-        out[#out + 1] = "null"
-    elseif t == "boolean" then
-        out[#out + 1] = v and "true" or "false"
-    elseif t == "number" then
-        out[#out + 1] = enc_number(v)
-    elseif t == "string" then
-        out[#out + 1] = enc_string(v)
-    elseif t == "table" then
-        enc_table(v, out, depth)
-    else
-        error("not a JSON value: " .. t)
-    end
-end
-
--- Canonical text of a decoded JSON value (see controlplane/cachekey.py).
--- Returns the text, or nil, err for values JSON cannot hold or nesting deeper than 200.
+-- Canonical text of a decoded JSON value (see controlplane/cachekey.py; written by
+-- infergate.jsonenc in its canonical spelling). Returns the text, or nil, err for values
+-- JSON cannot hold or nesting deeper than 200.
 function _M.canonical(v)
-    local out = {}
-    local ok, err = pcall(enc, v, out, 0)
-    if not ok then
-        return nil, tostring(err)
-    end
-    return concat(out)
+    return jsonenc.encode(v, CANONICAL)
 end
 
 -- ------------------------------------------------------------------ keys

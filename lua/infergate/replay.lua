@@ -18,30 +18,28 @@
 -- stream_options.include_usage, then "data: [DONE]".
 --
 -- Debian's lua-cjson (2.1.0) decodes [] and {} alike and has no empty-array marker, so
--- this module carries its own small JSON encoder: tables with ARRAY_MT are arrays, with
--- OBJECT_MT objects, other tables arrays when they are non-empty sequences.
+-- answers are written by infergate.jsonenc (default spelling): tables with ARRAY_MT are
+-- arrays, with OBJECT_MT objects, other tables arrays when they are non-empty sequences.
 local cjson = require("cjson.safe")
+local jsonenc = require("infergate.jsonenc")
 
 local _M = {}
 
 local type = type
 local pairs = pairs
 local ipairs = ipairs
-local next = next
 local tostring = tostring
 local tonumber = tonumber
 local floor = math.floor
-local abs = math.abs
 local format = string.format
 local concat = table.concat
-local sort = table.sort
 local byte = string.byte
-local char = string.char
 local sub = string.sub
 local null = cjson.null
+local seq_len = jsonenc.seq_len
 
-_M.ARRAY_MT = { __jsontype = "array" }
-_M.OBJECT_MT = { __jsontype = "object" }
+_M.ARRAY_MT = jsonenc.ARRAY_MT
+_M.OBJECT_MT = jsonenc.OBJECT_MT
 local ARRAY_MT, OBJECT_MT = _M.ARRAY_MT, _M.OBJECT_MT
 
 local function arr(t)
@@ -54,111 +52,9 @@ end
 
 -- ------------------------------------------------------------------ JSON encoder
 
-local ESC = { ['"'] = '\\"', ["\\"] = "\\\\", ["\n"] = "\\n", ["\r"] = "\\r", ["\t"] = "\\t" }
-for c = 0, 31 do
-    local ch = char(c)
-    if not ESC[ch] then
-        ESC[ch] = format("\\u%04x", c)
-    end
-end
-
-local function enc_number(v)
-    if v ~= v or v == math.huge or v == -math.huge then
-        return "null"
-    end
-    if v == floor(v) and abs(v) < 2 ^ 53 then
-        return format("%d", v)
-    end
-    local s = format("%.14g", v)
-    if tonumber(s) ~= v then
-        s = format("%.17g", v)
-    end
-    return s
-end
-
-local function seq_len(t)
-    local n = 0
-    for k in pairs(t) do
-        if type(k) ~= "number" then
-            return nil
-        end
-        n = n + 1
-    end
-    for i = 1, n do
-        if t[i] == nil then
-            return nil
-        end
-    end
-    return n
-end
-
-local enc
-
-local function enc_table(t, out, depth)
-    if depth > 100 then
-        error("nesting too deep")
-    end
-    local mt = getmetatable(t)
-    local n
-    if mt == ARRAY_MT then
-        n = #t
-    elseif mt ~= OBJECT_MT and next(t) ~= nil then
-        n = seq_len(t)
-    end
-    if n then
-        out[#out + 1] = "["
-        for i = 1, n do
-            if i > 1 then
-                out[#out + 1] = ","
-            end
-            enc(t[i], out, depth + 1)
-        end
-        out[#out + 1] = "]"
-        return
-    end
-    local ks = {}
-    for k in pairs(t) do
-        if type(k) == "string" then
-            ks[#ks + 1] = k
-        end
-    end
-    sort(ks)
-    out[#out + 1] = "{"
-    for i, k in ipairs(ks) do
-        if i > 1 then
-            out[#out + 1] = ","
-        end
-        out[#out + 1] = '"' .. k:gsub('[%z\1-\31"\\]', ESC) .. '":'
-        enc(t[k], out, depth + 1)
-    end
-    out[#out + 1] = "}"
-end
-
-enc = function(v, out, depth)
-    local t = type(v)
-    if v == nil or v == null then
-        out[#out + 1] = "null"
-    elseif t == "boolean" then
-        out[#out + 1] = v and "true" or "false"
-    elseif t == "number" then
-        out[#out + 1] = enc_number(v)
-    elseif t == "string" then
-        out[#out + 1] = '"' .. v:gsub('[%z\1-\31"\\]', ESC) .. '"'
-    elseif t == "table" then
-        enc_table(v, out, depth)
-    else
-        out[#out + 1] = "null"
-    end
-end
-
 -- JSON text of a value (see the ARRAY_MT / OBJECT_MT rules above); nil, err on failure.
 function _M.encode(v)
-    local out = {}
-    local ok, err = pcall(enc, v, out, 0)
-    if not ok then
-        return nil, tostring(err)
-    end
-    return concat(out)
+    return jsonenc.encode(v)
 end
 
 -- ------------------------------------------------------------------ stored form
