@@ -27,18 +27,19 @@ with ``"\\n"``. Requests without such a last user text have no namespace (exact 
   no spaces;
 - arrays: ``[v,...]``; an empty object and an empty array are both written ``[]`` (the
   edge's JSON decoder cannot tell them apart);
-- strings: ``"`` + the text with ``"`` -> ``\\"``, ``\\`` -> ``\\\\`` and the bytes
+- strings (values and keys): first in Unicode normalisation form C (NFC), then ``"`` +
+  the text with ``"`` -> ``\\"``, ``\\`` -> ``\\\\`` and the bytes
   0x00-0x1F -> ``\\u00xx`` (lowercase hex) + ``"``; every other character as its raw
   UTF-8 bytes;
 - numbers: a whole number with absolute value below 2^53 is written as an integer (``1.0``
   and ``1`` are the same, ``-0`` is ``0``); any other number as C ``%.17g`` of the double;
 - ``true``, ``false``, ``null``.
 
-**Unicode:** no normalisation. nginx's Lua has no Unicode normaliser, so the key is taken
-over the characters as sent: a precomposed ``é`` (U+00E9) and ``e`` + U+0301 give different
-exact keys (``tests/test_cache_keys.py`` checks this). Clients that send the same text
-the same way (every SDK does for a given input) hit; the semantic path embeds both
-spellings to nearly the same vector, so they can still meet there.
+**Unicode:** every string is NFC-normalised before it is written, so a precomposed ``é``
+(U+00E9) and ``e`` + U+0301 give the same keys. Python uses ``unicodedata.normalize``;
+the edge calls GLib's ``g_utf8_normalize`` through the FFI (``lua/infergate/unicode.lua``;
+Debian package ``libglib2.0-0``). Members are sorted by their key as sent, then written
+normalised (both sides do the same).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +77,8 @@ def _num(x: int | float) -> str:
 
 
 def _str(s: str) -> str:
+    if not s.isascii():
+        s = unicodedata.normalize("NFC", s)
     out = ['"']
     for ch in s:
         if ch == '"':

@@ -68,6 +68,9 @@ def _bodies() -> list[tuple[str, str, dict]]:
         (CHAT, "default", {"model": "m", "messages": [{"role": "user", "content":
                                                        "caf\u00e9 \U0001F600 \u0000 \u001f \"q\" \\ /"}]}),
         (CHAT, "default", {"model": "m", "messages": [{"role": "user", "content": "cafe\u0301"}]}),
+        (CHAT, "default", {"model": "m", "messages": [{"role": "user", "content": "caf\u00e9"}]}),
+        (CHAT, "default", {"model": "m", "messages": [{"role": "user", "content": "\u1100\u1161 \ufb01"}],
+                           "metadata": {"e\u0301": 1, "\u00e9a": 2, "z": "A\u030a"}}),
         (CHAT, "tenant with spaces/ünïcode", base),
         (CHAT, "default", {**base, "big": 10**20, "small": 1e-7, "neg": -0.0, "huge": 1e300,
                            "frac": 0.1, "third": 1 / 3, "max_safe": 2**53 - 1, "past": 2**53 + 2,
@@ -207,11 +210,16 @@ def test_no_namespace_without_a_last_user_text() -> None:
     assert k({"model": "m", "prompt": "go on"}, COMP).semantic_text == "go on"
 
 
-def test_no_unicode_normalisation_precomposed_and_decomposed_differ() -> None:
+def test_nfc_precomposed_and_decomposed_share_the_keys() -> None:
     pre = {"model": "m", "messages": [{"role": "user", "content": "caf\u00e9"}]}
     dec = {"model": "m", "messages": [{"role": "user", "content": "cafe\u0301"}]}
-    assert k(pre).exact != k(dec).exact
-    assert k(pre).namespace == k(dec).namespace  # they can still meet on the semantic path
+    assert k(pre).exact == k(dec).exact
+    assert k(pre).namespace == k(dec).namespace
+    hangul = {"model": "m", "messages": [{"role": "user", "content": "\u1100\u1161"}]}
+    assert k(hangul).exact == k({**hangul, "messages": [{"role": "user", "content": "\uac00"}]}).exact
+    # NFC, not NFKC: compatibility characters stay distinct
+    assert k({**pre, "messages": [{"role": "user", "content": "\ufb01"}]}).exact != \
+        k({**pre, "messages": [{"role": "user", "content": "fi"}]}).exact
 
 
 def test_integral_floats_equal_integers() -> None:

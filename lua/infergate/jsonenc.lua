@@ -130,6 +130,7 @@ local CANONICAL = {
     empty_array = true,     -- every empty table is []
     all_keys = true,        -- non-string keys as tostring(key)
     strict = true,          -- values JSON cannot hold: error
+    normalize = require("infergate.unicode").nfc, -- strings (and keys) in NFC
 }
 
 -- ------------------------------------------------------------------ encoder
@@ -137,10 +138,13 @@ local CANONICAL = {
 -- An encode(v) function for one spelling; errors are raised (caught by _M.encode).
 local function encoder(mode)
     local esc, number, max_depth = mode.esc, mode.number, mode.max_depth
-    local marks, empty_array, all_keys, strict =
-        mode.marks, mode.empty_array, mode.all_keys, mode.strict
+    local marks, empty_array, all_keys, strict, normalize =
+        mode.marks, mode.empty_array, mode.all_keys, mode.strict, mode.normalize
 
     local function enc_string(s)
+        if normalize then
+            s = normalize(s)
+        end
         return '"' .. gsub(s, '[%z\1-\31"\\]', esc) .. '"'
     end
 
