@@ -3,7 +3,7 @@
 -- manual, "Unicode Manipulation": G_NORMALIZE_NFC = G_NORMALIZE_DEFAULT_COMPOSE = 1).
 -- nginx's Lua has no normaliser of its own. ASCII text is returned as it is, without a
 -- call. Without GLib (or for bytes that are not UTF-8) the text is returned unchanged,
--- and _M.available tells which (infergate.cachekey logs it once).
+-- _M.available tells which, and loading the module logs a warning without GLib.
 local ffi = require("ffi")
 
 local _M = {}
@@ -26,6 +26,10 @@ do
     end
 end
 _M.available = glib ~= nil
+if not glib then
+    ngx.log(ngx.WARN, "infergate: libglib-2.0.so.0 not found: cache keys are taken over text ",
+            "as sent, without NFC normalisation (apt-get install libglib2.0-0)")
+end
 
 local function nfc_segment(s)
     local p = glib.g_utf8_normalize(s, #s, G_NORMALIZE_NFC)
