@@ -597,3 +597,18 @@ def test_semantic_hit_with_the_redis_search_index(stack, edge_factory, workdir) 
     finally:
         emb.stop()
         srv.stop()
+
+
+def test_no_index_job_without_semantic_lookups(stack, edge_factory) -> None:
+    # With semantic lookups off nothing reads the index queue: nothing is queued. (Database
+    # 1 of the module's Redis: the module's embedder, which would drain the queue, reads 0.)
+    r1 = redis.Redis(host="127.0.0.1", port=stack.redis_port, db=1, decode_responses=True)
+    r1.flushdb()
+    edge = edge_factory(cache_settings(stack, f"redis://127.0.0.1:{stack.redis_port}/1",
+                                       semantic=False))
+    body = body_of("Name three lighthouses on the Atlantic coast.", temperature=0)
+    assert post(edge, body).headers["X-Cache-Status"] == "MISS"
+    procs.wait_until(lambda: r1.exists(keys.cache_entry(exact_key(body))), 10, what="entry")
+    assert post(edge, body).headers["X-Cache-Status"] == "HIT"
+    assert r1.llen(keys.CACHE_INDEX_QUEUE) == 0
+    r1.flushdb()

@@ -420,7 +420,10 @@ function _M.lookup(req)
     if not k then
         return bypass(c, "key: " .. tostring(kerr), false)
     end
-    c.key, c.namespace, c.text = k.exact, k.namespace, k.text
+    -- c.text (the text to embed) only when semantic lookups are on: without it no index
+    -- job is queued for an embedder that is not there
+    c.key, c.namespace = k.exact, k.namespace
+    c.text = opts.semantic and k.text or nil
     if has_token(cc, "no-cache") then
         return bypass(c, "no-cache", true)
     end

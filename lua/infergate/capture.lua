@@ -28,6 +28,9 @@ local replay = require("infergate.replay")
 
 local _M = {}
 
+-- Longest the semantic index queue grows (jobs) while no embedder reads it.
+_M.INDEX_QUEUE_MAX = 10000
+
 local type = type
 local ipairs = ipairs
 local pairs = pairs
@@ -315,6 +318,8 @@ local function run_job(premature, job)
         cmds[#cmds + 1] = { "HINCRBY", keys.cache_stats, "stores", 1 }
         if s.index_job then
             cmds[#cmds + 1] = { "RPUSH", keys.cache_index_queue, s.index_job }
+            -- bounded while no embedder consumes it: the newest jobs are kept
+            cmds[#cmds + 1] = { "LTRIM", keys.cache_index_queue, -_M.INDEX_QUEUE_MAX, -1 }
         end
     end
     for _, name in ipairs(job.counters) do
