@@ -51,8 +51,8 @@ from .redis_conn import make_redis
 from .redis_url import parse_redis_url
 from .registry import NodeState
 from .snapshot import (
-    DRAIN_GRACE_SYNCS, EDGE_FRESH_FACTOR, HostResolver, build_snapshot, drain_decisions,
-    fresh_inflight,
+    DRAIN_GRACE_SYNCS, EDGE_FORGET_S, EDGE_FRESH_FACTOR, HostResolver, build_snapshot,
+    drain_decisions, fresh_inflight, stale_edges,
 )
 
 log = logging.getLogger("infergate.controlplane")
@@ -69,6 +69,14 @@ if not ok or type(d) ~= 'table' or d.state ~= 'draining' then return 0 end
 local since = tonumber(d.since) or -1
 if math.abs(since - tonumber(ARGV[2])) > 0.001 then return 0 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+return 1
+"""
+
+#: Writes the snapshot only while this control plane still holds the leader lock, so a
+#: leader that stalled past its lease (and was replaced) cannot overwrite its successor.
+SNAPSHOT_IF_LEADER_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[2], ARGV[2])
 return 1
 """
 
@@ -247,6 +255,9 @@ class ControlPlane:
         try:
             pipe = self.r.pipeline(transaction=False)
             pipe.incr(keys.ROUTING_VERSION)
+            gone = stale_edges(self.edges, now, EDGE_FORGET_S)
+            if gone:  # edges that stopped long ago (restarted containers get new ids)
+                pipe.hdel(keys.EDGES, *gone)
             for d in decisions:
                 pipe.eval(DRAINED_LUA, 1, keys.NODE_STATES, d.name, repr(d.since), drained_json)
             for st in report.statuses.values():
@@ -258,6 +269,8 @@ class ControlPlane:
                 registry.add_event(pipe, kind, node, actor=ACTOR, detail=detail,
                                    maxlen=cp.events_max)
             res = pipe.execute(raise_on_error=False)
+            if gone:
+                res.pop(1)
             self._pending.clear()
             errors = [x for x in res if isinstance(x, Exception)]
             if errors:
@@ -276,15 +289,19 @@ class ControlPlane:
                 statuses={k: v.metrics_doc() for k, v in report.statuses.items()},
                 hosts=hosts, slow_start_s=cp.slow_start_s)
             pipe = self.r.pipeline(transaction=False)
-            pipe.set(keys.ROUTING, json.dumps(snap, separators=(",", ":")))
+            pipe.eval(SNAPSHOT_IF_LEADER_LUA, 2, keys.LEADER, keys.ROUTING, self.id,
+                      json.dumps(snap, separators=(",", ":")))
             for d in decisions:
                 if d.name in report.drained:
                     registry.add_event(pipe, "drained", d.name, actor=ACTOR,
                                        detail={"reason": d.reason}, maxlen=cp.events_max)
-            pipe.execute()
+            written = pipe.execute()[0]
         except redis.RedisError as exc:
             self._redis_failed(exc)
             report.redis_ok = False
+            return
+        if written != 1:
+            log.warning("leadership lost during the cycle: snapshot %s not written", version)
             return
         self.last_snapshot = snap
         report.wrote = True

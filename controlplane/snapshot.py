@@ -50,6 +50,25 @@ def effective_weight(weight: float, state: NodeState, now: float, slow_start_s: 
     return round(weight * max(0.1, elapsed / slow_start_s), 4)
 
 
+#: An edge whose stats field has not changed for this long (s) is forgotten (HDEL).
+EDGE_FORGET_S = 3600.0
+
+
+def stale_edges(edges_raw: dict[str, str], now: float, max_age_s: float) -> list[str]:
+    """Edge ids whose field in ``infergate:v1:edges`` is older than ``max_age_s`` seconds
+    (or not valid JSON with a ``ts``): to be deleted."""
+    out = []
+    for edge_id, raw in edges_raw.items():
+        try:
+            ts = float(json.loads(raw)["ts"])
+        except (ValueError, TypeError, KeyError):
+            out.append(edge_id)
+            continue
+        if now - ts > max_age_s:
+            out.append(edge_id)
+    return out
+
+
 def fresh_inflight(edges_raw: dict[str, str], now: float, max_age_s: float) -> dict[str, float]:
     """Sum of ``inflight`` per node over the edge fields whose ``ts`` is at most
     ``max_age_s`` old. Fields that are not valid JSON of the documented shape are

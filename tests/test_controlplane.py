@@ -300,3 +300,32 @@ def test_slow_start_after_undrain(redis_server, sims, pool, cp_factory):
     assert by["sim-v"]["effective_weight"] == pytest.approx(2.0 * 0.5, abs=0.01)
     assert by["sim-t"]["effective_weight"] == pytest.approx(0.1, abs=0.001)
     assert by["sim-o"]["effective_weight"] == 1.0
+
+
+def test_a_replaced_leader_does_not_overwrite_the_snapshot(redis_server, sims, pool, cp_factory):
+    r = redis_server.client()
+    cp = cp_factory(cp_settings(pool), ident="cp-old")
+    cp.run_cycle()
+    first = routing(r)["version"]
+    # The lock moves to another control plane while this one is inside its write (e.g.
+    # stalled past its lease): the snapshot it built must not land.
+    real = cp.resolver.resolve_url
+
+    def stall_and_lose_the_lock(url, now):
+        r.set(keys.LEADER, "cp-new")
+        return real(url, now)
+
+    cp.resolver.resolve_url = stall_and_lose_the_lock
+    cp.run_cycle()
+    assert routing(r)["version"] == first
+    assert routing(r)["leader"] == "cp-old"
+
+
+def test_long_gone_edges_are_forgotten(redis_server, sims, pool, cp_factory):
+    r = redis_server.client()
+    edge_stats(r, 0, edge_id="live")
+    edge_stats(r, 0, ts=time.time() - 2 * 3600, edge_id="gone")
+    r.hset(keys.EDGES, "junk", "not json")
+    cp = cp_factory(cp_settings(pool))
+    cp.run_cycle()
+    assert set(r.hkeys(keys.EDGES)) == {"live"}
