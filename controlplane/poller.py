@@ -131,6 +131,9 @@ class Poller:
         self._workers = max_workers
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="poll")
         self._local = threading.local()
+        #: the futures of each node's last poll; a node whose poll is still running (a
+        #: server trickling bytes) is not polled again, so it holds at most two threads
+        self._running: dict[str, list[Future]] = {}
 
     def _ensure_workers(self, n: int) -> None:
         """Enough threads for ``n`` requests at once, so none waits in the queue past
@@ -194,15 +197,26 @@ class Poller:
         a request still running then counts as a timeout."""
         futures: dict[str, tuple[Future, Future | None]] = {}
         self._ensure_workers(2 * len(nodes))
+        busy = HttpResult(error="the previous poll of this node is still running")
+        skipped: set[str] = set()
         for n in nodes:
+            if any(not f.done() for f in self._running.get(n.name, ())):
+                skipped.add(n.name)
+                continue
             fh = self._pool.submit(self._health, n)
             fm = None if n.kind == "openai" else self._pool.submit(self.get, n.url + n.metrics_path)
             futures[n.name] = (fh, fm)
+            self._running[n.name] = [f for f in (fh, fm) if f is not None]
+        for gone in set(self._running) - {n.name for n in nodes}:
+            del self._running[gone]
         every = [f for pair in futures.values() for f in pair if f is not None]
         wait(every, timeout=2 * self.timeout_s + 0.5)
         late = HttpResult(error=f"timeout after {self.timeout_s:g} s")
         out: dict[str, PollResult] = {}
         for n in nodes:
+            if n.name in skipped:
+                out[n.name] = classify(busy, None if n.kind == "openai" else busy)
+                continue
             fh, fm = futures[n.name]
             health = fh.result() if fh.done() else late
             metrics = None if fm is None else (fm.result() if fm.done() else late)

@@ -264,3 +264,58 @@ def test_openai_node_falls_back_to_models_only_when_health_is_missing(openai_ser
         assert not res["v"].good and "health: HTTP 404" in res["v"].error
     finally:
         p.close()
+
+
+@pytest.fixture
+def trickle_port():
+    """A server that answers 200 and then sends one byte every 50 ms, never finishing."""
+    stop = threading.Event()
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    srv.settimeout(0.1)
+    conns: list[socket.socket] = []
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                continue
+            conns.append(c)
+            c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
+        for c in conns:
+            c.close()
+
+    def drip() -> None:
+        while not stop.wait(0.05):
+            for c in list(conns):
+                try:
+                    c.sendall(b"x")
+                except OSError:
+                    pass
+
+    threads = [threading.Thread(target=serve, daemon=True), threading.Thread(target=drip, daemon=True)]
+    for t in threads:
+        t.start()
+    yield srv.getsockname()[1]
+    stop.set()
+    for t in threads:
+        t.join(timeout=5)
+    srv.close()
+
+
+def test_a_node_still_being_polled_is_not_polled_again(trickle_port):
+    # A server trickling bytes keeps its poll thread busy past the deadline; the next
+    # cycles must not pile more threads onto it (or every node would end up "late").
+    node = NodeSettings(name="t", url=f"http://127.0.0.1:{trickle_port}", kind="openai")
+    p = Poller(timeout_s=0.3, max_workers=4)
+    try:
+        first = p.poll_all([node])["t"]
+        assert not first.good
+        for _ in range(5):
+            res = p.poll_all([node])["t"]
+            assert not res.good and "still running" in res.error
+        assert len(p._running["t"]) == 1                    # still only the first poll
+    finally:
+        p.close()
