@@ -24,6 +24,7 @@ import json
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import redis
@@ -154,23 +155,46 @@ def list_keys(r: redis.Redis, include_revoked: bool = True) -> list[ApiKey]:
     return sorted(out, key=lambda k: (-k.created, k.id))
 
 
-def _save(r: redis.Redis, rec: ApiKey) -> None:
-    digest = r.hget(keys.APIKEY_IDS, rec.id)
-    if digest:
-        r.hset(keys.APIKEYS, digest, json.dumps(rec.to_dict(), sort_keys=True))
+def _update(r: redis.Redis, key_id: str, change: Callable[[ApiKey], bool]) -> ApiKey | None:
+    """Read-modify-write of one record under ``WATCH``, retried when another writer got
+    in between, so two concurrent changes (a revocation and a limit edit) never undo each
+    other. ``change`` edits the record and returns whether to write it. Returns the
+    record, or ``None`` if no key has that id."""
+    if not ID_RE.match(key_id or ""):
+        return None
+    with r.pipeline() as pipe:
+        while True:
+            try:
+                pipe.watch(keys.APIKEY_IDS, keys.APIKEYS)
+                digest = pipe.hget(keys.APIKEY_IDS, key_id)
+                rec = _load(pipe.hget(keys.APIKEYS, digest)) if digest else None
+                if rec is None:
+                    pipe.unwatch()
+                    return None
+                if not change(rec):
+                    pipe.unwatch()
+                    return rec
+                pipe.multi()
+                pipe.hset(keys.APIKEYS, digest, json.dumps(rec.to_dict(), sort_keys=True))
+                pipe.execute()
+                return rec
+            except redis.WatchError:
+                continue
 
 
 def revoke_key(r: redis.Redis, key_id: str, now: float | None = None) -> ApiKey | None:
     """Mark the key revoked (idempotent: the first revocation time is kept).
 
     Returns the updated record, or ``None`` if no key has that id."""
-    rec = get_key(r, key_id)
-    if rec is None:
-        return None
-    if rec.revoked is None:
-        rec.revoked = time.time() if now is None else now
-        _save(r, rec)
-    return rec
+    when = time.time() if now is None else now
+
+    def revoke(rec: ApiKey) -> bool:
+        if rec.revoked is not None:
+            return False
+        rec.revoked = when
+        return True
+
+    return _update(r, key_id, revoke)
 
 
 def set_limits(r: redis.Redis, key_id: str, *, rpm: object = ..., tpm: object = ...,
@@ -179,14 +203,17 @@ def set_limits(r: redis.Redis, key_id: str, *, rpm: object = ..., tpm: object = 
 
     Arguments left out keep their value. Returns the updated record, ``None`` if no key
     has that id; raises :class:`ApiKeyError` for a bad value."""
-    rec = get_key(r, key_id)
-    if rec is None:
-        return None
+    changes: dict[str, object] = {}
     if rpm is not ...:
-        rec.rpm = _check_limit("rpm", rpm)
+        changes["rpm"] = _check_limit("rpm", rpm)
     if tpm is not ...:
-        rec.tpm = _check_limit("tpm", tpm)
+        changes["tpm"] = _check_limit("tpm", tpm)
     if label is not ...:
-        rec.label = _check_label(label)
-    _save(r, rec)
-    return rec
+        changes["label"] = _check_label(label)
+
+    def apply(rec: ApiKey) -> bool:
+        for name, value in changes.items():
+            setattr(rec, name, value)
+        return True
+
+    return _update(r, key_id, apply)

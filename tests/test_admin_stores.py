@@ -6,6 +6,7 @@ import hashlib
 import json
 
 import pytest
+import redis
 
 from controlplane import apikeys, cache_store, keys
 
@@ -158,3 +159,27 @@ def test_purge_removes_corrupt_entries_of_the_scanned_index(r):
     r.sadd(keys.cache_index("tenant", "t0"), "ff" * 32)
     assert cache_store.purge(r, tenant="t0") == 5
     assert not r.exists(keys.cache_entry("ff" * 32))
+
+
+def test_a_limit_edit_racing_a_revocation_never_unrevokes(r, monkeypatch):
+    # The edit reads the record, then a revocation (another client) lands before it
+    # writes: the edit is redone on the revoked record instead of writing the stale one.
+    _key, rec = apikeys.create_key(r, "acme", rpm=10)
+    kw = r.connection_pool.connection_kwargs
+    other = redis.Redis(host=kw["host"], port=kw["port"], decode_responses=True)
+    real_load = apikeys._load
+    raced: list[bool] = []
+
+    def load_then_revoke(raw):
+        out = real_load(raw)
+        if not raced:
+            raced.append(True)
+            monkeypatch.setattr(apikeys, "_load", real_load)
+            apikeys.revoke_key(other, rec.id, now=123.0)
+        return out
+
+    monkeypatch.setattr(apikeys, "_load", load_then_revoke)
+    out = apikeys.set_limits(r, rec.id, rpm=99)
+    assert raced and out.rpm == 99 and out.revoked == 123.0
+    again = apikeys.get_key(r, rec.id)
+    assert again.revoked == 123.0 and again.rpm == 99
