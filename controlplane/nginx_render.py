@@ -280,6 +280,11 @@ def _check_edge(settings: Settings) -> None:
         raise RenderError("invalid edge settings:\n  " + "\n  ".join(problems))
 
 
+def _has_secret(settings: Settings) -> bool:
+    """Whether the rendered options carry a password (Redis URL or Sentinel)."""
+    return "@" in settings.redis.url or bool(settings.redis.sentinel_password)
+
+
 def render_nginx(settings: Settings, out_dir: str | Path, *, listen: str | None = None,
                  prefix: str | Path | None = None, openresty: bool = False,
                  modules_dir: str | None = None, lua_dir: str | Path | None = None,
@@ -380,7 +385,10 @@ def render_nginx(settings: Settings, out_dir: str | Path, *, listen: str | None 
     for tpl, name in TEMPLATES.items():
         text = env.get_template(tpl).render(**ctx)
         files[name].write_text(text, encoding="utf-8")
-        os.chmod(files[name], 0o644)
+        # the http include carries the Redis URL: no read access for others when it has
+        # a password in it (nginx's master process reads it as root)
+        secret = name == "infergate-http.conf" and _has_secret(settings)
+        os.chmod(files[name], 0o640 if secret else 0o644)
     return RenderedConfig(
         out_dir=out, http_conf=files["infergate-http.conf"],
         server_conf=files["infergate-server.conf"], nginx_conf=files["nginx.conf"],

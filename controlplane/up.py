@@ -116,8 +116,10 @@ def _start_embedder(settings: Settings, workdir: Path, stack: procs.ProcessSet,
         port = procs.free_port()
         url = c.embedder_url = f"http://127.0.0.1:{port}"
     argv = procs.infergate_argv("embedder", "--listen", f"127.0.0.1:{port}",
-                                "--redis-url", settings.redis.url, "--model", c.embedder_model)
-    m = procs.Managed("embedder", argv, workdir / "logs" / "embedder.log").start()
+                                "--model", c.embedder_model)
+    # the Redis URL (maybe with a password) through the environment, not the command line
+    env = {**os.environ, "INFERGATE_REDIS_URL": settings.redis.url}
+    m = procs.Managed("embedder", argv, workdir / "logs" / "embedder.log", env=env).start()
     try:
         m.wait_ready(lambda: _embedder_healthy(url), timeout)
     except procs.StartError as exc:

@@ -232,3 +232,14 @@ def test_resp_encoding(workdir: Path) -> None:
             return require("infergate.redis")._encode({"SET", "k", 12, "a\\r\\nb"})
     """)
     assert got == "*4\r\n$3\r\nSET\r\n$1\r\nk\r\n$2\r\n12\r\n$4\r\na\r\nb\r\n"
+
+
+def test_url_errors_never_show_the_password(workdir) -> None:
+    from fixtures_stack import lua_eval
+
+    got = lua_eval(workdir, """
+        local redis = require("infergate.redis")
+        local _, err = redis.parse_url("redis://:hunter2@127.0.0.1:99999/0")
+        return { err = err }
+    """)
+    assert "out of range" in got["err"] and "hunter2" not in got["err"]

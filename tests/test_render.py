@@ -265,3 +265,13 @@ def test_lua_config_rejects_bad_options(workdir: Path, options: str, message: st
             if not ok then error(err, 0) end
             return true
         """)
+
+
+def test_http_include_with_a_redis_password_is_not_world_readable(workdir: Path) -> None:
+    plain = render_nginx(_settings(), workdir / "plain", listen="127.0.0.1:18134")
+    assert plain.http_conf.stat().st_mode & 0o777 == 0o644
+    s = _settings()
+    s.redis.url = "redis://:s3cret@127.0.0.1:6390/0"
+    secret = render_nginx(s, workdir / "secret", listen="127.0.0.1:18134")
+    assert secret.http_conf.stat().st_mode & 0o777 == 0o640
+    assert secret.server_conf.stat().st_mode & 0o777 == 0o644

@@ -39,6 +39,12 @@ local DEFAULT_PORT = 6379
 local DEFAULT_SENTINEL_PORT = 26379
 local MAX_DEPTH = 8
 
+-- The URL without its credentials, for error messages (they end up in error.log).
+local function redact(url)
+    return (url:gsub("//[^/@]*@", "//***@"))
+end
+_M.redact = redact
+
 local function host_port(hostport, default_port, url)
     local host, port
     if byte(hostport, 1) == 91 then -- "[" IPv6 literal
@@ -47,11 +53,11 @@ local function host_port(hostport, default_port, url)
         host, port = hostport:match("^([^:]+):?(%d*)$")
     end
     if not host or host == "" then
-        return nil, "redis url has no host: " .. url
+        return nil, "redis url has no host: " .. redact(url)
     end
     port = (port and port ~= "") and tonumber(port) or default_port
     if not port or port < 1 or port > 65535 then
-        return nil, "redis url port out of range: " .. url
+        return nil, "redis url port out of range: " .. redact(url)
     end
     return host, port
 end
@@ -124,7 +130,7 @@ function _M.parse_url(url, opts)
         end
         local service, dbs = dbpath:match("^/([^/]+)/?(%d*)/?$")
         if not service and dbpath:match("^/[^/]+/") then
-            return nil, "redis url path must be /<service>[/<db number>]: " .. url
+            return nil, "redis url path must be /<service>[/<db number>]: " .. redact(url)
         end
         if not service then
             return nil, "redis+sentinel:// url needs the service (master) name: "
@@ -156,7 +162,7 @@ function _M.parse_url(url, opts)
         }
     end
     if hostport:find(",", 1, true) then
-        return nil, "several hosts need redis+sentinel://: " .. url
+        return nil, "several hosts need redis+sentinel://: " .. redact(url)
     end
     local host, port = host_port(hostport, DEFAULT_PORT, url)
     if not host then
@@ -170,7 +176,7 @@ function _M.parse_url(url, opts)
     if dbpath ~= "" and dbpath ~= "/" then
         local d = dbpath:match("^/(%d+)$")
         if not d then
-            return nil, "redis url path must be /<db number>: " .. url
+            return nil, "redis url path must be /<db number>: " .. redact(url)
         end
         db = tonumber(d)
     end
