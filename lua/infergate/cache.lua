@@ -333,17 +333,15 @@ local function wait_for_leader(c, lock)
     local dict = ngx.shared[_M.DICT]
     local deadline = ngx.now() + opts.coalesce_wait_s
     local pause = opts.coalesce_poll_ms / 1000
+    -- The leader releases the lock once its answer is stored (or it gave up): poll the
+    -- shared dict, and read Redis only then.
     while true do
         ngx.sleep(pause)
-        local held = dict:get(lock)
-        local entry, err = with_redis(function(rc)
-            return get_entry(rc, c.key, c)
-        end)
-        if entry then
+        if not dict:get(lock) then
+            local entry = with_redis(function(rc)
+                return get_entry(rc, c.key, c)
+            end)
             return entry
-        end
-        if err or not held then
-            return nil
         end
         ngx.update_time()
         if ngx.now() >= deadline then
