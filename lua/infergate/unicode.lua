@@ -10,6 +10,8 @@ local _M = {}
 
 local find = string.find
 local gsub = string.gsub
+local sub = string.sub
+local concat = table.concat
 local G_NORMALIZE_NFC = 1
 
 local glib
@@ -41,17 +43,45 @@ local function nfc_segment(s)
     return out
 end
 
--- NFC of a UTF-8 string; the string itself when it is ASCII, not UTF-8, or GLib is
--- missing. GLib stops at a NUL byte, so text with NULs is normalised piece by piece
--- (NUL is a starter: nothing composes across it).
-function _M.nfc(s)
-    if glib == nil or not find(s, "[\128-\255]") then
+-- One piece: ASCII as it is; GLib stops at a NUL byte, so text with NULs is normalised
+-- between them (NUL is a starter: nothing composes across it).
+local function nfc_piece(s)
+    if not find(s, "[\128-\255]") then
         return s
     end
     if find(s, "\0", 1, true) then
         return (gsub(s, "[^%z]+", nfc_segment))
     end
     return nfc_segment(s)
+end
+
+-- GLib's composition is quadratic in the length of the text, so long text is cut into
+-- pieces of about SEGMENT bytes, each cut placed just before a character that no
+-- normalisation step can join with what precedes it: a starter that is never the second
+-- character of a canonical composition (ASCII, U+00C0-U+02FF, U+4000-U+9FFF CJK,
+-- U+B000-U+CFFF Hangul syllables, found by their UTF-8 lead bytes). The NFC of the
+-- pieces, joined, is the NFC of the whole.
+_M.SEGMENT = 4096
+local SAFE_CUT = "[%z\1-\127\195-\203\228-\233\235\236]"
+
+-- NFC of a UTF-8 string; the string itself when it is ASCII, not UTF-8, or GLib is
+-- missing.
+function _M.nfc(s)
+    if glib == nil or not find(s, "[\128-\255]") then
+        return s
+    end
+    local n, seg = #s, _M.SEGMENT
+    if n <= seg then
+        return nfc_piece(s)
+    end
+    local out, pos = {}, 1
+    while pos <= n do
+        local cut = pos + seg <= n and find(s, SAFE_CUT, pos + seg) or nil
+        local stop = cut and cut - 1 or n
+        out[#out + 1] = nfc_piece(sub(s, pos, stop))
+        pos = stop + 1
+    end
+    return concat(out)
 end
 
 return _M
