@@ -289,3 +289,22 @@ def sigterm_as_interrupt() -> Iterator[None]:
 def log(msg: str) -> None:
     """Progress line on stderr with the wall-clock time."""
     print(time.strftime("%H:%M:%S ") + msg, file=sys.stderr, flush=True)
+
+
+#: The start of the plain nginx configs the benchmarks render (a ``str.format`` template
+#: with ``{prefix}``; the ``http {{`` block stays open for the caller's lines).
+NGINX_HEAD = """\
+worker_processes 1;
+pid {prefix}/nginx.pid;
+error_log {prefix}/logs/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    log_format bench '$remote_addr [$time_local] "$request" $status $body_bytes_sent '
+                     'rt=$request_time ua="$upstream_addr" us="$upstream_status"';
+    access_log {prefix}/logs/access.log bench;
+    client_body_temp_path {prefix}/client_body_temp;
+    proxy_temp_path {prefix}/proxy_temp;
+    fastcgi_temp_path {prefix}/fastcgi_temp;
+    uwsgi_temp_path {prefix}/uwsgi_temp;
+    scgi_temp_path {prefix}/scgi_temp;
+"""

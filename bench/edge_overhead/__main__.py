@@ -34,7 +34,7 @@ from controlplane import keys, paths, procs
 from controlplane.config import EdgeSettings, Settings, settings_from_dict
 from controlplane.nginx_render import render_nginx, start_nginx
 
-from ..common import (RESULTS_DIR, BenchError, Stack, format_table, log, machine_info,
+from ..common import (NGINX_HEAD, RESULTS_DIR, BenchError, Stack, format_table, log, machine_info,
                       sigterm_as_interrupt, tool_version, write_json)
 from . import wrk
 
@@ -87,20 +87,7 @@ http {{
 }}
 """
 
-PROXY_CONF = """\
-worker_processes 1;
-pid {prefix}/nginx.pid;
-error_log {prefix}/logs/error.log warn;
-events {{ worker_connections 4096; }}
-http {{
-    log_format bench '$remote_addr [$time_local] "$request" $status $body_bytes_sent '
-                     'rt=$request_time ua="$upstream_addr" us="$upstream_status"';
-    access_log {prefix}/logs/access.log bench;
-    client_body_temp_path {prefix}/client_body_temp;
-    proxy_temp_path {prefix}/proxy_temp;
-    fastcgi_temp_path {prefix}/fastcgi_temp;
-    uwsgi_temp_path {prefix}/uwsgi_temp;
-    scgi_temp_path {prefix}/scgi_temp;
+PROXY_CONF = NGINX_HEAD + """\
     upstream static_upstream {{
         server 127.0.0.1:{upstream_port};
         keepalive 64;

@@ -31,7 +31,7 @@ from controlplane import keys, procs
 from controlplane.config import EdgeSettings, Settings, settings_from_dict
 from controlplane.nginx_render import render_nginx, start_nginx
 
-from ..common import Stack
+from ..common import NGINX_HEAD, Stack
 from .workload import PoolSpec
 
 STRATEGIES = ("round_robin", "least_conn", "infergate")
@@ -103,21 +103,8 @@ def _dur(seconds: float) -> str:
     return f"{ms}ms"
 
 
-PLAIN_CONF = """\
-# {strategy} baseline of the infergate scheduler benchmark
-worker_processes 1;
-pid {prefix}/nginx.pid;
-error_log {prefix}/logs/error.log warn;
-events {{ worker_connections 4096; }}
-http {{
-    log_format bench '$remote_addr [$time_local] "$request" $status $body_bytes_sent '
-                     'rt=$request_time ua="$upstream_addr" us="$upstream_status"';
-    access_log {prefix}/logs/access.log bench;
-    client_body_temp_path {prefix}/client_body_temp;
-    proxy_temp_path {prefix}/proxy_temp;
-    fastcgi_temp_path {prefix}/fastcgi_temp;
-    uwsgi_temp_path {prefix}/uwsgi_temp;
-    scgi_temp_path {prefix}/scgi_temp;
+#: nginx round-robin or least_conn in front of the pool (the baselines).
+PLAIN_CONF = "# {strategy} baseline of the infergate scheduler benchmark\n" + NGINX_HEAD + """\
     tcp_nodelay on;
     upstream pool {{
 {least_conn}        zone pool 64k;
