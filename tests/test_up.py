@@ -46,16 +46,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_up_serves_the_readme_requests_and_stops_cleanly(workdir: Path) -> None:
-    edge, admin, redis_port = procs.free_port(), procs.free_port(), procs.free_port()
-    busy = socket.socket()
-    busy.bind(("127.0.0.1", 0))
-    busy.listen(1)
-    metrics_port = busy.getsockname()[1]
+def start_up(workdir: Path, config: str, edge: int, admin: int, redis_port: int):
+    """`infergate up` with ``config`` on the given ports, waited for until its banner (or
+    its exit); returns the process and its open log file."""
     cfg = workdir / "up.toml"
-    # The semantic cache is covered elsewhere; here the exact cache is enough.
-    cfg.write_text(f'[edge]\nmetrics_listen = "127.0.0.1:{metrics_port}"\n'
-                   '[cache]\nenabled = true\nsemantic = false\n')
+    cfg.write_text(config)
     log = open(workdir / "up.log", "w")
     p = subprocess.Popen(
         procs.infergate_argv("up", "--config", str(cfg), "--listen", f"127.0.0.1:{edge}",
@@ -66,6 +61,23 @@ def test_up_serves_the_readme_requests_and_stops_cleanly(workdir: Path) -> None:
     try:
         procs.wait_until(lambda: "infergate is up." in (workdir / "up.log").read_text()
                          or p.poll() is not None, timeout=90, what="infergate up banner")
+    except procs.StartError:
+        os.killpg(p.pid, signal.SIGKILL)
+        log.close()
+        raise
+    return p, log
+
+
+def test_up_serves_the_readme_requests_and_stops_cleanly(workdir: Path) -> None:
+    edge, admin, redis_port = procs.free_port(), procs.free_port(), procs.free_port()
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    metrics_port = busy.getsockname()[1]
+    # The semantic cache is covered elsewhere; here the exact cache is enough.
+    p, log = start_up(workdir, f'[edge]\nmetrics_listen = "127.0.0.1:{metrics_port}"\n'
+                      '[cache]\nenabled = true\nsemantic = false\n', edge, admin, redis_port)
+    try:
         text = (workdir / "up.log").read_text()
         assert p.poll() is None, text
         key = re.search(r"API key \(demo\)\s+(\S+)", text).group(1)
@@ -110,18 +122,9 @@ def test_up_serves_the_readme_requests_and_stops_cleanly(workdir: Path) -> None:
 
 def test_up_exits_non_zero_when_a_part_dies(workdir: Path) -> None:
     edge, admin, redis_port = procs.free_port(), procs.free_port(), procs.free_port()
-    cfg = workdir / "up.toml"
-    cfg.write_text('[edge]\nmetrics_listen = ""\n[cache]\nenabled = false\n')
-    log = open(workdir / "up.log", "w")
-    p = subprocess.Popen(
-        procs.infergate_argv("up", "--config", str(cfg), "--listen", f"127.0.0.1:{edge}",
-                             "--admin-listen", f"127.0.0.1:{admin}",
-                             "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
-                             "--workdir", str(workdir / "stack"), "--time-scale", "0.05"),
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    p, log = start_up(workdir, '[edge]\nmetrics_listen = ""\n[cache]\nenabled = false\n',
+                      edge, admin, redis_port)
     try:
-        procs.wait_until(lambda: "infergate is up." in (workdir / "up.log").read_text()
-                         or p.poll() is not None, timeout=90, what="infergate up banner")
         assert p.poll() is None
         pid = int((workdir / "stack" / "nginx" / "nginx.pid").read_text())
         os.kill(pid, signal.SIGKILL)                        # the edge dies under it

@@ -97,20 +97,9 @@ end
 -- Validates the options (JSON text or table) and installs the access step.
 -- Returns true or nil, err.
 function _M.init(src)
-    local t = src
-    if type(src) == "string" then
-        local err
-        t, err = cjson.decode(src)
-        if type(t) ~= "table" then
-            return nil, "cache options are not valid JSON: " .. tostring(err)
-        end
-    end
-    if type(t) ~= "table" then
-        return nil, "cache options must be an object"
-    end
-    local o = {}
-    for k, v in pairs(DEFAULTS) do
-        o[k] = v
+    local t, o = config.decode_options(src, DEFAULTS, "cache options")
+    if not t then
+        return nil, o
     end
     for k, v in pairs(t) do
         if DEFAULTS[k] == nil then

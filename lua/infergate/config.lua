@@ -102,22 +102,32 @@ local function check_node(i, n)
     return true
 end
 
--- Parses and validates the rendered options (JSON text or a table).
-function _M.init(src)
+-- Options given as JSON text or a table, decoded, and a copy of `defaults` to fill:
+-- returns t, o or nil, err. `what` names the options in messages ("cache options").
+function _M.decode_options(src, defaults, what)
     local t = src
     if type(src) == "string" then
         local err
         t, err = cjson.decode(src)
-        if not t then
-            return nil, "infergate options are not valid JSON: " .. tostring(err)
+        if t == nil then
+            return nil, what .. " are not valid JSON: " .. tostring(err)
         end
     end
     if type(t) ~= "table" then
-        return nil, "infergate options must be a JSON object"
+        return nil, what .. " must be a JSON object"
     end
     local o = {}
-    for k, v in pairs(DEFAULTS) do
+    for k, v in pairs(defaults) do
         o[k] = v
+    end
+    return t, o
+end
+
+-- Parses and validates the rendered options (JSON text or a table).
+function _M.init(src)
+    local t, o = _M.decode_options(src, DEFAULTS, "infergate options")
+    if not t then
+        return nil, o
     end
     for k, v in pairs(t) do
         if k ~= "nodes" then
