@@ -1,7 +1,7 @@
 """Helpers shared by the benchmarks: statistics, machine facts, prompt data, tables,
 JSON output and a process stack that is torn down on exit, Ctrl-C or SIGTERM.
 
-Everything here except :class:`Stack` is pure and is tested in tests/test_bench_smoke.py.
+Everything here except :class:`Stack` is pure and is tested in tests/unit/test_bench_smoke.py.
 """
 
 from __future__ import annotations

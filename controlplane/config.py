@@ -41,7 +41,7 @@ class _Section(BaseModel):
 
 
 class RedisSettings(_Section):
-    """The one Redis every part shares (forms of ``url``: :mod:`controlplane.redis_url`)."""
+    """The one Redis every part shares (forms of ``url``: :mod:`controlplane.redisdb.url`)."""
 
     url: str = "redis://127.0.0.1:6379/0"
     """``redis://[[user]:password@]host[:port][/db]``; ``rediss://`` for TLS;
@@ -71,7 +71,7 @@ class RedisSettings(_Section):
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
-        from .redis_url import parse_redis_url
+        from controlplane.redisdb.url import parse_redis_url
 
         parse_redis_url(v)  # RedisURLError is a ValueError: reported as redis.url
         return v
@@ -143,7 +143,7 @@ class ScoringSettings(_Section):
 class AuthSettings(_Section):
     """API keys checked by the edge on every API request (``Authorization: Bearer KEY``).
 
-    Keys live in Redis as SHA-256 hashes (``controlplane.apikeys``); ``infergate keys``
+    Keys live in Redis as SHA-256 hashes (``controlplane.admin.apikeys``); ``infergate keys``
     and the admin API create and revoke them. Missing or wrong key: 401 JSON
     (``code: "invalid_api_key"``). The key is never logged and never sent to the nodes."""
 

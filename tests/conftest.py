@@ -13,10 +13,25 @@ import redis
 
 from controlplane import procs
 
-# Fixtures of each area live in their own module beside this file.
-pytest_plugins = ["fixtures_stack"]
+# Fixtures that start several parts together live in tests/support/.
+pytest_plugins = ["support.stack"]
 
-OUTPUT = Path(__file__).resolve().parent / "output"
+TESTS = Path(__file__).resolve().parent
+OUTPUT = TESTS / "output"
+#: Test folders whose tests start no process (the fast loop: pytest -m "not integration").
+PURE_LAYERS = {"unit"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test outside tests/unit/ starts real processes (nginx, redis-server,
+    simulated nodes): mark it ``integration`` by its folder."""
+    for item in items:
+        try:
+            layer = Path(str(item.fspath)).resolve().relative_to(TESTS).parts[0]
+        except ValueError:
+            continue
+        if layer not in PURE_LAYERS:
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ import tomli_w
 
 from controlplane import procs
 from controlplane.config import Settings, settings_from_dict
-from controlplane.nginx_render import render_nginx, start_nginx
+from controlplane.edge.render import render_nginx, start_nginx
 
 from ..common import (RESULTS_DIR, BenchError, Stack, format_table, load_prompts, log,
                       machine_info, sigterm_as_interrupt, write_json)

@@ -9,7 +9,7 @@ each measured with ``wrk --latency`` (POST bodies from a wrk Lua script):
 - ``infergate``: wrk -> infergate edge (rendered config, Redis, control plane; response
   cache off) -> upstream.
 - ``infergate_exact_hit`` / ``infergate_semantic_hit``: the edge answering from its
-  response cache, when this tree has one (``lua/infergate/cache.lua`` and a ``[cache]``
+  response cache, when this tree has one (``lua/infergate/cache/lookup.lua`` and a ``[cache]``
   section in the settings; the semantic row also needs the embedder and its bundled
   model). Otherwise the row says "not available" and why.
 
@@ -30,9 +30,10 @@ import click
 import redis
 import requests
 
-from controlplane import keys, paths, procs
+from controlplane import paths, procs
+from controlplane.redisdb import keynames
 from controlplane.config import EdgeSettings, Settings, settings_from_dict
-from controlplane.nginx_render import render_nginx, start_nginx
+from controlplane.edge.render import render_nginx, start_nginx
 
 from ..common import (NGINX_HEAD, RESULTS_DIR, BenchError, Stack, format_table, log, machine_info,
                       sigterm_as_interrupt, tool_version, write_json)
@@ -129,8 +130,8 @@ def body(prompt: str) -> str:
 def cache_support(home: Path) -> tuple[bool, str]:
     """Whether this tree's edge has a response cache the bench can turn on: returns
     (available, reason when not)."""
-    if not (home / "lua" / "infergate" / "cache.lua").exists():
-        return False, ("the edge has no response cache in this tree (lua/infergate/cache.lua "
+    if not (home / "lua" / "infergate" / "cache" / "lookup.lua").exists():
+        return False, ("the edge has no response cache in this tree (lua/infergate/cache/lookup.lua "
                        "is missing)")
     cache = Settings.model_fields.get("cache")
     if cache is None or "enabled" not in getattr(cache.annotation, "model_fields", {}):
@@ -324,7 +325,7 @@ def _start_controlplane(stack: Stack, settings: Settings) -> None:
                                 procs.infergate_argv("controlplane", "--config", str(cfg)),
                                 stack.dir / "logs" / "controlplane.log").start())
     r = redis.Redis.from_url(s.redis.url, socket_timeout=2)
-    m.wait_ready(lambda: r.get(keys.ROUTING) is not None, 60)
+    m.wait_ready(lambda: r.get(keynames.ROUTING) is not None, 60)
 
 
 def _semantic_target(stack: Stack, redis_url: str, upstream: str) -> tuple[str, list[str]]:

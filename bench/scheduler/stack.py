@@ -27,9 +27,10 @@ from pathlib import Path
 import redis
 import requests
 
-from controlplane import keys, procs
+from controlplane import procs
+from controlplane.redisdb import keynames
 from controlplane.config import EdgeSettings, Settings, settings_from_dict
-from controlplane.nginx_render import render_nginx, start_nginx
+from controlplane.edge.render import render_nginx, start_nginx
 
 from ..common import NGINX_HEAD, Stack
 from .workload import PoolSpec
@@ -230,7 +231,7 @@ def snapshot_all_healthy(r: redis.Redis, n: int) -> bool:
     """The routing snapshot in Redis lists ``n`` active, healthy nodes."""
     import json
 
-    raw = r.get(keys.ROUTING)
+    raw = r.get(keynames.ROUTING)
     if not raw:
         return False
     snap = json.loads(raw)

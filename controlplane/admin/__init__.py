@@ -30,9 +30,9 @@ import flask
 import redis
 from werkzeug.exceptions import HTTPException
 
-from ..config import Settings
-from ..paths import web_templates_dir
-from . import auth
+from controlplane.config import Settings
+from controlplane.paths import web_templates_dir
+from controlplane.admin import auth
 
 SECRET_ENV = "INFERGATE_ADMIN_SECRET_KEY"
 
@@ -96,7 +96,7 @@ def _fmt_bytes(n: int | None) -> str:
 def create_app(settings: Settings, r: redis.Redis, *, secret_key: str | None = None) -> flask.Flask:
     """Build the admin Flask app bound to ``settings`` and the Redis client ``r``
     (built with ``decode_responses=True``). Never touches Redis while building."""
-    from . import api, svg, ui
+    from controlplane.admin import api, svg, ui
 
     app = flask.Flask(__name__, template_folder=str(web_templates_dir()), static_folder=None)
     app.secret_key = secret_key or os.environ.get(SECRET_ENV) or secrets.token_hex(32)

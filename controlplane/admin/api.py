@@ -25,9 +25,12 @@ import flask
 import redis
 from werkzeug.exceptions import HTTPException
 
-from .. import apikeys, cache_store, keys, registry
-from . import auth, ops
-from .nodeview import build_view, build_views
+from controlplane.admin import apikeys
+from controlplane.cache import store as cache_store
+from controlplane.redisdb import keynames
+from controlplane.routing import registry
+from controlplane.admin import auth, ops
+from controlplane.admin.nodeview import build_view, build_views
 
 bp = flask.Blueprint("api", __name__, url_prefix="/api/v1")
 ACTOR = "admin"
@@ -195,7 +198,7 @@ def events() -> flask.Response:
 def snapshot() -> flask.Response:
     """The routing snapshot exactly as the edge reads it (``infergate:v1:routing``), plus
     nothing; 404 ``no_snapshot`` before the first control-plane cycle."""
-    raw = _r().get(keys.ROUTING)
+    raw = _r().get(keynames.ROUTING)
     if not raw:
         raise ops.NotFound("no routing snapshot yet (is the control plane running?)",
                            "no_snapshot")
@@ -212,7 +215,7 @@ def snapshot() -> flask.Response:
 
 @bp.get("/cache/stats")
 def cache_stats() -> flask.Response:
-    """:class:`controlplane.cache_store.CacheStats` as JSON (hit rates 0-1, bytes)."""
+    """:class:`controlplane.cache.store.CacheStats` as JSON (hit rates 0-1, bytes)."""
     return flask.jsonify(cache_store.stats(_r()).to_dict())
 
 

@@ -21,7 +21,7 @@ import secrets
 
 import flask
 
-from ..config import Settings
+from controlplane.config import Settings
 
 CSRF_FIELD = "csrf_token"
 DISABLED_MESSAGE = ("admin access is disabled: no admin token is configured "

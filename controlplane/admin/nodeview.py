@@ -14,8 +14,9 @@ from dataclasses import asdict, dataclass, field
 
 import redis
 
-from .. import keys, registry
-from ..config import Settings
+from controlplane.redisdb import keynames
+from controlplane.routing import registry
+from controlplane.config import Settings
 
 BREAKER_RANK = {"open": 3, "half_open": 2, "closed": 1}
 HISTORY_WINDOW_S = 300.0
@@ -168,12 +169,12 @@ def build_views(r: redis.Redis, settings: Settings, *, name: str | None = None,
         nodes = [n for n in nodes if n.name == name]
     states = registry.get_states(r)
     pipe = r.pipeline()
-    pipe.hgetall(keys.EDGES)
-    pipe.get(keys.ROUTING)
+    pipe.hgetall(keynames.EDGES)
+    pipe.get(keynames.ROUTING)
     for n in nodes:
-        pipe.get(keys.node_metrics(n.name))
+        pipe.get(keynames.node_metrics(n.name))
         if history:
-            pipe.lrange(keys.node_history(n.name), 0, settings.controlplane.history_points - 1)
+            pipe.lrange(keynames.node_history(n.name), 0, settings.controlplane.history_points - 1)
     res = pipe.execute()
     edges = edge_stats(res[0] or {}, now, 3 * settings.edge.stale_after_s)
     snap = _loads(res[1])

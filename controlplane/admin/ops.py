@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass
 import redis
 from pydantic import ValidationError
 
-from .. import registry
-from ..config import NodeSettings
-from ..registry import NodeState
+from controlplane.routing import registry
+from controlplane.config import NodeSettings
+from controlplane.routing.registry import NodeState
 
 EDITABLE: tuple[str, ...] = ("url", "kind", "weight", "max_concurrency", "metrics_path",
                              "health_path")

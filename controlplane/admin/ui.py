@@ -12,10 +12,12 @@ from urllib.parse import urlsplit
 import flask
 import redis
 
-from .. import apikeys, cache_store, registry
-from . import auth, ops
-from .api import purge_scope
-from .nodeview import build_view, build_views
+from controlplane.admin import apikeys
+from controlplane.cache import store as cache_store
+from controlplane.routing import registry
+from controlplane.admin import auth, ops
+from controlplane.admin.api import purge_scope
+from controlplane.admin.nodeview import build_view, build_views
 
 bp = flask.Blueprint("ui", __name__)
 ACTOR = "admin"

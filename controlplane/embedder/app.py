@@ -34,8 +34,8 @@ from flask import Flask, Response, jsonify, request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from werkzeug.exceptions import HTTPException
 
-from .engine import Engine, EngineUnavailable
-from .wire import BadRequest, embeddings_request, index_item, lookup_request
+from controlplane.embedder.engine import Engine, EngineUnavailable
+from controlplane.embedder.wire import BadRequest, embeddings_request, index_item, lookup_request
 
 log = logging.getLogger("infergate.embedder")
 

@@ -1,4 +1,4 @@
-"""Consumer of the index queue ``keys.CACHE_INDEX_QUEUE``.
+"""Consumer of the index queue ``keynames.CACHE_INDEX_QUEUE``.
 
 The edge cannot call HTTP from its timers, so after writing a cache entry it RPUSHes a
 job (JSON, see ``wire.index_item``) to that list. One thread here waits with ``BLPOP``
@@ -17,9 +17,9 @@ import threading
 
 import redis
 
-from .. import keys
-from .engine import Engine, EngineUnavailable
-from .wire import BadRequest, index_item
+from controlplane.redisdb import keynames
+from controlplane.embedder.engine import Engine, EngineUnavailable
+from controlplane.embedder.wire import BadRequest, index_item
 
 log = logging.getLogger("infergate.embedder")
 
@@ -30,7 +30,7 @@ class QueueConsumer:
     ``r`` must have a socket timeout longer than the BLPOP timeout (1 s)."""
 
     def __init__(self, engine: Engine, r: redis.Redis, batch: int = 32,
-                 queue_key: str = keys.CACHE_INDEX_QUEUE, block_s: int = 1):
+                 queue_key: str = keynames.CACHE_INDEX_QUEUE, block_s: int = 1):
         self.engine = engine
         self.r = r
         self.batch = batch

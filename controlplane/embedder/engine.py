@@ -17,14 +17,14 @@ import numpy as np
 import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from .. import keys
-from . import guard as guard_mod
-from .batcher import MicroBatcher
-from .index import Candidate, IndexItem, open_index
-from .models import EmbeddingModel, EmbedError, slug
+from controlplane.redisdb import keynames
+from controlplane.embedder import guard as guard_mod
+from controlplane.embedder.batcher import MicroBatcher
+from controlplane.embedder.index import Candidate, IndexItem, open_index
+from controlplane.embedder.models import EmbeddingModel, EmbedError, slug
 
 if TYPE_CHECKING:
-    from ..config import RedisSettings
+    from controlplane.config import RedisSettings
 
 log = logging.getLogger("infergate.embedder")
 
@@ -157,7 +157,7 @@ class Engine:
             return []
         pipe = self.r.pipeline(transaction=False)
         for c in cands:
-            pipe.exists(keys.cache_entry(c.key))
+            pipe.exists(keynames.cache_entry(c.key))
         return [c for c, ok in zip(cands, pipe.execute()) if ok]
 
     def lookup(self, namespace: str, text: str, min_similarity: float | None = None,
@@ -210,13 +210,13 @@ def connect(url: str, timeout_s: float = 0.5, blocking: bool = False,
     restart) instead of redis-py 8's default of 10 retries with backoff (about 4.5 s
     against a refused port), so lookups answer 503 within ~2 x ``timeout_s``.
     ``blocking`` clients (BLPOP) get 5 s more read timeout than the block time. ``url``
-    may be any form of :mod:`controlplane.redis_url` (``rediss://``, ``redis+sentinel://``;
+    may be any form of :mod:`controlplane.redisdb.url` (``rediss://``, ``redis+sentinel://``;
     TLS and Sentinel options from ``redis_settings``)."""
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    from ..config import RedisSettings
-    from ..redis_conn import make_redis
+    from controlplane.config import RedisSettings
+    from controlplane.redisdb.conn import make_redis
 
     return make_redis(
         redis_settings or RedisSettings(url=url), url=url,

@@ -1,7 +1,7 @@
 """The semantic index: one vector per cache entry, searched inside a namespace.
 
 Storage (both backends): one Redis hash per entry at
-``keys.cache_vec(model_slug, dim, exact_key)`` = ``infergate:v1:cache:vec:<slug>:<dim>:<key>``
+``keynames.cache_vec(model_slug, dim, exact_key)`` = ``infergate:v1:cache:vec:<slug>:<dim>:<key>``
 with fields ``namespace`` (hex), ``key`` (hex), ``text`` (the last user message, at most
 4000 characters), ``model``, ``tenant``, ``vec`` (``dim`` float32, little endian, L2-normalised)
 and a TTL equal to the entry's remaining TTL: the job's ``ttl_s``, lowered to the entry's
@@ -16,7 +16,7 @@ Search backends:
   with the key.
 - :class:`LocalIndex` (``local``): exact search in process, one numpy matrix per
   namespace, loaded from Redis at start (``SCAN`` over the prefix), kept current by the
-  embedder's own writes and by the pub/sub channel ``keys.CACHE_VEC_CHANNEL`` (vectors
+  embedder's own writes and by the pub/sub channel ``keynames.CACHE_VEC_CHANNEL`` (vectors
   stored by other embedder processes). Rows are dropped when their TTL has passed.
 
 Either way the service checks that the cache entry of a candidate still exists before
@@ -39,7 +39,7 @@ from typing import Protocol
 import numpy as np
 import redis
 
-from .. import keys
+from controlplane.redisdb import keynames
 
 log = logging.getLogger("infergate.embedder")
 
@@ -105,10 +105,10 @@ class VectorStore:
         self.r = r
         self.model_slug = model_slug
         self.dim = dim
-        self.prefix = keys.cache_vec_prefix(model_slug, dim)
+        self.prefix = keynames.cache_vec_prefix(model_slug, dim)
 
     def hash_key(self, exact_key: str) -> str:
-        return keys.cache_vec(self.model_slug, self.dim, exact_key)
+        return keynames.cache_vec(self.model_slug, self.dim, exact_key)
 
     def write(self, items: list[IndexItem], vecs: np.ndarray) -> list[int]:
         """HSET + PEXPIRE LT each item; PUBLISH its hash key. Returns the TTLs in force (ms).
@@ -119,7 +119,7 @@ class VectorStore:
             return []
         pipe = self.r.pipeline(transaction=False)
         for it in items:
-            pipe.pttl(keys.cache_entry(it.key))
+            pipe.pttl(keynames.cache_entry(it.key))
         entry_ttls = pipe.execute()
         applied: list[int] = []
         written: list[int] = []
@@ -141,7 +141,7 @@ class VectorStore:
             })
             pipe.pexpire(hk, ttl_ms, lt=True)
             pipe.pttl(hk)  # what is in force now (an earlier, shorter TTL is kept)
-            pipe.publish(keys.CACHE_VEC_CHANNEL, hk)
+            pipe.publish(keynames.CACHE_VEC_CHANNEL, hk)
             written.append(n)
         res = pipe.execute()
         for j, n in enumerate(written):
@@ -208,7 +208,7 @@ class RedisSearchIndex:
     def __init__(self, r: redis.Redis, model_slug: str, dim: int):
         self.store = VectorStore(r, model_slug, dim)
         self.r = r
-        self.name = keys.cache_vec_index(model_slug, dim)
+        self.name = keynames.cache_vec_index(model_slug, dim)
         self.ensure_index()
 
     def ensure_index(self) -> None:
@@ -408,7 +408,7 @@ class LocalIndex:
             ps = None
             try:
                 ps = self.r.pubsub()
-                ps.subscribe(keys.CACHE_VEC_CHANNEL)
+                ps.subscribe(keynames.CACHE_VEC_CHANNEL)
                 deadline = time.monotonic() + 5.0
                 while time.monotonic() < deadline and not self._stop.is_set():
                     msg = ps.get_message(timeout=0.5)

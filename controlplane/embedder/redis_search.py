@@ -14,7 +14,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from .. import procs
+from controlplane import procs
 
 
 class SearchRedisMissing(RuntimeError):

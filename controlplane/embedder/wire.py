@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .index import IndexItem
+from controlplane.embedder.index import IndexItem
 
 HEX_RE = re.compile(r"^[0-9a-f]{16,128}$")
 """Exact keys and namespaces: lowercase hex (the edge sends SHA-256 hex, 64 digits)."""

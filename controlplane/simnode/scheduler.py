@@ -17,8 +17,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .engine import Engine, EngineConfig, Sequence, TokenEvent
-from .metrics import EngineSnapshot, Exporter, Finished
+from controlplane.simnode.engine import Engine, EngineConfig, Sequence, TokenEvent
+from controlplane.simnode.metrics import EngineSnapshot, Exporter, Finished
 
 log = logging.getLogger(__name__)
 

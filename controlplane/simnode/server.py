@@ -39,12 +39,12 @@ from typing import Any
 
 from aiohttp import web
 
-from .. import __version__
-from . import wire
-from .engine import EngineConfig, RequestTooLarge
-from .faults import Faults, FaultsError, apply_update
-from .metrics import make_exporter
-from .scheduler import Scheduler, Ticket
+from controlplane import __version__
+from controlplane.simnode import wire
+from controlplane.simnode.engine import EngineConfig, RequestTooLarge
+from controlplane.simnode.faults import Faults, FaultsError, apply_update
+from controlplane.simnode.metrics import make_exporter
+from controlplane.simnode.scheduler import Scheduler, Ticket
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from . import textgen
+from controlplane.simnode import textgen
 
 Kind = Literal["chat", "completion"]
 FinishReason = Literal["stop", "length"]

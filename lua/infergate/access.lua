@@ -21,13 +21,13 @@ local cjson = require("cjson.safe")
 -- allow and lua-cjson accepts by default (NaN, Infinity, hexadecimal numbers).
 local body_json = cjson.new()
 body_json.decode_invalid_numbers(false)
-local errors = require("infergate.errors")
-local reqctx = require("infergate.reqctx")
-local snapshot = require("infergate.snapshot")
-local balancer = require("infergate.balancer")
-local auth = require("infergate.auth")
-local ratelimit = require("infergate.ratelimit")
-local admission = require("infergate.admission")
+local errors = require("infergate.core.errors")
+local reqctx = require("infergate.core.reqctx")
+local snapshot = require("infergate.routing.snapshot")
+local balancer = require("infergate.routing.balancer")
+local auth = require("infergate.admission.auth")
+local ratelimit = require("infergate.admission.ratelimit")
+local admission = require("infergate.admission.shed")
 
 local _M = {}
 

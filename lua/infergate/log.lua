@@ -2,10 +2,10 @@
 -- EWMA, breaker), exactly once, whatever happened: success, failed last try, client
 -- abort, or an error page after the upstream gave up. Earlier attempts were closed by
 -- the balancer when it picked the next node.
-local reqctx = require("infergate.reqctx")
-local stats = require("infergate.stats")
-local admission = require("infergate.admission")
-local metrics = require("infergate.metrics")
+local reqctx = require("infergate.core.reqctx")
+local stats = require("infergate.routing.stats")
+local admission = require("infergate.admission.shed")
+local metrics = require("infergate.core.prometheus")
 
 local _M = {}
 
@@ -41,7 +41,7 @@ end
 
 function _M.run()
     local req = reqctx.get()
-    metrics.log(req) -- Prometheus counters (infergate.metrics), shared-dict incr only
+    metrics.log(req) -- Prometheus counters (infergate.core.prometheus), shared-dict incr only
     if not req then
         return
     end
@@ -57,7 +57,7 @@ function _M.run()
     if not last.closed then
         local result, status = outcome()
         if req.invalid_answer then
-            result = "fail" -- not HTTP (see infergate.headers)
+            result = "fail" -- not HTTP (see infergate.filters)
         end
         local latency_ms
         if result == "ok" and status < 300 then

@@ -2,7 +2,7 @@
 
 The stack fixtures (redis_server, simnodes, tiny_upstreams, edge_factory,
 controlplane_factory, workdir, output_dir) come from tests/conftest.py and
-tests/fixtures_stack.py. This file adds :class:`LoadLoop`: one thread sending requests
+tests/support/stack.py. This file adds :class:`LoadLoop`: one thread sending requests
 at a fixed rate (bounded: one request at a time, never more than ``rate_per_s``),
 recording every answer with the phase it was sent in, and :class:`LoadReport`, the
 printed and saved summary every drill asserts its bound on.

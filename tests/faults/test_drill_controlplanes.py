@@ -18,7 +18,8 @@ import time
 
 import pytest
 
-from controlplane import keys, procs
+from controlplane import procs
+from controlplane.redisdb import keynames
 from controlplane.config import settings_from_dict
 
 pytestmark = pytest.mark.integration
@@ -38,8 +39,8 @@ def test_controlplanes_die_under_load(output_dir, redis_server, simnodes, edge_f
     })
     r = redis_server.client()
     cps = [controlplane_factory(s), controlplane_factory(s)]
-    procs.wait_until(lambda: r.get(keys.LEADER) is not None, 10, what="a leader")
-    leader_id = r.get(keys.LEADER)
+    procs.wait_until(lambda: r.get(keynames.LEADER) is not None, 10, what="a leader")
+    leader_id = r.get(keynames.LEADER)
     leader = next(cp for cp in cps if cp.managed.pid == int(leader_id.split(":")[-2]))
     follower = next(cp for cp in cps if cp is not leader)
     edges = [edge_factory(s), edge_factory(s)]
@@ -55,8 +56,8 @@ def test_controlplanes_die_under_load(output_dir, redis_server, simnodes, edge_f
     leader.managed.signal(signal.SIGKILL)
 
     def taken_over() -> bool:
-        holder = r.get(keys.LEADER)
-        return holder not in (None, leader_id) and json.loads(r.get(keys.ROUTING))["leader"] == holder
+        holder = r.get(keynames.LEADER)
+        return holder not in (None, leader_id) and json.loads(r.get(keynames.ROUTING))["leader"] == holder
 
     procs.wait_until(taken_over, TTL_S + 10, interval=0.05, what="the follower to take over")
     took = time.monotonic() - killed
@@ -64,7 +65,7 @@ def test_controlplanes_die_under_load(output_dir, redis_server, simnodes, edge_f
 
     load.phase("no control plane")
     follower.stop()
-    last = json.loads(r.get(keys.ROUTING))
+    last = json.loads(r.get(keynames.ROUTING))
     for e in edges:
         procs.wait_until(lambda e=e: e.status()["snapshot"]["stale"] is True, 10,
                          what="the snapshot to turn stale")

@@ -17,7 +17,7 @@ import requests
 
 from controlplane import procs
 from controlplane.config import settings_from_dict
-from fixtures_stack import edge_settings
+from support.stack import edge_settings
 
 pytestmark = pytest.mark.integration
 

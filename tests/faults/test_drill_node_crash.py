@@ -14,10 +14,11 @@ import time
 import pytest
 import requests
 
-from controlplane import keys, procs
-from controlplane.cachekey import keys_for
+from controlplane import procs
+from controlplane.redisdb import keynames
+from controlplane.cache.key import keys_for
 from controlplane.config import settings_from_dict
-from fixtures_stack import edge_settings
+from support.stack import edge_settings
 
 pytestmark = pytest.mark.integration
 
@@ -65,10 +66,10 @@ def test_node_crash_mid_stream(output_dir, redis_server, simnodes, edge_factory,
 
     # the log timer of every request ran (counters are written after any store) ...
     misses = sum(1 for x in report.results if x.cache == "MISS") + 1
-    procs.wait_until(lambda: int(r.hget(keys.CACHE_STATS, "misses") or 0) >= misses, 10,
+    procs.wait_until(lambda: int(r.hget(keynames.CACHE_STATS, "misses") or 0) >= misses, 10,
                      what="cache counters of every request")
     # ... and the cut answer was not stored
-    assert not r.exists(keys.cache_entry(keys_for(CHAT, body).exact))
+    assert not r.exists(keynames.cache_entry(keys_for(CHAT, body).exact))
     again = requests.post(edge.url + CHAT, json=body, timeout=30)  # the same request, whole
     assert again.status_code == 200 and again.headers["X-Cache-Status"] == "MISS"
     assert again.text.rstrip().endswith("data: [DONE]")

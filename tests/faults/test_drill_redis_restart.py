@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane import keys, procs
+from controlplane import procs
+from controlplane.redisdb import keynames
 from controlplane.config import settings_from_dict
 
 pytestmark = pytest.mark.integration
@@ -43,7 +44,7 @@ def test_redis_restart_under_load(workdir, output_dir, redis_server, simnodes, c
     load.phase("redis back")
     redis_server.start_again(workdir / "redis")
     r = redis_server.client()
-    procs.wait_until(lambda: r.get(keys.ROUTING) is not None, 10,
+    procs.wait_until(lambda: r.get(keynames.ROUTING) is not None, 10,
                      what="control plane to write a snapshot into the restarted Redis")
     procs.wait_until(lambda: edge.status()["snapshot"]["redis_ok"] is True, 5,
                      what="edge to reach Redis again")

@@ -1,0 +1,254 @@
+"""The response cache as stored in Redis: entries, their indexes, counters; stats and purge.
+
+Layout (schema v1, see docs/internals.md "Response cache"):
+
+- ``keynames.cache_entry(hex)`` = ``infergate:v1:cache:entry:<exact_key_hex>``: string with a
+  Redis TTL, JSON ``{"tenant", "model", "namespace", "created", "ttl", "body"}``
+  (``created`` epoch seconds, ``ttl`` seconds, ``body`` the response text; writers may
+  add fields). ``exact_key_hex`` is the hex digest the edge computes for a request.
+- ``keynames.cache_index(dim, value)`` = ``infergate:v1:cache:idx:<dim>:<value>`` for
+  ``dim`` in tenant | model | namespace: set of the ``exact_key_hex`` of entries with
+  that value. Members may outlive their entry (the entry expired); readers treat a
+  member without entry as gone, and :func:`purge` removes such members as it meets them.
+- ``keynames.CACHE_STATS``: hash of integer counters, incremented by the edge (HINCRBY):
+  ``lookups`` (requests that looked in the cache), ``hits_exact``, ``hits_semantic``,
+  ``misses`` (looked, found nothing), ``bypass`` (cacheable request that skipped the
+  cache: Redis/embedder down or over budget, ``no-cache``; not counted in lookups),
+  ``stores`` (entries written).
+
+Functions take a ``redis.Redis`` built with ``decode_responses=True`` and raise
+``redis.exceptions.RedisError`` when Redis is unreachable. Only ``SCAN``/``SSCAN`` are used
+to walk keys (never ``KEYS``), in batches, so a large cache does not block Redis.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+
+import redis
+
+from controlplane.redisdb import keynames
+
+DIMENSIONS: tuple[str, ...] = ("tenant", "model", "namespace")
+COUNTERS: tuple[str, ...] = ("lookups", "hits_exact", "hits_semantic", "misses", "bypass", "stores")
+HEX_RE = re.compile(r"^[0-9a-f]{16,128}$")
+MEMORY_SAMPLES = 64
+
+
+class CacheStoreError(ValueError):
+    """Bad arguments (no purge scope, unknown counter, bad key)."""
+
+
+@dataclass
+class CacheStats:
+    """Response-cache figures for the admin page and ``GET /api/v1/cache/stats``."""
+
+    entries: int
+    """Entry keys present now (counted with SCAN)."""
+    memory_bytes: int
+    """Estimated bytes held by entries: mean ``MEMORY USAGE`` of up to 64 sampled
+    entries x ``entries`` (exact when entries <= 64)."""
+    redis_used_memory: int | None
+    """``used_memory`` of the whole Redis server (``INFO memory``), bytes."""
+    lookups: int
+    hits_exact: int
+    hits_semantic: int
+    misses: int
+    bypass: int
+    stores: int
+    hit_rate: float | None
+    """(hits_exact + hits_semantic) / lookups, 0-1; ``None`` before the first lookup."""
+    hit_rate_exact: float | None
+    """hits_exact / lookups, 0-1."""
+    hit_rate_semantic: float | None
+    """hits_semantic / lookups, 0-1."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _batches(it: Iterable[str], n: int) -> Iterator[list[str]]:
+    it = iter(it)
+    while batch := list(itertools.islice(it, n)):
+        yield batch
+
+
+def _check_value(dim: str, value: str) -> str:
+    if dim not in DIMENSIONS:
+        raise CacheStoreError(f"unknown cache dimension {dim!r}; expected one of {DIMENSIONS}")
+    if not isinstance(value, str) or not value or len(value) > 256:
+        raise CacheStoreError(f"{dim}: a non-empty text of at most 256 characters")
+    return value
+
+
+def store(r: redis.Redis, exact_key_hex: str, *, tenant: str, model: str, namespace: str,
+          body: str, ttl: int, now: float | None = None, **extra: object) -> None:
+    """Write one entry (with Redis TTL ``ttl`` s) and its index memberships.
+
+    The edge writes entries in Lua with the same layout; this is the Python writer
+    (tests, tools). Raises :class:`CacheStoreError` for a bad key, dimension or ttl."""
+    if not HEX_RE.match(exact_key_hex):
+        raise CacheStoreError("exact key: 16 to 128 lowercase hex digits")
+    if not isinstance(ttl, int) or ttl <= 0:
+        raise CacheStoreError("ttl: a positive whole number of seconds")
+    dims = {"tenant": tenant, "model": model, "namespace": namespace}
+    for d, v in dims.items():
+        _check_value(d, v)
+    doc = {**extra, **dims, "created": time.time() if now is None else now, "ttl": ttl,
+           "body": body}
+    pipe = r.pipeline()
+    pipe.set(keynames.cache_entry(exact_key_hex), json.dumps(doc), ex=ttl)
+    for d, v in dims.items():
+        pipe.sadd(keynames.cache_index(d, v), exact_key_hex)
+    pipe.hincrby(keynames.CACHE_STATS, "stores", 1)
+    pipe.execute()
+
+
+def count(r: redis.Redis, field: str, n: int = 1) -> int:
+    """Add ``n`` to counter ``field`` of ``keynames.CACHE_STATS``; returns the new value."""
+    if field not in COUNTERS:
+        raise CacheStoreError(f"unknown cache counter {field!r}; expected one of {COUNTERS}")
+    return int(r.hincrby(keynames.CACHE_STATS, field, n))
+
+
+def _scan_entries(r: redis.Redis) -> Iterator[str]:
+    return r.scan_iter(match=keynames.CACHE_ENTRY_PREFIX + "*", count=1000)
+
+
+def stats(r: redis.Redis) -> CacheStats:
+    """Counters, hit rates (0-1), entry count and memory estimate (see :class:`CacheStats`)."""
+    raw = r.hgetall(keynames.CACHE_STATS)
+    c = {}
+    for f in COUNTERS:
+        try:
+            c[f] = int(raw.get(f, 0))
+        except (TypeError, ValueError):
+            c[f] = 0
+    entries = 0
+    sample: list[str] = []
+    for k in _scan_entries(r):
+        entries += 1
+        if len(sample) < MEMORY_SAMPLES:
+            sample.append(k)
+    memory = 0
+    if sample:
+        pipe = r.pipeline()
+        for k in sample:
+            pipe.memory_usage(k)
+        sizes = [s for s in pipe.execute() if isinstance(s, int)]
+        if sizes:
+            memory = round(sum(sizes) / len(sizes) * entries)
+    try:
+        used = int(r.info("memory").get("used_memory", 0))
+    except redis.exceptions.ResponseError:
+        used = None
+    lookups = c["lookups"]
+
+    def rate(n: int) -> float | None:
+        return round(n / lookups, 4) if lookups > 0 else None
+
+    return CacheStats(entries=entries, memory_bytes=memory, redis_used_memory=used, **c,
+                      hit_rate=rate(c["hits_exact"] + c["hits_semantic"]),
+                      hit_rate_exact=rate(c["hits_exact"]),
+                      hit_rate_semantic=rate(c["hits_semantic"]))
+
+
+def index_values(r: redis.Redis, dimension: str, limit: int = 200) -> list[tuple[str, int]]:
+    """Values seen for ``dimension`` with their member count (an upper bound: expired
+    entries still count), sorted by value, at most ``limit``."""
+    if dimension not in DIMENSIONS:
+        raise CacheStoreError(f"unknown cache dimension {dimension!r}")
+    prefix = keynames.cache_index(dimension, "")
+    names = sorted(itertools.islice(r.scan_iter(match=prefix + "*", count=1000), limit))
+    pipe = r.pipeline()
+    for n in names:
+        pipe.scard(n)
+    return [(n[len(prefix):], int(c)) for n, c in zip(names, pipe.execute()) if c]
+
+
+def _filters(tenant: str | None, model: str | None, namespace: str | None) -> dict[str, str]:
+    given = {"tenant": tenant, "model": model, "namespace": namespace}
+    return {d: _check_value(d, v) for d, v in given.items() if v is not None and v != ""}
+
+
+def estimate(r: redis.Redis, *, tenant: str | None = None, model: str | None = None,
+             namespace: str | None = None, all: bool = False) -> int:
+    """Upper bound of what :func:`purge` with the same scope would delete (for a
+    confirmation step): entry count for ``all``, else the smallest index set size."""
+    if all:
+        return sum(1 for _ in _scan_entries(r))
+    f = _filters(tenant, model, namespace)
+    if not f:
+        raise CacheStoreError("purge scope: give tenant, model, namespace or all")
+    pipe = r.pipeline()
+    for d, v in f.items():
+        pipe.scard(keynames.cache_index(d, v))
+    return min(int(n) for n in pipe.execute())
+
+
+def purge(r: redis.Redis, *, tenant: str | None = None, model: str | None = None,
+          namespace: str | None = None, all: bool = False, batch: int = 500) -> int:
+    """Delete cache entries and their index memberships; returns how many entries were
+    deleted.
+
+    - ``all=True``: every entry and every index set (counters are kept).
+    - otherwise entries matching **all** given filters (tenant and/or model and/or
+      namespace). Raises :class:`CacheStoreError` when no scope is given."""
+    if all:
+        deleted = 0
+        for b in _batches(_scan_entries(r), batch):
+            deleted += int(r.unlink(*b))
+        for b in _batches(r.scan_iter(match=keynames.CACHE_INDEX_PREFIX + "*", count=1000), batch):
+            r.unlink(*b)
+        return deleted
+    f = _filters(tenant, model, namespace)
+    if not f:
+        raise CacheStoreError("purge scope: give tenant, model, namespace or all")
+    pipe = r.pipeline()
+    for d, v in f.items():
+        pipe.scard(keynames.cache_index(d, v))
+    sizes = pipe.execute()
+    src_dim, src_val = min(zip(f.items(), sizes), key=lambda t: t[1])[0]
+    src = keynames.cache_index(src_dim, src_val)
+    deleted = 0
+    for members in _batches(r.sscan_iter(src, count=1000), batch):
+        docs = r.mget([keynames.cache_entry(m) for m in members])
+        pipe = r.pipeline()
+        del_at: list[int] = []  # positions of the DEL replies in the pipeline
+        n_ops = 0
+        for m, raw in zip(members, docs):
+            if raw is None:  # expired: drop the stale memberships we know of
+                for d, v in f.items():
+                    pipe.srem(keynames.cache_index(d, v), m)
+                n_ops += len(f)
+                continue
+            doc = _parse(raw)
+            if doc and any(doc.get(d) != v for d, v in f.items()):
+                continue  # in the scanned index but not matching every filter
+            del_at.append(n_ops)
+            pipe.delete(keynames.cache_entry(m))
+            n_ops += 1
+            for d in DIMENSIONS:
+                val = doc.get(d)
+                if isinstance(val, str) and val:
+                    pipe.srem(keynames.cache_index(d, val), m)
+                    n_ops += 1
+            pipe.srem(src, m)
+            n_ops += 1
+        res = pipe.execute()
+        deleted += sum(int(res[i]) for i in del_at)
+    return deleted
+
+
+def _parse(raw: str) -> dict:
+    """An entry document; ``{}`` for a corrupt one (purged when met in the scanned index)."""
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}

@@ -1,0 +1,304 @@
+"""``infergate warmup``: fill the response cache with answers to known prompts.
+
+Every prompt goes through the edge like a client request, so its answer is stored the
+normal way (same key, TTL, index job for the semantic cache). Prompts already cached are
+skipped: the exact key is computed in Python (:mod:`controlplane.cache.key`, the same as
+the edge's) and looked up in Redis.
+
+Prompt file, one prompt per line (blank lines ignored):
+
+- plain text: sent as ``{"model": M, "messages": [{"role": "user", "content": LINE}]}`` to
+  ``/v1/chat/completions``;
+- a JSON object with a ``messages`` array: the request body itself (``model`` defaults to
+  ``--model``), to ``/v1/chat/completions``;
+- a JSON object with a string ``prompt``: a ``/v1/completions`` body.
+
+The cache key covers every parameter, so warm up with the parameters (temperature,
+max_tokens, system prompt, ...) the clients will send; put them in JSONL lines.
+
+Summary (printed at the end): ``sent`` requests answered by a node, ``skipped`` prompts
+already cached (in Redis before sending, or answered by the edge from its cache),
+``stored`` sent prompts whose entry is in Redis afterwards, ``failed`` requests that
+got an error or no answer. Exit status 1 when any prompt failed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+import redis as redis_lib
+import requests
+
+from controlplane.redisdb import keynames
+from controlplane.cache.key import keys_for
+from controlplane.config import ConfigError, load_settings
+from controlplane.redisdb.conn import make_redis
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+class PromptError(ValueError):
+    """A line of the prompt file cannot be turned into a request (message names the line)."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One request to send: ``path`` and JSON ``body``; ``line`` is its 1-based line."""
+
+    line: int
+    path: str
+    body: dict
+
+
+@dataclass
+class Summary:
+    """Outcome counts of a warm-up run (see the module docstring)."""
+
+    sent: int = 0
+    skipped: int = 0
+    stored: int = 0
+    failed: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def text(self) -> str:
+        return (f"sent {self.sent}, skipped {self.skipped}, stored {self.stored}, "
+                f"failed {self.failed}")
+
+
+def parse_line(line: str, lineno: int, model: str | None) -> Prompt | None:
+    """The request of one prompt-file line; ``None`` for a blank line.
+
+    Raises :class:`PromptError` when the line is JSON of the wrong shape or no model is
+    known for it."""
+    text = line.rstrip("\r\n")
+    if not text.strip():
+        return None
+    obj = None
+    if text.lstrip().startswith("{"):
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            obj = None  # plain text that happens to start with "{"
+    if obj is None:
+        if not model:
+            raise PromptError(f"line {lineno}: plain-text prompt needs --model")
+        return Prompt(lineno, CHAT, {"model": model, "messages": [{"role": "user", "content": text}]})
+    if not isinstance(obj, dict):
+        raise PromptError(f"line {lineno}: a JSON line must be an object")
+    body = dict(obj)
+    if "model" not in body:
+        if not model:
+            raise PromptError(f"line {lineno}: no \"model\" in the line and no --model")
+        body["model"] = model
+    if isinstance(body.get("messages"), list) and body["messages"]:
+        return Prompt(lineno, CHAT, body)
+    if isinstance(body.get("prompt"), str):
+        return Prompt(lineno, COMPLETIONS, body)
+    raise PromptError(f"line {lineno}: a JSON line needs a non-empty \"messages\" array or a "
+                      "string \"prompt\"")
+
+
+def read_prompts(path: Path, model: str | None) -> list[Prompt]:
+    """Every prompt of the file. Raises :class:`PromptError` for a bad line, ``OSError``
+    when the file cannot be read."""
+    out = []
+    with path.open(encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            p = parse_line(line, i, model)
+            if p is not None:
+                out.append(p)
+    return out
+
+
+def tenant_of_key(r: redis_lib.Redis | None, api_key: str | None) -> str:
+    """Tenant the edge will file the requests under: the API key's record
+    (``keynames.APIKEYS``, by SHA-256 of the key) or ``default``."""
+    if not api_key or r is None:
+        return "default"
+    try:
+        raw = r.hget(keynames.APIKEYS, hashlib.sha256(api_key.encode()).hexdigest())
+    except redis_lib.RedisError:
+        return "default"
+    if not raw:
+        return "default"
+    try:
+        rec = json.loads(raw)
+    except ValueError:
+        return "default"
+    t = rec.get("tenant") if isinstance(rec, dict) else None
+    return t if isinstance(t, str) and t else "default"
+
+
+def _cached(r: redis_lib.Redis | None, key: str) -> bool:
+    if r is None:
+        return False
+    try:
+        return bool(r.exists(keynames.cache_entry(key)))
+    except redis_lib.RedisError:
+        return False
+
+
+def _default_model(edge: str, headers: dict[str, str]) -> str | None:
+    try:
+        res = requests.get(f"{edge}/v1/models", headers=headers, timeout=10)
+        data = res.json().get("data") if res.status_code == 200 else None
+        if isinstance(data, list) and data and isinstance(data[0], dict):
+            mid = data[0].get("id")
+            return mid if isinstance(mid, str) else None
+    except (requests.RequestException, ValueError):
+        return None
+    return None
+
+
+def run_warmup(prompts: list[Prompt], edge: str, r: redis_lib.Redis | None, *,
+               concurrency: int = 5, api_key: str | None = None, tenant: str = "default",
+               timeout_s: float = 120.0, store_wait_s: float = 5.0,
+               progress=None) -> Summary:
+    """Send ``prompts`` through ``edge`` (``http://host:port``) with at most
+    ``concurrency`` requests at once; skip those already in the cache (``r`` None: no
+    skipping). ``progress``: callable(n) advanced once per prompt. After sending, waits
+    for the entries to appear (they are written just after each answer): until all are
+    there, none appeared for 1 s, or ``store_wait_s`` seconds passed. Returns the
+    :class:`Summary`."""
+    summary = Summary()
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    local = threading.local()
+    lock = threading.Lock()
+    sent_keys: list[str] = []
+    seen: set[str] = set()
+
+    def session() -> requests.Session:
+        s = getattr(local, "s", None)
+        if s is None:
+            s = local.s = requests.Session()
+        return s
+
+    def one(p: Prompt) -> None:
+        key = keys_for(p.path, p.body, tenant).exact
+        with lock:
+            duplicate = key in seen
+            seen.add(key)
+        if duplicate or _cached(r, key):
+            with lock:
+                summary.skipped += 1
+            return
+        try:
+            res = session().post(edge + p.path, data=json.dumps(p.body), headers=headers,
+                                 timeout=timeout_s)
+            status = res.status_code
+            cache_status = res.headers.get("X-Cache-Status", "")
+            detail = res.text[:200] if status != 200 else ""
+        except requests.RequestException as exc:
+            status, cache_status, detail = 0, "", str(exc)
+        with lock:
+            if status != 200:
+                summary.failed += 1
+                summary.errors.append(f"line {p.line}: {status or 'no answer'} {detail}".strip())
+            elif cache_status == "HIT":
+                summary.skipped += 1
+            else:
+                summary.sent += 1
+                sent_keys.append(key)
+
+    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+        futures = [pool.submit(one, p) for p in prompts]
+        for fut in as_completed(futures):
+            fut.result()
+            if progress is not None:
+                progress(1)
+
+    if r is not None and sent_keys:
+        # entries land a few ms after their answer; stop when all are there, or when none
+        # appeared for a second (the rest were not storable: cut short, ...)
+        deadline = time.monotonic() + store_wait_s
+        last, last_change = -1, time.monotonic()
+        while True:
+            try:
+                pipe = r.pipeline(transaction=False)
+                for k in sent_keys:
+                    pipe.exists(keynames.cache_entry(k))
+                found = sum(int(x) for x in pipe.execute())
+            except redis_lib.RedisError:
+                found = 0
+            now = time.monotonic()
+            if found != last:
+                last, last_change = found, now
+            if found >= len(sent_keys) or now >= deadline or now - last_change >= 1.0:
+                summary.stored = found
+                break
+            time.sleep(0.1)
+    return summary
+
+
+@click.command("warmup")
+@click.option("--file", "prompts_file", required=True,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Prompts, one per line: plain text or JSONL request bodies.")
+@click.option("--concurrency", default=5, show_default=True, type=click.IntRange(1, 256),
+              help="Requests in flight at once.")
+@click.option("--edge", "edge_url", default=None, metavar="URL",
+              help="Edge root, e.g. http://127.0.0.1:8080 [default: from edge.listen].")
+@click.option("--model", default=None,
+              help="Model for plain-text lines [default: the first of the edge's /v1/models].")
+@click.option("--api-key", default=None, envvar="INFERGATE_API_KEY",
+              help="API key sent as Bearer (env INFERGATE_API_KEY).")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="infergate TOML file (edge address, Redis URL).")
+@click.option("--redis-url", default=None,
+              help="Redis of the cache, to skip cached prompts [default: redis.url].")
+@click.option("--timeout", "timeout_s", default=120.0, show_default=True,
+              type=click.FloatRange(0.1), help="Seconds to wait for one answer.")
+def warmup_cmd(prompts_file: Path, concurrency: int, edge_url: str | None, model: str | None,
+               api_key: str | None, config_path: str | None, redis_url: str | None,
+               timeout_s: float) -> None:
+    """Send prompts through the edge so their answers are cached."""
+    try:
+        settings = load_settings(config_path)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    if redis_url:
+        settings.redis.url = redis_url
+    if not edge_url:
+        host, _, port = settings.edge.listen.rpartition(":")
+        if host in ("0.0.0.0", "", "*"):
+            host = "127.0.0.1"
+        edge_url = f"http://{host}:{port}"
+    edge_url = edge_url.rstrip("/")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    if not model:
+        model = _default_model(edge_url, headers)
+    try:
+        prompts = read_prompts(prompts_file, model)
+    except PromptError as exc:
+        raise click.ClickException(f"{prompts_file}: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise click.ClickException(f"cannot read {prompts_file}: {exc}") from None
+    r: redis_lib.Redis | None
+    try:
+        r = make_redis(settings.redis)
+        r.ping()
+    except (redis_lib.RedisError, ValueError) as exc:
+        click.echo(f"warning: Redis at {settings.redis.url} unreachable ({exc}); "
+                   "cached prompts are not skipped and stores are not counted", err=True)
+        r = None
+    tenant = tenant_of_key(r, api_key)
+    with click.progressbar(length=len(prompts), label="warming up", file=None) as bar:
+        summary = run_warmup(prompts, edge_url, r, concurrency=concurrency, api_key=api_key,
+                             tenant=tenant, timeout_s=timeout_s, progress=bar.update)
+    for e in summary.errors[:10]:
+        click.echo(f"  {e}", err=True)
+    if len(summary.errors) > 10:
+        click.echo(f"  ... {len(summary.errors) - 10} more errors", err=True)
+    click.echo(summary.text())
+    if summary.failed:
+        raise SystemExit(1)

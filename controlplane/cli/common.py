@@ -1,0 +1,79 @@
+"""What the Redis-backed subcommands (``infergate nodes``, ``infergate keys``) share:
+the lazily built settings and Redis client, the actor name written into events, error
+handling and plain-text tables."""
+
+from __future__ import annotations
+
+import getpass
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import click
+import redis
+
+from controlplane.config import ConfigError, Settings, load_settings
+from controlplane.redisdb.conn import make_redis
+
+
+class Ctx:
+    """Settings and a Redis client, built on first use (so ``--help`` needs neither)."""
+
+    def __init__(self, config: str | None, redis_url: str | None):
+        self.config = config
+        self.redis_url = redis_url
+        self._settings: Settings | None = None
+        self._r: redis.Redis | None = None
+
+    @property
+    def settings(self) -> Settings:
+        """The configuration; a bad file exits 1 with the loader's message."""
+        if self._settings is None:
+            try:
+                s = load_settings(self.config)
+            except ConfigError as exc:
+                raise click.ClickException(str(exc)) from None
+            if self.redis_url:
+                s.redis.url = self.redis_url
+            self._settings = s
+        return self._settings
+
+    @property
+    def r(self) -> redis.Redis:
+        """The Redis client; an unparseable URL exits 1."""
+        if self._r is None:
+            try:
+                self._r = make_redis(self.settings.redis)
+            except ValueError as exc:
+                raise click.ClickException(f"invalid Redis URL {self.settings.redis.url!r}: {exc}")
+        return self._r
+
+    @property
+    def events_max(self) -> int:
+        return self.settings.controlplane.events_max
+
+
+def actor() -> str:
+    """``cli:<login name>`` (``cli:unknown`` when the user cannot be determined)."""
+    try:
+        return f"cli:{getpass.getuser()}"
+    except (KeyError, OSError):
+        return "cli:unknown"
+
+
+def run_or_exit(ctx: Ctx, fn: Callable[[], Any], errors: tuple[type[Exception], ...]) -> Any:
+    """Call ``fn``; the given errors (their message) and Redis errors become exit 1."""
+    try:
+        return fn()
+    except errors as exc:
+        raise click.ClickException(getattr(exc, "message", None) or str(exc)) from None
+    except redis.exceptions.RedisError as exc:
+        raise click.ClickException(f"cannot reach Redis at {ctx.settings.redis.url}: {exc}") from None
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Plain text table, columns padded to their widest cell."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,145 @@
+"""``infergate nodes``: the node registry and drain from the shell, straight on Redis.
+
+Changes write events with actor ``cli:<user>``. Errors (unknown node, invalid value,
+duplicate name, Redis unreachable, bad config) print a message and exit with status 1.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from controlplane.routing import registry
+from controlplane.cli.common import Ctx, actor, run_or_exit, table
+from controlplane.admin import ops
+from controlplane.admin.nodeview import build_views
+
+KINDS = ("vllm", "tgi", "sglang", "json", "openai")
+
+
+def run(ctx: Ctx, fn: Callable[[], Any]) -> Any:
+    """Call ``fn`` and turn admin and Redis errors into a clean exit 1."""
+    return run_or_exit(ctx, fn, (ops.AdminError,))
+
+
+def _f(x: float | None, fmt: str = "{:g}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+@click.group("nodes")
+@click.option("--config", "config", type=click.Path(dir_okay=False), default=None,
+              help="infergate TOML file (default: built-in defaults).")
+@click.option("--redis-url", default=None, help="Redis URL; overrides the config file.")
+@click.pass_context
+def nodes_cmd(ctx: click.Context, config: str | None, redis_url: str | None) -> None:
+    """Inspect and change the node registry; drain and undrain nodes."""
+    ctx.obj = Ctx(config, redis_url)
+
+
+@nodes_cmd.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print the merged node views as JSON.")
+@click.pass_obj
+def list_cmd(c: Ctx, as_json: bool) -> None:
+    """Registered nodes with state, health and latest metrics."""
+    views = run(c, lambda: build_views(c.r, c.settings))
+    if as_json:
+        click.echo(json.dumps([v.to_dict() for v in views], indent=2))
+        return
+    if not views:
+        click.echo("no nodes registered")
+        return
+    rows = [[v.name, v.state, {True: "up", False: "down", None: "?"}[v.healthy], v.kind, v.url,
+             _f(v.weight), str(v.max_concurrency), _f(v.queue_depth), _f(v.running),
+             _f(None if v.kv_cache_usage is None else v.kv_cache_usage * 100, "{:.0f}%"),
+             str(v.inflight), _f(v.poll_age_s, "{:.1f}s")] for v in views]
+    click.echo(table(["NAME", "STATE", "HEALTH", "KIND", "URL", "WEIGHT", "MAXCONC", "QUEUE",
+                      "RUNNING", "KV", "INFLIGHT", "POLLED"], rows))
+
+
+def _node_options(fn: Callable) -> Callable:
+    fn = click.option("--health-path", default=None, help="Health path (default /health).")(fn)
+    fn = click.option("--metrics-path", default=None, help="Metrics path (default /metrics).")(fn)
+    fn = click.option("--max-concurrency", type=int, default=None,
+                      help="Requests the node runs at once (>= 1, default 64).")(fn)
+    fn = click.option("--weight", type=float, default=None, help="Routing weight (> 0, default 1).")(fn)
+    fn = click.option("--kind", type=click.Choice(KINDS), default=None,
+                      help="Metrics dialect (default vllm).")(fn)
+    return fn
+
+
+def _given(**kw: Any) -> dict:
+    return {k: v for k, v in kw.items() if v is not None}
+
+
+@nodes_cmd.command("add")
+@click.argument("name")
+@click.argument("url")
+@_node_options
+@click.pass_obj
+def add_cmd(c: Ctx, name: str, url: str, **opts: Any) -> None:
+    """Register node NAME at URL (server root, e.g. http://10.0.0.5:8000)."""
+    node = run(c, lambda: ops.add_node(c.r, {"name": name, "url": url, **_given(**opts)},
+                                       actor(), c.events_max))
+    click.echo(f"added {node.name} ({node.kind}, {node.url}, weight {node.weight:g})")
+
+
+@nodes_cmd.command("edit")
+@click.argument("name")
+@click.option("--url", default=None, help="New server root URL.")
+@_node_options
+@click.pass_obj
+def edit_cmd(c: Ctx, name: str, **opts: Any) -> None:
+    """Change fields of node NAME."""
+    changes = _given(**opts)
+    if not changes:
+        raise click.UsageError("nothing to change: give --url, --kind, --weight, "
+                               "--max-concurrency, --metrics-path or --health-path")
+    node = run(c, lambda: ops.edit_node(c.r, name, changes, actor(), c.events_max))
+    click.echo(f"saved {node.name}: " + ", ".join(f"{k}={getattr(node, k)}" for k in changes))
+
+
+@nodes_cmd.command("remove")
+@click.argument("name")
+@click.pass_obj
+def remove_cmd(c: Ctx, name: str) -> None:
+    """Remove node NAME with its state, metrics and history."""
+    run(c, lambda: ops.remove_node(c.r, name, actor(), c.events_max))
+    click.echo(f"removed {name}")
+
+
+@nodes_cmd.command("drain")
+@click.argument("name")
+@click.option("--wait", is_flag=True, help="Wait until the control plane marks it drained.")
+@click.option("--timeout", type=float, default=600.0, show_default=True,
+              help="Seconds to wait with --wait.")
+@click.pass_obj
+def drain_cmd(c: Ctx, name: str, wait: bool, timeout: float) -> None:
+    """Stop sending new requests to NAME; in-flight ones finish."""
+    ch = run(c, lambda: ops.drain(c.r, name, actor(), c.events_max))
+    click.echo(f"{name}: {'draining' if ch.changed else 'already ' + ch.state}")
+    if not wait or ch.state == "drained":
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        st = run(c, lambda: registry.get_state(c.r, name))
+        if st.state == "drained":
+            click.echo(f"{name}: drained")
+            return
+        if st.state == "active":
+            raise click.ClickException(f"{name} was undrained while waiting")
+        if time.monotonic() >= deadline:
+            raise click.ClickException(f"{name} still {st.state} after {timeout:g} s")
+        time.sleep(0.25)
+
+
+@nodes_cmd.command("undrain")
+@click.argument("name")
+@click.pass_obj
+def undrain_cmd(c: Ctx, name: str) -> None:
+    """Send requests to NAME again (its share ramps up during slow start)."""
+    ch = run(c, lambda: ops.undrain(c.r, name, actor(), c.events_max))
+    click.echo(f"{name}: {'active' if ch.changed else 'already active'}")

@@ -1,0 +1,497 @@
+"""Render the nginx configuration of the infergate edge and run nginx with it.
+
+``infergate render-nginx --config FILE --out DIR`` writes three files from the Jinja2
+templates in ``nginx/`` (see :func:`controlplane.paths.nginx_templates_dir`):
+
+- ``infergate-http.conf``: include inside an existing ``http {}`` (Lua path, shared
+  dicts, ``init_by_lua`` with the edge options and the static node list, the sync
+  timer, the ``infergate_nodes`` upstream with the Lua balancer);
+- ``infergate-server.conf``: include inside an existing ``server {}`` (``/v1/...``
+  locations, ``/infergate/status``, JSON error pages);
+- ``nginx.conf``: a standalone configuration that loads the Lua module (not with
+  ``--openresty``, which bundles it), keeps pid, logs and temp files under the prefix
+  folder and includes the two files above.
+
+Python API (used by ``infergate up`` and the tests): :func:`render_nginx`,
+:func:`nginx_test`, :func:`start_nginx`.
+
+Every ``edge.*`` setting is used: ``listen`` (standalone ``listen``), ``edge_id``,
+``sync_interval_s``, ``stale_after_s``, ``redis_timeout_ms``, ``breaker_*`` and
+``inflight_cost`` go to the Lua options; ``max_tries`` -> ``proxy_next_upstream_tries``
+and the balancer's extra tries; ``*_timeout_ms`` -> ``proxy_*_timeout`` and the
+balancer's ``set_timeouts``; ``retry_window_s`` -> ``proxy_next_upstream_timeout``;
+``client_max_body_size`` -> ``client_max_body_size`` and ``client_body_buffer_size``;
+``keepalive`` -> upstream ``keepalive``; ``workers`` -> ``worker_processes``;
+``metrics_listen`` -> the ``server {}`` of ``GET /metrics`` in the http include (none when
+empty); ``client_body_timeout_ms`` -> ``client_body_timeout`` and the Lua body read. The
+``[redis]`` TLS and Sentinel options go to the Lua options (``redis_tls_*``,
+``redis_sentinel_*``), ``tls_ca_file`` to ``lua_ssl_trusted_certificate``. From
+``scoring``, ``latency_norm_s`` normalises the latency term of the balancer cost. The
+``auth``, ``limits``, ``admission`` and ``deadlines`` sections become the ``admission``
+option (:func:`controlplane.edge.admission.edge_admission_options`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import click
+import jinja2
+
+from controlplane import paths, procs
+from controlplane.edge.cache import render_context as cache_render_context
+from controlplane.edge.admission import edge_admission_options
+from controlplane.config import ConfigError, Settings, load_settings
+from controlplane.redisdb.url import RedisURLError, parse_redis_url
+
+#: Files written by :func:`render_nginx`, by template name.
+TEMPLATES = {
+    "infergate-http.conf.j2": "infergate-http.conf",
+    "infergate-server.conf.j2": "infergate-server.conf",
+    "nginx.conf.j2": "nginx.conf",
+}
+#: Statuses nginx may answer itself; each gets an OpenAI-style JSON body.
+ERROR_CODES = (400, 403, 404, 405, 408, 413, 414, 429, 494, 500, 501, 502, 503, 504, 505)
+#: Where Debian's libnginx-mod-http-lua installs the dynamic modules.
+DEFAULT_MODULES_DIRS = ("/usr/lib/nginx/modules", "/usr/share/nginx/modules",
+                        "/usr/lib64/nginx/modules")
+SIZE_RE = re.compile(r"^[1-9][0-9]*[kKmMgG]?$")
+
+
+class RenderError(ValueError):
+    """The settings cannot be turned into a valid nginx configuration."""
+
+
+class NginxError(RuntimeError):
+    """``nginx -t`` rejected a configuration (the message holds nginx's output)."""
+
+
+@dataclass(frozen=True)
+class RenderedConfig:
+    """Paths and facts of one rendering."""
+
+    out_dir: Path
+    http_conf: Path
+    server_conf: Path
+    nginx_conf: Path
+    prefix: Path
+    error_log: Path
+    access_log: Path
+    listen: str
+    edge_id: str
+    openresty: bool
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` of the standalone listener (0.0.0.0/:: -> loopback)."""
+        host, port = split_listen(self.listen)
+        if host in ("0.0.0.0", "*", ""):
+            host = "127.0.0.1"
+        elif host == "::":
+            host = "::1"
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{port}"
+
+
+def split_listen(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) -> (host, port). Raises :class:`RenderError`."""
+    m = re.match(r"^\[([0-9A-Fa-f:.]+)\]:(\d+)$", value) or re.match(r"^([^:\[\]]*):(\d+)$", value)
+    if not m:
+        raise RenderError(f"listen address must be HOST:PORT, got {value!r}")
+    host, port = m.group(1), int(m.group(2))
+    if not 0 < port < 65536:
+        raise RenderError(f"listen port out of range: {value!r}")
+    return host, port
+
+
+def _ip_literal(host: str) -> str | None:
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return None
+
+
+def _resolve(host: str) -> str | None:
+    """IPv4 (else IPv6) address of ``host``, or None. ``localhost`` -> 127.0.0.1."""
+    lit = _ip_literal(host)
+    if lit:
+        return lit
+    if host == "localhost":
+        return "127.0.0.1"
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return None
+    v4 = [i[4][0] for i in infos if i[0] == socket.AF_INET]
+    v6 = [i[4][0] for i in infos if i[0] == socket.AF_INET6]
+    return (v4 or v6 or [None])[0]
+
+
+def _system_resolvers(resolv_conf: Path = Path("/etc/resolv.conf")) -> list[str]:
+    try:
+        text = resolv_conf.read_text()
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] == "nameserver" and _ip_literal(parts[1].split("%")[0]):
+            addr = parts[1].split("%")[0]
+            out.append(f"[{addr}]" if ":" in addr else addr)
+    return out
+
+
+def _duration(ms: float) -> str:
+    """nginx time value from milliseconds (``0`` stays ``0`` = off)."""
+    ms = int(round(ms))
+    if ms <= 0:
+        return "0"
+    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
+
+
+def _lua_long_bracket(text: str) -> str:
+    """The ``=`` run of a Lua long bracket that cannot occur inside ``text``."""
+    level = 0
+    while f"]{'=' * level}]" in text:
+        level += 1
+    return "=" * level
+
+
+#: Debian's CA bundle (package ca-certificates), used for rediss:// without tls_ca_file.
+SYSTEM_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+
+
+def _redis_ca_file(settings: Settings) -> str | None:
+    """``lua_ssl_trusted_certificate`` for a ``rediss://`` URL: ``redis.tls_ca_file``, else
+    the system bundle; ``None`` without verification. Raises :class:`RenderError` when the
+    file is missing (nginx would refuse to start)."""
+    r = settings.redis
+    if not r.tls_verify:
+        return None
+    path = r.tls_ca_file or SYSTEM_CA_BUNDLE
+    if not Path(path).is_file():
+        raise RenderError(f"redis.tls_ca_file: no such file {path!r} (needed to verify the "
+                          "Redis server certificate; or set redis.tls_verify = false)")
+    return str(Path(path).resolve())
+
+
+def default_modules_dir() -> str:
+    """First existing folder holding ``ngx_http_lua_module.so`` (Debian layout)."""
+    for d in DEFAULT_MODULES_DIRS:
+        if Path(d, "ngx_http_lua_module.so").exists():
+            return d
+    return DEFAULT_MODULES_DIRS[0]
+
+
+def nginx_binary(openresty: bool = False) -> str:
+    """Path of ``nginx`` (or ``openresty``); ``INFERGATE_NGINX`` overrides."""
+    env = os.environ.get("INFERGATE_NGINX")
+    if env:
+        return env
+    names = ("openresty", "nginx") if openresty else ("nginx",)
+    for name in names:
+        exe = shutil.which(name) or (shutil.which(name, path="/usr/sbin:/sbin:/usr/local/openresty/bin"))
+        if exe:
+            return exe
+    raise procs.StartError("nginx not found: apt-get install nginx libnginx-mod-http-lua "
+                           "lua-resty-core lua-cjson (or install OpenResty)")
+
+
+def static_nodes(settings: Settings) -> tuple[list[dict], list[str]]:
+    """The TOML ``[[nodes]]`` as the edge's static list, host names resolved now (the
+    balancer phase cannot resolve). A node whose host does not resolve keeps
+    ``host: null`` and is never picked from the static list (the control plane's
+    snapshot carries resolved addresses). Returns (nodes, warnings)."""
+    nodes, warnings = [], []
+    for n in settings.nodes:
+        parts = urlsplit(n.url)
+        host = parts.hostname or ""
+        addr = _resolve(host)
+        if addr is None:
+            warnings.append(f"node {n.name}: cannot resolve {host!r} now; it is left out of the "
+                            "static node list until the control plane's snapshot names its address")
+        nodes.append({"name": n.name, "host": addr, "port": parts.port or 80,
+                      "weight": n.weight, "max_concurrency": n.max_concurrency, "kind": n.kind})
+    return nodes, warnings
+
+
+def edge_options(settings: Settings, edge_id: str, nodes: list[dict]) -> dict:
+    """The JSON options handed to ``infergate.core.config.init`` (lua/infergate/core/config.lua)."""
+    e = settings.edge
+    return {
+        "edge_id": edge_id,
+        "redis_url": settings.redis.url,
+        "redis_timeout_ms": e.redis_timeout_ms,
+        "sync_interval_s": e.sync_interval_s,
+        "stale_after_s": e.stale_after_s,
+        "max_tries": e.max_tries,
+        "connect_timeout_ms": e.connect_timeout_ms,
+        "send_timeout_ms": e.send_timeout_ms,
+        "read_timeout_ms": e.read_timeout_ms,
+        "retry_window_s": e.retry_window_s,
+        "client_max_body_size": e.client_max_body_size,
+        "breaker_failures": e.breaker_failures,
+        "breaker_cooldown_s": e.breaker_cooldown_s,
+        "inflight_cost": e.inflight_cost,
+        "latency_norm_s": settings.scoring.latency_norm_s,
+        "redis_tls_verify": settings.redis.tls_verify,
+        "redis_tls_cert_file": settings.redis.tls_cert_file,
+        "redis_tls_key_file": settings.redis.tls_key_file,
+        "redis_sentinel_password": settings.redis.sentinel_password,
+        "redis_sentinel_refresh_s": settings.redis.sentinel_refresh_s,
+        "client_body_timeout_ms": e.client_body_timeout_ms,
+        "admission": edge_admission_options(settings),
+        "nodes": nodes,
+    }
+
+
+def _check_edge(settings: Settings) -> None:
+    e = settings.edge
+    problems = []
+    if not SIZE_RE.match(e.client_max_body_size):
+        problems.append(f"edge.client_max_body_size must look like 8m, 512k or 1048576, got "
+                        f"{e.client_max_body_size!r}")
+    for name in ("sync_interval_s", "stale_after_s"):
+        if getattr(e, name) <= 0:
+            problems.append(f"edge.{name} must be > 0")
+    for name in ("redis_timeout_ms", "connect_timeout_ms", "read_timeout_ms", "send_timeout_ms",
+                 "max_tries", "breaker_failures", "keepalive", "workers"):
+        if getattr(e, name) < 1:
+            problems.append(f"edge.{name} must be >= 1")
+    for name in ("retry_window_s", "breaker_cooldown_s", "inflight_cost"):
+        if getattr(e, name) < 0:
+            problems.append(f"edge.{name} must be >= 0")
+    if e.max_tries > 100:
+        problems.append("edge.max_tries must be <= 100")
+    if e.edge_id and not re.match(r"^[\w.:\-]{1,128}$", e.edge_id):
+        problems.append("edge.edge_id: letters, digits, '_', '.', ':', '-', at most 128")
+    if problems:
+        raise RenderError("invalid edge settings:\n  " + "\n  ".join(problems))
+
+
+def _has_secret(settings: Settings) -> bool:
+    """Whether the rendered options carry a password (Redis URL or Sentinel)."""
+    return "@" in settings.redis.url or bool(settings.redis.sentinel_password)
+
+
+def render_nginx(settings: Settings, out_dir: str | Path, *, listen: str | None = None,
+                 prefix: str | Path | None = None, openresty: bool = False,
+                 modules_dir: str | None = None, lua_dir: str | Path | None = None,
+                 resolver: str | None = None, error_log_level: str = "warn",
+                 source: str = "infergate settings") -> RenderedConfig:
+    """Write ``infergate-http.conf``, ``infergate-server.conf`` and ``nginx.conf`` into
+    ``out_dir`` (created) and return their paths.
+
+    ``listen``: ``HOST:PORT`` of the standalone server (default ``edge.listen``).
+    ``prefix``: folder for pid, logs (``logs/``) and temp files (default ``out_dir``);
+    created with mode 0755 when missing. ``openresty``: no ``load_module`` lines.
+    ``modules_dir``: folder of the dynamic modules (default: the Debian one found).
+    ``lua_dir``: folder holding ``infergate/*.lua`` (default ``paths.lua_dir()``).
+    ``resolver``: DNS server for a Redis host name (default: from /etc/resolv.conf,
+    only when ``redis.url`` names a host rather than an IP address).
+
+    Raises :class:`RenderError` for settings nginx cannot run with (bad listen
+    address, bad size, bad Redis URL) and ``OSError`` when the folders are not writable.
+    """
+    _check_edge(settings)
+    out = Path(out_dir).resolve()
+    pre = Path(prefix).resolve() if prefix is not None else out
+    listen = listen or settings.edge.listen
+    host, port = split_listen(listen)
+    edge_id = settings.edge.edge_id or f"{socket.gethostname()}:{port}"
+
+    try:
+        target = parse_redis_url(settings.redis.url)
+    except RedisURLError as exc:
+        raise RenderError(f"redis.url: {exc}") from None
+    redis_hosts = [target.host or ""] if target.kind == "direct" else [h for h, _ in target.sentinels]
+    names = [h for h in redis_hosts if _ip_literal(h) is None and h != "localhost"]
+    redis_host = ", ".join(names or redis_hosts)
+    needs_resolver = bool(names)
+    redis_ca_file = _redis_ca_file(settings) if target.tls else None
+    metrics_listen = settings.edge.metrics_listen.strip()
+    if metrics_listen:
+        split_listen(metrics_listen)
+        if metrics_listen == listen:
+            raise RenderError(f"edge.metrics_listen {metrics_listen!r} is the API listen address; "
+                              "use another port (or \"\" for no metrics server)")
+    if needs_resolver and not resolver:
+        found = _system_resolvers()
+        resolver = " ".join(found) if found else None
+        if not resolver:
+            raise RenderError(f"redis.url names the host {redis_host!r} but no DNS server was "
+                              "found in /etc/resolv.conf; pass --resolver or use an IP address")
+
+    nodes, warnings = static_nodes(settings)
+    options = json.dumps(edge_options(settings, edge_id, nodes), separators=(",", ":"))
+
+    out.mkdir(parents=True, exist_ok=True)
+    for d in (pre, pre / "logs"):
+        if not d.exists():
+            d.mkdir(parents=True)
+            os.chmod(d, 0o755)
+
+    files = {v: out / v for v in TEMPLATES.values()}
+    ctx = {
+        "source": source,
+        "lua_dir": str(Path(lua_dir).resolve() if lua_dir else paths.lua_dir()),
+        "resolver": resolver if needs_resolver else None,
+        "redis_host": redis_host,
+        "snapshot_dict_size": "4m",
+        "stats_dict_size": "4m",
+        "options_json": options,
+        "bracket": _lua_long_bracket(options),
+        "keepalive": settings.edge.keepalive,
+        "error_codes": ERROR_CODES,
+        "client_max_body_size": settings.edge.client_max_body_size,
+        "connect_timeout": _duration(settings.edge.connect_timeout_ms),
+        "send_timeout": _duration(settings.edge.send_timeout_ms),
+        "read_timeout": _duration(settings.edge.read_timeout_ms),
+        "retry_window": _duration(settings.edge.retry_window_s * 1000),
+        "max_tries": settings.edge.max_tries,
+        "openresty": openresty,
+        "modules_dir": modules_dir or default_modules_dir(),
+        "workers": settings.edge.workers,
+        "prefix": str(pre),
+        "error_log": str(pre / "logs" / "error.log"),
+        "error_log_level": error_log_level,
+        "access_log": str(pre / "logs" / "access.log"),
+        "listen": listen,
+        "metrics_listen": metrics_listen,
+        "redis_ca_file": redis_ca_file,
+        "client_body_timeout": _duration(settings.edge.client_body_timeout_ms),
+        "http_conf": str(files["infergate-http.conf"]),
+        "server_conf": str(files["infergate-server.conf"]),
+        "nginx_conf": str(files["nginx.conf"]),
+        "nginx_bin": "openresty" if openresty else "nginx",
+        **cache_render_context(settings),
+    }
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(paths.nginx_templates_dir())),
+        undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
+        keep_trailing_newline=True, autoescape=False,
+    )
+    for tpl, name in TEMPLATES.items():
+        text = env.get_template(tpl).render(**ctx)
+        files[name].write_text(text, encoding="utf-8")
+        # the http include carries the Redis URL: no read access for others when it has
+        # a password in it (nginx's master process reads it as root)
+        secret = name == "infergate-http.conf" and _has_secret(settings)
+        os.chmod(files[name], 0o640 if secret else 0o644)
+    return RenderedConfig(
+        out_dir=out, http_conf=files["infergate-http.conf"],
+        server_conf=files["infergate-server.conf"], nginx_conf=files["nginx.conf"],
+        prefix=pre, error_log=pre / "logs" / "error.log", access_log=pre / "logs" / "access.log",
+        listen=listen, edge_id=edge_id, openresty=openresty, warnings=tuple(warnings),
+    )
+
+
+def nginx_test(conf_path: str | Path, prefix: str | Path, *, nginx_bin: str | None = None,
+               timeout: float = 30.0) -> str:
+    """Run ``nginx -t -p PREFIX -c CONF``; return its output. Raises :class:`NginxError`
+    with nginx's messages when the configuration is rejected."""
+    exe = nginx_bin or nginx_binary()
+    res = subprocess.run([exe, "-t", "-q", "-p", str(prefix), "-c", str(conf_path)],
+                         capture_output=True, text=True, timeout=timeout)
+    output = (res.stdout + res.stderr).strip()
+    if res.returncode != 0:
+        raise NginxError(f"nginx -t failed for {conf_path}:\n{output}")
+    return output
+
+
+def listen_of(conf_path: str | Path) -> tuple[str, int]:
+    """(host, port) of the first ``listen`` directive of a rendered nginx.conf."""
+    text = Path(conf_path).read_text(encoding="utf-8")
+    m = re.search(r"^\s*listen\s+([^\s;]+)", text, re.M)
+    if not m:
+        raise RenderError(f"{conf_path}: no listen directive")
+    value = m.group(1)
+    if value.isdigit():
+        return "127.0.0.1", int(value)
+    host, port = split_listen(value)
+    if host in ("0.0.0.0", "*", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return host, port
+
+
+def start_nginx(conf_path: str | Path, prefix: str | Path, *, nginx_bin: str | None = None,
+                timeout: float = 20.0, log_path: str | Path | None = None) -> procs.Managed:
+    """Start nginx in the foreground (``nginx -p PREFIX -c CONF -g 'daemon off;'``) in
+    its own process group and wait until its listen port accepts connections.
+
+    Returns the :class:`procs.Managed` (``stop()`` ends master and workers). Raises
+    :class:`procs.StartError` when nginx exits early or the port does not open within
+    ``timeout`` seconds (the message holds the end of nginx's output)."""
+    exe = nginx_bin or nginx_binary()
+    host, port = listen_of(conf_path)
+    prefix = Path(prefix)
+    argv = [exe, "-p", str(prefix), "-c", str(conf_path), "-g", "daemon off;"]
+    log = Path(log_path) if log_path else prefix / "logs" / "nginx.out"
+    m = procs.Managed("nginx", argv, log).start()
+    try:
+        return m.wait_ready(lambda: procs.port_open(host, port), timeout)
+    except procs.StartError as exc:
+        m.stop()
+        err_log = prefix / "logs" / "error.log"
+        tail = ""
+        if err_log.exists():
+            tail = "\n".join(err_log.read_text(errors="replace").splitlines()[-20:])
+        raise procs.StartError(f"{exc}\n{tail}") from None
+
+
+@click.command("render-nginx")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="infergate TOML file (defaults apply without one).")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="Folder to write infergate-http.conf, infergate-server.conf and nginx.conf into.")
+@click.option("--listen", default=None, metavar="HOST:PORT",
+              help="Address of the standalone server [default: edge.listen].")
+@click.option("--prefix", default=None, type=click.Path(file_okay=False),
+              help="Folder for pid, logs/ and temp files of the standalone config [default: --out].")
+@click.option("--openresty", is_flag=True, default=False,
+              help="Render for OpenResty (modules built in: no load_module lines).")
+@click.option("--modules-dir", default=None, metavar="DIR",
+              help="Folder of ndk_http_module.so and ngx_http_lua_module.so [default: Debian's].")
+@click.option("--lua-dir", default=None, type=click.Path(file_okay=False),
+              help="Folder holding infergate/*.lua [default: $INFERGATE_HOME/lua].")
+@click.option("--resolver", default=None, metavar="ADDR",
+              help="DNS server for a Redis host name [default: from /etc/resolv.conf].")
+@click.option("--check", is_flag=True, default=False,
+              help="Run nginx -t on the standalone config after writing it.")
+def render_nginx_cmd(config_path: str | None, out_dir: str, listen: str | None, prefix: str | None,
+                     openresty: bool, modules_dir: str | None, lua_dir: str | None,
+                     resolver: str | None, check: bool) -> None:
+    """Render the nginx configuration of the infergate edge from the TOML settings."""
+    try:
+        settings = load_settings(config_path)
+        rendered = render_nginx(settings, out_dir, listen=listen, prefix=prefix,
+                                openresty=openresty, modules_dir=modules_dir, lua_dir=lua_dir,
+                                resolver=resolver, source=config_path or "default settings")
+    except (ConfigError, RenderError) as exc:
+        raise click.ClickException(str(exc)) from None
+    except OSError as exc:
+        raise click.ClickException(f"cannot write the configuration: {exc}") from None
+    for w in rendered.warnings:
+        click.echo(f"warning: {w}", err=True)
+    for p in (rendered.http_conf, rendered.server_conf, rendered.nginx_conf):
+        click.echo(str(p))
+    if check:
+        try:
+            nginx_test(rendered.nginx_conf, rendered.prefix,
+                       nginx_bin=nginx_binary(openresty))
+        except (NginxError, procs.StartError) as exc:
+            raise click.ClickException(str(exc)) from None
+        click.echo("nginx -t: ok", err=True)

@@ -1,0 +1,104 @@
+"""Every Redis key name infergate uses, in one place.
+
+The Lua edge has the same names in ``lua/infergate/redis/keynames.lua``; ``tests/parity/test_keys.py``
+checks that both agree. All keys start with ``infergate:`` and carry the schema
+version, so a future layout can live beside this one.
+"""
+
+from __future__ import annotations
+
+PREFIX = "infergate"
+SCHEMA = "v1"
+BASE = f"{PREFIX}:{SCHEMA}"
+
+#: String, JSON routing snapshot (see ``controlplane.routing.snapshot``). Written by the leader.
+ROUTING = f"{BASE}:routing"
+#: String, integer counter INCRed for every snapshot written (snapshot ``version``).
+ROUTING_VERSION = f"{BASE}:routing:version"
+#: String with TTL, the id of the control plane that holds leadership.
+LEADER = f"{BASE}:leader"
+#: Hash, node name -> JSON node config (url, kind, weight, max_concurrency, ...).
+NODES = f"{BASE}:nodes"
+#: Hash, node name -> JSON ``{"state": "active"|"draining"|"drained", "since": epoch_s}``.
+NODE_STATES = f"{BASE}:node_states"
+#: Hash, edge id -> JSON per-edge stats ``{"ts": epoch_s, "nodes": {name: {...}}}``.
+EDGES = f"{BASE}:edges"
+#: Stream of operator-visible events (drains, health changes, config changes), capped.
+EVENTS = f"{BASE}:events"
+#: Hash, SHA-256 hex of an API key -> JSON ``{"id", "tenant", "rpm", "tpm", "created", "revoked"}``.
+APIKEYS = f"{BASE}:apikeys"
+#: Hash, short key id -> SHA-256 hex of the key (listing and revoking by id).
+APIKEY_IDS = f"{BASE}:apikeys:ids"
+#: Hash of response-cache counters: lookups, hits_exact, hits_semantic, misses, bypass, stores.
+CACHE_STATS = f"{BASE}:cache:stats"
+#: Prefix of response-cache entries (strings, JSON, with TTL): ``CACHE_ENTRY_PREFIX + exact_key_hex``.
+CACHE_ENTRY_PREFIX = f"{BASE}:cache:entry:"
+#: Prefix of response-cache index sets: ``CACHE_INDEX_PREFIX + "tenant:" + t`` (also model, namespace).
+CACHE_INDEX_PREFIX = f"{BASE}:cache:idx:"
+#: List of semantic-index jobs: the edge RPUSHes JSON ``{"key", "namespace", "text", "model",
+#: "tenant", "ttl_s"}``, the embedder consumes with BLPOP (docs/internals.md "Semantic cache").
+CACHE_INDEX_QUEUE = f"{BASE}:cache:index_queue"
+#: Prefix of the embedder's vector hashes: ``CACHE_VEC_PREFIX + "<model_slug>:<dim>:" + exact_key_hex``.
+CACHE_VEC_PREFIX = f"{BASE}:cache:vec:"
+#: Pub/sub channel: the embedder publishes the hash key of every vector it stores.
+CACHE_VEC_CHANNEL = f"{BASE}:cache:vec_added"
+#: Prefix of the edge's token buckets (hashes ``tokens``, ``ts``; expire once full):
+#: ``RATELIMIT_PREFIX + "key:<key id>:rpm"`` / ``":tpm"``, ``"global:rpm"``, ``"global:tpm"``.
+RATELIMIT_PREFIX = f"{BASE}:ratelimit:"
+
+
+def node_metrics(name: str) -> str:
+    """String with TTL: JSON of the node's latest polled metrics and health."""
+    return f"{BASE}:node:{name}:metrics"
+
+
+def node_history(name: str) -> str:
+    """List, newest first, capped: JSON points ``{"ts", "queue_depth", "running",
+    "kv_cache_usage", "e2e_avg_s", "ttft_avg_s", "score", "healthy"}``."""
+    return f"{BASE}:node:{name}:history"
+
+
+def cache_entry(exact_key_hex: str) -> str:
+    """String with TTL: JSON cache entry ``{"tenant", "model", "namespace", "created", "ttl", "body"}``."""
+    return f"{CACHE_ENTRY_PREFIX}{exact_key_hex}"
+
+
+def cache_vec_prefix(model_slug: str, dim: int) -> str:
+    """Prefix of the vector hashes of one embedding model and dimension (never mixed)."""
+    return f"{CACHE_VEC_PREFIX}{model_slug}:{dim}:"
+
+
+def cache_vec(model_slug: str, dim: int, exact_key_hex: str) -> str:
+    """Hash with TTL: ``namespace``, ``key``, ``text``, ``vec`` (float32 bytes) of one entry."""
+    return f"{cache_vec_prefix(model_slug, dim)}{exact_key_hex}"
+
+
+def cache_vec_index(model_slug: str, dim: int) -> str:
+    """Name of the Redis search index (FT.CREATE) over ``cache_vec_prefix(model_slug, dim)``."""
+    return f"{BASE}:cache:vecidx:{model_slug}:{dim}"
+
+
+def cache_index(dimension: str, value: str) -> str:
+    """Set of exact key hexes whose entry has ``dimension`` (tenant | model | namespace) = value."""
+    return f"{CACHE_INDEX_PREFIX}{dimension}:{value}"
+
+
+#: Every fixed key name, by the name used in ``lua/infergate/redis/keynames.lua``.
+FIXED = {
+    "routing": ROUTING,
+    "routing_version": ROUTING_VERSION,
+    "leader": LEADER,
+    "nodes": NODES,
+    "node_states": NODE_STATES,
+    "edges": EDGES,
+    "events": EVENTS,
+    "apikeys": APIKEYS,
+    "apikey_ids": APIKEY_IDS,
+    "cache_stats": CACHE_STATS,
+    "cache_entry_prefix": CACHE_ENTRY_PREFIX,
+    "cache_index_prefix": CACHE_INDEX_PREFIX,
+    "cache_index_queue": CACHE_INDEX_QUEUE,
+    "cache_vec_prefix_base": CACHE_VEC_PREFIX,
+    "cache_vec_channel": CACHE_VEC_CHANNEL,
+    "ratelimit_prefix": RATELIMIT_PREFIX,
+}

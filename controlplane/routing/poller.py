@@ -1,0 +1,311 @@
+"""Polling the nodes: ``GET /health`` and ``GET /metrics`` of every node at once, and the
+per-node state kept between polls (health hysteresis, last reading, held score
+inputs).
+
+One poll of a node is two concurrent requests on a shared thread pool (``requests``
+with one keep-alive session per worker thread), each bounded by ``poll_timeout_s`` for
+connect and for the whole body (read in chunks against a deadline, at most
+``MAX_BODY`` bytes), so one stuck node never delays the others or the cycle.
+
+Outcome of one poll (see also :mod:`controlplane.routing.health`):
+
+| what happened | good poll? | metrics |
+|---|---|---|
+| health 2xx, metrics 2xx and parsed | yes | yes |
+| health 2xx, metrics 2xx, well-formed but no known metric name | yes | no (``last_error`` says why) |
+| health 2xx, metrics non-2xx, timeout or refused | yes | no |
+| health 2xx, metrics 2xx but not parseable | **no** | no |
+| health non-2xx, timeout or connect error | **no** | (read if answered) |
+
+Nodes of kind ``openai`` (no metrics endpoint: llama.cpp without ``--metrics``,
+Ollama, any OpenAI-compatible server) get only the health request; when the health
+path does not exist there (404, 405 or 501, e.g. Ollama) ``GET /v1/models`` answers
+instead. Any other non-2xx (llama.cpp answers 503 while loading) is a failed poll.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import asdict, dataclass
+
+import requests
+
+from controlplane.config import NodeSettings, Settings
+from controlplane.routing.health import HealthTracker
+from controlplane.routing.nodemetrics import MetricsParseError, Reading, UnknownDialectError, parse_metrics, window
+from controlplane.routing.scoring import LastKnown, ScoreInputs, compute_score
+
+#: Largest /metrics or /health body read (bytes); larger bodies count as unparseable.
+MAX_BODY = 8 * 1024 * 1024
+#: Missing score inputs are held for this many poll intervals (see scoring.LastKnown).
+HOLD_POLLS = 5
+#: Health answers of an OpenAI-compatible server that mean "no such path here".
+NO_SUCH_PATH = (404, 405, 501)
+
+
+@dataclass
+class HttpResult:
+    """One GET. ``status`` is ``None`` when no HTTP answer came (``error`` says why)."""
+
+    status: int | None = None
+    body: str | None = None
+    content_type: str | None = None
+    error: str | None = None
+    elapsed_ms: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.status is not None and 200 <= self.status < 300
+
+
+@dataclass
+class PollResult:
+    """Outcome of one poll of one node."""
+
+    good: bool
+    """Counts as a good poll for the health hysteresis."""
+    reachable: bool
+    """Some HTTP answer came back."""
+    reading: Reading | None = None
+    error: str | None = None
+    poll_ms: float = 0.0
+
+
+@dataclass
+class NodeStatus:
+    """A node after a poll; :meth:`metrics_doc` is the ``node:{name}:metrics`` JSON."""
+
+    name: str
+    ts: float
+    healthy: bool
+    reachable: bool
+    dialect: str | None
+    queue_depth: float | None
+    running: float | None
+    kv_cache_usage: float | None
+    e2e_avg_s: float | None
+    ttft_avg_s: float | None
+    prompt_tokens_total: float | None
+    generation_tokens_total: float | None
+    score: float | None
+    saturated: bool
+    consecutive_failures: int
+    consecutive_successes: int
+    last_error: str | None
+    poll_ms: float
+    has_metrics: bool
+
+    def metrics_doc(self) -> dict:
+        """The per-node metrics JSON of docs/internals.md (plus ``has_metrics``)."""
+        d = asdict(self)
+        d["poll_ms"] = round(self.poll_ms, 1)
+        return d
+
+    def history_point(self) -> dict:
+        """One ``node:{name}:history`` entry."""
+        return {k: getattr(self, k) for k in (
+            "ts", "queue_depth", "running", "kv_cache_usage", "e2e_avg_s", "ttft_avg_s",
+            "score", "healthy")}
+
+
+def _describe(exc: BaseException, timeout: float) -> str:
+    if isinstance(exc, requests.Timeout):
+        return f"timeout after {timeout:g} s"
+    if isinstance(exc, requests.ConnectionError):
+        text = str(exc)
+        if "refused" in text.lower():
+            return "connection refused"
+        return "connection error: " + text[:160]
+    return f"{type(exc).__name__}: {str(exc)[:160]}"
+
+
+class Poller:
+    """Concurrent HTTP polling of nodes on a thread pool. :meth:`get` is thread-safe;
+    :meth:`poll_all` is meant for one cycle at a time."""
+
+    def __init__(self, timeout_s: float, max_workers: int = 32):
+        self.timeout_s = max(timeout_s, 0.05)
+        self._workers = max_workers
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="poll")
+        self._local = threading.local()
+        #: the futures of each node's last poll; a node whose poll is still running (a
+        #: server trickling bytes) is not polled again, so it holds at most two threads
+        self._running: dict[str, list[Future]] = {}
+
+    def _ensure_workers(self, n: int) -> None:
+        """Enough threads for ``n`` requests at once, so none waits in the queue past
+        the cycle's deadline (the pool grows with the node count, never shrinks)."""
+        if n > self._workers:
+            old = self._pool
+            self._workers = n
+            self._pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="poll")
+            old.shutdown(wait=False)
+
+    def _session(self) -> requests.Session:
+        s = getattr(self._local, "session", None)
+        if s is None:
+            s = requests.Session()
+            s.trust_env = False  # never send node polls through an HTTP proxy
+            self._local.session = s
+        return s
+
+    def get(self, url: str) -> HttpResult:
+        """GET ``url`` within ``timeout_s`` (connect, and whole body). Never raises."""
+        t0 = time.monotonic()
+        deadline = t0 + self.timeout_s
+        out = HttpResult()
+        try:
+            with self._session().get(url, timeout=(self.timeout_s, self.timeout_s),
+                                     stream=True, allow_redirects=False) as resp:
+                out.status = resp.status_code
+                out.content_type = resp.headers.get("Content-Type")
+                chunks, size = [], 0
+                for chunk in resp.iter_content(65536):
+                    chunks.append(chunk)
+                    size += len(chunk)
+                    if size > MAX_BODY:
+                        out.error = f"body larger than {MAX_BODY} bytes"
+                        break
+                    if time.monotonic() > deadline:
+                        out.error = f"timeout after {self.timeout_s:g} s reading the body"
+                        break
+                if out.error is None:
+                    # Prometheus text and JSON are UTF-8 by their specs.
+                    out.body = b"".join(chunks).decode("utf-8", "replace")
+        except requests.RequestException as exc:
+            out.error = _describe(exc, self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a poll must never raise
+            out.error = f"{type(exc).__name__}: {str(exc)[:160]}"
+        out.elapsed_ms = (time.monotonic() - t0) * 1000
+        return out
+
+    def _health(self, node: NodeSettings) -> HttpResult:
+        res = self.get(node.url + node.health_path)
+        if node.kind == "openai" and res.status in NO_SUCH_PATH:
+            fallback = self.get(node.url + "/v1/models")
+            fallback.elapsed_ms += res.elapsed_ms
+            return fallback
+        return res
+
+    def poll_all(self, nodes: list[NodeSettings]) -> dict[str, PollResult]:
+        """Poll every node concurrently; returns ``{name: PollResult}`` for each node.
+
+        Waits at most about twice ``timeout_s`` (health fallback of ``openai`` nodes);
+        a request still running then counts as a timeout."""
+        futures: dict[str, tuple[Future, Future | None]] = {}
+        self._ensure_workers(2 * len(nodes))
+        busy = HttpResult(error="the previous poll of this node is still running")
+        skipped: set[str] = set()
+        for n in nodes:
+            if any(not f.done() for f in self._running.get(n.name, ())):
+                skipped.add(n.name)
+                continue
+            fh = self._pool.submit(self._health, n)
+            fm = None if n.kind == "openai" else self._pool.submit(self.get, n.url + n.metrics_path)
+            futures[n.name] = (fh, fm)
+            self._running[n.name] = [f for f in (fh, fm) if f is not None]
+        for gone in set(self._running) - {n.name for n in nodes}:
+            del self._running[gone]
+        every = [f for pair in futures.values() for f in pair if f is not None]
+        wait(every, timeout=2 * self.timeout_s + 0.5)
+        late = HttpResult(error=f"timeout after {self.timeout_s:g} s")
+        out: dict[str, PollResult] = {}
+        for n in nodes:
+            if n.name in skipped:
+                out[n.name] = classify(busy, None if n.kind == "openai" else busy)
+                continue
+            fh, fm = futures[n.name]
+            health = fh.result() if fh.done() else late
+            metrics = None if fm is None else (fm.result() if fm.done() else late)
+            out[n.name] = classify(health, metrics)
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def classify(health: HttpResult, metrics: HttpResult | None) -> PollResult:
+    """Turn the two answers into a :class:`PollResult` (table in the module docstring).
+
+    ``metrics`` is ``None`` for nodes without a metrics endpoint."""
+    errors: list[str] = []
+    good = health.ok
+    if not health.ok:
+        errors.append("health: " + (health.error or f"HTTP {health.status}"))
+    reading: Reading | None = None
+    if metrics is not None:
+        if metrics.ok and metrics.body is not None:
+            try:
+                reading = parse_metrics(metrics.body, metrics.content_type)
+            except UnknownDialectError as exc:
+                errors.append(f"metrics: {exc}")
+            except MetricsParseError as exc:
+                good = False
+                errors.append(f"metrics: unparseable: {str(exc)[:200]}")
+        elif metrics.ok:
+            good = False
+            errors.append("metrics: " + (metrics.error or "empty"))
+        else:
+            errors.append("metrics: " + (metrics.error or f"HTTP {metrics.status}"))
+    reachable = health.status is not None or (metrics is not None and metrics.status is not None)
+    poll_ms = max(health.elapsed_ms, metrics.elapsed_ms if metrics else 0.0)
+    return PollResult(good=good, reachable=reachable, reading=reading,
+                      error="; ".join(errors) or None, poll_ms=poll_ms)
+
+
+def _num(v: float | None, digits: int = 6) -> float | None:
+    return None if v is None or not math.isfinite(v) else round(v, digits)
+
+
+class NodeTracker:
+    """What the control plane remembers about one node between polls."""
+
+    def __init__(self, node: NodeSettings, settings: Settings):
+        cp = settings.controlplane
+        self.node = node
+        self.settings = settings
+        self.health = HealthTracker(cp.unhealthy_after, cp.healthy_after)
+        self.last_reading: Reading | None = None
+        self.held = LastKnown(hold_s=HOLD_POLLS * cp.poll_interval_s)
+
+    def same_target(self, node: NodeSettings) -> bool:
+        """False when the node's address or kind changed (start afresh)."""
+        return (node.url, node.kind, node.metrics_path) == (
+            self.node.url, self.node.kind, self.node.metrics_path)
+
+    def update(self, result: PollResult, now: float) -> tuple[NodeStatus, bool]:
+        """Apply one poll; returns the node's status and whether ``healthy`` changed."""
+        changed = self.health.observe(result.good)
+        r = result.reading
+        w = window(self.last_reading, r) if r is not None else None
+        if r is not None:
+            self.last_reading = r
+        inputs = ScoreInputs(
+            queue_depth=r.queue_depth if r else None,
+            kv_cache_usage=r.kv_cache_usage if r else None,
+            e2e_avg_s=w.e2e_avg_s if w else None,
+        )
+        if self.node.kind == "openai":
+            sc = compute_score(ScoreInputs(), self.settings.scoring, self.node.weight)
+        else:
+            sc = compute_score(self.held.fill(inputs, now), self.settings.scoring,
+                               self.node.weight)
+        status = NodeStatus(
+            name=self.node.name, ts=round(now, 3), healthy=self.health.healthy,
+            reachable=result.reachable, dialect=r.dialect if r else None,
+            queue_depth=_num(r.queue_depth) if r else None,
+            running=_num(r.running) if r else None,
+            kv_cache_usage=_num(r.kv_cache_usage) if r else None,
+            e2e_avg_s=_num(w.e2e_avg_s) if w else None,
+            ttft_avg_s=_num(w.ttft_avg_s) if w else None,
+            prompt_tokens_total=_num(w.prompt_tokens_total, 1) if w else None,
+            generation_tokens_total=_num(w.generation_tokens_total, 1) if w else None,
+            score=sc.score, saturated=sc.saturated,
+            consecutive_failures=self.health.consecutive_failures,
+            consecutive_successes=self.health.consecutive_successes,
+            last_error=result.error, poll_ms=result.poll_ms, has_metrics=r is not None,
+        )
+        return status, changed

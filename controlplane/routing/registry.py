@@ -1,0 +1,133 @@
+"""Node registry, node states and the event stream, kept in Redis.
+
+- Registry: hash ``keynames.NODES``, node name -> JSON of :class:`NodeSettings`. Seeded
+  from the TOML file at control-plane start (existing entries are kept, so run-time
+  edits survive a restart); edited at run time by the admin page, API and CLI.
+- States: hash ``keynames.NODE_STATES``, name -> ``{"state", "since", "actor"}`` where
+  state is ``active`` | ``draining`` | ``drained`` and ``since`` is epoch seconds.
+  A node without an entry is ``active``. (``down`` is not a state: it is
+  ``healthy == false`` in the metrics, shown as such on the admin page.)
+- Events: stream ``keynames.EVENTS``, capped near ``events_max`` entries, fields
+  ``ts`` (epoch s), ``kind``, ``node``, ``actor``, ``detail`` (JSON text).
+
+All functions take a ``redis.Redis`` built with ``decode_responses=True`` and raise
+``redis.exceptions.RedisError`` when Redis is unreachable.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import redis
+
+from controlplane.redisdb import keynames
+from controlplane.config import NodeSettings
+
+State = Literal["active", "draining", "drained"]
+STATES: tuple[str, ...] = ("active", "draining", "drained")
+
+
+@dataclass
+class NodeState:
+    state: State = "active"
+    since: float = 0.0
+    """Epoch seconds when the node entered ``state`` (0 = never changed)."""
+    actor: str = ""
+
+
+def list_nodes(r: redis.Redis) -> list[NodeSettings]:
+    """All registered nodes, sorted by name. Invalid entries are skipped."""
+    out = []
+    for name, raw in r.hgetall(keynames.NODES).items():
+        try:
+            out.append(NodeSettings.model_validate_json(raw))
+        except ValueError:
+            continue
+    return sorted(out, key=lambda n: n.name)
+
+
+def get_node(r: redis.Redis, name: str) -> NodeSettings | None:
+    raw = r.hget(keynames.NODES, name)
+    return NodeSettings.model_validate_json(raw) if raw else None
+
+
+def put_node(r: redis.Redis, node: NodeSettings, *, only_new: bool = False) -> bool:
+    """Store ``node``; with ``only_new`` keep an existing entry. True if written."""
+    raw = node.model_dump_json()
+    if only_new:
+        return bool(r.hsetnx(keynames.NODES, node.name, raw))
+    r.hset(keynames.NODES, node.name, raw)
+    return True
+
+
+def remove_node(r: redis.Redis, name: str) -> bool:
+    """Delete the node, its state and its metrics. True if it existed."""
+    pipe = r.pipeline()
+    pipe.hdel(keynames.NODES, name)
+    pipe.hdel(keynames.NODE_STATES, name)
+    pipe.delete(keynames.node_metrics(name), keynames.node_history(name))
+    return bool(pipe.execute()[0])
+
+
+def seed_nodes(r: redis.Redis, nodes: list[NodeSettings]) -> int:
+    """Add the configured nodes missing from the registry. Returns how many were added."""
+    return sum(put_node(r, n, only_new=True) for n in nodes)
+
+
+def get_states(r: redis.Redis) -> dict[str, NodeState]:
+    out: dict[str, NodeState] = {}
+    for name, raw in r.hgetall(keynames.NODE_STATES).items():
+        try:
+            d = json.loads(raw)
+            if d.get("state") in STATES:
+                out[name] = NodeState(d["state"], float(d.get("since", 0)), str(d.get("actor", "")))
+        except (ValueError, TypeError):
+            continue
+    return out
+
+
+def get_state(r: redis.Redis, name: str) -> NodeState:
+    return get_states(r).get(name, NodeState())
+
+
+def set_state(r: redis.Redis, name: str, state: State, actor: str = "",
+              now: float | None = None) -> NodeState:
+    """Set a node's state (``since`` = now) and return it. Raises ``ValueError`` for
+    an unknown state."""
+    if state not in STATES:
+        raise ValueError(f"unknown state {state!r}; expected one of {STATES}")
+    st = NodeState(state, time.time() if now is None else now, actor)
+    r.hset(keynames.NODE_STATES, name, json.dumps(asdict(st)))
+    return st
+
+
+def add_event(r: redis.Redis, kind: str, node: str = "", actor: str = "system",
+              detail: dict | None = None, maxlen: int = 10000) -> str:
+    """Append an event to the capped stream; returns its stream id."""
+    return r.xadd(
+        keynames.EVENTS,
+        {"ts": f"{time.time():.3f}", "kind": kind, "node": node, "actor": actor,
+         "detail": json.dumps(detail or {}, sort_keys=True)},
+        maxlen=maxlen, approximate=True,
+    )
+
+
+def recent_events(r: redis.Redis, count: int = 100, node: str | None = None) -> list[dict]:
+    """Newest first: ``[{"id", "ts", "kind", "node", "actor", "detail": {...}}]``."""
+    out = []
+    for eid, fields in r.xrevrange(keynames.EVENTS, count=count if node is None else count * 10):
+        if node is not None and fields.get("node") != node:
+            continue
+        try:
+            detail = json.loads(fields.get("detail") or "{}")
+        except ValueError:
+            detail = {}
+        out.append({"id": eid, "ts": float(fields.get("ts", 0)), "kind": fields.get("kind", ""),
+                    "node": fields.get("node", ""), "actor": fields.get("actor", ""),
+                    "detail": detail})
+        if len(out) >= count:
+            break
+    return out

@@ -1,0 +1,439 @@
+"""``infergate controlplane``: the poll/score/snapshot loop and the admin app, in one
+process.
+
+Every ``controlplane.poll_interval_s`` an APScheduler job runs
+:meth:`ControlPlane.run_cycle`:
+
+1. Read the node registry, node states and edge stats from Redis (the registry is
+   seeded from the TOML ``[[nodes]]`` at start, and again if Redis comes back empty).
+   With Redis unreachable the last known nodes (at first: the TOML nodes) are used.
+2. Poll every node concurrently (:mod:`controlplane.routing.poller`). Followers do this
+   too, so a standby is warm.
+3. Renew or try to take the leader lock (:mod:`controlplane.routing.leader`), then apply the
+   health hysteresis and compute scores.
+4. Leader only: set ``drained`` where a drain is over (compare-and-set, so an undrain
+   in between wins), write each node's metrics (TTL ``metrics_ttl_s``) and history
+   point, INCR the snapshot version and write the routing snapshot -- two pipelined
+   round trips -- and append the events (``health``, ``drained``, ``leader``).
+
+Redis going away never stops the loop: polling continues, writes resume when it
+answers again; "unreachable" and "reachable again" are logged once per outage.
+
+Logs go to stderr, one line per change: leadership, node health, Redis down/up, nodes
+added/removed. SIGTERM/SIGINT stop the scheduler, release the leader lock (only if
+still ours) and exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import click
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from controlplane.redisdb import keynames
+from controlplane.routing import registry
+from controlplane.config import ConfigError, NodeSettings, RedisSettings, Settings, load_settings
+from controlplane.routing.leader import LeaderElector, make_id
+from controlplane.routing.poller import NodeStatus, NodeTracker, Poller
+from controlplane.redisdb.conn import make_redis
+from controlplane.redisdb.url import parse_redis_url
+from controlplane.routing.registry import NodeState
+from controlplane.routing.snapshot import (
+    DRAIN_GRACE_SYNCS, EDGE_FORGET_S, EDGE_FRESH_FACTOR, HostResolver, build_snapshot,
+    drain_decisions, fresh_inflight, stale_edges,
+)
+
+log = logging.getLogger("infergate.controlplane")
+
+ACTOR = "controlplane"
+
+#: KEYS[1] = node states hash; ARGV = name, since of the draining state seen, new JSON.
+#: Sets the new state only if the node is still draining since the same time.
+DRAINED_LUA = """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if not cur then return 0 end
+local ok, d = pcall(cjson.decode, cur)
+if not ok or type(d) ~= 'table' or d.state ~= 'draining' then return 0 end
+local since = tonumber(d.since) or -1
+if math.abs(since - tonumber(ARGV[2])) > 0.001 then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+return 1
+"""
+
+#: Writes the snapshot only while this control plane still holds the leader lock, so a
+#: leader that stalled past its lease (and was replaced) cannot overwrite its successor.
+SNAPSHOT_IF_LEADER_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[2], ARGV[2])
+return 1
+"""
+
+
+@dataclass
+class CycleReport:
+    """What one cycle did (for tests and the log)."""
+
+    ts: float
+    leader: bool
+    redis_ok: bool
+    wrote: bool = False
+    version: int | None = None
+    statuses: dict[str, NodeStatus] = field(default_factory=dict)
+    health_changes: list[tuple[str, bool]] = field(default_factory=list)
+    drained: list[str] = field(default_factory=list)
+    duration_ms: float = 0.0
+
+
+class ControlPlane:
+    """Poller + scorer + leader + snapshot writer. :meth:`run_cycle` is the whole
+    periodic job and can be called directly (tests drive cycles this way)."""
+
+    def __init__(self, settings: Settings, r: redis.Redis, ident: str | None = None):
+        cp = settings.controlplane
+        self.settings = settings
+        self.r = r
+        self.id = ident or make_id()
+        self.elector = LeaderElector(r, self.id, cp.leader_ttl_s)
+        self.poller = Poller(cp.poll_timeout_s)
+        self.resolver = HostResolver()
+        self.trackers: dict[str, NodeTracker] = {}
+        self.nodes: list[NodeSettings] = list(settings.nodes)
+        self.states: dict[str, NodeState] = {}
+        self.edges: dict[str, str] = {}
+        self.redis_ok: bool | None = None
+        self.last_snapshot: dict | None = None
+        self.last_report: CycleReport | None = None
+        self._seeded = False
+        self._pending: deque[tuple[str, str, dict]] = deque(maxlen=256)
+        self._lock = threading.Lock()
+        self._scheduler: Any = None
+        self._last_job_error: str | None = None
+        #: Called with every finished cycle's report (e.g. the Prometheus exporter).
+        self.cycle_listeners: list[Callable[[CycleReport], None]] = []
+        #: Redis failures seen so far (one per failed step of a cycle).
+        self.redis_errors = 0
+        if cp.leader_ttl_s < 2 * cp.poll_interval_s:
+            log.warning("controlplane.leader_ttl_s (%g s) is under twice poll_interval_s "
+                        "(%g s): the leader lock may expire between renewals",
+                        cp.leader_ttl_s, cp.poll_interval_s)
+
+    # -- Redis bookkeeping ---------------------------------------------------------
+
+    def _redis_failed(self, exc: Exception) -> None:
+        self.redis_errors += 1
+        if self.redis_ok is not False:
+            log.warning("redis unreachable (%s: %s); polling continues on the last known "
+                        "%d nodes, writes resume when it answers",
+                        type(exc).__name__, exc, len(self.nodes))
+        self.redis_ok = False
+
+    def _redis_answered(self) -> None:
+        if self.redis_ok is False:
+            log.info("redis reachable again")
+        self.redis_ok = True
+
+    def _read_registry(self) -> bool:
+        """Refresh nodes, states and edge stats from Redis. False if Redis failed."""
+        added = 0
+        try:
+            if not self._seeded or (self.redis_ok is False and not self.r.exists(keynames.NODES)):
+                added = registry.seed_nodes(self.r, self.settings.nodes)
+                self._seeded = True
+            nodes = registry.list_nodes(self.r)
+            states = registry.get_states(self.r)
+            edges = self.r.hgetall(keynames.EDGES)
+        except redis.RedisError as exc:
+            self._redis_failed(exc)
+            return False
+        self._redis_answered()
+        if added:
+            log.info("registry: seeded %d node(s) from the configuration", added)
+        before, after = {n.name for n in self.nodes}, {n.name for n in nodes}
+        if before != after:
+            log.info("nodes: %s", " ".join([f"+{n}" for n in sorted(after - before)]
+                                           + [f"-{n}" for n in sorted(before - after)]))
+        self.nodes, self.states, self.edges = nodes, states, edges
+        return True
+
+    def _leader_tick(self) -> bool:
+        was = self.elector.is_leader
+        try:
+            is_leader, gained = self.elector.tick()
+        except redis.RedisError as exc:
+            self._redis_failed(exc)
+            return False
+        if gained:
+            log.info("leadership acquired (id %s)", self.id)
+            self._pending.append(("leader", "", {"id": self.id}))
+        elif was and not is_leader:
+            try:
+                holder = self.elector.holder()
+            except redis.RedisError:
+                holder = None
+            log.warning("leadership lost (now held by %s)", holder or "nobody")
+        return True
+
+    # -- the cycle -------------------------------------------------------------------
+
+    def _tracker(self, node: NodeSettings) -> NodeTracker:
+        t = self.trackers.get(node.name)
+        if t is None or not t.same_target(node):
+            t = NodeTracker(node, self.settings)
+            self.trackers[node.name] = t
+        else:
+            t.node = node  # weight / max_concurrency edits apply at once
+        return t
+
+    def run_cycle(self) -> CycleReport:
+        """One poll cycle (steps in the module docstring). Never raises for Redis or
+        node failures; returns what it did."""
+        with self._lock:
+            t0 = time.monotonic()
+            redis_ok = self._read_registry()
+            nodes = list(self.nodes)
+            results = self.poller.poll_all(nodes)
+            # The lease is renewed after polling, right before the writes it guards.
+            if redis_ok:
+                redis_ok = self._leader_tick()
+            now = time.time()
+            report = CycleReport(ts=now, leader=self.elector.is_leader, redis_ok=redis_ok)
+            for name in set(self.trackers) - {n.name for n in nodes}:
+                del self.trackers[name]
+            for n in nodes:
+                status, changed = self._tracker(n).update(results[n.name], now)
+                report.statuses[n.name] = status
+                if changed:
+                    self._health_changed(status)
+                    report.health_changes.append((n.name, status.healthy))
+            if not self.elector.is_leader:
+                self._pending.clear()
+            elif redis_ok:
+                self._write(report, nodes, now)
+            report.duration_ms = (time.monotonic() - t0) * 1000
+            self.last_report = report
+            for listener in self.cycle_listeners:
+                try:
+                    listener(report)
+                except Exception:  # noqa: BLE001 - a listener never stops the loop
+                    log.exception("cycle listener failed")
+            return report
+
+    def _health_changed(self, st: NodeStatus) -> None:
+        cp = self.settings.controlplane
+        if st.healthy:
+            log.info("node %s healthy again after %d good polls", st.name, cp.healthy_after)
+            detail: dict = {"healthy": True}
+        else:
+            log.warning("node %s unhealthy after %d failed polls: %s", st.name,
+                        cp.unhealthy_after, st.last_error or "?")
+            detail = {"healthy": False, "error": st.last_error}
+        self._pending.append(("health", st.name, detail))
+
+    def _write(self, report: CycleReport, nodes: list[NodeSettings], now: float) -> None:
+        """Leader writes: drained transitions, metrics, history, version, snapshot, events."""
+        cp, edge = self.settings.controlplane, self.settings.edge
+        inflight = fresh_inflight(self.edges, now, EDGE_FRESH_FACTOR * edge.stale_after_s)
+        running = {name: st.running for name, st in report.statuses.items()}
+        decisions = drain_decisions(
+            {n.name: self.states[n.name] for n in nodes if n.name in self.states},
+            running, inflight, now, drain_timeout_s=cp.drain_timeout_s,
+            grace_s=DRAIN_GRACE_SYNCS * edge.sync_interval_s)
+        drained_json = json.dumps(asdict(NodeState("drained", now, ACTOR)))
+        ttl_ms = max(int(cp.metrics_ttl_s * 1000), 1)
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            pipe.incr(keynames.ROUTING_VERSION)
+            gone = stale_edges(self.edges, now, EDGE_FORGET_S)
+            if gone:  # edges that stopped long ago (restarted containers get new ids)
+                pipe.hdel(keynames.EDGES, *gone)
+            for d in decisions:
+                pipe.eval(DRAINED_LUA, 1, keynames.NODE_STATES, d.name, repr(d.since), drained_json)
+            for st in report.statuses.values():
+                pipe.set(keynames.node_metrics(st.name), json.dumps(st.metrics_doc()), px=ttl_ms)
+                pipe.lpush(keynames.node_history(st.name), json.dumps(st.history_point()))
+                pipe.ltrim(keynames.node_history(st.name), 0, max(cp.history_points, 1) - 1)
+            events = list(self._pending)
+            for kind, node, detail in events:
+                registry.add_event(pipe, kind, node, actor=ACTOR, detail=detail,
+                                   maxlen=cp.events_max)
+            res = pipe.execute(raise_on_error=False)
+            if gone:
+                res.pop(1)
+            self._pending.clear()
+            errors = [x for x in res if isinstance(x, Exception)]
+            if errors:
+                log.error("redis refused %d write(s), first: %s", len(errors), errors[0])
+            version = res[0] if isinstance(res[0], int) else int(time.time() * 1000)
+            states = dict(self.states)
+            for i, d in enumerate(decisions):
+                if res[1 + i] == 1:
+                    states[d.name] = NodeState("drained", now, ACTOR)
+                    report.drained.append(d.name)
+                    log.info("node %s drained (%s)", d.name, d.reason)
+            self.states = states
+            hosts = {n.name: self.resolver.resolve_url(n.url, now) for n in nodes}
+            snap = build_snapshot(
+                version=version, now=now, leader=self.id, nodes=nodes, states=states,
+                statuses={k: v.metrics_doc() for k, v in report.statuses.items()},
+                hosts=hosts, slow_start_s=cp.slow_start_s)
+            pipe = self.r.pipeline(transaction=False)
+            pipe.eval(SNAPSHOT_IF_LEADER_LUA, 2, keynames.LEADER, keynames.ROUTING, self.id,
+                      json.dumps(snap, separators=(",", ":")))
+            for d in decisions:
+                if d.name in report.drained:
+                    registry.add_event(pipe, "drained", d.name, actor=ACTOR,
+                                       detail={"reason": d.reason}, maxlen=cp.events_max)
+            written = pipe.execute()[0]
+        except redis.RedisError as exc:
+            self._redis_failed(exc)
+            report.redis_ok = False
+            return
+        if written != 1:
+            log.warning("leadership lost during the cycle: snapshot %s not written", version)
+            return
+        self.last_snapshot = snap
+        report.wrote = True
+        report.version = version
+
+    # -- scheduling ------------------------------------------------------------------
+
+    def _job(self) -> None:
+        try:
+            self.run_cycle()
+            self._last_job_error = None
+        except Exception as exc:  # noqa: BLE001 - the loop must survive anything
+            msg = f"{type(exc).__name__}: {exc}"
+            if msg != self._last_job_error:
+                log.exception("poll cycle failed: %s", msg)
+            self._last_job_error = msg
+
+    def start(self) -> None:
+        """Run :meth:`run_cycle` now and then every ``poll_interval_s`` in the background."""
+        from apscheduler.schedulers.background import BackgroundScheduler
+
+        logging.getLogger("apscheduler").setLevel(logging.ERROR)
+        sched = BackgroundScheduler(daemon=True, timezone=timezone.utc)
+        interval = self.settings.controlplane.poll_interval_s
+        sched.add_job(self._job, "interval", seconds=interval, id="poll", max_instances=1,
+                      coalesce=True, misfire_grace_time=max(int(interval * 2), 1),
+                      next_run_time=datetime.now(timezone.utc))
+        sched.start()
+        self._scheduler = sched
+
+    def shutdown(self) -> None:
+        """Stop the scheduler (waiting for a running cycle), release the leader lock if
+        it is still ours, stop the poll threads. Safe to call twice."""
+        if self._scheduler is not None:
+            try:
+                self._scheduler.shutdown(wait=True)
+            except Exception:  # noqa: BLE001 - already stopped
+                pass
+            self._scheduler = None
+        with self._lock:
+            try:
+                if self.elector.release():
+                    log.info("leadership released")
+            except redis.RedisError:
+                pass
+            self.poller.close()
+
+
+# -- command line ----------------------------------------------------------------------
+
+
+def make_client(url: str, timeout_s: float,
+                redis_settings: RedisSettings | None = None) -> redis.Redis:
+    """Redis client for the control plane: short timeouts and a single immediate retry,
+    so a cycle with Redis down costs milliseconds, not seconds of backoff. ``url`` may be
+    any form of :mod:`controlplane.redisdb.url` (TLS and Sentinel options from
+    ``redis_settings``)."""
+    return make_redis(redis_settings or RedisSettings(url=url), url=url,
+                      socket_timeout_s=timeout_s, retry=Retry(NoBackoff(), 1))
+
+
+def split_listen(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) -> ``(host, port)``; raises ``click.BadParameter``."""
+    host, sep, port = value.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise click.BadParameter(f"expected HOST:PORT, got {value!r}", param_hint="--listen")
+    return host, int(port)
+
+
+@click.command("controlplane")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="infergate TOML file [default: built-in defaults].")
+@click.option("--listen", default=None, metavar="HOST:PORT",
+              help="Admin page and API address [default: controlplane.listen].")
+@click.option("--redis-url", default=None, help="Redis URL [default: redis.url].")
+def controlplane_cmd(config_path: str | None, listen: str | None, redis_url: str | None) -> None:
+    """Poll the nodes, score them, write the routing snapshot (when leader) and serve
+    the admin page and API."""
+    try:
+        settings = load_settings(config_path)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    if listen:
+        settings.controlplane.listen = listen
+    if redis_url:
+        settings.redis.url = redis_url
+    host, port = split_listen(settings.controlplane.listen)
+
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import waitress
+
+    from controlplane.admin import create_app
+
+    from werkzeug.middleware.dispatcher import DispatcherMiddleware
+
+    from controlplane.routing.exporter import ControlPlaneMetrics
+
+    r = make_client(settings.redis.url, settings.redis.socket_timeout_s, settings.redis)
+    cp = ControlPlane(settings, r)
+    # GET /metrics: Prometheus text format (controlplane/routing/exporter.py), no login
+    app = DispatcherMiddleware(create_app(settings, r),
+                               {"/metrics": ControlPlaneMetrics(cp).wsgi_app()})
+    try:
+        server = waitress.create_server(app, host=host, port=port,
+                                        threads=8, ident="infergate")
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from None
+
+    def stop(signum: int, _frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        log.info("signal %s: stopping", signal.Signals(signum).name)
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    log.info("control plane %s: %d configured node(s), poll every %g s, redis %s, "
+             "admin on http://%s:%d/", cp.id, len(settings.nodes),
+             settings.controlplane.poll_interval_s,
+             parse_redis_url(settings.redis.url).describe(), host, port)
+    try:
+        cp.start()
+        server.run()
+    except SystemExit:
+        pass
+    finally:
+        try:
+            server.close()
+        except Exception:  # noqa: BLE001
+            pass
+        cp.shutdown()
+        log.info("stopped")

@@ -1,0 +1,178 @@
+-- API keys at the edge (access phase): "Authorization: Bearer KEY" -> tenant and limits.
+--
+-- Mode (auth.mode): "off" -> every request belongs to the tenant "default" and nothing
+-- is checked (trusted networks); "required" -> a valid key is needed on every API path.
+--
+-- The SHA-256 hex of the key is looked up with one HGET in infergate:v1:apikeys
+-- (docs/internals.md "API keys"): valid when the record exists and "revoked" is null.
+-- Answers are cached in the infergate_auth shared dict under "k:<sha256 hex>":
+--
+--   {"ok": true, "at": epoch_s, "id", "tenant", "rpm"?, "tpm"?}   valid key
+--   {"ok": false, "at": epoch_s}                                    unknown or revoked
+--
+-- A cached answer is trusted for auth.cache_ttl_s (valid) or auth.negative_ttl_s
+-- (invalid) seconds, so a revoked key stops working at most cache_ttl_s after the
+-- revocation. The dict keeps answers up to auth.stale_ttl_s: while Redis is unreachable
+-- those stale answers are used (valid keys keep working, known-bad keys keep failing);
+-- a key with no cached answer then gets 503 auth_unavailable. An unknown key is never
+-- let through.
+--
+-- On success: req.tenant (the response cache keys on it), req.key_id (8 hex, safe to
+-- log), req.key_limits = {rpm = n|nil, tpm = n|nil}; the Authorization header is
+-- removed from the request so the nodes never see the key. The key itself is never
+-- logged or stored.
+--
+-- Errors: 401 {"type": "invalid_request_error", "code": "invalid_api_key"} with
+-- WWW-Authenticate: Bearer; 503 {"type": "service_unavailable", "code": "auth_unavailable"}.
+local cjson = require("cjson.safe")
+local options = require("infergate.admission.options")
+local keynames = require("infergate.redis.keynames")
+local cachekey = require("infergate.cache.key")  -- sha256_hex (libcrypto via FFI)
+local ar = require("infergate.admission.redis")
+local astats = require("infergate.admission.stats")
+
+local _M = {}
+
+local type = type
+local null = cjson.null
+
+-- Longer values are not keys (ours are 46 characters); they are refused unhashed.
+_M.MAX_KEY_LEN = 256
+
+local function dict()
+    return ngx.shared[options.DICT_AUTH]
+end
+
+-- The token of an "Authorization: Bearer <token>" value, or nil.
+function _M.bearer(value)
+    if type(value) ~= "string" then
+        return nil
+    end
+    local scheme, token = value:match("^%s*(%S+)%s+(%S+)%s*$")
+    if not scheme or scheme:lower() ~= "bearer" then
+        return nil
+    end
+    return token
+end
+
+local function limit(v)
+    if type(v) == "number" and v >= 1 then
+        return v
+    end
+    return nil
+end
+
+-- A cache entry from the HGET reply (a JSON record string or ngx.null).
+function _M.from_record(raw, now)
+    if type(raw) ~= "string" then
+        return { ok = false, at = now }
+    end
+    local r = cjson.decode(raw)
+    if type(r) ~= "table" or type(r.tenant) ~= "string" or r.tenant == "" then
+        return { ok = false, at = now }
+    end
+    if r.revoked ~= nil and r.revoked ~= null then
+        return { ok = false, at = now }
+    end
+    return {
+        ok = true,
+        at = now,
+        id = type(r.id) == "string" and r.id or "",
+        tenant = r.tenant,
+        rpm = limit(r.rpm),
+        tpm = limit(r.tpm),
+    }
+end
+
+local function cache_get(digest)
+    local raw = dict():get("k:" .. digest)
+    if not raw then
+        return nil
+    end
+    local e = cjson.decode(raw)
+    if type(e) ~= "table" or type(e.at) ~= "number" then
+        return nil
+    end
+    return e
+end
+
+local function cache_set(digest, e, o)
+    local ttl = e.ok and o.cache_ttl_s or o.negative_ttl_s
+    local keep = ttl > o.stale_ttl_s and ttl or o.stale_ttl_s
+    dict():set("k:" .. digest, cjson.encode(e), keep)
+end
+
+-- Cache entry for a key digest: cached, fetched, or stale when Redis is down.
+-- Returns the entry, or nil, err when the key cannot be checked.
+function _M.lookup(digest, now, o)
+    local e = cache_get(digest)
+    if e then
+        local ttl = e.ok and o.cache_ttl_s or o.negative_ttl_s
+        if now - e.at < ttl then
+            return e
+        end
+    end
+    local raw, err = ar.run(function(c)
+        return c:command("HGET", keynames.apikeys, digest)
+    end)
+    if raw == nil then
+        if e and now - e.at < math.max(o.stale_ttl_s, o.cache_ttl_s) then
+            return e
+        end
+        return nil, err
+    end
+    local fresh = _M.from_record(raw, now)
+    cache_set(digest, fresh, o)
+    return fresh
+end
+
+local function unauthorized(message)
+    astats.incr("auth_rejected")
+    return {
+        status = 401,
+        message = message,
+        type = "invalid_request_error",
+        code = "invalid_api_key",
+        headers = { ["WWW-Authenticate"] = 'Bearer realm="infergate"' },
+    }
+end
+
+-- Access step: nil to continue, or an error table (see infergate.access).
+function _M.step(req)
+    local o = options.get().auth
+    if o.mode ~= "required" then
+        req.tenant = options.DEFAULT_TENANT
+        return nil
+    end
+    local token = _M.bearer(ngx.var.http_authorization)
+    if not token then
+        return unauthorized("You didn't provide an API key. Send it in the Authorization header: "
+            .. "'Authorization: Bearer YOUR_KEY'.")
+    end
+    if #token > _M.MAX_KEY_LEN then
+        return unauthorized("Incorrect API key provided.")
+    end
+    local e, err = _M.lookup(cachekey.sha256_hex(token), ngx.now(), o)
+    if not e then
+        -- err: the outage is logged once by infergate.admission.redis
+        astats.incr("auth_unavailable")
+        return {
+            status = 503,
+            message = "The API key cannot be checked right now (the key store is unreachable); "
+                .. "retry shortly.",
+            type = "service_unavailable",
+            code = "auth_unavailable",
+            headers = { ["Retry-After"] = "1" },
+        }
+    end
+    if not e.ok then
+        return unauthorized("Incorrect API key provided.")
+    end
+    req.tenant = e.tenant
+    req.key_id = e.id
+    req.key_limits = { rpm = e.rpm, tpm = e.tpm }
+    ngx.req.clear_header("Authorization")
+    return nil
+end
+
+return _M

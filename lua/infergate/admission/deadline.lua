@@ -1,0 +1,135 @@
+-- Request deadlines (balancer phase, per try) and their 504 answer.
+--
+-- Every request gets, from [deadlines] or its per-path entry in deadlines.routes
+-- (looked up by the exact $uri, e.g. "/v1/embeddings"):
+--
+--   request_ms      end-to-end deadline, counted from the moment nginx read the request
+--                   (ngx.req.start_time(), so time spent in auth, rate limiting and the
+--                   admission wait counts); 0 = none
+--   stream_idle_ms  longest silence from the node on a streaming request ("stream":
+--                   true), before the first chunk and between chunks
+--
+-- before_try() runs for every try in the balancer and sets that try's timeouts with
+-- ngx.balancer.set_timeouts (never I/O):
+--
+--   connect, send   edge.connect_timeout_ms / send_timeout_ms, capped by the time left
+--   read            non-streaming: min(edge.read_timeout_ms, time left to the deadline)
+--                   streaming:     min(edge.read_timeout_ms, stream_idle_ms)
+--
+-- No try starts once the deadline has passed (streams included): the balancer then
+-- fails the request with $infergate_reason = "deadline_exceeded". A read that times out
+-- closes the connection to the node, so the node can drop the work. The client gets
+-- 504 {"type": "timeout", "code": "deadline_exceeded"} (error_page() below), never a
+-- hanging connection. A stream whose headers were already sent cannot change its
+-- status: after an idle timeout it just ends.
+local ngx_balancer = require("ngx.balancer")
+local options = require("infergate.admission.options")
+local reqctx = require("infergate.core.reqctx")
+local astats = require("infergate.admission.stats")
+
+local _M = {}
+
+local min = math.min
+local log = ngx.log
+local ERR = ngx.ERR
+
+-- The smallest timeout handed to nginx (s): it takes whole milliseconds.
+local MIN_TIMEOUT_S = 0.001
+
+-- {at = epoch s | nil, request_ms, idle_s} of the current request (cached in req).
+function _M.for_request(req)
+    local d = req.deadline
+    if d then
+        return d
+    end
+    local o = options.get().deadlines
+    local r = o.routes[ngx.var.uri] or o
+    d = { request_ms = r.request_ms, idle_s = r.stream_idle_ms / 1000 }
+    if r.request_ms > 0 then
+        d.at = ngx.req.start_time() + r.request_ms / 1000
+    end
+    req.deadline = d
+    return d
+end
+
+-- Seconds left before the deadline (nil = no deadline).
+function _M.remaining(req, now)
+    local d = _M.for_request(req)
+    if not d.at then
+        return nil
+    end
+    return d.at - (now or ngx.now())
+end
+
+-- Timeouts (s) of the next try: connect, send, read, bound_by_deadline; or nil when
+-- the deadline has passed. o: infergate.core.config options.
+function _M.timeouts(req, o, now)
+    local d = _M.for_request(req)
+    local connect = o.connect_timeout_ms / 1000
+    local send = o.send_timeout_ms / 1000
+    local read = o.read_timeout_ms / 1000
+    local bound = false
+    if req.stream and d.idle_s < read then
+        read = d.idle_s
+    end
+    if d.at then
+        local left = d.at - now
+        if left < MIN_TIMEOUT_S then
+            return nil
+        end
+        connect = min(connect, left)
+        send = min(send, left)
+        if not req.stream and left < read then
+            read = left
+            bound = true
+        end
+    end
+    return connect, send, read, bound
+end
+
+-- Balancer, before every try: sets the try's timeouts. False when the deadline has
+-- passed (no new try may start).
+function _M.before_try(req, o, now)
+    local connect, send, read, bound = _M.timeouts(req, o, now)
+    if not connect then
+        return false
+    end
+    req.deadline_bound = bound
+    local ok, err = ngx_balancer.set_timeouts(connect, send, read)
+    if not ok then
+        log(ERR, "infergate: set_timeouts: ", err)
+    end
+    return true
+end
+
+-- Balancer: end the request because its deadline passed (answered by error_page()).
+function _M.fail()
+    local ok = pcall(function() ngx.var.infergate_reason = "deadline_exceeded" end)
+    if not ok then
+        log(ngx.WARN, "infergate: $infergate_reason is not defined in this location")
+    end
+    return ngx.exit(ngx.ERROR)
+end
+
+-- Error pages: the deadline answer for a 500 from a refused try or a 504 that came
+-- from a deadline-bound read. Returns status, type, code, message or nil.
+function _M.error_page(status)
+    if status ~= 500 and status ~= 504 then
+        return nil
+    end
+    local req = reqctx.get()
+    if not req or not req.deadline or not req.deadline.at then
+        return nil
+    end
+    local reason = ngx.var.infergate_reason
+    local passed = ngx.now() >= req.deadline.at - 0.005
+    if (status == 500 and reason == "deadline_exceeded")
+        or (status == 504 and (req.deadline_bound or passed)) then
+        astats.incr("deadline_exceeded")
+        return 504, "timeout", "deadline_exceeded",
+            "The request did not finish within its deadline of " .. req.deadline.request_ms .. " ms."
+    end
+    return nil
+end
+
+return _M

@@ -1,0 +1,452 @@
+-- Token-bucket rate limits (access phase), shared by every edge through Redis.
+--
+-- Buckets of one request (each refills continuously at capacity / 60 per second and
+-- holds at most its capacity, so "N per minute" also allows a burst of N):
+--
+--   per API key   requests  capacity = the key's rpm, cost 1
+--                 tokens    capacity = the key's tpm, cost = estimated prompt tokens
+--   global        requests  capacity = limits.global_rpm (0 = none), cost 1
+--                 tokens    capacity = limits.global_tpm (0 = none), cost as above
+--
+-- Token estimate up front: ceil(characters of the prompt / limits.chars_per_token),
+-- at least 1; characters are Unicode code points of the message contents (chat), the
+-- prompt (completions) or the input (embeddings). A cost above a bucket's capacity is
+-- capped at the capacity (the request waits for a full bucket). After the answer the
+-- log phase corrects the charge with the real usage.total_tokens of the response
+-- (infergate.admission.usage; a stream without usage counts one token per content chunk): the
+-- difference is handed to ngx.timer.at(0, ...) and applied there, so the request path
+-- never waits on Redis outside the access phase. A correction may leave a bucket
+-- below zero (at most -capacity): later requests wait until it refills.
+--
+-- All buckets of a request are checked and charged together, atomically, by one Lua
+-- script in Redis (EVALSHA, EVAL after NOSCRIPT) that takes the time from Redis TIME,
+-- so every edge sees the same clock. Hashes under keynames.ratelimit_prefix:
+-- "key:<key id>:rpm", "key:<key id>:tpm", "global:rpm", "global:tpm" with fields
+-- tokens, ts (epoch s); they expire once full again.
+--
+-- Redis unreachable (infergate.admission.redis): the same buckets live in this edge's
+-- infergate_limits shared dict, so limits then apply per edge (N edges allow up to N
+-- times the limit), and requests are never failed for it.
+--
+-- Over a limit: 429, Retry-After (integer seconds >= 1), an OpenAI-style error
+-- {"type": "requests"|"tokens", "code": "rate_limit_exceeded"}. Every answer (429 or
+-- not) carries x-ratelimit-limit-*, x-ratelimit-remaining-* and x-ratelimit-reset-*
+-- for requests and tokens (reset as a duration like "1s", "6m0s", "12ms": the time
+-- until the bucket is full again); with both a key and a global bucket, the headers
+-- show the one with fewer remaining.
+local options = require("infergate.admission.options")
+local keynames = require("infergate.redis.keynames")
+local ar = require("infergate.admission.redis")
+local astats = require("infergate.admission.stats")
+
+local _M = {}
+
+local type = type
+local ipairs = ipairs
+local pairs = pairs
+local unpack = unpack
+local tonumber = tonumber
+local tostring = tostring
+local floor = math.floor
+local ceil = math.ceil
+local min = math.min
+local max = math.max
+local format = string.format
+local log = ngx.log
+local ERR = ngx.ERR
+
+-- KEYS: bucket hashes. ARGV[1]: "take" (charge all or none) | "adjust" (charge all,
+-- cost may be negative). Then capacity, rate per second, cost for each key.
+-- Returns {allowed (1|0), tokens_1, wait_s_1, tokens_2, wait_s_2, ...} with the
+-- numbers as strings: tokens after the charge (before it when refused) and the seconds
+-- until the bucket could pay its cost.
+_M.SCRIPT = [[
+local t = redis.call("TIME")
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local mode = ARGV[1]
+local n = #KEYS
+local st = {}
+local ok = 1
+for i = 1, n do
+  local cap = tonumber(ARGV[2 + (i - 1) * 3])
+  local rate = tonumber(ARGV[3 + (i - 1) * 3])
+  local cost = tonumber(ARGV[4 + (i - 1) * 3])
+  local v = redis.call("HMGET", KEYS[i], "tokens", "ts")
+  local tokens, ts = tonumber(v[1]), tonumber(v[2])
+  if tokens == nil or ts == nil then
+    tokens, ts = cap, now
+  end
+  if now > ts then
+    tokens = math.min(cap, tokens + (now - ts) * rate)
+  end
+  st[i] = { cap, rate, cost, tokens }
+  if mode == "take" and tokens < cost then
+    ok = 0
+  end
+end
+local out = { ok }
+for i = 1, n do
+  local cap, rate, cost, tokens = st[i][1], st[i][2], st[i][3], st[i][4]
+  local wait = 0
+  if tokens < cost then
+    wait = (cost - tokens) / rate
+  end
+  if ok == 1 then
+    tokens = math.max(-cap, math.min(cap, tokens - cost))
+    redis.call("HSET", KEYS[i], "tokens", tostring(tokens), "ts", tostring(now))
+    redis.call("PEXPIRE", KEYS[i], math.ceil((cap - tokens) / rate * 1000) + 1000)
+  end
+  out[#out + 1] = tostring(tokens)
+  out[#out + 1] = tostring(wait)
+end
+return out
+]]
+_M.SCRIPT_SHA = (ngx.sha1_bin(_M.SCRIPT):gsub(".", function(c)
+    return string.format("%02x", c:byte())
+end))
+
+local function dict()
+    return ngx.shared[options.DICT_LIMITS]
+end
+
+-- Characters (Unicode code points) of a UTF-8 string.
+local function chars(s)
+    local _, n = s:gsub("[^\128-\191]", "")
+    return n
+end
+
+local function text_chars(v)
+    if type(v) == "string" then
+        return chars(v)
+    end
+    local n = 0
+    if type(v) == "table" then
+        for _, part in ipairs(v) do
+            if type(part) == "string" then
+                n = n + chars(part)
+            elseif type(part) == "table" and type(part.text) == "string" then
+                n = n + chars(part.text)   -- content parts {"type": "text", "text": ...}
+            end
+        end
+    end
+    return n
+end
+
+-- Characters of the prompt of a decoded request body (chat, completions, embeddings).
+function _M.prompt_chars(body)
+    if type(body) ~= "table" then
+        return 0
+    end
+    local n = 0
+    if type(body.messages) == "table" then
+        for _, m in ipairs(body.messages) do
+            if type(m) == "table" then
+                n = n + text_chars(m.content)
+            end
+        end
+    end
+    n = n + text_chars(body.prompt) + text_chars(body.input)
+    return n
+end
+
+-- Estimated prompt tokens: ceil(chars / chars_per_token), at least 1.
+function _M.estimate_tokens(body, chars_per_token)
+    return max(1, ceil(_M.prompt_chars(body) / chars_per_token))
+end
+
+-- Duration the way OpenAI's x-ratelimit-reset-* headers write it: "12ms", "1s",
+-- "1.5s", "6m0s", "1h2m3s" (Go time.Duration style, rounded up to the millisecond).
+function _M.duration(seconds)
+    local ms = ceil((seconds or 0) * 1000 - 1e-6)
+    if ms <= 0 then
+        return "0s"
+    end
+    if ms < 1000 then
+        return ms .. "ms"
+    end
+    local h = floor(ms / 3600000)
+    local m = floor(ms % 3600000 / 60000)
+    local s = (ms % 60000) / 1000
+    local sec = format("%.3f", s):gsub("0+$", ""):gsub("%.$", "")
+    local out = ""
+    if h > 0 then
+        out = h .. "h"
+    end
+    if h > 0 or m > 0 then
+        out = out .. m .. "m"
+    end
+    return out .. sec .. "s"
+end
+
+-- The buckets a request is charged to (see the header).
+function _M.buckets(req, o)
+    local list = {}
+    local prefix = keynames.ratelimit_prefix
+    local tokens = req.est_tokens or 0
+    local function add(kind, scope, key, capacity, cost)
+        list[#list + 1] = {
+            kind = kind, scope = scope, key = key, capacity = capacity,
+            rate = capacity / 60, cost = min(cost, capacity),
+        }
+    end
+    local kl, id = req.key_limits, req.key_id
+    if kl and id and id ~= "" then
+        if kl.rpm then
+            add("requests", "key", prefix .. "key:" .. id .. ":rpm", kl.rpm, 1)
+        end
+        if kl.tpm and tokens > 0 then
+            add("tokens", "key", prefix .. "key:" .. id .. ":tpm", kl.tpm, tokens)
+        end
+    end
+    if o.global_rpm > 0 then
+        add("requests", "global", prefix .. "global:rpm", o.global_rpm, 1)
+    end
+    if o.global_tpm > 0 and tokens > 0 then
+        add("tokens", "global", prefix .. "global:tpm", o.global_tpm, tokens)
+    end
+    return list
+end
+
+-- {numkeys, key..., mode, (capacity, rate, cost)...}: the arguments after the script
+local function script_args(mode, list, costs)
+    local n = #list
+    local args = { n }
+    for i, b in ipairs(list) do
+        args[1 + i] = b.key
+    end
+    args[n + 2] = mode
+    for i, b in ipairs(list) do
+        args[#args + 1] = b.capacity
+        args[#args + 1] = format("%.9g", b.rate)
+        args[#args + 1] = costs and costs[i] or b.cost
+    end
+    return args
+end
+
+local function parse_reply(res, n)
+    if type(res) ~= "table" or #res ~= 1 + 2 * n then
+        return nil, "unexpected rate-limit script reply"
+    end
+    local out = { allowed = tonumber(res[1]) == 1, tokens = {}, wait = {} }
+    for i = 1, n do
+        out.tokens[i] = tonumber(res[2 * i]) or 0
+        out.wait[i] = tonumber(res[2 * i + 1]) or 0
+    end
+    return out
+end
+
+-- Runs the script in Redis for `list` (costs override the buckets' costs).
+local function redis_apply(mode, list, costs)
+    local args = script_args(mode, list, costs)
+    local res, err = ar.run(function(c)
+        local r, e = c:command("EVALSHA", _M.SCRIPT_SHA, unpack(args))
+        if r == nil and c.sock and type(e) == "string" and e:find("^NOSCRIPT") then
+            r, e = c:command("EVAL", _M.SCRIPT, unpack(args))
+        end
+        return r, e
+    end)
+    if res == nil then
+        return nil, err
+    end
+    return parse_reply(res, #list)
+end
+
+-- The same algorithm on this edge's shared dict (Redis down). "b:<key>" = "tokens ts".
+local function lock()
+    local d = dict()
+    for _ = 1, 50 do
+        if d:add("lock:buckets", true, 0.1) then
+            return true
+        end
+        ngx.sleep(0.001)
+    end
+    return false
+end
+
+local function local_apply(mode, list, costs)
+    local d = dict()
+    local locked = lock()
+    ngx.update_time()
+    local now = ngx.now()
+    local st, ok = {}, true
+    for i, b in ipairs(list) do
+        local cost = costs and costs[i] or b.cost
+        local raw = d:get("b:" .. b.key)
+        local tokens, ts
+        if raw then
+            tokens, ts = raw:match("^(%S+) (%S+)$")
+            tokens, ts = tonumber(tokens), tonumber(ts)
+        end
+        if not tokens or not ts then
+            tokens, ts = b.capacity, now
+        end
+        if now > ts then
+            tokens = min(b.capacity, tokens + (now - ts) * b.rate)
+        end
+        st[i] = { tokens, cost }
+        if mode == "take" and tokens < cost then
+            ok = false
+        end
+    end
+    local out = { allowed = ok, tokens = {}, wait = {} }
+    for i, b in ipairs(list) do
+        local tokens, cost = st[i][1], st[i][2]
+        out.wait[i] = tokens < cost and (cost - tokens) / b.rate or 0
+        if ok then
+            tokens = max(-b.capacity, min(b.capacity, tokens - cost))
+            d:set("b:" .. b.key, format("%.6f %.6f", tokens, now),
+                  (b.capacity - tokens) / b.rate + 1)
+        end
+        out.tokens[i] = tokens
+    end
+    if locked then
+        d:delete("lock:buckets")
+    end
+    return out
+end
+_M._local_apply = local_apply
+
+-- Charges `list` (mode "take") or corrects it (mode "adjust", costs per bucket).
+-- Returns result {allowed, tokens = {}, wait = {}}, source "redis"|"local".
+function _M.apply(mode, list, costs)
+    local res, err = redis_apply(mode, list, costs)
+    if res then
+        return res, "redis"
+    end
+    if err ~= "redis_down" and ar.usable() then
+        -- a Redis error reply (not an outage): say so, decide locally this time
+        log(ERR, "infergate: rate-limit script failed: ", err)
+    end
+    astats.incr("limits_local")
+    return local_apply(mode, list, costs), "local"
+end
+
+-- x-ratelimit-* headers: for each kind, the bucket with the fewest remaining.
+function _M.headers(list, res)
+    local best = {}
+    for i, b in ipairs(list) do
+        local remaining = max(0, floor(res.tokens[i]))
+        local cur = best[b.kind]
+        if not cur or remaining < cur.remaining then
+            best[b.kind] = {
+                limit = b.capacity,
+                remaining = remaining,
+                reset = max(0, (b.capacity - res.tokens[i]) / b.rate),
+            }
+        end
+    end
+    local h = {}
+    for kind, v in pairs(best) do
+        h["x-ratelimit-limit-" .. kind] = tostring(v.limit)
+        h["x-ratelimit-remaining-" .. kind] = tostring(v.remaining)
+        h["x-ratelimit-reset-" .. kind] = _M.duration(v.reset)
+    end
+    return h
+end
+
+local WHO = { key = "this API key", global = "this gateway (all clients together)" }
+local PER = { requests = "requests per minute (RPM)", tokens = "tokens per minute (TPM)" }
+
+-- Access step: nil to continue, or a 429 error table.
+function _M.step(req)
+    local o = options.get().limits
+    if not o.enabled then
+        return nil
+    end
+    if req.route == "inference" then
+        req.est_tokens = _M.estimate_tokens(req.body, o.chars_per_token)
+    end
+    local list = _M.buckets(req, o)
+    if #list == 0 then
+        return nil
+    end
+    local res, source = _M.apply("take", list)
+    local h = _M.headers(list, res)
+    if res.allowed then
+        req.ratelimit = { list = list, source = source }
+        for _, b in ipairs(list) do
+            if b.kind == "tokens" then
+                req.track_usage = true
+            end
+        end
+        local out = req.headers_out or {}
+        for k, v in pairs(h) do
+            out[k] = v
+        end
+        req.headers_out = out
+        return nil
+    end
+    astats.incr("rate_limited")
+    local worst, wait = 1, 0
+    for i, w in ipairs(res.wait) do
+        if w > wait then
+            worst, wait = i, w
+        end
+    end
+    local b = list[worst]
+    local retry = max(1, ceil(wait))
+    h["Retry-After"] = tostring(retry)
+    local msg = "Rate limit reached for " .. WHO[b.scope] .. " on " .. PER[b.kind] .. ": limit "
+        .. b.capacity
+    if b.kind == "tokens" then
+        msg = msg .. ", this request needs about " .. b.cost
+    end
+    return {
+        status = 429,
+        message = msg .. ". Please try again in " .. _M.duration(wait) .. ".",
+        type = b.kind,
+        code = "rate_limit_exceeded",
+        headers = h,
+    }
+end
+
+local function correct(premature, list, costs, source)
+    if premature then
+        return
+    end
+    local ok, err = pcall(function()
+        if source == "redis" then
+            local res, rerr = redis_apply("adjust", list, costs)
+            if res then
+                return
+            end
+            if rerr ~= "redis_down" then
+                log(ngx.INFO, "infergate: token correction not applied in Redis: ", rerr)
+            end
+        end
+        local_apply("adjust", list, costs)
+    end)
+    if not ok then
+        log(ERR, "infergate: token correction failed: ", err)
+    end
+end
+
+-- Log phase: charge the difference between the real token usage and the estimate.
+-- No I/O here: the correction runs in a zero-delay timer.
+function _M.log(req)
+    local rl = req.ratelimit
+    local usage = req.usage
+    if not rl or not usage or not usage.total_tokens then
+        return
+    end
+    local list, costs, any = {}, {}, false
+    for _, b in ipairs(rl.list) do
+        if b.kind == "tokens" then
+            local delta = usage.total_tokens - b.cost
+            if delta ~= 0 then
+                list[#list + 1] = b
+                costs[#costs + 1] = delta
+                any = true
+            end
+        end
+    end
+    if not any then
+        return
+    end
+    local ok, err = ngx.timer.at(0, correct, list, costs, rl.source)
+    if not ok then
+        log(ERR, "infergate: cannot schedule a token correction: ", err)
+    end
+end
+
+return _M

@@ -1,0 +1,43 @@
+-- Counters of admission control on this edge (all workers, since nginx started), in
+-- the infergate_limits shared dict under "c:<name>". Published with the edge stats
+-- (infergate:v1:edges, field "admission") and on /infergate/status.
+--
+--   auth_rejected      401: missing, unknown or revoked API key
+--   auth_unavailable   503: key not cached and Redis unreachable
+--   rate_limited       429: a per-key or global token bucket was empty
+--   limits_local       rate-limit decisions taken on this edge's local buckets (Redis down)
+--   shed               429: every eligible node stayed saturated for the whole wait
+--   deadline_exceeded  504: the request's deadline passed before a node answered
+--   waiting            gauge: requests waiting for capacity right now
+--
+-- No I/O: safe in every phase.
+local options = require("infergate.admission.options")
+
+local _M = {}
+
+_M.NAMES = { "auth_rejected", "auth_unavailable", "rate_limited", "limits_local", "shed",
+             "deadline_exceeded", "waiting" }
+
+local function dict()
+    return ngx.shared[options.DICT_LIMITS]
+end
+
+function _M.incr(name, n)
+    dict():incr("c:" .. name, n or 1, 0)
+end
+
+function _M.get(name)
+    return dict():get("c:" .. name) or 0
+end
+
+-- {name = count} for every counter.
+function _M.all()
+    local d = dict()
+    local out = {}
+    for _, name in ipairs(_M.NAMES) do
+        out[name] = d:get("c:" .. name) or 0
+    end
+    return out
+end
+
+return _M

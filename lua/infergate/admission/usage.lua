@@ -1,0 +1,92 @@
+-- Token usage of a proxied answer, for the rate limiter's correction (body_filter).
+--
+-- Only for requests charged to a tokens bucket (req.track_usage, set by
+-- infergate.admission.ratelimit) and only while a node's 2xx answer passes through. Keeps the
+-- last TAIL bytes of the body (the "usage" object ends a chat/completions JSON answer
+-- and, with stream_options.include_usage, is the last event of a stream) and, for
+-- streams, counts the chunks that carry content. At the end of the body sets
+--
+--   req.usage = {prompt_tokens, completion_tokens, total_tokens, estimated = bool}
+--
+-- from the last "usage" object found, or, for a stream without one, prompt tokens as
+-- estimated up front + one completion token per content chunk (estimated = true).
+-- No I/O: runs in body_filter.
+local reqctx = require("infergate.core.reqctx")
+
+local _M = {}
+
+local tonumber = tonumber
+local type = type
+
+_M.TAIL = 16384
+
+-- The last "usage": {...} object of text: {prompt_tokens, completion_tokens,
+-- total_tokens} (numbers or nil), or nil.
+function _M.parse(text)
+    if type(text) ~= "string" then
+        return nil
+    end
+    local last
+    for obj in text:gmatch('"usage"%s*:%s*(%b{})') do
+        last = obj
+    end
+    if not last then
+        return nil
+    end
+    local function field(name)
+        return tonumber(last:match('"' .. name .. '"%s*:%s*(%d+)'))
+    end
+    local u = {
+        prompt_tokens = field("prompt_tokens"),
+        completion_tokens = field("completion_tokens"),
+        total_tokens = field("total_tokens"),
+    }
+    if not u.total_tokens and (u.prompt_tokens or u.completion_tokens) then
+        u.total_tokens = (u.prompt_tokens or 0) + (u.completion_tokens or 0)
+    end
+    if not u.total_tokens then
+        return nil
+    end
+    return u
+end
+
+-- Number of SSE events in chunk carrying non-empty content.
+function _M.content_chunks(chunk)
+    local _, n = chunk:gsub('"content"%s*:%s*"[^"]', "")
+    return n
+end
+
+function _M.body_filter()
+    local req = reqctx.get()
+    if not req or not req.track_usage or req.usage then
+        return
+    end
+    local status = ngx.status
+    if not status or status < 200 or status >= 300 or not ngx.var.upstream_status then
+        return
+    end
+    local chunk, eof = ngx.arg[1], ngx.arg[2]
+    if type(chunk) == "string" and chunk ~= "" then
+        local tail = (req.usage_tail or "") .. chunk
+        if #tail > _M.TAIL then
+            tail = tail:sub(-_M.TAIL)
+        end
+        req.usage_tail = tail
+        if req.stream then
+            req.usage_chunks = (req.usage_chunks or 0) + _M.content_chunks(chunk)
+        end
+    end
+    if eof then
+        local u = _M.parse(req.usage_tail)
+        if not u and req.stream then
+            local prompt = req.est_tokens or 0
+            local completion = req.usage_chunks or 0
+            u = { prompt_tokens = prompt, completion_tokens = completion,
+                  total_tokens = prompt + completion, estimated = true }
+        end
+        req.usage = u
+        req.usage_tail = nil
+    end
+end
+
+return _M

@@ -1,0 +1,327 @@
+-- Cached answers: their stored form and how a hit is served (JSON or SSE replay).
+--
+--   local replay = require("infergate.cache.replay")
+--   local comp, err = replay.normalize(decoded_answer, "chat")   -- "chat" | "text"
+--   local text = replay.encode(comp)                               -- stored entry body
+--   replay.send(req_state, cache_state, comp, created, "exact", 1.0)  -- answers and exits
+--
+-- Stored form (the entry's "body"): an OpenAI completion reduced to what a client reads,
+--   chat: {"id", "object": "chat.completion", "created", "model", "system_fingerprint"?,
+--          "choices": [{"index", "message": {"role", "content", "reasoning_content"?,
+--                       "tool_calls"?, "refusal"?}, "logprobs": null, "finish_reason"}],
+--          "usage": {...} | null}
+--   text: {"id", "object": "text_completion", "created", "model", "choices": [{"index",
+--          "text", "logprobs": null, "finish_reason"}], "usage": {...} | null}
+-- A hit gets a fresh "id" and "created". A streaming request gets an SSE replay: a role
+-- chunk, the reasoning and content split into several chunks (on UTF-8 character
+-- boundaries), tool calls, the finish chunk, a usage chunk when the request asked for
+-- stream_options.include_usage, then "data: [DONE]".
+--
+-- Debian's lua-cjson (2.1.0) decodes [] and {} alike and has no empty-array marker, so
+-- answers are written by infergate.core.jsonenc (default spelling): tables with ARRAY_MT are
+-- arrays, with OBJECT_MT objects, other tables arrays when they are non-empty sequences.
+local cjson = require("cjson.safe")
+local jsonenc = require("infergate.core.jsonenc")
+
+local _M = {}
+
+local type = type
+local pairs = pairs
+local ipairs = ipairs
+local tostring = tostring
+local tonumber = tonumber
+local floor = math.floor
+local format = string.format
+local concat = table.concat
+local byte = string.byte
+local sub = string.sub
+local null = cjson.null
+local seq_len = jsonenc.seq_len
+
+_M.ARRAY_MT = jsonenc.ARRAY_MT
+_M.OBJECT_MT = jsonenc.OBJECT_MT
+local ARRAY_MT, OBJECT_MT = _M.ARRAY_MT, _M.OBJECT_MT
+
+local function arr(t)
+    return setmetatable(t or {}, ARRAY_MT)
+end
+
+local function obj(t)
+    return setmetatable(t or {}, OBJECT_MT)
+end
+
+-- ------------------------------------------------------------------ JSON encoder
+
+-- JSON text of a value (see the ARRAY_MT / OBJECT_MT rules above); nil, err on failure.
+function _M.encode(v)
+    return jsonenc.encode(v)
+end
+
+-- ------------------------------------------------------------------ stored form
+
+local function str(v)
+    return type(v) == "string" and v or nil
+end
+
+local function int(v, default)
+    if type(v) == "number" and v == v then
+        return floor(v)
+    end
+    return default
+end
+
+local function is_seq(t)
+    return type(t) == "table" and seq_len(t) ~= nil
+end
+
+-- usage: numbers kept, one level of nested objects of numbers (e.g. prompt_tokens_details)
+local function norm_usage(u)
+    if type(u) ~= "table" then
+        return null
+    end
+    local out = obj()
+    for k, v in pairs(u) do
+        if type(k) == "string" then
+            if type(v) == "number" then
+                out[k] = v
+            elseif type(v) == "table" and not is_seq(v) then
+                local sub_t = obj()
+                for k2, v2 in pairs(v) do
+                    if type(k2) == "string" and type(v2) == "number" then
+                        sub_t[k2] = v2
+                    end
+                end
+                out[k] = sub_t
+            end
+        end
+    end
+    return out
+end
+
+local function norm_tool_calls(tcs)
+    if type(tcs) ~= "table" then
+        return nil
+    end
+    local n = seq_len(tcs)
+    if not n or n == 0 then
+        return nil
+    end
+    local out = arr()
+    for i = 1, n do
+        local tc = tcs[i]
+        if type(tc) ~= "table" then
+            return nil, "tool call is not an object"
+        end
+        local fn = type(tc["function"]) == "table" and tc["function"] or {}
+        out[i] = obj({
+            id = str(tc.id) or "",
+            type = str(tc.type) or "function",
+            ["function"] = obj({ name = str(fn.name) or "", arguments = str(fn.arguments) or "" }),
+        })
+    end
+    return out
+end
+
+-- The stored form of a decoded completion ("chat" or "text"); nil, err when it is not a
+-- completion (no choices, an error object, ...).
+function _M.normalize(o, kind)
+    if type(o) ~= "table" then
+        return nil, "answer is not a JSON object"
+    end
+    if o.error ~= nil and o.error ~= null then
+        return nil, "answer is an error"
+    end
+    local choices = o.choices
+    local n = type(choices) == "table" and seq_len(choices)
+    if not n or n == 0 then
+        return nil, "answer has no choices"
+    end
+    local out = obj({
+        id = str(o.id) or "",
+        object = kind == "chat" and "chat.completion" or "text_completion",
+        created = int(o.created, 0),
+        model = str(o.model) or "",
+        system_fingerprint = str(o.system_fingerprint),
+        usage = norm_usage(o.usage),
+        choices = arr(),
+    })
+    for i = 1, n do
+        local c = choices[i]
+        if type(c) ~= "table" then
+            return nil, "choice is not an object"
+        end
+        local oc = obj({ index = int(c.index, i - 1), logprobs = null,
+                         finish_reason = str(c.finish_reason) or null })
+        if kind == "chat" then
+            local m = type(c.message) == "table" and c.message or {}
+            local content = m.content
+            if type(content) ~= "string" then
+                content = null
+            end
+            local tcs, terr = norm_tool_calls(m.tool_calls)
+            if terr then
+                return nil, terr
+            end
+            oc.message = obj({
+                role = str(m.role) or "assistant",
+                content = content,
+                reasoning_content = str(m.reasoning_content) or str(m.reasoning),
+                tool_calls = tcs,
+                refusal = str(m.refusal),
+            })
+        else
+            oc.text = str(c.text) or ""
+        end
+        out.choices[i] = oc
+    end
+    return out
+end
+
+-- Re-applies the array/object marks to a stored body decoded by cjson.
+function _M.decode_stored(text, kind)
+    local o = cjson.decode(text)
+    if type(o) ~= "table" then
+        return nil, "stored body is not JSON"
+    end
+    return _M.normalize(o, kind)
+end
+
+-- ------------------------------------------------------------------ serving a hit
+
+-- Splits s into pieces of about `size` bytes, never inside a UTF-8 character.
+local function pieces(s, max_pieces)
+    local out = {}
+    local len = #s
+    if len == 0 then
+        return out
+    end
+    local size = math.max(16, math.ceil(len / max_pieces))
+    local i = 1
+    while i <= len do
+        local j = i + size - 1
+        if j >= len then
+            j = len
+        else
+            -- move the end back while the next byte continues a character
+            while j > i do
+                local b = byte(s, j + 1)
+                if b < 0x80 or b >= 0xC0 then
+                    break
+                end
+                j = j - 1
+            end
+        end
+        out[#out + 1] = sub(s, i, j)
+        i = j + 1
+    end
+    return out
+end
+_M.pieces = pieces
+
+local MAX_PIECES = 32
+
+local function event(t)
+    return "data: " .. _M.encode(t) .. "\n\n"
+end
+
+-- SSE text of a stored completion.
+function _M.sse(comp, kind, id, created, include_usage)
+    local parts = {}
+    local function chunk(choice)
+        local t = obj({
+            id = id,
+            object = kind == "chat" and "chat.completion.chunk" or "text_completion",
+            created = created,
+            model = comp.model,
+            system_fingerprint = comp.system_fingerprint,
+            choices = arr({ choice }),
+        })
+        parts[#parts + 1] = event(t)
+    end
+    for _, c in ipairs(comp.choices) do
+        if kind == "chat" then
+            local m = c.message
+            chunk(obj({ index = c.index, logprobs = null, finish_reason = null,
+                        delta = obj({ role = m.role or "assistant", content = "" }) }))
+            if m.reasoning_content then
+                for _, p in ipairs(pieces(m.reasoning_content, MAX_PIECES)) do
+                    chunk(obj({ index = c.index, logprobs = null, finish_reason = null,
+                                delta = obj({ reasoning_content = p }) }))
+                end
+            end
+            if type(m.content) == "string" then
+                for _, p in ipairs(pieces(m.content, MAX_PIECES)) do
+                    chunk(obj({ index = c.index, logprobs = null, finish_reason = null,
+                                delta = obj({ content = p }) }))
+                end
+            end
+            if m.tool_calls then
+                for i, tc in ipairs(m.tool_calls) do
+                    chunk(obj({ index = c.index, logprobs = null, finish_reason = null,
+                                delta = obj({ tool_calls = arr({ obj({
+                                    index = i - 1, id = tc.id, type = tc.type,
+                                    ["function"] = tc["function"] }) }) }) }))
+                end
+            end
+            chunk(obj({ index = c.index, logprobs = null, finish_reason = c.finish_reason,
+                        delta = obj() }))
+        else
+            for _, p in ipairs(pieces(c.text or "", MAX_PIECES)) do
+                chunk(obj({ index = c.index, text = p, logprobs = null, finish_reason = null }))
+            end
+            chunk(obj({ index = c.index, text = "", logprobs = null,
+                        finish_reason = c.finish_reason }))
+        end
+    end
+    if include_usage then
+        parts[#parts + 1] = event(obj({
+            id = id,
+            object = kind == "chat" and "chat.completion.chunk" or "text_completion",
+            created = created,
+            model = comp.model,
+            system_fingerprint = comp.system_fingerprint,
+            choices = arr(),
+            usage = comp.usage,
+        }))
+    end
+    parts[#parts + 1] = "data: [DONE]\n\n"
+    return concat(parts)
+end
+
+local function similarity_text(v)
+    v = tonumber(v) or 0
+    if v >= 1 then
+        return "1.0"
+    end
+    return format("%.4f", v < 0 and 0 or v)
+end
+_M.similarity_text = similarity_text
+
+-- Answers the request from a stored completion and ends it.
+-- c: the request's cache state {kind = "chat"|"text", stream, include_usage}.
+function _M.send(req, c, comp, stored_at, match, similarity)
+    local now = ngx.time()
+    local id = (c.kind == "chat" and "chatcmpl-" or "cmpl-") .. (req.id or tostring(now))
+    ngx.status = 200
+    ngx.header["X-Cache-Status"] = "HIT"
+    ngx.header["X-Cache-Match"] = match
+    ngx.header["X-Cache-Similarity"] = similarity_text(similarity)
+    if type(stored_at) == "number" then
+        ngx.header["Age"] = tostring(math.max(0, floor(ngx.now() - stored_at)))
+    end
+    local body
+    if c.stream then
+        ngx.header["Content-Type"] = "text/event-stream"
+        ngx.header["Cache-Control"] = "no-cache"
+        body = _M.sse(comp, c.kind, id, now, c.include_usage)
+    else
+        ngx.header["Content-Type"] = "application/json"
+        comp.id = id
+        comp.created = now
+        body = _M.encode(comp)
+    end
+    ngx.print(body)
+    return ngx.exit(ngx.HTTP_OK)
+end
+
+return _M

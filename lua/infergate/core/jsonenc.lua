@@ -1,0 +1,247 @@
+-- JSON text of Lua values, in two spellings that share one encoder.
+--
+--   local jsonenc = require("infergate.core.jsonenc")
+--   local text, err = jsonenc.encode(v)                       -- default spelling
+--   local text, err = jsonenc.encode(v, { canonical = true })  -- cache-key spelling
+--   jsonenc.seq_len(t)  -- n when t is a sequence 1..n (0 when empty), else nil
+--
+-- Both spellings: no spaces; object members sorted by key (byte order); `"` and `\` escaped
+-- and every other byte >= 0x20 written raw (UTF-8 passes through unchanged); nil and
+-- cjson.null are null; an unmarked non-empty sequence 1..n is an array; a number that is
+-- whole with absolute value below 2^53 is written as an integer (-0 as 0).
+--
+-- Default spelling (answers served from the cache, entries and jobs written to Redis):
+--   - a table with ARRAY_MT is an array (of its elements 1..#t, even when empty), with
+--     OBJECT_MT an object; any other empty table is {}. Debian's lua-cjson (2.1.0) cannot
+--     tell [] from {} and has no empty-array marker, hence these marks.
+--   - \n, \r, \t as short escapes, other bytes 0x00-0x1F as \u00xx (lowercase hex);
+--   - other numbers as %.14g when that reads back as the same double, else %.17g;
+--     NaN and +-Inf as null;
+--   - only string keys are written; values JSON cannot hold (functions, other userdata,
+--     cdata, ...) as null; a table more than 100 levels below the top one is an error.
+-- Canonical spelling (controlplane/cache/key.py gives its specification; the Python and
+-- the Lua cache keys must match byte for byte):
+--   - marks are not looked at; an empty table is [];
+--   - every byte 0x00-0x1F as \u00xx (lowercase hex);
+--   - other numbers as %.17g (NaN and +-Inf as C printf writes them);
+--   - non-string keys are written as tostring(key) and their values looked up by
+--     tonumber(key); values JSON cannot hold and a table more than 200 levels below
+--     the top one are errors.
+-- Errors are returned as nil, err (err: "nesting too deep" or "not a JSON value: <type>").
+local cjson = require("cjson.safe")
+
+local _M = {}
+
+local type = type
+local pairs = pairs
+local ipairs = ipairs
+local next = next
+local pcall = pcall
+local error = error
+local getmetatable = getmetatable
+local tostring = tostring
+local tonumber = tonumber
+local floor = math.floor
+local abs = math.abs
+local huge = math.huge
+local format = string.format
+local char = string.char
+local gsub = string.gsub
+local concat = table.concat
+local sort = table.sort
+local null = cjson.null
+
+local MAX_SAFE = 2 ^ 53
+
+_M.ARRAY_MT = { __jsontype = "array" }
+_M.OBJECT_MT = { __jsontype = "object" }
+local ARRAY_MT, OBJECT_MT = _M.ARRAY_MT, _M.OBJECT_MT
+
+-- n when t is a sequence 1..n (only number keys, none missing; 0 when empty), else nil.
+local function seq_len(t)
+    local n = 0
+    for k in pairs(t) do
+        if type(k) ~= "number" then
+            return nil
+        end
+        n = n + 1
+    end
+    for i = 1, n do
+        if t[i] == nil then
+            return nil
+        end
+    end
+    return n
+end
+_M.seq_len = seq_len
+
+-- ------------------------------------------------------------------ spellings
+
+local function escapes(short)
+    local esc = { ['"'] = '\\"', ["\\"] = "\\\\" }
+    if short then
+        esc["\n"], esc["\r"], esc["\t"] = "\\n", "\\r", "\\t"
+    end
+    for c = 0, 31 do
+        local ch = char(c)
+        if not esc[ch] then
+            esc[ch] = format("\\u%04x", c)
+        end
+    end
+    return esc
+end
+
+local function number_default(v)
+    if v ~= v or v == huge or v == -huge then
+        return "null"
+    end
+    if v == floor(v) and abs(v) < MAX_SAFE then
+        return format("%d", v)
+    end
+    local s = format("%.14g", v)
+    if tonumber(s) ~= v then
+        s = format("%.17g", v)
+    end
+    return s
+end
+
+local function number_canonical(v)
+    if v == floor(v) and abs(v) < MAX_SAFE then
+        return format("%d", v)
+    end
+    return format("%.17g", v)
+end
+
+local DEFAULT = {
+    esc = escapes(true),
+    number = number_default,
+    max_depth = 100,
+    marks = true,           -- ARRAY_MT / OBJECT_MT decide
+    empty_array = false,    -- a plain empty table is {}
+    all_keys = false,       -- non-string keys left out
+    strict = false,         -- values JSON cannot hold: null
+}
+
+local CANONICAL = {
+    esc = escapes(false),
+    number = number_canonical,
+    max_depth = 200,
+    marks = false,
+    empty_array = true,     -- every empty table is []
+    all_keys = true,        -- non-string keys as tostring(key)
+    strict = true,          -- values JSON cannot hold: error
+    normalize = require("infergate.cache.unicode").nfc, -- strings (and keys) in NFC
+}
+
+-- ------------------------------------------------------------------ encoder
+
+-- An encode(v) function for one spelling; errors are raised (caught by _M.encode).
+local function encoder(mode)
+    local esc, number, max_depth = mode.esc, mode.number, mode.max_depth
+    local marks, empty_array, all_keys, strict, normalize =
+        mode.marks, mode.empty_array, mode.all_keys, mode.strict, mode.normalize
+
+    local function enc_string(s)
+        if normalize then
+            s = normalize(s)
+        end
+        return '"' .. gsub(s, '[%z\1-\31"\\]', esc) .. '"'
+    end
+
+    local enc
+
+    local function enc_table(t, out, depth)
+        if depth > max_depth then
+            error("nesting too deep", 0)
+        end
+        local mt = marks and getmetatable(t) or nil
+        local n
+        if mt == ARRAY_MT then
+            n = #t
+        elseif mt ~= OBJECT_MT then
+            if next(t) == nil then
+                if empty_array then
+                    n = 0
+                end
+            else
+                n = seq_len(t)
+            end
+        end
+        if n then
+            out[#out + 1] = "["
+            for i = 1, n do
+                if i > 1 then
+                    out[#out + 1] = ","
+                end
+                enc(t[i], out, depth + 1)
+            end
+            out[#out + 1] = "]"
+            return
+        end
+        local ks = {}
+        for k in pairs(t) do
+            if type(k) == "string" then
+                ks[#ks + 1] = k
+            elseif all_keys then
+                ks[#ks + 1] = tostring(k)
+            end
+        end
+        sort(ks)
+        out[#out + 1] = "{"
+        for i, k in ipairs(ks) do
+            if i > 1 then
+                out[#out + 1] = ","
+            end
+            out[#out + 1] = enc_string(k)
+            out[#out + 1] = ":"
+            local v = t[k]
+            if v == nil and all_keys then
+                v = t[tonumber(k)]
+            end
+            enc(v, out, depth + 1)
+        end
+        out[#out + 1] = "}"
+    end
+
+    enc = function(v, out, depth)
+        local t = type(v)
+        if v == nil or v == null then
+            out[#out + 1] = "null"
+        elseif t == "boolean" then
+            out[#out + 1] = v and "true" or "false"
+        elseif t == "number" then
+            out[#out + 1] = number(v)
+        elseif t == "string" then
+            out[#out + 1] = enc_string(v)
+        elseif t == "table" then
+            enc_table(v, out, depth)
+        elseif strict then
+            error("not a JSON value: " .. t, 0)
+        else
+            out[#out + 1] = "null"
+        end
+    end
+
+    return function(v)
+        local out = {}
+        local ok, err = pcall(enc, v, out, 0)
+        if not ok then
+            return nil, tostring(err)
+        end
+        return concat(out)
+    end
+end
+
+local encode_default = encoder(DEFAULT)
+local encode_canonical = encoder(CANONICAL)
+
+-- JSON text of v: the canonical spelling when opts.canonical is true, else the default
+-- one (see the top of this file). Returns the text, or nil, err.
+function _M.encode(v, opts)
+    if opts ~= nil and opts.canonical then
+        return encode_canonical(v)
+    end
+    return encode_default(v)
+end
+
+return _M

@@ -1,0 +1,52 @@
+-- Every Redis key name the edge uses. Mirrors controlplane/redisdb/keynames.py (tests compare both).
+local _M = {}
+
+local BASE = "infergate:v1"
+_M.BASE = BASE
+
+_M.routing = BASE .. ":routing"
+_M.routing_version = BASE .. ":routing:version"
+_M.leader = BASE .. ":leader"
+_M.nodes = BASE .. ":nodes"
+_M.node_states = BASE .. ":node_states"
+_M.edges = BASE .. ":edges"
+_M.events = BASE .. ":events"
+_M.apikeys = BASE .. ":apikeys"
+_M.apikey_ids = BASE .. ":apikeys:ids"
+_M.cache_stats = BASE .. ":cache:stats"
+_M.cache_entry_prefix = BASE .. ":cache:entry:"
+_M.cache_index_prefix = BASE .. ":cache:idx:"
+_M.cache_index_queue = BASE .. ":cache:index_queue"
+_M.cache_vec_prefix_base = BASE .. ":cache:vec:"
+_M.cache_vec_channel = BASE .. ":cache:vec_added"
+_M.ratelimit_prefix = BASE .. ":ratelimit:"
+
+function _M.node_metrics(name)
+    return BASE .. ":node:" .. name .. ":metrics"
+end
+
+function _M.node_history(name)
+    return BASE .. ":node:" .. name .. ":history"
+end
+
+function _M.cache_entry(exact_key_hex)
+    return _M.cache_entry_prefix .. exact_key_hex
+end
+
+function _M.cache_vec_prefix(model_slug, dim)
+    return _M.cache_vec_prefix_base .. model_slug .. ":" .. dim .. ":"
+end
+
+function _M.cache_vec(model_slug, dim, exact_key_hex)
+    return _M.cache_vec_prefix(model_slug, dim) .. exact_key_hex
+end
+
+function _M.cache_vec_index(model_slug, dim)
+    return BASE .. ":cache:vecidx:" .. model_slug .. ":" .. dim
+end
+
+function _M.cache_index(dimension, value)
+    return _M.cache_index_prefix .. dimension .. ":" .. value
+end
+
+return _M

@@ -1,0 +1,126 @@
+-- Per-node circuit breaker, shared by all workers through the stats shared dict.
+--
+--   closed    --(breaker_failures consecutive failures)-->  open
+--   open      --(breaker_cooldown_s elapsed)-->            half_open (one probe allowed)
+--   half_open --(probe succeeds)--> closed ; --(probe fails)--> open (cooldown again)
+--
+-- Keys (dict infergate_stats): "bf:<node>" consecutive failures, "bo:<node>" epoch
+-- seconds the breaker opened (absent = closed), "bp:<node>" the probe in flight
+-- (added with a TTL so a lost probe cannot block the node forever).
+-- No I/O: safe in the balancer and log phases.
+local config = require("infergate.core.config")
+
+local _M = {}
+
+local shared = ngx.shared
+local log = ngx.log
+local WARN = ngx.WARN
+
+local function dict()
+    return shared[config.DICT_STATS]
+end
+
+local function probe_ttl(o)
+    -- longest a probe request can take before nginx gives up on it
+    local s = (o.connect_timeout_ms + o.send_timeout_ms + o.read_timeout_ms) / 1000
+    if s < 1 then
+        s = 1
+    end
+    return s
+end
+
+-- "closed" | "open" | "half_open" (open, cooldown over: probing or ready to probe)
+function _M.state(name, now)
+    local d = dict()
+    local opened = d:get("bo:" .. name)
+    if not opened then
+        return "closed"
+    end
+    if now - opened >= config.get().breaker_cooldown_s then
+        return "half_open"
+    end
+    return "open"
+end
+
+-- "yes" (closed), "probe" (half-open and no probe in flight), or false.
+function _M.allow(name, now)
+    local d = dict()
+    local opened = d:get("bo:" .. name)
+    if not opened then
+        return "yes"
+    end
+    if now - opened < config.get().breaker_cooldown_s then
+        return false
+    end
+    if d:get("bp:" .. name) then
+        return false
+    end
+    return "probe"
+end
+
+-- Takes the single half-open probe slot of a node; true when this caller got it.
+function _M.take_probe(name)
+    local ok = dict():add("bp:" .. name, true, probe_ttl(config.get()))
+    return ok and true or false
+end
+
+local function release_probe(name)
+    dict():delete("bp:" .. name)
+end
+
+-- An attempt on the node succeeded. probe: it was the half-open probe.
+-- started: epoch seconds the attempt started.
+function _M.success(name, probe, started)
+    local d = dict()
+    local opened = d:get("bo:" .. name)
+    if probe then
+        d:delete("bo:" .. name)
+        d:set("bf:" .. name, 0)
+        release_probe(name)
+        log(WARN, "infergate: circuit breaker of node ", name, " closed (probe succeeded)")
+        return
+    end
+    if opened and started < opened then
+        return -- an attempt from before the breaker opened; only the probe closes it
+    end
+    d:set("bf:" .. name, 0)
+end
+
+-- An attempt on the node failed (connect error, timeout, 5xx, invalid answer).
+function _M.failure(name, probe, started, now)
+    local d = dict()
+    local o = config.get()
+    if probe then
+        d:set("bo:" .. name, now)
+        release_probe(name)
+        require("infergate.core.prometheus").breaker_opened(name)
+        log(WARN, "infergate: circuit breaker of node ", name, " reopened (probe failed)")
+        return
+    end
+    if d:get("bo:" .. name) then
+        return -- already open
+    end
+    local n = d:incr("bf:" .. name, 1, 0)
+    if n and n >= o.breaker_failures then
+        -- add: only one worker opens it (and logs)
+        local ok = d:add("bo:" .. name, now)
+        if ok then
+            require("infergate.core.prometheus").breaker_opened(name)
+            log(WARN, "infergate: circuit breaker of node ", name, " opened after ", n,
+                " consecutive failures; next probe in ", o.breaker_cooldown_s, " s")
+        end
+    end
+end
+
+-- The attempt ended without a verdict on the node (client went away).
+function _M.neutral(name, probe)
+    if probe then
+        release_probe(name)
+    end
+end
+
+function _M.consecutive_failures(name)
+    return dict():get("bf:" .. name) or 0
+end
+
+return _M

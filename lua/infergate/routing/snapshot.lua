@@ -1,0 +1,353 @@
+-- Routing snapshot: pulled from Redis by one worker, shared through a shared dict,
+-- turned into a worker-local node table by every worker.
+--
+-- Every sync_interval_s a timer runs in each worker. In worker 0 it GETs
+-- infergate:v1:routing (docs/internals.md) and, in the same round trip, HSETs this
+-- edge's stats into infergate:v1:edges. A snapshot that differs from the last one is
+-- stored in the dict infergate_snapshot ("json", "gen" = change counter,
+-- "fetched_at"); every worker rebuilds its local table when "gen" changes (in the
+-- timer, and on the request path through refresh(), which costs one dict read).
+--
+-- Redis unreachable or the key missing: the last snapshot stays (fail-static); the
+-- outage is logged once when it starts and once when it ends. Before any snapshot:
+-- the static node list from the rendered config, all nodes active and healthy.
+local cjson = require("cjson.safe")
+local config = require("infergate.core.config")
+local keynames = require("infergate.redis.keynames")
+local redis = require("infergate.redis.client")
+local sentinel = require("infergate.redis.sentinel")
+local stats = require("infergate.routing.stats")
+
+local _M = {}
+
+local shared = ngx.shared
+local log = ngx.log
+local ERR = ngx.ERR
+local WARN = ngx.WARN
+local type = type
+local tostring = tostring
+local ipairs = ipairs
+
+local local_gen = -1      -- gen of the table below
+local current = nil       -- worker-local node table (see build())
+local syncing = false     -- a sync is running in this worker
+local outage = false      -- worker 0: since when Redis is unreachable (logged once)
+local bad_snapshot_logged = nil
+local redis_conf, redis_conf_err
+
+local function dict()
+    return shared[config.DICT_SNAPSHOT]
+end
+
+-- A host the balancer can use as-is (no DNS in the balancer phase).
+local function peer_addr(host)
+    if type(host) ~= "string" or host == "" then
+        return nil
+    end
+    if host:find(":", 1, true) then
+        if host:sub(1, 1) == "[" then
+            return host
+        end
+        return "[" .. host .. "]"  -- IPv6 literal
+    end
+    if host:match("^%d+%.%d+%.%d+%.%d+$") then
+        return host
+    end
+    return nil
+end
+_M.peer_addr = peer_addr
+
+local function num(v, default)
+    if type(v) == "number" and v == v then
+        return v
+    end
+    return default
+end
+
+-- Node entry of the local table from a snapshot node (or a static one).
+local function make_node(n)
+    local name = n.name
+    if type(name) ~= "string" or name == "" then
+        return nil, "node without a name"
+    end
+    local port = num(n.port)
+    if not port or port < 1 or port > 65535 then
+        return nil, "node " .. name .. ": bad port"
+    end
+    local addr = peer_addr(n.host)
+    local weight = num(n.weight, 1.0)
+    if weight <= 0 then
+        weight = 1.0
+    end
+    local ew = num(n.effective_weight, weight)
+    if ew <= 0 then
+        ew = weight
+    end
+    local maxc = num(n.max_concurrency, 64)
+    if maxc < 1 then
+        maxc = 1
+    end
+    local state = n.state
+    if state ~= "active" and state ~= "draining" and state ~= "drained" then
+        state = "active"
+    end
+    return {
+        name = name,
+        host = n.host,
+        addr = addr,          -- nil: not an IP literal, never picked
+        port = port,
+        state = state,
+        healthy = n.healthy ~= false,
+        weight = weight,
+        effective_weight = ew,
+        max_concurrency = maxc,
+        score = num(n.score),         -- nil = no metrics
+        saturated = n.saturated == true,
+        kind = n.kind,
+    }
+end
+
+local function build(nodes, meta)
+    local t = {
+        source = meta.source,
+        version = meta.version,
+        generated_at = meta.generated_at,
+        fetched_at = meta.fetched_at,
+        leader = meta.leader,
+        nodes = {},
+        by_name = {},
+    }
+    local problems
+    for _, n in ipairs(nodes) do
+        local node, err = make_node(n)
+        if node and not t.by_name[node.name] then
+            t.nodes[#t.nodes + 1] = node
+            t.by_name[node.name] = node
+        else
+            problems = (problems and problems .. "; " or "") .. (err or ("duplicate node " .. tostring(n.name)))
+        end
+    end
+    return t, problems
+end
+
+local function static_table()
+    local o = config.get()
+    local t = build(o.nodes, { source = "static", version = 0 })
+    return t
+end
+
+-- Rebuild the worker-local table when the shared snapshot changed. Cheap: one dict
+-- read when nothing changed. Returns the current table.
+function _M.refresh()
+    local d = dict()
+    local gen = d and d:get("gen") or 0
+    if gen == local_gen and current then
+        return current
+    end
+    if gen == 0 then
+        current = static_table()
+        local_gen = 0
+        return current
+    end
+    local raw = d:get("json")
+    local snap = raw and cjson.decode(raw)
+    if type(snap) ~= "table" or type(snap.nodes) ~= "table" then
+        -- cannot happen for stored snapshots (validated before storing); keep the old
+        local_gen = gen
+        current = current or static_table()
+        return current
+    end
+    local t, problems = build(snap.nodes, {
+        source = "redis",
+        version = num(snap.version, 0),
+        generated_at = num(snap.generated_at),
+        fetched_at = d:get("fetched_at"),
+        leader = snap.leader,
+    })
+    if problems and bad_snapshot_logged ~= gen then
+        bad_snapshot_logged = gen
+        log(WARN, "infergate: routing snapshot version ", t.version, " has invalid nodes (skipped): ", problems)
+    end
+    current = t
+    local_gen = gen
+    return current
+end
+
+-- The worker-local table without any check (balancer phase).
+function _M.current()
+    if not current then
+        return _M.refresh()
+    end
+    return current
+end
+
+-- True when the table comes from a snapshot younger than stale_after_s.
+function _M.is_fresh(t, now)
+    if t.source ~= "redis" or not t.generated_at then
+        return false
+    end
+    return (now - t.generated_at) <= config.get().stale_after_s
+end
+
+-- Seconds since generated_at, or nil for the static list.
+function _M.age(t, now)
+    if not t.generated_at then
+        return nil
+    end
+    return now - t.generated_at
+end
+
+-- Stores a snapshot JSON text fetched from Redis. Returns true, or nil, err when it
+-- is not a usable snapshot (then the previous one stays).
+function _M.store(raw, now)
+    local snap, err = cjson.decode(raw)
+    if type(snap) ~= "table" then
+        return nil, "routing snapshot is not valid JSON: " .. tostring(err)
+    end
+    if type(snap.nodes) ~= "table" then
+        return nil, "routing snapshot has no nodes array"
+    end
+    local d = dict()
+    d:set("fetched_at", now)
+    if d:get("json") == raw then
+        return true
+    end
+    local ok, serr = d:set("json", raw)
+    if not ok then
+        return nil, "cannot store routing snapshot in the shared dict: " .. tostring(serr)
+    end
+    d:incr("gen", 1, 0)
+    return true
+end
+
+local function edge_report(now)
+    local t = _M.current()
+    local nodes = {}
+    for _, n in ipairs(t.nodes) do
+        nodes[n.name] = stats.node_report(n.name, now)
+    end
+    local o = config.get()
+    return cjson.encode({ edge_id = o.edge_id, ts = now, nodes = nodes,
+                          admission = require("infergate.admission.stats").all() })
+end
+
+local function redis_failed(err)
+    local d = dict()
+    d:set("redis_ok", false)
+    d:set("redis_error", tostring(err))
+    if not outage then
+        outage = ngx.now()
+        log(WARN, "infergate: Redis unreachable, routing on the last snapshot until it returns: ", err)
+    end
+end
+
+-- One sync round of worker 0: GET the snapshot, publish this edge's stats.
+function _M.fetch()
+    local o = config.get()
+    if not redis_conf and not redis_conf_err then
+        redis_conf, redis_conf_err = redis.parse_url(o.redis_url)
+        if not redis_conf then
+            log(ERR, "infergate: bad redis url, the edge runs on its static node list: ", redis_conf_err)
+        end
+    end
+    if not redis_conf then
+        return nil, redis_conf_err
+    end
+    local now = ngx.now()
+    if redis_conf.sentinel then
+        -- Sentinel: ask for the master every redis_sentinel_refresh_s (infergate.redis.sentinel)
+        sentinel.tick(redis_conf, o.redis_timeout_ms)
+    end
+    local c, err = redis.connect(redis_conf, o.redis_timeout_ms)
+    if not c then
+        redis_failed(err)
+        return nil, err
+    end
+    local res
+    res, err = c:pipeline({
+        { "GET", keynames.routing },
+        { "HSET", keynames.edges, o.edge_id, edge_report(now) },
+    })
+    if not res then
+        redis_failed(err)
+        return nil, err
+    end
+    c:keepalive()
+    local d = dict()
+    if outage then
+        log(WARN, "infergate: Redis reachable again after ", string.format("%.1f", now - outage), " s")
+        outage = false
+    end
+    d:set("redis_ok", true)
+    d:delete("redis_error")
+    local raw = res[1]
+    if type(raw) == "table" and raw.err then
+        return nil, raw.err
+    end
+    if type(raw) == "string" then
+        local ok, serr = _M.store(raw, now)
+        if not ok then
+            if d:get("bad_json") ~= raw then
+                d:set("bad_json", raw)
+                log(ERR, "infergate: ignoring routing snapshot: ", serr)
+            end
+            return nil, serr
+        end
+    end
+    return true
+end
+
+local function tick(premature)
+    if premature or syncing then
+        return
+    end
+    syncing = true
+    local id = ngx.worker.id()
+    if id == nil or id == 0 then
+        local ok, err = pcall(_M.fetch)
+        if not ok then
+            log(ERR, "infergate: snapshot sync failed: ", err)
+        end
+    end
+    local ok, err = pcall(_M.refresh)
+    if not ok then
+        log(ERR, "infergate: rebuilding the node table failed: ", err)
+    end
+    syncing = false
+end
+
+-- init_worker_by_lua: local table from the static list, then the sync timer.
+function _M.init_worker()
+    math.randomseed(ngx.now() * 1000 + ngx.worker.pid())
+    _M.refresh()
+    local o = config.get()
+    local ok, err = ngx.timer.at(0, tick)
+    if not ok then
+        log(ERR, "infergate: cannot start the first sync: ", err)
+    end
+    ok, err = ngx.timer.every(o.sync_interval_s, tick)
+    if not ok then
+        log(ERR, "infergate: cannot start the sync timer: ", err)
+    end
+end
+
+-- For the status endpoint.
+function _M.info(now)
+    local t = _M.refresh()
+    local d = dict()
+    local age = _M.age(t, now)
+    return {
+        source = t.source,
+        version = t.version,
+        generated_at = t.generated_at or ngx.null,
+        fetched_at = d:get("fetched_at") or ngx.null,
+        age_s = age or ngx.null,
+        stale = t.source == "redis" and not _M.is_fresh(t, now),
+        leader = t.leader or ngx.null,
+        redis_ok = d:get("redis_ok") == true,
+        redis_error = d:get("redis_error") or ngx.null,
+        nodes = #t.nodes,
+    }
+end
+
+return _M

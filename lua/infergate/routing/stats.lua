@@ -1,0 +1,160 @@
+-- Per-node counters this edge keeps about its own traffic, in the shared dict
+-- infergate_stats (shared by all workers of this nginx):
+--
+--   "if:<node>"  in-flight attempts (incremented when the balancer picks the node,
+--                decremented exactly once when the attempt ends)
+--   "rq:<node>"  attempts started (counter since nginx start)
+--   "fl:<node>"  attempts failed (counter since nginx start; includes 429 answers)
+--   "lt:<node>"  latency EWMA in ms of successful attempts (upstream response time)
+--   "fr:<node>"  failure-rate EWMA, 0-1 (1 per failed attempt, 0 per success), decaying
+--                towards 0 with a half-life of breaker_cooldown_s (at least 1 s) while
+--                the node gets no traffic, so a node is never sidelined for good;
+--   "ft:<node>"  epoch seconds of the last "fr" update
+--
+-- Attempts are tables {node = name, started = epoch s, probe = bool, closed = bool}
+-- kept in the request context (see infergate.core.reqctx). No I/O: safe in every phase.
+local config = require("infergate.core.config")
+local breaker = require("infergate.routing.breaker")
+
+local _M = {}
+
+local shared = ngx.shared
+local log = ngx.log
+local ERR = ngx.ERR
+
+-- EWMA smoothing: new = old + ALPHA * (sample - old)
+_M.LATENCY_ALPHA = 0.3
+_M.FAILURE_ALPHA = 0.3
+
+local function dict()
+    return shared[config.DICT_STATS]
+end
+
+local function ewma(d, key, sample, alpha)
+    local old = d:get(key)
+    local new
+    if old == nil then
+        new = sample
+    else
+        new = old + alpha * (sample - old)
+    end
+    d:set(key, new)
+    return new
+end
+
+function _M.inflight(name)
+    return dict():get("if:" .. name) or 0
+end
+
+function _M.latency_ewma_ms(name)
+    return dict():get("lt:" .. name)
+end
+
+local function half_life()
+    local h = config.get().breaker_cooldown_s
+    if h < 1 then
+        h = 1
+    end
+    return h
+end
+
+local function decayed_failure_rate(d, name, now)
+    local fr = d:get("fr:" .. name)
+    if not fr or fr == 0 then
+        return 0
+    end
+    local t = d:get("ft:" .. name) or now
+    local dt = now - t
+    if dt <= 0 then
+        return fr
+    end
+    return fr * 2 ^ (-dt / half_life())
+end
+
+-- Failure-rate EWMA (0-1) of the node's attempts, decayed to `now`.
+function _M.failure_rate(name, now)
+    return decayed_failure_rate(dict(), name, now or ngx.now())
+end
+
+local function update_failure_rate(d, name, sample, now)
+    local old = decayed_failure_rate(d, name, now)
+    d:set("fr:" .. name, old + _M.FAILURE_ALPHA * (sample - old))
+    d:set("ft:" .. name, now)
+end
+
+function _M.requests(name)
+    return dict():get("rq:" .. name) or 0
+end
+
+function _M.failures(name)
+    return dict():get("fl:" .. name) or 0
+end
+
+-- A new attempt on node `name`; returns the attempt record.
+function _M.open_attempt(name, now, probe)
+    local d = dict()
+    local _, err = d:incr("if:" .. name, 1, 0)
+    if err then
+        log(ERR, "infergate: in-flight counter of ", name, ": ", err)
+    end
+    d:incr("rq:" .. name, 1, 0)
+    return { node = name, started = now, probe = probe or false, closed = false }
+end
+
+-- Ends an attempt once. outcome: "ok" (any answer the node meant, 2xx-4xx),
+-- "busy" (429), "fail" (connect error, timeout, 5xx, invalid answer),
+-- "aborted" (the client went away first). latency_ms: upstream response time of a
+-- successful 2xx attempt, or nil.
+function _M.close_attempt(att, outcome, now, latency_ms)
+    if att.closed then
+        return false
+    end
+    att.closed = true
+    local d = dict()
+    local name = att.node
+    local v = d:incr("if:" .. name, -1, 0)
+    if v and v < 0 then
+        d:set("if:" .. name, 0)
+        log(ERR, "infergate: in-flight counter of ", name, " went below zero")
+    end
+    if outcome == "ok" then
+        if att.probe then
+            d:set("fr:" .. name, 0) -- the breaker closes: a clean start
+        else
+            update_failure_rate(d, name, 0, now)
+        end
+        if latency_ms then
+            ewma(d, "lt:" .. name, latency_ms, _M.LATENCY_ALPHA)
+        end
+        breaker.success(name, att.probe, att.started)
+    elseif outcome == "fail" then
+        d:incr("fl:" .. name, 1, 0)
+        update_failure_rate(d, name, 1, now)
+        breaker.failure(name, att.probe, att.started, now)
+    elseif outcome == "busy" then
+        d:incr("fl:" .. name, 1, 0)
+        -- a node that says "busy" is alive: no breaker failure, but it answered the
+        -- probe, so a half-open breaker closes
+        breaker.neutral(name, false)
+        if att.probe then
+            breaker.success(name, true, att.started)
+        end
+    else
+        breaker.neutral(name, att.probe)
+    end
+    return true
+end
+
+-- This edge's view of one node, as published in infergate:v1:edges.
+function _M.node_report(name, now)
+    local lat = _M.latency_ewma_ms(name)
+    return {
+        inflight = _M.inflight(name),
+        requests = _M.requests(name),
+        failures = _M.failures(name),
+        breaker = breaker.state(name, now),
+        latency_ewma_ms = lat and (math.floor(lat * 10 + 0.5) / 10) or ngx.null,
+    }
+end
+
+return _M

@@ -1,0 +1,95 @@
+-- content_by_lua of GET /infergate/status (local only): this edge's routing view.
+--
+-- {"edge_id", "worker_pid", "now",
+--  "snapshot": {"source": "redis"|"static", "version", "generated_at", "fetched_at",
+--               "age_s", "stale", "leader", "redis_ok", "redis_error", "nodes"},
+--  "inflight_total",
+--  "admission": {"auth_rejected", "auth_unavailable", "rate_limited", "limits_local",
+--                "shed", "deadline_exceeded", "waiting"}   (infergate.admission.stats)
+--  "nodes": [{"name", "host", "port", "state", "healthy", "weight", "effective_weight",
+--             "max_concurrency", "score", "saturated", "eligible", "inflight",
+--             "requests", "failures", "breaker", "consecutive_failures",
+--             "latency_ewma_ms", "failure_rate"}]}
+local cjson = require("cjson.safe")
+local config = require("infergate.core.config")
+local snapshot = require("infergate.routing.snapshot")
+local stats = require("infergate.routing.stats")
+local breaker = require("infergate.routing.breaker")
+local errors = require("infergate.core.errors")
+
+local _M = {}
+
+local null = cjson.null
+local ipairs = ipairs
+
+local function opt(v)
+    if v == nil then
+        return null
+    end
+    return v
+end
+
+function _M.report(now)
+    local t = snapshot.refresh()
+    local nodes = {}
+    local total = 0
+    for i, n in ipairs(t.nodes) do
+        local inflight = stats.inflight(n.name)
+        total = total + inflight
+        local lat = stats.latency_ewma_ms(n.name)
+        local br = breaker.state(n.name, now)
+        nodes[i] = {
+            name = n.name,
+            host = opt(n.host),
+            port = n.port,
+            state = n.state,
+            healthy = n.healthy,
+            weight = n.weight,
+            effective_weight = n.effective_weight,
+            max_concurrency = n.max_concurrency,
+            score = opt(n.score),
+            saturated = n.saturated,
+            eligible = (n.addr ~= nil and n.healthy and n.state == "active"
+                        and breaker.allow(n.name, now)) and true or false,
+            inflight = inflight,
+            requests = stats.requests(n.name),
+            failures = stats.failures(n.name),
+            breaker = br,
+            consecutive_failures = breaker.consecutive_failures(n.name),
+            latency_ewma_ms = opt(lat),
+            failure_rate = math.floor(stats.failure_rate(n.name, now) * 1000 + 0.5) / 1000,
+        }
+    end
+    return {
+        edge_id = config.get().edge_id,
+        worker_pid = ngx.worker.pid(),
+        now = now,
+        snapshot = snapshot.info(now),
+        inflight_total = total,
+        admission = require("infergate.admission.stats").all(),
+        nodes = nodes,
+    }
+end
+
+-- JSON of a report; an empty node list stays an array (Debian's lua-cjson has no
+-- array_mt and would write {}).
+function _M.encode(report)
+    if #report.nodes > 0 then
+        return cjson.encode(report)
+    end
+    report.nodes = false
+    local text = cjson.encode(report)
+    return (text:gsub('"nodes":false', '"nodes":[]', 1))
+end
+
+function _M.run()
+    local m = ngx.req.get_method()
+    if m ~= "GET" and m ~= "HEAD" then
+        return errors.send(405, "Use GET on " .. ngx.var.uri .. ".", nil, nil, { Allow = "GET, HEAD" })
+    end
+    ngx.header["Content-Type"] = "application/json"
+    ngx.header["Cache-Control"] = "no-store"
+    ngx.say(_M.encode(_M.report(ngx.now())))
+end
+
+return _M

@@ -1,0 +1,139 @@
+"""``infergate nodes ...`` with click's CliRunner against a real redis-server."""
+
+from __future__ import annotations
+
+import getpass
+import json
+import threading
+
+import pytest
+from click.testing import CliRunner
+
+from controlplane import procs
+from controlplane.routing import registry
+from controlplane.cli import main
+
+
+@pytest.fixture
+def run(redis_server):
+    runner = CliRunner()
+
+    def _run(*args: str):
+        return runner.invoke(main, ["nodes", "--redis-url", redis_server.url, *args])
+
+    return _run
+
+
+@pytest.fixture
+def r(redis_server):
+    return redis_server.client()
+
+
+def test_add_list_edit_remove(run, r):
+    res = run("list")
+    assert res.exit_code == 0 and "no nodes registered" in res.output
+    res = run("add", "sim-a", "http://127.0.0.1:9001", "--weight", "2", "--kind", "tgi")
+    assert res.exit_code == 0, res.output
+    assert "added sim-a" in res.output
+    assert run("add", "sim-b", "http://127.0.0.1:9002").exit_code == 0
+    node = registry.get_node(r, "sim-a")
+    assert node.weight == 2.0 and node.kind == "tgi"
+
+    res = run("list")
+    lines = res.output.splitlines()
+    assert lines[0].split()[:5] == ["NAME", "STATE", "HEALTH", "KIND", "URL"]
+    assert lines[1].split()[:6] == ["sim-a", "active", "?", "tgi", "http://127.0.0.1:9001", "2"]
+    assert lines[2].split()[0] == "sim-b"
+    data = json.loads(run("list", "--json").output)
+    assert [n["name"] for n in data] == ["sim-a", "sim-b"]
+
+    res = run("edit", "sim-a", "--max-concurrency", "8", "--url", "http://127.0.0.1:9009")
+    assert res.exit_code == 0, res.output
+    node = registry.get_node(r, "sim-a")
+    assert node.max_concurrency == 8 and node.url == "http://127.0.0.1:9009"
+
+    res = run("remove", "sim-a")
+    assert res.exit_code == 0 and registry.get_node(r, "sim-a") is None
+    kinds = [(e["kind"], e["actor"]) for e in registry.recent_events(r, 10)]
+    user = f"cli:{getpass.getuser()}"
+    assert kinds == [("node_remove", user), ("node_edit", user), ("node_add", user),
+                     ("node_add", user)]
+
+
+@pytest.mark.parametrize("args,frag", [
+    (("add", "sim-a", "http://127.0.0.1:9001"), "already exists"),
+    (("add", "x", "https://10.0.0.1"), "url"),
+    (("add", "x", "http://10.0.0.1", "--weight", "0"), "weight"),
+    (("add", "bad/name", "http://10.0.0.1"), "name"),
+    (("edit", "sim-a", "--weight", "-1"), "weight"),
+    (("edit", "nope", "--weight", "1"), "no node named 'nope'"),
+    (("remove", "nope"), "no node named 'nope'"),
+    (("drain", "nope"), "no node named 'nope'"),
+    (("undrain", "nope"), "no node named 'nope'"),
+])
+def test_errors_exit_non_zero_with_a_message(run, r, args, frag):
+    assert run("add", "sim-a", "http://127.0.0.1:9001").exit_code == 0
+    res = run(*args)
+    assert res.exit_code == 1, res.output
+    assert "Error:" in res.output and frag in res.output
+    assert "Traceback" not in res.output
+    assert [n.name for n in registry.list_nodes(r)] == ["sim-a"]
+    assert registry.get_node(r, "sim-a").weight == 1.0
+
+
+def test_edit_without_changes_is_a_usage_error(run):
+    run("add", "sim-a", "http://127.0.0.1:9001")
+    res = run("edit", "sim-a")
+    assert res.exit_code == 2 and "nothing to change" in res.output
+
+
+def test_drain_undrain(run, r):
+    run("add", "sim-a", "http://127.0.0.1:9001")
+    res = run("drain", "sim-a")
+    assert res.exit_code == 0 and "sim-a: draining" in res.output
+    assert registry.get_state(r, "sim-a").state == "draining"
+    assert "already draining" in run("drain", "sim-a").output
+    assert run("list").output.splitlines()[1].split()[1] == "draining"
+    res = run("undrain", "sim-a")
+    assert res.exit_code == 0 and registry.get_state(r, "sim-a").state == "active"
+    assert "already active" in run("undrain", "sim-a").output
+    ev = registry.recent_events(r, 2)
+    assert [e["kind"] for e in ev] == ["undrain", "drain"]
+    assert ev[0]["actor"].startswith("cli:")
+
+
+def test_drain_wait(run, r, redis_server):
+    run("add", "sim-a", "http://127.0.0.1:9001")
+    res = run("drain", "sim-a", "--wait", "--timeout", "0.3")
+    assert res.exit_code == 1 and "still draining after 0.3 s" in res.output
+
+    # what the leader does once in-flight reaches 0
+    r2 = redis_server.client()
+    t = threading.Thread(target=lambda: (
+        procs.wait_until(lambda: registry.get_state(r2, "sim-a").state == "draining", 5),
+        registry.set_state(r2, "sim-a", "drained", "cp")))
+    run("undrain", "sim-a")
+    t.start()
+    res = run("drain", "sim-a", "--wait", "--timeout", "10")
+    t.join()
+    assert res.exit_code == 0 and "sim-a: drained" in res.output
+
+
+def test_redis_unreachable(redis_server):
+    port = procs.free_port()
+    res = CliRunner().invoke(main, ["nodes", "--redis-url", f"redis://127.0.0.1:{port}/0", "list"])
+    assert res.exit_code == 1 and "cannot reach Redis" in res.output
+    res = CliRunner().invoke(main, ["nodes", "--redis-url", "nonsense://x", "list"])
+    assert res.exit_code == 1 and "Redis URL" in res.output
+
+
+def test_config_file(tmp_path, redis_server, r):
+    cfg = tmp_path / "infergate.toml"
+    cfg.write_text(f'[redis]\nurl = "{redis_server.url}"\n')
+    res = CliRunner().invoke(main, ["nodes", "--config", str(cfg), "add", "n1", "http://10.1.1.1"])
+    assert res.exit_code == 0, res.output
+    assert registry.get_node(r, "n1") is not None
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[redis\n")
+    res = CliRunner().invoke(main, ["nodes", "--config", str(bad), "list"])
+    assert res.exit_code == 1 and "not valid TOML" in res.output

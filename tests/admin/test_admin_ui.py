@@ -1,0 +1,289 @@
+"""The admin web page: login, sessions, CSRF, pages and forms (real redis-server, Flask
+test client)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+
+from controlplane.admin import apikeys
+from controlplane.cache import store as cache_store
+from controlplane.redisdb import keynames
+from controlplane.routing import registry
+from controlplane.admin import create_app
+from controlplane.config import NodeSettings, Settings
+
+TOKEN = "ui-admin-token-456"
+
+
+def make_app(r, token: str = TOKEN):
+    s = Settings.model_validate({"controlplane": {"admin_token": token}})
+    return create_app(s, r, secret_key="fixed-test-secret")
+
+
+@pytest.fixture
+def app(r):
+    return make_app(r)
+
+
+def csrf_of(html: str) -> str:
+    m = re.search(r'name="csrf_token" value="([^"]+)"', html)
+    assert m, "no CSRF field in the page"
+    return m.group(1)
+
+
+def login(c) -> str:
+    page = c.get("/login")
+    assert page.status_code == 200
+    resp = c.post("/login", data={"token": TOKEN, "csrf_token": csrf_of(page.text)})
+    assert resp.status_code == 303, resp.text
+    return csrf_of(c.get("/nodes").text)
+
+
+@pytest.fixture
+def client(app, r):
+    registry.put_node(r, NodeSettings(name="sim-a", url="http://127.0.0.1:9001"))
+    registry.put_node(r, NodeSettings(name="sim-b", url="http://127.0.0.1:9002", kind="tgi"))
+    c = app.test_client()
+    c.csrf = login(c)
+    return c
+
+
+def test_pages_need_login(app):
+    c = app.test_client()
+    for path in ("/", "/nodes", "/nodes/sim-a", "/events", "/cache", "/keys"):
+        resp = c.get(path)
+        assert resp.status_code == 302, path
+        assert "/login" in resp.location
+    resp = c.post("/nodes/sim-a/drain", data={})
+    assert resp.status_code in (400, 401)
+
+
+def test_login_wrong_token_and_missing_csrf(app):
+    c = app.test_client()
+    page = c.get("/login?next=/events")
+    tok = csrf_of(page.text)
+    resp = c.post("/login", data={"token": "nope", "csrf_token": tok})
+    assert resp.status_code == 401 and "Wrong admin token" in resp.text
+    resp = c.post("/login", data={"token": TOKEN})
+    assert resp.status_code == 400 and "CSRF" in resp.text
+    assert c.get("/nodes").status_code == 302
+    resp = c.post("/login", data={"token": TOKEN, "csrf_token": tok, "next": "/events"})
+    assert resp.status_code == 303 and resp.location.endswith("/events")
+    assert c.get("/nodes").status_code == 200
+
+
+def test_login_never_redirects_off_site(app):
+    c = app.test_client()
+    for target in ("https://evil.example/", "//evil.example/x", "/\\evil.example"):
+        tok = csrf_of(c.get("/login").text)
+        resp = c.post("/login", data={"token": TOKEN, "csrf_token": tok, "next": target})
+        assert resp.status_code == 303 and resp.location == "/nodes", target
+        c.post("/logout", data={"csrf_token": csrf_of(c.get("/nodes").text)})
+
+
+def test_session_cookie_flags(app):
+    c = app.test_client()
+    page = c.get("/login")
+    resp = c.post("/login", data={"token": TOKEN, "csrf_token": csrf_of(page.text)})
+    cookie = resp.headers["Set-Cookie"]
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
+
+
+def test_empty_token_refuses_logins(r):
+    c = make_app(r, token="").test_client()
+    page = c.get("/login")
+    assert page.status_code == 403
+    assert "Admin access is disabled" in page.text and "INFERGATE_ADMIN_TOKEN" in page.text
+    assert 'name="token"' not in page.text
+    tok = re.search(r'name="csrf-token" content="([^"]+)"', page.text).group(1)
+    for token in ("", "anything"):
+        resp = c.post("/login", data={"token": token, "csrf_token": tok})
+        assert resp.status_code == 403 and "Admin access is disabled" in resp.text
+    assert c.get("/nodes").status_code == 302
+
+
+def test_changing_the_token_ends_sessions(r):
+    settings = Settings.model_validate({"controlplane": {"admin_token": TOKEN}})
+    app = create_app(settings, r, secret_key="fixed")
+    c = app.test_client()
+    tok = csrf_of(c.get("/login").text)
+    assert c.post("/login", data={"token": TOKEN, "csrf_token": tok}).status_code == 303
+    assert c.get("/nodes").status_code == 200
+    settings.controlplane.admin_token = "rotated"
+    assert c.get("/nodes").status_code == 302
+
+
+def test_logout(client):
+    resp = client.post("/logout", data={"csrf_token": client.csrf})
+    assert resp.status_code == 303
+    assert client.get("/nodes").status_code == 302
+
+
+def test_drain_form_requires_csrf(client, r):
+    resp = client.post("/nodes/sim-a/drain", data={})
+    assert resp.status_code == 400 and "CSRF" in resp.text
+    resp = client.post("/nodes/sim-a/drain", data={"csrf_token": "forged"})
+    assert resp.status_code == 400
+    assert registry.get_state(r, "sim-a").state == "active"
+    assert registry.recent_events(r, 5) == []
+
+
+def test_drain_and_undrain_forms(client, r):
+    resp = client.post("/nodes/sim-a/drain", data={"csrf_token": client.csrf})
+    assert resp.status_code == 303
+    assert registry.get_state(r, "sim-a").state == "draining"
+    ev = registry.recent_events(r, 1)[0]
+    assert ev["kind"] == "drain" and ev["actor"] == "admin"
+    page = client.get("/nodes")
+    row = re.search(r'<tr id="node-sim-a".*?</tr>', page.text, re.S).group(0)
+    assert "draining" in row and "Undrain" in row and "sim-a: drain started" in page.text
+    resp = client.post("/nodes/sim-a/undrain",
+                       data={"csrf_token": client.csrf, "back": "/nodes/sim-a"})
+    assert resp.status_code == 303 and resp.location == "/nodes/sim-a"
+    assert registry.get_state(r, "sim-a").state == "active"
+    resp = client.post("/nodes/nope/drain", data={"csrf_token": client.csrf}, follow_redirects=True)
+    assert "no node named" in resp.text
+
+
+def test_nodes_page_shows_metrics_edges_and_sparklines(client, r):
+    now = time.time()
+    r.set(keynames.node_metrics("sim-a"), json.dumps({
+        "ts": now, "healthy": True, "queue_depth": 4, "running": 7, "kv_cache_usage": 0.42,
+        "e2e_avg_s": 1.8, "ttft_avg_s": 0.12, "score": 0.3}))
+    r.set(keynames.node_metrics("sim-b"), json.dumps({"ts": now, "healthy": False}))
+    for i in range(10):
+        r.lpush(keynames.node_history("sim-a"), json.dumps({"ts": now - 10 + i, "queue_depth": i,
+                                                        "e2e_avg_s": 1 + i / 10}))
+    r.hset(keynames.EDGES, "e1", json.dumps({"ts": now, "nodes": {
+        "sim-a": {"inflight": 3, "requests": 50, "failures": 5, "breaker": "closed"}}}))
+    page = client.get("/nodes")
+    assert page.status_code == 200
+    row_a = re.search(r'<tr id="node-sim-a".*?</tr>', page.text, re.S).group(0)
+    for text in ("active", "up", "0.30", "42 %", "120 ms", "1.80 s", "10 %", ">3<", "closed"):
+        assert text in row_a, text
+    assert row_a.count("<polyline") == 2
+    row_b = re.search(r'<tr id="node-sim-b".*?</tr>', page.text, re.S).group(0)
+    assert "down" in row_b and "polyline" not in row_b
+    # offline: no script, style or image from another origin; live refresh + fallback
+    assert not re.search(r'<(script|link|img)[^>]+(src|href)="(https?:)?//', page.text)
+    assert "/api/v1/nodes" in page.text and 'http-equiv="refresh"' in page.text
+    csp = page.headers["Content-Security-Policy"]
+    nonce = re.search(r"script-src 'nonce-([^']+)'", csp).group(1)
+    assert f'<script nonce="{nonce}">' in page.text
+
+
+def test_page_can_poll_api_with_session_but_not_change_things(client, r):
+    resp = client.get("/api/v1/nodes?history=1")
+    assert resp.status_code == 200
+    assert [n["name"] for n in resp.get_json()["nodes"]] == ["sim-a", "sim-b"]
+    resp = client.post("/api/v1/nodes/sim-a/drain")
+    assert resp.status_code == 401
+    assert registry.get_state(r, "sim-a").state == "active"
+
+
+def test_add_edit_remove_node_forms(client, r):
+    resp = client.post("/nodes", data={"csrf_token": client.csrf, "name": "gpu-1",
+                                       "url": "http://10.0.0.9:8000", "kind": "sglang",
+                                       "weight": "2", "max_concurrency": "32"},
+                       follow_redirects=True)
+    assert "Node gpu-1 added." in resp.text
+    assert registry.get_node(r, "gpu-1").max_concurrency == 32
+    resp = client.post("/nodes", data={"csrf_token": client.csrf, "name": "gpu-2",
+                                       "url": "http://10.0.0.9:8000", "weight": "0"},
+                       follow_redirects=True)
+    assert "Not added: weight" in resp.text and registry.get_node(r, "gpu-2") is None
+    resp = client.post("/nodes/gpu-1/edit", data={"csrf_token": client.csrf, "weight": "5"},
+                       follow_redirects=True)
+    assert "Node gpu-1 saved." in resp.text and registry.get_node(r, "gpu-1").weight == 5.0
+    resp = client.post("/nodes/gpu-1/edit", data={"csrf_token": client.csrf, "url": "gopher://x"},
+                       follow_redirects=True)
+    assert "Not saved: url" in resp.text
+    resp = client.post("/nodes/gpu-1/remove", data={"csrf_token": client.csrf},
+                       follow_redirects=True)
+    assert "tick the box" in resp.text and registry.get_node(r, "gpu-1") is not None
+    resp = client.post("/nodes/gpu-1/remove", data={"csrf_token": client.csrf, "sure": "yes"},
+                       follow_redirects=True)
+    assert "Node gpu-1 removed." in resp.text and registry.get_node(r, "gpu-1") is None
+
+
+def test_node_detail_and_events_pages(client, r):
+    now = time.time()
+    for i in range(20):
+        r.lpush(keynames.node_history("sim-a"), json.dumps({"ts": now - 20 + i, "queue_depth": i,
+                                                        "kv_cache_usage": i / 40}))
+    client.post("/nodes/sim-a/drain", data={"csrf_token": client.csrf})
+    registry.add_event(r, "health", "sim-b", "system", {"healthy": False})
+    page = client.get("/nodes/sim-a")
+    assert page.status_code == 200
+    assert 'id="node-state">draining' in page.text
+    assert page.text.count('class="chart"') == 6 and "queue depth (now 19)" in page.text
+    assert "drain" in page.text and "sim-b" not in page.text.split("Recent events")[1]
+    assert client.get("/nodes/nope").status_code == 404
+    page = client.get("/events")
+    assert page.status_code == 200 and "health" in page.text and "drain" in page.text
+    page = client.get("/events?node=sim-b&limit=x")
+    assert page.status_code == 200 and "healthy=false" in page.text
+    assert "from=" not in page.text
+
+
+def test_cache_purge_needs_confirmation(client, r):
+    for i in range(4):
+        cache_store.store(r, f"{i:032x}", tenant="acme" if i < 3 else "other", model="m",
+                          namespace="ns", body="hello", ttl=300)
+    r.hset(keynames.CACHE_STATS, mapping={"lookups": 8, "hits_exact": 2, "hits_semantic": 2})
+    page = client.get("/cache")
+    assert page.status_code == 200
+    assert "50 %" in page.text and "exact 25 %" in page.text and 'value="acme"' in page.text
+    confirm = client.post("/cache/purge", data={"csrf_token": client.csrf, "tenant": "acme",
+                                                "scope": "filter"})
+    assert confirm.status_code == 200 and "Confirm purge" in confirm.text and "up to 3" in confirm.text
+    assert cache_store.stats(r).entries == 4  # nothing purged yet
+    cancel = client.post("/cache/purge/confirm", data={"csrf_token": client.csrf, "tenant": "acme",
+                                                       "confirm": "no"}, follow_redirects=True)
+    assert "Purge cancelled" in cancel.text and cache_store.stats(r).entries == 4
+    done = client.post("/cache/purge/confirm", data={"csrf_token": client.csrf, "tenant": "acme",
+                                                     "confirm": "yes"}, follow_redirects=True)
+    assert "Purged 3 cache entries." in done.text and cache_store.stats(r).entries == 1
+    assert registry.recent_events(r, 1)[0]["kind"] == "cache_purge"
+    empty = client.post("/cache/purge", data={"csrf_token": client.csrf, "scope": "filter"},
+                        follow_redirects=True)
+    assert "Nothing purged" in empty.text
+    confirm = client.post("/cache/purge", data={"csrf_token": client.csrf, "scope": "all"})
+    assert "every" in confirm.text
+    client.post("/cache/purge/confirm", data={"csrf_token": client.csrf, "scope": "all",
+                                              "confirm": "yes"})
+    assert cache_store.stats(r).entries == 0
+    resp = client.post("/cache/purge/confirm", data={"scope": "all", "confirm": "yes"})
+    assert resp.status_code == 400
+
+
+def test_keys_page_shows_a_new_key_once(client, r):
+    resp = client.post("/keys", data={"csrf_token": client.csrf, "tenant": "acme",
+                                      "rpm": "60", "tpm": ""})
+    assert resp.status_code == 201 and resp.headers["Cache-Control"] == "no-store"
+    key = re.search(r'id="new-key">(ig-[^<]+)<', resp.text).group(1)
+    rec = apikeys.lookup(r, key)
+    assert rec is not None and rec.rpm == 60 and rec.tpm is None
+    page = client.get("/keys")
+    assert key not in page.text and rec.id in page.text
+    bad = client.post("/keys", data={"csrf_token": client.csrf, "tenant": "acme", "rpm": "-3"},
+                      follow_redirects=True)
+    assert "No key created: rpm" in bad.text
+    client.post(f"/keys/{rec.id}/limits", data={"csrf_token": client.csrf, "rpm": "", "tpm": "500"})
+    assert apikeys.lookup(r, key).tpm == 500 and apikeys.lookup(r, key).rpm is None
+    resp = client.post(f"/keys/{rec.id}/revoke", data={"csrf_token": client.csrf},
+                       follow_redirects=True)
+    assert f"Key {rec.id} (acme) revoked." in resp.text
+    assert apikeys.lookup(r, key) is None
+
+
+def test_redis_down_page(redis_server):
+    client = make_app(redis_server.client()).test_client()
+    login(client)
+    redis_server.stop()
+    resp = client.get("/nodes")
+    assert resp.status_code == 503 and "Redis unavailable" in resp.text

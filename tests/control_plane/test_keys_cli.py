@@ -1,0 +1,100 @@
+"""``infergate keys create|list|revoke`` with click's CliRunner against a real redis-server."""
+
+from __future__ import annotations
+
+import getpass
+import json
+import re
+
+import pytest
+from click.testing import CliRunner
+
+from controlplane import procs
+from controlplane.admin import apikeys
+from controlplane.routing import registry
+from controlplane.cli import main
+
+
+@pytest.fixture
+def run(redis_server):
+    runner = CliRunner()
+
+    def _run(*args: str):
+        return runner.invoke(main, ["keys", "--redis-url", redis_server.url, *args])
+
+    return _run
+
+
+def test_create_list_revoke(run, redis_server) -> None:
+    r = redis_server.client()
+    assert run("list").output.strip() == "no keys"
+
+    res = run("create", "--tenant", "acme", "--rpm", "60", "--tpm", "10000", "--label", "ci bot")
+    assert res.exit_code == 0, res.output
+    m = re.search(r"created key ([0-9a-f]{8}) for tenant acme \(rpm 60, tpm 10000\)\n(ig-\S+)\n",
+                  res.output)
+    assert m, res.output
+    key_id, key = m.groups()
+    assert len(key) == 46
+    rec = apikeys.lookup(r, key)
+    assert rec is not None and rec.id == key_id and rec.rpm == 60 and rec.tpm == 10000
+    assert rec.label == "ci bot"
+
+    res = run("create", "--tenant", "beta", "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert data["tenant"] == "beta" and data["rpm"] is None and data["key"].startswith("ig-")
+    beta_id = data["id"]
+
+    res = run("list")
+    assert res.exit_code == 0
+    lines = res.output.splitlines()
+    assert lines[0].split() == ["ID", "TENANT", "LABEL", "RPM", "TPM", "CREATED", "(UTC)",
+                                "REVOKED", "(UTC)"]
+    rows = {line.split()[0]: line for line in lines[1:]}
+    assert set(rows) == {key_id, beta_id}
+    assert rows[key_id].split()[1:6] == ["acme", "ci", "bot", "60", "10000"]
+    assert rows[key_id].rstrip().endswith("-")  # not revoked
+    assert key not in res.output and data["key"] not in res.output  # never the key
+
+    res = run("revoke", key_id)
+    assert res.exit_code == 0, res.output
+    assert f"revoked {key_id} (tenant acme)" in res.output and "within 5 s" in res.output
+    assert apikeys.lookup(r, key) is None
+    res = run("revoke", key_id)
+    assert res.exit_code == 0 and "already revoked" in res.output
+
+    listed = json.loads(run("list", "--json").output)
+    revoked = {k["id"]: k["revoked"] for k in listed}
+    assert revoked[key_id] is not None and revoked[beta_id] is None
+    assert "key" not in listed[0]
+    active = json.loads(run("list", "--active", "--json").output)
+    assert [k["id"] for k in active] == [beta_id]
+
+    events = [(e["kind"], e["actor"], e["detail"]["id"])
+              for e in registry.recent_events(r, 10)]
+    user = f"cli:{getpass.getuser()}"
+    assert events == [("key_revoke", user, key_id), ("key_create", user, beta_id),
+                      ("key_create", user, key_id)]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["create", "--tenant", "bad tenant"], "tenant"),
+    (["create", "--tenant", "acme", "--rpm", "0"], "rpm must be between 1"),
+    (["create", "--tenant", "acme", "--tpm", "-5"], "tpm must be between 1"),
+    (["create", "--tenant", "acme", "--rpm", "many"], "not a valid integer"),
+    (["create"], "Missing option '--tenant'"),
+    (["revoke", "00000000"], "no key with id '00000000'"),
+    (["revoke", "not-an-id"], "no key with id"),
+])
+def test_bad_input_is_refused(run, args, message) -> None:
+    res = run(*args)
+    assert res.exit_code != 0
+    assert message in res.output
+
+
+def test_redis_unreachable() -> None:
+    port = procs.free_port()
+    res = CliRunner().invoke(main, ["keys", "--redis-url", f"redis://127.0.0.1:{port}/0", "list"])
+    assert res.exit_code == 1
+    assert f"cannot reach Redis at redis://127.0.0.1:{port}/0" in res.output

@@ -1,0 +1,68 @@
+"""Node registry, node states and events against a real redis-server."""
+
+import pytest
+
+from controlplane.redisdb import keynames
+from controlplane.routing import registry
+from controlplane.config import NodeSettings
+
+
+def node(name: str, port: int = 9000, **kw) -> NodeSettings:
+    return NodeSettings(name=name, url=f"http://127.0.0.1:{port}", **kw)
+
+
+def test_seed_keeps_runtime_edits(redis_server):
+    r = redis_server.client()
+    assert registry.seed_nodes(r, [node("a"), node("b")]) == 2
+    registry.put_node(r, node("a", 9100, weight=3))
+    # A restart seeds again from the file: the edit of "a" survives, nothing is duplicated.
+    assert registry.seed_nodes(r, [node("a"), node("b")]) == 0
+    nodes = {n.name: n for n in registry.list_nodes(r)}
+    assert nodes["a"].url.endswith(":9100") and nodes["a"].weight == 3
+    assert sorted(nodes) == ["a", "b"]
+
+
+def test_remove_deletes_state_and_metrics(redis_server):
+    r = redis_server.client()
+    registry.put_node(r, node("a"))
+    registry.set_state(r, "a", "draining", actor="t")
+    r.set(keynames.node_metrics("a"), "{}")
+    assert registry.remove_node(r, "a") is True
+    assert registry.get_node(r, "a") is None
+    assert registry.get_state(r, "a").state == "active"
+    assert not r.exists(keynames.node_metrics("a"))
+    assert registry.remove_node(r, "a") is False
+
+
+def test_states(redis_server):
+    r = redis_server.client()
+    assert registry.get_state(r, "x").state == "active"
+    st = registry.set_state(r, "x", "draining", actor="admin", now=100.0)
+    assert (st.state, st.since, st.actor) == ("draining", 100.0, "admin")
+    assert registry.get_states(r)["x"] == st
+    with pytest.raises(ValueError):
+        registry.set_state(r, "x", "paused")  # type: ignore[arg-type]
+    r.hset(keynames.NODE_STATES, "junk", "not json")
+    assert "junk" not in registry.get_states(r)
+
+
+def test_invalid_registry_entry_is_skipped(redis_server):
+    r = redis_server.client()
+    registry.put_node(r, node("good"))
+    r.hset(keynames.NODES, "bad", '{"name": "bad", "url": "ftp://x"}')
+    assert [n.name for n in registry.list_nodes(r)] == ["good"]
+
+
+def test_events_newest_first_filter_and_cap(redis_server):
+    r = redis_server.client()
+    for i in range(5):
+        registry.add_event(r, "drain", node="a" if i % 2 == 0 else "b", actor="admin", detail={"i": i})
+    ev = registry.recent_events(r, count=10)
+    assert [e["detail"]["i"] for e in ev] == [4, 3, 2, 1, 0]
+    assert all(e["kind"] == "drain" and e["actor"] == "admin" for e in ev)
+    only_b = registry.recent_events(r, count=10, node="b")
+    assert [e["detail"]["i"] for e in only_b] == [3, 1]
+    for i in range(300):
+        registry.add_event(r, "x", maxlen=100)
+    # Approximate trimming keeps the stream near its cap, never unbounded.
+    assert r.xlen(keynames.EVENTS) < 250

@@ -1,0 +1,86 @@
+"""``infergate warmup``: prompt-file parsing, and a real run through nginx + Redis + a
+simulated node (answers stored, second run skips everything, no node request)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from controlplane import procs
+from controlplane.redisdb import keynames
+from controlplane.cache.key import keys_for
+from controlplane.cache.warmup import CHAT, COMPLETIONS, PromptError, parse_line, warmup_cmd
+from support.stack import edge_settings
+
+
+def test_parse_plain_and_jsonl_lines() -> None:
+    assert parse_line("  \n", 1, "m") is None
+    p = parse_line("What is Redis?\n", 2, "m")
+    assert p.path == CHAT and p.body == {"model": "m", "messages": [
+        {"role": "user", "content": "What is Redis?"}]}
+    j = parse_line(json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": 0}),
+                   3, "m")
+    assert j.path == CHAT and j.body["model"] == "m" and j.body["temperature"] == 0
+    c = parse_line(json.dumps({"model": "other", "prompt": "Once"}), 4, None)
+    assert c.path == COMPLETIONS and c.body["model"] == "other"
+    brace = parse_line("{not json at all", 5, "m")
+    assert brace.body["messages"][0]["content"] == "{not json at all"
+
+
+@pytest.mark.parametrize("line, msg", [
+    ("plain", "needs --model"),
+    ('{"messages": []}', "non-empty"),
+    ('{"messages": "not a list"}', "non-empty"),
+    ('{"prompt": "p"}', "no \"model\""),
+])
+def test_bad_lines_are_named(line, msg) -> None:
+    with pytest.raises(PromptError, match=msg):
+        parse_line(line, 7, None if "model" in msg or "plain" == line else "m")
+
+
+@pytest.mark.integration
+def test_warmup_stores_answers_and_skips_them_next_time(redis_server, simnodes, edge_factory,
+                                                        workdir) -> None:
+    node = simnodes(1, time_scale=0.05, output_tokens="8:16")[0]
+    s = edge_settings(redis_server.url, [node.node_settings()])
+    s.cache = s.cache.model_validate({"enabled": True, "semantic": False})
+    edge = edge_factory(s)
+    lines = ["What is a load balancer?", "Why cache LLM answers?",
+             json.dumps({"messages": [{"role": "system", "content": "Be brief."},
+                                      {"role": "user", "content": "Define latency."}],
+                         "temperature": 0}),
+             json.dumps({"prompt": "The sea is", "max_tokens": 64, "temperature": 0}),
+             "What is a load balancer?",  # duplicate: sent once
+             "",
+             # cut by max_tokens (finish_reason "length"): answered, never stored
+             json.dumps({"messages": [{"role": "user", "content": "Count to fifty."}],
+                         "max_tokens": 2})]
+    f = workdir / "prompts.txt"
+    f.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    args = ["--file", str(f), "--edge", edge.url, "--redis-url", redis_server.url,
+            "--concurrency", "3"]
+    res = CliRunner().invoke(warmup_cmd, args)  # model from the edge's /v1/models
+    assert res.exit_code == 0, res.output
+    assert "sent 5, skipped 1, stored 4, failed 0" in res.output
+    r = redis_server.client()
+    body = {"model": "sim-llama", "messages": [{"role": "user", "content": "Why cache LLM answers?"}]}
+    assert r.exists(keynames.cache_entry(keys_for(CHAT, body).exact))
+    before = node.state()["requests_total"]
+
+    again = CliRunner().invoke(warmup_cmd, args + ["--model", "sim-llama"])
+    assert again.exit_code == 0, again.output
+    assert "sent 1, skipped 5, stored 0, failed 0" in again.output
+    assert node.state()["requests_total"] == before + 1  # only the cut answer again
+
+
+@pytest.mark.integration
+def test_warmup_reports_failures(redis_server, workdir) -> None:
+    f = workdir / "prompts.txt"
+    f.write_text("one\ntwo\n", encoding="utf-8")
+    dead = f"http://127.0.0.1:{procs.free_port()}"
+    res = CliRunner().invoke(warmup_cmd, ["--file", str(f), "--edge", dead, "--model", "m",
+                                          "--redis-url", redis_server.url, "--timeout", "2"])
+    assert res.exit_code == 1
+    assert "sent 0, skipped 0, stored 0, failed 2" in res.output

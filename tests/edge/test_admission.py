@@ -1,0 +1,160 @@
+"""Load shedding at the edge (lua/infergate/admission/shed.lua) with real nginx, Redis and
+upstreams: all nodes saturated -> 429 + Retry-After within the wait bound; capacity
+that comes back during the wait admits the request; the edge's own in-flight count at
+max_concurrency sheds too; shedding off lets requests through."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import requests
+
+from controlplane import procs
+from controlplane.config import Settings
+from support.stack import edge_settings, write_snapshot
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def settings(redis_url: str, nodes: list, **admission: Any) -> Settings:
+    s = edge_settings(redis_url, nodes)
+    for k, v in admission.items():
+        setattr(s.admission, k, v)
+    return s
+
+
+def post(url: str, body: dict = CHAT, timeout: float = 15) -> requests.Response:
+    return requests.post(f"{url}/v1/chat/completions", json=body, timeout=timeout)
+
+
+def assert_shed(res: requests.Response, retry_after: int = 1) -> None:
+    assert res.status_code == 429, res.text
+    assert res.headers["Retry-After"] == str(retry_after)
+    err = res.json()["error"]
+    assert err["type"] == "server_overloaded" and err["code"] == "nodes_saturated"
+
+
+def test_all_saturated_sheds_within_the_wait_bound(redis_server, tiny_upstreams, edge_factory) -> None:
+    ups = tiny_upstreams(2)
+    edge = edge_factory(settings(redis_server.url, [u.node_settings() for u in ups],
+                                 max_wait_ms=1000, retry_after_s=2))
+    r = redis_server.client()
+    snap = write_snapshot(r, [u.snapshot_node(saturated=True, queue_depth=40) for u in ups])
+    edge.wait_snapshot(snap["version"])
+
+    for _ in range(2):
+        started = time.monotonic()
+        res = post(edge.url)
+        elapsed = time.monotonic() - started
+        assert_shed(res, retry_after=2)
+        assert 0.95 <= elapsed < 2.5, elapsed  # waited for capacity, then answered: no timeout
+    assert sum(u.hits for u in ups) == 0
+    assert edge.status()["admission"]["shed"] == 2
+    # GET /v1/models is not shed
+    assert requests.get(f"{edge.url}/v1/models", timeout=10).status_code == 200
+
+    # one node with room: admitted at once, and routed there
+    snap = write_snapshot(r, [ups[0].snapshot_node(saturated=True), ups[1].snapshot_node()])
+    edge.wait_snapshot(snap["version"])
+    started = time.monotonic()
+    res = post(edge.url)
+    assert res.status_code == 200 and time.monotonic() - started < 0.5
+    assert res.headers["X-Infergate-Node"] == ups[1].name
+
+
+def test_capacity_returning_during_the_wait_admits(redis_server, tiny_upstreams, edge_factory) -> None:
+    (up,) = tiny_upstreams(1)
+    edge = edge_factory(settings(redis_server.url, [up.node_settings()], max_wait_ms=3000))
+    r = redis_server.client()
+    snap = write_snapshot(r, [up.snapshot_node(saturated=True)])
+    edge.wait_snapshot(snap["version"])
+    out: dict = {}
+
+    def call() -> None:
+        started = time.monotonic()
+        out["res"] = post(edge.url)
+        out["elapsed"] = time.monotonic() - started
+
+    t = threading.Thread(target=call)
+    t.start()
+    procs.wait_until(lambda: edge.status()["admission"]["waiting"] == 1, 5,
+                     what="the request to wait for capacity")
+    write_snapshot(r, [up.snapshot_node(saturated=False)])
+    t.join(10)
+    assert out["res"].status_code == 200, out["res"].text
+    assert out["elapsed"] < 2.5
+    st = edge.status()["admission"]
+    assert st["shed"] == 0 and st["waiting"] == 0
+
+
+def test_stale_snapshot_saturation_is_ignored(redis_server, tiny_upstreams, edge_factory) -> None:
+    (up,) = tiny_upstreams(1)
+    s = settings(redis_server.url, [up.node_settings()], max_wait_ms=200)
+    s.edge.stale_after_s = 1.0
+    edge = edge_factory(s)
+    r = redis_server.client()
+    snap = write_snapshot(r, [up.snapshot_node(saturated=True)], generated_at=time.time() - 5)
+    edge.wait_snapshot(snap["version"])
+    assert post(edge.url).status_code == 200
+
+
+def test_inflight_at_max_concurrency_sheds(redis_server, tiny_upstreams, edge_factory) -> None:
+    (up,) = tiny_upstreams(1)
+    up.gate = threading.Event()
+    up.chunks = 2
+    edge = edge_factory(settings(redis_server.url, [up.node_settings(max_concurrency=1)],
+                                 max_wait_ms=250))
+    stream = requests.post(f"{edge.url}/v1/chat/completions", json={**CHAT, "stream": True},
+                           stream=True, timeout=15)
+    try:
+        assert stream.status_code == 200
+        assert edge.node_status(up.name)["inflight"] == 1
+        started = time.monotonic()
+        assert_shed(post(edge.url))
+        assert time.monotonic() - started < 1.5
+        assert up.hits == 1
+    finally:
+        up.gate.set()
+        stream.close()
+    edge.wait_idle()
+    assert post(edge.url).status_code == 200
+
+
+def test_shedding_off_lets_requests_through(redis_server, tiny_upstreams, edge_factory) -> None:
+    (up,) = tiny_upstreams(1)
+    edge = edge_factory(settings(redis_server.url, [up.node_settings()], shed=False))
+    r = redis_server.client()
+    snap = write_snapshot(r, [up.snapshot_node(saturated=True)])
+    edge.wait_snapshot(snap["version"])
+    res = post(edge.url)
+    assert res.status_code == 200
+    assert edge.status()["admission"]["shed"] == 0
+
+
+def test_cache_hit_is_served_while_every_node_is_saturated(redis_server, tiny_upstreams,
+                                                           edge_factory) -> None:
+    (up,) = tiny_upstreams(1)
+    s = settings(redis_server.url, [up.node_settings()], max_wait_ms=1000)
+    s.cache.enabled = True
+    s.cache.semantic = False
+    edge = edge_factory(s)
+    body = {"model": "tiny", "temperature": 0, "messages": [{"role": "user", "content": "cached?"}]}
+    first = post(edge.url, body)
+    assert first.status_code == 200, first.text
+    procs.wait_until(lambda: post(edge.url, body).headers.get("X-Cache-Status") == "HIT", 5,
+                     what="the answer to be stored in the cache")
+    hits = up.hits
+
+    r = redis_server.client()
+    snap = write_snapshot(r, [up.snapshot_node(saturated=True)])
+    edge.wait_snapshot(snap["version"])
+    started = time.monotonic()
+    res = post(edge.url, body)
+    assert res.status_code == 200 and res.headers["X-Cache-Status"] == "HIT"
+    assert time.monotonic() - started < 0.5, "a hit does not wait for capacity"
+    assert res.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
+    # any other request is shed
+    assert_shed(post(edge.url, {**body, "messages": [{"role": "user", "content": "new"}]}))
+    assert up.hits == hits

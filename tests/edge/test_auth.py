@@ -1,0 +1,198 @@
+"""API keys at the edge (lua/infergate/admission/auth.lua) with a real nginx, Redis and upstream:
+missing, wrong and revoked keys, the revocation delay of the edge's key cache, the
+key kept out of logs and away from the nodes, Redis down (cached keys work, unknown
+keys get 503, nothing gets 500), auth off."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+import requests
+
+from controlplane import procs
+from controlplane.admin import apikeys
+from controlplane.config import NodeSettings, Settings
+from support.stack import edge_settings
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+
+
+class HeaderUpstream:
+    """OpenAI-compatible upstream that records the headers of every request it gets."""
+
+    def __init__(self) -> None:
+        self.headers: list[dict[str, str]] = []
+        self.port = procs.free_port()
+        upstream = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _answer(self, obj: dict) -> None:
+                body = json.dumps(obj).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                upstream.headers.append({k.lower(): v for k, v in self.headers.items()})
+                self._answer({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                upstream.headers.append({k.lower(): v for k, v in self.headers.items()})
+                self._answer({"id": "x", "object": "chat.completion", "model": "tiny",
+                              "choices": [{"index": 0, "finish_reason": "stop",
+                                           "message": {"role": "assistant", "content": "ok"}}],
+                              "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def node(self) -> NodeSettings:
+        return NodeSettings(name="hdr", url=f"http://127.0.0.1:{self.port}")
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def upstream() -> Iterator[HeaderUpstream]:
+    u = HeaderUpstream()
+    try:
+        yield u
+    finally:
+        u.stop()
+
+
+def auth_settings(redis_url: str, node: NodeSettings, **auth: Any) -> Settings:
+    s = edge_settings(redis_url, [node])
+    s.auth.mode = "required"
+    for k, v in auth.items():
+        setattr(s.auth, k, v)
+    s.limits.redis_retry_s = 0.2
+    return s
+
+
+def post(edge: Any, key: str | None, body: dict = CHAT) -> requests.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    return requests.post(f"{edge.url}/v1/chat/completions", json=body, headers=headers, timeout=10)
+
+
+def assert_invalid_key(res: requests.Response) -> None:
+    assert res.status_code == 401, res.text
+    assert res.headers["Content-Type"] == "application/json"
+    assert res.headers["WWW-Authenticate"].startswith("Bearer")
+    err = res.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == "invalid_api_key"
+    assert err["param"] is None and err["message"]
+
+
+def test_missing_wrong_and_valid_keys(redis_server, upstream, edge_factory) -> None:
+    r = redis_server.client()
+    key, rec = apikeys.create_key(r, "acme")
+    edge = edge_factory(auth_settings(redis_server.url, upstream.node()))
+
+    assert_invalid_key(post(edge, None))
+    assert_invalid_key(post(edge, "ig-not-a-key"))
+    assert_invalid_key(post(edge, key + "x"))
+    res = requests.post(f"{edge.url}/v1/chat/completions", json=CHAT, timeout=10,
+                        headers={"Authorization": f"Basic {key}"})
+    assert_invalid_key(res)
+    res = requests.post(f"{edge.url}/v1/chat/completions", json=CHAT, timeout=10,
+                        headers={"Authorization": "Bearer " + "k" * 5000})
+    assert_invalid_key(res)
+    assert upstream.headers == [], "no rejected request reaches a node"
+
+    res = post(edge, key)
+    assert res.status_code == 200, res.text
+    assert res.json()["choices"][0]["message"]["content"] == "ok"
+    # the scheme is case-insensitive; GET /v1/models needs the key as well
+    res = requests.get(f"{edge.url}/v1/models", headers={"Authorization": f"bearer {key}"}, timeout=10)
+    assert res.status_code == 200, res.text
+    assert_invalid_key(requests.get(f"{edge.url}/v1/models", timeout=10))
+    # the key is not passed on to the nodes
+    assert len(upstream.headers) == 2
+    assert all("authorization" not in h for h in upstream.headers)
+
+    st = edge.status()["admission"]
+    assert st["auth_rejected"] == 6 and st["auth_unavailable"] == 0
+
+    # the key appears in no log line, neither does the bogus one
+    logs = edge.access_log() + edge.error_log()
+    assert "POST /v1/chat/completions" in edge.access_log()
+    assert key not in logs and key[3:20] not in logs and "ig-not-a-key" not in logs
+
+
+def test_revoked_key_stops_within_the_cache_interval(redis_server, upstream, edge_factory) -> None:
+    r = redis_server.client()
+    key, rec = apikeys.create_key(r, "acme")
+    ttl = 2.0
+    edge = edge_factory(auth_settings(redis_server.url, upstream.node(), cache_ttl_s=ttl))
+    assert post(edge, key).status_code == 200
+    cached_at = time.monotonic()
+    apikeys.revoke_key(r, rec.id)
+    revoked_at = time.monotonic()
+    # still cached: the edge has not asked Redis again
+    res = post(edge, key)
+    if time.monotonic() - cached_at < ttl:
+        assert res.status_code == 200, res.text
+    # within the interval (plus slack for a slow machine) it is refused
+    first_401 = None
+    while time.monotonic() - revoked_at < ttl + 3:
+        res = post(edge, key)
+        if res.status_code == 401:
+            first_401 = time.monotonic()
+            break
+        assert res.status_code == 200, res.text
+        time.sleep(0.1)
+    assert first_401 is not None, "revoked key still accepted after the cache interval"
+    assert first_401 - cached_at >= ttl * 0.9, "the edge trusted its cached answer"
+    assert_invalid_key(res)
+    # and stays refused (negative answers are cached too)
+    assert_invalid_key(post(edge, key))
+
+
+def test_redis_down_cached_keys_work_unknown_keys_get_503(redis_server, upstream, edge_factory) -> None:
+    r = redis_server.client()
+    known, _ = apikeys.create_key(r, "acme")
+    other, _ = apikeys.create_key(r, "acme")
+    edge = edge_factory(auth_settings(redis_server.url, upstream.node(), cache_ttl_s=0.2,
+                                      negative_ttl_s=0.2, stale_ttl_s=60.0))
+    assert post(edge, known).status_code == 200
+    assert_invalid_key(post(edge, "ig-bogus"))
+    redis_server.stop()
+    time.sleep(0.3)  # let the cached answers age past cache_ttl_s: they are now stale
+
+    for _ in range(3):
+        assert post(edge, known).status_code == 200  # stale answer used while Redis is down
+        assert_invalid_key(post(edge, "ig-bogus"))  # known-bad stays bad
+        res = post(edge, other)  # never seen: cannot be checked
+        assert res.status_code == 503, res.text
+        err = res.json()["error"]
+        assert err["code"] == "auth_unavailable" and err["type"] == "service_unavailable"
+        assert res.headers["Retry-After"] == "1"
+    assert edge.status()["admission"]["auth_unavailable"] == 3
+    assert "Redis unreachable for API keys" in edge.error_log()
+    assert all("authorization" not in h for h in upstream.headers)
+
+
+def test_auth_off_needs_no_key(redis_server, upstream, edge_factory) -> None:
+    edge = edge_factory(edge_settings(redis_server.url, [upstream.node()]))
+    assert post(edge, None).status_code == 200
+    # a client's own Authorization header passes through untouched when auth is off
+    assert post(edge, "whatever").status_code == 200
+    assert upstream.headers[-1]["authorization"] == "Bearer whatever"

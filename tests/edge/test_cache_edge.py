@@ -1,0 +1,615 @@
+"""The response cache end to end: real nginx edge, redis-server, the embedder service
+(bundled all-MiniLM-L6-v2, started once for the module) and a simulated node.
+
+Each test uses its own prompts, so entries of one test never answer another."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import redis
+import requests
+
+from controlplane import procs
+from controlplane.redisdb import keynames
+from controlplane.cache.key import keys_for
+from controlplane.config import Settings
+from support.stack import SimNode, edge_settings, write_snapshot
+
+pytestmark = pytest.mark.integration
+
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+MODEL = "sim-llama"
+
+
+@dataclass
+class Stack:
+    """Module-wide processes: Redis, one simulated node, the embedder."""
+
+    dir: Path
+    redis_url: str
+    redis_port: int
+    node: SimNode
+    embedder_url: str
+    r: redis.Redis
+
+    def node_requests(self) -> int:
+        return int(self.node.state()["requests_total"])
+
+    def counters(self) -> dict[str, int]:
+        return {k: int(v) for k, v in self.r.hgetall(keynames.CACHE_STATS).items()}
+
+
+def _http_ok(url: str) -> bool:
+    return requests.get(url, timeout=1).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    d = Path(tempfile.mkdtemp(prefix="infergate-cache-"))
+    d.chmod(0o755)
+    ps = procs.ProcessSet()
+    try:
+        rport = procs.free_port()
+        ps.add(procs.start_redis(d / "redis", rport))
+        url = f"redis://127.0.0.1:{rport}/0"
+        port, cport = procs.free_port(), procs.free_port()
+        m = ps.add(procs.Managed("sim-c", procs.infergate_argv(
+            "simnode", "--host", "127.0.0.1", "--port", str(port), "--control-port", str(cport),
+            "--name", "sim-c", "--time-scale", "0.05", "--output-tokens", "24:48"),
+            d / "logs" / "sim-c.log").start())
+        node = SimNode("sim-c", "127.0.0.1", port, cport, m)
+        eport = procs.free_port()
+        emb = ps.add(procs.Managed("embedder", procs.infergate_argv(
+            "embedder", "--listen", f"127.0.0.1:{eport}", "--redis-url", url, "--index", "local",
+            "--threads", "4"), d / "logs" / "embedder.log").start())
+        m.wait_ready(lambda: procs.port_open("127.0.0.1", cport), 30)
+        emb.wait_ready(lambda: _http_ok(f"http://127.0.0.1:{eport}/healthz"), 120)
+        # first embedding of a process is slow; do it before any edge budget applies
+        requests.post(f"http://127.0.0.1:{eport}/v1/lookup",
+                      json={"namespace": "0" * 64, "text": "warm up"}, timeout=30)
+        r = redis.Redis(host="127.0.0.1", port=rport, decode_responses=True, socket_timeout=2)
+        yield Stack(d, url, rport, node, f"http://127.0.0.1:{eport}", r)
+    finally:
+        ps.stop_all()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def cache_settings(stack: Stack, redis_url: str | None = None, **cache: Any) -> Settings:
+    s = edge_settings(redis_url or stack.redis_url, [stack.node.node_settings()], workers=2)
+    c = {"enabled": True, "embedder_url": stack.embedder_url, "semantic_budget_ms": 3000,
+         "min_similarity": 0.8, "coalesce_wait_s": 10.0, "coalesce_poll_ms": 20}
+    c.update(cache)
+    s.cache = s.cache.model_validate(c)
+    return s
+
+
+@pytest.fixture
+def edge(stack, edge_factory):
+    return edge_factory(cache_settings(stack))
+
+
+def body_of(content: str, system: str | None = None, **params: Any) -> dict:
+    msgs = [{"role": "system", "content": system}] if system else []
+    msgs.append({"role": "user", "content": content})
+    return {"model": MODEL, "messages": msgs, **params}
+
+
+def post(edge, body: dict, path: str = CHAT, headers: dict | None = None,
+         timeout: float = 30) -> requests.Response:
+    return requests.post(edge.url + path, json=body, headers=headers or {}, timeout=timeout)
+
+
+def exact_key(body: dict, path: str = CHAT, tenant: str = "default") -> str:
+    return keys_for(path, body, tenant).exact
+
+
+def wait_stored(stack: Stack, body: dict, path: str = CHAT, timeout: float = 10) -> dict:
+    k = keynames.cache_entry(exact_key(body, path))
+    procs.wait_until(lambda: stack.r.exists(k), timeout, what=f"cache entry {k}")
+    return json.loads(stack.r.get(k))
+
+
+def wait_indexed(stack: Stack, body: dict, timeout: float = 20) -> None:
+    key = exact_key(body)
+    prefix = keynames.CACHE_VEC_PREFIX
+
+    def found() -> bool:
+        return any(True for _ in stack.r.scan_iter(match=f"{prefix}*:{key}", count=1000))
+
+    procs.wait_until(found, timeout, what="semantic vector of the entry")
+
+
+def wait_counted(stack: Stack, before: dict[str, int], field: str, n: int = 1,
+                 timeout: float = 10) -> None:
+    """Wait until counter ``field`` grew by ``n`` (the request's log timer ran; an entry it
+    stored is written before its counters)."""
+    procs.wait_until(lambda: stack.counters().get(field, 0) >= before.get(field, 0) + n,
+                     timeout, what=f"cache counter {field} +{n}")
+
+
+def content_of(res: requests.Response) -> str:
+    return res.json()["choices"][0]["message"]["content"]
+
+
+# ----------------------------------------------------------------------------- exact
+
+
+def test_exact_hit_is_served_without_a_node(stack, edge) -> None:
+    body = body_of("What is the capital of France?", temperature=0)
+    first = post(edge, body)
+    assert first.status_code == 200, first.text
+    assert first.headers["X-Cache-Status"] == "MISS"
+    assert "X-Infergate-Node" in first.headers
+    entry = wait_stored(stack, body)
+    assert entry["tenant"] == "default" and entry["model"] == MODEL and entry["ttl"] == 3600
+    assert 3500 < stack.r.ttl(keynames.cache_entry(exact_key(body))) <= 3600
+    n = stack.node_requests()
+    before = stack.counters()
+    second = post(edge, body)
+    assert second.status_code == 200
+    assert second.headers["X-Cache-Status"] == "HIT"
+    assert second.headers["X-Cache-Match"] == "exact"
+    assert second.headers["X-Cache-Similarity"] == "1.0"
+    assert "X-Infergate-Node" not in second.headers
+    assert stack.node_requests() == n
+    a, b = first.json(), second.json()
+    assert content_of(second) == content_of(first)
+    assert b["id"] != a["id"] and b["object"] == "chat.completion"
+    assert b["usage"] == a["usage"] and b["choices"][0]["finish_reason"] == "stop"
+    wait_counted(stack, before, "hits_exact")
+    assert stack.counters()["lookups"] == before["lookups"] + 1
+
+
+def test_text_completions_are_cached_too(stack, edge) -> None:
+    body = {"model": MODEL, "prompt": "Write one line about the sea.", "temperature": 0}
+    first = post(edge, body, COMP)
+    assert first.status_code == 200 and first.headers["X-Cache-Status"] == "MISS"
+    wait_stored(stack, body, COMP)
+    second = post(edge, body, COMP)
+    assert second.headers["X-Cache-Status"] == "HIT"
+    assert second.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    assert second.json()["object"] == "text_completion"
+
+
+@pytest.mark.parametrize("variant", ["system", "model", "temperature", "earlier_turns", "max_tokens"])
+def test_answer_changing_differences_miss(stack, edge, variant) -> None:
+    q = {"system": "Name three prime numbers.", "model": "Which planet has rings?",
+         "temperature": "Who painted the Mona Lisa?", "earlier_turns": "How far is the Moon?",
+         "max_tokens": "What is photosynthesis?"}[variant]
+    base = body_of(q, system="You are terse.", temperature=0)
+    assert post(edge, base).headers["X-Cache-Status"] == "MISS"
+    wait_stored(stack, base)
+    if variant == "system":
+        other = body_of(q, system="You are verbose.", temperature=0)
+    elif variant == "model":
+        other = {**base, "model": "other-model"}
+    elif variant == "temperature":
+        other = {**base, "temperature": 0.3}
+    elif variant == "max_tokens":
+        other = {**base, "max_tokens": 500}
+    else:
+        other = {**base, "messages": [base["messages"][0], {"role": "user", "content": "Hi"},
+                                      {"role": "assistant", "content": "Hello."},
+                                      base["messages"][1]]}
+    res = post(edge, other)
+    assert res.headers["X-Cache-Status"] == "MISS", variant
+
+
+def test_stream_is_stored_and_replayed_for_the_openai_client(stack, edge) -> None:
+    client = openai.OpenAI(base_url=edge.url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Tell me a short story about a lighthouse."}]
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, temperature=0, stream=True,
+        stream_options={"include_usage": True})
+    assert raw.headers["X-Cache-Status"] == "MISS"
+    live = list(raw.parse())
+    live_text = "".join(c.choices[0].delta.content or "" for c in live if c.choices)
+    assert live_text
+    body = {"model": MODEL, "messages": messages, "temperature": 0}
+    entry = wait_stored(stack, body)
+    assert entry["stream"] is True
+    n = stack.node_requests()
+
+    raw2 = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, temperature=0, stream=True,
+        stream_options={"include_usage": True})
+    assert raw2.headers["X-Cache-Status"] == "HIT"
+    assert raw2.headers["Content-Type"].startswith("text/event-stream")
+    chunks = list(raw2.parse())
+    content_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(content_chunks) >= 2  # split into several chunks
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content for c in content_chunks) == live_text
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == live[-1].usage.completion_tokens
+
+    # without include_usage: no usage chunk; a non-streamed request shares the entry
+    chunks3 = list(client.chat.completions.create(model=MODEL, messages=messages,
+                                                  temperature=0, stream=True))
+    assert all(c.usage is None for c in chunks3)
+    plain = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages,
+                                                             temperature=0)
+    assert plain.headers["X-Cache-Status"] == "HIT"
+    assert plain.parse().choices[0].message.content == live_text
+    assert stack.node_requests() == n
+
+
+def test_entry_without_usage_never_answers_a_request_that_needs_usage(stack, edge) -> None:
+    # A stream that did not ask for usage is stored without it; a plain request (whose
+    # answer always carries usage) must not get `"usage": null` from it.
+    body = body_of("Describe a quiet harbour at dawn.", temperature=0)
+    with post(edge, {**body, "stream": True}) as r:
+        assert r.headers["X-Cache-Status"] == "MISS"
+    entry = wait_stored(stack, body)
+    assert entry["stream"] is True
+    n = stack.node_requests()
+    streamed = post(edge, {**body, "stream": True})
+    assert streamed.headers["X-Cache-Status"] == "HIT"      # no usage asked: served
+    plain = post(edge, body)
+    assert plain.headers["X-Cache-Status"] == "MISS"        # needs usage: to a node
+    assert plain.json()["usage"]["completion_tokens"] > 0
+    assert stack.node_requests() == n + 1
+    procs.wait_until(lambda: json.loads(stack.r.get(keynames.cache_entry(exact_key(body))) or "{}")
+                     .get("stream") is False, 10, what="the complete entry in its place")
+    again = post(edge, body)
+    assert again.headers["X-Cache-Status"] == "HIT"
+    assert again.json()["usage"] == plain.json()["usage"]
+
+
+# ----------------------------------------------------------------------------- semantic
+
+
+def test_paraphrase_is_a_semantic_hit(stack, edge) -> None:
+    body = body_of("How do I reset my password?", temperature=0)
+    first = post(edge, body)
+    assert first.headers["X-Cache-Status"] == "MISS"
+    wait_stored(stack, body)
+    wait_indexed(stack, body)
+    n = stack.node_requests()
+    before = stack.counters()
+    res = post(edge, body_of("How can I reset my password?", temperature=0))
+    assert res.status_code == 200
+    assert res.headers["X-Cache-Status"] == "HIT"
+    assert res.headers["X-Cache-Match"] == "semantic"
+    sim = float(res.headers["X-Cache-Similarity"])
+    assert 0.8 <= sim < 1.0
+    assert content_of(res) == content_of(first)
+    assert stack.node_requests() == n
+    wait_counted(stack, before, "hits_semantic")
+
+    unrelated = post(edge, body_of("What is the boiling point of water at sea level?",
+                                   temperature=0))
+    assert unrelated.headers["X-Cache-Status"] == "MISS"
+    # the same question under another system prompt is another namespace
+    other_ns = post(edge, body_of("How can I reset my password?", system="Answer in French.",
+                                  temperature=0))
+    assert other_ns.headers["X-Cache-Status"] == "MISS"
+
+
+def test_purged_entry_is_not_a_semantic_hit(stack, edge) -> None:
+    from controlplane.cache import store as cache_store
+
+    body = body_of("Where can I download my invoices?", temperature=0)
+    assert post(edge, body).headers["X-Cache-Status"] == "MISS"
+    wait_stored(stack, body)
+    wait_indexed(stack, body)
+    assert post(edge, body_of("Where do I download my invoices?", temperature=0)) \
+        .headers["X-Cache-Status"] == "HIT"
+    r = redis.Redis.from_url(stack.redis_url, decode_responses=True)
+    assert cache_store.purge(r, namespace=keys_for(CHAT, body).namespace) >= 1
+    res = post(edge, body_of("Where do I download my invoices?", temperature=0))
+    assert res.headers["X-Cache-Status"] == "MISS"
+
+
+def test_chinese_prompts_exact_and_semantic(stack, edge) -> None:
+    body = body_of("如何修改我的登录密码？", temperature=0)
+    first = post(edge, body)
+    assert first.status_code == 200 and first.headers["X-Cache-Status"] == "MISS"
+    wait_stored(stack, body)
+    wait_indexed(stack, body)
+    again = post(edge, body)
+    assert again.headers["X-Cache-Status"] == "HIT" and again.headers["X-Cache-Match"] == "exact"
+    assert content_of(again) == content_of(first)
+    para = post(edge, body_of("怎么更改登录密码？", temperature=0))
+    assert para.status_code == 200
+    assert para.headers["X-Cache-Status"] in ("HIT", "MISS")  # semantic path ran, no crash
+
+
+def test_fifty_thousand_character_prompt(stack, edge) -> None:
+    text = ("The quick brown fox jumps over the lazy dog. " * 1200)[:50000]
+    body = body_of(text, temperature=0, max_tokens=64)
+    first = post(edge, body, timeout=60)
+    assert first.status_code == 200, first.text
+    assert first.headers["X-Cache-Status"] == "MISS"
+    wait_stored(stack, body)
+    second = post(edge, body, timeout=60)
+    assert second.headers["X-Cache-Status"] == "HIT"
+    assert content_of(second) == content_of(first)
+
+
+# ----------------------------------------------------------------------------- not stored
+
+
+def test_server_error_is_not_stored(stack, edge) -> None:
+    body = body_of("Explain TCP slow start briefly.", temperature=0)
+    before = stack.counters()
+    stack.node.set_faults(error_rate=1.0, error_status=500)
+    try:
+        res = post(edge, body)
+    finally:
+        stack.node.set_faults(error_rate=0.0)
+    assert res.status_code >= 500 and res.headers["X-Cache-Status"] == "MISS"
+    wait_counted(stack, before, "misses")
+    assert not stack.r.exists(keynames.cache_entry(exact_key(body)))
+    ok = post(edge, body)
+    assert ok.status_code == 200 and ok.headers["X-Cache-Status"] == "MISS"
+
+
+def test_truncated_answer_is_not_stored(stack, edge) -> None:
+    body = body_of("List every country in Europe with its capital.", temperature=0, max_tokens=3)
+    before = stack.counters()
+    res = post(edge, body)
+    assert res.status_code == 200
+    assert res.json()["choices"][0]["finish_reason"] == "length"
+    wait_counted(stack, before, "misses")
+    assert not stack.r.exists(keynames.cache_entry(exact_key(body)))
+    assert post(edge, body).headers["X-Cache-Status"] == "MISS"
+
+
+def test_client_aborted_stream_is_not_stored(stack, edge) -> None:
+    body = body_of("Describe the water cycle in detail.", temperature=0, stream=True)
+    before = stack.counters()
+    stack.node.set_faults(slowdown=40.0)
+    try:
+        with requests.post(edge.url + CHAT, json=body, stream=True, timeout=30) as res:
+            assert res.headers["X-Cache-Status"] == "MISS"
+            it = res.iter_lines()
+            first = next(l for l in it if l)
+            assert first.startswith(b"data: ")
+            res.raw._fp.close()  # the client goes away mid-stream
+    finally:
+        stack.node.set_faults(slowdown=1.0)
+    wait_counted(stack, before, "misses")
+    assert not stack.r.exists(keynames.cache_entry(exact_key(body)))
+
+
+# ----------------------------------------------------------------------------- bypass
+
+
+def test_no_store_and_no_cache(stack, edge) -> None:
+    body = body_of("What does HTTP 418 mean?", temperature=0)
+    before = stack.counters()
+    res = post(edge, body, headers={"Cache-Control": "no-store"})
+    assert res.status_code == 200 and res.headers["X-Cache-Status"] == "BYPASS"
+    wait_counted(stack, before, "bypass")
+    assert not stack.r.exists(keynames.cache_entry(exact_key(body)))
+
+    first = post(edge, body)
+    assert first.headers["X-Cache-Status"] == "MISS"
+    created = wait_stored(stack, body)["created"]
+    n = stack.node_requests()
+    fresh = post(edge, body, headers={"Cache-Control": "no-cache"})
+    assert fresh.headers["X-Cache-Status"] == "BYPASS"
+    assert "X-Infergate-Node" in fresh.headers and stack.node_requests() == n + 1
+    k = keynames.cache_entry(exact_key(body))
+    procs.wait_until(lambda: json.loads(stack.r.get(k))["created"] > created, 10,
+                     what="fresh answer stored after no-cache")
+    assert post(edge, body).headers["X-Cache-Status"] == "HIT"
+
+
+@pytest.mark.parametrize("body", [
+    {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]},
+    body_of("Pick a random number.", temperature=1.5),
+    body_of("Give me two options.", n=2),
+    body_of("Say hi.", logprobs=True, top_logprobs=2),
+], ids=["image", "hot", "n2", "logprobs"])
+def test_uncacheable_requests_bypass(stack, edge, body) -> None:
+    before = stack.counters()
+    res = post(edge, body)
+    assert res.headers["X-Cache-Status"] == "BYPASS"
+    wait_counted(stack, before, "bypass")
+    assert not stack.r.exists(keynames.cache_entry(exact_key(body)))
+
+
+def test_hit_is_served_when_no_node_is_eligible(stack, edge) -> None:
+    body = body_of("What colour is the sky on a clear day?", temperature=0)
+    assert post(edge, body).headers["X-Cache-Status"] == "MISS"
+    wait_stored(stack, body)
+    snap = write_snapshot(stack.r, [stack.node.snapshot_node(healthy=False)])
+    try:
+        edge.wait_snapshot(snap["version"])
+        res = post(edge, body)
+        assert res.status_code == 200 and res.headers["X-Cache-Status"] == "HIT"
+        unseen = post(edge, body_of("Unseen question?", temperature=0))
+        assert unseen.status_code == 503 and unseen.headers["X-Cache-Status"] == "MISS"
+    finally:
+        snap = write_snapshot(stack.r, [stack.node.snapshot_node()])
+        edge.wait_snapshot(snap["version"])
+
+
+# ----------------------------------------------------------------------------- TTL
+
+
+def test_entry_expires_after_its_ttl(stack, edge_factory) -> None:
+    edge = edge_factory(cache_settings(stack, ttl_s=1))
+    body = body_of("What is the tallest mountain on Earth?", temperature=0)
+    assert post(edge, body).headers["X-Cache-Status"] == "MISS"
+    wait_stored(stack, body)
+    k = keynames.cache_entry(exact_key(body))
+    assert 0 < stack.r.pttl(k) <= 1000
+    assert post(edge, body).headers["X-Cache-Status"] == "HIT"
+    procs.wait_until(lambda: not stack.r.exists(k), 5, what="entry expiry")
+    assert post(edge, body).headers["X-Cache-Status"] == "MISS"
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+def test_embedder_down_is_bypass_and_the_request_is_answered(stack, edge_factory) -> None:
+    dead = f"http://127.0.0.1:{procs.free_port()}"
+    edge = edge_factory(cache_settings(stack, embedder_url=dead, semantic_budget_ms=150))
+    body = body_of("Why do cats purr?", temperature=0)
+    before = stack.counters()
+    t0 = time.monotonic()
+    res = post(edge, body)
+    assert res.status_code == 200 and res.headers["X-Cache-Status"] == "BYPASS"
+    assert content_of(res)
+    assert time.monotonic() - t0 < 10
+    wait_counted(stack, before, "bypass")
+    # the answer is still stored: the exact cache works without the embedder
+    wait_stored(stack, body)
+    assert post(edge, body).headers["X-Cache-Status"] == "HIT"
+
+
+def test_semantic_over_budget_is_bypass(stack, edge_factory) -> None:
+    edge = edge_factory(cache_settings(stack, semantic_budget_ms=1))
+    res = post(edge, body_of("How many legs does a spider have?", temperature=0))
+    assert res.status_code == 200
+    assert res.headers["X-Cache-Status"] in ("BYPASS", "MISS")  # 1 ms is usually too little
+    res2 = post(edge, body_of("How many legs does an ant have?", temperature=0))
+    assert res2.status_code == 200
+
+
+def test_redis_down_is_bypass_and_the_request_is_answered(stack, edge_factory, workdir) -> None:
+    port = procs.free_port()
+    own = procs.start_redis(workdir / "redis-own", port)
+    try:
+        edge = edge_factory(cache_settings(stack, redis_url=f"redis://127.0.0.1:{port}/0"))
+        body = body_of("What is a monad?", temperature=0)
+        assert post(edge, body).headers["X-Cache-Status"] == "MISS"
+        own.stop()
+        for _ in range(2):
+            res = post(edge, body)
+            assert res.status_code == 200 and res.headers["X-Cache-Status"] == "BYPASS"
+            assert content_of(res)
+        own = procs.start_redis(workdir / "redis-own", port)  # back, empty
+        procs.wait_until(lambda: post(edge, body).headers["X-Cache-Status"] != "BYPASS", 10,
+                         interval=0.3, what="cache lookups again after Redis returned")
+    finally:
+        own.stop()
+
+
+# ----------------------------------------------------------------------------- coalescing
+
+
+def test_concurrent_identical_misses_make_one_node_request(stack, edge) -> None:
+    body = body_of("Summarise the plot of Hamlet.", temperature=0)
+    stack.node.set_faults(slowdown=10.0)
+    n = stack.node_requests()
+    results: list[requests.Response] = []
+    lock = threading.Lock()
+
+    def one() -> None:
+        res = post(edge, body)
+        with lock:
+            results.append(res)
+
+    try:
+        threads = [threading.Thread(target=one) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        stack.node.set_faults(slowdown=1.0)
+    assert len(results) == 6 and all(r.status_code == 200 for r in results)
+    statuses = sorted(r.headers["X-Cache-Status"] for r in results)
+    assert statuses == ["HIT"] * 5 + ["MISS"]
+    assert stack.node_requests() == n + 1
+    assert len({content_of(r) for r in results}) == 1
+
+
+# ----------------------------------------------------------------------------- tenants
+
+
+def test_tenants_never_share_answers(stack, edge_factory) -> None:
+    from controlplane.admin import apikeys
+
+    s = cache_settings(stack)
+    s.auth.mode = "required"
+    edge = edge_factory(s)
+    k1, _ = apikeys.create_key(stack.r, "tenant-one")
+    k2, _ = apikeys.create_key(stack.r, "tenant-two")
+    body = body_of("Which language is spoken in Brazil?", temperature=0)
+    h1 = {"Authorization": f"Bearer {k1}"}
+    h2 = {"Authorization": f"Bearer {k2}"}
+    assert post(edge, body, headers=h1).headers["X-Cache-Status"] == "MISS"
+    k = keynames.cache_entry(keys_for(CHAT, body, "tenant-one").exact)
+    procs.wait_until(lambda: stack.r.exists(k), 10, what="tenant-one entry")
+    assert json.loads(stack.r.get(k))["tenant"] == "tenant-one"
+    assert stack.r.sismember(keynames.cache_index("tenant", "tenant-one"),
+                             keys_for(CHAT, body, "tenant-one").exact)
+    assert post(edge, body, headers=h1).headers["X-Cache-Status"] == "HIT"
+    other = post(edge, body, headers=h2)
+    assert other.status_code == 200 and other.headers["X-Cache-Status"] == "MISS"
+    assert post(edge, body).status_code == 401  # no key: answered by auth, never by the cache
+
+
+# ----------------------------------------------------------------------------- search index
+
+
+def test_semantic_hit_with_the_redis_search_index(stack, edge_factory, workdir) -> None:
+    from controlplane.embedder.redis_search import SearchRedisMissing, start_search_redis
+
+    port = procs.free_port()
+    try:
+        srv = start_search_redis(workdir / "search-redis", port)
+    except SearchRedisMissing as exc:
+        pytest.skip(f"Redis with the search module not installed: {exc}")
+    url = f"redis://127.0.0.1:{port}/0"
+    eport = procs.free_port()
+    emb = procs.Managed("embedder-search", procs.infergate_argv(
+        "embedder", "--listen", f"127.0.0.1:{eport}", "--redis-url", url,
+        "--index", "redis-search", "--threads", "2"), workdir / "logs" / "embedder-search.log")
+    try:
+        emb.start().wait_ready(lambda: _http_ok(f"http://127.0.0.1:{eport}/healthz"), 120)
+        health = requests.get(f"http://127.0.0.1:{eport}/healthz", timeout=5).json()
+        assert health["index_backend"] == "redis-search"
+        edge = edge_factory(cache_settings(stack, redis_url=url,
+                                           embedder_url=f"http://127.0.0.1:{eport}"))
+        r = redis.Redis(host="127.0.0.1", port=port, decode_responses=True)
+        body = body_of("How do I change my email address?", temperature=0)
+        first = post(edge, body)
+        assert first.headers["X-Cache-Status"] == "MISS"
+        k = keys_for(CHAT, body).exact
+        procs.wait_until(lambda: r.exists(keynames.cache_entry(k)), 10, what="entry")
+        procs.wait_until(lambda: any(True for _ in r.scan_iter(
+            match=f"{keynames.CACHE_VEC_PREFIX}*:{k}")), 20, what="vector")
+        res = post(edge, body_of("How can I change my email address?", temperature=0))
+        assert res.headers["X-Cache-Status"] == "HIT"
+        assert res.headers["X-Cache-Match"] == "semantic"
+        assert content_of(res) == content_of(first)
+    finally:
+        emb.stop()
+        srv.stop()
+
+
+def test_no_index_job_without_semantic_lookups(stack, edge_factory) -> None:
+    # With semantic lookups off nothing reads the index queue: nothing is queued. (Database
+    # 1 of the module's Redis: the module's embedder, which would drain the queue, reads 0.)
+    r1 = redis.Redis(host="127.0.0.1", port=stack.redis_port, db=1, decode_responses=True)
+    r1.flushdb()
+    edge = edge_factory(cache_settings(stack, f"redis://127.0.0.1:{stack.redis_port}/1",
+                                       semantic=False))
+    body = body_of("Name three lighthouses on the Atlantic coast.", temperature=0)
+    assert post(edge, body).headers["X-Cache-Status"] == "MISS"
+    procs.wait_until(lambda: r1.exists(keynames.cache_entry(exact_key(body))), 10, what="entry")
+    assert post(edge, body).headers["X-Cache-Status"] == "HIT"
+    assert r1.llen(keynames.CACHE_INDEX_QUEUE) == 0
+    r1.flushdb()

@@ -1,0 +1,151 @@
+"""Deadlines at the edge (lua/infergate/admission/deadline.lua) with real nginx and simulated
+nodes: a request past its deadline gets 504 deadline_exceeded, no new try starts and
+the node sees the request cancelled; per-route deadlines; the stream idle timeout;
+a client that disconnects (mid-stream or before the answer) makes the edge drop the
+node's request at once, and the in-flight counters come back to zero."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from typing import Any
+
+import requests
+
+from controlplane import procs
+from controlplane.config import RouteDeadlineSettings, Settings
+from support.stack import edge_settings
+
+
+def settings(redis_url: str, nodes: list, **deadlines: Any) -> Settings:
+    s = edge_settings(redis_url, nodes)
+    for k, v in deadlines.items():
+        setattr(s.deadlines, k, v)
+    return s
+
+
+def chat(tokens: int, **kw: Any) -> dict:
+    return {"model": "sim-llama", "sim_output_tokens": tokens,
+            "messages": [{"role": "user", "content": "tell me a story"}], **kw}
+
+
+def total(nodes: list, field: str) -> int:
+    return sum(n.state()[field] for n in nodes)
+
+
+def test_deadline_gives_504_and_cancels_the_node(redis_server, simnodes, edge_factory) -> None:
+    nodes = simnodes(2)  # real time: 200 tokens take ~4 s
+    s = settings(redis_server.url, [n.node_settings() for n in nodes], request_ms=20000,
+                 routes={"/v1/chat/completions": RouteDeadlineSettings(request_ms=600)})
+    edge = edge_factory(s)
+
+    started = time.monotonic()
+    res = requests.post(f"{edge.url}/v1/chat/completions", json=chat(200), timeout=15)
+    elapsed = time.monotonic() - started
+    assert res.status_code == 504, res.text
+    assert res.headers["Content-Type"] == "application/json"
+    err = res.json()["error"]
+    assert err["type"] == "timeout" and err["code"] == "deadline_exceeded"
+    assert "600 ms" in err["message"]
+    assert 0.55 <= elapsed < 2.0, elapsed
+    # one try only: the deadline had passed when nginx would have tried the other node
+    assert total(nodes, "requests_total") == 1
+    procs.wait_until(lambda: total(nodes, "cancelled_total") == 1 and total(nodes, "running") == 0,
+                     5, what="the node to see the request cancelled")
+    assert total(nodes, "completed_total") == 0
+    assert edge.status()["admission"]["deadline_exceeded"] == 1
+
+    # another route keeps the global deadline: a short request completes
+    res = requests.post(f"{edge.url}/v1/completions", timeout=15,
+                        json={"model": "sim-llama", "prompt": "hi", "sim_output_tokens": 40})
+    assert res.status_code == 200, res.text
+    edge.wait_idle()
+
+
+def test_deadline_passed_before_the_first_try(redis_server, simnodes, edge_factory) -> None:
+    """Time spent at the edge counts: an admission wait longer than the deadline."""
+    from support.stack import write_snapshot
+
+    (node,) = simnodes(1)
+    s = settings(redis_server.url, [node.node_settings()], request_ms=300)
+    s.admission.max_wait_ms = 2000
+    edge = edge_factory(s)
+    r = redis_server.client()
+    snap = write_snapshot(r, [node.snapshot_node(saturated=True)])
+    edge.wait_snapshot(snap["version"])
+    started = time.monotonic()
+    res = requests.post(f"{edge.url}/v1/chat/completions", json=chat(5), timeout=15)
+    # the wait stops at the deadline: shed with 429, never sent to the node
+    assert res.status_code == 429, res.text
+    assert time.monotonic() - started < 1.0
+    assert node.state()["requests_total"] == 0
+
+
+def test_stream_idle_timeout(redis_server, simnodes, edge_factory) -> None:
+    (node,) = simnodes(1, "--hang")
+    s = settings(redis_server.url, [node.node_settings()], request_ms=20000, stream_idle_ms=400)
+    edge = edge_factory(s)
+    started = time.monotonic()
+    res = requests.post(f"{edge.url}/v1/chat/completions", json=chat(10, stream=True), timeout=15)
+    elapsed = time.monotonic() - started
+    assert res.status_code == 504, res.text
+    assert res.json()["error"]["code"] == "upstream_timeout"  # silence, not the deadline
+    assert 0.35 <= elapsed < 2.0, elapsed
+    procs.wait_until(lambda: node.state()["cancelled_total"] == 1, 5, what="node-side cancel")
+
+
+def test_streams_are_not_cut_by_the_request_deadline(redis_server, simnodes, edge_factory) -> None:
+    (node,) = simnodes(1)  # real time: ~21 ms between chunks, ~0.9 s in all
+    s = settings(redis_server.url, [node.node_settings()], request_ms=300, stream_idle_ms=2000)
+    edge = edge_factory(s)
+    started = time.monotonic()
+    with requests.post(f"{edge.url}/v1/chat/completions", json=chat(40, stream=True),
+                       stream=True, timeout=15) as res:
+        assert res.status_code == 200
+        text = b"".join(res.iter_content(None)).decode()
+    assert time.monotonic() - started > 0.3
+    assert text.rstrip().endswith("data: [DONE]")
+    assert node.state()["completed_total"] == 1
+
+
+def raw_request(url: str, body: dict) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: edge\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: "
+                 + str(len(data)).encode() + b"\r\n\r\n" + data)
+    return sock
+
+
+def test_client_disconnect_mid_stream_cancels_the_node(redis_server, simnodes, edge_factory) -> None:
+    (node,) = simnodes(1)  # real time: ~20 ms per token, 300 tokens ~ 6 s
+    edge = edge_factory(settings(redis_server.url, [node.node_settings()]))
+    sock = raw_request(edge.url, chat(300, stream=True))
+    got = b""
+    while got.count(b"data: ") < 3:
+        chunk = sock.recv(65536)
+        assert chunk, "stream ended early"
+        got += chunk
+    assert got.startswith(b"HTTP/1.1 200")
+    assert edge.status()["inflight_total"] == 1
+    sock.close()
+    started = time.monotonic()
+    procs.wait_until(lambda: node.state()["cancelled_total"] == 1, 5, what="node-side cancel")
+    assert time.monotonic() - started < 2.0
+    st = node.state()
+    assert st["running"] == 0 and st["completed_total"] == 0
+    edge.wait_idle(timeout=5)
+
+
+def test_client_disconnect_before_the_answer_cancels_the_node(redis_server, simnodes, edge_factory) -> None:
+    (node,) = simnodes(1)
+    edge = edge_factory(settings(redis_server.url, [node.node_settings()]))
+    sock = raw_request(edge.url, chat(300))
+    procs.wait_until(lambda: node.state()["running"] == 1, 5, what="the node to run the request")
+    sock.close()
+    procs.wait_until(lambda: node.state()["cancelled_total"] == 1, 5, what="node-side cancel")
+    assert node.state()["completed_total"] == 0
+    edge.wait_idle(timeout=5)
+    assert " 499 " in edge.access_log()

@@ -1,0 +1,195 @@
+"""Bad and extreme input at the edge, against a real nginx: each gets a defined answer,
+never a worker crash (the edge_factory teardown fails the test on any [alert], [crit]
+or Lua runtime error in the error log, and checks in-flight counters are back to zero).
+
+| input                                        | answer                                      |
+|----------------------------------------------|---------------------------------------------|
+| body stalls longer than client_body_timeout  | 408 JSON ``request_timeout``, connection closed |
+| chunked body that stalls                     | connection closed without an answer (nginx)  |
+| large body (4 MB, in memory)                 | proxied byte for byte                        |
+| body spilled to a temp file (small buffer)   | proxied byte for byte                        |
+| invalid UTF-8                                | 400 JSON ``invalid_utf8``                    |
+| 10,000 nested arrays or objects              | 400 JSON ``invalid_json`` (cjson depth 1000) |
+| 900 nested arrays (under the limit)          | proxied                                      |
+| 10,000-message conversation                  | proxied (and cached)                         |
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import signal
+import socket
+import time
+
+import pytest
+import requests
+
+from controlplane import procs
+from controlplane.config import settings_from_dict
+from support.stack import edge_settings
+
+pytestmark = pytest.mark.integration
+
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture
+def edge_and_node(redis_server, tiny_upstreams, edge_factory):
+    (up,) = tiny_upstreams(1)
+    s = edge_settings(redis_server.url, [up.node_settings()], client_body_timeout_ms=500)
+    s = settings_from_dict({**s.model_dump(mode="json"), "cache": {"enabled": True, "semantic": False}})
+    return edge_factory(s), up
+
+
+def post_raw(edge, body: bytes, headers: dict | None = None) -> requests.Response:
+    h = {"Content-Type": "application/json"}
+    h.update(headers or {})
+    return requests.post(edge.url + CHAT, data=body, headers=h, timeout=30)
+
+
+def error_code(res: requests.Response) -> str:
+    assert res.headers["Content-Type"].startswith("application/json"), res.headers
+    return res.json()["error"]["code"]
+
+
+def _host_port(edge) -> tuple[str, int]:
+    host, port = edge.rendered.listen.rsplit(":", 1)
+    return host, int(port)
+
+
+def _read_until_closed(sock: socket.socket, timeout: float) -> tuple[bytes, float]:
+    sock.settimeout(timeout)
+    t0 = time.monotonic()
+    data = b""
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data, time.monotonic() - t0
+        data += chunk
+
+
+def test_slow_body_gets_408_json_and_the_connection_closes(edge_and_node) -> None:
+    edge, up = edge_and_node
+    with socket.create_connection(_host_port(edge)) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 200\r\n\r\n{\"model\": \"m\", ")
+        data, took = _read_until_closed(s, 10)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), data
+    assert re.search(rb"(?i)^connection: close", head, re.M), head
+    assert b'"code":"request_timeout"' in body
+    assert took < 5, took  # client_body_timeout is 0.5 s
+    assert up.hits == 0
+    # the edge is fine afterwards
+    assert post_raw(edge, json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()).status_code == 200
+
+
+def test_slow_chunked_body_is_closed_by_nginx(edge_and_node) -> None:
+    """nginx reads chunked bodies itself; its client_body_timeout ends the connection
+    without an answer (logged as 408 in the access log)."""
+    edge, up = edge_and_node
+    with socket.create_connection(_host_port(edge)) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\n")
+        data, took = _read_until_closed(s, 10)
+    assert data == b"" and took < 5
+    assert up.hits == 0
+    procs.wait_until(lambda: '" 408 ' in edge.access_log(), 5, what="408 in the access log")
+
+
+def test_large_body_is_proxied_byte_for_byte(edge_and_node) -> None:
+    edge, up = edge_and_node
+    text = "é" * (2 * 1024 * 1024)  # 4 MB of UTF-8
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": text}]},
+                      ensure_ascii=False).encode()
+    res = post_raw(edge, body)
+    assert res.status_code == 200, res.text
+    assert hashlib.sha256(up.bodies[-1]).hexdigest() == hashlib.sha256(body).hexdigest()
+
+
+def test_body_spilled_to_a_temp_file_is_proxied(edge_and_node) -> None:
+    """A hand-written config with a small client_body_buffer_size makes nginx keep
+    bodies in temp files: the body is still validated and sent unchanged."""
+    edge, up = edge_and_node
+    conf = edge.rendered.server_conf
+    conf.write_text(re.sub(r"client_body_buffer_size [^;]+;", "client_body_buffer_size 16k;",
+                           conf.read_text()))
+    old_log = edge.error_log()
+    old_worker = edge.status()["worker_pid"]
+    edge.managed.signal(signal.SIGHUP)
+    procs.wait_until(lambda: edge.status()["worker_pid"] != old_worker, 10,
+                     what="nginx to reload with the small body buffer")
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 300000}]}).encode()
+    chunked = iter([body[i:i + 65536] for i in range(0, len(body), 65536)])
+    for res in (post_raw(edge, body), requests.post(edge.url + CHAT, data=chunked, timeout=30,
+                                                   headers={"Content-Type": "application/json"})):
+        assert res.status_code == 200, res.text
+        assert up.bodies[-1] == body
+    assert "buffered to a temporary file" in edge.error_log()[len(old_log):]
+    bad = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 30000}]}).encode()
+    res = post_raw(edge, bad[:-1])
+    assert res.status_code == 400 and error_code(res) == "invalid_json"
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"model": "m", "messages": [{"role": "user", "content": "bad \xff\xfe byte"}]}',
+    b'{"model": "m", "messages": [{"role": "user", "content": "overlong \xc0\xaf"}]}',
+    b'{"model": "m", "messages": [{"role": "user", "content": "surrogate \xed\xa0\x80"}]}',
+    b'{"model": "m", "messages": [{"role": "user", "content": "cut \xe4\xb8"}]}',
+])
+def test_invalid_utf8_is_400(edge_and_node, raw: bytes) -> None:
+    edge, up = edge_and_node
+    res = post_raw(edge, raw)
+    assert res.status_code == 400 and error_code(res) == "invalid_utf8"
+    assert up.hits == 0
+
+
+def test_valid_utf8_and_escapes_pass(edge_and_node) -> None:
+    edge, up = edge_and_node
+    for content in ("你好，世界", "emoji 🚀 and ünïcödé", "\\ud83d\\ude80 escaped pair"):
+        raw = ('{"model": "m", "messages": [{"role": "user", "content": "%s"}]}' % content).encode()
+        res = post_raw(edge, raw)
+        assert res.status_code == 200, (content, res.text)
+        assert up.bodies[-1] == raw
+    # a lone escaped surrogate is valid JSON text: a defined answer either way
+    res = post_raw(edge, b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}')
+    assert res.status_code in (200, 400), res.text
+
+
+@pytest.mark.parametrize("opening,closing", [("[", "]"), ('{"a":', "}")])
+def test_ten_thousand_levels_of_nesting_is_400(edge_and_node, opening: str, closing: str) -> None:
+    edge, up = edge_and_node
+    deep = opening * 10000 + "1" + closing * 10000
+    raw = ('{"model": "m", "messages": [{"role": "user", "content": "hi"}], "x": %s}' % deep).encode()
+    res = post_raw(edge, raw)
+    assert res.status_code == 400 and error_code(res) == "invalid_json", res.text
+    assert "nested" in res.json()["error"]["message"]
+    assert up.hits == 0
+
+
+def test_deep_nesting_under_the_limit_is_proxied(edge_and_node) -> None:
+    edge, up = edge_and_node
+    deep = "[" * 900 + "1" + "]" * 900
+    raw = ('{"model": "m", "messages": [{"role": "user", "content": "deep"}], "x": %s}' % deep).encode()
+    res = post_raw(edge, raw)
+    assert res.status_code == 200, res.text
+    assert up.bodies[-1] == raw
+
+
+def test_ten_thousand_messages_are_proxied_and_cached(edge_and_node) -> None:
+    edge, up = edge_and_node
+    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"} for i in range(10000)]
+    body = json.dumps({"model": "m", "messages": msgs}).encode()
+    t0 = time.monotonic()
+    res = post_raw(edge, body)
+    took = time.monotonic() - t0
+    assert res.status_code == 200, res.text
+    assert res.headers["X-Cache-Status"] == "MISS"
+    assert len(json.loads(up.bodies[-1])["messages"]) == 10000
+    assert took < 5, took
+    deadline = time.monotonic() + 5
+    while post_raw(edge, body).headers.get("X-Cache-Status") != "HIT":
+        assert time.monotonic() < deadline, "the long conversation was never served from the cache"
+    print(f"10,000-message conversation ({len(body)} bytes): first answer in {took * 1000:.0f} ms")

@@ -1,0 +1,247 @@
+"""Failing, hanging, refusing, busy and garbage-speaking nodes behind the edge: client
+requests are retried on other nodes, circuit breakers open, probe one at a time and
+close again, in-flight counters come back to zero (also after client aborts), and
+when nothing can answer the client gets an OpenAI-style JSON 502/503."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from controlplane import procs
+from support.stack import edge_settings, write_snapshot
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _post(edge, timeout: float = 15, **kw) -> requests.Response:
+    return requests.post(f"{edge.url}/v1/chat/completions", json={**CHAT, **kw}, timeout=timeout)
+
+
+def _ok_nodes(edge, n: int, workers: int = 1) -> Counter:
+    """n requests that must all succeed; the nodes that served them."""
+    def one(_: int) -> str:
+        res = _post(edge)
+        assert res.status_code == 200, res.text
+        return res.headers["X-Infergate-Node"]
+
+    with ThreadPoolExecutor(workers) as pool:
+        return Counter(pool.map(one, range(n)))
+
+
+def _json_error(res: requests.Response, status: int) -> dict:
+    assert res.status_code == status, res.text
+    assert res.headers["Content-Type"] == "application/json"
+    err = res.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+@pytest.fixture
+def pool(tiny_upstreams, redis_server, edge_factory):
+    """Three tiny nodes a, b, c, routed on a fresh snapshot where all score 0 (so the
+    circuit breaker, not the local failure rate, keeps failing nodes out); fast breaker."""
+    def make(**edge):
+        ups = tiny_upstreams(names=["a", "b", "c"])
+        opts = {"breaker_failures": 3, "breaker_cooldown_s": 1.0, "stale_after_s": 120.0, **edge}
+        e = edge_factory(edge_settings(redis_server.url, [u.node_settings() for u in ups], **opts))
+        snap = write_snapshot(redis_server.client(), [u.snapshot_node(score=0.0) for u in ups])
+        e.wait_snapshot(snap["version"])
+        return e, ups
+    return make
+
+
+def test_failing_node_is_avoided_breaker_opens_and_recovers(pool) -> None:
+    edge, (a, b, c) = pool()
+    a.mode = "fail"
+    served = _ok_nodes(edge, 40)
+    assert "a" not in served and sum(served.values()) == 40
+    st = edge.node_status("a")
+    assert st["breaker"] in ("open", "half_open") and st["failures"] >= 3
+    assert a.hits <= 3 + 2, "after 3 failures only the odd half-open probe reaches it"
+    # recovery: after the cooldown one probe succeeds and the node is back in the pool
+    a.mode = "ok"
+    procs.wait_until(lambda: "a" in _ok_nodes(edge, 6), 15, interval=0.2, what="a serving again")
+    assert edge.node_status("a")["breaker"] == "closed"
+    assert "circuit breaker of node a opened" in edge.error_log()
+    assert "circuit breaker of node a closed" in edge.error_log()
+
+
+def test_half_open_admits_exactly_one_probe(pool) -> None:
+    edge, (a, b, c) = pool(read_timeout_ms=1500)
+    a.mode = "fail"
+    _ok_nodes(edge, 20)
+    procs.wait_until(lambda: edge.node_status("a")["breaker"] in ("open", "half_open"), 5,
+                     what="breaker open")
+    a.mode = "hang"  # the probe will hang until the read timeout
+    procs.wait_until(lambda: edge.node_status("a")["breaker"] == "half_open", 5, what="cooldown over")
+    before = a.hits
+    served = _ok_nodes(edge, 12, workers=6)
+    assert sum(served.values()) == 12
+    assert a.hits - before == 1, "one probe, the rest went elsewhere"
+    assert edge.node_status("a")["breaker"] in ("open", "half_open")
+    assert "reopened (probe failed)" in edge.error_log()
+
+
+def test_hanging_node_times_out_and_is_avoided(pool) -> None:
+    edge, (a, b, c) = pool(read_timeout_ms=400, breaker_failures=2, breaker_cooldown_s=30.0)
+    a.mode = "hang"
+    t0 = time.monotonic()
+    served = _ok_nodes(edge, 20)
+    assert "a" not in served and sum(served.values()) == 20
+    assert a.hits == 2, "two timeouts open the breaker"
+    assert edge.node_status("a")["breaker"] == "open"
+    assert time.monotonic() - t0 < 8
+    assert "upstream timed out" in edge.error_log()
+
+
+def test_local_signals_steer_away_from_a_failing_node(tiny_upstreams, redis_server,
+                                                      edge_factory) -> None:
+    """Without scores (static list), one failure already costs a node its share; the
+    penalty decays (half-life breaker_cooldown_s) so it is not sidelined for good."""
+    ups = tiny_upstreams(names=["a", "b", "c"])
+    a = ups[0]
+    edge = edge_factory(edge_settings(redis_server.url, [u.node_settings() for u in ups],
+                                      breaker_failures=50, breaker_cooldown_s=1.0))
+    a.mode = "fail"
+    served = _ok_nodes(edge, 30)
+    assert "a" not in served and sum(served.values()) == 30
+    assert 1 <= a.hits <= 3
+    fr = edge.node_status("a")["failure_rate"]
+    assert fr >= 0.25
+    procs.wait_until(lambda: edge.node_status("a")["failure_rate"] <= fr / 2, 5,
+                     what="failure rate halves within a half-life")
+    assert edge.node_status("a")["breaker"] == "closed"
+
+
+def test_busy_node_is_retried_elsewhere(pool) -> None:
+    edge, (a, b, c) = pool()
+    a.mode = "busy"
+    served = _ok_nodes(edge, 20)
+    assert "a" not in served and sum(served.values()) == 20
+    st = edge.node_status("a")
+    assert a.hits >= 1 and st["failures"] == a.hits
+    assert st["breaker"] == "closed", "429 means busy, not broken"
+
+
+def test_garbage_node_gets_502s_until_its_breaker_opens(pool) -> None:
+    """nginx cannot retry a non-HTTP answer (it takes it for HTTP/0.9): that attempt
+    becomes a clean 502 JSON, the breaker counts it, and the node is soon avoided."""
+    edge, (a, b, c) = pool(breaker_failures=2, breaker_cooldown_s=30.0)
+    a.mode = "garbage"
+    codes = Counter()
+    for _ in range(30):
+        res = _post(edge)
+        codes[res.status_code] += 1
+        if res.status_code == 502:
+            err = _json_error(res, 502)
+            assert err["code"] == "upstream_invalid_answer" and "not HTTP" in err["message"]
+        else:
+            assert res.status_code == 200 and res.headers["X-Infergate-Node"] in ("b", "c")
+    assert codes[502] == a.hits <= 2 and codes[200] == 30 - codes[502]
+    assert edge.node_status("a")["breaker"] == "open" or a.hits < 2
+
+
+def test_openai_sdk_rides_over_a_garbage_node(pool) -> None:
+    import openai
+
+    edge, (a, b, c) = pool(breaker_failures=1, breaker_cooldown_s=30.0)
+    a.mode = "garbage"
+    client = openai.OpenAI(base_url=f"{edge.url}/v1", api_key="x", max_retries=2, timeout=10)
+    for _ in range(10):
+        out = client.chat.completions.create(model="tiny", messages=CHAT["messages"])
+        assert out.system_fingerprint in ("b", "c")
+
+
+def test_garbage_from_the_only_node_is_a_502(tiny_upstreams, redis_server, edge_factory) -> None:
+    (a,) = tiny_upstreams(names=["a"])
+    a.mode = "garbage"
+    edge = edge_factory(edge_settings(redis_server.url, [a.node_settings()]))
+    for stream in (False, True):
+        err = _json_error(_post(edge, stream=stream), 502)
+        assert err["type"] == "bad_gateway" and err["code"] == "upstream_invalid_answer"
+    assert a.hits == 2
+    assert edge.node_status("a")["failures"] == 2
+    # an HTTP/1.0 client gets an HTTP/1.0 answer
+    host, port = edge.url.removeprefix("http://").split(":")
+    body = b'{"model": "tiny"}'
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    assert data.startswith(b"HTTP/1.0 502 Bad Gateway\r\n") and b"upstream_invalid_answer" in data
+
+
+def test_all_nodes_down_gets_a_json_502(pool) -> None:
+    edge, ups = pool(max_tries=5)
+    for u in ups:
+        u.stop()
+    for stream in (False, True):
+        err = _json_error(_post(edge, stream=stream), 502)
+        assert err["code"] == "upstream_error"
+        assert "Tried 3 time(s)" in err["message"], "each node once, no more tries than nodes"
+    assert all(n["failures"] >= 1 for n in edge.status()["nodes"])
+
+
+def test_all_nodes_failing_passes_the_last_answer(pool) -> None:
+    edge, ups = pool(breaker_failures=100)
+    for u in ups:
+        u.mode = "fail"
+    res = _post(edge)
+    assert res.status_code == 500 and res.json()["error"]["message"] == "simulated failure"
+    assert sum(u.hits for u in ups) == 3
+
+
+def test_no_node_left_for_the_retry_gets_503(tiny_upstreams, redis_server, edge_factory) -> None:
+    """The first try hangs; meanwhile the only other node turns unhealthy: the retry has
+    nowhere to go and the client gets 503 no_healthy_upstream."""
+    a, b = tiny_upstreams(names=["a", "b"])
+    a.mode = "hang"
+    edge = edge_factory(edge_settings(redis_server.url, [a.node_settings(), b.node_settings()],
+                                      read_timeout_ms=1500))
+    r = redis_server.client()
+    snap = write_snapshot(r, [a.snapshot_node(score=0.0), b.snapshot_node(score=0.9)])
+    edge.wait_snapshot(snap["version"])
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("res", _post(edge)))
+    t.start()
+    procs.wait_until(lambda: a.hits == 1, 5, what="first try on a")
+    snap = write_snapshot(r, [a.snapshot_node(score=0.0), b.snapshot_node(healthy=False)])
+    edge.wait_snapshot(snap["version"])
+    t.join(10)
+    err = _json_error(result["res"], 503)
+    assert err["code"] == "no_healthy_upstream" and err["type"] == "service_unavailable"
+    assert b.hits == 0
+
+
+def test_client_abort_releases_in_flight(tiny_upstreams, redis_server, edge_factory) -> None:
+    a, = tiny_upstreams(names=["a"])
+    a.gate = threading.Event()
+    a.chunks = 3
+    edge = edge_factory(edge_settings(redis_server.url, [a.node_settings()]))
+    host, port = edge.url.removeprefix("http://").split(":")
+    body = b'{"model": "tiny", "stream": true}'
+    # a stream the client leaves after the first chunk
+    s = socket.create_connection((host, int(port)), timeout=5)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    assert b"200 OK" in s.recv(65536)
+    procs.wait_until(lambda: edge.node_status("a")["inflight"] == 1, 5, what="stream in flight")
+    s.close()
+    procs.wait_until(lambda: edge.node_status("a")["inflight"] == 0, 10, what="released after abort")
+    # a non-streaming request on a node that never answers, abandoned by the client
+    a.mode = "hang"
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        _post(edge, timeout=0.5)
+    procs.wait_until(lambda: a.hits == 2, 5)
+    procs.wait_until(lambda: edge.node_status("a")["inflight"] == 0, 10, what="released after abort")
+    st = edge.node_status("a")
+    assert st["breaker"] == "closed" and st["failures"] == 0, "a client leaving is not the node's fault"
+    a.gate.set()

@@ -1,0 +1,204 @@
+"""Prometheus metrics: the edge's GET /metrics (lua/infergate/core/prometheus.lua on
+edge.metrics_listen) and the control plane's GET /metrics (controlplane/routing/exporter.py),
+read with prometheus_client's own parser after real traffic: names, types, labels and
+values that match what happened (retries, breaker openings, cache results, 404s, rate
+limits, in-flight back to zero, Redis going away)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from controlplane import procs
+from controlplane.config import settings_from_dict
+from support.stack import edge_settings, write_snapshot
+
+pytestmark = pytest.mark.integration
+
+CHAT = "/v1/chat/completions"
+
+
+class Scrape:
+    """One parsed exposition: ``types[family]`` and ``value(sample, **labels)``."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.types: dict[str, str] = {}
+        self.samples: list[tuple[str, dict, float]] = []
+        for fam in text_string_to_metric_families(text):
+            self.types[fam.name] = fam.type
+            for s in fam.samples:
+                self.samples.append((s.name, dict(s.labels), s.value))
+
+    def value(self, name: str, **labels: str) -> float | None:
+        for n, lab, v in self.samples:
+            if n == name and lab == labels:
+                return v
+        return None
+
+    def series(self, name: str) -> list[tuple[dict, float]]:
+        return [(lab, v) for n, lab, v in self.samples if n == name]
+
+
+def scrape(url: str) -> Scrape:
+    res = requests.get(url, timeout=5)
+    assert res.status_code == 200, res.text
+    assert res.headers["Content-Type"].startswith("text/plain")
+    return Scrape(res.text)
+
+
+def chat(edge, content: str, headers: dict | None = None) -> requests.Response:
+    return requests.post(edge.url + CHAT, timeout=10, headers=headers or {},
+                         json={"model": "m", "messages": [{"role": "user", "content": content}]})
+
+
+def test_edge_metrics_follow_the_traffic(redis_server, tiny_upstreams, edge_factory) -> None:
+    good, bad = tiny_upstreams(names=["good", "bad"])
+    bad.mode = "fail"
+    s = edge_settings(redis_server.url, [good.node_settings(), bad.node_settings()],
+                      breaker_failures=1, breaker_cooldown_s=60.0, max_tries=2)
+    s = settings_from_dict({**s.model_dump(mode="json"),
+                            "cache": {"enabled": True, "semantic": False},
+                            "limits": {"global_rpm": 12}})
+    # the failing node looks best, so the first request tries it and is retried
+    snap = write_snapshot(redis_server.client(), [good.snapshot_node(score=0.9),
+                                                  bad.snapshot_node(score=0.0)])
+    edge = edge_factory(s)
+    edge.wait_snapshot(snap["version"])
+    assert edge.metrics_url
+
+    first = chat(edge, "metrics one")
+    assert first.status_code == 200 and first.headers["X-Infergate-Node"] == "good"
+    for i in range(3):
+        assert chat(edge, f"metrics other {i}").status_code == 200
+    # the same prompt again: an exact hit once the first answer is stored
+    deadline = time.monotonic() + 5
+    while chat(edge, "metrics one").headers.get("X-Cache-Status") != "HIT":
+        assert time.monotonic() < deadline, "no cache hit"
+    assert chat(edge, "metrics bypass", {"Cache-Control": "no-store"}).headers["X-Cache-Status"] == "BYPASS"
+    assert requests.get(edge.url + "/v1/nope", timeout=5).status_code == 404
+    limited = 0
+    for i in range(15):
+        limited += chat(edge, f"metrics limit {i}").status_code == 429
+    assert limited >= 1
+    edge.wait_idle()
+
+    m = scrape(edge.metrics_url)
+    assert m.types == {
+        "infergate_edge_requests": "counter", "infergate_edge_retries": "counter",
+        "infergate_edge_breaker_opens": "counter", "infergate_edge_shed": "counter",
+        "infergate_edge_rate_limited": "counter", "infergate_edge_cache_requests": "counter",
+        "infergate_edge_request_duration_seconds": "histogram", "infergate_edge_inflight": "gauge",
+        "infergate_edge_breaker_open": "gauge", "infergate_edge_snapshot_age_seconds": "gauge",
+        "infergate_edge_snapshot_version": "gauge", "infergate_edge_redis_up": "gauge",
+    }
+    status = edge.status()
+    req = {(lab["node"], lab["status"]): v for lab, v in m.series("infergate_edge_requests_total")}
+    assert req[("good", "200")] >= 4
+    assert req[("cache", "200")] >= 1
+    assert req[("none", "404")] == 1
+    assert req[("none", "429")] == limited == status["admission"]["rate_limited"]
+    assert ("bad", "200") not in req and ("bad", "500") not in req  # every failure was retried
+    assert m.value("infergate_edge_retries_total") >= 1
+    assert m.value("infergate_edge_breaker_opens_total", node="bad") == 1
+    assert m.value("infergate_edge_breaker_open", node="bad") == 1
+    assert m.value("infergate_edge_breaker_open", node="good") == 0
+    assert m.value("infergate_edge_rate_limited_total") == limited
+    assert m.value("infergate_edge_shed_total") == status["admission"]["shed"] == 0
+    cache = {lab["result"]: v for lab, v in m.series("infergate_edge_cache_requests_total")}
+    assert cache["hit_exact"] >= 1 and cache["miss"] >= 4 and cache["bypass"] == 1
+    assert "hit_semantic" not in cache
+    # one histogram observation per finished request, cumulative buckets
+    total = sum(req.values())
+    assert m.value("infergate_edge_request_duration_seconds_count") == total
+    buckets = [(float(lab["le"]), v) for lab, v in m.series("infergate_edge_request_duration_seconds_bucket")]
+    assert buckets == sorted(buckets) and buckets[-1] == (float("inf"), total)
+    assert 0 < m.value("infergate_edge_request_duration_seconds_sum") < total * 10
+    assert m.value("infergate_edge_inflight", node="good") == 0
+    assert m.value("infergate_edge_inflight", node="bad") == 0
+    assert 0 <= m.value("infergate_edge_snapshot_age_seconds") < 60
+    assert m.value("infergate_edge_snapshot_version") == snap["version"]
+    assert m.value("infergate_edge_redis_up") == 1
+
+    # only GET; other paths 404
+    assert requests.post(edge.metrics_url, timeout=5).status_code == 405
+    assert requests.get(edge.metrics_url.replace("/metrics", "/other"), timeout=5).status_code == 404
+
+    redis_server.stop()
+    procs.wait_until(lambda: scrape(edge.metrics_url).value("infergate_edge_redis_up") == 0, 5,
+                     what="redis_up to drop to 0")
+
+
+def test_edge_metrics_server_can_be_turned_off(redis_server, tiny_upstreams, edge_factory) -> None:
+    (up,) = tiny_upstreams(1)
+    s = edge_settings(redis_server.url, [up.node_settings()], metrics_listen="")
+    edge = edge_factory(s)
+    assert edge.metrics_url == ""
+    assert "infergate.core.prometheus\").serve" not in edge.rendered.http_conf.read_text()
+    assert chat(edge, "no metrics").status_code == 200
+
+
+def test_controlplane_metrics(redis_server, simnodes, controlplane_factory) -> None:
+    (node,) = simnodes(1, time_scale=0.05)
+    s = settings_from_dict({"redis": {"url": redis_server.url},
+                            "controlplane": {"poll_interval_s": 0.2, "leader_ttl_s": 2.0},
+                            "nodes": [node.node_settings().model_dump()]})
+    cp = controlplane_factory(s)
+    url = cp.admin_url + "/metrics"
+
+    def ready() -> bool:
+        m = scrape(url)
+        return (m.value("infergate_controlplane_node_healthy", node=node.name) == 1
+                and m.value("infergate_controlplane_node_score", node=node.name) is not None)
+
+    procs.wait_until(ready, 15, what="healthy node with a score in the control plane metrics")
+    m = scrape(url)
+    assert m.types["infergate_controlplane_poll_duration_seconds"] == "histogram"
+    assert m.types["infergate_controlplane_snapshot_writes"] == "counter"
+    assert m.types["infergate_controlplane_leader"] == "gauge"
+    assert m.value("infergate_controlplane_leader") == 1
+    assert m.value("infergate_controlplane_redis_up") == 1
+    assert m.value("infergate_controlplane_snapshot_writes_total") >= 1
+    assert m.value("infergate_controlplane_snapshot_version") >= 1
+    assert m.value("infergate_controlplane_poll_duration_seconds_count") >= 1
+    assert m.value("infergate_controlplane_node_queue_depth", node=node.name) == 0
+    assert m.value("infergate_controlplane_node_running", node=node.name) == 0
+    assert 0 <= m.value("infergate_controlplane_node_kv_cache_usage_ratio", node=node.name) <= 1
+    assert m.value("infergate_controlplane_redis_errors_total") == 0
+    # the admin app around it is untouched
+    assert requests.get(cp.admin_url + "/healthz", timeout=5).json() == {"ok": True}
+
+    redis_server.stop()
+
+    def redis_gone() -> bool:
+        m = scrape(url)
+        return (m.value("infergate_controlplane_redis_up") == 0
+                and m.value("infergate_controlplane_redis_errors_total") >= 1)
+
+    procs.wait_until(redis_gone, 10, what="redis_up 0 and redis errors counted")
+
+
+def test_embedder_metrics_parse(workdir, redis_server, tiny_upstreams) -> None:
+    """The embedder's own /metrics (controlplane/embedder) is valid exposition text with
+    the documented families; a remote embeddings backend keeps its start fast."""
+    (emb_backend,) = tiny_upstreams(names=["embeddings"])
+    port = procs.free_port()
+    emb = procs.Managed("embedder", procs.infergate_argv(
+        "embedder", "--listen", f"127.0.0.1:{port}", "--redis-url", redis_server.url,
+        "--embeddings-url", emb_backend.url, "--embeddings-model", "tiny-embed", "--index", "local",
+        "--no-queue", "--threads", "2"), workdir / "logs" / "embedder.log").start()
+    try:
+        base = f"http://127.0.0.1:{port}"
+        emb.wait_ready(lambda: requests.get(base + "/healthz", timeout=1).ok, 60)
+        res = requests.post(base + "/v1/lookup", json={"namespace": "0" * 64, "text": "hello"}, timeout=10)
+        assert res.status_code == 200, res.text
+        m = scrape(base + "/metrics")
+    finally:
+        emb.stop()
+    assert m.types["infergate_embedder_lookups"] == "counter"
+    assert m.types["infergate_embedder_lookup_seconds"] == "histogram"
+    assert m.value("infergate_embedder_lookups_total") == 1
+    assert m.value("infergate_embedder_lookup_seconds_count") == 1

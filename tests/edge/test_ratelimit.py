@@ -1,0 +1,225 @@
+"""Token-bucket rate limits at the edge (lua/infergate/admission/ratelimit.lua) with real nginx,
+Redis and upstreams: per-key request limit with the OpenAI headers while another key
+is unaffected, a token limit driven by the real ``usage`` of the answers, one global
+limit enforced by two edges sharing Redis, and local buckets when Redis is down."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import requests
+
+from controlplane import procs
+from controlplane.admin import apikeys
+from controlplane.redisdb import keynames
+from controlplane.config import Settings
+from support.stack import edge_settings
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+RESET_RE = re.compile(r"^(\d+h)?(\d+m)?(\d+(\.\d+)?s|\d+ms)$")
+
+
+def settings(redis_url: str, nodes: list, *, auth: bool = True, **limits: Any) -> Settings:
+    s = edge_settings(redis_url, nodes)
+    s.auth.mode = "required" if auth else "off"
+    s.limits.redis_retry_s = 0.2
+    for k, v in limits.items():
+        setattr(s.limits, k, v)
+    return s
+
+
+def post(url: str, key: str | None = None, body: dict = CHAT) -> requests.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return requests.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=15)
+
+
+def reset_s(value: str) -> float:
+    """Seconds of an OpenAI-style duration ("1s", "6m0s", "12ms", "1h2m3.5s")."""
+    assert RESET_RE.match(value), value
+    if value.endswith("ms"):
+        return int(value[:-2]) / 1000
+    total = 0.0
+    for num, unit in re.findall(r"(\d+(?:\.\d+)?)([hms])", value):
+        total += float(num) * {"h": 3600, "m": 60, "s": 1}[unit]
+    return total
+
+
+def test_per_key_request_limit_with_headers(redis_server, tiny_upstreams, edge_factory) -> None:
+    r = redis_server.client()
+    limited, rec = apikeys.create_key(r, "acme", rpm=3)
+    other, _ = apikeys.create_key(r, "beta", rpm=3)
+    (up,) = tiny_upstreams(1)
+    edge = edge_factory(settings(redis_server.url, [up.node_settings()]))
+
+    for remaining in (2, 1, 0):
+        res = post(edge.url, limited)
+        assert res.status_code == 200, res.text
+        assert res.headers["x-ratelimit-limit-requests"] == "3"
+        assert res.headers["x-ratelimit-remaining-requests"] == str(remaining)
+        # full again after (3 - remaining) / (3/60 per s) seconds
+        assert abs(reset_s(res.headers["x-ratelimit-reset-requests"]) - (3 - remaining) * 20) < 1.5
+        assert "x-ratelimit-limit-tokens" not in res.headers  # the key has no tpm
+    hits = up.hits
+
+    res = post(edge.url, limited)
+    assert res.status_code == 429, res.text
+    assert res.headers["Content-Type"] == "application/json"
+    retry = res.headers["Retry-After"]
+    assert retry.isdigit() and 1 <= int(retry) <= 20
+    assert int(retry) >= 19  # one request refills in 60 / 3 = 20 s
+    assert res.headers["x-ratelimit-remaining-requests"] == "0"
+    assert res.headers["x-ratelimit-limit-requests"] == "3"
+    err = res.json()["error"]
+    assert err["code"] == "rate_limit_exceeded" and err["type"] == "requests"
+    assert "requests per minute" in err["message"]
+    assert up.hits == hits, "a limited request never reaches a node"
+
+    # another key is unaffected
+    res = post(edge.url, other)
+    assert res.status_code == 200 and res.headers["x-ratelimit-remaining-requests"] == "2"
+    assert edge.status()["admission"]["rate_limited"] == 1
+
+    # the buckets live in Redis under the key id, and the script was loaded once
+    assert r.exists(keynames.RATELIMIT_PREFIX + f"key:{rec.id}:rpm")
+    assert r.ttl(keynames.RATELIMIT_PREFIX + f"key:{rec.id}:rpm") > 0
+    assert edge.status()["admission"]["limits_local"] == 0
+
+
+def wait_bucket(r, key: str, pred, timeout: float = 5.0) -> float:
+    out = {}
+
+    def ok() -> bool:
+        v = r.hget(key, "tokens")
+        out["v"] = None if v is None else float(v)
+        return v is not None and pred(float(v))
+
+    procs.wait_until(ok, timeout, what=f"bucket {key}")
+    return out["v"]
+
+
+def test_token_limit_uses_the_real_usage(redis_server, simnodes, edge_factory) -> None:
+    r = redis_server.client()
+    key, rec = apikeys.create_key(r, "acme", tpm=100)
+    (node,) = simnodes(1, time_scale=0.02)
+    edge = edge_factory(settings(redis_server.url, [node.node_settings()]))
+    bucket = keynames.RATELIMIT_PREFIX + f"key:{rec.id}:tpm"
+    # 32 characters -> 8 prompt tokens estimated up front; the node also answers 50
+    body = {"model": "sim-llama", "sim_output_tokens": 50,
+            "messages": [{"role": "user", "content": "a" * 32}]}
+
+    res = post(edge.url, key, body)
+    assert res.status_code == 200, res.text
+    usage = res.json()["usage"]
+    assert usage["completion_tokens"] == 50
+    assert res.headers["x-ratelimit-limit-tokens"] == "100"
+    assert res.headers["x-ratelimit-remaining-tokens"] == "92"  # only the estimate so far
+    # the log phase charges the difference (total - 8) right after the answer
+    left = wait_bucket(r, bucket, lambda v: v < 92 - 30)
+    assert abs(left - (100 - usage["total_tokens"])) < 2  # + a little refill (100/60 per s)
+
+    res = post(edge.url, key, body)
+    assert res.status_code == 200, res.text
+    wait_bucket(r, bucket, lambda v: v < 0)  # in debt now: the answers cost more than the estimate
+
+    res = post(edge.url, key, body)
+    assert res.status_code == 429, res.text
+    err = res.json()["error"]
+    assert err["type"] == "tokens" and err["code"] == "rate_limit_exceeded"
+    assert int(res.headers["Retry-After"]) >= 5
+    assert res.headers["x-ratelimit-remaining-tokens"] == "0"
+    assert node.state()["requests_total"] == 2
+
+
+def test_stream_usage_corrects_the_token_bucket(redis_server, simnodes, edge_factory) -> None:
+    r = redis_server.client()
+    key, rec = apikeys.create_key(r, "acme", tpm=1000)
+    (node,) = simnodes(1, time_scale=0.02)
+    edge = edge_factory(settings(redis_server.url, [node.node_settings()]))
+    bucket = keynames.RATELIMIT_PREFIX + f"key:{rec.id}:tpm"
+    body = {"model": "sim-llama", "sim_output_tokens": 40, "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": "b" * 40}]}
+    with requests.post(f"{edge.url}/v1/chat/completions", json=body, stream=True, timeout=15,
+                       headers={"Authorization": f"Bearer {key}"}) as res:
+        assert res.status_code == 200
+        text = b"".join(res.iter_content(None)).decode()
+    assert text.rstrip().endswith("data: [DONE]")
+    m = re.findall(r'"total_tokens":\s*(\d+)', text)
+    total = int(m[-1])
+    left = wait_bucket(r, bucket, lambda v: v < 1000 - 10 - 20)
+    assert abs(left - (1000 - total)) < 3
+
+
+def test_two_edges_share_one_global_limit(redis_server, tiny_upstreams, edge_factory) -> None:
+    ups = tiny_upstreams(2)
+    s = settings(redis_server.url, [u.node_settings() for u in ups], auth=False, global_rpm=10)
+    a, b = edge_factory(s), edge_factory(s)
+    started = time.monotonic()
+    with ThreadPoolExecutor(4) as pool:
+        codes = list(pool.map(lambda i: (i % 2, post((a, b)[i % 2].url).status_code), range(40)))
+    elapsed = time.monotonic() - started
+    allowed = [e for e, c in codes if c == 200]
+    assert {c for _, c in codes} <= {200, 429}
+    # 10 at once, plus what refills (10 per minute) while the requests run
+    assert 10 <= len(allowed) <= 10 + 1 + int(elapsed * 10 / 60), (len(allowed), elapsed)
+    assert set(allowed) == {0, 1}, "both edges admitted some: the bucket is shared"
+    res = post(a.url)
+    assert res.status_code == 429
+    assert res.json()["error"]["message"].startswith("Rate limit reached for this gateway")
+    rejected = a.status()["admission"]["rate_limited"] + b.status()["admission"]["rate_limited"]
+    assert rejected == 40 - len(allowed) + 1
+
+
+def test_redis_down_falls_back_to_local_buckets(redis_server, tiny_upstreams, edge_factory) -> None:
+    (up,) = tiny_upstreams(1)
+    edge = edge_factory(settings(redis_server.url, [up.node_settings()], auth=False, global_rpm=4))
+    redis_server.stop()
+    codes = [post(edge.url).status_code for _ in range(7)]
+    assert codes == [200] * 4 + [429] * 3, codes
+    res = post(edge.url)
+    assert res.status_code == 429 and res.json()["error"]["code"] == "rate_limit_exceeded"
+    assert res.headers["x-ratelimit-limit-requests"] == "4"
+    st = edge.status()["admission"]
+    assert st["limits_local"] == 8 and st["rate_limited"] == 4
+    # the outage is logged once, not per request
+    assert edge.error_log().count("Redis unreachable for API keys and rate limits") == 1
+
+
+def test_script_sha_matches_redis(redis_server, tiny_upstreams, edge_factory) -> None:
+    (up,) = tiny_upstreams(1)
+    edge = edge_factory(settings(redis_server.url, [up.node_settings()], auth=False, global_rpm=100))
+    assert post(edge.url).status_code == 200
+    script = (Path(__file__).resolve().parents[2] / "lua" / "infergate" / "admission" / "ratelimit.lua").read_text()
+    body = re.search(r"_M\.SCRIPT = \[\[\n(.*?)\]\]", script, re.S).group(1)
+    sha = hashlib.sha1(body.encode()).hexdigest()
+    r = redis_server.client()
+    assert r.script_exists(sha) == [True]  # loaded by the EVAL fallback: EVALSHA works next
+    assert post(edge.url).status_code == 200
+
+
+def test_openai_client_sees_rate_limit_and_auth_errors(redis_server, tiny_upstreams, edge_factory) -> None:
+    import openai
+
+    r = redis_server.client()
+    key, _ = apikeys.create_key(r, "acme", rpm=1)
+    (up,) = tiny_upstreams(1)
+    edge = edge_factory(settings(redis_server.url, [up.node_settings()]))
+    client = openai.OpenAI(base_url=f"{edge.url}/v1", api_key=key, max_retries=0, timeout=10)
+    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=CHAT["messages"])
+    assert raw.headers["x-ratelimit-remaining-requests"] == "0"
+    assert raw.parse().choices[0].message.content == f"hello from {up.name}"
+    with pytest.raises(openai.RateLimitError) as limited:
+        client.chat.completions.create(model="tiny", messages=CHAT["messages"])
+    exc = limited.value
+    assert exc.status_code == 429 and exc.code == "rate_limit_exceeded" and exc.type == "requests"
+    assert int(exc.response.headers["retry-after"]) >= 1
+    bad = openai.OpenAI(base_url=f"{edge.url}/v1", api_key="ig-wrong", max_retries=0, timeout=10)
+    with pytest.raises(openai.AuthenticationError) as refused:
+        bad.models.list()
+    assert refused.value.status_code == 401 and refused.value.code == "invalid_api_key"

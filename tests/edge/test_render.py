@@ -1,0 +1,277 @@
+"""``infergate render-nginx``: the three rendered files pass ``nginx -t`` standalone and
+as includes inside an existing http {} / server {}, settings reach the right
+directives, the OpenResty rendering differs only by the module lines, and bad input
+gets a clear error."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import requests
+from click.testing import CliRunner
+
+from controlplane import procs
+from controlplane.config import settings_from_dict
+from controlplane.edge.render import (
+    NginxError, RenderError, default_modules_dir, nginx_test, render_nginx, render_nginx_cmd,
+    start_nginx,
+)
+from support.stack import LuaError, lua_eval
+
+MODULE_LINES = (f"load_module {default_modules_dir()}/ndk_http_module.so; "
+                f"load_module {default_modules_dir()}/ngx_http_lua_module.so;")
+
+
+# A free metrics port (the default 127.0.0.1:9145 may be another edge's), the same for
+# every render of this module so that renders can be compared.
+METRICS_LISTEN = f"127.0.0.1:{procs.free_port()}"
+
+
+def _settings(**edge):
+    return settings_from_dict({
+        "redis": {"url": "redis://127.0.0.1:6390/0"},
+        "edge": {"workers": 1, "metrics_listen": METRICS_LISTEN, **edge},
+        "nodes": [{"name": "gpu-a", "url": "http://127.0.0.1:9001"},
+                  {"name": "gpu-b", "url": "http://localhost:9002", "weight": 2.0,
+                   "max_concurrency": 8}],
+    })
+
+
+def _options(http_conf: Path) -> dict:
+    text = http_conf.read_text()
+    m = re.search(r"init\(\[(=*)\[(.*?)\]\1\]\)", text, re.S)
+    assert m, "options embedded in init_by_lua"
+    return json.loads(m.group(2))
+
+
+def test_standalone_config_passes_nginx_t(workdir: Path) -> None:
+    r = render_nginx(_settings(), workdir / "out", listen="127.0.0.1:18123", prefix=workdir / "pre")
+    for p in (r.http_conf, r.server_conf, r.nginx_conf):
+        assert p.exists() and p.stat().st_mode & 0o004, p
+    nginx_test(r.nginx_conf, r.prefix)
+    conf = r.nginx_conf.read_text()
+    assert "load_module" in conf and f"pid {workdir / 'pre'}/nginx.pid;" in conf
+    assert "worker_processes 1;" in conf and "listen 127.0.0.1:18123;" in conf
+    assert (workdir / "pre" / "logs").is_dir()
+    assert r.url == "http://127.0.0.1:18123"
+
+
+def test_includes_work_inside_an_existing_http_and_server(workdir: Path) -> None:
+    """The host config keeps its own server-level settings and `location /`."""
+    r = render_nginx(_settings(), workdir / "out", listen="127.0.0.1:18124", prefix=workdir)
+    wrapper = workdir / "host.conf"
+    wrapper.write_text(f"""
+pid {workdir}/host.pid;
+error_log {workdir}/logs/host-error.log;
+events {{}}
+http {{
+    access_log off;
+    client_body_temp_path {workdir}/cbt;
+    proxy_temp_path {workdir}/pt;
+    include {r.http_conf};
+    server {{
+        listen 127.0.0.1:18125;
+        client_max_body_size 1m;
+        location / {{ return 200 "host site"; }}
+        location /v1/other {{ return 200 "host api"; }}
+        include {r.server_conf};
+    }}
+    server {{
+        listen 127.0.0.1:18126;
+        location / {{ proxy_pass http://infergate_nodes; }}
+    }}
+}}
+""")
+    out = subprocess.run(["nginx", "-t", "-p", str(workdir), "-c", str(wrapper), "-g", MODULE_LINES],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_settings_reach_the_directives(workdir: Path) -> None:
+    s = _settings(max_tries=4, connect_timeout_ms=1500, read_timeout_ms=30000, send_timeout_ms=45000,
+                  retry_window_s=12.5, client_max_body_size="2m", keepalive=16, workers=3,
+                  edge_id="edge-7", breaker_failures=7, breaker_cooldown_s=3.0, inflight_cost=2.0,
+                  sync_interval_s=0.25, stale_after_s=4.0, redis_timeout_ms=150)
+    r = render_nginx(s, workdir / "out", listen="127.0.0.1:18127")
+    server = r.server_conf.read_text()
+    http = r.http_conf.read_text()
+    assert server.count("proxy_next_upstream_tries 4;") == 4  # the four API locations
+    assert "proxy_connect_timeout 1500ms;" in server
+    assert "proxy_read_timeout 30s;" in server and "proxy_send_timeout 45s;" in server
+    assert "proxy_next_upstream_timeout 12500ms;" in server
+    assert "client_max_body_size 2m;" in server and "client_body_buffer_size 2m;" in server
+    assert "non_idempotent" in server and "proxy_buffering off;" in server
+    assert "proxy_request_buffering on;" in server and "proxy_http_version 1.1;" in server
+    for code in (400, 404, 405, 413, 429, 500, 502, 503, 504):
+        assert f"error_page {code} = /_infergate/error/{code};" in server
+    assert "keepalive 16;" in http
+    assert "worker_processes 3;" in r.nginx_conf.read_text()
+    opts = _options(r.http_conf)
+    assert opts["edge_id"] == "edge-7" and r.edge_id == "edge-7"
+    assert opts["max_tries"] == 4 and opts["breaker_failures"] == 7
+    assert opts["breaker_cooldown_s"] == 3.0 and opts["inflight_cost"] == 2.0
+    assert opts["sync_interval_s"] == 0.25 and opts["stale_after_s"] == 4.0
+    assert opts["redis_timeout_ms"] == 150 and opts["redis_url"] == "redis://127.0.0.1:6390/0"
+    nodes = {n["name"]: n for n in opts["nodes"]}
+    assert nodes["gpu-a"] == {"name": "gpu-a", "host": "127.0.0.1", "port": 9001, "weight": 1.0,
+                              "max_concurrency": 64, "kind": "vllm"}
+    assert nodes["gpu-b"]["host"] == "127.0.0.1"  # localhost resolved at render time
+    assert nodes["gpu-b"]["weight"] == 2.0 and nodes["gpu-b"]["max_concurrency"] == 8
+
+
+def test_default_edge_id_is_host_and_port(workdir: Path) -> None:
+    import socket
+
+    r = render_nginx(_settings(), workdir / "out", listen="127.0.0.1:18128")
+    assert r.edge_id == f"{socket.gethostname()}:18128"
+
+
+def test_openresty_rendering_differs_only_by_module_lines(workdir: Path) -> None:
+    deb = render_nginx(_settings(edge_id="e"), workdir / "deb", listen="127.0.0.1:18129", prefix=workdir / "p")
+    ores = render_nginx(_settings(edge_id="e"), workdir / "ores", listen="127.0.0.1:18129", prefix=workdir / "p",
+                        openresty=True)
+    assert "load_module" not in ores.nginx_conf.read_text()
+    assert deb.server_conf.read_text() == ores.server_conf.read_text()
+    assert deb.http_conf.read_text() == ores.http_conf.read_text()
+    # OpenResty has the modules built in; with Debian's nginx they come from -g
+    out = subprocess.run(["nginx", "-t", "-p", str(ores.prefix), "-c", str(ores.nginx_conf),
+                          "-g", MODULE_LINES], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_awkward_characters_in_options_survive(workdir: Path) -> None:
+    """A Redis URL with quotes, braces and ']]' is embedded safely: nginx starts."""
+    s = _settings()
+    s.redis.url = "redis://:p'\"{};=@127.0.0.1:6390/0?note=]]=]"
+    listen = f"127.0.0.1:{procs.free_port()}"
+    r = render_nginx(s, workdir / "out", listen=listen, prefix=workdir / "pre")
+    assert "]]" in _options(r.http_conf)["redis_url"]
+    m = start_nginx(r.nginx_conf, r.prefix)
+    try:
+        st = requests.get(f"{r.url}/infergate/status", timeout=5).json()
+        assert {n["name"] for n in st["nodes"]} == {"gpu-a", "gpu-b"}
+        assert st["snapshot"]["source"] == "static"
+    finally:
+        m.stop()
+
+
+def test_unresolvable_node_is_kept_without_address(workdir: Path) -> None:
+    s = settings_from_dict({"redis": {"url": "redis://127.0.0.1:6390/0"},
+                            "nodes": [{"name": "ghost", "url": "http://no-such-host.invalid:8000"}]})
+    r = render_nginx(s, workdir / "out", listen="127.0.0.1:18130")
+    assert any("ghost" in w for w in r.warnings)
+    assert _options(r.http_conf)["nodes"][0]["host"] is None
+
+
+def test_redis_host_name_gets_a_resolver(workdir: Path) -> None:
+    s = settings_from_dict({"redis": {"url": "redis://redis.example:6379/0"}})
+    r = render_nginx(s, workdir / "out", listen="127.0.0.1:18131", resolver="10.9.8.7")
+    assert "resolver 10.9.8.7 valid=30s ipv6=off;" in r.http_conf.read_text()
+    r2 = render_nginx(_settings(), workdir / "out2", listen="127.0.0.1:18131")
+    assert "resolver" not in r2.http_conf.read_text()
+
+
+@pytest.mark.parametrize("listen", ["nonsense", "127.0.0.1:0", "127.0.0.1:70000", ":x"])
+def test_bad_listen_is_rejected(workdir: Path, listen: str) -> None:
+    with pytest.raises(RenderError, match="listen"):
+        render_nginx(_settings(), workdir / "out", listen=listen)
+
+
+def test_bad_edge_values_are_rejected(workdir: Path) -> None:
+    with pytest.raises(RenderError, match="client_max_body_size"):
+        render_nginx(_settings(client_max_body_size="lots"), workdir / "out", listen="127.0.0.1:1")
+    s = _settings()
+    s.redis.url = "unix:///tmp/redis.sock"
+    with pytest.raises(RenderError, match="redis://"):
+        render_nginx(s, workdir / "out", listen="127.0.0.1:1")
+
+
+def test_nginx_test_reports_nginx_messages(workdir: Path) -> None:
+    bad = workdir / "bad.conf"
+    bad.write_text("events {}\nhttp { nonsense_directive on; }\n")
+    with pytest.raises(NginxError, match="nonsense_directive"):
+        nginx_test(bad, workdir)
+
+
+def test_cli_writes_files_and_checks(workdir: Path) -> None:
+    cfg = workdir / "infergate.toml"
+    cfg.write_text('[redis]\nurl = "redis://127.0.0.1:6390/0"\n[edge]\nworkers = 1\n'
+                   '[[nodes]]\nname = "a"\nurl = "http://127.0.0.1:9001"\n')
+    res = CliRunner().invoke(render_nginx_cmd, ["--config", str(cfg), "--out", str(workdir / "o"),
+                                                "--listen", "127.0.0.1:18132", "--check"])
+    assert res.exit_code == 0, res.output
+    for name in ("infergate-http.conf", "infergate-server.conf", "nginx.conf"):
+        assert (workdir / "o" / name).exists()
+        assert name in res.output
+    assert f"from {cfg}" in (workdir / "o" / "nginx.conf").read_text()
+
+
+def test_cli_openresty_flag(workdir: Path) -> None:
+    res = CliRunner().invoke(render_nginx_cmd, ["--out", str(workdir / "o"), "--openresty",
+                                                "--listen", "0.0.0.0:8080"])
+    assert res.exit_code == 0, res.output
+    assert "load_module" not in (workdir / "o" / "nginx.conf").read_text()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--config", "/nonexistent/infergate.toml"], "no such configuration file"),
+    (["--listen", "localhost"], "HOST:PORT"),
+])
+def test_cli_bad_input(workdir: Path, args: list[str], message: str) -> None:
+    res = CliRunner().invoke(render_nginx_cmd, ["--out", str(workdir / "o"), *args])
+    assert res.exit_code != 0
+    assert message in res.output
+    assert "Traceback" not in res.output
+
+
+def test_cli_invalid_toml_value(workdir: Path) -> None:
+    cfg = workdir / "bad.toml"
+    cfg.write_text("[edge]\nmax_tries = 0\n")
+    res = CliRunner().invoke(render_nginx_cmd, ["--config", str(cfg), "--out", str(workdir / "o")])
+    assert res.exit_code != 0 and "max_tries" in res.output
+
+
+# Lua side of the options: infergate.core.config validates what init_by_lua receives.
+
+def test_lua_config_accepts_rendered_options(workdir: Path) -> None:
+    r = render_nginx(_settings(), workdir / "out", listen="127.0.0.1:18133")
+    opts = r.http_conf.read_text()
+    m = re.search(r"init\((\[(=*)\[.*?\]\2\])\)", opts, re.S)
+    got = lua_eval(workdir, f"""
+            local config = require("infergate.core.config")
+            assert(config.init({m.group(1)}))
+            local o = config.get()
+            return {{ max_tries = o.max_tries, nodes = #o.nodes, second = o.nodes[2].name }}
+    """)
+    assert got == {"max_tries": 3, "nodes": 2, "second": "gpu-b"}
+
+
+@pytest.mark.parametrize("options,message", [
+    ('{"max_tries": 0}', "max_tries' out of range"),
+    ('{"max_tries": "3"}', "max_tries' must be a number"),
+    ('{"bogus": 1}', "unknown infergate option 'bogus'"),
+    ('{"nodes": [{"name": "a", "host": "127.0.0.1", "port": 0}]}', "nodes[1].port"),
+    ('{"nodes": [{"name": "a", "port": 1}, {"name": "a", "port": 2}]}', "duplicate node name"),
+    ('[1, 2', "not valid JSON"),
+])
+def test_lua_config_rejects_bad_options(workdir: Path, options: str, message: str) -> None:
+    with pytest.raises(LuaError, match=re.escape(message)):
+        lua_eval(workdir, f"""
+            local ok, err = require("infergate.core.config").init([==[{options}]==])
+            if not ok then error(err, 0) end
+            return true
+        """)
+
+
+def test_http_include_with_a_redis_password_is_not_world_readable(workdir: Path) -> None:
+    plain = render_nginx(_settings(), workdir / "plain", listen="127.0.0.1:18134")
+    assert plain.http_conf.stat().st_mode & 0o777 == 0o644
+    s = _settings()
+    s.redis.url = "redis://:s3cret@127.0.0.1:6390/0"
+    secret = render_nginx(s, workdir / "secret", listen="127.0.0.1:18134")
+    assert secret.http_conf.stat().st_mode & 0o777 == 0o640
+    assert secret.server_conf.stat().st_mode & 0o777 == 0o644

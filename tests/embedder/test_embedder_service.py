@@ -1,0 +1,332 @@
+"""The embedder service over real HTTP (waitress), with the bundled all-MiniLM-L6-v2 model,
+against real Redis servers for both index backends: Debian's redis-server 7.0 (no search
+module -> in-process index) and Redis 8.2 with redisearch.so (FT.* index).
+
+The model is loaded once per test session (``models.shared_model``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+import requests
+import waitress
+
+from controlplane import procs
+from controlplane.redisdb import keynames
+from controlplane.embedder.app import create_app
+from controlplane.embedder.consumer import QueueConsumer
+from controlplane.embedder.engine import Engine, connect
+from controlplane.embedder.models import (ModelLoadError, ModelSpec, OpenAIEmbeddingsModel,
+                                          shared_model)
+from controlplane.embedder.redis_search import SearchRedisMissing, start_search_redis
+
+PASSWORD = "How do I reset my password?"
+
+
+def hx(s: str) -> str:
+    return hashlib.sha256(s.encode()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return shared_model(ModelSpec())
+
+
+@dataclass
+class Svc:
+    url: str
+    backend: str
+    r: redis.Redis
+    engine: Engine
+    redis_managed: procs.Managed
+    redis_dir: Path
+    redis_port: int
+
+    def post(self, path: str, body: object, **kw) -> requests.Response:
+        return requests.post(self.url + path, json=body, timeout=30, **kw)
+
+    def add(self, text: str, ns: str, ttl: int = 60, entry: bool = True) -> str:
+        """Write a cache entry for ``text`` (unless ``entry`` is false) and index it."""
+        key = hx(ns + text)
+        if entry:
+            self.r.set(keynames.cache_entry(key), json.dumps({"body": "answer"}), ex=ttl)
+        resp = self.post("/v1/index", {"key": key, "namespace": ns, "text": text, "ttl_s": ttl,
+                                       "model": "m", "tenant": "t"})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["indexed"] is True
+        return key
+
+    def lookup(self, ns: str, text: str, **extra) -> dict:
+        resp = self.post("/v1/lookup", {"namespace": ns, "text": text, **extra})
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+
+def _start_service(model, backend: str, workdir: Path):
+    port = procs.free_port()
+    if backend == "local":
+        managed = procs.start_redis(workdir, port)
+    else:
+        managed = start_search_redis(workdir, port)
+    r_bin = connect(f"redis://127.0.0.1:{port}/0", 1.0)
+    r_block = connect(f"redis://127.0.0.1:{port}/0", 1.0, blocking=True)
+    engine = Engine(model, r_bin, index_backend=backend)
+    consumer = QueueConsumer(engine, r_block, batch=8).start()
+    http_port = procs.free_port()
+    server = waitress.create_server(create_app(engine), host="127.0.0.1", port=http_port,
+                                    threads=8)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{http_port}"
+    svc = Svc(url, backend, redis.Redis(port=port, socket_timeout=2, decode_responses=True),
+              engine, managed, workdir, port)
+    procs.wait_until(lambda: requests.get(url + "/healthz", timeout=1).status_code == 200,
+                     timeout=20, what="embedder /healthz")
+
+    def stop() -> None:
+        server.close()
+        thread.join(timeout=5)
+        consumer.stop()
+        engine.close()
+        svc.redis_managed.stop()
+
+    return svc, stop
+
+
+@pytest.fixture(scope="module", params=["local", "redis-search"])
+def svc(request, model):
+    d = Path(tempfile.mkdtemp(prefix="infergate-emb-"))
+    try:
+        try:
+            s, stop = _start_service(model, request.param, d)
+        except SearchRedisMissing as exc:
+            pytest.skip(f"Redis with search not installed: {exc}")
+        try:
+            yield s
+        finally:
+            stop()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_healthz_names_model_and_backend(svc) -> None:
+    doc = requests.get(svc.url + "/healthz", timeout=5).json()
+    assert doc["status"] == "ok" and doc["redis"] is True
+    assert doc["model_id"] == "all-MiniLM-L6-v2" and doc["dim"] == 384
+    assert doc["index_backend"] == svc.backend
+
+
+def test_paraphrase_hits_with_similarity(svc) -> None:
+    ns = hx("paraphrase" + svc.backend)
+    key = svc.add(PASSWORD, ns)
+    svc.add("What is the capital of France?", ns)
+    res = svc.lookup(ns, "How can I reset my password?", min_similarity=0.8)
+    assert res["hit"] is True and res["key"] == key
+    assert 0.8 <= res["similarity"] <= 1.0
+    assert res["candidate_text"] == PASSWORD
+    assert res["guard"] == "pass"
+    assert res["model_id"] == "all-MiniLM-L6-v2"
+    assert res["elapsed_ms"] > 0
+
+
+def test_unrelated_text_misses(svc) -> None:
+    ns = hx("unrelated" + svc.backend)
+    svc.add(PASSWORD, ns)
+    res = svc.lookup(ns, "Which wine goes with grilled fish?")
+    assert res["hit"] is False and res["key"] is None
+    assert res["similarity"] is not None and res["similarity"] < 0.5
+    assert res["min_similarity"] == svc.engine.default_min_similarity
+
+
+def test_zero_threshold_is_a_value_not_unset(svc) -> None:
+    ns = hx("zero" + svc.backend)
+    svc.add(PASSWORD, ns)
+    text = "How do I bake bread at home?"
+    assert svc.lookup(ns, text)["hit"] is False          # default threshold
+    res = svc.lookup(ns, text, min_similarity=0, guard=False)
+    assert res["min_similarity"] == 0
+    assert res["hit"] is True and res["guard"] is None
+
+
+def test_other_namespace_misses(svc) -> None:
+    svc.add(PASSWORD, hx("ns-one" + svc.backend))
+    res = svc.lookup(hx("ns-two" + svc.backend), PASSWORD, min_similarity=0.5)
+    assert res == {**res, "hit": False, "key": None, "similarity": None,
+                   "candidate_text": None}
+
+
+def test_purged_entry_is_never_a_hit(svc) -> None:
+    ns = hx("purged" + svc.backend)
+    key = svc.add(PASSWORD, ns)
+    assert svc.lookup(ns, PASSWORD)["hit"] is True
+    svc.r.delete(keynames.cache_entry(key))
+    assert svc.lookup(ns, PASSWORD)["hit"] is False
+
+
+def test_expired_entry_misses(svc) -> None:
+    ns = hx("expired" + svc.backend)
+    svc.add(PASSWORD, ns, ttl=3)
+    assert svc.lookup(ns, PASSWORD)["hit"] is True
+    procs.wait_until(lambda: svc.lookup(ns, PASSWORD)["hit"] is False, timeout=15,
+                     interval=0.2, what="the expired entry to stop answering")
+
+
+def test_vector_expires_with_its_ttl_even_if_entry_lingers(svc) -> None:
+    """The vector keeps the job's TTL: after it, no hit, whatever the entry does."""
+    ns = hx("vec-ttl" + svc.backend)
+    key = hx(ns + PASSWORD)
+    svc.r.set(keynames.cache_entry(key), "{}", ex=120)
+    assert svc.post("/v1/index", {"key": key, "namespace": ns, "text": PASSWORD,
+                                  "ttl_s": 2}).status_code == 200
+    procs.wait_until(lambda: svc.lookup(ns, PASSWORD)["hit"] is False, timeout=15,
+                     interval=0.2, what="the vector to expire")
+    assert svc.r.exists(keynames.cache_entry(key))
+
+
+def test_chinese_text(svc) -> None:
+    ns = hx("zh" + svc.backend)
+    key = svc.add("如何修改银行卡的登录密码", ns)
+    res = svc.lookup(ns, "如何修改银行卡的登录密码？", min_similarity=0.8)
+    assert res["hit"] is True and res["key"] == key
+    svc.add("借款1万需要什么条件", ns)
+    res = svc.lookup(ns, "借款5万需要什么条件", min_similarity=0.5)
+    assert res["hit"] is False and res["guard"] == "reject:numbers"
+    assert res["candidate_text"] == "借款1万需要什么条件"
+    assert svc.lookup(ns, "借款5万需要什么条件", min_similarity=0.5, guard=False)["hit"] is True
+
+
+def test_huge_input_is_truncated_not_fatal(svc) -> None:
+    ns = hx("huge" + svc.backend)
+    for text in ("word " * 10_000, "长" * 50_000):
+        assert len(text) >= 50_000
+        svc.add(text, ns)
+        res = svc.lookup(ns, text)
+        assert res["hit"] is True
+    r = svc.post("/v1/embeddings", {"input": "x" * 50_000})
+    assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 384
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"text": "hi"}, "namespace"),
+    ({"namespace": "NOTHEX", "text": "hi"}, "namespace"),
+    ({"namespace": "ab" * 32, "text": ""}, "text"),
+    ({"namespace": "ab" * 32, "text": 5}, "text"),
+    ({"namespace": "ab" * 32, "text": "hi", "min_similarity": 1.5}, "min_similarity"),
+    ({"namespace": "ab" * 32, "text": "hi", "min_similarity": "0.9"}, "min_similarity"),
+    ({"namespace": "ab" * 32, "text": "hi", "min_similarity": True}, "min_similarity"),
+    ({"namespace": "ab" * 32, "text": "hi", "guard": "yes"}, "guard"),
+    ([1, 2], None),
+])
+def test_bad_lookup_is_400(svc, body, param) -> None:
+    r = svc.post("/v1/lookup", body)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    assert err["message"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"key": "ab" * 32, "namespace": "cd" * 32, "text": "hi"}, "ttl_s"),
+    ({"key": "ab" * 32, "namespace": "cd" * 32, "text": "hi", "ttl_s": 0}, "ttl_s"),
+    ({"key": "ab" * 32, "namespace": "cd" * 32, "text": "hi", "ttl_s": 1.5}, "ttl_s"),
+    ({"key": "zz", "namespace": "cd" * 32, "text": "hi", "ttl_s": 5}, "key"),
+    ({"key": "ab" * 32, "namespace": "cd" * 32, "text": "hi", "ttl_s": 5, "tenant": 3},
+     "tenant"),
+])
+def test_bad_index_is_400(svc, body, param) -> None:
+    r = svc.post("/v1/index", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_not_json_and_unknown_paths(svc) -> None:
+    r = requests.post(svc.url + "/v1/lookup", data="{nope", timeout=5,
+                      headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = requests.get(svc.url + "/v1/nothing", timeout=5)
+    assert r.status_code == 404 and "error" in r.json()
+    r = requests.get(svc.url + "/v1/lookup", timeout=5)
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_queue_consumer_indexes_pushed_jobs(svc) -> None:
+    ns = hx("queue" + svc.backend)
+    key = hx(ns + "queued")
+    svc.r.set(keynames.cache_entry(key), "{}", ex=60)
+    before = svc.engine.metrics.invalid_jobs._value.get()
+    svc.r.rpush(keynames.CACHE_INDEX_QUEUE, "not json", json.dumps({"key": "zz"}),
+                json.dumps({"key": key, "namespace": ns, "text": "How do I close my account?",
+                            "model": "m", "tenant": "t", "ttl_s": 60}))
+    procs.wait_until(lambda: svc.lookup(ns, "How do I close my account?")["key"] == key,
+                     timeout=15, interval=0.1, what="the queued job to be indexed")
+    assert svc.engine.metrics.invalid_jobs._value.get() - before == 2
+    assert svc.r.llen(keynames.CACHE_INDEX_QUEUE) == 0
+
+
+def test_embeddings_endpoint_with_openai_sdk(svc, model) -> None:
+    from openai import OpenAI
+
+    with OpenAI(base_url=svc.url + "/v1", api_key="unused", max_retries=0,
+                timeout=30) as client:
+        out = client.embeddings.create(model="all-MiniLM-L6-v2", input=["hello", "你好"])
+    vecs = np.array([d.embedding for d in out.data], dtype=np.float32)
+    assert vecs.shape == (2, 384)
+    assert np.allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-4)
+    assert np.allclose(vecs, model.encode(["hello", "你好"]), atol=1e-4)
+    r = svc.post("/v1/embeddings", {"input": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+
+
+def test_remote_embeddings_backend(svc, model) -> None:
+    """The OpenAI-compatible backend, pointed at this service's own /v1/embeddings."""
+    remote = OpenAIEmbeddingsModel(svc.url, "all-MiniLM-L6-v2")
+    assert remote.dim == 384 and remote.default_min_similarity == model.default_min_similarity
+    assert np.allclose(remote.encode(["hello there"]), model.encode(["hello there"]),
+                       atol=1e-4)
+    with pytest.raises(ModelLoadError):
+        OpenAIEmbeddingsModel(f"http://127.0.0.1:{procs.free_port()}", "x", timeout_s=1)
+
+
+def test_metrics(svc) -> None:
+    ns = hx("metrics" + svc.backend)
+    svc.add(PASSWORD, ns)
+    svc.lookup(ns, PASSWORD)
+    text = requests.get(svc.url + "/metrics", timeout=5).text
+    for name in ("infergate_embedder_lookups_total", "infergate_embedder_hits_total",
+                 "infergate_embedder_embed_batch_size_bucket",
+                 "infergate_embedder_lookup_seconds_bucket"):
+        assert name in text
+
+
+@pytest.fixture
+def fragile(model, workdir):
+    """A service (in-process index) whose Redis the test may stop and start."""
+    s, stop = _start_service(model, "local", workdir / "redis")
+    try:
+        yield s
+    finally:
+        stop()
+
+
+def test_redis_down_is_503_then_recovers(fragile) -> None:
+    ns = hx("down")
+    fragile.add(PASSWORD, ns)
+    fragile.redis_managed.stop()
+    r = fragile.post("/v1/lookup", {"namespace": ns, "text": PASSWORD})
+    assert r.status_code == 503
+    assert r.json()["error"]["type"] == "service_unavailable"
+    r = fragile.post("/v1/index", {"key": hx("k"), "namespace": ns, "text": "x", "ttl_s": 5})
+    assert r.status_code == 503
+    assert requests.get(fragile.url + "/healthz", timeout=5).status_code == 503
+    fragile.redis_managed = procs.start_redis(fragile.redis_dir, fragile.redis_port)
+    procs.wait_until(
+        lambda: fragile.post("/v1/lookup", {"namespace": ns, "text": PASSWORD}).status_code
+        == 200, timeout=15, what="lookups to work again")

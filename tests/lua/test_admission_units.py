@@ -1,0 +1,300 @@
+"""Pure logic of admission control: settings and their defaults in the example file,
+the edge option and its validation in Lua, the token-bucket script on a real Redis,
+and the Lua helpers (durations, token estimates, Bearer parsing, key records, usage
+parsing, deadline timeouts, local buckets), run inside nginx's Lua."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from controlplane.edge.admission import edge_admission_options
+from controlplane.config import ConfigError, load_settings, settings_from_dict
+from controlplane.edge.render import render_nginx
+from support.stack import LuaError, lua_eval
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "docs" / "infergate.example.toml"
+SECTIONS = ("auth", "limits", "admission", "deadlines")
+DICTS = "lua_shared_dict infergate_limits 1m; lua_shared_dict infergate_auth 1m;"
+
+
+# --------------------------------------------------------------------------- settings
+
+def test_example_file_documents_the_defaults() -> None:
+    s, d = load_settings(EXAMPLE), load_settings(None)
+    for section in SECTIONS:
+        assert getattr(s, section) == getattr(d, section), section
+    assert d.auth.mode == "off" and d.deadlines.request_ms == 30000
+    assert d.admission.max_wait_ms == 500 and d.auth.cache_ttl_s == 5.0
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"auth": {"mode": "maybe"}}, "auth.mode"),
+    ({"auth": {"cache_ttl_s": 0}}, "auth.cache_ttl_s"),
+    ({"limits": {"global_rpm": -1}}, "limits.global_rpm"),
+    ({"limits": {"chars_per_token": 0}}, "limits.chars_per_token"),
+    ({"admission": {"retry_after_s": 0}}, "admission.retry_after_s"),
+    ({"admission": {"poll_ms": 0}}, "admission.poll_ms"),
+    ({"deadlines": {"stream_idle_ms": 0}}, "deadlines.stream_idle_ms"),
+    ({"deadlines": {"routes": {"v1/chat": {"request_ms": 5}}}}, "unknown path 'v1/chat'"),
+    ({"deadlines": {"routes": {"/v1/chat": {"request_ms": 5}}}}, "unknown path"),
+    ({"deadlines": {"routes": {"/v1/chat/completions": {"bogus": 5}}}}, "bogus"),
+])
+def test_bad_settings_are_named(data, message) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        settings_from_dict(data)
+
+
+def test_edge_option_round_trips_through_lua(workdir: Path) -> None:
+    s = settings_from_dict({
+        "auth": {"mode": "required", "cache_ttl_s": 2},
+        "limits": {"global_rpm": 100, "global_tpm": 5000},
+        "admission": {"shed": False, "max_wait_ms": 250},
+        "deadlines": {"request_ms": 9000,
+                      "routes": {"/v1/embeddings": {"request_ms": 2000}}},
+    })
+    opts = edge_admission_options(s)
+    assert opts["deadlines"]["routes"] == {"/v1/embeddings": {"request_ms": 2000}}
+    assert opts["auth"]["cache_ttl_s"] == 2.0 and opts["shed"]["enabled"] is False
+    r = render_nginx(s, workdir / "out", listen="127.0.0.1:18140")
+    text = r.http_conf.read_text()
+    m = re.search(r"init\((\[(=*)\[.*?\]\2\])\)", text, re.S)
+    got = lua_eval(workdir, f"""
+            local config = require("infergate.core.config")
+            assert(config.init({m.group(1)}))
+            local a = config.get().admission
+            return {{ mode = a.auth.mode, ttl = a.auth.cache_ttl_s, rpm = a.limits.global_rpm,
+                      shed = a.shed.enabled, wait = a.shed.max_wait_ms,
+                      emb = a.deadlines.routes["/v1/embeddings"],
+                      req = a.deadlines.request_ms, idle = a.deadlines.stream_idle_ms }}
+    """)
+    # a route entry is completed with the global values
+    assert got == {"mode": "required", "ttl": 2, "rpm": 100, "shed": False, "wait": 250,
+                   "emb": {"request_ms": 2000, "stream_idle_ms": 30000},
+                   "req": 9000, "idle": 30000}
+
+
+def test_lua_defaults_equal_the_python_defaults(workdir: Path) -> None:
+    got = lua_eval(workdir, """
+            local a = require("infergate.admission.options").check(nil)
+            a.deadlines.routes = nil
+            return a
+    """)
+    want = edge_admission_options(load_settings(None))
+    want["deadlines"].pop("routes")
+    assert got == want
+
+
+@pytest.mark.parametrize("options, message", [
+    ('{"admission": {"bogus": {}}}', "unknown admission option 'bogus'"),
+    ('{"admission": {"auth": {"mode": "maybe"}}}', "'auth.mode' has an unknown value"),
+    ('{"admission": {"auth": {"nope": 1}}}', "unknown admission option 'auth.nope'"),
+    ('{"admission": {"limits": {"global_rpm": "5"}}}', "'limits.global_rpm' must be a number"),
+    ('{"admission": {"shed": {"max_wait_ms": -1}}}', "'shed.max_wait_ms' out of range"),
+    ('{"admission": {"deadlines": {"routes": {"x": {}}}}}', "keys are paths starting with '/'"),
+    ('{"admission": {"deadlines": {"routes": {"/v1/x": {"request_ms": true}}}}}', "must be a number"),
+    ('{"admission": 5}', "'admission' must be a table"),
+    ('{"admission": {"auth": "off"}}', "'auth' must be an object"),
+])
+def test_lua_rejects_bad_admission_options(workdir: Path, options: str, message: str) -> None:
+    with pytest.raises(LuaError, match=re.escape(message)):
+        lua_eval(workdir, f"""
+            local ok, err = require("infergate.core.config").init([==[{options}]==])
+            if not ok then error(err, 0) end
+            return true
+        """)
+
+
+# --------------------------------------------------------------------------- Lua helpers
+
+def test_reset_durations_look_like_openai(workdir: Path) -> None:
+    cases = [0, 0.0004, 0.012, 0.9999, 1, 1.5, 20, 59.9994, 60, 360, 3725.25, 7200]
+    got = lua_eval(workdir, f"""
+            local rl = require("infergate.admission.ratelimit")
+            local out = {{}}
+            for i, s in ipairs({{{", ".join(map(str, cases))}}}) do out[i] = rl.duration(s) end
+            return out
+    """, http_extra=DICTS)
+    assert got == ["0s", "1ms", "12ms", "1s", "1s", "1.5s", "20s", "1m0s", "1m0s", "6m0s",
+                   "1h2m5.25s", "2h0m0s"]
+
+
+def test_prompt_token_estimate(workdir: Path) -> None:
+    got = lua_eval(workdir, """
+            local rl = require("infergate.admission.ratelimit")
+            local e = rl.estimate_tokens
+            return {
+                e({messages = {{role = "system", content = "12345678"},
+                               {role = "user", content = "abcd"}}}, 4),
+                e({messages = {{role = "user", content = {{type = "text", text = "abcdefgh"},
+                                                         {type = "image_url", image_url = {}}}}}}, 4),
+                e({prompt = "héllo wörld"}, 4),
+                e({prompt = {"aaaa", "bbbb", "cc"}}, 4),
+                e({input = "x"}, 4),
+                e({model = "m"}, 4),
+                e({messages = {{role = "user", content = string.rep("z", 10)}}}, 2.5),
+                rl.prompt_chars("not a table"),
+            }
+    """, http_extra=DICTS)
+    assert got == [3, 2, 3, 3, 1, 1, 4, 0]
+
+
+def test_bearer_parsing_and_key_records(workdir: Path) -> None:
+    got = lua_eval(workdir, """
+            local auth = require("infergate.admission.auth")
+            local b = auth.bearer
+            local rec = auth.from_record
+            local function keys_of(e)
+                local out = {}
+                for k, v in pairs(e) do out[#out + 1] = k .. "=" .. tostring(v) end
+                table.sort(out)
+                return table.concat(out, ",")
+            end
+            return {
+                b("Bearer ig-abc"), b("bearer   ig-abc  "), b("BEARER x"),
+                b("Basic abc") or "nil", b("Bearer") or "nil", b("Bearer a b") or "nil",
+                b(nil) or "nil", b({"Bearer a", "Bearer b"}) or "nil",
+                keys_of(rec('{"id": "0a1b2c3d", "tenant": "acme", "rpm": 3, "tpm": null, '
+                            .. '"revoked": null}', 7)),
+                keys_of(rec('{"id": "0a1b2c3d", "tenant": "acme", "revoked": 1700000000.5}', 7)),
+                keys_of(rec('{"tenant": ""}', 7)),
+                keys_of(rec('not json', 7)),
+                keys_of(rec(ngx.null, 7)),
+                keys_of(rec('{"id": "x", "tenant": "t", "rpm": 0, "tpm": "9"}', 7)),
+            }
+    """, http_extra=DICTS)
+    assert got[:8] == ["ig-abc", "ig-abc", "x", "nil", "nil", "nil", "nil", "nil"]
+    assert got[8] == "at=7,id=0a1b2c3d,ok=true,rpm=3,tenant=acme"
+    assert got[9:12] == ["at=7,ok=false"] * 3
+    assert got[12] == "at=7,ok=false"
+    assert got[13] == "at=7,id=x,ok=true,tenant=t"  # bad limits count as none
+
+
+def test_usage_parsing(workdir: Path) -> None:
+    got = lua_eval(workdir, r"""
+            local u = require("infergate.admission.usage")
+            local json = '{"choices": [{"message": {"content": "a \"usage\": {\"total_tokens\": 999}"}}],'
+                .. ' "usage": {"prompt_tokens": 12, "completion_tokens": 30, "total_tokens": 42}}'
+            local sse = 'data: {"choices": [{"delta": {"content": "hi"}}], "usage": null}\n\n'
+                .. 'data: {"choices": [{"delta": {"content": " there"}}], "usage": null}\n\n'
+                .. 'data: {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2, '
+                .. '"total_tokens": 7}}\n\ndata: [DONE]\n\n'
+            local no_total = '"usage": {"prompt_tokens": 4, "completion_tokens": 6}'
+            local chunks = 'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}\n\n'
+                .. 'data: {"choices": [{"delta": {"content": "a"}}]}\n\n'
+                .. 'data: {"choices": [{"delta": {"content":"b"}}]}\n\n'
+            return {
+                u.parse(json), u.parse(sse), u.parse(no_total),
+                u.parse("no usage here") or "nil", u.parse('"usage": {}') or "nil",
+                u.content_chunks(chunks),
+            }
+    """)
+    assert got[0] == {"prompt_tokens": 12, "completion_tokens": 30, "total_tokens": 42}
+    assert got[1] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    assert got[2] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}
+    assert got[3:5] == ["nil", "nil"]
+    assert got[5] == 2
+
+
+def test_deadline_timeouts_per_try(workdir: Path) -> None:
+    got = lua_eval(workdir, """
+            local dl = require("infergate.admission.deadline")
+            local o = {connect_timeout_ms = 2000, send_timeout_ms = 60000, read_timeout_ms = 60000}
+            local function t(stream, at, idle, now)
+                local req = {stream = stream, deadline = {at = at, request_ms = 1, idle_s = idle}}
+                local c, s, r, bound = dl.timeouts(req, o, now)
+                if not c then return "none" end
+                return {c, s, r, bound}
+            end
+            return {
+                t(false, 130, 30, 100),     -- 30 s left: read bounded by the deadline
+                t(false, 100.5, 30, 100),   -- 0.5 s left: every timeout capped
+                t(false, nil, 30, 100),     -- no deadline: the edge's timeouts
+                t(true, 130, 5, 100),       -- stream: idle timeout, not the deadline
+                t(true, 200, 90, 100),      -- idle above read_timeout_ms: read_timeout_ms
+                t(false, 100, 30, 100),     -- passed: no new try
+                t(true, 99, 30, 100),       -- passed for streams as well
+            }
+    """)
+    assert got[0] == [2, 30, 30, True]
+    assert got[1] == [0.5, 0.5, 0.5, True]
+    assert got[2] == [2, 60, 60, False]
+    assert got[3] == [2, 30, 5, False]
+    assert got[4] == [2, 60, 60, False]
+    assert got[5:] == ["none", "none"]
+
+
+def test_local_buckets(workdir: Path) -> None:
+    got = lua_eval(workdir, """
+            local rl = require("infergate.admission.ratelimit")
+            local list = {
+                {kind = "requests", scope = "key", key = "k:rpm", capacity = 3, rate = 3 / 60, cost = 1},
+                {kind = "tokens", scope = "key", key = "k:tpm", capacity = 100, rate = 100 / 60, cost = 40},
+            }
+            local out = {}
+            for i = 1, 4 do
+                local res = rl._local_apply("take", list)
+                out[i] = {res.allowed, math.floor(res.tokens[1] + 0.5), math.floor(res.tokens[2] + 0.5),
+                          math.floor(res.wait[2] + 0.5)}
+            end
+            -- the answers used 150 tokens more than estimated: debt, capped at -capacity
+            local adj = rl._local_apply("adjust", {list[2]}, {150})
+            out[5] = math.floor(adj.tokens[1] + 0.5)
+            local h = rl.headers({list[1]}, rl._local_apply("take", {list[1]}))
+            out[6] = h
+            return out
+    """, http_extra=DICTS)
+    # requests 3 -> 2 -> 1 ; tokens 100 -> 60 -> 20 ; the third is refused by tokens and
+    # charges nothing (all or none)
+    assert got[0] == [True, 2, 60, 0]
+    assert got[1] == [True, 1, 20, 0]
+    assert got[2] == [False, 1, 20, 12]   # (40 - 20) / (100/60 per s) = 12 s
+    assert got[3] == [False, 1, 20, 12]
+    assert got[4] == -100
+    assert got[5]["x-ratelimit-remaining-requests"] == "0"
+    assert got[5]["x-ratelimit-limit-requests"] == "3"
+    assert got[5]["x-ratelimit-reset-requests"] == "1m0s"
+
+
+# --------------------------------------------------------------------------- the Redis script
+
+@pytest.fixture
+def script(workdir: Path) -> str:
+    text = (ROOT / "lua" / "infergate" / "admission" / "ratelimit.lua").read_text()
+    return re.search(r"_M\.SCRIPT = \[\[\n(.*?)\]\]", text, re.S).group(1)
+
+
+def test_bucket_script_on_redis(redis_server, script) -> None:
+    r = redis_server.client()
+    run = r.register_script(script)
+
+    def take(*buckets, mode="take"):
+        ks = [b[0] for b in buckets]
+        argv = [mode] + [x for b in buckets for x in b[1:]]
+        res = run(keys=ks, args=argv)
+        return [int(res[0])] + [float(x) for x in res[1:]]
+
+    rpm = ("t:rpm", 2, 2 / 60, 1)
+    tpm = ("t:tpm", 50, 50 / 60, 30)
+    a = take(rpm, tpm)
+    assert a[0] == 1 and a[1] == pytest.approx(1, abs=0.01) and a[3] == pytest.approx(20, abs=0.05)
+    b = take(rpm, tpm)  # tokens short: nothing is charged
+    assert b[0] == 0 and b[1] == pytest.approx(1, abs=0.01)
+    assert b[4] == pytest.approx((30 - 20) / (50 / 60), abs=0.1)
+    assert float(r.hget("t:rpm", "tokens")) == pytest.approx(1, abs=0.01)
+    c = take(("t:rpm", 2, 2 / 60, 1))
+    assert c[0] == 1 and c[1] == pytest.approx(0, abs=0.01)
+    d = take(("t:rpm", 2, 2 / 60, 1))
+    assert d[0] == 0 and d[2] == pytest.approx(30, abs=0.1)
+    # adjust charges whatever the balance, refunds too, within [-capacity, capacity]
+    e = take(("t:tpm", 50, 50 / 60, 500), mode="adjust")
+    assert e[0] == 1 and e[1] == -50
+    f = take(("t:tpm", 50, 50 / 60, -70), mode="adjust")
+    assert f[1] == pytest.approx(20, abs=0.1)
+    # keys expire once they would be full again
+    ttl_ms = r.pttl("t:tpm")
+    assert 0 < ttl_ms <= math.ceil(30 / (50 / 60) * 1000) + 1000

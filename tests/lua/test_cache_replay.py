@@ -1,0 +1,175 @@
+"""Capture and replay logic in Lua (run inside nginx): SSE reassembly with reasoning and
+tool calls, completeness rules, UTF-8-safe splitting, the JSON encoder, the SSE replay
+read back by Python, and validation of the cache options."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from support.stack import lua_eval
+
+
+def run(workdir, code: str, data=None):
+    path = workdir / f"in-{random.randrange(10**9)}.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    return lua_eval(workdir, f"""
+        local cjson = require("cjson.safe")
+        local f = io.open("{path}", "rb"); local input = cjson.decode(f:read("*a")); f:close()
+        local replay = require("infergate.cache.replay")
+        local capture = require("infergate.cache.capture")
+        {code}
+    """)
+
+
+def sse(*events) -> str:
+    out = []
+    for e in events:
+        out.append("data: " + (e if isinstance(e, str) else json.dumps(e)) + "\n\n")
+    return "".join(out)
+
+
+def chunk(delta=None, finish=None, **top):
+    return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 5, "model": "m",
+            "choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish}], **top}
+
+
+STREAM = sse(
+    chunk({"role": "assistant", "content": ""}),
+    chunk({"reasoning_content": "Think "}),
+    chunk({"reasoning_content": "first."}),
+    chunk({"content": "Héllo "}),
+    chunk({"content": "wörld"}),
+    chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                           "function": {"name": "get_", "arguments": "{\"ci"}}]}),
+    chunk({"tool_calls": [{"index": 0, "function": {"name": "weather", "arguments": "ty\": 1}"}}]}),
+    chunk({}, "tool_calls"),
+    {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 5, "model": "m",
+     "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10,
+                              "prompt_tokens_details": {"cached_tokens": 0}}},
+    "[DONE]",
+).replace("\n\n", "\r\n\r\n", 1)  # CRLF line ends are read too
+
+
+def test_stream_is_reassembled_with_reasoning_tool_calls_and_usage(workdir) -> None:
+    out = run(workdir, """
+        local comp, err = capture.completion({ sse = true, kind = "chat" }, input)
+        if not comp then error(err) end
+        return cjson.decode(replay.encode(comp))
+    """, STREAM)
+    msg = out["choices"][0]["message"]
+    assert msg["role"] == "assistant" and msg["content"] == "Héllo wörld"
+    assert msg["reasoning_content"] == "Think first."
+    assert msg["tool_calls"] == [{"id": "call_1", "type": "function",
+                                  "function": {"name": "get_weather", "arguments": "{\"city\": 1}"}}]
+    assert out["choices"][0]["finish_reason"] == "tool_calls"
+    assert out["usage"]["total_tokens"] == 10
+    assert out["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert out["object"] == "chat.completion" and out["model"] == "m"
+
+
+def test_incomplete_or_failed_answers_are_refused(workdir) -> None:
+    cases = {
+        "no_done": STREAM.replace("data: [DONE]\n\n", ""),
+        "length": sse(chunk({"role": "assistant", "content": "cut"}), chunk({}, "length"), "[DONE]"),
+        "error_event": sse(chunk({"content": "a"}), {"error": {"message": "boom"}}, "[DONE]"),
+        "json_error": json.dumps({"error": {"message": "bad"}}),
+        "no_choices": json.dumps({"id": "x", "choices": []}),
+        "not_json": "<html>oops</html>",
+    }
+    out = run(workdir, """
+        local res = {}
+        for name, text in pairs(input) do
+            local is_sse = name ~= "json_error" and name ~= "no_choices" and name ~= "not_json"
+            local comp, err = capture.completion({ sse = is_sse, kind = "chat" }, text)
+            res[name] = comp and "stored" or err
+        end
+        return res
+    """, cases)
+    assert out["no_done"] == "stream ended without [DONE]"
+    assert out["length"] == "finish_reason length"
+    assert out["error_event"] == "stream carried an error"
+    assert out["json_error"] == "answer is an error"
+    assert out["no_choices"] == "answer has no choices"
+    assert out["not_json"] == "answer is not JSON"
+
+
+def test_text_completion_json_and_stream(workdir) -> None:
+    plain = json.dumps({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+                        "choices": [{"index": 0, "text": "the sea", "finish_reason": "stop",
+                                     "logprobs": None}],
+                        "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}})
+    stream = sse({"id": "cmpl-1", "choices": [{"index": 0, "text": "the ", "finish_reason": None}]},
+                 {"id": "cmpl-1", "choices": [{"index": 0, "text": "sea", "finish_reason": "stop"}]},
+                 "[DONE]")
+    out = run(workdir, """
+        local a = capture.completion({ sse = false, kind = "text" }, input[1])
+        local b = capture.completion({ sse = true, kind = "text" }, input[2])
+        return { a.choices[1].text, b.choices[1].text, a.object, b.usage == cjson.null }
+    """, [plain, stream])
+    assert out == ["the sea", "the sea", "text_completion", True]
+
+
+def test_replayed_stream_parses_back_to_the_same_answer(workdir) -> None:
+    text = "数据库缓存 " * 40 + "é" * 50
+    comp = {"id": "c", "object": "chat.completion", "created": 1, "model": "m",
+            "choices": [{"index": 0, "finish_reason": "stop", "message": {
+                "role": "assistant", "content": text, "reasoning_content": "why",
+                "tool_calls": [{"id": "t", "type": "function",
+                                "function": {"name": "f", "arguments": "{}"}}]}}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}
+    out = run(workdir, """
+        local comp = replay.decode_stored(cjson.encode(input), "chat")
+        return { replay.sse(comp, "chat", "chatcmpl-x", 42, true),
+                 replay.sse(comp, "chat", "chatcmpl-x", 42, false) }
+    """, comp)
+    with_usage, without = out
+    events = [e[len("data: "):] for e in with_usage.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["id"] == "chatcmpl-x" and c["created"] == 42 for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    pieces = [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]]
+    pieces = [p for p in pieces if p]
+    assert len(pieces) > 2 and "".join(pieces) == text  # split, never inside a character
+    assert any(c["choices"] and c["choices"][0]["delta"].get("tool_calls") == [
+        {"index": 0, "id": "t", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+        for c in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 3
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]
+            and c["choices"][0]["finish_reason"]] == ["stop"]
+    assert '"usage"' not in without
+
+
+def test_encoder_keeps_arrays_objects_and_numbers(workdir) -> None:
+    out = run(workdir, """
+        local A, O = replay.ARRAY_MT, replay.OBJECT_MT
+        return replay.encode({ a = setmetatable({}, A), o = setmetatable({}, O), n = 0.1,
+                               i = 3, big = 1e300, s = "q\\"\\n\\1/", list = { 1, 2 } })
+    """)
+    assert json.loads(out) == {"a": [], "o": {}, "n": 0.1, "i": 3, "big": 1e300,
+                               "s": "q\"\n\x01/", "list": [1, 2]}
+    assert '"a":[]' in out and '"o":{}' in out
+
+
+def test_cache_options_are_validated(workdir) -> None:
+    bad = [{"bogus": 1}, {"ttl_s": 0}, {"min_similarity": 2}, {"min_similarity_models": {"m": "x"}},
+           {"coalesce": "yes"}]
+    out = run(workdir, """
+        local cache = require("infergate.cache.lookup")
+        local res = {}
+        for i, o in ipairs(input) do
+            o.enabled = false
+            local ok, err = cache.init(o)
+            res[i] = ok and "ok" or err
+        end
+        local ok = cache.init({ enabled = false, min_similarity = 0 })
+        res[#res + 1] = ok and cache.options().min_similarity
+        return res
+    """, bad)
+    assert out[0] == "unknown cache option 'bogus'"
+    assert "out of range" in out[1]
+    assert "from 0 to 1" in out[2] and "from 0 to 1" in out[3]
+    assert out[4] == "cache option 'coalesce' must be a boolean"
+    assert out[5] == 0
+
