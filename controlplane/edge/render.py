@@ -27,14 +27,14 @@ empty); ``client_body_timeout_ms`` -> ``client_body_timeout`` and the Lua body r
 ``[redis]`` TLS and Sentinel options go to the Lua options (``redis_tls_*``,
 ``redis_sentinel_*``), ``tls_ca_file`` to ``lua_ssl_trusted_certificate``. From
 ``scoring``, ``latency_norm_s`` normalises the latency term of the balancer cost. The
-``auth``, ``limits``, ``admission`` and ``deadlines`` sections become the ``admission``
-option (:func:`controlplane.edge.admission.edge_admission_options`).
+Lua options are one document, the edge's sections of the TOML file as they are there,
+with the spec it is checked against, both from :mod:`controlplane.edge.options`.
 """
 
 from __future__ import annotations
 
+import errno
 import ipaddress
-import json
 import os
 import re
 import shutil
@@ -48,9 +48,17 @@ import click
 import jinja2
 
 from controlplane import paths, procs
-from controlplane.edge.cache import render_context as cache_render_context
-from controlplane.edge.admission import edge_admission_options
-from controlplane.config import ConfigError, Settings, load_settings
+from controlplane.config import (
+    ConfigError,
+    HostPort,
+    HostPortError,
+    Settings,
+    check_settings,
+    load_settings,
+)
+from controlplane.edge.options import OptionError
+from controlplane.edge.options import render_context as options_render_context
+from controlplane.errors import InfergateError
 from controlplane.redisdb.url import RedisURLError, parse_redis_url
 
 #: Files written by :func:`render_nginx`, by template name.
@@ -64,14 +72,13 @@ ERROR_CODES = (400, 403, 404, 405, 408, 413, 414, 429, 494, 500, 501, 502, 503, 
 #: Where Debian's libnginx-mod-http-lua installs the dynamic modules.
 DEFAULT_MODULES_DIRS = ("/usr/lib/nginx/modules", "/usr/share/nginx/modules",
                         "/usr/lib64/nginx/modules")
-SIZE_RE = re.compile(r"^[1-9][0-9]*[kKmMgG]?$")
 
 
-class RenderError(ValueError):
+class RenderError(InfergateError, ValueError):
     """The settings cannot be turned into a valid nginx configuration."""
 
 
-class NginxError(RuntimeError):
+class NginxError(InfergateError, RuntimeError):
     """``nginx -t`` rejected a configuration (the message holds nginx's output)."""
 
 
@@ -94,25 +101,17 @@ class RenderedConfig:
     @property
     def url(self) -> str:
         """``http://host:port`` of the standalone listener (0.0.0.0/:: -> loopback)."""
-        host, port = split_listen(self.listen)
-        if host in ("0.0.0.0", "*", ""):
-            host = "127.0.0.1"
-        elif host == "::":
-            host = "::1"
-        if ":" in host:
-            host = f"[{host}]"
-        return f"http://{host}:{port}"
+        return HostPort.parse(self.listen, "listen address").client_url
 
 
-def split_listen(value: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) -> (host, port). Raises :class:`RenderError`."""
-    m = re.match(r"^\[([0-9A-Fa-f:.]+)\]:(\d+)$", value) or re.match(r"^([^:\[\]]*):(\d+)$", value)
-    if not m:
-        raise RenderError(f"listen address must be HOST:PORT, got {value!r}")
-    host, port = m.group(1), int(m.group(2))
-    if not 0 < port < 65536:
-        raise RenderError(f"listen port out of range: {value!r}")
-    return host, port
+def split_listen(value: str, what: str = "listen address") -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) -> (host, port), through
+    :class:`controlplane.config.HostPort`. Raises :class:`RenderError`."""
+    try:
+        hp = HostPort.parse(value, what)
+    except HostPortError as exc:
+        raise RenderError(str(exc)) from None
+    return hp.host, hp.port
 
 
 def _ip_literal(host: str) -> str | None:
@@ -160,14 +159,6 @@ def _duration(ms: float) -> str:
     return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
 
 
-def _lua_long_bracket(text: str) -> str:
-    """The ``=`` run of a Lua long bracket that cannot occur inside ``text``."""
-    level = 0
-    while f"]{'=' * level}]" in text:
-        level += 1
-    return "=" * level
-
-
 #: Debian's CA bundle (package ca-certificates), used for rediss:// without tls_ca_file.
 SYSTEM_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 
@@ -195,15 +186,19 @@ def default_modules_dir() -> str:
 
 
 def nginx_binary(openresty: bool = False) -> str:
-    """Path of ``nginx`` (or ``openresty``); ``INFERGATE_NGINX`` overrides."""
+    """Path of ``nginx`` (``openresty`` with ``openresty=True``: never Debian's nginx,
+    which lacks the bundled modules); ``INFERGATE_NGINX`` overrides. Raises
+    :class:`procs.StartError` (one line) when it is not installed."""
     env = os.environ.get("INFERGATE_NGINX")
     if env:
         return env
-    names = ("openresty", "nginx") if openresty else ("nginx",)
-    for name in names:
-        exe = shutil.which(name) or (shutil.which(name, path="/usr/sbin:/sbin:/usr/local/openresty/bin"))
-        if exe:
-            return exe
+    name = "openresty" if openresty else "nginx"
+    exe = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin:/usr/local/openresty/bin")
+    if exe:
+        return exe
+    if openresty:
+        raise procs.StartError("openresty not found (PATH, /usr/local/openresty/bin): install "
+                               "OpenResty, or render without --openresty for Debian's nginx")
     raise procs.StartError("nginx not found: apt-get install nginx libnginx-mod-http-lua "
                            "lua-resty-core lua-cjson (or install OpenResty)")
 
@@ -221,63 +216,12 @@ def static_nodes(settings: Settings) -> tuple[list[dict], list[str]]:
         if addr is None:
             warnings.append(f"node {n.name}: cannot resolve {host!r} now; it is left out of the "
                             "static node list until the control plane's snapshot names its address")
-        nodes.append({"name": n.name, "host": addr, "port": parts.port or 80,
-                      "weight": n.weight, "max_concurrency": n.max_concurrency, "kind": n.kind})
+        entry = {"name": n.name, "host": addr, "port": parts.port or 80,
+                 "weight": n.weight, "max_concurrency": n.max_concurrency, "kind": n.kind}
+        if n.models:
+            entry["models"] = list(n.models)  # served model ids (model-aware routing)
+        nodes.append(entry)
     return nodes, warnings
-
-
-def edge_options(settings: Settings, edge_id: str, nodes: list[dict]) -> dict:
-    """The JSON options handed to ``infergate.core.config.init`` (lua/infergate/core/config.lua)."""
-    e = settings.edge
-    return {
-        "edge_id": edge_id,
-        "redis_url": settings.redis.url,
-        "redis_timeout_ms": e.redis_timeout_ms,
-        "sync_interval_s": e.sync_interval_s,
-        "stale_after_s": e.stale_after_s,
-        "max_tries": e.max_tries,
-        "connect_timeout_ms": e.connect_timeout_ms,
-        "send_timeout_ms": e.send_timeout_ms,
-        "read_timeout_ms": e.read_timeout_ms,
-        "retry_window_s": e.retry_window_s,
-        "client_max_body_size": e.client_max_body_size,
-        "breaker_failures": e.breaker_failures,
-        "breaker_cooldown_s": e.breaker_cooldown_s,
-        "inflight_cost": e.inflight_cost,
-        "latency_norm_s": settings.scoring.latency_norm_s,
-        "redis_tls_verify": settings.redis.tls_verify,
-        "redis_tls_cert_file": settings.redis.tls_cert_file,
-        "redis_tls_key_file": settings.redis.tls_key_file,
-        "redis_sentinel_password": settings.redis.sentinel_password,
-        "redis_sentinel_refresh_s": settings.redis.sentinel_refresh_s,
-        "client_body_timeout_ms": e.client_body_timeout_ms,
-        "admission": edge_admission_options(settings),
-        "nodes": nodes,
-    }
-
-
-def _check_edge(settings: Settings) -> None:
-    e = settings.edge
-    problems = []
-    if not SIZE_RE.match(e.client_max_body_size):
-        problems.append(f"edge.client_max_body_size must look like 8m, 512k or 1048576, got "
-                        f"{e.client_max_body_size!r}")
-    for name in ("sync_interval_s", "stale_after_s"):
-        if getattr(e, name) <= 0:
-            problems.append(f"edge.{name} must be > 0")
-    for name in ("redis_timeout_ms", "connect_timeout_ms", "read_timeout_ms", "send_timeout_ms",
-                 "max_tries", "breaker_failures", "keepalive", "workers"):
-        if getattr(e, name) < 1:
-            problems.append(f"edge.{name} must be >= 1")
-    for name in ("retry_window_s", "breaker_cooldown_s", "inflight_cost"):
-        if getattr(e, name) < 0:
-            problems.append(f"edge.{name} must be >= 0")
-    if e.max_tries > 100:
-        problems.append("edge.max_tries must be <= 100")
-    if e.edge_id and not re.match(r"^[\w.:\-]{1,128}$", e.edge_id):
-        problems.append("edge.edge_id: letters, digits, '_', '.', ':', '-', at most 128")
-    if problems:
-        raise RenderError("invalid edge settings:\n  " + "\n  ".join(problems))
 
 
 def _has_secret(settings: Settings) -> bool:
@@ -302,9 +246,14 @@ def render_nginx(settings: Settings, out_dir: str | Path, *, listen: str | None 
     only when ``redis.url`` names a host rather than an IP address).
 
     Raises :class:`RenderError` for settings nginx cannot run with (bad listen
-    address, bad size, bad Redis URL) and ``OSError`` when the folders are not writable.
+    address, bad size, bad Redis URL, any value the edge's option spec refuses, in the
+    edge's words) and ``OSError`` when the folders are not writable. ``settings`` is
+    validated again first, so values assigned after loading are checked as well.
     """
-    _check_edge(settings)
+    try:
+        settings = check_settings(settings, source)
+    except ConfigError as exc:
+        raise RenderError(str(exc)) from None
     out = Path(out_dir).resolve()
     pre = Path(prefix).resolve() if prefix is not None else out
     listen = listen or settings.edge.listen
@@ -322,7 +271,7 @@ def render_nginx(settings: Settings, out_dir: str | Path, *, listen: str | None 
     redis_ca_file = _redis_ca_file(settings) if target.tls else None
     metrics_listen = settings.edge.metrics_listen.strip()
     if metrics_listen:
-        split_listen(metrics_listen)
+        split_listen(metrics_listen, "edge.metrics_listen")
         if metrics_listen == listen:
             raise RenderError(f"edge.metrics_listen {metrics_listen!r} is the API listen address; "
                               "use another port (or \"\" for no metrics server)")
@@ -334,7 +283,10 @@ def render_nginx(settings: Settings, out_dir: str | Path, *, listen: str | None 
                               "found in /etc/resolv.conf; pass --resolver or use an IP address")
 
     nodes, warnings = static_nodes(settings)
-    options = json.dumps(edge_options(settings, edge_id, nodes), separators=(",", ":"))
+    try:
+        options_ctx = options_render_context(settings, edge_id, nodes)
+    except OptionError as exc:
+        raise RenderError(f"invalid edge options: {exc}") from None
 
     out.mkdir(parents=True, exist_ok=True)
     for d in (pre, pre / "logs"):
@@ -350,8 +302,6 @@ def render_nginx(settings: Settings, out_dir: str | Path, *, listen: str | None 
         "redis_host": redis_host,
         "snapshot_dict_size": "4m",
         "stats_dict_size": "4m",
-        "options_json": options,
-        "bracket": _lua_long_bracket(options),
         "keepalive": settings.edge.keepalive,
         "error_codes": ERROR_CODES,
         "client_max_body_size": settings.edge.client_max_body_size,
@@ -375,7 +325,7 @@ def render_nginx(settings: Settings, out_dir: str | Path, *, listen: str | None 
         "server_conf": str(files["infergate-server.conf"]),
         "nginx_conf": str(files["nginx.conf"]),
         "nginx_bin": "openresty" if openresty else "nginx",
-        **cache_render_context(settings),
+        **options_ctx,
     }
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(paths.nginx_templates_dir())),
@@ -419,12 +369,9 @@ def listen_of(conf_path: str | Path) -> tuple[str, int]:
     value = m.group(1)
     if value.isdigit():
         return "127.0.0.1", int(value)
-    host, port = split_listen(value)
-    if host in ("0.0.0.0", "*", ""):
-        host = "127.0.0.1"
-    elif host == "::":
-        host = "::1"
-    return host, port
+    split_listen(value)
+    hp = HostPort.parse(value)
+    return hp.client_host, hp.port
 
 
 def start_nginx(conf_path: str | Path, prefix: str | Path, *, nginx_bin: str | None = None,
@@ -452,6 +399,106 @@ def start_nginx(conf_path: str | Path, prefix: str | Path, *, nginx_bin: str | N
         raise procs.StartError(f"{exc}\n{tail}") from None
 
 
+def default_prefix() -> Path:
+    """Prefix of the standalone config's pid, ``logs/`` and temp folders when
+    ``render-nginx`` gets no ``--prefix``: ``/var/lib/infergate/nginx`` for root, else
+    ``$XDG_STATE_HOME/infergate/nginx`` (``~/.local/state/infergate/nginx``). Never the
+    output folder of the configuration."""
+    if os.geteuid() == 0:
+        return Path("/var/lib/infergate/nginx")
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "infergate" / "nginx"
+
+
+def _probe_infergate(host: str, port: int, path: str, timeout: float = 1.0) -> bool:
+    """Whether ``GET path`` on host:port answers like an infergate edge (its metrics or
+    status), i.e. the address is held by a running edge, maybe this one before a reload."""
+    import requests
+
+    if ":" in host:
+        host = f"[{host}]"
+    try:
+        res = requests.get(f"http://{host}:{port}{path}", timeout=timeout)
+    except requests.RequestException:
+        return False
+    return res.status_code == 200 and "infergate" in res.text[:65536]
+
+
+def _ephemeral_port(port: int) -> bool:
+    """Whether ``port`` lies in the kernel's range for outgoing connections
+    (``/proc/sys/net/ipv4/ip_local_port_range``, 32768-60999 on Linux by default)."""
+    try:
+        low, high = (int(x) for x in
+                     Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return low <= port <= high
+
+
+def check_listen(value: str, what: str, probe_path: str) -> tuple[str, str] | None:
+    """Try to bind ``value`` (``HOST:PORT``, as nginx would, with ``SO_REUSEADDR``) and
+    release it at once. Returns None when it binds, ``("note", text)`` when a running
+    infergate edge holds it (``GET probe_path`` answers like one: the address of this
+    edge before a reload is fine), ``("error", text)`` when something else holds it or
+    the address cannot be bound here (not a local address, a port below 1024 without
+    root). ``what`` names the setting in the message."""
+    host, port = split_listen(value)
+    bind_host = "0.0.0.0" if host in ("", "*") else host
+    addr = _resolve(bind_host) or bind_host
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:  # as nginx binds [::]:port (ipv6only=on)
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((addr, port))
+        sock.listen(1)
+        return None
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        if exc.errno == errno.EADDRINUSE:
+            probe_host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(addr, addr)
+            if _probe_infergate(probe_host, port, probe_path):
+                return ("note", f"{what} {value} is served by a running infergate edge "
+                                "(fine when it is this nginx, before a reload)")
+            hint = ""
+            if _ephemeral_port(port):
+                hint = (f" (port {port} is in this host's ephemeral range, where outgoing "
+                        "connections take ports too: prefer a port below it)")
+            return ("error", f"{what} {value} is already in use by another process: nginx "
+                             f"would fail to start; choose a free address{hint}")
+        return ("error", f"{what} {value} cannot be bound here: {reason}")
+    finally:
+        sock.close()
+
+
+def check_rendered(settings: Settings, rendered: RenderedConfig, *,
+                   nginx_bin: str | None = None) -> list[str]:
+    """What ``render-nginx --check`` does after writing: bind every listen address the
+    rendering names (``edge.metrics_listen`` of the http include, the standalone
+    ``listen``), then ``nginx -t`` on the standalone config under its prefix (pid, logs
+    and temp folders go there, never into the output folder). Returns notes (addresses a
+    running infergate edge holds). Raises :class:`RenderError` naming every address that
+    is taken or not bindable, :class:`NginxError` when nginx rejects the config,
+    :class:`procs.StartError` when the nginx (or openresty) binary is missing."""
+    wanted = []
+    metrics = settings.edge.metrics_listen.strip()
+    if metrics:
+        wanted.append((metrics, "edge.metrics_listen (infergate-http.conf)", "/metrics"))
+    wanted.append((rendered.listen, "the standalone listen (nginx.conf; edge.listen or --listen)",
+                   "/infergate/status"))
+    notes, problems = [], []
+    for value, what, path in wanted:
+        found = check_listen(value, what, path)
+        if found:
+            (notes if found[0] == "note" else problems).append(found[1])
+    if problems:
+        raise RenderError("\n".join(problems))
+    nginx_test(rendered.nginx_conf, rendered.prefix,
+               nginx_bin=nginx_bin or nginx_binary(rendered.openresty))
+    return notes
+
+
 @click.command("render-nginx")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
               help="infergate TOML file (defaults apply without one).")
@@ -460,7 +507,9 @@ def start_nginx(conf_path: str | Path, prefix: str | Path, *, nginx_bin: str | N
 @click.option("--listen", default=None, metavar="HOST:PORT",
               help="Address of the standalone server [default: edge.listen].")
 @click.option("--prefix", default=None, type=click.Path(file_okay=False),
-              help="Folder for pid, logs/ and temp files of the standalone config [default: --out].")
+              help="Folder for pid, logs/ and temp files of the standalone config (and of "
+                   "--check); never the --out folder [default: /var/lib/infergate/nginx as "
+                   "root, else ~/.local/state/infergate/nginx].")
 @click.option("--openresty", is_flag=True, default=False,
               help="Render for OpenResty (modules built in: no load_module lines).")
 @click.option("--modules-dir", default=None, metavar="DIR",
@@ -470,14 +519,25 @@ def start_nginx(conf_path: str | Path, prefix: str | Path, *, nginx_bin: str | N
 @click.option("--resolver", default=None, metavar="ADDR",
               help="DNS server for a Redis host name [default: from /etc/resolv.conf].")
 @click.option("--check", is_flag=True, default=False,
-              help="Run nginx -t on the standalone config after writing it.")
+              help="After writing: bind every listen address the config names (fails on "
+                   "one in use), then nginx -t (openresty -t with --openresty) on the "
+                   "standalone config.")
 def render_nginx_cmd(config_path: str | None, out_dir: str, listen: str | None, prefix: str | None,
                      openresty: bool, modules_dir: str | None, lua_dir: str | None,
                      resolver: str | None, check: bool) -> None:
     """Render the nginx configuration of the infergate edge from the TOML settings."""
+    pre = Path(prefix) if prefix else default_prefix()
+    if pre.resolve() == Path(out_dir).resolve():
+        raise click.ClickException("--prefix must not be the --out folder: pid, logs and temp "
+                                   "files stay apart from the configuration")
+    if check and openresty:
+        try:
+            nginx_binary(True)  # before writing anything: say so in one line
+        except procs.StartError as exc:
+            raise click.ClickException(str(exc)) from None
     try:
         settings = load_settings(config_path)
-        rendered = render_nginx(settings, out_dir, listen=listen, prefix=prefix,
+        rendered = render_nginx(settings, out_dir, listen=listen, prefix=pre,
                                 openresty=openresty, modules_dir=modules_dir, lua_dir=lua_dir,
                                 resolver=resolver, source=config_path or "default settings")
     except (ConfigError, RenderError) as exc:
@@ -490,8 +550,10 @@ def render_nginx_cmd(config_path: str | None, out_dir: str, listen: str | None, 
         click.echo(str(p))
     if check:
         try:
-            nginx_test(rendered.nginx_conf, rendered.prefix,
-                       nginx_bin=nginx_binary(openresty))
-        except (NginxError, procs.StartError) as exc:
+            notes = check_rendered(settings, rendered)
+        except (RenderError, NginxError, procs.StartError) as exc:
             raise click.ClickException(str(exc)) from None
-        click.echo("nginx -t: ok", err=True)
+        for n in notes:
+            click.echo(f"note: {n}", err=True)
+        click.echo(f"listen addresses free, {'openresty' if openresty else 'nginx'} -t: ok "
+                   f"(prefix {rendered.prefix})", err=True)

@@ -66,3 +66,59 @@ def test_unknown_field_and_bad_toml(tmp_path):
         load_settings(p)
     with pytest.raises(ConfigError, match="no such"):
         load_settings(tmp_path / "missing.toml")
+
+
+# --------------------------------------------------------------------------- HostPort
+
+@pytest.mark.parametrize("text, host, port, url", [
+    ("127.0.0.1:8080", "127.0.0.1", 8080, "http://127.0.0.1:8080"),
+    ("[::1]:8080", "::1", 8080, "http://[::1]:8080"),
+    ("[2001:db8::5]:1", "2001:db8::5", 1, "http://[2001:db8::5]:1"),
+    ("edge.internal:65535", "edge.internal", 65535, "http://edge.internal:65535"),
+    ("0.0.0.0:80", "0.0.0.0", 80, "http://127.0.0.1:80"),
+    ("*:80", "*", 80, "http://127.0.0.1:80"),
+    ("[::]:80", "::", 80, "http://[::1]:80"),
+])
+def test_hostport_parses(text, host, port, url):
+    from controlplane.config import HostPort
+
+    hp = HostPort.parse(text)
+    assert (hp, hp.host, hp.port, hp.client_url) == (text, host, port, url)
+    assert hp.url_host == (f"[{host}]" if ":" in host else host)
+
+
+@pytest.mark.parametrize("text", ["localhost", "::1:8080", "[::1]", "[::1]8080", "[nothost]:80",
+                                  "a:0", "a:65536", ":80", "a:b", "", "a b:80", "a:80:80"])
+def test_hostport_refuses_with_one_message(text):
+    from controlplane.config import HostPort, HostPortError
+
+    with pytest.raises(HostPortError) as exc:
+        HostPort.parse(text, "--listen")
+    assert str(exc.value) == ("--listen must be HOST:PORT or [IPv6]:PORT with a port from 1 to "
+                              f"65535, got {text!r}")
+
+
+def test_hostport_fields_and_the_cli_parsers():
+    import click
+
+    from controlplane.cli.embedder import _split_listen
+    from controlplane.cli.up import _split_hostport
+    from controlplane.config import HostPort
+    from controlplane.edge.render import RenderError, split_listen
+    from controlplane.routing import service
+
+    s = settings_from_dict({"edge": {"listen": "[::1]:9000", "metrics_listen": "[::1]:9001"},
+                            "controlplane": {"listen": "127.0.0.1:9002"}})
+    assert isinstance(s.edge.listen, HostPort) and s.edge.listen.port == 9000
+    assert s.edge.metrics_listen.host == "::1" and s.controlplane.listen.port == 9002
+    assert settings_from_dict({"edge": {"metrics_listen": ""}}).edge.metrics_listen == ""
+    with pytest.raises(ConfigError, match="edge.listen: .*HOST:PORT"):
+        settings_from_dict({"edge": {"listen": "::1:9000"}})
+    with pytest.raises(ConfigError, match="edge.metrics_listen"):
+        settings_from_dict({"edge": {"metrics_listen": "9145"}})
+    for parse in (split_listen, service.split_listen, _split_listen,
+                  lambda v: _split_hostport(v, "--listen")):
+        assert parse("[::1]:8081") == ("::1", 8081)
+        assert parse("10.0.0.1:1") == ("10.0.0.1", 1)
+        with pytest.raises((RenderError, click.BadParameter), match=r"HOST:PORT or \[IPv6\]:PORT"):
+            parse("localhost")

@@ -1,11 +1,33 @@
 -- Edge options, rendered into the nginx config by `infergate render-nginx` and loaded
--- once in init_by_lua (master process, before the workers fork).
+-- once in init_by_lua (master process, before the workers fork):
 --
---   require("infergate.core.config").init([[{"edge_id": ..., "nodes": [...]}]])
+--   require("infergate.core.config").init([[{"edge": {...}, ..., "nodes": [...]}]],
+--                                         [[{"type": "object", "fields": {...}}]])
+--
+-- The first text is the options document (the edge's sections of infergate.toml, named
+-- and nested as there, plus the static node list), the second the spec it is checked
+-- against; both are written by controlplane/edge/options.py, the spec generated from
+-- the pydantic fields of controlplane/config.py (every default, unit and range lives
+-- there). infergate.core.options does the checking.
 --
 -- init() returns true or nil, err (the rendered init_by_lua turns an error into a
--- failed nginx start, naming the bad option). get() returns the validated table.
+-- failed nginx start, naming the field: "edge.redis_timeout_ms: 100000 is above the
+-- maximum 60000"). A later init(options) without a spec reuses the last spec.
+--
+-- get() returns the validated options in the flat shape the modules read:
+--   every edge.<name> as <name> (redis_timeout_ms, max_tries, ...; edge_id "" = "edge"),
+--   every redis.<name> as redis_<name> (redis_url, redis_tls_verify, ...),
+--   every scoring.<name> as <name> (latency_norm_s, ...),
+--   admission = {auth = {...}, limits = {...},
+--                shed = {enabled = admission.shed, max_wait_ms, poll_ms, retry_after_s},
+--                deadlines = {request_ms, stream_idle_ms,
+--                             routes = {[path] = {request_ms, stream_idle_ms}}}}
+--                (a route's missing fields filled with the global ones),
+--   cache = the [cache] fields (min_similarity false = the embedder model's default),
+--   nodes = {{name, host, port, weight, max_concurrency, kind, models}, ...}.
+-- document() returns the validated nested document.
 local cjson = require("cjson.safe")
+local options = require("infergate.core.options")
 
 local _M = {}
 
@@ -17,52 +39,6 @@ local tostring = tostring
 -- Shared dict names; they must match the lua_shared_dict lines of infergate-http.conf.
 _M.DICT_SNAPSHOT = "infergate_snapshot"
 _M.DICT_STATS = "infergate_stats"
-
-local DEFAULTS = {
-    edge_id = "edge",
-    redis_url = "redis://127.0.0.1:6379/0",
-    redis_timeout_ms = 200,
-    sync_interval_s = 0.5,
-    stale_after_s = 10.0,
-    max_tries = 3,
-    connect_timeout_ms = 2000,
-    send_timeout_ms = 60000,
-    read_timeout_ms = 60000,
-    retry_window_s = 60.0,
-    client_max_body_size = "8m",
-    breaker_failures = 5,
-    breaker_cooldown_s = 10.0,
-    inflight_cost = 1.0,
-    latency_norm_s = 30.0,
-    -- rediss:// and redis+sentinel:// (infergate.redis.client, infergate.redis.sentinel)
-    redis_tls_verify = true,
-    redis_tls_cert_file = "",   -- read at init (master process) into redis_tls_cert_pem
-    redis_tls_key_file = "",
-    redis_sentinel_password = "",
-    redis_sentinel_refresh_s = 5.0,
-    -- request bodies (infergate.admission.inputguard)
-    client_body_timeout_ms = 60000,
-    -- API keys, rate limits, shedding, deadlines: validated by infergate.admission.options
-    admission = {},
-}
-
--- name -> {min, max} for numeric options (inclusive); nil max = unbounded.
-local NUMBERS = {
-    redis_timeout_ms = { 1, 60000 },
-    sync_interval_s = { 0.01, 3600 },
-    stale_after_s = { 0.01 },
-    max_tries = { 1, 100 },
-    connect_timeout_ms = { 1 },
-    send_timeout_ms = { 1 },
-    read_timeout_ms = { 1 },
-    retry_window_s = { 0 },
-    breaker_failures = { 1 },
-    breaker_cooldown_s = { 0 },
-    inflight_cost = { 0 },
-    latency_norm_s = { 0.001 },
-    redis_sentinel_refresh_s = { 0.01, 3600 },
-    client_body_timeout_ms = { 1, 3600000 },
-}
 
 local function read_file(path, what)
     local f, err = io.open(path, "rb")
@@ -78,6 +54,8 @@ local function read_file(path, what)
 end
 
 local opts = nil
+local doc = nil
+local last_spec = nil
 
 local function check_node(i, n)
     local where = "nodes[" .. i .. "]"
@@ -87,7 +65,7 @@ local function check_node(i, n)
     if type(n.name) ~= "string" or n.name == "" then
         return nil, where .. ".name must be a non-empty string"
     end
-    if n.host ~= nil and type(n.host) ~= "string" then
+    if n.host ~= nil and n.host ~= cjson.null and type(n.host) ~= "string" then
         return nil, where .. ".host must be a string"
     end
     if type(n.port) ~= "number" or n.port < 1 or n.port > 65535 then
@@ -99,12 +77,21 @@ local function check_node(i, n)
     if n.max_concurrency ~= nil and (type(n.max_concurrency) ~= "number" or n.max_concurrency < 1) then
         return nil, where .. ".max_concurrency must be >= 1"
     end
+    if n.models ~= nil and n.models ~= cjson.null then
+        if type(n.models) ~= "table" then
+            return nil, where .. ".models must be an array of model ids"
+        end
+        for _, m in ipairs(n.models) do
+            if type(m) ~= "string" or m == "" then
+                return nil, where .. ".models must be an array of non-empty strings"
+            end
+        end
+    end
     return true
 end
 
--- Options given as JSON text or a table, decoded, and a copy of `defaults` to fill:
--- returns t, o or nil, err. `what` names the options in messages ("cache options").
-function _M.decode_options(src, defaults, what)
+-- JSON text or a table -> table, or nil, err (`what` names it in the message).
+function _M.decode(src, what)
     local t = src
     if type(src) == "string" then
         local err
@@ -116,53 +103,94 @@ function _M.decode_options(src, defaults, what)
     if type(t) ~= "table" then
         return nil, what .. " must be a JSON object"
     end
-    local o = {}
-    for k, v in pairs(defaults) do
-        o[k] = v
-    end
-    return t, o
+    return t
 end
 
--- Parses and validates the rendered options (JSON text or a table).
-function _M.init(src)
-    local t, o = _M.decode_options(src, DEFAULTS, "infergate options")
-    if not t then
-        return nil, o
+local function copy_into(dst, src, prefix)
+    for k, v in pairs(src or {}) do
+        dst[prefix .. k] = v
     end
-    for k, v in pairs(t) do
-        if k ~= "nodes" then
-            if DEFAULTS[k] == nil then
-                return nil, "unknown infergate option '" .. tostring(k) .. "'"
-            end
-            if type(v) ~= type(DEFAULTS[k]) then
-                return nil, "infergate option '" .. k .. "' must be a " .. type(DEFAULTS[k])
-            end
-            local range = NUMBERS[k]
-            if range and (v < range[1] or (range[2] and v > range[2])) then
-                return nil, "infergate option '" .. k .. "' out of range: " .. tostring(v)
-            end
-            o[k] = v
+end
+
+-- The admission view (auth, limits, shed, deadlines) of the validated document.
+local function admission_view(d)
+    local shed = {}
+    copy_into(shed, d.admission, "")
+    shed.enabled = shed.shed
+    shed.shed = nil
+    local dl = {}
+    copy_into(dl, d.deadlines, "")
+    local routes = {}
+    for path, r in pairs(dl.routes or {}) do
+        routes[path] = {
+            request_ms = r.request_ms == nil and dl.request_ms or r.request_ms,
+            stream_idle_ms = r.stream_idle_ms == nil and dl.stream_idle_ms or r.stream_idle_ms,
+        }
+    end
+    dl.routes = routes
+    return { auth = d.auth or {}, limits = d.limits or {}, shed = shed, deadlines = dl }
+end
+
+-- Parses and validates the rendered options and spec (JSON texts or tables).
+function _M.init(src, spec_src)
+    local t, err = _M.decode(src, "infergate options")
+    if not t then
+        return nil, err
+    end
+    local spec = last_spec
+    if spec_src ~= nil then
+        spec, err = _M.decode(spec_src, "infergate option spec")
+        if not spec then
+            return nil, err
         end
     end
-    if (o.redis_tls_cert_file == "") ~= (o.redis_tls_key_file == "") then
-        return nil, "infergate options 'redis_tls_cert_file' and 'redis_tls_key_file' go together"
+    if not spec then
+        return nil, "infergate options: no spec (init(options, spec), rendered by infergate render-nginx)"
     end
-    if o.redis_tls_cert_file ~= "" then
+    local body = {}
+    for k, v in pairs(t) do
+        if k ~= "nodes" then
+            body[k] = v
+        end
+    end
+    local d, verr = options.validate(body, spec)
+    if not d then
+        return nil, verr
+    end
+
+    local o = {}
+    copy_into(o, d.scoring, "")
+    copy_into(o, d.redis, "redis_")
+    copy_into(o, d.edge, "")
+    if o.edge_id == nil or o.edge_id == "" then
+        o.edge_id = "edge"
+    end
+    o.admission = admission_view(d)
+    local cache = {}
+    copy_into(cache, d.cache, "")
+    if cache.min_similarity == nil then
+        cache.min_similarity = false
+    end
+    cache.min_similarity_routes = cache.min_similarity_routes or {}
+    cache.min_similarity_models = cache.min_similarity_models or {}
+    o.cache = cache
+
+    local cert, key = o.redis_tls_cert_file or "", o.redis_tls_key_file or ""
+    if (cert == "") ~= (key == "") then
+        return nil, "redis.tls_cert_file and redis.tls_key_file go together"
+    end
+    if cert ~= "" then
         local cerr
-        o.redis_tls_cert_pem, cerr = read_file(o.redis_tls_cert_file, "redis.tls_cert_file")
+        o.redis_tls_cert_pem, cerr = read_file(cert, "redis.tls_cert_file")
         if not o.redis_tls_cert_pem then
             return nil, cerr
         end
-        o.redis_tls_key_pem, cerr = read_file(o.redis_tls_key_file, "redis.tls_key_file")
+        o.redis_tls_key_pem, cerr = read_file(key, "redis.tls_key_file")
         if not o.redis_tls_key_pem then
             return nil, cerr
         end
     end
-    local adm, aerr = require("infergate.admission.options").check(o.admission)
-    if not adm then
-        return nil, aerr
-    end
-    o.admission = adm
+
     local nodes = t.nodes or {}
     if type(nodes) ~= "table" then
         return nil, "infergate option 'nodes' must be an array"
@@ -170,9 +198,9 @@ function _M.init(src)
     local seen = {}
     o.nodes = {}
     for i, n in ipairs(nodes) do
-        local ok, err = check_node(i, n)
+        local ok, nerr = check_node(i, n)
         if not ok then
-            return nil, "infergate static node list: " .. err
+            return nil, "infergate static node list: " .. nerr
         end
         if seen[n.name] then
             return nil, "infergate static node list: duplicate node name '" .. n.name .. "'"
@@ -180,23 +208,33 @@ function _M.init(src)
         seen[n.name] = true
         o.nodes[i] = {
             name = n.name,
-            host = n.host,  -- nil when the address could not be resolved at render time
+            -- nil when the address could not be resolved at render time
+            host = n.host ~= cjson.null and n.host or nil,
             port = n.port,
             weight = n.weight or 1.0,
             max_concurrency = n.max_concurrency or 64,
             kind = n.kind,
+            -- served model ids; nil or empty = unknown (any model)
+            models = type(n.models) == "table" and n.models or nil,
         }
     end
+    last_spec = spec
+    doc = d
     opts = o
     return true
 end
 
--- The validated options (defaults when init() was never called, e.g. in a test).
+-- The validated options (flat shape, see above). Raises when init() never succeeded.
 function _M.get()
     if not opts then
-        _M.init({})
+        error("infergate.core.config: init(options, spec) has not been called", 2)
     end
     return opts
+end
+
+-- The validated options document (nested as infergate.toml), or nil before init().
+function _M.document()
+    return doc
 end
 
 return _M
