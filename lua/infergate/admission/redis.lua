@@ -1,17 +1,15 @@
--- Redis access of the admission steps (API-key lookups, shared token buckets) from the
--- access phase and from timers, with a short memory of failures shared by the workers:
--- after a transport error (refused, timeout) Redis is skipped for limits.redis_retry_s,
--- so an outage costs one failed attempt per interval instead of a timeout per request.
+-- Redis calls of the admission steps (API-key lookups, shared token buckets), from the
+-- access phase and from timers: infergate.redis.pool (pooled connections, the shared
+-- back-off after a failure) plus the outage log of API keys and rate limits.
 --
 --   local ar = require("infergate.admission.redis")
 --   local res, err = ar.run(function(c) return c:command("HGET", k, f) end)
---   -- err "redis_down" (skipped), or the client's error
+--   -- res: the reply; false, err: a Redis error reply; nil, err: Redis unreachable
+--   -- (a transport error, or skipped during the pool's back-off)
 --
--- Redis error replies ("ERR ...", "NOSCRIPT ...") are not outages: the connection goes
--- back to the pool and the error is returned. The outage is logged once when it starts
--- and once when it ends (flags in the infergate_limits dict).
-local redis = require("infergate.redis.client")
-local config = require("infergate.core.config")
+-- The outage is logged once when it starts and once when it ends (a flag in the
+-- infergate_limits dict, shared by the workers).
+local pool = require("infergate.redis.pool")
 local options = require("infergate.admission.options")
 
 local _M = {}
@@ -21,28 +19,12 @@ local WARN = ngx.WARN
 local NOTICE = ngx.NOTICE
 local tostring = tostring
 
-local conf, conf_err
-
 local function dict()
     return ngx.shared[options.DICT_LIMITS]
 end
 
-local function redis_conf()
-    if not conf and not conf_err then
-        conf, conf_err = redis.parse_url(config.get().redis_url)
-    end
-    return conf, conf_err
-end
-
--- False while a recent transport error says Redis is down.
-function _M.usable()
-    return not dict():get("redis_down")
-end
-
 local function mark_down(err)
-    local d = dict()
-    d:set("redis_down", true, options.get().limits.redis_retry_s)
-    if d:add("redis_outage_logged", true) then
+    if dict():add("redis_outage_logged", true) then
         log(WARN, "infergate: Redis unreachable for API keys and rate limits (cached keys and ",
             "per-edge limits apply until it returns): ", tostring(err))
     end
@@ -56,34 +38,16 @@ local function mark_up()
     end
 end
 
--- Runs fn(client) on a pooled connection. Returns fn's results, or nil, err.
+-- Runs fn(client) on a pooled connection to the edge's Redis (infergate.redis.pool.run).
+-- Returns fn's results: value, false, err (Redis error reply) or nil, err (unreachable).
 function _M.run(fn)
-    if not _M.usable() then
-        return nil, "redis_down"
-    end
-    local c, err = redis_conf()
-    if not c then
-        return nil, "bad redis url: " .. tostring(err)
-    end
-    local client
-    client, err = redis.connect(c, config.get().redis_timeout_ms)
-    if not client then
+    local res, err = pool.run(fn)
+    if res == nil and err ~= nil then
         mark_down(err)
-        return nil, err
+    elseif res ~= nil then
+        mark_up()
     end
-    local ok, res, ferr = pcall(fn, client)
-    if not ok then
-        client:close()
-        return nil, "redis call failed: " .. tostring(res)
-    end
-    if not client.sock then
-        -- transport error inside fn: the client closed the connection
-        mark_down(ferr)
-        return nil, ferr
-    end
-    client:keepalive()
-    mark_up()
-    return res, ferr
+    return res, err
 end
 
 return _M

@@ -1,4 +1,6 @@
--- A small Redis client (RESP2) over ngx.socket.tcp cosockets.
+-- A small Redis client (RESP2) over ngx.socket.tcp cosockets: URL parsing, the wire
+-- protocol, commands and pipelines on one connection. Connections are opened, pooled and
+-- backed off by infergate.redis.pool; every module that talks to Redis goes through it.
 --
 -- Usable wherever cosockets are: timers, access/content phases (never balancer,
 -- header_filter, body_filter or log).
@@ -6,24 +8,19 @@
 --   local redis = require("infergate.redis.client")
 --   local conf, err = redis.parse_url("redis://:secret@127.0.0.1:6379/2")
 --   -- also rediss://... (TLS) and redis+sentinel://h1:26379,h2:26379/<service>[/db]
---   local c, err = redis.connect(conf, 200)          -- timeout in ms for every socket op
+--   local c = redis.new(sock, conf)                  -- sock: a connected cosocket (the pool does this)
 --   local v, err = c:command("GET", "key")          -- ngx.null for a missing key
 --   local res, err = c:pipeline({{"GET", "a"}, {"HSET", "h", "f", "v"}})
---   c:keepalive()                                    -- or c:close() after an error
 --
--- Errors are returned as nil, err (err a string); a Redis error reply to a single
--- command is nil, "ERR ..."; inside a pipeline it is a table {err = "ERR ..."} at its
--- position. After a transport error the connection is closed and must not be reused.
---
--- TLS (rediss://): sslhandshake on every new connection, verifying the certificate (CA
--- from lua_ssl_trusted_certificate) and the host name as written in the URL when
--- redis_tls_verify is on, presenting the client certificate redis_tls_cert_file when set.
--- Sentinel (redis+sentinel://): the master address comes from infergate.redis.sentinel; a new
--- connection checks ROLE is master, and a connect error or a READONLY answer makes the
--- next connect ask the sentinels again.
+-- Results follow the lua-resty-redis convention:
+--   * a reply: the value (string, number, array table, ngx.null for nil replies);
+--   * a Redis error reply: false, "ERR ..." (the connection stays usable); inside a
+--     pipeline (or inside an array reply) an error reply is the table {false, "ERR ..."}
+--     at its position (redis.error_of(v) returns its message);
+--   * a transport error (send, timeout, closed, protocol): nil, err; the connection is
+--     closed (c:closed() is true) and must not be reused.
 local _M = {}
 
-local tcp = ngx.socket.tcp
 local null = ngx.null
 local concat = table.concat
 local tostring = tostring
@@ -62,12 +59,16 @@ local function host_port(hostport, default_port, url)
     return host, port
 end
 
--- TLS and Sentinel options of the edge (infergate.core.config), unless given.
+-- TLS and Sentinel options of the edge (infergate.core.config), unless given; none (TLS
+-- verification on, no client certificate) where the edge options are not loaded.
 local function url_options(o)
     if o then
         return o
     end
-    local c = require("infergate.core.config").get()
+    local ok, c = pcall(require("infergate.core.config").get)
+    if not ok or type(c) ~= "table" then
+        return {}
+    end
     return {
         tls_verify = c.redis_tls_verify,
         tls_cert_pem = c.redis_tls_cert_pem,
@@ -78,9 +79,10 @@ end
 
 -- redis://[[user]:password@]host[:port][/db], rediss://... (TLS) or
 -- redis+sentinel://[[user]:password@]h1[:port1][,h2[:port2]...]/<service>[/db].
--- Returns a table {host, port, db, password, username, pool} (plus ssl, server_name,
+-- Returns a table {host, port, db, password, username} (plus ssl, server_name,
 -- ssl_verify, ssl_cert_pem, ssl_key_pem for TLS; sentinel = {service, hosts, password,
--- id} and no host for Sentinel) or nil, err. opts: {tls_verify, tls_cert_pem,
+-- id} and no host for Sentinel) or nil, err. The connection pool of a configuration is
+-- named by infergate.redis.pool. opts: {tls_verify, tls_cert_pem,
 -- tls_key_pem, sentinel_password}, default from infergate.core.config.
 function _M.parse_url(url, opts)
     if type(url) ~= "string" or url == "" then
@@ -156,9 +158,6 @@ function _M.parse_url(url, opts)
                 password = (o.sentinel_password ~= "" and o.sentinel_password) or nil,
                 id = service .. "@" .. concat(ids, ","),
             },
-            -- completed with the master's address at connect time
-            pool = "infergate-redis:" .. ngx.md5(db .. "\0" .. (username or "") .. "\0"
-                                                 .. (password or "")),
         }
     end
     if hostport:find(",", 1, true) then
@@ -186,10 +185,6 @@ function _M.parse_url(url, opts)
         db = db,
         username = username,
         password = password,
-        -- connections differ by server, credentials, selected db and TLS
-        pool = "infergate-redis:" .. ngx.md5(host .. "\0" .. port .. "\0" .. db .. "\0"
-                                             .. (username or "") .. "\0" .. (password or "")
-                                             .. (scheme == "rediss" and "\0tls" or "")),
     }
     if scheme == "rediss" then
         conf.ssl = true
@@ -273,7 +268,7 @@ local function read_reply(sock, depth)
                 return nil, verr
             end
             if v == false then
-                v = { err = verr }
+                v = { false, verr }
             end
             arr[k] = v
         end
@@ -282,210 +277,130 @@ local function read_reply(sock, depth)
     return nil, "protocol error: unexpected reply type '" .. sub(line, 1, 1) .. "'"
 end
 
--- Client certificate and key of a TLS configuration, parsed once per worker.
-local parsed_certs = {}
-
-local function client_cert(conf)
-    local key = conf.ssl_cert_pem .. "\0" .. (conf.ssl_key_pem or "")
-    local p = parsed_certs[key]
-    if p then
-        return p[1], p[2]
-    end
-    local ssl = require("ngx.ssl")
-    local cert, err = ssl.parse_pem_cert(conf.ssl_cert_pem)
-    if not cert then
-        return nil, "bad client certificate: " .. tostring(err)
-    end
-    local pkey
-    pkey, err = ssl.parse_pem_priv_key(conf.ssl_key_pem or "")
-    if not pkey then
-        return nil, "bad client key: " .. tostring(err)
-    end
-    parsed_certs[key] = { cert, pkey }
-    return cert, pkey
+-- A client for `sock`, a connected cosocket (infergate.redis.pool connects, sets it up
+-- and pools it). conf: the parsed URL (parse_url).
+function _M.new(sock, conf)
+    return setmetatable({ sock = sock, conf = conf }, client)
 end
 
-local function tls_handshake(sock, conf)
-    if conf.ssl_cert_pem then
-        local cert, pkey = client_cert(conf)
-        if not cert then
-            return nil, pkey
-        end
-        local ok, err = sock:setclientcert(cert, pkey)
-        if not ok then
-            return nil, "client certificate: " .. tostring(err)
-        end
+-- The message of an error reply found inside a pipeline or an array reply
+-- ({false, "ERR ..."}), or nil for any other value.
+function _M.error_of(v)
+    if type(v) == "table" and v[1] == false then
+        return v[2]
     end
-    local session, err = sock:sslhandshake(nil, conf.server_name, conf.ssl_verify)
-    if not session then
-        return nil, err
-    end
-    return true
+    return nil
 end
 
-local function invalidate_master(conf)
-    if conf.sentinel then
-        require("infergate.redis.sentinel").invalidate(conf)
-    end
-end
-
--- Connects (or reuses a pooled connection), authenticating and selecting the db on
--- new connections (TLS handshake first for rediss://; for Sentinel the master comes
--- from infergate.redis.sentinel and must answer ROLE "master"). timeout_ms applies to
--- connect, the handshake, each send and each read.
-function _M.connect(conf, timeout_ms)
-    if type(conf) ~= "table" or not (conf.host or conf.sentinel) then
-        return nil, "redis connect: bad configuration"
-    end
-    local t = tonumber(timeout_ms) or 200
-    local host, port, pool = conf.host, conf.port, conf.pool
-    if conf.sentinel then
-        host, port = require("infergate.redis.sentinel").master(conf, t)
-        if not host then
-            return nil, "redis sentinel: " .. tostring(port)
-        end
-        pool = conf.pool .. ":" .. host .. ":" .. port
-    end
-    local sock, err = tcp()
-    if not sock then
-        return nil, "redis socket: " .. tostring(err)
-    end
-    sock:settimeouts(t, t, t)
-    local ok
-    ok, err = sock:connect(host, port, { pool = pool })
-    if not ok then
-        invalidate_master(conf)
-        return nil, "redis connect " .. host .. ":" .. port .. ": " .. tostring(err)
-    end
-    local self = setmetatable({ sock = sock, conf = conf }, client)
-    local reused = sock:getreusedtimes()
-    if not reused or reused == 0 then
-        if conf.ssl then
-            ok, err = tls_handshake(sock, conf)
-            if not ok then
-                self:close()
-                return nil, "redis tls " .. host .. ":" .. port .. ": " .. tostring(err)
-            end
-        end
-        local setup = {}
-        if conf.password then
-            if conf.username then
-                setup[#setup + 1] = { "AUTH", conf.username, conf.password }
-            else
-                setup[#setup + 1] = { "AUTH", conf.password }
-            end
-        end
-        if conf.db and conf.db ~= 0 then
-            setup[#setup + 1] = { "SELECT", conf.db }
-        end
-        if conf.sentinel then
-            setup[#setup + 1] = { "ROLE" }
-        end
-        if #setup > 0 then
-            local res, perr = self:pipeline(setup)
-            if not res then
-                invalidate_master(conf)
-                return nil, perr
-            end
-            for k = 1, #res do
-                if type(res[k]) == "table" and res[k].err then
-                    self:close()
-                    return nil, "redis " .. setup[k][1] .. ": " .. res[k].err
-                end
-            end
-            if conf.sentinel then
-                local role = res[#res]
-                if type(role) ~= "table" or role[1] ~= "master" then
-                    self:close()
-                    invalidate_master(conf)
-                    return nil, "redis " .. host .. ":" .. port .. " named by the sentinels is "
-                        .. "not a master (role " .. tostring(type(role) == "table" and role[1]) .. ")"
-                end
-            end
-        end
-    end
-    return self
-end
-
--- A READONLY error reply: the master this connection reached was demoted.
+-- A READONLY error reply on a Sentinel connection: the master it reached was demoted.
+-- The connection is then not pooled again, and the next connect asks the sentinels.
 local function check_readonly(self, err)
-    if self.conf.sentinel and type(err) == "string" and sub(err, 1, 8) == "READONLY" then
-        self.stale = true
-        invalidate_master(self.conf)
+    if self.conf and self.conf.sentinel and type(err) == "string"
+            and sub(err, 1, 8) == "READONLY" then
+        self.stale_flag = true
+        require("infergate.redis.sentinel").invalidate(self.conf)
     end
 end
 
--- One command. Returns the reply or nil, err ("ERR ..." for Redis error replies,
--- in which case the connection stays usable).
-function client:command(...)
+-- Sends `payload` and reads `n` replies. Returns an array of replies (error replies as
+-- {false, err}) or nil, err after closing the connection.
+local function round_trip(self, payload, n)
     if not self.sock then
         return nil, "redis: connection closed"
     end
-    local args = { ... }
-    if #args == 0 then
-        return nil, "redis command: no arguments"
-    end
-    local ok, err = self.sock:send(encode(args))
+    local ok, err = self.sock:send(payload)
     if not ok then
         self:close()
-        return nil, "redis send: " .. tostring(err)
-    end
-    local v, rerr = read_reply(self.sock, 0)
-    if v == nil then
-        self:close()
-        return nil, "redis read: " .. tostring(rerr)
-    end
-    if v == false then
-        check_readonly(self, rerr)
-        return nil, rerr
-    end
-    return v
-end
-
--- Several commands in one round trip. cmds = {{"GET", "k"}, {"HSET", ...}}. Returns an
--- array of replies (a Redis error reply becomes {err = "..."}) or nil, err.
-function client:pipeline(cmds)
-    if not self.sock then
-        return nil, "redis: connection closed"
-    end
-    if type(cmds) ~= "table" or #cmds == 0 then
-        return nil, "redis pipeline: no commands"
-    end
-    local parts = {}
-    for k = 1, #cmds do
-        parts[k] = encode(cmds[k])
-    end
-    local ok, err = self.sock:send(concat(parts))
-    if not ok then
-        self:close()
-        return nil, "redis send: " .. tostring(err)
+        self.error = "redis send: " .. tostring(err)
+        return nil, self.error
     end
     local out = {}
-    for k = 1, #cmds do
+    for k = 1, n do
         local v, rerr = read_reply(self.sock, 0)
         if v == nil then
             self:close()
-            return nil, "redis read: " .. tostring(rerr)
+            self.error = "redis read: " .. tostring(rerr)
+            return nil, self.error
         end
         if v == false then
             check_readonly(self, rerr)
-            v = { err = rerr }
+            v = { false, rerr }
         end
         out[k] = v
     end
     return out
 end
 
--- Returns the connection to the keepalive pool (idle_ms, pool_size default 30 s, 8).
-function client:keepalive(idle_ms, pool_size)
+-- One command. Returns the reply; false, "ERR ..." for a Redis error reply (the
+-- connection stays usable); nil, err for a transport error (the connection is closed).
+function client:command(...)
+    local args = { ... }
+    if #args == 0 then
+        return false, "redis command: no arguments"
+    end
+    local res, err = round_trip(self, encode(args), 1)
+    if not res then
+        return nil, err
+    end
+    local v = res[1]
+    if type(v) == "table" and v[1] == false then
+        return false, v[2]
+    end
+    return v
+end
+
+-- Several commands in one round trip. cmds = {{"GET", "k"}, {"HSET", ...}}. Returns an
+-- array with one entry per command: its reply, or {false, "ERR ..."} for a Redis error
+-- reply (see error_of); nil, err for a transport error (the connection is closed).
+function client:pipeline(cmds)
+    if type(cmds) ~= "table" or #cmds == 0 then
+        return false, "redis pipeline: no commands"
+    end
+    local parts = {}
+    for k = 1, #cmds do
+        if type(cmds[k]) ~= "table" or #cmds[k] == 0 then
+            return false, "redis pipeline: command " .. k .. " has no arguments"
+        end
+        parts[k] = encode(cmds[k])
+    end
+    return round_trip(self, concat(parts), #cmds)
+end
+
+-- True once the connection is closed (after a transport error, close() or
+-- setkeepalive()), with the transport error that closed it (nil after close() or
+-- setkeepalive()).
+function client:closed()
+    if self.sock then
+        return false
+    end
+    return true, self.error
+end
+
+-- How many times the underlying connection was taken from the keepalive pool (0 = new).
+function client:reused()
     if not self.sock then
-        return nil, "closed"
+        return nil, "redis: connection closed"
     end
-    if self.stale then
+    return self.sock:getreusedtimes()
+end
+
+-- True when the connection must not go back to the pool (the master was demoted).
+function client:stale()
+    return self.stale_flag == true
+end
+
+-- Puts the connection into the cosocket keepalive pool it was connected with (the pool
+-- module passes idle_ms and pool_size). Returns true or nil, err; the client is
+-- unusable afterwards.
+function client:setkeepalive(idle_ms, pool_size)
+    if not self.sock then
+        return nil, "redis: connection closed"
+    end
+    if self.stale_flag then
         self:close()
-        return nil, "closed: the server is no longer the master"
+        return nil, "redis: closed, the server is no longer the master"
     end
-    local ok, err = self.sock:setkeepalive(idle_ms or 30000, pool_size or 8)
+    local ok, err = self.sock:setkeepalive(idle_ms, pool_size)
     self.sock = nil
     return ok, err
 end

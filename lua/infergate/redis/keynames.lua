@@ -20,6 +20,10 @@ _M.cache_index_queue = BASE .. ":cache:index_queue"
 _M.cache_vec_prefix_base = BASE .. ":cache:vec:"
 _M.cache_vec_channel = BASE .. ":cache:vec_added"
 _M.ratelimit_prefix = BASE .. ":ratelimit:"
+-- Written by the control plane only (the overview's time series); named here so both agree.
+_M.overview_series = BASE .. ":overview:series"
+-- Written by the control plane only: present while Redis kept its state (no TTL).
+_M.state_marker = BASE .. ":state_marker"
 
 function _M.node_metrics(name)
     return BASE .. ":node:" .. name .. ":metrics"

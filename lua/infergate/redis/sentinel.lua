@@ -13,7 +13,8 @@
 -- <service>` (AUTH first when redis.sentinel_password is set); the first one that names
 -- an address wins. A change of master is logged once.
 --
--- Cosockets only (timers, access and content phases). Errors: nil, err.
+-- Connections to the sentinels go through infergate.redis.pool like every other Redis
+-- connection. Cosockets only (timers, access and content phases). Errors: nil, err.
 local config = require("infergate.core.config")
 
 local _M = {}
@@ -33,23 +34,31 @@ local function cache_key(conf)
     return "sentinel:" .. conf.sentinel.id
 end
 
--- Asks one sentinel. Returns host, port or nil, err.
+-- The connection settings of one sentinel of `conf`, built once per worker (so the pool
+-- names it once).
+local sentinel_confs = {}
+
+local function sentinel_conf(s, conf)
+    local key = conf.sentinel.id .. "\0" .. s.host .. ":" .. s.port .. "\0"
+        .. (conf.sentinel.password or "")
+    local sc = sentinel_confs[key]
+    if not sc then
+        sc = { host = s.host, port = s.port, db = 0, password = conf.sentinel.password }
+        sentinel_confs[key] = sc
+    end
+    return sc
+end
+
+-- Asks one sentinel (through infergate.redis.pool: pooled, and skipped for the back-off
+-- after it failed). Returns host, port or nil, err.
 local function ask(s, conf, timeout_ms)
-    local redis = require("infergate.redis.client")
-    local c, err = redis.connect({
-        host = s.host, port = s.port, db = 0, password = conf.sentinel.password,
-        pool = "infergate-sentinel:" .. s.host .. ":" .. s.port,
-    }, timeout_ms)
-    if not c then
+    local pool = require("infergate.redis.pool")
+    local res, err = pool.run(function(c)
+        return c:command("SENTINEL", "get-master-addr-by-name", conf.sentinel.service)
+    end, sentinel_conf(s, conf), timeout_ms)
+    if not res then
         return nil, err
     end
-    local res
-    res, err = c:command("SENTINEL", "get-master-addr-by-name", conf.sentinel.service)
-    if res == nil then
-        c:close()
-        return nil, err
-    end
-    c:keepalive()
     if type(res) ~= "table" or type(res[1]) ~= "string" then
         return nil, "does not know the service " .. conf.sentinel.service
     end
