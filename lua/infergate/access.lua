@@ -5,8 +5,10 @@
 --
 -- Each step is function(req) -> nil to continue, or an error table
 -- {status, message, type, code, headers} to answer with a JSON error and stop.
--- Order: method -> auth (API key -> req.tenant) -> body -> ratelimit -> eligible ->
--- admission (load shedding). The cache lookup goes in with
+-- Order: method -> auth (API key -> req.tenant) -> body -> models (unknown model: 404
+-- model_not_found; GET /v1/models answered by the edge, infergate.routing.models) ->
+-- ratelimit -> eligible (among the nodes serving the request's model) -> admission
+-- (load shedding, per model). The cache lookup goes in with
 -- insert_step("cache", fn, "eligible"): after auth and rate limiting, and before
 -- admission, so a cache hit is answered even when every node is saturated.
 --
@@ -15,7 +17,15 @@
 -- checked directly; a body nginx spilled to a temp file is read back from the file
 -- (blocking disk I/O; the rendered template sets client_body_buffer_size =
 -- client_max_body_size, so nginx keeps every accepted body in memory and this is only
--- a fallback for hand-written configs). The body must be a JSON object.
+-- a fallback for hand-written configs). The body must be a JSON object, nested at most
+-- edge.max_json_depth deep (lua-cjson stops decoding at that depth, so a hostile body
+-- costs nothing: 400 json_too_deep), with at most edge.max_messages messages (400
+-- too_many_messages; a large body's "role" keys are counted with a plain string search
+-- before decoding, so a 100,000-message body is refused without building its tables),
+-- and with at most edge.max_json_members members (object fields + array elements over
+-- the whole body, 400 too_many_json_members; counted before decoding, see
+-- over_member_count: decoding and the cache key's canonical encoding of a body with
+-- hundreds of thousands of fields would hold the worker for seconds).
 local cjson = require("cjson.safe")
 -- Request bodies are parsed by an instance of their own that refuses what JSON does not
 -- allow and lua-cjson accepts by default (NaN, Infinity, hexadecimal numbers).
@@ -25,9 +35,12 @@ local errors = require("infergate.core.errors")
 local reqctx = require("infergate.core.reqctx")
 local snapshot = require("infergate.routing.snapshot")
 local balancer = require("infergate.routing.balancer")
+local models = require("infergate.routing.models")
 local auth = require("infergate.admission.auth")
 local ratelimit = require("infergate.admission.ratelimit")
 local admission = require("infergate.admission.shed")
+local config = require("infergate.core.config")
+local options = require("infergate.admission.options")
 
 local _M = {}
 
@@ -90,6 +103,71 @@ local function bad_request(message)
     return { status = 400, message = message, type = "invalid_request_error", code = "invalid_json" }
 end
 
+local function too_many_messages(max)
+    return {
+        status = 400,
+        message = "The request has more than " .. max .. " messages, the most this gateway accepts.",
+        type = "invalid_request_error",
+        code = "too_many_messages",
+    }
+end
+
+-- Shortest encoding of one message ({"role":"x"} and a comma): below max * this many
+-- bytes a body cannot carry more than max messages, and is not scanned.
+local MIN_MESSAGE_BYTES = 12
+
+-- More than `max` "role" keys in the raw body (stops counting at max + 1).
+local function over_message_count(body, max)
+    if #body <= max * MIN_MESSAGE_BYTES then
+        return false
+    end
+    local find = string.find
+    local n, pos = 0, 1
+    while true do
+        local _, e = find(body, '"role"', pos, true)
+        if not e then
+            return false
+        end
+        pos = e + 1
+        if find(body, "^%s*:", pos) then
+            n = n + 1
+            if n > max then
+                return true
+            end
+        end
+    end
+end
+_M.over_message_count = over_message_count
+
+local re_gsub = ngx.re.gsub
+-- A JSON string (escapes included), and one structural character that starts a member:
+-- "," (one more member) or "{" / "[" (a container and its first member).
+local RE_STRING = [["(?:[^"\\]++|\\.)*+"]]
+local RE_MEMBER = [=[[,\[{]]=]
+
+-- True when the raw body has more than `max` members (object fields + array elements,
+-- over every level). Counts "," and "{" / "[" outside strings: an upper bound that
+-- exceeds the true count by one per empty container. Every counted character is a byte
+-- of its own, so a body of at most `max` bytes is not scanned. Two PCRE passes (strings
+-- removed, then the structural characters counted), no Lua loop per byte; an 8 MB body
+-- costs at most ~0.4 s, far less than decoding it (see README, failure table). Returns
+-- true, false, or nil, err (the regex failed: then the decoder's own limits apply).
+local function over_member_count(body, max)
+    if #body <= max then
+        return false
+    end
+    local structure, _, err = re_gsub(body, RE_STRING, "", "jo")
+    if not structure then
+        return nil, err
+    end
+    local _, n, cerr = re_gsub(structure, RE_MEMBER, "", "jo")
+    if not n then
+        return nil, cerr
+    end
+    return n > max
+end
+_M.over_member_count = over_member_count
+
 local function step_body(req)
     if req.route ~= "inference" then
         return nil
@@ -104,9 +182,38 @@ local function step_body(req)
     if not body:find("^%s*{") then
         return bad_request("The request body must be a JSON object.")
     end
+    local o = config.get()
+    if over_message_count(body, o.max_messages) then
+        return too_many_messages(o.max_messages)
+    end
+    if over_member_count(body, o.max_json_members) then
+        return {
+            status = 400,
+            message = "The request body has more than " .. o.max_json_members
+                .. " JSON members (object fields and array elements), the most this "
+                .. "gateway accepts.",
+            type = "invalid_request_error",
+            code = "too_many_json_members",
+        }
+    end
+    req.body_bytes = #body
+    body_json.decode_max_depth(o.max_json_depth)
     local obj, derr = body_json.decode(body)
     if type(obj) ~= "table" then
-        return bad_request("The request body is not valid JSON: " .. tostring(derr))
+        derr = tostring(derr)
+        if derr:find("too many nested", 1, true) then
+            return {
+                status = 400,
+                message = "The request body is nested deeper than " .. o.max_json_depth
+                    .. " levels, the most this gateway accepts.",
+                type = "invalid_request_error",
+                code = "json_too_deep",
+            }
+        end
+        return bad_request("The request body is not valid JSON: " .. derr)
+    end
+    if type(obj.messages) == "table" and #obj.messages > o.max_messages then
+        return too_many_messages(o.max_messages)
     end
     req.stream = obj.stream == true
     if type(obj.model) == "string" then
@@ -117,13 +224,15 @@ end
 
 local function step_eligible(req)
     local t = snapshot.current()
-    if balancer.count_eligible(t, req.tried, ngx.now()) == 0 then
+    if balancer.count_eligible(t, req.tried, ngx.now(), req.model) == 0 then
         return {
             status = 503,
             message = "No inference node is available (all are unhealthy, draining or have an "
                 .. "open circuit breaker).",
             type = "service_unavailable",
             code = "no_healthy_upstream",
+            -- a breaker half-opens, a node recovers or is undrained: worth a retry soon
+            headers = { ["Retry-After"] = tostring(options.get().shed.retry_after_s) },
         }
     end
 end
@@ -132,6 +241,7 @@ _M.steps = {
     { name = "method", fn = step_method },
     { name = "auth", fn = auth.step },
     { name = "body", fn = step_body },
+    { name = "models", fn = models.step },
     { name = "ratelimit", fn = ratelimit.step },
     { name = "eligible", fn = step_eligible },
     { name = "admission", fn = admission.step_shed },

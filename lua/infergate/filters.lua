@@ -1,6 +1,7 @@
 -- header_filter_by_lua / body_filter_by_lua of the proxied locations.
 --
--- run(): names the node that served a proxied response (X-Infergate-Node).
+-- run(): names the node that served a proxied response (X-Infergate-Node) and records
+-- its time to first byte (infergate.routing.outlier).
 --
 -- A node that answers bytes that are not HTTP (wrong port, a TLS server, a crashed
 -- process writing junk) is taken by nginx for an HTTP/0.9 answer: it cannot be retried
@@ -10,15 +11,39 @@
 -- HTTP version turned 0.9), counts it as a failure of the node (breaker) and, for
 -- HTTP/1.x clients, replaces the junk with a complete HTTP/1.1 502 JSON answer written
 -- by body(); other clients get the connection closed.
+--
+-- An error answer of a node (status >= 400) that is not JSON (a plain-text "500
+-- Internal Server Error", an HTML page of a proxy in front of the node) is replaced by
+-- an OpenAI-style JSON error with the same status: {"error": {"message": "Node <name>
+-- answered <status>: <first WRAP_MAX bytes of its text>", "type", "param", "code":
+-- "upstream_error"}}. Compressed bodies (Content-Encoding) pass unchanged.
 local errors = require("infergate.core.errors")
 local reqctx = require("infergate.core.reqctx")
+local outlier = require("infergate.routing.outlier")
 
 local _M = {}
 
 local log = ngx.log
+local type = type
 local ERR = ngx.ERR
 
 _M.NODE_HEADER = "X-Infergate-Node"
+-- Bytes of a node's plain-text error kept in the JSON message.
+_M.WRAP_MAX = 512
+
+local function wants_wrap(status)
+    if status < 400 then
+        return false
+    end
+    local ct = ngx.header["Content-Type"]
+    if type(ct) == "table" then
+        ct = ct[1]
+    end
+    if ct and ct:lower():find("json", 1, true) then
+        return false
+    end
+    return not ngx.header["Content-Encoding"]
+end
 
 function _M.run()
     local req = reqctx.get()
@@ -47,12 +72,48 @@ function _M.run()
         end
         return
     end
+    outlier.first_byte(req) -- the node answers: its TTFB, and no longer an outlier
     ngx.header[_M.NODE_HEADER] = last.node
+    local status = ngx.status
+    if wants_wrap(status) then
+        req.wrap_error = { status = status, node = last.node, parts = {}, size = 0 }
+        ngx.header["Content-Type"] = "application/json"
+        ngx.header["Content-Length"] = nil
+    end
+end
+
+-- Body filter part of the plain-text error wrapping (see the header).
+local function wrap_body(w)
+    local chunk = ngx.arg[1]
+    if chunk and chunk ~= "" and w.size < _M.WRAP_MAX then
+        local part = chunk:sub(1, _M.WRAP_MAX - w.size)
+        w.parts[#w.parts + 1] = part
+        w.size = w.size + #part
+    end
+    if not ngx.arg[2] then
+        ngx.arg[1] = nil
+        return
+    end
+    -- ASCII only, whitespace collapsed: the text may be any bytes
+    local text = table.concat(w.parts):gsub("[^\32-\126]", " "):gsub("%s+", " ")
+    text = text:match("^%s*(.-)%s*$")
+    local message = "Node " .. w.node .. " answered " .. w.status
+    if text ~= "" then
+        message = message .. ": " .. text
+    end
+    local etype = w.status >= 500 and "server_error" or "invalid_request_error"
+    ngx.arg[1] = errors.body(message, etype, "upstream_error") .. "\n"
 end
 
 function _M.body()
     local req = ngx.ctx.infergate
-    if not req or not req.invalid_answer then
+    if not req then
+        return
+    end
+    if req.wrap_error then
+        return wrap_body(req.wrap_error)
+    end
+    if not req.invalid_answer then
         return
     end
     if req.invalid_replaced then

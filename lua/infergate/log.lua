@@ -1,11 +1,24 @@
 -- log_by_lua: closes the request's open attempt (in-flight down, latency and failure
 -- EWMA, breaker), exactly once, whatever happened: success, failed last try, client
--- abort, or an error page after the upstream gave up. Earlier attempts were closed by
--- the balancer when it picked the next node.
+-- abort, or an error page after the upstream gave up. Earlier attempts were released by
+-- the balancer when it picked the next node; a retried 500 was only held there and is
+-- settled here (see infergate.routing.stats).
+--
+-- A request's own fault never counts against a node:
+--   4xx answers                          ok (the node answered what it was sent)
+--   404, 405, 501                        unserved: the node does not serve the route
+--                                        (e.g. /v1/embeddings on a chat-only server)
+--   the same 500 on two nodes            neutral, both (a body every node fails on)
+--   a timeout at the request's deadline  neutral (the node was working on it)
+-- A node's fault: connect error or reset, a timeout before the first byte, bytes that
+-- are not HTTP, a 502/503/504 answer, and a 500 that another node did not repeat (the
+-- held 500 of an earlier try is a failure when a later node answered the request).
 local reqctx = require("infergate.core.reqctx")
 local stats = require("infergate.routing.stats")
 local admission = require("infergate.admission.shed")
 local metrics = require("infergate.core.prometheus")
+local deadline = require("infergate.admission.deadline")
+local speed = require("infergate.routing.speed")
 
 local _M = {}
 
@@ -20,21 +33,44 @@ local function last_entry(v)
 end
 _M.last_entry = last_entry
 
--- outcome of the final attempt from nginx's view of it
-local function outcome()
+-- Routes a node may not serve: no verdict on its health.
+local UNSERVED = { [404] = true, [405] = true, [501] = true }
+_M.UNSERVED = UNSERVED
+
+-- Outcome of the final attempt from nginx's view of it: result, status.
+local function outcome(req)
     local status = tonumber(last_entry(ngx.var.upstream_status))
+    local client_left = tonumber(ngx.var.status) == 499
     if not status then
         -- no answer from the node: connect/read error, or the client left first
-        if tonumber(ngx.var.status) == 499 then
+        if client_left then
             return "aborted"
         end
         return "fail"
     end
+    if req.invalid_answer then
+        return "fail" -- not HTTP (see infergate.filters)
+    end
+    local header = last_entry(ngx.var.upstream_header_time)
+    if header == nil or header == "-" then
+        -- no HTTP header from the node: connect error, reset or a timeout before the
+        -- first byte (nginx's own 502/504)
+        if client_left then
+            return "aborted"
+        end
+        if status == 504 and deadline.expired_try(req) then
+            return "neutral", status
+        end
+        return "fail", status
+    end
     if status == 429 then
-        return "busy"
+        return "busy", status
+    end
+    if UNSERVED[status] then
+        return "unserved", status
     end
     if status >= 500 then
-        return "fail"
+        return "fail", status
     end
     return "ok", status
 end
@@ -46,7 +82,7 @@ function _M.run()
         return
     end
     reqctx.finish(req)
-    admission.log(req) -- token-usage correction, handed to a timer
+    admission.log(req) -- token-usage correction, into the flush queue (infergate.core.flush)
     local attempts = req.attempts
     local n = #attempts
     if n == 0 then
@@ -54,10 +90,17 @@ function _M.run()
     end
     local now = ngx.now()
     local last = attempts[n]
+    local result = "aborted"
     if not last.closed then
-        local result, status = outcome()
-        if req.invalid_answer then
-            result = "fail" -- not HTTP (see infergate.filters)
+        local status
+        result, status = outcome(req)
+        if result == "fail" and status == 500 then
+            for i = 1, n - 1 do
+                if attempts[i].held == 500 then
+                    result = "neutral" -- the same 500 on two nodes: the request's fault
+                    break
+                end
+            end
         end
         local latency_ms
         if result == "ok" and status < 300 then
@@ -67,10 +110,17 @@ function _M.run()
             end
         end
         stats.close_attempt(last, result, now, latency_ms)
+        speed.observe(last, latency_ms) -- learned concurrency (infergate.routing.speed)
     end
     for i = 1, n - 1 do
-        -- normally closed by the balancer already
-        stats.close_attempt(attempts[i], "aborted", now)
+        local att = attempts[i]
+        if att.held then
+            -- a 500 retried elsewhere: the node's fault only if a later node answered
+            stats.close_attempt(att, result == "ok" and "fail" or "neutral", now)
+        else
+            -- normally closed by the balancer already
+            stats.close_attempt(att, "aborted", now)
+        end
     end
 end
 

@@ -24,6 +24,7 @@ from controlplane import procs
 from controlplane.redisdb import keynames
 from controlplane.cache.key import keys_for
 from controlplane.config import Settings
+from controlplane.simnode import launch
 from support.stack import SimNode, edge_settings, write_snapshot
 
 pytestmark = pytest.mark.integration
@@ -64,17 +65,12 @@ def stack() -> Iterator[Stack]:
         rport = procs.free_port()
         ps.add(procs.start_redis(d / "redis", rport))
         url = f"redis://127.0.0.1:{rport}/0"
-        port, cport = procs.free_port(), procs.free_port()
-        m = ps.add(procs.Managed("sim-c", procs.infergate_argv(
-            "simnode", "--host", "127.0.0.1", "--port", str(port), "--control-port", str(cport),
-            "--name", "sim-c", "--time-scale", "0.05", "--output-tokens", "24:48"),
-            d / "logs" / "sim-c.log").start())
-        node = SimNode("sim-c", "127.0.0.1", port, cport, m)
         eport = procs.free_port()
         emb = ps.add(procs.Managed("embedder", procs.infergate_argv(
             "embedder", "--listen", f"127.0.0.1:{eport}", "--redis-url", url, "--index", "local",
             "--threads", "4"), d / "logs" / "embedder.log").start())
-        m.wait_ready(lambda: procs.port_open("127.0.0.1", cport), 30)
+        node = launch.start_node("sim-c", d / "logs", "--time-scale", "0.05",
+                                 "--output-tokens", "24:48", into=ps, cls=SimNode)
         emb.wait_ready(lambda: _http_ok(f"http://127.0.0.1:{eport}/healthz"), 120)
         # first embedding of a process is slow; do it before any edge budget applies
         requests.post(f"http://127.0.0.1:{eport}/v1/lookup",
@@ -133,8 +129,8 @@ def wait_indexed(stack: Stack, body: dict, timeout: float = 20) -> None:
 
 def wait_counted(stack: Stack, before: dict[str, int], field: str, n: int = 1,
                  timeout: float = 10) -> None:
-    """Wait until counter ``field`` grew by ``n`` (the request's log timer ran; an entry it
-    stored is written before its counters)."""
+    """Wait until counter ``field`` grew by ``n`` (the edge's flush timer wrote the
+    request's counters; an entry it stored is written before them)."""
     procs.wait_until(lambda: stack.counters().get(field, 0) >= before.get(field, 0) + n,
                      timeout, what=f"cache counter {field} +{n}")
 
@@ -359,15 +355,27 @@ def test_server_error_is_not_stored(stack, edge) -> None:
     assert ok.status_code == 200 and ok.headers["X-Cache-Status"] == "MISS"
 
 
-def test_truncated_answer_is_not_stored(stack, edge) -> None:
-    body = body_of("List every country in Europe with its capital.", temperature=0, max_tokens=3)
-    before = stack.counters()
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_answer_cut_by_max_tokens_is_stored_for_that_max_tokens(stack, edge, stream) -> None:
+    # finish_reason "length" is the whole answer to a request with that max_tokens; the
+    # key holds max_tokens, so another max_tokens is another entry
+    body = body_of(f"List every country in Europe with its capital ({stream}).", temperature=0,
+                   max_tokens=3, stream=stream)
     res = post(edge, body)
-    assert res.status_code == 200
-    assert res.json()["choices"][0]["finish_reason"] == "length"
-    wait_counted(stack, before, "misses")
-    assert not stack.r.exists(keynames.cache_entry(exact_key(body)))
-    assert post(edge, body).headers["X-Cache-Status"] == "MISS"
+    assert res.status_code == 200 and res.headers["X-Cache-Status"] == "MISS"
+    if not stream:
+        assert res.json()["choices"][0]["finish_reason"] == "length"
+    stored = wait_stored(stack, body)
+    assert json.loads(stored["body"])["choices"][0]["finish_reason"] == "length"
+    n = stack.node_requests()
+    hit = post(edge, body)
+    assert hit.headers["X-Cache-Status"] == "HIT" and stack.node_requests() == n
+    if stream:
+        assert '"finish_reason":"length"' in hit.text and hit.text.endswith("data: [DONE]\n\n")
+    else:
+        assert hit.json()["choices"][0]["finish_reason"] == "length"
+    other = post(edge, {**body, "max_tokens": 4})
+    assert other.headers["X-Cache-Status"] == "MISS"
 
 
 def test_client_aborted_stream_is_not_stored(stack, edge) -> None:
@@ -378,7 +386,7 @@ def test_client_aborted_stream_is_not_stored(stack, edge) -> None:
         with requests.post(edge.url + CHAT, json=body, stream=True, timeout=30) as res:
             assert res.headers["X-Cache-Status"] == "MISS"
             it = res.iter_lines()
-            first = next(l for l in it if l)
+            first = next(line for line in it if line)
             assert first.startswith(b"data: ")
             res.raw._fp.close()  # the client goes away mid-stream
     finally:
@@ -591,7 +599,7 @@ def test_semantic_hit_with_the_redis_search_index(stack, edge_factory, workdir) 
         procs.wait_until(lambda: r.exists(keynames.cache_entry(k)), 10, what="entry")
         procs.wait_until(lambda: any(True for _ in r.scan_iter(
             match=f"{keynames.CACHE_VEC_PREFIX}*:{k}")), 20, what="vector")
-        res = post(edge, body_of("How can I change my email address?", temperature=0))
+        res = post(edge, body_of("How to change my email address?", temperature=0))
         assert res.headers["X-Cache-Status"] == "HIT"
         assert res.headers["X-Cache-Match"] == "semantic"
         assert content_of(res) == content_of(first)

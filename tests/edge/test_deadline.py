@@ -49,6 +49,8 @@ def test_deadline_gives_504_and_cancels_the_node(redis_server, simnodes, edge_fa
     assert err["type"] == "timeout" and err["code"] == "deadline_exceeded"
     assert "600 ms" in err["message"]
     assert 0.55 <= elapsed < 2.0, elapsed
+    # the answer names the node that was still working when the deadline passed
+    assert res.headers["X-Infergate-Node"] in {n.name for n in nodes}
     # one try only: the deadline had passed when nginx would have tried the other node
     assert total(nodes, "requests_total") == 1
     procs.wait_until(lambda: total(nodes, "cancelled_total") == 1 and total(nodes, "running") == 0,
@@ -91,6 +93,7 @@ def test_stream_idle_timeout(redis_server, simnodes, edge_factory) -> None:
     elapsed = time.monotonic() - started
     assert res.status_code == 504, res.text
     assert res.json()["error"]["code"] == "upstream_timeout"  # silence, not the deadline
+    assert res.headers["X-Infergate-Node"] == node.name  # the node that went silent
     assert 0.35 <= elapsed < 2.0, elapsed
     procs.wait_until(lambda: node.state()["cancelled_total"] == 1, 5, what="node-side cancel")
 

@@ -6,12 +6,15 @@ or Lua runtime error in the error log, and checks in-flight counters are back to
 |----------------------------------------------|---------------------------------------------|
 | body stalls longer than client_body_timeout  | 408 JSON ``request_timeout``, connection closed |
 | chunked body that stalls                     | connection closed without an answer (nginx)  |
+| body trickling past client_body_deadline_ms  | 408 JSON ``request_timeout``, connection closed |
+| chunked body over client_max_body_size       | 413 JSON ``request_too_large`` (not nginx's HTML) |
 | large body (4 MB, in memory)                 | proxied byte for byte                        |
 | body spilled to a temp file (small buffer)   | proxied byte for byte                        |
 | invalid UTF-8                                | 400 JSON ``invalid_utf8``                    |
-| 10,000 nested arrays or objects              | 400 JSON ``invalid_json`` (cjson depth 1000) |
-| 900 nested arrays (under the limit)          | proxied                                      |
+| 990 or 10,000 nested arrays or objects       | 400 JSON ``json_too_deep`` (edge.max_json_depth 64) |
+| 60 nested arrays (under the limit)           | proxied                                      |
 | 10,000-message conversation                  | proxied (and cached)                         |
+| 100,000-message conversation (~6 MB)         | 400 JSON ``too_many_messages``, fast         |
 """
 
 from __future__ import annotations
@@ -99,6 +102,59 @@ def test_slow_chunked_body_is_closed_by_nginx(edge_and_node) -> None:
     procs.wait_until(lambda: '" 408 ' in edge.access_log(), 5, what="408 in the access log")
 
 
+def test_trickled_body_is_cut_by_the_total_deadline(redis_server, tiny_upstreams, edge_factory) -> None:
+    # one byte every 0.2 s never trips the 0.5 s gap timeout; the 1.5 s total deadline cuts it
+    (up,) = tiny_upstreams(1)
+    edge = edge_factory(edge_settings(redis_server.url, [up.node_settings()],
+                                      client_body_timeout_ms=500, client_body_deadline_ms=1500))
+    t0 = time.monotonic()
+    with socket.create_connection(_host_port(edge)) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 200\r\n\r\n{")
+        s.settimeout(0.2)
+        data = b""
+        while time.monotonic() - t0 < 10:
+            try:
+                chunk = s.recv(65536)
+            except socket.timeout:
+                try:
+                    s.sendall(b" ")
+                except OSError:
+                    break
+                continue
+            if not chunk:
+                break
+            data += chunk
+    took = time.monotonic() - t0
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), data
+    assert re.search(rb"(?i)^connection: close", head, re.M), head
+    assert b'"code":"request_timeout"' in body
+    assert 1.4 < took < 5, took
+    assert up.hits == 0
+
+
+def test_chunked_body_over_the_limit_gets_413_json(redis_server, tiny_upstreams, edge_factory) -> None:
+    (up,) = tiny_upstreams(1)
+    edge = edge_factory(edge_settings(redis_server.url, [up.node_settings()],
+                                      client_max_body_size="2m"))
+
+    def chunks():
+        # over 1m as well: nginx's default limit, which applied again on the way to the
+        # error page before (and answered its HTML page)
+        for _ in range(200):
+            yield b"a" * 16384
+
+    res = requests.post(edge.url + CHAT, data=chunks(), timeout=30,
+                        headers={"Content-Type": "application/json"})
+    assert res.status_code == 413
+    assert error_code(res) == "request_too_large"
+    assert up.hits == 0
+    # with Content-Length: the same answer
+    res = post_raw(edge, b"a" * (3 * 1024 * 1024))
+    assert res.status_code == 413 and error_code(res) == "request_too_large"
+
+
 def test_large_body_is_proxied_byte_for_byte(edge_and_node) -> None:
     edge, up = edge_and_node
     text = "é" * (2 * 1024 * 1024)  # 4 MB of UTF-8
@@ -158,24 +214,58 @@ def test_valid_utf8_and_escapes_pass(edge_and_node) -> None:
     assert res.status_code in (200, 400), res.text
 
 
+@pytest.mark.parametrize("levels", [990, 10000])
 @pytest.mark.parametrize("opening,closing", [("[", "]"), ('{"a":', "}")])
-def test_ten_thousand_levels_of_nesting_is_400(edge_and_node, opening: str, closing: str) -> None:
+def test_deep_nesting_is_400_and_never_reaches_a_node(edge_and_node, opening: str, closing: str,
+                                                      levels: int) -> None:
     edge, up = edge_and_node
-    deep = opening * 10000 + "1" + closing * 10000
+    deep = opening * levels + "1" + closing * levels
     raw = ('{"model": "m", "messages": [{"role": "user", "content": "hi"}], "x": %s}' % deep).encode()
     res = post_raw(edge, raw)
-    assert res.status_code == 400 and error_code(res) == "invalid_json", res.text
-    assert "nested" in res.json()["error"]["message"]
+    assert res.status_code == 400 and error_code(res) == "json_too_deep", res.text
+    assert res.json()["error"]["type"] == "invalid_request_error"
+    assert "64 levels" in res.json()["error"]["message"]
     assert up.hits == 0
 
 
-def test_deep_nesting_under_the_limit_is_proxied(edge_and_node) -> None:
+def test_nesting_under_the_limit_is_proxied(edge_and_node) -> None:
     edge, up = edge_and_node
-    deep = "[" * 900 + "1" + "]" * 900
+    deep = "[" * 60 + "1" + "]" * 60
     raw = ('{"model": "m", "messages": [{"role": "user", "content": "deep"}], "x": %s}' % deep).encode()
     res = post_raw(edge, raw)
     assert res.status_code == 200, res.text
     assert up.bodies[-1] == raw
+
+
+def test_body_limits_are_configurable(redis_server, tiny_upstreams, edge_factory) -> None:
+    (up,) = tiny_upstreams(1)
+    edge = edge_factory(edge_settings(redis_server.url, [up.node_settings()],
+                                      max_json_depth=8, max_messages=3))
+    msgs = [{"role": "user", "content": "x"}] * 3
+    assert post_raw(edge, json.dumps({"model": "m", "messages": msgs}).encode()).status_code == 200
+    res = post_raw(edge, json.dumps({"model": "m", "messages": msgs + msgs[:1]}).encode())
+    assert res.status_code == 400 and error_code(res) == "too_many_messages", res.text
+    res = post_raw(edge, json.dumps({"model": "m", "messages": msgs, "x": [[[[[[[[1]]]]]]]]}).encode())
+    assert res.status_code == 400 and error_code(res) == "json_too_deep", res.text
+    assert up.hits == 1
+
+
+def test_hundred_thousand_messages_are_refused_fast(edge_and_node) -> None:
+    edge, up = edge_and_node
+    msgs = [{"role": "user", "content": f"message number {i} with a little padding"} for i in range(100000)]
+    body = json.dumps({"model": "m", "messages": msgs}).encode()
+    assert len(body) > 6_000_000
+    t0 = time.monotonic()
+    res = post_raw(edge, body)
+    took = time.monotonic() - t0
+    assert res.status_code == 400 and error_code(res) == "too_many_messages", res.text
+    assert up.hits == 0
+    # the worker is free again at once: a normal request right after is answered quickly
+    t1 = time.monotonic()
+    ok = post_raw(edge, b'{"model": "m", "messages": [{"role": "user", "content": "next"}]}')
+    assert ok.status_code == 200 and time.monotonic() - t1 < 1.0
+    print(f"100,000-message body ({len(body)} bytes): 400 in {took * 1000:.0f} ms (upload included)")
+    assert took < 3, took
 
 
 def test_ten_thousand_messages_are_proxied_and_cached(edge_and_node) -> None:

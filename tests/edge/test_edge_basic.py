@@ -188,7 +188,10 @@ def test_no_nodes_at_all_gets_503(tiny_upstreams, redis_server, edge_factory) ->
     edge = edge_factory(edge_settings(redis_server.url, []))
     res = requests.post(f"{edge.url}/v1/chat/completions", json=CHAT, timeout=10)
     _assert_openai_error(res, 503, code="no_healthy_upstream", etype="service_unavailable")
-    _assert_openai_error(requests.get(f"{edge.url}/v1/models", timeout=10), 503)
+    assert res.headers["Retry-After"] == "1"  # admission.retry_after_s
+    models = requests.get(f"{edge.url}/v1/models", timeout=10)
+    _assert_openai_error(models, 503)
+    assert models.headers["Retry-After"] == "1"
     assert edge.status()["nodes"] == []
 
 

@@ -196,7 +196,9 @@ def test_all_nodes_failing_passes_the_last_answer(pool) -> None:
         u.mode = "fail"
     res = _post(edge)
     assert res.status_code == 500 and res.json()["error"]["message"] == "simulated failure"
-    assert sum(u.hits for u in ups) == 3
+    # a 500 goes to a second node, no further; the same 500 on both: neither is counted
+    assert sum(u.hits for u in ups) == 2
+    assert all(n["failures"] == 0 for n in edge.status()["nodes"])
 
 
 def test_no_node_left_for_the_retry_gets_503(tiny_upstreams, redis_server, edge_factory) -> None:
@@ -218,6 +220,7 @@ def test_no_node_left_for_the_retry_gets_503(tiny_upstreams, redis_server, edge_
     t.join(10)
     err = _json_error(result["res"], 503)
     assert err["code"] == "no_healthy_upstream" and err["type"] == "service_unavailable"
+    assert result["res"].headers["Retry-After"] == "1"  # admission.retry_after_s
     assert b.hits == 0
 
 

@@ -208,6 +208,10 @@ def test_edge_publishes_its_stats(three) -> None:
     procs.wait_until(lambda: bool(published()), 10, what="edge stats in Redis")
     data = published()
     assert data["edge_id"] == edge_id and abs(data["ts"] - time.time()) < 5
+    # the request-duration histogram of the edge (the admin overview's p50 / p99)
+    dur = data["duration"]
+    assert len(dur["counts"]) == len(dur["le"]) + 1 and sum(dur["counts"]) >= 12
+    assert dur["sum"] > 0
     assert set(data["nodes"]) == {"a", "b", "c"}
     for name, n in data["nodes"].items():
         assert set(n) == {"inflight", "requests", "failures", "breaker", "latency_ewma_ms"}

@@ -91,6 +91,7 @@ def test_edge_metrics_follow_the_traffic(redis_server, tiny_upstreams, edge_fact
         "infergate_edge_requests": "counter", "infergate_edge_retries": "counter",
         "infergate_edge_breaker_opens": "counter", "infergate_edge_shed": "counter",
         "infergate_edge_rate_limited": "counter", "infergate_edge_cache_requests": "counter",
+        "infergate_edge_flush_dropped": "counter",
         "infergate_edge_request_duration_seconds": "histogram", "infergate_edge_inflight": "gauge",
         "infergate_edge_breaker_open": "gauge", "infergate_edge_snapshot_age_seconds": "gauge",
         "infergate_edge_snapshot_version": "gauge", "infergate_edge_redis_up": "gauge",
@@ -169,7 +170,8 @@ def test_controlplane_metrics(redis_server, simnodes, controlplane_factory) -> N
     assert 0 <= m.value("infergate_controlplane_node_kv_cache_usage_ratio", node=node.name) <= 1
     assert m.value("infergate_controlplane_redis_errors_total") == 0
     # the admin app around it is untouched
-    assert requests.get(cp.admin_url + "/healthz", timeout=5).json() == {"ok": True}
+    health = requests.get(cp.admin_url + "/healthz", timeout=5).json()
+    assert health["ok"] is True and "instance_id" in health
 
     redis_server.stop()
 

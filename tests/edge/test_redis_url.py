@@ -20,6 +20,7 @@ import requests
 from controlplane import procs
 from controlplane.redisdb import keynames
 from controlplane.config import ConfigError, settings_from_dict
+from controlplane.edge.options import lua_string, option_spec
 from controlplane.redisdb.conn import make_redis
 from controlplane.redisdb.url import RedisTarget, RedisURLError, parse_redis_url
 from support.stack import edge_settings, lua_eval, write_snapshot
@@ -277,8 +278,9 @@ def test_tls_files_are_checked_before_nginx_runs(workdir: Path) -> None:
     missing = workdir / "missing-client.pem"
     with pytest.raises(Exception, match="missing-client.pem"):
         lua_eval(workdir, f"""
-            local ok, err = require("infergate.core.config").init({{
-                redis_tls_cert_file = "{missing}", redis_tls_key_file = "{missing}" }})
+            local ok, err = require("infergate.core.config").init({{ redis = {{
+                tls_cert_file = "{missing}", tls_key_file = "{missing}" }} }},
+                {lua_string(json.dumps(option_spec()))})
             if not ok then error(err, 0) end
             return ok
         """)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -15,7 +17,8 @@ import requests
 from click.testing import CliRunner
 
 from controlplane import procs
-from controlplane.config import settings_from_dict
+from controlplane.config import ConfigError, settings_from_dict
+from controlplane.edge.options import lua_string, option_spec, rendered_options
 from controlplane.edge.render import (
     NginxError, RenderError, default_modules_dir, nginx_test, render_nginx, render_nginx_cmd,
     start_nginx,
@@ -42,10 +45,10 @@ def _settings(**edge):
 
 
 def _options(http_conf: Path) -> dict:
-    text = http_conf.read_text()
-    m = re.search(r"init\(\[(=*)\[(.*?)\]\1\]\)", text, re.S)
-    assert m, "options embedded in init_by_lua"
-    return json.loads(m.group(2))
+    """The options document embedded in init_by_lua (checked against the spec there)."""
+    doc, spec = rendered_options(http_conf.read_text())
+    assert spec == option_spec()
+    return doc
 
 
 def test_standalone_config_passes_nginx_t(workdir: Path) -> None:
@@ -111,11 +114,12 @@ def test_settings_reach_the_directives(workdir: Path) -> None:
     assert "keepalive 16;" in http
     assert "worker_processes 3;" in r.nginx_conf.read_text()
     opts = _options(r.http_conf)
-    assert opts["edge_id"] == "edge-7" and r.edge_id == "edge-7"
-    assert opts["max_tries"] == 4 and opts["breaker_failures"] == 7
-    assert opts["breaker_cooldown_s"] == 3.0 and opts["inflight_cost"] == 2.0
-    assert opts["sync_interval_s"] == 0.25 and opts["stale_after_s"] == 4.0
-    assert opts["redis_timeout_ms"] == 150 and opts["redis_url"] == "redis://127.0.0.1:6390/0"
+    e = opts["edge"]
+    assert e["edge_id"] == "edge-7" and r.edge_id == "edge-7"
+    assert e["max_tries"] == 4 and e["breaker_failures"] == 7
+    assert e["breaker_cooldown_s"] == 3.0 and e["inflight_cost"] == 2.0
+    assert e["sync_interval_s"] == 0.25 and e["stale_after_s"] == 4.0
+    assert e["redis_timeout_ms"] == 150 and opts["redis"]["url"] == "redis://127.0.0.1:6390/0"
     nodes = {n["name"]: n for n in opts["nodes"]}
     assert nodes["gpu-a"] == {"name": "gpu-a", "host": "127.0.0.1", "port": 9001, "weight": 1.0,
                               "max_concurrency": 64, "kind": "vllm"}
@@ -149,7 +153,7 @@ def test_awkward_characters_in_options_survive(workdir: Path) -> None:
     s.redis.url = "redis://:p'\"{};=@127.0.0.1:6390/0?note=]]=]"
     listen = f"127.0.0.1:{procs.free_port()}"
     r = render_nginx(s, workdir / "out", listen=listen, prefix=workdir / "pre")
-    assert "]]" in _options(r.http_conf)["redis_url"]
+    assert "]]" in _options(r.http_conf)["redis"]["url"]
     m = start_nginx(r.nginx_conf, r.prefix)
     try:
         st = requests.get(f"{r.url}/infergate/status", timeout=5).json()
@@ -182,8 +186,12 @@ def test_bad_listen_is_rejected(workdir: Path, listen: str) -> None:
 
 
 def test_bad_edge_values_are_rejected(workdir: Path) -> None:
+    with pytest.raises(ConfigError, match="client_max_body_size"):
+        _settings(client_max_body_size="lots")
+    s = _settings()
+    s.edge.client_max_body_size = "lots"  # assigned after loading: checked when rendering
     with pytest.raises(RenderError, match="client_max_body_size"):
-        render_nginx(_settings(client_max_body_size="lots"), workdir / "out", listen="127.0.0.1:1")
+        render_nginx(s, workdir / "out", listen="127.0.0.1:1")
     s = _settings()
     s.redis.url = "unix:///tmp/redis.sock"
     with pytest.raises(RenderError, match="redis://"):
@@ -200,18 +208,75 @@ def test_nginx_test_reports_nginx_messages(workdir: Path) -> None:
 def test_cli_writes_files_and_checks(workdir: Path) -> None:
     cfg = workdir / "infergate.toml"
     cfg.write_text('[redis]\nurl = "redis://127.0.0.1:6390/0"\n[edge]\nworkers = 1\n'
+                   f'metrics_listen = "127.0.0.1:{procs.free_port()}"\n'
                    '[[nodes]]\nname = "a"\nurl = "http://127.0.0.1:9001"\n')
     res = CliRunner().invoke(render_nginx_cmd, ["--config", str(cfg), "--out", str(workdir / "o"),
-                                                "--listen", "127.0.0.1:18132", "--check"])
+                                                "--listen", f"127.0.0.1:{procs.free_port()}",
+                                                "--prefix", str(workdir / "run"), "--check"])
     assert res.exit_code == 0, res.output
     for name in ("infergate-http.conf", "infergate-server.conf", "nginx.conf"):
         assert (workdir / "o" / name).exists()
         assert name in res.output
     assert f"from {cfg}" in (workdir / "o" / "nginx.conf").read_text()
+    # pid, logs and temp folders go under the prefix, never into the output folder
+    assert sorted(p.name for p in (workdir / "o").iterdir()) == [
+        "infergate-http.conf", "infergate-server.conf", "nginx.conf"]
+    assert (workdir / "run" / "logs").is_dir()
+
+
+def test_cli_check_names_a_listen_address_in_use(workdir: Path) -> None:
+    """nginx -t does not bind: --check does, and names the setting whose port is taken."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        cfg = workdir / "infergate.toml"
+        cfg.write_text(f'[edge]\nmetrics_listen = "127.0.0.1:{port}"\n')
+        res = CliRunner().invoke(render_nginx_cmd, [
+            "--config", str(cfg), "--out", str(workdir / "o"), "--prefix", str(workdir / "run"),
+            "--listen", f"127.0.0.1:{procs.free_port()}", "--check"])
+    assert res.exit_code == 1, res.output
+    assert f"edge.metrics_listen (infergate-http.conf) 127.0.0.1:{port} is already in use" in res.output
+    assert "nginx -t: ok" not in res.output and "Traceback" not in res.output
+
+
+def test_cli_check_accepts_the_address_of_a_running_edge(workdir: Path, redis_server,
+                                                          edge_factory) -> None:
+    """Re-rendering beside the running nginx: its own metrics address is not "taken"."""
+    edge = edge_factory(settings_from_dict({"redis": {"url": redis_server.url}}))
+    metrics = edge.metrics_url.removeprefix("http://").removesuffix("/metrics")
+    cfg = workdir / "infergate.toml"
+    cfg.write_text(f'[redis]\nurl = "{redis_server.url}"\n[edge]\nmetrics_listen = "{metrics}"\n')
+    res = CliRunner().invoke(render_nginx_cmd, [
+        "--config", str(cfg), "--out", str(workdir / "o"), "--prefix", str(workdir / "run"),
+        "--listen", f"127.0.0.1:{procs.free_port()}", "--check"])
+    assert res.exit_code == 0, res.output
+    assert f"note: edge.metrics_listen (infergate-http.conf) {metrics} is served by a running " \
+           "infergate edge" in res.output
+
+
+def test_cli_prefix_is_never_the_output_folder(workdir: Path) -> None:
+    res = CliRunner().invoke(render_nginx_cmd, ["--out", str(workdir / "o"),
+                                                "--prefix", str(workdir / "o")])
+    assert res.exit_code == 1 and "--prefix must not be the --out folder" in res.output
+    assert not (workdir / "o").exists()
+
+
+@pytest.mark.skipif(bool(shutil.which("openresty") or shutil.which(
+    "openresty", path="/usr/local/openresty/bin")), reason="OpenResty is installed here")
+def test_cli_openresty_check_without_openresty_says_so(workdir: Path, monkeypatch) -> None:
+    monkeypatch.delenv("INFERGATE_NGINX", raising=False)
+    res = CliRunner().invoke(render_nginx_cmd, ["--out", str(workdir / "o"), "--openresty",
+                                                "--prefix", str(workdir / "run"), "--check"])
+    assert res.exit_code == 1
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert lines == ["Error: openresty not found (PATH, /usr/local/openresty/bin): install "
+                     "OpenResty, or render without --openresty for Debian's nginx"], res.output
 
 
 def test_cli_openresty_flag(workdir: Path) -> None:
     res = CliRunner().invoke(render_nginx_cmd, ["--out", str(workdir / "o"), "--openresty",
+                                                "--prefix", str(workdir / "run"),
                                                 "--listen", "0.0.0.0:8080"])
     assert res.exit_code == 0, res.output
     assert "load_module" not in (workdir / "o" / "nginx.conf").read_text()
@@ -239,11 +304,10 @@ def test_cli_invalid_toml_value(workdir: Path) -> None:
 
 def test_lua_config_accepts_rendered_options(workdir: Path) -> None:
     r = render_nginx(_settings(), workdir / "out", listen="127.0.0.1:18133")
-    opts = r.http_conf.read_text()
-    m = re.search(r"init\((\[(=*)\[.*?\]\2\])\)", opts, re.S)
+    doc, spec = rendered_options(r.http_conf.read_text())
     got = lua_eval(workdir, f"""
             local config = require("infergate.core.config")
-            assert(config.init({m.group(1)}))
+            assert(config.init({lua_string(json.dumps(doc))}, {lua_string(json.dumps(spec))}))
             local o = config.get()
             return {{ max_tries = o.max_tries, nodes = #o.nodes, second = o.nodes[2].name }}
     """)
@@ -251,9 +315,9 @@ def test_lua_config_accepts_rendered_options(workdir: Path) -> None:
 
 
 @pytest.mark.parametrize("options,message", [
-    ('{"max_tries": 0}', "max_tries' out of range"),
-    ('{"max_tries": "3"}', "max_tries' must be a number"),
-    ('{"bogus": 1}', "unknown infergate option 'bogus'"),
+    ('{"edge": {"max_tries": 0}}', "edge.max_tries: 0 is below the minimum 1"),
+    ('{"edge": {"max_tries": "3"}}', "edge.max_tries: must be an integer"),
+    ('{"bogus": 1}', "bogus: unknown option"),
     ('{"nodes": [{"name": "a", "host": "127.0.0.1", "port": 0}]}', "nodes[1].port"),
     ('{"nodes": [{"name": "a", "port": 1}, {"name": "a", "port": 2}]}', "duplicate node name"),
     ('[1, 2', "not valid JSON"),
@@ -261,7 +325,8 @@ def test_lua_config_accepts_rendered_options(workdir: Path) -> None:
 def test_lua_config_rejects_bad_options(workdir: Path, options: str, message: str) -> None:
     with pytest.raises(LuaError, match=re.escape(message)):
         lua_eval(workdir, f"""
-            local ok, err = require("infergate.core.config").init([==[{options}]==])
+            local ok, err = require("infergate.core.config").init([==[{options}]==],
+                {lua_string(json.dumps(option_spec()))})
             if not ok then error(err, 0) end
             return true
         """)

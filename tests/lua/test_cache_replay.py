@@ -9,6 +9,8 @@ import random
 
 from support.stack import lua_eval
 
+from controlplane.edge.options import option_spec
+
 
 def run(workdir, code: str, data=None):
     path = workdir / f"in-{random.randrange(10**9)}.json"
@@ -72,6 +74,8 @@ def test_incomplete_or_failed_answers_are_refused(workdir) -> None:
     cases = {
         "no_done": STREAM.replace("data: [DONE]\n\n", ""),
         "length": sse(chunk({"role": "assistant", "content": "cut"}), chunk({}, "length"), "[DONE]"),
+        "filtered": sse(chunk({"role": "assistant", "content": "x"}), chunk({}, "content_filter"),
+                        "[DONE]"),
         "error_event": sse(chunk({"content": "a"}), {"error": {"message": "boom"}}, "[DONE]"),
         "json_error": json.dumps({"error": {"message": "bad"}}),
         "no_choices": json.dumps({"id": "x", "choices": []}),
@@ -87,7 +91,9 @@ def test_incomplete_or_failed_answers_are_refused(workdir) -> None:
         return res
     """, cases)
     assert out["no_done"] == "stream ended without [DONE]"
-    assert out["length"] == "finish_reason length"
+    # cut by max_tokens: the complete answer for that max_tokens (part of the key)
+    assert out["length"] == "stored"
+    assert out["filtered"] == "finish_reason content_filter"
     assert out["error_event"] == "stream carried an error"
     assert out["json_error"] == "answer is an error"
     assert out["no_choices"] == "answer has no choices"
@@ -155,21 +161,74 @@ def test_encoder_keeps_arrays_objects_and_numbers(workdir) -> None:
 def test_cache_options_are_validated(workdir) -> None:
     bad = [{"bogus": 1}, {"ttl_s": 0}, {"min_similarity": 2}, {"min_similarity_models": {"m": "x"}},
            {"coalesce": "yes"}]
+    # the [cache] options are checked with the others, against the rendered spec
     out = run(workdir, """
+        local config = require("infergate.core.config")
         local cache = require("infergate.cache.lookup")
         local res = {}
-        for i, o in ipairs(input) do
+        for i, o in ipairs(input.cases) do
             o.enabled = false
-            local ok, err = cache.init(o)
+            local ok, err = config.init({ cache = o }, input.spec)
             res[i] = ok and "ok" or err
         end
-        local ok = cache.init({ enabled = false, min_similarity = 0 })
+        assert(config.init({ cache = { enabled = false, min_similarity = 0 } }, input.spec))
+        local ok = cache.init()
         res[#res + 1] = ok and cache.options().min_similarity
         return res
-    """, bad)
-    assert out[0] == "unknown cache option 'bogus'"
-    assert "out of range" in out[1]
-    assert "from 0 to 1" in out[2] and "from 0 to 1" in out[3]
-    assert out[4] == "cache option 'coalesce' must be a boolean"
+    """, {"cases": bad, "spec": option_spec()})
+    assert out[0] == "cache.bogus: unknown option"
+    assert out[1] == "cache.ttl_s: 0 is below the minimum 1"
+    assert out[2] == "cache.min_similarity: 2 is above the maximum 1"
+    assert out[3] == 'cache.min_similarity_models["m"]: must be a number'
+    assert out[4] == "cache.coalesce: must be a boolean"
     assert out[5] == 0
 
+
+
+def test_a_hit_splices_the_stored_bytes(workdir) -> None:
+    # the entry keeps the body without id/created: a non-streaming hit writes the fresh
+    # id and created in front of it, the same JSON as encoding the completion again
+    answer = {"id": "chatcmpl-node", "object": "chat.completion", "created": 7, "model": "m",
+              "choices": [{"index": 0, "finish_reason": "length",
+                           "message": {"role": "assistant", "content": "caf\u00e9 \"q\" \\ {x}"}}],
+              "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+    out = run(workdir, """
+        local comp = assert(replay.normalize(input, "chat"))
+        local tail = assert(replay.tail(comp))
+        local spliced = replay.splice(tail, "chatcmpl-new", 1700000000)
+        comp.id, comp.created = "chatcmpl-new", 1700000000
+        local lookup = require("infergate.cache.lookup")
+        local doc = replay.encode({ body = replay.encode(comp), tail = tail, usage = true })
+        local plain = lookup.parse_entry(doc, { stream = false, kind = "chat" })
+        local stream = lookup.parse_entry(doc, { stream = true, kind = "chat" })
+        local nousage = lookup.parse_entry(replay.encode({ body = replay.encode(comp), tail = tail,
+                                                           usage = false }),
+                                           { stream = false, kind = "chat" })
+        return { spliced = spliced, encoded = replay.encode(comp), tail_used = plain.tail ~= nil,
+                 stream_decoded = stream.comp ~= nil and stream.tail == nil,
+                 nousage = nousage == nil }
+    """, answer)
+    assert json.loads(out["spliced"]) == json.loads(out["encoded"])
+    assert json.loads(out["spliced"])["id"] == "chatcmpl-new"
+    assert out["tail_used"] and out["stream_decoded"]
+    assert out["nousage"]  # a stored answer without usage never answers a non-streaming request
+
+
+def test_a_stream_hit_fills_a_rendered_replay(workdir) -> None:
+    answer = {"id": "chatcmpl-node", "object": "chat.completion", "created": 7, "model": "m",
+              "choices": [{"index": 0, "finish_reason": "stop",
+                           "message": {"role": "assistant",
+                                       "content": 'say "id":"@@IGID@@" and "created":-7, ' * 3}}],
+              "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+    out = run(workdir, """
+        local comp = assert(replay.normalize(input, "chat"))
+        local text = replay.encode(comp)
+        local tpl = replay.sse_template(text, comp, "chat", true)
+        return { filled = replay.sse_fill(tpl, "chatcmpl-new", 1700000000),
+                 direct = replay.sse(comp, "chat", "chatcmpl-new", 1700000000, true),
+                 cached = replay.sse_cached(text, "chat", true) == tpl,
+                 other = replay.sse_cached(text, "chat", false) == nil }
+    """, answer)
+    # the marks inside the content are escaped text and stay as they were
+    assert out["filled"] == out["direct"]
+    assert out["cached"] and out["other"]

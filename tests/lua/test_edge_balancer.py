@@ -4,18 +4,22 @@ breaker's state machine and the attempt accounting, run in nginx's init_by_lua
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
-
 from support.stack import lua_eval
+
+from controlplane.edge.options import lua_string, option_spec
 
 DICTS = "lua_shared_dict infergate_snapshot 1m; lua_shared_dict infergate_stats 1m;"
 
 PRELUDE = """
             local config = require("infergate.core.config")
-            assert(config.init({breaker_failures = 3, breaker_cooldown_s = 10, inflight_cost = 1,
-                                latency_norm_s = 30, stale_after_s = 10}))
+            assert(config.init({edge = {breaker_failures = 3, breaker_cooldown_s = 10,
+                                        inflight_cost = 1, stale_after_s = 10},
+                                scoring = {latency_norm_s = 30}},
+                               """ + lua_string(json.dumps(option_spec())) + """))
             local stats = require("infergate.routing.stats")
             local breaker = require("infergate.routing.breaker")
             local balancer = require("infergate.routing.balancer")

@@ -84,15 +84,29 @@ function _M.from_record(raw, now)
     }
 end
 
+-- Decoded cache answers by their JSON text, per worker (read-only tables; emptied when
+-- MEMO_MAX answers are held): a key in use costs a dict read, not a JSON decode.
+_M.MEMO_MAX = 1000
+local memo, memo_n = {}, 0
+
 local function cache_get(digest)
     local raw = dict():get("k:" .. digest)
     if not raw then
         return nil
     end
-    local e = cjson.decode(raw)
+    local e = memo[raw]
+    if e then
+        return e
+    end
+    e = cjson.decode(raw)
     if type(e) ~= "table" or type(e.at) ~= "number" then
         return nil
     end
+    if memo_n >= _M.MEMO_MAX then
+        memo, memo_n = {}, 0
+    end
+    memo[raw] = e
+    memo_n = memo_n + 1
     return e
 end
 
@@ -115,7 +129,9 @@ function _M.lookup(digest, now, o)
     local raw, err = ar.run(function(c)
         return c:command("HGET", keynames.apikeys, digest)
     end)
-    if raw == nil then
+    if not raw then
+        -- nil: Redis unreachable (or backed off); false: an error reply. Either way the
+        -- key cannot be checked now.
         if e and now - e.at < math.max(o.stale_ttl_s, o.cache_ttl_s) then
             return e
         end
@@ -152,7 +168,7 @@ function _M.step(req)
     if #token > _M.MAX_KEY_LEN then
         return unauthorized("Incorrect API key provided.")
     end
-    local e, err = _M.lookup(cachekey.sha256_hex(token), ngx.now(), o)
+    local e = _M.lookup(cachekey.sha256_hex(token), ngx.now(), o)
     if not e then
         -- err: the outage is logged once by infergate.admission.redis
         astats.incr("auth_unavailable")

@@ -102,6 +102,18 @@ function _M.before_try(req, o, now)
     return true
 end
 
+-- True when a timeout of the request's current try belongs to the deadline, not the
+-- node: the deadline bound the try's read timeout, or it has passed. Such a timeout is
+-- never counted against the node (infergate.routing.balancer, infergate.log): a node
+-- generating a long answer is working, not failing.
+function _M.expired_try(req, now)
+    local d = req.deadline
+    if not d or not d.at then
+        return false
+    end
+    return req.deadline_bound == true or (now or ngx.now()) >= d.at - 0.005
+end
+
 -- Balancer: end the request because its deadline passed (answered by error_page()).
 function _M.fail()
     local ok = pcall(function() ngx.var.infergate_reason = "deadline_exceeded" end)

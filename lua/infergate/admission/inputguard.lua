@@ -11,7 +11,10 @@
 --   client_body_buffer_size, like nginx's own read). A client that stalls longer gets 408
 --   JSON (code "request_timeout") with "Connection: close" (RFC 9110 section 15.5.9: a
 --   408 should close): the request goes to the 408 error page location, which has
---   keepalive_timeout 0, since the rest of the body may still come. nginx's own
+--   keepalive_timeout 0, since the rest of the body may still come. The whole body must
+--   also arrive within client_body_deadline_ms of the request's arrival, however steadily
+--   it trickles (1 byte every 20 s never trips the gap timeout): past it, the same 408.
+--   nginx's own
 --   client_body_timeout cannot answer (seen with nginx 1.22: the request is terminated,
 --   the connection closed, the 408 only in the access log). Chunked bodies and HTTP/2
 --   are read by nginx (the "body" step), so a stall there ends that way.
@@ -19,7 +22,9 @@
 --   UTF-8 (RFC 8259 section 8.1), and the cache keys and nodes expect text.
 --
 -- Bodies over client_max_body_size never get here (nginx answers 413 from the headers,
--- or while reading a chunked body).
+-- or while reading a chunked body; the error locations of the rendered server template
+-- set client_max_body_size 0, so a chunked body nginx refused mid-way gets the same 413
+-- JSON and not nginx's HTML page).
 local config = require("infergate.core.config")
 
 local _M = {}
@@ -27,9 +32,12 @@ local _M = {}
 local tonumber = tonumber
 local tostring = tostring
 local min = math.min
+local floor = math.floor
 local io_open = io.open
 
 _M.CHUNK = 65536
+-- Bodies up to this many bytes are read into a buffer of exactly their size.
+_M.SMALL_BODY = 65536
 _M.TIMEOUT_LOCATION = "/_infergate/error/408"
 
 local function bad_utf8()
@@ -43,9 +51,7 @@ end
 
 -- True when `s` is valid UTF-8 (PCRE's UTF-8 check of the whole subject).
 function _M.valid_utf8(s)
-    if not s:find("[\128-\255]") then
-        return true -- ASCII
-    end
+    -- PCRE checks the whole subject in C, ASCII included, faster than a Lua scan
     local from, _, err = ngx.re.find(s, [[^]], "uo")
     if from then
         return true
@@ -53,8 +59,9 @@ function _M.valid_utf8(s)
     return false, err
 end
 
--- Reads a Content-Length body through the request socket. Returns true, or nil and
--- "timeout" | "closed" | another error.
+-- Reads a Content-Length body through the request socket, within the gaps of
+-- client_body_timeout_ms and the total client_body_deadline_ms counted from the
+-- request's arrival. Returns true, or nil and "timeout" | "closed" | another error.
 local function read_with_timeout(len)
     local sock = ngx.req.socket()
     if not sock then
@@ -62,11 +69,28 @@ local function read_with_timeout(len)
         ngx.req.read_body()
         return true
     end
-    sock:settimeout(config.get().client_body_timeout_ms)
-    ngx.req.init_body()
+    local o = config.get()
+    local gap = o.client_body_timeout_ms
+    local deadline = ngx.req.start_time() + (o.client_body_deadline_ms or 3600000) / 1000
+    -- a small body gets a buffer of its own size: nginx would allocate
+    -- client_body_buffer_size (in the rendered config as large as client_max_body_size)
+    -- for every request; larger ones follow client_body_buffer_size (memory or temp file)
+    if len <= _M.SMALL_BODY then
+        ngx.req.init_body(len)
+    else
+        ngx.req.init_body()
+    end
     local got = 0
     while got < len do
-        local data, rerr = sock:receive(min(_M.CHUNK, len - got))
+        ngx.update_time()
+        local left_ms = floor((deadline - ngx.now()) * 1000)
+        if left_ms <= 0 then
+            return nil, "timeout"
+        end
+        sock:settimeout(min(gap, left_ms))
+        -- whatever has arrived, so a body trickling in is checked against the deadline
+        -- at every read
+        local data, rerr = sock:receiveany(min(_M.CHUNK, len - got))
         if not data then
             return nil, rerr
         end

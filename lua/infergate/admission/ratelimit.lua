@@ -14,19 +14,23 @@
 -- capped at the capacity (the request waits for a full bucket). After the answer the
 -- log phase corrects the charge with the real usage.total_tokens of the response
 -- (infergate.admission.usage; a stream without usage counts one token per content chunk): the
--- difference is handed to ngx.timer.at(0, ...) and applied there, so the request path
--- never waits on Redis outside the access phase. A correction may leave a bucket
+-- difference goes into the worker's flush queue (infergate.core.flush, one recurring
+-- timer per worker) and is applied from there, so the request path never waits on
+-- Redis outside the access phase. A correction may leave a bucket
 -- below zero (at most -capacity): later requests wait until it refills.
 --
 -- All buckets of a request are checked and charged together, atomically, by one Lua
 -- script in Redis (EVALSHA, EVAL after NOSCRIPT) that takes the time from Redis TIME,
--- so every edge sees the same clock. Hashes under keynames.ratelimit_prefix:
+-- so every edge sees the same clock. _M.companion(req) (set by infergate.cache.lookup)
+-- may return a Redis command and a callback for its reply: the command goes in the same
+-- pipeline as the script, so a request with rate limits and the response cache pays one
+-- round trip for both. Hashes under keynames.ratelimit_prefix:
 -- "key:<key id>:rpm", "key:<key id>:tpm", "global:rpm", "global:tpm" with fields
 -- tokens, ts (epoch s); they expire once full again.
 --
--- Redis unreachable (infergate.admission.redis): the same buckets live in this edge's
--- infergate_limits shared dict, so limits then apply per edge (N edges allow up to N
--- times the limit), and requests are never failed for it.
+-- Redis unreachable or backed off (infergate.admission.redis, infergate.redis.pool): the
+-- same buckets live in this edge's infergate_limits shared dict, so limits then apply
+-- per edge (N edges allow up to N times the limit), and requests are never failed for it.
 --
 -- Over a limit: 429, Retry-After (integer seconds >= 1), an OpenAI-style error
 -- {"type": "requests"|"tokens", "code": "rate_limit_exceeded"}. Every answer (429 or
@@ -38,6 +42,8 @@ local options = require("infergate.admission.options")
 local keynames = require("infergate.redis.keynames")
 local ar = require("infergate.admission.redis")
 local astats = require("infergate.admission.stats")
+local flush = require("infergate.core.flush")
+local redis = require("infergate.redis.client")
 
 local _M = {}
 
@@ -179,30 +185,32 @@ function _M.duration(seconds)
 end
 
 -- The buckets a request is charged to (see the header).
+-- (no closure per request: a function created on the hot path stops the JIT compiler)
+local function add_bucket(list, kind, scope, key, capacity, cost)
+    list[#list + 1] = {
+        kind = kind, scope = scope, key = key, capacity = capacity,
+        rate = capacity / 60, cost = min(cost, capacity),
+    }
+end
+
 function _M.buckets(req, o)
     local list = {}
     local prefix = keynames.ratelimit_prefix
     local tokens = req.est_tokens or 0
-    local function add(kind, scope, key, capacity, cost)
-        list[#list + 1] = {
-            kind = kind, scope = scope, key = key, capacity = capacity,
-            rate = capacity / 60, cost = min(cost, capacity),
-        }
-    end
     local kl, id = req.key_limits, req.key_id
     if kl and id and id ~= "" then
         if kl.rpm then
-            add("requests", "key", prefix .. "key:" .. id .. ":rpm", kl.rpm, 1)
+            add_bucket(list, "requests", "key", prefix .. "key:" .. id .. ":rpm", kl.rpm, 1)
         end
         if kl.tpm and tokens > 0 then
-            add("tokens", "key", prefix .. "key:" .. id .. ":tpm", kl.tpm, tokens)
+            add_bucket(list, "tokens", "key", prefix .. "key:" .. id .. ":tpm", kl.tpm, tokens)
         end
     end
     if o.global_rpm > 0 then
-        add("requests", "global", prefix .. "global:rpm", o.global_rpm, 1)
+        add_bucket(list, "requests", "global", prefix .. "global:rpm", o.global_rpm, 1)
     end
     if o.global_tpm > 0 and tokens > 0 then
-        add("tokens", "global", prefix .. "global:tpm", o.global_tpm, tokens)
+        add_bucket(list, "tokens", "global", prefix .. "global:tpm", o.global_tpm, tokens)
     end
     return list
 end
@@ -235,20 +243,41 @@ local function parse_reply(res, n)
     return out
 end
 
--- Runs the script in Redis for `list` (costs override the buckets' costs).
-local function redis_apply(mode, list, costs)
+-- Runs the script in Redis for `list` (costs override the buckets' costs). Returns the
+-- result, false, err (an error reply or an unexpected reply) or nil, err (Redis
+-- unreachable, or skipped during the back-off of infergate.redis.pool).
+local function redis_apply(mode, list, costs, extra, on_extra)
     local args = script_args(mode, list, costs)
     local res, err = ar.run(function(c)
-        local r, e = c:command("EVALSHA", _M.SCRIPT_SHA, unpack(args))
-        if r == nil and c.sock and type(e) == "string" and e:find("^NOSCRIPT") then
+        local r, e
+        if extra then
+            -- the companion command rides in the same round trip
+            local replies, perr = c:pipeline({ { "EVALSHA", _M.SCRIPT_SHA, unpack(args) }, extra })
+            if not replies then
+                return nil, perr
+            end
+            on_extra(replies[2])
+            r = replies[1]
+            e = redis.error_of(r)
+            if e then
+                r = false
+            end
+        else
+            r, e = c:command("EVALSHA", _M.SCRIPT_SHA, unpack(args))
+        end
+        if r == false and type(e) == "string" and e:find("^NOSCRIPT") then
             r, e = c:command("EVAL", _M.SCRIPT, unpack(args))
         end
         return r, e
     end)
-    if res == nil then
-        return nil, err
+    if not res then
+        return res, err
     end
-    return parse_reply(res, #list)
+    local out, perr = parse_reply(res, #list)
+    if not out then
+        return false, perr
+    end
+    return out
 end
 
 -- The same algorithm on this edge's shared dict (Redis down). "b:<key>" = "tokens ts".
@@ -307,13 +336,15 @@ end
 _M._local_apply = local_apply
 
 -- Charges `list` (mode "take") or corrects it (mode "adjust", costs per bucket).
+-- extra, on_extra (optional): one more Redis command sent in the same pipeline, and
+-- on_extra(reply) called with its reply (not called when Redis was not reached).
 -- Returns result {allowed, tokens = {}, wait = {}}, source "redis"|"local".
-function _M.apply(mode, list, costs)
-    local res, err = redis_apply(mode, list, costs)
+function _M.apply(mode, list, costs, extra, on_extra)
+    local res, err = redis_apply(mode, list, costs, extra, on_extra)
     if res then
         return res, "redis"
     end
-    if err ~= "redis_down" and ar.usable() then
+    if res == false then
         -- a Redis error reply (not an outage): say so, decide locally this time
         log(ERR, "infergate: rate-limit script failed: ", err)
     end
@@ -353,14 +384,22 @@ function _M.step(req)
     if not o.enabled then
         return nil
     end
-    if req.route == "inference" then
+    -- the token estimate (a walk over the prompt) only when a token bucket may apply
+    local kl = req.key_limits
+    if req.route == "inference" and (o.global_tpm > 0 or (kl and kl.tpm)) then
         req.est_tokens = _M.estimate_tokens(req.body, o.chars_per_token)
     end
     local list = _M.buckets(req, o)
     if #list == 0 then
         return nil
     end
-    local res, source = _M.apply("take", list)
+    -- a later access step may hand over a Redis read of its own (the exact cache
+    -- lookup, infergate.cache.lookup.prefetch): one round trip for both
+    local extra, on_extra
+    if _M.companion then
+        extra, on_extra = _M.companion(req)
+    end
+    local res, source = _M.apply("take", list, nil, extra, on_extra)
     local h = _M.headers(list, res)
     if res.allowed then
         req.ratelimit = { list = list, source = source }
@@ -400,29 +439,47 @@ function _M.step(req)
     }
 end
 
-local function correct(premature, list, costs, source)
-    if premature then
-        return
+-- The correction of `list` by `costs` in the worker's flush queue: the script in Redis
+-- (EVALSHA; EVAL queued again after NOSCRIPT), or the local buckets when the charge was
+-- local or Redis cannot be reached (run in the flush timer, where waiting is allowed).
+local function queue_correction(list, costs, source, full_script)
+    local cmds = {}
+    if source == "redis" then
+        local args = script_args("adjust", list, costs)
+        if full_script then
+            cmds[1] = { "EVAL", _M.SCRIPT, unpack(args) }
+        else
+            cmds[1] = { "EVALSHA", _M.SCRIPT_SHA, unpack(args) }
+        end
     end
-    local ok, err = pcall(function()
-        if source == "redis" then
-            local res, rerr = redis_apply("adjust", list, costs)
-            if res then
+    return flush.push("ratelimit_correction", cmds, function(replies, err)
+        if err == "queue full" then
+            return
+        end
+        if replies and replies[1] ~= nil then
+            local rerr = redis.error_of(replies[1])
+            if not rerr then
                 return
             end
-            if rerr ~= "redis_down" then
-                log(ngx.INFO, "infergate: token correction not applied in Redis: ", rerr)
+            if rerr:find("^NOSCRIPT") and not full_script then
+                queue_correction(list, costs, source, true)
+                return
             end
+            log(ngx.INFO, "infergate: token correction not applied in Redis: ", rerr)
+        elseif err then
+            log(ngx.INFO, "infergate: token correction not applied in Redis: ", err)
         end
-        local_apply("adjust", list, costs)
+        local ok, lerr = pcall(local_apply, "adjust", list, costs)
+        if not ok then
+            log(ERR, "infergate: token correction failed: ", lerr)
+        end
     end)
-    if not ok then
-        log(ERR, "infergate: token correction failed: ", err)
-    end
 end
 
 -- Log phase: charge the difference between the real token usage and the estimate.
--- No I/O here: the correction runs in a zero-delay timer.
+-- No I/O here: the correction goes into the worker's flush queue (infergate.core.flush),
+-- written to Redis by its timer; a full queue drops it (counted in
+-- infergate_edge_flush_dropped_total{kind="ratelimit_correction"}).
 function _M.log(req)
     local rl = req.ratelimit
     local usage = req.usage
@@ -443,10 +500,7 @@ function _M.log(req)
     if not any then
         return
     end
-    local ok, err = ngx.timer.at(0, correct, list, costs, rl.source)
-    if not ok then
-        log(ERR, "infergate: cannot schedule a token correction: ", err)
-    end
+    queue_correction(list, costs, rl.source)
 end
 
 return _M

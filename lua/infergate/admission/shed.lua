@@ -5,11 +5,21 @@
 -- lookup] -> eligible -> admission. A cache hit answers before "eligible", so it never
 -- waits here and is served even when every node is saturated.
 --
--- Shedding: a node has capacity when it is eligible (healthy, active, an IP address,
--- breaker not open) and neither
+-- Shedding, per model: a node has capacity when it is eligible (healthy, active, an IP
+-- address, breaker not open, serves the request's model: infergate.routing.models) and
+-- neither
 --   * saturated in a fresh snapshot (queue depth or KV-cache use over the
 --     [scoring] saturation_queue / saturation_kv caps, computed by the control plane), nor
 --   * at its max_concurrency in this edge's own in-flight count.
+-- With a deadline (infergate.admission.deadline), a request is shed only when even the
+-- best of those nodes cannot finish it in time: when the smallest predicted completion
+-- (infergate.routing.speed.predicted: the work ahead at this edge over the node's learned
+-- concurrency, plus its own, at the node's latency EWMA) is within the time left, it
+-- is admitted although every node is at its max_concurrency here, and queues at the
+-- node. Nodes without latency history, and nodes saturated in a fresh snapshot, predict
+-- nothing; when none predicts, the rule below applies as before.
+-- A request that is shed gets Retry-After = the best predicted wait, rounded up (at least
+-- 1 s; admission.retry_after_s when nothing predicts).
 -- When no eligible node has capacity, the request waits up to admission.max_wait_ms
 -- (never past its deadline), checking again every admission.poll_ms with ngx.sleep,
 -- then gets 429 with Retry-After = admission.retry_after_s and
@@ -23,6 +33,8 @@ local breaker = require("infergate.routing.breaker")
 local deadline = require("infergate.admission.deadline")
 local ratelimit = require("infergate.admission.ratelimit")
 local astats = require("infergate.admission.stats")
+local models = require("infergate.routing.models")
+local speed = require("infergate.routing.speed")
 
 local _M = {}
 
@@ -31,12 +43,14 @@ local pairs = pairs
 local tostring = tostring
 
 -- "free" (some eligible node has capacity), "saturated" (every eligible node is
--- saturated) or "none" (no eligible node: the "eligible" step answers 503).
-function _M.capacity(t, now)
+-- saturated) or "none" (no eligible node: the "eligible" step answers 503), among the
+-- nodes that serve `model` (nil: any).
+function _M.capacity(t, now, model)
     local fresh = snapshot.is_fresh(t, now)
     local eligible = 0
     for _, node in ipairs(t.nodes) do
-        if node.addr and node.healthy and node.state == "active" and breaker.allow(node.name, now) then
+        if node.addr and node.healthy and node.state == "active" and models.serves(node, model)
+                and breaker.allow(node.name, now) then
             eligible = eligible + 1
             local full = (fresh and node.saturated)
                 or stats.inflight(node.name) >= node.max_concurrency
@@ -49,6 +63,24 @@ function _M.capacity(t, now)
         return "none"
     end
     return "saturated"
+end
+
+-- Best predicted (completion, wait) in s over the eligible nodes of `model`, or nil.
+function _M.best_prediction(t, now, model)
+    local fresh = snapshot.is_fresh(t, now)
+    local best, best_wait
+    for _, node in ipairs(t.nodes) do
+        -- a node saturated in a fresh snapshot (its own queue, which may hold other
+        -- edges' requests, is over the cap) predicts nothing: it stays shed
+        if node.addr and node.healthy and node.state == "active" and models.serves(node, model)
+                and not (fresh and node.saturated) and breaker.allow(node.name, now) then
+            local done, wait = speed.predicted(node, (fresh and node.score) and true or false)
+            if done and (not best or done < best) then
+                best, best_wait = done, wait
+            end
+        end
+    end
+    return best, best_wait
 end
 
 -- Access step: nil to continue, or a 429 error table.
@@ -68,7 +100,15 @@ function _M.step_shed(req)
     local poll_s = o.poll_ms / 1000
     local waited = false
     while true do
-        local state = _M.capacity(snapshot.refresh(), now)
+        local t = snapshot.refresh()
+        local state = _M.capacity(t, now, req.model)
+        if state == "saturated" and left then
+            -- deadline-aware: admitted when the best node can still finish it in time
+            local done = _M.best_prediction(t, now, req.model)
+            if done and done <= left - (now - (give_up - wait_s)) then
+                state = "in_time"
+            end
+        end
         if state ~= "saturated" then
             if waited then
                 astats.incr("waiting", -1)
@@ -98,7 +138,12 @@ function _M.step_shed(req)
         astats.incr("waiting", -1)
     end
     astats.incr("shed")
-    local headers = { ["Retry-After"] = tostring(o.retry_after_s) }
+    local retry_after = o.retry_after_s
+    local _, wait = _M.best_prediction(snapshot.current(), now, req.model)
+    if wait then
+        retry_after = math.max(1, math.ceil(wait))
+    end
+    local headers = { ["Retry-After"] = tostring(retry_after) }
     if req.headers_out then
         for k, v in pairs(req.headers_out) do
             headers[k] = v
@@ -107,7 +152,7 @@ function _M.step_shed(req)
     return {
         status = 429,
         message = "Every inference node is saturated; the request was not admitted. Retry after "
-            .. o.retry_after_s .. " s.",
+            .. retry_after .. " s.",
         type = "server_overloaded",
         code = "nodes_saturated",
         headers = headers,

@@ -9,42 +9,57 @@
 -- starts capturing a 2xx answer that is not content-encoded; the body filter keeps its
 -- bytes up to cache.max_entry_bytes (over: capture dropped). The log phase decides:
 -- stored only when the answer is 200, complete (body filter saw the last buffer; every
--- choice finished with "stop", or "tool_calls" for chat; for a stream the "[DONE]" event
--- came), the client did not abort (status 499) and the size limit held. A JSON answer or
--- an SSE stream (reassembled: role, content, reasoning content, tool calls, finish
--- reasons, usage) becomes the stored form of infergate.cache.replay. Errors are never stored.
+-- choice finished with "stop" or "length", or "tool_calls" for chat: "length" is the
+-- whole answer to a request with that max_tokens, which is part of the cache key; for a
+-- stream the "[DONE]" event came), the client did not abort (status 499) and the size
+-- limit held. A JSON answer or an SSE stream (reassembled: role, content, reasoning
+-- content, tool calls, finish reasons, usage) becomes the stored form of
+-- infergate.cache.replay. Errors and answers cut by a client abort or a broken stream
+-- are never stored.
 --
--- The Redis work runs in ngx.timer.at(0): one pipeline with, for a store, SET entry EX
--- ttl, SADD to the tenant, model and namespace index sets, HINCRBY stores, RPUSH of the
--- semantic index job, then the request's counters (HINCRBY on the stats hash). The
--- coalescing lock of the request (infergate.cache.lookup) is released after the store, so
--- waiting requests find the entry when the lock is gone.
+-- The Redis work goes into the worker's flush queue (infergate.core.flush: one recurring
+-- timer per worker, one pipeline per flush, no timer per request): for a store SET entry
+-- EX ttl, SADD to the tenant, model and namespace index sets, RPUSH of the semantic
+-- index job; the request's counters (and "stores") are summed per flush and sent as
+-- HINCRBY on the stats hash after the stores. Every key written carries a TTL (cache
+-- keys may be evicted, state keys never: Redis runs with maxmemory-policy
+-- volatile-lru): the entry its own, each index set the longest TTL of its entries
+-- (EXPIRE NX, then EXPIRE GT), the stats hash COUNTERS_TTL_S and the index queue
+-- INDEX_QUEUE_TTL_S, both renewed by every write. The coalescing lock of the request
+-- (infergate.cache.lookup) is released after the store is written, so waiting requests
+-- find the entry when the lock is gone; a request with nothing to store replaces its
+-- lock at once (log phase) with the mark lookup.NOSTORE, and the waiters go to a node
+-- without waiting any longer. A full queue drops the store (counted in
+-- infergate_edge_flush_dropped_total{kind="cache_store"}) and releases the lock.
 local cjson = require("cjson.safe")
-local config = require("infergate.core.config")
 local keynames = require("infergate.redis.keynames")
 local redis = require("infergate.redis.client")
 local reqctx = require("infergate.core.reqctx")
 local replay = require("infergate.cache.replay")
+local flush = require("infergate.core.flush")
+local cachekey = require("infergate.cache.key")
 
 local _M = {}
 
 -- Longest the semantic index queue grows (jobs) while no embedder reads it.
 _M.INDEX_QUEUE_MAX = 10000
+-- TTLs (s) of the cache counters and the index queue, renewed by every write; the same
+-- as controlplane.cache.store.COUNTERS_TTL_S / INDEX_QUEUE_TTL_S.
+_M.COUNTERS_TTL_S = 30 * 86400
+_M.INDEX_QUEUE_TTL_S = 86400
 
 local type = type
 local ipairs = ipairs
-local pairs = pairs
 local tostring = tostring
 local tonumber = tonumber
 local concat = table.concat
 local null = cjson.null
 local log = ngx.log
-local WARN = ngx.WARN
 local DEBUG = ngx.DEBUG
 
 local FINISH_OK = {
-    chat = { stop = true, tool_calls = true },
-    text = { stop = true },
+    chat = { stop = true, tool_calls = true, length = true },
+    text = { stop = true, length = true },
 }
 
 -- ------------------------------------------------------------------ filters
@@ -283,74 +298,80 @@ function _M.completion(c, text)
     return comp
 end
 
--- ------------------------------------------------------------------ store (timer)
+-- ------------------------------------------------------------------ store (flush queue)
 
-local redis_conf
+-- Seconds the NOSTORE mark stays (identical requests skip coalescing meanwhile).
+_M.NOSTORE_TTL_S = 10
 
-local function release_lock(job)
+local function release_lock(job, stored)
     if not job.lock then
         return
     end
     local dict = ngx.shared[job.dict]
     if dict and dict:get(job.lock) == job.owner then
-        dict:delete(job.lock)
+        if stored then
+            dict:delete(job.lock)
+        else
+            -- nothing stored: waiters go to a node now, and so do identical requests
+            -- for a while (nothing to wait for)
+            dict:set(job.lock, "nostore", _M.NOSTORE_TTL_S)
+        end
     end
+end
+_M._release_lock = release_lock
+
+-- The Redis commands of a store.
+function _M.store_commands(s)
+    local cmds = {}
+    cmds[1] = { "SET", keynames.cache_entry(s.key), s.entry, "EX", s.ttl }
+    local sets = { keynames.cache_index("tenant", s.tenant) }
+    if s.model ~= "" then
+        sets[#sets + 1] = keynames.cache_index("model", s.model)
+    end
+    if s.namespace ~= "" then
+        sets[#sets + 1] = keynames.cache_index("namespace", s.namespace)
+    end
+    for _, set in ipairs(sets) do
+        cmds[#cmds + 1] = { "SADD", set, s.key }
+        -- the set lives as long as its longest-lived entry
+        cmds[#cmds + 1] = { "EXPIRE", set, s.ttl, "NX" }
+        cmds[#cmds + 1] = { "EXPIRE", set, s.ttl, "GT" }
+    end
+    if s.index_job then
+        cmds[#cmds + 1] = { "RPUSH", keynames.cache_index_queue, s.index_job }
+        -- bounded while no embedder consumes it: the newest jobs are kept
+        cmds[#cmds + 1] = { "LTRIM", keynames.cache_index_queue, -_M.INDEX_QUEUE_MAX, -1 }
+        cmds[#cmds + 1] = { "EXPIRE", keynames.cache_index_queue, _M.INDEX_QUEUE_TTL_S }
+    end
+    return cmds
 end
 
-local function run_job(premature, job)
-    if premature then
-        release_lock(job)
+-- Hands a request's cache work to the flush queue: counters summed, the store (if any)
+-- queued with a callback that releases the coalescing lock once it is written.
+local function queue_job(job)
+    for _, name in ipairs(job.counters) do
+        flush.count(keynames.cache_stats, name, 1, _M.COUNTERS_TTL_S)
+    end
+    local s = job.store
+    if not s then
+        release_lock(job, false)
         return
     end
-    -- the store first, the counters last: once a request's counters are visible, its
-    -- entry (if any) is too
-    local cmds = {}
-    local s = job.store
-    if s then
-        cmds[#cmds + 1] = { "SET", keynames.cache_entry(s.key), s.entry, "EX", s.ttl }
-        cmds[#cmds + 1] = { "SADD", keynames.cache_index("tenant", s.tenant), s.key }
-        if s.model ~= "" then
-            cmds[#cmds + 1] = { "SADD", keynames.cache_index("model", s.model), s.key }
+    flush.push("cache_store", _M.store_commands(s), function(replies, err)
+        local ok = replies ~= nil
+        if replies and redis.error_of(replies[1]) then
+            err = "SET: " .. redis.error_of(replies[1])
+            ok = false
         end
-        if s.namespace ~= "" then
-            cmds[#cmds + 1] = { "SADD", keynames.cache_index("namespace", s.namespace), s.key }
+        if ok then
+            flush.count(keynames.cache_stats, "stores", 1, _M.COUNTERS_TTL_S)
+        elseif err ~= "queue full" then
+            flush.warn("cache store failed: ", err)
         end
-        cmds[#cmds + 1] = { "HINCRBY", keynames.cache_stats, "stores", 1 }
-        if s.index_job then
-            cmds[#cmds + 1] = { "RPUSH", keynames.cache_index_queue, s.index_job }
-            -- bounded while no embedder consumes it: the newest jobs are kept
-            cmds[#cmds + 1] = { "LTRIM", keynames.cache_index_queue, -_M.INDEX_QUEUE_MAX, -1 }
-        end
-    end
-    for _, name in ipairs(job.counters) do
-        cmds[#cmds + 1] = { "HINCRBY", keynames.cache_stats, name, 1 }
-    end
-    if #cmds > 0 then
-        local err
-        if not redis_conf then
-            redis_conf, err = redis.parse_url(config.get().redis_url)
-        end
-        local rc
-        if redis_conf then
-            rc, err = redis.connect(redis_conf, config.get().redis_timeout_ms)
-        end
-        if rc then
-            local res
-            res, err = rc:pipeline(cmds)
-            if res then
-                rc:keepalive()
-                if s and type(res[1]) == "table" then
-                    err = "SET: " .. tostring(res[1].err)
-                end
-            end
-        end
-        if err then
-            log(WARN, "infergate: cache ", s and "store" or "counters", " failed: ", err)
-        end
-    end
-    release_lock(job)
+        release_lock(job, ok)
+    end)
 end
-_M._run_job = run_job
+_M._queue_job = queue_job
 
 local COUNTERS = {
     HIT = { exact = { "lookups", "hits_exact" }, semantic = { "lookups", "hits_semantic" } },
@@ -358,7 +379,7 @@ local COUNTERS = {
     BYPASS = { "bypass" },
 }
 
-local function store_of(req, c)
+local function store_of(c)
     if not c.store or not c.buf then
         return nil, c.skip
     end
@@ -378,11 +399,20 @@ local function store_of(req, c)
     if not body then
         return nil, eerr
     end
+    if not c.namespace and c.body then
+        -- semantic lookups off: the namespace (for the namespace index) only now
+        local k = cachekey.keys(c.path, c.body, c.tenant)
+        c.namespace = k and k.namespace or nil
+        c.body = nil
+    end
     local now = ngx.now()
+    -- "tail" and "usage" let a hit answer without decoding and encoding the body again
+    -- (infergate.cache.replay.splice); readers that do not know them use "body"
     local entry = replay.encode({
         tenant = c.tenant, model = c.model or "", namespace = c.namespace or "",
         created = now, ttl = c.ttl, body = body, path = c.path, kind = c.kind,
         stream = c.sse and true or false, content_type = "application/json", v = 1,
+        tail = replay.tail(comp), usage = type(comp.usage) == "table",
     })
     local index_job
     if c.namespace and c.text then
@@ -411,22 +441,14 @@ function _M.log()
     end
     job.counters = counters or {}
     if c.status ~= "HIT" then
-        local s, why = store_of(req, c)
+        local s, why = store_of(c)
         if s then
             job.store = s
         elseif why then
             log(DEBUG, "infergate: cache: answer not stored: ", why)
         end
     end
-    if #job.counters == 0 and not job.store then
-        release_lock(job)
-        return
-    end
-    local ok, err = ngx.timer.at(0, run_job, job)
-    if not ok then
-        log(WARN, "infergate: cache: cannot start the store timer: ", err)
-        release_lock(job)
-    end
+    queue_job(job)
 end
 
 return _M

@@ -110,10 +110,16 @@ do
         if found and fn ~= nil then
             local buf = ffi.new("unsigned char[32]")
             local hex = {}
+            -- byte -> two hex digits, worked out once (a string.format per byte costs
+            -- more than the hash itself)
+            local HEX = {}
+            for b = 0, 255 do
+                HEX[b] = format("%02x", b)
+            end
             ffi_sha256 = function(msg)
                 ffi.C.SHA256(msg, #msg, buf)
                 for i = 0, 31 do
-                    hex[i + 1] = format("%02x", buf[i])
+                    hex[i + 1] = HEX[buf[i]]
                 end
                 return concat(hex)
             end
@@ -175,8 +181,9 @@ local function doc(kind, tenant, path, body)
 end
 
 -- Keys of a request body (decoded JSON object) sent to `path` by `tenant`.
--- Returns {exact = hex, namespace = hex|nil, text = string|nil} or nil, err.
-function _M.keys(path, body, tenant)
+-- Returns {exact = hex, namespace = hex|nil, text = string|nil} or nil, err; with
+-- exact_only, only {exact = hex} (the namespace costs a second canonical encoding).
+function _M.keys(path, body, tenant, exact_only)
     if type(body) ~= "table" then
         return nil, "request body must be a JSON object"
     end
@@ -192,6 +199,9 @@ function _M.keys(path, body, tenant)
         return nil, err
     end
     local res = { exact = _M.sha256_hex(text) }
+    if exact_only then
+        return res
+    end
 
     local ns_body, stext
     if path == "/v1/chat/completions" then

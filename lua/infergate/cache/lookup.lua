@@ -1,33 +1,41 @@
 -- Response cache lookup in the access phase (exact in Redis, then semantic through the
 -- embedder), request coalescing, and serving hits.
 --
---   init_by_lua:  assert(require("infergate.cache.lookup").init([[{...options...}]]))
+--   init_by_lua:  assert(require("infergate.cache.lookup").init())   -- after config.init
 --
--- init() validates the options rendered from the [cache] section of infergate.toml and
+-- init() reads the [cache] options from infergate.core.config (validated there) and
 -- adds the "cache" step to the access pipeline (infergate.access) before the first of
 -- "eligible" and "admission", so hits are answered after auth and rate limits but
 -- without any node and regardless of node saturation.
 --
 -- The step, for POST /v1/chat/completions and /v1/completions with a JSON body:
---   * BYPASS (neither read nor stored): Cache-Control: no-store; content parts other
+--   * BYPASS (neither read nor stored): Cache-Control: no-store; a body over
+--     max_request_bytes (its key would cost a canonical encoding of it); content parts other
 --     than text (image, audio, file); n > 1; logprobs asked (token positions cannot be
 --     replayed); temperature above max_temperature (absent = 1.0, the API default).
 --   * Cache-Control: no-cache: not read, the fresh answer is stored (BYPASS).
---   * exact: GET infergate:v1:cache:entry:<key>; Redis down -> BYPASS, nothing stored
---     (after a failed call the worker skips Redis for REDIS_RETRY_S = 1 s).
+--   * exact: GET infergate:v1:cache:entry:<key>, in the same pipeline as the rate-limit
+--     script when limits apply (prefetch, infergate.admission.ratelimit.companion: one
+--     round trip for both); Redis down or answering an error ->
+--     BYPASS, nothing stored (through infergate.redis.pool: after a failure every worker
+--     skips Redis for the pool's back-off, limits.redis_retry_s, 1 s by default).
 --   * coalescing: on an exact miss the first request takes a lock in the shared dict
---     (add with TTL coalesce_wait_s); identical requests arriving meanwhile poll the entry
---     every coalesce_poll_ms and serve it as an exact HIT when it appears, or go on when
---     the lock is gone or coalesce_wait_s passed.
+--     (add with TTL coalesce_wait_s); identical requests arriving meanwhile poll the lock
+--     every coalesce_poll_ms and serve the entry as an exact HIT once the lock is gone,
+--     or go on to a node when coalesce_wait_s passed or the leader ended without a
+--     storable answer (the lock then holds NOSTORE for capture.NOSTORE_TTL_S, and
+--     identical requests in that time go to a node without waiting).
 --   * semantic (when the request has a namespace): subrequest to the internal location
 --     /_infergate/cache/lookup (proxy_pass to the embedder's POST /v1/lookup, timeouts =
 --     semantic_budget_ms); any failure or timeout -> BYPASS (the answer is still stored).
---     A hit whose entry is gone (expired, purged) is a miss.
+--     A hit whose entry is gone (expired, purged), or whose stored namespace or tenant
+--     is not the request's, is a miss.
 --   * miss -> MISS, the node's answer is captured (infergate.cache.capture).
 -- The request's cache state is req.cache (see capture.lua for the fields it reads).
 local cjson = require("cjson.safe")
 local config = require("infergate.core.config")
 local keynames = require("infergate.redis.keynames")
+local pool = require("infergate.redis.pool")
 local redis = require("infergate.redis.client")
 local cachekey = require("infergate.cache.key")
 local replay = require("infergate.cache.replay")
@@ -35,7 +43,6 @@ local replay = require("infergate.cache.replay")
 local _M = {}
 
 local type = type
-local pairs = pairs
 local ipairs = ipairs
 local tostring = tostring
 local tonumber = tonumber
@@ -49,86 +56,28 @@ local ERR = ngx.ERR
 _M.DICT = "infergate_cache"
 _M.LOOKUP_LOCATION = "/_infergate/cache/lookup"
 _M.PATHS = { ["/v1/chat/completions"] = "chat", ["/v1/completions"] = "text" }
+-- Shortest time between two "lookup skipped" lines of a worker, seconds.
+_M.LOG_EVERY_S = 10
 --- Longest last-user text sent to the embedder (bytes, cut on a character boundary).
 _M.MAX_TEXT_BYTES = 16384
 
-local DEFAULTS = {
-    enabled = true,
-    ttl_s = 3600,
-    max_entry_bytes = 262144,
-    max_temperature = 1.0,
-    semantic = true,
-    semantic_budget_ms = 150,
-    min_similarity = false,   -- false = the embedder's default
-    min_similarity_routes = {},
-    min_similarity_models = {},
-    coalesce = true,
-    coalesce_wait_s = 10.0,
-    coalesce_poll_ms = 50,
-}
-
-local RANGES = {
-    ttl_s = { 1, 366 * 24 * 3600 },
-    max_entry_bytes = { 1024, 64 * 1024 * 1024 },
-    max_temperature = { 0, 2 },
-    semantic_budget_ms = { 1, 10000 },
-    coalesce_wait_s = { 0, 600 },
-    coalesce_poll_ms = { 5, 5000 },
-}
-
 local opts = nil
-
-local function check_similarities(name, t)
-    if type(t) ~= "table" then
-        return nil, "cache option '" .. name .. "' must be an object"
-    end
-    for k, v in pairs(t) do
-        if type(k) ~= "string" or type(v) ~= "number" or v < 0 or v > 1 then
-            return nil, "cache option '" .. name .. "': values must be numbers from 0 to 1"
-        end
-    end
-    return true
-end
 
 local function step(req)
     return _M.lookup(req)
 end
 
--- Validates the options (JSON text or table) and installs the access step.
--- Returns true or nil, err.
-function _M.init(src)
-    local t, o = config.decode_options(src, DEFAULTS, "cache options")
-    if not t then
+-- Takes the cache options from the validated edge options (infergate.core.config,
+-- checked there against the rendered spec: every default and range lives in the
+-- [cache] section of controlplane/config.py) and, when enabled, installs the access
+-- step. Returns true or nil, err.
+function _M.init()
+    local ok, o = pcall(config.get)
+    if not ok then
         return nil, o
     end
-    for k, v in pairs(t) do
-        if DEFAULTS[k] == nil then
-            return nil, "unknown cache option '" .. tostring(k) .. "'"
-        end
-        if k == "min_similarity" then
-            if v ~= false and v ~= null and (type(v) ~= "number" or v < 0 or v > 1) then
-                return nil, "cache option 'min_similarity' must be a number from 0 to 1"
-            end
-            o[k] = (v == null) and false or v
-        elseif k == "min_similarity_routes" or k == "min_similarity_models" then
-            local ok, err = check_similarities(k, v)
-            if not ok then
-                return nil, err
-            end
-            o[k] = v
-        else
-            if type(v) ~= type(DEFAULTS[k]) then
-                return nil, "cache option '" .. k .. "' must be a " .. type(DEFAULTS[k])
-            end
-            local r = RANGES[k]
-            if r and (v < r[1] or v > r[2]) then
-                return nil, "cache option '" .. k .. "' out of range: " .. tostring(v)
-            end
-            o[k] = v
-        end
-    end
-    opts = o
-    if o.enabled and not _M.installed then
+    opts = o.cache
+    if opts.enabled and not _M.installed then
         local access = require("infergate.access")
         local before = "eligible"
         for _, s in ipairs(access.steps) do
@@ -138,6 +87,8 @@ function _M.init(src)
             end
         end
         access.insert_step("cache", step, before)
+        -- the exact GET rides in the rate-limit script's round trip
+        require("infergate.admission.ratelimit").companion = _M.prefetch
         _M.installed = true
     end
     return true
@@ -149,11 +100,10 @@ end
 
 -- ------------------------------------------------------------------ request checks
 
-local function header_tokens(name)
-    local v = ngx.req.get_headers()[name]
-    if type(v) == "table" then
-        v = table.concat(v, ",")
-    end
+-- The Cache-Control header of the request, lower case ("" when absent); nginx joins
+-- repeated Cache-Control lines with ",". Read as a variable: no table of every header.
+local function cache_control()
+    local v = ngx.var.http_cache_control
     return type(v) == "string" and v:lower() or ""
 end
 
@@ -241,39 +191,17 @@ end
 
 -- ------------------------------------------------------------------ Redis
 
-local redis_conf, redis_conf_err
-local redis_down_logged = false
 local embedder_down_logged = false
 
--- after a failed Redis call the worker skips Redis for this long (s): a Redis that
--- drops packets would otherwise cost every request the full timeout
-_M.REDIS_RETRY_S = 1.0
-local redis_down_until = 0
-
-local function redis_connect()
-    if ngx.now() < redis_down_until then
-        return nil, "redis unavailable (retrying in under " .. _M.REDIS_RETRY_S .. " s)"
-    end
-    if not redis_conf and not redis_conf_err then
-        redis_conf, redis_conf_err = redis.parse_url(config.get().redis_url)
-    end
-    if not redis_conf then
-        return nil, redis_conf_err
-    end
-    return redis.connect(redis_conf, config.get().redis_timeout_ms)
-end
-
--- The stored entry of `key` for the request's cache state `c`: {doc, comp} or nil
--- (absent or unusable), or nil, err. An entry stored from a stream that did not ask
--- for usage has none: it cannot answer a request whose answer must carry usage (a
--- non-streaming one, or a stream with stream_options.include_usage), which then goes
--- to a node and stores a complete entry in its place.
-local function get_entry(rc, key, c)
-    local kind = c.kind
-    local raw, err = rc:command("GET", keynames.cache_entry(key))
-    if raw == nil then
-        return nil, err
-    end
+-- The usable entry in a raw GET reply (a string or ngx.null) for the request's cache
+-- state `c`, or nil (absent or unusable): {doc, tail} for a non-streaming request when
+-- the entry has "tail" (infergate.cache.replay.splice), {doc, sse} for a stream whose
+-- replay this worker already rendered, else {doc, comp (the decoded stored form),
+-- sse (streams)}. An entry stored from a stream that did not ask for usage has none: it
+-- cannot answer a request whose answer must carry usage (a non-streaming one, or a
+-- stream with stream_options.include_usage), which then goes to a node and stores a
+-- complete entry in its place.
+local function parse_entry(raw, c)
     if raw == null or type(raw) ~= "string" then
         return nil
     end
@@ -281,31 +209,53 @@ local function get_entry(rc, key, c)
     if type(doc) ~= "table" or type(doc.body) ~= "string" then
         return nil
     end
-    local comp = replay.decode_stored(doc.body, kind)
+    -- a non-streaming answer from the stored bytes (replay.splice), nothing decoded
+    if not c.stream and type(doc.tail) == "string" and type(doc.usage) == "boolean" then
+        if not doc.usage then
+            return nil
+        end
+        return { doc = doc, tail = doc.tail }
+    end
+    -- a stream: the replay rendered for an earlier hit of the same stored body
+    if c.stream then
+        local tpl = replay.sse_cached(doc.body, c.kind, c.include_usage)
+        if tpl then
+            return { doc = doc, sse = tpl }
+        end
+    end
+    local comp = replay.decode_stored(doc.body, c.kind)
     if not comp then
         return nil
     end
     if type(comp.usage) ~= "table" and (not c.stream or c.include_usage) then
         return nil
     end
+    if c.stream then
+        return { doc = doc, comp = comp,
+                 sse = replay.sse_template(doc.body, comp, c.kind, c.include_usage) }
+    end
     return { doc = doc, comp = comp }
 end
+_M.parse_entry = parse_entry
 
+-- The entry of `key` read with client rc: see parse_entry, or nil, err (transport
+-- error) or false, err (Redis error reply).
+local function get_entry(rc, key, c)
+    local raw, err = rc:command("GET", keynames.cache_entry(key))
+    if not raw then
+        return raw, err
+    end
+    return parse_entry(raw, c)
+end
+
+-- fn(client) on a pooled connection (infergate.redis.pool: skipped while Redis is backed
+-- off after a failure). Returns fn's result, or nil, err when Redis failed or answered
+-- an error.
 local function with_redis(fn)
-    local rc, err = redis_connect()
-    if not rc then
-        if ngx.now() >= redis_down_until then
-            redis_down_until = ngx.now() + _M.REDIS_RETRY_S
-        end
-        return nil, err
+    local res, err = pool.run(fn)
+    if res == false or err then
+        return nil, err or "redis error"
     end
-    local res, ferr = fn(rc)
-    if ferr then
-        rc:close()
-        redis_down_until = ngx.now() + _M.REDIS_RETRY_S
-        return nil, ferr
-    end
-    rc:keepalive()
     return res
 end
 
@@ -315,18 +265,27 @@ local function serve(req, c, entry, match, similarity)
     c.status = "HIT"
     c.match = match
     c.similarity = similarity
-    return replay.send(req, c, entry.comp, tonumber(entry.doc.created), match, similarity)
+    return replay.send(req, c, entry.comp, tonumber(entry.doc.created), match, similarity,
+        entry.tail, entry.sse)
 end
+
+-- Value of a coalescing lock once its leader ended without storing an answer
+-- (infergate.cache.capture): waiters and identical requests go to a node at once.
+_M.NOSTORE = "nostore"
 
 local function wait_for_leader(c, lock)
     local dict = ngx.shared[_M.DICT]
     local deadline = ngx.now() + opts.coalesce_wait_s
     local pause = opts.coalesce_poll_ms / 1000
-    -- The leader releases the lock once its answer is stored (or it gave up): poll the
-    -- shared dict, and read Redis only then.
+    -- The leader releases the lock once its answer is stored, or marks it NOSTORE the
+    -- moment it ends without one: poll the shared dict, and read Redis only then.
     while true do
         ngx.sleep(pause)
-        if not dict:get(lock) then
+        local v = dict:get(lock)
+        if v == _M.NOSTORE then
+            return nil
+        end
+        if not v then
             local entry = with_redis(function(rc)
                 return get_entry(rc, c.key, c)
             end)
@@ -341,7 +300,9 @@ end
 
 -- Semantic lookup through the embedder. Returns the lookup answer table or nil, err.
 local function semantic_lookup(c)
-    local payload = { namespace = c.namespace, text = cut_utf8(c.text, _M.MAX_TEXT_BYTES) }
+    -- route and model select the embedder's per-domain thresholds
+    local payload = { namespace = c.namespace, text = cut_utf8(c.text, _M.MAX_TEXT_BYTES),
+                      route = c.path, model = cut_utf8(c.model or "", 256) }
     local th = threshold(c)
     if th then
         payload.min_similarity = th
@@ -370,8 +331,14 @@ local function bypass(c, reason, store)
     c.store = store and true or false
 end
 
--- The access step. Returns nil (go on) or ends the request with a cached answer.
-function _M.lookup(req)
+-- The request's cache state (req.cache once the cache step runs) and its keys, worked
+-- out once per request before any Redis call: returns c, k (k = nil when the request
+-- bypasses the cache or takes no part in it; c = nil when it is not a cacheable route).
+local function prepare(req)
+    if req.cache_prepared then
+        return req.cache_state, req.cache_keys
+    end
+    req.cache_prepared = true
     if not opts or not opts.enabled or req.route ~= "inference" then
         return nil
     end
@@ -389,44 +356,95 @@ function _M.lookup(req)
         ttl = opts.ttl_s, max_bytes = opts.max_entry_bytes, dict = _M.DICT,
         model = type(body.model) == "string" and body.model or "",
     }
-    req.cache = c
-    local cc = header_tokens("cache-control")
+    -- req.cache (counted and captured) only once the cache step runs: a request refused
+    -- by the rate limit before it took no part in the cache
+    req.cache_state = c
+    local cc = cache_control()
     if has_token(cc, "no-store") then
-        return bypass(c, "no-store", false)
+        bypass(c, "no-store", false)
+        return c
+    end
+    if (req.body_bytes or 0) > opts.max_request_bytes then
+        bypass(c, "body over cache.max_request_bytes", false)
+        return c
     end
     local why = _M.uncacheable(body)
     if why then
-        return bypass(c, why, false)
+        bypass(c, why, false)
+        return c
     end
     local tenant = req.tenant
     if type(tenant) ~= "string" or tenant == "" then
         tenant = "default"
     end
     c.tenant = tenant
-    local k, kerr = cachekey.keys(path, body, tenant)
+    -- the namespace key only for semantic lookups; without them a stored answer works
+    -- it out when it is stored (capture.lua, for the namespace index): a hit never pays
+    -- for it
+    local k, kerr = cachekey.keys(path, body, tenant, not opts.semantic)
     if not k then
-        return bypass(c, "key: " .. tostring(kerr), false)
+        bypass(c, "key: " .. tostring(kerr), false)
+        return c
     end
     -- c.text (the text to embed) only when semantic lookups are on: without it no index
     -- job is queued for an embedder that is not there
     c.key, c.namespace = k.exact, k.namespace
     c.text = opts.semantic and k.text or nil
+    if not opts.semantic then
+        c.body = body
+    end
     if has_token(cc, "no-cache") then
-        return bypass(c, "no-cache", true)
+        bypass(c, "no-cache", true)
+        return c
+    end
+    req.cache_keys = k
+    return c, k
+end
+
+-- For the rate-limit step (infergate.admission.ratelimit.companion): the exact lookup's
+-- GET, sent in the pipeline of the rate-limit script, and the callback that keeps its
+-- reply for the cache step. nil when the request does no exact lookup.
+function _M.prefetch(req)
+    local c, k = prepare(req)
+    if not k then
+        return nil
+    end
+    return { "GET", keynames.cache_entry(k.exact) }, function(reply)
+        c.prefetched = reply
+    end
+end
+
+local last_down_log = -math.huge
+local last_foreign_log = -math.huge
+
+-- The access step. Returns nil (go on) or ends the request with a cached answer.
+function _M.lookup(req)
+    local c, k = prepare(req)
+    req.cache = c
+    if not k then
+        return nil
     end
 
-    -- exact
-    local entry, err = with_redis(function(rc)
-        return get_entry(rc, k.exact, c)
-    end)
+    -- exact: the reply fetched with the rate-limit script, or a GET of its own
+    local entry, err
+    local pre = c.prefetched
+    if pre ~= nil and pre ~= false and redis.error_of(pre) == nil then
+        entry = parse_entry(pre, c)
+    else
+        entry, err = with_redis(function(rc)
+            return get_entry(rc, k.exact, c)
+        end)
+    end
     if err then
-        if not redis_down_logged then
+        -- at most one line every LOG_EVERY_S per worker: a saturated worker whose Redis
+        -- reads time out now and then must not flood the error log
+        local now = ngx.now()
+        if now - last_down_log >= _M.LOG_EVERY_S then
             log(ERR, "infergate: cache lookup skipped, Redis unavailable: ", err)
-            redis_down_logged = true
+            last_down_log = now
         end
         return bypass(c, "redis", false)
     end
-    redis_down_logged = false
     if entry then
         return serve(req, c, entry, "exact", 1)
     end
@@ -439,7 +457,7 @@ function _M.lookup(req)
         local ok = dict and dict:add(lock, owner, opts.coalesce_wait_s)
         if ok then
             c.lock, c.owner = lock, owner
-        elseif dict then
+        elseif dict and dict:get(lock) ~= _M.NOSTORE then
             entry = wait_for_leader(c, lock)
             if entry then
                 return serve(req, c, entry, "exact", 1)
@@ -462,6 +480,18 @@ function _M.lookup(req)
             local hit, herr = with_redis(function(rc)
                 return get_entry(rc, res.key, c)
             end)
+            -- only an entry stored for this request's namespace (same tenant, route, model
+            -- and context): an embedder that answers with another partition's key (a
+            -- wrong or foreign process on its address) never leaks that answer
+            if hit and (hit.doc.namespace ~= c.namespace or hit.doc.tenant ~= c.tenant) then
+                local now = ngx.now()
+                if now - last_foreign_log >= _M.LOG_EVERY_S then
+                    log(WARN, "infergate: semantic hit from the embedder ignored: the entry ",
+                        "belongs to another namespace")
+                    last_foreign_log = now
+                end
+                hit = nil
+            end
             if hit then
                 return serve(req, c, hit, "semantic", tonumber(res.similarity) or 0)
             end

@@ -12,7 +12,11 @@
 --          "usage": {...} | null}
 --   text: {"id", "object": "text_completion", "created", "model", "choices": [{"index",
 --          "text", "logprobs": null, "finish_reason"}], "usage": {...} | null}
--- A hit gets a fresh "id" and "created". A streaming request gets an SSE replay: a role
+-- A hit gets a fresh "id" and "created". The entry also keeps "tail" (tail(comp): the
+-- body's JSON text without "id" and "created" and without its opening brace) and "usage"
+-- (whether the body has usage): a non-streaming hit is then answered by splice(), which
+-- writes the fresh "id" and "created" in front of the stored bytes, with no JSON decoded
+-- or encoded. A streaming request gets an SSE replay: a role
 -- chunk, the reasoning and content split into several chunks (on UTF-8 character
 -- boundaries), tool calls, the finish chunk, a usage chunk when the request asked for
 -- stream_options.include_usage, then "data: [DONE]".
@@ -186,6 +190,28 @@ function _M.decode_stored(text, kind)
     return _M.normalize(o, kind)
 end
 
+-- The body's JSON text without "id" and "created" and without its opening "{" (the
+-- entry's "tail"); nil, err when it cannot be encoded.
+function _M.tail(comp)
+    local id, created = comp.id, comp.created
+    comp.id, comp.created = nil, nil
+    local text, err = _M.encode(comp)
+    comp.id, comp.created = id, created
+    if not text then
+        return nil, err
+    end
+    if text:sub(1, 1) ~= "{" or #text < 3 then
+        return nil, "body is not a JSON object"
+    end
+    return text:sub(2)
+end
+
+-- The answer text of a stored tail with a fresh id (a string of URL-safe characters)
+-- and created (integer epoch seconds).
+function _M.splice(tail, id, created)
+    return '{"id":"' .. id .. '","created":' .. format("%d", created) .. "," .. tail
+end
+
 -- ------------------------------------------------------------------ serving a hit
 
 -- Splits s into pieces of about `size` bytes, never inside a UTF-8 character.
@@ -297,9 +323,52 @@ local function similarity_text(v)
 end
 _M.similarity_text = similarity_text
 
+-- SSE replays rendered once per worker with marks in place of "id" and "created"
+-- (a mark can only stand as a value of those keys: inside a JSON string every quote is
+-- escaped), by stored body text, kind and include_usage; emptied at SSE_MEMO_MAX.
+_M.SSE_MEMO_MAX = 256
+local ID_MARK, CREATED_MARK = "@@IGID@@", -7
+local ID_PAT, CREATED_PAT = '"id":"@@IGID@@"', '"created":%-7([,}])'
+local sse_memo, sse_memo_n = {}, 0
+
+local function memo_slot(kind, include_usage)
+    return (include_usage and "u:" or "n:") .. kind
+end
+
+-- The cached SSE template of a stored body, or nil.
+function _M.sse_cached(body_text, kind, include_usage)
+    local m = sse_memo[body_text]
+    return m and m[memo_slot(kind, include_usage)] or nil
+end
+
+-- The SSE template of `comp` (stored as body_text), cached for the next hits.
+function _M.sse_template(body_text, comp, kind, include_usage)
+    local tpl = _M.sse(comp, kind, ID_MARK, CREATED_MARK, include_usage)
+    local m = sse_memo[body_text]
+    if not m then
+        if sse_memo_n >= _M.SSE_MEMO_MAX then
+            sse_memo, sse_memo_n = {}, 0
+        end
+        m = {}
+        sse_memo[body_text] = m
+        sse_memo_n = sse_memo_n + 1
+    end
+    m[memo_slot(kind, include_usage)] = tpl
+    return tpl
+end
+
+-- The SSE text of a template with the request's id and created.
+function _M.sse_fill(tpl, id, created)
+    local out = tpl:gsub(ID_PAT, '"id":"' .. id .. '"')
+    out = out:gsub(CREATED_PAT, '"created":' .. format("%d", created) .. "%1")
+    return out
+end
+
 -- Answers the request from a stored completion and ends it.
--- c: the request's cache state {kind = "chat"|"text", stream, include_usage}.
-function _M.send(req, c, comp, stored_at, match, similarity)
+-- c: the request's cache state {kind = "chat"|"text", stream, include_usage}; comp: the
+-- decoded stored form, or nil with tail (the entry's "tail") for a non-streaming answer
+-- or sse_tpl (sse_template) for a streaming one.
+function _M.send(req, c, comp, stored_at, match, similarity, tail, sse_tpl)
     local now = ngx.time()
     local id = (c.kind == "chat" and "chatcmpl-" or "cmpl-") .. (req.id or tostring(now))
     ngx.status = 200
@@ -313,7 +382,14 @@ function _M.send(req, c, comp, stored_at, match, similarity)
     if c.stream then
         ngx.header["Content-Type"] = "text/event-stream"
         ngx.header["Cache-Control"] = "no-cache"
-        body = _M.sse(comp, c.kind, id, now, c.include_usage)
+        if sse_tpl then
+            body = _M.sse_fill(sse_tpl, id, now)
+        else
+            body = _M.sse(comp, c.kind, id, now, c.include_usage)
+        end
+    elseif tail then
+        ngx.header["Content-Type"] = "application/json"
+        body = _M.splice(tail, id, now)
     else
         ngx.header["Content-Type"] = "application/json"
         comp.id = id

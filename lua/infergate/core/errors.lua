@@ -7,6 +7,8 @@
 local cjson = require("cjson.safe")
 local config = require("infergate.core.config")
 local deadline = require("infergate.admission.deadline")
+local options = require("infergate.admission.options")
+local reqctx = require("infergate.core.reqctx")
 
 local _M = {}
 
@@ -69,13 +71,27 @@ local function tries_summary()
     return n, table.concat(list, ", ")
 end
 
+-- The header naming a node (as infergate.filters sets it on proxied answers).
+_M.NODE_HEADER = "X-Infergate-Node"
+
+-- Name of the node of the request's last try, or nil when no node was tried.
+local function last_node()
+    local req = reqctx.get()
+    local attempts = req and req.attempts
+    local last = attempts and attempts[#attempts]
+    return last and last.node or nil
+end
+
 -- Content of the error_page locations: the status nginx was about to send.
+-- 502 and 504 answers name the node of the last try (the one that failed or timed out)
+-- in X-Infergate-Node; 503 answers carry Retry-After (admission.retry_after_s).
 function _M.page(status)
     -- a try refused or timed out at the request's deadline: 504 deadline_exceeded
     local dstatus, dtype, dcode, dmessage = deadline.error_page(status)
     if dstatus then
         ngx.status = dstatus
         ngx.header["Content-Type"] = "application/json"
+        ngx.header[_M.NODE_HEADER] = last_node()
         ngx.say(_M.body(dmessage, dtype, dcode))
         return
     end
@@ -104,6 +120,10 @@ function _M.page(status)
     ngx.header["Content-Type"] = "application/json"
     if status == 405 then
         ngx.header["Allow"] = "POST"
+    elseif status == 503 then
+        ngx.header["Retry-After"] = tostring(options.get().shed.retry_after_s)
+    elseif status == 502 or status == 504 then
+        ngx.header[_M.NODE_HEADER] = last_node()
     end
     ngx.say(_M.body(message, etype, code))
 end

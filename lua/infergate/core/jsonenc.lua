@@ -52,6 +52,9 @@ local sort = table.sort
 local null = cjson.null
 
 local MAX_SAFE = 2 ^ 53
+local re_find = ngx.re.find
+-- A byte that needs an escape (control, quote, backslash) or may need NFC (non-ASCII).
+local PLAIN_UNSAFE = [=[[\x00-\x1f"\\\x80-\xff]]=]
 
 _M.ARRAY_MT = { __jsontype = "array" }
 _M.OBJECT_MT = { __jsontype = "object" }
@@ -142,6 +145,11 @@ local function encoder(mode)
         mode.marks, mode.empty_array, mode.all_keys, mode.strict, mode.normalize
 
     local function enc_string(s)
+        -- most strings need neither escapes nor normalisation: one PCRE scan (FFI, no
+        -- trace abort) instead of a Lua pattern pass
+        if not re_find(s, PLAIN_UNSAFE, "jo") then
+            return '"' .. s .. '"'
+        end
         if normalize then
             s = normalize(s)
         end

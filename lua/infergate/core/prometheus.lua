@@ -14,6 +14,10 @@
 --   infergate_edge_shed_total                      counter  429 nodes_saturated (load shedding)
 --   infergate_edge_rate_limited_total              counter  429 rate_limit_exceeded
 --   infergate_edge_cache_requests_total{result}    counter  hit_exact | hit_semantic | miss | bypass
+--   infergate_edge_flush_dropped_total{kind}       counter  writes to Redis dropped because this
+--                                                            worker's flush queue was full
+--                                                            (infergate.core.flush; kind =
+--                                                            cache_store | ratelimit_correction)
 --   infergate_edge_request_duration_seconds        histogram  arrival to last byte, seconds
 --   infergate_edge_inflight{node}                  gauge    tries in progress on the node
 --   infergate_edge_breaker_open{node}              gauge    1 while the breaker is open or half-open
@@ -87,11 +91,36 @@ function _M.request_done(node, status, duration_s, tries, cache_result)
     end
 end
 
+-- The duration histogram for the edge report (infergate:v1:edges, field "duration"):
+-- {le = upper bounds in seconds, counts = requests per bucket (not cumulative, one more
+-- than le: the last is +Inf), sum = seconds}, all since nginx started; nil without the
+-- shared dict. Shared-dict reads only.
+function _M.duration_report()
+    local d = dict()
+    if not d then
+        return nil
+    end
+    local counts = {}
+    for i = 1, NBUCKETS + 1 do
+        counts[i] = d:get("hb" .. SEP .. i) or 0
+    end
+    return { le = _M.BUCKETS, counts = counts, sum = d:get("hsum") or 0 }
+end
+
 -- A node's circuit breaker opened (closed -> open, or a failed half-open probe).
 function _M.breaker_opened(node)
     local d = dict()
     if d then
         incr(d, "bo" .. SEP .. node)
+    end
+end
+
+-- A write to Redis was dropped: the flush queue of the worker was full
+-- (infergate.core.flush). kind: what was dropped.
+function _M.flush_dropped(kind)
+    local d = dict()
+    if d then
+        incr(d, "fd" .. SEP .. tostring(kind))
     end
 end
 
@@ -230,6 +259,11 @@ function _M.render(now)
            "Cacheable requests by cache result (hit_exact, hit_semantic, miss, bypass)")
     for _, r in ipairs(rows(values, "cache")) do
         sample(out, p .. "cache_requests_total", 'result="' .. esc(r[1]) .. '"', r[2])
+    end
+    family(out, p .. "flush_dropped_total", "counter",
+           "Writes to Redis dropped because the worker's flush queue was full, by kind")
+    for _, r in ipairs(rows(values, "fd")) do
+        sample(out, p .. "flush_dropped_total", 'kind="' .. esc(r[1]) .. '"', r[2])
     end
 
     local h = p .. "request_duration_seconds"

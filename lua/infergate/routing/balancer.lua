@@ -1,19 +1,32 @@
 -- Node choice (balancer_by_lua). Pure: no I/O, only the worker-local node table
 -- (infergate.routing.snapshot) and shared-dict reads/counters.
 --
--- Eligible: healthy, state "active", an IP literal address, breaker not open (a
+-- Eligible: healthy, state "active", an IP literal address, serves the request's model
+-- (infergate.routing.models: or its models are unknown), breaker not open (a
 -- half-open node admits exactly one probe at a time), not yet tried by this request.
+-- A node that is a time-to-first-byte outlier (infergate.routing.outlier: its requests
+-- wait far past its usual TTFB and it sent nothing for as long) is left out while other
+-- eligible nodes remain.
 -- A node whose breaker is ready for its probe is taken first by a request's first
 -- attempt (its one probe request; never by a retry), otherwise power of two choices:
 -- two distinct nodes are sampled with probability proportional to effective_weight
--- and the one with the lower cost wins (ties: a coin, see below).
+-- and the one with the lower cost wins (ties: a coin, see below). When no candidate has
+-- a fresh score (nodes without metrics, a stale snapshot, the static list) and there are
+-- 3 to FULL_SCAN_MAX (16) of them, the cost is made of this edge's own signals only and
+-- every candidate is costed instead: the cheapest wins, ties drawn by effective_weight
+-- (a shared score a few seconds old is what power of two choices guards against).
 --
---   cost = inflight_cost * inflight / (max_concurrency * w)  (this edge's own load;
+--   cost = inflight_cost * inflight / (C * w)                (this edge's own load;
 --                                                             w = effective_weight)
 --        + score + (saturated and 1 or 0)                     when the snapshot is fresh
 --                                                              and the node has a score
 --        | min(latency_ewma_s / latency_norm_s, 1)            otherwise (stale snapshot,
 --          + failure_rate                                     static list, score null)
+--
+-- C is max_concurrency for a node with a fresh score, and otherwise the concurrency
+-- learned from its answers plus one, at most max_concurrency
+-- (infergate.routing.speed): on a server that runs one request at a time each request in
+-- flight costs about 0.5, whatever max_concurrency says, so latency noise cannot herd.
 --
 -- failure_rate is the EWMA (0-1) of this edge's failed attempts on the node, decaying
 -- with a half-life of breaker_cooldown_s (infergate.routing.stats). With a fresh score the
@@ -27,11 +40,25 @@
 -- effective_weight: weights (and the slow-start ramp after an undrain) still shape the
 -- shares.
 -- The in-flight term moves with every pick, so an idle-looking score a few seconds old
--- cannot herd all traffic onto one node. Retries: the first call grants as many extra
--- tries as there are other eligible nodes (at most max_tries - 1); on each later call
--- the previous attempt is closed as failed (balancer.get_last_failure) and a node not
--- yet tried is picked. Nothing eligible: the balancer fails and the error page answers
--- 503 no_healthy_upstream.
+-- cannot herd all traffic onto one node.
+--
+-- Retries (nginx's proxy_next_upstream: connect errors, timeouts, 500/502/503/504, 429)
+-- go to a node not yet tried. Tries are granted one at a time (set_more_tries(1)), so
+-- the balancer decides after each failure whether another try makes sense: the first
+-- call grants one more try when another node is eligible; a later call grants one more
+-- (up to max_tries in all) after a connect error, timeout, 502/503/504 or 429 of the
+-- previous try, but none after a 500: a 500 is tried on a second node only, and when
+-- that node fails it too, nginx passes the second node's answer to the client (wrapped
+-- as JSON when it is not, see infergate.filters). Verdicts on the previous try:
+--   500            held (infergate.routing.stats.hold): counted against the node only
+--                  if a later node answers the request (settled in infergate.log)
+--   429            busy (not a breaker failure)
+--   504 at a deadline that bound the read (infergate.admission.deadline.expired_try):
+--                  neutral, the deadline's fault
+--   anything else  failure of the node (connect error, reset, timeout before the first
+--                  byte, 502/503/504)
+-- Nothing eligible: the balancer fails and the error page answers 503
+-- no_healthy_upstream.
 local ngx_balancer = require("ngx.balancer")
 local config = require("infergate.core.config")
 local snapshot = require("infergate.routing.snapshot")
@@ -39,6 +66,9 @@ local stats = require("infergate.routing.stats")
 local breaker = require("infergate.routing.breaker")
 local reqctx = require("infergate.core.reqctx")
 local deadline = require("infergate.admission.deadline")
+local models = require("infergate.routing.models")
+local outlier = require("infergate.routing.outlier")
+local speed = require("infergate.routing.speed")
 
 local _M = {}
 
@@ -55,8 +85,10 @@ _M.TIE_EPSILON = TIE_EPSILON
 
 function _M.cost(node, fresh, o, now)
     local name = node.name
-    local c = o.inflight_cost * stats.inflight(name) / (node.max_concurrency * node.effective_weight)
-    if fresh and node.score then
+    local has_score = (fresh and node.score) and true or false
+    local c = o.inflight_cost * stats.inflight(name)
+        / (speed.concurrency(node, has_score) * node.effective_weight)
+    if has_score then
         c = c + node.score
         if node.saturated then
             c = c + SATURATED_PENALTY
@@ -71,16 +103,18 @@ function _M.cost(node, fresh, o, now)
     return c
 end
 
-local function usable(node, tried)
+local function usable(node, tried, model)
     return node.addr and node.healthy and node.state == "active" and not tried[node.name]
+        and models.serves(node, model)
 end
 
--- Number of eligible nodes (including one ready for its half-open probe).
-function _M.count_eligible(t, tried, now)
+-- Number of eligible nodes (including one ready for its half-open probe) for `model`
+-- (nil: any).
+function _M.count_eligible(t, tried, now, model)
     tried = tried or {}
     local n = 0
     for _, node in ipairs(t.nodes) do
-        if usable(node, tried) and breaker.allow(node.name, now) then
+        if usable(node, tried, model) and breaker.allow(node.name, now) then
             n = n + 1
         end
     end
@@ -103,18 +137,68 @@ local function weighted(cands, n, total, skip)
     return last
 end
 
+-- Local signals only (no fresh score among the candidates): they are this edge's own and
+-- move with every pick, so every candidate is costed and the cheapest taken (costs
+-- within TIE_EPSILON of the cheapest: drawn in proportion to effective_weight).
+local FULL_SCAN_MAX = 16
+_M.FULL_SCAN_MAX = FULL_SCAN_MAX
+
+local function any_score(cands, n, fresh)
+    if not fresh then
+        return false
+    end
+    for i = 1, n do
+        if cands[i].score then
+            return true
+        end
+    end
+    return false
+end
+
+local function least_cost(cands, n, fresh, o, now)
+    local costs, best = {}, nil
+    for i = 1, n do
+        local c = _M.cost(cands[i], fresh, o, now)
+        costs[i] = c
+        if not best or c < best then
+            best = c
+        end
+    end
+    local total = 0
+    for i = 1, n do
+        if costs[i] <= best + TIE_EPSILON then
+            total = total + cands[i].effective_weight
+        end
+    end
+    local r = random() * total
+    local last
+    for i = 1, n do
+        if costs[i] <= best + TIE_EPSILON then
+            last = cands[i]
+            r = r - last.effective_weight
+            if r < 0 then
+                return last
+            end
+        end
+    end
+    return last
+end
+
 -- Picks a node for the next attempt. Returns node, is_probe, eligible_count or nil.
 -- retry: a later attempt of the request; a retry never spends itself on a half-open
 -- probe (the first attempt of another request does that), so the tries granted on
--- the first attempt go to nodes believed good.
-function _M.pick(t, tried, now, retry)
+-- the first attempt go to nodes believed good. model: the request's model (nil: any).
+function _M.pick(t, tried, now, retry, model)
     local o = config.get()
     local cands, n, total = {}, 0, 0
-    local probes = nil
+    local probes, outliers = nil, nil
     for _, node in ipairs(t.nodes) do
-        if usable(node, tried) then
+        if usable(node, tried, model) then
             local allow = breaker.allow(node.name, now)
-            if allow == "yes" then
+            if allow == "yes" and outlier.is_outlier(node, now, o) then
+                outliers = outliers or {}
+                outliers[#outliers + 1] = node
+            elseif allow == "yes" then
                 n = n + 1
                 cands[n] = node
                 total = total + node.effective_weight
@@ -131,15 +215,26 @@ function _M.pick(t, tried, now, retry)
             end
         end
     end
+    if n == 0 and outliers then
+        -- every eligible node is an outlier: never nothing, pick among them
+        for _, node in ipairs(outliers) do
+            n = n + 1
+            cands[n] = node
+            total = total + node.effective_weight
+        end
+    end
     if n == 0 then
         return nil, false, 0
     end
     if n == 1 then
         return cands[1], false, 1
     end
+    local fresh = snapshot.is_fresh(t, now)
+    if n > 2 and n <= FULL_SCAN_MAX and not any_score(cands, n, fresh) then
+        return least_cost(cands, n, fresh, o, now), false, n
+    end
     local a = weighted(cands, n, total, nil)
     local b = weighted(cands, n, total - a.effective_weight, a)
-    local fresh = snapshot.is_fresh(t, now)
     local ca, cb = _M.cost(a, fresh, o, now), _M.cost(b, fresh, o, now)
     local d = ca - cb
     -- With two candidates both are always sampled, so the tie coin carries the weights;
@@ -170,11 +265,23 @@ function _M.run()
     local req = reqctx.get() or reqctx.new("inference")
     local attempts = req.attempts
     local n = #attempts
+    local grant = true
     if n > 0 then
         local prev = attempts[n]
-        if not prev.closed then
-            local _, status = ngx_balancer.get_last_failure()
-            stats.close_attempt(prev, status == 429 and "busy" or "fail", now)
+        local _, status = ngx_balancer.get_last_failure()
+        if status == 500 then
+            grant = false -- a 500 goes to one more node, no further
+        end
+        if not prev.closed and not prev.held then
+            if status == 500 then
+                stats.hold(prev, 500)
+            elseif status == 429 then
+                stats.close_attempt(prev, "busy", now)
+            elseif status == 504 and deadline.expired_try(req, now) then
+                stats.close_attempt(prev, "neutral", now)
+            else
+                stats.close_attempt(prev, "fail", now)
+            end
         end
     end
     -- timeouts of this try from the request's deadline; no new try once it has passed
@@ -184,23 +291,23 @@ function _M.run()
     local t = snapshot.current()
     local tried = req.tried
     while true do
-        local node, probe, eligible = _M.pick(t, tried, now, n > 0)
+        local node, probe, eligible = _M.pick(t, tried, now, n > 0, req.model)
         if not node then
             return fail_no_node(req)
         end
         tried[node.name] = true
         local ok, err = ngx_balancer.set_current_peer(node.addr, node.port)
         if ok then
-            if n == 0 then
-                local more = min(o.max_tries, eligible) - 1
-                if more > 0 then
-                    local _, terr = ngx_balancer.set_more_tries(more)
-                    if terr then
-                        log(WARN, "infergate: set_more_tries: ", terr)
-                    end
+            -- eligible counts the node just picked: another one is left for a next try
+            if grant and eligible > 1 and n + 1 < o.max_tries then
+                local _, terr = ngx_balancer.set_more_tries(1)
+                if terr then
+                    log(WARN, "infergate: set_more_tries: ", terr)
                 end
             end
             attempts[n + 1] = stats.open_attempt(node.name, now, probe)
+            outlier.track(attempts[n + 1], req.stream)
+            speed.track(attempts[n + 1])
             return
         end
         log(ERR, "infergate: cannot use node ", node.name, " (", node.addr, ":", node.port, "): ", err)

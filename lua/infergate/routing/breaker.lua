@@ -87,7 +87,8 @@ function _M.success(name, probe, started)
 end
 
 -- An attempt on the node failed (connect error, timeout, 5xx, invalid answer).
-function _M.failure(name, probe, started, now)
+-- _started (when the attempt began) is not needed for the verdict.
+function _M.failure(name, probe, _started, now)
     local d = dict()
     local o = config.get()
     if probe then

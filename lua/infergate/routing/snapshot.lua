@@ -9,16 +9,23 @@
 -- timer, and on the request path through refresh(), which costs one dict read).
 --
 -- Redis unreachable or the key missing: the last snapshot stays (fail-static); the
--- outage is logged once when it starts and once when it ends. Before any snapshot:
+-- outage is logged once when it starts and once when it ends. Redis is reached through
+-- infergate.redis.pool (pooled connection; after a failure the syncs of the back-off
+-- interval skip Redis and report the back-off as redis_error). Before any snapshot:
 -- the static node list from the rendered config, all nodes active and healthy.
 local cjson = require("cjson.safe")
 local config = require("infergate.core.config")
 local keynames = require("infergate.redis.keynames")
 local redis = require("infergate.redis.client")
+local pool = require("infergate.redis.pool")
 local sentinel = require("infergate.redis.sentinel")
 local stats = require("infergate.routing.stats")
 
 local _M = {}
+
+-- TTL (s) of infergate:v1:edges, renewed by every sync: edge stats are cache kind
+-- (evictable), state keys never carry a TTL.
+local EDGES_TTL_S = 3600
 
 local shared = ngx.shared
 local log = ngx.log
@@ -33,7 +40,7 @@ local current = nil       -- worker-local node table (see build())
 local syncing = false     -- a sync is running in this worker
 local outage = false      -- worker 0: since when Redis is unreachable (logged once)
 local bad_snapshot_logged = nil
-local redis_conf, redis_conf_err
+local bad_url_logged = false
 
 local function dict()
     return shared[config.DICT_SNAPSHOT]
@@ -63,6 +70,26 @@ local function num(v, default)
     end
     return default
 end
+
+-- Served models of a node: {list = {id, ...}, set = {id = true}}, or nil when unknown
+-- (missing, null or an empty array: the node may be sent any model).
+local function model_set(models)
+    if type(models) ~= "table" then
+        return nil
+    end
+    local list, set = {}, {}
+    for _, m in ipairs(models) do
+        if type(m) == "string" and m ~= "" and not set[m] then
+            set[m] = true
+            list[#list + 1] = m
+        end
+    end
+    if #list == 0 then
+        return nil
+    end
+    return { list = list, set = set }
+end
+_M.model_set = model_set
 
 -- Node entry of the local table from a snapshot node (or a static one).
 local function make_node(n)
@@ -104,6 +131,7 @@ local function make_node(n)
         score = num(n.score),         -- nil = no metrics
         saturated = n.saturated == true,
         kind = n.kind,
+        models = model_set(n.models),  -- nil = unknown (any model)
     }
 end
 
@@ -228,7 +256,8 @@ local function edge_report(now)
     end
     local o = config.get()
     return cjson.encode({ edge_id = o.edge_id, ts = now, nodes = nodes,
-                          admission = require("infergate.admission.stats").all() })
+                          admission = require("infergate.admission.stats").all(),
+                          duration = require("infergate.core.prometheus").duration_report() })
 end
 
 local function redis_failed(err)
@@ -244,35 +273,32 @@ end
 -- One sync round of worker 0: GET the snapshot, publish this edge's stats.
 function _M.fetch()
     local o = config.get()
-    if not redis_conf and not redis_conf_err then
-        redis_conf, redis_conf_err = redis.parse_url(o.redis_url)
-        if not redis_conf then
-            log(ERR, "infergate: bad redis url, the edge runs on its static node list: ", redis_conf_err)
-        end
-    end
+    local redis_conf, conf_err = pool.conf()
     if not redis_conf then
-        return nil, redis_conf_err
+        if not bad_url_logged then
+            bad_url_logged = true
+            log(ERR, "infergate: bad redis url, the edge runs on its static node list: ", conf_err)
+        end
+        return nil, conf_err
     end
     local now = ngx.now()
     if redis_conf.sentinel then
         -- Sentinel: ask for the master every redis_sentinel_refresh_s (infergate.redis.sentinel)
         sentinel.tick(redis_conf, o.redis_timeout_ms)
     end
-    local c, err = redis.connect(redis_conf, o.redis_timeout_ms)
-    if not c then
-        redis_failed(err)
-        return nil, err
-    end
-    local res
-    res, err = c:pipeline({
-        { "GET", keynames.routing },
-        { "HSET", keynames.edges, o.edge_id, edge_report(now) },
-    })
+    -- through the pool: pooled connection, skipped while Redis is backed off
+    local res, err = pool.run(function(c)
+        return c:pipeline({
+            { "GET", keynames.routing },
+            { "HSET", keynames.edges, o.edge_id, edge_report(now) },
+            -- cache kind (evictable): renewed by every sync of every edge
+            { "EXPIRE", keynames.edges, EDGES_TTL_S },
+        })
+    end)
     if not res then
         redis_failed(err)
         return nil, err
     end
-    c:keepalive()
     local d = dict()
     if outage then
         log(WARN, "infergate: Redis reachable again after ", string.format("%.1f", now - outage), " s")
@@ -281,8 +307,9 @@ function _M.fetch()
     d:set("redis_ok", true)
     d:delete("redis_error")
     local raw = res[1]
-    if type(raw) == "table" and raw.err then
-        return nil, raw.err
+    local rerr = redis.error_of(raw)
+    if rerr then
+        return nil, rerr
     end
     if type(raw) == "string" then
         local ok, serr = _M.store(raw, now)

@@ -11,8 +11,17 @@
 --                the node gets no traffic, so a node is never sidelined for good;
 --   "ft:<node>"  epoch seconds of the last "fr" update
 --
--- Attempts are tables {node = name, started = epoch s, probe = bool, closed = bool}
--- kept in the request context (see infergate.core.reqctx). No I/O: safe in every phase.
+-- Attempts are tables {node = name, started = epoch s, probe = bool, closed = bool,
+-- released = bool, held = HTTP status | nil} kept in the request context (see
+-- infergate.core.reqctx). No I/O: safe in every phase.
+--
+-- What counts against a node (failure rate, "fl", breaker) is decided by the callers
+-- (infergate.routing.balancer for tries that are retried, infergate.log for the last
+-- one): connect errors and resets, timeouts before the first byte, garbage, and a 5xx
+-- that another node did not repeat for the same request. A 500 that is retried is
+-- first only held (hold(): in-flight down, no verdict); the log phase settles it as a
+-- failure when a later node answered the request, as neutral when the later node failed
+-- it the same way (the request's fault, not the node's).
 local config = require("infergate.core.config")
 local breaker = require("infergate.routing.breaker")
 
@@ -101,15 +110,12 @@ function _M.open_attempt(name, now, probe)
     return { node = name, started = now, probe = probe or false, closed = false }
 end
 
--- Ends an attempt once. outcome: "ok" (any answer the node meant, 2xx-4xx),
--- "busy" (429), "fail" (connect error, timeout, 5xx, invalid answer),
--- "aborted" (the client went away first). latency_ms: upstream response time of a
--- successful 2xx attempt, or nil.
-function _M.close_attempt(att, outcome, now, latency_ms)
-    if att.closed then
+-- In-flight count of the attempt's node down, exactly once per attempt.
+function _M.release(att)
+    if att.released then
         return false
     end
-    att.closed = true
+    att.released = true
     local d = dict()
     local name = att.node
     local v = d:incr("if:" .. name, -1, 0)
@@ -117,6 +123,30 @@ function _M.close_attempt(att, outcome, now, latency_ms)
         d:set("if:" .. name, 0)
         log(ERR, "infergate: in-flight counter of ", name, " went below zero")
     end
+    return true
+end
+
+-- The attempt ended with HTTP `status` and is being retried elsewhere: in-flight down
+-- now, the verdict later (close_attempt from the log phase, see the header).
+function _M.hold(att, status)
+    _M.release(att)
+    att.held = status
+end
+
+-- Ends an attempt once. outcome: "ok" (any answer the node meant, 2xx-4xx),
+-- "busy" (429), "fail" (connect error, timeout before the first byte, 5xx, invalid
+-- answer), "unserved" (404/405/501: the node does not serve this route; alive, not
+-- failing), "neutral" (the request's own fault: the same 500 on two nodes, a deadline
+-- that bound the read), "aborted" (the client went away first). latency_ms: upstream
+-- response time of a successful 2xx attempt, or nil.
+function _M.close_attempt(att, outcome, now, latency_ms)
+    if att.closed then
+        return false
+    end
+    att.closed = true
+    _M.release(att)
+    local d = dict()
+    local name = att.node
     if outcome == "ok" then
         if att.probe then
             d:set("fr:" .. name, 0) -- the breaker closes: a clean start
@@ -135,6 +165,12 @@ function _M.close_attempt(att, outcome, now, latency_ms)
         d:incr("fl:" .. name, 1, 0)
         -- a node that says "busy" is alive: no breaker failure, but it answered the
         -- probe, so a half-open breaker closes
+        breaker.neutral(name, false)
+        if att.probe then
+            breaker.success(name, true, att.started)
+        end
+    elseif outcome == "unserved" then
+        -- alive and answering; the route is just not served there
         breaker.neutral(name, false)
         if att.probe then
             breaker.success(name, true, att.started)

@@ -9,13 +9,18 @@
 --  "nodes": [{"name", "host", "port", "state", "healthy", "weight", "effective_weight",
 --             "max_concurrency", "score", "saturated", "eligible", "inflight",
 --             "requests", "failures", "breaker", "consecutive_failures",
---             "latency_ewma_ms", "failure_rate"}]}
+--             "latency_ewma_ms", "failure_rate", "models" (served model ids, null =
+--             unknown), "outlier" (a TTFB outlier: infergate.routing.outlier),
+--             "ttfb_p90_s" ({"stream", "plain"}: p90 time to first byte, null = none),
+--             "learned_concurrency" (infergate.routing.speed, null before a sample)}]}
 local cjson = require("cjson.safe")
 local config = require("infergate.core.config")
 local snapshot = require("infergate.routing.snapshot")
 local stats = require("infergate.routing.stats")
 local breaker = require("infergate.routing.breaker")
 local errors = require("infergate.core.errors")
+local outlier = require("infergate.routing.outlier")
+local speed = require("infergate.routing.speed")
 
 local _M = {}
 
@@ -58,6 +63,11 @@ function _M.report(now)
             consecutive_failures = breaker.consecutive_failures(n.name),
             latency_ewma_ms = opt(lat),
             failure_rate = math.floor(stats.failure_rate(n.name, now) * 1000 + 0.5) / 1000,
+            models = n.models and n.models.list or null,
+            outlier = outlier.flagged(n.name),
+            ttfb_p90_s = { stream = opt(outlier.p90(n.name, true)),
+                           plain = opt(outlier.p90(n.name, false)) },
+            learned_concurrency = opt(speed.learned(n.name)),
         }
     end
     return {

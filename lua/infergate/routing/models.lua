@@ -1,0 +1,124 @@
+-- Model-aware routing: which nodes serve which model.
+--
+-- A node's served models come with the routing snapshot ("models", see
+-- docs/internals.md; in the static list from [[nodes]] models = [...]) and are kept in
+-- the worker-local node table as node.models = {list = {id, ...}, set = {id = true}}, or
+-- nil when unknown (the control plane could not read them, or none are configured).
+--
+--   serves(node, model)  the node may be sent `model`: no model asked, models unknown,
+--                        or the model is in its list
+--   known(t, model)      some node of the table (whatever its state or health) may serve
+--                        `model`; false = the table has nodes, every node's list is known
+--                        and none lists it
+--   list(t, now)         union of the known lists of the eligible nodes (healthy, active,
+--                        an IP address, breaker not open), sorted; nil when no eligible
+--                        node has a known list
+--   step(req)            access step, after "body": an inference request for a model no
+--                        node serves gets 404 model_not_found from the edge (no node is
+--                        touched); GET /v1/models is answered by the edge with list() in
+--                        the OpenAI shape {"object": "list", "data": [{"id", "object":
+--                        "model", "created": 0, "owned_by": "infergate"}]}, and goes to a
+--                        node as before when list() is nil
+-- No I/O: safe in every phase.
+local cjson = require("cjson.safe")
+local breaker = require("infergate.routing.breaker")
+local snapshot = require("infergate.routing.snapshot")
+
+local _M = {}
+
+local ipairs = ipairs
+local pairs = pairs
+local sort = table.sort
+
+function _M.serves(node, model)
+    if not model then
+        return true
+    end
+    local m = node.models
+    return m == nil or m.set[model] == true
+end
+
+function _M.known(t, model)
+    if not model then
+        return true
+    end
+    local nodes = t.nodes
+    for _, node in ipairs(nodes) do
+        if _M.serves(node, model) then
+            return true
+        end
+    end
+    -- no node at all: nothing is known to be missing (the "eligible" step answers 503)
+    return #nodes == 0
+end
+
+function _M.list(t, now)
+    local set, any = {}, false
+    for _, node in ipairs(t.nodes) do
+        local m = node.models
+        if m and node.addr and node.healthy and node.state == "active"
+                and breaker.allow(node.name, now) then
+            any = true
+            for _, id in ipairs(m.list) do
+                set[id] = true
+            end
+        end
+    end
+    if not any then
+        return nil
+    end
+    local ids = {}
+    for id in pairs(set) do
+        ids[#ids + 1] = id
+    end
+    sort(ids)
+    return ids
+end
+
+-- The OpenAI model list for ids (JSON text).
+function _M.encode_list(ids)
+    local data = {}
+    for i, id in ipairs(ids) do
+        data[i] = { id = id, object = "model", created = 0, owned_by = "infergate" }
+    end
+    local body = cjson.encode({ object = "list", data = data })
+    if #ids == 0 then
+        body = '{"object":"list","data":[]}'  -- cjson encodes an empty table as {}
+    end
+    return body
+end
+
+local function not_found(model)
+    return {
+        status = 404,
+        message = "The model '" .. model .. "' does not exist or is not served by any node of "
+            .. "this gateway; GET /v1/models lists the models it serves.",
+        type = "invalid_request_error",
+        code = "model_not_found",
+    }
+end
+
+function _M.step(req)
+    local t = snapshot.current()
+    if req.route == "inference" then
+        local model = req.model
+        if model and not _M.known(t, model) then
+            return not_found(model)
+        end
+        return nil
+    end
+    if req.route ~= "models" then
+        return nil
+    end
+    local ids = _M.list(t, ngx.now())
+    if not ids then
+        return nil -- nothing known: a node answers, as without model routing
+    end
+    req.answered_by_edge = true
+    ngx.status = 200
+    ngx.header["Content-Type"] = "application/json"
+    ngx.print(_M.encode_list(ids))
+    return ngx.exit(ngx.HTTP_OK)
+end
+
+return _M

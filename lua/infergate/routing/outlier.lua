@@ -1,0 +1,193 @@
+-- Outlier detection on time to first byte (TTFB): a node that stops answering (accepts
+-- requests, never sends a first byte, while /health and /metrics look fine) gets no new
+-- request from this edge until it answers again, without waiting for the health poll or
+-- for enough timeouts to open its circuit breaker.
+--
+-- A node is an outlier when either
+--   * this worker's oldest attempt on it still waiting for its first byte has waited
+--     longer than the threshold, and no first byte came from the node for as long; or
+--   * another worker found that and flagged it ("ol:<node>"), and no first byte came from
+--     the node since.
+-- threshold = max(edge.outlier_ttfb_min_s, edge.outlier_ttfb_factor x p90), where p90 is
+-- the 90th percentile of the node's last SAMPLES TTFBs of the same kind (streams and
+-- non-streams apart: a non-streamed answer's first byte comes with the whole answer), or
+-- outlier_ttfb_min_s while it has none. outlier_ttfb_factor = 0 turns detection off.
+-- The flag expires after FLAG_TTL_FACTOR x threshold; the worker whose attempt is still
+-- waiting sets it again on its next pick. A node found an outlier that has not sent a
+-- first byte since ("os:<node>" newer than "fb:<node>") gets one request of this edge at
+-- a time (an outlier while it has any in flight), like a half-open breaker, so a node
+-- that hangs for good costs one request per threshold, not a share. The balancer never excludes every candidate:
+-- when all eligible nodes are outliers, it picks among them as usual.
+--
+-- Shared dict infergate_stats (all workers):
+--   "tq:<s|n>:<node>"        p90 TTFB (s) of the node's last SAMPLES streams / non-streams
+--   "tr:<s|n>:<node>:<i>"    the samples (ring of SAMPLES), "ti:<s|n>:<node>" next index
+--   "fb:<node>"              epoch s of the node's last first byte seen by this edge
+--   "ol:<node>"              epoch s the node was found an outlier (with a TTL)
+--   "os:<node>"              the same, without a TTL (the last time it was found one)
+-- Worker-local: this worker's attempts per node in start order (a queue whose head is the
+-- oldest attempt not yet answered, closed or released).
+--
+-- track(att, stream)   balancer phase, after infergate.routing.stats.open_attempt
+-- first_byte(req)      header_filter of a proxied answer (the node answered)
+-- is_outlier(node, now) balancer phase (no I/O: shared dict and local tables only)
+local config = require("infergate.core.config")
+local stats = require("infergate.routing.stats")
+
+local _M = {}
+
+local shared = ngx.shared
+local log = ngx.log
+local WARN = ngx.WARN
+local sort = table.sort
+
+_M.SAMPLES = 20
+_M.FLAG_TTL_FACTOR = 3
+
+local waiting = {}      -- node -> {head = i, tail = j, items = {attempt, ...}}
+
+local function dict()
+    return shared[config.DICT_STATS]
+end
+
+-- Adds a TTFB sample (s) and stores the new p90 of the ring.
+local function add_sample(d, name, kind, ttfb)
+    local base = kind .. ":" .. name
+    local i = d:incr("ti:" .. base, 1, 0)
+    if not i then
+        return
+    end
+    d:set("tr:" .. base .. ":" .. ((i - 1) % _M.SAMPLES), ttfb)
+    local vals = {}
+    for k = 0, _M.SAMPLES - 1 do
+        local v = d:get("tr:" .. base .. ":" .. k)
+        if v then
+            vals[#vals + 1] = v
+        end
+    end
+    sort(vals)
+    local idx = math.ceil(0.9 * #vals)
+    if idx < 1 then
+        idx = 1
+    end
+    d:set("tq:" .. base, vals[idx])
+end
+
+-- p90 TTFB (s) of node `name` for streams (stream = true) or non-streams, or nil.
+function _M.p90(name, stream)
+    return dict():get("tq:" .. (stream and "s" or "n") .. ":" .. name)
+end
+
+-- Threshold (s) for an attempt of this kind on node `name`.
+function _M.threshold(name, stream, o)
+    o = o or config.get()
+    local floor = o.outlier_ttfb_min_s
+    local p = _M.p90(name, stream)
+    local thr = p and o.outlier_ttfb_factor * p or floor
+    if thr < floor then
+        thr = floor
+    end
+    return thr
+end
+
+function _M.track(att, stream)
+    att.stream = stream == true
+    if config.get().outlier_ttfb_factor <= 0 then
+        return -- detection off: nothing would ever take the attempt off the queue
+    end
+    local name = att.node
+    local q = waiting[name]
+    if not q then
+        q = { head = 1, tail = 0, items = {} }
+        waiting[name] = q
+    end
+    q.tail = q.tail + 1
+    q.items[q.tail] = att
+end
+
+function _M.first_byte(req)
+    local attempts = req and req.attempts
+    local att = attempts and attempts[#attempts]
+    if not att or att.first_byte then
+        return
+    end
+    att.first_byte = true
+    local now = ngx.now()
+    local d = dict()
+    local name = att.node
+    d:set("fb:" .. name, now)
+    d:delete("ol:" .. name)
+    local ttfb = now - att.started
+    if ttfb >= 0 then
+        add_sample(d, name, att.stream and "s" or "n", ttfb)
+    end
+end
+
+-- This worker's oldest attempt on `name` still waiting for its first byte, or nil.
+local function oldest_waiting(name)
+    local q = waiting[name]
+    if not q then
+        return nil
+    end
+    local items, h = q.items, q.head
+    while h <= q.tail do
+        local att = items[h]
+        if att.closed or att.released or att.first_byte then
+            items[h] = nil
+            h = h + 1
+        else
+            q.head = h
+            return att
+        end
+    end
+    waiting[name] = nil
+    return nil
+end
+
+function _M.is_outlier(node, now, o)
+    o = o or config.get()
+    if o.outlier_ttfb_factor <= 0 then
+        return false
+    end
+    local name = node.name
+    local d = dict()
+    local fb = d:get("fb:" .. name) or 0
+    local flagged = d:get("ol:" .. name)
+    if flagged and flagged >= fb then
+        return true
+    end
+    local seen = d:get("os:" .. name)
+    if seen and seen >= fb and stats.inflight(name) >= 1 then
+        return true -- silent since it was found an outlier: one request at a time
+    end
+    local att = oldest_waiting(name)
+    if not att then
+        return false
+    end
+    local waited = now - att.started
+    local floor = o.outlier_ttfb_min_s
+    if waited <= floor or now - fb <= floor then
+        return false
+    end
+    local thr = _M.threshold(name, att.stream, o)
+    if waited <= thr or now - fb <= thr then
+        return false
+    end
+    if not flagged then
+        log(WARN, "infergate: node ", name, " is an outlier: a request has waited ",
+            string.format("%.1f", waited), " s for its first byte (threshold ",
+            string.format("%.1f", thr), " s); no new requests until it answers")
+    end
+    d:set("ol:" .. name, now, _M.FLAG_TTL_FACTOR * thr)
+    d:set("os:" .. name, now)
+    return true
+end
+
+-- Outlier state of node `name` for the status endpoint: true, false.
+function _M.flagged(name)
+    local d = dict()
+    local flagged = d:get("ol:" .. name)
+    return flagged ~= nil and flagged >= (d:get("fb:" .. name) or 0)
+end
+
+return _M

@@ -1,0 +1,114 @@
+-- Learned concurrency: how many requests a node really runs at once, as this edge
+-- observes it, so that a wrong max_concurrency (64 on a server that runs one request at
+-- a time, such as llama-cpp-python) cannot herd requests onto one node.
+--
+-- Every successful attempt (2xx, with its upstream response time L, s) started with k
+-- requests of this edge in flight on the node, itself included. With s_min the node's
+-- shortest recent latency (the time of a request that did not queue), a node that runs
+-- c requests at once answers the k-th in about ceil(k / c) x s_min, so
+--     sample = clamp(k x s_min / L, 1, max_concurrency)
+-- is an estimate of c (at k <= c it is k: a lower bound that rises with the load). The
+-- learned concurrency is the EWMA (ALPHA) of the samples. s_min is the smallest L seen,
+-- drifting up by MIN_DRIFT of the gap with every later sample taken alone on the node
+-- (k = 1, no queueing in it), so a node that became slower for good is followed.
+--
+-- concurrency(node, has_score): the denominator of the balancer's in-flight term. Nodes
+-- with a fresh score (the control plane reads their queue and KV cache) keep
+-- max_concurrency; the others get min(max_concurrency, learned + 1) -- one more than
+-- learned, so the estimate can grow when the node is faster than thought -- and
+-- max_concurrency before their first sample.
+--
+-- Shared dict infergate_stats: "sm:<node>" s_min (s), "lc:<node>" learned concurrency.
+-- No I/O: safe in the balancer and log phases.
+local config = require("infergate.core.config")
+local stats = require("infergate.routing.stats")
+local snapshot = require("infergate.routing.snapshot")
+
+local _M = {}
+
+local shared = ngx.shared
+
+_M.ALPHA = 0.2
+_M.MIN_DRIFT = 0.02
+
+local function dict()
+    return shared[config.DICT_STATS]
+end
+
+-- Balancer phase, after stats.open_attempt: in-flight on the node, this one included.
+function _M.track(att)
+    att.k = stats.inflight(att.node)
+end
+
+-- Log phase: a finished attempt. latency_ms: upstream response time of a 2xx answer
+-- (nil otherwise: nothing learned).
+function _M.observe(att, latency_ms)
+    if not latency_ms or latency_ms <= 0 or not att.k then
+        return
+    end
+    local node = snapshot.current().by_name[att.node]
+    local max_concurrency = node and node.max_concurrency
+    local d = dict()
+    local name = att.node
+    local lat = latency_ms / 1000
+    local smin = d:get("sm:" .. name)
+    if not smin or lat < smin then
+        smin = lat
+    elseif att.k <= 1 then
+        smin = smin + _M.MIN_DRIFT * (lat - smin)  -- alone on the node: no queueing in lat
+    end
+    d:set("sm:" .. name, smin)
+    local sample = att.k * smin / lat
+    if sample < 1 then
+        sample = 1
+    end
+    local maxc = max_concurrency or 64
+    if sample > maxc then
+        sample = maxc
+    end
+    local old = d:get("lc:" .. name)
+    d:set("lc:" .. name, old and (old + _M.ALPHA * (sample - old)) or sample)
+end
+
+-- Learned concurrency of node `name` (nil before its first sample).
+function _M.learned(name)
+    return dict():get("lc:" .. name)
+end
+
+function _M.concurrency(node, has_score)
+    local maxc = node.max_concurrency
+    if has_score then
+        return maxc
+    end
+    local lc = dict():get("lc:" .. node.name)
+    if not lc then
+        return maxc
+    end
+    lc = lc + 1
+    if lc < maxc then
+        return lc
+    end
+    return maxc
+end
+
+-- Predicted completion (s) of one more request on `node` at this edge: the work ahead
+-- of it, max(0, inflight + 1 - C) requests at C at a time, plus its own, each taking
+-- s = the node's latency EWMA (what its requests take at the load it has had, queueing
+-- included, so a node that is getting overloaded predicts longer and longer waits;
+-- s_min while it has no EWMA):
+--     wait = max(0, inflight + 1 - C) / C x s,   completion = wait + s
+-- Returns completion, wait; nil when the node has no latency history yet.
+function _M.predicted(node, has_score)
+    local name = node.name
+    local lat = stats.latency_ewma_ms(name)
+    local s = lat and lat / 1000 or dict():get("sm:" .. name)
+    if not s or s <= 0 then
+        return nil
+    end
+    local c = _M.concurrency(node, has_score)
+    local ahead = stats.inflight(name) + 1 - c
+    local wait = ahead > 0 and ahead / c * s or 0
+    return wait + s, wait
+end
+
+return _M

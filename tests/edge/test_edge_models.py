@@ -1,0 +1,145 @@
+"""Model-aware routing at the edge, against tiny upstreams: a request goes only to the
+nodes that serve its model (configured in the static list, or from the snapshot's
+``models``), an unknown model gets 404 model_not_found from the edge, GET /v1/models is
+the union the edge answers itself, and shedding looks only at the model's nodes."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from support.stack import edge_settings, write_snapshot
+
+
+def _post(edge, model: str | None, **kw) -> requests.Response:
+    body: dict = {"messages": [{"role": "user", "content": "hi"}], **kw}
+    if model is not None:
+        body["model"] = model
+    return requests.post(f"{edge.url}/v1/chat/completions", json=body, timeout=15)
+
+
+def _nodes_for(edge, model: str | None, n: int = 20) -> Counter:
+    def one(_: int) -> str:
+        res = _post(edge, model)
+        assert res.status_code == 200, res.text
+        return res.headers["X-Infergate-Node"]
+
+    with ThreadPoolExecutor(4) as pool:
+        return Counter(pool.map(one, range(n)))
+
+
+def _models(edge) -> requests.Response:
+    return requests.get(f"{edge.url}/v1/models", timeout=10)
+
+
+@pytest.fixture
+def static_pool(tiny_upstreams, redis_server, edge_factory):
+    """n1 serves m-a, n2 serves m-b (configured); no snapshot in Redis."""
+    n1, n2 = tiny_upstreams(names=["n1", "n2"])
+    edge = edge_factory(edge_settings(redis_server.url, [
+        n1.node_settings(models=["m-a"]), n2.node_settings(models=["m-b", "m-shared"])]))
+    return edge, n1, n2
+
+
+def test_requests_go_only_to_nodes_serving_their_model(static_pool) -> None:
+    edge, n1, n2 = static_pool
+    assert _nodes_for(edge, "m-a") == {"n1": 20}
+    assert _nodes_for(edge, "m-b") == {"n2": 20}
+    # no model in the body: any node, as before
+    assert set(_nodes_for(edge, None, 30)) == {"n1", "n2"}
+
+
+def test_unknown_model_is_404_from_the_edge_without_touching_a_node(static_pool) -> None:
+    edge, n1, n2 = static_pool
+    before = n1.hits + n2.hits
+    res = _post(edge, "m-nowhere")
+    assert res.status_code == 404, res.text
+    assert res.headers["Content-Type"].startswith("application/json")
+    err = res.json()["error"]
+    assert err["code"] == "model_not_found" and err["type"] == "invalid_request_error"
+    assert "m-nowhere" in err["message"]
+    assert "X-Infergate-Node" not in res.headers
+    assert n1.hits + n2.hits == before
+
+
+def test_models_list_is_the_union_answered_by_the_edge(static_pool) -> None:
+    edge, _, _ = static_pool
+    res = _models(edge)
+    assert res.status_code == 200 and res.headers["Content-Type"].startswith("application/json")
+    doc = res.json()
+    assert doc["object"] == "list"
+    assert [m["id"] for m in doc["data"]] == ["m-a", "m-b", "m-shared"]
+    assert all(m["object"] == "model" and m["owned_by"] == "infergate" for m in doc["data"])
+    assert "X-Infergate-Node" not in res.headers
+    assert requests.head(f"{edge.url}/v1/models", timeout=10).status_code == 200
+
+
+@pytest.fixture
+def snap_pool(tiny_upstreams, redis_server, edge_factory):
+    ups = tiny_upstreams(names=["a", "b", "c"])
+    edge = edge_factory(edge_settings(redis_server.url, [u.node_settings() for u in ups],
+                                      stale_after_s=5.0))
+    return edge, ups, redis_server.client()
+
+
+def test_snapshot_models_route_and_unknown_lists_keep_todays_behaviour(snap_pool) -> None:
+    edge, (a, b, c), r = snap_pool
+    # nobody lists models: any model goes anywhere, /v1/models is a node's answer
+    snap = write_snapshot(r, [u.snapshot_node() for u in (a, b, c)])
+    edge.wait_snapshot(snap["version"])
+    assert _post(edge, "whatever").status_code == 200
+    assert [m["id"] for m in _models(edge).json()["data"]] == ["tiny"]
+
+    # a serves m-a, b serves m-b, c is unknown (may serve anything)
+    snap = write_snapshot(r, [a.snapshot_node(models=["m-a"]), b.snapshot_node(models=["m-b"]),
+                              c.snapshot_node(models=None)])
+    edge.wait_snapshot(snap["version"])
+    assert set(_nodes_for(edge, "m-a", 30)) == {"a", "c"}
+    assert set(_nodes_for(edge, "m-b", 30)) == {"b", "c"}
+    assert _nodes_for(edge, "m-other") == {"c": 20}      # unknown node: not a 404
+    assert [m["id"] for m in _models(edge).json()["data"]] == ["m-a", "m-b"]
+
+    # every list known: the union of the eligible nodes, and 404 for the rest
+    snap = write_snapshot(r, [a.snapshot_node(models=["m-a"]),
+                              b.snapshot_node(models=["m-b"], healthy=False),
+                              c.snapshot_node(models=["m-c"])])
+    edge.wait_snapshot(snap["version"])
+    assert [m["id"] for m in _models(edge).json()["data"]] == ["m-a", "m-c"]
+    assert _post(edge, "m-other").json()["error"]["code"] == "model_not_found"
+    # the only node of m-b is unhealthy: 503, not a request to a node of another model
+    hits = a.hits + c.hits
+    res = _post(edge, "m-b")
+    assert res.status_code == 503 and res.json()["error"]["code"] == "no_healthy_upstream"
+    assert a.hits + c.hits == hits
+
+
+def test_shedding_is_per_model(tiny_upstreams, redis_server, edge_factory) -> None:
+    slow, fast = tiny_upstreams(names=["slow", "fast"])
+    slow.mode = "hang"
+    settings = edge_settings(redis_server.url, [
+        slow.node_settings(models=["m-slow"], max_concurrency=1),
+        fast.node_settings(models=["m-fast"], max_concurrency=1)], read_timeout_ms=20000)
+    settings.admission.max_wait_ms = 100
+    edge = edge_factory(settings)
+    holder = threading.Thread(target=lambda: _post(edge, "m-slow"), daemon=True)
+    holder.start()
+    deadline = time.monotonic() + 10
+    while slow.inflight < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert slow.inflight == 1
+    try:
+        # m-slow's only node is at its max_concurrency: shed
+        res = _post(edge, "m-slow")
+        assert res.status_code == 429, res.text
+        assert res.json()["error"]["code"] == "nodes_saturated" and "Retry-After" in res.headers
+        # another model's node has room: admitted
+        ok = _post(edge, "m-fast")
+        assert ok.status_code == 200 and ok.headers["X-Infergate-Node"] == "fast"
+    finally:
+        slow.release()
+        holder.join(10)

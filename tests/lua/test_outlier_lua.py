@@ -1,0 +1,145 @@
+"""Time-to-first-byte outlier detection in the edge's pure logic
+(infergate.routing.outlier): the p90 ring, the threshold with its floor, when a node
+counts as an outlier, and that an answer clears it; run in nginx's init_by_lua with real
+shared dicts and explicit clocks (support.stack.lua_eval)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from support.stack import lua_eval
+
+from controlplane.edge.options import lua_string, option_spec
+
+DICTS = "lua_shared_dict infergate_snapshot 1m; lua_shared_dict infergate_stats 1m;"
+
+
+def run(workdir: Path, body: str, factor: float = 4.0, floor: float = 2.0):
+    prelude = """
+            local config = require("infergate.core.config")
+            assert(config.init({edge = {outlier_ttfb_factor = """ + str(factor) + """,
+                                        outlier_ttfb_min_s = """ + str(floor) + """}},
+                               """ + lua_string(json.dumps(option_spec())) + """))
+            local outlier = require("infergate.routing.outlier")
+            local stats = require("infergate.routing.stats")
+            local node = {name = "n"}
+            -- an answered attempt of `ttfb` s (stream or not), ending at `now`
+            local function answered(name, now, ttfb, stream)
+                local att = stats.open_attempt(name, now - ttfb)
+                outlier.track(att, stream)
+                local real_now = ngx.now
+                ngx.now = function() return now end
+                outlier.first_byte({attempts = {att}})
+                ngx.now = real_now
+                stats.close_attempt(att, "ok", now)
+                return att
+            end
+"""
+    return lua_eval(workdir, prelude + body, http_extra=DICTS)
+
+
+def test_p90_and_threshold(workdir: Path) -> None:
+    got = run(workdir, """
+            local now = 1000
+            local out = {none = outlier.threshold("n", false)}
+            for i = 1, 10 do answered("n", now, i / 10, false) end   -- 0.1 .. 1.0 s
+            out.p90 = outlier.p90("n", false)
+            out.thr = outlier.threshold("n", false)
+            out.stream_p90 = outlier.p90("n", true)
+            for i = 1, 30 do answered("n", now, 0.05, false) end     -- the ring forgets
+            out.p90_after = outlier.p90("n", false)
+            out.thr_floor = outlier.threshold("n", false)
+            return out
+    """)
+    assert got["none"] == 2.0                          # no history: the floor
+    assert got["p90"] == pytest.approx(0.9)
+    assert got["thr"] == pytest.approx(3.6)            # 4 x p90
+    assert got.get("stream_p90") is None               # kinds apart
+    assert got["p90_after"] == pytest.approx(0.05)
+    assert got["thr_floor"] == 2.0
+
+
+def test_outlier_needs_a_long_wait_and_no_answer_and_clears_on_an_answer(workdir: Path) -> None:
+    got = run(workdir, """
+            local out = {}
+            local t0 = 1000
+            for i = 1, 10 do answered("n", t0, 0.5, false) end      -- p90 0.5: threshold 2 s
+            local stuck = stats.open_attempt("n", t0 + 1)
+            outlier.track(stuck, false)
+            out.early = outlier.is_outlier(node, t0 + 2.5)           -- waited 1.5 s
+            out.late = outlier.is_outlier(node, t0 + 3.5)            -- waited 2.5 s
+            out.flagged = outlier.flagged("n")
+            -- a first byte of another request clears it at once
+            answered("n", t0 + 3.6, 0.4, false)
+            out.after_answer = outlier.is_outlier(node, t0 + 3.7)
+            out.flag_after_answer = outlier.flagged("n")
+            -- still waiting and silent for longer than the threshold: again
+            out.again = outlier.is_outlier(node, t0 + 6)
+            -- the stuck attempt ends (timeout): nothing waits, only the flag remains
+            stats.close_attempt(stuck, "fail", t0 + 6)
+            out.flag_kept = outlier.is_outlier(node, t0 + 6.1)
+            -- a node with nothing in flight is never one
+            out.other = outlier.is_outlier({name = "m"}, t0 + 100)
+            -- the mark expired, still no answer: one request at a time
+            ngx.shared.infergate_stats:delete("ol:n")
+            out.idle_after_expiry = outlier.is_outlier(node, t0 + 30)
+            local probe = stats.open_attempt("n", t0 + 30)
+            outlier.track(probe, false)
+            out.busy_after_expiry = outlier.is_outlier(node, t0 + 30.1)
+            answered("n", t0 + 30.2, 0.2, false)                      -- it answers
+            stats.close_attempt(probe, "ok", t0 + 30.3)
+            local again = stats.open_attempt("n", t0 + 30.4)
+            outlier.track(again, false)
+            out.after_probe_answer = outlier.is_outlier(node, t0 + 30.5)
+            return out
+    """)
+    assert got["early"] is False and got["late"] is True and got["flagged"] is True
+    assert got["after_answer"] is False and got["flag_after_answer"] is False
+    assert got["again"] is True and got["flag_kept"] is True
+    assert got["other"] is False
+    assert got["idle_after_expiry"] is False and got["busy_after_expiry"] is True
+    assert got["after_probe_answer"] is False
+
+
+def test_factor_zero_turns_detection_off(workdir: Path) -> None:
+    got = run(workdir, """
+            local stuck = stats.open_attempt("n", 0)
+            outlier.track(stuck, true)
+            return outlier.is_outlier(node, 1000)
+    """, factor=0)
+    assert got is False
+
+
+def test_learned_concurrency_from_queueing(workdir: Path) -> None:
+    got = run(workdir, """
+            local speed = require("infergate.routing.speed")
+            local snapshot = require("infergate.routing.snapshot")
+            local function sample(name, k, lat_s)
+                speed.observe({node = name, k = k}, lat_s * 1000)
+            end
+            -- a server running one request at a time: the k-th waits k x 1 s
+            for _ = 1, 20 do
+                sample("serial", 1, 1.0); sample("serial", 4, 4.0); sample("serial", 2, 2.0)
+            end
+            -- a server running many at once: latency does not grow with k
+            for _ = 1, 20 do
+                sample("parallel", 1, 1.0); sample("parallel", 6, 1.05)
+            end
+            local maxc = {name = "serial", max_concurrency = 64}
+            return {
+                serial = speed.learned("serial"), parallel = speed.learned("parallel"),
+                c_serial = speed.concurrency(maxc, false),
+                c_scored = speed.concurrency(maxc, true),
+                c_new = speed.concurrency({name = "new", max_concurrency = 64}, false),
+                c_capped = speed.concurrency({name = "parallel", max_concurrency = 3}, false),
+                no_k = speed.observe({node = "x"}, 1000) == nil and speed.learned("x") == nil,
+            }
+    """)
+    assert got["serial"] == pytest.approx(1.0, abs=0.05)
+    assert 3.0 < got["parallel"] <= 6.0
+    assert got["c_serial"] == pytest.approx(2.0, abs=0.05)   # learned + 1, not 64
+    assert got["c_scored"] == 64 and got["c_new"] == 64
+    assert got["c_capped"] == 3
+    assert got["no_k"] is True
