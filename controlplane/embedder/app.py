@@ -3,16 +3,19 @@
 Endpoints (JSON in and out):
 
 - ``POST /v1/lookup`` ``{"namespace": hex, "text": str, "min_similarity"?: 0-1,
-  "guard"?: bool}`` -> 200 :class:`engine.LookupResult` fields
-  ``{"hit", "key", "similarity", "candidate_text", "guard", "model_id", "elapsed_ms",
-  "min_similarity"}``.
+  "guard"?: bool, "route"?: str, "model"?: str}`` -> 200 :class:`engine.LookupResult`
+  fields ``{"hit", "key", "similarity", "candidate_text", "guard", "model_id",
+  "elapsed_ms", "min_similarity", "verifier_score", "min_verifier_score"}``.
 - ``POST /v1/index`` ``{"key": hex, "namespace": hex, "text": str, "ttl_s": int, "model"?,
   "tenant"?}`` -> 200 ``{"indexed": bool, "key", "ttl_ms": int, "model_id"}``
   (``indexed`` false when the entry exists with no time left).
 - ``POST /v1/embeddings`` OpenAI-compatible (``input`` str or list of str,
   ``encoding_format`` float | base64) -> ``{"object": "list", "data": [...], "model", "usage"}``.
 - ``GET /healthz`` -> 200 ``{"status": "ok", "model_id", "dim", "index_backend",
-  "default_min_similarity", "redis": true}``; 503 with ``"status": "degraded"`` and
+  "default_min_similarity", "verifier": bool, "default_min_verifier_score": 0-1 | null,
+  "semantic_domains": int, "redis": true, "instance_id": str}`` (and the
+  ``X-Infergate-Instance`` header: the stack instance id ``INFERGATE_INSTANCE_ID`` set by
+  ``infergate up``, ``""`` otherwise); 503 with ``"status": "degraded"`` and
   ``"redis": false`` while Redis does not answer.
 - ``GET /metrics`` -> Prometheus text format.
 
@@ -34,6 +37,7 @@ from flask import Flask, Response, jsonify, request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from werkzeug.exceptions import HTTPException
 
+from controlplane import procs
 from controlplane.embedder.engine import Engine, EngineUnavailable
 from controlplane.embedder.wire import BadRequest, embeddings_request, index_item, lookup_request
 
@@ -88,7 +92,8 @@ def create_app(engine: Engine) -> Flask:
     def lookup():
         t0 = time.perf_counter()
         req = lookup_request(body())
-        res = engine.lookup(req.namespace, req.text, req.min_similarity, req.guard, started=t0)
+        res = engine.lookup(req.namespace, req.text, req.min_similarity, req.guard, started=t0,
+                            route=req.route or None, model=req.model or None)
         return jsonify(res.to_dict())
 
     @app.post("/v1/index")
@@ -119,8 +124,12 @@ def create_app(engine: Engine) -> Flask:
             ok = False
         doc = {"status": "ok" if ok else "degraded", "model_id": engine.model.model_id,
                "dim": engine.model.dim, "index_backend": engine.index.backend,
-               "default_min_similarity": engine.default_min_similarity, "redis": ok}
-        return jsonify(doc), 200 if ok else 503
+               "default_min_similarity": engine.default_min_similarity,
+               "verifier": engine.verifier_active,
+               "default_min_verifier_score": engine.thresholds("")[1],
+               "semantic_domains": len(engine.policy.current().domains), "redis": ok,
+               "instance_id": procs.instance_id()}
+        return jsonify(doc), 200 if ok else 503, {procs.INSTANCE_HEADER: procs.instance_id()}
 
     @app.get("/metrics")
     def metrics():

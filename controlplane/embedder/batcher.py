@@ -1,8 +1,11 @@
 """Micro-batching: texts submitted by concurrent requests are embedded together.
 
-One worker thread owns the model. It takes the first waiting item, then keeps collecting
-for at most ``max_wait_s`` (default 5 ms) or until ``max_batch`` items (default 32) are in
-hand, and runs the encode function once on the whole batch. Under load, items pile up
+``workers`` threads (default 1) share the queue; each takes the first waiting item, then
+keeps collecting for at most ``max_wait_s`` (default 5 ms) or until ``max_batch`` items
+(default 32) are in hand, and runs the encode function once on the whole batch. With
+more than one worker the encode function must be thread-safe; a second worker lets a
+batch start while the previous one still runs (numpy releases the GIL in its matrix
+products), which is what a second core is for. Under load, items pile up
 while the model runs, batches fill up and the per-text cost falls, so throughput grows
 with concurrency. An optional ``expected()`` callback (items currently wanted by callers,
 e.g. requests in flight) lets the worker stop waiting as soon as every expected item is
@@ -22,11 +25,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from controlplane.errors import InfergateError
+
 T = TypeVar("T")
 R = TypeVar("R")
 
 
-class BatcherClosed(RuntimeError):
+class BatcherClosed(InfergateError, RuntimeError):
     """Submitted after :meth:`MicroBatcher.close`."""
 
 
@@ -45,9 +50,12 @@ class MicroBatcher(Generic[T, R]):
 
     def __init__(self, encode: Callable[[list[T]], Sequence[R]], max_batch: int = 32,
                  max_wait_s: float = 0.005, on_batch: Callable[[int], None] | None = None,
-                 name: str = "embed-batcher", expected: Callable[[], int] | None = None):
+                 name: str = "embed-batcher", expected: Callable[[], int] | None = None,
+                 workers: int = 1):
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
+        if workers < 1:
+            raise ValueError("workers must be >= 1")
         if max_wait_s < 0:
             raise ValueError("max_wait_s must be >= 0")
         self._encode = encode
@@ -57,8 +65,13 @@ class MicroBatcher(Generic[T, R]):
         self._expected = expected
         self._q: queue.SimpleQueue[_Item[T, R] | None] = queue.SimpleQueue()
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._busy = 0  # items taken by workers and not yet resolved
+        self._busy_lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
+                         for i in range(workers)]
+        for t in self._threads:
+            t.start()
+        self._thread = self._threads[0]
 
     def submit(self, value: T) -> "Future[R]":
         """Queue one item; raises :class:`BatcherClosed` after :meth:`close`."""
@@ -72,10 +85,13 @@ class MicroBatcher(Generic[T, R]):
         return [self.submit(v) for v in values]
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop after the items already queued; waits up to ``timeout`` s for the worker."""
+        """Stop after the items already queued; waits up to ``timeout`` s for the workers."""
         self._closed.set()
-        self._q.put(None)
-        self._thread.join(timeout)
+        for _ in self._threads:
+            self._q.put(None)
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def _collect(self, first: _Item[T, R]) -> tuple[list[_Item[T, R]], bool]:
         batch = [first]
@@ -87,7 +103,7 @@ class MicroBatcher(Generic[T, R]):
             except queue.Empty:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or (self._expected is not None
-                                      and self._expected() <= len(batch)):
+                                      and self._expected() - self._busy <= len(batch)):
                     break  # out of time, or nobody else is about to submit
                 try:
                     item = self._q.get(timeout=min(remaining, 0.001)
@@ -108,7 +124,13 @@ class MicroBatcher(Generic[T, R]):
             batch, stop = self._collect(first)
             live = [it for it in batch if it.future.set_running_or_notify_cancel()]
             if live:
-                self._process(live)
+                with self._busy_lock:
+                    self._busy += len(live)
+                try:
+                    self._process(live)
+                finally:
+                    with self._busy_lock:
+                        self._busy -= len(live)
             if stop:
                 self._drain_after_stop()
                 return

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
@@ -22,6 +23,9 @@ from controlplane.embedder import guard as guard_mod
 from controlplane.embedder.batcher import MicroBatcher
 from controlplane.embedder.index import Candidate, IndexItem, open_index
 from controlplane.embedder.models import EmbeddingModel, EmbedError, slug
+from controlplane.embedder.policy import PolicySource
+from controlplane.embedder.verifier import Verifier
+from controlplane.errors import InfergateError
 
 if TYPE_CHECKING:
     from controlplane.config import RedisSettings
@@ -29,7 +33,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("infergate.embedder")
 
 
-class EngineUnavailable(RuntimeError):
+class EngineUnavailable(InfergateError, RuntimeError):
     """Redis or the embedding model cannot serve now (HTTP 503)."""
 
 
@@ -40,8 +44,12 @@ class LookupResult:
     ``similarity`` is the cosine (0-1, clipped) of the returned entry on a hit, else of the
     closest live entry of the namespace (None when the namespace is empty);
     ``candidate_text`` is that entry's last user message; ``guard`` is ``pass`` on a hit
-    (guard on), ``reject:<reason>`` when every candidate above the threshold was rejected,
-    else None. ``elapsed_ms`` is wall time in the embedder, milliseconds."""
+    (checks on), ``reject:<reason>`` when every candidate above the threshold was rejected
+    (a guard reason such as ``numbers``, or ``verifier`` when only the verifier said no),
+    else None. ``verifier_score`` is the verifier's probability (0-1) of the returned entry
+    on a hit, else of the best candidate it scored (None without the verifier);
+    ``min_similarity`` and ``min_verifier_score`` are the thresholds applied (the latter
+    None without the verifier). ``elapsed_ms`` is wall time in the embedder, milliseconds."""
 
     hit: bool
     key: str | None
@@ -51,6 +59,8 @@ class LookupResult:
     model_id: str
     elapsed_ms: float
     min_similarity: float
+    verifier_score: float | None = None
+    min_verifier_score: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -69,6 +79,9 @@ class Metrics:
         self.guard_rejects = Counter("infergate_embedder_guard_rejects_total",
                                      "Candidates above the threshold rejected by the precision "
                                      "guard", registry=r)
+        self.verifier_rejects = Counter("infergate_embedder_verifier_rejects_total",
+                                        "Candidates above the cosine floor rejected by the "
+                                        "learned verifier", registry=r)
         self.errors = Counter("infergate_embedder_errors_total",
                               "Requests answered 503 (Redis or model unavailable)", ["kind"],
                               registry=r)
@@ -86,15 +99,27 @@ class Metrics:
 
 
 class Engine:
-    """Embedding model + micro-batcher + vector index + Redis.
+    """Embedding model + micro-batcher + vector index + Redis (+ verifier and thresholds).
 
     ``index_backend``: ``auto`` | ``redis-search`` | ``local`` (see ``index.open_index``).
-    Construction raises ``redis.exceptions.RedisError`` when Redis is unreachable."""
+    ``verifier``: a :class:`verifier.Verifier` for the model, or None (cosine + guard only);
+    ``policy``: per-domain thresholds (:class:`policy.PolicySource`; default none, verifier
+    used when given). ``embed_cache`` texts keep their vector in an in-process LRU (a miss
+    is usually followed by the index job of the same text). ``model_workers`` batches may
+    run at once when the model is thread-safe (``model.thread_safe``), else one. Construction raises
+    ``redis.exceptions.RedisError`` when Redis is unreachable."""
 
     def __init__(self, model: EmbeddingModel, r: redis.Redis, index_backend: str = "auto",
                  max_batch: int = 32, max_wait_ms: float = 5.0, top_k: int = 3,
-                 embed_timeout_s: float = 5.0, subscribe: bool = True):
+                 embed_timeout_s: float = 5.0, subscribe: bool = True,
+                 verifier: Verifier | None = None, policy: PolicySource | None = None,
+                 embed_cache: int = 4096, model_workers: int = 1):
         self.model = model
+        self.verifier = verifier
+        self.policy = policy or PolicySource()
+        self._vec_cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._vec_cache_max = embed_cache
+        self._vec_cache_lock = threading.Lock()
         self.r = r
         self.model_slug = slug(model.model_id)
         self.top_k = top_k
@@ -106,20 +131,51 @@ class Engine:
         self._inflight_lock = threading.Lock()
         self.batcher: MicroBatcher[str, np.ndarray] = MicroBatcher(
             self._encode_batch, max_batch=max_batch, max_wait_s=max_wait_ms / 1000.0,
-            on_batch=self.metrics.batch_size.observe, expected=lambda: self._inflight)
+            on_batch=self.metrics.batch_size.observe, expected=lambda: self._inflight,
+            workers=model_workers if getattr(model, "thread_safe", False) else 1)
+
+    @property
+    def verifier_active(self) -> bool:
+        """The verifier is loaded and the configuration has it on."""
+        return self.verifier is not None and self.policy.current().verifier
 
     @property
     def default_min_similarity(self) -> float:
+        """Cosine a candidate needs when nothing else says: the verifier's floor when the
+        verifier is on, else the model's own default."""
+        if self.verifier_active:
+            return float(self.verifier.floor)  # type: ignore[union-attr]
         return float(self.model.default_min_similarity)
 
     def _encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return list(self.model.encode(texts))
 
     def embed(self, texts: list[str]) -> np.ndarray:
-        """(len(texts), dim) float32 through the micro-batcher.
+        """(len(texts), dim) float32: from the LRU, else through the micro-batcher.
 
         Raises :class:`EngineUnavailable` when the model fails or takes longer than
         ``embed_timeout_s``."""
+        if self._vec_cache_max <= 0 or not texts:
+            return self._embed(texts)
+        out: list[np.ndarray | None] = []
+        with self._vec_cache_lock:
+            for t in texts:
+                v = self._vec_cache.get(t)
+                if v is not None:
+                    self._vec_cache.move_to_end(t)
+                out.append(v)
+        todo = [i for i, v in enumerate(out) if v is None]
+        if todo:
+            fresh = self._embed([texts[i] for i in todo])
+            with self._vec_cache_lock:
+                for i, v in zip(todo, fresh):
+                    out[i] = v
+                    self._vec_cache[texts[i]] = v
+                while len(self._vec_cache) > self._vec_cache_max:
+                    self._vec_cache.popitem(last=False)
+        return np.vstack(out).astype(np.float32, copy=False)  # type: ignore[arg-type]
+
+    def _embed(self, texts: list[str]) -> np.ndarray:
         with self._inflight_lock:
             self._inflight += len(texts)
         try:
@@ -160,28 +216,65 @@ class Engine:
             pipe.exists(keynames.cache_entry(c.key))
         return [c for c, ok in zip(cands, pipe.execute()) if ok]
 
+    def thresholds(self, namespace: str, min_similarity: float | None = None,
+                   route: str | None = None, model: str | None = None,
+                   ) -> tuple[float, float | None]:
+        """``(min_similarity, min_verifier_score)`` of a lookup: the most specific
+        configured domain's values, else the request's ``min_similarity``, else the
+        defaults (verifier floor and ``min_score`` when the verifier is on, else the
+        model's threshold); ``min_verifier_score`` is None without the verifier."""
+        pol = self.policy.current()
+        dom = pol.resolve(namespace, route, model)
+        on = pol.verifier if dom is None or dom.verifier is None else dom.verifier
+        ver = self.verifier if (self.verifier is not None and on) else None
+        if dom is not None and dom.min_similarity is not None:
+            sim = dom.min_similarity
+        elif min_similarity is not None:
+            sim = min_similarity
+        else:
+            sim = ver.floor if ver is not None else float(self.model.default_min_similarity)
+        if ver is None:
+            return float(sim), None
+        vs = dom.min_verifier_score if dom is not None and dom.min_verifier_score is not None \
+            else ver.min_score
+        return float(sim), float(vs)
+
     def lookup(self, namespace: str, text: str, min_similarity: float | None = None,
-               use_guard: bool = True, started: float | None = None) -> LookupResult:
-        """Closest live entry of ``namespace`` with similarity >= ``min_similarity``
-        (default: the model's) that passes the precision guard (when ``use_guard``).
+               use_guard: bool = True, started: float | None = None,
+               route: str | None = None, model: str | None = None) -> LookupResult:
+        """Closest live entry of ``namespace`` with similarity >= the threshold that passes
+        the precision checks (when ``use_guard``): the precision guard, then, when the
+        verifier is on, the verifier's probability >= its threshold. Thresholds:
+        :meth:`thresholds` (``route``/``model`` of the request select a domain).
 
         Raises :class:`EngineUnavailable` (model) or ``redis.exceptions.RedisError``."""
         t0 = time.perf_counter() if started is None else started
-        threshold = self.default_min_similarity if min_similarity is None else min_similarity
+        threshold, min_score = self.thresholds(namespace, min_similarity, route, model)
         vec = self.embed([text])[0]
         cands = self._live(self.index.search(namespace, vec, self.top_k))
         hit: Candidate | None = None
         verdict: str | None = None
-        for c in cands:
-            if c.similarity < threshold:
+        best_score: float | None = None
+        above = [c for c in cands if c.similarity >= threshold]
+        for c in above:
+            if not use_guard:
+                hit = c
                 break
-            if use_guard:
-                g = guard_mod.check(text, c.text)
-                if not g.ok:
-                    self.metrics.guard_rejects.inc()
-                    verdict = verdict or g.label
+            g = guard_mod.check(text, c.text)
+            if not g.ok:
+                self.metrics.guard_rejects.inc()
+                verdict = verdict or g.label
+                continue
+            if min_score is not None:
+                # one candidate at a time: a hit on the first spares the others' features
+                score = self._verify(text, vec, [c])[0]
+                best_score = score if best_score is None else max(best_score, score)
+                if score < min_score:
+                    self.metrics.verifier_rejects.inc()
+                    verdict = verdict or "reject:verifier"
                     continue
-                verdict = g.label
+                best_score = score
+            verdict = g.label
             hit = c
             break
         shown = hit or (cands[0] if cands else None)
@@ -195,7 +288,25 @@ class Engine:
             similarity=None if shown is None else round(min(1.0, max(0.0, shown.similarity)), 6),
             candidate_text=shown.text if shown else None,
             guard=verdict, model_id=self.model.model_id, elapsed_ms=round(elapsed * 1000, 3),
-            min_similarity=threshold)
+            min_similarity=threshold,
+            verifier_score=None if best_score is None else round(float(best_score), 6),
+            min_verifier_score=min_score)
+
+    def _verify(self, text: str, vec: np.ndarray, cands: list[Candidate]) -> list[float]:
+        """Verifier probabilities of ``cands`` for the query ``text`` (vector ``vec``); a
+        candidate without a stored vector is embedded again (LRU first)."""
+        missing = [i for i, c in enumerate(cands) if c.vec is None
+                   or c.vec.shape != (self.model.dim,)]
+        vecs = [c.vec for c in cands]
+        if missing:
+            again = self.embed([cands[i].text for i in missing])
+            for i, v in zip(missing, again):
+                vecs[i] = v
+        v = np.vstack(vecs).astype(np.float32, copy=False)
+        u = np.repeat(vec[None, :], len(cands), axis=0)
+        assert self.verifier is not None
+        return [float(x) for x in self.verifier.score([text] * len(cands),
+                                                      [c.text for c in cands], u, v)]
 
     def close(self) -> None:
         self.batcher.close()

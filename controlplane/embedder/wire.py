@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from controlplane.embedder.index import IndexItem
+from controlplane.errors import InfergateError
 
 HEX_RE = re.compile(r"^[0-9a-f]{16,128}$")
 """Exact keys and namespaces: lowercase hex (the edge sends SHA-256 hex, 64 digits)."""
@@ -20,7 +21,7 @@ MAX_LABEL_CHARS = 256
 MAX_EMBED_INPUTS = 256
 
 
-class BadRequest(ValueError):
+class BadRequest(InfergateError, ValueError):
     """Invalid request; ``param`` is the offending field (None for the body itself)."""
 
     def __init__(self, message: str, param: str | None = None):
@@ -63,12 +64,17 @@ class LookupRequest:
     text: str
     min_similarity: float | None
     guard: bool
+    route: str = ""
+    model: str = ""
 
 
 def lookup_request(body: Any) -> LookupRequest:
-    """``{"namespace": hex, "text": str, "min_similarity"?: 0-1, "guard"?: bool}``.
+    """``{"namespace": hex, "text": str, "min_similarity"?: 0-1, "guard"?: bool,
+    "route"?: str, "model"?: str}``.
 
-    ``min_similarity`` absent or null means the model's default; 0 is a valid threshold."""
+    ``min_similarity`` absent or null means the default; 0 is a valid threshold. ``route``
+    (request path) and ``model`` (requested model), at most 256 characters each, select a
+    configured semantic domain."""
     b = _obj(body)
     ms = b.get("min_similarity")
     if ms is not None:
@@ -81,7 +87,8 @@ def lookup_request(body: Any) -> LookupRequest:
         g = True
     if not isinstance(g, bool):
         raise BadRequest("guard: true or false", "guard")
-    return LookupRequest(_hex(b, "namespace"), _text(b), ms, g)
+    return LookupRequest(_hex(b, "namespace"), _text(b), ms, g, _label(b, "route"),
+                         _label(b, "model"))
 
 
 def index_item(body: Any) -> IndexItem:

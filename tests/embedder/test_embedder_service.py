@@ -1,6 +1,7 @@
-"""The embedder service over real HTTP (waitress), with the bundled all-MiniLM-L6-v2 model,
-against real Redis servers for both index backends: Debian's redis-server 7.0 (no search
-module -> in-process index) and Redis 8.2 with redisearch.so (FT.* index).
+"""The embedder service over real HTTP (waitress), with the default model
+(use-multilingual-v3, numpy) and its shipped verifier, against real Redis servers for both
+index backends: Debian's redis-server 7.0 (no search module -> in-process index) and
+Redis 8.2 with redisearch.so (FT.* index).
 
 The model is loaded once per test session (``models.shared_model``)."""
 
@@ -28,6 +29,7 @@ from controlplane.embedder.engine import Engine, connect
 from controlplane.embedder.models import (ModelLoadError, ModelSpec, OpenAIEmbeddingsModel,
                                           shared_model)
 from controlplane.embedder.redis_search import SearchRedisMissing, start_search_redis
+from controlplane.embedder.verifier import load_for
 
 PASSWORD = "How do I reset my password?"
 
@@ -79,7 +81,8 @@ def _start_service(model, backend: str, workdir: Path):
         managed = start_search_redis(workdir, port)
     r_bin = connect(f"redis://127.0.0.1:{port}/0", 1.0)
     r_block = connect(f"redis://127.0.0.1:{port}/0", 1.0, blocking=True)
-    engine = Engine(model, r_bin, index_backend=backend)
+    engine = Engine(model, r_bin, index_backend=backend,
+                    verifier=load_for(model.model_id, model.dim))
     consumer = QueueConsumer(engine, r_block, batch=8).start()
     http_port = procs.free_port()
     server = waitress.create_server(create_app(engine), host="127.0.0.1", port=http_port,
@@ -121,8 +124,10 @@ def svc(request, model):
 def test_healthz_names_model_and_backend(svc) -> None:
     doc = requests.get(svc.url + "/healthz", timeout=5).json()
     assert doc["status"] == "ok" and doc["redis"] is True
-    assert doc["model_id"] == "all-MiniLM-L6-v2" and doc["dim"] == 384
+    assert doc["model_id"] == "use-multilingual-v3" and doc["dim"] == 512
     assert doc["index_backend"] == svc.backend
+    assert doc["verifier"] is True and 0 < doc["default_min_verifier_score"] < 1
+    assert doc["default_min_similarity"] == svc.engine.verifier.floor
 
 
 def test_paraphrase_hits_with_similarity(svc) -> None:
@@ -134,8 +139,9 @@ def test_paraphrase_hits_with_similarity(svc) -> None:
     assert 0.8 <= res["similarity"] <= 1.0
     assert res["candidate_text"] == PASSWORD
     assert res["guard"] == "pass"
-    assert res["model_id"] == "all-MiniLM-L6-v2"
+    assert res["model_id"] == "use-multilingual-v3"
     assert res["elapsed_ms"] > 0
+    assert res["verifier_score"] >= res["min_verifier_score"] > 0
 
 
 def test_unrelated_text_misses(svc) -> None:
@@ -204,6 +210,49 @@ def test_chinese_text(svc) -> None:
     assert svc.lookup(ns, "借款5万需要什么条件", min_similarity=0.5, guard=False)["hit"] is True
 
 
+def test_verifier_decides_between_floor_and_hit(svc) -> None:
+    ns = hx("verifier" + svc.backend)
+    key = svc.add("What is the capital of France?", ns)
+    # another question: the guard says no before the verifier is asked
+    res = svc.lookup(ns, "What is the capital of Spain?", min_similarity=0.5)
+    assert res["hit"] is False and res["guard"] == "reject:key_terms"
+    assert res["verifier_score"] is None
+    # a looser paraphrase the guard lets through: the verifier's score decides (below
+    # the shipped threshold: a domain can lower it, see the next test)
+    res = svc.lookup(ns, "What's France's capital city?")
+    assert res["hit"] is False and res["guard"] == "reject:verifier"
+    assert 0 < res["verifier_score"] < res["min_verifier_score"]
+    assert res["min_similarity"] == 0.5 and res["similarity"] > 0.9
+    # the same question up to case and punctuation is always the same question
+    res = svc.lookup(ns, "what is the capital of france")
+    assert res["hit"] is True and res["key"] == key and res["verifier_score"] == 1.0
+    # checks off: the cosine alone
+    assert svc.lookup(ns, "What is the capital of Spain?", min_similarity=0.5,
+                      guard=False)["hit"] is True
+
+
+def test_domain_thresholds_follow_route_and_model(svc, monkeypatch) -> None:
+    from controlplane.embedder.policy import Domain, PolicySource, ThresholdPolicy
+
+    ns = hx("domains" + svc.backend)
+    key = svc.add("What is the capital of France?", ns)
+    para = "What's France's capital city?"
+    assert svc.lookup(ns, para)["hit"] is False           # default verifier threshold
+    pol = ThresholdPolicy((Domain(model="geo-bot", min_verifier_score=0.3),
+                           Domain(route="/v1/completions", min_similarity=0.99,
+                                  verifier=False)))
+    monkeypatch.setattr(svc.engine, "policy", PolicySource(policy=pol))
+    res = svc.lookup(ns, para, model="geo-bot", route="/v1/chat/completions")
+    assert res["hit"] is True and res["key"] == key and res["min_verifier_score"] == 0.3
+    res = svc.lookup(ns, para, route="/v1/completions")
+    assert res["hit"] is False and res["min_similarity"] == 0.99
+    assert res["min_verifier_score"] is None and res["verifier_score"] is None
+    doc = requests.get(svc.url + "/healthz", timeout=5).json()
+    assert doc["semantic_domains"] == 2
+    r = svc.post("/v1/lookup", {"namespace": ns, "text": para, "model": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+
+
 def test_huge_input_is_truncated_not_fatal(svc) -> None:
     ns = hx("huge" + svc.backend)
     for text in ("word " * 10_000, "长" * 50_000):
@@ -212,7 +261,7 @@ def test_huge_input_is_truncated_not_fatal(svc) -> None:
         res = svc.lookup(ns, text)
         assert res["hit"] is True
     r = svc.post("/v1/embeddings", {"input": "x" * 50_000})
-    assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 384
+    assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 512
 
 
 @pytest.mark.parametrize("body,param", [
@@ -276,9 +325,9 @@ def test_embeddings_endpoint_with_openai_sdk(svc, model) -> None:
 
     with OpenAI(base_url=svc.url + "/v1", api_key="unused", max_retries=0,
                 timeout=30) as client:
-        out = client.embeddings.create(model="all-MiniLM-L6-v2", input=["hello", "你好"])
+        out = client.embeddings.create(model="use-multilingual-v3", input=["hello", "你好"])
     vecs = np.array([d.embedding for d in out.data], dtype=np.float32)
-    assert vecs.shape == (2, 384)
+    assert vecs.shape == (2, 512)
     assert np.allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-4)
     assert np.allclose(vecs, model.encode(["hello", "你好"]), atol=1e-4)
     r = svc.post("/v1/embeddings", {"input": []})
@@ -287,8 +336,8 @@ def test_embeddings_endpoint_with_openai_sdk(svc, model) -> None:
 
 def test_remote_embeddings_backend(svc, model) -> None:
     """The OpenAI-compatible backend, pointed at this service's own /v1/embeddings."""
-    remote = OpenAIEmbeddingsModel(svc.url, "all-MiniLM-L6-v2")
-    assert remote.dim == 384 and remote.default_min_similarity == model.default_min_similarity
+    remote = OpenAIEmbeddingsModel(svc.url, "use-multilingual-v3")
+    assert remote.dim == 512 and remote.default_min_similarity == model.default_min_similarity
     assert np.allclose(remote.encode(["hello there"]), model.encode(["hello there"]),
                        atol=1e-4)
     with pytest.raises(ModelLoadError):

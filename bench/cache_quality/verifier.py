@@ -1,0 +1,210 @@
+"""Learned verifier of the semantic cache: k-fold cross-validated hit rates at a 95 % upper
+bound of <= 1 % wrong hits on the cache-eval dev sets, against cosine + guard; and the
+training of the verifier file the package ships.
+
+Run from the repository root::
+
+    .venv/bin/python -m bench.cache_quality.verifier [--data DIR] [--folds 5]
+        [--write-verifier]
+
+Prints a table, writes ``bench/results/cache_verifier.json`` and, with
+``--write-verifier``, ``controlplane/embedder/data/verifier-use-multilingual-v3.json``.
+
+Method (pair decision: the cache holds ``text1`` and is asked ``text2``):
+
+- Pairs: ``bq-zh``, ``lcqmc-zh``, ``pawsx-zh`` with their labels; ``qqp-en`` (positives
+  only) plus one mined negative per query: its closest ``text1`` of another paraphrase
+  group (``calibration.mine_negatives``; some are unlinked recurrences, so qqp wrong-hit
+  rates are upper bounds).
+- Folds: ``--folds`` folds per set by connected component of texts (no query text of a
+  held-out pair is seen in training). Each fold's pairs are scored by a verifier trained
+  on the other folds of **all** sets (pairs with cosine >= the floor), plus 800 questions
+  per set paired with themselves (``verifier.self_pairs``).
+- Per set, on the out-of-fold scores: the lowest threshold whose wrong-hit rate has a
+  Wilson 95 % upper bound <= ``--max-wrong`` and the hit rate there, for (a) cosine with
+  the precision guard as a filter, (b) the verifier as the service runs it (cosine >=
+  floor, the guard, then the probability; also reported without the guard filter), each
+  calibrated on that set (what ``infergate cache calibrate`` does for a domain); and
+  (c) the verifier at ONE threshold for all sets, the largest of (b) over bq-zh, lcqmc-zh
+  and qqp-en: the shipped default ``min_score``. pawsx-zh is reported, never used to
+  choose.
+- The shipped verifier is then trained on every pair of every set.
+
+Thresholds are chosen on the same out-of-fold scores they are reported on (the
+calibration an operator runs on their own pairs); the upper bound, not the observed rate,
+keeps the choice conservative. Runtime on 2 shared cores: 3-6 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from controlplane.embedder import calibration as cal  # noqa: E402
+from controlplane.embedder import verifier as ver  # noqa: E402
+from controlplane.embedder.models import USE_M3, ModelSpec, load_model  # noqa: E402
+
+DEFAULT_DATA = ROOT.parent / "shared" / "data" / "cache-eval"
+RESULTS = ROOT / "bench" / "results" / "cache_verifier.json"
+FILES = (("bq-zh", "bq-zh.tsv"), ("lcqmc-zh", "lcqmc-zh.tsv"), ("pawsx-zh", "pawsx-zh.tsv"),
+         ("qqp-en", "qqp-en-paraphrases.jsonl"))
+CHOOSE_ON = ("bq-zh", "lcqmc-zh", "qqp-en")
+FLOOR = 0.5
+L2 = 3e-3
+ITERS = 300
+AUGMENT = 800
+
+
+def embed_all(model, texts: list[str], batch: int = 32) -> np.ndarray:
+    return np.vstack([model.encode(texts[i:i + batch]) for i in range(0, len(texts), batch)])
+
+
+def _row(r: cal.SweepRow | None) -> dict | None:
+    return None if r is None else r.to_dict()
+
+
+def _pct(x: float | None) -> str:
+    return "    -" if x is None else f"{100 * x:5.1f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    ap.add_argument("--folds", type=int, default=5)
+    ap.add_argument("--max-wrong", type=float, default=0.01)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--write-verifier", action="store_true",
+                    help="train on all pairs and write the verifier file of the package")
+    args = ap.parse_args(argv)
+    if not args.data.is_dir():
+        print(f"error: dev-set folder {args.data} not found; pass --data DIR", file=sys.stderr)
+        return 2
+    t_all = time.perf_counter()
+    model = load_model(ModelSpec(model=USE_M3))
+    raw = {n: cal.load_pairs(args.data / f) for n, f in FILES if (args.data / f).is_file()}
+    if not raw:
+        print(f"error: no dev set in {args.data}", file=sys.stderr)
+        return 2
+    texts = sorted({t for p in raw.values() for t in p.text1 + p.text2})
+    t0 = time.perf_counter()
+    vecs = embed_all(model, texts)
+    pos = {t: i for i, t in enumerate(texts)}
+    print(f"embedded {len(texts)} texts in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    sets: dict[str, cal.Pairs] = {}
+    for n, p in raw.items():
+        if not any(v == 0 for v in p.label):
+            p = cal.mine_negatives(p, vecs[[pos[t] for t in p.text1]],
+                                   vecs[[pos[t] for t in p.text2]])
+        sets[n] = p
+    t0 = time.perf_counter()
+    X = {n: ver.features(p.text2, p.text1, vecs[[pos[t] for t in p.text2]],
+                         vecs[[pos[t] for t in p.text1]]) for n, p in sets.items()}
+    n_pairs = sum(len(p) for p in sets.values())
+    feat_ms = (time.perf_counter() - t0) * 1000 / n_pairs
+    Y = {n: np.array(p.label) for n, p in sets.items()}
+    folds = {n: cal.fold_ids(p, args.folds, args.seed) for n, p in sets.items()}
+    names = list(sets)
+    # augmentation: per set, questions paired with themselves (label 1), drawn from the
+    # training folds only
+    def augment(k: int | None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        xs, ys = [], []
+        for n, p in sets.items():
+            ts = sorted({p.text1[i] for i in range(len(p))
+                         if not p.mined[i] and (k is None or folds[n][i] != k)})
+            ax, ay = ver.self_pairs(ts, vecs[[pos[t] for t in ts]], AUGMENT, args.seed)
+            xs.append(ax)
+            ys.append(ay)
+        return xs, ys
+
+    # pooled out-of-fold scores
+    oof = {n: np.zeros(len(Y[n])) for n in names}
+    t0 = time.perf_counter()
+    for k in range(args.folds):
+        tr = {n: (folds[n] != k) & (ver.cosine_of(X[n]) >= FLOOR) for n in names}
+        ax, ay = augment(k)
+        mean, scale, w, b = ver.train(np.vstack([X[n][tr[n]] for n in names] + ax),
+                                      np.concatenate([Y[n][tr[n]] for n in names] + ay),
+                                      l2=L2, iters=ITERS)
+        for n in names:
+            te = folds[n] == k
+            oof[n][te] = ver._sigmoid(((X[n][te] - mean) / scale) @ w + b)
+        print(f"fold {k + 1}/{args.folds} done", file=sys.stderr)
+    cv_s = time.perf_counter() - t0
+    cos_grid = cal.grid(0.5, 1.0, 0.005)
+    p_grid = cal.grid(0.0, 1.0, 0.005)
+    per: dict = {}
+    for n in names:
+        cos = ver.cosine_of(X[n])
+        guard_ok = X[n][:, X[n].shape[1] - len(ver.SCALAR_FEATURES)
+                        + ver.SCALAR_FEATURES.index("guard_pass")] > 0.5
+        a = cal.choose(cal.sweep(cos, Y[n], cos_grid, guard_ok), args.max_wrong)
+        v_rows = cal.sweep(oof[n], Y[n], p_grid, (cos >= FLOOR) & guard_ok)
+        free_rows = cal.sweep(oof[n], Y[n], p_grid, cos >= FLOOR)
+        b_ = cal.choose(v_rows, args.max_wrong)
+        per[n] = {"pairs": len(Y[n]), "positives": int(Y[n].sum()),
+                  "negatives": int((Y[n] == 0).sum()),
+                  "mined_negatives": int(sum(sets[n].mined)),
+                  "cosine_guard": _row(a), "verifier": _row(b_),
+                  "verifier_without_guard": _row(cal.choose(free_rows, args.max_wrong)),
+                  "verifier_rows": [r.to_dict() for r in v_rows]}
+    chosen = [per[n]["verifier"]["threshold"] for n in CHOOSE_ON
+              if n in per and per[n]["verifier"] is not None]
+    default = max(chosen) if chosen else 0.99
+    for n in names:
+        i = p_grid.index(default) if default in p_grid else None
+        per[n]["verifier_at_default"] = per[n]["verifier_rows"][i] if i is not None else None
+    print(f"\nuse-multilingual-v3, {args.folds}-fold CV, hit rate (%) at the lowest threshold "
+          f"whose wrong-hit rate has a 95 % upper bound <= {100 * args.max_wrong:.0f} %")
+    print("set        pairs  | cosine+guard: thr  hit%  | verifier: thr  hit% | "
+          f"verifier at {default:.3f}: hit% wrong% (95% UB)")
+    for n in names:
+        r = per[n]
+        a, b_, d = r["cosine_guard"], r["verifier"], r["verifier_at_default"]
+        print(f"{n:9s} {r['pairs']:6d}  |  {a['threshold'] if a else '-':>14}"
+              f" {_pct(a['hit_rate'] if a else None)}  |  {b_['threshold'] if b_ else '-':>10}"
+              f" {_pct(b_['hit_rate'] if b_ else None)} |  {_pct(d['hit_rate'])}"
+              f" {_pct(d['wrong_rate'])} ({_pct(d['wrong_upper']).strip()})")
+    report = {"generated_at": time.time(), "model_id": model.model_id,
+              "data_dir": str(args.data.resolve()), "folds": args.folds, "seed": args.seed,
+              "max_wrong": args.max_wrong, "bound": "wilson 95% one-sided", "floor": FLOOR,
+              "l2": L2, "iters": ITERS, "self_pairs_per_set": AUGMENT,
+              "default_min_score": default,
+              "feature_ms_per_pair": round(feat_ms, 3), "cv_seconds": round(cv_s, 1),
+              "sets": {n: {k: v for k, v in r.items() if k != "verifier_rows"}
+                       for n, r in per.items()}}
+    if args.write_verifier:
+        t0 = time.perf_counter()
+        tr = {n: ver.cosine_of(X[n]) >= FLOOR for n in names}
+        ax, ay = augment(None)
+        v = ver.fit(np.vstack([X[n][tr[n]] for n in names] + ax),
+                    np.concatenate([Y[n][tr[n]] for n in names] + ay), model.dim,
+                    model.model_id, min_score=default, floor=FLOOR, l2=L2, iters=ITERS)
+        v.trained_on = {n: {"pairs": int(tr[n].sum()), "file": f} for n, f in FILES if n in tr}
+        v.cv = {"folds": args.folds, "max_wrong": args.max_wrong,
+                "hit_rate_at_default": {n: per[n]["verifier_at_default"]["hit_rate"]
+                                        for n in names},
+                "wrong_upper_at_default": {n: per[n]["verifier_at_default"]["wrong_upper"]
+                                           for n in names}}
+        path = ver.bundled_path(model.model_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        v.save(path)
+        report["verifier_file"] = str(path.relative_to(ROOT))
+        print(f"wrote {path} ({path.stat().st_size // 1024} KiB, trained in "
+              f"{time.perf_counter() - t0:.1f} s)")
+    report["seconds"] = round(time.perf_counter() - t_all, 1)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out} ({report['seconds']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

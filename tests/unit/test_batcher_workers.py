@@ -1,0 +1,71 @@
+"""MicroBatcher with several workers: batches run at once, every item is answered once,
+close() stops all workers (the encode function is a fake, no model)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from controlplane.embedder.batcher import MicroBatcher
+
+
+def test_two_workers_run_batches_at_the_same_time() -> None:
+    running, peak = [0], [0]
+    lock = threading.Lock()
+
+    def encode(xs: list[int]) -> list[int]:
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+        return [x * 2 for x in xs]
+
+    b = MicroBatcher(encode, max_batch=4, max_wait_s=0.0, workers=2)
+    try:
+        futs = [b.submit(i) for i in range(16)]
+        assert [f.result(timeout=5) for f in futs] == [2 * i for i in range(16)]
+        assert peak[0] == 2
+    finally:
+        b.close()
+    assert not any(t.is_alive() for t in b._threads)
+
+
+def test_one_worker_never_overlaps() -> None:
+    running, peak = [0], [0]
+
+    def encode(xs: list[int]) -> list[int]:
+        running[0] += 1
+        peak[0] = max(peak[0], running[0])
+        time.sleep(0.01)
+        running[0] -= 1
+        return xs
+
+    b = MicroBatcher(encode, max_batch=2, max_wait_s=0.0)
+    try:
+        assert [f.result(timeout=5) for f in [b.submit(i) for i in range(8)]] == list(range(8))
+        assert peak[0] == 1
+    finally:
+        b.close()
+
+
+def test_items_queued_before_close_are_answered_by_some_worker() -> None:
+    gate = threading.Event()
+
+    def encode(xs: list[int]) -> list[int]:
+        gate.wait(5)
+        return xs
+
+    b = MicroBatcher(encode, max_batch=2, max_wait_s=0.0, workers=3)
+    futs = [b.submit(i) for i in range(9)]
+    gate.set()
+    b.close()
+    assert sorted(f.result(timeout=5) for f in futs) == list(range(9))
+
+
+def test_workers_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        MicroBatcher(lambda xs: xs, workers=0)
