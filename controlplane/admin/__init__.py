@@ -3,9 +3,10 @@
 ``create_app(settings, r)`` builds the app; the control plane serves it on
 ``controlplane.listen``.
 
-- ``GET /healthz`` -> ``{"ok": true}``: liveness of the web server, no auth.
-- ``/login``, ``/nodes``, ``/nodes/<name>``, ``/events``, ``/cache``, ``/keys``: the page
-  (:mod:`.ui`), behind a login with the admin token.
+- ``GET /healthz`` -> ``{"ok": true, "instance_id": str}``: liveness of the web server,
+  no auth (``instance_id``: see :func:`controlplane.procs.instance_id`).
+- ``/login``, ``/`` (the overview), ``/nodes``, ``/nodes/<name>``, ``/events``, ``/cache``,
+  ``/keys``: the page (:mod:`.ui`), behind a login with the admin token.
 - ``/api/v1/...``: the JSON API (:mod:`.api`), ``Authorization: Bearer <admin token>``.
 
 The admin token is ``controlplane.admin_token`` (env ``INFERGATE_ADMIN_TOKEN``). With no
@@ -14,7 +15,8 @@ message saying how to set one.
 
 Sessions are signed with ``secret_key`` (argument or env ``INFERGATE_ADMIN_SECRET_KEY``),
 else a random key made at start, so a restart logs everyone out. The session cookie is
-``HttpOnly`` and ``SameSite=Strict``; every response carries a strict
+``HttpOnly`` and ``SameSite=Strict`` (``Secure`` over TLS, see :mod:`.auth`), and
+logging out revokes the session server-side; every response carries a strict
 Content-Security-Policy (inline script and style only with the per-response nonce) and
 ``X-Frame-Options: DENY``.
 """
@@ -30,6 +32,7 @@ import flask
 import redis
 from werkzeug.exceptions import HTTPException
 
+from controlplane import procs
 from controlplane.config import Settings
 from controlplane.paths import web_templates_dir
 from controlplane.admin import auth
@@ -100,6 +103,7 @@ def create_app(settings: Settings, r: redis.Redis, *, secret_key: str | None = N
 
     app = flask.Flask(__name__, template_folder=str(web_templates_dir()), static_folder=None)
     app.secret_key = secret_key or os.environ.get(SECRET_ENV) or secrets.token_hex(32)
+    app.session_interface = auth.SessionInterface()  # Secure cookie over TLS (see auth)
     app.config.update(
         SESSION_COOKIE_NAME="infergate_admin",
         SESSION_COOKIE_HTTPONLY=True,
@@ -136,8 +140,12 @@ def create_app(settings: Settings, r: redis.Redis, *, secret_key: str | None = N
 
     @app.get("/healthz")
     def healthz() -> flask.Response:
-        """``{"ok": true}``; no auth, no Redis."""
-        return flask.jsonify({"ok": True})
+        """``{"ok": true, "instance_id": str}`` and the ``X-Infergate-Instance`` header
+        (the stack instance id ``INFERGATE_INSTANCE_ID`` set by ``infergate up``, ``""``
+        otherwise); no auth, no Redis."""
+        resp = flask.jsonify({"ok": True, "instance_id": procs.instance_id()})
+        resp.headers[procs.INSTANCE_HEADER] = procs.instance_id()
+        return resp
 
     @app.get("/favicon.ico")
     def favicon() -> flask.Response:

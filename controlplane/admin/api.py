@@ -11,6 +11,8 @@ accepts the page's session cookie). Errors are JSON
 - 404 ``not_found_error`` — unknown node, key or endpoint
 - 405 ``invalid_request_error`` / ``method_not_allowed``
 - 409 ``conflict_error`` / ``node_exists`` — node name already registered
+- 429 ``rate_limit_error`` / ``admin_auth_throttled`` — too many wrong Bearer tokens from
+  this client address (:mod:`.auth`), with ``Retry-After`` (seconds)
 - 503 ``unavailable_error`` / ``redis_unavailable`` — Redis unreachable
 
 Every change writes an event with actor ``admin``.
@@ -31,6 +33,7 @@ from controlplane.redisdb import keynames
 from controlplane.routing import registry
 from controlplane.admin import auth, ops
 from controlplane.admin.nodeview import build_view, build_views
+from controlplane.routing.wire import RoutingSnapshot, WireError
 
 bp = flask.Blueprint("api", __name__, url_prefix="/api/v1")
 ACTOR = "admin"
@@ -56,8 +59,15 @@ def _authenticate() -> flask.Response | None:
         return error(403, auth.DISABLED_MESSAGE, "permission_error", "admin_token_unset")
     sent = auth.bearer()
     if sent is not None:
+        wait = auth.throttle_wait()
+        if wait:
+            resp = error(429, f"too many failed admin token attempts from this address; "
+                              f"retry in {wait} s", "rate_limit_error", "admin_auth_throttled")
+            resp.headers["Retry-After"] = str(wait)
+            return resp
         if auth.token_ok(sent):
             return None
+        auth.attempt_failed()
         return error(401, "invalid admin token", "authentication_error", "invalid_admin_token")
     if flask.request.method in ("GET", "HEAD") and auth.logged_in():
         return None
@@ -150,7 +160,7 @@ def add_node() -> tuple[flask.Response, int]:
     """Add a node: body ``{"name", "url", "kind"?, "weight"?, "max_concurrency"?,
     "metrics_path"?, "health_path"?}`` validated by ``NodeSettings``. 201 with the node
     document; 400 invalid; 409 name taken."""
-    node = ops.add_node(_r(), _body(), ACTOR, _events_max())
+    node = ops.add_node(_r(), _body(), ACTOR, _events_max(), settings=auth.settings())
     return flask.jsonify(ops.node_json(node)), 201
 
 
@@ -158,7 +168,7 @@ def add_node() -> tuple[flask.Response, int]:
 def edit_node(name: str) -> flask.Response:
     """Change fields of a node (``url``, ``kind``, ``weight``, ``max_concurrency``,
     ``metrics_path``, ``health_path``). 200 with the node document; 400; 404."""
-    node = ops.edit_node(_r(), name, _body(), ACTOR, _events_max())
+    node = ops.edit_node(_r(), name, _body(), ACTOR, _events_max(), settings=auth.settings())
     return flask.jsonify(ops.node_json(node))
 
 
@@ -196,18 +206,47 @@ def events() -> flask.Response:
 
 @bp.get("/snapshot")
 def snapshot() -> flask.Response:
-    """The routing snapshot exactly as the edge reads it (``infergate:v1:routing``), plus
-    nothing; 404 ``no_snapshot`` before the first control-plane cycle."""
+    """The routing snapshot exactly as the edge reads it (``infergate:v1:routing``, the
+    stored bytes, see :class:`controlplane.routing.wire.RoutingSnapshot`); 404
+    ``no_snapshot`` before the first control-plane cycle; 500 ``bad_snapshot`` when the
+    stored value is not a JSON object."""
     raw = _r().get(keynames.ROUTING)
     if not raw:
         raise ops.NotFound("no routing snapshot yet (is the control plane running?)",
                            "no_snapshot")
     try:
-        doc = json.loads(raw)
-    except ValueError:
-        return error(500, "routing snapshot in Redis is not valid JSON", "server_error",
+        RoutingSnapshot.from_json(raw)
+    except WireError as exc:
+        return error(500, f"routing snapshot in Redis is unreadable: {exc}", "server_error",
                      "bad_snapshot")
-    return flask.jsonify(doc)
+    return flask.Response(raw, mimetype="application/json")
+
+
+# ---- overview ------------------------------------------------------------------------
+
+
+@bp.get("/overview")
+def overview() -> flask.Response:
+    """The pool's traffic over ``?window=`` 300 (default) or 3600 seconds, from the
+    control plane's time series (:mod:`controlplane.routing.series`, one point per 5 s).
+
+    ``{"ts": epoch_s, "window_s": int, "slot_s": float, "points": int,
+    "series": {"ts": [slot end epoch_s], "rps": [req/s], "hit_rate": [0-1],
+    "hit_rate_exact", "hit_rate_semantic", "p50_ms": [ms], "p99_ms", "shed_rps",
+    "rate_limited_rps", "error_rate": [0-1], "errors_rps"}, "totals": {the same figures
+    over the whole window plus the counts: "requests", "lookups", "hits_exact",
+    "hits_semantic", "misses", "bypass", "shed", "rate_limited", "deadline_exceeded",
+    "auth_rejected", "proxied", "failures", "shed_share", "rate_limited_share",
+    "seconds"}, "nodes": {name: {"series": {"ts", "rps", "error_rate", "latency_ms",
+    "inflight"}, "totals": {"requests", "failures", "rps", "error_rate", "latency_ms",
+    "inflight", "seconds"}}}}``. Values are ``null`` where a slot has no point or no
+    denominator. 400 for another window."""
+    from controlplane.routing import series
+
+    window = _int_arg("window", series.WINDOWS_S[0], 1, int(series.KEEP_S))
+    if window not in series.WINDOWS_S:
+        raise ops.BadInput("window must be 300 or 3600 (seconds)")
+    return flask.jsonify(series.read(_r(), window))
 
 
 # ---- cache ---------------------------------------------------------------------------
@@ -219,43 +258,13 @@ def cache_stats() -> flask.Response:
     return flask.jsonify(cache_store.stats(_r()).to_dict())
 
 
-PURGE_FIELDS = ("tenant", "model", "namespace", "all")
-
-
-def purge_scope(data: dict) -> dict:
-    """Validate a purge scope: ``{"all": true}`` or some of tenant/model/namespace
-    (non-empty strings, combined with AND). Raises :class:`ops.BadInput`."""
-    unknown = sorted(set(data) - set(PURGE_FIELDS))
-    if unknown:
-        raise ops.BadInput(f"unknown field(s): {', '.join(unknown)}; expected tenant, model, "
-                           "namespace or all")
-    if "all" in data:
-        if data["all"] is not True:
-            raise ops.BadInput("all: must be true (or left out)")
-        if len(data) > 1:
-            raise ops.BadInput("all: cannot be combined with tenant, model or namespace")
-        return {"all": True}
-    scope = {}
-    for f in ("tenant", "model", "namespace"):
-        if f in data:
-            v = data[f]
-            if not isinstance(v, str) or not v or len(v) > 256:
-                raise ops.BadInput(f"{f}: a non-empty string of at most 256 characters")
-            scope[f] = v
-    if not scope:
-        raise ops.BadInput("purge scope: give tenant, model, namespace or all: true")
-    return scope
-
-
 @bp.post("/cache/purge")
 def cache_purge() -> flask.Response:
-    """Body ``{"tenant"|"model"|"namespace": str, ...}`` (AND) or ``{"all": true}``.
-    ``{"purged": n, "scope": {...}}``; writes a ``cache_purge`` event."""
-    scope = purge_scope(_body())
-    n = cache_store.purge(_r(), **scope)
-    registry.add_event(_r(), "cache_purge", "", ACTOR, {**scope, "purged": n},
-                       maxlen=_events_max())
-    return flask.jsonify({"purged": n, "scope": scope})
+    """Body ``{"tenant"|"model"|"namespace": str, ...}`` (AND) or ``{"all": true}``
+    (:func:`.ops.purge_scope`). Deletes the entries and their semantic-index vectors;
+    ``{"purged": n, "scope": {...}}`` (``n`` entries); writes a ``cache_purge`` event."""
+    res = ops.purge_cache(_r(), _body(), ACTOR, _events_max())
+    return flask.jsonify({"purged": res.purged, "scope": res.scope})
 
 
 # ---- API keys --------------------------------------------------------------------------
@@ -272,38 +281,19 @@ def list_keys() -> flask.Response:
 def create_key() -> tuple[flask.Response, int]:
     """Body ``{"tenant", "rpm"?, "tpm"?, "label"?}`` (limits per minute, null = none).
     201 ``{"key": "ig-...", "id", "tenant", ...}``: the only time the key is shown."""
-    data = _body()
-    unknown = sorted(set(data) - {"tenant", "rpm", "tpm", "label"})
-    if unknown:
-        raise ops.BadInput(f"unknown field(s): {', '.join(unknown)}")
-    plaintext, rec = apikeys.create_key(_r(), data.get("tenant"), rpm=data.get("rpm"),
-                                        tpm=data.get("tpm"), label=data.get("label"))
-    registry.add_event(_r(), "key_create", "", ACTOR, {"id": rec.id, "tenant": rec.tenant},
-                       maxlen=_events_max())
+    plaintext, rec = ops.create_key(_r(), _body(), ACTOR, _events_max())
     return flask.jsonify({"key": plaintext, **rec.to_dict()}), 201
 
 
 @bp.patch("/keys/<key_id>")
 def edit_key(key_id: str) -> flask.Response:
     """Change ``rpm``, ``tpm`` (null = no limit) or ``label``; 200 record; 400; 404."""
-    data = _body()
-    unknown = sorted(set(data) - {"rpm", "tpm", "label"})
-    if unknown or not data:
-        raise ops.BadInput("expected some of rpm, tpm, label")
-    rec = apikeys.set_limits(_r(), key_id, **data)
-    if rec is None:
-        raise ops.NotFound(f"no API key with id {key_id!r}", "key_not_found")
-    registry.add_event(_r(), "key_edit", "", ACTOR, {"id": rec.id, **data},
-                       maxlen=_events_max())
+    rec = ops.edit_key(_r(), key_id, _body(), ACTOR, _events_max())
     return flask.jsonify(rec.to_dict())
 
 
 @bp.delete("/keys/<key_id>")
 def revoke_key(key_id: str) -> flask.Response:
-    """Revoke (idempotent); 200 with the record (``revoked`` set); 404 unknown id."""
-    rec = apikeys.revoke_key(_r(), key_id)
-    if rec is None:
-        raise ops.NotFound(f"no API key with id {key_id!r}", "key_not_found")
-    registry.add_event(_r(), "key_revoke", "", ACTOR, {"id": rec.id, "tenant": rec.tenant},
-                       maxlen=_events_max())
-    return flask.jsonify(rec.to_dict())
+    """Revoke (idempotent: the first ``revoked`` time is kept, one ``key_revoke``
+    event); 200 with the record (``revoked`` set); 404 unknown id."""
+    return flask.jsonify(ops.revoke_key(_r(), key_id, ACTOR, _events_max()).record.to_dict())

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 import redis
 
 from controlplane.redisdb import keynames
+from controlplane.errors import InfergateError
 
 KEY_PREFIX = "ig-"
 TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -37,7 +38,7 @@ ID_RE = re.compile(r"^[0-9a-f]{8}$")
 MAX_LIMIT = 10**9
 
 
-class ApiKeyError(ValueError):
+class ApiKeyError(InfergateError, ValueError):
     """Invalid tenant, label or limit."""
 
 
@@ -217,3 +218,96 @@ def set_limits(r: redis.Redis, key_id: str, *, rpm: object = ..., tpm: object = 
         return True
 
     return _update(r, key_id, apply)
+
+
+#: ``format`` of an export document (:func:`export_keys`).
+EXPORT_FORMAT = "infergate-apikeys"
+EXPORT_VERSION = 1
+HASH_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass
+class ImportResult:
+    """What :func:`import_keys` did: ids written, ids already present (same hash,
+    unchanged unless ``overwrite``), and ids refused because the id belongs to another
+    key here."""
+
+    added: list[str]
+    kept: list[str]
+    conflicts: list[str]
+
+
+def export_keys(r: redis.Redis, now: float | None = None) -> dict:
+    """Every key record with its hash, for a backup: ``{"format": "infergate-apikeys",
+    "version": 1, "exported": epoch_s, "keys": [{"hash", "id", "tenant", "label", "rpm",
+    "tpm", "created", "revoked"}, ...]}`` (oldest first). Holds SHA-256 hashes, never a
+    plaintext key: a client key works again after :func:`import_keys`, but the file
+    cannot be used to call the edge. Records that are not valid JSON are left out."""
+    keys = []
+    for digest, raw in r.hgetall(keynames.APIKEYS).items():
+        rec = _load(raw)
+        if rec is not None and HASH_RE.match(digest):
+            keys.append({"hash": digest, **rec.to_dict()})
+    keys.sort(key=lambda k: (k["created"], k["id"]))
+    return {"format": EXPORT_FORMAT, "version": EXPORT_VERSION,
+            "exported": time.time() if now is None else now, "keys": keys}
+
+
+def _import_record(d: object, where: str) -> tuple[str, ApiKey]:
+    if not isinstance(d, dict):
+        raise ApiKeyError(f"{where}: must be an object")
+    digest = d.get("hash")
+    if not isinstance(digest, str) or not HASH_RE.match(digest):
+        raise ApiKeyError(f"{where}.hash: 64 lowercase hex digits (SHA-256 of the key)")
+    key_id = d.get("id")
+    if not isinstance(key_id, str) or not ID_RE.match(key_id):
+        raise ApiKeyError(f"{where}.id: 8 lowercase hex digits")
+    try:
+        created = float(d.get("created", 0))
+        revoked = None if d.get("revoked") is None else float(d["revoked"])
+    except (TypeError, ValueError):
+        raise ApiKeyError(f"{where}: created and revoked are epoch seconds") from None
+    try:
+        rec = ApiKey(id=key_id, tenant=_check_tenant(d.get("tenant")),
+                     label=_check_label(d.get("label")), rpm=_check_limit("rpm", d.get("rpm")),
+                     tpm=_check_limit("tpm", d.get("tpm")), created=created, revoked=revoked)
+    except ApiKeyError as exc:
+        raise ApiKeyError(f"{where}: {exc}") from None
+    return digest, rec
+
+
+def import_keys(r: redis.Redis, doc: object, *, overwrite: bool = False) -> ImportResult:
+    """Write the records of an :func:`export_keys` document back (a restore).
+
+    Every record is checked before anything is written (:class:`ApiKeyError` names the
+    first bad one). A record whose hash is already stored is kept as it is, unless
+    ``overwrite`` (then the file's tenant, limits and revocation win); a record whose id
+    is taken by another key is refused (listed in ``conflicts``). Each record is written
+    with its id index in one transaction."""
+    if not isinstance(doc, dict) or doc.get("format") != EXPORT_FORMAT:
+        raise ApiKeyError(f'not an API key export (expected "format": "{EXPORT_FORMAT}")')
+    if doc.get("version") != EXPORT_VERSION:
+        raise ApiKeyError(f"unsupported export version {doc.get('version')!r} "
+                          f"(this version reads {EXPORT_VERSION})")
+    items = doc.get("keys")
+    if not isinstance(items, list):
+        raise ApiKeyError('"keys" must be a list')
+    recs = [_import_record(d, f"keys[{i}]") for i, d in enumerate(items)]
+    out = ImportResult([], [], [])
+    for digest, rec in recs:
+        have_digest = r.hget(keynames.APIKEY_IDS, rec.id)
+        if have_digest is not None and have_digest != digest:
+            out.conflicts.append(rec.id)
+            continue
+        exists = r.hexists(keynames.APIKEYS, digest)
+        if exists and not overwrite:
+            out.kept.append(rec.id)
+            if have_digest is None:  # the record survived, its id index did not
+                r.hset(keynames.APIKEY_IDS, rec.id, digest)
+            continue
+        pipe = r.pipeline(transaction=True)
+        pipe.hset(keynames.APIKEYS, digest, json.dumps(rec.to_dict(), sort_keys=True))
+        pipe.hset(keynames.APIKEY_IDS, rec.id, digest)
+        pipe.execute()
+        (out.kept if exists else out.added).append(rec.id)
+    return out

@@ -1,9 +1,12 @@
 """One merged view per node: registry + state + latest metrics + edge stats + snapshot.
 
 Sources (docs/internals.md): ``infergate:v1:nodes``, ``infergate:v1:node_states``,
-``infergate:v1:node:{name}:metrics``, ``infergate:v1:node:{name}:history``,
-``infergate:v1:edges`` (entries older than 3 x ``edge.stale_after_s`` are ignored) and
-``infergate:v1:routing`` (for ``effective_weight``).
+``infergate:v1:node:{name}:metrics`` (:class:`~controlplane.routing.wire.NodeMetricsDoc`),
+``infergate:v1:node:{name}:history``, ``infergate:v1:edges``
+(:class:`~controlplane.routing.wire.EdgeReport`; reports older than
+``wire.EDGE_FRESH_FACTOR`` x ``edge.stale_after_s`` are ignored) and
+``infergate:v1:routing`` (:class:`~controlplane.routing.wire.RoutingSnapshot`, for
+``effective_weight``).
 """
 
 from __future__ import annotations
@@ -14,11 +17,19 @@ from dataclasses import asdict, dataclass, field
 
 import redis
 
+from controlplane.config import Settings
 from controlplane.redisdb import keynames
 from controlplane.routing import registry
-from controlplane.config import Settings
+from controlplane.routing.wire import (
+    BREAKER_STATES,
+    NodeMetricsDoc,
+    RoutingSnapshot,
+    edge_fresh_s,
+    fresh_edge_reports,
+)
 
-BREAKER_RANK = {"open": 3, "half_open": 2, "closed": 1}
+BREAKER_RANK = {b: len(BREAKER_STATES) - i for i, b in enumerate(BREAKER_STATES)}
+"""open 3 > half_open 2 > closed 1: the worst breaker over the edges is shown."""
 HISTORY_WINDOW_S = 300.0
 """Sparklines cover the last 5 minutes of history points."""
 
@@ -115,30 +126,23 @@ def _loads(raw: str | None) -> dict:
 
 def edge_stats(raw_edges: dict[str, str], now: float, stale_s: float) -> dict[str, EdgeAgg]:
     """Sum the per-edge stats (hash ``infergate:v1:edges``) per node, skipping edges whose
-    ``ts`` is older than ``stale_s`` seconds."""
+    ``ts`` is older than ``stale_s`` seconds (``wire.edge_fresh_s(edge.stale_after_s)``)."""
     out: dict[str, EdgeAgg] = {}
     lat: dict[str, list[float]] = {}
-    for edge_id, raw in raw_edges.items():
-        doc = _loads(raw)
-        ts = _num(doc.get("ts"))
-        if ts is None or now - ts > stale_s or not isinstance(doc.get("nodes"), dict):
-            continue
-        for name, st in doc["nodes"].items():
-            if not isinstance(st, dict):
-                continue
+    for rep in fresh_edge_reports(raw_edges, now, stale_s):
+        for name, st in rep.nodes.items():
             a = out.setdefault(name, EdgeAgg())
             a.edges += 1
-            a.inflight += int(_num(st.get("inflight")) or 0)
-            a.requests += int(_num(st.get("requests")) or 0)
-            a.failures += int(_num(st.get("failures")) or 0)
-            b = st.get("breaker")
-            if b in BREAKER_RANK:
-                a.breakers[str(edge_id)] = b
+            a.inflight += st.inflight
+            a.requests += st.requests
+            a.failures += st.failures
+            b = st.breaker
+            if b is not None:
+                a.breakers[rep.edge_id] = b
                 if a.breaker is None or BREAKER_RANK[b] > BREAKER_RANK[a.breaker]:
                     a.breaker = b
-            ms = _num(st.get("latency_ewma_ms"))
-            if ms is not None:
-                lat.setdefault(name, []).append(ms)
+            if st.latency_ewma_ms is not None:
+                lat.setdefault(name, []).append(st.latency_ewma_ms)
     for name, vals in lat.items():
         out[name].latency_ewma_ms = round(sum(vals) / len(vals), 1)
     return out
@@ -176,18 +180,15 @@ def build_views(r: redis.Redis, settings: Settings, *, name: str | None = None,
         if history:
             pipe.lrange(keynames.node_history(n.name), 0, settings.controlplane.history_points - 1)
     res = pipe.execute()
-    edges = edge_stats(res[0] or {}, now, 3 * settings.edge.stale_after_s)
-    snap = _loads(res[1])
-    eff = {}
-    for sn in snap.get("nodes", []) if isinstance(snap.get("nodes"), list) else []:
-        if isinstance(sn, dict) and isinstance(sn.get("name"), str):
-            eff[sn["name"]] = _num(sn.get("effective_weight"))
+    edges = edge_stats(res[0] or {}, now, edge_fresh_s(settings.edge.stale_after_s))
+    snap = RoutingSnapshot.parse(res[1]) or RoutingSnapshot()
+    eff = {sn.name: sn.effective_weight for sn in snap.nodes}
     per = 2 if history else 1
     out = []
     for i, n in enumerate(nodes):
-        m = _loads(res[2 + i * per])
+        m = NodeMetricsDoc.parse(res[2 + i * per]) or NodeMetricsDoc(name=n.name)
         st = states.get(n.name, registry.NodeState())
-        healthy = m.get("healthy") if isinstance(m.get("healthy"), bool) else None
+        healthy = m.healthy
         if st.state != "active":
             status = st.state
         elif healthy is None:
@@ -195,22 +196,17 @@ def build_views(r: redis.Redis, settings: Settings, *, name: str | None = None,
         else:
             status = "active" if healthy else "down"
         e = edges.get(n.name, EdgeAgg())
-        ts = _num(m.get("ts"))
+        ts = _num(m.ts)
         v = NodeView(
             name=n.name, url=n.url, kind=n.kind, weight=n.weight,
             max_concurrency=n.max_concurrency, metrics_path=n.metrics_path,
             health_path=n.health_path, state=st.state, state_since=st.since,
             state_actor=st.actor, healthy=healthy, status=status,
-            reachable=m.get("reachable") if isinstance(m.get("reachable"), bool) else None,
-            dialect=m.get("dialect") if isinstance(m.get("dialect"), str) else None,
-            score=_num(m.get("score")),
-            saturated=m.get("saturated") if isinstance(m.get("saturated"), bool) else None,
-            queue_depth=_num(m.get("queue_depth")), running=_num(m.get("running")),
-            kv_cache_usage=_num(m.get("kv_cache_usage")), ttft_avg_s=_num(m.get("ttft_avg_s")),
-            e2e_avg_s=_num(m.get("e2e_avg_s")),
-            last_error=str(m["last_error"]) if m.get("last_error") else None,
-            last_poll_ts=ts, poll_age_s=None if ts is None else round(max(0.0, now - ts), 3),
-            effective_weight=eff.get(n.name),
+            reachable=m.reachable, dialect=m.dialect, score=_num(m.score),
+            saturated=m.saturated, queue_depth=_num(m.queue_depth), running=_num(m.running),
+            kv_cache_usage=_num(m.kv_cache_usage), ttft_avg_s=_num(m.ttft_avg_s),
+            e2e_avg_s=_num(m.e2e_avg_s), last_error=m.last_error, last_poll_ts=ts, poll_age_s=None if ts is None else round(max(0.0, now - ts), 3),
+            effective_weight=_num(eff.get(n.name)),
             inflight=e.inflight, requests=e.requests, failures=e.failures,
             error_rate=round(e.failures / e.requests, 4) if e.requests else None,
             breaker=e.breaker, breakers=e.breakers, edge_latency_ms=e.latency_ewma_ms,

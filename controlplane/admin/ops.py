@@ -1,29 +1,50 @@
-"""Node registry changes and drain/undrain, shared by the API, the page and the CLI.
+"""Every change an operator makes, shared by the API, the page and the CLI: the node
+registry (add, edit, remove), drain/undrain, API keys (create, edit, revoke) and the
+response-cache purge.
 
 Every change writes an event (``registry.add_event``) naming the actor: ``admin`` for
-the web page and API, ``cli:<user>`` for the command line. Errors are
-:class:`AdminError` subclasses carrying an HTTP status, an error type and a code, so
-each front end can render them its own way.
+the web page and API, ``cli:<user>`` for the command line. Event kinds and details:
+
+- ``node_add`` (the node document), ``node_edit`` (``{field: [old, new]}``),
+  ``node_remove``, ``drain`` / ``undrain`` (``{"from": state}``; none when nothing
+  changed);
+- ``key_create`` (``{"id", "tenant"}``), ``key_edit`` (``{"id", "tenant"}`` + the new
+  value of each changed field), ``key_revoke`` (``{"id", "tenant"}``; none when the key
+  was already revoked);
+- ``cache_purge`` (the scope + ``"purged"``, the entries deleted).
+
+Errors are :class:`AdminError` subclasses carrying an HTTP status, an error type and a
+code, so each front end can render them its own way (JSON error, flash message, exit
+1). Redis being unreachable raises ``redis.exceptions.RedisError`` unchanged.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import re
+import socket
+import threading
+import time
+from urllib.parse import urlsplit
 from dataclasses import asdict, dataclass
 
 import redis
 from pydantic import ValidationError
 
+from controlplane.admin import apikeys
+from controlplane.cache import store as cache_store
+from controlplane.config import HostPort, NodeSettings, Settings
+from controlplane.errors import InfergateError
 from controlplane.routing import registry
-from controlplane.config import NodeSettings
 from controlplane.routing.registry import NodeState
 
 EDITABLE: tuple[str, ...] = ("url", "kind", "weight", "max_concurrency", "metrics_path",
-                             "health_path")
+                             "health_path", "models", "poll_models")
 """Fields ``PATCH /nodes/<name>`` may change (the name is the identity and cannot)."""
 
 
-class AdminError(Exception):
+class AdminError(InfergateError):
     """A request the admin cannot carry out; ``status`` is the HTTP status to answer."""
 
     status = 400
@@ -75,6 +96,177 @@ def parse_node(data: object) -> NodeSettings:
         raise BadInput(validation_message(exc)) from None
 
 
+#: Networks a node URL may not point at unless ``controlplane.node_url_allow`` says so:
+#: link-local (where cloud instance metadata lives) and AWS' IPv6 metadata address.
+REFUSED_NODE_NETS = tuple(ipaddress.ip_network(n) for n in
+                          ("169.254.0.0/16", "fe80::/10", "fd00:ec2::254/128"))
+#: Host names of cloud metadata services, refused like :data:`REFUSED_NODE_NETS`.
+REFUSED_NODE_HOSTS = frozenset({"metadata.google.internal", "metadata.goog"})
+_LOCAL_NAMES = frozenset({"localhost", "0.0.0.0", "::"})
+#: The IPv4 spellings ``inet_aton`` (and so every C resolver and HTTP client) accepts:
+#: one to four parts, each decimal, octal (leading 0) or hexadecimal (0x), e.g.
+#: ``2852039166``, ``0xa9fea9fe``, ``0251.0376.0251.0376``, ``127.1``.
+_IPV4_SHORTHAND = re.compile(r"^(?:0x[0-9a-f]*|[0-9]+)(?:\.(?:0x[0-9a-f]*|[0-9]+)){0,3}$")
+#: Longest wait for a node URL's host name to resolve, seconds.
+RESOLVE_TIMEOUT_S = 2.0
+
+IP = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def _ip(host: str) -> IP | None:
+    """The address ``host`` spells, in any form a client would connect to (IPv6,
+    IPv4-mapped IPv6 as IPv4, IPv4 shorthand / octal / hexadecimal), or None for a name."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        if not _IPV4_SHORTHAND.match(host):
+            return None
+        try:
+            return ipaddress.IPv4Address(socket.inet_aton(host))
+        except (OSError, ValueError):
+            return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def resolve_host(host: str, port: int, timeout: float = RESOLVE_TIMEOUT_S) -> list[IP] | None:
+    """Every address ``host`` resolves to (``getaddrinfo``, IPv4-mapped IPv6 as IPv4),
+    or None when it does not resolve within ``timeout`` seconds. The lookup runs in a
+    daemon thread: a hung resolver costs the caller ``timeout``, never more."""
+    out: list[list[IP]] = []
+
+    def run() -> None:
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError):
+            return
+        ips: list[IP] = []
+        for info in infos:
+            ip = _ip(str(info[4][0]).split("%", 1)[0])
+            if ip is not None and ip not in ips:
+                ips.append(ip)
+        out.append(ips)
+
+    t = threading.Thread(target=run, name="infergate-resolve", daemon=True)
+    t.start()
+    t.join(timeout)
+    return out[0] if out and out[0] else None
+
+
+def _is_local(host: str, ips: list[IP] | None = None) -> bool:
+    if ips is None:
+        ip = _ip(host)
+        ips = [ip] if ip is not None else []
+    return host in _LOCAL_NAMES or any(ip.is_loopback or ip.is_unspecified for ip in ips)
+
+
+def _allowed(host: str, port: int, allow: list[str]) -> bool:
+    """``host:port`` matches an entry of ``controlplane.node_url_allow`` (a host name, an
+    address or a CIDR, each optionally with ``:port``)."""
+    ip = _ip(host)
+    if ip is not None:
+        host = str(ip)
+    for entry in allow:
+        e_host, e_port = entry.strip().lower(), None
+        if e_host.count(":") == 1 or (e_host.startswith("[") and "]:" in e_host):
+            e_host, _, p = e_host.rpartition(":")
+            e_port = int(p) if p.isdigit() else None
+        e_host = e_host.strip("[]")
+        if e_port is not None and e_port != port:
+            continue
+        if e_host == host:
+            return True
+        if ip is not None:
+            try:
+                if ip in ipaddress.ip_network(e_host, strict=False):
+                    return True
+            except ValueError:
+                pass
+    return False
+
+
+def node_url_refusal(url: str, settings: Settings | None = None) -> str | None:
+    """Why ``url`` may not be a node URL, or ``None`` when it may. Refused: hosts in
+    :data:`REFUSED_NODE_NETS` / :data:`REFUSED_NODE_HOSTS` (IPv4-mapped IPv6 and the
+    shorthand, octal and hexadecimal IPv4 spellings too, see :func:`_ip`), host names
+    that resolve to any address in those networks or do not resolve at all within
+    :data:`RESOLVE_TIMEOUT_S` (:func:`resolve_host`), and, with ``settings``, this
+    stack's own Redis, admin, embedder and edge-metrics ports (on the same host or on a
+    loopback address) -- unless ``settings.controlplane.node_url_allow`` allows the
+    host. The check holds for the addresses the name has now; a name whose owner
+    points it elsewhere later is not watched."""
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower().rstrip(".")
+    try:
+        port = parts.port or 80
+    except ValueError:
+        return None  # NodeSettings reports a bad port
+    allow = settings.controlplane.node_url_allow if settings is not None else []
+    if _allowed(host, port, allow):
+        return None
+    ip = _ip(host)
+    if ip is not None:
+        ips: list[IP] = [ip]
+    elif host in REFUSED_NODE_HOSTS:
+        ips = []
+    else:
+        resolved = resolve_host(host, port)
+        if resolved is None:
+            return (f"url: the host name {host} does not resolve; add it to "
+                    "controlplane.node_url_allow to use it anyway")
+        ips = resolved
+    bad = [a for a in ips if any(a in n for n in REFUSED_NODE_NETS if n.version == a.version)]
+    if host in REFUSED_NODE_HOSTS or bad:
+        shown = host if ip is not None or not bad else f"{host} ({bad[0]})"
+        return (f"url: {shown} is a link-local or cloud-metadata address; add it to "
+                "controlplane.node_url_allow to use it anyway")
+    if settings is None:
+        return None
+    own: list[tuple[str, str, int]] = []
+    try:
+        from controlplane.redisdb.url import parse_redis_url
+
+        t = parse_redis_url(settings.redis.url)
+        if t.host and t.port:
+            own.append(("Redis", t.host.lower(), t.port))
+    except ValueError:
+        pass
+    try:
+        hp = HostPort.parse(str(settings.controlplane.listen))
+        own.append(("admin", hp.host.lower(), hp.port))
+    except ValueError:
+        pass
+    try:
+        e = urlsplit(settings.cache.embedder_url)
+        if e.hostname and e.port:
+            own.append(("embedder", e.hostname.lower(), e.port))
+    except ValueError:
+        pass
+    if settings.edge.metrics_listen:
+        try:
+            hp = HostPort.parse(str(settings.edge.metrics_listen))
+            own.append(("edge metrics", hp.host.lower(), hp.port))
+        except ValueError:
+            pass
+    for what, o_host, o_port in own:
+        o_ip = _ip(o_host)
+        same = host == o_host or (o_ip is not None and o_ip in ips)
+        if port == o_port and (same or (_is_local(host, ips) and _is_local(o_host))):
+            return (f"url: {host}:{port} is this stack's own {what} port; add it to "
+                    "controlplane.node_url_allow to use it anyway")
+    return None
+
+
+def check_node_url(node: NodeSettings, settings: Settings | None) -> NodeSettings:
+    """``node`` when its URL may be used (:func:`node_url_refusal`), else raises
+    :class:`BadInput` (code ``node_url_refused``)."""
+    why = node_url_refusal(node.url, settings)
+    if why:
+        raise BadInput(why, "node_url_refused")
+    return node
+
+
 def _require(r: redis.Redis, name: str) -> NodeSettings:
     node = registry.get_node(r, name)
     if node is None:
@@ -82,9 +274,12 @@ def _require(r: redis.Redis, name: str) -> NodeSettings:
     return node
 
 
-def add_node(r: redis.Redis, data: object, actor: str, events_max: int = 10000) -> NodeSettings:
-    """Register a new node. Raises :class:`BadInput`, :class:`Conflict` (name taken)."""
-    node = parse_node(data)
+def add_node(r: redis.Redis, data: object, actor: str, events_max: int = 10000,
+             settings: Settings | None = None) -> NodeSettings:
+    """Register a new node. Raises :class:`BadInput` (also for a refused URL, see
+    :func:`node_url_refusal`; ``settings`` adds the own-port check and the allow list),
+    :class:`Conflict` (name taken)."""
+    node = check_node_url(parse_node(data), settings)
     if not registry.put_node(r, node, only_new=True):
         raise Conflict(f"a node named {node.name!r} already exists", "node_exists")
     registry.add_event(r, "node_add", node.name, actor, node.model_dump(), maxlen=events_max)
@@ -92,9 +287,10 @@ def add_node(r: redis.Redis, data: object, actor: str, events_max: int = 10000) 
 
 
 def edit_node(r: redis.Redis, name: str, changes: object, actor: str,
-              events_max: int = 10000) -> NodeSettings:
+              events_max: int = 10000, settings: Settings | None = None) -> NodeSettings:
     """Change some fields of a node (see :data:`EDITABLE`). Raises :class:`NotFound`,
-    :class:`BadInput` (unknown or invalid field, or a rename attempt)."""
+    :class:`BadInput` (unknown or invalid field, a refused URL as in :func:`add_node`,
+    or a rename attempt)."""
     current = _require(r, name)
     if not isinstance(changes, dict) or not changes:
         raise BadInput(f"expected a JSON object with some of {', '.join(EDITABLE)}")
@@ -105,6 +301,8 @@ def edit_node(r: redis.Redis, name: str, changes: object, actor: str,
         raise BadInput(f"unknown field(s): {', '.join(unknown)}; editable: {', '.join(EDITABLE)}")
     merged = {**current.model_dump(), **changes, "name": name}
     node = parse_node(merged)
+    if "url" in changes:
+        check_node_url(node, settings)
     registry.put_node(r, node)
     diff = {k: [getattr(current, k), getattr(node, k)] for k in EDITABLE
             if getattr(current, k) != getattr(node, k)}
@@ -166,3 +364,139 @@ def undrain(r: redis.Redis, name: str, actor: str, events_max: int = 10000) -> S
 def node_json(node: NodeSettings) -> dict:
     """The registry document of a node as plain JSON types."""
     return json.loads(node.model_dump_json())
+
+
+# ---- API keys --------------------------------------------------------------------------
+
+KEY_FIELDS: tuple[str, ...] = ("tenant", "rpm", "tpm", "label")
+"""Fields of a new key: ``tenant`` (required), ``rpm`` / ``tpm`` (per minute, ``None`` =
+no limit), ``label``."""
+KEY_EDITABLE: tuple[str, ...] = ("rpm", "tpm", "label")
+"""Fields ``edit_key`` may change (the tenant is fixed at creation)."""
+
+
+def _key_event(r: redis.Redis, kind: str, rec: apikeys.ApiKey, actor: str, events_max: int,
+               **extra: object) -> None:
+    registry.add_event(r, kind, "", actor, {"id": rec.id, "tenant": rec.tenant, **extra},
+                       maxlen=events_max)
+
+
+def create_key(r: redis.Redis, data: object, actor: str,
+               events_max: int = 10000) -> tuple[str, apikeys.ApiKey]:
+    """Create a key from ``{"tenant", "rpm"?, "tpm"?, "label"?}``; returns ``(plaintext,
+    record)`` -- the plaintext is shown once and never stored. Writes ``key_create``.
+    Raises :class:`BadInput` (unknown field, bad tenant, limit or label)."""
+    if not isinstance(data, dict):
+        raise BadInput("expected a JSON object with tenant, rpm, tpm, label")
+    unknown = sorted(set(data) - set(KEY_FIELDS))
+    if unknown:
+        raise BadInput(f"unknown field(s): {', '.join(unknown)}; expected {', '.join(KEY_FIELDS)}")
+    try:
+        plaintext, rec = apikeys.create_key(r, data.get("tenant"), rpm=data.get("rpm"),
+                                            tpm=data.get("tpm"), label=data.get("label"))
+    except apikeys.ApiKeyError as exc:
+        raise BadInput(str(exc)) from None
+    _key_event(r, "key_create", rec, actor, events_max)
+    return plaintext, rec
+
+
+def edit_key(r: redis.Redis, key_id: str, changes: object, actor: str,
+             events_max: int = 10000) -> apikeys.ApiKey:
+    """Change some of ``rpm``, ``tpm`` (``None`` or empty = no limit) and ``label`` of a
+    key; returns the record. Writes ``key_edit`` with the new values. Raises
+    :class:`BadInput` (nothing to change, unknown field, bad value), :class:`NotFound`."""
+    if not isinstance(changes, dict) or not changes or set(changes) - set(KEY_EDITABLE):
+        raise BadInput(f"expected some of {', '.join(KEY_EDITABLE)}")
+    try:
+        rec = apikeys.set_limits(r, key_id, **changes)
+    except apikeys.ApiKeyError as exc:
+        raise BadInput(str(exc)) from None
+    if rec is None:
+        raise NotFound(f"no API key with id {key_id!r}", "key_not_found")
+    _key_event(r, "key_edit", rec, actor, events_max,
+               **{k: getattr(rec, k) for k in KEY_EDITABLE if k in changes})
+    return rec
+
+
+@dataclass
+class KeyRevocation:
+    """Result of :func:`revoke_key`: the record (``revoked`` set, epoch s) and whether
+    this call revoked it (``False``: it was revoked before, at ``record.revoked``)."""
+
+    record: apikeys.ApiKey
+    changed: bool
+
+
+def revoke_key(r: redis.Redis, key_id: str, actor: str, events_max: int = 10000,
+               now: float | None = None) -> KeyRevocation:
+    """Revoke a key (the edges refuse it at most ``auth.cache_ttl_s`` later). Idempotent:
+    the first revocation time is kept and only the first call writes ``key_revoke``.
+    Raises :class:`NotFound`."""
+    when = time.time() if now is None else now
+    rec = apikeys.revoke_key(r, key_id, now=when)
+    if rec is None:
+        raise NotFound(f"no API key with id {key_id!r}", "key_not_found")
+    changed = rec.revoked == when
+    if changed:
+        _key_event(r, "key_revoke", rec, actor, events_max)
+    return KeyRevocation(rec, changed)
+
+
+# ---- response cache --------------------------------------------------------------------
+
+PURGE_FIELDS: tuple[str, ...] = ("tenant", "model", "namespace", "all")
+
+
+def purge_scope(data: object) -> dict:
+    """Validate a purge scope: ``{"all": true}`` or some of tenant/model/namespace
+    (non-empty strings of at most 256 characters, combined with AND); returns the scope
+    with only those keys. Raises :class:`BadInput`."""
+    if not isinstance(data, dict):
+        raise BadInput("expected a JSON object with tenant, model, namespace or all")
+    unknown = sorted(set(data) - set(PURGE_FIELDS))
+    if unknown:
+        raise BadInput(f"unknown field(s): {', '.join(unknown)}; expected tenant, model, "
+                       "namespace or all")
+    if "all" in data:
+        if data["all"] is not True:
+            raise BadInput("all: must be true (or left out)")
+        if len(data) > 1:
+            raise BadInput("all: cannot be combined with tenant, model or namespace")
+        return {"all": True}
+    scope = {}
+    for f in ("tenant", "model", "namespace"):
+        if f in data:
+            v = data[f]
+            if not isinstance(v, str) or not v or len(v) > 256:
+                raise BadInput(f"{f}: a non-empty string of at most 256 characters")
+            scope[f] = v
+    if not scope:
+        raise BadInput("purge scope: give tenant, model, namespace or all: true")
+    return scope
+
+
+@dataclass
+class PurgeResult:
+    """Result of :func:`purge_cache`."""
+
+    scope: dict
+    """The validated scope: ``{"all": True}`` or some of tenant/model/namespace."""
+    purged: int
+    """Cache entries (answers) deleted."""
+    vectors: int
+    """Semantic-index vector hashes deleted with them."""
+
+
+def purge_cache(r: redis.Redis, data: object, actor: str,
+                events_max: int = 10000) -> PurgeResult:
+    """Delete the cache entries of a scope (see :func:`purge_scope`) **and** their
+    semantic-index vectors (:func:`controlplane.cache.store.purge_counts`); counters are
+    kept. Writes ``cache_purge`` with the scope and ``purged``. Raises :class:`BadInput`."""
+    scope = purge_scope(data)
+    try:
+        n = cache_store.purge_counts(r, **scope)
+    except cache_store.CacheStoreError as exc:
+        raise BadInput(str(exc)) from None
+    registry.add_event(r, "cache_purge", "", actor, {**scope, "purged": n.entries},
+                       maxlen=events_max)
+    return PurgeResult(scope, n.entries, n.vectors)

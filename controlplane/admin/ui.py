@@ -1,13 +1,21 @@
-"""The admin web page (blueprint ``ui``): nodes, node detail, events, cache, API keys.
+"""The admin web page (blueprint ``ui``): overview, nodes, node detail, events, cache,
+API keys.
 
 Every page needs a login with the admin token (:mod:`.auth`); every POST needs the
 form's CSRF token (400 without it). Changes use the same operations as the API
-(:mod:`.ops`) and write events with actor ``admin``.
+(:mod:`.ops`) and write events with actor ``admin``. Every form that changes something
+answers with a redirect (303) to a page and a flash message (post/redirect/get), so a
+reload never repeats it; a new API key is handed to the page after the redirect through
+a one-time token in the session (the key itself stays in this process's memory for at
+most :data:`REVEAL_TTL_S` and is never stored).
 """
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
+import secrets
+import threading
+import time
+from urllib.parse import urlencode, urlsplit
 
 import flask
 import redis
@@ -15,9 +23,9 @@ import redis
 from controlplane.admin import apikeys
 from controlplane.cache import store as cache_store
 from controlplane.routing import registry
-from controlplane.admin import auth, ops
-from controlplane.admin.api import purge_scope
-from controlplane.admin.nodeview import build_view, build_views
+from controlplane.admin import auth, ops, svg
+from controlplane.admin.nodeview import NodeView, build_view, build_views
+from controlplane.routing import series
 
 bp = flask.Blueprint("ui", __name__)
 ACTOR = "admin"
@@ -58,14 +66,20 @@ def _redis_down(exc: redis.exceptions.RedisError) -> flask.Response:
                   message=f"Cannot reach Redis: {exc}. The page works again once Redis answers.")
 
 
+def _has_control_chars(value: str | None) -> bool:
+    """Whether ``value`` holds a control character (CR, LF, NUL, ...)."""
+    return bool(value) and any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in value)  # type: ignore[union-attr]
+
+
 def _safe_next(target: str | None) -> str:
-    """Only local paths are followed after login (no open redirect)."""
-    if target:
+    """Only local paths are followed after login (no open redirect, no header
+    injection: a target with a control character is never followed)."""
+    if target and not _has_control_chars(target):
         parts = urlsplit(target)
         if not parts.scheme and not parts.netloc and target.startswith("/") \
                 and not target.startswith("//") and "\\" not in target:
             return target
-    return flask.url_for("ui.nodes")
+    return flask.url_for("ui.overview")
 
 
 # ---- login ---------------------------------------------------------------------------
@@ -73,16 +87,31 @@ def _safe_next(target: str | None) -> str:
 
 @bp.route("/login", methods=["GET", "POST"])
 def login() -> flask.Response:
-    """Login form; ``POST`` with ``token`` (the admin token) starts the session."""
+    """Login form; ``POST`` with ``token`` (the admin token) starts the session.
+
+    400 when ``next`` holds a control character (CR/LF); 429 with ``Retry-After`` when
+    this client address made too many failed attempts (:mod:`.auth`)."""
     enabled = bool(auth.admin_token())
+    if _has_control_chars(flask.request.values.get("next")):
+        return render("error.html", 400, title="Bad request",
+                      message="The next parameter must not contain control characters.")
     if flask.request.method == "POST":
         if not enabled:
             return render("login.html", 403, enabled=False)
+        nxt = flask.request.form.get("next", "")
+        wait = auth.throttle_wait()
+        if wait:
+            resp = render("error.html", 429, title="Too many attempts",
+                          message=f"Too many failed logins from your address. Try again in "
+                                  f"{wait} s.")
+            resp.headers["Retry-After"] = str(wait)
+            return resp
         if auth.token_ok(flask.request.form.get("token", "")):
             auth.log_in()
-            return flask.redirect(_safe_next(flask.request.form.get("next")), 303)
-        return render("login.html", 401, enabled=True, failed=True,
-                      next=flask.request.form.get("next", ""))
+            return flask.redirect(_safe_next(nxt), 303)
+        auth.attempt_failed()
+        flask.flash("Wrong admin token.", "error")
+        return flask.redirect(flask.url_for("ui.login", **({"next": nxt} if nxt else {})), 303)
     if auth.logged_in():
         return flask.redirect(_safe_next(flask.request.args.get("next")))
     return render("login.html", 200 if enabled else 403, enabled=enabled,
@@ -95,19 +124,62 @@ def logout() -> flask.Response:
     return flask.redirect(flask.url_for("ui.login"), 303)
 
 
+# ---- overview ------------------------------------------------------------------------
+
+
+def _window() -> int:
+    """``?window=`` 300 or 3600 seconds (default 300)."""
+    try:
+        w = int(flask.request.args.get("window", series.WINDOWS_S[0]))
+    except ValueError:
+        w = series.WINDOWS_S[0]
+    return w if w in series.WINDOWS_S else series.WINDOWS_S[0]
+
+
+def _overview_ctx() -> dict:
+    r = _r()
+    window = _window()
+    ov = series.read(r, window)
+    views = {v.name: v for v in build_views(r, auth.settings())}
+    names = sorted(set(views) | set(ov["nodes"]),
+                   key=lambda n: (failing(views[n]) if n in views else True, n))
+    return {"ov": ov, "window": window, "windows": series.WINDOWS_S, "views": views,
+            "names": names, "step_s": series.STEP_S, "fv": svg.fmt_value}
+
+
 @bp.get("/")
-def index() -> flask.Response:
-    return flask.redirect(flask.url_for("ui.nodes"))
+def overview() -> flask.Response:
+    """The first page: requests/s, cache hit rates, p50/p99, shed, rate-limited and
+    error rates of the pool and per node over the last 5 or 60 minutes
+    (:mod:`controlplane.routing.series`); refreshes its panel every 5 s."""
+    return render("overview.html", **_overview_ctx())
+
+
+@bp.get("/overview/panel")
+def overview_panel() -> flask.Response:
+    """The overview's figures and charts alone (HTML fragment for the live refresh)."""
+    resp = render("_overview_panel.html", **_overview_ctx())
+    resp.headers["Cache-Control"] = "no-store"
+    return resp
 
 
 # ---- nodes ---------------------------------------------------------------------------
 
 
+def failing(v: NodeView) -> bool:
+    """Unhealthy after the last poll or a breaker open at an edge: the node gets no
+    traffic, so its score is not shown as a number (and it sorts last)."""
+    return v.healthy is False or v.breaker == "open"
+
+
 @bp.get("/nodes")
 def nodes() -> flask.Response:
-    """The nodes table; refreshes itself from ``/api/v1/nodes?history=1`` every 2 s."""
-    views = build_views(_r(), auth.settings(), history=True)
-    return render("nodes.html", views=views, kinds=("vllm", "tgi", "sglang", "json", "openai"))
+    """The nodes table, failing nodes last; refreshes itself from
+    ``/api/v1/nodes?history=1`` every 2 s (the same order, in JavaScript)."""
+    views = sorted(build_views(_r(), auth.settings(), history=True),
+                   key=lambda v: (failing(v), v.name))
+    return render("nodes.html", views=views, failing=failing,
+                  kinds=("vllm", "tgi", "sglang", "json", "openai"))
 
 
 def _form_node() -> dict:
@@ -123,7 +195,7 @@ def _back(default: str) -> flask.Response:
 @bp.post("/nodes")
 def add_node() -> flask.Response:
     try:
-        node = ops.add_node(_r(), _form_node(), ACTOR, _events_max())
+        node = ops.add_node(_r(), _form_node(), ACTOR, _events_max(), settings=auth.settings())
         flask.flash(f"Node {node.name} added.", "ok")
     except ops.AdminError as exc:
         flask.flash(f"Not added: {exc.message}", "error")
@@ -149,7 +221,7 @@ def edit_node(name: str) -> flask.Response:
     changes = _form_node()
     changes.pop("name", None)
     try:
-        ops.edit_node(_r(), name, changes, ACTOR, _events_max())
+        ops.edit_node(_r(), name, changes, ACTOR, _events_max(), settings=auth.settings())
         flask.flash(f"Node {name} saved.", "ok")
     except ops.NotFound as exc:
         flask.flash(exc.message, "error")
@@ -218,22 +290,28 @@ def cache() -> flask.Response:
 
 
 def _form_scope() -> dict:
-    f = flask.request.form
+    """The purge scope of the form (POST) or of the confirmation URL (GET)."""
+    f = flask.request.form if flask.request.method == "POST" else flask.request.args
     if f.get("scope") == "all" or f.get("all") == "true":
-        return purge_scope({"all": True})
+        return ops.purge_scope({"all": True})
     data = {d: f.get(d, "").strip() for d in ("tenant", "model", "namespace")
             if f.get(d, "").strip()}
-    return purge_scope(data)
+    return ops.purge_scope(data)
 
 
-@bp.post("/cache/purge")
+@bp.route("/cache/purge", methods=["GET", "POST"])
 def cache_purge() -> flask.Response:
-    """First step: show what would be purged and ask for confirmation."""
+    """First step (changes nothing): ``GET ?tenant=&model=&namespace=`` or
+    ``?scope=all`` shows what would be purged and asks for confirmation. A POST of the
+    same fields is redirected (303) to that GET."""
     try:
         scope = _form_scope()
     except ops.AdminError as exc:
         flask.flash(f"Nothing purged: {exc.message}", "error")
         return _back(flask.url_for("ui.cache"))
+    if flask.request.method == "POST":
+        query = {"scope": "all"} if scope.get("all") else scope
+        return _back(flask.url_for("ui.cache_purge") + "?" + urlencode(query))
     return render("cache_confirm.html", scope=scope, estimate=cache_store.estimate(_r(), **scope))
 
 
@@ -247,9 +325,7 @@ def cache_purge_confirm() -> flask.Response:
     except ops.AdminError as exc:
         flask.flash(f"Nothing purged: {exc.message}", "error")
         return _back(flask.url_for("ui.cache"))
-    n = cache_store.purge(_r(), **scope)
-    registry.add_event(_r(), "cache_purge", "", ACTOR, {**scope, "purged": n},
-                       maxlen=_events_max())
+    n = ops.purge_cache(_r(), scope, ACTOR, _events_max()).purged
     flask.flash(f"Purged {n} cache entr{'y' if n == 1 else 'ies'}.", "ok")
     return _back(flask.url_for("ui.cache"))
 
@@ -257,45 +333,79 @@ def cache_purge_confirm() -> flask.Response:
 # ---- API keys --------------------------------------------------------------------------
 
 
-def _keys_page(status: int = 200, new_key: str | None = None,
-               new_rec: apikeys.ApiKey | None = None) -> flask.Response:
-    resp = render("keys.html", status, keys=apikeys.list_keys(_r()), new_key=new_key,
-                  new_rec=new_rec)
-    resp.headers["Cache-Control"] = "no-store"
-    return resp
+REVEAL_TTL_S = 300.0
+"""A new key waits at most this long (in memory) for the page to show it once."""
+REVEAL_MAX = 64
+_reveal: dict[str, tuple[float, str, str]] = {}
+_reveal_lock = threading.Lock()
+
+
+def _reveal_put(plaintext: str, key_id: str) -> str:
+    """Keep a new key for its one display after the redirect; returns the one-time
+    token that goes into the (signed) session instead of the key."""
+    token = secrets.token_urlsafe(16)
+    now = time.monotonic()
+    with _reveal_lock:
+        for t in [t for t, (exp, _, _) in _reveal.items() if exp < now]:
+            del _reveal[t]
+        while len(_reveal) >= REVEAL_MAX:
+            del _reveal[next(iter(_reveal))]
+        _reveal[token] = (now + REVEAL_TTL_S, plaintext, key_id)
+    return token
+
+
+def _reveal_pop(token: object) -> tuple[str, str] | None:
+    """``(plaintext, key id)`` once for a token from :func:`_reveal_put`, else None."""
+    if not isinstance(token, str):
+        return None
+    with _reveal_lock:
+        item = _reveal.pop(token, None)
+    if item is None or item[0] < time.monotonic():
+        return None
+    return item[1], item[2]
 
 
 @bp.get("/keys")
 def keys_page() -> flask.Response:
-    return _keys_page()
+    """The key list; right after a create, the new key once (then never again)."""
+    keys = apikeys.list_keys(_r())
+    new_key = new_rec = None
+    shown = _reveal_pop(flask.session.pop("new_key", None))
+    if shown is not None:
+        new_key = shown[0]
+        new_rec = next((k for k in keys if k.id == shown[1]), None)
+        if new_rec is None:
+            new_key = None
+    resp = render("keys.html", keys=keys, new_key=new_key, new_rec=new_rec)
+    resp.headers["Cache-Control"] = "no-store"
+    return resp
 
 
 @bp.post("/keys")
 def create_key() -> flask.Response:
-    """Create a key and show it once (the page is not cached, the key is not stored)."""
+    """Create a key, then redirect (303) to the keys page, which shows it once (the page
+    is not cached, the key is not stored)."""
     f = flask.request.form
     try:
-        plaintext, rec = apikeys.create_key(_r(), f.get("tenant", "").strip(),
-                                            rpm=f.get("rpm", "").strip() or None,
-                                            tpm=f.get("tpm", "").strip() or None,
-                                            label=f.get("label", "").strip())
-    except apikeys.ApiKeyError as exc:
-        flask.flash(f"No key created: {exc}", "error")
+        plaintext, rec = ops.create_key(_r(), {"tenant": f.get("tenant", "").strip(),
+                                               "rpm": f.get("rpm", "").strip() or None,
+                                               "tpm": f.get("tpm", "").strip() or None,
+                                               "label": f.get("label", "").strip()},
+                                        ACTOR, _events_max())
+    except ops.AdminError as exc:
+        flask.flash(f"No key created: {exc.message}", "error")
         return _back(flask.url_for("ui.keys_page"))
-    registry.add_event(_r(), "key_create", "", ACTOR, {"id": rec.id, "tenant": rec.tenant},
-                       maxlen=_events_max())
-    return _keys_page(201, plaintext, rec)
+    flask.session["new_key"] = _reveal_put(plaintext, rec.id)
+    return _back(flask.url_for("ui.keys_page"))
 
 
 @bp.post("/keys/<key_id>/revoke")
 def revoke_key(key_id: str) -> flask.Response:
-    rec = apikeys.revoke_key(_r(), key_id)
-    if rec is None:
-        flask.flash(f"No API key with id {key_id!r}.", "error")
-    else:
-        registry.add_event(_r(), "key_revoke", "", ACTOR, {"id": rec.id, "tenant": rec.tenant},
-                           maxlen=_events_max())
+    try:
+        rec = ops.revoke_key(_r(), key_id, ACTOR, _events_max()).record
         flask.flash(f"Key {rec.id} ({rec.tenant}) revoked.", "ok")
+    except ops.NotFound:
+        flask.flash(f"No API key with id {key_id!r}.", "error")
     return _back(flask.url_for("ui.keys_page"))
 
 
@@ -304,14 +414,10 @@ def key_limits(key_id: str) -> flask.Response:
     f = flask.request.form
     changes = {"rpm": f.get("rpm", "").strip() or None, "tpm": f.get("tpm", "").strip() or None}
     try:
-        rec = apikeys.set_limits(_r(), key_id, **changes)
-    except apikeys.ApiKeyError as exc:
-        flask.flash(f"Limits not changed: {exc}", "error")
-        return _back(flask.url_for("ui.keys_page"))
-    if rec is None:
-        flask.flash(f"No API key with id {key_id!r}.", "error")
-    else:
-        registry.add_event(_r(), "key_edit", "", ACTOR, {"id": rec.id, "rpm": rec.rpm,
-                                                         "tpm": rec.tpm}, maxlen=_events_max())
+        rec = ops.edit_key(_r(), key_id, changes, ACTOR, _events_max())
         flask.flash(f"Key {rec.id}: limits saved.", "ok")
+    except ops.NotFound:
+        flask.flash(f"No API key with id {key_id!r}.", "error")
+    except ops.AdminError as exc:
+        flask.flash(f"Limits not changed: {exc.message}", "error")
     return _back(flask.url_for("ui.keys_page"))

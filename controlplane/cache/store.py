@@ -15,6 +15,16 @@ Layout (schema v1, see docs/internals.md "Response cache"):
   ``misses`` (looked, found nothing), ``bypass`` (cacheable request that skipped the
   cache: Redis/embedder down or over budget, ``no-cache``; not counted in lookups),
   ``stores`` (entries written).
+- ``keynames.cache_vec(model_slug, dim, hex)`` = ``infergate:v1:cache:vec:<slug>:<dim>:<hex>``:
+  the embedder's vector hash of an entry (``controlplane.embedder.index``). A purge
+  deletes the vectors of the entries it deletes (:func:`purge_counts`).
+
+Every key of the cache carries a TTL, so Redis (``maxmemory-policy volatile-lru``) may
+evict any of them under memory pressure and never a state key (API keys, nodes, drain
+states, events: no TTL). Entries have their own TTL; an index set gets the longest TTL
+of its entries (``EXPIRE NX`` then ``EXPIRE GT`` on every add); the stats hash
+:data:`COUNTERS_TTL_S` and the semantic index queue :data:`INDEX_QUEUE_TTL_S`, renewed
+by every write (the edge's ``lua/infergate/cache/capture.lua`` does the same).
 
 Functions take a ``redis.Redis`` built with ``decode_responses=True`` and raise
 ``redis.exceptions.RedisError`` when Redis is unreachable. Only ``SCAN``/``SSCAN`` are used
@@ -32,15 +42,20 @@ from dataclasses import asdict, dataclass
 
 import redis
 
+from controlplane.errors import InfergateError
 from controlplane.redisdb import keynames
 
 DIMENSIONS: tuple[str, ...] = ("tenant", "model", "namespace")
 COUNTERS: tuple[str, ...] = ("lookups", "hits_exact", "hits_semantic", "misses", "bypass", "stores")
 HEX_RE = re.compile(r"^[0-9a-f]{16,128}$")
 MEMORY_SAMPLES = 64
+#: TTL (s) of the cache counters hash, renewed by every increment (30 days).
+COUNTERS_TTL_S = 30 * 86400
+#: TTL (s) of the semantic index queue, renewed by every push (1 day).
+INDEX_QUEUE_TTL_S = 86400
 
 
-class CacheStoreError(ValueError):
+class CacheStoreError(InfergateError, ValueError):
     """Bad arguments (no purge scope, unknown counter, bad key)."""
 
 
@@ -104,8 +119,12 @@ def store(r: redis.Redis, exact_key_hex: str, *, tenant: str, model: str, namesp
     pipe = r.pipeline()
     pipe.set(keynames.cache_entry(exact_key_hex), json.dumps(doc), ex=ttl)
     for d, v in dims.items():
-        pipe.sadd(keynames.cache_index(d, v), exact_key_hex)
+        idx = keynames.cache_index(d, v)
+        pipe.sadd(idx, exact_key_hex)
+        pipe.expire(idx, ttl, nx=True)  # the set lives as long as its longest-lived entry
+        pipe.expire(idx, ttl, gt=True)
     pipe.hincrby(keynames.CACHE_STATS, "stores", 1)
+    pipe.expire(keynames.CACHE_STATS, COUNTERS_TTL_S)
     pipe.execute()
 
 
@@ -113,7 +132,10 @@ def count(r: redis.Redis, field: str, n: int = 1) -> int:
     """Add ``n`` to counter ``field`` of ``keynames.CACHE_STATS``; returns the new value."""
     if field not in COUNTERS:
         raise CacheStoreError(f"unknown cache counter {field!r}; expected one of {COUNTERS}")
-    return int(r.hincrby(keynames.CACHE_STATS, field, n))
+    pipe = r.pipeline()
+    pipe.hincrby(keynames.CACHE_STATS, field, n)
+    pipe.expire(keynames.CACHE_STATS, COUNTERS_TTL_S)
+    return int(pipe.execute()[0])
 
 
 def _scan_entries(r: redis.Redis) -> Iterator[str]:
@@ -191,22 +213,68 @@ def estimate(r: redis.Redis, *, tenant: str | None = None, model: str | None = N
     return min(int(n) for n in pipe.execute())
 
 
+@dataclass
+class PurgeCount:
+    """What one purge deleted."""
+
+    entries: int
+    """Cache entries (answers) deleted."""
+    vectors: int
+    """Semantic-index vector hashes deleted (``keynames.cache_vec(slug, dim, hex)``, of
+    any embedding model and dimension)."""
+
+
 def purge(r: redis.Redis, *, tenant: str | None = None, model: str | None = None,
           namespace: str | None = None, all: bool = False, batch: int = 500) -> int:
-    """Delete cache entries and their index memberships; returns how many entries were
-    deleted.
+    """:func:`purge_counts` (entries **and** their vectors); returns the entries deleted."""
+    return purge_counts(r, tenant=tenant, model=model, namespace=namespace, all=all,
+                        batch=batch).entries
 
-    - ``all=True``: every entry and every index set (counters are kept).
+
+def purge_counts(r: redis.Redis, *, tenant: str | None = None, model: str | None = None,
+                 namespace: str | None = None, all: bool = False,
+                 batch: int = 500) -> PurgeCount:
+    """Delete cache entries, their index memberships and their semantic-index vectors.
+
+    - ``all=True``: every entry, every index set and every vector hash (counters are
+      kept).
     - otherwise entries matching **all** given filters (tenant and/or model and/or
-      namespace). Raises :class:`CacheStoreError` when no scope is given."""
+      namespace), and the vector hashes of exactly those entries (found with one
+      ``SCAN`` over the vector prefix, skipped when no entry was deleted).
+
+    A vector left behind would never be served (the embedder checks that a candidate's
+    entry exists), but it would hold memory until its TTL. Raises
+    :class:`CacheStoreError` when no scope is given."""
     if all:
         deleted = 0
         for b in _batches(_scan_entries(r), batch):
             deleted += int(r.unlink(*b))
         for b in _batches(r.scan_iter(match=keynames.CACHE_INDEX_PREFIX + "*", count=1000), batch):
             r.unlink(*b)
-        return deleted
-    f = _filters(tenant, model, namespace)
+        return PurgeCount(deleted, purge_vectors(r, None, batch=batch))
+    keys = _purge_scoped(r, _filters(tenant, model, namespace), batch)
+    return PurgeCount(len(keys), purge_vectors(r, keys, batch=batch) if keys else 0)
+
+
+def purge_vectors(r: redis.Redis, exact_keys: set[str] | None, *, batch: int = 500) -> int:
+    """Delete the embedder's vector hashes of the entries ``exact_keys`` (hex), of every
+    model and dimension, or every vector hash when ``exact_keys`` is ``None``; returns
+    how many were deleted. One ``SCAN`` over ``keynames.CACHE_VEC_PREFIX``, ``UNLINK``
+    in batches (a Redis search index drops the unlinked hashes by itself)."""
+    n = 0
+    found = (k for k in r.scan_iter(match=keynames.CACHE_VEC_PREFIX + "*", count=1000)
+             if exact_keys is None or _s(k).rsplit(":", 1)[-1] in exact_keys)
+    for b in _batches(found, batch):
+        n += int(r.unlink(*b))
+    return n
+
+
+def _s(k: str | bytes) -> str:
+    return k.decode() if isinstance(k, bytes) else k
+
+
+def _purge_scoped(r: redis.Redis, f: dict[str, str], batch: int) -> set[str]:
+    """Delete the entries matching every filter in ``f``; returns their exact key hexes."""
     if not f:
         raise CacheStoreError("purge scope: give tenant, model, namespace or all")
     pipe = r.pipeline()
@@ -215,11 +283,11 @@ def purge(r: redis.Redis, *, tenant: str | None = None, model: str | None = None
     sizes = pipe.execute()
     src_dim, src_val = min(zip(f.items(), sizes), key=lambda t: t[1])[0]
     src = keynames.cache_index(src_dim, src_val)
-    deleted = 0
+    deleted: set[str] = set()
     for members in _batches(r.sscan_iter(src, count=1000), batch):
         docs = r.mget([keynames.cache_entry(m) for m in members])
         pipe = r.pipeline()
-        del_at: list[int] = []  # positions of the DEL replies in the pipeline
+        del_at: list[tuple[int, str]] = []  # positions of the DEL replies in the pipeline
         n_ops = 0
         for m, raw in zip(members, docs):
             if raw is None:  # expired: drop the stale memberships we know of
@@ -230,7 +298,7 @@ def purge(r: redis.Redis, *, tenant: str | None = None, model: str | None = None
             doc = _parse(raw)
             if doc and any(doc.get(d) != v for d, v in f.items()):
                 continue  # in the scanned index but not matching every filter
-            del_at.append(n_ops)
+            del_at.append((n_ops, m))
             pipe.delete(keynames.cache_entry(m))
             n_ops += 1
             for d in DIMENSIONS:
@@ -241,7 +309,7 @@ def purge(r: redis.Redis, *, tenant: str | None = None, model: str | None = None
             pipe.srem(src, m)
             n_ops += 1
         res = pipe.execute()
-        deleted += sum(int(res[i]) for i in del_at)
+        deleted.update(m for i, m in del_at if int(res[i]))
     return deleted
 
 

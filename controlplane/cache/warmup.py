@@ -20,12 +20,18 @@ Summary (printed at the end): ``sent`` requests answered by a node, ``skipped`` 
 already cached (in Redis before sending, or answered by the edge from its cache),
 ``stored`` sent prompts whose entry is in Redis afterwards, ``failed`` requests that
 got an error or no answer. Exit status 1 when any prompt failed.
+
+An edge that requires API keys and answers ``401`` stops the run at once (no further
+prompt is sent): "pass --api-key or set INFERGATE_API_KEY", exit status 1. On a terminal
+the progress is a bar; otherwise (piped, in a log) one line per step of about 5 % or
+every 2 s: ``warmup: 40/800 done (sent 38, skipped 2, failed 0)``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -38,14 +44,17 @@ import requests
 
 from controlplane.redisdb import keynames
 from controlplane.cache.key import keys_for
-from controlplane.config import ConfigError, load_settings
+from controlplane.config import ConfigError, HostPort, load_settings
 from controlplane.redisdb.conn import make_redis
+from controlplane.errors import InfergateError
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+#: What to do about a 401 from the edge.
+KEY_HINT = "pass --api-key or set INFERGATE_API_KEY"
 
 
-class PromptError(ValueError):
+class PromptError(InfergateError, ValueError):
     """A line of the prompt file cannot be turned into a request (message names the line)."""
 
 
@@ -67,6 +76,8 @@ class Summary:
     stored: int = 0
     failed: int = 0
     errors: list[str] = field(default_factory=list)
+    #: the edge's message when it answered 401 (the run stopped there), else "".
+    unauthorized: str = ""
 
     def text(self) -> str:
         return (f"sent {self.sent}, skipped {self.skipped}, stored {self.stored}, "
@@ -146,9 +157,25 @@ def _cached(r: redis_lib.Redis | None, key: str) -> bool:
         return False
 
 
+def _error_message(res: requests.Response) -> str:
+    """``error.message`` of an OpenAI-style JSON error, else the start of the body."""
+    try:
+        msg = res.json()["error"]["message"]
+        if isinstance(msg, str):
+            return msg
+    except (ValueError, KeyError, TypeError):
+        pass
+    return res.text[:200].strip()
+
+
 def _default_model(edge: str, headers: dict[str, str]) -> str | None:
+    """First model id of the edge's ``GET /v1/models``; None when it has none or is
+    unreachable. Raises :class:`click.ClickException` on 401 (no or a wrong key)."""
     try:
         res = requests.get(f"{edge}/v1/models", headers=headers, timeout=10)
+        if res.status_code == 401:
+            raise click.ClickException(f"the edge at {edge} answered 401 ({_error_message(res)}): "
+                                       f"{KEY_HINT}")
         data = res.json().get("data") if res.status_code == 200 else None
         if isinstance(data, list) and data and isinstance(data[0], dict):
             mid = data[0].get("id")
@@ -158,16 +185,41 @@ def _default_model(edge: str, headers: dict[str, str]) -> str | None:
     return None
 
 
+class ProgressLines:
+    """Progress for a log or a pipe: ``warmup: DONE/TOTAL done (sent S, skipped K,
+    failed F)``, flushed, every ``step`` prompts (default about 5 % of ``total``) or
+    ``every_s`` seconds, and at the last prompt. Call with (done, summary)."""
+
+    def __init__(self, total: int, *, step: int | None = None, every_s: float = 2.0,
+                 out=None) -> None:
+        self.total = total
+        self.step = step or max(1, total // 20)
+        self.every_s = every_s
+        self.out = out
+        self._last_done = 0
+        self._last_t = time.monotonic()
+
+    def __call__(self, done: int, summary: Summary) -> None:
+        now = time.monotonic()
+        if (done - self._last_done >= self.step or now - self._last_t >= self.every_s
+                or done == self.total):
+            self._last_done, self._last_t = done, now
+            click.echo(f"warmup: {done}/{self.total} done (sent {summary.sent}, skipped "
+                       f"{summary.skipped}, failed {summary.failed})", file=self.out)
+
+
 def run_warmup(prompts: list[Prompt], edge: str, r: redis_lib.Redis | None, *,
                concurrency: int = 5, api_key: str | None = None, tenant: str = "default",
                timeout_s: float = 120.0, store_wait_s: float = 5.0,
                progress=None) -> Summary:
     """Send ``prompts`` through ``edge`` (``http://host:port``) with at most
     ``concurrency`` requests at once; skip those already in the cache (``r`` None: no
-    skipping). ``progress``: callable(n) advanced once per prompt. After sending, waits
-    for the entries to appear (they are written just after each answer): until all are
-    there, none appeared for 1 s, or ``store_wait_s`` seconds passed. Returns the
-    :class:`Summary`."""
+    skipping). ``progress``: callable(done, summary), called once per prompt handled
+    (``done`` counts them, 1..len(prompts)). A ``401`` answer stops the run: no further
+    prompt is sent and ``summary.unauthorized`` holds the edge's message. After
+    sending, waits for the entries to appear (they are written just after each answer):
+    until all are there, none appeared for 1 s, or ``store_wait_s`` seconds passed.
+    Returns the :class:`Summary`."""
     summary = Summary()
     headers = {"Content-Type": "application/json"}
     if api_key:
@@ -176,6 +228,7 @@ def run_warmup(prompts: list[Prompt], edge: str, r: redis_lib.Redis | None, *,
     lock = threading.Lock()
     sent_keys: list[str] = []
     seen: set[str] = set()
+    unauthorized = threading.Event()
 
     def session() -> requests.Session:
         s = getattr(local, "s", None)
@@ -184,6 +237,8 @@ def run_warmup(prompts: list[Prompt], edge: str, r: redis_lib.Redis | None, *,
         return s
 
     def one(p: Prompt) -> None:
+        if unauthorized.is_set():
+            return
         key = keys_for(p.path, p.body, tenant).exact
         with lock:
             duplicate = key in seen
@@ -201,7 +256,12 @@ def run_warmup(prompts: list[Prompt], edge: str, r: redis_lib.Redis | None, *,
         except requests.RequestException as exc:
             status, cache_status, detail = 0, "", str(exc)
         with lock:
-            if status != 200:
+            if status == 401:
+                if not unauthorized.is_set():
+                    unauthorized.set()
+                    summary.failed += 1
+                    summary.unauthorized = _error_message(res)
+            elif status != 200:
                 summary.failed += 1
                 summary.errors.append(f"line {p.line}: {status or 'no answer'} {detail}".strip())
             elif cache_status == "HIT":
@@ -212,10 +272,12 @@ def run_warmup(prompts: list[Prompt], edge: str, r: redis_lib.Redis | None, *,
 
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
         futures = [pool.submit(one, p) for p in prompts]
+        done = 0
         for fut in as_completed(futures):
             fut.result()
-            if progress is not None:
-                progress(1)
+            done += 1
+            if progress is not None and not unauthorized.is_set():
+                progress(done, summary)
 
     if r is not None and sent_keys:
         # entries land a few ms after their answer; stop when all are there, or when none
@@ -269,10 +331,7 @@ def warmup_cmd(prompts_file: Path, concurrency: int, edge_url: str | None, model
     if redis_url:
         settings.redis.url = redis_url
     if not edge_url:
-        host, _, port = settings.edge.listen.rpartition(":")
-        if host in ("0.0.0.0", "", "*"):
-            host = "127.0.0.1"
-        edge_url = f"http://{host}:{port}"
+        edge_url = HostPort.parse(settings.edge.listen, "edge.listen").client_url
     edge_url = edge_url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     if not model:
@@ -292,9 +351,18 @@ def warmup_cmd(prompts_file: Path, concurrency: int, edge_url: str | None, model
                    "cached prompts are not skipped and stores are not counted", err=True)
         r = None
     tenant = tenant_of_key(r, api_key)
-    with click.progressbar(length=len(prompts), label="warming up", file=None) as bar:
+    if sys.stdout.isatty():
+        with click.progressbar(length=len(prompts), label="warming up") as bar:
+            summary = run_warmup(prompts, edge_url, r, concurrency=concurrency,
+                                 api_key=api_key, tenant=tenant, timeout_s=timeout_s,
+                                 progress=lambda _done, _summary: bar.update(1))
+    else:
         summary = run_warmup(prompts, edge_url, r, concurrency=concurrency, api_key=api_key,
-                             tenant=tenant, timeout_s=timeout_s, progress=bar.update)
+                             tenant=tenant, timeout_s=timeout_s,
+                             progress=ProgressLines(len(prompts)))
+    if summary.unauthorized:
+        raise click.ClickException(f"the edge at {edge_url} answered 401 "
+                                   f"({summary.unauthorized}): {KEY_HINT}")
     for e in summary.errors[:10]:
         click.echo(f"  {e}", err=True)
     if len(summary.errors) > 10:

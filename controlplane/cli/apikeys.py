@@ -5,11 +5,18 @@
   tokens per minute (left out = no limit).
 - ``list [--active] [--json]``: id, tenant, label, rpm, tpm, created, revoked (UTC) —
   never the key, which is not stored.
+- ``edit ID [--rpm N|none] [--tpm N|none] [--label TEXT]``: new limits (``none`` = no
+  limit) or label; the edges apply them at most ``auth.cache_ttl_s`` seconds later.
 - ``revoke ID``: the edges refuse the key at most ``auth.cache_ttl_s`` seconds later.
+- ``export [--out FILE]``: every key's hash and record as JSON (a backup: only hashes
+  are stored, so a lost key store cannot be rebuilt any other way; the file holds no
+  usable key). ``import FILE [--overwrite]``: writes them back; keys already present are
+  kept (``--overwrite``: the file wins), an id taken by another key is refused.
 
-Changes write ``key_create`` / ``key_revoke`` events (actor ``cli:<user>``), like the
-admin API. Errors (invalid value, unknown id, Redis unreachable, bad config) print a
-message and exit with status 1. Storage: :mod:`controlplane.admin.apikeys`.
+Changes go through the same operations as the admin API and page
+(:mod:`controlplane.admin.ops`) and write ``key_create`` / ``key_edit`` / ``key_revoke`` events (actor
+``cli:<user>``). Errors (invalid value, unknown id, Redis unreachable, bad config) print
+a message and exit with status 1. Storage: :mod:`controlplane.admin.apikeys`.
 """
 
 from __future__ import annotations
@@ -21,13 +28,12 @@ from typing import Any
 
 import click
 
-from controlplane.admin import apikeys
-from controlplane.routing import registry
+from controlplane.admin import apikeys, ops
 from controlplane.cli.common import Ctx, actor, run_or_exit, table
 
 
 def _run(ctx: Ctx, fn: Callable[[], Any]) -> Any:
-    return run_or_exit(ctx, fn, (apikeys.ApiKeyError,))
+    return run_or_exit(ctx, fn, (ops.AdminError, apikeys.ApiKeyError))
 
 
 def _when(ts: float | None) -> str:
@@ -46,7 +52,7 @@ def _limit(v: int | None) -> str:
 @click.option("--redis-url", default=None, help="Redis URL; overrides the config file.")
 @click.pass_context
 def keys_cmd(ctx: click.Context, config: str | None, redis_url: str | None) -> None:
-    """Create, list and revoke the API keys the edge checks (auth.mode = "required")."""
+    """Create, list, edit and revoke the API keys the edge checks (auth.mode = "required")."""
     ctx.obj = Ctx(config, redis_url)
 
 
@@ -61,10 +67,8 @@ def keys_cmd(ctx: click.Context, config: str | None, redis_url: str | None) -> N
 def create_cmd(c: Ctx, tenant: str, rpm: int | None, tpm: int | None, label: str | None,
                as_json: bool) -> None:
     """Create a key for TENANT and print it once."""
-    plaintext, rec = _run(c, lambda: apikeys.create_key(c.r, tenant, rpm=rpm, tpm=tpm, label=label))
-    _run(c, lambda: registry.add_event(c.r, "key_create", "", actor(),
-                                       {"id": rec.id, "tenant": rec.tenant},
-                                       maxlen=c.settings.controlplane.events_max))
+    plaintext, rec = _run(c, lambda: ops.create_key(
+        c.r, {"tenant": tenant, "rpm": rpm, "tpm": tpm, "label": label}, actor(), c.events_max))
     if as_json:
         click.echo(json.dumps({"key": plaintext, **rec.to_dict()}, indent=2))
         return
@@ -93,20 +97,87 @@ def list_cmd(c: Ctx, active: bool, as_json: bool) -> None:
     click.echo(table(["ID", "TENANT", "LABEL", "RPM", "TPM", "CREATED (UTC)", "REVOKED (UTC)"], rows))
 
 
+def _limit_arg(v: str | None) -> object:
+    """``--rpm`` / ``--tpm`` text: ``none`` = no limit, else validated by the operation."""
+    return None if v is not None and v.strip().lower() in ("none", "") else v
+
+
+@keys_cmd.command("edit")
+@click.argument("key_id")
+@click.option("--rpm", default=None, help="Requests per minute (>= 1), or 'none' for no limit.")
+@click.option("--tpm", default=None, help="Tokens per minute (>= 1), or 'none' for no limit.")
+@click.option("--label", default=None, help="A new note (at most 200 characters).")
+@click.pass_obj
+def edit_cmd(c: Ctx, key_id: str, rpm: str | None, tpm: str | None, label: str | None) -> None:
+    """Change the limits or the label of the key with id KEY_ID."""
+    changes = {k: (_limit_arg(v) if k != "label" else v)
+               for k, v in (("rpm", rpm), ("tpm", tpm), ("label", label)) if v is not None}
+    if not changes:
+        raise click.UsageError("nothing to change: give --rpm, --tpm or --label")
+    rec = _run(c, lambda: ops.edit_key(c.r, key_id, changes, actor(), c.events_max))
+    click.echo(f"saved {rec.id} (tenant {rec.tenant}): rpm {_limit(rec.rpm)}, "
+               f"tpm {_limit(rec.tpm)}, label {rec.label or '-'}; edges apply it within "
+               f"{c.settings.auth.cache_ttl_s:g} s")
+
+
 @keys_cmd.command("revoke")
 @click.argument("key_id")
 @click.pass_obj
 def revoke_cmd(c: Ctx, key_id: str) -> None:
     """Revoke the key with id KEY_ID (edges refuse it within auth.cache_ttl_s)."""
-    before = _run(c, lambda: apikeys.get_key(c.r, key_id))
-    if before is None:
+
+    def revoke() -> ops.KeyRevocation | None:
+        try:
+            return ops.revoke_key(c.r, key_id, actor(), c.events_max)
+        except ops.NotFound:
+            return None
+
+    ch = _run(c, revoke)
+    if ch is None:
         raise click.ClickException(f"no key with id {key_id!r} (see 'infergate keys list')")
-    if before.revoked is not None:
-        click.echo(f"{key_id} was already revoked at {_when(before.revoked)} UTC")
+    rec = ch.record
+    if not ch.changed:
+        click.echo(f"{key_id} was already revoked at {_when(rec.revoked)} UTC")
         return
-    rec = _run(c, lambda: apikeys.revoke_key(c.r, key_id))
-    _run(c, lambda: registry.add_event(c.r, "key_revoke", "", actor(),
-                                       {"id": rec.id, "tenant": rec.tenant},
-                                       maxlen=c.settings.controlplane.events_max))
     click.echo(f"revoked {rec.id} (tenant {rec.tenant}); edges refuse it within "
                f"{c.settings.auth.cache_ttl_s:g} s")
+
+
+@keys_cmd.command("export")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Write to this file (mode 0600) instead of stdout.")
+@click.pass_obj
+def export_cmd(c: Ctx, out_path: str | None) -> None:
+    """Print every key's hash and record as JSON, for a backup (no plaintext keys)."""
+    doc = _run(c, lambda: apikeys.export_keys(c.r))
+    text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
+    if out_path is None:
+        click.echo(text, nl=False)
+        return
+    import os
+
+    fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    click.echo(f"exported {len(doc['keys'])} key(s) to {out_path}", err=True)
+
+
+@keys_cmd.command("import")
+@click.argument("path", type=click.Path(exists=True, dir_okay=False, allow_dash=True))
+@click.option("--overwrite", is_flag=True,
+              help="Replace keys already present with the file's records.")
+@click.pass_obj
+def import_cmd(c: Ctx, path: str, overwrite: bool) -> None:
+    """Write the keys of an export file (PATH, - for stdin) back into Redis."""
+    with click.open_file(path, encoding="utf-8") as f:
+        try:
+            doc = json.load(f)
+        except ValueError as exc:
+            raise click.ClickException(f"{path}: not JSON: {exc}") from None
+    res = _run(c, lambda: apikeys.import_keys(c.r, doc, overwrite=overwrite))
+    click.echo(f"imported {len(res.added)} key(s), {len(res.kept)} already present"
+               + (" (overwritten)" if overwrite and res.kept else ""))
+    if res.conflicts:
+        click.echo(f"refused {len(res.conflicts)}: id taken by another key here: "
+                   + ", ".join(res.conflicts), err=True)
+        raise SystemExit(1)

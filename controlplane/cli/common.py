@@ -67,7 +67,10 @@ def run_or_exit(ctx: Ctx, fn: Callable[[], Any], errors: tuple[type[Exception], 
     except errors as exc:
         raise click.ClickException(getattr(exc, "message", None) or str(exc)) from None
     except redis.exceptions.RedisError as exc:
-        raise click.ClickException(f"cannot reach Redis at {ctx.settings.redis.url}: {exc}") from None
+        raise click.ClickException(
+            f"cannot reach Redis at {ctx.settings.redis.url}: {exc} (for a stack started by "
+            "`infergate up`, pass --config WORKDIR/infergate.toml or set INFERGATE_REDIS_URL "
+            "as its banner shows)") from None
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

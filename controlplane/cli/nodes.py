@@ -68,7 +68,15 @@ def _node_options(fn: Callable) -> Callable:
     fn = click.option("--weight", type=float, default=None, help="Routing weight (> 0, default 1).")(fn)
     fn = click.option("--kind", type=click.Choice(KINDS), default=None,
                       help="Metrics dialect (default vllm).")(fn)
+    fn = click.option("--model", "models", multiple=True, callback=_models_given,
+                      help="A model id the node serves (repeat for several; default: read "
+                           "from its /v1/models, unless kind openai).")(fn)
     return fn
+
+
+def _models_given(_ctx: click.Context, _param: click.Parameter,
+                  value: tuple[str, ...]) -> list[str] | None:
+    return list(value) if value else None
 
 
 def _given(**kw: Any) -> dict:
@@ -83,7 +91,7 @@ def _given(**kw: Any) -> dict:
 def add_cmd(c: Ctx, name: str, url: str, **opts: Any) -> None:
     """Register node NAME at URL (server root, e.g. http://10.0.0.5:8000)."""
     node = run(c, lambda: ops.add_node(c.r, {"name": name, "url": url, **_given(**opts)},
-                                       actor(), c.events_max))
+                                       actor(), c.events_max, settings=c.settings))
     click.echo(f"added {node.name} ({node.kind}, {node.url}, weight {node.weight:g})")
 
 
@@ -97,8 +105,9 @@ def edit_cmd(c: Ctx, name: str, **opts: Any) -> None:
     changes = _given(**opts)
     if not changes:
         raise click.UsageError("nothing to change: give --url, --kind, --weight, "
-                               "--max-concurrency, --metrics-path or --health-path")
-    node = run(c, lambda: ops.edit_node(c.r, name, changes, actor(), c.events_max))
+                               "--max-concurrency, --metrics-path, --health-path or --model")
+    node = run(c, lambda: ops.edit_node(c.r, name, changes, actor(), c.events_max,
+                                        settings=c.settings))
     click.echo(f"saved {node.name}: " + ", ".join(f"{k}={getattr(node, k)}" for k in changes))
 
 

@@ -45,6 +45,32 @@ CACHE_VEC_CHANNEL = f"{BASE}:cache:vec_added"
 #: Prefix of the edge's token buckets (hashes ``tokens``, ``ts``; expire once full):
 #: ``RATELIMIT_PREFIX + "key:<key id>:rpm"`` / ``":tpm"``, ``"global:rpm"``, ``"global:tpm"``.
 RATELIMIT_PREFIX = f"{BASE}:ratelimit:"
+#: List with TTL (cache kind), newest first, capped: one JSON point per interval of the
+#: pool's traffic (requests, cache, latency histogram, shed, rate limits, per-node
+#: requests/failures), written by the leader control plane (``controlplane.routing.series``).
+OVERVIEW_SERIES = f"{BASE}:overview:series"
+
+#: String without TTL (state): JSON ``{"created": epoch_s, "by": control plane id}``, set
+#: (``SET NX``) by the first control plane that finds it missing. Missing after it was
+#: seen means Redis came back empty (``controlplane.routing.service``).
+STATE_MARKER = f"{BASE}:state_marker"
+
+#: String with TTL: JSON ``{"instance_id", "pid", "host", "since"}`` of the running
+#: ``infergate up`` that owns this Redis' node registry, refreshed by it every few
+#: seconds; another ``up`` refuses to write the registry while it lives (``--take-over``).
+STACK_OWNER = f"{BASE}:stack_owner"
+#: Prefix of the admin page's login sessions (strings with TTL, value ``"1"``):
+#: ``ADMIN_SESSION_PREFIX + session id``; logging out deletes the key.
+ADMIN_SESSION_PREFIX = f"{BASE}:admin:session:"
+
+#: The state keys: configuration, never given a TTL, never evicted (``volatile-lru``),
+#: kept across restarts by Redis' append-only file. The leader lock is state too but has
+#: its own TTL. The routing snapshot and its version counter are here as well: small,
+#: rewritten by the leader, and the version must never go back because of an eviction.
+#: Every other key is cache kind and always carries a TTL.
+STATE_KEYS = frozenset({
+    ROUTING, ROUTING_VERSION, NODES, NODE_STATES, EVENTS, APIKEYS, APIKEY_IDS, STATE_MARKER,
+})
 
 
 def node_metrics(name: str) -> str:
@@ -101,4 +127,6 @@ FIXED = {
     "cache_vec_prefix_base": CACHE_VEC_PREFIX,
     "cache_vec_channel": CACHE_VEC_CHANNEL,
     "ratelimit_prefix": RATELIMIT_PREFIX,
+    "overview_series": OVERVIEW_SERIES,
+    "state_marker": STATE_MARKER,
 }

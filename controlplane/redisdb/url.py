@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import unquote
 
+from controlplane.errors import InfergateError
+
 DEFAULT_PORT = 6379
 DEFAULT_SENTINEL_PORT = 26379
 SCHEMES = ("redis", "rediss", "redis+sentinel")
@@ -32,7 +34,7 @@ _SERVICE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 _HOSTPORT_RE = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[^:\[\]/]+))(?::(?P<port>\d*))?$")
 
 
-class RedisURLError(ValueError):
+class RedisURLError(InfergateError, ValueError):
     """``redis.url`` is not one of the forms in :mod:`controlplane.redisdb.url`."""
 
 

@@ -16,6 +16,10 @@ name                                                        type       meaning
 ``infergate_controlplane_snapshot_version``                 gauge      version of the last snapshot written
 ``infergate_controlplane_redis_up``                         gauge      1 if the last cycle reached Redis
 ``infergate_controlplane_redis_errors_total``               counter    Redis failures (one per failed step)
+``infergate_controlplane_state_lost_total``                 counter    times Redis came back without its
+                                                                       state (state marker missing)
+``infergate_controlplane_state_lost_timestamp_seconds``     gauge      when it last did (epoch s; absent
+                                                                       until it happens)
 ``infergate_controlplane_node_healthy{node}``               gauge      1 healthy, 0 unhealthy (hysteresis)
 ``infergate_controlplane_node_score{node}``                 gauge      health score, lower is better
 ``infergate_controlplane_node_queue_depth{node}``           gauge      requests waiting on the node
@@ -68,10 +72,19 @@ class _StateCollector(Collector):
         errors = CounterMetricFamily(p + "redis_errors", "Redis failures seen by the poll loop")
         errors.add_metric([], float(getattr(cp, "redis_errors", 0)))
         yield errors
+        lost = CounterMetricFamily(p + "state_lost", "Times Redis came back without its state "
+                                   "(API keys, nodes, drain states lost)")
+        lost.add_metric([], float(getattr(cp, "state_losses", 0)))
+        yield lost
+        lost_at = GaugeMetricFamily(p + "state_lost_timestamp_seconds",
+                                    "When this control plane last found Redis' state lost")
+        if getattr(cp, "state_lost_at", None) is not None:
+            lost_at.add_metric([], float(cp.state_lost_at))
+        yield lost_at
         version = GaugeMetricFamily(p + "snapshot_version",
                                     "Version of the last routing snapshot this instance wrote")
         if cp.last_snapshot is not None:
-            version.add_metric([], float(cp.last_snapshot.get("version") or 0))
+            version.add_metric([], float(cp.last_snapshot.version))
         yield version
         report = cp.last_report
         statuses = report.statuses if report is not None else {}

@@ -17,14 +17,37 @@ Outcome of one poll (see also :mod:`controlplane.routing.health`):
 | health 2xx, metrics 2xx but not parseable | **no** | no |
 | health non-2xx, timeout or connect error | **no** | (read if answered) |
 
+A health answer that does not come within ``poll_timeout_s`` after the connection was
+made (a read timeout: ``PollResult.busy``) while the node has work - requests in flight
+at the edges (their reports in ``infergate:v1:edges``) or running requests in its last
+metrics - means the node is **busy**, not down: a server generating a long answer may be
+slow to answer anything else (a single-threaded Python server, one request at a time).
+Such a poll counts as good (:meth:`NodeTracker.update`, ``busy`` in the error text). A
+node that connects but never answers while it has nothing to do is a failed poll, and a
+node that hangs on real requests is caught by the edges (a timeout before the first byte
+counts against its circuit breaker there). A connect timeout, a refused or reset
+connection and a non-2xx answer are failed polls.
+
 Nodes of kind ``openai`` (no metrics endpoint: llama.cpp without ``--metrics``,
-Ollama, any OpenAI-compatible server) get only the health request; when the health
-path does not exist there (404, 405 or 501, e.g. Ollama) ``GET /v1/models`` answers
-instead. Any other non-2xx (llama.cpp answers 503 while loading) is a failed poll.
+Ollama, llama-cpp-python, any OpenAI-compatible server) get only the health request, and
+the probe never calls an endpoint that waits on the model: ``GET /v1/models`` of
+llama-cpp-python waits for the model lock and, with its default
+``interrupt_requests=True``, ends the stream holding it. When the health path does not
+exist there (404, 405 or 501: Ollama, llama-cpp-python) the answer itself proves the
+server is up and serving HTTP: a good poll (liveness only, ``no health endpoint`` in the
+error text). Set ``health_path`` to an endpoint the server answers without the model
+(llama.cpp: ``/health``; Ollama: ``/``; ``/api/version``) for a real check. Any other
+non-2xx (llama.cpp answers 503 while loading) is a failed poll. Their health is also
+passive: a poll of an ``openai`` node whose circuit breaker is open at every edge that
+reports it (connect errors, resets, timeouts before the first byte, 5xx that other
+nodes did not repeat; :func:`breakers_open`) counts as failed, so every edge learns of
+it through the snapshot. ``half_open`` does not count, so the edges' probe requests can
+bring the node back.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -37,6 +60,7 @@ from controlplane.config import NodeSettings, Settings
 from controlplane.routing.health import HealthTracker
 from controlplane.routing.nodemetrics import MetricsParseError, Reading, UnknownDialectError, parse_metrics, window
 from controlplane.routing.scoring import LastKnown, ScoreInputs, compute_score
+from controlplane.routing.wire import NodeMetricsDoc
 
 #: Largest /metrics or /health body read (bytes); larger bodies count as unparseable.
 MAX_BODY = 8 * 1024 * 1024
@@ -48,13 +72,15 @@ NO_SUCH_PATH = (404, 405, 501)
 
 @dataclass
 class HttpResult:
-    """One GET. ``status`` is ``None`` when no HTTP answer came (``error`` says why)."""
+    """One GET. ``status`` is ``None`` when no HTTP answer came (``error`` says why);
+    ``busy`` is True when the connection was made but no answer came in time."""
 
     status: int | None = None
     body: str | None = None
     content_type: str | None = None
     error: str | None = None
     elapsed_ms: float = 0.0
+    busy: bool = False
 
     @property
     def ok(self) -> bool:
@@ -72,11 +98,14 @@ class PollResult:
     reading: Reading | None = None
     error: str | None = None
     poll_ms: float = 0.0
+    busy: bool = False
+    """The health request connected but got no answer in time (see the module
+    docstring: good when the node has work)."""
 
 
 @dataclass
 class NodeStatus:
-    """A node after a poll; :meth:`metrics_doc` is the ``node:{name}:metrics`` JSON."""
+    """A node after a poll; :meth:`metrics` is the ``node:{name}:metrics`` document."""
 
     name: str
     ts: float
@@ -98,11 +127,15 @@ class NodeStatus:
     poll_ms: float
     has_metrics: bool
 
-    def metrics_doc(self) -> dict:
-        """The per-node metrics JSON of docs/internals.md (plus ``has_metrics``)."""
+    def metrics(self) -> NodeMetricsDoc:
+        """The per-node metrics document of docs/internals.md (``poll_ms`` to 0.1 ms)."""
         d = asdict(self)
         d["poll_ms"] = round(self.poll_ms, 1)
-        return d
+        return NodeMetricsDoc(**d)
+
+    def metrics_doc(self) -> dict:
+        """:meth:`metrics` as the dict written (``json.dumps``) to Redis."""
+        return self.metrics().to_dict()
 
     def history_point(self) -> dict:
         """One ``node:{name}:history`` entry."""
@@ -112,6 +145,8 @@ class NodeStatus:
 
 
 def _describe(exc: BaseException, timeout: float) -> str:
+    if isinstance(exc, requests.ReadTimeout):
+        return f"busy: connected, no answer within {timeout:g} s"
     if isinstance(exc, requests.Timeout):
         return f"timeout after {timeout:g} s"
     if isinstance(exc, requests.ConnectionError):
@@ -171,30 +206,34 @@ class Poller:
                         break
                     if time.monotonic() > deadline:
                         out.error = f"timeout after {self.timeout_s:g} s reading the body"
+                        out.busy = True
                         break
                 if out.error is None:
                     # Prometheus text and JSON are UTF-8 by their specs.
                     out.body = b"".join(chunks).decode("utf-8", "replace")
         except requests.RequestException as exc:
             out.error = _describe(exc, self.timeout_s)
+            out.busy = isinstance(exc, requests.ReadTimeout)
         except Exception as exc:  # noqa: BLE001 - a poll must never raise
             out.error = f"{type(exc).__name__}: {str(exc)[:160]}"
         out.elapsed_ms = (time.monotonic() - t0) * 1000
         return out
 
     def _health(self, node: NodeSettings) -> HttpResult:
+        """The node's health answer; never an endpoint that waits on the model."""
         res = self.get(node.url + node.health_path)
         if node.kind == "openai" and res.status in NO_SUCH_PATH:
-            fallback = self.get(node.url + "/v1/models")
-            fallback.elapsed_ms += res.elapsed_ms
-            return fallback
+            # no health endpoint: the HTTP answer itself is the liveness check
+            return HttpResult(status=200, body="", elapsed_ms=res.elapsed_ms,
+                              error=f"no health endpoint ({node.health_path} answers "
+                                    f"{res.status}): liveness only")
         return res
 
     def poll_all(self, nodes: list[NodeSettings]) -> dict[str, PollResult]:
         """Poll every node concurrently; returns ``{name: PollResult}`` for each node.
 
-        Waits at most about twice ``timeout_s`` (health fallback of ``openai`` nodes);
-        a request still running then counts as a timeout."""
+        Waits at most about twice ``timeout_s``; a request still running then counts as
+        busy (it connected: see the module docstring)."""
         futures: dict[str, tuple[Future, Future | None]] = {}
         self._ensure_workers(2 * len(nodes))
         busy = HttpResult(error="the previous poll of this node is still running")
@@ -211,7 +250,7 @@ class Poller:
             del self._running[gone]
         every = [f for pair in futures.values() for f in pair if f is not None]
         wait(every, timeout=2 * self.timeout_s + 0.5)
-        late = HttpResult(error=f"timeout after {self.timeout_s:g} s")
+        late = HttpResult(error=f"busy: no answer within {self.timeout_s:g} s", busy=True)
         out: dict[str, PollResult] = {}
         for n in nodes:
             if n.name in skipped:
@@ -235,6 +274,8 @@ def classify(health: HttpResult, metrics: HttpResult | None) -> PollResult:
     good = health.ok
     if not health.ok:
         errors.append("health: " + (health.error or f"HTTP {health.status}"))
+    elif health.error:
+        errors.append("health: " + health.error)
     reading: Reading | None = None
     if metrics is not None:
         if metrics.ok and metrics.body is not None:
@@ -253,7 +294,28 @@ def classify(health: HttpResult, metrics: HttpResult | None) -> PollResult:
     reachable = health.status is not None or (metrics is not None and metrics.status is not None)
     poll_ms = max(health.elapsed_ms, metrics.elapsed_ms if metrics else 0.0)
     return PollResult(good=good, reachable=reachable, reading=reading,
-                      error="; ".join(errors) or None, poll_ms=poll_ms)
+                      error="; ".join(errors) or None, poll_ms=poll_ms,
+                      busy=not health.ok and health.busy)
+
+
+def breakers_open(edges_raw: dict[str, str], now: float, max_age_s: float) -> set[str]:
+    """Nodes whose circuit breaker is ``open`` at every edge whose report (a field of
+    ``infergate:v1:edges``: ``{"ts", "nodes": {name: {"breaker", ...}}}``) is at most
+    ``max_age_s`` old and names the node. Malformed reports are ignored."""
+    seen: dict[str, bool] = {}
+    for raw in edges_raw.values():
+        try:
+            doc = json.loads(raw)
+            ts = float(doc["ts"])
+            nodes = doc.get("nodes") or {}
+        except (ValueError, TypeError, KeyError, AttributeError):
+            continue
+        if now - ts > max_age_s or not isinstance(nodes, dict):
+            continue
+        for name, st in nodes.items():
+            is_open = isinstance(st, dict) and st.get("breaker") == "open"
+            seen[name] = seen.get(name, True) and is_open
+    return {name for name, all_open in seen.items() if all_open}
 
 
 def _num(v: float | None, digits: int = 6) -> float | None:
@@ -276,9 +338,24 @@ class NodeTracker:
         return (node.url, node.kind, node.metrics_path) == (
             self.node.url, self.node.kind, self.node.metrics_path)
 
-    def update(self, result: PollResult, now: float) -> tuple[NodeStatus, bool]:
-        """Apply one poll; returns the node's status and whether ``healthy`` changed."""
-        changed = self.health.observe(result.good)
+    def update(self, result: PollResult, now: float, inflight: float = 0.0,
+               edges_open: bool = False) -> tuple[NodeStatus, bool]:
+        """Apply one poll; returns the node's status and whether ``healthy`` changed.
+
+        ``inflight``: requests the edges have in flight on the node (fresh edge
+        reports). A busy poll (connected, no answer in time) of a node with work - edge
+        requests in flight, or running requests in its last metrics - is good.
+        ``edges_open``: the node's breaker is open at every fresh edge
+        (:func:`breakers_open`); for an ``openai`` node that fails the poll."""
+        good = result.good
+        error = result.error
+        if not good and result.busy:
+            running = self.last_reading.running if self.last_reading is not None else None
+            good = inflight > 0 or bool(running and running > 0)
+        if good and edges_open and self.node.kind == "openai":
+            good = False
+            error = "; ".join(x for x in (error, "edges: circuit breaker open at every edge") if x)
+        changed = self.health.observe(good)
         r = result.reading
         w = window(self.last_reading, r) if r is not None else None
         if r is not None:
@@ -306,6 +383,6 @@ class NodeTracker:
             score=sc.score, saturated=sc.saturated,
             consecutive_failures=self.health.consecutive_failures,
             consecutive_successes=self.health.consecutive_successes,
-            last_error=result.error, poll_ms=result.poll_ms, has_metrics=r is not None,
+            last_error=error, poll_ms=result.poll_ms, has_metrics=r is not None,
         )
         return status, changed

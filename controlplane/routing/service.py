@@ -8,16 +8,31 @@ Every ``controlplane.poll_interval_s`` an APScheduler job runs
    seeded from the TOML ``[[nodes]]`` at start, and again if Redis comes back empty).
    With Redis unreachable the last known nodes (at first: the TOML nodes) are used.
 2. Poll every node concurrently (:mod:`controlplane.routing.poller`). Followers do this
-   too, so a standby is warm.
+   too, so a standby is warm. The served models of each node are read apart from this,
+   rarely and in the background (:mod:`controlplane.routing.models`); a node added at
+   run time or healthy again gets a slow start (``ramp_since`` of the snapshot rules).
 3. Renew or try to take the leader lock (:mod:`controlplane.routing.leader`), then apply the
    health hysteresis and compute scores.
 4. Leader only: set ``drained`` where a drain is over (compare-and-set, so an undrain
    in between wins), write each node's metrics (TTL ``metrics_ttl_s``) and history
    point, INCR the snapshot version and write the routing snapshot -- two pipelined
-   round trips -- and append the events (``health``, ``drained``, ``leader``).
+   round trips -- and append the events (``health``, ``drained``, ``leader``, and
+   ``breaker`` with ``{"state": "open" | "closed", "edge": edge id}`` for each breaker
+   opening or closing the edges report in ``infergate:v1:edges``).
+5. Leader only, every ``series.STEP_S``: one point of the pool's traffic for the admin
+   overview (:mod:`controlplane.routing.series`, one more round trip).
 
 Redis going away never stops the loop: polling continues, writes resume when it
 answers again; "unreachable" and "reachable again" are logged once per outage.
+
+State marker: every cycle ``SET infergate:v1:state_marker ... NX`` (no TTL). When it had
+to be created after this process had seen it (or while API keys or nodes are missing),
+Redis lost its state (restarted without its append-only file, flushed, or replaced):
+logged at ERROR ("REDIS STATE LOST"), recorded as a ``state_lost`` event (admin page,
+``/api/v1/events``), counted in ``infergate_controlplane_state_lost_total`` with the
+time in ``infergate_controlplane_state_lost_timestamp_seconds``, and the node registry
+is re-seeded from the TOML ``[[nodes]]``. API keys, nodes added at run time and drain
+states cannot be rebuilt from here: restore keys with ``infergate keys import``.
 
 Logs go to stderr, one line per change: leadership, node health, Redis down/up, nodes
 added/removed. SIGTERM/SIGINT stop the scheduler, release the leader lock (only if
@@ -45,16 +60,21 @@ from redis.retry import Retry
 
 from controlplane.redisdb import keynames
 from controlplane.routing import registry
-from controlplane.config import ConfigError, NodeSettings, RedisSettings, Settings, load_settings
+from controlplane.config import (ConfigError, HostPort, HostPortError, NodeSettings, RedisSettings,
+                                 Settings, load_settings)
 from controlplane.routing.leader import LeaderElector, make_id
-from controlplane.routing.poller import NodeStatus, NodeTracker, Poller
+from controlplane.routing.models import ModelsPoller
+from controlplane.routing.poller import NodeStatus, NodeTracker, Poller, breakers_open
 from controlplane.redisdb.conn import make_redis
 from controlplane.redisdb.url import parse_redis_url
 from controlplane.routing.registry import NodeState
+from controlplane.routing.series import SeriesRecorder
 from controlplane.routing.snapshot import (
-    DRAIN_GRACE_SYNCS, EDGE_FORGET_S, EDGE_FRESH_FACTOR, HostResolver, build_snapshot,
-    drain_decisions, fresh_inflight, stale_edges,
+    DRAIN_GRACE_SYNCS, EDGE_FORGET_S, HostResolver, build_snapshot, drain_decisions,
+    fresh_inflight, stale_edges,
 )
+from controlplane.routing.wire import (EDGE_FRESH_FACTOR, EdgeReport, RoutingSnapshot,
+                                       edge_fresh_s, fresh_edge_reports)
 
 log = logging.getLogger("infergate.controlplane")
 
@@ -82,6 +102,30 @@ return 1
 """
 
 
+def breaker_changes(seen: dict[tuple[str, str], str], reports: list[EdgeReport]
+                    ) -> tuple[dict[tuple[str, str], str], list[tuple[str, dict]]]:
+    """Breaker openings and closings between the states in ``seen`` ((edge id, node) ->
+    ``open`` | ``half_open`` | ``closed``, as last reported) and the fresh edge
+    ``reports``. Returns the new ``seen`` (only pairs still reported) and the events, as
+    ``(node, {"state": "open" | "closed", "edge": edge id})``: ``open`` when a breaker
+    is open and was not open before (also when first seen open), ``closed`` when one
+    that was open or half-open is closed again. Half-open alone is no event."""
+    now_seen: dict[tuple[str, str], str] = {}
+    events: list[tuple[str, dict]] = []
+    for rep in reports:
+        for node, st in rep.nodes.items():
+            if st.breaker is None:
+                continue
+            key = (rep.edge_id, node)
+            before = seen.get(key)
+            if st.breaker == "open" and before != "open":
+                events.append((node, {"state": "open", "edge": rep.edge_id}))
+            elif st.breaker == "closed" and before in ("open", "half_open"):
+                events.append((node, {"state": "closed", "edge": rep.edge_id}))
+            now_seen[key] = st.breaker
+    return now_seen, events
+
+
 @dataclass
 class CycleReport:
     """What one cycle did (for tests and the log)."""
@@ -95,6 +139,8 @@ class CycleReport:
     health_changes: list[tuple[str, bool]] = field(default_factory=list)
     drained: list[str] = field(default_factory=list)
     duration_ms: float = 0.0
+    models: dict[str, list[str] | None] = field(default_factory=dict)
+    """Served model ids per node (``None`` = unknown; :mod:`controlplane.routing.models`)."""
 
 
 class ControlPlane:
@@ -108,14 +154,23 @@ class ControlPlane:
         self.id = ident or make_id()
         self.elector = LeaderElector(r, self.id, cp.leader_ttl_s)
         self.poller = Poller(cp.poll_timeout_s)
+        #: served models per node, read rarely and apart from the health polls
+        self.models = ModelsPoller(cp.models_refresh_s, cp.models_timeout_s)
+        #: node -> epoch s its slow start began (added at run time, healthy again)
+        self.ramps: dict[str, float] = {}
+        self._registry_read = False
         self.resolver = HostResolver()
         self.trackers: dict[str, NodeTracker] = {}
         self.nodes: list[NodeSettings] = list(settings.nodes)
         self.states: dict[str, NodeState] = {}
         self.edges: dict[str, str] = {}
+        #: (edge id, node) -> breaker state last reported (see :func:`breaker_changes`).
+        self.breakers: dict[tuple[str, str], str] = {}
         self.redis_ok: bool | None = None
-        self.last_snapshot: dict | None = None
+        self.last_snapshot: RoutingSnapshot | None = None
         self.last_report: CycleReport | None = None
+        #: The overview time series (leader only; see controlplane.routing.series).
+        self.series = SeriesRecorder(EDGE_FRESH_FACTOR * settings.edge.stale_after_s)
         self._seeded = False
         self._pending: deque[tuple[str, str, dict]] = deque(maxlen=256)
         self._lock = threading.Lock()
@@ -125,6 +180,11 @@ class ControlPlane:
         self.cycle_listeners: list[Callable[[CycleReport], None]] = []
         #: Redis failures seen so far (one per failed step of a cycle).
         self.redis_errors = 0
+        #: Times this process found Redis' state gone (see the module docstring), and
+        #: when it last did (epoch s, or None).
+        self.state_losses = 0
+        self.state_lost_at: float | None = None
+        self._marker_seen = False
         if cp.leader_ttl_s < 2 * cp.poll_interval_s:
             log.warning("controlplane.leader_ttl_s (%g s) is under twice poll_interval_s "
                         "(%g s): the leader lock may expire between renewals",
@@ -149,7 +209,8 @@ class ControlPlane:
         """Refresh nodes, states and edge stats from Redis. False if Redis failed."""
         added = 0
         try:
-            if not self._seeded or (self.redis_ok is False and not self.r.exists(keynames.NODES)):
+            lost = self._check_state_marker()
+            if not self._seeded or lost or (self.redis_ok is False and not self.r.exists(keynames.NODES)):
                 added = registry.seed_nodes(self.r, self.settings.nodes)
                 self._seeded = True
             nodes = registry.list_nodes(self.r)
@@ -165,7 +226,39 @@ class ControlPlane:
         if before != after:
             log.info("nodes: %s", " ".join([f"+{n}" for n in sorted(after - before)]
                                            + [f"-{n}" for n in sorted(before - after)]))
+            if self._registry_read:  # added at run time: slow start (not at process start)
+                now = time.time()
+                for name in after - before:
+                    self.ramps[name] = now
+        self._registry_read = True
         self.nodes, self.states, self.edges = nodes, states, edges
+        return True
+
+    def _check_state_marker(self) -> bool:
+        """True when Redis came back without its state (see the module docstring).
+        Raises ``redis.RedisError``."""
+        now = time.time()
+        created = self.r.set(keynames.STATE_MARKER,
+                             json.dumps({"created": round(now, 3), "by": self.id}), nx=True)
+        seen, self._marker_seen = self._marker_seen, True
+        if not created or not seen:
+            return False
+        self.state_losses += 1
+        self.state_lost_at = now
+        log.error("REDIS STATE LOST: %s came back without %s (restarted without its "
+                  "append-only file, flushed or replaced). API keys, nodes added at run time "
+                  "and drain states are gone: re-seeding the nodes of the configuration; "
+                  "restore API keys with `infergate keys import`. Run Redis with "
+                  "appendonly yes and maxmemory-policy volatile-lru (docs/operations.md).",
+                  self.settings.redis.url.split("@")[-1], keynames.STATE_MARKER)
+        try:
+            registry.add_event(self.r, "state_lost", "", actor=ACTOR,
+                               detail={"message": "Redis came back without its state; nodes "
+                                       "re-seeded from the configuration, API keys must be "
+                                       "restored (infergate keys import)"},
+                               maxlen=self.settings.controlplane.events_max)
+        except redis.RedisError as exc:
+            log.warning("state_lost event not written: %s", exc)
         return True
 
     def _leader_tick(self) -> bool:
@@ -204,24 +297,51 @@ class ControlPlane:
             t0 = time.monotonic()
             redis_ok = self._read_registry()
             nodes = list(self.nodes)
+            for n in nodes:  # start due /v1/models reads now: most land during the poll
+                self.models.served(n)
             results = self.poller.poll_all(nodes)
             # The lease is renewed after polling, right before the writes it guards.
             if redis_ok:
                 redis_ok = self._leader_tick()
             now = time.time()
             report = CycleReport(ts=now, leader=self.elector.is_leader, redis_ok=redis_ok)
-            for name in set(self.trackers) - {n.name for n in nodes}:
+            names = {n.name for n in nodes}
+            for name in set(self.trackers) - names:
                 del self.trackers[name]
+            self.models.forget(names)
+            report.models = {n.name: self.models.served(n) for n in nodes}
+            slow_s = self.settings.controlplane.slow_start_s
+            self.ramps = {k: v for k, v in self.ramps.items()
+                          if k in names and now - v < slow_s}
+            # a node the edges have requests on is busy, not down, when its health is slow;
+            # an openai node whose breaker is open at every edge is down (passive health)
+            fresh_s = EDGE_FRESH_FACTOR * self.settings.edge.stale_after_s
+            inflight = fresh_inflight(self.edges, now, fresh_s)
+            tripped = breakers_open(self.edges, now, fresh_s)
             for n in nodes:
-                status, changed = self._tracker(n).update(results[n.name], now)
+                status, changed = self._tracker(n).update(results[n.name], now,
+                                                          inflight.get(n.name, 0.0),
+                                                          n.name in tripped)
                 report.statuses[n.name] = status
                 if changed:
                     self._health_changed(status)
                     report.health_changes.append((n.name, status.healthy))
+                    if status.healthy:  # back from unhealthy: slow start
+                        self.ramps[n.name] = now
+            if redis_ok:  # breaker openings/closings the edges reported since the last cycle
+                self.breakers, changes = breaker_changes(self.breakers, fresh_edge_reports(
+                    self.edges, now, edge_fresh_s(self.settings.edge.stale_after_s)))
+                for node, detail in changes:
+                    log.info("breaker %s for node %s at edge %s", detail["state"], node,
+                             detail["edge"])
+                    self._pending.append(("breaker", node, detail))
             if not self.elector.is_leader:
                 self._pending.clear()
+                self.series.reset()
             elif redis_ok:
                 self._write(report, nodes, now)
+                if report.wrote:
+                    self._record_series(now)
             report.duration_ms = (time.monotonic() - t0) * 1000
             self.last_report = report
             for listener in self.cycle_listeners:
@@ -230,6 +350,14 @@ class ControlPlane:
                 except Exception:  # noqa: BLE001 - a listener never stops the loop
                     log.exception("cycle listener failed")
             return report
+
+    def _record_series(self, now: float) -> None:
+        """Leader: the overview point of this interval from the edge stats read at the
+        start of the cycle (at most one per ``series.STEP_S``)."""
+        try:
+            self.series.maybe_record(self.r, self.edges, now)
+        except redis.RedisError as exc:
+            self._redis_failed(exc)
 
     def _health_changed(self, st: NodeStatus) -> None:
         cp = self.settings.controlplane
@@ -245,7 +373,7 @@ class ControlPlane:
     def _write(self, report: CycleReport, nodes: list[NodeSettings], now: float) -> None:
         """Leader writes: drained transitions, metrics, history, version, snapshot, events."""
         cp, edge = self.settings.controlplane, self.settings.edge
-        inflight = fresh_inflight(self.edges, now, EDGE_FRESH_FACTOR * edge.stale_after_s)
+        inflight = fresh_inflight(self.edges, now, edge_fresh_s(edge.stale_after_s))
         running = {name: st.running for name, st in report.statuses.items()}
         decisions = drain_decisions(
             {n.name: self.states[n.name] for n in nodes if n.name in self.states},
@@ -253,6 +381,7 @@ class ControlPlane:
             grace_s=DRAIN_GRACE_SYNCS * edge.sync_interval_s)
         drained_json = json.dumps(asdict(NodeState("drained", now, ACTOR)))
         ttl_ms = max(int(cp.metrics_ttl_s * 1000), 1)
+        history_ttl_s = max(3600, int(2 * cp.history_points * cp.poll_interval_s))
         try:
             pipe = self.r.pipeline(transaction=False)
             pipe.incr(keynames.ROUTING_VERSION)
@@ -265,6 +394,8 @@ class ControlPlane:
                 pipe.set(keynames.node_metrics(st.name), json.dumps(st.metrics_doc()), px=ttl_ms)
                 pipe.lpush(keynames.node_history(st.name), json.dumps(st.history_point()))
                 pipe.ltrim(keynames.node_history(st.name), 0, max(cp.history_points, 1) - 1)
+                # cache kind: evictable, gone an hour (or two history spans) after the node
+                pipe.expire(keynames.node_history(st.name), history_ttl_s)
             events = list(self._pending)
             for kind, node, detail in events:
                 registry.add_event(pipe, kind, node, actor=ACTOR, detail=detail,
@@ -287,11 +418,12 @@ class ControlPlane:
             hosts = {n.name: self.resolver.resolve_url(n.url, now) for n in nodes}
             snap = build_snapshot(
                 version=version, now=now, leader=self.id, nodes=nodes, states=states,
-                statuses={k: v.metrics_doc() for k, v in report.statuses.items()},
-                hosts=hosts, slow_start_s=cp.slow_start_s)
+                statuses={k: v.metrics() for k, v in report.statuses.items()},
+                hosts=hosts, slow_start_s=cp.slow_start_s, models=report.models,
+                ramps=self.ramps)
             pipe = self.r.pipeline(transaction=False)
             pipe.eval(SNAPSHOT_IF_LEADER_LUA, 2, keynames.LEADER, keynames.ROUTING, self.id,
-                      json.dumps(snap, separators=(",", ":")))
+                      snap.to_json())
             for d in decisions:
                 if d.name in report.drained:
                     registry.add_event(pipe, "drained", d.name, actor=ACTOR,
@@ -349,6 +481,7 @@ class ControlPlane:
             except redis.RedisError:
                 pass
             self.poller.close()
+            self.models.close()
 
 
 # -- command line ----------------------------------------------------------------------
@@ -365,12 +498,13 @@ def make_client(url: str, timeout_s: float,
 
 
 def split_listen(value: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` too) -> ``(host, port)``; raises ``click.BadParameter``."""
-    host, sep, port = value.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise click.BadParameter(f"expected HOST:PORT, got {value!r}", param_hint="--listen")
-    return host, int(port)
+    """``HOST:PORT`` (``[v6]:PORT`` too) -> ``(host, port)`` (:class:`HostPort`); raises
+    ``click.BadParameter``."""
+    try:
+        hp = HostPort.parse(value, "--listen")
+    except HostPortError as exc:
+        raise click.BadParameter(str(exc), param_hint="--listen") from None
+    return hp.host, hp.port
 
 
 @click.command("controlplane")

@@ -2,20 +2,25 @@
 while writing it: slow start after undrain, and the draining -> drained transition.
 Pure functions, plus a small caching host resolver.
 
-Snapshot shape: docs/internals.md, "the routing snapshot". Per node:
+Snapshot shape: docs/internals.md, "the routing snapshot", as the dataclasses
+:class:`~controlplane.routing.wire.RoutingSnapshot` / ``SnapshotNode``. Per node:
 ``name, url, host, port, kind, state, healthy, weight, effective_weight,
 max_concurrency, score, saturated, queue_depth, running, kv_cache_usage,
-has_metrics``.
+has_metrics, models`` (``models``: :mod:`controlplane.routing.models`, ``null`` =
+unknown). Edge reports are read as :class:`~controlplane.routing.wire.EdgeReport`.
 
 - ``host`` is an IP literal (the balancer phase of the edge cannot resolve names):
   hostnames are resolved here (IPv4 preferred), cached for ``HostResolver.ttl_s``;
   when a name cannot be resolved the last known address is kept, and with none
   ``host`` is ``null`` (the edge cannot route to that node).
 - Slow start: for ``controlplane.slow_start_s`` after a node became ``active`` again
-  (its state's ``since``), ``effective_weight = weight x max(0.1, elapsed /
-  slow_start_s)``; otherwise ``effective_weight = weight``.
+  (its state's ``since``), was added at run time or came back from unhealthy (the
+  ``ramp_since`` the leader keeps, see ``routing/service.py``), ``effective_weight =
+  weight x max(0.1, elapsed / slow_start_s)`` with ``elapsed`` counted from the latest
+  of these; otherwise ``effective_weight = weight``.
 - Drain: a ``draining`` node becomes ``drained`` when the sum of ``inflight`` over the
-  fresh edge stats (``ts`` at most 3 x ``edge.stale_after_s`` old) is 0 and the node's
+  fresh edge stats (``ts`` at most ``wire.EDGE_FRESH_FACTOR`` (3) x ``edge.stale_after_s``
+  old) is 0 and the node's
   ``running`` is 0 or unknown -- but not before ``DRAIN_GRACE_SYNCS`` edge sync
   intervals have passed since the drain began, so every edge has seen the drain
   before its zero counts are believed -- or when ``controlplane.drain_timeout_s``
@@ -25,7 +30,6 @@ has_metrics``.
 from __future__ import annotations
 
 import ipaddress
-import json
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,18 +37,31 @@ from urllib.parse import urlsplit
 
 from controlplane.config import NodeSettings
 from controlplane.routing.registry import NodeState
+from controlplane.routing.wire import (
+    EDGE_FRESH_FACTOR,
+    EdgeReport,
+    NodeMetricsDoc,
+    RoutingSnapshot,
+    SnapshotNode,
+    fresh_edge_reports,
+)
+
+__all__ = ["DRAIN_GRACE_SYNCS", "EDGE_FORGET_S", "EDGE_FRESH_FACTOR", "DrainDecision",
+           "HostResolver", "build_snapshot", "drain_decisions", "effective_weight",
+           "fresh_inflight", "node_entry", "node_port", "stale_edges"]
 
 #: Edge sync intervals to wait after a drain begins before in-flight counts of 0 count.
 DRAIN_GRACE_SYNCS = 2
-#: Edge stats older than this many ``edge.stale_after_s`` are ignored.
-EDGE_FRESH_FACTOR = 3.0
 
 
-def effective_weight(weight: float, state: NodeState, now: float, slow_start_s: float) -> float:
-    """Weight after the slow-start ramp (see module docstring). ``now`` epoch s."""
-    if state.state != "active" or state.since <= 0 or slow_start_s <= 0:
+def effective_weight(weight: float, state: NodeState, now: float, slow_start_s: float,
+                     ramp_since: float = 0.0) -> float:
+    """Weight after the slow-start ramp (see module docstring). ``now``, ``ramp_since``
+    (added at run time / healthy again; 0 = never) epoch s."""
+    since = max(state.since, ramp_since)
+    if state.state != "active" or since <= 0 or slow_start_s <= 0:
         return weight
-    elapsed = max(now - state.since, 0.0)
+    elapsed = max(now - since, 0.0)
     if elapsed >= slow_start_s:
         return weight
     return round(weight * max(0.1, elapsed / slow_start_s), 4)
@@ -59,36 +76,21 @@ def stale_edges(edges_raw: dict[str, str], now: float, max_age_s: float) -> list
     (or not valid JSON with a ``ts``): to be deleted."""
     out = []
     for edge_id, raw in edges_raw.items():
-        try:
-            ts = float(json.loads(raw)["ts"])
-        except (ValueError, TypeError, KeyError):
-            out.append(edge_id)
-            continue
-        if now - ts > max_age_s:
+        rep = EdgeReport.from_field(edge_id, raw)
+        if rep is None or not rep.is_fresh(now, max_age_s):
             out.append(edge_id)
     return out
 
 
 def fresh_inflight(edges_raw: dict[str, str], now: float, max_age_s: float) -> dict[str, float]:
-    """Sum of ``inflight`` per node over the edge fields whose ``ts`` is at most
-    ``max_age_s`` old. Fields that are not valid JSON of the documented shape are
+    """Sum of ``inflight`` per node (negative counts as 0) over the edge reports whose
+    ``ts`` is at most ``max_age_s`` old (:func:`controlplane.routing.wire.edge_fresh_s`).
+    Reports that are not JSON objects, and node entries that are not objects, are
     ignored."""
     out: dict[str, float] = {}
-    for raw in edges_raw.values():
-        try:
-            doc = json.loads(raw)
-            ts = float(doc["ts"])
-            nodes = doc.get("nodes") or {}
-        except (ValueError, TypeError, KeyError, AttributeError):
-            continue
-        if now - ts > max_age_s or not isinstance(nodes, dict):
-            continue
-        for name, stats in nodes.items():
-            try:
-                n = float(stats.get("inflight", 0) or 0)
-            except (TypeError, ValueError, AttributeError):
-                continue
-            out[name] = out.get(name, 0.0) + max(n, 0.0)
+    for rep in fresh_edge_reports(edges_raw, now, max_age_s):
+        for name, st in rep.nodes.items():
+            out[name] = out.get(name, 0.0) + float(max(st.inflight, 0))
     return out
 
 
@@ -126,43 +128,54 @@ def node_port(url: str) -> int:
     return parts.port or (443 if parts.scheme == "https" else 80)
 
 
-def node_entry(node: NodeSettings, state: NodeState, status: dict | None, host: str | None,
-               now: float, slow_start_s: float) -> dict:
-    """One ``nodes[]`` entry. ``status``: the node's metrics JSON (``None`` before its
-    first poll: healthy, no metrics)."""
-    st = status or {}
-    return {
-        "name": node.name,
-        "url": node.url,
-        "host": host,
-        "port": node_port(node.url),
-        "kind": node.kind,
-        "state": state.state,
-        "healthy": bool(st.get("healthy", True)),
-        "weight": node.weight,
-        "effective_weight": effective_weight(node.weight, state, now, slow_start_s),
-        "max_concurrency": node.max_concurrency,
-        "score": st.get("score"),
-        "saturated": bool(st.get("saturated", False)),
-        "queue_depth": st.get("queue_depth"),
-        "running": st.get("running"),
-        "kv_cache_usage": st.get("kv_cache_usage"),
-        "has_metrics": bool(st.get("has_metrics", False)),
-    }
+def node_entry(node: NodeSettings, state: NodeState, status: NodeMetricsDoc | None,
+               host: str | None, now: float, slow_start_s: float,
+               models: list[str] | None = None, ramp_since: float = 0.0) -> SnapshotNode:
+    """One ``nodes[]`` entry. ``status``: the node's latest metrics (``None`` before its
+    first poll: healthy, no metrics); ``models``: served model ids (``None`` unknown);
+    ``ramp_since``: epoch s the node was added at run time or became healthy again."""
+    st = status or NodeMetricsDoc(name=node.name)
+    return SnapshotNode(
+        name=node.name,
+        url=node.url,
+        host=host,
+        port=node_port(node.url),
+        kind=node.kind,
+        state=state.state,
+        healthy=True if st.healthy is None else st.healthy,
+        weight=node.weight,
+        effective_weight=effective_weight(node.weight, state, now, slow_start_s, ramp_since),
+        max_concurrency=node.max_concurrency,
+        score=st.score,
+        saturated=bool(st.saturated),
+        queue_depth=st.queue_depth,
+        running=st.running,
+        kv_cache_usage=st.kv_cache_usage,
+        has_metrics=st.has_metrics,
+        models=models,
+    )
 
 
 def build_snapshot(*, version: int, now: float, leader: str, nodes: list[NodeSettings],
-                   states: dict[str, NodeState], statuses: dict[str, dict],
-                   hosts: dict[str, str | None], slow_start_s: float) -> dict:
-    """The routing snapshot document (docs/internals.md). Nodes sorted by name."""
-    return {
-        "version": version,
-        "generated_at": round(now, 3),
-        "leader": leader,
-        "nodes": [node_entry(n, states.get(n.name, NodeState()), statuses.get(n.name),
-                             hosts.get(n.name), now, slow_start_s)
-                  for n in sorted(nodes, key=lambda n: n.name)],
-    }
+                   states: dict[str, NodeState], statuses: dict[str, NodeMetricsDoc],
+                   hosts: dict[str, str | None], slow_start_s: float,
+                   models: dict[str, list[str] | None] | None = None,
+                   ramps: dict[str, float] | None = None) -> RoutingSnapshot:
+    """The routing snapshot (docs/internals.md); ``.to_json()`` is what the leader
+    writes. Nodes sorted by name. ``models``: served model ids per node (missing =
+    unknown); ``ramps``: slow-start start (epoch s) per node added at run time or
+    healthy again."""
+    models = models or {}
+    ramps = ramps or {}
+    return RoutingSnapshot(
+        version=version,
+        generated_at=round(now, 3),
+        leader=leader,
+        nodes=[node_entry(n, states.get(n.name, NodeState()), statuses.get(n.name),
+                          hosts.get(n.name), now, slow_start_s, models.get(n.name),
+                          ramps.get(n.name, 0.0))
+               for n in sorted(nodes, key=lambda n: n.name)],
+    )
 
 
 def _getaddrinfo(host: str) -> list[str]:

@@ -13,6 +13,7 @@ from controlplane.redisdb import keynames
 from controlplane.routing import registry
 from controlplane.admin import create_app
 from controlplane.config import NodeSettings, Settings
+from support.vectors import vector_keys, write_vectors
 
 TOKEN = "test-admin-token-123"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -47,7 +48,7 @@ def err(resp) -> dict:
 def test_healthz_needs_no_auth(client):
     resp = client.get("/healthz")
     assert resp.status_code == 200
-    assert resp.get_json() == {"ok": True}
+    assert resp.get_json() == {"ok": True, "instance_id": ""}
 
 
 @pytest.mark.parametrize("headers,code", [
@@ -343,6 +344,25 @@ def test_cache_purge(client, r):
         resp = client.post("/api/v1/cache/purge", json=body, headers=AUTH)
         assert resp.status_code == 400, body
         assert frag in err(resp)["message"]
+
+
+def test_cache_purge_deletes_the_vectors_of_the_purged_entries(client, r):
+    pytest.importorskip("numpy")
+    _fill_cache(r)
+    keys = [f"{i:032x}" for i in range(6)]
+    vec_a = write_vectors(r, keys, "model-a", 4)
+    vec_b = write_vectors(r, keys[:2], "model-b", 8)  # a second embedding model
+    assert vector_keys(r) == set(vec_a + vec_b)
+    resp = client.post("/api/v1/cache/purge", json={"tenant": "t1", "model": "m-a"}, headers=AUTH)
+    assert resp.get_json()["purged"] == 2  # entries 1 and 3
+    assert vector_keys(r) == set(vec_a + vec_b) - {vec_a[1], vec_a[3], vec_b[1]}
+    assert registry.recent_events(r, 1)[0]["detail"] == {"tenant": "t1", "model": "m-a",
+                                                         "purged": 2}
+    assert client.post("/api/v1/cache/purge", json={"tenant": "nobody"},
+                       headers=AUTH).get_json()["purged"] == 0
+    assert len(vector_keys(r)) == 5
+    assert client.post("/api/v1/cache/purge", json={"all": True}, headers=AUTH).get_json()["purged"] == 4
+    assert vector_keys(r) == set()
 
 
 # ---- keys ----------------------------------------------------------------------------

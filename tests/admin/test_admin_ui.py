@@ -15,6 +15,7 @@ from controlplane.redisdb import keynames
 from controlplane.routing import registry
 from controlplane.admin import create_app
 from controlplane.config import NodeSettings, Settings
+from support.vectors import vector_keys, write_vectors
 
 TOKEN = "ui-admin-token-456"
 
@@ -66,8 +67,11 @@ def test_login_wrong_token_and_missing_csrf(app):
     c = app.test_client()
     page = c.get("/login?next=/events")
     tok = csrf_of(page.text)
-    resp = c.post("/login", data={"token": "nope", "csrf_token": tok})
-    assert resp.status_code == 401 and "Wrong admin token" in resp.text
+    resp = c.post("/login", data={"token": "nope", "csrf_token": tok, "next": "/events"})
+    assert resp.status_code == 303 and "/login?next=" in resp.location  # post/redirect/get
+    page = c.get(resp.location)
+    assert "Wrong admin token" in page.text and 'value="/events"' in page.text
+    assert "Wrong admin token" not in c.get("/login").text  # shown once
     resp = c.post("/login", data={"token": TOKEN})
     assert resp.status_code == 400 and "CSRF" in resp.text
     assert c.get("/nodes").status_code == 302
@@ -81,7 +85,7 @@ def test_login_never_redirects_off_site(app):
     for target in ("https://evil.example/", "//evil.example/x", "/\\evil.example"):
         tok = csrf_of(c.get("/login").text)
         resp = c.post("/login", data={"token": TOKEN, "csrf_token": tok, "next": target})
-        assert resp.status_code == 303 and resp.location == "/nodes", target
+        assert resp.status_code == 303 and resp.location == "/", target
         c.post("/logout", data={"csrf_token": csrf_of(c.get("/nodes").text)})
 
 
@@ -240,6 +244,8 @@ def test_cache_purge_needs_confirmation(client, r):
     assert "50 %" in page.text and "exact 25 %" in page.text and 'value="acme"' in page.text
     confirm = client.post("/cache/purge", data={"csrf_token": client.csrf, "tenant": "acme",
                                                 "scope": "filter"})
+    assert confirm.status_code == 303 and "/cache/purge?" in confirm.location
+    confirm = client.get(confirm.location)
     assert confirm.status_code == 200 and "Confirm purge" in confirm.text and "up to 3" in confirm.text
     assert cache_store.stats(r).entries == 4  # nothing purged yet
     cancel = client.post("/cache/purge/confirm", data={"csrf_token": client.csrf, "tenant": "acme",
@@ -252,7 +258,8 @@ def test_cache_purge_needs_confirmation(client, r):
     empty = client.post("/cache/purge", data={"csrf_token": client.csrf, "scope": "filter"},
                         follow_redirects=True)
     assert "Nothing purged" in empty.text
-    confirm = client.post("/cache/purge", data={"csrf_token": client.csrf, "scope": "all"})
+    confirm = client.post("/cache/purge", data={"csrf_token": client.csrf, "scope": "all"},
+                          follow_redirects=True)
     assert "every" in confirm.text
     client.post("/cache/purge/confirm", data={"csrf_token": client.csrf, "scope": "all",
                                               "confirm": "yes"})
@@ -261,10 +268,30 @@ def test_cache_purge_needs_confirmation(client, r):
     assert resp.status_code == 400
 
 
+def test_cache_purge_from_the_page_deletes_the_vectors(client, r):
+    pytest.importorskip("numpy")
+    keys = [f"{i:032x}" for i in range(4)]
+    for i, k in enumerate(keys):
+        cache_store.store(r, k, tenant="acme" if i < 3 else "other", model="m",
+                          namespace="ns", body="hello", ttl=300)
+    vecs = write_vectors(r, keys)
+    client.post("/cache/purge/confirm", data={"csrf_token": client.csrf, "tenant": "acme",
+                                              "confirm": "yes"})
+    assert cache_store.stats(r).entries == 1 and vector_keys(r) == {vecs[3]}
+    ev = registry.recent_events(r, 1)[0]
+    assert ev["kind"] == "cache_purge" and ev["actor"] == "admin"
+    assert ev["detail"] == {"tenant": "acme", "purged": 3}
+    client.post("/cache/purge/confirm", data={"csrf_token": client.csrf, "scope": "all",
+                                              "confirm": "yes"})
+    assert cache_store.stats(r).entries == 0 and vector_keys(r) == set()
+
+
 def test_keys_page_shows_a_new_key_once(client, r):
     resp = client.post("/keys", data={"csrf_token": client.csrf, "tenant": "acme",
                                       "rpm": "60", "tpm": ""})
-    assert resp.status_code == 201 and resp.headers["Cache-Control"] == "no-store"
+    assert resp.status_code == 303 and resp.location == "/keys"
+    resp = client.get(resp.location)
+    assert resp.headers["Cache-Control"] == "no-store"
     key = re.search(r'id="new-key">(ig-[^<]+)<', resp.text).group(1)
     rec = apikeys.lookup(r, key)
     assert rec is not None and rec.rpm == 60 and rec.tpm is None

@@ -13,7 +13,7 @@ from controlplane.cache import store as cache_store
 from controlplane.redisdb import keynames
 from controlplane.routing import registry
 from controlplane.cli.cache import cache_cmd
-from controlplane.edge.cache import edge_cache_options, embedder_server, render_context
+from controlplane.edge.options import edge_document, embedder_server, render_context
 from controlplane.config import ConfigError, load_settings, settings_from_dict
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "infergate.example.toml"
@@ -52,8 +52,11 @@ def test_stats_text_and_json(redis_server, filled) -> None:
 def test_purge_by_tenant_and_model_writes_an_event(redis_server, filled) -> None:
     res = invoke(redis_server, "purge", "--tenant", "a", "--model", "m1")
     assert res.exit_code == 0, res.output
-    assert "purged 1 entries" in res.output
+    assert "purged 1 entries, 1 vectors" in res.output
     assert not filled.exists(keynames.cache_entry(hexkey(0)))
+    # the purged entry's vector is gone, the others' stay
+    assert not filled.exists(keynames.cache_vec("minilm", 4, hexkey(0)))
+    assert filled.exists(keynames.cache_vec("minilm", 4, hexkey(1)))
     assert filled.exists(keynames.cache_entry(hexkey(1))) and filled.exists(keynames.cache_entry(hexkey(2)))
     ev = registry.recent_events(filled, 5)[0]
     assert ev["kind"] == "cache_purge" and ev["actor"].startswith("cli:")
@@ -90,18 +93,19 @@ def test_example_cache_section_matches_defaults() -> None:
 
 
 def test_cache_is_off_by_default_and_renders_nothing() -> None:
-    ctx = render_context(load_settings(None))
+    ctx = render_context(load_settings(None), "edge", [])
     assert ctx["cache_enabled"] is False and ctx["cache_semantic"] is False
 
 
 @pytest.mark.parametrize("cache, msg", [
     ({"embedder_url": "https://x:1"}, "http://host:port"),
     ({"embedder_url": "http://x:1/v1"}, "without a path"),
-    ({"min_similarity": 1.5}, "less than or equal to 1"),
+    ({"min_similarity": 1.5}, "cache.min_similarity: 1.5 is above the maximum 1"),
     ({"min_similarity_routes": {"/v1/embeddings": 0.9}}, "unknown path"),
-    ({"min_similarity_models": {"m": -0.1}}, "from 0 to 1"),
-    ({"ttl_s": 0}, "greater than or equal to 1"),
-    ({"bogus": 1}, "Extra inputs"),
+    ({"min_similarity_routes": {"/v1/completions": 1.1}}, "1.1 is above the maximum 1"),
+    ({"min_similarity_models": {"m": -0.1}}, "-0.1 is below the minimum 0"),
+    ({"ttl_s": 0}, "cache.ttl_s: 0 is below the minimum 1"),
+    ({"bogus": 1}, "cache.bogus: unknown option"),
 ])
 def test_bad_cache_settings_are_named(cache, msg) -> None:
     with pytest.raises(ConfigError, match=msg):
@@ -112,12 +116,15 @@ def test_edge_options_carry_every_setting() -> None:
     s = settings_from_dict({"cache": {"enabled": True, "min_similarity": 0,
                                       "min_similarity_models": {"m": 0.9},
                                       "embedder_url": "http://[::1]:9000"}})
-    o = edge_cache_options(s)
-    assert o["min_similarity"] == 0.0 and o["min_similarity"] is not False  # 0 is a value
+    o = edge_document(s)["cache"]
+    assert o["min_similarity"] == 0.0 and o["min_similarity"] is not None  # 0 is a value
     assert o["min_similarity_models"] == {"m": 0.9}
     assert set(o) == {"enabled", "ttl_s", "max_entry_bytes", "max_temperature", "semantic",
-                      "semantic_budget_ms", "min_similarity", "min_similarity_routes",
-                      "min_similarity_models", "coalesce", "coalesce_wait_s", "coalesce_poll_ms"}
-    assert edge_cache_options(settings_from_dict({}))["min_similarity"] is False
+                      "embedder_url", "semantic_budget_ms", "min_similarity",
+                      "min_similarity_routes", "min_similarity_models", "coalesce",
+                      "coalesce_wait_s", "coalesce_poll_ms", "embedder_model",
+                      "verifier", "verifier_file", "semantic_domains"}
+    # unset: null in the document, the embedder model's default at the edge
+    assert edge_document(settings_from_dict({}))["cache"]["min_similarity"] is None
     assert embedder_server("http://[::1]:9000") == "[::1]:9000"
     assert embedder_server("http://emb") == "emb:80"

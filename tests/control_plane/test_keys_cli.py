@@ -1,4 +1,4 @@
-"""``infergate keys create|list|revoke`` with click's CliRunner against a real redis-server."""
+"""``infergate keys create|list|edit|revoke`` with click's CliRunner against a real redis-server."""
 
 from __future__ import annotations
 
@@ -98,3 +98,23 @@ def test_redis_unreachable() -> None:
     res = CliRunner().invoke(main, ["keys", "--redis-url", f"redis://127.0.0.1:{port}/0", "list"])
     assert res.exit_code == 1
     assert f"cannot reach Redis at redis://127.0.0.1:{port}/0" in res.output
+
+
+def test_edit_changes_limits_and_label_with_an_event(run, redis_server) -> None:
+    r = redis_server.client()
+    key_id = json.loads(run("create", "--tenant", "acme", "--rpm", "60", "--json").output)["id"]
+    res = run("edit", key_id, "--rpm", "none", "--tpm", "500", "--label", "batch jobs")
+    assert res.exit_code == 0, res.output
+    assert f"saved {key_id} (tenant acme): rpm -, tpm 500, label batch jobs" in res.output
+    rec = apikeys.get_key(r, key_id)
+    assert rec.rpm is None and rec.tpm == 500 and rec.label == "batch jobs"
+    ev = registry.recent_events(r, 1)[0]
+    assert ev["kind"] == "key_edit" and ev["actor"] == f"cli:{getpass.getuser()}"
+    assert ev["detail"] == {"id": key_id, "tenant": "acme", "rpm": None, "tpm": 500,
+                            "label": "batch jobs"}
+    for args, message in [((key_id,), "nothing to change"),
+                          ((key_id, "--rpm", "0"), "rpm must be between 1"),
+                          (("00000000", "--rpm", "5"), "no API key with id '00000000'")]:
+        res = run("edit", *args)
+        assert res.exit_code != 0 and message in res.output, res.output
+    assert len(registry.recent_events(r, 10)) == 2  # no event for a refused edit

@@ -9,16 +9,14 @@ import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import requests
-from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane import procs
-from controlplane.cli.simnode import simnode_cmd
+from controlplane.simnode import launch
 
 pytestmark = pytest.mark.integration
 
@@ -27,22 +25,12 @@ TIME_SCALE = 0.05
 MAIN_ARGS = ["--max-running", "4", "--prefill-tps", "400", "--time-scale", str(TIME_SCALE)]
 
 
-@dataclass
-class Node:
-    managed: procs.Managed
-    port: int
-    control_port: int
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+class Node(launch.SimNodeProcess):
+    """A node under test (see :class:`controlplane.simnode.launch.SimNodeProcess`)."""
 
     @property
     def control(self) -> str:
-        return f"http://127.0.0.1:{self.control_port}"
-
-    def state(self) -> dict:
-        return requests.get(f"{self.control}/_sim/state", timeout=5).json()
+        return self.control_url
 
     def faults(self, **kw) -> dict:
         r = requests.post(f"{self.control}/_sim/faults", json=kw, timeout=5)
@@ -60,20 +48,15 @@ class Node:
 
 
 def start_nodes(logdir: Path, specs: list[tuple[str, list[str]]]) -> list[Node]:
-    """Start several nodes at once, then wait for each (deadline, no fixed sleep)."""
-    nodes = []
-    for name, args in specs:
-        port, cport = procs.free_port(), procs.free_port()
-        argv = procs.infergate_argv("simnode", "--port", str(port), "--control-port", str(cport),
-                                    "--name", name, *args)
-        nodes.append(Node(procs.Managed(name, argv, logdir / f"{name}.log").start(), port, cport))
+    """Start several nodes at once, then wait for each (deadline, no fixed sleep); each
+    has printed its "listening on" line by then."""
+    nodes = launch.start_nodes(specs, logdir, cls=Node)
     try:
         for n in nodes:
-            n.managed.wait_ready(lambda n=n: procs.port_open("127.0.0.1", n.control_port)
-                                 and ("listening on" in n.managed.log_tail()), timeout=30)
+            procs.wait_until(lambda n=n: "listening on" in n.managed.log_tail(), 5,
+                             what=f"{n.name} to print its listening line")
     except Exception:
-        for n in nodes:
-            n.managed.stop()
+        launch.stop_nodes(nodes)
         raise
     return nodes
 
@@ -497,34 +480,15 @@ def test_faults_from_flags(other_nodes):
     assert refusing.chat("x", sim_output_tokens=1).status_code == 200
 
 
-# -- command line ---------------------------------------------------------------------
-
-@pytest.mark.parametrize("args", [["--refuse"], ["--output-tokens", "9:3"],
-                                  ["--output-tokens", "abc"], ["--dialect", "triton"],
-                                  ["--port", "9100", "--control-port", "9100"]])
-def test_cli_usage_errors(args):
-    res = CliRunner().invoke(simnode_cmd, args)
-    assert res.exit_code == 2, res.output
-
-
-def test_cli_port_in_use():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        res = CliRunner().invoke(simnode_cmd, ["--port", str(s.getsockname()[1])])
-    assert res.exit_code == 1 and "cannot listen" in res.output
-
+# -- command line (usage errors: tests/unit/test_simnode_cli.py) -----------------------
 
 def test_refuse_needs_a_control_port(logdir):
     # Without --control-port nothing could turn `refuse` off again: the API refuses it.
-    port = procs.free_port()
-    m = procs.Managed("sim-noctl", procs.infergate_argv("simnode", "--port", str(port),
-                                                        "--name", "sim-noctl"),
-                      logdir / "sim-noctl.log").start()
+    node = launch.start_node("sim-noctl", logdir, control=False)
     try:
-        m.wait_ready(lambda: procs.port_open("127.0.0.1", port), timeout=30)
-        r = requests.post(f"http://127.0.0.1:{port}/_sim/faults", json={"refuse": True}, timeout=5)
+        assert node.control_url == node.url
+        r = requests.post(f"{node.url}/_sim/faults", json={"refuse": True}, timeout=5)
         assert r.status_code == 400 and "control-port" in r.json()["error"]["message"]
-        assert requests.get(f"http://127.0.0.1:{port}/_sim/faults", timeout=5).json()["refuse"] is False
+        assert requests.get(f"{node.url}/_sim/faults", timeout=5).json()["refuse"] is False
     finally:
-        m.stop()
+        node.stop()

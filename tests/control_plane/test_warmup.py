@@ -54,7 +54,7 @@ def test_warmup_stores_answers_and_skips_them_next_time(redis_server, simnodes, 
              json.dumps({"prompt": "The sea is", "max_tokens": 64, "temperature": 0}),
              "What is a load balancer?",  # duplicate: sent once
              "",
-             # cut by max_tokens (finish_reason "length"): answered, never stored
+             # finish_reason "length": the whole answer for this max_tokens, stored too
              json.dumps({"messages": [{"role": "user", "content": "Count to fifty."}],
                          "max_tokens": 2})]
     f = workdir / "prompts.txt"
@@ -63,7 +63,9 @@ def test_warmup_stores_answers_and_skips_them_next_time(redis_server, simnodes, 
             "--concurrency", "3"]
     res = CliRunner().invoke(warmup_cmd, args)  # model from the edge's /v1/models
     assert res.exit_code == 0, res.output
-    assert "sent 5, skipped 1, stored 4, failed 0" in res.output
+    assert "sent 5, skipped 1, stored 5, failed 0" in res.output
+    # not a terminal: progress lines as it goes, the last one at the last prompt
+    assert "warmup: 6/6 done (sent 5, skipped 1, failed 0)" in res.output
     r = redis_server.client()
     body = {"model": "sim-llama", "messages": [{"role": "user", "content": "Why cache LLM answers?"}]}
     assert r.exists(keynames.cache_entry(keys_for(CHAT, body).exact))
@@ -71,8 +73,8 @@ def test_warmup_stores_answers_and_skips_them_next_time(redis_server, simnodes, 
 
     again = CliRunner().invoke(warmup_cmd, args + ["--model", "sim-llama"])
     assert again.exit_code == 0, again.output
-    assert "sent 1, skipped 5, stored 0, failed 0" in again.output
-    assert node.state()["requests_total"] == before + 1  # only the cut answer again
+    assert "sent 0, skipped 6, stored 0, failed 0" in again.output
+    assert node.state()["requests_total"] == before  # every prompt came from the cache
 
 
 @pytest.mark.integration
@@ -84,3 +86,33 @@ def test_warmup_reports_failures(redis_server, workdir) -> None:
                                           "--redis-url", redis_server.url, "--timeout", "2"])
     assert res.exit_code == 1
     assert "sent 0, skipped 0, stored 0, failed 2" in res.output
+
+
+@pytest.mark.integration
+def test_warmup_without_a_key_stops_at_the_first_401(redis_server, simnodes, edge_factory,
+                                                     workdir) -> None:
+    """Keys required, none given: one clear line and exit 1, with the model taken from
+    /v1/models (also 401) or given, and no prompt after the first 401 is sent."""
+    node = simnodes(1, time_scale=0.05, output_tokens="4:8")[0]
+    s = edge_settings(redis_server.url, [node.node_settings()])
+    s.auth.mode = "required"
+    s.cache = s.cache.model_validate({"enabled": True, "semantic": False})
+    edge = edge_factory(s)
+    f = workdir / "prompts.txt"
+    f.write_text("".join(f"question {i}?\n" for i in range(20)), encoding="utf-8")
+    base = ["--file", str(f), "--edge", edge.url, "--redis-url", redis_server.url,
+            "--concurrency", "1"]
+
+    res = CliRunner(env={"INFERGATE_API_KEY": None}).invoke(warmup_cmd, base)
+    assert res.exit_code == 1, res.output
+    assert "answered 401" in res.output and "pass --api-key or set INFERGATE_API_KEY" in res.output
+    assert "needs --model" not in res.output
+
+    res = CliRunner(env={"INFERGATE_API_KEY": None}).invoke(warmup_cmd, base + ["--model", "sim-llama"])
+    assert res.exit_code == 1, res.output
+    assert "pass --api-key or set INFERGATE_API_KEY" in res.output
+    assert res.output.count("401") == 1, res.output  # no 401 body per prompt
+    posts = [ln for ln in edge.rendered.access_log.read_text().splitlines()
+             if "POST /v1/chat/completions" in ln]
+    assert len(posts) == 1, posts  # stopped at the first one
+    assert node.state()["requests_total"] == 0

@@ -13,7 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from controlplane.config import NodeSettings, settings_from_dict
-from controlplane.routing.poller import HttpResult, NodeTracker, Poller, PollResult, classify
+from controlplane.routing.poller import (HttpResult, NodeTracker, Poller, PollResult, breakers_open,
+                                         classify)
 from controlplane.routing.registry import NodeState
 from controlplane.routing.snapshot import (
     HostResolver, build_snapshot, drain_decisions, effective_weight, fresh_inflight,
@@ -169,10 +170,11 @@ def test_build_snapshot_defaults_before_first_poll():
     n = NodeSettings(name="a", url="http://10.0.0.1", max_concurrency=8)
     snap = build_snapshot(version=7, now=5.0, leader="x", nodes=[n], states={}, statuses={},
                           hosts={"a": "10.0.0.1"}, slow_start_s=30)
-    (e,) = snap["nodes"]
-    assert snap["version"] == 7 and snap["leader"] == "x"
-    assert e["port"] == 80 and e["healthy"] is True and e["state"] == "active"
-    assert e["score"] is None and e["has_metrics"] is False and e["max_concurrency"] == 8
+    (e,) = snap.nodes
+    assert snap.version == 7 and snap.leader == "x"
+    assert e.port == 80 and e.healthy is True and e.state == "active"
+    assert e.score is None and e.has_metrics is False and e.max_concurrency == 8
+    assert json.loads(snap.to_json())["nodes"][0]["port"] == 80
 
 
 def test_host_resolver_caches_and_keeps_last_good():
@@ -215,15 +217,62 @@ def test_poller_times_out_on_a_mute_server(mute_port):
         t0 = time.monotonic()
         res = p.poll_all([NodeSettings(name="m", url=f"http://127.0.0.1:{mute_port}")])["m"]
         assert time.monotonic() - t0 < 1.5
-        assert not res.good and not res.reachable and "timeout" in res.error
+        assert not res.good and not res.reachable and "no answer" in res.error
+        assert res.busy
     finally:
         p.close()
 
 
+def test_a_busy_poll_is_good_only_while_the_node_has_work():
+    node = NodeSettings(name="b", url="http://127.0.0.1:9", kind="openai")
+    t = NodeTracker(node, settings())
+    busy = PollResult(good=False, reachable=False, error="health: busy", busy=True)
+    for i in range(5):
+        st, _ = t.update(busy, float(i), inflight=1.0)
+        assert st.healthy, "a node generating for the edges is busy, not down"
+    for i in range(3):
+        st, _ = t.update(busy, 10.0 + i, inflight=0.0)
+    assert not st.healthy, "connected but mute with nothing to do: down"
+    dead = PollResult(good=False, reachable=False, error="health: connection refused")
+    t2 = NodeTracker(node, settings())
+    for i in range(3):
+        st, _ = t2.update(dead, float(i), inflight=5.0)
+    assert not st.healthy, "refused connections are never busy"
+
+
+def test_breakers_open_needs_every_fresh_edge():
+    def rep(ts, **breakers):
+        return json.dumps({"ts": ts, "nodes": {n: {"breaker": b, "inflight": 0}
+                                               for n, b in breakers.items()}})
+    edges = {"e1": rep(100.0, a="open", b="open", c="closed"),
+             "e2": rep(99.0, a="open", b="half_open"),
+             "old": rep(10.0, a="closed", c="open"),
+             "junk": "{not json"}
+    assert breakers_open(edges, 100.0, max_age_s=20.0) == {"a"}
+
+
+def test_an_openai_node_tripped_at_every_edge_is_unhealthy():
+    ok = PollResult(good=True, reachable=True)
+    t = NodeTracker(NodeSettings(name="o", url="http://127.0.0.1:9", kind="openai"), settings())
+    for i in range(3):
+        st, _ = t.update(ok, float(i), edges_open=True)
+    assert not st.healthy and "circuit breaker open at every edge" in st.last_error
+    for i in range(2):
+        st, _ = t.update(ok, 10.0 + i, edges_open=False)
+    assert st.healthy
+    v = NodeTracker(NodeSettings(name="v", url="http://127.0.0.1:9", kind="vllm"), settings())
+    for i in range(3):
+        st, _ = v.update(ok, float(i), edges_open=True)
+    assert st.healthy, "a node with a health endpoint is judged by it"
+
+
 class _OpenAIish(BaseHTTPRequestHandler):
-    """Answers /v1/models only, like Ollama (no /health)."""
+    """Answers /v1/models only, like Ollama (no /health); records the paths asked."""
+
+    paths: list[str] = []
 
     def do_GET(self):  # noqa: N802
+        self.paths.append(self.path)
         if self.path == "/v1/models":
             body = b'{"object":"list","data":[]}'
             self.send_response(200)
@@ -249,8 +298,9 @@ def openai_server():
     th.join(timeout=5)
 
 
-def test_openai_node_falls_back_to_models_only_when_health_is_missing(openai_server):
+def test_openai_node_without_health_endpoint_is_alive_and_models_never_polled(openai_server):
     url = f"http://127.0.0.1:{openai_server}"
+    _OpenAIish.paths.clear()
     p = Poller(timeout_s=1.0)
     try:
         res = p.poll_all([
@@ -258,7 +308,11 @@ def test_openai_node_falls_back_to_models_only_when_health_is_missing(openai_ser
             NodeSettings(name="loading", url=url, kind="openai", health_path="/loading"),
             NodeSettings(name="v", url=url, kind="vllm"),
         ])
+        # the 404 of /health proves the server is up; /v1/models (which may wait on the
+        # model, llama-cpp-python) is never called
         assert res["o"].good and res["o"].reading is None
+        assert "liveness only" in res["o"].error
+        assert "/v1/models" not in _OpenAIish.paths
         assert not res["loading"].good and "HTTP 503" in res["loading"].error
         # A metrics kind gets no fallback: its health path is the contract.
         assert not res["v"].good and "health: HTTP 404" in res["v"].error

@@ -44,9 +44,10 @@ from dataclasses import dataclass
 
 from controlplane.routing.nodemetrics.model import Dialect, HistTotals, Reading
 from controlplane.routing.nodemetrics.prom import MetricsParseError, SampleTable, SeriesKey, parse_prometheus
+from controlplane.errors import InfergateError
 
 
-class UnknownDialectError(ValueError):
+class UnknownDialectError(InfergateError, ValueError):
     """The body parsed, but holds none of the metric names infergate knows."""
 
 

@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from controlplane.errors import InfergateError
+
 #: Sorted ``(label, value)`` pairs identifying one series of a metric.
 SeriesKey = tuple[tuple[str, str], ...]
 
 
-class MetricsParseError(ValueError):
+class MetricsParseError(InfergateError, ValueError):
     """The body is not Prometheus text (nor JSON, for the JSON dialect)."""
 
 

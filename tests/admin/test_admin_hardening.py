@@ -1,0 +1,352 @@
+"""Admin hardening: login and Bearer attempts throttled per client address (429 +
+Retry-After), logout revokes the session server-side, the session cookie is Secure over
+TLS, node URLs to link-local / metadata addresses and to the stack's own ports are
+refused (API, page, CLI) unless allowed, a ``next`` with CR/LF is a 400, and breaker
+openings/closings reported by the edges become ``breaker`` events (real redis-server,
+Flask test client, click's CliRunner)."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from controlplane.admin import auth, create_app, ops
+from controlplane.cli import main
+from controlplane.config import Settings
+from controlplane.redisdb import keynames
+from controlplane.routing import registry
+from controlplane.routing.service import ControlPlane, breaker_changes
+from controlplane.routing.wire import EdgeReport
+
+TOKEN = "hardening-admin-token-789"
+
+
+def make_app(r, **cp: object):
+    s = Settings.model_validate({"controlplane": {"admin_token": TOKEN, **cp}})
+    return create_app(s, r, secret_key="fixed-test-secret")
+
+
+def csrf_of(html: str) -> str:
+    m = re.search(r'name="csrf_token" value="([^"]+)"', html)
+    assert m, "no CSRF field in the page"
+    return m.group(1)
+
+
+def login(c, **kw: object):
+    page = c.get("/login", **kw)
+    assert page.status_code == 200
+    return c.post("/login", data={"token": TOKEN, "csrf_token": csrf_of(page.text)}, **kw)
+
+
+def session_cookie(resp) -> str:
+    return next(h for h in resp.headers.getlist("Set-Cookie") if h.startswith("infergate_admin="))
+
+
+# ---- throttling -----------------------------------------------------------------------
+
+
+def test_wrong_bearer_tokens_are_throttled_per_address(r):
+    app = make_app(r)
+    c = app.test_client()
+    bad = {"Authorization": "Bearer wrong"}
+    codes = [c.get("/api/v1/nodes", headers=bad).status_code for _ in range(auth.THROTTLE_BURST)]
+    assert codes == [401] * auth.THROTTLE_BURST
+    resp = c.get("/api/v1/nodes", headers=bad)
+    assert resp.status_code == 429
+    assert resp.get_json()["error"]["code"] == "admin_auth_throttled"
+    assert resp.get_json()["error"]["type"] == "rate_limit_error"
+    assert int(resp.headers["Retry-After"]) >= 1
+    # while throttled even the right token waits: brute force gains nothing
+    good = {"Authorization": f"Bearer {TOKEN}"}
+    assert c.get("/api/v1/nodes", headers=good).status_code == 429
+    # another address is not affected
+    other = c.get("/api/v1/nodes", headers=good, environ_base={"REMOTE_ADDR": "10.9.9.9"})
+    assert other.status_code == 200
+    # the budget refills (THROTTLE_RATE_PER_S per second)
+    time.sleep(1.0 / auth.THROTTLE_RATE_PER_S + 0.1)
+    assert c.get("/api/v1/nodes", headers=good).status_code == 200
+    # correct tokens spend nothing
+    for _ in range(3 * auth.THROTTLE_BURST):
+        assert c.get("/api/v1/nodes", headers=good).status_code == 200
+
+
+def test_failed_logins_are_throttled(r):
+    app = make_app(r)
+    c = app.test_client()
+    tok = csrf_of(c.get("/login").text)
+    for _ in range(auth.THROTTLE_BURST):
+        resp = c.post("/login", data={"token": "nope", "csrf_token": tok})
+        assert resp.status_code == 303
+    resp = c.post("/login", data={"token": TOKEN, "csrf_token": tok})
+    assert resp.status_code == 429 and int(resp.headers["Retry-After"]) >= 1
+    assert "Too many" in resp.text
+    assert c.get("/nodes").status_code == 302                      # not logged in
+
+
+def test_forwarded_for_counts_only_behind_a_trusted_proxy(r):
+    bad = {"Authorization": "Bearer wrong"}
+
+    def burn(app, xff: str) -> int:
+        c = app.test_client()
+        for _ in range(auth.THROTTLE_BURST):
+            c.get("/api/v1/nodes", headers={**bad, "X-Forwarded-For": xff})
+        return c.get("/api/v1/nodes", headers={**bad, "X-Forwarded-For": "198.51.100.7"}).status_code
+
+    # untrusted: the header is ignored, every request is the peer's
+    assert burn(make_app(r), "203.0.113.5") == 429
+    # trusted proxy: each forwarded client has its own budget
+    assert burn(make_app(r, trusted_proxies=["127.0.0.0/8"]), "203.0.113.5") == 401
+
+
+# ---- sessions -------------------------------------------------------------------------
+
+
+def test_logout_revokes_the_session_server_side(r):
+    app = make_app(r)
+    c = app.test_client()
+    resp = login(c)
+    assert resp.status_code == 303
+    cookie = session_cookie(resp).split(";", 1)[0].split("=", 1)[1]
+    assert c.get("/nodes").status_code == 200
+    assert len(r.keys(keynames.ADMIN_SESSION_PREFIX + "*")) == 1
+    page = c.get("/nodes").text
+    assert c.post("/logout", data={"csrf_token": csrf_of(page)}).status_code == 303
+    assert r.keys(keynames.ADMIN_SESSION_PREFIX + "*") == []
+    # the old cookie, replayed by another client, no longer works
+    thief = app.test_client()
+    thief.set_cookie("infergate_admin", cookie)
+    assert thief.get("/nodes").status_code == 302
+    assert thief.get("/api/v1/nodes").status_code == 401
+
+
+def test_session_ttl_and_expiry_in_redis(r):
+    app = make_app(r)
+    c = app.test_client()
+    login(c)
+    (key,) = r.keys(keynames.ADMIN_SESSION_PREFIX + "*")
+    assert 0 < r.ttl(key) <= auth.SESSION_TTL_S
+    r.delete(key)                                   # expired (or revoked elsewhere)
+    assert c.get("/nodes").status_code == 302
+
+
+def test_session_cookie_secure_over_tls_or_when_configured(r):
+    plain = session_cookie(login(make_app(r).test_client()))
+    assert "Secure" not in plain and "HttpOnly" in plain and "SameSite=Strict" in plain
+    tls = session_cookie(login(make_app(r).test_client(), base_url="https://admin.example"))
+    assert "Secure" in tls
+    # X-Forwarded-Proto counts from a trusted proxy only
+    fwd = {"headers": {"X-Forwarded-Proto": "https"}}
+    assert "Secure" not in session_cookie(login(make_app(r).test_client(), **fwd))
+    trusted = make_app(r, trusted_proxies=["127.0.0.1/32"])
+    assert "Secure" in session_cookie(login(trusted.test_client(), **fwd))
+    forced = make_app(r, cookie_secure=True)
+    assert "Secure" in session_cookie(login(forced.test_client()))
+
+
+def test_next_with_cr_lf_is_a_400(r):
+    app = make_app(r)
+    c = app.test_client()
+    assert c.get("/login?next=/nodes%0d%0aSet-Cookie:%20x=1").status_code == 400
+    tok = csrf_of(c.get("/login").text)
+    resp = c.post("/login", data={"token": TOKEN, "csrf_token": tok, "next": "/a\r\nX: y"})
+    assert resp.status_code == 400
+    login(c)
+    assert c.get("/login?next=/x%0aY").status_code == 400
+
+
+# ---- node URLs ------------------------------------------------------------------------
+
+REFUSED = ["http://169.254.169.254", "http://169.254.10.1:8000", "http://[fe80::1]:8000",
+           "http://[fd00:ec2::254]", "http://metadata.google.internal",
+           "http://[::ffff:169.254.169.254]:80"]
+
+
+@pytest.mark.parametrize("url", REFUSED)
+def test_api_refuses_metadata_and_link_local_node_urls(r, url):
+    c = make_app(r).test_client()
+    h = {"Authorization": f"Bearer {TOKEN}"}
+    resp = c.post("/api/v1/nodes", headers=h, json={"name": "meta", "url": url})
+    assert resp.status_code == 400, resp.text
+    assert resp.get_json()["error"]["code"] == "node_url_refused"
+    assert registry.get_node(r, "meta") is None
+
+
+def test_api_refuses_own_ports_and_edits_too(r):
+    app = make_app(r, listen="127.0.0.1:18081")
+    settings = app.extensions["infergate"]["settings"]
+    settings.redis.url = "redis://127.0.0.1:16379/0"
+    c = app.test_client()
+    h = {"Authorization": f"Bearer {TOKEN}"}
+    for url in ("http://127.0.0.1:16379", "http://localhost:18081"):
+        resp = c.post("/api/v1/nodes", headers=h, json={"name": "own", "url": url})
+        assert resp.status_code == 400 and "own" in resp.get_json()["error"]["message"], url
+    assert c.post("/api/v1/nodes", headers=h,
+                  json={"name": "ok", "url": "http://127.0.0.1:9001"}).status_code == 201
+    resp = c.patch("/api/v1/nodes/ok", headers=h, json={"url": "http://169.254.169.254"})
+    assert resp.status_code == 400 and resp.get_json()["error"]["code"] == "node_url_refused"
+    assert registry.get_node(r, "ok").url == "http://127.0.0.1:9001"
+
+
+def test_node_url_allow_list(r):
+    app = make_app(r, node_url_allow=["169.254.10.0/24", "metadata.google.internal:8080"])
+    c = app.test_client()
+    h = {"Authorization": f"Bearer {TOKEN}"}
+    assert c.post("/api/v1/nodes", headers=h,
+                  json={"name": "a", "url": "http://169.254.10.5:8000"}).status_code == 201
+    assert c.post("/api/v1/nodes", headers=h,
+                  json={"name": "b", "url": "http://metadata.google.internal:8080"}).status_code == 201
+    assert c.post("/api/v1/nodes", headers=h,
+                  json={"name": "c", "url": "http://metadata.google.internal"}).status_code == 400
+    assert c.post("/api/v1/nodes", headers=h,
+                  json={"name": "d", "url": "http://169.254.169.254"}).status_code == 400
+
+
+def test_page_refuses_a_metadata_node_url(r):
+    c = make_app(r).test_client()
+    login(c)
+    tok = csrf_of(c.get("/nodes").text)
+    resp = c.post("/nodes", data={"csrf_token": tok, "name": "meta",
+                                  "url": "http://169.254.169.254"})
+    assert resp.status_code == 303
+    assert "link-local or cloud-metadata" in c.get(resp.location).text
+    assert registry.get_node(r, "meta") is None
+
+
+def test_cli_refuses_metadata_and_own_redis_port(redis_server):
+    runner = CliRunner()
+    res = runner.invoke(main, ["nodes", "--redis-url", redis_server.url, "add", "meta",
+                               "http://169.254.169.254"])
+    assert res.exit_code == 1 and "cloud-metadata" in res.output
+    port = redis_server.url.rsplit(":", 1)[1].split("/")[0]
+    res = runner.invoke(main, ["nodes", "--redis-url", redis_server.url, "add", "loop",
+                               f"http://127.0.0.1:{port}"])
+    assert res.exit_code == 1 and "own Redis port" in res.output
+    assert registry.get_node(redis_server.client(), "meta") is None
+
+
+def test_node_url_refusal_unit():
+    s = Settings()
+    assert ops.node_url_refusal("http://10.0.0.5:8000", s) is None
+    assert ops.node_url_refusal("http://169.254.169.254", None)
+    assert ops.node_url_refusal("http://METADATA.google.internal.", s)
+    assert ops.node_url_refusal("http://127.0.0.1:6379", s)            # default redis.url
+    assert ops.node_url_refusal("http://127.0.0.1:8081", s)            # default admin
+    assert ops.node_url_refusal("http://10.0.0.5:6379", s) is None     # another host's Redis
+
+
+METADATA_SPELLINGS = ["http://2852039166", "http://0xa9fea9fe", "http://0251.0376.0251.0376",
+                      "http://0xa9.0xfe.0xa9.0xfe:8000", "http://169.254.43518"]
+
+
+@pytest.mark.parametrize("url", METADATA_SPELLINGS)
+def test_numeric_spellings_of_the_metadata_address_are_refused(r, url):
+    c = make_app(r).test_client()
+    h = {"Authorization": f"Bearer {TOKEN}"}
+    resp = c.post("/api/v1/nodes", headers=h, json={"name": "meta", "url": url})
+    assert resp.status_code == 400, resp.text
+    assert resp.get_json()["error"]["code"] == "node_url_refused"
+    assert registry.get_node(r, "meta") is None
+
+
+def test_numeric_spellings_of_loopback_reach_no_own_port():
+    s = Settings.model_validate({"controlplane": {"listen": "127.0.0.1:18081"}})
+    for url in ("http://127.1:18081", "http://017700000001:18081", "http://0x7f000001:18081",
+                "http://2130706433:18081", "http://[::ffff:7f00:1]:18081"):
+        assert "own admin port" in (ops.node_url_refusal(url, s) or ""), url
+    assert ops.node_url_refusal("http://127.1:18082", s) is None
+
+
+def test_embedder_and_edge_metrics_ports_are_refused():
+    s = Settings.model_validate({"cache": {"embedder_url": "http://127.0.0.1:18090"},
+                                 "edge": {"metrics_listen": "127.0.0.1:19145"}})
+    assert "own embedder port" in ops.node_url_refusal("http://localhost:18090", s)
+    assert "own edge metrics port" in ops.node_url_refusal("http://127.0.0.1:19145", s)
+    assert ops.node_url_refusal("http://10.0.0.5:18090", s) is None
+    allowed = s.model_copy(deep=True)
+    allowed.controlplane.node_url_allow = ["127.0.0.1:18090"]
+    assert ops.node_url_refusal("http://127.0.0.1:18090", allowed) is None
+
+
+def test_host_names_are_resolved(monkeypatch, r):
+    table = {"169.254.169.254.nip.io": ["169.254.169.254"],
+             "twofaced.example": ["10.0.0.7", "169.254.169.254"],
+             "gpu-1.example": ["10.0.0.8"],
+             "loop.example": ["127.0.0.1"]}
+
+    def fake_getaddrinfo(host, port, *a, **kw):
+        if host not in table:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in table[host]]
+
+    monkeypatch.setattr(socket, "getaddrinfo", fake_getaddrinfo)
+    s = Settings.model_validate({"controlplane": {"listen": "127.0.0.1:18081"}})
+    assert "cloud-metadata" in ops.node_url_refusal("http://169.254.169.254.nip.io", s)
+    assert "169.254.169.254" in ops.node_url_refusal("http://twofaced.example:8000", s)
+    assert ops.node_url_refusal("http://gpu-1.example:8000", s) is None
+    assert "own admin port" in ops.node_url_refusal("http://loop.example:18081", s)
+    assert "does not resolve" in ops.node_url_refusal("http://nowhere.invalid:8000", s)
+    allowed = s.model_copy(deep=True)
+    allowed.controlplane.node_url_allow = ["nowhere.invalid"]
+    assert ops.node_url_refusal("http://nowhere.invalid:8000", allowed) is None
+    c = make_app(r).test_client()
+    h = {"Authorization": f"Bearer {TOKEN}"}
+    resp = c.post("/api/v1/nodes", headers=h,
+                  json={"name": "nip", "url": "http://169.254.169.254.nip.io"})
+    assert resp.status_code == 400 and resp.get_json()["error"]["code"] == "node_url_refused"
+
+
+def test_a_hung_resolver_costs_the_timeout_only(monkeypatch):
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **kw: time.sleep(30))
+    t0 = time.monotonic()
+    assert ops.resolve_host("slow.example", 80, timeout=0.3) is None
+    assert time.monotonic() - t0 < 2
+
+
+# ---- breaker events -------------------------------------------------------------------
+
+
+def _report(edge: str, breaker: str, ts: float) -> str:
+    return json.dumps({"edge_id": edge, "ts": ts,
+                       "nodes": {"sim-a": {"breaker": breaker, "requests": 1}}})
+
+
+def test_breaker_changes_unit():
+    rep = lambda b: [EdgeReport.from_dict(json.loads(_report("e1", b, 1.0)))]  # noqa: E731
+    seen, ev = breaker_changes({}, rep("closed"))
+    assert ev == []
+    seen, ev = breaker_changes(seen, rep("open"))
+    assert ev == [("sim-a", {"state": "open", "edge": "e1"})]
+    seen, ev = breaker_changes(seen, rep("open"))
+    assert ev == []
+    seen, ev = breaker_changes(seen, rep("half_open"))
+    assert ev == []
+    seen, ev = breaker_changes(seen, rep("closed"))
+    assert ev == [("sim-a", {"state": "closed", "edge": "e1"})]
+    assert breaker_changes({}, rep("open"))[1][0][1]["state"] == "open"   # first seen open
+
+
+def test_breaker_openings_and_closings_become_events(r):
+    # nothing listens on the discard port: polls fail fast, the cycle goes on
+    s = Settings.model_validate({"controlplane": {"admin_token": TOKEN},
+                                 "nodes": [{"name": "sim-a", "url": "http://127.0.0.1:9",
+                                            "kind": "openai"}]})
+    cp = ControlPlane(s, r, ident="cp-test")
+    try:
+        assert cp.run_cycle().leader
+        r.hset(keynames.EDGES, "edge-1", _report("edge-1", "open", time.time()))
+        cp.run_cycle()
+        r.hset(keynames.EDGES, "edge-1", _report("edge-1", "half_open", time.time()))
+        cp.run_cycle()
+        r.hset(keynames.EDGES, "edge-1", _report("edge-1", "closed", time.time()))
+        cp.run_cycle()
+    finally:
+        cp.shutdown()
+    got = [(e["kind"], e["node"], e["detail"]) for e in registry.recent_events(r, 50)
+           if e["kind"] == "breaker"]
+    assert got == [("breaker", "sim-a", {"state": "closed", "edge": "edge-1"}),
+                   ("breaker", "sim-a", {"state": "open", "edge": "edge-1"})]
