@@ -2,31 +2,101 @@
 simulated nodes, control plane, nginx). Used by ``infergate up`` and by the tests.
 
 Every process runs in its own process group and is stopped with SIGTERM, then SIGKILL
-after a grace period. Readiness is waited for with a deadline, never a fixed sleep."""
+after a grace period. Readiness is waited for with a deadline, never a fixed sleep.
+:class:`Supervisor` restarts parts that die (with back-off, giving up on a part that keeps
+failing); :func:`instance_id` / :data:`INSTANCE_HEADER` let a stack recognise its own
+processes in their health answers."""
 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from controlplane.errors import InfergateError
 
-class StartError(RuntimeError):
+
+class StartError(InfergateError, RuntimeError):
     """A process exited early or did not become ready before its deadline."""
 
 
+#: Lowest port :func:`free_port` picks from (below the kernel's ephemeral range).
+FREE_PORT_MIN = 20000
+#: Random candidates :func:`free_port` tries before it takes the kernel's choice.
+FREE_PORT_TRIES = 64
+#: Seconds a port :func:`free_port` returned is not returned again by this process.
+FREE_PORT_REUSE_S = 600.0
+_EPHEMERAL_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+_recent_ports: dict[int, float] = {}
+_recent_lock = threading.Lock()
+_rng = random.SystemRandom()
+
+
+def ephemeral_range(path: str = _EPHEMERAL_FILE) -> tuple[int, int]:
+    """The kernel's ephemeral port range ``(low, high)`` (ports it gives to outgoing
+    connections and to ``bind(port 0)``), from ``ip_local_port_range``; Linux's default
+    ``(32768, 60999)`` when the file cannot be read."""
+    try:
+        low, high = (int(x) for x in Path(path).read_text().split()[:2])
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(family: int, host: str, port: int) -> bool:
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((host, port))
+            return True
+    except OSError:
+        return False
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port the kernel just reported free on ``host``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port free on ``host`` now, preferably below the kernel's ephemeral range.
+
+    A port the kernel picks (``bind`` to port 0) lies in the ephemeral range
+    (:func:`ephemeral_range`, 32768-60999 by default), which outgoing connections draw
+    from too: after a crash such a port can be held by one of them, and the part that
+    used it (Redis, the embedder) cannot bind it again. So a random port from
+    ``FREE_PORT_MIN`` .. ephemeral low - 1 is taken, checked by binding it (without
+    ``SO_REUSEADDR``, so a port still in TIME_WAIT is skipped too); after
+    ``FREE_PORT_TRIES`` busy candidates, or when that range is empty, the kernel's
+    choice. Concurrent callers: the choice is random over ~12,000 ports, and a port this
+    process returned is not returned again for ``FREE_PORT_REUSE_S`` seconds (the caller
+    binds it later, so two callers of one process never get the same port). Like every
+    "free port" helper, the port may be taken between this call and the caller's bind."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    low, _ = ephemeral_range()
+    top = low - 1
+    now = time.monotonic()
+    with _recent_lock:
+        for p, t in list(_recent_ports.items()):
+            if now - t > FREE_PORT_REUSE_S:
+                del _recent_ports[p]
+        if top > FREE_PORT_MIN:
+            for _ in range(FREE_PORT_TRIES):
+                port = _rng.randint(FREE_PORT_MIN, top)
+                if port not in _recent_ports and _bindable(family, host, port):
+                    _recent_ports[port] = now
+                    return port
+        for _ in range(FREE_PORT_TRIES):
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+            if port not in _recent_ports:
+                _recent_ports[port] = now
+                return port
+        return port
 
 
 def port_open(host: str, port: int, timeout: float = 0.2) -> bool:
@@ -144,6 +214,138 @@ class ProcessSet:
         self.items.clear()
 
 
+#: Environment variable through which ``infergate up`` hands its instance id to every
+#: part it starts; the parts echo it in their health answers.
+INSTANCE_ENV = "INFERGATE_INSTANCE_ID"
+#: Response header carrying the instance id on health answers (simnode ``/health``,
+#: embedder ``/healthz``, admin ``/healthz``); the JSON ones also have ``instance_id``.
+INSTANCE_HEADER = "X-Infergate-Instance"
+
+
+def instance_id() -> str:
+    """This process's stack instance id (``INFERGATE_INSTANCE_ID``), ``""`` when unset."""
+    return os.environ.get(INSTANCE_ENV, "")
+
+
+def http_instance(url: str, timeout: float = 1.0) -> str | None:
+    """``GET url`` and return its :data:`INSTANCE_HEADER` (``""`` when the answer has
+    none), or ``None`` when nothing answers within ``timeout`` seconds. Any status
+    counts as an answer: a node whose health fails is still someone's process."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as res:  # noqa: S310 - http only
+            return res.headers.get(INSTANCE_HEADER, "")
+    except urllib.error.HTTPError as exc:
+        return exc.headers.get(INSTANCE_HEADER, "") if exc.headers else ""
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass
+class RestartPolicy:
+    """How :class:`Supervisor` restarts a part that died: after ``initial_s`` seconds,
+    doubling per failure up to ``max_s``; when ``max_failures`` exits fall within
+    ``window_s`` seconds the part is given up on."""
+
+    initial_s: float = 0.5
+    max_s: float = 10.0
+    max_failures: int = 5
+    window_s: float = 60.0
+
+    def delay(self, failures: int) -> float:
+        """Back-off before restart number ``failures`` (1-based), seconds."""
+        return min(self.max_s, self.initial_s * (2 ** max(0, failures - 1)))
+
+
+@dataclass
+class _Watched:
+    m: Managed
+    optional: bool
+    on_restart: Callable[[Managed], None] | None
+    failures: list[float] = field(default_factory=list)
+    restarts: int = 0
+    restart_at: float | None = None
+    given_up: bool = False
+
+
+class Supervisor:
+    """Keeps the parts of a :class:`ProcessSet` running: call :meth:`tick` about once a
+    second. A part found dead is reported through ``say`` (one line: part, exit code,
+    restart count, log file) and started again with the same argv after the
+    :class:`RestartPolicy` back-off (its process group is cleaned first, e.g. nginx
+    workers of a killed master). A part that fails ``max_failures`` times within
+    ``window_s`` is given up on: an ``optional`` one (the embedder) is left stopped,
+    for any other :meth:`tick` returns the message naming it, and the owner stops
+    everything. Never blocks: readiness is not waited for after a restart (a part that
+    cannot come up dies again and counts as a failure)."""
+
+    def __init__(self, say: Callable[[str], None], policy: RestartPolicy | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.say = say
+        self.policy = policy or RestartPolicy()
+        self.clock = clock
+        self._parts: list[_Watched] = []
+
+    def watch(self, m: Managed, *, optional: bool = False,
+              on_restart: Callable[[Managed], None] | None = None) -> Managed:
+        """Supervise ``m`` (already started). ``on_restart(m)`` runs after each restart
+        (e.g. to report it); its exceptions are logged through ``say`` and ignored."""
+        self._parts.append(_Watched(m, optional, on_restart))
+        return m
+
+    def restarts(self, name: str) -> int:
+        """How often the part named ``name`` was restarted so far."""
+        return sum(w.restarts for w in self._parts if w.m.name == name)
+
+    def tick(self) -> str | None:
+        """One supervision round. Returns ``None``, or the failure message of a required
+        part that keeps failing (then nothing more is restarted)."""
+        now = self.clock()
+        pol = self.policy
+        for w in self._parts:
+            if w.given_up:
+                continue
+            if w.restart_at is not None:
+                if now >= w.restart_at:
+                    w.restart_at = None
+                    w.m.stop(grace=1.0)       # whatever is left in its process group
+                    try:
+                        w.m.start()
+                    except OSError as exc:
+                        self.say(f"{w.m.name}: restart failed: {exc}")
+                        w.failures.append(now)
+                        w.restart_at = now + pol.delay(len(w.failures))
+                        continue
+                    w.restarts += 1
+                    self.say(f"{w.m.name} restarted (pid {w.m.pid}, restart {w.restarts})")
+                    if w.on_restart is not None:
+                        try:
+                            w.on_restart(w.m)
+                        except Exception as exc:  # noqa: BLE001 - a report never stops supervision
+                            self.say(f"{w.m.name}: after restart: {exc}")
+                continue
+            if w.m.alive():
+                continue
+            rc = w.m.proc.returncode if w.m.proc is not None else None
+            w.failures = [t for t in w.failures if now - t <= pol.window_s] + [now]
+            if len(w.failures) >= pol.max_failures:
+                w.given_up = True
+                msg = (f"{w.m.name} exited (code {rc}) {len(w.failures)} times within "
+                       f"{pol.window_s:.0f} s; see {w.m.log_path}. Last lines:\n{w.m.log_tail()}")
+                if w.optional:
+                    self.say(f"{w.m.name} gave up after {len(w.failures)} exits within "
+                             f"{pol.window_s:.0f} s (log {w.m.log_path}); the rest runs on")
+                    continue
+                return msg
+            delay = pol.delay(len(w.failures))
+            self.say(f"{w.m.name} exited (code {rc}, restarts so far {w.restarts}, log "
+                     f"{w.m.log_path}); restarting in {delay:.1f} s")
+            w.restart_at = now + delay
+        return None
+
+
 def infergate_argv(*args: str) -> list[str]:
     """argv that runs an ``infergate`` subcommand with this interpreter."""
     return [sys.executable, "-m", "controlplane.cli", *args]
@@ -157,25 +359,71 @@ def find_redis_server() -> str:
     return exe
 
 
+#: Redis settings for the infergate state (API keys, nodes, drain states, events): kept
+#: in an append-only file, fsynced every second, and never evicted - only keys with a
+#: TTL (the cache) are (``volatile-lru``).
+PERSISTENT_REDIS_ARGS: tuple[str, ...] = (
+    "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+)
+
+
 def start_redis(workdir: Path, port: int, extra: Sequence[str] = (),
-                maxmemory: str = "256mb", timeout: float = 15.0) -> Managed:
-    """Start a throwaway ``redis-server`` on 127.0.0.1:port (no persistence, LRU)."""
+                maxmemory: str = "256mb", timeout: float = 15.0,
+                persistent: bool = False) -> Managed:
+    """Start a ``redis-server`` on 127.0.0.1:port with its files in ``workdir``, at most
+    ``maxmemory``, evicting only keys with a TTL (``maxmemory-policy volatile-lru``:
+    every cache key has one, state keys never do).
+
+    ``persistent``: with an append-only file in ``workdir`` (``appendonly yes``,
+    ``appendfsync everysec``), so a restart from the same folder finds the state again
+    (at most about a second of writes lost); otherwise nothing is written to disk."""
     workdir.mkdir(parents=True, exist_ok=True)
+    persistence = PERSISTENT_REDIS_ARGS if persistent else ("--save", "", "--appendonly", "no")
     argv = [
         find_redis_server(), "--port", str(port), "--bind", "127.0.0.1",
-        "--save", "", "--appendonly", "no", "--dir", str(workdir),
-        "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru",
+        *persistence, "--dir", str(workdir),
+        "--maxmemory", maxmemory, "--maxmemory-policy", "volatile-lru",
         "--protected-mode", "no", *extra,
     ]
     m = Managed("redis", argv, workdir / f"redis-{port}.log").start()
 
     def ping() -> bool:
+        # ready when the Redis on the port is this process (``INFO server`` names its
+        # pid): never another Redis that holds the port while this one fails to bind;
+        # and when it has loaded its files (PING answers -LOADING until then)
         with socket.create_connection(("127.0.0.1", port), timeout=0.3) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
+            s.sendall(b"INFO server\r\nPING\r\n")
+            buf = b""
+            while not (buf.endswith(b"+PONG\r\n") or b"\r\n-" in buf) and len(buf) < 65536:
+                chunk = s.recv(8192)
+                if not chunk:
+                    break
+                buf += chunk
+            if not buf.endswith(b"+PONG\r\n"):
+                return False  # still loading the append-only file, or not a Redis
+            for line in buf.decode("ascii", "replace").splitlines():
+                if line.startswith("process_id:"):
+                    return line.split(":", 1)[1].strip() == str(m.pid)
+            return False
 
     try:
         return m.wait_ready(ping, timeout)
     except StartError:
         m.stop()
         raise
+
+
+def start_redis_free_port(workdir: Path, attempts: int = 5, **kwargs: object) -> tuple[Managed, int]:
+    """:func:`start_redis` on a port the kernel reports free, chosen again (up to
+    ``attempts`` times) when ``redis-server`` fails to start on it, e.g. because
+    another process bound it in between. ``kwargs`` go to :func:`start_redis`. Returns
+    the process and its port; raises the last :class:`StartError`."""
+    last: StartError | None = None
+    for _ in range(max(1, attempts)):
+        port = free_port()
+        try:
+            return start_redis(workdir, port, **kwargs), port  # type: ignore[arg-type]
+        except StartError as exc:
+            last = exc
+    assert last is not None
+    raise last

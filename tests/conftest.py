@@ -12,9 +12,27 @@ import pytest
 import redis
 
 from controlplane import procs
+from controlplane.edge import render as _render
+
+# Every configuration a test renders must pass ``nginx -t`` (the standalone config
+# includes both drop-in files, so this checks them too): the renderer is wrapped here,
+# before any test module imports it. OpenResty renderings are checked only where an
+# openresty binary exists (their own tests say so).
+_render_nginx = _render.render_nginx
+
+
+def _render_and_check(*args, **kwargs):
+    rendered = _render_nginx(*args, **kwargs)
+    if not rendered.openresty or shutil.which("openresty"):
+        _render.nginx_test(rendered.nginx_conf, rendered.prefix,
+                           nginx_bin="openresty" if rendered.openresty else None)
+    return rendered
+
+
+_render.render_nginx = _render_and_check
 
 # Fixtures that start several parts together live in tests/support/.
-pytest_plugins = ["support.stack"]
+pytest_plugins = ["support.stack", "support.tiny_upstream"]
 
 TESTS = Path(__file__).resolve().parent
 OUTPUT = TESTS / "output"
@@ -32,6 +50,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         if layer not in PURE_LAYERS:
             item.add_marker(pytest.mark.integration)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """With exactly ``-m "not integration"`` (the fast loop), nothing outside tests/unit/
+    can be selected (see :func:`pytest_collection_modifyitems`): skip importing those
+    folders instead of collecting and deselecting them."""
+    if (config.getoption("markexpr") or "").strip() != "not integration":
+        return None
+    try:
+        parts = collection_path.resolve().relative_to(TESTS).parts
+    except ValueError:
+        return None
+    if len(parts) == 1 and collection_path.is_dir() and parts[0] not in PURE_LAYERS | {"support"}:
+        return True
+    return None
 
 
 @pytest.fixture

@@ -66,6 +66,10 @@ def _output_range(ctx: click.Context, param: click.Parameter, value: str) -> tup
 @click.option("--health-fail", is_flag=True, help="Fault: /health answers 503.")
 @click.option("--refuse", is_flag=True, help="Fault: do not listen on the main port.")
 @click.option("--garbage", is_flag=True, help="Fault: answer inference with non-HTTP bytes.")
+@click.option("--llamacpp", is_flag=True,
+              help="Behave like llama-cpp-python's server: one request at a time behind a "
+                   "model lock, no /health or /metrics, GET /v1/models waits for the lock "
+                   "and interrupts the running stream (interrupt_requests=True).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
 def simnode_cmd(host: str, port: int, control_port: int | None, name: str | None, model: str,
@@ -74,7 +78,7 @@ def simnode_cmd(host: str, port: int, control_port: int | None, name: str | None
                 speed: float, time_scale: float, output_tokens: tuple[int, int],
                 error_rate: float, error_status: int, hang: bool, slowdown: float,
                 metrics_fail: bool, health_fail: bool, refuse: bool, garbage: bool,
-                log_level: str) -> None:
+                llamacpp: bool, log_level: str) -> None:
     """A simulated OpenAI-compatible inference node (fake vLLM/TGI/SGLang) with a
     continuous-batching performance model and switchable faults.
 
@@ -98,7 +102,8 @@ def simnode_cmd(host: str, port: int, control_port: int | None, name: str | None
     opts = NodeOptions(host=host, port=port, control_port=control_port,
                        name=name or f"sim-{port}", model=model, dialect=dialect,
                        engines=engines, engine=engine, time_scale=time_scale,
-                       output_min=output_tokens[0], output_max=output_tokens[1], faults=faults)
+                       output_min=output_tokens[0], output_max=output_tokens[1], faults=faults,
+                       llamacpp=llamacpp)
     try:
         asyncio.run(_serve(opts))
     except OSError as exc:

@@ -1,7 +1,10 @@
 """``infergate up``: the whole stack on one machine.
 
-Starts, in order: a local ``redis-server`` when none answers at ``redis.url`` (with
-``maxmemory`` and ``allkeys-lru``, as recommended for production); three simulated
+Starts, in order: its own ``redis-server`` on a free loopback port (with ``maxmemory``,
+``volatile-lru`` and an append-only file in the work folder, as recommended for
+production) -- or, when a Redis is named (``--redis-url``, the file's ``redis.url``,
+``INFERGATE_REDIS_URL``), that one (started there when nothing answers at a local
+address); three simulated
 nodes of different speeds unless ``--node URL`` names real servers; the control plane
 (poller, scorer, admin page and API); nginx with the rendered infergate config. The
 edge requires API keys (``auth.mode = "required"``) unless the file sets ``auth.mode``:
@@ -10,18 +13,36 @@ file sets ``cache.enabled``, with the semantic-cache embedder (``infergate embed
 model ``cache.embedder_model``) started on ``cache.embedder_url`` before nginx; when the
 embedder cannot start (package missing, model not loadable, port taken), the stack runs
 on with the exact cache only and says so ("semantic cache off"); when it exits later,
-semantic lookups answer BYPASS and the rest keeps running. Prints the URLs, the key and
+the edge is rendered again with the semantic cache off and nginx reloaded, the embedder is
+started again (on a free port when another process holds its own) and the edge pointed at
+it once it answers with this stack's id (:class:`EmbedderKeeper`); the rest keeps running. Prints the URLs, the key and
 a curl example; Ctrl-C or SIGTERM stops every process it started, in reverse order.
+
+Stays up: a part that dies is restarted with back-off (0.5 s doubling to 10 s; one
+line per exit with the part, its exit code, the restarts so far and its log file); a
+part that fails 5 times within 60 s stops everything and ``up`` exits non-zero naming
+it (the embedder is optional: it then stays off). Stays alone: the node registry of a
+shared Redis belongs to one running ``up`` (key ``infergate:v1:stack_owner`` with a TTL
+the owner refreshes); another refuses to start on it unless ``--take-over`` (the old
+owner then says so and runs on without renewing the key). Every part
+inherits the stack's instance id (``INFERGATE_INSTANCE_ID``) and echoes it in its health
+answer; ``up`` counts a part ready only with its own id there, so a process of another
+stack that took a port first is never adopted (the part is retried on a new free port).
+While it starts, it prints one line per part as it starts it (``starting ...``), flushed,
+so a slow start (the embedder loading its model) shows where it is.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
+import socket
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -31,19 +52,31 @@ import redis as redis_lib
 from controlplane import procs
 from controlplane.admin import apikeys
 from controlplane.routing import registry
-from controlplane.config import ConfigError, NodeSettings, Settings, load_settings
+from controlplane.config import (ConfigError, HostPort, HostPortError, NodeSettings, Settings,
+                                 load_settings)
+from controlplane.redisdb import keynames
 from controlplane.redisdb.conn import make_redis
+from controlplane.simnode import launch
 
 #: (name, speed factor) of the simulated pool: a fast, a medium and a slow GPU.
 SIM_NODES: tuple[tuple[str, float], ...] = (("sim-fast", 2.0), ("sim-medium", 1.0), ("sim-slow", 0.5))
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 
 
+def _say(line: str) -> None:
+    """One progress line on stdout, flushed at once (``up`` may run under a pipe)."""
+    click.echo(line)
+    sys.stdout.flush()
+
+
 def _split_hostport(value: str, what: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise click.BadParameter(f"{what} must be HOST:PORT, got {value!r}")
-    return host, int(port)
+    """``HOST:PORT`` (``[v6]:PORT``) -> (host, port) (:class:`HostPort`); raises
+    ``click.BadParameter`` naming ``what``."""
+    try:
+        hp = HostPort.parse(value, what)
+    except HostPortError as exc:
+        raise click.BadParameter(str(exc)) from None
+    return hp.host, hp.port
 
 
 def _redis_answers(settings: Settings) -> bool:
@@ -53,8 +86,89 @@ def _redis_answers(settings: Settings) -> bool:
         return False
 
 
+def _own_redis(settings: Settings, workdir: Path, stack: procs.ProcessSet) -> str:
+    """Start this stack's own ``redis-server`` (append-only file in ``workdir/redis``) on
+    a free loopback port, chosen again when another process takes it first; point
+    ``settings.redis.url`` at it and return the banner description. Never joins a Redis
+    that already runs (e.g. another stack's at 6379). Raises
+    :class:`controlplane.procs.StartError`."""
+    _say("starting redis-server (this stack's own, on a free port)")
+    m, port = procs.start_redis_free_port(workdir / "redis", persistent=True)
+    stack.add(m)
+    settings.redis.url = f"redis://127.0.0.1:{port}/0"
+    return (f"{settings.redis.url} (this stack's own redis-server, maxmemory 256mb, "
+            f"volatile-lru, append-only file in {workdir / 'redis'})")
+
+
+#: Seconds the stack-owner key lives without a refresh; ``up`` refreshes it every
+#: :data:`OWNER_REFRESH_S` seconds, so a stack that died frees its registry this long later.
+OWNER_TTL_S = 15
+OWNER_REFRESH_S = 3.0
+
+#: SET the owner document (ARGV[1], TTL ARGV[2] s) when the key is missing or already
+#: ours; else return the current owner's document.
+_OWNER_REFRESH_LUA = """
+local cur = redis.call('GET', KEYS[1])
+if cur == false or cur == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[1], 'EX', tonumber(ARGV[2]))
+  return 1
+end
+return cur
+"""
+
+
+def _owner_doc(instance: str) -> str:
+    """The stack-owner value: JSON ``{"instance_id", "pid", "host", "since"}``."""
+    return json.dumps({"instance_id": instance, "pid": os.getpid(),
+                       "host": socket.gethostname(), "since": round(time.time(), 3)})
+
+
+def _describe_owner(raw: object) -> str:
+    try:
+        d = json.loads(raw)  # type: ignore[arg-type]
+        return f"instance {d['instance_id']} (pid {d.get('pid')} on {d.get('host')})"
+    except (TypeError, ValueError, KeyError):
+        return f"owner {raw!r}"
+
+
+def claim_registry(r: redis_lib.Redis, doc: str, take_over: bool, where: str) -> None:
+    """Make this stack the owner of the registry in ``r`` (key
+    ``keynames.STACK_OWNER``, value ``doc``, TTL :data:`OWNER_TTL_S`). Raises
+    ``click.ClickException`` naming the other stack when a live one owns it and
+    ``take_over`` is false; with ``take_over`` the key is overwritten."""
+    if take_over:
+        r.set(keynames.STACK_OWNER, doc, ex=OWNER_TTL_S)
+        return
+    cur = r.eval(_OWNER_REFRESH_LUA, 1, keynames.STACK_OWNER, doc, OWNER_TTL_S)
+    if cur != 1:
+        raise click.ClickException(
+            f"the node registry in the Redis at {where} belongs to another running "
+            f"infergate up: {_describe_owner(cur)}. Stop it (its claim expires {OWNER_TTL_S} s "
+            "after it stops), give this stack its own Redis (leave out --redis-url), or pass "
+            "--take-over to replace its registry entries")
+
+
+def refresh_owner(r: redis_lib.Redis, doc: str) -> str | None:
+    """Renew the stack-owner key; ``None`` when it is ours (or was gone and is ours
+    again), else the description of the stack that took it over. Raises
+    ``redis.RedisError``."""
+    cur = r.eval(_OWNER_REFRESH_LUA, 1, keynames.STACK_OWNER, doc, OWNER_TTL_S)
+    return None if cur == 1 else _describe_owner(cur)
+
+
+def _release_owner(r: redis_lib.Redis, doc: str) -> None:
+    """Delete the stack-owner key if it is still ours (a clean stop frees the registry
+    at once); Redis errors are ignored (the key expires on its own)."""
+    try:
+        r.eval("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end "
+               "return 0", 1, keynames.STACK_OWNER, doc)
+    except redis_lib.RedisError:
+        pass
+
+
 def _ensure_redis(settings: Settings, workdir: Path, stack: procs.ProcessSet) -> str:
-    """Return a description of the Redis in use; start one if needed and possible."""
+    """Return a description of the Redis at ``settings.redis.url`` (named explicitly);
+    start one there if nothing answers and it is a local address."""
     if _redis_answers(settings):
         return f"{settings.redis.url} (already running)"
     parts = urlsplit(settings.redis.url)
@@ -64,34 +178,59 @@ def _ensure_redis(settings: Settings, workdir: Path, stack: procs.ProcessSet) ->
                                    "local address infergate could start one on")
     if procs.port_open("127.0.0.1", port):
         raise click.ClickException(f"port {port} is taken by something that is not Redis")
-    stack.add(procs.start_redis(workdir / "redis", port))
-    return f"{settings.redis.url} (local redis-server started, maxmemory 256mb, allkeys-lru)"
+    _say(f"starting redis-server on 127.0.0.1:{port} (no Redis answers at {settings.redis.url})")
+    stack.add(procs.start_redis(workdir / "redis", port, persistent=True))
+    return (f"{settings.redis.url} (local redis-server started, maxmemory 256mb, volatile-lru, "
+            f"append-only file in {workdir / 'redis'})")
 
 
 def _sim_nodes(workdir: Path, stack: procs.ProcessSet, time_scale: float) -> list[NodeSettings]:
-    nodes = []
-    for name, speed in SIM_NODES:
-        port = procs.free_port()
-        argv = procs.infergate_argv("simnode", "--host", "127.0.0.1", "--port", str(port),
-                                    "--name", name, "--speed", str(speed),
-                                    "--time-scale", str(time_scale))
-        m = stack.add(procs.Managed(name, argv, workdir / "logs" / f"{name}.log").start())
-        m.wait_ready(lambda p=port: procs.port_open("127.0.0.1", p), timeout=20)
-        nodes.append(NodeSettings(name=name, url=f"http://127.0.0.1:{port}", kind="vllm"))
-    return nodes
+    """Start the :data:`SIM_NODES` on free loopback ports (no control port, logs in
+    ``workdir/logs``), added to ``stack``; wait for them (20 s). Raises
+    :class:`controlplane.procs.StartError` when one does not come up."""
+    specs = [(name, ["--speed", str(speed), "--time-scale", str(time_scale)])
+             for name, speed in SIM_NODES]
+    instance = procs.instance_id()
+    last: procs.StartError | None = None
+    for _ in range(START_ATTEMPTS):  # new free ports when another process took one first
+        n0 = len(stack.items)
+        try:
+            sims = launch.start_nodes(specs, workdir / "logs", control=False, timeout=20,
+                                      into=stack)
+        except procs.StartError as exc:
+            del stack.items[n0:]  # stopped by start_nodes
+            last = exc
+            continue
+        # a port another process bound in between answers with its id (or none)
+        strangers = [s for s in sims
+                     if procs.http_instance(f"{s.url}/health") != instance or not s.alive()]
+        if not strangers:
+            return [NodeSettings(name=s.name, url=s.url, kind="vllm") for s in sims]
+        launch.stop_nodes(sims)
+        del stack.items[n0:]
+        last = procs.StartError(f"{strangers[0].name}: port {strangers[0].port} is held by "
+                                "another process")
+    assert last is not None
+    raise last
 
 
 #: Longest wait for the embedder to load its model and answer ``/healthz``, seconds.
 EMBEDDER_START_S = 180.0
 
 
+#: Tries of a part on a port a free-port helper chose, when it fails to bind it.
+START_ATTEMPTS = 3
+
+
 def _embedder_healthy(url: str) -> bool:
+    """``GET url/healthz`` answers 200 with this stack's instance id."""
     import requests
 
     try:
-        return requests.get(f"{url}/healthz", timeout=1).status_code == 200
+        res = requests.get(f"{url}/healthz", timeout=1)
     except requests.RequestException:
         return False
+    return res.status_code == 200 and res.headers.get(procs.INSTANCE_HEADER) == procs.instance_id()
 
 
 def _start_embedder(settings: Settings, workdir: Path, stack: procs.ProcessSet,
@@ -119,25 +258,175 @@ def _start_embedder(settings: Settings, workdir: Path, stack: procs.ProcessSet,
         url = c.embedder_url = f"http://127.0.0.1:{port}"
     argv = procs.infergate_argv("embedder", "--listen", f"127.0.0.1:{port}",
                                 "--model", c.embedder_model)
+    _say(f"starting the embedder on {url} (model {c.embedder_model}; loading it may take "
+         "a while)")
     # the Redis URL (maybe with a password) through the environment, not the command line
     env = {**os.environ, "INFERGATE_REDIS_URL": settings.redis.url}
-    m = procs.Managed("embedder", argv, workdir / "logs" / "embedder.log", env=env).start()
+    for attempt in range(START_ATTEMPTS):
+        m = procs.Managed("embedder", argv, workdir / "logs" / "embedder.log", env=env).start()
+        try:
+            # ready on a 200 with this stack's instance id: never another stack's embedder
+            m.wait_ready(lambda: _embedder_healthy(url), timeout)
+        except procs.StartError as exc:
+            m.stop()
+            if "in use" in m.log_tail(5).lower() and attempt < START_ATTEMPTS - 1:
+                # another process bound the port in between: a new free one
+                port = procs.free_port()
+                url = c.embedder_url = f"http://127.0.0.1:{port}"
+                argv = procs.infergate_argv("embedder", "--listen", f"127.0.0.1:{port}",
+                                            "--model", c.embedder_model)
+                continue
+            c.semantic = False
+            last = [ln for ln in str(exc).splitlines() if ln.strip()]
+            return f"off (the embedder did not start: {last[-1] if last else exc}; see {m.log_path})"
+        stack.add(m)
+        return f"{url} (model {c.embedder_model})"
+    return "off (the embedder did not start)"  # not reached: the last attempt returns
+
+
+def _port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """The embedder could bind ``host:port`` now: a bind with ``SO_REUSEADDR`` (as the
+    embedder's server does, so connections of the dead one in TIME_WAIT do not count)
+    succeeds, i.e. no other process listens there."""
     try:
-        m.wait_ready(lambda: _embedder_healthy(url), timeout)
-    except procs.StartError as exc:
-        m.stop()
-        c.semantic = False
-        last = [ln for ln in str(exc).splitlines() if ln.strip()]
-        return f"off (the embedder did not start: {last[-1] if last else exc}; see {m.log_path})"
-    stack.add(m)
-    return f"{url} (model {c.embedder_model})"
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+        return True
+    except OSError:
+        return False
 
 
-def _real_nodes(urls: tuple[str, ...], kind: str) -> list[NodeSettings]:
+class EmbedderKeeper:
+    """Supervision of the stack's own embedder (instead of a plain restart on the same
+    port): the edge never sends a prompt to an address no embedder of this stack holds.
+
+    When the embedder exits, the edge config is rendered again with the semantic cache
+    off and nginx reloads it (SIGHUP to its master: graceful, requests in flight finish),
+    so lookups stop at once. After the back-off of ``policy`` the embedder is started
+    again on its last port when that is free, else on a free one
+    (:func:`controlplane.procs.free_port`); only once its ``/healthz`` answers with this
+    stack's instance id is the edge rendered with the semantic cache on and the new
+    ``cache.embedder_url``, and nginx reloaded again (the runtime config file follows,
+    for the control plane's next start). An embedder that exits or is not ready within
+    ``ready_timeout`` counts as a failure; after ``policy.max_failures`` within
+    ``policy.window_s`` it stays off and the rest runs on. Call :meth:`tick` from the
+    supervision loop; it never waits longer than one health probe (1 s)."""
+
+    def __init__(self, m: procs.Managed, settings: Settings, stack: procs.ProcessSet,
+                 workdir: Path, cfg: Path, say=None, policy: procs.RestartPolicy | None = None,
+                 ready_timeout: float = 180.0, clock=time.monotonic):
+        self.m = m
+        self.settings = settings
+        self.stack = stack
+        self.workdir = workdir
+        self.cfg = cfg
+        self.say = say or _say
+        self.policy = policy or procs.RestartPolicy()
+        self.ready_timeout = ready_timeout
+        self.clock = clock
+        self.url = settings.cache.embedder_url
+        self.failures: list[float] = []
+        self.restart_at: float | None = None
+        self.ready_by: float | None = None  # set while a restarted embedder starts
+        self.given_up = False
+        self.restarts = 0
+        self.reloads = 0
+
+    def _nginx(self) -> procs.Managed | None:
+        return next((x for x in self.stack.items if x.name == "nginx"), None)
+
+    def _point_edge(self, semantic: bool) -> None:
+        """Render the edge config with the semantic cache ``semantic`` (and the current
+        embedder URL) and make nginx reload it."""
+        from controlplane.edge.render import render_nginx
+
+        c = self.settings.cache
+        c.semantic = semantic
+        if semantic:
+            c.embedder_url = self.url
+        render_nginx(self.settings, self.workdir / "nginx", prefix=self.workdir / "nginx")
+        _write_runtime_config(self.settings, self.cfg)
+        ng = self._nginx()
+        if ng is not None and ng.alive() and ng.pid:
+            os.kill(ng.pid, signal.SIGHUP)
+            self.reloads += 1
+
+    def _failed(self, now: float, why: str) -> None:
+        self.failures = [t for t in self.failures if now - t <= self.policy.window_s] + [now]
+        if self.settings.cache.semantic:
+            self._point_edge(False)
+        if len(self.failures) >= self.policy.max_failures:
+            self.given_up = True
+            self.say(f"embedder gave up after {len(self.failures)} failures within "
+                     f"{self.policy.window_s:.0f} s (log {self.m.log_path}); semantic cache "
+                     "off, the rest runs on")
+            return
+        delay = self.policy.delay(len(self.failures))
+        self.say(f"embedder {why} (restarts so far {self.restarts}, log {self.m.log_path}); "
+                 f"semantic cache off until it is back; restarting in {delay:.1f} s")
+        self.restart_at = now + delay
+
+    def _restart(self, now: float) -> None:
+        port = urlsplit(self.url).port or 80
+        if not _port_free(port):
+            old = port
+            port = procs.free_port()
+            self.say(f"embedder port {old} is taken by another process; moving the embedder "
+                     f"to 127.0.0.1:{port}")
+        self.url = f"http://127.0.0.1:{port}"
+        self.m.stop(grace=1.0)
+        argv = procs.infergate_argv("embedder", "--listen", f"127.0.0.1:{port}",
+                                    "--model", self.settings.cache.embedder_model)
+        new = procs.Managed("embedder", argv, self.m.log_path, env=self.m.env)
+        try:
+            new.start()
+        except OSError as exc:
+            self._failed(now, f"restart failed: {exc}")
+            return
+        self.stack.items[self.stack.items.index(self.m)] = new
+        self.m = new
+        self.restarts += 1
+        self.ready_by = now + self.ready_timeout
+        self.say(f"embedder restarted on {self.url} (pid {new.pid}, restart {self.restarts})")
+
+    def tick(self) -> None:
+        """One supervision round (see the class)."""
+        if self.given_up:
+            return
+        now = self.clock()
+        if self.restart_at is not None:
+            if now >= self.restart_at:
+                self.restart_at = None
+                self._restart(now)
+            return
+        if not self.m.alive():
+            rc = self.m.proc.returncode if self.m.proc is not None else None
+            self.ready_by = None
+            self._failed(now, f"exited (code {rc})")
+            return
+        if self.ready_by is not None:
+            if _embedder_healthy(self.url):
+                self.ready_by = None
+                self._point_edge(True)
+                self.say(f"embedder ready on {self.url}; semantic cache on again")
+            elif now >= self.ready_by:
+                self.ready_by = None
+                self.m.stop(grace=1.0)
+                self._failed(now, "did not become ready")
+
+
+def _real_nodes(urls: tuple[str, ...], kind: str, health_path: str | None = None,
+                max_concurrency: int | None = None) -> list[NodeSettings]:
+    extra: dict = {}
+    if health_path is not None:
+        extra["health_path"] = health_path
+    if max_concurrency is not None:
+        extra["max_concurrency"] = max_concurrency
     nodes = []
     for i, url in enumerate(urls, 1):
         try:
-            nodes.append(NodeSettings(name=f"node-{i}", url=url, kind=kind))  # type: ignore[arg-type]
+            nodes.append(NodeSettings(name=f"node-{i}", url=url, kind=kind, **extra))  # type: ignore[arg-type]
         except ValueError as exc:
             raise click.BadParameter(f"--node {url}: {exc}") from None
     return nodes
@@ -151,6 +440,54 @@ def _write_runtime_config(settings: Settings, path: Path) -> None:
     os.chmod(path, 0o600)
 
 
+#: Seconds between two supervision rounds of :func:`_supervise`.
+SUPERVISE_EVERY_S = 0.25
+
+
+def _supervise(stack: procs.ProcessSet, stop: threading.Event, owner_r: redis_lib.Redis,
+               owner_doc: str, policy: procs.RestartPolicy | None = None,
+               embedder: EmbedderKeeper | None = None) -> str:
+    """Keep the parts of ``stack`` running until ``stop`` is set (Ctrl-C, SIGTERM) and
+    keep the stack-owner key alive. A part that dies is restarted with back-off
+    (:class:`controlplane.procs.Supervisor`, one line per exit and per restart); the
+    embedder is optional (the edge answers BYPASS while it is away, and when it keeps
+    failing it stays off). Returns ``""`` on a requested stop, else why everything must
+    stop: a required part keeps failing. When another stack takes the registry over
+    (``--take-over``) this one says so once and stops renewing the owner key, but keeps
+    its parts running: its Redis may be the one the new owner uses. ``embedder``: the
+    embedder is kept by it (:class:`EmbedderKeeper`: new port when its own is taken, edge
+    re-pointed) instead of by the plain supervisor."""
+    sup = procs.Supervisor(_say, policy)
+    for m in stack.items:
+        if embedder is not None and m is embedder.m:
+            continue
+        sup.watch(m, optional=m.name == "embedder")
+    next_refresh = 0.0
+    owned = True
+    while not stop.is_set():
+        failed = sup.tick()
+        if failed:
+            return f"{failed}\nstopped everything"
+        if embedder is not None:
+            try:
+                embedder.tick()
+            except Exception as exc:  # noqa: BLE001 - the optional part never stops the stack
+                _say(f"embedder supervision: {exc}")
+        now = time.monotonic()
+        if owned and now >= next_refresh:
+            next_refresh = now + OWNER_REFRESH_S
+            try:
+                other = refresh_owner(owner_r, owner_doc)
+            except redis_lib.RedisError:
+                other = None  # Redis restarting: the key is renewed once it answers
+            if other:
+                owned = False
+                _say(f"the node registry was taken over by {other}; this stack no longer "
+                     "owns it (its parts keep running)")
+        stop.wait(SUPERVISE_EVERY_S)
+    return ""
+
+
 @click.command("up")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
               help="infergate TOML file (defaults apply without one).")
@@ -160,6 +497,12 @@ def _write_runtime_config(settings: Settings, path: Path) -> None:
 @click.option("--node-kind", default="vllm", show_default=True,
               type=click.Choice(["vllm", "tgi", "sglang", "json", "openai"]),
               help="Metrics dialect of the --node servers (openai = no metrics endpoint).")
+@click.option("--node-health-path", default=None, metavar="PATH",
+              help="Health path of the --node servers [default: /health]. Must not wait on "
+                   "the model; for openai nodes without one, any HTTP answer counts as alive.")
+@click.option("--node-max-concurrency", default=None, type=click.IntRange(1, 100000),
+              help="Requests each --node server runs at once [default: 64]; 1 for "
+                   "llama-cpp-python, --parallel N for llama.cpp's server.")
 @click.option("--listen", default=None, metavar="HOST:PORT",
               help="Edge address [default: edge.listen, 127.0.0.1:8080].")
 @click.option("--admin-listen", default=None, metavar="HOST:PORT",
@@ -169,9 +512,17 @@ def _write_runtime_config(settings: Settings, path: Path) -> None:
               help="Folder for logs, rendered nginx config and Redis [default: a new temp dir].")
 @click.option("--time-scale", default=1.0, show_default=True, type=float,
               help="Time scale of the simulated nodes (0.1 = ten times faster).")
+@click.option("--take-over", is_flag=True,
+              help="With a shared Redis: replace the node registry even while another "
+                   "running infergate up owns it.")
+@click.option("--instance-id", default=None, metavar="ID",
+              help="Id of this stack, echoed by every part's health answer "
+                   "[default: a new random one].")
 def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
+           node_health_path: str | None, node_max_concurrency: int | None,
            listen: str | None, admin_listen: str | None, redis_url: str | None,
-           workdir: str | None, time_scale: float) -> None:
+           workdir: str | None, time_scale: float, take_over: bool = False,
+           instance_id: str | None = None) -> None:
     """Run the whole stack locally: Redis, nodes, control plane, nginx edge."""
     try:
         settings = load_settings(config_path)
@@ -187,8 +538,13 @@ def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
     if admin_listen:
         _split_hostport(admin_listen, "--admin-listen")
         settings.controlplane.listen = admin_listen
+    # Only a Redis named on purpose (--redis-url, the file's redis.url, INFERGATE_REDIS_URL)
+    # is shared; otherwise the stack runs its own and never joins another's at 6379.
+    shared_redis = bool(redis_url) or "url" in settings.redis.model_fields_set
     if redis_url:
         settings.redis.url = redis_url
+    instance = instance_id or f"up-{secrets.token_hex(6)}"
+    os.environ[procs.INSTANCE_ENV] = instance  # every part inherits it and echoes it
     edge_host, edge_port = _split_hostport(settings.edge.listen, "edge.listen")
     admin_host, admin_port = _split_hostport(settings.controlplane.listen, "controlplane.listen")
     for host, port, what in ((edge_host, edge_port, "edge"), (admin_host, admin_port, "admin")):
@@ -202,9 +558,12 @@ def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
 
     wd = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="infergate-up-"))
     wd.mkdir(parents=True, exist_ok=True)
+    _say(f"infergate up: logs and config in {wd}")
     os.chmod(wd, 0o755)  # nginx workers (``nobody`` when started as root) traverse it
     stack = procs.ProcessSet()
     stop = threading.Event()
+    owner_doc = _owner_doc(instance)
+    owner_r: redis_lib.Redis | None = None
 
     def on_signal(signum: int, _frame: object) -> None:
         stop.set()
@@ -212,12 +571,19 @@ def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        redis_desc = _ensure_redis(settings, wd, stack)
+        redis_desc = (_ensure_redis(settings, wd, stack) if shared_redis
+                      else _own_redis(settings, wd, stack))
+        owner_r = make_redis(settings.redis)
+        try:
+            claim_registry(owner_r, owner_doc, take_over, settings.redis.url.split("@")[-1])
+        except redis_lib.RedisError as exc:
+            raise click.ClickException(f"Redis at {settings.redis.url.split('@')[-1]}: {exc}") from None
         if node_urls:
-            nodes = _real_nodes(node_urls, node_kind)
+            nodes = _real_nodes(node_urls, node_kind, node_health_path, node_max_concurrency)
         elif settings.nodes:
             nodes = settings.nodes
         else:
+            _say(f"starting {len(SIM_NODES)} simulated nodes: {', '.join(n for n, _ in SIM_NODES)}")
             nodes = _sim_nodes(wd, stack, time_scale)
         settings.nodes = nodes
         r = make_redis(settings.redis)
@@ -230,24 +596,44 @@ def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
         if semantic_desc.startswith("off ("):
             click.echo(f"semantic cache is off: {semantic_desc[5:-1]}", err=True)
         metrics_desc = "off"
+        metrics_moved = False
         if settings.edge.metrics_listen:
             m_host, m_port = _split_hostport(settings.edge.metrics_listen, "edge.metrics_listen")
             if procs.port_open("127.0.0.1" if m_host in ("0.0.0.0", "::") else m_host, m_port):
                 # an internal port: take a free one rather than fail on another stack's edge
-                settings.edge.metrics_listen = f"{m_host}:{procs.free_port(m_host)}"
+                m_url_host = HostPort.parse(settings.edge.metrics_listen).url_host
+                settings.edge.metrics_listen = f"{m_url_host}:{procs.free_port(m_host)}"
+                metrics_moved = True
             metrics_desc = f"http://{settings.edge.metrics_listen}/metrics"
         cfg = wd / "infergate.toml"
         _write_runtime_config(settings, cfg)
 
+        _say(f"starting the control plane on {admin_host}:{admin_port}")
         cp = stack.add(procs.Managed("controlplane", procs.infergate_argv("controlplane", "--config", str(cfg)),
                                      wd / "logs" / "controlplane.log").start())
-        cp.wait_ready(lambda: procs.port_open(admin_host if admin_host not in ("0.0.0.0", "::") else "127.0.0.1",
-                                              admin_port), timeout=30)
+        admin_probe = admin_host if admin_host not in ("0.0.0.0", "::") else "127.0.0.1"
+        # ready when the admin port answers with this stack's id (never another's process)
+        admin_probe = f"[{admin_probe}]" if ":" in admin_probe else admin_probe
+        cp.wait_ready(lambda: procs.http_instance(f"http://{admin_probe}:{admin_port}/healthz")
+                      == instance, timeout=30)
 
         from controlplane.edge.render import render_nginx, start_nginx
 
-        rendered = render_nginx(settings, wd / "nginx", prefix=wd / "nginx")
-        stack.add(start_nginx(rendered.nginx_conf, wd / "nginx"))
+        for attempt in range(START_ATTEMPTS):
+            rendered = render_nginx(settings, wd / "nginx", prefix=wd / "nginx")
+            _say(f"starting nginx on {edge_host}:{edge_port} (config {rendered.nginx_conf})")
+            try:
+                stack.add(start_nginx(rendered.nginx_conf, wd / "nginx"))
+                break
+            except procs.StartError as exc:
+                m_port = settings.edge.metrics_listen.rpartition(":")[2]
+                lost = metrics_moved and f":{m_port} failed" in str(exc) and "in use" in str(exc)
+                if not lost or attempt == START_ATTEMPTS - 1:
+                    raise
+                # the free metrics port was taken in between: render with a new one
+                m_host = HostPort.parse(settings.edge.metrics_listen)
+                settings.edge.metrics_listen = f"{m_host.url_host}:{procs.free_port(m_host.host)}"
+                metrics_desc = f"http://{settings.edge.metrics_listen}/metrics"
 
         base = f"http://{edge_host}:{edge_port}"
         model = "sim-llama" if not node_urls else "<your model>"
@@ -266,29 +652,21 @@ infergate is up.
 Try:
   curl -s {base}/v1/chat/completions -H 'Content-Type: application/json'{key_header} \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+  export INFERGATE_REDIS_URL={settings.redis.url}   # then: infergate nodes list, keys list, cache stats
+  (or pass --config {cfg} to those commands)
 
 Ctrl-C stops everything.""", err=False)
         sys.stdout.flush()
-        embedder_gone = False
-        failed = ""
-        while not stop.is_set():
-            for m in stack.items:
-                if m.name == "embedder" and not m.alive():
-                    if not embedder_gone:
-                        click.echo(f"embedder exited; semantic lookups answer BYPASS, the rest "
-                                   f"runs on. Last lines of {m.log_path}:\n{m.log_tail()}",
-                                   err=True)
-                        embedder_gone = True
-                    continue
-                if not m.alive():
-                    failed = f"{m.name} exited; stopped everything. Last lines of {m.log_path}:\n{m.log_tail()}"
-                    stop.set()
-                    break
-            stop.wait(1.0)
+        emb = next((x for x in stack.items if x.name == "embedder"), None)
+        keeper = (EmbedderKeeper(emb, settings, stack, wd, cfg) if emb is not None
+                  and settings.cache.semantic else None)
+        failed = _supervise(stack, stop, owner_r, owner_doc, embedder=keeper)
     except procs.StartError as exc:
         raise click.ClickException(str(exc)) from None
     finally:
         click.echo("stopping...", err=True)
+        if owner_r is not None:
+            _release_owner(owner_r, owner_doc)
         stack.stop_all()
     if failed:
         raise click.ClickException(failed)

@@ -30,10 +30,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
+from controlplane.errors import InfergateError
+
 SeqState = Literal["waiting", "running", "finished", "cancelled"]
 
 
-class RequestTooLarge(ValueError):
+class RequestTooLarge(InfergateError, ValueError):
     """prompt + output tokens exceed the KV capacity: the request could never run."""
 
 

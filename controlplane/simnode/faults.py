@@ -7,6 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from controlplane.errors import InfergateError
+
 
 class Faults(BaseModel):
     """The current faults. Every field has a harmless default."""
@@ -31,7 +33,7 @@ class Faults(BaseModel):
     """Answer inference requests with bytes that are not HTTP, then close."""
 
 
-class FaultsError(ValueError):
+class FaultsError(InfergateError, ValueError):
     """An invalid fault update; the message lists the bad fields."""
 
 

@@ -15,6 +15,16 @@ Main port:
   answers the full faults), ``GET /_sim/state``, ``POST /_sim/reset`` (zero the
   counters and the Prometheus metrics; faults stay).
 
+With ``llamacpp`` (``--llamacpp``) the node behaves like llama-cpp-python's
+OpenAI-compatible server (``python -m llama_cpp.server``), whose model sits behind a
+lock: one request at a time (the others wait for the lock), no ``/health`` and no
+``/metrics`` (404), and ``GET /v1/models`` takes the model lock too, so it waits for the
+running request; and, as with that server's default ``interrupt_requests=True``, a
+stream that sees another request waiting for the lock ends at once with
+``data: [DONE]`` and no final chunk (counted in ``interrupted_total``). Its two-lock
+scheme is copied: a waiting request holds the outer lock while it waits for the inner
+one, and a stream checks the outer lock between tokens.
+
 Every answer carries ``X-Sim-Node: <name>``; the node name is also the
 ``system_fingerprint`` of completions, never part of the generated text.
 
@@ -23,13 +33,15 @@ Counters in ``/_sim/state``: ``requests_total`` = inference requests received;
 before the answer was complete (queued, running, streaming or held by ``hang``) -
 the request then leaves the queue/batch at once and its KV is freed;
 ``errors_total`` = inference requests answered with an error status (bad input,
-injected errors) or with garbage; ``by_path`` = requests per path on the main port
+injected errors) or with garbage; ``interrupted_total`` = streams ended early by a
+waiting request (``llamacpp``); ``by_path`` = requests per path on the main port
 (control paths excluded).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -39,7 +51,7 @@ from typing import Any
 
 from aiohttp import web
 
-from controlplane import __version__
+from controlplane import __version__, procs
 from controlplane.simnode import wire
 from controlplane.simnode.engine import EngineConfig, RequestTooLarge
 from controlplane.simnode.faults import Faults, FaultsError, apply_update
@@ -71,6 +83,8 @@ class NodeOptions:
     output_min: int = 16
     output_max: int = 128
     faults: Faults = field(default_factory=Faults)
+    llamacpp: bool = False
+    """Behave like llama-cpp-python's server (see the module docstring)."""
 
 
 @dataclass
@@ -79,6 +93,7 @@ class Counters:
     completed_total: int = 0
     cancelled_total: int = 0
     errors_total: int = 0
+    interrupted_total: int = 0
     by_path: dict[str, int] = field(default_factory=dict)
 
 
@@ -113,6 +128,35 @@ class SimNode:
         self._main_site: web.TCPSite | None = None
         self._refuse_lock = asyncio.Lock()
         self._inflight: set[asyncio.Task[Any]] = set()
+        # llamacpp: the model lock (llama_cpp.server.app: llama_outer_lock / llama_inner_lock)
+        self._outer = asyncio.Lock()
+        self._inner = asyncio.Lock()
+
+    @contextlib.asynccontextmanager
+    async def _model_lock(self) -> Any:
+        """Hold the model (``llamacpp``), as llama-cpp-python's ``get_llama_proxy`` does:
+        the outer lock while waiting for the inner one, then the inner one alone. A
+        no-op without ``llamacpp``."""
+        if not self.opts.llamacpp:
+            yield
+            return
+        await self._outer.acquire()
+        outer_held = True
+        try:
+            await self._inner.acquire()
+            try:
+                self._outer.release()
+                outer_held = False
+                yield
+            finally:
+                self._inner.release()
+        finally:
+            if outer_held:
+                self._outer.release()
+
+    def _interrupted(self) -> bool:
+        """A stream should stop: another request waits for the model (``llamacpp``)."""
+        return self.opts.llamacpp and self._outer.locked()
 
     # -- apps ----------------------------------------------------------------
     def _control_routes(self, app: web.Application) -> None:
@@ -127,8 +171,9 @@ class SimNode:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.metrics)
+        if not self.opts.llamacpp:
+            app.router.add_get("/health", self.health)
+            app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/version", self.version)
         self._control_routes(app)
         app.on_response_prepare.append(self._tag)
@@ -255,7 +300,7 @@ class SimNode:
             "kv_capacity_tokens": sum(s.kv_capacity_tokens for s in snaps),
             "requests_total": c.requests_total, "completed_total": c.completed_total,
             "cancelled_total": c.cancelled_total, "errors_total": c.errors_total,
-            "by_path": dict(c.by_path),
+            "interrupted_total": c.interrupted_total, "by_path": dict(c.by_path),
             "engines": [{"engine": i, **asdict(s)} for i, s in enumerate(snaps)],
             "listening": self._main_site is not None,
             "faults": self.faults.model_dump(),
@@ -273,14 +318,18 @@ class SimNode:
 
     # -- plain endpoints -----------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=503 if self.faults.health_fail else 200)
+        # the stack instance id set by ``infergate up`` (INFERGATE_INSTANCE_ID), so it
+        # never adopts another stack's node
+        return web.Response(status=503 if self.faults.health_fail else 200,
+                            headers={procs.INSTANCE_HEADER: procs.instance_id()})
 
     async def version(self, request: web.Request) -> web.Response:
         return json_response({"version": f"infergate-simnode {__version__}"})
 
     async def models(self, request: web.Request) -> web.Response:
-        return json_response(wire.models_list(self.opts.model, self.created,
-                                              self.opts.engine.kv_capacity_tokens))
+        async with self._model_lock():
+            return json_response(wire.models_list(self.opts.model, self.created,
+                                                  self.opts.engine.kv_capacity_tokens))
 
     async def metrics(self, request: web.Request) -> web.Response:
         if self.faults.metrics_fail:
@@ -306,7 +355,8 @@ class SimNode:
         if task is not None:
             self._inflight.add(task)
         try:
-            return await self._inference(request, kind)
+            async with self._model_lock():
+                return await self._inference(request, kind)
         finally:
             if task is not None:
                 self._inflight.discard(task)
@@ -383,6 +433,13 @@ class SimNode:
         resp: web.StreamResponse | None = None
         sent = 0
         while True:
+            if resp is not None and self._interrupted():
+                # llama-cpp-python, interrupt_requests=True: [DONE] at once, no final chunk
+                self.scheduler.cancel(ticket)
+                self.counters.interrupted_total += 1
+                await resp.write(wire.SSE_DONE)
+                await resp.write_eof()
+                return resp
             if seq.generated == sent and seq.state != "finished":
                 ticket.changed.clear()
                 await ticket.changed.wait()

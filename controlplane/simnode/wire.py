@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from controlplane.simnode import textgen
+from controlplane.errors import InfergateError
 
 Kind = Literal["chat", "completion"]
 FinishReason = Literal["stop", "length"]
@@ -28,7 +29,7 @@ FinishReason = Literal["stop", "length"]
 MAX_SIM_OUTPUT_TOKENS = 1_000_000
 
 
-class ApiError(Exception):
+class ApiError(InfergateError):
     """An HTTP error answer with an OpenAI-style JSON body."""
 
     def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",

@@ -2,7 +2,7 @@
 
 The stack fixtures (redis_server, simnodes, tiny_upstreams, edge_factory,
 controlplane_factory, workdir, output_dir) come from tests/conftest.py and
-tests/support/stack.py. This file adds :class:`LoadLoop`: one thread sending requests
+tests/support/. This file adds :class:`LoadLoop`: one thread sending requests
 at a fixed rate (bounded: one request at a time, never more than ``rate_per_s``),
 recording every answer with the phase it was sent in, and :class:`LoadReport`, the
 printed and saved summary every drill asserts its bound on.
@@ -83,11 +83,14 @@ class LoadReport:
 class LoadLoop:
     """Sends ``body_fn(i)`` as JSON to ``/v1/chat/completions`` of the edges in turn, at
     most ``rate_per_s`` requests per second, one at a time, until :meth:`stop`.
-    :meth:`phase` labels the requests sent from now on."""
+    :meth:`phase` labels the requests sent from now on. ``headers`` go with every
+    request (e.g. ``{"Authorization": "Bearer ig-..."}``)."""
 
     def __init__(self, name: str, edges: list[Any], rate_per_s: float = 8.0,
-                 body_fn: Callable[[int], dict] | None = None, timeout_s: float = 10.0) -> None:
+                 body_fn: Callable[[int], dict] | None = None, timeout_s: float = 10.0,
+                 headers: dict[str, str] | None = None) -> None:
         self.edges = edges
+        self.headers = dict(headers or {})
         self.interval = 1.0 / rate_per_s
         self.body_fn = body_fn or (lambda i: {
             "model": "sim-llama", "sim_output_tokens": 4,
@@ -129,7 +132,7 @@ class LoadLoop:
             t = time.monotonic()
             try:
                 res = sessions[id(edge)].post(edge.url + "/v1/chat/completions", json=self.body_fn(i),
-                                              timeout=self.timeout_s)
+                                              headers=self.headers, timeout=self.timeout_s)
                 r = Result(t, phase, edge.url, res.status_code, res.headers.get("X-Cache-Status"),
                            res.headers.get("X-Infergate-Node"))
             except requests.RequestException as exc:
@@ -158,7 +161,7 @@ class LoadLoop:
 
 @pytest.fixture
 def load_loop() -> Iterator[Callable[..., LoadLoop]]:
-    """Factory: ``load_loop(name, [edge, ...], rate_per_s=8, body_fn=None)`` -> a started
+    """Factory: ``load_loop(name, [edge, ...], rate_per_s=8, body_fn=None, headers=None)`` -> a started
     :class:`LoadLoop`; every loop is stopped at teardown."""
     loops: list[LoadLoop] = []
 

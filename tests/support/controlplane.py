@@ -4,7 +4,6 @@ for a fast poll cycle, the routing snapshot read back from Redis."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import requests
@@ -12,29 +11,24 @@ import requests
 from controlplane import procs
 from controlplane.config import NodeSettings, Settings, settings_from_dict
 from controlplane.redisdb import keynames
+from controlplane.simnode import launch
 
 
-@dataclass
-class Sim:
-    name: str
-    port: int
-    control_port: int
-    managed: procs.Managed
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+class Sim(launch.SimNodeProcess):
+    """A simulated node of the control-plane tests (see
+    :class:`controlplane.simnode.launch.SimNodeProcess`) with shortcuts for them."""
 
     def faults(self, **faults: object) -> None:
-        requests.post(f"http://127.0.0.1:{self.control_port}/_sim/faults", json=faults,
-                      timeout=5).raise_for_status()
+        """``POST /_sim/faults`` on the control port; raises on an error status."""
+        self.set_faults(**faults)
 
     def clear(self) -> None:
+        """Turn off the faults the tests use and wait until ``/health`` answers 200."""
         self.faults(metrics_fail=False, health_fail=False, refuse=False)
         procs.wait_until(self.answers, timeout=10, what=f"{self.name} to answer")
 
     def answers(self) -> bool:
-        return requests.get(self.url + "/health", timeout=0.5).status_code == 200
+        return self.healthy()
 
     def chat(self, n: int = 1) -> None:
         for _ in range(n):
@@ -47,23 +41,11 @@ class Sim:
 
 
 def start_sim(folder: Path, name: str, dialect: str = "vllm", engines: int = 1) -> Sim:
-    """A simulated node on free ports (main + control), ready when /health answers."""
-    port = procs.free_port()
-    control = procs.free_port()
-    while control == port:
-        control = procs.free_port()
-    argv = procs.infergate_argv(
-        "simnode", "--port", str(port), "--control-port", str(control), "--name", name,
-        "--dialect", dialect, "--engines", str(engines), "--time-scale", "0.01",
-        "--output-tokens", "4:8", "--log-level", "warning")
-    m = procs.Managed(name, argv, folder / f"{name}.log").start()
-    sim = Sim(name, port, control, m)
-    try:
-        m.wait_ready(sim.answers, timeout=20)
-    except Exception:
-        m.stop()
-        raise
-    return sim
+    """A simulated node on free ports (main + control) at time scale 0.01 with 4-8
+    output tokens, logging to ``folder/<name>.log``; ready when it answers (20 s)."""
+    flags = ["--dialect", dialect, "--engines", str(engines), "--time-scale", "0.01",
+             "--output-tokens", "4:8", "--log-level", "warning"]
+    return launch.start_node(name, folder, *flags, timeout=20, cls=Sim)
 
 
 def cp_settings(nodes: list[NodeSettings], **controlplane: object) -> Settings:
@@ -74,7 +56,6 @@ def cp_settings(nodes: list[NodeSettings], **controlplane: object) -> Settings:
     return settings_from_dict({
         "controlplane": cp, "edge": {"sync_interval_s": 0.05, "stale_after_s": 10.0},
         "nodes": [n.model_dump() for n in nodes]})
-
 
 
 def routing(r) -> dict:

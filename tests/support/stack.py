@@ -4,9 +4,8 @@ Factories (each tears down everything it started at the end of the test):
 
 - ``simnodes(n, *flags, names=None, node_flags=None, **opts)`` -> list of
   :class:`SimNode` (``infergate simnode`` processes on free ports, with a control
-  port: ``url``, ``control_url``, ``set_faults(...)``, ``state()``);
-- ``tiny_upstreams(n, names=None)`` -> list of :class:`TinyUpstream` (in-process
-  OpenAI-compatible HTTP servers with switchable modes, for deterministic edge tests);
+  port, started by :mod:`controlplane.simnode.launch`: ``url``, ``control_url``,
+  ``set_faults(...)``, ``state()``);
 - ``edge_factory(settings, **render_opts)`` -> :class:`Edge` (render + start nginx;
   at teardown asserts that in-flight counters are back to zero and that the error log
   has no ``[alert]``/``[crit]``/``[emerg]`` line, no Lua runtime error and no
@@ -18,18 +17,17 @@ Helpers: :func:`edge_settings` (Settings for a test edge), :func:`snapshot_node`
 :func:`write_snapshot` (a routing snapshot written straight into Redis, as the
 control plane would, see docs/internals.md), :func:`lua_eval` (run Lua with the
 infergate modules inside nginx's init_by_lua and get its result back as JSON).
+
+The in-process tiny upstream (``tiny_upstreams``) is in tests/support/tiny_upstream.py.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +39,7 @@ from controlplane import paths, procs
 from controlplane.redisdb import keynames
 from controlplane.config import EdgeSettings, NodeSettings, Settings, settings_from_dict
 from controlplane.edge.render import RenderedConfig, default_modules_dir, render_nginx, start_nginx
+from controlplane.simnode import launch
 
 #: Error-log lines that fail a test whatever it did.
 BAD_LOG_RE = re.compile(
@@ -146,54 +145,16 @@ http {{
 
 # --------------------------------------------------------------------------- simnodes
 
-def _stop_together(managed: list[procs.Managed]) -> None:
-    """SIGTERM every process first, then wait for each (SIGKILL after the grace)."""
-    import signal
-
-    for m in managed:
-        m.signal(signal.SIGTERM)
-    for m in reversed(managed):
-        m.stop()
-
-
-@dataclass
-class SimNode:
-    """One ``infergate simnode`` process."""
-
-    name: str
-    host: str
-    port: int
-    control_port: int
-    managed: procs.Managed
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def control_url(self) -> str:
-        return f"http://{self.host}:{self.control_port}"
-
-    def set_faults(self, **faults: Any) -> dict:
-        """``POST /_sim/faults`` on the control port; returns the faults now in force."""
-        res = requests.post(f"{self.control_url}/_sim/faults", json=faults, timeout=5)
-        res.raise_for_status()
-        return res.json()
-
-    def state(self) -> dict:
-        """``GET /_sim/state``: running, waiting, requests_total, completed_total, ..."""
-        res = requests.get(f"{self.control_url}/_sim/state", timeout=5)
-        res.raise_for_status()
-        return res.json()
+class SimNode(launch.SimNodeProcess):
+    """One ``infergate simnode`` process (see :class:`controlplane.simnode.launch.SimNodeProcess`:
+    ``url``, ``control_url``, ``set_faults(...)``, ``state()``, ``stop()``), plus its
+    node settings and routing-snapshot entry."""
 
     def node_settings(self, **kw: Any) -> NodeSettings:
         return NodeSettings(name=self.name, url=self.url, **kw)
 
     def snapshot_node(self, **kw: Any) -> dict:
         return snapshot_node(self.name, self.host, self.port, **kw)
-
-    def stop(self) -> None:
-        self.managed.stop()
 
 
 @pytest.fixture
@@ -201,252 +162,26 @@ def simnodes(workdir: Path) -> Iterator[Callable[..., list[SimNode]]]:
     """Factory: ``simnodes(n, "--max-running", "1", names=[...], time_scale=0.05)``.
     Keyword options become ``--key-with-dashes value`` flags (True -> bare flag) for
     every node; ``node_flags={"name": ["--max-running", "1"]}`` adds flags to one node.
-    The nodes start together and are waited for together."""
+    Names default to ``sim-1``, ``sim-2``, ... (counted over the test); every node has
+    a control port and logs to ``workdir/logs/<name>.log``. The nodes of one call start
+    together and are waited for together (30 s); all stop together at teardown."""
     started: list[SimNode] = []
 
     def start(n: int = 1, *flags: str, names: list[str] | None = None,
               node_flags: dict[str, list[str]] | None = None, **opts: Any) -> list[SimNode]:
-        extra = list(flags)
-        for k, v in opts.items():
-            flag = "--" + k.replace("_", "-")
-            if v is True:
-                extra.append(flag)
-            elif v not in (False, None):
-                extra += [flag, str(v)]
-        out = []
-        for i in range(n):
-            name = names[i] if names else f"sim-{len(started) + 1}"
-            port, cport = procs.free_port(), procs.free_port()
-            own = (node_flags or {}).get(name, [])
-            argv = procs.infergate_argv("simnode", "--host", "127.0.0.1", "--port", str(port),
-                                        "--control-port", str(cport), "--name", name, *extra, *own)
-            m = procs.Managed(name, argv, workdir / "logs" / f"{name}.log").start()
-            node = SimNode(name, "127.0.0.1", port, cport, m)
-            started.append(node)
-            out.append(node)
-        for node in out:  # started together, waited for together
-            node.managed.wait_ready(lambda p=node.control_port: procs.port_open("127.0.0.1", p),
-                                    timeout=30)
-        return out
-
-    try:
-        yield start
-    finally:
-        _stop_together([node.managed for node in started])
-
-
-# --------------------------------------------------------------------------- tiny upstreams
-
-class TinyUpstream:
-    """An in-process OpenAI-compatible HTTP server on a free port.
-
-    ``mode``: ``ok`` (answer), ``fail`` (500 JSON), ``busy`` (429), ``hang`` (never
-    answer until released or stopped), ``garbage`` (non-HTTP bytes, then close).
-    ``delay_s`` delays every answer; a ``"stream": true`` request gets ``chunks`` SSE
-    chunks ``chunk_interval_s`` apart. ``gate``: when set (a threading.Event), streams
-    wait for it before their last chunk. ``hits`` counts inference requests,
-    ``inflight`` the ones being answered. Answers carry ``X-Sim-Node`` and
-    ``system_fingerprint`` = name. ``stop()`` closes the port (connections refused)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.mode = "ok"
-        self.delay_s = 0.0
-        self.chunks = 5
-        self.chunk_interval_s = 0.05
-        self.gate: threading.Event | None = None
-        self.hits = 0
-        self.inflight = 0
-        self.bodies: list[bytes] = []
-        self._lock = threading.Lock()
-        self._released = threading.Event()
-        self._conns: set[socket.socket] = set()
-        self.port = procs.free_port()
-        self.host = "127.0.0.1"
-        self._server: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
-        self.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def node_settings(self, **kw: Any) -> NodeSettings:
-        return NodeSettings(name=self.name, url=self.url, **kw)
-
-    def snapshot_node(self, **kw: Any) -> dict:
-        return snapshot_node(self.name, self.host, self.port, **kw)
-
-    def start(self) -> None:
-        upstream = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            disable_nagle_algorithm = True
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def setup(self) -> None:
-                super().setup()
-                with upstream._lock:
-                    upstream._conns.add(self.connection)
-
-            def finish(self) -> None:
-                with upstream._lock:
-                    upstream._conns.discard(self.connection)
-                super().finish()
-
-            def _send(self, status: int, obj: Any, headers: dict | None = None) -> None:
-                body = json.dumps(obj).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.send_header("X-Sim-Node", upstream.name)
-                for k, v in (headers or {}).items():
-                    self.send_header(k, v)
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_GET(self) -> None:
-                if self.path == "/v1/models":
-                    self._send(200, {"object": "list", "data": [
-                        {"id": "tiny", "object": "model", "created": 0, "owned_by": upstream.name}]})
-                else:
-                    self._send(404, {"error": {"message": "not found", "type": "invalid_request_error",
-                                               "param": None, "code": None}})
-
-            def do_POST(self) -> None:
-                n = int(self.headers.get("Content-Length") or 0)
-                raw = self.rfile.read(n)
-                with upstream._lock:
-                    upstream.hits += 1
-                    upstream.inflight += 1
-                    upstream.bodies.append(raw)
-                try:
-                    self._answer(raw)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
-                finally:
-                    with upstream._lock:
-                        upstream.inflight -= 1
-
-            def _answer(self, raw: bytes) -> None:
-                mode = upstream.mode
-                if upstream.delay_s:
-                    time.sleep(upstream.delay_s)
-                if mode == "hang":
-                    upstream._released.wait(60)
-                    self.close_connection = True
-                    return
-                if mode == "garbage":
-                    self.wfile.write(b"\x00\x01 this is not HTTP \xff\r\n\r\n")
-                    self.close_connection = True
-                    return
-                if mode == "fail":
-                    self._send(500, {"error": {"message": "simulated failure", "type": "server_error",
-                                               "param": None, "code": 500}})
-                    return
-                if mode == "busy":
-                    self._send(429, {"error": {"message": "busy", "type": "rate_limit_error",
-                                               "param": None, "code": 429}})
-                    return
-                if self.path.split("?")[0] not in ("/v1/chat/completions", "/v1/completions",
-                                                   "/v1/embeddings"):
-                    self._send(404, {"error": {"message": f"no route {self.path}",
-                                               "type": "invalid_request_error",
-                                               "param": None, "code": "not_found"}})
-                    return
-                try:
-                    req = json.loads(raw or b"{}")
-                except ValueError:
-                    req = {}
-                model = req.get("model", "tiny") if isinstance(req, dict) else "tiny"
-                if self.path == "/v1/embeddings":
-                    self._send(200, {"object": "list", "model": model, "data": [
-                        {"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}],
-                        "usage": {"prompt_tokens": 1, "total_tokens": 1}})
-                    return
-                if isinstance(req, dict) and req.get("stream"):
-                    self._stream(model)
-                    return
-                self._send(200, {
-                    "id": "chatcmpl-tiny", "object": "chat.completion", "created": int(time.time()),
-                    "model": model, "system_fingerprint": upstream.name,
-                    "choices": [{"index": 0, "finish_reason": "stop",
-                                 "message": {"role": "assistant", "content": f"hello from {upstream.name}"}}],
-                    "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}})
-
-            def _chunk(self, data: bytes) -> None:
-                self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
-                self.wfile.flush()
-
-            def _stream(self, model: str) -> None:
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Transfer-Encoding", "chunked")
-                self.send_header("X-Sim-Node", upstream.name)
-                self.end_headers()
-                for i in range(upstream.chunks):
-                    if i == upstream.chunks - 1 and upstream.gate is not None:
-                        upstream.gate.wait(30)
-                    elif i:
-                        time.sleep(upstream.chunk_interval_s)
-                    ev = {"id": "chatcmpl-tiny", "object": "chat.completion.chunk",
-                          "created": int(time.time()), "model": model,
-                          "system_fingerprint": upstream.name,
-                          "choices": [{"index": 0, "delta": {"content": f"tok{i} "},
-                                       "finish_reason": None}]}
-                    self._chunk(f"data: {json.dumps(ev)}\n\n".encode())
-                self._chunk(b"data: [DONE]\n\n")
-                self._chunk(b"")
-
-        self._released.clear()
-        self._server = ThreadingHTTPServer((self.host, self.port), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
-                                        name=f"tiny-{self.name}", daemon=True)
-        self._thread.start()
-
-    def release(self) -> None:
-        """Let hanging requests end (they close without an answer)."""
-        self._released.set()
-
-    def stop(self) -> None:
-        """Close the listening port and every open connection (kept-alive ones too),
-        ending hanging requests: afterwards connects are refused."""
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-        with self._lock:
-            conns = list(self._conns)
-        for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        self._released.set()
-        if self.gate is not None:
-            self.gate.set()
-
-
-@pytest.fixture
-def tiny_upstreams() -> Iterator[Callable[..., list[TinyUpstream]]]:
-    """Factory: ``tiny_upstreams(3)`` or ``tiny_upstreams(names=["a", "b"])``."""
-    started: list[TinyUpstream] = []
-
-    def start(n: int = 1, names: list[str] | None = None) -> list[TinyUpstream]:
-        names = names or [f"tiny-{len(started) + i + 1}" for i in range(n)]
-        out = [TinyUpstream(name) for name in names]
+        extra = [*flags, *launch.option_flags(**opts)]
+        if names is not None and len(names) < n:
+            raise ValueError(f"simnodes({n}): only {len(names)} names given")
+        names = names[:n] if names else [f"sim-{len(started) + i + 1}" for i in range(n)]
+        specs = [(name, [*extra, *(node_flags or {}).get(name, [])]) for name in names]
+        out = launch.start_nodes(specs, workdir / "logs", cls=SimNode)
         started.extend(out)
         return out
 
     try:
         yield start
     finally:
-        for u in started:
-            u.stop()
+        launch.stop_nodes(started)
 
 
 # --------------------------------------------------------------------------- edge

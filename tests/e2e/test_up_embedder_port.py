@@ -1,0 +1,94 @@
+"""`infergate up` and its embedder's port: when the embedder dies and another process
+takes its port, the edge stops sending prompts there at once (semantic cache off), the
+embedder comes back on a free port, and only once it answers with this stack's instance
+id does the edge look up there again."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import time
+from pathlib import Path
+
+from controlplane import procs
+from support.upstack import UpStack
+
+
+def _squat(port: int, timeout: float = 10.0) -> socket.socket:
+    """Bind and listen on 127.0.0.1:port (retried until the dead embedder's port is
+    free), never answering: a stranger on the embedder's address."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the dead one's TIME_WAIT
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen(64)
+            s.setblocking(False)
+            return s
+        except OSError:
+            s.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
+def _connections(s: socket.socket) -> int:
+    n = 0
+    while True:
+        try:
+            c, _ = s.accept()
+        except BlockingIOError:
+            return n
+        c.close()
+        n += 1
+
+
+def test_embedder_port_taken_after_a_crash(workdir: Path) -> None:
+    port = procs.free_port()
+    up = UpStack.start(workdir, '[edge]\nmetrics_listen = ""\n[cache]\nenabled = true\n'
+                       f'embedder_url = "http://127.0.0.1:{port}"\n')
+    squatter = None
+    try:
+        text = up.text()
+        assert up.proc.poll() is None, text
+        assert f"semantic cache http://127.0.0.1:{port}" in text, text
+        first = up.post_chat("What is the tallest mountain in Europe?", timeout=30)
+        assert first.status_code == 200 and first.headers["X-Cache-Status"] == "MISS"
+        pid = up.part_pid("embedder --listen")
+        assert pid
+        os.kill(pid, signal.SIGKILL)
+        squatter = _squat(port)
+        procs.wait_until(lambda: "semantic cache off until it is back" in up.text(), 15,
+                         what="embedder exit noticed")
+        time.sleep(0.5)  # nginx reloads (SIGHUP): new workers take over
+        # no embedder of ours: no lookup goes to the stranger (a lookup sent there would
+        # wait out the budget and answer BYPASS)
+        res = up.post_chat("Name a river that flows through Vienna.", timeout=30)
+        assert res.status_code == 200 and res.headers["X-Cache-Status"] == "MISS", res.headers
+        assert _connections(squatter) == 0
+        procs.wait_until(lambda: "semantic cache on again" in up.text(), 180,
+                         what="embedder back on a new port")
+        text = up.text()
+        assert f"embedder port {port} is taken by another process" in text, text
+        new_port = int(re.search(r"embedder ready on http://127\.0\.0\.1:(\d+)", text).group(1))
+        assert new_port != port
+        instance = procs.http_instance(f"http://127.0.0.1:{up.admin}/healthz")
+        assert instance and procs.http_instance(
+            f"http://127.0.0.1:{new_port}/healthz") == instance
+        conf = "\n".join(p.read_text(errors="replace")
+                         for p in (up.folder / "stack" / "nginx").rglob("*.conf"))
+        assert f"127.0.0.1:{new_port}" in conf and f"127.0.0.1:{port}" not in conf
+        time.sleep(0.5)
+        # lookups go to the new embedder: a paraphrase-free new prompt is a plain MISS,
+        # and the stranger still saw nothing
+        res = up.post_chat("Which ocean lies west of Portugal?", timeout=30)
+        assert res.status_code == 200 and res.headers["X-Cache-Status"] == "MISS", res.headers
+        assert _connections(squatter) == 0
+        assert up.proc.poll() is None
+    finally:
+        if squatter is not None:
+            squatter.close()
+        up.stop()

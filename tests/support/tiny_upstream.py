@@ -1,0 +1,236 @@
+"""The tiny upstream: an in-process OpenAI-compatible HTTP server on a free loopback
+port with switchable modes (answer, fail, busy, hang, garbage), for deterministic edge
+tests that need no simulated performance model.
+
+Fixture (registered through ``pytest_plugins`` in tests/conftest.py):
+``tiny_upstreams(n, names=None)`` -> list of :class:`TinyUpstream`, all stopped at
+teardown.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from controlplane import procs
+from controlplane.config import NodeSettings
+from support.stack import snapshot_node
+
+
+class TinyUpstream:
+    """An in-process OpenAI-compatible HTTP server on a free port.
+
+    ``mode``: ``ok`` (answer), ``fail`` (500 JSON), ``busy`` (429), ``hang`` (never
+    answer until released or stopped), ``garbage`` (non-HTTP bytes, then close).
+    ``delay_s`` delays every answer; a ``"stream": true`` request gets ``chunks`` SSE
+    chunks ``chunk_interval_s`` apart. ``gate``: when set (a threading.Event), streams
+    wait for it before their last chunk. ``hits`` counts inference requests,
+    ``inflight`` the ones being answered. Answers carry ``X-Sim-Node`` and
+    ``system_fingerprint`` = name. ``stop()`` closes the port (connections refused)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.mode = "ok"
+        self.delay_s = 0.0
+        self.chunks = 5
+        self.chunk_interval_s = 0.05
+        self.gate: threading.Event | None = None
+        self.hits = 0
+        self.inflight = 0
+        self.bodies: list[bytes] = []
+        self._lock = threading.Lock()
+        self._released = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self.port = procs.free_port()
+        self.host = "127.0.0.1"
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def node_settings(self, **kw: Any) -> NodeSettings:
+        return NodeSettings(name=self.name, url=self.url, **kw)
+
+    def snapshot_node(self, **kw: Any) -> dict:
+        return snapshot_node(self.name, self.host, self.port, **kw)
+
+    def start(self) -> None:
+        upstream = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def setup(self) -> None:
+                super().setup()
+                with upstream._lock:
+                    upstream._conns.add(self.connection)
+
+            def finish(self) -> None:
+                with upstream._lock:
+                    upstream._conns.discard(self.connection)
+                super().finish()
+
+            def _send(self, status: int, obj: Any, headers: dict | None = None) -> None:
+                body = json.dumps(obj).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.send_header("X-Sim-Node", upstream.name)
+                for k, v in (headers or {}).items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                if self.path == "/v1/models":
+                    self._send(200, {"object": "list", "data": [
+                        {"id": "tiny", "object": "model", "created": 0, "owned_by": upstream.name}]})
+                else:
+                    self._send(404, {"error": {"message": "not found", "type": "invalid_request_error",
+                                               "param": None, "code": None}})
+
+            def do_POST(self) -> None:
+                n = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(n)
+                with upstream._lock:
+                    upstream.hits += 1
+                    upstream.inflight += 1
+                    upstream.bodies.append(raw)
+                try:
+                    self._answer(raw)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+                finally:
+                    with upstream._lock:
+                        upstream.inflight -= 1
+
+            def _answer(self, raw: bytes) -> None:
+                mode = upstream.mode
+                if upstream.delay_s:
+                    time.sleep(upstream.delay_s)
+                if mode == "hang":
+                    upstream._released.wait(60)
+                    self.close_connection = True
+                    return
+                if mode == "garbage":
+                    self.wfile.write(b"\x00\x01 this is not HTTP \xff\r\n\r\n")
+                    self.close_connection = True
+                    return
+                if mode == "fail":
+                    self._send(500, {"error": {"message": "simulated failure", "type": "server_error",
+                                               "param": None, "code": 500}})
+                    return
+                if mode == "busy":
+                    self._send(429, {"error": {"message": "busy", "type": "rate_limit_error",
+                                               "param": None, "code": 429}})
+                    return
+                if self.path.split("?")[0] not in ("/v1/chat/completions", "/v1/completions",
+                                                   "/v1/embeddings"):
+                    self._send(404, {"error": {"message": f"no route {self.path}",
+                                               "type": "invalid_request_error",
+                                               "param": None, "code": "not_found"}})
+                    return
+                try:
+                    req = json.loads(raw or b"{}")
+                except ValueError:
+                    req = {}
+                model = req.get("model", "tiny") if isinstance(req, dict) else "tiny"
+                if self.path == "/v1/embeddings":
+                    self._send(200, {"object": "list", "model": model, "data": [
+                        {"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}],
+                        "usage": {"prompt_tokens": 1, "total_tokens": 1}})
+                    return
+                if isinstance(req, dict) and req.get("stream"):
+                    self._stream(model)
+                    return
+                self._send(200, {
+                    "id": "chatcmpl-tiny", "object": "chat.completion", "created": int(time.time()),
+                    "model": model, "system_fingerprint": upstream.name,
+                    "choices": [{"index": 0, "finish_reason": "stop",
+                                 "message": {"role": "assistant", "content": f"hello from {upstream.name}"}}],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}})
+
+            def _chunk(self, data: bytes) -> None:
+                self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                self.wfile.flush()
+
+            def _stream(self, model: str) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.send_header("X-Sim-Node", upstream.name)
+                self.end_headers()
+                for i in range(upstream.chunks):
+                    if i == upstream.chunks - 1 and upstream.gate is not None:
+                        upstream.gate.wait(30)
+                    elif i:
+                        time.sleep(upstream.chunk_interval_s)
+                    ev = {"id": "chatcmpl-tiny", "object": "chat.completion.chunk",
+                          "created": int(time.time()), "model": model,
+                          "system_fingerprint": upstream.name,
+                          "choices": [{"index": 0, "delta": {"content": f"tok{i} "},
+                                       "finish_reason": None}]}
+                    self._chunk(f"data: {json.dumps(ev)}\n\n".encode())
+                self._chunk(b"data: [DONE]\n\n")
+                self._chunk(b"")
+
+        self._released.clear()
+        self._server = ThreadingHTTPServer((self.host, self.port), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
+                                        name=f"tiny-{self.name}", daemon=True)
+        self._thread.start()
+
+    def release(self) -> None:
+        """Let hanging requests end (they close without an answer)."""
+        self._released.set()
+
+    def stop(self) -> None:
+        """Close the listening port and every open connection (kept-alive ones too),
+        ending hanging requests: afterwards connects are refused."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._released.set()
+        if self.gate is not None:
+            self.gate.set()
+
+
+@pytest.fixture
+def tiny_upstreams() -> Iterator[Callable[..., list[TinyUpstream]]]:
+    """Factory: ``tiny_upstreams(3)`` or ``tiny_upstreams(names=["a", "b"])``."""
+    started: list[TinyUpstream] = []
+
+    def start(n: int = 1, names: list[str] | None = None) -> list[TinyUpstream]:
+        names = names or [f"tiny-{len(started) + i + 1}" for i in range(n)]
+        out = [TinyUpstream(name) for name in names]
+        started.extend(out)
+        return out
+
+    try:
+        yield start
+    finally:
+        for u in started:
+            u.stop()
