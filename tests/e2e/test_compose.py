@@ -53,8 +53,14 @@ def compose() -> list[str]:
     return cmd
 
 
-def run_compose(cmd: list[str], *args: str) -> subprocess.CompletedProcess:
+#: The admin token the compose file is checked with (it has no default).
+TOKEN = "compose-test-token"
+
+
+def run_compose(cmd: list[str], *args: str, token: str | None = TOKEN) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "INFERGATE_ADMIN_TOKEN"}
+    if token is not None:
+        env["INFERGATE_ADMIN_TOKEN"] = token
     return subprocess.run([*cmd, "-f", str(COMPOSE), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
 
@@ -62,6 +68,13 @@ def run_compose(cmd: list[str], *args: str) -> subprocess.CompletedProcess:
 def test_compose_file_is_valid(compose) -> None:
     res = run_compose(compose, "config", "-q")
     assert res.returncode == 0, res.stderr
+
+
+def test_compose_refuses_to_start_without_an_admin_token(compose) -> None:
+    res = run_compose(compose, "config", "-q", token=None)
+    assert res.returncode != 0
+    assert "set INFERGATE_ADMIN_TOKEN" in res.stderr + res.stdout
+    assert "change-me" not in COMPOSE.read_text()
 
 
 def test_compose_services_and_wiring(compose) -> None:
@@ -74,7 +87,7 @@ def test_compose_services_and_wiring(compose) -> None:
         assert services[name]["image"] == "infergate:local"
         assert services[name]["build"]["dockerfile"].endswith("controlplane/Dockerfile")
     emb = services["embedder"]
-    assert emb["build"]["args"]["EXTRAS"] == "semantic" and emb["image"] == "infergate:semantic"
+    assert emb["build"]["args"]["EXTRAS"] == "cache" and emb["image"] == "infergate:cache"
     assert "healthcheck" in emb
     edge = services["edge"]
     deps = edge["depends_on"]
@@ -82,7 +95,7 @@ def test_compose_services_and_wiring(compose) -> None:
     assert deps["embedder"]["condition"] == "service_healthy"
     assert services["controlplane"]["depends_on"]["redis"]["condition"] == "service_healthy"
     assert {"8080", "9145"} <= {_published(p) for p in edge["ports"]}
-    assert services["controlplane"]["environment"]["INFERGATE_ADMIN_TOKEN"] == "change-me"
+    assert services["controlplane"]["environment"]["INFERGATE_ADMIN_TOKEN"] == TOKEN
     # every bind-mounted file or folder exists in the repository
     for svc in services.values():
         for v in svc.get("volumes", []):
