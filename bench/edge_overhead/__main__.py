@@ -1,21 +1,41 @@
-"""``python -m bench.edge_overhead [--duration S] [--connections N] [--rounds R] [--out DIR]``
+"""``python -m bench.edge_overhead [--duration S] [--rounds R] [--semantic/--no-semantic] [--out DIR]``
 
 What the edge costs in front of an upstream that costs nothing: a static nginx that
-answers every request with a fixed chat-completion JSON (``return 200 '...'``). Rows,
-each measured with ``wrk --latency`` (POST bodies from a wrk Lua script):
+answers every request with a fixed chat-completion JSON (``return 200 '...'``; the
+request header ``X-Bench-Answer: length`` / ``filter`` picks an answer that finished
+with ``length`` / ``content_filter``). Rows, each measured with ``wrk --latency`` (POST
+bodies from a wrk Lua script) at the connections of its name (no suffix: -c16):
 
 - ``direct``: wrk -> upstream.
-- ``nginx_proxy``: wrk -> plain nginx ``proxy_pass`` (keepalive upstream) -> upstream.
+- ``nginx_proxy`` (also ``_c256``, ``_c1000``): wrk -> plain nginx ``proxy_pass``
+  (keepalive upstream) -> upstream.
 - ``infergate``: wrk -> infergate edge (rendered config, Redis, control plane; response
   cache off) -> upstream.
-- ``infergate_exact_hit`` / ``infergate_semantic_hit``: the edge answering from its
-  response cache, when this tree has one (``lua/infergate/cache/lookup.lua`` and a ``[cache]``
-  section in the settings; the semantic row also needs the embedder and its bundled
-  model). Otherwise the row says "not available" and why.
+- ``infergate_admission`` (also ``_c256``, ``_c1000``): the same with API keys required
+  (every request carries a valid key) and a global and a per-key rate limit configured
+  (high enough never to refuse: the token-bucket script runs on every request).
+- ``infergate_exact_hit``: one prompt answered from the exact cache (no node).
+- ``infergate_all_hit_c1000``: ALL_HIT_PROMPTS distinct prompts, all stored, at -c1000;
+  checked: share of HIT answers, 5xx, the edges' error logs (timer alerts, snapshot
+  syncs that failed or were skipped) and the admin cache statistics (the Redis counters
+  ``controlplane.cache.store.stats`` reads) against the edge's Prometheus counters.
+- ``infergate_semantic_hit``: paraphrases answered by the semantic cache (needs the
+  embedder and its bundled model; ``--no-semantic`` leaves it out).
+- ``length_coalesce_on`` / ``_off``: identical requests whose answer finished with
+  ``length`` (stored: ``max_tokens`` is part of the key), coalescing on and off, -c256.
+- ``unstored_coalesce_on`` / ``_off``: identical requests whose answer is never stored
+  (``content_filter``), coalescing on and off, -c256.
 
 Every nginx runs one worker; wrk runs one thread. Each row is measured ``--rounds``
 times, interleaved with the other rows, and the round with the median requests/s is
-reported. Ratios are against ``nginx_proxy``. Writes ``edge_overhead.json``.
+reported. Ratios are against the reference row of the same run (``nginx_proxy`` at the
+same connections; ``*_coalesce_off`` for the coalescing rows); ``p99 added`` is the
+row's p99 minus the reference's. ``CPU us/req`` is the CPU time (user + system, from
+/proc) the row's own nginx worker spent per request (for ``direct`` the upstream's, for
+the others the proxy's or edge's, not the upstream behind them), and ``CPU ratio`` the
+reference's CPU per request over the row's: the requests/s ratio of two fully busy
+workers, which other load on a shared machine moves much less than the req/s ratio.
+Writes ``edge_overhead.json`` with the commit and the load average before and after.
 """
 
 from __future__ import annotations
@@ -32,22 +52,62 @@ import requests
 
 from controlplane import paths, procs
 from controlplane.redisdb import keynames
-from controlplane.config import EdgeSettings, Settings, settings_from_dict
+from controlplane.config import Settings, settings_from_dict
 from controlplane.edge.render import render_nginx, start_nginx
 
 from ..common import (NGINX_HEAD, RESULTS_DIR, BenchError, Stack, format_table, log, machine_info,
                       sigterm_as_interrupt, tool_version, write_json)
 from . import wrk
 
-ROWS = ("direct", "nginx_proxy", "infergate", "infergate_exact_hit", "infergate_semantic_hit")
+#: row -> (target, wrk connections, reference row of its ratios or None, request headers).
+CASES: dict[str, tuple[str, int, str | None, dict[str, str]]] = {
+    "direct": ("direct", 16, "nginx_proxy", {}),
+    "nginx_proxy": ("proxy", 16, None, {}),
+    "infergate": ("edge", 16, "nginx_proxy", {}),
+    "infergate_admission": ("edge_admission", 16, "nginx_proxy", {}),
+    "infergate_exact_hit": ("edge_cache", 16, "nginx_proxy", {}),
+    "infergate_semantic_hit": ("edge_semantic", 16, "nginx_proxy", {}),
+    "nginx_proxy_c256": ("proxy", 256, None, {}),
+    "infergate_admission_c256": ("edge_admission", 256, "nginx_proxy_c256", {}),
+    "nginx_proxy_c1000": ("proxy", 1000, None, {}),
+    "infergate_admission_c1000": ("edge_admission", 1000, "nginx_proxy_c1000", {}),
+    "infergate_all_hit_c1000": ("edge_cache_all", 1000, "nginx_proxy_c1000", {}),
+    "length_coalesce_on": ("edge_coalesce_on", 256, "length_coalesce_off",
+                           {"X-Bench-Answer": "length"}),
+    "length_coalesce_off": ("edge_coalesce_off", 256, None, {"X-Bench-Answer": "length"}),
+    "unstored_coalesce_on": ("edge_coalesce_on", 256, "unstored_coalesce_off",
+                             {"X-Bench-Answer": "filter"}),
+    "unstored_coalesce_off": ("edge_coalesce_off", 256, None, {"X-Bench-Answer": "filter"}),
+}
+ROWS = tuple(CASES)
 MODEL = "static"
-#: The upstream's answer (a complete, small chat completion).
-STATIC_ANSWER = json.dumps({
-    "id": "chatcmpl-static", "object": "chat.completion", "created": 0, "model": MODEL,
-    "choices": [{"index": 0, "finish_reason": "stop",
-                 "message": {"role": "assistant", "content": "Paris is the capital of France."}}],
-    "usage": {"prompt_tokens": 9, "completion_tokens": 7, "total_tokens": 16}},
-    separators=(",", ":"))
+
+
+def _answer(finish: str, content: str) -> str:
+    return json.dumps({
+        "id": "chatcmpl-static", "object": "chat.completion", "created": 0, "model": MODEL,
+        "choices": [{"index": 0, "finish_reason": finish,
+                     "message": {"role": "assistant", "content": content}}],
+        "usage": {"prompt_tokens": 9, "completion_tokens": 7, "total_tokens": 16}},
+        separators=(",", ":"))
+
+
+#: The upstream's answers (complete, small chat completions).
+STATIC_ANSWER = _answer("stop", "Paris is the capital of France.")
+LENGTH_ANSWER = _answer("length", "Paris is the")
+FILTER_ANSWER = _answer("content_filter", "")
+#: edge.redis_pool_size of the edges: the most wrk connections of a row, so that a worker
+#: keeps a Redis connection for each request it may hold at once (with the default 64,
+#: the calls beyond 64 at once connect anew, and at -c1000 those connects time out).
+REDIS_POOL = 1024
+#: Distinct stored prompts of the all-hit row.
+ALL_HIT_PROMPTS = 500
+#: A rate limit that never refuses in a run (requests per minute), global and per key.
+BENCH_RPM = 10**9
+#: Error-log lines that break the all-hit row's checks.
+TIMER_ALERT = "lua_max_running_timers are not enough"
+SNAPSHOT_SKIP = ("snapshot sync failed", "cannot start the sync timer",
+                 "lua_max_pending_timers are not enough")
 PROMPT = "What is the capital of France?"
 #: The semantic-hit row has its own prompt (the exact-hit edge shares Redis and has
 #: already stored PROMPT), paraphrases cycled by wrk, and a probe paraphrase used only
@@ -70,7 +130,7 @@ UPSTREAM_CONF = """\
 worker_processes 1;
 pid {prefix}/nginx.pid;
 error_log {prefix}/logs/error.log warn;
-events {{ worker_connections 4096; }}
+events {{ worker_connections 8192; }}
 http {{
     access_log off;
     client_body_temp_path {prefix}/client_body_temp;
@@ -78,11 +138,16 @@ http {{
     fastcgi_temp_path {prefix}/fastcgi_temp;
     uwsgi_temp_path {prefix}/uwsgi_temp;
     scgi_temp_path {prefix}/scgi_temp;
+    map $http_x_bench_answer $bench_answer {{
+        default '{answer}';
+        length '{length_answer}';
+        filter '{filter_answer}';
+    }}
     server {{
-        listen 127.0.0.1:{port};
+        listen 127.0.0.1:{port} backlog=4096;
         location / {{
             default_type application/json;
-            return 200 '{answer}';
+            return 200 $bench_answer;
         }}
     }}
 }}
@@ -139,18 +204,21 @@ def cache_support(home: Path) -> tuple[bool, str]:
     return True, ""
 
 
-def edge_settings(redis_url: str, upstream_url: str, cache: dict | None) -> Settings:
+def edge_settings(redis_url: str, upstream_url: str, cache: dict | None,
+                  metrics: bool = False, **sections: dict) -> Settings:
     """One-worker edge with the static upstream as its only node (kind ``openai``: no
-    metrics endpoint), without the edge's own Prometheus listener; ``cache`` is the ``[cache]`` section (``None``: left out when the
-    settings have no cache, else ``enabled = false``)."""
-    data: dict = {"redis": {"url": redis_url}, "edge": {"workers": 1},
-                  "nodes": [{"name": "static", "url": upstream_url, "kind": "openai"}]}
-    if "metrics_listen" in EdgeSettings.model_fields:
-        data["edge"]["metrics_listen"] = ""  # several edges run at once: no fixed port
-    if cache is not None:
-        data["cache"] = cache
-    elif "cache" in Settings.model_fields:
-        data["cache"] = {"enabled": False}
+    metrics endpoint; max_concurrency above any wrk connection count, so admission
+    control never sheds what plain nginx would pass; :data:`REDIS_POOL` pooled Redis
+    connections). ``cache`` is the ``[cache]``
+    section (``None``: ``enabled = false``); ``metrics``: the edge's Prometheus listener
+    on a free port (else none: several edges run at once); ``sections``: more settings
+    sections (``auth``, ``limits``)."""
+    data: dict = {"redis": {"url": redis_url}, "edge": {"workers": 1, "redis_pool_size": REDIS_POOL},
+                  "nodes": [{"name": "static", "url": upstream_url, "kind": "openai",
+                             "max_concurrency": 100000}]}
+    data["edge"]["metrics_listen"] = f"127.0.0.1:{procs.free_port()}" if metrics else ""
+    data["cache"] = cache if cache is not None else {"enabled": False}
+    data.update(sections)
     return settings_from_dict(data, "edge overhead benchmark")
 
 
@@ -163,25 +231,45 @@ class EdgeProc:
         rendered = render_nginx(settings, d / "conf", listen=f"127.0.0.1:{port}",
                                 prefix=d / "prefix", source="edge overhead benchmark")
         self.managed = stack.add(start_nginx(rendered.nginx_conf, rendered.prefix))
+        self.rendered = rendered
         self.url = f"http://127.0.0.1:{port}"
+        listen = settings.edge.metrics_listen
+        self.metrics_url = f"http://{listen}/metrics" if listen else ""
         procs.wait_until(self._routes, 20, what=f"edge {name} to route on the snapshot")
 
     def _routes(self) -> bool:
         st = requests.get(f"{self.url}/infergate/status", timeout=2).json()
         return st["snapshot"]["source"] == "redis" and any(n["eligible"] for n in st["nodes"])
 
-    def post(self, prompt: str) -> requests.Response:
+    def post(self, prompt: str, headers: dict | None = None) -> requests.Response:
         return requests.post(f"{self.url}/v1/chat/completions", data=body(prompt),
-                             headers={"Content-Type": "application/json"}, timeout=10)
+                             headers={"Content-Type": "application/json", **(headers or {})},
+                             timeout=10)
+
+    def error_log(self) -> str:
+        try:
+            return self.rendered.error_log.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def cache_counters(self) -> dict[str, float]:
+        """``infergate_edge_cache_requests_total`` by result, from /metrics."""
+        out: dict[str, float] = {}
+        text = requests.get(self.metrics_url, timeout=5).text
+        for line in text.splitlines():
+            if line.startswith("infergate_edge_cache_requests_total{"):
+                result = line.split('result="', 1)[1].split('"', 1)[0]
+                out[result] = float(line.rsplit(" ", 1)[1])
+        return out
 
 
-def _wait_hit(edge: EdgeProc, prompt: str, timeout: float) -> str:
+def _wait_hit(edge: EdgeProc, prompt: str, timeout: float, headers: dict | None = None) -> str:
     """Post ``prompt`` until the answer carries ``X-Cache-Status: HIT``; returns the
     last status seen. Raises ``procs.StartError`` on timeout."""
     seen = {"status": ""}
 
     def hit() -> bool:
-        r = edge.post(prompt)
+        r = edge.post(prompt, headers)
         seen["status"] = r.headers.get("X-Cache-Status", f"(no X-Cache-Status, HTTP {r.status_code})")
         return r.status_code == 200 and seen["status"].upper().startswith("HIT")
 
@@ -192,52 +280,94 @@ def _wait_hit(edge: EdgeProc, prompt: str, timeout: float) -> str:
 @click.command()
 @click.option("--duration", type=click.FloatRange(1, 120), default=4.0, show_default=True,
               help="Seconds of each wrk measurement.")
-@click.option("--connections", type=click.IntRange(1, 1000), default=16, show_default=True,
-              help="wrk connections.")
 @click.option("--rounds", type=click.IntRange(1, 9), default=3, show_default=True,
               help="Measurements per row (interleaved); the median one is reported.")
+@click.option("--semantic/--no-semantic", default=True, show_default=True,
+              help="Measure the semantic-hit row (starts the embedder and its model).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=str(RESULTS_DIR),
               show_default=True, help="Folder for edge_overhead.json.")
+@click.option("--rows", "only", default="", show_default=False,
+              help="Comma-separated rows to measure (default: all; their reference rows are "
+                   "added).")
 @click.option("--keep", is_flag=True, help="Keep the scratch folder (configs, logs).")
-def main(duration: float, connections: int, rounds: int, out_dir: str, keep: bool) -> None:
+def main(duration: float, rounds: int, semantic: bool, out_dir: str, keep: bool,
+         only: str) -> None:
     """Requests/s and p50/p99 latency of the infergate edge against plain nginx (wrk)."""
     home = paths.home()
     out = Path(out_dir)
     meta = {"benchmark": "edge_overhead", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "command": " ".join(["python -m bench.edge_overhead", *sys.argv[1:]]),
+            "commit": _commit(home), "loadavg_before": _loadavg(),
             "machine": machine_info(), "wrk": tool_version(["wrk", "-v"]),
-            "duration_s": duration, "connections": connections, "threads": 1, "rounds": rounds,
+            "duration_s": duration, "threads": 1, "rounds": rounds,
+            "connections": {row: c[1] for row, c in CASES.items()},
             "nginx_workers": 1, "request_body": body(PROMPT), "upstream_answer": STATIC_ANSWER}
     rows: dict[str, dict] = {}
+    checks: dict = {}
     t0 = time.monotonic()
     try:
         wrk.wrk_binary()
         with sigterm_as_interrupt(), Stack("infergate-bench-edge-", keep=keep) as stack:
-            targets = _start_targets(stack, home, rows)
+            env = _start_targets(stack, home, rows, semantic)
+            targets = env["targets"]
+            cases = {row: c for row, c in CASES.items() if c[0] in targets}
+            if only:
+                wanted = {w.strip() for w in only.split(",") if w.strip()}
+                unknown = wanted - set(CASES)
+                if unknown:
+                    raise BenchError(f"unknown rows: {', '.join(sorted(unknown))}")
+                wanted |= {CASES[w][2] for w in wanted if CASES[w][2]}
+                cases = {row: c for row, c in cases.items() if row in wanted}
             scripts = {}
-            for name, (_, bodies) in targets.items():
-                p = stack.dir / f"{name}.lua"
-                p.write_text(wrk.post_script(bodies, {"Content-Type": "application/json"}))
-                scripts[name] = p
-            results: dict[str, list[wrk.WrkResult]] = {n: [] for n in targets}
+            for row, (target, _, _, headers) in cases.items():
+                p = stack.dir / f"{row}.lua"
+                bodies = targets[target][1]
+                if target.startswith("edge_coalesce_"):
+                    # a prompt of the row's own: the length answer is stored, the
+                    # filtered one never, and neither may answer the other row
+                    bodies = [body(f"{PROMPT} ({row})")]
+                p.write_text(wrk.post_script(bodies,
+                                             {"Content-Type": "application/json",
+                                              **env["headers"].get(target, {}), **headers}))
+                scripts[row] = p
+            all_hit = env.get("all_hit")
+            results: dict[str, list[wrk.WrkResult]] = {n: [] for n in cases}
+            cpu_us: dict[str, list[float]] = {n: [] for n in cases}
+            all_hit_rounds: list[dict] = []
             for rnd in range(rounds):
-                for name, (url, _) in targets.items():
+                for row, (target, conns, _, _) in cases.items():
+                    url = targets[target][0]
+                    before = _counters(all_hit, env["redis"]) if row == "infergate_all_hit_c1000" else None
                     # a short warm-up fills keepalive pools and the Lua code cache
-                    wrk.run(url, scripts[name], duration_s=1, connections=connections)
-                    res = wrk.run(url, scripts[name], duration_s=duration, connections=connections)
-                    results[name].append(res)
-                    log(f"round {rnd + 1}/{rounds} {name}: {res.rps:.0f} req/s, p50 "
+                    wrk.run(url, scripts[row], duration_s=1, connections=conns)
+                    pid = env["pids"].get(target)
+                    c0 = cpu_seconds(pid)
+                    res = wrk.run(url, scripts[row], duration_s=duration, connections=conns)
+                    c1 = cpu_seconds(pid)
+                    if c0 is not None and c1 is not None and res.requests:
+                        cpu_us[row].append(1e6 * (c1 - c0) / res.requests)
+                    results[row].append(res)
+                    if before is not None:
+                        time.sleep(0.5)  # the flush timer writes the last counters
+                        all_hit_rounds.append(_counter_delta(before, _counters(all_hit, env["redis"])))
+                    log(f"round {rnd + 1}/{rounds} {row} (-c{conns}): {res.rps:.0f} req/s, p50 "
                         f"{res.p50_ms:.3f} ms, p99 {res.p99_ms:.3f} ms, non-2xx {res.non_2xx}, "
                         f"statuses {res.statuses}")
-            for name, rs in results.items():
-                rs = sorted(rs, key=lambda r: r.rps)
-                best = rs[len(rs) // 2]
-                rows[name] = {"row": name, "available": True, "reason": None,
-                              **{k: v for k, v in asdict(best).items()},
-                              "rounds_rps": [round(r.rps, 1) for r in results[name]]}
-            if "infergate_semantic_hit" in targets:
+            for row, rs in results.items():
+                ordered = sorted(rs, key=lambda r: r.rps)
+                best = ordered[len(ordered) // 2]
+                cpus = sorted(cpu_us[row])
+                rows[row] = {"row": row, "available": True, "reason": None,
+                             "connections": cases[row][1], **asdict(best),
+                             "rounds_rps": [round(r.rps, 1) for r in rs],
+                             "cpu_us_per_request": round(cpus[len(cpus) // 2], 1) if cpus else None,
+                             "rounds_cpu_us": [round(c, 1) for c in cpu_us[row]]}
+            if all_hit is not None and "infergate_all_hit_c1000" in results:
+                checks["all_hit"] = _all_hit_checks(results["infergate_all_hit_c1000"],
+                                                    all_hit_rounds, env["edges"])
+            if "edge_semantic" in targets:
                 # one connection: the cost of a lookup without queueing behind others
-                url, _ = targets["infergate_semantic_hit"]
+                url, _ = targets["edge_semantic"]
                 one = wrk.run(url, scripts["infergate_semantic_hit"], duration_s=duration,
                               connections=1)
                 rows["infergate_semantic_hit"]["one_connection"] = asdict(one)
@@ -250,24 +380,130 @@ def main(duration: float, connections: int, rounds: int, out_dir: str, keep: boo
         raise click.ClickException(str(exc)) from None
 
     records = finish_records(rows)
+    checks["targets"] = target_checks(records, checks.get("all_hit"))
     meta["elapsed_s"] = round(time.monotonic() - t0, 1)
-    write_json(out / "edge_overhead.json", {"meta": meta, "rows": records})
+    meta["loadavg_after"] = _loadavg()
+    write_json(out / "edge_overhead.json", {"meta": meta, "rows": records, "checks": checks})
     print(format_table(table_rows(records), COLUMNS))
     for r in records:
         if not r["available"]:
             print(f"{r['row']}: not available: {r['reason']}")
-    print(f"\nwrk -t1 -c{connections} -d{duration:g}s --latency, median of {rounds} rounds; "
-          f"{meta['machine']['nproc']} CPUs; wrote {out / 'edge_overhead.json'}")
+    print()
+    for line in checks["targets"]:
+        print(line)
+    print(f"\nwrk -t1 --latency -d{duration:g}s, median of {rounds} rounds; "
+          f"{meta['machine']['nproc']} CPUs; commit {meta['commit']}; load average "
+          f"{meta['loadavg_before']} before, {meta['loadavg_after']} after; "
+          f"wrote {out / 'edge_overhead.json'}")
 
 
-def _start_targets(stack: Stack, home: Path, rows: dict[str, dict]) -> dict[str, tuple[str, list[str]]]:
-    """Start the upstream, the proxies and the edges; return row -> (url, bodies).
-    Rows that cannot run are recorded in ``rows`` as not available."""
+def worker_pid(prefix: Path) -> int | None:
+    """The pid of the (single) worker of the nginx whose prefix is ``prefix``, or None."""
+    import os
+
+    pids = list(Path(prefix).rglob("nginx.pid"))
+    if not pids:
+        return None
+    master = pids[0].read_text().strip()
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text()
+        except OSError:
+            continue
+        if stat.rsplit(")", 1)[1].split()[1] == master:
+            return int(p)
+    return None
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far (None when unknown)."""
+    import os
+
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _commit(home: Path) -> str:
+    """Short commit of the tree (``+dirty`` with uncommitted changes), or "unknown"."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "-C", str(home), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(home), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head + ("+dirty" if dirty else "")) if head else "unknown"
+
+
+def _loadavg() -> list[float]:
+    import os
+
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _counters(edge: "EdgeProc", r: redis.Redis) -> dict:
+    """The edge's Prometheus cache counters and the admin cache statistics (Redis)."""
+    from controlplane.cache import store
+
+    st = store.stats(r)
+    return {"prom": edge.cache_counters(),
+            "admin": {"lookups": st.lookups, "hits_exact": st.hits_exact, "misses": st.misses,
+                      "bypass": st.bypass}}
+
+
+def _counter_delta(before: dict, after: dict) -> dict:
+    prom = {k: after["prom"].get(k, 0) - before["prom"].get(k, 0)
+            for k in set(after["prom"]) | set(before["prom"])}
+    admin = {k: after["admin"][k] - before["admin"][k] for k in after["admin"]}
+    return {"prom": prom, "admin": admin}
+
+
+def _all_hit_checks(runs: list[wrk.WrkResult], deltas: list[dict], edges: list[EdgeProc]) -> dict:
+    """The all-hit row's checks over every round: HIT share, 5xx, error-log alerts,
+    admin statistics against Prometheus (hits and lookups, as a relative difference)."""
+    total = sum(r.requests for r in runs)
+    hits = sum((r.statuses or {}).get("cache:HIT", 0) for r in runs)
+    answered = sum(sum(v for k, v in (r.statuses or {}).items() if k.isdigit()) for r in runs)
+    five = sum(v for r in runs for k, v in (r.statuses or {}).items() if k.isdigit() and k >= "500")
+    logs = "".join(e.error_log() for e in edges)
+    prom_hits = sum(d["prom"].get("hit_exact", 0) for d in deltas)
+    admin_hits = sum(d["admin"]["hits_exact"] for d in deltas)
+    prom_lookups = sum(d["prom"].get("hit_exact", 0) + d["prom"].get("miss", 0) for d in deltas)
+    admin_lookups = sum(d["admin"]["lookups"] for d in deltas)
+
+    def rel(a: float, b: float) -> float | None:
+        return round(abs(a - b) / b, 5) if b else None
+
+    return {"requests": total, "answered": answered, "hit": hits,
+            "hit_share": round(hits / answered, 5) if answered else None, "5xx": five,
+            "timer_alerts": logs.count(TIMER_ALERT),
+            "snapshot_skips": sum(logs.count(s) for s in SNAPSHOT_SKIP),
+            "prom_hits": prom_hits, "admin_hits": admin_hits,
+            "prom_lookups": prom_lookups, "admin_lookups": admin_lookups,
+            "stats_difference": rel(admin_hits, prom_hits),
+            "lookups_difference": rel(admin_lookups, prom_lookups)}
+
+
+def _start_targets(stack: Stack, home: Path, rows: dict[str, dict], semantic: bool) -> dict:
+    """Start the upstream, the proxy, Redis, the control plane and the edges. Returns
+    {"targets": target -> (url, bodies), "headers": target -> request headers, "redis",
+    "all_hit": the all-hit edge, "edges": every edge}. Rows that cannot run are recorded
+    in ``rows`` as not available."""
     up_port = procs.free_port()
     d = stack.dir / "upstream"
     (d / "logs").mkdir(parents=True)
     conf = d / "nginx.conf"
-    conf.write_text(UPSTREAM_CONF.format(prefix=d, port=up_port, answer=STATIC_ANSWER))
+    conf.write_text(UPSTREAM_CONF.format(prefix=d, port=up_port, answer=STATIC_ANSWER,
+                                         length_answer=LENGTH_ANSWER, filter_answer=FILTER_ANSWER))
     stack.add(start_nginx(conf, d))
     upstream = f"http://127.0.0.1:{up_port}"
 
@@ -282,35 +518,80 @@ def _start_targets(stack: Stack, home: Path, rows: dict[str, dict]) -> dict[str,
     rport = procs.free_port()
     stack.add(procs.start_redis(stack.dir / "redis", rport))
     redis_url = f"redis://127.0.0.1:{rport}/0"
+    r = redis.Redis.from_url(redis_url, socket_timeout=5, decode_responses=True)
     base = edge_settings(redis_url, upstream, None)
     _start_controlplane(stack, base)
 
     chat = "/v1/chat/completions"
     targets = {"direct": (upstream + chat, [body(PROMPT)]),
-               "nginx_proxy": (proxy + chat, [body(PROMPT)])}
+               "proxy": (proxy + chat, [body(PROMPT)])}
+    headers: dict[str, dict] = {}
+    edges: list[EdgeProc] = []
+    pids = {"direct": worker_pid(stack.dir / "upstream"), "proxy": worker_pid(stack.dir / "proxy")}
+    env = {"targets": targets, "headers": headers, "redis": r, "all_hit": None, "edges": edges,
+           "pids": pids}
+
     edge = EdgeProc(stack, "edge", base)
-    targets["infergate"] = (edge.url + chat, [body(PROMPT)])
+    edges.append(edge)
+    targets["edge"] = (edge.url + chat, [body(PROMPT)])
+    pids["edge"] = worker_pid(edge.rendered.prefix)
+
+    from controlplane.admin import apikeys
+
+    key, _ = apikeys.create_key(r, "bench", rpm=BENCH_RPM, label="edge overhead benchmark")
+    adm = EdgeProc(stack, "edge-admission", edge_settings(
+        redis_url, upstream, None, auth={"mode": "required"},
+        limits={"global_rpm": BENCH_RPM}))
+    edges.append(adm)
+    headers["edge_admission"] = {"Authorization": f"Bearer {key}"}
+    if adm.post(PROMPT, headers["edge_admission"]).status_code != 200:
+        raise BenchError("the edge with API keys and rate limits refused the benchmark's key")
+    targets["edge_admission"] = (adm.url + chat, [body(PROMPT)])
+    pids["edge_admission"] = worker_pid(adm.rendered.prefix)
 
     ok, reason = cache_support(home)
     if not ok:
-        for row in ("infergate_exact_hit", "infergate_semantic_hit"):
-            rows[row] = {"row": row, "available": False, "reason": reason}
-        return targets
+        for row, c in CASES.items():
+            if c[0].startswith("edge_cache") or c[0].startswith("edge_coalesce") or c[0] == "edge_semantic":
+                rows[row] = {"row": row, "available": False, "reason": reason}
+        return env
     try:
         exact = EdgeProc(stack, "edge-exact",
-                         edge_settings(redis_url, upstream, {"enabled": True, "semantic": False}))
+                         edge_settings(redis_url, upstream, {"enabled": True, "semantic": False},
+                                       metrics=True))
+        edges.append(exact)
         status = _wait_hit(exact, PROMPT, 15)
         log(f"exact-hit edge primed ({status})")
-        targets["infergate_exact_hit"] = (exact.url + chat, [body(PROMPT)])
+        targets["edge_cache"] = (exact.url + chat, [body(PROMPT)])
+        prompts = [f"{PROMPT} (all-hit {i})" for i in range(ALL_HIT_PROMPTS)]
+        for p in prompts:
+            exact.post(p)
+        for p in prompts:
+            _wait_hit(exact, p, 15)
+        log(f"all-hit: {len(prompts)} prompts stored")
+        targets["edge_cache_all"] = (exact.url + chat, [body(p) for p in prompts])
+        pids["edge_cache"] = pids["edge_cache_all"] = worker_pid(exact.rendered.prefix)
+        env["all_hit"] = exact
     except (procs.StartError, requests.RequestException, ValueError) as exc:
-        rows["infergate_exact_hit"] = {"row": "infergate_exact_hit", "available": False,
-                                       "reason": f"cache on, but no exact hit: {exc}"}
-    try:
-        targets["infergate_semantic_hit"] = _semantic_target(stack, redis_url, upstream)
-    except (procs.StartError, requests.RequestException, ValueError, BenchError) as exc:
+        for row in ("infergate_exact_hit", "infergate_all_hit_c1000"):
+            rows[row] = {"row": row, "available": False,
+                         "reason": f"cache on, but no exact hit: {exc}"}
+    for onoff, flag in (("on", True), ("off", False)):
+        e = EdgeProc(stack, f"edge-coalesce-{onoff}", edge_settings(
+            redis_url, upstream, {"enabled": True, "semantic": False, "coalesce": flag}))
+        edges.append(e)
+        targets[f"edge_coalesce_{onoff}"] = (e.url + chat, [body(PROMPT)])
+        pids[f"edge_coalesce_{onoff}"] = worker_pid(e.rendered.prefix)
+    if semantic:
+        try:
+            targets["edge_semantic"] = _semantic_target(stack, redis_url, upstream)
+        except (procs.StartError, requests.RequestException, ValueError, BenchError) as exc:
+            rows["infergate_semantic_hit"] = {"row": "infergate_semantic_hit", "available": False,
+                                              "reason": f"semantic hit path could not be set up: {exc}"}
+    else:
         rows["infergate_semantic_hit"] = {"row": "infergate_semantic_hit", "available": False,
-                                          "reason": f"semantic hit path could not be set up: {exc}"}
-    return targets
+                                          "reason": "left out (--no-semantic)"}
+    return env
 
 
 def _start_controlplane(stack: Stack, settings: Settings) -> None:
@@ -376,26 +657,88 @@ def _semantic_target(stack: Stack, redis_url: str, upstream: str) -> tuple[str, 
         body(case_variant(kept[i % len(kept)], 1 + i // len(kept))) for i in range(SEMANTIC_BODIES)]
 
 
-COLUMNS = [("row", "path"), ("rps", "req/s"), ("p50_ms", "p50 ms"), ("p99_ms", "p99 ms"),
-           ("rps_ratio", "req/s vs nginx"), ("p50_ratio", "p50 vs nginx"),
-           ("p99_ratio", "p99 vs nginx"), ("non_2xx", "non-2xx")]
+COLUMNS = [("row", "row"), ("connections", "-c"), ("rps", "req/s"), ("p50_ms", "p50 ms"),
+           ("p99_ms", "p99 ms"), ("rps_ratio", "req/s ratio"), ("p99_added_ms", "p99 added ms"),
+           ("cpu_us_per_request", "CPU us/req"), ("cpu_ratio", "CPU ratio"),
+           ("non_2xx", "non-2xx"), ("hit_share", "HIT")]
 
 
 def finish_records(rows: dict[str, dict]) -> list[dict]:
-    """Rows in :data:`ROWS` order with the ratios to ``nginx_proxy`` (``rps_ratio`` =
-    rps / nginx rps; ``p50_ratio``, ``p99_ratio`` = latency / nginx latency); rows never
-    measured become "not available"."""
-    ref = rows.get("nginx_proxy") if rows.get("nginx_proxy", {}).get("available") else None
+    """Rows in :data:`ROWS` order with the ratios to their reference row of the same run
+    (:data:`CASES`): ``rps_ratio`` = rps / reference rps; ``p50_ratio``, ``p99_ratio`` =
+    latency / reference latency; ``p99_added_ms`` = p99 - reference p99; ``cpu_ratio`` =
+    reference CPU per request / CPU per request; ``hit_share`` = share of answers with
+    X-Cache-Status HIT. Rows never measured become "not available"."""
     out = []
     for name in ROWS:
-        r = dict(rows.get(name) or {"row": name, "available": False,
-                                    "reason": "not measured"})
-        if r.get("available") and ref:
-            r["rps_ratio"] = round(r["rps"] / ref["rps"], 3) if ref["rps"] else None
-            r["p50_ratio"] = round(r["p50_ms"] / ref["p50_ms"], 3) if ref["p50_ms"] else None
-            r["p99_ratio"] = round(r["p99_ms"] / ref["p99_ms"], 3) if ref["p99_ms"] else None
+        r = dict(rows.get(name) or {"row": name, "available": False, "reason": "not measured"})
+        ref_name = CASES[name][2]
+        ref = rows.get(ref_name) if ref_name else None
+        if r.get("available"):
+            r.setdefault("connections", CASES[name][1])
+            st = r.get("statuses") or {}
+            answered = sum(v for k, v in st.items() if k.isdigit())
+            if "cache:HIT" in st and answered:
+                r["hit_share"] = round(st["cache:HIT"] / answered, 4)
+            if ref and ref.get("available"):
+                r["reference"] = ref_name
+                r["rps_ratio"] = round(r["rps"] / ref["rps"], 3) if ref["rps"] else None
+                r["p50_ratio"] = round(r["p50_ms"] / ref["p50_ms"], 3) if ref["p50_ms"] else None
+                r["p99_ratio"] = round(r["p99_ms"] / ref["p99_ms"], 3) if ref["p99_ms"] else None
+                r["p99_added_ms"] = round(r["p99_ms"] - ref["p99_ms"], 3)
+                if r.get("cpu_us_per_request") and ref.get("cpu_us_per_request"):
+                    # requests/s one fully busy worker would serve, against the reference's
+                    r["cpu_ratio"] = round(ref["cpu_us_per_request"] / r["cpu_us_per_request"], 3)
         out.append(r)
     return out
+
+
+def target_checks(records: list[dict], all_hit: dict | None) -> list[str]:
+    """One line per target: the figure, the target and "met" or "MISSED"."""
+    by = {r["row"]: r for r in records}
+    lines = []
+
+    def line(what: str, ok: bool | None, figure: str) -> None:
+        verdict = "not measured" if ok is None else ("met" if ok else "MISSED")
+        lines.append(f"{what}: {figure} -> {verdict}")
+
+    for row in ("infergate_admission", "infergate_admission_c256"):
+        r = by.get(row, {})
+        if r.get("rps_ratio") is None:
+            line(f"{row} >= 0.8x nginx req/s, p99 added <= 2 ms", None, "-")
+            continue
+        line(f"{row} (-c{r['connections']}) >= 0.8x nginx req/s, p99 added <= 2 ms",
+             r["rps_ratio"] >= 0.8 and r["p99_added_ms"] <= 2.0,
+             f"{r['rps_ratio']:.3f}x, p99 added {r['p99_added_ms']:.2f} ms{_cpu(r)}")
+    r = by.get("infergate_exact_hit", {})
+    line("infergate_exact_hit >= 1.0x nginx proxy_pass req/s",
+         None if r.get("rps_ratio") is None else r["rps_ratio"] >= 1.0,
+         f"{r['rps_ratio']:.3f}x{_cpu(r)}" if r.get("rps_ratio") is not None else "-")
+    if all_hit:
+        diff = all_hit["stats_difference"]
+        ok = (all_hit["hit_share"] is not None and all_hit["hit_share"] >= 0.99
+              and all_hit["5xx"] == 0 and all_hit["timer_alerts"] == 0
+              and all_hit["snapshot_skips"] == 0 and diff is not None and diff <= 0.01
+              and (all_hit["lookups_difference"] or 0) <= 0.01)
+        line("infergate_all_hit_c1000: >= 99 % HIT, 0 5xx, 0 timer alerts, 0 skipped snapshot "
+             "syncs, admin statistics = Prometheus within 1 %", ok,
+             f"{100 * (all_hit['hit_share'] or 0):.2f} % HIT, {all_hit['5xx']} 5xx, "
+             f"{all_hit['timer_alerts']} timer alerts, {all_hit['snapshot_skips']} snapshot skips, "
+             f"hits admin {all_hit['admin_hits']} vs Prometheus {all_hit['prom_hits']} "
+             f"({100 * (diff or 0):.2f} %)")
+    else:
+        line("infergate_all_hit_c1000", None, "-")
+    for row in ("length_coalesce_on", "unstored_coalesce_on"):
+        r = by.get(row, {})
+        line(f"{row}: coalescing on >= off req/s",
+             None if r.get("rps_ratio") is None else r["rps_ratio"] >= 0.95,
+             f"{r['rps_ratio']:.3f}x of off (met at >= 0.95: noise of a shared machine)"
+             if r.get("rps_ratio") is not None else "-")
+    return lines
+
+
+def _cpu(r: dict) -> str:
+    return f" ({r['cpu_ratio']:.3f}x by CPU per request)" if r.get("cpu_ratio") else ""
 
 
 def table_rows(records: list[dict]) -> list[dict]:

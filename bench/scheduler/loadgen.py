@@ -80,7 +80,8 @@ async def send_one(session: aiohttp.ClientSession, url: str, req: Request, deadl
     res = Result(idx=req.idx, outcome="error", lag_s=lag_s)
     try:
         async with asyncio.timeout(deadline_s):
-            async with session.post(url, json=request_body(req), headers=NO_CACHE_HEADERS) as resp:
+            async with session.post(url, json=request_body(req, req.model),
+                                    headers=NO_CACHE_HEADERS) as resp:
                 res.status = resp.status
                 res.node = resp.headers.get("X-Sim-Node")
                 if resp.status != 200:

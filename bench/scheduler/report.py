@@ -11,7 +11,8 @@ from .stack import STRATEGIES
 COLUMNS = [
     ("scenario", "scenario"), ("load_pct", "load %"), ("strategy", "strategy"),
     ("offered_rps", "offered/s"), ("p50_s", "p50 s"), ("p99_s", "p99 s"),
-    ("ttft_p99_s", "TTFT p99 s"), ("timeout_pct", "timeouts %"), ("error_pct", "errors %"),
+    ("ttft_p90_s", "TTFT p90 s"), ("ttft_p99_s", "TTFT p99 s"), ("timeout_pct", "timeouts %"),
+    ("error_pct", "errors %"),
     ("sent_rps", "sent/s"), ("goodput_rps", "goodput/s"), ("imbalance", "imbalance"),
 ]
 

@@ -5,7 +5,8 @@ edge config).
 Time constants: the pool runs ``time_scale`` wall seconds per simulated second, so every
 time constant of the balancers is scaled by the same factor (the default value x
 ``time_scale``): the control plane's poll interval and slow start, the edge's snapshot
-sync interval and stale age, breaker cooldown, ``latency_norm_s``, the admission wait
+sync interval and stale age, breaker cooldown, the outlier floor
+``outlier_ttfb_min_s``, ``latency_norm_s``, the admission wait
 and the edge deadlines (request and stream idle), nginx ``fail_timeout`` and the proxy
 read/send timeouts and retry window. Connect timeouts and the poll timeout are network
 facts and stay unscaled.
@@ -31,6 +32,7 @@ from controlplane import procs
 from controlplane.redisdb import keynames
 from controlplane.config import EdgeSettings, Settings, settings_from_dict
 from controlplane.edge.render import render_nginx, start_nginx
+from controlplane.simnode import launch
 
 from ..common import NGINX_HEAD, Stack
 from .workload import PoolSpec
@@ -40,46 +42,23 @@ MAX_TRIES = 3
 
 
 @dataclass
-class SimNodeProc:
-    name: str
-    speed: float
-    port: int
-    control_port: int
-    managed: procs.Managed
+class SimNodeProc(launch.SimNodeProcess):
+    """One node of the pool (see :class:`controlplane.simnode.launch.SimNodeProcess`:
+    ``url``, ``control_url``, ``state()``, ``set_faults(...)``) with its GPU speed
+    factor."""
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def control_url(self) -> str:
-        return f"http://127.0.0.1:{self.control_port}"
-
-    def state(self) -> dict:
-        r = requests.get(f"{self.control_url}/_sim/state", timeout=5)
-        r.raise_for_status()
-        return r.json()
-
-    def set_faults(self, **faults: object) -> dict:
-        r = requests.post(f"{self.control_url}/_sim/faults", json=faults, timeout=5)
-        r.raise_for_status()
-        return r.json()
+    speed: float = 1.0
 
 
 def start_pool(stack: Stack, spec: PoolSpec, time_scale: float) -> list[SimNodeProc]:
-    """Start every node of ``spec`` (free ports, control port), wait for each."""
-    nodes = []
-    for name, speed in spec.nodes():
-        port, cport = procs.free_port(), procs.free_port()
-        argv = procs.infergate_argv("simnode", "--host", "127.0.0.1", "--port", str(port),
-                                    "--control-port", str(cport), "--name", name,
-                                    "--log-level", "warning",
-                                    *spec.simnode_flags(speed, time_scale))
-        m = stack.add(procs.Managed(name, argv, stack.dir / "logs" / f"{name}.log").start())
-        nodes.append(SimNodeProc(name, speed, port, cport, m))
-    for n in nodes:
-        n.managed.wait_ready(lambda n=n: procs.port_open("127.0.0.1", n.port)
-                             and procs.port_open("127.0.0.1", n.control_port), timeout=30)
+    """Start every node of ``spec`` (free ports, control port, ``--log-level warning``,
+    logs in ``stack.dir/logs``), all together, and wait for them (30 s)."""
+    pool = spec.nodes()
+    specs = [(name, ["--log-level", "warning", *spec.simnode_flags(speed, time_scale)])
+             for name, speed in pool]
+    nodes = launch.start_nodes(specs, stack.dir / "logs", into=stack, cls=SimNodeProc)
+    for node, (_, speed) in zip(nodes, pool, strict=True):
+        node.speed = speed
     return nodes
 
 
@@ -181,6 +160,8 @@ def infergate_settings(redis_url: str, nodes: list[SimNodeProc], spec: PoolSpec,
     }
     if "metrics_listen" in EdgeSettings.model_fields:
         data["edge"]["metrics_listen"] = ""  # no fixed port: nothing scrapes it here
+    if "outlier_ttfb_min_s" in EdgeSettings.model_fields:
+        data["edge"]["outlier_ttfb_min_s"] = max(0.1, 5.0 * ts)
     fields = Settings.model_fields
     if "auth" in fields:
         data["auth"] = {"mode": "off"}
@@ -229,14 +210,12 @@ def start_infergate_base(stack: Stack, nodes: list[SimNodeProc], spec: PoolSpec,
 
 def snapshot_all_healthy(r: redis.Redis, n: int) -> bool:
     """The routing snapshot in Redis lists ``n`` active, healthy nodes."""
-    import json
+    from controlplane.routing.wire import RoutingSnapshot
 
-    raw = r.get(keynames.ROUTING)
-    if not raw:
+    snap = RoutingSnapshot.parse(r.get(keynames.ROUTING))
+    if snap is None:
         return False
-    snap = json.loads(raw)
-    good = [x for x in snap.get("nodes", []) if x.get("healthy") and x.get("state") == "active"]
-    return len(good) == n
+    return sum(1 for x in snap.nodes if x.healthy and x.state == "active") == n
 
 
 class EdgeRun:

@@ -11,7 +11,8 @@ Definitions (all times in wall-clock seconds as measured; divide by the run's
   requests, a timed-out request counting as the deadline (a lower bound of what it
   would have taken): errors are left out, they are in ``error_rate``. ``p99_ok_s``:
   the same over ok requests only.
-- ``ttft_p50_s``, ``ttft_p99_s``: time to first generated text over the same requests;
+- ``ttft_p50_s``, ``ttft_p90_s``, ``ttft_p99_s``: time to first generated text over the
+  same requests;
   a timed-out request without any text counts as the deadline.
 - ``timeout_rate``, ``error_rate``: fractions (0-1) of all requests sent.
 - ``goodput_rps``: ok requests per wall second of the arrival window; ``sent_rps``: all
@@ -98,6 +99,7 @@ def summarise(results: Sequence[Result], *, deadline_s: float, duration_s: float
         "p99_s": rounded(percentile(e2e, 99)),
         "p99_ok_s": rounded(percentile(ok_e2e, 99)),
         "ttft_p50_s": rounded(percentile(ttft, 50)),
+        "ttft_p90_s": rounded(percentile(ttft, 90)),
         "ttft_p99_s": rounded(percentile(ttft, 99)),
         "timeout_rate": rounded(outcomes["timeout"] / n if n else 0.0),
         "error_rate": rounded(outcomes["error"] / n if n else 0.0),

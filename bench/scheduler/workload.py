@@ -120,6 +120,8 @@ class Request:
     at_s: float
     prompt: str
     output_tokens: int
+    model: str | None = None
+    """The ``model`` of the body (``None``: none sent)."""
 
 
 @dataclass(frozen=True)

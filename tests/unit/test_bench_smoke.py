@@ -254,18 +254,35 @@ def test_edge_overhead_records_ratios_and_unavailable_rows():
                         "p99_ms": 2.0},
         "infergate": {"row": "infergate", "available": True, "rps": 10000.0, "p50_ms": 1.6,
                       "p99_ms": 5.0},
+        "infergate_admission": {"row": "infergate_admission", "available": True, "rps": 17000.0,
+                                "p50_ms": 0.9, "p99_ms": 3.5},
         "infergate_exact_hit": {"row": "infergate_exact_hit", "available": False,
                                 "reason": "no cache"},
+        "length_coalesce_on": {"row": "length_coalesce_on", "available": True, "rps": 900.0,
+                               "p50_ms": 1.0, "p99_ms": 2.0,
+                               "statuses": {"200": 90, "cache:HIT": 81, "cache:MISS": 9}},
+        "length_coalesce_off": {"row": "length_coalesce_off", "available": True, "rps": 1000.0,
+                                "p50_ms": 1.0, "p99_ms": 2.0},
     }
     recs = edge_main.finish_records(rows)
     assert [r["row"] for r in recs] == list(edge_main.ROWS)
-    ig = recs[2]
+    by = {r["row"]: r for r in recs}
+    ig = by["infergate"]
     assert (ig["rps_ratio"], ig["p50_ratio"], ig["p99_ratio"]) == (0.5, 2.0, 2.5)
-    assert recs[0]["rps_ratio"] == 1.5
-    assert recs[3]["available"] is False and "rps_ratio" not in recs[3]
-    assert recs[4] == {"row": "infergate_semantic_hit", "available": False, "reason": "not measured"}
+    assert ig["p99_added_ms"] == 3.0 and ig["connections"] == 16
+    assert by["direct"]["rps_ratio"] == 1.5
+    assert by["infergate_exact_hit"]["available"] is False and "rps_ratio" not in by["infergate_exact_hit"]
+    assert by["infergate_semantic_hit"] == {"row": "infergate_semantic_hit", "available": False,
+                                            "reason": "not measured"}
+    on = by["length_coalesce_on"]
+    assert on["reference"] == "length_coalesce_off" and on["rps_ratio"] == 0.9
+    assert on["hit_share"] == 0.9
     table = common.format_table(edge_main.table_rows(recs), edge_main.COLUMNS)
-    assert table.count("not available") == 2
+    assert table.count("not available") == len(edge_main.ROWS) - 6
+    lines = edge_main.target_checks(recs, None)
+    assert lines[0].startswith("infergate_admission (-c16)") and lines[0].endswith("-> met")
+    assert "not measured" in lines[1]  # c256 row absent
+    assert lines[-2].endswith("MISSED")  # coalescing on at 0.9x of off
 
 
 def test_case_variants_are_distinct_and_keep_the_words():
