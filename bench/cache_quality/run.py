@@ -44,7 +44,6 @@ import argparse
 import csv
 import json
 import random
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -61,7 +60,7 @@ CHINESE_GENERAL = ("bq-zh", "lcqmc-zh")
 TOP_K = 3
 
 sys.path.insert(0, str(ROOT))
-from controlplane.embedder import guard  # noqa: E402
+from controlplane.embedder import calibration, guard  # noqa: E402
 from controlplane.embedder.models import (MINILM, USE_M3, ModelLoadError,  # noqa: E402
                                           ModelSpec, load_model)
 
@@ -119,26 +118,13 @@ def _sample(rows: list, limit: int | None, seed: int) -> list:
 
 
 def _norm(t: str) -> str:
-    return re.sub(r"[\W_]+", " ", t.lower()).strip()
+    return calibration.normalise(t)
 
 
 def qqp_groups(s: PairSet) -> dict[str, int]:
-    """Normalised text -> group id: union-find over pairs sharing a normalised text."""
-    parent: dict[str, str] = {}
-
-    def find(x: str) -> str:
-        parent.setdefault(x, x)
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for a, b in zip(s.text1, s.text2):
-        ra, rb = find(_norm(a)), find(_norm(b))
-        if ra != rb:
-            parent[ra] = rb
-    roots: dict[str, int] = {}
-    return {t: roots.setdefault(find(t), len(roots)) for t in list(parent)}
+    """Normalised text -> group id: union-find over pairs sharing a normalised text
+    (:func:`controlplane.embedder.calibration.groups` over every pair)."""
+    return calibration.groups(s.text1, s.text2)
 
 
 def served_index(sims: np.ndarray, ok: np.ndarray | None, t: float) -> np.ndarray:

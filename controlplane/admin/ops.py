@@ -142,7 +142,7 @@ def resolve_host(host: str, port: int, timeout: float = RESOLVE_TIMEOUT_S) -> li
         except (OSError, UnicodeError):
             return
         ips: list[IP] = []
-        for info in infos:
+        for info in infos or ():
             ip = _ip(str(info[4][0]).split("%", 1)[0])
             if ip is not None and ip not in ips:
                 ips.append(ip)

@@ -228,7 +228,9 @@ def load_pairs(path: str | Path) -> Pairs:
     return Pairs(t1, t2, lab, [False] * len(lab))
 
 
-def _norm(t: str) -> str:
+def normalise(t: str) -> str:
+    """Lower case, runs of non-word characters to one space: the form in which
+    :func:`groups` compares texts."""
     return re.sub(r"[\W_]+", " ", t.lower()).strip()
 
 
@@ -246,7 +248,7 @@ def groups(text1: Sequence[str], text2: Sequence[str],
         return x
 
     for i, (a, b) in enumerate(zip(text1, text2)):
-        ra, rb = find(_norm(a)), find(_norm(b))
+        ra, rb = find(normalise(a)), find(normalise(b))
         if (label is None or label[i] == 1) and ra != rb:
             parent[ra] = rb
     roots: dict[str, int] = {}
@@ -262,8 +264,8 @@ def mine_negatives(pairs: Pairs, vec1: np.ndarray, vec2: np.ndarray) -> Pairs:
     if any(v == 0 for v in pairs.label):
         return pairs
     g = groups(pairs.text1, pairs.text2)
-    q_group = np.array([g[_norm(t)] for t in pairs.text2])
-    e_group = np.array([g[_norm(t)] for t in pairs.text1])
+    q_group = np.array([g[normalise(t)] for t in pairs.text2])
+    e_group = np.array([g[normalise(t)] for t in pairs.text1])
     out = Pairs(list(pairs.text1), list(pairs.text2), list(pairs.label), list(pairs.mined))
     step = 512
     for s in range(0, len(pairs), step):
@@ -286,7 +288,7 @@ def fold_ids(pairs: Pairs, k: int, seed: int = 7) -> np.ndarray:
     negative goes with its query (``text2``)."""
     real = [i for i, m in enumerate(pairs.mined) if not m]
     g = groups([pairs.text1[i] for i in real], [pairs.text2[i] for i in real], None)
-    comp = np.array([g.get(_norm(t), -1 - i) for i, t in enumerate(pairs.text2)])
+    comp = np.array([g.get(normalise(t), -1 - i) for i, t in enumerate(pairs.text2)])
     rng = np.random.default_rng(seed)
     ids = np.unique(comp)
     perm = rng.permutation(len(ids))

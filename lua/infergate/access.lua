@@ -33,6 +33,7 @@ local body_json = cjson.new()
 body_json.decode_invalid_numbers(false)
 local errors = require("infergate.core.errors")
 local reqctx = require("infergate.core.reqctx")
+local request_body = require("infergate.core.body")
 local snapshot = require("infergate.routing.snapshot")
 local balancer = require("infergate.routing.balancer")
 local models = require("infergate.routing.models")
@@ -47,7 +48,6 @@ local _M = {}
 local type = type
 local tostring = tostring
 local ipairs = ipairs
-local io_open = io.open
 
 local METHODS = {
     inference = { POST = true, allow = "POST" },
@@ -82,21 +82,7 @@ end
 
 local function read_body()
     ngx.req.read_body()
-    local body = ngx.req.get_body_data()
-    if body then
-        return body
-    end
-    local path = ngx.req.get_body_file()
-    if not path then
-        return nil
-    end
-    local f, err = io_open(path, "rb")
-    if not f then
-        return nil, "cannot read the buffered request body: " .. tostring(err)
-    end
-    body = f:read("*a")
-    f:close()
-    return body
+    return request_body.text()
 end
 
 local function bad_request(message)

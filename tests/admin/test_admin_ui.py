@@ -13,6 +13,7 @@ from controlplane.admin import apikeys
 from controlplane.cache import store as cache_store
 from controlplane.redisdb import keynames
 from controlplane.routing import registry
+from controlplane.routing.service import make_client
 from controlplane.admin import create_app
 from controlplane.config import NodeSettings, Settings
 from support.vectors import vector_keys, write_vectors
@@ -309,7 +310,9 @@ def test_keys_page_shows_a_new_key_once(client, r):
 
 
 def test_redis_down_page(redis_server):
-    client = make_app(redis_server.client()).test_client()
+    # the Redis client the control plane gives the admin app: one immediate retry, so a
+    # dead Redis answers at once (redis-py's default retries back off for seconds)
+    client = make_app(make_client(redis_server.url, 2.0)).test_client()
     login(client)
     redis_server.stop()
     resp = client.get("/nodes")

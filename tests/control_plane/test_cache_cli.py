@@ -123,7 +123,7 @@ def test_edge_options_carry_every_setting() -> None:
                       "embedder_url", "semantic_budget_ms", "min_similarity",
                       "min_similarity_routes", "min_similarity_models", "coalesce",
                       "coalesce_wait_s", "coalesce_poll_ms", "embedder_model",
-                      "verifier", "verifier_file", "semantic_domains"}
+                      "verifier", "verifier_file", "semantic_domains", "max_request_bytes"}
     # unset: null in the document, the embedder model's default at the edge
     assert edge_document(settings_from_dict({}))["cache"]["min_similarity"] is None
     assert embedder_server("http://[::1]:9000") == "[::1]:9000"

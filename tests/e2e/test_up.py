@@ -17,34 +17,7 @@ import openai
 import requests
 
 from controlplane import procs
-
-
-def _children(pid: int) -> set[int]:
-    """Every process whose session is ``pid``'s (what `up` started runs in new sessions,
-    so look for their parent chain instead)."""
-    out = set()
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid:
-            out.add(int(d.name))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
+from support.upstack import alive, children
 
 
 def start_up(workdir: Path, config: str, edge: int, admin: int, redis_port: int):
@@ -101,7 +74,7 @@ def test_up_serves_the_readme_requests_and_stops_cleanly(workdir: Path) -> None:
         text_out = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert len(text_out) > 10
         assert requests.get(metrics, timeout=5).text.count("infergate_edge_requests_total") > 0
-        kids = _children(p.pid)
+        kids = children(p.pid)
         assert len(kids) >= 6                               # redis, 3 nodes, control plane, nginx
     finally:
         p.send_signal(signal.SIGTERM)
@@ -114,8 +87,8 @@ def test_up_serves_the_readme_requests_and_stops_cleanly(workdir: Path) -> None:
             log.close()
     assert rc == 0
     deadline = time.monotonic() + 10
-    while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+    while any(alive(k) for k in kids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any(_alive(k) for k in kids), "processes left after SIGTERM"
+    assert not any(alive(k) for k in kids), "processes left after SIGTERM"
     for port in (edge, admin, redis_port):
         assert not procs.port_open("127.0.0.1", port)

@@ -26,6 +26,7 @@
 -- set client_max_body_size 0, so a chunked body nginx refused mid-way gets the same 413
 -- JSON and not nginx's HTML page).
 local config = require("infergate.core.config")
+local request_body = require("infergate.core.body")
 
 local _M = {}
 
@@ -33,7 +34,6 @@ local tonumber = tonumber
 local tostring = tostring
 local min = math.min
 local floor = math.floor
-local io_open = io.open
 
 _M.CHUNK = 65536
 -- Bodies up to this many bytes are read into a buffer of exactly their size.
@@ -101,24 +101,6 @@ local function read_with_timeout(len)
     return true
 end
 
-local function body_text()
-    local body = ngx.req.get_body_data()
-    if body then
-        return body
-    end
-    local path = ngx.req.get_body_file()
-    if not path then
-        return nil
-    end
-    local f = io_open(path, "rb")
-    if not f then
-        return nil
-    end
-    body = f:read("*a")
-    f:close()
-    return body
-end
-
 function _M.step(req)
     if req.route ~= "inference" then
         return nil
@@ -139,7 +121,7 @@ function _M.step(req)
     else
         ngx.req.read_body()
     end
-    local body = body_text()
+    local body = request_body.text()
     if body and not _M.valid_utf8(body) then
         return bad_utf8()
     end
