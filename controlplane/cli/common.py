@@ -11,7 +11,7 @@ from typing import Any
 import click
 import redis
 
-from controlplane.config import ConfigError, Settings, load_settings
+from controlplane.config import ConfigError, HostPort, HostPortError, Settings, load_settings
 from controlplane.redisdb.conn import make_redis
 
 
@@ -80,3 +80,13 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     return "\n".join(lines)
+
+
+def split_listen(value: str, what: str = "--listen") -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) -> ``(host, port)`` (:class:`HostPort`); raises
+    ``click.BadParameter`` naming ``what``."""
+    try:
+        hp = HostPort.parse(value, what)
+    except HostPortError as exc:
+        raise click.BadParameter(str(exc), param_hint=what) from None
+    return hp.host, hp.port

@@ -23,17 +23,8 @@ from urllib.parse import urlsplit
 
 import click
 
-from controlplane.config import ConfigError, HostPort, HostPortError, load_settings
-
-
-def _split_listen(listen: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT``) -> (host, port) (:class:`HostPort`); raises
-    ``click.BadParameter``."""
-    try:
-        hp = HostPort.parse(listen, "--listen")
-    except HostPortError as exc:
-        raise click.BadParameter(str(exc), param_hint="--listen") from None
-    return hp.host, hp.port
+from controlplane.cli.common import split_listen
+from controlplane.config import ConfigError, load_settings
 
 
 def listen_of_url(url: str) -> str:
@@ -115,7 +106,7 @@ def embedder_cmd(config_path: str | None, listen: str | None, redis_url: str | N
         settings = load_settings(config_path)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
-    host, port = _split_listen(listen or listen_of_url(settings.cache.embedder_url))
+    host, port = split_listen(listen or listen_of_url(settings.cache.embedder_url))
     url = redis_url or settings.redis.url
 
     import waitress

@@ -60,7 +60,8 @@ from redis.retry import Retry
 
 from controlplane.redisdb import keynames
 from controlplane.routing import registry
-from controlplane.config import (ConfigError, HostPort, HostPortError, NodeSettings, RedisSettings,
+from controlplane.cli.common import split_listen
+from controlplane.config import (ConfigError, NodeSettings, RedisSettings,
                                  Settings, load_settings)
 from controlplane.routing.leader import LeaderElector, make_id
 from controlplane.routing.models import ModelsPoller
@@ -495,16 +496,6 @@ def make_client(url: str, timeout_s: float,
     ``redis_settings``)."""
     return make_redis(redis_settings or RedisSettings(url=url), url=url,
                       socket_timeout_s=timeout_s, retry=Retry(NoBackoff(), 1))
-
-
-def split_listen(value: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` too) -> ``(host, port)`` (:class:`HostPort`); raises
-    ``click.BadParameter``."""
-    try:
-        hp = HostPort.parse(value, "--listen")
-    except HostPortError as exc:
-        raise click.BadParameter(str(exc), param_hint="--listen") from None
-    return hp.host, hp.port
 
 
 @click.command("controlplane")

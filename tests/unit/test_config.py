@@ -101,11 +101,10 @@ def test_hostport_refuses_with_one_message(text):
 def test_hostport_fields_and_the_cli_parsers():
     import click
 
-    from controlplane.cli.embedder import _split_listen
+    from controlplane.cli.common import split_listen as cli_split_listen
     from controlplane.cli.up import _split_hostport
     from controlplane.config import HostPort
     from controlplane.edge.render import RenderError, split_listen
-    from controlplane.routing import service
 
     s = settings_from_dict({"edge": {"listen": "[::1]:9000", "metrics_listen": "[::1]:9001"},
                             "controlplane": {"listen": "127.0.0.1:9002"}})
@@ -116,7 +115,7 @@ def test_hostport_fields_and_the_cli_parsers():
         settings_from_dict({"edge": {"listen": "::1:9000"}})
     with pytest.raises(ConfigError, match="edge.metrics_listen"):
         settings_from_dict({"edge": {"metrics_listen": "9145"}})
-    for parse in (split_listen, service.split_listen, _split_listen,
+    for parse in (split_listen, cli_split_listen,
                   lambda v: _split_hostport(v, "--listen")):
         assert parse("[::1]:8081") == ("::1", 8081)
         assert parse("10.0.0.1:1") == ("10.0.0.1", 1)

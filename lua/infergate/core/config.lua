@@ -232,6 +232,12 @@ function _M.get()
     return opts
 end
 
+-- The options like get(), or an empty table before init() (code driving a module
+-- outside a rendered edge, e.g. in tests: the module's defaults apply).
+function _M.get_or_empty()
+    return opts or {}
+end
+
 -- The validated options document (nested as infergate.toml), or nil before init().
 function _M.document()
     return doc

@@ -58,11 +58,7 @@ local last_log = 0
 local totals = { pushed = 0, dropped = 0, flushed = 0, failed = 0, flushes = 0 }
 
 local function options()
-    local ok, o = pcall(config.get)
-    if ok and type(o) == "table" then
-        return o
-    end
-    return {}
+    return config.get_or_empty()
 end
 
 local function queue_max()

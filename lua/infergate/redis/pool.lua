@@ -67,11 +67,7 @@ local parsed_certs = {}                            -- pem -> {cert, key}, per wo
 -- The edge options (infergate.core.config), or an empty table where they are not
 -- loaded (code driving the Redis layer outside a rendered edge: the DEFAULT_* apply).
 local function edge_options()
-    local ok, o = pcall(config.get)
-    if ok and type(o) == "table" then
-        return o
-    end
-    return {}
+    return config.get_or_empty()
 end
 
 -- The pool's settings, worked out again only when the edge options table changes.
