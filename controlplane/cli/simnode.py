@@ -51,6 +51,12 @@ def _output_range(ctx: click.Context, param: click.Parameter, value: str) -> tup
               show_default=True, help="Extra decode-step cost per running sequence (simulated ms).")
 @click.option("--speed", type=click.FloatRange(min=0, min_open=True), default=1.0,
               show_default=True, help="GPU speed factor (2.0 = twice as fast).")
+@click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
+              help="Automatic prefix caching of full 16-token prompt blocks, per engine "
+                   "(vLLM V1 default: on).")
+@click.option("--prefix-cache-blocks", type=click.IntRange(0, 10**9), default=None,
+              help="Prefix-cache capacity per engine, in 16-token blocks (LRU). "
+                   "Default: kv-capacity-tokens // 16.")
 @click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=1.0,
               show_default=True, help="Wall seconds per simulated second (0.1 = 10x faster).")
 @click.option("--output-tokens", "output_tokens", default="16:128", show_default=True,
@@ -75,7 +81,8 @@ def _output_range(ctx: click.Context, param: click.Parameter, value: str) -> tup
 def simnode_cmd(host: str, port: int, control_port: int | None, name: str | None, model: str,
                 dialect: str, engines: int, max_running: int, kv_capacity_tokens: int,
                 prefill_tps: float, decode_base_ms: float, decode_per_seq_ms: float,
-                speed: float, time_scale: float, output_tokens: tuple[int, int],
+                speed: float, prefix_caching: bool, prefix_cache_blocks: int | None,
+                time_scale: float, output_tokens: tuple[int, int],
                 error_rate: float, error_status: int, hang: bool, slowdown: float,
                 metrics_fail: bool, health_fail: bool, refuse: bool, garbage: bool,
                 llamacpp: bool, log_level: str) -> None:
@@ -83,7 +90,8 @@ def simnode_cmd(host: str, port: int, control_port: int | None, name: str | None
     continuous-batching performance model and switchable faults.
 
     Latency metrics are exported in wall-clock seconds. Prompt tokens are estimated
-    as ceil(characters / 4)."""
+    as ceil(characters / 4); prompts sharing leading 16-token blocks hit the prefix
+    cache and skip their prefill."""
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if refuse and control_port is None:
@@ -93,7 +101,9 @@ def simnode_cmd(host: str, port: int, control_port: int | None, name: str | None
     try:
         engine = EngineConfig(max_running=max_running, kv_capacity_tokens=kv_capacity_tokens,
                               prefill_tps=prefill_tps, decode_base_ms=decode_base_ms,
-                              decode_per_seq_ms=decode_per_seq_ms, speed=speed)
+                              decode_per_seq_ms=decode_per_seq_ms, speed=speed,
+                              prefix_caching=prefix_caching,
+                              prefix_cache_blocks=prefix_cache_blocks)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     faults = Faults(error_rate=error_rate, error_status=error_status, hang=hang,

@@ -16,12 +16,28 @@ The model
 - One engine step serves every running sequence. Its duration (simulated seconds)
   is ``(decode_base_ms + decode_per_seq_ms * batch) / 1000 + prefill_tokens /
   prefill_tps``, divided by ``speed``; ``batch`` counts the sequences in the step
-  and ``prefill_tokens`` the prompt tokens of the sequences admitted for it.
+  and ``prefill_tokens`` the prompt tokens of the sequences admitted for it that the
+  prefix cache does not hold (see below).
 - At the end of a step each sequence in it has one more token. A newly admitted
   sequence gets its first token at the end of its prefill step, so time to first
   token = queueing + one step that includes its prefill.
 - A sequence finishes when it has generated ``output_tokens`` tokens; its KV is
   freed at once. A cancelled sequence leaves the queue or the batch at once.
+
+Automatic prefix caching (vLLM V1, on by default there and here; ``prefix_caching``)
+------------------------------------------------------------------------------------
+Each sequence carries the chained hashes of its full prompt blocks
+(:mod:`controlplane.simnode.prefix`). At admission the engine looks them up in its
+:class:`~controlplane.simnode.prefix.PrefixCache`: the leading blocks found,
+contiguous from block 0, times ``BLOCK_TOKENS`` are the sequence's
+``cached_tokens``, at most ``prompt_tokens - 1`` (vLLM always computes the last
+prompt token to get logits: ``max_cache_hit_length = request.num_tokens - 1`` in
+``vllm/v1/core/kv_cache_manager.py``). Only the other prompt tokens are prefilled.
+Then every full block of the sequence is inserted or touched, so a sequence admitted
+later in the same step can already hit them. The engine counts, at admission as vLLM
+does (``PrefixCacheStats``), the queried prompt tokens and the hit tokens; with
+prefix caching off nothing is looked up and nothing is counted. The KV reservation
+stays prompt + output (shared blocks are not deducted).
 """
 
 from __future__ import annotations
@@ -31,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from controlplane.errors import InfergateError
+from controlplane.simnode.prefix import BLOCK_TOKENS, BlockHash, PrefixCache
 
 SeqState = Literal["waiting", "running", "finished", "cancelled"]
 
@@ -55,6 +72,11 @@ class EngineConfig:
     """Extra cost per sequence in the batch (ms, simulated)."""
     speed: float = 1.0
     """GPU speed factor: 2.0 halves every duration."""
+    prefix_caching: bool = True
+    """Automatic prefix caching (vLLM V1 default: on; ``--no-enable-prefix-caching``)."""
+    prefix_cache_blocks: int | None = None
+    """Capacity of the prefix cache in blocks of ``BLOCK_TOKENS`` tokens; None =
+    ``kv_capacity_tokens // BLOCK_TOKENS`` (as many blocks as the KV cache holds)."""
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
@@ -69,6 +91,15 @@ class EngineConfig:
             raise ValueError("a decode step must take some time (decode_base_ms + decode_per_seq_ms > 0)")
         if self.speed <= 0:
             raise ValueError("speed must be > 0")
+        if self.prefix_cache_blocks is not None and self.prefix_cache_blocks < 0:
+            raise ValueError("prefix_cache_blocks must be >= 0")
+
+    @property
+    def prefix_cache_capacity_blocks(self) -> int:
+        """Blocks the prefix cache holds (``prefix_cache_blocks`` or its default)."""
+        if self.prefix_cache_blocks is not None:
+            return self.prefix_cache_blocks
+        return self.kv_capacity_tokens // BLOCK_TOKENS
 
     def step_seconds(self, batch: int, prefill_tokens: int) -> float:
         """Simulated duration (s) of a step with ``batch`` sequences that prefills
@@ -85,6 +116,11 @@ class Sequence:
     prompt_tokens: int
     output_tokens: int
     """Tokens this request will generate (already capped by max_tokens), >= 1."""
+    block_hashes: tuple[BlockHash, ...] = ()
+    """Chained hashes of the full prompt blocks (:func:`prefix.block_hashes`); at most
+    ``prompt_tokens // BLOCK_TOKENS`` of them."""
+    cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache at admission (not prefilled)."""
     state: SeqState = "waiting"
     generated: int = 0
     arrival: float = 0.0
@@ -98,6 +134,13 @@ class Sequence:
             raise ValueError("prompt_tokens must be >= 1")
         if self.output_tokens < 1:
             raise ValueError("output_tokens must be >= 1")
+        if len(self.block_hashes) * BLOCK_TOKENS > self.prompt_tokens:
+            raise ValueError("more full blocks than the prompt has tokens")
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens the prefill computes: those not found in the prefix cache."""
+        return self.prompt_tokens - self.cached_tokens
 
     @property
     def total_tokens(self) -> int:
@@ -121,6 +164,8 @@ class Step:
     batch: list[Sequence]
     admitted: list[Sequence]
     prefill_tokens: int
+    """Prompt tokens computed in the step: those of the admitted sequences minus
+    their ``cached_tokens``."""
     duration_s: float
     """Simulated seconds, already divided by ``speed``."""
 
@@ -144,6 +189,14 @@ class Engine:
     config: EngineConfig = field(default_factory=EngineConfig)
     waiting: deque[Sequence] = field(default_factory=deque)
     running: list[Sequence] = field(default_factory=list)
+    prefix_cache: PrefixCache = field(init=False)
+    prefix_queries_tokens: int = 0
+    """Prompt tokens of the sequences admitted with prefix caching on."""
+    prefix_hits_tokens: int = 0
+    """Of those, the tokens found in the prefix cache (``cached_tokens``)."""
+
+    def __post_init__(self) -> None:
+        self.prefix_cache = PrefixCache(self.config.prefix_cache_capacity_blocks)
 
     # -- state -------------------------------------------------------------
     @property
@@ -167,6 +220,13 @@ class Engine:
     def fits(self, prompt_tokens: int, output_tokens: int) -> bool:
         """Whether such a request could ever be admitted."""
         return prompt_tokens + output_tokens <= self.config.kv_capacity_tokens
+
+    def reset_prefix_cache(self) -> None:
+        """Empty the prefix cache and zero its counters (running sequences keep their
+        ``cached_tokens``)."""
+        self.prefix_cache.clear()
+        self.prefix_queries_tokens = 0
+        self.prefix_hits_tokens = 0
 
     # -- requests ----------------------------------------------------------
     def submit(self, seq: Sequence, now: float) -> None:
@@ -212,6 +272,7 @@ class Engine:
             if reserved + head.total_tokens > cap:
                 break
             self.waiting.popleft()
+            self._lookup_prefix(head)
             head.state = "running"
             head.admitted_at = now
             reserved += head.total_tokens
@@ -219,12 +280,24 @@ class Engine:
             admitted.append(head)
         return admitted
 
+    def _lookup_prefix(self, seq: Sequence) -> None:
+        """Set ``seq.cached_tokens`` from the prefix cache, count the query, then
+        insert or touch the sequence's blocks (see the module docstring)."""
+        if not self.config.prefix_caching:
+            seq.cached_tokens = 0
+            return
+        hit_blocks = self.prefix_cache.match(seq.block_hashes)
+        seq.cached_tokens = min(hit_blocks * BLOCK_TOKENS, seq.prompt_tokens - 1)
+        self.prefix_queries_tokens += seq.prompt_tokens
+        self.prefix_hits_tokens += seq.cached_tokens
+        self.prefix_cache.insert(seq.block_hashes)
+
     def plan_step(self, now: float) -> Step | None:
         """Admit what fits and describe the next step; None when nothing runs."""
         admitted = self.admit(now)
         if not self.running:
             return None
-        prefill = sum(s.prompt_tokens for s in admitted)
+        prefill = sum(s.prefill_tokens for s in admitted)
         return Step(batch=list(self.running), admitted=admitted, prefill_tokens=prefill,
                     duration_s=self.config.step_seconds(len(self.running), prefill))
 

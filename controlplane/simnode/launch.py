@@ -96,14 +96,16 @@ class SimNodeProcess:
     def state(self) -> dict:
         """``GET /_sim/state``: ``running``, ``waiting``, ``requests_total``,
         ``completed_total``, ``cancelled_total``, ``errors_total``, ``by_path``,
-        ``listening``, ``faults``, per-engine numbers (see controlplane/simnode/README.md).
+        ``listening``, ``faults``, ``prefix_cache``, per-engine numbers (see
+        controlplane/simnode/README.md).
         Raises like :meth:`set_faults`."""
         res = requests.get(f"{self.control_url}/_sim/state", timeout=HTTP_TIMEOUT_S)
         res.raise_for_status()
         return res.json()
 
     def reset(self) -> None:
-        """``POST /_sim/reset``: zero the counters and Prometheus metrics (faults stay)."""
+        """``POST /_sim/reset``: zero the counters and Prometheus metrics and empty the
+        prefix caches (faults stay)."""
         requests.post(f"{self.control_url}/_sim/reset", timeout=HTTP_TIMEOUT_S).raise_for_status()
 
     def ready(self) -> bool:

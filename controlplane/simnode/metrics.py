@@ -17,13 +17,19 @@ Dialects and their sources:
   ``vllm:gpu_cache_usage_perc``, which is hidden from 0.10 on); counters
   ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``,
   ``vllm:request_success_total`` (extra label ``finished_reason``: ``stop`` |
-  ``length``); histograms ``vllm:time_to_first_token_seconds``,
+  ``length``), ``vllm:prefix_cache_queries_total`` ("Prefix cache queries, in terms
+  of number of queried tokens.") and ``vllm:prefix_cache_hits_total`` ("Prefix cache
+  hits, in terms of number of cached tokens."), counted at admission (names added in
+  vLLM 0.9.2; ``vllm:gpu_prefix_cache_queries`` / ``vllm:gpu_prefix_cache_hits`` are
+  the deprecated spellings, hidden from 0.11 on); histograms ``vllm:time_to_first_token_seconds``,
   ``vllm:time_per_output_token_seconds``, ``vllm:inter_token_latency_seconds`` (same
   observations as TPOT, as recent vLLM emits both), ``vllm:e2e_request_latency_seconds``,
   ``vllm:request_queue_time_seconds``, ``vllm:request_prompt_tokens``,
   ``vllm:request_generation_tokens``. Buckets are vLLM's.
 - ``vllm-legacy``: the same, before 0.9: ``vllm:gpu_cache_usage_perc`` instead of
-  ``vllm:kv_cache_usage_perc`` and no ``vllm:inter_token_latency_seconds``.
+  ``vllm:kv_cache_usage_perc``, ``vllm:gpu_prefix_cache_queries_total`` /
+  ``vllm:gpu_prefix_cache_hits_total`` instead of ``vllm:prefix_cache_*`` and no
+  ``vllm:inter_token_latency_seconds``.
 - ``tgi``: Hugging Face TGI router names (TGI docs, "Metrics" reference), no labels,
   summed over engine ranks: gauges ``tgi_queue_size``, ``tgi_batch_current_size``;
   histograms ``tgi_request_duration`` (e2e), ``tgi_request_queue_duration``,
@@ -36,7 +42,9 @@ Dialects and their sources:
   ``sglang:token_usage`` (0-1), ``sglang:num_used_tokens``; counters
   ``sglang:prompt_tokens_total``, ``sglang:generation_tokens_total``,
   ``sglang:num_requests_total``; histograms ``sglang:time_to_first_token_seconds``,
-  ``sglang:inter_token_latency_seconds``, ``sglang:e2e_request_latency_seconds``.
+  ``sglang:inter_token_latency_seconds``, ``sglang:e2e_request_latency_seconds``;
+  gauge ``sglang:cache_hit_rate`` (0-1; here hit tokens / queried tokens of the prefix
+  cache since start or the last reset, all ranks).
 - ``json``: ``{"queue_depth": int, "avg_latency_seconds": float,
   "gpu_memory_utilization": 0-1}``; latency = mean e2e of the last 50 finished
   requests (0.0 when none), utilization = KV tokens held / KV capacity, all ranks.
@@ -53,7 +61,7 @@ from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
-from prometheus_client.metrics_core import Metric, UnknownMetricFamily
+from prometheus_client.metrics_core import CounterMetricFamily, Metric, UnknownMetricFamily
 from prometheus_client.registry import Collector
 
 Dialect = Literal["vllm", "vllm-legacy", "tgi", "sglang", "json", "none"]
@@ -80,10 +88,23 @@ class EngineSnapshot:
     waiting: int
     kv_used_tokens: int
     kv_capacity_tokens: int
+    prefix_queries_tokens: int = 0
+    """Prompt tokens looked up in the prefix cache so far (counter)."""
+    prefix_hits_tokens: int = 0
+    """Of those, tokens found in the cache (counter)."""
+    prefix_cached_blocks: int = 0
+    """Blocks in the prefix cache now."""
 
     @property
     def kv_usage(self) -> float:
         return self.kv_used_tokens / self.kv_capacity_tokens if self.kv_capacity_tokens else 0.0
+
+
+def prefix_hit_rate(snaps: Sequence[EngineSnapshot]) -> float:
+    """Hit tokens / queried tokens of the prefix caches of all ranks (0.0 before any
+    query)."""
+    queries = sum(s.prefix_queries_tokens for s in snaps)
+    return sum(s.prefix_hits_tokens for s in snaps) / queries if queries else 0.0
 
 
 @dataclass(frozen=True)
@@ -147,6 +168,34 @@ class _PromExporter(Exporter):
         return generate_latest(self.registry), CONTENT_TYPE_PLAIN_0_0_4
 
 
+class _VllmPrefixCounters(Collector):
+    """The prefix-cache counters of every rank, read from the engines' totals at scrape
+    time (``CounterMetricFamily`` writes the ``_total`` samples)."""
+
+    def __init__(self, model: str, engines: int, legacy: bool) -> None:
+        self.model = model
+        self.engines = engines
+        self.prefix = "vllm:gpu_prefix_cache" if legacy else "vllm:prefix_cache"
+        self.doc_prefix = "GPU prefix cache" if legacy else "Prefix cache"
+        self.snaps: Sequence[EngineSnapshot] = ()
+
+    def collect(self) -> Iterable[Metric]:
+        labels = ["model_name", "engine"]
+        queries = CounterMetricFamily(
+            f"{self.prefix}_queries",
+            f"{self.doc_prefix} queries, in terms of number of queried tokens.", labels=labels)
+        hits = CounterMetricFamily(
+            f"{self.prefix}_hits",
+            f"{self.doc_prefix} hits, in terms of number of cached tokens.", labels=labels)
+        for rank in range(self.engines):
+            s = self.snaps[rank] if rank < len(self.snaps) else None
+            lv = [self.model, str(rank)]
+            queries.add_metric(lv, s.prefix_queries_tokens if s else 0)
+            hits.add_metric(lv, s.prefix_hits_tokens if s else 0)
+        yield queries
+        yield hits
+
+
 class VllmExporter(_PromExporter):
     """vLLM V1 (``legacy=False``) or pre-0.9 names (``legacy=True``)."""
 
@@ -194,6 +243,8 @@ class VllmExporter(_PromExporter):
         self.h_req_gen = Histogram("vllm:request_generation_tokens",
                                    "Number of generation tokens processed.", labels,
                                    buckets=TOKEN_BUCKETS, registry=r)
+        self.prefix_counters = _VllmPrefixCounters(self.model, self.engines, self.legacy)
+        r.register(self.prefix_counters)
         # Series exist from the start for every rank, as vLLM creates them per engine.
         for rank in range(self.engines):
             lv = self._lv(rank)
@@ -235,6 +286,7 @@ class VllmExporter(_PromExporter):
             self.g_running.labels(*lv).set(s.running)
             self.g_waiting.labels(*lv).set(s.waiting)
             self.g_kv.labels(*lv).set(s.kv_usage)
+        self.prefix_counters.snaps = list(snaps)
 
 
 class _TgiCounters(Collector):
@@ -315,8 +367,11 @@ class SglangExporter(_PromExporter):
         self.h_e2e = Histogram("sglang:e2e_request_latency_seconds",
                                "Histogram of End-to-end request latency in seconds", labels,
                                buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        self.g_hit_rate = Gauge("sglang:cache_hit_rate", "The prefix cache hit rate.", labels,
+                                registry=r)
         for m in (self.g_running, self.g_queue, self.g_usage, self.g_used, self.c_prompt,
-                  self.c_gen, self.c_requests, self.h_ttft, self.h_itl, self.h_e2e):
+                  self.c_gen, self.c_requests, self.h_ttft, self.h_itl, self.h_e2e,
+                  self.g_hit_rate):
             m.labels(self.model)
 
     def first_token(self, rank: int, prompt_tokens: int, ttft_s: float) -> None:
@@ -339,6 +394,7 @@ class SglangExporter(_PromExporter):
         self.g_queue.labels(self.model).set(sum(s.waiting for s in snaps))
         self.g_used.labels(self.model).set(used)
         self.g_usage.labels(self.model).set(used / cap if cap else 0.0)
+        self.g_hit_rate.labels(self.model).set(prefix_hit_rate(snaps))
 
 
 class JsonExporter(Exporter):

@@ -2,8 +2,9 @@
 
 Requests are spread over the ranks round-robin (as vLLM's data-parallel front end
 does); each rank is an independent :class:`~controlplane.simnode.engine.Engine` with
-its own queue, batch and KV cache (``--max-running`` and ``--kv-capacity-tokens`` are
-per rank, like vLLM's ``--max-num-seqs`` per engine).
+its own queue, batch, KV cache and prefix cache (``--max-running``,
+``--kv-capacity-tokens`` and ``--prefix-cache-blocks`` are per rank, like vLLM's
+``--max-num-seqs`` per engine).
 
 Wall time of a step = simulated duration x ``time_scale`` x ``slowdown()``; the
 slowdown is read again at every step so a fault takes effect at once.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
 
 from controlplane.simnode.engine import Engine, EngineConfig, Sequence, TokenEvent
@@ -74,11 +75,14 @@ class Scheduler:
     def fits(self, prompt_tokens: int, output_tokens: int) -> bool:
         return self.engines[0].fits(prompt_tokens, output_tokens)
 
-    def submit(self, prompt_tokens: int, output_tokens: int, finish_reason: str) -> Ticket:
-        """Queue a request on the next rank. Raises ``RequestTooLarge`` (see engine)."""
+    def submit(self, prompt_tokens: int, output_tokens: int, finish_reason: str,
+               block_hashes: Seq[bytes] = ()) -> Ticket:
+        """Queue a request on the next rank. ``block_hashes``: chained hashes of its full
+        prompt blocks (see :mod:`controlplane.simnode.prefix`). Raises
+        ``RequestTooLarge`` (see engine)."""
         rank = next(self._rr) % len(self.engines)
         seq = Sequence(seq_id=next(self._ids), prompt_tokens=prompt_tokens,
-                       output_tokens=output_tokens)
+                       output_tokens=output_tokens, block_hashes=tuple(block_hashes))
         self.engines[rank].submit(seq, self._now())
         ticket = Ticket(seq=seq, rank=rank, finish_reason=finish_reason)
         self._tickets[seq.seq_id] = ticket
@@ -98,8 +102,16 @@ class Scheduler:
     def snapshots(self) -> list[EngineSnapshot]:
         return [EngineSnapshot(running=len(e.running), waiting=len(e.waiting),
                                kv_used_tokens=e.kv_used,
-                               kv_capacity_tokens=e.config.kv_capacity_tokens)
+                               kv_capacity_tokens=e.config.kv_capacity_tokens,
+                               prefix_queries_tokens=e.prefix_queries_tokens,
+                               prefix_hits_tokens=e.prefix_hits_tokens,
+                               prefix_cached_blocks=len(e.prefix_cache))
                 for e in self.engines]
+
+    def reset_prefix_caches(self) -> None:
+        """Empty every rank's prefix cache and zero its counters."""
+        for e in self.engines:
+            e.reset_prefix_cache()
 
     # -- loop ----------------------------------------------------------------
     @staticmethod

@@ -13,7 +13,7 @@ Main port:
   port refuses connections):
   ``GET|POST /_sim/faults`` (POST: JSON object, any subset of :class:`Faults`;
   answers the full faults), ``GET /_sim/state``, ``POST /_sim/reset`` (zero the
-  counters and the Prometheus metrics; faults stay).
+  counters and the Prometheus metrics, empty the prefix caches; faults stay).
 
 With ``llamacpp`` (``--llamacpp``) the node behaves like llama-cpp-python's
 OpenAI-compatible server (``python -m llama_cpp.server``), whose model sits behind a
@@ -35,7 +35,9 @@ the request then leaves the queue/batch at once and its KV is freed;
 ``errors_total`` = inference requests answered with an error status (bad input,
 injected errors) or with garbage; ``interrupted_total`` = streams ended early by a
 waiting request (``llamacpp``); ``by_path`` = requests per path on the main port
-(control paths excluded).
+(control paths excluded); ``prefix_cache`` = ``{"queries_tokens", "hits_tokens",
+"cached_blocks"}`` summed over the engine ranks (prompt tokens looked up in the
+prefix caches, tokens found there, blocks held now; per rank in ``engines``).
 """
 
 from __future__ import annotations
@@ -301,6 +303,11 @@ class SimNode:
             "requests_total": c.requests_total, "completed_total": c.completed_total,
             "cancelled_total": c.cancelled_total, "errors_total": c.errors_total,
             "interrupted_total": c.interrupted_total, "by_path": dict(c.by_path),
+            "prefix_cache": {
+                "queries_tokens": sum(s.prefix_queries_tokens for s in snaps),
+                "hits_tokens": sum(s.prefix_hits_tokens for s in snaps),
+                "cached_blocks": sum(s.prefix_cached_blocks for s in snaps),
+            },
             "engines": [{"engine": i, **asdict(s)} for i, s in enumerate(snaps)],
             "listening": self._main_site is not None,
             "faults": self.faults.model_dump(),
@@ -311,8 +318,10 @@ class SimNode:
         return json_response(self.state())
 
     async def post_reset(self, request: web.Request) -> web.Response:
-        """``POST /_sim/reset``: zero the counters and the Prometheus metrics -> state."""
+        """``POST /_sim/reset``: zero the counters and the Prometheus metrics, empty the
+        prefix caches (as after a restart) -> state."""
         self.counters = Counters()
+        self.scheduler.reset_prefix_caches()
         self.exporter.reset()
         return json_response(self.state())
 
@@ -388,7 +397,8 @@ class SimNode:
                 raise wire.context_error(req, n, self.opts.engine.kv_capacity_tokens)
             plan = wire.plan_output(req, self.opts.output_min, self.opts.output_max)
             try:
-                ticket = self.scheduler.submit(req.prompt_tokens, n, plan.finish_reason)
+                ticket = self.scheduler.submit(req.prompt_tokens, n, plan.finish_reason,
+                                               req.block_hashes)
             except RequestTooLarge:
                 raise wire.context_error(req, n, self.opts.engine.kv_capacity_tokens) from None
         except wire.ApiError as exc:
@@ -402,7 +412,8 @@ class SimNode:
             else:
                 await self._wait_finished(ticket)
                 resp = json_response(wire.full_response(meta, "".join(plan.tokens),
-                                                        plan.finish_reason, req.prompt_tokens, n))
+                                                        plan.finish_reason, req.prompt_tokens, n,
+                                                        ticket.seq.cached_tokens))
                 await resp.prepare(request)
                 await resp.write_eof()
         except asyncio.CancelledError:
@@ -464,7 +475,8 @@ class SimNode:
             last = wire.chunk(meta, content="", finish_reason=plan.finish_reason, include_usage=iu)
         await resp.write(wire.sse(last))
         if iu:
-            await resp.write(wire.sse(wire.usage_chunk(meta, req.prompt_tokens, len(plan.tokens))))
+            await resp.write(wire.sse(wire.usage_chunk(meta, req.prompt_tokens, len(plan.tokens),
+                                                       seq.cached_tokens)))
         await resp.write(wire.SSE_DONE)
         await resp.write_eof()
         return resp

@@ -9,6 +9,11 @@ Shapes follow the OpenAI API reference for ``/v1/chat/completions`` and
 ``text_completion``); streaming uses server-sent events ``data: {json}\\n\\n`` ending
 with ``data: [DONE]\\n\\n``, and ``stream_options.include_usage`` adds a last chunk
 with ``choices: []`` and the usage (other chunks then carry ``"usage": null``).
+
+Usage carries ``prompt_tokens_details: {"cached_tokens": n}``, the prompt tokens the
+engine found in its prefix cache, in non-streaming bodies and in the usage chunk, as
+vLLM does with ``--enable-prompt-tokens-details`` (``PromptTokenUsageInfo``) and as
+the OpenAI API always does.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from controlplane.simnode import textgen
+from controlplane.simnode import prefix, textgen
 from controlplane.errors import InfergateError
 
 Kind = Literal["chat", "completion"]
@@ -64,6 +69,9 @@ class InferenceRequest:
     stream: bool
     include_usage: bool
     sim_output_tokens: int | None
+    block_hashes: tuple[bytes, ...] = ()
+    """Chained hashes of the full prompt blocks (:func:`prefix.block_hashes` of the
+    templated chat text or of the prompt, at most ``prompt_tokens // BLOCK_TOKENS``)."""
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:
@@ -141,6 +149,7 @@ def parse_request(kind: Kind, body: dict[str, Any], served_model: str) -> Infere
                 raise _bad(f"messages[{i}] must be an object with a string 'role'", "messages")
             canon.append([m["role"], _content_text(m.get("content"), i)])
         text = "".join(c[1] for c in canon)
+        hashed = prefix.chat_template((role, content) for role, content in canon)
         key = "chat:" + json.dumps(canon, ensure_ascii=False, separators=(",", ":"))
     else:
         prompt = body.get("prompt")
@@ -152,7 +161,7 @@ def parse_request(kind: Kind, body: dict[str, Any], served_model: str) -> Infere
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise _bad("'prompt' must be a string", "prompt")
-        text = prompt
+        text = hashed = prompt
         key = "completion:" + prompt
 
     mct = _opt_positive_int(body, "max_completion_tokens")
@@ -178,9 +187,12 @@ def parse_request(kind: Kind, body: dict[str, Any], served_model: str) -> Infere
             raise _bad("'stream_options.include_usage' must be a boolean", "stream_options")
         include_usage = iu
     sim_n = _opt_positive_int(body, "sim_output_tokens", MAX_SIM_OUTPUT_TOKENS)
+    prompt_tokens = textgen.estimate_tokens(text)
+    hashes = prefix.block_hashes(hashed, prompt_tokens // prefix.BLOCK_TOKENS)
     return InferenceRequest(kind=kind, model=model, prompt_key=key,
-                            prompt_tokens=textgen.estimate_tokens(text), max_tokens=max_tokens,
-                            stream=stream, include_usage=include_usage, sim_output_tokens=sim_n)
+                            prompt_tokens=prompt_tokens, max_tokens=max_tokens,
+                            stream=stream, include_usage=include_usage, sim_output_tokens=sim_n,
+                            block_hashes=hashes)
 
 
 @dataclass(frozen=True)
@@ -229,9 +241,11 @@ def new_id(kind: Kind) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI ``usage``; ``cached_tokens`` = prompt tokens served by the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 @dataclass
@@ -255,7 +269,7 @@ class ResponseMeta:
 
 
 def full_response(meta: ResponseMeta, text: str, finish_reason: str, prompt_tokens: int,
-                  completion_tokens: int) -> dict[str, Any]:
+                  completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     """Non-streaming body (``chat.completion`` or ``text_completion``)."""
     if meta.kind == "chat":
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -265,7 +279,7 @@ def full_response(meta: ResponseMeta, text: str, finish_reason: str, prompt_toke
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         body = meta._head("text_completion")
     body["choices"] = [choice]
-    body["usage"] = usage(prompt_tokens, completion_tokens)
+    body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
     return body
 
 
@@ -294,11 +308,12 @@ def chunk(meta: ResponseMeta, *, content: str | None = None, role: bool = False,
     return body
 
 
-def usage_chunk(meta: ResponseMeta, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage_chunk(meta: ResponseMeta, prompt_tokens: int, completion_tokens: int,
+                cached_tokens: int = 0) -> dict[str, Any]:
     """The final ``stream_options.include_usage`` chunk: empty choices, usage set."""
     body = meta._head("chat.completion.chunk" if meta.kind == "chat" else "text_completion")
     body["choices"] = []
-    body["usage"] = usage(prompt_tokens, completion_tokens)
+    body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
     return body
 
 

@@ -123,7 +123,8 @@ def test_chat_non_streaming(node):
     (choice,) = b["choices"]
     assert choice["index"] == 0 and choice["finish_reason"] == "stop"
     assert choice["message"]["role"] == "assistant" and "sim-main" not in choice["message"]["content"]
-    assert b["usage"] == {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10}
+    assert b["usage"] == {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10,
+                          "prompt_tokens_details": {"cached_tokens": 0}}
     again = node.chat("hello there", sim_output_tokens=7).json()
     assert again["choices"][0]["message"]["content"] == choice["message"]["content"]
     cut = node.chat("hello there", sim_output_tokens=7, max_tokens=3).json()
@@ -151,7 +152,8 @@ def test_chat_streaming_with_usage(node):
     assert content == full
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
     assert chunks[-1]["choices"] == []
-    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9,
+                                   "prompt_tokens_details": {"cached_tokens": 0}}
     assert all(c["usage"] is None for c in chunks[:-1])
 
 
@@ -292,6 +294,46 @@ def test_metrics_count_requests_and_reset(node):
     fams = node.metrics()
     assert total("vllm:request_success") == 0 and total("vllm:generation_tokens") == 0
     assert node.state()["requests_total"] == 0
+
+
+def test_prefix_cache_hits_on_a_repeated_long_chat(node):
+    """The second of two identical long chats finds its full prompt blocks in the prefix
+    cache: usage reports them, /metrics and /_sim/state count them, reset clears them."""
+    system = "You are a terse assistant that answers questions about load balancers. " * 12
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Why?"}]
+
+    def ask(**extra) -> dict:
+        r = requests.post(f"{node.url}/v1/chat/completions", timeout=30, json={
+            "model": "sim-llama", "messages": messages, "sim_output_tokens": 3, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def counters() -> tuple[float, float]:
+        fams = node.metrics()
+        return tuple(sum(s.value for s in fams[name].samples if s.name == f"{name}_total")
+                     for name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits"))
+
+    first = ask()["usage"]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert counters() == (first["prompt_tokens"], 0)
+    second = ask()["usage"]
+    cached = second["prompt_tokens_details"]["cached_tokens"]
+    assert second["prompt_tokens"] == first["prompt_tokens"]
+    assert 0 < cached < second["prompt_tokens"] and cached % 16 == 0
+    assert counters() == (2 * first["prompt_tokens"], cached)
+    st = node.state()["prefix_cache"]
+    assert st["queries_tokens"] == 2 * first["prompt_tokens"] and st["hits_tokens"] == cached
+    assert st["cached_blocks"] >= cached // 16
+    stream = requests.post(f"{node.url}/v1/chat/completions", timeout=30, stream=True, json={
+        "model": "sim-llama", "messages": messages, "sim_output_tokens": 3, "stream": True,
+        "stream_options": {"include_usage": True}})
+    usage = sse_events(stream)[-2]["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": cached}
+    requests.post(f"{node.control}/_sim/reset", timeout=5).raise_for_status()
+    assert node.state()["prefix_cache"] == {"queries_tokens": 0, "hits_tokens": 0,
+                                            "cached_blocks": 0}
+    assert counters() == (0, 0)
+    assert ask()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
 
 
 # -- cancellation ---------------------------------------------------------------------

@@ -244,7 +244,8 @@ def test_response_shapes():
     assert full["id"].startswith("chatcmpl-") and full["object"] == "chat.completion"
     assert full["system_fingerprint"] == "node-a"
     assert full["choices"][0]["message"] == {"role": "assistant", "content": "Hi there."}
-    assert full["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert full["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     first = wire.chunk(meta, role=True, content="", include_usage=True)
     assert first["object"] == "chat.completion.chunk" and first["usage"] is None
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
