@@ -279,6 +279,29 @@ class EdgeSettings(_Section):
     outlier_ttfb_min_s: float = Field(default=5.0, ge=0.1, le=3600)
     """Floor of the outlier threshold above, seconds (also the threshold while the node
     has no time-to-first-byte history)."""
+    prefix_affinity: bool = True
+    """Prefix-cache-aware routing: a request whose leading prompt is at least
+    ``prefix_min_tokens`` long (or that carries ``affinity_header``) goes to the first node
+    of a rendezvous order derived from that prompt, the same on every edge, within the
+    load bound ``prefix_load_factor`` (lua/infergate/routing/affinity.lua); false = the
+    plain cost for every request."""
+    prefix_min_tokens: int = Field(default=256, ge=1, le=1000000)
+    """Shortest leading prompt that gets affinity, tokens (estimated as 4 characters a
+    token): the messages are taken in order until their text reaches this length."""
+    prefix_max_tokens: int = Field(default=2048, ge=1, le=1000000)
+    """Most of the leading prompt that is hashed into the affinity key, tokens (4
+    characters a token): prompts that agree on this many tokens share a node."""
+    prefix_load_factor: float = Field(default=0.25, ge=0, le=100)
+    """epsilon of consistent hashing with bounded loads: a node gets a request for its
+    prefix only while this edge's requests in flight on it are under (1 + epsilon) times
+    its share of the total (capacity-weighted); past it the request goes to the prefix's
+    next node."""
+    affinity_header: str = Field(default="X-Session-ID", pattern=r"^([!#$%&'*+.^_`|~0-9A-Za-z-]{1,64})?$")
+    """Request header whose value, when present, is the affinity key (an explicit session:
+    every request carrying the same value prefers the same node); empty = none."""
+    affinity_user_field: bool = False
+    """Use the body's ``user`` field as the affinity key of requests without a long
+    leading prompt or an ``affinity_header``."""
     keepalive: int = Field(default=64, ge=1)
     """Idle keepalive connections per worker to the nodes."""
     workers: int = Field(default=2, ge=1)

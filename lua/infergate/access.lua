@@ -37,6 +37,7 @@ local request_body = require("infergate.core.body")
 local snapshot = require("infergate.routing.snapshot")
 local balancer = require("infergate.routing.balancer")
 local models = require("infergate.routing.models")
+local affinity = require("infergate.routing.affinity")
 local auth = require("infergate.admission.auth")
 local ratelimit = require("infergate.admission.ratelimit")
 local admission = require("infergate.admission.shed")
@@ -206,6 +207,7 @@ local function step_body(req)
         req.model = obj.model
     end
     req.body = obj
+    req.affinity = affinity.key(obj, o)
 end
 
 local function step_eligible(req)

@@ -14,6 +14,9 @@
 --   infergate_edge_shed_total                      counter  429 nodes_saturated (load shedding)
 --   infergate_edge_rate_limited_total              counter  429 rate_limit_exceeded
 --   infergate_edge_cache_requests_total{result}    counter  hit_exact | hit_semantic | miss | bypass
+--   infergate_edge_affinity_picks_total{outcome}   counter  requests routed by their affinity key
+--                                                            (infergate.routing.affinity): first =
+--                                                            the key's first node, spill = a later one
 --   infergate_edge_flush_dropped_total{kind}       counter  writes to Redis dropped because this
 --                                                            worker's flush queue was full
 --                                                            (infergate.core.flush; kind =
@@ -260,6 +263,11 @@ function _M.render(now)
     for _, r in ipairs(rows(values, "cache")) do
         sample(out, p .. "cache_requests_total", 'result="' .. esc(r[1]) .. '"', r[2])
     end
+    local aff = require("infergate.routing.affinity").counts()
+    family(out, p .. "affinity_picks_total", "counter",
+           "Requests routed by their affinity key: to the key's first node or spilled to a later one")
+    sample(out, p .. "affinity_picks_total", 'outcome="first"', aff.first)
+    sample(out, p .. "affinity_picks_total", 'outcome="spill"', aff.spill)
     family(out, p .. "flush_dropped_total", "counter",
            "Writes to Redis dropped because the worker's flush queue was full, by kind")
     for _, r in ipairs(rows(values, "fd")) do

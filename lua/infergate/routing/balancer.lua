@@ -8,7 +8,10 @@
 -- wait far past its usual TTFB and it sent nothing for as long) is left out while other
 -- eligible nodes remain.
 -- A node whose breaker is ready for its probe is taken first by a request's first
--- attempt (its one probe request; never by a retry), otherwise power of two choices:
+-- attempt (its one probe request; never by a retry). A request with an affinity key (a
+-- long leading prompt or a session, infergate.routing.affinity) then goes to the first
+-- node of its rendezvous order that is within the load bound. Otherwise power of two
+-- choices:
 -- two distinct nodes are sampled with probability proportional to effective_weight
 -- and the one with the lower cost wins (ties: a coin, see below). When no candidate has
 -- a fresh score (nodes without metrics, a stale snapshot, the static list) and there are
@@ -69,6 +72,7 @@ local deadline = require("infergate.admission.deadline")
 local models = require("infergate.routing.models")
 local outlier = require("infergate.routing.outlier")
 local speed = require("infergate.routing.speed")
+local affinity = require("infergate.routing.affinity")
 
 local _M = {}
 
@@ -188,7 +192,9 @@ end
 -- retry: a later attempt of the request; a retry never spends itself on a half-open
 -- probe (the first attempt of another request does that), so the tries granted on
 -- the first attempt go to nodes believed good. model: the request's model (nil: any).
-function _M.pick(t, tried, now, retry, model)
+-- key: the request's affinity key (infergate.routing.affinity; nil: none), which takes
+-- the place of the cost-based choice among two or more candidates.
+function _M.pick(t, tried, now, retry, model, key)
     local o = config.get()
     local cands, n, total = {}, 0, 0
     local probes, outliers = nil, nil
@@ -230,6 +236,9 @@ function _M.pick(t, tried, now, retry, model)
         return cands[1], false, 1
     end
     local fresh = snapshot.is_fresh(t, now)
+    if key and o.prefix_affinity then
+        return affinity.choose(cands, n, key, o, fresh), false, n
+    end
     if n > 2 and n <= FULL_SCAN_MAX and not any_score(cands, n, fresh) then
         return least_cost(cands, n, fresh, o, now), false, n
     end
@@ -291,7 +300,7 @@ function _M.run()
     local t = snapshot.current()
     local tried = req.tried
     while true do
-        local node, probe, eligible = _M.pick(t, tried, now, n > 0, req.model)
+        local node, probe, eligible = _M.pick(t, tried, now, n > 0, req.model, req.affinity)
         if not node then
             return fail_no_node(req)
         end

@@ -1,0 +1,241 @@
+-- Prefix-cache-aware node choice: the same leading prompt goes to the same node, from
+-- every edge, without shared state.
+--
+-- Inference servers keep the KV cache of prompts they have seen (vLLM's automatic prefix
+-- caching, SGLang's radix cache), so a request whose system prompt and earlier turns are
+-- cached on a node skips most of its prefill there. The access phase derives an affinity
+-- key from the request (key(), no I/O); the balancer phase ranks the eligible nodes for
+-- that key by rendezvous hashing and takes the first one whose load is within the bound
+-- (choose(), no I/O).
+--
+-- The key, in order of precedence (edge.prefix_affinity = false: none at all):
+--   1. the request header edge.affinity_header (default X-Session-ID), when present and
+--      not empty: an explicit session key;
+--   2. the leading prompt: the messages in order, each as role, "\n", its text, "\n"
+--      (text parts of an array content joined, other parts as "[type]"), taken up to and
+--      including the first message at which the text reaches edge.prefix_min_tokens
+--      tokens (4 characters a token: the edge does not tokenize), and cut at
+--      edge.prefix_max_tokens tokens; /v1/completions: the prompt string, cut the same
+--      way. A prompt shorter than prefix_min_tokens has no key: its prefill is too short
+--      to be worth a detour, and the plain cost (infergate.routing.balancer) decides.
+--      Every later turn of a conversation starts with the same messages, so it gets the
+--      same key as the first turn; conversations that share a long system prompt share
+--      one key (and one node's cache of it);
+--   3. the body's "user" field when edge.affinity_user_field is true and there is no
+--      prefix key.
+-- The key is the CRC-32 of that text (ngx.crc32_long): a collision only sends two
+-- prefixes to the same node.
+--
+-- The choice (consistent hashing with bounded loads, Mirrokni, Thorup and Zadimoghaddam
+-- 2016, over weighted rendezvous hashing):
+--   rank(node)  = effective_weight / -ln(u),  u = fmix32(key xor crc32(name)) / 2^32
+--                 (the same order on every edge; removing a node moves only its keys;
+--                 a node ramping up after an undrain or a return gets fewer keys)
+--   bound(node) = ceil((1 + edge.prefix_load_factor) x (T + 1) x cap(node) / sum cap)
+--                 T = this edge's requests in flight on the candidates, cap = the
+--                 node's concurrency (max_concurrency, or the learned one for a node
+--                 without metrics, infergate.routing.speed) x effective_weight
+-- The first node in rank order with in-flight < bound that is not saturated (fresh
+-- snapshot) is taken; a hot prefix (one system prompt shared by all traffic) therefore
+-- spills to its second, third, ... node instead of piling onto one, and no node carries
+-- more than (1 + prefix_load_factor) times its share of this edge's load. When every
+-- candidate is over its bound or saturated, the first in rank order is taken.
+-- Counters (shared dict infergate_stats, exported by infergate.core.prometheus):
+-- "af:first" (the key's first node), "af:spill" (a later one).
+local config = require("infergate.core.config")
+local stats = require("infergate.routing.stats")
+local speed = require("infergate.routing.speed")
+local bit = require("bit")
+
+local _M = {}
+
+local type = type
+local ipairs = ipairs
+local concat = table.concat
+local sub = string.sub
+local log = math.log
+local ceil = math.ceil
+local tobit = bit.tobit
+local bxor = bit.bxor
+local rshift = bit.rshift
+local crc32 = ngx.crc32_long
+local shared = ngx.shared
+
+-- 32-bit multiply modulo 2^32 (LuaJIT numbers are doubles: split one factor in halves
+-- so no product exceeds 2^53).
+local function imul(a, b)
+    local lo = b % 0x10000
+    local hi = (b - lo) / 0x10000
+    return tobit(tobit(a * hi) * 0x10000 + a * lo)
+end
+
+-- MurmurHash3's 32-bit finaliser: a bijection that spreads every input bit.
+local function fmix32(h)
+    h = bxor(h, rshift(h, 16))
+    h = imul(h, 0x85ebca6b)
+    h = bxor(h, rshift(h, 13))
+    h = imul(h, 0xc2b2ae35)
+    return bxor(h, rshift(h, 16))
+end
+_M.fmix32 = fmix32
+
+-- Rendezvous rank of `node` for `key` (higher first).
+function _M.rank(key, node)
+    local h = fmix32(bxor(key, crc32(node.name)))
+    local u = (h % 4294967296 + 0.5) / 4294967296
+    return node.effective_weight / -log(u)
+end
+
+local function part_text(content)
+    if type(content) == "string" then
+        return content
+    end
+    if type(content) ~= "table" then
+        return ""
+    end
+    local out = {}
+    for i, p in ipairs(content) do
+        if type(p) == "table" then
+            if type(p.text) == "string" then
+                out[i] = p.text
+            else
+                out[i] = "[" .. (type(p.type) == "string" and p.type or "?") .. "]"
+            end
+        else
+            out[i] = ""
+        end
+    end
+    return concat(out, "\n")
+end
+
+-- The leading prompt text of a decoded request body (see the header), or nil when it is
+-- shorter than min_chars.
+function _M.leading_text(body, min_chars, max_chars)
+    local msgs = body.messages
+    local text
+    if type(msgs) == "table" then
+        local parts, len = {}, 0
+        for i, m in ipairs(msgs) do
+            if type(m) ~= "table" then
+                break
+            end
+            local piece = (type(m.role) == "string" and m.role or "") .. "\n"
+                .. part_text(m.content) .. "\n"
+            parts[i] = piece
+            len = len + #piece
+            if len >= min_chars then
+                break
+            end
+        end
+        if len < min_chars then
+            return nil
+        end
+        text = concat(parts)
+    elseif type(body.prompt) == "string" then
+        if #body.prompt < min_chars then
+            return nil
+        end
+        text = body.prompt
+    else
+        return nil
+    end
+    if #text > max_chars then
+        text = sub(text, 1, max_chars)
+    end
+    return text
+end
+
+local header_var, header_for = nil, nil
+
+local function session_header(name)
+    if name ~= header_for then
+        header_for = name
+        header_var = name ~= "" and ("http_" .. name:lower():gsub("-", "_")) or nil
+    end
+    if not header_var then
+        return nil
+    end
+    local v = ngx.var[header_var]
+    if v == nil or v == "" then
+        return nil
+    end
+    return v
+end
+
+-- Access phase: the affinity key (a 32-bit number) of the request and its source
+-- ("session" | "prefix" | "user"), or nil when the request has none. body: the decoded
+-- request body (a table). Reads one request header; no I/O.
+function _M.key(body, o)
+    o = o or config.get()
+    if not o.prefix_affinity then
+        return nil
+    end
+    local s = session_header(o.affinity_header)
+    if s then
+        return crc32("s\0" .. s), "session"
+    end
+    local text = _M.leading_text(body, o.prefix_min_tokens * 4, o.prefix_max_tokens * 4)
+    if text then
+        return crc32(text), "prefix"
+    end
+    if o.affinity_user_field and type(body.user) == "string" and body.user ~= "" then
+        return crc32("u\0" .. body.user), "user"
+    end
+    return nil
+end
+
+local function bump(name)
+    local d = shared[config.DICT_STATS]
+    if d then
+        d:incr(name, 1, 0)
+    end
+end
+
+-- Balancer phase: the node for affinity `key` among cands[1..n] (n >= 2, all eligible),
+-- fresh = the snapshot is fresh (its saturated flags count). Pure: shared-dict reads and
+-- one counter.
+function _M.choose(cands, n, key, o, fresh)
+    local ranks, inflight, caps = {}, {}, {}
+    local total, capsum = 0, 0
+    for i = 1, n do
+        local node = cands[i]
+        ranks[i] = _M.rank(key, node)
+        local f = stats.inflight(node.name)
+        inflight[i] = f
+        total = total + f
+        local c = speed.concurrency(node, fresh and node.score ~= nil) * node.effective_weight
+        caps[i] = c
+        capsum = capsum + c
+    end
+    local factor = (1 + o.prefix_load_factor) * (total + 1) / capsum
+    local first
+    for pass = 1, n do
+        local bi, br = nil, -1
+        for i = 1, n do
+            local r = ranks[i]
+            if r and r > br then
+                bi, br = i, r
+            end
+        end
+        ranks[bi] = nil
+        local node = cands[bi]
+        first = first or node
+        if inflight[bi] < ceil(factor * caps[bi]) and not (fresh and node.saturated) then
+            bump(pass == 1 and "af:first" or "af:spill")
+            return node
+        end
+    end
+    bump("af:spill")
+    return first
+end
+
+-- Counters since nginx started: {first = n, spill = n}.
+function _M.counts()
+    local d = shared[config.DICT_STATS]
+    if not d then
+        return { first = 0, spill = 0 }
+    end
+    return { first = d:get("af:first") or 0, spill = d:get("af:spill") or 0 }
+end
+
+return _M

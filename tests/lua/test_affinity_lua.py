@@ -1,0 +1,217 @@
+"""Prefix affinity of the edge (infergate.routing.affinity), pure logic run in nginx's
+init_by_lua: the key derived from a request body, the rendezvous order and the load
+bound of consistent hashing with bounded loads."""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from pathlib import Path
+
+from support.stack import lua_eval
+
+from controlplane.edge.options import lua_string, option_spec
+
+DICTS = "lua_shared_dict infergate_snapshot 1m; lua_shared_dict infergate_stats 1m;"
+
+PRELUDE = """
+            local config = require("infergate.core.config")
+            assert(config.init({edge = {inflight_cost = 1, stale_after_s = 10,
+                                        affinity_header = "", prefix_min_tokens = 8,
+                                        prefix_max_tokens = 64, prefix_load_factor = 0.25},
+                                scoring = {latency_norm_s = 30}},
+                               """ + lua_string(json.dumps(option_spec())) + """))
+            local stats = require("infergate.routing.stats")
+            local balancer = require("infergate.routing.balancer")
+            local affinity = require("infergate.routing.affinity")
+            local o = config.get()
+            local function node(name, extra)
+                local n = {name = name, addr = "127.0.0.1", host = "127.0.0.1", port = 1,
+                           state = "active", healthy = true, weight = 1, effective_weight = 1,
+                           max_concurrency = 10, score = 0, saturated = false}
+                for k, v in pairs(extra or {}) do n[k] = v end
+                return n
+            end
+            local function tbl(nodes)
+                return {source = "redis", generated_at = ngx.now(), nodes = nodes}
+            end
+            local function msgs(...)
+                local out = {}
+                for i, pair in ipairs({...}) do
+                    out[i] = {role = pair[1], content = pair[2]}
+                end
+                return {model = "m", messages = out}
+            end
+            local SYS = string.rep("You are a careful assistant. ", 4)   -- 112 chars
+"""
+
+
+def run(workdir: Path, body: str):
+    return lua_eval(workdir, PRELUDE + body, http_extra=DICTS)
+
+
+def _fmix32(h: int) -> int:
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+def _rank(key: int, name: str, weight: float = 1.0) -> float:
+    h = _fmix32((key ^ zlib.crc32(name.encode())) & 0xFFFFFFFF)
+    return weight / -math.log((h + 0.5) / 2**32)
+
+
+def test_key_follows_the_leading_messages(workdir: Path) -> None:
+    got = run(workdir, """
+            local k1 = affinity.key(msgs({"system", SYS}, {"user", "hi"}), o)
+            local k2 = affinity.key(msgs({"system", SYS}, {"user", "hi"}, {"assistant", "hello"},
+                                         {"user", "more"}), o)
+            local other = affinity.key(msgs({"system", SYS .. "!"}, {"user", "hi"}), o)
+            local role = affinity.key(msgs({"user", SYS}, {"user", "hi"}), o)
+            local short = affinity.key(msgs({"system", "be brief"}, {"user", "hi"}), o)
+            -- two short messages that reach the minimum together: both in the key
+            local a = affinity.key(msgs({"system", "be brief"}, {"user", "tell me about it"}), o)
+            local b = affinity.key(msgs({"system", "be brief"}, {"user", "tell me about it"},
+                                        {"assistant", "sure"}, {"user", "go on"}), o)
+            local c = affinity.key(msgs({"system", "be brief"}, {"user", "tell me about that"}), o)
+            -- cut at prefix_max_tokens (64 tokens = 256 chars): a late difference is ignored
+            local long1 = affinity.key(msgs({"system", string.rep("x", 400) .. "A"}), o)
+            local long2 = affinity.key(msgs({"system", string.rep("x", 400) .. "B"}), o)
+            local parts = affinity.key({messages = {{role = "system",
+                content = {{type = "text", text = SYS}}}, {role = "user", content = "hi"}}}, o)
+            local prompt = affinity.key({prompt = SYS}, o)
+            local _, src = affinity.key(msgs({"system", SYS}), o)
+            o.prefix_affinity = false
+            local off = affinity.key(msgs({"system", SYS}), o)
+            o.prefix_affinity = true
+            o.affinity_user_field = true
+            local user = affinity.key({messages = {{role = "user", content = "hi"}}, user = "u1"}, o)
+            local user_long = affinity.key({messages = {{role = "system", content = SYS}},
+                                            user = "u1"}, o)
+            o.affinity_user_field = false
+            local user_off = affinity.key({messages = {{role = "user", content = "hi"}}, user = "u1"}, o)
+            return {same_turns = k1 == k2, other = k1 ~= other, role = k1 ~= role,
+                    short = short == nil, pair = a == b and a ~= c, cut = long1 == long2,
+                    parts = parts == k1, prompt = type(prompt) == "number", src = src,
+                    off = off == nil, user = type(user) == "number",
+                    user_long = user_long == k1, user_off = user_off == nil}
+    """)
+    assert got == {"same_turns": True, "other": True, "role": True, "short": True,
+                   "pair": True, "cut": True, "parts": True, "prompt": True,
+                   "src": "prefix", "off": True, "user": True, "user_long": True,
+                   "user_off": True}
+
+
+def test_rank_order_is_the_documented_function(workdir: Path) -> None:
+    """Every edge computes the same order: the Lua rank equals the formula in the
+    module's header (crc32, MurmurHash3's fmix32, weighted rendezvous)."""
+    keys = [1, 0x7FFFFFFF, 0xDEADBEEF, 123456789, 4000000000]
+    names = ["gpu-a", "gpu-b", "node-3", "x"]
+    got = run(workdir, """
+            local out = {}
+            for _, k in ipairs({""" + ",".join(map(str, keys)) + """}) do
+                local row = {}
+                for _, name in ipairs({"gpu-a", "gpu-b", "node-3", "x"}) do
+                    row[#row + 1] = affinity.rank(k, {name = name, effective_weight = 2})
+                end
+                out[#out + 1] = row
+            end
+            return out
+    """)
+    for key, row in zip(keys, got, strict=True):
+        want = [_rank(key, n, 2.0) for n in names]
+        assert [round(x, 6) for x in row] == [round(x, 6) for x in want]
+
+
+def test_choice_is_sticky_spread_and_moves_only_a_removed_nodes_keys(workdir: Path) -> None:
+    got = run(workdir, """
+            local now = ngx.now()
+            local nodes = {node("a"), node("b"), node("c"), node("d")}
+            local t = tbl(nodes)
+            local first, counts, sticky = {}, {}, true
+            for k = 1, 4000 do
+                local key = k * 2654435761 % 4294967296
+                local n1 = balancer.pick(t, {}, now, false, nil, key)
+                local n2 = balancer.pick(t, {}, now, false, nil, key)
+                sticky = sticky and n1 == n2
+                first[k] = n1.name
+                counts[n1.name] = (counts[n1.name] or 0) + 1
+            end
+            local t3 = tbl({nodes[1], nodes[2], nodes[4]})
+            local moved_other = 0
+            for k = 1, 4000 do
+                local key = k * 2654435761 % 4294967296
+                local n = balancer.pick(t3, {}, now, false, nil, key)
+                if first[k] ~= "c" and n.name ~= first[k] then
+                    moved_other = moved_other + 1
+                end
+            end
+            -- a retry skips the tried node and takes the key's next one
+            local key = 99991
+            local top = balancer.pick(t, {}, now, false, nil, key)
+            local retry = balancer.pick(t, {[top.name] = true}, now, true, nil, key)
+            return {sticky = sticky, counts = counts, moved_other = moved_other,
+                    retry_differs = retry.name ~= top.name}
+    """)
+    assert got["sticky"] is True
+    assert got["moved_other"] == 0
+    assert got["retry_differs"] is True
+    assert set(got["counts"]) == {"a", "b", "c", "d"}
+    for name, c in got["counts"].items():
+        assert 800 <= c <= 1200, (name, c)
+
+
+def test_a_hot_key_spills_within_the_load_bound(workdir: Path) -> None:
+    """One key for every request, nothing finishing: no node gets more than
+    ceil(1.25 x (T + 1) / 4) of this edge's in-flight, and the spill order is the
+    key's rendezvous order (the first node gets the most)."""
+    got = run(workdir, """
+            local now = ngx.now()
+            local nodes = {node("a"), node("b"), node("c"), node("d")}
+            local t = tbl(nodes)
+            local key = 424242
+            local worst, picks = 0, {}
+            for i = 1, 200 do
+                local n = balancer.pick(t, {}, now, false, nil, key)
+                local total = 0
+                for _, x in ipairs(nodes) do total = total + stats.inflight(x.name) end
+                local bound = math.ceil(1.25 * (total + 1) / 4)
+                if stats.inflight(n.name) >= bound then worst = worst + 1 end
+                stats.open_attempt(n.name, now)
+                picks[n.name] = (picks[n.name] or 0) + 1
+            end
+            local order = {}
+            for _, x in ipairs(nodes) do order[#order + 1] = {x.name, affinity.rank(key, x)} end
+            table.sort(order, function(p, q) return p[2] > q[2] end)
+            return {worst = worst, picks = picks, top = order[1][1], counts = affinity.counts()}
+    """)
+    assert got["worst"] == 0
+    picks = got["picks"]
+    assert max(picks.values()) <= math.ceil(1.25 * 200 / 4)
+    assert picks[got["top"]] == max(picks.values())
+    assert got["counts"]["first"] + got["counts"]["spill"] == 200
+    assert got["counts"]["spill"] > 0
+
+
+def test_saturated_first_node_is_passed_over(workdir: Path) -> None:
+    got = run(workdir, """
+            local now = ngx.now()
+            local key = 777
+            local nodes = {node("a"), node("b"), node("c")}
+            local top = balancer.pick(tbl(nodes), {}, now, false, nil, key)
+            top.saturated = true
+            local next1 = balancer.pick(tbl(nodes), {}, now, false, nil, key)
+            for _, x in ipairs(nodes) do x.saturated = true end
+            local all = balancer.pick(tbl(nodes), {}, now, false, nil, key)
+            o.prefix_affinity = false
+            local plain = {}
+            for _ = 1, 50 do plain[balancer.pick(tbl({node("a"), node("b"), node("c")}), {}, now,
+                                                  false, nil, key).name] = true end
+            local n = 0
+            for _ in pairs(plain) do n = n + 1 end
+            return {moved = next1.name ~= top.name, all = all.name == top.name, plain = n}
+    """)
+    assert got == {"moved": True, "all": True, "plain": 3}
