@@ -19,6 +19,7 @@ local admission = require("infergate.admission.shed")
 local metrics = require("infergate.core.prometheus")
 local deadline = require("infergate.admission.deadline")
 local speed = require("infergate.routing.speed")
+local affinity = require("infergate.routing.affinity")
 
 local _M = {}
 
@@ -83,6 +84,9 @@ function _M.run()
     end
     reqctx.finish(req)
     admission.log(req) -- token-usage correction, into the flush queue (infergate.core.flush)
+    if req.affinity_live then
+        affinity.untrack(req.affinity) -- the key's requests in flight (infergate.routing.affinity)
+    end
     local attempts = req.attempts
     local n = #attempts
     if n == 0 then

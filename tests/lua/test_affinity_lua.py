@@ -13,7 +13,8 @@ from support.stack import lua_eval
 
 from controlplane.edge.options import lua_string, option_spec
 
-DICTS = "lua_shared_dict infergate_snapshot 1m; lua_shared_dict infergate_stats 1m;"
+DICTS = ("lua_shared_dict infergate_snapshot 1m; lua_shared_dict infergate_stats 1m; "
+         "lua_shared_dict infergate_affinity 1m;")
 
 PRELUDE = """
             local config = require("infergate.core.config")
@@ -164,10 +165,10 @@ def test_choice_is_sticky_spread_and_moves_only_a_removed_nodes_keys(workdir: Pa
         assert 800 <= c <= 1200, (name, c)
 
 
-def test_a_hot_key_spills_within_the_load_bound(workdir: Path) -> None:
+def test_a_burst_spills_within_the_load_bound(workdir: Path) -> None:
     """One key for every request, nothing finishing: no node gets more than
-    ceil(1.25 x (T + 1) / 4) of this edge's in-flight, and the spill order is the
-    key's rendezvous order (the first node gets the most)."""
+    ceil(1.25 x (T + 1) / 4) of this edge's in-flight, and the first node gets the
+    most."""
     got = run(workdir, """
             local now = ngx.now()
             local nodes = {node("a"), node("b"), node("c"), node("d")}
@@ -194,6 +195,67 @@ def test_a_hot_key_spills_within_the_load_bound(workdir: Path) -> None:
     assert picks[got["top"]] == max(picks.values())
     assert got["counts"]["first"] + got["counts"]["spill"] == 200
     assert got["counts"]["spill"] > 0
+
+
+def test_hot_key_is_spread_and_ordinary_keys_stay(workdir: Path) -> None:
+    """Requests that finish (at most 3 in flight, as at a light load, where the load
+    bound alone lets the first node take most): a key carrying all traffic is spread
+    evenly over the nodes; 40 keys of equal traffic each stay on one node."""
+    got = run(workdir, """
+            local now = ngx.now()
+            local nodes = {node("a"), node("b"), node("c"), node("d")}
+            local t = tbl(nodes)
+            local function drive(keys, rounds)
+                local live, picks, homes = {}, {}, {}
+                for i = 1, rounds do
+                    now = now + 0.05
+                    if #live >= 3 then
+                        local done = table.remove(live, 1)
+                        stats.release(done[1])
+                        affinity.untrack(done[2])
+                    end
+                    local key = keys[(i - 1) % #keys + 1]
+                    affinity.count_request(now)
+                    local n = balancer.pick(t, {}, now, false, nil, key)
+                    affinity.track(key)
+                    live[#live + 1] = {stats.open_attempt(n.name, now), key}
+                    picks[n.name] = (picks[n.name] or 0) + 1
+                    homes[key] = homes[key] or {}
+                    homes[key][n.name] = true
+                end
+                for _, a in ipairs(live) do stats.release(a[1]); affinity.untrack(a[2]) end
+                return picks, homes
+            end
+            local hot = drive({5150}, 800)
+            local many = {}
+            for k = 1, 40 do many[k] = k * 7919 end
+            local _, homes = drive(many, 800)
+            local multi = 0
+            for _, h in pairs(homes) do
+                local c = 0
+                for _ in pairs(h) do c = c + 1 end
+                if c > 1 then multi = multi + 1 end
+            end
+            -- one request at a time: the key is all the traffic, and stays on one node
+            local lone = drive({4242}, 1)
+            local seq = {}
+            for _ = 1, 20 do
+                affinity.count_request(now)
+                seq[balancer.pick(t, {}, now, false, nil, 4242).name] = true
+            end
+            local seq_nodes = 0
+            for _ in pairs(seq) do seq_nodes = seq_nodes + 1 end
+            return {hot = hot, multi = multi, lone = lone ~= nil, seq_nodes = seq_nodes,
+                    live_after = affinity.live(5150), width = affinity.width(1, 4, 0.25),
+                    width_small = affinity.width(1 / 40, 4, 0.25),
+                    width_half = affinity.width(0.5, 4, 0.25)}
+    """)
+    hot = got["hot"]
+    assert set(hot) == {"a", "b", "c", "d"}, hot
+    assert max(hot.values()) <= 1.25 * 800 / 4, hot
+    assert got["multi"] <= 2, got
+    assert got["seq_nodes"] == 1 and got["live_after"] == 0, got
+    assert (got["width"], got["width_small"], got["width_half"]) == (4, 1, 2)
 
 
 def test_saturated_first_node_is_passed_over(workdir: Path) -> None:

@@ -36,12 +36,23 @@
 --                 node's concurrency (max_concurrency, or the learned one for a node
 --                 without metrics, infergate.routing.speed) x effective_weight
 -- The first node in rank order with in-flight < bound that is not saturated (fresh
--- snapshot) is taken; a hot prefix (one system prompt shared by all traffic) therefore
--- spills to its second, third, ... node instead of piling onto one, and no node carries
--- more than (1 + prefix_load_factor) times its share of this edge's load. When every
--- candidate is over its bound or saturated, the first in rank order is taken.
+-- snapshot) is taken, so a burst spills to the key's second, third, ... node instead of
+-- piling onto one. When every candidate is over its bound or saturated, the first in
+-- rank order is taken.
+--
+-- Hot keys. A key's share of this edge's recent requests, q (decayed counts with a
+-- half-life of HEAT_HALF_LIFE_S, shared dict infergate_affinity), is compared with what
+-- one node may carry: a key whose traffic would put its node over (1 + epsilon) times
+-- the average (one system prompt shared by all traffic) is spread over the first
+--   m = min(n, ceil(q x n / (1 + epsilon)))
+-- nodes of its order, the least loaded of them (in-flight / cap; ties: at random)
+-- taken, each of them keeping a copy of the prefix in its cache, unless no other
+-- request of the key is in flight at this edge (a lone conversation is the whole
+-- traffic of a quiet edge, and stays). Ordinary keys (m = 1: one group's system prompt
+-- among many) stay on their first node. Without that shared
+-- dict (a hand-written config) every key counts as ordinary.
 -- Counters (shared dict infergate_stats, exported by infergate.core.prometheus):
--- "af:first" (the key's first node), "af:spill" (a later one).
+-- "af:first" (the key's first node, or one of its m nodes), "af:spill" (a later one).
 local config = require("infergate.core.config")
 local stats = require("infergate.routing.stats")
 local speed = require("infergate.routing.speed")
@@ -55,6 +66,8 @@ local concat = table.concat
 local sub = string.sub
 local log = math.log
 local ceil = math.ceil
+local min = math.min
+local random = math.random
 local tobit = bit.tobit
 local bxor = bit.bxor
 local rshift = bit.rshift
@@ -184,6 +197,82 @@ function _M.key(body, o)
     return nil
 end
 
+_M.HEAT_DICT = "infergate_affinity"
+_M.HEAT_HALF_LIFE_S = 10
+local HEAT_TTL_S = 600
+local exp2 = function(x) return 2 ^ x end
+
+-- Decayed count stored under `name` (value and time), plus `add`; returns the new value.
+local function decayed_add(d, name, now, add)
+    local v = d:get("v" .. name) or 0
+    local t = d:get("t" .. name) or now
+    v = v * exp2(-(now - t) / _M.HEAT_HALF_LIFE_S) + add
+    d:set("v" .. name, v, HEAT_TTL_S)
+    d:set("t" .. name, now, HEAT_TTL_S)
+    return v
+end
+
+-- Balancer phase, first attempt of every request (with a key or not): counts it in
+-- this edge's recent total.
+function _M.count_request(now)
+    local d = shared[_M.HEAT_DICT]
+    if d then
+        decayed_add(d, "*", now, 1)
+    end
+end
+
+-- Counts one request for `key` and returns its share (0-1) of this edge's recent
+-- requests (count_request counted this one in the total already), or 0 without the
+-- shared dict.
+function _M.heat(key, now)
+    local d = shared[_M.HEAT_DICT]
+    if not d then
+        return 0
+    end
+    local total = decayed_add(d, "*", now, 0)
+    local v = decayed_add(d, key, now, 1)
+    if total <= 0 then
+        return 0
+    end
+    return min(v / total, 1)
+end
+
+-- Requests of `key` in flight at this edge: track() when the request is sent to a
+-- node (balancer phase; returns true when counted), untrack() when it ends (log phase).
+function _M.track(key)
+    local d = shared[_M.HEAT_DICT]
+    if not d then
+        return false
+    end
+    local _, err = d:incr("k" .. key, 1, 0, HEAT_TTL_S)
+    return err == nil
+end
+
+function _M.untrack(key)
+    local d = shared[_M.HEAT_DICT]
+    if d then
+        local v = d:incr("k" .. key, -1, 0)
+        if v and v <= 0 then
+            d:delete("k" .. key)
+        end
+    end
+end
+
+function _M.live(key)
+    local d = shared[_M.HEAT_DICT]
+    local v = d and d:get("k" .. key) or 0
+    return v > 0 and v or 0
+end
+
+-- How many of the key's first nodes share a key with share `q` (see the header).
+function _M.width(q, n, eps)
+    local m = ceil(q * n / (1 + eps))
+    if m < 1 then
+        return 1
+    end
+    return m < n and m or n
+end
+
 local function bump(name)
     local d = shared[config.DICT_STATS]
     if d then
@@ -192,9 +281,10 @@ local function bump(name)
 end
 
 -- Balancer phase: the node for affinity `key` among cands[1..n] (n >= 2, all eligible),
--- fresh = the snapshot is fresh (its saturated flags count). Pure: shared-dict reads and
--- one counter.
-function _M.choose(cands, n, key, o, fresh)
+-- fresh = the snapshot is fresh (its saturated flags count), retry = a later attempt of
+-- the request (not counted again in the key's share). Pure: shared-dict reads and
+-- counters.
+function _M.choose(cands, n, key, o, fresh, now, retry)
     local ranks, inflight, caps = {}, {}, {}
     local total, capsum = 0, 0
     for i = 1, n do
@@ -207,9 +297,10 @@ function _M.choose(cands, n, key, o, fresh)
         caps[i] = c
         capsum = capsum + c
     end
-    local factor = (1 + o.prefix_load_factor) * (total + 1) / capsum
-    local first
-    for pass = 1, n do
+    local eps = o.prefix_load_factor
+    -- candidates in rank order (n is small: a selection sort, no closure)
+    local order = {}
+    for pos = 1, n do
         local bi, br = nil, -1
         for i = 1, n do
             local r = ranks[i]
@@ -218,15 +309,53 @@ function _M.choose(cands, n, key, o, fresh)
             end
         end
         ranks[bi] = nil
-        local node = cands[bi]
-        first = first or node
-        if inflight[bi] < ceil(factor * caps[bi]) and not (fresh and node.saturated) then
-            bump(pass == 1 and "af:first" or "af:spill")
+        order[pos] = bi
+    end
+    local m = 1
+    if not retry then
+        m = _M.width(_M.heat(key, now or ngx.now()), n, eps)
+        if m > 1 and _M.live(key) == 0 then
+            m = 1 -- nothing of this key in flight: a lone conversation stays where it is
+        end
+    end
+    if m > 1 then
+        -- a hot key: the least loaded of its first m nodes, ties drawn at random (every
+        -- one of them holds the prefix; a fixed order would leave the last one idle)
+        local best, bl, ties = nil, nil, 0
+        for pos = 1, m do
+            local i = order[pos]
+            if not (fresh and cands[i].saturated) then
+                local l = inflight[i] / caps[i]
+                if not bl or l < bl then
+                    best, bl, ties = pos, l, 1
+                elseif l == bl then
+                    ties = ties + 1
+                    if random() * ties < 1 then
+                        best = pos
+                    end
+                end
+            end
+        end
+        if best and best > 1 then
+            -- move it to the front; the others keep their order
+            local i = order[best]
+            for pos = best, 2, -1 do
+                order[pos] = order[pos - 1]
+            end
+            order[1] = i
+        end
+    end
+    local factor = (1 + eps) * (total + 1) / capsum
+    for pos = 1, n do
+        local i = order[pos]
+        local node = cands[i]
+        if inflight[i] < ceil(factor * caps[i]) and not (fresh and node.saturated) then
+            bump(pos <= m and "af:first" or "af:spill")
             return node
         end
     end
     bump("af:spill")
-    return first
+    return cands[order[1]]
 end
 
 -- Counters since nginx started: {first = n, spill = n}.

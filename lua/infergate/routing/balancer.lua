@@ -237,7 +237,7 @@ function _M.pick(t, tried, now, retry, model, key)
     end
     local fresh = snapshot.is_fresh(t, now)
     if key and o.prefix_affinity then
-        return affinity.choose(cands, n, key, o, fresh), false, n
+        return affinity.choose(cands, n, key, o, fresh, now, retry), false, n
     end
     if n > 2 and n <= FULL_SCAN_MAX and not any_score(cands, n, fresh) then
         return least_cost(cands, n, fresh, o, now), false, n
@@ -297,6 +297,9 @@ function _M.run()
     if not deadline.before_try(req, o, now) then
         return deadline.fail()
     end
+    if n == 0 and o.prefix_affinity then
+        affinity.count_request(now)
+    end
     local t = snapshot.current()
     local tried = req.tried
     while true do
@@ -313,6 +316,9 @@ function _M.run()
                 if terr then
                     log(WARN, "infergate: set_more_tries: ", terr)
                 end
+            end
+            if req.affinity and not req.affinity_live and o.prefix_affinity then
+                req.affinity_live = affinity.track(req.affinity)
             end
             attempts[n + 1] = stats.open_attempt(node.name, now, probe)
             outlier.track(attempts[n + 1], req.stream)
