@@ -19,6 +19,12 @@ each run for nginx round-robin, nginx least_conn and infergate on the same arriv
   models (uniform, seeded). A node asked for the other model answers ``404 model_not_found`` (nginx does
   not retry a 404).
 
+- ``shared_prefix`` and ``one_prompt`` (named explicitly, not run by default): multi-turn
+  chat sessions sharing per-group system prompts on four equal nodes with prefix
+  caching, and one prompt shared by every request; also for ``infergate_noprefix``
+  (``edge.prefix_affinity = false``), behind one and two edges. Definitions in
+  bench/scheduler/prefix.py and sessions.py; records in ``scheduler_prefix.json``.
+
 Per run the record has the fields of ``bench.scheduler`` (stats.py) plus
 ``ttft_p90_s`` and, for ``multi_model``, ``by_model`` (requests, ok, timeouts, errors,
 404s, goodput per model). Writes ``scheduler_scenarios.json`` and
@@ -48,6 +54,8 @@ from controlplane.simnode import launch
 from ..common import (RESULTS_DIR, BenchError, Stack, load_prompts, log, machine_info, rounded,
                       sigterm_as_interrupt, write_json)
 from . import report
+from .prefix import LOADS as PREFIX_LOADS
+from .prefix import PREFIX_SCENARIOS, PREFIX_STRATEGIES, run_prefix
 from .loadgen import RunOutput, StateSamples, run_load
 from .stack import (STRATEGIES, EdgeRun, InfergateStack, SimNodeProc, clear_faults,
                     infergate_settings, pool_idle, snapshot_all_healthy)
@@ -287,28 +295,57 @@ def _floats(value: str) -> list[float]:
               "time scale 0.1.")
 @click.option("--scenarios", "names", default=",".join(SCENARIOS), show_default=True,
               help="Comma list of scenarios.")
-@click.option("--strategies", default=",".join(STRATEGIES), show_default=True)
+@click.option("--strategies", default=None,
+              help=f"Comma list of strategies [default {','.join(STRATEGIES)}; the prefix "
+              f"scenarios also infergate_noprefix].")
+@click.option("--prefix-edges", default="1,2", show_default=True,
+              help="Edge counts each strategy of the prefix scenarios runs with.")
 @click.option("--loads", default=None,
-              help="Load fractions of the pool capacity [default 0.5,0.9,1.05,1.2; --quick 0.9].")
+              help="Load fractions of the pool capacity [default 0.5,0.9,1.05,1.2; --quick 0.9; "
+              "shared_prefix 0.6,0.8,0.95, --quick 0.8].")
 @click.option("--time-scale", type=click.FloatRange(0.02, 2.0), default=None,
-              help="Wall seconds per simulated second [default 0.2; --quick 0.1].")
+              help="Wall seconds per simulated second [default 0.2; --quick and the prefix "
+              "scenarios 0.1].")
 @click.option("--window", "window_sim_s", type=click.FloatRange(5, 3600), default=None,
-              help="Arrival window per run, simulated seconds [default 120; --quick 20].")
+              help="Arrival window per run, simulated seconds [default 120; --quick 20; "
+              "shared_prefix: every session, one_prompt 120; --quick 60 and 40].")
 @click.option("--prompts", "prompts_path", type=click.Path(), default=None,
               help="Prompt source as for bench.scheduler [default: ../shared/data/cache-eval].")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=str(RESULTS_DIR),
               show_default=True)
 @click.option("--seed", type=int, default=7, show_default=True)
 @click.option("--keep", is_flag=True, help="Keep the scratch folders.")
-def main(quick: bool, names: str, strategies: str, loads: str | None, time_scale: float | None,
-         window_sim_s: float | None, prompts_path: str | None, out_dir: str, seed: int,
-         keep: bool) -> None:
-    """Run the multi_edge, mixed_sizes, openai_nodes and multi_model scenarios."""
+def main(quick: bool, names: str, strategies: str | None, prefix_edges: str, loads: str | None,
+         time_scale: float | None, window_sim_s: float | None, prompts_path: str | None,
+         out_dir: str, seed: int, keep: bool) -> None:
+    """Run the multi_edge, mixed_sizes, openai_nodes and multi_model scenarios (and, when
+    named, the prefix-cache scenarios shared_prefix and one_prompt of prefix.py)."""
     chosen = [x.strip() for x in names.split(",") if x.strip()]
-    strats = [x.strip() for x in strategies.split(",") if x.strip()]
-    bad = [x for x in chosen if x not in SCENARIOS] + [x for x in strats if x not in STRATEGIES]
-    if bad or not chosen or not strats:
+    prefix_chosen = [x for x in chosen if x in PREFIX_SCENARIOS]
+    chosen = [x for x in chosen if x not in PREFIX_SCENARIOS]
+    allowed = PREFIX_STRATEGIES if prefix_chosen else STRATEGIES
+    strats = ([x.strip() for x in strategies.split(",") if x.strip()] if strategies
+              else list(allowed))
+    bad = [x for x in chosen if x not in SCENARIOS] + [x for x in strats if x not in allowed]
+    if bad or not (chosen or prefix_chosen) or not strats:
         raise click.BadParameter(f"unknown scenario or strategy: {bad}")
+    if prefix_chosen:
+        try:
+            edge_counts = [int(x) for x in prefix_edges.split(",") if x.strip()]
+        except ValueError:
+            raise click.BadParameter("--prefix-edges: expected e.g. 1,2") from None
+        if not edge_counts or any(e < 1 or e > 4 for e in edge_counts):
+            raise click.BadParameter("--prefix-edges: edge counts within 1-4")
+        try:
+            run_prefix(prefix_chosen, strategies=strats,
+                       loads=_floats(loads) if loads else ([0.8] if quick else list(PREFIX_LOADS)),
+                       edge_counts=edge_counts, time_scale=time_scale, window_sim_s=window_sim_s,
+                       quick=quick, seed=seed, keep=keep, out=Path(out_dir))
+        except (procs.StartError, BenchError) as exc:
+            raise click.ClickException(str(exc)) from None
+        strats = [x for x in strats if x in STRATEGIES]
+        if not chosen or not strats:
+            return
     ts = time_scale or (0.1 if quick else 0.2)
     window = window_sim_s or (20.0 if quick else 120.0)
     load_list = _floats(loads) if loads else ([0.9] if quick else [0.5, 0.9, 1.05, 1.2])
