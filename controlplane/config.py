@@ -574,6 +574,13 @@ class CacheSettings(_Section):
     max_temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     """Requests with a higher ``temperature`` bypass the cache. A request without
     ``temperature`` counts as the API default 1.0, so it is cached with this default."""
+    stream_usage: bool = True
+    """A stream whose answer is stored and that did not ask for
+    ``stream_options.include_usage`` is sent to the node with ``"stream_options":
+    {"include_usage": true}`` (the usage-only last chunk is taken out of what the client
+    receives), so every stored entry carries usage and answers streaming and
+    non-streaming requests alike; false = the body goes to the node as sent (for nodes
+    that refuse ``stream_options``), and such an entry answers only streams without usage."""
     semantic: bool = True
     """Look up paraphrases through the embedder when the exact key misses."""
     embedder_url: str = "http://127.0.0.1:8090"
@@ -613,6 +620,28 @@ class CacheSettings(_Section):
     """Model ``infergate up`` starts the embedder with: use-multilingual-v3 (numpy, no
     torch, 16 languages) or, with the ``semantic`` extra, all-MiniLM-L6-v2 or any
     sentence-transformers name or path."""
+    verify_fraction: float = Field(default=0.02, ge=0.0, le=1.0)
+    """Share (0-1) of semantic hits the edge also queues for online verification (the
+    hit is served all the same); 0 = off. The control plane's leader sends each queued
+    request (non-streaming) to a healthy node and compares the fresh answer with the
+    cached one (``controlplane.cache.verify``)."""
+    verify_answer_similarity: float = Field(default=0.9, ge=0.0, le=1.0)
+    """Cosine (0-1) of the two answers' embeddings (from the embedder) at or above which a
+    verified hit counts as right; equal texts (up to case and spaces) always do."""
+    verify_max_wrong: float = Field(default=0.01, gt=0.0, le=1.0)
+    """Target wrong-hit rate of a namespace (0-1, as ``infergate cache calibrate
+    --max-wrong``): when the 95 % (Wilson) upper bound of its measured wrong rate is above
+    it, the namespace's semantic threshold goes up by ``verify_threshold_step``; under
+    half of it, back down by a step (never below the configured threshold)."""
+    verify_threshold_step: float = Field(default=0.01, gt=0.0, le=1.0)
+    """Step of one threshold change of a namespace (added to the verifier score threshold,
+    or the cosine threshold without the verifier)."""
+    verify_max_raise: float = Field(default=0.05, ge=0.0, le=1.0)
+    """Largest raise of a namespace's threshold above the configured one (0-1)."""
+    verify_queue_max: int = Field(default=1000, ge=1, le=1000000)
+    """Longest the verification queue grows (items; the edge trims the oldest)."""
+    verify_timeout_s: float = Field(default=30.0, gt=0.0, le=600.0)
+    """Time a verification request to a node may take, seconds."""
 
     @field_validator("embedder_url")
     @classmethod

@@ -258,6 +258,38 @@ def cache_stats() -> flask.Response:
     return flask.jsonify(cache_store.stats(_r()).to_dict())
 
 
+@bp.get("/cache")
+def cache_overview() -> flask.Response:
+    """The cache's figures with its namespaces: ``{"stats": CacheStats, "namespaces":
+    [NamespaceStats...], "verify": {"fraction", "answer_similarity", "max_wrong",
+    "threshold_step", "max_raise"}}``. Per namespace (most hits first, at most
+    ``?limit=`` 1-1000, default 50): ``hits_exact``, ``hits_semantic``, ``flagged``,
+    ``verify_queued``, ``verified``, ``wrong``, ``verify_errors``, ``wrong_rate`` (0-1,
+    null before a verdict), ``wrong_rate_upper`` (95 % Wilson upper bound, 0-1) and
+    ``threshold_raise`` (0-1 above the configured threshold); see
+    :class:`controlplane.cache.store.NamespaceStats`."""
+    r = _r()
+    c = auth.settings().cache
+    limit = _int_arg("limit", 50, 1, 1000)
+    return flask.jsonify({
+        "stats": cache_store.stats(r).to_dict(),
+        "namespaces": [n.to_dict() for n in cache_store.namespace_stats(r, limit)],
+        "verify": {"fraction": c.verify_fraction, "answer_similarity": c.verify_answer_similarity,
+                   "max_wrong": c.verify_max_wrong, "threshold_step": c.verify_threshold_step,
+                   "max_raise": c.verify_max_raise},
+    })
+
+
+@bp.post("/cache/entries/<entry_id>/flag")
+def cache_flag(entry_id: str) -> flask.Response:
+    """Flag a served answer as wrong (``entry_id`` = the ``X-Cache-Entry`` header of the
+    hit): drops the entry and its semantic vectors and counts a flag for its namespace
+    (:func:`.ops.flag_entry`). ``{"id", "namespace", "dropped", "flagged"}``;
+    idempotent (``dropped: false`` when flagged before); 404 ``entry_not_found`` for an
+    unknown or expired id."""
+    return flask.jsonify(ops.flag_entry(_r(), entry_id, ACTOR, _events_max()).to_dict())
+
+
 @bp.post("/cache/purge")
 def cache_purge() -> flask.Response:
     """Body ``{"tenant"|"model"|"namespace": str, ...}`` (AND) or ``{"all": true}``

@@ -11,7 +11,9 @@ the web page and API, ``cli:<user>`` for the command line. Event kinds and detai
 - ``key_create`` (``{"id", "tenant"}``), ``key_edit`` (``{"id", "tenant"}`` + the new
   value of each changed field), ``key_revoke`` (``{"id", "tenant"}``; none when the key
   was already revoked);
-- ``cache_purge`` (the scope + ``"purged"``, the entries deleted).
+- ``cache_purge`` (the scope + ``"purged"``, the entries deleted);
+- ``cache_flag`` (``{"id", "namespace"}``: an answer flagged as wrong and dropped; none
+  when it was flagged before).
 
 Errors are :class:`AdminError` subclasses carrying an HTTP status, an error type and a
 code, so each front end can render them its own way (JSON error, flash message, exit
@@ -36,6 +38,7 @@ from controlplane.admin import apikeys
 from controlplane.cache import store as cache_store
 from controlplane.config import HostPort, NodeSettings, Settings
 from controlplane.errors import InfergateError
+from controlplane.redisdb import keynames
 from controlplane.routing import registry
 from controlplane.routing.registry import NodeState
 
@@ -500,3 +503,58 @@ def purge_cache(r: redis.Redis, data: object, actor: str,
     registry.add_event(r, "cache_purge", "", actor, {**scope, "purged": n.entries},
                        maxlen=events_max)
     return PurgeResult(scope, n.entries, n.vectors)
+
+
+@dataclass
+class FlagResult:
+    """Result of :func:`flag_entry`."""
+
+    id: str
+    """The entry id (its exact key hex, as in ``X-Cache-Entry``)."""
+    namespace: str
+    """The entry's semantic namespace hex (``""`` when it had none)."""
+    dropped: bool
+    """This call dropped the entry (False: it was flagged or dropped before)."""
+    flagged: int
+    """Flags counted for the namespace so far."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def flag_entry(r: redis.Redis, entry_id: str, actor: str,
+               events_max: int = 10000) -> FlagResult:
+    """Flag a served answer as wrong: drop the entry ``entry_id`` (the ``X-Cache-Entry``
+    of a hit: its exact key hex), its index memberships and its semantic vectors, and
+    count a ``flagged`` for its namespace (``keynames.cache_ns_stats``). Idempotent:
+    flagging an entry already dropped (its mark lives as long as the entry would have)
+    changes nothing and counts nothing. Writes ``cache_flag``. Raises :class:`NotFound`
+    (``entry_not_found``) for an id that is not an entry's, or whose entry expired."""
+    eid = entry_id.strip().lower() if isinstance(entry_id, str) else ""
+    if not cache_store.HEX_RE.match(eid):
+        raise NotFound(f"no cache entry with id {entry_id!r} (ids are the X-Cache-Entry "
+                       "header of a hit: 16 to 128 hex digits)", "entry_not_found")
+    doc = cache_store.drop_entry(r, eid)
+    if doc is None:
+        ns = cache_store.dropped_namespace(r, eid)
+        if ns is None:
+            raise NotFound(f"no cache entry with id {eid!r} (expired, purged or never "
+                           "stored)", "entry_not_found")
+        flagged = _ns_counter(r, ns, "flagged")
+        return FlagResult(eid, ns, False, flagged)
+    ns = doc.get("namespace") if isinstance(doc.get("namespace"), str) else ""
+    flagged = cache_store.count_namespace(r, ns, "flagged") if cache_store.HEX_RE.match(ns) \
+        else 0
+    registry.add_event(r, "cache_flag", "", actor, {"id": eid, "namespace": ns},
+                       maxlen=events_max)
+    return FlagResult(eid, ns, True, flagged)
+
+
+def _ns_counter(r: redis.Redis, namespace: str, field: str) -> int:
+    if not namespace:
+        return 0
+    v = r.hget(keynames.cache_ns_stats(namespace), field)
+    try:
+        return int(v) if v is not None else 0
+    except (TypeError, ValueError):
+        return 0

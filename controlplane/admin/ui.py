@@ -286,7 +286,25 @@ def events() -> flask.Response:
 def cache() -> flask.Response:
     r = _r()
     return render("cache.html", stats=cache_store.stats(r),
-                  values={d: cache_store.index_values(r, d, 50) for d in cache_store.DIMENSIONS})
+                  values={d: cache_store.index_values(r, d, 50) for d in cache_store.DIMENSIONS},
+                  namespaces=cache_store.namespace_stats(r, 50), cache_cfg=auth.settings().cache)
+
+
+@bp.post("/cache/flag")
+def cache_flag() -> flask.Response:
+    """The flag form: ``entry`` = the ``X-Cache-Entry`` of a wrong hit
+    (:func:`.ops.flag_entry`); back to the cache page with a flash message."""
+    entry_id = flask.request.form.get("entry", "").strip()
+    try:
+        res = ops.flag_entry(_r(), entry_id, ACTOR, _events_max())
+    except ops.AdminError as exc:
+        flask.flash(f"Nothing flagged: {exc.message}", "error")
+        return _back(flask.url_for("ui.cache"))
+    if res.dropped:
+        flask.flash(f"Entry {res.id} flagged as wrong and dropped.", "ok")
+    else:
+        flask.flash(f"Entry {res.id} was flagged before; nothing changed.", "ok")
+    return _back(flask.url_for("ui.cache"))
 
 
 def _form_scope() -> dict:

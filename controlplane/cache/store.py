@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass
 
 import redis
 
+from controlplane.embedder.bounds import wilson_upper
 from controlplane.errors import InfergateError
 from controlplane.redisdb import keynames
 
@@ -320,3 +321,161 @@ def _parse(raw: str) -> dict:
     except ValueError:
         return {}
     return doc if isinstance(doc, dict) else {}
+
+
+# ---- per-namespace figures, dropping one entry --------------------------------------
+
+#: Integer fields of a namespace's hash ``keynames.cache_ns_stats(ns)``: hits counted by
+#: the edge, ``flagged`` by operators (:func:`controlplane.admin.ops.flag_entry`),
+#: ``verify_queued`` by the edge, ``verified`` / ``wrong`` / ``verify_errors`` and the
+#: current evidence window ``win_verified`` / ``win_wrong`` by the online verification
+#: (:mod:`controlplane.cache.verify`).
+NS_COUNTERS: tuple[str, ...] = ("hits_exact", "hits_semantic", "flagged", "verify_queued",
+                                "verified", "wrong", "verify_errors", "win_verified",
+                                "win_wrong")
+#: Namespace hashes read at most by :func:`namespace_stats` (SCAN), per call.
+NS_SCAN_MAX = 10000
+
+
+@dataclass
+class NamespaceStats:
+    """The figures of one semantic namespace (counts since the hash was created; it
+    expires :data:`COUNTERS_TTL_S` after its last write)."""
+
+    namespace: str
+    hits_exact: int
+    hits_semantic: int
+    flagged: int
+    verify_queued: int
+    verified: int
+    wrong: int
+    verify_errors: int
+    win_verified: int
+    win_wrong: int
+    wrong_rate: float | None
+    """wrong / verified (0-1); ``None`` before the first verdict."""
+    wrong_rate_upper: float | None
+    """95 % one-sided Wilson upper bound of the wrong-hit rate (0-1); ``None`` before the
+    first verdict."""
+    threshold_raise: float
+    """How much the namespace's semantic threshold is raised above the configured one
+    (0-1; ``keynames.CACHE_THRESHOLD_RAISE``)."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _int(v: object) -> int:
+    try:
+        return int(v)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return 0
+
+
+def threshold_raises(r: redis.Redis) -> dict[str, float]:
+    """Namespace hex -> threshold raise (0-1) of every namespace whose threshold moved."""
+    out: dict[str, float] = {}
+    for ns, v in r.hgetall(keynames.CACHE_THRESHOLD_RAISE).items():
+        try:
+            out[_s(ns)] = max(0.0, min(1.0, float(v)))
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def namespace_figures(namespace: str, raw: dict, raise_: float = 0.0) -> NamespaceStats:
+    """:class:`NamespaceStats` from a namespace hash as read (``HGETALL``)."""
+    c = {f: _int(raw.get(f, 0)) for f in NS_COUNTERS}
+    n, k = c["verified"], min(c["wrong"], c["verified"])
+    return NamespaceStats(namespace=namespace, **c,
+                          wrong_rate=round(k / n, 6) if n else None,
+                          wrong_rate_upper=round(wilson_upper(k, n), 6) if n else None,
+                          threshold_raise=round(raise_, 6))
+
+
+def namespace_stats(r: redis.Redis, limit: int = 50) -> list[NamespaceStats]:
+    """The namespaces with figures, most hits first (then most verdicts), at most
+    ``limit``; at most :data:`NS_SCAN_MAX` hashes are read (SCAN)."""
+    names = list(itertools.islice(
+        r.scan_iter(match=keynames.CACHE_NS_STATS_PREFIX + "*", count=1000), NS_SCAN_MAX))
+    raises = threshold_raises(r)
+    out: list[NamespaceStats] = []
+    for b in _batches((_s(n) for n in names), 500):
+        pipe = r.pipeline(transaction=False)
+        for n in b:
+            pipe.hgetall(n)
+        for n, raw in zip(b, pipe.execute()):
+            ns = n[len(keynames.CACHE_NS_STATS_PREFIX):]
+            raw = {_s(k): v for k, v in (raw or {}).items()}
+            out.append(namespace_figures(ns, raw, raises.get(ns, 0.0)))
+    out.sort(key=lambda s: (-(s.hits_exact + s.hits_semantic), -s.verified, s.namespace))
+    return out[:limit]
+
+
+def count_namespace(r: redis.Redis, namespace: str, field: str, n: int = 1) -> int:
+    """Add ``n`` to ``field`` (one of :data:`NS_COUNTERS`) of the namespace's hash
+    (TTL :data:`COUNTERS_TTL_S`, renewed); returns the new value. Raises
+    :class:`CacheStoreError` for an unknown field or a bad namespace."""
+    if field not in NS_COUNTERS:
+        raise CacheStoreError(f"unknown namespace counter {field!r}; expected one of {NS_COUNTERS}")
+    if not HEX_RE.match(namespace):
+        raise CacheStoreError("namespace: 16 to 128 lowercase hex digits")
+    key = keynames.cache_ns_stats(namespace)
+    pipe = r.pipeline()
+    pipe.hincrby(key, field, n)
+    pipe.expire(key, COUNTERS_TTL_S)
+    return int(pipe.execute()[0])
+
+
+def get_entry(r: redis.Redis, exact_key_hex: str) -> dict | None:
+    """The entry document of ``exact_key_hex`` (``{}`` when corrupt), or None when it is
+    gone (expired, purged) or the id is not an exact key hex."""
+    if not isinstance(exact_key_hex, str) or not HEX_RE.match(exact_key_hex):
+        return None
+    raw = r.get(keynames.cache_entry(exact_key_hex))
+    if raw is None:
+        return None
+    return _parse(_s(raw))
+
+
+def drop_entry(r: redis.Redis, exact_key_hex: str) -> dict | None:
+    """Delete one entry, its index memberships and its semantic vectors (of every
+    model: one ``SCAN`` over the vector prefix, see :func:`purge_vectors`), and leave the
+    mark ``keynames.cache_dropped(hex)`` (its namespace, for the entry's remaining
+    lifetime) so a second drop is known as one. Returns the document deleted, or None
+    when the entry was already gone or this is not an exact key hex."""
+    if not isinstance(exact_key_hex, str) or not HEX_RE.match(exact_key_hex):
+        return None
+    key = keynames.cache_entry(exact_key_hex)
+    pipe = r.pipeline()
+    pipe.get(key)
+    pipe.pttl(key)
+    raw, pttl = pipe.execute()
+    if raw is None:
+        purge_vectors(r, {exact_key_hex})
+        return None
+    doc = _parse(_s(raw))
+    ns = doc.get("namespace") if isinstance(doc.get("namespace"), str) else ""
+    pipe = r.pipeline()
+    pipe.delete(key)
+    for d in DIMENSIONS:
+        val = doc.get(d)
+        if isinstance(val, str) and val:
+            pipe.srem(keynames.cache_index(d, val), exact_key_hex)
+    pipe.set(keynames.cache_dropped(exact_key_hex), ns or "-",
+             px=int(pttl) if isinstance(pttl, int) and pttl > 0 else INDEX_QUEUE_TTL_S * 1000)
+    deleted = int(pipe.execute()[0])
+    purge_vectors(r, {exact_key_hex})
+    return doc if deleted else None
+
+
+def dropped_namespace(r: redis.Redis, exact_key_hex: str) -> str | None:
+    """The namespace of an entry :func:`drop_entry` dropped (``""`` when it had none), or
+    None when no mark is left."""
+    if not isinstance(exact_key_hex, str) or not HEX_RE.match(exact_key_hex):
+        return None
+    v = r.get(keynames.cache_dropped(exact_key_hex))
+    if v is None:
+        return None
+    v = _s(v)
+    return "" if v == "-" else v

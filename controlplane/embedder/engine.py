@@ -133,6 +133,11 @@ class Engine:
             self._encode_batch, max_batch=max_batch, max_wait_s=max_wait_ms / 1000.0,
             on_batch=self.metrics.batch_size.observe, expected=lambda: self._inflight,
             workers=model_workers if getattr(model, "thread_safe", False) else 1)
+        #: namespace hex -> threshold raise of the online verification (0-1), re-read
+        #: from ``keynames.CACHE_THRESHOLD_RAISE`` at most every ``RAISES_EVERY_S``
+        self._raises: dict[str, float] = {}
+        self._raises_at = -float("inf")
+        self._raises_lock = threading.Lock()
 
     @property
     def verifier_active(self) -> bool:
@@ -216,13 +221,57 @@ class Engine:
             pipe.exists(keynames.cache_entry(c.key))
         return [c for c, ok in zip(cands, pipe.execute()) if ok]
 
+    #: Seconds between two reads of the threshold raises (one HGETALL on the lookup path).
+    RAISES_EVERY_S = 1.0
+
+    def threshold_raise(self, namespace: str) -> float:
+        """How much the online verification raised ``namespace``'s threshold (0-1;
+        ``keynames.CACHE_THRESHOLD_RAISE``, written by the control plane), re-read at
+        most every :data:`RAISES_EVERY_S`; the last values read while Redis fails."""
+        if not namespace:
+            return 0.0
+        now = time.monotonic()
+        if now - self._raises_at >= self.RAISES_EVERY_S:
+            with self._raises_lock:
+                if now - self._raises_at >= self.RAISES_EVERY_S:
+                    self._raises_at = now
+                    try:
+                        raw = self.r.hgetall(keynames.CACHE_THRESHOLD_RAISE)
+                    except redis.exceptions.RedisError:
+                        raw = None
+                    if raw is not None:
+                        out: dict[str, float] = {}
+                        for k, v in raw.items():
+                            try:
+                                out[k.decode() if isinstance(k, bytes) else str(k)] = \
+                                    max(0.0, min(1.0, float(v)))
+                            except (TypeError, ValueError):
+                                continue
+                        self._raises = out
+        return self._raises.get(namespace, 0.0)
+
     def thresholds(self, namespace: str, min_similarity: float | None = None,
                    route: str | None = None, model: str | None = None,
                    ) -> tuple[float, float | None]:
         """``(min_similarity, min_verifier_score)`` of a lookup: the most specific
         configured domain's values, else the request's ``min_similarity``, else the
         defaults (verifier floor and ``min_score`` when the verifier is on, else the
-        model's threshold); ``min_verifier_score`` is None without the verifier."""
+        model's threshold); ``min_verifier_score`` is None without the verifier. The
+        namespace's raise (:meth:`threshold_raise`) is added to the threshold that
+        decides a hit: the verifier's when it is on, else the cosine (at most 1)."""
+        sim, vs = self._base_thresholds(namespace, min_similarity, route, model)
+        up = self.threshold_raise(namespace)
+        if up > 0:
+            if vs is None:
+                sim = min(1.0, sim + up)
+            else:
+                vs = min(1.0, vs + up)
+        return sim, vs
+
+    def _base_thresholds(self, namespace: str, min_similarity: float | None,
+                         route: str | None, model: str | None,
+                         ) -> tuple[float, float | None]:
+        """:meth:`thresholds` before the namespace's raise."""
         pol = self.policy.current()
         dom = pol.resolve(namespace, route, model)
         on = pol.verifier if dom is None or dom.verifier is None else dom.verifier

@@ -42,6 +42,21 @@ CACHE_INDEX_QUEUE = f"{BASE}:cache:index_queue"
 CACHE_VEC_PREFIX = f"{BASE}:cache:vec:"
 #: Pub/sub channel: the embedder publishes the hash key of every vector it stores.
 CACHE_VEC_CHANNEL = f"{BASE}:cache:vec_added"
+#: Prefix of the per-namespace cache figures (hashes with TTL, ``CACHE_NS_STATS_PREFIX +
+#: namespace_hex``): ``hits_exact``, ``hits_semantic`` (the edge), ``flagged`` (operators),
+#: ``verify_queued`` (the edge), ``verified``, ``wrong``, ``verify_errors``, ``win_verified``,
+#: ``win_wrong`` (the control plane's online verification, ``controlplane.cache.verify``).
+CACHE_NS_STATS_PREFIX = f"{BASE}:cache:ns:"
+#: Hash with TTL, semantic namespace hex -> how much its semantic threshold is raised above
+#: the configured one (float text, 0-1), written by the online verification and added by
+#: the embedder to the threshold that decides a hit.
+CACHE_THRESHOLD_RAISE = f"{BASE}:cache:threshold_raise"
+#: Prefix of the marks of dropped entries (strings with TTL, value the namespace hex):
+#: ``CACHE_DROPPED_PREFIX + exact_key_hex``, so flagging an entry again is a no-op.
+CACHE_DROPPED_PREFIX = f"{BASE}:cache:dropped:"
+#: List with TTL, capped: semantic hits to verify, JSON ``{"key", "namespace", "path",
+#: "model", "tenant", "body", "ts"}`` RPUSHed by the edge, taken by the control plane.
+CACHE_VERIFY_QUEUE = f"{BASE}:cache:verify_queue"
 #: Prefix of the edge's token buckets (hashes ``tokens``, ``ts``; expire once full):
 #: ``RATELIMIT_PREFIX + "key:<key id>:rpm"`` / ``":tpm"``, ``"global:rpm"``, ``"global:tpm"``.
 RATELIMIT_PREFIX = f"{BASE}:ratelimit:"
@@ -89,6 +104,17 @@ def cache_entry(exact_key_hex: str) -> str:
     return f"{CACHE_ENTRY_PREFIX}{exact_key_hex}"
 
 
+def cache_ns_stats(namespace_hex: str) -> str:
+    """Hash with TTL: the cache figures of one semantic namespace (see
+    :data:`CACHE_NS_STATS_PREFIX`)."""
+    return f"{CACHE_NS_STATS_PREFIX}{namespace_hex}"
+
+
+def cache_dropped(exact_key_hex: str) -> str:
+    """String with TTL (the dropped entry's remaining lifetime): its namespace hex."""
+    return f"{CACHE_DROPPED_PREFIX}{exact_key_hex}"
+
+
 def cache_vec_prefix(model_slug: str, dim: int) -> str:
     """Prefix of the vector hashes of one embedding model and dimension (never mixed)."""
     return f"{CACHE_VEC_PREFIX}{model_slug}:{dim}:"
@@ -126,6 +152,10 @@ FIXED = {
     "cache_index_queue": CACHE_INDEX_QUEUE,
     "cache_vec_prefix_base": CACHE_VEC_PREFIX,
     "cache_vec_channel": CACHE_VEC_CHANNEL,
+    "cache_ns_stats_prefix": CACHE_NS_STATS_PREFIX,
+    "cache_threshold_raise": CACHE_THRESHOLD_RAISE,
+    "cache_verify_queue": CACHE_VERIFY_QUEUE,
+    "cache_dropped_prefix": CACHE_DROPPED_PREFIX,
     "ratelimit_prefix": RATELIMIT_PREFIX,
     "overview_series": OVERVIEW_SERIES,
     "state_marker": STATE_MARKER,

@@ -22,6 +22,12 @@ Every ``controlplane.poll_interval_s`` an APScheduler job runs
 5. Leader only, every ``series.STEP_S``: one point of the pool's traffic for the admin
    overview (:mod:`controlplane.routing.series`, one more round trip).
 
+A second job, every :data:`VERIFY_INTERVAL_S`, runs the online verification of semantic
+cache hits on the leader only (:meth:`ControlPlane.run_verify`,
+:mod:`controlplane.cache.verify`): it takes the hits the edges queued, asks a healthy
+active node again and moves the namespace's semantic threshold. Being its own job, a slow
+node never delays a poll cycle.
+
 Redis going away never stops the loop: polling continues, writes resume when it
 answers again; "unreachable" and "reachable again" are logged once per outage.
 
@@ -80,6 +86,10 @@ from controlplane.routing.wire import (EDGE_FRESH_FACTOR, EdgeReport, RoutingSna
 log = logging.getLogger("infergate.controlplane")
 
 ACTOR = "controlplane"
+#: Seconds between two runs of the verification job (leader only).
+VERIFY_INTERVAL_S = 1.0
+#: Longest one verification run keeps taking items, seconds.
+VERIFY_BUDGET_S = 5.0
 
 #: KEYS[1] = node states hash; ARGV = name, since of the draining state seen, new JSON.
 #: Sets the new state only if the node is still draining since the same time.
@@ -186,6 +196,11 @@ class ControlPlane:
         self.state_losses = 0
         self.state_lost_at: float | None = None
         self._marker_seen = False
+        from controlplane.cache.verify import OnlineVerifier
+
+        #: Online verification of semantic cache hits (leader only, :meth:`run_verify`).
+        self.verifier = OnlineVerifier(settings, r, self.verify_nodes)
+        self._verify_error: str | None = None
         if cp.leader_ttl_s < 2 * cp.poll_interval_s:
             log.warning("controlplane.leader_ttl_s (%g s) is under twice poll_interval_s "
                         "(%g s): the leader lock may expire between renewals",
@@ -441,6 +456,45 @@ class ControlPlane:
         report.wrote = True
         report.version = version
 
+    # -- online cache verification ----------------------------------------------------
+
+    def verify_nodes(self) -> list[tuple[NodeSettings, list[str] | None]]:
+        """Nodes a verification may use: healthy at the last cycle and ``active``, with
+        their served models (None = unknown)."""
+        rep = self.last_report
+        if rep is None:
+            return []
+        out: list[tuple[NodeSettings, list[str] | None]] = []
+        for n in self.nodes:
+            st = rep.statuses.get(n.name)
+            state = self.states.get(n.name)
+            if st is None or not st.healthy or (state is not None and state.state != "active"):
+                continue
+            out.append((n, rep.models.get(n.name)))
+        return out
+
+    def run_verify(self) -> list:
+        """Leader only: one run of the online verification
+        (:meth:`controlplane.cache.verify.OnlineVerifier.run_once`); returns its outcomes
+        (empty on a follower or when Redis fails)."""
+        if not self.elector.is_leader:
+            return []
+        try:
+            return self.verifier.run_once(budget_s=VERIFY_BUDGET_S)
+        except redis.RedisError as exc:
+            self._redis_failed(exc)
+            return []
+
+    def _verify_job(self) -> None:
+        try:
+            self.run_verify()
+            self._verify_error = None
+        except Exception as exc:  # noqa: BLE001 - the job must survive anything
+            msg = f"{type(exc).__name__}: {exc}"
+            if msg != self._verify_error:
+                log.exception("cache verification failed: %s", msg)
+            self._verify_error = msg
+
     # -- scheduling ------------------------------------------------------------------
 
     def _job(self) -> None:
@@ -463,6 +517,8 @@ class ControlPlane:
         sched.add_job(self._job, "interval", seconds=interval, id="poll", max_instances=1,
                       coalesce=True, misfire_grace_time=max(int(interval * 2), 1),
                       next_run_time=datetime.now(timezone.utc))
+        sched.add_job(self._verify_job, "interval", seconds=VERIFY_INTERVAL_S, id="verify",
+                      max_instances=1, coalesce=True, misfire_grace_time=5)
         sched.start()
         self._scheduler = sched
 

@@ -418,3 +418,29 @@ def test_redis_down_is_503(redis_server):
     assert resp.status_code == 503
     assert err(resp)["code"] == "redis_unavailable"
     assert client.get("/healthz").status_code == 200
+
+
+def test_cache_namespaces_and_flag(client, r):
+    ns, key = "cd" * 32, "ab" * 32
+    cache_store.store(r, key, tenant="acme", model="m", namespace=ns, body="hello", ttl=300)
+    r.hset(keynames.cache_ns_stats(ns), mapping={"hits_exact": 4, "hits_semantic": 6,
+                                                 "verified": 10, "wrong": 1})
+    r.hset(keynames.CACHE_THRESHOLD_RAISE, ns, "0.02")
+    resp = client.get("/api/v1/cache", headers=AUTH)
+    assert resp.status_code == 200
+    body = resp.get_json()
+    assert set(body) == {"stats", "namespaces", "verify"}
+    row = body["namespaces"][0]
+    assert (row["namespace"], row["hits_exact"], row["hits_semantic"]) == (ns, 4, 6)
+    assert row["wrong_rate"] == 0.1 and 0.1 < row["wrong_rate_upper"] < 0.5
+    assert row["threshold_raise"] == 0.02
+    assert client.get("/api/v1/cache?limit=0", headers=AUTH).status_code == 400
+    flag = client.post(f"/api/v1/cache/entries/{key.upper()}/flag", headers=AUTH)
+    assert flag.status_code == 200
+    assert flag.get_json() == {"id": key, "namespace": ns, "dropped": True, "flagged": 1}
+    assert not r.exists(keynames.cache_entry(key)) and 0 < r.pttl(keynames.cache_dropped(key))
+    assert client.post(f"/api/v1/cache/entries/{key}/flag", headers=AUTH).get_json()["dropped"] is False
+    assert r.hget(keynames.cache_ns_stats(ns), "flagged") == "1"
+    for bad in ("nothex", "0" * 64):
+        e = client.post(f"/api/v1/cache/entries/{bad}/flag", headers=AUTH)
+        assert e.status_code == 404 and err(e)["code"] == "entry_not_found"

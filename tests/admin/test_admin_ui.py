@@ -235,6 +235,29 @@ def test_node_detail_and_events_pages(client, r):
     assert "from=" not in page.text
 
 
+def test_cache_page_shows_namespaces_and_flags_an_entry(client, r):
+    ns, key = "cd" * 32, "ab" * 32
+    cache_store.store(r, key, tenant="acme", model="m", namespace=ns, body="hello", ttl=300)
+    r.hset(keynames.cache_ns_stats(ns), mapping={"hits_semantic": 7, "verified": 2, "wrong": 1})
+    r.hset(keynames.CACHE_THRESHOLD_RAISE, ns, "0.01")
+    page = client.get("/cache")
+    assert page.status_code == 200 and 'id="cache-namespaces"' in page.text
+    row = page.text[page.text.index(f'id="ns-{ns[:16]}"'):]
+    row = row[:row.index("</tr>")]
+    assert ">7<" in row and "50 %" in row and "+0.010" in row
+    no_csrf = client.post("/cache/flag", data={"entry": key})
+    assert no_csrf.status_code == 400 and r.exists(keynames.cache_entry(key))
+    done = client.post("/cache/flag", data={"csrf_token": client.csrf, "entry": key},
+                       follow_redirects=True)
+    assert "flagged as wrong and dropped" in done.text
+    assert not r.exists(keynames.cache_entry(key))
+    assert r.hget(keynames.cache_ns_stats(ns), "flagged") == "1"
+    assert registry.recent_events(r, 1)[0]["kind"] == "cache_flag"
+    unknown = client.post("/cache/flag", data={"csrf_token": client.csrf, "entry": "0" * 64},
+                          follow_redirects=True)
+    assert "Nothing flagged" in unknown.text
+
+
 def test_cache_purge_needs_confirmation(client, r):
     for i in range(4):
         cache_store.store(r, f"{i:032x}", tenant="acme" if i < 3 else "other", model="m",

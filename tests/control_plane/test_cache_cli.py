@@ -119,11 +119,15 @@ def test_edge_options_carry_every_setting() -> None:
     o = edge_document(s)["cache"]
     assert o["min_similarity"] == 0.0 and o["min_similarity"] is not None  # 0 is a value
     assert o["min_similarity_models"] == {"m": 0.9}
-    assert set(o) == {"enabled", "ttl_s", "max_entry_bytes", "max_temperature", "semantic",
+    assert set(o) == {"enabled", "ttl_s", "max_entry_bytes", "max_temperature", "stream_usage",
+                      "semantic",
                       "embedder_url", "semantic_budget_ms", "min_similarity",
                       "min_similarity_routes", "min_similarity_models", "coalesce",
                       "coalesce_wait_s", "coalesce_poll_ms", "embedder_model",
-                      "verifier", "verifier_file", "semantic_domains", "max_request_bytes"}
+                      "verifier", "verifier_file", "semantic_domains", "max_request_bytes",
+                      "verify_fraction", "verify_answer_similarity", "verify_max_wrong",
+                      "verify_threshold_step", "verify_max_raise", "verify_queue_max",
+                      "verify_timeout_s"}
     # unset: null in the document, the embedder model's default at the edge
     assert edge_document(settings_from_dict({}))["cache"]["min_similarity"] is None
     assert embedder_server("http://[::1]:9000") == "[::1]:9000"

@@ -244,26 +244,115 @@ def test_stream_is_stored_and_replayed_for_the_openai_client(stack, edge) -> Non
     assert stack.node_requests() == n
 
 
-def test_entry_without_usage_never_answers_a_request_that_needs_usage(stack, edge) -> None:
-    # A stream that did not ask for usage is stored without it; a plain request (whose
-    # answer always carries usage) must not get `"usage": null` from it.
+def sse_chunks(text: str) -> list[dict]:
+    """The JSON chunks of an SSE text, which must end with ``data: [DONE]``."""
+    events = [e for e in text.split("\n\n") if e.strip()]
+    assert events[-1] == "data: [DONE]", events[-1]
+    return [json.loads(e[len("data: "):]) for e in events[:-1]]
+
+
+def usage_chunks(chunks: list[dict]) -> list[dict]:
+    return [c for c in chunks if c.get("usage")]
+
+
+def test_stream_without_usage_is_stored_with_usage_and_answers_every_request(stack, edge) -> None:
+    # The edge asks the node for usage; the client, which did not, gets no usage chunk,
+    # and the stored entry answers plain requests and streams with usage too.
     body = body_of("Describe a quiet harbour at dawn.", temperature=0)
-    with post(edge, {**body, "stream": True}) as r:
-        assert r.headers["X-Cache-Status"] == "MISS"
+    live = post(edge, {**body, "stream": True})
+    assert live.status_code == 200 and live.headers["X-Cache-Status"] == "MISS"
+    chunks = sse_chunks(live.text)
+    assert usage_chunks(chunks) == [] and all(c["choices"] for c in chunks)
+    live_text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
     entry = wait_stored(stack, body)
-    assert entry["stream"] is True
+    stored = json.loads(entry["body"])
+    # the node got include_usage (the simulated node, like vLLM, sends usage only then)
+    assert entry["stream"] is True and entry["usage"] is True
+    assert stored["usage"]["completion_tokens"] > 0 and stored["usage"]["prompt_tokens"] > 0
+    assert entry["prompt_chars"] == len("Describe a quiet harbour at dawn.")
     n = stack.node_requests()
-    streamed = post(edge, {**body, "stream": True})
-    assert streamed.headers["X-Cache-Status"] == "HIT"      # no usage asked: served
+
     plain = post(edge, body)
-    assert plain.headers["X-Cache-Status"] == "MISS"        # needs usage: to a node
-    assert plain.json()["usage"]["completion_tokens"] > 0
-    assert stack.node_requests() == n + 1
-    procs.wait_until(lambda: json.loads(stack.r.get(keynames.cache_entry(exact_key(body))) or "{}")
-                     .get("stream") is False, 10, what="the complete entry in its place")
-    again = post(edge, body)
-    assert again.headers["X-Cache-Status"] == "HIT"
-    assert again.json()["usage"] == plain.json()["usage"]
+    assert plain.headers["X-Cache-Status"] == "HIT" and plain.headers["X-Cache-Match"] == "exact"
+    assert content_of(plain) == live_text and plain.json()["usage"] == stored["usage"]
+    asked = post(edge, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert asked.headers["X-Cache-Status"] == "HIT"
+    got = sse_chunks(asked.text)
+    assert got[-1]["choices"] == [] and got[-1]["usage"] == stored["usage"]
+    assert usage_chunks(got) == [got[-1]]
+    quiet = post(edge, {**body, "stream": True})
+    assert quiet.headers["X-Cache-Status"] == "HIT" and usage_chunks(sse_chunks(quiet.text)) == []
+    assert stack.node_requests() == n
+
+
+def test_plain_entry_answers_streams_with_and_without_usage(stack, edge) -> None:
+    body = body_of("Name the largest desert in Asia.", temperature=0)
+    first = post(edge, body)
+    assert first.headers["X-Cache-Status"] == "MISS"
+    assert wait_stored(stack, body)["stream"] is False
+    asked = post(edge, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert asked.headers["X-Cache-Status"] == "HIT"
+    got = sse_chunks(asked.text)
+    assert usage_chunks(got) == [got[-1]] and got[-1]["usage"] == first.json()["usage"]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in got if c["choices"]) \
+        == content_of(first)
+    quiet = post(edge, {**body, "stream": True})
+    assert quiet.headers["X-Cache-Status"] == "HIT" and usage_chunks(sse_chunks(quiet.text)) == []
+
+
+def test_stream_with_usage_gets_the_nodes_usage_chunk(stack, edge) -> None:
+    body = body_of("Give one fact about owls.", temperature=0, stream=True,
+                   stream_options={"include_usage": True})
+    res = post(edge, body)
+    assert res.headers["X-Cache-Status"] == "MISS"
+    got = sse_chunks(res.text)
+    assert usage_chunks(got) == [got[-1]] and got[-1]["choices"] == []
+    stored = json.loads(wait_stored(stack, body)["body"])
+    assert stored["usage"] == got[-1]["usage"]
+
+
+def test_node_is_asked_for_usage_only_for_streams_the_cache_stores(stack, edge_factory,
+                                                                   tiny_upstreams) -> None:
+    # Database 2 of the module's Redis: no snapshot there, the edge uses its tiny node.
+    r2 = redis.Redis(host="127.0.0.1", port=stack.redis_port, db=2, decode_responses=True)
+    r2.flushdb()
+    (tiny,) = tiny_upstreams(1)
+    s = edge_settings(f"redis://127.0.0.1:{stack.redis_port}/2", [tiny.node_settings()])
+    s.cache = s.cache.model_validate({"enabled": True, "semantic": False})
+    edge = edge_factory(s)
+    url = edge.url + CHAT
+
+    def send(body: dict, **headers: str) -> tuple[requests.Response, bytes, bytes]:
+        raw = json.dumps(body).encode()
+        res = requests.post(url, data=raw, timeout=30,
+                            headers={"Content-Type": "application/json",
+                                     "Accept-Encoding": "gzip", **headers})
+        assert res.status_code == 200, res.text
+        return res, raw, tiny.bodies[-1]
+
+    body = {"model": "tiny", "stream": True, "temperature": 0, "tools": [],
+            "messages": [{"role": "user", "content": "Say \"stream_options\": [] é"}]}
+    res, raw, got = send(body)
+    assert res.headers["X-Cache-Status"] == "MISS"
+    assert got == b'{"stream_options":{"include_usage":true},' + raw[1:]
+    assert usage_chunks(sse_chunks(res.text)) == []   # the node sent one; taken out
+    # a stream_options of the client's own: only include_usage changes
+    res, raw, got = send({**body, "stream_options": {"include_usage": False, "x": 1}})
+    assert json.loads(got) == {**body, "stream_options": {"include_usage": True, "x": 1}}
+    assert usage_chunks(sse_chunks(res.text)) == []
+    # asked by the client: the body as sent, the usage chunk passed on
+    res, raw, got = send({**body, "stream_options": {"include_usage": True}})
+    assert got == raw and usage_chunks(sse_chunks(res.text))[0]["usage"]["completion_tokens"] == 5
+    # not stored: the body as sent
+    res, raw, got = send(body, **{"Cache-Control": "no-store"})
+    assert got == raw and res.headers["X-Cache-Status"] == "BYPASS"
+    # a chunked request body is rewritten as well
+    raw = json.dumps({**body, "seed": 7}).encode()
+    res = requests.post(url, data=iter([raw[:20], raw[20:]]), timeout=30,
+                        headers={"Content-Type": "application/json"})
+    assert res.status_code == 200 and usage_chunks(sse_chunks(res.text)) == []
+    assert tiny.bodies[-1] == b'{"stream_options":{"include_usage":true},' + raw[1:]
+    r2.flushdb()
 
 
 # ----------------------------------------------------------------------------- semantic
@@ -294,6 +383,34 @@ def test_paraphrase_is_a_semantic_hit(stack, edge) -> None:
     other_ns = post(edge, body_of("How can I reset my password?", system="Answer in French.",
                                   temperature=0))
     assert other_ns.headers["X-Cache-Status"] == "MISS"
+
+
+def test_semantic_hit_reports_the_requesters_prompt_tokens(stack, edge) -> None:
+    body = body_of("How do I delete my account?", temperature=0)
+    first = post(edge, body)
+    assert first.headers["X-Cache-Status"] == "MISS"
+    entry = wait_stored(stack, body)
+    wait_indexed(stack, body)
+    assert entry["prompt_chars"] == len("How do I delete my account?")
+    stored = first.json()["usage"]
+    # a stored prompt a quarter as long as the paraphrase: the estimate is 4x its tokens
+    # (prompt_tokens x requester's characters / stored characters)
+    ask = "how do I delete my account"  # equal up to case and punctuation: a sure paraphrase
+    k = keynames.cache_entry(exact_key(body))
+    stack.r.set(k, json.dumps({**entry, "prompt_chars": len(ask) // 4}), keepttl=True)
+    want = round(stored["prompt_tokens"] * len(ask) / (len(ask) // 4))
+    res = post(edge, body_of(ask, temperature=0))
+    assert res.headers["X-Cache-Status"] == "HIT", res.headers
+    assert res.headers["X-Cache-Match"] == "semantic"
+    u = res.json()["usage"]
+    assert u["prompt_tokens"] == want and u["completion_tokens"] == stored["completion_tokens"]
+    assert u["total_tokens"] == want + stored["completion_tokens"]
+    streamed = post(edge, body_of(ask, temperature=0, stream=True,
+                                  stream_options={"include_usage": True}))
+    assert streamed.headers["X-Cache-Match"] == "semantic"
+    assert sse_chunks(streamed.text)[-1]["usage"]["prompt_tokens"] == want
+    # an exact hit: the same prompt, the stored figures
+    assert post(edge, body).json()["usage"] == stored
 
 
 def test_purged_entry_is_not_a_semantic_hit(stack, edge) -> None:

@@ -232,3 +232,103 @@ def test_a_stream_hit_fills_a_rendered_replay(workdir) -> None:
     # the marks inside the content are escaped text and stay as they were
     assert out["filled"] == out["direct"]
     assert out["cached"] and out["other"]
+
+
+# ----------------------------------------------------------------------------- usage of streams
+
+
+def test_stream_body_asks_for_usage_and_keeps_every_other_byte(workdir) -> None:
+    plain = '{"model": "m", "stream": true,\n "messages": [{"role": "user", "content": "x"}]}'
+    with_opts = ('{"model":"m","stream":true,"stream_options":{"include_usage":false,'
+                 '"continuous_usage_stats":true},"tools":[],"messages":[]}')
+    null_opts = '{"stream": true, "stream_options": null, "n": 1}'
+    # a key ending in an escaped quote + stream_options is not the member
+    tricky = ('{"messages":[{"role":"user","content":"\\"stream_options\\": 1"}],'
+              '"meta":{"he said \\"stream_options":2},"stream":true,"stream_options":{}}')
+    twice = '{"stream":true,"stream_options":{},"metadata":{"stream_options":{}}}'
+    braces = '{"stream":true,"stream_options":{"x":"}"}}'
+    out = run(workdir, """
+        local lookup = require("infergate.cache.lookup")
+        local res = {}
+        for i, text in ipairs(input) do
+            local so = cjson.decode(text).stream_options
+            local body, err = lookup.with_usage(text, so)
+            res[i] = body or ("error: " .. err)
+        end
+        return res
+    """, [plain, with_opts, null_opts, tricky, twice, braces])
+    assert out[0] == ('{"stream_options":{"include_usage":true},"model": "m", "stream": true,\n'
+                      ' "messages": [{"role": "user", "content": "x"}]}')
+    b = json.loads(out[1])
+    assert b["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    assert out[1].endswith(',"tools":[],"messages":[]}')  # [] stays [] (not re-encoded)
+    assert out[2] == '{"stream": true, "stream_options": {"include_usage":true}, "n": 1}'
+    t = json.loads(out[3])
+    assert t["stream_options"] == {"include_usage": True}
+    assert t["messages"][0]["content"] == '"stream_options": 1' and t["meta"] == {
+        'he said "stream_options': 2}
+    assert out[4] == "error: stream_options not found once"
+    assert out[5].startswith("error: ")
+
+
+USAGE_STREAM = sse(
+    chunk({"role": "assistant", "content": ""}, usage=None),
+    chunk({"content": "choices [] \"usage\": {x}"}, usage=None),
+    chunk({}, "stop", usage=None),
+    {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 5, "model": "m",
+     "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}},
+    "[DONE]",
+)
+
+
+def test_usage_chunk_is_stripped_wherever_the_reads_split_the_stream(workdir) -> None:
+    compact = USAGE_STREAM.replace('"choices": []', '"choices":[]')
+    crlf = USAGE_STREAM.replace("\n\n", "\r\n\r\n")
+    # an event with empty choices but no usage (e.g. prompt filter results) stays
+    other = sse({"id": "x", "choices": [], "prompt_filter_results": []}) + USAGE_STREAM
+    out = run(workdir, """
+        local res = {}
+        for name, text in pairs(input) do
+            local outs = {}
+            -- every split into two reads, and one read per byte
+            for cut = 0, #text do
+                local st = {}
+                local a = capture.strip_usage(st, text:sub(1, cut), false)
+                local b = capture.strip_usage(st, text:sub(cut + 1), true)
+                outs[(a or "") .. (b or "")] = true
+            end
+            local st, parts = {}, {}
+            for i = 1, #text do
+                parts[#parts + 1] = capture.strip_usage(st, text:sub(i, i), i == #text) or ""
+            end
+            outs[table.concat(parts)] = true
+            local list = {}
+            for k in pairs(outs) do list[#list + 1] = k end
+            res[name] = list
+        end
+        return res
+    """, {"spaced": USAGE_STREAM, "compact": compact, "crlf": crlf, "other": other})
+    for name, text in (("spaced", USAGE_STREAM), ("compact", compact), ("crlf", crlf),
+                       ("other", other)):
+        sep = "\r\n\r\n" if name == "crlf" else "\n\n"
+        events = text.split(sep)
+        want = sep.join(e for e in events if not ('"usage": {' in e or '"usage":{' in e))
+        assert out[name] == [want], name
+        assert "completion_tokens" not in want and want.endswith("data: [DONE]" + sep)
+    assert '"prompt_filter_results"' in out["other"][0]
+
+
+def test_semantic_hit_usage_is_scaled_by_the_prompt_length(workdir) -> None:
+    u = {"prompt_tokens": 100, "completion_tokens": 20, "total_tokens": 120,
+         "prompt_tokens_details": {"cached_tokens": 80}}
+    out = run(workdir, """
+        local s = replay.scaled_usage(input, 50, 100)
+        local same = replay.scaled_usage(input, 100, 100)
+        local tiny = replay.scaled_usage(input, 1, 1000)
+        local none = replay.scaled_usage(input, 0, 100)
+        return { replay.encode(s), same == nil, tiny.prompt_tokens, none == nil,
+                 replay.scaled_usage(input, 30, 20).prompt_tokens_details.cached_tokens }
+    """, u)
+    assert json.loads(out[0]) == {"prompt_tokens": 50, "completion_tokens": 20,
+                                  "total_tokens": 70, "prompt_tokens_details": {"cached_tokens": 50}}
+    assert out[1:] == [True, 1, True, 80]

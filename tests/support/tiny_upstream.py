@@ -30,7 +30,8 @@ class TinyUpstream:
     ``mode``: ``ok`` (answer), ``fail`` (500 JSON), ``busy`` (429), ``hang`` (never
     answer until released or stopped), ``garbage`` (non-HTTP bytes, then close).
     ``delay_s`` delays every answer; a ``"stream": true`` request gets ``chunks`` SSE
-    chunks ``chunk_interval_s`` apart. ``gate``: when set (a threading.Event), streams
+    chunks ``chunk_interval_s`` apart (and, with ``stream_options.include_usage``, a
+    last chunk with ``choices: []`` and the usage, as vLLM sends it). ``gate``: when set (a threading.Event), streams
     wait for it before their last chunk. ``hits`` counts inference requests,
     ``inflight`` the ones being answered. Answers carry ``X-Sim-Node`` and
     ``system_fingerprint`` = name. ``stop()`` closes the port (connections refused)."""
@@ -155,7 +156,8 @@ class TinyUpstream:
                         "usage": {"prompt_tokens": 1, "total_tokens": 1}})
                     return
                 if isinstance(req, dict) and req.get("stream"):
-                    self._stream(model)
+                    opts = req.get("stream_options")
+                    self._stream(model, isinstance(opts, dict) and opts.get("include_usage") is True)
                     return
                 self._send(200, {
                     "id": "chatcmpl-tiny", "object": "chat.completion", "created": int(time.time()),
@@ -168,7 +170,7 @@ class TinyUpstream:
                 self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
                 self.wfile.flush()
 
-            def _stream(self, model: str) -> None:
+            def _stream(self, model: str, include_usage: bool = False) -> None:
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Transfer-Encoding", "chunked")
@@ -184,6 +186,13 @@ class TinyUpstream:
                           "system_fingerprint": upstream.name,
                           "choices": [{"index": 0, "delta": {"content": f"tok{i} "},
                                        "finish_reason": None}]}
+                    self._chunk(f"data: {json.dumps(ev)}\n\n".encode())
+                if include_usage:
+                    ev = {"id": "chatcmpl-tiny", "object": "chat.completion.chunk",
+                          "created": int(time.time()), "model": model,
+                          "system_fingerprint": upstream.name, "choices": [],
+                          "usage": {"prompt_tokens": 3, "completion_tokens": upstream.chunks,
+                                    "total_tokens": 3 + upstream.chunks}}
                     self._chunk(f"data: {json.dumps(ev)}\n\n".encode())
                 self._chunk(b"data: [DONE]\n\n")
                 self._chunk(b"")

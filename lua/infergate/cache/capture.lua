@@ -15,7 +15,14 @@
 -- limit held. A JSON answer or an SSE stream (reassembled: role, content, reasoning
 -- content, tool calls, finish reasons, usage) becomes the stored form of
 -- infergate.cache.replay. Errors and answers cut by a client abort or a broken stream
--- are never stored.
+-- are never stored. The entry keeps "prompt_chars", the characters of the request's
+-- message contents (infergate.admission.ratelimit.prompt_chars), for the usage of
+-- semantic hits.
+--
+-- A stream whose body the lookup step rewrote to ask for usage (c.usage_added, see
+-- infergate.cache.lookup) is captured with its usage chunk, and the body filter takes
+-- that chunk out of what the client receives (strip_usage, after the capture and the
+-- rate limiter's usage reading have seen it).
 --
 -- The Redis work goes into the worker's flush queue (infergate.core.flush: one recurring
 -- timer per worker, one pipeline per flush, no timer per request): for a store SET entry
@@ -38,6 +45,7 @@ local reqctx = require("infergate.core.reqctx")
 local replay = require("infergate.cache.replay")
 local flush = require("infergate.core.flush")
 local cachekey = require("infergate.cache.key")
+local ratelimit = require("infergate.admission.ratelimit")
 
 local _M = {}
 
@@ -53,6 +61,9 @@ local ipairs = ipairs
 local tostring = tostring
 local tonumber = tonumber
 local concat = table.concat
+local find = string.find
+local sub = string.sub
+local byte = string.byte
 local null = cjson.null
 local log = ngx.log
 local DEBUG = ngx.DEBUG
@@ -88,27 +99,113 @@ function _M.header_filter()
     c.sse = type(ctype) == "string" and ctype:lower():find("text/event-stream", 1, true) ~= nil
     c.buf = {}
     c.size = 0
+    if c.usage_added and c.sse then
+        -- the usage chunk the edge asked for is taken out (strip_usage): another length
+        c.strip = {}
+        ngx.header["Content-Length"] = nil
+    end
+end
+
+-- ------------------------------------------------------------------ usage chunk
+
+-- The blank line that ends an SSE event ("\n\n" or "\n\r\n").
+local EVENT_END = "\n\r?\n"
+-- An empty "choices" array, and a "usage" object: the usage-only chunk has both. Inside a
+-- JSON string every quote is escaped, so neither is found in a content text.
+local EMPTY_CHOICES = '"choices"%s*:%s*%[%s*%]'
+local USAGE_OBJECT = '"usage"%s*:%s*{'
+-- Longest partial event held back (bytes): the usage chunk is far smaller, a longer
+-- partial event goes on unchanged.
+_M.STRIP_HOLD_MAX = 65536
+
+local function ends_event(s)
+    local n = #s
+    return byte(s, n) == 10 and (byte(s, n - 1) == 10
+        or (byte(s, n - 1) == 13 and byte(s, n - 2) == 10))
+end
+
+-- Whole events of text without the usage-only ones.
+local function drop_usage_events(text)
+    if not find(text, EMPTY_CHOICES) then
+        return text
+    end
+    local out, pos, n = {}, 1, #text
+    while pos <= n do
+        local _, e = find(text, EVENT_END, pos)
+        e = e or n
+        local ev = sub(text, pos, e)
+        if not (find(ev, EMPTY_CHOICES) and find(ev, USAGE_OBJECT)) then
+            out[#out + 1] = ev
+        end
+        pos = e + 1
+    end
+    return concat(out)
+end
+
+-- What the client gets of one body-filter buffer `data` (eof: the last one) of a stream
+-- whose usage chunk the edge asked for: the same bytes without the usage-only event
+-- ("choices": [] with a "usage" object). A partial event at the end of a buffer is held
+-- in st (the request's c.strip) until its end arrives, so an event split between reads is
+-- seen whole. Plain string searches, nothing decoded: a buffer of whole events without
+-- an empty "choices" array passes as it is.
+function _M.strip_usage(st, data, eof)
+    local held = st.held
+    if held then
+        st.held = nil
+        data = held .. (data or "")
+    end
+    if not data or data == "" then
+        return data
+    end
+    if not eof and not ends_event(data) then
+        local last, pos = nil, 1
+        while true do
+            local _, e = find(data, EVENT_END, pos)
+            if not e then
+                break
+            end
+            last, pos = e, e + 1
+        end
+        local rest = last and sub(data, last + 1) or data
+        if #rest <= _M.STRIP_HOLD_MAX then
+            st.held = rest
+            data = last and sub(data, 1, last) or ""
+        end
+    end
+    if data == "" then
+        return data
+    end
+    return drop_usage_events(data)
 end
 
 function _M.body_filter()
     local req = ngx.ctx.infergate
     local c = req and req.cache
-    if not c or not c.buf then
+    if not c then
         return
     end
     local data = ngx.arg[1]
-    if data and data ~= "" then
-        c.size = c.size + #data
-        if c.size > c.max_bytes then
-            c.buf = nil
-            c.store = false
-            c.skip = "larger than " .. c.max_bytes .. " bytes"
-            return
+    if c.buf then
+        if data and data ~= "" then
+            c.size = c.size + #data
+            if c.size > c.max_bytes then
+                c.buf = nil
+                c.store = false
+                c.skip = "larger than " .. c.max_bytes .. " bytes"
+            else
+                c.buf[#c.buf + 1] = data
+            end
         end
-        c.buf[#c.buf + 1] = data
+        if ngx.arg[2] then
+            c.eof = true
+        end
     end
-    if ngx.arg[2] then
-        c.eof = true
+    local st = c.strip
+    if st then
+        local out = _M.strip_usage(st, data, ngx.arg[2])
+        if out ~= data then
+            ngx.arg[1] = out
+        end
     end
 end
 
@@ -379,7 +476,7 @@ local COUNTERS = {
     BYPASS = { "bypass" },
 }
 
-local function store_of(c)
+local function store_of(c, req)
     if not c.store or not c.buf then
         return nil, c.skip
     end
@@ -413,6 +510,9 @@ local function store_of(c)
         created = now, ttl = c.ttl, body = body, path = c.path, kind = c.kind,
         stream = c.sse and true or false, content_type = "application/json", v = 1,
         tail = replay.tail(comp), usage = type(comp.usage) == "table",
+        -- characters of the prompt's message contents: a semantic hit scales the stored
+        -- prompt_tokens by the requester's prompt length (infergate.cache.lookup)
+        prompt_chars = ratelimit.prompt_chars(req and req.body),
     })
     local index_job
     if c.namespace and c.text then
@@ -441,7 +541,7 @@ function _M.log()
     end
     job.counters = counters or {}
     if c.status ~= "HIT" then
-        local s, why = store_of(c)
+        local s, why = store_of(c, req)
         if s then
             job.store = s
         elseif why then

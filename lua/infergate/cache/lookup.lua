@@ -30,7 +30,20 @@
 --     semantic_budget_ms); any failure or timeout -> BYPASS (the answer is still stored).
 --     A hit whose entry is gone (expired, purged), or whose stored namespace or tenant
 --     is not the request's, is a miss.
---   * miss -> MISS, the node's answer is captured (infergate.cache.capture).
+--   * miss -> MISS, the node's answer is captured (infergate.cache.capture); a stream
+--     that will be stored and did not ask for stream_options.include_usage asks the node
+--     for it (with_usage, below; cache.stream_usage), the client never sees that chunk.
+--   * a semantic hit that shows usage reports prompt_tokens estimated for the requesting
+--     prompt (semantic_usage, replay.scaled_usage); exact hits the stored figures.
+--   * every hit carries X-Cache-Entry: the exact key hex of the entry it was served from
+--     (infergate:v1:cache:entry:<id>, also the id of its semantic vector), which an
+--     operator can flag as wrong (POST /api/v1/cache/entries/<id>/flag), and counts
+--     hits_exact / hits_semantic on its namespace's hash (keynames.cache_ns_stats, TTL
+--     NS_STATS_TTL_S) through the flush queue.
+--   * online verification: a share cache.verify_fraction of semantic hits is also queued
+--     (flush queue, no timer: RPUSH onto keynames.cache_verify_queue, LTRIM to
+--     cache.verify_queue_max, EXPIRE VERIFY_QUEUE_TTL_S) with the request body for the
+--     control plane to check (controlplane.cache.verify); the hit is served all the same.
 -- The request's cache state is req.cache (see capture.lua for the fields it reads).
 local cjson = require("cjson.safe")
 local config = require("infergate.core.config")
@@ -39,19 +52,25 @@ local pool = require("infergate.redis.pool")
 local redis = require("infergate.redis.client")
 local cachekey = require("infergate.cache.key")
 local replay = require("infergate.cache.replay")
+local flush = require("infergate.core.flush")
+local request_body = require("infergate.core.body")
+local ratelimit = require("infergate.admission.ratelimit")
 
 local _M = {}
 
 local type = type
+local pairs = pairs
 local ipairs = ipairs
 local tostring = tostring
 local tonumber = tonumber
+local setmetatable = setmetatable
 local byte = string.byte
 local sub = string.sub
 local null = cjson.null
 local log = ngx.log
 local WARN = ngx.WARN
 local ERR = ngx.ERR
+local DEBUG = ngx.DEBUG
 
 _M.DICT = "infergate_cache"
 _M.LOOKUP_LOCATION = "/_infergate/cache/lookup"
@@ -60,11 +79,120 @@ _M.PATHS = { ["/v1/chat/completions"] = "chat", ["/v1/completions"] = "text" }
 _M.LOG_EVERY_S = 10
 --- Longest last-user text sent to the embedder (bytes, cut on a character boundary).
 _M.MAX_TEXT_BYTES = 16384
+-- Header naming the entry a hit was served from (its exact key hex).
+_M.ENTRY_HEADER = "X-Cache-Entry"
+-- TTL (s) of the per-namespace figures, renewed by every count (= the global counters').
+_M.NS_STATS_TTL_S = 30 * 86400
+-- TTL (s) of the verification queue, renewed by every push
+-- (controlplane.cache.verify.QUEUE_TTL_S).
+_M.VERIFY_QUEUE_TTL_S = 86400
+-- Request bodies larger than this (bytes) are not queued for verification.
+_M.VERIFY_MAX_BODY_BYTES = 65536
 
 local opts = nil
 
+-- ------------------------------------------------------------------ usage of streams
+
+-- A stream whose answer will be stored (MISS, or BYPASS that still stores) and that did
+-- not ask for stream_options.include_usage is sent to the node with
+-- "stream_options": {"include_usage": true}, so the stored entry carries usage and can
+-- answer any later request; infergate.cache.capture strips the usage-only chunk from
+-- what the client receives. The body is rewritten as text, every other byte as the
+-- client sent it: without "stream_options" the member is put right after the opening
+-- brace; with one (e.g. {"include_usage": false, "continuous_usage_stats": true}) only
+-- its value is replaced, when it occurs once in the body and is a scalar or a flat
+-- object, else the body is left alone. The cache key was worked out from the decoded
+-- body before (and never holds stream_options). Accept-Encoding is dropped from such a
+-- request: a compressed stream could be neither captured nor stripped.
+local USAGE_MEMBER = '"stream_options":{"include_usage":true},'
+local find = string.find
+
+-- The body text with include_usage asked, or nil, err. `so`: the decoded
+-- stream_options of the body (nil when it has none).
+function _M.with_usage(text, so)
+    if type(text) ~= "string" then
+        return nil, "no body text"
+    end
+    local open = find(text, "{", 1, true)
+    if not open then
+        return nil, "body is not an object"
+    end
+    if so == nil then
+        return sub(text, 1, open) .. USAGE_MEMBER .. sub(text, open + 1)
+    end
+    -- the member's one occurrence: a '"stream_options"' whose opening quote is not
+    -- escaped (an even number of backslashes before it), followed by ':', is a key; the
+    -- top level's, when the body has only one
+    local e, pos, n = nil, 1, 0
+    while true do
+        local s1, e1 = find(text, '"stream_options"%s*:%s*', pos)
+        if not s1 then
+            break
+        end
+        local b = s1 - 1
+        while b > 0 and byte(text, b) == 92 do -- a backslash
+            b = b - 1
+        end
+        if (s1 - 1 - b) % 2 == 0 then
+            n = n + 1
+            e = e1
+        end
+        pos = e1 + 1
+    end
+    if n ~= 1 then
+        return nil, "stream_options not found once"
+    end
+    local vs, ve
+    if byte(text, e + 1) == 123 then -- "{"
+        vs, ve = find(text, "^%b{}", e + 1)
+        if not vs or type(cjson.decode(sub(text, vs, ve))) ~= "table" then
+            return nil, "stream_options is not an object without braces in its strings"
+        end
+    else
+        vs, ve = find(text, "^[%w%.%+%-]+", e + 1)
+        if not vs then
+            return nil, "stream_options is not a scalar or object"
+        end
+    end
+    local value = '{"include_usage":true}'
+    if type(so) == "table" then
+        local copy = setmetatable({}, replay.OBJECT_MT)
+        for k, v in pairs(so) do
+            copy[k] = v
+        end
+        copy.include_usage = true
+        local enc = replay.encode(copy)
+        if not enc then
+            return nil, "stream_options cannot be encoded"
+        end
+        value = enc
+    end
+    return sub(text, 1, vs - 1) .. value .. sub(text, ve + 1)
+end
+
+local function ask_usage(req, c)
+    local text, err = request_body.text()
+    local body
+    if text then
+        body, err = _M.with_usage(text, req.body.stream_options)
+    end
+    if not body then
+        log(DEBUG, "infergate: cache: stream usage not asked of the node: ", err)
+        return
+    end
+    ngx.req.set_body_data(body)
+    ngx.req.clear_header("Accept-Encoding")
+    c.usage_added = true
+end
+
 local function step(req)
-    return _M.lookup(req)
+    local e = _M.lookup(req)
+    local c = req.cache
+    if c and c.store and c.stream and not c.include_usage and not c.usage_added
+        and opts.stream_usage ~= false then
+        ask_usage(req, c)
+    end
+    return e
 end
 
 -- Takes the cache options from the validated edge options (infergate.core.config,
@@ -197,10 +325,11 @@ local embedder_down_logged = false
 -- state `c`, or nil (absent or unusable): {doc, tail} for a non-streaming request when
 -- the entry has "tail" (infergate.cache.replay.splice), {doc, sse} for a stream whose
 -- replay this worker already rendered, else {doc, comp (the decoded stored form),
--- sse (streams)}. An entry stored from a stream that did not ask for usage has none: it
--- cannot answer a request whose answer must carry usage (a non-streaming one, or a
--- stream with stream_options.include_usage), which then goes to a node and stores a
--- complete entry in its place.
+-- sse (streams)}. An entry stored without usage (a stream whose node ignored the
+-- include_usage the edge asked for, cache.stream_usage off, or an older entry) cannot
+-- answer a request whose answer must carry usage (a non-streaming one, or a stream with
+-- stream_options.include_usage), which then goes to a node and stores a complete entry
+-- in its place.
 local function parse_entry(raw, c)
     if raw == null or type(raw) ~= "string" then
         return nil
@@ -261,13 +390,83 @@ end
 
 -- ------------------------------------------------------------------ lookup steps
 
-local function serve(req, c, entry, match, similarity)
+-- Queues a semantic hit for the control plane's verification (flush queue; see the
+-- header). The request body as received when nginx kept it in memory, else re-encoded.
+local function queue_verify(req, c, key, ns)
+    local body = ngx.req.get_body_data()
+    if not body and type(req.body) == "table" then
+        body = replay.encode(req.body)
+    end
+    if type(body) ~= "string" or #body > _M.VERIFY_MAX_BODY_BYTES then
+        return false
+    end
+    local item = replay.encode({ key = key, namespace = ns, path = c.path,
+                                 model = c.model or "", tenant = c.tenant or "default",
+                                 body = body, ts = ngx.now() })
+    if not item then
+        return false
+    end
+    local q = keynames.cache_verify_queue
+    return flush.push("cache_verify", {
+        { "RPUSH", q, item },
+        -- bounded while no control plane takes items: the newest are kept
+        { "LTRIM", q, -opts.verify_queue_max, -1 },
+        { "EXPIRE", q, _M.VERIFY_QUEUE_TTL_S },
+    })
+end
+_M._queue_verify = queue_verify
+
+local random = math.random
+
+local function serve(req, c, entry, match, similarity, key)
     c.status = "HIT"
     c.match = match
     c.similarity = similarity
+    key = key or c.key
+    c.entry_key = key
+    ngx.header[_M.ENTRY_HEADER] = key
+    local ns = entry.doc.namespace
+    if type(ns) ~= "string" or ns == "" then
+        ns = c.namespace
+    end
+    if type(ns) == "string" and ns ~= "" then
+        local h = keynames.cache_ns_stats(ns)
+        flush.count(h, match == "semantic" and "hits_semantic" or "hits_exact", 1,
+            _M.NS_STATS_TTL_S)
+        local f = opts.verify_fraction or 0
+        if match == "semantic" and f > 0 and (f >= 1 or random() < f)
+            and queue_verify(req, c, key, ns) then
+            flush.count(h, "verify_queued", 1, _M.NS_STATS_TTL_S)
+        end
+    end
     return replay.send(req, c, entry.comp, tonumber(entry.doc.created), match, similarity,
         entry.tail, entry.sse)
 end
+
+-- The entry to serve for a semantic hit: a hit answers another prompt, so an answer that
+-- shows usage (non-streaming, or a stream with include_usage) reports prompt_tokens
+-- estimated from the stored ones and the two prompts' lengths (replay.scaled_usage;
+-- the entry's "prompt_chars"). Entries without prompt_chars keep their figures.
+local function semantic_usage(req, c, entry)
+    if c.stream and not c.include_usage then
+        return entry
+    end
+    local stored = tonumber(entry.doc.prompt_chars)
+    if not stored or stored <= 0 then
+        return entry
+    end
+    local comp = entry.comp or replay.decode_stored(entry.doc.body, c.kind)
+    if not comp then
+        return entry
+    end
+    local u = replay.scaled_usage(comp.usage, ratelimit.prompt_chars(req.body), stored)
+    if not u then
+        return entry
+    end
+    comp.usage = u
+    return { doc = entry.doc, comp = comp }
+end
+_M._semantic_usage = semantic_usage
 
 -- Value of a coalescing lock once its leader ended without storing an answer
 -- (infergate.cache.capture): waiters and identical requests go to a node at once.
@@ -493,7 +692,8 @@ function _M.lookup(req)
                 hit = nil
             end
             if hit then
-                return serve(req, c, hit, "semantic", tonumber(res.similarity) or 0)
+                hit = semantic_usage(req, c, hit)
+                return serve(req, c, hit, "semantic", tonumber(res.similarity) or 0, res.key)
             end
             if herr then
                 return bypass(c, "redis", false)

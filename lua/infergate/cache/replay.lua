@@ -102,6 +102,45 @@ local function norm_usage(u)
     return out
 end
 
+-- The usage of a stored answer served to a prompt of `chars` characters when the stored
+-- prompt had `stored_chars` (a semantic hit: another prompt, and the edge cannot
+-- tokenize): prompt_tokens estimated as the stored prompt_tokens x chars / stored_chars
+-- (rounded, at least 1), total_tokens moved by as much, prompt_tokens_details.cached_tokens
+-- at most the estimate; completion_tokens as stored. nil when there is nothing to scale
+-- or the figures stay the same.
+function _M.scaled_usage(u, chars, stored_chars)
+    if type(u) ~= "table" or type(u.prompt_tokens) ~= "number" or type(chars) ~= "number"
+        or type(stored_chars) ~= "number" or chars <= 0 or stored_chars <= 0 then
+        return nil
+    end
+    local pt = u.prompt_tokens
+    local est = floor(pt * chars / stored_chars + 0.5)
+    if est < 1 then
+        est = 1
+    end
+    if est == pt then
+        return nil
+    end
+    local out = obj()
+    for k, v in pairs(u) do
+        out[k] = v
+    end
+    out.prompt_tokens = est
+    if type(u.total_tokens) == "number" then
+        out.total_tokens = u.total_tokens + est - pt
+    end
+    local d = u.prompt_tokens_details
+    if type(d) == "table" and type(d.cached_tokens) == "number" and d.cached_tokens > est then
+        local nd = obj()
+        for k, v in pairs(d) do
+            nd[k] = v
+        end
+        nd.cached_tokens = est
+        out.prompt_tokens_details = nd
+    end
+    return out
+end
+
 local function norm_tool_calls(tcs)
     if type(tcs) ~= "table" then
         return nil

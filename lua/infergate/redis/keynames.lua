@@ -19,6 +19,13 @@ _M.cache_index_prefix = BASE .. ":cache:idx:"
 _M.cache_index_queue = BASE .. ":cache:index_queue"
 _M.cache_vec_prefix_base = BASE .. ":cache:vec:"
 _M.cache_vec_channel = BASE .. ":cache:vec_added"
+-- Per-namespace cache figures (hashes with TTL), the threshold raises of the online
+-- verification (read by the embedder) and the queue of semantic hits to verify.
+_M.cache_ns_stats_prefix = BASE .. ":cache:ns:"
+_M.cache_threshold_raise = BASE .. ":cache:threshold_raise"
+_M.cache_verify_queue = BASE .. ":cache:verify_queue"
+-- Written by the control plane only: marks of entries dropped as wrong.
+_M.cache_dropped_prefix = BASE .. ":cache:dropped:"
 _M.ratelimit_prefix = BASE .. ":ratelimit:"
 -- Written by the control plane only (the overview's time series); named here so both agree.
 _M.overview_series = BASE .. ":overview:series"
@@ -35,6 +42,14 @@ end
 
 function _M.cache_entry(exact_key_hex)
     return _M.cache_entry_prefix .. exact_key_hex
+end
+
+function _M.cache_ns_stats(namespace_hex)
+    return _M.cache_ns_stats_prefix .. namespace_hex
+end
+
+function _M.cache_dropped(exact_key_hex)
+    return _M.cache_dropped_prefix .. exact_key_hex
 end
 
 function _M.cache_vec_prefix(model_slug, dim)
