@@ -10,11 +10,13 @@ prefill 4000 tokens/s, all simulated. Prefill dominates: a 4,000-token system pr
 costs 1.0 s of node time, decoding 16 tokens in a full batch 16 x 70 ms / 8 = 0.14 s; with
 the mean request of ``shared_prefix`` (about 4,500 prompt tokens, 21.6 output tokens)
 prefill is about 85 % of a request's cost without prefix caching. KV capacity
-76,800 tokens per node = the system prompts of a quarter of the groups (10 x 4,000
-mean) + a full batch of mean requests (8 x 4,600); the simnode's prefix cache holds
-``kv_capacity_tokens // 16`` blocks, that many tokens. A node that serves a quarter of
-the groups keeps their prompts and its sessions' histories cached; one that sees all 40
-groups (160,000 tokens of system prompts) keeps evicting them. The largest request
+76,800 tokens per node = a full batch of mean requests (8 x 4,600) + room for the
+system prompts of about 30 % of the groups (12 x 4,000 mean); as the simnode's prefix
+cache is an LRU of its own (controlplane/simnode/prefix.py), it is given that room,
+``--prefix-cache-blocks`` 3,000 (48,000 tokens), not the whole KV capacity. A node
+that serves a quarter of the groups keeps most of their prompts and its sessions'
+histories cached; one that sees all 40 groups (160,000 tokens of system prompts)
+keeps evicting them. The largest request
 (6,000 + 8 x 200 + 7 answers of 64 tokens + 64 output: under 8,800 tokens) fits, and a
 full batch of them (under 70,400) too, so the KV reservation never stops admission
 before the batch size does.
@@ -84,6 +86,9 @@ QUICK_WINDOW_S = {"shared_prefix": 60.0, "one_prompt": 40.0}
 #: Edge counts run for every strategy.
 EDGE_COUNTS = (1, 2)
 
+#: Prefix-cache room per node, blocks of 16 tokens (see the module docstring).
+PREFIX_CACHE_BLOCKS = 3000
+
 POOL = PoolSpec(n_fast=4, n_slow=0, fast_speed=1.0, max_running=8, decode_base_ms=50.0,
                 decode_per_seq_ms=2.5, prefill_tps=4000.0, kv_capacity_tokens=76_800)
 LENGTHS = LengthDist()
@@ -101,7 +106,8 @@ def node_names(spec: PoolSpec = POOL) -> list[str]:
 
 def start_pool(stack: Stack, time_scale: float, spec: PoolSpec = POOL) -> list[SimNodeProc]:
     """The equal nodes of ``spec``, prefix caching on (the simnode default)."""
-    specs = [(name, ["--log-level", "warning", *spec.simnode_flags(speed, time_scale)])
+    specs = [(name, ["--log-level", "warning", *spec.simnode_flags(speed, time_scale),
+                     "--prefix-cache-blocks", str(PREFIX_CACHE_BLOCKS)])
              for name, (_, speed) in zip(node_names(spec), spec.nodes(), strict=True)]
     nodes = launch.start_nodes(specs, stack.dir / "logs", into=stack, cls=SimNodeProc)
     for node, (_, speed) in zip(nodes, spec.nodes(), strict=True):

@@ -55,7 +55,7 @@ from ..common import (RESULTS_DIR, BenchError, Stack, load_prompts, log, machine
                       sigterm_as_interrupt, write_json)
 from . import report
 from .prefix import LOADS as PREFIX_LOADS
-from .prefix import PREFIX_SCENARIOS, PREFIX_STRATEGIES, run_prefix
+from .prefix import PREFIX_SCENARIOS, PREFIX_STRATEGIES, noprefix_base, run_prefix
 from .loadgen import RunOutput, StateSamples, run_load
 from .stack import (STRATEGIES, EdgeRun, InfergateStack, SimNodeProc, clear_faults,
                     infergate_settings, pool_idle, snapshot_all_healthy)
@@ -238,7 +238,10 @@ def run_scenario(sc: Scenario, *, prompts: list[str], loads: list[float], strate
         f"{len(loads) * len(strategies)} runs of {window:g} s")
     with Stack(f"infergate-bench-{sc.name}-", keep=keep) as stack:
         nodes = start_pool(stack, sc, ts)
-        base = start_base(stack, sc, nodes, ts) if "infergate" in strategies else None
+        base = (start_base(stack, sc, nodes, ts)
+                if any(x.startswith("infergate") for x in strategies) else None)
+        bases = {"infergate": base,
+                 "infergate_noprefix": noprefix_base(base) if base else None}
         rconn = redis.Redis.from_url(base.redis_url, socket_timeout=2) if base else None
         for frac in loads:
             wl = mix.workload(frac * cap_wall, window)
@@ -251,7 +254,8 @@ def run_scenario(sc: Scenario, *, prompts: list[str], loads: list[float], strate
                 if rconn is not None:
                     procs.wait_until(lambda: snapshot_all_healthy(rconn, len(nodes)), 60,
                                      interval=0.1, what="every node healthy in the snapshot")
-                edges = [EdgeRun(stack, strategy, nodes, ts, base,
+                kind = "infergate" if strategy in bases else strategy
+                edges = [EdgeRun(stack, kind, nodes, ts, bases.get(strategy),
                                  f"{sc.name}-{int(frac * 100)}-{strategy}-{i}")
                          for i in range(sc.edges)]
                 try:
@@ -297,7 +301,7 @@ def _floats(value: str) -> list[float]:
               help="Comma list of scenarios.")
 @click.option("--strategies", default=None,
               help=f"Comma list of strategies [default {','.join(STRATEGIES)}; the prefix "
-              f"scenarios also infergate_noprefix].")
+              f"scenarios also infergate_noprefix, which any scenario can be given].")
 @click.option("--prefix-edges", default="1,2", show_default=True,
               help="Edge counts each strategy of the prefix scenarios runs with.")
 @click.option("--loads", default=None,
@@ -323,9 +327,9 @@ def main(quick: bool, names: str, strategies: str | None, prefix_edges: str, loa
     chosen = [x.strip() for x in names.split(",") if x.strip()]
     prefix_chosen = [x for x in chosen if x in PREFIX_SCENARIOS]
     chosen = [x for x in chosen if x not in PREFIX_SCENARIOS]
-    allowed = PREFIX_STRATEGIES if prefix_chosen else STRATEGIES
+    allowed = PREFIX_STRATEGIES
     strats = ([x.strip() for x in strategies.split(",") if x.strip()] if strategies
-              else list(allowed))
+              else list(PREFIX_STRATEGIES if prefix_chosen else STRATEGIES))
     bad = [x for x in chosen if x not in SCENARIOS] + [x for x in strats if x not in allowed]
     if bad or not (chosen or prefix_chosen) or not strats:
         raise click.BadParameter(f"unknown scenario or strategy: {bad}")
@@ -343,7 +347,8 @@ def main(quick: bool, names: str, strategies: str | None, prefix_edges: str, loa
                        quick=quick, seed=seed, keep=keep, out=Path(out_dir))
         except (procs.StartError, BenchError) as exc:
             raise click.ClickException(str(exc)) from None
-        strats = [x for x in strats if x in STRATEGIES]
+        if not strategies:
+            strats = list(STRATEGIES)
         if not chosen or not strats:
             return
     ts = time_scale or (0.1 if quick else 0.2)
