@@ -23,8 +23,8 @@ before the batch size does.
 
 Workload and load (bench/scheduler/sessions.py): ``shared_prefix`` runs the whole
 population (40 groups x 5 users = 200 sessions of 3-8 turns, system prompts of
-2,000-6,000 tokens, user turns of 50-200 tokens, think time exponential with mean 3 s
-simulated) at 60, 80 and 95 % of the pool's capacity without prefix caching;
+2,000-6,000 tokens, user turns of 50-200 tokens, think time exponential with mean 30 s
+simulated, so that most sessions, and with them all 40 groups, are open at once) at 60, 80 and 95 % of the pool's capacity without prefix caching;
 ``one_prompt`` sends single-turn sessions (Poisson requests) that all share one
 4,000-token system prompt with a distinct user turn of 50-200 tokens, at 80 % for
 120 simulated seconds, to show whether prefix affinity piles one prompt onto one node.
@@ -86,6 +86,10 @@ QUICK_WINDOW_S = {"shared_prefix": 60.0, "one_prompt": 40.0}
 #: Edge counts run for every strategy.
 EDGE_COUNTS = (1, 2)
 
+#: Mean think time of ``shared_prefix`` users between an answer and their next turn,
+#: simulated seconds: long enough that most of the 200 sessions are open at once (their
+#: groups' system prompts are the working set), as with people reading answers.
+THINK_MEAN_S = 30.0
 #: Prefix-cache room per node, blocks of 16 tokens (see the module docstring).
 PREFIX_CACHE_BLOCKS = 3000
 
@@ -93,7 +97,7 @@ POOL = PoolSpec(n_fast=4, n_slow=0, fast_speed=1.0, max_running=8, decode_base_m
                 decode_per_seq_ms=2.5, prefill_tps=4000.0, kv_capacity_tokens=76_800)
 LENGTHS = LengthDist()
 SPECS = {
-    "shared_prefix": SessionSpec(lengths=LENGTHS),
+    "shared_prefix": SessionSpec(think_mean_s=THINK_MEAN_S, lengths=LENGTHS),
     "one_prompt": SessionSpec(groups=1, users_per_group=2000, system_tokens=(4000, 4000),
                               turns=(1, 1), think_mean_s=0.0, lengths=LENGTHS),
 }
