@@ -39,7 +39,7 @@ def _conversation(edge, i: int, turns: int = 3, cached: list[int] | None = None)
 
 def test_conversations_stick_spread_and_two_edges_agree(simnodes, redis_server,
                                                          edge_factory) -> None:
-    pool = simnodes(3, "--output-tokens", "2:4", names=["pa", "pb", "pc"])
+    pool = simnodes(3, "--output-tokens", "2:4", names=["pa", "pb", "pc"], time_scale=0.05)
     settings = edge_settings(redis_server.url, [n.node_settings() for n in pool])
     one, two = edge_factory(settings), edge_factory(settings)
     homes = {}
@@ -64,7 +64,7 @@ def test_conversations_stick_spread_and_two_edges_agree(simnodes, redis_server,
 
 
 def test_session_header_is_an_explicit_key(simnodes, redis_server, edge_factory) -> None:
-    pool = simnodes(3, "--output-tokens", "2:2", names=["sa", "sb", "sc"])
+    pool = simnodes(3, "--output-tokens", "2:2", names=["sa", "sb", "sc"], time_scale=0.05)
     settings = edge_settings(redis_server.url, [n.node_settings() for n in pool])
     edge = edge_factory(settings)
     for s in ("alice", "bob", "carol"):

@@ -34,7 +34,9 @@
 --   bound(node) = ceil((1 + edge.prefix_load_factor) x (T + 1) x cap(node) / sum cap)
 --                 T = this edge's requests in flight on the candidates, cap = the
 --                 node's concurrency (max_concurrency, or the learned one for a node
---                 without metrics, infergate.routing.speed) x effective_weight
+--                 without metrics, infergate.routing.speed) x effective_weight,
+--                 and at least ceil(FREE_SHARE (1/4) x the node's concurrency): a node
+--                 that far from full is not loaded, whatever the others carry
 -- The first node in rank order with in-flight < bound that is not saturated (fresh
 -- snapshot) is taken, so a burst spills to the key's second, third, ... node instead of
 -- piling onto one. When every candidate is over its bound or saturated, the first in
@@ -197,6 +199,13 @@ function _M.key(body, o)
     return nil
 end
 
+-- A node with fewer requests of this edge in flight than this share of its concurrency
+-- is within the bound whatever the others carry: it is not loaded, and sending the
+-- request elsewhere would only lose the cached prefix (at a light load the bound alone,
+-- ceil(1.25 x (T + 1) / n), is 1, and every busy node would spill).
+local FREE_SHARE = 0.25
+_M.FREE_SHARE = FREE_SHARE
+
 _M.HEAT_DICT = "infergate_affinity"
 _M.HEAT_HALF_LIFE_S = 10
 local HEAT_TTL_S = 600
@@ -349,7 +358,12 @@ function _M.choose(cands, n, key, o, fresh, now, retry)
     for pos = 1, n do
         local i = order[pos]
         local node = cands[i]
-        if inflight[i] < ceil(factor * caps[i]) and not (fresh and node.saturated) then
+        local bound = ceil(factor * caps[i])
+        local floor = ceil(FREE_SHARE * caps[i] / node.effective_weight)
+        if bound < floor then
+            bound = floor
+        end
+        if inflight[i] < bound and not (fresh and node.saturated) then
             bump(pos <= m and "af:first" or "af:spill")
             return node
         end
