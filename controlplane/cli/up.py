@@ -234,13 +234,16 @@ def _embedder_healthy(url: str) -> bool:
 
 
 def _start_embedder(settings: Settings, workdir: Path, stack: procs.ProcessSet,
-                    timeout: float = EMBEDDER_START_S) -> str:
+                    timeout: float = EMBEDDER_START_S, config_path: str | None = None) -> str:
     """Start the semantic-cache embedder for ``settings.cache`` and return a one-line
     description for the banner. Never starts one for a non-local URL (the operator runs
     it there). A local one is always this run's own, on the configured port or, when that
     is busy (another stack's embedder may use another Redis), on a free port.
     On any failure stops what it started, sets ``cache.semantic = False`` and returns
-    ``"off (<reason>)"``: the stack then runs with the exact cache only."""
+    ``"off (<reason>)"``: the stack then runs with the exact cache only. ``config_path``
+    (the operator's infergate.toml) is handed to the embedder, which reads its
+    ``[cache]`` section there (``semantic_domains`` written by ``infergate cache
+    calibrate``, the verifier, per-route and per-model thresholds)."""
     c = settings.cache
     if not c.enabled:
         return "off (cache.enabled = false)"
@@ -262,6 +265,9 @@ def _start_embedder(settings: Settings, workdir: Path, stack: procs.ProcessSet,
          "a while)")
     # the Redis URL (maybe with a password) through the environment, not the command line
     env = {**os.environ, "INFERGATE_REDIS_URL": settings.redis.url}
+    env.pop("INFERGATE_CONFIG", None)  # up reads no config from the environment
+    if config_path:
+        env["INFERGATE_CONFIG"] = str(Path(config_path).resolve())
     for attempt in range(START_ATTEMPTS):
         m = procs.Managed("embedder", argv, workdir / "logs" / "embedder.log", env=env).start()
         try:
@@ -592,7 +598,7 @@ def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
         demo_key = None
         if settings.auth.mode == "required":
             demo_key, _ = apikeys.create_key(r, "demo", label="infergate up demo key")
-        semantic_desc = _start_embedder(settings, wd, stack)
+        semantic_desc = _start_embedder(settings, wd, stack, config_path=config_path)
         if semantic_desc.startswith("off ("):
             click.echo(f"semantic cache is off: {semantic_desc[5:-1]}", err=True)
         metrics_desc = "off"
