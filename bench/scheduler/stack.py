@@ -86,6 +86,10 @@ def _dur(seconds: float) -> str:
 #: nginx round-robin or least_conn in front of the pool (the baselines).
 PLAIN_CONF = "# {strategy} baseline of the infergate scheduler benchmark\n" + NGINX_HEAD + """\
     tcp_nodelay on;
+    # request bodies in memory, as in the infergate template (a long prompt that nginx
+    # spilled to a temp file reached the node about 40 ms later)
+    client_max_body_size 8m;
+    client_body_buffer_size 8m;
     upstream pool {{
 {least_conn}        zone pool 64k;
 {servers}
