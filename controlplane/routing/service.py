@@ -229,6 +229,8 @@ class ControlPlane:
             if not self._seeded or lost or (self.redis_ok is False and not self.r.exists(keynames.NODES)):
                 added = registry.seed_nodes(self.r, self.settings.nodes)
                 self._seeded = True
+            if lost:
+                self._record_state_lost()  # after the re-seed the event announces
             nodes = registry.list_nodes(self.r)
             states = registry.get_states(self.r)
             edges = self.r.hgetall(keynames.EDGES)
@@ -267,6 +269,10 @@ class ControlPlane:
                   "restore API keys with `infergate keys import`. Run Redis with "
                   "appendonly yes and maxmemory-policy volatile-lru (docs/operations.md).",
                   self.settings.redis.url.split("@")[-1], keynames.STATE_MARKER)
+        return True
+
+    def _record_state_lost(self) -> None:
+        """The ``state_lost`` event (written once the nodes are seeded again)."""
         try:
             registry.add_event(self.r, "state_lost", "", actor=ACTOR,
                                detail={"message": "Redis came back without its state; nodes "
@@ -275,7 +281,6 @@ class ControlPlane:
                                maxlen=self.settings.controlplane.events_max)
         except redis.RedisError as exc:
             log.warning("state_lost event not written: %s", exc)
-        return True
 
     def _leader_tick(self) -> bool:
         was = self.elector.is_leader

@@ -25,7 +25,7 @@ from support.stack import edge_settings
 TOKEN = "drain-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 LONG_TOKENS = 250
-SLOW_START_S = 12.0
+SLOW_START_S = 8.0
 
 
 def short_request(edge_url: str, i: int) -> tuple[int, str]:
@@ -137,7 +137,7 @@ def test_drain_finishes_streams_avoids_node_and_undrain_ramps(
         assert len(window) >= 30, f"too few requests in [{lo}, {hi}) s: {len(window)}"
         return sum(1 for n in window if n == victim) / len(window), len(window)
 
-    early, n_early = share(0.0, 2.0)
+    early, n_early = share(0.0, 1.5)
     late, n_late = share(SLOW_START_S + 0.5, SLOW_START_S + 3.0)
     msg = f"{victim}: early share {early:.2f} of {n_early}, late share {late:.2f} of {n_late}"
     assert late > 0.15, msg
