@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -70,46 +71,57 @@ def request_body(req: Request, model: str | None = None) -> dict:
     return body
 
 
-async def send_one(session: aiohttp.ClientSession, url: str, req: Request, deadline_s: float,
-                   lag_s: float = 0.0) -> Result:
-    """Send ``req`` to ``url`` (``.../v1/chat/completions``) and read the stream until
-    ``[DONE]``, the end of the answer or the deadline. Never raises for network or
-    HTTP problems: they become an ``error`` result."""
+async def stream_request(session: aiohttp.ClientSession, url: str, body: dict,
+                         deadline_s: float, res: Result,
+                         on_event: Callable[[bytes, float], None]) -> bool:
+    """POST ``body`` to ``url`` and read the SSE stream until ``[DONE]``, the end of the
+    answer or ``deadline_s`` wall seconds, filling ``res`` (status, node, outcome,
+    e2e_s, events, error); ``on_event(payload, seconds since the request)`` is called
+    for every ``data:`` event before ``[DONE]``. Returns True when ``[DONE]`` arrived.
+    Never raises for network or HTTP problems: they become an ``error`` outcome."""
     loop = asyncio.get_running_loop()
     start = loop.time()
-    res = Result(idx=req.idx, outcome="error", lag_s=lag_s)
     try:
         async with asyncio.timeout(deadline_s):
-            async with session.post(url, json=request_body(req, req.model),
-                                    headers=NO_CACHE_HEADERS) as resp:
+            async with session.post(url, json=body, headers=NO_CACHE_HEADERS) as resp:
                 res.status = resp.status
                 res.node = resp.headers.get("X-Sim-Node")
                 if resp.status != 200:
                     text = (await resp.read())[:300].decode("utf-8", "replace")
                     res.error = f"HTTP {resp.status}: {text}"
-                    return res
-                done = False
+                    return False
                 async for line in resp.content:
                     if not line.startswith(b"data:"):
                         continue
                     payload = line[5:].strip()
                     if payload == b"[DONE]":
-                        done = True
-                        break
+                        res.outcome = "ok"
+                        res.e2e_s = loop.time() - start
+                        return True
                     res.events += 1
-                    if res.ttft_s is None and _has_text(payload):
-                        res.ttft_s = loop.time() - start
-                if done:
-                    res.outcome = "ok"
-                    res.e2e_s = loop.time() - start
-                else:
-                    res.error = "stream ended without [DONE]"
+                    on_event(payload, loop.time() - start)
+                res.error = "stream ended without [DONE]"
     except TimeoutError:
         res.outcome = "timeout"
         res.error = f"no complete answer within {deadline_s:g} s"
     except (aiohttp.ClientError, OSError) as exc:
         res.outcome = "error"
         res.error = f"{type(exc).__name__}: {exc}"
+    return False
+
+
+async def send_one(session: aiohttp.ClientSession, url: str, req: Request, deadline_s: float,
+                   lag_s: float = 0.0) -> Result:
+    """Send ``req`` to ``url`` (``.../v1/chat/completions``) and read the stream until
+    ``[DONE]``, the end of the answer or the deadline. Never raises for network or
+    HTTP problems: they become an ``error`` result."""
+    res = Result(idx=req.idx, outcome="error", lag_s=lag_s)
+
+    def on_event(payload: bytes, t: float) -> None:
+        if res.ttft_s is None and _has_text(payload):
+            res.ttft_s = t
+
+    await stream_request(session, url, request_body(req, req.model), deadline_s, res, on_event)
     return res
 
 

@@ -65,7 +65,7 @@ import aiohttp
 
 from controlplane.simnode import textgen
 
-from .loadgen import NO_CACHE_HEADERS, Result, StateSamples
+from .loadgen import Result, StateSamples, stream_request
 from .workload import LengthDist, PoolSpec, pool_capacity_rps
 
 #: Characters per token, as the simnode counts prompt tokens.
@@ -322,60 +322,33 @@ async def send_turn(session: aiohttp.ClientSession, url: str, sess: Session, k: 
     """Send turn ``k`` of ``sess`` to ``url`` and read its stream until ``[DONE]``, the
     end of the answer or ``deadline_s`` wall seconds. Never raises for network or HTTP
     problems: they become an ``error`` result."""
-    loop = asyncio.get_running_loop()
     messages = sess.messages(k, answers)
     res = TurnResult(idx=sess.request_id(k), outcome="error", lag_s=lag_s, session=sess.idx,
                      turn=k, edge=edge, prompt_tokens=prompt_tokens_of(messages))
     body = {"messages": messages, "stream": True, "stream_options": {"include_usage": True},
             "sim_output_tokens": sess.turns[k].output_tokens}
-    start = loop.time()
     text: list[str] = []
-    try:
-        async with asyncio.timeout(deadline_s):
-            async with session.post(url, json=body, headers=NO_CACHE_HEADERS) as resp:
-                res.status = resp.status
-                res.node = resp.headers.get("X-Sim-Node")
-                if resp.status != 200:
-                    raw = (await resp.read())[:300].decode("utf-8", "replace")
-                    res.error = f"HTTP {resp.status}: {raw}"
-                    return res
-                done = False
-                async for line in resp.content:
-                    if not line.startswith(b"data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == b"[DONE]":
-                        done = True
-                        break
-                    res.events += 1
-                    obj = _parse_event(payload)
-                    if obj is None:
-                        continue
-                    usage = obj.get("usage")
-                    if isinstance(usage, dict):
-                        res.usage_prompt_tokens = usage.get("prompt_tokens")
-                        details = usage.get("prompt_tokens_details")
-                        if isinstance(details, dict) and details.get("cached_tokens") is not None:
-                            res.cached_tokens = int(details["cached_tokens"])
-                    choices = obj.get("choices") or []
-                    if choices and isinstance(choices[0], dict):
-                        piece = (choices[0].get("delta") or {}).get("content")
-                        if piece:
-                            if res.ttft_s is None:
-                                res.ttft_s = loop.time() - start
-                            text.append(piece)
-                if done:
-                    res.outcome = "ok"
-                    res.e2e_s = loop.time() - start
-                    res.answer = "".join(text)
-                else:
-                    res.error = "stream ended without [DONE]"
-    except TimeoutError:
-        res.outcome = "timeout"
-        res.error = f"no complete answer within {deadline_s:g} s"
-    except (aiohttp.ClientError, OSError) as exc:
-        res.outcome = "error"
-        res.error = f"{type(exc).__name__}: {exc}"
+
+    def on_event(payload: bytes, t: float) -> None:
+        obj = _parse_event(payload)
+        if obj is None:
+            return
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            res.usage_prompt_tokens = usage.get("prompt_tokens")
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and details.get("cached_tokens") is not None:
+                res.cached_tokens = int(details["cached_tokens"])
+        choices = obj.get("choices") or []
+        if choices and isinstance(choices[0], dict):
+            piece = (choices[0].get("delta") or {}).get("content")
+            if piece:
+                if res.ttft_s is None:
+                    res.ttft_s = t
+                text.append(piece)
+
+    if await stream_request(session, url, body, deadline_s, res, on_event):
+        res.answer = "".join(text)
     return res
 
 

@@ -186,7 +186,8 @@ class ControlPlane:
         self._pending: deque[tuple[str, str, dict]] = deque(maxlen=256)
         self._lock = threading.Lock()
         self._scheduler: Any = None
-        self._last_job_error: str | None = None
+        #: Last error message of each scheduled job (None: its last run went well).
+        self._job_errors: dict[str, str | None] = {}
         #: Called with every finished cycle's report (e.g. the Prometheus exporter).
         self.cycle_listeners: list[Callable[[CycleReport], None]] = []
         #: Redis failures seen so far (one per failed step of a cycle).
@@ -200,7 +201,6 @@ class ControlPlane:
 
         #: Online verification of semantic cache hits (leader only, :meth:`run_verify`).
         self.verifier = OnlineVerifier(settings, r, self.verify_nodes)
-        self._verify_error: str | None = None
         if cp.leader_ttl_s < 2 * cp.poll_interval_s:
             log.warning("controlplane.leader_ttl_s (%g s) is under twice poll_interval_s "
                         "(%g s): the leader lock may expire between renewals",
@@ -490,27 +490,25 @@ class ControlPlane:
             self._redis_failed(exc)
             return []
 
-    def _verify_job(self) -> None:
+    def _guarded(self, name: str, fn: Callable[[], object], what: str) -> None:
+        """Run a scheduled job's work; an exception is logged once per distinct message
+        (kept in ``self._job_errors[name]``) and the job runs again at its next time."""
         try:
-            self.run_verify()
-            self._verify_error = None
-        except Exception as exc:  # noqa: BLE001 - the job must survive anything
+            fn()
+            self._job_errors[name] = None
+        except Exception as exc:  # noqa: BLE001 - a scheduled job must survive anything
             msg = f"{type(exc).__name__}: {exc}"
-            if msg != self._verify_error:
-                log.exception("cache verification failed: %s", msg)
-            self._verify_error = msg
+            if msg != self._job_errors.get(name):
+                log.exception("%s failed: %s", what, msg)
+            self._job_errors[name] = msg
+
+    def _verify_job(self) -> None:
+        self._guarded("verify", self.run_verify, "cache verification")
 
     # -- scheduling ------------------------------------------------------------------
 
     def _job(self) -> None:
-        try:
-            self.run_cycle()
-            self._last_job_error = None
-        except Exception as exc:  # noqa: BLE001 - the loop must survive anything
-            msg = f"{type(exc).__name__}: {exc}"
-            if msg != self._last_job_error:
-                log.exception("poll cycle failed: %s", msg)
-            self._last_job_error = msg
+        self._guarded("poll", self.run_cycle, "poll cycle")
 
     def start(self) -> None:
         """Run :meth:`run_cycle` now and then every ``poll_interval_s`` in the background."""

@@ -25,7 +25,7 @@ from controlplane.redisdb import keynames
 from controlplane.cache.key import keys_for
 from controlplane.config import Settings
 from controlplane.simnode import launch
-from support.stack import SimNode, edge_settings, write_snapshot
+from support.stack import SimNode, edge_settings, start_cache_backend, write_snapshot
 
 pytestmark = pytest.mark.integration
 
@@ -62,21 +62,10 @@ def stack() -> Iterator[Stack]:
     d.chmod(0o755)
     ps = procs.ProcessSet()
     try:
-        rport = procs.free_port()
-        ps.add(procs.start_redis(d / "redis", rport))
-        url = f"redis://127.0.0.1:{rport}/0"
-        eport = procs.free_port()
-        emb = ps.add(procs.Managed("embedder", procs.infergate_argv(
-            "embedder", "--listen", f"127.0.0.1:{eport}", "--redis-url", url, "--index", "local",
-            "--threads", "4"), d / "logs" / "embedder.log").start())
         node = launch.start_node("sim-c", d / "logs", "--time-scale", "0.05",
                                  "--output-tokens", "24:48", into=ps, cls=SimNode)
-        emb.wait_ready(lambda: _http_ok(f"http://127.0.0.1:{eport}/healthz"), 120)
-        # first embedding of a process is slow; do it before any edge budget applies
-        requests.post(f"http://127.0.0.1:{eport}/v1/lookup",
-                      json={"namespace": "0" * 64, "text": "warm up"}, timeout=30)
-        r = redis.Redis(host="127.0.0.1", port=rport, decode_responses=True, socket_timeout=2)
-        yield Stack(d, url, rport, node, f"http://127.0.0.1:{eport}", r)
+        url, rport, embedder_url, r = start_cache_backend(d, ps)
+        yield Stack(d, url, rport, node, embedder_url, r)
     finally:
         ps.stop_all()
         shutil.rmtree(d, ignore_errors=True)

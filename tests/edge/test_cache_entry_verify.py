@@ -24,7 +24,7 @@ from controlplane.cache.key import keys_for
 from controlplane.config import Settings, settings_from_dict
 from controlplane.redisdb import keynames
 from controlplane.routing import registry
-from support.stack import edge_settings
+from support.stack import edge_settings, start_cache_backend
 
 pytestmark = pytest.mark.integration
 
@@ -48,19 +48,8 @@ def stack() -> Iterator[Stack]:
     d.chmod(0o755)
     ps = procs.ProcessSet()
     try:
-        rport = procs.free_port()
-        ps.add(procs.start_redis(d / "redis", rport))
-        url = f"redis://127.0.0.1:{rport}/0"
-        eport = procs.free_port()
-        emb = ps.add(procs.Managed("embedder", procs.infergate_argv(
-            "embedder", "--listen", f"127.0.0.1:{eport}", "--redis-url", url, "--index", "local",
-            "--threads", "4"), d / "logs" / "embedder.log").start())
-        emb.wait_ready(lambda: requests.get(f"http://127.0.0.1:{eport}/healthz",
-                                            timeout=1).status_code == 200, 120)
-        requests.post(f"http://127.0.0.1:{eport}/v1/lookup",
-                      json={"namespace": "0" * 64, "text": "warm up"}, timeout=30)
-        r = redis.Redis(host="127.0.0.1", port=rport, decode_responses=True, socket_timeout=2)
-        yield Stack(d, url, f"http://127.0.0.1:{eport}", r)
+        url, _, embedder_url, r = start_cache_backend(d, ps)
+        yield Stack(d, url, embedder_url, r)
     finally:
         ps.stop_all()
         shutil.rmtree(d, ignore_errors=True)

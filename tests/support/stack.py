@@ -87,6 +87,27 @@ def edge_settings(redis_url: str, nodes: list[NodeSettings] | list[dict] = (), *
 
 # --------------------------------------------------------------------------- Lua in nginx
 
+def start_cache_backend(d: Path, ps: procs.ProcessSet) -> tuple[str, int, str, redis.Redis]:
+    """redis-server and ``infergate embedder`` (local index) for the semantic-cache tests,
+    started into ``ps`` under ``d`` on free ports; waits for the embedder and embeds once
+    (a process's first embedding is slow: done before any edge budget applies). Returns
+    (redis URL, Redis port, embedder URL, a decoding Redis client)."""
+    rport = procs.free_port()
+    ps.add(procs.start_redis(d / "redis", rport))
+    url = f"redis://127.0.0.1:{rport}/0"
+    eport = procs.free_port()
+    emb = ps.add(procs.Managed("embedder", procs.infergate_argv(
+        "embedder", "--listen", f"127.0.0.1:{eport}", "--redis-url", url, "--index", "local",
+        "--threads", "4"), d / "logs" / "embedder.log").start())
+    embedder_url = f"http://127.0.0.1:{eport}"
+    emb.wait_ready(lambda: requests.get(embedder_url + "/healthz", timeout=1).status_code == 200,
+                   120)
+    requests.post(embedder_url + "/v1/lookup", json={"namespace": "0" * 64, "text": "warm up"},
+                  timeout=30)
+    r = redis.Redis(host="127.0.0.1", port=rport, decode_responses=True, socket_timeout=2)
+    return url, rport, embedder_url, r
+
+
 class LuaError(AssertionError):
     """Lua code run by :func:`lua_eval` raised an error."""
 
