@@ -136,8 +136,10 @@ class StateSamples:
 
 
 async def sample_states(session: aiohttp.ClientSession, control_urls: dict[str, str],
-                        interval_s: float, stop: asyncio.Event, out: StateSamples) -> None:
-    """Poll every node's ``/_sim/state`` every ``interval_s`` until ``stop`` is set."""
+                        interval_s: float, stop: asyncio.Event, out: StateSamples,
+                        on_state: Callable[[str, dict], None] | None = None) -> None:
+    """Poll every node's ``/_sim/state`` every ``interval_s`` until ``stop`` is set;
+    ``on_state(node, state)`` also sees every answered poll."""
     async def one(name: str, url: str) -> None:
         try:
             async with session.get(f"{url}/_sim/state",
@@ -150,6 +152,8 @@ async def sample_states(session: aiohttp.ClientSession, control_urls: dict[str, 
         total = int(st.get("requests_total", 0))
         first = out.requests_total.get(name, (total, total))[0]
         out.requests_total[name] = (first, total)
+        if on_state is not None:
+            on_state(name, st)
 
     loop = asyncio.get_running_loop()
     next_at = loop.time()

@@ -65,7 +65,7 @@ import aiohttp
 
 from controlplane.simnode import textgen
 
-from .loadgen import Result, StateSamples, stream_request
+from .loadgen import Result, StateSamples, sample_states, stream_request
 from .workload import LengthDist, PoolSpec, pool_capacity_rps
 
 #: Characters per token, as the simnode counts prompt tokens.
@@ -374,33 +374,12 @@ async def _drive(session: aiohttp.ClientSession, urls: Sequence[str], sess: Sess
 async def _sample(session: aiohttp.ClientSession, control_urls: dict[str, str],
                   interval_s: float, stop: asyncio.Event, states: StateSamples,
                   inflight: InflightSamples) -> None:
-    async def one(name: str, url: str) -> None:
-        try:
-            async with session.get(f"{url}/_sim/state",
-                                   timeout=aiohttp.ClientTimeout(total=max(1.0, interval_s * 5))) as r:
-                st = await r.json()
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
-            states.failed_polls += 1
-            return
-        running = int(st.get("running", 0))
-        states.running.setdefault(name, []).append(running)
-        inflight.inflight.setdefault(name, []).append(running + int(st.get("waiting", 0)))
-        total = int(st.get("requests_total", 0))
-        first = states.requests_total.get(name, (total, total))[0]
-        states.requests_total[name] = (first, total)
+    """:func:`~bench.scheduler.loadgen.sample_states`, also keeping running + waiting."""
+    def keep(name: str, st: dict) -> None:
+        inflight.inflight.setdefault(name, []).append(int(st.get("running", 0))
+                                                      + int(st.get("waiting", 0)))
 
-    loop = asyncio.get_running_loop()
-    next_at = loop.time()
-    while not stop.is_set():
-        await asyncio.gather(*(one(n, u) for n, u in control_urls.items()))
-        next_at += interval_s
-        delay = max(0.0, next_at - loop.time())
-        if delay == 0:
-            next_at = loop.time()
-        try:
-            await asyncio.wait_for(stop.wait(), delay)
-        except TimeoutError:
-            pass
+    await sample_states(session, control_urls, interval_s, stop, states, on_state=keep)
 
 
 @dataclass

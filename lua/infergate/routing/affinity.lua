@@ -211,11 +211,16 @@ _M.HEAT_HALF_LIFE_S = 10
 local HEAT_TTL_S = 600
 local exp2 = function(x) return 2 ^ x end
 
--- Decayed count stored under `name` (value and time), plus `add`; returns the new value.
-local function decayed_add(d, name, now, add)
+-- Decayed count stored under `name` (value and time) at `now`.
+local function decayed(d, name, now)
     local v = d:get("v" .. name) or 0
     local t = d:get("t" .. name) or now
-    v = v * exp2(-(now - t) / _M.HEAT_HALF_LIFE_S) + add
+    return v * exp2(-(now - t) / _M.HEAT_HALF_LIFE_S)
+end
+
+-- That count plus `add`, stored; returns the new value.
+local function decayed_add(d, name, now, add)
+    local v = decayed(d, name, now) + add
     d:set("v" .. name, v, HEAT_TTL_S)
     d:set("t" .. name, now, HEAT_TTL_S)
     return v
@@ -238,7 +243,7 @@ function _M.heat(key, now)
     if not d then
         return 0
     end
-    local total = decayed_add(d, "*", now, 0)
+    local total = decayed(d, "*", now)
     local v = decayed_add(d, key, now, 1)
     if total <= 0 then
         return 0
