@@ -29,11 +29,27 @@ def _wait(cond, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
+MIN_S, FACTOR = 0.5, 5.0
+
+
+def _threshold(edge, name: str) -> float:
+    """The node's outlier threshold (s) as the edge computes it from its TTFB history:
+    max(outlier_ttfb_min_s, outlier_ttfb_factor x p90) -- a loaded machine raises p90."""
+    p90 = edge.node_status(name)["ttfb_p90_s"]["plain"] or 0.0
+    return max(MIN_S, FACTOR * p90)
+
+
+def _until_past(threshold: float, since: float) -> None:
+    """Waits until an attempt started at ``since`` (monotonic s) has waited past the
+    threshold, with a margin; nothing to poll: the edge checks it at its next pick."""
+    time.sleep(max(0.0, since + threshold + 0.3 - time.monotonic()))
+
+
 @pytest.fixture
 def pair(tiny_upstreams, redis_server, edge_factory):
     a, b = tiny_upstreams(names=["a", "b"])
     edge = edge_factory(edge_settings(redis_server.url, [a.node_settings(), b.node_settings()],
-                                      outlier_ttfb_min_s=0.5, outlier_ttfb_factor=5.0,
+                                      outlier_ttfb_min_s=MIN_S, outlier_ttfb_factor=FACTOR,
                                       read_timeout_ms=15000))
     return edge, a, b
 
@@ -42,15 +58,18 @@ def test_a_hanging_node_stops_getting_requests_until_it_answers(pair) -> None:
     edge, a, b = pair
     for _ in range(10):                      # some TTFB history for both nodes
         assert _post(edge).status_code == 200
+    threshold = _threshold(edge, "a")
     a.mode = "hang"
     pool = ThreadPoolExecutor(8)
     stuck = []
     try:
-        # requests until one is hanging on a
+        # requests until one is hanging on a, then no more until all have arrived
         while a.inflight < 1:
             stuck.append(pool.submit(_post, edge))
-            time.sleep(0.05)
-        time.sleep(0.8)                      # past the 0.5 s threshold
+            _wait(lambda: a.inflight >= 1 or a.hits + b.hits >= 10 + len(stuck), 10)
+        since = time.monotonic()
+        _wait(lambda: all(f.done() for f in stuck[:-1]), 10)   # the others were answered by b
+        _until_past(threshold, since)
         before = a.hits
         seen = Counter(_post(edge).headers["X-Infergate-Node"] for _ in range(20))
         assert seen == {"b": 20}
@@ -73,14 +92,18 @@ def test_a_slow_answer_clears_the_outlier_at_once(pair) -> None:
     edge, a, b = pair
     for _ in range(10):
         assert _post(edge).status_code == 200
-    a.delay_s = 1.5
+    threshold = _threshold(edge, "a")
+    slow_s = threshold + 1.5                 # answers well after it is found an outlier
+    a.delay_s = slow_s
     pool = ThreadPoolExecutor(4)
     try:
         slow = []
         while a.inflight < 1:
             slow.append(pool.submit(_post, edge))
-            time.sleep(0.05)
-        time.sleep(0.8)
+            _wait(lambda: a.inflight >= 1 or a.hits + b.hits >= 10 + len(slow), 10)
+        since = time.monotonic()
+        _wait(lambda: all(f.done() for f in slow[:-1]), 10)
+        _until_past(threshold, since)
         assert {_post(edge).headers["X-Infergate-Node"] for _ in range(10)} == {"b"}
         assert edge.node_status("a")["outlier"] is True
         a.delay_s = 0.0
@@ -89,7 +112,7 @@ def test_a_slow_answer_clears_the_outlier_at_once(pair) -> None:
         # the first byte came: no wait for the flag to expire
         st = edge.node_status("a")
         assert st["outlier"] is False
-        assert st["ttfb_p90_s"]["plain"] >= 1.4            # the slow answer is in its history
+        assert st["ttfb_p90_s"]["plain"] >= slow_s - 0.1   # the slow answer is in its history
         assert edge.node_status("b")["outlier"] is False
     finally:
         pool.shutdown(wait=True)
