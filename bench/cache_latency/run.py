@@ -4,7 +4,8 @@ index backends, and embedder throughput (lookups/s) at 1, 16 and 32 concurrent c
 Run from the repository root::
 
     .venv/bin/python -m bench.cache_latency [--sizes 1000,10000,100000] [--queries 300]
-        [--model use-multilingual-v3] [--clients 1,16,32] [--skip-index]
+        [--model use-multilingual-v3] [--clients 1,16,32] [--client wrk|python]
+        [--skip-index]
 
 Prints a table and writes ``bench/results/cache_latency.json``. Starts its own Redis
 servers on free loopback ports (Debian's redis-server for the in-process ``local``
@@ -20,10 +21,14 @@ packages for ``redis-search``) and stops them at the end.
    one client in this process, in milliseconds.
 2. **Throughput**: the real service (``infergate embedder`` subprocess, ``--model``
    (default use-multilingual-v3, with its verifier), local index, 1000 entries indexed
-   through ``/v1/index``) is hit over HTTP with distinct sentences by 1, 16 and 32 client
-   threads for ``--seconds`` each. Reports lookups/s, p50/p99 end-to-end latency and the
-   mean micro-batch size (from ``/metrics``). Clients and server share the same 2 cores,
-   so these are lower bounds for a dedicated host.
+   through ``/v1/index``) is hit over HTTP with distinct sentences (never one twice: the
+   embedder keeps an LRU of vectors) by 1, 16 and 32 concurrent clients for ``--seconds``
+   each: ``wrk`` keep-alive connections (``--client wrk``, the default; a C client
+   costs little CPU, as the edge's cosockets do) or Python threads with ``requests``
+   (``--client python``, which take about a third of a core at 200 lookups/s). Reports
+   lookups/s, p50/p99 end-to-end latency and the mean micro-batch size (from
+   ``/metrics``). Clients and server share the same 2 cores, so these are lower bounds
+   for a dedicated host.
 """
 
 from __future__ import annotations
@@ -162,9 +167,26 @@ def _metric(text: str, name: str) -> float:
     return 0.0
 
 
+def _wrk_level(url: str, ns: str, queries: list[str], clients: int, seconds: float,
+               workdir: Path) -> dict:
+    """One concurrency level driven by ``wrk`` (``clients`` keep-alive connections, one
+    wrk thread), each request a distinct sentence: lookups/s, errors and p50/p99 (ms)."""
+    from bench.edge_overhead import wrk
+
+    bodies = [json.dumps({"namespace": ns, "text": t}) for t in queries]
+    script = workdir / f"lookup-{clients}.lua"
+    script.write_text(wrk.post_script(bodies, {"Content-Type": "application/json"}))
+    res = wrk.run(url + "/v1/lookup", script, duration_s=seconds, connections=clients,
+                  threads=1, timeout_s=10)
+    ok = (res.statuses or {}).get("200", 0)
+    return {"lookups": ok, "errors": res.requests - ok + res.socket_errors,
+            "lookups_per_s": round(ok / res.duration_s, 1), "p50_ms": round(res.p50_ms, 3),
+            "p99_ms": round(res.p99_ms, 3), "n": res.requests}
+
+
 def bench_throughput(port: int, levels: list[int], seconds: float, workdir: Path,
                      seed: int, model: str = "use-multilingual-v3",
-                     extra: tuple[str, ...] = ()) -> dict:
+                     extra: tuple[str, ...] = (), client: str = "wrk") -> dict:
     http = procs.free_port()
     svc = procs.Managed("embedder", procs.infergate_argv(
         "embedder", "--listen", f"127.0.0.1:{http}", "--redis-url",
@@ -190,32 +212,13 @@ def bench_throughput(port: int, levels: list[int], seconds: float, workdir: Path
         lock = threading.Lock()
         for c in levels:
             before = requests.get(url + "/metrics", timeout=5).text
-            lat: list[float] = []
-            errors = [0]
-            stop_at = time.perf_counter() + seconds
-
-            def client() -> None:
-                sess = requests.Session()
-                while time.perf_counter() < stop_at:
-                    with lock:
-                        text = next(qi)
-                    t = time.perf_counter()
-                    resp = sess.post(url + "/v1/lookup", json={"namespace": ns, "text": text},
-                                     timeout=30)
-                    dt = (time.perf_counter() - t) * 1000
-                    with lock:
-                        if resp.status_code == 200:
-                            lat.append(dt)
-                        else:
-                            errors[0] += 1
-
-            t0 = time.perf_counter()
-            threads = [threading.Thread(target=client) for _ in range(c)]
-            for th in threads:
-                th.start()
-            for th in threads:
-                th.join()
-            wall = time.perf_counter() - t0
+            if client == "wrk":
+                # never repeat a sentence (the embedder keeps an LRU of vectors)
+                with lock:
+                    chunk = [next(qi) for _ in range(min(12000, len(queries) // len(levels)))]
+                res = _wrk_level(url, ns, chunk, c, seconds, workdir)
+            else:
+                res = _python_level(url, ns, qi, lock, c, seconds)
             after = requests.get(url + "/metrics", timeout=5).text
             batches = (_metric(after, "infergate_embedder_embed_batch_size_count")
                        - _metric(before, "infergate_embedder_embed_batch_size_count"))
@@ -225,21 +228,53 @@ def bench_throughput(port: int, levels: list[int], seconds: float, workdir: Path
                       - _metric(before, "infergate_embedder_lookup_seconds_sum"))
             n_in = (_metric(after, "infergate_embedder_lookup_seconds_count")
                     - _metric(before, "infergate_embedder_lookup_seconds_count"))
-            res = {"clients": c, "lookups": len(lat), "errors": errors[0],
-                   "lookups_per_s": round(len(lat) / wall, 1),
+            res = {"clients": c, "client": client, **res,
                    "mean_batch_size": round(items / batches, 2) if batches else None,
                    "mean_in_embedder_ms": round(1000 * inside / n_in, 2) if n_in else None,
-                   "load_average_1m": round(os.getloadavg()[0], 2),
-                   **_pcts(lat)}
+                   "load_average_1m": round(os.getloadavg()[0], 2)}
             out[str(c)] = res
             print(f"  {c:3d} clients: {res['lookups_per_s']:7.1f} lookups/s  "
                   f"p50 {res['p50_ms']:7.1f} ms  p99 {res['p99_ms']:7.1f} ms  "
                   f"mean batch {res['mean_batch_size']}  in embedder "
-                  f"{res['mean_in_embedder_ms']} ms (load {res['load_average_1m']})",
+                  f"{res['mean_in_embedder_ms']} ms (load {res['load_average_1m']}, {client})",
                   flush=True)
         return out
     finally:
         svc.stop()
+
+
+def _python_level(url: str, ns: str, qi, lock: threading.Lock, c: int,
+                  seconds: float) -> dict:
+    """One concurrency level driven by ``c`` Python threads with ``requests`` sessions
+    (in this process, so their CPU competes with the embedder's)."""
+    lat: list[float] = []
+    errors = [0]
+    stop_at = time.perf_counter() + seconds
+
+    def client() -> None:
+        sess = requests.Session()
+        while time.perf_counter() < stop_at:
+            with lock:
+                text = next(qi)
+            t = time.perf_counter()
+            resp = sess.post(url + "/v1/lookup", json={"namespace": ns, "text": text},
+                             timeout=30)
+            dt = (time.perf_counter() - t) * 1000
+            with lock:
+                if resp.status_code == 200:
+                    lat.append(dt)
+                else:
+                    errors[0] += 1
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(c)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t0
+    return {"lookups": len(lat), "errors": errors[0],
+            "lookups_per_s": round(len(lat) / wall, 1), **_pcts(lat)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="extra embedder options, space separated (e.g. '--max-wait-ms 2')")
     ap.add_argument("--seconds", type=float, default=8.0, help="per concurrency level")
     ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--client", choices=("wrk", "python"), default="wrk",
+                    help="throughput clients: wrk connections (cheap, like the edge's "
+                         "cosockets) or Python threads with requests (their CPU counts)")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-index", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS)
@@ -287,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
             report["embedder_args"] = args.embedder_args
             report["throughput"] = bench_throughput(tport, levels, args.seconds, work,
                                                     args.seed, args.model,
-                                                    tuple(args.embedder_args.split()))
+                                                    tuple(args.embedder_args.split()),
+                                                    args.client)
     finally:
         servers.stop_all()
         shutil.rmtree(work, ignore_errors=True)
