@@ -207,7 +207,7 @@ local function step_body(req)
         req.model = obj.model
     end
     req.body = obj
-    req.affinity = affinity.key(obj, o)
+    req.affinity, req.affinity_kind = affinity.key(obj, o)
 end
 
 local function step_eligible(req)

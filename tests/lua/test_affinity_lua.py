@@ -278,3 +278,43 @@ def test_saturated_first_node_is_passed_over(workdir: Path) -> None:
             return {moved = next1.name ~= top.name, all = all.name == top.name, plain = n}
     """)
     assert got == {"moved": True, "all": True, "plain": 3}
+
+
+def test_a_prompt_seen_first_goes_to_its_node_only_when_that_node_is_not_much_dearer(
+        workdir: Path) -> None:
+    """First sight of a leading prompt: its first node when that node's plain cost is
+    within FIRST_SIGHT_MARGIN of the cheapest (so idle edges agree), else the cheapest;
+    the key is counted either way and its next request follows it."""
+    got = run(workdir, """
+            local now = ngx.now()
+            local nodes = {node("a"), node("b"), node("c")}
+            local t = tbl(nodes)
+            local key = 777001
+            local top = affinity.top(nodes, 3, key)
+            local out = {top = top.name, unseen_before = affinity.unseen(key)}
+            -- all idle: the first node, even on first sight
+            out.idle = balancer.pick(t, {}, now, false, nil, key, true).name
+            out.unseen_after = affinity.unseen(key)
+            -- another key whose first node carries a score far above the others
+            local key2 = 880002
+            local top2 = affinity.top(nodes, 3, key2)
+            top2.score = 0.5
+            out.top2 = top2.name
+            out.busy_first = balancer.pick(t, {}, now, false, nil, key2, true).name
+            out.busy_unseen_after = affinity.unseen(key2)
+            -- later requests of that key follow it (the bound has room: nothing in flight)
+            out.busy_next = balancer.pick(t, {}, now, false, nil, key2, false).name
+            -- a small difference keeps the first node
+            top2.score = 0
+            local top3 = affinity.top(nodes, 3, 990003)
+            top3.score = 0.05
+            out.close_first = balancer.pick(t, {}, now, false, nil, 990003, true).name
+            out.close_top = top3.name
+            return out
+    """)
+    assert got["unseen_before"] is True and got["unseen_after"] is False
+    assert got["idle"] == got["top"]
+    assert got["busy_first"] != got["top2"]
+    assert got["busy_unseen_after"] is False
+    assert got["busy_next"] == got["top2"]
+    assert got["close_first"] == got["close_top"]

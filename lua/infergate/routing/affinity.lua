@@ -53,6 +53,14 @@
 -- traffic of a quiet edge, and stays). Ordinary keys (m = 1: one group's system prompt
 -- among many) stay on their first node. Without that shared
 -- dict (a hand-written config) every key counts as ordinary.
+-- First sight. A leading prompt this edge has not seen within HEAT_TTL_S (600 s) can be
+-- cached on no node yet, so its first node has no prefill to save: unseen() tells the
+-- balancer, which sends it to its first node (the same on every edge) only when that
+-- node's plain cost is within FIRST_SIGHT_MARGIN of the cheapest candidate's, and to the
+-- cheapest otherwise (a one-off long document must not queue behind a busy node that
+-- the least loaded one would spare it). Either way the key is counted (heat()), and its
+-- later requests (the next turn, the group's other users) follow the key. Session and
+-- user keys are explicit and always followed.
 -- Counters (shared dict infergate_stats, exported by infergate.core.prometheus):
 -- "af:first" (the key's first node, or one of its m nodes), "af:spill" (a later one).
 local config = require("infergate.core.config")
@@ -249,6 +257,30 @@ function _M.heat(key, now)
         return 0
     end
     return min(v / total, 1)
+end
+
+-- Cost difference (infergate.routing.balancer's cost units: 0.1 = a tenth of a node's
+-- concurrency in flight) within which a first-sight prompt still goes to its first node.
+_M.FIRST_SIGHT_MARGIN = 0.1
+
+-- Balancer phase, first attempt of a request with a prefix key: true when this edge
+-- has not counted the key within HEAT_TTL_S (false without the shared dict: every key
+-- is followed). Reads only.
+function _M.unseen(key)
+    local d = shared[_M.HEAT_DICT]
+    return d ~= nil and d:get("v" .. key) == nil
+end
+
+-- The key's first node among cands[1..n] in rendezvous order (no load considered).
+function _M.top(cands, n, key)
+    local best, br = nil, -1
+    for i = 1, n do
+        local r = _M.rank(key, cands[i])
+        if r > br then
+            best, br = cands[i], r
+        end
+    end
+    return best
 end
 
 -- Requests of `key` in flight at this edge: track() when the request is sent to a

@@ -10,7 +10,10 @@
 -- A node whose breaker is ready for its probe is taken first by a request's first
 -- attempt (its one probe request; never by a retry). A request with an affinity key (a
 -- long leading prompt or a session, infergate.routing.affinity) then goes to the first
--- node of its rendezvous order that is within the load bound. Otherwise power of two
+-- node of its rendezvous order that is within the load bound (a leading prompt this
+-- edge has not seen yet: to its first node only when that node costs at most
+-- affinity.FIRST_SIGHT_MARGIN more than the cheapest, else to the cheapest). Otherwise
+-- power of two
 -- choices:
 -- two distinct nodes are sampled with probability proportional to effective_weight
 -- and the one with the lower cost wins (ties: a coin, see below). When no candidate has
@@ -193,8 +196,10 @@ end
 -- probe (the first attempt of another request does that), so the tries granted on
 -- the first attempt go to nodes believed good. model: the request's model (nil: any).
 -- key: the request's affinity key (infergate.routing.affinity; nil: none), which takes
--- the place of the cost-based choice among two or more candidates.
-function _M.pick(t, tried, now, retry, model, key)
+-- the place of the cost-based choice among two or more candidates; first: the key is a
+-- leading prompt this edge has not seen (affinity.unseen), whose first node must not
+-- cost much more than the cheapest.
+function _M.pick(t, tried, now, retry, model, key, first)
     local o = config.get()
     local cands, n, total = {}, 0, 0
     local probes, outliers = nil, nil
@@ -237,6 +242,15 @@ function _M.pick(t, tried, now, retry, model, key)
     end
     local fresh = snapshot.is_fresh(t, now)
     if key and o.prefix_affinity then
+        if first and not retry then
+            local cheapest = least_cost(cands, n, fresh, o, now)
+            local top = affinity.top(cands, n, key)
+            if cheapest ~= top and _M.cost(top, fresh, o, now)
+                    > _M.cost(cheapest, fresh, o, now) + affinity.FIRST_SIGHT_MARGIN then
+                affinity.heat(key, now) -- counted: its next request follows the key
+                return cheapest, false, n
+            end
+        end
         return affinity.choose(cands, n, key, o, fresh, now, retry), false, n
     end
     if n > 2 and n <= FULL_SCAN_MAX and not any_score(cands, n, fresh) then
@@ -297,13 +311,16 @@ function _M.run()
     if not deadline.before_try(req, o, now) then
         return deadline.fail()
     end
+    local first = false
     if n == 0 and o.prefix_affinity then
         affinity.count_request(now)
+        first = req.affinity_kind == "prefix" and affinity.unseen(req.affinity)
     end
     local t = snapshot.current()
     local tried = req.tried
     while true do
-        local node, probe, eligible = _M.pick(t, tried, now, n > 0, req.model, req.affinity)
+        local node, probe, eligible = _M.pick(t, tried, now, n > 0, req.model, req.affinity,
+                                              first)
         if not node then
             return fail_no_node(req)
         end
