@@ -13,8 +13,7 @@
 -- node of its rendezvous order that is within the load bound (a leading prompt this
 -- edge has not seen yet: to its first node only when that node costs at most
 -- affinity.FIRST_SIGHT_MARGIN more than the cheapest, else to the cheapest). Otherwise
--- power of two
--- choices:
+-- power of two choices:
 -- two distinct nodes are sampled with probability proportional to effective_weight
 -- and the one with the lower cost wins (ties: a coin, see below). When no candidate has
 -- a fresh score (nodes without metrics, a stale snapshot, the static list) and there are
