@@ -113,12 +113,17 @@ PROMPT = "What is the capital of France?"
 #: already stored PROMPT), paraphrases cycled by wrk, and a probe paraphrase used only
 #: to wait until the embedder has indexed SEM_PROMPT.
 SEM_PROMPT = "How can I improve my English speaking skills?"
-PARAPHRASES = ["How do I improve my spoken English?",
-               "How can I get better at speaking English?",
-               "What can I do to improve my English speaking?",
-               "How can I improve my speaking skills in English?"]
-PROBE = "How could I improve my English speaking skills?"
-#: Distinct bodies of the semantic-hit row (case variants of the paraphrases); more than
+#: Rewordings: the default verifier (min_verifier_score 0.945) serves only the first two,
+#: which differ from SEM_PROMPT in case and punctuation; the others score 0.8-0.85 and
+#: miss unless a domain lowers the threshold (the row keeps those that hit).
+PARAPHRASES = ["how can i improve my english speaking skills",
+               "HOW CAN I IMPROVE MY ENGLISH SPEAKING SKILLS?",
+               "How do I improve my English speaking skills?",
+               "How can I improve my skills in speaking English?",
+               "What can I do to improve my English speaking skills?",
+               "How can I improve my spoken English?"]
+PROBE = "How can I improve my English-speaking skills?"
+#: Distinct bodies of the semantic-hit row (space variants of the paraphrases); more than
 #: wrk sends in one measurement, so each request is new to the cache.
 SEMANTIC_BODIES = 20000
 #: Time budget of a semantic lookup in this row (the default 150 ms is often exceeded by
@@ -171,20 +176,19 @@ PROXY_CONF = NGINX_HEAD + """\
 """
 
 
-def case_variant(text: str, i: int) -> str:
-    """``text`` with the case of its letters flipped where the bits of ``i`` are set
-    (letter k <-> bit k): ``i`` = 0 is ``text`` itself, and distinct ``i`` below
-    2**letters give distinct texts. The embedding model is uncased, so every variant
-    has the same embedding; the exact cache key differs."""
-    out = []
-    k = 0
-    for ch in text:
-        if ch.isalpha():
-            out.append(ch.swapcase() if (i >> k) & 1 else ch)
-            k += 1
-        else:
-            out.append(ch)
-    return "".join(out)
+def space_variant(text: str, i: int) -> str:
+    """``text`` with the k-th gap between words doubled where bit k of ``i`` is set, and
+    ``i >> gaps`` spaces appended: ``i`` = 0 is ``text`` itself, and distinct ``i`` give
+    distinct texts. The embedders' tokenizers drop repeated and trailing whitespace, so
+    every variant has the same embedding (the default use-multilingual-v3 is cased: a
+    case variant would not), while the exact cache key keeps the text as sent."""
+    words = text.split(" ")
+    gaps = len(words) - 1
+    out = [words[0]]
+    for k, w in enumerate(words[1:]):
+        out.append("  " if (i >> k) & 1 else " ")
+        out.append(w)
+    return "".join(out) + " " * (i >> gaps)
 
 
 def body(prompt: str) -> str:
@@ -610,10 +614,11 @@ def _start_controlplane(stack: Stack, settings: Settings) -> None:
 
 
 def _semantic_target(stack: Stack, redis_url: str, upstream: str) -> tuple[str, list[str]]:
-    """Start the embedder (bundled all-MiniLM-L6-v2, in-process index) and an edge with
-    the semantic cache on; store SEM_PROMPT, wait until a probe paraphrase hits it
-    semantically, keep the paraphrases whose upper-case form is a semantic hit, and return
-    :data:`SEMANTIC_BODIES` case variants of them (each text new to the cache).
+    """Start the embedder (its default model, in-process index) and an edge with the
+    semantic cache on; store SEM_PROMPT, wait until a probe paraphrase hits it
+    semantically, keep the paraphrases whose first space variant is a semantic hit, and
+    return :data:`SEMANTIC_BODIES` other space variants of them (each text new to the
+    cache).
     Raises :class:`BenchError` when no paraphrase hits."""
     eport = procs.free_port()
     emb = stack.add(procs.Managed("embedder", procs.infergate_argv(
@@ -631,7 +636,7 @@ def _semantic_target(stack: Stack, redis_url: str, upstream: str) -> tuple[str, 
     def probe_hits() -> bool:
         # a new text every time: a probe that hit once would be an exact hit afterwards
         seen["n"] += 1
-        r = edge.post(case_variant(PROBE, seen["n"]))
+        r = edge.post(space_variant(PROBE, seen["n"]))
         seen["match"] = (f"{r.status_code} {r.headers.get('X-Cache-Status')} "
                          f"{r.headers.get('X-Cache-Match')} {r.headers.get('X-Cache-Similarity')}")
         return r.headers.get("X-Cache-Match") == "semantic"
@@ -642,7 +647,7 @@ def _semantic_target(stack: Stack, redis_url: str, upstream: str) -> tuple[str, 
         raise BenchError(f"{exc} (last answer: {seen['match']})") from None
     kept = []
     for p in PARAPHRASES:
-        r = edge.post(p.upper())
+        r = edge.post(space_variant(p, 1))
         match = r.headers.get("X-Cache-Match")
         log(f"paraphrase {p!r}: {r.headers.get('X-Cache-Status')} {match} "
             f"similarity {r.headers.get('X-Cache-Similarity')}")
@@ -651,10 +656,10 @@ def _semantic_target(stack: Stack, redis_url: str, upstream: str) -> tuple[str, 
     if not kept:
         raise BenchError(f"no paraphrase hit semantically at min_similarity {MIN_SIMILARITY}")
     # A semantic hit is remembered under the paraphrase's own exact key, so only a text
-    # never sent before takes the semantic path: every body is a new case variant (the
-    # precision guard rejects added words or numbers, the uncased model ignores case).
+    # never sent before takes the semantic path: every body is a new space variant (the
+    # precision guard rejects added words or numbers; the tokenizer drops extra spaces).
     return edge.url + "/v1/chat/completions", [
-        body(case_variant(kept[i % len(kept)], 1 + i // len(kept))) for i in range(SEMANTIC_BODIES)]
+        body(space_variant(kept[i % len(kept)], 2 + i // len(kept))) for i in range(SEMANTIC_BODIES)]
 
 
 COLUMNS = [("row", "row"), ("connections", "-c"), ("rps", "req/s"), ("p50_ms", "p50 ms"),

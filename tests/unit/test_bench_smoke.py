@@ -285,10 +285,11 @@ def test_edge_overhead_records_ratios_and_unavailable_rows():
     assert lines[-2].endswith("MISSED")  # coalescing on at 0.9x of off
 
 
-def test_case_variants_are_distinct_and_keep_the_words():
+def test_space_variants_are_distinct_and_keep_the_words():
     text = "How do I improve my spoken English?"
-    assert edge_main.case_variant(text, 0) == text
-    assert edge_main.case_variant(text, 1) == "how do I improve my spoken English?"
-    variants = {edge_main.case_variant(text, i) for i in range(5000)}
+    assert edge_main.space_variant(text, 0) == text
+    assert edge_main.space_variant(text, 1) == "How  do I improve my spoken English?"
+    assert edge_main.space_variant(text, 1 << 6) == text + " "
+    variants = {edge_main.space_variant(text, i) for i in range(5000)}
     assert len(variants) == 5000
-    assert {v.lower() for v in variants} == {text.lower()}
+    assert {" ".join(v.split()) for v in variants} == {text}
