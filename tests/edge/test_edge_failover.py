@@ -77,8 +77,10 @@ def test_half_open_admits_exactly_one_probe(pool) -> None:
     edge, (a, b, c) = pool(read_timeout_ms=1500)
     a.mode = "fail"
     _ok_nodes(edge, 20)
-    procs.wait_until(lambda: edge.node_status("a")["breaker"] in ("open", "half_open"), 5,
-                     what="breaker open")
+    # the picks are random: keep sending until a has drawn its 3 failures
+    procs.wait_until(lambda: edge.node_status("a")["breaker"] in ("open", "half_open")
+                     or not _ok_nodes(edge, 1), 10, what="breaker open")
+    assert edge.node_status("a")["breaker"] in ("open", "half_open")
     a.mode = "hang"  # the probe will hang until the read timeout
     procs.wait_until(lambda: edge.node_status("a")["breaker"] == "half_open", 5, what="cooldown over")
     before = a.hits
