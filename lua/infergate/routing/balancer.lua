@@ -161,6 +161,8 @@ local function any_score(cands, n, fresh)
     return false
 end
 
+-- The cheapest of cands[1..n] (ties within TIE_EPSILON drawn by effective_weight) and
+-- its cost.
 local function least_cost(cands, n, fresh, o, now)
     local costs, best = {}, nil
     for i = 1, n do
@@ -177,17 +179,17 @@ local function least_cost(cands, n, fresh, o, now)
         end
     end
     local r = random() * total
-    local last
+    local last, last_cost
     for i = 1, n do
         if costs[i] <= best + TIE_EPSILON then
-            last = cands[i]
+            last, last_cost = cands[i], costs[i]
             r = r - last.effective_weight
             if r < 0 then
-                return last
+                return last, last_cost
             end
         end
     end
-    return last
+    return last, last_cost
 end
 
 -- Picks a node for the next attempt. Returns node, is_probe, eligible_count or nil.
@@ -242,10 +244,10 @@ function _M.pick(t, tried, now, retry, model, key, first)
     local fresh = snapshot.is_fresh(t, now)
     if key and o.prefix_affinity then
         if first and not retry then
-            local cheapest = least_cost(cands, n, fresh, o, now)
+            local cheapest, lowest = least_cost(cands, n, fresh, o, now)
             local top = affinity.top(cands, n, key)
-            if cheapest ~= top and _M.cost(top, fresh, o, now)
-                    > _M.cost(cheapest, fresh, o, now) + affinity.FIRST_SIGHT_MARGIN then
+            if cheapest ~= top
+                    and _M.cost(top, fresh, o, now) > lowest + affinity.FIRST_SIGHT_MARGIN then
                 affinity.heat(key, now) -- counted: its next request follows the key
                 return cheapest, false, n
             end
