@@ -85,8 +85,6 @@ def edge_settings(redis_url: str, nodes: list[NodeSettings] | list[dict] = (), *
     return settings_from_dict({"redis": {"url": redis_url}, "edge": e, "nodes": node_dicts})
 
 
-# --------------------------------------------------------------------------- Lua in nginx
-
 def start_cache_backend(d: Path, ps: procs.ProcessSet) -> tuple[str, int, str, redis.Redis]:
     """redis-server and ``infergate embedder`` (local index) for the semantic-cache tests,
     started into ``ps`` under ``d`` on free ports; waits for the embedder and embeds once
@@ -107,6 +105,8 @@ def start_cache_backend(d: Path, ps: procs.ProcessSet) -> tuple[str, int, str, r
     r = redis.Redis(host="127.0.0.1", port=rport, decode_responses=True, socket_timeout=2)
     return url, rport, embedder_url, r
 
+
+# --------------------------------------------------------------------------- Lua in nginx
 
 class LuaError(AssertionError):
     """Lua code run by :func:`lua_eval` raised an error."""
