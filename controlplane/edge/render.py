@@ -56,7 +56,7 @@ from controlplane.config import (
     check_settings,
     load_settings,
 )
-from controlplane.edge.options import OptionError
+from controlplane.edge.options import OptionError, lua_string
 from controlplane.edge.options import render_context as options_render_context
 from controlplane.errors import InfergateError
 from controlplane.redisdb.url import RedisURLError, parse_redis_url
@@ -325,6 +325,7 @@ def render_nginx(settings: Settings, out_dir: str | Path, *, listen: str | None 
         "server_conf": str(files["infergate-server.conf"]),
         "nginx_conf": str(files["nginx.conf"]),
         "nginx_bin": "openresty" if openresty else "nginx",
+        "rendered_dir_lua": lua_string(str(out)),
         **options_ctx,
     }
     env = jinja2.Environment(
@@ -410,18 +411,36 @@ def default_prefix() -> Path:
     return Path(state) / "infergate" / "nginx"
 
 
-def _probe_infergate(host: str, port: int, path: str, timeout: float = 1.0) -> bool:
-    """Whether ``GET path`` on host:port answers like an infergate edge (its metrics or
-    status), i.e. the address is held by a running edge, maybe this one before a reload."""
+def _probe_infergate(host: str, port: int, path: str, timeout: float = 1.0) -> str | None:
+    """Whether ``GET path`` on host:port answers like an infergate edge (its ``/metrics``
+    or ``/infergate/status``). Returns the folder that edge's configuration was rendered
+    into (``config_dir`` of the status answer, the ``infergate_edge_info`` sample of the
+    metrics), ``""`` for an infergate edge that does not say, None for anything else."""
     import requests
+    from prometheus_client.parser import text_string_to_metric_families
 
     if ":" in host:
         host = f"[{host}]"
     try:
         res = requests.get(f"http://{host}:{port}{path}", timeout=timeout)
     except requests.RequestException:
-        return False
-    return res.status_code == 200 and "infergate" in res.text[:65536]
+        return None
+    if res.status_code != 200 or "infergate" not in res.text[:65536]:
+        return None
+    if res.headers.get("Content-Type", "").startswith("application/json"):
+        try:
+            found = res.json().get("config_dir")
+        except (ValueError, AttributeError):
+            return ""
+        return found if isinstance(found, str) else ""
+    try:
+        for family in text_string_to_metric_families(res.text):
+            if family.name == "infergate_edge_info":
+                for sample in family.samples:
+                    return sample.labels.get("config_dir", "")
+    except ValueError:
+        pass
+    return ""
 
 
 def _ephemeral_port(port: int) -> bool:
@@ -435,13 +454,16 @@ def _ephemeral_port(port: int) -> bool:
     return low <= port <= high
 
 
-def check_listen(value: str, what: str, probe_path: str) -> tuple[str, str] | None:
+def check_listen(value: str, what: str, probe_path: str,
+                 config_dir: str | Path | None = None) -> tuple[str, str] | None:
     """Try to bind ``value`` (``HOST:PORT``, as nginx would, with ``SO_REUSEADDR``) and
-    release it at once. Returns None when it binds, ``("note", text)`` when a running
-    infergate edge holds it (``GET probe_path`` answers like one: the address of this
-    edge before a reload is fine), ``("error", text)`` when something else holds it or
-    the address cannot be bound here (not a local address, a port below 1024 without
-    root). ``what`` names the setting in the message."""
+    release it at once. Returns None when it binds, ``("note", text)`` when the infergate
+    edge that holds it runs the configuration rendered into ``config_dir`` (``GET
+    probe_path`` answers like an edge and names that folder: this nginx before a reload),
+    ``("error", text)`` when anything else holds it (another infergate edge included: on
+    a shared host it is someone else's nginx) or the address cannot be bound here (not a
+    local address, a port below 1024 without root). ``what`` names the setting in the
+    message."""
     host, port = split_listen(value)
     bind_host = "0.0.0.0" if host in ("", "*") else host
     addr = _resolve(bind_host) or bind_host
@@ -458,9 +480,16 @@ def check_listen(value: str, what: str, probe_path: str) -> tuple[str, str] | No
         reason = exc.strerror or str(exc)
         if exc.errno == errno.EADDRINUSE:
             probe_host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(addr, addr)
-            if _probe_infergate(probe_host, port, probe_path):
-                return ("note", f"{what} {value} is served by a running infergate edge "
-                                "(fine when it is this nginx, before a reload)")
+            holder = _probe_infergate(probe_host, port, probe_path)
+            own = str(Path(config_dir).resolve()) if config_dir is not None else None
+            if holder is not None and own is not None and holder == own:
+                return ("note", f"{what} {value} is served by the running edge of this "
+                                f"configuration ({own}): fine before a reload")
+            if holder is not None:
+                where = f" rendered into {holder}" if holder else ""
+                return ("error", f"{what} {value} is held by another running infergate "
+                                 f"edge{where}: nginx would fail to start; choose a free "
+                                 "address")
             hint = ""
             if _ephemeral_port(port):
                 hint = (f" (port {port} is in this host's ephemeral range, where outgoing "
@@ -477,8 +506,8 @@ def check_rendered(settings: Settings, rendered: RenderedConfig, *,
     """What ``render-nginx --check`` does after writing: bind every listen address the
     rendering names (``edge.metrics_listen`` of the http include, the standalone
     ``listen``), then ``nginx -t`` on the standalone config under its prefix (pid, logs
-    and temp folders go there, never into the output folder). Returns notes (addresses a
-    running infergate edge holds). Raises :class:`RenderError` naming every address that
+    and temp folders go there, never into the output folder). Returns notes (addresses
+    held by the running edge of this same output folder, i.e. before a reload). Raises :class:`RenderError` naming every address that
     is taken or not bindable, :class:`NginxError` when nginx rejects the config,
     :class:`procs.StartError` when the nginx (or openresty) binary is missing."""
     wanted = []
@@ -489,7 +518,7 @@ def check_rendered(settings: Settings, rendered: RenderedConfig, *,
                    "/infergate/status"))
     notes, problems = [], []
     for value, what, path in wanted:
-        found = check_listen(value, what, path)
+        found = check_listen(value, what, path, rendered.out_dir)
         if found:
             (notes if found[0] == "note" else problems).append(found[1])
     if problems:

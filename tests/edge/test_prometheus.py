@@ -95,7 +95,10 @@ def test_edge_metrics_follow_the_traffic(redis_server, tiny_upstreams, edge_fact
         "infergate_edge_request_duration_seconds": "histogram", "infergate_edge_inflight": "gauge",
         "infergate_edge_breaker_open": "gauge", "infergate_edge_snapshot_age_seconds": "gauge",
         "infergate_edge_snapshot_version": "gauge", "infergate_edge_redis_up": "gauge",
+        "infergate_edge_info": "gauge",
     }
+    assert list(m.series("infergate_edge_info")) == [
+        ({"edge_id": edge.status()["edge_id"], "config_dir": str(edge.rendered.out_dir)}, 1.0)]
     status = edge.status()
     req = {(lab["node"], lab["status"]): v for lab, v in m.series("infergate_edge_requests_total")}
     assert req[("good", "200")] >= 4

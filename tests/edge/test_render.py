@@ -140,7 +140,9 @@ def test_openresty_rendering_differs_only_by_module_lines(workdir: Path) -> None
                         openresty=True)
     assert "load_module" not in ores.nginx_conf.read_text()
     assert deb.server_conf.read_text() == ores.server_conf.read_text()
-    assert deb.http_conf.read_text() == ores.http_conf.read_text()
+    # the same but for the folder each edge reports as its configuration's
+    assert deb.http_conf.read_text().replace(str(deb.out_dir), "OUT") \
+        == ores.http_conf.read_text().replace(str(ores.out_dir), "OUT")
     # OpenResty has the modules built in; with Debian's nginx they come from -g
     out = subprocess.run(["nginx", "-t", "-p", str(ores.prefix), "-c", str(ores.nginx_conf),
                           "-g", MODULE_LINES], capture_output=True, text=True)
@@ -240,19 +242,43 @@ def test_cli_check_names_a_listen_address_in_use(workdir: Path) -> None:
     assert "nginx -t: ok" not in res.output and "Traceback" not in res.output
 
 
-def test_cli_check_accepts_the_address_of_a_running_edge(workdir: Path, redis_server,
-                                                          edge_factory) -> None:
-    """Re-rendering beside the running nginx: its own metrics address is not "taken"."""
+def test_cli_check_accepts_the_address_of_its_own_running_edge(workdir: Path, redis_server,
+                                                              edge_factory) -> None:
+    """Re-rendering into the folder the running nginx reads: its own metrics address is
+    not "taken" (the edge names its configuration folder on /metrics)."""
     edge = edge_factory(settings_from_dict({"redis": {"url": redis_server.url}}))
     metrics = edge.metrics_url.removeprefix("http://").removesuffix("/metrics")
+    own = edge.rendered.out_dir
+    assert f'config_dir="{own}"' in requests.get(edge.metrics_url, timeout=5).text
+    assert edge.status()["config_dir"] == str(own)
+    cfg = workdir / "infergate.toml"
+    cfg.write_text(f'[redis]\nurl = "{redis_server.url}"\n[edge]\nmetrics_listen = "{metrics}"\n')
+    res = CliRunner().invoke(render_nginx_cmd, [
+        "--config", str(cfg), "--out", str(own), "--prefix", str(workdir / "run"),
+        "--listen", f"127.0.0.1:{procs.free_port()}", "--check"])
+    assert res.exit_code == 0, res.output
+    assert f"note: edge.metrics_listen (infergate-http.conf) {metrics} is served by the running " \
+           f"edge of this configuration ({own})" in res.output
+
+
+def test_cli_check_refuses_the_address_of_another_edge(workdir: Path, redis_server,
+                                                       edge_factory) -> None:
+    """On a shared host another stack's edge is not "this nginx": its metrics and API
+    addresses are taken, and --check says whose they are."""
+    other = edge_factory(settings_from_dict({"redis": {"url": redis_server.url}}))
+    metrics = other.metrics_url.removeprefix("http://").removesuffix("/metrics")
+    listen = other.url.removeprefix("http://")
     cfg = workdir / "infergate.toml"
     cfg.write_text(f'[redis]\nurl = "{redis_server.url}"\n[edge]\nmetrics_listen = "{metrics}"\n')
     res = CliRunner().invoke(render_nginx_cmd, [
         "--config", str(cfg), "--out", str(workdir / "o"), "--prefix", str(workdir / "run"),
-        "--listen", f"127.0.0.1:{procs.free_port()}", "--check"])
-    assert res.exit_code == 0, res.output
-    assert f"note: edge.metrics_listen (infergate-http.conf) {metrics} is served by a running " \
-           "infergate edge" in res.output
+        "--listen", listen, "--check"])
+    assert res.exit_code == 1, res.output
+    held = f"is held by another running infergate edge rendered into {other.rendered.out_dir}"
+    assert f"edge.metrics_listen (infergate-http.conf) {metrics} {held}" in res.output
+    assert f"the standalone listen (nginx.conf; edge.listen or --listen) {listen} {held}" \
+        in res.output
+    assert "nginx -t: ok" not in res.output and "Traceback" not in res.output
 
 
 def test_cli_prefix_is_never_the_output_folder(workdir: Path) -> None:

@@ -238,6 +238,20 @@ function _M.get_or_empty()
     return opts or {}
 end
 
+-- Folder the running configuration was rendered into (absolute path, set by the rendered
+-- init_by_lua; nil outside a rendered edge). The status endpoint and /metrics report it,
+-- so `infergate render-nginx --check` can tell this nginx from another infergate edge
+-- holding an address.
+local rendered_dir = nil
+
+function _M.set_rendered_dir(dir)
+    rendered_dir = dir
+end
+
+function _M.rendered_dir()
+    return rendered_dir
+end
+
 -- The validated options document (nested as infergate.toml), or nil before init().
 function _M.document()
     return doc

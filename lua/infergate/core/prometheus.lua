@@ -28,6 +28,8 @@
 --                                                            snapshot (absent before the first)
 --   infergate_edge_snapshot_version                gauge    version routed on (0 = static list)
 --   infergate_edge_redis_up                        gauge    1 if the last sync reached Redis
+--   infergate_edge_info{edge_id,config_dir}        gauge    1: this edge, and the folder its
+--                                                           configuration was rendered into
 --
 -- shed and rate_limited are the admission counters (infergate.admission.stats);
 -- in-flight and breakers come from infergate.routing.stats / infergate.routing.breaker. Without the
@@ -240,6 +242,11 @@ function _M.render(now)
     local astats = require("infergate.admission.stats")
     local out = {}
     local p = "infergate_edge_"
+
+    family(out, p .. "info", "gauge",
+           "This edge: its edge_id and the folder its configuration was rendered into")
+    sample(out, p .. "info", 'edge_id="' .. esc(config.get_or_empty().edge_id or "")
+           .. '",config_dir="' .. esc(config.rendered_dir() or "") .. '"', 1)
 
     family(out, p .. "requests_total", "counter",
            "Requests finished, by node of the last try (cache, none) and status sent")

@@ -1,6 +1,7 @@
 -- content_by_lua of GET /infergate/status (local only): this edge's routing view.
 --
--- {"edge_id", "worker_pid", "now",
+-- {"edge_id", "config_dir" (folder the running configuration was rendered into, null
+--  when unknown), "worker_pid", "now",
 --  "snapshot": {"source": "redis"|"static", "version", "generated_at", "fetched_at",
 --               "age_s", "stale", "leader", "redis_ok", "redis_error", "nodes"},
 --  "inflight_total",
@@ -72,6 +73,7 @@ function _M.report(now)
     end
     return {
         edge_id = config.get().edge_id,
+        config_dir = opt(config.rendered_dir()),
         worker_pid = ngx.worker.pid(),
         now = now,
         snapshot = snapshot.info(now),
