@@ -131,11 +131,31 @@ def _describe_owner(raw: object) -> str:
         return f"owner {raw!r}"
 
 
-def claim_registry(r: redis_lib.Redis, doc: str, take_over: bool, where: str) -> None:
+def _first_model(urls: tuple[str, ...], timeout: float = 2.0) -> str | None:
+    """The first model id a node of ``urls`` lists on its OpenAI-style ``GET /v1/models``
+    (``{"data": [{"id": ...}]}``), for the banner's example; None when none answers."""
+    import requests
+
+    for url in urls:
+        try:
+            res = requests.get(url.rstrip("/") + "/v1/models", timeout=timeout)
+            data = res.json().get("data") if res.status_code == 200 else None
+        except (requests.RequestException, ValueError, AttributeError):
+            continue
+        for m in data if isinstance(data, list) else []:
+            if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]:
+                return m["id"]
+    return None
+
+
+def claim_registry(r: redis_lib.Redis, doc: str, take_over: bool, where: str,
+                   named_by: str = "--redis-url") -> None:
     """Make this stack the owner of the registry in ``r`` (key
     ``keynames.STACK_OWNER``, value ``doc``, TTL :data:`OWNER_TTL_S`). Raises
     ``click.ClickException`` naming the other stack when a live one owns it and
-    ``take_over`` is false; with ``take_over`` the key is overwritten."""
+    ``take_over`` is false; with ``take_over`` the key is overwritten. ``named_by``: what
+    pointed this stack at that Redis (``--redis-url``, ``INFERGATE_REDIS_URL``, the
+    file's ``redis.url``), named in the hint to leave it out."""
     if take_over:
         r.set(keynames.STACK_OWNER, doc, ex=OWNER_TTL_S)
         return
@@ -144,7 +164,7 @@ def claim_registry(r: redis_lib.Redis, doc: str, take_over: bool, where: str) ->
         raise click.ClickException(
             f"the node registry in the Redis at {where} belongs to another running "
             f"infergate up: {_describe_owner(cur)}. Stop it (its claim expires {OWNER_TTL_S} s "
-            "after it stops), give this stack its own Redis (leave out --redis-url), or pass "
+            f"after it stops), give this stack its own Redis (leave out {named_by}), or pass "
             "--take-over to replace its registry entries")
 
 
@@ -548,6 +568,12 @@ def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
     # is shared; otherwise the stack runs its own and never joins another's at 6379.
     shared_redis = bool(redis_url) or "url" in settings.redis.model_fields_set
     if redis_url:
+        redis_named_by = "--redis-url"
+    elif os.environ.get("INFERGATE_REDIS_URL"):
+        redis_named_by = "INFERGATE_REDIS_URL (unset it: the banner's export line sets it)"
+    else:
+        redis_named_by = f"redis.url in {config_path}" if config_path else "redis.url"
+    if redis_url:
         settings.redis.url = redis_url
     instance = instance_id or f"up-{secrets.token_hex(6)}"
     os.environ[procs.INSTANCE_ENV] = instance  # every part inherits it and echoes it
@@ -581,7 +607,8 @@ def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
                       else _own_redis(settings, wd, stack))
         owner_r = make_redis(settings.redis)
         try:
-            claim_registry(owner_r, owner_doc, take_over, settings.redis.url.split("@")[-1])
+            claim_registry(owner_r, owner_doc, take_over, settings.redis.url.split("@")[-1],
+                           redis_named_by)
         except redis_lib.RedisError as exc:
             raise click.ClickException(f"Redis at {settings.redis.url.split('@')[-1]}: {exc}") from None
         if node_urls:
@@ -642,7 +669,7 @@ def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
                 metrics_desc = f"http://{settings.edge.metrics_listen}/metrics"
 
         base = f"http://{edge_host}:{edge_port}"
-        model = "sim-llama" if not node_urls else "<your model>"
+        model = "sim-llama" if not node_urls else (_first_model(node_urls) or "<your model>")
         key_line = f"\n  API key (demo)      {demo_key}" if demo_key else ""
         key_header = f" -H 'Authorization: Bearer {demo_key}'" if demo_key else ""
         click.echo(f"""

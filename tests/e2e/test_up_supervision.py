@@ -174,7 +174,7 @@ def test_two_stacks_side_by_side_stay_apart(workdir: Path) -> None:
             c.kill()
         assert rc != 0
         assert "belongs to another running infergate up" in c.text(), c.text()
-        assert "--take-over" in c.text()
+        assert "--take-over" in c.text() and "leave out --redis-url" in c.text()
         assert _registry(a.redis_url) == reg_a
         assert a.post_chat("still mine").status_code == 200
     finally:

@@ -1,0 +1,61 @@
+"""The registry claim of `infergate up` on a shared Redis (real redis-server)."""
+
+from __future__ import annotations
+
+import click
+import pytest
+
+from controlplane.cli.up import _owner_doc, claim_registry
+from controlplane.redisdb import keynames
+
+
+def test_a_second_stack_is_refused_and_told_what_pointed_it_there(r) -> None:
+    """The refusal names the stack that owns the registry and what to leave out: the
+    banner's ``export INFERGATE_REDIS_URL=...`` line is the usual way into this trap."""
+    first = _owner_doc("up-first")
+    claim_registry(r, first, False, "127.0.0.1:1/0")
+    assert r.get(keynames.STACK_OWNER) == first
+    with pytest.raises(click.ClickException) as exc:
+        claim_registry(r, _owner_doc("up-second"), False, "127.0.0.1:1/0",
+                       "INFERGATE_REDIS_URL (unset it: the banner's export line sets it)")
+    msg = exc.value.message
+    assert "belongs to another running infergate up: instance up-first" in msg
+    assert "leave out INFERGATE_REDIS_URL (unset it" in msg and "--take-over" in msg
+    assert r.get(keynames.STACK_OWNER) == first          # the owner keeps its claim
+    claim_registry(r, first, False, "127.0.0.1:1/0")      # and may renew it
+    claim_registry(r, _owner_doc("up-third"), True, "127.0.0.1:1/0")
+    assert "up-third" in r.get(keynames.STACK_OWNER)      # --take-over replaces it
+
+
+def test_the_banner_example_names_a_model_the_nodes_serve() -> None:
+    """`up --node URL`: the curl line of the banner uses the first model the nodes list on
+    GET /v1/models (a node that does not answer is skipped)."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from controlplane import procs
+    from controlplane.cli.up import _first_model
+
+    class Models(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            body = json.dumps({"object": "list", "data": [{"id": "qwen-7b", "object": "model"}]})
+            self.send_response(200 if self.path == "/v1/models" else 404)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args) -> None:
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Models)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        down = f"http://127.0.0.1:{procs.free_port()}"
+        up_url = f"http://127.0.0.1:{srv.server_address[1]}/"
+        assert _first_model((down, up_url), timeout=1) == "qwen-7b"
+        assert _first_model((down,), timeout=1) is None
+    finally:
+        srv.shutdown()
+        srv.server_close()
