@@ -39,7 +39,11 @@ with ``"\\n"``. Requests without such a last user text have no namespace (exact 
 (U+00E9) and ``e`` + U+0301 give the same keys. Python uses ``unicodedata.normalize``;
 the edge calls GLib's ``g_utf8_normalize`` through the FFI (``lua/infergate/cache/unicode.lua``;
 Debian package ``libglib2.0-0``). Members are sorted by their key as sent, then written
-normalised (both sides do the same).
+normalised (both sides do the same). Before normalising, both sides bring a string to
+its stream-safe form (Unicode UAX #15, section 13: U+034F COMBINING GRAPHEME JOINER
+before the 31st non-starter of a run, :func:`stream_safe`), which bounds the cost of
+GLib's canonical reordering, quadratic in the length of a run of marks; text without
+such runs is unchanged by it.
 """
 
 from __future__ import annotations
@@ -76,9 +80,34 @@ def _num(x: int | float) -> str:
     return format(f, ".17g")
 
 
+#: Longest run of non-starters (canonical combining class > 0) kept as it is.
+MAX_NONSTARTERS = 30
+_CGJ = "\u034f"
+
+
+def stream_safe(s: str) -> str:
+    """``s`` with U+034F inserted before every non-starter that would make a run longer
+    than :data:`MAX_NONSTARTERS` (UAX #15 stream-safe text format); ``s`` itself when no
+    run is that long."""
+    run, out, last = 0, [], 0
+    for i, ch in enumerate(s):
+        if unicodedata.combining(ch):
+            run += 1
+            if run > MAX_NONSTARTERS:
+                out.append(s[last:i])
+                out.append(_CGJ)
+                last, run = i, 1
+        else:
+            run = 0
+    if not out:
+        return s
+    out.append(s[last:])
+    return "".join(out)
+
+
 def _str(s: str) -> str:
     if not s.isascii():
-        s = unicodedata.normalize("NFC", s)
+        s = unicodedata.normalize("NFC", stream_safe(s))
     out = ['"']
     for ch in s:
         if ch == '"':

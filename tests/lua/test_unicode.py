@@ -50,3 +50,64 @@ def test_long_decomposed_text_is_composed(workdir: Path) -> None:
         return { ok = n == string.rep("\\195\\169", 1024 * 1024) }
     """)
     assert out["ok"] is True
+
+
+def _stream_safe(text: str, max_run: int = 30) -> str:
+    """UAX #15 stream-safe form: U+034F before the 31st non-starter of a run."""
+    out, run = [], 0
+    for ch in text:
+        if unicodedata.combining(ch):
+            run += 1
+            if run > max_run:
+                out.append("\u034f")
+                run = 1
+        else:
+            run = 0
+        out.append(ch)
+    return "".join(out)
+
+
+def test_long_runs_of_marks_are_bounded_before_normalising(workdir: Path) -> None:
+    """128,000 marks of alternating classes after one letter (a 256 KB body): GLib's
+    reordering is quadratic in a run of marks, so the key text is the NFC of the
+    stream-safe form (a CGJ after every 30 non-starters), canonically equivalent to the
+    text; short runs keep the exact NFC."""
+    cases = ["a" + "\u0301\u0316" * 64000,
+             "x" + "\u0316\u0301" * 20 + " tail",          # 40 marks: one CGJ
+             "e" + "\u0301" * 30 + "!",                      # exactly 30: untouched
+             "\u05d0" + "\u05b0\u05b4\u05bc" * 500]          # Hebrew points, other classes
+    (workdir / "cases.json").write_text(json.dumps(cases))
+    out = lua_eval(workdir, f"""
+        local cjson = require("cjson.safe")
+        local u = require("infergate.cache.unicode")
+        local f = assert(io.open("{workdir}/cases.json"))
+        local cases = cjson.decode(f:read("*a"))
+        f:close()
+        local res = {{}}
+        for i, c in ipairs(cases) do
+            res[i] = u.nfc(c)
+        end
+        return {{ res = res }}
+    """)
+    for case, got in zip(cases, out["res"]):
+        assert got == unicodedata.normalize("NFC", _stream_safe(case))
+    assert out["res"][0].count("\u034f") == 128000 // 30
+    assert out["res"][1].count("\u034f") == 1
+    assert out["res"][2] == unicodedata.normalize("NFC", cases[2])
+
+
+def test_long_text_without_safe_cuts_is_cut_before_a_starter(workdir: Path) -> None:
+    """1 MB of decomposed voiced kana (U+304B U+3099) has no ASCII, Latin or CJK character
+    to cut before: the pieces end at WINDOW past SEGMENT, before a starter, so every kana
+    keeps its voicing mark and the result is the exact NFC."""
+    text = "\u304b\u3099" * 180000
+    (workdir / "case.json").write_text(json.dumps([text]))
+    out = lua_eval(workdir, f"""
+        local cjson = require("cjson.safe")
+        local u = require("infergate.cache.unicode")
+        local f = assert(io.open("{workdir}/case.json"))
+        local case = cjson.decode(f:read("*a"))[1]
+        f:close()
+        return {{ res = u.nfc(case) }}
+    """)
+    assert out["res"] == unicodedata.normalize("NFC", text) == "\u304c" * 180000

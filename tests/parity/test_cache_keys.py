@@ -67,6 +67,9 @@ def _bodies() -> list[tuple[str, str, dict]]:
         (CHAT, "default", {"model": "m", "messages": [{"role": "user", "content":
                                                        "caf\u00e9 \U0001F600 \u0000 \u001f \"q\" \\ /"}]}),
         (CHAT, "default", {"model": "m", "messages": [{"role": "user", "content": "cafe\u0301"}]}),
+        # runs of more than 30 marks: both sides key their stream-safe form
+        (CHAT, "default", {"model": "m", "messages": [{"role": "user", "content":
+                                                       "a" + "\u0301\u0316" * 500 + " b\u0301"}]}),
         (CHAT, "default", {"model": "m", "messages": [{"role": "user", "content": "caf\u00e9"}]}),
         (CHAT, "default", {"model": "m", "messages": [{"role": "user", "content": "\u1100\u1161 \ufb01"}],
                            "metadata": {"e\u0301": 1, "\u00e9a": 2, "z": "A\u030a"}}),

@@ -11,6 +11,7 @@ local _M = {}
 local find = string.find
 local gsub = string.gsub
 local sub = string.sub
+local byte = string.byte
 local concat = table.concat
 local G_NORMALIZE_NFC = 1
 
@@ -19,6 +20,7 @@ do
     local ok = pcall(ffi.cdef, [[
         char *g_utf8_normalize(const char *str, long len, int mode);
         void g_free(void *mem);
+        int g_unichar_combining_class(uint32_t uc);
     ]])
     if ok then
         local loaded, lib = pcall(ffi.load, "glib-2.0.so.0")
@@ -31,6 +33,90 @@ _M.available = glib ~= nil
 if not glib then
     ngx.log(ngx.WARN, "infergate: libglib-2.0.so.0 not found: cache keys are taken over text ",
             "as sent, without NFC normalisation (apt-get install libglib2.0-0)")
+end
+
+-- Code points with a non-zero canonical combining class (non-starters), from GLib's own
+-- table (g_unichar_combining_class): none lies below U+0300 or above U+1FFFF.
+local nonstarter = {}
+if glib then
+    for cp = 0x300, 0x1FFFF do
+        if glib.g_unichar_combining_class(cp) ~= 0 then
+            nonstarter[cp] = true
+        end
+    end
+end
+
+-- UTF-8 lead bytes of every non-starter (U+0300-U+07FF, U+0800-U+3FFF, U+A000-U+AFFF,
+-- U+F000-U+FFFF, U+10000 and up): text without them has no run to bound.
+local MAY_HAVE_NONSTARTERS = "[\204-\227\234\239\240-\244]"
+
+-- Code point of the character starting at byte i of s and its length in bytes (a stray
+-- byte counts as one character of its own).
+local function char_at(s, i)
+    local b = byte(s, i)
+    if b < 0xC0 then
+        return b, 1
+    elseif b < 0xE0 then
+        return (b - 0xC0) * 64 + ((byte(s, i + 1) or 0x80) - 0x80), 2
+    elseif b < 0xF0 then
+        return ((b - 0xE0) * 64 + ((byte(s, i + 1) or 0x80) - 0x80)) * 64
+            + ((byte(s, i + 2) or 0x80) - 0x80), 3
+    end
+    return (((b - 0xF0) * 64 + ((byte(s, i + 1) or 0x80) - 0x80)) * 64
+        + ((byte(s, i + 2) or 0x80) - 0x80)) * 64 + ((byte(s, i + 3) or 0x80) - 0x80), 4
+end
+
+-- Stream-safe text (Unicode UAX #15, section 13): after MAX_NONSTARTERS non-starters in
+-- a row, a COMBINING GRAPHEME JOINER (U+034F, a starter that nothing reorders across or
+-- composes with) goes in before the next one. GLib's canonical ordering is a bubble sort
+-- over each run of non-starters, quadratic in its length (128,000 marks of alternating
+-- classes took 8 s of a worker): bounded runs keep the cost linear in the text. Text
+-- without such runs is returned as it is (and its NFC is the exact NFC); with them the
+-- key text is canonically equivalent to what was sent and the same for the same text.
+_M.MAX_NONSTARTERS = 30
+local CGJ = "\205\143"
+
+function _M.stream_safe(s)
+    if not find(s, MAY_HAVE_NONSTARTERS) then
+        return s
+    end
+    local n, max_run = #s, _M.MAX_NONSTARTERS
+    local out, last, run, i = nil, 1, 0, 1
+    while i <= n do
+        local cp, len = char_at(s, i)
+        if nonstarter[cp] then
+            run = run + 1
+            if run > max_run then
+                out = out or {}
+                out[#out + 1] = sub(s, last, i - 1)
+                out[#out + 1] = CGJ
+                last, run = i, 1
+            end
+        else
+            run = 0
+        end
+        i = i + len
+    end
+    if not out then
+        return s
+    end
+    out[#out + 1] = sub(s, last)
+    return concat(out)
+end
+
+-- The first byte at or after `from` that starts a starter (never a non-starter, so the
+-- cut keeps a mark with its base), or nil when none follows.
+local function starter_from(s, from)
+    local n = #s
+    local i = find(s, "[%z\1-\127\192-\255]", from)
+    while i and i <= n do
+        local cp, len = char_at(s, i)
+        if not nonstarter[cp] then
+            return i
+        end
+        i = i + len
+    end
+    return nil
 end
 
 local function nfc_segment(s)
@@ -60,24 +146,39 @@ end
 -- normalisation step can join with what precedes it: a starter that is never the second
 -- character of a canonical composition (ASCII, U+00C0-U+02FF, U+4000-U+9FFF CJK,
 -- U+B000-U+CFFF Hangul syllables, found by their UTF-8 lead bytes). The NFC of the
--- pieces, joined, is the NFC of the whole.
+-- pieces, joined, is the NFC of the whole. Text with no such character within WINDOW
+-- bytes past SEGMENT (e.g. 1 MB of kana) is cut there anyway, before a starter: GLib
+-- then composes nothing across that cut, which leaves a key canonically equivalent to
+-- the text, never one of a different text.
 _M.SEGMENT = 4096
+_M.WINDOW = 1024
 local SAFE_CUT = "[%z\1-\127\195-\203\228-\233\235\236]"
 
--- NFC of a UTF-8 string; the string itself when it is ASCII, not UTF-8, or GLib is
--- missing.
+-- NFC of a UTF-8 string (of its stream-safe form, see above); the string itself when it
+-- is ASCII, not UTF-8, or GLib is missing.
 function _M.nfc(s)
     if glib == nil or not find(s, "[\128-\255]") then
         return s
     end
-    local n, seg = #s, _M.SEGMENT
+    s = _M.stream_safe(s)
+    local n, seg, window = #s, _M.SEGMENT, _M.WINDOW
     if n <= seg then
         return nfc_piece(s)
     end
     local out, pos = {}, 1
+    local safe = 0 -- the next safe cut at or after pos + seg found so far (n + 1: none)
     while pos <= n do
-        local cut = pos + seg <= n and find(s, SAFE_CUT, pos + seg) or nil
-        local stop = cut and cut - 1 or n
+        local stop = n
+        if pos + seg <= n then
+            if safe ~= n + 1 and safe < pos + seg then
+                safe = find(s, SAFE_CUT, pos + seg) or n + 1
+            end
+            local cut = safe
+            if cut > pos + seg + window then
+                cut = starter_from(s, pos + seg + window) or n + 1
+            end
+            stop = cut - 1
+        end
         out[#out + 1] = nfc_piece(sub(s, pos, stop))
         pos = stop + 1
     end
