@@ -379,11 +379,15 @@ def start_redis(workdir: Path, port: int, extra: Sequence[str] = (),
     (at most about a second of writes lost); otherwise nothing is written to disk."""
     workdir.mkdir(parents=True, exist_ok=True)
     persistence = PERSISTENT_REDIS_ARGS if persistent else ("--save", "", "--appendonly", "no")
+    # the process title names the folder (Redis 7 proc-title-template), so `ps` on a
+    # shared host tells whose redis-server this is
+    title = () if "{" in str(workdir) else (
+        "--proc-title-template", "{title} {listen-addr} {server-mode} " + str(workdir.resolve()))
     argv = [
         find_redis_server(), "--port", str(port), "--bind", "127.0.0.1",
         *persistence, "--dir", str(workdir),
         "--maxmemory", maxmemory, "--maxmemory-policy", "volatile-lru",
-        "--protected-mode", "no", *extra,
+        "--protected-mode", "no", *title, *extra,
     ]
     m = Managed("redis", argv, workdir / f"redis-{port}.log").start()
 
