@@ -7,6 +7,9 @@ or Lua runtime error in the error log, and checks in-flight counters are back to
 | body stalls longer than client_body_timeout  | 408 JSON ``request_timeout``, connection closed |
 | chunked body that stalls                     | connection closed without an answer (nginx)  |
 | body trickling past client_body_deadline_ms  | 408 JSON ``request_timeout``, connection closed |
+| chunked body trickling past that deadline    | 408 JSON ``request_timeout``, connection closed |
+| malformed chunked body                       | 400 JSON ``bad_request`` (nginx's check)     |
+| chunked body with Expect: 100-continue       | 100, then proxied                            |
 | chunked body over client_max_body_size       | 413 JSON ``request_too_large`` (not nginx's HTML) |
 | large body (4 MB, in memory)                 | proxied byte for byte                        |
 | body spilled to a temp file (small buffer)   | proxied byte for byte                        |
@@ -90,8 +93,8 @@ def test_slow_body_gets_408_json_and_the_connection_closes(edge_and_node) -> Non
 
 
 def test_slow_chunked_body_is_closed_by_nginx(edge_and_node) -> None:
-    """nginx reads chunked bodies itself; its client_body_timeout ends the connection
-    without an answer (logged as 408 in the access log)."""
+    """nginx decodes chunked bodies itself; a stall past its client_body_timeout ends the
+    connection without an answer (logged as 408 in the access log)."""
     edge, up = edge_and_node
     with socket.create_connection(_host_port(edge)) as s:
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -100,6 +103,51 @@ def test_slow_chunked_body_is_closed_by_nginx(edge_and_node) -> None:
     assert data == b"" and took < 5
     assert up.hits == 0
     procs.wait_until(lambda: '" 408 ' in edge.access_log(), 5, what="408 in the access log")
+
+
+def _chunked(body: bytes, size: int) -> bytes:
+    out = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + size]), body[i:i + size])
+                   for i in range(0, len(body), size))
+    return out + b"0\r\n\r\n"
+
+
+def test_chunked_bodies_are_decoded_and_proxied(edge_and_node) -> None:
+    """Chunk extensions and trailer fields are ignored, Expect: 100-continue gets its 100
+    first; the node gets the decoded body, the client a 200 on a connection it can use
+    again."""
+    edge, up = edge_and_node
+    payload = json.dumps({"model": "m", "messages": [{"role": "user", "content": "chunked é" * 300}]}).encode()
+    wire = _chunked(payload, 700).replace(b"\r\n", b";ext=1\r\n", 1)
+    wire = wire[:-2] + b"X-Trailer: t\r\n\r\n"
+    with socket.create_connection(_host_port(edge)) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\nExpect: 100-continue\r\n\r\n")
+        s.settimeout(5)
+        assert s.recv(64).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+        s.sendall(wire)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += s.recv(65536)
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), data
+        length = int(re.search(rb"(?im)^content-length:\s*(\d+)", head).group(1))
+        while len(body) < length:
+            body += s.recv(65536)
+        assert json.loads(body)["choices"]
+    assert up.hits == 1 and up.bodies[-1] == payload
+
+
+@pytest.mark.parametrize("wire", [b"zz\r\nabc\r\n0\r\n\r\n", b"3\r\nabcdef\r\n0\r\n\r\n"])
+def test_malformed_chunked_body_is_400(edge_and_node, wire: bytes) -> None:
+    edge, up = edge_and_node
+    with socket.create_connection(_host_port(edge)) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n" + wire)
+        data, _ = _read_until_closed(s, 10)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), data
+    assert b'"code":"bad_request"' in body and b"<html" not in body
+    assert up.hits == 0
 
 
 def test_trickled_body_is_cut_by_the_total_deadline(redis_server, tiny_upstreams, edge_factory) -> None:
@@ -129,6 +177,38 @@ def test_trickled_body_is_cut_by_the_total_deadline(redis_server, tiny_upstreams
     head, _, body = data.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408"), data
     assert re.search(rb"(?i)^connection: close", head, re.M), head
+    assert b'"code":"request_timeout"' in body
+    assert 1.4 < took < 5, took
+    assert up.hits == 0
+
+
+def test_trickled_chunked_body_is_cut_by_the_total_deadline(redis_server, tiny_upstreams,
+                                                            edge_factory) -> None:
+    """One 1-byte chunk every 0.2 s: the gap timeout never trips, the total deadline does."""
+    (up,) = tiny_upstreams(1)
+    edge = edge_factory(edge_settings(redis_server.url, [up.node_settings()],
+                                      client_body_timeout_ms=500, client_body_deadline_ms=1500))
+    t0 = time.monotonic()
+    with socket.create_connection(_host_port(edge)) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n1\r\n{\r\n")
+        s.settimeout(0.2)
+        data = b""
+        while time.monotonic() - t0 < 10:
+            try:
+                chunk = s.recv(65536)
+            except socket.timeout:
+                try:
+                    s.sendall(b"1\r\n \r\n")
+                except OSError:
+                    break
+                continue
+            if not chunk:
+                break
+            data += chunk
+    took = time.monotonic() - t0
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), data
     assert b'"code":"request_timeout"' in body
     assert 1.4 < took < 5, took
     assert up.hits == 0

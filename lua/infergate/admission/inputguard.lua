@@ -16,8 +16,13 @@
 --   it trickles (1 byte every 20 s never trips the gap timeout): past it, the same 408.
 --   nginx's own
 --   client_body_timeout cannot answer (seen with nginx 1.22: the request is terminated,
---   the connection closed, the 408 only in the access log). Chunked bodies and HTTP/2
---   are read by nginx (the "body" step), so a stall there ends that way.
+--   the connection closed, the 408 only in the access log). A chunked body (HTTP/1.1,
+--   "Transfer-Encoding: chunked") is decoded by nginx (lua-nginx-module's request socket
+--   refuses chunked bodies, and the raw one would leave nginx unable to send the
+--   proxied answer): a stall between two reads ends as nginx ends it, but the total
+--   deadline holds too, kept by a light thread of the request that sleeps until the
+--   deadline (no timer) and sends the request to the same 408 when the body is not
+--   complete by then. HTTP/2 bodies are read by nginx (the "body" step).
 -- * Invalid UTF-8 anywhere in the body: 400 JSON (code "invalid_utf8"); JSON text must be
 --   UTF-8 (RFC 8259 section 8.1), and the cache keys and nodes expect text.
 --
@@ -101,12 +106,41 @@ local function read_with_timeout(len)
     return true
 end
 
+-- Reads a chunked body (nginx decodes it: ngx.req.read_body) within the total deadline
+-- client_body_deadline_ms: a light thread of the request sleeps until the deadline and,
+-- when the body is not complete by then, sends the request to the 408 location. The gap
+-- timeout between reads is nginx's client_body_timeout (the rendered
+-- client_body_timeout_ms). Returns once the body is read.
+local function read_chunked_with_deadline(req)
+    local o = config.get()
+    local deadline = ngx.req.start_time() + (o.client_body_deadline_ms or 3600000) / 1000
+    local watchdog = ngx.thread.spawn(function()
+        ngx.update_time()
+        local left = deadline - ngx.now()
+        if left > 0 then
+            ngx.sleep(left)
+        end
+        req.rejected = 408
+        return ngx.exec(_M.TIMEOUT_LOCATION)
+    end)
+    ngx.req.read_body()
+    ngx.thread.kill(watchdog)
+end
+
+local function is_chunked(te)
+    return te:lower():match("^%s*chunked%s*$") ~= nil
+end
+
 function _M.step(req)
     if req.route ~= "inference" then
         return nil
     end
     local len = tonumber(ngx.var.http_content_length)
-    if len and len > 0 and ngx.req.http_version() < 2 and not ngx.var.http_transfer_encoding then
+    local te = ngx.var.http_transfer_encoding
+    local h1 = ngx.req.http_version() < 2
+    if h1 and te and is_chunked(te) then
+        read_chunked_with_deadline(req)
+    elseif len and len > 0 and h1 and not te then
         local ok, err = read_with_timeout(len)
         if not ok then
             if err == "timeout" then
