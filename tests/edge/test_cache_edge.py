@@ -727,3 +727,55 @@ def test_no_index_job_without_semantic_lookups(stack, edge_factory) -> None:
     assert post(edge, body).headers["X-Cache-Status"] == "HIT"
     assert r1.llen(keynames.CACHE_INDEX_QUEUE) == 0
     r1.flushdb()
+
+
+def test_hung_embedder_opens_the_lookup_breaker(stack, edge_factory) -> None:
+    """An embedder that accepts connections and never answers: after
+    EMBEDDER_BREAKER_FAILURES timed-out lookups the edge stops asking it (BYPASS at once,
+    no connection, no error-log line), and asks again after the cooldown."""
+    import socket
+    import threading
+
+    accepted: list[socket.socket] = []
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    stop = threading.Event()
+
+    def hold() -> None:
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                continue
+            accepted.append(conn)  # read nothing, answer nothing
+
+    t = threading.Thread(target=hold, daemon=True)
+    t.start()
+    try:
+        edge = edge_factory(cache_settings(
+            stack, embedder_url=f"http://127.0.0.1:{srv.getsockname()[1]}",
+            semantic_budget_ms=150))
+        for i in range(8):
+            res = post(edge, body_of(f"Hung embedder question {i}?", temperature=0))
+            assert res.status_code == 200 and res.headers["X-Cache-Status"] == "BYPASS"
+        assert len(accepted) == 5            # the breaker opened after the fifth timeout
+        assert "semantic lookups in a row failed" in edge.error_log()
+        # nginx logs each timed-out lookup: 5, not one per request
+        assert edge.error_log().count("upstream timed out") == 5
+        n = [0]
+
+        def asks_again() -> bool:
+            n[0] += 1
+            post(edge, body_of(f"Hung embedder retry {n[0]}?", temperature=0))
+            return len(accepted) > 5
+
+        procs.wait_until(asks_again, 20, interval=0.5, what="a lookup after the cooldown")
+    finally:
+        stop.set()
+        t.join(2)
+        for c in accepted:
+            c.close()
+        srv.close()

@@ -28,6 +28,11 @@
 --   * semantic (when the request has a namespace): subrequest to the internal location
 --     /_infergate/cache/lookup (proxy_pass to the embedder's POST /v1/lookup, timeouts =
 --     semantic_budget_ms); any failure or timeout -> BYPASS (the answer is still stored).
+--     After EMBEDDER_BREAKER_FAILURES failed lookups in a row (no answer, a timeout, a
+--     5xx, not JSON) every worker skips the lookup for EMBEDDER_COOLDOWN_S (BYPASS,
+--     reason "embedder_breaker_open"): a hung embedder then costs requests nothing
+--     instead of the whole budget each; after the cooldown lookups go out again, the
+--     first failure opens the breaker again, a success closes it.
 --     A hit whose entry is gone (expired, purged), or whose stored namespace or tenant
 --     is not the request's, is a miss.
 --   * miss -> MISS, the node's answer is captured (infergate.cache.capture); a stream
@@ -498,6 +503,43 @@ local function wait_for_leader(c, lock)
 end
 
 -- Semantic lookup through the embedder. Returns the lookup answer table or nil, err.
+-- Embedder circuit breaker (see the header), shared by the workers in _M.DICT:
+-- "emb:fails" failed lookups in a row, "emb:open" present while open (its TTL the
+-- cooldown).
+_M.EMBEDDER_BREAKER_FAILURES = 5
+_M.EMBEDDER_COOLDOWN_S = 5
+
+function _M.embedder_open()
+    local dict = ngx.shared[_M.DICT]
+    return dict ~= nil and dict:get("emb:open") ~= nil
+end
+
+local function embedder_result(ok, why)
+    local dict = ngx.shared[_M.DICT]
+    if not dict then
+        return
+    end
+    if ok then
+        local before = dict:get("emb:fails") or 0
+        if before ~= 0 then
+            dict:set("emb:fails", 0)
+            if before >= _M.EMBEDDER_BREAKER_FAILURES then
+                log(WARN, "infergate: the embedder answers lookups again")
+            end
+        end
+        return
+    end
+    local fails = dict:incr("emb:fails", 1, 0)
+    if fails and fails >= _M.EMBEDDER_BREAKER_FAILURES and dict:get("emb:open") == nil then
+        dict:set("emb:open", ngx.now(), _M.EMBEDDER_COOLDOWN_S)
+        if fails == _M.EMBEDDER_BREAKER_FAILURES then
+            log(WARN, "infergate: ", fails, " semantic lookups in a row failed (", why,
+                "): lookups skipped for ", _M.EMBEDDER_COOLDOWN_S, " s at a time until the ",
+                "embedder answers again")
+        end
+    end
+end
+
 local function semantic_lookup(c)
     -- route and model select the embedder's per-domain thresholds
     local payload = { namespace = c.namespace, text = cut_utf8(c.text, _M.MAX_TEXT_BYTES),
@@ -509,18 +551,25 @@ local function semantic_lookup(c)
     local body = replay.encode(payload)
     local res = ngx.location.capture(_M.LOOKUP_LOCATION, { method = ngx.HTTP_POST, body = body })
     if not res then
+        embedder_result(false, "subrequest failed")
         return nil, "embedder subrequest failed"
     end
     if res.status ~= 200 then
+        if res.status >= 500 then
+            embedder_result(false, "answered " .. tostring(res.status))
+        end
         return nil, "embedder answered " .. tostring(res.status)
     end
     if res.truncated then
+        embedder_result(false, "answer truncated")
         return nil, "embedder answer truncated"
     end
     local doc = cjson.decode(res.body or "")
     if type(doc) ~= "table" then
+        embedder_result(false, "answer not JSON")
         return nil, "embedder answer is not JSON"
     end
+    embedder_result(true)
     return doc
 end
 
@@ -665,6 +714,9 @@ function _M.lookup(req)
     end
 
     -- semantic
+    if opts.semantic and k.namespace and _M.embedder_open() then
+        return bypass(c, "embedder_breaker_open", true)
+    end
     if opts.semantic and k.namespace then
         local res, serr = semantic_lookup(c)
         if not res then
