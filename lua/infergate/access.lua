@@ -167,6 +167,10 @@ local function step_body(req)
         return bad_request("The request body is empty; expected a JSON object.")
     end
     if not body:find("^%s*{") then
+        if body:sub(1, 3) == "\239\187\191" then
+            return bad_request("The request body starts with a UTF-8 byte order mark; JSON "
+                .. "text must not (RFC 8259 section 8.1): send the JSON object without it.")
+        end
         return bad_request("The request body must be a JSON object.")
     end
     local o = config.get()

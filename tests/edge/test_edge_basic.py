@@ -111,6 +111,10 @@ def test_bad_json_gets_400_without_touching_nodes(two_nodes) -> None:
     for body in (b"{not json", b"[1, 2]", b"", b"   ", b'"text"', b"{\"a\": 1} trailing"):
         res = requests.post(url, data=body, headers={"Content-Type": "application/json"}, timeout=10)
         _assert_openai_error(res, 400, etype="invalid_request_error")
+    bom = requests.post(url, data=b"\xef\xbb\xbf" + json.dumps({"model": "m", "messages": []}).encode(),
+                        headers={"Content-Type": "application/json"}, timeout=10)
+    _assert_openai_error(bom, 400, etype="invalid_request_error")
+    assert "byte order mark" in bom.json()["error"]["message"]
     assert sum(u.hits for u in ups) == 0
 
 
