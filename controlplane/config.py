@@ -605,6 +605,12 @@ class CacheSettings(_Section):
     """Longest wait for the first request's answer; then a waiter goes to a node itself."""
     coalesce_poll_ms: int = Field(default=50, ge=5, le=5000)
     """How often a waiting request looks for the answer in Redis, milliseconds."""
+    local_ttl_ms: int = Field(default=0, ge=0, le=60000)
+    """How long each nginx worker keeps an entry it read from Redis and answers repeats of
+    it from memory, milliseconds (0 = off: every hit reads Redis). Hits of hot entries
+    then cost no Redis round trip, but a purged or flagged entry may still answer from a
+    worker's copy for that long (never past the entry's own TTL); at most 1000 entries
+    and 16 MB per worker."""
     verifier: bool = True
     """The embedder checks every candidate with its learned verifier (a logistic regression
     over both vectors and the precision guard's signals) and retrieves from the verifier's

@@ -572,6 +572,44 @@ def test_entry_expires_after_its_ttl(stack, edge_factory) -> None:
     assert post(edge, body).headers["X-Cache-Status"] == "MISS"
 
 
+def test_workers_keep_hot_entries_for_local_ttl_ms(stack, edge_factory) -> None:
+    """cache.local_ttl_ms: a worker answers repeats of an entry it read from its own copy,
+    without Redis, for that long; never past the entry's TTL; 0 (the default) reads Redis
+    on every hit, so a deleted entry misses at once."""
+    s = cache_settings(stack, local_ttl_ms=1500, semantic=False)
+    s.edge.workers = 1  # one worker: every request meets the same copy
+    edge = edge_factory(s)
+    body = body_of("What is the capital of Mongolia?", temperature=0)
+    assert post(edge, body).headers["X-Cache-Status"] == "MISS"
+    wait_stored(stack, body)
+    k = keynames.cache_entry(exact_key(body))
+    assert post(edge, body).headers["X-Cache-Status"] == "HIT"      # read, now kept
+    stack.r.delete(k)
+    assert post(edge, body).headers["X-Cache-Status"] == "HIT"      # from the copy
+    procs.wait_until(lambda: post(edge, body).headers["X-Cache-Status"] == "MISS", 10,
+                     interval=0.2, what="the worker's copy to expire")
+
+    # the copy never outlives the entry: TTL 1 s, local_ttl_ms 60 s
+    s = cache_settings(stack, local_ttl_ms=60000, semantic=False, ttl_s=1)
+    s.edge.workers = 1
+    edge = edge_factory(s)
+    body = body_of("What is the capital of Chile?", temperature=0)
+    assert post(edge, body).headers["X-Cache-Status"] == "MISS"
+    wait_stored(stack, body)
+    assert post(edge, body).headers["X-Cache-Status"] == "HIT"
+    procs.wait_until(lambda: post(edge, body).headers["X-Cache-Status"] == "MISS", 10,
+                     interval=0.2, what="the entry's TTL to end the copy too")
+
+    # off by default: a deleted entry misses at once
+    edge = edge_factory(cache_settings(stack, semantic=False))
+    body = body_of("What is the capital of Peru?", temperature=0)
+    assert post(edge, body).headers["X-Cache-Status"] == "MISS"
+    wait_stored(stack, body)
+    assert post(edge, body).headers["X-Cache-Status"] == "HIT"
+    stack.r.delete(keynames.cache_entry(exact_key(body)))
+    assert post(edge, body).headers["X-Cache-Status"] == "MISS"
+
+
 # ----------------------------------------------------------------------------- failures
 
 

@@ -335,7 +335,7 @@ local embedder_down_logged = false
 -- answer a request whose answer must carry usage (a non-streaming one, or a stream with
 -- stream_options.include_usage), which then goes to a node and stores a complete entry
 -- in its place.
-local function parse_entry(raw, c)
+local function decode_entry(raw)
     if raw == null or type(raw) ~= "string" then
         return nil
     end
@@ -343,6 +343,10 @@ local function parse_entry(raw, c)
     if type(doc) ~= "table" or type(doc.body) ~= "string" then
         return nil
     end
+    return doc
+end
+
+local function parse_doc(doc, c)
     -- a non-streaming answer from the stored bytes (replay.splice), nothing decoded
     if not c.stream and type(doc.tail) == "string" and type(doc.usage) == "boolean" then
         if not doc.usage then
@@ -370,7 +374,77 @@ local function parse_entry(raw, c)
     end
     return { doc = doc, comp = comp }
 end
+
+local function parse_entry(raw, c)
+    local doc = decode_entry(raw)
+    return doc and parse_doc(doc, c)
+end
 _M.parse_entry = parse_entry
+
+-- Worker-local copies of entries read from Redis lately (cache.local_ttl_ms, 0 = none):
+-- exact key hex -> {doc = the decoded entry (never changed once decoded), exp = epoch s,
+-- never past the entry's expiry}. Repeats of a hot entry are answered without a Redis
+-- round trip and without decoding it again; a purged or flagged entry may answer from a
+-- worker's copy until that copy expires.
+-- Bounded by HOT_MAX_ENTRIES and HOT_MAX_BYTES (of the stored texts): full, it starts
+-- over empty.
+_M.HOT_MAX_ENTRIES = 1000
+_M.HOT_MAX_BYTES = 16 * 1024 * 1024
+local hot, hot_count, hot_bytes = {}, 0, 0
+
+local function hot_doc(key, now)
+    local h = hot[key]
+    if not h then
+        return nil
+    end
+    if h.exp > now then
+        return h.doc
+    end
+    hot[key] = nil
+    hot_count = hot_count - 1
+    hot_bytes = hot_bytes - h.size
+    return nil
+end
+
+local function hot_put(key, doc, size, now)
+    local ttl = (opts.local_ttl_ms or 0) / 1000
+    if ttl <= 0 or size > _M.HOT_MAX_BYTES then
+        return
+    end
+    local old = hot[key]
+    if old then
+        hot_count = hot_count - 1
+        hot_bytes = hot_bytes - old.size
+    end
+    if hot_count >= _M.HOT_MAX_ENTRIES or hot_bytes + size > _M.HOT_MAX_BYTES then
+        hot, hot_count, hot_bytes = {}, 0, 0
+    end
+    -- never past the entry's own expiry in Redis (stored at "created", for "ttl" s)
+    local exp = now + ttl
+    local created, life = tonumber(doc.created), tonumber(doc.ttl)
+    if created and life and created + life < exp then
+        exp = created + life
+    end
+    hot[key] = { doc = doc, exp = exp, size = size }
+    hot_count = hot_count + 1
+    hot_bytes = hot_bytes + size
+end
+
+-- Forgets every worker-local copy (tests; an operator's purge reaches the other
+-- workers within local_ttl_ms).
+function _M.hot_clear()
+    hot, hot_count, hot_bytes = {}, 0, 0
+end
+
+-- The usable entry of `key` from a raw GET reply, kept as a worker-local copy.
+local function entry_of(raw, key, c)
+    local doc = decode_entry(raw)
+    if not doc then
+        return nil
+    end
+    hot_put(key, doc, #raw, ngx.now())
+    return parse_doc(doc, c)
+end
 
 -- The entry of `key` read with client rc: see parse_entry, or nil, err (transport
 -- error) or false, err (Redis error reply).
@@ -379,7 +453,7 @@ local function get_entry(rc, key, c)
     if not raw then
         return raw, err
     end
-    return parse_entry(raw, c)
+    return entry_of(raw, key, c)
 end
 
 -- fn(client) on a pooled connection (infergate.redis.pool: skipped while Redis is backed
@@ -654,8 +728,8 @@ end
 -- reply for the cache step. nil when the request does no exact lookup.
 function _M.prefetch(req)
     local c, k = prepare(req)
-    if not k then
-        return nil
+    if not k or hot_doc(k.exact, ngx.now()) then
+        return nil -- no lookup, or this worker holds the entry
     end
     return { "GET", keynames.cache_entry(k.exact) }, function(reply)
         c.prefetched = reply
@@ -673,11 +747,15 @@ function _M.lookup(req)
         return nil
     end
 
-    -- exact: the reply fetched with the rate-limit script, or a GET of its own
+    -- exact: this worker's copy, the reply fetched with the rate-limit script, or a GET
+    -- of its own
     local entry, err
     local pre = c.prefetched
-    if pre ~= nil and pre ~= false and redis.error_of(pre) == nil then
-        entry = parse_entry(pre, c)
+    local doc = hot_doc(k.exact, ngx.now())
+    if doc then
+        entry = parse_doc(doc, c)
+    elseif pre ~= nil and pre ~= false and redis.error_of(pre) == nil then
+        entry = entry_of(pre, k.exact, c)
     else
         entry, err = with_redis(function(rc)
             return get_entry(rc, k.exact, c)
@@ -728,9 +806,15 @@ function _M.lookup(req)
         end
         embedder_down_logged = false
         if res.hit == true and type(res.key) == "string" and res.key:find("^%x+$") then
-            local hit, herr = with_redis(function(rc)
-                return get_entry(rc, res.key, c)
-            end)
+            local hit, herr
+            local hdoc = hot_doc(res.key, ngx.now())
+            if hdoc then
+                hit = parse_doc(hdoc, c)
+            else
+                hit, herr = with_redis(function(rc)
+                    return get_entry(rc, res.key, c)
+                end)
+            end
             -- only an entry stored for this request's namespace (same tenant, route, model
             -- and context): an embedder that answers with another partition's key (a
             -- wrong or foreign process on its address) never leaks that answer
