@@ -123,7 +123,7 @@ def test_edge_options_carry_every_setting() -> None:
                       "semantic",
                       "embedder_url", "semantic_budget_ms", "min_similarity",
                       "min_similarity_routes", "min_similarity_models", "coalesce",
-                      "coalesce_wait_s", "coalesce_poll_ms", "embedder_model",
+                      "coalesce_wait_s", "coalesce_poll_ms", "local_ttl_ms", "embedder_model",
                       "verifier", "verifier_file", "semantic_domains", "max_request_bytes",
                       "verify_fraction", "verify_answer_similarity", "verify_max_wrong",
                       "verify_threshold_step", "verify_max_raise", "verify_queue_max",
