@@ -131,14 +131,22 @@ def _describe_owner(raw: object) -> str:
         return f"owner {raw!r}"
 
 
-def _first_model(urls: tuple[str, ...], timeout: float = 2.0) -> str | None:
-    """The first model id a node of ``urls`` lists on its OpenAI-style ``GET /v1/models``
-    (``{"data": [{"id": ...}]}``), for the banner's example; None when none answers."""
+def _first_model(nodes: list[NodeSettings], timeout: float = 2.0) -> str | None:
+    """A model the nodes serve, for the banner's example: the first configured ``models``
+    entry, else the first id a node lists on its OpenAI-style ``GET /v1/models``
+    (``{"data": [{"id": ...}]}``), asked only of nodes whose models the control plane
+    polls too (:meth:`NodeSettings.polls_models`: never llama-cpp-python's, which can end
+    a running stream); None when none says."""
     import requests
 
-    for url in urls:
+    for n in nodes:
+        if n.models:
+            return n.models[0]
+    for n in nodes:
+        if not n.polls_models():
+            continue
         try:
-            res = requests.get(url.rstrip("/") + "/v1/models", timeout=timeout)
+            res = requests.get(n.url.rstrip("/") + "/v1/models", timeout=timeout)
             data = res.json().get("data") if res.status_code == 200 else None
         except (requests.RequestException, ValueError, AttributeError):
             continue
@@ -669,7 +677,7 @@ def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
                 metrics_desc = f"http://{settings.edge.metrics_listen}/metrics"
 
         base = f"http://{edge_host}:{edge_port}"
-        model = "sim-llama" if not node_urls else (_first_model(node_urls) or "<your model>")
+        model = "sim-llama" if not node_urls else (_first_model(nodes) or "<your model>")
         key_line = f"\n  API key (demo)      {demo_key}" if demo_key else ""
         key_header = f" -H 'Authorization: Bearer {demo_key}'" if demo_key else ""
         click.echo(f"""

@@ -28,14 +28,15 @@ def test_a_second_stack_is_refused_and_told_what_pointed_it_there(r) -> None:
 
 
 def test_the_banner_example_names_a_model_the_nodes_serve() -> None:
-    """`up --node URL`: the curl line of the banner uses the first model the nodes list on
-    GET /v1/models (a node that does not answer is skipped)."""
+    """`up --node URL`: the curl line of the banner uses a configured model, else the first
+    model the nodes list on GET /v1/models (a node that does not answer is skipped)."""
     import json
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from controlplane import procs
     from controlplane.cli.up import _first_model
+    from controlplane.config import NodeSettings
 
     class Models(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
@@ -52,10 +53,16 @@ def test_the_banner_example_names_a_model_the_nodes_serve() -> None:
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
     try:
-        down = f"http://127.0.0.1:{procs.free_port()}"
-        up_url = f"http://127.0.0.1:{srv.server_address[1]}/"
-        assert _first_model((down, up_url), timeout=1) == "qwen-7b"
-        assert _first_model((down,), timeout=1) is None
+        down = NodeSettings(name="down", url=f"http://127.0.0.1:{procs.free_port()}", kind="vllm")
+        up = NodeSettings(name="up", url=f"http://127.0.0.1:{srv.server_address[1]}/", kind="vllm")
+        assert _first_model([down, up], timeout=1) == "qwen-7b"
+        assert _first_model([down], timeout=1) is None
+        # never asked: a kind "openai" node (llama-cpp-python's /v1/models can end a
+        # running stream); a configured list answers without asking
+        openai = NodeSettings(name="o", url=up.url, kind="openai")
+        assert _first_model([openai], timeout=1) is None
+        listed = NodeSettings(name="l", url=up.url, kind="openai", models=["mine"])
+        assert _first_model([listed, up], timeout=1) == "mine"
     finally:
         srv.shutdown()
         srv.server_close()

@@ -576,7 +576,6 @@ local function wait_for_leader(c, lock)
     end
 end
 
--- Semantic lookup through the embedder. Returns the lookup answer table or nil, err.
 -- Embedder circuit breaker (see the header), shared by the workers in _M.DICT:
 -- "emb:fails" failed lookups in a row, "emb:open" present while open (its TTL the
 -- cooldown).
@@ -614,6 +613,7 @@ local function embedder_result(ok, why)
     end
 end
 
+-- Semantic lookup through the embedder. Returns the lookup answer table or nil, err.
 local function semantic_lookup(c)
     -- route and model select the embedder's per-domain thresholds
     local payload = { namespace = c.namespace, text = cut_utf8(c.text, _M.MAX_TEXT_BYTES),
