@@ -20,6 +20,7 @@ local metrics = require("infergate.core.prometheus")
 local deadline = require("infergate.admission.deadline")
 local speed = require("infergate.routing.speed")
 local affinity = require("infergate.routing.affinity")
+local outlier = require("infergate.routing.outlier")
 
 local _M = {}
 
@@ -116,6 +117,7 @@ function _M.run()
         stats.close_attempt(last, result, now, latency_ms)
         speed.observe(last, latency_ms) -- learned concurrency (infergate.routing.speed)
     end
+    outlier.finished(last, now) -- an unanswered probe of a hung node backs it off
     for i = 1, n - 1 do
         local att = attempts[i]
         if att.held then

@@ -103,6 +103,51 @@ def test_outlier_needs_a_long_wait_and_no_answer_and_clears_on_an_answer(workdir
     assert got["after_probe_answer"] is False
 
 
+def test_unanswered_probes_back_a_hung_node_off(workdir: Path) -> None:
+    """A silent outlier gets one probe at a time; a probe that waited past the threshold
+    and ended unanswered keeps the node out for threshold x 2^n (n probes in a row, at
+    most PROBE_BACKOFF_MAX_S), a short one (the client left) does not, and an answer
+    ends it all."""
+    got = run(workdir, """
+            local out = {}
+            local d = ngx.shared.infergate_stats
+            local t0 = 1000
+            for i = 1, 10 do answered("n", t0, 0.5, false) end      -- threshold 2 s
+            local stuck = stats.open_attempt("n", t0 + 1)
+            outlier.track(stuck, false)
+            out.found = outlier.is_outlier(node, t0 + 3.5)
+            stats.close_attempt(stuck, "neutral", t0 + 7)           -- times out
+            outlier.finished(stuck, t0 + 7)                         -- not a probe: sent before
+            d:delete("ol:n")
+            out.probe_allowed = outlier.is_outlier(node, t0 + 8)
+            local function probe(at, ends)
+                local p = stats.open_attempt("n", at)
+                outlier.track(p, false)
+                stats.close_attempt(p, "neutral", ends)
+                outlier.finished(p, ends)
+            end
+            probe(t0 + 8, t0 + 14)                                  -- unanswered: 2 x 2^1 = 4 s
+            out.backoff1 = outlier.is_outlier(node, t0 + 17.9)
+            out.after1 = outlier.is_outlier(node, t0 + 18.1)
+            probe(t0 + 18.1, t0 + 24)                               -- again: 2 x 2^2 = 8 s
+            out.backoff2 = outlier.is_outlier(node, t0 + 31.9)
+            out.after2 = outlier.is_outlier(node, t0 + 32.1)
+            probe(t0 + 32.1, t0 + 32.5)                             -- left early: no backoff
+            out.after_short = outlier.is_outlier(node, t0 + 32.6)
+            for _ = 1, 10 do probe(t0 + 40, t0 + 50) end            -- capped
+            out.capped = d:get("ou:n") - (t0 + 50)
+            answered("n", t0 + 51, 0.3, false)                      -- it answers
+            out.after_answer = outlier.is_outlier(node, t0 + 51.1)
+            return out
+    """)
+    assert got["found"] is True and got["probe_allowed"] is False
+    assert got["backoff1"] is True and got["after1"] is False
+    assert got["backoff2"] is True and got["after2"] is False
+    assert got["after_short"] is False
+    assert got["capped"] == pytest.approx(60)
+    assert got["after_answer"] is False
+
+
 def test_factor_zero_turns_detection_off(workdir: Path) -> None:
     got = run(workdir, """
             local stuck = stats.open_attempt("n", 0)

@@ -307,6 +307,7 @@ function _M.run()
                 stats.close_attempt(prev, "fail", now)
             end
         end
+        outlier.finished(prev, now)
     end
     -- timeouts of this try from the request's deadline; no new try once it has passed
     if not deadline.before_try(req, o, now) then

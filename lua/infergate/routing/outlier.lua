@@ -15,8 +15,10 @@
 -- The flag expires after FLAG_TTL_FACTOR x threshold; the worker whose attempt is still
 -- waiting sets it again on its next pick. A node found an outlier that has not sent a
 -- first byte since ("os:<node>" newer than "fb:<node>") gets one request of this edge at
--- a time (an outlier while it has any in flight), like a half-open breaker, so a node
--- that hangs for good costs one request per threshold, not a share. The balancer never excludes every candidate:
+-- a time (an outlier while it has any in flight), like a half-open breaker; each such
+-- probe that waited past the threshold and ended without a first byte keeps the node
+-- out for min(PROBE_BACKOFF_MAX_S, threshold x 2^probes) more, so a node that hangs for
+-- good costs a few requests, not one per request deadline. The balancer never excludes every candidate:
 -- when all eligible nodes are outliers, it picks among them as usual.
 --
 -- Shared dict infergate_stats (all workers):
@@ -25,11 +27,14 @@
 --   "fb:<node>"              epoch s of the node's last first byte seen by this edge
 --   "ol:<node>"              epoch s the node was found an outlier (with a TTL)
 --   "os:<node>"              the same, without a TTL (the last time it was found one)
+--   "op:<node>"              probes in a row that ended unanswered, "ou:<node>" epoch s
+--                            before which it gets no probe
 -- Worker-local: this worker's attempts per node in start order (a queue whose head is the
 -- oldest attempt not yet answered, closed or released).
 --
 -- track(att, stream)   balancer phase, after infergate.routing.stats.open_attempt
 -- first_byte(req)      header_filter of a proxied answer (the node answered)
+-- finished(att, now)   when an attempt ends (log phase, or the balancer before a retry)
 -- is_outlier(node, now) balancer phase (no I/O: shared dict and local tables only)
 local config = require("infergate.core.config")
 local stats = require("infergate.routing.stats")
@@ -43,6 +48,7 @@ local sort = table.sort
 
 _M.SAMPLES = 20
 _M.FLAG_TTL_FACTOR = 3
+_M.PROBE_BACKOFF_MAX_S = 60
 
 local waiting = {}      -- node -> {head = i, tail = j, items = {attempt, ...}}
 
@@ -117,6 +123,8 @@ function _M.first_byte(req)
     local name = att.node
     d:set("fb:" .. name, now)
     d:delete("ol:" .. name)
+    d:delete("op:" .. name)
+    d:delete("ou:" .. name)
     local ttfb = now - att.started
     if ttfb >= 0 then
         add_sample(d, name, att.stream and "s" or "n", ttfb)
@@ -157,8 +165,16 @@ function _M.is_outlier(node, now, o)
         return true
     end
     local seen = d:get("os:" .. name)
-    if seen and seen >= fb and stats.inflight(name) >= 1 then
-        return true -- silent since it was found an outlier: one request at a time
+    if seen and seen >= fb then
+        -- silent since it was found an outlier: one request at a time, and none while
+        -- the last probes' backoff runs
+        if stats.inflight(name) >= 1 then
+            return true
+        end
+        local until_s = d:get("ou:" .. name)
+        if until_s and now < until_s then
+            return true
+        end
     end
     local att = oldest_waiting(name)
     if not att then
@@ -181,6 +197,35 @@ function _M.is_outlier(node, now, o)
     d:set("ol:" .. name, now, _M.FLAG_TTL_FACTOR * thr)
     d:set("os:" .. name, now)
     return true
+end
+
+-- An attempt ended: a probe of a silent outlier (sent after it was found one) that waited
+-- past the threshold without a first byte backs the node off (see the header).
+function _M.finished(att, now)
+    if att.first_byte or att.outlier_done then
+        return
+    end
+    att.outlier_done = true
+    local o = config.get()
+    if o.outlier_ttfb_factor <= 0 then
+        return
+    end
+    local d = dict()
+    local name = att.node
+    local seen = d:get("os:" .. name)
+    if not seen or seen < (d:get("fb:" .. name) or 0) or att.started < seen then
+        return
+    end
+    local thr = _M.threshold(name, att.stream, o)
+    if now - att.started < thr then
+        return -- ended early (the client left): no evidence either way
+    end
+    local n = d:incr("op:" .. name, 1, 0) or 1
+    local wait = thr * 2 ^ n
+    if wait > _M.PROBE_BACKOFF_MAX_S then
+        wait = _M.PROBE_BACKOFF_MAX_S
+    end
+    d:set("ou:" .. name, now + wait)
 end
 
 -- Outlier state of node `name` for the status endpoint: true, false.
