@@ -48,8 +48,8 @@ NodeKind = Literal["vllm", "tgi", "sglang", "json", "openai"]
 ``--metrics``, Ollama, any OpenAI-compatible server): the node is routed on what the
 edge observes itself. ``vllm`` also accepts the pre-0.10 names (auto-detected)."""
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-PATH_RE = re.compile(r"^/[A-Za-z0-9/_.-]{0,200}$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
+PATH_RE = re.compile(r"^/[A-Za-z0-9/_.-]{0,200}\Z")
 
 
 class ConfigError(InfergateError, ValueError):
@@ -115,7 +115,7 @@ class HostPortError(InfergateError, ValueError):
     """A ``host:port`` value that is not one."""
 
 
-_HOST_RE = re.compile(r"^(\*|[A-Za-z0-9_][A-Za-z0-9_.-]{0,252})$")
+_HOST_RE = re.compile(r"^(\*|[A-Za-z0-9_][A-Za-z0-9_.-]{0,252})\Z")
 
 
 class HostPort(str):
@@ -883,4 +883,9 @@ def load_settings(path: str | Path | None) -> Settings:
         raise ConfigError(f"{p}: no such configuration file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p}: not UTF-8 text (TOML must be): {exc.reason} at byte "
+                          f"{exc.start}") from None
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read: {exc.strerror or exc}") from None
     return settings_from_dict(data, str(p))

@@ -99,6 +99,8 @@ def _http_error(exc: HTTPException) -> flask.Response:
     if status == 405:
         return error(405, f"method {flask.request.method} not allowed here",
                      "invalid_request_error", "method_not_allowed")
+    if status >= 500:
+        return error(status, exc.description or exc.name, "server_error", "internal_error")
     return error(status, exc.description or exc.name, "invalid_request_error", "bad_request")
 
 

@@ -24,6 +24,7 @@ import json
 import re
 import secrets
 import time
+import unicodedata
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -33,8 +34,8 @@ from controlplane.redisdb import keynames
 from controlplane.errors import InfergateError
 
 KEY_PREFIX = "ig-"
-TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-ID_RE = re.compile(r"^[0-9a-f]{8}$")
+TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
+ID_RE = re.compile(r"^[0-9a-f]{8}\Z")
 MAX_LIMIT = 10**9
 
 
@@ -78,7 +79,7 @@ def _check_limit(name: str, value: object) -> int | None:
         raise ApiKeyError(f"{name} must be a positive integer or empty (no limit)")
     try:
         n = int(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ApiKeyError(f"{name} must be a positive integer or empty (no limit)") from None
     if isinstance(value, float) and value != n:
         raise ApiKeyError(f"{name} must be a whole number")
@@ -93,11 +94,19 @@ def _check_tenant(tenant: object) -> str:
     return tenant
 
 
+#: Unicode categories a label may not hold: control characters, format characters
+#: (bidirectional overrides, zero-width characters, the BOM) and surrogates (what a
+#: command line that is not UTF-8 turns into; they cannot be written as UTF-8).
+_LABEL_BAD_CATEGORIES = frozenset({"Cc", "Cf", "Cs"})
+
+
 def _check_label(label: object) -> str:
     if label is None:
         return ""
-    if not isinstance(label, str) or len(label) > 200 or any(ord(c) < 32 for c in label):
-        raise ApiKeyError("label: text of at most 200 printable characters")
+    if (not isinstance(label, str) or len(label) > 200
+            or any(unicodedata.category(c) in _LABEL_BAD_CATEGORIES for c in label)):
+        raise ApiKeyError("label: text of at most 200 printable characters (no control, "
+                          "format or surrogate characters)")
     return label
 
 
@@ -106,7 +115,9 @@ def _load(raw: str | None) -> ApiKey | None:
         return None
     try:
         d = json.loads(raw)
-        return ApiKey(id=str(d["id"]), tenant=str(d["tenant"]), label=str(d.get("label", "")),
+        # a label stored before it was checked as now must not break the pages that list it
+        label = str(d.get("label", "")).encode("utf-8", "replace").decode("utf-8")
+        return ApiKey(id=str(d["id"]), tenant=str(d["tenant"]), label=label,
                       rpm=d.get("rpm"), tpm=d.get("tpm"), created=float(d.get("created", 0)),
                       revoked=None if d.get("revoked") is None else float(d["revoked"]))
     except (ValueError, KeyError, TypeError):
@@ -223,7 +234,7 @@ def set_limits(r: redis.Redis, key_id: str, *, rpm: object = ..., tpm: object = 
 #: ``format`` of an export document (:func:`export_keys`).
 EXPORT_FORMAT = "infergate-apikeys"
 EXPORT_VERSION = 1
-HASH_RE = re.compile(r"^[0-9a-f]{64}$")
+HASH_RE = re.compile(r"^[0-9a-f]{64}\Z")
 
 
 @dataclass

@@ -109,7 +109,7 @@ _LOCAL_NAMES = frozenset({"localhost", "0.0.0.0", "::"})
 #: The IPv4 spellings ``inet_aton`` (and so every C resolver and HTTP client) accepts:
 #: one to four parts, each decimal, octal (leading 0) or hexadecimal (0x), e.g.
 #: ``2852039166``, ``0xa9fea9fe``, ``0251.0376.0251.0376``, ``127.1``.
-_IPV4_SHORTHAND = re.compile(r"^(?:0x[0-9a-f]*|[0-9]+)(?:\.(?:0x[0-9a-f]*|[0-9]+)){0,3}$")
+_IPV4_SHORTHAND = re.compile(r"^(?:0x[0-9a-f]*|[0-9]+)(?:\.(?:0x[0-9a-f]*|[0-9]+)){0,3}\Z")
 #: Longest wait for a node URL's host name to resolve, seconds.
 RESOLVE_TIMEOUT_S = 2.0
 
@@ -195,8 +195,9 @@ def node_url_refusal(url: str, settings: Settings | None = None) -> str | None:
     shorthand, octal and hexadecimal IPv4 spellings too, see :func:`_ip`), host names
     that resolve to any address in those networks or do not resolve at all within
     :data:`RESOLVE_TIMEOUT_S` (:func:`resolve_host`), and, with ``settings``, this
-    stack's own Redis, admin, embedder and edge-metrics ports (on the same host or on a
-    loopback address) -- unless ``settings.controlplane.node_url_allow`` allows the
+    stack's own Redis, admin, embedder, edge-metrics and edge API (``edge.listen``) ports
+    (on the same host or on a loopback address: a node there would loop requests back
+    into the edge) -- unless ``settings.controlplane.node_url_allow`` allows the
     host. The check holds for the addresses the name has now; a name whose owner
     points it elsewhere later is not watched."""
     parts = urlsplit(url)
@@ -205,6 +206,16 @@ def node_url_refusal(url: str, settings: Settings | None = None) -> str | None:
         port = parts.port or 80
     except ValueError:
         return None  # NodeSettings reports a bad port
+    if host and not host.isascii():
+        # the poller's HTTP client would encode it (or refuse it) its own way, and
+        # "①②⑦.0.0.1" is 127.0.0.1 in disguise: the ASCII (IDNA) form only
+        import idna
+
+        try:
+            ascii_host = idna.encode(host, uts46=True).decode("ascii")
+        except (idna.IDNAError, UnicodeError) as exc:
+            return f"url: {host} is not a valid host name ({exc})"
+        return f"url: write the host name in ASCII, as {ascii_host}"
     allow = settings.controlplane.node_url_allow if settings is not None else []
     if _allowed(host, port, allow):
         return None
@@ -246,10 +257,13 @@ def node_url_refusal(url: str, settings: Settings | None = None) -> str | None:
             own.append(("embedder", e.hostname.lower(), e.port))
     except ValueError:
         pass
-    if settings.edge.metrics_listen:
+    for what, listen in (("edge metrics", settings.edge.metrics_listen),
+                         ("edge API", settings.edge.listen)):
+        if not listen:
+            continue
         try:
-            hp = HostPort.parse(str(settings.edge.metrics_listen))
-            own.append(("edge metrics", hp.host.lower(), hp.port))
+            hp = HostPort.parse(str(listen))
+            own.append((what, hp.host.lower(), hp.port))
         except ValueError:
             pass
     for what, o_host, o_port in own:

@@ -48,7 +48,7 @@ from controlplane.redisdb import keynames
 
 DIMENSIONS: tuple[str, ...] = ("tenant", "model", "namespace")
 COUNTERS: tuple[str, ...] = ("lookups", "hits_exact", "hits_semantic", "misses", "bypass", "stores")
-HEX_RE = re.compile(r"^[0-9a-f]{16,128}$")
+HEX_RE = re.compile(r"^[0-9a-f]{16,128}\Z")
 MEMORY_SAMPLES = 64
 #: TTL (s) of the cache counters hash, renewed by every increment (30 days).
 COUNTERS_TTL_S = 30 * 86400

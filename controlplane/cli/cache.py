@@ -147,7 +147,21 @@ def calibrate_cmd(c: Ctx, pairs_path: str, route: str, model: str, namespace_pre
         raise click.UsageError("--no-verifier and --train-verifier exclude each other")
     if namespace_prefix and not all(ch in "0123456789abcdef" for ch in namespace_prefix):
         raise click.BadParameter("lowercase hex digits", param_hint="--namespace-prefix")
+    from controlplane.config import PATH_RE
+
+    if route and not PATH_RE.match(route):
+        raise click.BadParameter("a request path such as /v1/chat/completions",
+                                 param_hint="--route")
+    if model and (len(model) > 256 or not model.isprintable()):
+        raise click.BadParameter("a model id of at most 256 printable characters",
+                                 param_hint="--model")
     path = config_path or c.config
+    if path and not Path(path).exists() and not dry_run:
+        click.echo(f"note: {path} does not exist: it is created with this domain only "
+                   "(every other setting at its default)")
+    if plot_path and not dry_run and not Path(plot_path).resolve().parent.is_dir():
+        raise click.BadParameter(f"the folder of {plot_path} does not exist",
+                                 param_hint="--plot")
     try:
         settings = load_settings(path if path and Path(path).exists() else None)
     except ConfigError as exc:
@@ -156,6 +170,9 @@ def calibrate_cmd(c: Ctx, pairs_path: str, route: str, model: str, namespace_pre
         pairs = cal.load_pairs(pairs_path)
     except cal.PairsError as exc:
         raise click.ClickException(str(exc)) from None
+    if pairs.skipped:
+        click.echo(f"note: {pairs.skipped} line(s) of {pairs_path} held no usable pair "
+                   "(a header, a label other than 0 or 1, fewer than 3 fields, an empty text)")
     try:
         m = load_model(ModelSpec(model=embedding_model or settings.cache.embedder_model))
     except ModelLoadError as exc:

@@ -53,11 +53,16 @@ class Ctx:
 
 
 def actor() -> str:
-    """``cli:<login name>`` (``cli:unknown`` when the user cannot be determined)."""
+    """``cli:<login name>`` (``cli:unknown`` when the user cannot be determined). A name
+    that is not UTF-8 (``LOGNAME`` of other bytes, which Python holds as surrogates) or
+    holds control characters gets ``?`` for those, so the events and pages that show it
+    can always be written."""
     try:
-        return f"cli:{getpass.getuser()}"
+        name = getpass.getuser()
     except (KeyError, OSError):
         return "cli:unknown"
+    clean = "".join(c if c.isprintable() and not c.isspace() else "?" for c in name)[:64]
+    return f"cli:{clean or 'unknown'}"
 
 
 def run_or_exit(ctx: Ctx, fn: Callable[[], Any], errors: tuple[type[Exception], ...]) -> Any:

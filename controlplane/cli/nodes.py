@@ -123,7 +123,7 @@ def remove_cmd(c: Ctx, name: str) -> None:
 @nodes_cmd.command("drain")
 @click.argument("name")
 @click.option("--wait", is_flag=True, help="Wait until the control plane marks it drained.")
-@click.option("--timeout", type=float, default=600.0, show_default=True,
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
               help="Seconds to wait with --wait.")
 @click.pass_obj
 def drain_cmd(c: Ctx, name: str, wait: bool, timeout: float) -> None:

@@ -229,6 +229,10 @@ def _has_secret(settings: Settings) -> bool:
     return "@" in settings.redis.url or bool(settings.redis.sentinel_password)
 
 
+#: Characters of a folder name nginx would not read as part of an unquoted path.
+NGINX_PATH_UNSAFE = frozenset(";#$\"'{}\\")
+
+
 def render_nginx(settings: Settings, out_dir: str | Path, *, listen: str | None = None,
                  prefix: str | Path | None = None, openresty: bool = False,
                  modules_dir: str | None = None, lua_dir: str | Path | None = None,
@@ -245,7 +249,8 @@ def render_nginx(settings: Settings, out_dir: str | Path, *, listen: str | None 
     ``resolver``: DNS server for a Redis host name (default: from /etc/resolv.conf,
     only when ``redis.url`` names a host rather than an IP address).
 
-    Raises :class:`RenderError` for settings nginx cannot run with (bad listen
+    Raises :class:`RenderError` for folders nginx cannot name unquoted (a space, ``;``,
+    quotes, ...: :data:`NGINX_PATH_UNSAFE`), for settings nginx cannot run with (bad listen
     address, bad size, bad Redis URL, any value the edge's option spec refuses, in the
     edge's words) and ``OSError`` when the folders are not writable. ``settings`` is
     validated again first, so values assigned after loading are checked as well.
@@ -256,6 +261,13 @@ def render_nginx(settings: Settings, out_dir: str | Path, *, listen: str | None 
         raise RenderError(str(exc)) from None
     out = Path(out_dir).resolve()
     pre = Path(prefix).resolve() if prefix is not None else out
+    lua_path = Path(lua_dir).resolve() if lua_dir else paths.lua_dir()
+    for what, folder in (("--out", out), ("--prefix", pre), ("--lua-dir", lua_path)):
+        bad = sorted({ch for ch in str(folder) if ch.isspace() or ch in NGINX_PATH_UNSAFE})
+        if bad:
+            raise RenderError(f"{what} {str(folder)!r}: nginx directives would split on "
+                              f"{' '.join(repr(ch) for ch in bad)}; choose a folder without "
+                              "spaces, quotes, ';', '#', '$', '{' or '}'")
     listen = listen or settings.edge.listen
     host, port = split_listen(listen)
     edge_id = settings.edge.edge_id or f"{socket.gethostname()}:{port}"
@@ -297,7 +309,7 @@ def render_nginx(settings: Settings, out_dir: str | Path, *, listen: str | None 
     files = {v: out / v for v in TEMPLATES.values()}
     ctx = {
         "source": source,
-        "lua_dir": str(Path(lua_dir).resolve() if lua_dir else paths.lua_dir()),
+        "lua_dir": str(lua_path),
         "resolver": resolver if needs_resolver else None,
         "redis_host": redis_host,
         "snapshot_dict_size": "4m",

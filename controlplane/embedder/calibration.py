@@ -23,7 +23,6 @@ Pure logic, no I/O besides :func:`load_pairs`; numpy only.
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import re
@@ -156,6 +155,9 @@ class Pairs:
     text2: list[str]
     label: list[int]
     mined: list[bool]
+    skipped: int = 0
+    """Lines of the file that held no usable pair (a header, a label other than 0 or 1,
+    fewer than three fields, an empty text)."""
 
     def __len__(self) -> int:
         return len(self.label)
@@ -173,6 +175,7 @@ def load_pairs(path: str | Path) -> Pairs:
     t1: list[str] = []
     t2: list[str] = []
     lab: list[int] = []
+    skipped = 0
     first = text.lstrip()[:1]
     if first in ("{", "["):
         for n, line in enumerate(text.splitlines(), 1):
@@ -193,21 +196,28 @@ def load_pairs(path: str | Path) -> Pairs:
                 t1.append(a)
                 t2.append(b)
                 lab.append(int(label))
+            else:
+                skipped += 1
     else:
-        rows = csv.reader(text.splitlines(), delimiter="\t", quoting=csv.QUOTE_NONE)
-        for row in rows:
+        # fields split on tabs as they are (no quoting): no field-size limit
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            row = line.split("\t")
             if len(row) < 3:
+                skipped += 1
                 continue
             a, b, label = row[0], row[1], row[2].strip()
             if label not in ("0", "1") or not a.strip() or not b.strip():
-                continue  # the header line, or a malformed row
+                skipped += 1  # the header line, or a malformed row
+                continue
             t1.append(a)
             t2.append(b)
             lab.append(int(label))
     if not lab:
         raise PairsError(f"{p}: no valid pair (TSV text1<TAB>text2<TAB>label, or JSONL with "
                          "text1/text2/label or origin/similar)")
-    return Pairs(t1, t2, lab, [False] * len(lab))
+    return Pairs(t1, t2, lab, [False] * len(lab), skipped)
 
 
 def normalise(t: str) -> str:

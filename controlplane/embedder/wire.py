@@ -14,7 +14,7 @@ from typing import Any
 from controlplane.embedder.index import IndexItem
 from controlplane.errors import InfergateError
 
-HEX_RE = re.compile(r"^[0-9a-f]{16,128}$")
+HEX_RE = re.compile(r"^[0-9a-f]{16,128}\Z")
 """Exact keys and namespaces: lowercase hex (the edge sends SHA-256 hex, 64 digits)."""
 MAX_TTL_S = 366 * 24 * 3600
 MAX_LABEL_CHARS = 256
@@ -42,10 +42,23 @@ def _hex(body: dict, name: str) -> str:
     return v
 
 
+def _utf8(v: str) -> bool:
+    """Whether ``v`` can be written as UTF-8: JSON's ``"\\ud800"`` decodes to a lone
+    surrogate, which cannot."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _text(body: dict, name: str = "text") -> str:
     v = body.get(name)
     if not isinstance(v, str) or not v.strip():
         raise BadRequest(f"{name}: a non-empty string", name)
+    if not _utf8(v):
+        raise BadRequest(f"{name}: text with a lone surrogate (\\ud800-\\udfff) is not "
+                         "Unicode text", name)
     return v
 
 
@@ -53,7 +66,7 @@ def _label(body: dict, name: str) -> str:
     v = body.get(name, "")
     if v is None:
         return ""
-    if not isinstance(v, str) or len(v) > MAX_LABEL_CHARS:
+    if not isinstance(v, str) or len(v) > MAX_LABEL_CHARS or not _utf8(v):
         raise BadRequest(f"{name}: a string of at most {MAX_LABEL_CHARS} characters", name)
     return v
 
@@ -111,7 +124,7 @@ def embeddings_request(body: Any) -> tuple[list[str], str]:
     if isinstance(inp, str):
         inp = [inp]
     if not isinstance(inp, list) or not inp or len(inp) > MAX_EMBED_INPUTS \
-            or not all(isinstance(x, str) for x in inp):
+            or not all(isinstance(x, str) and _utf8(x) for x in inp):
         raise BadRequest(f"input: a string or a list of 1 to {MAX_EMBED_INPUTS} strings "
                          "(token arrays are not supported)", "input")
     fmt = b.get("encoding_format") or "float"

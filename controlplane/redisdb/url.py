@@ -30,8 +30,8 @@ from controlplane.errors import InfergateError
 DEFAULT_PORT = 6379
 DEFAULT_SENTINEL_PORT = 26379
 SCHEMES = ("redis", "rediss", "redis+sentinel")
-_SERVICE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
-_HOSTPORT_RE = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[^:\[\]/]+))(?::(?P<port>\d*))?$")
+_SERVICE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}\Z")
+_HOSTPORT_RE = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[^:\[\]/]+))(?::(?P<port>\d*))?\Z")
 
 
 class RedisURLError(InfergateError, ValueError):

@@ -182,9 +182,14 @@ def test_api_refuses_own_ports_and_edits_too(r):
     settings.redis.url = "redis://127.0.0.1:16379/0"
     c = app.test_client()
     h = {"Authorization": f"Bearer {TOKEN}"}
-    for url in ("http://127.0.0.1:16379", "http://localhost:18081"):
+    settings.edge.listen = "127.0.0.1:18080"
+    # Redis, admin, and the edge itself (a node there loops requests back into the edge)
+    for url in ("http://127.0.0.1:16379", "http://localhost:18081", "http://127.0.0.1:18080"):
         resp = c.post("/api/v1/nodes", headers=h, json={"name": "own", "url": url})
         assert resp.status_code == 400 and "own" in resp.get_json()["error"]["message"], url
+    resp = c.post("/api/v1/nodes", headers=h, json={"name": "idn", "url": "http://\u2460\u2461\u2466.0.0.1"})
+    assert resp.status_code == 400
+    assert "in ASCII, as 127.0.0.1" in resp.get_json()["error"]["message"]
     assert c.post("/api/v1/nodes", headers=h,
                   json={"name": "ok", "url": "http://127.0.0.1:9001"}).status_code == 201
     resp = c.patch("/api/v1/nodes/ok", headers=h, json={"url": "http://169.254.169.254"})

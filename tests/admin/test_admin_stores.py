@@ -57,6 +57,12 @@ def test_revoke_and_limits(r):
     ({"tenant": "t", "rpm": 0}, "rpm"), ({"tenant": "t", "tpm": -5}, "tpm"),
     ({"tenant": "t", "rpm": 2.5}, "rpm"), ({"tenant": "t", "rpm": "x"}, "rpm"),
     ({"tenant": "t", "rpm": 10**12}, "rpm"), ({"tenant": "t", "label": "a\nb"}, "label"),
+    # a trailing newline is not the end of the name; infinity is no number of requests
+    ({"tenant": "t\n"}, "tenant"), ({"tenant": "t", "rpm": float("inf")}, "rpm"),
+    ({"tenant": "t", "tpm": -float("inf")}, "tpm"),
+    # a lone surrogate (a command line that is not UTF-8), bidi override, zero-width space
+    ({"tenant": "t", "label": "x\ud800"}, "label"), ({"tenant": "t", "label": "\u202eabc"}, "label"),
+    ({"tenant": "t", "label": "a\u200bb"}, "label"),
 ])
 def test_bad_key_input(r, kw, frag):
     tenant = kw.pop("tenant")

@@ -281,6 +281,27 @@ def test_cli_check_refuses_the_address_of_another_edge(workdir: Path, redis_serv
     assert "nginx -t: ok" not in res.output and "Traceback" not in res.output
 
 
+@pytest.mark.parametrize("name", ["sp ace", "semi;colon", "quo'te", "brace{"])
+def test_folders_nginx_cannot_name_are_refused(workdir: Path, name: str) -> None:
+    """An unquoted path with a space or ';' would split the pid/include directives: refused
+    before anything is written."""
+    with pytest.raises(RenderError, match="nginx directives would split"):
+        render_nginx(_settings(), workdir / name, listen="127.0.0.1:18131")
+    with pytest.raises(RenderError, match="--prefix"):
+        render_nginx(_settings(), workdir / "ok", listen="127.0.0.1:18131",
+                     prefix=workdir / name)
+    assert not (workdir / name).exists()
+
+
+def test_binary_config_file_is_a_clear_error(workdir: Path) -> None:
+    cfg = workdir / "bin.toml"
+    cfg.write_bytes(b"\xff\xfe\x00garbage")
+    res = CliRunner().invoke(render_nginx_cmd, ["--config", str(cfg), "--out", str(workdir / "o"),
+                                                "--prefix", str(workdir / "run")])
+    assert res.exit_code == 1 and "not UTF-8 text" in res.output
+    assert "Traceback" not in res.output
+
+
 def test_cli_prefix_is_never_the_output_folder(workdir: Path) -> None:
     res = CliRunner().invoke(render_nginx_cmd, ["--out", str(workdir / "o"),
                                                 "--prefix", str(workdir / "o")])

@@ -113,6 +113,29 @@ def test_calibrate_bad_input(tmp_path) -> None:
     assert res.exit_code == 1 and "no valid pair" in res.output
     res = _run("calibrate", "--pairs", str(bad), "--namespace-prefix", "XY")
     assert res.exit_code == 2 and "hex" in res.output
+    for args, frag in ((["--route", "no-slash"], "request path"),
+                       (["--model", "a\nb"], "printable"),
+                       (["--plot", str(tmp_path / "no" / "dir.png")], "does not exist")):
+        res = _run("calibrate", "--pairs", str(bad), *args)
+        assert res.exit_code == 2 and frag in res.output, res.output
+        assert "Traceback" not in res.output
+
+
+def test_pair_files_count_what_they_skip_and_have_no_field_limit(tmp_path) -> None:
+    """A text longer than the csv module's 128 KiB field limit is read; lines without a
+    usable pair (header, label "maybe", two fields) are counted, not silently lost."""
+    from controlplane.embedder import calibration as cal
+
+    long = "x" * 300_000
+    f = tmp_path / "mixed.tsv"
+    f.write_text("text1\ttext2\tlabel\n"
+                 f"{long}\tshort\t1\n"
+                 "a\tb\tmaybe\n"
+                 "only\ttwo\n"
+                 "c\td\t0\n", encoding="utf-8")
+    p = cal.load_pairs(f)
+    assert len(p) == 2 and p.text1[0] == long and p.label == [1, 0]
+    assert p.skipped == 3
 
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "cache-eval"

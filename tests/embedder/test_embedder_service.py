@@ -273,6 +273,7 @@ def test_huge_input_is_truncated_not_fatal(svc) -> None:
     ({"namespace": "ab" * 32, "text": "hi", "min_similarity": "0.9"}, "min_similarity"),
     ({"namespace": "ab" * 32, "text": "hi", "min_similarity": True}, "min_similarity"),
     ({"namespace": "ab" * 32, "text": "hi", "guard": "yes"}, "guard"),
+    ({"namespace": "ab" * 32, "text": "a \ud800 b"}, "text"),   # JSON "\ud800": no UTF-8
     ([1, 2], None),
 ])
 def test_bad_lookup_is_400(svc, body, param) -> None:
@@ -290,6 +291,9 @@ def test_bad_lookup_is_400(svc, body, param) -> None:
     ({"key": "zz", "namespace": "cd" * 32, "text": "hi", "ttl_s": 5}, "key"),
     ({"key": "ab" * 32, "namespace": "cd" * 32, "text": "hi", "ttl_s": 5, "tenant": 3},
      "tenant"),
+    ({"key": "ab" * 32, "namespace": "cd" * 32, "text": "\udc80", "ttl_s": 5}, "text"),
+    ({"key": "ab" * 32, "namespace": "cd" * 32, "text": "hi", "ttl_s": 5, "model": "\ud800"},
+     "model"),
 ])
 def test_bad_index_is_400(svc, body, param) -> None:
     r = svc.post("/v1/index", body)

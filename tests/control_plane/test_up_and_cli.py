@@ -1,4 +1,5 @@
-"""The registry claim of `infergate up` on a shared Redis (real redis-server)."""
+"""`infergate up` and the CLI on a shared host: the registry claim on a shared Redis (real
+redis-server), the banner's example model, the actor name of CLI changes."""
 
 from __future__ import annotations
 
@@ -66,3 +67,15 @@ def test_the_banner_example_names_a_model_the_nodes_serve() -> None:
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_cli_actor_is_always_writable(monkeypatch) -> None:
+    """A login name that is not UTF-8 (LOGNAME of other bytes: surrogates in Python) is
+    shown with '?' for those characters, never a traceback half-way through a change."""
+    from controlplane.cli.common import actor
+
+    monkeypatch.setenv("LOGNAME", "ops\udcff\udcfe")
+    assert actor() == "cli:ops??"
+    actor().encode("utf-8")
+    monkeypatch.setenv("LOGNAME", "jos\u00e9")
+    assert actor() == "cli:jos\u00e9"
