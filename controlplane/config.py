@@ -605,6 +605,12 @@ class CacheSettings(_Section):
     """Longest wait for the first request's answer; then a waiter goes to a node itself."""
     coalesce_poll_ms: int = Field(default=50, ge=5, le=5000)
     """How often a waiting request looks for the answer in Redis, milliseconds."""
+    embedder_token: str = Field(default="", pattern=r"^([A-Za-z0-9._~+/=-]{16,256})?$")
+    """Shared secret (16-256 characters of ``A-Za-z0-9._~+/=-``; "" = none) the edge and
+    the control plane send the embedder as ``Authorization: Bearer``; with one set the
+    embedder refuses lookups, index writes and embeddings without it (401), so another
+    process on the host can neither read stored prompts nor point a question at another
+    answer. ``infergate up`` sets a random one. Also ``INFERGATE_EMBEDDER_TOKEN``."""
     local_ttl_ms: int = Field(default=0, ge=0, le=60000)
     """How long each nginx worker keeps an entry it read from Redis and answers repeats of
     it from memory, milliseconds (0 = off: every hit reads Redis). Hits of hot entries
@@ -843,6 +849,9 @@ def _apply_env(data: dict) -> dict:
     token = os.environ.get("INFERGATE_ADMIN_TOKEN")
     if token:
         data.setdefault("controlplane", {})["admin_token"] = token
+    etoken = os.environ.get("INFERGATE_EMBEDDER_TOKEN")
+    if etoken:
+        data.setdefault("cache", {})["embedder_token"] = etoken
     return data
 
 

@@ -244,7 +244,10 @@ class OnlineVerifier:
 
     def _embed(self, texts: list[str]) -> list[list[float]]:
         url = self.settings.cache.embedder_url + "/v1/embeddings"
-        res = self.session.post(url, json={"input": texts}, timeout=EMBED_TIMEOUT_S)
+        token = self.settings.cache.embedder_token
+        headers = {"Authorization": f"Bearer {token}"} if token else None
+        res = self.session.post(url, json={"input": texts}, timeout=EMBED_TIMEOUT_S,
+                                headers=headers)
         res.raise_for_status()
         data = sorted(res.json()["data"], key=lambda d: d["index"])
         return [list(map(float, d["embedding"])) for d in data]

@@ -182,7 +182,7 @@ def embedder_cmd(config_path: str | None, listen: str | None, redis_url: str | N
              else "off", len(policy.current().domains))
     consumer = None if no_queue else QueueConsumer(engine, r_block, batch=max_batch).start()
 
-    late_app.app = create_app(engine)
+    late_app.app = create_app(engine, settings.cache.embedder_token)
 
     def _stop(signum, frame):  # noqa: ARG001
         raise SystemExit(0)  # waitress's run() catches it and shuts its threads down

@@ -595,6 +595,10 @@ def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
     if not settings.controlplane.admin_token:
         settings.controlplane.admin_token = secrets.token_urlsafe(18)
         generated_token = True
+    if not settings.cache.embedder_token:
+        # only this stack's edge and control plane may ask its embedder (another process
+        # on the host could read stored prompts, or point a question at another answer)
+        settings.cache.embedder_token = secrets.token_urlsafe(24)
 
     wd = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="infergate-up-"))
     wd.mkdir(parents=True, exist_ok=True)

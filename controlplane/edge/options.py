@@ -166,6 +166,9 @@ def edge_document(settings: Settings, edge_id: str | None = None,
     """The options document of ``settings`` (see the module docstring). ``edge_id``
     replaces an empty ``edge.edge_id``; ``nodes`` is the resolved static node list."""
     doc = {name: getattr(settings, name).model_dump(mode="json") for name in EDGE_SECTIONS}
+    # the embedder token goes into its own nginx directive (infergate-server.conf), not
+    # into the options every worker keeps
+    doc["cache"].pop("embedder_token", None)
     if edge_id is not None:
         doc["edge"]["edge_id"] = edge_id
     doc["nodes"] = list(nodes or [])

@@ -338,6 +338,7 @@ def render_nginx(settings: Settings, out_dir: str | Path, *, listen: str | None 
         "nginx_conf": str(files["nginx.conf"]),
         "nginx_bin": "openresty" if openresty else "nginx",
         "rendered_dir_lua": lua_string(str(out)),
+        "embedder_token": settings.cache.embedder_token,
         **options_ctx,
     }
     env = jinja2.Environment(
@@ -348,9 +349,11 @@ def render_nginx(settings: Settings, out_dir: str | Path, *, listen: str | None 
     for tpl, name in TEMPLATES.items():
         text = env.get_template(tpl).render(**ctx)
         files[name].write_text(text, encoding="utf-8")
-        # the http include carries the Redis URL: no read access for others when it has
-        # a password in it (nginx's master process reads it as root)
-        secret = name == "infergate-http.conf" and _has_secret(settings)
+        # the http include carries the Redis URL, the server include the embedder token:
+        # no read access for others when they hold a secret (nginx's master process reads
+        # them as root)
+        secret = ((name == "infergate-http.conf" and _has_secret(settings))
+                  or (name == "infergate-server.conf" and bool(settings.cache.embedder_token)))
         os.chmod(files[name], 0o640 if secret else 0o644)
     return RenderedConfig(
         out_dir=out, http_conf=files["infergate-http.conf"],

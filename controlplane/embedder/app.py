@@ -52,11 +52,26 @@ def _error(status: int, message: str, etype: str, param: str | None = None,
                               "code": code}}), status
 
 
-def create_app(engine: Engine) -> Flask:
-    """The Flask app serving ``engine``."""
+def create_app(engine: Engine, token: str = "") -> Flask:
+    """The Flask app serving ``engine``. ``token`` (``cache.embedder_token``): when set,
+    every ``/v1/`` endpoint needs ``Authorization: Bearer <token>`` (401
+    ``invalid_embedder_token`` otherwise); ``/healthz`` and ``/metrics`` stay open."""
+    import hmac
+
     app = Flask("infergate.embedder")
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     app.json.ensure_ascii = False  # type: ignore[attr-defined]
+    expected = f"Bearer {token}".encode() if token else b""
+
+    @app.before_request
+    def _auth():
+        if not expected or not request.path.startswith("/v1/"):
+            return None
+        got = request.headers.get("Authorization", "").encode("latin-1", "replace")
+        if hmac.compare_digest(got, expected):
+            return None
+        return _error(401, "this embedder needs Authorization: Bearer <cache.embedder_token>",
+                      "authentication_error", code="invalid_embedder_token")
 
     def body() -> object:
         data = request.get_json(silent=True)

@@ -387,3 +387,21 @@ def test_http_include_with_a_redis_password_is_not_world_readable(workdir: Path)
     secret = render_nginx(s, workdir / "secret", listen="127.0.0.1:18134")
     assert secret.http_conf.stat().st_mode & 0o777 == 0o640
     assert secret.server_conf.stat().st_mode & 0o777 == 0o644
+
+
+def test_embedder_token_goes_into_the_lookup_location_only(workdir: Path) -> None:
+    """cache.embedder_token: the lookup subrequest sends it; the server include that holds
+    it is not world-readable; the options every worker keeps never carry it."""
+    s = _settings()
+    s.cache.enabled = True
+    s.cache.embedder_token = "tok_" + "z" * 28
+    r = render_nginx(s, workdir / "tok", listen="127.0.0.1:18135")
+    server = r.server_conf.read_text()
+    lookup = server[server.index("location = /_infergate/cache/lookup"):]
+    lookup = lookup[:lookup.index("}")]
+    assert f'proxy_set_header Authorization "Bearer {s.cache.embedder_token}";' in lookup
+    assert server.count(s.cache.embedder_token) == 1
+    assert s.cache.embedder_token not in r.http_conf.read_text()
+    assert r.server_conf.stat().st_mode & 0o777 == 0o640
+    with pytest.raises(ValueError):
+        s.cache.model_validate({"embedder_token": 'bad" token; x'})
