@@ -17,15 +17,14 @@ ALPHABET = ["e", "\u0301", "\u00e9", "a", " ", "\u1100", "\u1161", "\u11a8", "\u
             "\u3099", "\u304b", "\u00c5", "A", "\u030a", "\x00", "\u0d46", "\u0d3e", "\ufb01"]
 
 
-def test_nfc_matches_python_on_short_and_segmented_text(workdir: Path) -> None:
-    rng = random.Random(7)
-    cases = ["".join(rng.choice(ALPHABET) for _ in range(rng.choice([3, 40, 3000, 12000])))
-             for _ in range(40)]
+def nfc_at_the_edge(workdir: Path, cases: list[str], setup: str = "") -> dict:
+    """{"available", "res": the edge's NFC of each case} (``setup``: Lua run first, with
+    the module as ``u``)."""
     (workdir / "cases.json").write_text(json.dumps(cases))
-    out = lua_eval(workdir, f"""
+    return lua_eval(workdir, f"""
         local cjson = require("cjson.safe")
         local u = require("infergate.cache.unicode")
-        u.SEGMENT = 256   -- many cuts even in the shorter texts
+        {setup}
         local f = assert(io.open("{workdir}/cases.json"))
         local cases = cjson.decode(f:read("*a"))
         f:close()
@@ -35,6 +34,13 @@ def test_nfc_matches_python_on_short_and_segmented_text(workdir: Path) -> None:
         end
         return {{ available = u.available, res = res }}
     """)
+
+
+def test_nfc_matches_python_on_short_and_segmented_text(workdir: Path) -> None:
+    rng = random.Random(7)
+    cases = ["".join(rng.choice(ALPHABET) for _ in range(rng.choice([3, 40, 3000, 12000])))
+             for _ in range(40)]
+    out = nfc_at_the_edge(workdir, cases, "u.SEGMENT = 256   -- many cuts even in the shorter texts")
     assert out["available"] is True
     for case, got in zip(cases, out["res"]):
         assert got == unicodedata.normalize("NFC", case)
@@ -76,19 +82,7 @@ def test_long_runs_of_marks_are_bounded_before_normalising(workdir: Path) -> Non
              "x" + "\u0316\u0301" * 20 + " tail",          # 40 marks: one CGJ
              "e" + "\u0301" * 30 + "!",                      # exactly 30: untouched
              "\u05d0" + "\u05b0\u05b4\u05bc" * 500]          # Hebrew points, other classes
-    (workdir / "cases.json").write_text(json.dumps(cases))
-    out = lua_eval(workdir, f"""
-        local cjson = require("cjson.safe")
-        local u = require("infergate.cache.unicode")
-        local f = assert(io.open("{workdir}/cases.json"))
-        local cases = cjson.decode(f:read("*a"))
-        f:close()
-        local res = {{}}
-        for i, c in ipairs(cases) do
-            res[i] = u.nfc(c)
-        end
-        return {{ res = res }}
-    """)
+    out = nfc_at_the_edge(workdir, cases)
     for case, got in zip(cases, out["res"]):
         assert got == unicodedata.normalize("NFC", _stream_safe(case))
     assert out["res"][0].count("\u034f") == 128000 // 30
@@ -101,13 +95,5 @@ def test_long_text_without_safe_cuts_is_cut_before_a_starter(workdir: Path) -> N
     to cut before: the pieces end at WINDOW past SEGMENT, before a starter, so every kana
     keeps its voicing mark and the result is the exact NFC."""
     text = "\u304b\u3099" * 180000
-    (workdir / "case.json").write_text(json.dumps([text]))
-    out = lua_eval(workdir, f"""
-        local cjson = require("cjson.safe")
-        local u = require("infergate.cache.unicode")
-        local f = assert(io.open("{workdir}/case.json"))
-        local case = cjson.decode(f:read("*a"))[1]
-        f:close()
-        return {{ res = u.nfc(case) }}
-    """)
-    assert out["res"] == unicodedata.normalize("NFC", text) == "\u304c" * 180000
+    out = nfc_at_the_edge(workdir, [text])
+    assert out["res"][0] == unicodedata.normalize("NFC", text) == "\u304c" * 180000
