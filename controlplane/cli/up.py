@@ -293,6 +293,10 @@ def _start_embedder(settings: Settings, workdir: Path, stack: procs.ProcessSet,
          "a while)")
     # the Redis URL (maybe with a password) through the environment, not the command line
     env = {**os.environ, "INFERGATE_REDIS_URL": settings.redis.url}
+    if c.embedder_token:
+        # the operator's file (or none) is what the embedder reads: the token this run
+        # uses goes by the environment, which its restarts inherit
+        env["INFERGATE_EMBEDDER_TOKEN"] = c.embedder_token
     env.pop("INFERGATE_CONFIG", None)  # up reads no config from the environment
     if config_path:
         env["INFERGATE_CONFIG"] = str(Path(config_path).resolve())

@@ -12,8 +12,24 @@ import socket
 import time
 from pathlib import Path
 
+import requests
+
 from controlplane import procs
 from support.upstack import UpStack
+
+
+def _refuses_without_the_token(base: str) -> bool:
+    """The embedder at ``base`` answers its API only with this stack's token (``up`` sets a
+    random one): without it, 401 on lookups, index writes and embeddings."""
+    for path, body in (("/v1/embeddings", {"input": "hi"}),
+                       ("/v1/lookup", {"namespace": "ab" * 32, "text": "hi"}),
+                       ("/v1/index", {"key": "ab" * 32, "namespace": "cd" * 32, "text": "hi",
+                                      "ttl_s": 5})):
+        r = requests.post(base + path, json=body, timeout=10,
+                          headers={"Authorization": "Bearer not-this-stacks-token-xx"})
+        if r.status_code != 401 or r.json()["error"]["code"] != "invalid_embedder_token":
+            return False
+    return True
 
 
 def _squat(port: int, timeout: float = 10.0) -> socket.socket:
@@ -57,6 +73,18 @@ def test_embedder_port_taken_after_a_crash(workdir: Path) -> None:
         assert f"semantic cache http://127.0.0.1:{port}" in text, text
         first = up.post_chat("What is the tallest mountain in Europe?", timeout=30)
         assert first.status_code == 200 and first.headers["X-Cache-Status"] == "MISS"
+        assert _refuses_without_the_token(f"http://127.0.0.1:{port}")
+        # the edge's own lookups carry the token: a variant of the stored question is a
+        # semantic hit once the entry is indexed
+        tries = [0]
+
+        def semantic_hit() -> bool:
+            # trailing spaces: a new exact key each try, the same question to the embedder
+            tries[0] += 1
+            r = up.post_chat("what is the tallest mountain in europe" + " " * tries[0], timeout=30)
+            return r.headers.get("X-Cache-Match") == "semantic"
+
+        procs.wait_until(semantic_hit, 30, interval=0.5, what="a semantic hit through up's embedder")
         pid = up.part_pid("embedder --listen")
         assert pid
         os.kill(pid, signal.SIGKILL)
@@ -78,6 +106,7 @@ def test_embedder_port_taken_after_a_crash(workdir: Path) -> None:
         instance = procs.http_instance(f"http://127.0.0.1:{up.admin}/healthz")
         assert instance and procs.http_instance(
             f"http://127.0.0.1:{new_port}/healthz") == instance
+        assert _refuses_without_the_token(f"http://127.0.0.1:{new_port}")  # restarts too
         conf = "\n".join(p.read_text(errors="replace")
                          for p in (up.folder / "stack" / "nginx").rglob("*.conf"))
         assert f"127.0.0.1:{new_port}" in conf and f"127.0.0.1:{port}" not in conf
