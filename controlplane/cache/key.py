@@ -48,6 +48,7 @@ such runs is unchanged by it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -85,20 +86,33 @@ MAX_NONSTARTERS = 30
 _CGJ = "\u034f"
 
 
+@functools.lru_cache(maxsize=4096)
+def _nonstarters(ch: str) -> tuple[int, int, bool, int]:
+    """Leading and trailing non-starters of ``ch``'s canonical decomposition, whether all
+    of it is non-starters, and its length (UAX #15's counts; U+0F75 decomposes into two
+    marks although it is a starter itself)."""
+    d = unicodedata.normalize("NFD", ch)
+    lead = next((i for i, c in enumerate(d) if not unicodedata.combining(c)), len(d))
+    trail = next((i for i, c in enumerate(reversed(d)) if not unicodedata.combining(c)), len(d))
+    return lead, trail, lead == len(d), len(d)
+
+
 def stream_safe(s: str) -> str:
-    """``s`` with U+034F inserted before every non-starter that would make a run longer
-    than :data:`MAX_NONSTARTERS` (UAX #15 stream-safe text format); ``s`` itself when no
-    run is that long."""
+    """``s`` with U+034F inserted before every character whose leading non-starters would
+    make a run of non-starters (counted in the characters' decompositions) longer than
+    :data:`MAX_NONSTARTERS` (UAX #15 stream-safe text format); ``s`` itself when no run is
+    that long."""
     run, out, last = 0, [], 0
     for i, ch in enumerate(s):
-        if unicodedata.combining(ch):
-            run += 1
-            if run > MAX_NONSTARTERS:
-                out.append(s[last:i])
-                out.append(_CGJ)
-                last, run = i, 1
-        else:
+        if ch < "\u00c0":
             run = 0
+            continue
+        lead, trail, whole, n = _nonstarters(ch)
+        if run + lead > MAX_NONSTARTERS:
+            out.append(s[last:i])
+            out.append(_CGJ)
+            last, run = i, 0
+        run = run + n if whole else trail
     if not out:
         return s
     out.append(s[last:])

@@ -59,16 +59,19 @@ def test_long_decomposed_text_is_composed(workdir: Path) -> None:
 
 
 def _stream_safe(text: str, max_run: int = 30) -> str:
-    """UAX #15 stream-safe form: U+034F before the 31st non-starter of a run."""
+    """UAX #15 stream-safe form, written out from the standard (section 13): non-starters
+    counted in each character's canonical decomposition, U+034F before a character whose
+    leading ones would make the run longer than 30."""
     out, run = [], 0
     for ch in text:
-        if unicodedata.combining(ch):
-            run += 1
-            if run > max_run:
-                out.append("\u034f")
-                run = 1
-        else:
+        d = unicodedata.normalize("NFD", ch)
+        marks = [bool(unicodedata.combining(c)) for c in d]
+        lead = marks.index(False) if False in marks else len(d)
+        trail = marks[::-1].index(False) if False in marks else len(d)
+        if run + lead > max_run:
+            out.append("\u034f")
             run = 0
+        run = run + len(d) if lead == len(d) else trail
         out.append(ch)
     return "".join(out)
 
@@ -81,12 +84,19 @@ def test_long_runs_of_marks_are_bounded_before_normalising(workdir: Path) -> Non
     cases = ["a" + "\u0301\u0316" * 64000,
              "x" + "\u0316\u0301" * 20 + " tail",          # 40 marks: one CGJ
              "e" + "\u0301" * 30 + "!",                      # exactly 30: untouched
-             "\u05d0" + "\u05b0\u05b4\u05bc" * 500]          # Hebrew points, other classes
+             "\u05d0" + "\u05b0\u05b4\u05bc" * 500,         # Hebrew points, other classes
+             # starters that decompose into two marks each (U+0F73 = U+0F71 U+0F72, ...)
+             "\u0f40" + "\u0f73\u0f75\u0f81" * 4000, "\u0f75" * 3000,
+             "\u00e9" + "\u0301" * 29 + "x", "\u00e9" + "\u0301" * 30 + "x"]   # é counts its accent
     out = nfc_at_the_edge(workdir, cases)
     for case, got in zip(cases, out["res"]):
         assert got == unicodedata.normalize("NFC", _stream_safe(case))
     assert out["res"][0].count("\u034f") == 128000 // 30
     assert out["res"][1].count("\u034f") == 1
+    assert out["res"][5].count("\u034f") == 3000 * 2 // 30 - 1       # 15 per run of 30 marks
+    assert "\u034f" not in out["res"][6] and out["res"][7].count("\u034f") == 1
+    from controlplane.cache.key import stream_safe                    # the Python side agrees
+    assert [stream_safe(c) for c in cases] == [_stream_safe(c) for c in cases]
     assert out["res"][2] == unicodedata.normalize("NFC", cases[2])
 
 

@@ -21,6 +21,8 @@ do
         char *g_utf8_normalize(const char *str, long len, int mode);
         void g_free(void *mem);
         int g_unichar_combining_class(uint32_t uc);
+        size_t g_unichar_fully_decompose(uint32_t ch, int compat, uint32_t *result,
+                                         size_t result_len);
     ]])
     if ok then
         local loaded, lib = pcall(ffi.load, "glib-2.0.so.0")
@@ -35,19 +37,35 @@ if not glib then
             "as sent, without NFC normalisation (apt-get install libglib2.0-0)")
 end
 
--- Code points with a non-zero canonical combining class (non-starters), from GLib's own
--- table (g_unichar_combining_class): none lies below U+0300 or above U+1FFFF.
-local nonstarter = {}
+-- Non-starters in the canonical decomposition of each code point that has any (GLib's
+-- own tables: g_unichar_fully_decompose, g_unichar_combining_class), as UAX #15 counts
+-- them: cp -> {leading non-starters, trailing non-starters, all of them non-starters,
+-- length}. A mark is {1, 1, true, 1}; U+0F75 TIBETAN VOWEL SIGN UU, a starter itself,
+-- decomposes into two marks: {2, 2, true, 2}; "é" into e + U+0301: {0, 1, false, 2}.
+-- None lies below U+00C0 or above U+1FFFF.
+local nsinfo = {}
 if glib then
-    for cp = 0x300, 0x1FFFF do
-        if glib.g_unichar_combining_class(cp) ~= 0 then
-            nonstarter[cp] = true
+    local buf = ffi.new("uint32_t[18]") -- G_UNICHAR_MAX_DECOMPOSITION_LENGTH
+    for cp = 0xC0, 0x1FFFF do
+        local n = tonumber(glib.g_unichar_fully_decompose(cp, 0, buf, 18))
+        if n >= 1 and (n > 1 or glib.g_unichar_combining_class(cp) ~= 0) then
+            local lead, trail = 0, 0
+            while lead < n and glib.g_unichar_combining_class(buf[lead]) ~= 0 do
+                lead = lead + 1
+            end
+            while trail < n and glib.g_unichar_combining_class(buf[n - 1 - trail]) ~= 0 do
+                trail = trail + 1
+            end
+            if lead > 0 or trail > 0 then
+                nsinfo[cp] = { lead, trail, lead == n, n }
+            end
         end
     end
 end
 
--- UTF-8 lead bytes of every non-starter (U+0300-U+07FF, U+0800-U+3FFF, U+A000-U+AFFF,
--- U+F000-U+FFFF, U+10000 and up): text without them has no run to bound.
+-- UTF-8 lead bytes of every code point whose decomposition begins with a non-starter
+-- (U+0300-U+07FF, U+0800-U+3FFF, U+A000-U+AFFF, U+F000-U+FFFF, U+10000 and up): text
+-- without them has no run to bound.
 local MAY_HAVE_NONSTARTERS = "[\204-\227\234\239\240-\244]"
 
 -- Code point of the character starting at byte i of s and its length in bytes (a stray
@@ -66,9 +84,10 @@ local function char_at(s, i)
         + ((byte(s, i + 2) or 0x80) - 0x80)) * 64 + ((byte(s, i + 3) or 0x80) - 0x80), 4
 end
 
--- Stream-safe text (Unicode UAX #15, section 13): after MAX_NONSTARTERS non-starters in
--- a row, a COMBINING GRAPHEME JOINER (U+034F, a starter that nothing reorders across or
--- composes with) goes in before the next one. GLib's canonical ordering is a bubble sort
+-- Stream-safe text (Unicode UAX #15, section 13): a COMBINING GRAPHEME JOINER (U+034F, a
+-- starter that nothing reorders across or composes with) goes in before a character
+-- whose leading non-starters would make the run of non-starters, counted in the
+-- characters' decompositions, longer than MAX_NONSTARTERS. GLib's canonical ordering is a bubble sort
 -- over each run of non-starters, quadratic in its length (128,000 marks of alternating
 -- classes took 8 s of a worker): bounded runs keep the cost linear in the text. Text
 -- without such runs is returned as it is (and its NFC is the exact NFC); with them the
@@ -84,13 +103,18 @@ function _M.stream_safe(s)
     local out, last, run, i = nil, 1, 0, 1
     while i <= n do
         local cp, len = char_at(s, i)
-        if nonstarter[cp] then
-            run = run + 1
-            if run > max_run then
+        local info = nsinfo[cp]
+        if info then
+            if run + info[1] > max_run then
                 out = out or {}
                 out[#out + 1] = sub(s, last, i - 1)
                 out[#out + 1] = CGJ
-                last, run = i, 1
+                last, run = i, 0
+            end
+            if info[3] then
+                run = run + info[4]
+            else
+                run = info[2]
             end
         else
             run = 0
@@ -111,7 +135,8 @@ local function starter_from(s, from)
     local i = find(s, "[%z\1-\127\192-\255]", from)
     while i and i <= n do
         local cp, len = char_at(s, i)
-        if not nonstarter[cp] then
+        local info = nsinfo[cp]
+        if not info or info[1] == 0 then
             return i
         end
         i = i + len
