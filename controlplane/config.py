@@ -727,6 +727,8 @@ class NodeSettings(_Section):
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
+        if any(c.isspace() or not c.isprintable() for c in v):
+            raise ValueError("node url must not hold spaces, line breaks or control characters")
         parts = urlsplit(v)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError("node url must be http://host[:port] (TLS to nodes is not supported)")

@@ -105,14 +105,20 @@ def _http_error(exc: HTTPException) -> flask.Response:
 
 
 def _body() -> dict:
-    """The JSON object body; raises :class:`ops.BadInput` when missing or not an object."""
-    raw = flask.request.get_data(cache=True, as_text=True)
+    """The JSON object body; raises :class:`ops.BadInput` when missing, not UTF-8 (RFC
+    8259 section 8.1), not JSON or not an object."""
+    try:
+        raw = flask.request.get_data(cache=True).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ops.BadInput(f"body is not UTF-8 text (byte {exc.start})", "invalid_json") from None
     if not raw.strip():
         raise ops.BadInput("expected a JSON object body", "invalid_json")
     try:
         data = json.loads(raw)
     except ValueError as exc:
-        raise ops.BadInput(f"body is not valid JSON: {exc}", "invalid_json") from None
+        # the decoder's own words, without the hint to Python settings of its int limit
+        why = str(exc).split(";")[0] if "int_max_str_digits" in str(exc) else str(exc)
+        raise ops.BadInput(f"body is not valid JSON: {why}", "invalid_json") from None
     if not isinstance(data, dict):
         raise ops.BadInput("expected a JSON object body", "invalid_json")
     return data

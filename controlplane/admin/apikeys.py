@@ -95,9 +95,10 @@ def _check_tenant(tenant: object) -> str:
 
 
 #: Unicode categories a label may not hold: control characters, format characters
-#: (bidirectional overrides, zero-width characters, the BOM) and surrogates (what a
+#: (bidirectional overrides, zero-width characters, the BOM), line and paragraph
+#: separators (U+2028, U+2029) and surrogates (what a
 #: command line that is not UTF-8 turns into; they cannot be written as UTF-8).
-_LABEL_BAD_CATEGORIES = frozenset({"Cc", "Cf", "Cs"})
+_LABEL_BAD_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 
 
 def _check_label(label: object) -> str:

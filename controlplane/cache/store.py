@@ -95,10 +95,13 @@ def _batches(it: Iterable[str], n: int) -> Iterator[list[str]]:
 
 
 def _check_value(dim: str, value: str) -> str:
+    """``value`` of dimension ``dim`` (tenant, model, namespace): printable text of at
+    most 256 characters (no control, format or surrogate characters, which Redis could
+    not be sent). Raises :class:`CacheStoreError`."""
     if dim not in DIMENSIONS:
         raise CacheStoreError(f"unknown cache dimension {dim!r}; expected one of {DIMENSIONS}")
-    if not isinstance(value, str) or not value or len(value) > 256:
-        raise CacheStoreError(f"{dim}: a non-empty text of at most 256 characters")
+    if not isinstance(value, str) or not value or len(value) > 256 or not value.isprintable():
+        raise CacheStoreError(f"{dim}: a non-empty printable text of at most 256 characters")
     return value
 
 

@@ -427,35 +427,45 @@ def default_prefix() -> Path:
 
 
 def _probe_infergate(host: str, port: int, path: str, timeout: float = 1.0) -> str | None:
-    """Whether ``GET path`` on host:port answers like an infergate edge (its ``/metrics``
-    or ``/infergate/status``). Returns the folder that edge's configuration was rendered
-    into (``config_dir`` of the status answer, the ``infergate_edge_info`` sample of the
-    metrics), ``""`` for an infergate edge that does not say, None for anything else."""
+    """Whether host:port answers like an infergate edge: ``GET /infergate/status`` (the
+    status document: ``edge_id``, ``snapshot``, ``nodes``) or ``GET /metrics``
+    (``infergate_edge_`` families), ``path`` first. Returns the folder that edge's
+    configuration was rendered into (``config_dir`` of the status, the
+    ``infergate_edge_info`` sample of the metrics), ``""`` for an infergate edge that
+    does not say, None for anything else."""
     import requests
     from prometheus_client.parser import text_string_to_metric_families
 
     if ":" in host:
         host = f"[{host}]"
-    try:
-        res = requests.get(f"http://{host}:{port}{path}", timeout=timeout)
-    except requests.RequestException:
-        return None
-    if res.status_code != 200 or "infergate" not in res.text[:65536]:
-        return None
-    if res.headers.get("Content-Type", "").startswith("application/json"):
+    paths = [path] + [p for p in ("/infergate/status", "/metrics") if p != path]
+    for p in paths:
         try:
-            found = res.json().get("config_dir")
-        except (ValueError, AttributeError):
-            return ""
-        return found if isinstance(found, str) else ""
-    try:
-        for family in text_string_to_metric_families(res.text):
-            if family.name == "infergate_edge_info":
-                for sample in family.samples:
-                    return sample.labels.get("config_dir", "")
-    except ValueError:
-        pass
-    return ""
+            res = requests.get(f"http://{host}:{port}{p}", timeout=timeout)
+        except requests.RequestException:
+            return None
+        if res.status_code != 200:
+            continue
+        if res.headers.get("Content-Type", "").startswith("application/json"):
+            try:
+                doc = res.json()
+            except ValueError:
+                continue
+            if isinstance(doc, dict) and {"edge_id", "snapshot", "nodes"} <= set(doc):
+                found = doc.get("config_dir")
+                return found if isinstance(found, str) else ""
+            continue
+        if "infergate_edge_" not in res.text[:65536]:
+            continue
+        try:
+            for family in text_string_to_metric_families(res.text):
+                if family.name == "infergate_edge_info":
+                    for sample in family.samples:
+                        return sample.labels.get("config_dir", "")
+        except ValueError:
+            pass
+        return ""
+    return None
 
 
 def _ephemeral_port(port: int) -> bool:

@@ -187,6 +187,13 @@ def test_api_refuses_own_ports_and_edits_too(r):
     for url in ("http://127.0.0.1:16379", "http://localhost:18081", "http://127.0.0.1:18080"):
         resp = c.post("/api/v1/nodes", headers=h, json={"name": "own", "url": url})
         assert resp.status_code == 400 and "own" in resp.get_json()["error"]["message"], url
+    for url in ("http://127.0.0.1:9002\n", "http://127.0.0.1:9002/\n", "http://127.0.0.1 :9002"):
+        resp = c.post("/api/v1/nodes", headers=h, json={"name": "nl", "url": url})
+        assert resp.status_code == 400 and "line breaks" in resp.get_json()["error"]["message"], url
+    # a body that is not UTF-8 is refused, not stored with replacement characters
+    resp = c.post("/api/v1/keys", headers={**h, "Content-Type": "application/json"},
+                  data=b'{"tenant": "t", "label": "web\xed\xa0\x80"}')
+    assert resp.status_code == 400 and "not UTF-8" in resp.get_json()["error"]["message"]
     resp = c.post("/api/v1/nodes", headers=h, json={"name": "idn", "url": "http://\u2460\u2461\u2466.0.0.1"})
     assert resp.status_code == 400
     assert "in ASCII, as 127.0.0.1" in resp.get_json()["error"]["message"]

@@ -62,7 +62,7 @@ def test_revoke_and_limits(r):
     ({"tenant": "t", "tpm": -float("inf")}, "tpm"),
     # a lone surrogate (a command line that is not UTF-8), bidi override, zero-width space
     ({"tenant": "t", "label": "x\ud800"}, "label"), ({"tenant": "t", "label": "\u202eabc"}, "label"),
-    ({"tenant": "t", "label": "a\u200bb"}, "label"),
+    ({"tenant": "t", "label": "a\u200bb"}, "label"), ({"tenant": "t", "label": "web\u2028x"}, "label"),
 ])
 def test_bad_key_input(r, kw, frag):
     tenant = kw.pop("tenant")
@@ -159,6 +159,12 @@ def test_purge_all_and_stale_members(r):
         cache_store.purge(r)
     with pytest.raises(cache_store.CacheStoreError):
         cache_store.purge(r, tenant="")
+    # a lone surrogate cannot be sent to Redis (it was a 500), a newline or an RTL
+    # override is no tenant or model the edge writes
+    for bad in ({"tenant": "a\ud800"}, {"model": "\udfff"}, {"namespace": "ab\n"},
+                {"model": "m\u202e"}):
+        with pytest.raises(cache_store.CacheStoreError, match="printable"):
+            cache_store.purge(r, **bad)
 
 
 def test_purge_removes_corrupt_entries_of_the_scanned_index(r):

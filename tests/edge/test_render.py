@@ -279,6 +279,14 @@ def test_cli_check_refuses_the_address_of_another_edge(workdir: Path, redis_serv
     assert f"the standalone listen (nginx.conf; edge.listen or --listen) {listen} {held}" \
         in res.output
     assert "nginx -t: ok" not in res.output and "Traceback" not in res.output
+    # the API address given as the metrics address: still recognised as that edge (its
+    # status answers there, whatever its folder is called)
+    cfg.write_text(f'[redis]\nurl = "{redis_server.url}"\n[edge]\nmetrics_listen = "{listen}"\n')
+    res = CliRunner().invoke(render_nginx_cmd, [
+        "--config", str(cfg), "--out", str(workdir / "o"), "--prefix", str(workdir / "run"),
+        "--listen", f"127.0.0.1:{procs.free_port()}", "--check"])
+    assert res.exit_code == 1 and f"edge.metrics_listen (infergate-http.conf) {listen} {held}" \
+        in res.output, res.output
 
 
 @pytest.mark.parametrize("name", ["sp ace", "semi;colon", "quo'te", "brace{"])
