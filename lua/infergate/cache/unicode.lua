@@ -87,9 +87,9 @@ end
 -- Stream-safe text (Unicode UAX #15, section 13): a COMBINING GRAPHEME JOINER (U+034F, a
 -- starter that nothing reorders across or composes with) goes in before a character
 -- whose leading non-starters would make the run of non-starters, counted in the
--- characters' decompositions, longer than MAX_NONSTARTERS. GLib's canonical ordering is a bubble sort
--- over each run of non-starters, quadratic in its length (128,000 marks of alternating
--- classes took 8 s of a worker): bounded runs keep the cost linear in the text. Text
+-- characters' decompositions, longer than MAX_NONSTARTERS. GLib's canonical ordering is
+-- a bubble sort over each run of non-starters, quadratic in its length (128,000 marks of
+-- alternating classes took 8 s of a worker): bounded runs keep the cost linear. Text
 -- without such runs is returned as it is (and its NFC is the exact NFC); with them the
 -- key text is canonically equivalent to what was sent and the same for the same text.
 _M.MAX_NONSTARTERS = 30
