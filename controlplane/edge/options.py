@@ -152,11 +152,22 @@ def model_spec(model: type[BaseModel]) -> dict:
             "fields": {name: field_spec(f) for name, f in model.model_fields.items()}}
 
 
+#: Fields of the edge sections that stay out of the options document: secrets that go
+#: into their own nginx directive (``cache.embedder_token``: the lookup location's
+#: Authorization header), not into the options every worker keeps.
+NOT_IN_DOCUMENT: dict[str, tuple[str, ...]] = {"cache": ("embedder_token",)}
+
+
 def option_spec() -> dict:
-    """The spec of the edge's options document (every field of the edge sections)."""
-    return {"type": "object",
+    """The spec of the edge's options document (every field of the edge sections but
+    :data:`NOT_IN_DOCUMENT`)."""
+    spec = {"type": "object",
             "fields": {name: model_spec(Settings.model_fields[name].annotation)
                        for name in EDGE_SECTIONS}}
+    for section, names in NOT_IN_DOCUMENT.items():
+        for name in names:
+            spec["fields"][section]["fields"].pop(name, None)
+    return spec
 
 
 # --------------------------------------------------------------------------- the document
@@ -166,9 +177,9 @@ def edge_document(settings: Settings, edge_id: str | None = None,
     """The options document of ``settings`` (see the module docstring). ``edge_id``
     replaces an empty ``edge.edge_id``; ``nodes`` is the resolved static node list."""
     doc = {name: getattr(settings, name).model_dump(mode="json") for name in EDGE_SECTIONS}
-    # the embedder token goes into its own nginx directive (infergate-server.conf), not
-    # into the options every worker keeps
-    doc["cache"].pop("embedder_token", None)
+    for section, names in NOT_IN_DOCUMENT.items():
+        for name in names:
+            doc[section].pop(name, None)
     if edge_id is not None:
         doc["edge"]["edge_id"] = edge_id
     doc["nodes"] = list(nodes or [])
