@@ -133,6 +133,12 @@ class Managed:
     proc: subprocess.Popen | None = None
     env: dict[str, str] | None = None
     cwd: str | None = None
+    orphans_signal: int | None = None
+    """Signal for what a dead leader left in its process group when the part is
+    restarted (nginx: SIGQUIT, so the orphaned workers close their listening sockets and
+    finish the requests they serve); None: the group is killed (SIGKILL) first."""
+    orphan_groups: list[int] = field(default_factory=list)
+    """Process groups left to finish that way; killed when the part is stopped for good."""
 
     def start(self) -> "Managed":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -180,8 +186,29 @@ class Managed:
             except ProcessLookupError:
                 pass
 
+    def release_group(self) -> bool:
+        """Before a restart of a part whose leader exited: send :attr:`orphans_signal` to
+        what it left in its process group and remember the group (see
+        :attr:`orphan_groups`). False (nothing done) without an ``orphans_signal``."""
+        if self.proc is None or self.orphans_signal is None:
+            return False
+        pgid = self.proc.pid
+        try:
+            os.killpg(pgid, self.orphans_signal)
+        except (ProcessLookupError, PermissionError):
+            return True  # nothing left in it
+        self.orphan_groups.append(pgid)
+        return True
+
     def stop(self, grace: float = 5.0) -> None:
-        """SIGTERM the process group, SIGKILL it after ``grace`` seconds."""
+        """SIGTERM the process group, SIGKILL it after ``grace`` seconds; SIGKILL the
+        groups earlier leaders left to finish (:meth:`release_group`)."""
+        for pgid in self.orphan_groups:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.orphan_groups.clear()
         if self.proc is None:
             return
         if self.proc.poll() is None:
@@ -274,8 +301,10 @@ class Supervisor:
     """Keeps the parts of a :class:`ProcessSet` running: call :meth:`tick` about once a
     second. A part found dead is reported through ``say`` (one line: part, exit code,
     restart count, log file) and started again with the same argv after the
-    :class:`RestartPolicy` back-off (its process group is cleaned first, e.g. nginx
-    workers of a killed master). A part that fails ``max_failures`` times within
+    :class:`RestartPolicy` back-off (its process group is cleaned first: killed, or, for
+    a part with an :attr:`Managed.orphans_signal`, asked to finish what it serves: the
+    workers of a killed nginx master complete their requests, see
+    :meth:`Managed.release_group`). A part that fails ``max_failures`` times within
     ``window_s`` is given up on: an ``optional`` one (the embedder) is left stopped,
     for any other :meth:`tick` returns the message naming it, and the owner stops
     everything. Never blocks: readiness is not waited for after a restart (a part that
@@ -310,7 +339,10 @@ class Supervisor:
             if w.restart_at is not None:
                 if now >= w.restart_at:
                     w.restart_at = None
-                    w.m.stop(grace=1.0)       # whatever is left in its process group
+                    # whatever is left in its process group: asked to finish what it
+                    # serves (nginx workers), or killed
+                    if not w.m.release_group():
+                        w.m.stop(grace=1.0)
                     try:
                         w.m.start()
                     except OSError as exc:

@@ -38,6 +38,7 @@ import ipaddress
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 from dataclasses import dataclass
@@ -403,7 +404,9 @@ def start_nginx(conf_path: str | Path, prefix: str | Path, *, nginx_bin: str | N
     prefix = Path(prefix)
     argv = [exe, "-p", str(prefix), "-c", str(conf_path), "-g", "daemon off;"]
     log = Path(log_path) if log_path else prefix / "logs" / "nginx.out"
-    m = procs.Managed("nginx", argv, log).start()
+    # restarted after its master died: the orphaned workers get SIGQUIT (graceful: they
+    # close the listening sockets and finish their requests), not SIGKILL
+    m = procs.Managed("nginx", argv, log, orphans_signal=signal.SIGQUIT).start()
     try:
         return m.wait_ready(lambda: procs.port_open(host, port), timeout)
     except procs.StartError as exc:
