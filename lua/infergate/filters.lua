@@ -1,7 +1,9 @@
 -- header_filter_by_lua / body_filter_by_lua of the proxied locations.
 --
 -- run(): names the node that served a proxied response (X-Infergate-Node) and records
--- its time to first byte (infergate.routing.outlier).
+-- its time to first byte (infergate.routing.outlier); every answer of the location
+-- carries X-Request-Id (the $request_id the node got as well, unless the node sent its
+-- own), which OpenAI clients report as the request id.
 --
 -- A node that answers bytes that are not HTTP (wrong port, a TLS server, a crashed
 -- process writing junk) is taken by nginx for an HTTP/0.9 answer: it cannot be retried
@@ -49,6 +51,9 @@ function _M.run()
     local req = reqctx.get()
     if not req then
         return
+    end
+    if req.id and not ngx.header["X-Request-Id"] then
+        ngx.header["X-Request-Id"] = req.id
     end
     -- headers set by the access steps (x-ratelimit-*, see infergate.admission.ratelimit)
     local extra = req.headers_out

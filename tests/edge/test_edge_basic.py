@@ -5,6 +5,7 @@ the X-Infergate-Node header, the status endpoint and JSON errors for bad input."
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 
@@ -211,3 +212,20 @@ def test_teardown_log_check_catches_bad_lines(two_nodes) -> None:
         assert len(edge.bad_log_lines()) == 2
     finally:
         edge.rendered.error_log.write_text(clean)
+
+
+def test_every_answer_carries_a_request_id(two_nodes) -> None:
+    """X-Request-Id: nginx's $request_id (32 hex digits, also sent to the node), which the
+    OpenAI SDK reports as the request id; a new one per request."""
+    edge, _ups = two_nodes
+    url = f"{edge.url}/v1/chat/completions"
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "id please"}]}
+    ids = []
+    for _ in range(2):
+        res = requests.post(url, json=body, timeout=10)
+        assert res.status_code == 200
+        ids.append(res.headers.get("X-Request-Id", ""))
+    assert all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids), ids
+    assert ids[0] != ids[1]
+    bad = requests.post(url, data=b"{nope", headers={"Content-Type": "application/json"}, timeout=10)
+    assert bad.status_code == 400 and re.fullmatch(r"[0-9a-f]{32}", bad.headers.get("X-Request-Id", ""))

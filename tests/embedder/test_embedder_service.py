@@ -387,30 +387,21 @@ def test_redis_down_is_503_then_recovers(fragile) -> None:
 
 def test_a_token_guards_every_v1_endpoint(svc) -> None:
     """cache.embedder_token: /v1/lookup, /v1/index and /v1/embeddings need the Bearer
-    token (401 JSON otherwise, nothing read or written); /healthz and /metrics stay open."""
+    token (401 JSON otherwise, nothing read or written); /healthz and /metrics stay open.
+    (The app of this module's engine with a token, through Flask's test client.)"""
     token = "t0k3n-" + "x" * 20
-    server = waitress.create_server(create_app(svc.engine, token), host="127.0.0.1",
-                                    port=procs.free_port(), threads=2)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{server.effective_port}"
-    try:
-        procs.wait_until(lambda: requests.get(url + "/healthz", timeout=1).status_code == 200,
-                         timeout=10, what="the guarded embedder")
-        ns = "ab" * 32
-        calls = [("/v1/lookup", {"namespace": ns, "text": "hello there"}),
-                 ("/v1/index", {"key": "cd" * 32, "namespace": ns, "text": "hi", "ttl_s": 5}),
-                 ("/v1/embeddings", {"input": "hello"})]
-        for path, body in calls:
-            for headers in ({}, {"Authorization": "Bearer wrong-token-xxxxxxxx"},
-                            {"Authorization": token}):
-                r = requests.post(url + path, json=body, headers=headers, timeout=10)
-                assert r.status_code == 401, (path, headers)
-                assert r.json()["error"]["code"] == "invalid_embedder_token"
-            r = requests.post(url + path, json=body, timeout=30,
-                              headers={"Authorization": f"Bearer {token}"})
-            assert r.status_code in (200, 202), (path, r.text)
-        assert requests.get(url + "/metrics", timeout=5).status_code == 200
-    finally:
-        server.close()
-        thread.join(timeout=5)
+    client = create_app(svc.engine, token).test_client()
+    assert client.get("/healthz").status_code == 200
+    ns = "ab" * 32
+    calls = [("/v1/lookup", {"namespace": ns, "text": "hello there"}),
+             ("/v1/index", {"key": "cd" * 32, "namespace": ns, "text": "hi", "ttl_s": 5}),
+             ("/v1/embeddings", {"input": "hello"})]
+    for path, body in calls:
+        for headers in ({}, {"Authorization": "Bearer wrong-token-xxxxxxxx"},
+                        {"Authorization": token}):
+            r = client.post(path, json=body, headers=headers)
+            assert r.status_code == 401, (path, headers)
+            assert r.get_json()["error"]["code"] == "invalid_embedder_token"
+        r = client.post(path, json=body, headers={"Authorization": f"Bearer {token}"})
+        assert r.status_code in (200, 202), (path, r.get_data(as_text=True))
+    assert client.get("/metrics").status_code == 200
