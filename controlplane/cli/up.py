@@ -134,10 +134,13 @@ def _describe_owner(raw: object) -> str:
 def _first_model(nodes: list[NodeSettings], timeout: float = 2.0) -> str | None:
     """A model the nodes serve, for the banner's example: the first configured ``models``
     entry, else the first id a node lists on its OpenAI-style ``GET /v1/models``
-    (``{"data": [{"id": ...}]}``), asked only of nodes whose models the control plane
-    polls too (:meth:`NodeSettings.polls_models`: never llama-cpp-python's, which can end
-    a running stream); None when none says."""
+    (read as the control plane reads it: :func:`controlplane.routing.models.parse_models`),
+    asked only of nodes whose models the control plane polls too
+    (:meth:`NodeSettings.polls_models`: never llama-cpp-python's, which can end a running
+    stream); None when none says."""
     import requests
+
+    from controlplane.routing.models import parse_models
 
     for n in nodes:
         if n.models:
@@ -147,12 +150,11 @@ def _first_model(nodes: list[NodeSettings], timeout: float = 2.0) -> str | None:
             continue
         try:
             res = requests.get(n.url.rstrip("/") + "/v1/models", timeout=timeout)
-            data = res.json().get("data") if res.status_code == 200 else None
-        except (requests.RequestException, ValueError, AttributeError):
+            ids = parse_models(res.text) if res.status_code == 200 else []
+        except (requests.RequestException, ValueError):
             continue
-        for m in data if isinstance(data, list) else []:
-            if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]:
-                return m["id"]
+        if ids:
+            return ids[0]
     return None
 
 

@@ -430,12 +430,6 @@ local function hot_put(key, doc, size, now)
     hot_bytes = hot_bytes + size
 end
 
--- Forgets every worker-local copy (tests; an operator's purge reaches the other
--- workers within local_ttl_ms).
-function _M.hot_clear()
-    hot, hot_count, hot_bytes = {}, 0, 0
-end
-
 -- The usable entry of `key` from a raw GET reply, kept as a worker-local copy.
 local function entry_of(raw, key, c)
     local doc = decode_entry(raw)
@@ -582,7 +576,7 @@ end
 _M.EMBEDDER_BREAKER_FAILURES = 5
 _M.EMBEDDER_COOLDOWN_S = 5
 
-function _M.embedder_open()
+local function embedder_open()
     local dict = ngx.shared[_M.DICT]
     return dict ~= nil and dict:get("emb:open") ~= nil
 end
@@ -792,7 +786,7 @@ function _M.lookup(req)
     end
 
     -- semantic
-    if opts.semantic and k.namespace and _M.embedder_open() then
+    if opts.semantic and k.namespace and embedder_open() then
         return bypass(c, "embedder_breaker_open", true)
     end
     if opts.semantic and k.namespace then
