@@ -271,6 +271,13 @@ class EdgeSettings(_Section):
     """How long a breaker stays open before one half-open probe, seconds."""
     inflight_cost: float = Field(default=1.0, ge=0)
     """Weight of the edge's own in-flight count (per unit of max_concurrency) in the cost."""
+    node_cost: Literal["expected_delay", "load"] = "expected_delay"
+    """How the edge prices a node: ``expected_delay`` = the predicted completion time (s)
+    of the request there, from each node's service time and concurrency as this edge
+    learns them (lua/infergate/routing/speed.lua), so a node three times slower gets a
+    request only when the faster ones have that much work queued; ``load`` = in-flight
+    over capacity plus the control plane's score (also used while a candidate has no
+    service time yet)."""
     outlier_ttfb_factor: float = Field(default=5.0, ge=0, le=1000)
     """A node whose oldest request of this edge has waited for its first byte longer than
     this many times the node's usual time to first byte (a p90 estimate, streams and
@@ -428,6 +435,12 @@ class AdmissionSettings(_Section):
     """How often a waiting request checks for capacity again, milliseconds."""
     retry_after_s: int = Field(default=1, ge=1, le=3600)
     """``Retry-After`` of the 429, whole seconds."""
+    deadline_fraction: float = Field(default=1.0, gt=0, le=1)
+    """With ``edge.node_cost = "expected_delay"`` and a deadline: a request is admitted
+    while the best node's predicted completion (its expected delay, s) is at most this
+    fraction of the time left before the deadline, and waits, then gets the 429, past
+    it (below 1: a margin for answers longer than the mean, at the price of more 429s).
+    The in-flight caps above do not apply then."""
 
 
 #: The API paths the edge serves (locations of nginx/infergate-server.conf.j2).

@@ -18,6 +18,13 @@
 -- is admitted although every node is at its max_concurrency here, and queues at the
 -- node. Nodes without latency history, and nodes saturated in a fresh snapshot, predict
 -- nothing; when none predicts, the rule below applies as before.
+-- With edge.node_cost = "expected_delay", a deadline, a fresh snapshot and a service
+-- time for every eligible node (infergate.routing.balancer.delay_cost: the predicted
+-- completion the balancer itself picks on), the caps above give way to one rule: the
+-- request is admitted while the best of those costs is at most
+-- admission.deadline_fraction (1) of the time left, and is shed past it: a request is
+-- never shed while some node is predicted to finish it in time, whatever the in-flight
+-- counts say, and never sent where it is predicted to time out.
 -- A request that is shed gets Retry-After = the best predicted wait, rounded up (at least
 -- 1 s; admission.retry_after_s when nothing predicts).
 -- When no eligible node has capacity, the request waits up to admission.max_wait_ms
@@ -35,6 +42,8 @@ local ratelimit = require("infergate.admission.ratelimit")
 local astats = require("infergate.admission.stats")
 local models = require("infergate.routing.models")
 local speed = require("infergate.routing.speed")
+local balancer = require("infergate.routing.balancer")
+local config = require("infergate.core.config")
 
 local _M = {}
 
@@ -83,6 +92,29 @@ function _M.best_prediction(t, now, model)
     return best, best_wait
 end
 
+-- The smallest delay cost (s) over the eligible nodes of `model` (nil: any), or nil when
+-- it does not apply: node_cost is not expected_delay, the snapshot is stale, no node is
+-- eligible, or one of them has no fresh score or no service time yet.
+function _M.best_delay(t, now, model)
+    if config.get().node_cost ~= "expected_delay" or not snapshot.is_fresh(t, now) then
+        return nil
+    end
+    local best
+    for _, node in ipairs(t.nodes) do
+        if node.addr and node.healthy and node.state == "active" and models.serves(node, model)
+                and breaker.allow(node.name, now) then
+            local c = node.score and balancer.delay_cost(node, true, now)
+            if not c then
+                return nil
+            end
+            if not best or c < best then
+                best = c
+            end
+        end
+    end
+    return best
+end
+
 -- Access step: nil to continue, or a 429 error table.
 function _M.step_shed(req)
     local o = options.get().shed
@@ -102,7 +134,11 @@ function _M.step_shed(req)
     while true do
         local t = snapshot.refresh()
         local state = _M.capacity(t, now, req.model)
-        if state == "saturated" and left then
+        local delay = left and state ~= "none" and _M.best_delay(t, now, req.model)
+        if delay then
+            local elapsed = now - (give_up - wait_s)
+            state = delay <= o.deadline_fraction * (left - elapsed) and "in_time" or "saturated"
+        elseif state == "saturated" and left then
             -- deadline-aware: admitted when the best node can still finish it in time
             local done = _M.best_prediction(t, now, req.model)
             if done and done <= left - (now - (give_up - wait_s)) then

@@ -12,8 +12,10 @@
 -- long leading prompt or a session, infergate.routing.affinity) then goes to the first
 -- node of its rendezvous order that is within the load bound (a leading prompt this
 -- edge has not seen yet: to its first node only when that node costs at most
--- affinity.FIRST_SIGHT_MARGIN more than the cheapest, else to the cheapest). Otherwise
--- power of two choices:
+-- affinity.FIRST_SIGHT_MARGIN more than the cheapest, else to the cheapest). Otherwise,
+-- under edge.node_cost = "expected_delay" (the default) and when every candidate has a
+-- fresh score and a service time, the smallest predicted completion wins (least_delay
+-- below; infergate.routing.speed.expected_s). Otherwise power of two choices:
 -- two distinct nodes are sampled with probability proportional to effective_weight
 -- and the one with the lower cost wins (ties: a coin, see below). When no candidate has
 -- a fresh score (nodes without metrics, a stale snapshot, the static list) and there are
@@ -192,6 +194,78 @@ local function least_cost(cands, n, fresh, o, now)
     return last, last_cost
 end
 
+-- Delay cost (s) of `node`: infergate.routing.speed.expected_s over effective_weight
+-- (a node in slow start looks slower), doubled while the node is saturated, times
+-- 1 + this edge's failure rate of it; nil without a service time.
+function _M.delay_cost(node, fresh, now)
+    local e = speed.expected_s(node)
+    if not e then
+        return nil
+    end
+    local c = e / node.effective_weight
+    if fresh and node.saturated then
+        c = c * (1 + SATURATED_PENALTY)
+    end
+    return c * (1 + stats.failure_rate(node.name, now))
+end
+
+-- Load of `node` relative to its capacity: what breaks near-ties of the delay cost.
+local function relative_load(node)
+    local lc = speed.learned(node.name)
+    local b = lc and speed.round_concurrency(lc) or (node.max_concurrency or 1)
+    return (stats.inflight(node.name) + 1) / (b * node.effective_weight)
+end
+
+-- edge.node_cost = "expected_delay": the candidate with the smallest delay cost (every
+-- one costed up to FULL_SCAN_MAX, else the better of two sampled by effective_weight).
+-- Costs within DELAY_TIE (relative) of the best count as a tie, won by the lowest
+-- in-flight per unit of concurrency (a coin by effective_weight when equal), so equal
+-- idle nodes share the load as least_conn would. nil (the load cost decides) when a
+-- candidate has no service time yet, or no fresh score: a node without metrics (kind
+-- openai) often runs one request at a time, so it answers too rarely for its service
+-- time to follow a recovery, and a stale slow history would herd a burst onto the
+-- other nodes; the learned concurrency in the load cost is made for those.
+local DELAY_TIE = 0.1
+_M.DELAY_TIE = DELAY_TIE
+
+function _M.least_delay(cands, n, total, fresh, now)
+    local pool, m = cands, n
+    if n > FULL_SCAN_MAX then
+        local a = weighted(cands, n, total, nil)
+        pool, m = { a, weighted(cands, n, total - a.effective_weight, a) }, 2
+    end
+    if not fresh then
+        return nil
+    end
+    local costs, best = {}, nil
+    for i = 1, m do
+        local c = pool[i].score and _M.delay_cost(pool[i], fresh, now)
+        if not c then
+            return nil
+        end
+        costs[i] = c
+        if not best or c < best then
+            best = c
+        end
+    end
+    local pick, pick_load, weight_sum = nil, nil, 0
+    for i = 1, m do
+        if costs[i] <= best * (1 + DELAY_TIE) then
+            local node = pool[i]
+            local l = relative_load(node)
+            if not pick or l < pick_load - 1e-9 then
+                pick, pick_load, weight_sum = node, l, node.effective_weight
+            elseif l <= pick_load + 1e-9 then
+                weight_sum = weight_sum + node.effective_weight
+                if random() * weight_sum < node.effective_weight then
+                    pick = node
+                end
+            end
+        end
+    end
+    return pick
+end
+
 -- Picks a node for the next attempt. Returns node, is_probe, eligible_count or nil.
 -- retry: a later attempt of the request; a retry never spends itself on a half-open
 -- probe (the first attempt of another request does that), so the tries granted on
@@ -253,6 +327,12 @@ function _M.pick(t, tried, now, retry, model, key, first)
             end
         end
         return affinity.choose(cands, n, key, o, fresh, now, retry), false, n
+    end
+    if o.node_cost == "expected_delay" then
+        local node = _M.least_delay(cands, n, total, fresh, now)
+        if node then
+            return node, false, n
+        end
     end
     if n > 2 and n <= FULL_SCAN_MAX and not any_score(cands, n, fresh) then
         return least_cost(cands, n, fresh, o, now), false, n

@@ -10,7 +10,9 @@
 --     the node since.
 -- threshold = max(edge.outlier_ttfb_min_s, edge.outlier_ttfb_factor x p90), where p90 is
 -- the 90th percentile of the node's last SAMPLES TTFBs of the same kind (streams and
--- non-streams apart: a non-streamed answer's first byte comes with the whole answer), or
+-- non-streams apart: a non-streamed answer's first byte comes with the whole answer;
+-- only attempts that did not queue behind this edge's own requests on the node,
+-- infergate.routing.speed.queued, so a node kept busy does not raise its own bar), or
 -- outlier_ttfb_min_s while it has none. outlier_ttfb_factor = 0 turns detection off.
 -- The flag expires after FLAG_TTL_FACTOR x threshold; the worker whose attempt is still
 -- waiting sets it again on its next pick. A node found an outlier that has not sent a
@@ -38,6 +40,7 @@
 -- is_outlier(node, now) balancer phase (no I/O: shared dict and local tables only)
 local config = require("infergate.core.config")
 local stats = require("infergate.routing.stats")
+local speed = require("infergate.routing.speed")
 
 local _M = {}
 
@@ -126,7 +129,7 @@ function _M.first_byte(req)
     d:delete("op:" .. name)
     d:delete("ou:" .. name)
     local ttfb = now - att.started
-    if ttfb >= 0 then
+    if ttfb >= 0 and not speed.queued(att) then
         add_sample(d, name, att.stream and "s" or "n", ttfb)
     end
 end

@@ -18,7 +18,23 @@
 -- learned, so the estimate can grow when the node is faster than thought -- and
 -- max_concurrency before their first sample.
 --
--- Shared dict infergate_stats: "sm:<node>" s_min (s), "lc:<node>" learned concurrency.
+-- Service time: the EWMA (SERVICE_ALPHA) of L over the successful attempts that started
+-- with no more of this edge's requests in flight on the node than it runs at once
+-- (k <= the learned concurrency, rounded): what one request takes there when it does
+-- not queue behind this edge's others, batching with them included.
+--
+-- expected_s(node): the balancer's cost under edge.node_cost = "expected_delay", the
+-- predicted completion time (s) of one more request on the node,
+--     n = this edge's requests in flight on the node
+--     B = learned concurrency, rounded (max_concurrency before the first sample)
+--     expected = s x (1 + max(0, n + 1 - B) / B)
+-- its own service time plus the work ahead of it, B requests at a time: shortest
+-- expected delay, so a node three times slower gets a request only when the faster
+-- ones have that much work queued. Other edges' requests are not in n; they show in the
+-- service time, which grows when they make this edge's unqueued requests wait.
+--
+-- Shared dict infergate_stats: "sm:<node>" s_min (s), "lc:<node>" learned concurrency,
+-- "sv:<node>" service time (s).
 -- No I/O: safe in the balancer and log phases.
 local config = require("infergate.core.config")
 local stats = require("infergate.routing.stats")
@@ -27,9 +43,11 @@ local snapshot = require("infergate.routing.snapshot")
 local _M = {}
 
 local shared = ngx.shared
+local floor = math.floor
 
 _M.ALPHA = 0.2
 _M.MIN_DRIFT = 0.02
+_M.SERVICE_ALPHA = 0.1
 
 local function dict()
     return shared[config.DICT_STATS]
@@ -67,7 +85,51 @@ function _M.observe(att, latency_ms)
         sample = maxc
     end
     local old = d:get("lc:" .. name)
-    d:set("lc:" .. name, old and (old + _M.ALPHA * (sample - old)) or sample)
+    local lc = old and (old + _M.ALPHA * (sample - old)) or sample
+    d:set("lc:" .. name, lc)
+    if att.k <= _M.round_concurrency(lc) then
+        local sv = d:get("sv:" .. name)
+        d:set("sv:" .. name, sv and (sv + _M.SERVICE_ALPHA * (lat - sv)) or lat)
+    end
+end
+
+-- A learned concurrency as a whole number of requests (at least 1).
+function _M.round_concurrency(lc)
+    local b = floor(lc + 0.5)
+    if b < 1 then
+        return 1
+    end
+    return b
+end
+
+-- Whether an attempt started queued behind this edge's own requests on its node (more in
+-- flight there than the node runs at once); false while nothing is learned.
+function _M.queued(att)
+    local lc = att.k and dict():get("lc:" .. att.node)
+    return lc ~= nil and att.k > _M.round_concurrency(lc)
+end
+
+-- Service time (s) of node `name`, or nil before its first unqueued answer.
+function _M.service_s(name)
+    return dict():get("sv:" .. name)
+end
+
+-- Predicted completion (s) of one more request on `node` (see the top of this file), or
+-- nil while the node has no service time.
+function _M.expected_s(node)
+    local d = dict()
+    local name = node.name
+    local s = d:get("sv:" .. name)
+    if not s then
+        return nil
+    end
+    local lc = d:get("lc:" .. name)
+    local b = lc and _M.round_concurrency(lc) or (node.max_concurrency or 1)
+    local ahead = stats.inflight(name) + 1 - b
+    if ahead > 0 then
+        return s * (1 + ahead / b)
+    end
+    return s
 end
 
 -- Learned concurrency of node `name` (nil before its first sample).

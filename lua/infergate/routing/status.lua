@@ -13,7 +13,9 @@
 --             "latency_ewma_ms", "failure_rate", "models" (served model ids, null =
 --             unknown), "outlier" (a TTFB outlier: infergate.routing.outlier),
 --             "ttfb_p90_s" ({"stream", "plain"}: p90 time to first byte, null = none),
---             "learned_concurrency" (infergate.routing.speed, null before a sample)}]}
+--             "learned_concurrency" (infergate.routing.speed, null before a sample),
+--             "service_s" (its service time, s, infergate.routing.speed; null before one),
+--             "expected_s" (predicted completion of one more request, s; null likewise)}]}
 local cjson = require("cjson.safe")
 local config = require("infergate.core.config")
 local snapshot = require("infergate.routing.snapshot")
@@ -69,6 +71,8 @@ function _M.report(now)
             ttfb_p90_s = { stream = opt(outlier.p90(n.name, true)),
                            plain = opt(outlier.p90(n.name, false)) },
             learned_concurrency = opt(speed.learned(n.name)),
+            service_s = opt(speed.service_s(n.name)),
+            expected_s = opt(speed.expected_s(n)),
         }
     end
     return {

@@ -1,0 +1,205 @@
+"""The expected-delay cost (edge.node_cost = "expected_delay"): the service time a node
+is learned to need (infergate.routing.speed), the predicted completion of one more
+request there, how the balancer picks on it, and that the TTFB outlier ring ignores
+attempts that queued behind the edge's own requests; run in nginx's init_by_lua with
+real shared dicts (support.stack.lua_eval)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from support.stack import lua_eval
+
+from controlplane.edge.options import lua_string, option_spec
+
+DICTS = "lua_shared_dict infergate_snapshot 1m; lua_shared_dict infergate_stats 1m;"
+
+
+def run(workdir: Path, body: str, node_cost: str = "expected_delay"):
+    prelude = """
+            local config = require("infergate.core.config")
+            assert(config.init({edge = {node_cost = \"""" + node_cost + """\",
+                                        stale_after_s = 10, outlier_ttfb_factor = 4,
+                                        outlier_ttfb_min_s = 2}},
+                               """ + lua_string(json.dumps(option_spec())) + """))
+            local stats = require("infergate.routing.stats")
+            local speed = require("infergate.routing.speed")
+            local balancer = require("infergate.routing.balancer")
+            local outlier = require("infergate.routing.outlier")
+            local function node(name, extra)
+                local n = {name = name, addr = "127.0.0.1", host = "127.0.0.1", port = 1,
+                           state = "active", healthy = true, weight = 1, effective_weight = 1,
+                           max_concurrency = 8, score = 0.1, saturated = false}
+                for k, v in pairs(extra or {}) do n[k] = v end
+                return n
+            end
+            local function tbl(nodes)
+                return {source = "redis", generated_at = ngx.now(), nodes = nodes}
+            end
+            -- one successful attempt of `lat` s that started with k in flight on `name`
+            local function answered(name, k, lat)
+                speed.observe({node = name, k = k}, lat * 1000)
+            end
+            -- `n` attempts left in flight on `name`
+            local function busy(name, n)
+                for _ = 1, n do stats.open_attempt(name, ngx.now()) end
+            end
+            local function count_picks(t, rounds)
+                local counts = {}
+                for _ = 1, rounds do
+                    local n = balancer.pick(t, {}, ngx.now(), false)
+                    counts[n.name] = (counts[n.name] or 0) + 1
+                end
+                return counts
+            end
+"""
+    return lua_eval(workdir, prelude + body, http_extra=DICTS)
+
+
+def test_service_time_counts_only_unqueued_answers(workdir: Path) -> None:
+    got = run(workdir, """
+            local out = {}
+            answered("a", 1, 2.0)                 -- first sample: lc 1, service 2 s
+            out.first = speed.service_s("a")
+            answered("a", 5, 10.0)                -- five in flight on a one-at-a-time node
+            out.after_queued = speed.service_s("a")
+            answered("a", 1, 1.0)
+            out.after_unqueued = speed.service_s("a")
+            out.none = speed.service_s("b")
+            return out
+    """)
+    assert got["first"] == pytest.approx(2.0)
+    assert got["after_queued"] == pytest.approx(2.0)         # it waited: not service time
+    assert got["after_unqueued"] == pytest.approx(2.0 + 0.1 * (1.0 - 2.0))
+    assert got.get("none") is None
+
+
+def test_expected_completion_is_own_service_plus_the_work_ahead(workdir: Path) -> None:
+    got = run(workdir, """
+            for _ = 1, 30 do answered("a", 4, 0.5) end   -- runs 4 at once, 0.5 s each
+            local a = node("a")
+            local out = {lc = speed.learned("a"), idle = speed.expected_s(a)}
+            busy("a", 3)
+            out.three = speed.expected_s(a)              -- the 4th still runs at once
+            busy("a", 5)
+            out.eight = speed.expected_s(a)              -- 5 ahead of it, 4 at a time
+            out.unknown = speed.expected_s(node("b"))
+            return out
+    """)
+    assert got["lc"] == pytest.approx(4.0)
+    assert got["idle"] == pytest.approx(0.5)
+    assert got["three"] == pytest.approx(0.5)
+    assert got["eight"] == pytest.approx(0.5 * (1 + 5 / 4))
+    assert got.get("unknown") is None
+
+
+def test_a_slow_node_gets_work_only_when_the_fast_one_has_as_much_queued(workdir: Path) -> None:
+    got = run(workdir, """
+            for _ = 1, 30 do answered("fast", 4, 0.5); answered("slow", 4, 1.5) end
+            local t = tbl({node("fast"), node("slow")})
+            local out = {}
+            out.idle = count_picks(t, 50)               -- nothing in flight: fast wins
+            busy("fast", 7)                              -- 8th: 0.5 x (1 + 4/4) = 1.0 s
+            out.seven = count_picks(t, 50)
+            busy("fast", 4)                              -- 12th: 0.5 x (1 + 8/4) = 1.5 s
+            out.eleven = count_picks(t, 50)              -- a tie: the less loaded one
+            busy("fast", 4)                              -- 16th: 0.5 x 4 = 2.0 s
+            out.fifteen = count_picks(t, 50)
+            return out
+    """)
+    assert got["idle"] == {"fast": 50}
+    assert got["seven"] == {"fast": 50}
+    assert got["eleven"] == {"slow": 50}
+    assert got["fifteen"] == {"slow": 50}
+
+
+def test_equal_nodes_share_and_load_cost_is_used_without_history(workdir: Path) -> None:
+    got = run(workdir, """
+            for _ = 1, 30 do answered("a", 4, 0.5); answered("b", 4, 0.52) end
+            local t = tbl({node("a"), node("b")})
+            local out = {seq = {}}
+            for i = 1, 6 do                 -- picks stay in flight: they alternate
+                local n = balancer.pick(t, {}, ngx.now(), false)
+                stats.open_attempt(n.name, ngx.now())
+                out.seq[i] = n.name
+            end
+            -- a node without a service time yet: the load cost (score + in-flight)
+            local t2 = tbl({node("a", {score = 0.9}), node("new", {score = 0})})
+            out.fallback = count_picks(t2, 20)
+            -- nodes without a fresh score (no metrics): the load cost too
+            local stale = {source = "redis", generated_at = ngx.now() - 100,
+                           nodes = {node("a"), node("b")}}
+            out.stale_delay = balancer.least_delay(stale.nodes, 2, 2, false, ngx.now())
+            out.noscore_delay = balancer.least_delay({node("a", {score = false}),
+                                                      node("b")}, 2, 2, true, ngx.now())
+            return out
+    """)
+    seq = got["seq"]
+    assert sorted(seq[:2]) == ["a", "b"] and sorted(seq) == ["a", "a", "a", "b", "b", "b"], seq
+    assert got["fallback"] == {"new": 20}
+    assert got.get("stale_delay") is None
+    assert got.get("noscore_delay") is None
+
+
+def test_load_cost_when_configured(workdir: Path) -> None:
+    got = run(workdir, """
+            for _ = 1, 30 do answered("fast", 4, 0.5); answered("slow", 4, 1.5) end
+            -- the load cost: in-flight / max_concurrency + score; slow has the lower score
+            local t = tbl({node("fast", {score = 0.5}), node("slow", {score = 0.1})})
+            return count_picks(t, 30)
+    """, node_cost="load")
+    assert got == {"slow": 30}
+
+
+def test_queued_attempts_do_not_raise_the_outlier_threshold(workdir: Path) -> None:
+    got = run(workdir, """
+            answered("n", 1, 0.2)                        -- learned: one at a time
+            local function first_byte(k, ttfb)
+                local now = ngx.now()
+                local att = stats.open_attempt("n", now - ttfb)
+                att.k = k
+                outlier.track(att, true)
+                outlier.first_byte({attempts = {att}})
+                stats.close_attempt(att, "ok", now)
+            end
+            for _ = 1, 10 do first_byte(1, 0.1) end
+            local out = {p90 = outlier.p90("n", true)}
+            for _ = 1, 10 do first_byte(6, 3.0) end      -- waited behind five others
+            out.p90_after_queued = outlier.p90("n", true)
+            return out
+    """)
+    assert got["p90"] == pytest.approx(0.1, abs=0.01)
+    assert got["p90_after_queued"] == pytest.approx(0.1, abs=0.01)
+
+
+def _best_delay_body() -> str:
+    return """
+            for _ = 1, 30 do answered("fast", 4, 0.5); answered("slow", 4, 1.5) end
+            local shed = require("infergate.admission.shed")
+            local out = {}
+            busy("fast", 11)                             -- 0.5 x (1 + 8/4) = 1.5 s
+            busy("slow", 5)                              -- 1.5 x (1 + 2/4) = 2.25 s
+            local t = tbl({node("fast"), node("slow")})
+            out.best = shed.best_delay(t, ngx.now())
+            out.drained = shed.best_delay(tbl({node("fast", {state = "drained"}),
+                                               node("slow")}), ngx.now())
+            out.new_node = shed.best_delay(tbl({node("fast"), node("new")}), ngx.now())
+            out.stale = shed.best_delay({source = "redis", generated_at = ngx.now() - 100,
+                                         nodes = {node("fast")}}, ngx.now())
+            return out
+"""
+
+
+def test_shedding_prices_the_best_node_as_the_balancer_does(workdir: Path) -> None:
+    got = run(workdir, _best_delay_body())
+    assert got["best"] == pytest.approx(1.5)
+    assert got["drained"] == pytest.approx(2.25)         # only eligible nodes count
+    assert got.get("new_node") is None                   # no service time: the caps decide
+    assert got.get("stale") is None
+
+
+def test_shedding_by_delay_is_off_with_the_load_cost(workdir: Path) -> None:
+    got = run(workdir, _best_delay_body(), node_cost="load")
+    assert got.get("best") is None
