@@ -229,13 +229,13 @@ local DELAY_TIE = 0.1
 _M.DELAY_TIE = DELAY_TIE
 
 function _M.least_delay(cands, n, total, fresh, now)
+    if not fresh then
+        return nil
+    end
     local pool, m = cands, n
     if n > FULL_SCAN_MAX then
         local a = weighted(cands, n, total, nil)
         pool, m = { a, weighted(cands, n, total - a.effective_weight, a) }, 2
-    end
-    if not fresh then
-        return nil
     end
     local costs, best = {}, nil
     for i = 1, m do
