@@ -142,7 +142,8 @@ def infergate_settings(redis_url: str, nodes: list[SimNodeProc], spec: PoolSpec,
     have them), one nginx worker, weight 1 on every node (the balancer is not told which
     nodes are fast), ``max_concurrency`` (default: twice the batch size, a queue as long
     as the batch, which even the slow nodes clear well within the deadline), API keys
-    not required, the response cache and the edge's Prometheus listener off."""
+    not required, the response cache and the edge's Prometheus listener off, and
+    ``edge.node_cost = "expected_delay"``."""
     ts = time_scale
     maxc = max_concurrency or 2 * spec.max_running
     data: dict = {
@@ -164,6 +165,8 @@ def infergate_settings(redis_url: str, nodes: list[SimNodeProc], spec: PoolSpec,
     }
     if "metrics_listen" in EdgeSettings.model_fields:
         data["edge"]["metrics_listen"] = ""  # no fixed port: nothing scrapes it here
+    if "node_cost" in EdgeSettings.model_fields:
+        data["edge"]["node_cost"] = "expected_delay"
     if "outlier_ttfb_min_s" in EdgeSettings.model_fields:
         data["edge"]["outlier_ttfb_min_s"] = max(0.1, 5.0 * ts)
     fields = Settings.model_fields

@@ -186,6 +186,10 @@ def _best_delay_body() -> str:
             out.drained = shed.best_delay(tbl({node("fast", {state = "drained"}),
                                                node("slow")}), ngx.now())
             out.new_node = shed.best_delay(tbl({node("fast"), node("new")}), ngx.now())
+            out.saturated = shed.best_delay(tbl({node("fast", {saturated = true}),
+                                                 node("slow")}), ngx.now())
+            out.all_saturated = shed.best_delay(tbl({node("fast", {saturated = true})}),
+                                                ngx.now())
             out.stale = shed.best_delay({source = "redis", generated_at = ngx.now() - 100,
                                          nodes = {node("fast")}}, ngx.now())
             return out
@@ -197,6 +201,8 @@ def test_shedding_prices_the_best_node_as_the_balancer_does(workdir: Path) -> No
     assert got["best"] == pytest.approx(1.5)
     assert got["drained"] == pytest.approx(2.25)         # only eligible nodes count
     assert got.get("new_node") is None                   # no service time: the caps decide
+    assert got["saturated"] == pytest.approx(2.25)       # over the [scoring] caps: no room
+    assert got.get("all_saturated") is None              # the caps decide: shed
     assert got.get("stale") is None
 
 

@@ -94,7 +94,9 @@ end
 
 -- The smallest delay cost (s) over the eligible nodes of `model` (nil: any), or nil when
 -- it does not apply: node_cost is not expected_delay, the snapshot is stale, no node is
--- eligible, or one of them has no fresh score or no service time yet.
+-- eligible and unsaturated, or one of them has no fresh score or no service time yet.
+-- A node saturated in the snapshot (over the [scoring] caps) offers nothing here, as in
+-- the rule above: the operator's caps still shed.
 function _M.best_delay(t, now, model)
     if config.get().node_cost ~= "expected_delay" or not snapshot.is_fresh(t, now) then
         return nil
@@ -102,7 +104,7 @@ function _M.best_delay(t, now, model)
     local best
     for _, node in ipairs(t.nodes) do
         if node.addr and node.healthy and node.state == "active" and models.serves(node, model)
-                and breaker.allow(node.name, now) then
+                and not node.saturated and breaker.allow(node.name, now) then
             local c = node.score and balancer.delay_cost(node, true, now)
             if not c then
                 return nil
