@@ -51,6 +51,13 @@ local ipairs = ipairs
 local pairs = pairs
 local tostring = tostring
 
+-- Eligible for a request of `model`: an IP address, healthy, active, serves the model,
+-- breaker not open.
+local function open_to(node, model, now)
+    return node.addr and node.healthy and node.state == "active" and models.serves(node, model)
+        and breaker.allow(node.name, now)
+end
+
 -- "free" (some eligible node has capacity), "saturated" (every eligible node is
 -- saturated) or "none" (no eligible node: the "eligible" step answers 503), among the
 -- nodes that serve `model` (nil: any).
@@ -58,8 +65,7 @@ function _M.capacity(t, now, model)
     local fresh = snapshot.is_fresh(t, now)
     local eligible = 0
     for _, node in ipairs(t.nodes) do
-        if node.addr and node.healthy and node.state == "active" and models.serves(node, model)
-                and breaker.allow(node.name, now) then
+        if open_to(node, model, now) then
             eligible = eligible + 1
             local full = (fresh and node.saturated)
                 or stats.inflight(node.name) >= node.max_concurrency
@@ -81,8 +87,7 @@ function _M.best_prediction(t, now, model)
     for _, node in ipairs(t.nodes) do
         -- a node saturated in a fresh snapshot (its own queue, which may hold other
         -- edges' requests, is over the cap) predicts nothing: it stays shed
-        if node.addr and node.healthy and node.state == "active" and models.serves(node, model)
-                and not (fresh and node.saturated) and breaker.allow(node.name, now) then
+        if not (fresh and node.saturated) and open_to(node, model, now) then
             local done, wait = speed.predicted(node, (fresh and node.score) and true or false)
             if done and (not best or done < best) then
                 best, best_wait = done, wait
@@ -103,8 +108,7 @@ function _M.best_delay(t, now, model)
     end
     local best
     for _, node in ipairs(t.nodes) do
-        if node.addr and node.healthy and node.state == "active" and models.serves(node, model)
-                and not node.saturated and breaker.allow(node.name, now) then
+        if not node.saturated and open_to(node, model, now) then
             local c = node.score and balancer.delay_cost(node, true, now)
             if not c then
                 return nil

@@ -211,9 +211,7 @@ end
 
 -- Load of `node` relative to its capacity: what breaks near-ties of the delay cost.
 local function relative_load(node)
-    local lc = speed.learned(node.name)
-    local b = lc and speed.round_concurrency(lc) or (node.max_concurrency or 1)
-    return (stats.inflight(node.name) + 1) / (b * node.effective_weight)
+    return (stats.inflight(node.name) + 1) / (speed.batch(node) * node.effective_weight)
 end
 
 -- edge.node_cost = "expected_delay": the candidate with the smallest delay cost (every

@@ -109,6 +109,13 @@ function _M.queued(att)
     return lc ~= nil and att.k > _M.round_concurrency(lc)
 end
 
+-- B of the formula above: the learned concurrency of `node`, rounded, or its
+-- max_concurrency before the first sample.
+function _M.batch(node)
+    local lc = dict():get("lc:" .. node.name)
+    return lc and _M.round_concurrency(lc) or (node.max_concurrency or 1)
+end
+
 -- Service time (s) of node `name`, or nil before its first unqueued answer.
 function _M.service_s(name)
     return dict():get("sv:" .. name)
@@ -117,15 +124,12 @@ end
 -- Predicted completion (s) of one more request on `node` (see the top of this file), or
 -- nil while the node has no service time.
 function _M.expected_s(node)
-    local d = dict()
-    local name = node.name
-    local s = d:get("sv:" .. name)
+    local s = dict():get("sv:" .. node.name)
     if not s then
         return nil
     end
-    local lc = d:get("lc:" .. name)
-    local b = lc and _M.round_concurrency(lc) or (node.max_concurrency or 1)
-    local ahead = stats.inflight(name) + 1 - b
+    local b = _M.batch(node)
+    local ahead = stats.inflight(node.name) + 1 - b
     if ahead > 0 then
         return s * (1 + ahead / b)
     end
