@@ -13,6 +13,11 @@ comes from ``--listen`` (``INFERGATE_EMBEDDER_LISTEN``), else the host and port 
 The address is bound first, before Redis and the model: a port already in use ends the
 command at once with one line (``cannot listen on HOST:PORT: ...``, exit status 1).
 Requests that arrive while the model loads wait in the listen backlog.
+
+``--processes N`` (N > 1) serves the one listening socket from N forked processes, each
+with its own model, index and threads: a lookup spends a few milliseconds of Python around
+the model, under one interpreter lock per process, so one process cannot use a second core
+(see :mod:`controlplane.cli.embedder_procs`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from urllib.parse import urlsplit
 import click
 
 from controlplane.cli.common import split_listen
+from controlplane.cli.embedder_procs import bind_listener, supervise
 from controlplane.config import ConfigError, load_settings
 
 
@@ -92,12 +98,16 @@ class _LateApp:
                    "use-multilingual-v3; others use one).")
 @click.option("--redis-wait-s", default=30.0, show_default=True, type=click.FloatRange(0),
               help="How long to wait for Redis at start.")
+@click.option("--processes", default=1, show_default=True, type=click.IntRange(1, 64),
+              envvar="INFERGATE_EMBEDDER_PROCESSES",
+              help="Processes serving the one socket, each with its own copy of the model "
+                   "(~150 MB for use-multilingual-v3): one per core for more lookups/s.")
 @click.option("--no-queue", is_flag=True, help="Do not consume the index queue.")
 def embedder_cmd(config_path: str | None, listen: str | None, redis_url: str | None, model: str,
                  embeddings_url: str, embeddings_model: str, embeddings_api_key: str,
                  index_backend: str, max_batch: int, max_wait_ms: float, top_k: int,
                  threads: int, model_threads: int, model_workers: int, redis_wait_s: float,
-                 no_queue: bool) -> None:
+                 processes: int, no_queue: bool) -> None:
     """Serve semantic lookups and index cache entries (see docs/internals.md)."""
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -108,17 +118,39 @@ def embedder_cmd(config_path: str | None, listen: str | None, redis_url: str | N
         raise click.ClickException(str(exc)) from None
     host, port = split_listen(listen or listen_of_url(settings.cache.embedder_url))
     url = redis_url or settings.redis.url
-
-    import waitress
-
-    late_app = _LateApp()
     try:
-        server = waitress.create_server(late_app, host=host, port=port, threads=threads,
-                                        ident="infergate-embedder")
+        sock = bind_listener(host, port)
     except OSError as exc:
         raise click.ClickException(
             f"cannot listen on {host}:{port}: {exc.strerror or exc} (another process has "
             "it? choose the address with cache.embedder_url, or --listen)") from None
+
+    def serve(ready=lambda: None) -> None:
+        _serve(sock, host, port, settings, config_path, url, log, model=model,
+               embeddings_url=embeddings_url, embeddings_model=embeddings_model,
+               embeddings_api_key=embeddings_api_key, index_backend=index_backend,
+               max_batch=max_batch, max_wait_ms=max_wait_ms, top_k=top_k, threads=threads,
+               model_threads=model_threads, model_workers=model_workers,
+               redis_wait_s=redis_wait_s, no_queue=no_queue, ready=ready)
+
+    if processes > 1:
+        raise SystemExit(supervise(processes, serve, log))
+    serve()
+
+
+def _serve(sock, host: str, port: int, settings, config_path: str | None, url: str,
+           log: logging.Logger, *, model: str, embeddings_url: str, embeddings_model: str,
+           embeddings_api_key: str, index_backend: str, max_batch: int, max_wait_ms: float,
+           top_k: int, threads: int, model_threads: int, model_workers: int,
+           redis_wait_s: float, no_queue: bool, ready) -> None:
+    """One serving process on the bound ``sock``: Redis, model, engine, waitress.
+    ``ready()`` is called once requests are answered by the app (the supervisor's signal
+    that this process started). Raises ``click.ClickException`` on a start failure."""
+    import waitress
+
+    late_app = _LateApp()
+    server = waitress.create_server(late_app, sockets=[sock], threads=threads,
+                                    ident="infergate-embedder")
 
     from controlplane import procs
     from controlplane.embedder.app import create_app
@@ -191,6 +223,7 @@ def embedder_cmd(config_path: str | None, listen: str | None, redis_url: str | N
     signal.signal(signal.SIGINT, _stop)
     log.info("embedder listening on http://%s:%d (index %s)", host, port,
              engine.index.backend)
+    ready()
     try:
         server.run()
     finally:

@@ -17,7 +17,8 @@ Endpoints (JSON in and out):
   ``X-Infergate-Instance`` header: the stack instance id ``INFERGATE_INSTANCE_ID`` set by
   ``infergate up``, ``""`` otherwise); 503 with ``"status": "degraded"`` and
   ``"redis": false`` while Redis does not answer.
-- ``GET /metrics`` -> Prometheus text format.
+- ``GET /metrics`` -> Prometheus text format (with ``--processes`` > 1, the sum over the
+  service's processes: prometheus_client's multiprocess mode).
 
 Errors: 400 ``{"error": {"message", "type": "invalid_request_error", "param", "code"}}``
 for bad input (also 404/405/413 in the same shape); 503 ``{"error": {..., "type":
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
 import time
 
 import numpy as np
@@ -148,6 +150,12 @@ def create_app(engine: Engine, token: str = "") -> Flask:
 
     @app.get("/metrics")
     def metrics():
-        return Response(generate_latest(engine.metrics.registry), mimetype=CONTENT_TYPE_LATEST)
+        registry = engine.metrics.registry
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client import CollectorRegistry, multiprocess
+
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+        return Response(generate_latest(registry), mimetype=CONTENT_TYPE_LATEST)
 
     return app

@@ -1,0 +1,200 @@
+"""Several embedder processes on one listening socket (``infergate embedder --processes N``).
+
+The parent binds the address (:func:`bind_listener`), forks N children before anything
+heavy is imported (no model, numpy or thread exists yet, so nothing is copied half-made)
+and supervises them (:func:`supervise`): each child loads its own model and serves the
+inherited socket with its own waitress; the kernel hands each new connection to one of
+the processes waiting in ``accept``. The socket is never opened with ``SO_REUSEPORT``, so
+no other process (another stack's embedder) can join it.
+
+Supervision, as gunicorn's arbiter does it: a child that exits after it started serving is
+replaced (at most :data:`MAX_RESTARTS` in :data:`RESTART_WINDOW_S`, then the service stops
+with status 1); a child that exits before it served (Redis unreachable, model not
+loadable) stops the others and the command exits with that child's status, as the single
+process would. SIGTERM or SIGINT to the parent is passed to the children, which finish
+their requests (at most :data:`STOP_GRACE_S`, then SIGKILL). A child whose parent died
+stops itself within a second.
+
+Prometheus counters are shared through ``prometheus_client``'s multiprocess mode: the
+parent sets ``PROMETHEUS_MULTIPROC_DIR`` to a directory of its own (removed at exit)
+before the children import the library, and ``/metrics`` of any process sums all of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import shutil
+import signal
+import socket
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+import click
+
+#: Children replaced at most this many times within :data:`RESTART_WINDOW_S`.
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
+#: Seconds the children have to finish after SIGTERM before SIGKILL.
+STOP_GRACE_S = 10.0
+#: Environment variable of prometheus_client's multiprocess mode.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def bind_listener(host: str, port: int, backlog: int = 1024) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (IPv4 or IPv6 literal or name), with
+    ``SO_REUSEADDR`` only. Raises ``OSError`` (e.g. ``EADDRINUSE``)."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                               flags=socket.AI_PASSIVE)
+    family, stype, proto, _, addr = infos[0]
+    sock = socket.socket(family, stype, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(addr)
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+class _Stop(Exception):
+    pass
+
+
+def _watch_parent(parent: int) -> None:
+    """In a child: SIGTERM itself once its parent is gone (re-parented)."""
+    def run() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    threading.Thread(target=run, name="parent-watch", daemon=True).start()
+
+
+def _child(serve: Callable[[Callable[[], None]], None], ready_w: int, parent: int) -> None:
+    """Body of a forked child; never returns (``os._exit`` with the serve status)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    code = 1
+    try:
+        _watch_parent(parent)
+        serve(lambda: os.write(ready_w, struct.pack("=i", os.getpid())))
+        code = 0
+    except click.ClickException as exc:
+        exc.show()
+        code = exc.exit_code
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - reported, then the child's status says it
+        logging.getLogger("infergate.embedder").exception("embedder process failed")
+    finally:
+        os._exit(code)
+
+
+def supervise(n: int, serve: Callable[[Callable[[], None]], None],
+              log: logging.Logger) -> int:
+    """Fork ``n`` children running ``serve(ready)`` (``ready()`` once they answer) and
+    keep them running until SIGTERM/SIGINT; returns the exit status (0 after a stop, the
+    failing child's status when one could not start, 1 when children keep dying)."""
+    metrics_dir = tempfile.mkdtemp(prefix="infergate-embedder-metrics-")
+    os.environ[MULTIPROC_ENV] = metrics_dir
+    ready_r, ready_w = os.pipe()
+    os.set_blocking(ready_r, False)
+    parent = os.getpid()
+    children: dict[int, bool] = {}  # pid -> has served
+    restarts: list[float] = []
+
+    def spawn() -> None:
+        pid = os.fork()
+        if pid == 0:
+            os.close(ready_r)
+            _child(serve, ready_w, parent)
+        children[pid] = False
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        raise _Stop()
+
+    status = 0
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for _ in range(n):
+            spawn()
+        log.info("embedder: %d processes started (pids %s)", n,
+                 " ".join(str(p) for p in children))
+        while True:
+            select.select([ready_r], [], [], 0.5)
+            try:
+                data = os.read(ready_r, 4096)
+            except BlockingIOError:
+                data = b""
+            for (pid,) in struct.iter_unpack("=i", data[: len(data) // 4 * 4]):
+                if pid in children:
+                    children[pid] = True
+            while children:
+                pid, wstatus = os.waitpid(-1, os.WNOHANG)
+                if pid == 0:
+                    break
+                served = children.pop(pid, None)
+                if served is None:
+                    continue
+                code = os.waitstatus_to_exitcode(wstatus)
+                if not served:
+                    log.error("embedder process %d exited with status %d before it "
+                              "served; stopping", pid, code)
+                    return code if code > 0 else 1
+                now = time.monotonic()
+                restarts[:] = [t for t in restarts if now - t < RESTART_WINDOW_S]
+                if len(restarts) >= MAX_RESTARTS:
+                    log.error("embedder processes exited %d times in %.0f s; stopping",
+                              len(restarts) + 1, RESTART_WINDOW_S)
+                    return 1
+                restarts.append(now)
+                log.warning("embedder process %d exited with status %d; starting another",
+                            pid, code)
+                spawn()
+    except _Stop:
+        status = 0
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        _stop_children(children)
+        os.close(ready_r)
+        os.close(ready_w)
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+    return status
+
+
+def _stop_children(children: dict[int, bool]) -> None:
+    """SIGTERM every child, SIGKILL what is left after :data:`STOP_GRACE_S`, reap all."""
+    for pid in list(children):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + STOP_GRACE_S
+    while children and time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            time.sleep(0.05)
+            continue
+        children.pop(pid, None)
+    for pid in list(children):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        children.pop(pid, None)
