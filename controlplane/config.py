@@ -271,16 +271,15 @@ class EdgeSettings(_Section):
     """How long a breaker stays open before one half-open probe, seconds."""
     inflight_cost: float = Field(default=1.0, ge=0)
     """Weight of the edge's own in-flight count (per unit of max_concurrency) in the cost."""
-    node_cost: Literal["load", "expected_delay"] = "load"
-    """How the edge prices a node: ``load`` = in-flight over capacity plus the control
-    plane's score; ``expected_delay`` = the predicted completion time (s) of the request
-    there, from each node's service time and concurrency as this edge learns them
-    (lua/infergate/routing/speed.lua), so a node three times slower gets a request only
-    when the faster ones have that much work queued (engines with metrics only; the load
-    cost while a candidate has no service time yet). Not the default: at a low load it
-    sends everything to the fastest-looking nodes, and a node whose service time was
-    measured high on a few long answers stays idle, with nothing to correct it, until
-    the others queue."""
+    node_cost: Literal["load", "expected_delay"] = "expected_delay"
+    """How the edge prices a node: ``expected_delay`` (the default) = the predicted
+    completion time (s) of the request there, from each node's service time and
+    concurrency as this edge learns them (lua/infergate/routing/speed.lua), so a node
+    three times slower gets a request only when the faster ones have that much work
+    queued; a node that has answered nothing for 5 s sees its service time halve every
+    5 s more, so one measured slow is tried again. Engines with metrics only: nodes of
+    kind openai, and any candidate without a service time yet, are priced by ``load``.
+    ``load`` = in-flight over capacity plus the control plane's score, for every node."""
     outlier_ttfb_factor: float = Field(default=5.0, ge=0, le=1000)
     """A node whose oldest request of this edge has waited for its first byte longer than
     this many times the node's usual time to first byte (a p90 estimate, streams and

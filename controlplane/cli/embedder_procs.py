@@ -36,6 +36,8 @@ from collections.abc import Callable
 
 import click
 
+from controlplane.errors import InfergateError
+
 #: Children replaced at most this many times within :data:`RESTART_WINDOW_S`.
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
@@ -65,8 +67,8 @@ def bind_listener(host: str, port: int, backlog: int = 1024) -> socket.socket:
     return sock
 
 
-class _Stop(Exception):
-    pass
+class _Stop(InfergateError):
+    """Raised in the supervisor by SIGTERM/SIGINT: stop the children."""
 
 
 def _watch_parent(parent: int) -> None:

@@ -61,18 +61,23 @@ def run(workdir: Path, body: str, node_cost: str = "expected_delay"):
 def test_service_time_counts_only_unqueued_answers(workdir: Path) -> None:
     got = run(workdir, """
             local out = {}
-            answered("a", 1, 2.0)                 -- first sample: lc 1, service 2 s
-            out.first = speed.service_s("a")
+            answered("a", 1, 2.0)                 -- lc 1; one answer: still warming up
+            out.one = speed.service_s("a")
             answered("a", 5, 10.0)                -- five in flight on a one-at-a-time node
-            out.after_queued = speed.service_s("a")
-            answered("a", 1, 1.0)
-            out.after_unqueued = speed.service_s("a")
+            answered("a", 1, 3.0)
+            answered("a", 1, 1.0)                 -- third unqueued answer: the shortest
+            out.warm = speed.service_s("a")
+            answered("a", 1, 2.0)
+            out.ewma = speed.service_s("a")
+            answered("a", 1, 100.0)               -- one very long answer: clipped
+            out.clipped = speed.service_s("a")
             out.none = speed.service_s("b")
             return out
     """)
-    assert got["first"] == pytest.approx(2.0)
-    assert got["after_queued"] == pytest.approx(2.0)         # it waited: not service time
-    assert got["after_unqueued"] == pytest.approx(2.0 + 0.1 * (1.0 - 2.0))
+    assert got.get("one") is None
+    assert got["warm"] == pytest.approx(1.0)                 # the queued one did not count
+    assert got["ewma"] == pytest.approx(1.0 + 0.1 * (2.0 - 1.0))
+    assert got["clipped"] == pytest.approx(1.1 + 0.1 * (4 * 1.1 - 1.1))
     assert got.get("none") is None
 
 
@@ -209,3 +214,54 @@ def test_shedding_prices_the_best_node_as_the_balancer_does(workdir: Path) -> No
 def test_shedding_by_delay_is_off_with_the_load_cost(workdir: Path) -> None:
     got = run(workdir, _best_delay_body(), node_cost="load")
     assert got.get("best") is None
+
+
+def test_a_node_measured_slow_is_tried_again_once_its_estimate_has_aged(workdir: Path) -> None:
+    got = run(workdir, """
+            local d = ngx.shared.infergate_stats
+            local out = {}
+            for _ = 1, 3 do answered("slow", 1, 3.0); answered("fast", 1, 1.0) end
+            local t = tbl({node("slow"), node("fast")})
+            out.fresh = count_picks(t, 20)
+            local now = ngx.now()
+            out.at_grace = speed.aged_service_s("slow", now + speed.STALE_S)
+            out.one_half_life = speed.aged_service_s("slow",
+                                                     now + speed.STALE_S + speed.HALF_LIFE_S)
+            d:set("sa:slow", now - 20)            -- nothing answered there for 20 s
+            out.aged = speed.expected_s(node("slow"))
+            out.raw = speed.service_s("slow")
+            out.stale = count_picks(t, 1)
+            answered("slow", 1, 3.0)              -- the probe answered: measured afresh
+            out.after_probe = count_picks(t, 20)
+            return out
+    """)
+    assert got["fresh"] == {"fast": 20}
+    assert got["at_grace"] == pytest.approx(3.0)
+    assert got["one_half_life"] == pytest.approx(1.5)
+    assert got["aged"] == pytest.approx(3.0 * 0.5 ** ((20 - 5) / 5), rel=0.05)
+    assert got["raw"] == pytest.approx(3.0)   # the status shows what was measured
+    assert got["stale"] == {"slow": 1}
+    assert got["after_probe"] == {"fast": 20}
+
+
+def test_one_long_answer_does_not_make_a_node_look_slow(workdir: Path) -> None:
+    got = run(workdir, """
+            answered("a", 1, 5.0)                 -- a long stream is its first answer
+            for _ = 1, 3 do answered("b", 1, 0.05) end
+            local t = tbl({node("a", {score = 0.1}), node("b", {score = 0.5})})
+            local out = {}
+            out.warming = count_picks(t, 10)      -- "a" has no service time: load cost
+            for _ = 1, 2 do answered("a", 1, 0.05) end
+            out.a = speed.service_s("a")
+            local seq = {}
+            for i = 1, 4 do                       -- equal now: they alternate
+                local n = balancer.pick(t, {}, ngx.now(), false)
+                stats.open_attempt(n.name, ngx.now())
+                seq[i] = n.name
+            end
+            out.seq = seq
+            return out
+    """)
+    assert got["warming"] == {"a": 10}            # lower score, nothing in flight
+    assert got["a"] == pytest.approx(0.05)
+    assert sorted(got["seq"]) == ["a", "a", "b", "b"], got["seq"]

@@ -13,7 +13,7 @@
 -- node of its rendezvous order that is within the load bound (a leading prompt this
 -- edge has not seen yet: to its first node only when that node costs at most
 -- affinity.FIRST_SIGHT_MARGIN more than the cheapest, else to the cheapest). Otherwise,
--- under edge.node_cost = "expected_delay" (opt-in) and when every candidate has a
+-- under edge.node_cost = "expected_delay" (the default) and when every candidate has a
 -- fresh score and a service time, the smallest predicted completion wins (least_delay
 -- below; infergate.routing.speed.expected_s). Otherwise power of two choices:
 -- two distinct nodes are sampled with probability proportional to effective_weight

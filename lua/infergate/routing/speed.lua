@@ -21,7 +21,10 @@
 -- Service time: the EWMA (SERVICE_ALPHA) of L over the successful attempts that started
 -- with no more of this edge's requests in flight on the node than it runs at once
 -- (k <= the learned concurrency, rounded): what one request takes there when it does
--- not queue behind this edge's others, batching with them included.
+-- not queue behind this edge's others, batching with them included. It starts as the
+-- shortest of the first WARMUP such answers (and is not used before them), and a later
+-- answer counts as at most CLIP times the estimate, so one long answer (a 250-token
+-- stream among short questions) cannot make a node look slow for minutes.
 --
 -- expected_s(node): the balancer's cost under edge.node_cost = "expected_delay", the
 -- predicted completion time (s) of one more request on the node,
@@ -33,8 +36,16 @@
 -- ones have that much work queued. Other edges' requests are not in n; they show in the
 -- service time, which grows when they make this edge's unqueued requests wait.
 --
+-- An estimate that nothing refreshes ages: once a node has answered nothing for
+-- STALE_S, the service time used in expected_s halves every HALF_LIFE_S more, so a node
+-- measured slow (a few long answers, or a slow spell that has passed) is tried again
+-- when the others are idle or busy enough, instead of staying idle for good while the
+-- faster ones never queue. Its next answer sets the estimate afresh; a node that really
+-- is slow costs one request per probe, a few per minute at a low load.
+--
 -- Shared dict infergate_stats: "sm:<node>" s_min (s), "lc:<node>" learned concurrency,
--- "sv:<node>" service time (s).
+-- "sv:<node>" service time (s), "sn:<node>" unqueued answers counted (up to WARMUP),
+-- "sa:<node>" time of the last answer (ngx.now(), s).
 -- No I/O: safe in the balancer and log phases.
 local config = require("infergate.core.config")
 local stats = require("infergate.routing.stats")
@@ -48,6 +59,10 @@ local floor = math.floor
 _M.ALPHA = 0.2
 _M.MIN_DRIFT = 0.02
 _M.SERVICE_ALPHA = 0.1
+_M.WARMUP = 3
+_M.CLIP = 4
+_M.STALE_S = 5
+_M.HALF_LIFE_S = 5
 
 local function dict()
     return shared[config.DICT_STATS]
@@ -69,6 +84,7 @@ function _M.observe(att, latency_ms)
     local d = dict()
     local name = att.node
     local lat = latency_ms / 1000
+    d:set("sa:" .. name, ngx.now())
     local smin = d:get("sm:" .. name)
     if not smin or lat < smin then
         smin = lat
@@ -89,7 +105,21 @@ function _M.observe(att, latency_ms)
     d:set("lc:" .. name, lc)
     if att.k <= _M.round_concurrency(lc) then
         local sv = d:get("sv:" .. name)
-        d:set("sv:" .. name, sv and (sv + _M.SERVICE_ALPHA * (lat - sv)) or lat)
+        local n = d:get("sn:" .. name) or 0
+        if not sv then
+            sv = lat
+        elseif n < _M.WARMUP then
+            if lat < sv then
+                sv = lat
+            end
+        else
+            local cap = _M.CLIP * sv
+            sv = sv + _M.SERVICE_ALPHA * ((lat < cap and lat or cap) - sv)
+        end
+        d:set("sv:" .. name, sv)
+        if n < _M.WARMUP then
+            d:set("sn:" .. name, n + 1)
+        end
     end
 end
 
@@ -116,15 +146,34 @@ function _M.batch(node)
     return lc and _M.round_concurrency(lc) or (node.max_concurrency or 1)
 end
 
--- Service time (s) of node `name`, or nil before its first unqueued answer.
+-- Service time (s) of node `name`, or nil before its first WARMUP unqueued answers.
 function _M.service_s(name)
-    return dict():get("sv:" .. name)
+    local d = dict()
+    if (d:get("sn:" .. name) or 0) < _M.WARMUP then
+        return nil
+    end
+    return d:get("sv:" .. name)
+end
+
+-- The service time (s) expected_s uses: service_s aged by the time since the node's last
+-- answer (see the top of this file), or nil before its first WARMUP unqueued answers.
+function _M.aged_service_s(name, now)
+    local s = _M.service_s(name)
+    if not s then
+        return nil
+    end
+    local at = dict():get("sa:" .. name)
+    local idle = at and (now or ngx.now()) - at - _M.STALE_S
+    if idle and idle > 0 then
+        return s * 0.5 ^ (idle / _M.HALF_LIFE_S)
+    end
+    return s
 end
 
 -- Predicted completion (s) of one more request on `node` (see the top of this file), or
 -- nil while the node has no service time.
 function _M.expected_s(node)
-    local s = dict():get("sv:" .. node.name)
+    local s = _M.aged_service_s(node.name)
     if not s then
         return nil
     end
