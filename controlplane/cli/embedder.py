@@ -22,6 +22,7 @@ the model, under one interpreter lock per process, so one process cannot use a s
 
 from __future__ import annotations
 
+import errno
 import logging
 import signal
 from urllib.parse import urlsplit
@@ -121,9 +122,10 @@ def embedder_cmd(config_path: str | None, listen: str | None, redis_url: str | N
     try:
         sock = bind_listener(host, port)
     except OSError as exc:
+        hint = (" (another process has it? choose the address with cache.embedder_url, or "
+                "--listen)") if exc.errno == errno.EADDRINUSE else ""
         raise click.ClickException(
-            f"cannot listen on {host}:{port}: {exc.strerror or exc} (another process has "
-            "it? choose the address with cache.embedder_url, or --listen)") from None
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from None
 
     def serve(ready=lambda: None) -> None:
         _serve(sock, host, port, settings, config_path, url, log, model=model,

@@ -48,10 +48,12 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def bind_listener(host: str, port: int, backlog: int = 1024) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (IPv4 or IPv6 literal or name), with
-    ``SO_REUSEADDR`` only. Raises ``OSError`` (e.g. ``EADDRINUSE``)."""
+    """A listening TCP socket on ``host:port`` (IPv4 or IPv6 literal or name; a name's
+    IPv4 address first, e.g. ``localhost`` -> 127.0.0.1), with ``SO_REUSEADDR`` only.
+    Raises ``OSError`` (e.g. ``EADDRINUSE``, ``socket.gaierror`` for an unknown name)."""
     infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                flags=socket.AI_PASSIVE)
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)
     family, stype, proto, _, addr = infos[0]
     sock = socket.socket(family, stype, proto)
     try:

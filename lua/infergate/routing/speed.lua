@@ -37,11 +37,13 @@
 -- service time, which grows when they make this edge's unqueued requests wait.
 --
 -- An estimate that nothing refreshes ages: once a node has answered nothing for
--- STALE_S, the service time used in expected_s halves every HALF_LIFE_S more, so a node
--- measured slow (a few long answers, or a slow spell that has passed) is tried again
--- when the others are idle or busy enough, instead of staying idle for good while the
--- faster ones never queue. Its next answer sets the estimate afresh; a node that really
--- is slow costs one request per probe, a few per minute at a low load.
+-- STALE_S and has none of this edge's requests in flight, the service time used in
+-- expected_s halves every HALF_LIFE_S more, so a node measured slow (a few long answers,
+-- or a slow spell that has passed) is tried again when the others are idle or busy
+-- enough, instead of staying idle for good while the faster ones never queue. The
+-- probe in flight stops the ageing (one probe at a time, not a burst onto a slow node)
+-- and its answer sets the estimate afresh: a node that really is slow costs one request
+-- per probe, a few per minute at a low load.
 --
 -- Shared dict infergate_stats: "sm:<node>" s_min (s), "lc:<node>" learned concurrency,
 -- "sv:<node>" service time (s), "sn:<node>" unqueued answers counted (up to WARMUP),
@@ -164,7 +166,7 @@ function _M.aged_service_s(name, now)
     end
     local at = dict():get("sa:" .. name)
     local idle = at and (now or ngx.now()) - at - _M.STALE_S
-    if idle and idle > 0 then
+    if idle and idle > 0 and stats.inflight(name) == 0 then
         return s * 0.5 ^ (idle / _M.HALF_LIFE_S)
     end
     return s

@@ -14,7 +14,8 @@
 --             unknown), "outlier" (a TTFB outlier: infergate.routing.outlier),
 --             "ttfb_p90_s" ({"stream", "plain"}: p90 time to first byte, null = none),
 --             "learned_concurrency" (infergate.routing.speed, null before a sample),
---             "service_s" (its service time, s, infergate.routing.speed; null before one),
+--             "service_s" (its service time, s, infergate.routing.speed; null before three
+--             unqueued answers),
 --             "expected_s" (predicted completion of one more request, s; null likewise)}]}
 local cjson = require("cjson.safe")
 local config = require("infergate.core.config")
