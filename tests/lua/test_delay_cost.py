@@ -231,6 +231,8 @@ def test_a_node_measured_slow_is_tried_again_once_its_estimate_has_aged(workdir:
             out.aged = speed.expected_s(node("slow"))
             out.raw = speed.service_s("slow")
             out.stale = count_picks(t, 1)
+            busy("slow", 1)                       -- the probe is in flight: no more ageing
+            out.probing = speed.expected_s(node("slow"))
             answered("slow", 1, 3.0)              -- the probe answered: measured afresh
             out.after_probe = count_picks(t, 20)
             return out
@@ -241,6 +243,7 @@ def test_a_node_measured_slow_is_tried_again_once_its_estimate_has_aged(workdir:
     assert got["aged"] == pytest.approx(3.0 * 0.5 ** ((20 - 5) / 5), rel=0.05)
     assert got["raw"] == pytest.approx(3.0)   # the status shows what was measured
     assert got["stale"] == {"slow": 1}
+    assert got["probing"] == pytest.approx(3.0 * 2)    # one ahead of the next, one at a time
     assert got["after_probe"] == {"fast": 20}
 
 
