@@ -65,9 +65,9 @@ def test_service_time_counts_only_unqueued_answers(workdir: Path) -> None:
             out.one = speed.service_s("a")
             answered("a", 5, 10.0)                -- five in flight on a one-at-a-time node
             answered("a", 1, 3.0)
-            answered("a", 1, 1.0)                 -- third unqueued answer: the shortest
+            answered("a", 1, 1.0)                 -- third unqueued answer: the median
             out.warm = speed.service_s("a")
-            answered("a", 1, 2.0)
+            answered("a", 1, 3.0)
             out.ewma = speed.service_s("a")
             answered("a", 1, 100.0)               -- one very long answer: clipped
             out.clipped = speed.service_s("a")
@@ -75,9 +75,9 @@ def test_service_time_counts_only_unqueued_answers(workdir: Path) -> None:
             return out
     """)
     assert got.get("one") is None
-    assert got["warm"] == pytest.approx(1.0)                 # the queued one did not count
-    assert got["ewma"] == pytest.approx(1.0 + 0.1 * (2.0 - 1.0))
-    assert got["clipped"] == pytest.approx(1.1 + 0.1 * (4 * 1.1 - 1.1))
+    assert got["warm"] == pytest.approx(2.0)           # of 2, 3, 1: the queued one did not count
+    assert got["ewma"] == pytest.approx(2.0 + 0.1 * (3.0 - 2.0))
+    assert got["clipped"] == pytest.approx(2.1 + 0.1 * (4 * 2.1 - 2.1))
     assert got.get("none") is None
 
 

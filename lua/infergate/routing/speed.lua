@@ -22,7 +22,7 @@
 -- with no more of this edge's requests in flight on the node than it runs at once
 -- (k <= the learned concurrency, rounded): what one request takes there when it does
 -- not queue behind this edge's others, batching with them included. It starts as the
--- shortest of the first WARMUP such answers (and is not used before them), and a later
+-- median of the first WARMUP such answers (and is not used before them), and a later
 -- answer counts as at most CLIP times the estimate, so one long answer (a 250-token
 -- stream among short questions) cannot make a node look slow for minutes.
 --
@@ -47,7 +47,8 @@
 --
 -- Shared dict infergate_stats: "sm:<node>" s_min (s), "lc:<node>" learned concurrency,
 -- "sv:<node>" service time (s), "sn:<node>" unqueued answers counted (up to WARMUP),
--- "sa:<node>" time of the last answer (ngx.now(), s).
+-- "s1:<node>", "s2:<node>" the first of them (s), "sa:<node>" time of the last answer
+-- (ngx.now(), s).
 -- No I/O: safe in the balancer and log phases.
 local config = require("infergate.core.config")
 local stats = require("infergate.routing.stats")
@@ -106,20 +107,22 @@ function _M.observe(att, latency_ms)
     local lc = old and (old + _M.ALPHA * (sample - old)) or sample
     d:set("lc:" .. name, lc)
     if att.k <= _M.round_concurrency(lc) then
-        local sv = d:get("sv:" .. name)
         local n = d:get("sn:" .. name) or 0
-        if not sv then
-            sv = lat
-        elseif n < _M.WARMUP then
-            if lat < sv then
-                sv = lat
-            end
-        else
+        if n >= _M.WARMUP then
+            local sv = d:get("sv:" .. name) or lat
             local cap = _M.CLIP * sv
-            sv = sv + _M.SERVICE_ALPHA * ((lat < cap and lat or cap) - sv)
-        end
-        d:set("sv:" .. name, sv)
-        if n < _M.WARMUP then
+            d:set("sv:" .. name, sv + _M.SERVICE_ALPHA * ((lat < cap and lat or cap) - sv))
+        elseif n == _M.WARMUP - 1 then
+            -- the estimate starts at the median of the first WARMUP answers
+            local first = {lat}
+            for i = 1, _M.WARMUP - 1 do
+                first[#first + 1] = d:get("s" .. i .. ":" .. name) or lat
+            end
+            table.sort(first)
+            d:set("sv:" .. name, first[floor(#first / 2) + 1])
+            d:set("sn:" .. name, n + 1)
+        else
+            d:set("s" .. (n + 1) .. ":" .. name, lat)
             d:set("sn:" .. name, n + 1)
         end
     end
