@@ -276,8 +276,9 @@ class EdgeSettings(_Section):
     completion time (s) of the request there, from each node's service time and
     concurrency as this edge learns them (lua/infergate/routing/speed.lua), so a node
     three times slower gets a request only when the faster ones have that much work
-    queued; a node that has answered nothing for 5 s sees its service time halve every
-    5 s more, so one measured slow is tried again. Engines with metrics only: nodes of
+    queued; a node that has answered nothing for 5 s and has none of this edge's
+    requests in flight sees its service time halve every 5 s more, so one measured slow
+    is tried again (one probe at a time). Engines with metrics only: nodes of
     kind openai, and any candidate without a service time yet, are priced by ``load``.
     ``load`` = in-flight over capacity plus the control plane's score, for every node."""
     outlier_ttfb_factor: float = Field(default=5.0, ge=0, le=1000)
