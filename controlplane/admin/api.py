@@ -115,6 +115,8 @@ def _body() -> dict:
         raise ops.BadInput("expected a JSON object body", "invalid_json")
     try:
         data = json.loads(raw)
+    except RecursionError:
+        raise ops.BadInput("body is not valid JSON: nested too deeply", "invalid_json") from None
     except ValueError as exc:
         # the decoder's own words, without the hint to Python settings of its int limit
         why = str(exc).split(";")[0] if "int_max_str_digits" in str(exc) else str(exc)

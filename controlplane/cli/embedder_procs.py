@@ -13,7 +13,7 @@ with status 1); a child that exits before it served (Redis unreachable, model no
 loadable) stops the others and the command exits with that child's status, as the single
 process would. SIGTERM or SIGINT to the parent is passed to the children, which finish
 their requests (at most :data:`STOP_GRACE_S`, then SIGKILL). A child whose parent died
-stops itself within a second.
+notices within a second and stops itself as on SIGTERM (a few seconds in all).
 
 Prometheus counters are shared through ``prometheus_client``'s multiprocess mode: the
 parent sets ``PROMETHEUS_MULTIPROC_DIR`` to a directory of its own (removed at exit)

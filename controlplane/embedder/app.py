@@ -76,7 +76,10 @@ def create_app(engine: Engine, token: str = "") -> Flask:
                       "authentication_error", code="invalid_embedder_token")
 
     def body() -> object:
-        data = request.get_json(silent=True)
+        try:
+            data = request.get_json(silent=True)
+        except RecursionError:
+            raise BadRequest("body is nested too deeply to be a request") from None
         if data is None:
             raise BadRequest("body must be JSON (Content-Type: application/json)")
         return data

@@ -304,6 +304,10 @@ def test_not_json_and_unknown_paths(svc) -> None:
     r = requests.post(svc.url + "/v1/lookup", data="{nope", timeout=5,
                       headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    deep = b"[" * 100_000 + b"]" * 100_000  # past the parser's recursion limit
+    r = requests.post(svc.url + "/v1/lookup", data=deep, timeout=5,
+                      headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = requests.get(svc.url + "/v1/nothing", timeout=5)
     assert r.status_code == 404 and "error" in r.json()
     r = requests.get(svc.url + "/v1/lookup", timeout=5)
