@@ -9,7 +9,7 @@ import math
 import zlib
 from pathlib import Path
 
-from support.stack import lua_eval
+from support.stack import lua_eval, lua_node_helpers
 
 from controlplane.edge.options import lua_string, option_spec
 
@@ -27,16 +27,7 @@ PRELUDE = """
             local balancer = require("infergate.routing.balancer")
             local affinity = require("infergate.routing.affinity")
             local o = config.get()
-            local function node(name, extra)
-                local n = {name = name, addr = "127.0.0.1", host = "127.0.0.1", port = 1,
-                           state = "active", healthy = true, weight = 1, effective_weight = 1,
-                           max_concurrency = 10, score = 0, saturated = false}
-                for k, v in pairs(extra or {}) do n[k] = v end
-                return n
-            end
-            local function tbl(nodes)
-                return {source = "redis", generated_at = ngx.now(), nodes = nodes}
-            end
+""" + lua_node_helpers(max_concurrency=10, score=0) + """
             local function msgs(...)
                 local out = {}
                 for i, pair in ipairs({...}) do

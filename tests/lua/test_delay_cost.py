@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from support.stack import lua_eval
+from support.stack import lua_eval, lua_node_helpers
 
 from controlplane.edge.options import lua_string, option_spec
 
@@ -28,16 +28,7 @@ def run(workdir: Path, body: str, node_cost: str = "expected_delay"):
             local speed = require("infergate.routing.speed")
             local balancer = require("infergate.routing.balancer")
             local outlier = require("infergate.routing.outlier")
-            local function node(name, extra)
-                local n = {name = name, addr = "127.0.0.1", host = "127.0.0.1", port = 1,
-                           state = "active", healthy = true, weight = 1, effective_weight = 1,
-                           max_concurrency = 8, score = 0.1, saturated = false}
-                for k, v in pairs(extra or {}) do n[k] = v end
-                return n
-            end
-            local function tbl(nodes)
-                return {source = "redis", generated_at = ngx.now(), nodes = nodes}
-            end
+""" + lua_node_helpers(max_concurrency=8, score=0.1) + """
             -- one successful attempt of `lat` s that started with k in flight on `name`
             local function answered(name, k, lat)
                 speed.observe({node = name, k = k}, lat * 1000)

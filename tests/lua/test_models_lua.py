@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from support.stack import lua_eval
+from support.stack import lua_eval, lua_node_helpers
 
 from controlplane.edge.options import lua_string, option_spec
 
@@ -22,16 +22,12 @@ PRELUDE = """
             local balancer = require("infergate.routing.balancer")
             local shed = require("infergate.admission.shed")
             local stats = require("infergate.routing.stats")
+""" + lua_node_helpers(max_concurrency=2) + """
+            local plain_node = node
             local function node(name, served, extra)
-                local n = {name = name, addr = "127.0.0.1", host = "127.0.0.1", port = 1,
-                           state = "active", healthy = true, weight = 1, effective_weight = 1,
-                           max_concurrency = 2, score = 0, saturated = false,
-                           models = snapshot.model_set(served)}
+                local n = plain_node(name, {models = snapshot.model_set(served)})
                 for k, v in pairs(extra or {}) do n[k] = v end
                 return n
-            end
-            local function tbl(nodes)
-                return {source = "redis", generated_at = ngx.now(), nodes = nodes}
             end
             local function picks(t, model, rounds)
                 local seen = {}

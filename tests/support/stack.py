@@ -112,6 +112,25 @@ class LuaError(AssertionError):
     """Lua code run by :func:`lua_eval` raised an error."""
 
 
+def lua_node_helpers(max_concurrency: int = 10, score: float = 0) -> str:
+    """Lua for the start of a :func:`lua_eval` body: ``node(name, extra)``, a routing
+    snapshot node (active, healthy, weight 1, the given ``max_concurrency`` and
+    ``score``, fields of ``extra`` on top), and ``tbl(nodes)``, a fresh snapshot of them."""
+    return f"""
+            local function node(name, extra)
+                local n = {{name = name, addr = "127.0.0.1", host = "127.0.0.1", port = 1,
+                           state = "active", healthy = true, weight = 1, effective_weight = 1,
+                           max_concurrency = {max_concurrency}, score = {score},
+                           saturated = false}}
+                for k, v in pairs(extra or {{}}) do n[k] = v end
+                return n
+            end
+            local function tbl(nodes)
+                return {{source = "redis", generated_at = ngx.now(), nodes = nodes}}
+            end
+"""
+
+
 def lua_eval(workdir: Path, code: str, *, http_extra: str = "", timeout: float = 15.0) -> Any:
     """Run ``code`` (a Lua function body ending in ``return value``) inside nginx's
     ``init_by_lua`` with the infergate Lua path, and return the value decoded from
