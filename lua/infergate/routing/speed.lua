@@ -162,14 +162,15 @@ end
 
 -- The service time (s) expected_s uses: service_s aged by the time since the node's last
 -- answer (see the top of this file), or nil before its first WARMUP unqueued answers.
-function _M.aged_service_s(name, now)
+-- `inflight`: this edge's requests in flight on the node, when the caller has it.
+function _M.aged_service_s(name, now, inflight)
     local s = _M.service_s(name)
     if not s then
         return nil
     end
     local at = dict():get("sa:" .. name)
     local idle = at and (now or ngx.now()) - at - _M.STALE_S
-    if idle and idle > 0 and stats.inflight(name) == 0 then
+    if idle and idle > 0 and (inflight or stats.inflight(name)) == 0 then
         return s * 0.5 ^ (idle / _M.HALF_LIFE_S)
     end
     return s
@@ -178,12 +179,13 @@ end
 -- Predicted completion (s) of one more request on `node` (see the top of this file), or
 -- nil while the node has no service time.
 function _M.expected_s(node)
-    local s = _M.aged_service_s(node.name)
+    local n = stats.inflight(node.name)
+    local s = _M.aged_service_s(node.name, nil, n)
     if not s then
         return nil
     end
     local b = _M.batch(node)
-    local ahead = stats.inflight(node.name) + 1 - b
+    local ahead = n + 1 - b
     if ahead > 0 then
         return s * (1 + ahead / b)
     end
