@@ -11,6 +11,7 @@ definitions: bench/README.md, bench/scheduler/workload.py and stats.py.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 import time
@@ -82,10 +83,13 @@ def _names(value: str, allowed: tuple[str, ...], what: str) -> list[str]:
               "shedding [default: twice the batch size].")
 @click.option("--seed", type=int, default=7, show_default=True, help="Seed of the load.")
 @click.option("--keep", is_flag=True, help="Keep the scratch folder (configs, logs).")
+@click.option("--per-request", is_flag=True, help="Also write requests-<run>.jsonl per run "
+              "in --out: one line per request (arrival s, output tokens, outcome, status, "
+              "e2e and TTFT s, node), to see which requests failed and where.")
 def main(quick: bool, prompts_path: str | None, out_dir: str, time_scale: float | None,
          window_sim_s: float | None, loads: str | None, fault_load: float,
          scenarios: str | None, strategies: str, max_concurrency: int | None, seed: int,
-         keep: bool) -> None:
+         keep: bool, per_request: bool) -> None:
     """Benchmark the infergate balancer against nginx round-robin and least_conn."""
     ts = time_scale or (0.1 if quick else 0.2)
     window = window_sim_s or (30.0 if quick else 120.0)
@@ -185,6 +189,9 @@ def main(quick: bool, prompts_path: str | None, out_dir: str, time_scale: float 
                                      states=run.states, max_running=spec.max_running,
                                      faulty=faulty))
                 rec["edge_errors"] = edge.error_lines(3)
+                if per_request:
+                    write_requests(out / f"requests-{i:02d}-{scenario}-{frac:g}-{strategy}.jsonl",
+                                   wl, run.results)
                 records.append(rec)
                 log(f"[{i}/{len(plan)}] {scenario} {frac * 100:.0f}% {strategy}: "
                     f"{rec['requests']} req, p50 {rec['p50_s']} s, p99 {rec['p99_s']} s, "
@@ -212,6 +219,22 @@ def main(quick: bool, prompts_path: str | None, out_dir: str, time_scale: float 
     print(f"\npool capacity {cap_wall:.2f} req/s wall ({cap_sim:.3f}/s simulated); deadline "
           f"{deadline:g} s wall ({DEADLINE_SIM_S:g} s simulated); {meta['elapsed_s']} s elapsed")
     print(f"wrote {out / 'scheduler.json'}, {out / 'scheduler.meta.json'}, {png}")
+
+
+def write_requests(path: Path, wl, results) -> None:
+    """One JSON object per line for each request of a run: idx, at_s (planned arrival,
+    wall s from the run start), output_tokens, outcome ("ok" | "timeout" | "error"),
+    status, e2e_s, ttft_s (wall s), node."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    by_idx = {r.idx: r for r in wl.requests}
+    with path.open("w") as fh:
+        for res in results:
+            req = by_idx.get(res.idx)
+            fh.write(json.dumps({
+                "idx": res.idx, "at_s": req and round(req.at_s, 4),
+                "output_tokens": req and req.output_tokens, "outcome": res.outcome,
+                "status": res.status, "e2e_s": res.e2e_s, "ttft_s": res.ttft_s,
+                "node": res.node}) + "\n")
 
 
 if __name__ == "__main__":

@@ -53,3 +53,21 @@ def test_models_alternate_and_the_load_splits_over_edges() -> None:
     assert got["model-a"] == {"requests": 2, "ok": 1, "timeouts": 1, "errors": 0,
                               "not_found": 0, "goodput_rps": 0.5}
     assert got["model-b"]["not_found"] == 1 and got["model-b"]["errors"] == 1
+
+
+def test_per_request_lines_name_what_happened_to_each_request(tmp_path) -> None:
+    import json
+
+    from bench.scheduler.__main__ import write_requests
+    from bench.scheduler.workload import Request, Workload
+
+    wl = Workload([Request(0, 0.1, "a", 12), Request(1, 0.5, "b", 64)], rate_rps=2.0,
+                  duration_s=1.0, seed=1)
+    results = [Result(0, "ok", status=200, e2e_s=0.8, ttft_s=0.2, node="fast-1"),
+               Result(1, "timeout", status=200, ttft_s=4.5, node="slow-2")]
+    path = tmp_path / "r.jsonl"
+    write_requests(path, wl, results)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows[1] == {"idx": 1, "at_s": 0.5, "output_tokens": 64, "outcome": "timeout",
+                       "status": 200, "e2e_s": None, "ttft_s": 4.5, "node": "slow-2"}
+    assert rows[0]["node"] == "fast-1" and rows[0]["e2e_s"] == 0.8
