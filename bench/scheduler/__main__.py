@@ -25,11 +25,12 @@ from controlplane import procs
 from ..common import (RESULTS_DIR, BenchError, Stack, load_prompts, log, machine_info,
                       sigterm_as_interrupt, write_json)
 from . import report
-from .loadgen import run_load
+from .loadgen import Result, run_load
 from .stack import (STRATEGIES, EdgeRun, clear_faults, pool_idle, snapshot_all_healthy,
                     start_infergate_base, start_pool)
 from .stats import summarise
-from .workload import LengthDist, PoolSpec, RequestMix, pool_capacity_rps, spec_dict
+from .workload import (LengthDist, PoolSpec, RequestMix, Workload, pool_capacity_rps,
+                       spec_dict)
 
 #: Client deadline in simulated seconds (the wall deadline is this x time scale).
 DEADLINE_SIM_S = 30.0
@@ -221,7 +222,7 @@ def main(quick: bool, prompts_path: str | None, out_dir: str, time_scale: float 
     print(f"wrote {out / 'scheduler.json'}, {out / 'scheduler.meta.json'}, {png}")
 
 
-def write_requests(path: Path, wl, results) -> None:
+def write_requests(path: Path, wl: Workload, results: list[Result]) -> None:
     """One JSON object per line for each request of a run: idx, at_s (planned arrival,
     wall s from the run start), output_tokens, outcome ("ok" | "timeout" | "error"),
     status, e2e_s, ttft_s (wall s), node."""
