@@ -49,14 +49,14 @@ def run(workdir: Path, body: str, node_cost: str = "expected_delay"):
     return lua_eval(workdir, prelude + body, http_extra=DICTS)
 
 
-def test_service_time_counts_only_unqueued_answers(workdir: Path) -> None:
+def test_service_time_takes_the_queueing_out_of_queued_answers(workdir: Path) -> None:
     got = run(workdir, """
             local out = {}
-            answered("a", 1, 2.0)                 -- lc 1; one answer: still warming up
+            answered("a", 1, 2.0)                 -- one answer: still warming up
             out.one = speed.service_s("a")
-            answered("a", 5, 10.0)                -- five in flight on a one-at-a-time node
-            answered("a", 1, 3.0)
-            answered("a", 1, 1.0)                 -- third unqueued answer: the median
+            answered("a", 5, 10.0)                -- five in flight: 5 x 2 s, one at a time
+            out.lc = speed.learned("a")
+            answered("a", 1, 1.0)                 -- third answer: the median
             out.warm = speed.service_s("a")
             answered("a", 1, 3.0)
             out.ewma = speed.service_s("a")
@@ -66,7 +66,8 @@ def test_service_time_counts_only_unqueued_answers(workdir: Path) -> None:
             return out
     """)
     assert got.get("one") is None
-    assert got["warm"] == pytest.approx(2.0)           # of 2, 3, 1: the queued one did not count
+    assert got["lc"] == 1
+    assert got["warm"] == pytest.approx(2.0)           # of 2, 10 / 5, 1
     assert got["ewma"] == pytest.approx(2.0 + 0.1 * (3.0 - 2.0))
     assert got["clipped"] == pytest.approx(2.1 + 0.1 * (4 * 2.1 - 2.1))
     assert got.get("none") is None

@@ -188,3 +188,31 @@ def test_learned_concurrency_from_queueing(workdir: Path) -> None:
     assert got["c_scored"] == 64 and got["c_new"] == 64
     assert got["c_capped"] == 3
     assert got["no_k"] is True
+
+
+def test_learned_concurrency_is_not_fooled_by_answer_lengths(workdir: Path) -> None:
+    # Answers of 2 to 64 tokens on nodes that run 4 (or 1) at once: the k-th in flight
+    # takes its own length times max(1, k / c); a node batching 4 also slows each step
+    # by 4 % per sequence. The learned concurrency must find c, not a value pulled down
+    # by the shortest answer seen.
+    got = run(workdir, """
+            local speed = require("infergate.routing.speed")
+            speed.FIT_INTERVAL_S = 0
+            local lengths = {2, 64, 8, 30, 4, 16, 50, 3, 12, 24}
+            local function serve(name, c, slowdown)
+                for round = 1, #lengths do         -- every level sees every length
+                    for k = 1, 2 * c + 2 do
+                        local len = lengths[(round + k) % #lengths + 1]
+                        local step = 0.05 * (1 + slowdown * (math.min(k, c) - 1))
+                        local lat = len * step * math.max(1, k / c)
+                        speed.observe({node = name, k = k}, lat * 1000)
+                    end
+                end
+                return speed.learned(name)
+            end
+            return {four = serve("four", 4, 0.04), one = serve("one", 1, 0),
+                    eight = serve("eight", 8, 0.02)}
+    """)
+    assert got["four"] == 4 and got["one"] == 1
+    # 8 at once, each step 14 % slower than alone: the 8th looks like 8/7 of a queue
+    assert got["eight"] in (7, 8)

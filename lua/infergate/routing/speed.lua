@@ -3,14 +3,22 @@
 -- a time, such as llama-cpp-python) cannot herd requests onto one node.
 --
 -- Every successful attempt (2xx, with its upstream response time L, s) started with k
--- requests of this edge in flight on the node, itself included. With s_min the node's
--- shortest recent latency (the time of a request that did not queue), a node that runs
--- c requests at once answers the k-th in about ceil(k / c) x s_min, so
---     sample = clamp(k x s_min / L, 1, max_concurrency)
--- is an estimate of c (at k <= c it is k: a lower bound that rises with the load). The
--- learned concurrency is the EWMA (ALPHA) of the samples. s_min is the smallest L seen,
--- drifting up by MIN_DRIFT of the gap with every later sample taken alone on the node
--- (k = 1, no queueing in it), so a node that became slower for good is followed.
+-- requests of this edge in flight on the node, itself included. Answers are kept per
+-- level k (1..LEVELS_MAX): the mean of log L at that level (a running mean of its first
+-- 1 / LEVEL_ALPHA answers, then an EWMA of LEVEL_ALPHA) and how many it has seen. A
+-- node that runs c requests at once answers the k-th in about S x max(1, k / c) (S its
+-- unqueued service time: beyond c a request waits for a slot, and slots free up c per
+-- S), so the learned concurrency is the c in 1..(highest level seen) that fits the
+-- level means best in log space (least squares, each level weighted by its answers up to
+-- 1 / LEVEL_ALPHA, log S fitted with it; ties: the larger c, so levels that show no
+-- queueing give the highest of them, a lower bound that rises with the load). Comparing
+-- levels rather than single answers with the shortest one seen keeps the estimate
+-- unbiased when answer lengths vary (2 to 250 tokens): the length of an answer does not
+-- depend on its level, so it averages out of every level alike. Each worker refits a
+-- node at most every FIT_INTERVAL_S (s), and at once when a level is seen for the first
+-- time, and stores the result for all workers.
+-- s_min (the smallest L seen, drifting up by MIN_DRIFT of the gap with every later answer
+-- taken alone on the node, k = 1) is the fallback latency of predicted() below.
 --
 -- concurrency(node, has_score): the denominator of the balancer's in-flight term. Nodes
 -- with a fresh score (the control plane reads their queue and KV cache) keep
@@ -18,13 +26,14 @@
 -- learned, so the estimate can grow when the node is faster than thought -- and
 -- max_concurrency before their first sample.
 --
--- Service time: the EWMA (SERVICE_ALPHA) of L over the successful attempts that started
--- with no more of this edge's requests in flight on the node than it runs at once
--- (k <= the learned concurrency, rounded): what one request takes there when it does
--- not queue behind this edge's others, batching with them included. It starts as the
--- median of the first WARMUP such answers (and is not used before them), and a later
--- answer counts as at most CLIP times the estimate, so one long answer (a 250-token
--- stream among short questions) cannot make a node look slow for minutes.
+-- Service time: what one request takes on the node when it does not queue behind this
+-- edge's others (batching with them included): the EWMA (SERVICE_ALPHA) over the
+-- successful attempts of L x min(1, B / k), B the learned concurrency -- an answer that
+-- started with no more in flight than the node runs at once counts as it is, a later
+-- one with its predicted queueing taken out, so the estimate warms up under any load.
+-- It starts as the median of the first WARMUP answers (and is not used before them),
+-- and a later answer counts as at most CLIP times the estimate, so one long answer (a
+-- 250-token stream among short questions) cannot make a node look slow for minutes.
 --
 -- expected_s(node): the balancer's cost under edge.node_cost = "expected_delay", the
 -- predicted completion time (s) of one more request on the node,
@@ -46,7 +55,9 @@
 -- per probe, a few per minute at a low load.
 --
 -- Shared dict infergate_stats: "sm:<node>" s_min (s), "lc:<node>" learned concurrency,
--- "sv:<node>" service time (s), "sn:<node>" unqueued answers counted (up to WARMUP),
+-- "ly:<node>:<k>" mean log L (L in s) at level k, "ln:<node>:<k>" its answers (up to
+-- 1 / LEVEL_ALPHA), "lm:<node>" highest level seen,
+-- "sv:<node>" service time (s), "sn:<node>" answers counted (up to WARMUP),
 -- "s1:<node>", "s2:<node>" the first of them (s), "sa:<node>" time of the last answer
 -- (ngx.now(), s).
 -- No I/O: safe in the balancer and log phases.
@@ -58,17 +69,60 @@ local _M = {}
 
 local shared = ngx.shared
 local floor = math.floor
+local log = math.log
 
-_M.ALPHA = 0.2
 _M.MIN_DRIFT = 0.02
+_M.LEVEL_ALPHA = 0.05
+_M.LEVELS_MAX = 128
+_M.FIT_INTERVAL_S = 0.2
 _M.SERVICE_ALPHA = 0.1
 _M.WARMUP = 3
 _M.CLIP = 4
 _M.STALE_S = 5
 _M.HALF_LIFE_S = 5
 
+local last_fit = {}     -- worker-local: node -> ngx.now() of this worker's last fit
+
 local function dict()
     return shared[config.DICT_STATS]
+end
+
+-- The c of the top of this file from the level means of node `name` (levels 1..kmax);
+-- nil when no level has an answer.
+local function fit(d, name, kmax)
+    local ks, ys, ws, m = {}, {}, {}, 0
+    local wmax = 1 / _M.LEVEL_ALPHA
+    for k = 1, kmax do
+        local n = d:get("ln:" .. name .. ":" .. k)
+        local y = n and d:get("ly:" .. name .. ":" .. k)
+        if y then
+            m = m + 1
+            ks[m], ys[m], ws[m] = k, y, (n < wmax and n or wmax)
+        end
+    end
+    if m == 0 then
+        return nil
+    end
+    local best_c, best_err
+    for c = 1, ks[m] do
+        local sw, sy = 0, 0
+        for i = 1, m do
+            local k = ks[i]
+            sw = sw + ws[i]
+            sy = sy + ws[i] * (ys[i] - (k > c and log(k / c) or 0))
+        end
+        local ls = sy / sw
+        local err = 0
+        for i = 1, m do
+            local k = ks[i]
+            local r = ys[i] - (k > c and log(k / c) or 0) - ls
+            err = err + ws[i] * r * r
+        end
+        if not best_err or err <= best_err + 1e-12 then
+            best_c, best_err = c, err
+        end
+    end
+    return best_c
 end
 
 -- Balancer phase, after stats.open_attempt: in-flight on the node, this one included.
@@ -83,11 +137,12 @@ function _M.observe(att, latency_ms)
         return
     end
     local node = snapshot.current().by_name[att.node]
-    local max_concurrency = node and node.max_concurrency
+    local maxc = node and node.max_concurrency or 64
     local d = dict()
     local name = att.node
     local lat = latency_ms / 1000
-    d:set("sa:" .. name, ngx.now())
+    local now = ngx.now()
+    d:set("sa:" .. name, now)
     local smin = d:get("sm:" .. name)
     if not smin or lat < smin then
         smin = lat
@@ -95,36 +150,55 @@ function _M.observe(att, latency_ms)
         smin = smin + _M.MIN_DRIFT * (lat - smin)  -- alone on the node: no queueing in lat
     end
     d:set("sm:" .. name, smin)
-    local sample = att.k * smin / lat
-    if sample < 1 then
-        sample = 1
+
+    local k = att.k
+    if k > _M.LEVELS_MAX then
+        k = _M.LEVELS_MAX
     end
-    local maxc = max_concurrency or 64
-    if sample > maxc then
-        sample = maxc
+    local lk = name .. ":" .. k
+    local n = (d:get("ln:" .. lk) or 0) + 1
+    local y = d:get("ly:" .. lk)
+    local alpha = 1 / n
+    if alpha < _M.LEVEL_ALPHA then
+        alpha = _M.LEVEL_ALPHA
     end
-    local old = d:get("lc:" .. name)
-    local lc = old and (old + _M.ALPHA * (sample - old)) or sample
-    d:set("lc:" .. name, lc)
-    if att.k <= _M.round_concurrency(lc) then
-        local n = d:get("sn:" .. name) or 0
-        if n >= _M.WARMUP then
-            local sv = d:get("sv:" .. name) or lat
-            local cap = _M.CLIP * sv
-            d:set("sv:" .. name, sv + _M.SERVICE_ALPHA * ((lat < cap and lat or cap) - sv))
-        elseif n == _M.WARMUP - 1 then
-            -- the estimate starts at the median of the first WARMUP answers
-            local first = {lat}
-            for i = 1, _M.WARMUP - 1 do
-                first[#first + 1] = d:get("s" .. i .. ":" .. name) or lat
-            end
-            table.sort(first)
-            d:set("sv:" .. name, first[floor(#first / 2) + 1])
-            d:set("sn:" .. name, n + 1)
-        else
-            d:set("s" .. (n + 1) .. ":" .. name, lat)
-            d:set("sn:" .. name, n + 1)
+    d:set("ly:" .. lk, y and (y + alpha * (log(lat) - y)) or log(lat))
+    d:set("ln:" .. lk, n < 1 / _M.LEVEL_ALPHA and n or 1 / _M.LEVEL_ALPHA)
+    local kmax = d:get("lm:" .. name) or 0
+    local lc = d:get("lc:" .. name)
+    if k > kmax then
+        kmax = k
+        d:set("lm:" .. name, kmax)
+        lc = nil                                      -- a new level: refit now
+    end
+    if not lc or now - (last_fit[name] or 0) >= _M.FIT_INTERVAL_S then
+        last_fit[name] = now
+        lc = fit(d, name, kmax)
+        if lc > maxc then
+            lc = maxc
         end
+        d:set("lc:" .. name, lc)
+    end
+
+    local b = _M.round_concurrency(lc)
+    local one = att.k > b and lat * b / att.k or lat   -- its predicted queueing taken out
+    local sn = d:get("sn:" .. name) or 0
+    if sn >= _M.WARMUP then
+        local sv = d:get("sv:" .. name) or one
+        local cap = _M.CLIP * sv
+        d:set("sv:" .. name, sv + _M.SERVICE_ALPHA * ((one < cap and one or cap) - sv))
+    elseif sn == _M.WARMUP - 1 then
+        -- the estimate starts at the median of the first WARMUP answers
+        local first = {one}
+        for i = 1, _M.WARMUP - 1 do
+            first[#first + 1] = d:get("s" .. i .. ":" .. name) or one
+        end
+        table.sort(first)
+        d:set("sv:" .. name, first[floor(#first / 2) + 1])
+        d:set("sn:" .. name, sn + 1)
+    else
+        d:set("s" .. (sn + 1) .. ":" .. name, one)
+        d:set("sn:" .. name, sn + 1)
     end
 end
 
