@@ -29,7 +29,7 @@ from typing import Any
 import click
 
 from controlplane.admin import apikeys, ops
-from controlplane.cli.common import Ctx, actor, run_or_exit, table
+from controlplane.cli.common import ConnectedGroup, Ctx, actor, run_or_exit, table
 
 
 def _run(ctx: Ctx, fn: Callable[[], Any]) -> Any:
@@ -46,7 +46,7 @@ def _limit(v: int | None) -> str:
     return "-" if v is None else str(v)
 
 
-@click.group("keys")
+@click.group("keys", cls=ConnectedGroup)
 @click.option("--config", "config", type=click.Path(dir_okay=False), default=None,
               help="infergate TOML file (default: built-in defaults).")
 @click.option("--redis-url", default=None, help="Redis URL; overrides the config file.")

@@ -26,6 +26,7 @@ import click
 from controlplane.admin import ops
 from controlplane.cache import store as cache_store
 from controlplane.cli.nodes import Ctx, actor, run, table
+from controlplane.cli.common import ConnectedGroup
 
 
 def _rate(x: float | None) -> str:
@@ -36,7 +37,7 @@ def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / 1048576:.2f} MiB"
 
 
-@click.group("cache")
+@click.group("cache", cls=ConnectedGroup)
 @click.option("--config", "config", type=click.Path(dir_okay=False), default=None,
               help="infergate TOML file (default: built-in defaults).")
 @click.option("--redis-url", default=None, help="Redis URL; overrides the config file.")

@@ -52,6 +52,35 @@ class Ctx:
         return self.settings.controlplane.events_max
 
 
+def _late_option(field: str):
+    """Callback of a subcommand's ``--config`` / ``--redis-url``: sets that field of the
+    group's :class:`Ctx` (built lazily, so it is not used before this)."""
+    def set_field(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
+        if value is not None and isinstance(ctx.obj, Ctx):
+            setattr(ctx.obj, field, value)
+    return set_field
+
+
+class ConnectedGroup(click.Group):
+    """A command group whose ``--config`` and ``--redis-url`` (options of the group,
+    stored in a :class:`Ctx`) are also accepted after the subcommand:
+    ``infergate nodes list --config F`` as well as ``infergate nodes --config F list``."""
+
+    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
+        known = {o for p in cmd.params for o in getattr(p, "opts", [])}
+        if "--config" not in known:
+            cmd.params.append(click.Option(
+                ["--config", "late_config"], type=click.Path(dir_okay=False), default=None,
+                expose_value=False, callback=_late_option("config"),
+                help="infergate TOML file (as the group's --config)."))
+        if "--redis-url" not in known:
+            cmd.params.append(click.Option(
+                ["--redis-url", "late_redis_url"], default=None, expose_value=False,
+                callback=_late_option("redis_url"),
+                help="Redis URL; overrides the config file (as the group's --redis-url)."))
+        super().add_command(cmd, name)
+
+
 def actor() -> str:
     """``cli:<login name>`` (``cli:unknown`` when the user cannot be determined). A name
     that is not UTF-8 (``LOGNAME`` of other bytes, which Python holds as surrogates) or

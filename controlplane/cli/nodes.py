@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from controlplane.routing import registry
-from controlplane.cli.common import Ctx, actor, run_or_exit, table
+from controlplane.cli.common import ConnectedGroup, Ctx, actor, run_or_exit, table
 from controlplane.admin import ops
 from controlplane.admin.nodeview import build_views
 
@@ -30,7 +30,7 @@ def _f(x: float | None, fmt: str = "{:g}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
-@click.group("nodes")
+@click.group("nodes", cls=ConnectedGroup)
 @click.option("--config", "config", type=click.Path(dir_okay=False), default=None,
               help="infergate TOML file (default: built-in defaults).")
 @click.option("--redis-url", default=None, help="Redis URL; overrides the config file.")

@@ -137,3 +137,23 @@ def test_config_file(tmp_path, redis_server, r):
     bad.write_text("[redis\n")
     res = CliRunner().invoke(main, ["nodes", "--config", str(bad), "list"])
     assert res.exit_code == 1 and "not valid TOML" in res.output
+
+
+def test_connection_options_also_follow_the_subcommand(redis_server, tmp_path):
+    runner = CliRunner()
+    r = redis_server.client()
+    res = runner.invoke(main, ["nodes", "add", "late", "http://127.0.0.1:9001",
+                               "--redis-url", redis_server.url])
+    assert res.exit_code == 0, res.output
+    assert registry.get_node(r, "late") is not None
+    cfg = tmp_path / "infergate.toml"
+    cfg.write_text(f'[redis]\nurl = "{redis_server.url}"\n')
+    for args in (["nodes", "list", "--config", str(cfg)], ["keys", "list", "--config", str(cfg)],
+                 ["cache", "stats", "--config", str(cfg)]):
+        res = runner.invoke(main, args)
+        assert res.exit_code == 0, (args, res.output)
+    assert "late" in runner.invoke(main, ["nodes", "list", "--config", str(cfg)]).output
+    # the subcommand's value wins over the group's
+    res = runner.invoke(main, ["nodes", "--redis-url", "redis://127.0.0.1:1/0", "list",
+                               "--redis-url", redis_server.url])
+    assert res.exit_code == 0 and "late" in res.output

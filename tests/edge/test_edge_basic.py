@@ -122,7 +122,10 @@ def test_bad_json_gets_400_without_touching_nodes(two_nodes) -> None:
 def test_unknown_paths_and_methods(two_nodes) -> None:
     edge, ups = two_nodes
     for path in ("/", "/nope", "/v1/nope", "/v1/chat/completions/", "/v2/chat/completions"):
-        _assert_openai_error(requests.get(f"{edge.url}{path}", timeout=10), 404, code="not_found")
+        res = requests.get(f"{edge.url}{path}", timeout=10)
+        _assert_openai_error(res, 404, code="not_found")
+        # the /v1 API paths carry the request id, even where nginx answers alone
+        assert ("X-Request-Id" in res.headers) == path.startswith("/v1/"), (path, res.headers)
     res = requests.get(f"{edge.url}/v1/chat/completions", timeout=10)
     _assert_openai_error(res, 405, code="method_not_allowed")
     assert res.headers["Allow"] == "POST"
@@ -141,6 +144,7 @@ def test_body_over_the_limit_gets_413(two_nodes) -> None:
                         headers={"Content-Type": "application/json"}, timeout=10)
     err = _assert_openai_error(res, 413, code="request_too_large")
     assert "4k" in err["message"]
+    assert len(res.headers["X-Request-Id"]) == 32
 
     def chunked():
         yield big[:3000]

@@ -85,7 +85,17 @@ end
 -- Content of the error_page locations: the status nginx was about to send.
 -- 502 and 504 answers name the node of the last try (the one that failed or timed out)
 -- in X-Infergate-Node; 503 answers carry Retry-After (admission.retry_after_s).
+-- Answers on the /v1 API paths carry X-Request-Id, also those nginx gives before the
+-- request context exists (a 413 body, an unknown path under /v1/).
+local function request_id()
+    local uri = ngx.var.request_uri
+    if uri and uri:sub(1, 4) == "/v1/" and not ngx.header["X-Request-Id"] then
+        ngx.header["X-Request-Id"] = ngx.var.request_id
+    end
+end
+
 function _M.page(status)
+    request_id()
     -- a try refused or timed out at the request's deadline: 504 deadline_exceeded
     local dstatus, dtype, dcode, dmessage = deadline.error_page(status)
     if dstatus then
