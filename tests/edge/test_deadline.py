@@ -152,3 +152,36 @@ def test_client_disconnect_before_the_answer_cancels_the_node(redis_server, simn
     assert node.state()["completed_total"] == 0
     edge.wait_idle(timeout=5)
     assert " 499 " in edge.access_log()
+
+
+def test_a_connect_timeout_is_the_nodes_fault_not_the_deadlines(redis_server, edge_factory) -> None:
+    # A node whose accept queue is full: the kernel drops the edge's SYNs, so connecting
+    # times out (connect_timeout_ms) long before the deadline, which bounds the read.
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(0)
+    fillers = []
+    try:
+        for _ in range(4):
+            c = socket.socket()
+            c.setblocking(False)
+            c.connect_ex(lsock.getsockname())
+            fillers.append(c)
+        port = lsock.getsockname()[1]
+        s = edge_settings(redis_server.url, [{"name": "deaf", "url": f"http://127.0.0.1:{port}"}],
+                          connect_timeout_ms=300, read_timeout_ms=60000)
+        s.deadlines.request_ms = 20000
+        edge = edge_factory(s)
+        started = time.monotonic()
+        res = requests.post(f"{edge.url}/v1/chat/completions", json=chat(5), timeout=15)
+        elapsed = time.monotonic() - started
+        assert res.status_code == 504, res.text
+        assert res.json()["error"]["code"] == "upstream_timeout"
+        assert elapsed < 5, elapsed
+        st = edge.node_status("deaf")
+        assert st["failures"] >= 1 and st["consecutive_failures"] >= 1, st
+        assert edge.status()["admission"]["deadline_exceeded"] == 0
+    finally:
+        for c in fillers:
+            c.close()
+        lsock.close()

@@ -102,16 +102,28 @@ function _M.before_try(req, o, now)
     return true
 end
 
+-- How early (s) before the deadline a timeout still counts as the deadline's: nginx
+-- takes whole milliseconds, and the time cached for the request may be a little old.
+local DEADLINE_SLACK_S = 0.02
+
+-- True when the deadline has passed (within DEADLINE_SLACK_S), on a fresh clock.
+local function passed(d)
+    ngx.update_time()
+    return ngx.now() >= d.at - DEADLINE_SLACK_S
+end
+
 -- True when a timeout of the request's current try belongs to the deadline, not the
--- node: the deadline bound the try's read timeout, or it has passed. Such a timeout is
--- never counted against the node (infergate.routing.balancer, infergate.log): a node
--- generating a long answer is working, not failing.
-function _M.expired_try(req, now)
+-- node: it fired when the deadline had passed (a read the deadline cut short). Such a
+-- timeout is never counted against the node (infergate.routing.balancer,
+-- infergate.log): a node generating a long answer is working, not failing. A timeout
+-- that fired before (connecting to a node that does not accept, a node silent past
+-- edge.read_timeout_ms) is the node's, even when the deadline bound the try's read.
+function _M.expired_try(req)
     local d = req.deadline
     if not d or not d.at then
         return false
     end
-    return req.deadline_bound == true or (now or ngx.now()) >= d.at - 0.005
+    return passed(d)
 end
 
 -- Balancer: end the request because its deadline passed (answered by error_page()).
@@ -134,9 +146,8 @@ function _M.error_page(status)
         return nil
     end
     local reason = ngx.var.infergate_reason
-    local passed = ngx.now() >= req.deadline.at - 0.005
     if (status == 500 and reason == "deadline_exceeded")
-        or (status == 504 and (req.deadline_bound or passed)) then
+        or (status == 504 and passed(req.deadline)) then
         astats.incr("deadline_exceeded")
         return 504, "timeout", "deadline_exceeded",
             "The request did not finish within its deadline of " .. req.deadline.request_ms .. " ms."

@@ -60,7 +60,7 @@
 --   500            held (infergate.routing.stats.hold): counted against the node only
 --                  if a later node answers the request (settled in infergate.log)
 --   429            busy (not a breaker failure)
---   504 at a deadline that bound the read (infergate.admission.deadline.expired_try):
+--   504 at the deadline, a read it cut short (infergate.admission.deadline.expired_try):
 --                  neutral, the deadline's fault
 --   anything else  failure of the node (connect error, reset, timeout before the first
 --                  byte, 502/503/504)
@@ -379,7 +379,7 @@ function _M.run()
                 stats.hold(prev, 500)
             elseif status == 429 then
                 stats.close_attempt(prev, "busy", now)
-            elseif status == 504 and deadline.expired_try(req, now) then
+            elseif status == 504 and deadline.expired_try(req) then
                 stats.close_attempt(prev, "neutral", now)
             else
                 stats.close_attempt(prev, "fail", now)
