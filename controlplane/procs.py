@@ -295,6 +295,8 @@ class _Watched:
     restarts: int = 0
     restart_at: float | None = None
     given_up: bool = False
+    keep_trying: bool = False
+    degraded: bool = False
 
 
 class Supervisor:
@@ -305,9 +307,10 @@ class Supervisor:
     a part with an :attr:`Managed.orphans_signal`, asked to finish what it serves: the
     workers of a killed nginx master complete their requests, see
     :meth:`Managed.release_group`). A part that fails ``max_failures`` times within
-    ``window_s`` is given up on: an ``optional`` one (the embedder) is left stopped,
-    for any other :meth:`tick` returns the message naming it, and the owner stops
-    everything. Never blocks: readiness is not waited for after a restart (a part that
+    ``window_s`` is given up on: an ``optional`` one (the embedder) is left stopped, one
+    watched with ``keep_trying`` is reported once and restarted on at the longest
+    back-off (the rest serves without it meanwhile), for any other :meth:`tick` returns
+    the message naming it, and the owner stops everything. Never blocks: readiness is not waited for after a restart (a part that
     cannot come up dies again and counts as a failure)."""
 
     def __init__(self, say: Callable[[str], None], policy: RestartPolicy | None = None,
@@ -317,11 +320,13 @@ class Supervisor:
         self.clock = clock
         self._parts: list[_Watched] = []
 
-    def watch(self, m: Managed, *, optional: bool = False,
+    def watch(self, m: Managed, *, optional: bool = False, keep_trying: bool = False,
               on_restart: Callable[[Managed], None] | None = None) -> Managed:
         """Supervise ``m`` (already started). ``on_restart(m)`` runs after each restart
-        (e.g. to report it); its exceptions are logged through ``say`` and ignored."""
-        self._parts.append(_Watched(m, optional, on_restart))
+        (e.g. to report it); its exceptions are logged through ``say`` and ignored.
+        ``optional``: left stopped once it keeps failing; ``keep_trying``: never given
+        up on (see the class)."""
+        self._parts.append(_Watched(m, optional, on_restart, keep_trying=keep_trying))
         return m
 
     def restarts(self, name: str) -> int:
@@ -362,7 +367,15 @@ class Supervisor:
                 continue
             rc = w.m.proc.returncode if w.m.proc is not None else None
             w.failures = [t for t in w.failures if now - t <= pol.window_s] + [now]
-            if len(w.failures) >= pol.max_failures:
+            if len(w.failures) < pol.max_failures:
+                w.degraded = False
+            elif w.keep_trying:
+                if not w.degraded:
+                    w.degraded = True
+                    self.say(f"{w.m.name} exited (code {rc}) {len(w.failures)} times within "
+                             f"{pol.window_s:.0f} s (log {w.m.log_path}); the rest runs on "
+                             f"without it, restarting it every {pol.max_s:.0f} s")
+            elif len(w.failures) >= pol.max_failures:
                 w.given_up = True
                 msg = (f"{w.m.name} exited (code {rc}) {len(w.failures)} times within "
                        f"{pol.window_s:.0f} s; see {w.m.log_path}. Last lines:\n{w.m.log_tail()}")
@@ -371,7 +384,7 @@ class Supervisor:
                              f"{pol.window_s:.0f} s (log {w.m.log_path}); the rest runs on")
                     continue
                 return msg
-            delay = pol.delay(len(w.failures))
+            delay = pol.max_s if w.degraded else pol.delay(len(w.failures))
             self.say(f"{w.m.name} exited (code {rc}, restarts so far {w.restarts}, log "
                      f"{w.m.log_path}); restarting in {delay:.1f} s")
             w.restart_at = now + delay

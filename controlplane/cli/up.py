@@ -491,8 +491,9 @@ def _supervise(stack: procs.ProcessSet, stop: threading.Event, owner_r: redis_li
     keep the stack-owner key alive. A part that dies is restarted with back-off
     (:class:`controlplane.procs.Supervisor`, one line per exit and per restart); the
     embedder is optional (the edge answers BYPASS while it is away, and when it keeps
-    failing it stays off). Returns ``""`` on a requested stop, else why everything must
-    stop: a required part keeps failing. When another stack takes the registry over
+    failing it stays off); nginx is required, and every other part that keeps failing is
+    restarted on every 10 s while the edge serves without it. Returns ``""`` on a
+    requested stop, else why everything must stop: nginx keeps failing. When another stack takes the registry over
     (``--take-over``) this one says so once and stops renewing the owner key, but keeps
     its parts running: its Redis may be the one the new owner uses. ``embedder``: the
     embedder is kept by it (:class:`EmbedderKeeper`: new port when its own is taken, edge
@@ -501,7 +502,10 @@ def _supervise(stack: procs.ProcessSet, stop: threading.Event, owner_r: redis_li
     for m in stack.items:
         if embedder is not None and m is embedder.m:
             continue
-        sup.watch(m, optional=m.name == "embedder")
+        # only the edge itself is required: it serves on its last snapshot without the
+        # control plane, without Redis (cache bypass) and without a node that is down
+        sup.watch(m, optional=m.name == "embedder",
+                  keep_trying=m.name not in ("embedder", "nginx"))
     next_refresh = 0.0
     owned = True
     while not stop.is_set():

@@ -1,6 +1,6 @@
 """`infergate up` stays up and stays alone: a part that dies is restarted (the edge keeps
-answering while the control plane restarts), a part that keeps dying stops the stack
-with a non-zero exit naming it, two stacks on one host never touch each other's Redis
+answering while the control plane restarts), nginx dying again and again stops the stack
+with a non-zero exit naming it while any other part is restarted on and the edge serves, two stacks on one host never touch each other's Redis
 or registry, and a stack refuses a registry another live stack owns."""
 
 from __future__ import annotations
@@ -215,6 +215,31 @@ def test_every_part_echoes_the_instance_id(workdir: Path, monkeypatch, r) -> Non
     assert res.get_json()["instance_id"] == "up-test-1234"
 
 
+def test_a_control_plane_that_keeps_dying_leaves_the_edge_serving(workdir: Path) -> None:
+    up = UpStack.start(workdir, NO_CACHE)
+    try:
+        _first_answer(up)
+        seen: set[int] = set()
+        deadline = time.monotonic() + 60
+        while "the rest runs on without it" not in up.text() and time.monotonic() < deadline:
+            pid = up.part_pid("controlplane --config")
+            if pid and pid not in seen:
+                seen.add(pid)
+                os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
+        text = up.text()
+        assert "controlplane exited (code -9) 5 times within 60 s" in text, text
+        assert up.proc.poll() is None, text
+        # the edge answers on its last snapshot, and the control plane comes back
+        assert up.post_chat("still served").status_code == 200
+        procs.wait_until(lambda: up.part_pid("controlplane --config") not in (None, *seen),
+                         timeout=30, what="control plane restarted after the back-off")
+        assert "stopped everything" not in up.text()
+    finally:
+        rc = up.stop()
+    assert rc == 0
+
+
 def test_supervisor_backs_off_and_gives_up(workdir: Path) -> None:
     """procs.Supervisor on a part that exits at once: restarts after 0.05, 0.1, 0.2 s
     (doubling), then gives up on the 4th exit within the window; an optional part is
@@ -273,3 +298,26 @@ def test_take_over_replaces_the_owner(workdir: Path) -> None:
         rc_c = c.stop() if c is not None else 0
         rc_a = a.stop()
     assert rc_c == 0 and rc_a == 0
+
+
+def test_a_part_kept_trying_is_restarted_on_past_the_limit(workdir: Path) -> None:
+    """procs.Supervisor with keep_trying (every part of ``up`` but nginx and the
+    embedder): past max_failures it is reported once and restarted on at the longest
+    back-off, and tick never asks to stop everything."""
+    import sys
+
+    lines: list[str] = []
+    policy = procs.RestartPolicy(initial_s=0.02, max_s=0.1, max_failures=3, window_s=60)
+    sup = procs.Supervisor(lines.append, policy)
+    cp = procs.Managed("controlplane", [sys.executable, "-c", "raise SystemExit(5)"],
+                       workdir / "cp.log").start()
+    sup.watch(cp, keep_trying=True)
+    t0 = time.monotonic()
+    while sup.restarts("controlplane") < 6 and time.monotonic() - t0 < 20:
+        assert sup.tick() is None
+        time.sleep(0.01)
+    assert sup.restarts("controlplane") >= 6
+    degraded = [ln for ln in lines if "the rest runs on without it" in ln]
+    assert len(degraded) == 1, lines
+    assert degraded[0].startswith("controlplane exited (code 5) 3 times within 60 s")
+    assert "restarting in 0.1 s" in lines[-1] or "restarted" in lines[-1]
