@@ -532,13 +532,30 @@ def test_no_store_and_no_cache(stack, edge) -> None:
     body_of("Pick a random number.", temperature=1.5),
     body_of("Give me two options.", n=2),
     body_of("Say hi.", logprobs=True, top_logprobs=2),
-], ids=["image", "hot", "n2", "logprobs"])
+    body_of("Say hello.", stream="true"),
+    body_of("Say hey.", stream_options="x"),
+    body_of("Say ho.", temperature=-5),
+    body_of("Say ha.", max_tokens=0),
+], ids=["image", "hot", "n2", "logprobs", "stream_string", "stream_options_string",
+        "negative_temperature", "zero_max_tokens"])
 def test_uncacheable_requests_bypass(stack, edge, body) -> None:
     before = stack.counters()
     res = post(edge, body)
     assert res.headers["X-Cache-Status"] == "BYPASS"
     wait_counted(stack, before, "bypass")
     assert not stack.r.exists(keynames.cache_entry(exact_key(body)))
+
+
+def test_a_parameter_the_node_refuses_is_never_answered_from_the_cache(stack, edge) -> None:
+    good = body_of("Name a primary colour.", temperature=0)
+    assert post(edge, good).headers["X-Cache-Status"] == "MISS"
+    wait_stored(stack, good)
+    assert post(edge, good).headers["X-Cache-Status"] == "HIT"
+    n = stack.node_requests()
+    for bad in ({"stream": "true"}, {"stream": 1}, {"stream_options": "x"}, {"top_p": 0}):
+        res = post(edge, {**good, **bad})
+        assert res.headers["X-Cache-Status"] == "BYPASS", (bad, res.headers)
+    assert stack.node_requests() == n + 4
 
 
 def test_hit_is_served_when_no_node_is_eligible(stack, edge) -> None:

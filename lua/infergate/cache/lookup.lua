@@ -66,6 +66,7 @@ local _M = {}
 local type = type
 local pairs = pairs
 local ipairs = ipairs
+local floor = math.floor
 local tostring = tostring
 local tonumber = tonumber
 local setmetatable = setmetatable
@@ -268,8 +269,51 @@ local function media_part(messages)
     return false
 end
 
+local function given(v)
+    return v ~= nil and v ~= null
+end
+
+local function positive_int(v)
+    return type(v) == "number" and v >= 1 and v == floor(v)
+end
+
+-- Reason a request's parameters are ones a node may refuse (a type or range the OpenAI
+-- API does not accept), or nil. Such a request goes to a node, which answers it as it
+-- does, so its answer is the same whatever the cache holds: the cache leaves out of
+-- the key the fields checked here (stream, stream_options) or would serve an answer
+-- stored for another value.
+local function bad_params(body)
+    local st = body.stream
+    if given(st) and type(st) ~= "boolean" then
+        return "stream is not a boolean"
+    end
+    local so = body.stream_options
+    if given(so) and type(so) ~= "table" then
+        return "stream_options is not an object"
+    end
+    local temp = body.temperature
+    if given(temp) and (type(temp) ~= "number" or temp < 0 or temp > 2) then
+        return "temperature out of range"
+    end
+    local top_p = body.top_p
+    if given(top_p) and (type(top_p) ~= "number" or top_p <= 0 or top_p > 1) then
+        return "top_p out of range"
+    end
+    for _, f in ipairs({ "n", "max_tokens", "max_completion_tokens" }) do
+        if given(body[f]) and not positive_int(body[f]) then
+            return f .. " is not a positive integer"
+        end
+    end
+    return nil
+end
+_M.bad_params = bad_params
+
 -- Reason the request may not use the cache at all, or nil.
 function _M.uncacheable(body)
+    local bad = bad_params(body)
+    if bad then
+        return bad
+    end
     local n = body.n
     if n ~= nil and n ~= null and (type(n) ~= "number" or n > 1) then
         return "n > 1"
