@@ -309,3 +309,39 @@ def test_a_sustained_overload_sheds_at_the_overload_fraction(workdir: Path) -> N
     assert got["roomy"] == 200
     assert got["after_hold"] == 200
     assert got["shed"] == 2
+
+
+def test_retry_after_is_the_predicted_wait_up_to_a_cap(workdir: Path) -> None:
+    # A node at its max_concurrency (2) whose answers take 20 s: the next request waits
+    # 20 s there (Retry-After 20); at 100 s a wait (a node slowed down or stopped), the
+    # prediction says little about its recovery and Retry-After is capped.
+    got = lua_eval(workdir, """
+            local config = require("infergate.core.config")
+            assert(config.init({edge = {node_cost = "load", stale_after_s = 10},
+                                admission = {max_wait_ms = 0}},
+                               """ + lua_string(json.dumps(option_spec())) + """))
+            local stats = require("infergate.routing.stats")
+            local snapshot = require("infergate.routing.snapshot")
+            local shed = require("infergate.admission.shed")
+            local cjson = require("cjson.safe")
+            assert(snapshot.store(cjson.encode({version = 1, generated_at = ngx.now(),
+                nodes = {{name = "a", host = "127.0.0.1", port = 1, max_concurrency = 2}}}),
+                ngx.now()))
+            local out = {}
+            for _, lat in ipairs({20, 100}) do
+                local d = ngx.shared.infergate_stats
+                d:flush_all()
+                for _ = 1, 5 do
+                    local att = stats.open_attempt("a", ngx.now())
+                    stats.close_attempt(att, "ok", ngx.now(), lat * 1000)
+                end
+                for _ = 1, 3 do stats.open_attempt("a", ngx.now()) end
+                local err = shed.step_shed({route = "inference", deadline = {at = ngx.now() + 5}})
+                out[tostring(lat)] = err and err.headers["Retry-After"]
+            end
+            out.cap = shed.RETRY_AFTER_MAX_S
+            return out
+    """, http_extra=DICTS + " lua_shared_dict infergate_limits 1m;")
+    assert got["cap"] == 30
+    assert got["100"] == "30"
+    assert got["20"] == "20", got                       # 2 ahead, 2 at a time, 20 s each

@@ -30,7 +30,9 @@
 -- at a sustained overload the queues stay short enough for the answers longer than the
 -- mean to finish in time; below capacity nothing is shed, so nothing tightens.
 -- A request that is shed gets Retry-After = the best predicted wait, rounded up (at least
--- 1 s; admission.retry_after_s when nothing predicts).
+-- 1 s, at most RETRY_AFTER_MAX_S: a wait predicted from a node that has slowed down or
+-- stopped says little about when it recovers; admission.retry_after_s when nothing
+-- predicts).
 -- When no eligible node has capacity, the request waits up to admission.max_wait_ms
 -- (never past its deadline), checking again every admission.poll_ms with ngx.sleep,
 -- then gets 429 with Retry-After = admission.retry_after_s and
@@ -50,6 +52,9 @@ local balancer = require("infergate.routing.balancer")
 local config = require("infergate.core.config")
 
 local _M = {}
+
+local RETRY_AFTER_MAX_S = 30
+_M.RETRY_AFTER_MAX_S = RETRY_AFTER_MAX_S
 
 local ipairs = ipairs
 local pairs = pairs
@@ -198,7 +203,7 @@ function _M.step_shed(req)
     local retry_after = o.retry_after_s
     local _, wait = _M.best_prediction(snapshot.current(), now, req.model)
     if wait then
-        retry_after = math.max(1, math.ceil(wait))
+        retry_after = math.max(1, math.min(math.ceil(wait), RETRY_AFTER_MAX_S))
     end
     local headers = { ["Retry-After"] = tostring(retry_after) }
     if req.headers_out then
