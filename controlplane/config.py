@@ -444,16 +444,6 @@ class AdmissionSettings(_Section):
     fraction of the time left before the deadline, and waits, then gets the 429, past
     it (below 1: a margin for answers longer than the mean, at the price of more 429s).
     The in-flight caps above do not apply then."""
-    overload_deadline_fraction: float = Field(default=0.7, gt=0, le=1)
-    """The ``deadline_fraction`` (0-1) that applies instead while the edge is shedding
-    requests of the same model: from each 429 of this load shedding for
-    ``overload_hold_s``. At a sustained overload the queues are then kept short enough
-    for the answers longer than the mean to finish in time (a shed request gets a quick,
-    retryable 429 instead of a timeout later); below capacity nothing is shed and
-    ``deadline_fraction`` alone applies, so loads the pool can serve see no more 429s.
-    Set it equal to ``deadline_fraction`` to turn this off."""
-    overload_hold_s: float = Field(default=10.0, ge=0, le=3600)
-    """How long after a shed request ``overload_deadline_fraction`` applies, seconds."""
 
 
 #: The API paths the edge serves (locations of nginx/infergate-server.conf.j2).

@@ -6,7 +6,7 @@ Time constants: the pool runs ``time_scale`` wall seconds per simulated second, 
 time constant of the balancers is scaled by the same factor (the default value x
 ``time_scale``): the control plane's poll interval and slow start, the edge's snapshot
 sync interval and stale age, breaker cooldown, the outlier floor
-``outlier_ttfb_min_s``, ``latency_norm_s``, the admission wait and overload hold
+``outlier_ttfb_min_s``, ``latency_norm_s``, the admission wait
 and the edge deadlines (request and stream idle), nginx ``fail_timeout`` and the proxy
 read/send timeouts and retry window. Connect timeouts and the poll timeout are network
 facts and stay unscaled.
@@ -30,7 +30,7 @@ import requests
 
 from controlplane import procs
 from controlplane.redisdb import keynames
-from controlplane.config import AdmissionSettings, EdgeSettings, Settings, settings_from_dict
+from controlplane.config import EdgeSettings, Settings, settings_from_dict
 from controlplane.edge.render import render_nginx, start_nginx
 from controlplane.simnode import launch
 
@@ -174,8 +174,6 @@ def infergate_settings(redis_url: str, nodes: list[SimNodeProc], spec: PoolSpec,
         data["auth"] = {"mode": "off"}
     if "admission" in fields:
         data["admission"] = {"max_wait_ms": int(500 * ts)}
-        if "overload_hold_s" in AdmissionSettings.model_fields:
-            data["admission"]["overload_hold_s"] = 10.0 * ts
     if "deadlines" in fields:
         data["deadlines"] = {"request_ms": int(30000 * ts), "stream_idle_ms": int(30000 * ts)}
     if "cache" in fields:

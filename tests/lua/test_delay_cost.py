@@ -261,56 +261,6 @@ def test_one_long_answer_does_not_make_a_node_look_slow(workdir: Path) -> None:
     assert got["a"] == pytest.approx(0.05)
     assert sorted(got["seq"]) == ["a", "a", "b", "b"], got["seq"]
 
-
-def test_a_sustained_overload_sheds_at_the_overload_fraction(workdir: Path) -> None:
-    # One node 0.5 s x (1 + 8/4) = 1.5 s away; the request has 2.0 s left. At the
-    # deadline_fraction 1.0 it fits; once a request of its model was shed, the
-    # overload_deadline_fraction 0.7 applies (1.5 > 0.7 x 2.0) for overload_hold_s,
-    # and requests of another model are not affected.
-    got = lua_eval(workdir, """
-            local config = require("infergate.core.config")
-            assert(config.init({edge = {node_cost = "expected_delay", stale_after_s = 10},
-                                admission = {max_wait_ms = 0, overload_hold_s = 5}},
-                               """ + lua_string(json.dumps(option_spec())) + """))
-            local stats = require("infergate.routing.stats")
-            local speed = require("infergate.routing.speed")
-            local snapshot = require("infergate.routing.snapshot")
-            local shed = require("infergate.admission.shed")
-            local astats = require("infergate.admission.stats")
-            local cjson = require("cjson.safe")
-            for _ = 1, 30 do speed.observe({node = "a", k = 4}, 500) end
-            for _ = 1, 11 do stats.open_attempt("a", ngx.now()) end
-            assert(snapshot.store(cjson.encode({version = 1, generated_at = ngx.now(),
-                nodes = {{name = "a", host = "127.0.0.1", port = 1, max_concurrency = 8,
-                          score = 0.1, models = {"m", "other"}}}}), ngx.now()))
-            local function step(model, left)
-                local req = {route = "inference", model = model,
-                             deadline = {at = ngx.now() + left}}
-                local err = shed.step_shed(req)
-                return err and err.status or 200
-            end
-            local out = {}
-            out.calm = step("m", 2.0)
-            out.tight = step("m", 1.6)                   -- 1.5 > 0.7 x 1.6 but fits 1.0 x 1.6
-            out.calm_still = step("m", 1.6)              -- nothing was shed yet
-            out.too_late = step("m", 1.2)                -- 1.5 > 1.2: shed
-            out.overloaded = step("m", 2.0)              -- 1.5 > 0.7 x 2.0
-            out.other_model = step("other", 2.0)
-            out.roomy = step("m", 2.5)                   -- 1.5 <= 0.7 x 2.5
-            astats.overloaded("m", ngx.now() - 10, 5)    -- the hold has passed
-            out.after_hold = step("m", 2.0)
-            out.shed = astats.get("shed")
-            return out
-    """, http_extra=DICTS + " lua_shared_dict infergate_limits 1m;")
-    assert got["calm"] == 200 and got["tight"] == 200 and got["calm_still"] == 200
-    assert got["too_late"] == 429
-    assert got["overloaded"] == 429
-    assert got["other_model"] == 200
-    assert got["roomy"] == 200
-    assert got["after_hold"] == 200
-    assert got["shed"] == 2
-
-
 def test_retry_after_is_the_predicted_wait_up_to_a_cap(workdir: Path) -> None:
     # A node at its max_concurrency (2) whose answers take 20 s: the next request waits
     # 20 s there (Retry-After 20); at 100 s a wait (a node slowed down or stopped), the

@@ -6,8 +6,7 @@
 --   options.get() ->
 --   {auth      = {mode = "off"|"required", cache_ttl_s, negative_ttl_s, stale_ttl_s},
 --    limits    = {enabled, global_rpm, global_tpm, chars_per_token, redis_retry_s},
---    shed      = {enabled, max_wait_ms, poll_ms, retry_after_s, deadline_fraction,
---                 overload_deadline_fraction, overload_hold_s},
+--    shed      = {enabled, max_wait_ms, poll_ms, retry_after_s},
 --    deadlines = {request_ms, stream_idle_ms,
 --                 routes = {["/v1/embeddings"] = {request_ms, stream_idle_ms}}}}
 --

@@ -24,11 +24,7 @@
 -- request is admitted while the best of those costs is at most
 -- admission.deadline_fraction (1) of the time left, and is shed past it: a request is
 -- never shed while some node is predicted to finish it in time, whatever the in-flight
--- counts say, and never sent where it is predicted to time out. While the edge is
--- shedding requests of the model (a 429 of this step in the last
--- admission.overload_hold_s), admission.overload_deadline_fraction (0.7) applies instead:
--- at a sustained overload the queues stay short enough for the answers longer than the
--- mean to finish in time; below capacity nothing is shed, so nothing tightens.
+-- counts say, and never sent where it is predicted to time out.
 -- A request that is shed gets Retry-After = the best predicted wait, rounded up (at least
 -- 1 s, at most RETRY_AFTER_MAX_S: a wait predicted from a node that has slowed down or
 -- stopped says little about when it recovers; admission.retry_after_s when nothing
@@ -130,15 +126,6 @@ function _M.best_delay(t, now, model)
     return best
 end
 
--- The share of the time left that the best delay may take: deadline_fraction, or
--- overload_deadline_fraction while requests of `model` are being shed.
-local function fraction(o, model, now)
-    if astats.overloaded_until(model) > now then
-        return o.overload_deadline_fraction
-    end
-    return o.deadline_fraction
-end
-
 -- Access step: nil to continue, or a 429 error table.
 function _M.step_shed(req)
     local o = options.get().shed
@@ -161,8 +148,7 @@ function _M.step_shed(req)
         local delay = left and state ~= "none" and _M.best_delay(t, now, req.model)
         if delay then
             local elapsed = now - (give_up - wait_s)
-            state = delay <= fraction(o, req.model, now) * (left - elapsed) and "in_time"
-                or "saturated"
+            state = delay <= o.deadline_fraction * (left - elapsed) and "in_time" or "saturated"
         elseif state == "saturated" and left then
             -- deadline-aware: admitted when the best node can still finish it in time
             local done = _M.best_prediction(t, now, req.model)
@@ -199,7 +185,6 @@ function _M.step_shed(req)
         astats.incr("waiting", -1)
     end
     astats.incr("shed")
-    astats.overloaded(req.model, now, o.overload_hold_s)
     local retry_after = o.retry_after_s
     local _, wait = _M.best_prediction(snapshot.current(), now, req.model)
     if wait then

@@ -30,17 +30,6 @@ function _M.get(name)
     return dict():get("c:" .. name) or 0
 end
 
--- Marks requests of `model` (nil: none named) as being shed: overloaded_until(model)
--- returns now + hold_s (s, ngx.now() time) from here.
-function _M.overloaded(model, now, hold_s)
-    dict():set("ov:" .. (model or ""), now + hold_s)
-end
-
--- ngx.now() time (s) until which requests of `model` count as being shed; 0 when none was.
-function _M.overloaded_until(model)
-    return dict():get("ov:" .. (model or "")) or 0
-end
-
 -- {name = count} for every counter.
 function _M.all()
     local d = dict()
