@@ -8,9 +8,10 @@ address); three simulated
 nodes of different speeds unless ``--node URL`` names real servers; the control plane
 (poller, scorer, admin page and API); nginx with the rendered infergate config. The
 edge requires API keys (``auth.mode = "required"``) unless the file sets ``auth.mode``:
-a key for the tenant ``demo`` is created at start. The response cache is on unless the
-file sets ``cache.enabled``, with the semantic-cache embedder (``infergate embedder``,
-model ``cache.embedder_model``) started on ``cache.embedder_url`` before nginx; when the
+a key for the tenant ``demo`` is created at start (the one of an earlier start is
+revoked). The response cache is on unless the file sets ``cache.enabled``, with the
+semantic-cache embedder (``infergate embedder``, model ``cache.embedder_model``)
+started on ``cache.embedder_url`` before nginx; when the
 embedder cannot start (package missing, model not loadable, port taken), the stack runs
 on with the exact cache only and says so ("semantic cache off"); when it exits later,
 the edge is rendered again with the semantic cache off and nginx reloaded, the embedder is
@@ -484,6 +485,10 @@ def _write_runtime_config(settings: Settings, path: Path) -> None:
 SUPERVISE_EVERY_S = 0.25
 
 
+#: Label of the key ``up`` creates for the tenant ``demo`` (and revokes at its next start).
+DEMO_KEY_LABEL = "infergate up demo key"
+
+
 def _supervise(stack: procs.ProcessSet, stop: threading.Event, owner_r: redis_lib.Redis,
                owner_doc: str, policy: procs.RestartPolicy | None = None,
                embedder: EmbedderKeeper | None = None) -> str:
@@ -493,8 +498,8 @@ def _supervise(stack: procs.ProcessSet, stop: threading.Event, owner_r: redis_li
     embedder is optional (the edge answers BYPASS while it is away, and when it keeps
     failing it stays off); nginx is required, and every other part that keeps failing is
     restarted on every 10 s while the edge serves without it. Returns ``""`` on a
-    requested stop, else why everything must stop: nginx keeps failing. When another stack takes the registry over
-    (``--take-over``) this one says so once and stops renewing the owner key, but keeps
+    requested stop, else why everything must stop: nginx keeps failing. When another
+    stack takes the registry over (``--take-over``) this one says so once and stops renewing the owner key, but keeps
     its parts running: its Redis may be the one the new owner uses. ``embedder``: the
     embedder is kept by it (:class:`EmbedderKeeper`: new port when its own is taken, edge
     re-pointed) instead of by the plain supervisor."""
@@ -646,7 +651,14 @@ def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
             registry.put_node(r, n)
         demo_key = None
         if settings.auth.mode == "required":
-            demo_key, _ = apikeys.create_key(r, "demo", label="infergate up demo key")
+            # one demo key at a time: the one an earlier run printed is revoked
+            old = [k for k in apikeys.list_keys(r, include_revoked=False)
+                   if k.tenant == "demo" and k.label == DEMO_KEY_LABEL]
+            for k in old:
+                apikeys.revoke_key(r, k.id)
+            if old:
+                _say(f"revoked the demo key of an earlier run ({', '.join(k.id for k in old)})")
+            demo_key, _ = apikeys.create_key(r, "demo", label=DEMO_KEY_LABEL)
         semantic_desc = _start_embedder(settings, wd, stack, config_path=config_path)
         if semantic_desc.startswith("off ("):
             click.echo(f"semantic cache is off: {semantic_desc[5:-1]}", err=True)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import redis
+import requests
 
 from controlplane import procs
 from controlplane.redisdb import keynames
@@ -238,6 +239,26 @@ def test_a_control_plane_that_keeps_dying_leaves_the_edge_serving(workdir: Path)
     finally:
         rc = up.stop()
     assert rc == 0
+
+
+def test_a_restart_revokes_the_demo_key_of_the_run_before(workdir: Path) -> None:
+    first = UpStack.start(workdir, NO_CACHE)
+    try:
+        _first_answer(first)
+        old_key = first.key
+    finally:
+        assert first.stop() == 0
+    second = UpStack.start(workdir, NO_CACHE)
+    try:
+        assert second.key != old_key
+        assert "revoked the demo key of an earlier run" in second.text(), second.text()
+        _first_answer(second)
+        res = requests.post(f"{second.base}/v1/chat/completions", timeout=10,
+                            headers={"Authorization": f"Bearer {old_key}"},
+                            json={"model": "sim-llama", "messages": [{"role": "user", "content": "x"}]})
+        assert res.status_code == 401, res.text
+    finally:
+        assert second.stop() == 0
 
 
 def test_supervisor_backs_off_and_gives_up(workdir: Path) -> None:
