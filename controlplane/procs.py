@@ -310,8 +310,9 @@ class Supervisor:
     ``window_s`` is given up on: an ``optional`` one (the embedder) is left stopped, one
     watched with ``keep_trying`` is reported once and restarted on at the longest
     back-off (the rest serves without it meanwhile), for any other :meth:`tick` returns
-    the message naming it, and the owner stops everything. Never blocks: readiness is not waited for after a restart (a part that
-    cannot come up dies again and counts as a failure)."""
+    the message naming it, and the owner stops everything. Never blocks: readiness is
+    not waited for after a restart (a part that cannot come up dies again and counts as
+    a failure)."""
 
     def __init__(self, say: Callable[[str], None], policy: RestartPolicy | None = None,
                  clock: Callable[[], float] = time.monotonic):

@@ -82,11 +82,7 @@ local function last_node()
     return last and last.node or nil
 end
 
--- Content of the error_page locations: the status nginx was about to send.
--- 502 and 504 answers name the node of the last try (the one that failed or timed out)
--- in X-Infergate-Node; 503 answers carry Retry-After (admission.retry_after_s).
--- Answers on the /v1 API paths carry X-Request-Id, also those nginx gives before the
--- request context exists (a 413 body, an unknown path under /v1/).
+-- Answers on the /v1 API paths carry X-Request-Id ($request_id).
 local function request_id()
     local uri = ngx.var.request_uri
     if uri and uri:sub(1, 4) == "/v1/" and not ngx.header["X-Request-Id"] then
@@ -94,6 +90,11 @@ local function request_id()
     end
 end
 
+-- Content of the error_page locations: the status nginx was about to send.
+-- 502 and 504 answers name the node of the last try (the one that failed or timed out)
+-- in X-Infergate-Node; 503 answers carry Retry-After (admission.retry_after_s).
+-- X-Request-Id also on the answers nginx gives before the request context exists (a
+-- 413 body, an unknown path under /v1/).
 function _M.page(status)
     request_id()
     -- a try refused or timed out at the request's deadline: 504 deadline_exceeded
