@@ -225,6 +225,8 @@ def test_dropin_guide_step_by_step(workdir: Path, simnodes) -> None:
             elif words[:2] == ["infergate", "keys"]:
                 out = g.run([str(INFERGATE), *map(g.path, words[1:])])
                 g.key = re.search(r"\big-[A-Za-z0-9_\-]+", out).group(0)
+            elif words[0] == "KEY=ig-...":
+                assert g.key, "the key is set from what `infergate keys create` printed"
             elif words[0] == "curl":
                 url = next(w for w in words if w.startswith("https://your.host/"))
                 body = json.loads(words[words.index("-d") + 1])

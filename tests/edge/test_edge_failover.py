@@ -116,7 +116,8 @@ def test_local_signals_steer_away_from_a_failing_node(tiny_upstreams, redis_serv
     assert "a" not in served and sum(served.values()) == 30
     assert 1 <= a.hits <= 3
     fr = edge.node_status("a")["failure_rate"]
-    assert fr >= 0.25
+    # one failure makes it 0.3 (FAILURE_ALPHA), decaying since (half-life 1 s)
+    assert fr >= 0.2
     procs.wait_until(lambda: edge.node_status("a")["failure_rate"] <= fr / 2, 5,
                      what="failure rate halves within a half-life")
     assert edge.node_status("a")["breaker"] == "closed"
