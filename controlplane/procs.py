@@ -376,7 +376,7 @@ class Supervisor:
                     self.say(f"{w.m.name} exited (code {rc}) {len(w.failures)} times within "
                              f"{pol.window_s:.0f} s (log {w.m.log_path}); the rest runs on "
                              f"without it, restarting it every {pol.max_s:.0f} s")
-            elif len(w.failures) >= pol.max_failures:
+            else:
                 w.given_up = True
                 msg = (f"{w.m.name} exited (code {rc}) {len(w.failures)} times within "
                        f"{pol.window_s:.0f} s; see {w.m.log_path}. Last lines:\n{w.m.log_tail()}")

@@ -90,11 +90,10 @@ end
 -- Balancer, before every try: sets the try's timeouts. False when the deadline has
 -- passed (no new try may start).
 function _M.before_try(req, o, now)
-    local connect, send, read, bound = _M.timeouts(req, o, now)
+    local connect, send, read = _M.timeouts(req, o, now)
     if not connect then
         return false
     end
-    req.deadline_bound = bound
     local ok, err = ngx_balancer.set_timeouts(connect, send, read)
     if not ok then
         log(ERR, "infergate: set_timeouts: ", err)

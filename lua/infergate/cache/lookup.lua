@@ -314,19 +314,18 @@ function _M.uncacheable(body)
     if bad then
         return bad
     end
-    local n = body.n
-    if n ~= nil and n ~= null and (type(n) ~= "number" or n > 1) then
+    if given(body.n) and body.n > 1 then             -- a positive integer (bad_params)
         return "n > 1"
     end
     local lp = body.logprobs
     if lp ~= nil and lp ~= null and lp ~= false then
         return "logprobs"
     end
-    local temp = body.temperature
-    if temp == nil or temp == null then
+    local temp = body.temperature                   -- a number when given (bad_params)
+    if not given(temp) then
         temp = 1.0
     end
-    if type(temp) ~= "number" or temp > opts.max_temperature then
+    if temp > opts.max_temperature then
         return "temperature above " .. opts.max_temperature
     end
     if media_part(body.messages) then

@@ -9,7 +9,7 @@
 --         infergate.routing.stats}, tried = {name = true}, invalid_answer = node name|nil}
 -- Admission control adds: tenant ("default" with auth off), key_id, key_limits
 -- (infergate.admission.auth); est_tokens, ratelimit, track_usage, usage, headers_out
--- (infergate.admission.ratelimit, infergate.admission.usage); deadline, deadline_bound (infergate.admission.deadline).
+-- (infergate.admission.ratelimit, infergate.admission.usage); deadline (infergate.admission.deadline).
 local _M = {}
 
 local pending = {}

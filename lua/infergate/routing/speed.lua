@@ -88,37 +88,35 @@ local function dict()
 end
 
 -- The c of the top of this file from the level means of node `name` (levels 1..kmax);
--- nil when no level has an answer.
+-- nil when no level has an answer. For each c the fitted log S is the weighted mean of
+-- the residuals r = y - log(max(1, k / c)) and the error is sum w r^2 - (sum w r)^2 /
+-- sum w: one pass per c.
 local function fit(d, name, kmax)
-    local ks, ys, ws, m = {}, {}, {}, 0
+    local lks, ys, ws, m, top = {}, {}, {}, 0, 0
     local wmax = 1 / _M.LEVEL_ALPHA
     for k = 1, kmax do
         local n = d:get("ln:" .. name .. ":" .. k)
         local y = n and d:get("ly:" .. name .. ":" .. k)
         if y then
             m = m + 1
-            ks[m], ys[m], ws[m] = k, y, (n < wmax and n or wmax)
+            lks[m], ys[m], ws[m], top = log(k), y, (n < wmax and n or wmax), k
         end
     end
     if m == 0 then
         return nil
     end
     local best_c, best_err
-    for c = 1, ks[m] do
-        local sw, sy = 0, 0
+    for c = 1, top do
+        local lc = log(c)
+        local sw, sr, srr = 0, 0, 0
         for i = 1, m do
-            local k = ks[i]
-            sw = sw + ws[i]
-            sy = sy + ws[i] * (ys[i] - (k > c and log(k / c) or 0))
+            local q = lks[i] - lc
+            local r = ys[i] - (q > 0 and q or 0)
+            local w = ws[i]
+            sw, sr, srr = sw + w, sr + w * r, srr + w * r * r
         end
-        local ls = sy / sw
-        local err = 0
-        for i = 1, m do
-            local k = ks[i]
-            local r = ys[i] - (k > c and log(k / c) or 0) - ls
-            err = err + ws[i] * r * r
-        end
-        if not best_err or err <= best_err + 1e-12 then
+        local err = srr - sr * sr / sw
+        if not best_err or err <= best_err + 1e-9 then
             best_c, best_err = c, err
         end
     end
