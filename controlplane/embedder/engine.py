@@ -42,7 +42,8 @@ class LookupResult:
     """The ``POST /v1/lookup`` answer.
 
     ``similarity`` is the cosine (0-1, clipped) of the returned entry on a hit, else of the
-    closest live entry of the namespace (None when the namespace is empty);
+    closest entry of the index for the namespace (None when it has none; its answer may
+    have gone since: only a would-be hit is checked in Redis);
     ``candidate_text`` is that entry's last user message; ``guard`` is ``pass`` on a hit
     (checks on), ``reject:<reason>`` when every candidate above the threshold was rejected
     (a guard reason such as ``numbers``, or ``verifier`` when only the verifier said no),
@@ -212,14 +213,10 @@ class Engine:
         self.metrics.indexed.labels(source).inc(sum(1 for t in applied if t > 0))
         return applied
 
-    def _live(self, cands: list[Candidate]) -> list[Candidate]:
-        """Candidates whose cache entry still exists (expired or purged ones are dropped)."""
-        if not cands:
-            return []
-        pipe = self.r.pipeline(transaction=False)
-        for c in cands:
-            pipe.exists(keynames.cache_entry(c.key))
-        return [c for c, ok in zip(cands, pipe.execute()) if ok]
+    def _live(self, cand: Candidate) -> bool:
+        """The candidate's cache entry still exists (not expired, evicted or purged).
+        Asked only of a candidate about to be a hit: a miss costs no Redis call."""
+        return bool(self.r.exists(keynames.cache_entry(cand.key)))
 
     #: Seconds between two reads of the threshold raises (one HGETALL on the lookup path).
     RAISES_EVERY_S = 1.0
@@ -300,15 +297,17 @@ class Engine:
         t0 = time.perf_counter() if started is None else started
         threshold, min_score = self.thresholds(namespace, min_similarity, route, model)
         vec = self.embed([text])[0]
-        cands = self._live(self.index.search(namespace, vec, self.top_k))
+        cands = self.index.search(namespace, vec, self.top_k)
         hit: Candidate | None = None
         verdict: str | None = None
         best_score: float | None = None
         above = [c for c in cands if c.similarity >= threshold]
         for c in above:
             if not use_guard:
-                hit = c
-                break
+                if self._live(c):
+                    hit = c
+                    break
+                continue
             g = guard_mod.check(text, c.text)
             if not g.ok:
                 self.metrics.guard_rejects.inc()
@@ -323,6 +322,8 @@ class Engine:
                     verdict = verdict or "reject:verifier"
                     continue
                 best_score = score
+            if not self._live(c):
+                continue
             verdict = g.label
             hit = c
             break

@@ -178,6 +178,19 @@ def test_purged_entry_is_never_a_hit(svc) -> None:
     assert svc.lookup(ns, PASSWORD)["hit"] is False
 
 
+def test_a_purged_nearest_entry_gives_way_to_the_next(svc) -> None:
+    """Only a would-be hit is checked in Redis; when its answer is gone, the next
+    candidate that passes is served instead."""
+    ns = hx("purged-next" + svc.backend)
+    gone = svc.add(PASSWORD, ns)
+    kept = svc.add("how do I reset my password", ns)
+    first = svc.lookup(ns, PASSWORD)
+    assert first["hit"] is True and first["key"] == gone
+    svc.r.delete(keynames.cache_entry(gone))
+    res = svc.lookup(ns, PASSWORD)
+    assert res["hit"] is True and res["key"] == kept
+
+
 def test_expired_entry_misses(svc) -> None:
     ns = hx("expired" + svc.backend)
     svc.add(PASSWORD, ns, ttl=3)
