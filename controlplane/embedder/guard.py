@@ -234,57 +234,55 @@ ANTONYMS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
 )
 
 
-def _has(text_lower: str, words_en: frozenset[str], word: str) -> bool:
-    if word.isascii():
-        if " " in word:
-            return re.search(rf"\b{re.escape(word)}\b", text_lower) is not None
-        return word in words_en
-    return word in text_lower
-
-
-def _sides(text_lower: str, words_en: frozenset[str],
-           a: tuple[str, ...], b: tuple[str, ...]) -> tuple[bool, bool]:
-    return (any(_has(text_lower, words_en, w) for w in a),
-            any(_has(text_lower, words_en, w) for w in b))
-
-
 @dataclass(frozen=True)
-class _Side:
-    """One side of an antonym pair, split for fast matching (same rules as :func:`_has`):
-    single English words (set membership), English phrases (one ``\\b``-bounded regex),
-    other strings (substring)."""
+class _AntonymIndex:
+    """:data:`ANTONYMS` indexed for one pass over a text. A slot is ``2 * pair + side``
+    (side 0 = A, 1 = B). Matching rules: a single English word is a word of the text, an
+    English phrase matches ``\\b``-bounded, any other string (Chinese) as a substring."""
 
-    words: frozenset[str]
-    phrases: re.Pattern[str] | None
-    others: tuple[str, ...]
-
-    @classmethod
-    def of(cls, items: tuple[str, ...]) -> "_Side":
-        phrases = [w for w in items if w.isascii() and " " in w]
-        return cls(frozenset(w for w in items if w.isascii() and " " not in w),
-                   re.compile(r"\b(?:" + "|".join(re.escape(w) for w in phrases) + r")\b")
-                   if phrases else None,
-                   tuple(w for w in items if not w.isascii()))
-
-    def found(self, text_lower: str, words_en: frozenset[str]) -> bool:
-        return (not self.words.isdisjoint(words_en)
-                or (self.phrases is not None and self.phrases.search(text_lower) is not None)
-                or any(w in text_lower for w in self.others))
+    words: dict[str, tuple[int, ...]]
+    phrases: tuple[tuple[str, re.Pattern[str], int], ...]
+    others: tuple[tuple[str, int], ...]
 
 
-_SIDES: tuple[tuple[str, _Side, _Side], ...] = ()
+@functools.lru_cache(maxsize=1)
+def _antonym_index() -> _AntonymIndex:
+    words: dict[str, list[int]] = {}
+    phrases: list[tuple[str, re.Pattern[str], int]] = []
+    others: list[tuple[str, int]] = []
+    for i, (_, a, b) in enumerate(ANTONYMS):
+        for side, items in enumerate((a, b)):
+            slot = 2 * i + side
+            for w in items:
+                if not w.isascii():
+                    others.append((w, slot))
+                elif " " in w:
+                    phrases.append((w, re.compile(rf"\b{re.escape(w)}\b"), slot))
+                else:
+                    words.setdefault(w, []).append(slot)
+    return _AntonymIndex({w: tuple(v) for w, v in words.items()}, tuple(phrases),
+                         tuple(others))
 
 
 @functools.lru_cache(maxsize=8192)
-def _antonym_sides(text: str) -> tuple[tuple[bool, bool], ...]:
-    """Per antonym pair, (side A used, side B used) in ``text``; cached (cache entries'
-    texts recur in every lookup of their namespace)."""
-    global _SIDES
-    if not _SIDES:
-        _SIDES = tuple((name, _Side.of(a), _Side.of(b)) for name, a, b in ANTONYMS)
+def _antonym_sides(text: str) -> tuple[bool, ...]:
+    """Per slot of :class:`_AntonymIndex` (pair ``i``: slots ``2i`` and ``2i + 1``), whether
+    ``text`` uses that side; cached (cache entries' texts recur in every lookup of their
+    namespace)."""
+    idx = _antonym_index()
     t = text[:MAX_GUARD_CHARS].lower()
-    words = frozenset(_EN_WORD_RE.findall(t))
-    return tuple((sa.found(t, words), sb.found(t, words)) for _, sa, sb in _SIDES)
+    used = [False] * (2 * len(ANTONYMS))
+    for w in set(_EN_WORD_RE.findall(t)):
+        for slot in idx.words.get(w, ()):
+            used[slot] = True
+    for phrase, rx, slot in idx.phrases:
+        if not used[slot] and phrase in t and rx.search(t) is not None:
+            used[slot] = True
+    if not t.isascii():  # the other strings are all non-ASCII
+        for w, slot in idx.others:
+            if not used[slot] and w in t:
+                used[slot] = True
+    return tuple(used)
 
 
 def antonym_conflict(query: str, candidate: str) -> str | None:
@@ -293,9 +291,12 @@ def antonym_conflict(query: str, candidate: str) -> str | None:
     A conflict needs one text to use only side A and the other only side B: "enable X" vs
     "disable X" conflicts; "enable X" vs "turn X on" (same side), "enable X" vs "X settings"
     (pair unused) and "enable X" vs "enable or disable X" (both sides) do not."""
-    for (name, _, _), sq, sc in zip(ANTONYMS, _antonym_sides(query),
-                                     _antonym_sides(candidate)):
-        if sq != sc and {sq, sc} == {(True, False), (False, True)}:
+    uq, uc = _antonym_sides(query), _antonym_sides(candidate)
+    if uq == uc:
+        return None
+    for i, (name, _, _) in enumerate(ANTONYMS):
+        qa, qb, ca, cb = uq[2 * i], uq[2 * i + 1], uc[2 * i], uc[2 * i + 1]
+        if qa != qb and ca != cb and qa != ca:  # each uses one side only, not the same
             return name
     return None
 
