@@ -834,3 +834,92 @@ def test_hung_embedder_opens_the_lookup_breaker(stack, edge_factory) -> None:
         for c in accepted:
             c.close()
         srv.close()
+
+
+def test_a_busy_embedder_does_not_open_the_lookup_breaker(stack, edge_factory) -> None:
+    """Lookups that time out just after one succeeded (a burst queued behind the model)
+    are BYPASS but do not open the breaker: the next lookup still goes to the embedder.
+    Once nothing has succeeded for EMBEDDER_BUSY_S, timeouts count again and open it."""
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    stop = threading.Event()
+    lock = threading.Lock()
+    seen = {"requests": 0}
+    conns: list[socket.socket] = []
+    miss = json.dumps({"hit": False, "key": None, "similarity": None}).encode()
+
+    def serve(conn: socket.socket) -> None:
+        buf = b""
+        conn.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                data = conn.recv(65536)
+            except OSError:
+                continue
+            if not data:
+                return
+            buf += data
+            while b"\r\n\r\n" in buf:
+                head, rest = buf.split(b"\r\n\r\n", 1)
+                n = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:")), 0)
+                if len(rest) < n:
+                    break
+                buf = rest[n:]
+                with lock:
+                    seen["requests"] += 1
+                    first = seen["requests"] == 1
+                if first:  # the first lookup is answered, every later one is held
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: " + str(len(miss)).encode() + b"\r\n\r\n"
+                                 + miss)
+
+    def accept() -> None:
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                continue
+            conns.append(conn)
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    try:
+        edge = edge_factory(cache_settings(
+            stack, embedder_url=f"http://127.0.0.1:{srv.getsockname()[1]}",
+            semantic_budget_ms=100))
+        res = post(edge, body_of("Busy embedder question zero?", temperature=0))
+        assert res.headers["X-Cache-Status"] == "MISS" and seen["requests"] == 1
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(6) as ex:   # a burst: six timeouts at once
+            burst = list(ex.map(lambda i: post(edge, body_of(f"Busy embedder burst {i}?",
+                                                             temperature=0)), range(6)))
+        assert {r.headers["X-Cache-Status"] for r in burst} == {"BYPASS"}
+        assert seen["requests"] == 7
+        assert "semantic lookups in a row failed" not in edge.error_log()
+        # still closed (six timeouts in a row would have opened it): the next one goes out
+        post(edge, body_of("Busy embedder right after the burst?", temperature=0))
+        assert seen["requests"] == 8
+        # once the busy window has passed, five timeouts in a row open it
+        for i in range(40):
+            if "semantic lookups in a row failed" in edge.error_log():
+                break
+            post(edge, body_of(f"Busy embedder after the burst {i}?", temperature=0))
+        assert "semantic lookups in a row failed" in edge.error_log()
+        n = seen["requests"]
+        res = post(edge, body_of("Busy embedder, breaker open?", temperature=0))
+        assert res.headers["X-Cache-Status"] == "BYPASS" and seen["requests"] == n
+    finally:
+        stop.set()
+        t.join(2)
+        for c in conns:
+            c.close()
+        srv.close()

@@ -32,7 +32,9 @@
 --     5xx, not JSON) every worker skips the lookup for EMBEDDER_COOLDOWN_S (BYPASS,
 --     reason "embedder_breaker_open"): a hung embedder then costs requests nothing
 --     instead of the whole budget each; after the cooldown lookups go out again, the
---     first failure opens the breaker again, a success closes it.
+--     first failure opens the breaker again, a success closes it. A lookup that timed
+--     out within EMBEDDER_BUSY_S of one that succeeded is the embedder busy with a burst:
+--     BYPASS, not counted.
 --     A hit whose entry is gone (expired, purged), or whose stored namespace or tenant
 --     is not the request's, is a miss.
 --   * miss -> MISS, the node's answer is captured (infergate.cache.capture); a stream
@@ -615,9 +617,13 @@ end
 
 -- Embedder circuit breaker (see the header), shared by the workers in _M.DICT:
 -- "emb:fails" failed lookups in a row, "emb:open" present while open (its TTL the
--- cooldown).
+-- cooldown), "emb:ok_at" when a lookup last succeeded. A lookup that timed out within
+-- EMBEDDER_BUSY_S of a success is a busy embedder (a burst queued behind the model),
+-- not a hung one: it is a BYPASS but does not count toward opening the breaker, so
+-- a burst does not turn the semantic cache off for the cooldown after it.
 _M.EMBEDDER_BREAKER_FAILURES = 5
 _M.EMBEDDER_COOLDOWN_S = 5
+_M.EMBEDDER_BUSY_S = 1
 
 local function embedder_open()
     local dict = ngx.shared[_M.DICT]
@@ -630,6 +636,7 @@ local function embedder_result(ok, why)
         return
     end
     if ok then
+        dict:set("emb:ok_at", ngx.now())
         local before = dict:get("emb:fails") or 0
         if before ~= 0 then
             dict:set("emb:fails", 0)
@@ -666,6 +673,13 @@ local function semantic_lookup(c)
         return nil, "embedder subrequest failed"
     end
     if res.status ~= 200 then
+        if res.status == ngx.HTTP_GATEWAY_TIMEOUT then
+            local dict = ngx.shared[_M.DICT]
+            local ok_at = dict and dict:get("emb:ok_at")
+            if ok_at and ngx.now() - ok_at < _M.EMBEDDER_BUSY_S then
+                return nil, "embedder busy (lookup timed out)"
+            end
+        end
         if res.status >= 500 then
             embedder_result(false, "answered " .. tostring(res.status))
         end
