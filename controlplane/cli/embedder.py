@@ -65,6 +65,9 @@ class _LateApp:
         return [body]
 
 
+#: Connections one embedder process holds open at once (waitress ``connection_limit``;
+#: under the usual 1024 open files).
+CONNECTION_LIMIT = 512
 #: Most processes ``--processes auto`` starts (one per core up to this).
 AUTO_PROCESSES_MAX = 4
 
@@ -193,7 +196,11 @@ def _serve(sock, host: str, port: int, settings, config_path: str | None, url: s
     import waitress
 
     late_app = _LateApp()
+    # connection_limit: waitress's default of 100 would let the edges' idle keepalive
+    # connections (64 per nginx worker, nginx/infergate-http.conf.j2) and a burst's
+    # lookups hold every slot, leaving new connections in the kernel's backlog
     server = waitress.create_server(late_app, sockets=[sock], threads=threads,
+                                    connection_limit=CONNECTION_LIMIT,
                                     ident="infergate-embedder")
 
     from controlplane import procs
