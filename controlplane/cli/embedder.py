@@ -145,7 +145,7 @@ def resolve_auto(processes: int | None, model_workers: int | None,
 @click.option("--processes", default="auto", show_default=True, type=AutoInt(1, 64),
               envvar="INFERGATE_EMBEDDER_PROCESSES",
               help="Processes serving the one socket, each with its own copy of the model "
-                   "(~180 MB for use-multilingual-v3); auto: one per core, at most "
+                   "(~190 MB for use-multilingual-v3); auto: one per core, at most "
                    f"{AUTO_PROCESSES_MAX}.")
 @click.option("--no-queue", is_flag=True, help="Do not consume the index queue.")
 def embedder_cmd(config_path: str | None, listen: str | None, redis_url: str | None, model: str,
