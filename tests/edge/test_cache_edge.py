@@ -5,12 +5,15 @@ Each test uses its own prompts, so entries of one test never answer another."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import socket
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -784,35 +787,48 @@ def test_no_index_job_without_semantic_lookups(stack, edge_factory) -> None:
     r1.flushdb()
 
 
-def test_hung_embedder_opens_the_lookup_breaker(stack, edge_factory) -> None:
-    """An embedder that accepts connections and never answers: after
-    EMBEDDER_BREAKER_FAILURES timed-out lookups the edge stops asking it (BYPASS at once,
-    no connection, no error-log line), and asks again after the cooldown."""
-    import socket
-    import threading
-
-    accepted: list[socket.socket] = []
+@contextlib.contextmanager
+def fake_embedder(on_connection) -> Iterator[tuple[int, list[socket.socket]]]:
+    """A TCP server on a free loopback port that hands every accepted connection to
+    ``on_connection(conn, stop)`` in a thread of its own; yields (port, the accepted
+    connections) and closes everything on exit."""
     srv = socket.socket()
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind(("127.0.0.1", 0))
     srv.listen(64)
     stop = threading.Event()
+    conns: list[socket.socket] = []
 
-    def hold() -> None:
+    def accept() -> None:
         srv.settimeout(0.2)
         while not stop.is_set():
             try:
                 conn, _ = srv.accept()
             except OSError:
                 continue
-            accepted.append(conn)  # read nothing, answer nothing
+            conns.append(conn)
+            threading.Thread(target=on_connection, args=(conn, stop), daemon=True).start()
 
-    t = threading.Thread(target=hold, daemon=True)
+    t = threading.Thread(target=accept, daemon=True)
     t.start()
     try:
+        yield srv.getsockname()[1], conns
+    finally:
+        stop.set()
+        t.join(2)
+        for c in conns:
+            c.close()
+        srv.close()
+
+
+def test_hung_embedder_opens_the_lookup_breaker(stack, edge_factory) -> None:
+    """An embedder that accepts connections and never answers: after
+    EMBEDDER_BREAKER_FAILURES timed-out lookups the edge stops asking it (BYPASS at once,
+    no connection, no error-log line), and asks again after the cooldown."""
+    # the connections are read from by nobody and answered by nobody
+    with fake_embedder(lambda conn, stop: None) as (port, accepted):
         edge = edge_factory(cache_settings(
-            stack, embedder_url=f"http://127.0.0.1:{srv.getsockname()[1]}",
-            semantic_budget_ms=150))
+            stack, embedder_url=f"http://127.0.0.1:{port}", semantic_budget_ms=150))
         for i in range(8):
             res = post(edge, body_of(f"Hung embedder question {i}?", temperature=0))
             assert res.status_code == 200 and res.headers["X-Cache-Status"] == "BYPASS"
@@ -828,32 +844,17 @@ def test_hung_embedder_opens_the_lookup_breaker(stack, edge_factory) -> None:
             return len(accepted) > 5
 
         procs.wait_until(asks_again, 20, interval=0.5, what="a lookup after the cooldown")
-    finally:
-        stop.set()
-        t.join(2)
-        for c in accepted:
-            c.close()
-        srv.close()
 
 
 def test_a_busy_embedder_does_not_open_the_lookup_breaker(stack, edge_factory) -> None:
     """Lookups that time out just after one succeeded (a burst queued behind the model)
     are BYPASS but do not open the breaker: the next lookup still goes to the embedder.
     Once nothing has succeeded for EMBEDDER_BUSY_S, timeouts count again and open it."""
-    import socket
-    import threading
-
-    srv = socket.socket()
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(64)
-    stop = threading.Event()
     lock = threading.Lock()
     seen = {"requests": 0}
-    conns: list[socket.socket] = []
     miss = json.dumps({"hit": False, "key": None, "similarity": None}).encode()
 
-    def serve(conn: socket.socket) -> None:
+    def serve(conn: socket.socket, stop: threading.Event) -> None:
         buf = b""
         conn.settimeout(0.2)
         while not stop.is_set():
@@ -879,26 +880,11 @@ def test_a_busy_embedder_does_not_open_the_lookup_breaker(stack, edge_factory) -
                                  b"Content-Length: " + str(len(miss)).encode() + b"\r\n\r\n"
                                  + miss)
 
-    def accept() -> None:
-        srv.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                conn, _ = srv.accept()
-            except OSError:
-                continue
-            conns.append(conn)
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    t = threading.Thread(target=accept, daemon=True)
-    t.start()
-    try:
+    with fake_embedder(serve) as (port, _):
         edge = edge_factory(cache_settings(
-            stack, embedder_url=f"http://127.0.0.1:{srv.getsockname()[1]}",
-            semantic_budget_ms=100))
+            stack, embedder_url=f"http://127.0.0.1:{port}", semantic_budget_ms=100))
         res = post(edge, body_of("Busy embedder question zero?", temperature=0))
         assert res.headers["X-Cache-Status"] == "MISS" and seen["requests"] == 1
-        from concurrent.futures import ThreadPoolExecutor
-
         with ThreadPoolExecutor(6) as ex:   # a burst: six timeouts at once
             burst = list(ex.map(lambda i: post(edge, body_of(f"Busy embedder burst {i}?",
                                                              temperature=0)), range(6)))
@@ -917,9 +903,3 @@ def test_a_busy_embedder_does_not_open_the_lookup_breaker(stack, edge_factory) -
         n = seen["requests"]
         res = post(edge, body_of("Busy embedder, breaker open?", temperature=0))
         assert res.headers["X-Cache-Status"] == "BYPASS" and seen["requests"] == n
-    finally:
-        stop.set()
-        t.join(2)
-        for c in conns:
-            c.close()
-        srv.close()
