@@ -348,8 +348,9 @@ class EmbedderKeeper:
     again on its last port when that is free, else on a free one
     (:func:`controlplane.procs.free_port`); only once its ``/healthz`` answers with this
     stack's instance id is the edge rendered with the semantic cache on and the new
-    ``cache.embedder_url``, and nginx reloaded again (the runtime config file follows,
-    for the control plane's next start). An embedder that exits or is not ready within
+    ``cache.embedder_url``, and nginx reloaded again. When the port changes, the control
+    plane is restarted on the runtime config with the new address first
+    (:meth:`_repoint_controlplane`), so nothing of the stack calls the old one. An embedder that exits or is not ready within
     ``ready_timeout`` counts as a failure; after ``policy.max_failures`` within
     ``policy.window_s`` it stays off and the rest runs on. Call :meth:`tick` from the
     supervision loop; it never waits longer than one health probe (1 s)."""
@@ -393,6 +394,29 @@ class EmbedderKeeper:
             os.kill(ng.pid, signal.SIGHUP)
             self.reloads += 1
 
+    def _repoint_controlplane(self) -> None:
+        """Restart the stack's control plane on a runtime config with the embedder's new
+        address: it reads ``cache.embedder_url`` at start, so its online verification
+        (``POST /v1/embeddings`` with the embedder token and the answers' texts) and its
+        node-address checks would go on using the old port, where another process now
+        listens. The edges route on their last snapshot meanwhile."""
+        c = self.settings.cache
+        semantic = c.semantic
+        c.semantic, c.embedder_url = True, self.url
+        _write_runtime_config(self.settings, self.cfg)
+        c.semantic = semantic
+        cp = next((x for x in self.stack.items if x.name == "controlplane"), None)
+        if cp is None or not cp.alive():
+            return  # its next start reads the file written above
+        cp.stop(grace=5.0)
+        try:
+            cp.start()
+        except OSError as exc:
+            self.say(f"control plane restart for the embedder's new address failed: {exc}")
+            return
+        self.say(f"control plane restarted for the embedder's new address {self.url} "
+                 f"(pid {cp.pid})")
+
     def _failed(self, now: float, why: str) -> None:
         self.failures = [t for t in self.failures if now - t <= self.policy.window_s] + [now]
         if self.settings.cache.semantic:
@@ -415,8 +439,11 @@ class EmbedderKeeper:
             port = procs.free_port()
             self.say(f"embedder port {old} is taken by another process; moving the embedder "
                      f"to 127.0.0.1:{port}")
+        moved = f"http://127.0.0.1:{port}" != self.url
         self.url = f"http://127.0.0.1:{port}"
         self.m.stop(grace=1.0)
+        if moved:
+            self._repoint_controlplane()
         argv = procs.infergate_argv("embedder", "--listen", f"127.0.0.1:{port}",
                                     "--model", self.settings.cache.embedder_model)
         new = procs.Managed("embedder", argv, self.m.log_path, env=self.m.env)

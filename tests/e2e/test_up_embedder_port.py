@@ -86,7 +86,8 @@ def test_embedder_port_taken_after_a_crash(workdir: Path) -> None:
 
         procs.wait_until(semantic_hit, 30, interval=0.5, what="a semantic hit through up's embedder")
         pid = up.part_pid("embedder --listen")
-        assert pid
+        cp_pid = up.part_pid("controlplane --config")
+        assert pid and cp_pid
         os.kill(pid, signal.SIGKILL)
         squatter = _squat(port)
         procs.wait_until(lambda: "semantic cache off until it is back" in up.text(), 15,
@@ -110,6 +111,12 @@ def test_embedder_port_taken_after_a_crash(workdir: Path) -> None:
         conf = "\n".join(p.read_text(errors="replace")
                          for p in (up.folder / "stack" / "nginx").rglob("*.conf"))
         assert f"127.0.0.1:{new_port}" in conf and f"127.0.0.1:{port}" not in conf
+        # the control plane runs on the new address too (online verification, node checks)
+        assert f"control plane restarted for the embedder's new address " \
+               f"http://127.0.0.1:{new_port}" in text, text
+        assert up.part_pid("controlplane --config") not in (None, cp_pid)
+        runtime = (up.folder / "stack" / "infergate.toml").read_text()
+        assert f"http://127.0.0.1:{new_port}" in runtime and f":{port}\"" not in runtime
         time.sleep(0.5)
         # lookups go to the new embedder: a paraphrase-free new prompt is a plain MISS,
         # and the stranger still saw nothing
