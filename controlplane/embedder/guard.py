@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import re
+import unicodedata
 from collections import Counter
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -56,6 +57,26 @@ class GuardResult:
 
 
 PASS = GuardResult(True, None)
+
+# ---------------------------------------------------------------- words and symbols
+
+_WORD_CHAR_RE = re.compile(r"[^\W_]")
+_SYMBOL_CATEGORIES = frozenset(("So", "Sm", "Sc", "Sk"))
+
+
+def has_words(text: str) -> bool:
+    """Whether ``text`` holds a letter or a digit (of any script)."""
+    return _WORD_CHAR_RE.search(text[:MAX_GUARD_CHARS]) is not None
+
+
+@functools.lru_cache(maxsize=8192)
+def symbols(text: str) -> str:
+    """The Unicode symbols of ``text`` (categories So, Sm, Sc, Sk: emoji, Braille,
+    currency, maths, modifiers), sorted. An embedding model often reads them all as one
+    unknown token, so two texts that differ only there embed the same."""
+    return "".join(sorted(ch for ch in text[:MAX_GUARD_CHARS]
+                          if not ch.isalnum() and unicodedata.category(ch) in _SYMBOL_CATEGORIES))
+
 
 # ---------------------------------------------------------------- numbers
 
@@ -422,11 +443,18 @@ def swapped(query: str, candidate: str) -> bool:
 def check(query: str, candidate: str) -> GuardResult:
     """Decide whether ``candidate`` (the cached entry's text) may answer ``query``.
 
-    Checks, in order: numbers, negation, antonyms, swapped sides (``order``), key-term
-    substitution (``key_terms``); the first that differs rejects.
+    Checks, in order: a text without a letter or digit (``no_words``: "???" against
+    "!!!", only equal up to spacing may match), symbols (``symbols``: emoji, currency,
+    maths and other Unicode symbols must be the same, "👍" against "👎"), numbers,
+    negation, antonyms, swapped sides (``order``), key-term substitution (``key_terms``);
+    the first that differs rejects.
     Never raises for ``str`` inputs (non-``str`` is treated as empty text)."""
     q = query if isinstance(query, str) else ""
     c = candidate if isinstance(candidate, str) else ""
+    if (not has_words(q) or not has_words(c)) and q.split() != c.split():
+        return GuardResult(False, "no_words")
+    if symbols(q) != symbols(c):
+        return GuardResult(False, "symbols")
     if numbers_key(q) != numbers_key(c):
         return GuardResult(False, "numbers")
     if negated(q) != negated(c):

@@ -34,6 +34,13 @@ from controlplane.embedder import guard
     ("彬字的行书怎么写", "焱字的行书是怎么写", "key_terms"),
     ("What is the capital of France?", "What is the capital of Germany?", "key_terms"),
     ("Shotgun safety rules in Wisconsin", "Shotgun safety rules in Michigan", "key_terms"),
+    ("???", "!!!", "no_words"),
+    ("\x00", "\x01\x02\x03", "no_words"),
+    ("👍", "👎", "no_words"),
+    ("Is this a good idea? 👍", "Is this a good idea? 👎", "symbols"),
+    ("Reply with the emoji 😀", "Reply with the emoji 😡", "symbols"),
+    ("What does ⠓ mean in braille?", "What does ⠁ mean in braille?", "symbols"),
+    ("Price in $ please", "Price in € please", "symbols"),
 ])
 def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason: str) -> None:
     res = guard.check(query, candidate)
@@ -65,6 +72,9 @@ def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason
     ("What is the best book for learning Python?", "Which is the best book to learn Python?"),
     ("糯米网账户余额怎么退回银行卡？", "百度糯米里面的余额怎么转回银行卡里面？"),
     ("", ""),
+    ("?!", "?!  "),
+    ("What is 2+2?", "what is 2 + 2"),
+    ("Is this a good idea? 👍", "is this a good idea 👍"),
 ])
 def test_passes_equivalent_pairs(query: str, candidate: str) -> None:
     res = guard.check(query, candidate)
