@@ -107,15 +107,21 @@ class Engine:
     ``policy``: per-domain thresholds (:class:`policy.PolicySource`; default none, verifier
     used when given). ``embed_cache`` texts keep their vector in an in-process LRU (a miss
     is usually followed by the index job of the same text). ``model_workers`` batches may
-    run at once when the model is thread-safe (``model.thread_safe``), else one. Construction raises
-    ``redis.exceptions.RedisError`` when Redis is unreachable."""
+    run at once when the model is thread-safe (``model.thread_safe``), else one. Texts longer
+    than ``max_text_chars`` characters take no part in the semantic cache: a lookup misses
+    (``guard`` ``reject:too_long``) and an index job stores nothing, without running the
+    model (the model reads only a text's beginning, so two long texts that differ further
+    on would embed the same; and one such lookup costs up to ~100 ms of a core). Construction
+    raises ``redis.exceptions.RedisError`` when Redis is unreachable."""
 
     def __init__(self, model: EmbeddingModel, r: redis.Redis, index_backend: str = "auto",
                  max_batch: int = 32, max_wait_ms: float = 5.0, top_k: int = 3,
                  embed_timeout_s: float = 5.0, subscribe: bool = True,
                  verifier: Verifier | None = None, policy: PolicySource | None = None,
-                 embed_cache: int = 4096, model_workers: int = 1):
+                 embed_cache: int = 4096, model_workers: int = 1,
+                 max_text_chars: int = 1000):
         self.model = model
+        self.max_text_chars = max_text_chars
         self.verifier = verifier
         self.policy = policy or PolicySource()
         self._vec_cache: OrderedDict[str, np.ndarray] = OrderedDict()
@@ -203,13 +209,19 @@ class Engine:
         return np.vstack(rows).astype(np.float32, copy=False)
 
     def index_items(self, items: list[IndexItem], source: str = "api") -> list[int]:
-        """Embed and store ``items``; returns applied TTLs in ms (0 = entry already gone).
+        """Embed and store ``items``; returns applied TTLs in ms (0 = entry already gone, or
+        its text longer than ``max_text_chars``: not stored).
 
         Raises :class:`EngineUnavailable` (model) or ``redis.exceptions.RedisError``."""
         if not items:
             return []
-        vecs = self.embed([it.text for it in items])
-        applied = self.index.add(items, vecs)
+        keep = [i for i, it in enumerate(items) if len(it.text) <= self.max_text_chars]
+        applied = [0] * len(items)
+        if not keep:
+            return applied
+        vecs = self.embed([items[i].text for i in keep])
+        for i, t in zip(keep, self.index.add([items[i] for i in keep], vecs)):
+            applied[i] = t
         self.metrics.indexed.labels(source).inc(sum(1 for t in applied if t > 0))
         return applied
 
@@ -296,12 +308,22 @@ class Engine:
         Raises :class:`EngineUnavailable` (model) or ``redis.exceptions.RedisError``."""
         t0 = time.perf_counter() if started is None else started
         threshold, min_score = self.thresholds(namespace, min_similarity, route, model)
+        if len(text) > self.max_text_chars:
+            elapsed = time.perf_counter() - t0
+            self.metrics.lookups.inc()
+            self.metrics.lookup_seconds.observe(elapsed)
+            return LookupResult(hit=False, key=None, similarity=None, candidate_text=None,
+                                guard="reject:too_long", model_id=self.model.model_id,
+                                elapsed_ms=round(elapsed * 1000, 3), min_similarity=threshold,
+                                min_verifier_score=min_score)
         vec = self.embed([text])[0]
         cands = self.index.search(namespace, vec, self.top_k)
         hit: Candidate | None = None
         verdict: str | None = None
         best_score: float | None = None
         above = [c for c in cands if c.similarity >= threshold]
+        # characters outside the model's vocabulary (models that know theirs)
+        unknown = getattr(self.model, "unknown_chars", None)
         for c in above:
             if not use_guard:
                 if self._live(c):
@@ -309,6 +331,8 @@ class Engine:
                     break
                 continue
             g = guard_mod.check(text, c.text)
+            if g.ok and unknown is not None and unknown(text) != unknown(c.text):
+                g = guard_mod.GuardResult(False, "unknown_chars")
             if not g.ok:
                 self.metrics.guard_rejects.inc()
                 verdict = verdict or g.label

