@@ -657,6 +657,12 @@ local function embedder_result(ok, why)
     end
 end
 
+local function embedder_busy()
+    local dict = ngx.shared[_M.DICT]
+    local ok_at = dict and dict:get("emb:ok_at")
+    return ok_at ~= nil and ngx.now() - ok_at < _M.EMBEDDER_BUSY_S
+end
+
 -- Semantic lookup through the embedder. Returns the lookup answer table or nil, err.
 local function semantic_lookup(c)
     -- route and model select the embedder's per-domain thresholds
@@ -672,14 +678,13 @@ local function semantic_lookup(c)
         embedder_result(false, "subrequest failed")
         return nil, "embedder subrequest failed"
     end
+    -- a timeout (504, or an answer cut while it was being read) soon after a lookup that
+    -- succeeded: the embedder is busy, not hung
+    local timed_out = res.status == ngx.HTTP_GATEWAY_TIMEOUT or res.truncated
+    if timed_out and embedder_busy() then
+        return nil, "embedder busy (lookup timed out)"
+    end
     if res.status ~= 200 then
-        if res.status == ngx.HTTP_GATEWAY_TIMEOUT then
-            local dict = ngx.shared[_M.DICT]
-            local ok_at = dict and dict:get("emb:ok_at")
-            if ok_at and ngx.now() - ok_at < _M.EMBEDDER_BUSY_S then
-                return nil, "embedder busy (lookup timed out)"
-            end
-        end
         if res.status >= 500 then
             embedder_result(false, "answered " .. tostring(res.status))
         end
