@@ -13,7 +13,8 @@ with status 1); a child that exits before it served (Redis unreachable, model no
 loadable) stops the others and the command exits with that child's status, as the single
 process would. SIGTERM or SIGINT to the parent is passed to the children, which finish
 their requests (at most :data:`STOP_GRACE_S`, then SIGKILL). A child whose parent died
-notices within a second and stops itself as on SIGTERM (a few seconds in all).
+notices within a second, removes the parent's metrics folder and stops itself as on
+SIGTERM (a few seconds in all).
 
 Prometheus counters are shared through ``prometheus_client``'s multiprocess mode: the
 parent sets ``PROMETHEUS_MULTIPROC_DIR`` to a directory of its own (removed at exit)
@@ -73,25 +74,29 @@ class _Stop(InfergateError):
     """Raised in the supervisor by SIGTERM/SIGINT: stop the children."""
 
 
-def _watch_parent(parent: int) -> None:
-    """In a child: SIGTERM itself once its parent is gone (re-parented)."""
+def _watch_parent(parent: int, metrics_dir: str = "") -> None:
+    """In a child: SIGTERM itself once its parent is gone (re-parented), after removing
+    the parent's metrics folder ``metrics_dir`` (a killed parent cannot)."""
     def run() -> None:
         while True:
             time.sleep(1.0)
             if os.getppid() != parent:
+                if metrics_dir:
+                    shutil.rmtree(metrics_dir, ignore_errors=True)
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
 
     threading.Thread(target=run, name="parent-watch", daemon=True).start()
 
 
-def _child(serve: Callable[[Callable[[], None]], None], ready_w: int, parent: int) -> None:
+def _child(serve: Callable[[Callable[[], None]], None], ready_w: int, parent: int,
+           metrics_dir: str = "") -> None:
     """Body of a forked child; never returns (``os._exit`` with the serve status)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     code = 1
     try:
-        _watch_parent(parent)
+        _watch_parent(parent, metrics_dir)
         serve(lambda: os.write(ready_w, struct.pack("=i", os.getpid())))
         code = 0
     except click.ClickException as exc:
@@ -122,7 +127,7 @@ def supervise(n: int, serve: Callable[[Callable[[], None]], None],
         pid = os.fork()
         if pid == 0:
             os.close(ready_r)
-            _child(serve, ready_w, parent)
+            _child(serve, ready_w, parent, metrics_dir)
         children[pid] = False
 
     def on_signal(signum, frame):  # noqa: ARG001

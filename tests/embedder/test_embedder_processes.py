@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -111,6 +112,27 @@ def test_dead_process_is_replaced_and_sigterm_stops_all(redis_server, workdir) -
         for k in kids:
             procs.wait_until(lambda k=k: not Path(f"/proc/{k}").exists(), 5, interval=0.05,
                              what=f"process {k} gone")
+    finally:
+        m.stop()
+
+
+def test_children_of_a_killed_parent_stop_and_remove_its_metrics_folder(redis_server,
+                                                                        workdir) -> None:
+    tmp = Path(tempfile.gettempdir())
+    before = set(tmp.glob("infergate-embedder-metrics-*"))
+    m, _ = _start(redis_server, workdir)
+    try:
+        kids = _children(m.proc.pid)
+        # the parent's folder: prometheus_client names each process's files by its pid
+        ours = [d for d in set(tmp.glob("infergate-embedder-metrics-*")) - before
+                if any(f.name.endswith(f"_{k}.db") for k in kids for f in d.iterdir())]
+        assert len(ours) == 1
+        os.kill(m.proc.pid, signal.SIGKILL)  # the parent only: no SIGTERM reaches them
+        for k in kids:
+            procs.wait_until(lambda k=k: not Path(f"/proc/{k}").exists()
+                             or Path(f"/proc/{k}/stat").read_text().split()[2] == "Z",
+                             15, interval=0.1, what=f"process {k} gone")
+        assert not ours[0].exists()
     finally:
         m.stop()
 
