@@ -92,16 +92,25 @@ class AutoInt(click.ParamType):
         return n
 
 
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask: a cpuset or ``taskset`` counts),
+    else ``os.cpu_count()``."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def resolve_auto(processes: int | None, model_workers: int | None,
                  cpus: int | None = None) -> tuple[int, int]:
     """``(processes, model_workers)`` with ``auto`` (None) resolved: one process per CPU
-    (``os.cpu_count()`` unless ``cpus``; at most :data:`AUTO_PROCESSES_MAX`), two model
-    workers with one process, else one. Measured on 2 cores (README "Semantic cache
-    lookups"): 2 processes of 1 worker serve about 2x the lookups/s of one process of 2
-    workers at 16 clients; 2 processes of 2 workers lose a third of that to the threads
-    contending for the cores."""
+    this process may run on (``cpus``, else :func:`_usable_cpus`; at most
+    :data:`AUTO_PROCESSES_MAX`), two model workers with one process, else one. Measured on
+    2 cores at 16 clients (README "Semantic cache lookups"): 2 processes of 1 worker served
+    1.2-2x the lookups/s of 1 process of 2 workers; 2 processes of 2 workers lost about a
+    third of that to threads contending for the cores."""
     if processes is None:
-        processes = max(1, min(AUTO_PROCESSES_MAX, cpus or os.cpu_count() or 1))
+        processes = max(1, min(AUTO_PROCESSES_MAX, cpus or _usable_cpus()))
     if model_workers is None:
         model_workers = 2 if processes == 1 else 1
     return processes, model_workers
