@@ -208,8 +208,12 @@ def _serve(sock, host: str, port: int, settings, config_path: str | None, url: s
     # connection_limit: waitress's default of 100 would let the edges' idle keepalive
     # connections (64 per nginx worker, nginx/infergate-http.conf.j2) and a burst's
     # lookups hold every slot, leaving new connections in the kernel's backlog
+    # channel_request_lookahead: waitress reads on while a request waits for a thread, so
+    # it notices a caller that closed the connection (the edge after its lookup budget)
+    # and skips that request instead of running the model for nobody
     server = waitress.create_server(late_app, sockets=[sock], threads=threads,
                                     connection_limit=CONNECTION_LIMIT,
+                                    channel_request_lookahead=1,
                                     ident="infergate-embedder")
 
     from controlplane import procs

@@ -1,6 +1,7 @@
 """``infergate embedder`` as a process: it listens on the address of
-``cache.embedder_url`` from the config file (so the edge and the embedder agree), and a
-port already in use ends it at once with one line, before Redis or the model."""
+``cache.embedder_url`` from the config file (so the edge and the embedder agree), a port
+already in use ends it at once with one line, before Redis or the model, and a lookup
+whose caller has gone before a thread took it up is not run."""
 
 from __future__ import annotations
 
@@ -62,3 +63,40 @@ def test_port_taken_is_one_line_before_the_model(workdir) -> None:
     assert "in use" in lines[0] and "cache.embedder_url" in lines[0]
     assert "Traceback" not in res.stderr and "model" not in res.stdout
     assert elapsed < 10, elapsed  # no Redis wait, no model load
+
+
+def test_lookups_whose_caller_left_are_not_run(redis_server, workdir, tiny_upstreams) -> None:
+    """One thread, a model that takes 0.3 s a call (a remote embeddings server) and 12
+    lookups whose callers give up after 0.1 s (as the edge does after its budget): the
+    ones still queued when their caller closed the connection are skipped, not embedded
+    for nobody."""
+    (emb,) = tiny_upstreams(names=["embeddings"])
+    emb.delay_s = 0.3
+    port = procs.free_port()
+    m = procs.Managed("embedder", procs.infergate_argv(
+        "embedder", "--listen", f"127.0.0.1:{port}", "--redis-url", redis_server.url,
+        "--embeddings-url", emb.url, "--embeddings-model", "tiny-embed", "--index", "local",
+        "--no-queue", "--threads", "1", "--processes", "1"), workdir / "embedder.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        m.start().wait_ready(lambda: requests.get(url + "/healthz", timeout=2).ok, 60)
+        before = emb.hits
+        from concurrent.futures import ThreadPoolExecutor
+
+        def give_up_soon(i: int) -> str:
+            try:
+                requests.post(url + "/v1/lookup", timeout=0.1,
+                              json={"namespace": "ab" * 32, "text": f"question {i}?"})
+                return "answered"
+            except requests.RequestException:
+                return "gave up"
+
+        with ThreadPoolExecutor(12) as ex:
+            outcomes = list(ex.map(give_up_soon, range(12)))
+        assert outcomes.count("gave up") == 12
+        time.sleep(1.5)  # what still runs finishes (0.3 s a call)
+        assert requests.get(url + "/healthz", timeout=5).ok
+        # at most the lookups a thread had taken up before their callers left
+        assert emb.hits - before <= 3, emb.hits - before
+    finally:
+        m.stop()
