@@ -350,9 +350,10 @@ class EmbedderKeeper:
     stack's instance id is the edge rendered with the semantic cache on and the new
     ``cache.embedder_url``, and nginx reloaded again. When the port changes, the control
     plane is restarted on the runtime config with the new address first
-    (:meth:`_repoint_controlplane`), so nothing of the stack calls the old one. An embedder that exits or is not ready within
-    ``ready_timeout`` counts as a failure; after ``policy.max_failures`` within
-    ``policy.window_s`` it stays off and the rest runs on. Call :meth:`tick` from the
+    (:meth:`_repoint_controlplane`), so nothing of the stack calls the old one. An
+    embedder that exits or is not ready within ``ready_timeout`` counts as a failure;
+    after ``policy.max_failures`` within ``policy.window_s`` it stays off and the rest
+    runs on. Call :meth:`tick` from the
     supervision loop; it never waits longer than one health probe (1 s)."""
 
     def __init__(self, m: procs.Managed, settings: Settings, stack: procs.ProcessSet,

@@ -169,8 +169,8 @@ class UseM3Model:
     dominated by streaming the weights, which batching amortises, and a second BLAS
     thread that spins while its core runs nginx or Redis makes a call several times
     slower. Encoding takes about 1.2 ms for one text and 0.5 ms per text at batch 16-32
-    on this project's 2-core machine (the forward pass; tokenising with ``sentencepiece``, when installed, adds
-    about 4 us); resident memory of an embedder process about 187 MB."""
+    on this project's 2-core machine (the forward pass; tokenising with ``sentencepiece``,
+    when installed, adds about 4 us); resident memory of an embedder process about 187 MB."""
 
     model_id = USE_M3
     dim = 512
