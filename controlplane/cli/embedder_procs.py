@@ -17,8 +17,10 @@ notices within a second, removes the parent's metrics folder and stops itself as
 SIGTERM (a few seconds in all).
 
 Prometheus counters are shared through ``prometheus_client``'s multiprocess mode: the
-parent sets ``PROMETHEUS_MULTIPROC_DIR`` to a directory of its own (removed at exit)
-before the children import the library, and ``/metrics`` of any process sums all of them.
+parent sets ``PROMETHEUS_MULTIPROC_DIR`` to a directory of its own (removed at exit; named
+with its pid, so that the next embedder to start removes it when the parent was killed
+with its children) before the children import the library, and ``/metrics`` of any
+process sums all of them.
 """
 
 from __future__ import annotations
@@ -46,6 +48,43 @@ RESTART_WINDOW_S = 60.0
 STOP_GRACE_S = 10.0
 #: Environment variable of prometheus_client's multiprocess mode.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+#: Name prefix of a parent's metrics folder in the temp directory, followed by its pid.
+METRICS_PREFIX = "infergate-embedder-metrics-"
+
+
+def remove_stale_metrics_dirs(tmp: str | None = None) -> list[str]:
+    """Remove the metrics folders (``<tmp>/infergate-embedder-metrics-<pid>-*``) of this
+    user whose embedder parent is gone, e.g. killed with its whole process group so that
+    neither it nor its children could; returns the paths removed. A folder whose pid is
+    alive, belongs to another user or has no pid in its name is left alone."""
+    base = tmp or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(METRICS_PREFIX):
+            continue
+        pid_text = name[len(METRICS_PREFIX):].split("-", 1)[0]
+        path = os.path.join(base, name)
+        try:
+            pid = int(pid_text)
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(pid, 0)
+            continue  # its parent is alive
+        except ValueError:
+            continue
+        except ProcessLookupError:
+            pass
+        except OSError:  # PermissionError: a live process of another user
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
 
 
 def bind_listener(host: str, port: int, backlog: int = 1024) -> socket.socket:
@@ -115,7 +154,8 @@ def supervise(n: int, serve: Callable[[Callable[[], None]], None],
     """Fork ``n`` children running ``serve(ready)`` (``ready()`` once they answer) and
     keep them running until SIGTERM/SIGINT; returns the exit status (0 after a stop, the
     failing child's status when one could not start, 1 when children keep dying)."""
-    metrics_dir = tempfile.mkdtemp(prefix="infergate-embedder-metrics-")
+    remove_stale_metrics_dirs()
+    metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_PREFIX}{os.getpid()}-")
     os.environ[MULTIPROC_ENV] = metrics_dir
     ready_r, ready_w = os.pipe()
     os.set_blocking(ready_r, False)
