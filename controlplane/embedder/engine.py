@@ -308,18 +308,14 @@ class Engine:
         Raises :class:`EngineUnavailable` (model) or ``redis.exceptions.RedisError``."""
         t0 = time.perf_counter() if started is None else started
         threshold, min_score = self.thresholds(namespace, min_similarity, route, model)
-        if len(text) > self.max_text_chars:
-            elapsed = time.perf_counter() - t0
-            self.metrics.lookups.inc()
-            self.metrics.lookup_seconds.observe(elapsed)
-            return LookupResult(hit=False, key=None, similarity=None, candidate_text=None,
-                                guard="reject:too_long", model_id=self.model.model_id,
-                                elapsed_ms=round(elapsed * 1000, 3), min_similarity=threshold,
-                                min_verifier_score=min_score)
-        vec = self.embed([text])[0]
-        cands = self.index.search(namespace, vec, self.top_k)
         hit: Candidate | None = None
         verdict: str | None = None
+        if len(text) > self.max_text_chars:
+            cands: list[Candidate] = []  # nothing embedded, nothing searched
+            verdict = "reject:too_long"
+        else:
+            vec = self.embed([text])[0]
+            cands = self.index.search(namespace, vec, self.top_k)
         best_score: float | None = None
         above = [c for c in cands if c.similarity >= threshold]
         # characters outside the model's vocabulary (models that know theirs)
