@@ -26,8 +26,8 @@ import requests
 
 from controlplane import procs
 
-from ..common import RESULTS_DIR, BenchError, Stack, log, machine_info, sigterm_as_interrupt, \
-    write_json
+from ..common import (RESULTS_DIR, BenchError, Stack, log, machine_info, percentile, rounded,
+                      sigterm_as_interrupt, write_json)
 from . import __main__ as eo
 
 #: Paraphrases of :data:`eo.SEM_PROMPT` that the default verifier serves (case and
@@ -64,11 +64,6 @@ async def _burst(url: str, bodies: list[str]) -> tuple[list[dict], float]:
         return list(res), (time.perf_counter() - t0) * 1000
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 1) if xs else 0.0
-
-
 def summarise(res: list[dict], wall_ms: float) -> dict:
     """Counts of one burst: ``semantic`` (X-Cache-Match semantic), ``bypass``, ``miss``,
     ``exact`` (X-Cache-Match exact), statuses, p50/p99 latency (ms) and wall time (ms)."""
@@ -87,8 +82,9 @@ def summarise(res: list[dict], wall_ms: float) -> dict:
             "miss": kinds["miss"], "exact": kinds["exact"],
             "semantic_share": round(kinds["semantic"] / n, 4) if n else 0.0,
             "statuses": dict(Counter(str(r["status"]) for r in res)),
-            "p50_ms": _pct([r["ms"] for r in res], 0.5),
-            "p99_ms": _pct([r["ms"] for r in res], 0.99), "wall_ms": round(wall_ms, 1)}
+            "p50_ms": rounded(percentile([r["ms"] for r in res], 50), 1),
+            "p99_ms": rounded(percentile([r["ms"] for r in res], 99), 1),
+            "wall_ms": round(wall_ms, 1)}
 
 
 @click.command()
