@@ -25,8 +25,8 @@ Package map (docs/internals.md "Source tree" has the same map with the Lua edge)
   with deadlines; ``paths`` -- where ``lua/``, ``nginx/`` and ``templates/`` live.
 
 On the request path: none of this runs per request except the embedder's
-``POST /v1/lookup`` (a semantic lookup after an exact-cache miss, inside the edge's
-time budget, fail-open). Routing, admission and exact-cache hits are the Lua edge
+``POST /v1/lookups`` (semantic lookups after an exact-cache miss, grouped per nginx
+worker, inside the edge's time budget, fail-open). Routing, admission and exact-cache hits are the Lua edge
 (``lua/infergate/``) alone; the control plane only writes what the edge reads.
 """
 

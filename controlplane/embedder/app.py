@@ -6,6 +6,12 @@ Endpoints (JSON in and out):
   "guard"?: bool, "route"?: str, "model"?: str}`` -> 200 :class:`engine.LookupResult`
   fields ``{"hit", "key", "similarity", "candidate_text", "guard", "model_id",
   "elapsed_ms", "min_similarity", "verifier_score", "min_verifier_score"}``.
+- ``POST /v1/lookups`` ``{"lookups": [<a /v1/lookup body>, ...], "brief"?: bool}`` (1-64
+  lookups) -> 200 ``{"results": [...]}`` in the same order, each a ``/v1/lookup`` answer
+  (without ``candidate_text`` when ``brief``) or, for a malformed item,
+  ``{"error": {...}}`` as a 400 would carry; the texts are embedded in one
+  model call (the edge sends the lookups that arrive while its earlier ones are in flight
+  as one such call).
 - ``POST /v1/index`` ``{"key": hex, "namespace": hex, "text": str, "ttl_s": int, "model"?,
   "tenant"?}`` -> 200 ``{"indexed": bool, "key", "ttl_ms": int, "model_id"}``
   (``indexed`` false when the entry exists with no time left).
@@ -41,7 +47,8 @@ from werkzeug.exceptions import HTTPException
 
 from controlplane import procs
 from controlplane.embedder.engine import Engine, EngineUnavailable
-from controlplane.embedder.wire import BadRequest, embeddings_request, index_item, lookup_request
+from controlplane.embedder.wire import (BadRequest, embeddings_request, index_item, lookup_batch,
+                                       lookup_request)
 
 log = logging.getLogger("infergate.embedder")
 
@@ -115,6 +122,26 @@ def create_app(engine: Engine, token: str = "") -> Flask:
         res = engine.lookup(req.namespace, req.text, req.min_similarity, req.guard, started=t0,
                             route=req.route or None, model=req.model or None)
         return jsonify(res.to_dict())
+
+    @app.post("/v1/lookups")
+    def lookups():
+        t0 = time.perf_counter()
+        data = body()
+        items = lookup_batch(data)
+        brief = isinstance(data, dict) and data.get("brief") is True
+        good = [it for it in items if not isinstance(it, BadRequest)]
+        found = iter(engine.lookup_many(good, started=t0) if good else [])
+        results = []
+        for it in items:
+            if isinstance(it, BadRequest):
+                results.append({"error": {"message": str(it), "type": "invalid_request_error",
+                                          "param": it.param, "code": None}})
+            else:
+                res = next(found).to_dict()
+                if brief:
+                    del res["candidate_text"]
+                results.append(res)
+        return jsonify({"results": results})
 
     @app.post("/v1/index")
     def index():

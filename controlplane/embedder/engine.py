@@ -12,7 +12,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import redis
@@ -25,6 +25,7 @@ from controlplane.embedder.index import Candidate, IndexItem, open_index
 from controlplane.embedder.models import EmbeddingModel, EmbedError, slug
 from controlplane.embedder.policy import PolicySource
 from controlplane.embedder.verifier import Verifier
+from controlplane.embedder.wire import LookupRequest
 from controlplane.errors import InfergateError
 
 if TYPE_CHECKING:
@@ -306,23 +307,82 @@ class Engine:
         :meth:`thresholds` (``route``/``model`` of the request select a domain).
 
         Raises :class:`EngineUnavailable` (model) or ``redis.exceptions.RedisError``."""
+        req = LookupRequest(namespace, text, min_similarity, use_guard, route or "", model or "")
+        return self.lookup_many([req], started=started)[0]
+
+    def lookup_many(self, reqs: list[LookupRequest],
+                    started: float | None = None) -> list[LookupResult]:
+        """:meth:`lookup` of each request, together: the texts embedded in one model call,
+        and whether each would-be hit's entry still exists asked in one Redis pipeline
+        (a candidate found gone is skipped and the next one tried, as a single lookup
+        does). Results in the order of ``reqs``; ``elapsed_ms`` is the whole call's.
+
+        Raises :class:`EngineUnavailable` (model) or ``redis.exceptions.RedisError``: the
+        whole call fails."""
         t0 = time.perf_counter() if started is None else started
-        threshold, min_score = self.thresholds(namespace, min_similarity, route, model)
+        limits = [self.thresholds(q.namespace, q.min_similarity, q.route or None,
+                                  q.model or None) for q in reqs]
+        embed_at = [i for i, q in enumerate(reqs) if len(q.text) <= self.max_text_chars]
+        vecs: list[np.ndarray | None] = [None] * len(reqs)
+        if embed_at:
+            for i, v in zip(embed_at, self.embed([reqs[i].text for i in embed_at])):
+                vecs[i] = v
+        cands = [self.index.search(q.namespace, vecs[i], self.top_k)
+                 if vecs[i] is not None else [] for i, q in enumerate(reqs)]
+        # first pass as if every entry were live, then one pipeline for the chosen ones
+        picks = [self._choose(q.text, vecs[i], cands[i], *limits[i], q.guard, None)
+                 for i, q in enumerate(reqs)]
+        chosen = [i for i, p in enumerate(picks) if p[0] is not None]
+        if chosen:
+            pipe = self.r.pipeline(transaction=False)
+            for i in chosen:
+                pipe.exists(keynames.cache_entry(picks[i][0].key))  # type: ignore[union-attr]
+            for i, alive in zip(chosen, pipe.execute()):
+                if not alive:  # gone since it was indexed: the others, one by one
+                    rest = [c for c in cands[i] if c is not picks[i][0]]
+                    picks[i] = self._choose(reqs[i].text, vecs[i], rest, *limits[i],
+                                            reqs[i].guard, self._live)
+        elapsed = time.perf_counter() - t0
+        out = []
+        for i, q in enumerate(reqs):
+            hit, verdict, best_score = picks[i]
+            if vecs[i] is None:
+                verdict = "reject:too_long"  # nothing embedded, nothing searched
+            shown = hit or (cands[i][0] if cands[i] else None)
+            self.metrics.lookups.inc()
+            self.metrics.lookup_seconds.observe(elapsed)
+            if hit is not None:
+                self.metrics.hits.inc()
+            threshold, min_score = limits[i]
+            out.append(LookupResult(
+                hit=hit is not None, key=hit.key if hit else None,
+                similarity=None if shown is None else round(min(1.0, max(0.0, shown.similarity)),
+                                                            6),
+                candidate_text=shown.text if shown else None,
+                guard=verdict, model_id=self.model.model_id,
+                elapsed_ms=round(elapsed * 1000, 3), min_similarity=threshold,
+                verifier_score=None if best_score is None else round(float(best_score), 6),
+                min_verifier_score=min_score))
+        return out
+
+    def _choose(self, text: str, vec: np.ndarray | None, cands: list[Candidate],
+                threshold: float, min_score: float | None, use_guard: bool,
+                live: Callable[[Candidate], bool] | None,
+                ) -> tuple[Candidate | None, str | None, float | None]:
+        """``(hit, verdict, best verifier score)`` among ``cands`` (best first) for the
+        query ``text``: the first above ``threshold`` that passes the guard (when
+        ``use_guard``), the verifier (when ``min_score`` is set) and ``live`` (None: taken
+        as live; the caller checks)."""
         hit: Candidate | None = None
         verdict: str | None = None
-        if len(text) > self.max_text_chars:
-            cands: list[Candidate] = []  # nothing embedded, nothing searched
-            verdict = "reject:too_long"
-        else:
-            vec = self.embed([text])[0]
-            cands = self.index.search(namespace, vec, self.top_k)
         best_score: float | None = None
-        above = [c for c in cands if c.similarity >= threshold]
         # characters outside the model's vocabulary (models that know theirs)
         unknown = getattr(self.model, "unknown_chars", None)
-        for c in above:
+        for c in cands:
+            if c.similarity < threshold:
+                continue
             if not use_guard:
-                if self._live(c):
+                if live is None or live(c):
                     hit = c
                     break
                 continue
@@ -333,7 +393,7 @@ class Engine:
                 self.metrics.guard_rejects.inc()
                 verdict = verdict or g.label
                 continue
-            if min_score is not None:
+            if min_score is not None and vec is not None:
                 # one candidate at a time: a hit on the first spares the others' features
                 score = self._verify(text, vec, [c])[0]
                 best_score = score if best_score is None else max(best_score, score)
@@ -342,25 +402,12 @@ class Engine:
                     verdict = verdict or "reject:verifier"
                     continue
                 best_score = score
-            if not self._live(c):
+            if live is not None and not live(c):
                 continue
             verdict = g.label
             hit = c
             break
-        shown = hit or (cands[0] if cands else None)
-        elapsed = time.perf_counter() - t0
-        self.metrics.lookups.inc()
-        self.metrics.lookup_seconds.observe(elapsed)
-        if hit is not None:
-            self.metrics.hits.inc()
-        return LookupResult(
-            hit=hit is not None, key=hit.key if hit else None,
-            similarity=None if shown is None else round(min(1.0, max(0.0, shown.similarity)), 6),
-            candidate_text=shown.text if shown else None,
-            guard=verdict, model_id=self.model.model_id, elapsed_ms=round(elapsed * 1000, 3),
-            min_similarity=threshold,
-            verifier_score=None if best_score is None else round(float(best_score), 6),
-            min_verifier_score=min_score)
+        return hit, verdict, best_score
 
     def _verify(self, text: str, vec: np.ndarray, cands: list[Candidate]) -> list[float]:
         """Verifier probabilities of ``cands`` for the query ``text`` (vector ``vec``); a

@@ -104,6 +104,28 @@ def lookup_request(body: Any) -> LookupRequest:
                          _label(b, "model"))
 
 
+#: Most lookups in one ``POST /v1/lookups`` body.
+MAX_LOOKUPS = 64
+
+
+def lookup_batch(body: Any) -> list[LookupRequest | BadRequest]:
+    """``{"lookups": [<lookup_request body>, ...]}`` (1 to :data:`MAX_LOOKUPS` items): each
+    item parsed by :func:`lookup_request`, a malformed one given as its
+    :class:`BadRequest` in its place (the others are still answered). Raises
+    :class:`BadRequest` when ``lookups`` is not such a list."""
+    b = _obj(body)
+    items = b.get("lookups")
+    if not isinstance(items, list) or not 1 <= len(items) <= MAX_LOOKUPS:
+        raise BadRequest(f"lookups: a list of 1 to {MAX_LOOKUPS} lookups", "lookups")
+    out: list[LookupRequest | BadRequest] = []
+    for item in items:
+        try:
+            out.append(lookup_request(item))
+        except BadRequest as exc:
+            out.append(exc)
+    return out
+
+
 def index_item(body: Any) -> IndexItem:
     """``{"key": hex, "namespace": hex, "text": str, "ttl_s": int > 0, "model"?: str,
     "tenant"?: str}`` (an index-queue item or a ``POST /v1/index`` body)."""

@@ -852,7 +852,7 @@ def test_a_busy_embedder_does_not_open_the_lookup_breaker(stack, edge_factory) -
     Once nothing has succeeded for EMBEDDER_BUSY_S, timeouts count again and open it."""
     lock = threading.Lock()
     seen = {"requests": 0}
-    miss = json.dumps({"hit": False, "key": None, "similarity": None}).encode()
+    miss = json.dumps({"results": [{"hit": False, "key": None, "similarity": None}]}).encode()
 
     def serve(conn: socket.socket, stop: threading.Event) -> None:
         buf = b""
@@ -885,7 +885,8 @@ def test_a_busy_embedder_does_not_open_the_lookup_breaker(stack, edge_factory) -
             stack, embedder_url=f"http://127.0.0.1:{port}", semantic_budget_ms=100))
         res = post(edge, body_of("Busy embedder question zero?", temperature=0))
         assert res.headers["X-Cache-Status"] == "MISS" and seen["requests"] == 1
-        with ThreadPoolExecutor(6) as ex:   # a burst: six timeouts at once
+        # a burst: six lookup calls time out, two at a time (each alone in its call)
+        with ThreadPoolExecutor(2) as ex:
             burst = list(ex.map(lambda i: post(edge, body_of(f"Busy embedder burst {i}?",
                                                              temperature=0)), range(6)))
         assert {r.headers["X-Cache-Status"] for r in burst} == {"BYPASS"}
@@ -903,3 +904,53 @@ def test_a_busy_embedder_does_not_open_the_lookup_breaker(stack, edge_factory) -
         n = seen["requests"]
         res = post(edge, body_of("Busy embedder, breaker open?", temperature=0))
         assert res.headers["X-Cache-Status"] == "BYPASS" and seen["requests"] == n
+
+
+def test_concurrent_lookups_go_to_the_embedder_grouped(stack, edge_factory) -> None:
+    """Lookups that arrive while a worker's calls are in flight wait and go out together
+    in its next call (group commit): every lookup is answered once, in its own place of
+    the call's results, with at most MAX_FLIGHTS (2) calls in flight per worker."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    lock = threading.Lock()
+    calls: list[list[str]] = []
+    state = {"now": 0, "most": 0}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            items = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["lookups"]
+            with lock:
+                calls.append([it["text"] for it in items])
+                state["now"] += 1
+                state["most"] = max(state["most"], state["now"])
+            time.sleep(0.1)  # the model's time: later lookups queue meanwhile
+            with lock:
+                state["now"] -= 1
+            doc = json.dumps({"results": [{"hit": False, "key": None, "similarity": 0.5}
+                                          for _ in items]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(doc)))
+            self.end_headers()
+            self.wfile.write(doc)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        edge = edge_factory(cache_settings(
+            stack, embedder_url=f"http://127.0.0.1:{srv.server_address[1]}"))
+        texts = [f"Grouped lookup question number {i}?" for i in range(24)]
+        with ThreadPoolExecutor(24) as ex:
+            res = list(ex.map(lambda t: post(edge, body_of(t, temperature=0)), texts))
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert [r.status_code for r in res] == [200] * 24
+    assert {r.headers["X-Cache-Status"] for r in res} == {"MISS"}
+    sent = [t for call in calls for t in call]
+    assert sorted(sent) == sorted(texts)          # each lookup once
+    assert len(calls) < len(texts) and max(len(c) for c in calls) > 1
+    assert state["most"] <= 2 * 2                 # two workers, two calls each

@@ -35,7 +35,8 @@ MODEL = "sim-llama"
 
 @dataclass
 class FakeEmbedder:
-    """Answers every POST /v1/lookup with a hit on ``key`` (no hit while it is None)."""
+    """Answers every lookup of a POST /v1/lookups with a hit on ``key`` (no hit while it is
+    None); ``lookups`` holds the lookups received."""
 
     key: str | None = None
     lookups: list[dict] = field(default_factory=list)
@@ -53,11 +54,12 @@ def _start_fake_embedder() -> FakeEmbedder:
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802 - http.server's name
             n = int(self.headers.get("Content-Length") or 0)
-            fake.lookups.append(json.loads(self.rfile.read(n) or b"{}"))
+            items = json.loads(self.rfile.read(n) or b"{}").get("lookups") or []
+            fake.lookups.extend(items)
             doc: dict[str, Any] = {"hit": False}
             if fake.key:
                 doc = {"hit": True, "key": fake.key, "similarity": 0.99}
-            data = json.dumps(doc).encode()
+            data = json.dumps({"results": [doc] * len(items)}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))

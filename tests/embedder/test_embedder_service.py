@@ -204,6 +204,47 @@ def test_a_purged_nearest_entry_gives_way_to_the_next(svc) -> None:
     assert res["hit"] is True and res["key"] == kept
 
 
+def test_lookups_answers_each_in_its_place(svc) -> None:
+    """POST /v1/lookups: one answer per lookup in the order sent, each what /v1/lookup
+    says for it (a purged nearest entry giving way to the next included); a malformed
+    item gets its 400 body in its place and the others are answered; ``brief`` drops
+    ``candidate_text``."""
+    ns = hx("batch" + svc.backend)
+    other = hx("batch-other" + svc.backend)
+    gone = svc.add(PASSWORD, ns)
+    kept = svc.add("how do I reset my password", ns)
+    capital = svc.add("What is the capital of France?", other)
+    svc.r.delete(keynames.cache_entry(gone))
+    items = [{"namespace": ns, "text": PASSWORD},
+             {"namespace": other, "text": "what is the capital of France"},
+             {"namespace": ns, "text": "Which wine goes with grilled fish?"},
+             {"namespace": "NOTHEX", "text": "hi"},
+             {"namespace": other, "text": "x" * (svc.engine.max_text_chars + 1)}]
+    r = svc.post("/v1/lookups", {"lookups": items})
+    assert r.status_code == 200, r.text
+    res = r.json()["results"]
+    assert len(res) == len(items)
+    assert res[0]["hit"] is True and res[0]["key"] == kept
+    assert res[1]["hit"] is True and res[1]["key"] == capital
+    assert res[2]["hit"] is False and res[2]["key"] is None
+    assert res[3]["error"]["param"] == "namespace" and "hit" not in res[3]
+    assert res[4]["hit"] is False and res[4]["guard"] == "reject:too_long"
+    for i in (0, 1, 2, 4):
+        one = svc.lookup(items[i]["namespace"], items[i]["text"])
+        assert {k: one[k] for k in ("hit", "key", "similarity", "guard")} == \
+            {k: res[i][k] for k in ("hit", "key", "similarity", "guard")}
+    brief = svc.post("/v1/lookups", {"lookups": items[:2], "brief": True}).json()["results"]
+    assert "candidate_text" not in brief[0] and brief[0]["key"] == kept
+
+
+@pytest.mark.parametrize("body", [{}, {"lookups": []}, {"lookups": {"a": 1}},
+                                  {"lookups": [{"namespace": "ab" * 32, "text": "hi"}] * 65},
+                                  [1]])
+def test_bad_lookups_is_400(svc, body) -> None:
+    r = svc.post("/v1/lookups", body)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
 def test_expired_entry_misses(svc) -> None:
     ns = hx("expired" + svc.backend)
     svc.add(PASSWORD, ns, ttl=3)
@@ -424,7 +465,7 @@ def test_redis_down_is_503_then_recovers(fragile) -> None:
 
 
 def test_a_token_guards_every_v1_endpoint(svc) -> None:
-    """cache.embedder_token: /v1/lookup, /v1/index and /v1/embeddings need the Bearer
+    """cache.embedder_token: /v1/lookup(s), /v1/index and /v1/embeddings need the Bearer
     token (401 JSON otherwise, nothing read or written); /healthz and /metrics stay open.
     (The app of this module's engine with a token, through Flask's test client.)"""
     token = "t0k3n-" + "x" * 20
@@ -432,6 +473,7 @@ def test_a_token_guards_every_v1_endpoint(svc) -> None:
     assert client.get("/healthz").status_code == 200
     ns = "ab" * 32
     calls = [("/v1/lookup", {"namespace": ns, "text": "hello there"}),
+             ("/v1/lookups", {"lookups": [{"namespace": ns, "text": "hello there"}]}),
              ("/v1/index", {"key": "cd" * 32, "namespace": ns, "text": "hi", "ttl_s": 5}),
              ("/v1/embeddings", {"input": "hello"})]
     for path, body in calls:

@@ -26,8 +26,11 @@
 --     storable answer (the lock then holds NOSTORE for capture.NOSTORE_TTL_S, and
 --     identical requests in that time go to a node without waiting).
 --   * semantic (when the request has a namespace): subrequest to the internal location
---     /_infergate/cache/lookup (proxy_pass to the embedder's POST /v1/lookup, timeouts =
---     semantic_budget_ms); any failure or timeout -> BYPASS (the answer is still stored).
+--     /_infergate/cache/lookup (proxy_pass to the embedder's POST /v1/lookups, timeouts =
+--     semantic_budget_ms); the lookups a worker gets while MAX_FLIGHTS of its calls are in
+--     flight wait (up to semantic_budget_ms) and go out together in the next call
+--     (infergate.cache.batch, group commit); any failure or timeout -> BYPASS (the answer
+--     is still stored).
 --     After EMBEDDER_BREAKER_FAILURES failed lookups in a row (no answer, a timeout, a
 --     5xx, not JSON) every worker skips the lookup for EMBEDDER_COOLDOWN_S (BYPASS,
 --     reason "embedder_breaker_open"): a hung embedder then costs requests nothing
@@ -59,6 +62,7 @@ local pool = require("infergate.redis.pool")
 local redis = require("infergate.redis.client")
 local cachekey = require("infergate.cache.key")
 local replay = require("infergate.cache.replay")
+local batch = require("infergate.cache.batch")
 local flush = require("infergate.core.flush")
 local request_body = require("infergate.core.body")
 local ratelimit = require("infergate.admission.ratelimit")
@@ -663,16 +667,11 @@ local function embedder_busy()
     return ok_at ~= nil and ngx.now() - ok_at < _M.EMBEDDER_BUSY_S
 end
 
--- Semantic lookup through the embedder. Returns the lookup answer table or nil, err.
-local function semantic_lookup(c)
-    -- route and model select the embedder's per-domain thresholds
-    local payload = { namespace = c.namespace, text = cut_utf8(c.text, _M.MAX_TEXT_BYTES),
-                      route = c.path, model = cut_utf8(c.model or "", 256) }
-    local th = threshold(c)
-    if th then
-        payload.min_similarity = th
-    end
-    local body = replay.encode(payload)
+-- One call of the embedder's POST /v1/lookups for `items` (lookup bodies), through the
+-- internal location: the list of answers, or nil, err. Feeds the breaker: one outcome per
+-- call.
+local function send_lookups(items)
+    local body = replay.encode({ lookups = items, brief = true })
     local res = ngx.location.capture(_M.LOOKUP_LOCATION, { method = ngx.HTTP_POST, body = body })
     if not res then
         embedder_result(false, "subrequest failed")
@@ -695,12 +694,41 @@ local function semantic_lookup(c)
         return nil, "embedder answer truncated"
     end
     local doc = cjson.decode(res.body or "")
-    if type(doc) ~= "table" then
+    local results = type(doc) == "table" and doc.results
+    if type(results) ~= "table" then
         embedder_result(false, "answer not JSON")
-        return nil, "embedder answer is not JSON"
+        return nil, "embedder answer is not a list of lookup results"
     end
     embedder_result(true)
-    return doc
+    return results
+end
+
+-- Semantic lookup through the embedder (grouped with this worker's concurrent lookups by
+-- infergate.cache.batch). Returns the lookup answer table or nil, err.
+local function semantic_lookup(c)
+    -- route and model select the embedder's per-domain thresholds
+    local payload = { namespace = c.namespace, text = cut_utf8(c.text, _M.MAX_TEXT_BYTES),
+                      route = c.path, model = cut_utf8(c.model or "", 256) }
+    local th = threshold(c)
+    if th then
+        payload.min_similarity = th
+    end
+    local res, err = batch.submit(payload, (opts.semantic_budget_ms or 150) / 1000,
+                                  send_lookups)
+    if res == nil then
+        if err == "timeout" then
+            -- waited for this worker's earlier lookups past the budget: busy, not down
+            return nil, "embedder busy (lookup queued past the budget)"
+        end
+        return nil, err
+    end
+    if type(res) ~= "table" then
+        return nil, "embedder answer for the lookup is not an object"
+    end
+    if type(res.error) == "table" then
+        return nil, "embedder refused the lookup: " .. tostring(res.error.message)
+    end
+    return res
 end
 
 local function bypass(c, reason, store)

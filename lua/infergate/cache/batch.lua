@@ -1,0 +1,174 @@
+-- Group commit of semantic lookups within a worker (no timer, no extra coroutine).
+--
+--   local batch = require("infergate.cache.batch")
+--   local result, err = batch.submit(item, budget_s, send)
+--
+-- A lookup goes out at once, alone, while fewer than MAX_FLIGHTS calls of this worker
+-- are in flight, so a lone request never waits. Otherwise it waits in the worker's
+-- queue; when a call ends, the queued lookups (the oldest MAX_BATCH of them) go out
+-- together in the next call, sent by the newest of them (the one with the most budget
+-- left), and the others are woken with their results. Under a burst the embedder thus
+-- gets a few calls of many texts (one model call, one HTTP exchange and one Redis
+-- pipeline each) instead of one call per request.
+--
+-- send(items) -> results, err: one call for the list of items; results[i] is the
+-- answer for items[i] (nil for none), or results is nil and err says why the whole call
+-- failed. send runs protected: an error it raises fails that call's lookups only.
+-- submit returns the lookup's result, or nil and the call's err (or "no answer for this
+-- lookup" when send gave none for it), or nil, "timeout" when budget_s passed while it waited (a lookup that was sent
+-- and whose call has not ended by then is answered by no one: its result is dropped).
+-- The sender of a call waits for the call itself (bounded by the location's timeouts),
+-- after having waited in the queue for less than one call.
+local semaphore = require("ngx.semaphore")
+
+local _M = {}
+
+local pcall = pcall
+local now = ngx.now
+local update_time = ngx.update_time
+
+-- Calls of one worker in flight at once (the embedder runs one per process and more
+-- queue there), and most lookups in one call (the embedder's /v1/lookups takes 64).
+_M.MAX_FLIGHTS = 2
+_M.MAX_BATCH = 32
+-- A call in flight for longer than this (s) no longer counts against MAX_FLIGHTS: a
+-- safety net should a sender never come back, so lookups cannot queue behind it forever.
+_M.STALE_FLIGHT_S = 30
+
+local queue = {}      -- waiting entries, oldest first
+local flights = {}    -- call token -> start time
+local nflights = 0
+local stats = { calls = 0, lookups = 0, largest = 0 }
+
+local function live_flights()
+    if nflights < _M.MAX_FLIGHTS then
+        return nflights
+    end
+    local t = now()
+    for token, started in pairs(flights) do
+        if t - started > _M.STALE_FLIGHT_S then
+            flights[token] = nil
+            nflights = nflights - 1
+        end
+    end
+    return nflights
+end
+
+-- Hands the next call to the newest of the oldest MAX_BATCH waiting entries, while
+-- calls may start.
+local function release()
+    while #queue > 0 and live_flights() < _M.MAX_FLIGHTS do
+        local batch, rest = {}, {}
+        for _, e in ipairs(queue) do
+            if e.state == "queued" then
+                if #batch < _M.MAX_BATCH then
+                    batch[#batch + 1] = e
+                else
+                    rest[#rest + 1] = e
+                end
+            end
+        end
+        queue = rest
+        if #batch == 0 then
+            return
+        end
+        local lead = batch[#batch]
+        local token = {}
+        flights[token] = now()
+        nflights = nflights + 1
+        for _, e in ipairs(batch) do
+            e.state = "sent"
+        end
+        lead.state, lead.batch, lead.token = "lead", batch, token
+        lead.sema:post(1)
+    end
+end
+
+-- Sends `batch` (entries) as one call; returns the result of `me`.
+local function fly(batch, token, send, me)
+    local items = {}
+    for i, e in ipairs(batch) do
+        items[i] = e.item
+    end
+    stats.calls = stats.calls + 1
+    stats.lookups = stats.lookups + #items
+    if #items > stats.largest then
+        stats.largest = #items
+    end
+    local ok, results, err = pcall(send, items)
+    if not ok then
+        results, err = nil, "lookup call failed: " .. tostring(results)
+    elseif results == nil and err == nil then
+        err = "no answer"
+    end
+    if flights[token] then
+        flights[token] = nil
+        nflights = nflights - 1
+    end
+    local mine, mine_err
+    for i, e in ipairs(batch) do
+        local r = results and results[i]
+        local rerr = err
+        if r == nil and rerr == nil then
+            rerr = "no answer for this lookup"
+        end
+        if e == me then
+            mine, mine_err = r, rerr
+        elseif e.state == "sent" then
+            e.state, e.result, e.err = "done", r, rerr
+            e.sema:post(1)
+        end
+    end
+    release()
+    return mine, mine_err
+end
+
+--- One lookup: `item` (what send gets for it), `budget_s` (s) the longest it may wait
+-- before its call starts or while a call it is in runs (see the header).
+function _M.submit(item, budget_s, send)
+    if #queue == 0 and live_flights() < _M.MAX_FLIGHTS then
+        local token = {}
+        flights[token] = now()
+        nflights = nflights + 1
+        local e = { item = item, state = "lead" }
+        return fly({ e }, token, send, e)
+    end
+    local e = { item = item, state = "queued", sema = semaphore.new(0) }
+    queue[#queue + 1] = e
+    -- the queue may hold only lookups that gave up while a call could start
+    release()
+    update_time()
+    local deadline = now() + budget_s
+    while true do
+        if e.state == "lead" then
+            -- woken to send: it sends even when its own time is up (the others wait)
+            e.sema = nil
+            return fly(e.batch, e.token, send, e)
+        elseif e.state == "done" then
+            return e.result, e.err
+        end
+        local left = deadline - now()
+        local posted = left > 0 and e.sema:wait(left)
+        update_time()
+        if not posted and e.state ~= "lead" and e.state ~= "done" and now() >= deadline then
+            -- still queued (release skips it) or sent (its result will be dropped)
+            e.state = "gone"
+            return nil, "timeout"
+        end
+    end
+end
+
+--- Counts of this worker since start: {calls, lookups, largest (lookups in one call),
+-- queued (waiting now), flights (calls in flight now)}.
+function _M.stats()
+    local queued = 0
+    for _, e in ipairs(queue) do
+        if e.state == "queued" then
+            queued = queued + 1
+        end
+    end
+    return { calls = stats.calls, lookups = stats.lookups, largest = stats.largest,
+             queued = queued, flights = nflights }
+end
+
+return _M
