@@ -9,7 +9,11 @@ products), which is what a second core is for. Under load, items pile up
 while the model runs, batches fill up and the per-text cost falls, so throughput grows
 with concurrency. An optional ``expected()`` callback (items currently wanted by callers,
 e.g. requests in flight) lets the worker stop waiting as soon as every expected item is
-in the batch, so a lone request does not pay the wait.
+in the batch, so a lone request does not pay the wait. A caller that has a batch of its
+own (``run``) encodes it in its own thread, holding one of ``own_workers`` slots (so at
+most that many such calls run at once, beside the workers' batches); without
+``own_workers`` (an encode function that is not thread-safe) it holds one of the
+``workers`` slots the workers' batches hold too.
 
 Pure logic: the encode function is injected (``list[T] -> sequence of results, same
 length``), so the batcher is unit-tested without a model.
@@ -17,6 +21,7 @@ length``), so the batcher is unit-tested without a model.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -51,11 +56,11 @@ class MicroBatcher(Generic[T, R]):
     def __init__(self, encode: Callable[[list[T]], Sequence[R]], max_batch: int = 32,
                  max_wait_s: float = 0.005, on_batch: Callable[[int], None] | None = None,
                  name: str = "embed-batcher", expected: Callable[[], int] | None = None,
-                 workers: int = 1):
+                 workers: int = 1, own_workers: int | None = None):
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
-        if workers < 1:
-            raise ValueError("workers must be >= 1")
+        if workers < 1 or (own_workers is not None and own_workers < 1):
+            raise ValueError("workers and own_workers must be >= 1")
         if max_wait_s < 0:
             raise ValueError("max_wait_s must be >= 0")
         self._encode = encode
@@ -67,6 +72,13 @@ class MicroBatcher(Generic[T, R]):
         self._closed = threading.Event()
         self._busy = 0  # items taken by workers and not yet resolved
         self._busy_lock = threading.Lock()
+        # encode calls at once: the workers' batches (shared with run() unless
+        # own_workers), and run()'s
+        self._slots: threading.BoundedSemaphore | contextlib.nullcontext = (
+            threading.BoundedSemaphore(workers) if own_workers is None
+            else contextlib.nullcontext())
+        self._own = (self._slots if own_workers is None
+                     else threading.BoundedSemaphore(own_workers))
         self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
                          for i in range(workers)]
         for t in self._threads:
@@ -83,6 +95,33 @@ class MicroBatcher(Generic[T, R]):
 
     def submit_many(self, values: Sequence[T]) -> list["Future[R]"]:
         return [self.submit(v) for v in values]
+
+    def run(self, values: Sequence[T], timeout: float | None = None) -> list[R]:
+        """``encode`` of ``values`` now, in the caller's thread, in batches of at most
+        ``max_batch``, each holding one of the ``own_workers`` slots (else one of the
+        ``workers`` slots; waiting at most ``timeout`` s for one: :class:`TimeoutError`). Raises what ``encode`` raises, or
+        :class:`BatcherClosed` after :meth:`close`."""
+        if self._closed.is_set():
+            raise BatcherClosed("batcher is closed")
+        out: list[R] = []
+        for i in range(0, len(values), self.max_batch):
+            part = list(values[i:i + self.max_batch])
+            if not self._own.acquire(timeout=timeout):  # type: ignore[union-attr]
+                raise TimeoutError("no encode slot free in time")
+            try:
+                if self._on_batch is not None:
+                    try:
+                        self._on_batch(len(part))
+                    except Exception:  # noqa: BLE001 - metrics must not break embedding
+                        pass
+                results = self._encode(part)
+            finally:
+                self._own.release()  # type: ignore[union-attr]
+            if len(results) != len(part):
+                raise RuntimeError(f"encode returned {len(results)} results "
+                                   f"for {len(part)} items")
+            out.extend(results)
+        return out
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop after the items already queued; waits up to ``timeout`` s for the workers."""
@@ -142,7 +181,8 @@ class MicroBatcher(Generic[T, R]):
             except Exception:  # noqa: BLE001 - metrics must not break embedding
                 pass
         try:
-            results = self._encode([it.value for it in batch])
+            with self._slots:
+                results = self._encode([it.value for it in batch])
             if len(results) != len(batch):
                 raise RuntimeError(f"encode returned {len(results)} results "
                                    f"for {len(batch)} items")

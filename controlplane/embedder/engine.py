@@ -108,7 +108,10 @@ class Engine:
     ``policy``: per-domain thresholds (:class:`policy.PolicySource`; default none, verifier
     used when given). ``embed_cache`` texts keep their vector in an in-process LRU (a miss
     is usually followed by the index job of the same text). ``model_workers`` batches may
-    run at once when the model is thread-safe (``model.thread_safe``), else one. Texts longer
+    run at once when the model is thread-safe (``model.thread_safe``), else one; a call
+    with :data:`OWN_BATCH_MIN` texts or more (a grouped lookup call of the edge) is embedded
+    as a batch of its own in its caller's thread, up to :data:`OWN_BATCH_WORKERS` such at
+    once beside those (a model that is not thread-safe: one at a time in all). Texts longer
     than ``max_text_chars`` characters take no part in the semantic cache: a lookup misses
     (``guard`` ``reject:too_long``) and an index job stores nothing, without running the
     model (the model reads only a text's beginning, so two long texts that differ further
@@ -137,10 +140,12 @@ class Engine:
                                 subscribe=subscribe)
         self._inflight = 0
         self._inflight_lock = threading.Lock()
+        safe = bool(getattr(model, "thread_safe", False))
         self.batcher: MicroBatcher[str, np.ndarray] = MicroBatcher(
             self._encode_batch, max_batch=max_batch, max_wait_s=max_wait_ms / 1000.0,
             on_batch=self.metrics.batch_size.observe, expected=lambda: self._inflight,
-            workers=model_workers if getattr(model, "thread_safe", False) else 1)
+            workers=model_workers if safe else 1,
+            own_workers=max(self.OWN_BATCH_WORKERS, model_workers) if safe else None)
         #: namespace hex -> threshold raise of the online verification (0-1), re-read
         #: from ``keynames.CACHE_THRESHOLD_RAISE`` at most every ``RAISES_EVERY_S``
         self._raises: dict[str, float] = {}
@@ -188,13 +193,28 @@ class Engine:
                     self._vec_cache.popitem(last=False)
         return np.vstack(out).astype(np.float32, copy=False)  # type: ignore[arg-type]
 
+    #: Texts from one caller that are embedded as a batch of their own in the caller's
+    #: thread (``MicroBatcher.run``) rather than through the batcher's queue: enough to
+    #: fill a good part of a batch, so waiting to merge them with others gains little, and
+    #: one future and one thread hand-over per text are saved (a grouped edge call).
+    OWN_BATCH_MIN = 8
+    #: Such batches embedded at once (a thread-safe model; at least ``model_workers``),
+    #: beside the batcher's: the edge sends up to two grouped calls per nginx worker, and
+    #: its pooled connections may all lead to one process of several.
+    OWN_BATCH_WORKERS = 2
+
     def _embed(self, texts: list[str]) -> np.ndarray:
-        with self._inflight_lock:
-            self._inflight += len(texts)
+        own = len(texts) >= self.OWN_BATCH_MIN
+        if not own:
+            with self._inflight_lock:
+                self._inflight += len(texts)
         try:
-            futs = self.batcher.submit_many(texts)
-            deadline = time.monotonic() + self.embed_timeout_s
-            rows = [f.result(timeout=max(0.0, deadline - time.monotonic())) for f in futs]
+            if own:
+                rows = self.batcher.run(texts, timeout=self.embed_timeout_s)
+            else:
+                futs = self.batcher.submit_many(texts)
+                deadline = time.monotonic() + self.embed_timeout_s
+                rows = [f.result(timeout=max(0.0, deadline - time.monotonic())) for f in futs]
         except FutureTimeout:
             self.metrics.errors.labels("embed_timeout").inc()
             raise EngineUnavailable(f"embedding took longer than {self.embed_timeout_s}s") \
@@ -203,8 +223,9 @@ class Engine:
             self.metrics.errors.labels("embed").inc()
             raise EngineUnavailable(str(exc)) from exc
         finally:
-            with self._inflight_lock:
-                self._inflight -= len(texts)
+            if not own:
+                with self._inflight_lock:
+                    self._inflight -= len(texts)
         if not rows:
             return np.zeros((0, self.model.dim), dtype=np.float32)
         return np.vstack(rows).astype(np.float32, copy=False)

@@ -69,3 +69,67 @@ def test_items_queued_before_close_are_answered_by_some_worker() -> None:
 def test_workers_must_be_positive() -> None:
     with pytest.raises(ValueError):
         MicroBatcher(lambda xs: xs, workers=0)
+
+
+def _tracking_encode(delay: float):
+    running, peak, sizes = [0], [0], []
+    lock = threading.Lock()
+
+    def encode(xs: list[int]) -> list[int]:
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+            sizes.append(len(xs))
+        time.sleep(delay)
+        with lock:
+            running[0] -= 1
+        return [x * 10 for x in xs]
+
+    return encode, peak, sizes
+
+
+def test_run_encodes_in_the_callers_thread_in_max_batch_parts() -> None:
+    encode, _, sizes = _tracking_encode(0.0)
+    b = MicroBatcher(encode, max_batch=4, max_wait_s=0.0, own_workers=2)
+    try:
+        assert b.run(list(range(10))) == [x * 10 for x in range(10)]
+        assert sizes == [4, 4, 2]
+    finally:
+        b.close()
+    with pytest.raises(Exception, match="closed"):
+        b.run([1])
+
+
+def test_own_batches_run_up_to_own_workers_at_once_beside_the_workers() -> None:
+    encode, peak, _ = _tracking_encode(0.05)
+    b = MicroBatcher(encode, max_batch=4, max_wait_s=0.0, workers=1, own_workers=2)
+    try:
+        threads = [threading.Thread(target=b.run, args=([i],)) for i in range(4)]
+        for t in threads:
+            t.start()
+        futs = [b.submit(i) for i in range(4)]
+        for t in threads:
+            t.join(5)
+        assert [f.result(timeout=5) for f in futs] == [0, 10, 20, 30]
+        assert peak[0] == 3   # two own batches and the worker's
+    finally:
+        b.close()
+
+
+def test_without_own_workers_own_batches_share_the_workers_slot() -> None:
+    """An encode function that is not thread-safe: run() and the worker never overlap."""
+    encode, peak, _ = _tracking_encode(0.02)
+    b = MicroBatcher(encode, max_batch=4, max_wait_s=0.0, workers=1)
+    try:
+        threads = [threading.Thread(target=b.run, args=([i],)) for i in range(3)]
+        for t in threads:
+            t.start()
+        futs = [b.submit(i) for i in range(4)]
+        for t in threads:
+            t.join(5)
+        assert sorted(f.result(timeout=5) for f in futs) == [0, 10, 20, 30]
+        assert peak[0] == 1
+    finally:
+        b.close()
+    with pytest.raises(ValueError):
+        MicroBatcher(lambda xs: xs, own_workers=0)
