@@ -34,11 +34,15 @@ _M.MAX_BATCH = 32
 -- A call in flight for longer than this (s) no longer counts against MAX_FLIGHTS: a
 -- safety net should a sender never come back, so lookups cannot queue behind it forever.
 _M.STALE_FLIGHT_S = 30
+-- Weight of the latest call in the moving average of call durations.
+_M.CALL_EWMA = 0.3
 
 local queue = {}      -- waiting entries, oldest first
 local flights = {}    -- call token -> start time
 local nflights = 0
-local stats = { calls = 0, lookups = 0, largest = 0 }
+local stats = { calls = 0, lookups = 0, largest = 0, given_up = 0 }
+-- how long a call takes (s, moving average of this worker's calls; nil before the first)
+local call_s = nil
 
 local function live_flights()
     if nflights < _M.MAX_FLIGHTS then
@@ -59,8 +63,14 @@ end
 local function release()
     while #queue > 0 and live_flights() < _M.MAX_FLIGHTS do
         local batch, rest = {}, {}
+        local t = now()
         for _, e in ipairs(queue) do
-            if e.state == "queued" then
+            if e.state == "queued" and call_s and e.deadline - t < call_s then
+                -- its answer would come after its budget: it gives up now, unsent
+                e.state = "expired"
+                stats.given_up = stats.given_up + 1
+                e.sema:post(1)
+            elseif e.state == "queued" then
                 if #batch < _M.MAX_BATCH then
                     batch[#batch + 1] = e
                 else
@@ -95,7 +105,12 @@ local function fly(batch, token, send, me)
     if #items > stats.largest then
         stats.largest = #items
     end
+    update_time()
+    local started = now()
     local ok, results, err = pcall(send, items)
+    update_time()
+    local took = now() - started
+    call_s = call_s and call_s + _M.CALL_EWMA * (took - call_s) or took
     if not ok then
         results, err = nil, "lookup call failed: " .. tostring(results)
     elseif results == nil and err == nil then
@@ -133,12 +148,12 @@ function _M.submit(item, budget_s, send)
         local e = { item = item, state = "lead" }
         return fly({ e }, token, send, e)
     end
-    local e = { item = item, state = "queued", sema = semaphore.new(0) }
+    update_time()
+    local deadline = now() + budget_s
+    local e = { item = item, state = "queued", sema = semaphore.new(0), deadline = deadline }
     queue[#queue + 1] = e
     -- the queue may hold only lookups that gave up while a call could start
     release()
-    update_time()
-    local deadline = now() + budget_s
     while true do
         if e.state == "lead" then
             -- woken to send: it sends even when its own time is up (the others wait)
@@ -146,11 +161,13 @@ function _M.submit(item, budget_s, send)
             return fly(e.batch, e.token, send, e)
         elseif e.state == "done" then
             return e.result, e.err
+        elseif e.state == "expired" then
+            return nil, "timeout"
         end
         local left = deadline - now()
         local posted = left > 0 and e.sema:wait(left)
         update_time()
-        if not posted and e.state ~= "lead" and e.state ~= "done" and now() >= deadline then
+        if not posted and (e.state == "queued" or e.state == "sent") and now() >= deadline then
             -- still queued (release skips it) or sent (its result will be dropped)
             e.state = "gone"
             return nil, "timeout"
@@ -158,8 +175,10 @@ function _M.submit(item, budget_s, send)
     end
 end
 
---- Counts of this worker since start: {calls, lookups, largest (lookups in one call),
--- queued (waiting now), flights (calls in flight now)}.
+--- Counts of this worker since start: {calls, lookups (sent), largest (lookups in one
+-- call), given_up (waiting lookups that gave up unsent), queued (waiting now), flights
+-- (calls in flight now), call_ms (moving average of a call's duration, ms; nil before the
+-- first)}.
 function _M.stats()
     local queued = 0
     for _, e in ipairs(queue) do
@@ -168,7 +187,8 @@ function _M.stats()
         end
     end
     return { calls = stats.calls, lookups = stats.lookups, largest = stats.largest,
-             queued = queued, flights = nflights }
+             given_up = stats.given_up, queued = queued, flights = nflights,
+             call_ms = call_s and call_s * 1000 }
 end
 
 return _M
