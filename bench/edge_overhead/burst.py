@@ -20,6 +20,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import click
 import requests
@@ -35,33 +36,71 @@ from . import __main__ as eo
 BURST_PARAPHRASES = eo.PARAPHRASES[:2]
 
 
-async def _burst(url: str, bodies: list[str]) -> tuple[list[dict], float]:
-    import aiohttp
+async def _read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    """Status and headers (lower-case names) of one HTTP/1.1 response; its body is read
+    (Content-Length or chunked) and dropped."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {}
+    for line in lines[1:]:
+        if ":" in line:
+            k, v = line.split(":", 1)
+            headers[k.strip().lower()] = v.strip()
+    if "content-length" in headers:
+        await reader.readexactly(int(headers["content-length"]))
+    elif headers.get("transfer-encoding", "").lower() == "chunked":
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            await reader.readexactly(size + 2)
+            if size == 0:
+                break
+    return status, headers
 
-    conn = aiohttp.TCPConnector(limit=0, force_close=True)
-    timeout = aiohttp.ClientTimeout(total=60)
-    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
-        start = asyncio.Event()
 
-        async def one(b: str) -> dict:
-            await start.wait()
-            t = time.perf_counter()
+async def _burst(url: str, bodies: list[str], new_connections: bool) -> tuple[list[dict], float]:
+    """Sends every body at the same moment, each on a connection of its own (opened
+    beforehand, or at that moment with ``new_connections``), over plain asyncio streams:
+    the client's own CPU time, on the cores the edge and the embedder use, stays small."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    requests_ = [(f"POST {parts.path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                  f"Content-Type: application/json\r\nContent-Length: {len(b.encode())}\r\n"
+                  f"Connection: close\r\n\r\n").encode() + b.encode() for b in bodies]
+    start, ready = asyncio.Event(), asyncio.Event()
+    waiting = [len(requests_)]
+
+    async def one(req: bytes) -> dict:
+        conn = None
+        try:
+            if not new_connections:
+                conn = await asyncio.open_connection(host, port)
+        finally:
+            waiting[0] -= 1
+            if waiting[0] == 0:
+                ready.set()
+        await start.wait()
+        t = time.perf_counter()
+        try:
+            reader, writer = conn or await asyncio.open_connection(host, port)
             try:
-                async with s.post(url, data=b, headers={"Content-Type": "application/json"}) as r:
-                    await r.read()
-                    return {"status": r.status, "ms": (time.perf_counter() - t) * 1000,
-                            "cache": r.headers.get("X-Cache-Status", ""),
-                            "match": r.headers.get("X-Cache-Match", "")}
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                return {"status": 0, "ms": (time.perf_counter() - t) * 1000, "cache": "",
-                        "match": "", "error": type(exc).__name__}
+                writer.write(req)
+                status, headers = await asyncio.wait_for(_read_response(reader), 60)
+            finally:
+                writer.close()
+            return {"status": status, "ms": (time.perf_counter() - t) * 1000,
+                    "cache": headers.get("x-cache-status", ""),
+                    "match": headers.get("x-cache-match", "")}
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
+            return {"status": 0, "ms": (time.perf_counter() - t) * 1000, "cache": "",
+                    "match": "", "error": type(exc).__name__}
 
-        tasks = [asyncio.ensure_future(one(b)) for b in bodies]
-        await asyncio.sleep(0.05)  # every task waits on the event
-        t0 = time.perf_counter()
-        start.set()
-        res = await asyncio.gather(*tasks)
-        return list(res), (time.perf_counter() - t0) * 1000
+    tasks = [asyncio.ensure_future(one(r)) for r in requests_]
+    await asyncio.wait_for(ready.wait(), 30)  # every task has its connection
+    t0 = time.perf_counter()
+    start.set()
+    res = await asyncio.gather(*tasks)
+    return list(res), (time.perf_counter() - t0) * 1000
 
 
 def summarise(res: list[dict], wall_ms: float) -> dict:
@@ -91,14 +130,17 @@ def summarise(res: list[dict], wall_ms: float) -> dict:
 @click.option("--requests", "n", type=click.IntRange(1, 2000), default=200, show_default=True)
 @click.option("--bursts", type=click.IntRange(1, 20), default=3, show_default=True)
 @click.option("--embedder-args", default="", help="Extra embedder options, space separated.")
+@click.option("--new-connections", is_flag=True,
+              help="Open each request's connection at the burst's moment (default: opened "
+                   "before, so the burst is the requests alone).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=str(RESULTS_DIR),
               show_default=True, help="Folder for semantic_burst.json.")
-def main(n: int, bursts: int, embedder_args: str, out_dir: str) -> None:
+def main(n: int, bursts: int, embedder_args: str, new_connections: bool, out_dir: str) -> None:
     """Share of a burst of paraphrases answered by the semantic cache within its budget."""
     meta = {"benchmark": "semantic_burst", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "command": " ".join(["python -m bench.edge_overhead.burst", *sys.argv[1:]]),
             "machine": machine_info(), "requests": n, "embedder_args": embedder_args,
-            "semantic_budget_ms": "default"}
+            "semantic_budget_ms": "default", "new_connections": new_connections}
     results = []
     try:
         with sigterm_as_interrupt(), Stack("infergate-bench-burst-") as stack:
@@ -142,7 +184,8 @@ def main(n: int, bursts: int, embedder_args: str, out_dir: str) -> None:
             procs.wait_until(warm, 60, interval=0.2, what="a semantic hit for a paraphrase")
             for i in range(bursts):
                 bodies = [variant() for _ in range(n)]
-                res, wall = asyncio.run(_burst(edge.url + "/v1/chat/completions", bodies))
+                res, wall = asyncio.run(_burst(edge.url + "/v1/chat/completions", bodies,
+                                               new_connections))
                 s = summarise(res, wall)
                 results.append(s)
                 log(f"burst {i + 1}: {s['semantic_hits']}/{n} semantic hits "
@@ -150,6 +193,7 @@ def main(n: int, bursts: int, embedder_args: str, out_dir: str) -> None:
                     f"{s['miss']} miss, statuses {s['statuses']}, p50 {s['p50_ms']} ms, "
                     f"p99 {s['p99_ms']} ms, wall {s['wall_ms']} ms")
                 time.sleep(1.0)  # let the embedder's queues drain between bursts
+            Path("/tmp/edge_err.log").write_text(edge.error_log())
     except BenchError as exc:
         raise click.ClickException(str(exc)) from None
     worst = min(results, key=lambda s: s["semantic_share"])
