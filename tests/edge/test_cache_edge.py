@@ -906,10 +906,10 @@ def test_a_busy_embedder_does_not_open_the_lookup_breaker(stack, edge_factory) -
         assert res.headers["X-Cache-Status"] == "BYPASS" and seen["requests"] == n
 
 
-def test_concurrent_lookups_go_to_the_embedder_grouped(stack, edge_factory) -> None:
-    """Lookups that arrive while a worker's calls are in flight wait and go out together
-    in its next call (group commit): every lookup is answered once, in its own place of
-    the call's results, with at most MAX_FLIGHTS (2) calls in flight per worker."""
+@contextlib.contextmanager
+def slow_lookup_embedder(call_s: float) -> Iterator[tuple[str, list[list[str]], dict]]:
+    """An embedder whose every POST /v1/lookups takes ``call_s`` and answers a miss for
+    each lookup; yields (its URL, the texts of each call, {"most": calls at once})."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     lock = threading.Lock()
@@ -923,7 +923,7 @@ def test_concurrent_lookups_go_to_the_embedder_grouped(stack, edge_factory) -> N
                 calls.append([it["text"] for it in items])
                 state["now"] += 1
                 state["most"] = max(state["most"], state["now"])
-            time.sleep(0.1)  # the model's time: later lookups queue meanwhile
+            time.sleep(call_s)  # the model's time: later lookups queue meanwhile
             with lock:
                 state["now"] -= 1
             doc = json.dumps({"results": [{"hit": False, "key": None, "similarity": 0.5}
@@ -940,17 +940,41 @@ def test_concurrent_lookups_go_to_the_embedder_grouped(stack, edge_factory) -> N
     srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
-        edge = edge_factory(cache_settings(
-            stack, embedder_url=f"http://127.0.0.1:{srv.server_address[1]}"))
-        texts = [f"Grouped lookup question number {i}?" for i in range(24)]
-        with ThreadPoolExecutor(24) as ex:
-            res = list(ex.map(lambda t: post(edge, body_of(t, temperature=0)), texts))
+        yield f"http://127.0.0.1:{srv.server_address[1]}", calls, state
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_concurrent_lookups_go_to_the_embedder_grouped(stack, edge_factory) -> None:
+    """Lookups that arrive while a worker's calls are in flight wait and go out together
+    in its next call (group commit): every lookup is answered once, in its own place of
+    the call's results, with at most MAX_FLIGHTS (2) calls in flight per worker."""
+    with slow_lookup_embedder(0.1) as (url, calls, state):
+        edge = edge_factory(cache_settings(stack, embedder_url=url))
+        texts = [f"Grouped lookup question number {i}?" for i in range(24)]
+        with ThreadPoolExecutor(24) as ex:
+            res = list(ex.map(lambda t: post(edge, body_of(t, temperature=0)), texts))
     assert [r.status_code for r in res] == [200] * 24
     assert {r.headers["X-Cache-Status"] for r in res} == {"MISS"}
     sent = [t for call in calls for t in call]
     assert sorted(sent) == sorted(texts)          # each lookup once
     assert len(calls) < len(texts) and max(len(c) for c in calls) > 1
     assert state["most"] <= 2 * 2                 # two workers, two calls each
+
+
+def test_waiting_lookups_that_would_be_answered_too_late_are_not_sent(stack, edge_factory) -> None:
+    """One worker, calls of 0.6 s, a 1 s budget: two lookups go out at once, the four
+    that queue behind them would be answered after their budget once a call has shown
+    how long calls take, so they give up then (BYPASS, answered by the node) and are
+    never sent."""
+    with slow_lookup_embedder(0.6) as (url, calls, _):
+        s = cache_settings(stack, embedder_url=url, semantic_budget_ms=1000)
+        s.edge = s.edge.model_validate({**s.edge.model_dump(), "workers": 1})
+        edge = edge_factory(s)
+        texts = [f"Late lookup question number {i}?" for i in range(6)]
+        with ThreadPoolExecutor(6) as ex:
+            res = list(ex.map(lambda t: post(edge, body_of(t, temperature=0)), texts))
+    assert [r.status_code for r in res] == [200] * 6
+    assert sorted(r.headers["X-Cache-Status"] for r in res) == ["BYPASS"] * 4 + ["MISS"] * 2
+    assert [len(c) for c in calls] == [1, 1]
