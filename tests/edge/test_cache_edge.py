@@ -946,6 +946,18 @@ def slow_lookup_embedder(call_s: float) -> Iterator[tuple[str, list[list[str]], 
         srv.server_close()
 
 
+def edge_counter(edge, name: str, **labels: str) -> float:
+    """The value of one sample of the edge's /metrics (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(edge.metrics_url, timeout=5).text
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if smp.name == name and dict(smp.labels) == labels:
+                return smp.value
+    return 0.0
+
+
 def test_concurrent_lookups_go_to_the_embedder_grouped(stack, edge_factory) -> None:
     """Lookups that arrive while a worker's calls are in flight wait and go out together
     in its next call (group commit): every lookup is answered once, in its own place of
@@ -961,6 +973,9 @@ def test_concurrent_lookups_go_to_the_embedder_grouped(stack, edge_factory) -> N
     assert sorted(sent) == sorted(texts)          # each lookup once
     assert len(calls) < len(texts) and max(len(c) for c in calls) > 1
     assert state["most"] <= 2 * 2                 # two workers, two calls each
+    assert edge_counter(edge, "infergate_edge_semantic_calls_total") == len(calls)
+    assert edge_counter(edge, "infergate_edge_semantic_call_lookups_total") == 24
+    assert edge_counter(edge, "infergate_edge_semantic_lookups_total", outcome="miss") == 24
 
 
 def test_waiting_lookups_that_would_be_answered_too_late_are_not_sent(stack, edge_factory) -> None:
@@ -978,3 +993,4 @@ def test_waiting_lookups_that_would_be_answered_too_late_are_not_sent(stack, edg
     assert [r.status_code for r in res] == [200] * 6
     assert sorted(r.headers["X-Cache-Status"] for r in res) == ["BYPASS"] * 4 + ["MISS"] * 2
     assert [len(c) for c in calls] == [1, 1]
+    assert edge_counter(edge, "infergate_edge_semantic_lookups_total", outcome="busy") == 4

@@ -63,6 +63,7 @@ local redis = require("infergate.redis.client")
 local cachekey = require("infergate.cache.key")
 local replay = require("infergate.cache.replay")
 local batch = require("infergate.cache.batch")
+local prometheus = require("infergate.core.prometheus")
 local flush = require("infergate.core.flush")
 local request_body = require("infergate.core.body")
 local ratelimit = require("infergate.admission.ratelimit")
@@ -671,6 +672,7 @@ end
 -- internal location: the list of answers, or nil, err. Feeds the breaker: one outcome per
 -- call.
 local function send_lookups(items)
+    prometheus.semantic_call(#items)
     local body = replay.encode({ lookups = items, brief = true })
     local res = ngx.location.capture(_M.LOOKUP_LOCATION, { method = ngx.HTTP_POST, body = body })
     if not res then
@@ -718,14 +720,17 @@ local function semantic_lookup(c)
     if res == nil then
         if err == "timeout" then
             -- waited for this worker's earlier lookups past the budget: busy, not down
+            prometheus.semantic_lookup("busy")
             return nil, "embedder busy (lookup queued past the budget)"
         end
+        prometheus.semantic_lookup(find(err or "", "busy", 1, true) and "busy" or "error")
         return nil, err
     end
-    if type(res) ~= "table" then
-        return nil, "embedder answer for the lookup is not an object"
-    end
-    if type(res.error) == "table" then
+    if type(res) ~= "table" or type(res.error) == "table" then
+        prometheus.semantic_lookup("error")
+        if type(res) ~= "table" then
+            return nil, "embedder answer for the lookup is not an object"
+        end
         return nil, "embedder refused the lookup: " .. tostring(res.error.message)
     end
     return res
@@ -877,6 +882,7 @@ function _M.lookup(req)
 
     -- semantic
     if opts.semantic and k.namespace and embedder_open() then
+        prometheus.semantic_lookup("breaker_open")
         return bypass(c, "embedder_breaker_open", true)
     end
     if opts.semantic and k.namespace then
@@ -912,13 +918,16 @@ function _M.lookup(req)
                 hit = nil
             end
             if hit then
+                prometheus.semantic_lookup("hit")
                 hit = semantic_usage(req, c, hit)
                 return serve(req, c, hit, "semantic", tonumber(res.similarity) or 0, res.key)
             end
             if herr then
+                prometheus.semantic_lookup("miss")
                 return bypass(c, "redis", false)
             end
         end
+        prometheus.semantic_lookup("miss")
     end
     c.status = "MISS"
     c.store = true

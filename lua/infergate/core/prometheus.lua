@@ -14,6 +14,15 @@
 --   infergate_edge_shed_total                      counter  429 nodes_saturated (load shedding)
 --   infergate_edge_rate_limited_total              counter  429 rate_limit_exceeded
 --   infergate_edge_cache_requests_total{result}    counter  hit_exact | hit_semantic | miss | bypass
+--   infergate_edge_semantic_lookups_total{outcome} counter  semantic lookups after an exact miss:
+--                                                            hit | miss | busy (waited past the
+--                                                            budget behind earlier lookups, or
+--                                                            timed out just after one answered) |
+--                                                            error (no answer, 5xx, not JSON) |
+--                                                            breaker_open (skipped)
+--   infergate_edge_semantic_calls_total            counter  POST /v1/lookups calls to the embedder
+--   infergate_edge_semantic_call_lookups_total     counter  lookups those calls carried (divided
+--                                                            by the calls: the mean group size)
 --   infergate_edge_affinity_picks_total{outcome}   counter  requests routed by their affinity key
 --                                                            (infergate.routing.affinity): first =
 --                                                            the key's first node, spill = a later one
@@ -126,6 +135,23 @@ function _M.flush_dropped(kind)
     local d = dict()
     if d then
         incr(d, "fd" .. SEP .. tostring(kind))
+    end
+end
+
+-- One semantic lookup ended. outcome: "hit" | "miss" | "busy" | "error" | "breaker_open".
+function _M.semantic_lookup(outcome)
+    local d = dict()
+    if d then
+        incr(d, "sl" .. SEP .. tostring(outcome))
+    end
+end
+
+-- One POST /v1/lookups call carrying n lookups was made.
+function _M.semantic_call(n)
+    local d = dict()
+    if d then
+        incr(d, "scalls")
+        incr(d, "slookups", n)
     end
 end
 
@@ -270,6 +296,17 @@ function _M.render(now)
     for _, r in ipairs(rows(values, "cache")) do
         sample(out, p .. "cache_requests_total", 'result="' .. esc(r[1]) .. '"', r[2])
     end
+    family(out, p .. "semantic_lookups_total", "counter",
+           "Semantic lookups after an exact miss by outcome (hit, miss, busy, error, breaker_open)")
+    for _, r in ipairs(rows(values, "sl")) do
+        sample(out, p .. "semantic_lookups_total", 'outcome="' .. esc(r[1]) .. '"', r[2])
+    end
+    family(out, p .. "semantic_calls_total", "counter",
+           "Calls of the embedder's POST /v1/lookups (lookups grouped per worker)")
+    sample(out, p .. "semantic_calls_total", nil, values.scalls or 0)
+    family(out, p .. "semantic_call_lookups_total", "counter",
+           "Lookups carried by those calls")
+    sample(out, p .. "semantic_call_lookups_total", nil, values.slookups or 0)
     local aff = require("infergate.routing.affinity").counts()
     family(out, p .. "affinity_picks_total", "counter",
            "Requests routed by their affinity key: to the key's first node or spilled to a later one")
