@@ -1,8 +1,9 @@
-"""``python -m bench.edge_overhead.burst [--requests 200] [--bursts 3] [--out DIR]``
+"""``python -m bench.edge_overhead.burst [--requests 200] [--bursts 3] [--new-connections]
+[--out DIR]``
 
 A burst of paraphrases against the semantic cache, as a client sees it: one stored
 question, then ``--requests`` chat completions sent at the same moment (one connection
-each, aiohttp), each a text never sent before that the cache should answer semantically
+each, opened before the burst unless ``--new-connections``), each a text never sent before that the cache should answer semantically
 (a case or punctuation variant of the stored question, with its spacing varied so that
 its exact key is new). The edge runs with the default semantic budget
 (``cache.semantic_budget_ms``, 150 ms) and the embedder with its defaults (the default
