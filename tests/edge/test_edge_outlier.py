@@ -88,6 +88,51 @@ def test_a_hanging_node_stops_getting_requests_until_it_answers(pair) -> None:
         pool.shutdown(wait=True)
 
 
+def test_a_probe_of_a_node_still_hung_is_retried_in_time(tiny_upstreams, redis_server,
+                                                          edge_factory) -> None:
+    """Once a hung node's flag has expired it gets one probe at a time. With another node
+    to retry on, a probe waits max(2 x threshold, half the time left to the 4 s deadline),
+    not until the deadline: the node still hangs, so the probe times out at 2 s and the
+    request is answered by the other node (without the shorter wait: 504 at 4 s)."""
+    a, b = tiny_upstreams(names=["a", "b"])
+    s = edge_settings(redis_server.url, [a.node_settings(), b.node_settings()],
+                      outlier_ttfb_min_s=MIN_S, outlier_ttfb_factor=FACTOR,
+                      read_timeout_ms=15000)
+    s.deadlines = s.deadlines.model_validate({"request_ms": 4000})
+    edge = edge_factory(s)
+    for _ in range(10):
+        assert _post(edge).status_code == 200
+    threshold = _threshold(edge, "a")
+    assert 2 * threshold < 3.5, "this machine is too slow for the test's deadline"
+    a.mode = "hang"
+    pool = ThreadPoolExecutor(8)
+    stuck = []
+    try:
+        while a.inflight < 1:
+            stuck.append(pool.submit(_post, edge))
+            _wait(lambda: a.inflight >= 1 or a.hits + b.hits >= 10 + len(stuck), 10)
+        since = time.monotonic()
+        _until_past(threshold, since)
+        assert _post(edge).headers["X-Infergate-Node"] == "b"   # finds a an outlier
+        assert edge.node_status("a")["outlier"] is True
+        a.release()                      # the stuck request ends unanswered (retried on b)
+        for f in stuck:
+            assert f.result(timeout=20).status_code == 200
+        _wait(lambda: a.inflight == 0)
+        a.hold()                         # and a hangs again
+        probed = a.hits
+        until = time.monotonic() + 30
+        while a.hits == probed:          # the flag expires, then a probe goes to a
+            assert time.monotonic() < until, "no probe reached the hung node"
+            res = _post(edge)
+            assert res.status_code == 200, res.text
+            assert res.headers["X-Infergate-Node"] == "b"
+        assert a.hits == probed + 1
+    finally:
+        a.release()
+        pool.shutdown(wait=True)
+
+
 def test_a_slow_answer_clears_the_outlier_at_once(pair) -> None:
     edge, a, b = pair
     for _ in range(10):

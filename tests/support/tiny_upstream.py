@@ -208,6 +208,10 @@ class TinyUpstream:
         """Let hanging requests end (they close without an answer)."""
         self._released.set()
 
+    def hold(self) -> None:
+        """After :meth:`release`: requests in ``hang`` mode hang again until the next one."""
+        self._released.clear()
+
     def stop(self) -> None:
         """Close the listening port and every open connection (kept-alive ones too),
         ending hanging requests: afterwards connects are refused."""

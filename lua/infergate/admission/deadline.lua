@@ -101,6 +101,35 @@ function _M.before_try(req, o, now)
     return true
 end
 
+-- Balancer, after a probe of a silent outlier was chosen as the try's node (its TTFB
+-- threshold `thr_s`, seconds) with another node left to retry on: the try's read timeout
+-- becomes max(2 x thr_s, half of what it could wait: the read timeout, bounded by the
+-- deadline), when that is shorter. A node still hung then costs the request that wait
+-- and the retry has the other half; a node that is slow but alive still has twice its
+-- threshold, and half the request's time, to answer the probe and come back.
+function _M.probe_read(req, o, now, thr_s)
+    local connect, send, read = _M.timeouts(req, o, now)
+    if not connect then
+        return
+    end
+    local base = read
+    local left = _M.remaining(req, now)
+    if left and left < base then
+        base = left
+    end
+    local probe = 2 * thr_s
+    if base / 2 > probe then
+        probe = base / 2
+    end
+    if probe >= read then
+        return
+    end
+    local ok, err = ngx_balancer.set_timeouts(connect, send, probe)
+    if not ok then
+        log(ERR, "infergate: set_timeouts: ", err)
+    end
+end
+
 -- How early (s) before the deadline a timeout still counts as the deadline's: nginx
 -- takes whole milliseconds, and the time cached for the request may be a little old.
 local DEADLINE_SLACK_S = 0.02

@@ -419,6 +419,14 @@ function _M.run()
             end
             attempts[n + 1] = stats.open_attempt(node.name, now, probe)
             outlier.track(attempts[n + 1], req.stream)
+            -- a probe of a silent outlier with another node to retry on waits only
+            -- part of its time (infergate.admission.deadline.probe_read)
+            if grant and eligible > 1 and n + 1 < o.max_tries then
+                local thr = outlier.probe_threshold(node.name, req.stream, o)
+                if thr then
+                    deadline.probe_read(req, o, now, thr)
+                end
+            end
             speed.track(attempts[n + 1])
             return
         end

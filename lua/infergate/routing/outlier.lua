@@ -20,7 +20,11 @@
 -- a time (an outlier while it has any in flight), like a half-open breaker; each such
 -- probe that waited past the threshold and ended without a first byte keeps the node
 -- out for min(PROBE_BACKOFF_MAX_S, threshold x 2^probes) more, so a node that hangs for
--- good costs a few requests, not one per request deadline. The balancer never excludes every candidate:
+-- good costs a few requests, not one per request deadline. A probe with another node to
+-- retry on waits only part of its time (probe_threshold, and
+-- infergate.admission.deadline.probe_read): a probe of a node still hung is then retried
+-- on another node, and costs its client that wait, not a timeout.
+-- The balancer never excludes every candidate:
 -- when all eligible nodes are outliers, it picks among them as usual.
 --
 -- Shared dict infergate_stats (all workers):
@@ -200,6 +204,24 @@ function _M.is_outlier(node, now, o)
     d:set("ol:" .. name, now, _M.FLAG_TTL_FACTOR * thr)
     d:set("os:" .. name, now)
     return true
+end
+
+-- The node's threshold (s) when a try just sent to `name` is a probe of a silent
+-- outlier (found one, no first byte since), else nil: the balancer then shortens that
+-- try's read timeout (infergate.admission.deadline.probe_read), so that a probe of a node
+-- still hung is retried on another node (no byte has reached the client:
+-- proxy_next_upstream timeout) instead of waiting for its deadline. Shared-dict reads.
+function _M.probe_threshold(name, stream, o)
+    o = o or config.get()
+    if o.outlier_ttfb_factor <= 0 then
+        return nil
+    end
+    local d = dict()
+    local seen = d:get("os:" .. name)
+    if not seen or seen < (d:get("fb:" .. name) or 0) then
+        return nil
+    end
+    return _M.threshold(name, stream, o)
 end
 
 -- An attempt ended: a probe of a silent outlier (sent after it was found one) that waited
