@@ -159,6 +159,11 @@ def simnode_argv(name: str, port: int, flags: Sequence[str] = (), *, host: str =
     return argv + ["--name", name, *flags]
 
 
+#: Times a node whose port was taken between the choice and its bind is started again
+#: on new ports.
+PORT_RETRIES = 3
+
+
 def _free_port(host: str, taken: set[int]) -> int:
     """A free port of ``host`` not handed out yet by this call (``taken`` grows)."""
     while True:
@@ -178,23 +183,39 @@ def start_nodes(specs: Iterable[tuple[str, Sequence[str]]], log_dir: Path, *,
     added to as soon as it is started (so whoever owns the set stops it, even when the
     wait is interrupted). ``cls``: the :class:`SimNodeProcess` subclass to return.
 
-    Returns the nodes in the order of ``specs``. On any failure (a node exits early,
-    is not ready in time, Ctrl-C) every node of this call is stopped and the error
+    Returns the nodes in the order of ``specs``. A node that exits because its port was
+    taken meanwhile ("address already in use": a free port is only free when chosen) is
+    started again on new ports, up to :data:`PORT_RETRIES` times. On any other failure (a
+    node exits early, is not ready in time, Ctrl-C) every node of this call is stopped and the error
     (:class:`controlplane.procs.StartError` for the first two) propagates."""
     started: list[NodeT] = []
     taken: set[int] = set()
+
+    def launch(name: str, flags: Sequence[str]) -> NodeT:
+        port = _free_port(host, taken)
+        cport = _free_port(host, taken) if control else None
+        argv = simnode_argv(name, port, flags, host=host, control_port=cport)
+        m = procs.Managed(name, argv, log_dir / f"{name}.log").start()
+        if into is not None:
+            into.add(m)
+        return cls(name=name, host=host, port=port, control_port=cport, managed=m)
+
     try:
         for name, flags in specs:
-            port = _free_port(host, taken)
-            cport = _free_port(host, taken) if control else None
-            argv = simnode_argv(name, port, flags, host=host, control_port=cport)
-            m = procs.Managed(name, argv, log_dir / f"{name}.log").start()
-            if into is not None:
-                into.add(m)
-            started.append(cls(name=name, host=host, port=port, control_port=cport, managed=m))
+            started.append(launch(name, flags))
         deadline = time.monotonic() + timeout
-        for node in started:
-            node.wait_ready(max(0.1, deadline - time.monotonic()))
+        for i, (name, flags) in enumerate(specs):
+            for again in range(PORT_RETRIES + 1):
+                try:
+                    started[i].wait_ready(max(0.1, deadline - time.monotonic()))
+                    break
+                except procs.StartError:
+                    # a free port taken by another process before the node bound it:
+                    # new ports (a node that failed otherwise fails the call)
+                    if again == PORT_RETRIES or started[i].managed.alive() or \
+                            "address already in use" not in started[i].managed.log_tail():
+                        raise
+                    started[i] = launch(name, flags)
     except BaseException:
         stop_nodes(started)
         raise

@@ -29,6 +29,36 @@ def test_nodes_start_together_and_stop_together(tmp_path: Path) -> None:
     assert not any(n.alive() for n in nodes)
 
 
+def test_a_node_whose_port_was_taken_starts_again_on_new_ports(tmp_path: Path,
+                                                                monkeypatch) -> None:
+    """A free port can be taken between its choice and the node's bind (another process
+    on a shared host): the node then exits with "address already in use" and the
+    launcher starts it again on new ports."""
+    import socket
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    taken = holder.getsockname()[1]
+    real = procs.free_port
+    handed = []
+
+    def first_taken(host: str = "127.0.0.1") -> int:
+        handed.append(taken if not handed else real(host))
+        return handed[-1]
+
+    monkeypatch.setattr(procs, "free_port", first_taken)
+    try:
+        (node,) = launch.start_nodes([("sim-p", [])], tmp_path, control=False)
+        try:
+            assert node.port != taken and node.healthy()
+            assert handed[0] == taken and len(handed) == 2
+        finally:
+            launch.stop_nodes([node])
+    finally:
+        holder.close()
+
+
 def test_nodes_started_with_refuse_or_health_fail_are_ready(tmp_path: Path) -> None:
     refusing, failing = launch.start_nodes([("sim-r", ["--refuse"]), ("sim-h", ["--health-fail"])],
                                            tmp_path)
