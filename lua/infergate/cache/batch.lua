@@ -12,13 +12,18 @@
 -- pipeline each) instead of one call per request.
 --
 -- send(items) -> results, err: one call for the list of items; results[i] is the
--- answer for items[i] (nil for none), or results is nil and err says why the whole call
--- failed. send runs protected: an error it raises fails that call's lookups only.
--- submit returns the lookup's result, or nil and the call's err (or "no answer for this
--- lookup" when send gave none for it), or nil, "timeout" when budget_s passed while it waited (a lookup that was sent
--- and whose call has not ended by then is answered by no one: its result is dropped).
--- The sender of a call waits for the call itself (bounded by the location's timeouts),
--- after having waited in the queue for less than one call.
+-- answer for items[i], or results is nil and err says why the whole call failed. send
+-- runs protected: an error it raises fails that call's lookups only.
+--
+-- submit returns the lookup's result; or nil and the call's err ("no answer for this
+-- lookup" when send gave none for it); or nil, "timeout" when budget_s (s) passed while
+-- it waited for its call to start or to end (a lookup whose call ends later is answered
+-- by no one: its result is dropped). A waiting lookup whose budget left is shorter than
+-- a call takes (this worker's moving average) gives up when the next call is made up,
+-- unsent ("timeout" too): it would be answered too late, and the embedder's time goes to
+-- lookups that can still use it. The sender of a call had at least one call's time left
+-- when it was chosen, and waits for the call itself even past its own budget (bounded by
+-- the lookup location's timeouts: the others of the call wait for it).
 local semaphore = require("ngx.semaphore")
 
 local _M = {}
@@ -40,7 +45,6 @@ _M.CALL_EWMA = 0.3
 local queue = {}      -- waiting entries, oldest first
 local flights = {}    -- call token -> start time
 local nflights = 0
-local stats = { calls = 0, lookups = 0, largest = 0, given_up = 0 }
 -- how long a call takes (s, moving average of this worker's calls; nil before the first)
 local call_s = nil
 
@@ -68,7 +72,6 @@ local function release()
             if e.state == "queued" and call_s and e.deadline - t < call_s then
                 -- its answer would come after its budget: it gives up now, unsent
                 e.state = "expired"
-                stats.given_up = stats.given_up + 1
                 e.sema:post(1)
             elseif e.state == "queued" then
                 if #batch < _M.MAX_BATCH then
@@ -99,11 +102,6 @@ local function fly(batch, token, send, me)
     local items = {}
     for i, e in ipairs(batch) do
         items[i] = e.item
-    end
-    stats.calls = stats.calls + 1
-    stats.lookups = stats.lookups + #items
-    if #items > stats.largest then
-        stats.largest = #items
     end
     update_time()
     local started = now()
@@ -156,7 +154,7 @@ function _M.submit(item, budget_s, send)
     release()
     while true do
         if e.state == "lead" then
-            -- woken to send: it sends even when its own time is up (the others wait)
+            -- chosen to send: it sends even when its own time runs out (see the header)
             e.sema = nil
             return fly(e.batch, e.token, send, e)
         elseif e.state == "done" then
@@ -173,22 +171,6 @@ function _M.submit(item, budget_s, send)
             return nil, "timeout"
         end
     end
-end
-
---- Counts of this worker since start: {calls, lookups (sent), largest (lookups in one
--- call), given_up (waiting lookups that gave up unsent), queued (waiting now), flights
--- (calls in flight now), call_ms (moving average of a call's duration, ms; nil before the
--- first)}.
-function _M.stats()
-    local queued = 0
-    for _, e in ipairs(queue) do
-        if e.state == "queued" then
-            queued = queued + 1
-        end
-    end
-    return { calls = stats.calls, lookups = stats.lookups, largest = stats.largest,
-             given_up = stats.given_up, queued = queued, flights = nflights,
-             call_ms = call_s and call_s * 1000 }
 end
 
 return _M

@@ -31,13 +31,14 @@
 --     flight wait (up to semantic_budget_ms) and go out together in the next call
 --     (infergate.cache.batch, group commit); any failure or timeout -> BYPASS (the answer
 --     is still stored).
---     After EMBEDDER_BREAKER_FAILURES failed lookups in a row (no answer, a timeout, a
---     5xx, not JSON) every worker skips the lookup for EMBEDDER_COOLDOWN_S (BYPASS,
+--     After EMBEDDER_BREAKER_FAILURES failed lookup calls in a row (no answer, a timeout,
+--     a 5xx, not JSON) every worker skips the lookup for EMBEDDER_COOLDOWN_S (BYPASS,
 --     reason "embedder_breaker_open"): a hung embedder then costs requests nothing
 --     instead of the whole budget each; after the cooldown lookups go out again, the
---     first failure opens the breaker again, a success closes it. A lookup that timed
+--     first failure opens the breaker again, a success closes it. A call that timed
 --     out within EMBEDDER_BUSY_S of one that succeeded is the embedder busy with a burst:
---     BYPASS, not counted.
+--     BYPASS, not counted. Every lookup counts in
+--     infergate_edge_semantic_lookups_total{outcome} (infergate.core.prometheus).
 --     A hit whose entry is gone (expired, purged), or whose stored namespace or tenant
 --     is not the request's, is a miss.
 --   * miss -> MISS, the node's answer is captured (infergate.cache.capture); a stream
@@ -621,8 +622,8 @@ local function wait_for_leader(c, lock)
 end
 
 -- Embedder circuit breaker (see the header), shared by the workers in _M.DICT:
--- "emb:fails" failed lookups in a row, "emb:open" present while open (its TTL the
--- cooldown), "emb:ok_at" when a lookup last succeeded. A lookup that timed out within
+-- "emb:fails" failed lookup calls in a row, "emb:open" present while open (its TTL the
+-- cooldown), "emb:ok_at" when a lookup call last succeeded. A call that timed out within
 -- EMBEDDER_BUSY_S of a success is a busy embedder (a burst queued behind the model),
 -- not a hung one: it is a BYPASS but does not count toward opening the breaker, so
 -- a burst does not turn the semantic cache off for the cooldown after it.
