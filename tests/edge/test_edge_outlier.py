@@ -45,6 +45,16 @@ def _until_past(threshold: float, since: float) -> None:
     time.sleep(max(0.0, since + threshold + 0.3 - time.monotonic()))
 
 
+def _stick_one(pool: ThreadPoolExecutor, edge, a, b, answered: int) -> list:
+    """With ``a`` hanging or slow: sends requests (in ``pool``) until one of them is held
+    by ``a`` (``answered``: requests both nodes had before); returns their futures."""
+    stuck: list = []
+    while a.inflight < 1:
+        stuck.append(pool.submit(_post, edge))
+        _wait(lambda: a.inflight >= 1 or a.hits + b.hits >= answered + len(stuck), 10)
+    return stuck
+
+
 @pytest.fixture
 def pair(tiny_upstreams, redis_server, edge_factory):
     a, b = tiny_upstreams(names=["a", "b"])
@@ -61,12 +71,9 @@ def test_a_hanging_node_stops_getting_requests_until_it_answers(pair) -> None:
     threshold = _threshold(edge, "a")
     a.mode = "hang"
     pool = ThreadPoolExecutor(8)
-    stuck = []
     try:
         # requests until one is hanging on a, then no more until all have arrived
-        while a.inflight < 1:
-            stuck.append(pool.submit(_post, edge))
-            _wait(lambda: a.inflight >= 1 or a.hits + b.hits >= 10 + len(stuck), 10)
+        stuck = _stick_one(pool, edge, a, b, 10)
         since = time.monotonic()
         _wait(lambda: all(f.done() for f in stuck[:-1]), 10)   # the others were answered by b
         _until_past(threshold, since)
@@ -106,13 +113,9 @@ def test_a_probe_of_a_node_still_hung_is_retried_in_time(tiny_upstreams, redis_s
     assert 2 * threshold < 3.5, "this machine is too slow for the test's deadline"
     a.mode = "hang"
     pool = ThreadPoolExecutor(8)
-    stuck = []
     try:
-        while a.inflight < 1:
-            stuck.append(pool.submit(_post, edge))
-            _wait(lambda: a.inflight >= 1 or a.hits + b.hits >= 10 + len(stuck), 10)
-        since = time.monotonic()
-        _until_past(threshold, since)
+        stuck = _stick_one(pool, edge, a, b, 10)
+        _until_past(threshold, time.monotonic())
         assert _post(edge).headers["X-Infergate-Node"] == "b"   # finds a an outlier
         assert edge.node_status("a")["outlier"] is True
         a.release()                      # the stuck request ends unanswered (retried on b)
@@ -142,10 +145,7 @@ def test_a_slow_answer_clears_the_outlier_at_once(pair) -> None:
     a.delay_s = slow_s
     pool = ThreadPoolExecutor(4)
     try:
-        slow = []
-        while a.inflight < 1:
-            slow.append(pool.submit(_post, edge))
-            _wait(lambda: a.inflight >= 1 or a.hits + b.hits >= 10 + len(slow), 10)
+        slow = _stick_one(pool, edge, a, b, 10)
         since = time.monotonic()
         _wait(lambda: all(f.done() for f in slow[:-1]), 10)
         _until_past(threshold, since)
