@@ -355,10 +355,14 @@ class Engine:
                  for i, q in enumerate(reqs)]
         chosen = [i for i, p in enumerate(picks) if p[0] is not None]
         if chosen:
-            pipe = self.r.pipeline(transaction=False)
-            for i in chosen:
-                pipe.exists(keynames.cache_entry(picks[i][0].key))  # type: ignore[union-attr]
-            for i, alive in zip(chosen, pipe.execute()):
+            if len(chosen) == 1:  # one round trip either way; a pipeline costs more Python
+                lives = [self._live(picks[chosen[0]][0])]  # type: ignore[arg-type]
+            else:
+                pipe = self.r.pipeline(transaction=False)
+                for i in chosen:
+                    pipe.exists(keynames.cache_entry(picks[i][0].key))  # type: ignore[union-attr]
+                lives = pipe.execute()
+            for i, alive in zip(chosen, lives):
                 if not alive:  # gone since it was indexed: the others, one by one
                     rest = [c for c in cands[i] if c is not picks[i][0]]
                     picks[i] = self._choose(reqs[i].text, vecs[i], rest, *limits[i],
