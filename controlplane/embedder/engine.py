@@ -334,6 +334,7 @@ class Engine:
     def lookup_many(self, reqs: list[LookupRequest],
                     started: float | None = None) -> list[LookupResult]:
         """:meth:`lookup` of each request, together: the texts embedded in one model call,
+        searched together (``search_many``: one matrix product per namespace in process),
         and whether each would-be hit's entry still exists asked in one Redis pipeline
         (a candidate found gone is skipped and the next one tried, as a single lookup
         does). Results in the order of ``reqs``; ``elapsed_ms`` is the whole call's.
@@ -348,8 +349,12 @@ class Engine:
         if embed_at:
             for i, v in zip(embed_at, self.embed([reqs[i].text for i in embed_at])):
                 vecs[i] = v
-        cands = [self.index.search(q.namespace, vecs[i], self.top_k)
-                 if vecs[i] is not None else [] for i, q in enumerate(reqs)]
+        cands: list[list[Candidate]] = [[] for _ in reqs]
+        if embed_at:
+            found = self.index.search_many([(reqs[i].namespace, vecs[i]) for i in embed_at],
+                                           self.top_k)
+            for i, c in zip(embed_at, found):
+                cands[i] = c
         # first pass as if every entry were live, then one pipeline for the chosen ones
         picks = [self._choose(q.text, vecs[i], cands[i], *limits[i], q.guard, None)
                  for i, q in enumerate(reqs)]

@@ -81,6 +81,11 @@ class VectorIndex(Protocol):
         """Up to ``k`` nearest entries of ``namespace``, closest first."""
         ...
 
+    def search_many(self, queries: list[tuple[str, np.ndarray]],
+                    k: int) -> list[list[Candidate]]:
+        """:meth:`search` of each ``(namespace, vector)``, in that order."""
+        ...
+
     def close(self) -> None:
         ...
 
@@ -254,6 +259,12 @@ class RedisSearchIndex:
         out.sort(key=lambda c: -c.similarity)
         return out
 
+    def search_many(self, queries: list[tuple[str, np.ndarray]],
+                    k: int) -> list[list[Candidate]]:
+        """One ``FT.SEARCH`` per query (the server's HNSW index answers each in about a
+        millisecond)."""
+        return [self.search(ns, vec, k) for ns, vec in queries]
+
     def close(self) -> None:
         pass
 
@@ -395,17 +406,35 @@ class LocalIndex:
             self._delete_locked(block.keys[row])
 
     def search(self, namespace: str, vec: np.ndarray, k: int) -> list[Candidate]:
+        return self.search_many([(namespace, vec)], k)[0]
+
+    def search_many(self, queries: list[tuple[str, np.ndarray]],
+                    k: int) -> list[list[Candidate]]:
+        """The queries of one namespace are scored together: one matrix product of the
+        namespace's rows by all their vectors, which reads the rows once (a product per
+        query reads them once each: with tens of thousands of rows, most of a lookup)."""
+        out: list[list[Candidate]] = [[] for _ in queries]
+        by_ns: dict[str, list[int]] = {}
+        for i, (ns, _) in enumerate(queries):
+            by_ns.setdefault(ns, []).append(i)
+        now = self._clock()
         with self._lock:
-            self._drop_expired_locked(namespace, self._clock())
-            block = self._blocks.get(namespace)
-            if block is None or block.n == 0:
-                return []
-            scores = block.mat[:block.n] @ np.asarray(vec, dtype=np.float32)
-            k = min(k, block.n)
-            top = np.argpartition(-scores, k - 1)[:k] if block.n > k else np.arange(block.n)
-            top = top[np.argsort(-scores[top])]
-            return [Candidate(block.keys[i], float(scores[i]), block.texts[i],
-                              block.mat[i].copy()) for i in top]
+            for ns, idx in by_ns.items():
+                self._drop_expired_locked(ns, now)
+                block = self._blocks.get(ns)
+                if block is None or block.n == 0:
+                    continue
+                q = np.vstack([np.asarray(queries[i][1], dtype=np.float32) for i in idx])
+                scores = block.mat[:block.n] @ q.T          # (rows, queries)
+                kk = min(k, block.n)
+                for col, i in enumerate(idx):
+                    sc = scores[:, col]
+                    top = np.argpartition(-sc, kk - 1)[:kk] if block.n > kk \
+                        else np.arange(block.n)
+                    top = top[np.argsort(-sc[top])]
+                    out[i] = [Candidate(block.keys[j], float(sc[j]), block.texts[j],
+                                        block.mat[j].copy()) for j in top]
+        return out
 
     def _follow(self) -> None:
         """Apply vectors published by any embedder; resync after a lost connection."""

@@ -96,6 +96,26 @@ def test_nearest_first_inside_namespace_only(index) -> None:
     assert index.search(hx("empty"), unit(1, 0), 3) == []
 
 
+def test_search_many_answers_each_query_as_search_does(index) -> None:
+    """Queries of several namespaces in one call (the local index scores a namespace's
+    queries in one matrix product): each answer equals that query's own search."""
+    ns, other = hx("many-a"), hx("many-b")
+    for i in range(12):
+        add(index, hx(f"m{i}"), ns, unit(1, i / 6), text=f"t{i}")
+    add(index, hx("o1"), other, unit(0, 1), text="other")
+    queries = [(ns, unit(1, 0.05)), (other, unit(1, 1)), (hx("nothing"), unit(1, 0)),
+               (ns, unit(1, 1.9)), (ns, unit(0, 1))]
+    many = index.search_many(queries, 3)
+    assert len(many) == len(queries)
+    for (q_ns, q_vec), got in zip(queries, many):
+        one = index.search(q_ns, q_vec, 3)
+        assert [c.key for c in got] == [c.key for c in one]
+        assert [c.similarity for c in got] == pytest.approx([c.similarity for c in one],
+                                                            abs=1e-5)
+    assert [c.key for c in many[0]] == [hx("m0"), hx("m1"), hx("m2")]
+    assert many[2] == [] and [c.key for c in many[1]] == [hx("o1")]
+
+
 def test_top_k_bounds_answers(index) -> None:
     ns = hx("many")
     for i in range(10):
