@@ -375,7 +375,9 @@ end
 
 -- ------------------------------------------------------------------ Redis
 
-local embedder_down_logged = false
+-- When this worker last logged a skipped semantic lookup (at most one line every
+-- LOG_EVERY_S: a busy embedder fails some lookups of every burst).
+local last_skip_log = -math.huge
 
 -- The usable entry in a raw GET reply (a string or ngx.null) for the request's cache
 -- state `c`, or nil (absent or unusable): {doc, tail} for a non-streaming request when
@@ -732,7 +734,8 @@ local function semantic_lookup(c)
         if type(res) ~= "table" then
             return nil, "embedder answer for the lookup is not an object"
         end
-        return nil, "embedder refused the lookup: " .. tostring(res.error.message)
+        local m = res.error.message
+        return nil, "embedder refused the lookup: " .. (type(m) == "string" and m or "?")
     end
     return res
 end
@@ -889,13 +892,13 @@ function _M.lookup(req)
     if opts.semantic and k.namespace then
         local res, serr = semantic_lookup(c)
         if not res then
-            if not embedder_down_logged then
+            local now = ngx.now()
+            if now - last_skip_log >= _M.LOG_EVERY_S then
                 log(WARN, "infergate: semantic cache lookup skipped: ", serr)
-                embedder_down_logged = true
+                last_skip_log = now
             end
             return bypass(c, serr, true)
         end
-        embedder_down_logged = false
         if res.hit == true and type(res.key) == "string" and res.key:find("^%x+$") then
             local hit, herr
             local hdoc = hot_doc(res.key, ngx.now())
