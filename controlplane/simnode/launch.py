@@ -186,8 +186,9 @@ def start_nodes(specs: Iterable[tuple[str, Sequence[str]]], log_dir: Path, *,
     Returns the nodes in the order of ``specs``. A node that exits because its port was
     taken meanwhile ("address already in use": a free port is only free when chosen) is
     started again on new ports, up to :data:`PORT_RETRIES` times. On any other failure (a
-    node exits early, is not ready in time, Ctrl-C) every node of this call is stopped and the error
-    (:class:`controlplane.procs.StartError` for the first two) propagates."""
+    node exits early, is not ready in time, Ctrl-C) every node of this call is stopped
+    and the error (:class:`controlplane.procs.StartError` for the first two) propagates."""
+    specs = list(specs)  # iterated twice: to start, then to wait
     started: list[NodeT] = []
     taken: set[int] = set()
 
