@@ -99,29 +99,32 @@ class MicroBatcher(Generic[T, R]):
     def run(self, values: Sequence[T], timeout: float | None = None) -> list[R]:
         """``encode`` of ``values`` now, in the caller's thread, in batches of at most
         ``max_batch``, each holding one of the ``own_workers`` slots (else one of the
-        ``workers`` slots; waiting at most ``timeout`` s for one: :class:`TimeoutError`). Raises what ``encode`` raises, or
-        :class:`BatcherClosed` after :meth:`close`."""
+        ``workers`` slots; waiting at most ``timeout`` s for one: :class:`TimeoutError`).
+        Raises what ``encode`` raises, or :class:`BatcherClosed` after :meth:`close`."""
         if self._closed.is_set():
             raise BatcherClosed("batcher is closed")
         out: list[R] = []
         for i in range(0, len(values), self.max_batch):
-            part = list(values[i:i + self.max_batch])
             if not self._own.acquire(timeout=timeout):  # type: ignore[union-attr]
                 raise TimeoutError("no encode slot free in time")
             try:
-                if self._on_batch is not None:
-                    try:
-                        self._on_batch(len(part))
-                    except Exception:  # noqa: BLE001 - metrics must not break embedding
-                        pass
-                results = self._encode(part)
+                out.extend(self._call(list(values[i:i + self.max_batch])))
             finally:
                 self._own.release()  # type: ignore[union-attr]
-            if len(results) != len(part):
-                raise RuntimeError(f"encode returned {len(results)} results "
-                                   f"for {len(part)} items")
-            out.extend(results)
         return out
+
+    def _call(self, values: list[T]) -> Sequence[R]:
+        """``on_batch``, then ``encode`` of ``values`` with its answer's length checked."""
+        if self._on_batch is not None:
+            try:
+                self._on_batch(len(values))
+            except Exception:  # noqa: BLE001 - metrics must not break embedding
+                pass
+        results = self._encode(values)
+        if len(results) != len(values):
+            raise RuntimeError(f"encode returned {len(results)} results "
+                               f"for {len(values)} items")
+        return results
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop after the items already queued; waits up to ``timeout`` s for the workers."""
@@ -175,17 +178,9 @@ class MicroBatcher(Generic[T, R]):
                 return
 
     def _process(self, batch: list[_Item[T, R]]) -> None:
-        if self._on_batch is not None:
-            try:
-                self._on_batch(len(batch))
-            except Exception:  # noqa: BLE001 - metrics must not break embedding
-                pass
         try:
             with self._slots:
-                results = self._encode([it.value for it in batch])
-            if len(results) != len(batch):
-                raise RuntimeError(f"encode returned {len(results)} results "
-                                   f"for {len(batch)} items")
+                results = self._call([it.value for it in batch])
         except BaseException as exc:  # noqa: BLE001 - handed to every waiter
             for it in batch:
                 it.future.set_exception(exc)
