@@ -48,6 +48,14 @@ local nflights = 0
 -- how long a call takes (s, moving average of this worker's calls; nil before the first)
 local call_s = nil
 
+-- A call starts: counted against MAX_FLIGHTS until fly() ends it; returns its token.
+local function start_flight()
+    local token = {}
+    flights[token] = now()
+    nflights = nflights + 1
+    return token
+end
+
 local function live_flights()
     if nflights < _M.MAX_FLIGHTS then
         return nflights
@@ -86,9 +94,7 @@ local function release()
             return
         end
         local lead = batch[#batch]
-        local token = {}
-        flights[token] = now()
-        nflights = nflights + 1
+        local token = start_flight()
         for _, e in ipairs(batch) do
             e.state = "sent"
         end
@@ -140,11 +146,8 @@ end
 -- before its call starts or while a call it is in runs (see the header).
 function _M.submit(item, budget_s, send)
     if #queue == 0 and live_flights() < _M.MAX_FLIGHTS then
-        local token = {}
-        flights[token] = now()
-        nflights = nflights + 1
         local e = { item = item, state = "lead" }
-        return fly({ e }, token, send, e)
+        return fly({ e }, start_flight(), send, e)
     end
     update_time()
     local deadline = now() + budget_s

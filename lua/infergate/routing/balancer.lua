@@ -408,7 +408,8 @@ function _M.run()
         local ok, err = ngx_balancer.set_current_peer(node.addr, node.port)
         if ok then
             -- eligible counts the node just picked: another one is left for a next try
-            if grant and eligible > 1 and n + 1 < o.max_tries then
+            local can_retry = grant and eligible > 1 and n + 1 < o.max_tries
+            if can_retry then
                 local _, terr = ngx_balancer.set_more_tries(1)
                 if terr then
                     log(WARN, "infergate: set_more_tries: ", terr)
@@ -421,7 +422,7 @@ function _M.run()
             outlier.track(attempts[n + 1], req.stream)
             -- a probe of a silent outlier with another node to retry on waits only
             -- part of its time (infergate.admission.deadline.probe_read)
-            if grant and eligible > 1 and n + 1 < o.max_tries then
+            if can_retry then
                 local thr = outlier.probe_threshold(node.name, req.stream, o)
                 if thr then
                     deadline.probe_read(req, o, now, thr)
