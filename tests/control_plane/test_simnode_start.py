@@ -59,6 +59,15 @@ def test_a_node_whose_port_was_taken_starts_again_on_new_ports(tmp_path: Path,
         holder.close()
 
 
+def test_specs_may_be_an_iterator_and_every_node_is_ready(tmp_path: Path) -> None:
+    nodes = launch.start_nodes(((f"sim-i{i}", []) for i in range(2)), tmp_path, control=False)
+    try:
+        assert [n.name for n in nodes] == ["sim-i0", "sim-i1"]
+        assert all(n.ready() for n in nodes)   # waited for, not just started
+    finally:
+        launch.stop_nodes(nodes)
+
+
 def test_nodes_started_with_refuse_or_health_fail_are_ready(tmp_path: Path) -> None:
     refusing, failing = launch.start_nodes([("sim-r", ["--refuse"]), ("sim-h", ["--health-fail"])],
                                            tmp_path)
