@@ -415,6 +415,15 @@ class LimitSettings(_Section):
     """Tokens per minute across all clients and edges; 0 = no global limit."""
     chars_per_token: float = Field(default=4.0, ge=0.01, le=1000)
     """Prompt characters counted as one token by the up-front estimate."""
+    lease_fraction: float = Field(default=0.01, ge=0, le=0.5)
+    """Largest lease as a fraction (0-1) of a bucket's capacity, at most 1,000 requests
+    or tokens: a worker that keeps charging a bucket takes tokens from Redis ahead of
+    its requests (1, 2, 4, ... per round trip) and spends them without a round trip
+    until they run out or are a second old (the rest goes back). Leases never let more
+    through than the limit; while other workers hold leased tokens a bucket can refuse
+    up to ``lease_fraction`` x capacity x (workers x edges) early. 0 = one Redis round
+    trip per request, exact to the token. Below 1 / ``lease_fraction`` per minute
+    (100 at 0.01) a bucket is never leased."""
     redis_retry_s: float = Field(default=1.0, ge=0.01, le=3600)
     """After a failed Redis call (connect refused or timed out, a read timeout), seconds
     every worker of the edge skips that Redis before trying again: API keys come from

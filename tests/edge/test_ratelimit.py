@@ -176,6 +176,68 @@ def test_two_edges_share_one_global_limit(redis_server, tiny_upstreams, edge_fac
     assert rejected == 40 - len(allowed) + 1
 
 
+def script_calls(r) -> int:
+    """EVALSHA + EVAL calls Redis has run so far (INFO commandstats)."""
+    stats = r.info("commandstats")
+    return sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("evalsha", "eval"))
+
+
+def test_leases_spare_round_trips_and_never_exceed_the_limit(redis_server, tiny_upstreams,
+                                                             edge_factory) -> None:
+    (up,) = tiny_upstreams(1)
+    r = redis_server.client()
+    # 3000 per minute: leases of up to 30 requests (lease_fraction 0.01)
+    edge = edge_factory(settings(redis_server.url, [up.node_settings()], auth=False,
+                                 global_rpm=3000))
+    with requests.Session() as http:
+        before = script_calls(r)
+        codes = [http.post(f"{edge.url}/v1/chat/completions", json=CHAT, timeout=15).status_code
+                 for _ in range(120)]
+        calls = script_calls(r) - before
+    assert codes == [200] * 120
+    assert calls <= 40, f"{calls} script calls for 120 requests: leases did not cover them"
+    # the bucket is charged ahead, never behind: what Redis holds leaves room for no more
+    # than the limit
+    tokens = float(r.hget(keynames.RATELIMIT_PREFIX + "global:rpm", "tokens"))
+    assert tokens <= 3000 - 120 + 50 * 5, tokens  # 50 per second refill, a few seconds
+
+    # a small bucket with leases under load: never more than the limit
+    small = edge_factory(settings(redis_server.url, [up.node_settings()], auth=False,
+                                  global_rpm=200))
+    started = time.monotonic()
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda _: post(small.url).status_code, range(260)))
+    elapsed = time.monotonic() - started
+    assert set(got) <= {200, 429}
+    allowed = got.count(200)
+    assert allowed <= 200 + 1 + int(elapsed * 200 / 60), (allowed, elapsed)
+    assert allowed >= 190, allowed  # early refusals: at most the leases held (2 each)
+
+
+def test_expired_lease_goes_back_and_lease_fraction_zero_is_exact(redis_server, tiny_upstreams,
+                                                                 edge_factory) -> None:
+    (up,) = tiny_upstreams(1)
+    r = redis_server.client()
+    edge = edge_factory(settings(redis_server.url, [up.node_settings()], auth=False,
+                                 global_rpm=6000))
+    with requests.Session() as http:
+        for _ in range(60):
+            assert http.post(f"{edge.url}/v1/chat/completions", json=CHAT, timeout=15).ok
+    idle = script_calls(r)
+    # no request now: the worker's flush timer gives the unspent lease back (one script
+    # call in mode "adjust") once it is LEASE_TTL_S old
+    procs.wait_until(lambda: script_calls(r) > idle, 10, interval=0.05,
+                     what="the unspent lease to go back to Redis")
+
+    exact = edge_factory(settings(redis_server.url, [up.node_settings()], auth=False,
+                                  global_rpm=6000, lease_fraction=0))
+    with requests.Session() as http:
+        before = script_calls(r)
+        for _ in range(30):
+            assert http.post(f"{exact.url}/v1/chat/completions", json=CHAT, timeout=15).ok
+        assert script_calls(r) - before == 30
+
+
 def test_redis_down_falls_back_to_local_buckets(redis_server, tiny_upstreams, edge_factory) -> None:
     (up,) = tiny_upstreams(1)
     edge = edge_factory(settings(redis_server.url, [up.node_settings()], auth=False, global_rpm=4))

@@ -28,6 +28,22 @@
 -- "key:<key id>:rpm", "key:<key id>:tpm", "global:rpm", "global:tpm" with fields
 -- tokens, ts (epoch s); they expire once full again.
 --
+-- Leases (limits.lease_fraction > 0): a worker that charges a bucket again within
+-- LEASE_TTL_S of its last charge also takes tokens ahead in the same script call (mode
+-- "lease": what it charged the bucket per second since the last grant x
+-- LEASE_TARGET_S, at least the cost, at most lease_fraction x capacity and LEASE_MAX;
+-- as many whole tokens as the bucket holds beyond the cost). A request whose every
+-- bucket this worker still holds enough leased tokens for pays from them, with no round
+-- trip (the companion command then goes on its own); else it goes to Redis as above.
+-- One request at a time brings the next lease, when the last is half spent. A lease
+-- lasts LEASE_TTL_S: then the flush timer (infergate.core.flush.on_tick) gives what is
+-- left back to the bucket. Leased tokens were charged in Redis before any request
+-- spends them, so leases never let more through than the limit; while other workers
+-- hold some, a bucket can refuse early by at most what their leases hold. A bucket
+-- under 1 / lease_fraction per minute never gets a lease (one round trip per request,
+-- exact to the token). The x-ratelimit-remaining-* headers count this worker's leased
+-- tokens as remaining.
+--
 -- Redis unreachable or backed off (infergate.admission.redis, infergate.redis.pool): the
 -- same buckets live in this edge's infergate_limits shared dict, so limits then apply
 -- per edge (N edges allow up to N times the limit), and requests are never failed for it.
@@ -62,21 +78,25 @@ local log = ngx.log
 local ERR = ngx.ERR
 
 -- KEYS: bucket hashes. ARGV[1]: "take" (charge all or none) | "adjust" (charge all,
--- cost may be negative). Then capacity, rate per second, cost for each key.
+-- cost may be negative) | "lease" (as take, and each bucket also hands out up to `want`
+-- tokens more, as many whole ones as it holds beyond the cost). Then capacity, rate per
+-- second, cost (and want, for "lease") for each key.
 -- Returns {allowed (1|0), tokens_1, wait_s_1, tokens_2, wait_s_2, ...} with the
 -- numbers as strings: tokens after the charge (before it when refused) and the seconds
--- until the bucket could pay its cost.
+-- until the bucket could pay its cost; "lease" adds granted_i after wait_s_i.
 _M.SCRIPT = [[
 local t = redis.call("TIME")
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local mode = ARGV[1]
+local stride = mode == "lease" and 4 or 3
 local n = #KEYS
 local st = {}
 local ok = 1
 for i = 1, n do
-  local cap = tonumber(ARGV[2 + (i - 1) * 3])
-  local rate = tonumber(ARGV[3 + (i - 1) * 3])
-  local cost = tonumber(ARGV[4 + (i - 1) * 3])
+  local cap = tonumber(ARGV[2 + (i - 1) * stride])
+  local rate = tonumber(ARGV[3 + (i - 1) * stride])
+  local cost = tonumber(ARGV[4 + (i - 1) * stride])
+  local want = stride == 4 and tonumber(ARGV[5 + (i - 1) * stride]) or 0
   local v = redis.call("HMGET", KEYS[i], "tokens", "ts")
   local tokens, ts = tonumber(v[1]), tonumber(v[2])
   if tokens == nil or ts == nil then
@@ -85,25 +105,32 @@ for i = 1, n do
   if now > ts then
     tokens = math.min(cap, tokens + (now - ts) * rate)
   end
-  st[i] = { cap, rate, cost, tokens }
-  if mode == "take" and tokens < cost then
+  st[i] = { cap, rate, cost, tokens, want }
+  if mode ~= "adjust" and tokens < cost then
     ok = 0
   end
 end
 local out = { ok }
 for i = 1, n do
-  local cap, rate, cost, tokens = st[i][1], st[i][2], st[i][3], st[i][4]
+  local cap, rate, cost, tokens, want = st[i][1], st[i][2], st[i][3], st[i][4], st[i][5]
   local wait = 0
   if tokens < cost then
     wait = (cost - tokens) / rate
   end
+  local grant = 0
   if ok == 1 then
-    tokens = math.max(-cap, math.min(cap, tokens - cost))
+    if want > 0 then
+      grant = math.max(0, math.floor(math.min(want, tokens - cost)))
+    end
+    tokens = math.max(-cap, math.min(cap, tokens - cost - grant))
     redis.call("HSET", KEYS[i], "tokens", tostring(tokens), "ts", tostring(now))
     redis.call("PEXPIRE", KEYS[i], math.ceil((cap - tokens) / rate * 1000) + 1000)
   end
   out[#out + 1] = tostring(tokens)
   out[#out + 1] = tostring(wait)
+  if stride == 4 then
+    out[#out + 1] = tostring(grant)
+  end
 end
 return out
 ]]
@@ -215,8 +242,9 @@ function _M.buckets(req, o)
     return list
 end
 
--- {numkeys, key..., mode, (capacity, rate, cost)...}: the arguments after the script
-local function script_args(mode, list, costs)
+-- {numkeys, key..., mode, (capacity, rate, cost[, want])...}: the arguments after the
+-- script (want per bucket when `wants` is given: mode "lease").
+local function script_args(mode, list, costs, wants)
     local n = #list
     local args = { n }
     for i, b in ipairs(list) do
@@ -227,27 +255,38 @@ local function script_args(mode, list, costs)
         args[#args + 1] = b.capacity
         args[#args + 1] = format("%.9g", b.rate)
         args[#args + 1] = costs and costs[i] or b.cost
+        if wants then
+            args[#args + 1] = wants[i]
+        end
     end
     return args
 end
 
-local function parse_reply(res, n)
-    if type(res) ~= "table" or #res ~= 1 + 2 * n then
+local function parse_reply(res, n, leased)
+    local stride = leased and 3 or 2
+    if type(res) ~= "table" or #res ~= 1 + stride * n then
         return nil, "unexpected rate-limit script reply"
     end
     local out = { allowed = tonumber(res[1]) == 1, tokens = {}, wait = {} }
+    if leased then
+        out.granted = {}
+    end
     for i = 1, n do
-        out.tokens[i] = tonumber(res[2 * i]) or 0
-        out.wait[i] = tonumber(res[2 * i + 1]) or 0
+        local at = 2 + stride * (i - 1)
+        out.tokens[i] = tonumber(res[at]) or 0
+        out.wait[i] = tonumber(res[at + 1]) or 0
+        if leased then
+            out.granted[i] = tonumber(res[at + 2]) or 0
+        end
     end
     return out
 end
 
--- Runs the script in Redis for `list` (costs override the buckets' costs). Returns the
--- result, false, err (an error reply or an unexpected reply) or nil, err (Redis
--- unreachable, or skipped during the back-off of infergate.redis.pool).
-local function redis_apply(mode, list, costs, extra, on_extra)
-    local args = script_args(mode, list, costs)
+-- Runs the script in Redis for `list` (costs override the buckets' costs; wants: mode
+-- "lease"). Returns the result, false, err (an error reply or an unexpected reply) or
+-- nil, err (Redis unreachable, or skipped during the back-off of infergate.redis.pool).
+local function redis_apply(mode, list, costs, extra, on_extra, wants)
+    local args = script_args(mode, list, costs, wants)
     local res, err = ar.run(function(c)
         local r, e
         if extra then
@@ -273,7 +312,7 @@ local function redis_apply(mode, list, costs, extra, on_extra)
     if not res then
         return res, err
     end
-    local out, perr = parse_reply(res, #list)
+    local out, perr = parse_reply(res, #list, wants ~= nil)
     if not out then
         return false, perr
     end
@@ -335,12 +374,14 @@ local function local_apply(mode, list, costs)
 end
 _M._local_apply = local_apply
 
--- Charges `list` (mode "take") or corrects it (mode "adjust", costs per bucket).
+-- Charges `list` (mode "take"; "lease" with wants: also takes up to wants[i] tokens
+-- ahead, result.granted[i]) or corrects it (mode "adjust", costs per bucket).
 -- extra, on_extra (optional): one more Redis command sent in the same pipeline, and
 -- on_extra(reply) called with its reply (not called when Redis was not reached).
--- Returns result {allowed, tokens = {}, wait = {}}, source "redis"|"local".
-function _M.apply(mode, list, costs, extra, on_extra)
-    local res, err = redis_apply(mode, list, costs, extra, on_extra)
+-- Returns result {allowed, tokens = {}, wait = {}[, granted = {}]}, source
+-- "redis"|"local" (local buckets grant no lease).
+function _M.apply(mode, list, costs, extra, on_extra, wants)
+    local res, err = redis_apply(mode, list, costs, extra, on_extra, wants)
     if res then
         return res, "redis"
     end
@@ -349,7 +390,139 @@ function _M.apply(mode, list, costs, extra, on_extra)
         log(ERR, "infergate: rate-limit script failed: ", err)
     end
     astats.incr("limits_local")
-    return local_apply(mode, list, costs), "local"
+    return local_apply(mode == "lease" and "take" or mode, list, costs), "local"
+end
+
+-- Leases (worker-local, see the header): bucket key -> {left = tokens leased and not
+-- spent, at = ngx.now() of the last grant, spent = tokens this worker charged to the
+-- bucket since then, tokens = the bucket's tokens in Redis after that grant, refilling =
+-- ngx.now() when a request went for the next lease, bucket}.
+_M.LEASE_TTL_S = 1
+-- A lease is sized to last this long at the worker's recent rate on the bucket.
+_M.LEASE_TARGET_S = 0.25
+_M.LEASE_MAX = 1000
+local leases = {}
+
+-- Gives the unspent tokens of an expired lease back to its bucket (flush queue).
+local queue_correction
+local function refund(b, left)
+    if left > 0 then
+        queue_correction({ b }, { -left }, "redis")
+    end
+end
+
+local function refill_under_way(l, now)
+    return l.refilling ~= nil and now - l.refilling < _M.LEASE_TTL_S
+end
+
+-- The request paid from this worker's leases: the result, or nil (and nothing spent)
+-- when a bucket's lease is missing, expired or short of the cost, or when a lease is
+-- down to less than half its size with no refill under way (this request then goes to
+-- Redis and brings the next lease while the others spend what is left).
+local function lease_spend(list, now)
+    for _, b in ipairs(list) do
+        local l = leases[b.key]
+        if not l or l.left < b.cost or now - l.at >= _M.LEASE_TTL_S then
+            return nil
+        end
+        if l.left - b.cost < l.size / 2 and not refill_under_way(l, now) then
+            return nil
+        end
+    end
+    local out = { allowed = true, tokens = {}, wait = {} }
+    for i, b in ipairs(list) do
+        local l = leases[b.key]
+        l.left = l.left - b.cost
+        l.spent = l.spent + b.cost
+        out.tokens[i] = min(b.capacity, l.tokens + (now - l.at) * b.rate) + l.left
+        out.wait[i] = 0
+    end
+    return out
+end
+
+-- Tokens to lease ahead per bucket, for a request that goes to Redis: none for a bucket
+-- this worker has not charged within LEASE_TTL_S or whose next lease another request
+-- is already bringing; else what this worker charged it per second since the last
+-- grant x LEASE_TARGET_S (at least the cost, at most lease_fraction x capacity and
+-- LEASE_MAX). That request then brings the next lease (refilling).
+local function lease_wants(list, now, fraction)
+    local wants = {}
+    for i, b in ipairs(list) do
+        local l = leases[b.key]
+        local w = 0
+        if l and now - l.at < _M.LEASE_TTL_S and not refill_under_way(l, now) then
+            local dt = now - l.at
+            if dt < 0.001 then
+                dt = 0.001
+            end
+            w = ceil((l.spent + b.cost) / dt * _M.LEASE_TARGET_S)
+            if w < b.cost then
+                w = b.cost
+            end
+            local most = floor(b.capacity * fraction)
+            if most > _M.LEASE_MAX then
+                most = _M.LEASE_MAX
+            end
+            if w > most then
+                w = most
+            end
+            if w > 0 then
+                l.refilling = now
+            end
+        end
+        wants[i] = w
+    end
+    return wants
+end
+
+-- After the script call of mode "lease" (at `now`): keeps what Redis granted (when it
+-- was Redis and the request was allowed; res.tokens then count this worker's leased
+-- tokens as remaining too), and ends this request's refill either way.
+local function lease_store(list, res, source, now, wants)
+    local ok = source == "redis" and res.allowed
+    for i, b in ipairs(list) do
+        local l = leases[b.key]
+        if l and now - l.at >= _M.LEASE_TTL_S then
+            refund(b, l.left)
+            leases[b.key] = nil
+            l = nil
+        end
+        if ok then
+            if not l then
+                l = { left = 0, at = now, spent = 0, tokens = res.tokens[i], bucket = b, size = 0 }
+                leases[b.key] = l
+            end
+            l.spent = l.spent + b.cost
+            if wants[i] > 0 then
+                l.left = l.left + (res.granted[i] or 0)
+                l.at, l.spent, l.size, l.tokens = now, 0, wants[i], res.tokens[i]
+            end
+            res.tokens[i] = res.tokens[i] + l.left
+        end
+        if l and wants[i] > 0 then
+            l.refilling = nil
+        end
+    end
+end
+
+-- Flush timer: expired leases go back to their buckets and are forgotten.
+function _M.sweep_leases(now)
+    now = now or ngx.now()
+    for key, l in pairs(leases) do
+        if now - l.at >= _M.LEASE_TTL_S then
+            leases[key] = nil
+            refund(l.bucket, l.left)
+        end
+    end
+end
+
+-- This worker's unspent leased tokens of bucket `key` (0 without a live lease).
+function _M.leased(key, now)
+    local l = leases[key]
+    if not l or (now or ngx.now()) - l.at >= _M.LEASE_TTL_S then
+        return 0
+    end
+    return l.left
 end
 
 -- x-ratelimit-* headers: for each kind, the bucket with the fewest remaining.
@@ -395,11 +568,25 @@ function _M.step(req)
     end
     -- a later access step may hand over a Redis read of its own (the exact cache
     -- lookup, infergate.cache.lookup.prefetch): one round trip for both
-    local extra, on_extra
-    if _M.companion then
-        extra, on_extra = _M.companion(req)
+    local now = ngx.now()
+    local fraction = o.lease_fraction or 0
+    local res, source
+    if fraction > 0 then
+        res = lease_spend(list, now)
+        source = "redis" -- charged in Redis when the lease was granted
     end
-    local res, source = _M.apply("take", list, nil, extra, on_extra)
+    if not res then
+        local extra, on_extra
+        if _M.companion then
+            extra, on_extra = _M.companion(req)
+        end
+        local wants = fraction > 0 and lease_wants(list, now, fraction) or nil
+        res, source = _M.apply(wants and "lease" or "take", list, nil, extra, on_extra, wants)
+        if wants then
+            ngx.update_time()
+            lease_store(list, res, source, ngx.now(), wants)
+        end
+    end
     local h = _M.headers(list, res)
     if res.allowed then
         req.ratelimit = { list = list, source = source }
@@ -442,7 +629,7 @@ end
 -- The correction of `list` by `costs` in the worker's flush queue: the script in Redis
 -- (EVALSHA; EVAL queued again after NOSCRIPT), or the local buckets when the charge was
 -- local or Redis cannot be reached (run in the flush timer, where waiting is allowed).
-local function queue_correction(list, costs, source, full_script)
+function queue_correction(list, costs, source, full_script)
     local cmds = {}
     if source == "redis" then
         local args = script_args("adjust", list, costs)
@@ -502,5 +689,7 @@ function _M.log(req)
     end
     queue_correction(list, costs, rl.source)
 end
+
+flush.on_tick(_M.sweep_leases)
 
 return _M

@@ -250,11 +250,28 @@ function _M.run_once()
     return done
 end
 
+-- Functions the timer calls before each flush (they may push writes of their own).
+local tick_hooks = {}
+
+-- Registers fn(now) to run in this worker's flush timer before each flush (at module
+-- load, e.g. infergate.admission.ratelimit returning expired leases). No per-request
+-- timer: the one recurring timer runs them.
+function _M.on_tick(fn)
+    tick_hooks[#tick_hooks + 1] = fn
+end
+
 local function tick(premature)
     if flushing then
         return
     end
     flushing = true
+    local now = ngx.now()
+    for _, fn in ipairs(tick_hooks) do
+        local hok, herr = pcall(fn, now)
+        if not hok then
+            log(ERR, "infergate: flush hook failed: ", herr)
+        end
+    end
     local ok, err = pcall(_M.run_once)
     flushing = false
     if not ok then
