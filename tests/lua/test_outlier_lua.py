@@ -40,6 +40,23 @@ def run(workdir: Path, body: str, factor: float = 4.0, floor: float = 2.0):
     return lua_eval(workdir, prelude + body, http_extra=DICTS)
 
 
+def test_p90_of_the_ring_matches_the_sorted_rank(workdir: Path) -> None:
+    # rings of every size up to SAMPLES, values with ties, in a scrambled order
+    got = run(workdir, """
+            local out = {}
+            for n = 1, 20 do
+                local ring = {}
+                for k = 1, n do ring[k] = (k * 7) % 11 / 10 end
+                out[n] = outlier._p90_of(ring, n)
+            end
+            return out
+    """)
+    for n in range(1, 21):
+        vals = sorted(((k * 7) % 11) / 10 for k in range(1, n + 1))
+        idx = max(1, -(-9 * n // 10))  # ceil(0.9 n), 1-based
+        assert got[n - 1] == pytest.approx(vals[idx - 1]), n
+
+
 def test_p90_and_threshold(workdir: Path) -> None:
     got = run(workdir, """
             local now = 1000

@@ -9,7 +9,8 @@
 --   * another worker found that and flagged it ("ol:<node>"), and no first byte came from
 --     the node since.
 -- threshold = max(edge.outlier_ttfb_min_s, edge.outlier_ttfb_factor x p90), where p90 is
--- the 90th percentile of the node's last SAMPLES TTFBs of the same kind (streams and
+-- the 90th percentile of the node's last SAMPLES TTFBs of the same kind seen by one
+-- worker (each keeps its own ring and publishes the p90 when it changes; streams and
 -- non-streams apart: a non-streamed answer's first byte comes with the whole answer;
 -- only attempts that did not queue behind this edge's own requests on the node,
 -- infergate.routing.speed.queued, so a node kept busy does not raise its own bar), or
@@ -29,7 +30,7 @@
 --
 -- Shared dict infergate_stats (all workers):
 --   "tq:<s|n>:<node>"        p90 TTFB (s) of the node's last SAMPLES streams / non-streams
---   "tr:<s|n>:<node>:<i>"    the samples (ring of SAMPLES), "ti:<s|n>:<node>" next index
+--                            (the ring of the worker that last saw it change)
 --   "fb:<node>"              epoch s of the node's last first byte seen by this edge
 --   "ol:<node>"              epoch s the node was found an outlier (with a TTL)
 --   "os:<node>"              the same, without a TTL (the last time it was found one)
@@ -63,27 +64,60 @@ local function dict()
     return shared[config.DICT_STATS]
 end
 
--- Adds a TTFB sample (s) and stores the new p90 of the ring.
-local function add_sample(d, name, kind, ttfb)
-    local base = kind .. ":" .. name
-    local i = d:incr("ti:" .. base, 1, 0)
-    if not i then
-        return
-    end
-    d:set("tr:" .. base .. ":" .. ((i - 1) % _M.SAMPLES), ttfb)
-    local vals = {}
-    for k = 0, _M.SAMPLES - 1 do
-        local v = d:get("tr:" .. base .. ":" .. k)
-        if v then
-            vals[#vals + 1] = v
+local rings = {}        -- "<s|n>:<node>" -> {n = samples held, i = next slot, [1..SAMPLES]}
+
+-- The ceil(0.9 n)-th smallest of ring[1..n] (n <= SAMPLES): the largest value with at
+-- least m = n - ceil(0.9 n) + 1 values at or above it, found by one pass that keeps the
+-- m largest (m is at most 3 for SAMPLES = 20), no sort and no table per call.
+local function p90_of(ring, n)
+    local m = n - math.ceil(0.9 * n) + 1
+    local a, b, c = -math.huge, -math.huge, -math.huge   -- the largest three, a >= b >= c
+    for k = 1, n do
+        local v = ring[k]
+        if v > a then
+            a, b, c = v, a, b
+        elseif v > b then
+            b, c = v, b
+        elseif v > c then
+            c = v
         end
     end
-    sort(vals)
-    local idx = math.ceil(0.9 * #vals)
-    if idx < 1 then
-        idx = 1
+    if m <= 1 then
+        return a
+    elseif m == 2 then
+        return b
+    elseif m == 3 then
+        return c
     end
-    d:set("tq:" .. base, vals[idx])
+    -- more samples than the three-slot pass covers: sort a copy
+    local vals = {}
+    for k = 1, n do
+        vals[k] = ring[k]
+    end
+    sort(vals)
+    return vals[n - m + 1]
+end
+_M._p90_of = p90_of
+
+-- Adds a TTFB sample (s) to this worker's ring and stores the ring's p90 for every
+-- worker when it changed.
+local function add_sample(d, name, kind, ttfb)
+    local base = kind .. ":" .. name
+    local ring = rings[base]
+    if not ring then
+        ring = { n = 0, i = 1, last = nil }
+        rings[base] = ring
+    end
+    ring[ring.i] = ttfb
+    ring.i = ring.i % _M.SAMPLES + 1
+    if ring.n < _M.SAMPLES then
+        ring.n = ring.n + 1
+    end
+    local p = p90_of(ring, ring.n)
+    if p ~= ring.last then
+        ring.last = p
+        d:set("tq:" .. base, p)
+    end
 end
 
 -- p90 TTFB (s) of node `name` for streams (stream = true) or non-streams, or nil.
