@@ -26,10 +26,16 @@ local _M = {}
 
 local tonumber = tonumber
 
--- Last entry of a "$upstream_*" list ("502, 504 : 200" -> "200").
+local find = string.find
+
+-- Last entry of a "$upstream_*" list ("502, 504 : 200" -> "200"). A single entry (one
+-- try, the usual case) is returned as it is, without a pattern match.
 local function last_entry(v)
     if not v or v == "" then
         return nil
+    end
+    if not find(v, ",", 1, true) and not find(v, ":", 1, true) and not find(v, " ", 1, true) then
+        return v
     end
     return v:match("([^,:%s]+)%s*$")
 end
@@ -42,7 +48,7 @@ _M.UNSERVED = UNSERVED
 -- Outcome of the final attempt from nginx's view of it: result, status.
 local function outcome(req)
     local status = tonumber(last_entry(ngx.var.upstream_status))
-    local client_left = tonumber(ngx.var.status) == 499
+    local client_left = ngx.status == 499
     if not status then
         -- no answer from the node: connect/read error, or the client left first
         if client_left then

@@ -46,6 +46,8 @@ class TinyUpstream:
         self.hits = 0
         self.inflight = 0
         self.bodies: list[bytes] = []
+        self.request_ids: list[str | None] = []
+        """X-Request-Id of every POST, in arrival order."""
         self._lock = threading.Lock()
         self._released = threading.Event()
         self._conns: set[socket.socket] = set()
@@ -111,6 +113,7 @@ class TinyUpstream:
                     upstream.hits += 1
                     upstream.inflight += 1
                     upstream.bodies.append(raw)
+                    upstream.request_ids.append(self.headers.get("X-Request-Id"))
                 try:
                     self._answer(raw)
                 except (BrokenPipeError, ConnectionResetError):

@@ -82,11 +82,12 @@ local function last_node()
     return last and last.node or nil
 end
 
--- Answers on the /v1 API paths carry X-Request-Id ($request_id).
+-- Answers on the /v1 API paths carry X-Request-Id (the request's id,
+-- infergate.core.reqctx; nginx's $request_id before the access phase gave it one).
 local function request_id()
     local uri = ngx.var.request_uri
     if uri and uri:sub(1, 4) == "/v1/" and not ngx.header["X-Request-Id"] then
-        ngx.header["X-Request-Id"] = ngx.var.request_id
+        ngx.header["X-Request-Id"] = require("infergate.core.reqctx").current_id()
     end
 end
 

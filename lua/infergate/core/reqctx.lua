@@ -2,7 +2,16 @@
 --
 -- ngx.ctx is emptied by internal redirects, and nginx answers an upstream failure
 -- through error_page (an internal redirect to a named location), so the state is also
--- kept in a worker-local table keyed by $request_id until the log phase ends it.
+-- kept in a worker-local table keyed by the request's id until the log phase ends it.
+--
+-- The id (32 lowercase hex digits, like nginx's $request_id): a random 64-bit prefix
+-- drawn once per worker from /dev/urandom, then a 64-bit counter scrambled by an odd
+-- multiplier and a random mask (unique, not secret: it only saves the OpenSSL
+-- RAND_bytes call $request_id makes per request). It is written to
+-- $infergate_request_id (set "" in the rendered locations), which
+-- $infergate_rid (the rendered http part: this id, else $request_id) sends to the node
+-- as X-Request-Id and writes in the access log. A hand-written location without that
+-- variable uses nginx's $request_id instead.
 --
 -- State: {id, route = "inference"|"models", stream = bool, model = string|nil,
 --         http_version = client's (1.0, 1.1, 2.0), attempts = {attempt records, see
@@ -15,8 +24,75 @@ local _M = {}
 local pending = {}
 local pending_count = 0
 
+local bit = require("bit")
+local tohex = bit.tohex
+local bxor = bit.bxor
+local tobit = bit.tobit
+local floor = math.floor
+
+local prefix, mask_lo, mask_hi        -- per worker, drawn on first use
+local counter = 0
+local own_var = true                  -- $infergate_request_id is defined here
+
+local function random_u32s(n)
+    local out = {}
+    local f = io.open("/dev/urandom", "rb")
+    local bytes = f and f:read(4 * n)
+    if f then
+        f:close()
+    end
+    for i = 1, n do
+        if bytes and #bytes == 4 * n then
+            local a, b, c, d = bytes:byte(4 * i - 3, 4 * i)
+            out[i] = tobit(((a * 256 + b) * 256 + c) * 256 + d)
+        else
+            out[i] = tobit(floor(math.random() * 4294967296)) -- no /dev/urandom: still unique
+        end
+    end
+    return out
+end
+
+-- A new request id (see the header).
+function _M.next_id()
+    if not prefix then
+        local r = random_u32s(4)
+        prefix = tohex(r[1], 8) .. tohex(bxor(r[2], ngx.worker.pid()), 8)
+        mask_lo, mask_hi = r[3], r[4]
+    end
+    counter = counter + 1
+    local lo = counter % 4294967296
+    local hi = floor(counter / 4294967296)
+    -- lo * 40503 < 2^48: exact in a double, then wrapped to 32 bits (odd: a bijection)
+    return prefix .. tohex(bxor(tobit(lo * 40503), mask_lo), 8) .. tohex(bxor(hi, mask_hi), 8)
+end
+
+local function set_own(id)
+    ngx.var.infergate_request_id = id
+end
+
+-- The id of the current request: the one the access phase gave it, else $request_id.
+function _M.current_id()
+    local id = ngx.var.infergate_rid
+    if id and id ~= "" then
+        return id
+    end
+    return ngx.var.request_id
+end
+
 function _M.new(route)
-    local id = ngx.var.request_id
+    local id
+    if own_var then
+        id = _M.next_id()
+        local ok, err = pcall(set_own, id)
+        if not ok then
+            if tostring(err):find("not found", 1, true) then
+                own_var = false -- a hand-written config without the variable
+            end
+            id = ngx.var.request_id
+        end
+    else
+        id = ngx.var.request_id
+    end
     local req = { id = id, route = route, stream = false, attempts = {}, tried = {},
                   http_version = ngx.req.http_version() }
     ngx.ctx.infergate = req
@@ -36,7 +112,10 @@ function _M.get()
     if req then
         return req
     end
-    local id = ngx.var.request_id
+    local id = ngx.var.infergate_request_id
+    if not id or id == "" then
+        id = ngx.var.request_id
+    end
     req = id and pending[id]
     if req then
         ctx.infergate = req
