@@ -57,6 +57,34 @@ def test_p90_of_the_ring_matches_the_sorted_rank(workdir: Path) -> None:
         assert got[n - 1] == pytest.approx(vals[idx - 1]), n
 
 
+def test_waiting_list_keeps_the_oldest_unanswered_attempt(workdir: Path) -> None:
+    got = run(workdir, """
+            local a, b, c = {node = "n", started = 1}, {node = "n", started = 2},
+                            {node = "n", started = 3}
+            for _, att in ipairs({a, b, c}) do outlier.track(att, false) end
+            local out = {}
+            local function oldest()
+                local att = outlier._oldest_waiting("n")
+                return att and att.started or 0
+            end
+            out[1] = oldest()                              -- a
+            outlier.first_byte({attempts = {b}})           -- the middle one answers
+            out[2] = oldest()                              -- still a
+            outlier.finished(a, 10)                        -- the oldest ends
+            out[3] = oldest()                              -- c
+            c.closed = true                                -- ended without finished()
+            out[4] = oldest()                              -- dropped: none
+            local d = {node = "n", started = 4}
+            outlier.track(d, false)
+            out[5] = oldest()                              -- d, alone on the list
+            outlier.finished(d, 11)
+            outlier.finished(d, 12)                        -- twice: no harm
+            out[6] = oldest()
+            return out
+    """)
+    assert got == [1, 1, 3, 0, 4, 0]
+
+
 def test_p90_and_threshold(workdir: Path) -> None:
     got = run(workdir, """
             local now = 1000

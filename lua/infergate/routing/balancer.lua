@@ -351,6 +351,8 @@ function _M.pick(t, tried, now, retry, model, key, first)
     return a, false, n
 end
 
+local place
+
 local function fail_no_node(req)
     req.no_node = true
     local ok = pcall(function() ngx.var.infergate_reason = "no_healthy_upstream" end)
@@ -358,6 +360,51 @@ local function fail_no_node(req)
         log(WARN, "infergate: $infergate_reason is not defined in this location")
     end
     return ngx.exit(ngx.ERROR)
+end
+
+-- Picks this try's node and sets it as the peer; a node nginx refuses (a bad address)
+-- is skipped for the next pick (a tail call, not a loop: the common path stays free of
+-- loop bytecodes that exit on their first pass, which LuaJIT blacklists, and the
+-- balancer phase then runs compiled).
+function place(req, o, now, n, grant, first)
+    local tried = req.tried
+    local node, probe, eligible = _M.pick(snapshot.current(), tried, now, n > 0, req.model,
+                                          req.affinity, first)
+    if not node then
+        return fail_no_node(req)
+    end
+    tried[node.name] = true
+    local ok, err = ngx_balancer.set_current_peer(node.addr, node.port)
+    if not ok then
+        log(ERR, "infergate: cannot use node ", node.name, " (", node.addr, ":", node.port, "): ", err)
+        if probe then
+            breaker.neutral(node.name, true)
+        end
+        return place(req, o, now, n, grant, first)
+    end
+    local attempts = req.attempts
+    -- eligible counts the node just picked: another one is left for a next try
+    local can_retry = grant and eligible > 1 and n + 1 < o.max_tries
+    if can_retry then
+        local _, terr = ngx_balancer.set_more_tries(1)
+        if terr then
+            log(WARN, "infergate: set_more_tries: ", terr)
+        end
+    end
+    if req.affinity and not req.affinity_live and o.prefix_affinity then
+        req.affinity_live = affinity.track(req.affinity)
+    end
+    attempts[n + 1] = stats.open_attempt(node.name, now, probe)
+    outlier.track(attempts[n + 1], req.stream)
+    -- a probe of a silent outlier with another node to retry on waits only
+    -- part of its time (infergate.admission.deadline.probe_read)
+    if can_retry then
+        local thr = outlier.probe_threshold(node.name, req.stream, o)
+        if thr then
+            deadline.probe_read(req, o, now, thr)
+        end
+    end
+    speed.track(attempts[n + 1])
 end
 
 -- balancer_by_lua entry point.
@@ -396,46 +443,7 @@ function _M.run()
         affinity.count_request(now)
         first = req.affinity_kind == "prefix" and affinity.unseen(req.affinity)
     end
-    local t = snapshot.current()
-    local tried = req.tried
-    while true do
-        local node, probe, eligible = _M.pick(t, tried, now, n > 0, req.model, req.affinity,
-                                              first)
-        if not node then
-            return fail_no_node(req)
-        end
-        tried[node.name] = true
-        local ok, err = ngx_balancer.set_current_peer(node.addr, node.port)
-        if ok then
-            -- eligible counts the node just picked: another one is left for a next try
-            local can_retry = grant and eligible > 1 and n + 1 < o.max_tries
-            if can_retry then
-                local _, terr = ngx_balancer.set_more_tries(1)
-                if terr then
-                    log(WARN, "infergate: set_more_tries: ", terr)
-                end
-            end
-            if req.affinity and not req.affinity_live and o.prefix_affinity then
-                req.affinity_live = affinity.track(req.affinity)
-            end
-            attempts[n + 1] = stats.open_attempt(node.name, now, probe)
-            outlier.track(attempts[n + 1], req.stream)
-            -- a probe of a silent outlier with another node to retry on waits only
-            -- part of its time (infergate.admission.deadline.probe_read)
-            if can_retry then
-                local thr = outlier.probe_threshold(node.name, req.stream, o)
-                if thr then
-                    deadline.probe_read(req, o, now, thr)
-                end
-            end
-            speed.track(attempts[n + 1])
-            return
-        end
-        log(ERR, "infergate: cannot use node ", node.name, " (", node.addr, ":", node.port, "): ", err)
-        if probe then
-            breaker.neutral(node.name, true)
-        end
-    end
+    return place(req, o, now, n, grant, first)
 end
 
 return _M

@@ -58,7 +58,11 @@ _M.SAMPLES = 20
 _M.FLAG_TTL_FACTOR = 3
 _M.PROBE_BACKOFF_MAX_S = 60
 
-local waiting = {}      -- node -> {head = i, tail = j, items = {attempt, ...}}
+-- node -> {head = attempt, tail = attempt}: this worker's attempts still waiting for a
+-- first byte, oldest first, linked through att.wprev / att.wnext (unlinked when the first
+-- byte comes or the attempt ends: no loop on the request path, which would keep the
+-- balancer phase from being compiled by LuaJIT).
+local waiting = {}
 
 local function dict()
     return shared[config.DICT_STATS]
@@ -145,12 +149,44 @@ function _M.track(att, stream)
     local name = att.node
     local q = waiting[name]
     if not q then
-        q = { head = 1, tail = 0, items = {} }
+        q = {}
         waiting[name] = q
     end
-    q.tail = q.tail + 1
-    q.items[q.tail] = att
+    local tail = q.tail
+    att.wprev = tail
+    if tail then
+        tail.wnext = att
+    else
+        q.head = att
+    end
+    q.tail = att
+    att.waiting = true
 end
+
+-- Takes the attempt off its node's waiting list (once).
+local function unlink(att)
+    if not att.waiting then
+        return
+    end
+    att.waiting = false
+    local q = waiting[att.node]
+    if not q then
+        return
+    end
+    local p, n = att.wprev, att.wnext
+    if p then
+        p.wnext = n
+    else
+        q.head = n
+    end
+    if n then
+        n.wprev = p
+    else
+        q.tail = p
+    end
+    att.wprev, att.wnext = nil, nil
+end
+_M._unlink = unlink
 
 function _M.first_byte(req)
     local attempts = req and req.attempts
@@ -159,6 +195,7 @@ function _M.first_byte(req)
         return
     end
     att.first_byte = true
+    unlink(att)
     local now = ngx.now()
     local d = dict()
     local name = att.node
@@ -172,26 +209,30 @@ function _M.first_byte(req)
     end
 end
 
--- This worker's oldest attempt on `name` still waiting for its first byte, or nil.
+local function done(att)
+    return att.closed or att.released or att.first_byte
+end
+
+-- This worker's oldest attempt on `name` still waiting for its first byte, or nil. An
+-- attempt that ended without finished() (cannot happen on the request path) is dropped
+-- from the head here, up to two per call.
 local function oldest_waiting(name)
     local q = waiting[name]
-    if not q then
-        return nil
-    end
-    local items, h = q.items, q.head
-    while h <= q.tail do
-        local att = items[h]
-        if att.closed or att.released or att.first_byte then
-            items[h] = nil
-            h = h + 1
-        else
-            q.head = h
-            return att
+    local att = q and q.head
+    if att and done(att) then
+        unlink(att)
+        att = q.head
+        if att and done(att) then
+            unlink(att)
+            att = q.head
         end
     end
-    waiting[name] = nil
+    if att and not done(att) then
+        return att
+    end
     return nil
 end
+_M._oldest_waiting = oldest_waiting
 
 function _M.is_outlier(node, now, o)
     o = o or config.get()
@@ -261,6 +302,7 @@ end
 -- An attempt ended: a probe of a silent outlier (sent after it was found one) that waited
 -- past the threshold without a first byte backs the node off (see the header).
 function _M.finished(att, now)
+    unlink(att)
     if att.first_byte or att.outlier_done then
         return
     end
