@@ -211,6 +211,7 @@ local function step_body(req)
         req.model = obj.model
     end
     req.body = obj
+    req.raw_body = body -- the text as received (infergate.cache.key.keys_for)
     req.affinity, req.affinity_kind = affinity.key(obj, o)
 end
 

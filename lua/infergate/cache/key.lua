@@ -238,4 +238,43 @@ function _M.keys(path, body, tenant, exact_only)
     return res
 end
 
+-- Keys by the raw request body, per worker: a body seen again (what an exact hit is)
+-- costs a table lookup instead of the canonical encoding and the hash. Only bodies of
+-- at most MEMO_BODY_MAX bytes are kept, MEMO_MAX of them (then the memo starts afresh):
+-- at most MEMO_MAX x MEMO_BODY_MAX bytes of bodies per worker. The same bytes always
+-- decode to the same body, so the keys are the same as keys() would compute.
+_M.MEMO_MAX = 512
+_M.MEMO_BODY_MAX = 8192
+local memo, memo_n = {}, 0
+
+-- keys(path, body, tenant, exact_only) of `raw`, the body's JSON text as received
+-- (read-only result: callers must not change it).
+function _M.keys_for(raw, path, body, tenant, exact_only)
+    if type(raw) ~= "string" or #raw > _M.MEMO_BODY_MAX then
+        return _M.keys(path, body, tenant, exact_only)
+    end
+    tenant = tenant or "default"
+    local variant = path .. "\0" .. tenant .. (exact_only and "\0e" or "\0n")
+    local slot = memo[raw]
+    local k = slot and slot[variant]
+    if k then
+        return k
+    end
+    local err
+    k, err = _M.keys(path, body, tenant, exact_only)
+    if not k then
+        return nil, err
+    end
+    if not slot then
+        if memo_n >= _M.MEMO_MAX then
+            memo, memo_n = {}, 0
+        end
+        slot = {}
+        memo[raw] = slot
+        memo_n = memo_n + 1
+    end
+    slot[variant] = k
+    return k
+end
+
 return _M

@@ -796,7 +796,7 @@ local function prepare(req)
     -- the namespace key only for semantic lookups; without them a stored answer works
     -- it out when it is stored (capture.lua, for the namespace index): a hit never pays
     -- for it
-    local k, kerr = cachekey.keys(path, body, tenant, not opts.semantic)
+    local k, kerr = cachekey.keys_for(req.raw_body, path, body, tenant, not opts.semantic)
     if not k then
         bypass(c, "key: " .. tostring(kerr), false)
         return c
