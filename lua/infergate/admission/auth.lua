@@ -20,7 +20,7 @@
 -- On success: req.tenant (the response cache keys on it), req.key_id (8 hex, safe to
 -- log), req.key_limits = {rpm = n|nil, tpm = n|nil}; the Authorization header is
 -- removed from the request so the nodes never see the key. The key itself is never
--- logged or stored.
+-- logged or stored (a worker keeps the digests of the keys in use in its own memory).
 --
 -- Errors: 401 {"type": "invalid_request_error", "code": "invalid_api_key"} with
 -- WWW-Authenticate: Bearer; 503 {"type": "service_unavailable", "code": "auth_unavailable"}.
@@ -142,6 +142,24 @@ function _M.lookup(digest, now, o)
     return fresh
 end
 
+-- SHA-256 hex of a key, per worker (emptied when MEMO_MAX keys are held): a key in use
+-- is hashed once, not on every request. The memo lives only in this worker's memory.
+local digests, digests_n = {}, 0
+
+local function digest_of(token)
+    local h = digests[token]
+    if h then
+        return h
+    end
+    h = cachekey.sha256_hex(token)
+    if digests_n >= _M.MEMO_MAX then
+        digests, digests_n = {}, 0
+    end
+    digests[token] = h
+    digests_n = digests_n + 1
+    return h
+end
+
 local function unauthorized(message)
     astats.incr("auth_rejected")
     return {
@@ -168,7 +186,7 @@ function _M.step(req)
     if #token > _M.MAX_KEY_LEN then
         return unauthorized("Incorrect API key provided.")
     end
-    local e = _M.lookup(cachekey.sha256_hex(token), ngx.now(), o)
+    local e = _M.lookup(digest_of(token), ngx.now(), o)
     if not e then
         -- err: the outage is logged once by infergate.admission.redis
         astats.incr("auth_unavailable")

@@ -220,24 +220,45 @@ local function add_bucket(list, kind, scope, key, capacity, cost)
     }
 end
 
+-- Bucket key names of an API key id, per worker (emptied past KEY_NAMES_MAX ids).
+_M.KEY_NAMES_MAX = 10000
+local key_names, key_names_n = {}, 0
+
+local function names_of(id)
+    local n = key_names[id]
+    if n then
+        return n
+    end
+    local prefix = keynames.ratelimit_prefix
+    n = { rpm = prefix .. "key:" .. id .. ":rpm", tpm = prefix .. "key:" .. id .. ":tpm" }
+    if key_names_n >= _M.KEY_NAMES_MAX then
+        key_names, key_names_n = {}, 0
+    end
+    key_names[id] = n
+    key_names_n = key_names_n + 1
+    return n
+end
+
+local GLOBAL_RPM = keynames.ratelimit_prefix .. "global:rpm"
+local GLOBAL_TPM = keynames.ratelimit_prefix .. "global:tpm"
+
 function _M.buckets(req, o)
     local list = {}
-    local prefix = keynames.ratelimit_prefix
     local tokens = req.est_tokens or 0
     local kl, id = req.key_limits, req.key_id
     if kl and id and id ~= "" then
         if kl.rpm then
-            add_bucket(list, "requests", "key", prefix .. "key:" .. id .. ":rpm", kl.rpm, 1)
+            add_bucket(list, "requests", "key", names_of(id).rpm, kl.rpm, 1)
         end
         if kl.tpm and tokens > 0 then
-            add_bucket(list, "tokens", "key", prefix .. "key:" .. id .. ":tpm", kl.tpm, tokens)
+            add_bucket(list, "tokens", "key", names_of(id).tpm, kl.tpm, tokens)
         end
     end
     if o.global_rpm > 0 then
-        add_bucket(list, "requests", "global", prefix .. "global:rpm", o.global_rpm, 1)
+        add_bucket(list, "requests", "global", GLOBAL_RPM, o.global_rpm, 1)
     end
     if o.global_tpm > 0 and tokens > 0 then
-        add_bucket(list, "tokens", "global", prefix .. "global:tpm", o.global_tpm, tokens)
+        add_bucket(list, "tokens", "global", GLOBAL_TPM, o.global_tpm, tokens)
     end
     return list
 end
