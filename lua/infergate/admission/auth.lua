@@ -142,20 +142,17 @@ function _M.lookup(digest, now, o)
     return fresh
 end
 
--- SHA-256 hex of a key, per worker (emptied when MEMO_MAX keys are held): a key in use
--- is hashed once, not on every request. The memo lives only in this worker's memory.
+-- SHA-256 hex of the key of an Authorization value, per worker, by the header value
+-- (emptied when MEMO_MAX values are held): a key in use is parsed and hashed once, not on
+-- every request. The memo lives only in this worker's memory.
 local digests, digests_n = {}, 0
 
-local function digest_of(token)
-    local h = digests[token]
-    if h then
-        return h
-    end
-    h = cachekey.sha256_hex(token)
+local function digest_of(value, token)
+    local h = cachekey.sha256_hex(token)
     if digests_n >= _M.MEMO_MAX then
         digests, digests_n = {}, 0
     end
-    digests[token] = h
+    digests[value] = h
     digests_n = digests_n + 1
     return h
 end
@@ -178,15 +175,20 @@ function _M.step(req)
         req.tenant = options.DEFAULT_TENANT
         return nil
     end
-    local token = _M.bearer(ngx.var.http_authorization)
-    if not token then
-        return unauthorized("You didn't provide an API key. Send it in the Authorization header: "
-            .. "'Authorization: Bearer YOUR_KEY'.")
+    local value = ngx.var.http_authorization
+    local digest = value and digests[value]
+    if not digest then
+        local token = _M.bearer(value)
+        if not token then
+            return unauthorized("You didn't provide an API key. Send it in the Authorization "
+                .. "header: 'Authorization: Bearer YOUR_KEY'.")
+        end
+        if #token > _M.MAX_KEY_LEN then
+            return unauthorized("Incorrect API key provided.")
+        end
+        digest = digest_of(value, token)
     end
-    if #token > _M.MAX_KEY_LEN then
-        return unauthorized("Incorrect API key provided.")
-    end
-    local e = _M.lookup(digest_of(token), ngx.now(), o)
+    local e = _M.lookup(digest, ngx.now(), o)
     if not e then
         -- err: the outage is logged once by infergate.admission.redis
         astats.incr("auth_unavailable")

@@ -547,24 +547,37 @@ function _M.leased(key, now)
 end
 
 -- x-ratelimit-* headers: for each kind, the bucket with the fewest remaining.
+local HEADER_NAMES = {}
+for _, kind in ipairs({ "requests", "tokens" }) do
+    HEADER_NAMES[kind] = { "x-ratelimit-limit-" .. kind, "x-ratelimit-remaining-" .. kind,
+                           "x-ratelimit-reset-" .. kind }
+end
+
+local function header_values(h, b, tokens)
+    local names = HEADER_NAMES[b.kind]
+    h[names[1]] = tostring(b.capacity)
+    h[names[2]] = tostring(max(0, floor(tokens)))
+    h[names[3]] = _M.duration(max(0, (b.capacity - tokens) / b.rate))
+end
+
 function _M.headers(list, res)
-    local best = {}
+    local h = {}
+    local best_req, best_tok -- index of the bucket with the fewest remaining, per kind
     for i, b in ipairs(list) do
-        local remaining = max(0, floor(res.tokens[i]))
-        local cur = best[b.kind]
-        if not cur or remaining < cur.remaining then
-            best[b.kind] = {
-                limit = b.capacity,
-                remaining = remaining,
-                reset = max(0, (b.capacity - res.tokens[i]) / b.rate),
-            }
+        local tokens = res.tokens[i]
+        if b.kind == "requests" then
+            if not best_req or tokens < res.tokens[best_req] then
+                best_req = i
+            end
+        elseif not best_tok or tokens < res.tokens[best_tok] then
+            best_tok = i
         end
     end
-    local h = {}
-    for kind, v in pairs(best) do
-        h["x-ratelimit-limit-" .. kind] = tostring(v.limit)
-        h["x-ratelimit-remaining-" .. kind] = tostring(v.remaining)
-        h["x-ratelimit-reset-" .. kind] = _M.duration(v.reset)
+    if best_req then
+        header_values(h, list[best_req], res.tokens[best_req])
+    end
+    if best_tok then
+        header_values(h, list[best_tok], res.tokens[best_tok])
     end
     return h
 end
@@ -616,11 +629,14 @@ function _M.step(req)
                 req.track_usage = true
             end
         end
-        local out = req.headers_out or {}
-        for k, v in pairs(h) do
-            out[k] = v
+        local out = req.headers_out
+        if out then
+            for k, v in pairs(h) do
+                out[k] = v
+            end
+        else
+            req.headers_out = h
         end
-        req.headers_out = out
         return nil
     end
     astats.incr("rate_limited")
