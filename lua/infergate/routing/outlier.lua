@@ -33,7 +33,8 @@
 --                            (the ring of the worker that last saw it change)
 --   "fb:<node>"              epoch s of the node's last first byte seen by this edge
 --   "ol:<node>"              epoch s the node was found an outlier (with a TTL)
---   "os:<node>"              the same, without a TTL (the last time it was found one)
+--   "os:<node>"              the same, without a TTL (the last time it was found one;
+--                            removed with the others at its next first byte)
 --   "op:<node>"              probes in a row that ended unanswered, "ou:<node>" epoch s
 --                            before which it gets no probe
 -- Worker-local: this worker's attempts per node in start order (a queue whose head is the
@@ -199,10 +200,16 @@ function _M.first_byte(req)
     local now = ngx.now()
     local d = dict()
     local name = att.node
+    -- "ol", "op" and "ou" are only ever set once "os" is: a node never found an outlier
+    -- costs one read here
+    local seen = d:get("os:" .. name)
     d:set("fb:" .. name, now)
-    d:delete("ol:" .. name)
-    d:delete("op:" .. name)
-    d:delete("ou:" .. name)
+    if seen then
+        d:delete("ol:" .. name)
+        d:delete("op:" .. name)
+        d:delete("ou:" .. name)
+        d:delete("os:" .. name)
+    end
     local ttfb = now - att.started
     if ttfb >= 0 and not speed.queued(att) then
         add_sample(d, name, att.stream and "s" or "n", ttfb)
