@@ -537,15 +537,6 @@ function _M.sweep_leases(now)
     end
 end
 
--- This worker's unspent leased tokens of bucket `key` (0 without a live lease).
-function _M.leased(key, now)
-    local l = leases[key]
-    if not l or (now or ngx.now()) - l.at >= _M.LEASE_TTL_S then
-        return 0
-    end
-    return l.left
-end
-
 -- x-ratelimit-* headers: for each kind, the bucket with the fewest remaining.
 local HEADER_NAMES = {}
 for _, kind in ipairs({ "requests", "tokens" }) do

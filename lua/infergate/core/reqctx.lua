@@ -10,7 +10,7 @@
 -- RAND_bytes call $request_id makes per request). It is written to
 -- $infergate_request_id (set "" in the rendered locations), which
 -- $infergate_rid (the rendered http part: this id, else $request_id) sends to the node
--- as X-Request-Id and writes in the access log. A hand-written location without that
+-- as X-Request-Id and writes in the access log. A hand-written config without that
 -- variable uses nginx's $request_id instead.
 --
 -- State: {id, route = "inference"|"models", stream = bool, model = string|nil,

@@ -364,8 +364,8 @@ end
 
 -- Picks this try's node and sets it as the peer; a node nginx refuses (a bad address)
 -- is skipped for the next pick (a tail call, not a loop: the common path stays free of
--- loop bytecodes that exit on their first pass, which LuaJIT blacklists, and the
--- balancer phase then runs compiled).
+-- loops that exit on their first pass, which LuaJIT blacklists together with every
+-- trace that reaches them).
 function place(req, o, now, n, grant, first)
     local tried = req.tried
     local node, probe, eligible = _M.pick(snapshot.current(), tried, now, n > 0, req.model,
