@@ -503,11 +503,12 @@ local function get_entry(rc, key, c)
     return entry_of(raw, key, c)
 end
 
--- fn(client) on a pooled connection (infergate.redis.pool: skipped while Redis is backed
--- off after a failure). Returns fn's result, or nil, err when Redis failed or answered
--- an error.
-local function with_redis(fn)
-    local res, err = pool.run(fn)
+-- fn(client, a, b) on a pooled connection (infergate.redis.pool: skipped while Redis is
+-- backed off after a failure). Returns fn's result, or nil, err when Redis failed or
+-- answered an error. Arguments instead of a closure: a function created per request
+-- keeps LuaJIT from compiling the path.
+local function with_redis(fn, a, b)
+    local res, err = pool.run_with(fn, a, b)
     if res == false or err then
         return nil, err or "redis error"
     end
@@ -611,9 +612,7 @@ local function wait_for_leader(c, lock)
             return nil
         end
         if not v then
-            local entry = with_redis(function(rc)
-                return get_entry(rc, c.key, c)
-            end)
+            local entry = with_redis(get_entry, c.key, c)
             return entry
         end
         ngx.update_time()
@@ -850,9 +849,7 @@ function _M.lookup(req)
     elseif pre ~= nil and pre ~= false and redis.error_of(pre) == nil then
         entry = entry_of(pre, k.exact, c)
     else
-        entry, err = with_redis(function(rc)
-            return get_entry(rc, k.exact, c)
-        end)
+        entry, err = with_redis(get_entry, k.exact, c)
     end
     if err then
         -- at most one line every LOG_EVERY_S per worker: a saturated worker whose Redis
@@ -905,9 +902,7 @@ function _M.lookup(req)
             if hdoc then
                 hit = parse_doc(hdoc, c)
             else
-                hit, herr = with_redis(function(rc)
-                    return get_entry(rc, res.key, c)
-                end)
+                hit, herr = with_redis(get_entry, res.key, c)
             end
             -- only an entry stored for this request's namespace (same tenant, route, model
             -- and context): an embedder that answers with another partition's key (a
