@@ -116,6 +116,10 @@ local function cache_set(digest, e, o)
     dict():set("k:" .. digest, cjson.encode(e), keep)
 end
 
+local function hget_key(c, digest)
+    return c:command("HGET", keynames.apikeys, digest)
+end
+
 -- Cache entry for a key digest: cached, fetched, or stale when Redis is down.
 -- Returns the entry, or nil, err when the key cannot be checked.
 function _M.lookup(digest, now, o)
@@ -126,9 +130,7 @@ function _M.lookup(digest, now, o)
             return e
         end
     end
-    local raw, err = ar.run(function(c)
-        return c:command("HGET", keynames.apikeys, digest)
-    end)
+    local raw, err = ar.run(hget_key, digest)
     if not raw then
         -- nil: Redis unreachable (or backed off); false: an error reply. Either way the
         -- key cannot be checked now.

@@ -306,30 +306,32 @@ end
 -- Runs the script in Redis for `list` (costs override the buckets' costs; wants: mode
 -- "lease"). Returns the result, false, err (an error reply or an unexpected reply) or
 -- nil, err (Redis unreachable, or skipped during the back-off of infergate.redis.pool).
+local function script_call(c, args, extra, on_extra)
+    local r, e
+    if extra then
+        -- the companion command rides in the same round trip
+        local replies, perr = c:pipeline({ { "EVALSHA", _M.SCRIPT_SHA, unpack(args) }, extra })
+        if not replies then
+            return nil, perr
+        end
+        on_extra(replies[2])
+        r = replies[1]
+        e = redis.error_of(r)
+        if e then
+            r = false
+        end
+    else
+        r, e = c:command("EVALSHA", _M.SCRIPT_SHA, unpack(args))
+    end
+    if r == false and type(e) == "string" and e:find("^NOSCRIPT") then
+        r, e = c:command("EVAL", _M.SCRIPT, unpack(args))
+    end
+    return r, e
+end
+
 local function redis_apply(mode, list, costs, extra, on_extra, wants)
     local args = script_args(mode, list, costs, wants)
-    local res, err = ar.run(function(c)
-        local r, e
-        if extra then
-            -- the companion command rides in the same round trip
-            local replies, perr = c:pipeline({ { "EVALSHA", _M.SCRIPT_SHA, unpack(args) }, extra })
-            if not replies then
-                return nil, perr
-            end
-            on_extra(replies[2])
-            r = replies[1]
-            e = redis.error_of(r)
-            if e then
-                r = false
-            end
-        else
-            r, e = c:command("EVALSHA", _M.SCRIPT_SHA, unpack(args))
-        end
-        if r == false and type(e) == "string" and e:find("^NOSCRIPT") then
-            r, e = c:command("EVAL", _M.SCRIPT, unpack(args))
-        end
-        return r, e
-    end)
+    local res, err = ar.run(script_call, args, extra, on_extra)
     if not res then
         return res, err
     end

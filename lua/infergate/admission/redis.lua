@@ -3,7 +3,7 @@
 -- back-off after a failure) plus the outage log of API keys and rate limits.
 --
 --   local ar = require("infergate.admission.redis")
---   local res, err = ar.run(function(c) return c:command("HGET", k, f) end)
+--   local res, err = ar.run(fn, a, b, d)   -- fn(c, a, b, d), e.g. c:command("HGET", a, b)
 --   -- res: the reply; false, err: a Redis error reply; nil, err: Redis unreachable
 --   -- (a transport error, or skipped during the pool's back-off)
 --
@@ -38,10 +38,11 @@ local function mark_up()
     end
 end
 
--- Runs fn(client) on a pooled connection to the edge's Redis (infergate.redis.pool.run).
--- Returns fn's results: value, false, err (Redis error reply) or nil, err (unreachable).
-function _M.run(fn)
-    local res, err = pool.run(fn)
+-- Runs fn(client, a, b, d) on a pooled connection to the edge's Redis
+-- (infergate.redis.pool.run_with). Returns fn's results: value, false, err (Redis error
+-- reply) or nil, err (unreachable).
+function _M.run(fn, a, b, d)
+    local res, err = pool.run_with(fn, a, b, d)
     if res == nil and err ~= nil then
         mark_down(err)
     elseif res ~= nil then

@@ -409,11 +409,11 @@ end
 -- Runs fn(c) on a connection to `target` (see connect) and releases it. Returns fn's
 -- results (by convention value | false, err | nil, err), nil, err when no connection
 -- could be had, or false, "redis call failed: ..." when fn raised a Lua error.
-local function run_on(c, err, fn, a, b)
+local function run_on(c, err, fn, a, b, d)
     if not c then
         return nil, err
     end
-    local ok, res, ferr = pcall(fn, c, a, b)
+    local ok, res, ferr = pcall(fn, c, a, b, d)
     if not ok then
         c:close()
         return false, "redis call failed: " .. tostring(res)
@@ -427,11 +427,11 @@ function _M.run(fn, target, timeout_ms)
     return run_on(c, err, fn)
 end
 
--- run(fn) on the edge's Redis with fn(c, a, b): the request path passes its arguments
--- instead of creating a closure per call.
-function _M.run_with(fn, a, b)
+-- run(fn) on the edge's Redis with fn(c, a, b, d): the request path passes its
+-- arguments instead of creating a closure per call.
+function _M.run_with(fn, a, b, d)
     local c, err = _M.connect(nil)
-    return run_on(c, err, fn, a, b)
+    return run_on(c, err, fn, a, b, d)
 end
 
 return _M
