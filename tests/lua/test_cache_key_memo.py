@@ -50,3 +50,18 @@ def test_keys_for_matches_keys_and_computes_once_per_body(workdir) -> None:
     assert got["after_variants"] == 3
     assert got["after_big"] == 5
     assert got["recomputed"] == 1
+
+
+def test_bounded_memo_starts_afresh_when_full(workdir) -> None:
+    got = lua_eval(workdir, """
+        local memo = require("infergate.core.memo")
+        local m = memo.new(3)
+        m:set("a", 1); m:set("b", 2); m:set("a", 10)   -- a key set again is not a new key
+        local out = {a = m:get("a"), b = m:get("b")}
+        m:set("c", 3)
+        out.full_a = m:get("a")
+        m:set("d", 4)                                   -- a fourth key: emptied first
+        out.after_a, out.after_d = m:get("a"), m:get("d")
+        return out
+    """)
+    assert got == {"a": 10, "b": 2, "full_a": 10, "after_d": 4}

@@ -30,6 +30,7 @@ local keynames = require("infergate.redis.keynames")
 local cachekey = require("infergate.cache.key")  -- sha256_hex (libcrypto via FFI)
 local ar = require("infergate.admission.redis")
 local astats = require("infergate.admission.stats")
+local memo = require("infergate.core.memo")
 
 local _M = {}
 
@@ -87,14 +88,14 @@ end
 -- Decoded cache answers by their JSON text, per worker (read-only tables; emptied when
 -- MEMO_MAX answers are held): a key in use costs a dict read, not a JSON decode.
 _M.MEMO_MAX = 1000
-local memo, memo_n = {}, 0
+local answers = memo.new(_M.MEMO_MAX)
 
 local function cache_get(digest)
     local raw = dict():get("k:" .. digest)
     if not raw then
         return nil
     end
-    local e = memo[raw]
+    local e = answers:get(raw)
     if e then
         return e
     end
@@ -102,12 +103,7 @@ local function cache_get(digest)
     if type(e) ~= "table" or type(e.at) ~= "number" then
         return nil
     end
-    if memo_n >= _M.MEMO_MAX then
-        memo, memo_n = {}, 0
-    end
-    memo[raw] = e
-    memo_n = memo_n + 1
-    return e
+    return answers:set(raw, e)
 end
 
 local function cache_set(digest, e, o)
@@ -147,17 +143,7 @@ end
 -- SHA-256 hex of the key of an Authorization value, per worker, by the header value
 -- (emptied when MEMO_MAX values are held): a key in use is parsed and hashed once, not on
 -- every request. The memo lives only in this worker's memory.
-local digests, digests_n = {}, 0
-
-local function digest_of(value, token)
-    local h = cachekey.sha256_hex(token)
-    if digests_n >= _M.MEMO_MAX then
-        digests, digests_n = {}, 0
-    end
-    digests[value] = h
-    digests_n = digests_n + 1
-    return h
-end
+local digests = memo.new(_M.MEMO_MAX)
 
 local function unauthorized(message)
     astats.incr("auth_rejected")
@@ -178,7 +164,7 @@ function _M.step(req)
         return nil
     end
     local value = ngx.var.http_authorization
-    local digest = value and digests[value]
+    local digest = value and digests:get(value)
     if not digest then
         local token = _M.bearer(value)
         if not token then
@@ -188,7 +174,7 @@ function _M.step(req)
         if #token > _M.MAX_KEY_LEN then
             return unauthorized("Incorrect API key provided.")
         end
-        digest = digest_of(value, token)
+        digest = digests:set(value, cachekey.sha256_hex(token))
     end
     local e = _M.lookup(digest, ngx.now(), o)
     if not e then

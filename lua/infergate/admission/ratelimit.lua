@@ -222,21 +222,16 @@ end
 
 -- Bucket key names of an API key id, per worker (emptied past KEY_NAMES_MAX ids).
 _M.KEY_NAMES_MAX = 10000
-local key_names, key_names_n = {}, 0
+local key_names = require("infergate.core.memo").new(_M.KEY_NAMES_MAX)
 
 local function names_of(id)
-    local n = key_names[id]
+    local n = key_names:get(id)
     if n then
         return n
     end
     local prefix = keynames.ratelimit_prefix
-    n = { rpm = prefix .. "key:" .. id .. ":rpm", tpm = prefix .. "key:" .. id .. ":tpm" }
-    if key_names_n >= _M.KEY_NAMES_MAX then
-        key_names, key_names_n = {}, 0
-    end
-    key_names[id] = n
-    key_names_n = key_names_n + 1
-    return n
+    return key_names:set(id, { rpm = prefix .. "key:" .. id .. ":rpm",
+                                tpm = prefix .. "key:" .. id .. ":tpm" })
 end
 
 local GLOBAL_RPM = keynames.ratelimit_prefix .. "global:rpm"

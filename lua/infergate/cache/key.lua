@@ -245,7 +245,7 @@ end
 -- decode to the same body, so the keys are the same as keys() would compute.
 _M.MEMO_MAX = 512
 _M.MEMO_BODY_MAX = 8192
-local memo, memo_n = {}, 0
+local bodies = require("infergate.core.memo").new(_M.MEMO_MAX)
 
 -- keys(path, body, tenant, exact_only) of `raw`, the body's JSON text as received
 -- (read-only result: callers must not change it).
@@ -255,7 +255,7 @@ function _M.keys_for(raw, path, body, tenant, exact_only)
     end
     tenant = tenant or "default"
     local variant = path .. "\0" .. tenant .. (exact_only and "\0e" or "\0n")
-    local slot = memo[raw]
+    local slot = bodies:get(raw)
     local k = slot and slot[variant]
     if k then
         return k
@@ -266,12 +266,7 @@ function _M.keys_for(raw, path, body, tenant, exact_only)
         return nil, err
     end
     if not slot then
-        if memo_n >= _M.MEMO_MAX then
-            memo, memo_n = {}, 0
-        end
-        slot = {}
-        memo[raw] = slot
-        memo_n = memo_n + 1
+        slot = bodies:set(raw, {})
     end
     slot[variant] = k
     return k

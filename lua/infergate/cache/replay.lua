@@ -368,7 +368,7 @@ _M.similarity_text = similarity_text
 _M.SSE_MEMO_MAX = 256
 local ID_MARK, CREATED_MARK = "@@IGID@@", -7
 local ID_PAT, CREATED_PAT = '"id":"@@IGID@@"', '"created":%-7([,}])'
-local sse_memo, sse_memo_n = {}, 0
+local sse_memo = require("infergate.core.memo").new(_M.SSE_MEMO_MAX)
 
 local function memo_slot(kind, include_usage)
     return (include_usage and "u:" or "n:") .. kind
@@ -376,22 +376,14 @@ end
 
 -- The cached SSE template of a stored body, or nil.
 function _M.sse_cached(body_text, kind, include_usage)
-    local m = sse_memo[body_text]
+    local m = sse_memo:get(body_text)
     return m and m[memo_slot(kind, include_usage)] or nil
 end
 
 -- The SSE template of `comp` (stored as body_text), cached for the next hits.
 function _M.sse_template(body_text, comp, kind, include_usage)
     local tpl = _M.sse(comp, kind, ID_MARK, CREATED_MARK, include_usage)
-    local m = sse_memo[body_text]
-    if not m then
-        if sse_memo_n >= _M.SSE_MEMO_MAX then
-            sse_memo, sse_memo_n = {}, 0
-        end
-        m = {}
-        sse_memo[body_text] = m
-        sse_memo_n = sse_memo_n + 1
-    end
+    local m = sse_memo:get(body_text) or sse_memo:set(body_text, {})
     m[memo_slot(kind, include_usage)] = tpl
     return tpl
 end
