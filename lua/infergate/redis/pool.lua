@@ -156,8 +156,14 @@ local function dict()
     return ngx.shared[config.DICT_SNAPSHOT]
 end
 
+local backoff_keys = {}   -- identity -> its back-off key, built once
+
 local function backoff_get(id)
-    local key = _M.BACKOFF_KEY_PREFIX .. id
+    local key = backoff_keys[id]
+    if not key then
+        key = _M.BACKOFF_KEY_PREFIX .. id
+        backoff_keys[id] = key
+    end
     local d = dict()
     local v
     if d then
@@ -312,6 +318,22 @@ local function setup(c, conf, where)
     return true
 end
 
+-- The connect options (pool name and size) of `conf`, kept per configuration when it
+-- has one address (Sentinel: the master's address is part of the pool name).
+local connect_opts = setmetatable({}, { __mode = "k" })
+
+local function connect_options(conf, host, port, pool_size)
+    if conf.sentinel then
+        return { pool = _M.pool_name(conf, host, port), pool_size = pool_size }
+    end
+    local c = connect_opts[conf]
+    if not c or c.pool_size ~= pool_size then
+        c = { pool = _M.pool_name(conf, host, port), pool_size = pool_size }
+        connect_opts[conf] = c
+    end
+    return c
+end
+
 local function open(conf, t, o)
     local host, port = conf.host, conf.port
     if conf.sentinel then
@@ -327,8 +349,7 @@ local function open(conf, t, o)
     end
     sock:settimeouts(t, t, t)
     local ok
-    ok, err = sock:connect(host, port, { pool = _M.pool_name(conf, host, port),
-                                         pool_size = o.pool_size })
+    ok, err = sock:connect(host, port, connect_options(conf, host, port, o.pool_size))
     if not ok then
         invalidate_master(conf)
         return nil, "redis connect " .. where .. ": " .. tostring(err)
