@@ -219,7 +219,7 @@ def test_a_node_measured_slow_is_tried_again_once_its_estimate_has_aged(workdir:
             out.at_grace = speed.aged_service_s("slow", now + speed.STALE_S)
             out.one_half_life = speed.aged_service_s("slow",
                                                      now + speed.STALE_S + speed.HALF_LIFE_S)
-            d:set("sa:slow", now - 20)            -- nothing answered there for 20 s
+            speed._set_last_answer("slow", now - 20)  -- nothing answered there for 20 s
             out.aged = speed.expected_s(node("slow"))
             out.raw = speed.service_s("slow")
             out.stale = count_picks(t, 1)

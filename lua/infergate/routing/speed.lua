@@ -54,12 +54,13 @@
 -- and its answer sets the estimate afresh: a node that really is slow costs one request
 -- per probe, a few per minute at a low load.
 --
--- Shared dict infergate_stats: "sm:<node>" s_min (s), "lc:<node>" learned concurrency,
--- "ly:<node>:<k>" mean log L (L in s) at level k, "ln:<node>:<k>" its answers (up to
--- 1 / LEVEL_ALPHA), "lm:<node>" highest level seen,
--- "sv:<node>" service time (s), "sn:<node>" answers counted (up to WARMUP),
--- "s1:<node>", "s2:<node>" the first of them (s), "sa:<node>" time of the last answer
--- (ngx.now(), s).
+-- Shared dict infergate_stats, as packed doubles (one read and one write per answer):
+-- "sp:<node>" the node's record {time of the last answer (ngx.now(), s), s_min (s),
+-- answers counted (up to WARMUP), service time (s), the first two of them (s), highest
+-- level seen, learned concurrency}, a field not yet known stored as -1;
+-- "lv:<node>:<k>" {mean log L (L in s) at level k, its answers (up to 1 / LEVEL_ALPHA)}.
+-- Workers update a record by read and write, so two answers at the same instant in two
+-- workers may count as one: the estimates are averages and lose nothing by it.
 -- No I/O: safe in the balancer and log phases.
 local config = require("infergate.core.config")
 local stats = require("infergate.routing.stats")
@@ -87,6 +88,63 @@ local function dict()
     return shared[config.DICT_STATS]
 end
 
+-- The packed records (see the top of this file). WARMUP is at most 3: the record holds
+-- the first two answers.
+local ffi = require("ffi")
+local cdouble_p = ffi.typeof("const double *")
+local F_SA, F_SM, F_SN, F_SV, F_S1, F_LM, F_LC = 0, 1, 2, 3, 4, 6, 7  -- 5: the second early answer
+local REC_BYTES, LVL_BYTES = 8 * 8, 2 * 8
+local NONE = -1
+local rec = ffi.new("double[8]")
+local lvl = ffi.new("double[2]")
+local rec_keys, lvl_keys = {}, {}
+
+local function rec_key(name)
+    local k = rec_keys[name]
+    if not k then
+        k = "sp:" .. name
+        rec_keys[name] = k
+    end
+    return k
+end
+
+local function lvl_key(name, k)
+    local t = lvl_keys[name]
+    if not t then
+        t = {}
+        lvl_keys[name] = t
+    end
+    local key = t[k]
+    if not key then
+        key = "lv:" .. name .. ":" .. k
+        t[k] = key
+    end
+    return key
+end
+
+-- Field i of node `name`'s record, or nil (no record, or the field not known yet).
+local function field(d, name, i)
+    local raw = d:get(rec_key(name))
+    if type(raw) ~= "string" or #raw ~= REC_BYTES then
+        return nil
+    end
+    local v = ffi.cast(cdouble_p, raw)[i]
+    if v == NONE then
+        return nil
+    end
+    return v
+end
+
+-- The level record of `name` at k: mean log L, answers; or nil.
+local function level(d, name, k)
+    local raw = d:get(lvl_key(name, k))
+    if type(raw) ~= "string" or #raw ~= LVL_BYTES then
+        return nil
+    end
+    local p = ffi.cast(cdouble_p, raw)
+    return p[0], p[1]
+end
+
 -- The c of the top of this file from the level means of node `name` (levels 1..kmax);
 -- nil when no level has an answer. For each c the fitted log S is the weighted mean of
 -- the residuals r = y - log(max(1, k / c)) and the error is sum w r^2 - (sum w r)^2 /
@@ -95,8 +153,7 @@ local function fit(d, name, kmax)
     local lks, ys, ws, m, top = {}, {}, {}, 0, 0
     local wmax = 1 / _M.LEVEL_ALPHA
     for k = 1, kmax do
-        local n = d:get("ln:" .. name .. ":" .. k)
-        local y = n and d:get("ly:" .. name .. ":" .. k)
+        local y, n = level(d, name, k)
         if y then
             m = m + 1
             lks[m], ys[m], ws[m], top = log(k), y, (n < wmax and n or wmax), k
@@ -140,33 +197,46 @@ function _M.observe(att, latency_ms)
     local name = att.node
     local lat = latency_ms / 1000
     local now = ngx.now()
-    d:set("sa:" .. name, now)
-    local smin = d:get("sm:" .. name)
-    if not smin or lat < smin then
+    local key = rec_key(name)
+    local raw = d:get(key)
+    if type(raw) == "string" and #raw == REC_BYTES then
+        ffi.copy(rec, raw, REC_BYTES)
+    else
+        for i = 0, 7 do
+            rec[i] = NONE
+        end
+        rec[F_SN], rec[F_LM] = 0, 0
+    end
+    rec[F_SA] = now
+    local smin = rec[F_SM]
+    if smin == NONE or lat < smin then
         smin = lat
     elseif att.k <= 1 then
         smin = smin + _M.MIN_DRIFT * (lat - smin)  -- alone on the node: no queueing in lat
     end
-    d:set("sm:" .. name, smin)
+    rec[F_SM] = smin
 
     local k = att.k
     if k > _M.LEVELS_MAX then
         k = _M.LEVELS_MAX
     end
-    local lk = name .. ":" .. k
-    local n = (d:get("ln:" .. lk) or 0) + 1
-    local y = d:get("ly:" .. lk)
+    local y, n = level(d, name, k)
+    n = (n or 0) + 1
     local alpha = 1 / n
     if alpha < _M.LEVEL_ALPHA then
         alpha = _M.LEVEL_ALPHA
     end
-    d:set("ly:" .. lk, y and (y + alpha * (log(lat) - y)) or log(lat))
-    d:set("ln:" .. lk, n < 1 / _M.LEVEL_ALPHA and n or 1 / _M.LEVEL_ALPHA)
-    local kmax = d:get("lm:" .. name) or 0
-    local lc = d:get("lc:" .. name)
+    lvl[0] = y and (y + alpha * (log(lat) - y)) or log(lat)
+    lvl[1] = n < 1 / _M.LEVEL_ALPHA and n or 1 / _M.LEVEL_ALPHA
+    d:set(lvl_key(name, k), ffi.string(lvl, LVL_BYTES))
+    local kmax = rec[F_LM]
+    local lc = rec[F_LC]
+    if lc == NONE then
+        lc = nil
+    end
     if k > kmax then
         kmax = k
-        d:set("lm:" .. name, kmax)
+        rec[F_LM] = kmax
         lc = nil                                      -- a new level: refit now
     end
     if not lc or now - (last_fit[name] or 0) >= _M.FIT_INTERVAL_S then
@@ -175,28 +245,44 @@ function _M.observe(att, latency_ms)
         if lc > maxc then
             lc = maxc
         end
-        d:set("lc:" .. name, lc)
+        rec[F_LC] = lc
     end
 
     local b = _M.round_concurrency(lc)
     local one = att.k > b and lat * b / att.k or lat   -- its predicted queueing taken out
-    local sn = d:get("sn:" .. name) or 0
+    local sn = rec[F_SN]
     if sn >= _M.WARMUP then
-        local sv = d:get("sv:" .. name) or one
+        local sv = rec[F_SV]
+        if sv == NONE then
+            sv = one
+        end
         local cap = _M.CLIP * sv
-        d:set("sv:" .. name, sv + _M.SERVICE_ALPHA * ((one < cap and one or cap) - sv))
+        rec[F_SV] = sv + _M.SERVICE_ALPHA * ((one < cap and one or cap) - sv)
     elseif sn == _M.WARMUP - 1 then
         -- the estimate starts at the median of the first WARMUP answers
-        local first = {one}
+        local first = { one }
         for i = 1, _M.WARMUP - 1 do
-            first[#first + 1] = d:get("s" .. i .. ":" .. name) or one
+            local v = rec[F_S1 + i - 1]
+            first[#first + 1] = v ~= NONE and v or one
         end
         table.sort(first)
-        d:set("sv:" .. name, first[floor(#first / 2) + 1])
-        d:set("sn:" .. name, sn + 1)
+        rec[F_SV] = first[floor(#first / 2) + 1]
+        rec[F_SN] = sn + 1
     else
-        d:set("s" .. (sn + 1) .. ":" .. name, one)
-        d:set("sn:" .. name, sn + 1)
+        rec[F_S1 + sn] = one
+        rec[F_SN] = sn + 1
+    end
+    d:set(key, ffi.string(rec, REC_BYTES))
+end
+
+-- Test hook: sets the time of node `name`'s last answer (s) in its record.
+function _M._set_last_answer(name, t)
+    local d = dict()
+    local raw = d:get(rec_key(name))
+    if type(raw) == "string" and #raw == REC_BYTES then
+        ffi.copy(rec, raw, REC_BYTES)
+        rec[F_SA] = t
+        d:set(rec_key(name), ffi.string(rec, REC_BYTES))
     end
 end
 
@@ -212,24 +298,24 @@ end
 -- Whether an attempt started queued behind this edge's own requests on its node (more in
 -- flight there than the node runs at once); false while nothing is learned.
 function _M.queued(att)
-    local lc = att.k and dict():get("lc:" .. att.node)
+    local lc = att.k and field(dict(), att.node, F_LC)
     return lc ~= nil and att.k > _M.round_concurrency(lc)
 end
 
 -- B of the formula above: the learned concurrency of `node`, rounded, or its
 -- max_concurrency before the first sample.
 function _M.batch(node)
-    local lc = dict():get("lc:" .. node.name)
+    local lc = field(dict(), node.name, F_LC)
     return lc and _M.round_concurrency(lc) or (node.max_concurrency or 1)
 end
 
 -- Service time (s) of node `name`, or nil before its first WARMUP unqueued answers.
 function _M.service_s(name)
     local d = dict()
-    if (d:get("sn:" .. name) or 0) < _M.WARMUP then
+    if (field(d, name, F_SN) or 0) < _M.WARMUP then
         return nil
     end
-    return d:get("sv:" .. name)
+    return field(d, name, F_SV)
 end
 
 -- The service time (s) expected_s uses: service_s aged by the time since the node's last
@@ -240,7 +326,7 @@ function _M.aged_service_s(name, now, inflight)
     if not s then
         return nil
     end
-    local at = dict():get("sa:" .. name)
+    local at = field(dict(), name, F_SA)
     local idle = at and (now or ngx.now()) - at - _M.STALE_S
     if idle and idle > 0 and (inflight or stats.inflight(name)) == 0 then
         return s * 0.5 ^ (idle / _M.HALF_LIFE_S)
@@ -266,7 +352,7 @@ end
 
 -- Learned concurrency of node `name` (nil before its first sample).
 function _M.learned(name)
-    return dict():get("lc:" .. name)
+    return field(dict(), name, F_LC)
 end
 
 function _M.concurrency(node, has_score)
@@ -274,7 +360,7 @@ function _M.concurrency(node, has_score)
     if has_score then
         return maxc
     end
-    local lc = dict():get("lc:" .. node.name)
+    local lc = field(dict(), node.name, F_LC)
     if not lc then
         return maxc
     end
@@ -295,7 +381,7 @@ end
 function _M.predicted(node, has_score)
     local name = node.name
     local lat = stats.latency_ewma_ms(name)
-    local s = lat and lat / 1000 or dict():get("sm:" .. name)
+    local s = lat and lat / 1000 or field(dict(), name, F_SM)
     if not s or s <= 0 then
         return nil
     end
