@@ -209,7 +209,13 @@ def test_leases_spare_round_trips_and_never_exceed_the_limit(redis_server, tiny_
     tokens = float(r.hget(keynames.RATELIMIT_PREFIX + "global:rpm", "tokens"))
     assert tokens <= 3000 - 120 + 50 * (elapsed + 0.5), (tokens, elapsed)
 
-    # a small bucket with leases under load: never more than the limit
+    # a small bucket with leases under load: never more than the limit. The same global
+    # bucket, so first the first edge's unspent lease goes back (its capacity is 3000),
+    # then the bucket starts afresh
+    idle = script_calls(r)
+    procs.wait_until(lambda: script_calls(r) > idle, 10, interval=0.05,
+                     what="the first edge's unspent lease to go back to Redis")
+    r.delete(keynames.RATELIMIT_PREFIX + "global:rpm")
     small = edge_factory(settings(redis_server.url, [up.node_settings()], auth=False,
                                   global_rpm=200))
     started = time.monotonic()
@@ -220,6 +226,26 @@ def test_leases_spare_round_trips_and_never_exceed_the_limit(redis_server, tiny_
     allowed = got.count(200)
     assert allowed <= 200 + 1 + int(elapsed * 200 / 60), (allowed, elapsed)
     assert allowed >= 190, allowed  # early refusals: at most the leases held (2 each)
+
+
+def test_a_key_running_dry_does_not_hoard_the_global_bucket(redis_server, tiny_upstreams,
+                                                             edge_factory) -> None:
+    (up,) = tiny_upstreams(1)
+    r = redis_server.client()
+    s = settings(redis_server.url, [up.node_settings()], global_rpm=900)
+    s.edge.workers = 2
+    edge = edge_factory(s)
+    keys = [apikeys.create_key(r, t, rpm=rpm)[0] for t, rpm in
+            (("t1", 600), ("t2", 600), ("t3", 150))]
+    started = time.monotonic()
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(lambda i: post(edge.url, keys[i % 3]).status_code, range(1100)))
+    elapsed = time.monotonic() - started
+    assert set(got) <= {200, 429}
+    allowed = got.count(200)
+    # the global bucket binds (the keys allow 1350): all of it is used, give or take what
+    # the two workers' leases hold (9 each), and never more than it plus its refill
+    assert 900 - 2 * 9 - 2 <= allowed <= 900 + 1 + int(elapsed * 900 / 60), (allowed, elapsed)
 
 
 def test_expired_lease_goes_back_and_lease_fraction_zero_is_exact(redis_server, tiny_upstreams,

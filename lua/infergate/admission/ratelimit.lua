@@ -34,8 +34,11 @@
 -- LEASE_TARGET_S, at least the cost, at most lease_fraction x capacity and LEASE_MAX;
 -- as many whole tokens as the bucket holds beyond the cost). A request whose every
 -- bucket this worker still holds enough leased tokens for pays from them, with no round
--- trip (the companion command then goes on its own); else it goes to Redis as above.
--- One request at a time brings the next lease, when the last is half spent. A lease
+-- trip (the companion command then goes on its own); the buckets whose lease falls
+-- short go to Redis as above, in one call, and only they (a key's bucket running dry
+-- never draws more from the global one). One request at a time brings a bucket's next
+-- lease, sized to what the worker spends less what it still holds, when the last is
+-- half spent. A lease
 -- lasts LEASE_TTL_S: then the flush timer (infergate.core.flush.on_tick) gives what is
 -- left back to the bucket. Leased tokens were charged in Redis before any request
 -- spends them, so leases never let more through than the limit; while other workers
@@ -433,48 +436,38 @@ local function refill_under_way(l, now)
     return l.refilling ~= nil and now - l.refilling < _M.LEASE_TTL_S
 end
 
--- The request paid from this worker's leases: the result, or nil (and nothing spent)
--- when a bucket's lease is missing, expired or short of the cost, or when a lease is
--- down to less than half its size with no refill under way (this request then goes to
--- Redis and brings the next lease while the others spend what is left).
-local function lease_spend(list, now)
-    for _, b in ipairs(list) do
-        local l = leases[b.key]
-        if not l or l.left < b.cost or now - l.at >= _M.LEASE_TTL_S then
-            return nil
-        end
-        if l.left - b.cost < l.size / 2 and not refill_under_way(l, now) then
-            return nil
-        end
+local function live_lease(b, now)
+    local l = leases[b.key]
+    if l and now - l.at < _M.LEASE_TTL_S then
+        return l
     end
-    local out = { allowed = true, tokens = {}, wait = {} }
-    for i, b in ipairs(list) do
-        local l = leases[b.key]
-        l.left = l.left - b.cost
-        l.spent = l.spent + b.cost
-        out.tokens[i] = min(b.capacity, l.tokens + (now - l.at) * b.rate) + l.left
-        out.wait[i] = 0
-    end
-    return out
+    return nil
 end
 
--- Tokens to lease ahead per bucket, for a request that goes to Redis: none for a bucket
--- this worker has not charged within LEASE_TTL_S or whose next lease another request
--- is already bringing; else what this worker charged it per second since the last
--- grant x LEASE_TARGET_S (at least the cost, at most lease_fraction x capacity and
--- LEASE_MAX). That request then brings the next lease (refilling).
+-- What a bucket's lease shows as remaining: the bucket's tokens in Redis at the last
+-- grant, refilled since, plus this worker's leased tokens.
+local function lease_remaining(l, b, now)
+    return min(b.capacity, l.tokens + (now - l.at) * b.rate) + l.left
+end
+
+-- Tokens to lease ahead per bucket of `list` (the buckets a request takes to Redis):
+-- none for a bucket this worker has not charged within LEASE_TTL_S or whose next lease
+-- another request is already bringing; else what this worker charged it per second
+-- since the last grant x LEASE_TARGET_S, less what it still holds (at least the cost
+-- when any, at most lease_fraction x capacity and LEASE_MAX). That request then brings
+-- the next lease (refilling).
 local function lease_wants(list, now, fraction)
     local wants = {}
     for i, b in ipairs(list) do
-        local l = leases[b.key]
+        local l = live_lease(b, now)
         local w = 0
-        if l and now - l.at < _M.LEASE_TTL_S and not refill_under_way(l, now) then
+        if l and not refill_under_way(l, now) then
             local dt = now - l.at
             if dt < 0.001 then
                 dt = 0.001
             end
-            w = ceil((l.spent + b.cost) / dt * _M.LEASE_TARGET_S)
-            if w < b.cost then
+            w = ceil((l.spent + b.cost) / dt * _M.LEASE_TARGET_S) - l.left
+            if w > 0 and w < b.cost then
                 w = b.cost
             end
             local most = floor(b.capacity * fraction)
@@ -486,6 +479,8 @@ local function lease_wants(list, now, fraction)
             end
             if w > 0 then
                 l.refilling = now
+            else
+                w = 0
             end
         end
         wants[i] = w
@@ -493,9 +488,9 @@ local function lease_wants(list, now, fraction)
     return wants
 end
 
--- After the script call of mode "lease" (at `now`): keeps what Redis granted (when it
--- was Redis and the request was allowed; res.tokens then count this worker's leased
--- tokens as remaining too), and ends this request's refill either way.
+-- After the script call of mode "lease" for `list` (at `now`): keeps what Redis granted
+-- (when it was Redis and the request was allowed; res.tokens then count this worker's
+-- leased tokens as remaining too), and ends this request's refill either way.
 local function lease_store(list, res, source, now, wants)
     local ok = source == "redis" and res.allowed
     for i, b in ipairs(list) do
@@ -521,6 +516,60 @@ local function lease_store(list, res, source, now, wants)
             l.refilling = nil
         end
     end
+end
+
+-- Charges a request with leases on: each bucket whose lease covers the cost (and is not
+-- down to half its size with no refill under way) pays from it; the others go to Redis
+-- together in one script call that also brings their next leases. The leased share is
+-- set aside before the call (other requests of the worker run while it waits) and given
+-- back when Redis refuses. Returns result {allowed, tokens, wait} over `list`, source.
+local function leased_charge(req, list, now, fraction)
+    local remote, held = nil, {}   -- indices to Redis; index -> lease paying
+    for i, b in ipairs(list) do
+        local l = live_lease(b, now)
+        if l and l.left >= b.cost
+                and (l.left - b.cost >= l.size / 2 or refill_under_way(l, now)) then
+            held[i] = l
+            l.left = l.left - b.cost   -- set aside
+        else
+            remote = remote or {}
+            remote[#remote + 1] = i
+        end
+    end
+    local out = { allowed = true, tokens = {}, wait = {} }
+    local source = "redis"  -- a lease was charged in Redis when it was granted
+    if remote then
+        local sub = {}
+        for j, i in ipairs(remote) do
+            sub[j] = list[i]
+        end
+        local extra, on_extra
+        if _M.companion then
+            extra, on_extra = _M.companion(req)
+        end
+        local wants = lease_wants(sub, now, fraction)
+        local r
+        r, source = _M.apply("lease", sub, nil, extra, on_extra, wants)
+        ngx.update_time()
+        lease_store(sub, r, source, ngx.now(), wants)
+        out.allowed = r.allowed
+        for j, i in ipairs(remote) do
+            out.tokens[i], out.wait[i] = r.tokens[j], r.wait[j]
+        end
+    end
+    for i, b in ipairs(list) do
+        local l = held[i]
+        if l then
+            if out.allowed then
+                l.spent = l.spent + b.cost
+            else
+                l.left = l.left + b.cost   -- refused: the set-aside tokens go back
+            end
+            out.tokens[i] = lease_remaining(l, b, now)
+            out.wait[i] = 0
+        end
+    end
+    return out, source
 end
 
 -- Flush timer: expired leases go back to their buckets and are forgotten.
@@ -590,24 +639,16 @@ function _M.step(req)
     end
     -- a later access step may hand over a Redis read of its own (the exact cache
     -- lookup, infergate.cache.lookup.prefetch): one round trip for both
-    local now = ngx.now()
     local fraction = o.lease_fraction or 0
     local res, source
     if fraction > 0 then
-        res = lease_spend(list, now)
-        source = "redis" -- charged in Redis when the lease was granted
-    end
-    if not res then
+        res, source = leased_charge(req, list, ngx.now(), fraction)
+    else
         local extra, on_extra
         if _M.companion then
             extra, on_extra = _M.companion(req)
         end
-        local wants = fraction > 0 and lease_wants(list, now, fraction) or nil
-        res, source = _M.apply(wants and "lease" or "take", list, nil, extra, on_extra, wants)
-        if wants then
-            ngx.update_time()
-            lease_store(list, res, source, ngx.now(), wants)
-        end
+        res, source = _M.apply("take", list, nil, extra, on_extra)
     end
     local h = _M.headers(list, res)
     if res.allowed then
