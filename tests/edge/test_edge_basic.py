@@ -234,5 +234,7 @@ def test_every_answer_carries_a_request_id(two_nodes) -> None:
     assert set(ids) <= {i for u in ups for i in u.request_ids}, "the node got another id"
     log = edge.rendered.access_log.read_text()
     assert all(f"rid={i}" in log for i in ids)
+    edge.status()  # a location without a request id of the edge's own: no warning either
+    assert "uninitialized" not in edge.rendered.error_log.read_text()
     bad = requests.post(url, data=b"{nope", headers={"Content-Type": "application/json"}, timeout=10)
     assert bad.status_code == 400 and re.fullmatch(r"[0-9a-f]{32}", bad.headers.get("X-Request-Id", ""))
