@@ -4,6 +4,7 @@ the X-Infergate-Node header, the status endpoint and JSON errors for bad input."
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import socket
@@ -126,6 +127,14 @@ def test_unknown_paths_and_methods(two_nodes) -> None:
         _assert_openai_error(res, 404, code="not_found")
         # the /v1 API paths carry the request id, even where nginx answers alone
         assert ("X-Request-Id" in res.headers) == path.startswith("/v1/"), (path, res.headers)
+    # a /v1 path as nginx routes it, written otherwise
+    host, port = edge.url.split("//", 1)[1].split(":")
+    for path in ("//v1/nope", "/./v1/nope"):
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.request("GET", path)
+        res = conn.getresponse()
+        assert res.status == 404 and res.getheader("X-Request-Id"), (path, res.getheaders())
+        conn.close()
     res = requests.get(f"{edge.url}/v1/chat/completions", timeout=10)
     _assert_openai_error(res, 405, code="method_not_allowed")
     assert res.headers["Allow"] == "POST"

@@ -86,6 +86,10 @@ end
 -- infergate.core.reqctx; nginx's $request_id before the access phase gave it one).
 local function request_id()
     local uri = ngx.var.request_uri
+    if uri and uri:sub(1, 4) ~= "/v1/" then
+        -- the path as nginx routed it: "//v1/x" and "/./v1/x" are /v1/ paths too
+        uri = uri:gsub("/%./", "/"):gsub("//+", "/")
+    end
     if uri and uri:sub(1, 4) == "/v1/" and not ngx.header["X-Request-Id"] then
         ngx.header["X-Request-Id"] = require("infergate.core.reqctx").current_id()
     end
