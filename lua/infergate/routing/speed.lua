@@ -122,10 +122,18 @@ local function lvl_key(name, k)
     return key
 end
 
--- Field i of node `name`'s record, or nil (no record, or the field not known yet).
-local function field(d, name, i)
+-- Node `name`'s record as stored (read it once, then take fields with value), or nil.
+local function record(d, name)
     local raw = d:get(rec_key(name))
     if type(raw) ~= "string" or #raw ~= REC_BYTES then
+        return nil
+    end
+    return raw
+end
+
+-- Field i of a record, or nil (no record, or the field not known yet).
+local function value(raw, i)
+    if not raw then
         return nil
     end
     local v = ffi.cast(cdouble_p, raw)[i]
@@ -133,6 +141,10 @@ local function field(d, name, i)
         return nil
     end
     return v
+end
+
+local function field(d, name, i)
+    return value(record(d, name), i)
 end
 
 -- The level record of `name` at k: mean log L, answers; or nil.
@@ -304,29 +316,36 @@ end
 
 -- B of the formula above: the learned concurrency of `node`, rounded, or its
 -- max_concurrency before the first sample.
-function _M.batch(node)
-    local lc = field(dict(), node.name, F_LC)
+local function batch_of(raw, node)
+    local lc = value(raw, F_LC)
     return lc and _M.round_concurrency(lc) or (node.max_concurrency or 1)
 end
 
+function _M.batch(node)
+    return batch_of(record(dict(), node.name), node)
+end
+
 -- Service time (s) of node `name`, or nil before its first WARMUP unqueued answers.
-function _M.service_s(name)
-    local d = dict()
-    if (field(d, name, F_SN) or 0) < _M.WARMUP then
+local function service_of(raw)
+    if (value(raw, F_SN) or 0) < _M.WARMUP then
         return nil
     end
-    return field(d, name, F_SV)
+    return value(raw, F_SV)
+end
+
+function _M.service_s(name)
+    return service_of(record(dict(), name))
 end
 
 -- The service time (s) expected_s uses: service_s aged by the time since the node's last
 -- answer (see the top of this file), or nil before its first WARMUP unqueued answers.
 -- `inflight`: this edge's requests in flight on the node, when the caller has it.
-function _M.aged_service_s(name, now, inflight)
-    local s = _M.service_s(name)
+local function aged_of(raw, name, now, inflight)
+    local s = service_of(raw)
     if not s then
         return nil
     end
-    local at = field(dict(), name, F_SA)
+    local at = value(raw, F_SA)
     local idle = at and (now or ngx.now()) - at - _M.STALE_S
     if idle and idle > 0 and (inflight or stats.inflight(name)) == 0 then
         return s * 0.5 ^ (idle / _M.HALF_LIFE_S)
@@ -334,15 +353,20 @@ function _M.aged_service_s(name, now, inflight)
     return s
 end
 
+function _M.aged_service_s(name, now, inflight)
+    return aged_of(record(dict(), name), name, now, inflight)
+end
+
 -- Predicted completion (s) of one more request on `node` (see the top of this file), or
 -- nil while the node has no service time.
 function _M.expected_s(node)
     local n = stats.inflight(node.name)
-    local s = _M.aged_service_s(node.name, nil, n)
+    local raw = record(dict(), node.name)   -- one read for all of the node's figures
+    local s = aged_of(raw, node.name, nil, n)
     if not s then
         return nil
     end
-    local b = _M.batch(node)
+    local b = batch_of(raw, node)
     local ahead = n + 1 - b
     if ahead > 0 then
         return s * (1 + ahead / b)
