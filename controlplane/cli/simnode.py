@@ -66,6 +66,9 @@ def _output_range(ctx: click.Context, param: click.Parameter, value: str) -> tup
 @click.option("--error-status", type=click.IntRange(400, 599), default=500, show_default=True,
               help="Fault: HTTP status of injected errors.")
 @click.option("--hang", is_flag=True, help="Fault: accept inference requests, never answer.")
+@click.option("--stall", is_flag=True,
+              help="Fault: as --hang, but streams get their headers at once (an engine hung "
+                   "behind a live HTTP server).")
 @click.option("--slowdown", type=click.FloatRange(1, 1000), default=1.0, show_default=True,
               help="Fault: factor on every step duration.")
 @click.option("--metrics-fail", is_flag=True, help="Fault: /metrics answers 500.")
@@ -83,7 +86,7 @@ def simnode_cmd(host: str, port: int, control_port: int | None, name: str | None
                 prefill_tps: float, decode_base_ms: float, decode_per_seq_ms: float,
                 speed: float, prefix_caching: bool, prefix_cache_blocks: int | None,
                 time_scale: float, output_tokens: tuple[int, int],
-                error_rate: float, error_status: int, hang: bool, slowdown: float,
+                error_rate: float, error_status: int, hang: bool, stall: bool, slowdown: float,
                 metrics_fail: bool, health_fail: bool, refuse: bool, garbage: bool,
                 llamacpp: bool, log_level: str) -> None:
     """A simulated OpenAI-compatible inference node (fake vLLM/TGI/SGLang) with a
@@ -106,7 +109,7 @@ def simnode_cmd(host: str, port: int, control_port: int | None, name: str | None
                               prefix_cache_blocks=prefix_cache_blocks)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    faults = Faults(error_rate=error_rate, error_status=error_status, hang=hang,
+    faults = Faults(error_rate=error_rate, error_status=error_status, hang=hang, stall=stall,
                     slowdown=slowdown, metrics_fail=metrics_fail, health_fail=health_fail,
                     refuse=refuse, garbage=garbage)
     opts = NodeOptions(host=host, port=port, control_port=control_port,

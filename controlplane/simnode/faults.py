@@ -21,6 +21,11 @@ class Faults(BaseModel):
     """HTTP status of injected errors (OpenAI-style JSON body)."""
     hang: bool = False
     """Accept inference requests and never answer; hold them until the client leaves."""
+    stall: bool = False
+    """As ``hang``, but a streaming request gets its headers (200, ``text/event-stream``)
+    at once and then no chunk: vLLM, SGLang and TGI send a stream's headers before the
+    engine has the request, so an engine that hangs behind a live HTTP server looks like
+    this."""
     slowdown: float = Field(default=1.0, ge=1.0, le=1000.0)
     """Factor (>= 1) applied to every engine step duration."""
     metrics_fail: bool = False

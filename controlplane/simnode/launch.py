@@ -84,7 +84,7 @@ class SimNodeProcess:
 
     def set_faults(self, **faults: Any) -> dict:
         """``POST /_sim/faults`` with ``faults`` (any subset: ``error_rate``,
-        ``error_status``, ``hang``, ``slowdown``, ``metrics_fail``, ``health_fail``,
+        ``error_status``, ``hang``, ``stall``, ``slowdown``, ``metrics_fail``, ``health_fail``,
         ``refuse``, ``garbage``); returns every fault now in force. Raises
         ``requests.HTTPError`` on a rejected update (e.g. ``refuse`` without a control
         port: 400) and ``requests.RequestException`` when the node does not answer."""

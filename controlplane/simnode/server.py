@@ -30,7 +30,8 @@ Every answer carries ``X-Sim-Node: <name>``; the node name is also the
 
 Counters in ``/_sim/state``: ``requests_total`` = inference requests received;
 ``completed_total`` = answered in full; ``cancelled_total`` = the client went away
-before the answer was complete (queued, running, streaming or held by ``hang``) -
+before the answer was complete (queued, running, streaming or held by ``hang`` or
+``stall``) -
 the request then leaves the queue/batch at once and its KV is freed;
 ``errors_total`` = inference requests answered with an error status (bad input,
 injected errors) or with garbage; ``interrupted_total`` = streams ended early by a
@@ -392,6 +393,8 @@ class SimNode:
             except web.HTTPRequestEntityTooLarge:
                 raise wire.ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes") from None
             req = wire.parse_request(kind, wire.parse_body(raw), self.opts.model)
+            if f.stall:
+                return await self._stall(request, req)
             n, _ = wire.plan_length(req, self.opts.output_min, self.opts.output_max)
             if not self.scheduler.fits(req.prompt_tokens, n):
                 raise wire.context_error(req, n, self.opts.engine.kv_capacity_tokens)
@@ -426,6 +429,19 @@ class SimNode:
             self.scheduler.release(ticket)
         self.counters.completed_total += 1
         return resp
+
+    async def _stall(self, request: web.Request, req: wire.InferenceRequest) -> web.StreamResponse:
+        """The ``stall`` fault: a stream's headers at once, then nothing until the client
+        goes away (the handler is cancelled; counted in ``cancelled_total``)."""
+        if req.stream:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                               "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+        try:
+            await asyncio.Future()
+        finally:
+            self.counters.cancelled_total += 1
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _cancelled(self, ticket: Ticket) -> None:
         self.scheduler.cancel(ticket)

@@ -81,7 +81,7 @@ def main_node(logdir) -> Iterator[Node]:
 def node(main_node) -> Node:
     """The main node with no faults and zeroed counters."""
     requests.post(f"{main_node.control}/_sim/faults", timeout=5, json={
-        "error_rate": 0, "error_status": 500, "hang": False, "slowdown": 1, "metrics_fail": False,
+        "error_rate": 0, "error_status": 500, "hang": False, "stall": False, "slowdown": 1, "metrics_fail": False,
         "health_fail": False, "refuse": False, "garbage": False})
     procs.wait_until(lambda: procs.port_open("127.0.0.1", main_node.port), 5, what="main port")
     procs.wait_until(lambda: main_node.state()["running"] + main_node.state()["waiting"] == 0, 10,
@@ -386,6 +386,30 @@ def test_fault_hang_holds_until_client_leaves(node):
         s.recv(100)
     s.close()
     procs.wait_until(lambda: node.state()["cancelled_total"] == 1, 10, what="hang cancel")
+    assert node.state()["completed_total"] == 0
+
+
+def test_fault_stall_sends_stream_headers_then_nothing(node):
+    node.faults(stall=True)
+    s = raw_request(node.port, "/v1/chat/completions",
+                    {"messages": [{"role": "user", "content": "x"}], "stream": True})
+    s.settimeout(5)
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += s.recv(1000)
+    assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head
+    s.settimeout(0.5)
+    with pytest.raises(socket.timeout):       # no chunk
+        s.recv(100)
+    s.close()
+    procs.wait_until(lambda: node.state()["cancelled_total"] == 1, 10, what="stall cancel")
+    # a request that does not stream gets nothing at all
+    s = raw_request(node.port, "/v1/completions", {"prompt": "x", "sim_output_tokens": 1})
+    s.settimeout(0.5)
+    with pytest.raises(socket.timeout):
+        s.recv(100)
+    s.close()
+    procs.wait_until(lambda: node.state()["cancelled_total"] == 2, 10, what="stall cancel")
     assert node.state()["completed_total"] == 0
 
 
