@@ -284,8 +284,9 @@ class EdgeSettings(_Section):
     outlier_ttfb_factor: float = Field(default=5.0, ge=0, le=1000)
     """A node whose oldest request of this edge has waited for its first byte longer than
     this many times the node's usual time to first byte (a p90 estimate, streams and
-    non-streams apart), at least ``outlier_ttfb_min_s``, and that sent no first byte for
-    as long, gets no new request until it answers again; 0 = off."""
+    non-streams apart; a stream's first byte is its first chunk, not its headers), at
+    least ``outlier_ttfb_min_s``, and that sent no first byte for as long, gets no new
+    request until it answers again; 0 = off."""
     outlier_ttfb_min_s: float = Field(default=5.0, ge=0.1, le=3600)
     """Floor of the outlier threshold above, seconds (also the threshold while the node
     has no time-to-first-byte history)."""

@@ -1,7 +1,13 @@
 -- header_filter_by_lua / body_filter_by_lua of the proxied locations.
 --
 -- run(): names the node that served a proxied response (X-Infergate-Node) and records
--- its time to first byte (infergate.routing.outlier); every answer of the location
+-- its time to first byte (infergate.routing.outlier): the headers of a complete answer
+-- (not streamed, or an error), the first body chunk of a stream. vLLM, SGLang and TGI
+-- send a stream's headers as soon as they accept the request, before it is scheduled
+-- (vllm/entrypoints/openai/api_server.py returns the StreamingResponse before the
+-- engine's first output), so only the first chunk says the node is generating; a node
+-- whose engine hangs behind a live HTTP server sends the headers and then nothing.
+-- Every answer of the location
 -- carries X-Request-Id (the $request_id the node got as well, unless the node sent its
 -- own), which OpenAI clients report as the request id.
 --
@@ -77,9 +83,13 @@ function _M.run()
         end
         return
     end
-    outlier.first_byte(req) -- the node answers: its TTFB, and no longer an outlier
     ngx.header[_M.NODE_HEADER] = last.node
     local status = ngx.status
+    if req.stream and status < 300 then
+        req.first_chunk_wait = true -- its first byte is the stream's first chunk: body()
+    else
+        outlier.first_byte(req) -- the node answers: its TTFB, and no longer an outlier
+    end
     if wants_wrap(status) then
         req.wrap_error = { status = status, node = last.node, parts = {}, size = 0 }
         ngx.header["Content-Type"] = "application/json"
@@ -114,6 +124,13 @@ function _M.body()
     local req = ngx.ctx.infergate
     if not req then
         return
+    end
+    if req.first_chunk_wait then
+        local chunk = ngx.arg[1]
+        if chunk and chunk ~= "" then
+            req.first_chunk_wait = nil
+            outlier.first_byte(req)
+        end
     end
     if req.wrap_error then
         return wrap_body(req.wrap_error)

@@ -10,9 +10,10 @@
 --                                        (e.g. /v1/embeddings on a chat-only server)
 --   the same 500 on two nodes            neutral, both (a body every node fails on)
 --   a timeout at the request's deadline  neutral (the node was working on it)
--- A node's fault: connect error or reset, a timeout before the first byte, bytes that
--- are not HTTP, a 502/503/504 answer, and a 500 that another node did not repeat (the
--- held 500 of an earlier try is a failure when a later node answered the request).
+-- A node's fault: connect error or reset, a timeout before the first byte (for a
+-- stream, before its first chunk: headers alone do not count), bytes that are not HTTP,
+-- a 502/503/504 answer, and a 500 that another node did not repeat (the held 500 of an
+-- earlier try is a failure when a later node answered the request).
 local reqctx = require("infergate.core.reqctx")
 local stats = require("infergate.routing.stats")
 local admission = require("infergate.admission.shed")
@@ -40,6 +41,10 @@ local function last_entry(v)
     return v:match("([^,:%s]+)%s*$")
 end
 _M.last_entry = last_entry
+
+-- How much sooner (s) than the try's read timeout an answer's end still counts as that
+-- timeout: nginx measures whole milliseconds.
+local READ_SLACK_S = 0.01
 
 -- Routes a node may not serve: no verdict on its health.
 local UNSERVED = { [404] = true, [405] = true, [501] = true }
@@ -70,6 +75,17 @@ local function outcome(req)
             return "neutral", status
         end
         return "fail", status
+    end
+    if req.first_chunk_wait and status < 300 then
+        -- a stream whose node sent its headers and then no chunk (infergate.filters):
+        -- silent until the try's read timeout, the node failed (an engine hung behind a
+        -- live HTTP server); ended sooner, the client left
+        local rt = tonumber(last_entry(ngx.var.upstream_response_time))
+        local read_s = req.read_s
+        if rt and read_s and rt >= read_s - READ_SLACK_S then
+            return "fail", 504
+        end
+        return "aborted"
     end
     if status == 429 then
         return "busy", status

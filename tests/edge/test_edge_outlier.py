@@ -32,10 +32,22 @@ def _wait(cond, timeout: float = 10.0) -> None:
 MIN_S, FACTOR = 0.5, 5.0
 
 
-def _threshold(edge, name: str) -> float:
-    """The node's outlier threshold (s) as the edge computes it from its TTFB history:
-    max(outlier_ttfb_min_s, outlier_ttfb_factor x p90) -- a loaded machine raises p90."""
-    p90 = edge.node_status(name)["ttfb_p90_s"]["plain"] or 0.0
+def _stream(edge, timeout: float = 20) -> tuple[int, str | None, bytes | None]:
+    """A streamed chat completion: status, serving node, body (None when cut short)."""
+    res = requests.post(f"{edge.url}/v1/chat/completions", json={**CHAT, "stream": True},
+                        timeout=timeout, stream=True)
+    try:
+        body: bytes | None = b"".join(res.iter_content(None))
+    except requests.exceptions.ChunkedEncodingError:
+        body = None
+    return res.status_code, res.headers.get("X-Infergate-Node"), body
+
+
+def _threshold(edge, name: str, kind: str = "plain") -> float:
+    """The node's outlier threshold (s) as the edge computes it from its TTFB history
+    (``kind``: "plain" or "stream"): max(outlier_ttfb_min_s, outlier_ttfb_factor x p90)
+    -- a loaded machine raises p90."""
+    p90 = edge.node_status(name)["ttfb_p90_s"][kind] or 0.0
     return max(MIN_S, FACTOR * p90)
 
 
@@ -45,12 +57,13 @@ def _until_past(threshold: float, since: float) -> None:
     time.sleep(max(0.0, since + threshold + 0.3 - time.monotonic()))
 
 
-def _stick_one(pool: ThreadPoolExecutor, edge, a, b, answered: int) -> list:
-    """With ``a`` hanging or slow: sends requests (in ``pool``) until one of them is held
-    by ``a`` (``answered``: requests both nodes had before); returns their futures."""
+def _stick_one(pool: ThreadPoolExecutor, edge, a, b, answered: int, send=_post) -> list:
+    """With ``a`` hanging or slow: sends requests (``send``, in ``pool``) until one of
+    them is held by ``a`` (``answered``: requests both nodes had before); returns their
+    futures."""
     stuck: list = []
     while a.inflight < 1:
-        stuck.append(pool.submit(_post, edge))
+        stuck.append(pool.submit(send, edge))
         _wait(lambda: a.inflight >= 1 or a.hits + b.hits >= answered + len(stuck), 10)
     return stuck
 
@@ -93,6 +106,64 @@ def test_a_hanging_node_stops_getting_requests_until_it_answers(pair) -> None:
     finally:
         a.release()
         pool.shutdown(wait=True)
+
+
+def test_a_node_that_sends_stream_headers_and_then_nothing_is_an_outlier(pair) -> None:
+    """vLLM, SGLang and TGI send a stream's headers before the engine has the request: a
+    node whose engine hangs behind its live HTTP server answers headers and then no
+    chunk. Its first byte is the first chunk, so it is found an outlier all the same."""
+    edge, a, b = pair
+    a.chunks = b.chunks = 1                  # short streams: all within the flag's life
+    for _ in range(10):                      # stream TTFB history for both nodes
+        status, _, body = _stream(edge)
+        assert status == 200 and body and b"[DONE]" in body
+    threshold = _threshold(edge, "a", "stream")
+    a.mode = "stall"
+    pool = ThreadPoolExecutor(8)
+    try:
+        stuck = _stick_one(pool, edge, a, b, 10, send=_stream)
+        since = time.monotonic()
+        _wait(lambda: all(f.done() for f in stuck[:-1]), 10)
+        _until_past(threshold, since)
+        before = a.hits
+        for _ in range(20):
+            status, node, body = _stream(edge, timeout=5)
+            assert (status, node) == (200, "b") and body and b"[DONE]" in body
+        assert a.hits == before              # not even tried
+        assert edge.node_status("a")["outlier"] is True
+        a.mode = "ok"
+        a.release()                          # the stalled stream ends, cut short
+        assert stuck[-1].result(timeout=20)[2] is None
+        _wait(lambda: "a" in {_stream(edge)[1] for _ in range(10)})
+    finally:
+        a.release()
+        pool.shutdown(wait=True)
+
+
+def test_a_stream_silent_after_its_headers_is_a_failure_of_the_node(
+        tiny_upstreams, redis_server, edge_factory) -> None:
+    """A stream whose node sent the headers and then nothing until the stream idle
+    timeout counts against the node (breaker, failure count), as a timeout before the
+    headers does; a client that leaves such a stream earlier costs the node nothing."""
+    (a,) = tiny_upstreams(names=["solo"])
+    s = edge_settings(redis_server.url, [a.node_settings()], read_timeout_ms=15000)
+    s.deadlines = s.deadlines.model_validate({"stream_idle_ms": 800})
+    edge = edge_factory(s)
+    status, _, body = _stream(edge)
+    assert status == 200 and body and b"[DONE]" in body
+    assert edge.node_status("solo")["failures"] == 0
+    a.mode = "stall"
+    try:
+        status, node, body = _stream(edge, timeout=5)   # cut by the 0.8 s idle timeout
+        assert (status, node, body) == (200, "solo", None)
+        _wait(lambda: edge.node_status("solo")["failures"] == 1)
+        # a client that gives up after 0.3 s
+        with pytest.raises(requests.exceptions.RequestException):   # read timed out
+            _stream(edge, timeout=0.3)
+        _wait(lambda: edge.node_status("solo")["inflight"] == 0)
+        assert edge.node_status("solo")["failures"] == 1
+    finally:
+        a.release()
 
 
 def test_a_probe_of_a_node_still_hung_is_retried_in_time(tiny_upstreams, redis_server,

@@ -1,5 +1,5 @@
 """The tiny upstream: an in-process OpenAI-compatible HTTP server on a free loopback
-port with switchable modes (answer, fail, busy, hang, garbage), for deterministic edge
+port with switchable modes (answer, fail, busy, hang, stall, garbage), for deterministic edge
 tests that need no simulated performance model.
 
 Fixture (registered through ``pytest_plugins`` in tests/conftest.py):
@@ -28,7 +28,9 @@ class TinyUpstream:
     """An in-process OpenAI-compatible HTTP server on a free port.
 
     ``mode``: ``ok`` (answer), ``fail`` (500 JSON), ``busy`` (429), ``hang`` (never
-    answer until released or stopped), ``garbage`` (non-HTTP bytes, then close).
+    answer until released or stopped), ``stall`` (as ``hang``, but a stream gets its
+    headers at once, as from vLLM whose engine hangs), ``garbage`` (non-HTTP bytes, then
+    close).
     ``delay_s`` delays every answer; a ``"stream": true`` request gets ``chunks`` SSE
     chunks ``chunk_interval_s`` apart (and, with ``stream_options.include_usage``, a
     last chunk with ``choices: []`` and the usage, as vLLM sends it). ``gate``: when set (a threading.Event), streams
@@ -130,6 +132,12 @@ class TinyUpstream:
                     upstream._released.wait(60)
                     self.close_connection = True
                     return
+                if mode == "stall":
+                    if b'"stream": true' in raw or b'"stream":true' in raw:
+                        self._stream_headers()
+                    upstream._released.wait(60)
+                    self.close_connection = True
+                    return
                 if mode == "garbage":
                     self.wfile.write(b"\x00\x01 this is not HTTP \xff\r\n\r\n")
                     self.close_connection = True
@@ -173,12 +181,16 @@ class TinyUpstream:
                 self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
                 self.wfile.flush()
 
-            def _stream(self, model: str, include_usage: bool = False) -> None:
+            def _stream_headers(self) -> None:
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Transfer-Encoding", "chunked")
                 self.send_header("X-Sim-Node", upstream.name)
                 self.end_headers()
+                self.wfile.flush()
+
+            def _stream(self, model: str, include_usage: bool = False) -> None:
+                self._stream_headers()
                 for i in range(upstream.chunks):
                     if i == upstream.chunks - 1 and upstream.gate is not None:
                         upstream.gate.wait(30)

@@ -10,7 +10,7 @@
 --                   true), before the first chunk and between chunks
 --
 -- before_try() runs for every try in the balancer and sets that try's timeouts with
--- ngx.balancer.set_timeouts (never I/O):
+-- ngx.balancer.set_timeouts (never I/O; the read timeout, s, is kept in req.read_s):
 --
 --   connect, send   edge.connect_timeout_ms / send_timeout_ms, capped by the time left
 --   read            non-streaming: min(edge.read_timeout_ms, time left to the deadline)
@@ -94,6 +94,7 @@ function _M.before_try(req, o, now)
     if not connect then
         return false
     end
+    req.read_s = read
     local ok, err = ngx_balancer.set_timeouts(connect, send, read)
     if not ok then
         log(ERR, "infergate: set_timeouts: ", err)
@@ -124,6 +125,7 @@ function _M.probe_read(req, o, now, thr_s)
     if probe >= read then
         return
     end
+    req.read_s = probe
     local ok, err = ngx_balancer.set_timeouts(connect, send, probe)
     if not ok then
         log(ERR, "infergate: set_timeouts: ", err)

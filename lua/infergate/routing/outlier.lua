@@ -41,7 +41,8 @@
 -- oldest attempt not yet answered, closed or released).
 --
 -- track(att, stream)   balancer phase, after infergate.routing.stats.open_attempt
--- first_byte(req)      header_filter of a proxied answer (the node answered)
+-- first_byte(req)      the node answered: the headers of a complete answer, the first
+--                      body chunk of a stream (infergate.filters)
 -- finished(att, now)   when an attempt ends (log phase, or the balancer before a retry)
 -- is_outlier(node, now) balancer phase (no I/O: shared dict and local tables only)
 local config = require("infergate.core.config")
