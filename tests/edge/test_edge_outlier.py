@@ -169,9 +169,9 @@ def test_a_stream_silent_after_its_headers_is_a_failure_of_the_node(
 def test_a_probe_of_a_node_still_hung_is_retried_in_time(tiny_upstreams, redis_server,
                                                           edge_factory) -> None:
     """Once a hung node's flag has expired it gets one probe at a time. With another node
-    to retry on, a probe waits max(2 x threshold, half the time left to the 4 s deadline),
-    not until the deadline: the node still hangs, so the probe times out at 2 s and the
-    request is answered by the other node (without the shorter wait: 504 at 4 s)."""
+    to retry on, a probe waits 2 x threshold, not until the deadline: the node still
+    hangs, so the probe times out and the request is answered by the other node (without
+    the shorter wait: 504 at 4 s)."""
     a, b = tiny_upstreams(names=["a", "b"])
     s = edge_settings(redis_server.url, [a.node_settings(), b.node_settings()],
                       outlier_ttfb_min_s=MIN_S, outlier_ttfb_factor=FACTOR,

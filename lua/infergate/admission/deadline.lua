@@ -104,24 +104,17 @@ end
 
 -- Balancer, after a probe of a silent outlier was chosen as the try's node (its TTFB
 -- threshold `thr_s`, seconds) with another node left to retry on: the try's read timeout
--- becomes max(2 x thr_s, half of what it could wait: the read timeout, bounded by the
--- deadline), when that is shorter. A node still hung then costs the request that wait
--- and the retry has the other half; a node that is slow but alive still has twice its
--- threshold, and half the request's time, to answer the probe and come back.
+-- becomes 2 x thr_s when that is shorter. A node still hung then costs the request that
+-- wait and the retry has the rest of its time. The node has then been silent for at
+-- least FLAG_TTL_FACTOR x thr_s (infergate.routing.outlier) before the probe: one that
+-- is slow but alive answers one of the requests it holds, or the probe, within twice its
+-- threshold more.
 function _M.probe_read(req, o, now, thr_s)
     local connect, send, read = _M.timeouts(req, o, now)
     if not connect then
         return
     end
-    local base = read
-    local left = _M.remaining(req, now)
-    if left and left < base then
-        base = left
-    end
     local probe = 2 * thr_s
-    if base / 2 > probe then
-        probe = base / 2
-    end
     if probe >= read then
         return
     end
