@@ -415,22 +415,38 @@ PERSISTENT_REDIS_ARGS: tuple[str, ...] = (
 
 def start_redis(workdir: Path, port: int, extra: Sequence[str] = (),
                 maxmemory: str = "256mb", timeout: float = 15.0,
-                persistent: bool = False) -> Managed:
+                persistent: bool = False, password: str | None = None) -> Managed:
     """Start a ``redis-server`` on 127.0.0.1:port with its files in ``workdir``, at most
     ``maxmemory``, evicting only keys with a TTL (``maxmemory-policy volatile-lru``:
     every cache key has one, state keys never do).
 
     ``persistent``: with an append-only file in ``workdir`` (``appendonly yes``,
     ``appendfsync everysec``), so a restart from the same folder finds the state again
-    (at most about a second of writes lost); otherwise nothing is written to disk."""
+    (at most about a second of writes lost); otherwise nothing is written to disk.
+
+    ``password``: clients must AUTH with it (``requirepass``, written to
+    ``workdir/redis.conf`` with mode 0600, never on the command line that ``ps`` shows
+    every user); ``workdir`` is then made 0700, so the append-only file, which holds
+    stored prompts and answers, is the owner's alone."""
     workdir.mkdir(parents=True, exist_ok=True)
+    conf: tuple[str, ...] = ()
+    if password is not None:
+        if not password or any(c.isspace() or c in "\"'" for c in password):
+            raise ValueError("the Redis password must be non-empty, without spaces or quotes")
+        os.chmod(workdir, 0o700)
+        path = workdir / "redis.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(f"requirepass {password}\n")
+        os.chmod(path, 0o600)  # a file left by an earlier run keeps its mode otherwise
+        conf = (str(path),)
     persistence = PERSISTENT_REDIS_ARGS if persistent else ("--save", "", "--appendonly", "no")
     # the process title names the folder (Redis 7 proc-title-template), so `ps` on a
     # shared host tells whose redis-server this is
     title = () if "{" in str(workdir) else (
         "--proc-title-template", "{title} {listen-addr} {server-mode} " + str(workdir.resolve()))
     argv = [
-        find_redis_server(), "--port", str(port), "--bind", "127.0.0.1",
+        find_redis_server(), *conf, "--port", str(port), "--bind", "127.0.0.1",
         *persistence, "--dir", str(workdir),
         "--maxmemory", maxmemory, "--maxmemory-policy", "volatile-lru",
         "--protected-mode", "no", *title, *extra,
@@ -442,7 +458,8 @@ def start_redis(workdir: Path, port: int, extra: Sequence[str] = (),
         # pid): never another Redis that holds the port while this one fails to bind;
         # and when it has loaded its files (PING answers -LOADING until then)
         with socket.create_connection(("127.0.0.1", port), timeout=0.3) as s:
-            s.sendall(b"INFO server\r\nPING\r\n")
+            auth = f"AUTH {password}\r\n".encode() if password else b""
+            s.sendall(auth + b"INFO server\r\nPING\r\n")
             buf = b""
             while not (buf.endswith(b"+PONG\r\n") or b"\r\n-" in buf) and len(buf) < 65536:
                 chunk = s.recv(8192)

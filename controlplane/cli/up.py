@@ -89,16 +89,19 @@ def _redis_answers(settings: Settings) -> bool:
 
 def _own_redis(settings: Settings, workdir: Path, stack: procs.ProcessSet) -> str:
     """Start this stack's own ``redis-server`` (append-only file in ``workdir/redis``) on
-    a free loopback port, chosen again when another process takes it first; point
-    ``settings.redis.url`` at it and return the banner description. Never joins a Redis
-    that already runs (e.g. another stack's at 6379). Raises
+    a free loopback port, chosen again when another process takes it first, with a new
+    random password (``requirepass``: on a shared host another user's process could
+    otherwise read the stored prompts and answers, or write API keys and nodes); point
+    ``settings.redis.url`` at it, password included, and return the banner description.
+    Never joins a Redis that already runs (e.g. another stack's at 6379). Raises
     :class:`controlplane.procs.StartError`."""
-    _say("starting redis-server (this stack's own, on a free port)")
-    m, port = procs.start_redis_free_port(workdir / "redis", persistent=True)
+    _say("starting redis-server (this stack's own, on a free port, with a password)")
+    password = secrets.token_urlsafe(24)
+    m, port = procs.start_redis_free_port(workdir / "redis", persistent=True, password=password)
     stack.add(m)
-    settings.redis.url = f"redis://127.0.0.1:{port}/0"
-    return (f"{settings.redis.url} (this stack's own redis-server, maxmemory 256mb, "
-            f"volatile-lru, append-only file in {workdir / 'redis'})")
+    settings.redis.url = f"redis://:{password}@127.0.0.1:{port}/0"
+    return (f"{settings.redis.url} (this stack's own redis-server, password required, "
+            f"maxmemory 256mb, volatile-lru, append-only file in {workdir / 'redis'})")
 
 
 #: Seconds the stack-owner key lives without a refresh; ``up`` refreshes it every
@@ -763,5 +766,9 @@ Ctrl-C stops everything.""", err=False)
         if owner_r is not None:
             _release_owner(owner_r, owner_doc)
         stack.stop_all()
+        # the state (Redis's append-only file: API keys, nodes, drains, cached answers)
+        # is in the folder; only a start on the same folder finds it again
+        click.echo(f"stopped; the work folder {wd} is kept (`infergate up --workdir {wd}` "
+                   "starts on its state again)", err=True)
     if failed:
         raise click.ClickException(failed)

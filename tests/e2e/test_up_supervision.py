@@ -8,10 +8,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
+import pytest
 import redis
 import requests
 
@@ -93,6 +96,17 @@ def test_redis_killed_is_restarted_with_its_data(workdir: Path) -> None:
         url = up.redis_url
         before = _registry(url)
         assert len(before) == 3
+        # its own Redis wants the password of the banner's URL, and its files are the
+        # owner's alone (the append-only file holds stored prompts and answers)
+        parts = urlsplit(url)
+        assert parts.password
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host="127.0.0.1", port=parts.port, socket_timeout=2).get("x")
+        rdir = workdir / "stack" / "redis"
+        assert stat.S_IMODE(rdir.stat().st_mode) == 0o700
+        assert stat.S_IMODE((rdir / "redis.conf").stat().st_mode) == 0o600
+        assert parts.password not in " ".join(
+            Path(f"/proc/{up.part_pid('redis-server')}/cmdline").read_text().split("\0"))
         time.sleep(1.2)                                   # appendfsync everysec
         pid = up.part_pid("redis-server")
         assert pid
