@@ -329,7 +329,8 @@ def create_key() -> tuple[flask.Response, int]:
 
 @bp.patch("/keys/<key_id>")
 def edit_key(key_id: str) -> flask.Response:
-    """Change ``rpm``, ``tpm`` (null = no limit) or ``label``; 200 record; 400; 404."""
+    """Change ``rpm``, ``tpm`` (null = no limit) or ``label``; 200 record; 400; 404; 409
+    ``key_revoked`` for a revoked key."""
     rec = ops.edit_key(_r(), key_id, _body(), ACTOR, _events_max())
     return flask.jsonify(rec.to_dict())
 

@@ -43,6 +43,10 @@ class ApiKeyError(InfergateError, ValueError):
     """Invalid tenant, label or limit."""
 
 
+class KeyRevoked(ApiKeyError):
+    """The key is revoked: its record no longer changes."""
+
+
 @dataclass
 class ApiKey:
     """One API key record (never holds the plaintext key)."""
@@ -215,7 +219,9 @@ def set_limits(r: redis.Redis, key_id: str, *, rpm: object = ..., tpm: object = 
     """Change the limits (``None`` or empty = no limit) and/or the label of a key.
 
     Arguments left out keep their value. Returns the updated record, ``None`` if no key
-    has that id; raises :class:`ApiKeyError` for a bad value."""
+    has that id; raises :class:`ApiKeyError` for a bad value and :class:`KeyRevoked` for
+    a revoked key (nothing is written: a limit on a key that no edge accepts would only
+    mislead whoever reads the list)."""
     changes: dict[str, object] = {}
     if rpm is not ...:
         changes["rpm"] = _check_limit("rpm", rpm)
@@ -225,6 +231,8 @@ def set_limits(r: redis.Redis, key_id: str, *, rpm: object = ..., tpm: object = 
         changes["label"] = _check_label(label)
 
     def apply(rec: ApiKey) -> bool:
+        if rec.revoked:
+            raise KeyRevoked(f"API key {key_id} is revoked; create a new key instead")
         for name, value in changes.items():
             setattr(rec, name, value)
         return True

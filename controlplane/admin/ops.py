@@ -421,11 +421,14 @@ def edit_key(r: redis.Redis, key_id: str, changes: object, actor: str,
              events_max: int = 10000) -> apikeys.ApiKey:
     """Change some of ``rpm``, ``tpm`` (``None`` or empty = no limit) and ``label`` of a
     key; returns the record. Writes ``key_edit`` with the new values. Raises
-    :class:`BadInput` (nothing to change, unknown field, bad value), :class:`NotFound`."""
+    :class:`BadInput` (nothing to change, unknown field, bad value), :class:`NotFound`,
+    :class:`Conflict` (409, ``key_revoked``: a revoked key does not change)."""
     if not isinstance(changes, dict) or not changes or set(changes) - set(KEY_EDITABLE):
         raise BadInput(f"expected some of {', '.join(KEY_EDITABLE)}")
     try:
         rec = apikeys.set_limits(r, key_id, **changes)
+    except apikeys.KeyRevoked as exc:
+        raise Conflict(str(exc), "key_revoked") from None
     except apikeys.ApiKeyError as exc:
         raise BadInput(str(exc)) from None
     if rec is None:

@@ -391,6 +391,10 @@ def test_api_keys_lifecycle(client, r):
     resp = client.delete(f"/api/v1/keys/{d['id']}", headers=AUTH)
     assert resp.status_code == 200 and resp.get_json()["revoked"] is not None
     assert apikeys.lookup(r, key) is None
+    # a revoked key does not change (409), and no event says it did
+    resp = client.patch(f"/api/v1/keys/{d['id']}", json={"rpm": 5}, headers=AUTH)
+    assert resp.status_code == 409 and resp.get_json()["error"]["code"] == "key_revoked"
+    assert apikeys.get_key(r, d["id"]).rpm is None
     kinds = [e["kind"] for e in registry.recent_events(r, 10)]
     assert kinds == ["key_revoke", "key_edit", "key_create"]
 

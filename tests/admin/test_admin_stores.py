@@ -177,7 +177,8 @@ def test_purge_removes_corrupt_entries_of_the_scanned_index(r):
 
 def test_a_limit_edit_racing_a_revocation_never_unrevokes(r, monkeypatch):
     # The edit reads the record, then a revocation (another client) lands before it
-    # writes: the edit is redone on the revoked record instead of writing the stale one.
+    # writes: the edit is redone on the revoked record instead of writing the stale one,
+    # and a revoked key is not edited.
     _key, rec = apikeys.create_key(r, "acme", rpm=10)
     kw = r.connection_pool.connection_kwargs
     other = redis.Redis(host=kw["host"], port=kw["port"], decode_responses=True)
@@ -193,7 +194,8 @@ def test_a_limit_edit_racing_a_revocation_never_unrevokes(r, monkeypatch):
         return out
 
     monkeypatch.setattr(apikeys, "_load", load_then_revoke)
-    out = apikeys.set_limits(r, rec.id, rpm=99)
-    assert raced and out.rpm == 99 and out.revoked == 123.0
+    with pytest.raises(apikeys.KeyRevoked):
+        apikeys.set_limits(r, rec.id, rpm=99)
+    assert raced
     again = apikeys.get_key(r, rec.id)
-    assert again.revoked == 123.0 and again.rpm == 99
+    assert again.revoked == 123.0 and again.rpm == 10
