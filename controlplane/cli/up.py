@@ -438,6 +438,13 @@ class EmbedderKeeper:
 
     def _restart(self, now: float) -> None:
         port = urlsplit(self.url).port or 80
+        # what the dead embedder left in its process group (its model worker processes,
+        # which share the listening socket) is stopped first, so its own port is free
+        # again unless another process took it
+        self.m.stop(grace=1.0)
+        until = time.monotonic() + PORT_RELEASE_S
+        while not _port_free(port) and time.monotonic() < until:
+            time.sleep(0.05)
         if not _port_free(port):
             old = port
             port = procs.free_port()
@@ -445,7 +452,6 @@ class EmbedderKeeper:
                      f"to 127.0.0.1:{port}")
         moved = f"http://127.0.0.1:{port}" != self.url
         self.url = f"http://127.0.0.1:{port}"
-        self.m.stop(grace=1.0)
         if moved:
             self._repoint_controlplane()
         argv = procs.infergate_argv("embedder", "--listen", f"127.0.0.1:{port}",
@@ -511,6 +517,10 @@ def _write_runtime_config(settings: Settings, path: Path) -> None:
     path.write_text(tomli_w.dumps(data), encoding="utf-8")
     os.chmod(path, 0o600)
 
+
+#: Seconds a restarted embedder waits for its port to be released by the processes of
+#: the one that died (sockets close as they exit) before it moves to a free port.
+PORT_RELEASE_S = 2.0
 
 #: Seconds between two supervision rounds of :func:`_supervise`.
 SUPERVISE_EVERY_S = 0.25

@@ -1,7 +1,8 @@
-"""`infergate up` and its embedder's port: when the embedder dies and another process
-takes its port, the edge stops sending prompts there at once (semantic cache off), the
-embedder comes back on a free port, and only once it answers with this stack's instance
-id does the edge look up there again."""
+"""`infergate up` and its embedder's port: an embedder killed with SIGKILL (its model
+worker processes left to exit on their own) comes back on its own port; when another
+process takes the port, the edge stops sending prompts there at once (semantic cache
+off), the embedder comes back on a free port, and only once it answers with this stack's
+instance id does the edge look up there again."""
 
 from __future__ import annotations
 
@@ -85,24 +86,35 @@ def test_embedder_port_taken_after_a_crash(workdir: Path) -> None:
             return r.headers.get("X-Cache-Match") == "semantic"
 
         procs.wait_until(semantic_hit, 30, interval=0.5, what="a semantic hit through up's embedder")
+        # killed, nobody else on its port: back on the same port (what the dead one left
+        # in its process group is stopped first, not taken for a stranger)
+        pid = up.part_pid("embedder --listen")
+        assert pid
+        os.kill(pid, signal.SIGKILL)
+        procs.wait_until(lambda: "semantic cache on again" in up.text(), 180,
+                         what="embedder back on its port")
+        text = up.text()
+        assert f"embedder ready on http://127.0.0.1:{port};" in text, text
+        assert "is taken by another process" not in text, text
+        # killed again, and a stranger takes the port
         pid = up.part_pid("embedder --listen")
         cp_pid = up.part_pid("controlplane --config")
         assert pid and cp_pid
         os.kill(pid, signal.SIGKILL)
         squatter = _squat(port)
-        procs.wait_until(lambda: "semantic cache off until it is back" in up.text(), 15,
-                         what="embedder exit noticed")
+        procs.wait_until(lambda: up.text().count("semantic cache off until it is back") == 2,
+                         15, what="embedder exit noticed")
         time.sleep(0.5)  # nginx reloads (SIGHUP): new workers take over
         # no embedder of ours: no lookup goes to the stranger (a lookup sent there would
         # wait out the budget and answer BYPASS)
         res = up.post_chat("Name a river that flows through Vienna.", timeout=30)
         assert res.status_code == 200 and res.headers["X-Cache-Status"] == "MISS", res.headers
         assert _connections(squatter) == 0
-        procs.wait_until(lambda: "semantic cache on again" in up.text(), 180,
+        procs.wait_until(lambda: up.text().count("semantic cache on again") == 2, 180,
                          what="embedder back on a new port")
         text = up.text()
         assert f"embedder port {port} is taken by another process" in text, text
-        new_port = int(re.search(r"embedder ready on http://127\.0\.0\.1:(\d+)", text).group(1))
+        new_port = int(re.findall(r"embedder ready on http://127\.0\.0\.1:(\d+)", text)[-1])
         assert new_port != port
         instance = procs.http_instance(f"http://127.0.0.1:{up.admin}/healthz")
         assert instance and procs.http_instance(
