@@ -6,6 +6,7 @@ to a node the moment their leader ends without a storable answer."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from typing import Any
@@ -17,6 +18,7 @@ from controlplane import procs
 from controlplane.config import settings_from_dict
 from controlplane.redisdb import keynames
 from support.stack import edge_settings
+from support.upstack import children
 
 pytestmark = pytest.mark.integration
 
@@ -164,3 +166,36 @@ def test_waiters_go_to_a_node_when_the_leader_stores_nothing(redis_server, tiny_
     finally:
         stop.set()
         sampler.join()
+
+
+def test_a_worker_that_exits_still_writes_what_its_last_requests_store(
+        redis_server, tiny_upstreams, edge_factory) -> None:
+    """nginx reloads (``up`` reloads it when its embedder dies or returns): the old worker
+    runs its flush timer one last time at once and finishes its requests afterwards. Their
+    cache store and the release of the coalescing lock still reach Redis, so an identical
+    request is a HIT; without, it waits coalesce_wait_s for a lock nobody releases."""
+    (up,) = tiny_upstreams(1)
+    up.delay_s = 1.5                     # the answer comes after the reload
+    edge = cache_edge(redis_server, [up], edge_factory, {"coalesce_wait_s": 20.0})
+    r = redis_server.client()
+    got: dict = {}
+
+    def first() -> None:
+        got["res"] = chat(edge, "flush across a reload")
+
+    t = threading.Thread(target=first)
+    t.start()
+    try:
+        procs.wait_until(lambda: up.inflight == 1, 10, what="the request to reach the node")
+        old = children(edge.managed.pid)
+        edge.managed.signal(signal.SIGHUP)
+        procs.wait_until(lambda: children(edge.managed.pid) - old, 10,
+                         what="new workers after the reload")
+    finally:
+        t.join(20)
+    assert got["res"].status_code == 200 and got["res"].headers["X-Cache-Status"] == "MISS"
+    up.delay_s = 0.0
+    procs.wait_until(lambda: int(r.hget(keynames.CACHE_STATS, "stores") or 0) >= 1, 5,
+                     what="the answer stored by the exiting worker")
+    res = chat(edge, "flush across a reload", timeout=5)
+    assert res.status_code == 200 and res.headers["X-Cache-Status"] == "HIT", res.headers

@@ -24,6 +24,13 @@
 --
 -- A flush sends at most MAX_BATCH commands per pipeline and repeats until the queue is
 -- empty. A failure is logged at most once every LOG_EVERY_S seconds per worker.
+--
+-- A worker that exits (nginx reload, `nginx -s quit`) runs its recurring timer one last
+-- time at once, then goes on finishing the requests it serves: their writes (a cache
+-- store and the release of its coalescing lock, counters) would never leave. From then
+-- on a push or count starts one zero-delay timer (nginx still runs those in an exiting
+-- worker) unless one is already pending, which flushes until the queue is empty (at most
+-- EXIT_FLUSH_MAX_S when Redis cannot take it).
 local pool = require("infergate.redis.pool")
 local config = require("infergate.core.config")
 
@@ -49,6 +56,7 @@ _M.MAX_BATCH = 2000
 -- worker reads its replies late, so the flush waits longer than a request would.
 _M.TIMEOUT_MS = 2000
 _M.LOG_EVERY_S = 10
+_M.EXIT_FLUSH_MAX_S = 5
 
 local queue, qlen = {}, 0
 local counts, count_ttl, ncounts = {}, {}, 0
@@ -82,6 +90,9 @@ local function metric_dropped(kind)
     end
 end
 
+local exiting = ngx.worker.exiting
+local after_exit     -- defined below the timer
+
 -- Queues a write (see the header). Returns true, or false when dropped (queue full).
 function _M.push(kind, cmds, cb)
     if qlen >= queue_max() then
@@ -95,6 +106,9 @@ function _M.push(kind, cmds, cb)
     qlen = qlen + 1
     queue[qlen] = { kind = kind, cmds = cmds or {}, cb = cb }
     totals.pushed = totals.pushed + 1
+    if exiting() then
+        after_exit()
+    end
     return true
 end
 
@@ -112,6 +126,9 @@ function _M.count(hash, field, n, ttl_s)
     h[field] = (cur or 0) + (n or 1)
     if ttl_s then
         count_ttl[hash] = ttl_s
+    end
+    if exiting() then
+        after_exit()
     end
 end
 
@@ -279,6 +296,34 @@ local function tick(premature)
     end
     if premature then
         return
+    end
+end
+
+-- The worker is exiting (see the header): flush what the requests it still serves queue.
+local exit_pending = false
+
+local function exit_flush()
+    local until_s = ngx.now() + _M.EXIT_FLUSH_MAX_S
+    while (qlen > 0 or ncounts > 0) and ngx.now() < until_s do
+        if not flushing then
+            tick(true)
+        end
+        if qlen > 0 or ncounts > 0 then
+            ngx.sleep(0.01)  -- a flush still running, or Redis away: again shortly
+        end
+    end
+    exit_pending = false
+end
+
+after_exit = function()
+    if exit_pending then
+        return
+    end
+    local ok, err = ngx.timer.at(0, exit_flush)
+    if ok then
+        exit_pending = true
+    else
+        _M.warn("cannot flush while the worker exits: ", err)
     end
 end
 
