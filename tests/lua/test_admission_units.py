@@ -238,6 +238,23 @@ def test_deadline_timeouts_per_try(workdir: Path) -> None:
     assert got[5:] == ["none", "none"]
 
 
+def test_no_retry_in_the_last_moments_of_the_deadline(workdir: Path) -> None:
+    # a try bounded by the deadline times out a few ms before it: a retry would only be
+    # sent to a node to time out at once (and be named for it); a first try still starts
+    got = lua_eval(workdir, """
+            local dl = require("infergate.admission.deadline")
+            require("ngx.balancer").set_timeouts = function() return true end  -- no request here
+            local o = {connect_timeout_ms = 2000, send_timeout_ms = 60000, read_timeout_ms = 60000}
+            local function try(left, retry)
+                local req = {deadline = {at = 100 + left, request_ms = 1, idle_s = 30}}
+                return dl.before_try(req, o, 100, retry)
+            end
+            return {try(0.02, true), try(0.02, false), try(dl.RETRY_MIN_S + 0.01, true),
+                    try(-1, false)}
+    """)
+    assert got == [False, True, True, False]
+
+
 def test_local_buckets(workdir: Path) -> None:
     got = lua_eval(workdir, """
             local rl = require("infergate.admission.ratelimit")

@@ -35,6 +35,11 @@ local ERR = ngx.ERR
 
 -- The smallest timeout handed to nginx (s): it takes whole milliseconds.
 local MIN_TIMEOUT_S = 0.001
+-- The least time (s) left to the deadline for a retry to start: a try whose read timeout
+-- the deadline bounded fires a few milliseconds before it (whole milliseconds, a cached
+-- clock), and a retry then would be sent to a node only to time out at once, which would
+-- then be named (X-Infergate-Node, metrics) for a timeout it had no part in.
+_M.RETRY_MIN_S = 0.05
 
 -- {at = epoch s | nil, request_ms, idle_s} of the current request (cached in req).
 function _M.for_request(req)
@@ -88,11 +93,18 @@ function _M.timeouts(req, o, now)
 end
 
 -- Balancer, before every try: sets the try's timeouts. False when the deadline has
--- passed (no new try may start).
-function _M.before_try(req, o, now)
+-- passed (no new try may start), or for a retry (`retry` true) when less than
+-- RETRY_MIN_S is left.
+function _M.before_try(req, o, now, retry)
     local connect, send, read = _M.timeouts(req, o, now)
     if not connect then
         return false
+    end
+    if retry then
+        local d = req.deadline
+        if d.at and d.at - now < _M.RETRY_MIN_S then
+            return false
+        end
     end
     req.read_s = read
     local ok, err = ngx_balancer.set_timeouts(connect, send, read)

@@ -435,7 +435,7 @@ function _M.run()
         outlier.finished(prev, now)
     end
     -- timeouts of this try from the request's deadline; no new try once it has passed
-    if not deadline.before_try(req, o, now) then
+    if not deadline.before_try(req, o, now, n > 0) then
         return deadline.fail()
     end
     local first = false
