@@ -76,6 +76,9 @@ function _M.run()
     local client_version = req.http_version or 1.1
     if ngx.req.http_version() == 0.9 and client_version >= 1.0 then
         req.invalid_answer = last.node
+        -- nginx sends no status line for it (body() writes the 502); the status set here is
+        -- what the access log ($status) and the edge's metrics record, not nginx's 9
+        ngx.status = 502
         log(ERR, "infergate: node ", last.node, " answered with bytes that are not HTTP; ",
             "the client gets a 502")
         if client_version >= 2 then

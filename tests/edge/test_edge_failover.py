@@ -171,6 +171,11 @@ def test_garbage_from_the_only_node_is_a_502(tiny_upstreams, redis_server, edge_
         assert err["type"] == "bad_gateway" and err["code"] == "upstream_invalid_answer"
     assert a.hits == 2
     assert edge.node_status("a")["failures"] == 2
+    # the access log and the metrics record the 502 the client got, not nginx's HTTP/0.9
+    procs.wait_until(lambda: edge.access_log().count('" 502 ') == 2, 5, what="access log")
+    assert '" 009 ' not in edge.access_log()
+    metrics = requests.get(edge.metrics_url, timeout=5).text
+    assert 'status="502"' in metrics and 'status="9"' not in metrics
     # an HTTP/1.0 client gets an HTTP/1.0 answer
     host, port = edge.url.removeprefix("http://").split(":")
     body = b'{"model": "tiny"}'
