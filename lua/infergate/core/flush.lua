@@ -27,10 +27,10 @@
 --
 -- A worker that exits (nginx reload, `nginx -s quit`) runs its recurring timer one last
 -- time at once, then goes on finishing the requests it serves: their writes (a cache
--- store and the release of its coalescing lock, counters) would never leave. From then
--- on a push or count starts one zero-delay timer (nginx still runs those in an exiting
--- worker) unless one is already pending, which flushes until the queue is empty (at most
--- EXIT_FLUSH_MAX_S when Redis cannot take it).
+-- store and the release of its coalescing lock, counters) would never leave. After that
+-- last run (the timer's `premature` call) a push or count starts one zero-delay timer
+-- (nginx still runs those in an exiting worker) unless one is already pending, which
+-- flushes until the queue is empty (at most EXIT_FLUSH_MAX_S when Redis cannot take it).
 local pool = require("infergate.redis.pool")
 local config = require("infergate.core.config")
 
@@ -90,8 +90,10 @@ local function metric_dropped(kind)
     end
 end
 
-local exiting = ngx.worker.exiting
-local after_exit     -- defined below the timer
+-- Set by the recurring timer's last (premature) run: from then on writes need
+-- after_exit (defined below the timer) to leave.
+local last_tick_done = false
+local after_exit
 
 -- Queues a write (see the header). Returns true, or false when dropped (queue full).
 function _M.push(kind, cmds, cb)
@@ -106,7 +108,7 @@ function _M.push(kind, cmds, cb)
     qlen = qlen + 1
     queue[qlen] = { kind = kind, cmds = cmds or {}, cb = cb }
     totals.pushed = totals.pushed + 1
-    if exiting() then
+    if last_tick_done then
         after_exit()
     end
     return true
@@ -127,7 +129,7 @@ function _M.count(hash, field, n, ttl_s)
     if ttl_s then
         count_ttl[hash] = ttl_s
     end
-    if exiting() then
+    if last_tick_done then
         after_exit()
     end
 end
@@ -278,7 +280,13 @@ function _M.on_tick(fn)
 end
 
 local function tick(premature)
+    if premature then
+        last_tick_done = true
+    end
     if flushing then
+        if premature then
+            after_exit() -- the flush under way may not take what was queued meanwhile
+        end
         return
     end
     flushing = true
@@ -293,9 +301,6 @@ local function tick(premature)
     flushing = false
     if not ok then
         log(ERR, "infergate: flush failed: ", err)
-    end
-    if premature then
-        return
     end
 end
 
