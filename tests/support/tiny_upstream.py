@@ -133,7 +133,11 @@ class TinyUpstream:
                     self.close_connection = True
                     return
                 if mode == "stall":
-                    if b'"stream": true' in raw or b'"stream":true' in raw:
+                    try:
+                        streams = json.loads(raw or b"{}").get("stream") is True
+                    except (ValueError, AttributeError):
+                        streams = False
+                    if streams:
                         self._stream_headers()
                     upstream._released.wait(60)
                     self.close_connection = True
