@@ -288,8 +288,15 @@ class EdgeSettings(_Section):
     least ``outlier_ttfb_min_s``, and that sent no first byte for as long, gets no new
     request until it answers again; 0 = off."""
     outlier_ttfb_min_s: float = Field(default=5.0, ge=0.1, le=3600)
-    """Floor of the outlier threshold above, seconds (also the threshold while the node
-    has no time-to-first-byte history)."""
+    """Floor of the outlier threshold above, seconds, for answers that are not streamed
+    (their first byte comes with the whole answer, so its time follows the answer's
+    length); also the threshold while the node has no time-to-first-byte history of
+    that kind."""
+    outlier_stream_ttfb_min_s: float = Field(default=2.0, ge=0.1, le=3600)
+    """Floor of the outlier threshold for streams, seconds, once the node has a history
+    of streams' first chunks (prefill and one token: it does not grow with the answer's
+    length, so the floor can be lower than ``outlier_ttfb_min_s``). A node flagged by it
+    only stops getting new requests until its next first byte."""
     prefix_affinity: bool = True
     """Prefix-cache-aware routing: a request whose leading prompt is at least
     ``prefix_min_tokens`` long (or that carries ``affinity_header``) goes to the first node

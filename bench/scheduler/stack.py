@@ -5,8 +5,8 @@ edge config).
 Time constants: the pool runs ``time_scale`` wall seconds per simulated second, so every
 time constant of the balancers is scaled by the same factor (the default value x
 ``time_scale``): the control plane's poll interval and slow start, the edge's snapshot
-sync interval and stale age, breaker cooldown, the outlier floor
-``outlier_ttfb_min_s``, ``latency_norm_s``, the admission wait
+sync interval and stale age, breaker cooldown, the outlier floors
+``outlier_ttfb_min_s`` and ``outlier_stream_ttfb_min_s``, ``latency_norm_s``, the admission wait
 and the edge deadlines (request and stream idle), nginx ``fail_timeout`` and the proxy
 read/send timeouts and retry window. Connect timeouts and the poll timeout are network
 facts and stay unscaled.
@@ -167,8 +167,9 @@ def infergate_settings(redis_url: str, nodes: list[SimNodeProc], spec: PoolSpec,
         data["edge"]["metrics_listen"] = ""  # no fixed port: nothing scrapes it here
     if "node_cost" in EdgeSettings.model_fields:
         data["edge"]["node_cost"] = "expected_delay"
-    if "outlier_ttfb_min_s" in EdgeSettings.model_fields:
-        data["edge"]["outlier_ttfb_min_s"] = max(0.1, 5.0 * ts)
+    for name in ("outlier_ttfb_min_s", "outlier_stream_ttfb_min_s"):
+        if name in EdgeSettings.model_fields:   # the default floors, on the scaled clock
+            data["edge"][name] = max(0.1, EdgeSettings.model_fields[name].default * ts)
     fields = Settings.model_fields
     if "auth" in fields:
         data["auth"] = {"mode": "off"}

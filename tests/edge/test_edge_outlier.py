@@ -45,8 +45,8 @@ def _stream(edge, timeout: float = 20) -> tuple[int, str | None, bytes | None]:
 
 def _threshold(edge, name: str, kind: str = "plain") -> float:
     """The node's outlier threshold (s) as the edge computes it from its TTFB history
-    (``kind``: "plain" or "stream"): max(outlier_ttfb_min_s, outlier_ttfb_factor x p90)
-    -- a loaded machine raises p90."""
+    (``kind``: "plain" or "stream"): max(floor, outlier_ttfb_factor x p90), the floor
+    MIN_S for both kinds here -- a loaded machine raises p90."""
     p90 = edge.node_status(name)["ttfb_p90_s"][kind] or 0.0
     return max(MIN_S, FACTOR * p90)
 
@@ -72,7 +72,8 @@ def _stick_one(pool: ThreadPoolExecutor, edge, a, b, answered: int, send=_post) 
 def pair(tiny_upstreams, redis_server, edge_factory):
     a, b = tiny_upstreams(names=["a", "b"])
     edge = edge_factory(edge_settings(redis_server.url, [a.node_settings(), b.node_settings()],
-                                      outlier_ttfb_min_s=MIN_S, outlier_ttfb_factor=FACTOR,
+                                      outlier_ttfb_min_s=MIN_S, outlier_stream_ttfb_min_s=MIN_S,
+                                      outlier_ttfb_factor=FACTOR,
                                       read_timeout_ms=15000))
     return edge, a, b
 
@@ -174,8 +175,8 @@ def test_a_probe_of_a_node_still_hung_is_retried_in_time(tiny_upstreams, redis_s
     the shorter wait: 504 at 4 s)."""
     a, b = tiny_upstreams(names=["a", "b"])
     s = edge_settings(redis_server.url, [a.node_settings(), b.node_settings()],
-                      outlier_ttfb_min_s=MIN_S, outlier_ttfb_factor=FACTOR,
-                      read_timeout_ms=15000)
+                      outlier_ttfb_min_s=MIN_S, outlier_stream_ttfb_min_s=MIN_S,
+                      outlier_ttfb_factor=FACTOR, read_timeout_ms=15000)
     s.deadlines = s.deadlines.model_validate({"request_ms": 4000})
     edge = edge_factory(s)
     for _ in range(10):

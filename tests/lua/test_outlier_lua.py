@@ -16,11 +16,13 @@ from controlplane.edge.options import lua_string, option_spec
 DICTS = "lua_shared_dict infergate_snapshot 1m; lua_shared_dict infergate_stats 1m;"
 
 
-def run(workdir: Path, body: str, factor: float = 4.0, floor: float = 2.0):
+def run(workdir: Path, body: str, factor: float = 4.0, floor: float = 2.0,
+        stream_floor: float = 2.0):
     prelude = """
             local config = require("infergate.core.config")
             assert(config.init({edge = {outlier_ttfb_factor = """ + str(factor) + """,
-                                        outlier_ttfb_min_s = """ + str(floor) + """}},
+                                        outlier_ttfb_min_s = """ + str(floor) + """,
+                                        outlier_stream_ttfb_min_s = """ + str(stream_floor) + """}},
                                """ + lua_string(json.dumps(option_spec())) + """))
             local outlier = require("infergate.routing.outlier")
             local stats = require("infergate.routing.stats")
@@ -104,6 +106,41 @@ def test_p90_and_threshold(workdir: Path) -> None:
     assert got.get("stream_p90") is None               # kinds apart
     assert got["p90_after"] == pytest.approx(0.05)
     assert got["thr_floor"] == 2.0
+
+
+def test_streams_with_a_history_have_their_own_floor(workdir: Path) -> None:
+    """A stream's first chunk does not grow with the answer, so once a node has a stream
+    history its threshold floor is outlier_stream_ttfb_min_s; non-streams, and streams of
+    a node without history, keep outlier_ttfb_min_s."""
+    got = run(workdir, """
+            local now = 1000
+            local out = {stream_none = outlier.threshold("n", true)}
+            for i = 1, 10 do answered("n", now, 0.05, true) end     -- p90 0.05 s
+            for i = 1, 10 do answered("n", now, 0.05, false) end
+            out.stream = outlier.threshold("n", true)
+            out.plain = outlier.threshold("n", false)
+            -- a stream silent for 1.5 s on a node silent as long: past the stream floor
+            local t0 = now + 10
+            local att = stats.open_attempt("n", t0)
+            outlier.track(att, true)
+            out.stream_early = outlier.is_outlier(node, t0 + 0.8)
+            out.stream_late = outlier.is_outlier(node, t0 + 1.5)
+            stats.close_attempt(att, "fail", t0 + 1.6)
+            ngx.shared.infergate_stats:flush_all()
+            -- the same wait on a non-streamed answer is not
+            local t1 = t0 + 100
+            for i = 1, 10 do answered("n", t1, 0.05, false) end
+            local plain = stats.open_attempt("n", t1)
+            outlier.track(plain, false)
+            out.plain_wait = outlier.is_outlier(node, t1 + 1.5)
+            out.plain_late = outlier.is_outlier(node, t1 + 5.5)
+            return out
+    """, floor=5.0, stream_floor=1.0)
+    assert got["stream_none"] == 5.0                  # no stream history: the general floor
+    assert got["stream"] == pytest.approx(1.0)        # 4 x 0.05 below the stream floor
+    assert got["plain"] == pytest.approx(5.0)
+    assert got["stream_early"] is False and got["stream_late"] is True
+    assert got["plain_wait"] is False and got["plain_late"] is True
 
 
 def test_outlier_needs_a_long_wait_and_no_answer_and_clears_on_an_answer(workdir: Path) -> None:

@@ -8,13 +8,15 @@
 --     longer than the threshold, and no first byte came from the node for as long; or
 --   * another worker found that and flagged it ("ol:<node>"), and no first byte came from
 --     the node since.
--- threshold = max(edge.outlier_ttfb_min_s, edge.outlier_ttfb_factor x p90), where p90 is
--- the 90th percentile of the node's last SAMPLES TTFBs of the same kind seen by one
--- worker (each keeps its own ring and publishes the p90 when it changes; streams and
--- non-streams apart: a non-streamed answer's first byte comes with the whole answer;
--- only attempts that did not queue behind this edge's own requests on the node,
+-- threshold = max(floor, edge.outlier_ttfb_factor x p90), where p90 is the 90th
+-- percentile of the node's last SAMPLES TTFBs of the same kind seen by one worker (each
+-- keeps its own ring and publishes the p90 when it changes; streams and non-streams
+-- apart: a non-streamed answer's first byte comes with the whole answer; only attempts
+-- that did not queue behind this edge's own requests on the node,
 -- infergate.routing.speed.queued, so a node kept busy does not raise its own bar), or
--- outlier_ttfb_min_s while it has none. outlier_ttfb_factor = 0 turns detection off.
+-- outlier_ttfb_min_s while it has none. floor = edge.outlier_stream_ttfb_min_s for
+-- streams (a first chunk is prefill and one token, whatever the answer's length),
+-- edge.outlier_ttfb_min_s for non-streams. outlier_ttfb_factor = 0 turns detection off.
 -- The flag expires after FLAG_TTL_FACTOR x threshold; the worker whose attempt is still
 -- waiting sets it again on its next pick. A node found an outlier that has not sent a
 -- first byte since ("os:<node>" newer than "fb:<node>") gets one request of this edge at
@@ -134,9 +136,12 @@ end
 -- Threshold (s) for an attempt of this kind on node `name`.
 function _M.threshold(name, stream, o)
     o = o or config.get()
-    local floor = o.outlier_ttfb_min_s
     local p = _M.p90(name, stream)
-    local thr = p and o.outlier_ttfb_factor * p or floor
+    if not p then
+        return o.outlier_ttfb_min_s
+    end
+    local floor = stream and o.outlier_stream_ttfb_min_s or o.outlier_ttfb_min_s
+    local thr = o.outlier_ttfb_factor * p
     if thr < floor then
         thr = floor
     end
@@ -271,7 +276,12 @@ function _M.is_outlier(node, now, o)
         return false
     end
     local waited = now - att.started
+    -- no threshold is below the lower floor: most picks end here, without the p90 read
     local floor = o.outlier_ttfb_min_s
+    local sfloor = o.outlier_stream_ttfb_min_s
+    if sfloor < floor then
+        floor = sfloor
+    end
     if waited <= floor or now - fb <= floor then
         return false
     end
