@@ -347,6 +347,39 @@ def test_node_is_asked_for_usage_only_for_streams_the_cache_stores(stack, edge_f
     r2.flushdb()
 
 
+def test_answers_of_a_compressing_node_are_stored_for_clients_that_accept_gzip(
+        stack, edge_factory, tiny_upstreams) -> None:
+    """OpenAI SDKs send Accept-Encoding: gzip, deflate on every request. A request whose
+    answer will be stored reaches the node without it, so the answer of a node behind a
+    compressing proxy is stored and the repeat is a hit; a request that is not stored
+    keeps the header, and the node's compressed answer reaches the client as sent."""
+    r3 = redis.Redis(host="127.0.0.1", port=stack.redis_port, db=3, decode_responses=True)
+    r3.flushdb()
+    (tiny,) = tiny_upstreams(1)
+    tiny.gzip = True
+    s = edge_settings(f"redis://127.0.0.1:{stack.redis_port}/3", [tiny.node_settings()])
+    s.cache = s.cache.model_validate({"enabled": True, "semantic": False})
+    edge = edge_factory(s)
+    sdk = {"Accept-Encoding": "gzip, deflate"}
+    body = {"model": "tiny", "temperature": 0,
+            "messages": [{"role": "user", "content": "Name a compressed river."}]}
+    first = post(edge, body, headers=sdk)
+    assert first.status_code == 200 and first.headers["X-Cache-Status"] == "MISS"
+    assert "Content-Encoding" not in first.headers and tiny.accept_encodings[-1] is None
+    procs.wait_until(lambda: r3.exists(keynames.cache_entry(exact_key(body))), 10,
+                     what="cache entry")
+    again = post(edge, body, headers=sdk)
+    assert again.headers["X-Cache-Status"] == "HIT" and tiny.hits == 1
+    assert again.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
+    # not stored: passed on as the client sent it, and answered compressed
+    res = post(edge, body, headers={**sdk, "Cache-Control": "no-store"})
+    assert res.status_code == 200 and res.headers["X-Cache-Status"] == "BYPASS"
+    assert tiny.accept_encodings[-1] == "gzip, deflate"
+    assert res.headers["Content-Encoding"] == "gzip"
+    assert res.json()["choices"][0]["message"]["content"] == "hello from tiny-1"
+    r3.flushdb()
+
+
 # ----------------------------------------------------------------------------- semantic
 
 

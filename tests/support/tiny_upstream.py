@@ -9,6 +9,7 @@ teardown.
 
 from __future__ import annotations
 
+import gzip
 import json
 import socket
 import threading
@@ -36,7 +37,10 @@ class TinyUpstream:
     last chunk with ``choices: []`` and the usage, as vLLM sends it). ``gate``: when set (a threading.Event), streams
     wait for it before their last chunk. ``hits`` counts inference requests,
     ``inflight`` the ones being answered. Answers carry ``X-Sim-Node`` and
-    ``system_fingerprint`` = name. ``stop()`` closes the port (connections refused)."""
+    ``system_fingerprint`` = name. ``gzip``: non-streamed JSON answers are gzip-compressed
+for a request that accepts it (as a node behind a compressing proxy answers);
+``accept_encodings`` holds every POST's Accept-Encoding (None without one). ``stop()``
+closes the port (connections refused)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -50,6 +54,8 @@ class TinyUpstream:
         self.bodies: list[bytes] = []
         self.request_ids: list[str | None] = []
         """X-Request-Id of every POST, in arrival order."""
+        self.gzip = False
+        self.accept_encodings: list[str | None] = []
         self._lock = threading.Lock()
         self._released = threading.Event()
         self._conns: set[socket.socket] = set()
@@ -92,6 +98,9 @@ class TinyUpstream:
             def _send(self, status: int, obj: Any, headers: dict | None = None) -> None:
                 body = json.dumps(obj).encode()
                 self.send_response(status)
+                if upstream.gzip and "gzip" in (self.headers.get("Accept-Encoding") or ""):
+                    body = gzip.compress(body)
+                    self.send_header("Content-Encoding", "gzip")
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.send_header("X-Sim-Node", upstream.name)
@@ -116,6 +125,7 @@ class TinyUpstream:
                     upstream.inflight += 1
                     upstream.bodies.append(raw)
                     upstream.request_ids.append(self.headers.get("X-Request-Id"))
+                    upstream.accept_encodings.append(self.headers.get("Accept-Encoding"))
                 try:
                     self._answer(raw)
                 except (BrokenPipeError, ConnectionResetError):

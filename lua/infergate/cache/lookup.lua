@@ -116,8 +116,12 @@ local opts = nil
 -- brace; with one (e.g. {"include_usage": false, "continuous_usage_stats": true}) only
 -- its value is replaced, when it occurs once in the body and is a scalar or a flat
 -- object, else the body is left alone. The cache key was worked out from the decoded
--- body before (and never holds stream_options). Accept-Encoding is dropped from such a
--- request: a compressed stream could be neither captured nor stripped.
+-- body before (and never holds stream_options).
+--
+-- Accept-Encoding is dropped from every request whose answer will be stored, streamed
+-- or not: a compressed answer (from a node behind a compressing proxy; OpenAI SDKs send
+-- "gzip, deflate" on every request) could be neither stored nor stripped. The answer
+-- reaches the client uncompressed, as from vLLM, which does not compress.
 local USAGE_MEMBER = '"stream_options":{"include_usage":true},'
 local find = string.find
 
@@ -195,16 +199,20 @@ local function ask_usage(req, c)
         return
     end
     ngx.req.set_body_data(body)
-    ngx.req.clear_header("Accept-Encoding")
     c.usage_added = true
 end
 
 local function step(req)
     local e = _M.lookup(req)
     local c = req.cache
-    if c and c.store and c.stream and not c.include_usage and not c.usage_added
-        and opts.stream_usage ~= false then
-        ask_usage(req, c)
+    if c and c.store then
+        if ngx.var.http_accept_encoding then
+            ngx.req.clear_header("Accept-Encoding")
+        end
+        if c.stream and not c.include_usage and not c.usage_added
+            and opts.stream_usage ~= false then
+            ask_usage(req, c)
+        end
     end
     return e
 end
