@@ -70,6 +70,26 @@ def test_stream_is_reassembled_with_reasoning_tool_calls_and_usage(workdir) -> N
     assert out["object"] == "chat.completion" and out["model"] == "m"
 
 
+def test_a_streamed_tool_call_without_text_has_null_content(workdir) -> None:
+    """vLLM opens a stream with an empty content delta, tool calls too; its plain answer
+    to a tool call has "content": null, and so has the stored one. A stream of empty
+    content only, without tool calls, is an empty answer."""
+    tool_only = sse(
+        chunk({"role": "assistant", "content": ""}),
+        chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                               "function": {"name": "f", "arguments": "{}"}}]}),
+        chunk({}, "tool_calls"), "[DONE]")
+    empty = sse(chunk({"role": "assistant", "content": ""}), chunk({}, "stop"), "[DONE]")
+    for text, content in ((tool_only, None), (empty, "")):
+        out = run(workdir, """
+            local comp, err = capture.completion({ sse = true, kind = "chat" }, input)
+            if not comp then error(err) end
+            return cjson.decode(replay.encode(comp))
+        """, text)
+        msg = out["choices"][0]["message"]
+        assert "content" in msg and msg["content"] == content
+
+
 def test_incomplete_or_failed_answers_are_refused(workdir) -> None:
     cases = {
         "no_done": STREAM.replace("data: [DONE]\n\n", ""),

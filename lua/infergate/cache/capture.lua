@@ -288,8 +288,12 @@ function _M.reassemble(text, kind)
                             if type(d.role) == "string" then
                                 a.role = d.role
                             end
-                            if type(d.content) == "string" then
-                                a.content[#a.content + 1] = d.content
+                            -- vLLM opens every stream with {"role": ..., "content": ""},
+                            -- tool calls too: only text makes the content a string (else
+                            -- null next to tool_calls, as in vLLM's plain answers)
+                            local dc = d.content
+                            if type(dc) == "string" and dc ~= "" then
+                                a.content[#a.content + 1] = dc
                                 a.has_content = true
                             end
                             local r = d.reasoning_content
