@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shlex
 import signal
 import socket
 import sys
@@ -45,7 +46,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import click
 import redis as redis_lib
@@ -200,21 +201,69 @@ def _release_owner(r: redis_lib.Redis, doc: str) -> None:
         pass
 
 
+def _again_command(workdir: Path) -> str:
+    """The command line this ``up`` was started with (its options after ``up``, as
+    typed), with ``--workdir`` naming ``workdir``: what starts the same stack on its
+    state again."""
+    argv = sys.argv[1:]
+    args = argv[argv.index("up") + 1:] if "up" in argv else []
+    out: list[str] = []
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--workdir":
+            skip = True
+        elif not a.startswith("--workdir="):
+            out.append(a)
+    return shlex.join(["infergate", "up", *out, "--workdir", str(workdir)])
+
+
+def _without_password(url: str) -> str:
+    """``url`` with its password, if any, shown as ``***`` (for messages)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rsplit("@", 1)[1]
+    return parts._replace(netloc=f"{user}:***@{host}").geturl()
+
+
 def _ensure_redis(settings: Settings, workdir: Path, stack: procs.ProcessSet) -> str:
     """Return a description of the Redis at ``settings.redis.url`` (named explicitly);
-    start one there if nothing answers and it is a local address."""
+    start one there if nothing answers and it is a local address, with the URL's password
+    (``redis://:PASSWORD@127.0.0.1:PORT/0``) when it has one. Raises
+    :class:`click.ClickException` when it cannot start one (not local, an ACL user, the
+    port taken)."""
     if _redis_answers(settings):
         return f"{settings.redis.url} (already running)"
     parts = urlsplit(settings.redis.url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 6379
-    if parts.scheme != "redis" or host not in LOCAL_HOSTS or parts.password:
-        raise click.ClickException(f"no Redis answers at {settings.redis.url} and it is not a "
-                                   "local address infergate could start one on")
+    shown = _without_password(settings.redis.url)
+    if parts.scheme != "redis" or host not in LOCAL_HOSTS:
+        raise click.ClickException(f"no Redis answers at {shown} and it is not a local "
+                                   "redis:// address infergate could start one on")
+    password = unquote(parts.password) if parts.password else None
+    if parts.username and unquote(parts.username) != "default":
+        raise click.ClickException(
+            f"no Redis answers at {shown}; infergate starts a local Redis only for the "
+            "default user (redis://:PASSWORD@host:port/db), not for the ACL user "
+            f"{unquote(parts.username)!r}")
+    if password is not None and (not password or any(c.isspace() or c in "\"'" for c in password)):
+        raise click.ClickException(f"no Redis answers at {shown}; infergate can start one only "
+                                   "with a password without spaces or quotes")
     if procs.port_open("127.0.0.1", port):
         raise click.ClickException(f"port {port} is taken by something that is not Redis")
-    _say(f"starting redis-server on 127.0.0.1:{port} (no Redis answers at {settings.redis.url})")
-    stack.add(procs.start_redis(workdir / "redis", port, persistent=True))
-    return (f"{settings.redis.url} (local redis-server started, maxmemory 256mb, volatile-lru, "
+    _say(f"starting redis-server on 127.0.0.1:{port} (no Redis answers at {shown})")
+    stack.add(procs.start_redis(workdir / "redis", port, persistent=True, password=password))
+    if password is None:
+        _say(f"warning: this redis-server on port {port} has no password: any local user can "
+             "read the cached prompts and answers and write API keys; put one in the URL "
+             "(redis://:PASSWORD@127.0.0.1:PORT/0) to require it")
+        access = "no password"
+    else:
+        access = "password from the URL required"
+    return (f"{shown} (local redis-server started, {access}, maxmemory 256mb, volatile-lru, "
             f"append-only file in {workdir / 'redis'})")
 
 
@@ -778,7 +827,7 @@ Ctrl-C stops everything.""", err=False)
         stack.stop_all()
         # the state (Redis's append-only file: API keys, nodes, drains, cached answers)
         # is in the folder; only a start on the same folder finds it again
-        click.echo(f"stopped; the work folder {wd} is kept (`infergate up --workdir {wd}` "
+        click.echo(f"stopped; the work folder {wd} is kept (`{_again_command(wd)}` "
                    "starts on its state again)", err=True)
     if failed:
         raise click.ClickException(failed)

@@ -20,16 +20,19 @@ from controlplane import procs
 from support.upstack import alive, children
 
 
-def start_up(workdir: Path, config: str, edge: int, admin: int, redis_port: int):
-    """`infergate up` with ``config`` on the given ports, waited for until its banner (or
-    its exit); returns the process and its open log file."""
+def start_up(workdir: Path, config: str, edge: int, admin: int, redis_port: int,
+             redis_password: str = ""):
+    """`infergate up` with ``config`` on the given ports (``--redis-url`` with
+    ``redis_password`` when given), waited for until its banner (or its exit); returns the
+    process and its open log file."""
     cfg = workdir / "up.toml"
     cfg.write_text(config)
+    auth = f":{redis_password}@" if redis_password else ""
     log = open(workdir / "up.log", "w")
     p = subprocess.Popen(
         procs.infergate_argv("up", "--config", str(cfg), "--listen", f"127.0.0.1:{edge}",
                              "--admin-listen", f"127.0.0.1:{admin}",
-                             "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
+                             "--redis-url", f"redis://{auth}127.0.0.1:{redis_port}/0",
                              "--workdir", str(workdir / "stack"), "--time-scale", "0.05"),
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -54,6 +57,7 @@ def test_up_serves_the_readme_requests_and_stops_cleanly(workdir: Path) -> None:
     try:
         text = (workdir / "up.log").read_text()
         assert p.poll() is None, text
+        assert f"redis-server on port {redis_port} has no password" in text   # said so
         key = re.search(r"API key \(demo\)\s+(\S+)", text).group(1)
         metrics = re.search(r"edge metrics\s+(\S+)", text).group(1)
         assert f":{metrics_port}/" not in metrics          # the busy port was left alone
@@ -92,9 +96,42 @@ def test_up_serves_the_readme_requests_and_stops_cleanly(workdir: Path) -> None:
             busy.close()
             log.close()
     assert rc == 0
+    # the way back names every option of this run, the work folder included
+    again = next(line for line in (workdir / "up.log").read_text().splitlines()
+                 if "starts on its state again" in line)
+    assert f"--listen 127.0.0.1:{edge} --admin-listen 127.0.0.1:{admin}" in again
+    assert f"--workdir {workdir / 'stack'}" in again and "--time-scale 0.05" in again
     deadline = time.monotonic() + 10
     while any(alive(k) for k in kids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(alive(k) for k in kids), "processes left after SIGTERM"
     for port in (edge, admin, redis_port):
         assert not procs.port_open("127.0.0.1", port)
+
+
+def test_up_starts_its_local_redis_with_the_urls_password(workdir: Path) -> None:
+    """A local ``--redis-url`` with a password and nothing listening: up starts Redis
+    there requiring that password (no warning), and the stack works through it."""
+    edge, admin, redis_port = procs.free_port(), procs.free_port(), procs.free_port()
+    p, log = start_up(workdir, '[auth]\nmode = "off"\n[cache]\nenabled = false\n',
+                      edge, admin, redis_port, redis_password="s3cret-pw")
+    try:
+        text = (workdir / "up.log").read_text()
+        assert p.poll() is None, text
+        assert "no password" not in text and "s3cret-pw" not in text.split("export")[0]
+        with socket.create_connection(("127.0.0.1", redis_port), timeout=5) as s:
+            s.sendall(b"PING\r\n")
+            assert s.recv(200).startswith(b"-NOAUTH")
+        body = {"model": "sim-llama", "messages": [{"role": "user", "content": "Hello!"}]}
+        procs.wait_until(lambda: requests.post(f"http://127.0.0.1:{edge}/v1/chat/completions",
+                                               json=body, timeout=10).status_code == 200,
+                         timeout=30, what="an answer through the stack")
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout=30)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            log.close()
+    assert not procs.port_open("127.0.0.1", redis_port)
