@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
+import openai
 import pytest
 import requests
 
@@ -77,6 +78,28 @@ def test_models_list_is_the_union_answered_by_the_edge(static_pool) -> None:
     assert all(m["object"] == "model" and m["owned_by"] == "infergate" for m in doc["data"])
     assert "X-Infergate-Node" not in res.headers
     assert requests.head(f"{edge.url}/v1/models", timeout=10).status_code == 200
+
+
+def test_a_model_is_retrieved_from_the_edge(tiny_upstreams, redis_server, edge_factory) -> None:
+    """GET /v1/models/<id> (the OpenAI SDKs' models.retrieve) is answered by the edge from
+    the nodes' lists, ids with "/" too; an id no node lists is 404 model_not_found. The
+    "created" of both answers is the time of the request, as vLLM gives it."""
+    (n1,) = tiny_upstreams(names=["n1"])
+    edge = edge_factory(edge_settings(redis_server.url, [
+        n1.node_settings(models=["m-a", "org/Model-7B"])]))
+    t0 = int(time.time())
+    res = requests.get(f"{edge.url}/v1/models/org/Model-7B", timeout=10)
+    assert res.status_code == 200, res.text
+    doc = res.json()
+    assert (doc["id"], doc["object"], doc["owned_by"]) == ("org/Model-7B", "model", "infergate")
+    assert t0 <= doc["created"] <= time.time() + 1
+    assert all(t0 <= m["created"] <= time.time() + 1 for m in _models(edge).json()["data"])
+    client = openai.OpenAI(base_url=f"{edge.url}/v1", api_key="none", max_retries=0)
+    assert client.models.retrieve("m-a").id == "m-a"
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.models.retrieve("m-nowhere")
+    assert exc.value.body["code"] == "model_not_found" and "m-nowhere" in exc.value.body["message"]
+    assert n1.hits == 0
 
 
 @pytest.fixture

@@ -17,7 +17,10 @@
 --                        node serves gets 404 model_not_found from the edge (no node is
 --                        touched); GET /v1/models is answered by the edge with list() in
 --                        the OpenAI shape {"object": "list", "data": [{"id", "object":
---                        "model", "created": 0, "owned_by": "infergate"}]}, and goes to a
+--                        "model", "created": <epoch s, now, as vLLM gives it>, "owned_by":
+--                        "infergate"}]}, and GET /v1/models/<id> (the OpenAI SDKs'
+--                        models.retrieve; the id may hold "/") with that one object, or
+--                        404 model_not_found when list() does not hold it; both go to a
 --                        node as before when list() is nil
 -- No I/O: safe in every phase.
 local cjson = require("cjson.safe")
@@ -29,6 +32,7 @@ local _M = {}
 local ipairs = ipairs
 local pairs = pairs
 local sort = table.sort
+local sub = string.sub
 
 function _M.serves(node, model)
     if not model then
@@ -75,11 +79,17 @@ function _M.list(t, now)
     return ids
 end
 
--- The OpenAI model list for ids (JSON text).
-function _M.encode_list(ids)
+local function model_object(id, now)
+    return { id = id, object = "model", created = now, owned_by = "infergate" }
+end
+
+-- The OpenAI model list for ids (JSON text); `now`: epoch s for "created" (default the
+-- request's time).
+function _M.encode_list(ids, now)
+    now = now or ngx.time()
     local data = {}
     for i, id in ipairs(ids) do
-        data[i] = { id = id, object = "model", created = 0, owned_by = "infergate" }
+        data[i] = model_object(id, now)
     end
     local body = cjson.encode({ object = "list", data = data })
     if #ids == 0 then
@@ -114,10 +124,29 @@ function _M.step(req)
     if not ids then
         return nil -- nothing known: a node answers, as without model routing
     end
+    local uri = ngx.var.uri
+    local body
+    if uri == "/v1/models" then
+        body = _M.encode_list(ids)
+    else
+        -- GET /v1/models/<id>: location ^~ /v1/models/ (the normalised path)
+        local id = sub(uri, #"/v1/models/" + 1)
+        local found = false
+        for _, v in ipairs(ids) do
+            if v == id then
+                found = true
+                break
+            end
+        end
+        if not found then
+            return not_found(id)
+        end
+        body = cjson.encode(model_object(id, ngx.time()))
+    end
     req.answered_by_edge = true
     ngx.status = 200
     ngx.header["Content-Type"] = "application/json"
-    ngx.print(_M.encode_list(ids))
+    ngx.print(body)
     return ngx.exit(ngx.HTTP_OK)
 end
 
