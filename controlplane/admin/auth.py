@@ -83,11 +83,41 @@ LOCAL_SESSIONS_MAX = 10000
 
 class _LocalSessions:
     """Session ids this process started and has not ended (id -> expiry, monotonic s),
-    at most :data:`LOCAL_SESSIONS_MAX`: the fallback while Redis does not answer."""
+    at most :data:`LOCAL_SESSIONS_MAX`: the fallback while Redis does not answer. Also
+    the ids logged out while Redis did not answer (their Redis key could not be deleted):
+    refused by this process whatever Redis says, and deleted from Redis by the first
+    session check that reaches it."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._live: OrderedDict[str, float] = OrderedDict()
+        self._ended: OrderedDict[str, float] = OrderedDict()
+
+    def end(self, sid: str) -> None:
+        """``sid`` was logged out but is still in Redis."""
+        with self._lock:
+            self._ended[sid] = time.monotonic() + SESSION_TTL_S
+            while len(self._ended) > LOCAL_SESSIONS_MAX:
+                self._ended.popitem(last=False)
+
+    def ended(self, sid: str) -> bool:
+        with self._lock:
+            exp = self._ended.get(sid)
+            return exp is not None and exp > time.monotonic()
+
+    def pending(self) -> list[str]:
+        """The ended ids whose Redis key may still exist (expired ones dropped)."""
+        now = time.monotonic()
+        with self._lock:
+            for sid in [k for k, exp in self._ended.items() if exp <= now]:
+                del self._ended[sid]
+            return list(self._ended)
+
+    def deleted(self, sids: list[str]) -> None:
+        """The Redis keys of ``sids`` are gone: Redis refuses them from now on."""
+        with self._lock:
+            for sid in sids:
+                self._ended.pop(sid, None)
 
     def add(self, sid: str) -> None:
         with self._lock:
@@ -136,23 +166,38 @@ def log_in() -> None:
 
 def log_out() -> None:
     """End the session: delete its server-side id (so the cookie is refused even if it
-    is replayed), then clear the cookie."""
+    is replayed), then clear the cookie. While Redis does not answer, this process
+    refuses the id at once and deletes it from Redis at its first session check that
+    reaches Redis (a restarted Redis that reloads the id cannot bring it back here)."""
     sid = flask.session.get("sid")
     if isinstance(sid, str) and sid:
-        _local_sessions().discard(sid)
+        local = _local_sessions()
+        local.discard(sid)
         try:
             _redis().delete(keynames.ADMIN_SESSION_PREFIX + sid)
         except redis.RedisError as exc:
-            log.warning("admin session ended in this process only (Redis: %s)", exc)
+            local.end(sid)
+            log.warning("admin session ended; its id is deleted from Redis when Redis "
+                        "answers again (Redis: %s)", exc)
     flask.session.clear()
     flask.g.pop("admin_logged_in", None)
 
 
 def _session_alive(sid: str) -> bool:
+    local = _local_sessions()
+    pending = local.pending()
     try:
-        return bool(_redis().exists(keynames.ADMIN_SESSION_PREFIX + sid))
+        if pending:
+            pipe = _redis().pipeline(transaction=False)
+            pipe.delete(*(keynames.ADMIN_SESSION_PREFIX + p for p in pending))
+            pipe.exists(keynames.ADMIN_SESSION_PREFIX + sid)
+            alive = bool(pipe.execute()[-1])
+            local.deleted(pending)
+        else:
+            alive = bool(_redis().exists(keynames.ADMIN_SESSION_PREFIX + sid))
     except redis.RedisError:
-        return _local_sessions().alive(sid)
+        alive = local.alive(sid)
+    return alive and not local.ended(sid)
 
 
 def logged_in() -> bool:

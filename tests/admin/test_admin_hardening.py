@@ -13,8 +13,10 @@ import socket
 import time
 
 import pytest
+import redis
 from click.testing import CliRunner
 
+from controlplane import procs
 from controlplane.admin import auth, create_app, ops
 from controlplane.cli import main
 from controlplane.config import Settings
@@ -122,6 +124,35 @@ def test_logout_revokes_the_session_server_side(r):
     thief.set_cookie("infergate_admin", cookie)
     assert thief.get("/nodes").status_code == 302
     assert thief.get("/api/v1/nodes").status_code == 401
+
+
+def test_logout_while_redis_is_down_stays_a_logout(workdir):
+    """Logged out while Redis does not answer, the session id cannot be deleted there; a
+    Redis restarted from its append-only file brings the id back, yet the replayed
+    cookie stays refused, and the id is deleted from Redis at the next session check."""
+    port = procs.free_port()
+    m = procs.start_redis(workdir / "redis", port, persistent=True)
+    try:
+        r = redis.Redis(host="127.0.0.1", port=port, decode_responses=True, socket_timeout=2)
+        app = make_app(r)
+        c = app.test_client()
+        resp = login(c)
+        cookie = session_cookie(resp).split(";", 1)[0].split("=", 1)[1]
+        page = c.get("/nodes").text
+        (key,) = r.keys(keynames.ADMIN_SESSION_PREFIX + "*")
+        m.stop()
+        assert c.post("/logout", data={"csrf_token": csrf_of(page)}).status_code == 303
+        m = procs.start_redis(workdir / "redis", port, persistent=True)
+        assert r.exists(key)                       # reloaded from the append-only file
+        thief = app.test_client()
+        thief.set_cookie("infergate_admin", cookie)
+        assert thief.get("/nodes").status_code == 302
+        assert thief.get("/api/v1/nodes").status_code == 401
+        assert not r.exists(key)                   # and gone from Redis now
+        assert c.get("/login").status_code == 200 and login(c).status_code == 303
+        assert c.get("/nodes").status_code == 200  # a new login works as before
+    finally:
+        m.stop()
 
 
 def test_session_ttl_and_expiry_in_redis(r):
