@@ -13,6 +13,7 @@ import redis
 
 from controlplane.config import ConfigError, HostPort, HostPortError, Settings, load_settings
 from controlplane.redisdb.conn import make_redis
+from controlplane.redisdb.url import redact
 
 
 class Ctx:
@@ -102,7 +103,7 @@ def run_or_exit(ctx: Ctx, fn: Callable[[], Any], errors: tuple[type[Exception], 
         raise click.ClickException(getattr(exc, "message", None) or str(exc)) from None
     except redis.exceptions.RedisError as exc:
         raise click.ClickException(
-            f"cannot reach Redis at {ctx.settings.redis.url}: {exc} (for a stack started by "
+            f"cannot reach Redis at {redact(ctx.settings.redis.url)}: {exc} (for a stack started by "
             "`infergate up`, pass --config WORKDIR/infergate.toml or set INFERGATE_REDIS_URL "
             "as its banner shows)") from None
 

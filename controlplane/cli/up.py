@@ -58,6 +58,7 @@ from controlplane.config import (ConfigError, HostPort, HostPortError, NodeSetti
                                  load_settings)
 from controlplane.redisdb import keynames
 from controlplane.redisdb.conn import make_redis
+from controlplane.redisdb.url import redact
 from controlplane.simnode import launch
 
 #: (name, speed factor) of the simulated pool: a fast, a medium and a slow GPU.
@@ -219,16 +220,6 @@ def _again_command(workdir: Path) -> str:
     return shlex.join(["infergate", "up", *out, "--workdir", str(workdir)])
 
 
-def _without_password(url: str) -> str:
-    """``url`` with its password, if any, shown as ``***`` (for messages)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rsplit("@", 1)[1]
-    return parts._replace(netloc=f"{user}:***@{host}").geturl()
-
-
 def _ensure_redis(settings: Settings, workdir: Path, stack: procs.ProcessSet) -> str:
     """Return a description of the Redis at ``settings.redis.url`` (named explicitly);
     start one there if nothing answers and it is a local address, with the URL's password
@@ -239,7 +230,7 @@ def _ensure_redis(settings: Settings, workdir: Path, stack: procs.ProcessSet) ->
         return f"{settings.redis.url} (already running)"
     parts = urlsplit(settings.redis.url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 6379
-    shown = _without_password(settings.redis.url)
+    shown = redact(settings.redis.url)
     if parts.scheme != "redis" or host not in LOCAL_HOSTS:
         raise click.ClickException(f"no Redis answers at {shown} and it is not a local "
                                    "redis:// address infergate could start one on")

@@ -83,9 +83,24 @@ def _hostport(text: str, default_port: int, url: str) -> tuple[str, int]:
     return host, port
 
 
-def _safe(url: str) -> str:
-    """The URL with any password replaced by ``***`` (for error messages)."""
-    return re.sub(r"(://[^/@]*?:)[^/@]*@", r"\1***@", url)
+def redact(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (for messages and logs): the part
+    after the user's ``:``, or the whole user info without one (``redis://secret@host``
+    is a password, as in :func:`parse_redis_url`). Other text is returned as is."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    cut = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    authority, tail = rest[:cut], rest[cut:]
+    userinfo, at, hosts = authority.rpartition("@")
+    if not at or not userinfo:
+        return url
+    user, colon, _ = userinfo.partition(":")
+    shown = f"{user}:***" if colon else "***"
+    return f"{scheme}://{shown}@{hosts}{tail}"
+
+
+_safe = redact
 
 
 def parse_redis_url(url: str) -> RedisTarget:

@@ -98,6 +98,12 @@ def test_redis_unreachable() -> None:
     res = CliRunner().invoke(main, ["keys", "--redis-url", f"redis://127.0.0.1:{port}/0", "list"])
     assert res.exit_code == 1
     assert f"cannot reach Redis at redis://127.0.0.1:{port}/0" in res.output
+    # a password in the URL is not printed, in either form of the user info
+    for userinfo, shown in ((":s3cret", ":***"), ("s3cret", "***"), ("app:s3cret", "app:***")):
+        res = CliRunner().invoke(main, ["keys", "--redis-url",
+                                        f"redis://{userinfo}@127.0.0.1:{port}/0", "list"])
+        assert res.exit_code == 1 and "s3cret" not in res.output
+        assert f"cannot reach Redis at redis://{shown}@127.0.0.1:{port}/0" in res.output
 
 
 def test_edit_changes_limits_and_label_with_an_event(run, redis_server) -> None:
