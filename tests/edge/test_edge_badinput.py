@@ -103,6 +103,7 @@ def test_slow_chunked_body_is_closed_by_nginx(edge_and_node) -> None:
     assert data == b"" and took < 5
     assert up.hits == 0
     procs.wait_until(lambda: '" 408 ' in edge.access_log(), 5, what="408 in the access log")
+    assert "uninitialized" not in edge.error_log()
 
 
 def _chunked(body: bytes, size: int) -> bytes:
@@ -187,6 +188,7 @@ def test_trickled_body_is_cut_by_the_total_deadline(redis_server, tiny_upstreams
     assert b'"code":"request_timeout"' in body
     assert 1.4 < took < 5, took
     assert up.hits == 0
+    assert "uninitialized" not in edge.error_log()
 
 
 def test_chunked_body_over_the_limit_gets_413_json(redis_server, tiny_upstreams, edge_factory) -> None:

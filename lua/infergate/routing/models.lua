@@ -98,7 +98,20 @@ function _M.encode_list(ids, now)
     return body
 end
 
+-- Longest model name echoed in an error message (bytes; a longer one is cut, with "...").
+_M.NAME_SHOWN_MAX = 256
+
 local function not_found(model)
+    if #model > _M.NAME_SHOWN_MAX then
+        -- cut at a character boundary: not inside a UTF-8 sequence
+        local cut = _M.NAME_SHOWN_MAX
+        local b = string.byte(model, cut + 1)
+        while cut > 0 and b >= 0x80 and b < 0xC0 do   -- a continuation byte
+            cut = cut - 1
+            b = string.byte(model, cut + 1)
+        end
+        model = sub(model, 1, cut) .. "..."
+    end
     return {
         status = 404,
         message = "The model '" .. model .. "' does not exist or is not served by any node of "
