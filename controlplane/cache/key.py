@@ -32,7 +32,10 @@ with ``"\\n"``. Requests without such a last user text have no namespace (exact 
   0x00-0x1F -> ``\\u00xx`` (lowercase hex) + ``"``; every other character as its raw
   UTF-8 bytes;
 - numbers: a whole number with absolute value below 2^53 is written as an integer (``1.0``
-  and ``1`` are the same, ``-0`` is ``0``); any other number as C ``%.17g`` of the double;
+  and ``1`` are the same, ``-0`` is ``0``); any other number as C ``%.17g`` of the double.
+  A body (outside the excluded fields) holding a number of absolute value 2^53 or more has
+  no key at all and is not cached: the edge decodes numbers as doubles, which cannot tell
+  ``"seed": 9007199254740993`` from ``9007199254740992``;
 - ``true``, ``false``, ``null``.
 
 **Unicode:** every string is NFC-normalised before it is written, so a precomposed ``é``
@@ -189,13 +192,39 @@ class CacheKeys:
     semantic_text: str | None
 
 
+class UnkeyableBody(ValueError):
+    """The body holds a number of absolute value 2^53 or more: the edge decodes numbers
+    as doubles, where ``9007199254740993`` and ``9007199254740992`` are the same, so it
+    cannot key such a request apart from its neighbours and does not cache it."""
+
+
+def _inexact(value: Any) -> bool:
+    """Whether ``value`` holds a number (bools aside) of absolute value 2^53 or more."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, bool) or v is None or isinstance(v, str):
+            continue
+        if isinstance(v, (int, float)):
+            if not abs(v) < _MAX_SAFE:
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return False
+
+
 def keys_for(path: str, body: dict, tenant: str = "default") -> CacheKeys:
     """The cache keys of a request body (a decoded JSON object) sent to ``path`` by
     ``tenant`` ("default" when auth is off). Raises ``TypeError`` when ``body`` is not a
-    dict."""
+    dict, :class:`UnkeyableBody` when it holds a number of absolute value 2^53 or more
+    (not cached by the edge)."""
     if not isinstance(body, dict):
         raise TypeError("request body must be a JSON object")
     kept = {k: v for k, v in body.items() if k not in EXCLUDED_FIELDS}
+    if _inexact(kept):
+        raise UnkeyableBody("a number of absolute value 2^53 or more cannot be keyed exactly")
     exact = sha256_hex(canonical({"v": SCHEMA, "kind": "exact", "tenant": tenant,
                                   "path": path, "body": kept}))
     ns_body: dict | None = None

@@ -43,7 +43,7 @@ import redis as redis_lib
 import requests
 
 from controlplane.redisdb import keynames
-from controlplane.cache.key import keys_for
+from controlplane.cache.key import UnkeyableBody, keys_for
 from controlplane.config import ConfigError, HostPort, load_settings
 from controlplane.redisdb.conn import make_redis
 from controlplane.errors import InfergateError
@@ -239,11 +239,15 @@ def run_warmup(prompts: list[Prompt], edge: str, r: redis_lib.Redis | None, *,
     def one(p: Prompt) -> None:
         if unauthorized.is_set():
             return
-        key = keys_for(p.path, p.body, tenant).exact
+        try:
+            key: str | None = keys_for(p.path, p.body, tenant).exact
+        except UnkeyableBody:
+            key = None  # never cached: sent, and the edge answers it as BYPASS
         with lock:
-            duplicate = key in seen
-            seen.add(key)
-        if duplicate or _cached(r, key):
+            duplicate = key is not None and key in seen
+            if key is not None:
+                seen.add(key)
+        if duplicate or (key is not None and _cached(r, key)):
             with lock:
                 summary.skipped += 1
             return

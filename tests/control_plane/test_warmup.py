@@ -80,12 +80,14 @@ def test_warmup_stores_answers_and_skips_them_next_time(redis_server, simnodes, 
 @pytest.mark.integration
 def test_warmup_reports_failures(redis_server, workdir) -> None:
     f = workdir / "prompts.txt"
-    f.write_text("one\ntwo\n", encoding="utf-8")
+    # the third has no cache key (a seed of 2^53 or more): sent all the same
+    f.write_text("one\ntwo\n" + json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                              "seed": 2**63}) + "\n", encoding="utf-8")
     dead = f"http://127.0.0.1:{procs.free_port()}"
     res = CliRunner().invoke(warmup_cmd, ["--file", str(f), "--edge", dead, "--model", "m",
                                           "--redis-url", redis_server.url, "--timeout", "2"])
     assert res.exit_code == 1
-    assert "sent 0, skipped 0, stored 0, failed 2" in res.output
+    assert "sent 0, skipped 0, stored 0, failed 3" in res.output
 
 
 @pytest.mark.integration

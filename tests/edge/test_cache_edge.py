@@ -347,6 +347,18 @@ def test_node_is_asked_for_usage_only_for_streams_the_cache_stores(stack, edge_f
     r2.flushdb()
 
 
+def test_seeds_a_double_cannot_tell_apart_are_not_cached(stack, edge) -> None:
+    """"seed": 9007199254740993 and 9007199254740992 decode to the same double at the
+    edge: neither is cached, so neither is answered with the other's answer."""
+    bodies = [body_of("Pick a number between one and ten.", seed=s)
+              for s in (9007199254740993, 9007199254740992, 9007199254740993)]
+    got = [post(edge, b) for b in bodies]
+    assert [r.status_code for r in got] == [200, 200, 200]
+    assert [r.headers["X-Cache-Status"] for r in got] == ["BYPASS"] * 3
+    ok = body_of("Pick a number between one and ten.", seed=9007199254740991)
+    assert post(edge, ok).headers["X-Cache-Status"] == "MISS"    # below 2^53: cached
+
+
 def test_answers_of_a_compressing_node_are_stored_for_clients_that_accept_gzip(
         stack, edge_factory, tiny_upstreams) -> None:
     """OpenAI SDKs send Accept-Encoding: gzip, deflate on every request. A request whose

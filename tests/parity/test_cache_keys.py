@@ -9,7 +9,9 @@ import hashlib
 import json
 import random
 
-from controlplane.cache.key import canonical, keys_for
+import pytest
+
+from controlplane.cache.key import UnkeyableBody, canonical, keys_for
 from support.stack import lua_eval
 
 CHAT = "/v1/chat/completions"
@@ -74,8 +76,8 @@ def _bodies() -> list[tuple[str, str, dict]]:
         (CHAT, "default", {"model": "m", "messages": [{"role": "user", "content": "\u1100\u1161 \ufb01"}],
                            "metadata": {"e\u0301": 1, "\u00e9a": 2, "z": "A\u030a"}}),
         (CHAT, "tenant with spaces/ünïcode", base),
-        (CHAT, "default", {**base, "big": 10**20, "small": 1e-7, "neg": -0.0, "huge": 1e300,
-                           "frac": 0.1, "third": 1 / 3, "max_safe": 2**53 - 1, "past": 2**53 + 2,
+        (CHAT, "default", {**base, "small": 1e-7, "neg": -0.0, "frac": 0.1, "third": 1 / 3,
+                           "max_safe": 2**53 - 1, "min_safe": -(2**53) + 1,
                            "bools": [True, False, None]}),
         (COMP, "default", {"model": "m", "prompt": "Once upon a time", "max_tokens": 16}),
         (COMP, "default", {"model": "m", "prompt": ["a", "b"]}),
@@ -118,6 +120,37 @@ def test_python_and_lua_keys_agree(workdir) -> None:
     for (path, tenant, body), (exact, ns, text) in zip(cases, out["keys"]):
         k = keys_for(path, body, tenant)
         assert (exact, ns, text) == (k.exact, k.namespace, k.semantic_text), (path, tenant, body)
+
+
+def test_numbers_of_2_to_the_53_or_more_have_no_key_on_either_side(workdir) -> None:
+    """The edge decodes numbers as doubles, where 2^53 + 1 and 2^53 are the same: a body
+    holding such a number anywhere but in the excluded fields has no key (never cached),
+    on both sides alike."""
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    unkeyable = [{**base, "seed": 2**53}, {**base, "seed": 2**53 + 1}, {**base, "seed": -(2**53)},
+                 {**base, "max_tokens": 10**20}, {**base, "max_tokens": 1e20},
+                 {**base, "tools": [{"type": "function", "function": {
+                     "name": "f", "parameters": {"maximum": 1e300}}}]}]
+    keyable = [{**base, "seed": 2**53 - 1}, {**base, "user": 2**60, "stream": False}]
+    bodies = unkeyable + keyable
+    read = _payload_file(workdir, [json.dumps(b) for b in bodies])
+    out = lua_eval(workdir, f"""
+        {read}
+        local cjson = require("cjson.safe")
+        local ck = require("infergate.cache.key")
+        local res = {{}}
+        for i, raw in ipairs(cjson.decode(payload)) do
+            local k, err = ck.keys("{CHAT}", cjson.decode(raw), "default")
+            res[i] = k and k.exact or ("error: " .. err)
+        end
+        return res
+    """)
+    for body, got in zip(unkeyable, out):
+        assert got.startswith("error: a number of 2^53 or more"), body
+        with pytest.raises(UnkeyableBody):
+            keys_for(CHAT, body)
+    for body, got in zip(keyable, out[len(unkeyable):]):
+        assert got == keys_for(CHAT, body).exact
 
 
 def test_canonical_text_is_identical(workdir) -> None:

@@ -181,7 +181,9 @@ local function doc(kind, tenant, path, body)
 end
 
 -- Keys of a request body (decoded JSON object) sent to `path` by `tenant`.
--- Returns {exact = hex, namespace = hex|nil, text = string|nil} or nil, err; with
+-- Returns {exact = hex, namespace = hex|nil, text = string|nil} or nil, err (also for a
+-- body holding a number of absolute value 2^53 or more: the decoded double stands for
+-- many texts, so such a request is not cached); with
 -- exact_only, only {exact = hex} (the namespace costs a second canonical encoding).
 function _M.keys(path, body, tenant, exact_only)
     if type(body) ~= "table" then
@@ -197,6 +199,10 @@ function _M.keys(path, body, tenant, exact_only)
     local text, err = _M.canonical(doc("exact", tenant, path, kept))
     if not text then
         return nil, err
+    end
+    if jsonenc.canonical_inexact() then
+        -- "seed": 9007199254740993 and 9007199254740992 decode to the same double
+        return nil, "a number of 2^53 or more, which the key cannot tell from its neighbours"
     end
     local res = { exact = _M.sha256_hex(text) }
     if exact_only then

@@ -108,9 +108,17 @@ local function number_default(v)
     return s
 end
 
+-- Set when a canonical encoding writes a number of absolute value 2^53 or more (or an
+-- infinity): such a double stands for many decimal texts (9007199254740993 and
+-- 9007199254740992 decode alike), so the text does not name the value sent.
+local inexact = false
+
 local function number_canonical(v)
     if v == floor(v) and abs(v) < MAX_SAFE then
         return format("%d", v)
+    end
+    if abs(v) >= MAX_SAFE then
+        inexact = true
     end
     return format("%.17g", v)
 end
@@ -243,10 +251,17 @@ end
 local encode_default = encoder(DEFAULT)
 local encode_canonical = encoder(CANONICAL)
 
+-- True when the last canonical encoding wrote a number of absolute value 2^53 or more
+-- (whose decimal text the decoder may have rounded).
+function _M.canonical_inexact()
+    return inexact
+end
+
 -- JSON text of v: the canonical spelling when opts.canonical is true, else the default
 -- one (see the top of this file). Returns the text, or nil, err.
 function _M.encode(v, opts)
     if opts ~= nil and opts.canonical then
+        inexact = false
         return encode_canonical(v)
     end
     return encode_default(v)
