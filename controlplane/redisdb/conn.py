@@ -73,6 +73,16 @@ def connection_kwargs(settings: RedisSettings, target: RedisTarget | None = None
     return kw
 
 
+def _without_userinfo(url: str) -> str:
+    """``url`` with the user info of its authority (``user:password@``) taken out."""
+    scheme, sep, rest = url.partition("://")
+    cut = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    authority = rest[:cut]
+    if not sep or "@" not in authority:
+        return url
+    return f"{scheme}://{authority.rpartition('@')[2]}{rest[cut:]}"
+
+
 def make_redis(settings: RedisSettings, *, url: str | None = None,
                decode_responses: bool = True, socket_timeout_s: float | None = None,
                connect_timeout_s: float | None = None, retry: Any = None,
@@ -100,7 +110,12 @@ def make_redis(settings: RedisSettings, *, url: str | None = None,
     }
     common["retry"] = retry if retry is not None else Retry(NoBackoff(), 1)
     if target.kind == "direct":
-        return redis.Redis.from_url(url, **common, **connection_kwargs(settings, target))
+        # the credentials as parse_redis_url reads them (redis://PASSWORD@host is a
+        # password, as for the edge), not as redis-py's own URL parser, which would read a
+        # user name there and let the URL's user info override these arguments
+        return redis.Redis.from_url(_without_userinfo(url), username=target.username,
+                                    password=target.password, **common,
+                                    **connection_kwargs(settings, target))
     # a sentinel that does not answer is skipped for the next one at once (redis-py's
     # default retries with backoff would spend seconds on each one that is down)
     sentinel_kwargs: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": ctimeout,

@@ -141,6 +141,10 @@ def test_password_and_database_on_both_sides(workdir, tiny_upstreams, edge_facto
         wrong = make_redis(settings_from_dict({"redis": {"url": f"redis://:nope@127.0.0.1:{port}/3"}}).redis)
         with pytest.raises(redis.AuthenticationError):
             wrong.ping()
+        # user info without a colon is the password on the Python side too (as at the edge)
+        bare = make_redis(settings_from_dict(
+            {"redis": {"url": f"redis://s3cr%3At%40x@127.0.0.1:{port}/3"}}).redis)
+        assert bare.hget(keynames.EDGES, edge.rendered.edge_id) is not None
     finally:
         server.stop()
 
