@@ -234,12 +234,15 @@ def _ensure_redis(settings: Settings, workdir: Path, stack: procs.ProcessSet) ->
     if parts.scheme != "redis" or host not in LOCAL_HOSTS:
         raise click.ClickException(f"no Redis answers at {shown} and it is not a local "
                                    "redis:// address infergate could start one on")
-    password = unquote(parts.password) if parts.password else None
-    if parts.username and unquote(parts.username) != "default":
+    user, pw = parts.username, parts.password
+    if pw is None and user:
+        user, pw = None, user    # redis://PASSWORD@host: a password, as redis-py reads it
+    password = unquote(pw) if pw else None
+    if user and unquote(user) != "default":
         raise click.ClickException(
             f"no Redis answers at {shown}; infergate starts a local Redis only for the "
             "default user (redis://:PASSWORD@host:port/db), not for the ACL user "
-            f"{unquote(parts.username)!r}")
+            f"{unquote(user)!r}")
     if password is not None and (not password or any(c.isspace() or c in "\"'" for c in password)):
         raise click.ClickException(f"no Redis answers at {shown}; infergate can start one only "
                                    "with a password without spaces or quotes")

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import openai
+import pytest
 import requests
 
 from controlplane import procs
@@ -21,13 +22,13 @@ from support.upstack import alive, children
 
 
 def start_up(workdir: Path, config: str, edge: int, admin: int, redis_port: int,
-             redis_password: str = ""):
-    """`infergate up` with ``config`` on the given ports (``--redis-url`` with
-    ``redis_password`` when given), waited for until its banner (or its exit); returns the
-    process and its open log file."""
+             redis_userinfo: str = ""):
+    """`infergate up` with ``config`` on the given ports (``--redis-url`` with the user
+    info ``redis_userinfo`` when given), waited for until its banner (or its exit);
+    returns the process and its open log file."""
     cfg = workdir / "up.toml"
     cfg.write_text(config)
-    auth = f":{redis_password}@" if redis_password else ""
+    auth = f"{redis_userinfo}@" if redis_userinfo else ""
     log = open(workdir / "up.log", "w")
     p = subprocess.Popen(
         procs.infergate_argv("up", "--config", str(cfg), "--listen", f"127.0.0.1:{edge}",
@@ -109,12 +110,15 @@ def test_up_serves_the_readme_requests_and_stops_cleanly(workdir: Path) -> None:
         assert not procs.port_open("127.0.0.1", port)
 
 
-def test_up_starts_its_local_redis_with_the_urls_password(workdir: Path) -> None:
+@pytest.mark.parametrize("userinfo", [":s3cret-pw", "s3cret-pw"],
+                         ids=["colon", "password-only"])
+def test_up_starts_its_local_redis_with_the_urls_password(workdir: Path, userinfo: str) -> None:
     """A local ``--redis-url`` with a password and nothing listening: up starts Redis
-    there requiring that password (no warning), and the stack works through it."""
+    there requiring that password (no warning), and the stack works through it. The user
+    info without a colon is a password too, as redis-py reads it."""
     edge, admin, redis_port = procs.free_port(), procs.free_port(), procs.free_port()
     p, log = start_up(workdir, '[auth]\nmode = "off"\n[cache]\nenabled = false\n',
-                      edge, admin, redis_port, redis_password="s3cret-pw")
+                      edge, admin, redis_port, redis_userinfo=userinfo)
     try:
         text = (workdir / "up.log").read_text()
         assert p.poll() is None, text
