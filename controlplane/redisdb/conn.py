@@ -27,7 +27,7 @@ from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from controlplane.config import RedisSettings
-from controlplane.redisdb.url import RedisTarget, parse_redis_url
+from controlplane.redisdb.url import RedisTarget, parse_redis_url, without_userinfo
 
 
 class RefreshingSentinelPool(SentinelConnectionPool):
@@ -73,16 +73,6 @@ def connection_kwargs(settings: RedisSettings, target: RedisTarget | None = None
     return kw
 
 
-def _without_userinfo(url: str) -> str:
-    """``url`` with the user info of its authority (``user:password@``) taken out."""
-    scheme, sep, rest = url.partition("://")
-    cut = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
-    authority = rest[:cut]
-    if not sep or "@" not in authority:
-        return url
-    return f"{scheme}://{authority.rpartition('@')[2]}{rest[cut:]}"
-
-
 def make_redis(settings: RedisSettings, *, url: str | None = None,
                decode_responses: bool = True, socket_timeout_s: float | None = None,
                connect_timeout_s: float | None = None, retry: Any = None,
@@ -113,7 +103,7 @@ def make_redis(settings: RedisSettings, *, url: str | None = None,
         # the credentials as parse_redis_url reads them (redis://PASSWORD@host is a
         # password, as for the edge), not as redis-py's own URL parser, which would read a
         # user name there and let the URL's user info override these arguments
-        return redis.Redis.from_url(_without_userinfo(url), username=target.username,
+        return redis.Redis.from_url(without_userinfo(url), username=target.username,
                                     password=target.password, **common,
                                     **connection_kwargs(settings, target))
     # a sentinel that does not answer is skipped for the next one at once (redis-py's

@@ -83,21 +83,39 @@ def _hostport(text: str, default_port: int, url: str) -> tuple[str, int]:
     return host, port
 
 
+def _split_userinfo(url: str) -> tuple[str, str, str, str] | None:
+    """``(scheme, userinfo, hosts, tail)`` of a URL whose authority has user info
+    (``scheme://userinfo@hosts`` + ``tail``, the path, query or fragment); else None."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return None
+    cut = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    userinfo, at, hosts = rest[:cut].rpartition("@")
+    if not at or not userinfo:
+        return None
+    return scheme, userinfo, hosts, rest[cut:]
+
+
 def redact(url: str) -> str:
     """``url`` with its password replaced by ``***`` (for messages and logs): the part
     after the user's ``:``, or the whole user info without one (``redis://secret@host``
     is a password, as in :func:`parse_redis_url`). Other text is returned as is."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
+    parts = _split_userinfo(url)
+    if parts is None:
         return url
-    cut = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
-    authority, tail = rest[:cut], rest[cut:]
-    userinfo, at, hosts = authority.rpartition("@")
-    if not at or not userinfo:
-        return url
+    scheme, userinfo, hosts, tail = parts
     user, colon, _ = userinfo.partition(":")
     shown = f"{user}:***" if colon else "***"
     return f"{scheme}://{shown}@{hosts}{tail}"
+
+
+def without_userinfo(url: str) -> str:
+    """``url`` with the user info of its authority (``user:password@``) taken out."""
+    parts = _split_userinfo(url)
+    if parts is None:
+        return url
+    scheme, _, hosts, tail = parts
+    return f"{scheme}://{hosts}{tail}"
 
 
 _safe = redact
