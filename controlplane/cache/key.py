@@ -59,6 +59,8 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
+from controlplane.errors import InfergateError
+
 #: Request fields that never change the answer; left out of every key.
 EXCLUDED_FIELDS: frozenset[str] = frozenset({"stream", "stream_options", "user"})
 #: Paths whose answers are cached.
@@ -192,7 +194,7 @@ class CacheKeys:
     semantic_text: str | None
 
 
-class UnkeyableBody(ValueError):
+class UnkeyableBody(InfergateError, ValueError):
     """The body holds a number of absolute value 2^53 or more: the edge decodes numbers
     as doubles, where ``9007199254740993`` and ``9007199254740992`` are the same, so it
     cannot key such a request apart from its neighbours and does not cache it."""
