@@ -79,6 +79,8 @@ def _fingerprint() -> str:
 SESSION_TTL_S = 12 * 3600
 #: Sessions this process remembers for when Redis does not answer.
 LOCAL_SESSIONS_MAX = 10000
+#: How often a logout made while Redis did not answer is tried again there, seconds.
+PENDING_RETRY_S = 1.0
 
 
 class _LocalSessions:
@@ -92,6 +94,34 @@ class _LocalSessions:
         self._lock = threading.Lock()
         self._live: OrderedDict[str, float] = OrderedDict()
         self._ended: OrderedDict[str, float] = OrderedDict()
+        self._retrying = False
+
+    def retry_deletes(self, r: redis.Redis, every_s: float = PENDING_RETRY_S) -> None:
+        """Delete the pending ids from Redis in the background, every ``every_s`` seconds
+        until Redis answers (one thread per process at a time), so that other control
+        planes on the same Redis refuse them too without waiting for an admin request
+        here."""
+        with self._lock:
+            if self._retrying:
+                return
+            self._retrying = True
+
+        def run() -> None:
+            while True:
+                time.sleep(every_s)
+                pending = self.pending()
+                if pending:
+                    try:
+                        r.delete(*(keynames.ADMIN_SESSION_PREFIX + p for p in pending))
+                    except redis.RedisError:
+                        continue
+                    self.deleted(pending)
+                with self._lock:
+                    if not self._ended:
+                        self._retrying = False
+                        return
+
+        threading.Thread(target=run, name="admin-logout-retry", daemon=True).start()
 
     def end(self, sid: str) -> None:
         """``sid`` was logged out but is still in Redis."""
@@ -167,8 +197,10 @@ def log_in() -> None:
 def log_out() -> None:
     """End the session: delete its server-side id (so the cookie is refused even if it
     is replayed), then clear the cookie. While Redis does not answer, this process
-    refuses the id at once and deletes it from Redis at its first session check that
-    reaches Redis (a restarted Redis that reloads the id cannot bring it back here)."""
+    refuses the id at once and deletes it from Redis as soon as Redis answers again (a
+    background retry every :data:`PENDING_RETRY_S`, and every session check), so a
+    restarted Redis that reloads the id cannot bring it back. A control plane restarted
+    before Redis answers forgets the pending deletion."""
     sid = flask.session.get("sid")
     if isinstance(sid, str) and sid:
         local = _local_sessions()
@@ -177,6 +209,7 @@ def log_out() -> None:
             _redis().delete(keynames.ADMIN_SESSION_PREFIX + sid)
         except redis.RedisError as exc:
             local.end(sid)
+            local.retry_deletes(_redis())
             log.warning("admin session ended; its id is deleted from Redis when Redis "
                         "answers again (Redis: %s)", exc)
     flask.session.clear()
