@@ -204,8 +204,8 @@ def _release_owner(r: redis_lib.Redis, doc: str) -> None:
 
 def _again_command(workdir: Path) -> str:
     """The command line this ``up`` was started with (its options after ``up``, as
-    typed), with ``--workdir`` naming ``workdir``: what starts the same stack on its
-    state again."""
+    typed, a ``--redis-url`` password shown as ``***``), with ``--workdir`` naming
+    ``workdir``: what starts the same stack on its state again."""
     argv = sys.argv[1:]
     args = argv[argv.index("up") + 1:] if "up" in argv else []
     out: list[str] = []
@@ -215,6 +215,10 @@ def _again_command(workdir: Path) -> str:
             skip = False
         elif a == "--workdir":
             skip = True
+        elif a.startswith("--redis-url="):
+            out.append("--redis-url=" + redact(a.partition("=")[2]))
+        elif out and out[-1] == "--redis-url":
+            out.append(redact(a))   # the password stays off the screen and the logs
         elif not a.startswith("--workdir="):
             out.append(a)
     return shlex.join(["infergate", "up", *out, "--workdir", str(workdir)])
