@@ -125,7 +125,13 @@ def _existing_nginx_conf(g: Guide, section: str) -> None:
                         f"    proxy_temp_path {p}/proxy_temp;")
     text = text.replace("listen 443 ssl;", f"listen 127.0.0.1:{g.host_port};")
     text = text.replace("        # ... your certificates, other locations ...",
-                        '        location / { default_type text/plain; return 200 "existing site\\n"; }')
+                        '        location / { default_type text/plain; return 200 "existing site\\n"; }\n'
+                        # the site's own error page, and a location with its own body limit
+                        '        error_page 404 /site-404.html;\n'
+                        '        location = /site-404.html { internal; default_type text/html; '
+                        'return 404 "<h1>site 404</h1>"; }\n'
+                        '        location = /upload { client_max_body_size 1k; return 204; }\n'
+                        '        location /gone/ { return 404; }')
     modules = ("include /etc/nginx/modules-enabled/*.conf;"
                if Path("/etc/nginx/modules-enabled/50-mod-http-lua.conf").exists() else
                f"load_module {default_modules_dir()}/ndk_http_module.so;\n"
@@ -263,6 +269,13 @@ def test_dropin_guide_step_by_step(workdir: Path, simnodes) -> None:
             first.json()["choices"][0]["message"]["content"]
         site = requests.get(f"http://127.0.0.1:{g.host_port}/", timeout=5)
         assert site.status_code == 200 and site.text == "existing site\n"
+        # the site keeps its own error pages; the API's locations answer JSON
+        assert requests.get(f"http://127.0.0.1:{g.host_port}/v1/nope", timeout=5).json()[
+            "error"]["code"] == "not_found"
+        big = requests.post(f"http://127.0.0.1:{g.host_port}/upload", data=b"x" * 4096, timeout=5)
+        assert big.status_code == 413 and "json" not in big.headers["Content-Type"]
+        assert "<h1>site 404</h1>" in requests.get(f"http://127.0.0.1:{g.host_port}/gone/x",
+                                                   timeout=5).text
         unauth = requests.post(f"http://127.0.0.1:{g.host_port}/v1/chat/completions",
                                json={"model": "sim-llama", "messages": []}, timeout=5)
         assert unauth.status_code == 401
@@ -270,7 +283,8 @@ def test_dropin_guide_step_by_step(workdir: Path, simnodes) -> None:
         assert "infergate_edge_requests_total" in metrics.text
         log = (g.nginx_prefix / "logs" / "error.log").read_text()
         bad = [ln for ln in log.splitlines()
-               if re.search(r"\[(emerg|alert|crit|error)\]|global Lua variable", ln)]
+               if re.search(r"\[(emerg|alert|crit|error)\]|global Lua variable", ln)
+               and 'request: "POST /upload ' not in ln]   # the site's own 413 above
         assert not bad, bad
     finally:
         g.stop()
