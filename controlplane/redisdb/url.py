@@ -72,14 +72,14 @@ def _fmt_host(host: str, port: int) -> str:
 def _hostport(text: str, default_port: int, url: str) -> tuple[str, int]:
     m = _HOSTPORT_RE.match(text)
     if not m:
-        raise RedisURLError(f"redis url: bad host[:port] {text!r} in {_safe(url)}")
+        raise RedisURLError(f"redis url: bad host[:port] {text!r} in {redact(url)}")
     host = m.group("v6") or m.group("host") or ""
     if not host:
-        raise RedisURLError(f"redis url has no host: {_safe(url)}")
+        raise RedisURLError(f"redis url has no host: {redact(url)}")
     port_text = m.group("port")
     port = int(port_text) if port_text else default_port
     if not 0 < port < 65536:
-        raise RedisURLError(f"redis url port out of range: {_safe(url)}")
+        raise RedisURLError(f"redis url port out of range: {redact(url)}")
     return host, port
 
 
@@ -118,9 +118,6 @@ def without_userinfo(url: str) -> str:
     return f"{scheme}://{hosts}{tail}"
 
 
-_safe = redact
-
-
 def parse_redis_url(url: str) -> RedisTarget:
     """Parse ``url`` (forms in the module docstring). Raises :class:`RedisURLError`."""
     if not isinstance(url, str) or not url:
@@ -149,7 +146,7 @@ def parse_redis_url(url: str) -> RedisTarget:
         else:
             password = unquote(user) or None
     if not hosts:
-        raise RedisURLError(f"redis url has no host: {_safe(url)}")
+        raise RedisURLError(f"redis url has no host: {redact(url)}")
     parts = [p for p in path.split("/")] if path else []
     if scheme == "redis+sentinel":
         sentinels = tuple(_hostport(h, DEFAULT_SENTINEL_PORT, url) for h in hosts.split(","))
@@ -162,16 +159,16 @@ def parse_redis_url(url: str) -> RedisTarget:
                                 "'_', '.', '-'")
         db_parts = [p for p in parts[1:] if p != ""]
         if len(db_parts) > 1:
-            raise RedisURLError(f"redis+sentinel:// path must be /<service>[/<db>]: {_safe(url)}")
+            raise RedisURLError(f"redis+sentinel:// path must be /<service>[/<db>]: {redact(url)}")
         db = _db(db_parts[0] if db_parts else "", url)
         return RedisTarget("sentinel", sentinels=sentinels, service=service, db=db,
                            username=username, password=password)
     if "," in hosts:
-        raise RedisURLError(f"several hosts need redis+sentinel://: {_safe(url)}")
+        raise RedisURLError(f"several hosts need redis+sentinel://: {redact(url)}")
     host, port = _hostport(hosts, DEFAULT_PORT, url)
     db_parts = [p for p in parts if p != ""]
     if len(db_parts) > 1:
-        raise RedisURLError(f"redis url path must be /<db number>: {_safe(url)}")
+        raise RedisURLError(f"redis url path must be /<db number>: {redact(url)}")
     return RedisTarget("direct", tls=scheme == "rediss", host=host, port=port,
                        db=_db(db_parts[0] if db_parts else "", url),
                        username=username, password=password)
@@ -181,5 +178,5 @@ def _db(text: str, url: str) -> int:
     if text == "":
         return 0
     if not text.isdigit() or len(text) > 5:
-        raise RedisURLError(f"redis url path must be /<db number>: {_safe(url)}")
+        raise RedisURLError(f"redis url path must be /<db number>: {redact(url)}")
     return int(text)
