@@ -115,7 +115,7 @@ def test_up_serves_the_readme_requests_and_stops_cleanly(workdir: Path) -> None:
 def test_up_starts_its_local_redis_with_the_urls_password(workdir: Path, userinfo: str) -> None:
     """A local ``--redis-url`` with a password and nothing listening: up starts Redis
     there requiring that password (no warning), and the stack works through it. The user
-    info without a colon is a password too, as redis-py reads it."""
+    info without a colon is a password too, as infergate reads it everywhere."""
     edge, admin, redis_port = procs.free_port(), procs.free_port(), procs.free_port()
     p, log = start_up(workdir, '[auth]\nmode = "off"\n[cache]\nenabled = false\n',
                       edge, admin, redis_port, redis_userinfo=userinfo)
