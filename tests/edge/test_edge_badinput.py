@@ -106,6 +106,17 @@ def test_slow_chunked_body_is_closed_by_nginx(edge_and_node) -> None:
     assert "uninitialized" not in edge.error_log()
 
 
+def test_a_client_that_leaves_in_its_headers_is_logged_without_warnings(edge_and_node) -> None:
+    """nginx logs such a request (400) before any location ran, so $infergate_request_id
+    (which the access log's $infergate_rid reads) was never set: no warning for it."""
+    edge, up = edge_and_node
+    with socket.create_connection(_host_port(edge)) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+    procs.wait_until(lambda: '" 400 ' in edge.access_log(), 5, what="400 in the access log")
+    assert "uninitialized" not in edge.error_log()
+    assert up.hits == 0
+
+
 def _chunked(body: bytes, size: int) -> bytes:
     out = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + size]), body[i:i + size])
                    for i in range(0, len(body), size))
