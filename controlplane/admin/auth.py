@@ -87,8 +87,8 @@ class _LocalSessions:
     """Session ids this process started and has not ended (id -> expiry, monotonic s),
     at most :data:`LOCAL_SESSIONS_MAX`: the fallback while Redis does not answer. Also
     the ids logged out while Redis did not answer (their Redis key could not be deleted):
-    refused by this process whatever Redis says, and deleted from Redis by the first
-    session check that reaches it."""
+    refused by this process whatever Redis says, and deleted from Redis by a background
+    retry (:meth:`retry_deletes`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -198,7 +198,7 @@ def log_out() -> None:
     """End the session: delete its server-side id (so the cookie is refused even if it
     is replayed), then clear the cookie. While Redis does not answer, this process
     refuses the id at once and deletes it from Redis as soon as Redis answers again (a
-    background retry every :data:`PENDING_RETRY_S`, and every session check), so a
+    background retry every :data:`PENDING_RETRY_S`), so a
     restarted Redis that reloads the id cannot bring it back. A control plane restarted
     before Redis answers forgets the pending deletion."""
     sid = flask.session.get("sid")
@@ -218,19 +218,12 @@ def log_out() -> None:
 
 def _session_alive(sid: str) -> bool:
     local = _local_sessions()
-    pending = local.pending()
+    if local.ended(sid):
+        return False  # logged out while Redis did not answer: its retry deletes it there
     try:
-        if pending:
-            pipe = _redis().pipeline(transaction=False)
-            pipe.delete(*(keynames.ADMIN_SESSION_PREFIX + p for p in pending))
-            pipe.exists(keynames.ADMIN_SESSION_PREFIX + sid)
-            alive = bool(pipe.execute()[-1])
-            local.deleted(pending)
-        else:
-            alive = bool(_redis().exists(keynames.ADMIN_SESSION_PREFIX + sid))
+        return bool(_redis().exists(keynames.ADMIN_SESSION_PREFIX + sid))
     except redis.RedisError:
-        alive = local.alive(sid)
-    return alive and not local.ended(sid)
+        return local.alive(sid)
 
 
 def logged_in() -> bool:
