@@ -247,13 +247,13 @@ def _ensure_redis(settings: Settings, workdir: Path, stack: procs.ProcessSet) ->
             f"no Redis answers at {shown}; infergate starts a local Redis only for the "
             "default user (redis://:PASSWORD@host:port/db), not for the ACL user "
             f"{unquote(user)!r}")
-    if password is not None and (not password or any(c.isspace() or c in "\"'" for c in password)):
-        raise click.ClickException(f"no Redis answers at {shown}; infergate can start one only "
-                                   "with a password without spaces or quotes")
     if procs.port_open("127.0.0.1", port):
         raise click.ClickException(f"port {port} is taken by something that is not Redis")
     _say(f"starting redis-server on 127.0.0.1:{port} (no Redis answers at {shown})")
-    stack.add(procs.start_redis(workdir / "redis", port, persistent=True, password=password))
+    try:
+        stack.add(procs.start_redis(workdir / "redis", port, persistent=True, password=password))
+    except ValueError as exc:  # a password redis.conf cannot hold
+        raise click.ClickException(f"no Redis answers at {shown}; cannot start one: {exc}") from None
     if password is None:
         _say(f"warning: this redis-server on port {port} has no password: any local user can "
              "read the cached prompts and answers and write API keys; put one in the URL "
