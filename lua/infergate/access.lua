@@ -27,6 +27,9 @@
 -- over_member_count: decoding and the cache key's canonical encoding of a body with
 -- hundreds of thousands of fields would hold the worker for seconds).
 local cjson = require("cjson.safe")
+local ngxapi = require("infergate.core.ngxapi")
+local ngx_now = ngxapi.now
+local ngx_var = ngxapi.var
 -- Request bodies are parsed by an instance of their own that refuses what JSON does not
 -- allow and lua-cjson accepts by default (NaN, Infinity, hexadecimal numbers).
 local body_json = cjson.new()
@@ -62,7 +65,7 @@ local function step_method(req)
     end
     -- Every proxied request carries X-Infergate-Hop: one that comes back means a node is
     -- registered with the address of an infergate edge (a routing loop).
-    if ngx.var.http_x_infergate_hop then
+    if ngx_var("http_x_infergate_hop") then
         return {
             status = 508,
             message = "Routing loop: this request already went through an infergate edge; "
@@ -74,7 +77,7 @@ local function step_method(req)
     if not m[ngx.req.get_method()] then
         return {
             status = 405,
-            message = "Method " .. ngx.req.get_method() .. " is not allowed on " .. ngx.var.uri
+            message = "Method " .. ngx.req.get_method() .. " is not allowed on " .. ngx_var("uri")
                 .. "; use " .. m.allow .. ".",
             headers = { Allow = m.allow },
         }
@@ -217,7 +220,7 @@ end
 
 local function step_eligible(req)
     local t = snapshot.current()
-    if balancer.count_eligible(t, req.tried, ngx.now(), req.model) == 0 then
+    if balancer.count_eligible(t, req.tried, ngx_now(), req.model) == 0 then
         return {
             status = 503,
             message = "No inference node is available (all are unhealthy, draining or have an "

@@ -26,6 +26,8 @@
 -- answered <status>: <first WRAP_MAX bytes of its text>", "type", "param", "code":
 -- "upstream_error"}}. Compressed bodies (Content-Encoding) pass unchanged.
 local errors = require("infergate.core.errors")
+local ngxapi = require("infergate.core.ngxapi")
+local ngx_var = ngxapi.var
 local reqctx = require("infergate.core.reqctx")
 local outlier = require("infergate.routing.outlier")
 
@@ -70,7 +72,7 @@ function _M.run()
     end
     local attempts = req.attempts
     local last = attempts[#attempts]
-    if not last or not ngx.var.upstream_status then
+    if not last or not ngx_var("upstream_status") then
         return
     end
     local client_version = req.http_version or 1.1

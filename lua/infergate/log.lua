@@ -15,6 +15,9 @@
 -- a 502/503/504 answer, and a 500 that another node did not repeat (the held 500 of an
 -- earlier try is a failure when a later node answered the request).
 local reqctx = require("infergate.core.reqctx")
+local ngxapi = require("infergate.core.ngxapi")
+local ngx_now = ngxapi.now
+local ngx_var = ngxapi.var
 local stats = require("infergate.routing.stats")
 local admission = require("infergate.admission.shed")
 local metrics = require("infergate.core.prometheus")
@@ -52,7 +55,7 @@ _M.UNSERVED = UNSERVED
 
 -- Outcome of the final attempt from nginx's view of it: result, status.
 local function outcome(req)
-    local status = tonumber(last_entry(ngx.var.upstream_status))
+    local status = tonumber(last_entry(ngx_var("upstream_status")))
     local client_left = ngx.status == 499
     if not status then
         -- no answer from the node: connect/read error, or the client left first
@@ -64,7 +67,7 @@ local function outcome(req)
     if req.invalid_answer then
         return "fail" -- not HTTP (see infergate.filters)
     end
-    local header = last_entry(ngx.var.upstream_header_time)
+    local header = last_entry(ngx_var("upstream_header_time"))
     if header == nil or header == "-" then
         -- no HTTP header from the node: connect error, reset or a timeout before the
         -- first byte (nginx's own 502/504)
@@ -80,7 +83,7 @@ local function outcome(req)
         -- a stream whose node sent its headers and then no chunk (infergate.filters):
         -- silent until the try's read timeout, the node failed (an engine hung behind a
         -- live HTTP server); ended sooner, the client left
-        local rt = tonumber(last_entry(ngx.var.upstream_response_time))
+        local rt = tonumber(last_entry(ngx_var("upstream_response_time")))
         local read_s = req.read_s
         if rt and read_s and rt >= read_s - READ_SLACK_S then
             return "fail", 504
@@ -115,7 +118,7 @@ function _M.run()
     if n == 0 then
         return
     end
-    local now = ngx.now()
+    local now = ngx_now()
     local last = attempts[n]
     local result = "aborted"
     if not last.closed then
@@ -131,7 +134,7 @@ function _M.run()
         end
         local latency_ms
         if result == "ok" and status < 300 then
-            local rt = tonumber(last_entry(ngx.var.upstream_response_time))
+            local rt = tonumber(last_entry(ngx_var("upstream_response_time")))
             if rt then
                 latency_ms = rt * 1000
             end

@@ -31,10 +31,7 @@ def run(workdir: Path, body: str, factor: float = 4.0, floor: float = 2.0,
             local function answered(name, now, ttfb, stream)
                 local att = stats.open_attempt(name, now - ttfb)
                 outlier.track(att, stream)
-                local real_now = ngx.now
-                ngx.now = function() return now end
-                outlier.first_byte({attempts = {att}})
-                ngx.now = real_now
+                outlier.first_byte({attempts = {att}}, now)
                 stats.close_attempt(att, "ok", now)
                 return att
             end

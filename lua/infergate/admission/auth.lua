@@ -25,6 +25,9 @@
 -- Errors: 401 {"type": "invalid_request_error", "code": "invalid_api_key"} with
 -- WWW-Authenticate: Bearer; 503 {"type": "service_unavailable", "code": "auth_unavailable"}.
 local cjson = require("cjson.safe")
+local ngxapi = require("infergate.core.ngxapi")
+local ngx_now = ngxapi.now
+local ngx_var = ngxapi.var
 local options = require("infergate.admission.options")
 local keynames = require("infergate.redis.keynames")
 local cachekey = require("infergate.cache.key")  -- sha256_hex (libcrypto via FFI)
@@ -163,7 +166,7 @@ function _M.step(req)
         req.tenant = options.DEFAULT_TENANT
         return nil
     end
-    local value = ngx.var.http_authorization
+    local value = ngx_var("http_authorization")
     local digest = value and digests:get(value)
     if not digest then
         local token = _M.bearer(value)
@@ -176,7 +179,7 @@ function _M.step(req)
         end
         digest = digests:set(value, cachekey.sha256_hex(token))
     end
-    local e = _M.lookup(digest, ngx.now(), o)
+    local e = _M.lookup(digest, ngx_now(), o)
     if not e then
         -- err: the outage is logged once by infergate.admission.redis
         astats.incr("auth_unavailable")

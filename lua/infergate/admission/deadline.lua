@@ -23,6 +23,10 @@
 -- hanging connection. A stream whose headers were already sent cannot change its
 -- status: after an idle timeout it just ends.
 local ngx_balancer = require("ngx.balancer")
+local ngxapi = require("infergate.core.ngxapi")
+local ngx_now = ngxapi.now
+local ngx_start_time = ngxapi.req_start_time
+local ngx_var = ngxapi.var
 local options = require("infergate.admission.options")
 local reqctx = require("infergate.core.reqctx")
 local astats = require("infergate.admission.stats")
@@ -48,10 +52,10 @@ function _M.for_request(req)
         return d
     end
     local o = options.get().deadlines
-    local r = o.routes[ngx.var.uri] or o
+    local r = o.routes[ngx_var("uri")] or o
     d = { request_ms = r.request_ms, idle_s = r.stream_idle_ms / 1000 }
     if r.request_ms > 0 then
-        d.at = ngx.req.start_time() + r.request_ms / 1000
+        d.at = ngx_start_time() + r.request_ms / 1000
     end
     req.deadline = d
     return d
@@ -63,7 +67,7 @@ function _M.remaining(req, now)
     if not d.at then
         return nil
     end
-    return d.at - (now or ngx.now())
+    return d.at - (now or ngx_now())
 end
 
 -- Timeouts (s) of the next try: connect, send, read, bound_by_deadline; or nil when
@@ -144,7 +148,7 @@ local DEADLINE_SLACK_S = 0.02
 -- True when the deadline has passed (within DEADLINE_SLACK_S), on a fresh clock.
 local function passed(d)
     ngx.update_time()
-    return ngx.now() >= d.at - DEADLINE_SLACK_S
+    return ngx_now() >= d.at - DEADLINE_SLACK_S
 end
 
 -- True when a timeout of the request's current try belongs to the deadline, not the
@@ -180,7 +184,7 @@ function _M.error_page(status)
     if not req or not req.deadline or not req.deadline.at then
         return nil
     end
-    local reason = ngx.var.infergate_reason
+    local reason = ngx_var("infergate_reason")
     if (status == 500 and reason == "deadline_exceeded")
         or (status == 504 and passed(req.deadline)) then
         astats.incr("deadline_exceeded")

@@ -31,6 +31,10 @@
 -- set client_max_body_size 0, so a chunked body nginx refused mid-way gets the same 413
 -- JSON and not nginx's HTML page).
 local config = require("infergate.core.config")
+local ngxapi = require("infergate.core.ngxapi")
+local ngx_now = ngxapi.now
+local ngx_start_time = ngxapi.req_start_time
+local ngx_var = ngxapi.var
 local request_body = require("infergate.core.body")
 
 local _M = {}
@@ -76,7 +80,7 @@ local function read_with_timeout(len)
     end
     local o = config.get()
     local gap = o.client_body_timeout_ms
-    local deadline = ngx.req.start_time() + (o.client_body_deadline_ms or 3600000) / 1000
+    local deadline = ngx_start_time() + (o.client_body_deadline_ms or 3600000) / 1000
     -- a small body gets a buffer of its own size: nginx would allocate
     -- client_body_buffer_size (in the rendered config as large as client_max_body_size)
     -- for every request; larger ones follow client_body_buffer_size (memory or temp file)
@@ -88,7 +92,7 @@ local function read_with_timeout(len)
     local got = 0
     while got < len do
         ngx.update_time()
-        local left_ms = floor((deadline - ngx.now()) * 1000)
+        local left_ms = floor((deadline - ngx_now()) * 1000)
         if left_ms <= 0 then
             return nil, "timeout"
         end
@@ -113,10 +117,10 @@ end
 -- client_body_timeout_ms). Returns once the body is read.
 local function read_chunked_with_deadline(req)
     local o = config.get()
-    local deadline = ngx.req.start_time() + (o.client_body_deadline_ms or 3600000) / 1000
+    local deadline = ngx_start_time() + (o.client_body_deadline_ms or 3600000) / 1000
     local watchdog = ngx.thread.spawn(function()
         ngx.update_time()
-        local left = deadline - ngx.now()
+        local left = deadline - ngx_now()
         if left > 0 then
             ngx.sleep(left)
         end
@@ -135,8 +139,8 @@ function _M.step(req)
     if req.route ~= "inference" then
         return nil
     end
-    local len = tonumber(ngx.var.http_content_length)
-    local te = ngx.var.http_transfer_encoding
+    local len = tonumber(ngx_var("http_content_length"))
+    local te = ngx_var("http_transfer_encoding")
     local h1 = ngx.req.http_version() < 2
     if h1 and te and is_chunked(te) then
         read_chunked_with_deadline(req)

@@ -58,6 +58,8 @@
 -- until the bucket is full again); with both a key and a global bucket, the headers
 -- show the one with fewer remaining.
 local options = require("infergate.admission.options")
+local ngxapi = require("infergate.core.ngxapi")
+local ngx_now = ngxapi.now
 local keynames = require("infergate.redis.keynames")
 local ar = require("infergate.admission.redis")
 local astats = require("infergate.admission.stats")
@@ -356,7 +358,7 @@ local function local_apply(mode, list, costs)
     local d = dict()
     local locked = lock()
     ngx.update_time()
-    local now = ngx.now()
+    local now = ngx_now()
     local st, ok = {}, true
     for i, b in ipairs(list) do
         local cost = costs and costs[i] or b.cost
@@ -551,7 +553,7 @@ local function leased_charge(req, list, now, fraction)
         local r
         r, source = _M.apply("lease", sub, nil, extra, on_extra, wants)
         ngx.update_time()
-        lease_store(sub, r, source, ngx.now(), wants)
+        lease_store(sub, r, source, ngx_now(), wants)
         out.allowed = r.allowed
         for j, i in ipairs(remote) do
             out.tokens[i], out.wait[i] = r.tokens[j], r.wait[j]
@@ -574,7 +576,7 @@ end
 
 -- Flush timer: expired leases go back to their buckets and are forgotten.
 function _M.sweep_leases(now)
-    now = now or ngx.now()
+    now = now or ngx_now()
     for key, l in pairs(leases) do
         if now - l.at >= _M.LEASE_TTL_S then
             leases[key] = nil
@@ -642,7 +644,7 @@ function _M.step(req)
     local fraction = o.lease_fraction or 0
     local res, source
     if fraction > 0 then
-        res, source = leased_charge(req, list, ngx.now(), fraction)
+        res, source = leased_charge(req, list, ngx_now(), fraction)
     else
         local extra, on_extra
         if _M.companion then

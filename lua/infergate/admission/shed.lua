@@ -36,6 +36,8 @@
 -- instead of a timeout. Only inference requests are shed (GET /v1/models is not).
 -- Counted as "shed" (infergate.admission.stats).
 local options = require("infergate.admission.options")
+local ngxapi = require("infergate.core.ngxapi")
+local ngx_now = ngxapi.now
 local snapshot = require("infergate.routing.snapshot")
 local stats = require("infergate.routing.stats")
 local breaker = require("infergate.routing.breaker")
@@ -133,7 +135,7 @@ function _M.step_shed(req)
         return nil
     end
     ngx.update_time()
-    local now = ngx.now()
+    local now = ngx_now()
     local wait_s = o.max_wait_ms / 1000
     local left = deadline.remaining(req, now)
     if left and left < wait_s then
@@ -179,7 +181,7 @@ function _M.step_shed(req)
         ngx.sleep(step)
         waited = true
         ngx.update_time()
-        now = ngx.now()
+        now = ngx_now()
     end
     if waited then
         astats.incr("waiting", -1)

@@ -12,6 +12,8 @@
 -- estimated up front + one completion token per content chunk (estimated = true).
 -- No I/O: runs in body_filter.
 local reqctx = require("infergate.core.reqctx")
+local ngxapi = require("infergate.core.ngxapi")
+local ngx_var = ngxapi.var
 
 local _M = {}
 
@@ -62,7 +64,7 @@ function _M.body_filter()
         return
     end
     local status = ngx.status
-    if not status or status < 200 or status >= 300 or not ngx.var.upstream_status then
+    if not status or status < 200 or status >= 300 or not ngx_var("upstream_status") then
         return
     end
     local chunk, eof = ngx.arg[1], ngx.arg[2]

@@ -39,6 +39,9 @@
 -- without waiting any longer. A full queue drops the store (counted in
 -- infergate_edge_flush_dropped_total{kind="cache_store"}) and releases the lock.
 local cjson = require("cjson.safe")
+local ngxapi = require("infergate.core.ngxapi")
+local ngx_now = ngxapi.now
+local ngx_var = ngxapi.var
 local keynames = require("infergate.redis.keynames")
 local redis = require("infergate.redis.client")
 local reqctx = require("infergate.core.reqctx")
@@ -87,7 +90,7 @@ function _M.header_filter()
     end
     local status = ngx.status
     local enc = ngx.header["Content-Encoding"]
-    if status ~= 200 or (enc and enc ~= "identity") or not ngx.var.upstream_status then
+    if status ~= 200 or (enc and enc ~= "identity") or not ngx_var("upstream_status") then
         c.store = false
         c.skip = "status " .. tostring(status)
         return
@@ -487,7 +490,7 @@ local function store_of(c, req)
     if not c.eof then
         return nil, "answer incomplete"
     end
-    local status = tonumber(ngx.var.status)
+    local status = tonumber(ngx_var("status"))
     if status ~= 200 then
         return nil, "status " .. tostring(status)
     end
@@ -506,7 +509,7 @@ local function store_of(c, req)
         c.namespace = k and k.namespace or nil
         c.body = nil
     end
-    local now = ngx.now()
+    local now = ngx_now()
     -- "tail" and "usage" let a hit answer without decoding and encoding the body again
     -- (infergate.cache.replay.splice); readers that do not know them use "body"
     local entry = replay.encode({

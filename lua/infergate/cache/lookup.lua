@@ -57,6 +57,9 @@
 --     control plane to check (controlplane.cache.verify); the hit is served all the same.
 -- The request's cache state is req.cache (see capture.lua for the fields it reads).
 local cjson = require("cjson.safe")
+local ngxapi = require("infergate.core.ngxapi")
+local ngx_now = ngxapi.now
+local ngx_var = ngxapi.var
 local config = require("infergate.core.config")
 local keynames = require("infergate.redis.keynames")
 local pool = require("infergate.redis.pool")
@@ -206,7 +209,7 @@ local function step(req)
     local e = _M.lookup(req)
     local c = req.cache
     if c and c.store then
-        if ngx.var.http_accept_encoding then
+        if ngx_var("http_accept_encoding") then
             ngx.req.clear_header("Accept-Encoding")
         end
         if c.stream and not c.include_usage and not c.usage_added
@@ -253,7 +256,7 @@ end
 -- The Cache-Control header of the request, lower case ("" when absent); nginx joins
 -- repeated Cache-Control lines with ",". Read as a variable: no table of every header.
 local function cache_control()
-    local v = ngx.var.http_cache_control
+    local v = ngx_var("http_cache_control")
     return type(v) == "string" and v:lower() or ""
 end
 
@@ -497,7 +500,7 @@ local function entry_of(raw, key, c)
     if not doc then
         return nil
     end
-    hot_put(key, doc, #raw, ngx.now())
+    hot_put(key, doc, #raw, ngx_now())
     return parse_doc(doc, c)
 end
 
@@ -537,7 +540,7 @@ local function queue_verify(req, c, key, ns)
     end
     local item = replay.encode({ key = key, namespace = ns, path = c.path,
                                  model = c.model or "", tenant = c.tenant or "default",
-                                 body = body, ts = ngx.now() })
+                                 body = body, ts = ngx_now() })
     if not item then
         return false
     end
@@ -609,7 +612,7 @@ _M.NOSTORE = "nostore"
 
 local function wait_for_leader(c, lock)
     local dict = ngx.shared[_M.DICT]
-    local deadline = ngx.now() + opts.coalesce_wait_s
+    local deadline = ngx_now() + opts.coalesce_wait_s
     local pause = opts.coalesce_poll_ms / 1000
     -- The leader releases the lock once its answer is stored, or marks it NOSTORE the
     -- moment it ends without one: poll the shared dict, and read Redis only then.
@@ -624,7 +627,7 @@ local function wait_for_leader(c, lock)
             return entry
         end
         ngx.update_time()
-        if ngx.now() >= deadline then
+        if ngx_now() >= deadline then
             return nil
         end
     end
@@ -651,7 +654,7 @@ local function embedder_result(ok, why)
         return
     end
     if ok then
-        dict:set("emb:ok_at", ngx.now())
+        dict:set("emb:ok_at", ngx_now())
         local before = dict:get("emb:fails") or 0
         if before ~= 0 then
             dict:set("emb:fails", 0)
@@ -663,7 +666,7 @@ local function embedder_result(ok, why)
     end
     local fails = dict:incr("emb:fails", 1, 0)
     if fails and fails >= _M.EMBEDDER_BREAKER_FAILURES and dict:get("emb:open") == nil then
-        dict:set("emb:open", ngx.now(), _M.EMBEDDER_COOLDOWN_S)
+        dict:set("emb:open", ngx_now(), _M.EMBEDDER_COOLDOWN_S)
         if fails == _M.EMBEDDER_BREAKER_FAILURES then
             log(WARN, "infergate: ", fails, " semantic lookups in a row failed (", why,
                 "): lookups skipped for ", _M.EMBEDDER_COOLDOWN_S, " s at a time until the ",
@@ -675,7 +678,7 @@ end
 local function embedder_busy()
     local dict = ngx.shared[_M.DICT]
     local ok_at = dict and dict:get("emb:ok_at")
-    return ok_at ~= nil and ngx.now() - ok_at < _M.EMBEDDER_BUSY_S
+    return ok_at ~= nil and ngx_now() - ok_at < _M.EMBEDDER_BUSY_S
 end
 
 -- One call of the embedder's POST /v1/lookups for `items` (lookup bodies), through the
@@ -764,7 +767,7 @@ local function prepare(req)
     if not opts or not opts.enabled or req.route ~= "inference" then
         return nil
     end
-    local path = ngx.var.uri
+    local path = ngx_var("uri")
     local kind = _M.PATHS[path]
     local body = req.body
     if not kind or type(body) ~= "table" then
@@ -828,7 +831,7 @@ end
 -- reply for the cache step. nil when the request does no exact lookup.
 function _M.prefetch(req)
     local c, k = prepare(req)
-    if not k or hot_doc(k.exact, ngx.now()) then
+    if not k or hot_doc(k.exact, ngx_now()) then
         return nil -- no lookup, or this worker holds the entry
     end
     return { "GET", keynames.cache_entry(k.exact) }, function(reply)
@@ -851,7 +854,7 @@ function _M.lookup(req)
     -- of its own
     local entry, err
     local pre = c.prefetched
-    local doc = hot_doc(k.exact, ngx.now())
+    local doc = hot_doc(k.exact, ngx_now())
     if doc then
         entry = parse_doc(doc, c)
     elseif pre ~= nil and pre ~= false and redis.error_of(pre) == nil then
@@ -862,7 +865,7 @@ function _M.lookup(req)
     if err then
         -- at most one line every LOG_EVERY_S per worker: a saturated worker whose Redis
         -- reads time out now and then must not flood the error log
-        local now = ngx.now()
+        local now = ngx_now()
         if now - last_down_log >= _M.LOG_EVERY_S then
             log(ERR, "infergate: cache lookup skipped, Redis unavailable: ", err)
             last_down_log = now
@@ -877,7 +880,7 @@ function _M.lookup(req)
     if opts.coalesce and opts.coalesce_wait_s > 0 then
         local dict = ngx.shared[_M.DICT]
         local lock = "lock:" .. k.exact
-        local owner = req.id or tostring(ngx.now())
+        local owner = req.id or tostring(ngx_now())
         local ok = dict and dict:add(lock, owner, opts.coalesce_wait_s)
         if ok then
             c.lock, c.owner = lock, owner
@@ -897,7 +900,7 @@ function _M.lookup(req)
     if opts.semantic and k.namespace then
         local res, serr = semantic_lookup(c)
         if not res then
-            local now = ngx.now()
+            local now = ngx_now()
             if now - last_skip_log >= _M.LOG_EVERY_S then
                 log(WARN, "infergate: semantic cache lookup skipped: ", serr)
                 last_skip_log = now
@@ -906,7 +909,7 @@ function _M.lookup(req)
         end
         if res.hit == true and type(res.key) == "string" and res.key:find("^%x+$") then
             local hit, herr
-            local hdoc = hot_doc(res.key, ngx.now())
+            local hdoc = hot_doc(res.key, ngx_now())
             if hdoc then
                 hit = parse_doc(hdoc, c)
             else
@@ -916,7 +919,7 @@ function _M.lookup(req)
             -- and context): an embedder that answers with another partition's key (a
             -- wrong or foreign process on its address) never leaks that answer
             if hit and (hit.doc.namespace ~= c.namespace or hit.doc.tenant ~= c.tenant) then
-                local now = ngx.now()
+                local now = ngx_now()
                 if now - last_foreign_log >= _M.LOG_EVERY_S then
                     log(WARN, "infergate: semantic hit from the embedder ignored: the entry ",
                         "belongs to another namespace")

@@ -25,6 +25,8 @@
 -- answers are written by infergate.core.jsonenc (default spelling): tables with ARRAY_MT are
 -- arrays, with OBJECT_MT objects, other tables arrays when they are non-empty sequences.
 local cjson = require("cjson.safe")
+local ngxapi = require("infergate.core.ngxapi")
+local ngx_now = ngxapi.now
 local jsonenc = require("infergate.core.jsonenc")
 
 local _M = {}
@@ -407,7 +409,7 @@ function _M.send(req, c, comp, stored_at, match, similarity, tail, sse_tpl)
     ngx.header["X-Cache-Match"] = match
     ngx.header["X-Cache-Similarity"] = similarity_text(similarity)
     if type(stored_at) == "number" then
-        ngx.header["Age"] = tostring(math.max(0, floor(ngx.now() - stored_at)))
+        ngx.header["Age"] = tostring(math.max(0, floor(ngx_now() - stored_at)))
     end
     local body
     if c.stream then

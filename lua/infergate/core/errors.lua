@@ -5,6 +5,8 @@
 -- the content of the error_page named locations, for every error nginx itself
 -- produces (unknown path, body too large, all nodes failed, ...).
 local cjson = require("cjson.safe")
+local ngxapi = require("infergate.core.ngxapi")
+local ngx_var = ngxapi.var
 local config = require("infergate.core.config")
 local deadline = require("infergate.admission.deadline")
 local options = require("infergate.admission.options")
@@ -58,7 +60,7 @@ function _M.send(status, message, etype, code, headers)
 end
 
 local function tries_summary()
-    local us = ngx.var.upstream_status
+    local us = ngx_var("upstream_status")
     if not us or us == "" then
         return nil
     end
@@ -85,7 +87,7 @@ end
 -- Answers on the /v1 API paths carry X-Request-Id (the request's id,
 -- infergate.core.reqctx; nginx's $request_id before the access phase gave it one).
 local function request_id()
-    local uri = ngx.var.request_uri
+    local uri = ngx_var("request_uri")
     if uri and uri:sub(1, 4) ~= "/v1/" then
         -- the path as nginx routed it: "//v1/x" and "/./v1/x" are /v1/ paths too
         uri = uri:gsub("/%./", "/"):gsub("//+", "/")
@@ -114,7 +116,7 @@ function _M.page(status)
     local entry = _M.CATALOG[status] or _M.CATALOG[500]
     local message = entry[3]
     local etype, code = entry[1], entry[2]
-    if status == 500 and ngx.var.infergate_reason == "no_healthy_upstream" then
+    if status == 500 and ngx_var("infergate_reason") == "no_healthy_upstream" then
         status = 503
         entry = _M.CATALOG[503]
         etype, code, message = entry[1], entry[2],

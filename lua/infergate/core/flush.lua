@@ -32,6 +32,8 @@
 -- (nginx still runs those in an exiting worker) unless one is already pending, which
 -- flushes until the queue is empty (at most EXIT_FLUSH_MAX_S when Redis cannot take it).
 local pool = require("infergate.redis.pool")
+local ngxapi = require("infergate.core.ngxapi")
+local ngx_now = ngxapi.now
 local config = require("infergate.core.config")
 
 local _M = {}
@@ -76,7 +78,7 @@ end
 -- Logs at most once every LOG_EVERY_S seconds per worker (a Redis outage, a refused
 -- write): a busy edge never floods the error log.
 function _M.warn(...)
-    local now = ngx.now()
+    local now = ngx_now()
     if now - last_log >= _M.LOG_EVERY_S then
         last_log = now
         log(WARN, "infergate: ", ...)
@@ -290,7 +292,7 @@ local function tick(premature)
         return
     end
     flushing = true
-    local now = ngx.now()
+    local now = ngx_now()
     for _, fn in ipairs(tick_hooks) do
         local hok, herr = pcall(fn, now)
         if not hok then
@@ -308,8 +310,8 @@ end
 local exit_pending = false
 
 local function exit_flush()
-    local until_s = ngx.now() + _M.EXIT_FLUSH_MAX_S
-    while (qlen > 0 or ncounts > 0) and ngx.now() < until_s do
+    local until_s = ngx_now() + _M.EXIT_FLUSH_MAX_S
+    while (qlen > 0 or ncounts > 0) and ngx_now() < until_s do
         if not flushing then
             tick(true)
         end

@@ -44,6 +44,10 @@
 -- in-flight and breakers come from infergate.routing.stats / infergate.routing.breaker. Without the
 -- shared dict (a hand-written config) every hook is a no-op.
 local config = require("infergate.core.config")
+local ngxapi = require("infergate.core.ngxapi")
+local ngx_now = ngxapi.now
+local ngx_start_time = ngxapi.req_start_time
+local ngx_var = ngxapi.var
 
 local _M = {}
 
@@ -188,7 +192,7 @@ end
 
 -- log_by_lua hook: req is the request state (infergate.core.reqctx) or nil.
 function _M.log(req)
-    local status = tonumber(ngx.var.status)
+    local status = tonumber(ngx_var("status"))
     if not status or status == 0 then
         status = ngx.status or 0
     end
@@ -204,7 +208,7 @@ function _M.log(req)
             node = "cache"
         end
     end
-    local dur = ngx.now() - ngx.req.start_time()
+    local dur = ngx_now() - ngx_start_time()
     _M.request_done(node, status, dur, tries, cres)
 end
 
@@ -388,7 +392,7 @@ function _M.serve()
     end
     ngx.header["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
     ngx.header["Cache-Control"] = "no-store"
-    ngx.print(_M.render(ngx.now()))
+    ngx.print(_M.render(ngx_now()))
 end
 
 return _M

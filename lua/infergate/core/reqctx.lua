@@ -25,6 +25,8 @@ local pending = {}
 local pending_count = 0
 
 local bit = require("bit")
+local ngxapi = require("infergate.core.ngxapi")
+local ngx_var = ngxapi.var
 local tohex = bit.tohex
 local bxor = bit.bxor
 local tobit = bit.tobit
@@ -72,11 +74,11 @@ end
 
 -- The id of the current request: the one the access phase gave it, else $request_id.
 function _M.current_id()
-    local id = ngx.var.infergate_rid
+    local id = ngx_var("infergate_rid")
     if id and id ~= "" then
         return id
     end
-    return ngx.var.request_id
+    return ngx_var("request_id")
 end
 
 function _M.new(route)
@@ -88,10 +90,10 @@ function _M.new(route)
             if tostring(err):find("not found", 1, true) then
                 own_var = false -- a hand-written config without the variable
             end
-            id = ngx.var.request_id
+            id = ngx_var("request_id")
         end
     else
-        id = ngx.var.request_id
+        id = ngx_var("request_id")
     end
     local req = { id = id, route = route, stream = false, attempts = {}, tried = {},
                   http_version = ngx.req.http_version() }
@@ -112,9 +114,9 @@ function _M.get()
     if req then
         return req
     end
-    local id = ngx.var.infergate_request_id
+    local id = ngx_var("infergate_request_id")
     if not id or id == "" then
-        id = ngx.var.request_id
+        id = ngx_var("request_id")
     end
     req = id and pending[id]
     if req then

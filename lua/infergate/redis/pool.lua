@@ -39,6 +39,8 @@
 -- Results follow infergate.redis.client: value | false, "ERR ..." (Redis error reply) |
 -- nil, err (transport error, bad URL or back-off).
 local client = require("infergate.redis.client")
+local ngxapi = require("infergate.core.ngxapi")
+local ngx_now = ngxapi.now
 local config = require("infergate.core.config")
 
 local _M = {}
@@ -175,7 +177,7 @@ local function backoff_get(id)
         return nil
     end
     local untils, err = v:match("^(%S+) (.*)$")
-    local left = (tonumber(untils) or 0) - ngx.now()
+    local left = (tonumber(untils) or 0) - ngx_now()
     if left <= 0 then
         if not d then
             local_backoff[id] = nil
@@ -200,11 +202,11 @@ local function backoff_set(id, err)
     local ok_at = last_ok[id]
     local o = opts()
     if ok_at and e:find("timeout", 1, true)
-            and ngx.now() - ok_at < math.max(o.backoff_s, o.timeout_ms / 1000) then
+            and ngx_now() - ok_at < math.max(o.backoff_s, o.timeout_ms / 1000) then
         return
     end
     local s = opts().backoff_s
-    local v = format("%.3f %s", ngx.now() + s, tostring(err))
+    local v = format("%.3f %s", ngx_now() + s, tostring(err))
     local d = dict()
     if d then
         d:set(_M.BACKOFF_KEY_PREFIX .. id, v, s)
@@ -422,7 +424,7 @@ function _M.release(c)
     local o = opts()
     local id = owners[c]
     if id then
-        last_ok[id] = ngx.now()
+        last_ok[id] = ngx_now()
     end
     c:setkeepalive(o.idle_ms, o.pool_size)
 end

@@ -16,6 +16,8 @@
 -- Connections to the sentinels go through infergate.redis.pool like every other Redis
 -- connection. Cosockets only (timers, access and content phases). Errors: nil, err.
 local config = require("infergate.core.config")
+local ngxapi = require("infergate.core.ngxapi")
+local ngx_now = ngxapi.now
 
 local _M = {}
 
@@ -84,7 +86,7 @@ function _M.refresh(conf, timeout_ms)
             local old = d and d:get(key)
             if d then
                 d:set(key, addr)
-                d:set(key .. ":ts", ngx.now())
+                d:set(key .. ":ts", ngx_now())
             end
             local last = d and d:get(key .. ":logged")
             if last ~= addr then
@@ -132,7 +134,7 @@ function _M.tick(conf, timeout_ms)
     end
     local d = dict()
     local ts = d and d:get(cache_key(conf) .. ":ts")
-    if ts and d:get(cache_key(conf)) and ngx.now() - ts < config.get().redis_sentinel_refresh_s then
+    if ts and d:get(cache_key(conf)) and ngx_now() - ts < config.get().redis_sentinel_refresh_s then
         return true
     end
     return _M.refresh(conf, timeout_ms)

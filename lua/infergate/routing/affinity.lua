@@ -64,6 +64,9 @@
 -- Counters (shared dict infergate_stats, exported by infergate.core.prometheus):
 -- "af:first" (the key's first node, or one of its m nodes), "af:spill" (a later one).
 local config = require("infergate.core.config")
+local ngxapi = require("infergate.core.ngxapi")
+local ngx_now = ngxapi.now
+local ngx_var = ngxapi.var
 local stats = require("infergate.routing.stats")
 local speed = require("infergate.routing.speed")
 local bit = require("bit")
@@ -178,7 +181,7 @@ local function session_header(name)
     if not header_var then
         return nil
     end
-    local v = ngx.var[header_var]
+    local v = ngx_var(header_var)
     if v == nil or v == "" then
         return nil
     end
@@ -359,7 +362,7 @@ function _M.choose(cands, n, key, o, fresh, now, retry)
     end
     local m = 1
     if not retry then
-        m = _M.width(_M.heat(key, now or ngx.now()), n, eps)
+        m = _M.width(_M.heat(key, now or ngx_now()), n, eps)
         if m > 1 and _M.live(key) == 0 then
             m = 1 -- nothing of this key in flight: a lone conversation stays where it is
         end

@@ -67,6 +67,8 @@
 -- Nothing eligible: the balancer fails and the error page answers 503
 -- no_healthy_upstream.
 local ngx_balancer = require("ngx.balancer")
+local ngxapi = require("infergate.core.ngxapi")
+local ngx_now = ngxapi.now
 local config = require("infergate.core.config")
 local snapshot = require("infergate.routing.snapshot")
 local stats = require("infergate.routing.stats")
@@ -410,7 +412,7 @@ end
 -- balancer_by_lua entry point.
 function _M.run()
     local o = config.get()
-    local now = ngx.now()
+    local now = ngx_now()
     local req = reqctx.get() or reqctx.new("inference")
     local attempts = req.attempts
     local n = #attempts

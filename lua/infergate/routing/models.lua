@@ -24,6 +24,9 @@
 --                        node as before when list() is nil
 -- No I/O: safe in every phase.
 local cjson = require("cjson.safe")
+local ngxapi = require("infergate.core.ngxapi")
+local ngx_now = ngxapi.now
+local ngx_var = ngxapi.var
 local breaker = require("infergate.routing.breaker")
 local snapshot = require("infergate.routing.snapshot")
 
@@ -133,11 +136,11 @@ function _M.step(req)
     if req.route ~= "models" then
         return nil
     end
-    local ids = _M.list(t, ngx.now())
+    local ids = _M.list(t, ngx_now())
     if not ids then
         return nil -- nothing known: a node answers, as without model routing
     end
-    local uri = ngx.var.uri
+    local uri = ngx_var("uri")
     local body
     if uri == "/v1/models" then
         body = _M.encode_list(ids)

@@ -43,11 +43,14 @@
 -- oldest attempt not yet answered, closed or released).
 --
 -- track(att, stream)   balancer phase, after infergate.routing.stats.open_attempt
--- first_byte(req)      the node answered: the headers of a complete answer, the first
---                      body chunk of a stream (infergate.filters)
+-- first_byte(req[, now]) the node answered: the headers of a complete answer, the first
+--                      body chunk of a stream (infergate.filters); now: epoch s, default
+--                      the clock
 -- finished(att, now)   when an attempt ends (log phase, or the balancer before a retry)
 -- is_outlier(node, now) balancer phase (no I/O: shared dict and local tables only)
 local config = require("infergate.core.config")
+local ngxapi = require("infergate.core.ngxapi")
+local ngx_now = ngxapi.now
 local stats = require("infergate.routing.stats")
 local speed = require("infergate.routing.speed")
 
@@ -195,7 +198,7 @@ local function unlink(att)
 end
 _M._unlink = unlink
 
-function _M.first_byte(req)
+function _M.first_byte(req, now)
     local attempts = req and req.attempts
     local att = attempts and attempts[#attempts]
     if not att or att.first_byte then
@@ -203,7 +206,7 @@ function _M.first_byte(req)
     end
     att.first_byte = true
     unlink(att)
-    local now = ngx.now()
+    now = now or ngx_now()
     local d = dict()
     local name = att.node
     -- "ol", "op" and "ou" are only ever set once "os" is: a node never found an outlier

@@ -14,6 +14,8 @@
 -- interval skip Redis and report the back-off as redis_error). Before any snapshot:
 -- the static node list from the rendered config, all nodes active and healthy.
 local cjson = require("cjson.safe")
+local ngxapi = require("infergate.core.ngxapi")
+local ngx_now = ngxapi.now
 local config = require("infergate.core.config")
 local keynames = require("infergate.redis.keynames")
 local redis = require("infergate.redis.client")
@@ -265,7 +267,7 @@ local function redis_failed(err)
     d:set("redis_ok", false)
     d:set("redis_error", tostring(err))
     if not outage then
-        outage = ngx.now()
+        outage = ngx_now()
         log(WARN, "infergate: Redis unreachable, routing on the last snapshot until it returns: ", err)
     end
 end
@@ -281,7 +283,7 @@ function _M.fetch()
         end
         return nil, conf_err
     end
-    local now = ngx.now()
+    local now = ngx_now()
     if redis_conf.sentinel then
         -- Sentinel: ask for the master every redis_sentinel_refresh_s (infergate.redis.sentinel)
         sentinel.tick(redis_conf, o.redis_timeout_ms)
@@ -345,7 +347,7 @@ end
 
 -- init_worker_by_lua: local table from the static list, then the sync timer.
 function _M.init_worker()
-    math.randomseed(ngx.now() * 1000 + ngx.worker.pid())
+    math.randomseed(ngx_now() * 1000 + ngx.worker.pid())
     _M.refresh()
     local o = config.get()
     local ok, err = ngx.timer.at(0, tick)

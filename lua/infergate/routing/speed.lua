@@ -63,6 +63,8 @@
 -- workers may count as one: the estimates are averages and lose nothing by it.
 -- No I/O: safe in the balancer and log phases.
 local config = require("infergate.core.config")
+local ngxapi = require("infergate.core.ngxapi")
+local ngx_now = ngxapi.now
 local stats = require("infergate.routing.stats")
 local snapshot = require("infergate.routing.snapshot")
 
@@ -82,7 +84,7 @@ _M.CLIP = 4
 _M.STALE_S = 5
 _M.HALF_LIFE_S = 5
 
-local last_fit = {}     -- worker-local: node -> ngx.now() of this worker's last fit
+local last_fit = {}     -- worker-local: node -> ngx_now() of this worker's last fit
 
 local function dict()
     return shared[config.DICT_STATS]
@@ -208,7 +210,7 @@ function _M.observe(att, latency_ms)
     local d = dict()
     local name = att.node
     local lat = latency_ms / 1000
-    local now = ngx.now()
+    local now = ngx_now()
     local key = rec_key(name)
     local raw = d:get(key)
     if type(raw) == "string" and #raw == REC_BYTES then
@@ -346,7 +348,7 @@ local function aged_of(raw, name, now, inflight)
         return nil
     end
     local at = value(raw, F_SA)
-    local idle = at and (now or ngx.now()) - at - _M.STALE_S
+    local idle = at and (now or ngx_now()) - at - _M.STALE_S
     if idle and idle > 0 and (inflight or stats.inflight(name)) == 0 then
         return s * 0.5 ^ (idle / _M.HALF_LIFE_S)
     end

@@ -23,6 +23,8 @@
 -- failure when a later node answered the request, as neutral when the later node failed
 -- it the same way (the request's fault, not the node's).
 local config = require("infergate.core.config")
+local ngxapi = require("infergate.core.ngxapi")
+local ngx_now = ngxapi.now
 local breaker = require("infergate.routing.breaker")
 
 local _M = {}
@@ -82,7 +84,7 @@ end
 
 -- Failure-rate EWMA (0-1) of the node's attempts, decayed to `now`.
 function _M.failure_rate(name, now)
-    return decayed_failure_rate(dict(), name, now or ngx.now())
+    return decayed_failure_rate(dict(), name, now or ngx_now())
 end
 
 local function update_failure_rate(d, name, sample, now)

@@ -18,6 +18,9 @@
 --             unqueued answers),
 --             "expected_s" (predicted completion of one more request, s; null likewise)}]}
 local cjson = require("cjson.safe")
+local ngxapi = require("infergate.core.ngxapi")
+local ngx_now = ngxapi.now
+local ngx_var = ngxapi.var
 local config = require("infergate.core.config")
 local snapshot = require("infergate.routing.snapshot")
 local stats = require("infergate.routing.stats")
@@ -102,11 +105,11 @@ end
 function _M.run()
     local m = ngx.req.get_method()
     if m ~= "GET" and m ~= "HEAD" then
-        return errors.send(405, "Use GET on " .. ngx.var.uri .. ".", nil, nil, { Allow = "GET, HEAD" })
+        return errors.send(405, "Use GET on " .. ngx_var("uri") .. ".", nil, nil, { Allow = "GET, HEAD" })
     end
     ngx.header["Content-Type"] = "application/json"
     ngx.header["Cache-Control"] = "no-store"
-    ngx.say(_M.encode(_M.report(ngx.now())))
+    ngx.say(_M.encode(_M.report(ngx_now())))
 end
 
 return _M
