@@ -9,6 +9,13 @@ bodies from a wrk Lua script) at the connections of its name (no suffix: -c16):
 - ``direct``: wrk -> upstream.
 - ``nginx_proxy`` (also ``_c256``, ``_c1000``): wrk -> plain nginx ``proxy_pass``
   (keepalive upstream) -> upstream.
+- ``lua_floor``: wrk -> an nginx whose Lua does the least any Lua edge must: the
+  access phase reads and decodes the JSON body, ``balancer_by_lua`` sets the one peer,
+  and empty header filter, body filter and log phases; keepalive upstream -> upstream.
+  What nginx's Lua module costs before an edge does anything of its own.
+- ``lua_hit_floor``: wrk -> an nginx whose content phase reads and decodes the body, GETs
+  one stored answer from Redis over a pooled cosocket and prints it: the least an exact
+  hit from Redis can cost in Lua.
 - ``infergate``: wrk -> infergate edge (rendered config, Redis, control plane; response
   cache off) -> upstream.
 - ``infergate_admission`` (also ``_c256``, ``_c1000``): the same with API keys required
@@ -55,7 +62,7 @@ import requests
 from controlplane import paths, procs
 from controlplane.redisdb import keynames
 from controlplane.config import Settings, settings_from_dict
-from controlplane.edge.render import render_nginx, start_nginx
+from controlplane.edge.render import default_modules_dir, render_nginx, start_nginx
 
 from ..common import (NGINX_HEAD, RESULTS_DIR, BenchError, Stack, format_table, log, machine_info,
                       sigterm_as_interrupt, tool_version, write_json)
@@ -65,6 +72,8 @@ from . import wrk
 CASES: dict[str, tuple[str, int, str | None, dict[str, str]]] = {
     "direct": ("direct", 16, "nginx_proxy", {}),
     "nginx_proxy": ("proxy", 16, None, {}),
+    "lua_floor": ("floor", 16, "nginx_proxy", {}),
+    "lua_hit_floor": ("floor_hit", 16, "nginx_proxy", {}),
     "infergate": ("edge", 16, "nginx_proxy", {}),
     "infergate_admission": ("edge_admission", 16, "nginx_proxy", {}),
     "infergate_exact_hit": ("edge_cache", 16, "nginx_proxy", {}),
@@ -176,6 +185,71 @@ PROXY_CONF = NGINX_HEAD + """\
             proxy_http_version 1.1;
             proxy_set_header Connection "";
             proxy_buffering off;
+        }}
+    }}
+}}
+"""
+
+#: Redis key of the answer the hit floor serves (the benchmark's own Redis).
+FLOOR_KEY = "infergate-bench:floor-answer"
+
+#: The floors (``lua_floor``, ``lua_hit_floor``): nginx's Lua module with no logic of
+#: the edge's, the same body limits as the rendered locations.
+FLOOR_CONF = """\
+load_module {modules_dir}/ndk_http_module.so;
+load_module {modules_dir}/ngx_http_lua_module.so;
+""" + NGINX_HEAD + """\
+    upstream floor_upstream {{
+        server 0.0.0.1;
+        balancer_by_lua_block {{
+            require("ngx.balancer").set_current_peer("127.0.0.1", {upstream_port})
+        }}
+        keepalive 64;
+    }}
+    server {{
+        listen 127.0.0.1:{port};
+        client_max_body_size 8m;
+        client_body_buffer_size 8m;
+        location = /v1/chat/completions {{
+            access_by_lua_block {{
+                ngx.req.read_body()
+                local obj = require("cjson.safe").decode(ngx.req.get_body_data())
+                if type(obj) ~= "table" then
+                    return ngx.exit(400)
+                end
+            }}
+            header_filter_by_lua_block {{ }}
+            body_filter_by_lua_block {{ }}
+            log_by_lua_block {{ }}
+            proxy_pass http://floor_upstream;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+        }}
+        location = /floor/hit {{
+            default_type application/json;
+            content_by_lua_block {{
+                ngx.req.read_body()
+                local obj = require("cjson.safe").decode(ngx.req.get_body_data())
+                if type(obj) ~= "table" then
+                    return ngx.exit(400)
+                end
+                local sock = ngx.socket.tcp()
+                sock:settimeout(1000)
+                local ok = sock:connect("127.0.0.1", {redis_port})
+                local key = "{key}"
+                if ok then
+                    ok = sock:send("*2\\r\\n$3\\r\\nGET\\r\\n$" .. #key .. "\\r\\n" .. key .. "\\r\\n")
+                end
+                local line = ok and sock:receive()
+                local n = line and tonumber(line:sub(2))
+                local data = n and n >= 0 and sock:receive(n + 2)
+                if not data then
+                    return ngx.exit(502)
+                end
+                sock:setkeepalive(60000, 64)
+                ngx.print(data:sub(1, n))
+            }}
         }}
     }}
 }}
@@ -541,6 +615,19 @@ def _start_targets(stack: Stack, home: Path, rows: dict[str, dict], semantic: bo
     env = {"targets": targets, "headers": headers, "redis": r, "all_hit": None, "edges": edges,
            "pids": pids}
 
+    fl_port = procs.free_port()
+    d = stack.dir / "floor"
+    (d / "logs").mkdir(parents=True)
+    conf = d / "nginx.conf"
+    conf.write_text(FLOOR_CONF.format(prefix=d, port=fl_port, upstream_port=up_port,
+                                      redis_port=rport, key=FLOOR_KEY,
+                                      modules_dir=default_modules_dir()))
+    r.set(FLOOR_KEY, STATIC_ANSWER)
+    stack.add(start_nginx(conf, d))
+    targets["floor"] = (f"http://127.0.0.1:{fl_port}{chat}", [body(PROMPT)])
+    targets["floor_hit"] = (f"http://127.0.0.1:{fl_port}/floor/hit", [body(PROMPT)])
+    pids["floor"] = pids["floor_hit"] = worker_pid(d)
+
     edge = EdgeProc(stack, "edge", base)
     edges.append(edge)
     targets["edge"] = (edge.url + chat, [body(PROMPT)])
@@ -732,12 +819,14 @@ def target_checks(records: list[dict], all_hit: dict | None) -> list[str]:
             continue
         line(f"{row} (-c{r['connections']}) >= 0.8x nginx req/s, p99 added <= 2 ms",
              r["rps_ratio"] >= 0.8 and r["p99_added_ms"] <= 2.0,
-             f"{r['rps_ratio']:.3f}x, p99 added {r['p99_added_ms']:.2f} ms{_cpu(r)}")
+             f"{r['rps_ratio']:.3f}x, p99 added {r['p99_added_ms']:.2f} ms{_cpu(r)}"
+             f"{_floor(by.get('lua_floor'))}")
     for row in ("infergate_exact_hit", "infergate_exact_hit_local"):
         r = by.get(row, {})
         line(f"{row} >= 1.0x nginx proxy_pass req/s",
              None if r.get("rps_ratio") is None else r["rps_ratio"] >= 1.0,
-             f"{r['rps_ratio']:.3f}x{_cpu(r)}" if r.get("rps_ratio") is not None else "-")
+             f"{r['rps_ratio']:.3f}x{_cpu(r)}{_floor(by.get('lua_hit_floor'))}"
+             if r.get("rps_ratio") is not None else "-")
     if all_hit:
         diff = all_hit["stats_difference"]
         ok = (all_hit["hit_share"] is not None and all_hit["hit_share"] >= 0.99
@@ -763,6 +852,14 @@ def target_checks(records: list[dict], all_hit: dict | None) -> list[str]:
 
 def _cpu(r: dict) -> str:
     return f" ({r['cpu_ratio']:.3f}x by CPU per request)" if r.get("cpu_ratio") else ""
+
+
+def _floor(r: dict | None) -> str:
+    """``"; floor <row> 0.8x (0.78x by CPU)"``: the -c16 floor row's ratios, or ""."""
+    if not r or r.get("rps_ratio") is None:
+        return ""
+    cpu = f", {r['cpu_ratio']:.3f}x by CPU" if r.get("cpu_ratio") else ""
+    return f"; floor {r['row']}: {r['rps_ratio']:.3f}x{cpu}"
 
 
 def table_rows(records: list[dict]) -> list[dict]:

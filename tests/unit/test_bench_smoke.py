@@ -258,6 +258,8 @@ def test_edge_overhead_records_ratios_and_unavailable_rows():
                       "p99_ms": 5.0},
         "infergate_admission": {"row": "infergate_admission", "available": True, "rps": 17000.0,
                                 "p50_ms": 0.9, "p99_ms": 3.5},
+        "lua_floor": {"row": "lua_floor", "available": True, "rps": 16000.0, "p50_ms": 0.9,
+                      "p99_ms": 2.5},
         "infergate_exact_hit": {"row": "infergate_exact_hit", "available": False,
                                 "reason": "no cache"},
         "length_coalesce_on": {"row": "length_coalesce_on", "available": True, "rps": 900.0,
@@ -280,9 +282,10 @@ def test_edge_overhead_records_ratios_and_unavailable_rows():
     assert on["reference"] == "length_coalesce_off" and on["rps_ratio"] == 0.9
     assert on["hit_share"] == 0.9
     table = common.format_table(edge_main.table_rows(recs), edge_main.COLUMNS)
-    assert table.count("not available") == len(edge_main.ROWS) - 6
+    assert table.count("not available") == len(edge_main.ROWS) - 7
     lines = edge_main.target_checks(recs, None)
     assert lines[0].startswith("infergate_admission (-c16)") and lines[0].endswith("-> met")
+    assert "; floor lua_floor: 0.800x ->" in lines[0]  # the bound any Lua edge pays
     assert "not measured" in lines[1]  # c256 row absent
     assert lines[-2].endswith("MISSED")  # coalescing on at 0.9x of off
 
