@@ -16,7 +16,12 @@ Bounds (``k`` wrong hits out of ``n`` negatives, result a rate 0-1):
 Pair files (:func:`load_pairs`): TSV ``text1<TAB>text2<TAB>label`` (a header line
 ``text1 text2 label`` is optional), JSONL with ``text1``/``text2``/``label``, or JSONL of
 paraphrases only (``{"origin", "similar"}``, the qqp shape: every pair label 1). Sets
-without negatives get mined ones (:func:`mine_negatives`).
+without negatives get mined ones (:func:`mine_negatives`): per query, the closest cached
+question of another group, where groups join paired texts and lexical duplicates
+(:func:`duplicate_key`: equal sequences of content words, a test that uses no embedding
+model, so the measure does not grade the model with its own judgement). Texts that
+differ in a number, a negation, a wh-word, a content word or the order of words stay
+apart, so such a neighbour is still mined as a negative.
 
 Pure logic, no I/O besides :func:`load_pairs`; numpy only.
 """
@@ -26,7 +31,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -226,10 +231,103 @@ def normalise(t: str) -> str:
     return re.sub(r"[\W_]+", " ", t.lower()).strip()
 
 
+# ---------------------------------------------------------------- duplicate key
+
+# Contractions, expanded before words are split ("what's" -> "what is", "n't" -> " not").
+# "'s" is "is", "has" or a possessive: all three are dropped below, so it goes at once.
+_CONTRACTIONS = (
+    (re.compile(r"\b(can)'?t\b"), r"\1 not"), (re.compile(r"\bwon'?t\b"), "will not"),
+    (re.compile(r"\bshan't\b"), "shall not"), (re.compile(r"\bain't\b"), "is not"),
+    (re.compile(r"\b(do|does|did|is|are|was|were|has|have|had|would|should|could|must|need)"
+                r"n'?t\b"), r"\1 not"),
+    (re.compile(r"n't\b"), " not"), (re.compile(r"\b(what|who|where|how|when|why|that|there)s\b"),
+                                      r"\1 is"),
+    (re.compile(r"\blet's\b"), "let us"), (re.compile(r"'re\b"), " are"),
+    (re.compile(r"'m\b"), " am"), (re.compile(r"'ve\b"), " have"), (re.compile(r"'ll\b"), " will"),
+    (re.compile(r"'d\b"), " would"), (re.compile(r"'s\b"), " "),
+)
+_WORD_RE = re.compile(r"[^\W_]+")
+# Dropped: articles, forms of be / do / have, future and conditional will / would / shall,
+# first- and second-person pronouns (the asker and the generic "you": "how do I" = "how do
+# you"), and light words that do not change a question ("that", "some", "really", ...).
+# Kept: wh-words, negations, numbers, prepositions, third-person pronouns (who does what
+# to whom), the modals can / may / should / must, and every other word, in order.
+DUP_DROPPED = frozenset("""
+    a an the
+    am is are was were be been being do does did have has had will would shall
+    i me my mine myself we us our ours ourselves you your yours yourself yourselves
+    that some any really actually exactly just ever also very so please
+""".split())
+# Spellings of one word: "which" asks what "what" asks; "could" / "might" are the
+# politer "can" / "may".
+DUP_SAME = {"which": "what", "whom": "who", "could": "can", "might": "may", "cannot": "can not"}
+WH_WORDS = frozenset({"what", "who", "whose", "why", "how", "when", "where"})
+# Right after "how" a modal asks for the same method ("how can I", "how should I", "how
+# do I"); elsewhere it is kept ("can I" / "should I", "when can" / "when should").
+HOW_MODALS = frozenset({"can", "should", "must", "may"})
+
+
+def _stem(w: str) -> str:
+    """Light suffix stemming of one English word: plural / third-person -s, -es, -ies,
+    then -ing and -ed, then a final -e ("makes", "making", "make" -> "mak"); a word of
+    3 characters or less, and any word holding a digit, is kept as it is."""
+    if len(w) <= 3 or not w.isalpha() or not w.isascii():
+        return w
+    if w.endswith("ies") and len(w) > 4:
+        w = w[:-3] + "y"
+    elif w.endswith(("sses", "xes", "ches", "shes", "zes")):
+        w = w[:-2]
+    elif w.endswith("s") and not w.endswith(("ss", "us", "is")):
+        w = w[:-1]
+    for suf in ("ing", "ed"):
+        if w.endswith(suf) and len(w) - len(suf) >= 3:
+            w = w[:-len(suf)]
+            break
+    if w.endswith("e") and len(w) > 3:
+        w = w[:-1]
+    return w
+
+
+def _words(t: str) -> list[str]:
+    t = t.lower().replace("\u2019", "'").replace("`", "'")
+    for rx, rep in _CONTRACTIONS:
+        t = rx.sub(rep, t)
+    out = []
+    for w in _WORD_RE.findall(t):
+        w = DUP_SAME.get(w, w)
+        out.extend(w.split())
+    return out
+
+
+def duplicate_key(t: str) -> str:
+    """The sequence of content words of ``t``, one string: texts with equal keys ask the
+    same question in another wording, independently of any embedding model.
+
+    Lower case; contractions expanded ("what's" -> "what is", "n't" -> " not");
+    punctuation removed; the words of :data:`DUP_DROPPED` (articles, auxiliaries, first-
+    and second-person pronouns, light function words) dropped; :data:`DUP_SAME` spellings
+    merged ("which" -> "what"); a modal right after "how" dropped (:data:`HOW_MODALS`);
+    light suffix stemming (:func:`_stem`). Word order, wh-words,
+    negations, numbers, prepositions and every other word are kept, so "2 days" / "3
+    days", "Trump is better than Clinton" / the reverse, and "a stranger did for you" /
+    "you did for a stranger" keep different keys. When fewer than two words besides
+    wh-words would remain ("Who are you?"), only articles are dropped: a short question
+    is mostly its function words."""
+    words = _words(t)
+    content = [w for i, w in enumerate(words) if w not in DUP_DROPPED
+               and not (w in HOW_MODALS and i and words[i - 1] == "how")]
+    if sum(w not in WH_WORDS for w in content) < 2:
+        content = [w for w in words if w not in ("a", "an", "the")]
+    return " ".join(_stem(w) for w in content)
+
+
 def groups(text1: Sequence[str], text2: Sequence[str],
-           label: Sequence[int] | None = None) -> dict[str, int]:
-    """Normalised text -> group id: union-find over the matching pairs (all pairs when
-    ``label`` is None), so texts that recur in several wordings share a group."""
+           label: Sequence[int] | None = None,
+           key: Callable[[str], str] = normalise) -> dict[str, int]:
+    """``key(text)`` -> group id: union-find over the matching pairs (all pairs when
+    ``label`` is None), so texts that recur in several wordings share a group. ``key``
+    (default :func:`normalise`) decides which texts are one node: with
+    :func:`duplicate_key`, lexical duplicates share a group even when no pair links them."""
     parent: dict[str, str] = {}
 
     def find(x: str) -> str:
@@ -240,7 +338,7 @@ def groups(text1: Sequence[str], text2: Sequence[str],
         return x
 
     for i, (a, b) in enumerate(zip(text1, text2)):
-        ra, rb = find(normalise(a)), find(normalise(b))
+        ra, rb = find(key(a)), find(key(b))
         if (label is None or label[i] == 1) and ra != rb:
             parent[ra] = rb
     roots: dict[str, int] = {}
@@ -250,14 +348,17 @@ def groups(text1: Sequence[str], text2: Sequence[str],
 def mine_negatives(pairs: Pairs, vec1: np.ndarray, vec2: np.ndarray) -> Pairs:
     """Pairs plus one hard negative per query of a positives-only set: ``text2`` against
     the closest ``text1`` (cosine of the L2-normalised ``vec1``/``vec2`` rows) of another
-    group (:func:`groups`). Some of these are recurrences the grouping could not link, so
-    wrong-hit rates on them are upper bounds. Returns ``pairs`` unchanged when it already
-    has negatives."""
+    group. Groups (:func:`groups` with :func:`duplicate_key`) join the texts of each pair
+    and the lexical duplicates of a text, so a question that recurs in a trivially
+    different wording ("What's ..." / "What is ...") is never mined as a negative of
+    itself. Some mined negatives are still recurrences in looser wordings the key does not
+    link, so wrong-hit rates on them are upper bounds. Returns ``pairs`` unchanged when it
+    already has negatives."""
     if any(v == 0 for v in pairs.label):
         return pairs
-    g = groups(pairs.text1, pairs.text2)
-    q_group = np.array([g[normalise(t)] for t in pairs.text2])
-    e_group = np.array([g[normalise(t)] for t in pairs.text1])
+    g = groups(pairs.text1, pairs.text2, key=duplicate_key)
+    q_group = np.array([g[duplicate_key(t)] for t in pairs.text2])
+    e_group = np.array([g[duplicate_key(t)] for t in pairs.text1])
     out = Pairs(list(pairs.text1), list(pairs.text2), list(pairs.label), list(pairs.mined))
     step = 512
     for s in range(0, len(pairs), step):
@@ -275,12 +376,14 @@ def mine_negatives(pairs: Pairs, vec1: np.ndarray, vec2: np.ndarray) -> Pairs:
 
 def fold_ids(pairs: Pairs, k: int, seed: int = 7) -> np.ndarray:
     """Fold number (0..k-1) per pair for k-fold cross-validation, by connected component
-    of texts over the given (not mined) pairs, whatever the label: pairs sharing a text are
-    in one fold, so no query text of a held-out pair was seen in training. A mined
+    of texts over the given (not mined) pairs, whatever the label, texts with one
+    :func:`duplicate_key` counting as one: pairs sharing a text (or a lexical duplicate of
+    it) are in one fold, so no query text of a held-out pair was seen in training. A mined
     negative goes with its query (``text2``)."""
     real = [i for i, m in enumerate(pairs.mined) if not m]
-    g = groups([pairs.text1[i] for i in real], [pairs.text2[i] for i in real], None)
-    comp = np.array([g.get(normalise(t), -1 - i) for i, t in enumerate(pairs.text2)])
+    g = groups([pairs.text1[i] for i in real], [pairs.text2[i] for i in real], None,
+               key=duplicate_key)
+    comp = np.array([g.get(duplicate_key(t), -1 - i) for i, t in enumerate(pairs.text2)])
     rng = np.random.default_rng(seed)
     ids = np.unique(comp)
     perm = rng.permutation(len(ids))

@@ -140,6 +140,57 @@ def test_mined_negatives_come_from_other_groups() -> None:
     assert cal.mine_negatives(labelled, v1[:1], v2[:1]) is labelled
 
 
+@pytest.mark.parametrize("a,b", [
+    ("Why do some people think the Earth is flat?",
+     "Why do some people think that the Earth is flat?"),
+    ("Which is best laptop to buy under 30k?", "Which is the best laptop to buy under 30k?"),
+    ("What's your favorite song and why?", "What is your favorite song and why?"),
+    ("How can I improve my English?", "How do you improve your English?"),
+    ("Why can't I sleep at night?", "Why can I not sleep at night?"),
+    ("What are the best books for SSC CGL?", "Which is the best book for SSC CGL?"),
+    ("What happened to Yahoo?", "What has happened to Yahoo?"),
+])
+def test_duplicate_key_joins_trivial_rewordings(a: str, b: str) -> None:
+    assert cal.duplicate_key(a) == cal.duplicate_key(b)
+
+
+@pytest.mark.parametrize("a,b", [
+    ("How can I get meth out of my system in 2 days?",
+     "How can I get meth out of my system in 3 days?"),
+    ("How are U.S. family offices structured?", "How are Canadian family offices structured?"),
+    ("How is Donald Trump a better choice than Hillary Clinton?",
+     "How is Hillary Clinton a better choice than Donald Trump?"),
+    ("What is the kindest thing a stranger has done for you?",
+     "What is the kindest thing you have done for a stranger?"),
+    ("Who are you?", "Who am I?"),
+    ("Why does she hate me?", "Why do I hate her?"),
+    ("Can I eat eggs?", "Should I eat eggs?"),
+    ("When can I apply?", "When should I apply?"),
+    ("How do I learn Python?", "Why do I learn Python?"),
+    ("Is it safe?", "Is it not safe?"),
+    ("Flights from Delhi to Goa", "Flights from Goa to Delhi"),
+    ("怎么还款", "如何还款"),
+])
+def test_duplicate_key_keeps_different_questions_apart(a: str, b: str) -> None:
+    assert cal.duplicate_key(a) != cal.duplicate_key(b)
+
+
+def test_mined_negative_is_never_a_lexical_duplicate() -> None:
+    # "what's the capital of France" is a rewording of the first query's own question: the
+    # negative mined for it must be the other question, even though it is further away
+    p = cal.Pairs(["What is the capital of France?", "What's the capital of France?",
+                   "How do I bake bread?"],
+                  ["France's capital city?", "Capital of France, which city?",
+                   "Bread baking at home?"], [1, 1, 1], [False] * 3)
+    v1 = np.array([[1, 0, 0], [0.99, 0.141, 0], [0, 0, 1]], dtype=np.float32)
+    v2 = np.array([[0.98, 0.2, 0.0], [0.9, 0.43, 0.0], [0.1, 0, 0.99]], dtype=np.float32)
+    out = cal.mine_negatives(p, v1, v2)
+    assert out.text1[3] == out.text1[4] == "How do I bake bread?"
+    assert cal.groups(p.text1, p.text2, key=cal.duplicate_key)[
+        cal.duplicate_key(p.text1[0])] == cal.groups(p.text1, p.text2, key=cal.duplicate_key)[
+        cal.duplicate_key(p.text1[1])]
+
+
 def test_folds_keep_shared_texts_together() -> None:
     p = cal.Pairs(["a", "a", "c", "e", "g"], ["b", "x", "d", "f", "h"], [1, 0, 1, 1, 0],
                   [False] * 5)
