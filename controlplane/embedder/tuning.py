@@ -96,8 +96,7 @@ def calibrate(pairs: cal.Pairs, model, max_wrong: float = 0.01,
                                  **common)
     x = ver.features(pairs.text2, pairs.text1, u, v)
     cos = ver.cosine_of(x)
-    guard_ok = x[:, x.shape[1] - len(ver.SCALAR_FEATURES)
-                 + ver.SCALAR_FEATURES.index("guard_pass")] > 0.5
+    guard_ok = ver.column(x, "guard_pass") > 0.5
     trained = None
     if train:
         floor = verifier.floor if verifier is not None else 0.5

@@ -3,6 +3,7 @@ engine combines it with per-domain thresholds (fake model, fakeredis)."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -79,6 +80,57 @@ def test_cross_validated_scores_are_out_of_fold() -> None:
     assert ((oof >= 0.5) == (y == 1)).mean() > 0.9
     with pytest.raises(ValueError, match="both labels"):
         ver.cross_val_scores(x, np.ones(len(y), int), folds, floor=-1.0, iters=5)
+
+
+def test_content_features_see_duplicates_order_and_wh_words() -> None:
+    col = {n: i for i, n in enumerate(ver.CONTENT_FEATURES)}
+    dup = ver.content_features("What's your favorite song and why?",
+                               "What is your favorite song and why?")
+    assert dup[col["seq_equal"]] == 1 and dup[col["order_discordant"]] == 0
+    swap = ver.content_features("How is Donald Trump a better choice than Hillary Clinton?",
+                                "How is Hillary Clinton a better choice than Donald Trump?")
+    assert swap[col["seq_equal"]] == 0 and swap[col["same_bag_reordered"]] == 1
+    assert swap[col["order_discordant"]] > 0.3 and swap[col["content_jaccard"]] == 1
+    wh = ver.content_features("How do I learn Python?", "Why do I learn Python?")
+    assert wh[col["wh_differs"]] == 1 and wh[col["wh_first_differs"]] == 1
+    zh = ver.content_features("借款1万需要什么条件", "借款5万需要什么条件")
+    assert zh[col["content_only_q"]] == 1 and zh[col["content_only_c"]] == 1
+    assert ver.content_features("", "")[col["seq_equal"]] == 1
+
+
+def test_mlp_separates_and_round_trips(tmp_path) -> None:
+    q, c, u, v, y = _separable()
+    x = ver.features(q, c, u, v)
+    model = ver.fit_mlp(x, y, dim=8, model_id="fake", min_score=0.6, hidden=8, iters=150,
+                        seeds=(0, 1))
+    assert model.kind == "mlp" and len(model.members) == 2
+    p = model.score(q, c, u, v)
+    assert ((p >= 0) & (p <= 1)).all() and ((p >= 0.5) == (y == 1)).mean() > 0.95
+    path = tmp_path / "mlp.json"
+    model.save(path)
+    again = ver.load_for("fake", 8, path)
+    assert again.kind == "mlp" and again.min_score == 0.6
+    # input weights are stored as float16
+    np.testing.assert_allclose(again.score(q, c, u, v), p, atol=2e-3)
+
+
+def test_version_1_files_still_load_and_use_version_1_features(tmp_path) -> None:
+    q, c, u, v, y = _separable(n=200)
+    x1 = ver.features(q, c, u, v, feature_version=1)
+    assert x1.shape == (200, ver.n_features(8, 1)) == (200, 2 * 8 + 18)
+    model = ver.fit(x1, y, dim=8, model_id="fake", iters=100)
+    assert model.feature_version == 1
+    d = model.to_dict()
+    d["version"] = 1
+    del d["kind"]
+    (tmp_path / "v1.json").write_text(json.dumps(d))
+    old = ver.Verifier.load(tmp_path / "v1.json")
+    assert old.feature_version == 1 and old.kind == "logistic"
+    np.testing.assert_allclose(old.score(q, c, u, v), model.score(q, c, u, v), atol=1e-4)
+    d["kind"] = "mlp"
+    (tmp_path / "bad.json").write_text(json.dumps(d))
+    with pytest.raises(ver.VerifierError, match="kind"):
+        ver.Verifier.load(tmp_path / "bad.json")
 
 
 def test_bad_files(tmp_path) -> None:
