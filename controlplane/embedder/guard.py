@@ -17,6 +17,11 @@ the cached entry's text (the last user message of each):
   开通/关闭, 增加/减少, ...) and the other text only the other side.
 - ``order``: the two sides of a direction or comparison are swapped (重庆到西安 /
   西安到重庆, 左脸比右脸大 / 右脸比左脸大, convert pdf to word / convert word to pdf).
+- ``persons``: the speaker and the addressee trade places: both texts name a first and a
+  second person, in the opposite order ("Do I owe you money?" / "Do you owe me money?",
+  "Can you help me?" / "Can I help you?", 你欠我钱吗 / 我欠你钱吗). A generic "you" that
+  replaces "I" ("How do I reset my password?" / "How do you reset your password?") names
+  only one person on each side and passes.
 - ``key_terms``: a near-copy with one or two key terms replaced: each text has 1 or 2 key
   terms the other lacks (Chinese characters outside a function-character list such as
   皖 / 滇; English words outside a stop list such as Wisconsin / Michigan). The entity
@@ -438,6 +443,39 @@ def swapped(query: str, candidate: str) -> bool:
     return False
 
 
+_EN_FIRST = frozenset({"i", "me", "my", "mine", "myself", "we", "us", "our", "ours",
+                       "ourselves", "i'm", "i've", "i'll", "i'd", "we're", "we've", "we'll",
+                       "we'd"})
+_EN_SECOND = frozenset({"you", "your", "yours", "yourself", "yourselves", "you're",
+                        "you've", "you'll", "you'd"})
+_PERSON_RE = re.compile(r"[a-z]+(?:'[a-z]+)?|[\u6211\u4f60\u60a8]")
+_ZH_PERSON = {"\u6211": 1, "\u4f60": 2, "\u60a8": 2}  # 我, 你, 您
+# greetings that name no addressee: 你好, 您好, 你们好
+_ZH_GREETING_RE = re.compile(r"[\u4f60\u60a8]\u4eec?\u597d")
+
+
+@functools.lru_cache(maxsize=8192)
+def first_person_first(text: str) -> bool | None:
+    """Whether ``text`` names the first person before the second (True), the second before
+    the first (False), or not both (None): English I / me / my / we ... and you / your ...,
+    Chinese 我 and 你 / 您 (not in the greetings 你好 / 您好)."""
+    t = _ZH_GREETING_RE.sub(" ", text[:MAX_GUARD_CHARS].lower().replace("\u2019", "'"))
+    seen = 0
+    for tok in _PERSON_RE.findall(t):
+        p = _ZH_PERSON.get(tok) or (1 if tok in _EN_FIRST else 2 if tok in _EN_SECOND else 0)
+        if p and not seen:
+            seen = p
+        elif p and p != seen:
+            return seen == 1
+    return None
+
+
+def persons_swapped(query: str, candidate: str) -> bool:
+    """True when both texts name a first and a second person, in the opposite order."""
+    a, b = first_person_first(query), first_person_first(candidate)
+    return a is not None and b is not None and a != b
+
+
 # ---------------------------------------------------------------- the guard
 
 def check(query: str, candidate: str) -> GuardResult:
@@ -446,8 +484,8 @@ def check(query: str, candidate: str) -> GuardResult:
     Checks, in order: a text without a letter or digit (``no_words``: "???" against
     "!!!", only equal up to spacing may match), symbols (``symbols``: emoji, currency,
     maths and other Unicode symbols must be the same, "👍" against "👎"), numbers,
-    negation, antonyms, swapped sides (``order``), key-term substitution (``key_terms``);
-    the first that differs rejects.
+    negation, antonyms, swapped sides (``order``), speaker and addressee swapped
+    (``persons``), key-term substitution (``key_terms``); the first that differs rejects.
     Never raises for ``str`` inputs (non-``str`` is treated as empty text)."""
     q = query if isinstance(query, str) else ""
     c = candidate if isinstance(candidate, str) else ""
@@ -464,6 +502,8 @@ def check(query: str, candidate: str) -> GuardResult:
         return GuardResult(False, f"antonym:{conflict}")
     if swapped(q, c):
         return GuardResult(False, "order")
+    if persons_swapped(q, c):
+        return GuardResult(False, "persons")
     if key_term_substitution(q, c):
         return GuardResult(False, "key_terms")
     return PASS

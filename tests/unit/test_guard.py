@@ -30,6 +30,12 @@ from controlplane.embedder import guard
     ("重庆到西安的火车票", "西安到重庆的火车票", "order"),
     ("为什么我左脸比右脸大?", "为什么我右脸比左脸大?", "order"),
     ("How to convert pdf to word", "How to convert word to pdf", "order"),
+    ("Do I owe you money?", "Do you owe me money?", "persons"),
+    ("Can you help me?", "Can I help you?", "persons"),
+    ("What do you think of me?", "What do I think of you?", "persons"),
+    ("Should I trust you?", "Should you trust me?", "persons"),
+    ("你欠我钱吗", "我欠你钱吗", "persons"),
+    ("我不配做你男朋友是谁唱的", "你不配做我的男朋友是谁唱的", "persons"),
     ("皖是哪个省会的简称", "滇是哪个省会的简称", "key_terms"),
     ("彬字的行书怎么写", "焱字的行书是怎么写", "key_terms"),
     ("What is the capital of France?", "What is the capital of Germany?", "key_terms"),
@@ -74,6 +80,11 @@ def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason
     ("", ""),
     ("?!", "?!  "),
     ("What is 2+2?", "what is 2 + 2"),
+    # a generic "you" for "I", a request for a question, a greeting: not a role swap
+    ("How do I reset my password?", "How do you reset your password?"),
+    ("Can I cancel my order?", "Can you cancel my order?"),
+    ("Could you tell me how to fix it?", "How do I fix it?"),
+    ("你好，我的贷款为什么会失败", "我的贷款为什么会失败"),
     ("Is this a good idea? 👍", "is this a good idea 👍"),
 ])
 def test_passes_equivalent_pairs(query: str, candidate: str) -> None:
