@@ -50,6 +50,7 @@ import functools
 import json
 import math
 import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,7 +158,8 @@ def content_features(query: str, candidate: str) -> list[float]:
     sm = difflib.SequenceMatcher(None, a, b, autojunk=False)
     lcs = sum(m.size for m in sm.get_matching_blocks()) / max(1, len(a), len(b))
     pos_b = {w: i for i, w in enumerate(b)}
-    once = [pos_b[w] for w in a if w in sb and a.count(w) == 1 and b.count(w) == 1]
+    ca, cb = Counter(a), Counter(b)
+    once = [pos_b[w] for w in a if ca[w] == 1 and cb.get(w) == 1]
     k = len(once)
     disc = sum(once[i] > once[j] for i in range(k) for j in range(i + 1, k))
     wa, wb = [w for w in a if w in WH_WORDS], [w for w in b if w in WH_WORDS]
