@@ -2,13 +2,16 @@
 simulated nodes, control plane, nginx). Used by ``infergate up`` and by the tests.
 
 Every process runs in its own process group and is stopped with SIGTERM, then SIGKILL
-after a grace period. Readiness is waited for with a deadline, never a fixed sleep.
+after a grace period. On Linux it also gets SIGTERM from the kernel when the thread that
+started it ends (``prctl(PR_SET_PDEATHSIG)``), so a stack whose parent is killed with
+SIGKILL, or dies any other way, does not run on without it. Readiness is waited for with a deadline, never a fixed sleep.
 :class:`Supervisor` restarts parts that die (with back-off, giving up on a part that keeps
 failing); :func:`instance_id` / :data:`INSTANCE_HEADER` let a stack recognise its own
 processes in their health answers."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import shutil
@@ -123,6 +126,33 @@ def wait_until(pred: Callable[[], bool], timeout: float, interval: float = 0.05,
         time.sleep(interval)
 
 
+#: prctl option: the signal a process gets when the thread that created it ends (Linux,
+#: prctl(2)).
+PR_SET_PDEATHSIG = 1
+_prctl = None
+if sys.platform.startswith("linux"):
+    try:
+        _prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        _prctl = None
+
+
+def _die_with_parent(parent_pid: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that asks the kernel for SIGTERM when the creating thread ends,
+    and ends the child at once when its parent already died before the request was made.
+    None where prctl is not available (the child then outlives a killed parent)."""
+    if _prctl is None:
+        return None
+    prctl = _prctl
+
+    def pre() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent_pid:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return pre
+
+
 @dataclass
 class Managed:
     """One child process with its log file."""
@@ -146,6 +176,7 @@ class Managed:
         self.proc = subprocess.Popen(
             self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True, env=self.env, cwd=self.cwd,
+            preexec_fn=_die_with_parent(os.getpid()),
         )
         log.close()
         return self

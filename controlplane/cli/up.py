@@ -715,8 +715,11 @@ def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
     def on_signal(signum: int, _frame: object) -> None:
         stop.set()
 
+    # Ctrl-C, kill, and a closed terminal or ssh session (SIGHUP) stop the stack alike;
+    # if up itself is killed outright, the kernel stops its parts (procs.Managed)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)
     try:
         redis_desc = (_ensure_redis(settings, wd, stack) if shared_redis
                       else _own_redis(settings, wd, stack))

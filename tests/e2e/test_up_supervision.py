@@ -356,3 +356,33 @@ def test_a_part_kept_trying_is_restarted_on_past_the_limit(workdir: Path) -> Non
     assert len(degraded) == 1, lines
     assert degraded[0].startswith("controlplane exited (code 5) 3 times within 60 s")
     assert "restarting in 0.1 s" in lines[-1] or "restarted" in lines[-1]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGKILL], ids=["hangup", "killed"])
+def test_no_part_outlives_up(workdir: Path, sig: int) -> None:
+    """A closed terminal (SIGHUP) stops the stack as Ctrl-C does; ``up`` killed outright
+    (SIGKILL: no handler runs) still takes its parts with it (the kernel's parent-death
+    signal), so nothing keeps serving on the stack's ports."""
+    from support.upstack import alive, children
+
+    up = UpStack.start(workdir, NO_CACHE)
+    kids: set[int] = set()
+    try:
+        assert up.proc.poll() is None, up.text()
+        _first_answer(up)
+        kids = children(up.proc.pid)
+        assert len(kids) >= 5, kids                      # redis, 3 nodes, control plane, nginx
+        up.proc.send_signal(sig)
+        rc = up.proc.wait(timeout=30)
+        assert rc == (0 if sig == signal.SIGHUP else -signal.SIGKILL), up.text()
+        procs.wait_until(lambda: not any(alive(k) for k in kids), timeout=15,
+                         what="every part of the stack to stop")
+        assert not procs.port_open("127.0.0.1", up.edge)
+        assert not procs.port_open("127.0.0.1", up.admin)
+    finally:
+        up.kill()
+        for k in kids:  # what a failed check left (each part leads its own group)
+            try:
+                os.killpg(k, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
