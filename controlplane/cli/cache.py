@@ -12,7 +12,7 @@
   semantic-index vectors (``infergate:v1:cache:vec:*``) through the same operation as the
   admin API and page (:func:`controlplane.admin.ops.purge_cache`), which writes a
   ``cache_purge`` event with actor ``cli:<user>``. ``--all`` asks for confirmation unless
-  ``--yes``.
+  ``--yes`` or the cache is empty; without a terminal to ask on it needs ``--yes``.
 
 Errors (no scope, bad value, Redis unreachable) exit 1 with a message.
 """
@@ -20,6 +20,7 @@ Errors (no scope, bad value, Redis unreachable) exit 1 with a message.
 from __future__ import annotations
 
 import json
+import sys
 
 import click
 
@@ -90,7 +91,11 @@ def purge_cmd(c: Ctx, tenant: str | None, model: str | None, namespace: str | No
         raise click.UsageError("give --tenant, --model, --namespace or --all")
     if purge_all and not yes:
         n = run(c, lambda: cache_store.estimate(c.r, all=True))
-        click.confirm(f"Delete all {n} cache entries?", abort=True)
+        if n and not can_ask():
+            raise click.UsageError(f"--all would delete {n} cache entries: add --yes to "
+                                   "confirm (there is no terminal to ask on)")
+        if n:
+            click.confirm(f"Delete all {n} cache entries?", abort=True)
 
     data = {"all": True} if purge_all else {
         k: v for k, v in (("tenant", tenant), ("model", model), ("namespace", namespace))
@@ -98,6 +103,11 @@ def purge_cmd(c: Ctx, tenant: str | None, model: str | None, namespace: str | No
     res = run(c, lambda: ops.purge_cache(c.r, data, actor(), c.events_max))
     scope = ", ".join(f"{k}={v}" for k, v in res.scope.items())
     click.echo(f"purged {res.purged} entries, {res.vectors} vectors ({scope})")
+
+
+def can_ask() -> bool:
+    """Whether a confirmation can be asked: standard input is a terminal."""
+    return sys.stdin.isatty()
 
 
 @cache_cmd.command("calibrate")

@@ -39,6 +39,7 @@ import json
 import os
 import secrets
 import shlex
+import shutil
 import signal
 import socket
 import sys
@@ -64,6 +65,22 @@ from controlplane.simnode import launch
 #: (name, speed factor) of the simulated pool: a fast, a medium and a slow GPU.
 SIM_NODES: tuple[tuple[str, float], ...] = (("sim-fast", 2.0), ("sim-medium", 1.0), ("sim-slow", 0.5))
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
+
+
+def cli_name() -> str:
+    """How to run this infergate from the shell ``up`` was started in: ``infergate`` when
+    that name is on PATH (a venv that is activated, the runtime install's wrapper), else
+    the script beside this interpreter (``.venv/bin/infergate``, relative to the current
+    folder when it is below it)."""
+    if shutil.which("infergate"):
+        return "infergate"
+    here = Path(sys.executable).parent / "infergate"
+    if not here.exists():
+        return "infergate"
+    try:
+        return str(here.relative_to(Path.cwd()))
+    except ValueError:
+        return str(here)
 
 
 def _say(line: str) -> None:
@@ -797,6 +814,7 @@ def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
         model = "sim-llama" if not node_urls else (_first_model(nodes) or "<your model>")
         key_line = f"\n  API key (demo)      {demo_key}" if demo_key else ""
         key_header = f" -H 'Authorization: Bearer {demo_key}'" if demo_key else ""
+        cli = cli_name()
         click.echo(f"""
 infergate is up.
   edge (OpenAI API)   {base}/v1
@@ -810,7 +828,8 @@ infergate is up.
 Try:
   curl -s {base}/v1/chat/completions -H 'Content-Type: application/json'{key_header} \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
-  export INFERGATE_REDIS_URL={settings.redis.url}   # then: infergate nodes list, keys list, cache stats
+  export INFERGATE_REDIS_URL={settings.redis.url}
+  {cli} nodes list    # also: {cli} keys list, {cli} cache stats
   (or pass --config {cfg} to those commands)
 
 Ctrl-C stops everything.""", err=False)

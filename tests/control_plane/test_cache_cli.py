@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from controlplane.cache import store as cache_store
 from controlplane.redisdb import keynames
 from controlplane.routing import registry
+from controlplane.cli import cache as cache_cli
 from controlplane.cli.cache import cache_cmd
 from controlplane.edge.options import edge_document, embedder_server, render_context
 from controlplane.config import ConfigError, load_settings, settings_from_dict
@@ -63,15 +64,25 @@ def test_purge_by_tenant_and_model_writes_an_event(redis_server, filled) -> None
     assert ev["detail"] == {"tenant": "a", "model": "m1", "purged": 1}
 
 
-def test_purge_all_removes_entries_and_vectors(redis_server, filled) -> None:
+def test_purge_all_removes_entries_and_vectors(redis_server, filled, monkeypatch) -> None:
+    # no terminal to ask on: refused, naming --yes
+    refused = invoke(redis_server, "purge", "--all")
+    assert refused.exit_code == 2 and "--yes" in refused.output
+    assert filled.exists(keynames.cache_entry(hexkey(0)))
+    monkeypatch.setattr(cache_cli, "can_ask", lambda: True)
     aborted = invoke(redis_server, "purge", "--all", input="n\n")
-    assert aborted.exit_code != 0 and filled.exists(keynames.cache_entry(hexkey(0)))
+    assert aborted.exit_code != 0 and "Delete all 3 cache entries?" in aborted.output
+    assert filled.exists(keynames.cache_entry(hexkey(0)))
     res = invoke(redis_server, "purge", "--all", "--yes")
     assert res.exit_code == 0, res.output
     assert "purged 3 entries, 3 vectors" in res.output
     assert not list(filled.scan_iter(match="infergate:v1:cache:*entry*"))
     assert not list(filled.scan_iter(match=keynames.CACHE_VEC_PREFIX + "*"))
     assert int(filled.hget(keynames.CACHE_STATS, "lookups")) == 4  # counters are kept
+    # nothing left to delete: no question asked, even without a terminal
+    monkeypatch.setattr(cache_cli, "can_ask", lambda: False)
+    again = invoke(redis_server, "purge", "--all")
+    assert again.exit_code == 0 and "purged 0 entries" in again.output, again.output
 
 
 @pytest.mark.parametrize("args, msg", [

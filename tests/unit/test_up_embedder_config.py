@@ -50,3 +50,23 @@ def test_embedder_gets_the_config_file(tmp_path: Path, monkeypatch, with_config:
     else:
         assert "INFERGATE_CONFIG" not in env
     assert env["INFERGATE_REDIS_URL"] == s.redis.url
+
+
+def test_the_banner_names_a_runnable_cli(tmp_path, monkeypatch) -> None:
+    """``infergate`` when the name is on PATH; else the script beside the interpreter, as
+    the user can type it from where up was started."""
+    up_mod = up
+
+    venv_bin = tmp_path / "proj" / ".venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "infergate").write_text("#!/bin/sh\n")
+    monkeypatch.setattr(up_mod.sys, "executable", str(venv_bin / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.chdir(tmp_path / "proj")
+    assert up_mod.cli_name() == ".venv/bin/infergate"
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert up_mod.cli_name() == str(venv_bin / "infergate")
+    monkeypatch.setenv("PATH", str(venv_bin))
+    (venv_bin / "infergate").chmod(0o755)
+    assert up_mod.cli_name() == "infergate"
