@@ -160,4 +160,4 @@ def test_compose_configuration_renders_for_openresty(workdir: Path) -> None:
     assert "server embedder:8090;" in http
     assert re.search(r"listen 0\.0\.0\.0:9145;", http)
     assert 'lua_package_path "/opt/infergate/lua/?.lua;;"' in http
-    assert "listen 0.0.0.0:8080;" in r.nginx_conf.read_text()
+    assert "listen 0.0.0.0:8080 backlog=4096;" in r.nginx_conf.read_text()

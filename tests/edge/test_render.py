@@ -58,7 +58,8 @@ def test_standalone_config_passes_nginx_t(workdir: Path) -> None:
     nginx_test(r.nginx_conf, r.prefix)
     conf = r.nginx_conf.read_text()
     assert "load_module" in conf and f"pid {workdir / 'pre'}/nginx.pid;" in conf
-    assert "worker_processes 1;" in conf and "listen 127.0.0.1:18123;" in conf
+    assert "worker_processes 1;" in conf and "listen 127.0.0.1:18123 backlog=4096;" in conf
+    assert "multi_accept on;" in conf  # a burst of new connections is accepted at once
     assert (workdir / "pre" / "logs").is_dir()
     assert r.url == "http://127.0.0.1:18123"
 
