@@ -250,12 +250,19 @@ class Verifier:
     def score(self, queries: Sequence[str], candidates: Sequence[str], u: np.ndarray,
               v: np.ndarray) -> np.ndarray:
         """Probability (n,) that each query means the same as its candidate."""
-        if len(queries) == 0:
-            return np.zeros(0, dtype=np.float64)
-        p = self.score_features(features(queries, candidates, u, v, self.feature_version))
-        # the same words up to case, spacing and punctuation: the same question
-        same = [_plain(q) == _plain(c) and _plain(q) != "" for q, c in zip(queries, candidates)]
-        return np.where(same, 1.0, p)
+        n = len(queries)
+        out = np.ones(n, dtype=np.float64)
+        # the same words up to case, spacing and punctuation: the same question, scored 1
+        # without working out its features
+        rest = [i for i, (q, c) in enumerate(zip(queries, candidates))
+                if _plain(q) != _plain(c) or _plain(q) == ""]
+        if rest:
+            u = np.asarray(u, dtype=np.float32).reshape(n, -1)
+            v = np.asarray(v, dtype=np.float32).reshape(n, -1)
+            out[rest] = self.score_features(features(
+                [queries[i] for i in rest], [candidates[i] for i in rest], u[rest], v[rest],
+                self.feature_version))
+        return out
 
     def to_dict(self) -> dict:
         d = {"version": FILE_VERSION, "feature_version": self.feature_version,
