@@ -181,16 +181,23 @@ def embedder_cmd(config_path: str | None, listen: str | None, redis_url: str | N
         raise click.ClickException(
             f"cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from None
 
-    def serve(ready=lambda: None) -> None:
+    from controlplane.embedder.activity import LookupActivity
+
+    # lookups running in any of the processes (shared memory, made before they fork)
+    activity = LookupActivity(processes)
+
+    def serve(ready=lambda: None, slot: int = 0) -> None:
+        activity.bind(slot)
         _serve(sock, host, port, settings, config_path, url, log, model=model,
                embeddings_url=embeddings_url, embeddings_model=embeddings_model,
                embeddings_api_key=embeddings_api_key, index_backend=index_backend,
                max_batch=max_batch, max_wait_ms=max_wait_ms, top_k=top_k, threads=threads,
                model_threads=model_threads, model_workers=model_workers,
-               redis_wait_s=redis_wait_s, no_queue=no_queue, ready=ready)
+               redis_wait_s=redis_wait_s, no_queue=no_queue, ready=ready,
+               activity=activity)
 
     if processes > 1:
-        raise SystemExit(supervise(processes, serve, log))
+        raise SystemExit(supervise(processes, serve, log, reset_slot=activity.reset))
     serve()
 
 
@@ -198,7 +205,7 @@ def _serve(sock, host: str, port: int, settings, config_path: str | None, url: s
            log: logging.Logger, *, model: str, embeddings_url: str, embeddings_model: str,
            embeddings_api_key: str, index_backend: str, max_batch: int, max_wait_ms: float,
            top_k: int, threads: int, model_threads: int, model_workers: int,
-           redis_wait_s: float, no_queue: bool, ready) -> None:
+           redis_wait_s: float, no_queue: bool, ready, activity=None) -> None:
     """One serving process on the bound ``sock``: Redis, model, engine, waitress.
     ``ready()`` is called once requests are answered by the app (the supervisor's signal
     that this process started). Raises ``click.ClickException`` on a start failure."""
@@ -269,7 +276,7 @@ def _serve(sock, host: str, port: int, settings, config_path: str | None, url: s
     try:
         engine = Engine(m, r, index_backend=index_backend, max_batch=max_batch,
                         max_wait_ms=max_wait_ms, top_k=top_k, verifier=ver, policy=policy,
-                        model_workers=model_workers)
+                        model_workers=model_workers, activity=activity)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     log.info("model %s loaded (dim %d); default min_similarity %.2f, verifier %s, "

@@ -128,15 +128,15 @@ def _watch_parent(parent: int, metrics_dir: str = "") -> None:
     threading.Thread(target=run, name="parent-watch", daemon=True).start()
 
 
-def _child(serve: Callable[[Callable[[], None]], None], ready_w: int, parent: int,
-           metrics_dir: str = "") -> None:
+def _child(serve: Callable[[Callable[[], None], int], None], ready_w: int, parent: int,
+           metrics_dir: str = "", slot: int = 0) -> None:
     """Body of a forked child; never returns (``os._exit`` with the serve status)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     code = 1
     try:
         _watch_parent(parent, metrics_dir)
-        serve(lambda: os.write(ready_w, struct.pack("=i", os.getpid())))
+        serve(lambda: os.write(ready_w, struct.pack("=i", os.getpid())), slot)
         code = 0
     except click.ClickException as exc:
         exc.show()
@@ -149,11 +149,13 @@ def _child(serve: Callable[[Callable[[], None]], None], ready_w: int, parent: in
         os._exit(code)
 
 
-def supervise(n: int, serve: Callable[[Callable[[], None]], None],
-              log: logging.Logger) -> int:
-    """Fork ``n`` children running ``serve(ready)`` (``ready()`` once they answer) and
-    keep them running until SIGTERM/SIGINT; returns the exit status (0 after a stop, the
-    failing child's status when one could not start, 1 when children keep dying)."""
+def supervise(n: int, serve: Callable[[Callable[[], None], int], None],
+              log: logging.Logger, reset_slot: Callable[[int], None] | None = None) -> int:
+    """Fork ``n`` children running ``serve(ready, slot)`` (``ready()`` once they answer;
+    ``slot`` 0 .. n - 1, the child's place, which a replacement takes over) and keep them
+    running until SIGTERM/SIGINT; returns the exit status (0 after a stop, the failing
+    child's status when one could not start, 1 when children keep dying).
+    ``reset_slot(slot)`` runs in this process before a child is started in ``slot``."""
     remove_stale_metrics_dirs()
     metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_PREFIX}{os.getpid()}-")
     os.environ[MULTIPROC_ENV] = metrics_dir
@@ -161,14 +163,18 @@ def supervise(n: int, serve: Callable[[Callable[[], None]], None],
     os.set_blocking(ready_r, False)
     parent = os.getpid()
     children: dict[int, bool] = {}  # pid -> has served
+    slots: dict[int, int] = {}  # pid -> slot
     restarts: list[float] = []
 
-    def spawn() -> None:
+    def spawn(slot: int) -> None:
+        if reset_slot is not None:
+            reset_slot(slot)
         pid = os.fork()
         if pid == 0:
             os.close(ready_r)
-            _child(serve, ready_w, parent, metrics_dir)
+            _child(serve, ready_w, parent, metrics_dir, slot)
         children[pid] = False
+        slots[pid] = slot
 
     def on_signal(signum, frame):  # noqa: ARG001
         raise _Stop()
@@ -176,8 +182,8 @@ def supervise(n: int, serve: Callable[[Callable[[], None]], None],
     status = 0
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        for _ in range(n):
-            spawn()
+        for slot in range(n):
+            spawn(slot)
         log.info("embedder: %d processes started (pids %s)", n,
                  " ".join(str(p) for p in children))
         while True:
@@ -194,6 +200,7 @@ def supervise(n: int, serve: Callable[[Callable[[], None]], None],
                 if pid == 0:
                     break
                 served = children.pop(pid, None)
+                slot = slots.pop(pid, 0)
                 if served is None:
                     continue
                 code = os.waitstatus_to_exitcode(wstatus)
@@ -210,7 +217,7 @@ def supervise(n: int, serve: Callable[[Callable[[], None]], None],
                 restarts.append(now)
                 log.warning("embedder process %d exited with status %d; starting another",
                             pid, code)
-                spawn()
+                spawn(slot)
     except _Stop:
         status = 0
     finally:

@@ -7,6 +7,10 @@ waiting (``LPOP key count``), embeds them in one batch and stores the vectors. M
 jobs are logged and counted (``infergate_embedder_invalid_jobs_total``) and dropped.
 While Redis is unreachable the thread retries with backoff (0.2 s doubling to 5 s); jobs
 popped just before an outage may be lost (the cache entry then simply has no vector).
+
+Before it embeds a batch it waits while lookups run in any process of the embedder
+(``engine.activity``, see ``activity.py``), :data:`DEFER_MAX_S` at most: lookups are on
+requests' paths within a time budget, indexing is not.
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ from controlplane.embedder.engine import Engine, EngineUnavailable
 from controlplane.embedder.wire import BadRequest, index_item
 
 log = logging.getLogger("infergate.embedder")
+
+
+#: Longest wait (s) for running lookups to end before a batch is embedded anyway.
+DEFER_MAX_S = 1.0
 
 
 class QueueConsumer:
@@ -69,6 +77,14 @@ class QueueConsumer:
                 log.warning("index queue: dropped malformed job (%s): %.200r", exc, raw)
         return items
 
+    def _defer(self) -> None:
+        """Wait while lookups run (at most :data:`DEFER_MAX_S`), counted in the metrics."""
+        activity = self.engine.activity
+        if activity.busy():
+            m = self.engine.metrics
+            m.index_deferrals.inc()
+            m.index_deferred_seconds.inc(activity.wait_idle(DEFER_MAX_S, self._stop))
+
     def _run(self) -> None:
         backoff, down = 0.2, False
         while not self._stop.is_set():
@@ -81,6 +97,7 @@ class QueueConsumer:
                     continue
                 items = self._parse(raws)
                 if items:
+                    self._defer()
                     self.engine.index_items(items, source="queue")
                 self.processed += len(raws)
             except redis.exceptions.RedisError as exc:

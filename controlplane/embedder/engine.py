@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from controlplane.redisdb import keynames
 from controlplane.embedder import guard as guard_mod
+from controlplane.embedder.activity import LookupActivity
 from controlplane.embedder.batcher import MicroBatcher
 from controlplane.embedder.index import Candidate, IndexItem, open_index
 from controlplane.embedder.models import EmbeddingModel, EmbedError, slug
@@ -91,6 +92,12 @@ class Metrics:
                                "Vectors stored in the semantic index", ["source"], registry=r)
         self.invalid_jobs = Counter("infergate_embedder_invalid_jobs_total",
                                     "Index queue items dropped as malformed", registry=r)
+        self.index_deferrals = Counter("infergate_embedder_index_deferrals_total",
+                                       "Index-queue batches that waited for running lookups",
+                                       registry=r)
+        self.index_deferred_seconds = Counter(
+            "infergate_embedder_index_deferred_seconds_total",
+            "Seconds index-queue batches waited for running lookups", registry=r)
         self.batch_size = Histogram("infergate_embedder_embed_batch_size",
                                     "Texts per model call (micro-batch size)",
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
@@ -123,8 +130,10 @@ class Engine:
                  embed_timeout_s: float = 5.0, subscribe: bool = True,
                  verifier: Verifier | None = None, policy: PolicySource | None = None,
                  embed_cache: int = 4096, model_workers: int = 1,
-                 max_text_chars: int = 1000):
+                 max_text_chars: int = 1000, activity: LookupActivity | None = None):
         self.model = model
+        # lookups running in this embedder's processes (the index consumer yields to them)
+        self.activity = activity or LookupActivity()
         self.max_text_chars = max_text_chars
         self.verifier = verifier
         self.policy = policy or PolicySource()
@@ -341,7 +350,10 @@ class Engine:
 
         Raises :class:`EngineUnavailable` (model) or ``redis.exceptions.RedisError``: the
         whole call fails."""
-        t0 = time.perf_counter() if started is None else started
+        with self.activity.lookup():
+            return self._lookup_many(reqs, time.perf_counter() if started is None else started)
+
+    def _lookup_many(self, reqs: list[LookupRequest], t0: float) -> list[LookupResult]:
         limits = [self.thresholds(q.namespace, q.min_similarity, q.route or None,
                                   q.model or None) for q in reqs]
         embed_at = [i for i, q in enumerate(reqs) if len(q.text) <= self.max_text_chars]

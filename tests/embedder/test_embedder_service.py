@@ -485,3 +485,24 @@ def test_a_token_guards_every_v1_endpoint(svc) -> None:
         r = client.post(path, json=body, headers={"Authorization": f"Bearer {token}"})
         assert r.status_code in (200, 202), (path, r.get_data(as_text=True))
     assert client.get("/metrics").status_code == 200
+
+
+def test_queue_consumer_waits_for_running_lookups(svc) -> None:
+    """A queued job is indexed only once no lookup runs (in any process: the shared
+    activity count), so a burst's lookups keep the model to themselves."""
+    ns = hx("deferred" + svc.backend)
+    key = hx(ns + "deferred")
+    svc.r.set(keynames.cache_entry(key), "{}", ex=60)
+    m = svc.engine.metrics
+    indexed = m.indexed.labels("queue")._value.get()
+    deferrals = m.index_deferrals._value.get()
+    with svc.engine.activity.lookup():  # as if a lookup call were running
+        svc.r.rpush(keynames.CACHE_INDEX_QUEUE,
+                    json.dumps({"key": key, "namespace": ns, "text": "Where is my parcel?",
+                                "model": "m", "tenant": "t", "ttl_s": 60}))
+        procs.wait_until(lambda: m.index_deferrals._value.get() > deferrals, timeout=10,
+                         interval=0.01, what="the consumer to wait for the lookup")
+        assert m.indexed.labels("queue")._value.get() == indexed
+    procs.wait_until(lambda: svc.engine.metrics.indexed.labels("queue")._value.get() > indexed,
+                     timeout=10, interval=0.02, what="the job indexed once lookups ended")
+    assert svc.lookup(ns, "Where is my parcel?")["key"] == key
