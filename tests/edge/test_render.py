@@ -59,7 +59,7 @@ def test_standalone_config_passes_nginx_t(workdir: Path) -> None:
     conf = r.nginx_conf.read_text()
     assert "load_module" in conf and f"pid {workdir / 'pre'}/nginx.pid;" in conf
     assert "worker_processes 1;" in conf and "listen 127.0.0.1:18123 backlog=4096;" in conf
-    assert "multi_accept on;" in conf  # a burst of new connections is accepted at once
+    assert "multi_accept on;" in conf  # one worker: a burst of new connections at once
     assert (workdir / "pre" / "logs").is_dir()
     assert r.url == "http://127.0.0.1:18123"
 
@@ -113,6 +113,9 @@ def test_settings_reach_the_directives(workdir: Path) -> None:
     for code in (400, 404, 405, 413, 429, 500, 502, 503, 504):
         assert f"error_page {code} = /_infergate/error/{code};" in server
     assert "keepalive 16;" in http
+    # several workers accept one connection at a time (a burst would land on one)
+    assert "worker_processes 3;" in r.nginx_conf.read_text()
+    assert "multi_accept off;" in r.nginx_conf.read_text()
     assert "worker_processes 3;" in r.nginx_conf.read_text()
     opts = _options(r.http_conf)
     e = opts["edge"]
