@@ -127,9 +127,9 @@ PROMPT = "What is the capital of France?"
 #: already stored PROMPT), paraphrases cycled by wrk, and a probe paraphrase used only
 #: to wait until the embedder has indexed SEM_PROMPT.
 SEM_PROMPT = "How can I improve my English speaking skills?"
-#: Rewordings: the default verifier (min_verifier_score 0.94) serves only the first two,
-#: which differ from SEM_PROMPT in case and punctuation; the others score lower (0.93,
-#: 0.67 and 0.77 for the next three) and miss unless a domain lowers the threshold (the
+#: Rewordings: the default verifier (min_verifier_score 0.945) serves only the first two,
+#: which differ from SEM_PROMPT in case and punctuation; the others score lower (0.87,
+#: 0.52 and 0.65 for the next three) and miss unless a domain lowers the threshold (the
 #: row keeps those that hit).
 PARAPHRASES = ["how can i improve my english speaking skills",
                "HOW CAN I IMPROVE MY ENGLISH SPEAKING SKILLS?",

@@ -262,9 +262,10 @@ DUP_DROPPED = frozenset("""
 # politer "can" / "may".
 DUP_SAME = {"which": "what", "whom": "who", "could": "can", "might": "may", "cannot": "can not"}
 WH_WORDS = frozenset({"what", "who", "whose", "why", "how", "when", "where"})
-# Right after "how" a modal asks for the same method ("how can I", "how should I", "how
-# do I"); elsewhere it is kept ("can I" / "should I", "when can" / "when should").
-HOW_MODALS = frozenset({"can", "should", "must", "may"})
+# Right after "how" a modal, or "to", asks for the same method ("how can I", "how should
+# I", "how to", "how do I"); elsewhere it is kept ("can I" / "should I", "when can" /
+# "when should", "what to").
+HOW_MODALS = frozenset({"can", "should", "must", "may", "to"})
 
 
 def _stem(w: str) -> str:
@@ -306,7 +307,7 @@ def duplicate_key(t: str) -> str:
     Lower case; contractions expanded ("what's" -> "what is", "n't" -> " not");
     punctuation removed; the words of :data:`DUP_DROPPED` (articles, auxiliaries, first-
     and second-person pronouns, light function words) dropped; :data:`DUP_SAME` spellings
-    merged ("which" -> "what"); a modal right after "how" dropped (:data:`HOW_MODALS`);
+    merged ("which" -> "what"); a modal or "to" right after "how" dropped (:data:`HOW_MODALS`);
     light suffix stemming (:func:`_stem`). Word order, wh-words,
     negations, numbers, prepositions and every other word are kept, so "2 days" / "3
     days", "Trump is better than Clinton" / the reverse, and "a stranger did for you" /

@@ -149,6 +149,7 @@ def test_mined_negatives_come_from_other_groups() -> None:
     ("Why can't I sleep at night?", "Why can I not sleep at night?"),
     ("What are the best books for SSC CGL?", "Which is the best book for SSC CGL?"),
     ("What happened to Yahoo?", "What has happened to Yahoo?"),
+    ("How to change my email address?", "How do I change my email address?"),
 ])
 def test_duplicate_key_joins_trivial_rewordings(a: str, b: str) -> None:
     assert cal.duplicate_key(a) == cal.duplicate_key(b)
@@ -170,6 +171,7 @@ def test_duplicate_key_joins_trivial_rewordings(a: str, b: str) -> None:
     ("Is it safe?", "Is it not safe?"),
     ("Flights from Delhi to Goa", "Flights from Goa to Delhi"),
     ("怎么还款", "如何还款"),
+    ("What to do in Paris?", "What do I do in Paris?"),
 ])
 def test_duplicate_key_keeps_different_questions_apart(a: str, b: str) -> None:
     assert cal.duplicate_key(a) != cal.duplicate_key(b)
