@@ -263,9 +263,11 @@ DUP_DROPPED = frozenset("""
 DUP_SAME = {"which": "what", "whom": "who", "could": "can", "might": "may", "cannot": "can not"}
 WH_WORDS = frozenset({"what", "who", "whose", "why", "how", "when", "where"})
 # Right after "how" a modal, or "to", asks for the same method ("how can I", "how should
-# I", "how to", "how do I"); elsewhere it is kept ("can I" / "should I", "when can" /
-# "when should", "what to").
+# I", "how to", "how do I"); right after another wh-word "can" asks what the plain
+# question asks ("where can I" / "where do I"); elsewhere they are kept ("can I" /
+# "should I", "when should" / "when do", "what to").
 HOW_MODALS = frozenset({"can", "should", "must", "may", "to"})
+WH_MODALS = frozenset({"can"})
 
 
 def _stem(w: str) -> str:
@@ -307,7 +309,8 @@ def duplicate_key(t: str) -> str:
     Lower case; contractions expanded ("what's" -> "what is", "n't" -> " not");
     punctuation removed; the words of :data:`DUP_DROPPED` (articles, auxiliaries, first-
     and second-person pronouns, light function words) dropped; :data:`DUP_SAME` spellings
-    merged ("which" -> "what"); a modal or "to" right after "how" dropped (:data:`HOW_MODALS`);
+    merged ("which" -> "what"); a modal or "to" right after "how" dropped (:data:`HOW_MODALS`),
+    and "can" right after another wh-word (:data:`WH_MODALS`);
     light suffix stemming (:func:`_stem`). Word order, wh-words,
     negations, numbers, prepositions and every other word are kept, so "2 days" / "3
     days", "Trump is better than Clinton" / the reverse, and "a stranger did for you" /
@@ -316,7 +319,8 @@ def duplicate_key(t: str) -> str:
     is mostly its function words."""
     words = _words(t)
     content = [w for i, w in enumerate(words) if w not in DUP_DROPPED
-               and not (w in HOW_MODALS and i and words[i - 1] == "how")]
+               and not (i and words[i - 1] == "how" and w in HOW_MODALS)
+               and not (i and words[i - 1] in WH_WORDS and w in WH_MODALS)]
     if sum(w not in WH_WORDS for w in content) < 2:
         content = [w for w in words if w not in ("a", "an", "the")]
     return " ".join(_stem(w) for w in content)

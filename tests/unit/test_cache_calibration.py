@@ -150,6 +150,7 @@ def test_mined_negatives_come_from_other_groups() -> None:
     ("What are the best books for SSC CGL?", "Which is the best book for SSC CGL?"),
     ("What happened to Yahoo?", "What has happened to Yahoo?"),
     ("How to change my email address?", "How do I change my email address?"),
+    ("Where can I download my invoices?", "Where do I download my invoices?"),
 ])
 def test_duplicate_key_joins_trivial_rewordings(a: str, b: str) -> None:
     assert cal.duplicate_key(a) == cal.duplicate_key(b)
