@@ -4,7 +4,9 @@ simulated nodes, control plane, nginx). Used by ``infergate up`` and by the test
 Every process runs in its own process group and is stopped with SIGTERM, then SIGKILL
 after a grace period. On Linux it also gets SIGTERM from the kernel when the thread that
 started it ends (``prctl(PR_SET_PDEATHSIG)``), so a stack whose parent is killed with
-SIGKILL, or dies any other way, does not run on without it. Readiness is waited for with a deadline, never a fixed sleep.
+SIGKILL, or dies any other way, does not run on without it: start parts from a thread
+that lives as long as they should. Readiness is waited for with a deadline, never a fixed
+sleep.
 :class:`Supervisor` restarts parts that die (with back-off, giving up on a part that keeps
 failing); :func:`instance_id` / :data:`INSTANCE_HEADER` let a stack recognise its own
 processes in their health answers."""
