@@ -255,3 +255,49 @@ def test_every_worker_routes_on_the_snapshot(tiny_upstreams, redis_server, edge_
                             headers={"Connection": "close"}, timeout=10)
         assert res.headers["X-Infergate-Node"] == "b"
     assert a.hits == 0
+
+
+def test_a_dead_workers_in_flight_attempts_are_given_back(tiny_upstreams, redis_server,
+                                                          edge_factory) -> None:
+    """Workers killed with requests in flight never run their log phase; the counts they
+    left in the shared dict are given back once they are gone (reconciliation by the sync
+    timer of the workers nginx starts in their place), so the node does not look busy
+    for good (a drain would never finish, a one-at-a-time node would stay full)."""
+    import os
+    import signal
+    from pathlib import Path
+
+    (a,) = tiny_upstreams(names=["a"])
+    a.mode = "hang"
+    edge = edge_factory(edge_settings(redis_server.url, [a.node_settings()], workers=2),
+                        check_log=False)  # the killed workers' [alert] lines are expected
+    write_snapshot(redis_server.client(), [a.snapshot_node()])
+    master = int(Path(edge.rendered.prefix, "nginx.pid").read_text())
+    results: list[int] = []
+
+    def one() -> None:
+        try:
+            results.append(requests.post(f"{edge.url}/v1/chat/completions", json=CHAT,
+                                         headers={"Connection": "close"}, timeout=30).status_code)
+        except requests.RequestException:
+            results.append(-1)  # the killed worker's clients lose their connection
+
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    procs.wait_until(lambda: a.inflight == 8, 15, what="8 requests held by the node")
+    assert edge.status()["inflight_total"] == 8
+    workers = [int(p) for p in os.listdir("/proc") if p.isdigit()
+               and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(master)]
+    assert len(workers) == 2
+    for victim in workers:  # both: whichever holds the requests
+        os.kill(victim, signal.SIGKILL)
+    procs.wait_until(lambda: not any(Path(f"/proc/{v}").exists() for v in workers), 10,
+                     what="the killed workers reaped")
+    a.release()
+    for t in threads:
+        t.join(30)
+    assert len(results) == 8
+    procs.wait_until(lambda: edge.status()["inflight_total"] == 0, 15, interval=0.2,
+                     what="the dead worker's in-flight attempts given back")
+    assert "given back" in edge.error_log()

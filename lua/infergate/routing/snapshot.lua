@@ -44,6 +44,9 @@ local outage = false      -- worker 0: since when Redis is unreachable (logged o
 local bad_snapshot_logged = nil
 local bad_url_logged = false
 
+-- Seconds between two reconciliations of in-flight counts (infergate.routing.stats).
+local RECONCILE_EVERY_S = 2
+
 local function dict()
     return shared[config.DICT_SNAPSHOT]
 end
@@ -341,6 +344,14 @@ local function tick(premature)
     local ok, err = pcall(_M.refresh)
     if not ok then
         log(ERR, "infergate: rebuilding the node table failed: ", err)
+    end
+    -- in-flight counts of a worker that died (infergate.routing.stats), by one worker at
+    -- a time, every RECONCILE_EVERY_S
+    if dict():add("reconcile", true, RECONCILE_EVERY_S) then
+        ok, err = pcall(stats.reconcile)
+        if not ok then
+            log(ERR, "infergate: in-flight reconciliation failed: ", err)
+        end
     end
     syncing = false
 end

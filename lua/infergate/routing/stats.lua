@@ -3,6 +3,9 @@
 --
 --   "if:<node>"  in-flight attempts (incremented when the balancer picks the node,
 --                decremented exactly once when the attempt ends)
+--   "iw:<pid>:<node>"  the same, of the worker with that pid only: a worker that dies
+--                (killed, crashed; nginx starts another in its place) never reaches the
+--                log phase of its attempts, and reconcile() gives its count back
 --   "rq:<node>"  attempts started (counter since nginx start)
 --   "fl:<node>"  attempts failed (counter since nginx start; includes 429 answers)
 --   "lt:<node>"  latency EWMA in ms of successful attempts (upstream response time)
@@ -26,12 +29,43 @@ local config = require("infergate.core.config")
 local ngxapi = require("infergate.core.ngxapi")
 local ngx_now = ngxapi.now
 local breaker = require("infergate.routing.breaker")
+local ffi = require("ffi")
 
 local _M = {}
 
 local shared = ngx.shared
 local log = ngx.log
 local ERR = ngx.ERR
+local WARN = ngx.WARN
+local tonumber = tonumber
+local ipairs = ipairs
+
+pcall(ffi.cdef, "int kill(int pid, int sig);")
+local C = ffi.C
+local ESRCH = 3
+
+-- Key names per node, built once per worker ("if:<node>", "iw:<pid>:<node>").
+local if_keys, iw_keys = {}, {}
+local my_pid
+
+local function if_key(name)
+    local k = if_keys[name]
+    if not k then
+        k = "if:" .. name
+        if_keys[name] = k
+    end
+    return k
+end
+
+local function iw_key(name)
+    local k = iw_keys[name]
+    if not k then
+        my_pid = my_pid or ngx.worker.pid()
+        k = "iw:" .. my_pid .. ":" .. name
+        iw_keys[name] = k
+    end
+    return k
+end
 
 -- EWMA smoothing: new = old + ALPHA * (sample - old)
 _M.LATENCY_ALPHA = 0.3
@@ -54,7 +88,7 @@ local function ewma(d, key, sample, alpha)
 end
 
 function _M.inflight(name)
-    return dict():get("if:" .. name) or 0
+    return dict():get(if_key(name)) or 0
 end
 
 function _M.latency_ewma_ms(name)
@@ -104,10 +138,11 @@ end
 -- A new attempt on node `name`; returns the attempt record.
 function _M.open_attempt(name, now, probe)
     local d = dict()
-    local _, err = d:incr("if:" .. name, 1, 0)
+    local _, err = d:incr(if_key(name), 1, 0)
     if err then
         log(ERR, "infergate: in-flight counter of ", name, ": ", err)
     end
+    d:incr(iw_key(name), 1, 0)
     d:incr("rq:" .. name, 1, 0)
     return { node = name, started = now, probe = probe or false, closed = false }
 end
@@ -120,12 +155,48 @@ function _M.release(att)
     att.released = true
     local d = dict()
     local name = att.node
-    local v = d:incr("if:" .. name, -1, 0)
+    local k = if_key(name)
+    local v = d:incr(k, -1, 0)
     if v and v < 0 then
-        d:set("if:" .. name, 0)
+        d:set(k, 0)
         log(ERR, "infergate: in-flight counter of ", name, " went below zero")
     end
+    d:incr(iw_key(name), -1, 0)
     return true
+end
+
+-- Whether process `pid` exists (kill(pid, 0): only ESRCH says it does not).
+local function alive(pid)
+    return C.kill(pid, 0) == 0 or ffi.errno() ~= ESRCH
+end
+_M._alive = alive
+
+-- Gives back the in-flight attempts of workers that are gone: for every
+-- "iw:<pid>:<node>" of a pid that no longer exists, its count comes off "if:<node>" and
+-- the key is removed. A worker that exits normally (reload, shutdown) has released its
+-- attempts by then (its keys are at 0). Run by the snapshot sync timer every few
+-- seconds, in one worker at a time. Returns the number of attempts given back.
+function _M.reconcile()
+    local d = dict()
+    local back = 0
+    for _, k in ipairs(d:get_keys(0)) do
+        local pid, name = k:match("^iw:(%d+):(.+)$")
+        pid = tonumber(pid)
+        if pid and not alive(pid) then
+            local v = d:get(k)
+            d:delete(k)
+            if v and v > 0 then
+                local left = d:incr(if_key(name), -v, 0)
+                if left and left < 0 then
+                    d:set(if_key(name), 0)
+                end
+                back = back + v
+                log(WARN, "infergate: ", v, " in-flight attempt(s) on ", name,
+                    " of worker ", pid, ", which is gone, given back")
+            end
+        end
+    end
+    return back
 end
 
 -- The attempt ended with HTTP `status` and is being retried elsewhere: in-flight down
