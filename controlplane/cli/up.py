@@ -140,6 +140,60 @@ return cur
 """
 
 
+_OWNER_REPLACE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2], 'EX', tonumber(ARGV[3]))
+  return 1
+end
+return 0
+"""
+
+
+def _owner_gone(raw: object) -> bool:
+    """Whether the stack-owner value ``raw`` names an ``up`` process of this host that no
+    longer exists (killed with SIGKILL, its claim not yet expired). Any doubt (another
+    host, no pid, a pid that exists, whoever runs it) is "not gone"."""
+    try:
+        d = json.loads(raw)  # type: ignore[arg-type]
+        pid = int(d["pid"])
+        if d.get("host") != socket.gethostname() or pid <= 0 or pid == os.getpid():
+            return False
+    except (TypeError, ValueError, KeyError):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def _lock_workdir(wd: Path) -> object:
+    """Hold ``wd/up.lock`` (an exclusive ``flock``, released when this process ends, also
+    when it is killed) so that a second ``up`` on the same folder stops before it touches
+    the Redis files of the first (its password, its append-only file). Returns the open
+    file, to keep while ``up`` runs. Raises ``click.ClickException`` when another ``up``
+    holds it."""
+    import fcntl
+
+    f = open(wd / "up.lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        other = f.read().strip() or "?"
+        f.close()
+        raise click.ClickException(
+            f"the work folder {wd} is in use by another infergate up (pid {other}): stop "
+            "it, or give this one another --workdir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
 def _owner_doc(instance: str) -> str:
     """The stack-owner value: JSON ``{"instance_id", "pid", "host", "since"}``."""
     return json.dumps({"instance_id": instance, "pid": os.getpid(),
@@ -193,6 +247,13 @@ def claim_registry(r: redis_lib.Redis, doc: str, take_over: bool, where: str,
         r.set(keynames.STACK_OWNER, doc, ex=OWNER_TTL_S)
         return
     cur = r.eval(_OWNER_REFRESH_LUA, 1, keynames.STACK_OWNER, doc, OWNER_TTL_S)
+    if cur != 1 and _owner_gone(cur):
+        # an up of this host that was killed outright: its claim has not expired yet
+        if r.eval(_OWNER_REPLACE_LUA, 1, keynames.STACK_OWNER, cur, doc, OWNER_TTL_S) == 1:
+            _say(f"the node registry's last owner, {_describe_owner(cur)}, is gone: "
+                 "taking it over")
+            return
+        cur = r.eval(_OWNER_REFRESH_LUA, 1, keynames.STACK_OWNER, doc, OWNER_TTL_S)
     if cur != 1:
         raise click.ClickException(
             f"the node registry in the Redis at {where} belongs to another running "
@@ -722,6 +783,7 @@ def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
 
     wd = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="infergate-up-"))
     wd.mkdir(parents=True, exist_ok=True)
+    wd_lock = _lock_workdir(wd)  # noqa: F841 - held (and the folder locked) while up runs
     _say(f"infergate up: logs and config in {wd}")
     os.chmod(wd, 0o755)  # nginx workers (``nobody`` when started as root) traverse it
     stack = procs.ProcessSet()

@@ -79,3 +79,47 @@ def test_cli_actor_is_always_writable(monkeypatch) -> None:
     actor().encode("utf-8")
     monkeypatch.setenv("LOGNAME", "jos\u00e9")
     assert actor() == "cli:jos\u00e9"
+
+
+def test_a_claim_left_by_a_killed_up_of_this_host_is_taken_over(r) -> None:
+    """An ``up`` killed outright (SIGKILL) leaves its claim for 15 s more; a new ``up``
+    on the same host sees that the pid in it is gone and takes the registry over at once.
+    A claim of a live process, or of another host, is still refused."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone = json.dumps({"instance_id": "up-killed", "pid": dead.pid,
+                       "host": socket.gethostname(), "since": 0})
+    r.set(keynames.STACK_OWNER, gone, ex=15)
+    mine = _owner_doc("up-next")
+    claim_registry(r, mine, False, "127.0.0.1:1/0")
+    assert r.get(keynames.STACK_OWNER) == mine
+    elsewhere = json.dumps({"instance_id": "up-far", "pid": dead.pid, "host": "another-host",
+                            "since": 0})
+    r.set(keynames.STACK_OWNER, elsewhere, ex=15)
+    with pytest.raises(click.ClickException, match="up-far"):
+        claim_registry(r, mine, False, "127.0.0.1:1/0")
+    live = json.dumps({"instance_id": "up-live", "pid": 1, "host": socket.gethostname(),
+                       "since": 0})
+    r.set(keynames.STACK_OWNER, live, ex=15)
+    with pytest.raises(click.ClickException, match="up-live"):
+        claim_registry(r, mine, False, "127.0.0.1:1/0")
+
+
+def test_a_work_folder_is_held_by_one_up(tmp_path) -> None:
+    """A second ``up`` on a folder another one holds stops at once, naming its pid (before
+    it writes anything there); the lock goes with the process that held it."""
+    import os
+
+    from controlplane.cli.up import _lock_workdir
+
+    held = _lock_workdir(tmp_path)
+    with pytest.raises(click.ClickException) as exc:
+        _lock_workdir(tmp_path)
+    assert f"in use by another infergate up (pid {os.getpid()})" in exc.value.message
+    held.close()  # the holder ends
+    _lock_workdir(tmp_path).close()

@@ -386,3 +386,24 @@ def test_no_part_outlives_up(workdir: Path, sig: int) -> None:
                 os.killpg(k, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+def test_a_second_up_on_the_same_work_folder_touches_nothing(workdir: Path) -> None:
+    """Refused before it starts anything: the first stack's Redis keeps its password file
+    (a second Redis with another password there broke the first at its next restart)."""
+    a = UpStack.start(workdir / "a", NO_CACHE)
+    try:
+        assert a.proc.poll() is None, a.text()
+        conf = workdir / "a" / "stack" / "redis" / "redis.conf"
+        before = conf.read_text()
+        # its own log and config, the first one's --workdir (given last: it wins)
+        b = UpStack.start(workdir / "b", NO_CACHE, "--workdir", str(workdir / "a" / "stack"),
+                          wait=False)
+        rc = b.proc.wait(timeout=30)
+        b.kill()
+        assert rc != 0
+        assert "is in use by another infergate up (pid" in b.text()
+        assert conf.read_text() == before
+        assert a.post_chat("still served").status_code == 200
+    finally:
+        a.stop()
