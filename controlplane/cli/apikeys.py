@@ -7,7 +7,9 @@
   never the key, which is not stored.
 - ``edit ID [--rpm N|none] [--tpm N|none] [--label TEXT]``: new limits (``none`` = no
   limit) or label; the edges apply them at most ``auth.cache_ttl_s`` seconds later.
-- ``revoke ID``: the edges refuse the key at most ``auth.cache_ttl_s`` seconds later.
+- ``revoke ID``: the edges refuse the key at most ``auth.cache_ttl_s`` seconds later (an
+  edge that cannot reach Redis meanwhile keeps a key it knew valid for up to
+  ``auth.stale_ttl_s``: fail-static).
 - ``export [--out FILE]``: every key's hash and record as JSON (a backup: only hashes
   are stored, so a lost key store cannot be rebuilt any other way; the file holds no
   usable key). ``import FILE [--overwrite]``: writes them back; keys already present are
@@ -139,8 +141,10 @@ def revoke_cmd(c: Ctx, key_id: str) -> None:
     if not ch.changed:
         click.echo(f"{key_id} was already revoked at {_when(rec.revoked)} UTC")
         return
+    a = c.settings.auth
     click.echo(f"revoked {rec.id} (tenant {rec.tenant}); edges refuse it within "
-               f"{c.settings.auth.cache_ttl_s:g} s")
+               f"{a.cache_ttl_s:g} s (an edge that cannot reach Redis keeps accepting a key "
+               f"it knew for up to {a.stale_ttl_s:g} s)")
 
 
 @keys_cmd.command("export")
