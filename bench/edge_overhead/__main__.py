@@ -127,9 +127,9 @@ PROMPT = "What is the capital of France?"
 #: already stored PROMPT), paraphrases cycled by wrk, and a probe paraphrase used only
 #: to wait until the embedder has indexed SEM_PROMPT.
 SEM_PROMPT = "How can I improve my English speaking skills?"
-#: Rewordings: the default verifier (min_verifier_score 0.945) serves only the first two,
-#: which differ from SEM_PROMPT in case and punctuation; the others score lower (0.92,
-#: 0.64 and 0.75 for the next three) and miss unless a domain lowers the threshold (the
+#: Rewordings: the default verifier (min_verifier_score 0.95) serves only the first two,
+#: which differ from SEM_PROMPT in case and punctuation; the others score lower (0.88,
+#: 0.54 and 0.68 for the next three) and miss unless a domain lowers the threshold (the
 #: row keeps those that hit).
 PARAPHRASES = ["how can i improve my english speaking skills",
                "HOW CAN I IMPROVE MY ENGLISH SPEAKING SKILLS?",

@@ -16,7 +16,9 @@ the cached entry's text (the last user message of each):
 - ``antonym:<a>/<b>``: one text uses only one side of a pair (enable/disable, 借/还,
   开通/关闭, 增加/减少, ...) and the other text only the other side.
 - ``order``: the two sides of a direction or comparison are swapped (重庆到西安 /
-  西安到重庆, 左脸比右脸大 / 右脸比左脸大, convert pdf to word / convert word to pdf).
+  西安到重庆, 左脸比右脸大 / 右脸比左脸大, convert pdf to word / convert word to pdf), or
+  the same words stand in another order around such a marker (flights from London to
+  New York / from New York to London, 5英里等于多少公里 / 5公里等于多少英里).
 - ``persons``: the speaker and the addressee trade places: both texts name a first and a
   second person, in the opposite order ("Do I owe you money?" / "Do you owe me money?",
   "Can you help me?" / "Can I help you?", 你欠我钱吗 / 我欠你钱吗). A generic "you" that
@@ -433,14 +435,31 @@ def _en_pairs(text: str) -> frozenset[tuple[str, str]]:
                      if w in _EN_DIRECTION and 0 < i < len(words) - 1)
 
 
+# Words (a CJK character is one) for the reordering check; direction and comparison
+# markers among them.
+_ORDER_TOKEN_RE = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]|(?:(?![\u3400-\u9fff\uf900-\ufaff])[^\W_])+")
+_ORDER_MARKERS = frozenset({"to", "into", "than", "vs", "versus", "到", "比", "转", "等"})
+
+
+@functools.lru_cache(maxsize=8192)
+def _order_tokens(text: str) -> tuple[str, ...]:
+    return tuple(_ORDER_TOKEN_RE.findall(text[:MAX_GUARD_CHARS].lower()))
+
+
 def swapped(query: str, candidate: str) -> bool:
     """True when the two sides of a direction or comparison are swapped: "重庆到西安" /
-    "西安到重庆", "左脸比右脸大" / "右脸比左脸大", "convert pdf to word" / "convert word to pdf"."""
+    "西安到重庆", "左脸比右脸大" / "右脸比左脸大", "convert pdf to word" / "convert word to pdf";
+    also when the two texts hold the same words in another order around such a marker,
+    whatever the sides are made of ("flights from London to New York" / "from New York to
+    London", "Is Bob taller than Alice?" / "Is Alice taller than Bob?", "5英里等于多少公里" /
+    "5公里等于多少英里")."""
     for pairs in (_zh_pairs, _en_pairs):
         pq, pc = pairs(query), pairs(candidate)
         if any((b, a) in pc and a != b and (a, b) not in pc for a, b in pq):
             return True
-    return False
+    tq, tc = _order_tokens(query), _order_tokens(candidate)
+    return (len(tq) >= 2 and tq != tc and any(t in _ORDER_MARKERS for t in tq)
+            and Counter(tq) == Counter(tc))
 
 
 _EN_FIRST = frozenset({"i", "me", "my", "mine", "myself", "we", "us", "our", "ours",

@@ -86,7 +86,6 @@ local sub = string.sub
 local null = cjson.null
 local log = ngx.log
 local WARN = ngx.WARN
-local ERR = ngx.ERR
 local DEBUG = ngx.DEBUG
 
 _M.DICT = "infergate_cache"
@@ -867,7 +866,7 @@ function _M.lookup(req)
         -- reads time out now and then must not flood the error log
         local now = ngx_now()
         if now - last_down_log >= _M.LOG_EVERY_S then
-            log(ERR, "infergate: cache lookup skipped, Redis unavailable: ", err)
+            log(WARN, "infergate: cache lookup skipped, Redis unavailable: ", err)
             last_down_log = now
         end
         return bypass(c, "redis", false)
