@@ -171,6 +171,12 @@ class Managed:
     finish the requests they serve); None: the group is killed (SIGKILL) first."""
     orphan_groups: list[int] = field(default_factory=list)
     """Process groups left to finish that way; killed when the part is stopped for good."""
+    finish_signal: int | None = None
+    """Signal that asks the part to finish what it serves before :meth:`stop` falls back
+    to SIGTERM (nginx: SIGQUIT, its graceful shutdown, as ``nginx -s quit`` and Debian's
+    nginx.service send); None: SIGTERM at once."""
+    finish_grace: float = 10.0
+    """Seconds the part has to finish after :attr:`finish_signal`."""
 
     def start(self) -> "Managed":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -233,8 +239,10 @@ class Managed:
         self.orphan_groups.append(pgid)
         return True
 
-    def stop(self, grace: float = 5.0) -> None:
-        """SIGTERM the process group, SIGKILL it after ``grace`` seconds; SIGKILL the
+    def stop(self, grace: float = 5.0, hurry: threading.Event | None = None) -> None:
+        """Stop the part: with a :attr:`finish_signal`, send it and wait up to
+        :attr:`finish_grace` seconds (less once ``hurry`` is set) for the leader to exit;
+        then SIGTERM the process group, SIGKILL it after ``grace`` seconds; SIGKILL the
         groups earlier leaders left to finish (:meth:`release_group`)."""
         for pgid in self.orphan_groups:
             try:
@@ -244,6 +252,16 @@ class Managed:
         self.orphan_groups.clear()
         if self.proc is None:
             return
+        if self.finish_signal is not None and self.proc.poll() is None:
+            self.signal(self.finish_signal)
+            until = time.monotonic() + self.finish_grace
+            while self.proc.poll() is None and time.monotonic() < until:
+                if hurry is not None and hurry.is_set():
+                    break
+                try:
+                    self.proc.wait(timeout=0.1)
+                except subprocess.TimeoutExpired:
+                    pass
         if self.proc.poll() is None:
             self.signal(signal.SIGTERM)
             try:
@@ -268,9 +286,10 @@ class ProcessSet:
         self.items.append(m)
         return m
 
-    def stop_all(self) -> None:
+    def stop_all(self, hurry: threading.Event | None = None) -> None:
+        """Stop every part, last started first (see :meth:`Managed.stop` for ``hurry``)."""
         for m in reversed(self.items):
-            m.stop()
+            m.stop(hurry=hurry)
         self.items.clear()
 
 

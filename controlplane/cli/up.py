@@ -379,6 +379,9 @@ EMBEDDER_START_S = 180.0
 
 #: Tries of a part on a port a free-port helper chose, when it fails to bind it.
 START_ATTEMPTS = 3
+#: Seconds nginx has, when the stack stops, to finish the requests in flight (SIGQUIT,
+#: its graceful shutdown) before it is stopped at once (SIGTERM).
+NGINX_FINISH_S = 10.0
 
 
 def _embedder_healthy(url: str) -> bool:
@@ -791,7 +794,11 @@ def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
     owner_doc = _owner_doc(instance)
     owner_r: redis_lib.Redis | None = None
 
+    hurry = threading.Event()
+
     def on_signal(signum: int, _frame: object) -> None:
+        if stop.is_set():
+            hurry.set()  # a second Ctrl-C: cut the requests in flight
         stop.set()
 
     # Ctrl-C, kill, and a closed terminal or ssh session (SIGHUP) stop the stack alike;
@@ -860,7 +867,11 @@ def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
             rendered = render_nginx(settings, wd / "nginx", prefix=wd / "nginx")
             _say(f"starting nginx on {edge_host}:{edge_port} (config {rendered.nginx_conf})")
             try:
-                stack.add(start_nginx(rendered.nginx_conf, wd / "nginx"))
+                edge = stack.add(start_nginx(rendered.nginx_conf, wd / "nginx"))
+                # a stop lets the requests in flight (streams too) finish, as
+                # `nginx -s quit` does, for up to NGINX_FINISH_S
+                edge.finish_signal = signal.SIGQUIT
+                edge.finish_grace = NGINX_FINISH_S
                 break
             except procs.StartError as exc:
                 m_port = settings.edge.metrics_listen.rpartition(":")[2]
@@ -903,10 +914,11 @@ Ctrl-C stops everything.""", err=False)
     except procs.StartError as exc:
         raise click.ClickException(str(exc)) from None
     finally:
-        click.echo("stopping...", err=True)
+        click.echo(f"stopping... (requests in flight get up to {NGINX_FINISH_S:.0f} s to "
+                   "finish; Ctrl-C again cuts them)", err=True)
         if owner_r is not None:
             _release_owner(owner_r, owner_doc)
-        stack.stop_all()
+        stack.stop_all(hurry=hurry)
         # the state (Redis's append-only file: API keys, nodes, drains, cached answers)
         # is in the folder; only a start on the same folder finds it again
         click.echo(f"stopped; the work folder {wd} is kept (`{_again_command(wd)}` "

@@ -11,6 +11,7 @@ import signal
 import stat
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -407,3 +408,63 @@ def test_a_second_up_on_the_same_work_folder_touches_nothing(workdir: Path) -> N
         assert a.post_chat("still served").status_code == 200
     finally:
         a.stop()
+
+
+def _open_stream(up: UpStack, tokens: int) -> requests.Response:
+    res = requests.post(f"{up.base}/v1/chat/completions", stream=True, timeout=30,
+                        headers={"Authorization": f"Bearer {up.key}"},
+                        json={"model": "sim-llama", "stream": True, "min_tokens": tokens,
+                              "max_tokens": tokens,
+                              "messages": [{"role": "user", "content": "Tell a long story."}]})
+    assert res.status_code == 200, res.text
+    return res
+
+
+def _read_stream(lines: Iterator[bytes]) -> tuple[int, bool]:
+    """(content chunks read, whether ``data: [DONE]`` came) until the stream ends."""
+    chunks, done = 0, False
+    try:
+        for line in lines:
+            if line == b"data: [DONE]":
+                done = True
+            elif line.startswith(b"data: "):
+                chunks += 1
+    except requests.RequestException:
+        pass
+    return chunks, done
+
+
+def test_a_stop_lets_streams_in_flight_finish_and_a_second_one_cuts_them(workdir: Path) -> None:
+    """Ctrl-C stops nginx as ``nginx -s quit`` does: a stream in flight (100 tokens at
+    20 ms, real speed) ends complete, with ``[DONE]``, and no new connection is accepted meanwhile;
+    a second Ctrl-C cuts the streams at once."""
+    up = UpStack.start(workdir, NO_CACHE, "--time-scale", "1")
+    try:
+        assert up.proc.poll() is None, up.text()
+        _first_answer(up)
+        res = _open_stream(up, 100)
+        lines = res.iter_lines()
+        assert next(line for line in lines if line.startswith(b"data: "))
+        up.proc.send_signal(signal.SIGINT)
+        procs.wait_until(lambda: not procs.port_open("127.0.0.1", up.edge), timeout=10,
+                         what="the edge to stop accepting connections")
+        chunks, done = _read_stream(lines)
+        assert done and chunks > 0, (chunks, up.text())
+        assert up.proc.wait(timeout=30) == 0, up.text()
+        assert "Ctrl-C again cuts them" in up.text()
+    finally:
+        up.kill()
+
+    up = UpStack.start(workdir, NO_CACHE, "--time-scale", "1")
+    try:
+        _first_answer(up)
+        lines = _open_stream(up, 1000).iter_lines()  # 20 s
+        assert next(line for line in lines if line.startswith(b"data: "))
+        up.proc.send_signal(signal.SIGINT)
+        procs.wait_until(lambda: "Ctrl-C again" in up.text(), timeout=10, what="the stop")
+        up.proc.send_signal(signal.SIGINT)
+        chunks, done = _read_stream(lines)
+        assert not done, chunks
+        assert up.proc.wait(timeout=15) == 0, up.text()
+    finally:
+        up.kill()

@@ -127,22 +127,11 @@ local opts = nil
 local USAGE_MEMBER = '"stream_options":{"include_usage":true},'
 local find = string.find
 
--- The body text with include_usage asked, or nil, err. `so`: the decoded
--- stream_options of the body (nil when it has none).
-function _M.with_usage(text, so)
-    if type(text) ~= "string" then
-        return nil, "no body text"
-    end
-    local open = find(text, "{", 1, true)
-    if not open then
-        return nil, "body is not an object"
-    end
-    if so == nil then
-        return sub(text, 1, open) .. USAGE_MEMBER .. sub(text, open + 1)
-    end
-    -- the member's one occurrence: a '"stream_options"' whose opening quote is not
-    -- escaped (an even number of backslashes before it), followed by ':', is a key; the
-    -- top level's, when the body has only one
+-- Position in the body text just before the value of its "stream_options" member, or
+-- nil, err. The member's one occurrence: a '"stream_options"' whose opening quote is not
+-- escaped (an even number of backslashes before it), followed by ':', is a key; the top
+-- level's, when the body has only one.
+local function stream_options_at(text)
     local e, pos, n = nil, 1, 0
     while true do
         local s1, e1 = find(text, '"stream_options"%s*:%s*', pos)
@@ -161,6 +150,40 @@ function _M.with_usage(text, so)
     end
     if n ~= 1 then
         return nil, "stream_options not found once"
+    end
+    return e
+end
+
+-- Whether a decoded stream_options table was a JSON object in the body: cjson decodes
+-- [] and {} alike (and [x] to a table with [1]), and a node refuses an array there.
+local function options_object(so)
+    if so[1] ~= nil then
+        return false
+    end
+    if next(so) ~= nil then
+        return true
+    end
+    local text = request_body.text()
+    local e = text and stream_options_at(text)
+    return e ~= nil and byte(text, e + 1) == 123 -- "{"
+end
+
+-- The body text with include_usage asked, or nil, err. `so`: the decoded
+-- stream_options of the body (nil when it has none).
+function _M.with_usage(text, so)
+    if type(text) ~= "string" then
+        return nil, "no body text"
+    end
+    local open = find(text, "{", 1, true)
+    if not open then
+        return nil, "body is not an object"
+    end
+    if so == nil then
+        return sub(text, 1, open) .. USAGE_MEMBER .. sub(text, open + 1)
+    end
+    local e, err = stream_options_at(text)
+    if not e then
+        return nil, err
     end
     local vs, ve
     if byte(text, e + 1) == 123 then -- "{"
@@ -306,7 +329,7 @@ local function bad_params(body)
         return "stream is not a boolean"
     end
     local so = body.stream_options
-    if given(so) and type(so) ~= "table" then
+    if given(so) and (type(so) ~= "table" or not options_object(so)) then
         return "stream_options is not an object"
     end
     local temp = body.temperature
