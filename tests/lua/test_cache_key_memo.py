@@ -65,3 +65,15 @@ def test_bounded_memo_starts_afresh_when_full(workdir) -> None:
         return out
     """)
     assert got == {"a": 10, "b": 2, "full_a": 10, "after_d": 4}
+
+
+def test_prefixer_builds_each_key_once(workdir) -> None:
+    got = lua_eval(workdir, """
+        local prefixer = require("infergate.core.memo").prefixer
+        local if_key, sp_key = prefixer("if:"), prefixer("sp:")
+        local a = if_key("node-a")
+        return {a = a, again = if_key("node-a"), b = if_key("node-b"), sp = sp_key("node-a"),
+                same = rawequal(a, if_key("node-a"))}
+    """)
+    assert got == {"a": "if:node-a", "again": "if:node-a", "b": "if:node-b",
+                   "sp": "sp:node-a", "same": True}

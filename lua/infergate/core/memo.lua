@@ -5,6 +5,8 @@
 --   local m = memo.new(1000)
 --   local v = m:get(k)            -- nil when absent
 --   m:set(k, v)                   -- returns v
+--   local key_of = memo.prefixer("if:")
+--   key_of("node-a")              -- "if:node-a", built once
 local _M = {}
 
 local setmetatable = setmetatable
@@ -32,6 +34,20 @@ function _M:set(k, v)
     end
     t[k] = v
     return v
+end
+
+-- A function name -> prefix .. name that builds each string once: for names of a
+-- bounded set (the nodes of the registry), on paths run for every request.
+function _M.prefixer(prefix)
+    local built = {}
+    return function(name)
+        local k = built[name]
+        if not k then
+            k = prefix .. name
+            built[name] = k
+        end
+        return k
+    end
 end
 
 return _M

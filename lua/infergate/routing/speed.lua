@@ -64,6 +64,7 @@
 -- No I/O: safe in the balancer and log phases.
 local config = require("infergate.core.config")
 local ngxapi = require("infergate.core.ngxapi")
+local prefixer = require("infergate.core.memo").prefixer
 local ngx_now = ngxapi.now
 local stats = require("infergate.routing.stats")
 local snapshot = require("infergate.routing.snapshot")
@@ -99,16 +100,8 @@ local REC_BYTES, LVL_BYTES = 8 * 8, 2 * 8
 local NONE = -1
 local rec = ffi.new("double[8]")
 local lvl = ffi.new("double[2]")
-local rec_keys, lvl_keys = {}, {}
-
-local function rec_key(name)
-    local k = rec_keys[name]
-    if not k then
-        k = "sp:" .. name
-        rec_keys[name] = k
-    end
-    return k
-end
+local rec_key = prefixer("sp:")
+local lvl_keys = {}
 
 local function lvl_key(name, k)
     local t = lvl_keys[name]

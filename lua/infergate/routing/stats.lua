@@ -27,6 +27,7 @@
 -- it the same way (the request's fault, not the node's).
 local config = require("infergate.core.config")
 local ngxapi = require("infergate.core.ngxapi")
+local prefixer = require("infergate.core.memo").prefixer
 local ngx_now = ngxapi.now
 local breaker = require("infergate.routing.breaker")
 local ffi = require("ffi")
@@ -45,26 +46,14 @@ local C = ffi.C
 local ESRCH = 3
 
 -- Key names per node, built once per worker ("if:<node>", "iw:<pid>:<node>").
-local if_keys, iw_keys = {}, {}
-local my_pid
-
-local function if_key(name)
-    local k = if_keys[name]
-    if not k then
-        k = "if:" .. name
-        if_keys[name] = k
-    end
-    return k
-end
+local if_key = prefixer("if:")
+local iw_key_of -- made at its first use in a worker (its pid)
 
 local function iw_key(name)
-    local k = iw_keys[name]
-    if not k then
-        my_pid = my_pid or ngx.worker.pid()
-        k = "iw:" .. my_pid .. ":" .. name
-        iw_keys[name] = k
+    if not iw_key_of then
+        iw_key_of = prefixer("iw:" .. ngx.worker.pid() .. ":")
     end
-    return k
+    return iw_key_of(name)
 end
 
 -- EWMA smoothing: new = old + ALPHA * (sample - old)
