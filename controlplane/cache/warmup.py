@@ -21,8 +21,10 @@ already cached (in Redis before sending, or answered by the edge from its cache)
 ``stored`` sent prompts whose entry is in Redis afterwards, ``failed`` requests that
 got an error or no answer. Exit status 1 when any prompt failed.
 
-An edge that requires API keys and answers ``401`` stops the run at once (no further
-prompt is sent): "pass --api-key or set INFERGATE_API_KEY", exit status 1. On a terminal
+The edge's ``GET /v1/models`` is asked first (it names the default model): an edge that
+does not answer stops the run there ("cannot reach the edge at URL: pass --edge URL, or
+--config WORKDIR/infergate.toml ..."), exit status 1. An edge that requires API keys and
+answers ``401`` stops the run at once (no further prompt is sent): "pass --api-key or set INFERGATE_API_KEY", exit status 1. On a terminal
 the progress is a bar; otherwise (piped, in a log) one line per step of about 5 % or
 every 2 s: ``warmup: 40/800 done (sent 38, skipped 2, failed 0)``.
 """
@@ -168,11 +170,22 @@ def _error_message(res: requests.Response) -> str:
     return res.text[:200].strip()
 
 
+#: How to point warmup at a stack started by ``infergate up`` (its edge is not on the
+#: default address when ``--listen`` moved it).
+EDGE_HINT = "pass --edge URL, or --config WORKDIR/infergate.toml for a stack of `infergate up`"
+
+
 def _default_model(edge: str, headers: dict[str, str]) -> str | None:
-    """First model id of the edge's ``GET /v1/models``; None when it has none or is
-    unreachable. Raises :class:`click.ClickException` on 401 (no or a wrong key)."""
+    """First model id of the edge's ``GET /v1/models``; None when it has none or does not
+    answer it with JSON. Raises :class:`click.ClickException` when nothing answers at
+    ``edge`` (connection refused, timeout: nothing could be warmed) and on 401 (no or a
+    wrong key)."""
     try:
         res = requests.get(f"{edge}/v1/models", headers=headers, timeout=10)
+    except requests.RequestException as exc:
+        raise click.ClickException(f"cannot reach the edge at {edge} ({exc.__class__.__name__}"
+                                   f"): {EDGE_HINT}") from None
+    try:
         if res.status_code == 401:
             raise click.ClickException(f"the edge at {edge} answered 401 ({_error_message(res)}): "
                                        f"{KEY_HINT}")
@@ -180,7 +193,7 @@ def _default_model(edge: str, headers: dict[str, str]) -> str | None:
         if isinstance(data, list) and data and isinstance(data[0], dict):
             mid = data[0].get("id")
             return mid if isinstance(mid, str) else None
-    except (requests.RequestException, ValueError):
+    except ValueError:
         return None
     return None
 
@@ -338,8 +351,9 @@ def warmup_cmd(prompts_file: Path, concurrency: int, edge_url: str | None, model
         edge_url = HostPort.parse(settings.edge.listen, "edge.listen").client_url
     edge_url = edge_url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    if not model:
-        model = _default_model(edge_url, headers)
+    # asked even with --model: an edge that is not there fails the run before any prompt
+    first_model = _default_model(edge_url, headers)
+    model = model or first_model
     try:
         prompts = read_prompts(prompts_file, model)
     except PromptError as exc:

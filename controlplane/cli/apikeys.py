@@ -179,8 +179,12 @@ def import_cmd(c: Ctx, path: str, overwrite: bool) -> None:
         except ValueError as exc:
             raise click.ClickException(f"{path}: not JSON: {exc}") from None
     res = _run(c, lambda: apikeys.import_keys(c.r, doc, overwrite=overwrite))
-    click.echo(f"imported {len(res.added)} key(s), {len(res.kept)} already present"
-               + (" (overwritten)" if overwrite and res.kept else ""))
+    if overwrite:
+        click.echo(f"imported {len(res.added)} new key(s), replaced {len(res.kept)} "
+                   "already present")
+    else:
+        click.echo(f"imported {len(res.added)} key(s), {len(res.kept)} already present "
+                   "(kept as they are; --overwrite replaces them)")
     if res.conflicts:
         click.echo(f"refused {len(res.conflicts)}: id taken by another key here: "
                    + ", ".join(res.conflicts), err=True)

@@ -48,7 +48,9 @@ def test_export_flush_import_brings_every_key_back(run, redis_server, tmp_path) 
     assert apikeys.get_key(r, rec2.id).revoked is not None
     # again: nothing changes
     res = run("import", "-", input=out.read_text())
-    assert res.exit_code == 0 and "imported 0 key(s), 2 already present" in res.output
+    assert res.exit_code == 0 and "imported 0 key(s), 2 already present (kept" in res.output
+    res = run("import", "--overwrite", str(out))
+    assert res.exit_code == 0 and "imported 0 new key(s), replaced 2 already present" in res.output
 
 
 def test_import_refuses_bad_files_and_taken_ids(run, redis_server, tmp_path) -> None:

@@ -78,23 +78,40 @@ def test_warmup_stores_answers_and_skips_them_next_time(redis_server, simnodes, 
 
 
 @pytest.mark.integration
-def test_warmup_reports_failures(redis_server, workdir) -> None:
+def test_warmup_reports_failures(redis_server, tiny_upstreams, workdir) -> None:
     f = workdir / "prompts.txt"
     # the third has no cache key (a seed of 2^53 or more): sent all the same
     f.write_text("one\ntwo\n" + json.dumps({"messages": [{"role": "user", "content": "x"}],
                                               "seed": 2**63}) + "\n", encoding="utf-8")
-    dead = f"http://127.0.0.1:{procs.free_port()}"
-    res = CliRunner().invoke(warmup_cmd, ["--file", str(f), "--edge", dead, "--model", "m",
+    # an edge that answers /v1/models and fails every prompt (500)
+    (failing,) = tiny_upstreams(1)
+    failing.mode = "fail"
+    res = CliRunner().invoke(warmup_cmd, ["--file", str(f), "--edge", failing.url, "--model", "m",
                                           "--redis-url", redis_server.url, "--timeout", "2"])
     assert res.exit_code == 1
     assert "sent 0, skipped 0, stored 0, failed 3" in res.output
+    assert failing.hits == 3
+
+
+@pytest.mark.integration
+def test_warmup_names_an_edge_that_is_not_there(redis_server, workdir) -> None:
+    f = workdir / "prompts.txt"
+    f.write_text("one\n", encoding="utf-8")
+    dead = f"http://127.0.0.1:{procs.free_port()}"
+    for extra in ([], ["--model", "m"]):
+        res = CliRunner().invoke(warmup_cmd, ["--file", str(f), "--edge", dead,
+                                              "--redis-url", redis_server.url, *extra])
+        assert res.exit_code == 1
+        assert f"cannot reach the edge at {dead}" in res.output, res.output
+        assert "--config WORKDIR/infergate.toml" in res.output
 
 
 @pytest.mark.integration
 def test_warmup_without_a_key_stops_at_the_first_401(redis_server, simnodes, edge_factory,
                                                      workdir) -> None:
     """Keys required, none given: one clear line and exit 1, with the model taken from
-    /v1/models (also 401) or given, and no prompt after the first 401 is sent."""
+    /v1/models or given: the edge's 401 to /v1/models, asked first either way, stops the
+    run before any prompt is sent."""
     node = simnodes(1, time_scale=0.05, output_tokens="4:8")[0]
     s = edge_settings(redis_server.url, [node.node_settings()])
     s.auth.mode = "required"
@@ -116,5 +133,5 @@ def test_warmup_without_a_key_stops_at_the_first_401(redis_server, simnodes, edg
     assert res.output.count("401") == 1, res.output  # no 401 body per prompt
     posts = [ln for ln in edge.rendered.access_log.read_text().splitlines()
              if "POST /v1/chat/completions" in ln]
-    assert len(posts) == 1, posts  # stopped at the first one
+    assert posts == [], posts  # stopped before the first one
     assert node.state()["requests_total"] == 0
