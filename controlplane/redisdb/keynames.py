@@ -19,6 +19,9 @@ ROUTING_VERSION = f"{BASE}:routing:version"
 LEADER = f"{BASE}:leader"
 #: Hash, node name -> JSON node config (url, kind, weight, max_concurrency, ...).
 NODES = f"{BASE}:nodes"
+#: Set of the names of configured (TOML) nodes the registry was ever seeded with: a
+#: configured node is seeded once, so one removed at run time stays removed.
+NODES_SEEDED = f"{BASE}:nodes_seeded"
 #: Hash, node name -> JSON ``{"state": "active"|"draining"|"drained", "since": epoch_s}``.
 NODE_STATES = f"{BASE}:node_states"
 #: Hash, edge id -> JSON per-edge stats ``{"ts": epoch_s, "nodes": {name: {...}}}``.
@@ -84,7 +87,8 @@ ADMIN_SESSION_PREFIX = f"{BASE}:admin:session:"
 #: rewritten by the leader, and the version must never go back because of an eviction.
 #: Every other key is cache kind and always carries a TTL.
 STATE_KEYS = frozenset({
-    ROUTING, ROUTING_VERSION, NODES, NODE_STATES, EVENTS, APIKEYS, APIKEY_IDS, STATE_MARKER,
+    ROUTING, ROUTING_VERSION, NODES, NODES_SEEDED, NODE_STATES, EVENTS, APIKEYS, APIKEY_IDS,
+    STATE_MARKER,
 })
 
 

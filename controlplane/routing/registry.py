@@ -1,8 +1,9 @@
 """Node registry, node states and the event stream, kept in Redis.
 
 - Registry: hash ``keynames.NODES``, node name -> JSON of :class:`NodeSettings`. Seeded
-  from the TOML file at control-plane start (existing entries are kept, so run-time
-  edits survive a restart); edited at run time by the admin page, API and CLI.
+  from the TOML file at control-plane start, each configured node once
+  (:func:`seed_nodes`: run-time edits and removals survive a restart); edited at run
+  time by the admin page, API and CLI.
 - States: hash ``keynames.NODE_STATES``, name -> ``{"state", "since", "actor"}`` where
   state is ``active`` | ``draining`` | ``drained`` and ``since`` is epoch seconds.
   A node without an entry is ``active``. (``down`` is not a state: it is
@@ -73,8 +74,16 @@ def remove_node(r: redis.Redis, name: str) -> bool:
 
 
 def seed_nodes(r: redis.Redis, nodes: list[NodeSettings]) -> int:
-    """Add the configured nodes missing from the registry. Returns how many were added."""
-    return sum(put_node(r, n, only_new=True) for n in nodes)
+    """Add the configured nodes the registry was never seeded with; returns how many were
+    added. Each configured name is seeded once (recorded in ``keynames.NODES_SEEDED``):
+    an entry already there (a run-time edit) is kept, a node removed at run time is not
+    brought back by the next start, and a node new in the file is added. A Redis that
+    lost its data lost that record too, so everything in the file is seeded again."""
+    added = 0
+    for n in nodes:
+        if r.sadd(keynames.NODES_SEEDED, n.name):
+            added += put_node(r, n, only_new=True)
+    return added
 
 
 def get_states(r: redis.Redis) -> dict[str, NodeState]:

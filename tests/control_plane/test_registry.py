@@ -22,6 +22,22 @@ def test_seed_keeps_runtime_edits(redis_server):
     assert sorted(nodes) == ["a", "b"]
 
 
+def test_seed_never_brings_back_a_node_removed_at_run_time(redis_server):
+    r = redis_server.client()
+    assert registry.seed_nodes(r, [node("a"), node("b")]) == 2
+    assert registry.remove_node(r, "b")
+    # the next start: "b" is still in the file, and stays removed; "c" is new there
+    assert registry.seed_nodes(r, [node("a"), node("b"), node("c")]) == 1
+    assert [n.name for n in registry.list_nodes(r)] == ["a", "c"]
+    # added again at run time, it is back
+    registry.put_node(r, node("b"))
+    assert registry.seed_nodes(r, [node("a"), node("b"), node("c")]) == 0
+    assert [n.name for n in registry.list_nodes(r)] == ["a", "b", "c"]
+    # a Redis that lost its data: everything in the file is seeded again
+    r.flushdb()
+    assert registry.seed_nodes(r, [node("a"), node("b")]) == 2
+
+
 def test_remove_deletes_state_and_metrics(redis_server):
     r = redis_server.client()
     registry.put_node(r, node("a"))
