@@ -332,6 +332,10 @@ local function bad_params(body)
     if given(so) and (type(so) ~= "table" or not options_object(so)) then
         return "stream_options is not an object"
     end
+    if given(so) and st ~= true then
+        -- vLLM: "Stream options can only be defined when stream=True" (400)
+        return "stream_options without stream"
+    end
     local temp = body.temperature
     if given(temp) and (type(temp) ~= "number" or temp < 0 or temp > 2) then
         return "temperature out of range"
