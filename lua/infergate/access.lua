@@ -30,6 +30,7 @@ local cjson = require("cjson.safe")
 local ngxapi = require("infergate.core.ngxapi")
 local ngx_now = ngxapi.now
 local ngx_var = ngxapi.var
+local ngx_start_time = ngxapi.req_start_time
 -- Request bodies are parsed by an instance of their own that refuses what JSON does not
 -- allow and lua-cjson accepts by default (NaN, Infinity, hexadecimal numbers).
 local body_json = cjson.new()
@@ -46,11 +47,13 @@ local ratelimit = require("infergate.admission.ratelimit")
 local admission = require("infergate.admission.shed")
 local config = require("infergate.core.config")
 local options = require("infergate.admission.options")
+local deadline = require("infergate.admission.deadline")
 
 local _M = {}
 
 local type = type
 local tostring = tostring
+local format = string.format
 local ipairs = ipairs
 
 local METHODS = {
@@ -165,6 +168,19 @@ local function step_body(req)
     local body, err = read_body()
     if err then
         return { status = 500, message = err }
+    end
+    -- a body that took the whole request deadline to arrive leaves nothing for a node:
+    -- the client's own upload, not a busy pool (a 429 would say the pool is saturated)
+    local left = deadline.remaining(req)
+    if left and left <= 0 then
+        return {
+            status = 408,
+            message = format("The request took %.1f s to arrive, past its deadline of %g s; "
+                .. "send the body faster or ask the operator for a longer deadline.",
+                ngx_now() - ngx_start_time(), deadline.for_request(req).request_ms / 1000),
+            type = "invalid_request_error",
+            code = "request_timeout",
+        }
     end
     if not body or body == "" then
         return bad_request("The request body is empty; expected a JSON object.")

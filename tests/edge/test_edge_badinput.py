@@ -351,3 +351,35 @@ def test_ten_thousand_messages_are_proxied_and_cached(edge_and_node) -> None:
     while post_raw(edge, body).headers.get("X-Cache-Status") != "HIT":
         assert time.monotonic() < deadline, "the long conversation was never served from the cache"
     print(f"10,000-message conversation ({len(body)} bytes): first answer in {took * 1000:.0f} ms")
+
+
+def test_a_body_that_arrives_past_the_request_deadline_gets_408_not_429(
+        redis_server, tiny_upstreams, edge_factory) -> None:
+    """A body sent slowly enough to use up deadlines.request_ms (here 1 s; within the gap
+    and total body timeouts) is the client's delay: 408 ``request_timeout`` naming the
+    time it took, not a 429 that blames a saturated pool; a faster one is served."""
+    (up,) = tiny_upstreams(1)
+    s = edge_settings(redis_server.url, [up.node_settings()], client_body_timeout_ms=2000)
+    s = settings_from_dict({**s.model_dump(mode="json"), "deadlines": {"request_ms": 1000}})
+    edge = edge_factory(s)
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+    def send(pause_s: float) -> tuple[bytes, bytes]:
+        with socket.create_connection(_host_port(edge)) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: "
+                         + str(len(body)).encode() + b"\r\n\r\n" + body[:5])
+            time.sleep(pause_s)  # the client's own upload delay, the point of the test
+            sock.sendall(body[5:])
+            data, _ = _read_until_closed(sock, 10)
+        head, _, rest = data.partition(b"\r\n\r\n")
+        return head, rest
+
+    head, rest = send(1.3)
+    assert head.startswith(b"HTTP/1.1 408"), head
+    err = json.loads(rest[rest.index(b"{"):rest.rindex(b"}") + 1])["error"]  # maybe chunked
+    assert err["code"] == "request_timeout" and "past its deadline of 1 s" in err["message"]
+    assert up.hits == 0
+    head, _ = send(0.1)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    assert up.hits == 1
