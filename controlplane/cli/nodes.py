@@ -12,13 +12,18 @@ from collections.abc import Callable
 from typing import Any
 
 import click
+import redis
 
+from controlplane.redisdb import keynames
 from controlplane.routing import registry
 from controlplane.cli.common import ConnectedGroup, Ctx, actor, run_or_exit, table
 from controlplane.admin import ops
 from controlplane.admin.nodeview import build_views
 
 KINDS = ("vllm", "tgi", "sglang", "json", "openai")
+#: Age (s) of the routing snapshot past which no control plane is taken to publish (at
+#: least five of its poll intervals).
+STALE_SNAPSHOT_S = 10.0
 
 
 def run(ctx: Ctx, fn: Callable[[], Any]) -> Any:
@@ -93,6 +98,7 @@ def add_cmd(c: Ctx, name: str, url: str, **opts: Any) -> None:
     node = run(c, lambda: ops.add_node(c.r, {"name": name, "url": url, **_given(**opts)},
                                        actor(), c.events_max, settings=c.settings))
     click.echo(f"added {node.name} ({node.kind}, {node.url}, weight {node.weight:g})")
+    warn_if_unpublished(c)
 
 
 @nodes_cmd.command("edit")
@@ -109,6 +115,7 @@ def edit_cmd(c: Ctx, name: str, **opts: Any) -> None:
     node = run(c, lambda: ops.edit_node(c.r, name, changes, actor(), c.events_max,
                                         settings=c.settings))
     click.echo(f"saved {node.name}: " + ", ".join(f"{k}={getattr(node, k)}" for k in changes))
+    warn_if_unpublished(c)
 
 
 @nodes_cmd.command("remove")
@@ -118,6 +125,31 @@ def remove_cmd(c: Ctx, name: str) -> None:
     """Remove node NAME with its state, metrics and history."""
     run(c, lambda: ops.remove_node(c.r, name, actor(), c.events_max))
     click.echo(f"removed {name}")
+    warn_if_unpublished(c)
+
+
+def snapshot_age(c: Ctx) -> float | None:
+    """Seconds since a control plane last published the routing snapshot (its
+    ``generated_at``), None when there is none or it cannot be read."""
+    try:
+        raw = c.r.get(keynames.ROUTING)
+        return max(0.0, time.time() - float(json.loads(raw)["generated_at"])) if raw else None
+    except (redis.RedisError, ValueError, TypeError, KeyError):
+        return None
+
+
+def warn_if_unpublished(c: Ctx) -> None:
+    """A warning on stderr when no control plane has published a routing snapshot lately:
+    the edges see registry and drain changes only through it, so a change written here
+    waits until one runs again (none started, or it is stopped or frozen)."""
+    age = snapshot_age(c)
+    limit = max(STALE_SNAPSHOT_S, 5 * c.settings.controlplane.poll_interval_s)
+    if age is not None and age <= limit:
+        return
+    when = "yet" if age is None else f"for {age:.0f} s"
+    click.echo(f"warning: no control plane has published a routing snapshot {when} (none "
+               "runs, or it is stopped or frozen): the edges apply this change once one "
+               "does", err=True)
 
 
 @nodes_cmd.command("drain")
@@ -130,6 +162,8 @@ def drain_cmd(c: Ctx, name: str, wait: bool, timeout: float) -> None:
     """Stop sending new requests to NAME; in-flight ones finish."""
     ch = run(c, lambda: ops.drain(c.r, name, actor(), c.events_max))
     click.echo(f"{name}: {'draining' if ch.changed else 'already ' + ch.state}")
+    if ch.changed:
+        warn_if_unpublished(c)
     if not wait or ch.state == "drained":
         return
     deadline = time.monotonic() + timeout
@@ -152,3 +186,5 @@ def undrain_cmd(c: Ctx, name: str) -> None:
     """Send requests to NAME again (its share ramps up during slow start)."""
     ch = run(c, lambda: ops.undrain(c.r, name, actor(), c.events_max))
     click.echo(f"{name}: {'active' if ch.changed else 'already active'}")
+    if ch.changed:
+        warn_if_unpublished(c)

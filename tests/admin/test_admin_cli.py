@@ -5,11 +5,13 @@ from __future__ import annotations
 import getpass
 import json
 import threading
+import time
 
 import pytest
 from click.testing import CliRunner
 
 from controlplane import procs
+from controlplane.redisdb import keynames
 from controlplane.routing import registry
 from controlplane.cli import main
 
@@ -89,8 +91,11 @@ def test_edit_without_changes_is_a_usage_error(run):
 
 def test_drain_undrain(run, r):
     run("add", "sim-a", "http://127.0.0.1:9001")
+    # a control plane publishes routing snapshots: no warning
+    r.set(keynames.ROUTING, json.dumps({"version": 1, "generated_at": time.time(), "nodes": []}))
     res = run("drain", "sim-a")
     assert res.exit_code == 0 and "sim-a: draining" in res.output
+    assert "warning" not in res.output
     assert registry.get_state(r, "sim-a").state == "draining"
     assert "already draining" in run("drain", "sim-a").output
     assert run("list").output.splitlines()[1].split()[1] == "draining"
@@ -157,3 +162,17 @@ def test_connection_options_also_follow_the_subcommand(redis_server, tmp_path):
     res = runner.invoke(main, ["nodes", "--redis-url", "redis://127.0.0.1:1/0", "list",
                                "--redis-url", redis_server.url])
     assert res.exit_code == 0 and "late" in res.output
+
+
+def test_a_change_no_control_plane_publishes_is_warned_about(run, r):
+    """The edges see drains and registry changes through the control plane's routing
+    snapshot: with none published lately (no control plane, or one frozen), the change
+    is made and a warning says the edges apply it only once one publishes again."""
+    res = run("add", "sim-a", "http://127.0.0.1:9001")
+    assert res.exit_code == 0 and "no control plane has published a routing snapshot yet" in res.output
+    r.set(keynames.ROUTING, json.dumps({"version": 7, "generated_at": time.time() - 60,
+                                        "nodes": []}))
+    res = run("drain", "sim-a")
+    assert res.exit_code == 0 and registry.get_state(r, "sim-a").state == "draining"
+    assert "no control plane has published a routing snapshot for 60 s" in res.output
+    assert "the edges apply this change once one does" in res.output
