@@ -351,6 +351,52 @@ class _Watched:
     degraded: bool = False
 
 
+class HangWatch:
+    """Kills a part that lives but no longer answers, so that the :class:`Supervisor`
+    restarts it: a process that is frozen (SIGSTOP, a stuck interpreter) never exits, and
+    exits are all the supervisor sees.
+
+    A daemon thread calls ``probe()`` (True: the part answered) every ``every_s``
+    seconds while the part's process lives; after ``fail_after`` failures in a row (so
+    ``every_s * fail_after`` seconds without an answer, at least) it says so and sends
+    SIGKILL to the part's process group. ``stop()`` ends the thread."""
+
+    def __init__(self, m: Managed, probe: Callable[[], bool], say: Callable[[str], None],
+                 every_s: float = 5.0, fail_after: int = 3) -> None:
+        self.m = m
+        self.probe = probe
+        self.say = say
+        self.every_s = every_s
+        self.fail_after = fail_after
+        self.kills = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"hang-watch-{m.name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        fails = 0
+        while not self._stop.wait(self.every_s):
+            if not self.m.alive():
+                fails = 0  # exited: the supervisor restarts it; a new one starts afresh
+                continue
+            try:
+                ok = bool(self.probe())
+            except Exception:  # noqa: BLE001 - a probe that fails is a failed probe
+                ok = False
+            fails = 0 if ok else fails + 1
+            if fails >= self.fail_after and not self._stop.is_set():
+                self.say(f"{self.m.name} (pid {self.m.pid}) did not answer its health check "
+                         f"{fails} times in a row, {self.every_s:g} s apart: killing it, to be "
+                         "restarted")
+                self.m.signal(signal.SIGKILL)
+                self.kills += 1
+                fails = 0
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
 class Supervisor:
     """Keeps the parts of a :class:`ProcessSet` running: call :meth:`tick` about once a
     second. A part found dead is reported through ``say`` (one line: part, exit code,

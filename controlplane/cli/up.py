@@ -379,6 +379,11 @@ EMBEDDER_START_S = 180.0
 
 #: Tries of a part on a port a free-port helper chose, when it fails to bind it.
 START_ATTEMPTS = 3
+#: Health checks of the control plane (its admin ``/healthz``): every so many seconds,
+#: each with this timeout; after so many failures in a row it is killed and restarted.
+CP_PROBE_EVERY_S = 5.0
+CP_PROBE_TIMEOUT_S = 2.0
+CP_PROBE_FAILS = 3
 #: Seconds nginx has, when the stack stops, to finish the requests in flight (SIGQUIT,
 #: its graceful shutdown) before it is stopped at once (SIGTERM).
 NGINX_FINISH_S = 10.0
@@ -793,6 +798,7 @@ def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
     stop = threading.Event()
     owner_doc = _owner_doc(instance)
     owner_r: redis_lib.Redis | None = None
+    cp_watch: procs.HangWatch | None = None
 
     hurry = threading.Event()
 
@@ -910,10 +916,18 @@ Ctrl-C stops everything.""", err=False)
         emb = next((x for x in stack.items if x.name == "embedder"), None)
         keeper = (EmbedderKeeper(emb, settings, stack, wd, cfg) if emb is not None
                   and settings.cache.semantic else None)
+        # a control plane that is frozen (never exits) would keep the edges on a stale
+        # snapshot: drains and registry changes unapplied, health no longer polled
+        cp_url = f"http://{admin_probe}:{admin_port}/healthz"
+        cp_watch = procs.HangWatch(
+            cp, lambda: procs.http_instance(cp_url, timeout=CP_PROBE_TIMEOUT_S) == instance,
+            _say, every_s=CP_PROBE_EVERY_S, fail_after=CP_PROBE_FAILS)
         failed = _supervise(stack, stop, owner_r, owner_doc, embedder=keeper)
     except procs.StartError as exc:
         raise click.ClickException(str(exc)) from None
     finally:
+        if cp_watch is not None:
+            cp_watch.stop()
         click.echo(f"stopping... (requests in flight get up to {NGINX_FINISH_S:.0f} s to "
                    "finish; Ctrl-C again cuts them)", err=True)
         if owner_r is not None:

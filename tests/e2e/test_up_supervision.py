@@ -468,3 +468,30 @@ def test_a_stop_lets_streams_in_flight_finish_and_a_second_one_cuts_them(workdir
         assert up.proc.wait(timeout=15) == 0, up.text()
     finally:
         up.kill()
+
+
+def test_a_frozen_control_plane_is_killed_and_restarted(workdir: Path) -> None:
+    """A control plane that lives but does not answer (SIGSTOP) never exits: after three
+    failed health checks 5 s apart up kills it, and the restarted one publishes again."""
+    up = UpStack.start(workdir, NO_CACHE)
+    frozen = None
+    try:
+        assert up.proc.poll() is None, up.text()
+        _first_answer(up)
+        frozen = up.part_pid("controlplane --config")
+        assert frozen
+        os.kill(frozen, signal.SIGSTOP)
+        procs.wait_until(lambda: "did not answer its health check 3 times in a row" in up.text(),
+                         timeout=40, what="the frozen control plane to be killed")
+        procs.wait_until(lambda: (up.part_pid("controlplane --config") or frozen) != frozen,
+                         timeout=30, what="a new control plane")
+        procs.wait_until(lambda: procs.http_instance(f"http://127.0.0.1:{up.admin}/healthz")
+                         not in (None, ""), timeout=30, what="the admin page to answer again")
+        assert up.post_chat("after the restart").status_code == 200
+    finally:
+        if frozen:
+            try:
+                os.kill(frozen, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        up.stop()
