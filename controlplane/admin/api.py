@@ -10,7 +10,8 @@ accepts the page's session cookie). Errors are JSON
 - 403 ``permission_error`` / ``admin_token_unset`` — no admin token configured
 - 404 ``not_found_error`` — unknown node, key or endpoint
 - 405 ``invalid_request_error`` / ``method_not_allowed``
-- 409 ``conflict_error`` / ``node_exists`` — node name already registered
+- 409 ``conflict_error`` / ``node_exists`` — node name already registered; ``node_url_taken``
+  — its server (URL) is already registered under another name
 - 429 ``rate_limit_error`` / ``admin_auth_throttled`` — too many wrong Bearer tokens from
   this client address (:mod:`.auth`), with ``Retry-After`` (seconds)
 - 503 ``unavailable_error`` / ``redis_unavailable`` — Redis unreachable

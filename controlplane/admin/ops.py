@@ -291,12 +291,39 @@ def _require(r: redis.Redis, name: str) -> NodeSettings:
     return node
 
 
+def _same_server(a: str, b: str) -> bool:
+    """Whether two node URLs name the same server root (case of scheme and host, a
+    default port and a trailing slash aside)."""
+    pa, pb = urlsplit(a), urlsplit(b)
+
+    def port(p) -> int | None:
+        try:
+            return p.port or {"http": 80, "https": 443}.get(p.scheme.lower())
+        except ValueError:
+            return None
+
+    return (pa.scheme.lower() == pb.scheme.lower() and (pa.hostname or "") == (pb.hostname or "")
+            and port(pa) == port(pb) and pa.path.rstrip("/") == pb.path.rstrip("/"))
+
+
+def _check_url_free(r: redis.Redis, node: NodeSettings) -> None:
+    """Raises :class:`Conflict` (``node_url_taken``) when another registered node has the
+    same server root: two entries for one server would double its share, and one of
+    them would take traffic while the other is drained."""
+    for other in registry.list_nodes(r):
+        if other.name != node.name and _same_server(other.url, node.url):
+            raise Conflict(f"{node.url} is already registered as node {other.name!r} (drain, "
+                           "edit or remove that one)", "node_url_taken")
+
+
 def add_node(r: redis.Redis, data: object, actor: str, events_max: int = 10000,
              settings: Settings | None = None) -> NodeSettings:
     """Register a new node. Raises :class:`BadInput` (also for a refused URL, see
     :func:`node_url_refusal`; ``settings`` adds the own-port check and the allow list),
-    :class:`Conflict` (name taken)."""
+    :class:`Conflict` (name taken: ``node_exists``; its server registered under another
+    name: ``node_url_taken``)."""
     node = check_node_url(parse_node(data), settings)
+    _check_url_free(r, node)
     if not registry.put_node(r, node, only_new=True):
         raise Conflict(f"a node named {node.name!r} already exists", "node_exists")
     registry.add_event(r, "node_add", node.name, actor, node.model_dump(), maxlen=events_max)
@@ -307,7 +334,7 @@ def edit_node(r: redis.Redis, name: str, changes: object, actor: str,
               events_max: int = 10000, settings: Settings | None = None) -> NodeSettings:
     """Change some fields of a node (see :data:`EDITABLE`). Raises :class:`NotFound`,
     :class:`BadInput` (unknown or invalid field, a refused URL as in :func:`add_node`,
-    or a rename attempt)."""
+    or a rename attempt), :class:`Conflict` (a new URL another node has)."""
     current = _require(r, name)
     if not isinstance(changes, dict) or not changes:
         raise BadInput(f"expected a JSON object with some of {', '.join(EDITABLE)}")
@@ -320,6 +347,7 @@ def edit_node(r: redis.Redis, name: str, changes: object, actor: str,
     node = parse_node(merged)
     if "url" in changes:
         check_node_url(node, settings)
+        _check_url_free(r, node)
     registry.put_node(r, node)
     diff = {k: [getattr(current, k), getattr(node, k)] for k in EDITABLE
             if getattr(current, k) != getattr(node, k)}

@@ -182,6 +182,19 @@ def test_add_node(client, r):
     assert err(resp)["code"] == "node_exists"
     assert registry.get_node(r, "gpu-1").weight == 2.5
 
+    # the same server under another name (a drain of gpu-1 would not hold): refused
+    for url in ("http://10.0.0.5:8000", "HTTP://10.0.0.5:8000/"):
+        resp = client.post("/api/v1/nodes", json={"name": "gpu-1b", "url": url}, headers=AUTH)
+        assert resp.status_code == 409 and err(resp)["code"] == "node_url_taken", url
+        assert "'gpu-1'" in err(resp)["message"]
+    assert registry.get_node(r, "gpu-1b") is None
+    assert client.post("/api/v1/nodes", json={"name": "gpu-2", "url": "http://10.0.0.5:8001"},
+                       headers=AUTH).status_code == 201
+    resp = client.patch("/api/v1/nodes/gpu-2", json={"url": "http://10.0.0.5:8000"},
+                        headers=AUTH)
+    assert resp.status_code == 409 and err(resp)["code"] == "node_url_taken"
+    assert registry.get_node(r, "gpu-2").url == "http://10.0.0.5:8001"
+
 
 @pytest.mark.parametrize("body,field", [
     ({"name": "n1", "url": "ftp://10.0.0.5"}, "url"),
