@@ -136,6 +136,27 @@ def test_token_limit_uses_the_real_usage(redis_server, simnodes, edge_factory) -
     assert node.state()["requests_total"] == 2
 
 
+def test_a_request_the_node_refuses_gives_its_tokens_back(redis_server, simnodes,
+                                                         edge_factory) -> None:
+    """A 4xx from the node (here vLLM's context-length 400) means no token was read or
+    generated: the estimate charged up front is given back, as OpenAI charges nothing for
+    a refused request. The request itself still counts against requests per minute."""
+    r = redis_server.client()
+    key, rec = apikeys.create_key(r, "acme", tpm=1000, rpm=100)
+    (node,) = simnodes(1, time_scale=0.02)
+    edge = edge_factory(settings(redis_server.url, [node.node_settings()]))
+    bucket = keynames.RATELIMIT_PREFIX + f"key:{rec.id}:tpm"
+    # 80,000 characters: over the node's KV cache (16,384 tokens); estimated at 20,000
+    # tokens, charged as the bucket's 1,000
+    body = {"model": "sim-llama", "messages": [{"role": "user", "content": "a" * 80000}]}
+    res = post(edge.url, key, body)
+    assert res.status_code == 400 and "maximum context length" in res.text, res.text
+    assert res.headers["x-ratelimit-remaining-tokens"] == "0"
+    wait_bucket(r, bucket, lambda v: v >= 999)  # given back (and a little refill)
+    assert res.headers["x-ratelimit-remaining-requests"] == "99"
+    assert node.state()["requests_total"] == 1
+
+
 def test_stream_usage_corrects_the_token_bucket(redis_server, simnodes, edge_factory) -> None:
     r = redis_server.client()
     key, rec = apikeys.create_key(r, "acme", tpm=1000)

@@ -16,7 +16,8 @@
 -- (infergate.admission.usage; a stream without usage counts one token per content chunk): the
 -- difference goes into the worker's flush queue (infergate.core.flush, one recurring
 -- timer per worker) and is applied from there, so the request path never waits on
--- Redis outside the access phase. A correction may leave a bucket
+-- Redis outside the access phase. A request the node refused (4xx, so nothing read or
+-- generated) gets its whole estimate back. A correction may leave a bucket
 -- below zero (at most -capacity): later requests wait until it refills.
 --
 -- All buckets of a request are checked and charged together, atomically, by one Lua
@@ -60,6 +61,7 @@
 local options = require("infergate.admission.options")
 local ngxapi = require("infergate.core.ngxapi")
 local ngx_now = ngxapi.now
+local ngx_var = ngxapi.var
 local keynames = require("infergate.redis.keynames")
 local ar = require("infergate.admission.redis")
 local astats = require("infergate.admission.stats")
@@ -735,16 +737,36 @@ end
 -- No I/O here: the correction goes into the worker's flush queue (infergate.core.flush),
 -- written to Redis by its timer; a full queue drops it (counted in
 -- infergate_edge_flush_dropped_total{kind="ratelimit_correction"}).
+-- A request a node refused (its answer, the one the client got, is 4xx: a context too
+-- long, a parameter it rejects, 429 busy) read and generated nothing: the estimate is
+-- given back whole, as OpenAI charges nothing for a refused request.
+local function node_refused()
+    local st = ngx.status
+    if not st or st < 400 or st >= 500 then
+        return false
+    end
+    local us = ngx_var("upstream_status")
+    local last = us and tonumber(us:match("(%d+)%s*$"))
+    return last ~= nil and last == st
+end
+
 function _M.log(req)
     local rl = req.ratelimit
     local usage = req.usage
-    if not rl or not usage or not usage.total_tokens then
+    if not rl then
         return
+    end
+    local total = usage and usage.total_tokens
+    if not total then
+        if not req.track_usage or not node_refused() then
+            return
+        end
+        total = 0
     end
     local list, costs, any = {}, {}, false
     for _, b in ipairs(rl.list) do
         if b.kind == "tokens" then
-            local delta = usage.total_tokens - b.cost
+            local delta = total - b.cost
             if delta ~= 0 then
                 list[#list + 1] = b
                 costs[#costs + 1] = delta
