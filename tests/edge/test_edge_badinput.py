@@ -22,6 +22,7 @@ or Lua runtime error in the error log, and checks in-flight counters are back to
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import re
@@ -383,3 +384,23 @@ def test_a_body_that_arrives_past_the_request_deadline_gets_408_not_429(
     head, _ = send(0.1)
     assert head.startswith(b"HTTP/1.1 200"), head
     assert up.hits == 1
+
+
+def test_a_compressed_body_gets_415_naming_the_encoding(edge_and_node) -> None:
+    edge, up = edge_and_node
+    raw = gzip.compress(json.dumps({"model": "m", "messages": [
+        {"role": "user", "content": "hi"}]}).encode())
+    res = post_raw(edge, raw, {"Content-Encoding": "gzip"})
+    assert res.status_code == 415 and error_code(res) == "unsupported_content_encoding"
+    assert "Content-Encoding gzip is not supported" in res.json()["error"]["message"]
+    assert up.hits == 0
+    # the connection's next request is read as it should be (the body was discarded)
+    s = requests.Session()
+    s.post(edge.url + CHAT, data=raw, headers={"Content-Encoding": "gzip"}, timeout=10)
+    ok = s.post(edge.url + CHAT, json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
+                timeout=10)
+    assert ok.status_code == 200, ok.text
+    # "identity" is no encoding
+    ok = post_raw(edge, json.dumps({"model": "m", "messages": [{"role": "user", "content": "y"}]}
+                                   ).encode(), {"Content-Encoding": "identity"})
+    assert ok.status_code == 200, ok.text

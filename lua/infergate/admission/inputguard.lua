@@ -23,6 +23,8 @@
 --   deadline holds too, kept by a light thread of the request that sleeps until the
 --   deadline (no timer) and sends the request to the same 408 when the body is not
 --   complete by then. HTTP/2 bodies are read by nginx (the "body" step).
+-- * A body with a Content-Encoding (gzip, ...): 415 JSON (code
+--   "unsupported_content_encoding"), before it is read.
 -- * Invalid UTF-8 anywhere in the body: 400 JSON (code "invalid_utf8"); JSON text must be
 --   UTF-8 (RFC 8259 section 8.1), and the cache keys and nodes expect text.
 --
@@ -138,6 +140,18 @@ end
 function _M.step(req)
     if req.route ~= "inference" then
         return nil
+    end
+    -- a compressed body (Content-Encoding: gzip, ...) is not JSON text; the OpenAI API and
+    -- vLLM take bodies uncompressed. Refused before it is read (nginx discards it).
+    local enc = ngx_var("http_content_encoding")
+    if enc and enc:lower() ~= "identity" then
+        return {
+            status = 415,
+            message = "Content-Encoding " .. enc:sub(1, 40) .. " is not supported; send the "
+                .. "request body uncompressed.",
+            type = "invalid_request_error",
+            code = "unsupported_content_encoding",
+        }
     end
     local len = tonumber(ngx_var("http_content_length"))
     local te = ngx_var("http_transfer_encoding")

@@ -27,6 +27,7 @@ _M.CATALOG = {
     [408] = { "invalid_request_error", "request_timeout", "The request was not received in time." },
     [413] = { "invalid_request_error", "request_too_large", "The request body is too large." },
     [414] = { "invalid_request_error", "uri_too_long", "The request URI is too long." },
+    [415] = { "invalid_request_error", "unsupported_media_type", "The request body's encoding is not supported." },
     -- nginx's internal code for a request header (or cookies) over its buffers; sent as 400
     [494] = { "invalid_request_error", "header_too_large", "A request header (or the cookies) is too large." },
     [501] = { "invalid_request_error", "not_implemented", "This transfer encoding is not supported." },
