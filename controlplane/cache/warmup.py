@@ -24,8 +24,8 @@ got an error or no answer. Exit status 1 when any prompt failed.
 The edge's ``GET /v1/models`` is asked first (it names the default model): an edge that
 does not answer stops the run there ("cannot reach the edge at URL: pass --edge URL, or
 --config WORKDIR/infergate.toml ..."), exit status 1. An edge that requires API keys and
-answers ``401`` stops the run at once (no further prompt is sent): "pass --api-key or set INFERGATE_API_KEY", exit status 1. On a terminal
-the progress is a bar; otherwise (piped, in a log) one line per step of about 5 % or
+answers ``401`` stops the run at once (no further prompt is sent): "pass --api-key or set
+INFERGATE_API_KEY", exit status 1. On a terminal the progress is a bar; otherwise (piped, in a log) one line per step of about 5 % or
 every 2 s: ``warmup: 40/800 done (sent 38, skipped 2, failed 0)``.
 """
 
