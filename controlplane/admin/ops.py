@@ -291,29 +291,13 @@ def _require(r: redis.Redis, name: str) -> NodeSettings:
     return node
 
 
-def _same_server(a: str, b: str) -> bool:
-    """Whether two node URLs name the same server root (case of scheme and host, a
-    default port and a trailing slash aside)."""
-    pa, pb = urlsplit(a), urlsplit(b)
-
-    def port(p) -> int | None:
-        try:
-            return p.port or {"http": 80, "https": 443}.get(p.scheme.lower())
-        except ValueError:
-            return None
-
-    return (pa.scheme.lower() == pb.scheme.lower() and (pa.hostname or "") == (pb.hostname or "")
-            and port(pa) == port(pb) and pa.path.rstrip("/") == pb.path.rstrip("/"))
-
-
-def _check_url_free(r: redis.Redis, node: NodeSettings) -> None:
-    """Raises :class:`Conflict` (``node_url_taken``) when another registered node has the
-    same server root: two entries for one server would double its share, and one of
-    them would take traffic while the other is drained."""
-    for other in registry.list_nodes(r):
-        if other.name != node.name and _same_server(other.url, node.url):
-            raise Conflict(f"{node.url} is already registered as node {other.name!r} (drain, "
-                           "edit or remove that one)", "node_url_taken")
+def _put_unique(r: redis.Redis, node: NodeSettings, only_new: bool = False) -> bool:
+    """:func:`registry.put_node_unique`, its refusal as :class:`Conflict`
+    (``node_url_taken``)."""
+    try:
+        return registry.put_node_unique(r, node, only_new=only_new)
+    except registry.UrlTaken as exc:
+        raise Conflict(f"{exc} (drain, edit or remove that one)", "node_url_taken") from None
 
 
 def add_node(r: redis.Redis, data: object, actor: str, events_max: int = 10000,
@@ -323,8 +307,7 @@ def add_node(r: redis.Redis, data: object, actor: str, events_max: int = 10000,
     :class:`Conflict` (name taken: ``node_exists``; its server registered under another
     name: ``node_url_taken``)."""
     node = check_node_url(parse_node(data), settings)
-    _check_url_free(r, node)
-    if not registry.put_node(r, node, only_new=True):
+    if not _put_unique(r, node, only_new=True):
         raise Conflict(f"a node named {node.name!r} already exists", "node_exists")
     registry.add_event(r, "node_add", node.name, actor, node.model_dump(), maxlen=events_max)
     return node
@@ -347,8 +330,9 @@ def edit_node(r: redis.Redis, name: str, changes: object, actor: str,
     node = parse_node(merged)
     if "url" in changes:
         check_node_url(node, settings)
-        _check_url_free(r, node)
-    registry.put_node(r, node)
+        _put_unique(r, node)
+    else:
+        registry.put_node(r, node)
     diff = {k: [getattr(current, k), getattr(node, k)] for k in EDITABLE
             if getattr(current, k) != getattr(node, k)}
     registry.add_event(r, "node_edit", name, actor, diff, maxlen=events_max)

@@ -18,14 +18,18 @@ All functions take a ``redis.Redis`` built with ``decode_responses=True`` and ra
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal
+from urllib.parse import SplitResult, urlsplit
 
 import redis
 
 from controlplane.redisdb import keynames
 from controlplane.config import NodeSettings
+
+log = logging.getLogger("infergate.controlplane")
 
 State = Literal["active", "draining", "drained"]
 STATES: tuple[str, ...] = ("active", "draining", "drained")
@@ -64,6 +68,62 @@ def put_node(r: redis.Redis, node: NodeSettings, *, only_new: bool = False) -> b
     return True
 
 
+class UrlTaken(ValueError):
+    """Another registered node has the same server root; ``other`` is its name."""
+
+    def __init__(self, url: str, other: str):
+        super().__init__(f"{url} is already registered as node {other!r}")
+        self.url = url
+        self.other = other
+
+
+def same_server(a: str, b: str) -> bool:
+    """Whether two node URLs name the same server root (case of scheme and host, a
+    default port and a trailing slash aside)."""
+    pa, pb = urlsplit(a), urlsplit(b)
+
+    def port(p: SplitResult) -> int | None:
+        try:
+            return p.port or {"http": 80, "https": 443}.get(p.scheme.lower())
+        except ValueError:
+            return None
+
+    return (pa.scheme.lower() == pb.scheme.lower()
+            and (pa.hostname or "").rstrip(".") == (pb.hostname or "").rstrip(".")
+            and port(pa) == port(pb) and pa.path.rstrip("/") == pb.path.rstrip("/"))
+
+
+def put_node_unique(r: redis.Redis, node: NodeSettings, *, only_new: bool = False) -> bool:
+    """:func:`put_node`, refused when another node has the same server root
+    (:func:`same_server`): two entries for one server would double its share, and one
+    would take traffic while the other is drained. Check and write are one transaction
+    (WATCH on the registry, retried when it changed in between), so two writers cannot
+    both register one server. True if written (False: ``only_new`` and the name exists).
+    Raises :class:`UrlTaken`."""
+    with r.pipeline() as pipe:
+        while True:
+            try:
+                pipe.watch(keynames.NODES)
+                current = pipe.hgetall(keynames.NODES)
+                for name, raw in current.items():
+                    if name == node.name:
+                        continue
+                    try:
+                        url = NodeSettings.model_validate_json(raw).url
+                    except ValueError:
+                        continue
+                    if same_server(url, node.url):
+                        raise UrlTaken(node.url, name)
+                if only_new and node.name in current:
+                    return False
+                pipe.multi()
+                pipe.hset(keynames.NODES, node.name, node.model_dump_json())
+                pipe.execute()
+                return True
+            except redis.WatchError:
+                continue
+
+
 def remove_node(r: redis.Redis, name: str) -> bool:
     """Delete the node, its state and its metrics. True if it existed."""
     pipe = r.pipeline()
@@ -75,14 +135,19 @@ def remove_node(r: redis.Redis, name: str) -> bool:
 
 def seed_nodes(r: redis.Redis, nodes: list[NodeSettings]) -> int:
     """Add the configured nodes the registry was never seeded with; returns how many were
-    added. Each configured name is seeded once (recorded in ``keynames.NODES_SEEDED``):
+    added. A node whose server another registered node already has is not added (a
+    warning is logged). Each configured name is seeded once (recorded in ``keynames.NODES_SEEDED``):
     an entry already there (a run-time edit) is kept, a node removed at run time is not
     brought back by the next start, and a node new in the file is added. A Redis that
     lost its data lost that record too, so everything in the file is seeded again."""
     added = 0
     for n in nodes:
         if r.sadd(keynames.NODES_SEEDED, n.name):
-            added += put_node(r, n, only_new=True)
+            try:
+                added += put_node_unique(r, n, only_new=True)
+            except UrlTaken as exc:
+                log.warning("configured node %s not added: %s (one server, one node)",
+                            n.name, exc)
     return added
 
 

@@ -7,7 +7,9 @@ from controlplane.routing import registry
 from controlplane.config import NodeSettings
 
 
-def node(name: str, port: int = 9000, **kw) -> NodeSettings:
+def node(name: str, port: int | None = None, **kw) -> NodeSettings:
+    """A node on its own server: port 9000 + the name's first letter unless given."""
+    port = port if port is not None else 9000 + ord(name[0]) - ord("a")
     return NodeSettings(name=name, url=f"http://127.0.0.1:{port}", **kw)
 
 
@@ -82,3 +84,44 @@ def test_events_newest_first_filter_and_cap(redis_server):
         registry.add_event(r, "x", maxlen=100)
     # Approximate trimming keeps the stream near its cap, never unbounded.
     assert r.xlen(keynames.EVENTS) < 250
+
+
+def test_seed_skips_a_configured_node_whose_server_is_registered(redis_server, caplog):
+    r = redis_server.client()
+    registry.put_node(r, node("runtime", 8000))
+    # the file names the same server (another spelling) under another name: not added
+    assert registry.seed_nodes(r, [NodeSettings(name="file", url="HTTP://127.0.0.1:8000/"),
+                                   node("other", 8001)]) == 1
+    assert [n.name for n in registry.list_nodes(r)] == ["other", "runtime"]
+    assert "configured node file not added" in caplog.text
+
+
+def test_put_node_unique_is_one_transaction(redis_server):
+    """Writers racing to register one server under two names: exactly one wins."""
+    import threading
+
+    for i in range(10):
+        r = redis_server.client()
+        r.flushdb()
+        registry.put_node(r, node("a", 9100))
+        registry.put_node(r, node("b", 9200))
+        results: list[str] = []
+        start = threading.Barrier(2)
+
+        def move(name: str) -> None:
+            c = redis_server.client()
+            start.wait()
+            try:
+                registry.put_node_unique(c, node(name, 9300 + i))
+                results.append("ok")
+            except registry.UrlTaken:
+                results.append("taken")
+
+        ts = [threading.Thread(target=move, args=(n,)) for n in ("a", "b")]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert sorted(results) == ["ok", "taken"]
+        urls = [n.url for n in registry.list_nodes(r)]
+        assert len(set(urls)) == 2, urls

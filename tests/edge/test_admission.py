@@ -158,3 +158,36 @@ def test_cache_hit_is_served_while_every_node_is_saturated(redis_server, tiny_up
     # any other request is shed
     assert_shed(post(edge.url, {**body, "messages": [{"role": "user", "content": "new"}]}))
     assert up.hits == hits
+
+
+def test_a_request_waiting_for_capacity_gets_503_when_nginx_shuts_down(
+        redis_server, tiny_upstreams, edge_factory) -> None:
+    """SIGQUIT (`nginx -s quit`, a stop of `infergate up`): a request waiting in admission
+    is answered at once with 503 ``shutting_down`` and Retry-After, not held to the end of
+    the shutdown and cut."""
+    import signal
+
+    (up,) = tiny_upstreams(1)
+    edge = edge_factory(settings(redis_server.url, [up.node_settings()], max_wait_ms=20000))
+    r = redis_server.client()
+    snap = write_snapshot(r, [up.snapshot_node(saturated=True)])
+    edge.wait_snapshot(snap["version"])
+    out: dict = {}
+
+    def call() -> None:
+        out["res"] = post(edge.url, timeout=30)
+        out["at"] = time.monotonic()
+
+    t = threading.Thread(target=call)
+    t.start()
+    procs.wait_until(lambda: edge.status()["admission"]["waiting"] == 1, 5,
+                     what="the request to wait for capacity")
+    quit_at = time.monotonic()
+    edge.managed.signal(signal.SIGQUIT)
+    t.join(15)
+    res = out["res"]
+    assert res.status_code == 503, res.text
+    assert res.json()["error"]["code"] == "shutting_down" and res.headers["Retry-After"] == "1"
+    assert out["at"] - quit_at < 3
+    assert up.hits == 0
+    edge.managed.proc.wait(timeout=10)  # and nginx is done: nothing of ours holds it

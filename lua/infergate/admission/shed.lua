@@ -33,7 +33,9 @@
 -- (never past its deadline), checking again every admission.poll_ms with ngx.sleep,
 -- then gets 429 with Retry-After = admission.retry_after_s and
 -- {"type": "server_overloaded", "code": "nodes_saturated"}: a quick, retryable answer
--- instead of a timeout. Only inference requests are shed (GET /v1/models is not).
+-- instead of a timeout. Only inference requests are shed (GET /v1/models is not). While
+-- nginx shuts down (SIGQUIT) a waiting request gets 503 {"code": "shutting_down"} with
+-- Retry-After: 1 at its next check, instead of being held to the end of the shutdown.
 -- Counted as "shed" (infergate.admission.stats).
 local options = require("infergate.admission.options")
 local ngxapi = require("infergate.core.ngxapi")
@@ -129,6 +131,8 @@ function _M.best_delay(t, now, model)
 end
 
 -- Access step: nil to continue, or a 429 error table.
+local exiting = ngx.worker.exiting
+
 function _M.step_shed(req)
     local o = options.get().shed
     if not o.enabled or req.route ~= "inference" then
@@ -167,6 +171,22 @@ function _M.step_shed(req)
         end
         if now >= give_up then
             break
+        end
+        if exiting() then
+            -- nginx is shutting down (SIGQUIT: `nginx -s quit`, a stop of `infergate up`):
+            -- a waiting request would be held to the end of the grace period and then cut
+            if waited then
+                astats.incr("waiting", -1)
+            end
+            astats.incr("shed")
+            return {
+                status = 503,
+                message = "The gateway is shutting down; the request was not admitted. Retry "
+                    .. "after 1 s (another edge, or this one once it is back).",
+                type = "service_unavailable",
+                code = "shutting_down",
+                headers = { ["Retry-After"] = "1" },
+            }
         end
         if not waited then
             astats.incr("waiting")
