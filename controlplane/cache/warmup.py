@@ -176,20 +176,27 @@ EDGE_HINT = "pass --edge URL, or --config WORKDIR/infergate.toml for a stack of 
 
 
 def _default_model(edge: str, headers: dict[str, str]) -> str | None:
-    """First model id of the edge's ``GET /v1/models``; None when it has none or does not
-    answer it with JSON. Raises :class:`click.ClickException` when nothing answers at
-    ``edge`` (connection refused, timeout: nothing could be warmed) and on 401 (no or a
-    wrong key)."""
+    """First model id of the edge's ``GET /v1/models``; None when it lists none. Raises
+    :class:`click.ClickException` when nothing answers at ``edge`` (connection refused,
+    timeout: nothing could be warmed), on 401 (no or a wrong key), and on an answer that is
+    not 200 JSON (the edge answers /v1/models itself: something else listens there)."""
     try:
         res = requests.get(f"{edge}/v1/models", headers=headers, timeout=10)
     except requests.RequestException as exc:
         raise click.ClickException(f"cannot reach the edge at {edge} ({exc.__class__.__name__}"
                                    f"): {EDGE_HINT}") from None
+    if res.status_code == 401:
+        raise click.ClickException(f"the edge at {edge} answered 401 ({_error_message(res)}): "
+                                   f"{KEY_HINT}")
+    if res.status_code != 200 or "json" not in res.headers.get("Content-Type", ""):
+        # the edge answers /v1/models itself, always 200 JSON: this is something else (the
+        # admin page, the metrics port, a web server)
+        raise click.ClickException(
+            f"{edge} answered GET /v1/models with {res.status_code} "
+            f"{res.headers.get('Content-Type', 'no content type')}: not an infergate edge? "
+            f"{EDGE_HINT}")
     try:
-        if res.status_code == 401:
-            raise click.ClickException(f"the edge at {edge} answered 401 ({_error_message(res)}): "
-                                       f"{KEY_HINT}")
-        data = res.json().get("data") if res.status_code == 200 else None
+        data = res.json().get("data")
         if isinstance(data, list) and data and isinstance(data[0], dict):
             mid = data[0].get("id")
             return mid if isinstance(mid, str) else None
@@ -386,5 +393,9 @@ def warmup_cmd(prompts_file: Path, concurrency: int, edge_url: str | None, model
     if len(summary.errors) > 10:
         click.echo(f"  ... {len(summary.errors) - 10} more errors", err=True)
     click.echo(summary.text())
+    if r is not None and summary.sent and not summary.stored:
+        click.echo(f"warning: none of the {summary.sent} answers sent was stored: is {edge_url} "
+                   "an infergate edge with the response cache on (cache.enabled), using the "
+                   f"Redis at {settings.redis.url.split('@')[-1]}?", err=True)
     if summary.failed:
         raise SystemExit(1)

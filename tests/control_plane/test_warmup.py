@@ -94,6 +94,47 @@ def test_warmup_reports_failures(redis_server, tiny_upstreams, workdir) -> None:
 
 
 @pytest.mark.integration
+def test_warmup_refuses_what_is_not_an_edge_and_warns_when_nothing_is_stored(
+        redis_server, tiny_upstreams, workdir) -> None:
+    f = workdir / "prompts.txt"
+    f.write_text("one\n", encoding="utf-8")
+    # an HTML page where the edge should be (the admin page's port, a web server)
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    import threading
+
+    class Html(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            body = b"<html>admin</html>"
+            self.send_response(404)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", procs.free_port()), Html)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        res = CliRunner().invoke(warmup_cmd, ["--file", str(f), "--edge", url, "--model", "m",
+                                              "--redis-url", redis_server.url])
+        assert res.exit_code == 1
+        assert "answered GET /v1/models with 404 text/html: not an infergate edge?" in res.output
+        assert "<html>" not in res.output
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    # a bare node: answered, nothing stored
+    (node,) = tiny_upstreams(1)
+    res = CliRunner().invoke(warmup_cmd, ["--file", str(f), "--edge", node.url,
+                                          "--redis-url", redis_server.url])
+    assert res.exit_code == 0, res.output
+    assert "sent 1" in res.output and "none of the 1 answers sent was stored" in res.output
+
+
+@pytest.mark.integration
 def test_warmup_names_an_edge_that_is_not_there(redis_server, workdir) -> None:
     f = workdir / "prompts.txt"
     f.write_text("one\n", encoding="utf-8")
