@@ -268,8 +268,9 @@ def test_local_buckets(workdir: Path) -> None:
                 out[i] = {res.allowed, math.floor(res.tokens[1] + 0.5), math.floor(res.tokens[2] + 0.5),
                           math.floor(res.wait[2] + 0.5)}
             end
-            -- the answers used 150 tokens more than estimated: debt, capped at -capacity
+            -- the answers used 150 tokens more than estimated: debt (down to -60 x capacity)
             local adj = rl._local_apply("adjust", {list[2]}, {150})
+            out[7] = math.floor(rl._local_apply("adjust", {list[2]}, {10000}).tokens[1] + 0.5)
             out[5] = math.floor(adj.tokens[1] + 0.5)
             local h = rl.headers({list[1]}, rl._local_apply("take", {list[1]}))
             out[6] = h
@@ -281,7 +282,8 @@ def test_local_buckets(workdir: Path) -> None:
     assert got[1] == [True, 1, 20, 0]
     assert got[2] == [False, 1, 20, 12]   # (40 - 20) / (100/60 per s) = 12 s
     assert got[3] == [False, 1, 20, 12]
-    assert got[4] == -100
+    assert got[4] == -130
+    assert got[6] == -6000  # an hour of its rate at most
     assert got[5]["x-ratelimit-remaining-requests"] == "0"
     assert got[5]["x-ratelimit-limit-requests"] == "3"
     # empty -> full again takes 60 s, less the milliseconds the test itself took
@@ -318,10 +320,13 @@ def test_bucket_script_on_redis(redis_server, script) -> None:
     assert c[0] == 1 and c[1] == pytest.approx(0, abs=0.01)
     d = take(("t:rpm", 2, 2 / 60, 1))
     assert d[0] == 0 and d[2] == pytest.approx(30, abs=0.1)
-    # adjust charges whatever the balance, refunds too, within [-capacity, capacity]
+    # adjust charges whatever the balance, refunds too, within [-60 x capacity, capacity]
     e = take(("t:tpm", 50, 50 / 60, 500), mode="adjust")
-    assert e[0] == 1 and e[1] == -50
-    f = take(("t:tpm", 50, 50 / 60, -70), mode="adjust")
+    assert e[0] == 1 and e[1] == pytest.approx(-480, abs=0.1)
+    assert take(("t:tpm", 50, 50 / 60, 10**6), mode="adjust")[1] == -3000
+    f = take(("t:tpm", 50, 50 / 60, -3050), mode="adjust")
+    assert f[1] == pytest.approx(50, abs=0.1)
+    f = take(("t:tpm", 50, 50 / 60, 30), mode="adjust")
     assert f[1] == pytest.approx(20, abs=0.1)
     # keys expire once they would be full again
     ttl_ms = r.pttl("t:tpm")

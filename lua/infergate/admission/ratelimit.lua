@@ -18,7 +18,9 @@
 -- timer per worker) and is applied from there, so the request path never waits on
 -- Redis outside the access phase. A request the node refused (4xx, so nothing read or
 -- generated) gets its whole estimate back. A correction may leave a bucket
--- below zero (at most -capacity): later requests wait until it refills.
+-- below zero, by up to an hour of its rate (DEBT_MINUTES x capacity): later requests wait
+-- until it refills, so a request far larger than the limit (charged the capacity up front)
+-- still costs its whole usage, and the limit holds on average.
 --
 -- All buckets of a request are checked and charged together, atomically, by one Lua
 -- script in Redis (EVALSHA, EVAL after NOSCRIPT) that takes the time from Redis TIME,
@@ -84,6 +86,9 @@ local format = string.format
 local log = ngx.log
 local ERR = ngx.ERR
 
+-- Most a bucket can owe, in minutes of its rate (the script below writes it as 60).
+local DEBT_MINUTES = 60
+
 -- KEYS: bucket hashes. ARGV[1]: "take" (charge all or none) | "adjust" (charge all,
 -- cost may be negative) | "lease" (as take, and each bucket also hands out up to `want`
 -- tokens more, as many whole ones as it holds beyond the cost). Then capacity, rate per
@@ -129,7 +134,7 @@ for i = 1, n do
     if want > 0 then
       grant = math.max(0, math.floor(math.min(want, tokens - cost)))
     end
-    tokens = math.max(-cap, math.min(cap, tokens - cost - grant))
+    tokens = math.max(-cap * 60, math.min(cap, tokens - cost - grant))
     redis.call("HSET", KEYS[i], "tokens", tostring(tokens), "ts", tostring(now))
     redis.call("PEXPIRE", KEYS[i], math.ceil((cap - tokens) / rate * 1000) + 1000)
   end
@@ -386,7 +391,7 @@ local function local_apply(mode, list, costs)
         local tokens, cost = st[i][1], st[i][2]
         out.wait[i] = tokens < cost and (cost - tokens) / b.rate or 0
         if ok then
-            tokens = max(-b.capacity, min(b.capacity, tokens - cost))
+            tokens = max(-b.capacity * DEBT_MINUTES, min(b.capacity, tokens - cost))
             d:set("b:" .. b.key, format("%.6f %.6f", tokens, now),
                   (b.capacity - tokens) / b.rate + 1)
         end
