@@ -28,6 +28,7 @@ import redis
 
 from controlplane.redisdb import keynames
 from controlplane.config import NodeSettings
+from controlplane.errors import InfergateError
 
 log = logging.getLogger("infergate.controlplane")
 
@@ -68,7 +69,7 @@ def put_node(r: redis.Redis, node: NodeSettings, *, only_new: bool = False) -> b
     return True
 
 
-class UrlTaken(ValueError):
+class UrlTaken(InfergateError, ValueError):
     """Another registered node has the same server root; ``other`` is its name."""
 
     def __init__(self, url: str, other: str):
