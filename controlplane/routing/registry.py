@@ -17,8 +17,10 @@ All functions take a ``redis.Redis`` built with ``decode_responses=True`` and ra
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
+import socket
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -78,9 +80,29 @@ class UrlTaken(InfergateError, ValueError):
         self.other = other
 
 
+def _host_key(host: str) -> str:
+    """A host in one spelling: lower case without a trailing dot; an IP address in its
+    canonical form, whatever way it was written (``127.1``, ``0x7f000001``,
+    ``127.000.000.001``, ``::ffff:127.0.0.1`` are all ``127.0.0.1``). Names are not
+    resolved (``localhost`` stays a name)."""
+    h = host.lower().rstrip(".")
+    try:
+        ip = ipaddress.ip_address(h)
+    except ValueError:
+        try:
+            # the forms the C library (and so the HTTP clients) accept besides dotted quads
+            ip = ipaddress.IPv4Address(socket.inet_aton(h)) if h and "." in h or h.startswith("0x") \
+                else None
+        except OSError:
+            ip = None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ip) if ip is not None else h
+
+
 def same_server(a: str, b: str) -> bool:
-    """Whether two node URLs name the same server root (case of scheme and host, a
-    default port and a trailing slash aside)."""
+    """Whether two node URLs name the same server root (case of scheme and host, the
+    spelling of an IP address, a default port and a trailing slash aside)."""
     pa, pb = urlsplit(a), urlsplit(b)
 
     def port(p: SplitResult) -> int | None:
@@ -90,7 +112,7 @@ def same_server(a: str, b: str) -> bool:
             return None
 
     return (pa.scheme.lower() == pb.scheme.lower()
-            and (pa.hostname or "").rstrip(".") == (pb.hostname or "").rstrip(".")
+            and _host_key(pa.hostname or "") == _host_key(pb.hostname or "")
             and port(pa) == port(pb) and pa.path.rstrip("/") == pb.path.rstrip("/"))
 
 

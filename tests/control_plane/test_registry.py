@@ -125,3 +125,21 @@ def test_put_node_unique_is_one_transaction(redis_server):
         assert sorted(results) == ["ok", "taken"]
         urls = [n.url for n in registry.list_nodes(r)]
         assert len(set(urls)) == 2, urls
+
+
+@pytest.mark.parametrize("a,b,same", [
+    ("http://127.0.0.1:8000", "HTTP://127.0.0.1:8000/", True),
+    ("http://127.0.0.1:8000", "http://127.1:8000", True),
+    ("http://127.0.0.1:8000", "http://0x7f000001:8000", True),
+    ("http://127.0.0.1:8000", "http://127.000.000.001:8000", True),
+    ("http://127.0.0.1:8000", "http://[::ffff:127.0.0.1]:8000", True),
+    ("http://10.0.0.5", "http://10.0.0.5.:80/", True),
+    ("https://gpu.example.com", "https://GPU.example.com:443", True),
+    ("http://127.0.0.1:8000", "http://127.0.0.2:8000", False),
+    ("http://127.0.0.1:8000", "http://127.0.0.1:8001", False),
+    ("http://127.0.0.1:8000", "https://127.0.0.1:8000", False),
+    ("http://localhost:8000", "http://127.0.0.1:8000", False),  # names are not resolved
+])
+def test_same_server(a, b, same):
+    assert registry.same_server(a, b) is same
+    assert registry.same_server(b, a) is same
