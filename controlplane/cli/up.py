@@ -831,7 +831,10 @@ def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
         settings.nodes = nodes
         r = make_redis(settings.redis)
         for n in nodes:  # the nodes of this run replace same-named entries of an earlier one
-            registry.put_node(r, n)
+            try:
+                registry.put_node_unique(r, n)
+            except registry.UrlTaken as exc:
+                _say(f"node {n.name} not registered: {exc} (one server, one node)")
         demo_key = None
         if settings.auth.mode == "required":
             # one demo key at a time: the one an earlier run printed is revoked
