@@ -368,7 +368,6 @@ class HangWatch:
         self.say = say
         self.every_s = every_s
         self.fail_after = fail_after
-        self.kills = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"hang-watch-{m.name}",
                                         daemon=True)
@@ -390,7 +389,6 @@ class HangWatch:
                          f"{fails} times in a row, {self.every_s:g} s apart: killing it, to be "
                          "restarted")
                 self.m.signal(signal.SIGKILL)
-                self.kills += 1
                 fails = 0
 
     def stop(self) -> None:

@@ -62,13 +62,10 @@ def get_node(r: redis.Redis, name: str) -> NodeSettings | None:
     return NodeSettings.model_validate_json(raw) if raw else None
 
 
-def put_node(r: redis.Redis, node: NodeSettings, *, only_new: bool = False) -> bool:
-    """Store ``node``; with ``only_new`` keep an existing entry. True if written."""
-    raw = node.model_dump_json()
-    if only_new:
-        return bool(r.hsetnx(keynames.NODES, node.name, raw))
-    r.hset(keynames.NODES, node.name, raw)
-    return True
+def put_node(r: redis.Redis, node: NodeSettings) -> None:
+    """Store ``node``, replacing an entry of the same name (no check of its URL: see
+    :func:`put_node_unique`)."""
+    r.hset(keynames.NODES, node.name, node.model_dump_json())
 
 
 class UrlTaken(InfergateError, ValueError):
