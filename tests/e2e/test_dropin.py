@@ -1,9 +1,9 @@
-"""README's "Drop-in guide for an existing nginx", followed step by step in a scratch
-folder: the shell lines of the section are read from README.md and run in their order,
+"""The drop-in guide for an existing nginx (docs/dropin.md), followed step by step in a
+scratch folder: the shell lines of the guide are read from it and run in their order,
 with /etc/infergate, /etc/nginx, /etc/redis and /var/lib/infergate moved under the
 scratch folder, free ports instead of the standard ones, and the services systemd would
-start (Redis, nginx, the units of docs/systemd/) started in the foreground. A README line
-this test does not know fails it, so the guide and the test stay the same.
+start (Redis, nginx, the units of docs/systemd/) started in the foreground. A line of the
+guide this test does not know fails it, so the guide and the test stay the same.
 
 What it shows: Redis with the durable settings written into its config file; render and
 ``--check`` (binds the listen addresses) into a folder that then holds only the three
@@ -32,14 +32,12 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 INFERGATE = ROOT / ".venv" / "bin" / "infergate"
-SECTION = "## Drop-in guide for an existing nginx"
+GUIDE = ROOT / "docs" / "dropin.md"
 
 
-def readme_section() -> str:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    start = text.index(SECTION)
-    end = text.index("\n## ", start + len(SECTION))
-    return text[start:end]
+def guide_text() -> str:
+    """The whole guide (docs/dropin.md): every ``sh`` block in it is a step."""
+    return GUIDE.read_text(encoding="utf-8")
 
 
 def blocks(section: str, lang: str) -> list[str]:
@@ -111,7 +109,7 @@ def _debian_redis_running(g: Guide) -> None:
 
 
 def _existing_nginx_conf(g: Guide, section: str) -> None:
-    """The README's nginx block as the operator fills it in: a Debian-style nginx.conf
+    """The guide's nginx block as the operator fills it in: a Debian-style nginx.conf
     (modules-enabled loads the Lua module) whose ``server {}`` already has a site."""
     (block,) = blocks(section, "nginx")
     assert "include /etc/nginx/infergate/infergate-http.conf;" in block
@@ -178,7 +176,7 @@ kind = "vllm"
 
 
 def test_dropin_guide_step_by_step(workdir: Path, simnodes) -> None:
-    section = readme_section()
+    section = guide_text()
     lines = shell_lines(section)
     assert lines, "no shell steps in the drop-in guide"
     (node,) = simnodes(1, names=["gpu-a"], time_scale=0.05)
@@ -244,7 +242,7 @@ def test_dropin_guide_step_by_step(workdir: Path, simnodes) -> None:
                     if len(g.answers) == 1:
                         time.sleep(0.5)  # the answer is stored just after it is sent
             else:
-                pytest.fail(f"README drop-in step this test does not know: {line!r}")
+                pytest.fail(f"drop-in step this test does not know: {line!r}")
             done.append(line)
 
         assert done == lines
