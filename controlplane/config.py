@@ -369,7 +369,7 @@ class EdgeSettings(_Section):
 class ScoringSettings(_Section):
     """Health score = (w_queue*q + w_kv*kv + w_latency*lat) / weight, lower is better.
 
-    q = min(queue_depth / queue_norm, 1) ... see docs in README "Scoring"."""
+    q = min(queue_depth / queue_norm, 1) ... see docs/internals.md "How a node is chosen"."""
 
     w_queue: float = 0.5
     w_kv: float = 0.3
@@ -625,7 +625,7 @@ class CacheSettings(_Section):
     """Cosine similarity (0-1) a semantic hit needs; unset = the embedder's default: the
     verifier's floor (0.5) when the verifier is on, else the model's threshold (0.98 for
     all-MiniLM-L6-v2 and use-multilingual-v3, chosen on the cache-eval dev sets, see
-    README). 0 is a value."""
+    docs/performance.md). 0 is a value."""
     min_similarity_routes: dict[str, Similarity] = Field(
         default={}, json_schema_extra={"keys": {"enum": list(CACHE_PATHS), "name": "path"}})
     """Per path (``/v1/chat/completions``, ``/v1/completions``), overrides ``min_similarity``."""

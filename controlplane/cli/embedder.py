@@ -106,7 +106,7 @@ def resolve_auto(processes: int | None, model_workers: int | None,
     """``(processes, model_workers)`` with ``auto`` (None) resolved: one process per CPU
     this process may run on (``cpus``, else :func:`_usable_cpus`; at most
     :data:`AUTO_PROCESSES_MAX`), two model workers with one process, else one. Measured on
-    2 cores at 16 clients (README "Semantic cache lookups"): 2 processes of 1 worker served
+    2 cores at 16 clients (docs/performance.md "Semantic cache lookups"): 2 processes of 1 worker served
     1.2-2x the lookups/s of 1 process of 2 workers; 2 processes of 2 workers lost about a
     third of that to threads contending for the cores."""
     if processes is None:

