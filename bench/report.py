@@ -322,25 +322,26 @@ def generate(root: Path = ROOT, results: Path | None = None) -> dict[Path, str]:
     return {root / p: render((root / p).read_text(encoding="utf-8"), res) for p in PAGES}
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Rewrite the pages (or, with ``--check``, list the stale ones and return 1)."""
+def main(argv: list[str] | None = None, root: Path = ROOT, results: Path | None = None) -> int:
+    """Rewrite the pages under ``root`` from ``results`` (default ``root/bench/results``),
+    or, with ``--check``, list the stale ones and return 1; 2 on a :class:`ReportError`."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true",
                     help="write nothing; exit 1 when a page differs from what the results give")
     args = ap.parse_args(argv)
     try:
-        pages = generate()
+        pages = generate(root, results)
     except ReportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     stale = [p for p, text in pages.items() if p.read_text(encoding="utf-8") != text]
     if args.check:
         for p in stale:
-            print(f"stale: {p.relative_to(ROOT)} (run python -m bench.report)")
+            print(f"stale: {p.relative_to(root)} (run python -m bench.report)")
         return 1 if stale else 0
     for p in stale:
         p.write_text(pages[p], encoding="utf-8")
-        print(f"wrote {p.relative_to(ROOT)}")
+        print(f"wrote {p.relative_to(root)}")
     if not stale:
         print("every page is up to date")
     return 0
