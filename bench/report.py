@@ -135,8 +135,13 @@ def block_edge_overhead(results: Path) -> str:
     unavailable = [f"{r['row']}: not available: {r['reason']}" for r in records
                    if not r["available"]]
     targets = eo.target_checks(records, data.get("checks", {}).get("all_hit"))
+    tail = (f"wrk -t{meta.get('threads', 1)} --latency -d{meta.get('duration_s', 0):g}s, median of "
+            f"{meta.get('rounds', '?')} rounds; {(meta.get('machine') or {}).get('nproc', '?')} CPUs; "
+            f"commit {meta.get('commit') or NOT_RECORDED}; load average "
+            f"{meta.get('loadavg_before', NOT_RECORDED)} before, "
+            f"{meta.get('loadavg_after', NOT_RECORDED)} after")
     printed = "\n".join([format_table(eo.table_rows(records), eo.COLUMNS), *unavailable, "",
-                          *targets])
+                          *targets, "", tail])
     return provenance("edge_overhead.json", meta) + "\n\n" + _fenced(printed)
 
 
