@@ -11,11 +11,15 @@ Every default, unit and range of the edge's options lives here, once: the sectio
 in :data:`EDGE_SECTIONS` are rendered into the edge's options document, and the spec
 the edge validates that document against (``lua/infergate/core/options.lua``) is
 generated from these fields (:mod:`controlplane.edge.options`). A refused value of
-those sections is reported in the edge's own words, e.g.
+any section is reported in the edge's own words, e.g.
 ``edge.redis_timeout_ms: 100000 is above the maximum 60000`` (:func:`bound_message`).
+Every number has a lower and an upper bound.
 
 Errors: :func:`load_settings` raises :class:`ConfigError` (a ``click`` friendly
-``ValueError``) naming the file and the field for unreadable TOML or invalid values.
+``ValueError``) naming the file and the field for unreadable TOML or invalid values, in
+one line when one field is refused
+(``f.toml: invalid configuration: controlplane.poll_interval_s: -1 is below the minimum
+0.01``).
 """
 
 from __future__ import annotations
@@ -53,7 +57,14 @@ PATH_RE = re.compile(r"^/[A-Za-z0-9/_.-]{0,200}\Z")
 
 
 class ConfigError(InfergateError, ValueError):
-    """The configuration file or a value in it is invalid."""
+    """The configuration file or a value in it is invalid.
+
+    ``fields``: one message per refused field (``controlplane.poll_interval_s: -1 is below
+    the minimum 0.01``), empty for a file that cannot be read."""
+
+    def __init__(self, message: str, fields: typing.Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.fields = list(fields)
 
 
 # --------------------------------------------------------------------------- messages
@@ -195,7 +206,7 @@ class RedisSettings(_Section):
     """``redis://[[user]:password@]host[:port][/db]``; ``rediss://`` for TLS;
     ``redis+sentinel://[[user]:password@]h1[:26379][,h2[:26379]...]/<service>[/db]`` for
     Redis Sentinel (the master of ``<service>``, followed across failovers)."""
-    socket_timeout_s: float = Field(default=0.5, gt=0)
+    socket_timeout_s: float = Field(default=0.5, gt=0, le=600)
     """Socket timeout of the control plane's and the embedder's Redis calls, seconds."""
     tls_verify: bool = True
     """``rediss://``: check the server certificate against ``tls_ca_file`` and the host
@@ -240,7 +251,7 @@ class EdgeSettings(_Section):
     ``-``, at most 128); empty = ``hostname:port``."""
     sync_interval_s: float = Field(default=0.5, ge=0.01, le=3600)
     """How often a worker pulls the routing snapshot from Redis, seconds."""
-    stale_after_s: float = Field(default=10.0, ge=0.01)
+    stale_after_s: float = Field(default=10.0, ge=0.01, le=86400)
     """Snapshot older than this (seconds): scores ignored, edge balances on local signals."""
     redis_timeout_ms: int = Field(default=200, ge=1, le=60000)
     """Connect, send and read timeout of every Redis call of the edge, milliseconds."""
@@ -254,22 +265,22 @@ class EdgeSettings(_Section):
     milliseconds."""
     max_tries: int = Field(default=3, ge=1, le=100)
     """Total attempts per request (first try + retries on other nodes)."""
-    connect_timeout_ms: int = Field(default=2000, ge=1)
+    connect_timeout_ms: int = Field(default=2000, ge=1, le=3600000)
     """Longest wait for a node to accept the connection, milliseconds."""
-    read_timeout_ms: int = Field(default=60000, ge=1)
+    read_timeout_ms: int = Field(default=60000, ge=1, le=86400000)
     """Longest silence from a node while reading its answer (between stream chunks too),
     milliseconds."""
-    send_timeout_ms: int = Field(default=60000, ge=1)
+    send_timeout_ms: int = Field(default=60000, ge=1, le=86400000)
     """Longest wait while sending the request to a node, milliseconds."""
-    retry_window_s: float = Field(default=60.0, ge=0)
+    retry_window_s: float = Field(default=60.0, ge=0, le=86400)
     """``proxy_next_upstream_timeout``: no new try after this long, seconds (0 = no limit)."""
     client_max_body_size: str = Field(default="8m", pattern=r"^[1-9][0-9]*[kKmMgG]?$")
     """Largest request body (nginx size: ``8m``, ``512k``, ``1048576`` bytes)."""
-    breaker_failures: int = Field(default=5, ge=1)
+    breaker_failures: int = Field(default=5, ge=1, le=10000)
     """Consecutive failures that open a node's circuit breaker."""
-    breaker_cooldown_s: float = Field(default=10.0, ge=0)
+    breaker_cooldown_s: float = Field(default=10.0, ge=0, le=86400)
     """How long a breaker stays open before one half-open probe, seconds."""
-    inflight_cost: float = Field(default=1.0, ge=0)
+    inflight_cost: float = Field(default=1.0, ge=0, le=1000)
     """Weight of the edge's own in-flight count (per unit of max_concurrency) in the cost."""
     node_cost: Literal["load", "expected_delay"] = "expected_delay"
     """How the edge prices a node: ``expected_delay`` (the default) = the predicted
@@ -320,9 +331,9 @@ class EdgeSettings(_Section):
     affinity_user_field: bool = False
     """Use the body's ``user`` field as the affinity key of requests without a long
     leading prompt or an ``affinity_header``."""
-    keepalive: int = Field(default=64, ge=1)
+    keepalive: int = Field(default=64, ge=1, le=100000)
     """Idle keepalive connections per worker to the nodes."""
-    workers: int = Field(default=2, ge=1)
+    workers: int = Field(default=2, ge=1, le=1024)
     """``worker_processes`` of the standalone config."""
     metrics_listen: str = "127.0.0.1:9145"
     """``host:port`` of the edge's Prometheus ``/metrics`` (a separate ``server {}`` in the
@@ -371,17 +382,17 @@ class ScoringSettings(_Section):
 
     q = min(queue_depth / queue_norm, 1) ... see docs in README "Scoring"."""
 
-    w_queue: float = 0.5
-    w_kv: float = 0.3
-    w_latency: float = 0.2
-    queue_norm: float = 16.0
+    w_queue: float = Field(default=0.5, ge=0, le=1000)
+    w_kv: float = Field(default=0.3, ge=0, le=1000)
+    w_latency: float = Field(default=0.2, ge=0, le=1000)
+    queue_norm: float = Field(default=16.0, ge=0.01, le=1000000)
     """Queue depth that counts as fully loaded (term = 1)."""
-    latency_norm_s: float = Field(default=30.0, ge=0.001)
+    latency_norm_s: float = Field(default=30.0, ge=0.001, le=86400)
     """Recent e2e latency (s) that counts as fully loaded (term = 1); the edge's balancer
     normalises its latency term with it too."""
-    saturation_queue: float = 32.0
+    saturation_queue: float = Field(default=32.0, ge=1, le=1000000)
     """Queue depth at or above which a node is saturated."""
-    saturation_kv: float = 0.98
+    saturation_kv: float = Field(default=0.98, gt=0, le=1)
     """KV-cache usage (0-1) at or above which a node is saturated."""
 
 
@@ -502,18 +513,18 @@ class DeadlineSettings(_Section):
 class ControlPlaneSettings(_Section):
     listen: HostPort = HostPort.parse("127.0.0.1:8081")
     """host:port of the admin page and ``/api/v1``."""
-    poll_interval_s: float = 1.0
-    poll_timeout_s: float = 0.8
-    unhealthy_after: int = 3
+    poll_interval_s: float = Field(default=1.0, ge=0.01, le=3600)
+    poll_timeout_s: float = Field(default=0.8, ge=0.01, le=600)
+    unhealthy_after: int = Field(default=3, ge=1, le=1000)
     """K consecutive failed polls -> unhealthy."""
-    healthy_after: int = 2
+    healthy_after: int = Field(default=2, ge=1, le=1000)
     """M consecutive good polls -> healthy again."""
-    leader_ttl_s: float = 5.0
-    metrics_ttl_s: float = 30.0
-    history_points: int = 300
+    leader_ttl_s: float = Field(default=5.0, ge=0.1, le=3600)
+    metrics_ttl_s: float = Field(default=30.0, ge=0.1, le=86400)
+    history_points: int = Field(default=300, ge=1, le=100000)
     admin_token: str = ""
-    drain_timeout_s: float = 600.0
-    slow_start_s: float = 30.0
+    drain_timeout_s: float = Field(default=600.0, ge=0, le=604800)
+    slow_start_s: float = Field(default=30.0, ge=0, le=86400)
     """Seconds over which a node's share ramps from 10 % to its full weight after it was
     undrained, added at run time, or came back from unhealthy."""
     models_refresh_s: float = Field(default=60.0, ge=5.0, le=86400.0)
@@ -521,7 +532,7 @@ class ControlPlaneSettings(_Section):
     /v1/models`` (also at once when a node is added); never on the health-check path."""
     models_timeout_s: float = Field(default=2.0, gt=0.0, le=30.0)
     """Timeout (s) of one ``GET /v1/models`` of a node (connect and whole body)."""
-    events_max: int = 10000
+    events_max: int = Field(default=10000, ge=1, le=10000000)
     cookie_secure: bool = False
     """Mark the admin session cookie ``Secure`` always (it is anyway on a page served
     over TLS, or through a ``trusted_proxies`` proxy that sends
@@ -573,7 +584,7 @@ class SemanticDomain(_Section):
     verifier: bool | None = None
     """Use the verifier in this domain (false: cosine and the precision guard only);
     unset = ``cache.verifier``."""
-    pairs: int = Field(default=0, ge=0)
+    pairs: int = Field(default=0, ge=0, le=10**9)
     """Informational, from calibration: labelled pairs the thresholds were chosen on."""
     hit_rate: float | None = Field(default=None, ge=0.0, le=1.0)
     """Informational: share of matching pairs served at these thresholds (0-1)."""
@@ -855,10 +866,11 @@ def _locate(loc: tuple) -> tuple[str, Any]:
 
 
 def edge_message(error: dict) -> str | None:
-    """The edge's wording of one pydantic error of an :data:`EDGE_SECTIONS` field (the
-    words of lua/infergate/core/options.lua), or ``None`` for other errors."""
+    """The edge's wording of one pydantic error of a field of a section (the words of
+    lua/infergate/core/options.lua, e.g. ``controlplane.poll_interval_s: -1 is below the
+    minimum 0.01``), or ``None`` for other errors (those of ``nodes``)."""
     loc = error.get("loc") or ()
-    if not loc or loc[0] not in EDGE_SECTIONS:
+    if not loc or loc[0] not in Settings.model_fields or loc[0] == "nodes":
         return None
     path, ann = _locate(loc)
     kind, ctx, value = error["type"], error.get("ctx") or {}, error.get("input")
@@ -875,6 +887,17 @@ def edge_message(error: dict) -> str | None:
         msg = str(ctx["error"])
         return msg if msg.startswith(path) else f"{path}: {msg}"
     return None
+
+
+def _refusal(exc: ValidationError, source: str) -> ConfigError:
+    """The :class:`ConfigError` of a refused document: one line naming the field for one
+    refused field (``f.toml: invalid configuration: controlplane.poll_interval_s: -1 is
+    below the minimum 0.01``), one line per field below a heading for several."""
+    lines = [edge_message(e) or f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
+             for e in exc.errors()]
+    if len(lines) == 1:
+        return ConfigError(f"{source}: invalid configuration: {lines[0]}", lines)
+    return ConfigError(f"{source}: invalid configuration:\n  " + "\n  ".join(lines), lines)
 
 
 def _apply_env(data: dict) -> dict:
@@ -898,9 +921,7 @@ def settings_from_dict(data: dict, source: str = "<dict>") -> Settings:
     try:
         return Settings.model_validate(_apply_env(dict(data)))
     except ValidationError as exc:
-        lines = [edge_message(e) or f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
-                 for e in exc.errors()]
-        raise ConfigError(f"{source}: invalid configuration:\n  " + "\n  ".join(lines)) from None
+        raise _refusal(exc, source) from None
 
 
 def check_settings(settings: Settings, source: str = "<settings>") -> Settings:
@@ -911,9 +932,7 @@ def check_settings(settings: Settings, source: str = "<settings>") -> Settings:
     try:
         return Settings.model_validate(settings.model_dump())
     except ValidationError as exc:
-        lines = [edge_message(e) or f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
-                 for e in exc.errors()]
-        raise ConfigError(f"{source}: invalid configuration:\n  " + "\n  ".join(lines)) from None
+        raise _refusal(exc, source) from None
 
 
 def load_settings(path: str | Path | None) -> Settings:

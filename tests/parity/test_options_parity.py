@@ -94,7 +94,7 @@ def pydantic_verdict(path: tuple, value: Any) -> str:
     try:
         settings_from_dict(_fragment(path, value))
     except ConfigError as exc:
-        lines = [ln.strip() for ln in str(exc).splitlines()[1:]]
+        lines = exc.fields
         return next((ln for ln in lines if ln.startswith(_text(path))), lines[0])
     return "ok"
 
