@@ -25,16 +25,24 @@ class ControlPlaneSettings(_Section):
     listen: HostPort = HostPort.parse("127.0.0.1:8081")
     """host:port of the admin page and ``/api/v1``."""
     poll_interval_s: float = Field(default=1.0, ge=0.01, le=3600)
+    """Seconds between two polls of a node's health and metrics."""
     poll_timeout_s: float = Field(default=0.8, ge=0.01, le=600)
+    """Timeout of one health or metrics poll of a node, seconds."""
     unhealthy_after: int = Field(default=3, ge=1, le=1000)
     """K consecutive failed polls -> unhealthy."""
     healthy_after: int = Field(default=2, ge=1, le=1000)
     """M consecutive good polls -> healthy again."""
     leader_ttl_s: float = Field(default=5.0, ge=0.1, le=3600)
+    """Lifetime of the leader lock in Redis, seconds: a standby takes over at most this
+    long after the leader stops renewing it."""
     metrics_ttl_s: float = Field(default=30.0, ge=0.1, le=86400)
+    """Lifetime of a node's latest metrics in Redis, seconds."""
     history_points: int = Field(default=300, ge=1, le=100000)
+    """Polls of each node kept in its history (the admin page's charts)."""
     admin_token: str = ""
     drain_timeout_s: float = Field(default=600.0, ge=0, le=604800)
+    """A draining node counts as drained after this many seconds even with requests still
+    in flight."""
     slow_start_s: float = Field(default=30.0, ge=0, le=86400)
     """Seconds over which a node's share ramps from 10 % to its full weight after it was
     undrained, added at run time, or came back from unhealthy."""
@@ -44,6 +52,7 @@ class ControlPlaneSettings(_Section):
     models_timeout_s: float = Field(default=2.0, gt=0.0, le=30.0)
     """Timeout (s) of one ``GET /v1/models`` of a node (connect and whole body)."""
     events_max: int = Field(default=10000, ge=1, le=10000000)
+    """Most entries kept in the event log (oldest dropped first)."""
     cookie_secure: bool = False
     """Mark the admin session cookie ``Secure`` always (it is anyway on a page served
     over TLS, or through a ``trusted_proxies`` proxy that sends
@@ -77,8 +86,11 @@ class ScoringSettings(_Section):
     q = min(queue_depth / queue_norm, 1) ... see docs in README "Scoring"."""
 
     w_queue: float = Field(default=0.5, ge=0, le=1000)
+    """Weight of the queue term (0 = ignored)."""
     w_kv: float = Field(default=0.3, ge=0, le=1000)
+    """Weight of the KV-cache term (0 = ignored)."""
     w_latency: float = Field(default=0.2, ge=0, le=1000)
+    """Weight of the latency term (0 = ignored)."""
     queue_norm: float = Field(default=16.0, ge=0.01, le=1000000)
     """Queue depth that counts as fully loaded (term = 1)."""
     latency_norm_s: float = Field(default=30.0, ge=0.001, le=86400)
