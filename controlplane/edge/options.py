@@ -3,174 +3,104 @@
 ``infergate render-nginx`` hands the edge two JSON texts in one ``init_by_lua`` call,
 ``require("infergate.core.config").init(OPTIONS, SPEC)``:
 
-- the options document (:func:`edge_document`): the :data:`~controlplane.config.EDGE_SECTIONS`
-  of the settings, named and nested as in the TOML file, plus the resolved static node
-  list::
+- the options document (:func:`edge_document`): the
+  :data:`~controlplane.config.EDGE_SECTIONS` of the settings as pydantic dumps them, each
+  option under its own name in its own section (as in the TOML file), plus the resolved
+  static node list::
 
       {"edge": {"edge_id": "gpu-edge:8080", "redis_timeout_ms": 200, ...},
-       "redis": {"url": "redis://...", ...}, "scoring": {...}, "auth": {...},
-       "limits": {...}, "admission": {...}, "deadlines": {...}, "cache": {...},
+       "redis": {"url": "redis://...", ...}, "scoring": {...}, ..., "cache": {...},
        "nodes": [{"name", "host", "port", "weight", "max_concurrency", "kind"}, ...]}
 
-- the spec (:func:`option_spec`), generated from the pydantic fields of
-  :mod:`controlplane.config` (a new field shows up in both by itself)::
+- the spec (:func:`option_spec`): pydantic's JSON schema of those sections, in the
+  shape ``lua/infergate/core/options.lua`` reads (a new field shows up by itself)::
 
       {"type": "object", "fields": {"edge": {"type": "object", "fields": {
           "redis_timeout_ms": {"type": "integer", "default": 200,
                                "minimum": 1, "maximum": 60000}, ...}}, ...}}
 
-  Per field: ``type`` (``number``, ``integer``, ``boolean``, ``string``, ``array``,
-  ``object``; absent = any), ``default``, ``nullable`` (``null`` allowed), bounds
+  Per field: ``type``, ``default``, ``nullable`` (``null`` allowed), bounds
   ``minimum``/``maximum`` (inclusive) and ``exclusiveMinimum``/``exclusiveMaximum``,
-  ``enum`` (allowed values), ``fields`` (an object's known members: anything else is
-  refused), ``values`` (spec of every member of a map) and ``keys`` (``{"enum": [...],
-  "name": "path"}``, the keys a map allows). The ``nodes`` list is not part of the spec
-  (the edge checks each node itself).
+  ``enum``, ``fields`` (an object's known members), ``values`` (spec of every member of
+  a map), ``items`` (of a list) and ``keys`` (``{"enum": [...], "name": "path"}``, the
+  keys a map allows). The ``nodes`` list is not part of the spec (the edge checks each
+  node itself).
 
-The edge's validator is ``lua/infergate/core/options.lua``; :func:`validate_document`
-is the same walk in Python (same order of checks, same messages), so ``render-nginx``
-refuses exactly what the edge would refuse, in the same words
-(``edge.redis_timeout_ms: 100000 is above the maximum 60000``). Units are those of the
-field names (``_s`` seconds, ``_ms`` milliseconds).
+Python has one validator, pydantic (:func:`controlplane.config.check_settings`), whose
+refusals read as the edge's (``edge.redis_timeout_ms: 100000 is above the maximum
+60000``); tests/parity/test_options_parity.py holds the two to the same verdicts.
 
-Also here: the template values of the response cache (:func:`cache_render_context`).
+Also here: the template values of the response cache (:func:`render_context`).
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
-import math
-import types
-import typing
-from typing import Any, Literal
-
-from pydantic import BaseModel
-from pydantic.fields import FieldInfo
 
 from controlplane.config import (
     EDGE_SECTIONS,
-    TYPE_WORDS,
+    ConfigError,
     HostPort,
     Settings,
-    bound_message,
-    enum_message,
-    key_message,
-    key_path,
+    check_settings,
 )
 from controlplane.errors import InfergateError
 
 #: Size of the ``infergate_cache`` shared dict (coalescing locks: ~200 bytes each).
 CACHE_DICT_SIZE = "2m"
-#: Bound names of a spec entry, in the order they are checked.
-BOUNDS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
-_CONSTRAINTS = {"ge": "minimum", "gt": "exclusiveMinimum", "le": "maximum", "lt": "exclusiveMaximum"}
-
-
-class OptionError(InfergateError, ValueError):
-    """The options document breaks the spec (message: ``<path>: <what is wrong>``)."""
-
-
-# --------------------------------------------------------------------------- the spec
-
-def _bounds(metadata: typing.Iterable[Any]) -> dict:
-    """Spec bounds from pydantic/annotated-types constraints (``Ge(1)`` -> minimum 1)."""
-    out: dict = {}
-    for m in metadata:
-        if isinstance(m, FieldInfo):
-            out.update(_bounds(m.metadata))
-            continue
-        for attr, name in _CONSTRAINTS.items():
-            value = getattr(m, attr, None)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                out[name] = value
-    return out
-
-
-def _type_spec(ann: Any) -> dict:
-    """Spec of a value of annotation ``ann`` (bounds of ``Annotated[...]`` included)."""
-    meta: list = []
-    nullable = False
-    while True:
-        origin = typing.get_origin(ann)
-        if origin is typing.Annotated:
-            ann, *extra = typing.get_args(ann)
-            meta.extend(extra)
-            continue
-        if origin in (typing.Union, types.UnionType):
-            args = [a for a in typing.get_args(ann) if a is not type(None)]
-            if len(args) == 1:
-                nullable = True
-                ann = args[0]
-                continue
-        break
-    spec: dict = {}
-    origin = typing.get_origin(ann)
-    if origin is Literal:
-        choices = list(typing.get_args(ann))
-        spec["type"] = "string" if all(isinstance(c, str) for c in choices) else None
-        spec["enum"] = choices
-    elif ann is bool:
-        spec["type"] = "boolean"
-    elif ann is int:
-        spec["type"] = "integer"
-    elif ann is float:
-        spec["type"] = "number"
-    elif isinstance(ann, type) and issubclass(ann, str):  # str, HostPort
-        spec["type"] = "string"
-    elif isinstance(ann, type) and issubclass(ann, BaseModel):
-        spec = model_spec(ann)
-    elif origin is dict:
-        spec = {"type": "object", "values": _type_spec(typing.get_args(ann)[1])}
-    elif origin is list:
-        spec = {"type": "array", "items": _type_spec(typing.get_args(ann)[0])}
-    spec = {k: v for k, v in spec.items() if v is not None}
-    spec.update(_bounds(meta))
-    if nullable:
-        spec["nullable"] = True
-    return spec
-
-
-def field_spec(field: FieldInfo) -> dict:
-    """Spec entry of one pydantic field: type, bounds, enum, default, nullable, keys."""
-    spec = _type_spec(field.annotation)
-    spec.update(_bounds(field.metadata))
-    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-    if "keys" in extra:
-        spec["keys"] = extra["keys"]
-    if not field.is_required():
-        default = field.get_default(call_default_factory=True)
-        if isinstance(default, BaseModel):
-            pass  # a section: its own fields carry the defaults
-        elif default is not None:
-            spec["default"] = json.loads(json.dumps(default, default=str))
-    return spec
-
-
-def model_spec(model: type[BaseModel]) -> dict:
-    """``{"type": "object", "fields": {name: field_spec}}`` of a pydantic model."""
-    return {"type": "object",
-            "fields": {name: field_spec(f) for name, f in model.model_fields.items()}}
-
-
+#: Members of a JSON-schema node that a spec entry keeps as they are.
+SPEC_KEYS = ("type", "enum", "default", "minimum", "exclusiveMinimum", "maximum",
+             "exclusiveMaximum", "keys")
 #: Fields of the edge sections that stay out of the options document: secrets that go
 #: into their own nginx directive (``cache.embedder_token``: the lookup location's
 #: Authorization header), not into the options every worker keeps.
 NOT_IN_DOCUMENT: dict[str, tuple[str, ...]] = {"cache": ("embedder_token",)}
 
 
-def option_spec() -> dict:
-    """The spec of the edge's options document (every field of the edge sections but
-    :data:`NOT_IN_DOCUMENT`)."""
-    spec = {"type": "object",
-            "fields": {name: model_spec(Settings.model_fields[name].annotation)
-                       for name in EDGE_SECTIONS}}
+class OptionError(InfergateError, ValueError):
+    """The settings break the spec (message: ``<path>: <what is wrong>``)."""
+
+
+def _spec(node: dict, defs: dict) -> dict:
+    """Spec entry of one node of pydantic's JSON schema (``$ref`` resolved, a ``null``
+    alternative as ``nullable``, a section's default left to its own fields)."""
+    if "$ref" in node:
+        node = {**defs[node["$ref"].rsplit("/", 1)[-1]], **node}
+    out: dict = {}
+    alternatives = [a for a in node.get("anyOf", []) if a.get("type") != "null"]
+    if len(alternatives) == 1:
+        out = {**_spec(alternatives[0], defs), "nullable": True}
+    out.update((k, node[k]) for k in SPEC_KEYS if k in node)
+    if "properties" in node:
+        out["fields"] = {k: _spec(v, defs) for k, v in node["properties"].items()}
+        out.pop("default", None)
+    elif isinstance(node.get("additionalProperties"), dict):
+        out["values"] = _spec(node["additionalProperties"], defs)
+    if "items" in node:
+        out["items"] = _spec(node["items"], defs)
+    if out.get("default", 0) is None:
+        del out["default"]
+    return out
+
+
+@functools.cache
+def _option_spec() -> dict:
+    schema = Settings.model_json_schema()
+    fields = {name: _spec(schema["properties"][name], schema.get("$defs", {}))
+              for name in EDGE_SECTIONS}
     for section, names in NOT_IN_DOCUMENT.items():
         for name in names:
-            spec["fields"][section]["fields"].pop(name, None)
-    return spec
+            fields[section]["fields"].pop(name, None)
+    return {"type": "object", "fields": fields}
 
 
-# --------------------------------------------------------------------------- the document
+def option_spec() -> dict:
+    """The spec of the edge's options document (every field of the edge sections but
+    :data:`NOT_IN_DOCUMENT`); a new dict on each call."""
+    return copy.deepcopy(_option_spec())
+
 
 def edge_document(settings: Settings, edge_id: str | None = None,
                   nodes: list[dict] | None = None) -> dict:
@@ -184,98 +114,6 @@ def edge_document(settings: Settings, edge_id: str | None = None,
         doc["edge"]["edge_id"] = edge_id
     doc["nodes"] = list(nodes or [])
     return doc
-
-
-# --------------------------------------------------------------------------- the validator
-
-def _json_type(v: Any) -> str:
-    if isinstance(v, bool):
-        return "boolean"
-    if isinstance(v, (int, float)):
-        return "number"
-    if isinstance(v, str):
-        return "string"
-    if isinstance(v, list):
-        return "array"
-    if isinstance(v, dict):
-        return "object"
-    return "null"
-
-
-def _type_ok(kind: str | None, v: Any) -> bool:
-    if kind is None:
-        return True
-    if kind in ("number", "integer"):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            return False
-        return kind == "number" or float(v).is_integer()
-    # the edge cannot tell an empty [] from an empty {}: both are tables
-    if kind == "object":
-        return isinstance(v, dict) or v == []
-    if kind == "array":
-        return isinstance(v, list) or v == {}
-    return _json_type(v) == kind
-
-
-def check_value(path: str, spec: dict, v: Any) -> Any:
-    """``v`` checked against ``spec`` (defaults filled into objects); returns the value
-    (``None`` for an allowed null). Raises :class:`OptionError` with the edge's message.
-    Order: null, type, enum, bounds, then an object's members."""
-    if v is None:
-        if spec.get("nullable"):
-            return None
-        raise OptionError(f"{path}: must be {TYPE_WORDS.get(spec.get('type'), 'a value')}")
-    kind = spec.get("type")
-    if not _type_ok(kind, v):
-        raise OptionError(f"{path}: must be {TYPE_WORDS[kind]}")
-    if "enum" in spec and v not in spec["enum"]:
-        raise OptionError(enum_message(path, v, spec["enum"]))
-    if kind in ("number", "integer"):
-        for name in BOUNDS:
-            b = spec.get(name)
-            if b is None:
-                continue
-            if ((name == "minimum" and v < b) or (name == "exclusiveMinimum" and v <= b)
-                    or (name == "maximum" and v > b) or (name == "exclusiveMaximum" and v >= b)):
-                raise OptionError(bound_message(path, v, name, b))
-    if kind == "object" and "fields" in spec:
-        return _check_fields(path, spec["fields"], v or {})
-    if kind == "object" and ("values" in spec or "keys" in spec):
-        out = {}
-        allowed = (spec.get("keys") or {}).get("enum")
-        for k in sorted(v or {}):
-            if allowed is not None and k not in allowed:
-                raise OptionError(key_message(path, k, allowed, spec["keys"].get("name", "key")))
-            out[k] = check_value(key_path(path, k), spec.get("values") or {}, v[k])
-        return out
-    return v
-
-
-def _check_fields(path: str, fields: dict, v: dict) -> dict:
-    for k in sorted(v):
-        if k not in fields:
-            raise OptionError(f"{path + '.' if path else ''}{k}: unknown option")
-    out = {}
-    for k in sorted(fields):
-        fs, where = fields[k], f"{path + '.' if path else ''}{k}"
-        if k in v:
-            out[k] = check_value(where, fs, v[k])
-        elif "default" in fs:
-            out[k] = json.loads(json.dumps(fs["default"]))
-        elif fs.get("type") == "object" and "fields" in fs:
-            out[k] = check_value(where, fs, {})
-    return out
-
-
-def validate_document(doc: dict, spec: dict | None = None) -> dict:
-    """The document checked against ``spec`` (default :func:`option_spec`), defaults
-    filled in, ``nodes`` passed through. Raises :class:`OptionError`."""
-    spec = spec or option_spec()
-    body = {k: v for k, v in doc.items() if k != "nodes"}
-    out = check_value("", spec, body)
-    if "nodes" in doc:
-        out["nodes"] = doc["nodes"]
-    return out
 
 
 # --------------------------------------------------------------------------- rendering
@@ -344,12 +182,13 @@ def render_context(settings: Settings, edge_id: str, nodes: list[dict]) -> dict:
     ``spec_lua`` (the spec), JSON as Lua string expressions (:func:`lua_string`), and the cache's
     ``cache_enabled``, ``cache_semantic``, ``cache_dict_size``, ``embedder_server``,
     ``cache_budget`` (an nginx time, the semantic budget). Raises :class:`OptionError`
-    when the document breaks the spec (the edge would refuse to start)."""
-    spec = option_spec()
-    doc = edge_document(settings, edge_id, nodes)
-    validate_document(doc, spec)
-    options = json.dumps(doc, separators=(",", ":"))
-    spec_json = json.dumps(spec, separators=(",", ":"))
+    when ``settings`` break the spec (the edge would refuse to start)."""
+    try:
+        settings = check_settings(settings)
+    except ConfigError as exc:
+        raise OptionError("; ".join(exc.fields) or str(exc)) from None
+    options = json.dumps(edge_document(settings, edge_id, nodes), separators=(",", ":"))
+    spec_json = json.dumps(option_spec(), separators=(",", ":"))
     c = settings.cache
     return {
         "options_lua": lua_string(options),

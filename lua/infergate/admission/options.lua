@@ -1,6 +1,6 @@
 -- Options of admission control (API keys, rate limits, shedding, deadlines): the
 -- admission view of the edge options that infergate.core.config validated against the
--- rendered spec (controlplane/config.py holds every default and range: the [auth],
+-- rendered spec (controlplane/config/ holds every default and range: the [auth],
 -- [limits], [admission] and [deadlines] sections).
 --
 --   options.get() ->

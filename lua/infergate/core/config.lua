@@ -7,7 +7,7 @@
 -- The first text is the options document (the edge's sections of infergate.toml, named
 -- and nested as there, plus the static node list), the second the spec it is checked
 -- against; both are written by controlplane/edge/options.py, the spec generated from
--- the pydantic fields of controlplane/config.py (every default, unit and range lives
+-- the pydantic fields of controlplane/config/ (every default, unit and range lives
 -- there). infergate.core.options does the checking.
 --
 -- init() returns true or nil, err (the rendered init_by_lua turns an error into a

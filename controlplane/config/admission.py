@@ -1,0 +1,124 @@
+"""The edge's admission sections: ``[auth]``, ``[limits]``, ``[admission]``,
+``[deadlines]``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from controlplane.config.base import _Section, key_message
+
+
+class AuthSettings(_Section):
+    """API keys checked by the edge on every API request (``Authorization: Bearer KEY``).
+
+    Keys live in Redis as SHA-256 hashes (``controlplane.admin.apikeys``); ``infergate keys``
+    and the admin API create and revoke them. Missing or wrong key: 401 JSON
+    (``code: "invalid_api_key"``). The key is never logged and never sent to the nodes."""
+
+    mode: Literal["off", "required"] = "off"
+    """``required``: a valid key is needed; ``off``: no check, every request belongs to the
+    tenant ``default`` (trusted networks; the default, so a drop-in locks nobody out).
+    ``infergate up`` runs with ``required`` unless the file sets the mode."""
+    cache_ttl_s: float = Field(default=5.0, ge=0.001, le=3600)
+    """Seconds an edge trusts its cached answer for a valid key; a revoked key stops
+    working at most this long after the revocation."""
+    negative_ttl_s: float = Field(default=5.0, ge=0.001, le=3600)
+    """Seconds an edge trusts its cached answer for an unknown or revoked key."""
+    stale_ttl_s: float = Field(default=300.0, ge=0, le=86400)
+    """While Redis is unreachable, cached answers up to this many seconds old are still
+    used; a key with no cached answer then gets 503 (never let through)."""
+
+
+class LimitSettings(_Section):
+    """Token-bucket rate limits, shared by every edge through Redis.
+
+    Per key: the key's ``rpm`` (requests per minute) and ``tpm`` (tokens per minute) from
+    ``infergate keys``. Each bucket holds at most its per-minute limit and refills evenly.
+    Tokens are estimated up front as ceil(prompt characters / ``chars_per_token``) and
+    corrected with the response's ``usage.total_tokens`` afterwards. Redis down: each edge
+    enforces the limits on its own (so N edges allow up to N times the limit)."""
+
+    enabled: bool = True
+    """Check the per-key and global buckets (429 ``rate_limit_exceeded`` when empty)."""
+    global_rpm: int = Field(default=0, ge=0, le=10**9)
+    """Requests per minute across all clients and edges; 0 = no global limit."""
+    global_tpm: int = Field(default=0, ge=0, le=10**12)
+    """Tokens per minute across all clients and edges; 0 = no global limit."""
+    chars_per_token: float = Field(default=4.0, ge=0.01, le=1000)
+    """Prompt characters counted as one token by the up-front estimate."""
+    lease_fraction: float = Field(default=0.01, ge=0, le=0.5)
+    """Largest lease as a fraction (0-1) of a bucket's capacity, at most 1,000 requests
+    or tokens: a worker that keeps charging a bucket takes tokens from Redis ahead of
+    its requests (1, 2, 4, ... per round trip) and spends them without a round trip
+    until they run out or are a second old (the rest goes back). Leases never let more
+    through than the limit; while other workers hold leased tokens a bucket can refuse
+    up to ``lease_fraction`` x capacity x (workers x edges) early. 0 = one Redis round
+    trip per request, exact to the token. Below 1 / ``lease_fraction`` per minute
+    (100 at 0.01) a bucket is never leased."""
+    redis_retry_s: float = Field(default=1.0, ge=0.01, le=3600)
+    """After a failed Redis call (connect refused or timed out, a read timeout), seconds
+    every worker of the edge skips that Redis before trying again: API keys come from
+    the edge's cache, limits from local buckets, the response cache is bypassed and
+    routing stays on the last snapshot meanwhile (the one back-off of the edge's Redis
+    connections, ``lua/infergate/redis/pool.lua``)."""
+
+
+class AdmissionSettings(_Section):
+    """Load shedding at the edge: when every eligible node is saturated (snapshot
+    ``saturated`` from the ``[scoring]`` caps, or this edge's in-flight count at the node's
+    ``max_concurrency``), a new request waits briefly for capacity, then gets 429 with
+    ``Retry-After`` (``type: "server_overloaded"``) instead of queueing into a timeout.
+    Cache hits are answered before this check."""
+
+    shed: bool = True
+    """Shed load as above; off: requests always go to a node and queue there."""
+    max_wait_ms: int = Field(default=500, ge=0, le=60000)
+    """Longest wait for capacity before the 429, milliseconds (never past the deadline)."""
+    poll_ms: int = Field(default=20, ge=1, le=1000)
+    """How often a waiting request checks for capacity again, milliseconds."""
+    retry_after_s: int = Field(default=1, ge=1, le=3600)
+    """``Retry-After`` of the 429, whole seconds."""
+    deadline_fraction: float = Field(default=1.0, gt=0, le=1)
+    """With ``edge.node_cost = "expected_delay"`` and a deadline: a request is admitted
+    while the best node's predicted completion (its expected delay, s) is at most this
+    fraction of the time left before the deadline, and waits, then gets the 429, past
+    it (below 1: a margin for answers longer than the mean, at the price of more 429s).
+    The in-flight caps above do not apply then."""
+
+
+#: The API paths the edge serves (locations of nginx/infergate-server.conf.j2).
+API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models")
+
+
+class RouteDeadlineSettings(_Section):
+    """Per-path overrides of ``[deadlines]``; fields left out keep the global value."""
+
+    request_ms: int | None = Field(default=None, ge=0, le=86400000)
+    stream_idle_ms: int | None = Field(default=None, ge=1, le=86400000)
+
+
+class DeadlineSettings(_Section):
+    """Request deadlines at the edge. Past the deadline the client gets 504 JSON
+    (``type: "timeout"``, ``code: "deadline_exceeded"``), no new try starts, and the
+    connection to the node is closed so it can stop generating."""
+
+    request_ms: int = Field(default=30000, ge=0, le=86400000)
+    """End-to-end deadline of a non-streaming request, milliseconds from its arrival at
+    the edge (auth, rate limiting and the admission wait count); 0 = none. For a stream,
+    no try starts after it."""
+    stream_idle_ms: int = Field(default=30000, ge=1, le=86400000)
+    """Longest silence from the node on a streaming request (before the first chunk and
+    between chunks), milliseconds; then the stream ends."""
+    routes: dict[str, RouteDeadlineSettings] = Field(
+        default={}, json_schema_extra={"keys": {"enum": list(API_PATHS), "name": "path"}})
+    """Per path, e.g. ``[deadlines.routes."/v1/embeddings"]`` ``request_ms = 5000``."""
+
+    @field_validator("routes")
+    @classmethod
+    def _paths(cls, v: dict[str, RouteDeadlineSettings]) -> dict[str, RouteDeadlineSettings]:
+        for path in v:
+            if path not in API_PATHS:
+                raise ValueError(key_message("deadlines.routes", path, API_PATHS, "path"))
+        return v

@@ -1,0 +1,173 @@
+"""The ``[cache]`` section (response cache, exact and semantic)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+from urllib.parse import urlsplit
+
+from pydantic import Field, field_validator, model_validator
+
+from controlplane.config.base import _Section, key_message
+
+
+#: A cosine similarity, 0-1.
+Similarity = Annotated[float, Field(ge=0.0, le=1.0)]
+#: The paths a per-route similarity may name.
+CACHE_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+class SemanticDomain(_Section):
+    """Thresholds of one domain of the semantic cache, applied by the embedder (written by
+    ``infergate cache calibrate``). A domain matches a lookup when every matcher it sets
+    matches: ``route`` (request path), ``model`` (requested model), ``namespace_prefix``
+    (leading hex digits of the semantic namespace). The embedder applies the most specific
+    matching domain (a namespace prefix counts most, then the model, then the route; a
+    longer prefix wins a tie) and it overrides the edge's ``min_similarity`` values."""
+
+    route: str = ""
+    model: str = ""
+    namespace_prefix: str = Field(default="", pattern=r"^[0-9a-f]{0,64}$")
+    min_similarity: float | None = Field(default=None, ge=0.0, le=1.0)
+    """Cosine (0-1) a candidate needs; unset = the edge's value or the embedder default."""
+    min_verifier_score: float | None = Field(default=None, ge=0.0, le=1.0)
+    """Verifier probability (0-1) a hit needs; unset = the verifier's own default."""
+    verifier: bool | None = None
+    """Use the verifier in this domain (false: cosine and the precision guard only);
+    unset = ``cache.verifier``."""
+    pairs: int = Field(default=0, ge=0, le=10**9)
+    """Informational, from calibration: labelled pairs the thresholds were chosen on."""
+    hit_rate: float | None = Field(default=None, ge=0.0, le=1.0)
+    """Informational: share of matching pairs served at these thresholds (0-1)."""
+    wrong_hit_upper: float | None = Field(default=None, ge=0.0, le=1.0)
+    """Informational: 95 % upper bound of the wrong-hit rate at these thresholds (0-1)."""
+
+    @model_validator(mode="after")
+    def _some_threshold(self) -> "SemanticDomain":
+        if self.min_similarity is None and self.min_verifier_score is None:
+            raise ValueError("a semantic domain needs min_similarity or min_verifier_score")
+        return self
+
+
+class CacheSettings(_Section):
+    """Response cache at the edge: exact (Redis) and semantic (embedder).
+
+    Off unless ``enabled``: serving a stored answer to another request changes what a
+    sampled (temperature > 0) request returns, so an operator opts in. ``infergate up``
+    turns it on (and starts the embedder) unless the file sets ``enabled`` itself."""
+
+    enabled: bool = False
+    ttl_s: int = Field(default=3600, ge=1, le=366 * 24 * 3600)
+    """Lifetime of a stored answer, seconds (absolute: hits never extend it)."""
+    max_entry_bytes: int = Field(default=262144, ge=1024, le=64 * 1024 * 1024)
+    """Largest answer captured for the cache (bytes as sent by the node, JSON or SSE);
+    a larger answer is passed on and not stored."""
+    max_request_bytes: int = Field(default=1048576, ge=1024, le=64 * 1024 * 1024)
+    """Largest request body that takes part in the cache, bytes; a larger one bypasses it
+    (``X-Cache-Status: BYPASS``, neither read nor stored), so working out its key (a
+    canonical encoding of the whole body) stays cheap."""
+    max_temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    """Requests with a higher ``temperature`` bypass the cache. A request without
+    ``temperature`` counts as the API default 1.0, so it is cached with this default."""
+    stream_usage: bool = True
+    """A stream whose answer is stored and that did not ask for
+    ``stream_options.include_usage`` is sent to the node with ``"stream_options":
+    {"include_usage": true}`` (the usage-only last chunk is taken out of what the client
+    receives), so every stored entry carries usage and answers streaming and
+    non-streaming requests alike; false = the body goes to the node as sent (for nodes
+    that refuse ``stream_options``), and such an entry answers only streams without usage."""
+    semantic: bool = True
+    """Look up paraphrases through the embedder when the exact key misses."""
+    embedder_url: str = "http://127.0.0.1:8090"
+    """Root of the embedder service (``infergate embedder``), ``http://host:port``."""
+    semantic_budget_ms: int = Field(default=150, ge=1, le=10000)
+    """Time budget of one semantic lookup (connect, send and read timeouts of the
+    subrequest); over it the request goes on to a node with ``X-Cache-Status: BYPASS``."""
+    min_similarity: float | None = Field(default=None, ge=0.0, le=1.0)
+    """Cosine similarity (0-1) a semantic hit needs; unset = the embedder's default: the
+    verifier's floor (0.5) when the verifier is on, else the model's threshold (0.98 for
+    all-MiniLM-L6-v2 and use-multilingual-v3, chosen on the cache-eval dev sets, see
+    docs/performance.md). 0 is a value."""
+    min_similarity_routes: dict[str, Similarity] = Field(
+        default={}, json_schema_extra={"keys": {"enum": list(CACHE_PATHS), "name": "path"}})
+    """Per path (``/v1/chat/completions``, ``/v1/completions``), overrides ``min_similarity``."""
+    min_similarity_models: dict[str, Similarity] = {}
+    """Per requested ``model``, overrides the route and global values."""
+    coalesce: bool = True
+    """Identical requests that miss at the same time: one goes to a node, the others wait
+    for its answer (per edge, shared by the nginx workers)."""
+    coalesce_wait_s: float = Field(default=10.0, ge=0.0, le=600.0)
+    """Longest wait for the first request's answer; then a waiter goes to a node itself."""
+    coalesce_poll_ms: int = Field(default=50, ge=5, le=5000)
+    """How often a waiting request looks for the answer in Redis, milliseconds."""
+    embedder_token: str = Field(default="", pattern=r"^([A-Za-z0-9._~+/=-]{16,256})?$")
+    """Shared secret (16-256 characters of ``A-Za-z0-9._~+/=-``; "" = none) the edge and
+    the control plane send the embedder as ``Authorization: Bearer``; with one set the
+    embedder refuses lookups, index writes and embeddings without it (401), so another
+    process on the host can neither read stored prompts nor point a question at another
+    answer. ``infergate up`` sets a random one. Also ``INFERGATE_EMBEDDER_TOKEN``."""
+    local_ttl_ms: int = Field(default=0, ge=0, le=60000)
+    """How long each nginx worker keeps an entry it read from Redis and answers repeats of
+    it from memory, milliseconds (0 = off: every hit reads Redis). Hits of hot entries
+    then cost no Redis round trip, but a purged or flagged entry may still answer from a
+    worker's copy for that long (never past the entry's own TTL); at most 1000 entries
+    and 16 MB per worker."""
+    verifier: bool = True
+    """The embedder checks every candidate with its learned verifier (a logistic regression
+    over both vectors and the precision guard's signals) and retrieves from the verifier's
+    cosine floor instead of the model's ``min_similarity`` default."""
+    verifier_file: str = ""
+    """Verifier JSON file (``infergate cache calibrate --train-verifier``); empty = the one
+    shipped for the embedder's model, if any."""
+    semantic_domains: list[SemanticDomain] | None = None
+    """Per-domain thresholds applied by the embedder (``[[cache.semantic_domains]]``);
+    unset = none (None rather than ``[]``: the edge's options document drops nulls, and it
+    cannot tell an empty array from an empty table)."""
+    embedder_model: str = "use-multilingual-v3"
+    """Model ``infergate up`` starts the embedder with: use-multilingual-v3 (numpy, no
+    torch, 16 languages) or, with the ``semantic`` extra, all-MiniLM-L6-v2 or any
+    sentence-transformers name or path."""
+    verify_fraction: float = Field(default=0.02, ge=0.0, le=1.0)
+    """Share (0-1) of semantic hits the edge also queues for online verification (the
+    hit is served all the same); 0 = off. The control plane's leader sends each queued
+    request (non-streaming) to a healthy node and compares the fresh answer with the
+    cached one (``controlplane.cache.verify``)."""
+    verify_answer_similarity: float = Field(default=0.9, ge=0.0, le=1.0)
+    """Cosine (0-1) of the two answers' embeddings (from the embedder) at or above which a
+    verified hit counts as right; equal texts (up to case and spaces) always do."""
+    verify_max_wrong: float = Field(default=0.01, gt=0.0, le=1.0)
+    """Target wrong-hit rate of a namespace (0-1, as ``infergate cache calibrate
+    --max-wrong``): when the 95 % (Wilson) upper bound of its measured wrong rate is above
+    it, the namespace's semantic threshold goes up by ``verify_threshold_step``; under
+    half of it, back down by a step (never below the configured threshold)."""
+    verify_threshold_step: float = Field(default=0.01, gt=0.0, le=1.0)
+    """Step of one threshold change of a namespace (added to the verifier score threshold,
+    or the cosine threshold without the verifier)."""
+    verify_max_raise: float = Field(default=0.05, ge=0.0, le=1.0)
+    """Largest raise of a namespace's threshold above the configured one (0-1)."""
+    verify_queue_max: int = Field(default=1000, ge=1, le=1000000)
+    """Longest the verification queue grows (items; the edge trims the oldest)."""
+    verify_timeout_s: float = Field(default=30.0, gt=0.0, le=600.0)
+    """Time a verification request to a node may take, seconds."""
+
+    @field_validator("embedder_url")
+    @classmethod
+    def _embedder_url(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError("cache.embedder_url must be http://host:port")
+        if parts.path not in ("", "/") or parts.query:
+            raise ValueError("cache.embedder_url is the embedder root, without a path")
+        try:
+            parts.port
+        except ValueError as exc:
+            raise ValueError(f"cache.embedder_url port: {exc}") from exc
+        return v.rstrip("/")
+
+    @field_validator("min_similarity_routes")
+    @classmethod
+    def _routes(cls, v: dict[str, float]) -> dict[str, float]:
+        for path in v:
+            if path not in CACHE_PATHS:
+                raise ValueError(key_message("cache.min_similarity_routes", path, CACHE_PATHS,
+                                             "path"))
+        return v
