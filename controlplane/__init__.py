@@ -3,7 +3,7 @@ node and the ``infergate`` command line.
 
 Package map (docs/internals.md "Source tree" has the same map with the Lua edge):
 
-- ``config`` -- every option: the TOML file as pydantic ``Settings``, defaults, checks.
+- ``config`` -- every option: the TOML file as pydantic ``Settings``, defaults, bounds.
 - ``errors`` -- ``InfergateError``, the base of every exception the package raises.
 - ``edge/`` -- what the edge is handed: its options document and spec, and the nginx
   config rendered from ``nginx/*.j2`` (``infergate render-nginx``).
