@@ -189,36 +189,22 @@ def _allowed(host: str, port: int, allow: list[str]) -> bool:
     return False
 
 
-def node_url_refusal(url: str, settings: Settings | None = None) -> str | None:
-    """Why ``url`` may not be a node URL, or ``None`` when it may. Refused: hosts in
-    :data:`REFUSED_NODE_NETS` / :data:`REFUSED_NODE_HOSTS` (IPv4-mapped IPv6 and the
-    shorthand, octal and hexadecimal IPv4 spellings too, see :func:`_ip`), host names
-    that resolve to any address in those networks or do not resolve at all within
-    :data:`RESOLVE_TIMEOUT_S` (:func:`resolve_host`), and, with ``settings``, this
-    stack's own Redis, admin, embedder, edge-metrics and edge API (``edge.listen``) ports
-    (on the same host or on a loopback address: a node there would loop requests back
-    into the edge) -- unless ``settings.controlplane.node_url_allow`` allows the
-    host. The check holds for the addresses the name has now; a name whose owner
-    points it elsewhere later is not watched."""
-    parts = urlsplit(url)
-    host = (parts.hostname or "").lower().rstrip(".")
-    try:
-        port = parts.port or 80
-    except ValueError:
-        return None  # NodeSettings reports a bad port
-    if host and not host.isascii():
-        # the poller's HTTP client would encode it (or refuse it) its own way, and
-        # "①②⑦.0.0.1" is 127.0.0.1 in disguise: the ASCII (IDNA) form only
-        import idna
+def _non_ascii_refusal(host: str) -> str:
+    """Why a host name that is not ASCII is refused: the poller's HTTP client would
+    encode it (or refuse it) its own way, and "①②⑦.0.0.1" is 127.0.0.1 in disguise: the
+    ASCII (IDNA) form only."""
+    import idna
 
-        try:
-            ascii_host = idna.encode(host, uts46=True).decode("ascii")
-        except (idna.IDNAError, UnicodeError) as exc:
-            return f"url: {host} is not a valid host name ({exc})"
-        return f"url: write the host name in ASCII, as {ascii_host}"
-    allow = settings.controlplane.node_url_allow if settings is not None else []
-    if _allowed(host, port, allow):
-        return None
+    try:
+        ascii_host = idna.encode(host, uts46=True).decode("ascii")
+    except (idna.IDNAError, UnicodeError) as exc:
+        return f"url: {host} is not a valid host name ({exc})"
+    return f"url: write the host name in ASCII, as {ascii_host}"
+
+
+def _refused_address(host: str, port: int) -> tuple[list[IP], str | None]:
+    """(the addresses ``host`` spells or resolves to, why it is refused: a name that
+    does not resolve, a link-local or cloud-metadata address; None when it is not)."""
     ip = _ip(host)
     if ip is not None:
         ips: list[IP] = [ip]
@@ -227,16 +213,20 @@ def node_url_refusal(url: str, settings: Settings | None = None) -> str | None:
     else:
         resolved = resolve_host(host, port)
         if resolved is None:
-            return (f"url: the host name {host} does not resolve; add it to "
-                    "controlplane.node_url_allow to use it anyway")
+            return [], (f"url: the host name {host} does not resolve; add it to "
+                        "controlplane.node_url_allow to use it anyway")
         ips = resolved
     bad = [a for a in ips if any(a in n for n in REFUSED_NODE_NETS if n.version == a.version)]
     if host in REFUSED_NODE_HOSTS or bad:
         shown = host if ip is not None or not bad else f"{host} ({bad[0]})"
-        return (f"url: {shown} is a link-local or cloud-metadata address; add it to "
-                "controlplane.node_url_allow to use it anyway")
-    if settings is None:
-        return None
+        return ips, (f"url: {shown} is a link-local or cloud-metadata address; add it to "
+                     "controlplane.node_url_allow to use it anyway")
+    return ips, None
+
+
+def _own_ports(settings: Settings) -> list[tuple[str, str, int]]:
+    """(what, host, port) of this stack's own Redis, admin, embedder, edge-metrics and
+    edge API addresses; the ones that do not parse are left out."""
     own: list[tuple[str, str, int]] = []
     try:
         from controlplane.redisdb.url import parse_redis_url
@@ -266,7 +256,35 @@ def node_url_refusal(url: str, settings: Settings | None = None) -> str | None:
             own.append((what, hp.host.lower(), hp.port))
         except ValueError:
             pass
-    for what, o_host, o_port in own:
+    return own
+
+
+def node_url_refusal(url: str, settings: Settings | None = None) -> str | None:
+    """Why ``url`` may not be a node URL, or ``None`` when it may. Refused: hosts in
+    :data:`REFUSED_NODE_NETS` / :data:`REFUSED_NODE_HOSTS` (IPv4-mapped IPv6 and the
+    shorthand, octal and hexadecimal IPv4 spellings too, see :func:`_ip`), host names
+    that resolve to any address in those networks or do not resolve at all within
+    :data:`RESOLVE_TIMEOUT_S` (:func:`resolve_host`), and, with ``settings``, this
+    stack's own Redis, admin, embedder, edge-metrics and edge API (``edge.listen``) ports
+    (on the same host or on a loopback address: a node there would loop requests back
+    into the edge) -- unless ``settings.controlplane.node_url_allow`` allows the
+    host. The check holds for the addresses the name has now; a name whose owner
+    points it elsewhere later is not watched."""
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower().rstrip(".")
+    try:
+        port = parts.port or 80
+    except ValueError:
+        return None  # NodeSettings reports a bad port
+    if host and not host.isascii():
+        return _non_ascii_refusal(host)
+    allow = settings.controlplane.node_url_allow if settings is not None else []
+    if _allowed(host, port, allow):
+        return None
+    ips, refusal = _refused_address(host, port)
+    if refusal is not None or settings is None:
+        return refusal
+    for what, o_host, o_port in _own_ports(settings):
         o_ip = _ip(o_host)
         same = host == o_host or (o_ip is not None and o_ip in ips)
         if port == o_port and (same or (_is_local(host, ips) and _is_local(o_host))):

@@ -228,6 +228,98 @@ class ProgressLines:
                        f"{summary.skipped}, failed {summary.failed})", file=self.out)
 
 
+class _Warmer:
+    """What the threads of one warmup run share: the :class:`Summary`, the keys seen
+    and sent, a ``requests.Session`` per thread, and the stop after a ``401``."""
+
+    def __init__(self, edge: str, r: redis_lib.Redis | None, headers: dict[str, str],
+                 tenant: str, timeout_s: float) -> None:
+        self.edge, self.r, self.headers = edge, r, headers
+        self.tenant, self.timeout_s = tenant, timeout_s
+        self.summary = Summary()
+        self.local = threading.local()
+        self.lock = threading.Lock()
+        self.sent_keys: list[str] = []
+        self.seen: set[str] = set()
+        self.unauthorized = threading.Event()
+
+    def session(self) -> requests.Session:
+        s = getattr(self.local, "s", None)
+        if s is None:
+            s = self.local.s = requests.Session()
+        return s
+
+    def _skip(self, p: Prompt) -> tuple[bool, str | None]:
+        """(whether ``p`` is skipped: already sent in this run or in the cache, its
+        exact cache key or None when the body has none); a skip is counted."""
+        try:
+            key: str | None = keys_for(p.path, p.body, self.tenant).exact
+        except UnkeyableBody:
+            key = None  # never cached: sent, and the edge answers it as BYPASS
+        with self.lock:
+            duplicate = key is not None and key in self.seen
+            if key is not None:
+                self.seen.add(key)
+        if duplicate or (key is not None and _cached(self.r, key)):
+            with self.lock:
+                self.summary.skipped += 1
+            return True, key
+        return False, key
+
+    def one(self, p: Prompt) -> None:
+        """Send ``p`` unless skipped (or the run stopped on a 401) and count the answer."""
+        if self.unauthorized.is_set():
+            return
+        skipped, key = self._skip(p)
+        if skipped:
+            return
+        try:
+            res = self.session().post(self.edge + p.path, data=json.dumps(p.body),
+                                      headers=self.headers, timeout=self.timeout_s)
+            status = res.status_code
+            cache_status = res.headers.get("X-Cache-Status", "")
+            detail = res.text[:200] if status != 200 else ""
+        except requests.RequestException as exc:
+            status, cache_status, detail = 0, "", str(exc)
+        summary = self.summary
+        with self.lock:
+            if status == 401:
+                if not self.unauthorized.is_set():
+                    self.unauthorized.set()
+                    summary.failed += 1
+                    summary.unauthorized = _error_message(res)
+            elif status != 200:
+                summary.failed += 1
+                summary.errors.append(f"line {p.line}: {status or 'no answer'} {detail}".strip())
+            elif cache_status == "HIT":
+                summary.skipped += 1
+            else:
+                summary.sent += 1
+                self.sent_keys.append(key)
+
+
+def _wait_stored(r: redis_lib.Redis, keys: list[str], store_wait_s: float) -> int:
+    """How many of the entries ``keys`` are in the cache, once all are there, none
+    appeared for 1 s, or ``store_wait_s`` seconds passed (entries land a few ms after
+    their answer; the rest were not storable: cut short, ...)."""
+    deadline = time.monotonic() + store_wait_s
+    last, last_change = -1, time.monotonic()
+    while True:
+        try:
+            pipe = r.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(keynames.cache_entry(k))
+            found = sum(int(x) for x in pipe.execute())
+        except redis_lib.RedisError:
+            found = 0
+        now = time.monotonic()
+        if found != last:
+            last, last_change = found, now
+        if found >= len(keys) or now >= deadline or now - last_change >= 1.0:
+            return found
+        time.sleep(0.1)
+
+
 def run_warmup(prompts: list[Prompt], edge: str, r: redis_lib.Redis | None, *,
                concurrency: int = 5, api_key: str | None = None, tenant: str = "default",
                timeout_s: float = 120.0, store_wait_s: float = 5.0,
@@ -240,90 +332,21 @@ def run_warmup(prompts: list[Prompt], edge: str, r: redis_lib.Redis | None, *,
     sending, waits for the entries to appear (they are written just after each answer):
     until all are there, none appeared for 1 s, or ``store_wait_s`` seconds passed.
     Returns the :class:`Summary`."""
-    summary = Summary()
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
-    local = threading.local()
-    lock = threading.Lock()
-    sent_keys: list[str] = []
-    seen: set[str] = set()
-    unauthorized = threading.Event()
-
-    def session() -> requests.Session:
-        s = getattr(local, "s", None)
-        if s is None:
-            s = local.s = requests.Session()
-        return s
-
-    def one(p: Prompt) -> None:
-        if unauthorized.is_set():
-            return
-        try:
-            key: str | None = keys_for(p.path, p.body, tenant).exact
-        except UnkeyableBody:
-            key = None  # never cached: sent, and the edge answers it as BYPASS
-        with lock:
-            duplicate = key is not None and key in seen
-            if key is not None:
-                seen.add(key)
-        if duplicate or (key is not None and _cached(r, key)):
-            with lock:
-                summary.skipped += 1
-            return
-        try:
-            res = session().post(edge + p.path, data=json.dumps(p.body), headers=headers,
-                                 timeout=timeout_s)
-            status = res.status_code
-            cache_status = res.headers.get("X-Cache-Status", "")
-            detail = res.text[:200] if status != 200 else ""
-        except requests.RequestException as exc:
-            status, cache_status, detail = 0, "", str(exc)
-        with lock:
-            if status == 401:
-                if not unauthorized.is_set():
-                    unauthorized.set()
-                    summary.failed += 1
-                    summary.unauthorized = _error_message(res)
-            elif status != 200:
-                summary.failed += 1
-                summary.errors.append(f"line {p.line}: {status or 'no answer'} {detail}".strip())
-            elif cache_status == "HIT":
-                summary.skipped += 1
-            else:
-                summary.sent += 1
-                sent_keys.append(key)
-
+    w = _Warmer(edge, r, headers, tenant, timeout_s)
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
-        futures = [pool.submit(one, p) for p in prompts]
+        futures = [pool.submit(w.one, p) for p in prompts]
         done = 0
         for fut in as_completed(futures):
             fut.result()
             done += 1
-            if progress is not None and not unauthorized.is_set():
-                progress(done, summary)
-
-    if r is not None and sent_keys:
-        # entries land a few ms after their answer; stop when all are there, or when none
-        # appeared for a second (the rest were not storable: cut short, ...)
-        deadline = time.monotonic() + store_wait_s
-        last, last_change = -1, time.monotonic()
-        while True:
-            try:
-                pipe = r.pipeline(transaction=False)
-                for k in sent_keys:
-                    pipe.exists(keynames.cache_entry(k))
-                found = sum(int(x) for x in pipe.execute())
-            except redis_lib.RedisError:
-                found = 0
-            now = time.monotonic()
-            if found != last:
-                last, last_change = found, now
-            if found >= len(sent_keys) or now >= deadline or now - last_change >= 1.0:
-                summary.stored = found
-                break
-            time.sleep(0.1)
-    return summary
+            if progress is not None and not w.unauthorized.is_set():
+                progress(done, w.summary)
+    if r is not None and w.sent_keys:
+        w.summary.stored = _wait_stored(r, w.sent_keys, store_wait_s)
+    return w.summary
 
 
 @click.command("warmup")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
@@ -28,6 +29,10 @@ from controlplane.admin import ops
 from controlplane.cache import store as cache_store
 from controlplane.cli.nodes import Ctx, actor, run, table
 from controlplane.cli.common import ConnectedGroup
+
+if TYPE_CHECKING:
+    from controlplane.embedder.calibration import Pairs
+    from controlplane.embedder.tuning import CalibrationResult
 
 
 def _rate(x: float | None) -> str:
@@ -110,6 +115,99 @@ def can_ask() -> bool:
     return sys.stdin.isatty()
 
 
+def _check_domain(no_verifier: bool, train_out: str | None, namespace_prefix: str,
+                  route: str, model: str) -> None:
+    """Raise ``click.UsageError`` / ``click.BadParameter`` for options that cannot name a
+    domain or exclude each other."""
+    from controlplane.config import PATH_RE
+
+    if no_verifier and train_out:
+        raise click.UsageError("--no-verifier and --train-verifier exclude each other")
+    if namespace_prefix and not all(ch in "0123456789abcdef" for ch in namespace_prefix):
+        raise click.BadParameter("lowercase hex digits", param_hint="--namespace-prefix")
+    if route and not PATH_RE.match(route):
+        raise click.BadParameter("a request path such as /v1/chat/completions",
+                                 param_hint="--route")
+    if model and (len(model) > 256 or not model.isprintable()):
+        raise click.BadParameter("a model id of at most 256 printable characters",
+                                 param_hint="--model")
+
+
+def _load_calibration(path: str | None, pairs_path: str, embedding_model: str | None,
+                      no_verifier: bool) -> tuple[Pairs, object, object | None]:
+    """(labelled pairs, embedding model, verifier or None) for a calibration: the model
+    and verifier of the config at ``path`` unless ``embedding_model`` /
+    ``no_verifier``. Raises ``click.ClickException`` with the loader's message."""
+    from pathlib import Path
+
+    from controlplane.config import ConfigError, load_settings
+    from controlplane.embedder import calibration as cal
+    from controlplane.embedder import verifier as ver
+    from controlplane.embedder.models import ModelLoadError, ModelSpec, load_model
+
+    try:
+        settings = load_settings(path if path and Path(path).exists() else None)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        pairs = cal.load_pairs(pairs_path)
+    except cal.PairsError as exc:
+        raise click.ClickException(str(exc)) from None
+    if pairs.skipped:
+        click.echo(f"note: {pairs.skipped} line(s) of {pairs_path} held no usable pair "
+                   "(a header, a label other than 0 or 1, fewer than 3 fields, an empty text)")
+    try:
+        m = load_model(ModelSpec(model=embedding_model or settings.cache.embedder_model))
+    except ModelLoadError as exc:
+        raise click.ClickException(str(exc)) from None
+    v = None
+    if not no_verifier and settings.cache.verifier:
+        try:
+            v = ver.load_for(m.model_id, m.dim, settings.cache.verifier_file or None)
+        except ver.VerifierError as exc:
+            raise click.ClickException(str(exc)) from None
+    return pairs, m, v
+
+
+def _print_calibration(res: CalibrationResult, model_id: str) -> None:
+    """The notes, the pairs counted and the table of thresholds (every 0.05 and the one
+    chosen)."""
+    for note in res.notes:
+        click.echo(f"note: {note}")
+    click.echo(f"{res.pairs} pairs ({res.positives} matching, {res.negatives} not), "
+               f"model {model_id}, score: {res.score}"
+               + (f" (cosine >= {res.floor})" if res.floor is not None else ""))
+    chosen_t = res.chosen.threshold if res.chosen else None
+    shown = [r for r in res.rows if round(r.threshold * 100, 4) % 5 == 0
+             or r.threshold == chosen_t]
+    click.echo(table(("threshold", "hit rate", "wrong-hit rate", "wrong 95% bound", ""),
+                     [(f"{r.threshold:.3f}", _rate(r.hit_rate), _rate(r.wrong_rate),
+                       _rate(r.wrong_upper), "<- chosen" if r.threshold == chosen_t else "")
+                      for r in shown]))
+
+
+def _write_calibration(path: str, res: CalibrationResult, entry: dict,
+                       train_out: str | None) -> None:
+    """Write the trained verifier (``train_out``) and the domain ``entry`` into the
+    config at ``path``. Raises ``click.ClickException``."""
+    from pathlib import Path
+
+    from controlplane.embedder import tuning
+
+    vfile = None
+    if res.trained is not None and train_out:
+        res.trained.save(train_out)
+        vfile = str(Path(train_out).resolve())
+        click.echo(f"verifier written to {vfile}")
+    try:
+        tuning.write_domain(path, entry, verifier_file=vfile,
+                            use_verifier=True if vfile else None)
+    except tuning.TuningError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"written to {path} [[cache.semantic_domains]]"
+               " (the embedder re-reads it within seconds when started with --config)")
+
+
 @cache_cmd.command("calibrate")
 @click.option("--pairs", "pairs_path", required=True, type=click.Path(dir_okay=False),
               help="Labelled pairs: TSV text1<TAB>text2<TAB>label, or JSONL with "
@@ -148,24 +246,9 @@ def calibrate_cmd(c: Ctx, pairs_path: str, route: str, model: str, namespace_pre
     by the cosine with the precision guard (--no-verifier)."""
     from pathlib import Path
 
-    from controlplane.config import ConfigError, load_settings
-    from controlplane.embedder import calibration as cal
     from controlplane.embedder import tuning
-    from controlplane.embedder import verifier as ver
-    from controlplane.embedder.models import ModelLoadError, ModelSpec, load_model
 
-    if no_verifier and train_out:
-        raise click.UsageError("--no-verifier and --train-verifier exclude each other")
-    if namespace_prefix and not all(ch in "0123456789abcdef" for ch in namespace_prefix):
-        raise click.BadParameter("lowercase hex digits", param_hint="--namespace-prefix")
-    from controlplane.config import PATH_RE
-
-    if route and not PATH_RE.match(route):
-        raise click.BadParameter("a request path such as /v1/chat/completions",
-                                 param_hint="--route")
-    if model and (len(model) > 256 or not model.isprintable()):
-        raise click.BadParameter("a model id of at most 256 printable characters",
-                                 param_hint="--model")
+    _check_domain(no_verifier, train_out, namespace_prefix, route, model)
     path = config_path or c.config
     if path and not Path(path).exists() and not dry_run:
         click.echo(f"note: {path} does not exist: it is created with this domain only "
@@ -173,44 +256,13 @@ def calibrate_cmd(c: Ctx, pairs_path: str, route: str, model: str, namespace_pre
     if plot_path and not dry_run and not Path(plot_path).resolve().parent.is_dir():
         raise click.BadParameter(f"the folder of {plot_path} does not exist",
                                  param_hint="--plot")
-    try:
-        settings = load_settings(path if path and Path(path).exists() else None)
-    except ConfigError as exc:
-        raise click.ClickException(str(exc)) from None
-    try:
-        pairs = cal.load_pairs(pairs_path)
-    except cal.PairsError as exc:
-        raise click.ClickException(str(exc)) from None
-    if pairs.skipped:
-        click.echo(f"note: {pairs.skipped} line(s) of {pairs_path} held no usable pair "
-                   "(a header, a label other than 0 or 1, fewer than 3 fields, an empty text)")
-    try:
-        m = load_model(ModelSpec(model=embedding_model or settings.cache.embedder_model))
-    except ModelLoadError as exc:
-        raise click.ClickException(str(exc)) from None
-    v = None
-    if not no_verifier and settings.cache.verifier:
-        try:
-            v = ver.load_for(m.model_id, m.dim, settings.cache.verifier_file or None)
-        except ver.VerifierError as exc:
-            raise click.ClickException(str(exc)) from None
+    pairs, m, v = _load_calibration(path, pairs_path, embedding_model, no_verifier)
     try:
         res = tuning.calibrate(pairs, m, max_wrong, verifier=v, train=bool(train_out),
                                folds=folds, bound=bound)
     except tuning.TuningError as exc:
         raise click.ClickException(str(exc)) from None
-    for note in res.notes:
-        click.echo(f"note: {note}")
-    click.echo(f"{res.pairs} pairs ({res.positives} matching, {res.negatives} not), "
-               f"model {m.model_id}, score: {res.score}"
-               + (f" (cosine >= {res.floor})" if res.floor is not None else ""))
-    chosen_t = res.chosen.threshold if res.chosen else None
-    shown = [r for r in res.rows if round(r.threshold * 100, 4) % 5 == 0
-             or r.threshold == chosen_t]
-    click.echo(table(("threshold", "hit rate", "wrong-hit rate", "wrong 95% bound", ""),
-                     [(f"{r.threshold:.3f}", _rate(r.hit_rate), _rate(r.wrong_rate),
-                       _rate(r.wrong_upper), "<- chosen" if r.threshold == chosen_t else "")
-                      for r in shown]))
+    _print_calibration(res, m.model_id)
     if plot_path and not dry_run:
         if tuning.plot(res, plot_path, f"{m.model_id}: {route or '*'} {model or '*'} "
                                        f"{namespace_prefix or '*'}"):
@@ -230,15 +282,4 @@ def calibrate_cmd(c: Ctx, pairs_path: str, route: str, model: str, namespace_pre
     if not path:
         click.echo("note: no --config given, nothing written")
         return
-    vfile = None
-    if res.trained is not None and train_out:
-        res.trained.save(train_out)
-        vfile = str(Path(train_out).resolve())
-        click.echo(f"verifier written to {vfile}")
-    try:
-        tuning.write_domain(path, entry, verifier_file=vfile,
-                            use_verifier=True if vfile else None)
-    except tuning.TuningError as exc:
-        raise click.ClickException(str(exc)) from None
-    click.echo(f"written to {path} [[cache.semantic_domains]]"
-               " (the embedder re-reads it within seconds when started with --config)")
+    _write_calibration(path, res, entry, train_out)

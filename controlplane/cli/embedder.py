@@ -201,34 +201,27 @@ def embedder_cmd(config_path: str | None, listen: str | None, redis_url: str | N
     serve()
 
 
-def _serve(sock, host: str, port: int, settings, config_path: str | None, url: str,
-           log: logging.Logger, *, model: str, embeddings_url: str, embeddings_model: str,
-           embeddings_api_key: str, index_backend: str, max_batch: int, max_wait_ms: float,
-           top_k: int, threads: int, model_threads: int, model_workers: int,
-           redis_wait_s: float, no_queue: bool, ready, activity=None) -> None:
-    """One serving process on the bound ``sock``: Redis, model, engine, waitress.
-    ``ready()`` is called once requests are answered by the app (the supervisor's signal
-    that this process started). Raises ``click.ClickException`` on a start failure."""
+def _create_server(late_app: _LateApp, sock, threads: int):
+    """The waitress server of one process, on the bound ``sock``."""
     import waitress
 
-    late_app = _LateApp()
     # connection_limit: waitress's default of 100 would let the edges' idle keepalive
     # connections (64 per nginx worker, nginx/infergate-http.conf.j2) and a burst's
     # lookups hold every slot, leaving new connections in the kernel's backlog
     # channel_request_lookahead: waitress reads on while a request waits for a thread, so
     # it notices a caller that closed the connection (the edge after its lookup budget)
     # and skips that request instead of running the model for nobody
-    server = waitress.create_server(late_app, sockets=[sock], threads=threads,
-                                    connection_limit=CONNECTION_LIMIT,
-                                    channel_request_lookahead=1,
-                                    ident="infergate-embedder")
+    return waitress.create_server(late_app, sockets=[sock], threads=threads,
+                                  connection_limit=CONNECTION_LIMIT,
+                                  channel_request_lookahead=1,
+                                  ident="infergate-embedder")
 
+
+def _connect_redis(settings, url: str, redis_wait_s: float):
+    """(client, blocking client) of the Redis at ``url``, once it answers (waiting up to
+    ``redis_wait_s`` s). Raises ``click.ClickException``."""
     from controlplane import procs
-    from controlplane.embedder.app import create_app
-    from controlplane.embedder.consumer import QueueConsumer
-    from controlplane.embedder.engine import Engine, connect
-    from controlplane.embedder.models import ModelLoadError, ModelSpec, load_model
-
+    from controlplane.embedder.engine import connect
     from controlplane.redisdb.url import RedisURLError
 
     timeout = settings.redis.socket_timeout_s
@@ -242,19 +235,37 @@ def _serve(sock, host: str, port: int, settings, config_path: str | None, url: s
                          what=f"Redis at {url}")
     except procs.StartError as exc:
         raise click.ClickException(str(exc)) from None
+    return r, r_block
 
-    if model_threads:
-        # Process-wide BLAS threads: the index search's matrix product and the verifier
-        # run in request threads beside the model's batch; extra BLAS threads spinning
-        # against each other made a 1000-entry search 25x slower on 2 shared cores.
-        try:
-            import numpy  # noqa: F401 - load the BLAS library before limiting it
-            from threadpoolctl import threadpool_limits
 
-            threadpool_limits(limits=model_threads)
-        except ImportError:
-            log.warning("threadpoolctl not installed: BLAS threads not limited "
-                        "(pip install '.[cache]')")
+def _limit_blas(model_threads: int, log: logging.Logger) -> None:
+    """Process-wide BLAS threads: the index search's matrix product and the verifier
+    run in request threads beside the model's batch; extra BLAS threads spinning
+    against each other made a 1000-entry search 25x slower on 2 shared cores."""
+    if not model_threads:
+        return
+    try:
+        import numpy  # noqa: F401 - load the BLAS library before limiting it
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(limits=model_threads)
+    except ImportError:
+        log.warning("threadpoolctl not installed: BLAS threads not limited "
+                    "(pip install '.[cache]')")
+
+
+def _make_engine(settings, config_path: str | None, r, log: logging.Logger, *,
+                 model: str, embeddings_url: str, embeddings_model: str,
+                 embeddings_api_key: str, model_threads: int, index_backend: str,
+                 max_batch: int, max_wait_ms: float, top_k: int, model_workers: int,
+                 activity=None):
+    """Load the model and the verifier, read the thresholds (re-read from
+    ``config_path`` when it changes) and build the :class:`Engine`. Raises
+    ``click.ClickException``."""
+    from controlplane.embedder import verifier as verifier_mod
+    from controlplane.embedder.engine import Engine
+    from controlplane.embedder.models import ModelLoadError, ModelSpec, load_model
+    from controlplane.embedder.policy import PolicySource, ThresholdPolicy
 
     spec = ModelSpec(model=model, embeddings_url=embeddings_url,
                      embeddings_model=embeddings_model, embeddings_api_key=embeddings_api_key,
@@ -263,9 +274,6 @@ def _serve(sock, host: str, port: int, settings, config_path: str | None, url: s
         m = load_model(spec)
     except ModelLoadError as exc:
         raise click.ClickException(str(exc)) from None
-    from controlplane.embedder import verifier as verifier_mod
-    from controlplane.embedder.policy import PolicySource, ThresholdPolicy
-
     try:
         ver = verifier_mod.load_for(m.model_id, m.dim, settings.cache.verifier_file or None)
     except verifier_mod.VerifierError as exc:
@@ -283,6 +291,30 @@ def _serve(sock, host: str, port: int, settings, config_path: str | None, url: s
              "%d semantic domains", m.model_id, m.dim, engine.default_min_similarity,
              f"on (min score {engine.thresholds('')[1]:.3f})" if engine.verifier_active
              else "off", len(policy.current().domains))
+    return engine
+
+
+def _serve(sock, host: str, port: int, settings, config_path: str | None, url: str,
+           log: logging.Logger, *, model: str, embeddings_url: str, embeddings_model: str,
+           embeddings_api_key: str, index_backend: str, max_batch: int, max_wait_ms: float,
+           top_k: int, threads: int, model_threads: int, model_workers: int,
+           redis_wait_s: float, no_queue: bool, ready, activity=None) -> None:
+    """One serving process on the bound ``sock``: Redis, model, engine, waitress.
+    ``ready()`` is called once requests are answered by the app (the supervisor's signal
+    that this process started). Raises ``click.ClickException`` on a start failure."""
+    from controlplane.embedder.app import create_app
+    from controlplane.embedder.consumer import QueueConsumer
+
+    late_app = _LateApp()
+    server = _create_server(late_app, sock, threads)
+    r, r_block = _connect_redis(settings, url, redis_wait_s)
+    _limit_blas(model_threads, log)
+    engine = _make_engine(settings, config_path, r, log, model=model,
+                          embeddings_url=embeddings_url, embeddings_model=embeddings_model,
+                          embeddings_api_key=embeddings_api_key, model_threads=model_threads,
+                          index_backend=index_backend, max_batch=max_batch,
+                          max_wait_ms=max_wait_ms, top_k=top_k, model_workers=model_workers,
+                          activity=activity)
     consumer = None if no_queue else QueueConsumer(engine, r_block, batch=max_batch).start()
 
     late_app.app = create_app(engine, settings.cache.embedder_token)

@@ -234,45 +234,21 @@ def _has_secret(settings: Settings) -> bool:
 NGINX_PATH_UNSAFE = frozenset(";#$\"'{}\\")
 
 
-def render_nginx(settings: Settings, out_dir: str | Path, *, listen: str | None = None,
-                 prefix: str | Path | None = None, openresty: bool = False,
-                 modules_dir: str | None = None, lua_dir: str | Path | None = None,
-                 resolver: str | None = None, error_log_level: str = "warn",
-                 source: str = "infergate settings") -> RenderedConfig:
-    """Write ``infergate-http.conf``, ``infergate-server.conf`` and ``nginx.conf`` into
-    ``out_dir`` (created) and return their paths.
-
-    ``listen``: ``HOST:PORT`` of the standalone server (default ``edge.listen``).
-    ``prefix``: folder for pid, logs (``logs/``) and temp files (default ``out_dir``);
-    created with mode 0755 when missing. ``openresty``: no ``load_module`` lines.
-    ``modules_dir``: folder of the dynamic modules (default: the Debian one found).
-    ``lua_dir``: folder holding ``infergate/*.lua`` (default ``paths.lua_dir()``).
-    ``resolver``: DNS server for a Redis host name (default: from /etc/resolv.conf,
-    only when ``redis.url`` names a host rather than an IP address).
-
-    Raises :class:`RenderError` for folders nginx cannot name unquoted (a space, ``;``,
-    quotes, ...: :data:`NGINX_PATH_UNSAFE`), for settings nginx cannot run with (bad listen
-    address, bad size, bad Redis URL, any value the edge's option spec refuses, in the
-    edge's words) and ``OSError`` when the folders are not writable. ``settings`` is
-    validated again first, so values assigned after loading are checked as well.
-    """
-    try:
-        settings = check_settings(settings, source)
-    except ConfigError as exc:
-        raise RenderError(str(exc)) from None
-    out = Path(out_dir).resolve()
-    pre = Path(prefix).resolve() if prefix is not None else out
-    lua_path = Path(lua_dir).resolve() if lua_dir else paths.lua_dir()
+def _check_folders(out: Path, pre: Path, lua_path: Path) -> None:
+    """Raise :class:`RenderError` for a folder nginx cannot name unquoted
+    (:data:`NGINX_PATH_UNSAFE`, white space)."""
     for what, folder in (("--out", out), ("--prefix", pre), ("--lua-dir", lua_path)):
         bad = sorted({ch for ch in str(folder) if ch.isspace() or ch in NGINX_PATH_UNSAFE})
         if bad:
             raise RenderError(f"{what} {str(folder)!r}: nginx directives would split on "
                               f"{' '.join(repr(ch) for ch in bad)}; choose a folder without "
                               "spaces, quotes, ';', '#', '$', '{' or '}'")
-    listen = listen or settings.edge.listen
-    host, port = split_listen(listen)
-    edge_id = settings.edge.edge_id or f"{socket.gethostname()}:{port}"
 
+
+def _redis_hosts(settings: Settings) -> tuple[str, bool, str | None]:
+    """(the Redis host names as the config's comment shows them, whether one is a name
+    that needs a DNS resolver, the CA file of a TLS Redis). Raises :class:`RenderError`
+    for a bad ``redis.url``."""
     try:
         target = parse_redis_url(settings.redis.url)
     except RedisURLError as exc:
@@ -282,36 +258,53 @@ def render_nginx(settings: Settings, out_dir: str | Path, *, listen: str | None 
     redis_host = ", ".join(names or redis_hosts)
     needs_resolver = bool(names)
     redis_ca_file = _redis_ca_file(settings) if target.tls else None
+    return redis_host, needs_resolver, redis_ca_file
+
+
+def _metrics_listen(settings: Settings, listen: str) -> str:
+    """``edge.metrics_listen`` checked (an address, not the API's); ``""`` for none."""
     metrics_listen = settings.edge.metrics_listen.strip()
     if metrics_listen:
         split_listen(metrics_listen, "edge.metrics_listen")
         if metrics_listen == listen:
             raise RenderError(f"edge.metrics_listen {metrics_listen!r} is the API listen address; "
                               "use another port (or \"\" for no metrics server)")
-    if needs_resolver and not resolver:
+    return metrics_listen
+
+
+def _dns_resolver(needs_resolver: bool, resolver: str | None, redis_host: str) -> str | None:
+    """The ``resolver`` directive's servers when a Redis host needs one (given, else
+    from /etc/resolv.conf), else None. Raises :class:`RenderError` when none is found."""
+    if not needs_resolver:
+        return None
+    if not resolver:
         found = _system_resolvers()
         resolver = " ".join(found) if found else None
         if not resolver:
             raise RenderError(f"redis.url names the host {redis_host!r} but no DNS server was "
                               "found in /etc/resolv.conf; pass --resolver or use an IP address")
+    return resolver
 
-    nodes, warnings = static_nodes(settings)
-    try:
-        options_ctx = options_render_context(settings, edge_id, nodes)
-    except OptionError as exc:
-        raise RenderError(f"invalid edge options: {exc}") from None
 
+def _make_prefix(out: Path, pre: Path) -> None:
+    """Create ``out`` and the prefix with its ``logs/`` (mode 0755 when new)."""
     out.mkdir(parents=True, exist_ok=True)
     for d in (pre, pre / "logs"):
         if not d.exists():
             d.mkdir(parents=True)
             os.chmod(d, 0o755)
 
-    files = {v: out / v for v in TEMPLATES.values()}
+
+def _template_context(settings: Settings, *, source: str, out: Path, pre: Path,
+                      lua_path: Path, files: dict[str, Path], listen: str,
+                      metrics_listen: str, redis_host: str, resolver: str | None,
+                      redis_ca_file: str | None, openresty: bool, modules_dir: str | None,
+                      error_log_level: str, options_ctx: dict) -> dict:
+    """The variables of the templates (:data:`TEMPLATES`)."""
     ctx = {
         "source": source,
         "lua_dir": str(lua_path),
-        "resolver": resolver if needs_resolver else None,
+        "resolver": resolver,
         "redis_host": redis_host,
         "snapshot_dict_size": "4m",
         "stats_dict_size": "4m",
@@ -342,6 +335,12 @@ def render_nginx(settings: Settings, out_dir: str | Path, *, listen: str | None 
         "embedder_token": settings.cache.embedder_token,
         **options_ctx,
     }
+    return ctx
+
+
+def _write_templates(settings: Settings, files: dict[str, Path], ctx: dict) -> None:
+    """Render every template of :data:`TEMPLATES` with ``ctx`` into ``files``; a file
+    holding a secret is not readable by others."""
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(paths.nginx_templates_dir())),
         undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
@@ -356,6 +355,60 @@ def render_nginx(settings: Settings, out_dir: str | Path, *, listen: str | None 
         secret = ((name == "infergate-http.conf" and _has_secret(settings))
                   or (name == "infergate-server.conf" and bool(settings.cache.embedder_token)))
         os.chmod(files[name], 0o640 if secret else 0o644)
+
+
+def render_nginx(settings: Settings, out_dir: str | Path, *, listen: str | None = None,
+                 prefix: str | Path | None = None, openresty: bool = False,
+                 modules_dir: str | None = None, lua_dir: str | Path | None = None,
+                 resolver: str | None = None, error_log_level: str = "warn",
+                 source: str = "infergate settings") -> RenderedConfig:
+    """Write ``infergate-http.conf``, ``infergate-server.conf`` and ``nginx.conf`` into
+    ``out_dir`` (created) and return their paths.
+
+    ``listen``: ``HOST:PORT`` of the standalone server (default ``edge.listen``).
+    ``prefix``: folder for pid, logs (``logs/``) and temp files (default ``out_dir``);
+    created with mode 0755 when missing. ``openresty``: no ``load_module`` lines.
+    ``modules_dir``: folder of the dynamic modules (default: the Debian one found).
+    ``lua_dir``: folder holding ``infergate/*.lua`` (default ``paths.lua_dir()``).
+    ``resolver``: DNS server for a Redis host name (default: from /etc/resolv.conf,
+    only when ``redis.url`` names a host rather than an IP address).
+
+    Raises :class:`RenderError` for folders nginx cannot name unquoted (a space, ``;``,
+    quotes, ...: :data:`NGINX_PATH_UNSAFE`), for settings nginx cannot run with (bad listen
+    address, bad size, bad Redis URL, any value the edge's option spec refuses, in the
+    edge's words) and ``OSError`` when the folders are not writable. ``settings`` is
+    validated again first, so values assigned after loading are checked as well.
+    """
+    try:
+        settings = check_settings(settings, source)
+    except ConfigError as exc:
+        raise RenderError(str(exc)) from None
+    out = Path(out_dir).resolve()
+    pre = Path(prefix).resolve() if prefix is not None else out
+    lua_path = Path(lua_dir).resolve() if lua_dir else paths.lua_dir()
+    _check_folders(out, pre, lua_path)
+    listen = listen or settings.edge.listen
+    host, port = split_listen(listen)
+    edge_id = settings.edge.edge_id or f"{socket.gethostname()}:{port}"
+
+    redis_host, needs_resolver, redis_ca_file = _redis_hosts(settings)
+    metrics_listen = _metrics_listen(settings, listen)
+    resolver = _dns_resolver(needs_resolver, resolver, redis_host)
+
+    nodes, warnings = static_nodes(settings)
+    try:
+        options_ctx = options_render_context(settings, edge_id, nodes)
+    except OptionError as exc:
+        raise RenderError(f"invalid edge options: {exc}") from None
+
+    _make_prefix(out, pre)
+    files = {v: out / v for v in TEMPLATES.values()}
+    ctx = _template_context(
+        settings, source=source, out=out, pre=pre, lua_path=lua_path, files=files,
+        listen=listen, metrics_listen=metrics_listen, redis_host=redis_host,
+        resolver=resolver, redis_ca_file=redis_ca_file, openresty=openresty,
+        modules_dir=modules_dir, error_log_level=error_log_level, options_ctx=options_ctx)
+    _write_templates(settings, files, ctx)
     return RenderedConfig(
         out_dir=out, http_conf=files["infergate-http.conf"],
         server_conf=files["infergate-server.conf"], nginx_conf=files["nginx.conf"],

@@ -61,15 +61,23 @@ def _error(status: int, message: str, etype: str, param: str | None = None,
                               "code": code}}), status
 
 
-def create_app(engine: Engine, token: str = "") -> Flask:
-    """The Flask app serving ``engine``. ``token`` (``cache.embedder_token``): when set,
-    every ``/v1/`` endpoint needs ``Authorization: Bearer <token>`` (401
-    ``invalid_embedder_token`` otherwise); ``/healthz`` and ``/metrics`` stay open."""
+def _body() -> object:
+    """The request's JSON body; raises :class:`BadRequest` when it is missing, not JSON or
+    nested too deeply."""
+    try:
+        data = request.get_json(silent=True)
+    except RecursionError:
+        raise BadRequest("body is nested too deeply to be a request") from None
+    if data is None:
+        raise BadRequest("body must be JSON (Content-Type: application/json)")
+    return data
+
+
+def _require_token(app: Flask, token: str) -> None:
+    """When ``token`` is set, every ``/v1/`` request needs ``Authorization: Bearer
+    <token>`` (401 ``invalid_embedder_token`` otherwise)."""
     import hmac
 
-    app = Flask("infergate.embedder")
-    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
-    app.json.ensure_ascii = False  # type: ignore[attr-defined]
     expected = f"Bearer {token}".encode() if token else b""
 
     @app.before_request
@@ -82,15 +90,9 @@ def create_app(engine: Engine, token: str = "") -> Flask:
         return _error(401, "this embedder needs Authorization: Bearer <cache.embedder_token>",
                       "authentication_error", code="invalid_embedder_token")
 
-    def body() -> object:
-        try:
-            data = request.get_json(silent=True)
-        except RecursionError:
-            raise BadRequest("body is nested too deeply to be a request") from None
-        if data is None:
-            raise BadRequest("body must be JSON (Content-Type: application/json)")
-        return data
 
+def _add_error_handlers(app: Flask, engine: Engine) -> None:
+    """Errors as OpenAI-style JSON: 400 bad input, 503 Redis or model away, 500 else."""
     @app.errorhandler(BadRequest)
     def _bad(exc: BadRequest):
         return _error(400, str(exc), "invalid_request_error", exc.param)
@@ -115,10 +117,13 @@ def create_app(engine: Engine, token: str = "") -> Flask:
         log.exception("unexpected error")
         return _error(500, f"internal error: {type(exc).__name__}", "server_error")
 
+
+def _add_cache_routes(app: Flask, engine: Engine) -> None:
+    """``POST /v1/lookup``, ``/v1/lookups`` and ``/v1/index`` (see the module)."""
     @app.post("/v1/lookup")
     def lookup():
         t0 = time.perf_counter()
-        req = lookup_request(body())
+        req = lookup_request(_body())
         res = engine.lookup(req.namespace, req.text, req.min_similarity, req.guard, started=t0,
                             route=req.route or None, model=req.model or None)
         return jsonify(res.to_dict())
@@ -126,7 +131,7 @@ def create_app(engine: Engine, token: str = "") -> Flask:
     @app.post("/v1/lookups")
     def lookups():
         t0 = time.perf_counter()
-        data = body()
+        data = _body()
         items = lookup_batch(data)
         brief = isinstance(data, dict) and data.get("brief") is True
         good = [it for it in items if not isinstance(it, BadRequest)]
@@ -145,14 +150,17 @@ def create_app(engine: Engine, token: str = "") -> Flask:
 
     @app.post("/v1/index")
     def index():
-        item = index_item(body())
+        item = index_item(_body())
         ttl_ms = engine.index_items([item], source="api")[0]
         return jsonify({"indexed": ttl_ms > 0, "key": item.key, "ttl_ms": ttl_ms,
                         "model_id": engine.model.model_id})
 
+
+def _add_embeddings_route(app: Flask, engine: Engine) -> None:
+    """``POST /v1/embeddings``, OpenAI-compatible."""
     @app.post("/v1/embeddings")
     def embeddings():
-        texts, fmt = embeddings_request(body())
+        texts, fmt = embeddings_request(_body())
         vecs = engine.embed(texts)
         data = []
         for i, v in enumerate(vecs):
@@ -162,6 +170,9 @@ def create_app(engine: Engine, token: str = "") -> Flask:
         return jsonify({"object": "list", "data": data, "model": engine.model.model_id,
                         "usage": {"prompt_tokens": 0, "total_tokens": 0}})
 
+
+def _add_service_routes(app: Flask, engine: Engine) -> None:
+    """``GET /healthz`` and ``GET /metrics`` (open without the token)."""
     @app.get("/healthz")
     def healthz():
         try:
@@ -188,4 +199,17 @@ def create_app(engine: Engine, token: str = "") -> Flask:
             multiprocess.MultiProcessCollector(registry)
         return Response(generate_latest(registry), mimetype=CONTENT_TYPE_LATEST)
 
+
+def create_app(engine: Engine, token: str = "") -> Flask:
+    """The Flask app serving ``engine``. ``token`` (``cache.embedder_token``): when set,
+    every ``/v1/`` endpoint needs ``Authorization: Bearer <token>`` (401
+    ``invalid_embedder_token`` otherwise); ``/healthz`` and ``/metrics`` stay open."""
+    app = Flask("infergate.embedder")
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    app.json.ensure_ascii = False  # type: ignore[attr-defined]
+    _require_token(app, token)
+    _add_error_handlers(app, engine)
+    _add_cache_routes(app, engine)
+    _add_embeddings_route(app, engine)
+    _add_service_routes(app, engine)
     return app

@@ -70,6 +70,9 @@ class MicroBatcher(Generic[T, R]):
         self._expected = expected
         self._q: queue.SimpleQueue[_Item[T, R] | None] = queue.SimpleQueue()
         self._closed = threading.Event()
+        # submit's check-and-put and close's set-and-mark happen under it, so every item
+        # is queued before the stop markers (FIFO: the workers take it before a marker)
+        self._gate = threading.Lock()
         self._busy = 0  # items taken by workers and not yet resolved
         self._busy_lock = threading.Lock()
         # encode calls at once: the workers' batches (shared with run() unless
@@ -87,10 +90,11 @@ class MicroBatcher(Generic[T, R]):
 
     def submit(self, value: T) -> "Future[R]":
         """Queue one item; raises :class:`BatcherClosed` after :meth:`close`."""
-        if self._closed.is_set():
-            raise BatcherClosed("batcher is closed")
         fut: Future[R] = Future()
-        self._q.put(_Item(value, fut))
+        with self._gate:
+            if self._closed.is_set():
+                raise BatcherClosed("batcher is closed")
+            self._q.put(_Item(value, fut))
         return fut
 
     def submit_many(self, values: Sequence[T]) -> list["Future[R]"]:
@@ -127,10 +131,19 @@ class MicroBatcher(Generic[T, R]):
         return results
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop after the items already queued; waits up to ``timeout`` s for the workers."""
-        self._closed.set()
-        for _ in self._threads:
-            self._q.put(None)
+        """Stop after the items already queued; waits up to ``timeout`` s for the workers.
+
+        Every item submitted before ``close`` is encoded and answered (the workers take
+        the queue in order, and each worker's own stop marker comes after every item);
+        each worker then exits on its marker. A later :meth:`submit` raises
+        :class:`BatcherClosed`. Returns when every worker has exited, or after
+        ``timeout`` s when an encode call is still running."""
+        with self._gate:
+            first = not self._closed.is_set()
+            self._closed.set()
+            if first:
+                for _ in self._threads:
+                    self._q.put(None)  # one stop marker per worker
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
@@ -174,8 +187,7 @@ class MicroBatcher(Generic[T, R]):
                     with self._busy_lock:
                         self._busy -= len(live)
             if stop:
-                self._drain_after_stop()
-                return
+                return  # its own stop marker: every item before it is taken already
 
     def _process(self, batch: list[_Item[T, R]]) -> None:
         try:
@@ -187,15 +199,3 @@ class MicroBatcher(Generic[T, R]):
             return
         for it, res in zip(batch, results):
             it.future.set_result(res)
-
-    def _drain_after_stop(self) -> None:
-        rest: list[_Item[T, R]] = []
-        while True:
-            try:
-                item = self._q.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None and item.future.set_running_or_notify_cancel():
-                rest.append(item)
-        for i in range(0, len(rest), self.max_batch):
-            self._process(rest[i:i + self.max_batch])

@@ -130,6 +130,85 @@ def _parse_edge(doc: Mapping) -> _EdgeCounters:
     return out
 
 
+def _live_doc(raw: str, now: float, stale_s: float) -> dict | None:
+    """An edge's JSON document, or None when it does not parse or its ``ts`` is missing
+    or older than ``stale_s`` seconds."""
+    try:
+        doc = json.loads(raw)
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    ts = _num(doc.get("ts"))
+    if ts is None or now - ts > stale_s:
+        return None
+    return doc
+
+
+def _add_gauges(nodes: dict[str, dict], lat: dict[str, list[float]], doc: Mapping) -> None:
+    """Add an edge's in-flight requests per node to ``nodes`` and its latency EWMAs to
+    ``lat`` (node -> values, averaged later)."""
+    for name, st in (doc.get("nodes") or {}).items():
+        if not isinstance(st, dict):
+            continue
+        n = nodes.setdefault(str(name), {"requests": 0, "failures": 0, "inflight": 0,
+                                         "latency_ms": None})
+        n["inflight"] += _count(st.get("inflight"))
+        ms = _num(st.get("latency_ewma_ms"))
+        if ms is not None:
+            lat.setdefault(str(name), []).append(ms)
+
+
+def _add_increases(p: dict, nodes: dict[str, dict], cur: _EdgeCounters,
+                   prev: _EdgeCounters) -> None:
+    """Add an edge's increases since ``prev`` of the node requests and failures (to
+    ``nodes`` and the point's totals) and of the admission counters to the point ``p``."""
+    for name, (req, fail) in cur.nodes.items():
+        before = prev.nodes.get(name)
+        if before is None:
+            continue
+        dreq, dfail = increase(req, before[0]), increase(fail, before[1])
+        nodes[name]["requests"] += dreq
+        nodes[name]["failures"] += dfail
+        p["proxied"] += dreq
+        p["failures"] += dfail
+    for f in ADMISSION_FIELDS:
+        if f in cur.admission and f in prev.admission:
+            p[f] += increase(cur.admission[f], prev.admission[f])
+
+
+def _add_hist(hist: list[int] | None, le: tuple[float, ...], cur: _EdgeCounters,
+              prev: _EdgeCounters) -> tuple[list[int] | None, tuple[float, ...]]:
+    """(the summed duration histogram, its bounds) with an edge's increase since
+    ``prev`` added (all of it when the edge restarted); the first edge's bounds are
+    kept, an edge with other bounds is left out."""
+    if cur.hist is not None and prev.hist is not None and cur.le == prev.le:
+        if hist is None:
+            hist, le = [0] * len(cur.hist), cur.le
+        if cur.le == le:
+            restarted = sum(cur.hist) < sum(prev.hist)
+            for i, c in enumerate(cur.hist):
+                hist[i] += c if restarted else max(c - prev.hist[i], 0)
+    return hist, le
+
+
+def _finish_point(p: dict, hist: list[int] | None, le: tuple[float, ...],
+                  nodes: dict[str, dict]) -> None:
+    """The point's ``requests``, histogram (``h``, trailing empty buckets cut; ``le``
+    when not the default) and ``nodes``."""
+    if hist is not None:
+        p["requests"] = sum(hist)
+        while hist and hist[-1] == 0:
+            hist.pop()
+        p["h"] = hist
+        if le != DEFAULT_LE:
+            p["le"] = list(le)
+    else:  # edges without the histogram: what reached a node, the cache or a refusal
+        p["requests"] = (p["proxied"] + p["hits_exact"] + p["hits_semantic"] + p["shed"]
+                         + p["rate_limited"] + p["auth_rejected"])
+    p["nodes"] = nodes
+
+
 class SeriesRecorder:
     """Keeps the previous cumulative counters and writes one point per :data:`STEP_S`.
     Not thread-safe; the control plane calls it from its (locked) cycle."""
@@ -168,49 +247,18 @@ class SeriesRecorder:
         lat: dict[str, list[float]] = {}
         seen: dict[str, _EdgeCounters] = {}
         for edge_id, raw in raw_edges.items():
-            try:
-                doc = json.loads(raw)
-            except (TypeError, ValueError):
-                continue
-            if not isinstance(doc, dict):
-                continue
-            ts = _num(doc.get("ts"))
-            if ts is None or now - ts > self.stale_s:
+            doc = _live_doc(raw, now, self.stale_s)
+            if doc is None:
                 continue
             cur = _parse_edge(doc)
             prev = self._edges.get(edge_id)
             seen[edge_id] = cur
             p["edges"] += 1
-            for name, st in (doc.get("nodes") or {}).items():
-                if not isinstance(st, dict):
-                    continue
-                n = nodes.setdefault(str(name), {"requests": 0, "failures": 0, "inflight": 0,
-                                                 "latency_ms": None})
-                n["inflight"] += _count(st.get("inflight"))
-                ms = _num(st.get("latency_ewma_ms"))
-                if ms is not None:
-                    lat.setdefault(str(name), []).append(ms)
+            _add_gauges(nodes, lat, doc)
             if prev is None:
                 continue
-            for name, (req, fail) in cur.nodes.items():
-                before = prev.nodes.get(name)
-                if before is None:
-                    continue
-                dreq, dfail = increase(req, before[0]), increase(fail, before[1])
-                nodes[name]["requests"] += dreq
-                nodes[name]["failures"] += dfail
-                p["proxied"] += dreq
-                p["failures"] += dfail
-            for f in ADMISSION_FIELDS:
-                if f in cur.admission and f in prev.admission:
-                    p[f] += increase(cur.admission[f], prev.admission[f])
-            if cur.hist is not None and prev.hist is not None and cur.le == prev.le:
-                if hist is None:
-                    hist, le = [0] * len(cur.hist), cur.le
-                if cur.le == le:
-                    restarted = sum(cur.hist) < sum(prev.hist)
-                    for i, c in enumerate(cur.hist):
-                        hist[i] += c if restarted else max(c - prev.hist[i], 0)
+            _add_increases(p, nodes, cur, prev)
+            hist, le = _add_hist(hist, le, cur, prev)
         for name, vals in lat.items():
             nodes[name]["latency_ms"] = round(sum(vals) / len(vals), 1)
         self._edges = seen
@@ -222,17 +270,7 @@ class SeriesRecorder:
         self.last_ts = now
         if first:
             return None
-        if hist is not None:
-            p["requests"] = sum(hist)
-            while hist and hist[-1] == 0:
-                hist.pop()
-            p["h"] = hist
-            if le != DEFAULT_LE:
-                p["le"] = list(le)
-        else:  # edges without the histogram: what reached a node, the cache or a refusal
-            p["requests"] = (p["proxied"] + p["hits_exact"] + p["hits_semantic"] + p["shed"]
-                             + p["rate_limited"] + p["auth_rejected"])
-        p["nodes"] = nodes
+        _finish_point(p, hist, le, nodes)
         return p
 
     def maybe_record(self, r: redis.Redis, raw_edges: Mapping[str, str], now: float) -> dict | None:

@@ -133,3 +133,39 @@ def test_without_own_workers_own_batches_share_the_workers_slot() -> None:
         b.close()
     with pytest.raises(ValueError):
         MicroBatcher(lambda xs: xs, own_workers=0)
+
+
+def test_close_with_items_queued_stops_every_worker_promptly() -> None:
+    """Three workers, items still queued when close() is called: every queued item is
+    answered, and each worker exits on its own stop marker (none waits for the timeout)."""
+    gate = threading.Event()
+    started = threading.Semaphore(0)
+
+    def encode(xs: list[int]) -> list[int]:
+        started.release()
+        assert gate.wait(5)
+        return [x + 100 for x in xs]
+
+    b = MicroBatcher(encode, max_batch=2, max_wait_s=0.0, workers=3)
+    # an odd number queued: one worker's last batch meets a stop marker before it is full
+    futs = [b.submit(i) for i in range(9)]
+    for _ in range(3):  # every worker holds a batch; the other items wait in the queue
+        assert started.acquire(timeout=5)
+    assert not b._q.empty()
+    took: list[float] = []
+
+    def closer() -> None:
+        t0 = time.monotonic()
+        b.close(timeout=5.0)
+        took.append(time.monotonic() - t0)
+
+    c = threading.Thread(target=closer)
+    c.start()
+    gate.set()
+    c.join(10)
+    assert not c.is_alive() and took
+    assert [t.is_alive() for t in b._threads] == [False, False, False]
+    assert took[0] < 2.0  # hang guard: the timeout is 5 s
+    assert sorted(f.result(timeout=1) for f in futs) == [i + 100 for i in range(9)]
+    with pytest.raises(Exception, match="closed"):
+        b.submit(1)

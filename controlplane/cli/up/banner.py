@@ -1,0 +1,88 @@
+"""What ``infergate up`` prints once the stack is up, and how to start it again."""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+import click
+
+from controlplane.redisdb.url import redact
+
+from .nodes import _first_model
+from .plan import UpRun
+
+
+def cli_name() -> str:
+    """How to run this infergate from the shell ``up`` was started in: ``infergate`` when
+    that name is on PATH (a venv that is activated, the runtime install's wrapper), else
+    the script beside this interpreter (``.venv/bin/infergate``, relative to the current
+    folder when it is below it)."""
+    if shutil.which("infergate"):
+        return "infergate"
+    here = Path(sys.executable).parent / "infergate"
+    if not here.exists():
+        return "infergate"
+    try:
+        return str(here.relative_to(Path.cwd()))
+    except ValueError:
+        return str(here)
+
+
+def _again_command(workdir: Path) -> str:
+    """The command line this ``up`` was started with (its options after ``up``, as
+    typed, a ``--redis-url`` password shown as ``***``), with ``--workdir`` naming
+    ``workdir``: what starts the same stack on its state again."""
+    argv = sys.argv[1:]
+    args = argv[argv.index("up") + 1:] if "up" in argv else []
+    out: list[str] = []
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--workdir":
+            skip = True
+        elif a.startswith("--redis-url="):
+            out.append("--redis-url=" + redact(a.partition("=")[2]))
+        elif out and out[-1] == "--redis-url":
+            out.append(redact(a))   # the password stays off the screen and the logs
+        elif not a.startswith("--workdir="):
+            out.append(a)
+    return shlex.join(["infergate", "up", *out, "--workdir", str(workdir)])
+
+
+def banner(run: UpRun) -> str:
+    """The lines printed once every part is up: the addresses, the admin token, the
+    Redis, the nodes, the caches, the demo key and a curl example."""
+    settings, nodes, demo_key = run.settings, run.nodes, run.demo_key
+    base = f"http://{run.edge_host}:{run.edge_port}"
+    model = "sim-llama" if not run.node_urls else (_first_model(nodes) or "<your model>")
+    key_line = f"\n  API key (demo)      {demo_key}" if demo_key else ""
+    key_header = f" -H 'Authorization: Bearer {demo_key}'" if demo_key else ""
+    cli = cli_name()
+    return f"""
+infergate is up.
+  edge (OpenAI API)   {base}/v1
+  admin page and API  http://{run.admin_host}:{run.admin_port}/   token: {settings.controlplane.admin_token}{' (generated)' if run.generated_token else ''}
+  redis               {run.redis_desc}
+  nodes               {', '.join(f'{n.name}={n.url}' for n in nodes)}
+  response cache      {'on' if settings.cache.enabled else 'off'}; semantic cache {run.semantic_desc}
+  edge metrics        {run.metrics_desc}
+  logs and config     {run.wd}{key_line}
+
+Try:
+  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json'{key_header} \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+  export INFERGATE_REDIS_URL={settings.redis.url}
+  {cli} nodes list    # also: {cli} keys list, {cli} cache stats
+  (or pass --config {run.cfg} to those commands)
+
+Ctrl-C stops everything."""
+
+
+def print_banner(run: UpRun) -> None:
+    """Print :func:`banner` on stdout, flushed."""
+    click.echo(banner(run), err=False)
+    sys.stdout.flush()

@@ -1,0 +1,187 @@
+"""The ``infergate up`` command: its options, and the steps it runs in order (see the
+package's docstring)."""
+
+from __future__ import annotations
+
+import signal
+
+import click
+import redis as redis_lib
+
+from controlplane import procs
+from controlplane.admin import apikeys
+from controlplane.redisdb.conn import make_redis
+from controlplane.routing import registry
+
+from .banner import _again_command, print_banner
+from .common import _say
+from .edge import (NGINX_FINISH_S, choose_metrics_port, start_controlplane, start_edge,
+                   watch_controlplane)
+from .embedder import EmbedderKeeper, _start_embedder
+from .nodes import SIM_NODES, _real_nodes, _sim_nodes
+from .owner import _release_owner, claim_registry
+from .plan import UpRun, make_plan, open_workdir
+from .store import _ensure_redis, _own_redis
+from .supervise import _supervise
+
+#: Label of the key ``up`` creates for the tenant ``demo`` (and revokes at its next start).
+DEMO_KEY_LABEL = "infergate up demo key"
+
+
+def trap_signals(run: UpRun) -> None:
+    """Ctrl-C, kill, and a closed terminal or ssh session (SIGHUP) set ``run.stop``; a
+    second one also sets ``run.hurry`` (cut the requests in flight). If up itself is
+    killed outright, the kernel stops its parts (procs.Managed)."""
+    def on_signal(signum: int, _frame: object) -> None:
+        if run.stop.is_set():
+            run.hurry.set()  # a second Ctrl-C: cut the requests in flight
+        run.stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)
+
+
+def start_redis(run: UpRun) -> None:
+    """The Redis named on purpose (started there when it is local and silent), else this
+    stack's own; then this stack claims its node registry (``--take-over``)."""
+    settings = run.settings
+    run.redis_desc = (_ensure_redis(settings, run.wd, run.stack) if run.shared_redis
+                      else _own_redis(settings, run.wd, run.stack))
+    run.owner_r = make_redis(settings.redis)
+    where = settings.redis.url.split("@")[-1]
+    try:
+        claim_registry(run.owner_r, run.owner_doc, run.take_over, where, run.redis_named_by)
+    except redis_lib.RedisError as exc:
+        raise click.ClickException(f"Redis at {where}: {exc}") from None
+
+
+def start_nodes(run: UpRun) -> None:
+    """The ``--node`` servers, else the file's nodes, else the simulated pool (started)."""
+    if run.node_urls:
+        nodes = _real_nodes(run.node_urls, run.node_kind, run.node_health_path,
+                            run.node_max_concurrency)
+    elif run.settings.nodes:
+        nodes = run.settings.nodes
+    else:
+        _say(f"starting {len(SIM_NODES)} simulated nodes: {', '.join(n for n, _ in SIM_NODES)}")
+        nodes = _sim_nodes(run.wd, run.stack, run.time_scale)
+    run.settings.nodes = run.nodes = nodes
+
+
+def seed_registry(run: UpRun) -> None:
+    """Register the nodes (replacing same-named entries of an earlier run; a server
+    registered under another name is left alone, with a line) and, when API keys are
+    required, create the demo key (revoking the one an earlier run printed)."""
+    r = make_redis(run.settings.redis)
+    for n in run.nodes:  # the nodes of this run replace same-named entries of an earlier one
+        try:
+            registry.put_node_unique(r, n)
+        except registry.UrlTaken as exc:
+            _say(f"node {n.name} not registered: {exc} (one server, one node)")
+    if run.settings.auth.mode != "required":
+        return
+    # one demo key at a time: the one an earlier run printed is revoked
+    old = [k for k in apikeys.list_keys(r, include_revoked=False)
+           if k.tenant == "demo" and k.label == DEMO_KEY_LABEL]
+    for k in old:
+        apikeys.revoke_key(r, k.id)
+    if old:
+        _say(f"revoked the demo key of an earlier run ({', '.join(k.id for k in old)})")
+    run.demo_key, _ = apikeys.create_key(r, "demo", label=DEMO_KEY_LABEL)
+
+
+def start_semantic_cache(run: UpRun) -> None:
+    """The embedder (:func:`_start_embedder`); says on stderr when the semantic cache is
+    off."""
+    run.semantic_desc = _start_embedder(run.settings, run.wd, run.stack,
+                                        config_path=run.config_path)
+    if run.semantic_desc.startswith("off ("):
+        click.echo(f"semantic cache is off: {run.semantic_desc[5:-1]}", err=True)
+
+
+def supervise(run: UpRun) -> str:
+    """Keep the stack running until a stop (:func:`_supervise`; the embedder kept by an
+    :class:`EmbedderKeeper`, the control plane by a health watch); returns why it stopped
+    everything, ``""`` on a requested stop."""
+    emb = next((x for x in run.stack.items if x.name == "embedder"), None)
+    keeper = (EmbedderKeeper(emb, run.settings, run.stack, run.wd, run.cfg) if emb is not None
+              and run.settings.cache.semantic else None)
+    watch_controlplane(run)
+    assert run.owner_r is not None
+    return _supervise(run.stack, run.stop, run.owner_r, run.owner_doc, embedder=keeper)
+
+
+def stop_all(run: UpRun) -> None:
+    """Stop every part started, in reverse order (nginx finishing the requests in flight
+    unless a second Ctrl-C hurries it), and free the registry; the work folder is kept."""
+    if run.cp_watch is not None:
+        run.cp_watch.stop()
+    click.echo(f"stopping... (requests in flight get up to {NGINX_FINISH_S:.0f} s to "
+               "finish; Ctrl-C again cuts them)", err=True)
+    if run.owner_r is not None:
+        _release_owner(run.owner_r, run.owner_doc)
+    run.stack.stop_all(hurry=run.hurry)
+    # the state (Redis's append-only file: API keys, nodes, drains, cached answers)
+    # is in the folder; only a start on the same folder finds it again
+    click.echo(f"stopped; the work folder {run.wd} is kept (`{_again_command(run.wd)}` "
+               "starts on its state again)", err=True)
+
+
+@click.command("up")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="infergate TOML file (defaults apply without one).")
+@click.option("--node", "node_urls", multiple=True, metavar="URL",
+              help="A real inference server to front (repeatable), e.g. http://10.0.0.5:8000. "
+                   "Without it, three simulated nodes are started.")
+@click.option("--node-kind", default="vllm", show_default=True,
+              type=click.Choice(["vllm", "tgi", "sglang", "json", "openai"]),
+              help="Metrics dialect of the --node servers (openai = no metrics endpoint).")
+@click.option("--node-health-path", default=None, metavar="PATH",
+              help="Health path of the --node servers [default: /health]. Must not wait on "
+                   "the model; for openai nodes without one, any HTTP answer counts as alive.")
+@click.option("--node-max-concurrency", default=None, type=click.IntRange(1, 100000),
+              help="Requests each --node server runs at once [default: 64]; 1 for "
+                   "llama-cpp-python, --parallel N for llama.cpp's server.")
+@click.option("--listen", default=None, metavar="HOST:PORT",
+              help="Edge address [default: edge.listen, 127.0.0.1:8080].")
+@click.option("--admin-listen", default=None, metavar="HOST:PORT",
+              help="Admin page and API address [default: controlplane.listen, 127.0.0.1:8081].")
+@click.option("--redis-url", default=None, help="Redis URL [default: redis.url].")
+@click.option("--workdir", type=click.Path(file_okay=False), default=None,
+              help="Folder for logs, rendered nginx config and Redis [default: a new temp dir].")
+@click.option("--time-scale", default=1.0, show_default=True, type=float,
+              help="Time scale of the simulated nodes (0.1 = ten times faster).")
+@click.option("--take-over", is_flag=True,
+              help="With a shared Redis: replace the node registry even while another "
+                   "running infergate up owns it.")
+@click.option("--instance-id", default=None, metavar="ID",
+              help="Id of this stack, echoed by every part's health answer "
+                   "[default: a new random one].")
+def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
+           node_health_path: str | None, node_max_concurrency: int | None,
+           listen: str | None, admin_listen: str | None, redis_url: str | None,
+           workdir: str | None, time_scale: float, take_over: bool = False,
+           instance_id: str | None = None) -> None:
+    """Run the whole stack locally: Redis, nodes, control plane, nginx edge."""
+    run = make_plan(config_path, node_urls, node_kind, node_health_path,
+                    node_max_concurrency, listen, admin_listen, redis_url, time_scale,
+                    take_over, instance_id)
+    open_workdir(run, workdir)
+    trap_signals(run)
+    try:
+        start_redis(run)
+        start_nodes(run)
+        seed_registry(run)
+        start_semantic_cache(run)
+        choose_metrics_port(run)
+        start_controlplane(run)
+        start_edge(run)
+        print_banner(run)
+        failed = supervise(run)
+    except procs.StartError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        stop_all(run)
+    if failed:
+        raise click.ClickException(failed)

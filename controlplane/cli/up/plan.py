@@ -1,0 +1,157 @@
+"""The plan of one ``infergate up``: its options and settings checked before anything
+starts, and what the run has started so far (:class:`UpRun`)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+import redis as redis_lib
+
+from controlplane import procs
+from controlplane.config import ConfigError, NodeSettings, Settings, load_settings
+
+from .common import _say, _split_hostport
+from .owner import _lock_workdir, _owner_doc
+
+
+@dataclass
+class UpRun:
+    """One ``infergate up``: the options it was given, its settings (changed as parts
+    start: ports moved, the Redis URL of its own Redis), and the parts it started."""
+
+    settings: Settings
+    config_path: str | None
+    node_urls: tuple[str, ...]
+    node_kind: str
+    node_health_path: str | None
+    node_max_concurrency: int | None
+    time_scale: float
+    take_over: bool
+    instance: str
+    #: a Redis named on purpose (``--redis-url``, the file, the environment), and by what
+    shared_redis: bool
+    redis_named_by: str
+    edge_host: str
+    edge_port: int
+    admin_host: str
+    admin_port: int
+    generated_token: bool
+    wd: Path = field(default_factory=Path)
+    wd_lock: object = None  # held (and the folder locked) while up runs
+    stack: procs.ProcessSet = field(default_factory=procs.ProcessSet)
+    stop: threading.Event = field(default_factory=threading.Event)
+    hurry: threading.Event = field(default_factory=threading.Event)
+    owner_doc: str = ""
+    owner_r: redis_lib.Redis | None = None
+    cp: procs.Managed | None = None
+    cp_watch: procs.HangWatch | None = None
+    admin_probe: str = ""
+    cfg: Path = field(default_factory=Path)
+    redis_desc: str = ""
+    nodes: list[NodeSettings] = field(default_factory=list)
+    demo_key: str | None = None
+    semantic_desc: str = ""
+    metrics_desc: str = "off"
+    metrics_moved: bool = False
+
+
+def _load(config_path: str | None) -> Settings:
+    """The file's settings with the stack's defaults: API keys required unless the file
+    sets ``auth.mode``, the response cache on unless it sets ``cache.enabled``."""
+    try:
+        settings = load_settings(config_path)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    if "mode" not in settings.auth.model_fields_set:
+        settings.auth.mode = "required"  # the stack runs with API keys unless the file says "off"
+    if "enabled" not in settings.cache.model_fields_set:
+        settings.cache.enabled = True  # the stack caches answers unless the file sets it
+    return settings
+
+
+def _redis_named_by(redis_url: str | None, settings: Settings,
+                    config_path: str | None) -> tuple[bool, str]:
+    """(whether the Redis was named on purpose and is shared, what names it:
+    ``--redis-url``, ``INFERGATE_REDIS_URL``, the file's ``redis.url``)."""
+    # Only a Redis named on purpose (--redis-url, the file's redis.url, INFERGATE_REDIS_URL)
+    # is shared; otherwise the stack runs its own and never joins another's at 6379.
+    shared_redis = bool(redis_url) or "url" in settings.redis.model_fields_set
+    if redis_url:
+        named_by = "--redis-url"
+    elif os.environ.get("INFERGATE_REDIS_URL"):
+        named_by = "INFERGATE_REDIS_URL (unset it: the banner's export line sets it)"
+    else:
+        named_by = f"redis.url in {config_path}" if config_path else "redis.url"
+    return shared_redis, named_by
+
+
+def _check_addresses_free(edge: tuple[str, int], admin: tuple[str, int]) -> None:
+    """Raise ``click.ClickException`` when the edge or admin address is in use."""
+    for (host, port), what in ((edge, "edge"), (admin, "admin")):
+        if procs.port_open("127.0.0.1" if host in ("0.0.0.0", "::") else host, port):
+            raise click.ClickException(f"{what} address {host}:{port} is already in use "
+                                       f"(choose another with --{'listen' if what == 'edge' else 'admin-listen'})")
+
+
+def _make_secrets(settings: Settings) -> bool:
+    """An admin token and an embedder token when the settings have none; returns whether
+    the admin token was generated."""
+    generated_token = False
+    if not settings.controlplane.admin_token:
+        settings.controlplane.admin_token = secrets.token_urlsafe(18)
+        generated_token = True
+    if not settings.cache.embedder_token:
+        # only this stack's edge and control plane may ask its embedder (another process
+        # on the host could read stored prompts, or point a question at another answer)
+        settings.cache.embedder_token = secrets.token_urlsafe(24)
+    return generated_token
+
+
+def make_plan(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
+              node_health_path: str | None, node_max_concurrency: int | None,
+              listen: str | None, admin_listen: str | None, redis_url: str | None,
+              time_scale: float, take_over: bool, instance_id: str | None) -> UpRun:
+    """Settings and options of ``up``, checked before anything starts: the addresses
+    parse and are free, the instance id is exported to every part
+    (``INFERGATE_INSTANCE_ID``), tokens exist. Raises ``click.ClickException`` or
+    ``click.BadParameter``."""
+    settings = _load(config_path)
+    if listen:
+        _split_hostport(listen, "--listen")
+        settings.edge.listen = listen
+    if admin_listen:
+        _split_hostport(admin_listen, "--admin-listen")
+        settings.controlplane.listen = admin_listen
+    shared_redis, named_by = _redis_named_by(redis_url, settings, config_path)
+    if redis_url:
+        settings.redis.url = redis_url
+    instance = instance_id or f"up-{secrets.token_hex(6)}"
+    os.environ[procs.INSTANCE_ENV] = instance  # every part inherits it and echoes it
+    edge = _split_hostport(settings.edge.listen, "edge.listen")
+    admin = _split_hostport(settings.controlplane.listen, "controlplane.listen")
+    _check_addresses_free(edge, admin)
+    generated_token = _make_secrets(settings)
+    return UpRun(settings=settings, config_path=config_path, node_urls=node_urls,
+                 node_kind=node_kind, node_health_path=node_health_path,
+                 node_max_concurrency=node_max_concurrency, time_scale=time_scale,
+                 take_over=take_over, instance=instance, shared_redis=shared_redis,
+                 redis_named_by=named_by, edge_host=edge[0], edge_port=edge[1],
+                 admin_host=admin[0], admin_port=admin[1], generated_token=generated_token,
+                 owner_doc=_owner_doc(instance))
+
+
+def open_workdir(run: UpRun, workdir: str | None) -> None:
+    """The work folder (``workdir`` or a new temp dir), created and locked for this run
+    (:func:`_lock_workdir`)."""
+    wd = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="infergate-up-"))
+    wd.mkdir(parents=True, exist_ok=True)
+    run.wd_lock = _lock_workdir(wd)
+    run.wd = wd
+    _say(f"infergate up: logs and config in {wd}")
+    os.chmod(wd, 0o755)  # nginx workers (``nobody`` when started as root) traverse it
