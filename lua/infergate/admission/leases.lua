@@ -13,10 +13,10 @@ local floor = math.floor
 local ceil = math.ceil
 local min = math.min
 
--- Leases (worker-local, see infergate.admission.ratelimit): bucket key -> {left = tokens leased and not
--- spent, at = ngx.now() of the last grant, spent = tokens this worker charged to the
--- bucket since then, tokens = the bucket's tokens in Redis after that grant, refilling =
--- ngx.now() when a request went for the next lease, bucket}.
+-- Leases (worker-local, see infergate.admission.ratelimit): bucket key -> {left =
+-- tokens leased and not spent, at = ngx.now() of the last grant, spent = tokens this
+-- worker charged to the bucket since then, tokens = the bucket's tokens in Redis after
+-- that grant, refilling = ngx.now() when a request went for the next lease, bucket}.
 _M.LEASE_TTL_S = 1
 -- A lease is sized to last this long at the worker's recent rate on the bucket.
 _M.LEASE_TARGET_S = 0.25
