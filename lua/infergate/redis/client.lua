@@ -19,6 +19,8 @@
 --     at its position (redis.error_of(v) returns its message);
 --   * a transport error (send, timeout, closed, protocol): nil, err; the connection is
 --     closed (c:closed() is true) and must not be reused.
+local mastercache = require("infergate.redis.mastercache")
+
 local _M = {}
 
 local null = ngx.null
@@ -298,7 +300,7 @@ local function check_readonly(self, err)
     if self.conf and self.conf.sentinel and type(err) == "string"
             and sub(err, 1, 8) == "READONLY" then
         self.stale_flag = true
-        require("infergate.redis.sentinel").invalidate(self.conf)
+        mastercache.invalidate(self.conf)
     end
 end
 
