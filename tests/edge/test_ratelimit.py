@@ -308,7 +308,7 @@ def test_script_sha_matches_redis(redis_server, tiny_upstreams, edge_factory) ->
     (up,) = tiny_upstreams(1)
     edge = edge_factory(settings(redis_server.url, [up.node_settings()], auth=False, global_rpm=100))
     assert post(edge.url).status_code == 200
-    script = (Path(__file__).resolve().parents[2] / "lua" / "infergate" / "admission" / "ratelimit.lua").read_text()
+    script = (Path(__file__).resolve().parents[2] / "lua" / "infergate" / "admission" / "bucketscript.lua").read_text()
     body = re.search(r"_M\.SCRIPT = \[\[\n(.*?)\]\]", script, re.S).group(1)
     sha = hashlib.sha1(body.encode()).hexdigest()
     r = redis_server.client()

@@ -294,7 +294,7 @@ def test_local_buckets(workdir: Path) -> None:
 
 @pytest.fixture
 def script(workdir: Path) -> str:
-    text = (ROOT / "lua" / "infergate" / "admission" / "ratelimit.lua").read_text()
+    text = (ROOT / "lua" / "infergate" / "admission" / "bucketscript.lua").read_text()
     return re.search(r"_M\.SCRIPT = \[\[\n(.*?)\]\]", text, re.S).group(1)
 
 

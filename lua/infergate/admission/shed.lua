@@ -130,79 +130,46 @@ function _M.best_delay(t, now, model)
     return best
 end
 
--- Access step: nil to continue, or a 429 error table.
 local exiting = ngx.worker.exiting
 
-function _M.step_shed(req)
-    local o = options.get().shed
-    if not o.enabled or req.route ~= "inference" then
-        return nil
+-- The admission state of the request now: "none", "saturated", "in_time" or what
+-- capacity() says. left: the seconds its deadline leaves (nil: none), counted from
+-- give_up - wait_s.
+local function admit_state(req, o, t, now, left, give_up, wait_s)
+    local state = _M.capacity(t, now, req.model)
+    local delay = left and state ~= "none" and _M.best_delay(t, now, req.model)
+    if delay then
+        local elapsed = now - (give_up - wait_s)
+        state = delay <= o.deadline_fraction * (left - elapsed) and "in_time" or "saturated"
+    elseif state == "saturated" and left then
+        -- deadline-aware: admitted when the best node can still finish it in time
+        local done = _M.best_prediction(t, now, req.model)
+        if done and done <= left - (now - (give_up - wait_s)) then
+            state = "in_time"
+        end
     end
-    ngx.update_time()
-    local now = ngx_now()
-    local wait_s = o.max_wait_ms / 1000
-    local left = deadline.remaining(req, now)
-    if left and left < wait_s then
-        wait_s = left > 0 and left or 0
+    return state
+end
+
+-- The 503 of a request that waited while nginx shuts down (SIGQUIT: `nginx -s quit`, a
+-- stop of `infergate up`): it would be held to the end of the grace period and then cut.
+local function shutting_down(waited)
+    if waited then
+        astats.incr("waiting", -1)
     end
-    local give_up = now + wait_s
-    local poll_s = o.poll_ms / 1000
-    local waited = false
-    while true do
-        local t = snapshot.refresh()
-        local state = _M.capacity(t, now, req.model)
-        local delay = left and state ~= "none" and _M.best_delay(t, now, req.model)
-        if delay then
-            local elapsed = now - (give_up - wait_s)
-            state = delay <= o.deadline_fraction * (left - elapsed) and "in_time" or "saturated"
-        elseif state == "saturated" and left then
-            -- deadline-aware: admitted when the best node can still finish it in time
-            local done = _M.best_prediction(t, now, req.model)
-            if done and done <= left - (now - (give_up - wait_s)) then
-                state = "in_time"
-            end
-        end
-        if state ~= "saturated" then
-            if waited then
-                astats.incr("waiting", -1)
-                req.admission_wait_ms = (now - (give_up - wait_s)) * 1000
-            end
-            return nil
-        end
-        if now >= give_up then
-            break
-        end
-        if exiting() then
-            -- nginx is shutting down (SIGQUIT: `nginx -s quit`, a stop of `infergate up`):
-            -- a waiting request would be held to the end of the grace period and then cut
-            if waited then
-                astats.incr("waiting", -1)
-            end
-            astats.incr("shed")
-            return {
-                status = 503,
-                message = "The gateway is shutting down; the request was not admitted. Retry "
-                    .. "after 1 s (another edge, or this one once it is back).",
-                type = "service_unavailable",
-                code = "shutting_down",
-                headers = { ["Retry-After"] = "1" },
-            }
-        end
-        if not waited then
-            astats.incr("waiting")
-        end
-        local step = give_up - now
-        if step > poll_s then
-            step = poll_s
-        end
-        if step < 0.001 then
-            step = 0.001  -- ngx.sleep(0) only yields (and warns): wait at least 1 ms
-        end
-        ngx.sleep(step)
-        waited = true
-        ngx.update_time()
-        now = ngx_now()
-    end
+    astats.incr("shed")
+    return {
+        status = 503,
+        message = "The gateway is shutting down; the request was not admitted. Retry "
+            .. "after 1 s (another edge, or this one once it is back).",
+        type = "service_unavailable",
+        code = "shutting_down",
+        headers = { ["Retry-After"] = "1" },
+    }
+end
+
+-- The 429 of a request not admitted within its wait (o: the shed options).
+local function shed_answer(req, o, now, waited)
     if waited then
         astats.incr("waiting", -1)
     end
@@ -226,6 +193,61 @@ function _M.step_shed(req)
         code = "nodes_saturated",
         headers = headers,
     }
+end
+
+-- One pause of the wait: up to poll_s, never past give_up, at least 1 ms.
+local function pause(give_up, now, poll_s)
+    local step = give_up - now
+    if step > poll_s then
+        step = poll_s
+    end
+    if step < 0.001 then
+        step = 0.001  -- ngx.sleep(0) only yields (and warns): wait at least 1 ms
+    end
+    ngx.sleep(step)
+end
+
+-- Access step: nil to continue, or a 429 error table.
+function _M.step_shed(req)
+    local o = options.get().shed
+    if not o.enabled or req.route ~= "inference" then
+        return nil
+    end
+    ngx.update_time()
+    local now = ngx_now()
+    local wait_s = o.max_wait_ms / 1000
+    local left = deadline.remaining(req, now)
+    if left and left < wait_s then
+        wait_s = left > 0 and left or 0
+    end
+    local give_up = now + wait_s
+    local poll_s = o.poll_ms / 1000
+    local waited = false
+    while true do
+        local t = snapshot.refresh()
+        local state = admit_state(req, o, t, now, left, give_up, wait_s)
+        if state ~= "saturated" then
+            if waited then
+                astats.incr("waiting", -1)
+                req.admission_wait_ms = (now - (give_up - wait_s)) * 1000
+            end
+            return nil
+        end
+        if now >= give_up then
+            break
+        end
+        if exiting() then
+            return shutting_down(waited)
+        end
+        if not waited then
+            astats.incr("waiting")
+        end
+        pause(give_up, now, poll_s)
+        waited = true
+        ngx.update_time()
+        now = ngx_now()
+    end
+    return shed_answer(req, o, now, waited)
 end
 
 -- Log phase hook: rate-limit correction from the real token usage (no I/O here).

@@ -12,9 +12,9 @@
 -- choice finished with "stop" or "length", or "tool_calls" for chat: "length" is the
 -- whole answer to a request with that max_tokens, which is part of the cache key; for a
 -- stream the "[DONE]" event came), the client did not abort (status 499) and the size
--- limit held. A JSON answer or an SSE stream (reassembled: role, content, reasoning
--- content, tool calls, finish reasons, usage) becomes the stored form of
--- infergate.cache.replay. Errors and answers cut by a client abort or a broken stream
+-- limit held. A JSON answer or an SSE stream (reassembled by infergate.cache.reassemble:
+-- role, content, reasoning content, tool calls, finish reasons, usage) becomes the
+-- stored form of infergate.cache.replay. Errors and answers cut by a client abort or a broken stream
 -- are never stored. The entry keeps "prompt_chars", the characters of the request's
 -- message contents (infergate.admission.ratelimit.prompt_chars), for the usage of
 -- semantic hits.
@@ -38,7 +38,6 @@
 -- lock at once (log phase) with the mark lookup.NOSTORE, and the waiters go to a node
 -- without waiting any longer. A full queue drops the store (counted in
 -- infergate_edge_flush_dropped_total{kind="cache_store"}) and releases the lock.
-local cjson = require("cjson.safe")
 local ngxapi = require("infergate.core.ngxapi")
 local ngx_now = ngxapi.now
 local ngx_var = ngxapi.var
@@ -48,6 +47,7 @@ local reqctx = require("infergate.core.reqctx")
 local replay = require("infergate.cache.replay")
 local flush = require("infergate.core.flush")
 local cachekey = require("infergate.cache.key")
+local reassemble = require("infergate.cache.reassemble")
 local ratelimit = require("infergate.admission.ratelimit")
 
 local _M = {}
@@ -67,14 +67,8 @@ local concat = table.concat
 local find = string.find
 local sub = string.sub
 local byte = string.byte
-local null = cjson.null
 local log = ngx.log
 local DEBUG = ngx.DEBUG
-
-local FINISH_OK = {
-    chat = { stop = true, tool_calls = true, length = true },
-    text = { stop = true, length = true },
-}
 
 -- ------------------------------------------------------------------ filters
 
@@ -214,193 +208,11 @@ end
 
 -- ------------------------------------------------------------------ reassembly
 
--- Events of an SSE text: list of data payloads (multi-line data joined by "\n").
-local function sse_events(text)
-    local events = {}
-    local data = nil
-    for line in (text .. "\n"):gmatch("([^\n]*)\n") do
-        if line:sub(-1) == "\r" then
-            line = line:sub(1, -2)
-        end
-        if line == "" then
-            if data then
-                events[#events + 1] = concat(data, "\n")
-                data = nil
-            end
-        elseif line:sub(1, 5) == "data:" then
-            local v = line:sub(6)
-            if v:sub(1, 1) == " " then
-                v = v:sub(2)
-            end
-            data = data or {}
-            data[#data + 1] = v
-        end
-    end
-    if data then
-        events[#events + 1] = concat(data, "\n")
-    end
-    return events
-end
-_M.sse_events = sse_events
+-- The stored form of an answer (infergate.cache.reassemble), under its former names.
+_M.sse_events = reassemble.sse_events
+_M.reassemble = reassemble.reassemble
+_M.completion = reassemble.completion
 
--- One completion (decoded-JSON shape) from the SSE text of a stream; nil, err.
-function _M.reassemble(text, kind)
-    local acc, order = {}, {}
-    local top = {}
-    local done = false
-    for _, ev in ipairs(sse_events(text)) do
-        if ev == "[DONE]" then
-            done = true
-        else
-            local chunk = cjson.decode(ev)
-            if type(chunk) ~= "table" then
-                return nil, "stream event is not JSON"
-            end
-            if chunk.error ~= nil and chunk.error ~= null then
-                return nil, "stream carried an error"
-            end
-            top.id = top.id or chunk.id
-            top.created = top.created or chunk.created
-            top.model = top.model or chunk.model
-            if type(chunk.system_fingerprint) == "string" then
-                top.system_fingerprint = chunk.system_fingerprint
-            end
-            if type(chunk.usage) == "table" then
-                top.usage = chunk.usage
-            end
-            if type(chunk.choices) == "table" then
-                for _, ch in ipairs(chunk.choices) do
-                    if type(ch) == "table" then
-                        local idx = tonumber(ch.index) or 0
-                        local a = acc[idx]
-                        if not a then
-                            a = { index = idx, content = {}, reasoning = {}, text = {}, tools = {},
-                                  tool_order = {} }
-                            acc[idx] = a
-                            order[#order + 1] = idx
-                        end
-                        if type(ch.finish_reason) == "string" then
-                            a.finish_reason = ch.finish_reason
-                        end
-                        if kind == "text" then
-                            if type(ch.text) == "string" then
-                                a.text[#a.text + 1] = ch.text
-                            end
-                        elseif type(ch.delta) == "table" then
-                            local d = ch.delta
-                            if type(d.role) == "string" then
-                                a.role = d.role
-                            end
-                            -- vLLM opens every stream with {"role": ..., "content": ""},
-                            -- tool calls too: only text makes the content a string (else
-                            -- null next to tool_calls, as in vLLM's plain answers)
-                            local dc = d.content
-                            if type(dc) == "string" and dc ~= "" then
-                                a.content[#a.content + 1] = dc
-                                a.has_content = true
-                            end
-                            local r = d.reasoning_content
-                            if type(r) ~= "string" then
-                                r = d.reasoning
-                            end
-                            if type(r) == "string" then
-                                a.reasoning[#a.reasoning + 1] = r
-                            end
-                            if type(d.refusal) == "string" then
-                                a.refusal = (a.refusal or "") .. d.refusal
-                            end
-                            if type(d.tool_calls) == "table" then
-                                for _, tc in ipairs(d.tool_calls) do
-                                    if type(tc) == "table" then
-                                        local ti = tonumber(tc.index) or #a.tool_order
-                                        local t = a.tools[ti]
-                                        if not t then
-                                            t = { name = {}, args = {} }
-                                            a.tools[ti] = t
-                                            a.tool_order[#a.tool_order + 1] = ti
-                                        end
-                                        if type(tc.id) == "string" then
-                                            t.id = tc.id
-                                        end
-                                        if type(tc.type) == "string" then
-                                            t.type = tc.type
-                                        end
-                                        local fn = tc["function"]
-                                        if type(fn) == "table" then
-                                            if type(fn.name) == "string" then
-                                                t.name[#t.name + 1] = fn.name
-                                            end
-                                            if type(fn.arguments) == "string" then
-                                                t.args[#t.args + 1] = fn.arguments
-                                            end
-                                        end
-                                    end
-                                end
-                            end
-                        end
-                    end
-                end
-            end
-        end
-    end
-    if not done then
-        return nil, "stream ended without [DONE]"
-    end
-    table.sort(order)
-    local choices = {}
-    for i, idx in ipairs(order) do
-        local a = acc[idx]
-        local choice = { index = idx, finish_reason = a.finish_reason }
-        if kind == "text" then
-            choice.text = concat(a.text)
-        else
-            local tools = {}
-            table.sort(a.tool_order)
-            for j, ti in ipairs(a.tool_order) do
-                local t = a.tools[ti]
-                tools[j] = { id = t.id, type = t.type or "function",
-                             ["function"] = { name = concat(t.name), arguments = concat(t.args) } }
-            end
-            choice.message = {
-                role = a.role or "assistant",
-                content = (a.has_content or #tools == 0) and concat(a.content) or nil,
-                reasoning_content = #a.reasoning > 0 and concat(a.reasoning) or nil,
-                tool_calls = #tools > 0 and tools or nil,
-                refusal = a.refusal,
-            }
-        end
-        choices[i] = choice
-    end
-    top.choices = choices
-    return top
-end
-
--- The stored form of a captured answer, or nil, reason.
-function _M.completion(c, text)
-    local o, err
-    if c.sse then
-        o, err = _M.reassemble(text, c.kind)
-    else
-        o = cjson.decode(text)
-        if type(o) ~= "table" then
-            err = "answer is not JSON"
-        end
-    end
-    if not o then
-        return nil, err
-    end
-    local comp, nerr = replay.normalize(o, c.kind)
-    if not comp then
-        return nil, nerr
-    end
-    local ok = FINISH_OK[c.kind]
-    for _, ch in ipairs(comp.choices) do
-        if not ok[ch.finish_reason] then
-            return nil, "finish_reason " .. tostring(ch.finish_reason)
-        end
-    end
-    return comp
-end
 
 -- ------------------------------------------------------------------ store (flush queue)
 

@@ -19,6 +19,8 @@
 --     at its position (redis.error_of(v) returns its message);
 --   * a transport error (send, timeout, closed, protocol): nil, err; the connection is
 --     closed (c:closed() is true) and must not be reused.
+local mastercache = require("infergate.redis.mastercache")
+
 local _M = {}
 
 local null = ngx.null
@@ -77,30 +79,9 @@ local function url_options(o)
     }
 end
 
--- redis://[[user]:password@]host[:port][/db], rediss://... (TLS) or
--- redis+sentinel://[[user]:password@]h1[:port1][,h2[:port2]...]/<service>[/db].
--- Returns a table {host, port, db, password, username} (plus ssl, server_name,
--- ssl_verify, ssl_cert_pem, ssl_key_pem for TLS; sentinel = {service, hosts, password,
--- id} and no host for Sentinel) or nil, err. The connection pool of a configuration is
--- named by infergate.redis.pool. opts: {tls_verify, tls_cert_pem,
--- tls_key_pem, sentinel_password}, default from infergate.core.config.
-function _M.parse_url(url, opts)
-    if type(url) ~= "string" or url == "" then
-        return nil, "redis url must be a non-empty string"
-    end
-    local scheme, rest = url:match("^(%a[%w+.-]*)://(.*)$")
-    if not scheme then
-        return nil, "redis url must look like redis://[:password@]host:port/db"
-    end
-    scheme = scheme:lower()
-    if scheme == "rediss+sentinel" then
-        return nil, "rediss+sentinel:// is not supported: Sentinel works over plain TCP only "
-            .. "(no TLS); use redis+sentinel://, or rediss:// to one server"
-    end
-    if scheme ~= "redis" and scheme ~= "rediss" and scheme ~= "redis+sentinel" then
-        return nil, "unsupported redis url scheme '" .. scheme .. "'"
-    end
-    local authority, path = rest:match("^([^/?#]*)(.*)$")
+-- The host and the credentials of a URL's authority part: hostport, username, password
+-- (percent-decoded; nil when absent or empty).
+local function split_authority(authority)
     local userinfo, hostport = authority:match("^(.*)@([^@]*)$")
     if not userinfo then
         hostport = authority
@@ -119,47 +100,52 @@ function _M.parse_url(url, opts)
         if password then password = ngx.unescape_uri(password) end
         if username then username = ngx.unescape_uri(username) end
     end
-    local o = url_options(opts)
-    local dbpath = path:gsub("[?#].*$", "")
-    if scheme == "redis+sentinel" then
-        local hosts = {}
-        for hp in (hostport .. ","):gmatch("([^,]*),") do
-            local h, p = host_port(hp, DEFAULT_SENTINEL_PORT, url)
-            if not h then
-                return nil, p
-            end
-            hosts[#hosts + 1] = { host = h, port = p }
+    return hostport, username, password
+end
+
+-- The configuration of a redis+sentinel:// URL (see parse_url), or nil, err.
+local function sentinel_url(url, hostport, dbpath, username, password, o)
+    local hosts = {}
+    for hp in (hostport .. ","):gmatch("([^,]*),") do
+        local h, p = host_port(hp, DEFAULT_SENTINEL_PORT, url)
+        if not h then
+            return nil, p
         end
-        local service, dbs = dbpath:match("^/([^/]+)/?(%d*)/?$")
-        if not service and dbpath:match("^/[^/]+/") then
-            return nil, "redis url path must be /<service>[/<db number>]: " .. redact(url)
-        end
-        if not service then
-            return nil, "redis+sentinel:// url needs the service (master) name: "
-                .. "redis+sentinel://host1:26379,host2:26379/mymaster[/db]"
-        end
-        service = ngx.unescape_uri(service)
-        if not service:match("^[%w_.%-]+$") or #service > 128 then
-            return nil, "redis+sentinel:// service name '" .. service
-                .. "': letters, digits, '_', '.', '-'"
-        end
-        local db = dbs ~= "" and tonumber(dbs) or 0
-        local ids = {}
-        for i, h in ipairs(hosts) do
-            ids[i] = h.host .. ":" .. h.port
-        end
-        return {
-            db = db,
-            username = username,
-            password = password,
-            sentinel = {
-                service = service,
-                hosts = hosts,
-                password = (o.sentinel_password ~= "" and o.sentinel_password) or nil,
-                id = service .. "@" .. concat(ids, ","),
-            },
-        }
+        hosts[#hosts + 1] = { host = h, port = p }
     end
+    local service, dbs = dbpath:match("^/([^/]+)/?(%d*)/?$")
+    if not service and dbpath:match("^/[^/]+/") then
+        return nil, "redis url path must be /<service>[/<db number>]: " .. redact(url)
+    end
+    if not service then
+        return nil, "redis+sentinel:// url needs the service (master) name: "
+            .. "redis+sentinel://host1:26379,host2:26379/mymaster[/db]"
+    end
+    service = ngx.unescape_uri(service)
+    if not service:match("^[%w_.%-]+$") or #service > 128 then
+        return nil, "redis+sentinel:// service name '" .. service
+            .. "': letters, digits, '_', '.', '-'"
+    end
+    local db = dbs ~= "" and tonumber(dbs) or 0
+    local ids = {}
+    for i, h in ipairs(hosts) do
+        ids[i] = h.host .. ":" .. h.port
+    end
+    return {
+        db = db,
+        username = username,
+        password = password,
+        sentinel = {
+            service = service,
+            hosts = hosts,
+            password = (o.sentinel_password ~= "" and o.sentinel_password) or nil,
+            id = service .. "@" .. concat(ids, ","),
+        },
+    }
+end
+
+-- The configuration of a redis:// or rediss:// URL (see parse_url), or nil, err.
+local function server_url(url, scheme, hostport, dbpath, username, password, o)
     if hostport:find(",", 1, true) then
         return nil, "several hosts need redis+sentinel://: " .. redact(url)
     end
@@ -196,6 +182,39 @@ function _M.parse_url(url, opts)
         end
     end
     return conf
+end
+
+-- redis://[[user]:password@]host[:port][/db], rediss://... (TLS) or
+-- redis+sentinel://[[user]:password@]h1[:port1][,h2[:port2]...]/<service>[/db].
+-- Returns a table {host, port, db, password, username} (plus ssl, server_name,
+-- ssl_verify, ssl_cert_pem, ssl_key_pem for TLS; sentinel = {service, hosts, password,
+-- id} and no host for Sentinel) or nil, err. The connection pool of a configuration is
+-- named by infergate.redis.pool. opts: {tls_verify, tls_cert_pem,
+-- tls_key_pem, sentinel_password}, default from infergate.core.config.
+function _M.parse_url(url, opts)
+    if type(url) ~= "string" or url == "" then
+        return nil, "redis url must be a non-empty string"
+    end
+    local scheme, rest = url:match("^(%a[%w+.-]*)://(.*)$")
+    if not scheme then
+        return nil, "redis url must look like redis://[:password@]host:port/db"
+    end
+    scheme = scheme:lower()
+    if scheme == "rediss+sentinel" then
+        return nil, "rediss+sentinel:// is not supported: Sentinel works over plain TCP only "
+            .. "(no TLS); use redis+sentinel://, or rediss:// to one server"
+    end
+    if scheme ~= "redis" and scheme ~= "rediss" and scheme ~= "redis+sentinel" then
+        return nil, "unsupported redis url scheme '" .. scheme .. "'"
+    end
+    local authority, path = rest:match("^([^/?#]*)(.*)$")
+    local hostport, username, password = split_authority(authority)
+    local o = url_options(opts)
+    local dbpath = path:gsub("[?#].*$", "")
+    if scheme == "redis+sentinel" then
+        return sentinel_url(url, hostport, dbpath, username, password, o)
+    end
+    return server_url(url, scheme, hostport, dbpath, username, password, o)
 end
 
 local function encode(args)
@@ -298,7 +317,7 @@ local function check_readonly(self, err)
     if self.conf and self.conf.sentinel and type(err) == "string"
             and sub(err, 1, 8) == "READONLY" then
         self.stale_flag = true
-        require("infergate.redis.sentinel").invalidate(self.conf)
+        mastercache.invalidate(self.conf)
     end
 end
 

@@ -42,6 +42,8 @@ local client = require("infergate.redis.client")
 local ngxapi = require("infergate.core.ngxapi")
 local ngx_now = ngxapi.now
 local config = require("infergate.core.config")
+local sentinel = require("infergate.redis.sentinel")
+local mastercache = require("infergate.redis.mastercache")
 
 local _M = {}
 
@@ -277,7 +279,7 @@ end
 
 local function invalidate_master(conf)
     if conf.sentinel then
-        require("infergate.redis.sentinel").invalidate(conf)
+        mastercache.invalidate(conf)
     end
 end
 
@@ -339,7 +341,7 @@ end
 local function open(conf, t, o)
     local host, port = conf.host, conf.port
     if conf.sentinel then
-        host, port = require("infergate.redis.sentinel").master(conf, t)
+        host, port = sentinel.master(conf, t)
         if not host then
             return nil, "redis sentinel: " .. tostring(port)
         end
@@ -456,5 +458,8 @@ function _M.run_with(fn, a, b, d)
     local c, err = _M.connect(nil)
     return run_on(c, err, fn, a, b, d)
 end
+
+-- the sentinels are asked through this pool (infergate.redis.sentinel)
+sentinel.set_pool(_M)
 
 return _M

@@ -14,10 +14,14 @@
 -- an address wins. A change of master is logged once.
 --
 -- Connections to the sentinels go through infergate.redis.pool like every other Redis
--- connection. Cosockets only (timers, access and content phases). Errors: nil, err.
+-- connection: the pool hands itself in when it loads (set_pool), as it also asks this
+-- module for the master of a redis+sentinel:// target. The cached address itself lives
+-- in infergate.redis.mastercache. Cosockets only (timers, access and content phases).
+-- Errors: nil, err.
 local config = require("infergate.core.config")
 local ngxapi = require("infergate.core.ngxapi")
 local ngx_now = ngxapi.now
+local mastercache = require("infergate.redis.mastercache")
 
 local _M = {}
 
@@ -28,12 +32,14 @@ local tostring = tostring
 local tonumber = tonumber
 local concat = table.concat
 
-local function dict()
-    return ngx.shared[config.DICT_SNAPSHOT]
-end
+local dict = mastercache.dict
+local cache_key = mastercache.key
 
-local function cache_key(conf)
-    return "sentinel:" .. conf.sentinel.id
+-- infergate.redis.pool, handed in by the pool when it loads.
+local pool = nil
+
+function _M.set_pool(p)
+    pool = p
 end
 
 -- The connection settings of one sentinel of `conf`, built once per worker (so the pool
@@ -54,7 +60,9 @@ end
 -- Asks one sentinel (through infergate.redis.pool: pooled, and skipped for the back-off
 -- after it failed). Returns host, port or nil, err.
 local function ask(s, conf, timeout_ms)
-    local pool = require("infergate.redis.pool")
+    if not pool then
+        return nil, "no connection pool (infergate.redis.pool not loaded)"
+    end
     local res, err = pool.run(function(c)
         return c:command("SENTINEL", "get-master-addr-by-name", conf.sentinel.service)
     end, sentinel_conf(s, conf), timeout_ms)
@@ -120,12 +128,7 @@ function _M.master(conf, timeout_ms)
 end
 
 -- Forget the cached master (the next connect asks the sentinels).
-function _M.invalidate(conf)
-    local d = dict()
-    if d and type(conf) == "table" and conf.sentinel then
-        d:delete(cache_key(conf))
-    end
-end
+_M.invalidate = mastercache.invalidate
 
 -- Sync timer: ask again when the cached answer is older than redis_sentinel_refresh_s.
 function _M.tick(conf, timeout_ms)

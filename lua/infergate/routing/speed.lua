@@ -192,19 +192,8 @@ function _M.track(att)
     att.k = stats.inflight(att.node)
 end
 
--- Log phase: a finished attempt. latency_ms: upstream response time of a 2xx answer
--- (nil otherwise: nothing learned).
-function _M.observe(att, latency_ms)
-    if not latency_ms or latency_ms <= 0 or not att.k then
-        return
-    end
-    local node = snapshot.current().by_name[att.node]
-    local maxc = node and node.max_concurrency or 64
-    local d = dict()
-    local name = att.node
-    local lat = latency_ms / 1000
-    local now = ngx_now()
-    local key = rec_key(name)
+-- Loads node `name`'s record (dict key `key`) into rec; a fresh one when it has none.
+local function load_rec(d, key)
     local raw = d:get(key)
     if type(raw) == "string" and #raw == REC_BYTES then
         ffi.copy(rec, raw, REC_BYTES)
@@ -214,19 +203,10 @@ function _M.observe(att, latency_ms)
         end
         rec[F_SN], rec[F_LM] = 0, 0
     end
-    rec[F_SA] = now
-    local smin = rec[F_SM]
-    if smin == NONE or lat < smin then
-        smin = lat
-    elseif att.k <= 1 then
-        smin = smin + _M.MIN_DRIFT * (lat - smin)  -- alone on the node: no queueing in lat
-    end
-    rec[F_SM] = smin
+end
 
-    local k = att.k
-    if k > _M.LEVELS_MAX then
-        k = _M.LEVELS_MAX
-    end
+-- Moves the mean log latency of level k (in-flight) of node `name` towards lat (s).
+local function learn_level(d, name, k, lat)
     local y, n = level(d, name, k)
     n = (n or 0) + 1
     local alpha = 1 / n
@@ -236,6 +216,11 @@ function _M.observe(att, latency_ms)
     lvl[0] = y and (y + alpha * (log(lat) - y)) or log(lat)
     lvl[1] = n < 1 / _M.LEVEL_ALPHA and n or 1 / _M.LEVEL_ALPHA
     d:set(lvl_key(name, k), ffi.string(lvl, LVL_BYTES))
+end
+
+-- The learned concurrency of node `name` in rec after an answer at level k: refitted
+-- on a new highest level or once FIT_INTERVAL_S passed, at most maxc.
+local function learn_concurrency(d, name, k, maxc, now)
     local kmax = rec[F_LM]
     local lc = rec[F_LC]
     if lc == NONE then
@@ -254,9 +239,12 @@ function _M.observe(att, latency_ms)
         end
         rec[F_LC] = lc
     end
+    return lc
+end
 
-    local b = _M.round_concurrency(lc)
-    local one = att.k > b and lat * b / att.k or lat   -- its predicted queueing taken out
+-- The service time in rec after an answer `one` (s, its queueing taken out): the
+-- median of the first WARMUP answers, then a clipped moving average.
+local function learn_service(one)
     local sn = rec[F_SN]
     if sn >= _M.WARMUP then
         local sv = rec[F_SV]
@@ -279,6 +267,41 @@ function _M.observe(att, latency_ms)
         rec[F_S1 + sn] = one
         rec[F_SN] = sn + 1
     end
+end
+
+-- Log phase: a finished attempt. latency_ms: upstream response time of a 2xx answer
+-- (nil otherwise: nothing learned).
+function _M.observe(att, latency_ms)
+    if not latency_ms or latency_ms <= 0 or not att.k then
+        return
+    end
+    local node = snapshot.current().by_name[att.node]
+    local maxc = node and node.max_concurrency or 64
+    local d = dict()
+    local name = att.node
+    local lat = latency_ms / 1000
+    local now = ngx_now()
+    local key = rec_key(name)
+    load_rec(d, key)
+    rec[F_SA] = now
+    local smin = rec[F_SM]
+    if smin == NONE or lat < smin then
+        smin = lat
+    elseif att.k <= 1 then
+        smin = smin + _M.MIN_DRIFT * (lat - smin)  -- alone on the node: no queueing in lat
+    end
+    rec[F_SM] = smin
+
+    local k = att.k
+    if k > _M.LEVELS_MAX then
+        k = _M.LEVELS_MAX
+    end
+    learn_level(d, name, k, lat)
+    local lc = learn_concurrency(d, name, k, maxc, now)
+
+    local b = _M.round_concurrency(lc)
+    local one = att.k > b and lat * b / att.k or lat   -- its predicted queueing taken out
+    learn_service(one)
     d:set(key, ffi.string(rec, REC_BYTES))
 end
 

@@ -1,0 +1,106 @@
+-- Settlement of the rate limits (infergate.admission.ratelimit) in the log phase: the
+-- difference between the real token usage and the estimate charged up front, and a
+-- lease's unspent tokens, go back to the buckets through the worker's flush queue
+-- (infergate.core.flush), never on the request path.
+local ngx_var = require("infergate.core.ngxapi").var
+local flush = require("infergate.core.flush")
+local redis = require("infergate.redis.client")
+local bucketscript = require("infergate.admission.bucketscript")
+local localbuckets = require("infergate.admission.localbuckets")
+
+local _M = {}
+
+local ipairs = ipairs
+local unpack = unpack
+local tonumber = tonumber
+local log = ngx.log
+local ERR = ngx.ERR
+
+-- The correction of `list` by `costs` in the worker's flush queue: the script in Redis
+-- (EVALSHA; EVAL queued again after NOSCRIPT), or the local buckets when the charge was
+-- local or Redis cannot be reached (run in the flush timer, where waiting is allowed).
+local function queue_correction(list, costs, source, full_script)
+    local cmds = {}
+    if source == "redis" then
+        local args = bucketscript.script_args("adjust", list, costs)
+        if full_script then
+            cmds[1] = { "EVAL", bucketscript.SCRIPT, unpack(args) }
+        else
+            cmds[1] = { "EVALSHA", bucketscript.SCRIPT_SHA, unpack(args) }
+        end
+    end
+    return flush.push("ratelimit_correction", cmds, function(replies, err)
+        if err == "queue full" then
+            return
+        end
+        if replies and replies[1] ~= nil then
+            local rerr = redis.error_of(replies[1])
+            if not rerr then
+                return
+            end
+            if rerr:find("^NOSCRIPT") and not full_script then
+                queue_correction(list, costs, source, true)
+                return
+            end
+            log(ngx.INFO, "infergate: token correction not applied in Redis: ", rerr)
+        elseif err then
+            log(ngx.INFO, "infergate: token correction not applied in Redis: ", err)
+        end
+        local ok, lerr = pcall(localbuckets.apply, "adjust", list, costs)
+        if not ok then
+            log(ERR, "infergate: token correction failed: ", lerr)
+        end
+    end)
+end
+
+_M.queue_correction = queue_correction
+
+-- Log phase: charge the difference between the real token usage and the estimate.
+-- No I/O here: the correction goes into the worker's flush queue (infergate.core.flush),
+-- written to Redis by its timer; a full queue drops it (counted in
+-- infergate_edge_flush_dropped_total{kind="ratelimit_correction"}).
+-- A request a node refused (its answer, the one the client got, is 4xx: a context too
+-- long, a parameter it rejects, 429 busy) read and generated nothing: the estimate is
+-- given back whole, as OpenAI charges nothing for a refused request.
+local function node_refused()
+    local st = ngx.status
+    if not st or st < 400 or st >= 500 then
+        return false
+    end
+    local us = ngx_var("upstream_status")
+    local last = us and tonumber(us:match("(%d+)%s*$"))
+    return last ~= nil and last == st
+end
+
+function _M.log(req)
+    local rl = req.ratelimit
+    local usage = req.usage
+    if not rl then
+        return
+    end
+    local total = usage and usage.total_tokens
+    if not total then
+        if not req.track_usage or not node_refused() then
+            return
+        end
+        total = 0
+    end
+    local list, costs, any = {}, {}, false
+    for _, b in ipairs(rl.list) do
+        if b.kind == "tokens" then
+            local delta = total - b.cost
+            if delta ~= 0 then
+                list[#list + 1] = b
+                costs[#costs + 1] = delta
+                any = true
+            end
+        end
+    end
+    if not any then
+        return
+    end
+    queue_correction(list, costs, rl.source)
+end
+
+
+return _M

@@ -1,0 +1,212 @@
+-- Which requests take part in the response cache, and how (the BYPASS policy, see
+-- infergate.cache.lookup): the request checks, and the request's cache state and keys
+-- worked out once per request (prepare).
+local cjson = require("cjson.safe")
+local ngx_var = require("infergate.core.ngxapi").var
+local cachekey = require("infergate.cache.key")
+local shared = require("infergate.cache.shared")
+local streamusage = require("infergate.cache.streamusage")
+
+local _M = {}
+
+local type = type
+local ipairs = ipairs
+local floor = math.floor
+local tostring = tostring
+local null = cjson.null
+local options_object = streamusage.options_object
+
+local opts = nil
+
+-- The [cache] options (infergate.cache.lookup.init).
+function _M.configure(o)
+    opts = o
+end
+
+-- The Cache-Control header of the request, lower case ("" when absent); nginx joins
+-- repeated Cache-Control lines with ",". Read as a variable: no table of every header.
+local function cache_control()
+    local v = ngx_var("http_cache_control")
+    return type(v) == "string" and v:lower() or ""
+end
+
+local function has_token(h, token)
+    for part in h:gmatch("[^,]+") do
+        if part:match("^%s*(.-)%s*$") == token then
+            return true
+        end
+    end
+    return false
+end
+
+local function media_part(messages)
+    if type(messages) ~= "table" then
+        return false
+    end
+    for _, m in ipairs(messages) do
+        if type(m) == "table" and type(m.content) == "table" then
+            for _, p in ipairs(m.content) do
+                if type(p) == "table" and p.type ~= "text" then
+                    return true
+                end
+            end
+        end
+        if type(m) == "table" and m.audio ~= nil and m.audio ~= null then
+            return true
+        end
+    end
+    return false
+end
+
+local function given(v)
+    return v ~= nil and v ~= null
+end
+
+local function positive_int(v)
+    return type(v) == "number" and v >= 1 and v == floor(v)
+end
+
+-- Reason a request's parameters are ones a node may refuse (a type or range the OpenAI
+-- API does not accept), or nil. Such a request goes to a node, which answers it as it
+-- does, so its answer is the same whatever the cache holds: the cache leaves out of
+-- the key the fields checked here (stream, stream_options) or would serve an answer
+-- stored for another value.
+local function bad_params(body)
+    local st = body.stream
+    if given(st) and type(st) ~= "boolean" then
+        return "stream is not a boolean"
+    end
+    local so = body.stream_options
+    if given(so) and (type(so) ~= "table" or not options_object(so)) then
+        return "stream_options is not an object"
+    end
+    if given(so) and st ~= true then
+        -- vLLM: "Stream options can only be defined when stream=True" (400)
+        return "stream_options without stream"
+    end
+    local temp = body.temperature
+    if given(temp) and (type(temp) ~= "number" or temp < 0 or temp > 2) then
+        return "temperature out of range"
+    end
+    local top_p = body.top_p
+    if given(top_p) and (type(top_p) ~= "number" or top_p <= 0 or top_p > 1) then
+        return "top_p out of range"
+    end
+    for _, f in ipairs({ "n", "max_tokens", "max_completion_tokens" }) do
+        if given(body[f]) and not positive_int(body[f]) then
+            return f .. " is not a positive integer"
+        end
+    end
+    return nil
+end
+_M.bad_params = bad_params
+
+-- Reason the request may not use the cache at all, or nil.
+function _M.uncacheable(body)
+    local bad = bad_params(body)
+    if bad then
+        return bad
+    end
+    if given(body.n) and body.n > 1 then             -- a positive integer (bad_params)
+        return "n > 1"
+    end
+    local lp = body.logprobs
+    if lp ~= nil and lp ~= null and lp ~= false then
+        return "logprobs"
+    end
+    local temp = body.temperature                   -- a number when given (bad_params)
+    if not given(temp) then
+        temp = 1.0
+    end
+    if temp > opts.max_temperature then
+        return "temperature above " .. opts.max_temperature
+    end
+    if media_part(body.messages) then
+        return "non-text content"
+    end
+    if body.modalities ~= nil and body.modalities ~= null then
+        return "modalities"
+    end
+    return nil
+end
+
+-- Marks the request a BYPASS (store: whether its answer is still stored).
+local function bypass(c, reason, store)
+    c.status = "BYPASS"
+    c.reason = reason
+    c.store = store and true or false
+end
+
+_M.bypass = bypass
+
+-- The request's cache state (req.cache once the cache step runs) and its keys, worked
+-- out once per request before any Redis call: returns c, k (k = nil when the request
+-- bypasses the cache or takes no part in it; c = nil when it is not a cacheable route).
+function _M.prepare(req)
+    if req.cache_prepared then
+        return req.cache_state, req.cache_keys
+    end
+    req.cache_prepared = true
+    if not opts or not opts.enabled or req.route ~= "inference" then
+        return nil
+    end
+    local path = ngx_var("uri")
+    local kind = shared.PATHS[path]
+    local body = req.body
+    if not kind or type(body) ~= "table" then
+        return nil
+    end
+    local c = {
+        path = path, kind = kind, status = "BYPASS", store = false,
+        stream = body.stream == true,
+        include_usage = type(body.stream_options) == "table"
+            and body.stream_options.include_usage == true,
+        ttl = opts.ttl_s, max_bytes = opts.max_entry_bytes, dict = shared.DICT,
+        model = type(body.model) == "string" and body.model or "",
+    }
+    -- req.cache (counted and captured) only once the cache step runs: a request refused
+    -- by the rate limit before it took no part in the cache
+    req.cache_state = c
+    local cc = cache_control()
+    if has_token(cc, "no-store") then
+        bypass(c, "no-store", false)
+        return c
+    end
+    if (req.body_bytes or 0) > opts.max_request_bytes then
+        bypass(c, "body over cache.max_request_bytes", false)
+        return c
+    end
+    local why = _M.uncacheable(body)
+    if why then
+        bypass(c, why, false)
+        return c
+    end
+    local tenant = req.tenant
+    if type(tenant) ~= "string" or tenant == "" then
+        tenant = "default"
+    end
+    c.tenant = tenant
+    -- the namespace key only for semantic lookups; without them a stored answer works
+    -- it out when it is stored (capture.lua, for the namespace index): a hit never pays
+    -- for it
+    local k, kerr = cachekey.keys_for(req.raw_body, path, body, tenant, not opts.semantic)
+    if not k then
+        bypass(c, "key: " .. tostring(kerr), false)
+        return c
+    end
+    -- c.text (the text to embed) only when semantic lookups are on: without it no index
+    -- job is queued for an embedder that is not there
+    c.key, c.namespace = k.exact, k.namespace
+    c.text = opts.semantic and k.text or nil
+    if not opts.semantic then
+        c.body = body
+    end
+    if has_token(cc, "no-cache") then
+        bypass(c, "no-cache", true)
+        return c
+    end
+    req.cache_keys = k
+    return c, k
+end
+
+return _M
