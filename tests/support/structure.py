@@ -11,6 +11,7 @@ followed by ``LOADK ... ; "infergate.x"``. Nothing here imports the code it chec
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import shutil
 import subprocess
@@ -158,6 +159,16 @@ def files_containing(files: Iterable[Path], word: str, root: Path) -> list[str]:
 
 # ----------------------------------------------------------------------------- Python
 
+def parse(path: Path) -> ast.Module:
+    """The syntax tree of ``path``, parsed once per content (several checks read it)."""
+    return _parse(path.read_text(encoding="utf-8"), str(path))
+
+
+@functools.lru_cache(maxsize=None)
+def _parse(text: str, filename: str) -> ast.Module:
+    return ast.parse(text, filename)
+
+
 def python_files(package: Path = PY_PACKAGE) -> list[Path]:
     return sorted(p for p in package.rglob("*.py") if "__pycache__" not in p.parts)
 
@@ -169,7 +180,7 @@ def long_python_functions(files: Iterable[Path], root: Path,
     ``limit`` (decorators not counted)."""
     out: list[tuple[str, int, str]] = []
     for f in files:
-        tree = ast.parse(f.read_text(encoding="utf-8"), str(f))
+        tree = parse(f)
         stack: list[tuple[ast.AST, str]] = [(tree, "")]
         while stack:
             node, prefix = stack.pop()
@@ -229,7 +240,7 @@ def python_imports(files: Iterable[Path], root: Path) -> dict[str, set[str]]:
         mod = python_module_name(p, root)
         is_pkg = p.name == "__init__.py"
         deps = graph.setdefault(mod, set())
-        tree = ast.parse(p.read_text(encoding="utf-8"), str(p))
+        tree = parse(p)
         for node in _module_level_imports(tree.body):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
