@@ -32,6 +32,12 @@ def test_no_python_function_over_80_lines() -> None:
     assert not found, "Python functions over 80 lines:\n" + "\n".join(found)
 
 
+def test_the_python_import_graph_is_read() -> None:
+    graph = st.python_imports(st.python_files(), st.ROOT)
+    assert set(graph) == {st.python_module_name(p, st.ROOT) for p in st.python_files()}
+    assert sum(len(deps) for deps in graph.values()) > len(graph)
+
+
 def test_no_python_import_circle() -> None:
     found = st.cycles(st.python_imports(st.python_files(), st.ROOT))
     assert not found, "import circles among controlplane/ modules (module-level imports):\n" \
