@@ -36,33 +36,37 @@ pytest_plugins = ["support.stack", "support.tiny_upstream"]
 
 TESTS = Path(__file__).resolve().parent
 OUTPUT = TESTS / "output"
-#: Test folders whose tests start no process (the fast loop: pytest -m "not integration").
-PURE_LAYERS = {"unit"}
+#: Test folders of the fast loop (pytest -m "not integration"). tests/unit/ starts no
+#: process at all; tests/lua/ runs Lua inside short-lived nginx processes (init_by_lua,
+#: no server, no Redis: support.stack.lua_eval) and marks each of its tests that starts a
+#: server (redis-server, a serving nginx) ``integration`` itself (tests/lua/conftest.py
+#: refuses a server to any other).
+FAST_LAYERS = {"unit", "lua"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test outside tests/unit/ starts real processes (nginx, redis-server,
+    """Every test outside the fast layers starts real processes (nginx, redis-server,
     simulated nodes): mark it ``integration`` by its folder."""
     for item in items:
         try:
             layer = Path(str(item.fspath)).resolve().relative_to(TESTS).parts[0]
         except ValueError:
             continue
-        if layer not in PURE_LAYERS:
+        if layer not in FAST_LAYERS:
             item.add_marker(pytest.mark.integration)
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    """With exactly ``-m "not integration"`` (the fast loop), nothing outside tests/unit/
-    can be selected (see :func:`pytest_collection_modifyitems`): skip importing those
-    folders instead of collecting and deselecting them."""
+    """With exactly ``-m "not integration"`` (the fast loop), nothing outside the fast
+    layers can be selected (see :func:`pytest_collection_modifyitems`): skip importing
+    those folders instead of collecting and deselecting them."""
     if (config.getoption("markexpr") or "").strip() != "not integration":
         return None
     try:
         parts = collection_path.resolve().relative_to(TESTS).parts
     except ValueError:
         return None
-    if len(parts) == 1 and collection_path.is_dir() and parts[0] not in PURE_LAYERS | {"support"}:
+    if len(parts) == 1 and collection_path.is_dir() and parts[0] not in FAST_LAYERS | {"support"}:
         return True
     return None
 

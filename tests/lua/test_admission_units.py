@@ -298,6 +298,7 @@ def script(workdir: Path) -> str:
     return re.search(r"_M\.SCRIPT = \[\[\n(.*?)\]\]", text, re.S).group(1)
 
 
+@pytest.mark.integration  # starts redis-server
 def test_bucket_script_on_redis(redis_server, script) -> None:
     r = redis_server.client()
     run = r.register_script(script)

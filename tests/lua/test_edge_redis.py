@@ -116,6 +116,7 @@ def redis_auth(workdir: Path):
         m.stop()
 
 
+@pytest.mark.integration  # starts a serving nginx and redis-server
 def test_auth_select_pipeline_and_replies(lua_runner, redis_auth) -> None:
     import redis as redis_lib
 
@@ -167,6 +168,7 @@ def test_auth_select_pipeline_and_replies(lua_runner, redis_auth) -> None:
     assert redis_lib.Redis(port=port, password=pw, db=0).get("k1") is None
 
 
+@pytest.mark.integration  # starts a serving nginx and redis-server
 def test_error_reply_is_false_and_keeps_the_connection(lua_runner, redis_server) -> None:
     """WRONGTYPE through command, pool.run and a pipeline: false / {false, err}, no back-off,
     and the same connection goes on serving."""
@@ -192,6 +194,7 @@ def test_error_reply_is_false_and_keeps_the_connection(lua_runner, redis_server)
     assert res["after"] == 1 and res["closed"] is False and res["usable"] is True
 
 
+@pytest.mark.integration  # starts a serving nginx and redis-server
 def test_wrong_password_is_an_error(lua_runner, redis_auth) -> None:
     port, _ = redis_auth
     res = lua_runner(f"""
@@ -203,6 +206,7 @@ def test_wrong_password_is_an_error(lua_runner, redis_auth) -> None:
     assert "AUTH" in res["err"] and ("WRONGPASS" in res["err"] or "invalid" in res["err"])
 
 
+@pytest.mark.integration  # starts a serving nginx
 def test_refused_connection_is_an_error(lua_runner) -> None:
     port = procs.free_port()
     res = lua_runner(f"""
@@ -219,6 +223,7 @@ def test_refused_connection_is_an_error(lua_runner) -> None:
     assert res["took"] < 0.5
 
 
+@pytest.mark.integration  # starts a serving nginx
 def test_read_timeout_is_bounded(lua_runner) -> None:
     """A server that accepts but never answers: the command fails with nil, err after the
     timeout, the connection is closed, and the target is backed off."""
@@ -254,6 +259,7 @@ def test_read_timeout_is_bounded(lua_runner) -> None:
     assert took < 3
 
 
+@pytest.mark.integration  # starts a serving nginx and two redis-servers
 def test_backoff_is_shared_by_the_workers_and_ends(workdir: Path) -> None:
     """One refused connect backs the target off (limits.redis_retry_s, 1 s by default) in
     every worker: calls return at once with the back-off error, even once Redis listens
@@ -315,6 +321,7 @@ def test_backoff_is_shared_by_the_workers_and_ends(workdir: Path) -> None:
             server.stop()
 
 
+@pytest.mark.integration  # starts a serving nginx and redis-server
 def test_two_urls_do_not_share_a_pool(lua_runner, redis_server) -> None:
     """Two databases of one server (and the same one with other credentials) get their own
     keepalive pools: a pooled connection SELECTed to db 1 never serves db 2."""
