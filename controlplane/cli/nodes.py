@@ -16,6 +16,7 @@ import redis
 
 from controlplane.redisdb import keynames
 from controlplane.routing import registry
+from controlplane.routing.nodekind import hint_of
 from controlplane.cli.common import ConnectedGroup, Ctx, actor, run_or_exit, table
 from controlplane.admin import ops
 from controlplane.admin.nodeview import build_views
@@ -63,6 +64,9 @@ def list_cmd(c: Ctx, as_json: bool) -> None:
              str(v.inflight), _f(v.poll_age_s, "{:.1f}s")] for v in views]
     click.echo(table(["NAME", "STATE", "HEALTH", "KIND", "URL", "WEIGHT", "MAXCONC", "QUEUE",
                       "RUNNING", "KV", "INFLIGHT", "POLLED"], rows))
+    for v in views:  # a node whose kind needs a setting: one line each
+        if (hint := hint_of(v.last_error)) is not None:
+            click.echo(f"{v.name}: {hint}")
 
 
 def _node_options(fn: Callable) -> Callable:
