@@ -15,7 +15,7 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent.parent
 #: Fixtures of tests/conftest.py and tests/support/ that start processes.
 PROCESS_FIXTURES = {"redis_server", "shared_redis_port", "r", "simnodes", "edge_factory",
-                    "controlplane_factory"}
+                    "controlplane_factory", "realnodes"}
 
 
 def _modules() -> list[Path]:
