@@ -70,6 +70,10 @@ def test_kind_health_and_slots_are_told_from_the_nodes(stack) -> None:
     views = json.loads(out)
     assert [(v["healthy"], v["dialect"]) for v in views] == [(True, "llamacpp")] * 2, out
     assert not any("kind: " in (v["last_error"] or "") for v in views), out
+    assert [(v["max_concurrency"], v["routed_max_concurrency"]) for v in views] == [(64, 2)] * 2
+    table = subprocess.run(procs.infergate_argv("nodes", "--redis-url", stack.redis_url, "list"),
+                           capture_output=True, text=True, timeout=30, check=True).stdout
+    assert table.count("2 (slots)") == 2, table
 
 
 def test_chat_plain_and_streamed(stack) -> None:
