@@ -2,7 +2,7 @@
 :class:`bench.realnode.RealNode` on free loopback ports.
 
 Fixture (registered through ``pytest_plugins`` in tests/conftest.py):
-``realnodes(n, parallel=2, threads=1)`` -> list of started :class:`RealNode` (``/health``
+``realnodes(n, parallel=2, threads=1, metrics=True)`` -> list of started :class:`RealNode` (``/health``
 answered 200 within the deadline), all stopped at the end of the test module.
 
 When the binary (``python -m bench.realnode build``, run by .ci/install) or the model
@@ -45,18 +45,19 @@ def require_engine() -> None:
 
 @pytest.fixture(scope="module")
 def realnodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., list[RealNode]]]:
-    """Factory: ``realnodes(n, parallel=2, threads=1)`` starts ``n`` llama-servers (one
-    after the other, each waited for) and returns them; every one is stopped at the end
-    of the module, also when a later one fails to start."""
+    """Factory: ``realnodes(n, parallel=2, threads=1, metrics=True)`` starts ``n``
+    llama-servers (one after the other, each waited for; ``metrics=False``: without
+    ``--metrics``) and returns them; every one is stopped at the end of the module, also
+    when a later one fails to start."""
     started: list[RealNode] = []
     logs = tmp_path_factory.mktemp("realnodes")
 
-    def start(n: int, parallel: int = 2, threads: int = 1) -> list[RealNode]:
+    def start(n: int, parallel: int = 2, threads: int = 1, metrics: bool = True) -> list[RealNode]:
         require_engine()
         out = []
         for _ in range(n):
             node = RealNode(port=procs.free_port(), parallel=parallel, threads=threads,
-                            log_dir=logs)
+                            metrics=metrics, log_dir=logs)
             started.append(node)
             out.append(node.start(timeout_s=READY_TIMEOUT_S))
         return out
