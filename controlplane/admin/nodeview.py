@@ -89,6 +89,9 @@ class NodeView:
     poll_age_s: float | None = None
     effective_weight: float | None = None
     """From the routing snapshot (weight x slow-start ramp)."""
+    routed_max_concurrency: int | None = None
+    """From the routing snapshot: ``max_concurrency`` lowered to a llama.cpp node's slots
+    (:mod:`controlplane.routing.nodekind`); ``None`` before the first snapshot."""
     inflight: int = 0
     """Sum of in-flight requests over fresh edges."""
     requests: int = 0
@@ -183,6 +186,7 @@ def build_views(r: redis.Redis, settings: Settings, *, name: str | None = None,
     edges = edge_stats(res[0] or {}, now, edge_fresh_s(settings.edge.stale_after_s))
     snap = RoutingSnapshot.parse(res[1]) or RoutingSnapshot()
     eff = {sn.name: sn.effective_weight for sn in snap.nodes}
+    routed = {sn.name: sn.max_concurrency for sn in snap.nodes}
     per = 2 if history else 1
     out = []
     for i, n in enumerate(nodes):
@@ -207,6 +211,7 @@ def build_views(r: redis.Redis, settings: Settings, *, name: str | None = None,
             kv_cache_usage=_num(m.kv_cache_usage), ttft_avg_s=_num(m.ttft_avg_s),
             e2e_avg_s=_num(m.e2e_avg_s), last_error=m.last_error, last_poll_ts=ts, poll_age_s=None if ts is None else round(max(0.0, now - ts), 3),
             effective_weight=_num(eff.get(n.name)),
+            routed_max_concurrency=routed.get(n.name),
             inflight=e.inflight, requests=e.requests, failures=e.failures,
             error_rate=round(e.failures / e.requests, 4) if e.requests else None,
             breaker=e.breaker, breakers=e.breakers, edge_latency_ms=e.latency_ewma_ms,

@@ -16,9 +16,10 @@ import redis
 
 from controlplane.redisdb import keynames
 from controlplane.routing import registry
+from controlplane.routing.nodekind import hint_of
 from controlplane.cli.common import ConnectedGroup, Ctx, actor, run_or_exit, table
 from controlplane.admin import ops
-from controlplane.admin.nodeview import build_views
+from controlplane.admin.nodeview import NodeView, build_views
 
 KINDS = ("vllm", "tgi", "sglang", "json", "openai")
 #: Age (s) of the routing snapshot past which no control plane is taken to publish (at
@@ -45,6 +46,14 @@ def nodes_cmd(ctx: click.Context, config: str | None, redis_url: str | None) -> 
     ctx.obj = Ctx(config, redis_url)
 
 
+def _maxconc(v: NodeView) -> str:
+    """``64``, or ``2 (slots)`` when the snapshot routes fewer (a llama.cpp node's slots)."""
+    routed = v.routed_max_concurrency
+    if routed is not None and routed < v.max_concurrency:
+        return f"{routed} (slots)"
+    return str(v.max_concurrency)
+
+
 @nodes_cmd.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print the merged node views as JSON.")
 @click.pass_obj
@@ -58,11 +67,14 @@ def list_cmd(c: Ctx, as_json: bool) -> None:
         click.echo("no nodes registered")
         return
     rows = [[v.name, v.state, {True: "up", False: "down", None: "?"}[v.healthy], v.kind, v.url,
-             _f(v.weight), str(v.max_concurrency), _f(v.queue_depth), _f(v.running),
+             _f(v.weight), _maxconc(v), _f(v.queue_depth), _f(v.running),
              _f(None if v.kv_cache_usage is None else v.kv_cache_usage * 100, "{:.0f}%"),
              str(v.inflight), _f(v.poll_age_s, "{:.1f}s")] for v in views]
     click.echo(table(["NAME", "STATE", "HEALTH", "KIND", "URL", "WEIGHT", "MAXCONC", "QUEUE",
                       "RUNNING", "KV", "INFLIGHT", "POLLED"], rows))
+    for v in views:  # a node whose kind needs a setting: one line each
+        if (hint := hint_of(v.last_error)) is not None:
+            click.echo(f"{v.name}: {hint}")
 
 
 def _node_options(fn: Callable) -> Callable:

@@ -71,6 +71,7 @@ from controlplane.config import (ConfigError, NodeSettings, RedisSettings,
                                  Settings, load_settings)
 from controlplane.routing.leader import LeaderElector, make_id
 from controlplane.routing.models import ModelsPoller
+from controlplane.routing.nodekind import PropsPoller
 from controlplane.routing.poller import NodeStatus, NodeTracker, Poller, breakers_open
 from controlplane.redisdb.conn import make_redis
 from controlplane.redisdb.url import parse_redis_url
@@ -167,6 +168,8 @@ class ControlPlane:
         self.poller = Poller(cp.poll_timeout_s)
         #: served models per node, read rarely and apart from the health polls
         self.models = ModelsPoller(cp.models_refresh_s, cp.models_timeout_s)
+        #: llama.cpp slots and kind hints per node (/props, read like /v1/models)
+        self.props = PropsPoller(cp.models_refresh_s, cp.models_timeout_s)
         #: node -> epoch s its slow start began (added at run time, healthy again)
         self.ramps: dict[str, float] = {}
         self._registry_read = False
@@ -320,6 +323,7 @@ class ControlPlane:
             nodes = list(self.nodes)
             for n in nodes:  # start due /v1/models reads now: most land during the poll
                 self.models.served(n)
+                self.props.observe(n)
             results = self.poller.poll_all(nodes)
             # The lease is renewed after polling, right before the writes it guards.
             if redis_ok:
@@ -330,6 +334,7 @@ class ControlPlane:
             for name in set(self.trackers) - names:
                 del self.trackers[name]
             self.models.forget(names)
+            self.props.forget(names)
             report.models = {n.name: self.models.served(n) for n in nodes}
             slow_s = self.settings.controlplane.slow_start_s
             self.ramps = {k: v for k, v in self.ramps.items()
@@ -343,6 +348,7 @@ class ControlPlane:
                 status, changed = self._tracker(n).update(results[n.name], now,
                                                           inflight.get(n.name, 0.0),
                                                           n.name in tripped)
+                self.props.annotate(n, status)
                 report.statuses[n.name] = status
                 if changed:
                     self._health_changed(status)
@@ -438,7 +444,8 @@ class ControlPlane:
             self.states = states
             hosts = {n.name: self.resolver.resolve_url(n.url, now) for n in nodes}
             snap = build_snapshot(
-                version=version, now=now, leader=self.id, nodes=nodes, states=states,
+                version=version, now=now, leader=self.id, nodes=self.props.effective(nodes),
+                states=states,
                 statuses={k: v.metrics() for k, v in report.statuses.items()},
                 hosts=hosts, slow_start_s=cp.slow_start_s, models=report.models,
                 ramps=self.ramps)
@@ -542,6 +549,7 @@ class ControlPlane:
                 pass
             self.poller.close()
             self.models.close()
+            self.props.close()
 
 
 # -- command line ----------------------------------------------------------------------

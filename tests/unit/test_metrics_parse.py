@@ -243,10 +243,15 @@ def test_malformed_prometheus(body):
 
 
 @pytest.mark.parametrize("body", ["", "process_cpu_seconds_total 12.5\npython_info 1\n",
-                                  "llamacpp:requests_processing 1\n"])
+                                  "lmdeploy:requests_processing 1\n"])
 def test_unknown_dialect(body):
     with pytest.raises(UnknownDialectError):
         parse_metrics(body)
+
+
+def test_llamacpp_names_are_the_llamacpp_dialect():
+    r = parse_metrics("llamacpp:requests_processing 1\n")
+    assert (r.dialect, r.running, r.queue_depth) == ("llamacpp", 1.0, None)
 
 
 def test_nan_gauge_is_unknown_and_values_are_clamped():

