@@ -68,6 +68,8 @@ local keynames = require("infergate.redis.keynames")
 local ar = require("infergate.admission.redis")
 local astats = require("infergate.admission.stats")
 local flush = require("infergate.core.flush")
+local reqctx = require("infergate.core.reqctx")
+local request_body = require("infergate.core.body")
 local redis = require("infergate.redis.client")
 
 local _M = {}
@@ -154,45 +156,8 @@ local function dict()
     return ngx.shared[options.DICT_LIMITS]
 end
 
--- Characters (Unicode code points) of a UTF-8 string.
-local function chars(s)
-    local _, n = s:gsub("[^\128-\191]", "")
-    return n
-end
-
-local function text_chars(v)
-    if type(v) == "string" then
-        return chars(v)
-    end
-    local n = 0
-    if type(v) == "table" then
-        for _, part in ipairs(v) do
-            if type(part) == "string" then
-                n = n + chars(part)
-            elseif type(part) == "table" and type(part.text) == "string" then
-                n = n + chars(part.text)   -- content parts {"type": "text", "text": ...}
-            end
-        end
-    end
-    return n
-end
-
--- Characters of the prompt of a decoded request body (chat, completions, embeddings).
-function _M.prompt_chars(body)
-    if type(body) ~= "table" then
-        return 0
-    end
-    local n = 0
-    if type(body.messages) == "table" then
-        for _, m in ipairs(body.messages) do
-            if type(m) == "table" then
-                n = n + text_chars(m.content)
-            end
-        end
-    end
-    n = n + text_chars(body.prompt) + text_chars(body.input)
-    return n
-end
+-- Characters of the prompt of a decoded request body (infergate.core.body.prompt_chars).
+_M.prompt_chars = request_body.prompt_chars
 
 -- Estimated prompt tokens: ceil(chars / chars_per_token), at least 1.
 function _M.estimate_tokens(body, chars_per_token)
@@ -640,7 +605,8 @@ function _M.step(req)
     -- the token estimate (a walk over the prompt) only when a token bucket may apply
     local kl = req.key_limits
     if req.route == "inference" and (o.global_tpm > 0 or (kl and kl.tpm)) then
-        req.est_tokens = _M.estimate_tokens(req.body, o.chars_per_token)
+        -- the prompt's characters are counted once per request (infergate.core.reqctx)
+        req.est_tokens = max(1, ceil(reqctx.prompt_chars(req) / o.chars_per_token))
     end
     local list = _M.buckets(req, o)
     if #list == 0 then

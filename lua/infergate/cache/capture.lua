@@ -48,7 +48,6 @@ local reqctx = require("infergate.core.reqctx")
 local replay = require("infergate.cache.replay")
 local flush = require("infergate.core.flush")
 local cachekey = require("infergate.cache.key")
-local ratelimit = require("infergate.admission.ratelimit")
 
 local _M = {}
 
@@ -519,7 +518,7 @@ local function store_of(c, req)
         tail = replay.tail(comp), usage = type(comp.usage) == "table",
         -- characters of the prompt's message contents: a semantic hit scales the stored
         -- prompt_tokens by the requester's prompt length (infergate.cache.lookup)
-        prompt_chars = ratelimit.prompt_chars(req and req.body),
+        prompt_chars = req and reqctx.prompt_chars(req) or 0,
     })
     local index_job
     if c.namespace and c.text then

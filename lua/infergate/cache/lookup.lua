@@ -3,10 +3,10 @@
 --
 --   init_by_lua:  assert(require("infergate.cache.lookup").init())   -- after config.init
 --
--- init() reads the [cache] options from infergate.core.config (validated there) and
--- adds the "cache" step to the access pipeline (infergate.access) before the first of
--- "eligible" and "admission", so hits are answered after auth and rate limits but
--- without any node and regardless of node saturation.
+-- init() reads the [cache] options from infergate.core.config (validated there); step()
+-- is the "cache" access step (infergate.phases runs it before "eligible" and
+-- "admission", so hits are answered after auth and rate limits but without any node and
+-- regardless of node saturation).
 --
 -- The step, for POST /v1/chat/completions and /v1/completions with a JSON body:
 --   * BYPASS (neither read nor stored): Cache-Control: no-store; a body over
@@ -69,8 +69,7 @@ local replay = require("infergate.cache.replay")
 local batch = require("infergate.cache.batch")
 local prometheus = require("infergate.core.prometheus")
 local flush = require("infergate.core.flush")
-local request_body = require("infergate.core.body")
-local ratelimit = require("infergate.admission.ratelimit")
+local reqctx = require("infergate.core.reqctx")
 
 local _M = {}
 
@@ -163,7 +162,8 @@ local function options_object(so)
     if next(so) ~= nil then
         return true
     end
-    local text = request_body.text()
+    local req = reqctx.get()
+    local text = req and req.raw_body
     local e = text and stream_options_at(text)
     return e ~= nil and byte(text, e + 1) == 123 -- "{"
 end
@@ -214,11 +214,7 @@ function _M.with_usage(text, so)
 end
 
 local function ask_usage(req, c)
-    local text, err = request_body.text()
-    local body
-    if text then
-        body, err = _M.with_usage(text, req.body.stream_options)
-    end
+    local body, err = _M.with_usage(req.raw_body, req.body.stream_options)
     if not body then
         log(DEBUG, "infergate: cache: stream usage not asked of the node: ", err)
         return
@@ -227,6 +223,7 @@ local function ask_usage(req, c)
     c.usage_added = true
 end
 
+-- The "cache" access step (infergate.phases).
 local function step(req)
     local e = _M.lookup(req)
     local c = req.cache
@@ -241,11 +238,13 @@ local function step(req)
     end
     return e
 end
+_M.step = step
 
 -- Takes the cache options from the validated edge options (infergate.core.config,
 -- checked there against the rendered spec: every default and range lives in the
--- [cache] section of controlplane/config.py) and, when enabled, installs the access
--- step. Returns true or nil, err.
+-- [cache] section of controlplane/config.py) and, when enabled, hands the exact lookup
+-- to the rate-limit script (the access step itself is listed in infergate.phases).
+-- Returns true or nil, err.
 function _M.init()
     local ok, o = pcall(config.get)
     if not ok then
@@ -253,15 +252,6 @@ function _M.init()
     end
     opts = o.cache
     if opts.enabled and not _M.installed then
-        local access = require("infergate.access")
-        local before = "eligible"
-        for _, s in ipairs(access.steps) do
-            if s.name == "eligible" or s.name == "admission" then
-                before = s.name
-                break
-            end
-        end
-        access.insert_step("cache", step, before)
         -- the exact GET rides in the rate-limit script's round trip
         require("infergate.admission.ratelimit").companion = _M.prefetch
         _M.installed = true
@@ -555,9 +545,9 @@ end
 -- ------------------------------------------------------------------ lookup steps
 
 -- Queues a semantic hit for the control plane's verification (flush queue; see the
--- header). The request body as received when nginx kept it in memory, else re-encoded.
+-- header). The request body as received, else re-encoded.
 local function queue_verify(req, c, key, ns)
-    local body = ngx.req.get_body_data()
+    local body = req.raw_body
     if not body and type(req.body) == "table" then
         body = replay.encode(req.body)
     end
@@ -623,7 +613,7 @@ local function semantic_usage(req, c, entry)
     if not comp then
         return entry
     end
-    local u = replay.scaled_usage(comp.usage, ratelimit.prompt_chars(req.body), stored)
+    local u = replay.scaled_usage(comp.usage, reqctx.prompt_chars(req), stored)
     if not u then
         return entry
     end
@@ -801,11 +791,9 @@ local function prepare(req)
     end
     local c = {
         path = path, kind = kind, status = "BYPASS", store = false,
-        stream = body.stream == true,
-        include_usage = type(body.stream_options) == "table"
-            and body.stream_options.include_usage == true,
+        stream = req.stream == true, include_usage = req.include_usage == true,
         ttl = opts.ttl_s, max_bytes = opts.max_entry_bytes, dict = _M.DICT,
-        model = type(body.model) == "string" and body.model or "",
+        model = req.model or "",
     }
     -- req.cache (counted and captured) only once the cache step runs: a request refused
     -- by the rate limit before it took no part in the cache
