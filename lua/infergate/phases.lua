@@ -16,9 +16,9 @@
 -- or an error table {status, message, type, code, headers} answered as OpenAI-style JSON
 -- (infergate.core.errors), which ends the request; a step may also end it itself (a cache
 -- hit, a slow body sent to the 408 location). Filter and log steps all run, in order.
--- The request's state (infergate.core.reqctx) is created by the first access step; its
--- body is read and decoded once (steps body_read and body) and every later step reads it
--- from there.
+-- access() creates the request's state (infergate.core.reqctx) before the first step;
+-- its body is read and decoded once (steps body_read and body) and every later step
+-- reads it from there.
 local config = require("infergate.core.config")
 local errors = require("infergate.core.errors")
 local reqctx = require("infergate.core.reqctx")
