@@ -40,7 +40,7 @@ with ``"\\n"``. Requests without such a last user text have no namespace (exact 
 
 **Unicode:** every string is NFC-normalised before it is written, so a precomposed ``é``
 (U+00E9) and ``e`` + U+0301 give the same keys. Python uses ``unicodedata.normalize``;
-the edge calls GLib's ``g_utf8_normalize`` through the FFI (``lua/infergate/cache/unicode.lua``;
+the edge calls GLib's ``g_utf8_normalize`` through the FFI (``lua/infergate/core/unicode.lua``;
 Debian package ``libglib2.0-0``). Members are sorted by their key as sent, then written
 normalised (both sides do the same). Before normalising, both sides bring a string to
 its stream-safe form (Unicode UAX #15, section 13: U+034F COMBINING GRAPHEME JOINER

@@ -1,18 +1,13 @@
--- access_by_lua: a small pipeline of steps run in order for every API request.
+-- Access steps of the edge itself: method, body and eligible (the order of every step
+-- is in infergate.phases). Each step is function(req) -> nil to continue, or an error
+-- table {status, message, type, code, headers} to answer with a JSON error and stop.
 --
---   require("infergate.access").run("inference")   -- POST /v1/chat/completions, ...
---   require("infergate.access").run("models")      -- GET /v1/models
+--   step_method    the route's methods; a request that already went through an edge: 508
+--   step_body      the JSON body (below)
+--   step_eligible  no eligible node among those serving the request's model: 503
 --
--- Each step is function(req) -> nil to continue, or an error table
--- {status, message, type, code, headers} to answer with a JSON error and stop.
--- Order: method -> auth (API key -> req.tenant) -> body -> models (unknown model: 404
--- model_not_found; GET /v1/models answered by the edge, infergate.routing.models) ->
--- ratelimit -> eligible (among the nodes serving the request's model) -> admission
--- (load shedding, per model). The cache lookup goes in with
--- insert_step("cache", fn, "eligible"): after auth and rate limiting, and before
--- admission, so a cache hit is answered even when every node is saturated.
---
--- The body step reads the whole body (nginx already enforces client_max_body_size:
+-- The body step reads the whole body once into the request's state (req.raw_body,
+-- req.body_bytes: infergate.core.reqctx.body_text; nginx already enforces client_max_body_size:
 -- too big -> 413 JSON from the error page). Bodies nginx buffered in memory are
 -- checked directly; a body nginx spilled to a temp file is read back from the file
 -- (blocking disk I/O; the rendered template sets client_body_buffer_size =
@@ -35,16 +30,10 @@ local ngx_start_time = ngxapi.req_start_time
 -- allow and lua-cjson accepts by default (NaN, Infinity, hexadecimal numbers).
 local body_json = cjson.new()
 body_json.decode_invalid_numbers(false)
-local errors = require("infergate.core.errors")
 local reqctx = require("infergate.core.reqctx")
-local request_body = require("infergate.core.body")
 local snapshot = require("infergate.routing.snapshot")
 local balancer = require("infergate.routing.balancer")
-local models = require("infergate.routing.models")
 local affinity = require("infergate.routing.affinity")
-local auth = require("infergate.admission.auth")
-local ratelimit = require("infergate.admission.ratelimit")
-local admission = require("infergate.admission.shed")
 local config = require("infergate.core.config")
 local options = require("infergate.admission.options")
 local deadline = require("infergate.admission.deadline")
@@ -54,7 +43,6 @@ local _M = {}
 local type = type
 local tostring = tostring
 local format = string.format
-local ipairs = ipairs
 
 local METHODS = {
     inference = { POST = true, allow = "POST" },
@@ -85,11 +73,6 @@ local function step_method(req)
             headers = { Allow = m.allow },
         }
     end
-end
-
-local function read_body()
-    ngx.req.read_body()
-    return request_body.text()
 end
 
 local function bad_request(message)
@@ -165,7 +148,7 @@ local function step_body(req)
     if req.route ~= "inference" then
         return nil
     end
-    local body, err = read_body()
+    local body, err = reqctx.body_text(req) -- read once (infergate.core.reqctx)
     if err then
         return { status = 500, message = err }
     end
@@ -206,7 +189,6 @@ local function step_body(req)
             code = "too_many_json_members",
         }
     end
-    req.body_bytes = #body
     body_json.decode_max_depth(o.max_json_depth)
     local obj, derr = body_json.decode(body)
     if type(obj) ~= "table" then
@@ -226,11 +208,12 @@ local function step_body(req)
         return too_many_messages(o.max_messages)
     end
     req.stream = obj.stream == true
+    req.include_usage = type(obj.stream_options) == "table"
+        and obj.stream_options.include_usage == true
     if type(obj.model) == "string" then
         req.model = obj.model
     end
-    req.body = obj
-    req.raw_body = body -- the text as received (infergate.cache.key.keys_for)
+    req.body = obj -- the text as received is req.raw_body (infergate.cache.key.keys_for)
     req.affinity, req.affinity_kind = affinity.key(obj, o)
 end
 
@@ -249,40 +232,8 @@ local function step_eligible(req)
     end
 end
 
-_M.steps = {
-    { name = "method", fn = step_method },
-    { name = "auth", fn = auth.step },
-    { name = "body", fn = step_body },
-    { name = "models", fn = models.step },
-    { name = "ratelimit", fn = ratelimit.step },
-    { name = "eligible", fn = step_eligible },
-    { name = "admission", fn = admission.step_shed },
-}
-
--- Adds a step before the step named `before` (at the end when nil or not found).
-function _M.insert_step(name, fn, before)
-    local pos = #_M.steps + 1
-    if before then
-        for i, s in ipairs(_M.steps) do
-            if s.name == before then
-                pos = i
-                break
-            end
-        end
-    end
-    table.insert(_M.steps, pos, { name = name, fn = fn })
-end
-
-function _M.run(route)
-    snapshot.refresh()
-    local req = reqctx.new(route)
-    for _, step in ipairs(_M.steps) do
-        local e = step.fn(req)
-        if e then
-            req.rejected = e.status
-            return errors.send(e.status, e.message, e.type, e.code, e.headers)
-        end
-    end
-end
+_M.step_method = step_method
+_M.step_body = step_body
+_M.step_eligible = step_eligible
 
 return _M

@@ -1,4 +1,4 @@
-"""Prometheus metrics: the edge's GET /metrics (lua/infergate/core/prometheus.lua on
+"""Prometheus metrics: the edge's GET /metrics (lua/infergate/metrics/exposition.lua on
 edge.metrics_listen) and the control plane's GET /metrics (controlplane/routing/exporter.py),
 read with prometheus_client's own parser after real traffic: names, types, labels and
 values that match what happened (retries, breaker openings, cache results, 404s, rate
@@ -143,7 +143,7 @@ def test_edge_metrics_server_can_be_turned_off(redis_server, tiny_upstreams, edg
     s = edge_settings(redis_server.url, [up.node_settings()], metrics_listen="")
     edge = edge_factory(s)
     assert edge.metrics_url == ""
-    assert "infergate.core.prometheus\").serve" not in edge.rendered.http_conf.read_text()
+    assert "infergate.metrics.exposition\").serve" not in edge.rendered.http_conf.read_text()
     assert chat(edge, "no metrics").status_code == 200
 
 

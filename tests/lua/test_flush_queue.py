@@ -29,6 +29,7 @@ PRELUDE = """
         flush_dropped = function(kind) dropped[#dropped + 1] = kind end,
     }
     local flush = require("infergate.core.flush")
+    flush.use(package.loaded["infergate.redis.pool"])
 """
 
 

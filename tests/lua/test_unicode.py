@@ -1,4 +1,4 @@
-"""NFC at the edge (lua/infergate/cache/unicode.lua, GLib through the FFI) against Python's
+"""NFC at the edge (lua/infergate/core/unicode.lua, GLib through the FFI) against Python's
 unicodedata, including long text that the edge normalises piece by piece."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def nfc_at_the_edge(workdir: Path, cases: list[str], setup: str = "") -> dict:
     (workdir / "cases.json").write_text(json.dumps(cases))
     return lua_eval(workdir, f"""
         local cjson = require("cjson.safe")
-        local u = require("infergate.cache.unicode")
+        local u = require("infergate.core.unicode")
         {setup}
         local f = assert(io.open("{workdir}/cases.json"))
         local cases = cjson.decode(f:read("*a"))
@@ -50,7 +50,7 @@ def test_long_decomposed_text_is_composed(workdir: Path) -> None:
     # 3 MB of "e" + U+0301: normalised piece by piece (in one piece GLib's composition
     # would take minutes), the cuts never separating an "e" from its accent.
     out = lua_eval(workdir, """
-        local u = require("infergate.cache.unicode")
+        local u = require("infergate.core.unicode")
         local s = string.rep("e\\204\\129", 1024 * 1024)
         local n = u.nfc(s)
         return { ok = n == string.rep("\\195\\169", 1024 * 1024) }

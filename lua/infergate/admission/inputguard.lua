@@ -1,8 +1,6 @@
 -- Request bodies that arrive too slowly or are not UTF-8: a defined JSON answer.
 --
---   init_by_lua:  require("infergate.admission.inputguard").init()
---
--- init() adds the access step "body_read" before "body" (infergate.access), for the
+-- step() is the access step "body_read", before "body" (infergate.phases), for the
 -- inference paths:
 --
 -- * Slow bodies: a body with a Content-Length (HTTP/1.x) is read here through the
@@ -37,7 +35,7 @@ local ngxapi = require("infergate.core.ngxapi")
 local ngx_now = ngxapi.now
 local ngx_start_time = ngxapi.req_start_time
 local ngx_var = ngxapi.var
-local request_body = require("infergate.core.body")
+local reqctx = require("infergate.core.reqctx")
 
 local _M = {}
 
@@ -173,21 +171,10 @@ function _M.step(req)
     else
         ngx.req.read_body()
     end
-    local body = request_body.text()
+    local body = reqctx.body_text(req) -- read once, kept in req (infergate.core.reqctx)
     if body and not _M.valid_utf8(body) then
         return bad_utf8()
     end
-end
-
-function _M.init()
-    local access = require("infergate.access")
-    for _, s in ipairs(access.steps) do
-        if s.name == "body_read" then
-            return true
-        end
-    end
-    access.insert_step("body_read", _M.step, "body")
-    return true
 end
 
 return _M

@@ -77,12 +77,15 @@ local leases = require("infergate.admission.leases")
 local settlement = require("infergate.admission.settlement")
 local tokencount = require("infergate.admission.tokencount")
 local rlheaders = require("infergate.admission.rlheaders")
+local reqctx = require("infergate.core.reqctx")
 
 local _M = {}
 
 local ipairs = ipairs
 local pairs = pairs
 local min = math.min
+local max = math.max
+local ceil = math.ceil
 
 -- The parts, under their former names.
 _M.SCRIPT = bucketscript.SCRIPT
@@ -171,7 +174,8 @@ function _M.step(req)
     -- the token estimate (a walk over the prompt) only when a token bucket may apply
     local kl = req.key_limits
     if req.route == "inference" and (o.global_tpm > 0 or (kl and kl.tpm)) then
-        req.est_tokens = tokencount.estimate_tokens(req.body, o.chars_per_token)
+        -- the prompt's characters are counted once per request (infergate.core.reqctx)
+        req.est_tokens = max(1, ceil(reqctx.prompt_chars(req) / o.chars_per_token))
     end
     local list = _M.buckets(req, o)
     if #list == 0 then

@@ -16,7 +16,7 @@
 -- role, content, reasoning content, tool calls, finish reasons, usage) becomes the
 -- stored form of infergate.cache.replay. Errors and answers cut by a client abort or a broken stream
 -- are never stored. The entry keeps "prompt_chars", the characters of the request's
--- message contents (infergate.admission.ratelimit.prompt_chars), for the usage of
+-- message contents (infergate.core.reqctx.prompt_chars), for the usage of
 -- semantic hits.
 --
 -- A stream whose body the lookup step rewrote to ask for usage (c.usage_added, see
@@ -48,7 +48,6 @@ local replay = require("infergate.cache.replay")
 local flush = require("infergate.core.flush")
 local cachekey = require("infergate.cache.key")
 local reassemble = require("infergate.cache.reassemble")
-local ratelimit = require("infergate.admission.ratelimit")
 
 local _M = {}
 
@@ -331,7 +330,7 @@ local function store_of(c, req)
         tail = replay.tail(comp), usage = type(comp.usage) == "table",
         -- characters of the prompt's message contents: a semantic hit scales the stored
         -- prompt_tokens by the requester's prompt length (infergate.cache.lookup)
-        prompt_chars = ratelimit.prompt_chars(req and req.body),
+        prompt_chars = req and reqctx.prompt_chars(req) or 0,
     })
     local index_job
     if c.namespace and c.text then

@@ -3,10 +3,10 @@
 --
 --   init_by_lua:  assert(require("infergate.cache.lookup").init())   -- after config.init
 --
--- init() reads the [cache] options from infergate.core.config (validated there) and
--- adds the "cache" step to the access pipeline (infergate.access) before the first of
--- "eligible" and "admission", so hits are answered after auth and rate limits but
--- without any node and regardless of node saturation.
+-- init() reads the [cache] options from infergate.core.config (validated there); step()
+-- is the "cache" access step (infergate.phases runs it before "eligible" and
+-- "admission", so hits are answered after auth and rate limits but without any node and
+-- regardless of node saturation).
 --
 -- The step, for POST /v1/chat/completions and /v1/completions with a JSON body:
 --   * BYPASS (neither read nor stored): Cache-Control: no-store; a body over
@@ -111,6 +111,7 @@ _M._semantic_usage = semantic.semantic_usage
 
 local opts = nil
 
+-- The "cache" access step (infergate.phases).
 local function step(req)
     local e = _M.lookup(req)
     local c = req.cache
@@ -125,11 +126,13 @@ local function step(req)
     end
     return e
 end
+_M.step = step
 
 -- Takes the cache options from the validated edge options (infergate.core.config,
 -- checked there against the rendered spec: every default and range lives in the
--- [cache] section of controlplane/config.py) and, when enabled, installs the access
--- step. Returns true or nil, err.
+-- [cache] section of controlplane/config/) and, when enabled, hands the exact lookup
+-- to the rate-limit script (the access step itself is listed in infergate.phases).
+-- Returns true or nil, err.
 function _M.init()
     local ok, o = pcall(config.get)
     if not ok then
@@ -140,15 +143,6 @@ function _M.init()
         part.configure(opts)
     end
     if opts.enabled and not _M.installed then
-        local access = require("infergate.access")
-        local before = "eligible"
-        for _, s in ipairs(access.steps) do
-            if s.name == "eligible" or s.name == "admission" then
-                before = s.name
-                break
-            end
-        end
-        access.insert_step("cache", step, before)
         -- the exact GET rides in the rate-limit script's round trip
         require("infergate.admission.ratelimit").companion = _M.prefetch
         _M.installed = true

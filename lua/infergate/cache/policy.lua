@@ -158,11 +158,9 @@ function _M.prepare(req)
     end
     local c = {
         path = path, kind = kind, status = "BYPASS", store = false,
-        stream = body.stream == true,
-        include_usage = type(body.stream_options) == "table"
-            and body.stream_options.include_usage == true,
+        stream = req.stream == true, include_usage = req.include_usage == true,
         ttl = opts.ttl_s, max_bytes = opts.max_entry_bytes, dict = shared.DICT,
-        model = type(body.model) == "string" and body.model or "",
+        model = req.model or "",
     }
     -- req.cache (counted and captured) only once the cache step runs: a request refused
     -- by the rate limit before it took no part in the cache

@@ -6,7 +6,7 @@ local ngx_now = require("infergate.core.ngxapi").now
 local replay = require("infergate.cache.replay")
 local batch = require("infergate.cache.batch")
 local prometheus = require("infergate.core.prometheus")
-local tokencount = require("infergate.admission.tokencount")
+local reqctx = require("infergate.core.reqctx")
 local shared = require("infergate.cache.shared")
 local embedder = require("infergate.cache.embedder")
 local entries = require("infergate.cache.entry")
@@ -64,7 +64,7 @@ local function semantic_usage(req, c, entry)
     if not comp then
         return entry
     end
-    local u = replay.scaled_usage(comp.usage, tokencount.prompt_chars(req.body), stored)
+    local u = replay.scaled_usage(comp.usage, reqctx.prompt_chars(req), stored)
     if not u then
         return entry
     end

@@ -20,9 +20,9 @@ function _M.configure(o)
 end
 
 -- Queues a semantic hit for the control plane's verification (flush queue; see the
--- header). The request body as received when nginx kept it in memory, else re-encoded.
+-- header). The request body as received, else re-encoded.
 local function queue_verify(req, c, key, ns)
-    local body = ngx.req.get_body_data()
+    local body = req.raw_body
     if not body and type(req.body) == "table" then
         body = replay.encode(req.body)
     end

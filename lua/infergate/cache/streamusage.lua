@@ -11,7 +11,7 @@
 -- body before (and never holds stream_options).
 local cjson = require("cjson.safe")
 local replay = require("infergate.cache.replay")
-local request_body = require("infergate.core.body")
+local reqctx = require("infergate.core.reqctx")
 
 local _M = {}
 
@@ -63,7 +63,8 @@ local function options_object(so)
     if next(so) ~= nil then
         return true
     end
-    local text = request_body.text()
+    local req = reqctx.get()
+    local text = req and req.raw_body
     local e = text and stream_options_at(text)
     return e ~= nil and byte(text, e + 1) == 123 -- "{"
 end
@@ -117,11 +118,7 @@ _M.options_object = options_object
 -- Asks the node for usage in the request body (ngx.req.set_body_data); c.usage_added
 -- once asked.
 function _M.ask_usage(req, c)
-    local text, err = request_body.text()
-    local body
-    if text then
-        body, err = _M.with_usage(text, req.body.stream_options)
-    end
+    local body, err = _M.with_usage(req.raw_body, req.body.stream_options)
     if not body then
         log(DEBUG, "infergate: cache: stream usage not asked of the node: ", err)
         return

@@ -1,16 +1,22 @@
--- The request body as one string, whether nginx kept it in memory or spilled it to a
--- temp file (the rendered config keeps every accepted body in memory; the file is only
--- read for hand-written configs with a smaller client_body_buffer_size).
+-- The request body: its text, and facts derived from the decoded JSON. The access
+-- steps read the body once into the request's state (infergate.core.reqctx.body_text,
+-- reqctx.prompt_chars); other modules take it from there.
 --
 --   local body = require("infergate.core.body")
 --   local text, err = body.text()   -- after ngx.req.read_body()
+--   local n = body.prompt_chars(obj)
 --
--- Returns the body, nil when there is none, or nil, err when the temp file cannot be
--- read (blocking disk I/O, a fallback only).
+-- text() returns the body as one string, whether nginx kept it in memory or spilled it
+-- to a temp file (the rendered config keeps every accepted body in memory; the file is
+-- only read for hand-written configs with a smaller client_body_buffer_size): the body,
+-- nil when there is none, or nil, err when the temp file cannot be read (blocking disk
+-- I/O, a fallback only).
 local _M = {}
 
 local io_open = io.open
 local tostring = tostring
+local type = type
+local ipairs = ipairs
 
 function _M.text()
     local data = ngx.req.get_body_data()
@@ -28,6 +34,47 @@ function _M.text()
     data = f:read("*a")
     f:close()
     return data
+end
+
+-- Characters (Unicode code points) of a UTF-8 string.
+local function chars(s)
+    local _, n = s:gsub("[^\128-\191]", "")
+    return n
+end
+
+local function text_chars(v)
+    if type(v) == "string" then
+        return chars(v)
+    end
+    local n = 0
+    if type(v) == "table" then
+        for _, part in ipairs(v) do
+            if type(part) == "string" then
+                n = n + chars(part)
+            elseif type(part) == "table" and type(part.text) == "string" then
+                n = n + chars(part.text)   -- content parts {"type": "text", "text": ...}
+            end
+        end
+    end
+    return n
+end
+
+-- Characters of the prompt of a decoded request body (chat, completions, embeddings):
+-- the message contents, "prompt" and "input"; 0 for anything but a table.
+function _M.prompt_chars(obj)
+    if type(obj) ~= "table" then
+        return 0
+    end
+    local n = 0
+    if type(obj.messages) == "table" then
+        for _, m in ipairs(obj.messages) do
+            if type(m) == "table" then
+                n = n + text_chars(m.content)
+            end
+        end
+    end
+    n = n + text_chars(obj.prompt) + text_chars(obj.input)
+    return n
 end
 
 return _M

@@ -131,6 +131,81 @@ local function admission_view(d)
     return { auth = d.auth or {}, limits = d.limits or {}, shed = shed, deadlines = dl }
 end
 
+-- The flat options (see above) of a validated document, without the static nodes.
+local function flat_view(d)
+    local o = {}
+    copy_into(o, d.scoring, "")
+    copy_into(o, d.redis, "redis_")
+    copy_into(o, d.edge, "")
+    if o.edge_id == nil or o.edge_id == "" then
+        o.edge_id = "edge"
+    end
+    o.admission = admission_view(d)
+    local cache = {}
+    copy_into(cache, d.cache, "")
+    if cache.min_similarity == nil then
+        cache.min_similarity = false
+    end
+    cache.min_similarity_routes = cache.min_similarity_routes or {}
+    cache.min_similarity_models = cache.min_similarity_models or {}
+    o.cache = cache
+    return o
+end
+
+-- Reads the Redis TLS client certificate and key named in o into o (PEM texts).
+-- Returns true or nil, err.
+local function read_tls_files(o)
+    local cert, key = o.redis_tls_cert_file or "", o.redis_tls_key_file or ""
+    if (cert == "") ~= (key == "") then
+        return nil, "redis.tls_cert_file and redis.tls_key_file go together"
+    end
+    if cert ~= "" then
+        local cerr
+        o.redis_tls_cert_pem, cerr = read_file(cert, "redis.tls_cert_file")
+        if not o.redis_tls_cert_pem then
+            return nil, cerr
+        end
+        o.redis_tls_key_pem, cerr = read_file(key, "redis.tls_key_file")
+        if not o.redis_tls_key_pem then
+            return nil, cerr
+        end
+    end
+    return true
+end
+
+-- The static node list of the options document: a list of {name, host, port, weight,
+-- max_concurrency, kind, models}, or nil, err.
+local function static_nodes(nodes)
+    nodes = nodes or {}
+    if type(nodes) ~= "table" then
+        return nil, "infergate option 'nodes' must be an array"
+    end
+    local seen = {}
+    local out = {}
+    for i, n in ipairs(nodes) do
+        local ok, nerr = check_node(i, n)
+        if not ok then
+            return nil, "infergate static node list: " .. nerr
+        end
+        if seen[n.name] then
+            return nil, "infergate static node list: duplicate node name '" .. n.name .. "'"
+        end
+        seen[n.name] = true
+        out[i] = {
+            name = n.name,
+            -- nil when the address could not be resolved at render time
+            host = n.host ~= cjson.null and n.host or nil,
+            port = n.port,
+            weight = n.weight or 1.0,
+            max_concurrency = n.max_concurrency or 64,
+            kind = n.kind,
+            -- served model ids; nil or empty = unknown (any model)
+            models = type(n.models) == "table" and n.models or nil,
+        }
+    end
+    return out
+end
+
 -- Parses and validates the rendered options and spec (JSON texts or tables).
 function _M.init(src, spec_src)
     local t, err = _M.decode(src, "infergate options")
@@ -157,67 +232,16 @@ function _M.init(src, spec_src)
     if not d then
         return nil, verr
     end
-
-    local o = {}
-    copy_into(o, d.scoring, "")
-    copy_into(o, d.redis, "redis_")
-    copy_into(o, d.edge, "")
-    if o.edge_id == nil or o.edge_id == "" then
-        o.edge_id = "edge"
+    local o = flat_view(d)
+    local ok, terr = read_tls_files(o)
+    if not ok then
+        return nil, terr
     end
-    o.admission = admission_view(d)
-    local cache = {}
-    copy_into(cache, d.cache, "")
-    if cache.min_similarity == nil then
-        cache.min_similarity = false
+    local nodes, nerr = static_nodes(t.nodes)
+    if not nodes then
+        return nil, nerr
     end
-    cache.min_similarity_routes = cache.min_similarity_routes or {}
-    cache.min_similarity_models = cache.min_similarity_models or {}
-    o.cache = cache
-
-    local cert, key = o.redis_tls_cert_file or "", o.redis_tls_key_file or ""
-    if (cert == "") ~= (key == "") then
-        return nil, "redis.tls_cert_file and redis.tls_key_file go together"
-    end
-    if cert ~= "" then
-        local cerr
-        o.redis_tls_cert_pem, cerr = read_file(cert, "redis.tls_cert_file")
-        if not o.redis_tls_cert_pem then
-            return nil, cerr
-        end
-        o.redis_tls_key_pem, cerr = read_file(key, "redis.tls_key_file")
-        if not o.redis_tls_key_pem then
-            return nil, cerr
-        end
-    end
-
-    local nodes = t.nodes or {}
-    if type(nodes) ~= "table" then
-        return nil, "infergate option 'nodes' must be an array"
-    end
-    local seen = {}
-    o.nodes = {}
-    for i, n in ipairs(nodes) do
-        local ok, nerr = check_node(i, n)
-        if not ok then
-            return nil, "infergate static node list: " .. nerr
-        end
-        if seen[n.name] then
-            return nil, "infergate static node list: duplicate node name '" .. n.name .. "'"
-        end
-        seen[n.name] = true
-        o.nodes[i] = {
-            name = n.name,
-            -- nil when the address could not be resolved at render time
-            host = n.host ~= cjson.null and n.host or nil,
-            port = n.port,
-            weight = n.weight or 1.0,
-            max_concurrency = n.max_concurrency or 64,
-            kind = n.kind,
-            -- served model ids; nil or empty = unknown (any model)
-            models = type(n.models) == "table" and n.models or nil,
-        }
-    end
+    o.nodes = nodes
     last_spec = spec
     doc = d
     opts = o

@@ -1,8 +1,9 @@
 -- Writes to Redis off the request path: one bounded queue per nginx worker, flushed by
 -- ONE recurring timer per worker (ngx.timer.every edge.flush_interval_ms, started in
--- init_worker), pipelined to Redis through infergate.redis.pool.
+-- init_worker), pipelined to Redis through the connection pool handed to init_worker
+-- (infergate.redis.pool; infergate.phases.init_worker hands it over).
 --
---   init_worker_by_lua:  require("infergate.core.flush").init_worker()
+--   init_worker_by_lua:  flush.init_worker(pool)   -- pool = infergate.redis.pool
 --   local flush = require("infergate.core.flush")
 --   flush.push("cache_store", { {"SET", k, v, "EX", 60}, ... }, cb)  -- any phase, no I/O
 --   flush.count(hash, field, n, ttl_s)                                -- HINCRBY, summed
@@ -31,7 +32,6 @@
 -- last run (the timer's `premature` call) a push or count starts one zero-delay timer
 -- (nginx still runs those in an exiting worker) unless one is already pending, which
 -- flushes until the queue is empty (at most EXIT_FLUSH_MAX_S when Redis cannot take it).
-local pool = require("infergate.redis.pool")
 local ngxapi = require("infergate.core.ngxapi")
 local ngx_now = ngxapi.now
 local config = require("infergate.core.config")
@@ -59,6 +59,9 @@ _M.MAX_BATCH = 2000
 _M.TIMEOUT_MS = 2000
 _M.LOG_EVERY_S = 10
 _M.EXIT_FLUSH_MAX_S = 5
+
+-- The Redis connection pool (infergate.redis.pool: run(fn, _, timeout_ms)), handed in.
+local pool = nil
 
 local queue, qlen = {}, 0
 local counts, count_ttl, ncounts = {}, {}, 0
@@ -171,7 +174,9 @@ local function send(jobs, first, last, counter_cmds)
         cmds[n + k] = counter_cmds[k]
     end
     local res, err
-    if n + nc > 0 then
+    if n + nc > 0 and not pool then
+        err = "no Redis pool (infergate.core.flush.use)"
+    elseif n + nc > 0 then
         local t = math.max(_M.TIMEOUT_MS, tonumber(options().redis_timeout_ms) or 0)
         res, err = pool.run(function(c)
             return c:pipeline(cmds)
@@ -334,8 +339,17 @@ after_exit = function()
     end
 end
 
--- init_worker_by_lua: starts this worker's flush timer (once).
-function _M.init_worker()
+-- The Redis connection pool writes go through (infergate.redis.pool, or a stand-in).
+function _M.use(p)
+    pool = p
+end
+
+-- init_worker_by_lua: starts this worker's flush timer (once), writing through the
+-- connection pool `p` (infergate.redis.pool) when given.
+function _M.init_worker(p)
+    if p then
+        pool = p
+    end
     if started then
         return true
     end

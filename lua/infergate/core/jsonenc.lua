@@ -141,18 +141,15 @@ local CANONICAL = {
     empty_array = true,     -- every empty table is []
     all_keys = true,        -- non-string keys as tostring(key)
     strict = true,          -- values JSON cannot hold: error
-    normalize = require("infergate.cache.unicode").nfc, -- strings (and keys) in NFC
+    normalize = require("infergate.core.unicode").nfc, -- strings (and keys) in NFC
 }
 
 -- ------------------------------------------------------------------ encoder
 
--- An encode(v) function for one spelling; errors are raised (caught by _M.encode).
-local function encoder(mode)
-    local esc, number, max_depth = mode.esc, mode.number, mode.max_depth
-    local marks, empty_array, all_keys, strict, normalize =
-        mode.marks, mode.empty_array, mode.all_keys, mode.strict, mode.normalize
-
-    local function enc_string(s)
+-- enc_string(s) of a spelling: quoted, escaped with `esc`, in NFC when `normalize` is
+-- given (only strings with a byte that needs it).
+local function string_encoder(esc, normalize)
+    return function(s)
         -- most strings need neither escapes nor normalisation: one PCRE scan (FFI, no
         -- trace abort) instead of a Lua pattern pass
         if not re_find(s, PLAIN_UNSAFE, "jo") then
@@ -163,6 +160,43 @@ local function encoder(mode)
         end
         return '"' .. gsub(s, '[%z\1-\31"\\]', esc) .. '"'
     end
+end
+
+-- n when t is written as an array of n elements, nil when as an object.
+local function array_len(t, marks, empty_array)
+    local mt = marks and getmetatable(t) or nil
+    if mt == ARRAY_MT then
+        return #t
+    elseif mt == OBJECT_MT then
+        return nil
+    end
+    if next(t) == nil then
+        return empty_array and 0 or nil
+    end
+    return seq_len(t)
+end
+
+-- The keys of an object in the order they are written (byte order): string keys, and
+-- with all_keys the others as tostring(key).
+local function object_keys(t, all_keys)
+    local ks = {}
+    for k in pairs(t) do
+        if type(k) == "string" then
+            ks[#ks + 1] = k
+        elseif all_keys then
+            ks[#ks + 1] = tostring(k)
+        end
+    end
+    sort(ks)
+    return ks
+end
+
+-- An encode(v) function for one spelling; errors are raised (caught by _M.encode).
+local function encoder(mode)
+    local number, max_depth = mode.number, mode.max_depth
+    local marks, empty_array, all_keys, strict =
+        mode.marks, mode.empty_array, mode.all_keys, mode.strict
+    local enc_string = string_encoder(mode.esc, mode.normalize)
 
     local enc
 
@@ -170,19 +204,7 @@ local function encoder(mode)
         if depth > max_depth then
             error("nesting too deep", 0)
         end
-        local mt = marks and getmetatable(t) or nil
-        local n
-        if mt == ARRAY_MT then
-            n = #t
-        elseif mt ~= OBJECT_MT then
-            if next(t) == nil then
-                if empty_array then
-                    n = 0
-                end
-            else
-                n = seq_len(t)
-            end
-        end
+        local n = array_len(t, marks, empty_array)
         if n then
             out[#out + 1] = "["
             for i = 1, n do
@@ -194,17 +216,8 @@ local function encoder(mode)
             out[#out + 1] = "]"
             return
         end
-        local ks = {}
-        for k in pairs(t) do
-            if type(k) == "string" then
-                ks[#ks + 1] = k
-            elseif all_keys then
-                ks[#ks + 1] = tostring(k)
-            end
-        end
-        sort(ks)
         out[#out + 1] = "{"
-        for i, k in ipairs(ks) do
+        for i, k in ipairs(object_keys(t, all_keys)) do
             if i > 1 then
                 out[#out + 1] = ","
             end

@@ -16,6 +16,11 @@
 -- State: {id, route = "inference"|"models", stream = bool, model = string|nil,
 --         http_version = client's (1.0, 1.1, 2.0), attempts = {attempt records, see
 --         infergate.routing.stats}, tried = {name = true}, invalid_answer = node name|nil}
+-- The body, read and decoded once (the access steps body_read and body, see
+-- infergate.phases); every later step reads it here:
+--   raw_body      the text as received (body_text(req) reads it, once), body_bytes its size
+--   body          the decoded JSON object; include_usage = stream_options.include_usage
+--   prompt_chars  characters of the prompt (prompt_chars(req) counts them, once)
 -- Admission control adds: tenant ("default" with auth off), key_id, key_limits
 -- (infergate.admission.auth); est_tokens, ratelimit, track_usage, usage, headers_out
 -- (infergate.admission.ratelimit, infergate.admission.usage); deadline (infergate.admission.deadline).
@@ -27,6 +32,7 @@ local pending_count = 0
 local bit = require("bit")
 local ngxapi = require("infergate.core.ngxapi")
 local ngx_var = ngxapi.var
+local request_body = require("infergate.core.body")
 local tohex = bit.tohex
 local bxor = bit.bxor
 local tobit = bit.tobit
@@ -132,6 +138,34 @@ function _M.finish(req)
         pending[id] = nil
         pending_count = pending_count - 1
     end
+end
+
+-- The request body's text, read once (ngx.req.read_body, then from memory or the temp
+-- file: infergate.core.body.text) into req.raw_body and req.body_bytes. Returns the text
+-- (nil when there is none), or nil, err when it cannot be read.
+function _M.body_text(req)
+    if req.body_read then
+        return req.raw_body, req.body_err
+    end
+    ngx.req.read_body()
+    local text, err = request_body.text()
+    req.body_read = true
+    req.raw_body, req.body_err = text, err
+    req.body_bytes = text and #text or 0
+    return text, err
+end
+
+-- Characters of the prompt of the decoded body (infergate.core.body.prompt_chars),
+-- counted on first use and kept in req.prompt_chars; 0 without a decoded body.
+function _M.prompt_chars(req)
+    local n = req.prompt_chars
+    if not n then
+        n = request_body.prompt_chars(req.body)
+        if req.body ~= nil then
+            req.prompt_chars = n
+        end
+    end
+    return n
 end
 
 -- Requests of this worker between access and log (for the status endpoint).
