@@ -14,6 +14,7 @@ import openai
 import pytest
 import requests
 
+from controlplane import procs
 from support.stack import edge_settings
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
@@ -241,8 +242,11 @@ def test_every_answer_carries_a_request_id(two_nodes) -> None:
     assert all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids), ids
     assert len(set(ids)) == len(ids)
     assert set(ids) <= {i for u in ups for i in u.request_ids}, "the node got another id"
-    log = edge.rendered.access_log.read_text()
-    assert all(f"rid={i}" in log for i in ids)
+    # a request's access-log line is written in its log phase, after the answer went out
+    def logged() -> bool:
+        log = edge.rendered.access_log.read_text()
+        return all(f"rid={i}" in log for i in ids)
+    procs.wait_until(logged, timeout=10, what="every request id in the access log")
     edge.status()  # a location without a request id of the edge's own: no warning either
     assert "uninitialized" not in edge.rendered.error_log.read_text()
     bad = requests.post(url, data=b"{nope", headers={"Content-Type": "application/json"}, timeout=10)
