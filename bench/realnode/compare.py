@@ -205,21 +205,6 @@ def _meta(args: argparse.Namespace, argv: list[str], prompts: int) -> dict:
             "output_tokens": asdict(LengthDist())}
 
 
-def printed(data: dict, meta: dict) -> str:
-    """What the command prints at the end (also the block of the performance page):
-    the table, the noise table, the noise line, the calibration and the note."""
-    runs = data["runs"]
-    cal = data["calibration"]
-    per = ", ".join(f"{k} ({v['slots']} slots) {v['rps']}/s" for k, v in cal["nodes"].items())
-    lines = [cs.table(runs), "", cs.noise_table(runs), "", cs.noise_line(runs),
-             f"capacity {cal['capacity_rps']} req/s ({per}; {cal.get('source', 'calibration')}"
-             f"); window {meta['window_s']:g} s, deadline {meta['deadline_s']:g} s, "
-             f"{meta['threads']} thread(s) per node"]
-    if meta.get("note"):
-        lines.append(f"note: {meta['note']}")
-    return "\n".join(lines)
-
-
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """The whole benchmark (module docstring); returns the exit status."""
     try:
@@ -268,7 +253,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     meta["loadavg_after"] = round(os.getloadavg()[0], 2)
     write_json(out / f"{NAME}.json", data)
     write_json(out / f"{NAME}.meta.json", meta)
-    print(printed(data, meta))
+    print(cs.report_text(data, meta))
     print(f"wrote {out / (NAME + '.json')}, {out / (NAME + '.meta.json')} "
           f"({meta['elapsed_s']} s)")
     return 0

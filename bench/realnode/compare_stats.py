@@ -244,3 +244,19 @@ def noise_line(runs: Sequence[dict]) -> str:
     return (f"noise (spread between repeats of the same strategy, {s['groups']} groups): goodput "
             f"median {_num(g['median_spread_pct'])} %, max {_num(g['max_spread_pct'])} %; "
             f"p99 median {_num(p['median_spread_pct'])} %, max {_num(p['max_spread_pct'])} %")
+
+
+def report_text(data: dict, meta: dict) -> str:
+    """What ``compare`` prints at the end, also the block of the performance page: the
+    table, the noise table and line, the calibration and the run's note. ``data``: the
+    ``realnode_compare.json`` document; ``meta``: its ``.meta.json``."""
+    runs = data["runs"]
+    cal = data["calibration"]
+    per = ", ".join(f"{k} ({v['slots']} slots) {_num(v['rps'])}/s" for k, v in cal["nodes"].items())
+    lines = [table(runs), "", noise_table(runs), "", noise_line(runs),
+             f"capacity {_num(cal['capacity_rps'])} req/s ({per}; {cal.get('source', 'calibration')}"
+             f"); window {meta['window_s']:g} s, deadline {meta['deadline_s']:g} s, "
+             f"{meta['threads']} thread(s) per node"]
+    if meta.get("note"):
+        lines.append(f"note: {meta['note']}")
+    return "\n".join(lines)

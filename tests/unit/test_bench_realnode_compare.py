@@ -220,3 +220,14 @@ def test_noise_is_the_spread_between_repeats() -> None:
     assert "no spread" in cs.noise_line(RUNS[:2])
     text = cs.noise_table(RUNS)
     assert "1.60-1.80" in text and " yes |" in text
+
+
+def test_the_printed_report_has_both_tables_the_capacity_and_the_note() -> None:
+    data = {"calibration": {"capacity_rps": 2.5, "nodes": {"p1-1": {"slots": 1, "rps": 1.0},
+                                                           "p3-2": {"slots": 3, "rps": 1.5}}},
+            "runs": RUNS}
+    meta = {"window_s": 20.0, "deadline_s": 20.0, "threads": 1, "note": "machine busy"}
+    text = cs.report_text(data, meta)
+    assert text.count("| scenario ") == 2 and "goodput/s min-max" in text
+    assert "capacity 2.50 req/s (p1-1 (1 slots) 1.00/s, p3-2 (3 slots) 1.50/s; calibration)" in text
+    assert text.endswith("note: machine busy") and "noise (spread between repeats" in text
