@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import sys
 import time
 from dataclasses import asdict
@@ -168,8 +169,9 @@ def run_plan(stack: Stack, nodes: list[PoolNode], base: InfergateStack | None,
     workloads: dict[tuple, Workload] = {}
     runs: list[dict] = []
     for i, (scenario, frac, rep, strategy) in enumerate(plan, 1):
-        wl = workloads.setdefault((scenario, frac),
-                                  make_workload(mix, scenario, frac, capacity, args))
+        if (scenario, frac) not in workloads:
+            workloads[(scenario, frac)] = make_workload(mix, scenario, frac, capacity, args)
+        wl = workloads[(scenario, frac)]
         _settle(nodes, rconn, strategy, slow_start_until)
         edge = EdgeRun(stack, strategy, nodes, 1.0, base, f"{i:02d}-{scenario}-{strategy}")  # type: ignore[arg-type]
         try:
@@ -196,7 +198,7 @@ def run_plan(stack: Stack, nodes: list[PoolNode], base: InfergateStack | None,
 
 def _meta(args: argparse.Namespace, argv: list[str], prompts: int) -> dict:
     return {"benchmark": NAME, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "command": " ".join(["python -m bench.realnode compare", *argv]),
+            "command": "python -m bench.realnode compare " + shlex.join(argv),
             "machine": machine_info(), "note": args.note,
             "nodes_slots": args.nodes, "threads": args.threads, "window_s": args.duration,
             "loads": args.loads, "burst": args.burst, "burst_size_s": args.burst_size,

@@ -190,7 +190,8 @@ def table(runs: Sequence[dict]) -> str:
     rows = aggregate(runs)
     names = "/".join((rows[0].get("nodes") or {}).keys()) if rows else ""
     cols = [("scenario", "scenario"), ("load", "load %"), ("strategy", "strategy"),
-            ("runs", "runs"), ("offered_rps", "offered/s"), ("goodput_rps", "goodput/s"),
+            ("runs", "runs"), ("offered_rps", "offered/s"), ("sent_rps", "sent/s"),
+            ("goodput_rps", "goodput/s"),
             ("p50_s", "p50 s"), ("p99_s", "p99 s"), ("ttft_p50_s", "TTFT p50 s"),
             ("ttft_p90_s", "TTFT p90 s"), ("timeout_pct", "timeouts %"),
             ("rejected_pct", "429 %"), ("cut", "cut"), ("share", f"tokens % {names}"),
