@@ -285,6 +285,16 @@ def block_semantic_burst(results: Path) -> str:
     return out
 
 
+def block_realnode_compare(results: Path) -> str:
+    """``python -m bench.realnode compare``'s tables (means over repeats, noise)."""
+    from .realnode import compare_stats
+
+    data = load(results, "realnode_compare.json")
+    meta = load(results, "realnode_compare.meta.json")
+    return (provenance("realnode_compare.json", meta) + "\n\n"
+            + _fenced(compare_stats.report_text(data, meta)))
+
+
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "scheduler": lambda r: _scheduler(r, "scheduler"),
     "scheduler_scenarios": lambda r: _scheduler(r, "scheduler_scenarios", extra_lines=True),
@@ -292,6 +302,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "scheduler_prefix_200": lambda r: _prefix(r, "scheduler_prefix_200"),
     "scheduler_mixed": lambda r: _scheduler(r, "scheduler_scenarios_mixed"),
     "scheduler_mixed_firstsight": lambda r: _scheduler(r, "scheduler_scenarios_mixed_firstsight"),
+    "realnode_compare": block_realnode_compare,
     "edge_overhead": block_edge_overhead,
     "admission": block_admission,
     "cache_index": block_cache_index,

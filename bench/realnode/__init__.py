@@ -4,7 +4,8 @@
 
 ``python -m bench.realnode build`` builds or reuses the binary (:mod:`.build`);
 ``python -m bench.realnode serve --port PORT`` runs one server until SIGTERM/SIGINT
-(:mod:`.launch`). Tests use :class:`RealNode` directly."""
+(:mod:`.launch`); ``python -m bench.realnode compare`` runs infergate against nginx
+``least_conn`` on a pool of them (:mod:`.compare`). Tests use :class:`RealNode` directly."""
 
 from bench.realnode.build import VERSION, BuildError, Built, cache_dir, ensure_binary, find_binary
 from bench.realnode.launch import MODEL_ALIAS, RealNode, model_path, server_argv

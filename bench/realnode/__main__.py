@@ -1,5 +1,6 @@
 """``python -m bench.realnode build`` | ``serve --port PORT [--parallel N] [--threads T]
-[--host H] [--no-metrics]`` (see the package docstring)."""
+[--host H] [--no-metrics]`` | ``compare [options]`` (see the package docstring and
+:mod:`bench.realnode.compare`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import signal
 import sys
 import threading
 
+from bench.realnode import compare
 from bench.realnode.build import BuildError, ensure_binary
 from bench.realnode.launch import READY_TIMEOUT_S, RealNode
 from controlplane.procs import StartError
@@ -51,7 +53,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="serve /metrics (default on)")
     s.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_S,
                    help="seconds to wait for /health (default %(default)s)")
+    c = sub.add_parser("compare", help="infergate against nginx least_conn on a pool of "
+                       "llama-servers; writes bench/results/realnode_compare.json")
+    compare.add_arguments(c)
     args = p.parse_args(argv)
+    if args.cmd == "compare":
+        return compare.run(args, list(sys.argv[2:] if argv is None else argv[1:]))
     try:
         return _build() if args.cmd == "build" else _serve(args)
     except (BuildError, StartError) as exc:

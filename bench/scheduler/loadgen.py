@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -182,10 +182,14 @@ class RunOutput:
 
 async def run_load(url: str, workload: Workload, deadline_s: float, control_urls: dict[str, str],
                    sample_interval_s: float = 0.1,
-                   on_time: list[tuple[float, "asyncio.Future | object"]] | None = None) -> RunOutput:
+                   on_time: list[tuple[float, "asyncio.Future | object"]] | None = None,
+                   send: Callable[..., Awaitable[Result]] | None = None) -> RunOutput:
     """Send ``workload`` to ``url`` open-loop and sample node states during the arrival
     window. ``on_time``: (seconds from the start, coroutine function) pairs run once at
-    that moment (used to inject faults mid-run)."""
+    that moment (used to inject faults mid-run). ``send``: the coroutine function that
+    sends one request, called as ``send(session, url, req, deadline_s, lag_s)``
+    (default :func:`send_one`)."""
+    send = send or send_one
     loop = asyncio.get_running_loop()
     conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=None)
     conn_state = aiohttp.TCPConnector(limit=0)
@@ -209,7 +213,7 @@ async def run_load(url: str, workload: Workload, deadline_s: float, control_urls
             if delay > 0:
                 await asyncio.sleep(delay)
             lag = max(0.0, loop.time() - (t0 + req.at_s))
-            tasks.append(asyncio.create_task(send_one(session, url, req, deadline_s, lag)))
+            tasks.append(asyncio.create_task(send(session, url, req, deadline_s, lag)))
         rest = t0 + workload.duration_s - loop.time()
         if rest > 0:
             await asyncio.sleep(rest)
