@@ -60,14 +60,14 @@ def _authenticate() -> flask.Response | None:
         return error(403, auth.DISABLED_MESSAGE, "permission_error", "admin_token_unset")
     sent = auth.bearer()
     if sent is not None:
+        if auth.token_ok(sent):
+            return None  # a correct token is never throttled
         wait = auth.throttle_wait()
         if wait:
             resp = error(429, f"too many failed admin token attempts from this address; "
                               f"retry in {wait} s", "rate_limit_error", "admin_auth_throttled")
             resp.headers["Retry-After"] = str(wait)
             return resp
-        if auth.token_ok(sent):
-            return None
         auth.attempt_failed()
         return error(401, "invalid admin token", "authentication_error", "invalid_admin_token")
     if flask.request.method in ("GET", "HEAD") and auth.logged_in():
