@@ -421,3 +421,47 @@ def test_breaker_openings_and_closings_become_events(r):
            if e["kind"] == "breaker"]
     assert got == [("breaker", "sim-a", {"state": "closed", "edge": "edge-1"}),
                    ("breaker", "sim-a", {"state": "open", "edge": "edge-1"})]
+
+
+#: Cloud metadata addresses other than link-local, and IPv6 spellings that embed the
+#: IPv4 metadata addresses (a NAT64 gateway, a 6to4 relay or a Teredo tunnel on the path
+#: would deliver them there).
+METADATA_V6_AND_CLOUD = [
+    "http://100.100.100.200",                      # Alibaba Cloud metadata
+    "http://192.0.0.192",                          # Oracle Cloud Classic metadata
+    "http://168.63.129.16",                        # Azure wire server
+    "http://[64:ff9b::a9fe:a9fe]",                 # NAT64 well-known prefix
+    "http://[64:ff9b::169.254.169.254]:8000",
+    "http://[64:ff9b::6464:64c8]",                 # NAT64 of 100.100.100.200
+    "http://[64:ff9b:1::a9fe:a9fe]",               # NAT64 local-use prefix
+    "http://[::ffff:a9fe:a9fe]",                   # IPv4-mapped
+    "http://[::ffff:0:a9fe:a9fe]",                 # IPv4-translated (SIIT)
+    "http://[::a9fe:a9fe]",                        # IPv4-compatible
+    "http://[::169.254.169.254]",
+    "http://[2002:a9fe:a9fe::]",                   # 6to4
+    "http://[2002:a9fe:a9fe:1::5]:8000",
+    "http://[2001:0:a9fe:a9fe::1]",                # Teredo, metadata as the server
+    "http://[2001:0:4136:e378:8000:63bf:5601:5601]",  # Teredo, metadata as the client
+]
+
+
+@pytest.mark.parametrize("url", METADATA_V6_AND_CLOUD)
+def test_ipv6_embeddings_and_other_cloud_metadata_addresses_are_refused(url):
+    why = ops.node_url_refusal(url, Settings())
+    assert why and "cloud-metadata" in why, url
+
+
+def test_ordinary_ipv6_and_cgnat_addresses_stay_allowed():
+    s = Settings()
+    for url in ("http://[2001:db8::5]:8000", "http://[64:ff9b::a00:5]:8000",
+                "http://[2002:a00:5::1]:8000", "http://100.100.100.201:8000",
+                "http://[2001:0:4136:e378:8000:63bf:f5ff:fffa]:8000"):
+        assert ops.node_url_refusal(url, s) is None, url
+
+
+def test_api_refuses_the_nat64_metadata_spelling(r):
+    c = make_app(r).test_client()
+    h = {"Authorization": f"Bearer {TOKEN}"}
+    resp = c.post("/api/v1/nodes", headers=h, json={"name": "meta", "url": "http://[64:ff9b::a9fe:a9fe]"})
+    assert resp.status_code == 400 and resp.get_json()["error"]["code"] == "node_url_refused"
+    assert registry.get_node(r, "meta") is None
