@@ -315,9 +315,14 @@ def cache_purge() -> flask.Response:
 
 @bp.get("/keys")
 def list_keys() -> flask.Response:
-    """``{"keys": [{"id", "tenant", "label", "rpm", "tpm", "created", "revoked"}]}``,
-    newest first (never the key itself)."""
-    return flask.jsonify({"keys": [k.to_dict() for k in apikeys.list_keys(_r())]})
+    """``{"keys": [{"id", "tenant", "label", "rpm", "tpm", "created", "revoked"}],
+    "store_missing": bool, "edges_keeping": [edge id]}``, newest first (never the key
+    itself). ``store_missing``: Redis holds no key store (it came back empty, or no key
+    was ever written); ``edges_keeping``: the edges that keep honouring the keys they
+    knew until the keys are restored (``infergate keys import``), see
+    :func:`.apikeys.store_status`."""
+    return flask.jsonify({"keys": [k.to_dict() for k in apikeys.list_keys(_r())],
+                          **apikeys.store_status(_r())})
 
 
 @bp.post("/keys")

@@ -144,6 +144,32 @@ def store_missing(r: redis.Redis) -> bool:
     return not r.exists(keynames.APIKEYS_MARKER)
 
 
+#: An edge report older than this many seconds does not count in :func:`store_status`.
+EDGE_REPORT_FRESH_S = 30.0
+
+
+def store_status(r: redis.Redis, now: float | None = None,
+                 edges: dict[str, str] | None = None) -> dict:
+    """``{"store_missing": bool, "edges_keeping": [edge id, ...]}``: whether the key
+    store's marker is missing (:func:`store_missing`) and which edges (reports fresher
+    than :data:`EDGE_REPORT_FRESH_S`) say they keep honouring the keys they knew because
+    Redis answers without its keys (admission ``auth_store_missing``). ``edges``: the
+    ``keynames.EDGES`` hash when the caller has read it already. Raises
+    ``redis.RedisError``."""
+    now = time.time() if now is None else now
+    keeping = []
+    edges = r.hgetall(keynames.EDGES) if edges is None else edges
+    for edge_id, raw in sorted(edges.items()):
+        try:
+            d = json.loads(raw)
+            fresh = now - float(d.get("ts") or 0) < EDGE_REPORT_FRESH_S
+            if fresh and (d.get("admission") or {}).get("auth_store_missing"):
+                keeping.append(str(edge_id))
+        except (ValueError, TypeError, AttributeError):
+            continue
+    return {"store_missing": store_missing(r), "edges_keeping": keeping}
+
+
 def create_key(r: redis.Redis, tenant: str, *, rpm: object = None, tpm: object = None,
                label: str | None = None, now: float | None = None) -> tuple[str, ApiKey]:
     """Create a key for ``tenant``; returns ``(plaintext, record)``.

@@ -394,7 +394,8 @@ def keys_page() -> flask.Response:
         new_rec = next((k for k in keys if k.id == shown[1]), None)
         if new_rec is None:
             new_key = None
-    resp = render("keys.html", keys=keys, new_key=new_key, new_rec=new_rec)
+    resp = render("keys.html", keys=keys, new_key=new_key, new_rec=new_rec,
+                  store=apikeys.store_status(_r()))
     resp.headers["Cache-Control"] = "no-store"
     return resp
 
