@@ -170,7 +170,7 @@ class ControlPlane:
         self.r = r
         self.id = ident or make_id()
         self.elector = LeaderElector(r, self.id, cp.leader_ttl_s)
-        self.poller = Poller(cp.poll_timeout_s)
+        self.poller = Poller(cp.poll_timeout_s, max_metrics_bytes=cp.max_metrics_bytes)
         #: served models per node, read rarely and apart from the health polls
         self.models = ModelsPoller(cp.models_refresh_s, cp.models_timeout_s)
         #: llama.cpp slots and kind hints per node (/props, read like /v1/models)
