@@ -132,7 +132,7 @@ def _load(raw: str | None) -> ApiKey | None:
         return None
 
 
-def _marker(r: redis.Redis | redis.client.Pipeline) -> None:
+def mark_written(r: redis.Redis | redis.client.Pipeline) -> None:
     """Mark the key store as written (``keynames.APIKEYS_MARKER``): the edges tell a lost
     store from a key that was never there by it."""
     r.set(keynames.APIKEYS_MARKER, json.dumps({"written": round(time.time(), 3)}))
@@ -188,7 +188,7 @@ def create_key(r: redis.Redis, tenant: str, *, rpm: object = None, tpm: object =
     else:  # pragma: no cover - 20 collisions in 2^32 ids
         raise ApiKeyError("could not allocate a key id")
     r.hset(keynames.APIKEYS, digest, json.dumps(rec.to_dict(), sort_keys=True))
-    _marker(r)
+    mark_written(r)
     return plaintext, rec
 
 
@@ -235,7 +235,7 @@ def _update(r: redis.Redis, key_id: str, change: Callable[[ApiKey], bool]) -> Ap
                     return rec
                 pipe.multi()
                 pipe.hset(keynames.APIKEYS, digest, json.dumps(rec.to_dict(), sort_keys=True))
-                _marker(pipe)
+                mark_written(pipe)
                 pipe.execute()
                 return rec
             except redis.WatchError:
@@ -373,5 +373,5 @@ def import_keys(r: redis.Redis, doc: object, *, overwrite: bool = False) -> Impo
         pipe.hset(keynames.APIKEY_IDS, rec.id, digest)
         pipe.execute()
         (out.kept if exists else out.added).append(rec.id)
-    _marker(r)  # restored: the edges trust Redis' answers again
+    mark_written(r)  # restored: the edges trust Redis' answers again
     return out

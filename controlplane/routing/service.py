@@ -289,6 +289,9 @@ class ControlPlane:
         from controlplane.admin import apikeys
 
         st = apikeys.store_status(self.r, edges=edges)
+        if st["store_missing"] and self.r.exists(keynames.APIKEYS):
+            apikeys.mark_written(self.r)  # keys written before the marker existed
+            st["store_missing"] = False
         missing = st["store_missing"] and (self.state_losses > 0 or bool(st["edges_keeping"]))
         if missing == self.apikeys_missing:
             return
