@@ -465,3 +465,18 @@ def test_api_refuses_the_nat64_metadata_spelling(r):
     resp = c.post("/api/v1/nodes", headers=h, json={"name": "meta", "url": "http://[64:ff9b::a9fe:a9fe]"})
     assert resp.status_code == 400 and resp.get_json()["error"]["code"] == "node_url_refused"
     assert registry.get_node(r, "meta") is None
+
+
+def test_keys_page_says_when_edges_keep_keys_of_a_missing_store(r):
+    c = make_app(r).test_client()
+    assert login(c).status_code == 303
+    assert 'id="keys-store-missing"' not in c.get("/keys").text
+    r.hset(keynames.EDGES, "edge-a", json.dumps({"ts": time.time(),
+                                                  "admission": {"auth_store_missing": 1}}))
+    page = c.get("/keys").text
+    assert 'id="keys-store-missing"' in page and "edge-a" in page
+    assert "infergate keys import" in page
+    # a stale report (an edge gone for long) does not count
+    r.hset(keynames.EDGES, "edge-a", json.dumps({"ts": time.time() - 3600,
+                                                  "admission": {"auth_store_missing": 1}}))
+    assert 'id="keys-store-missing"' not in c.get("/keys").text
