@@ -218,15 +218,16 @@ function _M.lookup(digest, now, o, addr)
             return e
         end
     end
-    if not (e and e.ok) then
-        local wait = throttle.wait(addr, now, o)
+    local charged = not (e and e.ok)
+    if charged then
+        local wait = throttle.take(addr, now, o)
         if wait > 0 then
             return nil, "throttled", wait
         end
     end
     local fresh, err = fetch(digest, e, now, o)
-    if fresh and not fresh.ok then
-        throttle.spend(addr, now, o)
+    if charged and not (fresh and not fresh.ok) then
+        throttle.refund(addr, now, o)  -- a valid key, or none could be checked
     end
     return fresh, err
 end
