@@ -60,14 +60,14 @@ def _authenticate() -> flask.Response | None:
         return error(403, auth.DISABLED_MESSAGE, "permission_error", "admin_token_unset")
     sent = auth.bearer()
     if sent is not None:
+        if auth.token_ok(sent):
+            return None  # a correct token is never throttled
         wait = auth.throttle_wait()
         if wait:
             resp = error(429, f"too many failed admin token attempts from this address; "
                               f"retry in {wait} s", "rate_limit_error", "admin_auth_throttled")
             resp.headers["Retry-After"] = str(wait)
             return resp
-        if auth.token_ok(sent):
-            return None
         auth.attempt_failed()
         return error(401, "invalid admin token", "authentication_error", "invalid_admin_token")
     if flask.request.method in ("GET", "HEAD") and auth.logged_in():
@@ -315,9 +315,14 @@ def cache_purge() -> flask.Response:
 
 @bp.get("/keys")
 def list_keys() -> flask.Response:
-    """``{"keys": [{"id", "tenant", "label", "rpm", "tpm", "created", "revoked"}]}``,
-    newest first (never the key itself)."""
-    return flask.jsonify({"keys": [k.to_dict() for k in apikeys.list_keys(_r())]})
+    """``{"keys": [{"id", "tenant", "label", "rpm", "tpm", "created", "revoked"}],
+    "store_missing": bool, "edges_keeping": [edge id]}``, newest first (never the key
+    itself). ``store_missing``: Redis holds no key store (it came back empty, or no key
+    was ever written); ``edges_keeping``: the edges that keep honouring the keys they
+    knew until the keys are restored (``infergate keys import``), see
+    :func:`.apikeys.store_status`."""
+    return flask.jsonify({"keys": [k.to_dict() for k in apikeys.list_keys(_r())],
+                          **apikeys.store_status(_r())})
 
 
 @bp.post("/keys")

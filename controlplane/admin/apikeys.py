@@ -7,6 +7,9 @@ Layout (schema v1, see docs/internals.md "API keys"):
   The edge hashes the ``Authorization: Bearer`` value and does one ``HGET``; the key is
   valid only if the record exists **and** ``revoked`` is ``null``.
 - ``keynames.APIKEY_IDS``: hash, key id -> SHA-256 hex, to list and revoke by id.
+- ``keynames.APIKEYS_MARKER``: set by every write. Without it (Redis came back empty)
+  the edges keep honouring the valid keys they knew, never a revoked one, until the keys
+  are written again (``infergate keys import``).
 
 Keys are ``ig-`` followed by 43 URL-safe characters (256 random bits from
 :mod:`secrets`); the plaintext is returned once by :func:`create_key` and never stored.
@@ -129,6 +132,44 @@ def _load(raw: str | None) -> ApiKey | None:
         return None
 
 
+def mark_written(r: redis.Redis | redis.client.Pipeline) -> None:
+    """Mark the key store as written (``keynames.APIKEYS_MARKER``): the edges tell a lost
+    store from a key that was never there by it."""
+    r.set(keynames.APIKEYS_MARKER, json.dumps({"written": round(time.time(), 3)}))
+
+
+def store_missing(r: redis.Redis) -> bool:
+    """True when the key store's marker is missing: the API keys were lost (Redis came
+    back empty) or never written. Raises ``redis.RedisError``."""
+    return not r.exists(keynames.APIKEYS_MARKER)
+
+
+#: An edge report older than this many seconds does not count in :func:`store_status`.
+EDGE_REPORT_FRESH_S = 30.0
+
+
+def store_status(r: redis.Redis, now: float | None = None,
+                 edges: dict[str, str] | None = None) -> dict:
+    """``{"store_missing": bool, "edges_keeping": [edge id, ...]}``: whether the key
+    store's marker is missing (:func:`store_missing`) and which edges (reports fresher
+    than :data:`EDGE_REPORT_FRESH_S`) say they keep honouring the keys they knew because
+    Redis answers without its keys (admission ``auth_store_missing``). ``edges``: the
+    ``keynames.EDGES`` hash when the caller has read it already. Raises
+    ``redis.RedisError``."""
+    now = time.time() if now is None else now
+    keeping = []
+    edges = r.hgetall(keynames.EDGES) if edges is None else edges
+    for edge_id, raw in sorted(edges.items()):
+        try:
+            d = json.loads(raw)
+            fresh = now - float(d.get("ts") or 0) < EDGE_REPORT_FRESH_S
+            if fresh and (d.get("admission") or {}).get("auth_store_missing"):
+                keeping.append(str(edge_id))
+        except (ValueError, TypeError, AttributeError):
+            continue
+    return {"store_missing": store_missing(r), "edges_keeping": keeping}
+
+
 def create_key(r: redis.Redis, tenant: str, *, rpm: object = None, tpm: object = None,
                label: str | None = None, now: float | None = None) -> tuple[str, ApiKey]:
     """Create a key for ``tenant``; returns ``(plaintext, record)``.
@@ -147,6 +188,7 @@ def create_key(r: redis.Redis, tenant: str, *, rpm: object = None, tpm: object =
     else:  # pragma: no cover - 20 collisions in 2^32 ids
         raise ApiKeyError("could not allocate a key id")
     r.hset(keynames.APIKEYS, digest, json.dumps(rec.to_dict(), sort_keys=True))
+    mark_written(r)
     return plaintext, rec
 
 
@@ -193,6 +235,7 @@ def _update(r: redis.Redis, key_id: str, change: Callable[[ApiKey], bool]) -> Ap
                     return rec
                 pipe.multi()
                 pipe.hset(keynames.APIKEYS, digest, json.dumps(rec.to_dict(), sort_keys=True))
+                mark_written(pipe)
                 pipe.execute()
                 return rec
             except redis.WatchError:
@@ -330,4 +373,5 @@ def import_keys(r: redis.Redis, doc: object, *, overwrite: bool = False) -> Impo
         pipe.hset(keynames.APIKEY_IDS, rec.id, digest)
         pipe.execute()
         (out.kept if exists else out.added).append(rec.id)
+    mark_written(r)  # restored: the edges trust Redis' answers again
     return out

@@ -19,10 +19,13 @@
   refresh itself from ``/api/v1/nodes`` without the token in the page.
 - Throttle: per client address (the peer, or the ``X-Forwarded-For`` client of a trusted
   proxy) a burst of :data:`THROTTLE_BURST` failed logins or wrong Bearer tokens, then
-  :data:`THROTTLE_RATE_PER_S` per second. Beyond that every login and Bearer attempt of
-  that address answers 429 with ``Retry-After`` (seconds) until the budget refills,
-  without the token being checked. Correct Bearer tokens spend nothing, so API clients
-  are never slowed down by their own traffic.
+  :data:`THROTTLE_RATE_PER_S` per second. Beyond that every wrong login or Bearer token
+  of that address answers 429 with ``Retry-After`` (seconds) until the budget refills.
+  Only failures count, and the token is checked (constant time) before the throttle: a
+  correct token is always accepted, on the API and the login form, so someone guessing
+  from the same address (a shared NAT, a proxy) cannot lock the admin out. The throttle
+  bounds the noise and cost of guessing; the strength of the token is what makes
+  guessing hopeless (use a long random token: ``openssl rand -hex 32``).
 """
 
 from __future__ import annotations

@@ -100,9 +100,19 @@ def parse_node(data: object) -> NodeSettings:
 
 
 #: Networks a node URL may not point at unless ``controlplane.node_url_allow`` says so:
-#: link-local (where cloud instance metadata lives) and AWS' IPv6 metadata address.
+#: link-local (where most cloud instance metadata lives: AWS, GCP, Azure, Oracle,
+#: OpenStack), Alibaba Cloud's metadata address, Oracle Cloud Classic's, Azure's
+#: platform wire server, and AWS' IPv6 metadata address. An IPv6 address that embeds
+#: one of the IPv4 ones (:func:`_embedded_ipv4`) is refused too.
 REFUSED_NODE_NETS = tuple(ipaddress.ip_network(n) for n in
-                          ("169.254.0.0/16", "fe80::/10", "fd00:ec2::254/128"))
+                          ("169.254.0.0/16", "100.100.100.200/32", "192.0.0.192/32",
+                           "168.63.129.16/32", "fe80::/10", "fd00:ec2::254/128"))
+#: IPv6 prefixes that carry an IPv4 address in their last 32 bits: IPv4-mapped,
+#: IPv4-translated (SIIT), IPv4-compatible (deprecated, still routed by some stacks),
+#: NAT64 well-known and local-use prefixes (RFC 6052, RFC 8215).
+_V4_IN_LOW_BITS = tuple(ipaddress.ip_network(n) for n in
+                        ("::ffff:0:0/96", "::ffff:0:0:0/96", "::/96", "64:ff9b::/96",
+                         "64:ff9b:1::/48"))
 #: Host names of cloud metadata services, refused like :data:`REFUSED_NODE_NETS`.
 REFUSED_NODE_HOSTS = frozenset({"metadata.google.internal", "metadata.goog"})
 _LOCAL_NAMES = frozenset({"localhost", "0.0.0.0", "::"})
@@ -131,6 +141,29 @@ def _ip(host: str) -> IP | None:
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         return ip.ipv4_mapped
     return ip
+
+
+def _embedded_ipv4(ip: IP) -> list[ipaddress.IPv4Address]:
+    """The IPv4 addresses an IPv6 address carries (a packet to it may reach them through
+    a translator or tunnel): the low 32 bits under :data:`_V4_IN_LOW_BITS` (except ``::``
+    and ``::1``), the 6to4 address (``2002:a9fe:a9fe::``) and both Teredo addresses
+    (``2001::/32``: server and de-obfuscated client). Empty for IPv4."""
+    if not isinstance(ip, ipaddress.IPv6Address):
+        return []
+    out: list[ipaddress.IPv4Address] = []
+    if any(ip in n for n in _V4_IN_LOW_BITS) and int(ip) > 1:
+        out.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+    if ip.sixtofour is not None:
+        out.append(ip.sixtofour)
+    if ip.teredo is not None:
+        out.extend(ip.teredo)
+    return out
+
+
+def _refused_ip(ip: IP) -> bool:
+    """``ip``, or an IPv4 address it embeds, is in :data:`REFUSED_NODE_NETS`."""
+    return any(a in n for a in (ip, *_embedded_ipv4(ip)) for n in REFUSED_NODE_NETS
+               if n.version == a.version)
 
 
 def resolve_host(host: str, port: int, timeout: float = RESOLVE_TIMEOUT_S) -> list[IP] | None:
@@ -216,7 +249,7 @@ def _refused_address(host: str, port: int) -> tuple[list[IP], str | None]:
             return [], (f"url: the host name {host} does not resolve; add it to "
                         "controlplane.node_url_allow to use it anyway")
         ips = resolved
-    bad = [a for a in ips if any(a in n for n in REFUSED_NODE_NETS if n.version == a.version)]
+    bad = [a for a in ips if _refused_ip(a)]
     if host in REFUSED_NODE_HOSTS or bad:
         shown = host if ip is not None or not bad else f"{host} ({bad[0]})"
         return ips, (f"url: {shown} is a link-local or cloud-metadata address; add it to "

@@ -99,6 +99,9 @@ def login() -> flask.Response:
         if not enabled:
             return render("login.html", 403, enabled=False)
         nxt = flask.request.form.get("next", "")
+        if auth.token_ok(flask.request.form.get("token", "")):
+            auth.log_in()  # a correct token is never throttled
+            return flask.redirect(_safe_next(nxt), 303)
         wait = auth.throttle_wait()
         if wait:
             resp = render("error.html", 429, title="Too many attempts",
@@ -106,9 +109,6 @@ def login() -> flask.Response:
                                   f"{wait} s.")
             resp.headers["Retry-After"] = str(wait)
             return resp
-        if auth.token_ok(flask.request.form.get("token", "")):
-            auth.log_in()
-            return flask.redirect(_safe_next(nxt), 303)
         auth.attempt_failed()
         flask.flash("Wrong admin token.", "error")
         return flask.redirect(flask.url_for("ui.login", **({"next": nxt} if nxt else {})), 303)
@@ -394,7 +394,8 @@ def keys_page() -> flask.Response:
         new_rec = next((k for k in keys if k.id == shown[1]), None)
         if new_rec is None:
             new_key = None
-    resp = render("keys.html", keys=keys, new_key=new_key, new_rec=new_rec)
+    resp = render("keys.html", keys=keys, new_key=new_key, new_rec=new_rec,
+                  store=apikeys.store_status(_r()))
     resp.headers["Cache-Control"] = "no-store"
     return resp
 

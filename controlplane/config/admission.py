@@ -28,7 +28,15 @@ class AuthSettings(_Section):
     """Seconds an edge trusts its cached answer for an unknown or revoked key."""
     stale_ttl_s: float = Field(default=300.0, ge=0, le=86400)
     """While Redis is unreachable, cached answers up to this many seconds old are still
-    used; a key with no cached answer then gets 503 (never let through)."""
+    used; a key with no cached answer then gets 503 (never let through). While Redis
+    answers without its key store (it came back empty: no ``apikeys:marker``), the valid
+    keys an edge knew keep working until the keys are restored; revoked keys stay refused."""
+    fail_burst: int = Field(default=50, ge=0, le=1_000_000)
+    """Unknown or revoked keys a client address may try at once before its lookups are
+    refused without asking Redis (429 ``auth_throttled``, ``Retry-After``); 0 = no limit.
+    Keys the edge has cached are answered from memory and never count."""
+    fail_rate_per_s: float = Field(default=5.0, gt=0, le=1_000_000)
+    """Failed key lookups an address regains per second (the refill of ``fail_burst``)."""
 
 
 class LimitSettings(_Section):

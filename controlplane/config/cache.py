@@ -65,6 +65,14 @@ class CacheSettings(_Section):
     """Largest request body that takes part in the cache, bytes; a larger one bypasses it
     (``X-Cache-Status: BYPASS``, neither read nor stored), so working out its key (a
     canonical encoding of the whole body) stays cheap."""
+    max_request_members: int = Field(default=5000, ge=1, le=10_000_000)
+    """Most JSON members (object fields and array elements, at any depth, of the decoded
+    body) a request may have to take part in the cache; one with more bypasses it
+    (``X-Cache-Status: BYPASS``, neither read nor stored; a warning in the error log at
+    most once a minute). Working out the key costs about 1.5-8 us per member on one core
+    (sorting and encoding every field); at 5,000 that is at most ~40 ms of a worker,
+    while chat requests, even long conversations with tool schemas, have a few hundred
+    to a few thousand. The input guard's ``edge.max_json_members`` is far higher."""
     max_temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     """Requests with a higher ``temperature`` bypass the cache. A request without
     ``temperature`` counts as the API default 1.0, so it is cached with this default."""

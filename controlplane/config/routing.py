@@ -27,7 +27,12 @@ class ControlPlaneSettings(_Section):
     poll_interval_s: float = Field(default=1.0, ge=0.01, le=3600)
     """Seconds between two polls of a node's health and metrics."""
     poll_timeout_s: float = Field(default=0.8, ge=0.01, le=600)
-    """Timeout of one health or metrics poll of a node, seconds."""
+    """Timeout of one health or metrics poll of a node, seconds (a metrics page is read
+    and parsed within it, or the poll is not good)."""
+    max_metrics_bytes: int = Field(default=1024 * 1024, ge=16 * 1024, le=8 * 1024 * 1024)
+    """Largest ``/metrics`` page read, bytes; a larger page makes the poll not good (that
+    node only). Engines serve tens of KB (a vLLM-style page with 8 engines ~125 KB);
+    parsing costs ~0.5 s per MB, in the node's own poll worker."""
     unhealthy_after: int = Field(default=3, ge=1, le=1000)
     """K consecutive failed polls -> unhealthy."""
     healthy_after: int = Field(default=2, ge=1, le=1000)

@@ -32,6 +32,11 @@ EVENTS = f"{BASE}:events"
 APIKEYS = f"{BASE}:apikeys"
 #: Hash, short key id -> SHA-256 hex of the key (listing and revoking by id).
 APIKEY_IDS = f"{BASE}:apikeys:ids"
+#: String without TTL (state): JSON ``{"written": epoch_s}``, set with every write of the
+#: API keys (create, revoke, limits, import). Missing = the key store was lost (Redis
+#: came back empty) or never written: an edge then keeps honouring the valid keys it knew
+#: (``lua/infergate/admission/auth.lua``) until a write (``infergate keys import``) sets it.
+APIKEYS_MARKER = f"{BASE}:apikeys:marker"
 #: Hash of response-cache counters: lookups, hits_exact, hits_semantic, misses, bypass, stores.
 CACHE_STATS = f"{BASE}:cache:stats"
 #: Prefix of response-cache entries (strings, JSON, with TTL): ``CACHE_ENTRY_PREFIX + exact_key_hex``.
@@ -88,7 +93,7 @@ ADMIN_SESSION_PREFIX = f"{BASE}:admin:session:"
 #: Every other key is cache kind and always carries a TTL.
 STATE_KEYS = frozenset({
     ROUTING, ROUTING_VERSION, NODES, NODES_SEEDED, NODE_STATES, EVENTS, APIKEYS, APIKEY_IDS,
-    STATE_MARKER,
+    APIKEYS_MARKER, STATE_MARKER,
 })
 
 
@@ -150,6 +155,7 @@ FIXED = {
     "events": EVENTS,
     "apikeys": APIKEYS,
     "apikey_ids": APIKEY_IDS,
+    "apikeys_marker": APIKEYS_MARKER,
     "cache_stats": CACHE_STATS,
     "cache_entry_prefix": CACHE_ENTRY_PREFIX,
     "cache_index_prefix": CACHE_INDEX_PREFIX,

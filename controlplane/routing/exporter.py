@@ -20,6 +20,8 @@ name                                                        type       meaning
                                                                        state (state marker missing)
 ``infergate_controlplane_state_lost_timestamp_seconds``     gauge      when it last did (epoch s; absent
                                                                        until it happens)
+``infergate_controlplane_apikeys_missing``                  gauge      1 while Redis holds no API keys after
+                                                                       losing its state (edges keep known keys)
 ``infergate_controlplane_node_healthy{node}``               gauge      1 healthy, 0 unhealthy (hysteresis)
 ``infergate_controlplane_node_score{node}``                 gauge      health score, lower is better
 ``infergate_controlplane_node_queue_depth{node}``           gauge      requests waiting on the node
@@ -81,6 +83,11 @@ class _StateCollector(Collector):
         if getattr(cp, "state_lost_at", None) is not None:
             lost_at.add_metric([], float(cp.state_lost_at))
         yield lost_at
+        keys_missing = GaugeMetricFamily(p + "apikeys_missing", "1 while Redis holds no API "
+                                         "keys after losing its state (edges keep the keys "
+                                         "they knew until `infergate keys import`)")
+        keys_missing.add_metric([], 1.0 if getattr(cp, "apikeys_missing", False) else 0.0)
+        yield keys_missing
         version = GaugeMetricFamily(p + "snapshot_version",
                                     "Version of the last routing snapshot this instance wrote")
         if cp.last_snapshot is not None:

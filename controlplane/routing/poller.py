@@ -5,7 +5,10 @@ inputs).
 One poll of a node is two concurrent requests on a shared thread pool (``requests``
 with one keep-alive session per worker thread), each bounded by ``poll_timeout_s`` for
 connect and for the whole body (read in chunks against a deadline, at most
-``MAX_BODY`` bytes), so one stuck node never delays the others or the cycle.
+``MAX_BODY`` bytes, a metrics page at most ``controlplane.max_metrics_bytes``), so one
+stuck node never delays the others or the cycle. The metrics page is parsed in the same
+worker, within the same deadline (:func:`~controlplane.routing.nodemetrics.parse_metrics`
+gives up past it): a huge or slow page marks only its own node (not a good poll).
 
 Outcome of one poll (see also :mod:`controlplane.routing.health`):
 
@@ -62,8 +65,10 @@ from controlplane.routing.nodemetrics import MetricsParseError, Reading, Unknown
 from controlplane.routing.scoring import LastKnown, ScoreInputs, compute_score
 from controlplane.routing.wire import NodeMetricsDoc
 
-#: Largest /metrics or /health body read (bytes); larger bodies count as unparseable.
+#: Largest /health body read (bytes); larger bodies count as unparseable.
 MAX_BODY = 8 * 1024 * 1024
+#: Largest /metrics page read by default (bytes; ``controlplane.max_metrics_bytes``).
+MAX_METRICS_BODY = 1024 * 1024
 #: Missing score inputs are held for this many poll intervals (see scoring.LastKnown).
 HOLD_POLLS = 5
 #: Health answers of an OpenAI-compatible server that mean "no such path here".
@@ -81,6 +86,9 @@ class HttpResult:
     error: str | None = None
     elapsed_ms: float = 0.0
     busy: bool = False
+    parsed: Reading | MetricsParseError | UnknownDialectError | None = None
+    """A metrics page parsed in the poll worker (:meth:`Poller.metrics`): the reading or
+    why there is none; ``None`` when not parsed there."""
 
     @property
     def ok(self) -> bool:
@@ -161,8 +169,10 @@ class Poller:
     """Concurrent HTTP polling of nodes on a thread pool. :meth:`get` is thread-safe;
     :meth:`poll_all` is meant for one cycle at a time."""
 
-    def __init__(self, timeout_s: float, max_workers: int = 32):
+    def __init__(self, timeout_s: float, max_workers: int = 32,
+                 max_metrics_bytes: int = MAX_METRICS_BODY):
         self.timeout_s = max(timeout_s, 0.05)
+        self.max_metrics_bytes = max_metrics_bytes
         self._workers = max_workers
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="poll")
         self._local = threading.local()
@@ -187,8 +197,9 @@ class Poller:
             self._local.session = s
         return s
 
-    def get(self, url: str) -> HttpResult:
-        """GET ``url`` within ``timeout_s`` (connect, and whole body). Never raises."""
+    def get(self, url: str, max_body: int = MAX_BODY) -> HttpResult:
+        """GET ``url`` within ``timeout_s`` (connect, and whole body of at most
+        ``max_body`` bytes). Never raises."""
         t0 = time.monotonic()
         deadline = t0 + self.timeout_s
         out = HttpResult()
@@ -201,8 +212,8 @@ class Poller:
                 for chunk in resp.iter_content(65536):
                     chunks.append(chunk)
                     size += len(chunk)
-                    if size > MAX_BODY:
-                        out.error = f"body larger than {MAX_BODY} bytes"
+                    if size > max_body:
+                        out.error = f"body larger than {max_body} bytes"
                         break
                     if time.monotonic() > deadline:
                         out.error = f"timeout after {self.timeout_s:g} s reading the body"
@@ -218,6 +229,22 @@ class Poller:
             out.error = f"{type(exc).__name__}: {str(exc)[:160]}"
         out.elapsed_ms = (time.monotonic() - t0) * 1000
         return out
+
+    def metrics(self, node: NodeSettings) -> HttpResult:
+        """The node's metrics page, fetched and parsed (``parsed``) within one
+        ``timeout_s`` from the start, in the calling worker. Never raises."""
+        deadline = time.monotonic() + self.timeout_s
+        res = self.get(node.url + node.metrics_path, self.max_metrics_bytes)
+        if res.ok and res.body is not None:
+            t0 = time.monotonic()
+            try:
+                res.parsed = parse_metrics(res.body, res.content_type, deadline=deadline)
+            except (MetricsParseError, UnknownDialectError) as exc:
+                res.parsed = exc
+            except Exception as exc:  # noqa: BLE001 - a poll must never raise
+                res.parsed = MetricsParseError(f"{type(exc).__name__}: {str(exc)[:160]}")
+            res.elapsed_ms += (time.monotonic() - t0) * 1000
+        return res
 
     def _health(self, node: NodeSettings) -> HttpResult:
         """The node's health answer; never an endpoint that waits on the model."""
@@ -243,7 +270,7 @@ class Poller:
                 skipped.add(n.name)
                 continue
             fh = self._pool.submit(self._health, n)
-            fm = None if n.kind == "openai" else self._pool.submit(self.get, n.url + n.metrics_path)
+            fm = None if n.kind == "openai" else self._pool.submit(self.metrics, n)
             futures[n.name] = (fh, fm)
             self._running[n.name] = [f for f in (fh, fm) if f is not None]
         for gone in set(self._running) - {n.name for n in nodes}:
@@ -280,7 +307,12 @@ def classify(health: HttpResult, metrics: HttpResult | None) -> PollResult:
     if metrics is not None:
         if metrics.ok and metrics.body is not None:
             try:
-                reading = parse_metrics(metrics.body, metrics.content_type)
+                parsed = metrics.parsed
+                if parsed is None:
+                    parsed = parse_metrics(metrics.body, metrics.content_type)
+                if isinstance(parsed, Exception):
+                    raise parsed
+                reading = parsed
             except UnknownDialectError as exc:
                 errors.append(f"metrics: {exc}")
             except MetricsParseError as exc:

@@ -38,7 +38,12 @@ logged at ERROR ("REDIS STATE LOST"), recorded as a ``state_lost`` event (admin 
 ``/api/v1/events``), counted in ``infergate_controlplane_state_lost_total`` with the
 time in ``infergate_controlplane_state_lost_timestamp_seconds``, and the node registry
 is re-seeded from the TOML ``[[nodes]]``. API keys, nodes added at run time and drain
-states cannot be rebuilt from here: restore keys with ``infergate keys import``.
+states cannot be rebuilt from here: restore keys with ``infergate keys import``. Until
+then the edges keep honouring the valid keys they knew (``infergate:v1:apikeys:marker``
+missing, ``lua/infergate/admission/auth.lua``): logged at ERROR ("API KEYS MISSING"), an
+``apikeys_missing`` event (``apikeys_restored`` once the keys are written again), the
+gauge ``infergate_controlplane_apikeys_missing``, and on the admin keys page and
+``GET /api/v1/keys`` (``store_missing``, ``edges_keeping``).
 
 Logs go to stderr, one line per change: leadership, node health, Redis down/up, nodes
 added/removed. SIGTERM/SIGINT stop the scheduler, release the leader lock (only if
@@ -165,7 +170,7 @@ class ControlPlane:
         self.r = r
         self.id = ident or make_id()
         self.elector = LeaderElector(r, self.id, cp.leader_ttl_s)
-        self.poller = Poller(cp.poll_timeout_s)
+        self.poller = Poller(cp.poll_timeout_s, max_metrics_bytes=cp.max_metrics_bytes)
         #: served models per node, read rarely and apart from the health polls
         self.models = ModelsPoller(cp.models_refresh_s, cp.models_timeout_s)
         #: llama.cpp slots and kind hints per node (/props, read like /v1/models)
@@ -200,6 +205,8 @@ class ControlPlane:
         self.state_losses = 0
         self.state_lost_at: float | None = None
         self._marker_seen = False
+        #: True while Redis holds no API keys after losing its state (see _check_apikeys).
+        self.apikeys_missing = False
         from controlplane.cache.verify import OnlineVerifier
 
         #: Online verification of semantic cache hits (leader only, :meth:`run_verify`).
@@ -237,6 +244,7 @@ class ControlPlane:
             nodes = registry.list_nodes(self.r)
             states = registry.get_states(self.r)
             edges = self.r.hgetall(keynames.EDGES)
+            self._check_apikeys(edges)
         except redis.RedisError as exc:
             self._redis_failed(exc)
             return False
@@ -274,13 +282,38 @@ class ControlPlane:
                   self.settings.redis.url.split("@")[-1], keynames.STATE_MARKER)
         return True
 
+    def _check_apikeys(self, edges: dict[str, str]) -> None:
+        """Set :attr:`apikeys_missing` (the key store's marker is missing after this
+        process saw Redis lose its state, or while an edge reports it keeps known keys);
+        log and record each change as an event. Raises ``redis.RedisError``."""
+        from controlplane.admin import apikeys
+
+        st = apikeys.store_status(self.r, edges=edges)
+        if st["store_missing"] and self.r.exists(keynames.APIKEYS):
+            apikeys.mark_written(self.r)  # keys written before the marker existed
+            st["store_missing"] = False
+        missing = st["store_missing"] and (self.state_losses > 0 or bool(st["edges_keeping"]))
+        if missing == self.apikeys_missing:
+            return
+        self.apikeys_missing = missing
+        if missing:
+            log.error("API KEYS MISSING: Redis holds no API keys (%s absent); the edges keep "
+                      "honouring the valid keys they knew (edges: %s), revoked and unknown "
+                      "keys are refused; restore them with `infergate keys import`",
+                      keynames.APIKEYS_MARKER, ", ".join(st["edges_keeping"]) or "none yet")
+        else:
+            log.info("API keys restored: the edges check keys against Redis again")
+        self._pending.append(("apikeys_missing" if missing else "apikeys_restored", "",
+                              {"edges_keeping": st["edges_keeping"]}))
+
     def _record_state_lost(self) -> None:
         """The ``state_lost`` event (written once the nodes are seeded again)."""
         try:
             registry.add_event(self.r, "state_lost", "", actor=ACTOR,
                                detail={"message": "Redis came back without its state; nodes "
                                        "re-seeded from the configuration, API keys must be "
-                                       "restored (infergate keys import)"},
+                                       "restored (infergate keys import); until then the "
+                                       "edges keep the valid keys they knew"},
                                maxlen=self.settings.controlplane.events_max)
         except redis.RedisError as exc:
             log.warning("state_lost event not written: %s", exc)

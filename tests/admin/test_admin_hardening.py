@@ -63,15 +63,16 @@ def test_wrong_bearer_tokens_are_throttled_per_address(r):
     assert resp.get_json()["error"]["code"] == "admin_auth_throttled"
     assert resp.get_json()["error"]["type"] == "rate_limit_error"
     assert int(resp.headers["Retry-After"]) >= 1
-    # while throttled even the right token waits: brute force gains nothing
+    # while throttled the right token is still accepted (only failures are refused)
     good = {"Authorization": f"Bearer {TOKEN}"}
-    assert c.get("/api/v1/nodes", headers=good).status_code == 429
+    assert c.get("/api/v1/nodes", headers=good).status_code == 200
+    assert c.get("/api/v1/nodes", headers=bad).status_code == 429
     # another address is not affected
-    other = c.get("/api/v1/nodes", headers=good, environ_base={"REMOTE_ADDR": "10.9.9.9"})
-    assert other.status_code == 200
+    other = c.get("/api/v1/nodes", headers=bad, environ_base={"REMOTE_ADDR": "10.9.9.9"})
+    assert other.status_code == 401
     # the budget refills (THROTTLE_RATE_PER_S per second)
     time.sleep(1.0 / auth.THROTTLE_RATE_PER_S + 0.1)
-    assert c.get("/api/v1/nodes", headers=good).status_code == 200
+    assert c.get("/api/v1/nodes", headers=bad).status_code == 401
     # correct tokens spend nothing
     for _ in range(3 * auth.THROTTLE_BURST):
         assert c.get("/api/v1/nodes", headers=good).status_code == 200
@@ -84,10 +85,36 @@ def test_failed_logins_are_throttled(r):
     for _ in range(auth.THROTTLE_BURST):
         resp = c.post("/login", data={"token": "nope", "csrf_token": tok})
         assert resp.status_code == 303
-    resp = c.post("/login", data={"token": TOKEN, "csrf_token": tok})
+    resp = c.post("/login", data={"token": "nope", "csrf_token": tok})
     assert resp.status_code == 429 and int(resp.headers["Retry-After"]) >= 1
     assert "Too many" in resp.text
     assert c.get("/nodes").status_code == 302                      # not logged in
+    # the correct token still logs in while the address is throttled
+    resp = c.post("/login", data={"token": TOKEN, "csrf_token": tok})
+    assert resp.status_code == 303
+    assert c.get("/nodes").status_code == 200
+
+
+def test_correct_token_accepted_during_a_guessing_flood_from_its_address(r):
+    """Someone guessing tokens from the admin's own address (a shared NAT) never locks
+    the admin out: 10 of 10 correct attempts succeed on the API and the login form, while
+    the guesses stay refused (401, then 429)."""
+    app = make_app(r)
+    guesser, admin = app.test_client(), app.test_client()
+    bad = {"Authorization": "Bearer guess"}
+    good = {"Authorization": f"Bearer {TOKEN}"}
+    api_ok = login_ok = 0
+    guesses: list[int] = []
+    for i in range(10):
+        guesses += [guesser.get("/api/v1/nodes", headers=bad).status_code for _ in range(20)]
+        api_ok += admin.get("/api/v1/nodes", headers=good).status_code == 200
+        form = app.test_client()
+        tok = csrf_of(form.get("/login").text)
+        guesses.append(form.post("/login", data={"token": f"guess{i}", "csrf_token": tok}).status_code)
+        resp = form.post("/login", data={"token": TOKEN, "csrf_token": tok})
+        login_ok += resp.status_code == 303 and form.get("/nodes").status_code == 200
+    assert (api_ok, login_ok) == (10, 10)
+    assert set(guesses) <= {401, 303, 429} and guesses.count(429) > len(guesses) // 2
 
 
 def test_forwarded_for_counts_only_behind_a_trusted_proxy(r):
@@ -394,3 +421,62 @@ def test_breaker_openings_and_closings_become_events(r):
            if e["kind"] == "breaker"]
     assert got == [("breaker", "sim-a", {"state": "closed", "edge": "edge-1"}),
                    ("breaker", "sim-a", {"state": "open", "edge": "edge-1"})]
+
+
+#: Cloud metadata addresses other than link-local, and IPv6 spellings that embed the
+#: IPv4 metadata addresses (a NAT64 gateway, a 6to4 relay or a Teredo tunnel on the path
+#: would deliver them there).
+METADATA_V6_AND_CLOUD = [
+    "http://100.100.100.200",                      # Alibaba Cloud metadata
+    "http://192.0.0.192",                          # Oracle Cloud Classic metadata
+    "http://168.63.129.16",                        # Azure wire server
+    "http://[64:ff9b::a9fe:a9fe]",                 # NAT64 well-known prefix
+    "http://[64:ff9b::169.254.169.254]:8000",
+    "http://[64:ff9b::6464:64c8]",                 # NAT64 of 100.100.100.200
+    "http://[64:ff9b:1::a9fe:a9fe]",               # NAT64 local-use prefix
+    "http://[::ffff:a9fe:a9fe]",                   # IPv4-mapped
+    "http://[::ffff:0:a9fe:a9fe]",                 # IPv4-translated (SIIT)
+    "http://[::a9fe:a9fe]",                        # IPv4-compatible
+    "http://[::169.254.169.254]",
+    "http://[2002:a9fe:a9fe::]",                   # 6to4
+    "http://[2002:a9fe:a9fe:1::5]:8000",
+    "http://[2001:0:a9fe:a9fe::1]",                # Teredo, metadata as the server
+    "http://[2001:0:4136:e378:8000:63bf:5601:5601]",  # Teredo, metadata as the client
+]
+
+
+@pytest.mark.parametrize("url", METADATA_V6_AND_CLOUD)
+def test_ipv6_embeddings_and_other_cloud_metadata_addresses_are_refused(url):
+    why = ops.node_url_refusal(url, Settings())
+    assert why and "cloud-metadata" in why, url
+
+
+def test_ordinary_ipv6_and_cgnat_addresses_stay_allowed():
+    s = Settings()
+    for url in ("http://[2001:db8::5]:8000", "http://[64:ff9b::a00:5]:8000",
+                "http://[2002:a00:5::1]:8000", "http://100.100.100.201:8000",
+                "http://[2001:0:4136:e378:8000:63bf:f5ff:fffa]:8000"):
+        assert ops.node_url_refusal(url, s) is None, url
+
+
+def test_api_refuses_the_nat64_metadata_spelling(r):
+    c = make_app(r).test_client()
+    h = {"Authorization": f"Bearer {TOKEN}"}
+    resp = c.post("/api/v1/nodes", headers=h, json={"name": "meta", "url": "http://[64:ff9b::a9fe:a9fe]"})
+    assert resp.status_code == 400 and resp.get_json()["error"]["code"] == "node_url_refused"
+    assert registry.get_node(r, "meta") is None
+
+
+def test_keys_page_says_when_edges_keep_keys_of_a_missing_store(r):
+    c = make_app(r).test_client()
+    assert login(c).status_code == 303
+    assert 'id="keys-store-missing"' not in c.get("/keys").text
+    r.hset(keynames.EDGES, "edge-a", json.dumps({"ts": time.time(),
+                                                  "admission": {"auth_store_missing": 1}}))
+    page = c.get("/keys").text
+    assert 'id="keys-store-missing"' in page and "edge-a" in page
+    assert "infergate keys import" in page
+    # a stale report (an edge gone for long) does not count
+    r.hset(keynames.EDGES, "edge-a", json.dumps({"ts": time.time() - 3600,
+                                                  "admission": {"auth_store_missing": 1}}))
+    assert 'id="keys-store-missing"' not in c.get("/keys").text

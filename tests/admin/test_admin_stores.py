@@ -199,3 +199,43 @@ def test_a_limit_edit_racing_a_revocation_never_unrevokes(r, monkeypatch):
     assert raced
     again = apikeys.get_key(r, rec.id)
     assert again.revoked == 123.0 and again.rpm == 10
+
+
+def test_key_store_marker_written_with_the_keys_and_missing_after_a_loss(r):
+    """Every key write sets the store's marker; the control plane writes it for keys
+    stored before the marker existed, and reports the store missing (``apikeys_missing``)
+    once Redis lost its state, until the keys are imported again."""
+    import time as _time
+
+    from controlplane.config import Settings
+    from controlplane.routing.service import ControlPlane
+
+    assert apikeys.store_missing(r)
+    key, rec = apikeys.create_key(r, "acme")
+    assert not apikeys.store_missing(r)
+    backup = apikeys.export_keys(r)
+    # keys from before the marker: written for them, nothing reported missing
+    r.delete(keynames.APIKEYS_MARKER)
+    cp = ControlPlane(Settings(), r)
+    try:
+        cp._check_apikeys({})
+        assert not apikeys.store_missing(r) and cp.apikeys_missing is False
+        # Redis came back empty: missing once this process saw the loss
+        r.flushall()
+        cp._check_apikeys({})
+        assert cp.apikeys_missing is False          # no loss seen, no edge keeping keys
+        cp.state_losses = 1
+        cp._check_apikeys({})
+        assert cp.apikeys_missing is True
+        assert [e[0] for e in cp._pending] == ["apikeys_missing"]
+        # an edge says it keeps keys: listed by the admin view
+        report = json.dumps({"ts": _time.time(), "admission": {"auth_store_missing": 1}})
+        r.hset(keynames.EDGES, "edge-a", report)
+        st = apikeys.store_status(r)
+        assert st == {"store_missing": True, "edges_keeping": ["edge-a"]}
+        apikeys.import_keys(r, backup)
+        cp._check_apikeys(r.hgetall(keynames.EDGES))
+        assert cp.apikeys_missing is False and cp._pending[-1][0] == "apikeys_restored"
+        assert apikeys.lookup(r, key).id == rec.id
+    finally:
+        cp.poller.close()

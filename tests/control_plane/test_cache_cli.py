@@ -136,6 +136,7 @@ def test_edge_options_carry_every_setting() -> None:
                       "min_similarity_routes", "min_similarity_models", "coalesce",
                       "coalesce_wait_s", "coalesce_poll_ms", "local_ttl_ms", "embedder_model",
                       "verifier", "verifier_file", "semantic_domains", "max_request_bytes",
+                      "max_request_members",
                       "verify_fraction", "verify_answer_similarity", "verify_max_wrong",
                       "verify_threshold_step", "verify_max_raise", "verify_queue_max",
                       "verify_timeout_s"}

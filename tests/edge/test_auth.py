@@ -6,9 +6,10 @@ keys get 503, nothing gets 500), auth off."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -18,7 +19,8 @@ import requests
 from controlplane import procs
 from controlplane.admin import apikeys
 from controlplane.config import NodeSettings, Settings
-from support.stack import edge_settings
+from controlplane.edge.render import render_nginx, start_nginx
+from support.stack import Edge, edge_settings
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -196,3 +198,152 @@ def test_auth_off_needs_no_key(redis_server, upstream, edge_factory) -> None:
     # a client's own Authorization header passes through untouched when auth is off
     assert post(edge, "whatever").status_code == 200
     assert upstream.headers[-1]["authorization"] == "Bearer whatever"
+
+
+def _flood(edge: Any, n: int, workers: int = 8) -> list[int]:
+    """``n`` requests with distinct made-up keys, ``workers`` at a time; their statuses."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def batch(i: int) -> list[int]:
+        with requests.Session() as s:
+            return [s.post(f"{edge.url}/v1/chat/completions", json=CHAT, timeout=10,
+                           headers={"Authorization": f"Bearer ig-bogus-{i}-{j}"}).status_code
+                    for j in range(i, n, workers)]
+
+    with ThreadPoolExecutor(workers) as ex:
+        return [c for codes in ex.map(batch, range(workers)) for c in codes]
+
+
+def _hget_calls(r: Any) -> int:
+    return int(r.info("commandstats").get("cmdstat_hget", {}).get("calls", 0))
+
+
+@pytest.fixture
+def small_auth_dicts_edge(workdir) -> Iterator[Callable[[Settings], Any]]:
+    """Like ``edge_factory``, with every ``infergate_auth*`` shared dict shrunk to 64 KB
+    (a few hundred answers), so a flood of 3,000 made-up keys overflows the dict it
+    lands in."""
+    started: list[Any] = []
+
+    def start(settings: Settings) -> Any:
+        settings = settings.model_copy(deep=True)
+        settings.edge.metrics_listen = f"127.0.0.1:{procs.free_port()}"
+        base = workdir / f"small-edge-{len(started)}"
+        rendered = render_nginx(settings, base / "conf", listen=f"127.0.0.1:{procs.free_port()}",
+                                prefix=base / "prefix")
+        http_conf = next(p for p in (base / "conf").rglob("*.conf")
+                         if "lua_shared_dict infergate_auth " in p.read_text())
+        text = http_conf.read_text()
+        text = re.sub(r"(lua_shared_dict infergate_auth\w*) \S+;", r"\1 64k;", text)
+        http_conf.write_text(text)
+        edge = Edge(rendered, start_nginx(rendered.nginx_conf, rendered.prefix), settings)
+        started.append(edge)
+        procs.wait_until(lambda: edge.status() is not None, 10, what="edge status endpoint")
+        return edge
+
+    try:
+        yield start
+    finally:
+        for edge in started:
+            edge.stop()
+
+
+def test_bogus_key_flood_then_redis_down_valid_keys_still_work(redis_server, upstream,
+                                                               small_auth_dicts_edge) -> None:
+    """3,000 made-up keys (no per-address limit, so every one costs a lookup) leave the
+    valid keys' answers in place although they overflow the dict of unknown keys: with
+    Redis stopped right after, the valid keys still get 200 (their answers live apart)."""
+    r = redis_server.client()
+    keys = [apikeys.create_key(r, f"t{i}")[0] for i in range(5)]
+    edge = small_auth_dicts_edge(auth_settings(redis_server.url, upstream.node(), cache_ttl_s=0.2,
+                                               negative_ttl_s=0.2, stale_ttl_s=60.0, fail_burst=0))
+    for k in keys:
+        assert post(edge, k).status_code == 200
+    before = _hget_calls(r)
+    codes = _flood(edge, 3000)
+    assert codes.count(401) == 3000, {c: codes.count(c) for c in set(codes)}
+    assert _hget_calls(r) - before >= 3000  # each made-up key was looked up
+    redis_server.stop()
+    time.sleep(0.3)  # the valid keys' answers are now stale: only the stale cache holds them
+    for k in keys:
+        res = post(edge, k)
+        assert res.status_code == 200, res.text
+    assert edge.status()["admission"]["auth_unavailable"] == 0
+
+
+def test_failed_lookups_are_limited_per_address(redis_server, upstream, edge_factory) -> None:
+    """Past auth.fail_burst failed lookups an address gets a fast 429 auth_throttled
+    without a Redis call; a valid key the edge has cached still works from that address,
+    and the budget refills at fail_rate_per_s."""
+    r = redis_server.client()
+    key, _ = apikeys.create_key(r, "acme")
+    burst, rate = 20, 2.0
+    edge = edge_factory(auth_settings(redis_server.url, upstream.node(), fail_burst=burst,
+                                      fail_rate_per_s=rate))
+    assert post(edge, key).status_code == 200
+    before = _hget_calls(r)
+    started = time.monotonic()
+    codes = _flood(edge, 1000, workers=4)
+    elapsed = time.monotonic() - started
+    calls = _hget_calls(r) - before
+    assert calls <= burst + rate * elapsed + 4, (calls, elapsed)  # +4: races of the workers
+    assert codes.count(401) == calls and codes.count(429) == 1000 - calls
+    res = post(edge, "ig-one-more-bogus")
+    assert res.status_code == 429, res.text
+    err = res.json()["error"]
+    assert err["code"] == "auth_throttled" and err["type"] == "rate_limit_error"
+    assert int(res.headers["Retry-After"]) >= 1
+    assert post(edge, key).status_code == 200  # cached: no lookup, not limited
+    assert edge.status()["admission"]["auth_throttled"] >= 1000 - calls
+    procs.wait_until(lambda: post(edge, "ig-later-bogus").status_code == 401,
+                     2 / rate + 5, what="the address's budget to refill")
+
+
+def test_redis_back_empty_known_keys_kept_revoked_refused(redis_server, upstream,
+                                                          edge_factory) -> None:
+    """Redis loses its state (FLUSHALL): the valid keys the edge knew keep working, the
+    key it saw revoked and keys it never saw get 401; the edge says so (error log, status
+    auth_store_missing); ``import_keys`` restores the store and Redis decides again."""
+    r = redis_server.client()
+    known, _ = apikeys.create_key(r, "acme")
+    revoked, rec = apikeys.create_key(r, "acme")
+    unseen, _ = apikeys.create_key(r, "acme")
+    edge = edge_factory(auth_settings(redis_server.url, upstream.node(), cache_ttl_s=0.2,
+                                      negative_ttl_s=0.2, stale_ttl_s=60.0))
+    assert post(edge, known).status_code == 200
+    assert post(edge, revoked).status_code == 200
+    apikeys.revoke_key(r, rec.id)
+    procs.wait_until(lambda: post(edge, revoked).status_code == 401, 5,
+                     what="the revocation to reach the edge")
+    backup = apikeys.export_keys(r)
+    r.flushall()
+    time.sleep(0.3)  # past cache_ttl_s: every answer is asked of Redis again
+    for _ in range(5):  # several cache intervals: the kept answer is renewed
+        assert post(edge, known).status_code == 200
+        assert_invalid_key(post(edge, revoked))
+        assert_invalid_key(post(edge, unseen))
+        assert_invalid_key(post(edge, "ig-never-a-key"))
+        time.sleep(0.1)
+    adm = edge.status()["admission"]
+    assert adm["auth_store_missing"] == 1 and adm["auth_kept"] >= 2
+    assert "API KEY STORE MISSING" in edge.error_log()
+
+    apikeys.import_keys(r, backup)
+    assert not apikeys.store_missing(r)
+    procs.wait_until(lambda: post(edge, unseen).status_code == 200, 5,
+                     what="the restored keys to work")
+    assert post(edge, known).status_code == 200
+    assert_invalid_key(post(edge, revoked))
+
+
+def test_a_deleted_key_is_refused_when_the_store_is_intact(redis_server, upstream,
+                                                          edge_factory) -> None:
+    from controlplane.redisdb import keynames
+
+    r = redis_server.client()
+    key, _ = apikeys.create_key(r, "acme")
+    edge = edge_factory(auth_settings(redis_server.url, upstream.node(), cache_ttl_s=0.2))
+    assert post(edge, key).status_code == 200
+    r.hdel(keynames.APIKEYS, apikeys.hash_key(key))
+    procs.wait_until(lambda: post(edge, key).status_code == 401, 5, what="the key to be refused")
+    assert edge.status()["admission"]["auth_kept"] == 0

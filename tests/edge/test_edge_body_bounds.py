@@ -215,3 +215,71 @@ def test_semantic_hit_on_another_namespace_is_not_served(stack, edge_factory) ->
         assert hit.headers["X-Cache-Match"] == "semantic"
     finally:
         stack.embedder.key = None
+
+
+def _short_name(i: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    out = ""
+    while True:
+        i, d = divmod(i, 62)
+        out = digits[d] + out
+        if i == 0:
+            return out
+
+
+def test_body_with_many_members_bypasses_the_cache_and_spares_the_worker(stack, edge_factory) -> None:
+    """99,990 distinct fields in 0.8 MB: under edge.max_json_members and
+    cache.max_request_bytes, so the node answers it, but over cache.max_request_members:
+    it bypasses the cache (no key worked out, nothing stored, the reason in the error
+    log) while another client's requests on the same (only) worker go on."""
+    edge = edge_factory(settings(stack))
+    fields = {"x" + _short_name(i): 0 for i in range(99990)}
+    big_body = {"model": MODEL, "max_tokens": 1, "temperature": 0,
+                "messages": [{"role": "user", "content": "many fields"}], **fields}
+    big = json.dumps(big_body, separators=(",", ":"))
+    assert 700_000 < len(big) < Settings().cache.max_request_bytes
+    assert 99990 < Settings().edge.max_json_members
+    latencies: list[float] = []
+    codes: list[int] = []
+    done = threading.Event()
+
+    def other_client() -> None:
+        with requests.Session() as s:
+            i = 0
+            while not done.is_set() or i < 3:
+                t0 = time.monotonic()
+                res = s.post(edge.url + CHAT, json=body_of(f"other client {i % 3}", max_tokens=2),
+                             timeout=30)
+                latencies.append(time.monotonic() - t0)
+                codes.append(res.status_code)
+                i += 1
+
+    t = threading.Thread(target=other_client)
+    t.start()
+    try:
+        res = post(edge, big)
+    finally:
+        done.set()
+        t.join(60)
+    assert res.status_code == 200, res.text[:300]
+    assert res.headers["X-Cache-Status"] == "BYPASS"
+    assert "bypasses the cache (cache.max_request_members" in edge.error_log()
+    assert not stack.r.exists(keynames.cache_entry(keys_for(CHAT, big_body, "default").exact))
+    assert codes and set(codes) == {200}, codes
+    assert max(latencies) < 1.0, f"another client waited {max(latencies):.2f}s"  # a guard only
+    # a body just under the bound still takes part in the cache
+    small = body_of("a few fields", metadata={_short_name(i): 0 for i in range(100)})
+    assert post(edge, small).headers["X-Cache-Status"] == "MISS"
+
+
+def test_member_limit_of_the_cache_is_configurable(stack, edge_factory) -> None:
+    edge = edge_factory(settings(stack, max_request_members=50))
+    under = body_of("members under", metadata={"tags": list(range(30))})
+    over = body_of("members over", metadata={"tags": list(range(60))})
+    assert post(edge, under).headers["X-Cache-Status"] == "MISS"
+    stored(stack, under)
+    assert post(edge, under).headers["X-Cache-Status"] == "HIT"
+    assert post(edge, over).headers["X-Cache-Status"] == "BYPASS"
+    time.sleep(0.3)
+    assert post(edge, over).headers["X-Cache-Status"] == "BYPASS"
+    assert not stack.r.exists(keynames.cache_entry(keys_for(CHAT, over, "default").exact))

@@ -219,7 +219,22 @@ def test_every_key_the_stack_writes_is_state_or_has_a_ttl(
 def test_redis_back_empty_is_noticed_and_nodes_reseeded(
         own_redis, simnodes, controlplane_factory, edge_factory, output_dir) -> None:
     rs = own_redis(persistent=False)  # what README used to recommend: no persistence
-    edge, cp, nodes, key, rec = _stack(rs.url, simnodes, controlplane_factory, edge_factory)
+    edge, cp, nodes, key, rec = _stack(rs.url, simnodes, controlplane_factory, edge_factory,
+                                       auth={"mode": "required", "cache_ttl_s": 0.5},
+                                       controlplane={"poll_interval_s": 0.3, "leader_ttl_s": 2.0,
+                                                     "admin_token": "drill-admin-token"})
+    revoked, rev_rec = apikeys.create_key(rs.client(), "drill")
+    chat = {"model": "sim-llama", "messages": [{"role": "user", "content": "state drill"}],
+            "max_tokens": 4}
+
+    def ask(k: str) -> int:
+        return requests.post(f"{edge.url}/v1/chat/completions", json=chat, timeout=10,
+                             headers={"Authorization": f"Bearer {k}"}).status_code
+
+    assert ask(key) == 200 and ask(revoked) == 200
+    apikeys.revoke_key(rs.client(), rev_rec.id)
+    procs.wait_until(lambda: ask(revoked) == 401, 5, what="the revocation at the edge")
+    backup = apikeys.export_keys(rs.client())
     rs.kill()
     rs.restart()
     r = rs.client()
@@ -235,3 +250,30 @@ def test_redis_back_empty_is_noticed_and_nodes_reseeded(
     events = [e for e in registry.recent_events(r, 100) if e["kind"] == "state_lost"]
     assert len(events) == 1
     print(f"\n[drill] Redis back empty: {json.dumps(events[0]['detail'])}")
+
+    # the edge keeps the key it knew (never the one it saw revoked) and says so
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:  # several cache intervals of the edge
+        assert ask(key) == 200
+        assert ask(revoked) == 401
+    adm = edge.status()["admission"]
+    assert adm["auth_store_missing"] == 1 and adm["auth_kept"] >= 1
+    assert "API KEY STORE MISSING" in edge.error_log()
+    # so do the control plane and the admin API
+    procs.wait_until(lambda: any(e["kind"] == "apikeys_missing" for e in registry.recent_events(r, 100)),
+                     10, what="the apikeys_missing event")
+    assert "API KEYS MISSING" in cp.managed.log_path.read_text()
+    text = requests.get(cp.admin_url + "/metrics", timeout=5).text
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    assert fams["infergate_controlplane_apikeys_missing"].samples[0].value == 1
+    admin = {"Authorization": "Bearer drill-admin-token"}
+    listing = requests.get(cp.admin_url + "/api/v1/keys", headers=admin, timeout=5).json()
+    assert listing["store_missing"] is True and listing["edges_keeping"] == [edge.status()["edge_id"]]
+
+    # restored: Redis decides again
+    apikeys.import_keys(r, backup)
+    procs.wait_until(lambda: any(e["kind"] == "apikeys_restored" for e in registry.recent_events(r, 100)),
+                     10, what="the apikeys_restored event")
+    assert ask(key) == 200 and ask(revoked) == 401
+    assert requests.get(cp.admin_url + "/api/v1/keys", headers=admin,
+                        timeout=5).json()["store_missing"] is False

@@ -198,15 +198,17 @@ def parse_json(text: str) -> Reading:
     )
 
 
-def parse_metrics(text: str, content_type: str | None = None) -> Reading:
+def parse_metrics(text: str, content_type: str | None = None,
+                  deadline: float | None = None) -> Reading:
     """Parse one ``/metrics`` body of any supported dialect into a :class:`Reading`.
 
     JSON is chosen when ``content_type`` says ``json`` or the body starts with ``{``;
     otherwise Prometheus text, dialect detected from the names (see module docstring).
     Raises :class:`MetricsParseError` (malformed body) or :class:`UnknownDialectError`
-    (well-formed, but no known metric)."""
+    (well-formed, but no known metric). ``deadline`` (``time.monotonic()`` seconds)
+    time-boxes a Prometheus parse (:class:`~.prom.ParseTimeout`, a MetricsParseError)."""
     stripped = text.lstrip()
     if (content_type and "json" in content_type.lower()) or stripped.startswith("{"):
         return parse_json(stripped)
-    table = parse_prometheus(text, rename=_RENAME)
+    table = parse_prometheus(text, rename=_RENAME, deadline=deadline)
     return reading_from_table(table)

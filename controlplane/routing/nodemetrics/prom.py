@@ -4,14 +4,21 @@ Parsing uses ``prometheus_client.parser.text_string_to_metric_families`` and the
 on *samples* (``name{labels} value``), not families, so a scrape without ``# TYPE``
 lines (untyped) reads the same as a typed one. Non-finite values (``NaN``, ``+Inf``)
 are dropped: a gauge that reports NaN is "unknown", never a number to add up.
+
+A ``deadline`` (``time.monotonic()`` seconds) time-boxes a parse: the text is fed to the
+parser line by line and the deadline checked every :data:`CHECK_EVERY` lines, so a huge
+page is given up (:class:`MetricsParseError`) instead of holding a poll worker.
 """
 
 from __future__ import annotations
 
+import io
 import math
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.parser import text_fd_to_metric_families
 
 from controlplane.errors import InfergateError
 
@@ -61,15 +68,33 @@ def series_key(labels: dict[str, str], drop: tuple[str, ...] = ()) -> SeriesKey:
     return tuple(sorted((k, v) for k, v in labels.items() if k not in drop))
 
 
-def parse_prometheus(text: str, rename: dict[str, str] | None = None) -> SampleTable:
+#: Lines parsed between two looks at the deadline (a few ms of parsing).
+CHECK_EVERY = 256
+
+
+class ParseTimeout(MetricsParseError):
+    """The parse did not finish before its deadline."""
+
+
+def _lines(text: str, deadline: float | None) -> Iterator[str]:
+    for i, line in enumerate(io.StringIO(text)):
+        if deadline is not None and i % CHECK_EVERY == 0 and time.monotonic() > deadline:
+            raise ParseTimeout(f"parse given up after {i} lines: over its time box")
+        yield line
+
+
+def parse_prometheus(text: str, rename: dict[str, str] | None = None,
+                     deadline: float | None = None) -> SampleTable:
     """Parse Prometheus text format into a :class:`SampleTable`.
 
     ``rename`` maps a sample-name prefix to another (e.g. ``{"sglang_": "sglang:"}``),
     applied before storing. Histogram ``_bucket`` samples are skipped (only ``_sum``
-    and ``_count`` are used). Raises :class:`MetricsParseError` on malformed text."""
+    and ``_count`` are used). ``deadline``: ``time.monotonic()`` seconds after which the
+    parse is given up (:class:`ParseTimeout`). Raises :class:`MetricsParseError` on
+    malformed text."""
     table = SampleTable()
     try:
-        for family in text_string_to_metric_families(text):
+        for family in text_fd_to_metric_families(_lines(text, deadline)):  # type: ignore[arg-type]
             for s in family.samples:
                 name = s.name
                 if name.endswith("_bucket"):

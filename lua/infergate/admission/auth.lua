@@ -5,17 +5,34 @@
 --
 -- The SHA-256 hex of the key is looked up with one HGET in infergate:v1:apikeys
 -- (docs/internals.md "API keys"): valid when the record exists and "revoked" is null.
--- Answers are cached in the infergate_auth shared dict under "k:<sha256 hex>":
+-- Answers are cached under "k:<sha256 hex>", valid keys in the infergate_auth shared
+-- dict, unknown or revoked keys apart in infergate_auth_neg (so a flood of made-up keys
+-- evicts only made-up keys, never a valid one):
 --
 --   {"ok": true, "at": epoch_s, "id", "tenant", "rpm"?, "tpm"?}   valid key
 --   {"ok": false, "at": epoch_s}                                    unknown or revoked
 --
 -- A cached answer is trusted for auth.cache_ttl_s (valid) or auth.negative_ttl_s
 -- (invalid) seconds, so a revoked key stops working at most cache_ttl_s after the
--- revocation. The dict keeps answers up to auth.stale_ttl_s: while Redis is unreachable
+-- revocation. The dicts keep answers up to auth.stale_ttl_s: while Redis is unreachable
 -- those stale answers are used (valid keys keep working, known-bad keys keep failing);
 -- a key with no cached answer then gets 503 auth_unavailable. An unknown key is never
 -- let through.
+--
+-- Lookups that find no valid key are limited per client address
+-- (infergate.admission.auththrottle, auth.fail_burst / auth.fail_rate_per_s): past the
+-- budget a key without a cached answer gets 429 auth_throttled without a Redis call.
+-- 429, not 401: the key was not checked (it may be valid, e.g. a client behind the same
+-- NAT as the attacker), and OpenAI clients retry a 429 after Retry-After.
+--
+-- Key store lost: when a key this edge knew as valid is missing from Redis, the marker
+-- infergate:v1:apikeys:marker (set by every write of the keys) tells why. Present: the
+-- key was deleted, 401. Missing: Redis came back empty (a lost append-only file); the
+-- edge keeps honouring the key (its answer renewed, counted in auth_kept) until the keys
+-- are written again (infergate keys import), logs it at ERR (at most once a minute) and
+-- shows auth_store_missing = 1 in its admission counters (/infergate/status, the edge
+-- stats the control plane reads). Keys it knew as revoked, and keys it never saw, stay
+-- refused. A valid key idle longer than stale_ttl_s is forgotten.
 --
 -- On success: req.tenant (the response cache keys on it), req.key_id (8 hex, safe to
 -- log), req.key_limits = {rpm = n|nil, tpm = n|nil}; the Authorization header is
@@ -23,7 +40,8 @@
 -- logged or stored (a worker keeps the digests of the keys in use in its own memory).
 --
 -- Errors: 401 {"type": "invalid_request_error", "code": "invalid_api_key"} with
--- WWW-Authenticate: Bearer; 503 {"type": "service_unavailable", "code": "auth_unavailable"}.
+-- WWW-Authenticate: Bearer; 429 {"type": "rate_limit_error", "code": "auth_throttled"}
+-- with Retry-After; 503 {"type": "service_unavailable", "code": "auth_unavailable"}.
 local cjson = require("cjson.safe")
 local ngxapi = require("infergate.core.ngxapi")
 local ngx_now = ngxapi.now
@@ -34,6 +52,7 @@ local cachekey = require("infergate.cache.key")  -- sha256_hex (libcrypto via FF
 local ar = require("infergate.admission.redis")
 local astats = require("infergate.admission.stats")
 local memo = require("infergate.core.memo")
+local throttle = require("infergate.admission.auththrottle")
 
 local _M = {}
 
@@ -43,8 +62,13 @@ local null = cjson.null
 -- Longer values are not keys (ours are 46 characters); they are refused unhashed.
 _M.MAX_KEY_LEN = 256
 
-local function dict()
-    return ngx.shared[options.DICT_AUTH]
+local function dict(ok)
+    local shared = ngx.shared
+    if ok then
+        return shared[options.DICT_AUTH]
+    end
+    -- a hand-written config without the dict of invalid keys: both in one
+    return shared[options.DICT_AUTH_NEG] or shared[options.DICT_AUTH]
 end
 
 -- The token of an "Authorization: Bearer <token>" value, or nil.
@@ -93,8 +117,7 @@ end
 _M.MEMO_MAX = 1000
 local answers = memo.new(_M.MEMO_MAX)
 
-local function cache_get(digest)
-    local raw = dict():get("k:" .. digest)
+local function decode(raw)
     if not raw then
         return nil
     end
@@ -109,27 +132,67 @@ local function cache_get(digest)
     return answers:set(raw, e)
 end
 
+local function cache_get(digest)
+    local k = "k:" .. digest
+    return decode(dict(true):get(k)) or decode(dict(false):get(k))
+end
+
 local function cache_set(digest, e, o)
     local ttl = e.ok and o.cache_ttl_s or o.negative_ttl_s
     local keep = ttl > o.stale_ttl_s and ttl or o.stale_ttl_s
-    dict():set("k:" .. digest, cjson.encode(e), keep)
+    local k = "k:" .. digest
+    local into, other = dict(e.ok), dict(not e.ok)
+    into:set(k, cjson.encode(e), keep)
+    if other ~= into then
+        other:delete(k)  -- a revoked key forgets it was valid (and back)
+    end
 end
 
 local function hget_key(c, digest)
     return c:command("HGET", keynames.apikeys, digest)
 end
 
--- Cache entry for a key digest: cached, fetched, or stale when Redis is down.
--- Returns the entry, or nil, err when the key cannot be checked.
-function _M.lookup(digest, now, o)
-    local e = cache_get(digest)
-    if e then
-        local ttl = e.ok and o.cache_ttl_s or o.negative_ttl_s
-        if now - e.at < ttl then
-            return e
+local function marker_exists(c)
+    return c:command("EXISTS", keynames.apikeys_marker)
+end
+
+-- Redis answered without the record of a key this edge knew as valid (e). Returns the
+-- renewed entry when the key store is missing (keep honouring it), false when the
+-- store is intact (the key is gone), or nil, err when Redis cannot tell.
+local function keep_known(digest, e, now, o)
+    local n, err = ar.run(marker_exists)
+    if n == 1 then
+        return false
+    end
+    if n ~= 0 then
+        return nil, err or "EXISTS failed"
+    end
+    local kept = { ok = true, at = now, id = e.id, tenant = e.tenant, rpm = e.rpm, tpm = e.tpm }
+    cache_set(digest, kept, o)
+    astats.incr("auth_kept")
+    astats.flag("auth_store_missing", math.max(2 * o.cache_ttl_s, 10))
+    if ngx.shared[options.DICT_LIMITS]:add("auth_store_missing_logged", true, 60) then
+        ngx.log(ngx.ERR, "infergate: API KEY STORE MISSING: Redis answers without ",
+            keynames.apikeys_marker, " (it came back empty); honouring the valid keys this ",
+            "edge knew, revoked and unknown keys stay refused; restore the keys with ",
+            "`infergate keys import`")
+    end
+    return kept
+end
+
+-- The fresh answer of Redis for digest (e: the cached entry, possibly stale), or nil, err.
+local function fetch(digest, e, now, o)
+    local raw, err = ar.run(hget_key, digest)
+    local kept
+    if raw and type(raw) ~= "string" and e and e.ok then
+        -- a key known as valid is gone: deleted, or the key store was lost
+        kept, err = keep_known(digest, e, now, o)
+        if kept then
+            return kept
+        elseif kept == nil then
+            raw = nil
         end
     end
-    local raw, err = ar.run(hget_key, digest)
     if not raw then
         -- nil: Redis unreachable (or backed off); false: an error reply. Either way the
         -- key cannot be checked now.
@@ -141,6 +204,32 @@ function _M.lookup(digest, now, o)
     local fresh = _M.from_record(raw, now)
     cache_set(digest, fresh, o)
     return fresh
+end
+
+-- Cache entry for a key digest: cached, fetched, or stale when Redis is down.
+-- addr: the client address, whose failed lookups are limited (nil: not limited).
+-- Returns the entry, or nil, err when the key cannot be checked ("throttled", wait_s
+-- when addr is past its budget of failed lookups).
+function _M.lookup(digest, now, o, addr)
+    local e = cache_get(digest)
+    if e then
+        local ttl = e.ok and o.cache_ttl_s or o.negative_ttl_s
+        if now - e.at < ttl then
+            return e
+        end
+    end
+    local charged = not (e and e.ok)
+    if charged then
+        local wait = throttle.take(addr, now, o)
+        if wait > 0 then
+            return nil, "throttled", wait
+        end
+    end
+    local fresh, err = fetch(digest, e, now, o)
+    if charged and not (fresh and not fresh.ok) then
+        throttle.refund(addr, now, o)  -- a valid key, or none could be checked
+    end
+    return fresh, err
 end
 
 -- SHA-256 hex of the key of an Authorization value, per worker, by the header value
@@ -179,7 +268,18 @@ function _M.step(req)
         end
         digest = digests:set(value, cachekey.sha256_hex(token))
     end
-    local e = _M.lookup(digest, ngx_now(), o)
+    local e, err, wait = _M.lookup(digest, ngx_now(), o, ngx_var("remote_addr"))
+    if not e and err == "throttled" then
+        astats.incr("auth_throttled")
+        return {
+            status = 429,
+            message = "Too many requests with invalid API keys from your address; retry "
+                .. "shortly.",
+            type = "rate_limit_error",
+            code = "auth_throttled",
+            headers = { ["Retry-After"] = tostring(math.ceil(wait)) },
+        }
+    end
     if not e then
         -- err: the outage is logged once by infergate.admission.redis
         astats.incr("auth_unavailable")

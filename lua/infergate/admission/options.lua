@@ -4,7 +4,8 @@
 -- [limits], [admission] and [deadlines] sections).
 --
 --   options.get() ->
---   {auth      = {mode = "off"|"required", cache_ttl_s, negative_ttl_s, stale_ttl_s},
+--   {auth      = {mode = "off"|"required", cache_ttl_s, negative_ttl_s, stale_ttl_s,
+--                 fail_burst, fail_rate_per_s},
 --    limits    = {enabled, global_rpm, global_tpm, chars_per_token, redis_retry_s},
 --    shed      = {enabled, max_wait_ms, poll_ms, retry_after_s},
 --    deadlines = {request_ms, stream_idle_ms,
@@ -15,7 +16,9 @@
 local _M = {}
 
 -- Shared dict names; they must match the lua_shared_dict lines of infergate-http.conf.
-_M.DICT_AUTH = "infergate_auth"
+_M.DICT_AUTH = "infergate_auth"          -- valid keys
+_M.DICT_AUTH_NEG = "infergate_auth_neg"  -- unknown and revoked keys
+_M.DICT_AUTH_FAIL = "infergate_auth_fail"  -- failed lookups per client address
 _M.DICT_LIMITS = "infergate_limits"
 
 -- The tenant of every request when auth is off.

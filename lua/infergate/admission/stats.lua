@@ -4,6 +4,11 @@
 --
 --   auth_rejected      401: missing, unknown or revoked API key
 --   auth_unavailable   503: key not cached and Redis unreachable
+--   auth_throttled     429: key not cached, its client address past its budget of failed
+--                      lookups (infergate.admission.auththrottle), Redis not asked
+--   auth_kept          valid keys honoured from this edge's memory while Redis answers
+--                      without its key store (infergate.admission.auth)
+--   auth_store_missing gauge: 1 while this edge sees Redis without its key store
 --   rate_limited       429: a per-key or global token bucket was empty
 --   limits_local       rate-limit decisions taken on this edge's local buckets (Redis down)
 --   shed               429: every eligible node stayed saturated for the whole wait
@@ -15,7 +20,8 @@ local options = require("infergate.admission.options")
 
 local _M = {}
 
-_M.NAMES = { "auth_rejected", "auth_unavailable", "rate_limited", "limits_local", "shed",
+_M.NAMES = { "auth_rejected", "auth_unavailable", "auth_throttled", "auth_kept",
+             "auth_store_missing", "rate_limited", "limits_local", "shed",
              "deadline_exceeded", "waiting" }
 
 local function dict()
@@ -24,6 +30,11 @@ end
 
 function _M.incr(name, n)
     dict():incr("c:" .. name, n or 1, 0)
+end
+
+-- Sets the gauge name to 1 for ttl seconds (then it reads 0 again).
+function _M.flag(name, ttl)
+    dict():set("c:" .. name, 1, ttl)
 end
 
 function _M.get(name)

@@ -5,7 +5,8 @@
 --  "snapshot": {"source": "redis"|"static", "version", "generated_at", "fetched_at",
 --               "age_s", "stale", "leader", "redis_ok", "redis_error", "nodes"},
 --  "inflight_total",
---  "admission": {"auth_rejected", "auth_unavailable", "rate_limited", "limits_local",
+--  "admission": {"auth_rejected", "auth_unavailable", "auth_throttled", "auth_kept",
+--                "auth_store_missing", "rate_limited", "limits_local",
 --                "shed", "deadline_exceeded", "waiting"}   (infergate.admission.stats)
 --  "nodes": [{"name", "host", "port", "state", "healthy", "weight", "effective_weight",
 --             "max_concurrency", "score", "saturated", "eligible", "inflight",
