@@ -197,6 +197,8 @@ def build_views(r: redis.Redis, settings: Settings, *, name: str | None = None,
             status = st.state
         elif healthy is None:
             status = "unknown"
+        elif not healthy and m.credentials_refused:
+            status = "credentials refused"  # the node answers 401/403: its API key
         else:
             status = "active" if healthy else "down"
         e = edges.get(n.name, EdgeAgg())
