@@ -230,11 +230,11 @@ def static_nodes(settings: Settings) -> tuple[list[dict], list[str]]:
 
 
 def _static_access(n: NodeSettings, entry: dict, warnings: list[str]) -> None:
-    """Scheme, certificate host name and API key (``auth``, read now from the node's
-    ``api_key_env`` / ``api_key_file``) of a static node entry."""
+    """Scheme and certificate host name of an https node, and the API key (``auth``,
+    read now from the node's ``api_key_env`` / ``api_key_file``), in its static entry."""
     parts = urlsplit(n.url)
-    entry["scheme"] = parts.scheme
-    if parts.scheme == "https":
+    if parts.scheme == "https":  # plain nodes: http, the entry as before
+        entry["scheme"] = "https"
         entry["tls_name"] = parts.hostname
     if n.has_credential():
         auth, err = nodeaccess.resolve_quiet(n)

@@ -52,7 +52,7 @@ import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import requests
 
@@ -69,6 +69,9 @@ MAX_BODY = 8 * 1024 * 1024
 HOLD_POLLS = 5
 #: Answers that mean the node refused the credentials (or their absence).
 REFUSED = (401, 403)
+#: In ``last_error`` of a poll answered with one of :data:`REFUSED` (the admin page shows
+#: such an unhealthy node as "credentials refused", not "down").
+REFUSED_TEXT = "credentials refused"
 #: Health answers of an OpenAI-compatible server that mean "no such path here".
 NO_SUCH_PATH = (404, 405, 501)
 
@@ -131,7 +134,6 @@ class NodeStatus:
     last_error: str | None
     poll_ms: float
     has_metrics: bool
-    credentials_refused: bool = False
 
     def metrics(self) -> NodeMetricsDoc:
         """The per-node metrics document of docs/internals.md (``poll_ms`` to 0.1 ms)."""
@@ -296,7 +298,7 @@ def classify(health: HttpResult, metrics: HttpResult | None) -> PollResult:
     good = health.ok
     refused = health.status in REFUSED or (metrics is not None and metrics.status in REFUSED)
     if health.status in REFUSED:
-        errors.append(f"health: credentials refused (HTTP {health.status})")
+        errors.append(f"health: {REFUSED_TEXT} (HTTP {health.status})")
     elif not health.ok:
         errors.append("health: " + (health.error or f"HTTP {health.status}"))
     elif health.error:
@@ -316,7 +318,7 @@ def classify(health: HttpResult, metrics: HttpResult | None) -> PollResult:
             errors.append("metrics: " + (metrics.error or "empty"))
         elif metrics.status in REFUSED:
             good = False
-            errors.append(f"metrics: credentials refused (HTTP {metrics.status})")
+            errors.append(f"metrics: {REFUSED_TEXT} (HTTP {metrics.status})")
         else:
             errors.append("metrics: " + (metrics.error or f"HTTP {metrics.status}"))
     reachable = health.status is not None or (metrics is not None and metrics.status is not None)
@@ -324,6 +326,18 @@ def classify(health: HttpResult, metrics: HttpResult | None) -> PollResult:
     return PollResult(good=good, reachable=reachable, reading=reading,
                       error="; ".join(errors) or None, poll_ms=poll_ms,
                       busy=not health.ok and health.busy, credentials_refused=refused)
+
+
+def models_refusal(result: PollResult, models_error: str | None) -> PollResult:
+    """``result``, as a failed poll with credentials refused when the node's last ``GET
+    /v1/models`` was answered 401 or 403 (``models_error`` ``"HTTP 401"``, see
+    :class:`controlplane.routing.models.ModelsPoller`): vLLM's ``--api-key`` guards
+    only ``/v1``, so its ``/health`` and ``/metrics`` answer whatever the key."""
+    if models_error not in {f"HTTP {c}" for c in REFUSED}:
+        return result
+    text = f"models: {REFUSED_TEXT} ({models_error})"
+    return replace(result, good=False, credentials_refused=True, busy=False,
+                   error="; ".join(x for x in (result.error, text) if x))
 
 
 def breakers_open(edges_raw: dict[str, str], now: float, max_age_s: float) -> set[str]:
@@ -412,6 +426,5 @@ class NodeTracker:
             consecutive_failures=self.health.consecutive_failures,
             consecutive_successes=self.health.consecutive_successes,
             last_error=error, poll_ms=result.poll_ms, has_metrics=r is not None,
-            credentials_refused=result.credentials_refused,
         )
         return status, changed

@@ -73,7 +73,13 @@ from controlplane.routing.leader import LeaderElector, make_id
 from controlplane.routing.models import ModelsPoller
 from controlplane.routing.nodekind import PropsPoller
 from controlplane.routing.nodeaccess import AccessTable
-from controlplane.routing.poller import NodeStatus, NodeTracker, Poller, breakers_open
+from controlplane.routing.poller import (
+    NodeStatus,
+    NodeTracker,
+    Poller,
+    breakers_open,
+    models_refusal,
+)
 from controlplane.redisdb.conn import make_redis
 from controlplane.redisdb.url import parse_redis_url
 from controlplane.routing.registry import NodeState
@@ -353,7 +359,8 @@ class ControlPlane:
             inflight = fresh_inflight(self.edges, now, fresh_s)
             tripped = breakers_open(self.edges, now, fresh_s)
             for n in nodes:
-                status, changed = self._tracker(n).update(results[n.name], now,
+                result = models_refusal(results[n.name], self.models.error(n.name))
+                status, changed = self._tracker(n).update(result, now,
                                                           inflight.get(n.name, 0.0),
                                                           n.name in tripped)
                 self.props.annotate(n, status)

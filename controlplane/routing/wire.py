@@ -147,8 +147,6 @@ class NodeMetricsDoc(_Doc):
     """Duration of the poll, ms."""
     has_metrics: bool = False
     """The metrics endpoint answered and was parsed."""
-    credentials_refused: bool = False
-    """The node answered the last poll 401 or 403 (its API key is wrong or missing)."""
 
     @classmethod
     def from_dict(cls, d: dict) -> NodeMetricsDoc:
@@ -162,9 +160,7 @@ class NodeMetricsDoc(_Doc):
                    consecutive_failures=_int(d.get("consecutive_failures")) or 0,
                    consecutive_successes=_int(d.get("consecutive_successes")) or 0,
                    last_error=str(d["last_error"]) if d.get("last_error") else None,
-                   has_metrics=_bool(d.get("has_metrics"), False) or False,
-                   credentials_refused=bool(_bool(d.get("credentials_refused"), False)),
-                   **nums)
+                   has_metrics=_bool(d.get("has_metrics"), False) or False, **nums)
 
 
 # ---- infergate:v1:routing -----------------------------------------------------------------

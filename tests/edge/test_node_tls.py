@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import re
+import os
 import shutil
+import stat
 import subprocess
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from controlplane import procs
 from controlplane.admin import create_app
 from controlplane.cli import main
 from controlplane.config import NodeSettings, settings_from_dict
-from controlplane.edge.render import start_nginx
+from controlplane.edge.render import render_nginx, start_nginx
 from controlplane.redisdb import keynames
 from controlplane.routing import registry
 from support.stack import edge_settings, write_snapshot
@@ -91,6 +93,13 @@ http {{
         ssl_certificate {cert};
         ssl_certificate_key {key};
         location / {{
+            {check}
+            proxy_pass {backend};
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+        }}
+        location /v1/ {{
             if ($http_authorization != "Bearer {token}") {{ return 401; }}
             proxy_pass {backend};
             proxy_http_version 1.1;
@@ -100,15 +109,19 @@ http {{
     }}
 }}
 """
+#: The bearer check of FRONT_CONF outside /v1/ (``only_v1``: none, as vLLM's --api-key).
+CHECK = 'if ($http_authorization != "Bearer {token}") {{ return 401; }}'.format(token=KEY)
 
 
 @pytest.fixture
 def tls_front(workdir: Path, certs: Path):
-    """Factory: ``tls_front(backend_url, cert="node")`` -> port of an nginx that serves
-    TLS with that certificate and passes only requests with ``Bearer s3cret`` on."""
+    """Factory: ``tls_front(backend_url, cert="node", only_v1=False)`` -> port of an nginx
+    that serves TLS with that certificate and passes only requests with ``Bearer s3cret``
+    on (``only_v1``: only under ``/v1/`` as vLLM's ``--api-key``; /health and /metrics
+    are open)."""
     started: list[procs.Managed] = []
 
-    def start(backend: str, cert: str = "node") -> int:
+    def start(backend: str, cert: str = "node", only_v1: bool = False) -> int:
         i = len(started) + 1
         prefix = workdir / f"front-{i}"
         prefix.mkdir()
@@ -116,6 +129,7 @@ def tls_front(workdir: Path, certs: Path):
         conf = prefix / "nginx.conf"
         conf.write_text(FRONT_CONF.format(prefix=prefix, port=port, cert=certs / f"{cert}.crt",
                                           key=certs / f"{cert}.key", token=KEY,
+                                          check="" if only_v1 else CHECK,
                                           backend=backend.rstrip("/")))
         started.append(start_nginx(conf, prefix))
         return port
@@ -222,6 +236,26 @@ def test_https_node_with_api_key(workdir, redis_server, simnodes, tls_front, cer
     assert f"Bearer {KEY}" in r.get(keynames.ROUTING)
 
 
+def test_a_key_refused_only_under_v1_is_credentials_refused(workdir, redis_server, simnodes,
+                                                             tls_front, certs,
+                                                             controlplane_factory):
+    (sim,) = simnodes(1)
+    port = tls_front(sim.url, only_v1=True)
+    wrong = workdir / "wrong.key"
+    wrong.write_text("not-the-key\n")
+    node = NodeSettings(name="vllm-like", url=f"https://localhost:{port}",
+                        ca_file=str(certs / "ca.crt"), api_key_file=str(wrong))
+    settings = edge_settings(redis_server.url, [node])
+    settings.controlplane.poll_interval_s = 0.2
+    controlplane_factory(settings)
+    doc = _wait_node(redis_server.client(), "vllm-like", lambda d: d.get("healthy") is False)
+    assert "models: credentials refused (HTTP 401)" in doc["last_error"]
+    assert doc["has_metrics"]  # /metrics answered: the node is up, its key is wrong
+    listing = CliRunner().invoke(main, ["nodes", "list", "--redis-url", redis_server.url])
+    assert re.search(r"vllm-like\s+active\s+credentials refused", listing.output), \
+        listing.output
+
+
 def test_untrusted_certificate_is_not_used(redis_server, simnodes, tls_front, certs,
                                            edge_factory):
     (sim,) = simnodes(1)
@@ -289,3 +323,29 @@ def test_real_engine_behind_tls_with_api_key(redis_server, realnodes, tls_front,
     assert res.status_code == 200, res.text
     assert res.json()["choices"][0]["message"]["content"] is not None
     assert KEY not in edge.error_log() + edge.access_log()
+
+
+def test_render_bundles_the_cas_and_protects_the_static_key(tmp_path, certs, monkeypatch):
+    monkeypatch.setenv("T_RENDER_KEY", "render-secret")
+    ca1, ca2 = certs / "ca.crt", certs / "other.crt"
+    s = settings_from_dict({
+        "controlplane": {"node_ca_file": str(ca1)},
+        "nodes": [{"name": "a", "url": "https://127.0.0.1:8443", "ca_file": str(ca2),
+                   "api_key_env": "T_RENDER_KEY"},
+                  {"name": "b", "url": "http://127.0.0.1:8000"}]})
+    r = render_nginx(s, tmp_path / "out", listen="127.0.0.1:18999", prefix=tmp_path / "pre")
+    bundle = tmp_path / "out" / "node-ca.pem"
+    assert bundle.read_text() == ca1.read_text() + ca2.read_text()
+    server = r.server_conf.read_text()
+    assert server.count(f"proxy_ssl_trusted_certificate {bundle.resolve()};") == 5
+    assert server.count("proxy_set_header Authorization $infergate_node_auth;") == 5
+    assert "proxy_pass $infergate_upstream_scheme://infergate_nodes/v1/chat/completions" \
+        "$is_args$args;" in server
+    http = r.http_conf.read_text()
+    assert "Bearer render-secret" in http
+    assert stat.S_IMODE(os.stat(r.http_conf).st_mode) == 0o640
+    plain = settings_from_dict({"nodes": [{"name": "b", "url": "http://127.0.0.1:8000"}]})
+    r2 = render_nginx(plain, tmp_path / "out2", listen="127.0.0.1:18998",
+                      prefix=tmp_path / "pre2")
+    assert stat.S_IMODE(os.stat(r2.http_conf).st_mode) == 0o644
+    assert not (tmp_path / "out2" / "node-ca.pem").exists()
