@@ -60,8 +60,8 @@ def _make_cert(d: Path, name: str, ca: str, san: str) -> None:
 
 @pytest.fixture
 def certs(workdir: Path) -> Path:
-    """CA ``ca`` with the server certificate ``node`` (DNS:localhost), and an unrelated CA
-    ``other`` with ``rogue`` (DNS:localhost too)."""
+    """CA ``ca`` with the server certificates ``node`` (DNS:localhost) and ``nodeb``
+    (DNS:node-b.test), and an unrelated CA ``other`` with ``rogue`` (DNS:localhost)."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed (apt-get install openssl)")
     d = workdir / "tls"
@@ -71,6 +71,7 @@ def certs(workdir: Path) -> Path:
     _make_ca(d, "other")
     _make_cert(d, "node", "ca", "DNS:localhost")
     _make_cert(d, "rogue", "other", "DNS:localhost")
+    _make_cert(d, "nodeb", "ca", "DNS:node-b.test")
     for f in d.iterdir():
         f.chmod(0o644)
     return d
@@ -284,6 +285,54 @@ def test_untrusted_certificate_is_not_used(redis_server, simnodes, tls_front, ce
     res = requests.post(edge.url + "/v1/chat/completions", json=CHAT, timeout=30)
     assert res.status_code == 200, res.text
     edge.check_log = False  # the verify error above is logged at [error], as it should
+
+
+def test_each_try_checks_its_own_node_name(redis_server, simnodes, tls_front, certs,
+                                           edge_factory):
+    """Two https nodes of one group (same scheme and key) with different host names: the
+    balancer sets the certificate name of every try, so both serve, also as retries."""
+    (sim,) = simnodes(1)
+    pa, pb = tls_front(sim.url), tls_front(sim.url, cert="nodeb")
+    settings = edge_settings(redis_server.url, [], max_tries=1)
+    settings.controlplane.node_ca_file = str(certs / "ca.crt")
+    edge = edge_factory(settings)
+    common = {"kind": "vllm", "scheme": "https", "auth": f"Bearer {KEY}", "host": "127.0.0.1",
+              "score": None, "has_metrics": False}
+    snap = write_snapshot(redis_server.client(), [
+        {**common, "name": "a", "url": f"https://localhost:{pa}", "port": pa,
+         "tls_name": "localhost"},
+        {**common, "name": "b", "url": f"https://node-b.test:{pb}", "port": pb,
+         "tls_name": "node-b.test"}])
+    edge.wait_snapshot(snap["version"])
+    for _ in range(12):
+        res = requests.post(edge.url + "/v1/chat/completions", json=CHAT, timeout=30)
+        assert res.status_code == 200, res.text
+    served = {n["name"]: n["requests"] for n in edge.status()["nodes"]}
+    assert served["a"] > 0 and served["b"] > 0, served
+    assert "certificate" not in edge.error_log()
+
+
+def test_a_mixed_pool_sends_each_request_within_one_group(redis_server, simnodes, tls_front,
+                                                          certs, edge_factory):
+    """A plain node and an https node with a key: each request is sent with the scheme
+    and key of the node it reaches (both serve, none fails)."""
+    sims = simnodes(2)
+    port = tls_front(sims[1].url)
+    settings = edge_settings(redis_server.url, [], max_tries=2)
+    settings.controlplane.node_ca_file = str(certs / "ca.crt")
+    edge = edge_factory(settings)
+    snap = write_snapshot(redis_server.client(), [
+        {**sims[0].snapshot_node(), "name": "plain", "score": None, "has_metrics": False},
+        {"name": "tls", "url": f"https://localhost:{port}", "host": "127.0.0.1",
+         "port": port, "kind": "vllm", "scheme": "https", "tls_name": "localhost",
+         "auth": f"Bearer {KEY}"}])
+    edge.wait_snapshot(snap["version"])
+    for _ in range(16):
+        res = requests.post(edge.url + "/v1/chat/completions", json=CHAT, timeout=30)
+        assert res.status_code == 200, res.text
+    st = {n["name"]: n for n in edge.status()["nodes"]}
+    assert st["plain"]["requests"] > 0 and st["tls"]["requests"] > 0, st
+    assert st["plain"]["failures"] == 0 and st["tls"]["failures"] == 0, st
 
 
 def test_controlplane_refuses_untrusted_certificate(redis_server, simnodes, tls_front, certs,
