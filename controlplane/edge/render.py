@@ -250,8 +250,9 @@ def node_ca_bundle(settings: Settings, out: Path) -> str | None:
     nodes are verified with. ``controlplane.node_ca_file`` (else the system bundle) alone
     when no node has a ``ca_file``; otherwise ``node-ca.pem`` written into ``out``, those
     and every node's ``ca_file`` one after the other. ``None`` when there is none at all
-    (every https node then fails verification). Raises :class:`RenderError` for a CA file
-    that cannot be read."""
+    (the edge then refuses requests to https nodes added at run time). Raises
+    :class:`RenderError` for a CA file that cannot be read, or an https node of the file
+    without any CA to verify it with."""
     base = settings.controlplane.node_ca_file
     if base and not Path(base).is_file():
         raise RenderError(f"controlplane.node_ca_file: no such file {base!r}")
@@ -259,6 +260,11 @@ def node_ca_bundle(settings: Settings, out: Path) -> str | None:
     if not base and Path(SYSTEM_CA_BUNDLE).is_file():
         files.insert(0, SYSTEM_CA_BUNDLE)
     if not files:
+        https = [n.name for n in settings.nodes if n.url.startswith("https://")]
+        if https:
+            raise RenderError(f"node(s) {', '.join(https)}: https:// needs a CA bundle to "
+                              f"verify the certificate; {SYSTEM_CA_BUNDLE} is missing: set "
+                              "controlplane.node_ca_file or the node's ca_file")
         return None
     if len(files) == 1:
         return str(Path(files[0]).resolve())

@@ -335,6 +335,34 @@ def test_a_mixed_pool_sends_each_request_within_one_group(redis_server, simnodes
     assert st["plain"]["failures"] == 0 and st["tls"]["failures"] == 0, st
 
 
+def test_without_any_ca_bundle_https_nodes_are_refused(workdir, redis_server, simnodes,
+                                                       tls_front, edge_factory, monkeypatch):
+    """A host without the system CA bundle and no node CA configured: the configuration
+    still loads (plain nodes work), https nodes are never sent a request unverified, and
+    an https node in the file cannot be rendered."""
+    import controlplane.edge.render as render_mod
+
+    monkeypatch.setattr(render_mod, "SYSTEM_CA_BUNDLE", str(workdir / "missing.crt"))
+    (sim,) = simnodes(1)
+    port = tls_front(sim.url)
+    edge = edge_factory(edge_settings(redis_server.url, []))
+    r = redis_server.client()
+    snap = write_snapshot(r, [{"name": "tls", "url": f"https://localhost:{port}",
+                               "host": "127.0.0.1", "port": port, "kind": "vllm",
+                               "scheme": "https", "tls_name": "localhost"}])
+    edge.wait_snapshot(snap["version"])
+    res = requests.post(edge.url + "/v1/chat/completions", json=CHAT, timeout=30)
+    assert res.status_code == 502 and res.json()["error"]["code"] == "edge_misconfigured"
+    assert "no CA bundle" in edge.error_log()
+    snap = write_snapshot(r, [{**sim.snapshot_node(), "score": None}])
+    edge.wait_snapshot(snap["version"])
+    assert requests.post(edge.url + "/v1/chat/completions", json=CHAT,
+                         timeout=30).status_code == 200
+    bad = edge_settings(redis_server.url, [NodeSettings(name="t", url="https://localhost:1")])
+    with pytest.raises(render_mod.RenderError, match="CA bundle"):
+        render_nginx(bad, workdir / "no-ca", listen="127.0.0.1:1", prefix=workdir / "no-ca-p")
+
+
 def test_controlplane_refuses_untrusted_certificate(redis_server, simnodes, tls_front, certs,
                                                     controlplane_factory):
     (sim,) = simnodes(1)

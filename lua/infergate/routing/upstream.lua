@@ -15,6 +15,8 @@
 --                               the auth step has removed it already)
 --   $infergate_ssl_name         proxy_ssl_name: set by the balancer for every try (the
 --                               certificate is checked against it; SNI)
+--   $infergate_node_ca          "none" when the configuration has no CA bundle to verify
+--                               https nodes with: requests to them are refused (502)
 --
 -- A pool whose nodes all share scheme and API key (the common case) is one group: the
 -- request keeps every node and every retry. With several groups, a group is drawn in
@@ -118,9 +120,11 @@ function _M.step(req)
     req.group = g.key
     req.ssl_name = g.tls_name
     local ok, err = pcall(set_vars, g)
+    if ok and g.scheme == "https" and ngx.var.infergate_node_ca == "none" then
+        ok, err = false, "no CA bundle to verify https nodes with (set controlplane.node_ca_file)"
+    end
     if not ok and (g.scheme ~= "http" or g.auth) then
-        log(ERR, "infergate: this location lacks the variables of TLS or API-key nodes "
-            .. "(render the configuration again): ", err)
+        log(ERR, "infergate: cannot send requests to the ", g.scheme, " nodes: ", err)
         return { status = 502, message = "The edge cannot reach the inference nodes.",
                  type = "server_error", code = "edge_misconfigured" }
     end
