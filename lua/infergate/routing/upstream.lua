@@ -94,12 +94,17 @@ local function draw(t, groups, model, now)
     return last
 end
 
+-- The location's variables for group `g` (their defaults: "http", no Authorization).
 local function set_vars(g)
-    local auth = g.auth or ngx.var.http_authorization or ""
-    ngx.var.infergate_upstream_scheme = g.scheme
-    ngx.var.infergate_node_auth = auth
-    if g.tls_name then
-        ngx.var.infergate_ssl_name = g.tls_name
+    local auth = g.auth or ngx.var.http_authorization
+    if auth then
+        ngx.var.infergate_node_auth = auth
+    end
+    if g.scheme == "https" then
+        ngx.var.infergate_upstream_scheme = "https"
+        if g.tls_name then
+            ngx.var.infergate_ssl_name = g.tls_name
+        end
     end
 end
 
