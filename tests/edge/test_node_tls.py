@@ -287,7 +287,7 @@ def test_untrusted_certificate_is_not_used(redis_server, simnodes, tls_front, ce
     edge.check_log = False  # the verify error above is logged at [error], as it should
 
 
-def test_each_try_checks_its_own_node_name(redis_server, simnodes, tls_front, certs,
+def test_each_try_checks_its_own_node_name(workdir, redis_server, simnodes, tls_front, certs,
                                            edge_factory):
     """Two https nodes of one group (same scheme and key) with different host names: the
     balancer sets the certificate name of every try, so both serve, also as retries."""
@@ -310,6 +310,11 @@ def test_each_try_checks_its_own_node_name(redis_server, simnodes, tls_front, ce
     served = {n["name"]: n["requests"] for n in edge.status()["nodes"]}
     assert served["a"] > 0 and served["b"] > 0, served
     assert "certificate" not in edge.error_log()
+    # no model list known: GET /v1/models/<id> goes to a node, its path (normalised)
+    # escaped as a fixed proxy_pass would, the query string kept
+    requests.get(edge.url + "/v1//models/org/some%20model?x=1", timeout=30)
+    fronts = "".join(p.read_text() for p in workdir.glob("front-*/access.log"))
+    assert "GET /v1/models/org/some%20model?x=1 " in fronts, fronts[-2000:]
 
 
 def test_a_mixed_pool_sends_each_request_within_one_group(redis_server, simnodes, tls_front,

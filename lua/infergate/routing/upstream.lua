@@ -34,6 +34,10 @@ local _M = {}
 
 local ipairs = ipairs
 local random = math.random
+local sub = string.sub
+local find = string.find
+local concat = table.concat
+local escape_uri = ngx.escape_uri
 local log = ngx.log
 local ERR = ngx.ERR
 
@@ -108,6 +112,28 @@ local function set_vars(g)
     end
 end
 
+local MODELS_PREFIX = "/v1/models/"
+
+-- GET /v1/models/<id> passed on to a node (no model list known): the normalised path
+-- with each segment escaped, as nginx sends a fixed proxy_pass URI
+-- ($infergate_upstream_path of that location).
+local function models_path()
+    local uri = ngx.var.uri
+    if #uri <= #MODELS_PREFIX or sub(uri, 1, #MODELS_PREFIX) ~= MODELS_PREFIX then
+        return
+    end
+    local rest, parts, i = sub(uri, #MODELS_PREFIX + 1), {}, 1
+    while true do
+        local j = find(rest, "/", i, true)
+        parts[#parts + 1] = escape_uri(sub(rest, i, j and j - 1 or #rest))
+        if not j then
+            break
+        end
+        i = j + 1
+    end
+    ngx.var.infergate_upstream_path = MODELS_PREFIX .. concat(parts, "/")
+end
+
 -- Access step: the request's group and the location's variables. nil (continue), or
 -- an error table when the location lacks the variables and a node needs them.
 function _M.step(req)
@@ -124,6 +150,9 @@ function _M.step(req)
     end
     req.group = g.key
     req.ssl_name = g.tls_name
+    if req.route == "models" then
+        pcall(models_path)
+    end
     local ok, err = pcall(set_vars, g)
     if ok and g.scheme == "https" and ngx.var.infergate_node_ca == "none" then
         ok, err = false, "no CA bundle to verify https nodes with (set controlplane.node_ca_file)"
