@@ -34,6 +34,7 @@ from controlplane.redisdb import keynames
 from controlplane.routing import registry
 from controlplane.admin import auth, ops
 from controlplane.admin.nodeview import build_view, build_views
+from controlplane.routing.nodeaccess import redact_snapshot
 from controlplane.routing.wire import RoutingSnapshot, WireError
 
 bp = flask.Blueprint("api", __name__, url_prefix="/api/v1")
@@ -217,8 +218,9 @@ def events() -> flask.Response:
 
 @bp.get("/snapshot")
 def snapshot() -> flask.Response:
-    """The routing snapshot exactly as the edge reads it (``infergate:v1:routing``, the
-    stored bytes, see :class:`controlplane.routing.wire.RoutingSnapshot`); 404
+    """The routing snapshot as the edge reads it (``infergate:v1:routing``, see
+    :class:`controlplane.routing.wire.RoutingSnapshot`), each node's API key (``auth``)
+    replaced by ``"[redacted]"`` (the stored bytes when no node has one); 404
     ``no_snapshot`` before the first control-plane cycle; 500 ``bad_snapshot`` when the
     stored value is not a JSON object."""
     raw = _r().get(keynames.ROUTING)
@@ -230,7 +232,8 @@ def snapshot() -> flask.Response:
     except WireError as exc:
         return error(500, f"routing snapshot in Redis is unreadable: {exc}", "server_error",
                      "bad_snapshot")
-    return flask.Response(raw, mimetype="application/json")
+    return flask.Response(redact_snapshot(raw) if '"auth":"' in raw else raw,
+                          mimetype="application/json")
 
 
 # ---- overview ------------------------------------------------------------------------

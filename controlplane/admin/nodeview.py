@@ -20,6 +20,7 @@ import redis
 from controlplane.config import Settings
 from controlplane.redisdb import keynames
 from controlplane.routing import registry
+from controlplane.routing.poller import REFUSED_TEXT
 from controlplane.routing.wire import (
     BREAKER_STATES,
     NodeMetricsDoc,
@@ -197,6 +198,8 @@ def build_views(r: redis.Redis, settings: Settings, *, name: str | None = None,
             status = st.state
         elif healthy is None:
             status = "unknown"
+        elif not healthy and REFUSED_TEXT in (m.last_error or ""):
+            status = "credentials refused"  # the node answers 401/403: its API key
         else:
             status = "active" if healthy else "down"
         e = edges.get(n.name, EdgeAgg())

@@ -358,6 +358,11 @@ def add_node(r: redis.Redis, data: object, actor: str, events_max: int = 10000,
     :class:`Conflict` (name taken: ``node_exists``; its server registered under another
     name: ``node_url_taken``)."""
     node = check_node_url(parse_node(data), settings)
+    if node.has_credential() or node.ca_file:
+        # a path or variable name given here would be read on the control plane's host
+        # and sent to the node: only the TOML file may name them
+        raise BadInput("api_key_env, api_key_file and ca_file are set in the TOML file's "
+                       "[[nodes]] only", "node_access_refused")
     if not _put_unique(r, node, only_new=True):
         raise Conflict(f"a node named {node.name!r} already exists", "node_exists")
     registry.add_event(r, "node_add", node.name, actor, node.model_dump(), maxlen=events_max)

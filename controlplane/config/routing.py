@@ -7,7 +7,7 @@ import re
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from controlplane.config.base import _Section
 from controlplane.config.hostport import HostPort
@@ -17,6 +17,7 @@ NodeKind = Literal["vllm", "tgi", "sglang", "json", "openai"]
 ``--metrics``, Ollama, any OpenAI-compatible server): the node is routed on what the
 edge observes itself. ``vllm`` also accepts the pre-0.10 names (auto-detected)."""
 
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
 PATH_RE = re.compile(r"^/[A-Za-z0-9/_.-]{0,200}\Z")
 
@@ -56,6 +57,10 @@ class ControlPlaneSettings(_Section):
     /v1/models`` (also at once when a node is added); never on the health-check path."""
     models_timeout_s: float = Field(default=2.0, gt=0.0, le=30.0)
     """Timeout (s) of one ``GET /v1/models`` of a node (connect and whole body)."""
+    node_ca_file: str = ""
+    """PEM file of the CA certificates that sign the ``https://`` nodes' certificates
+    (the control plane's polls and the edge); empty: the system bundle. A node's own
+    ``ca_file`` is trusted as well."""
     events_max: int = Field(default=10000, ge=1, le=10000000)
     """Most entries kept in the event log (oldest dropped first)."""
     cookie_secure: bool = False
@@ -110,7 +115,10 @@ class ScoringSettings(_Section):
 class NodeSettings(_Section):
     name: str
     url: str
-    """Server root, e.g. ``http://10.0.0.5:8000``; the OpenAI API is under ``/v1``."""
+    """Server root, e.g. ``http://10.0.0.5:8000`` or ``https://vllm-1.internal:8443``;
+    the OpenAI API is under ``/v1``. ``https://``: the certificate is verified (CA from
+    ``ca_file``, ``controlplane.node_ca_file`` or the system bundle) against the URL's
+    host name, which is also sent as SNI."""
     kind: NodeKind = "vllm"
     weight: float = Field(default=1.0, ge=0.001, le=1000)
     max_concurrency: int = Field(default=64, ge=1, le=100000)
@@ -125,6 +133,48 @@ class NodeSettings(_Section):
     ``controlplane.models_refresh_s``: ``None`` = yes unless ``kind`` is ``openai``
     (llama-cpp-python's ``/v1/models`` waits for the model lock and can cut a running
     stream) or ``models`` is set."""
+
+    ca_file: str = ""
+    """PEM file of the CA that signs this ``https://`` node's certificate, trusted in
+    addition to ``controlplane.node_ca_file`` (the edge trusts every configured CA for
+    every node). Set in the TOML file only."""
+    api_key_env: str = ""
+    """Name of an environment variable of the control plane (and of ``render-nginx``)
+    holding the node's API key (vLLM ``--api-key``), sent to the node as
+    ``Authorization: Bearer KEY`` by the edge and the control plane. The key itself never
+    goes into the TOML file, the registry or any answer. Set in the TOML file only."""
+    api_key_file: str = ""
+    """Absolute path of a file holding the node's API key (first line; read again when
+    it changes), as ``api_key_env``. Set in the TOML file only."""
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _key_env(cls, v: str) -> str:
+        if v and not ENV_NAME_RE.match(v):
+            raise ValueError("api_key_env: the name of an environment variable (letters, "
+                             "digits, '_'), not the key itself")
+        return v
+
+    @field_validator("api_key_file", "ca_file")
+    @classmethod
+    def _abs_file(cls, v: str) -> str:
+        if v and (not v.startswith("/") or any(c.isspace() or not c.isprintable()
+                                               or c in ';#$"\'{}\\' for c in v)):
+            raise ValueError("must be an absolute file path without spaces, quotes, ';', "
+                             "'#', '$' or braces")
+        return v
+
+    @model_validator(mode="after")
+    def _access(self) -> NodeSettings:
+        if self.api_key_env and self.api_key_file:
+            raise ValueError("set one of api_key_env and api_key_file, not both")
+        if self.ca_file and not self.url.startswith("https://"):
+            raise ValueError("ca_file needs an https:// node url")
+        return self
+
+    def has_credential(self) -> bool:
+        """Whether the node is given an API key (``api_key_env`` or ``api_key_file``)."""
+        return bool(self.api_key_env or self.api_key_file)
 
     @field_validator("models")
     @classmethod
@@ -158,8 +208,8 @@ class NodeSettings(_Section):
         if any(c.isspace() or not c.isprintable() for c in v):
             raise ValueError("node url must not hold spaces, line breaks or control characters")
         parts = urlsplit(v)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError("node url must be http://host[:port] (TLS to nodes is not supported)")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("node url must be http://host[:port] or https://host[:port]")
         if parts.path not in ("", "/") or parts.query:
             raise ValueError("node url is the server root, without a path (the edge adds /v1/...)")
         try:

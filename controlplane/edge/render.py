@@ -53,6 +53,7 @@ from controlplane.config import (
     ConfigError,
     HostPort,
     HostPortError,
+    NodeSettings,
     Settings,
     check_settings,
     load_settings,
@@ -61,6 +62,7 @@ from controlplane.edge.options import OptionError, lua_string
 from controlplane.edge.options import render_context as options_render_context
 from controlplane.errors import InfergateError
 from controlplane.redisdb.url import RedisURLError, parse_redis_url
+from controlplane.routing import nodeaccess
 
 #: Files written by :func:`render_nginx`, by template name.
 TEMPLATES = {
@@ -217,17 +219,75 @@ def static_nodes(settings: Settings) -> tuple[list[dict], list[str]]:
         if addr is None:
             warnings.append(f"node {n.name}: cannot resolve {host!r} now; it is left out of the "
                             "static node list until the control plane's snapshot names its address")
-        entry = {"name": n.name, "host": addr, "port": parts.port or 80,
+        entry = {"name": n.name, "host": addr,
+                 "port": parts.port or (443 if parts.scheme == "https" else 80),
                  "weight": n.weight, "max_concurrency": n.max_concurrency, "kind": n.kind}
+        _static_access(n, entry, warnings)
         if n.models:
             entry["models"] = list(n.models)  # served model ids (model-aware routing)
         nodes.append(entry)
     return nodes, warnings
 
 
+def _static_access(n: NodeSettings, entry: dict, warnings: list[str]) -> None:
+    """Scheme and certificate host name of an https node, and the API key (``auth``,
+    read now from the node's ``api_key_env`` / ``api_key_file``), in its static entry."""
+    parts = urlsplit(n.url)
+    if parts.scheme == "https":  # plain nodes: http, the entry as before
+        entry["scheme"] = "https"
+        entry["tls_name"] = parts.hostname
+    if n.has_credential():
+        auth, err = nodeaccess.resolve_quiet(n)
+        if auth:
+            entry["auth"] = auth
+        else:
+            warnings.append(f"node {n.name}: API key not read now ({err}); the static node "
+                            "list sends it none until the control plane's snapshot does")
+
+
+def node_ca_bundle(settings: Settings, out: Path) -> str | None:
+    """``proxy_ssl_trusted_certificate`` of the API locations: the CAs the ``https://``
+    nodes are verified with. ``controlplane.node_ca_file`` (else the system bundle) alone
+    when no node has a ``ca_file``; otherwise ``node-ca.pem`` written into ``out``, those
+    and every node's ``ca_file`` one after the other. ``None`` when there is none at all
+    (the edge then refuses requests to https nodes added at run time). Raises
+    :class:`RenderError` for a CA file that cannot be read, or an https node of the file
+    without any CA to verify it with."""
+    base = settings.controlplane.node_ca_file
+    if base and not Path(base).is_file():
+        raise RenderError(f"controlplane.node_ca_file: no such file {base!r}")
+    files = nodeaccess.ca_bundle_paths(settings.nodes, base)
+    if not base and Path(SYSTEM_CA_BUNDLE).is_file():
+        files.insert(0, SYSTEM_CA_BUNDLE)
+    if not files:
+        https = [n.name for n in settings.nodes if n.url.startswith("https://")]
+        if https:
+            raise RenderError(f"node(s) {', '.join(https)}: https:// needs a CA bundle to "
+                              f"verify the certificate; {SYSTEM_CA_BUNDLE} is missing: set "
+                              "controlplane.node_ca_file or the node's ca_file")
+        return None
+    if len(files) == 1:
+        return str(Path(files[0]).resolve())
+    parts = []
+    for f in files:
+        try:
+            text = Path(f).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise RenderError(f"CA file {f!r} of the nodes cannot be read: {exc}") from None
+        if "-----BEGIN CERTIFICATE-----" not in text:
+            raise RenderError(f"CA file {f!r} of the nodes holds no PEM certificate")
+        parts.append(text if text.endswith("\n") else text + "\n")
+    bundle = out / "node-ca.pem"
+    bundle.write_text("".join(parts), encoding="utf-8")
+    os.chmod(bundle, 0o644)
+    return str(bundle.resolve())
+
+
 def _has_secret(settings: Settings) -> bool:
-    """Whether the rendered options carry a password (Redis URL or Sentinel)."""
-    return "@" in settings.redis.url or bool(settings.redis.sentinel_password)
+    """Whether the rendered options carry a password (Redis URL or Sentinel) or a node's
+    API key (the static node list)."""
+    return ("@" in settings.redis.url or bool(settings.redis.sentinel_password)
+            or any(n.has_credential() for n in settings.nodes))
 
 
 #: Characters of a folder name nginx would not read as part of an unquoted path.
@@ -333,6 +393,7 @@ def _template_context(settings: Settings, *, source: str, out: Path, pre: Path,
         "nginx_bin": "openresty" if openresty else "nginx",
         "rendered_dir_lua": lua_string(str(out)),
         "embedder_token": settings.cache.embedder_token,
+        "node_ca_bundle": node_ca_bundle(settings, out),
         **options_ctx,
     }
     return ctx

@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from controlplane.config import NodeSettings
+from controlplane.routing.nodeaccess import AccessTable
 from controlplane.routing.poller import Poller
 
 __all__ = ["MAX_MODELS", "ModelsPoller", "RETRY_S", "parse_models"]
@@ -74,10 +75,11 @@ class ModelsPoller:
     by the poll cycle and never blocks on a node; thread-safe."""
 
     def __init__(self, refresh_s: float, timeout_s: float, max_workers: int = 4,
-                 clock=time.monotonic):
+                 clock=time.monotonic, access: AccessTable | None = None):
         self.refresh_s = refresh_s
         self.timeout_s = timeout_s
-        self._http = Poller(timeout_s, max_workers=1)  # only its bounded get()
+        # only its bounded get(), with each node's API key and CAs
+        self._http = Poller(timeout_s, max_workers=1, access=access)
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="models")
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()

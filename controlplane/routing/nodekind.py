@@ -35,6 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from controlplane.config import NodeSettings
+from controlplane.routing.nodeaccess import AccessTable
 from controlplane.routing.poller import NodeStatus, Poller
 
 __all__ = ["HINT_PREFIX", "PROPS_PATH", "Props", "PropsPoller", "RETRY_S", "hint_of",
@@ -101,9 +102,10 @@ class PropsPoller:
     thread-safe, :meth:`observe` never blocks on a node."""
 
     def __init__(self, refresh_s: float, timeout_s: float, max_workers: int = 2,
-                 clock=time.monotonic):
+                 clock=time.monotonic, access: AccessTable | None = None):
         self.refresh_s = refresh_s
-        self._http = Poller(timeout_s, max_workers=1)  # only its bounded get()
+        # only its bounded get(), with each node's API key and CAs
+        self._http = Poller(timeout_s, max_workers=1, access=access)
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="props")
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()

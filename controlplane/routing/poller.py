@@ -55,12 +55,13 @@ import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import requests
 
 from controlplane.config import NodeSettings, Settings
 from controlplane.routing.health import HealthTracker
+from controlplane.routing.nodeaccess import AccessTable
 from controlplane.routing.nodemetrics import MetricsParseError, Reading, UnknownDialectError, parse_metrics, window
 from controlplane.routing.scoring import LastKnown, ScoreInputs, compute_score
 from controlplane.routing.wire import NodeMetricsDoc
@@ -71,6 +72,11 @@ MAX_BODY = 8 * 1024 * 1024
 MAX_METRICS_BODY = 1024 * 1024
 #: Missing score inputs are held for this many poll intervals (see scoring.LastKnown).
 HOLD_POLLS = 5
+#: Answers that mean the node refused the credentials (or their absence).
+REFUSED = (401, 403)
+#: In ``last_error`` of a poll answered with one of :data:`REFUSED` (the admin page shows
+#: such an unhealthy node as "credentials refused", not "down").
+REFUSED_TEXT = "credentials refused"
 #: Health answers of an OpenAI-compatible server that mean "no such path here".
 NO_SUCH_PATH = (404, 405, 501)
 
@@ -109,6 +115,8 @@ class PollResult:
     busy: bool = False
     """The health request connected but got no answer in time (see the module
     docstring: good when the node has work)."""
+    credentials_refused: bool = False
+    """The health or metrics request was answered 401 or 403 (a failed poll)."""
 
 
 @dataclass
@@ -153,6 +161,13 @@ class NodeStatus:
 
 
 def _describe(exc: BaseException, timeout: float) -> str:
+    if isinstance(exc, requests.exceptions.SSLError):
+        text = str(exc)
+        if "CERTIFICATE_VERIFY_FAILED" in text or "certificate verify failed" in text:
+            return "TLS: certificate verify failed"
+        if "doesn't match" in text or "hostname" in text.lower():
+            return "TLS: certificate does not match the host name"
+        return "TLS error: " + text[:160]
     if isinstance(exc, requests.ReadTimeout):
         return f"busy: connected, no answer within {timeout:g} s"
     if isinstance(exc, requests.Timeout):
@@ -170,9 +185,11 @@ class Poller:
     :meth:`poll_all` is meant for one cycle at a time."""
 
     def __init__(self, timeout_s: float, max_workers: int = 32,
-                 max_metrics_bytes: int = MAX_METRICS_BODY):
+                 max_metrics_bytes: int = MAX_METRICS_BODY, access: AccessTable | None = None):
         self.timeout_s = max(timeout_s, 0.05)
         self.max_metrics_bytes = max_metrics_bytes
+        #: API key and CA bundle per node origin (none: plain GETs, system CAs)
+        self.access = access
         self._workers = max_workers
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="poll")
         self._local = threading.local()
@@ -203,9 +220,15 @@ class Poller:
         t0 = time.monotonic()
         deadline = t0 + self.timeout_s
         out = HttpResult()
+        headers, verify = None, True
+        if self.access is not None:
+            a = self.access.for_url(url)
+            headers = {"Authorization": a.auth} if a.auth else None
+            verify = a.verify
         try:
             with self._session().get(url, timeout=(self.timeout_s, self.timeout_s),
-                                     stream=True, allow_redirects=False) as resp:
+                                     stream=True, allow_redirects=False, headers=headers,
+                                     verify=verify) as resp:
                 out.status = resp.status_code
                 out.content_type = resp.headers.get("Content-Type")
                 chunks, size = [], 0
@@ -299,7 +322,10 @@ def classify(health: HttpResult, metrics: HttpResult | None) -> PollResult:
     ``metrics`` is ``None`` for nodes without a metrics endpoint."""
     errors: list[str] = []
     good = health.ok
-    if not health.ok:
+    refused = health.status in REFUSED or (metrics is not None and metrics.status in REFUSED)
+    if health.status in REFUSED:
+        errors.append(f"health: {REFUSED_TEXT} (HTTP {health.status})")
+    elif not health.ok:
         errors.append("health: " + (health.error or f"HTTP {health.status}"))
     elif health.error:
         errors.append("health: " + health.error)
@@ -321,13 +347,28 @@ def classify(health: HttpResult, metrics: HttpResult | None) -> PollResult:
         elif metrics.ok:
             good = False
             errors.append("metrics: " + (metrics.error or "empty"))
+        elif metrics.status in REFUSED:
+            good = False
+            errors.append(f"metrics: {REFUSED_TEXT} (HTTP {metrics.status})")
         else:
             errors.append("metrics: " + (metrics.error or f"HTTP {metrics.status}"))
     reachable = health.status is not None or (metrics is not None and metrics.status is not None)
     poll_ms = max(health.elapsed_ms, metrics.elapsed_ms if metrics else 0.0)
     return PollResult(good=good, reachable=reachable, reading=reading,
                       error="; ".join(errors) or None, poll_ms=poll_ms,
-                      busy=not health.ok and health.busy)
+                      busy=not health.ok and health.busy, credentials_refused=refused)
+
+
+def models_refusal(result: PollResult, models_error: str | None) -> PollResult:
+    """``result``, as a failed poll with credentials refused when the node's last ``GET
+    /v1/models`` was answered 401 or 403 (``models_error`` ``"HTTP 401"``, see
+    :class:`controlplane.routing.models.ModelsPoller`): vLLM's ``--api-key`` guards
+    only ``/v1``, so its ``/health`` and ``/metrics`` answer whatever the key."""
+    if models_error not in {f"HTTP {c}" for c in REFUSED}:
+        return result
+    text = f"models: {REFUSED_TEXT} ({models_error})"
+    return replace(result, good=False, credentials_refused=True, busy=False,
+                   error="; ".join(x for x in (result.error, text) if x))
 
 
 def breakers_open(edges_raw: dict[str, str], now: float, max_age_s: float) -> set[str]:

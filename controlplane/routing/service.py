@@ -77,7 +77,14 @@ from controlplane.config import (ConfigError, NodeSettings, RedisSettings,
 from controlplane.routing.leader import LeaderElector, make_id
 from controlplane.routing.models import ModelsPoller
 from controlplane.routing.nodekind import PropsPoller
-from controlplane.routing.poller import NodeStatus, NodeTracker, Poller, breakers_open
+from controlplane.routing.nodeaccess import AccessTable
+from controlplane.routing.poller import (
+    NodeStatus,
+    NodeTracker,
+    Poller,
+    breakers_open,
+    models_refusal,
+)
 from controlplane.redisdb.conn import make_redis
 from controlplane.redisdb.url import parse_redis_url
 from controlplane.routing.registry import NodeState
@@ -170,11 +177,18 @@ class ControlPlane:
         self.r = r
         self.id = ident or make_id()
         self.elector = LeaderElector(r, self.id, cp.leader_ttl_s)
-        self.poller = Poller(cp.poll_timeout_s, max_metrics_bytes=cp.max_metrics_bytes)
+        #: API key and CA bundle of every node (controlplane.routing.nodeaccess), used by
+        #: every request to a node and put into the snapshot for the edges
+        self.access = AccessTable(cp.node_ca_file)
+        self._key_errors: dict[str, str | None] = {}
+        self.poller = Poller(cp.poll_timeout_s, max_metrics_bytes=cp.max_metrics_bytes,
+                             access=self.access)
         #: served models per node, read rarely and apart from the health polls
-        self.models = ModelsPoller(cp.models_refresh_s, cp.models_timeout_s)
+        self.models = ModelsPoller(cp.models_refresh_s, cp.models_timeout_s,
+                                   access=self.access)
         #: llama.cpp slots and kind hints per node (/props, read like /v1/models)
-        self.props = PropsPoller(cp.models_refresh_s, cp.models_timeout_s)
+        self.props = PropsPoller(cp.models_refresh_s, cp.models_timeout_s,
+                                 access=self.access)
         #: node -> epoch s its slow start began (added at run time, healthy again)
         self.ramps: dict[str, float] = {}
         self._registry_read = False
@@ -354,6 +368,7 @@ class ControlPlane:
             t0 = time.monotonic()
             redis_ok = self._read_registry()
             nodes = list(self.nodes)
+            self._read_keys(nodes)
             for n in nodes:  # start due /v1/models reads now: most land during the poll
                 self.models.served(n)
                 self.props.observe(n)
@@ -378,7 +393,8 @@ class ControlPlane:
             inflight = fresh_inflight(self.edges, now, fresh_s)
             tripped = breakers_open(self.edges, now, fresh_s)
             for n in nodes:
-                status, changed = self._tracker(n).update(results[n.name], now,
+                result = models_refusal(results[n.name], self.models.error(n.name))
+                status, changed = self._tracker(n).update(result, now,
                                                           inflight.get(n.name, 0.0),
                                                           n.name in tripped)
                 self.props.annotate(n, status)
@@ -410,6 +426,18 @@ class ControlPlane:
                 except Exception:  # noqa: BLE001 - a listener never stops the loop
                     log.exception("cycle listener failed")
             return report
+
+    def _read_keys(self, nodes: list[NodeSettings]) -> None:
+        """Read every node's API key (env or file) into :attr:`access`; a key that cannot
+        be read is logged when that changes (never the key itself)."""
+        errors = self.access.update(nodes)
+        for name, err in sorted(errors.items()):
+            if err != self._key_errors.get(name):
+                if err:
+                    log.warning("node %s: API key not read: %s (polled without it)", name, err)
+                elif self._key_errors.get(name):
+                    log.info("node %s: API key read again", name)
+        self._key_errors = errors
 
     def _record_series(self, now: float) -> None:
         """Leader: the overview point of this interval from the edge stats read at the
@@ -481,7 +509,7 @@ class ControlPlane:
                 states=states,
                 statuses={k: v.metrics() for k, v in report.statuses.items()},
                 hosts=hosts, slow_start_s=cp.slow_start_s, models=report.models,
-                ramps=self.ramps)
+                ramps=self.ramps, auths={n.name: self.access.for_url(n.url).auth for n in nodes})
             pipe = self.r.pipeline(transaction=False)
             pipe.eval(SNAPSHOT_IF_LEADER_LUA, 2, keynames.LEADER, keynames.ROUTING, self.id,
                       snap.to_json())

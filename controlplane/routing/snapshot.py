@@ -6,7 +6,8 @@ Snapshot shape: docs/internals.md, "the routing snapshot", as the dataclasses
 :class:`~controlplane.routing.wire.RoutingSnapshot` / ``SnapshotNode``. Per node:
 ``name, url, host, port, kind, state, healthy, weight, effective_weight,
 max_concurrency, score, saturated, queue_depth, running, kv_cache_usage,
-has_metrics, models`` (``models``: :mod:`controlplane.routing.models`, ``null`` =
+has_metrics, models, scheme, tls_name, auth`` (``auth``: the ``Authorization``
+value of a node with an API key, redacted wherever the snapshot is served; ``models``: :mod:`controlplane.routing.models`, ``null`` =
 unknown). Edge reports are read as :class:`~controlplane.routing.wire.EdgeReport`.
 
 - ``host`` is an IP literal (the balancer phase of the edge cannot resolve names):
@@ -130,11 +131,14 @@ def node_port(url: str) -> int:
 
 def node_entry(node: NodeSettings, state: NodeState, status: NodeMetricsDoc | None,
                host: str | None, now: float, slow_start_s: float,
-               models: list[str] | None = None, ramp_since: float = 0.0) -> SnapshotNode:
+               models: list[str] | None = None, ramp_since: float = 0.0,
+               auth: str | None = None) -> SnapshotNode:
     """One ``nodes[]`` entry. ``status``: the node's latest metrics (``None`` before its
     first poll: healthy, no metrics); ``models``: served model ids (``None`` unknown);
-    ``ramp_since``: epoch s the node was added at run time or became healthy again."""
+    ``ramp_since``: epoch s the node was added at run time or became healthy again;
+    ``auth``: the ``Authorization`` value the edge sends it (its API key; secret)."""
     st = status or NodeMetricsDoc(name=node.name)
+    scheme = urlsplit(node.url).scheme
     return SnapshotNode(
         name=node.name,
         url=node.url,
@@ -153,6 +157,9 @@ def node_entry(node: NodeSettings, state: NodeState, status: NodeMetricsDoc | No
         kv_cache_usage=st.kv_cache_usage,
         has_metrics=st.has_metrics,
         models=models,
+        scheme=scheme,
+        tls_name=urlsplit(node.url).hostname if scheme == "https" else None,
+        auth=auth,
     )
 
 
@@ -160,20 +167,22 @@ def build_snapshot(*, version: int, now: float, leader: str, nodes: list[NodeSet
                    states: dict[str, NodeState], statuses: dict[str, NodeMetricsDoc],
                    hosts: dict[str, str | None], slow_start_s: float,
                    models: dict[str, list[str] | None] | None = None,
-                   ramps: dict[str, float] | None = None) -> RoutingSnapshot:
+                   ramps: dict[str, float] | None = None,
+                   auths: dict[str, str | None] | None = None) -> RoutingSnapshot:
     """The routing snapshot (docs/internals.md); ``.to_json()`` is what the leader
     writes. Nodes sorted by name. ``models``: served model ids per node (missing =
     unknown); ``ramps``: slow-start start (epoch s) per node added at run time or
-    healthy again."""
+    healthy again; ``auths``: the ``Authorization`` value per node with an API key."""
     models = models or {}
     ramps = ramps or {}
+    auths = auths or {}
     return RoutingSnapshot(
         version=version,
         generated_at=round(now, 3),
         leader=leader,
         nodes=[node_entry(n, states.get(n.name, NodeState()), statuses.get(n.name),
                           hosts.get(n.name), now, slow_start_s, models.get(n.name),
-                          ramps.get(n.name, 0.0))
+                          ramps.get(n.name, 0.0), auths.get(n.name))
                for n in sorted(nodes, key=lambda n: n.name)],
     )
 

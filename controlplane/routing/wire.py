@@ -197,6 +197,14 @@ class SnapshotNode(_Doc):
     models: list[str] | None = None
     """Model ids the node serves (configured, or read from its ``GET /v1/models``);
     ``None`` = unknown: the edge may send it any model."""
+    scheme: str = "http"
+    """http | https (the edge verifies the certificate against ``tls_name``)."""
+    tls_name: str | None = None
+    """Host name of an ``https`` node: SNI and certificate check."""
+    auth: str | None = field(default=None, repr=False)
+    """``Authorization`` value the edge sends to the node (its API key), ``None``: none.
+    Secret: every serving path redacts it
+    (:func:`controlplane.routing.nodeaccess.redact_snapshot`)."""
 
     @classmethod
     def from_dict(cls, d: dict) -> SnapshotNode:
@@ -215,7 +223,9 @@ class SnapshotNode(_Doc):
                    score=_num(d.get("score")), saturated=bool(_bool(d.get("saturated"), False)),
                    queue_depth=_num(d.get("queue_depth")), running=_num(d.get("running")),
                    kv_cache_usage=_num(d.get("kv_cache_usage")),
-                   has_metrics=bool(_bool(d.get("has_metrics"), False)), models=models)
+                   has_metrics=bool(_bool(d.get("has_metrics"), False)), models=models,
+                   scheme="https" if d.get("scheme") == "https" else "http",
+                   tls_name=_str(d.get("tls_name"), None), auth=_str(d.get("auth"), None))
 
 
 @dataclass
@@ -238,6 +248,16 @@ class RoutingSnapshot(_Doc):
                  if isinstance(n, dict) and isinstance(n.get("name"), str) and n["name"]]
         return cls(version=_int(d.get("version")) or 0, generated_at=_num(d.get("generated_at")),
                    leader=_str(d.get("leader"), "") or "", nodes=nodes)
+
+    def to_dict(self) -> dict:
+        """The snapshot as written; a node's ``scheme``, ``tls_name`` and ``auth`` only
+        when it is an https node or has an API key (a plain node's entry is as before)."""
+        d = asdict(self)
+        for n in d["nodes"]:
+            for k, default in (("scheme", "http"), ("tls_name", None), ("auth", None)):
+                if n.get(k) == default:
+                    del n[k]
+        return d
 
     def node(self, name: str) -> SnapshotNode | None:
         """The entry of node ``name``, ``None`` if the snapshot has none."""

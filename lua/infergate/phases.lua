@@ -30,6 +30,7 @@ local errorpage = require("infergate.errorpage")
 local snapshot = require("infergate.routing.snapshot")
 local routing_balancer = require("infergate.routing.balancer")
 local models = require("infergate.routing.models")
+local upstream = require("infergate.routing.upstream")
 local auth = require("infergate.admission.auth")
 local inputguard = require("infergate.admission.inputguard")
 local ratelimit = require("infergate.admission.ratelimit")
@@ -52,7 +53,8 @@ _M.SWITCHES = {
 -- body_read (slow body 408, compressed 415, invalid UTF-8 400) -> body (the JSON object,
 -- decoded once; its bounds) -> models (unknown model 404; GET /v1/models answered here) ->
 -- ratelimit -> cache (exact, then semantic; a hit is answered here, after auth and rate
--- limits, before any node is needed) -> eligible (no node for the model: 503) ->
+-- limits, before any node is needed) -> upstream (the request's scheme and node API key,
+-- infergate.routing.upstream) -> eligible (no node for the model: 503) ->
 -- admission (all saturated: wait, then 429).
 _M.ACCESS = {
     { name = "method", fn = access.step_method },
@@ -62,6 +64,7 @@ _M.ACCESS = {
     { name = "models", fn = models.step },
     { name = "ratelimit", fn = ratelimit.step },
     { name = "cache", fn = lookup.step, when = "cache", init = lookup.init },
+    { name = "upstream", fn = upstream.step },
     { name = "eligible", fn = access.step_eligible },
     { name = "admission", fn = shed.step_shed },
 }

@@ -174,7 +174,7 @@ local function read_tls_files(o)
 end
 
 -- The static node list of the options document: a list of {name, host, port, weight,
--- max_concurrency, kind, models}, or nil, err.
+-- max_concurrency, kind, models, scheme, tls_name, auth}, or nil, err.
 local function static_nodes(nodes)
     nodes = nodes or {}
     if type(nodes) ~= "table" then
@@ -201,6 +201,11 @@ local function static_nodes(nodes)
             kind = n.kind,
             -- served model ids; nil or empty = unknown (any model)
             models = type(n.models) == "table" and n.models or nil,
+            -- how the edge reaches it: "http" | "https", the certificate's host name,
+            -- the Authorization value (API key; secret)
+            scheme = n.scheme,
+            tls_name = type(n.tls_name) == "string" and n.tls_name or nil,
+            auth = type(n.auth) == "string" and n.auth or nil,
         }
     end
     return out

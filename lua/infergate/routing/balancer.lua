@@ -79,6 +79,7 @@ local models = require("infergate.routing.models")
 local outlier = require("infergate.routing.outlier")
 local speed = require("infergate.routing.speed")
 local affinity = require("infergate.routing.affinity")
+local upstream = require("infergate.routing.upstream")
 
 local _M = {}
 
@@ -376,7 +377,10 @@ function place(req, o, now, n, grant, first)
         return fail_no_node(req)
     end
     tried[node.name] = true
-    local ok, err = ngx_balancer.set_current_peer(node.addr, node.port)
+    local ok, err = false, "not of this request's scheme and API key (infergate.routing.upstream)"
+    if upstream.admit(req, node) then
+        ok, err = ngx_balancer.set_current_peer(node.addr, node.port)
+    end
     if not ok then
         log(ERR, "infergate: cannot use node ", node.name, " (", node.addr, ":", node.port, "): ", err)
         if probe then

@@ -119,6 +119,8 @@ local function make_node(n)
     if maxc < 1 then
         maxc = 1
     end
+    local scheme = n.scheme == "https" and "https" or "http"
+    local auth = type(n.auth) == "string" and n.auth ~= "" and n.auth or nil
     local state = n.state
     if state ~= "active" and state ~= "draining" and state ~= "drained" then
         state = "active"
@@ -137,6 +139,12 @@ local function make_node(n)
         saturated = n.saturated == true,
         kind = n.kind,
         models = model_set(n.models),  -- nil = unknown (any model)
+        -- how the edge reaches it (infergate.routing.upstream): the API key is secret,
+        -- never reported by /infergate/status
+        scheme = scheme,
+        tls_name = scheme == "https" and type(n.tls_name) == "string" and n.tls_name or nil,
+        auth = auth,
+        group = scheme .. " " .. (auth or ""),
     }
 end
 
