@@ -74,7 +74,8 @@ class NodeView:
     """Health after hysteresis from the latest poll; ``None`` = never polled / expired."""
     status: str
     """For display: ``draining`` / ``drained`` when so; for an active node ``active``,
-    ``down`` (unhealthy) or ``unknown`` (never polled, or metrics expired)."""
+    ``down`` (unhealthy), ``stalled`` (an edge found it
+    stalled: requests in flight, no byte from it; :mod:`controlplane.routing.stall`) or ``unknown`` (never polled, or metrics expired)."""
     reachable: bool | None = None
     dialect: str | None = None
     score: float | None = None
@@ -197,6 +198,8 @@ def build_views(r: redis.Redis, settings: Settings, *, name: str | None = None,
             status = st.state
         elif healthy is None:
             status = "unknown"
+        elif m.stalled:
+            status = "stalled"
         else:
             status = "active" if healthy else "down"
         e = edges.get(n.name, EdgeAgg())

@@ -54,6 +54,13 @@ def _maxconc(v: NodeView) -> str:
     return str(v.max_concurrency)
 
 
+def _health(v: NodeView) -> str:
+    """``up``, ``down``, ``?`` (never polled), or ``stalled`` (no progress, not busy)."""
+    if v.status == "stalled":
+        return "stalled"
+    return {True: "up", False: "down", None: "?"}[v.healthy]
+
+
 @nodes_cmd.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print the merged node views as JSON.")
 @click.pass_obj
@@ -66,7 +73,7 @@ def list_cmd(c: Ctx, as_json: bool) -> None:
     if not views:
         click.echo("no nodes registered")
         return
-    rows = [[v.name, v.state, {True: "up", False: "down", None: "?"}[v.healthy], v.kind, v.url,
+    rows = [[v.name, v.state, _health(v), v.kind, v.url,
              _f(v.weight), _maxconc(v), _f(v.queue_depth), _f(v.running),
              _f(None if v.kv_cache_usage is None else v.kv_cache_usage * 100, "{:.0f}%"),
              str(v.inflight), _f(v.poll_age_s, "{:.1f}s")] for v in views]

@@ -58,6 +58,7 @@ import requests
 
 from controlplane.config import NodeSettings, Settings
 from controlplane.routing.health import HealthTracker
+from controlplane.routing.stall import stalled_error
 from controlplane.routing.nodemetrics import MetricsParseError, Reading, UnknownDialectError, parse_metrics, window
 from controlplane.routing.scoring import LastKnown, ScoreInputs, compute_score
 from controlplane.routing.wire import NodeMetricsDoc
@@ -126,6 +127,7 @@ class NodeStatus:
     last_error: str | None
     poll_ms: float
     has_metrics: bool
+    stalled: bool = False
 
     def metrics(self) -> NodeMetricsDoc:
         """The per-node metrics document of docs/internals.md (``poll_ms`` to 0.1 ms)."""
@@ -339,19 +341,26 @@ class NodeTracker:
             self.node.url, self.node.kind, self.node.metrics_path)
 
     def update(self, result: PollResult, now: float, inflight: float = 0.0,
-               edges_open: bool = False) -> tuple[NodeStatus, bool]:
+               edges_open: bool = False,
+               stalled_s: float | None = None) -> tuple[NodeStatus, bool]:
         """Apply one poll; returns the node's status and whether ``healthy`` changed.
 
         ``inflight``: requests the edges have in flight on the node (fresh edge
         reports). A busy poll (connected, no answer in time) of a node with work - edge
         requests in flight, or running requests in its last metrics - is good.
         ``edges_open``: the node's breaker is open at every fresh edge
-        (:func:`breakers_open`); for an ``openai`` node that fails the poll."""
+        (:func:`breakers_open`); for an ``openai`` node that fails the poll.
+        ``stalled_s``: not ``None`` when a fresh edge reports the node stalled (no byte
+        in the middle of its streams, :mod:`controlplane.routing.stall`; the silence in
+        s): the poll fails, busy or not."""
         good = result.good
         error = result.error
-        if not good and result.busy:
+        if not good and result.busy and stalled_s is None:
             running = self.last_reading.running if self.last_reading is not None else None
             good = inflight > 0 or bool(running and running > 0)
+        if stalled_s is not None:
+            good = False
+            error = "; ".join(x for x in (stalled_error(stalled_s), error) if x)
         if good and edges_open and self.node.kind == "openai":
             good = False
             error = "; ".join(x for x in (error, "edges: circuit breaker open at every edge") if x)
@@ -384,5 +393,6 @@ class NodeTracker:
             consecutive_failures=self.health.consecutive_failures,
             consecutive_successes=self.health.consecutive_successes,
             last_error=error, poll_ms=result.poll_ms, has_metrics=r is not None,
+            stalled=stalled_s is not None,
         )
         return status, changed
