@@ -128,6 +128,14 @@ class EdgeSettings(_Section):
     reports it ``stalled`` instead of busy; 0 = off."""
     stall_min_s: float = Field(default=1.5, ge=0.2, le=3600)
     """Floor of the stall threshold above, seconds."""
+    stall_first_byte_s: float = Field(default=10.0, ge=0, le=3600)
+    """A stream sent to a node while another node is left to retry on reads with a
+    timeout of at least this many seconds (more when the node's usual time to first
+    chunk or its stall threshold asks for it: twice those): a node frozen while the
+    request waited for its first byte then has it retried on another node, within the
+    request's deadline, instead of holding it to the deadline. A stream that already
+    sent bytes to the client cannot move: silent that long, it ends as it would at its
+    deadline. 0 = off (the read timeout is the deadline's)."""
     prefix_affinity: bool = True
     """Prefix-cache-aware routing: a request whose leading prompt is at least
     ``prefix_min_tokens`` long (or that carries ``affinity_header``) goes to the first node

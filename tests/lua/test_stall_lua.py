@@ -134,7 +134,7 @@ def test_the_flag_holds_for_other_workers_and_a_stalled_node_is_half_open(workdi
             -- the flag expired, no byte since: one request at a time
             d:delete("sl:n")
             out.probe_allowed = blocked(t0 + 10)
-            out.probe_read = outlier.probe_threshold("n", true)
+            out.probe_read = outlier.probe_threshold("n", false)
             local preq, patt = req_on("n", t0 + 10, true)
             out.during_probe = blocked(t0 + 10.5)
             -- the probe waited past the threshold, no byte: backoff 1 x 2^1 s
@@ -147,7 +147,7 @@ def test_the_flag_holds_for_other_workers_and_a_stalled_node_is_half_open(workdi
             stall.byte(ok_req, t0 + 15.2)
             ended(ok_req, ok_att, t0 + 15.3)
             out.resumed = blocked(t0 + 15.4)
-            out.no_probe_read = outlier.probe_threshold("n", true) or false
+            out.no_probe_read = outlier.probe_threshold("n", false) or false
             out.flagged = stall.flagged("n")
             return out
     """)
@@ -180,3 +180,23 @@ def test_factor_zero_turns_it_off(workdir: Path) -> None:
             return {blocked(1100), stall.flagged("n")}
     """, factor=0)
     assert got == [False, False]
+
+
+def test_a_stream_try_reads_with_the_first_byte_bound(workdir: Path) -> None:
+    """A stream try with another node to retry on waits at most max(stall_first_byte_s,
+    2 x its TTFB outlier threshold, 2 x its stall threshold) (probe_read doubles the
+    half returned); a non-streamed one keeps the deadline's read timeout."""
+    got = run(workdir, """
+            local out = {}
+            out.stream = outlier.probe_threshold("x", true)            -- max(10, 2 x 5)/2
+            out.plain = outlier.probe_threshold("x", false) or false
+            local t = 1000
+            for i = 1, 10 do t = streamed("g", t + 1, 4.0, 3) end     -- usual gap 4 s
+            out.slow_gaps = outlier.probe_threshold("g", true)        -- 2 x 4 x 4 / 2
+            return out
+    """)
+    assert got == {"stream": 5.0, "plain": False, "slow_gaps": pytest.approx(16.0)}
+    off = run(workdir, """
+            return outlier.probe_threshold("x", true) or false
+    """, factor=0)
+    assert off is False

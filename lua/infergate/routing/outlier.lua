@@ -312,8 +312,7 @@ end
 -- try's read timeout (infergate.admission.deadline.probe_read), so that a probe of a node
 -- still hung is retried on another node (no byte has reached the client:
 -- proxy_next_upstream timeout) instead of waiting for its deadline. Shared-dict reads.
-function _M.probe_threshold(name, stream, o)
-    o = o or config.get()
+local function probe_of(name, stream, o)
     local st = stall.probe_threshold(name, o)
     if st then
         -- a probe of a stalled node: its first byte within the larger of both thresholds
@@ -329,6 +328,22 @@ function _M.probe_threshold(name, stream, o)
         return nil
     end
     return _M.threshold(name, stream, o)
+end
+
+-- The threshold (s) that bounds a try's read (infergate.admission.deadline.probe_read
+-- waits twice it) when the try has another node to retry on: a probe's (above), and for
+-- a stream on any node the stall rule's first-byte bound
+-- (infergate.routing.stall.stream_read_half), the smaller of both; nil: no bound.
+function _M.probe_threshold(name, stream, o)
+    o = o or config.get()
+    local thr = probe_of(name, stream, o)
+    if stream then
+        local half = stall.stream_read_half(name, o, _M.threshold(name, true, o))
+        if half and (not thr or half < thr) then
+            return half
+        end
+    end
+    return thr
 end
 
 -- An attempt ended: a probe of a silent outlier (sent after it was found one) that waited

@@ -259,6 +259,28 @@ function _M.probe_threshold(name, o)
     return _M.threshold(name, o)
 end
 
+-- Half the read timeout (s) of a stream try on node `name` with another node left to
+-- retry on (infergate.admission.deadline.probe_read doubles it), or nil (off):
+-- max(edge.stall_first_byte_s, 2 x ttfb_thr, 2 x the stall threshold) / 2, ttfb_thr being
+-- the node's TTFB outlier threshold for streams. A node silent that long before the first
+-- byte (frozen while the request waited) has the request retried on another node; in
+-- the middle of a stream such a silence is far past the stall threshold, and the stream
+-- ends there as it would at its deadline.
+function _M.stream_read_half(name, o, ttfb_thr)
+    if o.stall_first_byte_s <= 0 or o.stall_gap_factor <= 0 then
+        return nil
+    end
+    local r = o.stall_first_byte_s
+    if 2 * ttfb_thr > r then
+        r = 2 * ttfb_thr
+    end
+    local st = 2 * _M.threshold(name, o)
+    if st > r then
+        r = st
+    end
+    return r / 2
+end
+
 -- Stall state of node `name` for the edge's reports: true when it was found stalled and
 -- sent no byte since.
 function _M.flagged(name)
