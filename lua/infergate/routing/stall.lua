@@ -281,10 +281,18 @@ function _M.stream_read_half(name, o, ttfb_thr)
     return r / 2
 end
 
--- Stall state of node `name` for the edge's reports: true when it was found stalled and
--- sent no byte since.
-function _M.flagged(name)
-    return silent_since(dict(), name) ~= nil
+-- Stall state of node `name` for the edge's reports: true when it was found stalled, sent
+-- no byte since, and the finding still holds: its flag lives or this edge still has
+-- requests on it (`inflight`). A node found stalled that holds none of this edge's
+-- requests any more is left to the control plane's own polls (so that a node that
+-- resumed is not kept out by a stale report while it gets no request to prove it).
+function _M.flagged(name, inflight)
+    local d = dict()
+    local ss = silent_since(d, name)
+    if not ss then
+        return false
+    end
+    return (d:get("sl:" .. name) ~= nil) or (inflight or 0) > 0
 end
 
 -- Seconds since the node's last byte seen by this edge, or nil (never).

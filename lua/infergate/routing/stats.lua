@@ -245,7 +245,7 @@ function _M.close_attempt(att, outcome, now, latency_ms)
 end
 
 -- This edge's view of one node, as published in infergate:v1:edges. stalled: the node
--- was found stalled and sent nothing since (infergate.routing.stall); silent_s: seconds
+-- was found stalled and sent nothing since (infergate.routing.stall.flagged); silent_s: seconds
 -- since its last byte (null: none yet).
 function _M.node_report(name, now)
     local lat = _M.latency_ewma_ms(name)
@@ -256,7 +256,7 @@ function _M.node_report(name, now)
         failures = _M.failures(name),
         breaker = breaker.state(name, now),
         latency_ewma_ms = lat and (math.floor(lat * 10 + 0.5) / 10) or ngx.null,
-        stalled = stall.flagged(name),
+        stalled = stall.flagged(name, _M.inflight(name)),
         silent_s = silent and (math.floor(silent * 10 + 0.5) / 10) or ngx.null,
     }
 end

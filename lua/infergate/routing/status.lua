@@ -74,7 +74,7 @@ function _M.report(now)
             failure_rate = math.floor(stats.failure_rate(n.name, now) * 1000 + 0.5) / 1000,
             models = n.models and n.models.list or null,
             outlier = outlier.flagged(n.name),
-            stalled = stall.flagged(n.name),
+            stalled = stall.flagged(n.name, inflight),
             ttfb_p90_s = { stream = opt(outlier.p90(n.name, true)),
                            plain = opt(outlier.p90(n.name, false)) },
             learned_concurrency = opt(speed.learned(n.name)),
