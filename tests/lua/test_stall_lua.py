@@ -200,3 +200,13 @@ def test_a_stream_try_reads_with_the_first_byte_bound(workdir: Path) -> None:
             return outlier.probe_threshold("x", true) or false
     """, factor=0)
     assert off is False
+
+
+def test_a_stream_count_left_behind_cannot_make_an_idle_node_stalled(workdir: Path) -> None:
+    got = run(workdir, """
+            local req, att = req_on("n", 1000, true)
+            stall.byte(req, 1000.1)
+            stats.close_attempt(att, "ok", 1000.2)     -- ended without finished()
+            return {blocked(1010), stall.flagged("n", 0)}
+    """)
+    assert got == [False, False]

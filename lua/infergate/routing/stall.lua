@@ -228,7 +228,10 @@ function _M.is_stalled(node, now, o, inflight)
             return true
         end
     end
-    if not streaming[name] then
+    -- the worker-local count is checked against the shared in-flight count: a count
+    -- left behind by an attempt that never reached finished() cannot make an idle node
+    -- stalled
+    if not streaming[name] or inflight(name) < 1 then
         return false
     end
     local silent = now - lb
