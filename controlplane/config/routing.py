@@ -28,6 +28,11 @@ class ControlPlaneSettings(_Section):
     """Seconds between two polls of a node's health and metrics."""
     poll_timeout_s: float = Field(default=0.8, ge=0.01, le=600)
     """Timeout of one health or metrics poll of a node, seconds."""
+    stall_counters_s: float = Field(default=30.0, ge=0, le=86400)
+    """A node whose metrics say requests are running and whose token counters
+    (generated and prompt tokens) and finished-request count have not advanced for this
+    many seconds is **stalled** (a hung engine behind a live HTTP server): its polls
+    fail, with ``stalled`` as the reason. 0 = off (the edges' evidence only)."""
     unhealthy_after: int = Field(default=3, ge=1, le=1000)
     """K consecutive failed polls -> unhealthy."""
     healthy_after: int = Field(default=2, ge=1, le=1000)

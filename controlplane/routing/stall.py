@@ -11,10 +11,19 @@ reporting it is enough: the poll of that node counts as failed and its status sa
 ``stalled`` (:meth:`controlplane.routing.poller.NodeTracker.update`), whatever its health
 endpoint answers. The edge itself stops sending it new requests at once; this makes the
 control plane's view agree.
+
+The node's own counters are the second evidence (:class:`CounterWatch`): a node whose
+metrics answer, say requests are running (``running`` > 0) and show no token counter
+(generated or prompt tokens, vLLM / TGI / SGLang / llama.cpp) and no finished-request
+count advancing for ``controlplane.stall_counters_s`` is stalled as well (an engine hung
+behind a live HTTP server, whatever the edges can see of non-streamed answers).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from controlplane.routing.nodemetrics.model import Window
 from controlplane.routing.wire import fresh_edge_reports
 
 
@@ -28,6 +37,38 @@ def stalled_nodes(edges_raw: dict[str, str], now: float, max_age_s: float) -> di
             if st.stalled:
                 out[name] = max(out.get(name, 0.0), st.silent_s or 0.0)
     return out
+
+
+@dataclass
+class CounterWatch:
+    """How long a node's own counters have stood still while it runs requests."""
+
+    quiet_since: float | None = None
+    """Epoch s of the first reading of the current quiet spell (``None``: none)."""
+
+    def observe(self, w: Window | None, running: float | None, now: float) -> float | None:
+        """One reading (its window ``w`` against the previous one, ``running``: requests
+        running on the node; ``w`` ``None`` when the metrics did not answer). Returns the
+        seconds the node has run requests with no token counter and no finished count
+        advancing, ``None`` while it progresses, runs nothing or says nothing (no
+        metrics, no earlier reading, no counters). A poll without metrics neither ends
+        nor starts a quiet spell."""
+        if w is None:
+            return None if self.quiet_since is None else now - self.quiet_since
+        deltas = [d for d in (w.generation_tokens_delta, w.prompt_tokens_delta, w.finished)
+                  if d is not None]
+        if not running or running <= 0 or not deltas or any(d > 0 for d in deltas):
+            self.quiet_since = None
+            return None
+        if self.quiet_since is None:
+            self.quiet_since = now
+        return now - self.quiet_since
+
+
+def counters_error(running: float, quiet_s: float) -> str:
+    """The poll error text of a node whose counters stand still."""
+    return (f"stalled: {running:g} requests running and no token counter advanced "
+            f"for {quiet_s:.1f} s")
 
 
 def stalled_error(silent_s: float) -> str:

@@ -75,3 +75,45 @@ def test_nodes_list_and_node_view_say_stalled():
     assert _health(NodeView(**base, healthy=True, status="stalled")) == "stalled"
     assert _health(NodeView(**base, healthy=False, status="down")) == "down"
     assert _health(NodeView(**base, healthy=None, status="unknown")) == "?"
+
+
+BODY = ('vllm:num_requests_waiting{model_name="m"} 0\n'
+        'vllm:num_requests_running{model_name="m"} %d\n'
+        'vllm:gpu_cache_usage_perc{model_name="m"} 0.1\n'
+        'vllm:prompt_tokens_total{model_name="m"} 100\n'
+        'vllm:generation_tokens_total{model_name="m"} %d\n')
+
+
+def _poll(running: int, generated: int) -> PollResult:
+    from controlplane.routing.nodemetrics import parse_metrics
+    return PollResult(good=True, reachable=True, reading=parse_metrics(BODY % (running, generated)),
+                      poll_ms=1.0)
+
+
+def test_counters_that_stand_still_while_requests_run_mean_stalled():
+    s = settings_from_dict({"controlplane": {"stall_counters_s": 5.0, "unhealthy_after": 2}})
+    t = NodeTracker(NodeSettings(name="a", url="http://127.0.0.1:9"), s)
+    gen = 0
+    for i in range(6):                               # generating: busy, healthy
+        gen += 50
+        st, _ = t.update(_poll(3, gen), float(i))
+        assert st.healthy and not st.stalled
+    for i in range(6, 11):                           # running, nothing advances: < 5 s
+        st, _ = t.update(_poll(3, gen), float(i))
+    assert st.healthy and not st.stalled
+    st, _ = t.update(PollResult(good=True, reachable=True), 10.5)   # no metrics: the spell
+    assert not st.stalled                                           # goes on, 4.5 s
+    for i in range(12, 14):                          # 6 s and more without progress
+        st, _ = t.update(_poll(3, gen), float(i))
+    assert st.stalled and not st.healthy and "no token counter advanced" in st.last_error
+    st, _ = t.update(_poll(3, gen + 1), 14.0)       # one token: progress again
+    assert not st.stalled
+    idle = NodeTracker(NodeSettings(name="b", url="http://127.0.0.1:9"), s)
+    for i in range(20):                              # nothing running: never stalled
+        st, _ = idle.update(_poll(0, 10), float(i))
+    assert st.healthy and not st.stalled
+    off = NodeTracker(NodeSettings(name="c", url="http://127.0.0.1:9"),
+                      settings_from_dict({"controlplane": {"stall_counters_s": 0}}))
+    for i in range(60):
+        st, _ = off.update(_poll(3, 10), float(i))
+    assert st.healthy and not st.stalled
