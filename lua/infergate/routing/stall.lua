@@ -17,10 +17,16 @@
 -- half-open: one request of this edge at a time (none while any is in flight), and a
 -- probe that ended without a byte after waiting past the threshold keeps it out for
 -- min(PROBE_BACKOFF_MAX_S, threshold x 2^probes) more. A probe with another node to retry
--- on waits only 2 x the threshold for its first byte (probe_threshold, through
--- infergate.routing.outlier.probe_threshold), then goes to another node. A node that
--- resumes (SIGCONT) sends bytes on the streams it holds, or answers the probe, and is
--- back at once.
+-- on waits for its first byte only twice the larger of this threshold and its TTFB
+-- outlier threshold (infergate.routing.outlier.probe_threshold), then goes to another
+-- node. A node that resumes (SIGCONT) sends bytes on the streams it holds, or answers
+-- the probe, and is back at once.
+--
+-- Requests sent before the stall was found: a stream try with another node left to
+-- retry on reads with a timeout of max(edge.stall_first_byte_s, 2 x its TTFB outlier
+-- threshold, 2 x the stall threshold) (stream_read_half): one still waiting for its
+-- first byte then is retried on another node; one that already streamed bytes to the
+-- client cannot move and ends there, cut, as it would at its deadline.
 --
 -- Shared dict infergate_stats (all workers):
 --   "lb:<node>"  epoch s of the last byte from the node (any attempt of any worker;
@@ -30,8 +36,9 @@
 --   "ss:<node>"  the same without a TTL; removed at the node's next byte
 --   "sp:<node>"  probes in a row that ended without a byte, "su:<node>" epoch s before
 --                which it gets no probe
--- Worker-local: the number of this worker's attempts per node that are mid-stream (died
--- with the worker: no count is ever left behind).
+-- Worker-local: the number of this worker's attempts per node that are mid-stream (dies
+-- with the worker; a node also needs this edge's requests in flight to be found
+-- stalled, so a count left behind cannot sideline an idle node).
 --
 -- byte(req, now)          body filter, for every non-empty chunk from the node
 -- finished(att, now)      when an attempt ends (through outlier.finished)
