@@ -112,8 +112,8 @@ def _metrics_doc(r, name: str) -> dict:
 
 
 def test_a_frozen_node_gets_no_new_request_and_comes_back(redis_server, simnodes,
-                                                          controlplane_factory,
-                                                          edge_factory) -> None:
+                                                          controlplane_factory, edge_factory,
+                                                          output_dir) -> None:
     nodes = simnodes(2, time_scale=TIME_SCALE)
     s = settings_from_dict({
         "redis": {"url": redis_server.url},
@@ -162,6 +162,16 @@ def test_a_frozen_node_gets_no_new_request_and_comes_back(redis_server, simnodes
         results = trickle.stop()
 
     tries = _tries(edge.access_log())
+    to_victim = [x.t - t_freeze for x in results if addr in tries.get(x.rid, [])]
+    back = [x.t - t_resume for x in results if x.t > t_resume and x.node == victim.name]
+    (output_dir / "report.json").write_text(json.dumps({
+        "sent": len(results), "freeze_s": round(t_resume - t_freeze, 2),
+        "last_sent_to_frozen_node_s": max((round(v, 2) for v in to_victim if v < t_resume - t_freeze),
+                                          default=None),
+        "first_served_after_resume_s": round(min(back), 2) if back else None,
+        "by_status": {str(k): sum(1 for x in results if x.status == k)
+                      for k in {x.status for x in results}},
+        "incomplete": sum(1 for x in results if not x.complete)}, indent=2))
     late = [x for x in results
             if t_freeze + BOUND_S + MARGIN_S < x.t < t_resume and addr in tries.get(x.rid, [])]
     assert not late, f"requests sent to the frozen node after {BOUND_S} s: {late}"
