@@ -75,7 +75,8 @@ class NodeView:
     """Health after hysteresis from the latest poll; ``None`` = never polled / expired."""
     status: str
     """For display: ``draining`` / ``drained`` when so; for an active node ``active``,
-    ``down`` (unhealthy) or ``unknown`` (never polled, or metrics expired)."""
+    ``down`` (unhealthy), ``stalled`` (an edge found it
+    stalled: requests in flight, no byte from it; :mod:`controlplane.routing.stall`) or ``unknown`` (never polled, or metrics expired)."""
     reachable: bool | None = None
     dialect: str | None = None
     score: float | None = None
@@ -200,6 +201,8 @@ def build_views(r: redis.Redis, settings: Settings, *, name: str | None = None,
             status = "unknown"
         elif not healthy and REFUSED_TEXT in (m.last_error or ""):
             status = "credentials refused"  # the node answers 401/403: its API key
+        elif m.stalled:
+            status = "stalled"
         else:
             status = "active" if healthy else "down"
         e = edges.get(n.name, EdgeAgg())

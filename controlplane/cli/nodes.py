@@ -55,8 +55,9 @@ def _maxconc(v: NodeView) -> str:
 
 
 def _health(v: NodeView) -> str:
-    """HEALTH column: up, down, credentials refused (401/403 to the polls) or ?."""
-    if v.status == "credentials refused":
+    """HEALTH column: up, down, credentials refused (401/403 to the polls), stalled (no
+    progress, not busy) or ? (never polled)."""
+    if v.status in ("credentials refused", "stalled"):
         return v.status
     return {True: "up", False: "down", None: "?"}[v.healthy]
 

@@ -119,6 +119,23 @@ class EdgeSettings(_Section):
     of streams' first chunks (prefill and one token: it does not grow with the answer's
     length, so the floor can be lower than ``outlier_ttfb_min_s``). A node flagged by it
     only stops getting new requests until its next first byte."""
+    stall_gap_factor: float = Field(default=5.0, ge=0, le=1000)
+    """Proof of life: a node that has streams of this edge in the middle of their answer
+    and sent no byte at all for longer than this many times its usual largest gap between
+    two chunks of an answer (a p90 estimate), at least ``stall_min_s``, is **stalled**
+    (a frozen or hung process still accepts connections): no new request from this edge
+    until a byte comes again (then one probe request at a time), and the control plane
+    reports it ``stalled`` instead of busy; 0 = off."""
+    stall_min_s: float = Field(default=1.5, ge=0.2, le=3600)
+    """Floor of the stall threshold above, seconds."""
+    stall_first_byte_s: float = Field(default=10.0, ge=0, le=3600)
+    """A stream sent to a node while another node is left to retry on reads with a
+    timeout of at least this many seconds (more when the node's usual time to first
+    chunk or its stall threshold asks for it: twice those): a node frozen while the
+    request waited for its first byte then has it retried on another node, within the
+    request's deadline, instead of holding it to the deadline. A stream that already
+    sent bytes to the client cannot move: silent that long, it ends as it would at its
+    deadline. 0 = off (the read timeout is the deadline's)."""
     prefix_affinity: bool = True
     """Prefix-cache-aware routing: a request whose leading prompt is at least
     ``prefix_min_tokens`` long (or that carries ``affinity_header``) goes to the first node

@@ -34,6 +34,11 @@ class ControlPlaneSettings(_Section):
     """Largest ``/metrics`` page read, bytes; a larger page makes the poll not good (that
     node only). Engines serve tens of KB (a vLLM-style page with 8 engines ~125 KB);
     parsing costs ~0.5 s per MB, in the node's own poll worker."""
+    stall_counters_s: float = Field(default=30.0, ge=0, le=86400)
+    """A node whose metrics say requests are running and whose token counters
+    (generated and prompt tokens) and finished-request count have not advanced for this
+    many seconds is **stalled** (a hung engine behind a live HTTP server): its polls
+    fail, with ``stalled`` as the reason. 0 = off (the edges' evidence only)."""
     unhealthy_after: int = Field(default=3, ge=1, le=1000)
     """K consecutive failed polls -> unhealthy."""
     healthy_after: int = Field(default=2, ge=1, le=1000)

@@ -62,6 +62,7 @@ import requests
 from controlplane.config import NodeSettings, Settings
 from controlplane.routing.health import HealthTracker
 from controlplane.routing.nodeaccess import AccessTable
+from controlplane.routing.stall import CounterWatch, counters_error, stalled_error
 from controlplane.routing.nodemetrics import MetricsParseError, Reading, UnknownDialectError, parse_metrics, window
 from controlplane.routing.scoring import LastKnown, ScoreInputs, compute_score
 from controlplane.routing.wire import NodeMetricsDoc
@@ -142,6 +143,7 @@ class NodeStatus:
     last_error: str | None
     poll_ms: float
     has_metrics: bool
+    stalled: bool = False
 
     def metrics(self) -> NodeMetricsDoc:
         """The per-node metrics document of docs/internals.md (``poll_ms`` to 0.1 ms)."""
@@ -405,6 +407,7 @@ class NodeTracker:
         self.health = HealthTracker(cp.unhealthy_after, cp.healthy_after)
         self.last_reading: Reading | None = None
         self.held = LastKnown(hold_s=HOLD_POLLS * cp.poll_interval_s)
+        self.counters = CounterWatch()
 
     def same_target(self, node: NodeSettings) -> bool:
         """False when the node's address or kind changed (start afresh)."""
@@ -412,25 +415,38 @@ class NodeTracker:
             self.node.url, self.node.kind, self.node.metrics_path)
 
     def update(self, result: PollResult, now: float, inflight: float = 0.0,
-               edges_open: bool = False) -> tuple[NodeStatus, bool]:
+               edges_open: bool = False,
+               stalled_s: float | None = None) -> tuple[NodeStatus, bool]:
         """Apply one poll; returns the node's status and whether ``healthy`` changed.
 
         ``inflight``: requests the edges have in flight on the node (fresh edge
         reports). A busy poll (connected, no answer in time) of a node with work - edge
         requests in flight, or running requests in its last metrics - is good.
         ``edges_open``: the node's breaker is open at every fresh edge
-        (:func:`breakers_open`); for an ``openai`` node that fails the poll."""
+        (:func:`breakers_open`); for an ``openai`` node that fails the poll.
+        ``stalled_s``: not ``None`` when a fresh edge reports the node stalled (no byte
+        in the middle of its streams, :mod:`controlplane.routing.stall`; the silence in
+        s): the poll fails, busy or not. So does a poll whose metrics show requests
+        running and no counter advancing for ``controlplane.stall_counters_s``."""
         good = result.good
         error = result.error
-        if not good and result.busy:
+        r = result.reading
+        w = window(self.last_reading, r) if r is not None else None
+        stall_cause = None if stalled_s is None else stalled_error(stalled_s)
+        quiet = self.counters.observe(w, r.running if r is not None else None, now)
+        limit = self.settings.controlplane.stall_counters_s
+        if stall_cause is None and quiet is not None and limit > 0 and quiet >= limit:
+            stall_cause = counters_error(r.running if r and r.running else 0.0, quiet)
+        if not good and result.busy and stall_cause is None:
             running = self.last_reading.running if self.last_reading is not None else None
             good = inflight > 0 or bool(running and running > 0)
+        if stall_cause is not None:
+            good = False
+            error = "; ".join(x for x in (stall_cause, error) if x)
         if good and edges_open and self.node.kind == "openai":
             good = False
             error = "; ".join(x for x in (error, "edges: circuit breaker open at every edge") if x)
         changed = self.health.observe(good)
-        r = result.reading
-        w = window(self.last_reading, r) if r is not None else None
         if r is not None:
             self.last_reading = r
         inputs = ScoreInputs(
@@ -457,5 +473,6 @@ class NodeTracker:
             consecutive_failures=self.health.consecutive_failures,
             consecutive_successes=self.health.consecutive_successes,
             last_error=error, poll_ms=result.poll_ms, has_metrics=r is not None,
+            stalled=stall_cause is not None,
         )
         return status, changed

@@ -89,6 +89,7 @@ from controlplane.redisdb.conn import make_redis
 from controlplane.redisdb.url import parse_redis_url
 from controlplane.routing.registry import NodeState
 from controlplane.routing.series import SeriesRecorder
+from controlplane.routing.stall import stalled_nodes
 from controlplane.routing.snapshot import (
     DRAIN_GRACE_SYNCS, EDGE_FORGET_S, HostResolver, build_snapshot, drain_decisions,
     fresh_inflight, stale_edges,
@@ -392,11 +393,13 @@ class ControlPlane:
             fresh_s = EDGE_FRESH_FACTOR * self.settings.edge.stale_after_s
             inflight = fresh_inflight(self.edges, now, fresh_s)
             tripped = breakers_open(self.edges, now, fresh_s)
+            stalled = stalled_nodes(self.edges, now, fresh_s)  # busy needs progress
             for n in nodes:
                 result = models_refusal(results[n.name], self.models.error(n.name))
                 status, changed = self._tracker(n).update(result, now,
                                                           inflight.get(n.name, 0.0),
-                                                          n.name in tripped)
+                                                          n.name in tripped,
+                                                          stalled.get(n.name))
                 self.props.annotate(n, status)
                 report.statuses[n.name] = status
                 if changed:

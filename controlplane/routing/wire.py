@@ -147,6 +147,10 @@ class NodeMetricsDoc(_Doc):
     """Duration of the poll, ms."""
     has_metrics: bool = False
     """The metrics endpoint answered and was parsed."""
+    stalled: bool = False
+    """An edge has streams on the node in the middle of their answer and no byte came
+    from it for longer than its stall threshold (``edge.stall_gap_factor``): a frozen
+    or hung process, not a busy one. The poll counts as failed."""
 
     @classmethod
     def from_dict(cls, d: dict) -> NodeMetricsDoc:
@@ -160,7 +164,8 @@ class NodeMetricsDoc(_Doc):
                    consecutive_failures=_int(d.get("consecutive_failures")) or 0,
                    consecutive_successes=_int(d.get("consecutive_successes")) or 0,
                    last_error=str(d["last_error"]) if d.get("last_error") else None,
-                   has_metrics=_bool(d.get("has_metrics"), False) or False, **nums)
+                   has_metrics=_bool(d.get("has_metrics"), False) or False,
+                   stalled=_bool(d.get("stalled"), False) or False, **nums)
 
 
 # ---- infergate:v1:routing -----------------------------------------------------------------
@@ -282,6 +287,11 @@ class EdgeNodeStats(_Doc):
     """closed | open | half_open; ``None`` when missing or unknown."""
     latency_ewma_ms: float | None = None
     """Latency EWMA of the node's answers, ms; ``None`` before the first."""
+    stalled: bool = False
+    """The edge found the node stalled (streams in the middle of their answer, no byte
+    past the threshold: lua/infergate/routing/stall.lua) and it sent nothing since."""
+    silent_s: float | None = None
+    """Seconds since the node's last byte at this edge; ``None`` = none yet."""
 
     @classmethod
     def from_dict(cls, d: dict) -> EdgeNodeStats:
@@ -289,7 +299,9 @@ class EdgeNodeStats(_Doc):
         return cls(inflight=_int(d.get("inflight")) or 0, requests=_int(d.get("requests")) or 0,
                    failures=_int(d.get("failures")) or 0,
                    breaker=b if b in BREAKER_STATES else None,
-                   latency_ewma_ms=_num(d.get("latency_ewma_ms")))
+                   latency_ewma_ms=_num(d.get("latency_ewma_ms")),
+                   stalled=_bool(d.get("stalled"), False) or False,
+                   silent_s=_num(d.get("silent_s")))
 
 
 @dataclass

@@ -31,6 +31,7 @@ local snapshot = require("infergate.routing.snapshot")
 local routing_balancer = require("infergate.routing.balancer")
 local models = require("infergate.routing.models")
 local upstream = require("infergate.routing.upstream")
+local stall = require("infergate.routing.stall")
 local auth = require("infergate.admission.auth")
 local inputguard = require("infergate.admission.inputguard")
 local ratelimit = require("infergate.admission.ratelimit")
@@ -80,8 +81,10 @@ _M.HEADER_FILTER = {
     },
 }
 
--- body_filter_by_lua of the API locations.
+-- body_filter_by_lua of the API locations: progress first (every chunk from the node is
+-- proof of life, infergate.routing.stall), before any step rewrites the chunk.
 _M.BODY_FILTER = {
+    { name = "progress", fn = stall.body_filter },
     { name = "node", fn = filters.body },
     { name = "usage", fn = usage.body_filter },
     { name = "cache_capture", fn = capture.body_filter, when = "cache" },

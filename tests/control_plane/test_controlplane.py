@@ -67,7 +67,7 @@ NODE_KEYS = {"name", "url", "host", "port", "kind", "state", "healthy", "weight"
 METRICS_KEYS = {"name", "ts", "healthy", "reachable", "dialect", "queue_depth", "running",
                 "kv_cache_usage", "e2e_avg_s", "ttft_avg_s", "prompt_tokens_total",
                 "generation_tokens_total", "score", "saturated", "consecutive_failures",
-                "consecutive_successes", "last_error", "poll_ms", "has_metrics"}
+                "consecutive_successes", "last_error", "poll_ms", "has_metrics", "stalled"}
 
 
 def test_snapshot_shape_and_per_node_keys(redis_server, sims, pool, cp_factory):

@@ -214,7 +214,9 @@ def test_edge_publishes_its_stats(three) -> None:
     assert dur["sum"] > 0
     assert set(data["nodes"]) == {"a", "b", "c"}
     for name, n in data["nodes"].items():
-        assert set(n) == {"inflight", "requests", "failures", "breaker", "latency_ewma_ms"}
+        assert set(n) == {"inflight", "requests", "failures", "breaker", "latency_ewma_ms",
+                          "stalled", "silent_s"}
+        assert n["stalled"] is False
         assert n["inflight"] == 0 and n["failures"] == 0 and n["breaker"] == "closed"
         assert n["requests"] == shares.get(name, 0)
         if n["requests"]:

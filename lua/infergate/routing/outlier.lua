@@ -47,12 +47,14 @@
 --                      body chunk of a stream (infergate.filters); now: epoch s, default
 --                      the clock
 -- finished(att, now)   when an attempt ends (log phase, or the balancer before a retry)
--- is_outlier(node, now) balancer phase (no I/O: shared dict and local tables only)
+-- is_outlier(node, now) balancer phase (no I/O: shared dict and local tables only); also
+--                      true for a node stalled mid-stream (infergate.routing.stall)
 local config = require("infergate.core.config")
 local ngxapi = require("infergate.core.ngxapi")
 local ngx_now = ngxapi.now
 local stats = require("infergate.routing.stats")
 local speed = require("infergate.routing.speed")
+local stall = require("infergate.routing.stall")
 
 local _M = {}
 
@@ -252,6 +254,9 @@ _M._oldest_waiting = oldest_waiting
 
 function _M.is_outlier(node, now, o)
     o = o or config.get()
+    if stall.is_stalled(node, now, o, stats.inflight) then
+        return true
+    end
     if o.outlier_ttfb_factor <= 0 then
         return false
     end
@@ -303,12 +308,17 @@ function _M.is_outlier(node, now, o)
 end
 
 -- The node's threshold (s) when a try just sent to `name` is a probe of a silent
--- outlier (found one, no first byte since), else nil: the balancer then shortens that
+-- outlier (found one, no first byte since) or of a stalled node, else nil: the balancer then shortens that
 -- try's read timeout (infergate.admission.deadline.probe_read), so that a probe of a node
 -- still hung is retried on another node (no byte has reached the client:
 -- proxy_next_upstream timeout) instead of waiting for its deadline. Shared-dict reads.
-function _M.probe_threshold(name, stream, o)
-    o = o or config.get()
+local function probe_of(name, stream, o)
+    local st = stall.probe_threshold(name, o)
+    if st then
+        -- a probe of a stalled node: its first byte within the larger of both thresholds
+        local thr = _M.threshold(name, stream, o)
+        return thr > st and thr or st
+    end
     if o.outlier_ttfb_factor <= 0 then
         return nil
     end
@@ -320,10 +330,27 @@ function _M.probe_threshold(name, stream, o)
     return _M.threshold(name, stream, o)
 end
 
+-- The threshold (s) that bounds a try's read (infergate.admission.deadline.probe_read
+-- waits twice it) when the try has another node to retry on: a probe's (above), and for
+-- a stream on any node the stall rule's first-byte bound
+-- (infergate.routing.stall.stream_read_half), the smaller of both; nil: no bound.
+function _M.probe_threshold(name, stream, o)
+    o = o or config.get()
+    local thr = probe_of(name, stream, o)
+    if stream then
+        local half = stall.stream_read_half(name, o, _M.threshold(name, true, o))
+        if half and (not thr or half < thr) then
+            return half
+        end
+    end
+    return thr
+end
+
 -- An attempt ended: a probe of a silent outlier (sent after it was found one) that waited
 -- past the threshold without a first byte backs the node off (see the header).
 function _M.finished(att, now)
     unlink(att)
+    stall.finished(att, now)
     if att.first_byte or att.outlier_done then
         return
     end

@@ -30,6 +30,7 @@ local ngxapi = require("infergate.core.ngxapi")
 local prefixer = require("infergate.core.memo").prefixer
 local ngx_now = ngxapi.now
 local breaker = require("infergate.routing.breaker")
+local stall = require("infergate.routing.stall")
 local ffi = require("ffi")
 
 local _M = {}
@@ -243,15 +244,20 @@ function _M.close_attempt(att, outcome, now, latency_ms)
     return true
 end
 
--- This edge's view of one node, as published in infergate:v1:edges.
+-- This edge's view of one node, as published in infergate:v1:edges. stalled: the node
+-- was found stalled and sent nothing since (infergate.routing.stall.flagged); silent_s: seconds
+-- since its last byte (null: none yet).
 function _M.node_report(name, now)
     local lat = _M.latency_ewma_ms(name)
+    local silent = stall.silent_s(name, now)
     return {
         inflight = _M.inflight(name),
         requests = _M.requests(name),
         failures = _M.failures(name),
         breaker = breaker.state(name, now),
         latency_ewma_ms = lat and (math.floor(lat * 10 + 0.5) / 10) or ngx.null,
+        stalled = stall.flagged(name, _M.inflight(name)),
+        silent_s = silent and (math.floor(silent * 10 + 0.5) / 10) or ngx.null,
     }
 end
 

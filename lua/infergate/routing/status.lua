@@ -13,6 +13,7 @@
 --             "requests", "failures", "breaker", "consecutive_failures",
 --             "latency_ewma_ms", "failure_rate", "models" (served model ids, null =
 --             unknown), "outlier" (a TTFB outlier: infergate.routing.outlier),
+--             "stalled" (no byte while mid-stream: infergate.routing.stall),
 --             "ttfb_p90_s" ({"stream", "plain"}: p90 time to first byte, null = none),
 --             "learned_concurrency" (infergate.routing.speed, null before a sample),
 --             "service_s" (its service time, s, infergate.routing.speed; null before three
@@ -29,6 +30,7 @@ local breaker = require("infergate.routing.breaker")
 local errors = require("infergate.core.errors")
 local outlier = require("infergate.routing.outlier")
 local speed = require("infergate.routing.speed")
+local stall = require("infergate.routing.stall")
 
 local _M = {}
 
@@ -73,6 +75,7 @@ function _M.report(now)
             failure_rate = math.floor(stats.failure_rate(n.name, now) * 1000 + 0.5) / 1000,
             models = n.models and n.models.list or null,
             outlier = outlier.flagged(n.name),
+            stalled = stall.flagged(n.name, inflight),
             ttfb_p90_s = { stream = opt(outlier.p90(n.name, true)),
                            plain = opt(outlier.p90(n.name, false)) },
             learned_concurrency = opt(speed.learned(n.name)),

@@ -1,0 +1,212 @@
+"""Stall detection in the edge's pure logic (infergate.routing.stall, asked by
+infergate.routing.outlier.is_outlier): a node with streams in the middle of their answer
+and no byte past max(stall_min_s, stall_gap_factor x p90 of its largest gaps) gets no new
+request, a byte clears it, a node found stalled is half-open with a probe backoff, and
+waiting for a first byte or a whole non-streamed answer is not a stall. Run in nginx's
+init_by_lua with real shared dicts and explicit clocks (support.stack.lua_eval)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from support.stack import lua_eval
+
+from controlplane.edge.options import lua_string, option_spec
+
+DICTS = "lua_shared_dict infergate_snapshot 1m; lua_shared_dict infergate_stats 1m;"
+
+
+def run(workdir: Path, body: str, factor: float = 4.0, floor: float = 1.0):
+    prelude = """
+            local config = require("infergate.core.config")
+            assert(config.init({edge = {stall_gap_factor = """ + str(factor) + """,
+                                        stall_min_s = """ + str(floor) + """,
+                                        outlier_ttfb_factor = 0}},
+                               """ + lua_string(json.dumps(option_spec())) + """))
+            local stall = require("infergate.routing.stall")
+            local outlier = require("infergate.routing.outlier")
+            local stats = require("infergate.routing.stats")
+            local d = ngx.shared.infergate_stats
+            local node = {name = "n"}
+            local function req_on(name, t, stream)
+                local att = stats.open_attempt(name, t)
+                return {attempts = {att}, stream = stream}, att
+            end
+            local function ended(req, att, t)
+                stats.close_attempt(att, "ok", t)
+                outlier.finished(att, t)
+            end
+            -- a streamed answer on `name` from t: chunks `gap` s apart, `n` of them
+            local function streamed(name, t, gap, n)
+                local req, att = req_on(name, t, true)
+                for k = 1, n do stall.byte(req, t + k * gap) end
+                ended(req, att, t + n * gap)
+                return t + n * gap
+            end
+            local function blocked(t)
+                return outlier.is_outlier(node, t)
+            end
+"""
+    return lua_eval(workdir, prelude + body, http_extra=DICTS)
+
+
+def test_threshold_is_the_floor_or_factor_times_the_p90_gap(workdir: Path) -> None:
+    got = run(workdir, """
+            local out = {none = stall.threshold("n")}
+            local t = 1000
+            for i = 1, 10 do t = streamed("n", t + 1, 0.05 * i, 3) end   -- gaps 0.05..0.5
+            out.p90 = d:get("gq:n")
+            out.thr = stall.threshold("n")
+            for i = 1, 30 do t = streamed("n", t + 1, 0.02, 3) end       -- the ring forgets
+            out.thr_after = stall.threshold("n")
+            -- non-streamed answers add no gap sample
+            local req, att = req_on("m", t, false)
+            stall.byte(req, t + 0.1); stall.byte(req, t + 3)
+            ended(req, att, t + 3)
+            out.plain = d:get("gq:m") or false
+            return out
+    """)
+    assert got["none"] == 1.0
+    assert got["p90"] == pytest.approx(0.45)
+    assert got["thr"] == pytest.approx(1.8)            # 4 x p90
+    assert got["thr_after"] == 1.0                     # 4 x 0.02 below the floor
+    assert got["plain"] is False
+
+
+def test_a_node_silent_mid_stream_is_stalled_until_a_byte_comes(workdir: Path) -> None:
+    got = run(workdir, """
+            local out = {}
+            local t0 = 1000
+            local req, att = req_on("n", t0, true)
+            stall.byte(req, t0 + 0.2)                    -- first chunk: mid-stream
+            stall.byte(req, t0 + 0.3)
+            out.early = blocked(t0 + 1.2)                -- silent 0.9 s < 1 s floor
+            out.late = blocked(t0 + 1.5)                 -- silent 1.2 s
+            out.flagged = stall.flagged("n")
+            out.report = stats.node_report("n", t0 + 1.5).stalled
+            out.other = outlier.is_outlier({name = "m"}, t0 + 100)
+            stall.byte(req, t0 + 2.0)                    -- it resumes
+            out.after_byte = blocked(t0 + 2.05)
+            out.flag_after_byte = stall.flagged("n")
+            out.again = blocked(t0 + 3.5)                -- silent again past the floor
+            ended(req, att, t0 + 4)
+            out.gap_sample_capped = d:get("gq:n")       -- 1.7 s gap, at most 2 x 1 s
+            return out
+    """)
+    assert got["early"] is False and got["late"] is True
+    assert got["flagged"] is True and got["report"] is True
+    assert got["other"] is False
+    assert got["after_byte"] is False and got["flag_after_byte"] is False
+    assert got["again"] is True
+    assert got["gap_sample_capped"] == pytest.approx(1.7)
+
+
+def test_waiting_for_a_first_byte_or_a_whole_answer_is_not_a_stall(workdir: Path) -> None:
+    got = run(workdir, """
+            local out = {}
+            local t0 = 1000
+            local s_req = req_on("n", t0, true)          -- a stream, no chunk yet
+            local p_req, p_att = req_on("n", t0, false)  -- a non-streamed answer
+            out.waiting = blocked(t0 + 30)
+            stall.byte(p_req, t0 + 31)                   -- the whole answer at once
+            stall.byte(p_req, t0 + 31.01)
+            out.plain_answered = blocked(t0 + 60)
+            ended(p_req, p_att, t0 + 31.02)
+            return out
+    """)
+    assert got == {"waiting": False, "plain_answered": False}
+
+
+def test_the_flag_holds_for_other_workers_and_a_stalled_node_is_half_open(workdir: Path) -> None:
+    got = run(workdir, """
+            local out = {}
+            local t0 = 1000
+            local req, att = req_on("n", t0, true)
+            stall.byte(req, t0 + 0.1)
+            out.found = blocked(t0 + 1.5)
+            -- its stream ends (the deadline): no stream left in this worker, the flag
+            -- (as another worker sees it) still holds
+            stats.close_attempt(att, "neutral", t0 + 1.6)
+            outlier.finished(att, t0 + 1.6)
+            out.flag = blocked(t0 + 1.7)
+            -- the flag expired, no byte since: one request at a time
+            d:delete("sl:n")
+            out.probe_allowed = blocked(t0 + 10)
+            out.probe_read = outlier.probe_threshold("n", false)
+            local preq, patt = req_on("n", t0 + 10, true)
+            out.during_probe = blocked(t0 + 10.5)
+            -- the probe waited past the threshold, no byte: backoff 1 x 2^1 s
+            stats.close_attempt(patt, "fail", t0 + 12)
+            outlier.finished(patt, t0 + 12)
+            out.backoff = blocked(t0 + 13)
+            out.after_backoff = blocked(t0 + 14.1)
+            -- a probe that answers ends it all
+            local ok_req, ok_att = req_on("n", t0 + 15, true)
+            stall.byte(ok_req, t0 + 15.2)
+            ended(ok_req, ok_att, t0 + 15.3)
+            out.resumed = blocked(t0 + 15.4)
+            out.no_probe_read = outlier.probe_threshold("n", false) or false
+            out.flagged = stall.flagged("n")
+            return out
+    """)
+    assert got["found"] is True and got["flag"] is True
+    assert got["probe_allowed"] is False
+    assert got["probe_read"] == pytest.approx(5.0)   # outlier_ttfb_min_s, above the stall 1 s
+    assert got["during_probe"] is True
+    assert got["backoff"] is True and got["after_backoff"] is False
+    assert got["resumed"] is False and got["no_probe_read"] is False and got["flagged"] is False
+
+
+def test_a_larger_usual_gap_raises_the_bar(workdir: Path) -> None:
+    got = run(workdir, """
+            local out = {}
+            local t = 1000
+            for i = 1, 10 do t = streamed("n", t + 1, 0.8, 3) end     -- p90 0.8: thr 3.2 s
+            local req = req_on("n", t + 1, true)
+            stall.byte(req, t + 1.1)
+            out.at_2s = blocked(t + 3.1)
+            out.at_3_5s = blocked(t + 4.7)
+            return out
+    """)
+    assert got == {"at_2s": False, "at_3_5s": True}
+
+
+def test_factor_zero_turns_it_off(workdir: Path) -> None:
+    got = run(workdir, """
+            local req = req_on("n", 1000, true)
+            stall.byte(req, 1000.1)
+            return {blocked(1100), stall.flagged("n")}
+    """, factor=0)
+    assert got == [False, False]
+
+
+def test_a_stream_try_reads_with_the_first_byte_bound(workdir: Path) -> None:
+    """A stream try with another node to retry on waits at most max(stall_first_byte_s,
+    2 x its TTFB outlier threshold, 2 x its stall threshold) (probe_read doubles the
+    half returned); a non-streamed one keeps the deadline's read timeout."""
+    got = run(workdir, """
+            local out = {}
+            out.stream = outlier.probe_threshold("x", true)            -- max(10, 2 x 5)/2
+            out.plain = outlier.probe_threshold("x", false) or false
+            local t = 1000
+            for i = 1, 10 do t = streamed("g", t + 1, 4.0, 3) end     -- usual gap 4 s
+            out.slow_gaps = outlier.probe_threshold("g", true)        -- 2 x 4 x 4 / 2
+            return out
+    """)
+    assert got == {"stream": 5.0, "plain": False, "slow_gaps": pytest.approx(16.0)}
+    off = run(workdir, """
+            return outlier.probe_threshold("x", true) or false
+    """, factor=0)
+    assert off is False
+
+
+def test_a_stream_count_left_behind_cannot_make_an_idle_node_stalled(workdir: Path) -> None:
+    got = run(workdir, """
+            local req, att = req_on("n", 1000, true)
+            stall.byte(req, 1000.1)
+            stats.close_attempt(att, "ok", 1000.2)     -- ended without finished()
+            return {blocked(1010), stall.flagged("n", 0)}
+    """)
+    assert got == [False, False]

@@ -1,0 +1,119 @@
+"""The control plane's proof-of-life rule (controlplane/routing/stall.py and
+NodeTracker.update): a busy poll is good only while no edge reports the node stalled; a
+node an edge reports stalled fails its polls (answering health or not), its status says
+``stalled`` (metrics document, node view, ``infergate nodes list``), and it is healthy
+again once the edges stop reporting it."""
+
+from __future__ import annotations
+
+import json
+
+from controlplane.admin.nodeview import NodeView
+from controlplane.cli.nodes import _health
+from controlplane.config import NodeSettings, settings_from_dict
+from controlplane.routing.poller import NodeTracker, PollResult
+from controlplane.routing.stall import stalled_nodes
+from controlplane.routing.wire import EdgeReport, NodeMetricsDoc
+
+
+def settings():
+    return settings_from_dict({"nodes": [{"name": "a", "url": "http://127.0.0.1:9"}]})
+
+
+def _rep(ts: float, **nodes: dict) -> str:
+    return json.dumps({"ts": ts, "nodes": nodes})
+
+
+def test_stalled_nodes_from_fresh_edges_only():
+    edges = {"e1": _rep(100.0, a={"inflight": 3, "stalled": True, "silent_s": 2.5},
+                        b={"inflight": 1, "stalled": False, "silent_s": 0.1}),
+             "e2": _rep(99.0, a={"inflight": 1, "stalled": True, "silent_s": 4.0},
+                        c={"inflight": 1, "stalled": True}),
+             "old": _rep(10.0, b={"stalled": True, "silent_s": 90.0}),
+             "junk": "{not json"}
+    assert stalled_nodes(edges, 100.0, max_age_s=20.0) == {"a": 4.0, "c": 0.0}
+    rep = EdgeReport.from_dict(json.loads(edges["e1"]))
+    assert rep.nodes["a"].stalled is True and rep.nodes["a"].silent_s == 2.5
+    assert rep.nodes["b"].stalled is False
+    legacy = EdgeReport.from_dict({"ts": 1.0, "nodes": {"a": {"inflight": 1}}})
+    assert legacy.nodes["a"].stalled is False and legacy.nodes["a"].silent_s is None
+
+
+def test_a_stalled_node_is_not_busy_and_comes_back_when_it_sends_again():
+    node = NodeSettings(name="a", url="http://127.0.0.1:9")
+    t = NodeTracker(node, settings())
+    busy = PollResult(good=False, reachable=False, error="health: busy", busy=True)
+    for i in range(3):
+        st, _ = t.update(busy, float(i), inflight=4.0)
+    assert st.healthy and not st.stalled, "in flight and no stall report: busy"
+    st, _ = t.update(busy, 3.0, inflight=4.0, stalled_s=2.5)
+    assert st.stalled and "stalled" in st.last_error and "2.5 s" in st.last_error
+    for i in range(2):
+        st, _ = t.update(busy, 4.0 + i, inflight=4.0, stalled_s=3.5 + i)
+    assert not st.healthy and st.stalled, "a frozen node with requests in flight is down"
+    doc = NodeMetricsDoc.from_dict(st.metrics_doc())
+    assert doc.stalled is True and doc.healthy is False
+    ok = PollResult(good=True, reachable=True)
+    for i in range(3):
+        st, _ = t.update(ok, 10.0 + i, inflight=1.0)
+    assert st.healthy and not st.stalled
+
+
+def test_a_stalled_node_fails_its_poll_even_when_health_answers():
+    """A hung engine behind a live HTTP server answers /health: the edges' evidence wins."""
+    t = NodeTracker(NodeSettings(name="a", url="http://127.0.0.1:9"), settings())
+    ok = PollResult(good=True, reachable=True)
+    for i in range(3):
+        st, _ = t.update(ok, float(i), inflight=2.0, stalled_s=5.0)
+    assert not st.healthy and st.stalled
+
+
+def test_nodes_list_and_node_view_say_stalled():
+    base = dict(name="a", url="u", kind="vllm", weight=1.0, max_concurrency=4,
+                metrics_path="/metrics", health_path="/health", state="active",
+                state_since=0.0, state_actor="x")
+    assert _health(NodeView(**base, healthy=True, status="stalled")) == "stalled"
+    assert _health(NodeView(**base, healthy=False, status="down")) == "down"
+    assert _health(NodeView(**base, healthy=None, status="unknown")) == "?"
+
+
+BODY = ('vllm:num_requests_waiting{model_name="m"} 0\n'
+        'vllm:num_requests_running{model_name="m"} %d\n'
+        'vllm:gpu_cache_usage_perc{model_name="m"} 0.1\n'
+        'vllm:prompt_tokens_total{model_name="m"} 100\n'
+        'vllm:generation_tokens_total{model_name="m"} %d\n')
+
+
+def _poll(running: int, generated: int) -> PollResult:
+    from controlplane.routing.nodemetrics import parse_metrics
+    return PollResult(good=True, reachable=True, reading=parse_metrics(BODY % (running, generated)),
+                      poll_ms=1.0)
+
+
+def test_counters_that_stand_still_while_requests_run_mean_stalled():
+    s = settings_from_dict({"controlplane": {"stall_counters_s": 5.0, "unhealthy_after": 2}})
+    t = NodeTracker(NodeSettings(name="a", url="http://127.0.0.1:9"), s)
+    gen = 0
+    for i in range(6):                               # generating: busy, healthy
+        gen += 50
+        st, _ = t.update(_poll(3, gen), float(i))
+        assert st.healthy and not st.stalled
+    for i in range(6, 11):                           # running, nothing advances: < 5 s
+        st, _ = t.update(_poll(3, gen), float(i))
+    assert st.healthy and not st.stalled
+    st, _ = t.update(PollResult(good=True, reachable=True), 10.5)   # no metrics: the spell
+    assert not st.stalled                                           # goes on, 4.5 s
+    for i in range(12, 14):                          # 6 s and more without progress
+        st, _ = t.update(_poll(3, gen), float(i))
+    assert st.stalled and not st.healthy and "no token counter advanced" in st.last_error
+    st, _ = t.update(_poll(3, gen + 1), 14.0)       # one token: progress again
+    assert not st.stalled
+    idle = NodeTracker(NodeSettings(name="b", url="http://127.0.0.1:9"), s)
+    for i in range(20):                              # nothing running: never stalled
+        st, _ = idle.update(_poll(0, 10), float(i))
+    assert st.healthy and not st.stalled
+    off = NodeTracker(NodeSettings(name="c", url="http://127.0.0.1:9"),
+                      settings_from_dict({"controlplane": {"stall_counters_s": 0}}))
+    for i in range(60):
+        st, _ = off.update(_poll(3, 10), float(i))
+    assert st.healthy and not st.stalled
