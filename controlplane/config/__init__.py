@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from controlplane.config.admission import (
     API_PATHS,
+    PROXIED_API_PATHS,
     AdmissionSettings,
     AuthSettings,
     DeadlineSettings,
@@ -85,6 +86,7 @@ from controlplane.config.routing import (
 
 __all__ = [
     "API_PATHS",
+    "PROXIED_API_PATHS",
     "AdmissionSettings",
     "AuthSettings",
     "BOUND_WORDS",

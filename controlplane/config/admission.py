@@ -91,6 +91,12 @@ class AdmissionSettings(_Section):
 #: The API paths the edge serves (locations of nginx/infergate-server.conf.j2).
 API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models")
 
+#: More API paths the edge proxies to a node serving the request's model, never cached
+#: (each its own location of nginx/infergate-server.conf.j2; /v1/audio/* and any other
+#: /v1/ path have prefix locations).
+PROXIED_API_PATHS = ("/v1/responses", "/v1/rerank", "/rerank", "/v1/score", "/tokenize",
+                     "/detokenize")
+
 
 class RouteDeadlineSettings(_Section):
     """Per-path overrides of ``[deadlines]``; fields left out keep the global value."""
