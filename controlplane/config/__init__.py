@@ -35,6 +35,7 @@ from __future__ import annotations
 from controlplane.config.admission import (
     API_PATHS,
     PROXIED_API_PATHS,
+    TOKENIZER_PATHS,
     AdmissionSettings,
     AuthSettings,
     DeadlineSettings,
@@ -87,6 +88,7 @@ from controlplane.config.routing import (
 __all__ = [
     "API_PATHS",
     "PROXIED_API_PATHS",
+    "TOKENIZER_PATHS",
     "AdmissionSettings",
     "AuthSettings",
     "BOUND_WORDS",

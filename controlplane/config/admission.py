@@ -96,6 +96,8 @@ API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/m
 #: /v1/ path have prefix locations).
 PROXIED_API_PATHS = ("/v1/responses", "/v1/rerank", "/rerank", "/v1/score", "/tokenize",
                      "/detokenize")
+#: Of these, the ones that use no slot of the engine (no admission wait at the edge).
+TOKENIZER_PATHS = ("/tokenize", "/detokenize")
 
 #: Paths that may have a deadline of their own (``[deadlines.routes."<path>"]``).
 DEADLINE_PATHS = (*API_PATHS, *PROXIED_API_PATHS, "/v1/audio/transcriptions",

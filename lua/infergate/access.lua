@@ -3,7 +3,8 @@
 -- table {status, message, type, code, headers} to answer with a JSON error and stop.
 --
 --   step_method    the route's methods; a request that already went through an edge: 508
---   step_body      the JSON body (below); on the routes "api" and "passthrough" a JSON
+--   step_body      the JSON body (below); on the routes "api", "tokenizer" and
+--                  "passthrough" a JSON
 --                  body has the same bounds, a multipart/form-data body gives its "model"
 --                  field, any other body passes unread (infergate.core.bodykind)
 --   step_eligible  no eligible node among those serving the request's model: 503
@@ -51,20 +52,22 @@ local format = string.format
 -- Routes of the rendered locations (nginx/infergate-server.conf.j2) and their methods:
 --   inference    /v1/chat/completions, /v1/completions, /v1/embeddings (cached ones too)
 --   models       GET /v1/models, /v1/models/<id> (answered by the edge)
---   api          /v1/responses, /v1/rerank, /rerank, /v1/score, /v1/audio/*, /tokenize,
---                /detokenize: proxied, never cached
+--   api          /v1/responses, /v1/rerank, /rerank, /v1/score, /v1/audio/*: proxied,
+--                never cached, wait for a slot like inference (infergate.admission.shed)
+--   tokenizer    /tokenize, /detokenize: as api, without the wait for a slot
 --   passthrough  any other path under /v1/: proxied to a node serving the request's model
 local METHODS = {
     inference = { POST = true, allow = "POST" },
     models = { GET = true, HEAD = true, allow = "GET, HEAD" },
     api = { POST = true, allow = "POST" },
+    tokenizer = { POST = true, allow = "POST" },
     passthrough = { GET = true, HEAD = true, POST = true, PUT = true, PATCH = true, DELETE = true,
                     allow = "GET, HEAD, POST, PUT, PATCH, DELETE" },
 }
 _M.METHODS = METHODS
 
 -- Routes whose body may be JSON, multipart/form-data or anything else (proxied_body).
-local BODY_ROUTES = { api = true, passthrough = true }
+local BODY_ROUTES = { api = true, tokenizer = true, passthrough = true }
 
 -- Paths under /v1/ that administer a node (vLLM's runtime LoRA loading): never passed
 -- through from clients; 404 from the edge.
@@ -276,7 +279,7 @@ local function inference_body(req)
     take_object(req, obj, o)
 end
 
--- Routes "api" and "passthrough": a JSON body (bodykind.kind) has the bounds of the
+-- Routes "api", "tokenizer" and "passthrough": a JSON body (bodykind.kind) has the bounds of the
 -- inference routes and gives the model; a multipart/form-data body its "model" field;
 -- any other body (binary audio, none) passes as it is, with no model.
 local function proxied_body(req)

@@ -8,6 +8,8 @@ chat routes; non-JSON bodies pass unrefused, JSON bodies keep their bounds."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 import requests
@@ -204,3 +206,47 @@ def test_a_failed_try_is_retried_on_another_node_of_the_model(
             res = requests.post(edge.url + path, timeout=15, **kw)
             assert res.status_code == 200 and res.json()["node"] == "up", res.text
     assert _paths(up) == {"/v1/responses": 4, "/v1/audio/transcriptions": 4}
+
+
+def test_generating_routes_wait_for_a_slot_the_tokenizer_does_not(
+        tiny_upstreams, redis_server, edge_factory) -> None:
+    """/v1/responses, audio, rerank and score take a slot of the engine: shed (429) when the
+    model's nodes are at their max_concurrency, as chat is; /tokenize takes none."""
+    (slow,) = tiny_upstreams(names=["slow"])
+    slow.mode = "hang"
+    s = edge_settings(redis_server.url, [slow.node_settings(models=["m"], max_concurrency=1)],
+                      read_timeout_ms=20000)
+    s.admission.max_wait_ms = 100
+    edge = edge_factory(s)
+
+    def post(path: str, **kw) -> requests.Response:
+        return requests.post(edge.url + path, timeout=30, **kw)
+
+    def wait_inflight(n: int) -> None:
+        deadline = time.monotonic() + 10
+        while slow.inflight < n and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert slow.inflight == n
+
+    holders = [threading.Thread(target=post, args=("/v1/responses",),
+                                kwargs={"json": {"model": "m"}}, daemon=True)]
+    holders[0].start()
+    try:
+        wait_inflight(1)
+        files = {"file": ("a.wav", b"\x00\x01"), "model": (None, "m")}
+        for path, kw in (("/v1/responses", {"json": {"model": "m"}}),
+                         ("/v1/audio/transcriptions", {"files": files}),
+                         ("/v1/rerank", {"json": {"model": "m", "query": "q"}}),
+                         ("/v1/score", {"json": {"model": "m"}})):
+            res = post(path, **kw)
+            err = _error(res, 429, "nodes_saturated")
+            assert err["type"] == "server_overloaded" and "Retry-After" in res.headers, path
+        holders.append(threading.Thread(target=post, args=("/tokenize",),
+                                        kwargs={"json": {"model": "m", "content": "x"}},
+                                        daemon=True))
+        holders[1].start()
+        wait_inflight(2)  # admitted past the full slot
+    finally:
+        slow.release()
+        for t in holders:
+            t.join(15)
