@@ -15,6 +15,7 @@ import pytest
 import requests
 
 from controlplane.admin import apikeys
+from controlplane.config import settings_from_dict
 from support.stack import edge_settings
 
 NAMED = ("/v1/responses", "/v1/rerank", "/rerank", "/v1/score", "/tokenize", "/detokenize",
@@ -250,3 +251,23 @@ def test_generating_routes_wait_for_a_slot_the_tokenizer_does_not(
         slow.release()
         for t in holders:
             t.join(15)
+
+
+def test_the_cache_covers_chat_only(simnodes, redis_server, edge_factory) -> None:
+    (a,) = simnodes(1, names=["a"], model="m-a")
+    s = edge_settings(redis_server.url, [a.node_settings(models=["m-a"])])
+    s = settings_from_dict({**s.model_dump(mode="json"),
+                            "cache": {"enabled": True, "semantic": False}})
+    edge = edge_factory(s)
+    chat = {"model": "m-a", "messages": [{"role": "user", "content": "cached?"}]}
+    deadline = time.monotonic() + 10
+    while requests.post(edge.url + "/v1/chat/completions", json=chat,
+                        timeout=15).headers.get("X-Cache-Status") != "HIT":
+        assert time.monotonic() < deadline, "the chat answer is never served from the cache"
+    body = {"model": "m-a", "input": "cached?", "messages": chat["messages"]}
+    for path in ("/v1/responses", "/tokenize", "/v1/foo"):
+        for _ in range(3):
+            res = requests.post(edge.url + path, json=body, timeout=15)
+            assert res.headers["X-Infergate-Node"] == "a" and "X-Cache-Status" not in res.headers
+    assert {p: _paths(a)[p] for p in ("/v1/responses", "/tokenize", "/v1/foo")} == {
+        "/v1/responses": 3, "/tokenize": 3, "/v1/foo": 3}
