@@ -279,9 +279,9 @@ local function inference_body(req)
     take_object(req, obj, o)
 end
 
--- Routes "api", "tokenizer" and "passthrough": a JSON body (bodykind.kind) has the bounds of the
--- inference routes and gives the model; a multipart/form-data body its "model" field;
--- any other body (binary audio, none) passes as it is, with no model.
+-- Routes "api", "tokenizer" and "passthrough": a JSON body (bodykind.kind) has the
+-- bounds of the inference routes and gives the model; a multipart/form-data body its
+-- "model" field; any other body (binary audio, none) passes as it is, with no model.
 local function proxied_body(req)
     local body, rerr = read_body(req)
     if rerr then
@@ -290,7 +290,7 @@ local function proxied_body(req)
     if not body or body == "" then
         return nil
     end
-    local ct = ngx.req.get_headers()["content-type"]
+    local ct = ngx_var("http_content_type")
     local kind = bodykind.kind(ct, body)
     if kind == "multipart" then
         local model = bodykind.form_field(body, ct, "model")
