@@ -92,16 +92,16 @@ class AdmissionSettings(_Section):
 API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models")
 
 #: More API paths the edge proxies to a node serving the request's model, never cached
-#: (each its own location of nginx/infergate-server.conf.j2; /v1/audio/* and any other
-#: /v1/ path have prefix locations).
-PROXIED_API_PATHS = ("/v1/responses", "/v1/rerank", "/rerank", "/v1/score", "/tokenize",
-                     "/detokenize")
+#: (each its own location of nginx/infergate-server.conf.j2; any other /v1/ path has the
+#: prefix location /v1/).
+PROXIED_API_PATHS = ("/v1/responses", "/v1/rerank", "/rerank", "/v1/score",
+                     "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/audio/speech",
+                     "/tokenize", "/detokenize")
 #: Of these, the ones that use no slot of the engine (no admission wait at the edge).
 TOKENIZER_PATHS = ("/tokenize", "/detokenize")
 
 #: Paths that may have a deadline of their own (``[deadlines.routes."<path>"]``).
-DEADLINE_PATHS = (*API_PATHS, *PROXIED_API_PATHS, "/v1/audio/transcriptions",
-                  "/v1/audio/translations", "/v1/audio/speech")
+DEADLINE_PATHS = (*API_PATHS, *PROXIED_API_PATHS)
 
 
 class RouteDeadlineSettings(_Section):

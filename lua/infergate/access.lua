@@ -52,8 +52,9 @@ local format = string.format
 -- Routes of the rendered locations (nginx/infergate-server.conf.j2) and their methods:
 --   inference    /v1/chat/completions, /v1/completions, /v1/embeddings (cached ones too)
 --   models       GET /v1/models, /v1/models/<id> (answered by the edge)
---   api          /v1/responses, /v1/rerank, /rerank, /v1/score, /v1/audio/*: proxied,
---                never cached, wait for a slot like inference (infergate.admission.shed)
+--   api          /v1/responses, /v1/rerank, /rerank, /v1/score, /v1/audio/transcriptions,
+--                /v1/audio/translations, /v1/audio/speech: proxied, never cached, wait
+--                for a slot like inference (infergate.admission.shed)
 --   tokenizer    /tokenize, /detokenize: as api, without the wait for a slot
 --   passthrough  any other path under /v1/: proxied to a node serving the request's model
 local METHODS = {

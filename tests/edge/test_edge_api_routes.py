@@ -116,6 +116,9 @@ def test_other_v1_paths_pass_through_to_a_node_of_the_model(two_models) -> None:
     assert res.status_code == 404 and res.headers["X-Infergate-Node"] in ("a", "b")
     # a node's 404 is not a failure of the node: never retried elsewhere
     assert sum(_paths(n).get("/v1/responses/resp_1", 0) for n in (a, b)) == 1
+    # other audio paths (a TTS server's voice list) are passed through too
+    res = requests.get(edge.url + "/v1/audio/voices", timeout=15)
+    assert res.status_code == 404 and res.headers["X-Infergate-Node"] in ("a", "b")
     # the trailing slash of a chat path is another path: the node answers it
     res = requests.post(edge.url + "/v1/chat/completions/", json={"model": "m-a"}, timeout=15)
     assert res.status_code == 404 and res.headers["X-Infergate-Node"] == "a"
