@@ -197,6 +197,24 @@ def test_auth_and_rate_limits_apply(simnodes, redis_server, edge_factory) -> Non
     assert _paths(a) == {"/v1/responses": 3}
 
 
+def test_a_token_limit_charges_the_other_routes(simnodes, redis_server, edge_factory) -> None:
+    """A key with only a tokens-per-minute limit cannot bypass it through /v1/responses or
+    a pass-through path: their prompt is estimated as chat's is (at least 1 token)."""
+    (a,) = simnodes(1, names=["a"], model="m-a")
+    s = edge_settings(redis_server.url, [a.node_settings(models=["m-a"])])
+    s.auth.mode = "required"
+    key, _ = apikeys.create_key(redis_server.client(), "acme", tpm=100)
+    edge = edge_factory(s)
+    auth = {"Authorization": f"Bearer {key}"}
+    body = {"model": "m-a", "input": "a" * 240}  # 60 tokens estimated
+    res = requests.post(edge.url + "/v1/responses", json=body, headers=auth, timeout=15)
+    assert res.status_code == 200 and res.headers["x-ratelimit-remaining-tokens"] == "40"
+    for path in ("/v1/responses", "/v1/foo"):
+        res = requests.post(edge.url + path, json=body, headers=auth, timeout=15)
+        assert _error(res, 429, "rate_limit_exceeded")["type"] == "tokens"
+    assert _paths(a) == {"/v1/responses": 1}
+
+
 def test_a_failed_try_is_retried_on_another_node_of_the_model(
         simnodes, redis_server, edge_factory) -> None:
     down, up = simnodes(2, names=["down", "up"], model="m-a")

@@ -14,7 +14,7 @@
 --                        an IP address, breaker not open), sorted; nil when no eligible
 --                        node has a known list
 --   step(req)            access step, after "body": a proxied request (routes inference,
---                        api, passthrough; the model of a JSON body or of a multipart
+--                        api, tokenizer, passthrough; the model of a JSON body or of a multipart
 --                        form field) for a model no
 --                        node serves gets 404 model_not_found from the edge (no node is
 --                        touched); GET /v1/models is answered by the edge with list() in
@@ -129,7 +129,7 @@ end
 function _M.step(req)
     local t = snapshot.current()
     if req.route ~= "models" then
-        -- every proxied route (inference, api, passthrough): the model of its body
+        -- every proxied route (inference, api, tokenizer, passthrough): its body's model
         local model = req.model
         if model and not _M.known(t, model) then
             return not_found(model)
