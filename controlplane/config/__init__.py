@@ -34,6 +34,8 @@ from __future__ import annotations
 
 from controlplane.config.admission import (
     API_PATHS,
+    PROXIED_API_PATHS,
+    TOKENIZER_PATHS,
     AdmissionSettings,
     AuthSettings,
     DeadlineSettings,
@@ -85,6 +87,8 @@ from controlplane.config.routing import (
 
 __all__ = [
     "API_PATHS",
+    "PROXIED_API_PATHS",
+    "TOKENIZER_PATHS",
     "AdmissionSettings",
     "AuthSettings",
     "BOUND_WORDS",

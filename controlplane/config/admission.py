@@ -99,6 +99,18 @@ class AdmissionSettings(_Section):
 #: The API paths the edge serves (locations of nginx/infergate-server.conf.j2).
 API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models")
 
+#: More API paths the edge proxies to a node serving the request's model, never cached
+#: (each its own location of nginx/infergate-server.conf.j2; any other /v1/ path has the
+#: prefix location /v1/).
+PROXIED_API_PATHS = ("/v1/responses", "/v1/rerank", "/rerank", "/v1/score",
+                     "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/audio/speech",
+                     "/tokenize", "/detokenize")
+#: Of these, the ones that use no slot of the engine (no admission wait at the edge).
+TOKENIZER_PATHS = ("/tokenize", "/detokenize")
+
+#: Paths that may have a deadline of their own (``[deadlines.routes."<path>"]``).
+DEADLINE_PATHS = (*API_PATHS, *PROXIED_API_PATHS)
+
 
 class RouteDeadlineSettings(_Section):
     """Per-path overrides of ``[deadlines]``; fields left out keep the global value."""
@@ -120,13 +132,13 @@ class DeadlineSettings(_Section):
     """Longest silence from the node on a streaming request (before the first chunk and
     between chunks), milliseconds; then the stream ends."""
     routes: dict[str, RouteDeadlineSettings] = Field(
-        default={}, json_schema_extra={"keys": {"enum": list(API_PATHS), "name": "path"}})
+        default={}, json_schema_extra={"keys": {"enum": list(DEADLINE_PATHS), "name": "path"}})
     """Per path, e.g. ``[deadlines.routes."/v1/embeddings"]`` ``request_ms = 5000``."""
 
     @field_validator("routes")
     @classmethod
     def _paths(cls, v: dict[str, RouteDeadlineSettings]) -> dict[str, RouteDeadlineSettings]:
         for path in v:
-            if path not in API_PATHS:
-                raise ValueError(key_message("deadlines.routes", path, API_PATHS, "path"))
+            if path not in DEADLINE_PATHS:
+                raise ValueError(key_message("deadlines.routes", path, DEADLINE_PATHS, "path"))
         return v

@@ -6,6 +6,8 @@ Main port:
   not (see :mod:`.wire`). Streaming answers send their headers and the first chunk
   when the first token is out (after queueing + prefill), then one chunk per token
   at the pace of the engine model.
+- ``POST /v1/responses``, ``/v1/rerank``, ``/rerank``, ``/v1/score``, ``/v1/audio/*``,
+  ``/tokenize``, ``/detokenize``: a JSON echo of the request (see :mod:`.echo`).
 - ``GET /v1/models``; ``GET /health`` (200, empty body; 503 with ``health_fail``);
   ``GET /metrics`` in the node's dialect (see :mod:`.metrics`; 500 with
   ``metrics_fail``; 404 for dialect ``none``); ``GET /version``.
@@ -55,7 +57,7 @@ from typing import Any
 from aiohttp import web
 
 from controlplane import __version__, procs
-from controlplane.simnode import wire
+from controlplane.simnode import echo, wire
 from controlplane.simnode.engine import EngineConfig, RequestTooLarge
 from controlplane.simnode.faults import Faults, FaultsError, apply_update
 from controlplane.simnode.metrics import make_exporter
@@ -178,6 +180,7 @@ class SimNode:
             app.router.add_get("/health", self.health)
             app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/version", self.version)
+        echo.add_routes(app, self.opts.name, self.opts.model)
         self._control_routes(app)
         app.on_response_prepare.append(self._tag)
         return app

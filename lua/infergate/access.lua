@@ -3,7 +3,10 @@
 -- table {status, message, type, code, headers} to answer with a JSON error and stop.
 --
 --   step_method    the route's methods; a request that already went through an edge: 508
---   step_body      the JSON body (below)
+--   step_body      the JSON body (below); on the routes "api", "tokenizer" and
+--                  "passthrough" a JSON
+--                  body has the same bounds, a multipart/form-data body gives its "model"
+--                  field, any other body passes unread (infergate.core.bodykind)
 --   step_eligible  no eligible node among those serving the request's model: 503
 --
 -- The body step reads the whole body once into the request's state (req.raw_body,
@@ -37,6 +40,8 @@ local affinity = require("infergate.routing.affinity")
 local config = require("infergate.core.config")
 local options = require("infergate.admission.options")
 local deadline = require("infergate.admission.deadline")
+local inputguard = require("infergate.admission.inputguard")
+local bodykind = require("infergate.core.bodykind")
 
 local _M = {}
 
@@ -44,15 +49,47 @@ local type = type
 local tostring = tostring
 local format = string.format
 
+-- Routes of the rendered locations (nginx/infergate-server.conf.j2) and their methods:
+--   inference    /v1/chat/completions, /v1/completions, /v1/embeddings (cached ones too)
+--   models       GET /v1/models, /v1/models/<id> (answered by the edge)
+--   api          /v1/responses, /v1/rerank, /rerank, /v1/score, /v1/audio/transcriptions,
+--                /v1/audio/translations, /v1/audio/speech: proxied, never cached, wait
+--                for a slot like inference (infergate.admission.shed)
+--   tokenizer    /tokenize, /detokenize: as api, without the wait for a slot
+--   passthrough  any other path under /v1/: proxied to a node serving the request's model
 local METHODS = {
     inference = { POST = true, allow = "POST" },
     models = { GET = true, HEAD = true, allow = "GET, HEAD" },
+    api = { POST = true, allow = "POST" },
+    tokenizer = { POST = true, allow = "POST" },
+    passthrough = { GET = true, HEAD = true, POST = true, PUT = true, PATCH = true, DELETE = true,
+                    allow = "GET, HEAD, POST, PUT, PATCH, DELETE" },
+}
+_M.METHODS = METHODS
+
+-- Routes whose body may be JSON, multipart/form-data or anything else (proxied_body).
+local BODY_ROUTES = { api = true, tokenizer = true, passthrough = true }
+
+-- Paths under /v1/ that administer a node (vLLM's runtime LoRA loading): never passed
+-- through from clients; 404 from the edge.
+_M.NODE_ADMIN_PATHS = {
+    ["/v1/load_lora_adapter"] = true,
+    ["/v1/unload_lora_adapter"] = true,
 }
 
 local function step_method(req)
     local m = METHODS[req.route]
     if not m then
         return { status = 404 }
+    end
+    if req.route == "passthrough" and _M.NODE_ADMIN_PATHS[ngx_var("uri")] then
+        return {
+            status = 404,
+            message = "The path " .. ngx_var("uri") .. " administers an inference node; this "
+                .. "gateway does not pass it on.",
+            type = "invalid_request_error",
+            code = "not_found",
+        }
     end
     -- Every proxied request carries X-Infergate-Hop: one that comes back means a node is
     -- registered with the address of an infergate edge (a routing loop).
@@ -144,19 +181,17 @@ local function over_member_count(body, max)
 end
 _M.over_member_count = over_member_count
 
-local function step_body(req)
-    if req.route ~= "inference" then
-        return nil
-    end
+-- The body's text, once; nil, error table when it cannot be read or took the whole
+-- request deadline to arrive (a body that took the deadline leaves nothing for a node:
+-- the client's own upload, not a busy pool; a 429 would say the pool is saturated).
+local function read_body(req)
     local body, err = reqctx.body_text(req) -- read once (infergate.core.reqctx)
     if err then
-        return { status = 500, message = err }
+        return nil, { status = 500, message = err }
     end
-    -- a body that took the whole request deadline to arrive leaves nothing for a node:
-    -- the client's own upload, not a busy pool (a 429 would say the pool is saturated)
     local left = deadline.remaining(req)
     if left and left <= 0 then
-        return {
+        return nil, {
             status = 408,
             message = format("The request took %.1f s to arrive, past its deadline of %g s; "
                 .. "send the body faster or ask the operator for a longer deadline.",
@@ -165,22 +200,17 @@ local function step_body(req)
             code = "request_timeout",
         }
     end
-    if not body or body == "" then
-        return bad_request("The request body is empty; expected a JSON object.")
-    end
-    if not body:find("^%s*{") then
-        if body:sub(1, 3) == "\239\187\191" then
-            return bad_request("The request body starts with a UTF-8 byte order mark; JSON "
-                .. "text must not (RFC 8259 section 8.1): send the JSON object without it.")
-        end
-        return bad_request("The request body must be a JSON object.")
-    end
-    local o = config.get()
+    return body
+end
+
+-- The JSON text `body` decoded within the bounds of the options `o` (messages, members,
+-- depth): the value, or nil, error table.
+local function decode_json(body, o)
     if over_message_count(body, o.max_messages) then
-        return too_many_messages(o.max_messages)
+        return nil, too_many_messages(o.max_messages)
     end
     if over_member_count(body, o.max_json_members) then
-        return {
+        return nil, {
             status = 400,
             message = "The request body has more than " .. o.max_json_members
                 .. " JSON members (object fields and array elements), the most this "
@@ -191,10 +221,10 @@ local function step_body(req)
     end
     body_json.decode_max_depth(o.max_json_depth)
     local obj, derr = body_json.decode(body)
-    if type(obj) ~= "table" then
+    if obj == nil then
         derr = tostring(derr)
         if derr:find("too many nested", 1, true) then
-            return {
+            return nil, {
                 status = 400,
                 message = "The request body is nested deeper than " .. o.max_json_depth
                     .. " levels, the most this gateway accepts.",
@@ -202,11 +232,16 @@ local function step_body(req)
                 code = "json_too_deep",
             }
         end
-        return bad_request("The request body is not valid JSON: " .. derr)
+        return nil, bad_request("The request body is not valid JSON: " .. derr)
     end
-    if type(obj.messages) == "table" and #obj.messages > o.max_messages then
-        return too_many_messages(o.max_messages)
+    if type(obj) == "table" and type(obj.messages) == "table" and #obj.messages > o.max_messages then
+        return nil, too_many_messages(o.max_messages)
     end
+    return obj
+end
+
+-- The decoded JSON object into the request's state: stream, model, affinity key.
+local function take_object(req, obj, o)
     req.stream = obj.stream == true
     req.include_usage = type(obj.stream_options) == "table"
         and obj.stream_options.include_usage == true
@@ -215,6 +250,91 @@ local function step_body(req)
     end
     req.body = obj -- the text as received is req.raw_body (infergate.cache.key.keys_for)
     req.affinity, req.affinity_kind = affinity.key(obj, o)
+end
+
+local function not_an_object(body)
+    if body:sub(1, 3) == "\239\187\191" then
+        return bad_request("The request body starts with a UTF-8 byte order mark; JSON "
+            .. "text must not (RFC 8259 section 8.1): send the JSON object without it.")
+    end
+    return bad_request("The request body must be a JSON object.")
+end
+
+-- Route "inference": the body must be a JSON object.
+local function inference_body(req)
+    local body, rerr = read_body(req)
+    if rerr then
+        return rerr
+    end
+    if not body or body == "" then
+        return bad_request("The request body is empty; expected a JSON object.")
+    end
+    if not body:find("^%s*{") then
+        return not_an_object(body)
+    end
+    local o = config.get()
+    local obj, err = decode_json(body, o)
+    if not obj then
+        return err
+    end
+    take_object(req, obj, o)
+end
+
+-- Routes "api", "tokenizer" and "passthrough": a JSON body (bodykind.kind) has the
+-- bounds of the inference routes and gives the model; a multipart/form-data body its
+-- "model" field; any other body (binary audio, none) passes as it is, with no model.
+local function proxied_body(req)
+    local body, rerr = read_body(req)
+    if rerr then
+        return rerr
+    end
+    if not body or body == "" then
+        return nil
+    end
+    local ct = ngx_var("http_content_type")
+    local kind = bodykind.kind(ct, body)
+    if kind == "multipart" then
+        local model = bodykind.form_field(body, ct, "model")
+        if model and model ~= "" then
+            if not inputguard.valid_utf8(model) then
+                return {
+                    status = 400,
+                    message = "The form field \"model\" is not valid UTF-8.",
+                    type = "invalid_request_error",
+                    code = "invalid_utf8",
+                }
+            end
+            req.model = model
+        end
+        return nil
+    end
+    if kind ~= "json" then
+        return nil
+    end
+    if not inputguard.valid_utf8(body) then
+        return inputguard.bad_utf8()
+    end
+    if body:sub(1, 3) == "\239\187\191" then
+        return not_an_object(body)
+    end
+    local o = config.get()
+    local obj, err = decode_json(body, o)
+    if not obj then
+        return err
+    end
+    if type(obj) == "table" then
+        take_object(req, obj, o)
+    end
+end
+
+local function step_body(req)
+    local route = req.route
+    if route == "inference" then
+        return inference_body(req)
+    end
+    if BODY_ROUTES[route] then
+        return proxied_body(req)
+    end
 end
 
 local function step_eligible(req)

@@ -3,7 +3,9 @@
 --
 --   init_by_lua:          require("infergate.phases").init()   -- after infergate.core.config.init
 --   init_worker_by_lua:   require("infergate.phases").init_worker()
---   access_by_lua:        require("infergate.phases").access("inference")   -- or "models"
+--   access_by_lua:        require("infergate.phases").access("inference")
+--                         -- or "models", "api", "tokenizer", "passthrough"
+--                         -- (infergate.access METHODS)
 --   balancer_by_lua:      require("infergate.phases").balancer()
 --   header_filter_by_lua: require("infergate.phases").header_filter("proxy")  -- or "error"
 --   body_filter_by_lua:   require("infergate.phases").body_filter()

@@ -267,9 +267,10 @@ def test_dropin_guide_step_by_step(workdir: Path, simnodes) -> None:
             first.json()["choices"][0]["message"]["content"]
         site = requests.get(f"http://127.0.0.1:{g.host_port}/", timeout=5)
         assert site.status_code == 200 and site.text == "existing site\n"
-        # the site keeps its own error pages; the API's locations answer JSON
+        # the site keeps its own error pages; the API's locations answer JSON (any /v1
+        # path is the API's: here it needs a key)
         assert requests.get(f"http://127.0.0.1:{g.host_port}/v1/nope", timeout=5).json()[
-            "error"]["code"] == "not_found"
+            "error"]["code"] == "invalid_api_key"
         big = requests.post(f"http://127.0.0.1:{g.host_port}/upload", data=b"x" * 4096, timeout=5)
         assert big.status_code == 413 and "json" not in big.headers["Content-Type"]
         assert "<h1>site 404</h1>" in requests.get(f"http://127.0.0.1:{g.host_port}/gone/x",

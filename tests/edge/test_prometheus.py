@@ -79,7 +79,9 @@ def test_edge_metrics_follow_the_traffic(redis_server, tiny_upstreams, edge_fact
     while chat(edge, "metrics one").headers.get("X-Cache-Status") != "HIT":
         assert time.monotonic() < deadline, "no cache hit"
     assert chat(edge, "metrics bypass", {"Cache-Control": "no-store"}).headers["X-Cache-Status"] == "BYPASS"
+    # a /v1 path the nodes do not serve: the node's 404; a path the edge refuses: its own
     assert requests.get(edge.url + "/v1/nope", timeout=5).status_code == 404
+    assert requests.post(edge.url + "/v1/load_lora_adapter", timeout=5).status_code == 404
     limited = 0
     for i in range(15):
         limited += chat(edge, f"metrics limit {i}").status_code == 429
@@ -105,7 +107,7 @@ def test_edge_metrics_follow_the_traffic(redis_server, tiny_upstreams, edge_fact
     req = {(lab["node"], lab["status"]): v for lab, v in m.series("infergate_edge_requests_total")}
     assert req[("good", "200")] >= 4
     assert req[("cache", "200")] >= 1
-    assert req[("none", "404")] == 1
+    assert req[("none", "404")] == 1 and req[("good", "404")] == 1
     assert req[("none", "429")] == limited == status["admission"]["rate_limited"]
     assert ("bad", "200") not in req and ("bad", "500") not in req  # every failure was retried
     assert m.value("infergate_edge_retries_total") >= 1

@@ -103,7 +103,8 @@ def test_settings_reach_the_directives(workdir: Path) -> None:
     r = render_nginx(s, workdir / "out", listen="127.0.0.1:18127")
     server = r.server_conf.read_text()
     http = r.http_conf.read_text()
-    assert server.count("proxy_next_upstream_tries 4;") == 5  # the five API locations
+    # the five OpenAI locations, the nine more named API paths and the /v1/ rest
+    assert server.count("proxy_next_upstream_tries 4;") == 15
     assert "proxy_connect_timeout 1500ms;" in server
     assert "proxy_read_timeout 30s;" in server and "proxy_send_timeout 45s;" in server
     assert "proxy_next_upstream_timeout 12500ms;" in server

@@ -332,3 +332,21 @@ def test_bucket_script_on_redis(redis_server, script) -> None:
     # keys expire once they would be full again
     ttl_ms = r.pttl("t:tpm")
     assert 0 < ttl_ms <= math.ceil(30 / (50 / 60) * 1000) + 1000
+
+
+def test_the_proxied_api_paths_may_have_deadlines_of_their_own(workdir: Path) -> None:
+    routes = {"/v1/audio/transcriptions": {"request_ms": 600000}, "/v1/responses":
+              {"request_ms": 120000, "stream_idle_ms": 60000}, "/tokenize": {"request_ms": 500}}
+    s = settings_from_dict({"deadlines": {"routes": routes}})
+    r = render_nginx(s, workdir / "out", listen="127.0.0.1:18141")
+    doc, spec = rendered_options(r.http_conf.read_text())
+    got = lua_eval(workdir, f"""
+            local config = require("infergate.core.config")
+            assert(config.init({lua_string(json.dumps(doc))}, {lua_string(json.dumps(spec))}))
+            return config.get().admission.deadlines.routes
+    """)
+    assert got == {"/v1/audio/transcriptions": {"request_ms": 600000, "stream_idle_ms": 30000},
+                   "/v1/responses": {"request_ms": 120000, "stream_idle_ms": 60000},
+                   "/tokenize": {"request_ms": 500, "stream_idle_ms": 30000}}
+    with pytest.raises(ConfigError, match="unknown path '/v1/foo'"):
+        settings_from_dict({"deadlines": {"routes": {"/v1/foo": {"request_ms": 5}}}})

@@ -1,7 +1,8 @@
 -- Request bodies that arrive too slowly or are not UTF-8: a defined JSON answer.
 --
--- step() is the access step "body_read", before "body" (infergate.phases), for the
--- inference paths:
+-- step() is the access step "body_read", before "body" (infergate.phases), for every
+-- route with a body (all but "models"; the UTF-8 check on "inference", and on the other
+-- routes for JSON bodies only, in infergate.access):
 --
 -- * Slow bodies: a body with a Content-Length (HTTP/1.x) is read here through the
 --   request socket, each read waiting at most client_body_timeout_ms, and handed to nginx
@@ -57,6 +58,8 @@ local function bad_utf8()
         code = "invalid_utf8",
     }
 end
+
+_M.bad_utf8 = bad_utf8
 
 -- True when `s` is valid UTF-8 (PCRE's UTF-8 check of the whole subject).
 function _M.valid_utf8(s)
@@ -136,7 +139,7 @@ local function is_chunked(te)
 end
 
 function _M.step(req)
-    if req.route ~= "inference" then
+    if req.route == "models" then
         return nil
     end
     -- a compressed body (Content-Encoding: gzip, ...) is not JSON text; the OpenAI API and
@@ -172,7 +175,8 @@ function _M.step(req)
         ngx.req.read_body()
     end
     local body = reqctx.body_text(req) -- read once, kept in req (infergate.core.reqctx)
-    if body and not _M.valid_utf8(body) then
+    -- the other routes check JSON bodies only (infergate.access: a body may be binary)
+    if body and req.route == "inference" and not _M.valid_utf8(body) then
         return bad_utf8()
     end
 end

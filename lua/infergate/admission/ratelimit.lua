@@ -173,7 +173,9 @@ function _M.step(req)
     end
     -- the token estimate (a walk over the prompt) only when a token bucket may apply
     local kl = req.key_limits
-    if req.route == "inference" and (o.global_tpm > 0 or (kl and kl.tpm)) then
+    -- every proxied route (models is answered by the edge): at least 1 token, settled
+    -- with the answer's usage
+    if req.route ~= "models" and (o.global_tpm > 0 or (kl and kl.tpm)) then
         -- the prompt's characters are counted once per request (infergate.core.reqctx)
         req.est_tokens = max(1, ceil(reqctx.prompt_chars(req) / o.chars_per_token))
     end

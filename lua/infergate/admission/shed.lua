@@ -33,7 +33,9 @@
 -- (never past its deadline), checking again every admission.poll_ms with ngx.sleep,
 -- then gets 429 with Retry-After = admission.retry_after_s and
 -- {"type": "server_overloaded", "code": "nodes_saturated"}: a quick, retryable answer
--- instead of a timeout. Only inference requests are shed (GET /v1/models is not). While
+-- instead of a timeout. Only requests that take a slot are shed: the routes "inference"
+-- and "api" (/v1/responses, rerank, score, audio; infergate.access), not GET /v1/models,
+-- the tokenizer or other /v1/ paths. While
 -- nginx shuts down (SIGQUIT) a waiting request gets 503 {"code": "shutting_down"} with
 -- Retry-After: 1 at its next check, instead of being held to the end of the shutdown.
 -- Counted as "shed" (infergate.admission.stats).
@@ -210,7 +212,7 @@ end
 -- Access step: nil to continue, or a 429 error table.
 function _M.step_shed(req)
     local o = options.get().shed
-    if not o.enabled or req.route ~= "inference" then
+    if not o.enabled or (req.route ~= "inference" and req.route ~= "api") then
         return nil
     end
     ngx.update_time()

@@ -16,8 +16,9 @@ _M.CATALOG = {
     [400] = { "invalid_request_error", "bad_request", "The request could not be understood." },
     [403] = { "permission_error", "forbidden", "Access to this path is not allowed from your address." },
     [404] = { "invalid_request_error", "not_found",
-              "Unknown path. The OpenAI-compatible API is served under /v1: /v1/chat/completions, "
-              .. "/v1/completions, /v1/embeddings, /v1/models." },
+              "Unknown path. The OpenAI-compatible API is served under /v1 (/v1/chat/completions, "
+              .. "/v1/completions, /v1/embeddings, /v1/models, /v1/responses, ...), and "
+              .. "/rerank, /tokenize, /detokenize." },
     [405] = { "invalid_request_error", "method_not_allowed", "This method is not allowed on this path." },
     [408] = { "invalid_request_error", "request_timeout", "The request was not received in time." },
     [413] = { "invalid_request_error", "request_too_large", "The request body is too large." },

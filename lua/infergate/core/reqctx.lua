@@ -13,7 +13,8 @@
 -- as X-Request-Id and writes in the access log. A hand-written config without that
 -- variable uses nginx's $request_id instead.
 --
--- State: {id, route = "inference"|"models", stream = bool, model = string|nil,
+-- State: {id, route = "inference"|"models"|"api"|"tokenizer"|
+--         "passthrough" (infergate.access), stream = bool, model = string|nil,
 --         http_version = client's (1.0, 1.1, 2.0), attempts = {attempt records, see
 --         infergate.routing.stats}, tried = {name = true}, invalid_answer = node name|nil}
 -- The body, read and decoded once (the access steps body_read and body, see

@@ -13,7 +13,9 @@
 --   list(t, now)         union of the known lists of the eligible nodes (healthy, active,
 --                        an IP address, breaker not open), sorted; nil when no eligible
 --                        node has a known list
---   step(req)            access step, after "body": an inference request for a model no
+--   step(req)            access step, after "body": a proxied request (routes inference,
+--                        api, tokenizer, passthrough; the model of a JSON body or of a multipart
+--                        form field) for a model no
 --                        node serves gets 404 model_not_found from the edge (no node is
 --                        touched); GET /v1/models is answered by the edge with list() in
 --                        the OpenAI shape {"object": "list", "data": [{"id", "object":
@@ -126,14 +128,12 @@ end
 
 function _M.step(req)
     local t = snapshot.current()
-    if req.route == "inference" then
+    if req.route ~= "models" then
+        -- every proxied route (inference, api, tokenizer, passthrough): its body's model
         local model = req.model
         if model and not _M.known(t, model) then
             return not_found(model)
         end
-        return nil
-    end
-    if req.route ~= "models" then
         return nil
     end
     local ids = _M.list(t, ngx_now())

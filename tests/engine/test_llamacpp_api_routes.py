@@ -1,0 +1,94 @@
+"""The API beyond completions through the edge to a real llama.cpp server: the Responses
+API (plain and streamed), the tokenizer, a path the server does not serve, the routes it
+serves only with other models (rerank, audio: its own 501 comes back), an unknown model
+(404 model_not_found from the edge) and a missing key (401)."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+from controlplane.admin import apikeys
+from support.stack import edge_settings
+
+pytestmark = pytest.mark.integration
+
+MODEL = "gemma-3-270m"
+
+
+@pytest.fixture(scope="module")
+def node(realnodes):
+    return realnodes(1, parallel=2)[0]
+
+
+@pytest.fixture
+def edge(node, redis_server, edge_factory):
+    s = edge_settings(redis_server.url, [{"name": "llama", "url": node.url, "models": [MODEL]}],
+                      read_timeout_ms=60000)
+    s.auth.mode = "required"
+    key, _ = apikeys.create_key(redis_server.client(), "acme")
+    e = edge_factory(s)
+    e.key = key
+    return e
+
+
+def _post(edge, path: str, key: bool = True, **kw) -> requests.Response:
+    headers = {"Authorization": f"Bearer {edge.key}"} if key else {}
+    return requests.post(edge.url + path, headers=headers, timeout=120, **kw)
+
+
+def test_responses_and_tokenizer_reach_the_engine(edge) -> None:
+    res = _post(edge, "/v1/responses", json={"model": MODEL, "input": "Say hi",
+                                             "max_output_tokens": 4})
+    assert res.status_code == 200, res.text
+    doc = res.json()
+    assert doc["object"] == "response" and doc["model"] == MODEL and doc["status"] == "completed"
+    assert doc["output"][0]["content"][0]["text"]
+    assert res.headers["X-Infergate-Node"] == "llama" and "X-Cache-Status" not in res.headers
+
+    toks = _post(edge, "/tokenize", json={"content": "hello world"})
+    assert toks.status_code == 200, toks.text
+    tokens = toks.json()["tokens"]
+    assert tokens and all(isinstance(t, int) for t in tokens)
+    back = _post(edge, "/detokenize", json={"tokens": tokens})
+    assert back.status_code == 200 and back.json()["content"].strip() == "hello world"
+
+    # last: llama-server may close the connection after a stream, and the next request
+    # on it fails (nginx keeps it for reuse; see the balancer's retry on one node)
+    with _post(edge, "/v1/responses", stream=True,
+               json={"model": MODEL, "input": "Say hi", "max_output_tokens": 4,
+                     "stream": True}) as res:
+        assert res.status_code == 200 and res.headers["Content-Type"].startswith(
+            "text/event-stream")
+        text = b"".join(res.iter_content(None)).decode()
+    assert "event: response.created" in text and "event: response.completed" in text
+
+
+def test_the_engine_answers_what_it_does_not_serve(edge) -> None:
+    # a path llama-server does not have: its own 404, from the node serving the model
+    res = _post(edge, "/v1/foo", json={"model": MODEL})
+    assert res.status_code == 404 and res.headers["X-Infergate-Node"] == "llama", res.text
+    assert res.json()["error"]["type"] == "not_found_error"
+    # reranking and audio need other models: the server's 501, after routing by the model
+    res = _post(edge, "/v1/rerank", json={"model": MODEL, "query": "a", "documents": ["b"]})
+    assert res.status_code == 501 and res.headers["X-Infergate-Node"] == "llama", res.text
+    res = _post(edge, "/v1/audio/transcriptions", data={"model": MODEL},
+                files={"file": ("clip.wav", b"RIFF\x00\x00\x00\x00WAVE", "audio/wav")})
+    assert res.status_code == 501 and res.headers["X-Infergate-Node"] == "llama", res.text
+    assert "audio" in res.json()["error"]["message"]
+    # the node stays healthy: a route it does not serve is not its failure
+    assert edge.node_status("llama")["breaker"] == "closed"
+
+
+def test_unknown_model_and_missing_key_are_answered_by_the_edge(edge) -> None:
+    for path, kw in (("/v1/responses", {"json": {"model": "nope", "input": "x"}}),
+                     ("/tokenize", {"json": {"model": "nope", "content": "x"}}),
+                     ("/v1/foo", {"json": {"model": "nope"}}),
+                     ("/v1/audio/transcriptions", {"data": {"model": "nope"},
+                                                   "files": {"file": ("a.wav", b"x")}})):
+        res = _post(edge, path, **kw)
+        assert res.status_code == 404, (path, res.text)
+        assert res.json()["error"]["code"] == "model_not_found"
+        assert "X-Infergate-Node" not in res.headers
+        res = _post(edge, path, key=False, **kw)
+        assert res.status_code == 401 and res.json()["error"]["code"] == "invalid_api_key"
