@@ -112,17 +112,19 @@ local function set_vars(g)
     end
 end
 
-local MODELS_PREFIX = "/v1/models/"
+-- Routes of prefix locations (/v1/models/, /v1/), where nginx would send the fixed
+-- proxy_pass URI: the template sets $infergate_upstream_path to the prefix.
+local PREFIX_ROUTES = { models = true, passthrough = true }
 
--- GET /v1/models/<id> passed on to a node (no model list known): the normalised path
--- with each segment escaped, as nginx sends a fixed proxy_pass URI
--- ($infergate_upstream_path of that location).
-local function models_path()
+-- The normalised path below the location's prefix, each segment escaped again, into
+-- $infergate_upstream_path (a variable proxy_pass URI is sent as it is).
+local function prefixed_path()
+    local prefix = ngx.var.infergate_upstream_path
     local uri = ngx.var.uri
-    if #uri <= #MODELS_PREFIX or sub(uri, 1, #MODELS_PREFIX) ~= MODELS_PREFIX then
+    if not prefix or #uri <= #prefix or sub(uri, 1, #prefix) ~= prefix then
         return
     end
-    local rest, parts, i = sub(uri, #MODELS_PREFIX + 1), {}, 1
+    local rest, parts, i = sub(uri, #prefix + 1), {}, 1
     while true do
         local j = find(rest, "/", i, true)
         parts[#parts + 1] = escape_uri(sub(rest, i, j and j - 1 or #rest))
@@ -131,12 +133,15 @@ local function models_path()
         end
         i = j + 1
     end
-    ngx.var.infergate_upstream_path = MODELS_PREFIX .. concat(parts, "/")
+    ngx.var.infergate_upstream_path = prefix .. concat(parts, "/")
 end
 
 -- Access step: the request's group and the location's variables. nil (continue), or
 -- an error table when the location lacks the variables and a node needs them.
 function _M.step(req)
+    if PREFIX_ROUTES[req.route] then
+        pcall(prefixed_path)
+    end
     local t = snapshot.current()
     local groups = groups_of(t)
     local g
@@ -150,9 +155,6 @@ function _M.step(req)
     end
     req.group = g.key
     req.ssl_name = g.tls_name
-    if req.route == "models" then
-        pcall(models_path)
-    end
     local ok, err = pcall(set_vars, g)
     if ok and g.scheme == "https" and ngx.var.infergate_node_ca == "none" then
         ok, err = false, "no CA bundle to verify https nodes with (set controlplane.node_ca_file)"
