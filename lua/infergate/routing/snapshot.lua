@@ -119,6 +119,10 @@ local function make_node(n)
     if maxc < 1 then
         maxc = 1
     end
+    local slots = num(n.slots)
+    if slots and slots < 1 then
+        slots = nil
+    end
     local state = n.state
     if state ~= "active" and state ~= "draining" and state ~= "drained" then
         state = "active"
@@ -133,6 +137,7 @@ local function make_node(n)
         weight = weight,
         effective_weight = ew,
         max_concurrency = maxc,
+        slots = slots and math.floor(slots),  -- nil: not known (hard limit, see admission.slots)
         score = num(n.score),         -- nil = no metrics
         saturated = n.saturated == true,
         kind = n.kind,
