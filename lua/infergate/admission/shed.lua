@@ -42,14 +42,17 @@ local ngxapi = require("infergate.core.ngxapi")
 local ngx_now = ngxapi.now
 local snapshot = require("infergate.routing.snapshot")
 local stats = require("infergate.routing.stats")
-local breaker = require("infergate.routing.breaker")
 local deadline = require("infergate.admission.deadline")
 local ratelimit = require("infergate.admission.ratelimit")
 local astats = require("infergate.admission.stats")
-local models = require("infergate.routing.models")
 local speed = require("infergate.routing.speed")
 local balancer = require("infergate.routing.balancer")
 local config = require("infergate.core.config")
+local slots = require("infergate.admission.slots")
+local queue = require("infergate.admission.queue")
+local held = require("infergate.routing.held")
+local learned = require("infergate.routing.learned")
+local ngx_var = ngxapi.var
 
 local _M = {}
 
@@ -59,13 +62,9 @@ _M.RETRY_AFTER_MAX_S = RETRY_AFTER_MAX_S
 local ipairs = ipairs
 local pairs = pairs
 local tostring = tostring
+local tonumber = tonumber
 
--- Eligible for a request of `model`: an IP address, healthy, active, serves the model,
--- breaker not open.
-local function open_to(node, model, now)
-    return node.addr and node.healthy and node.state == "active" and models.serves(node, model)
-        and breaker.allow(node.name, now)
-end
+local open_to = slots.open_to
 
 -- "free" (some eligible node has capacity), "saturated" (every eligible node is
 -- saturated) or "none" (no eligible node: the "eligible" step answers 503), among the
@@ -137,7 +136,10 @@ local exiting = ngx.worker.exiting
 -- give_up - wait_s.
 local function admit_state(req, o, t, now, left, give_up, wait_s)
     local state = _M.capacity(t, now, req.model)
-    local delay = left and state ~= "none" and _M.best_delay(t, now, req.model)
+    if state ~= "saturated" then
+        return state   -- never shed while an eligible node is below its max_concurrency
+    end
+    local delay = left and _M.best_delay(t, now, req.model)
     if delay then
         local elapsed = now - (give_up - wait_s)
         state = delay <= o.deadline_fraction * (left - elapsed) and "in_time" or "saturated"
@@ -168,14 +170,18 @@ local function shutting_down(waited)
     }
 end
 
--- The 429 of a request not admitted within its wait (o: the shed options).
-local function shed_answer(req, o, now, waited)
+-- The 429 of a request not admitted within its wait (o: the shed options; wait: the
+-- predicted wait, s, when the caller has one).
+local function shed_answer(req, o, now, waited, wait)
     if waited then
         astats.incr("waiting", -1)
     end
     astats.incr("shed")
     local retry_after = o.retry_after_s
-    local _, wait = _M.best_prediction(snapshot.current(), now, req.model)
+    if not wait then
+        local _
+        _, wait = _M.best_prediction(snapshot.current(), now, req.model)
+    end
     if wait then
         retry_after = math.max(1, math.min(math.ceil(wait), RETRY_AFTER_MAX_S))
     end
@@ -207,6 +213,60 @@ local function pause(give_up, now, poll_s)
     ngx.sleep(step)
 end
 
+-- Whether a request waiting for a slot since `start` gives up now: past give_up, or its
+-- deadline (`left` s at start) cannot be met by the predicted completion. Returns
+-- true/false and the predicted wait (s, or nil).
+local function slot_hopeless(req, t, now, start, left, give_up, ahead)
+    local done, wait = slots.predict(t, now, req, ahead)
+    if now >= give_up then
+        return true, wait
+    end
+    return (left and done and (now - start) + done > left) or false, wait
+end
+
+-- Admission in a pool with known slots (infergate.admission.slots): a free slot is
+-- taken at once when nobody waits; otherwise the request waits at the edge in arrival
+-- order (infergate.admission.queue) until a slot frees for it, or gets the 429 as soon
+-- as its deadline cannot be met (without a deadline: after admission.max_wait_ms;
+-- without a prediction: after half the time left, at least max_wait_ms).
+local function wait_for_slot(req, o, t, now, left)
+    local pool = req.model or ""
+    if queue.empty(pool) and slots.reserve(req, t, now) then
+        return nil
+    end
+    local start, poll_s = now, o.poll_ms / 1000
+    local give_up = now + o.max_wait_ms / 1000
+    if left then
+        give_up = now + math.max(o.max_wait_ms / 1000, slots.predict(t, now, req, 0)
+            and left or left / 2)
+    end
+    local ticket = queue.join(pool, poll_s)
+    astats.incr("waiting")
+    while true do
+        local ahead = queue.ahead(pool, ticket, now)
+        local free, eligible = slots.free(t, now, req.model)
+        if eligible == 0 or (ahead < free and slots.reserve(req, t, now)) then
+            queue.leave(pool, ticket, now)
+            astats.incr("waiting", -1)
+            req.admission_wait_ms = (now - start) * 1000
+            return nil
+        end
+        local stop, wait = slot_hopeless(req, t, now, start, left, give_up, ahead)
+        if stop or exiting() then
+            queue.leave(pool, ticket, now)
+            if stop then
+                return shed_answer(req, o, now, true, wait)
+            end
+            return shutting_down(true)
+        end
+        queue.alive(pool, ticket, poll_s)
+        pause(give_up, now, poll_s)
+        ngx.update_time()
+        now = ngx_now()
+        t = snapshot.refresh()
+    end
+end
+
 -- Access step: nil to continue, or a 429 error table.
 function _M.step_shed(req)
     local o = options.get().shed
@@ -215,6 +275,11 @@ function _M.step_shed(req)
     end
     ngx.update_time()
     local now = ngx_now()
+    local left0 = deadline.remaining(req, now)
+    local t0 = snapshot.refresh()
+    if slots.applies(t0, now, req.model) then
+        return wait_for_slot(req, o, t0, now, left0)
+    end
     local wait_s = o.max_wait_ms / 1000
     local left = deadline.remaining(req, now)
     if left and left < wait_s then
@@ -250,9 +315,35 @@ function _M.step_shed(req)
     return shed_answer(req, o, now, waited)
 end
 
--- Log phase hook: rate-limit correction from the real token usage (no I/O here).
+-- The last entry of an "$upstream_*" list ("502, 504 : 200" -> "200").
+local function last_entry(v)
+    if not v or v == "" then
+        return nil
+    end
+    return v:match("([^%s,:]+)%s*$")
+end
+
+-- Log phase: a successful answer teaches the node's answer-time tail
+-- (infergate.routing.learned).
+local function learn_tail(req)
+    local attempts = req.attempts
+    local att = attempts and attempts[#attempts]
+    local status = ngx.status
+    if not att or att.closed or not status or status < 200 or status >= 300 then
+        return
+    end
+    local rt = tonumber(last_entry(ngx_var("upstream_response_time")))
+    if rt and rt > 0 then
+        learned.observe(att.node, rt, req.usage and req.usage.completion_tokens)
+    end
+end
+
+-- Log phase hook: rate-limit correction from the real token usage, a slot held for a
+-- try that never started given back, the answer time learned (no I/O here).
 function _M.log(req)
     ratelimit.log(req)
+    held.give_back(req)
+    learn_tail(req)
 end
 
 -- Counters for the edge stats and the status endpoint.
