@@ -172,3 +172,31 @@ def test_learned_concurrency_has_a_ceiling_decays_and_yields(workdir: Path) -> N
     assert got["long_after"] == pytest.approx(4, abs=0.01)
     assert got["yielded"] == 4
     assert got["floor_kept"] == 4
+
+
+def test_admission_predicts_the_requests_own_time_at_the_tail(workdir: Path) -> None:
+    got = run(workdir, """
+            local shed = require("infergate.admission.shed")
+            local now = ngx.now()
+            local att = stats.open_attempt("a", now)
+            stats.close_attempt(att, "ok", now, 1000)               -- mean 1 s
+            local t = tbl({node("a", {score = nil})})
+            local out = {}
+            out.mean = shed.best_prediction(t, now, nil)
+            out.prior = shed.best_prediction(t, now, nil, {})       -- no tail learned: 2 x
+            for i = 1, 300 do learned.observe("a", (i % 5 == 0) and 4.0 or 1.0, 100, now) end
+            out.tail = shed.best_prediction(t, now, nil, {})
+            out.short = shed.best_prediction(t, now, nil, {body = {max_tokens = 20}})
+            out.pt = learned.info("a").pt
+            -- the queue's prediction: one slot, one ahead
+            local one = tbl({node("a", {slots = 1, score = nil})})
+            busy("a", 1)
+            out.done, out.wait = slots.predict(one, now, {}, 1)
+            return out
+    """)
+    assert got["mean"] == pytest.approx(1.0)
+    assert got["prior"] == pytest.approx(2.0)
+    assert 3.0 < got["tail"] < 4.5                           # a fifth of the answers take 4 s
+    assert got["short"] == pytest.approx(got["pt"] * 20)
+    assert got["wait"] == pytest.approx(2.0)                 # the one in flight, then one ahead
+    assert got["done"] == pytest.approx(2.0 + got["tail"])

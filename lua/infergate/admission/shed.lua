@@ -5,26 +5,32 @@
 -- lookup] -> eligible -> admission. A cache hit answers before "eligible", so it never
 -- waits here and is served even when every node is saturated.
 --
--- Shedding, per model: a node has capacity when it is eligible (healthy, active, an IP
--- address, breaker not open, serves the request's model: infergate.routing.models) and
--- neither
+-- Known slots (infergate.admission.slots): when an eligible node of the request's model
+-- has known slots, the slots are a hard limit and the rules below give way to the edge
+-- queue (wait_for_slot): a free slot is taken at once, else the request waits in
+-- arrival order until one frees for it, and gets the 429 as soon as its predicted
+-- completion at the tail of answer times misses its deadline.
+--
+-- Otherwise, shedding per model: a node has capacity when it is eligible (healthy,
+-- active, an IP address, breaker not open, serves the request's model:
+-- infergate.routing.models) and neither
 --   * saturated in a fresh snapshot (queue depth or KV-cache use over the
 --     [scoring] saturation_queue / saturation_kv caps, computed by the control plane), nor
 --   * at its max_concurrency in this edge's own in-flight count.
--- With a deadline (infergate.admission.deadline), a request is shed only when even the
--- best of those nodes cannot finish it in time: when the smallest predicted completion
--- (infergate.routing.speed.predicted: the work ahead at this edge over the node's learned
--- concurrency, plus its own, at the node's latency EWMA) is within the time left, it
--- is admitted although every node is at its max_concurrency here, and queues at the
--- node. Nodes without latency history, and nodes saturated in a fresh snapshot, predict
--- nothing; when none predicts, the rule below applies as before.
--- With edge.node_cost = "expected_delay", a deadline, a fresh snapshot and a service
--- time for every eligible node (infergate.routing.balancer.delay_cost: the predicted
--- completion the balancer itself picks on), the caps above give way to one rule: the
--- request is admitted while the best of those costs is at most
--- admission.deadline_fraction (1) of the time left, and is shed past it: a request is
--- never shed while some node is predicted to finish it in time, whatever the in-flight
--- counts say, and never sent where it is predicted to time out.
+-- A request is never shed while a node has capacity (no prediction overrides that).
+-- When none has, with a deadline (infergate.admission.deadline), a request is shed only
+-- when even the best node cannot finish it in time: when the smallest predicted
+-- completion (infergate.routing.speed.predicted: the work ahead at this edge over the
+-- node's learned concurrency at the node's latency EWMA, plus its own time at the
+-- node's high quantile, infergate.routing.learned.tail_s, capped by its max_tokens) is
+-- within the time left, it is admitted and queues at the node. Nodes without latency
+-- history, and nodes saturated in a fresh snapshot, predict nothing; when none predicts,
+-- the wait below applies.
+-- With edge.node_cost = "expected_delay", a fresh snapshot and a service time for every
+-- eligible node (infergate.routing.balancer.delay_cost: the predicted completion the
+-- balancer itself picks on, its own part taken at the tail: tail_extra), that cost
+-- decides instead: admitted while the best is at most admission.deadline_fraction (1)
+-- of the time left, shed past it, never sent where it is predicted to time out.
 -- A request that is shed gets Retry-After = the best predicted wait, rounded up (at least
 -- 1 s, at most RETRY_AFTER_MAX_S: a wait predicted from a node that has slowed down or
 -- stopped says little about when it recovers; admission.retry_after_s when nothing
@@ -89,7 +95,9 @@ function _M.capacity(t, now, model)
 end
 
 -- Best predicted (completion, wait) in s over the eligible nodes of `model`, or nil.
-function _M.best_prediction(t, now, model)
+-- req (optional): the request's own time is then the node's high quantile
+-- (infergate.routing.learned.tail_s, capped by its max_tokens), not its mean.
+function _M.best_prediction(t, now, model, req)
     local fresh = snapshot.is_fresh(t, now)
     local best, best_wait
     for _, node in ipairs(t.nodes) do
@@ -97,6 +105,9 @@ function _M.best_prediction(t, now, model)
         -- edges' requests, is over the cap) predicts nothing: it stays shed
         if not (fresh and node.saturated) and open_to(node, model, now) then
             local done, wait = speed.predicted(node, (fresh and node.score) and true or false)
+            if done and req then
+                done = wait + learned.tail_s(node.name, done - wait, req, now)
+            end
             if done and (not best or done < best) then
                 best, best_wait = done, wait
             end
@@ -105,12 +116,26 @@ function _M.best_prediction(t, now, model)
     return best, best_wait
 end
 
+-- What the request's own time adds to a node's delay cost at its high quantile: its
+-- service time x (tail / mean - 1), the tail and mean of the node's answer times
+-- (infergate.routing.learned.tail_s, capped by the request's max_tokens: then it may
+-- take off); 0 while the node has no history.
+local function tail_extra(node, now, req)
+    local lat = stats.latency_ewma_ms(node.name)
+    local s = speed.aged_service_s(node.name, now)
+    if not lat or lat <= 0 or not s then
+        return 0
+    end
+    local m = lat / 1000
+    return s * (learned.tail_s(node.name, m, req, now) / m - 1)
+end
+
 -- The smallest delay cost (s) over the eligible nodes of `model` (nil: any), or nil when
 -- it does not apply: node_cost is not expected_delay, the snapshot is stale, no node is
 -- eligible and unsaturated, or one of them has no fresh score or no service time yet.
 -- A node saturated in the snapshot (over the [scoring] caps) offers nothing here, as in
--- the rule above: the operator's caps still shed.
-function _M.best_delay(t, now, model)
+-- the rule above: the operator's caps still shed. req (optional): see tail_extra.
+function _M.best_delay(t, now, model, req)
     if config.get().node_cost ~= "expected_delay" or not snapshot.is_fresh(t, now) then
         return nil
     end
@@ -120,6 +145,9 @@ function _M.best_delay(t, now, model)
             local c = node.score and balancer.delay_cost(node, true, now)
             if not c then
                 return nil
+            end
+            if req then
+                c = c + tail_extra(node, now, req)
             end
             if not best or c < best then
                 best = c
@@ -139,13 +167,13 @@ local function admit_state(req, o, t, now, left, give_up, wait_s)
     if state ~= "saturated" then
         return state   -- never shed while an eligible node is below its max_concurrency
     end
-    local delay = left and _M.best_delay(t, now, req.model)
+    local delay = left and _M.best_delay(t, now, req.model, req)
     if delay then
         local elapsed = now - (give_up - wait_s)
         state = delay <= o.deadline_fraction * (left - elapsed) and "in_time" or "saturated"
     elseif state == "saturated" and left then
         -- deadline-aware: admitted when the best node can still finish it in time
-        local done = _M.best_prediction(t, now, req.model)
+        local done = _M.best_prediction(t, now, req.model, req)
         if done and done <= left - (now - (give_up - wait_s)) then
             state = "in_time"
         end
