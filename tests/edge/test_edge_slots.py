@@ -94,6 +94,7 @@ def test_requests_beyond_the_slots_wait_at_the_edge_in_arrival_order(
     st = edge.status()["admission"]
     assert st["shed"] == 0 and st["waiting"] == 0
     assert edge.node_status("one")["inflight"] == 0
+    assert edge.node_status("one")["slots"] == 1
 
 
 def test_a_request_whose_deadline_cannot_be_met_gets_429_at_once(
