@@ -18,7 +18,8 @@ local shared = ngx.shared
 local ngx_now = ngxapi.now
 
 _M.ALIVE_GRACE_S = 1
-local DONE_TTL_S = 120
+local DONE_TTL_S = 120        -- a ticket's "done" mark, until the head passes it
+local PASSED_TTL_S = 10       -- the once-only mark of a ticket the head passed
 local ADVANCE_MAX = 64        -- tickets passed over per call at most
 
 local keys = {}
@@ -72,8 +73,10 @@ local function advance(d, k, now)
         if not (d:get(k.pre .. "d" .. h) or lost(d, k, h, now)) then
             return h
         end
-        if d:add(k.pre .. "x" .. h, true, DONE_TTL_S) then
+        if d:add(k.pre .. "x" .. h, true, PASSED_TTL_S) then
             d:incr(k.h, 1, 1)
+            d:delete(k.pre .. "d" .. h)
+            d:delete(k.pre .. "m" .. h)
         end
     end
     return d:get(k.h) or 1
