@@ -242,12 +242,16 @@ local function pause(give_up, now, poll_s)
 end
 
 -- Whether a request waiting for a slot since `start` gives up now: past give_up, or its
--- deadline (`left` s at start) cannot be met by the predicted completion. Returns
--- true/false and the predicted wait (s, or nil).
-local function slot_hopeless(req, t, now, start, left, give_up, ahead)
+-- deadline (`left` s at start) cannot be met by the predicted completion, which never
+-- counts while a slot is free (`free`). Returns true/false and the predicted wait (s, or
+-- nil).
+local function slot_hopeless(req, t, now, start, left, give_up, ahead, free)
     local done, wait = slots.predict(t, now, req, ahead)
     if now >= give_up then
         return true, wait
+    end
+    if free > 0 then
+        return false, wait
     end
     return (left and done and (now - start) + done > left) or false, wait
 end
@@ -279,7 +283,7 @@ local function wait_for_slot(req, o, t, now, left)
             req.admission_wait_ms = (now - start) * 1000
             return nil
         end
-        local stop, wait = slot_hopeless(req, t, now, start, left, give_up, ahead)
+        local stop, wait = slot_hopeless(req, t, now, start, left, give_up, ahead, free)
         if stop or exiting() then
             queue.leave(pool, ticket, now)
             if stop then
