@@ -130,7 +130,7 @@ def test_a_one_at_a_time_server_never_sees_a_second_request(simnodes, redis_serv
     edge = _edge(redis_server, edge_factory,
                  [n.snapshot_node(kind="openai", slots=1, slots_source="config",
                                   max_concurrency=1, score=None, has_metrics=False)
-                  for n in nodes])
+                  for n in nodes], workers=2)
 
     def stream(_: int) -> tuple[int, bool]:
         with requests.post(f"{edge.url}/v1/chat/completions", json={**SIM, "stream": True},
@@ -185,9 +185,9 @@ def test_a_burst_within_known_slots_is_admitted_and_the_slots_hold(
         simnodes, redis_server, edge_factory) -> None:
     nodes = simnodes(2, "--max-running", "4", "--output-tokens", "10:10", time_scale=0.02,
                      names=["slot-a", "slot-b"])
-    edge = _edge(redis_server, edge_factory,
+    edge = _edge(redis_server, edge_factory,         # two workers share the slots
                  [n.snapshot_node(max_concurrency=4, slots=4, slots_source="config", score=0.1)
-                  for n in nodes])
+                  for n in nodes], workers=2)
     for _ in range(10):
         assert _burst(edge, 1) == {200: 1}
 
