@@ -199,3 +199,18 @@ def test_a_burst_within_known_slots_is_admitted_and_the_slots_hold(
     assert got == {200: 24}, got
     assert 1 <= peak.peak <= 4                            # never more at a node than its slots
     assert edge.status()["admission"]["shed"] == 0
+
+
+def test_under_overload_the_queue_admits_only_what_meets_the_deadline(
+        simnodes, redis_server, edge_factory) -> None:
+    (node,) = simnodes(1, "--max-running", "2", "--output-tokens", "40:40", time_scale=0.3,
+                       names=["over"])
+    edge = _edge(redis_server, edge_factory,
+                 [node.snapshot_node(max_concurrency=2, slots=2, slots_source="config",
+                                     score=0.1)], request_ms=3000)
+    for _ in range(5):                                    # answer-time history
+        assert _burst(edge, 1) == {200: 1}
+    got = _burst(edge, 40)                                # far more than 3 s of work
+    assert got[504] == 0 and sum(got.values()) == 40, got
+    assert got[200] >= 2 and got[429] >= 1, got
+    assert edge.status()["admission"]["deadline_exceeded"] == 0
