@@ -7,6 +7,9 @@
 -- A node that is a time-to-first-byte outlier (infergate.routing.outlier: its requests
 -- wait far past its usual TTFB and it sent nothing for as long) is left out while other
 -- eligible nodes remain.
+-- Known slots (node.slots, with load shedding on) are a hard limit: the first try goes to
+-- the node the admission step picked and holds a slot on (infergate.admission.slots,
+-- infergate.routing.held); a later try takes a slot atomically or skips the node.
 -- A node whose breaker is ready for its probe is taken first by a request's first
 -- attempt (its one probe request; never by a retry). A request with an affinity key (a
 -- long leading prompt or a session, infergate.routing.affinity) then goes to the first
