@@ -78,12 +78,18 @@ class AdmissionSettings(_Section):
     ``saturated`` from the ``[scoring]`` caps, or this edge's in-flight count at the node's
     ``max_concurrency``), a new request waits briefly for capacity, then gets 429 with
     ``Retry-After`` (``type: "server_overloaded"``) instead of queueing into a timeout.
-    Cache hits are answered before this check."""
+    A node's known slots (llama.cpp's ``total_slots``, or a ``max_concurrency`` set to
+    another value than its default) are a hard limit: requests beyond them wait at the
+    edge in arrival order until a slot frees, and get the 429 as soon as their deadline
+    cannot be met. Cache hits are answered before this check."""
 
     shed: bool = True
-    """Shed load as above; off: requests always go to a node and queue there."""
+    """Shed load as above; off: requests always go to a node and queue there (known
+    slots are not enforced then)."""
     max_wait_ms: int = Field(default=500, ge=0, le=60000)
-    """Longest wait for capacity before the 429, milliseconds (never past the deadline)."""
+    """Longest wait for capacity before the 429, milliseconds (never past the deadline).
+    For a node with known slots and a deadline, the request waits for as long as its
+    deadline can still be met (at least this long)."""
     poll_ms: int = Field(default=20, ge=1, le=1000)
     """How often a waiting request checks for capacity again, milliseconds."""
     retry_after_s: int = Field(default=1, ge=1, le=3600)
@@ -93,7 +99,7 @@ class AdmissionSettings(_Section):
     while the best node's predicted completion (its expected delay, s) is at most this
     fraction of the time left before the deadline, and waits, then gets the 429, past
     it (below 1: a margin for answers longer than the mean, at the price of more 429s).
-    The in-flight caps above do not apply then."""
+    A request is never shed while a node is below its ``max_concurrency``."""
 
 
 #: The API paths the edge serves (locations of nginx/infergate-server.conf.j2).

@@ -162,6 +162,17 @@ class PropsPoller:
                 out.append(n)
         return out
 
+    def slots(self, nodes: list[NodeSettings]) -> dict[str, int]:
+        """``total_slots`` per llama.cpp server among ``nodes`` (name -> slots; the
+        others absent)."""
+        out: dict[str, int] = {}
+        with self._lock:
+            for n in nodes:
+                e = self._entries.get(n.name)
+                if e is not None and e.props is not None:
+                    out[n.name] = e.props.total_slots
+        return out
+
     def hint(self, node: NodeSettings, status: NodeStatus) -> str | None:
         """One line (starting with :data:`HINT_PREFIX`) when the node's kind needs a
         setting (cases in the module docstring), else ``None``."""

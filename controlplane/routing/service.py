@@ -512,7 +512,8 @@ class ControlPlane:
                 states=states,
                 statuses={k: v.metrics() for k, v in report.statuses.items()},
                 hosts=hosts, slow_start_s=cp.slow_start_s, models=report.models,
-                ramps=self.ramps, auths={n.name: self.access.for_url(n.url).auth for n in nodes})
+                ramps=self.ramps, auths={n.name: self.access.for_url(n.url).auth for n in nodes},
+                slots=self.props.slots(nodes))
             pipe = self.r.pipeline(transaction=False)
             pipe.eval(SNAPSHOT_IF_LEADER_LUA, 2, keynames.LEADER, keynames.ROUTING, self.id,
                       snap.to_json())

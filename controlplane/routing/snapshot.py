@@ -5,9 +5,10 @@ Pure functions, plus a small caching host resolver.
 Snapshot shape: docs/internals.md, "the routing snapshot", as the dataclasses
 :class:`~controlplane.routing.wire.RoutingSnapshot` / ``SnapshotNode``. Per node:
 ``name, url, host, port, kind, state, healthy, weight, effective_weight,
-max_concurrency, score, saturated, queue_depth, running, kv_cache_usage,
-has_metrics, models, scheme, tls_name, auth`` (``auth``: the ``Authorization``
-value of a node with an API key, redacted wherever the snapshot is served; ``models``: :mod:`controlplane.routing.models`, ``null`` =
+max_concurrency, slots, slots_source, score, saturated, queue_depth, running,
+kv_cache_usage, has_metrics, models, scheme, tls_name, auth`` (``auth``: the
+``Authorization`` value of a node with an API key, redacted wherever the snapshot is
+served; ``models``: :mod:`controlplane.routing.models`, ``null`` =
 unknown). Edge reports are read as :class:`~controlplane.routing.wire.EdgeReport`.
 
 - ``host`` is an IP literal (the balancer phase of the edge cannot resolve names):
@@ -19,6 +20,11 @@ unknown). Edge reports are read as :class:`~controlplane.routing.wire.EdgeReport
   ``ramp_since`` the leader keeps, see ``routing/service.py``), ``effective_weight =
   weight x max(0.1, elapsed / slow_start_s)`` with ``elapsed`` counted from the latest
   of these; otherwise ``effective_weight = weight``.
+- Slots (:func:`node_slots`): a node's known hard limit of requests at once, which the
+  edge never exceeds (requests beyond wait at the edge): a llama.cpp server's
+  ``total_slots`` (``slots_source = "server"``; ``max_concurrency`` is already lowered to
+  it), else a ``max_concurrency`` set to another value than its default
+  (``"config"``); otherwise ``null``.
 - Drain: a ``draining`` node becomes ``drained`` when the sum of ``inflight`` over the
   fresh edge stats (``ts`` at most ``wire.EDGE_FRESH_FACTOR`` (3) x ``edge.stale_after_s``
   old) is 0 and the node's
@@ -49,7 +55,7 @@ from controlplane.routing.wire import (
 
 __all__ = ["DRAIN_GRACE_SYNCS", "EDGE_FORGET_S", "EDGE_FRESH_FACTOR", "DrainDecision",
            "HostResolver", "build_snapshot", "drain_decisions", "effective_weight",
-           "fresh_inflight", "node_entry", "node_port", "stale_edges"]
+           "fresh_inflight", "node_entry", "node_slots", "node_port", "stale_edges"]
 
 #: Edge sync intervals to wait after a drain begins before in-flight counts of 0 count.
 DRAIN_GRACE_SYNCS = 2
@@ -129,16 +135,29 @@ def node_port(url: str) -> int:
     return parts.port or (443 if parts.scheme == "https" else 80)
 
 
+def node_slots(node: NodeSettings, server_slots: int | None) -> tuple[int | None, str | None]:
+    """``(slots, slots_source)`` of a node (module docstring): ``server_slots`` is the
+    server's own count (llama.cpp ``total_slots``; ``None``: not reported)."""
+    if server_slots is not None:
+        return min(server_slots, node.max_concurrency), "server"
+    default = NodeSettings.model_fields["max_concurrency"].default
+    if node.max_concurrency != default:
+        return node.max_concurrency, "config"
+    return None, None
+
+
 def node_entry(node: NodeSettings, state: NodeState, status: NodeMetricsDoc | None,
                host: str | None, now: float, slow_start_s: float,
                models: list[str] | None = None, ramp_since: float = 0.0,
-               auth: str | None = None) -> SnapshotNode:
+               auth: str | None = None, server_slots: int | None = None) -> SnapshotNode:
     """One ``nodes[]`` entry. ``status``: the node's latest metrics (``None`` before its
     first poll: healthy, no metrics); ``models``: served model ids (``None`` unknown);
     ``ramp_since``: epoch s the node was added at run time or became healthy again;
-    ``auth``: the ``Authorization`` value the edge sends it (its API key; secret)."""
+    ``auth``: the ``Authorization`` value the edge sends it (its API key; secret);
+    ``server_slots``: the slots the server reports (``None``: not known)."""
     st = status or NodeMetricsDoc(name=node.name)
     scheme = urlsplit(node.url).scheme
+    slots, slots_source = node_slots(node, server_slots)
     return SnapshotNode(
         name=node.name,
         url=node.url,
@@ -150,6 +169,8 @@ def node_entry(node: NodeSettings, state: NodeState, status: NodeMetricsDoc | No
         weight=node.weight,
         effective_weight=effective_weight(node.weight, state, now, slow_start_s, ramp_since),
         max_concurrency=node.max_concurrency,
+        slots=slots,
+        slots_source=slots_source,
         score=st.score,
         saturated=bool(st.saturated),
         queue_depth=st.queue_depth,
@@ -168,21 +189,25 @@ def build_snapshot(*, version: int, now: float, leader: str, nodes: list[NodeSet
                    hosts: dict[str, str | None], slow_start_s: float,
                    models: dict[str, list[str] | None] | None = None,
                    ramps: dict[str, float] | None = None,
-                   auths: dict[str, str | None] | None = None) -> RoutingSnapshot:
+                   auths: dict[str, str | None] | None = None,
+                   slots: dict[str, int] | None = None) -> RoutingSnapshot:
     """The routing snapshot (docs/internals.md); ``.to_json()`` is what the leader
     writes. Nodes sorted by name. ``models``: served model ids per node (missing =
     unknown); ``ramps``: slow-start start (epoch s) per node added at run time or
-    healthy again; ``auths``: the ``Authorization`` value per node with an API key."""
+    healthy again; ``auths``: the ``Authorization`` value per node with an API key;
+    ``slots``: the slots each server reports (missing = not known)."""
     models = models or {}
     ramps = ramps or {}
     auths = auths or {}
+    slots = slots or {}
     return RoutingSnapshot(
         version=version,
         generated_at=round(now, 3),
         leader=leader,
         nodes=[node_entry(n, states.get(n.name, NodeState()), statuses.get(n.name),
                           hosts.get(n.name), now, slow_start_s, models.get(n.name),
-                          ramps.get(n.name, 0.0), auths.get(n.name))
+                          ramps.get(n.name, 0.0), auth=auths.get(n.name),
+                          server_slots=slots.get(n.name))
                for n in sorted(nodes, key=lambda n: n.name)],
     )
 

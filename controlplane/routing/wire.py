@@ -191,6 +191,12 @@ class SnapshotNode(_Doc):
     effective_weight: float | None = None
     """``weight`` x the slow-start ramp (0.1 -> 1 over ``controlplane.slow_start_s``)."""
     max_concurrency: int | None = None
+    slots: int | None = None
+    """Known hard limit of requests at once (the edge never sends more, the rest wait at
+    the edge); ``None`` = not known (``max_concurrency`` is then a soft cap)."""
+    slots_source: str | None = None
+    """Where ``slots`` came from: ``server`` (llama.cpp ``/props`` ``total_slots``) or
+    ``config`` (``max_concurrency`` set to another value than its default); ``None``."""
     score: float | None = None
     """Health score, lower is better, divided by weight; ``None`` = no metrics."""
     saturated: bool = False
@@ -225,6 +231,8 @@ class SnapshotNode(_Doc):
                    weight=1.0 if w is None else w,
                    effective_weight=_num(d.get("effective_weight")),
                    max_concurrency=_int(d.get("max_concurrency"), None),
+                   slots=_int(d.get("slots"), None),
+                   slots_source=_str(d.get("slots_source"), None),
                    score=_num(d.get("score")), saturated=bool(_bool(d.get("saturated"), False)),
                    queue_depth=_num(d.get("queue_depth")), running=_num(d.get("running")),
                    kv_cache_usage=_num(d.get("kv_cache_usage")),

@@ -62,8 +62,8 @@ def cp_factory(redis_server):
 # -- tests ---------------------------------------------------------------------------
 
 NODE_KEYS = {"name", "url", "host", "port", "kind", "state", "healthy", "weight",
-             "effective_weight", "max_concurrency", "score", "saturated", "queue_depth",
-             "running", "kv_cache_usage", "has_metrics", "models"}
+             "effective_weight", "max_concurrency", "slots", "slots_source", "score",
+             "saturated", "queue_depth", "running", "kv_cache_usage", "has_metrics", "models"}
 METRICS_KEYS = {"name", "ts", "healthy", "reachable", "dialect", "queue_depth", "running",
                 "kv_cache_usage", "e2e_avg_s", "ttft_avg_s", "prompt_tokens_total",
                 "generation_tokens_total", "score", "saturated", "consecutive_failures",

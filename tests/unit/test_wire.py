@@ -47,15 +47,32 @@ def test_the_snapshot_json_is_the_documented_bytes():
         '{"version":3,"generated_at":100.123,"leader":"cp-1","nodes":['
         '{"name":"a","url":"http://10.0.0.1:8000","host":"10.0.0.1","port":8000,"kind":"tgi",'
         '"state":"active","healthy":true,"weight":1.0,"effective_weight":1.0,'
-        '"max_concurrency":8,"score":0.3,"saturated":false,"queue_depth":1.0,"running":2.0,'
+        '"max_concurrency":8,"slots":8,"slots_source":"config",'
+        '"score":0.3,"saturated":false,"queue_depth":1.0,"running":2.0,'
         '"kv_cache_usage":0.25,"has_metrics":true,"models":["m-1","m-2"]},'
         '{"name":"b","url":"http://10.0.0.2:8001","host":null,"port":8001,"kind":"vllm",'
         '"state":"draining","healthy":true,"weight":2.0,"effective_weight":2.0,'
-        '"max_concurrency":64,"score":null,"saturated":false,"queue_depth":null,'
+        '"max_concurrency":64,"slots":null,"slots_source":null,'
+        '"score":null,"saturated":false,"queue_depth":null,'
         '"running":null,"kv_cache_usage":null,"has_metrics":false,"models":null}]}')
     again = RoutingSnapshot.from_json(snap.to_json())
     assert again == snap and again.to_json() == snap.to_json()
     assert again.node("b").state == "draining" and again.node("zz") is None
+
+
+def test_slots_come_from_the_server_or_a_configured_max_concurrency():
+    nodes = [NodeSettings(name="cpp", url="http://10.0.0.3:8080", kind="openai"),
+             NodeSettings(name="cpp4", url="http://10.0.0.4:8080", max_concurrency=4),
+             NodeSettings(name="set", url="http://10.0.0.5:8000", max_concurrency=3),
+             NodeSettings(name="plain", url="http://10.0.0.6:8000")]
+    snap = build_snapshot(version=1, now=1.0, leader="cp", nodes=nodes, states={},
+                          statuses={}, hosts={}, slow_start_s=0,
+                          slots={"cpp": 2, "cpp4": 8})
+    got = {n.name: (n.slots, n.slots_source) for n in snap.nodes}
+    assert got == {"cpp": (2, "server"), "cpp4": (4, "server"), "set": (3, "config"),
+                   "plain": (None, None)}
+    again = RoutingSnapshot.from_json(snap.to_json())
+    assert again.node("cpp").slots == 2 and again.node("cpp").slots_source == "server"
 
 
 def test_the_metrics_doc_keeps_every_field_of_a_poll():

@@ -5,26 +5,32 @@
 -- lookup] -> eligible -> admission. A cache hit answers before "eligible", so it never
 -- waits here and is served even when every node is saturated.
 --
--- Shedding, per model: a node has capacity when it is eligible (healthy, active, an IP
--- address, breaker not open, serves the request's model: infergate.routing.models) and
--- neither
+-- Known slots (infergate.admission.slots): when an eligible node of the request's model
+-- has known slots, the slots are a hard limit and the rules below give way to the edge
+-- queue (wait_for_slot): a free slot is taken at once, else the request waits in
+-- arrival order until one frees for it, and gets the 429 as soon as its predicted
+-- completion at the tail of answer times misses its deadline.
+--
+-- Otherwise, shedding per model: a node has capacity when it is eligible (healthy,
+-- active, an IP address, breaker not open, serves the request's model:
+-- infergate.routing.models) and neither
 --   * saturated in a fresh snapshot (queue depth or KV-cache use over the
 --     [scoring] saturation_queue / saturation_kv caps, computed by the control plane), nor
 --   * at its max_concurrency in this edge's own in-flight count.
--- With a deadline (infergate.admission.deadline), a request is shed only when even the
--- best of those nodes cannot finish it in time: when the smallest predicted completion
--- (infergate.routing.speed.predicted: the work ahead at this edge over the node's learned
--- concurrency, plus its own, at the node's latency EWMA) is within the time left, it
--- is admitted although every node is at its max_concurrency here, and queues at the
--- node. Nodes without latency history, and nodes saturated in a fresh snapshot, predict
--- nothing; when none predicts, the rule below applies as before.
--- With edge.node_cost = "expected_delay", a deadline, a fresh snapshot and a service
--- time for every eligible node (infergate.routing.balancer.delay_cost: the predicted
--- completion the balancer itself picks on), the caps above give way to one rule: the
--- request is admitted while the best of those costs is at most
--- admission.deadline_fraction (1) of the time left, and is shed past it: a request is
--- never shed while some node is predicted to finish it in time, whatever the in-flight
--- counts say, and never sent where it is predicted to time out.
+-- A request is never shed while a node has capacity (no prediction overrides that).
+-- When none has, with a deadline (infergate.admission.deadline), a request is shed only
+-- when even the best node cannot finish it in time: when the smallest predicted
+-- completion (infergate.routing.speed.predicted: the work ahead at this edge over the
+-- node's learned concurrency at the node's latency EWMA, plus its own time at the
+-- node's high quantile, infergate.routing.learned.tail_s, capped by its max_tokens) is
+-- within the time left, it is admitted and queues at the node. Nodes without latency
+-- history, and nodes saturated in a fresh snapshot, predict nothing; when none predicts,
+-- the wait below applies.
+-- With edge.node_cost = "expected_delay", a fresh snapshot and a service time for every
+-- eligible node (infergate.routing.balancer.delay_cost: the predicted completion the
+-- balancer itself picks on, its own part taken at the tail: tail_extra), that cost
+-- decides instead: admitted while the best is at most admission.deadline_fraction (1)
+-- of the time left, shed past it, never sent where it is predicted to time out.
 -- A request that is shed gets Retry-After = the best predicted wait, rounded up (at least
 -- 1 s, at most RETRY_AFTER_MAX_S: a wait predicted from a node that has slowed down or
 -- stopped says little about when it recovers; admission.retry_after_s when nothing
@@ -44,14 +50,17 @@ local ngxapi = require("infergate.core.ngxapi")
 local ngx_now = ngxapi.now
 local snapshot = require("infergate.routing.snapshot")
 local stats = require("infergate.routing.stats")
-local breaker = require("infergate.routing.breaker")
 local deadline = require("infergate.admission.deadline")
 local ratelimit = require("infergate.admission.ratelimit")
 local astats = require("infergate.admission.stats")
-local models = require("infergate.routing.models")
 local speed = require("infergate.routing.speed")
 local balancer = require("infergate.routing.balancer")
 local config = require("infergate.core.config")
+local slots = require("infergate.admission.slots")
+local queue = require("infergate.admission.queue")
+local held = require("infergate.routing.held")
+local learned = require("infergate.routing.learned")
+local ngx_var = ngxapi.var
 
 local _M = {}
 
@@ -61,13 +70,9 @@ _M.RETRY_AFTER_MAX_S = RETRY_AFTER_MAX_S
 local ipairs = ipairs
 local pairs = pairs
 local tostring = tostring
+local tonumber = tonumber
 
--- Eligible for a request of `model`: an IP address, healthy, active, serves the model,
--- breaker not open.
-local function open_to(node, model, now)
-    return node.addr and node.healthy and node.state == "active" and models.serves(node, model)
-        and breaker.allow(node.name, now)
-end
+local open_to = slots.open_to
 
 -- "free" (some eligible node has capacity), "saturated" (every eligible node is
 -- saturated) or "none" (no eligible node: the "eligible" step answers 503), among the
@@ -92,7 +97,9 @@ function _M.capacity(t, now, model)
 end
 
 -- Best predicted (completion, wait) in s over the eligible nodes of `model`, or nil.
-function _M.best_prediction(t, now, model)
+-- req (optional): the request's own time is then the node's high quantile
+-- (infergate.routing.learned.tail_s, capped by its max_tokens), not its mean.
+function _M.best_prediction(t, now, model, req)
     local fresh = snapshot.is_fresh(t, now)
     local best, best_wait
     for _, node in ipairs(t.nodes) do
@@ -100,6 +107,9 @@ function _M.best_prediction(t, now, model)
         -- edges' requests, is over the cap) predicts nothing: it stays shed
         if not (fresh and node.saturated) and open_to(node, model, now) then
             local done, wait = speed.predicted(node, (fresh and node.score) and true or false)
+            if done and req then
+                done = wait + learned.tail_s(node.name, done - wait, req, now)
+            end
             if done and (not best or done < best) then
                 best, best_wait = done, wait
             end
@@ -108,12 +118,26 @@ function _M.best_prediction(t, now, model)
     return best, best_wait
 end
 
+-- What the request's own time adds to a node's delay cost at its high quantile: its
+-- service time x (tail / mean - 1), the tail and mean of the node's answer times
+-- (infergate.routing.learned.tail_s, capped by the request's max_tokens: then it may
+-- take off); 0 while the node has no history.
+local function tail_extra(node, now, req)
+    local lat = stats.latency_ewma_ms(node.name)
+    local s = speed.aged_service_s(node.name, now)
+    if not lat or lat <= 0 or not s then
+        return 0
+    end
+    local m = lat / 1000
+    return s * (learned.tail_s(node.name, m, req, now) / m - 1)
+end
+
 -- The smallest delay cost (s) over the eligible nodes of `model` (nil: any), or nil when
 -- it does not apply: node_cost is not expected_delay, the snapshot is stale, no node is
 -- eligible and unsaturated, or one of them has no fresh score or no service time yet.
 -- A node saturated in the snapshot (over the [scoring] caps) offers nothing here, as in
--- the rule above: the operator's caps still shed.
-function _M.best_delay(t, now, model)
+-- the rule above: the operator's caps still shed. req (optional): see tail_extra.
+function _M.best_delay(t, now, model, req)
     if config.get().node_cost ~= "expected_delay" or not snapshot.is_fresh(t, now) then
         return nil
     end
@@ -123,6 +147,9 @@ function _M.best_delay(t, now, model)
             local c = node.score and balancer.delay_cost(node, true, now)
             if not c then
                 return nil
+            end
+            if req then
+                c = c + tail_extra(node, now, req)
             end
             if not best or c < best then
                 best = c
@@ -139,13 +166,16 @@ local exiting = ngx.worker.exiting
 -- give_up - wait_s.
 local function admit_state(req, o, t, now, left, give_up, wait_s)
     local state = _M.capacity(t, now, req.model)
-    local delay = left and state ~= "none" and _M.best_delay(t, now, req.model)
+    if state ~= "saturated" then
+        return state   -- never shed while an eligible node is below its max_concurrency
+    end
+    local delay = left and _M.best_delay(t, now, req.model, req)
     if delay then
         local elapsed = now - (give_up - wait_s)
         state = delay <= o.deadline_fraction * (left - elapsed) and "in_time" or "saturated"
     elseif state == "saturated" and left then
         -- deadline-aware: admitted when the best node can still finish it in time
-        local done = _M.best_prediction(t, now, req.model)
+        local done = _M.best_prediction(t, now, req.model, req)
         if done and done <= left - (now - (give_up - wait_s)) then
             state = "in_time"
         end
@@ -170,14 +200,18 @@ local function shutting_down(waited)
     }
 end
 
--- The 429 of a request not admitted within its wait (o: the shed options).
-local function shed_answer(req, o, now, waited)
+-- The 429 of a request not admitted within its wait (o: the shed options; wait: the
+-- predicted wait, s, when the caller has one).
+local function shed_answer(req, o, now, waited, wait)
     if waited then
         astats.incr("waiting", -1)
     end
     astats.incr("shed")
     local retry_after = o.retry_after_s
-    local _, wait = _M.best_prediction(snapshot.current(), now, req.model)
+    if not wait then
+        local _
+        _, wait = _M.best_prediction(snapshot.current(), now, req.model)
+    end
     if wait then
         retry_after = math.max(1, math.min(math.ceil(wait), RETRY_AFTER_MAX_S))
     end
@@ -209,6 +243,64 @@ local function pause(give_up, now, poll_s)
     ngx.sleep(step)
 end
 
+-- Whether a request waiting for a slot since `start` gives up now: past give_up, or its
+-- deadline (`left` s at start) cannot be met by the predicted completion, which never
+-- counts while a slot is free (`free`). Returns true/false and the predicted wait (s, or
+-- nil).
+local function slot_hopeless(req, t, now, start, left, give_up, ahead, free)
+    local done, wait = slots.predict(t, now, req, ahead)
+    if now >= give_up then
+        return true, wait
+    end
+    if free > 0 then
+        return false, wait
+    end
+    return (left and done and (now - start) + done > left) or false, wait
+end
+
+-- Admission in a pool with known slots (infergate.admission.slots): a free slot is
+-- taken at once when nobody waits; otherwise the request waits at the edge in arrival
+-- order (infergate.admission.queue) until a slot frees for it, or gets the 429 as soon
+-- as its deadline cannot be met (without a deadline: after admission.max_wait_ms;
+-- without a prediction: after half the time left, at least max_wait_ms).
+local function wait_for_slot(req, o, t, now, left)
+    local pool = req.model or ""
+    if queue.empty(pool) and slots.reserve(req, t, now) then
+        return nil
+    end
+    local start, poll_s = now, o.poll_ms / 1000
+    local give_up = now + o.max_wait_ms / 1000
+    if left then
+        give_up = now + math.max(o.max_wait_ms / 1000, slots.predict(t, now, req, 0)
+            and left or left / 2)
+    end
+    local ticket = queue.join(pool, poll_s)
+    astats.incr("waiting")
+    while true do
+        local ahead = queue.ahead(pool, ticket, now)
+        local free, eligible = slots.free(t, now, req.model)
+        if eligible == 0 or (ahead < free and slots.reserve(req, t, now)) then
+            queue.leave(pool, ticket, now)
+            astats.incr("waiting", -1)
+            req.admission_wait_ms = (now - start) * 1000
+            return nil
+        end
+        local stop, wait = slot_hopeless(req, t, now, start, left, give_up, ahead, free)
+        if stop or exiting() then
+            queue.leave(pool, ticket, now)
+            if stop then
+                return shed_answer(req, o, now, true, wait)
+            end
+            return shutting_down(true)
+        end
+        queue.alive(pool, ticket, poll_s)
+        pause(give_up, now, poll_s)
+        ngx.update_time()
+        now = ngx_now()
+        t = snapshot.refresh()
+    end
+end
+
 -- Access step: nil to continue, or a 429 error table.
 function _M.step_shed(req)
     local o = options.get().shed
@@ -217,6 +309,11 @@ function _M.step_shed(req)
     end
     ngx.update_time()
     local now = ngx_now()
+    local left0 = deadline.remaining(req, now)
+    local t0 = snapshot.refresh()
+    if slots.applies(t0, now, req.model) then
+        return wait_for_slot(req, o, t0, now, left0)
+    end
     local wait_s = o.max_wait_ms / 1000
     local left = deadline.remaining(req, now)
     if left and left < wait_s then
@@ -252,9 +349,35 @@ function _M.step_shed(req)
     return shed_answer(req, o, now, waited)
 end
 
--- Log phase hook: rate-limit correction from the real token usage (no I/O here).
+-- The last entry of an "$upstream_*" list ("502, 504 : 200" -> "200").
+local function last_entry(v)
+    if not v or v == "" then
+        return nil
+    end
+    return v:match("([^%s,:]+)%s*$")
+end
+
+-- Log phase: a successful answer teaches the node's answer-time tail
+-- (infergate.routing.learned).
+local function learn_tail(req)
+    local attempts = req.attempts
+    local att = attempts and attempts[#attempts]
+    local status = ngx.status
+    if not att or att.closed or not status or status < 200 or status >= 300 then
+        return
+    end
+    local rt = tonumber(last_entry(ngx_var("upstream_response_time")))
+    if rt and rt > 0 then
+        learned.observe(att.node, rt, req.usage and req.usage.completion_tokens)
+    end
+end
+
+-- Log phase hook: rate-limit correction from the real token usage, a slot held for a
+-- try that never started given back, the answer time learned (no I/O here).
 function _M.log(req)
     ratelimit.log(req)
+    held.give_back(req)
+    learn_tail(req)
 end
 
 -- Counters for the edge stats and the status endpoint.

@@ -7,6 +7,9 @@
 -- A node that is a time-to-first-byte outlier (infergate.routing.outlier: its requests
 -- wait far past its usual TTFB and it sent nothing for as long) is left out while other
 -- eligible nodes remain.
+-- Known slots (node.slots, with load shedding on) are a hard limit: the first try goes to
+-- the node the admission step picked and holds a slot on (infergate.admission.slots,
+-- infergate.routing.held); a later try takes a slot atomically or skips the node.
 -- A node whose breaker is ready for its probe is taken first by a request's first
 -- attempt (its one probe request; never by a retry). A request with an affinity key (a
 -- long leading prompt or a session, infergate.routing.affinity) then goes to the first
@@ -80,6 +83,7 @@ local outlier = require("infergate.routing.outlier")
 local speed = require("infergate.routing.speed")
 local affinity = require("infergate.routing.affinity")
 local upstream = require("infergate.routing.upstream")
+local held = require("infergate.routing.held")
 
 local _M = {}
 
@@ -365,16 +369,50 @@ local function fail_no_node(req)
     return ngx.exit(ngx.ERROR)
 end
 
--- Picks this try's node and sets it as the peer; a node nginx refuses (a bad address)
--- is skipped for the next pick (a tail call, not a loop: the common path stays free of
--- loops that exit on their first pass, which LuaJIT blacklists together with every
--- trace that reaches them).
+-- The request's first pick, as run() makes it: counts the request for prefix affinity
+-- once and tells a leading prompt not seen yet (`first`). excluded: node names left out
+-- (taken as tried). Returns what pick() returns.
+function _M.first_pick(req, t, excluded, now)
+    local o = config.get()
+    local first = req.first_sight
+    if first == nil then
+        first = false
+        if o.prefix_affinity then
+            affinity.count_request(now)
+            first = (req.affinity_kind == "prefix" and affinity.unseen(req.affinity)) or false
+        end
+        req.first_sight = first
+    end
+    return _M.pick(t, excluded, now, false, req.model, req.affinity, first)
+end
+
+-- Picks this try's node and sets it as the peer; a node nginx refuses (a bad address),
+-- or one whose known slots are all taken (infergate.admission.slots), is skipped for the
+-- next pick (a tail call, not a loop: the common path stays free of loops that exit on
+-- their first pass, which LuaJIT blacklists together with every trace that reaches them).
 function place(req, o, now, n, grant, first)
     local tried = req.tried
-    local node, probe, eligible = _M.pick(snapshot.current(), tried, now, n > 0, req.model,
-                                          req.affinity, first)
+    local node, probe, eligible, claimed
+    if n == 0 and req.picked and not req.picked.used then
+        node, probe, eligible, claimed = held.take(req, snapshot.current(), now, usable,
+                                                   _M.count_eligible)
+    end
     if not node then
-        return fail_no_node(req)
+        node, probe, eligible = _M.pick(snapshot.current(), tried, now, n > 0, req.model,
+                                        req.affinity, first)
+        if not node then
+            return fail_no_node(req)
+        end
+        if node.slots and held.enforced() then
+            claimed = stats.claim(node.name, node.slots)
+            if not claimed then
+                tried[node.name] = true   -- every slot taken: never one more request
+                if probe then
+                    breaker.neutral(node.name, true)
+                end
+                return place(req, o, now, n, grant, first)
+            end
+        end
     end
     tried[node.name] = true
     local ok, err = false, "not of this request's scheme and API key (infergate.routing.upstream)"
@@ -385,6 +423,9 @@ function place(req, o, now, n, grant, first)
         log(ERR, "infergate: cannot use node ", node.name, " (", node.addr, ":", node.port, "): ", err)
         if probe then
             breaker.neutral(node.name, true)
+        end
+        if claimed then
+            stats.release({ node = node.name })
         end
         return place(req, o, now, n, grant, first)
     end
@@ -400,7 +441,7 @@ function place(req, o, now, n, grant, first)
     if req.affinity and not req.affinity_live and o.prefix_affinity then
         req.affinity_live = affinity.track(req.affinity)
     end
-    attempts[n + 1] = stats.open_attempt(node.name, now, probe)
+    attempts[n + 1] = stats.open_attempt(node.name, now, probe, claimed)
     outlier.track(attempts[n + 1], req.stream)
     -- a probe of a silent outlier with another node to retry on waits only
     -- part of its time (infergate.admission.deadline.probe_read)
@@ -446,8 +487,11 @@ function _M.run()
     end
     local first = false
     if n == 0 and o.prefix_affinity then
-        affinity.count_request(now)
-        first = req.affinity_kind == "prefix" and affinity.unseen(req.affinity)
+        first = req.first_sight
+        if first == nil then
+            affinity.count_request(now)
+            first = req.affinity_kind == "prefix" and affinity.unseen(req.affinity)
+        end
     end
     return place(req, o, now, n, grant, first)
 end

@@ -121,6 +121,10 @@ local function make_node(n)
     end
     local scheme = n.scheme == "https" and "https" or "http"
     local auth = type(n.auth) == "string" and n.auth ~= "" and n.auth or nil
+    local slots = num(n.slots)
+    if slots and slots < 1 then
+        slots = nil
+    end
     local state = n.state
     if state ~= "active" and state ~= "draining" and state ~= "drained" then
         state = "active"
@@ -135,6 +139,7 @@ local function make_node(n)
         weight = weight,
         effective_weight = ew,
         max_concurrency = maxc,
+        slots = slots and math.floor(slots),  -- nil: not known (hard limit, see admission.slots)
         score = num(n.score),         -- nil = no metrics
         saturated = n.saturated == true,
         kind = n.kind,

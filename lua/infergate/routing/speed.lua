@@ -11,20 +11,18 @@
 -- S), so the learned concurrency is the c in 1..(highest level seen) that fits the
 -- level means best in log space (least squares, each level weighted by its answers up to
 -- 1 / LEVEL_ALPHA, log S fitted with it; ties: the larger c, so levels that show no
--- queueing give the highest of them, a lower bound that rises with the load). Comparing
--- levels rather than single answers with the shortest one seen keeps the estimate
--- unbiased when answer lengths vary (2 to 250 tokens): the length of an answer does not
--- depend on its level, so it averages out of every level alike. Each worker refits a
--- node at most every FIT_INTERVAL_S (s), and at once when a level is seen for the first
--- time, and stores the result for all workers.
+-- queueing give the highest of them). Levels, not single answers, keep the estimate
+-- unbiased when answer lengths vary: length does not depend on level. Each worker
+-- refits a node at most every FIT_INTERVAL_S (s), and at once on a new level.
 -- s_min (the smallest L seen, drifting up by MIN_DRIFT of the gap with every later answer
 -- taken alone on the node, k = 1) is the fallback latency of predicted() below.
 --
--- concurrency(node, has_score): the denominator of the balancer's in-flight term. Nodes
--- with a fresh score (the control plane reads their queue and KV cache) keep
--- max_concurrency; the others get min(max_concurrency, learned + 1) -- one more than
--- learned, so the estimate can grow when the node is faster than thought -- and
--- max_concurrency before their first sample.
+-- Guard rails (effective_of): the prior is the node's known slots, else its
+-- max_concurrency, and also the ceiling; the floor is the most in flight seen to finish
+-- far sooner than predicted (yield_to: the estimate rises to it at once); LEARNED_STALE_S
+-- after the last answer it returns to the prior with a half-life of LEARNED_HALF_LIFE_S.
+-- concurrency(node, has_score): the balancer's in-flight denominator: max_concurrency
+-- with a fresh score, else min(max_concurrency, learned + 1, prior before a sample).
 --
 -- Service time: what one request takes on the node when it does not queue behind this
 -- edge's others (batching with them included): the EWMA (SERVICE_ALPHA) over the
@@ -45,19 +43,15 @@
 -- ones have that much work queued. Other edges' requests are not in n; they show in the
 -- service time, which grows when they make this edge's unqueued requests wait.
 --
--- An estimate that nothing refreshes ages: once a node has answered nothing for
--- STALE_S and has none of this edge's requests in flight, the service time used in
--- expected_s halves every HALF_LIFE_S more, so a node measured slow (a few long answers,
--- or a slow spell that has passed) is tried again when the others are idle or busy
--- enough, instead of staying idle for good while the faster ones never queue. The
--- probe in flight stops the ageing (one probe at a time, not a burst onto a slow node)
--- and its answer sets the estimate afresh: a node that really is slow costs one request
--- per probe, a few per minute at a low load.
+-- An estimate that nothing refreshes ages: once a node has answered nothing for STALE_S
+-- and has none of this edge's requests in flight, the service time used in expected_s
+-- halves every HALF_LIFE_S more, so a node measured slow is tried again (one probe at a
+-- time: the probe in flight stops the ageing, and its answer sets the estimate afresh).
 --
 -- Shared dict infergate_stats, as packed doubles (one read and one write per answer):
 -- "sp:<node>" the node's record {time of the last answer (ngx.now(), s), s_min (s),
 -- answers counted (up to WARMUP), service time (s), the first two of them (s), highest
--- level seen, learned concurrency}, a field not yet known stored as -1;
+-- level seen, learned concurrency, floor, mean log(answer / prediction)}, a field not yet known stored as -1;
 -- "lv:<node>:<k>" {mean log L (L in s) at level k, its answers (up to 1 / LEVEL_ALPHA)}.
 -- Workers update a record by read and write, so two answers at the same instant in two
 -- workers may count as one: the estimates are averages and lose nothing by it.
@@ -84,7 +78,12 @@ _M.WARMUP = 3
 _M.CLIP = 4
 _M.STALE_S = 5
 _M.HALF_LIFE_S = 5
+_M.LEARNED_HALF_LIFE_S = 60
+_M.LEARNED_STALE_S = 30
+_M.YIELD_ALPHA = 0.1
+_M.YIELD_RATIO = 0.4
 
+local yield_to
 local last_fit = {}     -- worker-local: node -> ngx_now() of this worker's last fit
 
 local function dict()
@@ -96,9 +95,10 @@ end
 local ffi = require("ffi")
 local cdouble_p = ffi.typeof("const double *")
 local F_SA, F_SM, F_SN, F_SV, F_S1, F_LM, F_LC = 0, 1, 2, 3, 4, 6, 7  -- 5: the second early answer
-local REC_BYTES, LVL_BYTES = 8 * 8, 2 * 8
+local F_FL, F_MR = 8, 9
+local REC_BYTES, LVL_BYTES = 10 * 8, 2 * 8
 local NONE = -1
-local rec = ffi.new("double[8]")
+local rec = ffi.new("double[10]")
 local lvl = ffi.new("double[2]")
 local rec_key = prefixer("sp:")
 local lvl_keys = {}
@@ -198,7 +198,7 @@ local function load_rec(d, key)
     if type(raw) == "string" and #raw == REC_BYTES then
         ffi.copy(rec, raw, REC_BYTES)
     else
-        for i = 0, 7 do
+        for i = 0, 9 do
             rec[i] = NONE
         end
         rec[F_SN], rec[F_LM] = 0, 0
@@ -234,6 +234,10 @@ local function learn_concurrency(d, name, k, maxc, now)
     if not lc or now - (last_fit[name] or 0) >= _M.FIT_INTERVAL_S then
         last_fit[name] = now
         lc = fit(d, name, kmax)
+        local fl = rec[F_FL]
+        if fl ~= NONE and lc < fl then
+            lc = fl
+        end
         if lc > maxc then
             lc = maxc
         end
@@ -269,6 +273,33 @@ local function learn_service(one)
     end
 end
 
+-- Guard rail: an answer at level k > b was predicted to take S x k / b (S: the mean
+-- answer alone, level 1, else the service time). When the EWMA (YIELD_ALPHA) of log(L /
+-- that) falls below log(YIELD_RATIO), the floor (rec[F_FL]) and the learned concurrency
+-- rise to k (at most maxc) at once.
+function yield_to(d, name, k, b, lat, maxc)
+    local base = level(d, name, 1)
+    if not base and rec[F_SV] ~= NONE then
+        base = log(rec[F_SV])
+    end
+    if k <= b or not base then
+        return
+    end
+    local mr = rec[F_MR] == NONE and 0 or rec[F_MR]
+    mr = mr + _M.YIELD_ALPHA * (log(lat * b / k) - base - mr)
+    if mr < log(_M.YIELD_RATIO) then
+        mr = 0
+        k = k > maxc and maxc or k
+        if rec[F_FL] == NONE or rec[F_FL] < k then
+            rec[F_FL] = k
+        end
+        if rec[F_LC] < k then
+            rec[F_LC] = k
+        end
+    end
+    rec[F_MR] = mr
+end
+
 -- Log phase: a finished attempt. latency_ms: upstream response time of a 2xx answer
 -- (nil otherwise: nothing learned).
 function _M.observe(att, latency_ms)
@@ -276,7 +307,7 @@ function _M.observe(att, latency_ms)
         return
     end
     local node = snapshot.current().by_name[att.node]
-    local maxc = node and node.max_concurrency or 64
+    local maxc = node and (node.slots or node.max_concurrency) or 64
     local d = dict()
     local name = att.node
     local lat = latency_ms / 1000
@@ -297,9 +328,9 @@ function _M.observe(att, latency_ms)
         k = _M.LEVELS_MAX
     end
     learn_level(d, name, k, lat)
-    local lc = learn_concurrency(d, name, k, maxc, now)
-
-    local b = _M.round_concurrency(lc)
+    local b = _M.round_concurrency(learn_concurrency(d, name, k, maxc, now))
+    yield_to(d, name, k, b, lat, maxc)
+    b = _M.round_concurrency(rec[F_LC])
     local one = att.k > b and lat * b / att.k or lat   -- its predicted queueing taken out
     learn_service(one)
     d:set(key, ffi.string(rec, REC_BYTES))
@@ -332,11 +363,39 @@ function _M.queued(att)
     return lc ~= nil and att.k > _M.round_concurrency(lc)
 end
 
--- B of the formula above: the learned concurrency of `node`, rounded, or its
--- max_concurrency before the first sample.
-local function batch_of(raw, node)
+-- The prior of a node's concurrency: its known slots, else its max_concurrency.
+local function prior_of(node)
+    return node.slots or node.max_concurrency or 1
+end
+
+-- The learned concurrency of `node` with its guard rails (top of this file), or nil
+-- before the first sample.
+local function effective_of(raw, node, now)
     local lc = value(raw, F_LC)
-    return lc and _M.round_concurrency(lc) or (node.max_concurrency or 1)
+    if not lc then
+        return nil
+    end
+    local prior = prior_of(node)
+    local fl = value(raw, F_FL)
+    if fl and lc < fl then
+        lc = fl
+    end
+    local at = value(raw, F_SA)
+    local idle = at and (now or ngx_now()) - at
+    if idle and idle > _M.LEARNED_STALE_S then
+        lc = prior + (lc - prior) * 0.5 ^ ((idle - _M.LEARNED_STALE_S) / _M.LEARNED_HALF_LIFE_S)
+    end
+    if lc > prior then
+        return prior
+    end
+    return lc < 1 and 1 or lc
+end
+
+-- B of the formula above: the learned concurrency of `node` (with its guard rails),
+-- rounded, or its prior before the first sample.
+local function batch_of(raw, node)
+    local lc = effective_of(raw, node)
+    return lc and _M.round_concurrency(lc) or prior_of(node)
 end
 
 function _M.batch(node)
@@ -397,12 +456,17 @@ function _M.learned(name)
     return field(dict(), name, F_LC)
 end
 
+-- The learned concurrency of `node` with its guard rails (nil before its first sample).
+function _M.effective(node, now)
+    return effective_of(record(dict(), node.name), node, now)
+end
+
 function _M.concurrency(node, has_score)
     local maxc = node.max_concurrency
     if has_score then
         return maxc
     end
-    local lc = field(dict(), node.name, F_LC)
+    local lc = effective_of(record(dict(), node.name), node)
     if not lc then
         return maxc
     end

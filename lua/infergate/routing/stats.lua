@@ -125,14 +125,35 @@ function _M.failures(name)
     return dict():get("fl:" .. name) or 0
 end
 
--- A new attempt on node `name`; returns the attempt record.
-function _M.open_attempt(name, now, probe)
+-- Takes one of node `name`'s `limit` slots: its in-flight count up by one unless that
+-- would pass `limit` (atomic across workers: the increment decides). True when taken;
+-- the attempt opened on it then passes claimed = true to open_attempt.
+function _M.claim(name, limit)
     local d = dict()
-    local _, err = d:incr(if_key(name), 1, 0)
-    if err then
+    local v, err = d:incr(if_key(name), 1, 0)
+    if not v then
         log(ERR, "infergate: in-flight counter of ", name, ": ", err)
+        return false
+    end
+    if v > limit then
+        d:incr(if_key(name), -1, 0)
+        return false
     end
     d:incr(iw_key(name), 1, 0)
+    return true
+end
+
+-- A new attempt on node `name`; returns the attempt record. claimed: its in-flight
+-- count was already taken by claim().
+function _M.open_attempt(name, now, probe, claimed)
+    local d = dict()
+    if not claimed then
+        local _, err = d:incr(if_key(name), 1, 0)
+        if err then
+            log(ERR, "infergate: in-flight counter of ", name, ": ", err)
+        end
+        d:incr(iw_key(name), 1, 0)
+    end
     d:incr("rq:" .. name, 1, 0)
     return { node = name, started = now, probe = probe or false, closed = false }
 end

@@ -9,7 +9,8 @@
 --                "auth_store_missing", "rate_limited", "limits_local",
 --                "shed", "deadline_exceeded", "waiting"}   (infergate.admission.stats)
 --  "nodes": [{"name", "host", "port", "state", "healthy", "weight", "effective_weight",
---             "max_concurrency", "score", "saturated", "eligible", "inflight",
+--             "max_concurrency", "slots" (known hard limit, null = none), "score",
+--             "saturated", "eligible", "inflight",
 --             "requests", "failures", "breaker", "consecutive_failures",
 --             "latency_ewma_ms", "failure_rate", "models" (served model ids, null =
 --             unknown), "outlier" (a TTFB outlier: infergate.routing.outlier),
@@ -62,6 +63,7 @@ function _M.report(now)
             weight = n.weight,
             effective_weight = n.effective_weight,
             max_concurrency = n.max_concurrency,
+            slots = opt(n.slots),
             score = opt(n.score),
             saturated = n.saturated,
             eligible = (n.addr ~= nil and n.healthy and n.state == "active"

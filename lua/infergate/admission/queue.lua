@@ -1,0 +1,122 @@
+-- The edge's queue: requests waiting for a slot (infergate.admission.slots), first come
+-- first served per pool (the request's model; "" without one), shared by all workers in
+-- the shared dict infergate_stats. No timer: every waiting request polls it.
+--
+-- A request that must wait takes a ticket (1, 2, ...: "qn:<pool>" counts them); the
+-- head "qh:<pool>" is the oldest ticket still waiting, and ahead(t) = t - head the
+-- requests before ticket t. A ticket leaves (admitted, shed, shutting down) by marking
+-- itself done; whoever sees the head done moves the head on, once per ticket (an atomic
+-- add of "q:<pool>:x<t>" decides). A waiting request refreshes its "alive" key every
+-- poll (TTL alive_ttl_s): a ticket whose worker died is no longer alive and is passed
+-- over ALIVE_GRACE_S after it was first seen so, so the queue never sticks.
+local config = require("infergate.core.config")
+local ngxapi = require("infergate.core.ngxapi")
+
+local _M = {}
+
+local shared = ngx.shared
+local ngx_now = ngxapi.now
+
+_M.ALIVE_GRACE_S = 1
+local DONE_TTL_S = 120        -- a ticket's "done" mark, until the head passes it
+local PASSED_TTL_S = 10       -- the once-only mark of a ticket the head passed
+local ADVANCE_MAX = 64        -- tickets passed over per call at most
+
+local keys = {}
+
+local function dict()
+    return shared[config.DICT_STATS]
+end
+
+local function keys_of(pool)
+    local k = keys[pool]
+    if not k then
+        local pre = "q:" .. pool .. ":"
+        k = { n = "qn:" .. pool, h = "qh:" .. pool, pre = pre }
+        keys[pool] = k
+    end
+    return k
+end
+
+-- TTL (s) of a waiting request's alive key: a few polls.
+function _M.alive_ttl_s(poll_s)
+    return 2 + 3 * poll_s
+end
+
+-- Whether no request waits in `pool`.
+function _M.empty(pool)
+    local d, k = dict(), keys_of(pool)
+    return (d:get(k.h) or 1) > (d:get(k.n) or 0)
+end
+
+-- Whether ticket h is gone without leaving (its worker died): not alive, first seen so
+-- ALIVE_GRACE_S ago.
+local function lost(d, k, h, now)
+    if d:get(k.pre .. "a" .. h) then
+        return false
+    end
+    local seen = d:get(k.pre .. "m" .. h)
+    if not seen then
+        d:set(k.pre .. "m" .. h, now, DONE_TTL_S)
+        return false
+    end
+    return now - seen >= _M.ALIVE_GRACE_S
+end
+
+-- Moves the head past the tickets that left; returns the head.
+local function advance(d, k, now)
+    for _ = 1, ADVANCE_MAX do
+        local h = d:get(k.h) or 1
+        if h > (d:get(k.n) or 0) then
+            return h
+        end
+        if not (d:get(k.pre .. "d" .. h) or lost(d, k, h, now)) then
+            return h
+        end
+        if d:add(k.pre .. "x" .. h, true, PASSED_TTL_S) then
+            d:incr(k.h, 1, 1)
+            d:delete(k.pre .. "d" .. h)
+            d:delete(k.pre .. "m" .. h)
+        end
+    end
+    return d:get(k.h) or 1
+end
+
+-- A ticket at the end of `pool`'s queue.
+function _M.join(pool, poll_s)
+    local d, k = dict(), keys_of(pool)
+    d:add(k.h, 1)
+    local t = d:incr(k.n, 1, 0)
+    d:set(k.pre .. "a" .. t, true, _M.alive_ttl_s(poll_s))
+    return t
+end
+
+-- Ticket t still waits (every poll).
+function _M.alive(pool, t, poll_s)
+    dict():set(keys_of(pool).pre .. "a" .. t, true, _M.alive_ttl_s(poll_s))
+end
+
+-- The requests before ticket t in `pool` (0: it is the head).
+function _M.ahead(pool, t, now)
+    local d, k = dict(), keys_of(pool)
+    local h = advance(d, k, now or ngx_now())
+    local a = t - h
+    return a > 0 and a or 0
+end
+
+-- Ticket t leaves the queue (admitted or not).
+function _M.leave(pool, t, now)
+    local d, k = dict(), keys_of(pool)
+    d:set(k.pre .. "d" .. t, true, DONE_TTL_S)
+    d:delete(k.pre .. "a" .. t)
+    advance(d, k, now or ngx_now())
+end
+
+-- Requests waiting in `pool` (tickets not yet passed by the head).
+function _M.length(pool)
+    local d, k = dict(), keys_of(pool)
+    local n = (d:get(k.n) or 0) - (d:get(k.h) or 1) + 1
+    return n > 0 and n or 0
+end
+
+return _M

@@ -1,0 +1,121 @@
+-- Known slots are a hard limit. A node's slots are known when the routing snapshot says
+-- so (node.slots: a llama.cpp server's total_slots, or a max_concurrency set to another
+-- value than its default, see controlplane/routing/snapshot.py); this edge then never
+-- has more requests in flight on it than its slots, counted over all workers
+-- (infergate.routing.stats "if:<node>", taken atomically with stats.claim).
+--
+-- For a request whose model has an eligible node with known slots (applies()), the
+-- admission step (infergate.admission.shed) picks the node itself (reserve(): the
+-- balancer's own choice, infergate.routing.balancer.first_pick, among the nodes with a
+-- free slot) and takes the slot; the balancer's first try uses that node
+-- (infergate.routing.held). In such a pool a node without known slots counts as full at
+-- its max_concurrency. When no slot is free the request waits at the edge, first come
+-- first served (infergate.admission.queue), until one frees or its deadline cannot be
+-- met (predict()).
+local stats = require("infergate.routing.stats")
+local breaker = require("infergate.routing.breaker")
+local models = require("infergate.routing.models")
+local balancer = require("infergate.routing.balancer")
+local learned = require("infergate.routing.learned")
+
+local _M = {}
+
+local ipairs = ipairs
+
+-- Eligible for a request of `model`: an IP address, healthy, active, serves the model,
+-- breaker not open.
+local function open_to(node, model, now)
+    return node.addr and node.healthy and node.state == "active" and models.serves(node, model)
+        and breaker.allow(node.name, now)
+end
+_M.open_to = open_to
+
+-- The most requests this edge may have in flight on `node` in a pool with known slots.
+local function cap_of(node)
+    return node.slots or node.max_concurrency
+end
+
+-- Whether an eligible node of `model` has known slots.
+function _M.applies(t, now, model)
+    for _, node in ipairs(t.nodes) do
+        if node.slots and open_to(node, model, now) then
+            return true
+        end
+    end
+    return false
+end
+
+-- Free slots over the eligible nodes of `model` (their cap minus this edge's in flight),
+-- and the number of eligible nodes.
+function _M.free(t, now, model)
+    local free, eligible = 0, 0
+    for _, node in ipairs(t.nodes) do
+        if open_to(node, model, now) then
+            eligible = eligible + 1
+            local f = cap_of(node) - stats.inflight(node.name)
+            if f > 0 then
+                free = free + f
+            end
+        end
+    end
+    return free, eligible
+end
+
+-- Picks the request's node among those with a free slot and takes the slot: true when
+-- it did (req.picked set), false when every slot is taken.
+function _M.reserve(req, t, now)
+    local excluded = {}
+    for _, node in ipairs(t.nodes) do
+        if stats.inflight(node.name) >= cap_of(node) then
+            excluded[node.name] = true
+        end
+    end
+    for _ = 1, #t.nodes do
+        local node, probe = balancer.first_pick(req, t, excluded, now)
+        if not node then
+            return false
+        end
+        if stats.claim(node.name, cap_of(node)) then
+            req.picked = { name = node.name, probe = probe, claimed = true }
+            return true
+        end
+        if probe then
+            breaker.neutral(node.name, true)
+        end
+        excluded[node.name] = true   -- taken by another request meanwhile
+    end
+    return false
+end
+
+-- Predicted completion and wait (s) of a request with `ahead` requests before it in
+-- the queue: the slots of the eligible nodes of `model` free up at sum(cap / s) per
+-- second (s: a node's latency EWMA; with its slots a hard limit that is its service
+-- time), and the request then takes its own high quantile (infergate.routing.learned
+-- tail_s, capped by its max_tokens). nil when no eligible node has answered yet.
+function _M.predict(t, now, req, ahead)
+    local rate, tail, free = 0, nil, 0
+    for _, node in ipairs(t.nodes) do
+        if open_to(node, req.model, now) then
+            local lat = stats.latency_ewma_ms(node.name)
+            if lat and lat > 0 then
+                local s = lat / 1000
+                local cap = cap_of(node)
+                rate = rate + cap / s
+                local own = learned.tail_s(node.name, s, req)
+                if not tail or own < tail then
+                    tail = own
+                end
+            end
+            local f = cap_of(node) - stats.inflight(node.name)
+            free = free + (f > 0 and f or 0)
+        end
+    end
+    if not tail then
+        return nil
+    end
+    local before = ahead + 1 - free
+    local wait = before > 0 and before / rate or 0
+    return wait + tail, wait
+end
+
+return _M

@@ -1,0 +1,216 @@
+"""Known slots at the edge (lua/infergate/admission/slots.lua, queue.lua, shed.lua):
+with a node's slots in the routing snapshot, the edge never has more requests in flight
+there than its slots; the rest wait at the edge, first come first served, and get the
+429 only when their deadline cannot be met. Snapshots are written straight into Redis;
+the nodes are a tiny upstream and simulated nodes (one at a time like llama-cpp-python,
+or batching like vLLM)."""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import requests
+
+from controlplane import procs
+from support.stack import edge_settings, write_snapshot
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+FINISHED = re.compile(r'"finish_reason":\s*"(stop|length)"')
+SIM = {"model": "sim-llama", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _edge(redis_server, edge_factory, nodes, *, request_ms: int = 30000, max_wait_ms: int = 100,
+          **edge):
+    s = edge_settings(redis_server.url, [], stale_after_s=3600, read_timeout_ms=60000, **edge)
+    s.admission.max_wait_ms = max_wait_ms
+    s.deadlines.request_ms = request_ms
+    e = edge_factory(s)
+    snap = write_snapshot(redis_server.client(), nodes)
+    e.wait_snapshot(snap["version"])
+    return e
+
+
+def _waiting(edge) -> int:
+    return edge.status()["admission"]["waiting"]
+
+
+class _Peak:
+    """Samples a count while a block runs: its highest value."""
+
+    def __init__(self, read):
+        self.read, self.peak, self._stop = read, 0, threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.read())
+            self._stop.wait(0.005)
+
+    def __enter__(self) -> _Peak:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join(5)
+
+
+def test_requests_beyond_the_slots_wait_at_the_edge_in_arrival_order(
+        tiny_upstreams, redis_server, edge_factory) -> None:
+    (up,) = tiny_upstreams(names=["one"])
+    up.gate, up.chunks = threading.Event(), 2
+    edge = _edge(redis_server, edge_factory, [up.snapshot_node(slots=1, slots_source="server",
+                                                               score=None, has_metrics=False)])
+    held = requests.post(f"{edge.url}/v1/chat/completions", json={**CHAT, "stream": True},
+                         stream=True, timeout=30)
+    assert held.status_code == 200
+    results: dict[str, int] = {}
+
+    def call(tag: str) -> None:
+        body = {**CHAT, "messages": [{"role": "user", "content": tag}]}
+        results[tag] = requests.post(f"{edge.url}/v1/chat/completions", json=body,
+                                     timeout=30).status_code
+
+    threads = []
+    with _Peak(lambda: up.inflight) as peak:
+        for i, tag in enumerate(["first", "second", "third"]):
+            threads.append(threading.Thread(target=call, args=(tag,)))
+            threads[-1].start()
+            procs.wait_until(lambda n=i + 1: _waiting(edge) == n, 10,
+                             what=f"{i + 1} request(s) waiting at the edge")
+        assert up.hits == 1 and up.inflight == 1      # the node never sees a second one
+        up.gate.set()
+        held.close()
+        for t in threads:
+            t.join(30)
+    assert results == {"first": 200, "second": 200, "third": 200}
+    assert peak.peak == 1
+    order = [b.decode() for b in up.bodies[1:]]
+    assert [next(tag for tag in ("first", "second", "third") if tag in b) for b in order] == \
+        ["first", "second", "third"]
+    st = edge.status()["admission"]
+    assert st["shed"] == 0 and st["waiting"] == 0
+    assert edge.node_status("one")["inflight"] == 0
+    assert edge.node_status("one")["slots"] == 1
+
+
+def test_a_request_whose_deadline_cannot_be_met_gets_429_at_once(
+        tiny_upstreams, redis_server, edge_factory) -> None:
+    (up,) = tiny_upstreams(names=["one"])
+    up.delay_s = 1.5
+    edge = _edge(redis_server, edge_factory, [up.snapshot_node(slots=1, slots_source="config",
+                                                               score=None, has_metrics=False)],
+                 request_ms=2500, max_wait_ms=100)
+    assert requests.post(f"{edge.url}/v1/chat/completions", json=CHAT, timeout=30).status_code == 200
+    up.gate, up.chunks, up.delay_s = threading.Event(), 2, 0.0
+    held = requests.post(f"{edge.url}/v1/chat/completions", json={**CHAT, "stream": True},
+                         stream=True, timeout=30)
+    try:
+        assert held.status_code == 200
+        # a 1.5 s wait for the slot and 1.5 s of its own do not fit in 2.5 s
+        res = requests.post(f"{edge.url}/v1/chat/completions", json=CHAT, timeout=30)
+        assert res.status_code == 429, res.text
+        assert res.json()["error"]["code"] == "nodes_saturated"
+        assert res.headers["Retry-After"] == "2"
+        assert up.hits == 2
+    finally:
+        up.gate.set()
+        held.close()
+    edge.wait_idle()
+    assert edge.status()["admission"]["waiting"] == 0
+
+
+def test_a_one_at_a_time_server_never_sees_a_second_request(simnodes, redis_server,
+                                                           edge_factory) -> None:
+    nodes = simnodes(2, "--llamacpp", "--output-tokens", "6:6", time_scale=0.05,
+                     names=["cpp-a", "cpp-b"])
+    edge = _edge(redis_server, edge_factory,
+                 [n.snapshot_node(kind="openai", slots=1, slots_source="config",
+                                  max_concurrency=1, score=None, has_metrics=False)
+                  for n in nodes], workers=2)
+
+    def stream(_: int) -> tuple[int, bool]:
+        with requests.post(f"{edge.url}/v1/chat/completions", json={**SIM, "stream": True},
+                           stream=True, timeout=60) as res:
+            text = res.text
+        return res.status_code, FINISHED.search(text) is not None
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(stream, range(16)))
+    assert Counter(s for s, _ in got) == {200: 16}
+    assert all(done for _, done in got), got             # every stream ran to its end
+    for n in nodes:
+        st = n.state()
+        assert st["interrupted_total"] == 0, st
+        assert st["completed_total"] >= 1, st
+    assert edge.status()["admission"]["shed"] == 0
+
+
+def _burst(edge, n: int) -> Counter:
+    def one(_: int) -> int:
+        return requests.post(f"{edge.url}/v1/chat/completions", json=SIM,
+                             timeout=60).status_code
+
+    with ThreadPoolExecutor(n) as pool:
+        return Counter(pool.map(one, range(n)))
+
+
+def test_after_one_at_a_time_traffic_a_burst_is_not_shed_while_slots_are_free(
+        simnodes, redis_server, edge_factory) -> None:
+    nodes = simnodes(2, "--max-running", "8", "--output-tokens", "40:40", time_scale=0.3,
+                     names=["batch-a", "batch-b"])
+    edge = _edge(redis_server, edge_factory,
+                 [n.snapshot_node(max_concurrency=8, score=0.1) for n in nodes],
+                 request_ms=1500)
+    for _ in range(20):                                   # a quiet spell: one at a time
+        assert _burst(edge, 1) == {200: 1}
+    serial = []
+    for n in nodes:
+        st = edge.node_status(n.name)
+        if st["learned_concurrency"] is not None:
+            assert st["learned_concurrency"] < 2, st
+            serial.append(st["service_s"])
+    # taken as serial, the 8th request on a node would be predicted to take 8 answers
+    assert serial and 8 * min(serial) > 1.5, serial
+    # 16 at once: every node has 8 free batch slots, so none of them is shed
+    got = _burst(edge, 16)
+    assert got == {200: 16}, got
+    assert edge.status()["admission"]["shed"] == 0
+
+
+def test_a_burst_within_known_slots_is_admitted_and_the_slots_hold(
+        simnodes, redis_server, edge_factory) -> None:
+    nodes = simnodes(2, "--max-running", "4", "--output-tokens", "10:10", time_scale=0.02,
+                     names=["slot-a", "slot-b"])
+    edge = _edge(redis_server, edge_factory,         # two workers share the slots
+                 [n.snapshot_node(max_concurrency=4, slots=4, slots_source="config", score=0.1)
+                  for n in nodes], workers=2)
+    for _ in range(10):
+        assert _burst(edge, 1) == {200: 1}
+
+    def most_at_a_node() -> int:
+        return max(st["running"] + st["waiting"] for st in (n.state() for n in nodes))
+
+    with _Peak(most_at_a_node) as peak:
+        got = _burst(edge, 24)                            # 3 x the slots: 16 wait at the edge
+    assert got == {200: 24}, got
+    assert 1 <= peak.peak <= 4                            # never more at a node than its slots
+    assert edge.status()["admission"]["shed"] == 0
+
+
+def test_under_overload_the_queue_admits_only_what_meets_the_deadline(
+        simnodes, redis_server, edge_factory) -> None:
+    (node,) = simnodes(1, "--max-running", "2", "--output-tokens", "40:40", time_scale=0.3,
+                       names=["over"])
+    edge = _edge(redis_server, edge_factory,
+                 [node.snapshot_node(max_concurrency=2, slots=2, slots_source="config",
+                                     score=0.1)], request_ms=3000)
+    for _ in range(5):                                    # answer-time history
+        assert _burst(edge, 1) == {200: 1}
+    got = _burst(edge, 40)                                # far more than 3 s of work
+    assert got[504] == 0 and sum(got.values()) == 40, got
+    assert got[200] >= 2 and got[429] >= 1, got
+    assert edge.status()["admission"]["deadline_exceeded"] == 0

@@ -1,0 +1,202 @@
+"""Known slots as a hard limit (infergate.admission.slots), the edge's FIFO queue
+(infergate.admission.queue), the learned tail of answer times
+(infergate.routing.learned) and the guard rails of the learned concurrency
+(infergate.routing.speed); run in nginx's init_by_lua with real shared dicts
+(support.stack.lua_eval)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from support.stack import lua_eval, lua_node_helpers
+
+from controlplane.edge.options import lua_string, option_spec
+
+DICTS = "lua_shared_dict infergate_snapshot 1m; lua_shared_dict infergate_stats 1m;"
+
+
+def run(workdir: Path, body: str):
+    prelude = """
+            local config = require("infergate.core.config")
+            assert(config.init({edge = {stale_after_s = 10}},
+                               """ + lua_string(json.dumps(option_spec())) + """))
+            local stats = require("infergate.routing.stats")
+            local speed = require("infergate.routing.speed")
+            local learned = require("infergate.routing.learned")
+            local slots = require("infergate.admission.slots")
+            local queue = require("infergate.admission.queue")
+            local held = require("infergate.routing.held")
+""" + lua_node_helpers(max_concurrency=64, score=0.1) + """
+            local function busy(name, n)
+                for _ = 1, n do stats.open_attempt(name, ngx.now()) end
+            end
+            local function answered(name, k, lat)
+                speed.observe({node = name, k = k}, lat * 1000)
+            end
+"""
+    return lua_eval(workdir, prelude + body, http_extra=DICTS)
+
+
+def test_reserve_never_passes_a_nodes_known_slots(workdir: Path) -> None:
+    got = run(workdir, """
+            local t = tbl({node("a", {slots = 2}), node("b", {slots = 1})})
+            t.by_name = {a = t.nodes[1], b = t.nodes[2]}
+            local out = {taken = {}, refused = 0}
+            for _ = 1, 6 do
+                local req = {tried = {}}
+                if slots.reserve(req, t, ngx.now()) then
+                    out.taken[req.picked.name] = (out.taken[req.picked.name] or 0) + 1
+                else
+                    out.refused = out.refused + 1
+                end
+            end
+            out.inflight = {a = stats.inflight("a"), b = stats.inflight("b")}
+            out.free = slots.free(t, ngx.now())
+            -- a held slot the balancer never used is given back in the log phase
+            local req = {picked = {name = "a", claimed = true}}
+            held.give_back(req)
+            held.give_back(req)                     -- once only
+            out.after_give_back = stats.inflight("a")
+            out.free_after = slots.free(t, ngx.now())
+            out.claim_over = stats.claim("b", 1)    -- b is full: the increment decides
+            out.b = stats.inflight("b")
+            return out
+    """)
+    assert got["taken"] == {"a": 2, "b": 1}
+    assert got["refused"] == 3
+    assert got["inflight"] == {"a": 2, "b": 1}
+    assert got["free"] == 0
+    assert got["after_give_back"] == 1 and got["free_after"] == 1
+    assert got["claim_over"] is False and got["b"] == 1
+
+
+def test_a_pool_without_known_slots_keeps_the_old_rule(workdir: Path) -> None:
+    got = run(workdir, """
+            local t = tbl({node("a"), node("b")})
+            local mixed = tbl({node("a"), node("c", {slots = 1})})
+            return {plain = slots.applies(t, ngx.now()),
+                    mixed = slots.applies(mixed, ngx.now())}
+    """)
+    assert got == {"plain": False, "mixed": True}
+
+
+def test_queue_is_first_come_first_served_and_survives_a_lost_ticket(workdir: Path) -> None:
+    got = run(workdir, """
+            local out = {}
+            local now = ngx.now()
+            out.empty = queue.empty("m")
+            local t1 = queue.join("m", 0.02)
+            local t2 = queue.join("m", 0.02)
+            local t3 = queue.join("m", 0.02)
+            out.ahead = {queue.ahead("m", t1, now), queue.ahead("m", t2, now),
+                         queue.ahead("m", t3, now)}
+            out.other = queue.empty("other")      -- per pool
+            queue.leave("m", t2, now)             -- leaves from the middle: head stays
+            out.after_middle = {queue.ahead("m", t1, now), queue.ahead("m", t3, now)}
+            queue.leave("m", t1, now)             -- the head leaves: t2 is passed over too
+            out.after_head = queue.ahead("m", t3, now)
+            -- a ticket whose worker died: no alive key; passed over after the grace
+            local t4 = queue.join("m", 0.02)
+            local t5 = queue.join("m", 0.02)
+            queue.leave("m", t3, now)
+            ngx.shared.infergate_stats:delete("q:m:a" .. t4)
+            out.lost_first = queue.ahead("m", t5, now)
+            out.lost_later = queue.ahead("m", t5, now + queue.ALIVE_GRACE_S)
+            queue.leave("m", t5, now)
+            out.length = queue.length("m")
+            out.empty_again = queue.empty("m")
+            return out
+    """)
+    assert got["empty"] is True and got["other"] is True
+    assert got["ahead"] == [0, 1, 2]
+    assert got["after_middle"] == [0, 2]
+    assert got["after_head"] == 0
+    assert got["lost_first"] == 1 and got["lost_later"] == 0
+    assert got["length"] == 0 and got["empty_again"] is True
+
+
+def test_tail_prediction_has_a_prior_bounds_decay_and_the_max_tokens_cap(workdir: Path) -> None:
+    got = run(workdir, """
+            local out = {}
+            local now = ngx.now()
+            out.prior = learned.tail_s("a", 1.0, nil, now)          -- nothing learned: 2 x mean
+            for i = 1, 400 do learned.observe("a", (i % 10 == 0) and 5.0 or 1.0, 100, now) end
+            out.learned = learned.tail_s("a", 1.4, nil, now)
+            out.floor = learned.tail_s("a", 9.0, nil, now)          -- never below the mean
+            out.ceiling = learned.tail_s("a", 0.1, nil, now)        -- at most 8 x the mean
+            out.decayed = learned.tail_s("a", 1.4, nil, now + 60 + learned.HALF_LIFE_S * 20)
+            out.pt = learned.info("a").pt
+            out.capped = learned.tail_s("a", 1.4, {body = {max_tokens = 50}}, now)
+            out.capped2 = learned.tail_s("a", 1.4, {body = {max_completion_tokens = 10,
+                                                             max_tokens = 5000}}, now)
+            out.uncapped = learned.tail_s("a", 1.4, {body = {max_tokens = 100000}}, now)
+            return out
+    """)
+    assert got["prior"] == pytest.approx(2.0)
+    # 10 % of the answers take 5 s: the 0.9 quantile sits between 1 and 5 s
+    assert 1.0 < got["learned"] <= 5.0
+    assert got["floor"] == pytest.approx(9.0)
+    assert got["ceiling"] == pytest.approx(0.8)
+    assert got["decayed"] == pytest.approx(2 * 1.4, rel=0.01)
+    assert 0.01 < got["pt"] < 0.05                               # 1-5 s over 100 tokens
+    assert got["capped"] == pytest.approx(got["pt"] * 50)
+    assert got["capped2"] == pytest.approx(got["pt"] * 10)
+    assert got["uncapped"] == pytest.approx(got["learned"])
+
+
+def test_learned_concurrency_has_a_ceiling_decays_and_yields(workdir: Path) -> None:
+    got = run(workdir, """
+            local out = {}
+            local a = node("a", {slots = 4})
+            -- one at a time for a while, then a queue shows at level 2: learned 1
+            for _ = 1, 30 do answered("a", 1, 1.0) end
+            for _ = 1, 30 do answered("a", 2, 2.0) end
+            out.learned = speed.effective(a)
+            local now = ngx.now()
+            out.still = speed.effective(a, now + speed.LEARNED_STALE_S)
+            out.decayed = speed.effective(a, now + speed.LEARNED_STALE_S
+                                              + speed.LEARNED_HALF_LIFE_S)
+            out.long_after = speed.effective(a, now + 3600)
+            -- answers at 4 in flight come back as fast as alone: the model yields at once
+            for _ = 1, 20 do answered("a", 4, 1.0) end
+            out.yielded = speed.effective(a)
+            for _ = 1, 30 do answered("a", 2, 2.0) end     -- the fits keep the floor
+            out.floor_kept = speed.effective(a)
+            return out
+    """)
+    assert got["learned"] == 1
+    assert got["still"] == 1
+    assert got["decayed"] == pytest.approx(4 + (1 - 4) * 0.5)
+    assert got["long_after"] == pytest.approx(4, abs=0.01)
+    assert got["yielded"] == 4
+    assert got["floor_kept"] == 4
+
+
+def test_admission_predicts_the_requests_own_time_at_the_tail(workdir: Path) -> None:
+    got = run(workdir, """
+            local shed = require("infergate.admission.shed")
+            local now = ngx.now()
+            local att = stats.open_attempt("a", now)
+            stats.close_attempt(att, "ok", now, 1000)               -- mean 1 s
+            local t = tbl({node("a", {score = nil})})
+            local out = {}
+            out.mean = shed.best_prediction(t, now, nil)
+            out.prior = shed.best_prediction(t, now, nil, {})       -- no tail learned: 2 x
+            for i = 1, 300 do learned.observe("a", (i % 5 == 0) and 4.0 or 1.0, 100, now) end
+            out.tail = shed.best_prediction(t, now, nil, {})
+            out.short = shed.best_prediction(t, now, nil, {body = {max_tokens = 20}})
+            out.pt = learned.info("a").pt
+            -- the queue's prediction: one slot, one ahead
+            local one = tbl({node("a", {slots = 1, score = nil})})
+            busy("a", 1)
+            out.done, out.wait = slots.predict(one, now, {}, 1)
+            return out
+    """)
+    assert got["mean"] == pytest.approx(1.0)
+    assert got["prior"] == pytest.approx(2.0)
+    assert 3.0 < got["tail"] < 4.5                           # a fifth of the answers take 4 s
+    assert got["short"] == pytest.approx(got["pt"] * 20)
+    assert got["wait"] == pytest.approx(2.0)                 # the one in flight, then one ahead
+    assert got["done"] == pytest.approx(2.0 + got["tail"])
