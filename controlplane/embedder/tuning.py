@@ -42,6 +42,9 @@ class TuningError(InfergateError, ValueError):
     """Calibration cannot produce or store a result (message for the operator)."""
 
 
+CHECK_SALT = "infergate-calibrate-v1"
+"""Salt of the fit / check split of an operator's pairs: not ``split.SPLIT_SALT``, so the
+judge part of the dev data (one side of that split) still splits in two here."""
 MAX_OVERLAP = 0.05
 """Largest share of the operator's distinct texts that may be in the verifier's training
 data (its fingerprint) before :func:`calibrate` refuses (unless ``allow_overlap``)."""
@@ -121,7 +124,7 @@ def _parts(pairs: cal.Pairs, model, notes: list[str]) -> tuple[_Part, _Part]:
     texts = sorted(set(pairs.text1) | set(pairs.text2))
     vecs = _embed(model, texts)
     pos = {t: i for i, t in enumerate(texts)}
-    mask = split.split_pairs(pairs.text1, pairs.text2)
+    mask = split.split_pairs(pairs.text1, pairs.text2, salt=CHECK_SALT)
     mine = not any(v == 0 for v in pairs.label)
     out = []
     for side in (mask, ~mask):

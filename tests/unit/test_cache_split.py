@@ -117,3 +117,14 @@ def test_check_part_bound_warns_and_a_weaker_trained_verifier_is_refused() -> No
     assert tuning.check_verdict(res, 0.01) is None
     res.chosen = None
     assert "no threshold keeps" in tuning.check_verdict(res, 0.01)
+
+
+def test_calibration_splits_the_judge_part_of_the_dev_split_again() -> None:
+    """calibrate's own split has another salt: one side of the dev split (all of whose
+    groups fell on one side) still splits into a fit and a check part."""
+    p = _pairs(300)
+    judge = split.subset(p, ~split.split_pairs(p.text1, p.text2))
+    again = split.split_pairs(judge.text1, judge.text2)
+    assert not again.any()                       # the same salt: nothing to choose on
+    res = tuning.calibrate(judge, _Model(), 0.05)
+    assert res.fit_pairs > 0 and res.check_pairs > 0
