@@ -1,9 +1,13 @@
 """``infergate cache stats|purge|calibrate``: the response cache from the shell.
 
 - ``infergate cache calibrate --pairs FILE [--route R] [--model M] [--namespace-prefix P]
-  [--max-wrong 0.01] [--config FILE]``: thresholds of a semantic-cache domain from labelled
-  pairs (:mod:`controlplane.embedder.tuning`), printed as a table of hit rate against
-  wrong-hit rate and written to ``[[cache.semantic_domains]]`` of the config (no Redis).
+  [--max-wrong 0.01] [--config FILE] [--train-verifier FILE] [--allow-overlap]``:
+  thresholds of a semantic-cache domain from labelled pairs
+  (:mod:`controlplane.embedder.tuning`): chosen on a fit part of the pairs, checked on the
+  rest (split by text), printed as tables of hit rate against wrong-hit rate and written
+  to ``[[cache.semantic_domains]]`` of the config (no Redis). Refused on pairs the
+  verifier was trained on (its fingerprint) unless ``--allow-overlap``;
+  ``--train-verifier`` gives the domain a verifier of its own.
 
 - ``infergate cache stats [--json]``: entries, estimated memory, counters and hit rates
   (0-1) from :func:`controlplane.cache.store.stats`.
