@@ -244,3 +244,29 @@ def test_calibrate_refuses_the_shipped_verifiers_training_pairs(tmp_path) -> Non
     res = _run("calibrate", "--pairs", str(f), "--model", "bank", "--dry-run",
                "--allow-overlap")
     assert "do NOT hold" in res.stderr and "check part" in res.stdout
+
+
+def test_train_verifier_refuses_pairs_too_few_to_beat_the_shipped_one(tmp_path) -> None:
+    """On the ~2000 bank pairs the shipped verifier has not seen (judge part of bq-zh), a
+    verifier trained on them serves fewer matching pairs of the check part than the
+    shipped one (its threshold on the fit part is 1.0): refused, nothing written."""
+    from controlplane.embedder import calibration as cal
+    from controlplane.embedder import split
+
+    data = Path(__file__).resolve().parents[3] / "shared" / "data" / "cache-eval"
+    if not (data / "bq-zh.tsv").is_file():
+        pytest.skip(f"dev set {data / 'bq-zh.tsv'} not found")
+    raw = {n: cal.load_pairs(data / f) for n, f in (("bq-zh", "bq-zh.tsv"),
+                                                    ("lcqmc-zh", "lcqmc-zh.tsv"))}
+    judge = split.subset(raw["bq-zh"], ~split.split_sets(raw)["bq-zh"])
+    f = tmp_path / "bank.tsv"
+    f.write_text("".join(f"{a}\t{b}\t{y}\n" for a, b, y in
+                         zip(judge.text1, judge.text2, judge.label)),
+                 encoding="utf-8")
+    cfg = tmp_path / "infergate.toml"
+    out = tmp_path / "bank.json"
+    res = _run("calibrate", "--pairs", str(f), "--model", "bank", "--config", str(cfg),
+               "--train-verifier", str(out), "--plot", "")
+    assert res.exit_code == 1 and "too few pairs to beat" in res.output, res.output
+    assert "current verifier (its own threshold)" in res.output
+    assert not out.exists() and not cfg.exists()
