@@ -163,6 +163,7 @@ class Engine:
         #: a domain's own verifier file -> its verifier (None: not readable)
         self._domain_verifiers: dict[str, Verifier | None] = {}
         self._domain_lock = threading.Lock()
+        self._domain_policy: object = None
 
     @property
     def verifier_active(self) -> bool:
@@ -320,11 +321,16 @@ class Engine:
                 vs = min(1.0, vs + up)
         return sim, vs, ver
 
-    def _domain_verifier(self, path: str) -> tuple[Verifier | None, bool]:
-        """``(verifier, ok)`` of a domain's own file, read once per path. A file that
-        cannot be read is logged once and gives ``(engine's verifier, False)``: the caller
-        then serves only texts equal up to case and punctuation (score 1)."""
+    def _domain_verifier(self, path: str, pol: object) -> tuple[Verifier | None, bool]:
+        """``(verifier, ok)`` of a domain's own file, read once per path and policy ``pol``
+        (a reloaded configuration, e.g. after ``cache calibrate --train-verifier``
+        rewrote the file, reads it again). A file that cannot be read is logged once and
+        gives ``(engine's verifier, False)``: the caller then serves only texts equal up to
+        case and punctuation (score 1)."""
         with self._domain_lock:
+            if pol is not self._domain_policy:
+                self._domain_verifiers.clear()
+                self._domain_policy = pol
             if path not in self._domain_verifiers:
                 from controlplane.embedder.verifier import VerifierError, load_for
 
@@ -347,7 +353,7 @@ class Engine:
         on = pol.verifier if dom is None or dom.verifier is None else dom.verifier
         ver, ok = self.verifier, True
         if on and dom is not None and dom.verifier_file:
-            ver, ok = self._domain_verifier(dom.verifier_file)
+            ver, ok = self._domain_verifier(dom.verifier_file, pol)
         ver = ver if on else None
         if not ok and ver is None:  # the domain's verifier is unreadable, none to fall back on
             return 1.0, None, None

@@ -289,3 +289,25 @@ def test_a_domains_own_verifier_leaves_the_other_domains_decisions_unchanged(
                                               "verifier_file": str(tmp_path / "gone.json")}]},
                        accepting)
     assert e.thresholds(ns, model="c")[1] == 1.0 and e.thresholds(ns, model="a")[1] == 0.6
+
+
+def test_a_domains_verifier_is_read_again_when_the_configuration_reloads(
+        engine_factory, tmp_path) -> None:
+    from controlplane.config import settings_from_dict
+    from controlplane.embedder.policy import PolicySource, ThresholdPolicy
+
+    own = tmp_path / "v.json"
+    first = _fake_verifier()
+    first.min_score = 0.61
+    first.save(own)
+    dom = {"semantic_domains": [{"model": "b", "min_similarity": 0.5,
+                                 "verifier_file": str(own)}]}
+    e = engine_factory(dom, _fake_verifier())
+    assert e.thresholds("ab", model="b")[1] == 0.61
+    second = _fake_verifier()
+    second.min_score = 0.77
+    second.save(own)
+    assert e.thresholds("ab", model="b")[1] == 0.61      # same configuration: kept
+    s = settings_from_dict({"cache": dom})
+    e.policy = PolicySource(policy=ThresholdPolicy.from_cache_settings(s.cache))
+    assert e.thresholds("ab", model="b")[1] == 0.77      # reloaded: read again
