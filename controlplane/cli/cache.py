@@ -1,9 +1,13 @@
 """``infergate cache stats|purge|calibrate``: the response cache from the shell.
 
 - ``infergate cache calibrate --pairs FILE [--route R] [--model M] [--namespace-prefix P]
-  [--max-wrong 0.01] [--config FILE]``: thresholds of a semantic-cache domain from labelled
-  pairs (:mod:`controlplane.embedder.tuning`), printed as a table of hit rate against
-  wrong-hit rate and written to ``[[cache.semantic_domains]]`` of the config (no Redis).
+  [--max-wrong 0.01] [--config FILE] [--train-verifier FILE] [--allow-overlap]``:
+  thresholds of a semantic-cache domain from labelled pairs
+  (:mod:`controlplane.embedder.tuning`): chosen on a fit part of the pairs, checked on the
+  rest (split by text), printed as tables of hit rate against wrong-hit rate and written
+  to ``[[cache.semantic_domains]]`` of the config (no Redis). Refused on pairs the
+  verifier was trained on (its fingerprint) unless ``--allow-overlap``;
+  ``--train-verifier`` gives the domain a verifier of its own.
 
 - ``infergate cache stats [--json]``: entries, estimated memory, counters and hit rates
   (0-1) from :func:`controlplane.cache.store.stats`.
@@ -123,6 +127,9 @@ def _check_domain(no_verifier: bool, train_out: str | None, namespace_prefix: st
 
     if no_verifier and train_out:
         raise click.UsageError("--no-verifier and --train-verifier exclude each other")
+    if train_out and not (route or model or namespace_prefix):
+        raise click.UsageError("--train-verifier needs the domain it is for: --route, --model "
+                               "or --namespace-prefix (the other domains keep their verifier)")
     if namespace_prefix and not all(ch in "0123456789abcdef" for ch in namespace_prefix):
         raise click.BadParameter("lowercase hex digits", param_hint="--namespace-prefix")
     if route and not PATH_RE.match(route):
@@ -173,35 +180,47 @@ def _print_calibration(res: CalibrationResult, model_id: str) -> None:
     """The notes, the pairs counted and the table of thresholds (every 0.05 and the one
     chosen)."""
     for note in res.notes:
-        click.echo(f"note: {note}")
+        if note.startswith("WARNING"):
+            click.secho(note, err=True, fg="red", bold=True)
+        else:
+            click.echo(f"note: {note}")
     click.echo(f"{res.pairs} pairs ({res.positives} matching, {res.negatives} not), "
                f"model {model_id}, score: {res.score}"
                + (f" (cosine >= {res.floor})" if res.floor is not None else ""))
     chosen_t = res.chosen.threshold if res.chosen else None
     shown = [r for r in res.rows if round(r.threshold * 100, 4) % 5 == 0
              or r.threshold == chosen_t]
+    click.echo(f"fit part ({res.fit_pairs} pairs), where the threshold is chosen:")
     click.echo(table(("threshold", "hit rate", "wrong-hit rate", "wrong 95% bound", ""),
                      [(f"{r.threshold:.3f}", _rate(r.hit_rate), _rate(r.wrong_rate),
                        _rate(r.wrong_upper), "<- chosen" if r.threshold == chosen_t else "")
                       for r in shown]))
+    rows = [("this calibration", res.check)]
+    if res.trained is not None and res.baseline_check is not None:
+        rows.append(("current verifier (its own threshold)", res.baseline_check))
+    click.echo(f"check part ({res.check_pairs} pairs, questions not used to choose):")
+    click.echo(table(("", "threshold", "hit rate", "wrong-hit rate", "wrong 95% bound"),
+                     [(name, "-" if r is None else f"{r.threshold:.3f}",
+                       _rate(r.hit_rate if r else None), _rate(r.wrong_rate if r else None),
+                       _rate(r.wrong_upper if r else None)) for name, r in rows]))
 
 
 def _write_calibration(path: str, res: CalibrationResult, entry: dict,
                        train_out: str | None) -> None:
-    """Write the trained verifier (``train_out``) and the domain ``entry`` into the
-    config at ``path``. Raises ``click.ClickException``."""
+    """Write the trained verifier (``train_out``) and the domain ``entry``, which names it
+    as its own ``verifier_file``, into the config at ``path``. Raises
+    ``click.ClickException``."""
     from pathlib import Path
 
     from controlplane.embedder import tuning
 
-    vfile = None
     if res.trained is not None and train_out:
         res.trained.save(train_out)
-        vfile = str(Path(train_out).resolve())
-        click.echo(f"verifier written to {vfile}")
+        entry["verifier_file"] = str(Path(train_out).resolve())
+        entry["verifier"] = True
+        click.echo(f"verifier written to {entry['verifier_file']} (this domain's only)")
     try:
-        tuning.write_domain(path, entry, verifier_file=vfile,
-                            use_verifier=True if vfile else None)
+        tuning.write_domain(path, entry)
     except tuning.TuningError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"written to {path} [[cache.semantic_domains]]"
@@ -226,7 +245,11 @@ def _write_calibration(path: str, res: CalibrationResult, entry: dict,
               "the domain then runs without the verifier.")
 @click.option("--train-verifier", "train_out", type=click.Path(dir_okay=False), default=None,
               help="Fit a verifier on these pairs, write it to this JSON file and make it "
-                   "the embedder's verifier (for every domain).")
+                   "this domain's verifier (the other domains keep theirs); refused when it "
+                   "serves fewer pairs than the current one on the check part.")
+@click.option("--allow-overlap", is_flag=True, help="Go on when more than 5 % of the texts "
+              "are in the verifier's training data (the bounds then do not hold on new "
+              "questions).")
 @click.option("--folds", default=5, show_default=True, type=click.IntRange(2, 20))
 @click.option("--bound", default="wilson", show_default=True,
               type=click.Choice(["wilson", "clopper-pearson"]))
@@ -237,13 +260,14 @@ def _write_calibration(path: str, res: CalibrationResult, entry: dict,
 @click.pass_obj
 def calibrate_cmd(c: Ctx, pairs_path: str, route: str, model: str, namespace_prefix: str,
                   max_wrong: float, config_path: str | None, embedding_model: str | None,
-                  no_verifier: bool, train_out: str | None, folds: int, bound: str,
-                  plot_path: str, dry_run: bool) -> None:
+                  no_verifier: bool, train_out: str | None, allow_overlap: bool, folds: int,
+                  bound: str, plot_path: str, dry_run: bool) -> None:
     """Choose a domain's semantic thresholds from labelled pairs and write them to the config.
 
-    The lowest threshold whose wrong-hit rate has a 95 % upper bound at or under
-    --max-wrong; scored by the verifier (cosine >= its floor, then its probability), or
-    by the cosine with the precision guard (--no-verifier)."""
+    The pairs are split by text into a fit part, where the lowest threshold whose
+    wrong-hit rate has a 95 % upper bound at or under --max-wrong is chosen, and a check
+    part, where that bound must hold too; scored by the verifier (cosine >= its floor,
+    then its probability), or by the cosine with the precision guard (--no-verifier)."""
     from pathlib import Path
 
     from controlplane.embedder import tuning
@@ -259,7 +283,7 @@ def calibrate_cmd(c: Ctx, pairs_path: str, route: str, model: str, namespace_pre
     pairs, m, v = _load_calibration(path, pairs_path, embedding_model, no_verifier)
     try:
         res = tuning.calibrate(pairs, m, max_wrong, verifier=v, train=bool(train_out),
-                               folds=folds, bound=bound)
+                               folds=folds, bound=bound, allow_overlap=allow_overlap)
     except tuning.TuningError as exc:
         raise click.ClickException(str(exc)) from None
     _print_calibration(res, m.model_id)
@@ -269,14 +293,17 @@ def calibrate_cmd(c: Ctx, pairs_path: str, route: str, model: str, namespace_pre
             click.echo(f"plot: {plot_path}")
         else:
             click.echo("note: matplotlib not installed, no plot")
-    if res.chosen is None:
-        raise click.ClickException(
-            f"no threshold keeps the wrong-hit bound at or under {max_wrong:.2%}: more "
-            "labelled negatives are needed, or the score cannot separate this domain")
+    why = tuning.check_verdict(res, max_wrong)
+    if why is not None:
+        raise click.ClickException(why)
+    assert res.chosen is not None and res.check is not None
+    warning = tuning.check_warning(res, max_wrong)
+    if warning:
+        click.secho(warning, err=True, fg="red", bold=True)
     entry = tuning.domain_entry(res, route, model, namespace_prefix)
-    click.echo(f"chosen: {res.score} >= {res.chosen.threshold:.3f}: hit rate "
-               f"{_rate(res.chosen.hit_rate)}, wrong-hit rate {_rate(res.chosen.wrong_rate)} "
-               f"(95% bound {_rate(res.chosen.wrong_upper)})")
+    click.echo(f"chosen: {res.score} >= {res.chosen.threshold:.3f}; on the check part: hit "
+               f"rate {_rate(res.check.hit_rate)}, wrong-hit rate {_rate(res.check.wrong_rate)}"
+               f" (95% bound {_rate(res.check.wrong_upper)})")
     if dry_run:
         return
     if not path:

@@ -34,6 +34,9 @@ class SemanticDomain(_Section):
     verifier: bool | None = None
     """Use the verifier in this domain (false: cosine and the precision guard only);
     unset = ``cache.verifier``."""
+    verifier_file: str = ""
+    """This domain's own verifier file (``infergate cache calibrate --train-verifier``);
+    empty = ``cache.verifier_file``, else the bundled verifier."""
     pairs: int = Field(default=0, ge=0, le=10**9)
     """Informational, from calibration: labelled pairs the thresholds were chosen on."""
     hit_rate: float | None = Field(default=None, ge=0.0, le=1.0)

@@ -19,7 +19,7 @@ import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from controlplane.redisdb import keynames
-from controlplane.embedder import guard as guard_mod
+from controlplane.embedder import decision
 from controlplane.embedder.activity import LookupActivity
 from controlplane.embedder.batcher import MicroBatcher
 from controlplane.embedder.index import Candidate, IndexItem, open_index
@@ -160,6 +160,10 @@ class Engine:
         self._raises: dict[str, float] = {}
         self._raises_at = -float("inf")
         self._raises_lock = threading.Lock()
+        #: a domain's own verifier file -> its verifier (None: not readable)
+        self._domain_verifiers: dict[str, Verifier | None] = {}
+        self._domain_lock = threading.Lock()
+        self._domain_policy: object = None
 
     @property
     def verifier_active(self) -> bool:
@@ -295,27 +299,64 @@ class Engine:
                    ) -> tuple[float, float | None]:
         """``(min_similarity, min_verifier_score)`` of a lookup: the most specific
         configured domain's values, else the request's ``min_similarity``, else the
-        defaults (verifier floor and ``min_score`` when the verifier is on, else the
-        model's threshold); ``min_verifier_score`` is None without the verifier. The
-        namespace's raise (:meth:`threshold_raise`) is added to the threshold that
-        decides a hit: the verifier's when it is on, else the cosine (at most 1)."""
-        sim, vs = self._base_thresholds(namespace, min_similarity, route, model)
+        defaults (the floor and ``min_score`` of the domain's verifier when the verifier
+        is on, else the model's threshold); ``min_verifier_score`` is None without the
+        verifier. The namespace's raise (:meth:`threshold_raise`) is added to the
+        threshold that decides a hit: the verifier's when it is on, else the cosine (at
+        most 1)."""
+        sim, vs, _ = self.limits(namespace, min_similarity, route, model)
+        return sim, vs
+
+    def limits(self, namespace: str, min_similarity: float | None = None,
+               route: str | None = None, model: str | None = None,
+               ) -> tuple[float, float | None, Verifier | None]:
+        """:meth:`thresholds` and the verifier that applies (None: without the verifier;
+        a domain's own ``verifier_file``, else the engine's)."""
+        sim, vs, ver = self._base_thresholds(namespace, min_similarity, route, model)
         up = self.threshold_raise(namespace)
         if up > 0:
             if vs is None:
                 sim = min(1.0, sim + up)
             else:
                 vs = min(1.0, vs + up)
-        return sim, vs
+        return sim, vs, ver
+
+    def _domain_verifier(self, path: str, pol: object) -> tuple[Verifier | None, bool]:
+        """``(verifier, ok)`` of a domain's own file, read once per path and policy ``pol``
+        (a reloaded configuration, e.g. after ``cache calibrate --train-verifier``
+        rewrote the file, reads it again). A file that cannot be read is logged once and
+        gives ``(engine's verifier, False)``: the caller then serves only texts equal up to
+        case and punctuation (score 1)."""
+        with self._domain_lock:
+            if pol is not self._domain_policy:
+                self._domain_verifiers.clear()
+                self._domain_policy = pol
+            if path not in self._domain_verifiers:
+                from controlplane.embedder.verifier import VerifierError, load_for
+
+                try:
+                    self._domain_verifiers[path] = load_for(self.model.model_id,
+                                                            self.model.dim, path)
+                except VerifierError as exc:
+                    log.error("verifier of a semantic domain not loaded (%s): only texts "
+                              "equal up to case and punctuation hit there", exc)
+                    self._domain_verifiers[path] = None
+            v = self._domain_verifiers[path]
+        return (v, True) if v is not None else (self.verifier, False)
 
     def _base_thresholds(self, namespace: str, min_similarity: float | None,
                          route: str | None, model: str | None,
-                         ) -> tuple[float, float | None]:
-        """:meth:`thresholds` before the namespace's raise."""
+                         ) -> tuple[float, float | None, Verifier | None]:
+        """:meth:`limits` before the namespace's raise."""
         pol = self.policy.current()
         dom = pol.resolve(namespace, route, model)
         on = pol.verifier if dom is None or dom.verifier is None else dom.verifier
-        ver = self.verifier if (self.verifier is not None and on) else None
+        ver, ok = self.verifier, True
+        if on and dom is not None and dom.verifier_file:
+            ver, ok = self._domain_verifier(dom.verifier_file, pol)
+        ver = ver if on else None
+        if not ok and ver is None:  # the domain's verifier is unreadable, none to fall back on
+            return 1.0, None, None
         if dom is not None and dom.min_similarity is not None:
             sim = dom.min_similarity
         elif min_similarity is not None:
@@ -323,10 +364,10 @@ class Engine:
         else:
             sim = ver.floor if ver is not None else float(self.model.default_min_similarity)
         if ver is None:
-            return float(sim), None
+            return float(sim), None, None
         vs = dom.min_verifier_score if dom is not None and dom.min_verifier_score is not None \
             else ver.min_score
-        return float(sim), float(vs)
+        return float(sim), float(vs) if ok else 1.0, ver
 
     def lookup(self, namespace: str, text: str, min_similarity: float | None = None,
                use_guard: bool = True, started: float | None = None,
@@ -354,8 +395,8 @@ class Engine:
             return self._lookup_many(reqs, time.perf_counter() if started is None else started)
 
     def _lookup_many(self, reqs: list[LookupRequest], t0: float) -> list[LookupResult]:
-        limits = [self.thresholds(q.namespace, q.min_similarity, q.route or None,
-                                  q.model or None) for q in reqs]
+        limits = [self.limits(q.namespace, q.min_similarity, q.route or None,
+                              q.model or None) for q in reqs]
         embed_at = [i for i, q in enumerate(reqs) if len(q.text) <= self.max_text_chars]
         vecs: list[np.ndarray | None] = [None] * len(reqs)
         if embed_at:
@@ -368,8 +409,8 @@ class Engine:
             for i, c in zip(embed_at, found):
                 cands[i] = c
         # first pass as if every entry were live, then one pipeline for the chosen ones
-        picks = [self._choose(q.text, vecs[i], cands[i], *limits[i], q.guard, None)
-                 for i, q in enumerate(reqs)]
+        picks = [self._choose(q.text, vecs[i], cands[i], limits[i][0], limits[i][1], q.guard,
+                              None, limits[i][2]) for i, q in enumerate(reqs)]
         chosen = [i for i, p in enumerate(picks) if p[0] is not None]
         if chosen:
             if len(chosen) == 1:  # one round trip either way; a pipeline costs more Python
@@ -382,8 +423,9 @@ class Engine:
             for i, alive in zip(chosen, lives):
                 if not alive:  # gone since it was indexed: the others, one by one
                     rest = [c for c in cands[i] if c is not picks[i][0]]
-                    picks[i] = self._choose(reqs[i].text, vecs[i], rest, *limits[i],
-                                            reqs[i].guard, self._live)
+                    picks[i] = self._choose(reqs[i].text, vecs[i], rest, limits[i][0],
+                                            limits[i][1], reqs[i].guard, self._live,
+                                            limits[i][2])
         elapsed = time.perf_counter() - t0
         out = []
         for i, q in enumerate(reqs):
@@ -395,7 +437,7 @@ class Engine:
             self.metrics.lookup_seconds.observe(elapsed)
             if hit is not None:
                 self.metrics.hits.inc()
-            threshold, min_score = limits[i]
+            threshold, min_score = limits[i][0], limits[i][1]
             out.append(LookupResult(
                 hit=hit is not None, key=hit.key if hit else None,
                 similarity=None if shown is None else round(min(1.0, max(0.0, shown.similarity)),
@@ -410,62 +452,28 @@ class Engine:
     def _choose(self, text: str, vec: np.ndarray | None, cands: list[Candidate],
                 threshold: float, min_score: float | None, use_guard: bool,
                 live: Callable[[Candidate], bool] | None,
+                verifier: Verifier | None = None,
                 ) -> tuple[Candidate | None, str | None, float | None]:
         """``(hit, verdict, best verifier score)`` among ``cands`` (best first) for the
-        query ``text``: the first above ``threshold`` that passes the guard (when
-        ``use_guard``), the verifier (when ``min_score`` is set) and ``live`` (None: taken
-        as live; the caller checks)."""
-        hit: Candidate | None = None
-        verdict: str | None = None
-        best_score: float | None = None
-        # characters outside the model's vocabulary (models that know theirs)
-        unknown = getattr(self.model, "unknown_chars", None)
-        for c in cands:
-            if c.similarity < threshold:
-                continue
-            if not use_guard:
-                if live is None or live(c):
-                    hit = c
-                    break
-                continue
-            g = guard_mod.check(text, c.text)
-            if g.ok and unknown is not None and unknown(text) != unknown(c.text):
-                g = guard_mod.GuardResult(False, "unknown_chars")
-            if not g.ok:
-                self.metrics.guard_rejects.inc()
-                verdict = verdict or g.label
-                continue
-            if min_score is not None and vec is not None:
-                # one candidate at a time: a hit on the first spares the others' features
-                score = self._verify(text, vec, [c])[0]
-                best_score = score if best_score is None else max(best_score, score)
-                if score < min_score:
-                    self.metrics.verifier_rejects.inc()
-                    verdict = verdict or "reject:verifier"
-                    continue
-                best_score = score
-            if live is not None and not live(c):
-                continue
-            verdict = g.label
-            hit = c
-            break
-        return hit, verdict, best_score
+        query ``text``: :func:`decision.choose` with this engine's model (characters it
+        does not know), verifier (``verifier``: a domain's own, else the engine's),
+        embedding and counters."""
+        return decision.choose(
+            text, vec, cands, threshold, min_score, use_guard, verifier or self.verifier,
+            live, unknown=getattr(self.model, "unknown_chars", None), embed=self.embed,
+            on_reject=self._count_reject)
+
+    def _count_reject(self, kind: str) -> None:
+        if kind == "guard":
+            self.metrics.guard_rejects.inc()
+        else:
+            self.metrics.verifier_rejects.inc()
 
     def _verify(self, text: str, vec: np.ndarray, cands: list[Candidate]) -> list[float]:
         """Verifier probabilities of ``cands`` for the query ``text`` (vector ``vec``); a
         candidate without a stored vector is embedded again (LRU first)."""
-        missing = [i for i, c in enumerate(cands) if c.vec is None
-                   or c.vec.shape != (self.model.dim,)]
-        vecs = [c.vec for c in cands]
-        if missing:
-            again = self.embed([cands[i].text for i in missing])
-            for i, v in zip(missing, again):
-                vecs[i] = v
-        v = np.vstack(vecs).astype(np.float32, copy=False)
-        u = np.repeat(vec[None, :], len(cands), axis=0)
         assert self.verifier is not None
-        return [float(x) for x in self.verifier.score([text] * len(cands),
-                                                      [c.text for c in cands], u, v)]
+        return decision.verify(self.verifier, text, vec, cands, self.embed)
 
     def close(self) -> None:
         self.batcher.close()

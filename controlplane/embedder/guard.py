@@ -380,6 +380,38 @@ def key_terms(text: str) -> set[str]:
     return set(_key_terms(text))
 
 
+#: Chinese words that name one key term in several spellings: each group's words are
+#: read as its first before key terms are compared, so a rewording with one of them
+#: ("重设密码" / "重置密码": reset) is no substitution. Only exchangeable words: every
+#: pair here asks the same question in a customer-service or general setting.
+ZH_SYNONYMS: tuple[tuple[str, ...], ...] = (
+    ("重置", "重设", "重新设置"), ("修改", "更改", "变更", "更换", "改变"),
+    ("登录", "登陆", "登入"), ("账户", "帐户", "账号", "帐号"), ("账", "帐"),
+    ("注销", "注消", "销户"), ("取消", "撤销", "撤消", "解除"), ("图片", "照片", "相片"),
+    ("提现", "取现"), ("多久", "多长时间", "多少时间"), ("何时", "什么时候", "啥时候"),
+    ("哪里", "哪儿", "什么地方", "啥地方"), ("立即", "立刻", "马上"),
+    ("现在", "目前", "当前"), ("类似", "相似", "像"), ("相同", "一样"),
+    ("女友", "女朋友"), ("男友", "男朋友"), ("妻子", "老婆"), ("丈夫", "老公"),
+    ("电脑", "计算机"), ("手机号", "手机号码", "电话号码"), ("钱", "款"),
+    ("为什么", "为啥", "为何"), ("能否", "可否", "是否可以"), ("审核", "审批"),
+)
+
+
+def _zh_synonym_map() -> tuple[re.Pattern[str], dict[str, str]]:
+    to = {w: g[0] for g in ZH_SYNONYMS for w in g}
+    words = sorted(to, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, words))), to
+
+
+_ZH_SYN_RE, _ZH_SYN = _zh_synonym_map()
+
+
+def zh_canonical(text: str) -> str:
+    """``text`` with the words of :data:`ZH_SYNONYMS` replaced by the first of their
+    group (longest match first)."""
+    return _ZH_SYN_RE.sub(lambda m: _ZH_SYN[m.group(0)], text)
+
+
 @functools.lru_cache(maxsize=8192)
 def _key_terms(text: str) -> frozenset[str]:
     t = text[:MAX_GUARD_CHARS]
@@ -394,21 +426,34 @@ def key_chars(text: str) -> set[str]:
     return {c for c in _CJK_RE.findall(text[:MAX_GUARD_CHARS]) if c not in _ZH_FUNCTION}
 
 
+def _substituted(q: frozenset[str] | set[str], c: frozenset[str] | set[str]) -> bool:
+    only_q, only_c = q - c, c - q
+    return 0 < len(only_q) <= KEY_CHAR_MAX and 0 < len(only_c) <= KEY_CHAR_MAX
+
+
+@functools.lru_cache(maxsize=8192)
+def _canonical_terms(text: str) -> frozenset[str]:
+    return _key_terms(zh_canonical(text[:MAX_GUARD_CHARS]))
+
+
 def key_term_substitution(query: str, candidate: str) -> bool:
     """True when each text has 1..KEY_CHAR_MAX key terms the other lacks: a near-copy with
     a word swapped for another ("皖是哪个省会的简称" / "滇是哪个省会的简称", "shotgun rules
-    in Wisconsin" / "shotgun rules in Michigan"). Pure additions or removals ("小孔雀鱼" /
-    "孔雀鱼") and longer rewordings are not flagged."""
-    q, c = _key_terms(query), _key_terms(candidate)
-    only_q, only_c = q - c, c - q
-    return 0 < len(only_q) <= KEY_CHAR_MAX and 0 < len(only_c) <= KEY_CHAR_MAX
+    in Wisconsin" / "shotgun rules in Michigan"), both as written and with the words of
+    :data:`ZH_SYNONYMS` read as one (so "重设密码" / "重置密码" is no substitution).
+    Pure additions or removals ("小孔雀鱼" / "孔雀鱼") and longer rewordings are not
+    flagged."""
+    if not _substituted(_key_terms(query), _key_terms(candidate)):
+        return False
+    return _substituted(_canonical_terms(query), _canonical_terms(candidate))
 
 
 def key_char_substitution(query: str, candidate: str) -> bool:
     """:func:`key_term_substitution` on Chinese key characters only."""
-    q, c = key_chars(query), key_chars(candidate)
-    only_q, only_c = q - c, c - q
-    return 0 < len(only_q) <= KEY_CHAR_MAX and 0 < len(only_c) <= KEY_CHAR_MAX
+    if not _substituted(key_chars(query), key_chars(candidate)):
+        return False
+    return _substituted(key_chars(zh_canonical(query[:MAX_GUARD_CHARS])),
+                        key_chars(zh_canonical(candidate[:MAX_GUARD_CHARS])))
 
 
 _ZH_DIRECTION = "到比转"

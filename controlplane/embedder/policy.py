@@ -34,6 +34,7 @@ class Domain:
     min_similarity: float | None = None
     min_verifier_score: float | None = None
     verifier: bool | None = None
+    verifier_file: str = ""
 
     def matches(self, namespace: str, route: str | None, model: str | None) -> bool:
         return ((not self.route or self.route == route)
@@ -58,7 +59,8 @@ class ThresholdPolicy:
     def from_cache_settings(cls, c) -> "ThresholdPolicy":
         """From a ``config.CacheSettings``."""
         return cls(tuple(Domain(d.route, d.model, d.namespace_prefix, d.min_similarity,
-                                d.min_verifier_score, d.verifier)
+                                d.min_verifier_score, d.verifier,
+                                getattr(d, "verifier_file", "") or "")
                          for d in c.semantic_domains or ()),
                    bool(c.verifier), c.verifier_file)
 

@@ -29,15 +29,17 @@ per-text results are cached; the networks add a few microseconds).
 
 The model file is JSON (:meth:`Verifier.save`), file version 2: ``{"version",
 "feature_version", "kind", "dim", "model_id", "mean", "scale", "min_score", "floor",
-"trained_on", "cv"}`` plus ``"w", "b"`` (logistic) or ``"members"`` (mlp: per network
-``"hidden"``, ``"w1_f16"`` = the (F, hidden) input weights as little-endian float16,
-row-major, base64, ``"b1"``, ``"w2"``, ``"b2"``). Version 1 files (logistic, feature version
+"trained_on", "cv", "fingerprint"}`` plus ``"w", "b"`` (logistic) or ``"members"``
+(mlp: per network ``"hidden"``, ``"w1_f16"`` = the (F, hidden) input weights as
+little-endian float16, row-major, base64, ``"b1"``, ``"w2"``, ``"b2"``). Version 1 files (logistic, feature version
 1, no ``kind``) still load and are scored with the version 1 features. ``min_score`` is
 the default operating point (probability a hit needs), ``floor`` the cosine a candidate
 needs to be considered at all. The package ships one for ``use-multilingual-v3``
 (``data/verifier-use-multilingual-v3.json``, trained by ``bench/cache_quality/verifier.py
---write-verifier`` on the cache-eval dev sets); ``infergate cache calibrate
---train-verifier`` fits a logistic one on an operator's pairs.
+--write-verifier`` on the fit part of the cache-eval dev sets, ``split.split_sets``);
+``infergate cache calibrate --train-verifier`` fits a logistic one on an operator's pairs
+for one domain. ``"fingerprint"`` (optional) holds the hashes of the normalised texts it
+was trained on (``split.fingerprint``), so calibration can refuse to grade it on them.
 
 Errors: :class:`VerifierError` for a file that cannot be read or does not fit the model.
 """
@@ -235,6 +237,21 @@ class Verifier:
     cv: dict = field(default_factory=dict)
     feature_version: int = FEATURE_VERSION
     members: list[Member] = field(default_factory=list)
+    fingerprint: str = ""
+    """Hashes of the normalised texts it was trained on (``split.fingerprint``; empty:
+    unknown)."""
+
+    def training_hashes(self) -> np.ndarray:
+        """The sorted uint64 hashes of :attr:`fingerprint` (empty when unknown). Raises
+        :class:`VerifierError` for a malformed fingerprint."""
+        from controlplane.embedder import split
+
+        if not self.fingerprint:
+            return np.zeros(0, dtype=np.uint64)
+        try:
+            return split.parse_fingerprint(self.fingerprint)
+        except ValueError as exc:
+            raise VerifierError(f"verifier file: {exc}") from None
 
     @property
     def kind(self) -> str:
@@ -279,6 +296,8 @@ class Verifier:
             d["w"] = [round(float(x), 6) for x in self.w]
             d["b"] = float(self.b)
         d["trained_on"], d["cv"] = self.trained_on, self.cv
+        if self.fingerprint:
+            d["fingerprint"] = self.fingerprint
         return d
 
     def save(self, path: str | Path) -> None:
@@ -326,7 +345,8 @@ class Verifier:
                                         "positive scales")
             return cls(dim, str(d["model_id"]), mean, scale, w, b,
                        float(d["min_score"]), float(d["floor"]),
-                       dict(d.get("trained_on") or {}), dict(d.get("cv") or {}), fv, members)
+                       dict(d.get("trained_on") or {}), dict(d.get("cv") or {}), fv, members,
+                       str(d.get("fingerprint") or ""))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             if isinstance(exc, VerifierError):
                 raise

@@ -41,6 +41,7 @@ from controlplane.embedder import guard
     ("你欠我钱吗", "我欠你钱吗", "persons"),
     ("我不配做你男朋友是谁唱的", "你不配做我的男朋友是谁唱的", "persons"),
     ("皖是哪个省会的简称", "滇是哪个省会的简称", "key_terms"),
+    ("重设密码", "重置密钥", "key_terms"),   # synonyms read as one, the object still differs
     ("彬字的行书怎么写", "焱字的行书是怎么写", "key_terms"),
     ("What is the capital of France?", "What is the capital of Germany?", "key_terms"),
     ("Shotgun safety rules in Wisconsin", "Shotgun safety rules in Michigan", "key_terms"),
@@ -62,6 +63,11 @@ def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason
 
 
 @pytest.mark.parametrize("query,candidate", [
+    # spellings of one key term (guard.ZH_SYNONYMS): reset, log in, account, photo
+    ("重设密码", "重置密码"),
+    ("怎么重设登陆密码", "怎么重置登录密码"),
+    ("帐户怎么注销", "账户怎么销户"),
+    ("图片怎么删除", "照片怎么删除"),
     ("借款一万", "借款10000"),
     ("借款1万", "借款1万元"),
     ("How do I reset my password?", "How can I reset my password?"),

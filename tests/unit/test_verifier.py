@@ -248,3 +248,66 @@ def test_engine_lookup_applies_the_verifier(engine_factory) -> None:
     v.min_score = 0.9
     assert e.lookup(ns, "hello world", use_guard=False).hit is True  # checks off
     assert e.metrics.verifier_rejects._value.get() == 1
+
+
+def test_a_domains_own_verifier_leaves_the_other_domains_decisions_unchanged(
+        engine_factory, tmp_path) -> None:
+    """``verifier_file`` of one ``[[cache.semantic_domains]]`` entry (what ``cache
+    calibrate --train-verifier`` writes) applies to that domain only."""
+    from controlplane.embedder.index import IndexItem
+    from controlplane.redisdb import keynames
+
+    accepting = _fake_verifier()
+    accepting.b = 5.0                                      # p = 0.993 for every pair
+    rejecting = _fake_verifier()
+    rejecting.b, rejecting.floor, rejecting.min_score = -5.0, 0.3, 0.2   # p = 0.007
+    own = tmp_path / "bank-verifier.json"
+    rejecting.save(own)
+    base = [{"model": "a", "min_verifier_score": 0.6}]
+    ns, key = "cd" * 32, "ef" * 32
+
+    def decisions(domains: list[dict]) -> list[tuple]:
+        e = engine_factory({"semantic_domains": domains}, accepting)
+        e.r.set(keynames.cache_entry(key), b"{}", ex=60)
+        e.index_items([IndexItem(key=key, namespace=ns, text="hello there", ttl_s=60)])
+        out = []
+        for model in ("a", "b", None):
+            r = e.lookup(ns, "hello world", model=model)
+            out.append((r.hit, r.guard, r.min_similarity, r.min_verifier_score,
+                        r.verifier_score))
+        return out
+
+    before = decisions(base)
+    after = decisions(base + [{"model": "b", "min_verifier_score": 0.5,
+                               "verifier_file": str(own)}])
+    assert before[0] == after[0] and before[2] == after[2]   # domain a and no domain
+    assert before[1][0] is True and after[1][0] is False      # domain b: its own verifier
+    assert after[1][1] == "reject:verifier" and after[1][2] == 0.3  # its floor
+    assert after[1][4] == pytest.approx(1 / (1 + np.exp(5.0)), rel=1e-3)
+    # a domain whose file cannot be read serves only texts equal up to case/punctuation
+    e = engine_factory({"semantic_domains": [{"model": "c", "min_verifier_score": 0.5,
+                                              "verifier_file": str(tmp_path / "gone.json")}]},
+                       accepting)
+    assert e.thresholds(ns, model="c")[1] == 1.0 and e.thresholds(ns, model="a")[1] == 0.6
+
+
+def test_a_domains_verifier_is_read_again_when_the_configuration_reloads(
+        engine_factory, tmp_path) -> None:
+    from controlplane.config import settings_from_dict
+    from controlplane.embedder.policy import PolicySource, ThresholdPolicy
+
+    own = tmp_path / "v.json"
+    first = _fake_verifier()
+    first.min_score = 0.61
+    first.save(own)
+    dom = {"semantic_domains": [{"model": "b", "min_similarity": 0.5,
+                                 "verifier_file": str(own)}]}
+    e = engine_factory(dom, _fake_verifier())
+    assert e.thresholds("ab", model="b")[1] == 0.61
+    second = _fake_verifier()
+    second.min_score = 0.77
+    second.save(own)
+    assert e.thresholds("ab", model="b")[1] == 0.61      # same configuration: kept
+    s = settings_from_dict({"cache": dom})
+    e.policy = PolicySource(policy=ThresholdPolicy.from_cache_settings(s.cache))
+    assert e.thresholds("ab", model="b")[1] == 0.77      # reloaded: read again

@@ -1,0 +1,91 @@
+"""The semantic cache's decision on a query's candidates, as the embedder serves it.
+
+:func:`choose` is the one function that decides a hit: :class:`engine.Engine` calls it on
+every lookup, and ``bench/cache_quality`` calls it to measure hit and wrong-hit rates, so
+the figures the documentation quotes are those of the serving path (cosine threshold, the
+precision guard, characters the model does not know, the verifier and its threshold).
+
+Pure logic besides the callbacks it is given (``live``: the entry still exists; ``embed``:
+vectors of candidates stored without one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from controlplane.embedder import guard as guard_mod
+from controlplane.embedder.index import Candidate
+from controlplane.embedder.verifier import Verifier
+
+
+def verify(verifier: Verifier, text: str, vec: np.ndarray, cands: Sequence[Candidate],
+           embed: Callable[[list[str]], np.ndarray] | None = None) -> list[float]:
+    """Verifier probabilities (0-1) of ``cands`` for the query ``text`` (unit vector
+    ``vec``, shape (dim,)); a candidate without a stored vector of that shape is embedded
+    by ``embed``. Raises ``ValueError`` when one lacks a vector and ``embed`` is None."""
+    dim = vec.shape[-1]
+    missing = [i for i, c in enumerate(cands) if c.vec is None or c.vec.shape != (dim,)]
+    vecs = [c.vec for c in cands]
+    if missing:
+        if embed is None:
+            raise ValueError("a candidate has no vector and nothing can embed it")
+        for i, v in zip(missing, embed([cands[i].text for i in missing])):
+            vecs[i] = v
+    v = np.vstack(vecs).astype(np.float32, copy=False)
+    u = np.repeat(vec[None, :], len(cands), axis=0)
+    return [float(x) for x in verifier.score([text] * len(cands), [c.text for c in cands],
+                                             u, v)]
+
+
+def choose(text: str, vec: np.ndarray | None, cands: Sequence[Candidate], threshold: float,
+           min_score: float | None, use_guard: bool, verifier: Verifier | None,
+           live: Callable[[Candidate], bool] | None = None,
+           unknown: Callable[[str], object] | None = None,
+           embed: Callable[[list[str]], np.ndarray] | None = None,
+           on_reject: Callable[[str], None] | None = None,
+           ) -> tuple[Candidate | None, str | None, float | None]:
+    """``(hit, verdict, best verifier score)`` among ``cands`` (best first) for the query
+    ``text``: the first with similarity >= ``threshold`` that passes the guard (when
+    ``use_guard``; ``unknown`` gives a text's characters outside the model's vocabulary,
+    which must agree), the verifier (when ``min_score`` and ``verifier`` are set: its
+    probability >= ``min_score``) and ``live`` (None: taken as live). ``verdict`` is the
+    guard's label of the hit (``pass``), else the first rejection (``reject:<reason>``,
+    ``reject:verifier``), else None; ``on_reject`` is told ``guard`` or ``verifier`` per
+    rejected candidate."""
+    hit: Candidate | None = None
+    verdict: str | None = None
+    best_score: float | None = None
+    for c in cands:
+        if c.similarity < threshold:
+            continue
+        if not use_guard:
+            if live is None or live(c):
+                hit = c
+                break
+            continue
+        g = guard_mod.check(text, c.text)
+        if g.ok and unknown is not None and unknown(text) != unknown(c.text):
+            g = guard_mod.GuardResult(False, "unknown_chars")
+        if not g.ok:
+            if on_reject is not None:
+                on_reject("guard")
+            verdict = verdict or g.label
+            continue
+        if min_score is not None and vec is not None and verifier is not None:
+            # one candidate at a time: a hit on the first spares the others' features
+            score = verify(verifier, text, vec, [c], embed)[0]
+            best_score = score if best_score is None else max(best_score, score)
+            if score < min_score:
+                if on_reject is not None:
+                    on_reject("verifier")
+                verdict = verdict or "reject:verifier"
+                continue
+            best_score = score
+        if live is not None and not live(c):
+            continue
+        verdict = g.label
+        hit = c
+        break
+    return hit, verdict, best_score
