@@ -38,7 +38,6 @@ local snapshot = require("infergate.routing.snapshot")
 local balancer = require("infergate.routing.balancer")
 local affinity = require("infergate.routing.affinity")
 local config = require("infergate.core.config")
-local options = require("infergate.admission.options")
 local deadline = require("infergate.admission.deadline")
 local inputguard = require("infergate.admission.inputguard")
 local bodykind = require("infergate.core.bodykind")
@@ -206,27 +205,27 @@ end
 -- The JSON text `body` decoded within the bounds of the options `o` (messages, members,
 -- depth): the value, or nil, error table.
 local function decode_json(body, o)
-    if over_message_count(body, o.max_messages) then
-        return nil, too_many_messages(o.max_messages)
+    if over_message_count(body, o.edge.max_messages) then
+        return nil, too_many_messages(o.edge.max_messages)
     end
-    if over_member_count(body, o.max_json_members) then
+    if over_member_count(body, o.edge.max_json_members) then
         return nil, {
             status = 400,
-            message = "The request body has more than " .. o.max_json_members
+            message = "The request body has more than " .. o.edge.max_json_members
                 .. " JSON members (object fields and array elements), the most this "
                 .. "gateway accepts.",
             type = "invalid_request_error",
             code = "too_many_json_members",
         }
     end
-    body_json.decode_max_depth(o.max_json_depth)
+    body_json.decode_max_depth(o.edge.max_json_depth)
     local obj, derr = body_json.decode(body)
     if obj == nil then
         derr = tostring(derr)
         if derr:find("too many nested", 1, true) then
             return nil, {
                 status = 400,
-                message = "The request body is nested deeper than " .. o.max_json_depth
+                message = "The request body is nested deeper than " .. o.edge.max_json_depth
                     .. " levels, the most this gateway accepts.",
                 type = "invalid_request_error",
                 code = "json_too_deep",
@@ -234,8 +233,8 @@ local function decode_json(body, o)
         end
         return nil, bad_request("The request body is not valid JSON: " .. derr)
     end
-    if type(obj) == "table" and type(obj.messages) == "table" and #obj.messages > o.max_messages then
-        return nil, too_many_messages(o.max_messages)
+    if type(obj) == "table" and type(obj.messages) == "table" and #obj.messages > o.edge.max_messages then
+        return nil, too_many_messages(o.edge.max_messages)
     end
     return obj
 end
@@ -347,7 +346,7 @@ local function step_eligible(req)
             type = "service_unavailable",
             code = "no_healthy_upstream",
             -- a breaker half-opens, a node recovers or is undrained: worth a retry soon
-            headers = { ["Retry-After"] = tostring(options.get().shed.retry_after_s) },
+            headers = { ["Retry-After"] = tostring(config.get().admission.retry_after_s) },
         }
     end
 end

@@ -75,7 +75,7 @@ function _M.page(status)
             "No inference node is left to try (all are unhealthy, draining, have an open "
             .. "circuit breaker or already failed this request)."
     elseif status == 413 then
-        message = "The request body is larger than the " .. config.get().client_max_body_size
+        message = "The request body is larger than the " .. config.get().edge.client_max_body_size
             .. " this gateway accepts."
     elseif status == 502 or status == 504 then
         local n, list = tries_summary()
@@ -91,7 +91,7 @@ function _M.page(status)
     if status == 405 then
         ngx.header["Allow"] = "POST"
     elseif status == 503 then
-        ngx.header["Retry-After"] = tostring(config.get().admission.shed.retry_after_s)
+        ngx.header["Retry-After"] = tostring(config.get().admission.retry_after_s)
     elseif status == 502 or status == 504 then
         ngx.header[errors.NODE_HEADER] = last_node()
     end

@@ -68,11 +68,11 @@ def test_edge_option_round_trips_through_lua(workdir: Path) -> None:
     got = lua_eval(workdir, f"""
             local config = require("infergate.core.config")
             assert(config.init({lua_string(json.dumps(doc))}, {lua_string(json.dumps(spec))}))
-            local a = config.get().admission
-            return {{ mode = a.auth.mode, ttl = a.auth.cache_ttl_s, rpm = a.limits.global_rpm,
-                      shed = a.shed.enabled, wait = a.shed.max_wait_ms,
-                      emb = a.deadlines.routes["/v1/embeddings"],
-                      req = a.deadlines.request_ms, idle = a.deadlines.stream_idle_ms }}
+            local o = config.get()
+            return {{ mode = o.auth.mode, ttl = o.auth.cache_ttl_s, rpm = o.limits.global_rpm,
+                      shed = o.admission.shed, wait = o.admission.max_wait_ms,
+                      emb = o.deadlines.routes["/v1/embeddings"],
+                      req = o.deadlines.request_ms, idle = o.deadlines.stream_idle_ms }}
     """)
     # a route entry is completed with the global values
     assert got == {"mode": "required", "ttl": 2, "rpm": 100, "shed": False, "wait": 250,
@@ -84,16 +84,17 @@ def test_lua_defaults_equal_the_python_defaults(workdir: Path) -> None:
     got = lua_eval(workdir, f"""
             assert(require("infergate.core.config").init("{{}}",
                 {lua_string(json.dumps(option_spec()))}))
-            local a = require("infergate.admission.options").get()
-            a.deadlines.routes = nil
-            return a
+            local o = require("infergate.core.config").get()
+            o.deadlines.routes = nil
+            return {{ auth = o.auth, limits = o.limits, admission = o.admission,
+                      deadlines = o.deadlines }}
     """)
     d = edge_document(load_settings(None))
-    shed = dict(d["admission"], enabled=d["admission"]["shed"])
-    shed.pop("shed")
     deadlines = dict(d["deadlines"])
     deadlines.pop("routes")
-    assert got == {"auth": d["auth"], "limits": d["limits"], "shed": shed, "deadlines": deadlines}
+    # the sections under their names in infergate.toml, nothing renamed
+    assert got == {"auth": d["auth"], "limits": d["limits"], "admission": d["admission"],
+                   "deadlines": deadlines}
 
 
 @pytest.mark.parametrize("options, message", [
@@ -213,7 +214,7 @@ def test_usage_parsing(workdir: Path) -> None:
 def test_deadline_timeouts_per_try(workdir: Path) -> None:
     got = lua_eval(workdir, """
             local dl = require("infergate.admission.deadline")
-            local o = {connect_timeout_ms = 2000, send_timeout_ms = 60000, read_timeout_ms = 60000}
+            local o = {edge = {connect_timeout_ms = 2000, send_timeout_ms = 60000, read_timeout_ms = 60000}}
             local function t(stream, at, idle, now)
                 local req = {stream = stream, deadline = {at = at, request_ms = 1, idle_s = idle}}
                 local c, s, r, bound = dl.timeouts(req, o, now)
@@ -244,7 +245,7 @@ def test_no_retry_in_the_last_moments_of_the_deadline(workdir: Path) -> None:
     got = lua_eval(workdir, """
             local dl = require("infergate.admission.deadline")
             require("ngx.balancer").set_timeouts = function() return true end  -- no request here
-            local o = {connect_timeout_ms = 2000, send_timeout_ms = 60000, read_timeout_ms = 60000}
+            local o = {edge = {connect_timeout_ms = 2000, send_timeout_ms = 60000, read_timeout_ms = 60000}}
             local function try(left, retry)
                 local req = {deadline = {at = 100 + left, request_ms = 1, idle_s = 30}}
                 return dl.before_try(req, o, 100, retry)
@@ -343,7 +344,7 @@ def test_the_proxied_api_paths_may_have_deadlines_of_their_own(workdir: Path) ->
     got = lua_eval(workdir, f"""
             local config = require("infergate.core.config")
             assert(config.init({lua_string(json.dumps(doc))}, {lua_string(json.dumps(spec))}))
-            return config.get().admission.deadlines.routes
+            return config.get().deadlines.routes
     """)
     assert got == {"/v1/audio/transcriptions": {"request_ms": 600000, "stream_idle_ms": 30000},
                    "/v1/responses": {"request_ms": 120000, "stream_idle_ms": 60000},

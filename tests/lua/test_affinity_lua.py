@@ -76,14 +76,14 @@ def test_key_follows_the_leading_messages(workdir: Path) -> None:
                 content = {{type = "text", text = SYS}}}, {role = "user", content = "hi"}}}, o)
             local prompt = affinity.key({prompt = SYS}, o)
             local _, src = affinity.key(msgs({"system", SYS}), o)
-            o.prefix_affinity = false
+            o.edge.prefix_affinity = false
             local off = affinity.key(msgs({"system", SYS}), o)
-            o.prefix_affinity = true
-            o.affinity_user_field = true
+            o.edge.prefix_affinity = true
+            o.edge.affinity_user_field = true
             local user = affinity.key({messages = {{role = "user", content = "hi"}}, user = "u1"}, o)
             local user_long = affinity.key({messages = {{role = "system", content = SYS}},
                                             user = "u1"}, o)
-            o.affinity_user_field = false
+            o.edge.affinity_user_field = false
             local user_off = affinity.key({messages = {{role = "user", content = "hi"}}, user = "u1"}, o)
             return {same_turns = k1 == k2, other = k1 ~= other, role = k1 ~= role,
                     short = short == nil, pair = a == b and a ~= c, cut = long1 == long2,
@@ -260,7 +260,7 @@ def test_saturated_first_node_is_passed_over(workdir: Path) -> None:
             local next1 = balancer.pick(tbl(nodes), {}, now, false, nil, key)
             for _, x in ipairs(nodes) do x.saturated = true end
             local all = balancer.pick(tbl(nodes), {}, now, false, nil, key)
-            o.prefix_affinity = false
+            o.edge.prefix_affinity = false
             local plain = {}
             for _ = 1, 50 do plain[balancer.pick(tbl({node("a"), node("b"), node("c")}), {}, now,
                                                   false, nil, key).name] = true end

@@ -62,7 +62,7 @@ def test_one_pipeline_counters_last_and_replies_per_write(workdir) -> None:
 def test_full_queue_drops_counts_and_calls_back(workdir) -> None:
     out = run(workdir, """
         package.loaded["infergate.core.config"].get_or_empty = function()
-            return { flush_queue_max = 2 }
+            return { edge = { flush_queue_max = 2 } }
         end
         local calls = {}
         local ok = {}

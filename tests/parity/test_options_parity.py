@@ -197,8 +197,8 @@ def _lua_defaults(workdir: Path, spec: dict) -> dict:
             assert(config.init("{{}}", spec))
             local o = config.get()
             return {{ doc = config.document(), cache_enabled = o.cache.enabled,
-                      edge_id = o.edge_id, shed = o.admission.shed.enabled,
-                      redis_url = o.redis_url, latency_norm_s = o.latency_norm_s }}
+                      edge_id = o.edge.edge_id, shed = o.admission.shed,
+                      redis_url = o.redis.url, latency_norm_s = o.scoring.latency_norm_s }}
     """)
 
 

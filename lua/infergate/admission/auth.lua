@@ -54,6 +54,8 @@ local astats = require("infergate.admission.stats")
 local memo = require("infergate.core.memo")
 local throttle = require("infergate.admission.auththrottle")
 
+local config = require("infergate.core.config")
+
 local _M = {}
 
 local type = type
@@ -250,7 +252,7 @@ end
 
 -- Access step: nil to continue, or an error table (see infergate.access).
 function _M.step(req)
-    local o = options.get().auth
+    local o = config.get().auth
     if o.mode ~= "required" then
         req.tenant = options.DEFAULT_TENANT
         return nil

@@ -27,9 +27,10 @@ local ngxapi = require("infergate.core.ngxapi")
 local ngx_now = ngxapi.now
 local ngx_start_time = ngxapi.req_start_time
 local ngx_var = ngxapi.var
-local options = require("infergate.admission.options")
 local reqctx = require("infergate.core.reqctx")
 local astats = require("infergate.admission.stats")
+
+local config = require("infergate.core.config")
 
 local _M = {}
 
@@ -51,7 +52,7 @@ function _M.for_request(req)
     if d then
         return d
     end
-    local o = options.get().deadlines
+    local o = config.get().deadlines
     local r = o.routes[ngx_var("uri")] or o
     d = { request_ms = r.request_ms, idle_s = r.stream_idle_ms / 1000 }
     if r.request_ms > 0 then
@@ -74,9 +75,9 @@ end
 -- the deadline has passed. o: infergate.core.config options.
 function _M.timeouts(req, o, now)
     local d = _M.for_request(req)
-    local connect = o.connect_timeout_ms / 1000
-    local send = o.send_timeout_ms / 1000
-    local read = o.read_timeout_ms / 1000
+    local connect = o.edge.connect_timeout_ms / 1000
+    local send = o.edge.send_timeout_ms / 1000
+    local read = o.edge.read_timeout_ms / 1000
     local bound = false
     if req.stream and d.idle_s < read then
         read = d.idle_s

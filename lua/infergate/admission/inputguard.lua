@@ -82,8 +82,8 @@ local function read_with_timeout(len)
         return true
     end
     local o = config.get()
-    local gap = o.client_body_timeout_ms
-    local deadline = ngx_start_time() + (o.client_body_deadline_ms or 3600000) / 1000
+    local gap = o.edge.client_body_timeout_ms
+    local deadline = ngx_start_time() + (o.edge.client_body_deadline_ms or 3600000) / 1000
     -- a small body gets a buffer of its own size: nginx would allocate
     -- client_body_buffer_size (in the rendered config as large as client_max_body_size)
     -- for every request; larger ones follow client_body_buffer_size (memory or temp file)
@@ -120,7 +120,7 @@ end
 -- client_body_timeout_ms). Returns once the body is read.
 local function read_chunked_with_deadline(req)
     local o = config.get()
-    local deadline = ngx_start_time() + (o.client_body_deadline_ms or 3600000) / 1000
+    local deadline = ngx_start_time() + (o.edge.client_body_deadline_ms or 3600000) / 1000
     local watchdog = ngx.thread.spawn(function()
         ngx.update_time()
         local left = deadline - ngx_now()

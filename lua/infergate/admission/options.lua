@@ -1,18 +1,8 @@
--- Options of admission control (API keys, rate limits, shedding, deadlines): the
--- admission view of the edge options that infergate.core.config validated against the
--- rendered spec (controlplane/config/ holds every default and range: the [auth],
--- [limits], [admission] and [deadlines] sections).
---
---   options.get() ->
---   {auth      = {mode = "off"|"required", cache_ttl_s, negative_ttl_s, stale_ttl_s,
---                 fail_burst, fail_rate_per_s},
---    limits    = {enabled, global_rpm, global_tpm, chars_per_token, redis_retry_s},
---    shed      = {enabled, max_wait_ms, poll_ms, retry_after_s},
---    deadlines = {request_ms, stream_idle_ms,
---                 routes = {["/v1/embeddings"] = {request_ms, stream_idle_ms}}}}
---
--- Units: _s seconds, _ms milliseconds; global_rpm/global_tpm 0 = no global limit;
--- request_ms 0 = no deadline; a route's fields left out of the file are the global ones.
+-- Names shared by the admission modules: the shared dicts of API keys and local token
+-- buckets, and the tenant of every request when auth is off. The admission options
+-- themselves are read where they are used, under their names in infergate.toml:
+-- infergate.core.config.get().auth / .limits / .admission / .deadlines (every default,
+-- unit and range lives in controlplane/config/admission.py).
 local _M = {}
 
 -- Shared dict names; they must match the lua_shared_dict lines of infergate-http.conf.
@@ -23,10 +13,5 @@ _M.DICT_LIMITS = "infergate_limits"
 
 -- The tenant of every request when auth is off.
 _M.DEFAULT_TENANT = "default"
-
--- The admission options of the running edge (infergate.core.config.init must have run).
-function _M.get()
-    return require("infergate.core.config").get().admission
-end
 
 return _M

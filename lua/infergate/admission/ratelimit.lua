@@ -65,7 +65,6 @@
 -- and its call in Redis), .localbuckets (the shared-dict buckets), .bucketcharge (one
 -- charge, Redis or local), .leases, .settlement (log-phase corrections), .tokencount
 -- (the token estimate), .rlheaders (x-ratelimit-* headers, the 429 error).
-local options = require("infergate.admission.options")
 local ngx_now = require("infergate.core.ngxapi").now
 local keynames = require("infergate.redis.keynames")
 local astats = require("infergate.admission.stats")
@@ -78,6 +77,8 @@ local settlement = require("infergate.admission.settlement")
 local tokencount = require("infergate.admission.tokencount")
 local rlheaders = require("infergate.admission.rlheaders")
 local reqctx = require("infergate.core.reqctx")
+
+local config = require("infergate.core.config")
 
 local _M = {}
 
@@ -167,7 +168,7 @@ end
 
 -- Access step: nil to continue, or a 429 error table.
 function _M.step(req)
-    local o = options.get().limits
+    local o = config.get().limits
     if not o.enabled then
         return nil
     end

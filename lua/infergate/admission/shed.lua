@@ -45,7 +45,6 @@
 -- nginx shuts down (SIGQUIT) a waiting request gets 503 {"code": "shutting_down"} with
 -- Retry-After: 1 at its next check, instead of being held to the end of the shutdown.
 -- Counted as "shed" (infergate.admission.stats).
-local options = require("infergate.admission.options")
 local ngxapi = require("infergate.core.ngxapi")
 local ngx_now = ngxapi.now
 local snapshot = require("infergate.routing.snapshot")
@@ -138,7 +137,7 @@ end
 -- A node saturated in the snapshot (over the [scoring] caps) offers nothing here, as in
 -- the rule above: the operator's caps still shed. req (optional): see tail_extra.
 function _M.best_delay(t, now, model, req)
-    if config.get().node_cost ~= "expected_delay" or not snapshot.is_fresh(t, now) then
+    if config.get().edge.node_cost ~= "expected_delay" or not snapshot.is_fresh(t, now) then
         return nil
     end
     local best
@@ -303,8 +302,8 @@ end
 
 -- Access step: nil to continue, or a 429 error table.
 function _M.step_shed(req)
-    local o = options.get().shed
-    if not o.enabled or (req.route ~= "inference" and req.route ~= "api") then
+    local o = config.get().admission
+    if not o.shed or (req.route ~= "inference" and req.route ~= "api") then
         return nil
     end
     ngx.update_time()

@@ -14,18 +14,19 @@
 -- failed nginx start, naming the field: "edge.redis_timeout_ms: 100000 is above the
 -- maximum 60000"). A later init(options) without a spec reuses the last spec.
 --
--- get() returns the validated options in the flat shape the modules read:
---   every edge.<name> as <name> (redis_timeout_ms, max_tries, ...; edge_id "" = "edge"),
---   every redis.<name> as redis_<name> (redis_url, redis_tls_verify, ...),
---   every scoring.<name> as <name> (latency_norm_s, ...),
---   admission = {auth = {...}, limits = {...},
---                shed = {enabled = admission.shed, max_wait_ms, poll_ms, retry_after_s},
---                deadlines = {request_ms, stream_idle_ms,
---                             routes = {[path] = {request_ms, stream_idle_ms}}}}
---                (a route's missing fields filled with the global ones),
---   cache = the [cache] fields (min_similarity false = the embedder model's default),
---   nodes = {{name, host, port, weight, max_concurrency, kind, models}, ...}.
--- document() returns the validated nested document.
+-- get() returns the validated document itself, every option under its section and its
+-- name in infergate.toml and the pydantic fields (no renaming: edge.max_tries is
+-- get().edge.max_tries, [admission] shed is get().admission.shed), with the defaults
+-- filled in and a few values completed where the file leaves them open:
+--   edge.edge_id "" = "edge";
+--   deadlines.routes[path] = {request_ms, stream_idle_ms}, a missing field = the global one;
+--   cache.min_similarity unset = false (the embedder model's default), the per-route and
+--   per-model maps {} when unset;
+--   redis.tls_cert_pem / redis.tls_key_pem: the texts of redis.tls_cert_file / tls_key_file;
+--   nodes = {{name, host, port, weight, max_concurrency, kind, models, scheme, tls_name,
+--            auth}, ...}, the static node list.
+-- Sections the document leaves out are empty tables. document() is the document as
+-- validated, before these completions.
 local cjson = require("cjson.safe")
 local options = require("infergate.core.options")
 
@@ -106,20 +107,25 @@ function _M.decode(src, what)
     return t
 end
 
-local function copy_into(dst, src, prefix)
-    for k, v in pairs(src or {}) do
-        dst[prefix .. k] = v
-    end
-end
+-- The options of a validated document (see the header): its sections copied (the
+-- document itself stays as validated, document()), edge_id, the route deadlines and the
+-- cache's open values completed.
+local SECTIONS = { "edge", "redis", "scoring", "auth", "limits", "admission", "deadlines",
+                   "cache" }
 
--- The admission view (auth, limits, shed, deadlines) of the validated document.
-local function admission_view(d)
-    local shed = {}
-    copy_into(shed, d.admission, "")
-    shed.enabled = shed.shed
-    shed.shed = nil
-    local dl = {}
-    copy_into(dl, d.deadlines, "")
+local function complete(validated)
+    local d = {}
+    for _, name in ipairs(SECTIONS) do
+        local copy = {}
+        for k, v in pairs(type(validated[name]) == "table" and validated[name] or {}) do
+            copy[k] = v
+        end
+        d[name] = copy
+    end
+    if d.edge.edge_id == nil or d.edge.edge_id == "" then
+        d.edge.edge_id = "edge"
+    end
+    local dl = d.deadlines
     local routes = {}
     for path, r in pairs(dl.routes or {}) do
         routes[path] = {
@@ -128,45 +134,30 @@ local function admission_view(d)
         }
     end
     dl.routes = routes
-    return { auth = d.auth or {}, limits = d.limits or {}, shed = shed, deadlines = dl }
-end
-
--- The flat options (see above) of a validated document, without the static nodes.
-local function flat_view(d)
-    local o = {}
-    copy_into(o, d.scoring, "")
-    copy_into(o, d.redis, "redis_")
-    copy_into(o, d.edge, "")
-    if o.edge_id == nil or o.edge_id == "" then
-        o.edge_id = "edge"
-    end
-    o.admission = admission_view(d)
-    local cache = {}
-    copy_into(cache, d.cache, "")
+    local cache = d.cache
     if cache.min_similarity == nil then
         cache.min_similarity = false
     end
     cache.min_similarity_routes = cache.min_similarity_routes or {}
     cache.min_similarity_models = cache.min_similarity_models or {}
-    o.cache = cache
-    return o
+    return d
 end
 
--- Reads the Redis TLS client certificate and key named in o into o (PEM texts).
--- Returns true or nil, err.
-local function read_tls_files(o)
-    local cert, key = o.redis_tls_cert_file or "", o.redis_tls_key_file or ""
+-- Reads the Redis TLS client certificate and key named in the [redis] section `r` into
+-- it (PEM texts). Returns true or nil, err.
+local function read_tls_files(r)
+    local cert, key = r.tls_cert_file or "", r.tls_key_file or ""
     if (cert == "") ~= (key == "") then
         return nil, "redis.tls_cert_file and redis.tls_key_file go together"
     end
     if cert ~= "" then
         local cerr
-        o.redis_tls_cert_pem, cerr = read_file(cert, "redis.tls_cert_file")
-        if not o.redis_tls_cert_pem then
+        r.tls_cert_pem, cerr = read_file(cert, "redis.tls_cert_file")
+        if not r.tls_cert_pem then
             return nil, cerr
         end
-        o.redis_tls_key_pem, cerr = read_file(key, "redis.tls_key_file")
-        if not o.redis_tls_key_pem then
+        r.tls_key_pem, cerr = read_file(key, "redis.tls_key_file")
+        if not r.tls_key_pem then
             return nil, cerr
         end
     end
@@ -237,8 +228,8 @@ function _M.init(src, spec_src)
     if not d then
         return nil, verr
     end
-    local o = flat_view(d)
-    local ok, terr = read_tls_files(o)
+    local o = complete(d)
+    local ok, terr = read_tls_files(o.redis)
     if not ok then
         return nil, terr
     end
@@ -253,7 +244,7 @@ function _M.init(src, spec_src)
     return true
 end
 
--- The validated options (flat shape, see above). Raises when init() never succeeded.
+-- The validated options (the document, see above). Raises when init() never succeeded.
 function _M.get()
     if not opts then
         error("infergate.core.config: init(options, spec) has not been called", 2)
@@ -261,10 +252,15 @@ function _M.get()
     return opts
 end
 
--- The options like get(), or an empty table before init() (code driving a module
--- outside a rendered edge, e.g. in tests: the module's defaults apply).
+-- Before init(): every section an empty table (code driving a module outside a rendered
+-- edge, e.g. in tests: the module's defaults apply).
+local EMPTY = setmetatable({}, { __index = function()
+    return {}
+end })
+
+-- The options like get(), or EMPTY before init().
 function _M.get_or_empty()
-    return opts or {}
+    return opts or EMPTY
 end
 
 -- Folder the running configuration was rendered into (absolute path, set by the rendered
@@ -281,7 +277,7 @@ function _M.rendered_dir()
     return rendered_dir
 end
 
--- The validated options document (nested as infergate.toml), or nil before init().
+-- The validated options document (get() before its completions), or nil before init().
 function _M.document()
     return doc
 end

@@ -75,7 +75,7 @@ local function options()
 end
 
 local function queue_max()
-    return tonumber(options().flush_queue_max) or _M.DEFAULT_QUEUE_MAX
+    return tonumber(options().edge.flush_queue_max) or _M.DEFAULT_QUEUE_MAX
 end
 
 -- Logs at most once every LOG_EVERY_S seconds per worker (a Redis outage, a refused
@@ -177,7 +177,7 @@ local function send(jobs, first, last, counter_cmds)
     if n + nc > 0 and not pool then
         err = "no Redis pool (infergate.core.flush.use)"
     elseif n + nc > 0 then
-        local t = math.max(_M.TIMEOUT_MS, tonumber(options().redis_timeout_ms) or 0)
+        local t = math.max(_M.TIMEOUT_MS, tonumber(options().edge.redis_timeout_ms) or 0)
         res, err = pool.run(function(c)
             return c:pipeline(cmds)
         end, nil, t)
@@ -353,7 +353,7 @@ function _M.init_worker(p)
     if started then
         return true
     end
-    local ms = tonumber(options().flush_interval_ms) or _M.DEFAULT_INTERVAL_MS
+    local ms = tonumber(options().edge.flush_interval_ms) or _M.DEFAULT_INTERVAL_MS
     local ok, err = ngx.timer.every(ms / 1000, tick)
     if not ok then
         log(ERR, "infergate: cannot start the flush timer: ", err)

@@ -180,7 +180,7 @@ function _M.render(now)
     local out = {}
     family(out, P .. "info", "gauge",
            "This edge: its edge_id and the folder its configuration was rendered into")
-    sample(out, P .. "info", 'edge_id="' .. esc(config.get_or_empty().edge_id or "")
+    sample(out, P .. "info", 'edge_id="' .. esc(config.get_or_empty().edge.edge_id or "")
            .. '",config_dir="' .. esc(config.rendered_dir() or "") .. '"', 1)
     counters(out, values)
     histogram(out, values)

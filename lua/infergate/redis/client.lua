@@ -72,10 +72,10 @@ local function url_options(o)
         return {}
     end
     return {
-        tls_verify = c.redis_tls_verify,
-        tls_cert_pem = c.redis_tls_cert_pem,
-        tls_key_pem = c.redis_tls_key_pem,
-        sentinel_password = c.redis_sentinel_password,
+        tls_verify = c.redis.tls_verify,
+        tls_cert_pem = c.redis.tls_cert_pem,
+        tls_key_pem = c.redis.tls_key_pem,
+        sentinel_password = c.redis.sentinel_password,
     }
 end
 

@@ -82,11 +82,11 @@ local function opts()
     if settings and settings_of == o then
         return settings
     end
-    local limits = type(o.admission) == "table" and o.admission.limits or nil
+    local limits = type(o.limits) == "table" and o.limits or nil
     settings = {
-        timeout_ms = tonumber(o.redis_timeout_ms) or _M.DEFAULT_TIMEOUT_MS,
-        pool_size = tonumber(o.redis_pool_size) or _M.DEFAULT_POOL_SIZE,
-        idle_ms = tonumber(o.redis_idle_timeout_ms) or _M.DEFAULT_IDLE_TIMEOUT_MS,
+        timeout_ms = tonumber(o.edge.redis_timeout_ms) or _M.DEFAULT_TIMEOUT_MS,
+        pool_size = tonumber(o.edge.redis_pool_size) or _M.DEFAULT_POOL_SIZE,
+        idle_ms = tonumber(o.edge.redis_idle_timeout_ms) or _M.DEFAULT_IDLE_TIMEOUT_MS,
         backoff_s = limits and tonumber(limits.redis_retry_s) or _M.DEFAULT_BACKOFF_S,
     }
     settings_of = o
@@ -96,7 +96,7 @@ end
 -- The parsed configuration of `url` (default: the edge's redis_url), parsed once per
 -- worker. Returns conf or nil, err.
 function _M.conf(url)
-    url = url or edge_options().redis_url
+    url = url or edge_options().redis.url
     if url == nil then
         return nil, "no redis url: the edge options are not loaded"
     end

@@ -137,7 +137,7 @@ function _M.tick(conf, timeout_ms)
     end
     local d = dict()
     local ts = d and d:get(cache_key(conf) .. ":ts")
-    if ts and d:get(cache_key(conf)) and ngx_now() - ts < config.get().redis_sentinel_refresh_s then
+    if ts and d:get(cache_key(conf)) and ngx_now() - ts < config.get().redis.sentinel_refresh_s then
         return true
     end
     return _M.refresh(conf, timeout_ms)

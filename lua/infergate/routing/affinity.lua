@@ -193,18 +193,18 @@ end
 -- request body (a table). Reads one request header; no I/O.
 function _M.key(body, o)
     o = o or config.get()
-    if not o.prefix_affinity then
+    if not o.edge.prefix_affinity then
         return nil
     end
-    local s = session_header(o.affinity_header)
+    local s = session_header(o.edge.affinity_header)
     if s then
         return crc32("s\0" .. s), "session"
     end
-    local text = _M.leading_text(body, o.prefix_min_tokens * 4, o.prefix_max_tokens * 4)
+    local text = _M.leading_text(body, o.edge.prefix_min_tokens * 4, o.edge.prefix_max_tokens * 4)
     if text then
         return crc32(text), "prefix"
     end
-    if o.affinity_user_field and type(body.user) == "string" and body.user ~= "" then
+    if o.edge.affinity_user_field and type(body.user) == "string" and body.user ~= "" then
         return crc32("u\0" .. body.user), "user"
     end
     return nil
@@ -346,7 +346,7 @@ function _M.choose(cands, n, key, o, fresh, now, retry)
         caps[i] = c
         capsum = capsum + c
     end
-    local eps = o.prefix_load_factor
+    local eps = o.edge.prefix_load_factor
     -- candidates in rank order (n is small: a selection sort, no closure)
     local order = {}
     for pos = 1, n do

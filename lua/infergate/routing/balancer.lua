@@ -101,7 +101,7 @@ _M.TIE_EPSILON = TIE_EPSILON
 function _M.cost(node, fresh, o, now)
     local name = node.name
     local has_score = (fresh and node.score) and true or false
-    local c = o.inflight_cost * stats.inflight(name)
+    local c = o.edge.inflight_cost * stats.inflight(name)
         / (speed.concurrency(node, has_score) * node.effective_weight)
     if has_score then
         c = c + node.score
@@ -111,7 +111,7 @@ function _M.cost(node, fresh, o, now)
     else
         local lat = stats.latency_ewma_ms(name)
         if lat then
-            c = c + min(lat / 1000 / o.latency_norm_s, 1)
+            c = c + min(lat / 1000 / o.scoring.latency_norm_s, 1)
         end
         c = c + stats.failure_rate(name, now)
     end
@@ -321,7 +321,7 @@ function _M.pick(t, tried, now, retry, model, key, first)
         return cands[1], false, 1
     end
     local fresh = snapshot.is_fresh(t, now)
-    if key and o.prefix_affinity then
+    if key and o.edge.prefix_affinity then
         if first and not retry then
             local cheapest, lowest = least_cost(cands, n, fresh, o, now)
             local top = affinity.top(cands, n, key)
@@ -333,7 +333,7 @@ function _M.pick(t, tried, now, retry, model, key, first)
         end
         return affinity.choose(cands, n, key, o, fresh, now, retry), false, n
     end
-    if o.node_cost == "expected_delay" then
+    if o.edge.node_cost == "expected_delay" then
         local node = _M.least_delay(cands, n, total, fresh, now)
         if node then
             return node, false, n
@@ -377,7 +377,7 @@ function _M.first_pick(req, t, excluded, now)
     local first = req.first_sight
     if first == nil then
         first = false
-        if o.prefix_affinity then
+        if o.edge.prefix_affinity then
             affinity.count_request(now)
             first = (req.affinity_kind == "prefix" and affinity.unseen(req.affinity)) or false
         end
@@ -431,14 +431,14 @@ function place(req, o, now, n, grant, first)
     end
     local attempts = req.attempts
     -- eligible counts the node just picked: another one is left for a next try
-    local can_retry = grant and eligible > 1 and n + 1 < o.max_tries
+    local can_retry = grant and eligible > 1 and n + 1 < o.edge.max_tries
     if can_retry then
         local _, terr = ngx_balancer.set_more_tries(1)
         if terr then
             log(WARN, "infergate: set_more_tries: ", terr)
         end
     end
-    if req.affinity and not req.affinity_live and o.prefix_affinity then
+    if req.affinity and not req.affinity_live and o.edge.prefix_affinity then
         req.affinity_live = affinity.track(req.affinity)
     end
     attempts[n + 1] = stats.open_attempt(node.name, now, probe, claimed)
@@ -486,7 +486,7 @@ function _M.run()
         return deadline.fail()
     end
     local first = false
-    if n == 0 and o.prefix_affinity then
+    if n == 0 and o.edge.prefix_affinity then
         first = req.first_sight
         if first == nil then
             affinity.count_request(now)

@@ -22,7 +22,7 @@ end
 
 local function probe_ttl(o)
     -- longest a probe request can take before nginx gives up on it
-    local s = (o.connect_timeout_ms + o.send_timeout_ms + o.read_timeout_ms) / 1000
+    local s = (o.edge.connect_timeout_ms + o.edge.send_timeout_ms + o.edge.read_timeout_ms) / 1000
     if s < 1 then
         s = 1
     end
@@ -36,7 +36,7 @@ function _M.state(name, now)
     if not opened then
         return "closed"
     end
-    if now - opened >= config.get().breaker_cooldown_s then
+    if now - opened >= config.get().edge.breaker_cooldown_s then
         return "half_open"
     end
     return "open"
@@ -49,7 +49,7 @@ function _M.allow(name, now)
     if not opened then
         return "yes"
     end
-    if now - opened < config.get().breaker_cooldown_s then
+    if now - opened < config.get().edge.breaker_cooldown_s then
         return false
     end
     if d:get("bp:" .. name) then
@@ -102,13 +102,13 @@ function _M.failure(name, probe, _started, now)
         return -- already open
     end
     local n = d:incr("bf:" .. name, 1, 0)
-    if n and n >= o.breaker_failures then
+    if n and n >= o.edge.breaker_failures then
         -- add: only one worker opens it (and logs)
         local ok = d:add("bo:" .. name, now)
         if ok then
             require("infergate.core.prometheus").breaker_opened(name)
             log(WARN, "infergate: circuit breaker of node ", name, " opened after ", n,
-                " consecutive failures; next probe in ", o.breaker_cooldown_s, " s")
+                " consecutive failures; next probe in ", o.edge.breaker_cooldown_s, " s")
         end
     end
 end

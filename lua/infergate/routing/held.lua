@@ -11,7 +11,7 @@ local _M = {}
 -- Whether known slots are a hard limit: with load shedding on (the requests beyond wait
 -- in the admission step); off, every request goes to a node as before.
 function _M.enforced()
-    return config.get().admission.shed.enabled == true
+    return config.get().admission.shed == true
 end
 
 -- Gives back what req.picked holds (its slot, its half-open probe) when the balancer

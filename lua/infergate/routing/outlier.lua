@@ -143,10 +143,10 @@ function _M.threshold(name, stream, o)
     o = o or config.get()
     local p = _M.p90(name, stream)
     if not p then
-        return o.outlier_ttfb_min_s
+        return o.edge.outlier_ttfb_min_s
     end
-    local floor = stream and o.outlier_stream_ttfb_min_s or o.outlier_ttfb_min_s
-    local thr = o.outlier_ttfb_factor * p
+    local floor = stream and o.edge.outlier_stream_ttfb_min_s or o.edge.outlier_ttfb_min_s
+    local thr = o.edge.outlier_ttfb_factor * p
     if thr < floor then
         thr = floor
     end
@@ -155,7 +155,7 @@ end
 
 function _M.track(att, stream)
     att.stream = stream == true
-    if config.get().outlier_ttfb_factor <= 0 then
+    if config.get().edge.outlier_ttfb_factor <= 0 then
         return -- detection off: nothing would ever take the attempt off the queue
     end
     local name = att.node
@@ -257,7 +257,7 @@ function _M.is_outlier(node, now, o)
     if stall.is_stalled(node, now, o, stats.inflight) then
         return true
     end
-    if o.outlier_ttfb_factor <= 0 then
+    if o.edge.outlier_ttfb_factor <= 0 then
         return false
     end
     local name = node.name
@@ -285,8 +285,8 @@ function _M.is_outlier(node, now, o)
     end
     local waited = now - att.started
     -- no threshold is below the lower floor: most picks end here, without the p90 read
-    local floor = o.outlier_ttfb_min_s
-    local sfloor = o.outlier_stream_ttfb_min_s
+    local floor = o.edge.outlier_ttfb_min_s
+    local sfloor = o.edge.outlier_stream_ttfb_min_s
     if sfloor < floor then
         floor = sfloor
     end
@@ -319,7 +319,7 @@ local function probe_of(name, stream, o)
         local thr = _M.threshold(name, stream, o)
         return thr > st and thr or st
     end
-    if o.outlier_ttfb_factor <= 0 then
+    if o.edge.outlier_ttfb_factor <= 0 then
         return nil
     end
     local d = dict()
@@ -356,7 +356,7 @@ function _M.finished(att, now)
     end
     att.outlier_done = true
     local o = config.get()
-    if o.outlier_ttfb_factor <= 0 then
+    if o.edge.outlier_ttfb_factor <= 0 then
         return
     end
     local d = dict()

@@ -232,7 +232,7 @@ function _M.is_fresh(t, now)
     if t.source ~= "redis" or not t.generated_at then
         return false
     end
-    return (now - t.generated_at) <= config.get().stale_after_s
+    return (now - t.generated_at) <= config.get().edge.stale_after_s
 end
 
 -- Seconds since generated_at, or nil for the static list.
@@ -273,7 +273,7 @@ local function edge_report(now)
         nodes[n.name] = stats.node_report(n.name, now)
     end
     local o = config.get()
-    return cjson.encode({ edge_id = o.edge_id, ts = now, nodes = nodes,
+    return cjson.encode({ edge_id = o.edge.edge_id, ts = now, nodes = nodes,
                           admission = require("infergate.admission.stats").all(),
                           duration = require("infergate.core.prometheus").duration_report() })
 end
@@ -302,13 +302,13 @@ function _M.fetch()
     local now = ngx_now()
     if redis_conf.sentinel then
         -- Sentinel: ask for the master every redis_sentinel_refresh_s (infergate.redis.sentinel)
-        sentinel.tick(redis_conf, o.redis_timeout_ms)
+        sentinel.tick(redis_conf, o.edge.redis_timeout_ms)
     end
     -- through the pool: pooled connection, skipped while Redis is backed off
     local res, err = pool.run(function(c)
         return c:pipeline({
             { "GET", keynames.routing },
-            { "HSET", keynames.edges, o.edge_id, edge_report(now) },
+            { "HSET", keynames.edges, o.edge.edge_id, edge_report(now) },
             -- cache kind (evictable): renewed by every sync of every edge
             { "EXPIRE", keynames.edges, EDGES_TTL_S },
         })
@@ -378,7 +378,7 @@ function _M.init_worker()
     if not ok then
         log(ERR, "infergate: cannot start the first sync: ", err)
     end
-    ok, err = ngx.timer.every(o.sync_interval_s, tick)
+    ok, err = ngx.timer.every(o.edge.sync_interval_s, tick)
     if not ok then
         log(ERR, "infergate: cannot start the sync timer: ", err)
     end

@@ -108,10 +108,10 @@ end
 -- Threshold (s) of node `name`.
 function _M.threshold(name, o)
     o = o or config.get()
-    local thr = o.stall_min_s
+    local thr = o.edge.stall_min_s
     local p = dict():get("gq:" .. name)
-    if p and o.stall_gap_factor * p > thr then
-        thr = o.stall_gap_factor * p
+    if p and o.edge.stall_gap_factor * p > thr then
+        thr = o.edge.stall_gap_factor * p
     end
     return thr
 end
@@ -135,7 +135,7 @@ end
 -- it back.
 local function capped(name, gap)
     local o = config.get()
-    if gap <= o.stall_min_s then
+    if gap <= o.edge.stall_min_s then
         return gap
     end
     local most = 2 * _M.threshold(name, o)
@@ -196,7 +196,7 @@ function _M.finished(att, now)
     end
     local o = config.get()
     local ss = silent_since(d, name)
-    if o.stall_gap_factor <= 0 or not ss or att.started < ss then
+    if o.edge.stall_gap_factor <= 0 or not ss or att.started < ss then
         return
     end
     local thr = _M.threshold(name, o)
@@ -221,7 +221,7 @@ function _M.is_stalled(node, now, o, inflight)
     local name = node.name
     local d = dict()
     local ss = d:get("ss:" .. name)
-    if (not ss and not streaming[name]) or o.stall_gap_factor <= 0 then
+    if (not ss and not streaming[name]) or o.edge.stall_gap_factor <= 0 then
         return false -- most picks end here, after one read
     end
     local lb = d:get("lb:" .. name) or 0
@@ -242,7 +242,7 @@ function _M.is_stalled(node, now, o, inflight)
         return false
     end
     local silent = now - lb
-    if silent <= o.stall_min_s then
+    if silent <= o.edge.stall_min_s then
         return false
     end
     local thr = _M.threshold(name, o)
@@ -263,7 +263,7 @@ end
 -- (found stalled, no byte since), else nil.
 function _M.probe_threshold(name, o)
     o = o or config.get()
-    if o.stall_gap_factor <= 0 or not silent_since(dict(), name) then
+    if o.edge.stall_gap_factor <= 0 or not silent_since(dict(), name) then
         return nil
     end
     return _M.threshold(name, o)
@@ -277,10 +277,10 @@ end
 -- the middle of a stream such a silence is far past the stall threshold, and the stream
 -- ends there as it would at its deadline.
 function _M.stream_read_half(name, o, ttfb_thr)
-    if o.stall_first_byte_s <= 0 or o.stall_gap_factor <= 0 then
+    if o.edge.stall_first_byte_s <= 0 or o.edge.stall_gap_factor <= 0 then
         return nil
     end
-    local r = o.stall_first_byte_s
+    local r = o.edge.stall_first_byte_s
     if 2 * ttfb_thr > r then
         r = 2 * ttfb_thr
     end

@@ -86,7 +86,7 @@ function _M.latency_ewma_ms(name)
 end
 
 local function half_life()
-    local h = config.get().breaker_cooldown_s
+    local h = config.get().edge.breaker_cooldown_s
     if h < 1 then
         h = 1
     end

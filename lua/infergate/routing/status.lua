@@ -86,7 +86,7 @@ function _M.report(now)
         }
     end
     return {
-        edge_id = config.get().edge_id,
+        edge_id = config.get().edge.edge_id,
         config_dir = opt(config.rendered_dir()),
         worker_pid = ngx.worker.pid(),
         now = now,
