@@ -256,3 +256,20 @@ def test_client_abort_releases_in_flight(tiny_upstreams, redis_server, edge_fact
     st = edge.node_status("a")
     assert st["breaker"] == "closed" and st["failures"] == 0, "a client leaving is not the node's fault"
     a.gate.set()
+
+
+def test_a_kept_alive_connection_the_node_closed_is_retried_on_the_same_node(
+        tiny_upstreams, redis_server, edge_factory) -> None:
+    """A node that drops an idle connection as the edge reuses it (llama.cpp's server does
+    after a stream): nginx retries such a request once for free, and with one node the
+    retry goes to the same node on a new connection, as plain nginx does, instead of a 503;
+    the dropped connection is no fault of the node's."""
+    (a,) = tiny_upstreams(names=["a"])
+    a.mode = "close_reused"
+    edge = edge_factory(edge_settings(redis_server.url, [a.node_settings()], workers=1))
+    for _ in range(6):
+        res = _post(edge)
+        assert res.status_code == 200, res.text
+    # every request after the first met a kept-alive connection the node then closed
+    assert a.hits > 6
+    assert edge.node_status("a")["failures"] == 0

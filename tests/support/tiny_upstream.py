@@ -31,7 +31,9 @@ class TinyUpstream:
     ``mode``: ``ok`` (answer), ``fail`` (500 JSON), ``busy`` (429), ``hang`` (never
     answer until released or stopped), ``stall`` (as ``hang``, but a stream gets its
     headers at once, as from vLLM whose engine hangs), ``garbage`` (non-HTTP bytes, then
-    close).
+    close), ``close_reused`` (answer the first request of a connection; close a kept-alive
+    connection when a later request arrives on it, as a server that dropped an idle
+    connection the moment the proxy reused it).
     ``delay_s`` delays every answer; a ``"stream": true`` request gets ``chunks`` SSE
     chunks ``chunk_interval_s`` apart (and, with ``stream_options.include_usage``, a
     last chunk with ``choices: []`` and the usage, as vLLM sends it). ``gate``: when set (a threading.Event), streams
@@ -87,6 +89,7 @@ closes the port (connections refused)."""
 
             def setup(self) -> None:
                 super().setup()
+                self.served = 0
                 with upstream._lock:
                     upstream._conns.add(self.connection)
 
@@ -136,6 +139,10 @@ closes the port (connections refused)."""
 
             def _answer(self, raw: bytes) -> None:
                 mode = upstream.mode
+                self.served += 1
+                if mode == "close_reused" and self.served > 1:
+                    self.close_connection = True
+                    return
                 if upstream.delay_s:
                     time.sleep(upstream.delay_s)
                 if mode == "hang":

@@ -42,7 +42,7 @@ def test_readme_quotes_one_table_and_it_is_generated() -> None:
     assert blocks == ["summary"]
     summary = re.search(r"<!-- bench:summary:start -->(.*?)<!-- bench:summary:end -->", text,
                         re.S).group(1)
-    assert "bq-zh" in summary and "from `bench/results/cache_verifier.json`" in summary.lower()
+    assert "bq-zh" in summary and "from `bench/results/cache_quality.json`" in summary.lower()
 
 
 def test_a_block_names_its_source_commit_date_and_load(tmp_path: Path) -> None:

@@ -56,17 +56,10 @@
 -- go to a node not yet tried. Tries are granted one at a time (set_more_tries(1)), so
 -- the balancer decides after each failure whether another try makes sense: the first
 -- call grants one more try when another node is eligible; a later call grants one more
--- (up to max_tries in all) after a connect error, timeout, 502/503/504 or 429 of the
--- previous try, but none after a 500: a 500 is tried on a second node only, and when
--- that node fails it too, nginx passes the second node's answer to the client (wrapped
--- as JSON when it is not, see infergate.filters). Verdicts on the previous try:
---   500            held (infergate.routing.stats.hold): counted against the node only
---                  if a later node answers the request (settled in infergate.log)
---   429            busy (not a breaker failure)
---   504 at the deadline, a read it cut short (infergate.admission.deadline.expired_try):
---                  neutral, the deadline's fault
---   anything else  failure of the node (connect error, reset, timeout before the first
---                  byte, 502/503/504)
+-- (up to max_tries in all) unless the previous try got a 500 (tried on a second node
+-- only; when that node fails it too, nginx passes its answer on, wrapped as JSON when it
+-- is not, see infergate.filters). The verdicts on the previous try, and nginx's free
+-- retry of a failed kept-alive connection: infergate.routing.tries.
 -- Nothing eligible: the balancer fails and the error page answers 503
 -- no_healthy_upstream.
 local ngx_balancer = require("ngx.balancer")
@@ -84,6 +77,7 @@ local speed = require("infergate.routing.speed")
 local affinity = require("infergate.routing.affinity")
 local upstream = require("infergate.routing.upstream")
 local held = require("infergate.routing.held")
+local tries = require("infergate.routing.tries")
 
 local _M = {}
 
@@ -400,6 +394,13 @@ function place(req, o, now, n, grant, first)
     if not node then
         node, probe, eligible = _M.pick(snapshot.current(), tried, now, n > 0, req.model,
                                         req.affinity, first)
+        if not node and req.free_try and not req.free_try_used then
+            -- nginx's own retry of a kept-alive connection the node had closed (no try
+            -- granted for it): the same node again, on a new connection, once
+            req.free_try_used = true
+            tried[tries.node_of(req, n)] = nil
+            return place(req, o, now, n, grant, first)
+        end
         if not node then
             return fail_no_node(req)
         end
@@ -432,6 +433,7 @@ function place(req, o, now, n, grant, first)
     local attempts = req.attempts
     -- eligible counts the node just picked: another one is left for a next try
     local can_retry = grant and eligible > 1 and n + 1 < o.edge.max_tries
+    req.granted = can_retry
     if can_retry then
         local _, terr = ngx_balancer.set_more_tries(1)
         if terr then
@@ -463,23 +465,8 @@ function _M.run()
     local n = #attempts
     local grant = true
     if n > 0 then
-        local prev = attempts[n]
         local _, status = ngx_balancer.get_last_failure()
-        if status == 500 then
-            grant = false -- a 500 goes to one more node, no further
-        end
-        if not prev.closed and not prev.held then
-            if status == 500 then
-                stats.hold(prev, 500)
-            elseif status == 429 then
-                stats.close_attempt(prev, "busy", now)
-            elseif status == 504 and deadline.expired_try(req) then
-                stats.close_attempt(prev, "neutral", now)
-            else
-                stats.close_attempt(prev, "fail", now)
-            end
-        end
-        outlier.finished(prev, now)
+        grant = tries.settle(req, attempts[n], status, now)
     end
     -- timeouts of this try from the request's deadline; no new try once it has passed
     if not deadline.before_try(req, o, now, n > 0) then
