@@ -43,11 +43,15 @@ def server_argv(binary: Path, model: Path, port: int, *, host: str = "127.0.0.1"
                 parallel: int = 2, threads: int = 1, metrics: bool = True) -> list[str]:
     """llama-server's command line: ``parallel`` slots of :data:`CTX_PER_SLOT` tokens,
     ``threads`` CPU threads for generation and for the prompt, ``/metrics`` (unless
-    ``metrics`` is False) and ``/slots`` on, no web UI."""
+    ``metrics`` is False) and ``/slots`` on, no web UI, Gemma's chat template (a base
+    model: its chat answers are not meaningful text, its completions are)."""
     argv = [str(binary), "--model", str(model), "--alias", MODEL_ALIAS,
             "--host", host, "--port", str(port), "--parallel", str(parallel),
             "--ctx-size", str(CTX_PER_SLOT * parallel), "--threads", str(threads),
-            "--threads-batch", str(threads), "--slots", "--no-webui"]
+            "--threads-batch", str(threads), "--slots", "--no-webui",
+            # the GGUF carries no chat template (llama-server would fall back to ChatML,
+            # whose markers Gemma does not know): Gemma's own turn format, built in
+            "--chat-template", "gemma"]
     if metrics:
         argv.append("--metrics")
     return argv

@@ -54,6 +54,15 @@ def _maxconc(v: NodeView) -> str:
     return str(v.max_concurrency)
 
 
+def _kind(v: NodeView) -> str:
+    """KIND column: the configured kind, or the metrics dialect the control plane read
+    from the node when it differs (``llamacpp (detected)`` for a llama.cpp server added
+    with the default kind)."""
+    if v.dialect and v.dialect != v.kind:
+        return f"{v.dialect} (detected)"
+    return v.kind
+
+
 def _health(v: NodeView) -> str:
     """HEALTH column: up, down, credentials refused (401/403 to the polls), stalled (no
     progress, not busy) or ? (never polled)."""
@@ -74,7 +83,7 @@ def list_cmd(c: Ctx, as_json: bool) -> None:
     if not views:
         click.echo("no nodes registered")
         return
-    rows = [[v.name, v.state, _health(v), v.kind, v.url,
+    rows = [[v.name, v.state, _health(v), _kind(v), v.url,
              _f(v.weight), _maxconc(v), _f(v.queue_depth), _f(v.running),
              _f(None if v.kv_cache_usage is None else v.kv_cache_usage * 100, "{:.0f}%"),
              str(v.inflight), _f(v.poll_age_s, "{:.1f}s")] for v in views]

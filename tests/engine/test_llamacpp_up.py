@@ -74,6 +74,8 @@ def test_kind_health_and_slots_are_told_from_the_nodes(stack) -> None:
     table = subprocess.run(procs.infergate_argv("nodes", "--redis-url", stack.redis_url, "list"),
                            capture_output=True, text=True, timeout=30, check=True).stdout
     assert table.count("2 (slots)") == 2, table
+    # up's nodes keep the default kind; the KIND column names what the node turned out to be
+    assert table.count("llamacpp (detected)") == 2, table
 
 
 def test_chat_plain_and_streamed(stack) -> None:

@@ -42,6 +42,6 @@ def test_server_argv():
     assert argv[0] == "/b/llama-server"
     for part in ("--model /m.gguf", f"--alias {MODEL_ALIAS}", "--host 127.0.0.1",
                  "--port 9000", "--parallel 3", "--ctx-size 6144", "--threads 2",
-                 "--metrics", "--slots"):
+                 "--metrics", "--slots", "--chat-template gemma"):
         assert part in text
     assert "--metrics" not in server_argv(Path("b"), Path("m"), 1, metrics=False)
