@@ -337,10 +337,22 @@ def test_hundred_thousand_messages_are_refused_fast(edge_and_node) -> None:
     assert took < 3, took
 
 
-def test_ten_thousand_messages_are_proxied_and_cached(edge_and_node) -> None:
+def test_ten_thousand_messages_are_proxied_and_cached(edge_and_node, redis_server,
+                                                      tiny_upstreams, edge_factory) -> None:
+    """A 10,000-message conversation (about 30,000 JSON members) is proxied; at the
+    default cache.max_request_members (5,000) it skips the cache, with the limit raised
+    it is stored and answered from the cache."""
     edge, up = edge_and_node
     msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"} for i in range(10000)]
     body = json.dumps({"model": "m", "messages": msgs}).encode()
+    res = post_raw(edge, body)
+    assert res.status_code == 200 and res.headers["X-Cache-Status"] == "BYPASS"
+    (up,) = tiny_upstreams(1)
+    s = edge_settings(redis_server.url, [up.node_settings()], client_body_timeout_ms=500)
+    s = settings_from_dict({**s.model_dump(mode="json"),
+                            "cache": {"enabled": True, "semantic": False,
+                                      "max_request_members": 40000}})
+    edge = edge_factory(s)
     t0 = time.monotonic()
     res = post_raw(edge, body)
     took = time.monotonic() - t0
