@@ -55,13 +55,13 @@ local ngx_now = ngxapi.now
 local stats = require("infergate.routing.stats")
 local speed = require("infergate.routing.speed")
 local stall = require("infergate.routing.stall")
+local ring = require("infergate.routing.ring")
 
 local _M = {}
 
 local shared = ngx.shared
 local log = ngx.log
 local WARN = ngx.WARN
-local sort = table.sort
 
 _M.SAMPLES = 20
 _M.FLAG_TTL_FACTOR = 3
@@ -79,56 +79,14 @@ end
 
 local rings = {}        -- "<s|n>:<node>" -> {n = samples held, i = next slot, [1..SAMPLES]}
 
--- The ceil(0.9 n)-th smallest of ring[1..n] (n <= SAMPLES): the largest value with at
--- least m = n - ceil(0.9 n) + 1 values at or above it, found by one pass that keeps the
--- m largest (m is at most 3 for SAMPLES = 20), no sort and no table per call.
-local function p90_of(ring, n)
-    local m = n - math.ceil(0.9 * n) + 1
-    local a, b, c = -math.huge, -math.huge, -math.huge   -- the largest three, a >= b >= c
-    for k = 1, n do
-        local v = ring[k]
-        if v > a then
-            a, b, c = v, a, b
-        elseif v > b then
-            b, c = v, b
-        elseif v > c then
-            c = v
-        end
-    end
-    if m <= 1 then
-        return a
-    elseif m == 2 then
-        return b
-    elseif m == 3 then
-        return c
-    end
-    -- more samples than the three-slot pass covers: sort a copy
-    local vals = {}
-    for k = 1, n do
-        vals[k] = ring[k]
-    end
-    sort(vals)
-    return vals[n - m + 1]
-end
-_M._p90_of = p90_of
+_M._p90_of = ring.p90_of
 
 -- Adds a TTFB sample (s) to this worker's ring and stores the ring's p90 for every
 -- worker when it changed.
 local function add_sample(d, name, kind, ttfb)
     local base = kind .. ":" .. name
-    local ring = rings[base]
-    if not ring then
-        ring = { n = 0, i = 1, last = nil }
-        rings[base] = ring
-    end
-    ring[ring.i] = ttfb
-    ring.i = ring.i % _M.SAMPLES + 1
-    if ring.n < _M.SAMPLES then
-        ring.n = ring.n + 1
-    end
-    local p = p90_of(ring, ring.n)
-    if p ~= ring.last then
-        ring.last = p
+    local p = ring.push(rings, base, ttfb, _M.SAMPLES)
+    if p then
         d:set("tq:" .. base, p)
     end
 end

@@ -46,6 +46,7 @@
 -- body_filter()           the body filter step (infergate.phases)
 local config = require("infergate.core.config")
 local ngxapi = require("infergate.core.ngxapi")
+local ring = require("infergate.routing.ring")
 local ngx_now = ngxapi.now
 
 local _M = {}
@@ -67,31 +68,11 @@ local function dict()
     return shared[config.DICT_STATS]
 end
 
--- The ceil(0.9 n)-th smallest of ring[1..n].
-local function p90_of(ring, n)
-    local vals = {}
-    for k = 1, n do
-        vals[k] = ring[k]
-    end
-    table.sort(vals)
-    return vals[math.ceil(0.9 * n)]
-end
-_M._p90_of = p90_of
+_M._p90_of = ring.p90_of
 
 local function add_gap(d, name, gap)
-    local ring = rings[name]
-    if not ring then
-        ring = { n = 0, i = 1 }
-        rings[name] = ring
-    end
-    ring[ring.i] = gap
-    ring.i = ring.i % _M.SAMPLES + 1
-    if ring.n < _M.SAMPLES then
-        ring.n = ring.n + 1
-    end
-    local p = p90_of(ring, ring.n)
-    if p ~= ring.last then
-        ring.last = p
+    local p = ring.push(rings, name, gap, _M.SAMPLES)
+    if p then
         d:set("gq:" .. name, p)
     end
 end
