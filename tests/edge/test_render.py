@@ -369,7 +369,7 @@ def test_lua_config_accepts_rendered_options(workdir: Path) -> None:
             local config = require("infergate.core.config")
             assert(config.init({lua_string(json.dumps(doc))}, {lua_string(json.dumps(spec))}))
             local o = config.get()
-            return {{ max_tries = o.max_tries, nodes = #o.nodes, second = o.nodes[2].name }}
+            return {{ max_tries = o.edge.max_tries, nodes = #o.nodes, second = o.nodes[2].name }}
     """)
     assert got == {"max_tries": 3, "nodes": 2, "second": "gpu-b"}
 
