@@ -1,0 +1,83 @@
+"""A real llama.cpp node's life behind ``infergate up --node URL --node URL``: healthy
+while it generates (busy is not down), down when its process is killed (requests go to
+the other node, none fails), back when it is started again on the same address."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+import redis
+import requests
+
+from bench.realnode import MODEL_ALIAS, RealNode
+from controlplane import procs
+from controlplane.redisdb import keynames
+from support.upstack import UpStack
+
+pytestmark = pytest.mark.integration
+
+#: Seconds for the control plane to see a node change (polls every second; a node is
+#: down after 3 failed polls, up again after 2 good ones).
+CHANGE_TIMEOUT_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def stack(realnodes):
+    nodes = realnodes(2, parallel=2, threads=1)
+    folder = Path(tempfile.mkdtemp(prefix="infergate-engine-life-"))
+    up = UpStack.start(folder, "[cache]\nenabled = false\n",
+                       *[a for n in nodes for a in ("--node", n.url)])
+    try:
+        assert up.proc.poll() is None, up.text()
+        yield up, nodes
+    finally:
+        up.stop()
+
+
+def _health(up: UpStack) -> dict[str, bool]:
+    raw = redis.Redis.from_url(up.redis_url, decode_responses=True,
+                               socket_timeout=2).get(keynames.ROUTING)
+    nodes = json.loads(raw)["nodes"] if raw else []
+    return {n["url"]: bool(n["healthy"]) for n in nodes}
+
+
+def _chat(up: UpStack, max_tokens: int = 8) -> requests.Response:
+    return requests.post(f"{up.base}/v1/chat/completions", timeout=120,
+                         headers={"Authorization": f"Bearer {up.key}"},
+                         json={"model": MODEL_ALIAS, "max_tokens": max_tokens,
+                               "messages": [{"role": "user", "content": "Count to ten."}]})
+
+
+def test_busy_is_healthy_killed_is_down_restarted_is_back(stack) -> None:
+    up, (a, b) = stack
+    procs.wait_until(lambda: _health(up) == {a.url: True, b.url: True},
+                     timeout=CHANGE_TIMEOUT_S, what="both nodes healthy")
+    # busy: both slots of both nodes generating long answers, the nodes stay healthy
+    results: list[int] = []
+    threads = [threading.Thread(target=lambda: results.append(_chat(up, 200).status_code))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    seen_busy_healthy = []
+    for t in threads:
+        while t.is_alive():
+            seen_busy_healthy.append(all(_health(up).values()))
+            t.join(0.5)
+    assert results == [200] * 4 and all(seen_busy_healthy), (results, seen_busy_healthy)
+    # killed: down, and every request goes to the other node
+    a.stop()
+    procs.wait_until(lambda: _health(up).get(a.url) is False, timeout=CHANGE_TIMEOUT_S,
+                     what="the killed node down")
+    assert [_chat(up).status_code for _ in range(3)] == [200] * 3
+    # started again on the same address: back
+    again = RealNode(port=a.port, parallel=2, threads=1, log_dir=a.log_dir).start()
+    try:
+        procs.wait_until(lambda: _health(up).get(a.url) is True, timeout=CHANGE_TIMEOUT_S,
+                         what="the restarted node healthy again")
+        assert _chat(up).status_code == 200
+    finally:
+        again.stop()
