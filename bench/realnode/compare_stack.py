@@ -17,7 +17,6 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import aiohttp
 import redis
@@ -26,7 +25,7 @@ import requests
 from bench.common import Stack
 from bench.realnode.compare_load import parse_metrics, send_real
 from bench.realnode.launch import RealNode
-from bench.scheduler.stack import InfergateStack, infergate_settings
+from bench.scheduler.stack import InfergateStack, infergate_settings, start_redis_and_controlplane
 from bench.scheduler.workload import PoolSpec, Request, RequestMix
 from controlplane import procs
 from controlplane.config import Settings, settings_from_dict
@@ -108,24 +107,8 @@ def pool_detected(r: redis.Redis, nodes: list[PoolNode]) -> bool:
 def start_infergate(stack: Stack, nodes: list[PoolNode]) -> InfergateStack:
     """Start redis-server and ``infergate controlplane`` on free ports; wait (60 s) until
     :func:`pool_detected`. Raises :class:`controlplane.procs.StartError`."""
-    import tomli_w
-
-    rport = procs.free_port()
-    r_m = stack.add(procs.start_redis(stack.dir / "redis", rport))
-    redis_url = f"redis://127.0.0.1:{rport}/0"
-    settings = realnode_settings(redis_url, nodes)
-    settings.controlplane.listen = f"127.0.0.1:{procs.free_port()}"
-    cfg = stack.dir / "infergate.toml"
-    cfg.write_text(tomli_w.dumps(settings.model_dump(mode="json", exclude_none=True)),
-                   encoding="utf-8")
-    cp_log = stack.dir / "logs" / "controlplane.log"
-    cp = stack.add(procs.Managed("controlplane",
-                                 procs.infergate_argv("controlplane", "--config", str(cfg)),
-                                 cp_log).start())
-    r = redis.Redis.from_url(redis_url, socket_timeout=2, decode_responses=True)
-    cp.wait_ready(lambda: pool_detected(r, nodes), timeout=60)
-    return InfergateStack(settings=settings, redis_url=redis_url, cp_log=Path(cp_log),
-                          managed=[r_m, cp])
+    return start_redis_and_controlplane(stack, lambda url: realnode_settings(url, nodes),
+                                        lambda r: pool_detected(r, nodes))
 
 
 # --------------------------------------------------------------------------- calibration

@@ -58,7 +58,8 @@ from .prefix import LOADS as PREFIX_LOADS
 from .prefix import PREFIX_SCENARIOS, PREFIX_STRATEGIES, noprefix_base, run_prefix
 from .loadgen import RunOutput, StateSamples, run_load
 from .stack import (STRATEGIES, EdgeRun, InfergateStack, SimNodeProc, clear_faults,
-                    infergate_settings, pool_idle, snapshot_all_healthy)
+                    infergate_settings, pool_idle, snapshot_all_healthy,
+                    start_redis_and_controlplane)
 from .stats import summarise
 from .workload import LengthDist, PoolSpec, RequestMix, Workload, pool_capacity_rps
 
@@ -150,26 +151,14 @@ def start_base(stack: Stack, sc: Scenario, nodes: list[SimNodeProc],
     """redis-server and ``infergate controlplane`` for the scenario's node settings; waits
     for a snapshot with every node healthy (and, for ``multi_model``, every node's
     model known)."""
-    import tomli_w
+    def make_settings(redis_url: str):
+        settings = infergate_settings(redis_url, nodes, sc.spec, time_scale, sc.max_concurrency)
+        maxc = sc.max_concurrency or 2 * sc.spec.max_running
+        settings.nodes = [NodeSettings(name=n.name, url=n.url, kind=sc.kind, max_concurrency=maxc)
+                          for n in nodes]
+        return settings
 
-    rport = procs.free_port()
-    r_m = stack.add(procs.start_redis(stack.dir / "redis", rport))
-    redis_url = f"redis://127.0.0.1:{rport}/0"
-    settings = infergate_settings(redis_url, nodes, sc.spec, time_scale, sc.max_concurrency)
-    maxc = sc.max_concurrency or 2 * sc.spec.max_running
-    settings.nodes = [NodeSettings(name=n.name, url=n.url, kind=sc.kind, max_concurrency=maxc)
-                      for n in nodes]
-    settings.controlplane.listen = f"127.0.0.1:{procs.free_port()}"
-    cfg = stack.dir / "infergate.toml"
-    cfg.write_text(tomli_w.dumps(settings.model_dump(mode="json", exclude_none=True)),
-                   encoding="utf-8")
-    cp_log = stack.dir / "logs" / "controlplane.log"
-    cp = stack.add(procs.Managed("controlplane",
-                                 procs.infergate_argv("controlplane", "--config", str(cfg)),
-                                 cp_log).start())
-    r = redis.Redis.from_url(redis_url, socket_timeout=2, decode_responses=True)
-
-    def ready() -> bool:
+    def ready(r: redis.Redis) -> bool:
         if not snapshot_all_healthy(r, len(nodes)):
             return False
         if not sc.models:
@@ -180,9 +169,7 @@ def start_base(stack: Stack, sc: Scenario, nodes: list[SimNodeProc],
         snap = RoutingSnapshot.parse(r.get(keynames.ROUTING))
         return snap is not None and all(x.models for x in snap.nodes)
 
-    cp.wait_ready(ready, timeout=90)
-    return InfergateStack(settings=settings, redis_url=redis_url, cp_log=cp_log,
-                          managed=[r_m, cp])
+    return start_redis_and_controlplane(stack, make_settings, ready, timeout_s=90)
 
 
 def _merge(runs: list[RunOutput]) -> RunOutput:

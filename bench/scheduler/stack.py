@@ -22,6 +22,7 @@ node differs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -192,18 +193,19 @@ class InfergateStack:
     managed: list[procs.Managed] = field(default_factory=list)
 
 
-def start_infergate_base(stack: Stack, nodes: list[SimNodeProc], spec: PoolSpec,
-                         time_scale: float, max_concurrency: int | None = None) -> InfergateStack:
-    """Start redis-server and ``infergate controlplane`` on free ports and wait for the
-    first routing snapshot that has every node healthy."""
+def start_redis_and_controlplane(stack: Stack, make_settings: Callable[[str], Settings],
+                                 ready: Callable[[redis.Redis], bool],
+                                 timeout_s: float = 60) -> InfergateStack:
+    """Start redis-server and ``infergate controlplane`` on free ports, with the settings
+    ``make_settings(redis_url)`` returns (its admin address set to a free port), and wait
+    until ``ready(redis client)`` holds. Raises :class:`controlplane.procs.StartError`."""
     import tomli_w
 
     rport = procs.free_port()
     r_m = stack.add(procs.start_redis(stack.dir / "redis", rport))
     redis_url = f"redis://127.0.0.1:{rport}/0"
-    settings = infergate_settings(redis_url, nodes, spec, time_scale, max_concurrency)
-    cport = procs.free_port()
-    settings.controlplane.listen = f"127.0.0.1:{cport}"
+    settings = make_settings(redis_url)
+    settings.controlplane.listen = f"127.0.0.1:{procs.free_port()}"
     cfg = stack.dir / "infergate.toml"
     cfg.write_text(tomli_w.dumps(settings.model_dump(mode="json", exclude_none=True)),
                    encoding="utf-8")
@@ -212,8 +214,17 @@ def start_infergate_base(stack: Stack, nodes: list[SimNodeProc], spec: PoolSpec,
                                  procs.infergate_argv("controlplane", "--config", str(cfg)),
                                  cp_log).start())
     r = redis.Redis.from_url(redis_url, socket_timeout=2, decode_responses=True)
-    cp.wait_ready(lambda: snapshot_all_healthy(r, len(nodes)), timeout=60)
+    cp.wait_ready(lambda: ready(r), timeout=timeout_s)
     return InfergateStack(settings=settings, redis_url=redis_url, cp_log=cp_log, managed=[r_m, cp])
+
+
+def start_infergate_base(stack: Stack, nodes: list[SimNodeProc], spec: PoolSpec,
+                         time_scale: float, max_concurrency: int | None = None) -> InfergateStack:
+    """Start redis-server and ``infergate controlplane`` on free ports and wait for the
+    first routing snapshot that has every node healthy."""
+    return start_redis_and_controlplane(
+        stack, lambda url: infergate_settings(url, nodes, spec, time_scale, max_concurrency),
+        lambda r: snapshot_all_healthy(r, len(nodes)))
 
 
 def snapshot_all_healthy(r: redis.Redis, n: int) -> bool:
