@@ -252,7 +252,8 @@ def test_body_spilled_to_a_temp_file_is_proxied(edge_and_node) -> None:
                                                    headers={"Content-Type": "application/json"})):
         assert res.status_code == 200, res.text
         assert up.bodies[-1] == body
-    assert "buffered to a temporary file" in edge.error_log()[len(old_log):]
+    procs.wait_until(lambda: "buffered to a temporary file" in edge.error_log()[len(old_log):],
+                     timeout=5, what="nginx's warning that the body went to a temporary file")
     bad = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 30000}]}).encode()
     res = post_raw(edge, bad[:-1])
     assert res.status_code == 400 and error_code(res) == "invalid_json"
