@@ -259,6 +259,19 @@ local function not_an_object(body)
     return bad_request("The request body must be a JSON object.")
 end
 
+-- Decodes a JSON body within the edge's bounds and takes its facts into the request
+-- state. Returns nil, or an error table.
+local function decode_into(req, body)
+    local o = config.get()
+    local obj, err = decode_json(body, o)
+    if not obj then
+        return err
+    end
+    if type(obj) == "table" then
+        take_object(req, obj, o)
+    end
+end
+
 -- Route "inference": the body must be a JSON object.
 local function inference_body(req)
     local body, rerr = read_body(req)
@@ -271,12 +284,7 @@ local function inference_body(req)
     if not body:find("^%s*{") then
         return not_an_object(body)
     end
-    local o = config.get()
-    local obj, err = decode_json(body, o)
-    if not obj then
-        return err
-    end
-    take_object(req, obj, o)
+    return decode_into(req, body)
 end
 
 -- Routes "api", "tokenizer" and "passthrough": a JSON body (bodykind.kind) has the
@@ -316,14 +324,7 @@ local function proxied_body(req)
     if body:sub(1, 3) == "\239\187\191" then
         return not_an_object(body)
     end
-    local o = config.get()
-    local obj, err = decode_json(body, o)
-    if not obj then
-        return err
-    end
-    if type(obj) == "table" then
-        take_object(req, obj, o)
-    end
+    return decode_into(req, body)
 end
 
 local function step_body(req)
