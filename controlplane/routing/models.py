@@ -21,14 +21,13 @@ stays unknown) and is tried again after ``RETRY_S`` (at most ``models_refresh_s`
 from __future__ import annotations
 
 import json
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from controlplane.config import NodeSettings
+from controlplane.routing.background import BackgroundReader
 from controlplane.routing.nodeaccess import AccessTable
-from controlplane.routing.poller import Poller
 
 __all__ = ["MAX_MODELS", "ModelsPoller", "RETRY_S", "parse_models"]
 
@@ -70,20 +69,13 @@ class _Entry:
     running: Future | None = field(default=None, repr=False)
 
 
-class ModelsPoller:
+class ModelsPoller(BackgroundReader):
     """Served models per node (rules in the module docstring). :meth:`served` is called
     by the poll cycle and never blocks on a node; thread-safe."""
 
     def __init__(self, refresh_s: float, timeout_s: float, max_workers: int = 4,
                  clock=time.monotonic, access: AccessTable | None = None):
-        self.refresh_s = refresh_s
-        self.timeout_s = timeout_s
-        # only its bounded get(), with each node's API key and CAs
-        self._http = Poller(timeout_s, max_workers=1, access=access)
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="models")
-        self._entries: dict[str, _Entry] = {}
-        self._lock = threading.Lock()
-        self._clock = clock
+        super().__init__("models", refresh_s, timeout_s, max_workers, clock, access)
 
     def _read(self, url: str) -> tuple[list[str] | None, str | None]:
         res = self._http.get(url)
@@ -125,29 +117,9 @@ class ModelsPoller:
                 e.running = self._pool.submit(self._read, url)
             return None if e.models is None else list(e.models)
 
-    def forget(self, names: set[str]) -> None:
-        """Drop what is known of nodes not in ``names`` (removed from the registry)."""
-        with self._lock:
-            for name in set(self._entries) - names:
-                del self._entries[name]
-
     def error(self, name: str) -> str | None:
         """Why the last read of node ``name`` failed (``None``: it did not, or none yet)."""
         with self._lock:
             e = self._entries.get(name)
             return e.error if e else None
 
-    def wait_idle(self, timeout_s: float = 5.0) -> None:
-        """Wait until no read is running (tests)."""
-        end = self._clock() + timeout_s
-        while self._clock() < end:
-            with self._lock:
-                running = [e.running for e in self._entries.values()
-                           if e.running is not None and not e.running.done()]
-            if not running:
-                return
-            time.sleep(0.01)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._http.close()

@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from controlplane.config import NodeSettings
+from controlplane.routing.background import BackgroundReader
 from controlplane.routing.nodeaccess import AccessTable
-from controlplane.routing.poller import NodeStatus, Poller
+from controlplane.routing.poller import NodeStatus
 
 __all__ = ["HINT_PREFIX", "PROPS_PATH", "Props", "PropsPoller", "RETRY_S", "hint_of",
            "parse_props"]
@@ -97,19 +97,13 @@ class _Entry:
     running: Future | None = field(default=None, repr=False)
 
 
-class PropsPoller:
+class PropsPoller(BackgroundReader):
     """``/props`` of every node, read in the background (see the module docstring);
     thread-safe, :meth:`observe` never blocks on a node."""
 
     def __init__(self, refresh_s: float, timeout_s: float, max_workers: int = 2,
                  clock=time.monotonic, access: AccessTable | None = None):
-        self.refresh_s = refresh_s
-        # only its bounded get(), with each node's API key and CAs
-        self._http = Poller(timeout_s, max_workers=1, access=access)
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="props")
-        self._entries: dict[str, _Entry] = {}
-        self._lock = threading.Lock()
-        self._clock = clock
+        super().__init__("props", refresh_s, timeout_s, max_workers, clock, access)
 
     def _read(self, url: str) -> tuple[Props | None, str, bool]:
         """``(props, what was answered, whether to retry soon)``."""
@@ -199,23 +193,3 @@ class PropsPoller:
         if h:
             status.last_error = "; ".join(x for x in (status.last_error, h) if x)
 
-    def forget(self, names: set[str]) -> None:
-        """Drop what is known of nodes not in ``names``."""
-        with self._lock:
-            for name in set(self._entries) - names:
-                del self._entries[name]
-
-    def wait_idle(self, timeout_s: float = 5.0) -> None:
-        """Wait until no read is running (tests)."""
-        end = self._clock() + timeout_s
-        while self._clock() < end:
-            with self._lock:
-                busy = any(e.running is not None and not e.running.done()
-                           for e in self._entries.values())
-            if not busy:
-                return
-            time.sleep(0.01)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._http.close()
