@@ -124,6 +124,11 @@ class SentenceTransformerModel:
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
         else:
             path = name_or_path
+            if name_or_path.startswith(("/", "./", "../", "~")) \
+                    and not Path(name_or_path).expanduser().exists():
+                # a local path, not a hub name: say so before the slow torch import
+                raise ModelLoadError(f"no sentence-transformers model at {name_or_path!r}: "
+                                     "the path does not exist")
             self.model_id = name_or_path.rstrip("/") if not Path(name_or_path).exists() \
                 else Path(name_or_path).resolve().name
         try:

@@ -7,6 +7,8 @@ import importlib
 import inspect
 import pkgutil
 
+import pytest
+
 import controlplane
 from controlplane.errors import InfergateError
 
@@ -49,3 +51,11 @@ def test_the_other_bases_are_kept():
     assert issubclass(ops.NotFound, ops.AdminError) and not issubclass(ops.AdminError, ValueError)
     err = ConfigError("edge.workers: must be at least 1")
     assert str(err) == "edge.workers: must be at least 1" and isinstance(err, InfergateError)
+
+
+def test_a_local_model_path_that_does_not_exist_fails_before_loading_anything(tmp_path) -> None:
+    from controlplane.embedder.models import ModelLoadError, SentenceTransformerModel
+
+    missing = tmp_path / "no-model"
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        SentenceTransformerModel(str(missing))
