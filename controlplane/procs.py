@@ -113,6 +113,20 @@ def port_open(host: str, port: int, timeout: float = 0.2) -> bool:
         return False
 
 
+def http_answers(host: str, port: int, path: str = "/", timeout: float = 1.0) -> bool:
+    """True when host:port answers ``GET path`` with an HTTP status line within
+    ``timeout`` seconds (any status). Stronger than :func:`port_open` for nginx: its
+    master listens on every port it could bind while it retries one it could not (then
+    exits), and only a running worker answers."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            sock.sendall(f"GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+            return sock.recv(5) == b"HTTP/"
+    except OSError:
+        return False
+
+
 def wait_until(pred: Callable[[], bool], timeout: float, interval: float = 0.05,
                what: str = "condition") -> None:
     """Poll ``pred`` until it returns true; raise :class:`StartError` after ``timeout`` s."""

@@ -512,11 +512,13 @@ def listen_of(conf_path: str | Path) -> tuple[str, int]:
 def start_nginx(conf_path: str | Path, prefix: str | Path, *, nginx_bin: str | None = None,
                 timeout: float = 20.0, log_path: str | Path | None = None) -> procs.Managed:
     """Start nginx in the foreground (``nginx -p PREFIX -c CONF -g 'daemon off;'``) in
-    its own process group and wait until its listen port accepts connections.
+    its own process group and wait until a worker answers HTTP on its listen port (then
+    every listen address is bound: the master listens on the ports it could bind while
+    it retries one it could not, and exits when that fails).
 
     Returns the :class:`procs.Managed` (``stop()`` ends master and workers). Raises
     :class:`procs.StartError` when nginx exits early or the port does not open within
-    ``timeout`` seconds (the message holds the end of nginx's output)."""
+    ``timeout`` seconds (the message holds the end of nginx's error log)."""
     exe = nginx_bin or nginx_binary()
     host, port = listen_of(conf_path)
     prefix = Path(prefix)
@@ -526,7 +528,8 @@ def start_nginx(conf_path: str | Path, prefix: str | Path, *, nginx_bin: str | N
     # close the listening sockets and finish their requests), not SIGKILL
     m = procs.Managed("nginx", argv, log, orphans_signal=signal.SIGQUIT).start()
     try:
-        return m.wait_ready(lambda: procs.port_open(host, port), timeout)
+        return m.wait_ready(lambda: procs.http_answers(host, port, "/infergate/status"),
+                            timeout)
     except procs.StartError as exc:
         m.stop()
         err_log = prefix / "logs" / "error.log"

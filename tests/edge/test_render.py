@@ -418,3 +418,21 @@ def test_embedder_token_goes_into_the_lookup_location_only(workdir: Path) -> Non
     assert r.server_conf.stat().st_mode & 0o777 == 0o640
     with pytest.raises(ValueError):
         s.cache.model_validate({"embedder_token": 'bad" token; x'})
+
+
+def test_a_metrics_port_held_elsewhere_fails_the_start_not_the_first_requests(workdir: Path) -> None:
+    """nginx's master listens on the ports it could bind while it retries the one it
+    could not, then exits: the start waits for a worker's answer, so it fails with the
+    bind error instead of returning an edge that resets the first connections."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    try:
+        s = _settings()
+        s.edge.metrics_listen = f"127.0.0.1:{holder.getsockname()[1]}"
+        r = render_nginx(s, workdir / "out", listen=f"127.0.0.1:{procs.free_port()}",
+                         prefix=workdir / "pre")
+        with pytest.raises(procs.StartError, match="in use"):
+            start_nginx(r.nginx_conf, r.prefix)
+    finally:
+        holder.close()

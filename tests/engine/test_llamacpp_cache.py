@@ -6,6 +6,7 @@ asking the node (no ``X-Infergate-Node`` on a hit)."""
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -33,6 +34,7 @@ def stack(realnodes):
         yield up, node
     finally:
         up.stop()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _ask(up: UpStack, content: str) -> requests.Response:

@@ -5,6 +5,7 @@ the other node, none fails), back when it is started again on the same address."
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -36,6 +37,7 @@ def stack(realnodes):
         yield up, nodes
     finally:
         up.stop()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _health(up: UpStack) -> dict[str, bool]:

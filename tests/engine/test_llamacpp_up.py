@@ -10,6 +10,7 @@ tests/support/realnode.py: skipped locally without it, failed under CI)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -42,6 +43,7 @@ def stack(realnodes):
         yield up
     finally:
         up.stop()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _snapshot(up: UpStack) -> dict:

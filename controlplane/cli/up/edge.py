@@ -77,13 +77,15 @@ def start_edge(run: UpRun) -> None:
             return
         except procs.StartError as exc:
             m_port = settings.edge.metrics_listen.rpartition(":")[2]
-            lost = run.metrics_moved and f":{m_port} failed" in str(exc) and "in use" in str(exc)
+            # the metrics port (free when chosen) was taken in between by another process
+            lost = f":{m_port} failed" in str(exc) and "in use" in str(exc)
             if not lost or attempt == START_ATTEMPTS - 1:
                 raise
             # the free metrics port was taken in between: render with a new one
             m_host = HostPort.parse(settings.edge.metrics_listen)
             settings.edge.metrics_listen = f"{m_host.url_host}:{procs.free_port(m_host.host)}"
             run.metrics_desc = f"http://{settings.edge.metrics_listen}/metrics"
+            run.metrics_moved = True
 
 
 def watch_controlplane(run: UpRun) -> None:
