@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -308,15 +309,26 @@ def edge_factory(workdir: Path) -> Iterator[Callable[..., Edge]]:
 
     def start(settings: Settings, *, listen: str | None = None, check_log: bool = True,
               **render_opts: Any) -> Edge:
-        if settings.edge.metrics_listen == EdgeSettings().metrics_listen:
+        free_metrics = settings.edge.metrics_listen == EdgeSettings().metrics_listen
+        if free_metrics:
             settings = settings.model_copy(deep=True)
-            settings.edge.metrics_listen = f"127.0.0.1:{procs.free_port()}"
+        given = listen
         i = len(edges) + 1
-        listen = listen or f"127.0.0.1:{procs.free_port()}"
         base = workdir / f"edge-{i}"
-        rendered = render_nginx(settings, base / "conf", listen=listen, prefix=base / "prefix",
-                                **render_opts)
-        m = start_nginx(rendered.nginx_conf, rendered.prefix)
+        for attempt in range(3):
+            if free_metrics:
+                settings.edge.metrics_listen = f"127.0.0.1:{procs.free_port()}"
+            listen = given or f"127.0.0.1:{procs.free_port()}"
+            rendered = render_nginx(settings, base / "conf", listen=listen,
+                                    prefix=base / "prefix", **render_opts)
+            try:
+                m = start_nginx(rendered.nginx_conf, rendered.prefix)
+                break
+            except procs.StartError as exc:
+                # a free port taken in between by another process on the host: new ports
+                if "in use" not in str(exc) or attempt == 2:
+                    raise
+                shutil.rmtree(base, ignore_errors=True)
         edge = Edge(rendered, m, settings, check_log=check_log)
         edges.append(edge)
         procs.wait_until(lambda: edge.status() is not None, 10, what="edge status endpoint")
