@@ -336,7 +336,7 @@ local function store_of(c, req)
     if c.namespace and c.text then
         index_job = replay.encode({
             key = c.key, namespace = c.namespace, text = c.text, model = c.model or "",
-            tenant = c.tenant, ttl_s = c.ttl,
+            tenant = c.tenant, ttl_s = c.ttl, route = c.path,
         })
     end
     return {

@@ -1,0 +1,177 @@
+"""The embedder with the pool's own models: a semantic domain whose vectors come from a
+real ``llama-server --embeddings --pooling mean`` (Gemma 3 270M) and whose verifier is a
+rerank endpoint of the published Jina/Cohere shape (``support.rerankstub``), over the
+embedder's real HTTP API and a real Redis. Serves hits, keeps the vectors of the two
+models apart, and falls open (a miss, HTTP 200) when an endpoint is down or slow.
+
+One stack for the module; the bundled model is the session's shared one."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import redis
+import requests
+import waitress
+
+from controlplane import procs
+from controlplane.embedder import remote
+from controlplane.embedder.app import create_app
+from controlplane.embedder.engine import Engine, connect
+from controlplane.embedder.models import ModelSpec, shared_model
+from controlplane.embedder.policy import Domain, PolicySource, ThresholdPolicy
+from controlplane.redisdb import keynames
+from support.rerankstub import RerankStub
+
+pytestmark = pytest.mark.integration
+
+PASSWORD = "How do I reset my password?"
+PARAPHRASE = "How can I reset my password?"
+OTHER = "What is the capital of France?"
+
+
+def hx(s: str) -> str:
+    return hashlib.sha256(s.encode()).hexdigest()
+
+
+@dataclass
+class Stack:
+    url: str
+    r: redis.Redis
+    engine: Engine
+    stub: RerankStub
+    emb_url: str
+
+    def post(self, path: str, body: object) -> requests.Response:
+        return requests.post(self.url + path, json=body, timeout=30)
+
+    def add(self, text: str, ns: str, model: str) -> dict:
+        key = hx(ns + text)
+        self.r.set(keynames.cache_entry(key), json.dumps({"body": "answer"}), ex=60)
+        resp = self.post("/v1/index", {"key": key, "namespace": ns, "text": text, "ttl_s": 60,
+                                       "model": model, "tenant": "acme",
+                                       "route": "/v1/chat/completions"})
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    def lookup(self, ns: str, text: str, model: str) -> dict:
+        resp = self.post("/v1/lookups", {"lookups": [{"namespace": ns, "text": text,
+                                                      "model": model}]})
+        assert resp.status_code == 200, resp.text  # never an error to the edge
+        return resp.json()["results"][0]
+
+
+@pytest.fixture(scope="module")
+def stack(realnodes, tmp_path_factory) -> Iterator[Stack]:
+    node = realnodes(1, parallel=2, metrics=False,
+                     extra_args=("--embeddings", "--pooling", "mean"))[0]
+    # the first call after the start is slow (buffers allocated): not within a budget
+    requests.post(node.url + "/v1/embeddings", json={"input": ["warm up"]}, timeout=60)
+    stub = RerankStub()
+    stub.delay_s = 1.2
+    port = procs.free_port()
+    managed = procs.start_redis(tmp_path_factory.mktemp("pool-redis"), port)
+    common = dict(embeddings_url=node.url, embeddings_model="gemma-emb",
+                  endpoint_timeout_ms=1000)
+    policy = ThresholdPolicy((
+        Domain(model="pool-bot", rerank_url=stub.url, rerank_model="stub",
+               min_similarity=0.3, min_verifier_score=0.5, **common),
+        Domain(model="pool-cosine", min_similarity=0.999, **common),
+        Domain(model="dead", embeddings_url=f"http://127.0.0.1:{procs.free_port()}",
+               min_similarity=0.5),
+    ))
+    engine = Engine(shared_model(ModelSpec()), connect(f"redis://127.0.0.1:{port}/0", 1.0),
+                    index_backend="local", policy=PolicySource(policy=policy))
+    http_port = procs.free_port()
+    server = waitress.create_server(create_app(engine), host="127.0.0.1", port=http_port,
+                                    threads=4)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{http_port}"
+    procs.wait_until(lambda: requests.get(url + "/healthz", timeout=1).status_code == 200,
+                     timeout=20, what="embedder /healthz")
+    try:
+        yield Stack(url, redis.Redis(port=port, decode_responses=True), engine, stub, node.url)
+    finally:
+        server.close()
+        thread.join(timeout=5)
+        engine.close()
+        stub.stop()
+        managed.stop()
+
+
+def test_pool_models_serve_a_hit_decided_by_the_reranker(stack: Stack) -> None:
+    ns = hx("pool-hit")
+    assert stack.add(PASSWORD, ns, "pool-bot")["indexed"] is True
+    res = stack.lookup(ns, PARAPHRASE, "pool-bot")
+    assert res["hit"] is True and res["key"] == hx(ns + PASSWORD), res
+    assert res["decided_by"] == "rerank"
+    assert res["model_id"].startswith("gemma-emb@127.0.0.1:")
+    assert res["verifier_score"] == pytest.approx(5 / 7, abs=1e-6)  # the stub's Jaccard
+    assert res["min_verifier_score"] == 0.5 and res["min_similarity"] == 0.3
+    miss = stack.lookup(ns, OTHER, "pool-bot")
+    assert miss["hit"] is False
+    # what the admin page shows of the namespace
+    h = stack.r.hgetall(keynames.cache_ns_stats(ns))
+    assert h["embedding_model"] == res["model_id"] and h["sample"] == PASSWORD
+    assert h["model"] == "pool-bot" and h["tenant"] == "acme"
+
+
+def test_vectors_of_two_models_are_never_compared(stack: Stack) -> None:
+    ns = hx("pool-apart")
+    stack.add(PASSWORD, ns, "pool-bot")
+    # the same namespace through the bundled model: its index holds nothing there
+    res = stack.lookup(ns, PASSWORD, "")
+    assert res["hit"] is False and res["similarity"] is None
+    assert res["model_id"] == "use-multilingual-v3"
+    # another domain on the same endpoint shares its index, with its own threshold
+    same = stack.lookup(ns, PASSWORD, "pool-cosine")
+    assert same["hit"] is True and same["decided_by"] == "cosine"
+    assert stack.lookup(ns, PARAPHRASE, "pool-cosine")["hit"] is False
+
+
+def test_reranker_down_or_slow_is_a_miss(stack: Stack, monkeypatch) -> None:
+    monkeypatch.setattr(remote, "COOLDOWN_S", 0.0)
+    ns = hx("pool-rerank-down")
+    stack.add(PASSWORD, ns, "pool-bot")
+    try:
+        for mode in ("down", "slow"):
+            stack.stub.mode = mode
+            res = stack.lookup(ns, PARAPHRASE, "pool-bot")
+            assert res["hit"] is False and res["guard"] == "reject:verifier_unavailable", mode
+    finally:
+        stack.stub.mode = "ok"
+    assert stack.lookup(ns, PARAPHRASE, "pool-bot")["hit"] is True
+
+
+def test_failed_endpoint_is_skipped_for_a_while(stack: Stack) -> None:
+    ns = hx("pool-cooldown")
+    stack.add(PASSWORD, ns, "pool-bot")
+    stack.stub.mode = "down"
+    try:
+        assert stack.lookup(ns, PARAPHRASE, "pool-bot")["hit"] is False
+        calls = stack.stub.calls
+        assert stack.lookup(ns, PARAPHRASE, "pool-bot")["guard"] == "reject:verifier_unavailable"
+        assert stack.stub.calls == calls  # not asked again during the cooldown
+    finally:
+        stack.stub.mode = "ok"
+        for rr in stack.engine.pool._rerankers.values():
+            rr.endpoint._down_until = 0.0
+
+
+def test_embeddings_endpoint_down_is_a_miss_and_indexes_nothing(stack: Stack) -> None:
+    ns = hx("pool-dead")
+    assert stack.add(PASSWORD, ns, "dead")["indexed"] is False
+    res = stack.lookup(ns, PASSWORD, "dead")
+    assert res["hit"] is False and res["guard"] == "reject:embeddings_unavailable"
+    # the other lookups of the same call are answered as usual
+    resp = stack.post("/v1/lookups", {"lookups": [{"namespace": ns, "text": PASSWORD,
+                                                   "model": "dead"},
+                                                  {"namespace": ns, "text": PASSWORD}]})
+    a, b = resp.json()["results"]
+    assert a["guard"] == "reject:embeddings_unavailable" and b["model_id"] == "use-multilingual-v3"

@@ -1,0 +1,79 @@
+"""A rerank endpoint in the published Jina/Cohere shape (as llama.cpp ``/v1/rerank``,
+vLLM ``/v1/rerank`` and ``/rerank`` serve it), in process on a free loopback port, for the
+embedder's tests of the pool's models.
+
+``POST /v1/rerank`` ``{"model", "query", "documents": [str], "top_n"?}`` -> ``{"model",
+"object": "list", "results": [{"index", "relevance_score"}], "usage"}``, results sorted by
+score, best first (as the servers do). The score is the Jaccard overlap of the lowercase
+words of the query and the document (0-1), so paraphrases that share most words score
+high and others low. ``mode``: ``ok``, ``down`` (503 JSON) or ``slow`` (waits
+``delay_s`` before answering). ``calls`` counts requests.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from controlplane import procs
+
+
+def jaccard(a: str, b: str) -> float:
+    wa, wb = set(re.findall(r"\w+", a.lower())), set(re.findall(r"\w+", b.lower()))
+    return len(wa & wb) / len(wa | wb) if wa | wb else 0.0
+
+
+class RerankStub:
+    """The server (see the module); :meth:`stop` at the end."""
+
+    def __init__(self) -> None:
+        self.mode = "ok"
+        self.delay_s = 2.0
+        self.calls = 0
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                stub.calls += 1
+                n = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(n) or b"{}")
+                if stub.mode == "slow":
+                    time.sleep(stub.delay_s)
+                if stub.mode == "down" or self.path not in ("/v1/rerank", "/rerank"):
+                    self._send(503, {"error": {"message": "unavailable", "type": "x"}})
+                    return
+                docs = body.get("documents") or []
+                res = sorted(({"index": i, "relevance_score": jaccard(body["query"], d)}
+                              for i, d in enumerate(docs)),
+                             key=lambda r: -r["relevance_score"])
+                self._send(200, {"model": body.get("model"), "object": "list",
+                                 "results": res[:body.get("top_n") or len(res)],
+                                 "usage": {"prompt_tokens": 0, "total_tokens": 0}})
+
+            def _send(self, status: int, doc: dict) -> None:
+                raw = json.dumps(doc).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+        self.port = procs.free_port()
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.server.daemon_threads = True
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1/rerank"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
