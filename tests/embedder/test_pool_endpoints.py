@@ -73,15 +73,21 @@ def stack(realnodes, tmp_path_factory) -> Iterator[Stack]:
     # the first call after the start is slow (buffers allocated): not within a budget
     requests.post(node.url + "/v1/embeddings", json={"input": ["warm up"]}, timeout=60)
     stub = RerankStub()
-    stub.delay_s = 1.2
+    stub.delay_s = 0.6
     port = procs.free_port()
     managed = procs.start_redis(tmp_path_factory.mktemp("pool-redis"), port)
+    # a generous budget for the real engine (a shared 2-core host), a short one for the
+    # stub's endpoints, which the tests make slow
     common = dict(embeddings_url=node.url, embeddings_model="gemma-emb",
-                  endpoint_timeout_ms=1000)
+                  endpoint_timeout_ms=15000)
     policy = ThresholdPolicy((
         Domain(model="pool-bot", rerank_url=stub.url, rerank_model="stub",
                min_similarity=0.3, min_verifier_score=0.5, **common),
         Domain(model="pool-cosine", min_similarity=0.999, **common),
+        Domain(model="rerank-only", rerank_url=stub.url, min_similarity=0.5,
+               min_verifier_score=0.5, endpoint_timeout_ms=300),
+        Domain(model="stub-emb", embeddings_url=stub.root, min_similarity=0.9,
+               endpoint_timeout_ms=300),
         Domain(model="dead", embeddings_url=f"http://127.0.0.1:{procs.free_port()}",
                min_similarity=0.5),
     ))
@@ -138,30 +144,46 @@ def test_vectors_of_two_models_are_never_compared(stack: Stack) -> None:
 def test_reranker_down_or_slow_is_a_miss(stack: Stack, monkeypatch) -> None:
     monkeypatch.setattr(remote, "COOLDOWN_S", 0.0)
     ns = hx("pool-rerank-down")
-    stack.add(PASSWORD, ns, "pool-bot")
+    stack.add(PASSWORD, ns, "rerank-only")  # the bundled model's vectors, the pool's reranker
+    assert stack.lookup(ns, PARAPHRASE, "rerank-only")["decided_by"] == "rerank"
     try:
         for mode in ("down", "slow"):
             stack.stub.mode = mode
-            res = stack.lookup(ns, PARAPHRASE, "pool-bot")
+            res = stack.lookup(ns, PARAPHRASE, "rerank-only")
             assert res["hit"] is False and res["guard"] == "reject:verifier_unavailable", mode
     finally:
         stack.stub.mode = "ok"
-    assert stack.lookup(ns, PARAPHRASE, "pool-bot")["hit"] is True
+    assert stack.lookup(ns, PARAPHRASE, "rerank-only")["hit"] is True
 
 
 def test_failed_endpoint_is_skipped_for_a_while(stack: Stack) -> None:
     ns = hx("pool-cooldown")
-    stack.add(PASSWORD, ns, "pool-bot")
+    stack.add(PASSWORD, ns, "rerank-only")
     stack.stub.mode = "down"
     try:
-        assert stack.lookup(ns, PARAPHRASE, "pool-bot")["hit"] is False
+        assert stack.lookup(ns, PARAPHRASE, "rerank-only")["hit"] is False
         calls = stack.stub.calls
-        assert stack.lookup(ns, PARAPHRASE, "pool-bot")["guard"] == "reject:verifier_unavailable"
+        assert stack.lookup(ns, PARAPHRASE, "rerank-only")["guard"] == \
+            "reject:verifier_unavailable"
         assert stack.stub.calls == calls  # not asked again during the cooldown
     finally:
         stack.stub.mode = "ok"
         for rr in stack.engine.pool._rerankers.values():
             rr.endpoint._down_until = 0.0
+
+
+def test_slow_embeddings_endpoint_is_a_miss(stack: Stack, monkeypatch) -> None:
+    monkeypatch.setattr(remote, "COOLDOWN_S", 0.0)
+    ns = hx("pool-slow-emb")
+    assert stack.add(PASSWORD, ns, "stub-emb")["indexed"] is True
+    assert stack.lookup(ns, PASSWORD, "stub-emb")["hit"] is True
+    stack.stub.mode = "slow"
+    try:  # texts not embedded before (the embedder keeps recent vectors)
+        res = stack.lookup(ns, "how do I reset my password", "stub-emb")
+        assert res["hit"] is False and res["guard"] == "reject:embeddings_unavailable"
+    finally:
+        stack.stub.mode = "ok"
+    assert stack.lookup(ns, "How do I reset my password", "stub-emb")["hit"] is True
 
 
 def test_embeddings_endpoint_down_is_a_miss_and_indexes_nothing(stack: Stack) -> None:
@@ -175,3 +197,47 @@ def test_embeddings_endpoint_down_is_a_miss_and_indexes_nothing(stack: Stack) ->
                                                   {"namespace": ns, "text": PASSWORD}]})
     a, b = resp.json()["results"]
     assert a["guard"] == "reject:embeddings_unavailable" and b["model_id"] == "use-multilingual-v3"
+
+
+def _pairs(path, n_far: int = 150):
+    """Paraphrases (1), one task swapped for another (0) and far questions (0), TSV."""
+    import itertools
+
+    verbs = ["reset", "change", "update", "recover", "delete", "verify"]
+    nouns = ["password", "email address", "phone number", "billing address", "username",
+             "profile photo", "security question", "delivery address"]
+    combos = list(itertools.product(verbs, nouns))
+    rows = []
+    for v, n in combos:
+        v2 = verbs[(verbs.index(v) + 1) % len(verbs)]
+        rows += [(f"How do I {v} my {n}?", f"How can I {v} my {n}?", "1"),
+                 (f"How do I {v} my {n}?", f"How do I {v2} my {n}, please?", "0")]
+    for i, (v, n) in enumerate(itertools.islice(itertools.cycle(combos), n_far)):
+        rows.append((f"How do I {v} my {n}?", f"Who can {v} the {n} of office {i}?", "0"))
+    path.write_text("\n".join("\t".join(r) for r in rows) + "\n", encoding="utf-8")
+    return path
+
+
+def test_calibrate_uses_the_domains_endpoints(stack: Stack, tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from controlplane.cli import main
+    from controlplane.config import load_settings
+
+    cfg = tmp_path / "infergate.toml"
+    # the stub's embeddings: hundreds of texts, too many for the engine on a shared host
+    cfg.write_text(f'[[cache.semantic_domains]]\nmodel = "pool-bot"\nembeddings_url = '
+                   f'"{stack.stub.root}"\nembeddings_model = "bag"\nrerank_url = '
+                   f'"{stack.stub.url}"\n', encoding="utf-8")
+    res = CliRunner().invoke(main, ["cache", "calibrate", "--pairs",
+                                    str(_pairs(tmp_path / "p.tsv")), "--model", "pool-bot",
+                                    "--max-wrong", "0.05", "--config", str(cfg), "--plot",
+                                    ""], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert "endpoints of the pool" in res.output and "score: verifier" in res.output
+    assert "model bag@127.0.0.1:" in res.output
+    (dom,) = load_settings(cfg).cache.semantic_domains
+    assert dom.embeddings_url == stack.stub.root and dom.rerank_url == stack.stub.url
+    # the floor of a reranker; its threshold serves the paraphrases (the stub: 5/7)
+    assert dom.min_similarity == 0.5 and dom.min_verifier_score <= 5 / 7
+    assert dom.hit_rate > 0.9 and dom.wrong_hit_upper <= 0.05

@@ -6,12 +6,20 @@ embedder's tests of the pool's models.
 "object": "list", "results": [{"index", "relevance_score"}], "usage"}``, results sorted by
 score, best first (as the servers do). The score is the Jaccard overlap of the lowercase
 words of the query and the document (0-1), so paraphrases that share most words score
-high and others low. ``mode``: ``ok``, ``down`` (503 JSON) or ``slow`` (waits
-``delay_s`` before answering). ``calls`` counts requests.
+high and others low.
+
+``POST /v1/embeddings`` ``{"model", "input": [str]}`` -> OpenAI's ``{"object": "list",
+"data": [{"object": "embedding", "index", "embedding"}], "model"}``: a bag of the
+lowercase words hashed into :data:`DIM` dimensions (cheap, for calibrations of many
+pairs; the serving tests use a real ``llama-server --embeddings``).
+
+``mode``: ``ok``, ``down`` (503 JSON) or ``slow`` (waits ``delay_s`` before answering).
+``calls`` counts requests.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import threading
@@ -19,6 +27,16 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from controlplane import procs
+
+
+DIM = 64
+
+
+def bag(text: str) -> list[float]:
+    v = [0.0] * DIM
+    for w in re.findall(r"\w+", text.lower()):
+        v[int(hashlib.sha256(w.encode()).hexdigest()[:8], 16) % DIM] += 1.0
+    return v
 
 
 def jaccard(a: str, b: str) -> float:
@@ -45,8 +63,14 @@ class RerankStub:
                 body = json.loads(self.rfile.read(n) or b"{}")
                 if stub.mode == "slow":
                     time.sleep(stub.delay_s)
-                if stub.mode == "down" or self.path not in ("/v1/rerank", "/rerank"):
+                if stub.mode == "down" or self.path not in ("/v1/rerank", "/rerank",
+                                                            "/v1/embeddings"):
                     self._send(503, {"error": {"message": "unavailable", "type": "x"}})
+                    return
+                if self.path == "/v1/embeddings":
+                    self._send(200, {"object": "list", "model": body.get("model"), "data": [
+                        {"object": "embedding", "index": i, "embedding": bag(t)}
+                        for i, t in enumerate(body["input"])]})
                     return
                 docs = body.get("documents") or []
                 res = sorted(({"index": i, "relevance_score": jaccard(body["query"], d)}
@@ -71,8 +95,12 @@ class RerankStub:
         self._thread.start()
 
     @property
+    def root(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1/rerank"
+        return f"{self.root}/v1/rerank"
 
     def stop(self) -> None:
         self.server.shutdown()
