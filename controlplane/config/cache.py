@@ -209,6 +209,12 @@ class CacheSettings(_Section):
     """Model ``infergate up`` starts the embedder with: use-multilingual-v3 (numpy, no
     torch, 16 languages) or, with the ``semantic`` extra, all-MiniLM-L6-v2 or any
     sentence-transformers name or path."""
+    explain: bool = False
+    """A request with the header ``X-Cache-Explain: 1`` gets, on a semantic hit or miss,
+    the header ``X-Cache-Explain`` with what the embedder decided on: the closest
+    candidate's cosine, the verifier's score, both thresholds, the precision guard's
+    verdict, the score that decided and the embedding model. Off by default: the figures
+    tell a client how close its question came to another one stored."""
     verify_fraction: float = Field(default=0.02, ge=0.0, le=1.0)
     """Share (0-1) of semantic hits the edge also queues for online verification (the
     hit is served all the same); 0 = off. The control plane's leader sends each queued

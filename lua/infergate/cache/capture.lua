@@ -78,6 +78,9 @@ function _M.header_filter()
         return
     end
     ngx.header["X-Cache-Status"] = c.status
+    if c.explain then
+        ngx.header["X-Cache-Explain"] = c.explain
+    end
     if not c.store then
         return
     end
