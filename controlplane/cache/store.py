@@ -338,6 +338,10 @@ NS_COUNTERS: tuple[str, ...] = ("hits_exact", "hits_semantic", "flagged", "verif
                                 "win_wrong")
 #: Namespace hashes read at most by :func:`namespace_stats` (SCAN), per call.
 NS_SCAN_MAX = 10000
+#: Text fields of a namespace's hash, written by the embedder when it indexes an entry of
+#: the namespace (``Engine.index_items``): the requested ``model``, ``tenant``, ``route``,
+#: the ``embedding_model`` whose vectors its index holds and a ``sample`` question.
+NS_DETAILS: tuple[str, ...] = ("model", "tenant", "route", "embedding_model", "sample")
 
 
 @dataclass
@@ -363,6 +367,18 @@ class NamespaceStats:
     threshold_raise: float
     """How much the namespace's semantic threshold is raised above the configured one
     (0-1; ``keynames.CACHE_THRESHOLD_RAISE``)."""
+    model: str = ""
+    tenant: str = ""
+    route: str = ""
+    embedding_model: str = ""
+    sample: str = ""
+    """A question stored in the namespace (its first 200 characters); empty before the
+    embedder indexed one."""
+    wrong_hits_estimate: float | None = None
+    """Semantic hits times the verified wrong-hit rate: how many of its semantic hits were
+    probably wrong (None before the first verdict)."""
+    wrong_hits_upper: float | None = None
+    """The same with the rate's 95 % upper bound."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -390,10 +406,18 @@ def namespace_figures(namespace: str, raw: dict, raise_: float = 0.0) -> Namespa
     """:class:`NamespaceStats` from a namespace hash as read (``HGETALL``)."""
     c = {f: _int(raw.get(f, 0)) for f in NS_COUNTERS}
     n, k = c["verified"], min(c["wrong"], c["verified"])
+    rate = k / n if n else None
+    upper = wilson_upper(k, n) if n else None
+    hits = c["hits_semantic"]
     return NamespaceStats(namespace=namespace, **c,
-                          wrong_rate=round(k / n, 6) if n else None,
-                          wrong_rate_upper=round(wilson_upper(k, n), 6) if n else None,
-                          threshold_raise=round(raise_, 6))
+                          wrong_rate=round(rate, 6) if rate is not None else None,
+                          wrong_rate_upper=round(upper, 6) if upper is not None else None,
+                          threshold_raise=round(raise_, 6),
+                          **{f: _s(raw.get(f) or "") for f in NS_DETAILS},
+                          wrong_hits_estimate=round(hits * rate, 2) if rate is not None
+                          else None,
+                          wrong_hits_upper=round(hits * upper, 2) if upper is not None
+                          else None)
 
 
 def namespace_stats(r: redis.Redis, limit: int = 50) -> list[NamespaceStats]:
