@@ -255,9 +255,23 @@ def purge_counts(r: redis.Redis, *, tenant: str | None = None, model: str | None
             deleted += int(r.unlink(*b))
         for b in _batches(r.scan_iter(match=keynames.CACHE_INDEX_PREFIX + "*", count=1000), batch):
             r.unlink(*b)
+        _forget_samples(r, (_s(k) for k in r.scan_iter(
+            match=keynames.CACHE_NS_STATS_PREFIX + "*", count=1000)), batch)
         return PurgeCount(deleted, purge_vectors(r, None, batch=batch))
-    keys = _purge_scoped(r, _filters(tenant, model, namespace), batch)
+    spaces: set[str] = {namespace} if namespace else set()
+    keys = _purge_scoped(r, _filters(tenant, model, namespace), batch, spaces)
+    _forget_samples(r, (keynames.cache_ns_stats(ns) for ns in spaces), batch)
     return PurgeCount(len(keys), purge_vectors(r, keys, batch=batch) if keys else 0)
+
+
+def _forget_samples(r: redis.Redis, ns_keys: Iterable[str], batch: int) -> None:
+    """Drop the sample question of these namespace hashes (purged entries' questions are
+    not kept; the counters stay)."""
+    for b in _batches(ns_keys, batch):
+        pipe = r.pipeline(transaction=False)
+        for k in b:
+            pipe.hdel(k, "sample")
+        pipe.execute()
 
 
 def purge_vectors(r: redis.Redis, exact_keys: set[str] | None, *, batch: int = 500) -> int:
@@ -277,8 +291,10 @@ def _s(k: str | bytes) -> str:
     return k.decode() if isinstance(k, bytes) else k
 
 
-def _purge_scoped(r: redis.Redis, f: dict[str, str], batch: int) -> set[str]:
-    """Delete the entries matching every filter in ``f``; returns their exact key hexes."""
+def _purge_scoped(r: redis.Redis, f: dict[str, str], batch: int,
+                  spaces: set[str] | None = None) -> set[str]:
+    """Delete the entries matching every filter in ``f``; returns their exact key hexes
+    (and adds their namespaces to ``spaces``)."""
     if not f:
         raise CacheStoreError("purge scope: give tenant, model, namespace or all")
     pipe = r.pipeline()
@@ -303,6 +319,9 @@ def _purge_scoped(r: redis.Redis, f: dict[str, str], batch: int) -> set[str]:
             if doc and any(doc.get(d) != v for d, v in f.items()):
                 continue  # in the scanned index but not matching every filter
             del_at.append((n_ops, m))
+            if spaces is not None and isinstance(doc.get("namespace"), str) \
+                    and doc["namespace"]:
+                spaces.add(doc["namespace"])
             pipe.delete(keynames.cache_entry(m))
             n_ops += 1
             for d in DIMENSIONS:

@@ -265,6 +265,18 @@ def test_cache_page_shows_namespaces_and_flags_an_entry(client, r):
     assert "Nothing flagged" in unknown.text
 
 
+def test_purge_forgets_the_namespaces_sample_question(r):
+    ns, other = "ce" * 32, "cf" * 32
+    cache_store.store(r, "ac" * 32, tenant="acme", model="m", namespace=ns, body="x", ttl=300)
+    for n in (ns, other):
+        r.hset(keynames.cache_ns_stats(n), mapping={"hits_semantic": 3, "sample": "Q?"})
+    assert cache_store.purge(r, tenant="acme") == 1
+    assert r.hgetall(keynames.cache_ns_stats(ns)) == {"hits_semantic": "3"}
+    assert r.hget(keynames.cache_ns_stats(other), "sample") == "Q?"
+    assert cache_store.purge(r, all=True) == 0
+    assert not r.hexists(keynames.cache_ns_stats(other), "sample")
+
+
 def test_cache_purge_needs_confirmation(client, r):
     for i in range(4):
         cache_store.store(r, f"{i:032x}", tenant="acme" if i < 3 else "other", model="m",
