@@ -68,7 +68,7 @@ class SemanticDomain(_Section):
     ``min_verifier_score``. False: scores are probabilities (vLLM, TEI, Jina, Cohere)."""
     endpoint_timeout_ms: int = Field(default=1000, ge=10, le=30000)
     """Time one call of ``embeddings_url`` or ``rerank_url`` may take, milliseconds (never
-    more than the embedder's ``--embed-timeout``); over it, or on any error, the lookup
+    more than the embedder's own embedding timeout, 5 s); over it, or on any error, the lookup
     misses (the request goes to a node) and the endpoint is skipped for a few seconds."""
     api_key_env: str = ""
     """Name of an environment variable of the embedder holding the endpoints' API key,
