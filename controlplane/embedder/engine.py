@@ -130,7 +130,13 @@ class Engine:
     (``guard`` ``reject:too_long``) and an index job stores nothing, without running the
     model (the model reads only a text's beginning, so two long texts that differ further
     on would embed the same; and one such lookup costs up to ~100 ms of a core). Construction
-    raises ``redis.exceptions.RedisError`` when Redis is unreachable."""
+    raises ``redis.exceptions.RedisError`` when Redis is unreachable.
+
+    The pool's endpoints (``[[cache.semantic_domains]]`` with ``embeddings_url`` /
+    ``rerank_url``, :mod:`remote`): a lookup or index item of such a domain goes to a
+    child engine (:meth:`child`: the endpoint's vectors, an index of their own, this
+    engine's Redis, policy, activity and metrics; ``endpoint_ca``: the CA file of
+    ``https://`` endpoints without their own); an endpoint that fails makes a miss."""
 
     def __init__(self, model: EmbeddingModel, r: redis.Redis, index_backend: str = "auto",
                  max_batch: int = 32, max_wait_ms: float = 5.0, top_k: int = 3,
@@ -138,7 +144,8 @@ class Engine:
                  verifier: Verifier | None = None, policy: PolicySource | None = None,
                  embed_cache: int = 4096, model_workers: int = 1,
                  max_text_chars: int = 1000, activity: LookupActivity | None = None,
-                 pool: PoolModels | None = None, endpoint_ca: str = ""):
+                 pool: PoolModels | None = None, endpoint_ca: str = "",
+                 metrics: Metrics | None = None):
         self.model = model
         self.index_backend = index_backend
         self.subscribe = subscribe
@@ -158,7 +165,7 @@ class Engine:
         self.model_slug = slug(model.model_id)
         self.top_k = top_k
         self.embed_timeout_s = embed_timeout_s
-        self.metrics = Metrics()
+        self.metrics = metrics or Metrics()
         self.index = open_index(r, self.model_slug, model.dim, index_backend,
                                 subscribe=subscribe)
         self._inflight = 0
@@ -185,7 +192,8 @@ class Engine:
         return Engine(model, self.r, self.index_backend, top_k=self.top_k,
                       embed_timeout_s=self.embed_timeout_s, subscribe=self.subscribe,
                       policy=self.policy, max_text_chars=self.max_text_chars,
-                      activity=self.activity, model_workers=4, pool=self.pool)
+                      activity=self.activity, model_workers=4, pool=self.pool,
+                      metrics=self.metrics)
 
     @property
     def verifier_active(self) -> bool:

@@ -283,27 +283,30 @@ class PoolModels:
 
     def engine(self, d: "Domain") -> "Engine":
         """The engine of the domain's embeddings endpoint. Raises :class:`EndpointError`
-        when it cannot be built now (the endpoint does not answer the dimension probe)."""
+        when it cannot be built now (the endpoint does not answer the dimension probe;
+        probed without the lock, so a slow endpoint holds up no other domain)."""
         key = self.engine_key(d)
+        eng = self._engines.get(key)
+        if eng is not None:
+            return eng
+        failed = self._failed_at.get(key)
+        if failed is not None and time.monotonic() - failed < COOLDOWN_S:
+            raise EndpointError(f"{d.embeddings_url} failed less than {COOLDOWN_S:g} s ago")
+        model = RemoteEmbeddings(d.embeddings_url, d.embeddings_model,
+                                 _timeout(d, self.parent.embed_timeout_s), self.access(d))
+        try:
+            model.probe()
+        except EndpointError:
+            self._failed_at[key] = time.monotonic()
+            raise
         with self._lock:
             eng = self._engines.get(key)
-            if eng is not None:
-                return eng
-            failed = self._failed_at.get(key)
-            if failed is not None and time.monotonic() - failed < COOLDOWN_S:
-                raise EndpointError(f"{d.embeddings_url} failed less than {COOLDOWN_S:g} s ago")
-            model = RemoteEmbeddings(d.embeddings_url, d.embeddings_model,
-                                     _timeout(d, self.parent.embed_timeout_s), self.access(d))
-            try:
-                model.probe()
-            except EndpointError:
-                self._failed_at[key] = time.monotonic()
-                raise
-            eng = self.parent.child(model)
-            self._engines[key] = eng
-            log.info("semantic domain embeddings from %s (model %s, %d dimensions)",
-                     model.endpoint.url, model.model_id, model.dim)
-            return eng
+            if eng is None:
+                eng = self.parent.child(model)
+                self._engines[key] = eng
+                log.info("semantic domain embeddings from %s (model %s, %d dimensions)",
+                         model.endpoint.url, model.model_id, model.dim)
+        return eng
 
     def close(self) -> None:
         with self._lock:

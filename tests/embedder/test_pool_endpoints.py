@@ -1,10 +1,12 @@
 """The embedder with the pool's own models: a semantic domain whose vectors come from a
 real ``llama-server --embeddings --pooling mean`` (Gemma 3 270M) and whose verifier is a
 rerank endpoint of the published Jina/Cohere shape (``support.rerankstub``), over the
-embedder's real HTTP API and a real Redis. Serves hits, keeps the vectors of the two
-models apart, and falls open (a miss, HTTP 200) when an endpoint is down or slow.
+embedder's real HTTP API and a real Redis. Serves hits, keeps the vectors of two models
+apart, and falls open (a miss, HTTP 200) when an endpoint is down or slow.
 
-One stack for the module; the bundled model is the session's shared one."""
+One stack for the module. The embedder's own model, for lookups outside those domains, is
+a second stub's bag-of-words embeddings (loading the bundled model would double the
+module's time; what is tested is which model a lookup goes to)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,6 @@ from controlplane import procs
 from controlplane.embedder import remote
 from controlplane.embedder.app import create_app
 from controlplane.embedder.engine import Engine, connect
-from controlplane.embedder.models import ModelSpec, shared_model
 from controlplane.embedder.policy import Domain, PolicySource, ThresholdPolicy
 from controlplane.redisdb import keynames
 from support.rerankstub import RerankStub
@@ -46,6 +47,7 @@ class Stack:
     engine: Engine
     stub: RerankStub
     emb_url: str
+    own_model_id: str
 
     def post(self, path: str, body: object) -> requests.Response:
         return requests.post(self.url + path, json=body, timeout=30)
@@ -74,6 +76,9 @@ def stack(realnodes, tmp_path_factory) -> Iterator[Stack]:
     requests.post(node.url + "/v1/embeddings", json={"input": ["warm up"]}, timeout=60)
     stub = RerankStub()
     stub.delay_s = 0.6
+    own_stub = RerankStub()  # the embedder's own model, always up
+    own = remote.RemoteEmbeddings(own_stub.root, "bag", 5.0, remote.EndpointAccess())
+    own.probe()
     port = procs.free_port()
     managed = procs.start_redis(tmp_path_factory.mktemp("pool-redis"), port)
     # a generous budget for the real engine (a shared 2-core host), a short one for the
@@ -91,7 +96,7 @@ def stack(realnodes, tmp_path_factory) -> Iterator[Stack]:
         Domain(model="dead", embeddings_url=f"http://127.0.0.1:{procs.free_port()}",
                min_similarity=0.5),
     ))
-    engine = Engine(shared_model(ModelSpec()), connect(f"redis://127.0.0.1:{port}/0", 1.0),
+    engine = Engine(own, connect(f"redis://127.0.0.1:{port}/0", 1.0),
                     index_backend="local", policy=PolicySource(policy=policy))
     http_port = procs.free_port()
     server = waitress.create_server(create_app(engine), host="127.0.0.1", port=http_port,
@@ -102,19 +107,24 @@ def stack(realnodes, tmp_path_factory) -> Iterator[Stack]:
     procs.wait_until(lambda: requests.get(url + "/healthz", timeout=1).status_code == 200,
                      timeout=20, what="embedder /healthz")
     try:
-        yield Stack(url, redis.Redis(port=port, decode_responses=True), engine, stub, node.url)
+        yield Stack(url, redis.Redis(port=port, decode_responses=True), engine, stub, node.url,
+                    own.model_id)
     finally:
         server.close()
         thread.join(timeout=5)
         engine.close()
         stub.stop()
+        own_stub.stop()
         managed.stop()
 
 
 def test_pool_models_serve_a_hit_decided_by_the_reranker(stack: Stack) -> None:
     ns = hx("pool-hit")
+    reg = stack.engine.metrics.registry
+    hits = reg.get_sample_value("infergate_embedder_hits_total")
     assert stack.add(PASSWORD, ns, "pool-bot")["indexed"] is True
     res = stack.lookup(ns, PARAPHRASE, "pool-bot")
+    assert reg.get_sample_value("infergate_embedder_hits_total") == hits + 1  # one /metrics
     assert res["hit"] is True and res["key"] == hx(ns + PASSWORD), res
     assert res["decided_by"] == "rerank"
     assert res["model_id"].startswith("gemma-emb@127.0.0.1:")
@@ -131,10 +141,10 @@ def test_pool_models_serve_a_hit_decided_by_the_reranker(stack: Stack) -> None:
 def test_vectors_of_two_models_are_never_compared(stack: Stack) -> None:
     ns = hx("pool-apart")
     stack.add(PASSWORD, ns, "pool-bot")
-    # the same namespace through the bundled model: its index holds nothing there
+    # the same namespace through the embedder's own model: its index holds nothing there
     res = stack.lookup(ns, PASSWORD, "")
     assert res["hit"] is False and res["similarity"] is None
-    assert res["model_id"] == "use-multilingual-v3"
+    assert res["model_id"] == stack.own_model_id
     # another domain on the same endpoint shares its index, with its own threshold
     same = stack.lookup(ns, PASSWORD, "pool-cosine")
     assert same["hit"] is True and same["decided_by"] == "cosine"
@@ -144,7 +154,7 @@ def test_vectors_of_two_models_are_never_compared(stack: Stack) -> None:
 def test_reranker_down_or_slow_is_a_miss(stack: Stack, monkeypatch) -> None:
     monkeypatch.setattr(remote, "COOLDOWN_S", 0.0)
     ns = hx("pool-rerank-down")
-    stack.add(PASSWORD, ns, "rerank-only")  # the bundled model's vectors, the pool's reranker
+    stack.add(PASSWORD, ns, "rerank-only")  # the embedder's own vectors, the pool's reranker
     assert stack.lookup(ns, PARAPHRASE, "rerank-only")["decided_by"] == "rerank"
     try:
         for mode in ("down", "slow"):
@@ -191,12 +201,14 @@ def test_embeddings_endpoint_down_is_a_miss_and_indexes_nothing(stack: Stack) ->
     assert stack.add(PASSWORD, ns, "dead")["indexed"] is False
     res = stack.lookup(ns, PASSWORD, "dead")
     assert res["hit"] is False and res["guard"] == "reject:embeddings_unavailable"
+    assert stack.engine.metrics.registry.get_sample_value(
+        "infergate_embedder_errors_total", {"kind": "endpoint"}) >= 2
     # the other lookups of the same call are answered as usual
     resp = stack.post("/v1/lookups", {"lookups": [{"namespace": ns, "text": PASSWORD,
                                                    "model": "dead"},
                                                   {"namespace": ns, "text": PASSWORD}]})
     a, b = resp.json()["results"]
-    assert a["guard"] == "reject:embeddings_unavailable" and b["model_id"] == "use-multilingual-v3"
+    assert a["guard"] == "reject:embeddings_unavailable" and b["model_id"] == stack.own_model_id
 
 
 def _pairs(path, n_far: int = 150):
