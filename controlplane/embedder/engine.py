@@ -25,7 +25,7 @@ from controlplane.embedder.batcher import MicroBatcher
 from controlplane.embedder.index import Candidate, IndexItem, open_index
 from controlplane.embedder.models import EmbeddingModel, EmbedError, slug
 from controlplane.embedder.policy import Domain, PolicySource
-from controlplane.embedder.remote import EndpointError, PoolModels
+from controlplane.embedder.remote import EndpointError, PoolModels, remote_model_id
 from controlplane.embedder.verifier import Verifier
 from controlplane.embedder.wire import LookupRequest
 from controlplane.errors import InfergateError
@@ -542,7 +542,8 @@ class Engine:
             sim = dom.min_similarity if dom.min_similarity is not None else 1.0
             out.append(LookupResult(hit=False, key=None, similarity=None, candidate_text=None,
                                     guard="reject:embeddings_unavailable",
-                                    model_id=f"{dom.embeddings_model}@{dom.embeddings_url}",
+                                    model_id=remote_model_id(dom.embeddings_url,
+                                                             dom.embeddings_model),
                                     elapsed_ms=ms, min_similarity=sim))
         return out
 
@@ -590,8 +591,9 @@ class Engine:
             if hit is not None:
                 self.metrics.hits.inc()
             threshold, min_score = limits[i][0], limits[i][1]
-            by = "cosine" if min_score is None \
-                else getattr(limits[i][2] or self.verifier, "kind", "verifier")
+            ver = limits[i][2] or self.verifier
+            by = "cosine" if min_score is None else \
+                "rerank" if getattr(ver, "kind", "") == "rerank" else "verifier"
             out.append(LookupResult(
                 hit=hit is not None, key=hit.key if hit else None,
                 similarity=None if shown is None else round(min(1.0, max(0.0, shown.similarity)),
@@ -600,9 +602,7 @@ class Engine:
                 guard=verdict, model_id=self.model.model_id,
                 elapsed_ms=round(elapsed * 1000, 3), min_similarity=threshold,
                 verifier_score=None if best_score is None else round(float(best_score), 6),
-                min_verifier_score=min_score,
-                decided_by="rerank" if by == "rerank" else "verifier" if min_score is not None
-                else "cosine"))
+                min_verifier_score=min_score, decided_by=by))
         return out
 
     def _choose(self, text: str, vec: np.ndarray | None, cands: list[Candidate],
