@@ -66,10 +66,12 @@ class SemanticDomain(_Section):
     """The rerank scores are logits (llama.cpp returns the model's raw score): the
     embedder maps them to 0-1 with the logistic function before comparing them with
     ``min_verifier_score``. False: scores are probabilities (vLLM, TEI, Jina, Cohere)."""
-    endpoint_timeout_ms: int = Field(default=1000, ge=10, le=30000)
+    endpoint_timeout_ms: int = Field(default=100, ge=10, le=30000)
     """Time one call of ``embeddings_url`` or ``rerank_url`` may take, milliseconds (never
-    more than the embedder's own embedding timeout, 5 s); over it, or on any error, the lookup
-    misses (the request goes to a node) and the endpoint is skipped for a few seconds."""
+    more than the embedder's own embedding timeout, 5 s); over it, or on any error, the
+    lookup misses (the request goes to a node) and the endpoint is skipped for 3 s. Keep
+    it under ``semantic_budget_ms`` (150): the edge gives up on a lookup after that, and a
+    lookup may wait for both endpoints. Index jobs use it too (a batch of up to 32 texts)."""
     api_key_env: str = ""
     """Name of an environment variable of the embedder holding the endpoints' API key,
     sent as ``Authorization: Bearer KEY`` (as a node's ``api_key_env``)."""

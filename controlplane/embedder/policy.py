@@ -47,7 +47,7 @@ class Domain:
     rerank_model: str = ""
     rerank_format: str = "jina"
     rerank_logits: bool = False
-    endpoint_timeout_ms: int = 1000
+    endpoint_timeout_ms: int = 100
     api_key_env: str = ""
     api_key_file: str = ""
     ca_file: str = ""
