@@ -19,7 +19,9 @@ Endpoints (JSON in and out):
   ``encoding_format`` float | base64) -> ``{"object": "list", "data": [...], "model", "usage"}``.
 - ``GET /healthz`` -> 200 ``{"status": "ok", "model_id", "dim", "index_backend",
   "default_min_similarity", "verifier": bool, "default_min_verifier_score": 0-1 | null,
-  "semantic_domains": int, "redis": true, "instance_id": str}`` (and the
+  "semantic_domains": int, "pool_models": [{"model_id", "dim", "url"}], "redis": true,
+  "instance_id": str}`` (``pool_models``: the embeddings endpoints of the pool that
+  semantic domains use, once first used; see ``remote.py``) (and the
   ``X-Infergate-Instance`` header: the stack instance id ``INFERGATE_INSTANCE_ID`` set by
   ``infergate up``, ``""`` otherwise); 503 with ``"status": "degraded"`` and
   ``"redis": false`` while Redis does not answer.
@@ -185,7 +187,8 @@ def _add_service_routes(app: Flask, engine: Engine) -> None:
                "default_min_similarity": engine.default_min_similarity,
                "verifier": engine.verifier_active,
                "default_min_verifier_score": engine.thresholds("")[1],
-               "semantic_domains": len(engine.policy.current().domains), "redis": ok,
+               "semantic_domains": len(engine.policy.current().domains),
+               "pool_models": engine.pool.models(), "redis": ok,
                "instance_id": procs.instance_id()}
         return jsonify(doc), 200 if ok else 503, {procs.INSTANCE_HEADER: procs.instance_id()}
 

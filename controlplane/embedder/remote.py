@@ -308,6 +308,14 @@ class PoolModels:
                          model.endpoint.url, model.model_id, model.dim)
         return eng
 
+    def models(self) -> list[dict]:
+        """``[{"model_id", "dim", "url"}]`` of the embeddings endpoints in use (built)."""
+        with self._lock:
+            engines = list(self._engines.values())
+        return [{"model_id": e.model.model_id, "dim": e.model.dim,
+                 "url": getattr(getattr(e.model, "endpoint", None), "url", "")}
+                for e in engines]
+
     def close(self) -> None:
         with self._lock:
             engines = list(self._engines.values())

@@ -136,6 +136,9 @@ def test_pool_models_serve_a_hit_decided_by_the_reranker(stack: Stack) -> None:
     h = stack.r.hgetall(keynames.cache_ns_stats(ns))
     assert h["embedding_model"] == res["model_id"] and h["sample"] == PASSWORD
     assert h["model"] == "pool-bot" and h["tenant"] == "acme"
+    health = requests.get(stack.url + "/healthz", timeout=5).json()
+    assert {"model_id": res["model_id"], "dim": 640,
+            "url": stack.emb_url + "/v1/embeddings"} in health["pool_models"]
 
 
 def test_vectors_of_two_models_are_never_compared(stack: Stack) -> None:
