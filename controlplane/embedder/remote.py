@@ -103,21 +103,26 @@ class _Endpoint:
         self._down_until = 0.0
 
     def post(self, body: dict) -> object:
-        """POST ``body`` as JSON, the decoded answer. Raises :class:`EndpointError`."""
+        """POST ``body`` as JSON, the decoded answer (``timeout_s``: connect and each read).
+        Raises :class:`EndpointError`; an endpoint that did not answer in time, refused
+        the connection, answered 5xx or not JSON is skipped for :data:`COOLDOWN_S`, one
+        that refused this body (4xx, e.g. a text over its context) is not."""
         now = time.monotonic()
         if now < self._down_until:
             raise EndpointError(f"{self.url} failed less than {COOLDOWN_S:g} s ago")
         try:
             resp = self._session.post(self.url, json=body, headers=self.access.headers(),
                                       timeout=self.timeout_s, verify=self.access.verify)
+            if 400 <= resp.status_code < 500:
+                raise EndpointError(f"{self.url} refused the request ({resp.status_code}): "
+                                    f"{resp.text[:200]}")
             if resp.status_code != 200:
+                self._down_until = time.monotonic() + COOLDOWN_S
                 raise EndpointError(f"{self.url} answered {resp.status_code}: "
                                     f"{resp.text[:200]}")
             return resp.json()
-        except (requests.RequestException, ValueError, EndpointError) as exc:
+        except (requests.RequestException, ValueError) as exc:
             self._down_until = time.monotonic() + COOLDOWN_S
-            if isinstance(exc, EndpointError):
-                raise
             raise EndpointError(f"{self.url}: {type(exc).__name__}: {exc}") from None
 
 

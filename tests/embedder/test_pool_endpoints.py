@@ -185,6 +185,18 @@ def test_failed_endpoint_is_skipped_for_a_while(stack: Stack) -> None:
             rr.endpoint._down_until = 0.0
 
 
+def test_a_refused_request_is_a_miss_without_a_cooldown(stack: Stack) -> None:
+    ns = hx("pool-refused")
+    stack.add(PASSWORD, ns, "rerank-only")
+    stack.stub.mode = "refuse"
+    try:
+        res = stack.lookup(ns, PARAPHRASE, "rerank-only")
+        assert res["hit"] is False and res["guard"] == "reject:verifier_unavailable"
+    finally:
+        stack.stub.mode = "ok"
+    assert stack.lookup(ns, PARAPHRASE, "rerank-only")["hit"] is True  # asked again at once
+
+
 def test_slow_embeddings_endpoint_is_a_miss(stack: Stack, monkeypatch) -> None:
     monkeypatch.setattr(remote, "COOLDOWN_S", 0.0)
     ns = hx("pool-slow-emb")

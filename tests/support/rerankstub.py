@@ -13,7 +13,8 @@ high and others low.
 lowercase words hashed into :data:`DIM` dimensions (cheap, for calibrations of many
 pairs; the serving tests use a real ``llama-server --embeddings``).
 
-``mode``: ``ok``, ``down`` (503 JSON) or ``slow`` (waits ``delay_s`` before answering).
+``mode``: ``ok``, ``down`` (503 JSON), ``refuse`` (400 JSON) or ``slow`` (waits
+``delay_s`` before answering).
 ``calls`` counts requests.
 """
 
@@ -63,6 +64,9 @@ class RerankStub:
                 body = json.loads(self.rfile.read(n) or b"{}")
                 if stub.mode == "slow":
                     time.sleep(stub.delay_s)
+                if stub.mode == "refuse":  # as a server refusing a text over its context
+                    self._send(400, {"error": {"message": "input is too large", "type": "x"}})
+                    return
                 if stub.mode == "down" or self.path not in ("/v1/rerank", "/rerank",
                                                             "/v1/embeddings"):
                     self._send(503, {"error": {"message": "unavailable", "type": "x"}})
