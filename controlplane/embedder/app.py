@@ -5,7 +5,9 @@ Endpoints (JSON in and out):
 - ``POST /v1/lookup`` ``{"namespace": hex, "text": str, "min_similarity"?: 0-1,
   "guard"?: bool, "route"?: str, "model"?: str}`` -> 200 :class:`engine.LookupResult`
   fields ``{"hit", "key", "similarity", "candidate_text", "guard", "model_id",
-  "elapsed_ms", "min_similarity", "verifier_score", "min_verifier_score"}``.
+  "elapsed_ms", "min_similarity", "verifier_score", "min_verifier_score", "decided_by"}``
+  (a domain served by endpoints of the pool answers a miss, never an error, while they
+  fail: ``remote.py``).
 - ``POST /v1/lookups`` ``{"lookups": [<a /v1/lookup body>, ...], "brief"?: bool}`` (1-64
   lookups) -> 200 ``{"results": [...]}`` in the same order, each a ``/v1/lookup`` answer
   (without ``candidate_text`` when ``brief``) or, for a malformed item,
