@@ -24,6 +24,7 @@ import waitress
 from controlplane import procs
 from controlplane.embedder import remote
 from controlplane.embedder.app import create_app
+from controlplane.embedder.consumer import QueueConsumer
 from controlplane.embedder.engine import Engine, connect
 from controlplane.embedder.policy import Domain, PolicySource, ThresholdPolicy
 from controlplane.redisdb import keynames
@@ -48,6 +49,7 @@ class Stack:
     stub: RerankStub
     emb_url: str
     own_model_id: str
+    redis_port: int
 
     def post(self, path: str, body: object) -> requests.Response:
         return requests.post(self.url + path, json=body, timeout=30)
@@ -95,9 +97,14 @@ def stack(realnodes, tmp_path_factory) -> Iterator[Stack]:
                endpoint_timeout_ms=300),
         Domain(model="dead", embeddings_url=f"http://127.0.0.1:{procs.free_port()}",
                min_similarity=0.5),
+        # what the edge's requests of model "tiny" on the chat route get
+        Domain(route="/v1/chat/completions", model="tiny", rerank_url=stub.url,
+               min_similarity=0.3, min_verifier_score=0.5, **common),
     ))
     engine = Engine(own, connect(f"redis://127.0.0.1:{port}/0", 1.0),
                     index_backend="local", policy=PolicySource(policy=policy))
+    consumer = QueueConsumer(engine, connect(f"redis://127.0.0.1:{port}/0", 1.0,
+                                             blocking=True)).start()
     http_port = procs.free_port()
     server = waitress.create_server(create_app(engine), host="127.0.0.1", port=http_port,
                                     threads=4)
@@ -108,8 +115,9 @@ def stack(realnodes, tmp_path_factory) -> Iterator[Stack]:
                      timeout=20, what="embedder /healthz")
     try:
         yield Stack(url, redis.Redis(port=port, decode_responses=True), engine, stub, node.url,
-                    own.model_id)
+                    own.model_id, port)
     finally:
+        consumer.stop()
         server.close()
         thread.join(timeout=5)
         engine.close()
@@ -268,3 +276,53 @@ def test_calibrate_uses_the_domains_endpoints(stack: Stack, tmp_path) -> None:
     # the floor of a reranker; its threshold serves the paraphrases (the stub: 5/7)
     assert dom.min_similarity == 0.5 and dom.min_verifier_score <= 5 / 7
     assert dom.hit_rate > 0.9 and dom.wrong_hit_upper <= 0.05
+
+
+def test_the_edge_serves_a_hit_found_by_the_pools_models(stack: Stack, edge_factory,
+                                                        tiny_upstreams) -> None:
+    """nginx, the index queue and the edge's lookup: the entry is indexed with the
+    endpoint's vectors (the domain is chosen by route and model), the paraphrase is served
+    from the cache with the reranker's score named."""
+    from support.stack import edge_settings
+
+    (tiny,) = tiny_upstreams(1)  # no routing snapshot in this Redis: the edge's own node
+    s = edge_settings(f"redis://127.0.0.1:{stack.redis_port}/0", [tiny.node_settings()])
+    s.cache = s.cache.model_validate({"enabled": True, "embedder_url": stack.url,
+                                      "semantic_budget_ms": 10000, "explain": True})
+    edge = edge_factory(s)
+
+    def body_of(text: str) -> dict:
+        return {"model": "tiny", "temperature": 0, "messages": [{"role": "user",
+                                                                 "content": text}]}
+
+    def ask(text: str, explain: bool = True) -> requests.Response:
+        body = body_of(text)
+        res = requests.post(edge.url + "/v1/chat/completions", json=body, timeout=30,
+                            headers={"X-Cache-Explain": "1"} if explain else {})
+        assert res.status_code == 200, res.text
+        return res
+
+    first = ask(PASSWORD)
+    assert first.headers["X-Cache-Status"] == "MISS" and tiny.hits == 1
+    model_id = remote.remote_model_id(stack.emb_url, "gemma-emb")
+    # a miss explained: nothing stored yet in the namespace
+    assert first.headers["X-Cache-Explain"].startswith("cosine=none; min_similarity=0.3000")
+    assert f"model={model_id}" in first.headers["X-Cache-Explain"]
+
+    from controlplane.cache.key import keys_for
+
+    ns_key = keynames.cache_ns_stats(keys_for("/v1/chat/completions", body_of(PASSWORD),
+                                              "default").namespace)
+
+    def indexed() -> bool:
+        return stack.r.hget(ns_key, "embedding_model") == model_id
+
+    procs.wait_until(indexed, 30, what="the entry indexed with the endpoint's vectors")
+    hit = ask(PARAPHRASE)
+    assert hit.headers["X-Cache-Status"] == "HIT" and tiny.hits == 1, dict(hit.headers)
+    assert hit.headers["X-Cache-Score"] == "rerank=0.7143"
+    assert "decided_by=rerank" in hit.headers["X-Cache-Explain"]
+    assert f"model={model_id}" in hit.headers["X-Cache-Explain"]
+    assert hit.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
+    quiet = ask(PARAPHRASE, explain=False)  # not asked: not shown
+    assert quiet.headers["X-Cache-Status"] == "HIT" and "X-Cache-Explain" not in quiet.headers
