@@ -83,6 +83,9 @@ class RealNode:
     threads: int = 1
     metrics: bool = True
     log_dir: Path | None = None
+    extra_args: tuple[str, ...] = ()
+    """More command-line arguments, e.g. ``("--embeddings", "--pooling", "mean")`` for a
+    server of ``POST /v1/embeddings`` only."""
     managed: procs.Managed | None = field(default=None, repr=False)
 
     @property
@@ -102,7 +105,7 @@ class RealNode:
         model = model_path()
         log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix="realnode-"))
         argv = server_argv(binary, model, self.port, host=self.host, parallel=self.parallel,
-                           threads=self.threads, metrics=self.metrics)
+                           threads=self.threads, metrics=self.metrics) + list(self.extra_args)
         self.managed = procs.Managed(f"llama-server:{self.port}", argv,
                                      log_dir / f"llama-server-{self.port}.log").start()
         try:

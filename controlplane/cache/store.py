@@ -255,9 +255,23 @@ def purge_counts(r: redis.Redis, *, tenant: str | None = None, model: str | None
             deleted += int(r.unlink(*b))
         for b in _batches(r.scan_iter(match=keynames.CACHE_INDEX_PREFIX + "*", count=1000), batch):
             r.unlink(*b)
+        _forget_samples(r, (_s(k) for k in r.scan_iter(
+            match=keynames.CACHE_NS_STATS_PREFIX + "*", count=1000)), batch)
         return PurgeCount(deleted, purge_vectors(r, None, batch=batch))
-    keys = _purge_scoped(r, _filters(tenant, model, namespace), batch)
+    spaces: set[str] = {namespace} if namespace else set()
+    keys = _purge_scoped(r, _filters(tenant, model, namespace), batch, spaces)
+    _forget_samples(r, (keynames.cache_ns_stats(ns) for ns in spaces), batch)
     return PurgeCount(len(keys), purge_vectors(r, keys, batch=batch) if keys else 0)
+
+
+def _forget_samples(r: redis.Redis, ns_keys: Iterable[str], batch: int) -> None:
+    """Drop the sample question of these namespace hashes (purged entries' questions are
+    not kept; the counters stay)."""
+    for b in _batches(ns_keys, batch):
+        pipe = r.pipeline(transaction=False)
+        for k in b:
+            pipe.hdel(k, "sample")
+        pipe.execute()
 
 
 def purge_vectors(r: redis.Redis, exact_keys: set[str] | None, *, batch: int = 500) -> int:
@@ -277,8 +291,10 @@ def _s(k: str | bytes) -> str:
     return k.decode() if isinstance(k, bytes) else k
 
 
-def _purge_scoped(r: redis.Redis, f: dict[str, str], batch: int) -> set[str]:
-    """Delete the entries matching every filter in ``f``; returns their exact key hexes."""
+def _purge_scoped(r: redis.Redis, f: dict[str, str], batch: int,
+                  spaces: set[str] | None = None) -> set[str]:
+    """Delete the entries matching every filter in ``f``; returns their exact key hexes
+    (and adds their namespaces to ``spaces``)."""
     if not f:
         raise CacheStoreError("purge scope: give tenant, model, namespace or all")
     pipe = r.pipeline()
@@ -303,6 +319,9 @@ def _purge_scoped(r: redis.Redis, f: dict[str, str], batch: int) -> set[str]:
             if doc and any(doc.get(d) != v for d, v in f.items()):
                 continue  # in the scanned index but not matching every filter
             del_at.append((n_ops, m))
+            if spaces is not None and isinstance(doc.get("namespace"), str) \
+                    and doc["namespace"]:
+                spaces.add(doc["namespace"])
             pipe.delete(keynames.cache_entry(m))
             n_ops += 1
             for d in DIMENSIONS:
@@ -338,6 +357,10 @@ NS_COUNTERS: tuple[str, ...] = ("hits_exact", "hits_semantic", "flagged", "verif
                                 "win_wrong")
 #: Namespace hashes read at most by :func:`namespace_stats` (SCAN), per call.
 NS_SCAN_MAX = 10000
+#: Text fields of a namespace's hash, written by the embedder when it indexes an entry of
+#: the namespace (``Engine.index_items``): the requested ``model``, ``tenant``, ``route``,
+#: the ``embedding_model`` whose vectors its index holds and a ``sample`` question.
+NS_DETAILS: tuple[str, ...] = ("model", "tenant", "route", "embedding_model", "sample")
 
 
 @dataclass
@@ -363,6 +386,18 @@ class NamespaceStats:
     threshold_raise: float
     """How much the namespace's semantic threshold is raised above the configured one
     (0-1; ``keynames.CACHE_THRESHOLD_RAISE``)."""
+    model: str = ""
+    tenant: str = ""
+    route: str = ""
+    embedding_model: str = ""
+    sample: str = ""
+    """A question stored in the namespace (its first 200 characters); empty before the
+    embedder indexed one."""
+    wrong_hits_estimate: float | None = None
+    """Semantic hits times the verified wrong-hit rate: how many of its semantic hits were
+    probably wrong (None before the first verdict)."""
+    wrong_hits_upper: float | None = None
+    """The same with the rate's 95 % upper bound."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -390,10 +425,18 @@ def namespace_figures(namespace: str, raw: dict, raise_: float = 0.0) -> Namespa
     """:class:`NamespaceStats` from a namespace hash as read (``HGETALL``)."""
     c = {f: _int(raw.get(f, 0)) for f in NS_COUNTERS}
     n, k = c["verified"], min(c["wrong"], c["verified"])
+    rate = k / n if n else None
+    upper = wilson_upper(k, n) if n else None
+    hits = c["hits_semantic"]
     return NamespaceStats(namespace=namespace, **c,
-                          wrong_rate=round(k / n, 6) if n else None,
-                          wrong_rate_upper=round(wilson_upper(k, n), 6) if n else None,
-                          threshold_raise=round(raise_, 6))
+                          wrong_rate=round(rate, 6) if rate is not None else None,
+                          wrong_rate_upper=round(upper, 6) if upper is not None else None,
+                          threshold_raise=round(raise_, 6),
+                          **{f: _s(raw.get(f) or "") for f in NS_DETAILS},
+                          wrong_hits_estimate=round(hits * rate, 2) if rate is not None
+                          else None,
+                          wrong_hits_upper=round(hits * upper, 2) if upper is not None
+                          else None)
 
 
 def namespace_stats(r: redis.Redis, limit: int = 50) -> list[NamespaceStats]:

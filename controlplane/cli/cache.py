@@ -140,17 +140,55 @@ def _check_domain(no_verifier: bool, train_out: str | None, namespace_prefix: st
                                  param_hint="--model")
 
 
+#: Seconds one call of an endpoint of the pool may take during a calibration (offline).
+CALIBRATION_ENDPOINT_TIMEOUT_S = 60.0
+
+
+def _pool_domain(settings, route: str, model: str, namespace_prefix: str):
+    """The configured domain with exactly these matchers that names an endpoint of the
+    pool (``embeddings_url`` / ``rerank_url``), or None."""
+    for d in settings.cache.semantic_domains or ():
+        if (d.route, d.model, d.namespace_prefix) == (route, model, namespace_prefix) \
+                and d.remote:
+            return d
+    return None
+
+
+def _pool_models(dom, settings, no_verifier: bool) -> tuple[object | None, object | None]:
+    """(embeddings model or None, reranker or None) of a domain's endpoints of the pool,
+    as the embedder uses them. Raises ``click.ClickException`` when the embeddings
+    endpoint does not answer."""
+    from controlplane.embedder import remote
+
+    access = remote.EndpointAccess(dom.api_key_env, dom.api_key_file, dom.ca_file,
+                                   settings.controlplane.node_ca_file)
+    m = rr = None
+    if dom.embeddings_url:
+        m = remote.RemoteEmbeddings(dom.embeddings_url, dom.embeddings_model,
+                                    CALIBRATION_ENDPOINT_TIMEOUT_S, access)
+        try:
+            m.probe()
+        except remote.EndpointError as exc:
+            raise click.ClickException(f"the domain's embeddings endpoint: {exc}") from None
+    if dom.rerank_url and not no_verifier and dom.verifier is not False:
+        rr = remote.Reranker(dom.rerank_url, dom.rerank_model, CALIBRATION_ENDPOINT_TIMEOUT_S,
+                             access, dom.rerank_format, dom.rerank_logits)
+    return m, rr
+
+
 def _load_calibration(path: str | None, pairs_path: str, embedding_model: str | None,
-                      no_verifier: bool) -> tuple[Pairs, object, object | None]:
+                      no_verifier: bool, domain: tuple[str, str, str] = ("", "", ""),
+                      ) -> tuple[Pairs, object, object | None]:
     """(labelled pairs, embedding model, verifier or None) for a calibration: the model
     and verifier of the config at ``path`` unless ``embedding_model`` /
-    ``no_verifier``. Raises ``click.ClickException`` with the loader's message."""
+    ``no_verifier``; for a ``domain`` (route, model, namespace prefix) configured with
+    endpoints of the pool, those endpoints (as the embedder serves that domain). Raises
+    ``click.ClickException`` with the loader's message."""
     from pathlib import Path
 
     from controlplane.config import ConfigError, load_settings
     from controlplane.embedder import calibration as cal
     from controlplane.embedder import verifier as ver
-    from controlplane.embedder.models import ModelLoadError, ModelSpec, load_model
 
     try:
         settings = load_settings(path if path and Path(path).exists() else None)
@@ -163,17 +201,37 @@ def _load_calibration(path: str | None, pairs_path: str, embedding_model: str | 
     if pairs.skipped:
         click.echo(f"note: {pairs.skipped} line(s) of {pairs_path} held no usable pair "
                    "(a header, a label other than 0 or 1, fewer than 3 fields, an empty text)")
-    try:
-        m = load_model(ModelSpec(model=embedding_model or settings.cache.embedder_model))
-    except ModelLoadError as exc:
-        raise click.ClickException(str(exc)) from None
+    dom = None if embedding_model else _pool_domain(settings, *domain)
+    m, v = _pool_models(dom, settings, no_verifier) if dom is not None else (None, None)
+    if dom is not None:
+        click.echo(f"note: the domain's endpoints of the pool: embeddings "
+                   f"{dom.embeddings_url or '(the embedder model)'}, verifier "
+                   f"{dom.rerank_url if v is not None else '(as configured)'}")
+    if v is not None:
+        return pairs, m if m is not None else _load_model(embedding_model, settings), v
+    if m is None:
+        m = _load_model(embedding_model, settings)
     v = None
+    # the vectors of an endpoint: only a verifier trained on them (the domain's own)
+    vfile = dom.verifier_file if dom is not None and dom.embeddings_url \
+        else settings.cache.verifier_file
     if not no_verifier and settings.cache.verifier:
         try:
-            v = ver.load_for(m.model_id, m.dim, settings.cache.verifier_file or None)
+            v = ver.load_for(m.model_id, m.dim, vfile or None)
         except ver.VerifierError as exc:
             raise click.ClickException(str(exc)) from None
     return pairs, m, v
+
+
+def _load_model(embedding_model: str | None, settings):
+    """The embedder's own model (or ``--embedding-model``). Raises
+    ``click.ClickException``."""
+    from controlplane.embedder.models import ModelLoadError, ModelSpec, load_model
+
+    try:
+        return load_model(ModelSpec(model=embedding_model or settings.cache.embedder_model))
+    except ModelLoadError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def _print_calibration(res: CalibrationResult, model_id: str) -> None:
@@ -203,6 +261,27 @@ def _print_calibration(res: CalibrationResult, model_id: str) -> None:
                      [(name, "-" if r is None else f"{r.threshold:.3f}",
                        _rate(r.hit_rate if r else None), _rate(r.wrong_rate if r else None),
                        _rate(r.wrong_upper if r else None)) for name, r in rows]))
+
+
+def _endpoint_fields(path: str | None, route: str, model: str,
+                     namespace_prefix: str) -> dict:
+    """The endpoint settings of the configured domain with these matchers (kept when the
+    calibration rewrites it), ``{}`` when it has none."""
+    from pathlib import Path
+
+    from controlplane.config import ConfigError, load_settings
+    from controlplane.embedder.policy import REMOTE_FIELDS
+
+    try:
+        settings = load_settings(path if path and Path(path).exists() else None)
+    except ConfigError:
+        return {}
+    dom = _pool_domain(settings, route, model, namespace_prefix)
+    if dom is None:
+        return {}
+    defaults = type(dom).model_fields
+    return {f: getattr(dom, f) for f in REMOTE_FIELDS
+            if getattr(dom, f) != defaults[f].default}
 
 
 def _write_calibration(path: str, res: CalibrationResult, entry: dict,
@@ -271,6 +350,7 @@ def calibrate_cmd(c: Ctx, pairs_path: str, route: str, model: str, namespace_pre
     from pathlib import Path
 
     from controlplane.embedder import tuning
+    from controlplane.embedder.models import EmbedError
 
     _check_domain(no_verifier, train_out, namespace_prefix, route, model)
     path = config_path or c.config
@@ -280,12 +360,15 @@ def calibrate_cmd(c: Ctx, pairs_path: str, route: str, model: str, namespace_pre
     if plot_path and not dry_run and not Path(plot_path).resolve().parent.is_dir():
         raise click.BadParameter(f"the folder of {plot_path} does not exist",
                                  param_hint="--plot")
-    pairs, m, v = _load_calibration(path, pairs_path, embedding_model, no_verifier)
+    pairs, m, v = _load_calibration(path, pairs_path, embedding_model, no_verifier,
+                                    (route, model, namespace_prefix))
     try:
         res = tuning.calibrate(pairs, m, max_wrong, verifier=v, train=bool(train_out),
                                folds=folds, bound=bound, allow_overlap=allow_overlap)
     except tuning.TuningError as exc:
         raise click.ClickException(str(exc)) from None
+    except EmbedError as exc:  # an endpoint of the pool failed on the way
+        raise click.ClickException(f"an endpoint of the pool failed: {exc}") from None
     _print_calibration(res, m.model_id)
     if plot_path and not dry_run:
         if tuning.plot(res, plot_path, f"{m.model_id}: {route or '*'} {model or '*'} "
@@ -301,6 +384,7 @@ def calibrate_cmd(c: Ctx, pairs_path: str, route: str, model: str, namespace_pre
     if warning:
         click.secho(warning, err=True, fg="red", bold=True)
     entry = tuning.domain_entry(res, route, model, namespace_prefix)
+    entry.update(_endpoint_fields(path, route, model, namespace_prefix))
     click.echo(f"chosen: {res.score} >= {res.chosen.threshold:.3f}; on the check part: hit "
                f"rate {_rate(res.check.hit_rate)}, wrong-hit rate {_rate(res.check.wrong_rate)}"
                f" (95% bound {_rate(res.check.wrong_upper)})")

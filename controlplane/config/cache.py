@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
 from controlplane.config.base import _Section, key_message
+from controlplane.config.routing import ENV_NAME_RE
 
 
 #: A cosine similarity, 0-1.
@@ -43,11 +44,84 @@ class SemanticDomain(_Section):
     """Informational: share of matching pairs served at these thresholds (0-1)."""
     wrong_hit_upper: float | None = Field(default=None, ge=0.0, le=1.0)
     """Informational: 95 % upper bound of the wrong-hit rate at these thresholds (0-1)."""
+    embeddings_url: str = ""
+    """An OpenAI-compatible ``POST /v1/embeddings`` of the pool (llama.cpp ``llama-server
+    --embeddings``, vLLM, TEI) that embeds this domain's questions instead of the bundled
+    model: its root (``http://host:port``), ``.../v1`` or the full ``.../embeddings`` URL.
+    Its vectors go to an index of their own (keyed by ``embeddings_model`` and the host),
+    never compared with another model's. Empty = the embedder's own model."""
+    embeddings_model: str = Field(default="", max_length=256)
+    """``model`` sent to ``embeddings_url`` (also names the domain's vector index)."""
+    rerank_url: str = ""
+    """A rerank endpoint used as this domain's verifier instead of the learned one: the
+    full URL (llama.cpp ``/v1/rerank`` with ``--reranking``, vLLM ``/v1/rerank`` or
+    ``/rerank``, TEI ``/rerank``, or any Jina/Cohere-shaped service). Empty = none."""
+    rerank_model: str = Field(default="", max_length=256)
+    """``model`` sent to ``rerank_url``."""
+    rerank_format: Literal["jina", "tei"] = "jina"
+    """Request and answer shape of ``rerank_url``: ``jina`` = ``{"model", "query",
+    "documents", "top_n"}`` -> ``{"results": [{"index", "relevance_score"}]}`` (llama.cpp,
+    vLLM, Jina, Cohere); ``tei`` = ``{"query", "texts"}`` -> ``[{"index", "score"}]``."""
+    rerank_logits: bool = False
+    """The rerank scores are logits (llama.cpp returns the model's raw score): the
+    embedder maps them to 0-1 with the logistic function before comparing them with
+    ``min_verifier_score``. False: scores are probabilities (vLLM, TEI, Jina, Cohere)."""
+    endpoint_timeout_ms: int = Field(default=100, ge=10, le=30000)
+    """Time one call of ``embeddings_url`` or ``rerank_url`` may take, milliseconds (never
+    more than the embedder's own embedding timeout, 5 s); over it, or on any error, the
+    lookup misses (the request goes to a node) and the endpoint is skipped for 3 s. Keep
+    it under ``semantic_budget_ms`` (150): the edge gives up on a lookup after that, and a
+    lookup may wait for both endpoints. Index jobs use it too (a batch of up to 32 texts)."""
+    api_key_env: str = ""
+    """Name of an environment variable of the embedder holding the endpoints' API key,
+    sent as ``Authorization: Bearer KEY`` (as a node's ``api_key_env``)."""
+    api_key_file: str = ""
+    """Absolute path of a file holding the endpoints' API key (first line), as a node's."""
+    ca_file: str = ""
+    """PEM file of the CA of ``https://`` endpoints (else ``controlplane.node_ca_file``,
+    else the system bundle)."""
+
+    @field_validator("embeddings_url", "rerank_url")
+    @classmethod
+    def _endpoint_url(cls, v: str) -> str:
+        if not v:
+            return v
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.query:
+            raise ValueError("an http:// or https:// URL without a query")
+        try:
+            parts.port
+        except ValueError as exc:
+            raise ValueError(f"port: {exc}") from exc
+        return v.rstrip("/")
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _key_env(cls, v: str) -> str:
+        if v and not ENV_NAME_RE.match(v):
+            raise ValueError("api_key_env: the name of an environment variable (letters, "
+                             "digits, '_'), not the key itself")
+        return v
+
+    @field_validator("api_key_file", "ca_file")
+    @classmethod
+    def _abs_file(cls, v: str) -> str:
+        if v and (not v.startswith("/") or any(c.isspace() or not c.isprintable() for c in v)):
+            raise ValueError("must be an absolute file path without spaces")
+        return v
+
+    @property
+    def remote(self) -> bool:
+        """The domain uses an endpoint of the pool (embeddings or rerank)."""
+        return bool(self.embeddings_url or self.rerank_url)
 
     @model_validator(mode="after")
     def _some_threshold(self) -> "SemanticDomain":
-        if self.min_similarity is None and self.min_verifier_score is None:
-            raise ValueError("a semantic domain needs min_similarity or min_verifier_score")
+        if self.min_similarity is None and self.min_verifier_score is None and not self.remote:
+            raise ValueError("a semantic domain needs min_similarity or min_verifier_score "
+                             "(or an embeddings_url / rerank_url, whose defaults apply)")
+        if self.api_key_env and self.api_key_file:
+            raise ValueError("set one of api_key_env and api_key_file, not both")
         return self
 
 
@@ -137,6 +211,12 @@ class CacheSettings(_Section):
     """Model ``infergate up`` starts the embedder with: use-multilingual-v3 (numpy, no
     torch, 16 languages) or, with the ``semantic`` extra, all-MiniLM-L6-v2 or any
     sentence-transformers name or path."""
+    explain: bool = False
+    """A request with the header ``X-Cache-Explain: 1`` gets, on a semantic hit or miss,
+    the header ``X-Cache-Explain`` with what the embedder decided on: the closest
+    candidate's cosine, the verifier's score, both thresholds, the precision guard's
+    verdict, the score that decided and the embedding model. Off by default: the figures
+    tell a client how close its question came to another one stored."""
     verify_fraction: float = Field(default=0.02, ge=0.0, le=1.0)
     """Share (0-1) of semantic hits the edge also queues for online verification (the
     hit is served all the same); 0 = off. The control plane's leader sends each queued

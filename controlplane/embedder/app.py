@@ -5,7 +5,9 @@ Endpoints (JSON in and out):
 - ``POST /v1/lookup`` ``{"namespace": hex, "text": str, "min_similarity"?: 0-1,
   "guard"?: bool, "route"?: str, "model"?: str}`` -> 200 :class:`engine.LookupResult`
   fields ``{"hit", "key", "similarity", "candidate_text", "guard", "model_id",
-  "elapsed_ms", "min_similarity", "verifier_score", "min_verifier_score"}``.
+  "elapsed_ms", "min_similarity", "verifier_score", "min_verifier_score", "decided_by"}``
+  (a domain served by endpoints of the pool answers a miss, never an error, while they
+  fail: ``remote.py``).
 - ``POST /v1/lookups`` ``{"lookups": [<a /v1/lookup body>, ...], "brief"?: bool}`` (1-64
   lookups) -> 200 ``{"results": [...]}`` in the same order, each a ``/v1/lookup`` answer
   (without ``candidate_text`` when ``brief``) or, for a malformed item,
@@ -19,7 +21,9 @@ Endpoints (JSON in and out):
   ``encoding_format`` float | base64) -> ``{"object": "list", "data": [...], "model", "usage"}``.
 - ``GET /healthz`` -> 200 ``{"status": "ok", "model_id", "dim", "index_backend",
   "default_min_similarity", "verifier": bool, "default_min_verifier_score": 0-1 | null,
-  "semantic_domains": int, "redis": true, "instance_id": str}`` (and the
+  "semantic_domains": int, "pool_models": [{"model_id", "dim", "url"}], "redis": true,
+  "instance_id": str}`` (``pool_models``: the embeddings endpoints of the pool that
+  semantic domains use, once first used; see ``remote.py``) (and the
   ``X-Infergate-Instance`` header: the stack instance id ``INFERGATE_INSTANCE_ID`` set by
   ``infergate up``, ``""`` otherwise); 503 with ``"status": "degraded"`` and
   ``"redis": false`` while Redis does not answer.
@@ -185,7 +189,8 @@ def _add_service_routes(app: Flask, engine: Engine) -> None:
                "default_min_similarity": engine.default_min_similarity,
                "verifier": engine.verifier_active,
                "default_min_verifier_score": engine.thresholds("")[1],
-               "semantic_domains": len(engine.policy.current().domains), "redis": ok,
+               "semantic_domains": len(engine.policy.current().domains),
+               "pool_models": engine.pool.models(), "redis": ok,
                "instance_id": procs.instance_id()}
         return jsonify(doc), 200 if ok else 503, {procs.INSTANCE_HEADER: procs.instance_id()}
 

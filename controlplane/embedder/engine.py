@@ -24,7 +24,8 @@ from controlplane.embedder.activity import LookupActivity
 from controlplane.embedder.batcher import MicroBatcher
 from controlplane.embedder.index import Candidate, IndexItem, open_index
 from controlplane.embedder.models import EmbeddingModel, EmbedError, slug
-from controlplane.embedder.policy import PolicySource
+from controlplane.embedder.policy import Domain, PolicySource
+from controlplane.embedder.remote import EndpointError, PoolModels, remote_model_id
 from controlplane.embedder.verifier import Verifier
 from controlplane.embedder.wire import LookupRequest
 from controlplane.errors import InfergateError
@@ -52,7 +53,12 @@ class LookupResult:
     else None. ``verifier_score`` is the verifier's probability (0-1) of the returned entry
     on a hit, else of the best candidate it scored (None without the verifier);
     ``min_similarity`` and ``min_verifier_score`` are the thresholds applied (the latter
-    None without the verifier). ``elapsed_ms`` is wall time in the embedder, milliseconds."""
+    None without the verifier). ``elapsed_ms`` is wall time in the embedder, milliseconds.
+    ``decided_by`` names the score the decision compared with its threshold: ``verifier``
+    (the learned verifier: ``verifier_score`` against ``min_verifier_score``),
+    ``rerank`` (a rerank endpoint of the pool, the same two fields) or ``cosine``
+    (``similarity`` against ``min_similarity``); ``model_id`` is the embedding model whose
+    vectors were searched (``<model>@<host:port>`` for an endpoint of the pool)."""
 
     hit: bool
     key: str | None
@@ -64,6 +70,7 @@ class LookupResult:
     min_similarity: float
     verifier_score: float | None = None
     min_verifier_score: float | None = None
+    decided_by: str = "cosine"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -123,15 +130,29 @@ class Engine:
     (``guard`` ``reject:too_long``) and an index job stores nothing, without running the
     model (the model reads only a text's beginning, so two long texts that differ further
     on would embed the same; and one such lookup costs up to ~100 ms of a core). Construction
-    raises ``redis.exceptions.RedisError`` when Redis is unreachable."""
+    raises ``redis.exceptions.RedisError`` when Redis is unreachable.
+
+    The pool's endpoints (``[[cache.semantic_domains]]`` with ``embeddings_url`` /
+    ``rerank_url``, :mod:`remote`): a lookup or index item of such a domain goes to a
+    child engine (:meth:`child`: the endpoint's vectors, an index of their own, this
+    engine's Redis, policy, activity and metrics; ``endpoint_ca``: the CA file of
+    ``https://`` endpoints without their own); an endpoint that fails makes a miss."""
 
     def __init__(self, model: EmbeddingModel, r: redis.Redis, index_backend: str = "auto",
                  max_batch: int = 32, max_wait_ms: float = 5.0, top_k: int = 3,
                  embed_timeout_s: float = 5.0, subscribe: bool = True,
                  verifier: Verifier | None = None, policy: PolicySource | None = None,
                  embed_cache: int = 4096, model_workers: int = 1,
-                 max_text_chars: int = 1000, activity: LookupActivity | None = None):
+                 max_text_chars: int = 1000, activity: LookupActivity | None = None,
+                 pool: PoolModels | None = None, endpoint_ca: str = "",
+                 metrics: Metrics | None = None):
         self.model = model
+        self.index_backend = index_backend
+        self.subscribe = subscribe
+        #: the pool's endpoints (``remote.PoolModels``); a child engine (one endpoint's
+        #: vectors) shares its parent's and dispatches nothing itself
+        self.is_child = pool is not None
+        self.pool = pool if pool is not None else PoolModels(self, endpoint_ca)
         # lookups running in this embedder's processes (the index consumer yields to them)
         self.activity = activity or LookupActivity()
         self.max_text_chars = max_text_chars
@@ -144,7 +165,7 @@ class Engine:
         self.model_slug = slug(model.model_id)
         self.top_k = top_k
         self.embed_timeout_s = embed_timeout_s
-        self.metrics = Metrics()
+        self.metrics = metrics or Metrics()
         self.index = open_index(r, self.model_slug, model.dim, index_backend,
                                 subscribe=subscribe)
         self._inflight = 0
@@ -164,6 +185,15 @@ class Engine:
         self._domain_verifiers: dict[str, Verifier | None] = {}
         self._domain_lock = threading.Lock()
         self._domain_policy: object = None
+
+    def child(self, model: EmbeddingModel) -> "Engine":
+        """An engine for the vectors of ``model`` (an endpoint of the pool): its own index
+        (keyed by the model id), this engine's Redis, policy, activity and pool."""
+        return Engine(model, self.r, self.index_backend, top_k=self.top_k,
+                      embed_timeout_s=self.embed_timeout_s, subscribe=self.subscribe,
+                      policy=self.policy, max_text_chars=self.max_text_chars,
+                      activity=self.activity, model_workers=4, pool=self.pool,
+                      metrics=self.metrics)
 
     @property
     def verifier_active(self) -> bool:
@@ -245,11 +275,69 @@ class Engine:
 
     def index_items(self, items: list[IndexItem], source: str = "api") -> list[int]:
         """Embed and store ``items``; returns applied TTLs in ms (0 = entry already gone, or
-        its text longer than ``max_text_chars``: not stored).
+        its text longer than ``max_text_chars``, or its domain's embeddings endpoint
+        failing: not stored). Each stored item's namespace hash
+        (``keynames.cache_ns_stats``) is given its ``model``, ``tenant``, ``route``, a
+        ``sample`` question and the ``embedding_model`` of its vectors (the admin page).
 
         Raises :class:`EngineUnavailable` (model) or ``redis.exceptions.RedisError``."""
         if not items:
             return []
+        applied = [0] * len(items)
+        used = [""] * len(items)
+        for dom, idx in self._by_endpoint([(it.namespace, it.route, it.model)
+                                           for it in items]).values():
+            part = [items[i] for i in idx]
+            if dom is None:
+                eng = self
+            else:
+                try:
+                    eng = self.pool.engine(dom)
+                except EndpointError as exc:
+                    self._endpoint_failed("indexing", exc)
+                    continue
+            try:
+                done = eng._index_local(part, source)
+            except EngineUnavailable as exc:
+                if dom is None:
+                    raise
+                self._endpoint_failed("indexing", exc)
+                continue
+            for i, t in zip(idx, done):
+                applied[i], used[i] = t, eng.model.model_id
+        if not self.is_child:
+            self._note_namespaces(items, applied, used)
+        return applied
+
+    #: Characters of the sample question kept per namespace (admin page).
+    SAMPLE_CHARS = 200
+
+    def _note_namespaces(self, items: list[IndexItem], applied: list[int],
+                         used: list[str]) -> None:
+        """What the admin page shows of each namespace stored to (one pipeline; a Redis
+        error is logged, the entries are indexed all the same)."""
+        from controlplane.cache.store import COUNTERS_TTL_S
+
+        seen: dict[str, dict[str, str]] = {}
+        for it, t, mid in zip(items, applied, used):
+            if t > 0 and it.namespace not in seen:
+                seen[it.namespace] = {"model": it.model, "tenant": it.tenant,
+                                      "route": it.route, "embedding_model": mid,
+                                      "sample": it.text[:self.SAMPLE_CHARS]}
+        if not seen:
+            return
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            for ns, fields in seen.items():
+                key = keynames.cache_ns_stats(ns)
+                pipe.hset(key, mapping=fields)
+                pipe.expire(key, COUNTERS_TTL_S)
+            pipe.execute()
+        except redis.exceptions.RedisError as exc:
+            log.warning("namespace details not written: %s", exc)
+
+    def _index_local(self, items: list[IndexItem], source: str) -> list[int]:
+        """:meth:`index_items` with this engine's model and index."""
         keep = [i for i, it in enumerate(items) if len(it.text) <= self.max_text_chars]
         applied = [0] * len(items)
         if not keep:
@@ -350,11 +438,18 @@ class Engine:
         """:meth:`limits` before the namespace's raise."""
         pol = self.policy.current()
         dom = pol.resolve(namespace, route, model)
-        on = pol.verifier if dom is None or dom.verifier is None else dom.verifier
+        if dom is not None and dom.verifier is not None:
+            on = dom.verifier
+        else:  # a rerank endpoint is named to be used
+            on = pol.verifier or (dom is not None and bool(dom.rerank_url))
         ver, ok = self.verifier, True
-        if on and dom is not None and dom.verifier_file:
+        if on and dom is not None and dom.rerank_url:
+            ver = self.pool.reranker(dom)  # type: ignore[assignment]
+        elif on and dom is not None and dom.verifier_file:
             ver, ok = self._domain_verifier(dom.verifier_file, pol)
         ver = ver if on else None
+        if self.is_child:
+            min_similarity = None  # the edge's value is the bundled model's
         if not ok and ver is None:  # the domain's verifier is unreadable, none to fall back on
             return 1.0, None, None
         if dom is not None and dom.min_similarity is not None:
@@ -391,8 +486,66 @@ class Engine:
 
         Raises :class:`EngineUnavailable` (model) or ``redis.exceptions.RedisError``: the
         whole call fails."""
+        t0 = time.perf_counter() if started is None else started
         with self.activity.lookup():
-            return self._lookup_many(reqs, time.perf_counter() if started is None else started)
+            groups = self._by_endpoint([(q.namespace, q.route, q.model) for q in reqs])
+            if len(groups) == 1 and None in groups:
+                return self._lookup_many(reqs, t0)
+            out: list[LookupResult | None] = [None] * len(reqs)
+            for dom, idx in groups.values():
+                part = [reqs[i] for i in idx]
+                res = self._lookup_many(part, t0) if dom is None \
+                    else self._endpoint_lookups(dom, part, t0)
+                for i, r in zip(idx, res):
+                    out[i] = r
+            return out  # type: ignore[return-value]
+
+    def _by_endpoint(self, keys: list[tuple[str, str, str]],
+                     ) -> dict[tuple | None, tuple[Domain | None, list[int]]]:
+        """Positions of ``keys`` (namespace, route, model) grouped by the embeddings
+        endpoint of their domain (None: this engine's model)."""
+        out: dict[tuple | None, tuple[Domain | None, list[int]]] = {}
+        pol = None if self.is_child else self.policy.current()
+        for i, (ns, route, model) in enumerate(keys):
+            dom = pol.resolve(ns, route or None, model or None) if pol is not None else None
+            if dom is None or not dom.embeddings_url:
+                dom = None
+            k = None if dom is None else PoolModels.engine_key(dom)
+            out.setdefault(k, (dom, []))[1].append(i)
+        return out
+
+    #: Seconds between two log lines about an endpoint of the pool that fails.
+    ENDPOINT_LOG_EVERY_S = 10.0
+    _endpoint_logged = -float("inf")
+
+    def _endpoint_failed(self, what: str, exc: Exception) -> None:
+        self.metrics.errors.labels("endpoint").inc()
+        now = time.monotonic()
+        if now - self._endpoint_logged >= self.ENDPOINT_LOG_EVERY_S:
+            self._endpoint_logged = now
+            log.warning("semantic %s through an endpoint of the pool failed (lookups there "
+                        "miss, the requests go to a node): %s", what, exc)
+
+    def _endpoint_lookups(self, dom: Domain, reqs: list[LookupRequest],
+                          t0: float) -> list[LookupResult]:
+        """The lookups of a domain whose vectors come from an endpoint of the pool: its
+        engine's answers, or misses (``guard`` ``reject:embeddings_unavailable``) while
+        the endpoint fails or is slow."""
+        try:
+            return self.pool.engine(dom)._lookup_many(reqs, t0)
+        except (EngineUnavailable, EndpointError) as exc:
+            self._endpoint_failed("lookup", exc)
+        ms = round((time.perf_counter() - t0) * 1000, 3)
+        out = []
+        for q in reqs:
+            self.metrics.lookups.inc()
+            sim = dom.min_similarity if dom.min_similarity is not None else 1.0
+            out.append(LookupResult(hit=False, key=None, similarity=None, candidate_text=None,
+                                    guard="reject:embeddings_unavailable",
+                                    model_id=remote_model_id(dom.embeddings_url,
+                                                             dom.embeddings_model),
+                                    elapsed_ms=ms, min_similarity=sim))
+        return out
 
     def _lookup_many(self, reqs: list[LookupRequest], t0: float) -> list[LookupResult]:
         limits = [self.limits(q.namespace, q.min_similarity, q.route or None,
@@ -438,6 +591,9 @@ class Engine:
             if hit is not None:
                 self.metrics.hits.inc()
             threshold, min_score = limits[i][0], limits[i][1]
+            ver = limits[i][2] or self.verifier
+            by = "cosine" if min_score is None else \
+                "rerank" if getattr(ver, "kind", "") == "rerank" else "verifier"
             out.append(LookupResult(
                 hit=hit is not None, key=hit.key if hit else None,
                 similarity=None if shown is None else round(min(1.0, max(0.0, shown.similarity)),
@@ -446,7 +602,7 @@ class Engine:
                 guard=verdict, model_id=self.model.model_id,
                 elapsed_ms=round(elapsed * 1000, 3), min_similarity=threshold,
                 verifier_score=None if best_score is None else round(float(best_score), 6),
-                min_verifier_score=min_score))
+                min_verifier_score=min_score, decided_by=by))
         return out
 
     def _choose(self, text: str, vec: np.ndarray | None, cands: list[Candidate],
@@ -458,10 +614,14 @@ class Engine:
         query ``text``: :func:`decision.choose` with this engine's model (characters it
         does not know), verifier (``verifier``: a domain's own, else the engine's),
         embedding and counters."""
-        return decision.choose(
-            text, vec, cands, threshold, min_score, use_guard, verifier or self.verifier,
-            live, unknown=getattr(self.model, "unknown_chars", None), embed=self.embed,
-            on_reject=self._count_reject)
+        try:
+            return decision.choose(
+                text, vec, cands, threshold, min_score, use_guard, verifier or self.verifier,
+                live, unknown=getattr(self.model, "unknown_chars", None), embed=self.embed,
+                on_reject=self._count_reject)
+        except EndpointError as exc:  # a rerank endpoint failed or is slow: a miss
+            self._endpoint_failed("verification", exc)
+            return None, "reject:verifier_unavailable", None
 
     def _count_reject(self, kind: str) -> None:
         if kind == "guard":
@@ -476,6 +636,9 @@ class Engine:
         return decision.verify(self.verifier, text, vec, cands, self.embed)
 
     def close(self) -> None:
+        """Stop the batcher and the index (and, of a parent, its endpoints' engines)."""
+        if not self.is_child:
+            self.pool.close()
         self.batcher.close()
         self.index.close()
 

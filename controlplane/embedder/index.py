@@ -56,6 +56,8 @@ class IndexItem:
     ttl_s: int
     model: str = ""
     tenant: str = ""
+    route: str = ""
+    """Request path (selects a semantic domain, whose embeddings endpoint may differ)."""
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,12 @@ from pathlib import Path
 log = logging.getLogger("infergate.embedder")
 
 
+#: Fields of a domain that name the pool's endpoints (``remote.PoolModels``).
+REMOTE_FIELDS = ("embeddings_url", "embeddings_model", "rerank_url", "rerank_model",
+                 "rerank_format", "rerank_logits", "endpoint_timeout_ms", "api_key_env",
+                 "api_key_file", "ca_file")
+
+
 @dataclass(frozen=True)
 class Domain:
     """One domain's matchers and thresholds (see ``config.SemanticDomain``)."""
@@ -35,6 +41,16 @@ class Domain:
     min_verifier_score: float | None = None
     verifier: bool | None = None
     verifier_file: str = ""
+    embeddings_url: str = ""
+    embeddings_model: str = ""
+    rerank_url: str = ""
+    rerank_model: str = ""
+    rerank_format: str = "jina"
+    rerank_logits: bool = False
+    endpoint_timeout_ms: int = 100
+    api_key_env: str = ""
+    api_key_file: str = ""
+    ca_file: str = ""
 
     def matches(self, namespace: str, route: str | None, model: str | None) -> bool:
         return ((not self.route or self.route == route)
@@ -60,7 +76,8 @@ class ThresholdPolicy:
         """From a ``config.CacheSettings``."""
         return cls(tuple(Domain(d.route, d.model, d.namespace_prefix, d.min_similarity,
                                 d.min_verifier_score, d.verifier,
-                                getattr(d, "verifier_file", "") or "")
+                                getattr(d, "verifier_file", "") or "",
+                                **{f: getattr(d, f) for f in REMOTE_FIELDS})
                          for d in c.semantic_domains or ()),
                    bool(c.verifier), c.verifier_file)
 

@@ -128,7 +128,8 @@ def lookup_batch(body: Any) -> list[LookupRequest | BadRequest]:
 
 def index_item(body: Any) -> IndexItem:
     """``{"key": hex, "namespace": hex, "text": str, "ttl_s": int > 0, "model"?: str,
-    "tenant"?: str}`` (an index-queue item or a ``POST /v1/index`` body)."""
+    "tenant"?: str, "route"?: str}`` (an index-queue item or a ``POST /v1/index`` body;
+    ``route`` and ``model`` select the semantic domain, as in a lookup)."""
     b = _obj(body)
     ttl = b.get("ttl_s")
     if isinstance(ttl, float) and ttl.is_integer():
@@ -136,7 +137,8 @@ def index_item(body: Any) -> IndexItem:
     if isinstance(ttl, bool) or not isinstance(ttl, int) or not 0 < ttl <= MAX_TTL_S:
         raise BadRequest(f"ttl_s: a whole number of seconds from 1 to {MAX_TTL_S}", "ttl_s")
     return IndexItem(key=_hex(b, "key"), namespace=_hex(b, "namespace"), text=_text(b),
-                     ttl_s=ttl, model=_label(b, "model"), tenant=_label(b, "tenant"))
+                     ttl_s=ttl, model=_label(b, "model"), tenant=_label(b, "tenant"),
+                     route=_label(b, "route"))
 
 
 def embeddings_request(body: Any) -> tuple[list[str], str]:

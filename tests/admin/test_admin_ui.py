@@ -239,12 +239,19 @@ def test_cache_page_shows_namespaces_and_flags_an_entry(client, r):
     ns, key = "cd" * 32, "ab" * 32
     cache_store.store(r, key, tenant="acme", model="m", namespace=ns, body="hello", ttl=300)
     r.hset(keynames.cache_ns_stats(ns), mapping={"hits_semantic": 7, "verified": 2, "wrong": 1})
+    # what the embedder writes when it indexes an entry of the namespace
+    r.hset(keynames.cache_ns_stats(ns), mapping={
+        "model": "bank-bot", "tenant": "acme", "route": "/v1/chat/completions",
+        "embedding_model": "bge-m3@10.0.0.5:8080", "sample": "How do I <b>reset</b> it?"})
     r.hset(keynames.CACHE_THRESHOLD_RAISE, ns, "0.01")
     page = client.get("/cache")
     assert page.status_code == 200 and 'id="cache-namespaces"' in page.text
     row = page.text[page.text.index(f'id="ns-{ns[:16]}"'):]
     row = row[:row.index("</tr>")]
     assert ">7<" in row and "50 %" in row and "+0.010" in row
+    assert "bank-bot" in row and "acme" in row and "bge-m3@10.0.0.5:8080" in row
+    assert "How do I &lt;b&gt;reset&lt;/b&gt; it?" in row  # escaped
+    assert "≈ 3.5" in row  # 7 semantic hits x 1 wrong of 2 verified
     no_csrf = client.post("/cache/flag", data={"entry": key})
     assert no_csrf.status_code == 400 and r.exists(keynames.cache_entry(key))
     done = client.post("/cache/flag", data={"csrf_token": client.csrf, "entry": key},
@@ -256,6 +263,18 @@ def test_cache_page_shows_namespaces_and_flags_an_entry(client, r):
     unknown = client.post("/cache/flag", data={"csrf_token": client.csrf, "entry": "0" * 64},
                           follow_redirects=True)
     assert "Nothing flagged" in unknown.text
+
+
+def test_purge_forgets_the_namespaces_sample_question(r):
+    ns, other = "ce" * 32, "cf" * 32
+    cache_store.store(r, "ac" * 32, tenant="acme", model="m", namespace=ns, body="x", ttl=300)
+    for n in (ns, other):
+        r.hset(keynames.cache_ns_stats(n), mapping={"hits_semantic": 3, "sample": "Q?"})
+    assert cache_store.purge(r, tenant="acme") == 1
+    assert r.hgetall(keynames.cache_ns_stats(ns)) == {"hits_semantic": "3"}
+    assert r.hget(keynames.cache_ns_stats(other), "sample") == "Q?"
+    assert cache_store.purge(r, all=True) == 0
+    assert not r.hexists(keynames.cache_ns_stats(other), "sample")
 
 
 def test_cache_purge_needs_confirmation(client, r):

@@ -403,12 +403,17 @@ def test_paraphrase_is_a_semantic_hit(stack, edge) -> None:
     wait_indexed(stack, body)
     n = stack.node_requests()
     before = stack.counters()
-    res = post(edge, body_of("How can I reset my password?", temperature=0))
+    res = post(edge, body_of("How can I reset my password?", temperature=0),
+               headers={"X-Cache-Explain": "1"})
     assert res.status_code == 200
     assert res.headers["X-Cache-Status"] == "HIT"
     assert res.headers["X-Cache-Match"] == "semantic"
     sim = float(res.headers["X-Cache-Similarity"])
     assert 0.8 <= sim < 1.0
+    # the score the decision used, named; the explanation only when cache.explain is on
+    name, _, value = res.headers["X-Cache-Score"].partition("=")
+    assert name in ("verifier", "cosine") and 0 < float(value) <= 1
+    assert "X-Cache-Explain" not in res.headers
     assert content_of(res) == content_of(first)
     assert stack.node_requests() == n
     wait_counted(stack, before, "hits_semantic")

@@ -2,7 +2,7 @@
 :class:`bench.realnode.RealNode` on free loopback ports.
 
 Fixture (registered through ``pytest_plugins`` in tests/conftest.py):
-``realnodes(n, parallel=2, threads=1, metrics=True)`` -> list of started :class:`RealNode` (``/health``
+``realnodes(n, parallel=2, threads=1, metrics=True, extra_args=())`` -> list of started :class:`RealNode` (``/health``
 answered 200 within the deadline), all stopped at the end of the test module.
 
 When the binary (``python -m bench.realnode build``, run by .ci/install) or the model
@@ -52,12 +52,13 @@ def realnodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[...
     started: list[RealNode] = []
     logs = tmp_path_factory.mktemp("realnodes")
 
-    def start(n: int, parallel: int = 2, threads: int = 1, metrics: bool = True) -> list[RealNode]:
+    def start(n: int, parallel: int = 2, threads: int = 1, metrics: bool = True,
+              extra_args: tuple[str, ...] = ()) -> list[RealNode]:
         require_engine()
         out = []
         for _ in range(n):
             node = RealNode(port=procs.free_port(), parallel=parallel, threads=threads,
-                            metrics=metrics, log_dir=logs)
+                            metrics=metrics, log_dir=logs, extra_args=extra_args)
             started.append(node)
             out.append(node.start(timeout_s=READY_TIMEOUT_S))
         return out

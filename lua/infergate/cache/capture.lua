@@ -78,6 +78,9 @@ function _M.header_filter()
         return
     end
     ngx.header["X-Cache-Status"] = c.status
+    if c.explain then
+        ngx.header["X-Cache-Explain"] = c.explain
+    end
     if not c.store then
         return
     end
@@ -336,7 +339,7 @@ local function store_of(c, req)
     if c.namespace and c.text then
         index_job = replay.encode({
             key = c.key, namespace = c.namespace, text = c.text, model = c.model or "",
-            tenant = c.tenant, ttl_s = c.ttl,
+            tenant = c.tenant, ttl_s = c.ttl, route = c.path,
         })
     end
     return {

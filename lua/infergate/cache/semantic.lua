@@ -17,8 +17,12 @@ local serve = require("infergate.cache.serve")
 local _M = {}
 
 local type = type
+local ipairs = ipairs
 local tonumber = tonumber
+local tostring = tostring
 local find = string.find
+local format = string.format
+local concat = table.concat
 local cut_utf8 = shared.cut_utf8
 local with_redis = shared.with_redis
 local bypass = policy.bypass
@@ -105,6 +109,54 @@ local function semantic_lookup(c)
     return res
 end
 
+-- "name=0.1234" of a number field of the lookup answer, or nil.
+local function figure(name, v)
+    v = tonumber(v)
+    if not v then
+        return nil
+    end
+    return name .. "=" .. format("%.4f", v)
+end
+
+-- The X-Cache-Score value of a hit: the score the embedder's decision compared with its
+-- threshold, named ("verifier=0.8123", "rerank=0.9650" or "cosine=0.9712").
+local function score_text(res)
+    local by = res.decided_by
+    if by == "verifier" or by == "rerank" then
+        return figure(by, res.verifier_score) or (by .. "=?")
+    end
+    return figure("cosine", res.similarity) or "cosine=?"
+end
+_M.score_text = score_text
+
+-- The X-Cache-Explain value of a lookup answer: the candidate's cosine, the verifier's
+-- score, the two thresholds, the guard's verdict, the deciding score and the model.
+local function explain_text(res)
+    local parts = {}
+    for _, f in ipairs({ { "cosine", res.similarity }, { "verifier", res.verifier_score },
+                         { "min_similarity", res.min_similarity },
+                         { "min_verifier_score", res.min_verifier_score } }) do
+        parts[#parts + 1] = figure(f[1], f[2]) or (f[1] == "cosine" and "cosine=none" or nil)
+    end
+    parts[#parts + 1] = "guard=" .. (type(res.guard) == "string" and res.guard or "none")
+    parts[#parts + 1] = "decided_by=" .. tostring(res.decided_by or "cosine")
+    if type(res.model_id) == "string" then
+        -- a header value: printable ASCII only
+        parts[#parts + 1] = "model=" .. res.model_id:gsub("[^%w%._:@/-]", "_")
+    end
+    return concat(parts, "; ")
+end
+_M.explain_text = explain_text
+
+-- Whether the request asked for the explanation and the options allow it.
+local function wants_explain()
+    if not opts.explain then
+        return false
+    end
+    local v = ngx.var.http_x_cache_explain
+    return v == "1" or v == "true"
+end
+
 local last_foreign_log = -math.huge
 
 -- The entry the embedder's hit names, when it belongs to the request's namespace: hit,
@@ -150,11 +202,18 @@ function _M.run(req, c, k)
             end
             return true, bypass(c, serr, true)
         end
+        if wants_explain() then
+            c.explain = explain_text(res)
+        end
         if res.hit == true and type(res.key) == "string" and res.key:find("^%x+$") then
             local hit, herr = hit_entry(c, res.key)
             if hit then
                 prometheus.semantic_lookup("hit")
                 hit = semantic_usage(req, c, hit)
+                ngx.header["X-Cache-Score"] = score_text(res)
+                if c.explain then
+                    ngx.header["X-Cache-Explain"] = c.explain
+                end
                 return true, serve.serve(req, c, hit, "semantic", tonumber(res.similarity) or 0,
                     res.key)
             end
