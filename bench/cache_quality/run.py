@@ -63,6 +63,7 @@ SHOWN = (0.80, 0.85, 0.90, 0.95)
 TOP_K = 3
 
 sys.path.insert(0, str(ROOT))
+from bench.cache_quality import embcache  # noqa: E402
 from controlplane.embedder import calibration as cal  # noqa: E402
 from controlplane.embedder import decision, split  # noqa: E402
 from controlplane.embedder import verifier as ver  # noqa: E402
@@ -212,8 +213,7 @@ def print_table(model_id: str, res: dict) -> None:
 
 
 def _embed(model, texts: list[str]) -> dict[str, np.ndarray]:
-    out = np.vstack([model.encode(texts[i:i + 64]) for i in range(0, len(texts), 64)])
-    return dict(zip(texts, out))
+    return dict(zip(texts, embcache.embed(model, texts)))
 
 
 def run(data: Path, part: str, verifier_file: str | None, limit: int | None,

@@ -68,6 +68,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from bench.cache_quality import embcache  # noqa: E402
 from controlplane.embedder import calibration as cal  # noqa: E402
 from controlplane.embedder import split  # noqa: E402
 from controlplane.embedder import verifier as ver  # noqa: E402
@@ -85,8 +86,8 @@ MLP = {"hidden": 32, "l2": 3e-2, "iters": 300, "lr": 0.01, "seeds": (0, 1, 2, 3,
 AUGMENT = 800
 
 
-def embed_all(model, texts: list[str], batch: int = 32) -> np.ndarray:
-    return np.vstack([model.encode(texts[i:i + batch]) for i in range(0, len(texts), batch)])
+def embed_all(model, texts: list[str]) -> np.ndarray:
+    return embcache.embed(model, texts)
 
 
 def _row(r: cal.SweepRow | None) -> dict | None:
