@@ -70,7 +70,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from bench.cache_quality import embcache  # noqa: E402
 from controlplane.embedder import calibration as cal  # noqa: E402
-from controlplane.embedder import split  # noqa: E402
+from controlplane.embedder import decision, guard, split  # noqa: E402
 from controlplane.embedder import verifier as ver  # noqa: E402
 from controlplane.embedder.models import USE_M3, ModelSpec, load_model  # noqa: E402
 
@@ -98,6 +98,31 @@ def _pct(x: float | None) -> str:
     return "    -" if x is None else f"{100 * x:5.1f}"
 
 
+def _cv_summary(args: argparse.Namespace, per: dict, names: list[str]) -> dict:
+    """The ``cv`` block of the verifier file: figures at each set's default threshold."""
+    return {"folds": args.folds, "max_wrong": args.max_wrong,
+            "hit_rate_at_default": {n: per[n]["verifier_at_default"]["hit_rate"]
+                                    for n in names if per[n]["verifier_at_default"]},
+            "wrong_upper_at_default": {n: per[n]["verifier_at_default"]["wrong_upper"]
+                                       for n in names if per[n]["verifier_at_default"]}}
+
+
+def language_thresholds(per: dict, sets: dict[str, cal.Pairs]) -> dict[str, float]:
+    """The default operating point per query language (``verifier.language_of``): the
+    largest of the per-set thresholds (``per[n]["verifier"]``) of the :data:`CHOOSE_ON`
+    sets of that language, so each of them keeps its bound; a language without a set
+    gets none (the file's ``min_score`` applies)."""
+    out: dict[str, float] = {}
+    for n in CHOOSE_ON:
+        if n not in per or not len(sets[n]):
+            continue
+        r = per[n]["verifier"]
+        t = r["threshold"] if r is not None else 0.99
+        lang = ver.language_of(sets[n].text2[0])
+        out[lang] = max(out.get(lang, 0.0), t)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
@@ -115,6 +140,12 @@ def main(argv: list[str] | None = None) -> int:
                          "shipped verifier is trained on), judge, or all")
     ap.add_argument("--write-verifier", action="store_true",
                     help="train on all pairs and write the verifier file of the package")
+    ap.add_argument("--update-thresholds", action="store_true",
+                    help="keep the shipped verifier's weights; write only the thresholds "
+                         "this run chooses (min_score, language_min_score) and its figures "
+                         "into the shipped file")
+    ap.add_argument("--save-scores", type=Path, default=None,
+                    help="write the out-of-fold scores, labels and cosines (npz) here")
     args = ap.parse_args(argv)
     fv = args.feature_version
 
@@ -188,9 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     per: dict = {}
     for n in names:
         cos = ver.cosine_of(X[n], fv)
-        guard_ok = ver.column(X[n], "guard_pass", fv) > 0.5
+        p = sets[n]
+        verdicts = [decision.guard_verdict(q, c, True) for q, c in zip(p.text2, p.text1)]
+        guard_ok = np.array([g == guard.PASS for g in verdicts])
+        serve_ok = np.array([g.ok for g in verdicts])
+        # texts equal up to case and punctuation score 1 on the serving path
+        oof[n][[ver._plain(q) == ver._plain(c) != "" for q, c in zip(p.text2, p.text1)]] = 1.0
         a = cal.choose(cal.sweep(cos, Y[n], cos_grid, guard_ok), args.max_wrong)
-        v_rows = cal.sweep(oof[n], Y[n], p_grid, (cos >= FLOOR) & guard_ok)
+        v_rows = cal.sweep(oof[n], Y[n], p_grid, (cos >= FLOOR) & serve_ok)
         free_rows = cal.sweep(oof[n], Y[n], p_grid, cos >= FLOOR)
         b_ = cal.choose(v_rows, args.max_wrong)
         per[n] = {"pairs": len(Y[n]), "positives": int(Y[n].sum()),
@@ -199,12 +235,13 @@ def main(argv: list[str] | None = None) -> int:
                   "cosine_guard": _row(a), "verifier": _row(b_),
                   "verifier_without_guard": _row(cal.choose(free_rows, args.max_wrong)),
                   "verifier_rows": [r.to_dict() for r in v_rows]}
-    chosen = [per[n]["verifier"]["threshold"] for n in CHOOSE_ON
-              if n in per and per[n]["verifier"] is not None]
-    default = max(chosen) if chosen else 0.99
+    by_lang = language_thresholds(per, sets)
+    default = max(by_lang.values()) if by_lang else 0.99
     for n in names:
-        i = p_grid.index(default) if default in p_grid else None
+        t = by_lang.get(ver.language_of(sets[n].text2[0]), default)
+        i = p_grid.index(t) if t in p_grid else None
         per[n]["verifier_at_default"] = per[n]["verifier_rows"][i] if i is not None else None
+        per[n]["default_threshold"] = t
     print(f"\nuse-multilingual-v3, {args.model} verifier (features v{fv}), {args.folds}-fold CV, "
           f"hit rate (%) at the lowest threshold "
           f"whose wrong-hit rate has a 95 % upper bound <= {100 * args.max_wrong:.0f} %")
@@ -224,10 +261,22 @@ def main(argv: list[str] | None = None) -> int:
               "hyperparameters": ({**MLP, "seeds": list(MLP["seeds"])} if args.model == "mlp"
                                   else {"l2": L2, "iters": ITERS}),
               "self_pairs_per_set": AUGMENT,
-              "default_min_score": default,
+              "default_min_score": default, "language_min_score": by_lang,
               "feature_ms_per_pair": round(feat_ms, 3), "cv_seconds": round(cv_s, 1),
               "sets": {n: {k: v for k, v in r.items() if k != "verifier_rows"}
                        for n, r in per.items()}}
+    if args.save_scores is not None:
+        np.savez(args.save_scores, **{f"{n}/{k}": a for n in names for k, a in
+                                      (("oof", oof[n]), ("y", Y[n]),
+                                       ("cos", ver.cosine_of(X[n], fv)))})
+    if args.update_thresholds:
+        path = ver.bundled_path(model.model_id)
+        v = ver.Verifier.load(path)
+        v.min_score, v.language_min_score = default, by_lang
+        v.cv = _cv_summary(args, per, names)
+        v.save(path)
+        report["verifier_file"] = str(path.relative_to(ROOT))
+        print(f"wrote the thresholds into {path}")
     if args.write_verifier:
         t0 = time.perf_counter()
         tr = {n: ver.cosine_of(X[n], fv) >= FLOOR for n in names}
@@ -235,15 +284,12 @@ def main(argv: list[str] | None = None) -> int:
         v = fit(np.vstack([X[n][tr[n]] for n in names] + ax),
                 np.concatenate([Y[n][tr[n]] for n in names] + ay), model.dim,
                 model.model_id, min_score=default)
+        v.language_min_score = by_lang
         v.trained_on = {n: {"pairs": int(tr[n].sum()), "file": f, "part": args.part}
                         for n, f in FILES if n in tr}
         v.fingerprint = split.fingerprint(t for p in sets.values() for i in range(len(p))
                                           if not p.mined[i] for t in (p.text1[i], p.text2[i]))
-        v.cv = {"folds": args.folds, "max_wrong": args.max_wrong,
-                "hit_rate_at_default": {n: per[n]["verifier_at_default"]["hit_rate"]
-                                        for n in names},
-                "wrong_upper_at_default": {n: per[n]["verifier_at_default"]["wrong_upper"]
-                                           for n in names}}
+        v.cv = _cv_summary(args, per, names)
         path = ver.bundled_path(model.model_id)
         path.parent.mkdir(parents=True, exist_ok=True)
         v.save(path)

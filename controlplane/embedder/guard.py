@@ -59,11 +59,17 @@ class GuardResult:
 
     @property
     def label(self) -> str:
-        """``"pass"`` or ``"reject:<reason>"`` (the wire form of the lookup answer)."""
-        return "pass" if self.ok else f"reject:{self.reason}"
+        """``"pass"`` (``"pass:verifier"`` for :data:`VERIFIER_DECIDES`) or
+        ``"reject:<reason>"`` (the wire form of the lookup answer)."""
+        if self.ok:
+            return "pass" if self.reason is None else f"pass:{self.reason}"
+        return f"reject:{self.reason}"
 
 
 PASS = GuardResult(True, None)
+VERIFIER_DECIDES = GuardResult(True, "verifier")
+"""A rejection the verifier may overrule (:func:`verifier_may_overrule`): passed on to
+the verifier, label ``pass:verifier``."""
 
 # ---------------------------------------------------------------- words and symbols
 
@@ -554,6 +560,20 @@ def persons_swapped(query: str, candidate: str) -> bool:
 
 
 # ---------------------------------------------------------------- the guard
+
+def verifier_may_overrule(result: GuardResult, query: str, candidate: str) -> bool:
+    """Whether the learned verifier, when it decides, may serve a pair the guard rejected:
+    an English key-term substitution (``key_terms``, neither text holding a CJK
+    character). The verifier sees that signal as a feature and, on English, separates
+    the entity swaps ("capital of France" / "of Germany": probability 0.2-0.8 with the
+    shipped verifier) from rewordings ("recipe for pancakes" / "make pancakes"), which
+    the rule alone rejects by the hundreds (qqp-en: measured by ``bench/cache_quality``,
+    docs/cache.md). Chinese key characters stay a rejection: there the rule keeps more
+    wrong hits out than it costs."""
+    return (not result.ok and result.reason == "key_terms"
+            and _CJK_RE.search(query[:MAX_GUARD_CHARS]) is None
+            and _CJK_RE.search(candidate[:MAX_GUARD_CHARS]) is None)
+
 
 def check(query: str, candidate: str) -> GuardResult:
     """Decide whether ``candidate`` (the cached entry's text) may answer ``query``.

@@ -29,7 +29,7 @@ per-text results are cached; the networks add a few microseconds).
 
 The model file is JSON (:meth:`Verifier.save`), file version 2: ``{"version",
 "feature_version", "kind", "dim", "model_id", "mean", "scale", "min_score", "floor",
-"trained_on", "cv", "fingerprint"}`` plus ``"w", "b"`` (logistic) or ``"members"``
+"trained_on", "cv", "fingerprint", "language_min_score"}`` plus ``"w", "b"`` (logistic) or ``"members"``
 (mlp: per network ``"hidden"``, ``"w1_f16"`` = the (F, hidden) input weights as
 little-endian float16, row-major, base64, ``"b1"``, ``"w2"``, ``"b2"``). Version 1 files (logistic, feature version
 1, no ``kind``) still load and are scored with the version 1 features. ``min_score`` is
@@ -188,6 +188,17 @@ def features(queries: Sequence[str], candidates: Sequence[str], u: np.ndarray,
     return np.hstack([np.abs(u - v), u * v, scal])
 
 
+def language_of(text: str) -> str:
+    """``zh`` when ``text`` (its first 4000 characters) holds a CJK character, else
+    ``other``: the language key of :attr:`Verifier.language_min_score`."""
+    return "zh" if _CJK_RE.search(text[:guard.MAX_GUARD_CHARS]) else "other"
+
+
+def _logit(p: float) -> float:
+    p = min(max(p, 1e-9), 1 - 1e-9)
+    return math.log(p / (1 - p))
+
+
 def _sigmoid(z: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-np.clip(z, -40.0, 40.0)))
 
@@ -240,6 +251,28 @@ class Verifier:
     fingerprint: str = ""
     """Hashes of the normalised texts it was trained on (``split.fingerprint``; empty:
     unknown)."""
+    language_min_score: dict[str, float] = field(default_factory=dict)
+    """Per query language (:func:`language_of`: ``zh`` or ``other``), the model's
+    probability that serves at :attr:`min_score`: :meth:`score` rescales the probability
+    of a query of that language (a shift of its logit) so that ``language_min_score[L]``
+    becomes :attr:`min_score`. Empty: no rescaling. One threshold (the default or a
+    domain's calibrated one) then serves both languages at their own operating points."""
+
+    def rescale(self, p: np.ndarray, languages: Sequence[str]) -> np.ndarray:
+        """Probabilities ``p`` (n,) of queries of ``languages`` (n,) after the shift of
+        :attr:`language_min_score` (monotone per language; 0 and 1 stay put)."""
+        p = np.asarray(p, dtype=np.float64)
+        if not self.language_min_score:
+            return p
+        point = np.array([self.language_min_score.get(lang, self.min_score)
+                          for lang in languages], dtype=np.float64)
+        shift = _logit(self.min_score) - np.log(point / (1 - point))
+        q = np.clip(p, 1e-9, 1 - 1e-9)
+        out = 1.0 / (1.0 + np.exp(-(np.log(q / (1 - q)) + shift)))
+        # exactly: p >= the language's point <=> the rescaled value >= min_score
+        out = np.where(p >= point, np.maximum(out, self.min_score),
+                       np.minimum(out, np.nextafter(self.min_score, 0.0)))
+        return np.where((p <= 0.0) | (p >= 1.0), p, out)
 
     def training_hashes(self) -> np.ndarray:
         """The sorted uint64 hashes of :attr:`fingerprint` (empty when unknown). Raises
@@ -276,9 +309,9 @@ class Verifier:
         if rest:
             u = np.asarray(u, dtype=np.float32).reshape(n, -1)
             v = np.asarray(v, dtype=np.float32).reshape(n, -1)
-            out[rest] = self.score_features(features(
+            out[rest] = self.rescale(self.score_features(features(
                 [queries[i] for i in rest], [candidates[i] for i in rest], u[rest], v[rest],
-                self.feature_version))
+                self.feature_version)), [language_of(queries[i]) for i in rest])
         return out
 
     def to_dict(self) -> dict:
@@ -298,6 +331,8 @@ class Verifier:
         d["trained_on"], d["cv"] = self.trained_on, self.cv
         if self.fingerprint:
             d["fingerprint"] = self.fingerprint
+        if self.language_min_score:
+            d["language_min_score"] = dict(self.language_min_score)
         return d
 
     def save(self, path: str | Path) -> None:
@@ -343,10 +378,15 @@ class Verifier:
                 if w.shape != (n,):
                     raise VerifierError(f"verifier file: expected {n} weights, means and "
                                         "positive scales")
+            lang = {str(k): float(x) for k, x in (d.get("language_min_score") or {}).items()}
+            if any(not 0.0 < x < 1.0 for x in lang.values()) \
+                    or not 0.0 < float(d["min_score"]) < 1.0 and lang:
+                raise VerifierError("verifier file: language_min_score and min_score must "
+                                    "be in (0, 1)")
             return cls(dim, str(d["model_id"]), mean, scale, w, b,
                        float(d["min_score"]), float(d["floor"]),
                        dict(d.get("trained_on") or {}), dict(d.get("cv") or {}), fv, members,
-                       str(d.get("fingerprint") or ""))
+                       str(d.get("fingerprint") or ""), lang)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             if isinstance(exc, VerifierError):
                 raise
