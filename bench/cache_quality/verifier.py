@@ -39,9 +39,16 @@ Method (pair decision: the cache holds ``text1`` and is asked ``text2``):
   the precision guard as a filter, (b) the verifier as the service runs it (cosine >=
   floor, the guard, then the probability; also reported without the guard filter), each
   calibrated on that set (what ``infergate cache calibrate`` does for a domain); and
-  (c) the verifier at ONE threshold for all sets, the largest of (b) over bq-zh, lcqmc-zh
-  and qqp-en: the shipped default ``min_score``. pawsx-zh is reported, never used to
-  choose.
+  (c) the shipped defaults: one operating point per query language
+  (``verifier.language_of``: Chinese, other), chosen on the out-of-fold scores of that
+  language's sets (bq-zh and lcqmc-zh; qqp-en) by :func:`operating_points`: a verifier
+  threshold, optionally with a plain-cosine point (a pair that passes the guard with a
+  cosine at or above it is served whatever the verifier says, so the verifier is never
+  worse than plain cosine there), the pair with the highest mean hit rate while every set
+  of the language keeps its bound. They go into the verifier file as
+  ``language_min_score`` and ``language_min_cosine`` (``min_score``, the largest
+  threshold, is the number a domain's ``min_verifier_score`` replaces).
+  pawsx-zh is reported, never used to choose.
 - The shipped verifier is then trained on every pair of every set of the part
   (``--write-verifier``), with the fingerprint of their texts (``split.fingerprint``).
 
@@ -107,20 +114,61 @@ def _cv_summary(args: argparse.Namespace, per: dict, names: list[str]) -> dict:
                                        for n in names if per[n]["verifier_at_default"]}}
 
 
-def language_thresholds(per: dict, sets: dict[str, cal.Pairs]) -> dict[str, float]:
-    """The default operating point per query language (``verifier.language_of``): the
-    largest of the per-set thresholds (``per[n]["verifier"]``) of the :data:`CHOOSE_ON`
-    sets of that language, so each of them keeps its bound; a language without a set
-    gets none (the file's ``min_score`` applies)."""
-    out: dict[str, float] = {}
+def _served(score: np.ndarray, y: np.ndarray,
+            mask: tuple[np.ndarray, np.ndarray, np.ndarray], t: float, c: float | None,
+            ) -> dict:
+    """Figures of the serving rule at verifier threshold ``t`` and plain-cosine point
+    ``c`` (None: none): served = (the guard lets the verifier decide and the score >= t)
+    or (the guard passes and the cosine >= c)."""
+    verify_ok, guard_ok, cos = mask
+    s = verify_ok & (score >= t)
+    if c is not None:
+        s |= guard_ok & (cos >= c)
+    pos, neg = y == 1, y == 0
+    h, w = int((s & pos).sum()), int((s & neg).sum())
+    return {"threshold": t, "min_cosine": c, "hits": h, "positives": int(pos.sum()),
+            "wrong": w, "negatives": int(neg.sum()),
+            "hit_rate": h / max(1, int(pos.sum())), "wrong_rate": w / max(1, int(neg.sum())),
+            "wrong_upper": cal.wilson_upper(w, int(neg.sum()))}
+
+
+COSINE_POINTS = [None] + [round(0.95 + 0.005 * i, 3) for i in range(11)]
+"""Plain-cosine points tried with each verifier threshold (None: no plain-cosine rule)."""
+
+
+def operating_points(oof: dict[str, np.ndarray], Y: dict[str, np.ndarray], masks: dict,
+                     sets: dict[str, cal.Pairs], max_wrong: float,
+                     ) -> tuple[dict[str, float], dict[str, float]]:
+    """The default operating point per query language (``verifier.language_of``),
+    chosen on the out-of-fold scores: over a plain-cosine point (:data:`COSINE_POINTS`)
+    and a verifier threshold (0.5-1 by 0.005), the pair whose mean hit rate over the
+    :data:`CHOOSE_ON` sets of that language is highest while every one of them keeps a
+    wrong-hit bound <= ``max_wrong`` (ties: no plain-cosine rule, then the higher point).
+    Returns ``(threshold per language, plain-cosine point per language, where one is
+    used)``; a language without a set gets neither (the file's ``min_score`` applies)."""
+    langs: dict[str, list[str]] = {}
     for n in CHOOSE_ON:
-        if n not in per or not len(sets[n]):
+        if n in sets and len(sets[n]):
+            langs.setdefault(ver.language_of(sets[n].text2[0]), []).append(n)
+    thr, cosp = {}, {}
+    grid = cal.grid(0.5, 1.0, 0.005)
+    for lang, ns in langs.items():
+        best: tuple[float, float, float | None] | None = None
+        for c in COSINE_POINTS:
+            for t in grid:
+                rows = [_served(oof[n], Y[n], masks[n], t, c) for n in ns]
+                if all(r["wrong_upper"] <= max_wrong for r in rows):
+                    mean = float(np.mean([r["hit_rate"] for r in rows]))
+                    if best is None or mean > best[0] + 1e-12:
+                        best = (mean, t, c)
+                    break
+        if best is None:
+            thr[lang] = 0.99
             continue
-        r = per[n]["verifier"]
-        t = r["threshold"] if r is not None else 0.99
-        lang = ver.language_of(sets[n].text2[0])
-        out[lang] = max(out.get(lang, 0.0), t)
-    return out
+        thr[lang] = best[1]
+        if best[2] is not None:
+            cosp[lang] = best[2]
+    return thr, cosp
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
                          "into the shipped file")
     ap.add_argument("--save-scores", type=Path, default=None,
                     help="write the out-of-fold scores, labels and cosines (npz) here")
+    ap.add_argument("--scores-from", type=Path, default=None,
+                    help="read the out-of-fold scores of an earlier run's --save-scores "
+                         "(same data, part, folds, seed and model) instead of training")
     args = ap.parse_args(argv)
     fv = args.feature_version
 
@@ -204,7 +255,16 @@ def main(argv: list[str] | None = None) -> int:
     # pooled out-of-fold scores
     oof = {n: np.zeros(len(Y[n])) for n in names}
     t0 = time.perf_counter()
-    for k in range(args.folds):
+    if args.scores_from is not None:
+        with np.load(args.scores_from) as z:
+            for n in names:
+                oof[n] = z[f"{n}/oof"].astype(np.float64)
+                if len(oof[n]) != len(Y[n]) or not np.array_equal(z[f"{n}/y"], Y[n]):
+                    print(f"error: {args.scores_from} does not hold this run's pairs of {n}",
+                          file=sys.stderr)
+                    return 2
+        print(f"out-of-fold scores read from {args.scores_from}", file=sys.stderr)
+    for k in range(0 if args.scores_from is not None else args.folds):
         tr = {n: (folds[n] != k) & (ver.cosine_of(X[n], fv) >= FLOOR) for n in names}
         ax, ay = augment(k)
         m = fit(np.vstack([X[n][tr[n]] for n in names] + ax),
@@ -217,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     cos_grid = cal.grid(0.5, 1.0, 0.005)
     p_grid = cal.grid(0.0, 1.0, 0.005)
     per: dict = {}
+    masks: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
     for n in names:
         cos = ver.cosine_of(X[n], fv)
         p = sets[n]
@@ -229,24 +290,29 @@ def main(argv: list[str] | None = None) -> int:
         v_rows = cal.sweep(oof[n], Y[n], p_grid, (cos >= FLOOR) & serve_ok)
         free_rows = cal.sweep(oof[n], Y[n], p_grid, cos >= FLOOR)
         b_ = cal.choose(v_rows, args.max_wrong)
+        masks[n] = ((cos >= FLOOR) & serve_ok, (cos >= FLOOR) & guard_ok, cos)
         per[n] = {"pairs": len(Y[n]), "positives": int(Y[n].sum()),
                   "negatives": int((Y[n] == 0).sum()),
                   "mined_negatives": int(sum(sets[n].mined)),
                   "cosine_guard": _row(a), "verifier": _row(b_),
                   "verifier_without_guard": _row(cal.choose(free_rows, args.max_wrong)),
                   "verifier_rows": [r.to_dict() for r in v_rows]}
-    by_lang = language_thresholds(per, sets)
+    by_lang, by_cos = operating_points(oof, Y, masks, sets, args.max_wrong)
     default = max(by_lang.values()) if by_lang else 0.99
     for n in names:
-        t = by_lang.get(ver.language_of(sets[n].text2[0]), default)
-        i = p_grid.index(t) if t in p_grid else None
-        per[n]["verifier_at_default"] = per[n]["verifier_rows"][i] if i is not None else None
-        per[n]["default_threshold"] = t
+        lang = ver.language_of(sets[n].text2[0])
+        t, c = by_lang.get(lang, default), by_cos.get(lang)
+        per[n]["verifier_at_default"] = _served(oof[n], Y[n], masks[n], t, c)
+        per[n]["default_threshold"], per[n]["default_min_cosine"] = t, c
     print(f"\nuse-multilingual-v3, {args.model} verifier (features v{fv}), {args.folds}-fold CV, "
           f"hit rate (%) at the lowest threshold "
           f"whose wrong-hit rate has a 95 % upper bound <= {100 * args.max_wrong:.0f} %")
+    print("shipped defaults per language: verifier >= "
+          + ", ".join(f"{k} {t:.3f}" for k, t in by_lang.items())
+          + "; plain cosine >= " + (", ".join(f"{k} {c:.3f}" for k, c in by_cos.items())
+                                    or "none"))
     print("set        pairs  | cosine+guard: thr  hit%  | verifier: thr  hit% | "
-          f"verifier at {default:.3f}: hit% wrong% (95% UB)")
+          "shipped defaults: hit% wrong% (95% UB)")
     for n in names:
         r = per[n]
         a, b_, d = r["cosine_guard"], r["verifier"], r["verifier_at_default"]
@@ -262,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
                                   else {"l2": L2, "iters": ITERS}),
               "self_pairs_per_set": AUGMENT,
               "default_min_score": default, "language_min_score": by_lang,
+              "language_min_cosine": by_cos,
+              "scores_from": str(args.scores_from) if args.scores_from else None,
               "feature_ms_per_pair": round(feat_ms, 3), "cv_seconds": round(cv_s, 1),
               "sets": {n: {k: v for k, v in r.items() if k != "verifier_rows"}
                        for n, r in per.items()}}
@@ -273,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         path = ver.bundled_path(model.model_id)
         v = ver.Verifier.load(path)
         v.min_score, v.language_min_score = default, by_lang
+        v.language_min_cosine = by_cos
         v.cv = _cv_summary(args, per, names)
         v.save(path)
         report["verifier_file"] = str(path.relative_to(ROOT))
@@ -284,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         v = fit(np.vstack([X[n][tr[n]] for n in names] + ax),
                 np.concatenate([Y[n][tr[n]] for n in names] + ay), model.dim,
                 model.model_id, min_score=default)
-        v.language_min_score = by_lang
+        v.language_min_score, v.language_min_cosine = by_lang, by_cos
         v.trained_on = {n: {"pairs": int(tr[n].sum()), "file": f, "part": args.part}
                         for n, f in FILES if n in tr}
         v.fingerprint = split.fingerprint(t for p in sets.values() for i in range(len(p))

@@ -29,7 +29,8 @@ per-text results are cached; the networks add a few microseconds).
 
 The model file is JSON (:meth:`Verifier.save`), file version 2: ``{"version",
 "feature_version", "kind", "dim", "model_id", "mean", "scale", "min_score", "floor",
-"trained_on", "cv", "fingerprint", "language_min_score"}`` plus ``"w", "b"`` (logistic) or ``"members"``
+"trained_on", "cv", "fingerprint", "language_min_score", "language_min_cosine"}``
+plus ``"w", "b"`` (logistic) or ``"members"``
 (mlp: per network ``"hidden"``, ``"w1_f16"`` = the (F, hidden) input weights as
 little-endian float16, row-major, base64, ``"b1"``, ``"w2"``, ``"b2"``). Version 1 files (logistic, feature version
 1, no ``kind``) still load and are scored with the version 1 features. ``min_score`` is
@@ -258,6 +259,22 @@ class Verifier:
     becomes :attr:`min_score`. Empty: no rescaling. One threshold (the default or a
     domain's calibrated one) then serves both languages at their own operating points."""
 
+    language_min_cosine: dict[str, float] = field(default_factory=dict)
+    """Per query language, the plain-cosine rule the verifier is never worse than: a pair
+    whose cosine reaches it and that passes every check of the guard (the ``guard_pass``
+    feature) scores at least :attr:`min_score`, whatever the model says (a floor rising
+    with the cosine: ``sigmoid(logit(min_score) + 200 (cos - point))``). Empty: none."""
+
+    def prior(self, cos: np.ndarray, guard_pass: np.ndarray,
+              languages: Sequence[str]) -> np.ndarray:
+        """The floor of :attr:`language_min_cosine` per pair (0 where none applies)."""
+        cos = np.asarray(cos, dtype=np.float64)
+        point = np.array([self.language_min_cosine.get(lang, 2.0) for lang in languages])
+        z = _logit(self.min_score) + 200.0 * (cos - point)
+        out = 1.0 / (1.0 + np.exp(-np.clip(z, -40.0, 40.0)))
+        out = np.where(cos >= point, np.maximum(out, self.min_score), out)
+        return np.where(np.asarray(guard_pass, dtype=bool) & (point <= 1.0), out, 0.0)
+
     def rescale(self, p: np.ndarray, languages: Sequence[str]) -> np.ndarray:
         """Probabilities ``p`` (n,) of queries of ``languages`` (n,) after the shift of
         :attr:`language_min_score` (monotone per language; 0 and 1 stay put)."""
@@ -309,9 +326,15 @@ class Verifier:
         if rest:
             u = np.asarray(u, dtype=np.float32).reshape(n, -1)
             v = np.asarray(v, dtype=np.float32).reshape(n, -1)
-            out[rest] = self.rescale(self.score_features(features(
-                [queries[i] for i in rest], [candidates[i] for i in rest], u[rest], v[rest],
-                self.feature_version)), [language_of(queries[i]) for i in rest])
+            x = features([queries[i] for i in rest], [candidates[i] for i in rest], u[rest],
+                         v[rest], self.feature_version)
+            langs = [language_of(queries[i]) for i in rest]
+            p = self.rescale(self.score_features(x), langs)
+            if self.language_min_cosine:
+                fv = self.feature_version
+                p = np.maximum(p, self.prior(cosine_of(x, fv),
+                                             column(x, "guard_pass", fv) > 0.5, langs))
+            out[rest] = p
         return out
 
     def to_dict(self) -> dict:
@@ -333,6 +356,8 @@ class Verifier:
             d["fingerprint"] = self.fingerprint
         if self.language_min_score:
             d["language_min_score"] = dict(self.language_min_score)
+        if self.language_min_cosine:
+            d["language_min_cosine"] = dict(self.language_min_cosine)
         return d
 
     def save(self, path: str | Path) -> None:
@@ -379,14 +404,17 @@ class Verifier:
                     raise VerifierError(f"verifier file: expected {n} weights, means and "
                                         "positive scales")
             lang = {str(k): float(x) for k, x in (d.get("language_min_score") or {}).items()}
+            lcos = {str(k): float(x)
+                    for k, x in (d.get("language_min_cosine") or {}).items()}
             if any(not 0.0 < x < 1.0 for x in lang.values()) \
-                    or not 0.0 < float(d["min_score"]) < 1.0 and lang:
+                    or any(not 0.0 < x <= 1.0 for x in lcos.values()) \
+                    or not 0.0 < float(d["min_score"]) < 1.0 and (lang or lcos):
                 raise VerifierError("verifier file: language_min_score and min_score must "
-                                    "be in (0, 1)")
+                                    "be in (0, 1), language_min_cosine in (0, 1]")
             return cls(dim, str(d["model_id"]), mean, scale, w, b,
                        float(d["min_score"]), float(d["floor"]),
                        dict(d.get("trained_on") or {}), dict(d.get("cv") or {}), fv, members,
-                       str(d.get("fingerprint") or ""), lang)
+                       str(d.get("fingerprint") or ""), lang, lcos)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             if isinstance(exc, VerifierError):
                 raise

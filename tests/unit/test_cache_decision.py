@@ -18,19 +18,25 @@ def _unit(x: np.ndarray) -> np.ndarray:
 
 
 def _constant_verifier(p: float, min_score: float = 0.6,
-                       language_min_score: dict | None = None) -> ver.Verifier:
+                       language_min_score: dict | None = None,
+                       language_min_cosine: dict | None = None) -> ver.Verifier:
     """A verifier whose model gives ``p`` to every pair (bias only)."""
     n = ver.n_features(DIM)
     return ver.Verifier(DIM, "fake", np.zeros(n, np.float32), np.ones(n, np.float32),
                         np.zeros(n, np.float32), float(np.log(p / (1 - p))),
                         min_score=min_score, floor=0.5,
-                        language_min_score=dict(language_min_score or {}))
+                        language_min_score=dict(language_min_score or {}),
+                        language_min_cosine=dict(language_min_cosine or {}))
 
 
-def _ask(query: str, cached: str, v: ver.Verifier | None, min_score: float | None = 0.6):
+def _ask(query: str, cached: str, v: ver.Verifier | None, min_score: float | None = 0.6,
+         cos: float = 0.98):
+    """The decision on one candidate whose vector has cosine ``cos`` with the query's."""
     rng = np.random.default_rng(0)
     u = _unit(rng.standard_normal(DIM))
-    w = _unit(u + 0.1 * rng.standard_normal(DIM))
+    o = rng.standard_normal(DIM)
+    o = _unit(o - (o @ u) * u)
+    w = _unit(cos * u + np.sqrt(1 - cos * cos) * o)
     cand = Candidate("e1", float(u @ w), cached, w)
     return decision.choose(query, u, [cand], 0.5, min_score, True, v)
 
@@ -89,5 +95,23 @@ def test_language_operating_points_round_trip_and_are_checked(tmp_path) -> None:
     assert ver.Verifier.load(path).language_min_score == {"zh": 0.93}
     d = v.to_dict()
     d["language_min_score"] = {"zh": 1.5}
+    with pytest.raises(ver.VerifierError):
+        ver.Verifier.from_dict(d)
+
+
+def test_the_plain_cosine_point_serves_whatever_the_model_says() -> None:
+    v = _constant_verifier(0.1, min_score=0.95, language_min_score={"zh": 0.9},
+                           language_min_cosine={"zh": 0.96})
+    q, c = "北京今天天气如何？", "今天北京的天气怎么样？"
+    hit, verdict, score = _ask(q, c, v, 0.95, cos=0.97)
+    assert hit is not None and verdict == "pass" and score >= 0.95
+    assert _ask(q, c, v, 0.95, cos=0.955)[0] is None  # under the point: the model decides
+    assert _ask(q, c, v, 0.99, cos=0.961)[0] is None  # a stricter domain needs more cosine
+    # only where the guard passes, and only for the language that has a point
+    assert _ask("借款1万", "借款5万", v, 0.95, cos=0.99)[0] is None
+    assert _ask("How is the weather?", "How's the weather?", v, 0.95, cos=0.99)[0] is None
+    d = v.to_dict()
+    assert ver.Verifier.from_dict(d).language_min_cosine == {"zh": 0.96}
+    d["language_min_cosine"] = {"zh": 1.2}
     with pytest.raises(ver.VerifierError):
         ver.Verifier.from_dict(d)
