@@ -60,7 +60,7 @@ RESULTS = ROOT / "bench" / "results" / "cache_quality.json"
 FILES = (("bq-zh", "bq-zh.tsv"), ("lcqmc-zh", "lcqmc-zh.tsv"), ("pawsx-zh", "pawsx-zh.tsv"),
          ("qqp-en", "qqp-en-paraphrases.jsonl"))
 TARGET_SETS = ("bq-zh", "lcqmc-zh", "qqp-en")
-SWEEP = [round(0.50 + 0.01 * i, 2) for i in range(50)]
+SWEEP = [round(0.50 + 0.0025 * i, 4) for i in range(201)]
 SHOWN = (0.80, 0.85, 0.90, 0.95)
 TOP_K = 3
 

@@ -23,7 +23,8 @@ Two model kinds over the standardised features ``z = (x - mean) / scale``:
   ``sigmoid(relu(z @ w1 + b1) @ w2 + b2)`` trained from different initial weights
   (:func:`train_mlp`, :func:`fit_mlp`).
 
-Either gives a probability 0-1; texts equal up to case, spaces and punctuation score 1.
+Either gives a probability 0-1; texts equal up to case, spaces, punctuation and the
+Chinese synonyms of ``guard.ZH_SYNONYMS`` score 1 (:func:`same_words`).
 About 0.3-0.4 ms per pair on an idle core (the guard's text checks dominate; their
 per-text results are cached; the networks add a few microseconds).
 
@@ -106,6 +107,15 @@ _PLAIN_RE = re.compile(r"[\W_]+")
 def _plain(text: str) -> str:
     """Lowercase text without spaces, punctuation and symbols."""
     return _PLAIN_RE.sub("", text[:guard.MAX_GUARD_CHARS].lower())
+
+
+def same_words(query: str, candidate: str) -> bool:
+    """Whether the two texts are equal up to case, spaces, punctuation and the Chinese
+    synonyms of ``guard.ZH_SYNONYMS`` ("怎么重置密码？" / "如何重设密码"): the same question,
+    which the verifier scores 1 without working out its features. On the cache-eval dev
+    sets every such pair outside the plain duplicates is labelled a match (35 of 35, fit and judge parts)."""
+    a = _plain(guard.zh_canonical(query[:guard.MAX_GUARD_CHARS]))
+    return a != "" and a == _plain(guard.zh_canonical(candidate[:guard.MAX_GUARD_CHARS]))
 
 
 def _jaccard(a: set, b: set) -> float:
@@ -319,10 +329,10 @@ class Verifier:
         """Probability (n,) that each query means the same as its candidate."""
         n = len(queries)
         out = np.ones(n, dtype=np.float64)
-        # the same words up to case, spacing and punctuation: the same question, scored 1
-        # without working out its features
+        # the same words up to case, spacing, punctuation and Chinese synonyms: the same
+        # question, scored 1 without working out its features
         rest = [i for i, (q, c) in enumerate(zip(queries, candidates))
-                if _plain(q) != _plain(c) or _plain(q) == ""]
+                if not same_words(q, c)]
         if rest:
             u = np.asarray(u, dtype=np.float32).reshape(n, -1)
             v = np.asarray(v, dtype=np.float32).reshape(n, -1)

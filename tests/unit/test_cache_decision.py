@@ -75,7 +75,7 @@ def test_language_operating_points_rescale_the_probability() -> None:
     assert ver.language_of("北京今天天气如何？") == "zh"
     assert ver.language_of("How is the weather?") == "other"
     # 0.91 is above the Chinese operating point (0.9): above the default threshold
-    hit, _, score = _ask("怎么重置密码？", "如何重设密码？", v, 0.95)
+    hit, _, score = _ask("北京今天天气如何？", "今天北京的天气怎么样？", v, 0.95)
     assert 0.95 < score < 0.96 and hit is not None
     # below the English operating point: rescaled under 0.95, a miss
     hit, _, score = _ask("How can I reset my password?", "How do I reset the password?", v,
@@ -115,3 +115,14 @@ def test_the_plain_cosine_point_serves_whatever_the_model_says() -> None:
     d["language_min_cosine"] = {"zh": 1.2}
     with pytest.raises(ver.VerifierError):
         ver.Verifier.from_dict(d)
+
+
+def test_the_same_words_up_to_chinese_synonyms_score_1() -> None:
+    v = _constant_verifier(0.1)
+    assert ver.same_words("怎么重置密码？", "如何重设密码")
+    assert ver.same_words("Hi!", "hi")
+    assert not ver.same_words("重设密码", "重置密钥")
+    assert not ver.same_words("???", "!!!")
+    u = np.ones((1, DIM)) / np.sqrt(DIM)
+    assert v.score(["减肥有什么好方法？"], ["减肥有什么好办法？"], u, u)[0] == 1.0
+    assert v.score(["减肥有什么好方法？"], ["减肥有什么好药？"], u, u)[0] < 0.5
