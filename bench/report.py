@@ -246,7 +246,7 @@ def _summary_rows(data: dict) -> list[dict]:
                 "set": name, "pairs": s["pairs"], "hit": _pct(sh["hit_rate"]),
                 "wrong": _pct(sh["wrong_rate"], 2),
                 "bound": _pct(sh["wrong_upper"]["wilson"], 2),
-                "ceiling": (f"{_pct(ceil['hit_rate'])} at {ceil['threshold']:.2f}"
+                "ceiling": (f"{_pct(ceil['hit_rate'])} at {ceil['threshold']:g}"
                             if ceil else "none <= 1 %")})
         break  # the bundled model only
     return rows
