@@ -68,8 +68,8 @@ def choose(text: str, vec: np.ndarray | None, cands: Sequence[Candidate], thresh
     ``use_guard``: :func:`guard_verdict`; ``unknown`` gives a text's characters outside
     the model's vocabulary, which must agree), the verifier (when ``min_score`` and
     ``verifier`` are set: its probability >= ``min_score``) and ``live`` (None: taken as
-    live). ``verdict`` is the guard's label of the hit (``pass``, ``pass:verifier``), else the first rejection (``reject:<reason>``,
-    ``reject:verifier``), else None; ``on_reject`` is told ``guard`` or ``verifier`` per
+    live). ``verdict`` is the guard's label of the hit (``pass``, ``pass:verifier``),
+    else the first rejection (``reject:<reason>``, ``reject:verifier``), else None; ``on_reject`` is told ``guard`` or ``verifier`` per
     rejected candidate."""
     hit: Candidate | None = None
     verdict: str | None = None

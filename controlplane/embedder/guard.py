@@ -390,9 +390,9 @@ def key_terms(text: str) -> set[str]:
 #: read as its first before key terms are compared, so a rewording with one of them
 #: ("重设密码" / "重置密码": reset) is no substitution. Only exchangeable words: every
 #: pair here asks the same question in a customer-service or everyday setting. Curated by
-#: hand from common usage (each group is one entry's synonyms in a general dictionary
-#: such as the 现代汉语词典), not mined from the dev data; each group's effect on the
-#: judge part of the dev data is measured by ``bench/cache_quality`` (docs/cache.md).
+#: hand from common usage (everyday words a speaker exchanges in a question), not mined
+#: from the dev data; the effect on the judge part of the dev data is measured through
+#: ``bench/cache_quality`` (docs/cache.md "What it serves").
 #: Groups of words that are not the same question (没吃 / 不吃, 吃 / 喝) stay out.
 ZH_SYNONYMS: tuple[tuple[str, ...], ...] = (
     ("重置", "重设", "重新设置"), ("修改", "更改", "变更", "更换", "改变"),
