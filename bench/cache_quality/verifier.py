@@ -8,7 +8,11 @@ Run from the repository root::
         [--model mlp|logistic] [--feature-version 2|1] [--write-verifier]
 
 Prints a table, writes ``bench/results/cache_verifier.json`` and, with
-``--write-verifier``, ``controlplane/embedder/data/verifier-use-multilingual-v3.json``.
+``--write-verifier``, ``controlplane/embedder/data/verifier-use-multilingual-v3.json``
+(``--update-thresholds`` writes only the chosen thresholds into the shipped file, keeping
+its weights). ``--save-scores FILE`` keeps the out-of-fold scores; ``--scores-from FILE``
+reads them back instead of training (the choice of the defaults reruns in seconds). The
+dev sets' embeddings are kept on disk (``bench.cache_quality.embcache``).
 
 Method (pair decision: the cache holds ``text1`` and is asked ``text2``):
 

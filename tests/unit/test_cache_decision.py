@@ -126,3 +126,25 @@ def test_the_same_words_up_to_chinese_synonyms_score_1() -> None:
     u = np.ones((1, DIM)) / np.sqrt(DIM)
     assert v.score(["减肥有什么好方法？"], ["减肥有什么好办法？"], u, u)[0] == 1.0
     assert v.score(["减肥有什么好方法？"], ["减肥有什么好药？"], u, u)[0] < 0.5
+
+
+def test_the_benchmarks_embedding_cache_embeds_each_text_once(tmp_path, monkeypatch) -> None:
+    from bench.cache_quality import embcache
+
+    class Model:
+        model_id, dim = "fake/model", DIM
+        calls: list[list[str]] = []
+
+        def encode(self, texts):
+            self.calls.append(list(texts))
+            return np.vstack([_unit(np.arange(1, DIM + 1) * (len(t) + 1.0)) for t in texts])
+
+    monkeypatch.setenv("INFERGATE_BENCH_CACHE", str(tmp_path))
+    m = Model()
+    a = embcache.embed(m, ["a", "bb", "a"])
+    b = embcache.embed(m, ["bb", "ccc"])
+    assert m.calls == [["a", "bb"], ["ccc"]]
+    assert np.array_equal(a[1], b[0]) and np.array_equal(a[0], a[2])
+    monkeypatch.setenv("INFERGATE_BENCH_CACHE", "off")
+    embcache.embed(m, ["a"])
+    assert m.calls[-1] == ["a"]
