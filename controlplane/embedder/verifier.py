@@ -114,8 +114,15 @@ def same_words(query: str, candidate: str) -> bool:
     synonyms of ``guard.ZH_SYNONYMS`` ("怎么重置密码？" / "如何重设密码"): the same question,
     which the verifier scores 1 without working out its features. On the cache-eval dev
     sets every such pair outside the plain duplicates is labelled a match (35 of 35, fit and judge parts)."""
-    a = _plain(guard.zh_canonical(query[:guard.MAX_GUARD_CHARS]))
-    return a != "" and a == _plain(guard.zh_canonical(candidate[:guard.MAX_GUARD_CHARS]))
+    a = _canonical_plain(query[:guard.MAX_GUARD_CHARS])
+    return a != "" and a == _canonical_plain(candidate[:guard.MAX_GUARD_CHARS])
+
+
+@functools.lru_cache(maxsize=8192)
+def _canonical_plain(text: str) -> str:
+    """:func:`_plain` of ``guard.zh_canonical(text)``; cached per text (the entries'
+    texts recur in every lookup of their namespace)."""
+    return _plain(guard.zh_canonical(text))
 
 
 def _jaccard(a: set, b: set) -> float:
