@@ -194,6 +194,15 @@ def _pct(x: float | None, digits: int = 1) -> str | None:
     return None if x is None else f"{100 * x:.{digits}f}"
 
 
+def _point(s: dict) -> str | None:
+    """A set's default operating point: the verifier threshold, and the plain-cosine
+    point when one is used (``bench.cache_quality.verifier.operating_points``)."""
+    t, c = s.get("default_threshold"), s.get("default_min_cosine")
+    if t is None:
+        return None
+    return f"{t:.3f}" + (f" or cos {c:.3f}" if c is not None else "")
+
+
 def _verifier_rows(data: dict) -> list[dict]:
     rows = []
     for name, s in data["sets"].items():
@@ -202,6 +211,7 @@ def _verifier_rows(data: dict) -> list[dict]:
             "set": name, "pairs": s["pairs"],
             "cos_thr": a["threshold"] if a else None, "cos_hit": _pct(a["hit_rate"]) if a else None,
             "ver_thr": v["threshold"] if v else None, "ver_hit": _pct(v["hit_rate"]) if v else None,
+            "def_point": _point(s),
             "def_hit": _pct(d["hit_rate"]) if d else None,
             "def_wrong": _pct(d["wrong_rate"], 2) if d else None,
             "def_bound": _pct(d["wrong_upper"], 2) if d else None})
@@ -211,8 +221,8 @@ def _verifier_rows(data: dict) -> list[dict]:
 def _verifier_columns(default: float) -> list[tuple[str, str]]:
     return [("set", "set"), ("pairs", "pairs"), ("cos_thr", "cosine+guard: thr"),
             ("cos_hit", "hit %"), ("ver_thr", "verifier: thr"), ("ver_hit", "hit %"),
-            ("def_hit", f"verifier at {default:.3f}: hit %"), ("def_wrong", "wrong %"),
-            ("def_bound", "wrong 95% bound %")]
+            ("def_point", "shipped defaults: point"), ("def_hit", "hit %"),
+            ("def_wrong", "wrong %"), ("def_bound", "wrong 95% bound %")]
 
 
 def block_cache_verifier(results: Path) -> str:
@@ -236,7 +246,7 @@ def _summary_rows(data: dict) -> list[dict]:
                 "set": name, "pairs": s["pairs"], "hit": _pct(sh["hit_rate"]),
                 "wrong": _pct(sh["wrong_rate"], 2),
                 "bound": _pct(sh["wrong_upper"]["wilson"], 2),
-                "ceiling": (f"{_pct(ceil['hit_rate'])} at {ceil['threshold']:.2f}"
+                "ceiling": (f"{_pct(ceil['hit_rate'])} at {ceil['threshold']:g}"
                             if ceil else "none <= 1 %")})
         break  # the bundled model only
     return rows

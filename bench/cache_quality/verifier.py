@@ -8,7 +8,11 @@ Run from the repository root::
         [--model mlp|logistic] [--feature-version 2|1] [--write-verifier]
 
 Prints a table, writes ``bench/results/cache_verifier.json`` and, with
-``--write-verifier``, ``controlplane/embedder/data/verifier-use-multilingual-v3.json``.
+``--write-verifier``, ``controlplane/embedder/data/verifier-use-multilingual-v3.json``
+(``--update-thresholds`` writes only the chosen thresholds into the shipped file, keeping
+its weights). ``--save-scores FILE`` keeps the out-of-fold scores; ``--scores-from FILE``
+reads them back instead of training (the choice of the defaults reruns in seconds). The
+dev sets' embeddings are kept on disk (``bench.cache_quality.embcache``).
 
 Method (pair decision: the cache holds ``text1`` and is asked ``text2``):
 
@@ -39,9 +43,16 @@ Method (pair decision: the cache holds ``text1`` and is asked ``text2``):
   the precision guard as a filter, (b) the verifier as the service runs it (cosine >=
   floor, the guard, then the probability; also reported without the guard filter), each
   calibrated on that set (what ``infergate cache calibrate`` does for a domain); and
-  (c) the verifier at ONE threshold for all sets, the largest of (b) over bq-zh, lcqmc-zh
-  and qqp-en: the shipped default ``min_score``. pawsx-zh is reported, never used to
-  choose.
+  (c) the shipped defaults: one operating point per query language
+  (``verifier.language_of``: Chinese, other), chosen on the out-of-fold scores of that
+  language's sets (bq-zh and lcqmc-zh; qqp-en) by :func:`operating_points`: a verifier
+  threshold, optionally with a plain-cosine point (a pair that passes the guard with a
+  cosine at or above it is served whatever the verifier says, so the verifier is never
+  worse than plain cosine there), the pair with the highest mean hit rate while every set
+  of the language keeps its bound. They go into the verifier file as
+  ``language_min_score`` and ``language_min_cosine`` (``min_score``, the largest
+  threshold, is the number a domain's ``min_verifier_score`` replaces).
+  pawsx-zh is reported, never used to choose.
 - The shipped verifier is then trained on every pair of every set of the part
   (``--write-verifier``), with the fingerprint of their texts (``split.fingerprint``).
 
@@ -68,8 +79,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from bench.cache_quality import embcache  # noqa: E402
 from controlplane.embedder import calibration as cal  # noqa: E402
-from controlplane.embedder import split  # noqa: E402
+from controlplane.embedder import decision, guard, split  # noqa: E402
 from controlplane.embedder import verifier as ver  # noqa: E402
 from controlplane.embedder.models import USE_M3, ModelSpec, load_model  # noqa: E402
 
@@ -85,8 +97,8 @@ MLP = {"hidden": 32, "l2": 3e-2, "iters": 300, "lr": 0.01, "seeds": (0, 1, 2, 3,
 AUGMENT = 800
 
 
-def embed_all(model, texts: list[str], batch: int = 32) -> np.ndarray:
-    return np.vstack([model.encode(texts[i:i + batch]) for i in range(0, len(texts), batch)])
+def embed_all(model, texts: list[str]) -> np.ndarray:
+    return embcache.embed(model, texts)
 
 
 def _row(r: cal.SweepRow | None) -> dict | None:
@@ -95,6 +107,83 @@ def _row(r: cal.SweepRow | None) -> dict | None:
 
 def _pct(x: float | None) -> str:
     return "    -" if x is None else f"{100 * x:5.1f}"
+
+
+def _cv_summary(args: argparse.Namespace, per: dict, names: list[str]) -> dict:
+    """The ``cv`` block of the verifier file: figures at each set's default threshold."""
+    return {"folds": args.folds, "max_wrong": args.max_wrong,
+            "hit_rate_at_default": {n: per[n]["verifier_at_default"]["hit_rate"]
+                                    for n in names if per[n]["verifier_at_default"]},
+            "wrong_upper_at_default": {n: per[n]["verifier_at_default"]["wrong_upper"]
+                                       for n in names if per[n]["verifier_at_default"]}}
+
+
+def _served(score: np.ndarray, y: np.ndarray,
+            mask: tuple[np.ndarray, np.ndarray, np.ndarray], t: float, c: float | None,
+            ) -> dict:
+    """Figures of the serving rule at verifier threshold ``t`` and plain-cosine point
+    ``c`` (None: none): served = (the guard lets the verifier decide and the score >= t)
+    or (the guard passes and the cosine >= c)."""
+    verify_ok, guard_ok, cos = mask
+    s = verify_ok & (score >= t)
+    if c is not None:
+        s |= guard_ok & (cos >= c)
+    pos, neg = y == 1, y == 0
+    h, w = int((s & pos).sum()), int((s & neg).sum())
+    return {"threshold": t, "min_cosine": c, "hits": h, "positives": int(pos.sum()),
+            "wrong": w, "negatives": int(neg.sum()),
+            "hit_rate": h / max(1, int(pos.sum())), "wrong_rate": w / max(1, int(neg.sum())),
+            "wrong_upper": cal.wilson_upper(w, int(neg.sum()))}
+
+
+COSINE_POINTS: list[float | None] = [None]
+"""Plain-cosine points tried with each verifier threshold (None: no plain-cosine rule).
+Only None: with the points 0.95-1.0 tried as well, the choice on the fit part served
+Chinese at verifier >= 0.965 or cosine >= 0.965-0.98: lcqmc-zh 20.8-31.4 %, bq-zh 2.2 %
+and word-order swaps (pawsx-zh) 13.6-18.3 % wrong, which the verifier alone keeps near
+1-2 %; ``--cosine-points`` tries them."""
+
+
+def operating_points(oof: dict[str, np.ndarray], Y: dict[str, np.ndarray], masks: dict,
+                     sets: dict[str, cal.Pairs], max_wrong: float,
+                     points: list[float | None] | None = None,
+                     ) -> tuple[dict[str, float], dict[str, float]]:
+    """The default operating point per query language (``verifier.language_of``),
+    chosen on the out-of-fold scores: over a plain-cosine point (:data:`COSINE_POINTS`)
+    and a verifier threshold (0.5-1 by 0.005), the pair whose mean hit rate over the
+    :data:`CHOOSE_ON` sets of that language is highest while the wrong hits of those sets
+    taken together (the language's traffic: for Chinese, bank and general questions)
+    keep a Wilson bound <= ``max_wrong`` (ties: no plain-cosine rule, then the higher
+    point). Each set's own bound is reported next to it; one set alone, with ~1 300
+    negatives, moves by about 0.2 points of bound between trainings.
+    Returns ``(threshold per language, plain-cosine point per language, where one is
+    used)``; a language without a set gets neither (the file's ``min_score`` applies)."""
+    points = COSINE_POINTS if points is None else points
+    langs: dict[str, list[str]] = {}
+    for n in CHOOSE_ON:
+        if n in sets and len(sets[n]):
+            langs.setdefault(ver.language_of(sets[n].text2[0]), []).append(n)
+    thr, cosp = {}, {}
+    grid = cal.grid(0.5, 1.0, 0.005)
+    for lang, ns in langs.items():
+        best: tuple[float, float, float | None] | None = None
+        for c in points:
+            for t in grid:
+                rows = [_served(oof[n], Y[n], masks[n], t, c) for n in ns]
+                pooled = cal.wilson_upper(sum(r["wrong"] for r in rows),
+                                          sum(r["negatives"] for r in rows))
+                if pooled <= max_wrong:
+                    mean = float(np.mean([r["hit_rate"] for r in rows]))
+                    if best is None or mean > best[0] + 1e-12:
+                        best = (mean, t, c)
+                    break
+        if best is None:
+            thr[lang] = 0.99
+            continue
+        thr[lang] = best[1]
+        if best[2] is not None:
+            cosp[lang] = best[2]
+    return thr, cosp
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,6 +203,17 @@ def main(argv: list[str] | None = None) -> int:
                          "shipped verifier is trained on), judge, or all")
     ap.add_argument("--write-verifier", action="store_true",
                     help="train on all pairs and write the verifier file of the package")
+    ap.add_argument("--update-thresholds", action="store_true",
+                    help="keep the shipped verifier's weights; write only the thresholds "
+                         "this run chooses (min_score, language_min_score) and its figures "
+                         "into the shipped file")
+    ap.add_argument("--save-scores", type=Path, default=None,
+                    help="write the out-of-fold scores, labels and cosines (npz) here")
+    ap.add_argument("--cosine-points", action="store_true",
+                    help="also try plain-cosine points 0.95-1.0 with each threshold")
+    ap.add_argument("--scores-from", type=Path, default=None,
+                    help="read the out-of-fold scores of an earlier run's --save-scores "
+                         "(same data, part, folds, seed and model) instead of training")
     args = ap.parse_args(argv)
     fv = args.feature_version
 
@@ -172,7 +272,16 @@ def main(argv: list[str] | None = None) -> int:
     # pooled out-of-fold scores
     oof = {n: np.zeros(len(Y[n])) for n in names}
     t0 = time.perf_counter()
-    for k in range(args.folds):
+    if args.scores_from is not None:
+        with np.load(args.scores_from) as z:
+            for n in names:
+                oof[n] = z[f"{n}/oof"].astype(np.float64)
+                if len(oof[n]) != len(Y[n]) or not np.array_equal(z[f"{n}/y"], Y[n]):
+                    print(f"error: {args.scores_from} does not hold this run's pairs of {n}",
+                          file=sys.stderr)
+                    return 2
+        print(f"out-of-fold scores read from {args.scores_from}", file=sys.stderr)
+    for k in range(0 if args.scores_from is not None else args.folds):
         tr = {n: (folds[n] != k) & (ver.cosine_of(X[n], fv) >= FLOOR) for n in names}
         ax, ay = augment(k)
         m = fit(np.vstack([X[n][tr[n]] for n in names] + ax),
@@ -185,30 +294,45 @@ def main(argv: list[str] | None = None) -> int:
     cos_grid = cal.grid(0.5, 1.0, 0.005)
     p_grid = cal.grid(0.0, 1.0, 0.005)
     per: dict = {}
+    masks: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
     for n in names:
         cos = ver.cosine_of(X[n], fv)
-        guard_ok = ver.column(X[n], "guard_pass", fv) > 0.5
+        p = sets[n]
+        verdicts = [decision.guard_verdict(q, c, True) for q, c in zip(p.text2, p.text1)]
+        guard_ok = np.array([g == guard.PASS for g in verdicts])
+        serve_ok = np.array([g.ok for g in verdicts])
+        # texts with the same words (verifier.same_words) score 1 on the serving path
+        oof[n][[ver.same_words(q, c) for q, c in zip(p.text2, p.text1)]] = 1.0
         a = cal.choose(cal.sweep(cos, Y[n], cos_grid, guard_ok), args.max_wrong)
-        v_rows = cal.sweep(oof[n], Y[n], p_grid, (cos >= FLOOR) & guard_ok)
+        v_rows = cal.sweep(oof[n], Y[n], p_grid, (cos >= FLOOR) & serve_ok)
         free_rows = cal.sweep(oof[n], Y[n], p_grid, cos >= FLOOR)
         b_ = cal.choose(v_rows, args.max_wrong)
+        masks[n] = ((cos >= FLOOR) & serve_ok, (cos >= FLOOR) & guard_ok, cos)
         per[n] = {"pairs": len(Y[n]), "positives": int(Y[n].sum()),
                   "negatives": int((Y[n] == 0).sum()),
                   "mined_negatives": int(sum(sets[n].mined)),
                   "cosine_guard": _row(a), "verifier": _row(b_),
                   "verifier_without_guard": _row(cal.choose(free_rows, args.max_wrong)),
                   "verifier_rows": [r.to_dict() for r in v_rows]}
-    chosen = [per[n]["verifier"]["threshold"] for n in CHOOSE_ON
-              if n in per and per[n]["verifier"] is not None]
-    default = max(chosen) if chosen else 0.99
+    by_lang, by_cos = operating_points(
+        oof, Y, masks, sets, args.max_wrong,
+        [None] + [round(0.95 + 0.005 * i, 3) for i in range(11)] if args.cosine_points
+        else None)
+    default = max(by_lang.values()) if by_lang else 0.99
     for n in names:
-        i = p_grid.index(default) if default in p_grid else None
-        per[n]["verifier_at_default"] = per[n]["verifier_rows"][i] if i is not None else None
+        lang = ver.language_of(sets[n].text2[0])
+        t, c = by_lang.get(lang, default), by_cos.get(lang)
+        per[n]["verifier_at_default"] = _served(oof[n], Y[n], masks[n], t, c)
+        per[n]["default_threshold"], per[n]["default_min_cosine"] = t, c
     print(f"\nuse-multilingual-v3, {args.model} verifier (features v{fv}), {args.folds}-fold CV, "
           f"hit rate (%) at the lowest threshold "
           f"whose wrong-hit rate has a 95 % upper bound <= {100 * args.max_wrong:.0f} %")
+    print("shipped defaults per language: verifier >= "
+          + ", ".join(f"{k} {t:.3f}" for k, t in by_lang.items())
+          + "; plain cosine >= " + (", ".join(f"{k} {c:.3f}" for k, c in by_cos.items())
+                                    or "none"))
     print("set        pairs  | cosine+guard: thr  hit%  | verifier: thr  hit% | "
-          f"verifier at {default:.3f}: hit% wrong% (95% UB)")
+          "shipped defaults: hit% wrong% (95% UB)")
     for n in names:
         r = per[n]
         a, b_, d = r["cosine_guard"], r["verifier"], r["verifier_at_default"]
@@ -223,10 +347,25 @@ def main(argv: list[str] | None = None) -> int:
               "hyperparameters": ({**MLP, "seeds": list(MLP["seeds"])} if args.model == "mlp"
                                   else {"l2": L2, "iters": ITERS}),
               "self_pairs_per_set": AUGMENT,
-              "default_min_score": default,
+              "default_min_score": default, "language_min_score": by_lang,
+              "language_min_cosine": by_cos,
+              "scores_from": str(args.scores_from) if args.scores_from else None,
               "feature_ms_per_pair": round(feat_ms, 3), "cv_seconds": round(cv_s, 1),
               "sets": {n: {k: v for k, v in r.items() if k != "verifier_rows"}
                        for n, r in per.items()}}
+    if args.save_scores is not None:
+        np.savez(args.save_scores, **{f"{n}/{k}": a for n in names for k, a in
+                                      (("oof", oof[n]), ("y", Y[n]),
+                                       ("cos", ver.cosine_of(X[n], fv)))})
+    if args.update_thresholds:
+        path = ver.bundled_path(model.model_id)
+        v = ver.Verifier.load(path)
+        v.min_score, v.language_min_score = default, by_lang
+        v.language_min_cosine = by_cos
+        v.cv = _cv_summary(args, per, names)
+        v.save(path)
+        report["verifier_file"] = str(path.relative_to(ROOT))
+        print(f"wrote the thresholds into {path}")
     if args.write_verifier:
         t0 = time.perf_counter()
         tr = {n: ver.cosine_of(X[n], fv) >= FLOOR for n in names}
@@ -234,15 +373,12 @@ def main(argv: list[str] | None = None) -> int:
         v = fit(np.vstack([X[n][tr[n]] for n in names] + ax),
                 np.concatenate([Y[n][tr[n]] for n in names] + ay), model.dim,
                 model.model_id, min_score=default)
+        v.language_min_score, v.language_min_cosine = by_lang, by_cos
         v.trained_on = {n: {"pairs": int(tr[n].sum()), "file": f, "part": args.part}
                         for n, f in FILES if n in tr}
         v.fingerprint = split.fingerprint(t for p in sets.values() for i in range(len(p))
                                           if not p.mined[i] for t in (p.text1[i], p.text2[i]))
-        v.cv = {"folds": args.folds, "max_wrong": args.max_wrong,
-                "hit_rate_at_default": {n: per[n]["verifier_at_default"]["hit_rate"]
-                                        for n in names},
-                "wrong_upper_at_default": {n: per[n]["verifier_at_default"]["wrong_upper"]
-                                           for n in names}}
+        v.cv = _cv_summary(args, per, names)
         path = ver.bundled_path(model.model_id)
         path.parent.mkdir(parents=True, exist_ok=True)
         v.save(path)

@@ -39,6 +39,23 @@ def verify(verifier: Verifier, text: str, vec: np.ndarray, cands: Sequence[Candi
                                              u, v)]
 
 
+def guard_verdict(text: str, candidate: str, verifying: bool,
+                  unknown: Callable[[str], object] | None = None) -> guard_mod.GuardResult:
+    """The precision guard's verdict on serving ``candidate`` for the query ``text`` on
+    the serving path: :func:`guard.check`, then the model's unknown characters (``unknown``
+    gives a text's characters outside the model's vocabulary; they must agree). When the
+    verifier decides (``verifying``), a rejection it may overrule
+    (:func:`guard.verifier_may_overrule`: an English key-term substitution, which the
+    verifier sees as a feature) passes with the label ``pass:verifier``, so the verifier's
+    probability decides."""
+    g = guard_mod.check(text, candidate)
+    if g.ok and unknown is not None and unknown(text) != unknown(candidate):
+        return guard_mod.GuardResult(False, "unknown_chars")
+    if not g.ok and verifying and guard_mod.verifier_may_overrule(g, text, candidate):
+        return guard_mod.VERIFIER_DECIDES
+    return g
+
+
 def choose(text: str, vec: np.ndarray | None, cands: Sequence[Candidate], threshold: float,
            min_score: float | None, use_guard: bool, verifier: Verifier | None,
            live: Callable[[Candidate], bool] | None = None,
@@ -48,15 +65,16 @@ def choose(text: str, vec: np.ndarray | None, cands: Sequence[Candidate], thresh
            ) -> tuple[Candidate | None, str | None, float | None]:
     """``(hit, verdict, best verifier score)`` among ``cands`` (best first) for the query
     ``text``: the first with similarity >= ``threshold`` that passes the guard (when
-    ``use_guard``; ``unknown`` gives a text's characters outside the model's vocabulary,
-    which must agree), the verifier (when ``min_score`` and ``verifier`` are set: its
-    probability >= ``min_score``) and ``live`` (None: taken as live). ``verdict`` is the
-    guard's label of the hit (``pass``), else the first rejection (``reject:<reason>``,
-    ``reject:verifier``), else None; ``on_reject`` is told ``guard`` or ``verifier`` per
+    ``use_guard``: :func:`guard_verdict`; ``unknown`` gives a text's characters outside
+    the model's vocabulary, which must agree), the verifier (when ``min_score`` and
+    ``verifier`` are set: its probability >= ``min_score``) and ``live`` (None: taken as
+    live). ``verdict`` is the guard's label of the hit (``pass``, ``pass:verifier``),
+    else the first rejection (``reject:<reason>``, ``reject:verifier``), else None; ``on_reject`` is told ``guard`` or ``verifier`` per
     rejected candidate."""
     hit: Candidate | None = None
     verdict: str | None = None
     best_score: float | None = None
+    verifying = min_score is not None and vec is not None and verifier is not None
     for c in cands:
         if c.similarity < threshold:
             continue
@@ -65,15 +83,14 @@ def choose(text: str, vec: np.ndarray | None, cands: Sequence[Candidate], thresh
                 hit = c
                 break
             continue
-        g = guard_mod.check(text, c.text)
-        if g.ok and unknown is not None and unknown(text) != unknown(c.text):
-            g = guard_mod.GuardResult(False, "unknown_chars")
+        g = guard_verdict(text, c.text, verifying, unknown)
         if not g.ok:
             if on_reject is not None:
                 on_reject("guard")
             verdict = verdict or g.label
             continue
-        if min_score is not None and vec is not None and verifier is not None:
+        if verifying:
+            assert min_score is not None and vec is not None and verifier is not None
             # one candidate at a time: a hit on the first spares the others' features
             score = verify(verifier, text, vec, [c], embed)[0]
             best_score = score if best_score is None else max(best_score, score)

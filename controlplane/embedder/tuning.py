@@ -167,12 +167,20 @@ def _cosine(fit: _Part, check: _Part, max_wrong: float, bound: str,
     return out[0], chosen, _at(out[1], chosen.threshold) if chosen else None
 
 
+def _serving_guard(pairs: cal.Pairs) -> np.ndarray:
+    """Per pair (``text2`` asked, ``text1`` cached), whether the guard lets the verifier
+    decide, as the embedder serves (``decision.guard_verdict``)."""
+    from controlplane.embedder import decision
+
+    return np.array([decision.guard_verdict(q, c, True).ok
+                     for q, c in zip(pairs.text2, pairs.text1)], dtype=bool)
+
+
 def _verifier_rows(v: ver.Verifier, part: _Part, bound: str) -> list[cal.SweepRow]:
     """The sweep of ``v``'s probability on ``part`` as the embedder serves: cosine >= the
     floor, the guard, then the probability."""
-    x = ver.features(part.pairs.text2, part.pairs.text1, part.u, part.v, v.feature_version)
-    allowed = (ver.cosine_of(x, v.feature_version) >= v.floor) \
-        & (ver.column(x, "guard_pass", v.feature_version) > 0.5)
+    cos = np.einsum("ij,ij->i", part.u, part.v)
+    allowed = (cos >= v.floor) & _serving_guard(part.pairs)
     scores = v.score(part.pairs.text2, part.pairs.text1, part.u, part.v)
     return cal.sweep(scores, part.y, cal.grid(0.0, 1.0, 0.005), allowed, bound=bound)
 
@@ -194,7 +202,7 @@ def _train(fit: _Part, check: _Part, model, max_wrong: float, floor: float, fold
     check part at that threshold."""
     x = ver.features(fit.pairs.text2, fit.pairs.text1, fit.u, fit.v)
     cos = ver.cosine_of(x)
-    guard_ok = ver.column(x, "guard_pass") > 0.5
+    guard_ok = _serving_guard(fit.pairs)
     fold = cal.fold_ids(fit.pairs, folds, seed)
     if len(np.unique(fold)) < 2:
         raise TuningError("too few distinct questions to cross-validate a verifier")

@@ -23,13 +23,15 @@ Two model kinds over the standardised features ``z = (x - mean) / scale``:
   ``sigmoid(relu(z @ w1 + b1) @ w2 + b2)`` trained from different initial weights
   (:func:`train_mlp`, :func:`fit_mlp`).
 
-Either gives a probability 0-1; texts equal up to case, spaces and punctuation score 1.
+Either gives a probability 0-1; texts equal up to case, spaces, punctuation and the
+Chinese synonyms of ``guard.ZH_SYNONYMS`` score 1 (:func:`same_words`).
 About 0.3-0.4 ms per pair on an idle core (the guard's text checks dominate; their
 per-text results are cached; the networks add a few microseconds).
 
 The model file is JSON (:meth:`Verifier.save`), file version 2: ``{"version",
 "feature_version", "kind", "dim", "model_id", "mean", "scale", "min_score", "floor",
-"trained_on", "cv", "fingerprint"}`` plus ``"w", "b"`` (logistic) or ``"members"``
+"trained_on", "cv", "fingerprint", "language_min_score", "language_min_cosine"}``
+plus ``"w", "b"`` (logistic) or ``"members"``
 (mlp: per network ``"hidden"``, ``"w1_f16"`` = the (F, hidden) input weights as
 little-endian float16, row-major, base64, ``"b1"``, ``"w2"``, ``"b2"``). Version 1 files (logistic, feature version
 1, no ``kind``) still load and are scored with the version 1 features. ``min_score`` is
@@ -105,6 +107,22 @@ _PLAIN_RE = re.compile(r"[\W_]+")
 def _plain(text: str) -> str:
     """Lowercase text without spaces, punctuation and symbols."""
     return _PLAIN_RE.sub("", text[:guard.MAX_GUARD_CHARS].lower())
+
+
+def same_words(query: str, candidate: str) -> bool:
+    """Whether the two texts are equal up to case, spaces, punctuation and the Chinese
+    synonyms of ``guard.ZH_SYNONYMS`` ("怎么重置密码？" / "如何重设密码"): the same question,
+    which the verifier scores 1 without working out its features. On the cache-eval dev
+    sets every such pair outside the plain duplicates is labelled a match (35 of 35, fit and judge parts)."""
+    a = _canonical_plain(query[:guard.MAX_GUARD_CHARS])
+    return a != "" and a == _canonical_plain(candidate[:guard.MAX_GUARD_CHARS])
+
+
+@functools.lru_cache(maxsize=8192)
+def _canonical_plain(text: str) -> str:
+    """:func:`_plain` of ``guard.zh_canonical(text)``; cached per text (the entries'
+    texts recur in every lookup of their namespace)."""
+    return _plain(guard.zh_canonical(text))
 
 
 def _jaccard(a: set, b: set) -> float:
@@ -188,6 +206,17 @@ def features(queries: Sequence[str], candidates: Sequence[str], u: np.ndarray,
     return np.hstack([np.abs(u - v), u * v, scal])
 
 
+def language_of(text: str) -> str:
+    """``zh`` when ``text`` (its first 4000 characters) holds a CJK character, else
+    ``other``: the language key of :attr:`Verifier.language_min_score`."""
+    return "zh" if _CJK_RE.search(text[:guard.MAX_GUARD_CHARS]) else "other"
+
+
+def _logit(p: float) -> float:
+    p = min(max(p, 1e-9), 1 - 1e-9)
+    return math.log(p / (1 - p))
+
+
 def _sigmoid(z: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-np.clip(z, -40.0, 40.0)))
 
@@ -240,6 +269,44 @@ class Verifier:
     fingerprint: str = ""
     """Hashes of the normalised texts it was trained on (``split.fingerprint``; empty:
     unknown)."""
+    language_min_score: dict[str, float] = field(default_factory=dict)
+    """Per query language (:func:`language_of`: ``zh`` or ``other``), the model's
+    probability that serves at :attr:`min_score`: :meth:`score` rescales the probability
+    of a query of that language (a shift of its logit) so that ``language_min_score[L]``
+    becomes :attr:`min_score`. Empty: no rescaling. One threshold (the default or a
+    domain's calibrated one) then serves both languages at their own operating points."""
+
+    language_min_cosine: dict[str, float] = field(default_factory=dict)
+    """Per query language, the plain-cosine rule the verifier is never worse than: a pair
+    whose cosine reaches it and that passes every check of the guard (the ``guard_pass``
+    feature) scores at least :attr:`min_score`, whatever the model says (a floor rising
+    with the cosine: ``sigmoid(logit(min_score) + 200 (cos - point))``). Empty: none."""
+
+    def prior(self, cos: np.ndarray, guard_pass: np.ndarray,
+              languages: Sequence[str]) -> np.ndarray:
+        """The floor of :attr:`language_min_cosine` per pair (0 where none applies)."""
+        cos = np.asarray(cos, dtype=np.float64)
+        point = np.array([self.language_min_cosine.get(lang, 2.0) for lang in languages])
+        z = _logit(self.min_score) + 200.0 * (cos - point)
+        out = 1.0 / (1.0 + np.exp(-np.clip(z, -40.0, 40.0)))
+        out = np.where(cos >= point, np.maximum(out, self.min_score), out)
+        return np.where(np.asarray(guard_pass, dtype=bool) & (point <= 1.0), out, 0.0)
+
+    def rescale(self, p: np.ndarray, languages: Sequence[str]) -> np.ndarray:
+        """Probabilities ``p`` (n,) of queries of ``languages`` (n,) after the shift of
+        :attr:`language_min_score` (monotone per language; 0 and 1 stay put)."""
+        p = np.asarray(p, dtype=np.float64)
+        if not self.language_min_score:
+            return p
+        point = np.array([self.language_min_score.get(lang, self.min_score)
+                          for lang in languages], dtype=np.float64)
+        shift = _logit(self.min_score) - np.log(point / (1 - point))
+        q = np.clip(p, 1e-9, 1 - 1e-9)
+        out = 1.0 / (1.0 + np.exp(-(np.log(q / (1 - q)) + shift)))
+        # exactly: p >= the language's point <=> the rescaled value >= min_score
+        out = np.where(p >= point, np.maximum(out, self.min_score),
+                       np.minimum(out, np.nextafter(self.min_score, 0.0)))
+        return np.where((p <= 0.0) | (p >= 1.0), p, out)
 
     def training_hashes(self) -> np.ndarray:
         """The sorted uint64 hashes of :attr:`fingerprint` (empty when unknown). Raises
@@ -269,16 +336,22 @@ class Verifier:
         """Probability (n,) that each query means the same as its candidate."""
         n = len(queries)
         out = np.ones(n, dtype=np.float64)
-        # the same words up to case, spacing and punctuation: the same question, scored 1
-        # without working out its features
+        # the same words up to case, spacing, punctuation and Chinese synonyms: the same
+        # question, scored 1 without working out its features
         rest = [i for i, (q, c) in enumerate(zip(queries, candidates))
-                if _plain(q) != _plain(c) or _plain(q) == ""]
+                if not same_words(q, c)]
         if rest:
             u = np.asarray(u, dtype=np.float32).reshape(n, -1)
             v = np.asarray(v, dtype=np.float32).reshape(n, -1)
-            out[rest] = self.score_features(features(
-                [queries[i] for i in rest], [candidates[i] for i in rest], u[rest], v[rest],
-                self.feature_version))
+            x = features([queries[i] for i in rest], [candidates[i] for i in rest], u[rest],
+                         v[rest], self.feature_version)
+            langs = [language_of(queries[i]) for i in rest]
+            p = self.rescale(self.score_features(x), langs)
+            if self.language_min_cosine:
+                fv = self.feature_version
+                p = np.maximum(p, self.prior(cosine_of(x, fv),
+                                             column(x, "guard_pass", fv) > 0.5, langs))
+            out[rest] = p
         return out
 
     def to_dict(self) -> dict:
@@ -298,6 +371,10 @@ class Verifier:
         d["trained_on"], d["cv"] = self.trained_on, self.cv
         if self.fingerprint:
             d["fingerprint"] = self.fingerprint
+        if self.language_min_score:
+            d["language_min_score"] = dict(self.language_min_score)
+        if self.language_min_cosine:
+            d["language_min_cosine"] = dict(self.language_min_cosine)
         return d
 
     def save(self, path: str | Path) -> None:
@@ -343,10 +420,18 @@ class Verifier:
                 if w.shape != (n,):
                     raise VerifierError(f"verifier file: expected {n} weights, means and "
                                         "positive scales")
+            lang = {str(k): float(x) for k, x in (d.get("language_min_score") or {}).items()}
+            lcos = {str(k): float(x)
+                    for k, x in (d.get("language_min_cosine") or {}).items()}
+            if any(not 0.0 < x < 1.0 for x in lang.values()) \
+                    or any(not 0.0 < x <= 1.0 for x in lcos.values()) \
+                    or not 0.0 < float(d["min_score"]) < 1.0 and (lang or lcos):
+                raise VerifierError("verifier file: language_min_score and min_score must "
+                                    "be in (0, 1), language_min_cosine in (0, 1]")
             return cls(dim, str(d["model_id"]), mean, scale, w, b,
                        float(d["min_score"]), float(d["floor"]),
                        dict(d.get("trained_on") or {}), dict(d.get("cv") or {}), fv, members,
-                       str(d.get("fingerprint") or ""))
+                       str(d.get("fingerprint") or ""), lang, lcos)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             if isinstance(exc, VerifierError):
                 raise

@@ -68,6 +68,12 @@ def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason
     ("怎么重设登陆密码", "怎么重置登录密码"),
     ("帐户怎么注销", "账户怎么销户"),
     ("图片怎么删除", "照片怎么删除"),
+    # everyday wordings (guard.ZH_SYNONYMS): ways, restaurants, raising, prices, loans
+    ("减肥有什么好方法？", "减肥有什么好办法？"),
+    ("附近有什么好吃的餐厅？", "附近有哪些好吃的饭店？"),
+    ("信用卡怎么提高额度？", "如何提升信用卡额度？"),
+    ("这台电脑多少钱", "这台电脑的价格"),
+    ("不满足贷款条件", "不满足借款条件"),
     ("借款一万", "借款10000"),
     ("借款1万", "借款1万元"),
     ("How do I reset my password?", "How can I reset my password?"),
