@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from controlplane.config import settings_from_dict
+from controlplane.redisdb.conn import make_redis
 from controlplane.redisdb.localcluster import SLOTS, slot_ranges, start_local_cluster
 
 pytestmark = pytest.mark.integration
@@ -44,7 +46,8 @@ def test_cluster_ready_spread_and_stopped_without_leftovers(tmp_path: Path) -> N
     pids = [n.managed.pid for n in cluster.nodes]
     try:
         _check_ready(cluster)
-        rc = cluster.client()
+        # the one connection factory gives a cluster client for the cluster URL
+        rc = make_redis(settings_from_dict({"redis": {"url": cluster.url}}).redis)
         keys = [f"k{i}" for i in range(50)]
         for k in keys:
             rc.set(k, k)

@@ -151,6 +151,9 @@ local function resolve(target)
     if not conf then
         return nil, "bad redis url: " .. tostring(err)
     end
+    if conf.cluster and not conf.host then
+        return nil, "redis+cluster:// is not served by this connection pool"
+    end
     return conf
 end
 
