@@ -1,6 +1,6 @@
 """One merged view per node: registry + state + latest metrics + edge stats + snapshot.
 
-Sources (docs/internals.md): ``infergate:v1:nodes``, ``infergate:v1:node_states``,
+Sources (docs/internals.md): ``infergate:v1:nodes``, ``infergate:v1:node_states:{infergate:v1:nodes}``,
 ``infergate:v1:node:{name}:metrics`` (:class:`~controlplane.routing.wire.NodeMetricsDoc`),
 ``infergate:v1:node:{name}:history``, ``infergate:v1:edges``
 (:class:`~controlplane.routing.wire.EdgeReport`; reports older than

@@ -105,6 +105,16 @@ def _s(v: bytes | str | None) -> str:
     return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
 
 
+
+#: KEYS[1] = a vector hash, ARGV[1] = TTL (ms), ARGV[2..] = field, value pairs. Writes the
+#: fields and lowers the TTL to ARGV[1] (PEXPIRE LT: a key without TTL gets it); returns
+#: the TTL in force (ms).
+VEC_WRITE_LUA = """
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('PEXPIRE', KEYS[1], ARGV[1], 'LT')
+return redis.call('PTTL', KEYS[1])
+"""
+
 class VectorStore:
     """Reads and writes the vector hashes of one model (shared by both backends)."""
 
@@ -129,8 +139,12 @@ class VectorStore:
             pipe.pttl(keynames.cache_entry(it.key))
         entry_ttls = pipe.execute()
         applied: list[int] = []
-        written: list[int] = []
-        pipe = self.r.pipeline(transaction=True)
+        # one Redis: one MULTI for all; a cluster: one script per vector (one key, any
+        # slot). Either way a hash never exists without its TTL.
+        cluster = isinstance(self.r, redis.RedisCluster)
+        pipe = self.r.pipeline(transaction=not cluster)
+        at: list[tuple[int, int]] = []  # (item, position of its PTTL reply)
+        pos = 0
         for n, (it, vec, ettl) in enumerate(zip(items, vecs, entry_ttls)):
             ttl_ms = it.ttl_s * 1000
             if isinstance(ettl, int) and ettl > 0:
@@ -141,18 +155,24 @@ class VectorStore:
             if ttl_ms <= 0:
                 continue
             hk = self.hash_key(it.key)
-            pipe.hset(hk, mapping={
-                "namespace": it.namespace, "key": it.key, "text": it.text[:MAX_TEXT_CHARS],
-                "model": it.model, "tenant": it.tenant,
-                "vec": np.asarray(vec, dtype="<f4").tobytes(),
-            })
-            pipe.pexpire(hk, ttl_ms, lt=True)
-            pipe.pttl(hk)  # what is in force now (an earlier, shorter TTL is kept)
+            fields = {"namespace": it.namespace, "key": it.key, "text": it.text[:MAX_TEXT_CHARS],
+                      "model": it.model, "tenant": it.tenant,
+                      "vec": np.asarray(vec, dtype="<f4").tobytes()}
+            if cluster:
+                pipe.eval(VEC_WRITE_LUA, 1, hk, ttl_ms, *(x for kv in fields.items() for x in kv))
+                at.append((n, pos))
+                pos += 1
+            else:
+                pipe.hset(hk, mapping=fields)
+                pipe.pexpire(hk, ttl_ms, lt=True)
+                pipe.pttl(hk)  # what is in force now (an earlier, shorter TTL is kept)
+                at.append((n, pos + 2))
+                pos += 3
             pipe.publish(keynames.CACHE_VEC_CHANNEL, hk)
-            written.append(n)
+            pos += 1
         res = pipe.execute()
-        for j, n in enumerate(written):
-            pttl = res[4 * j + 2]
+        for n, i in at:
+            pttl = res[i]
             if isinstance(pttl, int) and pttl > 0:
                 applied[n] = pttl
         return applied
