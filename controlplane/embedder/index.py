@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import redis
@@ -159,7 +159,9 @@ class VectorStore:
                       "model": it.model, "tenant": it.tenant,
                       "vec": np.asarray(vec, dtype="<f4").tobytes()}
             if cluster:
-                pipe.eval(VEC_WRITE_LUA, 1, hk, ttl_ms, *(x for kv in fields.items() for x in kv))
+                # (EVAL by name: redis-py's cluster pipeline has no .eval)
+                pipe.execute_command("EVAL", VEC_WRITE_LUA, 1, hk, ttl_ms,
+                                     *(x for kv in fields.items() for x in kv))
                 at.append((n, pos))
                 pos += 1
             else:
@@ -168,7 +170,7 @@ class VectorStore:
                 pipe.pttl(hk)  # what is in force now (an earlier, shorter TTL is kept)
                 at.append((n, pos + 2))
                 pos += 3
-            pipe.publish(keynames.CACHE_VEC_CHANNEL, hk)
+            publish_vector(pipe, hk)
             pos += 1
         res = pipe.execute()
         for n, i in at:
@@ -461,13 +463,19 @@ class LocalIndex:
         backoff, lost = 0.2, False
         while not self._stop.is_set():
             ps = None
+            # a cluster: sharded pub/sub (Redis 7.0 SSUBSCRIBE), served by the channel's
+            # shard alone instead of every node forwarding every message
+            sharded = isinstance(self.r, redis.RedisCluster)
             try:
                 ps = self.r.pubsub()
-                ps.subscribe(keynames.CACHE_VEC_CHANNEL)
+                if sharded:
+                    ps.ssubscribe(keynames.CACHE_VEC_CHANNEL)
+                else:
+                    ps.subscribe(keynames.CACHE_VEC_CHANNEL)
                 deadline = time.monotonic() + 5.0
                 while time.monotonic() < deadline and not self._stop.is_set():
-                    msg = ps.get_message(timeout=0.5)
-                    if msg and msg.get("type") in ("subscribe", b"subscribe"):
+                    msg = _next_message(ps, sharded)
+                    if msg and msg.get("type") in SUBSCRIBED:
                         break
                 self._subscribed.set()
                 if lost:  # messages sent while disconnected are gone: read everything
@@ -475,8 +483,8 @@ class LocalIndex:
                     lost = False
                 backoff = 0.2
                 while not self._stop.is_set():
-                    msg = ps.get_message(timeout=0.5)
-                    if not msg or msg.get("type") not in ("message", b"message"):
+                    msg = _next_message(ps, sharded)
+                    if not msg or msg.get("type") not in MESSAGES:
                         continue
                     hk = _s(msg["data"])
                     if not hk.startswith(self.store.prefix):
@@ -504,15 +512,41 @@ class LocalIndex:
             self._pubsub_thread.join(timeout=3)
 
 
+#: Pub/sub message types: subscribed (plain or sharded), a message (plain or sharded).
+SUBSCRIBED = ("subscribe", b"subscribe", "ssubscribe", b"ssubscribe")
+MESSAGES = ("message", b"message", "smessage", b"smessage")
+
+
+def _next_message(ps: Any, sharded: bool) -> dict | None:
+    """The next pub/sub message within 0.5 s, or None."""
+    if sharded:
+        return ps.get_sharded_message(timeout=0.5)
+    return ps.get_message(timeout=0.5)
+
+
+def publish_vector(pipe: Any, hash_key: str) -> None:
+    """Announce a stored vector on :data:`keynames.CACHE_VEC_CHANNEL`: ``SPUBLISH`` on a
+    cluster pipeline (sharded pub/sub), ``PUBLISH`` on one Redis."""
+    if isinstance(pipe, redis.cluster.ClusterPipeline):
+        pipe.spublish(keynames.CACHE_VEC_CHANNEL, hash_key)
+    else:
+        pipe.publish(keynames.CACHE_VEC_CHANNEL, hash_key)
+
+
 def open_index(r: redis.Redis, model_slug: str, dim: int, backend: str = "auto",
                subscribe: bool = True) -> VectorIndex:
     """The index for ``backend`` (``auto`` | ``redis-search`` | ``local``).
 
     ``auto`` uses Redis search when ``FT._LIST`` answers, else the local index, and logs
-    which. Raises ``ValueError`` for ``redis-search`` on a server without the module and
+    which; on a Redis Cluster ``auto`` is the local index (a search module's index on one
+    node sees only that node's slots; ask for ``redis-search`` explicitly when the
+    cluster's module searches across shards). Raises ``ValueError`` for ``redis-search`` on a server without the module and
     ``redis.exceptions.RedisError`` when Redis is unreachable."""
     if backend not in ("auto", "redis-search", "local"):
         raise ValueError(f"unknown index backend {backend!r}: auto | redis-search | local")
+    if backend == "auto" and isinstance(r, redis.RedisCluster):
+        log.info("semantic index backend: local (in-process exact search; Redis Cluster)")
+        return LocalIndex(r, model_slug, dim, subscribe=subscribe)
     if backend in ("auto", "redis-search"):
         if search_available(r):
             log.info("semantic index backend: redis-search (FT.* commands available)")

@@ -145,5 +145,4 @@ def _make_cluster(settings: RedisSettings, target: RedisTarget,
         kw["ssl"] = True
     nodes = [ClusterNode(h, p) for h, p in target.nodes]
     return RedisCluster(startup_nodes=nodes, username=target.username,
-                        password=target.password, require_full_coverage=False,
-                        cluster_error_retry_attempts=3, **kw)
+                        password=target.password, require_full_coverage=False, **kw)

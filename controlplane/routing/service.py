@@ -488,7 +488,9 @@ class ControlPlane:
             if gone:  # edges that stopped long ago (restarted containers get new ids)
                 pipe.hdel(keynames.EDGES, *gone)
             for d in decisions:
-                pipe.eval(DRAINED_LUA, 1, keynames.NODE_STATES, d.name, repr(d.since), drained_json)
+                # EVAL by name: redis-py's cluster pipeline has no .eval
+                pipe.execute_command("EVAL", DRAINED_LUA, 1, keynames.NODE_STATES, d.name,
+                                     repr(d.since), drained_json)
             for st in report.statuses.values():
                 pipe.set(keynames.node_metrics(st.name), json.dumps(st.metrics_doc()), px=ttl_ms)
                 pipe.lpush(keynames.node_history(st.name), json.dumps(st.history_point()))
@@ -523,8 +525,9 @@ class ControlPlane:
                 ramps=self.ramps, auths={n.name: self.access.for_url(n.url).auth for n in nodes},
                 slots=self.props.slots(nodes))
             pipe = self.r.pipeline(transaction=False)
-            pipe.eval(SNAPSHOT_IF_LEADER_LUA, 3, keynames.LEADER, keynames.ROUTING,
-                      keynames.LEADER_FENCE, self.id, snap.to_json(), self.elector.fence)
+            pipe.execute_command("EVAL", SNAPSHOT_IF_LEADER_LUA, 3, keynames.LEADER,
+                                 keynames.ROUTING, keynames.LEADER_FENCE, self.id,
+                                 snap.to_json(), self.elector.fence)
             for d in decisions:
                 if d.name in report.drained:
                     registry.add_event(pipe, "drained", d.name, actor=ACTOR,
