@@ -24,6 +24,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
 
@@ -41,11 +42,13 @@ class ClusterNode:
     port: int
     workdir: Path
     node_id: str = ""
+    password: str | None = None
 
     def client(self, **kw: object) -> redis.Redis:
         """A plain (non-cluster) client of this one node (str responses, 2 s timeouts)."""
         return redis.Redis(host="127.0.0.1", port=self.port, decode_responses=True,
-                           socket_timeout=2, socket_connect_timeout=2, **kw)  # type: ignore[arg-type]
+                           password=self.password, socket_timeout=2,
+                           socket_connect_timeout=2, **kw)  # type: ignore[arg-type]
 
     def cluster_info(self) -> dict[str, str]:
         """This node's ``CLUSTER INFO`` fields (``cluster_state``, ``cluster_slots_ok``...)."""
@@ -65,12 +68,14 @@ class LocalCluster:
     masters: int
     extra: tuple[str, ...] = ()
     persistent: bool = False
+    password: str | None = None
     stopped: bool = field(default=False)
 
     @property
     def url(self) -> str:
-        """``redis+cluster://127.0.0.1:p1,127.0.0.1:p2,...`` naming every node."""
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+        """``redis+cluster://[:password@]127.0.0.1:p1,127.0.0.1:p2,...`` naming every node."""
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis+cluster://{auth}" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
 
     @property
     def ports(self) -> list[int]:
@@ -80,7 +85,8 @@ class LocalCluster:
         """A redis-py cluster client (str responses) started from the first live node."""
         live = [n for n in self.nodes if n.managed.alive()] or self.nodes
         return redis.RedisCluster(host="127.0.0.1", port=live[0].port, decode_responses=True,
-                                  socket_timeout=2, socket_connect_timeout=2)
+                                  password=self.password, socket_timeout=2,
+                                  socket_connect_timeout=2)
 
     def masters_now(self) -> list[ClusterNode]:
         """The live nodes that are masters now (``ROLE``)."""
@@ -169,18 +175,20 @@ def slot_ranges(masters: int) -> list[tuple[int, int]]:
 
 def start_local_cluster(workdir: Path, *, masters: int = 3, replicas: int = 1,
                         persistent: bool = False, maxmemory: str = "128mb",
-                        node_timeout_ms: int = 2000, timeout: float = 30.0) -> LocalCluster:
+                        node_timeout_ms: int = 2000, timeout: float = 30.0,
+                        password: str | None = None) -> LocalCluster:
     """Start, join and wait for a loopback cluster (module docstring). ``node_timeout_ms``
     is ``cluster-node-timeout``: how long a master may be unreachable before its replica
-    is promoted (failover takes about 2x that). Processes started before an error are
-    stopped again."""
+    is promoted (failover takes about 2x that). ``password``: every node requires it
+    (``requirepass`` and ``masterauth`` in each node's 0600 ``redis.conf``). Processes
+    started before an error are stopped again."""
     nodes: list[ClusterNode] = []
     total = masters * (1 + replicas)
     try:
         for i in range(total):
             d = workdir / f"node{i}"
-            _start_node(d, persistent, maxmemory, node_timeout_ms, nodes)
-        cluster = LocalCluster(nodes, masters, persistent=persistent)
+            _start_node(d, persistent, maxmemory, node_timeout_ms, nodes, password)
+        cluster = LocalCluster(nodes, masters, persistent=persistent, password=password)
         _form(cluster, masters, replicas, timeout)
         return cluster
     except BaseException:
@@ -190,17 +198,17 @@ def start_local_cluster(workdir: Path, *, masters: int = 3, replicas: int = 1,
 
 
 def _start_node(d: Path, persistent: bool, maxmemory: str, node_timeout_ms: int,
-                nodes: list[ClusterNode]) -> None:
+                nodes: list[ClusterNode], password: str | None) -> None:
     last: procs.StartError | None = None
     for _ in range(5):
         port = procs.free_port()
         try:
             m = procs.start_redis(d, port, extra=cluster_args(port, node_timeout_ms),
-                                  maxmemory=maxmemory, persistent=persistent)
+                                  maxmemory=maxmemory, persistent=persistent, password=password)
         except procs.StartError as exc:
             last = exc
             continue
-        nodes.append(ClusterNode(m, port, d))
+        nodes.append(ClusterNode(m, port, d, password=password))
         return
     assert last is not None
     raise last

@@ -128,6 +128,7 @@ def test_edge_and_control_planes_through_a_master_failover(
     s = edge_settings(redis_cluster.url, [a.node_settings(), b.node_settings()])
     s.auth.mode = "required"
     s.limits.redis_retry_s = 0.2
+    s.limits.global_rpm = 1000   # with the per-key limit: buckets in two slots
     s.cache = s.cache.model_validate({"enabled": True, "semantic": False})
     snap = write_snapshot(rc, [a.snapshot_node(), b.snapshot_node(state="drained")])
     edge = edge_factory(s)
@@ -143,6 +144,10 @@ def test_edge_and_control_planes_through_a_master_failover(
     # a per-key limit of 6 requests a minute: the 7th is refused
     codes = [_post(edge, key, f"q{i}").status_code for i in range(7)]
     assert codes == [200] * 6 + [429], codes
+    # charged in Redis per slot group (not locally after a CROSSSLOT error); the refused
+    # request's global charge was given back
+    assert rc.hget(keynames.ratelimit_global("rpm"), "tokens") is not None
+    assert "CROSSSLOT" not in edge.error_log() and "script failed" not in edge.error_log()
     procs.wait_until(lambda: rc.hget(keynames.EDGES, edge.rendered.edge_id) is not None, 5,
                      what="edge stats written on the cluster")
     # two control planes: one leader, with a fencing token
