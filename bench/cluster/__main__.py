@@ -21,6 +21,8 @@ infergate on a 3-master, 3-replica loopback Redis Cluster
   that wrote snapshots afterwards, and the fencing counter.
 - ``skew``: keys per master (DBSIZE) before the reshard (slots split evenly, 5000 cache
   entries and the state written), max over mean.
+- ``semantic``: an embedder and a semantic-cache edge on the cluster; paraphrases of a
+  stored prompt answered from the semantic cache.
 
 Writes ``redis_cluster.json`` (the commit and load average). The machine is shared: the
 figures of one run compare the two back ends, not machines.
@@ -250,6 +252,37 @@ def kill_drill(cluster: LocalCluster, url: str, key: str, r, upstream: str,  # t
             "fence": int(r.get(keynames.LEADER_FENCE) or 0)}
 
 
+PARAPHRASES = ["what is the capital of france", "What is the capital of France",
+               "Tell me the capital of France?"]
+
+
+def semantic_check(stack: Stack, cluster: LocalCluster, upstream: str) -> dict:
+    """An embedder (local index) and a semantic-cache edge on the cluster: one answer
+    stored, then paraphrases looked up. Returns ``{"paraphrases", "hits", "similarities"}``."""
+    eport = procs.free_port()
+    emb = stack.add(procs.Managed("embedder", procs.infergate_argv(
+        "embedder", "--listen", f"127.0.0.1:{eport}", "--redis-url", cluster.url,
+        "--threads", "2"), stack.dir / "embedder.log").start())
+    eurl = f"http://127.0.0.1:{eport}"
+    emb.wait_ready(lambda: requests.get(eurl + "/healthz", timeout=1).status_code == 200, 180)
+    requests.post(eurl + "/v1/lookup", json={"namespace": "0" * 64, "text": "warm up"}, timeout=60)
+    url = _edge(stack, "cluster-semantic", cluster.url, upstream,
+                cache={"enabled": True, "semantic": True, "embedder_url": eurl})
+
+    def post(p: str) -> requests.Response:
+        return requests.post(f"{url}/v1/chat/completions", timeout=15, json={
+            "model": "static", "temperature": 0, "messages": [{"role": "user", "content": p}]})
+
+    post(PROMPT)
+    time.sleep(2.0)  # stored, queued, embedded and indexed
+    sims = []
+    for p in PARAPHRASES:
+        res = post(p)
+        if res.headers.get("X-Cache-Match") == "semantic":
+            sims.append(float(res.headers.get("X-Cache-Similarity", 0)))
+    return {"paraphrases": len(PARAPHRASES), "hits": len(sims), "similarities": sims}
+
+
 def skew(cluster: LocalCluster) -> dict:
     sizes = []
     for n in cluster.masters_now():
@@ -292,6 +325,10 @@ def print_report(data: dict) -> None:
           f"{mk['snapshot_gap_s']} s after the kill ({mk['takeover_after_recovery_s']} s after "
           f"the recovery); leader before {mk['leader_before']}, writing after: "
           f"{', '.join(mk['leaders_after'])}; fencing counter {mk['fence']}")
+    sem = data.get("semantic")
+    if sem:
+        print(f"semantic: {sem['hits']} of {sem['paraphrases']} paraphrases answered from the "
+              f"semantic cache on the cluster (similarities {sem['similarities']})")
     print(f"skew (even slot split, 5000 cache entries + the state): keys per master "
           f"{sk['keys_per_master']}, max/mean {sk['max_over_mean']}")
 
@@ -345,10 +382,12 @@ def main(duration: float, rounds: int, rate: float, out_dir: str) -> None:
         rs = reshard_drill(cluster, u2, key, rc, rate)
         log(f"master kill drill under {rate:g} req/s")
         mk = kill_drill(cluster, u2, key, rc, upstream, rate)
+        log("semantic hits on the cluster")
+        sem = semantic_check(stack, cluster, upstream)
         data = {"meta": {"command": "python -m bench.cluster", "started": started,
                          "machine": machine_info()}, "rate": rate, "duration_s": duration,
                 "rounds": rounds, "overhead": rows, "reshard": rs, "master_kill": mk,
-                "skew": sk}
+                "skew": sk, "semantic": sem}
     path = write_json(Path(out_dir) / "redis_cluster.json", data)
     print_report(data)
     log(f"wrote {path}")
