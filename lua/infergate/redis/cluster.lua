@@ -190,11 +190,13 @@ function _M.map(conf, t)
     end
     local fresh = d and d:get(key .. ":fresh")
     local now = ngx.now()
-    if (not text or not fresh) and now - (last_refresh[conf.cluster.id] or 0) >= _M.REFRESH_MIN_S
-            and (not text or not d or d:add(key .. ":reading", true, 1)) then
+    -- no map at all: read it now (the pool backs off seeds that fail); a stale one: one
+    -- worker at a time, at most every REFRESH_MIN_S, the others using the old map
+    if not text or (not fresh and now - (last_refresh[conf.cluster.id] or 0) >= _M.REFRESH_MIN_S
+                    and (not d or d:add(key .. ":reading", true, 1))) then
         last_refresh[conf.cluster.id] = now
         local new, err = read_map(conf, t, mine)
-        if d then
+        if d and text then
             d:delete(key .. ":reading")
         end
         if new then
@@ -206,9 +208,6 @@ function _M.map(conf, t)
         elseif not text then
             return nil, err
         end
-    end
-    if not text then
-        return nil, "redis cluster: slot map being read"
     end
     if not mine or mine.text ~= text then
         mine = _M.decode_map(text)
