@@ -105,7 +105,6 @@ def _s(v: bytes | str | None) -> str:
     return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
 
 
-
 #: KEYS[1] = a vector hash, ARGV[1] = TTL (ms), ARGV[2..] = field, value pairs. Writes the
 #: fields and lowers the TTL to ARGV[1] (PEXPIRE LT: a key without TTL gets it); returns
 #: the TTL in force (ms).
@@ -114,6 +113,7 @@ redis.call('HSET', KEYS[1], unpack(ARGV, 2))
 redis.call('PEXPIRE', KEYS[1], ARGV[1], 'LT')
 return redis.call('PTTL', KEYS[1])
 """
+
 
 class VectorStore:
     """Reads and writes the vector hashes of one model (shared by both backends)."""
@@ -540,8 +540,9 @@ def open_index(r: redis.Redis, model_slug: str, dim: int, backend: str = "auto",
     ``auto`` uses Redis search when ``FT._LIST`` answers, else the local index, and logs
     which; on a Redis Cluster ``auto`` is the local index (a search module's index on one
     node sees only that node's slots; ask for ``redis-search`` explicitly when the
-    cluster's module searches across shards). Raises ``ValueError`` for ``redis-search`` on a server without the module and
-    ``redis.exceptions.RedisError`` when Redis is unreachable."""
+    cluster's module searches across shards). Raises ``ValueError`` for ``redis-search``
+    on a server without the module and ``redis.exceptions.RedisError`` when Redis is
+    unreachable."""
     if backend not in ("auto", "redis-search", "local"):
         raise ValueError(f"unknown index backend {backend!r}: auto | redis-search | local")
     if backend == "auto" and isinstance(r, redis.RedisCluster):
