@@ -21,6 +21,9 @@ infergate on a 3-master, 3-replica loopback Redis Cluster
   that wrote snapshots afterwards, and the fencing counter.
 - ``skew``: keys per master (DBSIZE) before the reshard (slots split evenly, 5000 cache
   entries and the state written), max over mean.
+- ``rate_limit_parity``: two edges per back end sharing a key limited to 120 requests a
+  minute (plus a global limit, so the cluster charges two slot groups): of the same
+  sequence of requests, how many each back end lets through.
 - ``semantic``: an embedder and a semantic-cache edge on the cluster; paraphrases of a
   stored prompt answered from the semantic cache.
 
@@ -252,6 +255,29 @@ def kill_drill(cluster: LocalCluster, url: str, key: str, r, upstream: str,  # t
             "fence": int(r.get(keynames.LEADER_FENCE) or 0)}
 
 
+def rate_limit_parity(stack: Stack, urls: dict[str, str], upstream: str, n: int = 240) -> dict:
+    """Two edges per back end sharing one API key limited to 120 requests/min (and a
+    global limit that never refuses, so the cluster charges two slot groups): ``n``
+    requests alternating between the edges, one at a time; how many were let through."""
+    out: dict = {}
+    for name, url in urls.items():
+        r = make_redis(_settings(url, upstream).redis)
+        key, _ = apikeys.create_key(r, f"parity-{name}", rpm=120)
+        lim = {"auth": {"mode": "required"}, "limits": {"global_rpm": 10**7}}
+        edges = [_edge(stack, f"{name}-parity-{i}", url, upstream, **lim) for i in range(2)]
+        t0, ok = time.monotonic(), 0
+        for i in range(n):
+            res = requests.post(f"{edges[i % 2]}/v1/chat/completions", data=body(f"p{i}"),
+                                timeout=10, headers={"Authorization": f"Bearer {key}",
+                                                     "Content-Type": "application/json"})
+            ok += res.status_code == 200
+        out[name] = {"allowed": ok, "seconds": round(time.monotonic() - t0, 2)}
+    s, c = out["single"]["allowed"], out["cluster"]["allowed"]
+    out["ratio"] = round(c / s, 3) if s else None
+    out["requests"] = n
+    return out
+
+
 PARAPHRASES = ["what is the capital of france", "What is the capital of France",
                "Tell me the capital of France?"]
 
@@ -325,6 +351,12 @@ def print_report(data: dict) -> None:
           f"{mk['snapshot_gap_s']} s after the kill ({mk['takeover_after_recovery_s']} s after "
           f"the recovery); leader before {mk['leader_before']}, writing after: "
           f"{', '.join(mk['leaders_after'])}; fencing counter {mk['fence']}")
+    rp = data.get("rate_limit_parity")
+    if rp:
+        print(f"rate limit, two edges, 120/min key, {rp['requests']} requests one at a time: "
+              f"single {rp['single']['allowed']} allowed in {rp['single']['seconds']} s, "
+              f"cluster {rp['cluster']['allowed']} in {rp['cluster']['seconds']} s "
+              f"(ratio {rp['ratio']})")
     sem = data.get("semantic")
     if sem:
         print(f"semantic: {sem['hits']} of {sem['paraphrases']} paraphrases answered from the "
@@ -372,6 +404,9 @@ def main(duration: float, rounds: int, rate: float, out_dir: str) -> None:
             targets[f"{name}_keys_ratelimit"] = (u1, key, "different prompts are not cached")
             targets[f"{name}_exact_hit"] = (u2, key, PROMPT)
             edges[name] = (u2, key, r)
+        log("rate limits: two edges per back end")
+        parity = rate_limit_parity(stack, {"single": f"redis://127.0.0.1:{rport}/0",
+                                           "cluster": cluster.url}, upstream)
         log("overhead rows")
         rows = overhead(targets, rounds, duration, stack.dir)
         u2, key, rc = edges["cluster"]
@@ -387,7 +422,7 @@ def main(duration: float, rounds: int, rate: float, out_dir: str) -> None:
         data = {"meta": {"command": "python -m bench.cluster", "started": started,
                          "machine": machine_info()}, "rate": rate, "duration_s": duration,
                 "rounds": rounds, "overhead": rows, "reshard": rs, "master_kill": mk,
-                "skew": sk, "semantic": sem}
+                "skew": sk, "semantic": sem, "rate_limit_parity": parity}
     path = write_json(Path(out_dir) / "redis_cluster.json", data)
     print_report(data)
     log(f"wrote {path}")
