@@ -156,6 +156,15 @@ def block_admission(results: Path) -> str:
         format_table(rows, run.COLUMNS))
 
 
+def block_redis_cluster(results: Path) -> str:
+    """``python -m bench.cluster``'s table and drill lines (one Redis vs a loopback cluster)."""
+    from .cluster import __main__ as cl
+
+    data = load(results, "redis_cluster.json")
+    return provenance("redis_cluster.json", data["meta"]) + "\n\n" + _fenced(
+        _captured(cl.print_report, data))
+
+
 INDEX_COLUMNS = [("entries", "entries"), ("backend", "index"), ("p50_ms", "p50 ms"),
                  ("p99_ms", "p99 ms"), ("mean_ms", "mean ms"), ("n", "lookups")]
 
@@ -330,6 +339,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "realnode_compare": block_realnode_compare,
     "edge_overhead": block_edge_overhead,
     "admission": block_admission,
+    "redis_cluster": block_redis_cluster,
     "cache_index": block_cache_index,
     "cache_throughput": block_cache_throughput,
     "cache_verifier": block_cache_verifier,

@@ -547,7 +547,9 @@ def start_redis(workdir: Path, port: int, extra: Sequence[str] = (),
         path = workdir / "redis.conf"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(f"requirepass {password}\n")
+            # masterauth: a replica (Redis Cluster, controlplane.redisdb.localcluster)
+            # authenticates to its master with the same password
+            f.write(f"requirepass {password}\nmasterauth {password}\n")
         os.chmod(path, 0o600)  # a file left by an earlier run keeps its mode otherwise
         conf = (str(path),)
     persistence = PERSISTENT_REDIS_ARGS if persistent else ("--save", "", "--appendonly", "no")

@@ -32,7 +32,8 @@ def _render_and_check(*args, **kwargs):
 _render.render_nginx = _render_and_check
 
 # Fixtures that start several parts together live in tests/support/.
-pytest_plugins = ["support.stack", "support.tiny_upstream", "support.realnode"]
+pytest_plugins = ["support.stack", "support.tiny_upstream", "support.realnode",
+                  "support.rediscluster"]
 
 TESTS = Path(__file__).resolve().parent
 OUTPUT = TESTS / "output"

@@ -221,7 +221,8 @@ def _update(r: redis.Redis, key_id: str, change: Callable[[ApiKey], bool]) -> Ap
     record, or ``None`` if no key has that id."""
     if not ID_RE.match(key_id or ""):
         return None
-    with r.pipeline() as pipe:
+    # transaction=True: WATCH on a cluster needs it (the keys share one slot, keynames)
+    with r.pipeline(transaction=True) as pipe:
         while True:
             try:
                 pipe.watch(keynames.APIKEY_IDS, keynames.APIKEYS)

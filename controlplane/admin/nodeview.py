@@ -1,7 +1,8 @@
 """One merged view per node: registry + state + latest metrics + edge stats + snapshot.
 
-Sources (docs/internals.md): ``infergate:v1:nodes``, ``infergate:v1:node_states``,
-``infergate:v1:node:{name}:metrics`` (:class:`~controlplane.routing.wire.NodeMetricsDoc`),
+Sources (docs/internals.md): ``infergate:v1:nodes``,
+``infergate:v1:node_states:{infergate:v1:nodes}``, ``infergate:v1:node:{name}:metrics``
+(:class:`~controlplane.routing.wire.NodeMetricsDoc`),
 ``infergate:v1:node:{name}:history``, ``infergate:v1:edges``
 (:class:`~controlplane.routing.wire.EdgeReport`; reports older than
 ``wire.EDGE_FRESH_FACTOR`` x ``edge.stale_after_s`` are ignored) and

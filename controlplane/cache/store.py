@@ -287,6 +287,13 @@ def purge_vectors(r: redis.Redis, exact_keys: set[str] | None, *, batch: int = 5
     return n
 
 
+def _mget(r: redis.Redis, keys: list[str]) -> list:
+    """``MGET`` of ``keys``; on a cluster split per slot (redis-py's ``mget_nonatomic``)."""
+    if isinstance(r, redis.RedisCluster):
+        return r.mget_nonatomic(keys)
+    return r.mget(keys)
+
+
 def _s(k: str | bytes) -> str:
     return k.decode() if isinstance(k, bytes) else k
 
@@ -305,7 +312,7 @@ def _purge_scoped(r: redis.Redis, f: dict[str, str], batch: int,
     src = keynames.cache_index(src_dim, src_val)
     deleted: set[str] = set()
     for members in _batches(r.sscan_iter(src, count=1000), batch):
-        docs = r.mget([keynames.cache_entry(m) for m in members])
+        docs = _mget(r, [keynames.cache_entry(m) for m in members])
         pipe = r.pipeline()
         del_at: list[tuple[int, str]] = []  # positions of the DEL replies in the pipeline
         n_ops = 0

@@ -13,6 +13,7 @@ import redis
 
 from controlplane.config import ConfigError, HostPort, HostPortError, Settings, load_settings
 from controlplane.redisdb.conn import make_redis
+from controlplane.redisdb.migrate import migrate_key_names
 from controlplane.redisdb.url import redact
 
 
@@ -46,6 +47,10 @@ class Ctx:
                 self._r = make_redis(self.settings.redis)
             except ValueError as exc:
                 raise click.ClickException(f"invalid Redis URL {self.settings.redis.url!r}: {exc}")
+            try:  # state keys under their old names (an earlier version) are carried over
+                migrate_key_names(self._r)
+            except redis.RedisError:
+                pass  # Redis unreachable: the command itself reports it
         return self._r
 
     @property

@@ -315,7 +315,10 @@ def _redis_hosts(settings: Settings) -> tuple[str, bool, str | None]:
         target = parse_redis_url(settings.redis.url)
     except RedisURLError as exc:
         raise RenderError(f"redis.url: {exc}") from None
-    redis_hosts = [target.host or ""] if target.kind == "direct" else [h for h, _ in target.sentinels]
+    if target.kind == "direct":
+        redis_hosts = [target.host or ""]
+    else:  # a cluster's seeds; the nodes its slot map names are addresses as announced
+        redis_hosts = [h for h, _ in (target.sentinels if target.kind == "sentinel" else target.nodes)]
     names = [h for h in redis_hosts if _ip_literal(h) is None and h != "localhost"]
     redis_host = ", ".join(names or redis_hosts)
     needs_resolver = bool(names)

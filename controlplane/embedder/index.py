@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import redis
@@ -107,6 +107,16 @@ def _s(v: bytes | str | None) -> str:
     return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
 
 
+#: KEYS[1] = a vector hash, ARGV[1] = TTL (ms), ARGV[2..] = field, value pairs. Writes the
+#: fields and lowers the TTL to ARGV[1] (PEXPIRE LT: a key without TTL gets it); returns
+#: the TTL in force (ms).
+VEC_WRITE_LUA = """
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('PEXPIRE', KEYS[1], ARGV[1], 'LT')
+return redis.call('PTTL', KEYS[1])
+"""
+
+
 class VectorStore:
     """Reads and writes the vector hashes of one model (shared by both backends)."""
 
@@ -131,8 +141,12 @@ class VectorStore:
             pipe.pttl(keynames.cache_entry(it.key))
         entry_ttls = pipe.execute()
         applied: list[int] = []
-        written: list[int] = []
-        pipe = self.r.pipeline(transaction=True)
+        # one Redis: one MULTI for all; a cluster: one script per vector (one key, any
+        # slot). Either way a hash never exists without its TTL.
+        cluster = isinstance(self.r, redis.RedisCluster)
+        pipe = self.r.pipeline(transaction=not cluster)
+        at: list[tuple[int, int]] = []  # (item, position of its PTTL reply)
+        pos = 0
         for n, (it, vec, ettl) in enumerate(zip(items, vecs, entry_ttls)):
             ttl_ms = it.ttl_s * 1000
             if isinstance(ettl, int) and ettl > 0:
@@ -143,18 +157,26 @@ class VectorStore:
             if ttl_ms <= 0:
                 continue
             hk = self.hash_key(it.key)
-            pipe.hset(hk, mapping={
-                "namespace": it.namespace, "key": it.key, "text": it.text[:MAX_TEXT_CHARS],
-                "model": it.model, "tenant": it.tenant,
-                "vec": np.asarray(vec, dtype="<f4").tobytes(),
-            })
-            pipe.pexpire(hk, ttl_ms, lt=True)
-            pipe.pttl(hk)  # what is in force now (an earlier, shorter TTL is kept)
-            pipe.publish(keynames.CACHE_VEC_CHANNEL, hk)
-            written.append(n)
+            fields = {"namespace": it.namespace, "key": it.key, "text": it.text[:MAX_TEXT_CHARS],
+                      "model": it.model, "tenant": it.tenant,
+                      "vec": np.asarray(vec, dtype="<f4").tobytes()}
+            if cluster:
+                # (EVAL by name: redis-py's cluster pipeline has no .eval)
+                pipe.execute_command("EVAL", VEC_WRITE_LUA, 1, hk, ttl_ms,
+                                     *(x for kv in fields.items() for x in kv))
+                at.append((n, pos))
+                pos += 1
+            else:
+                pipe.hset(hk, mapping=fields)
+                pipe.pexpire(hk, ttl_ms, lt=True)
+                pipe.pttl(hk)  # what is in force now (an earlier, shorter TTL is kept)
+                at.append((n, pos + 2))
+                pos += 3
+            publish_vector(pipe, hk)
+            pos += 1
         res = pipe.execute()
-        for j, n in enumerate(written):
-            pttl = res[4 * j + 2]
+        for n, i in at:
+            pttl = res[i]
             if isinstance(pttl, int) and pttl > 0:
                 applied[n] = pttl
         return applied
@@ -443,13 +465,19 @@ class LocalIndex:
         backoff, lost = 0.2, False
         while not self._stop.is_set():
             ps = None
+            # a cluster: sharded pub/sub (Redis 7.0 SSUBSCRIBE), served by the channel's
+            # shard alone instead of every node forwarding every message
+            sharded = isinstance(self.r, redis.RedisCluster)
             try:
                 ps = self.r.pubsub()
-                ps.subscribe(keynames.CACHE_VEC_CHANNEL)
+                if sharded:
+                    ps.ssubscribe(keynames.CACHE_VEC_CHANNEL)
+                else:
+                    ps.subscribe(keynames.CACHE_VEC_CHANNEL)
                 deadline = time.monotonic() + 5.0
                 while time.monotonic() < deadline and not self._stop.is_set():
-                    msg = ps.get_message(timeout=0.5)
-                    if msg and msg.get("type") in ("subscribe", b"subscribe"):
+                    msg = _next_message(ps, sharded)
+                    if msg and msg.get("type") in SUBSCRIBED:
                         break
                 self._subscribed.set()
                 if lost:  # messages sent while disconnected are gone: read everything
@@ -457,8 +485,8 @@ class LocalIndex:
                     lost = False
                 backoff = 0.2
                 while not self._stop.is_set():
-                    msg = ps.get_message(timeout=0.5)
-                    if not msg or msg.get("type") not in ("message", b"message"):
+                    msg = _next_message(ps, sharded)
+                    if not msg or msg.get("type") not in MESSAGES:
                         continue
                     hk = _s(msg["data"])
                     if not hk.startswith(self.store.prefix):
@@ -486,15 +514,42 @@ class LocalIndex:
             self._pubsub_thread.join(timeout=3)
 
 
+#: Pub/sub message types: subscribed (plain or sharded), a message (plain or sharded).
+SUBSCRIBED = ("subscribe", b"subscribe", "ssubscribe", b"ssubscribe")
+MESSAGES = ("message", b"message", "smessage", b"smessage")
+
+
+def _next_message(ps: Any, sharded: bool) -> dict | None:
+    """The next pub/sub message within 0.5 s, or None."""
+    if sharded:
+        return ps.get_sharded_message(timeout=0.5)
+    return ps.get_message(timeout=0.5)
+
+
+def publish_vector(pipe: Any, hash_key: str) -> None:
+    """Announce a stored vector on :data:`keynames.CACHE_VEC_CHANNEL`: ``SPUBLISH`` on a
+    cluster pipeline (sharded pub/sub), ``PUBLISH`` on one Redis."""
+    if isinstance(pipe, redis.cluster.ClusterPipeline):
+        pipe.spublish(keynames.CACHE_VEC_CHANNEL, hash_key)
+    else:
+        pipe.publish(keynames.CACHE_VEC_CHANNEL, hash_key)
+
+
 def open_index(r: redis.Redis, model_slug: str, dim: int, backend: str = "auto",
                subscribe: bool = True) -> VectorIndex:
     """The index for ``backend`` (``auto`` | ``redis-search`` | ``local``).
 
     ``auto`` uses Redis search when ``FT._LIST`` answers, else the local index, and logs
-    which. Raises ``ValueError`` for ``redis-search`` on a server without the module and
-    ``redis.exceptions.RedisError`` when Redis is unreachable."""
+    which; on a Redis Cluster ``auto`` is the local index (a search module's index on one
+    node sees only that node's slots; ask for ``redis-search`` explicitly when the
+    cluster's module searches across shards). Raises ``ValueError`` for ``redis-search``
+    on a server without the module and ``redis.exceptions.RedisError`` when Redis is
+    unreachable."""
     if backend not in ("auto", "redis-search", "local"):
         raise ValueError(f"unknown index backend {backend!r}: auto | redis-search | local")
+    if backend == "auto" and isinstance(r, redis.RedisCluster):
+        log.info("semantic index backend: local (in-process exact search; Redis Cluster)")
+        return LocalIndex(r, model_slug, dim, subscribe=subscribe)
     if backend in ("auto", "redis-search"):
         if search_available(r):
             log.info("semantic index backend: redis-search (FT.* commands available)")

@@ -6,6 +6,13 @@ number, and Redis Sentinel (``redis+sentinel://``; forms in :mod:`controlplane.r
   asked otherwise).
 - :func:`connection_kwargs` -- the ``redis.Redis`` keyword arguments of the TLS options.
 
+With ``redis+cluster://`` the client is a ``redis.RedisCluster`` (redis-py,
+``redis.cluster``) started from the URL's seed nodes: it learns the slot map, sends each
+command to the master of its key's slot, follows ``MOVED``/``ASK`` and re-reads the map
+after a failover. Its command methods are those of ``redis.Redis``; commands that touch
+several keys need them in one slot (infergate's key names carry hash tags for that,
+:mod:`controlplane.redisdb.keynames`).
+
 With Sentinel the client comes from ``redis.sentinel.Sentinel(...).master_for(service)``
 (redis-py, ``redis.sentinel`` module): every new connection asks the sentinels for the
 current master, and a connection to a master that was demoted (``READONLY``) or went away
@@ -22,7 +29,8 @@ import time
 from typing import Any
 
 import redis
-from redis.backoff import NoBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
@@ -99,6 +107,8 @@ def make_redis(settings: RedisSettings, *, url: str | None = None,
         "health_check_interval": health_check_interval,
     }
     common["retry"] = retry if retry is not None else Retry(NoBackoff(), 1)
+    if target.kind == "cluster":
+        return _make_cluster(settings, target, common, retry)  # type: ignore[return-value]
     if target.kind == "direct":
         # the credentials as parse_redis_url reads them (redis://PASSWORD@host is a
         # password, as for the edge), not as redis-py's own URL parser, which would read a
@@ -117,3 +127,22 @@ def make_redis(settings: RedisSettings, *, url: str | None = None,
                                connection_pool_class=RefreshingSentinelPool,
                                refresh_s=settings.sentinel_refresh_s, db=target.db,
                                username=target.username, password=target.password, **common)
+
+
+def _make_cluster(settings: RedisSettings, target: RedisTarget,
+                  common: dict[str, Any], retry: Any) -> RedisCluster:
+    """A ``redis.RedisCluster`` from the seed nodes of ``target`` (no I/O until the first
+    command: the slot map is read then, from the first seed that answers). A command that
+    meets a failover (``ConnectionError``, ``CLUSTERDOWN``, ``TRYAGAIN``) is retried on a
+    fresh slot map with a short back-off, about 2 s in all (``cluster-node-timeout`` of the
+    loopback cluster is 2 s; a promotion takes about that long), unless ``retry`` says
+    otherwise."""
+    kw = dict(common)
+    kw.pop("health_check_interval", None)
+    kw["retry"] = retry if retry is not None else Retry(ExponentialBackoff(cap=0.5, base=0.05), 6)
+    if target.tls:
+        kw.update(connection_kwargs(settings, target))
+        kw["ssl"] = True
+    nodes = [ClusterNode(h, p) for h, p in target.nodes]
+    return RedisCluster(startup_nodes=nodes, username=target.username,
+                        password=target.password, require_full_coverage=False, **kw)

@@ -1,8 +1,29 @@
 """Every Redis key name infergate uses, in one place.
 
 The Lua edge has the same names in ``lua/infergate/redis/keynames.lua``; ``tests/parity/test_keys.py``
-checks that both agree. All keys start with ``infergate:`` and carry the schema
-version, so a future layout can live beside this one.
+checks that both agree. All keys carry ``infergate:`` and the schema version, so a future
+layout can live beside this one.
+
+Hash tags (Redis Cluster). Keys that one Lua script or one ``MULTI``/``WATCH`` touches
+together must live in one hash slot. Such a group is named after one of its keys whose
+name predates the cluster support, ``K``: ``K`` itself keeps its name (a key without
+``{}`` hashes its whole name) and the others end in the hash tag ``:{K}`` (hashed on ``K``
+alone, e.g. ``infergate:v1:apikeys:ids:{infergate:v1:apikeys}``), so they land in ``K``'s
+slot, the existing key needs no rename, and every name still starts with ``infergate:``
+(ACL key patterns such as ``~infergate:*`` keep covering them):
+
+- :data:`ROUTING` + :data:`LEADER` + :data:`LEADER_FENCE` (the snapshot is written only
+  by the lease holder, in one script);
+- :data:`NODES` + :data:`NODES_SEEDED` + :data:`NODE_STATES` (the registry);
+- :data:`APIKEYS` + :data:`APIKEY_IDS` + :data:`APIKEYS_MARKER` (written together under
+  ``WATCH``/``MULTI``);
+- the token buckets of one API key (``{rl:key:<id>}``) and the two global buckets
+  (``{rl:global}``): see :func:`ratelimit_key`.
+
+Every other key is used alone (pipelines of them are split per node by the cluster
+clients), so it keeps its name and spreads over the slots by its own hash; cache entries
+and vectors are spread entry by entry. The renamed state keys are carried over from their
+old names once, at start, by :func:`controlplane.redisdb.migrate.migrate_key_names`.
 """
 
 from __future__ import annotations
@@ -15,28 +36,43 @@ BASE = f"{PREFIX}:{SCHEMA}"
 ROUTING = f"{BASE}:routing"
 #: String, integer counter INCRed for every snapshot written (snapshot ``version``).
 ROUTING_VERSION = f"{BASE}:routing:version"
-#: String with TTL, the id of the control plane that holds leadership.
-LEADER = f"{BASE}:leader"
+#: Hash tag of the routing group: the snapshot, the leader lease and its fencing counter.
+ROUTING_TAG = "{" + ROUTING + "}"
+#: String with TTL, the id of the control plane that holds leadership (same slot as
+#: :data:`ROUTING`). Before the cluster support: ``infergate:v1:leader`` (a lease, not
+#: carried over: the first control plane that starts takes it anew).
+LEADER = f"{BASE}:leader:{ROUTING_TAG}"
+#: String without TTL (state), integer INCRed each time a control plane takes the lease:
+#: the fencing token of the lease (same slot as :data:`LEADER`). Never goes back.
+LEADER_FENCE = f"{BASE}:leader_fence:{ROUTING_TAG}"
 #: Hash, node name -> JSON node config (url, kind, weight, max_concurrency, ...).
 NODES = f"{BASE}:nodes"
+#: Hash tag of the registry group (:data:`NODES` and the keys below).
+NODES_TAG = "{" + NODES + "}"
 #: Set of the names of configured (TOML) nodes the registry was ever seeded with: a
 #: configured node is seeded once, so one removed at run time stays removed.
-NODES_SEEDED = f"{BASE}:nodes_seeded"
+#: Before the cluster support: ``infergate:v1:nodes_seeded``.
+NODES_SEEDED = f"{BASE}:nodes_seeded:{NODES_TAG}"
 #: Hash, node name -> JSON ``{"state": "active"|"draining"|"drained", "since": epoch_s}``.
-NODE_STATES = f"{BASE}:node_states"
+#: Before the cluster support: ``infergate:v1:node_states``.
+NODE_STATES = f"{BASE}:node_states:{NODES_TAG}"
 #: Hash, edge id -> JSON per-edge stats ``{"ts": epoch_s, "nodes": {name: {...}}}``.
 EDGES = f"{BASE}:edges"
 #: Stream of operator-visible events (drains, health changes, config changes), capped.
 EVENTS = f"{BASE}:events"
 #: Hash, SHA-256 hex of an API key -> JSON ``{"id", "tenant", "rpm", "tpm", "created", "revoked"}``.
 APIKEYS = f"{BASE}:apikeys"
+#: Hash tag of the API key group (:data:`APIKEYS` and the keys below).
+APIKEYS_TAG = "{" + APIKEYS + "}"
 #: Hash, short key id -> SHA-256 hex of the key (listing and revoking by id).
-APIKEY_IDS = f"{BASE}:apikeys:ids"
+#: Before the cluster support: ``infergate:v1:apikeys:ids``.
+APIKEY_IDS = f"{BASE}:apikeys:ids:{APIKEYS_TAG}"
 #: String without TTL (state): JSON ``{"written": epoch_s}``, set with every write of the
 #: API keys (create, revoke, limits, import). Missing = the key store was lost (Redis
 #: came back empty) or never written: an edge then keeps honouring the valid keys it knew
 #: (``lua/infergate/admission/auth.lua``) until a write (``infergate keys import``) sets it.
-APIKEYS_MARKER = f"{BASE}:apikeys:marker"
+#: Before the cluster support: ``infergate:v1:apikeys:marker``.
+APIKEYS_MARKER = f"{BASE}:apikeys:marker:{APIKEYS_TAG}"
 #: Hash of response-cache counters: lookups, hits_exact, hits_semantic, misses, bypass, stores.
 CACHE_STATS = f"{BASE}:cache:stats"
 #: Prefix of response-cache entries (strings, JSON, with TTL): ``CACHE_ENTRY_PREFIX + exact_key_hex``.
@@ -65,8 +101,8 @@ CACHE_DROPPED_PREFIX = f"{BASE}:cache:dropped:"
 #: List with TTL, capped: semantic hits to verify, JSON ``{"key", "namespace", "path",
 #: "model", "tenant", "body", "ts"}`` RPUSHed by the edge, taken by the control plane.
 CACHE_VERIFY_QUEUE = f"{BASE}:cache:verify_queue"
-#: Prefix of the edge's token buckets (hashes ``tokens``, ``ts``; expire once full):
-#: ``RATELIMIT_PREFIX + "key:<key id>:rpm"`` / ``":tpm"``, ``"global:rpm"``, ``"global:tpm"``.
+#: Prefix of the edge's token buckets (hashes ``tokens``, ``ts``; expire once full), named
+#: by :func:`ratelimit_key` / :func:`ratelimit_global`.
 RATELIMIT_PREFIX = f"{BASE}:ratelimit:"
 #: List with TTL (cache kind), newest first, capped: one JSON point per interval of the
 #: pool's traffic (requests, cache, latency histogram, shed, rate limits, per-node
@@ -93,8 +129,24 @@ ADMIN_SESSION_PREFIX = f"{BASE}:admin:session:"
 #: Every other key is cache kind and always carries a TTL.
 STATE_KEYS = frozenset({
     ROUTING, ROUTING_VERSION, NODES, NODES_SEEDED, NODE_STATES, EVENTS, APIKEYS, APIKEY_IDS,
-    APIKEYS_MARKER, STATE_MARKER,
+    APIKEYS_MARKER, STATE_MARKER, LEADER_FENCE,
 })
+
+#: State keys renamed for Redis Cluster hash tags: old name -> new name. Carried over
+#: once at start (:mod:`controlplane.redisdb.migrate`); the old names are never written.
+RENAMED = {
+    f"{BASE}:nodes_seeded": NODES_SEEDED,
+    f"{BASE}:node_states": NODE_STATES,
+    f"{BASE}:apikeys:ids": APIKEY_IDS,
+    f"{BASE}:apikeys:marker": APIKEYS_MARKER,
+}
+
+#: The key groups that one script or transaction touches together: each shares one slot.
+SLOT_GROUPS = {
+    "routing": (ROUTING, LEADER, LEADER_FENCE),
+    "registry": (NODES, NODES_SEEDED, NODE_STATES),
+    "apikeys": (APIKEYS, APIKEY_IDS, APIKEYS_MARKER),
+}
 
 
 def node_metrics(name: str) -> str:
@@ -139,6 +191,18 @@ def cache_vec_index(model_slug: str, dim: int) -> str:
     return f"{BASE}:cache:vecidx:{model_slug}:{dim}"
 
 
+def ratelimit_key(key_id: str, kind: str) -> str:
+    """Hash with TTL: the ``kind`` (``rpm`` | ``tpm``) token bucket of one API key. Both
+    buckets of a key share the tag ``{rl:key:<id>}``: one script charges them together,
+    and different keys spread over the slots."""
+    return f"{RATELIMIT_PREFIX}{{rl:key:{key_id}}}:{kind}"
+
+
+def ratelimit_global(kind: str) -> str:
+    """Hash with TTL: the global ``kind`` (``rpm`` | ``tpm``) token bucket (tag ``{rl:global}``)."""
+    return f"{RATELIMIT_PREFIX}{{rl:global}}:{kind}"
+
+
 def cache_index(dimension: str, value: str) -> str:
     """Set of exact key hexes whose entry has ``dimension`` (tenant | model | namespace) = value."""
     return f"{CACHE_INDEX_PREFIX}{dimension}:{value}"
@@ -149,7 +213,9 @@ FIXED = {
     "routing": ROUTING,
     "routing_version": ROUTING_VERSION,
     "leader": LEADER,
+    "leader_fence": LEADER_FENCE,
     "nodes": NODES,
+    "nodes_seeded": NODES_SEEDED,
     "node_states": NODE_STATES,
     "edges": EDGES,
     "events": EVENTS,

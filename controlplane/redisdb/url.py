@@ -9,6 +9,12 @@
   name. The password (and user) in the URL are those of the Redis servers; a password of
   the sentinels themselves is ``redis.sentinel_password``. TLS together with Sentinel is
   not supported (``rediss+sentinel://`` is refused).
+- ``redis+cluster://[[user]:password@]host1[:port1][,host2[:port2]...][/0]`` -- Redis
+  Cluster: the listed nodes (port 6379 by default; any few of them, masters or replicas)
+  are seeds from which the slot map is learnt (``CLUSTER SLOTS`` / ``CLUSTER SHARDS``);
+  each command then goes to the master of its key's slot. The password (and user) are
+  those of every node. A cluster has only database 0: a path other than ``/`` or ``/0``
+  is refused. ``rediss+cluster://...`` is the same over TLS (``[redis] tls_*``).
 
 Credentials are percent-decoded (``p%40ss`` -> ``p@ss``). A query string is allowed and
 ignored here (redis-py reads some of its parameters on the Python side of plain URLs).
@@ -29,7 +35,7 @@ from controlplane.errors import InfergateError
 
 DEFAULT_PORT = 6379
 DEFAULT_SENTINEL_PORT = 26379
-SCHEMES = ("redis", "rediss", "redis+sentinel")
+SCHEMES = ("redis", "rediss", "redis+sentinel", "redis+cluster", "rediss+cluster")
 _SERVICE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}\Z")
 _HOSTPORT_RE = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[^:\[\]/]+))(?::(?P<port>\d*))?\Z")
 
@@ -43,15 +49,18 @@ class RedisTarget:
     """What a ``redis.url`` names.
 
     ``kind`` ``"direct"``: one server at ``host``:``port``. ``"sentinel"``: the master of
-    ``service`` as named by ``sentinels`` (``(host, port)`` pairs). ``tls``: the
-    connection (direct only) uses TLS. ``db``: database number (``SELECT``)."""
+    ``service`` as named by ``sentinels`` (``(host, port)`` pairs). ``"cluster"``: a Redis
+    Cluster found from the seed nodes ``nodes`` (``(host, port)`` pairs). ``tls``: the
+    connections (direct or cluster) use TLS. ``db``: database number (``SELECT``; always 0
+    on a cluster)."""
 
-    kind: Literal["direct", "sentinel"]
+    kind: Literal["direct", "sentinel", "cluster"]
     tls: bool = False
     host: str | None = None
     port: int | None = None
     sentinels: tuple[tuple[str, int], ...] = ()
     service: str | None = None
+    nodes: tuple[tuple[str, int], ...] = ()
     db: int = 0
     username: str | None = None
     password: str | None = None
@@ -61,6 +70,9 @@ class RedisTarget:
         if self.kind == "sentinel":
             hosts = ",".join(_fmt_host(h, p) for h, p in self.sentinels)
             return f"redis+sentinel://{hosts}/{self.service}/{self.db}"
+        if self.kind == "cluster":
+            hosts = ",".join(_fmt_host(h, p) for h, p in self.nodes)
+            return f"{'rediss' if self.tls else 'redis'}+cluster://{hosts}"
         scheme = "rediss" if self.tls else "redis"
         return f"{scheme}://{_fmt_host(self.host or '', self.port or DEFAULT_PORT)}/{self.db}"
 
@@ -131,8 +143,8 @@ def parse_redis_url(url: str) -> RedisTarget:
                             "TCP only (no TLS); use redis+sentinel://, or rediss:// to one "
                             "server")
     if scheme not in SCHEMES:
-        raise RedisURLError(f"unsupported redis url scheme {scheme!r}: use redis://, rediss:// "
-                            "or redis+sentinel://")
+        raise RedisURLError(f"unsupported redis url scheme {scheme!r}: use redis://, rediss://, "
+                            "redis+sentinel:// or redis+cluster://")
     rest = re.split(r"[?#]", rest, maxsplit=1)[0]
     authority, _, path = rest.partition("/")
     userinfo, at, hosts = authority.rpartition("@")
@@ -163,8 +175,15 @@ def parse_redis_url(url: str) -> RedisTarget:
         db = _db(db_parts[0] if db_parts else "", url)
         return RedisTarget("sentinel", sentinels=sentinels, service=service, db=db,
                            username=username, password=password)
+    if scheme.endswith("+cluster"):
+        nodes = tuple(_hostport(h, DEFAULT_PORT, url) for h in hosts.split(","))
+        if [p for p in parts if p != ""] not in ([], ["0"]):
+            raise RedisURLError(f"a Redis Cluster has only database 0: {redact(url)}")
+        return RedisTarget("cluster", tls=scheme == "rediss+cluster", nodes=nodes,
+                           username=username, password=password)
     if "," in hosts:
-        raise RedisURLError(f"several hosts need redis+sentinel://: {redact(url)}")
+        raise RedisURLError(f"several hosts need redis+sentinel:// or redis+cluster://: "
+                            f"{redact(url)}")
     host, port = _hostport(hosts, DEFAULT_PORT, url)
     db_parts = [p for p in parts if p != ""]
     if len(db_parts) > 1:

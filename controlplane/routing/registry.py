@@ -120,7 +120,7 @@ def put_node_unique(r: redis.Redis, node: NodeSettings, *, only_new: bool = Fals
     (WATCH on the registry, retried when it changed in between), so two writers cannot
     both register one server. True if written (False: ``only_new`` and the name exists).
     Raises :class:`UrlTaken`."""
-    with r.pipeline() as pipe:
+    with r.pipeline(transaction=True) as pipe:  # WATCH on a cluster needs transaction=True
         while True:
             try:
                 pipe.watch(keynames.NODES)
@@ -149,7 +149,8 @@ def remove_node(r: redis.Redis, name: str) -> bool:
     pipe = r.pipeline()
     pipe.hdel(keynames.NODES, name)
     pipe.hdel(keynames.NODE_STATES, name)
-    pipe.delete(keynames.node_metrics(name), keynames.node_history(name))
+    pipe.delete(keynames.node_metrics(name))  # one key each: different slots on a cluster
+    pipe.delete(keynames.node_history(name))
     return bool(pipe.execute()[0])
 
 

@@ -39,7 +39,7 @@ logged at ERROR ("REDIS STATE LOST"), recorded as a ``state_lost`` event (admin 
 time in ``infergate_controlplane_state_lost_timestamp_seconds``, and the node registry
 is re-seeded from the TOML ``[[nodes]]``. API keys, nodes added at run time and drain
 states cannot be rebuilt from here: restore keys with ``infergate keys import``. Until
-then the edges keep honouring the valid keys they knew (``infergate:v1:apikeys:marker``
+then the edges keep honouring the valid keys they knew (``infergate:v1:apikeys:marker:{infergate:v1:apikeys}``
 missing, ``lua/infergate/admission/auth.lua``): logged at ERROR ("API KEYS MISSING"), an
 ``apikeys_missing`` event (``apikeys_restored`` once the keys are written again), the
 gauge ``infergate_controlplane_apikeys_missing``, and on the admin keys page and
@@ -70,6 +70,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from controlplane.redisdb import keynames
+from controlplane.redisdb.migrate import migrate_key_names
 from controlplane.routing import registry
 from controlplane.cli.common import split_listen
 from controlplane.config import (ConfigError, NodeSettings, RedisSettings,
@@ -118,10 +119,13 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
 return 1
 """
 
-#: Writes the snapshot only while this control plane still holds the leader lock, so a
-#: leader that stalled past its lease (and was replaced) cannot overwrite its successor.
+#: Writes the snapshot only while this control plane still holds the leader lock with
+#: the fencing token it took it with, so a leader that stalled past its lease (and was
+#: replaced), or whose lease was lost in a failover, cannot overwrite its successor.
+#: KEYS = leader, routing, fencing counter (one slot); ARGV = id, snapshot, token.
 SNAPSHOT_IF_LEADER_LUA = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if tonumber(redis.call('GET', KEYS[3]) or '0') ~= tonumber(ARGV[3]) then return 0 end
 redis.call('SET', KEYS[2], ARGV[2])
 return 1
 """
@@ -176,6 +180,7 @@ class ControlPlane:
         cp = settings.controlplane
         self.settings = settings
         self.r = r
+        self._migrated = False
         self.id = ident or make_id()
         self.elector = LeaderElector(r, self.id, cp.leader_ttl_s)
         #: API key and CA bundle of every node (controlplane.routing.nodeaccess), used by
@@ -250,6 +255,9 @@ class ControlPlane:
         """Refresh nodes, states and edge stats from Redis. False if Redis failed."""
         added = 0
         try:
+            if not self._migrated:  # before any read: the registry may be under old names
+                migrate_key_names(self.r)
+                self._migrated = True
             lost = self._check_state_marker()
             if not self._seeded or lost or (self.redis_ok is False and not self.r.exists(keynames.NODES)):
                 added = registry.seed_nodes(self.r, self.settings.nodes)
@@ -480,7 +488,9 @@ class ControlPlane:
             if gone:  # edges that stopped long ago (restarted containers get new ids)
                 pipe.hdel(keynames.EDGES, *gone)
             for d in decisions:
-                pipe.eval(DRAINED_LUA, 1, keynames.NODE_STATES, d.name, repr(d.since), drained_json)
+                # EVAL by name: redis-py's cluster pipeline has no .eval
+                pipe.execute_command("EVAL", DRAINED_LUA, 1, keynames.NODE_STATES, d.name,
+                                     repr(d.since), drained_json)
             for st in report.statuses.values():
                 pipe.set(keynames.node_metrics(st.name), json.dumps(st.metrics_doc()), px=ttl_ms)
                 pipe.lpush(keynames.node_history(st.name), json.dumps(st.history_point()))
@@ -515,8 +525,9 @@ class ControlPlane:
                 ramps=self.ramps, auths={n.name: self.access.for_url(n.url).auth for n in nodes},
                 slots=self.props.slots(nodes))
             pipe = self.r.pipeline(transaction=False)
-            pipe.eval(SNAPSHOT_IF_LEADER_LUA, 2, keynames.LEADER, keynames.ROUTING, self.id,
-                      snap.to_json())
+            pipe.execute_command("EVAL", SNAPSHOT_IF_LEADER_LUA, 3, keynames.LEADER,
+                                 keynames.ROUTING, keynames.LEADER_FENCE, self.id,
+                                 snap.to_json(), self.elector.fence)
             for d in decisions:
                 if d.name in report.drained:
                     registry.add_event(pipe, "drained", d.name, actor=ACTOR,

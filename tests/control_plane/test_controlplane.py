@@ -13,6 +13,7 @@ import time
 import pytest
 
 from controlplane.redisdb import keynames
+from controlplane.routing.leader import LeaderElector
 from controlplane.routing import registry
 from controlplane.config import NodeSettings, Settings
 from controlplane.routing.service import ControlPlane
@@ -251,6 +252,36 @@ def test_a_replaced_leader_does_not_overwrite_the_snapshot(redis_server, sims, p
     cp.run_cycle()
     assert routing(r)["version"] == first
     assert routing(r)["leader"] == "cp-old"
+
+
+def test_a_leadership_lost_in_a_failover_is_fenced(redis_server, sims, pool, cp_factory):
+    """The lease vanishes (a master failed over before replicating it), another control
+    plane takes it and gives it up, and the first takes it again under the same id: its
+    snapshot writes with the old fencing token are refused; the new token writes."""
+    r = redis_server.client()
+    cp = cp_factory(cp_settings(pool), ident="cp-a")
+    cp.run_cycle()
+    first, token = routing(r)["version"], cp.elector.fence
+    assert token >= 1 and int(r.get(keynames.LEADER_FENCE)) == token
+    real = cp.resolver.resolve_url
+
+    def lose_and_retake(url, now):
+        if r.get(keynames.LEADER_FENCE) == str(token):  # once per cycle (called per node)
+            r.delete(keynames.LEADER)
+            other = LeaderElector(r, "cp-b", ttl_s=5)
+            assert other.tick() == (True, True) and other.fence == token + 1
+            other.release()
+            r.set(keynames.LEADER, "cp-a", px=5000)  # the same id again, no new token
+        return real(url, now)
+
+    cp.resolver.resolve_url = lose_and_retake
+    cp.run_cycle()
+    assert routing(r)["version"] == first      # the stale token was refused
+    cp.resolver.resolve_url = real
+    r.delete(keynames.LEADER)
+    cp.run_cycle()                             # takes it again: a new token, writes again
+    assert cp.elector.fence == token + 2
+    assert routing(r)["version"] > first
 
 
 def test_long_gone_edges_are_forgotten(redis_server, sims, pool, cp_factory):

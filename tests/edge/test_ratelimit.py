@@ -86,8 +86,8 @@ def test_per_key_request_limit_with_headers(redis_server, tiny_upstreams, edge_f
     assert edge.status()["admission"]["rate_limited"] == 1
 
     # the buckets live in Redis under the key id, and the script was loaded once
-    assert r.exists(keynames.RATELIMIT_PREFIX + f"key:{rec.id}:rpm")
-    assert r.ttl(keynames.RATELIMIT_PREFIX + f"key:{rec.id}:rpm") > 0
+    assert r.exists(keynames.ratelimit_key(rec.id, "rpm"))
+    assert r.ttl(keynames.ratelimit_key(rec.id, "rpm")) > 0
     assert edge.status()["admission"]["limits_local"] == 0
 
 
@@ -108,7 +108,7 @@ def test_token_limit_uses_the_real_usage(redis_server, simnodes, edge_factory) -
     key, rec = apikeys.create_key(r, "acme", tpm=100)
     (node,) = simnodes(1, time_scale=0.02)
     edge = edge_factory(settings(redis_server.url, [node.node_settings()]))
-    bucket = keynames.RATELIMIT_PREFIX + f"key:{rec.id}:tpm"
+    bucket = keynames.ratelimit_key(rec.id, "tpm")
     # 32 characters -> 8 prompt tokens estimated up front; the node also answers 50
     body = {"model": "sim-llama", "sim_output_tokens": 50,
             "messages": [{"role": "user", "content": "a" * 32}]}
@@ -145,7 +145,7 @@ def test_a_request_the_node_refuses_gives_its_tokens_back(redis_server, simnodes
     key, rec = apikeys.create_key(r, "acme", tpm=1000, rpm=100)
     (node,) = simnodes(1, time_scale=0.02)
     edge = edge_factory(settings(redis_server.url, [node.node_settings()]))
-    bucket = keynames.RATELIMIT_PREFIX + f"key:{rec.id}:tpm"
+    bucket = keynames.ratelimit_key(rec.id, "tpm")
     # 80,000 characters: over the node's KV cache (16,384 tokens); estimated at 20,000
     # tokens, charged as the bucket's 1,000
     body = {"model": "sim-llama", "messages": [{"role": "user", "content": "a" * 80000}]}
@@ -162,7 +162,7 @@ def test_stream_usage_corrects_the_token_bucket(redis_server, simnodes, edge_fac
     key, rec = apikeys.create_key(r, "acme", tpm=1000)
     (node,) = simnodes(1, time_scale=0.02)
     edge = edge_factory(settings(redis_server.url, [node.node_settings()]))
-    bucket = keynames.RATELIMIT_PREFIX + f"key:{rec.id}:tpm"
+    bucket = keynames.ratelimit_key(rec.id, "tpm")
     body = {"model": "sim-llama", "sim_output_tokens": 40, "stream": True,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": "b" * 40}]}
@@ -227,7 +227,7 @@ def test_leases_spare_round_trips_and_never_exceed_the_limit(redis_server, tiny_
     assert calls <= 40, f"{calls} script calls for 120 requests: leases did not cover them"
     # the bucket is charged ahead, never behind: Redis holds at most what is left after
     # the 120 requests, plus the refill meanwhile (50 per second)
-    tokens = float(r.hget(keynames.RATELIMIT_PREFIX + "global:rpm", "tokens"))
+    tokens = float(r.hget(keynames.ratelimit_global("rpm"), "tokens"))
     assert tokens <= 3000 - 120 + 50 * (elapsed + 0.5), (tokens, elapsed)
 
     # a small bucket with leases under load: never more than the limit. The same global
@@ -236,7 +236,7 @@ def test_leases_spare_round_trips_and_never_exceed_the_limit(redis_server, tiny_
     idle = script_calls(r)
     procs.wait_until(lambda: script_calls(r) > idle, 10, interval=0.05,
                      what="the first edge's unspent lease to go back to Redis")
-    r.delete(keynames.RATELIMIT_PREFIX + "global:rpm")
+    r.delete(keynames.ratelimit_global("rpm"))
     small = edge_factory(settings(redis_server.url, [up.node_settings()], auth=False,
                                   global_rpm=200))
     started = time.monotonic()

@@ -42,6 +42,12 @@ GOOD = [
                  service="mymaster")),
     ("redis+sentinel://:pw@[::1]:26379/svc-1.a/3",
      RedisTarget("sentinel", sentinels=(("::1", 26379),), service="svc-1.a", db=3, password="pw")),
+    ("redis+cluster://10.0.0.1:7000,10.0.0.2",
+     RedisTarget("cluster", nodes=(("10.0.0.1", 7000), ("10.0.0.2", 6379)))),
+    ("redis+cluster://u:p%40w@[::1]:7001/0?x=1",
+     RedisTarget("cluster", nodes=(("::1", 7001),), username="u", password="p@w")),
+    ("rediss+cluster://:pw@c1.internal:7000/",
+     RedisTarget("cluster", tls=True, nodes=(("c1.internal", 7000),), password="pw")),
 ]
 
 BAD = [
@@ -56,6 +62,9 @@ BAD = [
     ("redis://a:1,b:2/0", "sentinel"),
     ("redis+sentinel://h:1", "service"),
     ("redis+sentinel://h:1/m/x", "db number"),
+    ("redis+cluster://h:1/2", "only database 0"),
+    ("redis+cluster://h:1,h:99999", "port out of range"),
+    ("redis+cluster:///", "no host"),
 ]
 
 
@@ -104,6 +113,11 @@ def test_lua_agrees_with_python(workdir: Path) -> None:
                         port=expect.port)
             if expect.tls:
                 want.update(ssl=True, server_name=expect.host, ssl_verify=True)
+        elif expect.kind == "cluster":
+            clu = lua.pop("cluster")
+            assert [(h["host"], h["port"]) for h in clu["seeds"]] == list(expect.nodes), url
+            if expect.tls:
+                want.update(ssl=True, ssl_verify=True)
         else:
             sent = lua.pop("sentinel")
             assert sent["service"] == expect.service, url

@@ -18,7 +18,7 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent.parent
 #: Fixtures of tests/conftest.py and tests/support/ that start processes.
 PROCESS_FIXTURES = {"redis_server", "shared_redis_port", "r", "simnodes", "edge_factory",
-                    "controlplane_factory", "realnodes"}
+                    "controlplane_factory", "realnodes", "redis_cluster"}
 #: Fixtures of tests/lua/ modules that start servers.
 LUA_SERVER_FIXTURES = {"lua_runner", "redis_auth"}
 

@@ -21,7 +21,7 @@ from .embedder import EmbedderKeeper, _start_embedder
 from .nodes import SIM_NODES, _real_nodes, _sim_nodes
 from .owner import _release_owner, claim_registry
 from .plan import UpRun, make_plan, open_workdir
-from .store import _ensure_redis, _own_redis
+from .store import _ensure_redis, _own_cluster, _own_redis
 from .supervise import _supervise
 
 #: Label of the key ``up`` creates for the tenant ``demo`` (and revokes at its next start).
@@ -46,8 +46,14 @@ def start_redis(run: UpRun) -> None:
     """The Redis named on purpose (started there when it is local and silent), else this
     stack's own; then this stack claims its node registry (``--take-over``)."""
     settings = run.settings
-    run.redis_desc = (_ensure_redis(settings, run.wd, run.stack) if run.shared_redis
-                      else _own_redis(settings, run.wd, run.stack))
+    if run.redis_cluster:
+        if run.shared_redis:
+            raise click.ClickException("--redis-cluster starts this stack's own cluster: "
+                                       f"leave out the Redis named by {run.redis_named_by}")
+        run.redis_desc = _own_cluster(settings, run.wd, run.stack)
+    else:
+        run.redis_desc = (_ensure_redis(settings, run.wd, run.stack) if run.shared_redis
+                          else _own_redis(settings, run.wd, run.stack))
     run.owner_r = make_redis(settings.redis)
     where = settings.redis.url.split("@")[-1]
     try:
@@ -148,6 +154,9 @@ def stop_all(run: UpRun) -> None:
 @click.option("--admin-listen", default=None, metavar="HOST:PORT",
               help="Admin page and API address [default: controlplane.listen, 127.0.0.1:8081].")
 @click.option("--redis-url", default=None, help="Redis URL [default: redis.url].")
+@click.option("--redis-cluster", is_flag=True,
+              help="Start this stack's own loopback Redis Cluster (3 masters + 3 replicas) "
+                   "instead of one redis-server: a demo of the cluster support.")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,
               help="Folder for logs, rendered nginx config and Redis [default: a new temp dir].")
 @click.option("--time-scale", default=1.0, show_default=True, type=float,
@@ -162,11 +171,12 @@ def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
            node_health_path: str | None, node_max_concurrency: int | None,
            listen: str | None, admin_listen: str | None, redis_url: str | None,
            workdir: str | None, time_scale: float, take_over: bool = False,
-           instance_id: str | None = None) -> None:
+           instance_id: str | None = None, redis_cluster: bool = False) -> None:
     """Run the whole stack locally: Redis, nodes, control plane, nginx edge."""
     run = make_plan(config_path, node_urls, node_kind, node_health_path,
                     node_max_concurrency, listen, admin_listen, redis_url, time_scale,
                     take_over, instance_id)
+    run.redis_cluster = redis_cluster
     open_workdir(run, workdir)
     trap_signals(run)
     try:

@@ -54,6 +54,8 @@ class UpRun:
     admin_probe: str = ""
     cfg: Path = field(default_factory=Path)
     redis_desc: str = ""
+    #: ``--redis-cluster``: this stack's own loopback Redis Cluster instead of one Redis
+    redis_cluster: bool = False
     nodes: list[NodeSettings] = field(default_factory=list)
     demo_key: str | None = None
     semantic_desc: str = ""

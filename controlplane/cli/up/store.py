@@ -13,6 +13,7 @@ import redis as redis_lib
 from controlplane import procs
 from controlplane.config import Settings
 from controlplane.redisdb.conn import make_redis
+from controlplane.redisdb.localcluster import start_local_cluster
 from controlplane.redisdb.url import redact
 
 from .common import LOCAL_HOSTS, _say
@@ -40,6 +41,26 @@ def _own_redis(settings: Settings, workdir: Path, stack: procs.ProcessSet) -> st
     settings.redis.url = f"redis://:{password}@127.0.0.1:{port}/0"
     return (f"{settings.redis.url} (this stack's own redis-server, password required, "
             f"maxmemory 256mb, volatile-lru, append-only file in {workdir / 'redis'})")
+
+
+def _own_cluster(settings: Settings, workdir: Path, stack: procs.ProcessSet) -> str:
+    """Start this stack's own Redis Cluster (``--redis-cluster``, a demo of the cluster
+    support): 3 masters + 3 replicas of ``redis-server`` on free loopback ports, with a
+    new random password, append-only files under ``workdir/redis-cluster``
+    (:func:`controlplane.redisdb.localcluster.start_local_cluster`); point
+    ``settings.redis.url`` at it and return the banner description. A node that dies is
+    not restarted: its replica takes over, as in a real cluster. Raises
+    :class:`controlplane.procs.StartError`."""
+    _say("starting a Redis Cluster (3 masters + 3 replicas, this stack's own, with a password)")
+    cluster = start_local_cluster(workdir / "redis-cluster", persistent=True,
+                                  password=secrets.token_urlsafe(24))
+    for n in cluster.nodes:
+        stack.add(n.managed)
+    settings.redis.url = cluster.url
+    ports = ",".join(str(p) for p in cluster.ports)
+    return (f"Redis Cluster on 127.0.0.1 ports {ports} (this stack's own, password required, "
+            f"3 masters + 3 replicas, volatile-lru, append-only files in "
+            f"{workdir / 'redis-cluster'})")
 
 
 def _ensure_redis(settings: Settings, workdir: Path, stack: procs.ProcessSet) -> str:

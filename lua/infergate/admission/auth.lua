@@ -26,7 +26,7 @@
 -- NAT as the attacker), and OpenAI clients retry a 429 after Retry-After.
 --
 -- Key store lost: when a key this edge knew as valid is missing from Redis, the marker
--- infergate:v1:apikeys:marker (set by every write of the keys) tells why. Present: the
+-- keynames.apikeys_marker (set by every write of the keys) tells why. Present: the
 -- key was deleted, 401. Missing: Redis came back empty (a lost append-only file); the
 -- edge keeps honouring the key (its answer renewed, counted in auth_kept) until the keys
 -- are written again (infergate keys import), logs it at ERR (at most once a minute) and

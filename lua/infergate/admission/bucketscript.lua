@@ -3,6 +3,7 @@
 -- with the time from Redis TIME (EVALSHA, EVAL after NOSCRIPT).
 local ar = require("infergate.admission.redis")
 local redis = require("infergate.redis.client")
+local pool = require("infergate.redis.pool")
 
 local _M = {}
 
@@ -139,7 +140,7 @@ local function script_call(c, args, extra, on_extra)
     return r, e
 end
 
-function _M.redis_apply(mode, list, costs, extra, on_extra, wants)
+local function single_apply(mode, list, costs, extra, on_extra, wants)
     local args = _M.script_args(mode, list, costs, wants)
     local res, err = ar.run(script_call, args, extra, on_extra)
     if not res then
@@ -152,5 +153,102 @@ function _M.redis_apply(mode, list, costs, extra, on_extra, wants)
     return out
 end
 
+-- The buckets of `list` grouped by their keys' hash tag ({rl:key:<id>}, {rl:global}):
+-- a list of index lists, or nil when one script can take them all (one group, or one
+-- Redis, where any keys may share a script).
+function _M.cluster_groups(list)
+    if #list < 2 then
+        return nil
+    end
+    local conf = pool.conf()
+    if not (conf and conf.cluster) then
+        return nil
+    end
+    local groups, by = {}, {}
+    for i, b in ipairs(list) do
+        local tag = b.key:match("{[^}]*}") or b.key
+        local g = by[tag]
+        if not g then
+            g = {}
+            by[tag] = g
+            groups[#groups + 1] = g
+        end
+        g[#g + 1] = i
+    end
+    return #groups > 1 and groups or nil
+end
+
+function _M.pick(t, idx)
+    if not t then
+        return nil
+    end
+    local out = {}
+    for j, i in ipairs(idx) do
+        out[j] = t[i]
+    end
+    return out
+end
+
+-- Gives back what the groups in `charged` ({list, costs, granted}) took.
+local function refund(charged)
+    for _, c in ipairs(charged) do
+        local back = {}
+        for j, b in ipairs(c[1]) do
+            back[j] = -((c[2] and c[2][j] or b.cost) + (c[3] and c[3][j] or 0))
+        end
+        single_apply("adjust", c[1], back)
+    end
+end
+
+-- On a Redis Cluster the per-key and global buckets live in different slots: one script
+-- per group; when a group refuses (or fails), the groups that charged are given back
+-- their tokens ("adjust" with the negative cost), so all or none are charged as with one
+-- script (not atomically: a concurrent request may see a charge that is then undone).
+local function split_apply(mode, list, costs, extra, on_extra, wants, groups)
+    local out = { allowed = true, tokens = {}, wait = {}, granted = wants and {} or nil }
+    local charged = {}
+    for gi, idx in ipairs(groups) do
+        local sub, subcosts, subwants = _M.pick(list, idx), _M.pick(costs, idx), _M.pick(wants, idx)
+        local r, err = single_apply(mode, sub, subcosts, gi == 1 and extra or nil,
+                                    gi == 1 and on_extra or nil, subwants)
+        if not r then
+            if mode ~= "adjust" then
+                refund(charged)
+            end
+            return r, err
+        end
+        for j, i in ipairs(idx) do
+            out.tokens[i], out.wait[i] = r.tokens[j], r.wait[j]
+            if wants then
+                out.granted[i] = r.granted[j]
+            end
+        end
+        if r.allowed then
+            charged[#charged + 1] = { sub, subcosts, r.granted }
+        else
+            out.allowed = false
+        end
+    end
+    if not out.allowed and mode ~= "adjust" then
+        refund(charged)
+        if wants then
+            for i in ipairs(list) do
+                out.granted[i] = 0
+            end
+        end
+    end
+    return out
+end
+
+-- Runs the script in Redis for `list` (costs override the buckets' costs; wants: mode
+-- "lease"): one call, or one per hash-tag group on a Redis Cluster (split_apply).
+-- Returns the result, false, err or nil, err (see single_apply).
+function _M.redis_apply(mode, list, costs, extra, on_extra, wants)
+    local groups = _M.cluster_groups(list)
+    if groups then
+        return split_apply(mode, list, costs, extra, on_extra, wants, groups)
+    end
+    return single_apply(mode, list, costs, extra, on_extra, wants)
+end
 
 return _M

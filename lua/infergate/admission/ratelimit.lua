@@ -27,9 +27,9 @@
 -- so every edge sees the same clock. _M.companion(req) (set by infergate.cache.lookup)
 -- may return a Redis command and a callback for its reply: the command goes in the same
 -- pipeline as the script, so a request with rate limits and the response cache pays one
--- round trip for both. Hashes under keynames.ratelimit_prefix:
--- "key:<key id>:rpm", "key:<key id>:tpm", "global:rpm", "global:tpm" with fields
--- tokens, ts (epoch s); they expire once full again.
+-- round trip for both. Hashes keynames.ratelimit_key(<key id>, "rpm" | "tpm") and
+-- keynames.ratelimit_global("rpm" | "tpm") with fields tokens, ts (epoch s); they
+-- expire once full again.
 --
 -- Leases (limits.lease_fraction > 0): a worker that charges a bucket again within
 -- LEASE_TTL_S of its last charge also takes tokens ahead in the same script call (mode
@@ -121,13 +121,12 @@ local function names_of(id)
     if n then
         return n
     end
-    local prefix = keynames.ratelimit_prefix
-    return key_names:set(id, { rpm = prefix .. "key:" .. id .. ":rpm",
-                                tpm = prefix .. "key:" .. id .. ":tpm" })
+    return key_names:set(id, { rpm = keynames.ratelimit_key(id, "rpm"),
+                                tpm = keynames.ratelimit_key(id, "tpm") })
 end
 
-local GLOBAL_RPM = keynames.ratelimit_prefix .. "global:rpm"
-local GLOBAL_TPM = keynames.ratelimit_prefix .. "global:tpm"
+local GLOBAL_RPM = keynames.ratelimit_global("rpm")
+local GLOBAL_TPM = keynames.ratelimit_global("tpm")
 
 function _M.buckets(req, o)
     local list = {}

@@ -20,6 +20,16 @@ local ERR = ngx.ERR
 -- (EVALSHA; EVAL queued again after NOSCRIPT), or the local buckets when the charge was
 -- local or Redis cannot be reached (run in the flush timer, where waiting is allowed).
 local function queue_correction(list, costs, source, full_script)
+    -- a Redis Cluster: one correction per hash-tag group of buckets (one slot each)
+    local groups = source == "redis" and not full_script and bucketscript.cluster_groups(list)
+    if groups then
+        local ok, err
+        for _, idx in ipairs(groups) do
+            ok, err = queue_correction(bucketscript.pick(list, idx), bucketscript.pick(costs, idx),
+                                       source, false)
+        end
+        return ok, err
+    end
     local cmds = {}
     if source == "redis" then
         local args = bucketscript.script_args("adjust", list, costs)

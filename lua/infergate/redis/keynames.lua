@@ -1,4 +1,6 @@
--- Every Redis key name the edge uses. Mirrors controlplane/redisdb/keynames.py (tests compare both).
+-- Every Redis key name the edge uses. Mirrors controlplane/redisdb/keynames.py (tests compare both),
+-- hash tags included: keys one script or transaction touches together share a slot (a group
+-- is named after its oldest key K; the others end in ":{K}"), see that file.
 local _M = {}
 
 local BASE = "infergate:v1"
@@ -6,15 +8,20 @@ _M.BASE = BASE
 
 _M.routing = BASE .. ":routing"
 _M.routing_version = BASE .. ":routing:version"
-_M.leader = BASE .. ":leader"
+local ROUTING_TAG = "{" .. _M.routing .. "}"
+_M.leader = BASE .. ":leader:" .. ROUTING_TAG
+_M.leader_fence = BASE .. ":leader_fence:" .. ROUTING_TAG
 _M.nodes = BASE .. ":nodes"
-_M.node_states = BASE .. ":node_states"
+local NODES_TAG = "{" .. _M.nodes .. "}"
+_M.nodes_seeded = BASE .. ":nodes_seeded:" .. NODES_TAG
+_M.node_states = BASE .. ":node_states:" .. NODES_TAG
 _M.edges = BASE .. ":edges"
 _M.events = BASE .. ":events"
 _M.apikeys = BASE .. ":apikeys"
-_M.apikey_ids = BASE .. ":apikeys:ids"
+local APIKEYS_TAG = "{" .. _M.apikeys .. "}"
+_M.apikey_ids = BASE .. ":apikeys:ids:" .. APIKEYS_TAG
 -- Set with every write of the API keys; missing = the key store was lost (auth.lua).
-_M.apikeys_marker = BASE .. ":apikeys:marker"
+_M.apikeys_marker = BASE .. ":apikeys:marker:" .. APIKEYS_TAG
 _M.cache_stats = BASE .. ":cache:stats"
 _M.cache_entry_prefix = BASE .. ":cache:entry:"
 _M.cache_index_prefix = BASE .. ":cache:idx:"
@@ -64,6 +71,15 @@ end
 
 function _M.cache_vec_index(model_slug, dim)
     return BASE .. ":cache:vecidx:" .. model_slug .. ":" .. dim
+end
+
+-- Token buckets: both of one API key share the tag {rl:key:<id>}, the global ones {rl:global}.
+function _M.ratelimit_key(key_id, kind)
+    return _M.ratelimit_prefix .. "{rl:key:" .. key_id .. "}:" .. kind
+end
+
+function _M.ratelimit_global(kind)
+    return _M.ratelimit_prefix .. "{rl:global}:" .. kind
 end
 
 function _M.cache_index(dimension, value)

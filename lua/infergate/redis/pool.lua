@@ -14,7 +14,9 @@
 -- Connecting: plain TCP, TLS for rediss:// (sslhandshake on new connections, certificate
 -- and host name checked when redis_tls_verify is on, client certificate when set), or
 -- Sentinel for redis+sentinel:// (the master from infergate.redis.sentinel; a new
--- connection must answer ROLE "master"). New connections send AUTH and SELECT; every
+-- connection must answer ROLE "master"), or Redis Cluster for redis+cluster:// (connect
+-- returns a cluster client, infergate.redis.cluster, whose node connections come from
+-- this pool, each node pooled and backed off as a server of its own). New connections send AUTH and SELECT; every
 -- socket operation waits at most redis_timeout_ms (or the timeout_ms given).
 --
 -- Pooling: connections go back to the nginx cosocket keepalive pool of the worker,
@@ -44,6 +46,7 @@ local ngx_now = ngxapi.now
 local config = require("infergate.core.config")
 local sentinel = require("infergate.redis.sentinel")
 local mastercache = require("infergate.redis.mastercache")
+local cluster = require("infergate.redis.cluster")
 
 local _M = {}
 
@@ -119,6 +122,9 @@ local function identity(conf)
     if conf.sentinel then
         parts = { "sentinel", conf.sentinel.id, conf.db or 0, conf.username or "",
                   conf.password or "" }
+    elseif conf.cluster then
+        parts = { "cluster", conf.cluster.id, conf.username or "", conf.password or "",
+                  conf.ssl and "tls" or "" }
     else
         parts = { conf.host, conf.port, conf.db or 0, conf.username or "", conf.password or "",
                   conf.ssl and ("tls " .. tostring(conf.server_name)) or "" }
@@ -142,7 +148,7 @@ end
 
 local function resolve(target)
     if type(target) == "table" then
-        if not (target.host or target.sentinel) then
+        if not (target.host or target.sentinel or target.cluster) then
             return nil, "redis: bad configuration"
         end
         return target
@@ -396,7 +402,12 @@ function _M.connect(target, timeout_ms)
     end
     local o = opts()
     local c
-    c, err = open(conf, tonumber(timeout_ms) or o.timeout_ms, o)
+    if conf.cluster then
+        -- a cluster client: per-node connections from this pool (infergate.redis.cluster)
+        c, err = cluster.connect(conf, tonumber(timeout_ms) or o.timeout_ms)
+    else
+        c, err = open(conf, tonumber(timeout_ms) or o.timeout_ms, o)
+    end
     if not c then
         backoff_set(id, err)
         return nil, err
@@ -459,7 +470,9 @@ function _M.run_with(fn, a, b, d)
     return run_on(c, err, fn, a, b, d)
 end
 
--- the sentinels are asked through this pool (infergate.redis.sentinel)
+-- the sentinels are asked through this pool (infergate.redis.sentinel), and the nodes
+-- of a cluster are reached through it (infergate.redis.cluster)
 sentinel.set_pool(_M)
+cluster.set_pool(_M)
 
 return _M

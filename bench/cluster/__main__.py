@@ -1,0 +1,432 @@
+"""``python -m bench.cluster [--duration S] [--rounds R] [--rate N] [--out DIR]``
+
+infergate on a 3-master, 3-replica loopback Redis Cluster
+(:mod:`controlplane.redisdb.localcluster`) against one redis-server, same machine, same run:
+
+- Overhead rows (``wrk --latency``, -c16, one nginx worker each, the static upstream of
+  :mod:`bench.edge_overhead`; each row ``--rounds`` times interleaved, the median round
+  reported): ``keys_ratelimit`` (API keys required, a per-key and a global rate limit
+  that never refuse: the token-bucket script -- on the cluster one call per slot group --
+  runs on every request) and ``exact_hit`` (one prompt answered from the exact cache),
+  on ``single`` Redis and on the ``cluster``; ``ratio`` = cluster req/s over single.
+- ``reshard``: ``redis-cli --cluster reshard`` moves half the slots (8192, from two
+  masters to the third) while a steady load of ``--rate`` requests/s (valid keys, a mix
+  of exact hits and misses) goes through the cluster's edge; then every state key
+  written before (API keys, registry, drain states) and every cache entry without
+  expiry soon is read back. Figures: failed requests, 401s, lost keys, duration.
+- ``master_kill``: the master of the routing/API-key slots SIGKILLed under the same
+  load while two control planes (in-process, leader TTL 2 s) cycle every 0.2 s. Figures:
+  failed requests, 401s, seconds until every live node reports ``cluster_state:ok``
+  (recovered), seconds until a snapshot is written again (leader takeover), the leaders
+  that wrote snapshots afterwards, and the fencing counter.
+- ``skew``: keys per master (DBSIZE) before the reshard (slots split evenly, 5000 cache
+  entries and the state written), max over mean.
+- ``rate_limit_parity``: two edges per back end sharing a key limited to 120 requests a
+  minute (plus a global limit, so the cluster charges two slot groups): of the same
+  sequence of requests, how many each back end lets through.
+- ``semantic``: an embedder and a semantic-cache edge on the cluster; paraphrases of a
+  stored prompt answered from the semantic cache.
+
+Writes ``redis_cluster.json`` (the commit and load average). The machine is shared: the
+figures of one run compare the two back ends, not machines.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import statistics
+import subprocess
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import click
+import requests
+
+from controlplane import procs
+from controlplane.admin import apikeys
+from controlplane.config import Settings, settings_from_dict
+from controlplane.edge.render import render_nginx, start_nginx
+from controlplane.redisdb import keynames
+from controlplane.redisdb.conn import make_redis
+from controlplane.redisdb.localcluster import LocalCluster, start_local_cluster
+from controlplane.routing import registry
+from controlplane.routing.service import ControlPlane
+
+from ..common import RESULTS_DIR, Stack, format_table, log, machine_info, sigterm_as_interrupt, write_json
+from ..edge_overhead import wrk
+from ..edge_overhead.__main__ import STATIC_ANSWER, UPSTREAM_CONF, body
+from ..edge_overhead.__main__ import FILTER_ANSWER, LENGTH_ANSWER
+
+PROMPT = "What is the capital of France?"
+COLUMNS = [("row", "row"), ("single_rps", "single req/s"), ("cluster_rps", "cluster req/s"),
+           ("ratio", "ratio"), ("single_p99_ms", "single p99 ms"),
+           ("cluster_p99_ms", "cluster p99 ms")]
+
+
+def _edge(stack: Stack, name: str, redis_url: str, upstream: str, **sections: dict) -> str:
+    data: dict = {"redis": {"url": redis_url},
+                  "edge": {"workers": 1, "redis_pool_size": 64, "metrics_listen": ""},
+                  "controlplane": {"poll_interval_s": 0.5, "leader_ttl_s": 2.0},
+                  "nodes": [{"name": "static", "url": upstream, "kind": "openai",
+                             "max_concurrency": 100000}]}
+    data.update(sections)
+    s = settings_from_dict(data, "cluster benchmark")
+    port = procs.free_port()
+    d = stack.dir / name
+    rendered = render_nginx(s, d / "conf", listen=f"127.0.0.1:{port}", prefix=d / "prefix",
+                            source="cluster benchmark")
+    stack.add(start_nginx(rendered.nginx_conf, rendered.prefix))
+    url = f"http://127.0.0.1:{port}"
+
+    def routes() -> bool:
+        st = requests.get(f"{url}/infergate/status", timeout=2).json()
+        return st["snapshot"]["source"] == "redis" and any(n["eligible"] for n in st["nodes"])
+
+    procs.wait_until(routes, 30, what=f"edge {name} to route")
+    return url
+
+
+def _settings(redis_url: str, upstream: str) -> Settings:
+    return settings_from_dict({"redis": {"url": redis_url},
+                               "controlplane": {"leader_ttl_s": 2.0, "poll_timeout_s": 0.3},
+                               "nodes": [{"name": "static", "url": upstream, "kind": "openai",
+                                          "max_concurrency": 100000}]})
+
+
+class Cycler:
+    """Control planes cycling in one background thread every ``every_s`` seconds; records
+    (time, version, leader) of every snapshot seen."""
+
+    def __init__(self, cps: list[ControlPlane], r, every_s: float = 0.2) -> None:  # type: ignore[no-untyped-def]
+        self.cps, self.r, self.every_s = cps, r, every_s
+        self.seen: list[tuple[float, int, str]] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for cp in self.cps:
+                try:
+                    cp.run_cycle()
+                except Exception:  # noqa: BLE001 - a cycle during a failover may fail
+                    pass
+            try:
+                snap = json.loads(self.r.get(keynames.ROUTING))
+                if not self.seen or self.seen[-1][1] != snap["version"]:
+                    self.seen.append((time.time(), snap["version"], snap["leader"]))
+            except Exception:  # noqa: BLE001
+                pass
+            self._stop.wait(self.every_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join(5)
+
+
+def _load(url: str, key: str, rate: float, stop: threading.Event) -> Counter:
+    """Requests at ``rate``/s (4 threads, each paced) until ``stop``; counts statuses."""
+    out: Counter = Counter()
+    lock = threading.Lock()
+
+    def worker(k: int) -> None:
+        s = requests.Session()
+        i, period = 0, 4.0 / rate
+        nxt = time.monotonic()
+        while not stop.is_set():
+            prompt = PROMPT if i % 2 else f"load {k} {i}"
+            try:
+                res = s.post(f"{url}/v1/chat/completions", data=body(prompt), timeout=10,
+                             headers={"Authorization": f"Bearer {key}",
+                                      "Content-Type": "application/json"})
+                st = res.status_code
+            except requests.RequestException as exc:
+                st = f"error:{type(exc).__name__}"
+            with lock:
+                out[st] += 1
+            i += 1
+            nxt += period
+            stop.wait(max(0.0, nxt - time.monotonic()))
+
+    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def _state(r, n: int = 50) -> dict:  # type: ignore[no-untyped-def]
+    """State written before a drill (API keys, nodes, drain states, long-lived cache entries)."""
+    keys = [apikeys.create_key(r, f"tenant-{i}")[0] for i in range(n)]
+    for i in range(n):
+        registry.put_node(r, registry.NodeSettings(name=f"reg-{i}", url=f"http://127.0.0.1:{9 + i}"))
+        registry.set_state(r, f"reg-{i}", "draining" if i % 2 else "active", actor="bench")
+    for i in range(n * 4):
+        r.set(keynames.cache_entry(f"{i:032x}"), "{}", ex=3600)
+    return {"keys": keys, "n": n}
+
+
+def _lost(r, st: dict) -> int:  # type: ignore[no-untyped-def]
+    n = st["n"]
+    lost = sum(1 for k in st["keys"] if apikeys.lookup(r, k) is None)
+    lost += sum(1 for i in range(n) if registry.get_node(r, f"reg-{i}") is None)
+    states = registry.get_states(r)
+    lost += sum(1 for i in range(n) if f"reg-{i}" not in states)
+    lost += sum(1 for i in range(n * 4) if r.get(keynames.cache_entry(f"{i:032x}")) is None)
+    for i in range(n):  # the control planes of the next drill would poll them
+        registry.remove_node(r, f"reg-{i}")
+    return lost
+
+
+def _failed(c: Counter) -> int:
+    return sum(v for k, v in c.items() if k not in (200, 429))
+
+
+def reshard_drill(cluster: LocalCluster, url: str, key: str, r, rate: float) -> dict:  # type: ignore[no-untyped-def]
+    st = _state(r)
+    masters = cluster.masters_now()
+    src = ",".join(n.node_id for n in masters[:2])
+    stop = threading.Event()
+    res: dict = {}
+    t = threading.Thread(target=lambda: res.setdefault("c", _load(url, key, rate, stop)))
+    t.start()
+    t0 = time.monotonic()
+    argv = ["redis-cli", "--cluster", "reshard", f"127.0.0.1:{masters[0].port}",
+            "--cluster-from", src, "--cluster-to", masters[2].node_id, "--cluster-slots", "8192",
+            "--cluster-yes", "--cluster-pipeline", "100"]
+    if cluster.password:
+        argv[1:1] = ["--no-auth-warning", "-a", cluster.password]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    took = time.monotonic() - t0
+    stop.set()
+    t.join()
+    cluster.wait_ok(10)
+    c = res["c"]
+    return {"slots_moved": 8192, "reshard_s": round(took, 1), "redis_cli_rc": p.returncode,
+            "requests": sum(c.values()), "failed": _failed(c), "status_401": c.get(401, 0),
+            "statuses": {str(k): v for k, v in c.items()}, "lost_keys": _lost(r, st)}
+
+
+def kill_drill(cluster: LocalCluster, url: str, key: str, r, upstream: str,  # type: ignore[no-untyped-def]
+               rate: float) -> dict:
+    cps = [ControlPlane(_settings(cluster.url, upstream), make_redis(_settings(cluster.url, upstream).redis),
+                        ident=f"bench-cp-{i}") for i in range(2)]
+    cyc = Cycler(cps, r)
+    procs.wait_until(lambda: len(cyc.seen) >= 2, 20, what="snapshots before the kill")
+    stop = threading.Event()
+    res: dict = {}
+    t = threading.Thread(target=lambda: res.setdefault("c", _load(url, key, rate, stop)))
+    t.start()
+    time.sleep(2.0)  # steady load before the fault
+    port = int(r.nodes_manager.get_node_from_slot(r.keyslot(keynames.ROUTING)).port)
+    leader_before = cyc.seen[-1][2]
+    killed_at = time.time()
+    cluster.node_of_port(port).managed.signal(signal.SIGKILL)
+    recovered = None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # a replica promoted in its place, every node ok
+        if len(cluster.masters_now()) == 3 and cluster._all_ok()[0]:
+            recovered = time.time() - killed_at
+            break
+        time.sleep(0.05)
+    time.sleep(3.0)  # load and cycles go on after the recovery
+    stop.set()
+    t.join()
+    cyc.stop()
+    after = [(ts, v, who) for ts, v, who in cyc.seen if ts > killed_at]
+    c = res["c"]
+    for cp in cps:
+        try:
+            cp.elector.release()
+        except Exception:  # noqa: BLE001
+            pass
+    return {"requests": sum(c.values()), "failed": _failed(c), "status_401": c.get(401, 0),
+            "statuses": {str(k): v for k, v in c.items()},
+            "recovered_s": round(recovered, 2) if recovered is not None else None,
+            "snapshot_gap_s": round(after[0][0] - killed_at, 2) if after else None,
+            "takeover_after_recovery_s": (round(after[0][0] - killed_at - recovered, 2)
+                                          if after and recovered is not None else None),
+            "leader_before": leader_before,
+            "leaders_after": sorted({who for _, _, who in after}),
+            "fence": int(r.get(keynames.LEADER_FENCE) or 0)}
+
+
+def rate_limit_parity(stack: Stack, urls: dict[str, str], upstream: str, n: int = 240) -> dict:
+    """Two edges per back end sharing one API key limited to 120 requests/min (and a
+    global limit that never refuses, so the cluster charges two slot groups): ``n``
+    requests alternating between the edges, one at a time; how many were let through."""
+    out: dict = {}
+    for name, url in urls.items():
+        r = make_redis(_settings(url, upstream).redis)
+        key, _ = apikeys.create_key(r, f"parity-{name}", rpm=120)
+        lim = {"auth": {"mode": "required"}, "limits": {"global_rpm": 10**7}}
+        edges = [_edge(stack, f"{name}-parity-{i}", url, upstream, **lim) for i in range(2)]
+        t0, ok = time.monotonic(), 0
+        for i in range(n):
+            res = requests.post(f"{edges[i % 2]}/v1/chat/completions", data=body(f"p{i}"),
+                                timeout=10, headers={"Authorization": f"Bearer {key}",
+                                                     "Content-Type": "application/json"})
+            ok += res.status_code == 200
+        out[name] = {"allowed": ok, "seconds": round(time.monotonic() - t0, 2)}
+    s, c = out["single"]["allowed"], out["cluster"]["allowed"]
+    out["ratio"] = round(c / s, 3) if s else None
+    out["requests"] = n
+    return out
+
+
+PARAPHRASES = ["what is the capital of france", "What is the capital of France",
+               "Tell me the capital of France?"]
+
+
+def semantic_check(stack: Stack, cluster: LocalCluster, upstream: str) -> dict:
+    """An embedder (local index) and a semantic-cache edge on the cluster: one answer
+    stored, then paraphrases looked up. Returns ``{"paraphrases", "hits", "similarities"}``."""
+    eport = procs.free_port()
+    emb = stack.add(procs.Managed("embedder", procs.infergate_argv(
+        "embedder", "--listen", f"127.0.0.1:{eport}", "--redis-url", cluster.url,
+        "--threads", "2"), stack.dir / "embedder.log").start())
+    eurl = f"http://127.0.0.1:{eport}"
+    emb.wait_ready(lambda: requests.get(eurl + "/healthz", timeout=1).status_code == 200, 180)
+    requests.post(eurl + "/v1/lookup", json={"namespace": "0" * 64, "text": "warm up"}, timeout=60)
+    url = _edge(stack, "cluster-semantic", cluster.url, upstream,
+                cache={"enabled": True, "semantic": True, "embedder_url": eurl})
+
+    def post(p: str) -> requests.Response:
+        return requests.post(f"{url}/v1/chat/completions", timeout=15, json={
+            "model": "static", "temperature": 0, "messages": [{"role": "user", "content": p}]})
+
+    post(PROMPT)
+    time.sleep(2.0)  # stored, queued, embedded and indexed
+    sims = []
+    for p in PARAPHRASES:
+        res = post(p)
+        if res.headers.get("X-Cache-Match") == "semantic":
+            sims.append(float(res.headers.get("X-Cache-Similarity", 0)))
+    return {"paraphrases": len(PARAPHRASES), "hits": len(sims), "similarities": sims}
+
+
+def skew(cluster: LocalCluster) -> dict:
+    sizes = []
+    for n in cluster.masters_now():
+        with n.client() as c:
+            sizes.append(int(c.dbsize()))
+    mean = statistics.mean(sizes) if sizes else 0
+    return {"keys_per_master": sizes, "max_over_mean": round(max(sizes) / mean, 2) if mean else None}
+
+
+def overhead(targets: dict, rounds: int, duration: float, work: Path) -> list[dict]:
+    runs: dict[str, list[wrk.WrkResult]] = {t: [] for t in targets}
+    for _ in range(rounds):
+        for name, (url, key, prompt) in targets.items():
+            script = work / f"{name}.lua"
+            script.write_text(wrk.post_script([body(prompt)], {"Authorization": f"Bearer {key}"}))
+            runs[name].append(wrk.run(f"{url}/v1/chat/completions", script,
+                                      duration_s=duration, connections=16))
+    med = {k: sorted(v, key=lambda x: x.rps)[len(v) // 2] for k, v in runs.items()}
+    rows = []
+    for row in ("keys_ratelimit", "exact_hit"):
+        s, c = med[f"single_{row}"], med[f"cluster_{row}"]
+        rows.append({"row": row, "single_rps": round(s.rps), "cluster_rps": round(c.rps),
+                     "ratio": round(c.rps / s.rps, 3) if s.rps else None,
+                     "single_p99_ms": round(s.p99_ms, 2), "cluster_p99_ms": round(c.p99_ms, 2),
+                     "non_2xx": s.non_2xx + c.non_2xx})
+    return rows
+
+
+def print_report(data: dict) -> None:
+    """The tables of a result (also used by ``python -m bench.report``)."""
+    print(format_table(data["overhead"], COLUMNS))
+    print(f"wrk -c16 -d{data['duration_s']:g}s, median of {data['rounds']} rounds; API keys "
+          "required, a per-key and a global rate limit on both rows")
+    rs, mk, sk = data["reshard"], data["master_kill"], data["skew"]
+    print(f"reshard: {rs['slots_moved']} slots in {rs['reshard_s']} s under {data['rate']} req/s: "
+          f"{rs['requests']} requests, {rs['failed']} failed, {rs['status_401']} x 401, "
+          f"{rs['lost_keys']} lost keys")
+    print(f"master kill: {mk['requests']} requests, {mk['failed']} failed, {mk['status_401']} x 401, "
+          f"replica promoted and cluster ok after {mk['recovered_s']} s, next snapshot "
+          f"{mk['snapshot_gap_s']} s after the kill ({mk['takeover_after_recovery_s']} s after "
+          f"the recovery); leader before {mk['leader_before']}, writing after: "
+          f"{', '.join(mk['leaders_after'])}; fencing counter {mk['fence']}")
+    rp = data.get("rate_limit_parity")
+    if rp:
+        print(f"rate limit, two edges, 120/min key, {rp['requests']} requests one at a time: "
+              f"single {rp['single']['allowed']} allowed in {rp['single']['seconds']} s, "
+              f"cluster {rp['cluster']['allowed']} in {rp['cluster']['seconds']} s "
+              f"(ratio {rp['ratio']})")
+    sem = data.get("semantic")
+    if sem:
+        print(f"semantic: {sem['hits']} of {sem['paraphrases']} paraphrases answered from the "
+              f"semantic cache on the cluster (similarities {sem['similarities']})")
+    print(f"skew (even slot split, 5000 cache entries + the state): keys per master "
+          f"{sk['keys_per_master']}, max/mean {sk['max_over_mean']}")
+
+
+@click.command()
+@click.option("--duration", default=5.0, show_default=True, help="Seconds per wrk run.")
+@click.option("--rounds", default=3, show_default=True)
+@click.option("--rate", default=200.0, show_default=True, help="Requests/s of the drills' load.")
+@click.option("--out", "out_dir", default=str(RESULTS_DIR), show_default=True)
+def main(duration: float, rounds: int, rate: float, out_dir: str) -> None:
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    with sigterm_as_interrupt(), Stack(prefix="infergate-bench-cluster-") as stack:
+        up_port = procs.free_port()
+        d = stack.dir / "upstream"
+        (d / "logs").mkdir(parents=True)
+        (d / "nginx.conf").write_text(UPSTREAM_CONF.format(
+            prefix=d, port=up_port, answer=STATIC_ANSWER, length_answer=LENGTH_ANSWER,
+            filter_answer=FILTER_ANSWER))
+        stack.add(start_nginx(d / "nginx.conf", d))
+        upstream = f"http://127.0.0.1:{up_port}"
+        rport = procs.free_port()
+        stack.add(procs.start_redis(stack.dir / "redis", rport))
+        log("starting the loopback cluster")
+        cluster = start_local_cluster(stack.dir / "cluster", node_timeout_ms=1000)
+        for n in cluster.nodes:
+            stack.add(n.managed)
+        targets, edges = {}, {}
+        for name, url in (("single", f"redis://127.0.0.1:{rport}/0"), ("cluster", cluster.url)):
+            r = make_redis(_settings(url, upstream).redis)
+            cp = ControlPlane(_settings(url, upstream), r, ident=f"bench-{name}")
+            cp.run_cycle()
+            cp.elector.release()
+            key, _ = apikeys.create_key(r, "bench", rpm=10**6, tpm=10**9)
+            lim = {"auth": {"mode": "required"}, "limits": {"global_rpm": 10**7}}
+            u1 = _edge(stack, f"{name}-admission", url, upstream, **lim)
+            u2 = _edge(stack, f"{name}-cache", url, upstream, **lim,
+                       cache={"enabled": True, "semantic": False})
+            requests.post(f"{u2}/v1/chat/completions", data=body(PROMPT), timeout=10,
+                          headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+            time.sleep(0.5)  # stored by the flush timer
+            targets[f"{name}_keys_ratelimit"] = (u1, key, "different prompts are not cached")
+            targets[f"{name}_exact_hit"] = (u2, key, PROMPT)
+            edges[name] = (u2, key, r)
+        log("rate limits: two edges per back end")
+        parity = rate_limit_parity(stack, {"single": f"redis://127.0.0.1:{rport}/0",
+                                           "cluster": cluster.url}, upstream)
+        log("overhead rows")
+        rows = overhead(targets, rounds, duration, stack.dir)
+        u2, key, rc = edges["cluster"]
+        for i in range(5000):  # a spread of cache entries before the slots move
+            rc.set(keynames.cache_entry(f"{i:032x}ff"), "{}", ex=600)
+        sk = skew(cluster)
+        log(f"reshard drill under {rate:g} req/s")
+        rs = reshard_drill(cluster, u2, key, rc, rate)
+        log(f"master kill drill under {rate:g} req/s")
+        mk = kill_drill(cluster, u2, key, rc, upstream, rate)
+        log("semantic hits on the cluster")
+        sem = semantic_check(stack, cluster, upstream)
+        data = {"meta": {"command": "python -m bench.cluster", "started": started,
+                         "machine": machine_info()}, "rate": rate, "duration_s": duration,
+                "rounds": rounds, "overhead": rows, "reshard": rs, "master_kill": mk,
+                "skew": sk, "semantic": sem, "rate_limit_parity": parity}
+    path = write_json(Path(out_dir) / "redis_cluster.json", data)
+    print_report(data)
+    log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
