@@ -1,0 +1,181 @@
+-- Fair share of a saturated pool (admission.fair_share): requests that must wait for a
+-- slot (infergate.admission.slots) wait in one queue per flow, a flow being a tenant
+-- and a priority class, and the free slots go, in this order, to
+--   1. the higher class: critical, then standard, then sheddable;
+--   2. within a class, the tenant with the smallest virtual token counter
+--      (infergate.admission.vtc: tokens served / weight), ties by name;
+--   3. within a flow, first come first served (infergate.admission.queue).
+-- No dispatcher: every waiting request computes its rank on each poll — the waiting
+-- flows ordered before its own, plus the requests ahead of it in its flow — and takes a
+-- slot when its rank is below the free slots. So no request is held back while a slot
+-- is free for it (work-conserving), and with k free slots the first k in that order
+-- go. A flow that starts waiting lifts its tenant's counter to the smallest counter of
+-- the flows already waiting in the pool (vtc.lift), so an idle tenant banks no credit.
+--
+-- The waiting flows of a pool are found through a registry in the shared dict
+-- infergate_stats: slots "fe:<pool>:<i>" (i = 1..MAX_FLOWS) hold a flow's name while
+-- it waited in the last FLOW_TTL_S; a flow past MAX_FLOWS in one pool is not listed
+-- (its requests still wait, ranked after the listed flows).
+--
+-- A flow's queue holds at most admission.tenant_queue_max requests; past it a request
+-- gets the fast 429 (infergate.admission.shed).
+local config = require("infergate.core.config")
+local queue = require("infergate.admission.queue")
+local vtc = require("infergate.admission.vtc")
+
+local _M = {}
+
+local sub = string.sub
+local tonumber = tonumber
+
+-- Priority classes by name, higher first.
+_M.CLASSES = { critical = 3, standard = 2, sheddable = 1 }
+_M.MAX_FLOWS = 256
+local FLOW_TTL_S = 60
+
+local function dict()
+    return ngx.shared[config.DICT_STATS]
+end
+
+-- The flow of `tenant` in class `class` (1..3): "<class digit><tenant>".
+function _M.flow(tenant, class)
+    return class .. tenant
+end
+
+local function parse(flow)
+    return tonumber(sub(flow, 1, 1)) or 2, sub(flow, 2)
+end
+
+-- The queue name of `flow` in `pool` (infergate.admission.queue keys).
+local function qname(pool, flow)
+    return "f" .. pool .. "\1" .. flow
+end
+_M.qname = qname
+
+-- Whether flow a = {class, vc, name} is served before flow b (the order of the header).
+function _M.before(a, b)
+    if a.class ~= b.class then
+        return a.class > b.class
+    end
+    if a.vc ~= b.vc then
+        return a.vc < b.vc
+    end
+    return a.name < b.name
+end
+
+-- The rank of a request at `pos` (0 = head) in flow `mine` among the waiting flows
+-- `others` (each {class, vc, name}; mine may be among them): the requests served before it.
+function _M.rank(mine, pos, others)
+    local r = pos
+    for i = 1, #others do
+        local o = others[i]
+        if o.name ~= mine.name and _M.before(o, mine) then
+            r = r + 1
+        end
+    end
+    return r
+end
+
+-- Keeps `flow` listed in the registry of `pool` (every poll while it waits).
+function _M.register(pool, flow)
+    local d = dict()
+    local rk = "fr:" .. pool .. "\1" .. flow
+    local pre = "fe:" .. pool .. ":"
+    local i = d:get(rk)
+    if i and d:get(pre .. i) == flow then
+        d:set(pre .. i, flow, FLOW_TTL_S)
+        d:set(rk, i, FLOW_TTL_S)
+        return true
+    end
+    local n = d:get("fn:" .. pool) or 0
+    for j = 1, n do
+        if d:add(pre .. j, flow, FLOW_TTL_S) then   -- a slot no flow holds any more
+            d:set(rk, j, FLOW_TTL_S)
+            return true
+        end
+    end
+    if n < _M.MAX_FLOWS then
+        local j = d:incr("fn:" .. pool, 1, 0)
+        if j <= _M.MAX_FLOWS then
+            d:set(pre .. j, flow, FLOW_TTL_S)
+            d:set(rk, j, FLOW_TTL_S)
+            return true
+        end
+    end
+    return false
+end
+
+-- The flows with waiting requests in `pool`: a list of {class, vc, name, tenant}.
+function _M.waiting(pool)
+    local d = dict()
+    local n = d:get("fn:" .. pool) or 0
+    local out, seen = {}, {}
+    local pre = "fe:" .. pool .. ":"
+    for i = 1, n do
+        local f = d:get(pre .. i)
+        if f and not seen[f] then
+            seen[f] = true
+            if queue.length(qname(pool, f)) > 0 then
+                local class, tenant = parse(f)
+                out[#out + 1] = { class = class, vc = vtc.get(tenant), name = f, tenant = tenant }
+            end
+        end
+    end
+    return out
+end
+
+-- Whether any request waits in `pool`.
+function _M.any_waiting(pool)
+    local d = dict()
+    local n = d:get("fn:" .. pool) or 0
+    local pre = "fe:" .. pool .. ":"
+    for i = 1, n do
+        local f = d:get(pre .. i)
+        if f and queue.length(qname(pool, f)) > 0 then
+            return true
+        end
+    end
+    return false
+end
+
+-- The request joins `flow` of `pool`: nil, "full" past `max` waiting, else its ticket.
+-- A flow that had nobody waiting lifts its tenant's counter to the smallest counter of
+-- the flows waiting in the pool.
+function _M.join(pool, flow, max, poll_s)
+    local q = qname(pool, flow)
+    local len = queue.length(q)
+    if len >= max then
+        return nil, "full"
+    end
+    if len == 0 then
+        local lowest
+        for _, o in ipairs(_M.waiting(pool)) do
+            if o.name ~= flow and (not lowest or o.vc < lowest) then
+                lowest = o.vc
+            end
+        end
+        local _, tenant = parse(flow)
+        vtc.lift(tenant, lowest)
+    end
+    _M.register(pool, flow)
+    vtc.busy()
+    return queue.join(q, poll_s)
+end
+
+-- The rank of `ticket` in `flow` of `pool` now (see rank()); also keeps it waiting.
+function _M.position(pool, flow, ticket, now, poll_s)
+    local q = qname(pool, flow)
+    local pos = queue.ahead(q, ticket, now)
+    queue.alive(q, ticket, poll_s)
+    _M.register(pool, flow)
+    vtc.busy()
+    local class, tenant = parse(flow)
+    return _M.rank({ class = class, vc = vtc.get(tenant), name = flow }, pos, _M.waiting(pool))
+end
+
+-- The ticket leaves its flow (admitted, shed or shutting down).
+function _M.leave(pool, flow, ticket, now)
+    queue.leave(qname(pool, flow), ticket, now)
+end
+
+return _M
