@@ -56,6 +56,7 @@ local function prompt_tokens(req)
     local n = req.est_tokens
     if not n then
         n = max(1, ceil(reqctx.prompt_chars(req) / config.get().limits.chars_per_token))
+        req.est_tokens = n   -- a stream without usage: prompt + content chunks
     end
     return n
 end
