@@ -363,6 +363,7 @@ local function admit(req, o)
     local left0 = deadline.remaining(req, now)
     local t0 = snapshot.refresh()
     if slots.applies(t0, now, req.model) then
+        req.slot_pool = true
         return wait_for_slot(req, o, t0, now, left0)
     end
     local wait_s = o.max_wait_ms / 1000
@@ -400,15 +401,16 @@ local function admit(req, o)
     return shed_answer(req, o, now, waited)
 end
 
--- Access step: nil to continue, or a 429 error table. An admitted request is charged to
--- its tenant's fair-share counter (infergate.admission.fairshare).
+-- Access step: nil to continue, or a 429 error table. A request admitted in a pool with
+-- known slots is charged to its tenant's fair-share counter
+-- (infergate.admission.fairshare).
 function _M.step_shed(req)
     local o = config.get().admission
     if not o.shed or (req.route ~= "inference" and req.route ~= "api") then
         return nil
     end
     local e = admit(req, o)
-    if not e and fairshare.on(o) then
+    if not e and req.slot_pool and fairshare.on(o) then
         fairshare.admitted(req, o)
     end
     return e
