@@ -113,7 +113,6 @@ def queue_behind_held_slot(stack: Stack, edge, holder: str, calls: list[tuple[st
 
 def test_waiting_tenants_share_the_slot_by_tokens_served_and_the_bound_gives_429(
         stack, edge_factory) -> None:
-    # "aaa" wins ties by name: only the counters can put "zzz" before its requests
     noisy, _ = apikeys.create_key(stack.r, "aaa-noisy")
     quiet, _ = apikeys.create_key(stack.r, "zzz-quiet")
     edge = fair_edge(stack, edge_factory, tenant_queue_max=3)
@@ -124,8 +123,9 @@ def test_waiting_tenants_share_the_slot_by_tokens_served_and_the_bound_gives_429
     assert status.pop("n4") == 429
     assert set(status.values()) == {200}
     # first come first served would be n1 n2 n3 q1 q2: the quiet tenant starts at the
-    # noisy one's counter (lifted, not at zero), and from there they take turns
-    assert order == ["n1", "q1", "n2", "q2", "n3"]
+    # noisy one's counter (lifted, not at zero; on the tie, fewer waiting goes first),
+    # and from there they take turns
+    assert order == ["q1", "n1", "q2", "n2", "n3"]
     st = edge.status()["admission"]
     assert st["waiting"] == 0
     # the counters reach Redis through the flush queue: both tenants, equal weights

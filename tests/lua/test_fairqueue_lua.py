@@ -60,10 +60,11 @@ def run(workdir: Path, body: str):
 def got(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return run(tmp_path_factory.mktemp("fairqueue"), """
     -- ordering: class first, then the smaller counter, then the name
-    local a = {class = 2, vc = 10, name = "2a"}
-    local b = {class = 2, vc = 5, name = "2b"}
-    local c = {class = 3, vc = 99, name = "3c"}
-    out.before = {fq.before(b, a), fq.before(c, b), fq.before(a, b)}
+    local a = {class = 2, vc = 10, n = 1, name = "2a"}
+    local b = {class = 2, vc = 5, n = 9, name = "2b"}
+    local c = {class = 3, vc = 99, n = 1, name = "3c"}
+    local d = {class = 2, vc = 10, n = 4, name = "2d"}
+    out.before = {fq.before(b, a), fq.before(c, b), fq.before(a, b), fq.before(a, d)}
     out.rank = {fq.rank(a, 0, {a, b, c}), fq.rank(b, 2, {a, b, c}), fq.rank(c, 0, {a, b, c})}
 
     -- a noisy tenant with 12 waiting, two quiet ones with 3 each, one slot at a time
@@ -143,15 +144,16 @@ def got(tmp_path_factory: pytest.TempPathFactory) -> dict:
 """)
 
 
-def test_flows_are_ordered_by_class_then_counter(got: dict) -> None:
-    assert got["before"] == [True, True, False]
+def test_flows_are_ordered_by_class_then_counter_then_fewer_waiting(got: dict) -> None:
+    assert got["before"] == [True, True, False, True]
     # a (vc 10) has b (vc 5) and c (critical) before it; b at position 2 has c; c none
     assert got["rank"] == [2, 3, 0]
 
 
 def test_a_noisy_tenant_does_not_get_more_than_the_quiet_ones(got: dict) -> None:
-    # equal counters at the start: by name, then every tenant in turn (one slot each)
-    assert got["order"] == ["noisy", "q1", "q2"] * 3
+    # equal counters at the start: the flows with fewer waiting first, then every
+    # tenant in turn (one slot each)
+    assert got["order"] == ["q1", "q2", "noisy"] * 3
 
 
 def test_a_tenant_that_starts_waiting_is_lifted_not_at_zero(got: dict) -> None:

@@ -3,11 +3,16 @@
 -- and a priority class, and the free slots go, in this order, to
 --   1. the higher class: critical, then standard, then sheddable;
 --   2. within a class, the tenant with the smallest virtual token counter
---      (infergate.admission.vtc: tokens served / weight), ties by name;
+--      (infergate.admission.vtc: tokens served / weight); on a tie (a tenant that
+--      starts waiting is lifted to the same counter) the flow with fewer requests
+--      waiting, then by name;
 --   3. within a flow, first come first served (infergate.admission.queue).
 -- No dispatcher: every waiting request computes its rank on each poll — the waiting
 -- flows ordered before its own, plus the requests ahead of it in its flow — and takes a
--- slot when its rank is below the free slots. So no request is held back while a slot
+-- slot when its rank is below the free slots. Cheaply: a request with as many requests
+-- ahead in its own flow as there are free slots stops there; the waiting flows are read
+-- at most every WAITING_CACHE_S per worker (and after this worker's joins and leaves),
+-- the registry and the counters' "busy" mark refreshed at most every REFRESH_S. So no request is held back while a slot
 -- is free for it (work-conserving), and with k free slots the first k in that order
 -- go. A flow that starts waiting lifts its tenant's counter to the smallest counter of
 -- the flows already waiting in the pool (vtc.lift), so an idle tenant banks no credit.
@@ -32,6 +37,11 @@ local tonumber = tonumber
 _M.CLASSES = { critical = 3, standard = 2, sheddable = 1 }
 _M.MAX_FLOWS = 256
 local FLOW_TTL_S = 60
+_M.WAITING_CACHE_S = 0.005
+local REFRESH_S = 0.5
+
+local cached = {}       -- pool -> {at, list}: this worker's last read of the waiting flows
+local refreshed = {}    -- "<pool>\1<flow>" -> when this worker last refreshed its entry
 
 local function dict()
     return ngx.shared[config.DICT_STATS]
@@ -52,7 +62,7 @@ local function qname(pool, flow)
 end
 _M.qname = qname
 
--- Whether flow a = {class, vc, name} is served before flow b (the order of the header).
+-- Whether flow a = {class, vc, n (requests waiting), name} is served before flow b (the order of the header).
 function _M.before(a, b)
     if a.class ~= b.class then
         return a.class > b.class
@@ -60,11 +70,14 @@ function _M.before(a, b)
     if a.vc ~= b.vc then
         return a.vc < b.vc
     end
+    if a.n ~= b.n then
+        return (a.n or 0) < (b.n or 0)
+    end
     return a.name < b.name
 end
 
 -- The rank of a request at `pos` (0 = head) in flow `mine` among the waiting flows
--- `others` (each {class, vc, name}; mine may be among them): the requests served before it.
+-- `others` (each {class, vc, n, name}; mine may be among them): the requests served before it.
 function _M.rank(mine, pos, others)
     local r = pos
     for i = 1, #others do
@@ -105,8 +118,14 @@ function _M.register(pool, flow)
     return false
 end
 
--- The flows with waiting requests in `pool`: a list of {class, vc, name, tenant}.
-function _M.waiting(pool)
+-- The flows with waiting requests in `pool`: a list of {class, vc, n, name, tenant}.
+-- fresh: read now, not this worker's read of the last WAITING_CACHE_S.
+function _M.waiting(pool, fresh)
+    local now = ngx.now()
+    local c = cached[pool]
+    if not fresh and c and now - c.at < _M.WAITING_CACHE_S then
+        return c.list
+    end
     local d = dict()
     local n = d:get("fn:" .. pool) or 0
     local out, seen = {}, {}
@@ -115,12 +134,15 @@ function _M.waiting(pool)
         local f = d:get(pre .. i)
         if f and not seen[f] then
             seen[f] = true
-            if queue.length(qname(pool, f)) > 0 then
+            local len = queue.length(qname(pool, f))
+            if len > 0 then
                 local class, tenant = parse(f)
-                out[#out + 1] = { class = class, vc = vtc.get(tenant), name = f, tenant = tenant }
+                out[#out + 1] = { class = class, vc = vtc.get(tenant), n = len, name = f,
+                                  tenant = tenant }
             end
         end
     end
+    cached[pool] = { at = now, list = out }
     return out
 end
 
@@ -149,7 +171,7 @@ function _M.join(pool, flow, max, poll_s)
     end
     if len == 0 then
         local lowest
-        for _, o in ipairs(_M.waiting(pool)) do
+        for _, o in ipairs(_M.waiting(pool, true)) do
             if o.name ~= flow and (not lowest or o.vc < lowest) then
                 lowest = o.vc
             end
@@ -158,24 +180,44 @@ function _M.join(pool, flow, max, poll_s)
         vtc.lift(tenant, lowest)
     end
     _M.register(pool, flow)
+    refreshed[pool .. "\1" .. flow] = ngx.now()
     vtc.busy()
+    cached[pool] = nil
     return queue.join(q, poll_s)
 end
 
--- The rank of `ticket` in `flow` of `pool` now (see rank()); also keeps it waiting.
-function _M.position(pool, flow, ticket, now, poll_s)
+-- The rank of `ticket` in `flow` of `pool` now (see rank()), or only the requests ahead
+-- of it in its flow when they are `free` or more (it cannot be served now either way);
+-- also keeps it waiting.
+function _M.position(pool, flow, ticket, now, poll_s, free)
     local q = qname(pool, flow)
     local pos = queue.ahead(q, ticket, now)
     queue.alive(q, ticket, poll_s)
-    _M.register(pool, flow)
-    vtc.busy()
+    local rk = pool .. "\1" .. flow
+    if now - (refreshed[rk] or 0) >= REFRESH_S then
+        refreshed[rk] = now
+        _M.register(pool, flow)
+        vtc.busy()
+    end
+    if free and pos >= free then
+        return pos
+    end
+    local list = _M.waiting(pool)
     local class, tenant = parse(flow)
-    return _M.rank({ class = class, vc = vtc.get(tenant), name = flow }, pos, _M.waiting(pool))
+    local mine = { class = class, vc = vtc.get(tenant), n = 1, name = flow }
+    for i = 1, #list do
+        if list[i].name == flow then
+            mine.n = list[i].n
+            break
+        end
+    end
+    return _M.rank(mine, pos, list)
 end
 
 -- The ticket leaves its flow (admitted, shed or shutting down).
 function _M.leave(pool, flow, ticket, now)
     queue.leave(qname(pool, flow), ticket, now)
+    cached[pool] = nil
 end
 
 return _M

@@ -262,7 +262,7 @@ end
 -- The two lines a request waits in for a slot, w = {pool, ticket, flow} per request:
 -- FIFO (infergate.admission.queue, arrival order per pool) and FAIR (the fair share,
 -- infergate.admission.fairqueue: per tenant and class). rank(w) = the requests served
--- before it.
+-- before it (FAIR: or only those ahead in its own flow when they fill the free slots).
 local FIFO, FAIR = {}, {}
 
 function FIFO.busy(w)
@@ -274,7 +274,7 @@ function FIFO.join(w, _, poll_s)
     return w.ticket
 end
 
-function FIFO.rank(w, now, poll_s)
+function FIFO.rank(w, now, poll_s, _)
     local a = queue.ahead(w.pool, w.ticket, now)
     queue.alive(w.pool, w.ticket, poll_s)
     return a
@@ -293,8 +293,8 @@ function FAIR.join(w, o, poll_s)
     return w.ticket
 end
 
-function FAIR.rank(w, now, poll_s)
-    return fairqueue.position(w.pool, w.flow, w.ticket, now, poll_s)
+function FAIR.rank(w, now, poll_s, free)
+    return fairqueue.position(w.pool, w.flow, w.ticket, now, poll_s, free)
 end
 
 function FAIR.leave(w, now)
@@ -334,8 +334,8 @@ local function wait_for_slot(req, o, t, now, left)
     end
     astats.incr("waiting")
     while true do
-        local ahead = line.rank(w, now, poll_s)
         local free, eligible = slots.free(t, now, req.model)
+        local ahead = line.rank(w, now, poll_s, free)
         if eligible == 0 or (ahead < free and slots.reserve(req, t, now)) then
             line.leave(w, now)
             astats.incr("waiting", -1)
