@@ -40,6 +40,7 @@ import redis
 from controlplane.admin import apikeys
 
 from ..common import RESULTS_DIR, Stack, format_table, log, machine_info, sigterm_as_interrupt, write_json
+from .loadgen import StateSamples, sample_states
 from .noisy_stats import Outcome, summarise
 from .stack import (EdgeRun, InfergateStack, infergate_settings, snapshot_all_healthy,
                     start_pool, start_redis_and_controlplane)
@@ -105,13 +106,28 @@ async def _one(session: aiohttp.ClientSession, url: str, key: str | None, tenant
 
 
 async def _drive(urls: list[str], keys: dict[str, str], load: list[tuple[float, str]],
-                 deadline_s: float) -> list[Outcome]:
+                 deadline_s: float, control: dict[str, str],
+                 duration_s: float) -> tuple[list[Outcome], float | None]:
+    """The outcomes, and the nodes' mean batch use (running / batch) while load is sent."""
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as session:
-        t0 = asyncio.get_running_loop().time() + 0.5
+        loop = asyncio.get_running_loop()
+        t0 = loop.time() + 0.5
         tasks = [_one(session, urls[i % len(urls)], keys.get(tenant), tenant, at, t0, deadline_s)
                  for i, (at, tenant) in enumerate(load)]
-        return list(await asyncio.gather(*tasks))
+        stop, states = asyncio.Event(), StateSamples()
+
+        async def window() -> None:
+            await asyncio.sleep(max(0.0, t0 + WINDOW_S / 2 - loop.time()))  # past the ramp
+            sampler = asyncio.create_task(sample_states(session, control, 0.1, stop, states))
+            await asyncio.sleep(max(0.0, t0 + duration_s - loop.time()))
+            stop.set()
+            await sampler
+
+        outs, _ = await asyncio.gather(asyncio.gather(*tasks), window())
+        xs = [x for v in states.running.values() for x in v]
+        use = sum(xs) / len(xs) / SPEC.max_running if xs else None
+        return list(outs), use
 
 
 def _base(stack: Stack, nodes, ts: float, slots: int, keys_out: dict[str, str],
@@ -130,14 +146,16 @@ def _base(stack: Stack, nodes, ts: float, slots: int, keys_out: dict[str, str],
     return base
 
 
-def _run(stack: Stack, name: str, urls: list[str], keys: dict[str, str], load, ts: float,
-         duration_s: float) -> dict:
+def _run(name: str, urls: list[str], keys: dict[str, str], load, ts: float,
+         duration_s: float, nodes) -> dict:
     log(f"noisy_tenant: {name} ({len(load)} requests over {duration_s:g} s)")
     before = os.getloadavg()[0]
-    outs = asyncio.run(_drive(urls, keys, load, deadline_s=30.0 * ts + 5))
+    outs, use = asyncio.run(_drive(urls, keys, load, 30.0 * ts + 5,
+                                   {n.name: n.control_url for n in nodes}, duration_s))
     rec = summarise(outs, duration_s, WINDOW_S,
                     {t: prompt_tokens(PROMPT) + OUTPUT_TOKENS for t in (*QUIET, NOISY)})
-    rec.update(run=name, load_average_1m=[round(before, 2), round(os.getloadavg()[0], 2)])
+    rec.update(run=name, load_average_1m=[round(before, 2), round(os.getloadavg()[0], 2)],
+               batch_use=round(use, 3) if use is not None else None)
     return rec
 
 
@@ -163,7 +181,7 @@ def run_all(duration_s: float, ts: float, only: tuple[str, ...]) -> dict:
         base = _base(stack, nodes, ts, SPEC.max_running, keys)
         if "least_conn" in want:
             e = EdgeRun(stack, "least_conn", nodes, ts, None, "least_conn")
-            runs["least_conn"] = _run(stack, "least_conn", [e.url], {}, full, ts, duration_s)
+            runs["least_conn"] = _run("least_conn", [e.url], {}, full, ts, duration_s, nodes)
             e.stop()
         for name, fair, load, k in (("baseline", True, quiet_only, keys),
                                     ("fair_off", False, full, keys),
@@ -171,7 +189,7 @@ def run_all(duration_s: float, ts: float, only: tuple[str, ...]) -> dict:
                                     ("critical", True, full, {**keys, "q1": keys["q1-critical"]})):
             if name in want:
                 (e,) = _edges(stack, base, nodes, ts, 1, fair, name)
-                runs[name] = _run(stack, name, [e.url], k, load, ts, duration_s)
+                runs[name] = _run(name, [e.url], k, load, ts, duration_s, nodes)
                 e.stop()
         if want & {"fair_off_2edges", "fair_on_2edges"}:
             for m in base.managed:
@@ -181,7 +199,7 @@ def run_all(duration_s: float, ts: float, only: tuple[str, ...]) -> dict:
             for name, fair in (("fair_off_2edges", False), ("fair_on_2edges", True)):
                 if name in want:
                     es = _edges(stack, base2, nodes, ts, 2, fair, name)
-                    runs[name] = _run(stack, name, [e.url for e in es], keys2, full, ts, duration_s)
+                    runs[name] = _run(name, [e.url for e in es], keys2, full, ts, duration_s, nodes)
                     for e in es:
                         e.stop()
     return {"capacity_rps": round(cap, 3), "rate_quiet_rps": round(rate, 3),
@@ -191,7 +209,8 @@ def run_all(duration_s: float, ts: float, only: tuple[str, ...]) -> dict:
 COLUMNS = [("run", "run"), ("tenant", "tenant"), ("sent", "sent"), ("ok", "ok"),
            ("r429", "429"), ("goodput_rps", "goodput/s"), ("ttft_p50_s", "TTFT p50 s"),
            ("ttft_p99_s", "TTFT p99 s"), ("served_tokens", "served tok")]
-RUN_COLUMNS = [("run", "run"), ("goodput_rps", "goodput/s"), ("r429", "429"),
+RUN_COLUMNS = [("run", "run"), ("goodput_rps", "goodput/s"), ("batch_use", "batch use"),
+               ("r429", "429"),
                ("quiet_ttft_p99_s", "quiet TTFT p99 s"), ("jain_min", "Jain (worst 10 s)"),
                ("max_backlogged_diff", "max diff tok"), ("maxmin_jain_min", "max-min Jain"),
                ("load", "load avg")]

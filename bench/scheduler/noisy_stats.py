@@ -103,9 +103,16 @@ def windows(outcomes: Sequence[Outcome], duration_s: float, window_s: float,
     return out
 
 
+def _done_in(outcomes: Sequence[Outcome], duration_s: float) -> int:
+    """Requests answered OK before the load stopped (what the pool served under load;
+    the backlog answered after it depends on the shedding, not on the throughput)."""
+    return sum(1 for o in outcomes if o.ok and o.end_s is not None and o.end_s <= duration_s)
+
+
 def summarise(outcomes: Sequence[Outcome], duration_s: float, window_s: float,
               tokens_per_request: dict[str, float]) -> dict:
-    """The record of one run: ``tenants`` {name: {sent, ok, r429, errors, goodput_rps,
+    """The record of one run: ``tenants`` {name: {sent, ok, r429, errors, goodput_rps
+    (answered OK while the load ran, per second),
     ttft_p50_s, ttft_p99_s, served_tokens}}, totals, and the window figures (worst
     window's Jain and max-min Jain, largest difference)."""
     by: dict[str, list[Outcome]] = defaultdict(list)
@@ -118,7 +125,7 @@ def summarise(outcomes: Sequence[Outcome], duration_s: float, window_s: float,
             "sent": len(os_), "ok": sum(o.ok for o in os_),
             "r429": sum(o.status == 429 for o in os_),
             "errors": sum((not o.ok) and o.status != 429 for o in os_),
-            "goodput_rps": rounded(sum(o.ok for o in os_) / duration_s, 3),
+            "goodput_rps": rounded(_done_in(os_, duration_s) / duration_s, 3),
             "ttft_p50_s": rounded(percentile(ttfts, 50)),
             "ttft_p99_s": rounded(percentile(ttfts, 99)),
             "served_tokens": sum(o.tokens for o in os_),
@@ -128,7 +135,7 @@ def summarise(outcomes: Sequence[Outcome], duration_s: float, window_s: float,
     mm = [w["maxmin_jain"] for w in ws if w["maxmin_jain"] is not None]
     return {
         "tenants": tenants,
-        "goodput_rps": rounded(sum(o.ok for o in outcomes) / duration_s, 3),
+        "goodput_rps": rounded(_done_in(outcomes, duration_s) / duration_s, 3),
         "served_tokens": sum(o.tokens for o in outcomes),
         "r429": sum(o.status == 429 for o in outcomes),
         "jain_min": rounded(min(jains)) if jains else None,
