@@ -8,6 +8,7 @@ Redis, and 20 concurrent streams against a 10,000 tokens-per-minute key."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 import threading
@@ -20,7 +21,7 @@ import pytest
 import redis
 import requests
 
-from controlplane import procs
+from controlplane import paths, procs
 from controlplane.admin import apikeys
 from controlplane.redisdb import keynames
 from support.stack import edge_settings, write_snapshot
@@ -145,6 +146,22 @@ def test_higher_classes_go_first_and_vllm_gets_the_priority_field(stack, edge_fa
     sent = {o: json.loads(b).get("priority") for o, b in zip(order, bodies, strict=True)}
     # vLLM handles lower values first; standard (0) is not sent
     assert sent == {"c1": -1, "s1": None, "s2": None, "x1": 1}
+
+
+def test_counters_in_redis_take_a_lift_as_a_maximum(stack) -> None:
+    """The flush script of lua/infergate/admission/vtc.lua on the real Redis: two edges
+    lifting one tenant to the same floor lift it once; charges add after the floor."""
+    text = (paths.lua_dir() / "infergate" / "admission" / "vtc.lua").read_text()
+    script = re.search(r"_M\.SCRIPT = \[\[\n(.*?)\]\]", text, re.S).group(1)
+    key = keynames.FAIRSHARE_COUNTERS
+    stack.r.hset(key, "lifted", "5")
+    for edge_delta in ("2", "3"):                  # two edges, each lifting to 100
+        stack.r.eval(script, 1, key, "60000", "0", "lifted", "100", edge_delta)
+    got = stack.r.eval(script, 1, key, "60000", "1", "plain", "", "4")
+    counters = dict(zip(got[::2], got[1::2], strict=True))
+    # 100 + both edges' charges; lifts added up would give 5 + 95 + 2 + 95 + 3 = 200
+    assert float(counters["lifted"]) == 105 and float(counters["plain"]) == 4
+    assert 0 < stack.r.pttl(key) <= 60000
 
 
 def test_reserved_tokens_bound_20_concurrent_streams_on_a_10000_tpm_key(

@@ -103,23 +103,26 @@ def got(tmp_path_factory: pytest.TempPathFactory) -> dict:
     local t3, err = fq.join("b", fq.flow("x", 2), 2, 0.02)
     out.bound = {t1 ~= nil, t2 ~= nil, t3 == nil, err}
 
-    -- the counters' flush: deltas out, the hash read back, pending cleared
+    -- the counters' flush: one EVAL with the changes, the hash read back, pending cleared
     vtc.commands(false)        -- (what the runs above charged)
     vtc.charge("zed", 40, 4)
     local cmds, sent = vtc.commands(true)
-    local names = {}
-    for i, c in ipairs(cmds) do names[i] = c[1] end
-    out.cmds = names
-    out.sent_zed = sent.zed
-    vtc.settle(sent, true, {"10", 1, {"zed", "10", "other", "7.5"}}, nil)
+    local c = cmds[1]
+    out.cmd = {#cmds, c[1], c[6], c[7], c[8], c[9]}
+    vtc.settle(sent, true, {{"zed", "10", "other", "7.5"}}, nil)
     out.after_read = {vtc.get("zed"), vtc.get("other")}
     out.nothing_left = vtc.commands(false) == nil
-    -- a failed flush keeps the deltas for the next one
+    -- a lift goes as a floor (a maximum in Redis), the charges after it as the delta
+    vtc.lift("zed", 50)
+    vtc.charge("zed", 5)
+    local lc = vtc.commands(false)[1]
+    out.lift = {lc[7], lc[8], lc[9]}
+    -- a failed flush keeps the changes for the next one
     vtc.charge("zed", 8)
     local _, sent2 = vtc.commands(false)
     vtc.settle(sent2, false, nil, "connection refused")
     local again = vtc.commands(false)
-    out.kept = again ~= nil and again[1][4]
+    out.kept = again ~= nil and again[1][9]
 
     -- class and weight: the key's, else the tenant's default, else the section's
     local o = config.get().admission
@@ -175,10 +178,11 @@ def test_a_flow_holds_at_most_its_bound(got: dict) -> None:
 
 
 def test_counters_go_to_redis_in_the_flush_and_come_back(got: dict) -> None:
-    assert got["cmds"] == ["HINCRBYFLOAT", "PEXPIRE", "HGETALL"]
-    assert got["sent_zed"] == 10           # 40 tokens / weight 4
+    # one command: EVAL ..., read back "1", then tenant, floor ("" = none), delta
+    assert got["cmd"] == [1, "EVAL", "1", "zed", "", "10"]   # 40 tokens / weight 4
     assert got["after_read"] == [10, 7.5]  # what Redis holds, nothing pending
     assert got["nothing_left"] is True
+    assert got["lift"] == ["zed", "50", "5"]
     assert float(got["kept"]) == 8
 
 

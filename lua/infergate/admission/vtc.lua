@@ -8,13 +8,14 @@
 -- Shared by every edge through Redis (hash keynames.fairshare_counters, tenant ->
 -- float), cheaply: a charge adds to this worker's pending deltas and to the shared
 -- dict infergate_stats ("vp:<tenant>", seen by every worker at once); the worker's
--- flush timer (infergate.core.flush.on_tick) sends the deltas in its batched pipeline
--- (HINCRBYFLOAT per tenant, PEXPIRE) and, while requests wait on this edge (busy()),
--- reads the whole hash back in the same pipeline into "vg:<tenant>". No round trip on
--- the request path. A tenant's counter here is vg + vp: what Redis said at the last
--- flush plus what this edge's workers charged since. Two edges lifting one tenant at the
--- same moment lift it twice (it then waits one lift longer); Redis unreachable: the
--- deltas stay pending and the counters are this edge's own until it answers again.
+-- flush timer (infergate.core.flush.on_tick) sends them in its batched pipeline (one
+-- EVAL of SCRIPT: each counter becomes max(counter, lift floor) + charges, so a lift is
+-- a maximum and two edges lifting one tenant at once lift it once) and, while requests
+-- wait on this edge (busy()), reads the whole hash back in the same script call into
+-- "vg:<tenant>". No round trip on the request path. A tenant's counter here is vg + vp:
+-- what Redis said at the last flush plus what this edge's workers changed since. Redis
+-- unreachable: the changes stay pending and the counters are this edge's own until it
+-- answers again.
 local config = require("infergate.core.config")
 local flush = require("infergate.core.flush")
 local keynames = require("infergate.redis.keynames")
@@ -31,7 +32,19 @@ local LOCAL_TTL_S = 3600     -- "vg:" entries of tenants not seen since
 local BUSY_KEY = "vbusy"     -- set while requests wait on this edge
 local BUSY_TTL_S = 2
 
+-- This worker's changes since its last flush, per tenant: d = tokens / weight charged
+-- after f, f = the floor of a lift (nil: none), l = what it added to "vp:<tenant>".
 local pending, npending = {}, 0
+
+local function entry(tenant)
+    local p = pending[tenant]
+    if not p then
+        p = { d = 0, l = 0 }
+        pending[tenant] = p
+        npending = npending + 1
+    end
+    return p
+end
 
 local function dict()
     return ngx.shared[config.DICT_STATS]
@@ -50,21 +63,25 @@ function _M.charge(tenant, tokens, weight)
         return
     end
     dict():incr("vp:" .. tenant, x, 0)
-    if not pending[tenant] then
-        npending = npending + 1
-    end
-    pending[tenant] = (pending[tenant] or 0) + x
+    local p = entry(tenant)
+    p.d = p.d + x
+    p.l = p.l + x
 end
 
 -- Raises the counter of `tenant` to `floor` when it is below (a tenant that starts
--- waiting). Returns the amount it was raised by.
+-- waiting). In Redis the lift is a maximum, not an addition: two edges lifting the same
+-- tenant at once lift it once. Returns the amount it was raised by here.
 function _M.lift(tenant, floor)
     local v = _M.get(tenant)
-    if floor and floor > v then
-        _M.charge(tenant, floor - v, 1)
-        return floor - v
+    if not floor or floor <= v then
+        return 0
     end
-    return 0
+    dict():incr("vp:" .. tenant, floor - v, 0)
+    local p = entry(tenant)
+    p.f = floor        -- what was charged before is below it: the floor covers it
+    p.d = 0
+    p.l = p.l + (floor - v)
+    return floor - v
 end
 
 -- Requests wait on this edge: the flush reads the counters of the other edges back.
@@ -72,63 +89,94 @@ function _M.busy()
     dict():set(BUSY_KEY, true, BUSY_TTL_S)
 end
 
--- The pipeline of one flush: HINCRBYFLOAT per pending tenant, PEXPIRE, and HGETALL
--- when `read`. Returns cmds, sent (tenant -> delta) or nil when there is nothing to do.
+-- KEYS[1]: the counters' hash. ARGV: ttl_ms, read (1|0), then per tenant: name, floor
+-- ("" for none), delta. Each counter becomes max(counter, floor) + delta. Returns the
+-- whole hash (HGETALL) when read, else 0.
+_M.SCRIPT = [[
+local key = KEYS[1]
+for i = 3, #ARGV, 3 do
+  local v = tonumber(redis.call("HGET", key, ARGV[i])) or 0
+  local f = tonumber(ARGV[i + 1])
+  if f and v < f then
+    v = f
+  end
+  redis.call("HSET", key, ARGV[i], string.format("%.17g", v + tonumber(ARGV[i + 2])))
+end
+if #ARGV > 2 then
+  redis.call("PEXPIRE", key, ARGV[1])
+end
+if ARGV[2] == "1" then
+  return redis.call("HGETALL", key)
+end
+return 0
+]]
+
+-- The pipeline of one flush (one EVAL of SCRIPT) when there are changes or `read`,
+-- and the changes it carries (tenant -> {d, f, l}); nil when there is nothing to do.
 function _M.commands(read)
     if npending == 0 and not read then
         return nil
     end
-    local key = keynames.fairshare_counters
-    local cmds, sent = {}, pending
-    for tenant, x in pairs(sent) do
-        cmds[#cmds + 1] = { "HINCRBYFLOAT", key, tenant, format("%.17g", x) }
+    local args = { "EVAL", _M.SCRIPT, "1", keynames.fairshare_counters,
+                   tostring(_M.TTL_S * 1000), read and "1" or "0" }
+    local sent = pending
+    for tenant, p in pairs(sent) do
+        args[#args + 1] = tenant
+        args[#args + 1] = p.f and format("%.17g", p.f) or ""
+        args[#args + 1] = format("%.17g", p.d)
     end
     pending, npending = {}, 0
-    if #cmds > 0 then
-        cmds[#cmds + 1] = { "PEXPIRE", key, tostring(_M.TTL_S * 1000) }
-    end
-    if read then
-        cmds[#cmds + 1] = { "HGETALL", key }
-    end
-    return cmds, sent
+    return { args }, sent
 end
 
--- The replies of one flush: the sent deltas leave "vp:" (they are in Redis now), the
--- hash read back (a flat {tenant, value, ...} array) becomes "vg:". A failed flush puts
--- the deltas back into pending.
+-- Puts changes that did not reach Redis back in front of the newer ones.
+local function restore(sent)
+    for tenant, p in pairs(sent) do
+        local q = pending[tenant]
+        if not q then
+            pending[tenant] = p
+            npending = npending + 1
+        elseif not q.f then        -- a newer lift (q.f) covers the older changes
+            q.f = p.f
+            q.d = p.d + q.d
+            q.l = p.l + q.l
+        else
+            q.l = p.l + q.l
+        end
+    end
+end
+
+-- The reply of one flush: the changes leave "vp:" (they are in Redis now); the hash
+-- read back (a flat {tenant, value, ...} array) becomes "vg:", or without a read "vg:"
+-- takes the changes as Redis did. A failed flush keeps them for the next one.
 function _M.settle(sent, read, replies, err)
     local d = dict()
-    if not replies then
+    local reply = replies and replies[1]
+    if not replies or (type(reply) == "table" and reply[1] == false) then
         if err ~= "queue full" then
-            for tenant, x in pairs(sent) do
-                if not pending[tenant] then
-                    npending = npending + 1
-                end
-                pending[tenant] = (pending[tenant] or 0) + x
-            end
+            restore(sent)
             return
         end
-        for tenant, x in pairs(sent) do   -- dropped: the charge stays local only
-            d:incr("vg:" .. tenant, x, 0, LOCAL_TTL_S)
-            d:incr("vp:" .. tenant, -x, 0)
+        reply = nil   -- dropped: the changes stay this edge's own
+    end
+    for tenant, p in pairs(sent) do
+        d:incr("vp:" .. tenant, -p.l, 0)
+    end
+    if read and type(reply) == "table" then
+        for i = 1, #reply - 1, 2 do
+            local v = tonumber(reply[i + 1])
+            if v then
+                d:set("vg:" .. reply[i], v, LOCAL_TTL_S)
+            end
         end
         return
     end
-    for tenant, x in pairs(sent) do
-        d:incr("vp:" .. tenant, -x, 0)
-    end
-    local all = read and replies[#replies]
-    if type(all) == "table" and all[1] ~= false then
-        for i = 1, #all - 1, 2 do
-            local v = tonumber(all[i + 1])
-            if v then
-                d:set("vg:" .. all[i], v, LOCAL_TTL_S)
-            end
+    for tenant, p in pairs(sent) do
+        local v = d:get("vg:" .. tenant) or 0
+        if p.f and v < p.f then
+            v = p.f
         end
-    elseif not read then
-        for tenant, x in pairs(sent) do   -- the edge's own view until the next read
-            d:incr("vg:" .. tenant, x, 0, LOCAL_TTL_S)
-        end
+        d:set("vg:" .. tenant, v + p.d, LOCAL_TTL_S)
     end
 end
 
