@@ -323,9 +323,11 @@ local function wait_for_slot(req, o, t, now, left)
     if left then
         wait_s = math.max(wait_s, slots.predict(t, now, req, 0) and left or left / 2)
     end
-    wait_s = wait_s * factor
-    if left and wait_s > left then
-        wait_s = left
+    if factor ~= 1 then
+        wait_s = wait_s * factor
+        if left and wait_s > left then
+            wait_s = left
+        end
     end
     local give_up = now + wait_s
     if not line.join(w, o, poll_s) then
