@@ -4,7 +4,8 @@ Scenario ``noisy_tenant`` of the scheduler benchmark: a noisy neighbour on a sha
 pool. Two equal simulated nodes (batch 4, every request 16 output tokens and a short
 prompt, so every request is worth the same tokens), their slots known (``max_concurrency``
 = the batch: a node never queues, the edge does). Four quiet tenants send at a steady
-(Poisson) rate r each and one noisy tenant at 10 r, 14 r = 120 % of the pool's capacity;
+rate r each (evenly spaced, 10 % jitter) and one noisy tenant at 10 r, 14 r = 120 % of
+the pool's capacity;
 each tenant has its own API key. Runs, on the same arrivals (fixed seed):
 
 - ``baseline``: the quiet tenants alone (infergate, fair share on);
@@ -60,17 +61,19 @@ RUNS = ("baseline", "least_conn", "fair_off", "fair_on", "fair_off_2edges", "fai
 
 def arrivals(rate_quiet: float, duration_s: float, with_noisy: bool,
              seed: int = 7) -> list[tuple[float, str]]:
-    """(send time s, tenant) of the load, sorted: Poisson per tenant."""
+    """(send time s, tenant) of the load, sorted: every tenant at a steady rate (evenly
+    spaced sends from a random phase, each moved by up to 10 % of the gap)."""
     rng = random.Random(seed)
     out = []
     rates = {t: rate_quiet for t in QUIET}
     if with_noisy:
         rates[NOISY] = NOISY_FACTOR * rate_quiet
     for tenant, rate in rates.items():
-        t = rng.expovariate(rate)
+        gap = 1.0 / rate
+        t = rng.uniform(0, gap)
         while t < duration_s:
-            out.append((t, tenant))
-            t += rng.expovariate(rate)
+            out.append((max(0.0, t + rng.uniform(-0.1, 0.1) * gap), tenant))
+            t += gap
     return sorted(out)
 
 

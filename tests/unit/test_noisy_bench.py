@@ -43,7 +43,7 @@ def test_the_load_is_seeded_and_the_noisy_tenant_sends_ten_times_more() -> None:
     assert load == arrivals(2.0, 100.0, True)
     n = sum(1 for _, t in load if t == "noisy")
     q = sum(1 for _, t in load if t == "q1")
-    assert 7 < n / q < 13
+    assert n / q == pytest.approx(10, rel=0.02)
 
 
 def test_targets_are_ratios_within_the_run() -> None:

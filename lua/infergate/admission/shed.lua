@@ -262,7 +262,8 @@ end
 -- The two lines a request waits in for a slot, w = {pool, ticket, flow} per request:
 -- FIFO (infergate.admission.queue, arrival order per pool) and FAIR (the fair share,
 -- infergate.admission.fairqueue: per tenant and class). rank(w) = the requests served
--- before it (FAIR: or only those ahead in its own flow when they fill the free slots).
+-- before it (FAIR: or only those ahead in its own flow when they fill the free slots);
+-- step = how long it sleeps between two looks.
 local FIFO, FAIR = {}, {}
 
 function FIFO.busy(w)
@@ -284,6 +285,10 @@ function FIFO.leave(w, now)
     queue.leave(w.pool, w.ticket, now)
 end
 
+function FIFO.step(poll_s)
+    return poll_s
+end
+
 function FAIR.busy(w)
     return fairqueue.any_waiting(w.pool)
 end
@@ -299,6 +304,18 @@ end
 
 function FAIR.leave(w, now)
     fairqueue.leave(w.pool, w.flow, w.ticket, now)
+end
+
+-- A request with many others before it polls less often (up to FAIR_STEP_MAX x poll):
+-- the requests ahead take the next free slots anyway, and hundreds of waiting requests
+-- polling every few milliseconds would keep the worker busy.
+local FAIR_STEP_MAX = 10
+function FAIR.step(poll_s, ahead, free)
+    local behind = ahead - free
+    if behind <= 0 then
+        return poll_s
+    end
+    return poll_s * math.min(FAIR_STEP_MAX, 1 + behind / 8)
 end
 
 -- Admission in a pool with known slots (infergate.admission.slots): a free slot is
@@ -352,7 +369,7 @@ local function wait_for_slot(req, o, t, now, left)
             end
             return shutting_down(true)
         end
-        pause(give_up, now, poll_s)
+        pause(give_up, now, line.step(poll_s, ahead, free))
         ngx.update_time()
         now = ngx_now()
         t = snapshot.refresh()
