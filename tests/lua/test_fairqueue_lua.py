@@ -78,6 +78,9 @@ def got(tmp_path_factory: pytest.TempPathFactory) -> dict:
     arrive("m", "late", 2)
     out.late = vtc.get("late")
     out.min_waiting = math.min(vtc.get("noisy"), vtc.get("q1"), vtc.get("q2"))
+    vtc.charge("busy", 1e6)          -- served a lot before it went idle
+    arrive("m", "busy", 2)
+    out.busy = vtc.get("busy")
     while #waiting > 0 do serve_one("m", 100) end
     out.empty_after = fq.any_waiting("m")
 
@@ -112,8 +115,8 @@ def got(tmp_path_factory: pytest.TempPathFactory) -> dict:
     vtc.settle(sent, true, {{"zed", "10", "other", "7.5"}}, nil)
     out.after_read = {vtc.get("zed"), vtc.get("other")}
     out.nothing_left = vtc.commands(false) == nil
-    -- a lift goes as a floor (a maximum in Redis), the charges after it as the delta
-    vtc.lift("zed", 50)
+    -- a start goes as the value to set, the charges after it as the delta
+    vtc.start("zed", 50)
     vtc.charge("zed", 5)
     local lc = vtc.commands(false)[1]
     out.lift = {lc[7], lc[8], lc[9]}
@@ -159,9 +162,10 @@ def test_a_noisy_tenant_does_not_get_more_than_the_quiet_ones(got: dict) -> None
     assert got["order"] == ["q1", "q2", "noisy"] * 3
 
 
-def test_a_tenant_that_starts_waiting_is_lifted_not_at_zero(got: dict) -> None:
+def test_a_tenant_that_starts_waiting_starts_at_the_smallest_waiting_counter(got: dict) -> None:
     assert got["before_lift"] == 0
-    assert got["late"] == got["min_waiting"] > 0
+    assert got["late"] == got["min_waiting"] > 0    # not at zero
+    assert got["busy"] == got["min_waiting"]        # nor 1e6 behind from before
     assert got["empty_after"] is False
 
 

@@ -4,7 +4,7 @@
 --   1. the higher class: critical, then standard, then sheddable;
 --   2. within a class, the tenant with the smallest virtual token counter
 --      (infergate.admission.vtc: tokens served / weight); on a tie (a tenant that
---      starts waiting is lifted to the same counter) the flow with fewer requests
+--      starts waiting starts at the same counter) the flow with fewer requests
 --      waiting, then by name;
 --   3. within a flow, first come first served (infergate.admission.queue).
 -- No dispatcher: every waiting request computes its rank on each poll — the waiting
@@ -14,8 +14,9 @@
 -- at most every WAITING_CACHE_S per worker (and after this worker's joins and leaves),
 -- the registry and the counters' "busy" mark refreshed at most every REFRESH_S. So no request is held back while a slot
 -- is free for it (work-conserving), and with k free slots the first k in that order
--- go. A flow that starts waiting lifts its tenant's counter to the smallest counter of
--- the flows already waiting in the pool (vtc.lift), so an idle tenant banks no credit.
+-- go. A flow that starts waiting starts its tenant's counter at the smallest counter of
+-- the flows already waiting in the pool (vtc.start), so an idle tenant banks no credit
+-- and keeps no debt.
 --
 -- The waiting flows of a pool are found through a registry in the shared dict
 -- infergate_stats: slots "fe:<pool>:<i>" (i = 1..MAX_FLOWS) hold a flow's name while
@@ -161,8 +162,8 @@ function _M.any_waiting(pool)
 end
 
 -- The request joins `flow` of `pool`: nil, "full" past `max` waiting, else its ticket.
--- A flow that had nobody waiting lifts its tenant's counter to the smallest counter of
--- the flows waiting in the pool.
+-- A flow that had nobody waiting starts its tenant's counter at the smallest counter of
+-- the other flows waiting in the pool (unchanged when none waits).
 function _M.join(pool, flow, max, poll_s)
     local q = qname(pool, flow)
     local len = queue.length(q)
@@ -177,7 +178,7 @@ function _M.join(pool, flow, max, poll_s)
             end
         end
         local _, tenant = parse(flow)
-        vtc.lift(tenant, lowest)
+        vtc.start(tenant, lowest)
     end
     _M.register(pool, flow)
     refreshed[pool .. "\1" .. flow] = ngx.now()

@@ -2,15 +2,16 @@
 -- spirit of the Virtual Token Counter (Sheng et al., "Fairness in Serving Large
 -- Language Models", OSDI 2024): per tenant, the tokens it was served (prompt + output)
 -- divided by its weight; among waiting tenants the one with the smallest counter is
--- served first, and a tenant that starts waiting is lifted to the smallest counter of
--- the tenants already waiting (lift), so time spent idle banks no credit.
+-- served first, and a tenant that starts waiting starts at the smallest counter of the
+-- tenants already waiting (start; VTC's lift, here also downwards), so time spent idle
+-- banks no credit and service from before it went idle is no debt.
 --
 -- Shared by every edge through Redis (hash keynames.fairshare_counters, tenant ->
 -- float), cheaply: a charge adds to this worker's pending deltas and to the shared
 -- dict infergate_stats ("vp:<tenant>", seen by every worker at once); the worker's
 -- flush timer (infergate.core.flush.on_tick) sends them in its batched pipeline (one
--- EVAL of SCRIPT: each counter becomes max(counter, lift floor) + charges, so a lift is
--- a maximum and two edges lifting one tenant at once lift it once) and, while requests
+-- EVAL of SCRIPT: each counter becomes (its start value, or itself) + charges, so two
+-- edges starting one tenant at once start it once) and, while requests
 -- wait on this edge (busy()), reads the whole hash back in the same script call into
 -- "vg:<tenant>". No round trip on the request path. A tenant's counter here is vg + vp:
 -- what Redis said at the last flush plus what this edge's workers changed since. Redis
@@ -33,7 +34,8 @@ local BUSY_KEY = "vbusy"     -- set while requests wait on this edge
 local BUSY_TTL_S = 2
 
 -- This worker's changes since its last flush, per tenant: d = tokens / weight charged
--- after f, f = the floor of a lift (nil: none), l = what it added to "vp:<tenant>".
+-- after f, f = the value it was started at (nil: none), l = what it added to
+-- "vp:<tenant>".
 local pending, npending = {}, 0
 
 local function entry(tenant)
@@ -68,20 +70,21 @@ function _M.charge(tenant, tokens, weight)
     p.l = p.l + x
 end
 
--- Raises the counter of `tenant` to `floor` when it is below (a tenant that starts
--- waiting). In Redis the lift is a maximum, not an addition: two edges lifting the same
--- tenant at once lift it once. Returns the amount it was raised by here.
-function _M.lift(tenant, floor)
+-- Sets the counter of `tenant` to `at` (a tenant that starts waiting starts at the
+-- smallest counter of the tenants already waiting: no credit banked while idle, no debt
+-- kept from before). In Redis it is a set, not an addition: two edges starting the same
+-- tenant at once start it once. Returns the change here.
+function _M.start(tenant, at)
     local v = _M.get(tenant)
-    if not floor or floor <= v then
+    if not at or at == v then
         return 0
     end
-    dict():incr("vp:" .. tenant, floor - v, 0)
+    dict():incr("vp:" .. tenant, at - v, 0)
     local p = entry(tenant)
-    p.f = floor        -- what was charged before is below it: the floor covers it
+    p.f = at           -- what was charged before is replaced by it
     p.d = 0
-    p.l = p.l + (floor - v)
-    return floor - v
+    p.l = p.l + (at - v)
+    return at - v
 end
 
 -- Requests wait on this edge: the flush reads the counters of the other edges back.
@@ -90,16 +93,12 @@ function _M.busy()
 end
 
 -- KEYS[1]: the counters' hash. ARGV: ttl_ms, read (1|0), then per tenant: name, floor
--- ("" for none), delta. Each counter becomes max(counter, floor) + delta. Returns the
--- whole hash (HGETALL) when read, else 0.
+-- ("" for none), delta. Each counter becomes (floor, or the counter without one) +
+-- delta. Returns the whole hash (HGETALL) when read, else 0.
 _M.SCRIPT = [[
 local key = KEYS[1]
 for i = 3, #ARGV, 3 do
-  local v = tonumber(redis.call("HGET", key, ARGV[i])) or 0
-  local f = tonumber(ARGV[i + 1])
-  if f and v < f then
-    v = f
-  end
+  local v = tonumber(ARGV[i + 1]) or tonumber(redis.call("HGET", key, ARGV[i])) or 0
   redis.call("HSET", key, ARGV[i], string.format("%.17g", v + tonumber(ARGV[i + 2])))
 end
 if #ARGV > 2 then
@@ -136,7 +135,7 @@ local function restore(sent)
         if not q then
             pending[tenant] = p
             npending = npending + 1
-        elseif not q.f then        -- a newer lift (q.f) covers the older changes
+        elseif not q.f then        -- a newer start (q.f) replaces the older changes
             q.f = p.f
             q.d = p.d + q.d
             q.l = p.l + q.l
@@ -172,11 +171,7 @@ function _M.settle(sent, read, replies, err)
         return
     end
     for tenant, p in pairs(sent) do
-        local v = d:get("vg:" .. tenant) or 0
-        if p.f and v < p.f then
-            v = p.f
-        end
-        d:set("vg:" .. tenant, v + p.d, LOCAL_TTL_S)
+        d:set("vg:" .. tenant, (p.f or d:get("vg:" .. tenant) or 0) + p.d, LOCAL_TTL_S)
     end
 end
 
