@@ -43,6 +43,18 @@ local REFRESH_S = 0.5
 
 local cached = {}       -- pool -> {at, list}: this worker's last read of the waiting flows
 local refreshed = {}    -- "<pool>\1<flow>" -> when this worker last refreshed its entry
+local nrefreshed = 0
+local REFRESHED_MAX = 10000
+
+local function mark_refreshed(key, now)
+    if not refreshed[key] then
+        nrefreshed = nrefreshed + 1
+        if nrefreshed > REFRESHED_MAX then   -- flows long gone: start over
+            refreshed, nrefreshed = {}, 1
+        end
+    end
+    refreshed[key] = now
+end
 
 local function dict()
     return ngx.shared[config.DICT_STATS]
@@ -171,17 +183,21 @@ function _M.join(pool, flow, max, poll_s)
         return nil, "full"
     end
     if len == 0 then
-        local lowest
+        local _, tenant = parse(flow)
+        local lowest, active = nil, false
         for _, o in ipairs(_M.waiting(pool, true)) do
-            if o.name ~= flow and (not lowest or o.vc < lowest) then
+            if o.tenant == tenant then
+                active = true          -- waiting in another class: it goes on from there
+            elseif not lowest or o.vc < lowest then
                 lowest = o.vc
             end
         end
-        local _, tenant = parse(flow)
-        vtc.start(tenant, lowest)
+        if not active then
+            vtc.start(tenant, lowest)
+        end
     end
     _M.register(pool, flow)
-    refreshed[pool .. "\1" .. flow] = ngx.now()
+    mark_refreshed(pool .. "\1" .. flow, ngx.now())
     vtc.busy()
     cached[pool] = nil
     return queue.join(q, poll_s)
@@ -196,7 +212,7 @@ function _M.position(pool, flow, ticket, now, poll_s, free)
     queue.alive(q, ticket, poll_s)
     local rk = pool .. "\1" .. flow
     if now - (refreshed[rk] or 0) >= REFRESH_S then
-        refreshed[rk] = now
+        mark_refreshed(rk, now)
         _M.register(pool, flow)
         vtc.busy()
     end
