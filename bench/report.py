@@ -329,6 +329,19 @@ def block_realnode_compare(results: Path) -> str:
             + _fenced(compare_stats.report_text(data, meta)))
 
 
+def block_noisy_tenant(results: Path) -> str:
+    """``python -m bench.scheduler.noisy``'s tables and targets (``noisy_tenant.json``)."""
+    from .scheduler import noisy
+
+    data = load(results, "noisy_tenant.json")
+    meta = data.get("meta") or {}
+    head = (f"pool capacity {data['capacity_rps']} requests/s (wall), quiet tenants "
+            f"{data['rate_quiet_rps']}/s each, noisy tenant 10x; {meta.get('duration_s')} s "
+            f"per run, time scale {meta.get('time_scale')}")
+    return provenance("noisy_tenant.json", meta) + "\n\n" + _fenced(head, "",
+                                                                      noisy.table_text(data))
+
+
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "scheduler": lambda r: _scheduler(r, "scheduler"),
     "scheduler_scenarios": lambda r: _scheduler(r, "scheduler_scenarios", extra_lines=True),
@@ -340,6 +353,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "edge_overhead": block_edge_overhead,
     "admission": block_admission,
     "redis_cluster": block_redis_cluster,
+    "noisy_tenant": block_noisy_tenant,
     "cache_index": block_cache_index,
     "cache_throughput": block_cache_throughput,
     "cache_verifier": block_cache_verifier,

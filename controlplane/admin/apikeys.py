@@ -3,7 +3,9 @@
 Layout (schema v1, see docs/internals.md "API keys"):
 
 - ``keynames.APIKEYS``: hash, SHA-256 hex of the plaintext key -> JSON :class:`ApiKey`
-  without the hash: ``{"id", "tenant", "label", "rpm", "tpm", "created", "revoked"}``.
+  without the hash: ``{"id", "tenant", "label", "rpm", "tpm", "weight", "priority",
+  "created", "revoked"}`` (``weight`` / ``priority``: the key's fair share, ``None`` =
+  the tenant's default, ``[admission]`` in the configuration).
   The edge hashes the ``Authorization: Bearer`` value and does one ``HGET``; the key is
   valid only if the record exists **and** ``revoked`` is ``null``.
 - ``keynames.APIKEY_IDS``: hash, key id -> SHA-256 hex, to list and revoke by id.
@@ -40,6 +42,9 @@ KEY_PREFIX = "ig-"
 TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
 ID_RE = re.compile(r"^[0-9a-f]{8}\Z")
 MAX_LIMIT = 10**9
+#: Priority classes of a key, highest first (docs/admission.md "Fair share").
+PRIORITIES = ("critical", "standard", "sheddable")
+MAX_WEIGHT = 1000.0
 
 
 class ApiKeyError(InfergateError, ValueError):
@@ -61,6 +66,11 @@ class ApiKey:
     """Requests per minute allowed for this key; ``None`` = no limit."""
     tpm: int | None = None
     """Tokens (prompt + completion) per minute; ``None`` = no limit."""
+    weight: float | None = None
+    """Fair-share weight (0.01-1000; tokens served count / weight); ``None`` = the
+    tenant's default."""
+    priority: str | None = None
+    """Priority class (:data:`PRIORITIES`); ``None`` = the tenant's default."""
     created: float = 0.0
     """Epoch seconds."""
     revoked: float | None = None
@@ -95,6 +105,28 @@ def _check_limit(name: str, value: object) -> int | None:
     return n
 
 
+def _check_weight(value: object) -> float | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool):
+        raise ApiKeyError("weight must be a number from 0.01 to 1000 or empty (default)")
+    try:
+        w = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        raise ApiKeyError("weight must be a number from 0.01 to 1000 or empty (default)") from None
+    if not 0.01 <= w <= MAX_WEIGHT:
+        raise ApiKeyError("weight must be a number from 0.01 to 1000 or empty (default)")
+    return w
+
+
+def _check_priority(value: object) -> str | None:
+    if value is None or value == "":
+        return None
+    if value not in PRIORITIES:
+        raise ApiKeyError(f"priority must be one of {', '.join(PRIORITIES)} or empty (default)")
+    return str(value)
+
+
 def _check_tenant(tenant: object) -> str:
     if not isinstance(tenant, str) or not TENANT_RE.match(tenant):
         raise ApiKeyError("tenant: letters, digits, '-', '_', '.', 1 to 63 characters")
@@ -126,7 +158,8 @@ def _load(raw: str | None) -> ApiKey | None:
         # a label stored before it was checked as now must not break the pages that list it
         label = str(d.get("label", "")).encode("utf-8", "replace").decode("utf-8")
         return ApiKey(id=str(d["id"]), tenant=str(d["tenant"]), label=label,
-                      rpm=d.get("rpm"), tpm=d.get("tpm"), created=float(d.get("created", 0)),
+                      rpm=d.get("rpm"), tpm=d.get("tpm"), weight=d.get("weight"),
+                      priority=d.get("priority"), created=float(d.get("created", 0)),
                       revoked=None if d.get("revoked") is None else float(d["revoked"]))
     except (ValueError, KeyError, TypeError):
         return None
@@ -171,13 +204,15 @@ def store_status(r: redis.Redis, now: float | None = None,
 
 
 def create_key(r: redis.Redis, tenant: str, *, rpm: object = None, tpm: object = None,
-               label: str | None = None, now: float | None = None) -> tuple[str, ApiKey]:
+               label: str | None = None, now: float | None = None, weight: object = None,
+               priority: object = None) -> tuple[str, ApiKey]:
     """Create a key for ``tenant``; returns ``(plaintext, record)``.
 
     The plaintext is shown to the operator once; only its SHA-256 is stored.
-    Raises :class:`ApiKeyError` for a bad tenant, label or limit."""
+    Raises :class:`ApiKeyError` for a bad tenant, label, limit, weight or priority."""
     rec = ApiKey(id="", tenant=_check_tenant(tenant), label=_check_label(label),
                  rpm=_check_limit("rpm", rpm), tpm=_check_limit("tpm", tpm),
+                 weight=_check_weight(weight), priority=_check_priority(priority),
                  created=time.time() if now is None else now)
     plaintext = KEY_PREFIX + secrets.token_urlsafe(32)
     digest = hash_key(plaintext)
@@ -259,8 +294,10 @@ def revoke_key(r: redis.Redis, key_id: str, now: float | None = None) -> ApiKey 
 
 
 def set_limits(r: redis.Redis, key_id: str, *, rpm: object = ..., tpm: object = ...,
-               label: object = ...) -> ApiKey | None:
-    """Change the limits (``None`` or empty = no limit) and/or the label of a key.
+               label: object = ..., weight: object = ...,
+               priority: object = ...) -> ApiKey | None:
+    """Change the limits (``None`` or empty = no limit), the fair share (``weight``,
+    ``priority``; ``None`` or empty = the tenant's default) and/or the label of a key.
 
     Arguments left out keep their value. Returns the updated record, ``None`` if no key
     has that id; raises :class:`ApiKeyError` for a bad value and :class:`KeyRevoked` for
@@ -273,6 +310,10 @@ def set_limits(r: redis.Redis, key_id: str, *, rpm: object = ..., tpm: object = 
         changes["tpm"] = _check_limit("tpm", tpm)
     if label is not ...:
         changes["label"] = _check_label(label)
+    if weight is not ...:
+        changes["weight"] = _check_weight(weight)
+    if priority is not ...:
+        changes["priority"] = _check_priority(priority)
 
     def apply(rec: ApiKey) -> bool:
         if rec.revoked:
@@ -334,7 +375,9 @@ def _import_record(d: object, where: str) -> tuple[str, ApiKey]:
     try:
         rec = ApiKey(id=key_id, tenant=_check_tenant(d.get("tenant")),
                      label=_check_label(d.get("label")), rpm=_check_limit("rpm", d.get("rpm")),
-                     tpm=_check_limit("tpm", d.get("tpm")), created=created, revoked=revoked)
+                     tpm=_check_limit("tpm", d.get("tpm")), weight=_check_weight(d.get("weight")),
+                     priority=_check_priority(d.get("priority")), created=created,
+                     revoked=revoked)
     except ApiKeyError as exc:
         raise ApiKeyError(f"{where}: {exc}") from None
     return digest, rec

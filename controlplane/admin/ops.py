@@ -453,10 +453,11 @@ def node_json(node: NodeSettings) -> dict:
 
 # ---- API keys --------------------------------------------------------------------------
 
-KEY_FIELDS: tuple[str, ...] = ("tenant", "rpm", "tpm", "label")
+KEY_FIELDS: tuple[str, ...] = ("tenant", "rpm", "tpm", "label", "weight", "priority")
 """Fields of a new key: ``tenant`` (required), ``rpm`` / ``tpm`` (per minute, ``None`` =
-no limit), ``label``."""
-KEY_EDITABLE: tuple[str, ...] = ("rpm", "tpm", "label")
+no limit), ``label``, ``weight`` / ``priority`` (the fair share, ``None`` = the tenant's
+default)."""
+KEY_EDITABLE: tuple[str, ...] = ("rpm", "tpm", "label", "weight", "priority")
 """Fields ``edit_key`` may change (the tenant is fixed at creation)."""
 
 
@@ -468,7 +469,8 @@ def _key_event(r: redis.Redis, kind: str, rec: apikeys.ApiKey, actor: str, event
 
 def create_key(r: redis.Redis, data: object, actor: str,
                events_max: int = 10000) -> tuple[str, apikeys.ApiKey]:
-    """Create a key from ``{"tenant", "rpm"?, "tpm"?, "label"?}``; returns ``(plaintext,
+    """Create a key from ``{"tenant", "rpm"?, "tpm"?, "label"?, "weight"?, "priority"?}``;
+    returns ``(plaintext,
     record)`` -- the plaintext is shown once and never stored. Writes ``key_create``.
     Raises :class:`BadInput` (unknown field, bad tenant, limit or label)."""
     if not isinstance(data, dict):
@@ -478,7 +480,9 @@ def create_key(r: redis.Redis, data: object, actor: str,
         raise BadInput(f"unknown field(s): {', '.join(unknown)}; expected {', '.join(KEY_FIELDS)}")
     try:
         plaintext, rec = apikeys.create_key(r, data.get("tenant"), rpm=data.get("rpm"),
-                                            tpm=data.get("tpm"), label=data.get("label"))
+                                            tpm=data.get("tpm"), label=data.get("label"),
+                                            weight=data.get("weight"),
+                                            priority=data.get("priority"))
     except apikeys.ApiKeyError as exc:
         raise BadInput(str(exc)) from None
     _key_event(r, "key_create", rec, actor, events_max)
@@ -487,8 +491,8 @@ def create_key(r: redis.Redis, data: object, actor: str,
 
 def edit_key(r: redis.Redis, key_id: str, changes: object, actor: str,
              events_max: int = 10000) -> apikeys.ApiKey:
-    """Change some of ``rpm``, ``tpm`` (``None`` or empty = no limit) and ``label`` of a
-    key; returns the record. Writes ``key_edit`` with the new values. Raises
+    """Change some of ``rpm``, ``tpm`` (``None`` or empty = no limit), ``weight``,
+    ``priority`` (``None`` = the tenant's default) and ``label`` of a key; returns the record. Writes ``key_edit`` with the new values. Raises
     :class:`BadInput` (nothing to change, unknown field, bad value), :class:`NotFound`,
     :class:`Conflict` (409, ``key_revoked``: a revoked key does not change)."""
     if not isinstance(changes, dict) or not changes or set(changes) - set(KEY_EDITABLE):

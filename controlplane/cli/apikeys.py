@@ -1,12 +1,15 @@
 """``infergate keys``: API keys of the edge from the shell, straight on Redis.
 
-- ``create --tenant T [--rpm N] [--tpm N] [--label TEXT] [--json]``: makes a key and
+- ``create --tenant T [--rpm N] [--tpm N] [--weight W] [--priority P] [--label TEXT]
+  [--json]``: makes a key and
   prints it **once** (only its SHA-256 is stored); ``--rpm`` / ``--tpm`` are requests and
-  tokens per minute (left out = no limit).
+  tokens per minute (left out = no limit); ``--weight`` / ``--priority`` its fair share
+  (``critical``, ``standard``, ``sheddable``; left out = the tenant's default).
 - ``list [--active] [--json]``: id, tenant, label, rpm, tpm, created, revoked (UTC) —
   never the key, which is not stored.
-- ``edit ID [--rpm N|none] [--tpm N|none] [--label TEXT]``: new limits (``none`` = no
-  limit) or label; the edges apply them at most ``auth.cache_ttl_s`` seconds later.
+- ``edit ID [--rpm N|none] [--tpm N|none] [--weight W|none] [--priority P|none]
+  [--label TEXT]``: new limits (``none`` = no limit), fair share (``none`` = the
+  tenant's default) or label; the edges apply them at most ``auth.cache_ttl_s`` seconds later.
 - ``revoke ID``: the edges refuse the key at most ``auth.cache_ttl_s`` seconds later (an
   edge that cannot reach Redis meanwhile keeps a key it knew valid for up to
   ``auth.stale_ttl_s``: fail-static).
@@ -64,13 +67,18 @@ def keys_cmd(ctx: click.Context, config: str | None, redis_url: str | None) -> N
 @click.option("--tpm", type=int, default=None,
               help="Tokens per minute, prompt + completion (>= 1); default: no limit.")
 @click.option("--label", default=None, help="A note shown in the list (at most 200 characters).")
+@click.option("--weight", type=float, default=None,
+              help="Fair-share weight (0.01-1000); default: the tenant's ([admission]).")
+@click.option("--priority", type=click.Choice(apikeys.PRIORITIES), default=None,
+              help="Priority class; default: the tenant's ([admission]).")
 @click.option("--json", "as_json", is_flag=True, help='Print {"key", "id", "tenant", ...} as JSON.')
 @click.pass_obj
 def create_cmd(c: Ctx, tenant: str, rpm: int | None, tpm: int | None, label: str | None,
-               as_json: bool) -> None:
+               weight: float | None, priority: str | None, as_json: bool) -> None:
     """Create a key for TENANT and print it once."""
     plaintext, rec = _run(c, lambda: ops.create_key(
-        c.r, {"tenant": tenant, "rpm": rpm, "tpm": tpm, "label": label}, actor(), c.events_max))
+        c.r, {"tenant": tenant, "rpm": rpm, "tpm": tpm, "label": label, "weight": weight,
+              "priority": priority}, actor(), c.events_max))
     if as_json:
         click.echo(json.dumps({"key": plaintext, **rec.to_dict()}, indent=2))
         return
@@ -109,13 +117,20 @@ def _limit_arg(v: str | None) -> object:
 @click.option("--rpm", default=None, help="Requests per minute (>= 1), or 'none' for no limit.")
 @click.option("--tpm", default=None, help="Tokens per minute (>= 1), or 'none' for no limit.")
 @click.option("--label", default=None, help="A new note (at most 200 characters).")
+@click.option("--weight", default=None,
+              help="Fair-share weight (0.01-1000), or 'none' for the tenant's default.")
+@click.option("--priority", default=None,
+              help="critical, standard or sheddable, or 'none' for the tenant's default.")
 @click.pass_obj
-def edit_cmd(c: Ctx, key_id: str, rpm: str | None, tpm: str | None, label: str | None) -> None:
-    """Change the limits or the label of the key with id KEY_ID."""
+def edit_cmd(c: Ctx, key_id: str, rpm: str | None, tpm: str | None, label: str | None,
+             weight: str | None, priority: str | None) -> None:
+    """Change the limits, the fair share or the label of the key with id KEY_ID."""
     changes = {k: (_limit_arg(v) if k != "label" else v)
-               for k, v in (("rpm", rpm), ("tpm", tpm), ("label", label)) if v is not None}
+               for k, v in (("rpm", rpm), ("tpm", tpm), ("label", label), ("weight", weight),
+                            ("priority", priority)) if v is not None}
     if not changes:
-        raise click.UsageError("nothing to change: give --rpm, --tpm or --label")
+        raise click.UsageError("nothing to change: give --rpm, --tpm, --weight, --priority "
+                               "or --label")
     rec = _run(c, lambda: ops.edit_key(c.r, key_id, changes, actor(), c.events_max))
     click.echo(f"saved {rec.id} (tenant {rec.tenant}): rpm {_limit(rec.rpm)}, "
                f"tpm {_limit(rec.tpm)}, label {rec.label or '-'}; edges apply it within "

@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
 from controlplane.config.base import _Section, key_message
+
+
+#: Output tokens reserved per request.
+MaxTokens = Annotated[int, Field(ge=0, le=10_000_000)]
 
 
 class AuthSettings(_Section):
@@ -56,6 +60,14 @@ class LimitSettings(_Section):
     """Tokens per minute across all clients and edges; 0 = no global limit."""
     chars_per_token: float = Field(default=4.0, ge=0.01, le=1000)
     """Prompt characters counted as one token by the up-front estimate."""
+    default_max_tokens: int = Field(default=256, ge=0, le=10_000_000)
+    """Output tokens a chat or completions request without ``max_tokens`` /
+    ``max_completion_tokens`` reserves from the token buckets at admission (with
+    ``max_tokens``: that many, times ``n``); settled on the answer's usage, the unused
+    part goes back. 0 = reserve the prompt only."""
+    model_max_tokens: dict[str, MaxTokens] = {}
+    """Per model, instead of ``default_max_tokens``, e.g. ``[limits.model_max_tokens]``
+    ``"llama-3-8b" = 1024``."""
     lease_fraction: float = Field(default=0.01, ge=0, le=0.5)
     """Largest lease as a fraction (0-1) of a bucket's capacity, at most 1,000 requests
     or tokens: a worker that keeps charging a bucket takes tokens from Redis ahead of
@@ -71,6 +83,20 @@ class LimitSettings(_Section):
     the edge's cache, limits from local buckets, the response cache is bypassed and
     routing stays on the last snapshot meanwhile (the one back-off of the edge's Redis
     connections, ``lua/infergate/redis/pool.lua``)."""
+
+
+Priority = Literal["critical", "standard", "sheddable"]
+
+
+class TenantShare(_Section):
+    """A tenant's default share (``[admission.tenants.<tenant>]``); a key's own weight
+    and priority (``infergate keys edit ID --weight 2 --priority critical``) win."""
+
+    weight: float | None = Field(default=None, ge=0.01, le=1000)
+    """Weight of the tenant's keys in the fair share (tokens served count / weight)."""
+    priority: Priority | None = None
+    """Class of the tenant's keys: ``critical`` (served first, shed last), ``standard``,
+    ``sheddable``."""
 
 
 class AdmissionSettings(_Section):
@@ -100,6 +126,25 @@ class AdmissionSettings(_Section):
     fraction of the time left before the deadline, and waits, then gets the 429, past
     it (below 1: a margin for answers longer than the mean, at the price of more 429s).
     A request is never shed while a node is below its ``max_concurrency``."""
+    fair_share: bool = True
+    """In a pool with known slots, requests that wait for a slot wait per tenant and
+    class and the free slots go to the highest class first, then to the tenant with the
+    fewest tokens served / weight (virtual token counters shared by the edges through
+    Redis, docs/admission.md "Fair share"); off: one queue, first come first served."""
+    tenant_queue_max: int = Field(default=64, ge=1, le=100000)
+    """Most requests of one tenant and class waiting for a slot on an edge; past it the
+    fast 429 ``tenant_queue_full`` (fair share only)."""
+    default_weight: float = Field(default=1.0, ge=0.01, le=1000)
+    """Fair-share weight of a key without its own and no ``[admission.tenants]`` entry."""
+    default_priority: Priority = "standard"
+    """Priority class of a key without its own and no ``[admission.tenants]`` entry."""
+    tenants: dict[str, TenantShare] = {}
+    """Default weight and priority per tenant, e.g. ``[admission.tenants.acme]``
+    ``weight = 2``."""
+    forward_priority: bool = False
+    """Send the request's class to engines that schedule by priority (vLLM with
+    ``--scheduling-policy priority``, SGLang with ``--enable-priority-scheduling``) as
+    their ``priority`` field, with each engine's sign; never to other kinds."""
 
 
 #: The API paths the edge serves (locations of nginx/infergate-server.conf.j2).

@@ -104,6 +104,10 @@ CACHE_VERIFY_QUEUE = f"{BASE}:cache:verify_queue"
 #: Prefix of the edge's token buckets (hashes ``tokens``, ``ts``; expire once full), named
 #: by :func:`ratelimit_key` / :func:`ratelimit_global`.
 RATELIMIT_PREFIX = f"{BASE}:ratelimit:"
+#: Hash (TTL one day, renewed by every write), tenant -> its virtual token counter of the
+#: fair share (float text: tokens served / weight, with the lifts), HINCRBYFLOAT by the
+#: edges' flush queues (``lua/infergate/admission/vtc.lua``).
+FAIRSHARE_COUNTERS = f"{BASE}:fairshare:vtc"
 #: List with TTL (cache kind), newest first, capped: one JSON point per interval of the
 #: pool's traffic (requests, cache, latency histogram, shed, rate limits, per-node
 #: requests/failures), written by the leader control plane (``controlplane.routing.series``).
@@ -233,6 +237,7 @@ FIXED = {
     "cache_verify_queue": CACHE_VERIFY_QUEUE,
     "cache_dropped_prefix": CACHE_DROPPED_PREFIX,
     "ratelimit_prefix": RATELIMIT_PREFIX,
+    "fairshare_counters": FAIRSHARE_COUNTERS,
     "overview_series": OVERVIEW_SERIES,
     "state_marker": STATE_MARKER,
 }

@@ -415,10 +415,27 @@ def test_api_keys_lifecycle(client, r):
     assert client.patch("/api/v1/keys/deadbeef", json={"rpm": 1}, headers=AUTH).status_code == 404
 
 
+def test_api_keys_fair_share_is_set_and_reset(client, r):
+    resp = client.post("/api/v1/keys", json={"tenant": "acme", "weight": 2.5,
+                                             "priority": "critical"}, headers=AUTH)
+    assert resp.status_code == 201
+    d = resp.get_json()
+    assert d["weight"] == 2.5 and d["priority"] == "critical"
+    resp = client.patch(f"/api/v1/keys/{d['id']}", json={"weight": None, "priority": "sheddable"},
+                        headers=AUTH)
+    assert resp.status_code == 200
+    rec = apikeys.get_key(r, d["id"])
+    assert rec.weight is None and rec.priority == "sheddable"   # None: the tenant's default
+    resp = client.patch(f"/api/v1/keys/{d['id']}", json={"priority": "top"}, headers=AUTH)
+    assert resp.status_code == 400 and "priority" in err(resp)["message"]
+
+
 @pytest.mark.parametrize("body,frag", [
     ({}, "tenant"), ({"tenant": "a b"}, "tenant"), ({"tenant": "t", "rpm": 0}, "rpm"),
     ({"tenant": "t", "rpm": "many"}, "rpm"), ({"tenant": "t", "tpm": 1.5}, "tpm"),
     ({"tenant": "t", "rpm": True}, "rpm"), ({"tenant": "t", "secret": "x"}, "unknown"),
+    ({"tenant": "t", "weight": 0}, "weight"), ({"tenant": "t", "weight": "heavy"}, "weight"),
+    ({"tenant": "t", "priority": "urgent"}, "priority"),
 ])
 def test_api_keys_bad_input(client, r, body, frag):
     resp = client.post("/api/v1/keys", json=body, headers=AUTH)

@@ -23,7 +23,8 @@ def test_key_is_stored_hashed_and_looked_up_by_hash(r):
     digest = hashlib.sha256(key.encode()).hexdigest()
     stored = json.loads(r.hget(keynames.APIKEYS, digest))
     assert stored == {"id": rec.id, "tenant": "acme", "label": "batch jobs", "rpm": 120,
-                      "tpm": 5000, "created": 100.0, "revoked": None}
+                      "tpm": 5000, "weight": None, "priority": None, "created": 100.0,
+                      "revoked": None}
     assert r.hget(keynames.APIKEY_IDS, rec.id) == digest
     dump = json.dumps({k: r.dump(k).hex() for k in (keynames.APIKEYS, keynames.APIKEY_IDS)})
     assert key not in dump and key.encode().hex() not in dump

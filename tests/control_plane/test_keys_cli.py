@@ -83,6 +83,8 @@ def test_create_list_revoke(run, redis_server) -> None:
     (["create", "--tenant", "acme", "--rpm", "0"], "rpm must be between 1"),
     (["create", "--tenant", "acme", "--tpm", "-5"], "tpm must be between 1"),
     (["create", "--tenant", "acme", "--rpm", "many"], "not a valid integer"),
+    (["create", "--tenant", "acme", "--weight", "0"], "weight must be a number"),
+    (["create", "--tenant", "acme", "--priority", "urgent"], "'urgent' is not one of"),
     (["create"], "Missing option '--tenant'"),
     (["revoke", "00000000"], "no key with id '00000000'"),
     (["revoke", "not-an-id"], "no key with id"),
@@ -118,9 +120,15 @@ def test_edit_changes_limits_and_label_with_an_event(run, redis_server) -> None:
     assert ev["kind"] == "key_edit" and ev["actor"] == f"cli:{getpass.getuser()}"
     assert ev["detail"] == {"id": key_id, "tenant": "acme", "rpm": None, "tpm": 500,
                             "label": "batch jobs"}
+    res = run("edit", key_id, "--weight", "3", "--priority", "sheddable")
+    assert res.exit_code == 0, res.output
+    rec = apikeys.get_key(r, key_id)
+    assert rec.weight == 3 and rec.priority == "sheddable"
+    assert run("edit", key_id, "--weight", "none").exit_code == 0
+    assert apikeys.get_key(r, key_id).weight is None
     for args, message in [((key_id,), "nothing to change"),
                           ((key_id, "--rpm", "0"), "rpm must be between 1"),
                           (("00000000", "--rpm", "5"), "no API key with id '00000000'")]:
         res = run("edit", *args)
         assert res.exit_code != 0 and message in res.output, res.output
-    assert len(registry.recent_events(r, 10)) == 2  # no event for a refused edit
+    assert len(registry.recent_events(r, 10)) == 4  # no event for a refused edit

@@ -107,7 +107,9 @@ def test_token_limit_uses_the_real_usage(redis_server, simnodes, edge_factory) -
     r = redis_server.client()
     key, rec = apikeys.create_key(r, "acme", tpm=100)
     (node,) = simnodes(1, time_scale=0.02)
-    edge = edge_factory(settings(redis_server.url, [node.node_settings()]))
+    # no output reserved up front (limits.default_max_tokens = 0): the answer's usage
+    # settles everything
+    edge = edge_factory(settings(redis_server.url, [node.node_settings()], default_max_tokens=0))
     bucket = keynames.ratelimit_key(rec.id, "tpm")
     # 32 characters -> 8 prompt tokens estimated up front; the node also answers 50
     body = {"model": "sim-llama", "sim_output_tokens": 50,
@@ -161,7 +163,7 @@ def test_stream_usage_corrects_the_token_bucket(redis_server, simnodes, edge_fac
     r = redis_server.client()
     key, rec = apikeys.create_key(r, "acme", tpm=1000)
     (node,) = simnodes(1, time_scale=0.02)
-    edge = edge_factory(settings(redis_server.url, [node.node_settings()]))
+    edge = edge_factory(settings(redis_server.url, [node.node_settings()], default_max_tokens=0))
     bucket = keynames.ratelimit_key(rec.id, "tpm")
     body = {"model": "sim-llama", "sim_output_tokens": 40, "stream": True,
             "stream_options": {"include_usage": True},

@@ -9,7 +9,7 @@
 -- dict, unknown or revoked keys apart in infergate_auth_neg (so a flood of made-up keys
 -- evicts only made-up keys, never a valid one):
 --
---   {"ok": true, "at": epoch_s, "id", "tenant", "rpm"?, "tpm"?}   valid key
+--   {"ok": true, "at": epoch_s, "id", "tenant", "rpm"?, "tpm"?, "weight"?, "priority"?}
 --   {"ok": false, "at": epoch_s}                                    unknown or revoked
 --
 -- A cached answer is trusted for auth.cache_ttl_s (valid) or auth.negative_ttl_s
@@ -35,7 +35,8 @@
 -- refused. A valid key idle longer than stale_ttl_s is forgotten.
 --
 -- On success: req.tenant (the response cache keys on it), req.key_id (8 hex, safe to
--- log), req.key_limits = {rpm = n|nil, tpm = n|nil}; the Authorization header is
+-- log), req.key_limits = {rpm = n|nil, tpm = n|nil}, req.key_share = {weight, priority}
+-- when the key sets either (the fair share, infergate.admission.fairshare); the Authorization header is
 -- removed from the request so the nodes never see the key. The key itself is never
 -- logged or stored (a worker keeps the digests of the keys in use in its own memory).
 --
@@ -85,6 +86,9 @@ function _M.bearer(value)
     return token
 end
 
+-- The priority classes a key may name (infergate.admission.fairqueue).
+local PRIORITIES = { critical = true, standard = true, sheddable = true }
+
 local function limit(v)
     if type(v) == "number" and v >= 1 then
         return v
@@ -111,6 +115,8 @@ function _M.from_record(raw, now)
         tenant = r.tenant,
         rpm = limit(r.rpm),
         tpm = limit(r.tpm),
+        weight = type(r.weight) == "number" and r.weight > 0 and r.weight or nil,
+        priority = PRIORITIES[r.priority] and r.priority or nil,
     }
 end
 
@@ -169,7 +175,8 @@ local function keep_known(digest, e, now, o)
     if n ~= 0 then
         return nil, err or "EXISTS failed"
     end
-    local kept = { ok = true, at = now, id = e.id, tenant = e.tenant, rpm = e.rpm, tpm = e.tpm }
+    local kept = { ok = true, at = now, id = e.id, tenant = e.tenant, rpm = e.rpm, tpm = e.tpm,
+                   weight = e.weight, priority = e.priority }
     cache_set(digest, kept, o)
     astats.incr("auth_kept")
     astats.flag("auth_store_missing", math.max(2 * o.cache_ttl_s, 10))
@@ -300,6 +307,9 @@ function _M.step(req)
     req.tenant = e.tenant
     req.key_id = e.id
     req.key_limits = { rpm = e.rpm, tpm = e.tpm }
+    if e.weight or e.priority then
+        req.key_share = { weight = e.weight, priority = e.priority }
+    end
     ngx.req.clear_header("Authorization")
     return nil
 end

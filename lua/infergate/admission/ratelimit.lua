@@ -5,6 +5,9 @@
 --
 --   per API key   requests  capacity = the key's rpm, cost 1
 --                 tokens    capacity = the key's tpm, cost = estimated prompt tokens
+--                           + the output tokens reserved (tokencount.reserved_output:
+--                           max_tokens x n, else limits.model_max_tokens[model] or
+--                           limits.default_max_tokens; chat and completions only)
 --   global        requests  capacity = limits.global_rpm (0 = none), cost 1
 --                 tokens    capacity = limits.global_tpm (0 = none), cost as above
 --
@@ -12,7 +15,9 @@
 -- at least 1; characters are Unicode code points of the message contents (chat), the
 -- prompt (completions) or the input (embeddings). A cost above a bucket's capacity is
 -- capped at the capacity (the request waits for a full bucket). After the answer the
--- log phase corrects the charge with the real usage.total_tokens of the response
+-- log phase settles the charge on the real usage.total_tokens of the response (the unused
+-- part of the reservation goes back; an answer without usage, e.g. a stream the client
+-- left, is settled on the prompt estimate + the content chunks seen)
 -- (infergate.admission.usage; a stream without usage counts one token per content chunk): the
 -- difference goes into the worker's flush queue (infergate.core.flush, one recurring
 -- timer per worker) and is applied from there, so the request path never waits on
@@ -131,6 +136,9 @@ local GLOBAL_TPM = keynames.ratelimit_global("tpm")
 function _M.buckets(req, o)
     local list = {}
     local tokens = req.est_tokens or 0
+    if tokens > 0 then
+        tokens = tokens + (req.reserved_tokens or 0)
+    end
     local kl, id = req.key_limits, req.key_id
     if kl and id and id ~= "" then
         if kl.rpm then
@@ -178,6 +186,7 @@ function _M.step(req)
     if req.route ~= "models" and (o.global_tpm > 0 or (kl and kl.tpm)) then
         -- the prompt's characters are counted once per request (infergate.core.reqctx)
         req.est_tokens = max(1, ceil(reqctx.prompt_chars(req) / o.chars_per_token))
+        req.reserved_tokens = tokencount.reserved_output(req.body, req.model, o)
     end
     local list = _M.buckets(req, o)
     if #list == 0 then

@@ -65,7 +65,8 @@ end
 
 _M.queue_correction = queue_correction
 
--- Log phase: charge the difference between the real token usage and the estimate.
+-- Log phase: charge the difference between the real token usage and the estimate (the
+-- prompt estimate + the output tokens reserved, infergate.admission.tokencount).
 -- No I/O here: the correction goes into the worker's flush queue (infergate.core.flush),
 -- written to Redis by its timer; a full queue drops it (counted in
 -- infergate_edge_flush_dropped_total{kind="ratelimit_correction"}).
@@ -90,10 +91,15 @@ function _M.log(req)
     end
     local total = usage and usage.total_tokens
     if not total then
-        if not req.track_usage or not node_refused() then
+        if req.track_usage and node_refused() then
+            total = 0
+        elseif (req.reserved_tokens or 0) > 0 then
+            -- no usage (a stream the client left, a failed try): the output reserved
+            -- and not seen goes back
+            total = (req.est_tokens or 0) + (req.usage_chunks or 0)
+        else
             return
         end
-        total = 0
     end
     local list, costs, any = {}, {}, false
     for _, b in ipairs(rl.list) do

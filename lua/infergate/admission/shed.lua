@@ -59,6 +59,8 @@ local slots = require("infergate.admission.slots")
 local queue = require("infergate.admission.queue")
 local held = require("infergate.routing.held")
 local learned = require("infergate.routing.learned")
+local fairqueue = require("infergate.admission.fairqueue")
+local fairshare = require("infergate.admission.fairshare")
 local ngx_var = ngxapi.var
 
 local _M = {}
@@ -257,60 +259,130 @@ local function slot_hopeless(req, t, now, start, left, give_up, ahead, free)
     return (left and done and (now - start) + done > left) or false, wait
 end
 
+-- The two lines a request waits in for a slot, w = {pool, ticket, flow} per request:
+-- FIFO (infergate.admission.queue, arrival order per pool) and FAIR (the fair share,
+-- infergate.admission.fairqueue: per tenant and class). rank(w) = the requests served
+-- before it (FAIR: or only those ahead in its own flow when they fill the free slots);
+-- step = how long it sleeps between two looks.
+local FIFO, FAIR = {}, {}
+
+function FIFO.busy(w)
+    return not queue.empty(w.pool)
+end
+
+function FIFO.join(w, _, poll_s)
+    w.ticket = queue.join(w.pool, poll_s)
+    return w.ticket
+end
+
+function FIFO.rank(w, now, poll_s, _)
+    local a = queue.ahead(w.pool, w.ticket, now)
+    queue.alive(w.pool, w.ticket, poll_s)
+    return a
+end
+
+function FIFO.leave(w, now)
+    queue.leave(w.pool, w.ticket, now)
+end
+
+function FIFO.step(poll_s)
+    return poll_s
+end
+
+function FAIR.busy(w)
+    return fairqueue.any_waiting(w.pool)
+end
+
+function FAIR.join(w, o, poll_s)
+    w.ticket = fairqueue.join(w.pool, w.flow, o.tenant_queue_max, poll_s)
+    return w.ticket
+end
+
+function FAIR.rank(w, now, poll_s, free)
+    return fairqueue.position(w.pool, w.flow, w.ticket, now, poll_s, free)
+end
+
+function FAIR.leave(w, now)
+    fairqueue.leave(w.pool, w.flow, w.ticket, now)
+end
+
+-- A request with many others before it polls less often (up to FAIR_STEP_MAX x poll):
+-- the requests ahead take the next free slots anyway, and hundreds of waiting requests
+-- polling every few milliseconds would keep the worker busy.
+local FAIR_STEP_MAX = 10
+function FAIR.step(poll_s, ahead, free)
+    local behind = ahead - free
+    if behind <= 0 then
+        return poll_s
+    end
+    return poll_s * math.min(FAIR_STEP_MAX, 1 + behind / 8)
+end
+
 -- Admission in a pool with known slots (infergate.admission.slots): a free slot is
--- taken at once when nobody waits; otherwise the request waits at the edge in arrival
--- order (infergate.admission.queue) until a slot frees for it, or gets the 429 as soon
--- as its deadline cannot be met (without a deadline: after admission.max_wait_ms;
--- without a prediction: after half the time left, at least max_wait_ms).
+-- taken at once when nobody waits; otherwise the request waits at the edge
+-- (FIFO: in arrival order; FAIR: by the fair share) until a slot frees for it, or gets
+-- the 429 as soon as its deadline cannot be met (without a deadline: after
+-- admission.max_wait_ms; without a prediction: after half the time left, at least
+-- max_wait_ms; under the fair share that wait times the class's WAIT_FACTOR, never past
+-- the deadline). A fair flow already holding admission.tenant_queue_max: the fast 429.
 local function wait_for_slot(req, o, t, now, left)
-    local pool = req.model or ""
-    if queue.empty(pool) and slots.reserve(req, t, now) then
+    local line, w, factor = FIFO, { pool = req.model or "" }, 1
+    if fairshare.on(o) then
+        local class = fairshare.share(req, o)
+        line, factor = FAIR, fairshare.WAIT_FACTOR[class]
+        w.flow = fairqueue.flow(req.tenant or "", class)
+    end
+    if not line.busy(w) and slots.reserve(req, t, now) then
         return nil
     end
     local start, poll_s = now, o.poll_ms / 1000
-    local give_up = now + o.max_wait_ms / 1000
+    local wait_s = o.max_wait_ms / 1000
     if left then
-        give_up = now + math.max(o.max_wait_ms / 1000, slots.predict(t, now, req, 0)
-            and left or left / 2)
+        wait_s = math.max(wait_s, slots.predict(t, now, req, 0) and left or left / 2)
     end
-    local ticket = queue.join(pool, poll_s)
+    if factor ~= 1 then
+        wait_s = wait_s * factor
+        if left and wait_s > left then
+            wait_s = left
+        end
+    end
+    local give_up = now + wait_s
+    if not line.join(w, o, poll_s) then
+        astats.incr("shed")
+        return fairshare.queue_full(o)
+    end
     astats.incr("waiting")
     while true do
-        local ahead = queue.ahead(pool, ticket, now)
         local free, eligible = slots.free(t, now, req.model)
+        local ahead = line.rank(w, now, poll_s, free)
         if eligible == 0 or (ahead < free and slots.reserve(req, t, now)) then
-            queue.leave(pool, ticket, now)
+            line.leave(w, now)
             astats.incr("waiting", -1)
             req.admission_wait_ms = (now - start) * 1000
             return nil
         end
         local stop, wait = slot_hopeless(req, t, now, start, left, give_up, ahead, free)
         if stop or exiting() then
-            queue.leave(pool, ticket, now)
+            line.leave(w, now)
             if stop then
                 return shed_answer(req, o, now, true, wait)
             end
             return shutting_down(true)
         end
-        queue.alive(pool, ticket, poll_s)
-        pause(give_up, now, poll_s)
+        pause(give_up, now, line.step(poll_s, ahead, free))
         ngx.update_time()
         now = ngx_now()
         t = snapshot.refresh()
     end
 end
 
--- Access step: nil to continue, or a 429 error table.
-function _M.step_shed(req)
-    local o = config.get().admission
-    if not o.shed or (req.route ~= "inference" and req.route ~= "api") then
-        return nil
-    end
+local function admit(req, o)
     ngx.update_time()
     local now = ngx_now()
     local left0 = deadline.remaining(req, now)
     local t0 = snapshot.refresh()
     if slots.applies(t0, now, req.model) then
+        req.slot_pool = true
         return wait_for_slot(req, o, t0, now, left0)
     end
     local wait_s = o.max_wait_ms / 1000
@@ -348,6 +420,21 @@ function _M.step_shed(req)
     return shed_answer(req, o, now, waited)
 end
 
+-- Access step: nil to continue, or a 429 error table. A request admitted in a pool with
+-- known slots is charged to its tenant's fair-share counter
+-- (infergate.admission.fairshare).
+function _M.step_shed(req)
+    local o = config.get().admission
+    if not o.shed or (req.route ~= "inference" and req.route ~= "api") then
+        return nil
+    end
+    local e = admit(req, o)
+    if not e and req.slot_pool and fairshare.on(o) then
+        fairshare.admitted(req, o)
+    end
+    return e
+end
+
 -- The last entry of an "$upstream_*" list ("502, 504 : 200" -> "200").
 local function last_entry(v)
     if not v or v == "" then
@@ -375,6 +462,7 @@ end
 -- try that never started given back, the answer time learned (no I/O here).
 function _M.log(req)
     ratelimit.log(req)
+    fairshare.log(req)
     held.give_back(req)
     learn_tail(req)
 end

@@ -36,6 +36,8 @@ _M.cache_verify_queue = BASE .. ":cache:verify_queue"
 -- Written by the control plane only: marks of entries dropped as wrong.
 _M.cache_dropped_prefix = BASE .. ":cache:dropped:"
 _M.ratelimit_prefix = BASE .. ":ratelimit:"
+-- The fair share's virtual token counters: tenant -> float (infergate.admission.vtc).
+_M.fairshare_counters = BASE .. ":fairshare:vtc"
 -- Written by the control plane only (the overview's time series); named here so both agree.
 _M.overview_series = BASE .. ":overview:series"
 -- Written by the control plane only: present while Redis kept its state (no TTL).

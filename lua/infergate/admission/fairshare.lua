@@ -1,0 +1,132 @@
+-- The request's part in the fair share (admission.fair_share; the queue is
+-- infergate.admission.fairqueue, the counters infergate.admission.vtc):
+--
+--   class, weight   from the API key (infergate.admission.auth: req.key_share =
+--                   {weight, priority}), else admission.tenants[<tenant>], else
+--                   admission.default_weight / admission.default_priority;
+--   admitted(req)   charges the tenant's counter with the estimated prompt tokens /
+--                   weight when the request is admitted (so a tenant with many
+--                   requests in flight is behind at once), and asks for the answer's
+--                   usage (req.track_usage, infergate.admission.usage);
+--   log(req)        adds the rest when the answer's usage is known: usage.total_tokens
+--                   minus what was charged, / weight.
+--
+-- The class also sets how long a request may wait for a slot: WAIT_FACTOR x the wait of
+-- a standard request (critical waits longer, sheddable is shed first).
+local config = require("infergate.core.config")
+local reqctx = require("infergate.core.reqctx")
+local vtc = require("infergate.admission.vtc")
+local fairqueue = require("infergate.admission.fairqueue")
+local snapshot = require("infergate.routing.snapshot")
+
+local _M = {}
+
+local max = math.max
+local ceil = math.ceil
+local tostring = tostring
+local type = type
+local find = string.find
+local sub = string.sub
+
+local CLASSES = fairqueue.CLASSES
+_M.WAIT_FACTOR = { [3] = 2, [2] = 1, [1] = 0.25 }
+
+-- Whether the fair share applies to this edge's options `o` (the admission section).
+function _M.on(o)
+    return o.fair_share == true and o.shed == true
+end
+
+-- The class (1..3) and weight (> 0) of the request, options `o` (admission section).
+local function number(v)
+    return type(v) == "number" and v > 0 and v or nil
+end
+
+function _M.share(req, o)
+    local ks = req.key_share
+    local t = o.tenants and o.tenants[req.tenant or ""]
+    local class = (ks and CLASSES[ks.priority]) or (t and CLASSES[t.priority])
+        or CLASSES[o.default_priority] or 2
+    local weight = (ks and number(ks.weight)) or (t and number(t.weight))
+        or number(o.default_weight) or 1
+    return class, weight
+end
+
+-- Estimated prompt tokens of the request (the rate limits' estimate when it has one).
+local function prompt_tokens(req)
+    local n = req.est_tokens
+    if not n then
+        n = max(1, ceil(reqctx.prompt_chars(req) / config.get().limits.chars_per_token))
+        req.est_tokens = n   -- a stream without usage: prompt + content chunks
+    end
+    return n
+end
+
+-- The engine "priority" of class 3 (critical) and 1 (sheddable) by node kind: vLLM
+-- handles lower values first (vllm/entrypoints/openai protocol.py, field priority,
+-- "lower means earlier handling", v0.6+; needs --scheduling-policy priority), SGLang
+-- higher values first (server_args.py schedule_low_priority_values_first = False by
+-- default; needs --enable-priority-scheduling). Standard is 0, the engines' default,
+-- and not sent.
+_M.ENGINE_PRIORITY = { vllm = { [3] = -1, [1] = 1 }, sglang = { [3] = 1, [1] = -1 } }
+
+-- admission.forward_priority: the class as the engine's "priority" member, put right
+-- after the body's opening brace (every other byte as sent), when the request's node is
+-- known at admission (a pool with known slots, req.picked) and is of a kind that takes
+-- it, and the body has no "priority" of its own. A retry on another node sends the same
+-- body.
+local function forward_priority(req, class)
+    local picked = req.picked
+    local body = req.body
+    if not picked or type(body) ~= "table" or body.priority ~= nil then
+        return
+    end
+    local node = snapshot.current().by_name[picked.name]
+    local by_kind = node and _M.ENGINE_PRIORITY[node.kind]
+    local p = by_kind and by_kind[class]
+    if not p then
+        return
+    end
+    local text = ngx.req.get_body_data() or req.raw_body
+    local open = type(text) == "string" and find(text, "{", 1, true)
+    if open then
+        ngx.req.set_body_data(sub(text, 1, open) .. '"priority":' .. p .. "," .. sub(text, open + 1))
+    end
+end
+
+-- The request is admitted (a slot taken or shedding passed): charge its tenant.
+function _M.admitted(req, o)
+    local tenant = req.tenant or ""
+    local class, weight = _M.share(req, o)
+    if o.forward_priority and class ~= 2 then
+        forward_priority(req, class)
+    end
+    local n = prompt_tokens(req)
+    vtc.charge(tenant, n, weight)
+    req.fair = { tenant = tenant, weight = weight, charged = n }
+    req.track_usage = true
+end
+
+-- Log phase: the rest of the request's tokens once its usage is known.
+function _M.log(req)
+    local f = req.fair
+    local u = req.usage
+    local total = u and u.total_tokens
+    if not f or not total then
+        return
+    end
+    vtc.charge(f.tenant, total - f.charged, f.weight)
+end
+
+-- The fast 429 of a request whose flow already holds admission.tenant_queue_max.
+function _M.queue_full(o)
+    return {
+        status = 429,
+        message = "Too many of this tenant's requests are waiting for capacity (at most "
+            .. tostring(o.tenant_queue_max) .. "); retry later.",
+        type = "server_overloaded",
+        code = "tenant_queue_full",
+        headers = { ["Retry-After"] = tostring(o.retry_after_s) },
+    }
+end
+
+return _M

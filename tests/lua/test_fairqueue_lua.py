@@ -1,0 +1,198 @@
+"""The fair share's logic (infergate.admission.fairqueue, .vtc, .fairshare) and the token
+reservation (infergate.admission.tokencount.reserved_output), run in nginx's
+init_by_lua with real shared dicts (support.stack.lua_eval): one nginx for all."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from support.stack import lua_eval
+
+from controlplane.edge.options import lua_string, option_spec
+
+DICTS = "lua_shared_dict infergate_snapshot 1m; lua_shared_dict infergate_stats 1m;"
+
+PRELUDE = """
+    local config = require("infergate.core.config")
+    assert(config.init({admission = {tenants = {gold = {weight = 3}, ops = {priority = "critical"}}}},
+                       """ + lua_string(json.dumps(option_spec())) + """))
+    local fq = require("infergate.admission.fairqueue")
+    local vtc = require("infergate.admission.vtc")
+    local fairshare = require("infergate.admission.fairshare")
+    local tokencount = require("infergate.admission.tokencount")
+    local out = {}
+"""
+
+# A pool with one free slot at a time: every round, each waiting request computes its
+# rank; the one at rank 0 is served and its tenant charged `cost` tokens (/ weight).
+SIMULATE = """
+    local waiting = {}         -- {flow, ticket, tenant, weight}
+    local function arrive(pool, tenant, class, weight)
+        local flow = fq.flow(tenant, class)
+        local t, err = fq.join(pool, flow, 1000, 0.02)
+        assert(t, err)
+        waiting[#waiting + 1] = {flow = flow, ticket = t, tenant = tenant, weight = weight or 1}
+    end
+    local function serve_one(pool, cost)
+        local now = ngx.now()
+        local zero = {}
+        for i, w in ipairs(waiting) do
+            if fq.position(pool, w.flow, w.ticket, now, 0.02) == 0 then
+                zero[#zero + 1] = i
+            end
+        end
+        assert(#zero == 1, "one request at rank 0, got " .. #zero)
+        local w = table.remove(waiting, zero[1])
+        fq.leave(pool, w.flow, w.ticket, now)
+        vtc.charge(w.tenant, cost, w.weight)
+        return w.tenant
+    end
+"""
+
+
+def run(workdir: Path, body: str):
+    return lua_eval(workdir, PRELUDE + SIMULATE + body + "\n    return out", http_extra=DICTS)
+
+
+@pytest.fixture(scope="module")
+def got(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return run(tmp_path_factory.mktemp("fairqueue"), """
+    -- ordering: class first, then the smaller counter, then the name
+    local a = {class = 2, vc = 10, n = 1, name = "2a"}
+    local b = {class = 2, vc = 5, n = 9, name = "2b"}
+    local c = {class = 3, vc = 99, n = 1, name = "3c"}
+    local d = {class = 2, vc = 10, n = 4, name = "2d"}
+    out.before = {fq.before(b, a), fq.before(c, b), fq.before(a, b), fq.before(a, d)}
+    out.rank = {fq.rank(a, 0, {a, b, c}), fq.rank(b, 2, {a, b, c}), fq.rank(c, 0, {a, b, c})}
+
+    -- a noisy tenant with 12 waiting, two quiet ones with 3 each, one slot at a time
+    for _ = 1, 12 do arrive("m", "noisy", 2) end
+    for _ = 1, 3 do arrive("m", "q1", 2); arrive("m", "q2", 2) end
+    local order = {}
+    for i = 1, 9 do order[i] = serve_one("m", 100) end
+    out.order = order
+    -- a tenant that starts waiting now is lifted to the smallest waiting counter
+    out.before_lift = vtc.get("late")
+    arrive("m", "late", 2)
+    out.late = vtc.get("late")
+    out.min_waiting = math.min(vtc.get("noisy"), vtc.get("q1"), vtc.get("q2"))
+    vtc.charge("busy", 1e6)          -- served a lot before it went idle
+    arrive("m", "busy", 2)
+    out.busy = vtc.get("busy")
+    while #waiting > 0 do serve_one("m", 100) end
+    out.empty_after = fq.any_waiting("m")
+
+    -- weights: tenant w2 (weight 2) is served twice as often as w1 under backlog
+    for _ = 1, 12 do arrive("w", "w1", 2, 1); arrive("w", "w2", 2, 2) end
+    local n = {w1 = 0, w2 = 0}
+    for _ = 1, 12 do local t = serve_one("w", 60); n[t] = n[t] + 1 end
+    out.weighted = n
+    while #waiting > 0 do serve_one("w", 60) end
+
+    -- a critical flow goes before every standard one, whatever the counters
+    vtc.charge("vip", 1e6)
+    for _ = 1, 3 do arrive("p", "bulk", 2) end
+    arrive("p", "vip", 3)
+    arrive("p", "cheap", 1)
+    local porder = {}
+    for i = 1, 5 do porder[i] = serve_one("p", 10) end
+    out.priority_order = porder
+
+    -- the per-flow bound
+    local t1 = fq.join("b", fq.flow("x", 2), 2, 0.02)
+    local t2 = fq.join("b", fq.flow("x", 2), 2, 0.02)
+    local t3, err = fq.join("b", fq.flow("x", 2), 2, 0.02)
+    out.bound = {t1 ~= nil, t2 ~= nil, t3 == nil, err}
+
+    -- the counters' flush: one EVAL with the changes, the hash read back, pending cleared
+    vtc.commands(false)        -- (what the runs above charged)
+    vtc.charge("zed", 40, 4)
+    local cmds, sent = vtc.commands(true)
+    local c = cmds[1]
+    out.cmd = {#cmds, c[1], c[6], c[7], c[8], c[9]}
+    vtc.settle(sent, true, {{"zed", "10", "other", "7.5"}}, nil)
+    out.after_read = {vtc.get("zed"), vtc.get("other")}
+    out.nothing_left = vtc.commands(false) == nil
+    -- a start goes as the value to set, the charges after it as the delta
+    vtc.start("zed", 50)
+    vtc.charge("zed", 5)
+    local lc = vtc.commands(false)[1]
+    out.lift = {lc[7], lc[8], lc[9]}
+    -- a failed flush keeps the changes for the next one
+    vtc.charge("zed", 8)
+    local _, sent2 = vtc.commands(false)
+    vtc.settle(sent2, false, nil, "connection refused")
+    local again = vtc.commands(false)
+    out.kept = again ~= nil and again[1][9]
+
+    -- class and weight: the key's, else the tenant's default, else the section's
+    local o = config.get().admission
+    local function share(req) local c, w = fairshare.share(req, o); return {c, w} end
+    out.share = {
+        share({tenant = "gold"}),
+        share({tenant = "gold", key_share = {weight = 0.5, priority = "sheddable"}}),
+        share({tenant = "ops"}),
+        share({tenant = "other"}),
+    }
+
+    -- the output tokens a request reserves at admission
+    local lo = {default_max_tokens = 256, model_max_tokens = {big = 2048}}
+    out.reserved = {
+        tokencount.reserved_output({messages = {}, max_tokens = 100}, "m", lo),
+        tokencount.reserved_output({messages = {}, max_completion_tokens = 50, max_tokens = 9}, "m", lo),
+        tokencount.reserved_output({prompt = "x", max_tokens = 100, n = 3}, "m", lo),
+        tokencount.reserved_output({messages = {}}, "big", lo),
+        tokencount.reserved_output({messages = {}}, "m", lo),
+        tokencount.reserved_output({input = "embed me"}, "m", lo),
+    }
+""")
+
+
+def test_flows_are_ordered_by_class_then_counter_then_fewer_waiting(got: dict) -> None:
+    assert got["before"] == [True, True, False, True]
+    # a (vc 10) has b (vc 5) and c (critical) before it; b at position 2 has c; c none
+    assert got["rank"] == [2, 3, 0]
+
+
+def test_a_noisy_tenant_does_not_get_more_than_the_quiet_ones(got: dict) -> None:
+    # equal counters at the start: the flows with fewer waiting first, then every
+    # tenant in turn (one slot each)
+    assert got["order"] == ["q1", "q2", "noisy"] * 3
+
+
+def test_a_tenant_that_starts_waiting_starts_at_the_smallest_waiting_counter(got: dict) -> None:
+    assert got["before_lift"] == 0
+    assert got["late"] == got["min_waiting"] > 0    # not at zero
+    assert got["busy"] == got["min_waiting"]        # nor 1e6 behind from before
+    assert got["empty_after"] is False
+
+
+def test_weights_share_the_slots(got: dict) -> None:
+    assert got["weighted"] == {"w1": 4, "w2": 8}
+
+
+def test_higher_class_first_whatever_the_counter(got: dict) -> None:
+    assert got["priority_order"] == ["vip", "bulk", "bulk", "bulk", "cheap"]
+
+
+def test_a_flow_holds_at_most_its_bound(got: dict) -> None:
+    assert got["bound"] == [True, True, True, "full"]
+
+
+def test_counters_go_to_redis_in_the_flush_and_come_back(got: dict) -> None:
+    # one command: EVAL ..., read back "1", then tenant, floor ("" = none), delta
+    assert got["cmd"] == [1, "EVAL", "1", "zed", "", "10"]   # 40 tokens / weight 4
+    assert got["after_read"] == [10, 7.5]  # what Redis holds, nothing pending
+    assert got["nothing_left"] is True
+    assert got["lift"] == ["zed", "50", "5"]
+    assert float(got["kept"]) == 8
+
+
+def test_class_and_weight_come_from_key_then_tenant_then_default(got: dict) -> None:
+    assert got["share"] == [[2, 3], [1, 0.5], [3, 1], [2, 1]]
+
+
+def test_reservation_is_max_tokens_or_the_model_default(got: dict) -> None:
+    assert got["reserved"] == [100, 50, 300, 2048, 256, 0]
