@@ -443,15 +443,20 @@ function place(req, o, now, n, grant, first)
     if req.affinity and not req.affinity_live and o.edge.prefix_affinity then
         req.affinity_live = affinity.track(req.affinity)
     end
+    -- a probe of a silent outlier with another node to retry on waits only part of its
+    -- time (infergate.admission.deadline.probe_read), never less than twice its predicted
+    -- completion there (queued behind others on a node that slowed down is not stalled)
+    local thr = can_retry and outlier.probe_threshold(node.name, req.stream, o)
+    if thr and not probe then
+        local e = speed.expected_s(node)
+        if e and e > thr then
+            thr = e
+        end
+    end
     attempts[n + 1] = stats.open_attempt(node.name, now, probe, claimed)
     outlier.track(attempts[n + 1], req.stream)
-    -- a probe of a silent outlier with another node to retry on waits only
-    -- part of its time (infergate.admission.deadline.probe_read)
-    if can_retry then
-        local thr = outlier.probe_threshold(node.name, req.stream, o)
-        if thr then
-            deadline.probe_read(req, o, now, thr)
-        end
+    if thr then
+        deadline.probe_read(req, o, now, thr)
     end
     speed.track(attempts[n + 1])
 end

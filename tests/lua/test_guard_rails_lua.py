@@ -1,0 +1,158 @@
+"""Guard rails of the learned parts of the scheduler: the shared arithmetic
+(infergate.routing.guard), the per-model output-length quantile (infergate.routing.lengths)
+and how the answer-time tail uses it (infergate.routing.learned), the yield when answers
+come far sooner than predicted, and the TTFB baseline's prior, floor, ceiling and decay
+(infergate.routing.outlier); run in nginx's init_by_lua with real shared dicts and
+explicit clocks (support.stack.lua_eval)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from support.stack import lua_eval
+
+from controlplane.edge.options import lua_string, option_spec
+
+DICTS = "lua_shared_dict infergate_snapshot 1m; lua_shared_dict infergate_stats 1m;"
+
+
+def run(workdir: Path, body: str):
+    prelude = """
+            local config = require("infergate.core.config")
+            assert(config.init({edge = {outlier_ttfb_factor = 4, outlier_ttfb_min_s = 2,
+                                        outlier_stream_ttfb_min_s = 0.5}},
+                               """ + lua_string(json.dumps(option_spec())) + """))
+            local guard = require("infergate.routing.guard")
+            local lengths = require("infergate.routing.lengths")
+            local learned = require("infergate.routing.learned")
+            local outlier = require("infergate.routing.outlier")
+            local stats = require("infergate.routing.stats")
+            local out = {}
+"""
+    return lua_eval(workdir, prelude + body, http_extra=DICTS)
+
+
+def test_guard_arithmetic(workdir: Path) -> None:
+    got = run(workdir, """
+            out.fresh = guard.decay(10, 2, 5, 10, 20)          -- not stale yet: as learned
+            out.half = guard.decay(10, 2, 30, 10, 20)          -- one half-life past stale
+            out.gone = guard.decay(10, 2, 10 + 20 * 40, 10, 20)
+            out.w0 = guard.weight(nil, 10, 20)
+            out.clamp = {guard.clamp(5, 1, 3), guard.clamp(0, 1, 3), guard.clamp(2, 1, 3)}
+            -- a run of 8 answers far below q: q becomes the largest of them at once
+            local q, run, top = 100, 0, 0
+            for i = 1, 7 do q, run, top = guard.yield(q, 10 + i, run, top, 4, 8) end
+            out.before = q
+            q, run, top = guard.yield(q, 5, run, top, 4, 8)
+            out.after, out.run = q, run
+            -- one answer near q breaks the run
+            local q2, r2, t2 = 100, 0, 0
+            for i = 1, 7 do q2, r2, t2 = guard.yield(q2, 10, r2, t2, 4, 8) end
+            q2, r2, t2 = guard.yield(q2, 90, r2, t2, 4, 8)
+            q2, r2, t2 = guard.yield(q2, 10, r2, t2, 4, 8)
+            out.broken = {q2, r2}
+            return out
+    """)
+    assert got["fresh"] == 10
+    assert got["half"] == pytest.approx(6)
+    assert got["gone"] == pytest.approx(2)
+    assert got["w0"] == 1
+    assert got["clamp"] == [3, 1, 2]
+    assert got["before"] == 100
+    assert got["after"] == 17 and got["run"] == 0
+    assert got["broken"] == [100, 1]
+
+
+def test_output_length_quantile_prior_bounds_yield_and_decay(workdir: Path) -> None:
+    got = run(workdir, """
+            local now = 1000
+            out.none = {lengths.quantile("m", now)}             -- no record: no weight
+            lengths.observe("m", 0, now)                         -- not a length: ignored
+            out.still_none = lengths.info("m") == nil
+            for i = 1, 600 do lengths.observe("m", (i % 10 == 0) and 200 or 20, now) end
+            out.q, out.w = lengths.quantile("m", now)
+            out.other = lengths.info("other") == nil             -- per model
+            out.top = lengths.info("m").top
+            out.w_stale = select(2, lengths.quantile("m", now + lengths.STALE_S))
+            out.w_half = select(2, lengths.quantile("m", now + lengths.STALE_S
+                                                    + lengths.HALF_LIFE_S))
+            -- the model now answers in 2-3 tokens: the quantile yields after a run of 8
+            for i = 1, 7 do lengths.observe("m", 2 + i % 2, now) end
+            out.q7 = lengths.info("m").q
+            lengths.observe("m", 2, now)
+            out.q8 = lengths.info("m").q
+            -- one huge answer cannot lift the quantile past the largest seen
+            lengths.observe("x", 5, now)
+            for _ = 1, 200 do lengths.observe("x", 5, now) end
+            out.x = lengths.info("x").q
+            return out
+    """)
+    assert got["none"] == [None, 0]
+    assert got["still_none"] and got["other"]
+    assert 20 < got["q"] <= 200 and got["w"] == 1
+    assert got["top"] == 200
+    assert got["w_stale"] == 1 and got["w_half"] == pytest.approx(0.5)
+    assert got["q7"] > 20
+    assert got["q8"] == 3
+    assert got["x"] == pytest.approx(5)
+
+
+def test_tail_uses_the_models_length_and_yields_to_answers_far_sooner(workdir: Path) -> None:
+    got = run(workdir, """
+            local now = 1000
+            -- node "a": 1 s answers of 100 tokens (pt 0.01 s); a 0.9 quantile of 1 s
+            for _ = 1, 50 do learned.observe("a", 1.0, 100, now) end
+            out.plain = learned.tail_s("a", 1.0, {model = "m"}, now)
+            -- model "m" answers up to 400 tokens at its 0.9 quantile: 4 s at the tail
+            for _ = 1, 50 do lengths.observe("m", 400, now) end
+            out.long = learned.tail_s("a", 1.0, {model = "m"}, now)
+            out.capped = learned.tail_s("a", 1.0, {model = "m", body = {max_tokens = 150}}, now)
+            out.other_model = learned.tail_s("a", 1.0, {model = "z"}, now)
+            -- long idle: the length's weight is gone, and the node's own tail is back at
+            -- its prior (2 x the mean)
+            out.stale = learned.tail_s("a", 1.0, {model = "m"},
+                                       now + lengths.STALE_S + 40 * lengths.HALF_LIFE_S)
+            -- node "b": learned 8 s answers, then 8 in a row of 1 s: it yields at once
+            for _ = 1, 50 do learned.observe("b", 8.0, nil, now) end
+            for _ = 1, 7 do learned.observe("b", 1.0, nil, now) end
+            out.b7 = learned.info("b").q
+            learned.observe("b", 1.0, nil, now)
+            out.b8 = learned.info("b").q
+            return out
+    """)
+    assert got["plain"] == pytest.approx(1.0)
+    assert got["long"] == pytest.approx(4.0, rel=0.02)
+    assert got["capped"] == pytest.approx(1.5)
+    assert got["other_model"] == pytest.approx(1.0)
+    assert got["stale"] == pytest.approx(2.0, rel=0.01)
+    assert got["b7"] > 7
+    assert got["b8"] == pytest.approx(1.0)
+
+
+def test_ttfb_baseline_has_a_prior_floor_ceiling_and_decay(workdir: Path) -> None:
+    got = run(workdir, """
+            local function answered(name, ttfb, stream)
+                local now = ngx.now()
+                local att = stats.open_attempt(name, now - ttfb)
+                outlier.track(att, stream)
+                outlier.first_byte({attempts = {att}}, now)
+                stats.close_attempt(att, "ok", now)
+            end
+            local now = ngx.now()
+            out.prior = outlier.threshold("n", true, nil, now)
+            for _ = 1, 20 do answered("n", 0.01, true) end
+            out.floor = outlier.threshold("n", true, nil, now)
+            for _ = 1, 20 do answered("s", 30, true) end           -- a very slow spell
+            out.ceiling = outlier.threshold("s", true, nil, now)
+            out.s_stale = outlier.threshold("s", true, nil, now + outlier.STALE_S)
+            out.s_decayed = outlier.threshold("s", true, nil,
+                                              now + outlier.STALE_S + 40 * outlier.HALF_LIFE_S)
+            return out
+    """)
+    assert got["prior"] == 2                       # no history: outlier_ttfb_min_s
+    assert got["floor"] == pytest.approx(0.5)      # 4 x 0.01 s, raised to the stream floor
+    assert got["ceiling"] == pytest.approx(24)     # 4 x 30 s, capped at 12 x the prior
+    assert got["s_stale"] == pytest.approx(24)
+    assert got["s_decayed"] == pytest.approx(2, rel=0.01)
