@@ -14,8 +14,11 @@ strategy after the other for each load (interleaved), a fresh edge per run:
   node every balancer prefers) is SIGSTOPped at a quarter of the window for
   :data:`FREEZE_SIM_S` simulated seconds (longer than the deadline), then SIGCONTed.
   From the edge's access log (each request carries ``?i=<index>``; ``ua`` lists every
-  try's node): ``to_frozen_after_s`` = the latest send time, after the freeze, of a
-  request whose tries include the frozen node (seconds after the freeze); ``lost_no_byte``
+  try's node): ``to_frozen_at_s`` = the send times (s after the freeze) of the requests
+  sent during the freeze whose tries include the frozen node; ``to_frozen_after_s`` =
+  the last of the first of them (sends less than :data:`PROBE_GAP_S` apart: routing
+  before the freeze is found), ``to_frozen_last_s`` = the last of all (later ones are
+  the half-open probes of stall detection, one at a time, backing off); ``lost_no_byte``
   = requests that failed (timeout, error) without any byte of an answer having reached
   the client, of them ``lost_no_byte_frozen`` had tried the frozen node.
 - ``speed_shift``: the same pool at :data:`SHIFT_LOAD`; ``fast-1`` becomes 3 times slower
@@ -108,6 +111,9 @@ def prefix_requests(n: int, seed: int, shared: bool) -> tuple[list[tuple[list[di
     rng = random.Random(seed)
     sizes = [rng.randint(2000, 6000) for _ in range(GROUPS)]
     systems = [system_prompt(g, sizes[g], seed, salt=seed) for g in range(GROUPS)]
+    # unique from the first block on: the nodes' block hashes are chained, so one body of
+    # pseudo-words behind a distinct tag shares no block (and no affinity key)
+    body = words_text(rng, "", 6000)
     out, tokens = [], 0
     for i in range(n):
         n_out = BASE_LENGTHS.draw(rng)
@@ -116,9 +122,9 @@ def prefix_requests(n: int, seed: int, shared: bool) -> tuple[list[tuple[list[di
             user = words_text(rng, f"[q {i:06d}]", rng.randint(50, 200))
             msgs = [{"role": "system", "content": systems[g]}, {"role": "user", "content": user}]
         else:
-            msgs = [{"role": "user",
-                     "content": words_text(rng, f"[{seed:04d} unique {i:06d}]",
-                                           rng.randint(2000, 6000))}]
+            n_chars = 4 * rng.randint(2000, 6000)
+            tag = f"[{seed:04d} unique {i:06d} {rng.random():.12f}] "
+            msgs = [{"role": "user", "content": (tag + body)[:n_chars]}]
         tokens += sum(len(m["content"]) for m in msgs) // 4
         out.append((msgs, n_out))
     return out, tokens / max(1, n)
@@ -153,16 +159,27 @@ def access_tries(text: str) -> dict[int, list[str]]:
     return out
 
 
+#: Sends to the frozen node more than this apart (wall s) after the first ones are the
+#: half-open probes of stall detection (one at a time, backing off), not routing.
+PROBE_GAP_S = 0.5
+
+
 def freeze_figures(wl: Workload, results: Sequence[Result], tries: dict[int, list[str]],
                    addr: str, t_freeze: float, t_thaw: float) -> dict:
-    """``to_frozen_after_s``, ``lost_no_byte``, ``lost_no_byte_frozen`` (module docstring);
-    times in wall s from the run start."""
+    """``to_frozen_after_s``, ``to_frozen_last_s``, ``to_frozen_at_s``, ``lost_no_byte``,
+    ``lost_no_byte_frozen`` (module docstring); times in wall s from the run start."""
     at = {r.idx: r.at_s for r in wl.requests}
-    late = [at[i] - t_freeze for i, t in tries.items()
-            if addr in t and t_freeze <= at.get(i, -1) < t_thaw]
+    late = sorted(at[i] - t_freeze for i, t in tries.items()
+                  if addr in t and t_freeze <= at.get(i, -1) < t_thaw)
+    until = 0.0
+    for x in late:        # the first cluster: sends less than PROBE_GAP_S apart
+        if x - until > PROBE_GAP_S:
+            break
+        until = x
     lost = [r for r in results if r.outcome != "ok" and r.events == 0 and r.status != 429]
-    return {"to_frozen_after_s": rounded(max(late), 3) if late else 0.0,
-            "to_frozen_during": len(late),
+    return {"to_frozen_after_s": rounded(until, 3),
+            "to_frozen_last_s": rounded(late[-1], 3) if late else 0.0,
+            "to_frozen_at_s": [rounded(x, 2) for x in late],
             "lost_no_byte": len(lost),
             "lost_no_byte_frozen": sum(1 for r in lost if addr in tries.get(r.idx, []))}
 
@@ -221,8 +238,8 @@ RATIO_COLUMNS = [("scenario", "scenario"), ("load_pct", "load %"),
 EXTRA_COLUMNS = [("scenario", "scenario"), ("load_pct", "load %"), ("strategy", "strategy"),
                  ("requests", "requests"), ("failures", "failures"), ("rejected", "429"),
                  ("rejected_free", "429 w/ free slot"), ("to_frozen_after_s", "to frozen after s"),
-                 ("lost_no_byte", "lost no byte"), ("prefix_hit_rate", "prefix hits"),
-                 ("loadavg_1m", "load avg")]
+                 ("to_frozen_last_s", "last probe s"), ("lost_no_byte", "lost no byte"),
+                 ("prefix_hit_rate", "prefix hits"), ("loadavg_before", "load avg")]
 
 
 def table(records: Sequence[dict]) -> str:
@@ -285,6 +302,7 @@ def run_one(plan: Plan, strategy: str, frac: float, wl: Workload, *, stack: Stac
     before = {n.name: node_counters(n) for n in nodes} if plan.spec is PREFIX_POOL else None
     edge = EdgeRun(stack, strategy, nodes, ts, base, tag)
     extra: dict = {}
+    tries: dict[int, list[str]] = {}
     frozen: list[SimNodeProc] = []
     try:
         if plan.name == "quiet_then_burst":
@@ -354,7 +372,8 @@ def run_one(plan: Plan, strategy: str, frac: float, wl: Workload, *, stack: Stac
                 fh.write(json.dumps({"idx": r.idx, "at_s": rounded(at[r.idx].at_s, 4),
                                      "output_tokens": at[r.idx].output_tokens,
                                      "outcome": r.outcome, "status": r.status, "e2e_s": r.e2e_s,
-                                     "ttft_s": r.ttft_s, "node": r.node, "error": r.error})
+                                     "ttft_s": r.ttft_s, "node": r.node, "error": r.error,
+                                     "tries": tries.get(r.idx)})
                          + "\n")
     return rec
 
@@ -363,7 +382,7 @@ def build(name: str, prompts: list[str], seed: int, ts: float,
           loads: tuple[float, ...] | None) -> tuple[Plan, dict[float, Workload], dict]:
     """The shape's plan, its workload per load and its facts (capacity, means)."""
     if name in ("zero_reuse", "shared_prefix_open"):
-        reqs, mean_prompt = prefix_requests(4000, seed, shared=name == "shared_prefix_open")
+        reqs, mean_prompt = prefix_requests(1500, seed, shared=name == "shared_prefix_open")
         mean_out = sum(n for _, n in reqs) / len(reqs)
         spec = PREFIX_POOL
         cap = pool_capacity_rps(spec, mean_out, mean_prompt) / ts
