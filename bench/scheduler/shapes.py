@@ -18,7 +18,9 @@ strategy after the other for each load (interleaved), a fresh edge per run:
   sent during the freeze whose tries include the frozen node; ``to_frozen_after_s`` =
   the last of the first of them (sends less than :data:`PROBE_GAP_S` apart: routing
   before the freeze is found), ``to_frozen_last_s`` = the last of all (later ones are
-  the half-open probes of stall detection, one at a time, backing off); ``lost_no_byte``
+  the half-open probes of stall detection, one at a time, backing off); for infergate
+  ``found_after_s`` = when the edge's ``/infergate/status`` first showed the node
+  stalled or a TTFB outlier (polled every 50 ms from the freeze); ``lost_no_byte``
   = requests that failed (timeout, error) without any byte of an answer having reached
   the client, of them ``lost_no_byte_frozen`` had tried the frozen node.
 - ``speed_shift``: the same pool at :data:`SHIFT_LOAD`; ``fast-1`` becomes 3 times slower
@@ -171,7 +173,7 @@ def freeze_figures(wl: Workload, results: Sequence[Result], tries: dict[int, lis
     at = {r.idx: r.at_s for r in wl.requests}
     late = sorted(at[i] - t_freeze for i, t in tries.items()
                   if addr in t and t_freeze <= at.get(i, -1) < t_thaw)
-    until = 0.0
+    until = late[0] if late else 0.0
     for x in late:        # the first cluster: sends less than PROBE_GAP_S apart
         if x - until > PROBE_GAP_S:
             break
@@ -238,8 +240,9 @@ RATIO_COLUMNS = [("scenario", "scenario"), ("load_pct", "load %"),
 EXTRA_COLUMNS = [("scenario", "scenario"), ("load_pct", "load %"), ("strategy", "strategy"),
                  ("requests", "requests"), ("failures", "failures"), ("rejected", "429"),
                  ("rejected_free", "429 w/ free slot"), ("to_frozen_after_s", "to frozen after s"),
-                 ("to_frozen_last_s", "last probe s"), ("lost_no_byte", "lost no byte"),
-                 ("prefix_hit_rate", "prefix hits"), ("loadavg_before", "load avg")]
+                 ("to_frozen_last_s", "last probe s"), ("found_after_s", "found stalled s"),
+                 ("lost_no_byte", "lost no byte"), ("prefix_hit_rate", "prefix hits"),
+                 ("loadavg_before", "load avg")]
 
 
 def table(records: Sequence[dict]) -> str:
@@ -327,7 +330,18 @@ def run_one(plan: Plan, strategy: str, frac: float, wl: Workload, *, stack: Stac
                 async def thaw() -> None:
                     bad.managed.signal(signal.SIGCONT)
                     frozen.clear()
-                on_time = [(t_f, freeze), (t_t, thaw)]
+
+                async def watch() -> None:   # when the edge finds the node stalled/outlier
+                    t0 = time.monotonic()
+                    while time.monotonic() - t0 < t_t - t_f:
+                        st = await asyncio.to_thread(edge.edge_status)
+                        node = next((x for x in (st or {}).get("nodes", [])
+                                     if x.get("name") == FREEZE_NODE), {})
+                        if node.get("stalled") or node.get("outlier"):
+                            extra["found_after_s"] = rounded(time.monotonic() - t0, 2)
+                            return
+                        await asyncio.sleep(0.05)
+                on_time = [(t_f, freeze), (t_f, watch), (t_t, thaw)]
             elif plan.name == "speed_shift":
                 bad = next(n for n in nodes if n.name == FREEZE_NODE)
 
