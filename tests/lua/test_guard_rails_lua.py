@@ -102,18 +102,23 @@ def test_output_length_quantile_prior_bounds_yield_and_decay(workdir: Path) -> N
 def test_tail_uses_the_models_length_and_yields_to_answers_far_sooner(workdir: Path) -> None:
     got = run(workdir, """
             local now = 1000
-            -- node "a": 1 s answers of 100 tokens (pt 0.01 s); a 0.9 quantile of 1 s
-            for _ = 1, 50 do learned.observe("a", 1.0, 100, now) end
-            out.plain = learned.tail_s("a", 1.0, {model = "m"}, now)
-            -- model "m" answers up to 400 tokens at its 0.9 quantile: 4 s at the tail
-            for _ = 1, 50 do lengths.observe("m", 400, now) end
-            out.long = learned.tail_s("a", 1.0, {model = "m"}, now)
-            out.capped = learned.tail_s("a", 1.0, {model = "m", body = {max_tokens = 150}}, now)
-            out.other_model = learned.tail_s("a", 1.0, {model = "z"}, now)
-            -- long idle: the length's weight is gone, and the node's own tail is back at
-            -- its prior (2 x the mean)
-            out.stale = learned.tail_s("a", 1.0, {model = "m"},
-                                       now + lengths.STALE_S + 40 * lengths.HALF_LIFE_S)
+            -- node "a": answers of 100 tokens take 1 s, one in five of 500 tokens 5 s
+            for i = 1, 400 do
+                if i % 5 == 0 then learned.observe("a", 5.0, 500, now)
+                else learned.observe("a", 1.0, 100, now) end
+            end
+            out.plain = learned.tail_s("a", 1.4, {model = "m"}, now)
+            -- model "m" answers 100 tokens: its requests need about 1 s, not the tail
+            for _ = 1, 50 do lengths.observe("m", 100, now) end
+            out.short = learned.tail_s("a", 1.4, {model = "m"}, now)
+            out.short_small_mean = learned.tail_s("a", 0.5, {model = "m"}, now)
+            -- model "long" answers 500 tokens: never more than the node's own tail
+            for _ = 1, 50 do lengths.observe("long", 500, now) end
+            out.long = learned.tail_s("a", 1.4, {model = "long"}, now)
+            -- the length goes stale: back to the node's tail (itself back at its prior,
+            -- 2 x the mean, after that long)
+            local later = now + lengths.STALE_S + 40 * lengths.HALF_LIFE_S
+            out.stale = learned.tail_s("a", 1.4, {model = "m"}, later)
             -- node "b": learned 8 s answers, then 8 in a row of 1 s: it yields at once
             for _ = 1, 50 do learned.observe("b", 8.0, nil, now) end
             for _ = 1, 7 do learned.observe("b", 1.0, nil, now) end
@@ -122,11 +127,11 @@ def test_tail_uses_the_models_length_and_yields_to_answers_far_sooner(workdir: P
             out.b8 = learned.info("b").q
             return out
     """)
-    assert got["plain"] == pytest.approx(1.0)
-    assert got["long"] == pytest.approx(4.0, rel=0.02)
-    assert got["capped"] == pytest.approx(1.5)
-    assert got["other_model"] == pytest.approx(1.0)
-    assert got["stale"] == pytest.approx(2.0, rel=0.01)
+    assert 4.0 < got["plain"] < 5.5                  # the node's 0.9 quantile, near 5 s
+    assert got["short"] == pytest.approx(1.4)        # 1 s fitted, not below the mean
+    assert got["short_small_mean"] == pytest.approx(1.0, rel=0.05)
+    assert got["long"] <= got["plain"] and got["long"] == pytest.approx(5.0, rel=0.03)
+    assert got["stale"] == pytest.approx(2.8, rel=0.01)
     assert got["b7"] > 7
     assert got["b8"] == pytest.approx(1.0)
 
