@@ -305,6 +305,7 @@ def run_one(plan: Plan, strategy: str, frac: float, wl: Workload, *, stack: Stac
     before = {n.name: node_counters(n) for n in nodes} if plan.spec is PREFIX_POOL else None
     edge = EdgeRun(stack, strategy, nodes, ts, base, tag)
     extra: dict = {}
+    ends: dict[int, float] = {}
     tries: dict[int, list[str]] = {}
     frozen: list[SimNodeProc] = []
     try:
@@ -387,7 +388,7 @@ def run_one(plan: Plan, strategy: str, frac: float, wl: Workload, *, stack: Stac
                                      "output_tokens": at[r.idx].output_tokens,
                                      "outcome": r.outcome, "status": r.status, "e2e_s": r.e2e_s,
                                      "ttft_s": r.ttft_s, "node": r.node, "error": r.error,
-                                     "tries": tries.get(r.idx)})
+                                     "tries": tries.get(r.idx), "end_s": rounded(ends.get(r.idx), 3)})
                          + "\n")
     return rec
 
