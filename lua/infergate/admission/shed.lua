@@ -265,8 +265,13 @@ end
 -- without a prediction: after half the time left, at least max_wait_ms).
 local function wait_for_slot(req, o, t, now, left)
     local pool = req.model or ""
-    if queue.empty(pool) and slots.reserve(req, t, now) then
-        return nil
+    local late = false
+    if queue.empty(pool) then
+        local ok
+        ok, late = slots.reserve(req, t, now, left)
+        if ok then
+            return nil
+        end
     end
     local start, poll_s = now, o.poll_ms / 1000
     local give_up = now + o.max_wait_ms / 1000
@@ -279,13 +284,19 @@ local function wait_for_slot(req, o, t, now, left)
     while true do
         local ahead = queue.ahead(pool, ticket, now)
         local free, eligible = slots.free(t, now, req.model)
-        if eligible == 0 or (ahead < free and slots.reserve(req, t, now)) then
+        local ok = eligible == 0
+        if not ok and ahead < free then
+            ok, late = slots.reserve(req, t, now, left and left - (now - start))
+        end
+        if ok then
             queue.leave(pool, ticket, now)
             astats.incr("waiting", -1)
             req.admission_wait_ms = (now - start) * 1000
             return nil
         end
-        local stop, wait = slot_hopeless(req, t, now, start, left, give_up, ahead, free)
+        -- free slots that would serve it too late do not keep it waiting
+        local stop, wait = slot_hopeless(req, t, now, start, left, give_up, ahead,
+                                         late and 0 or free)
         if stop or exiting() then
             queue.leave(pool, ticket, now)
             if stop then
