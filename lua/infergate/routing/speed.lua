@@ -39,10 +39,9 @@
 --     B = learned concurrency, rounded (max_concurrency before the first sample)
 --     expected = s x (1 + max(0, n + 1 - B) / B)
 -- its own service time plus the work ahead of it, B requests at a time: shortest
--- expected delay among the nodes with room (infergate.routing.room) while any has,
--- else among all: a full fast node queues only when no node has room. Not in n: other
--- edges' requests; they show in the
--- service time, which grows when they make this edge's unqueued requests wait.
+-- expected delay among the nodes with room (infergate.routing.room) while any has, else
+-- among all. Not in n: other edges' requests; they show in the service time, which
+-- grows when they make this edge's unqueued requests wait.
 --
 -- An estimate that nothing refreshes ages: once a node has answered nothing for STALE_S
 -- and has none of this edge's requests in flight, the service time used in expected_s
