@@ -176,13 +176,13 @@ def test_a_free_slot_that_would_serve_too_late_is_passed_over(workdir: Path) -> 
             end
             for _ = 1, 4 do stats.open_attempt("fast", now) end  -- every fast slot taken
             local t = tbl({node("fast", {slots = 4}), node("slow", {slots = 4})})
-            -- 10 s left: the slow node's slot means 12 s at its tail (2 x 6 s, its prior)
+            -- 5 s left: the slow node's free slot means 6 s there
             local req = {tried = {}}
-            out.late = {slots.reserve(req, t, now, 10)}
+            out.late = {slots.reserve(req, t, now, 5)}
             out.picked = req.picked and req.picked.name or false
-            -- 20 s left: the slow slot serves it in time; no deadline: as before
+            -- 7 s left: the slow slot serves it in time
             local r2 = {tried = {}}
-            out.in_time = {slots.reserve(r2, t, now, 20), r2.picked and r2.picked.name}
+            out.in_time = {slots.reserve(r2, t, now, 7), r2.picked and r2.picked.name}
             return out
     """)
     assert got["late"] == [False, True]

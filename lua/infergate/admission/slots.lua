@@ -63,16 +63,14 @@ function _M.free(t, now, model)
 end
 
 -- Whether a request with `left` s to its deadline would miss it on `node` even with a
--- free slot there: the work queued ahead of it on the node (infergate.routing.speed
--- expected_s less the node's service time) plus its own time at the tail
--- (infergate.routing.learned.tail_s). False while the node has no service time.
-local function too_late(node, req, now, left)
-    local s = speed.aged_service_s(node.name, now)
-    local e = s and speed.expected_s(node)
-    if not e then
-        return false
-    end
-    return (e - s) + learned.tail_s(node.name, s, req, now) > left
+-- free slot there: its predicted completion at the node's mean (the work queued ahead
+-- of it there and its own service time, infergate.routing.speed.expected_s) is later.
+-- The mean, not the tail: a short answer still makes it, and a slot left idle serves
+-- nobody (the queue's own rule, predict(), sheds at the tail). False while the node has
+-- no service time.
+local function too_late(node, left)
+    local e = speed.expected_s(node)
+    return e ~= nil and e > left
 end
 
 -- Picks the request's node among those with a free slot and takes the slot: true when
@@ -86,7 +84,7 @@ function _M.reserve(req, t, now, left)
     for _, node in ipairs(t.nodes) do
         if stats.inflight(node.name) >= cap_of(node) then
             excluded[node.name] = true
-        elseif left and too_late(node, req, now, left) then
+        elseif left and too_late(node, left) then
             excluded[node.name] = true
             late = true
         end
