@@ -87,7 +87,7 @@ QUIET, BURST = 30, 200
 FREEZE_LOAD, FREEZE_SIM_S, FREEZE_NODE = 0.5, 40.0, "fast-1"
 SHIFT_LOAD, SHIFT_FACTOR = 0.7, 3.0
 ZERO_LOADS = (0.8,)
-OPEN_LOADS = (1.5,)
+OPEN_LOADS = (1.5, 2.0)
 GROUPS = 40
 WINDOW_SIM_S = {"node_freeze": 100.0, "speed_shift": 120.0, "zero_reuse": 90.0,
                 "shared_prefix_open": 90.0}
