@@ -134,11 +134,15 @@ def prefix_requests(n: int, seed: int, shared: bool) -> tuple[list[tuple[list[di
 
 async def send_indexed(session: aiohttp.ClientSession, url: str, req: Request,
                        deadline_s: float, lag_s: float = 0.0,
-                       messages: dict[int, list[dict]] | None = None) -> Result:
+                       messages: dict[int, list[dict]] | None = None, salt: str = "") -> Result:
     """Like loadgen.send_one, with ``?i=<index>`` on the URL (the access logs name it)
-    and the request's own messages when ``messages`` has them."""
+    and the request's own messages when ``messages`` has them, the first one starting
+    with ``salt`` (each run its own: nothing an earlier run left in the nodes' prefix
+    caches is hit)."""
     res = Result(idx=req.idx, outcome="error", lag_s=lag_s)
     msgs = (messages or {}).get(req.idx) or [{"role": "user", "content": req.prompt}]
+    if salt:
+        msgs = [{**msgs[0], "content": salt + msgs[0]["content"]}, *msgs[1:]]
     body = {"messages": msgs, "stream": True, "sim_output_tokens": req.output_tokens}
 
     def on_event(payload: bytes, t: float) -> None:
@@ -300,8 +304,10 @@ def run_one(plan: Plan, strategy: str, frac: float, wl: Workload, *, stack: Stac
     deadline = DEADLINE_SIM_S * ts
     controls = {n.name: n.control_url for n in nodes}
 
+    salt = f"[{tag}] "
+
     async def send(s, url, req, dl, lag=0.0):
-        return await send_indexed(s, url, req, dl, lag, plan.messages)
+        return await send_indexed(s, url, req, dl, lag, plan.messages, salt)
     before = {n.name: node_counters(n) for n in nodes} if plan.spec is PREFIX_POOL else None
     edge = EdgeRun(stack, strategy, nodes, ts, base, tag)
     extra: dict = {}

@@ -7,7 +7,8 @@
 --
 -- Known slots (infergate.admission.slots): when an eligible node of the request's model
 -- has known slots, the slots are a hard limit and the rules below give way to the edge
--- queue (wait_for_slot): a free slot is taken at once, else the request waits in
+-- queue (wait_for_slot): a free slot is taken at once (not one on a node where even
+-- the request's mean completion misses its deadline), else the request waits in
 -- arrival order until one frees for it, and gets the 429 as soon as its predicted
 -- completion at the tail of answer times misses its deadline.
 --
