@@ -112,7 +112,7 @@ def prefix_requests(n: int, seed: int, shared: bool) -> tuple[list[tuple[list[di
     first character."""
     rng = random.Random(seed)
     sizes = [rng.randint(2000, 6000) for _ in range(GROUPS)]
-    systems = [system_prompt(g, sizes[g], seed, salt=seed) for g in range(GROUPS)]
+    systems = [system_prompt(g, sizes[g], seed, salt=seed) for g in range(GROUPS)] if shared else []
     # unique from the first block on: the nodes' block hashes are chained, so one body of
     # pseudo-words behind a distinct tag shares no block (and no affinity key)
     body = words_text(rng, "", 6000)
