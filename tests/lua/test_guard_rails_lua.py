@@ -188,3 +188,30 @@ def test_a_free_slot_that_would_serve_too_late_is_passed_over(workdir: Path) -> 
     assert got["late"] == [False, True]
     assert got["picked"] is False
     assert got["in_time"] == [True, "slow"]
+
+
+def test_room_is_what_the_node_was_seen_running_while_others_waited(workdir: Path) -> None:
+    from support.stack import lua_node_helpers
+
+    got = run(workdir, lua_node_helpers(max_concurrency=8, score=0.1) + """
+            local room = require("infergate.routing.room")
+            local now = ngx.now()
+            local a = node("a")
+            out.prior = room.batch(a)                 -- nothing learned or seen: the prior
+            a.running, a.queue_depth = 4, 0
+            out.no_queue = room.batch(a)              -- running without a queue says nothing
+            a.queue_depth = 3
+            out.seen = room.batch(a)                  -- 4 running while 3 wait: it runs 4
+            a.running, a.queue_depth = 2, 0
+            out.kept = room.batch(a)                  -- kept until seen again
+            for _ = 1, 4 do stats.open_attempt("a", now) end
+            local b = node("b")
+            out.full = room.full({a, b}, 2)           -- a full, b has room: pass a over
+            for _ = 1, 8 do stats.open_attempt("b", now) end
+            out.none = room.full({a, b}, 2) == nil    -- neither has room: no preference
+            return out
+    """)
+    assert got["prior"] == 8 and got["no_queue"] == 8
+    assert got["seen"] == 4 and got["kept"] == 4
+    assert got["full"] == [True]
+    assert got["none"] is True
