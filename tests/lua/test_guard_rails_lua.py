@@ -163,33 +163,6 @@ def test_ttfb_baseline_has_a_prior_floor_ceiling_and_decay(workdir: Path) -> Non
     assert got["s_decayed"] == pytest.approx(2, rel=0.01)
 
 
-def test_a_free_slot_that_would_serve_too_late_is_passed_over(workdir: Path) -> None:
-    from support.stack import lua_node_helpers
-
-    got = run(workdir, lua_node_helpers(max_concurrency=64, score=0.1) + """
-            local speed = require("infergate.routing.speed")
-            local slots = require("infergate.admission.slots")
-            local now = ngx.now()
-            for _ = 1, 3 do
-                speed.observe({node = "fast", k = 1}, 1000)      -- 1 s alone
-                speed.observe({node = "slow", k = 1}, 6000)      -- 6 s alone
-            end
-            for _ = 1, 4 do stats.open_attempt("fast", now) end  -- every fast slot taken
-            local t = tbl({node("fast", {slots = 4}), node("slow", {slots = 4})})
-            -- 5 s left: the slow node's free slot means 6 s there
-            local req = {tried = {}}
-            out.late = {slots.reserve(req, t, now, 5)}
-            out.picked = req.picked and req.picked.name or false
-            -- 7 s left: the slow slot serves it in time
-            local r2 = {tried = {}}
-            out.in_time = {slots.reserve(r2, t, now, 7), r2.picked and r2.picked.name}
-            return out
-    """)
-    assert got["late"] == [False, True]
-    assert got["picked"] is False
-    assert got["in_time"] == [True, "slow"]
-
-
 def test_room_is_what_the_node_was_seen_running_while_others_waited(workdir: Path) -> None:
     from support.stack import lua_node_helpers
 

@@ -7,8 +7,7 @@
 --
 -- Known slots (infergate.admission.slots): when an eligible node of the request's model
 -- has known slots, the slots are a hard limit and the rules below give way to the edge
--- queue (wait_for_slot): a free slot is taken at once (not one on a node where even
--- the request's mean completion misses its deadline), else the request waits in
+-- queue (wait_for_slot): a free slot is taken at once, else the request waits in
 -- arrival order until one frees for it, and gets the 429 as soon as its predicted
 -- completion at the tail of answer times misses its deadline.
 --
@@ -266,13 +265,8 @@ end
 -- without a prediction: after half the time left, at least max_wait_ms).
 local function wait_for_slot(req, o, t, now, left)
     local pool = req.model or ""
-    local late = false
-    if queue.empty(pool) then
-        local ok
-        ok, late = slots.reserve(req, t, now, left)
-        if ok then
-            return nil
-        end
+    if queue.empty(pool) and slots.reserve(req, t, now) then
+        return nil
     end
     local start, poll_s = now, o.poll_ms / 1000
     local give_up = now + o.max_wait_ms / 1000
@@ -285,19 +279,13 @@ local function wait_for_slot(req, o, t, now, left)
     while true do
         local ahead = queue.ahead(pool, ticket, now)
         local free, eligible = slots.free(t, now, req.model)
-        local ok = eligible == 0
-        if not ok and ahead < free then
-            ok, late = slots.reserve(req, t, now, left and left - (now - start))
-        end
-        if ok then
+        if eligible == 0 or (ahead < free and slots.reserve(req, t, now)) then
             queue.leave(pool, ticket, now)
             astats.incr("waiting", -1)
             req.admission_wait_ms = (now - start) * 1000
             return nil
         end
-        -- free slots that would serve it too late do not keep it waiting
-        local stop, wait = slot_hopeless(req, t, now, start, left, give_up, ahead,
-                                         late and 0 or free)
+        local stop, wait = slot_hopeless(req, t, now, start, left, give_up, ahead, free)
         if stop or exiting() then
             queue.leave(pool, ticket, now)
             if stop then

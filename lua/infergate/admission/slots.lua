@@ -7,7 +7,7 @@
 -- For a request whose model has an eligible node with known slots (applies()), the
 -- admission step (infergate.admission.shed) picks the node itself (reserve(): the
 -- balancer's own choice, infergate.routing.balancer.first_pick, among the nodes with a
--- free slot that can still serve it before its deadline) and takes the slot; the balancer's first try uses that node
+-- free slot) and takes the slot; the balancer's first try uses that node
 -- (infergate.routing.held). In such a pool a node without known slots counts as full at
 -- its max_concurrency. When no slot is free the request waits at the edge, first come
 -- first served (infergate.admission.queue), until one frees or its deadline cannot be
@@ -17,7 +17,6 @@ local breaker = require("infergate.routing.breaker")
 local models = require("infergate.routing.models")
 local balancer = require("infergate.routing.balancer")
 local learned = require("infergate.routing.learned")
-local speed = require("infergate.routing.speed")
 
 local _M = {}
 
@@ -62,37 +61,19 @@ function _M.free(t, now, model)
     return free, eligible
 end
 
--- Whether a request with `left` s to its deadline would miss it on `node` even with a
--- free slot there: its predicted completion at the node's mean (the work queued ahead
--- of it there and its own service time, infergate.routing.speed.expected_s) is later.
--- The mean, not the tail: a short answer still makes it, and a slot left idle serves
--- nobody (the queue's own rule, predict(), sheds at the tail). False while the node has
--- no service time.
-local function too_late(node, left)
-    local e = speed.expected_s(node)
-    return e ~= nil and e > left
-end
-
 -- Picks the request's node among those with a free slot and takes the slot: true when
--- it did (req.picked set), false when every slot is taken (and true as a second value
--- when a free slot was passed over as too late). left (s, optional): the
--- time its deadline leaves; a node it would miss it on, behind the node's own queue
--- (a slow node's free slot while the fast ones are full), is not taken: the request
--- waits at the edge for a slot that serves it in time, or is shed when none can.
-function _M.reserve(req, t, now, left)
-    local excluded, late = {}, false
+-- it did (req.picked set), false when every slot is taken.
+function _M.reserve(req, t, now)
+    local excluded = {}
     for _, node in ipairs(t.nodes) do
         if stats.inflight(node.name) >= cap_of(node) then
             excluded[node.name] = true
-        elseif left and too_late(node, left) then
-            excluded[node.name] = true
-            late = true
         end
     end
     for _ = 1, #t.nodes do
         local node, probe = balancer.first_pick(req, t, excluded, now)
         if not node then
-            return false, late
+            return false
         end
         if stats.claim(node.name, cap_of(node)) then
             req.picked = { name = node.name, probe = probe, claimed = true }
