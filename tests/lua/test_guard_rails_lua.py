@@ -175,8 +175,8 @@ def test_room_is_what_the_node_was_seen_running_while_others_waited(workdir: Pat
             out.no_queue = room.batch(a)              -- running without a queue says nothing
             a.queue_depth = 3
             out.seen = room.batch(a)                  -- 4 running while 3 wait: it runs 4
-            a.running, a.queue_depth = 2, 0
-            out.kept = room.batch(a)                  -- kept until seen again
+            a.running, a.queue_depth = 2, 1
+            out.kept = room.batch(a)                  -- 2 while 1 waits: still 4
             for _ = 1, 4 do stats.open_attempt("a", now) end
             local b = node("b")
             out.full = room.full({a, b}, 2)           -- a full, b has room: pass a over

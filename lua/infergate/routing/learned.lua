@@ -6,7 +6,7 @@
 --   q   the QUANTILE (0.9) of L: a stochastic quantile estimate, moved by STEP x q up
 --       (times QUANTILE) when L > q and down (times 1 - QUANTILE) otherwise
 --   pt  time per output token (s): an EWMA (PT_ALPHA) of L / completion_tokens, when the
---       answer said its usage
+--       answer's tokens are known (its usage, or a stream's counted content chunks)
 -- Guard rails, given the node's mean m (its latency EWMA, s): the prior of q is
 -- PRIOR x m (before the first answer, and what q decays back to with a half-life of
 -- HALF_LIFE_S while no answer comes); q is kept within [m, CEILING x m]; YIELD_RUN

@@ -4,11 +4,12 @@
 -- nothing, nothing queues here either, and a node that is faster but full does not make
 -- every later request wait for it (the median would pay for it). No I/O.
 --
--- What a node runs at once: the most it was last seen running while requests waited
--- there (a fresh snapshot with queue_depth > 0: it runs no more at once; shared dict
--- infergate_stats "rb:<node>", for SEEN_TTL_S), else its learned concurrency with its
--- guard rails (infergate.routing.speed.batch), which answers of very different lengths
--- make noisy.
+-- What a node runs at once: the most it was seen running while requests waited there
+-- (a fresh snapshot with queue_depth > 0; a request that just arrived waits for the
+-- next step, so one sight can be short of the limit, never over it), kept for
+-- SEEN_TTL_S after it was last raised (shared dict infergate_stats "rb:<node>"), else
+-- its learned concurrency with its guard rails (infergate.routing.speed.batch), which
+-- answers of very different lengths make noisy.
 local config = require("infergate.core.config")
 local stats = require("infergate.routing.stats")
 local speed = require("infergate.routing.speed")
@@ -25,8 +26,8 @@ function _M.batch(node)
     local key = "rb:" .. node.name
     local seen = d:get(key)
     local r = node.running
-    if r and r >= 1 and (node.queue_depth or 0) > 0 and r ~= seen then
-        seen = r   -- the latest observation wins: a node can change its limit
+    if r and r >= 1 and (node.queue_depth or 0) > 0 and (not seen or r > seen) then
+        seen = r
         d:set(key, r, _M.SEEN_TTL_S)
     end
     return seen or speed.batch(node)
