@@ -342,6 +342,15 @@ def block_noisy_tenant(results: Path) -> str:
                                                                       noisy.table_text(data))
 
 
+def block_scheduler_shapes(results: Path) -> str:
+    """``python -m bench.scheduler.shapes``'s tables (figures, shape figures, ratios)."""
+    from .scheduler import shapes
+
+    records = load(results, "scheduler_shapes.json")
+    meta = load(results, "scheduler_shapes.meta.json")
+    return provenance("scheduler_shapes.json", meta) + "\n\n" + _fenced(shapes.table(records))
+
+
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "scheduler": lambda r: _scheduler(r, "scheduler"),
     "scheduler_scenarios": lambda r: _scheduler(r, "scheduler_scenarios", extra_lines=True),
@@ -349,6 +358,10 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "scheduler_prefix_200": lambda r: _prefix(r, "scheduler_prefix_200"),
     "scheduler_mixed": lambda r: _scheduler(r, "scheduler_scenarios_mixed"),
     "scheduler_mixed_firstsight": lambda r: _scheduler(r, "scheduler_scenarios_mixed_firstsight"),
+    "scheduler_shapes": block_scheduler_shapes,
+    "scheduler_guard_steady": lambda r: _scheduler(r, "scheduler_guard_steady"),
+    "scheduler_guard_openai": lambda r: _scheduler(r, "scheduler_guard_openai"),
+    "scheduler_guard_prefix": lambda r: _prefix(r, "scheduler_guard_prefix"),
     "realnode_compare": block_realnode_compare,
     "edge_overhead": block_edge_overhead,
     "admission": block_admission,

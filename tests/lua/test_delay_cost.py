@@ -92,24 +92,27 @@ def test_expected_completion_is_own_service_plus_the_work_ahead(workdir: Path) -
     assert got.get("unknown") is None
 
 
-def test_a_slow_node_gets_work_only_when_the_fast_one_has_as_much_queued(workdir: Path) -> None:
+def test_no_queueing_while_a_node_has_room_then_the_smallest_delay(workdir: Path) -> None:
     got = run(workdir, """
             for _ = 1, 30 do answered("fast", 4, 0.5); answered("slow", 4, 1.5) end
             local t = tbl({node("fast"), node("slow")})
             local out = {}
             out.idle = count_picks(t, 50)               -- nothing in flight: fast wins
-            busy("fast", 7)                              -- 8th: 0.5 x (1 + 4/4) = 1.0 s
-            out.seven = count_picks(t, 50)
-            busy("fast", 4)                              -- 12th: 0.5 x (1 + 8/4) = 1.5 s
-            out.eleven = count_picks(t, 50)              -- a tie: the less loaded one
-            busy("fast", 4)                              -- 16th: 0.5 x 4 = 2.0 s
-            out.fifteen = count_picks(t, 50)
+            busy("fast", 3)                              -- 4th: still room on fast
+            out.three = count_picks(t, 50)
+            busy("fast", 1)                              -- fast full (4 at once): the slow
+            out.full = count_picks(t, 50)                -- one has room, nothing queues
+            busy("slow", 4)                              -- both full: the smallest delay
+            out.both = count_picks(t, 50)                -- fast 0.5 x 5/4 < slow 1.5 x 5/4
+            busy("fast", 12)                             -- 17th: 0.5 x (1 + 13/4) = 2.1 s
+            out.sixteen = count_picks(t, 50)             -- > slow 1.9 s
             return out
     """)
     assert got["idle"] == {"fast": 50}
-    assert got["seven"] == {"fast": 50}
-    assert got["eleven"] == {"slow": 50}
-    assert got["fifteen"] == {"slow": 50}
+    assert got["three"] == {"fast": 50}
+    assert got["full"] == {"slow": 50}
+    assert got["both"] == {"fast": 50}
+    assert got["sixteen"] == {"slow": 50}
 
 
 def test_equal_nodes_share_and_load_cost_is_used_without_history(workdir: Path) -> None:

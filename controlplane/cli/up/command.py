@@ -147,8 +147,11 @@ def stop_all(run: UpRun) -> None:
               help="Health path of the --node servers [default: /health]. Must not wait on "
                    "the model; for openai nodes without one, any HTTP answer counts as alive.")
 @click.option("--node-max-concurrency", default=None, type=click.IntRange(1, 100000),
-              help="Requests each --node server runs at once [default: 64]; 1 for "
-                   "llama-cpp-python, --parallel N for llama.cpp's server.")
+              help="Most requests the edge keeps in flight on each --node server. "
+                   "Default 64: only a cap; the edge learns how many the server really "
+                   "runs at once (at most this) and queues by that. Any other value is a "
+                   "hard limit: requests beyond it wait at the edge; give the server's own "
+                   "slots (1 for llama-cpp-python, --parallel N for llama.cpp's server).")
 @click.option("--listen", default=None, metavar="HOST:PORT",
               help="Edge address [default: edge.listen, 127.0.0.1:8080].")
 @click.option("--admin-listen", default=None, metavar="HOST:PORT",

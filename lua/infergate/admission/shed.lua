@@ -61,6 +61,7 @@ local held = require("infergate.routing.held")
 local learned = require("infergate.routing.learned")
 local fairqueue = require("infergate.admission.fairqueue")
 local fairshare = require("infergate.admission.fairshare")
+local lengths = require("infergate.routing.lengths")
 local ngx_var = ngxapi.var
 
 local _M = {}
@@ -444,7 +445,8 @@ local function last_entry(v)
 end
 
 -- Log phase: a successful answer teaches the node's answer-time tail
--- (infergate.routing.learned).
+-- (infergate.routing.learned) and its model's output length (infergate.routing.lengths;
+-- completion tokens from the answer's usage, or a stream's content chunks).
 local function learn_tail(req)
     local attempts = req.attempts
     local att = attempts and attempts[#attempts]
@@ -454,7 +456,9 @@ local function learn_tail(req)
     end
     local rt = tonumber(last_entry(ngx_var("upstream_response_time")))
     if rt and rt > 0 then
-        learned.observe(att.node, rt, req.usage and req.usage.completion_tokens)
+        local tokens = (req.usage and req.usage.completion_tokens) or req.out_chunks
+        learned.observe(att.node, rt, tokens)
+        lengths.observe(req.model, tokens)
     end
 end
 

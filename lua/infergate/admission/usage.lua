@@ -10,6 +10,7 @@
 --
 -- from the last "usage" object found, or, for a stream without one, prompt tokens as
 -- estimated up front + one completion token per content chunk (estimated = true).
+-- Any other stream only has its content chunks counted (req.out_chunks).
 -- No I/O: runs in body_filter.
 local reqctx = require("infergate.core.reqctx")
 local ngxapi = require("infergate.core.ngxapi")
@@ -60,7 +61,16 @@ end
 
 function _M.body_filter()
     local req = reqctx.get()
-    if not req or not req.track_usage or req.usage then
+    if not req or req.usage then
+        return
+    end
+    if not req.track_usage then
+        -- every stream: its content chunks, the completion tokens the scheduler learns
+        -- output lengths from (infergate.routing.lengths), no copy of the body
+        local chunk = ngx.arg[1]
+        if req.stream and type(chunk) == "string" and chunk ~= "" then
+            req.out_chunks = (req.out_chunks or 0) + _M.content_chunks(chunk)
+        end
         return
     end
     local status = ngx.status

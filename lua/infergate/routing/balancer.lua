@@ -74,6 +74,7 @@ local deadline = require("infergate.admission.deadline")
 local models = require("infergate.routing.models")
 local outlier = require("infergate.routing.outlier")
 local speed = require("infergate.routing.speed")
+local room = require("infergate.routing.room")
 local affinity = require("infergate.routing.affinity")
 local upstream = require("infergate.routing.upstream")
 local held = require("infergate.routing.held")
@@ -216,7 +217,8 @@ local function relative_load(node)
 end
 
 -- edge.node_cost = "expected_delay": the candidate with the smallest delay cost (every
--- one costed up to FULL_SCAN_MAX, else the better of two sampled by effective_weight).
+-- one costed up to FULL_SCAN_MAX, else the better of two sampled by effective_weight),
+-- among those with room (infergate.routing.room) when any has.
 -- Costs within DELAY_TIE (relative) of the best count as a tie, won by the lowest
 -- in-flight per unit of concurrency (a coin by effective_weight when equal), so equal
 -- idle nodes share the load as least_conn would. nil (the load cost decides) when a
@@ -236,20 +238,23 @@ function _M.least_delay(cands, n, total, fresh, now)
         local a = weighted(cands, n, total, nil)
         pool, m = { a, weighted(cands, n, total - a.effective_weight, a) }, 2
     end
+    local full = room.full(pool, m)   -- no queueing while a candidate has room
     local costs, best = {}, nil
     for i = 1, m do
         local c = pool[i].score and _M.delay_cost(pool[i], fresh, now)
         if not c then
             return nil
         end
-        costs[i] = c
-        if not best or c < best then
-            best = c
+        if not (full and full[i]) then
+            costs[i] = c
+            if not best or c < best then
+                best = c
+            end
         end
     end
     local pick, pick_load, weight_sum = nil, nil, 0
     for i = 1, m do
-        if costs[i] <= best * (1 + DELAY_TIE) then
+        if costs[i] and costs[i] <= best * (1 + DELAY_TIE) then
             local node = pool[i]
             local l = relative_load(node)
             if not pick or l < pick_load - 1e-9 then
@@ -443,15 +448,20 @@ function place(req, o, now, n, grant, first)
     if req.affinity and not req.affinity_live and o.edge.prefix_affinity then
         req.affinity_live = affinity.track(req.affinity)
     end
+    -- a probe of a silent outlier with another node to retry on waits only part of its
+    -- time (infergate.admission.deadline.probe_read), never less than twice its predicted
+    -- completion there (queued behind others on a node that slowed down is not stalled)
+    local thr = can_retry and outlier.probe_threshold(node.name, req.stream, o)
+    if thr and not probe then
+        local e = speed.expected_s(node)
+        if e and e > thr then
+            thr = e
+        end
+    end
     attempts[n + 1] = stats.open_attempt(node.name, now, probe, claimed)
     outlier.track(attempts[n + 1], req.stream)
-    -- a probe of a silent outlier with another node to retry on waits only
-    -- part of its time (infergate.admission.deadline.probe_read)
-    if can_retry then
-        local thr = outlier.probe_threshold(node.name, req.stream, o)
-        if thr then
-            deadline.probe_read(req, o, now, thr)
-        end
+    if thr then
+        deadline.probe_read(req, o, now, thr)
     end
     speed.track(attempts[n + 1])
 end

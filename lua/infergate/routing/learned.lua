@@ -6,16 +6,29 @@
 --   q   the QUANTILE (0.9) of L: a stochastic quantile estimate, moved by STEP x q up
 --       (times QUANTILE) when L > q and down (times 1 - QUANTILE) otherwise
 --   pt  time per output token (s): an EWMA (PT_ALPHA) of L / completion_tokens, when the
---       answer said its usage
+--       answer's tokens are known (its usage, or a stream's counted content chunks)
 -- Guard rails, given the node's mean m (its latency EWMA, s): the prior of q is
 -- PRIOR x m (before the first answer, and what q decays back to with a half-life of
--- HALF_LIFE_S while no answer comes); q is kept within [m, CEILING x m]. A request with
--- max_tokens (or max_completion_tokens) takes at most pt x that many tokens.
+-- HALF_LIFE_S while no answer comes); q is kept within [m, CEILING x m]; YIELD_RUN
+-- answers in a row shorter than q / YIELD_FACTOR set q to the largest of them at once
+-- (infergate.routing.guard.yield: requests finishing far sooner than predicted).
+-- Answer time against length: a least-squares line L = a + b x T over the answers
+-- that said their completion tokens T (EWMAs, FIT_ALPHA, of T, L, T^2 and T x L; b >= 0,
+-- a >= 0, else L proportional to T). When the request's model has an output-length
+-- quantile (infergate.routing.lengths: n tokens, or the request's max_tokens when
+-- fewer) and a + b x n is below q, the request's own time moves from q toward it (not
+-- below m) by the weight of that quantile (1 while fresh, decaying to 0: back to q):
+-- what the model's answers are known to need can only make the prediction yield, never
+-- shed more than the node's own tail does. A request with max_tokens (or
+-- max_completion_tokens) takes at most pt x that many tokens.
 --
 -- Shared dict infergate_stats, "tq:<node>": packed doubles {q, time of the last answer
--- (ngx.now(), s), pt or -1}. No I/O: safe in every phase.
+-- (ngx.now(), s), pt or -1, run, largest of the run, E[T] or -1, E[L], E[T^2], E[T x L]}.
+-- No I/O: safe in every phase.
 local config = require("infergate.core.config")
 local ngxapi = require("infergate.core.ngxapi")
+local guard = require("infergate.routing.guard")
+local lengths = require("infergate.routing.lengths")
 local ffi = require("ffi")
 
 local _M = {}
@@ -26,28 +39,57 @@ _M.PRIOR = 2
 _M.CEILING = 8
 _M.HALF_LIFE_S = 60
 _M.PT_ALPHA = 0.1
+_M.YIELD_FACTOR = 4
+_M.YIELD_RUN = 8
+_M.FIT_ALPHA = 0.05
 
 local shared = ngx.shared
 local ngx_now = ngxapi.now
 local cdouble_p = ffi.typeof("const double *")
-local BYTES = 3 * 8
-local buf = ffi.new("double[3]")
+local FIELDS = 9
+local BYTES = FIELDS * 8
+local buf = ffi.new("double[9]")
 local type = type
 
 local function dict()
     return shared[config.DICT_STATS]
 end
 
--- q, time of the last answer, pt (nil when unknown) of node `name`; nil without a record.
-local function read(name)
+-- The packed record of node `name` (a pointer to FIELDS doubles), or nil.
+local function record(name)
     local raw = dict():get("tq:" .. name)
     if type(raw) ~= "string" or #raw ~= BYTES then
         return nil
     end
-    local p = ffi.cast(cdouble_p, raw)
-    local pt = p[2]
-    return p[0], p[1], pt >= 0 and pt or nil
+    return ffi.cast(cdouble_p, raw)
 end
+
+-- q, time of the last answer, pt (nil when unknown), run, largest of the run of node
+-- `name`, and the record; nil without a record.
+local function read(name)
+    local p = record(name)
+    if not p then
+        return nil
+    end
+    local pt = p[2]
+    return p[0], p[1], pt >= 0 and pt or nil, p[3], p[4], p
+end
+
+-- The fitted answer time (s) at n tokens from record p, or nil before any length.
+local function time_at(p, n)
+    local mt, ml = p[5], p[6]
+    if mt <= 0 then
+        return nil
+    end
+    local var = p[7] - mt * mt
+    local b = var > 1e-9 and (p[8] - mt * ml) / var or -1
+    local a = b >= 0 and ml - b * mt or -1
+    if a < 0 then
+        a, b = 0, ml / mt
+    end
+    return a + b * n
+end
+_M._time_at = time_at
 
 -- A successful answer of node `name` after lat_s seconds; tokens: its completion tokens
 -- (nil: not known).
@@ -55,19 +97,36 @@ function _M.observe(name, lat_s, tokens, now)
     if not lat_s or lat_s <= 0 then
         return
     end
-    local q, _, pt = read(name)
+    local q, _, pt, run, run_max, p = read(name)
+    local mt, ml, mtt, mtl = -1, 0, 0, 0
+    if p then
+        mt, ml, mtt, mtl = p[5], p[6], p[7], p[8]
+    end
     if not q then
-        q = lat_s
-    elseif lat_s > q then
-        q = q + _M.STEP * q * _M.QUANTILE
+        q, run, run_max = lat_s, 0, 0
     else
-        q = q - _M.STEP * q * (1 - _M.QUANTILE)
+        if lat_s > q then
+            q = q + _M.STEP * q * _M.QUANTILE
+        else
+            q = q - _M.STEP * q * (1 - _M.QUANTILE)
+        end
+        q, run, run_max = guard.yield(q, lat_s, run, run_max, _M.YIELD_FACTOR, _M.YIELD_RUN)
     end
     if tokens and tokens > 0 then
         local one = lat_s / tokens
         pt = pt and (pt + _M.PT_ALPHA * (one - pt)) or one
+        if mt <= 0 then
+            mt, ml, mtt, mtl = tokens, lat_s, tokens * tokens, tokens * lat_s
+        else
+            local a = _M.FIT_ALPHA
+            mt = mt + a * (tokens - mt)
+            ml = ml + a * (lat_s - ml)
+            mtt = mtt + a * (tokens * tokens - mtt)
+            mtl = mtl + a * (tokens * lat_s - mtl)
+        end
     end
-    buf[0], buf[1], buf[2] = q, now or ngx_now(), pt or -1
+    buf[0], buf[1], buf[2], buf[3], buf[4] = q, now or ngx_now(), pt or -1, run, run_max
+    buf[5], buf[6], buf[7], buf[8] = mt, ml, mtt, mtl
     dict():set("tq:" .. name, ffi.string(buf, BYTES))
 end
 
@@ -91,35 +150,41 @@ _M.max_tokens = max_tokens
 -- The predicted time (s) of a request `req` on node `name` whose mean is mean_s: the
 -- high quantile with its guard rails (see the top of this file).
 function _M.tail_s(name, mean_s, req, now)
+    now = now or ngx_now()
     local prior = _M.PRIOR * mean_s
-    local q, at, pt = read(name)
+    local q, at, pt, _, _, p = read(name)
     if not q then
         q = prior
     else
-        local idle = (now or ngx_now()) - at
-        if idle > 0 then
-            q = prior + (q - prior) * 0.5 ^ (idle / _M.HALF_LIFE_S)
+        q = guard.decay(q, prior, now - at, 0, _M.HALF_LIFE_S)
+    end
+    q = guard.clamp(q, mean_s, _M.CEILING * mean_s)
+    local m = pt and max_tokens(req)
+    if pt then
+        local n, w = lengths.quantile(req and req.model, now)
+        if n and w > 0 then
+            if m and m < n then
+                n = m
+            end
+            local t = time_at(p, n)
+            if t and t < q then
+                q = q + w * ((t > mean_s and t or mean_s) - q)
+            end
         end
     end
-    if q < mean_s then
-        q = mean_s
-    elseif q > _M.CEILING * mean_s then
-        q = _M.CEILING * mean_s
-    end
-    local m = pt and max_tokens(req)
     if m and pt * m < q then
         q = pt * m
     end
     return q
 end
 
--- {q (s), pt (s) or nil} of node `name` as stored (status, tests), or nil.
+-- {q (s), at, pt (s) or nil, run} of node `name` as stored (status, tests), or nil.
 function _M.info(name)
-    local q, at, pt = read(name)
+    local q, at, pt, run = read(name)
     if not q then
         return nil
     end
-    return { q = q, at = at, pt = pt }
+    return { q = q, at = at, pt = pt, run = run }
 end
 
 return _M

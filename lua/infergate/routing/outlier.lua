@@ -14,9 +14,13 @@
 -- apart: a non-streamed answer's first byte comes with the whole answer; only attempts
 -- that did not queue behind this edge's own requests on the node,
 -- infergate.routing.speed.queued, so a node kept busy does not raise its own bar), or
--- outlier_ttfb_min_s while it has none. floor = edge.outlier_stream_ttfb_min_s for
--- streams (a first chunk is prefill and one token, whatever the answer's length),
--- edge.outlier_ttfb_min_s for non-streams. outlier_ttfb_factor = 0 turns detection off.
+-- outlier_ttfb_min_s while it has none (the prior). floor = edge.outlier_stream_ttfb_min_s
+-- for streams (a first chunk is prefill and one token, whatever the answer's length),
+-- edge.outlier_ttfb_min_s for non-streams. Guard rails (infergate.routing.guard): at most
+-- CEILING_FACTOR x outlier_ttfb_min_s (a p90 learned during a slow spell cannot make a
+-- hang take minutes to find), and STALE_S after the node's last first byte the
+-- threshold returns to the prior with a half-life of HALF_LIFE_S (what a node showed
+-- long ago says little now). outlier_ttfb_factor = 0 turns detection off.
 -- The flag expires after FLAG_TTL_FACTOR x threshold; the worker whose attempt is still
 -- waiting sets it again on its next pick. A node found an outlier that has not sent a
 -- first byte since ("os:<node>" newer than "fb:<node>") gets one request of this edge at
@@ -33,6 +37,8 @@
 -- Shared dict infergate_stats (all workers):
 --   "tq:<s|n>:<node>"        p90 TTFB (s) of the node's last SAMPLES streams / non-streams
 --                            (the ring of the worker that last saw it change)
+--   "tt:<s|n>:<node>"        epoch s of the last such TTFB (written at most every second
+--                            per worker, and with every change of the p90)
 --   "fb:<node>"              epoch s of the node's last first byte seen by this edge
 --   "ol:<node>"              epoch s the node was found an outlier (with a TTL)
 --   "os:<node>"              the same, without a TTL (the last time it was found one;
@@ -56,6 +62,7 @@ local stats = require("infergate.routing.stats")
 local speed = require("infergate.routing.speed")
 local stall = require("infergate.routing.stall")
 local ring = require("infergate.routing.ring")
+local guard = require("infergate.routing.guard")
 
 local _M = {}
 
@@ -66,6 +73,9 @@ local WARN = ngx.WARN
 _M.SAMPLES = 20
 _M.FLAG_TTL_FACTOR = 3
 _M.PROBE_BACKOFF_MAX_S = 60
+_M.CEILING_FACTOR = 12
+_M.STALE_S = 60
+_M.HALF_LIFE_S = 60
 
 -- node -> {head = attempt, tail = attempt}: this worker's attempts still waiting for a
 -- first byte, oldest first, linked through att.wprev / att.wnext (unlinked when the first
@@ -83,11 +93,18 @@ _M._p90_of = ring.p90_of
 
 -- Adds a TTFB sample (s) to this worker's ring and stores the ring's p90 for every
 -- worker when it changed.
+local sampled = {}      -- "<s|n>:<node>" -> when this worker last wrote "tt:" for it
+
 local function add_sample(d, name, kind, ttfb)
     local base = kind .. ":" .. name
     local p = ring.push(rings, base, ttfb, _M.SAMPLES)
     if p then
         d:set("tq:" .. base, p)
+    end
+    local now = ngx_now()
+    if p or now - (sampled[base] or 0) >= 1 then
+        sampled[base] = now
+        d:set("tt:" .. base, now)
     end
 end
 
@@ -96,19 +113,25 @@ function _M.p90(name, stream)
     return dict():get("tq:" .. (stream and "s" or "n") .. ":" .. name)
 end
 
--- Threshold (s) for an attempt of this kind on node `name`.
-function _M.threshold(name, stream, o)
+-- Threshold (s) for an attempt of this kind on node `name` (now: epoch s, default the
+-- clock), with the guard rails of the header: the prior outlier_ttfb_min_s, the floor,
+-- the ceiling CEILING_FACTOR x the prior, the decay back to the prior.
+function _M.threshold(name, stream, o, now)
     o = o or config.get()
-    local p = _M.p90(name, stream)
+    local prior = o.edge.outlier_ttfb_min_s
+    local kind = stream and "s:" or "n:"
+    local d = dict()
+    local p = d:get("tq:" .. kind .. name)
     if not p then
-        return o.edge.outlier_ttfb_min_s
+        return prior
     end
-    local floor = stream and o.edge.outlier_stream_ttfb_min_s or o.edge.outlier_ttfb_min_s
+    local floor = stream and o.edge.outlier_stream_ttfb_min_s or prior
     local thr = o.edge.outlier_ttfb_factor * p
-    if thr < floor then
-        thr = floor
+    local at = d:get("tt:" .. kind .. name)
+    if at then
+        thr = guard.decay(thr, prior, (now or ngx_now()) - at, _M.STALE_S, _M.HALF_LIFE_S)
     end
-    return thr
+    return guard.clamp(thr, floor, _M.CEILING_FACTOR * prior)
 end
 
 function _M.track(att, stream)

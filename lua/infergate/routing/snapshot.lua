@@ -142,6 +142,8 @@ local function make_node(n)
         slots = slots and math.floor(slots),  -- nil: not known (hard limit, see admission.slots)
         score = num(n.score),         -- nil = no metrics
         saturated = n.saturated == true,
+        running = num(n.running),          -- the node's metrics (nil: unknown), for
+        queue_depth = num(n.queue_depth),  -- infergate.routing.room
         kind = n.kind,
         models = model_set(n.models),  -- nil = unknown (any model)
         -- how the edge reaches it (infergate.routing.upstream): the API key is secret,

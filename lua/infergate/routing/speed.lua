@@ -39,9 +39,9 @@
 --     B = learned concurrency, rounded (max_concurrency before the first sample)
 --     expected = s x (1 + max(0, n + 1 - B) / B)
 -- its own service time plus the work ahead of it, B requests at a time: shortest
--- expected delay, so a node three times slower gets a request only when the faster
--- ones have that much work queued. Other edges' requests are not in n; they show in the
--- service time, which grows when they make this edge's unqueued requests wait.
+-- expected delay among the nodes with room (infergate.routing.room) while any has, else
+-- among all. Not in n: other edges' requests; they show in the service time, which
+-- grows when they make this edge's unqueued requests wait.
 --
 -- An estimate that nothing refreshes ages: once a node has answered nothing for STALE_S
 -- and has none of this edge's requests in flight, the service time used in expected_s

@@ -1,0 +1,190 @@
+"""Guard rails of the learned parts of the scheduler: the shared arithmetic
+(infergate.routing.guard), the per-model output-length quantile (infergate.routing.lengths)
+and how the answer-time tail uses it (infergate.routing.learned), the yield when answers
+come far sooner than predicted, and the TTFB baseline's prior, floor, ceiling and decay
+(infergate.routing.outlier); run in nginx's init_by_lua with real shared dicts and
+explicit clocks (support.stack.lua_eval)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from support.stack import lua_eval
+
+from controlplane.edge.options import lua_string, option_spec
+
+DICTS = "lua_shared_dict infergate_snapshot 1m; lua_shared_dict infergate_stats 1m;"
+
+
+def run(workdir: Path, body: str):
+    prelude = """
+            local config = require("infergate.core.config")
+            assert(config.init({edge = {outlier_ttfb_factor = 4, outlier_ttfb_min_s = 2,
+                                        outlier_stream_ttfb_min_s = 0.5}},
+                               """ + lua_string(json.dumps(option_spec())) + """))
+            local guard = require("infergate.routing.guard")
+            local lengths = require("infergate.routing.lengths")
+            local learned = require("infergate.routing.learned")
+            local outlier = require("infergate.routing.outlier")
+            local stats = require("infergate.routing.stats")
+            local out = {}
+"""
+    return lua_eval(workdir, prelude + body, http_extra=DICTS)
+
+
+def test_guard_arithmetic(workdir: Path) -> None:
+    got = run(workdir, """
+            out.fresh = guard.decay(10, 2, 5, 10, 20)          -- not stale yet: as learned
+            out.half = guard.decay(10, 2, 30, 10, 20)          -- one half-life past stale
+            out.gone = guard.decay(10, 2, 10 + 20 * 40, 10, 20)
+            out.w0 = guard.weight(nil, 10, 20)
+            out.clamp = {guard.clamp(5, 1, 3), guard.clamp(0, 1, 3), guard.clamp(2, 1, 3)}
+            -- a run of 8 answers far below q: q becomes the largest of them at once
+            local q, run, top = 100, 0, 0
+            for i = 1, 7 do q, run, top = guard.yield(q, 10 + i, run, top, 4, 8) end
+            out.before = q
+            q, run, top = guard.yield(q, 5, run, top, 4, 8)
+            out.after, out.run = q, run
+            -- one answer near q breaks the run
+            local q2, r2, t2 = 100, 0, 0
+            for i = 1, 7 do q2, r2, t2 = guard.yield(q2, 10, r2, t2, 4, 8) end
+            q2, r2, t2 = guard.yield(q2, 90, r2, t2, 4, 8)
+            q2, r2, t2 = guard.yield(q2, 10, r2, t2, 4, 8)
+            out.broken = {q2, r2}
+            return out
+    """)
+    assert got["fresh"] == 10
+    assert got["half"] == pytest.approx(6)
+    assert got["gone"] == pytest.approx(2)
+    assert got["w0"] == 1
+    assert got["clamp"] == [3, 1, 2]
+    assert got["before"] == 100
+    assert got["after"] == 17 and got["run"] == 0
+    assert got["broken"] == [100, 1]
+
+
+def test_output_length_quantile_prior_bounds_yield_and_decay(workdir: Path) -> None:
+    got = run(workdir, """
+            local now = 1000
+            out.none = {lengths.quantile("m", now)}             -- no record: no weight
+            lengths.observe("m", 0, now)                         -- not a length: ignored
+            out.still_none = lengths.info("m") == nil
+            for i = 1, 600 do lengths.observe("m", (i % 10 == 0) and 200 or 20, now) end
+            out.q, out.w = lengths.quantile("m", now)
+            out.other = lengths.info("other") == nil             -- per model
+            out.top = lengths.info("m").top
+            out.w_stale = select(2, lengths.quantile("m", now + lengths.STALE_S))
+            out.w_half = select(2, lengths.quantile("m", now + lengths.STALE_S
+                                                    + lengths.HALF_LIFE_S))
+            -- the model now answers in 2-3 tokens: the quantile yields after a run of 8
+            for i = 1, 7 do lengths.observe("m", 2 + i % 2, now) end
+            out.q7 = lengths.info("m").q
+            lengths.observe("m", 2, now)
+            out.q8 = lengths.info("m").q
+            -- one huge answer cannot lift the quantile past the largest seen
+            lengths.observe("x", 5, now)
+            for _ = 1, 200 do lengths.observe("x", 5, now) end
+            out.x = lengths.info("x").q
+            return out
+    """)
+    assert got["none"] == [None, 0]
+    assert got["still_none"] and got["other"]
+    assert 20 < got["q"] <= 200 and got["w"] == 1
+    assert got["top"] == 200
+    assert got["w_stale"] == 1 and got["w_half"] == pytest.approx(0.5)
+    assert got["q7"] > 20
+    assert got["q8"] == 3
+    assert got["x"] == pytest.approx(5)
+
+
+def test_tail_uses_the_models_length_and_yields_to_answers_far_sooner(workdir: Path) -> None:
+    got = run(workdir, """
+            local now = 1000
+            -- node "a": answers of 100 tokens take 1 s, one in five of 500 tokens 5 s
+            for i = 1, 400 do
+                if i % 5 == 0 then learned.observe("a", 5.0, 500, now)
+                else learned.observe("a", 1.0, 100, now) end
+            end
+            out.plain = learned.tail_s("a", 1.4, {model = "m"}, now)
+            -- model "m" answers 100 tokens: its requests need about 1 s, not the tail
+            for _ = 1, 50 do lengths.observe("m", 100, now) end
+            out.short = learned.tail_s("a", 1.4, {model = "m"}, now)
+            out.short_small_mean = learned.tail_s("a", 0.5, {model = "m"}, now)
+            -- model "long" answers 500 tokens: never more than the node's own tail
+            for _ = 1, 50 do lengths.observe("long", 500, now) end
+            out.long = learned.tail_s("a", 1.4, {model = "long"}, now)
+            -- the length goes stale: back to the node's tail (itself back at its prior,
+            -- 2 x the mean, after that long)
+            local later = now + lengths.STALE_S + 40 * lengths.HALF_LIFE_S
+            out.stale = learned.tail_s("a", 1.4, {model = "m"}, later)
+            -- node "b": learned 8 s answers, then 8 in a row of 1 s: it yields at once
+            for _ = 1, 50 do learned.observe("b", 8.0, nil, now) end
+            for _ = 1, 7 do learned.observe("b", 1.0, nil, now) end
+            out.b7 = learned.info("b").q
+            learned.observe("b", 1.0, nil, now)
+            out.b8 = learned.info("b").q
+            return out
+    """)
+    assert 4.0 < got["plain"] < 5.5                  # the node's 0.9 quantile, near 5 s
+    assert got["short"] == pytest.approx(1.4)        # 1 s fitted, not below the mean
+    assert got["short_small_mean"] == pytest.approx(1.0, rel=0.05)
+    assert got["long"] <= got["plain"] and got["long"] == pytest.approx(5.0, rel=0.03)
+    assert got["stale"] == pytest.approx(2.8, rel=0.01)
+    assert got["b7"] > 7
+    assert got["b8"] == pytest.approx(1.0)
+
+
+def test_ttfb_baseline_has_a_prior_floor_ceiling_and_decay(workdir: Path) -> None:
+    got = run(workdir, """
+            local function answered(name, ttfb, stream)
+                local now = ngx.now()
+                local att = stats.open_attempt(name, now - ttfb)
+                outlier.track(att, stream)
+                outlier.first_byte({attempts = {att}}, now)
+                stats.close_attempt(att, "ok", now)
+            end
+            local now = ngx.now()
+            out.prior = outlier.threshold("n", true, nil, now)
+            for _ = 1, 20 do answered("n", 0.01, true) end
+            out.floor = outlier.threshold("n", true, nil, now)
+            for _ = 1, 20 do answered("s", 30, true) end           -- a very slow spell
+            out.ceiling = outlier.threshold("s", true, nil, now)
+            out.s_stale = outlier.threshold("s", true, nil, now + outlier.STALE_S)
+            out.s_decayed = outlier.threshold("s", true, nil,
+                                              now + outlier.STALE_S + 40 * outlier.HALF_LIFE_S)
+            return out
+    """)
+    assert got["prior"] == 2                       # no history: outlier_ttfb_min_s
+    assert got["floor"] == pytest.approx(0.5)      # 4 x 0.01 s, raised to the stream floor
+    assert got["ceiling"] == pytest.approx(24)     # 4 x 30 s, capped at 12 x the prior
+    assert got["s_stale"] == pytest.approx(24)
+    assert got["s_decayed"] == pytest.approx(2, rel=0.01)
+
+
+def test_room_is_what_the_node_was_seen_running_while_others_waited(workdir: Path) -> None:
+    from support.stack import lua_node_helpers
+
+    got = run(workdir, lua_node_helpers(max_concurrency=8, score=0.1) + """
+            local room = require("infergate.routing.room")
+            local now = ngx.now()
+            local a = node("a")
+            out.prior = room.batch(a)                 -- nothing learned or seen: the prior
+            a.running, a.queue_depth = 4, 0
+            out.no_queue = room.batch(a)              -- running without a queue says nothing
+            a.queue_depth = 3
+            out.seen = room.batch(a)                  -- 4 running while 3 wait: it runs 4
+            a.running, a.queue_depth = 2, 1
+            out.kept = room.batch(a)                  -- 2 while 1 waits: still 4
+            for _ = 1, 4 do stats.open_attempt("a", now) end
+            local b = node("b")
+            out.full = room.full({a, b}, 2)           -- a full, b has room: pass a over
+            for _ = 1, 8 do stats.open_attempt("b", now) end
+            out.none = room.full({a, b}, 2) == nil    -- neither has room: no preference
+            return out
+    """)
+    assert got["prior"] == 8 and got["no_queue"] == 8
+    assert got["seen"] == 4 and got["kept"] == 4
+    assert got["full"] == [True]
+    assert got["none"] is True
