@@ -16,7 +16,7 @@ from pathlib import Path
 import requests
 
 from controlplane import procs
-from support.upstack import UpStack
+from support.upstack import UpStack, alive, children
 
 
 def _refuses_without_the_token(base: str) -> bool:
@@ -63,6 +63,29 @@ def _connections(s: socket.socket) -> int:
         n += 1
 
 
+def _rendered_at(up: UpStack) -> float:
+    """When the edge's configuration was last written (wall clock, s)."""
+    return (up.folder / "stack" / "nginx" / "infergate-http.conf").stat().st_mtime
+
+
+def _only_workers_newer_than(master: int, t: float) -> bool:
+    """Every live worker of the nginx ``master`` started after ``t`` (wall clock, s):
+    they all read the configuration written at ``t``. Start times come from
+    ``/proc/PID/stat`` (clock ticks since boot), compared on the same clock through
+    ``/proc/uptime``."""
+    since_boot_at_t = float(Path("/proc/uptime").read_text().split()[0]) - (time.time() - t)
+    tick = os.sysconf("SC_CLK_TCK")
+    starts = []
+    for w in children(master):
+        if alive(w):
+            try:
+                ticks = int(Path(f"/proc/{w}/stat").read_text().rsplit(")", 1)[1].split()[19])
+            except (OSError, IndexError, ValueError):
+                continue
+            starts.append(ticks / tick)
+    return bool(starts) and all(s >= since_boot_at_t for s in starts)
+
+
 def test_embedder_port_taken_after_a_crash(workdir: Path) -> None:
     port = procs.free_port()
     up = UpStack.start(workdir, '[edge]\nmetrics_listen = ""\n[cache]\nenabled = true\n'
@@ -99,12 +122,16 @@ def test_embedder_port_taken_after_a_crash(workdir: Path) -> None:
         # killed again, and a stranger takes the port
         pid = up.part_pid("embedder --listen")
         cp_pid = up.part_pid("controlplane --config")
-        assert pid and cp_pid
+        master = up.part_pid("nginx: master")
+        assert pid and cp_pid and master
         os.kill(pid, signal.SIGKILL)
         squatter = _squat(port)
         procs.wait_until(lambda: up.text().count("semantic cache off until it is back") == 2,
                          15, what="embedder exit noticed")
-        time.sleep(0.5)  # nginx reloads (SIGHUP): new workers take over
+        # nginx reloads (SIGHUP): workers started after the new configuration was written
+        # take over, the older ones exit
+        procs.wait_until(lambda: _only_workers_newer_than(master, _rendered_at(up)), 30,
+                         what="the workers of the configuration without the embedder")
         # no embedder of ours: no lookup goes to the stranger (a lookup sent there would
         # wait out the budget and answer BYPASS)
         res = up.post_chat("Name a river that flows through Vienna.", timeout=30)
@@ -129,7 +156,8 @@ def test_embedder_port_taken_after_a_crash(workdir: Path) -> None:
         assert up.part_pid("controlplane --config") not in (None, cp_pid)
         runtime = (up.folder / "stack" / "infergate.toml").read_text()
         assert f"http://127.0.0.1:{new_port}" in runtime and f":{port}\"" not in runtime
-        time.sleep(0.5)
+        procs.wait_until(lambda: _only_workers_newer_than(master, _rendered_at(up)), 30,
+                         what="the workers of the configuration with the new embedder")
         # lookups go to the new embedder: a paraphrase-free new prompt is a plain MISS,
         # and the stranger still saw nothing
         res = up.post_chat("Which ocean lies west of Portugal?", timeout=30)

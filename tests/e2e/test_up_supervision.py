@@ -223,6 +223,7 @@ def test_every_part_echoes_the_instance_id(workdir: Path, monkeypatch, r) -> Non
 
     engine = SimpleNamespace(
         r=r, model=SimpleNamespace(model_id="fake", dim=4), index=SimpleNamespace(backend="local"),
+        pool=SimpleNamespace(models=lambda: []),
         default_min_similarity=0.9, verifier_active=False, thresholds=lambda _d: (0.9, None),
         policy=SimpleNamespace(current=lambda: SimpleNamespace(domains=[])))
     res = embedder_app(engine).test_client().get("/healthz")  # type: ignore[arg-type]

@@ -60,7 +60,7 @@ def test_busy_is_healthy_killed_is_down_restarted_is_back(stack) -> None:
                      timeout=CHANGE_TIMEOUT_S, what="both nodes healthy")
     # busy: both slots of both nodes generating long answers, the nodes stay healthy
     results: list[int] = []
-    threads = [threading.Thread(target=lambda: results.append(_chat(up, 200).status_code))
+    threads = [threading.Thread(target=lambda: results.append(_chat(up, 120).status_code))
                for _ in range(4)]
     for t in threads:
         t.start()
