@@ -143,6 +143,7 @@ local function make_node(n)
         score = num(n.score),         -- nil = no metrics
         saturated = n.saturated == true,
         kind = n.kind,
+        slots_source = n.slots_source,  -- "server": a llama.cpp server (infergate.stream.splice)
         models = model_set(n.models),  -- nil = unknown (any model)
         -- how the edge reaches it (infergate.routing.upstream): the API key is secret,
         -- never reported by /infergate/status

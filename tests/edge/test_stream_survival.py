@@ -1,0 +1,180 @@
+"""Streams that survive their node (lua/infergate/stream/): the edge relays streamed
+chat completions itself, holds what a node sends before its first content token and
+retries elsewhere when the node fails before content (an in-band error after 200
+included), continues a stream that breaks after content on another node (one spliced
+stream: the same id, one finish_reason, one [DONE], the text continuing at the seam),
+ends a stream no node can continue with an SSE error event, and stops the node's work
+when the client leaves. One stack for the module: redis, three simulated nodes, one
+edge; each test writes the snapshot and the faults it needs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+import requests
+
+from controlplane import procs
+from controlplane.edge.render import render_nginx, start_nginx
+from controlplane.simnode import launch
+from support.stack import Edge, SimNode, edge_settings, write_snapshot
+
+pytestmark = pytest.mark.integration
+
+MODEL = "sim-llama"
+HEALTHY = {"sse_error": False, "reset_after_tokens": 0, "slowdown": 1.0}
+
+
+@dataclass
+class Stack:
+    r: redis.Redis
+    nodes: list[SimNode]
+    edge: Edge
+
+    def route(self, weights: dict[str, float] | None = None, kind: str = "vllm") -> None:
+        """A fresh snapshot: every node of `kind`, effective weights from `weights`."""
+        w = weights or {}
+        snap = write_snapshot(self.r, [n.snapshot_node(kind=kind, score=0.0,
+                                                       effective_weight=w.get(n.name, 1.0),
+                                                       models=[MODEL])
+                                       for n in self.nodes])
+        self.edge.wait_snapshot(snap["version"])
+
+    def faults(self, **per_node: dict) -> None:
+        for n in self.nodes:
+            n.set_faults(**{**HEALTHY, **per_node.get(n.name, {})})
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    d = Path(tempfile.mkdtemp(prefix="infergate-streams-"))
+    d.chmod(0o755)
+    ps = procs.ProcessSet()
+    edge = None
+    try:
+        rport = procs.free_port()
+        ps.add(procs.start_redis(d / "redis", rport))
+        specs = [(name, ["--time-scale", "0.05", "--output-tokens", "24:32"])
+                 for name in ("a", "b", "c")]
+        nodes = launch.start_nodes(specs, d / "logs", into=ps, cls=SimNode)
+        s = edge_settings(f"redis://127.0.0.1:{rport}/0", stale_after_s=3600,
+                          breaker_failures=1000, metrics_listen="")
+        rendered = render_nginx(s, d / "conf", listen=f"127.0.0.1:{procs.free_port()}",
+                                prefix=d / "prefix")
+        edge = Edge(rendered, start_nginx(rendered.nginx_conf, rendered.prefix), s)
+        procs.wait_until(lambda: edge.status() is not None, 10, what="edge status endpoint")
+        r = redis.Redis(host="127.0.0.1", port=rport, decode_responses=True, socket_timeout=2)
+        yield Stack(r, nodes, edge)
+        edge.wait_idle(timeout=15)
+        assert not edge.bad_log_lines(), edge.bad_log_lines()[:10]
+    finally:
+        if edge is not None:
+            edge.stop()
+        ps.stop_all()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _events(text: str) -> list[str]:
+    return [e[len("data: "):] for e in text.split("\n\n") if e.startswith("data: ")]
+
+
+def _stream(stack: Stack, content: str, **extra) -> tuple[requests.Response, list]:
+    body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": content}],
+            **extra}
+    res = requests.post(f"{stack.edge.url}/v1/chat/completions", json=body, timeout=20)
+    return res, _events(res.text)
+
+
+def _full_text(stack: Stack, content: str) -> str:
+    """The whole answer, asked of a node directly (every node answers a prompt alike)."""
+    res = requests.post(f"{stack.nodes[2].url}/v1/chat/completions", timeout=10,
+                        json={"model": MODEL, "messages": [{"role": "user", "content": content}]})
+    return res.json()["choices"][0]["message"]["content"]
+
+
+def _well_formed(events: list[str]) -> tuple[str, set, list]:
+    """Checks one well-formed stream: [DONE] last and once, one finish_reason, one id.
+    Returns the text, the nodes (system_fingerprint) that wrote it and the chunks."""
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1, events[-3:]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all("error" not in c for c in chunks), chunks
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks
+                if c["choices"] and c["choices"][0].get("finish_reason")]
+    assert len(finishes) == 1, finishes
+    assert len({c["id"] for c in chunks}) == 1
+    roles = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("role")]
+    assert len(roles) == 1
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    return text, {c.get("system_fingerprint") for c in chunks}, chunks
+
+
+def test_in_band_error_before_content_is_answered_by_another_node(stack: Stack) -> None:
+    stack.route()
+    stack.faults(a={"sse_error": True}, b={"sse_error": True})
+    for i in range(3):
+        res, events = _stream(stack, f"in-band {i}")
+        assert res.status_code == 200
+        assert res.headers["X-Infergate-Node"] == "c"
+        text, writers, _ = _well_formed(events)
+        assert writers == {"c"}
+        assert text == _full_text(stack, f"in-band {i}")
+    assert stack.nodes[0].state()["errors_total"] + stack.nodes[1].state()["errors_total"] >= 1
+
+
+def test_reset_mid_stream_is_continued_as_one_stream(stack: Stack) -> None:
+    # c is the last choice (tiny weight): a and b reset after 5 tokens, so the stream
+    # breaks at least once and is continued until it reaches c
+    stack.route(weights={"c": 0.001})
+    stack.faults(a={"reset_after_tokens": 5}, b={"reset_after_tokens": 5})
+    before = sum(n.state()["cancelled_total"] for n in stack.nodes[:2])
+    res, events = _stream(stack, "reset mid-stream", stream_options={"include_usage": True})
+    assert res.status_code == 200
+    text, writers, chunks = _well_formed(events)
+    assert len(writers) >= 2, "the stream was continued on another node"
+    assert text == _full_text(stack, "reset mid-stream"), "no token repeated or lost at the seam"
+    usage = chunks[-1]["usage"]
+    assert usage["completion_tokens"] == len([c for c in chunks if c["choices"]
+                                              and c["choices"][0]["delta"].get("content")])
+    assert sum(n.state()["cancelled_total"] for n in stack.nodes[:2]) > before
+
+
+def test_kind_that_cannot_continue_ends_with_an_error_event(stack: Stack) -> None:
+    stack.route(kind="tgi")
+    stack.faults(**{n.name: {"reset_after_tokens": 5} for n in stack.nodes})
+    res, events = _stream(stack, "no continuation")
+    assert res.status_code == 200
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == "stream_interrupted" and "can continue it" in err["message"]
+    contents = [json.loads(e)["choices"][0]["delta"].get("content") for e in events[1:-2]]
+    assert len(contents) == 5 and all(contents)
+
+
+def test_client_abort_stops_the_node(stack: Stack) -> None:
+    stack.route()
+    # a token every ~250 ms: the edge sees the client leave while it waits for the node
+    # (ngx.on_abort), not at its next write, and the node has made no further token
+    stack.faults(**{n.name: {"slowdown": 250.0} for n in stack.nodes})
+    before = sum(n.state()["cancelled_total"] for n in stack.nodes)
+    host, port = stack.edge.url.removeprefix("http://").split(":")
+    body = json.dumps({"model": MODEL, "stream": True, "sim_output_tokens": 200,
+                       "messages": [{"role": "user", "content": "abort"}]}).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: " + str(len(body)).encode()
+                  + b"\r\n\r\n" + body)
+        got = b""
+        while got.count(b'"content":"') < 4:  # the role chunk and 3 tokens
+            got += s.recv(65536)
+    procs.wait_until(lambda: sum(n.state()["cancelled_total"] for n in stack.nodes) > before,
+                     5, interval=0.02, what="the node to see the client leave")
+    generated = max(n.state()["cancelled_generated"] for n in stack.nodes)
+    assert generated == 3, generated
+    stack.faults()
