@@ -176,5 +176,9 @@ def test_client_abort_stops_the_node(stack: Stack) -> None:
     procs.wait_until(lambda: sum(n.state()["cancelled_total"] for n in stack.nodes) > before,
                      5, interval=0.02, what="the node to see the client leave")
     generated = max(n.state()["cancelled_generated"] for n in stack.nodes)
-    assert generated == 3, generated
+    received = got.count(b'"content":"') - 1
+    # at most the token under way when the client left (seen at the edge's next write
+    # instead, the node would have made two more: the first write after the client left
+    # still succeeds)
+    assert received <= generated <= received + 1, (received, generated)
     stack.faults()

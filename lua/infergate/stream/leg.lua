@@ -6,12 +6,14 @@
 -- [DONE] sent), r.last_answer (a node's error answer, for a client that got nothing),
 -- r.no_continue, r.client_gone.
 --
--- Read timeouts: before content, the deadline's stream read timeout
--- (infergate.admission.deadline.timeouts), shortened as a probe's when another node is
--- left (2 x infergate.routing.stall.stream_read_half); after content, 2 x the node's
--- stall threshold (a node silent that long is stalled: the stream is continued
--- elsewhere); never past the request's deadline; while holding, at most until the hold
--- ends (then the held bytes go out and the read goes on).
+-- Read timeouts: a stream's, as on the proxy path (edge.read_timeout_ms, at most the
+-- deadline's stream idle time; the request deadline does not cut a stream,
+-- infergate.admission.deadline.timeouts), shortened before content as a probe's when
+-- another node is left (2 x infergate.routing.stall.stream_read_half); after content,
+-- 2 x the node's stall threshold (a node silent that long is stalled: the stream is
+-- continued elsewhere); while holding, at most until the hold ends (then the held bytes
+-- go out and the read goes on). Connect and send timeouts: the deadline's for a leg
+-- before content; a continuation starts after it as the stream goes on past it.
 local ngxapi = require("infergate.core.ngxapi")
 local deadline = require("infergate.admission.deadline")
 local relaypick = require("infergate.routing.relaypick")
@@ -62,15 +64,8 @@ end
 
 -- Read timeout (s) of the next read: see the header.
 local function read_timeout(r, lg, now)
-    local o, req = r.o, r.req
-    local _, _, read = deadline.timeouts(req, o, now)
-    if not read then
-        return nil
-    end
-    local left = deadline.remaining(req, now)
-    if left then
-        read = min(read, left)
-    end
+    local o = r.o
+    local read = min(o.edge.read_timeout_ms / 1000, deadline.for_request(r.req).idle_s)
     if r.out.produced > 0 and o.edge.stall_gap_factor > 0 then
         read = min(read, 2 * stall.threshold(lg.node.name, o))
     elseif lg.probe_read then
@@ -150,11 +145,6 @@ local function read_stream(r, lg, head, sock)
     while true do
         local now = ngx_now()
         local t = read_timeout(r, lg, now)
-        if not t then
-            r.deadline_passed = true
-            lg.verdict, lg.why = "neutral", "deadline"
-            return
-        end
         sock:settimeout(t * 1000)
         local data, err = http.read_body(head, sock)
         now = ngx_now()
@@ -169,9 +159,7 @@ local function read_stream(r, lg, head, sock)
             return
         elseif not data or data == "" then
             lg.verdict, lg.why = "fail", err or "closed before the end"
-            if err == "timeout" and deadline.expired_try(r.req) then
-                lg.verdict, r.deadline_passed = "neutral", true
-            end
+            lg.timeout = err == "timeout"
             return
         else
             stall.byte(r.req, now)
@@ -187,10 +175,13 @@ end
 
 local function start(r, lg, sock, body)
     local o, req, node = r.o, r.req, lg.node
-    local connect, send = deadline.timeouts(req, o, ngx_now())
-    if not connect then
-        r.deadline_passed = true
-        return nil, "deadline"
+    local connect, send = o.edge.connect_timeout_ms / 1000, o.edge.send_timeout_ms / 1000
+    if not r.sent then
+        connect, send = deadline.timeouts(req, o, ngx_now())
+        if not connect then
+            r.deadline_passed = true
+            return nil, "deadline"
+        end
     end
     sock:settimeouts(connect * 1000, send * 1000, send * 1000)
     local ok, err = sock:connect(node.addr, node.port)
@@ -232,6 +223,7 @@ function _M.run(r, node, att, body, eligible)
     local head, err = start(r, lg, sock, body)
     if not head then
         lg.verdict, lg.why = r.deadline_passed and "neutral" or "fail", err
+        lg.timeout = err == "timeout"
     elseif head.status ~= 200 then
         other_answer(r, lg, head, sock)
     else
@@ -245,6 +237,7 @@ function _M.run(r, node, att, body, eligible)
     if r.client_gone then
         return -- the log phase closes the attempt (aborted)
     end
+    r.last_timeout = lg.timeout and node.name or nil
     local latency_ms = (lg.verdict == "ok") and (ngx_now() - att.started) * 1000 or nil
     relaypick.close(att, lg.verdict or "fail", ngx_now(), latency_ms)
     if lg.final and r.sent then

@@ -119,8 +119,13 @@ local function answer_unsent(r)
         return errors.send(504, "The request did not finish within its deadline.", "timeout",
                            "deadline_exceeded")
     end
+    if r.last_timeout then
+        ngx.header["X-Infergate-Node"] = r.last_timeout -- the node that went silent
+        return errors.send(504, "The inference node did not answer in time.", "gateway_timeout",
+                           "upstream_timeout")
+    end
     return errors.send(502, "No inference node could answer the stream.", "bad_gateway",
-                       "upstream_unavailable")
+                       "upstream_error")
 end
 
 local function run(r)
@@ -133,8 +138,8 @@ local function run(r)
                 .. "be continued: " .. accept .. ".", "stream_interrupted")
         end
         local now = ngx_now()
-        if not deadline.timeouts(req, o, now) then
-            r.deadline_passed = true
+        if not r.sent and not deadline.timeouts(req, o, now) then
+            r.deadline_passed = true -- no new try past the deadline (a started stream goes on)
             break
         end
         local node, att, eligible = relaypick.next(req, o, now, accept)
