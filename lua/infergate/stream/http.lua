@@ -74,6 +74,9 @@ end
 -- The chunk data available in head.raw (framing removed); "" when none is complete.
 -- Trailers after the last chunk are not read (the connection is not reused).
 local function dechunk(head)
+    if head.done then
+        return ""
+    end
     local buf, out, pos = head.raw, {}, 1
     while true do
         local need = head.need
@@ -99,7 +102,8 @@ local function dechunk(head)
             if not e then
                 break
             end
-            local size = tonumber(sub(buf, pos, e - 1):match("^%s*(%x+)"), 16)
+            local hex = sub(buf, pos, e - 1):match("^%s*(%x+)")
+            local size = hex and tonumber(hex, 16)
             if not size then
                 return nil, "bad chunk"
             end
