@@ -310,6 +310,15 @@ def block_realnode_compare(results: Path) -> str:
             + _fenced(compare_stats.report_text(data, meta)))
 
 
+def block_stream_survival(results: Path) -> str:
+    """``python -m bench.stream_survival``'s tables (the drill, TTFT with holding on/off)."""
+    from .stream_survival import run
+
+    data = load(results, "stream_survival.json")
+    return provenance("stream_survival.json", data["meta"]) + "\n\n" + _fenced(
+        _captured(run.tables, data))
+
+
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "scheduler": lambda r: _scheduler(r, "scheduler"),
     "scheduler_scenarios": lambda r: _scheduler(r, "scheduler_scenarios", extra_lines=True),
@@ -320,6 +329,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "realnode_compare": block_realnode_compare,
     "edge_overhead": block_edge_overhead,
     "admission": block_admission,
+    "stream_survival": block_stream_survival,
     "cache_index": block_cache_index,
     "cache_throughput": block_cache_throughput,
     "cache_verifier": block_cache_verifier,
