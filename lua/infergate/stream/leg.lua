@@ -237,7 +237,11 @@ function _M.run(r, node, att, body, eligible)
     if r.client_gone then
         return -- the log phase closes the attempt (aborted)
     end
-    r.last_timeout = lg.timeout and node.name or nil
+    if lg.verdict ~= "ok" and lg.verdict ~= "unserved" then
+        r.last_failure = { node = node.name, timeout = lg.timeout,
+                           invalid = lg.why == "not an HTTP status line" }
+        r.whys[#r.whys + 1] = node.name .. " " .. (lg.why or "?")
+    end
     local latency_ms = (lg.verdict == "ok") and (ngx_now() - att.started) * 1000 or nil
     relaypick.close(att, lg.verdict or "fail", ngx_now(), latency_ms)
     if lg.final and r.sent then

@@ -105,7 +105,10 @@ local function fail_stream(r, message, code)
     write(r, splice.error_event(message, code) .. "data: [DONE]\n\n")
 end
 
--- Nothing was sent yet: the last node's own answer, or a JSON error.
+-- Nothing was sent yet: the last node's own answer, or the JSON error the proxy path's
+-- error pages give (infergate.errorpage): 504 deadline_exceeded or upstream_timeout,
+-- 502 upstream_invalid_answer (bytes that are not HTTP) or upstream_error, 503 when no
+-- node was left to try; 502/504 name the last node in X-Infergate-Node.
 local function answer_unsent(r)
     local a = r.last_answer
     if a then
@@ -115,16 +118,31 @@ local function answer_unsent(r)
         ngx.print(a.body)
         return ngx.exit(ngx.HTTP_OK)
     end
+    local f = r.last_failure
+    if f then
+        ngx.header["X-Infergate-Node"] = f.node
+    end
     if r.deadline_passed then
-        return errors.send(504, "The request did not finish within its deadline.", "timeout",
-                           "deadline_exceeded")
+        return errors.send(504, "The request did not finish within its deadline of "
+            .. deadline.for_request(r.req).request_ms .. " ms.", "timeout", "deadline_exceeded")
     end
-    if r.last_timeout then
-        ngx.header["X-Infergate-Node"] = r.last_timeout -- the node that went silent
-        return errors.send(504, "The inference node did not answer in time.", "gateway_timeout",
-                           "upstream_timeout")
+    if not f then
+        return errors.send(503, "No inference node is left to try (all are unhealthy, draining, "
+            .. "have an open circuit breaker or already failed this request).",
+            "service_unavailable", "no_healthy_upstream",
+            { ["Retry-After"] = tostring(r.o.admission.retry_after_s) })
     end
-    return errors.send(502, "No inference node could answer the stream.", "bad_gateway",
+    if f.invalid then
+        return errors.send(502, "Node " .. f.node .. " sent an answer that is not HTTP.",
+                           "bad_gateway", "upstream_invalid_answer")
+    end
+    local tried = " Tried " .. r.legs .. " time(s); node answers: " .. table.concat(r.whys, ", ")
+        .. "."
+    if f.timeout then
+        return errors.send(504, "The inference node did not answer in time." .. tried,
+                           "gateway_timeout", "upstream_timeout")
+    end
+    return errors.send(502, "No inference node gave a valid answer." .. tried, "bad_gateway",
                        "upstream_error")
 end
 
@@ -187,7 +205,7 @@ function _M.step(req)
         return nil
     end
     local r = {
-        req = req, o = o, out = splice.new_out(), legs = 0, sent = false,
+        req = req, o = o, out = splice.new_out(), legs = 0, sent = false, whys = {},
         body = ngx.req.get_body_data() or req.raw_body or "",
         path = ngx.var.uri, args = ngx.var.args,
     }

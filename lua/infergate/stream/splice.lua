@@ -14,7 +14,7 @@
 -- Engines (checked in their source):
 --   vLLM   ChatCompletionRequest.continue_final_message (with add_generation_prompt
 --          false): the last assistant message is left open and generation continues it
---          (vllm/entrypoints/openai/protocol.py; v0.6.4 and later).
+--          (vllm/entrypoints/openai/protocol.py).
 --   SGLang ChatCompletionRequest.continue_final_message, the same contract
 --          (python/sglang/srt/entrypoints/openai/protocol.py, serving_chat.py).
 --   llama.cpp server: a last message from the assistant is a prefill the answer
