@@ -122,3 +122,25 @@ def test_later_legs_are_spliced_into_the_first_stream(workdir) -> None:
     assert out["n"] == 4 and set(out["ids"]) == {"x1"}  # the second role chunk dropped
     assert out["partial"] == "Hi there"
     assert out["usage"] == {"completion_tokens": 2, "total_tokens": 5}
+
+
+def test_the_prefill_a_llama_cpp_server_repeats_is_taken_out(workdir) -> None:
+    out = lua_eval(workdir, """
+        local sse = require("infergate.stream.sse")
+        local splice = require("infergate.stream.splice")
+        local function ev(text)
+            return sse.classify('data: {"id":"z","choices":[{"index":0,"delta":{"content":'
+                .. require("cjson").encode(text) .. '}}]}\\n\\n')
+        end
+        local echo, got = "Hello wor", {}
+        for _, t in ipairs({"Hello", " wor", "ld", "!"}) do
+            local e = ev(t)
+            echo = splice.strip_echo(e, echo)
+            got[#got + 1] = e.kind .. ":" .. e.content
+        end
+        local other = ev("Bye")
+        local left = splice.strip_echo(other, "Hello")
+        return {got = got, other = other.content, left = left or "nil"}
+    """)
+    assert out["got"] == ["meta:", "meta:", "content:ld", "content:!"]
+    assert out["other"] == "Bye" and out["left"] == "nil"

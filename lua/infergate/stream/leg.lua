@@ -99,6 +99,9 @@ local function on_event(r, lg, text)
     if ev.tools or ev.many then
         r.no_continue = true
     end
+    if lg.echo then
+        lg.echo = splice.strip_echo(ev, lg.echo)
+    end
     local piece = splice.rewrite(r.out, ev, text, lg.first and 1 or 2)
     if piece then
         if r.sent then
@@ -209,7 +212,8 @@ end
 -- Runs one leg on `node` (attempt `att`, `eligible` nodes incl. this one).
 function _M.run(r, node, att, body, eligible)
     local o, now = r.o, ngx_now()
-    local lg = { node = node, first = not r.sent }
+    local lg = { node = node, first = not r.sent, echo = r.echo }
+    r.echo = nil
     if lg.first then
         r.out = splice.new_out()
         r.held = {}

@@ -181,6 +181,9 @@ local function run(r)
             end
             r.out.usage_done = r.out.produced
             r.continued = (r.continued or 0) + 1
+            if splice.engine(node) == "prefill" and r.path ~= "/v1/completions" then
+                r.echo = splice.partial(r.out) -- llama.cpp repeats the prefill (splice.strip_echo)
+            end
         end
         r.legs = r.legs + 1
         leg.run(r, node, att, body, eligible)

@@ -166,12 +166,39 @@ function _M.rewrite(out, ev, text, leg)
             u.total_tokens = u.total_tokens + out.usage_done
         end
     end
-    if leg == 1 or obj.id == out.id and not ev.usage then
+    if (leg == 1 or obj.id == out.id) and not ev.usage and not ev.changed then
         out.role_sent = true
         return text
     end
     obj.id = out.id
     return encode_event(obj)
+end
+
+-- A llama.cpp server streams the prefilled assistant text back as the start of its
+-- answer (seen with the build of bench/realnode, 11434: the first delta is the prefill
+-- followed by the first new token): what of `echo` (the partial text sent already)
+-- content event `ev` repeats is taken out of it. Returns what is left to strip ("" or
+-- nil: done). An answer that does not repeat it is left alone.
+function _M.strip_echo(ev, echo)
+    if not echo or echo == "" or ev.kind ~= "content" or type(ev.obj) ~= "table" then
+        return echo
+    end
+    local c = ev.obj.choices and ev.obj.choices[1]
+    local delta = type(c) == "table" and c.delta
+    local text = type(delta) == "table" and delta.content
+    if type(text) ~= "string" then
+        return nil
+    end
+    local n = math.min(#text, #echo)
+    if text:sub(1, n) ~= echo:sub(1, n) then
+        return nil
+    end
+    delta.content = text:sub(n + 1)
+    ev.content, ev.changed = delta.content, true
+    if delta.content == "" then
+        ev.kind = "meta" -- nothing new in it: dropped as a later leg's role chunk is
+    end
+    return echo:sub(n + 1)
 end
 
 -- The partial answer sent so far (choice 0).
