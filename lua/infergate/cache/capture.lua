@@ -305,6 +305,9 @@ local function store_of(c, req)
     if req and req.relay_error then
         return nil, "stream ended with an error event" -- infergate.stream.relay
     end
+    if req and req.relay and req.relay.continued then
+        return nil, "answer continued on another node" -- not one node's answer
+    end
     local status = tonumber(ngx_var("status"))
     if status ~= 200 then
         return nil, "status " .. tostring(status)

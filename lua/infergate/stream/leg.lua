@@ -223,6 +223,10 @@ function _M.run(r, node, att, body, eligible)
         local half = stall.stream_read_half(node.name, o, outlier.threshold(node.name, true, o))
         lg.probe_read = half and 2 * half
     end
+    local addrs = r.addrs or {}
+    r.addrs = addrs
+    addrs[#addrs + 1] = node.addr .. ":" .. node.port
+    pcall(function() ngx.var.infergate_relay_addr = table.concat(addrs, ", ") end)
     local sock = ngx.socket.tcp()
     local head, err = start(r, lg, sock, body)
     if not head then
