@@ -31,8 +31,11 @@ local concat = table.concat
 local log = ngx.log
 local INFO = ngx.INFO
 
--- Most bytes of a node's error answer kept for the client.
-_M.ERROR_BODY_MAX = 65536
+-- Most bytes of a node's answer that is not a stream (an error, or a stream request the
+-- node answered with one JSON document) read and passed on.
+_M.ANSWER_MAX = 16 * 1024 * 1024
+-- Longest SSE event (bytes) read from a node.
+_M.EVENT_MAX = 4 * 1024 * 1024
 
 local function write(r, piece)
     ngx.print(piece)
@@ -62,8 +65,9 @@ local function release(r, node)
     end
 end
 
--- Read timeout (s) of the next read: see the header.
-local function read_timeout(r, lg, now)
+-- Read timeout (s) of the next read: see the header (no_hold: the hold does not shorten
+-- it, as for the answer's headers).
+local function read_timeout(r, lg, now, no_hold)
     local o = r.o
     local read = min(o.edge.read_timeout_ms / 1000, deadline.for_request(r.req).idle_s)
     if r.out.produced > 0 and o.edge.stall_gap_factor > 0 then
@@ -71,7 +75,7 @@ local function read_timeout(r, lg, now)
     elseif lg.probe_read then
         read = min(read, lg.probe_read)
     end
-    if not r.sent and lg.hold_until then
+    if not r.sent and lg.hold_until and not no_hold then
         read = min(read, lg.hold_until - now)
     end
     return read > 0.001 and read or 0.001
@@ -120,7 +124,7 @@ end
 -- (passed on when no other node answers); the verdict of the attempt.
 local function other_answer(r, lg, head, sock)
     local parts, size = {}, 0
-    while size < _M.ERROR_BODY_MAX do
+    while size < _M.ANSWER_MAX do
         local data = http.read_body(head, sock)
         if not data or data == "" then
             break
@@ -172,6 +176,10 @@ local function read_stream(r, lg, head, sock)
                     return
                 end
             end
+            if #st.buf > _M.EVENT_MAX then
+                lg.verdict, lg.why = "fail", "an SSE event longer than " .. _M.EVENT_MAX .. " bytes"
+                return
+            end
         end
     end
 end
@@ -205,7 +213,7 @@ local function start(r, lg, sock, body)
     if not ok then
         return nil, err
     end
-    sock:settimeout(read_timeout(r, lg, ngx_now()) * 1000)
+    sock:settimeout(read_timeout(r, lg, ngx_now(), true) * 1000)
     return http.read_head(sock)
 end
 
@@ -232,8 +240,9 @@ function _M.run(r, node, att, body, eligible)
     if not head then
         lg.verdict, lg.why = r.deadline_passed and "neutral" or "fail", err
         lg.timeout = err == "timeout"
-    elseif head.status ~= 200 then
-        other_answer(r, lg, head, sock)
+    elseif head.status ~= 200
+            or not (head.headers["content-type"] or ""):find("event-stream", 1, true) then
+        other_answer(r, lg, head, sock) -- an error, or an answer that is not a stream
     else
         r.content_type = head.headers["content-type"]
         if lg.first and not lg.hold_until then
