@@ -117,11 +117,15 @@ def test_later_legs_are_spliced_into_the_first_stream(workdir) -> None:
             ids[i] = obj.id
             usage = obj.usage or usage
         end
-        return {{n = #sent, ids = ids, usage = usage, partial = splice.partial(o)}}
+        local fin = cjson.decode(splice.finish_event(o, "/v1/chat/completions", "length")
+                                 :match("^data: (.-)\\n\\n$"))
+        return {{n = #sent, ids = ids, usage = usage, partial = splice.partial(o), fin = fin}}
     """)
     assert out["n"] == 4 and set(out["ids"]) == {"x1"}  # the second role chunk dropped
     assert out["partial"] == "Hi there"
     assert out["usage"] == {"completion_tokens": 2, "total_tokens": 5}
+    assert out["fin"]["id"] == "x1"
+    assert out["fin"]["choices"] == [{"index": 0, "delta": {}, "finish_reason": "length"}]
 
 
 def test_the_prefill_a_llama_cpp_server_repeats_is_taken_out(workdir) -> None:

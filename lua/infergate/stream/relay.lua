@@ -170,9 +170,9 @@ local function run(r)
                                             splice.engine(node))
             if not body then
                 relaypick.close(att, "neutral", ngx_now())
-                if err == "done" then
+                if err == "done" then -- max_tokens reached with the tokens sent
                     r.out.finish = "length"
-                    write(r, "data: [DONE]\n\n")
+                    write(r, splice.finish_event(r.out, r.path, "length") .. "data: [DONE]\n\n")
                     r.finished = true
                     break
                 end

@@ -141,7 +141,7 @@ function _M.rewrite(out, ev, text, leg)
         return nil
     end
     if not out.id then
-        out.id = obj.id
+        out.id, out.object, out.model, out.created = obj.id, obj.object, obj.model, obj.created
     end
     local content = ev.kind == "content"
     if content then
@@ -204,6 +204,19 @@ end
 -- The partial answer sent so far (choice 0).
 function _M.partial(out)
     return table.concat(out.text)
+end
+
+-- The finish chunk the relay writes itself (no token was left for a continuation):
+-- choice 0 with an empty delta (chat) or text (completions) and `reason`.
+function _M.finish_event(out, path, reason)
+    local choice = { index = 0, finish_reason = reason }
+    if path == "/v1/completions" then
+        choice.text = ""
+    else
+        choice.delta = {}
+    end
+    return encode_event({ id = out.id, object = out.object, created = out.created,
+                          model = out.model, choices = { choice } })
 end
 
 function _M.error_event(message, code)
