@@ -65,7 +65,7 @@ def stack() -> Iterator[Stack]:
                  for name in ("a", "b", "c")]
         nodes = launch.start_nodes(specs, d / "logs", into=ps, cls=SimNode)
         s = edge_settings(f"redis://127.0.0.1:{rport}/0", stale_after_s=3600,
-                          breaker_failures=1000, metrics_listen="")
+                          breaker_failures=1000, metrics_listen=f"127.0.0.1:{procs.free_port()}")
         rendered = render_nginx(s, d / "conf", listen=f"127.0.0.1:{procs.free_port()}",
                                 prefix=d / "prefix")
         edge = Edge(rendered, start_nginx(rendered.nginx_conf, rendered.prefix), s)
@@ -126,6 +126,8 @@ def test_in_band_error_before_content_is_answered_by_another_node(stack: Stack) 
         assert writers == {"c"}
         assert text == _full_text(stack, f"in-band {i}")
     assert stack.nodes[0].state()["errors_total"] + stack.nodes[1].state()["errors_total"] >= 1
+    metrics = requests.get(stack.edge.metrics_url, timeout=5).text
+    assert 'infergate_edge_stream_relay_total{outcome="completed"}' in metrics
 
 
 def test_reset_mid_stream_is_continued_as_one_stream(stack: Stack) -> None:

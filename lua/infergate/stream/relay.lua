@@ -35,6 +35,7 @@ local config = require("infergate.core.config")
 local errors = require("infergate.core.errors")
 local ngxapi = require("infergate.core.ngxapi")
 local deadline = require("infergate.admission.deadline")
+local metrics = require("infergate.core.prometheus")
 local relaypick = require("infergate.routing.relaypick")
 local splice = require("infergate.stream.splice")
 local leg = require("infergate.stream.leg")
@@ -102,6 +103,7 @@ end
 local function fail_stream(r, message, code)
     log(WARN, "infergate: stream ", r.req.id or "", " ends with an error event: ", message)
     r.req.relay_error = code
+    metrics.stream_relay("error_event")
     write(r, splice.error_event(message, code) .. "data: [DONE]\n\n")
 end
 
@@ -181,12 +183,19 @@ local function run(r)
             end
             r.out.usage_done = r.out.produced
             r.continued = (r.continued or 0) + 1
+            metrics.stream_relay("continued")
             if splice.engine(node) == "prefill" and r.path ~= "/v1/completions" then
                 r.echo = splice.partial(r.out) -- llama.cpp repeats the prefill (splice.strip_echo)
             end
         end
+        if r.legs > 0 and r.out.produced == 0 then
+            metrics.stream_relay("retried")
+        end
         r.legs = r.legs + 1
         leg.run(r, node, att, body, eligible)
+    end
+    if r.finished then
+        metrics.stream_relay("completed")
     end
     if r.finished or r.client_gone then
         return
