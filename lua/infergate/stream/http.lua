@@ -5,8 +5,8 @@
 --
 --   request(sock, r)      writes r = {method, path, host, headers = {name = value},
 --                         body}; returns bytes sent or nil, err
---   read_head(sock)       {status, headers = {lower-case name = value}, reader} or
---                         nil, err
+--   read_head(sock)       {status, headers = {lower-case name = value}, list = {{name,
+--                         value}} as sent} or nil, err
 --   read_body(head, sock) the next piece of the body (a string), or "" at its end
 --                         (head.done set), or nil, err
 local _M = {}
@@ -43,7 +43,7 @@ function _M.read_head(sock)
     if not status then
         return nil, "not an HTTP status line"
     end
-    local headers = {}
+    local headers, list = {}, {}
     while true do
         local h, herr = sock:receive("*l")
         if not h then
@@ -55,9 +55,10 @@ function _M.read_head(sock)
         local k, v = h:match("^([^:]+):%s*(.-)%s*$")
         if k then
             headers[lower(k)] = v
+            list[#list + 1] = { k, v }
         end
     end
-    local head = { status = status, headers = headers }
+    local head = { status = status, headers = headers, list = list }
     local te = headers["transfer-encoding"]
     if te and lower(te):find("chunked", 1, true) then
         head.chunked = true

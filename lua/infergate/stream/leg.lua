@@ -45,10 +45,29 @@ local function write(r, piece)
     end
 end
 
+-- Headers of a node's answer that are the connection's, not the answer's (RFC 9110
+-- section 7.6.1), or that the relay sets itself: not passed on.
+local OWN = { connection = true, ["keep-alive"] = true, ["transfer-encoding"] = true,
+              ["content-length"] = true, te = true, trailer = true, upgrade = true,
+              ["proxy-connection"] = true, date = true, server = true,
+              ["content-type"] = true, ["cache-control"] = true }
+
+-- The node's own headers (X-Sim-Node, a request id of its own...), as nginx's proxy
+-- passes them.
+local function pass_headers(list)
+    for _, h in ipairs(list or {}) do
+        if not OWN[h[1]:lower()] then
+            ngx.header[h[1]] = h[2]
+        end
+    end
+end
+_M.pass_headers = pass_headers
+
 -- Headers and the held pieces go out (the first content token, or the hold ended).
 local function release(r, node)
     if not r.sent then
         r.sent = true
+        pass_headers(r.node_headers)
         ngx.status = 200
         ngx.header["Content-Type"] = r.content_type or "text/event-stream"
         ngx.header["Cache-Control"] = "no-cache"
@@ -134,7 +153,7 @@ local function other_answer(r, lg, head, sock)
     end
     local status = head.status
     r.last_answer = { status = status, body = concat(parts), node = lg.node.name,
-                      content_type = head.headers["content-type"] }
+                      content_type = head.headers["content-type"], headers = head.list }
     if status == 429 then
         lg.verdict = "busy"
     elseif status >= 500 then
@@ -245,6 +264,9 @@ function _M.run(r, node, att, body, eligible)
         other_answer(r, lg, head, sock) -- an error, or an answer that is not a stream
     else
         r.content_type = head.headers["content-type"]
+        if lg.first then
+            r.node_headers = head.list
+        end
         if lg.first and not lg.hold_until then
             release(r, node) -- no holding: the headers go out as the proxy sends them
         end
@@ -267,6 +289,7 @@ function _M.run(r, node, att, body, eligible)
         r.finished = true
         do
             local a = r.last_answer
+            pass_headers(a.headers)
             ngx.status = a.status
             ngx.header["Content-Type"] = a.content_type or "application/json"
             ngx.header["X-Infergate-Node"] = node.name

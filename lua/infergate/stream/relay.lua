@@ -114,6 +114,7 @@ end
 local function answer_unsent(r)
     local a = r.last_answer
     if a then
+        leg.pass_headers(a.headers)
         ngx.status = a.status
         ngx.header["Content-Type"] = a.content_type or "application/json"
         ngx.header["X-Infergate-Node"] = a.node
