@@ -29,7 +29,7 @@ from support.stack import Edge, SimNode, edge_settings, write_snapshot
 pytestmark = pytest.mark.integration
 
 MODEL = "sim-llama"
-HEALTHY = {"sse_error": False, "reset_after_tokens": 0, "slowdown": 1.0}
+HEALTHY = {"sse_error": False, "reset_after_tokens": 0, "slowdown": 1.0, "error_rate": 0.0}
 
 
 @dataclass
@@ -128,6 +128,18 @@ def test_in_band_error_before_content_is_answered_by_another_node(stack: Stack) 
     assert stack.nodes[0].state()["errors_total"] + stack.nodes[1].state()["errors_total"] >= 1
     metrics = requests.get(stack.edge.metrics_url, timeout=5).text
     assert 'infergate_edge_stream_relay_total{outcome="completed"}' in metrics
+
+
+def test_the_same_500_on_two_nodes_is_passed_on_and_counts_against_neither(stack: Stack) -> None:
+    stack.route()
+    stack.faults(**{n.name: {"error_rate": 1.0} for n in stack.nodes})
+    before = {n.name: n.state()["requests_total"] for n in stack.nodes}
+    failures = {n["name"]: n["failures"] for n in stack.edge.status()["nodes"]}
+    res, _ = _stream(stack, "five hundred")
+    assert res.status_code == 500 and res.json()["error"]["message"] == "simulated server error"
+    assert sum(n.state()["requests_total"] - before[n.name] for n in stack.nodes) == 2
+    assert {n["name"]: n["failures"] for n in stack.edge.status()["nodes"]} == failures
+    stack.faults()
 
 
 def test_reset_mid_stream_is_continued_as_one_stream(stack: Stack) -> None:

@@ -11,6 +11,7 @@
 --                              for nodes that can continue an answer)
 --   close(att, outcome, now, latency_ms)  ends an attempt (stats.close_attempt,
 --                              learned concurrency for "ok", outlier.finished)
+--   hold(att, now)             a 500 whose verdict waits (see infergate.stream.leg)
 local snapshot = require("infergate.routing.snapshot")
 local balancer = require("infergate.routing.balancer")
 local stats = require("infergate.routing.stats")
@@ -84,6 +85,13 @@ function _M.next(req, o, now, accept)
     outlier.track(att, true)
     speed.track(att)
     return node, att, eligible
+end
+
+-- A 500 held (infergate.routing.tries): its in-flight count released, its verdict given
+-- by close() once the request's end says whose fault it was.
+function _M.hold(att, now)
+    stats.hold(att, 500)
+    outlier.finished(att, now)
 end
 
 function _M.close(att, outcome, now, latency_ms)

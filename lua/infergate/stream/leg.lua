@@ -236,6 +236,31 @@ local function start(r, lg, sock, body)
     return http.read_head(sock)
 end
 
+-- The verdict on the attempt, as the balancer's (infergate.routing.tries): a 500 is held
+-- until another node answers (then it was the node's fault) or answers 500 as well (then
+-- neither counts: the request's own fault; that 500 is passed on, no further try).
+local function settle(r, lg, att)
+    local now = ngx_now()
+    if lg.verdict == "fail" and lg.why == "status 500" then
+        local prev = r.held500
+        if not prev then
+            r.held500 = att
+            return relaypick.hold(att, now)
+        end
+        r.held500 = nil
+        relaypick.close(prev, "neutral", now)
+        relaypick.close(att, "neutral", now)
+        lg.final = true
+        return
+    end
+    if r.held500 and lg.verdict == "ok" then
+        relaypick.close(r.held500, "fail", now) -- another node answered: the 500 was its node's
+        r.held500 = nil
+    end
+    local latency_ms = (lg.verdict == "ok") and (now - att.started) * 1000 or nil
+    relaypick.close(att, lg.verdict or "fail", now, latency_ms)
+end
+
 -- Runs one leg on `node` (attempt `att`, `eligible` nodes incl. this one).
 function _M.run(r, node, att, body, eligible)
     local o, now = r.o, ngx_now()
@@ -281,8 +306,7 @@ function _M.run(r, node, att, body, eligible)
                            invalid = lg.why == "not an HTTP status line" }
         r.whys[#r.whys + 1] = node.name .. " " .. (lg.why or "?")
     end
-    local latency_ms = (lg.verdict == "ok") and (ngx_now() - att.started) * 1000 or nil
-    relaypick.close(att, lg.verdict or "fail", ngx_now(), latency_ms)
+    settle(r, lg, att)
     if lg.final and r.sent then
         r.no_continue = true -- a continuation refused (4xx): no other node would take it
     elseif lg.final then

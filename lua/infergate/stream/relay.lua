@@ -195,6 +195,10 @@ local function run(r)
         r.legs = r.legs + 1
         leg.run(r, node, att, body, eligible)
     end
+    if r.held500 then -- a 500 no later node answered past: not counted against its node
+        relaypick.close(r.held500, "neutral", ngx_now())
+        r.held500 = nil
+    end
     if r.finished then
         metrics.stream_relay("completed")
     end
