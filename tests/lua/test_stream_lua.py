@@ -68,7 +68,7 @@ def _continuation(workdir, body: dict, path: str, partial: str, produced: int, h
         local cjson = require("cjson.safe")
         local b, err = splice.continuation({json.dumps(json.dumps(body))}, "{path}",
                                            {json.dumps(partial)}, {produced}, {how_lua})
-        return {{body = b and cjson.decode(b) or nil, err = err}}
+        return {{body = b and cjson.decode(b) or nil, raw = b, err = err}}
     """)
 
 
@@ -86,9 +86,12 @@ def test_continuation_bodies_follow_each_engine(workdir) -> None:
     own = {**chat, "messages": [*chat["messages"], {"role": "assistant", "content": "Sure: "}]}
     ext = _continuation(workdir, own, "/v1/chat/completions", "one", 1, "prefill")["body"]
     assert len(ext["messages"]) == 2 and ext["messages"][-1]["content"] == "Sure: one"
-    comp = _continuation(workdir, {"prompt": "Once", "max_tokens": 5}, "/v1/completions",
-                         " upon", 1, None)["body"]
-    assert comp["prompt"] == "Once upon" and comp["max_tokens"] == 4
+    res = _continuation(workdir, {"prompt": "Once [] \"[]\"", "max_tokens": 5, "stop": []},
+                        "/v1/completions", " upon", 1, None)
+    comp = res["body"]
+    assert '"stop":[]' in res["raw"], "an empty array stays an array"
+    assert comp["prompt"] == 'Once [] "[]" upon' 
+    assert comp["max_tokens"] == 4
     assert _continuation(workdir, chat, "/v1/chat/completions", "x", 10, "prefill")["err"] == "done"
     assert "cannot continue" in _continuation(workdir, chat, "/v1/chat/completions", "x", 1,
                                               None)["err"]
@@ -119,11 +122,13 @@ def test_later_legs_are_spliced_into_the_first_stream(workdir) -> None:
         end
         local fin = cjson.decode(splice.finish_event(o, "/v1/chat/completions", "length")
                                  :match("^data: (.-)\\n\\n$"))
-        return {{n = #sent, ids = ids, usage = usage, partial = splice.partial(o), fin = fin}}
+        return {{n = #sent, ids = ids, usage = usage, partial = splice.partial(o), fin = fin,
+                 last = sent[#sent]}}
     """)
     assert out["n"] == 4 and set(out["ids"]) == {"x1"}  # the second role chunk dropped
     assert out["partial"] == "Hi there"
     assert out["usage"] == {"completion_tokens": 2, "total_tokens": 5}
+    assert '"choices":[]' in out["last"], "an empty array stays an array"
     assert out["fin"]["id"] == "x1"
     assert out["fin"]["choices"] == [{"index": 0, "delta": {}, "finish_reason": "length"}]
 

@@ -24,6 +24,7 @@
 --          contract; their streams cannot be continued.
 -- /v1/completions continues on every engine: the prompt followed by the partial text.
 local cjson = require("cjson.safe")
+local jsontext = require("infergate.stream.jsontext")
 
 local _M = {}
 
@@ -93,7 +94,7 @@ end
 -- tokens) of the request `body` (JSON text) on `path`. Returns text, or nil, reason
 -- ("done": no token left; else why it cannot).
 function _M.continuation(body, path, partial, produced, how)
-    local b = cjson.decode(body)
+    local b = jsontext.decode(body) -- empty arrays stay arrays when encoded again
     if type(b) ~= "table" then
         return nil, "body is not a JSON object"
     end
@@ -116,7 +117,7 @@ function _M.continuation(body, path, partial, produced, how)
             return nil, err
         end
     end
-    return cjson.encode(b)
+    return jsontext.encode(b)
 end
 
 function _M.new_out()
@@ -157,21 +158,22 @@ function _M.rewrite(out, ev, text, leg)
         end
         out.role_sent = true
     end
-    if ev.usage and out.usage_done > 0 then
-        local u = obj.usage
-        if type(u.completion_tokens) == "number" then
-            u.completion_tokens = u.completion_tokens + out.usage_done
-        end
-        if type(u.total_tokens) == "number" then
-            u.total_tokens = u.total_tokens + out.usage_done
-        end
-    end
-    if (leg == 1 or obj.id == out.id) and not ev.usage and not ev.changed then
-        out.role_sent = true
+    out.role_sent = true
+    if leg == 1 then
         return text
     end
-    obj.id = out.id
-    return encode_event(obj)
+    -- a later leg: edited as text (infergate.stream.jsontext), the rest as the node sent it
+    if obj.id ~= out.id and type(out.id) == "string" then
+        text = jsontext.set_string(text, "id", out.id)
+    end
+    if ev.usage and out.usage_done > 0 then
+        text = jsontext.add_number(text, "completion_tokens", out.usage_done)
+        text = jsontext.add_number(text, "total_tokens", out.usage_done)
+    end
+    if ev.changed then
+        text = jsontext.set_string(text, "content", ev.content)
+    end
+    return text
 end
 
 -- A llama.cpp server streams the prefilled assistant text back as the start of its
@@ -194,7 +196,7 @@ function _M.strip_echo(ev, echo)
         return nil
     end
     delta.content = text:sub(n + 1)
-    ev.content, ev.changed = delta.content, true
+    ev.content, ev.changed = delta.content, true -- rewrite() edits the event's text
     if delta.content == "" then
         ev.kind = "meta" -- nothing new in it: dropped as a later leg's role chunk is
     end
