@@ -90,7 +90,7 @@ def test_continuation_bodies_follow_each_engine(workdir) -> None:
                         "/v1/completions", " upon", 1, None)
     comp = res["body"]
     assert '"stop":[]' in res["raw"], "an empty array stays an array"
-    assert comp["prompt"] == 'Once [] "[]" upon' 
+    assert comp["prompt"] == 'Once [] "[]" upon'
     assert comp["max_tokens"] == 4
     assert _continuation(workdir, chat, "/v1/chat/completions", "x", 10, "prefill")["err"] == "done"
     assert "cannot continue" in _continuation(workdir, chat, "/v1/chat/completions", "x", 1,
