@@ -4,7 +4,7 @@ retries elsewhere when the node fails before content (an in-band error after 200
 included), continues a stream that breaks after content on another node (one spliced
 stream: the same id, one finish_reason, one [DONE], the text continuing at the seam),
 ends a stream no node can continue with an SSE error event, and stops the node's work
-when the client leaves. One stack for the module: redis, three simulated nodes, one
+when the client leaves. One stack for the module: redis, two simulated nodes, one
 edge; each test writes the snapshot and the faults it needs."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def stack() -> Iterator[Stack]:
         rport = procs.free_port()
         ps.add(procs.start_redis(d / "redis", rport))
         specs = [(name, ["--time-scale", "0.05", "--output-tokens", "24:32"])
-                 for name in ("a", "b", "c")]
+                 for name in ("a", "b")]
         nodes = launch.start_nodes(specs, d / "logs", into=ps, cls=SimNode)
         s = edge_settings(f"redis://127.0.0.1:{rport}/0", stale_after_s=3600,
                           breaker_failures=1000, metrics_listen=f"127.0.0.1:{procs.free_port()}")
@@ -94,7 +94,7 @@ def _stream(stack: Stack, content: str, **extra) -> tuple[requests.Response, lis
 
 def _full_text(stack: Stack, content: str) -> str:
     """The whole answer, asked of a node directly (every node answers a prompt alike)."""
-    res = requests.post(f"{stack.nodes[2].url}/v1/chat/completions", timeout=10,
+    res = requests.post(f"{stack.nodes[1].url}/v1/chat/completions", timeout=10,
                         json={"model": MODEL, "messages": [{"role": "user", "content": content}]})
     return res.json()["choices"][0]["message"]["content"]
 
@@ -116,16 +116,17 @@ def _well_formed(events: list[str]) -> tuple[str, set, list]:
 
 
 def test_in_band_error_before_content_is_answered_by_another_node(stack: Stack) -> None:
-    stack.route()
-    stack.faults(a={"sse_error": True}, b={"sse_error": True})
-    for i in range(3):
+    stack.route(weights={"b": 1e-6})  # a first: its answer fails, b gives it
+    stack.faults(a={"sse_error": True})
+    errors = stack.nodes[0].state()["errors_total"]
+    for i in range(2):
         res, events = _stream(stack, f"in-band {i}")
         assert res.status_code == 200
-        assert res.headers["X-Infergate-Node"] == "c"
+        assert res.headers["X-Infergate-Node"] == "b"
         text, writers, _ = _well_formed(events)
-        assert writers == {"c"}
+        assert writers == {"b"}
         assert text == _full_text(stack, f"in-band {i}")
-    assert stack.nodes[0].state()["errors_total"] + stack.nodes[1].state()["errors_total"] >= 1
+    assert stack.nodes[0].state()["errors_total"] > errors
     metrics = requests.get(stack.edge.metrics_url, timeout=5).text
     assert 'infergate_edge_stream_relay_total{outcome="completed"}' in metrics
 
@@ -143,20 +144,20 @@ def test_the_same_500_on_two_nodes_is_passed_on_and_counts_against_neither(stack
 
 
 def test_reset_mid_stream_is_continued_as_one_stream(stack: Stack) -> None:
-    # c is the last choice (tiny weight): a and b reset after 5 tokens, so the stream
-    # breaks at least once and is continued until it reaches c
-    stack.route(weights={"c": 0.001})
-    stack.faults(a={"reset_after_tokens": 5}, b={"reset_after_tokens": 5})
-    before = sum(n.state()["cancelled_total"] for n in stack.nodes[:2])
+    # b is the last choice (tiny weight): a resets after 5 tokens, the stream is continued
+    # on b
+    stack.route(weights={"b": 1e-6})
+    stack.faults(a={"reset_after_tokens": 5})
+    before = stack.nodes[0].state()["cancelled_total"]
     res, events = _stream(stack, "reset mid-stream", stream_options={"include_usage": True})
     assert res.status_code == 200
     text, writers, chunks = _well_formed(events)
-    assert len(writers) >= 2, "the stream was continued on another node"
+    assert writers == {"a", "b"}, "the stream was continued on another node"
     assert text == _full_text(stack, "reset mid-stream"), "no token repeated or lost at the seam"
     usage = chunks[-1]["usage"]
     assert usage["completion_tokens"] == len([c for c in chunks if c["choices"]
                                               and c["choices"][0]["delta"].get("content")])
-    assert sum(n.state()["cancelled_total"] for n in stack.nodes[:2]) > before
+    assert stack.nodes[0].state()["cancelled_total"] > before
 
 
 def test_kind_that_cannot_continue_ends_with_an_error_event(stack: Stack) -> None:
