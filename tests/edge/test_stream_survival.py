@@ -29,7 +29,8 @@ from support.stack import Edge, SimNode, edge_settings, write_snapshot
 pytestmark = pytest.mark.integration
 
 MODEL = "sim-llama"
-HEALTHY = {"sse_error": False, "reset_after_tokens": 0, "slowdown": 1.0, "error_rate": 0.0}
+HEALTHY = {"sse_error": False, "reset_after_tokens": 0, "slowdown": 1.0, "error_rate": 0.0,
+           "stall": False}
 
 
 @dataclass
@@ -64,8 +65,11 @@ def stack() -> Iterator[Stack]:
         specs = [(name, ["--time-scale", "0.05", "--output-tokens", "24:32"])
                  for name in ("a", "b")]
         nodes = launch.start_nodes(specs, d / "logs", into=ps, cls=SimNode)
+        # a short hold and first-byte wait: a node silent before content is left after 1 s
         s = edge_settings(f"redis://127.0.0.1:{rport}/0", stale_after_s=3600,
-                          breaker_failures=1000, metrics_listen=f"127.0.0.1:{procs.free_port()}")
+                          breaker_failures=1000, metrics_listen=f"127.0.0.1:{procs.free_port()}",
+                          stream_hold_s=0.3, stall_first_byte_s=1.0, stall_min_s=0.5,
+                          outlier_stream_ttfb_min_s=0.3)
         rendered = render_nginx(s, d / "conf", listen=f"127.0.0.1:{procs.free_port()}",
                                 prefix=d / "prefix")
         edge = Edge(rendered, start_nginx(rendered.nginx_conf, rendered.prefix), s)
@@ -172,6 +176,18 @@ def test_kind_that_cannot_continue_ends_with_an_error_event(stack: Stack) -> Non
     assert len(contents) == 5 and all(contents)
 
 
+def test_a_node_silent_past_the_hold_is_left_and_the_stream_spliced(stack: Stack) -> None:
+    # after the tests that need node a first: it is then a TTFB outlier for a while
+    stack.route(weights={"b": 1e-6})
+    stack.faults(a={"stall": True})  # headers at once, then nothing
+    res, events = _stream(stack, "silent node")
+    assert res.status_code == 200
+    assert res.headers["X-Infergate-Node"] == "a", "the headers went out when the hold ended"
+    text, writers, _ = _well_formed(events)  # one role chunk, one id, one finish_reason
+    assert writers == {"b"} and text == _full_text(stack, "silent node")
+    stack.faults()
+
+
 def test_client_abort_stops_the_node(stack: Stack) -> None:
     stack.route()
     # a token every ~250 ms: the edge sees the client leave while it waits for the node
@@ -201,3 +217,4 @@ def test_client_abort_stops_the_node(stack: Stack) -> None:
     # still succeeds)
     assert received <= generated <= received + 1, (received, generated)
     stack.faults()
+
