@@ -9,7 +9,8 @@
 -- Read timeouts: a stream's, as on the proxy path (edge.read_timeout_ms, at most the
 -- deadline's stream idle time; the request deadline does not cut a stream,
 -- infergate.admission.deadline.timeouts), shortened before content as a probe's when
--- another node is left (2 x infergate.routing.stall.stream_read_half); after content,
+-- another node is left (2 x infergate.routing.outlier.probe_threshold, as the balancer);
+-- after content,
 -- 2 x the node's stall threshold (a node silent that long is stalled: the stream is
 -- continued elsewhere); while holding, at most until the hold ends (then the held bytes
 -- go out and the read goes on). Connect and send timeouts: the deadline's for a leg
@@ -258,6 +259,9 @@ local function settle(r, lg, att)
         r.held500 = nil
     end
     local latency_ms = (lg.verdict == "ok") and (now - att.started) * 1000 or nil
+    if latency_ms and r.finished and not r.continued then
+        r.latency_s = latency_ms / 1000 -- one node's whole answer (admission.shed learns it)
+    end
     relaypick.close(att, lg.verdict or "fail", now, latency_ms)
 end
 
@@ -272,8 +276,9 @@ function _M.run(r, node, att, body, eligible)
         lg.hold_until = o.edge.stream_hold_s > 0 and now + o.edge.stream_hold_s or nil
     end
     if eligible and eligible > 1 then
-        local half = stall.stream_read_half(node.name, o, outlier.threshold(node.name, true, o))
-        lg.probe_read = half and 2 * half
+        -- the balancer's bound (infergate.routing.balancer, deadline.probe_read)
+        local thr = outlier.probe_threshold(node.name, true, o)
+        lg.probe_read = thr and 2 * thr
     end
     local addrs = r.addrs or {}
     r.addrs = addrs
