@@ -351,6 +351,15 @@ def block_scheduler_shapes(results: Path) -> str:
     return provenance("scheduler_shapes.json", meta) + "\n\n" + _fenced(shapes.table(records))
 
 
+def block_stream_survival(results: Path) -> str:
+    """``python -m bench.stream_survival``'s tables (the drill, TTFT with holding on/off)."""
+    from .stream_survival import run
+
+    data = load(results, "stream_survival.json")
+    return provenance("stream_survival.json", data["meta"]) + "\n\n" + _fenced(
+        _captured(run.tables, data))
+
+
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "scheduler": lambda r: _scheduler(r, "scheduler"),
     "scheduler_scenarios": lambda r: _scheduler(r, "scheduler_scenarios", extra_lines=True),
@@ -367,6 +376,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "admission": block_admission,
     "redis_cluster": block_redis_cluster,
     "noisy_tenant": block_noisy_tenant,
+    "stream_survival": block_stream_survival,
     "cache_index": block_cache_index,
     "cache_throughput": block_cache_throughput,
     "cache_verifier": block_cache_verifier,

@@ -136,6 +136,26 @@ class EdgeSettings(_Section):
     request's deadline, instead of holding it to the deadline. A stream that already
     sent bytes to the client cannot move: silent that long, it ends as it would at its
     deadline. 0 = off (the read timeout is the deadline's)."""
+    stream_relay: bool = True
+    """Streamed ``/v1/chat/completions`` and ``/v1/completions`` requests to http nodes
+    are driven by the edge itself (lua/infergate/stream/relay.lua, docs/streams.md) so
+    that they survive their node: retried on another node before the first content
+    token, continued after it; false = nginx's proxy path (a stream cut when its node
+    fails)."""
+    stream_hold_s: float = Field(default=2.0, ge=0, le=60)
+    """Longest time (seconds) the relay holds the headers and role-only chunk of a stream
+    while waiting for its first content token; the first token goes out the moment it
+    arrives, so holding costs a healthy stream nothing. Held, a failure before content
+    is invisible to the client; past it the headers go out (a failure before content
+    is still retried). 0 = no holding."""
+    stream_continue: bool = True
+    """A relayed stream that breaks after content was sent is continued on another node
+    (the partial answer as an assistant message to continue, max_tokens reduced) and
+    spliced into the same client stream; false = it ends with an SSE error event."""
+    stream_continue_models: list[str] = Field(default_factory=list, max_length=1000)
+    """Models whose streams are continued (``stream_continue``); empty = every model."""
+    stream_continue_max: int = Field(default=2, ge=0, le=10)
+    """Most continuations of one stream (each on another node)."""
     prefix_affinity: bool = True
     """Prefix-cache-aware routing: a request whose leading prompt is at least
     ``prefix_min_tokens`` long (or that carries ``affinity_header``) goes to the first node

@@ -36,6 +36,12 @@ class Faults(BaseModel):
     """Stop listening on the main port (connects get ECONNREFUSED) until set false."""
     garbage: bool = False
     """Answer inference requests with bytes that are not HTTP, then close."""
+    sse_error: bool = False
+    """A stream gets its headers (200) and role chunk, then an in-band error
+    (``data: {"error": {...}}`` and ``data: [DONE]``, as vLLM sends when generation fails
+    after the stream started) before any content."""
+    reset_after_tokens: int = Field(default=0, ge=0, le=1_000_000)
+    """A stream's connection is reset (TCP RST) after this many content tokens; 0 = off."""
 
 
 class FaultsError(InfergateError, ValueError):

@@ -37,7 +37,8 @@ before the answer was complete (queued, running, streaming or held by ``hang`` o
 the request then leaves the queue/batch at once and its KV is freed;
 ``errors_total`` = inference requests answered with an error status (bad input,
 injected errors) or with garbage; ``interrupted_total`` = streams ended early by a
-waiting request (``llamacpp``); ``by_path`` = requests per path on the main port
+waiting request (``llamacpp``); ``cancelled_generated`` = tokens the engine had
+generated for the last cancelled request when it was cancelled (-1: none); ``by_path`` = requests per path on the main port
 (control paths excluded); ``prefix_cache`` = ``{"queries_tokens", "hits_tokens",
 "cached_blocks"}`` summed over the engine ranks (prompt tokens looked up in the
 prefix caches, tokens found there, blocks held now; per rank in ``engines``).
@@ -50,6 +51,8 @@ import contextlib
 import json
 import logging
 import random
+import socket
+import struct
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -98,6 +101,9 @@ class Counters:
     completed_total: int = 0
     cancelled_total: int = 0
     errors_total: int = 0
+    cancelled_generated: int = -1
+    """Tokens the engine had generated for the last request cancelled because its client
+    went away (-1: none yet): the work done for a client that left stops there."""
     interrupted_total: int = 0
     by_path: dict[str, int] = field(default_factory=dict)
 
@@ -307,6 +313,7 @@ class SimNode:
             "requests_total": c.requests_total, "completed_total": c.completed_total,
             "cancelled_total": c.cancelled_total, "errors_total": c.errors_total,
             "interrupted_total": c.interrupted_total, "by_path": dict(c.by_path),
+            "cancelled_generated": c.cancelled_generated,
             "prefix_cache": {
                 "queries_tokens": sum(s.prefix_queries_tokens for s in snaps),
                 "hits_tokens": sum(s.prefix_hits_tokens for s in snaps),
@@ -449,6 +456,7 @@ class SimNode:
     def _cancelled(self, ticket: Ticket) -> None:
         self.scheduler.cancel(ticket)
         self.counters.cancelled_total += 1
+        self.counters.cancelled_generated = ticket.seq.generated
 
     @staticmethod
     async def _wait_finished(ticket: Ticket) -> None:
@@ -481,11 +489,18 @@ class SimNode:
                 if req.kind == "chat":
                     await resp.write(wire.sse(wire.chunk(meta, role=True, content="",
                                                          include_usage=iu)))
+                if self.faults.sse_error:
+                    return await self._sse_error(resp, ticket)
             upto = seq.generated
+            reset = self.faults.reset_after_tokens
+            if reset and upto >= reset:
+                upto = reset
             for i in range(sent, upto):
                 await resp.write(wire.sse(wire.chunk(meta, content=plan.tokens[i],
                                                      include_usage=iu)))
             sent = upto
+            if reset and sent >= reset:
+                self._reset(request)
             if seq.state == "finished" and sent >= seq.generated:
                 break
         if req.kind == "chat":
@@ -499,6 +514,28 @@ class SimNode:
         await resp.write(wire.SSE_DONE)
         await resp.write_eof()
         return resp
+
+    async def _sse_error(self, resp: web.StreamResponse, ticket: Ticket) -> web.StreamResponse:
+        """The ``sse_error`` fault: an in-band error after the 200, before any content."""
+        self.scheduler.cancel(ticket)
+        self.counters.errors_total += 1
+        await resp.write(wire.sse(wire.error_body("simulated generation failure",
+                                                  type_="internal_server_error")))
+        await resp.write(wire.SSE_DONE)
+        await resp.write_eof()
+        return resp
+
+    @staticmethod
+    def _reset(request: web.Request) -> None:
+        """The ``reset_after_tokens`` fault: the connection is reset (RST, no clean end)."""
+        transport = request.transport
+        if transport is not None:
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            transport.abort()
+        raise ConnectionResetError("simulated reset")
 
     async def _garbage(self, request: web.Request) -> web.StreamResponse:
         """Bytes that are not HTTP, then close; the handler ends without an answer."""

@@ -70,6 +70,10 @@ class InferenceRequest:
     include_usage: bool
     sim_output_tokens: int | None
     block_hashes: tuple[bytes, ...] = ()
+    continued: str = ""
+    """Text of a final assistant message this request continues (chat with
+    ``continue_final_message: true``, vLLM's and SGLang's contract): the answer is the rest
+    of the text the node produces for the messages before it."""
     """Chained hashes of the full prompt blocks (:func:`prefix.block_hashes` of the
     templated chat text or of the prompt, at most ``prompt_tokens // BLOCK_TOKENS``)."""
 
@@ -148,6 +152,10 @@ def parse_request(kind: Kind, body: dict[str, Any], served_model: str) -> Infere
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise _bad(f"messages[{i}] must be an object with a string 'role'", "messages")
             canon.append([m["role"], _content_text(m.get("content"), i)])
+        continued = ""
+        if body.get("continue_final_message") is True and len(canon) > 1 \
+                and canon[-1][0] == "assistant":
+            continued = canon.pop()[1]
         text = "".join(c[1] for c in canon)
         hashed = prefix.chat_template((role, content) for role, content in canon)
         key = "chat:" + json.dumps(canon, ensure_ascii=False, separators=(",", ":"))
@@ -192,7 +200,8 @@ def parse_request(kind: Kind, body: dict[str, Any], served_model: str) -> Infere
     return InferenceRequest(kind=kind, model=model, prompt_key=key,
                             prompt_tokens=prompt_tokens, max_tokens=max_tokens,
                             stream=stream, include_usage=include_usage, sim_output_tokens=sim_n,
-                            block_hashes=hashes)
+                            block_hashes=hashes,
+                            continued=continued if kind == "chat" else "")
 
 
 @dataclass(frozen=True)
@@ -204,6 +213,20 @@ class Plan:
     finish_reason: FinishReason
 
 
+def continued_tokens(req: InferenceRequest, tokens: list[str]) -> int:
+    """How many of ``tokens`` (the full answer) the continued text already holds: the
+    longest run of leading tokens whose text is a prefix of it."""
+    if not req.continued:
+        return 0
+    n, text = 0, ""
+    for tok in tokens:
+        if not req.continued.startswith(text + tok):
+            break
+        text += tok
+        n += 1
+    return n
+
+
 def plan_length(req: InferenceRequest, min_tokens: int, max_tokens: int) -> tuple[int, FinishReason]:
     """Number of tokens that will be sent and the finish reason for ``req``.
 
@@ -211,9 +234,11 @@ def plan_length(req: InferenceRequest, min_tokens: int, max_tokens: int) -> tupl
     ``[min_tokens, max_tokens]``; ``finish_reason`` is ``length`` when ``max_tokens``
     of the request cuts it (natural length >= max_tokens), else ``stop``."""
     natural = req.sim_output_tokens or textgen.output_length(req.prompt_key, min_tokens, max_tokens)
+    if req.continued:
+        natural -= continued_tokens(req, textgen.generate_tokens(req.prompt_key, natural))
     if req.max_tokens is not None and natural >= req.max_tokens:
         return req.max_tokens, "length"
-    return natural, "stop"
+    return max(natural, 1), "stop"
 
 
 def plan_output(req: InferenceRequest, min_tokens: int, max_tokens: int) -> Plan:
@@ -222,7 +247,9 @@ def plan_output(req: InferenceRequest, min_tokens: int, max_tokens: int) -> Plan
     full one."""
     n, reason = plan_length(req, min_tokens, max_tokens)
     natural = req.sim_output_tokens or textgen.output_length(req.prompt_key, min_tokens, max_tokens)
-    return Plan(tokens=textgen.generate_tokens(req.prompt_key, natural)[:n], finish_reason=reason)
+    full = textgen.generate_tokens(req.prompt_key, natural)
+    skip = continued_tokens(req, full)
+    return Plan(tokens=full[skip:skip + n], finish_reason=reason)
 
 
 def context_error(req: InferenceRequest, completion_tokens: int, capacity: int) -> ApiError:

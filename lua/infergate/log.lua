@@ -55,6 +55,9 @@ _M.UNSERVED = UNSERVED
 
 -- Outcome of the final attempt from nginx's view of it: result, status.
 local function outcome(req)
+    if req.relay then
+        return "aborted" -- the relay closes every attempt it ends; one left open: the client left
+    end
     local status = tonumber(last_entry(ngx_var("upstream_status")))
     local client_left = ngx.status == 499
     if not status then

@@ -42,6 +42,7 @@ local usage = require("infergate.admission.usage")
 local lookup = require("infergate.cache.lookup")
 local capture = require("infergate.cache.capture")
 local pool = require("infergate.redis.pool")
+local relay = require("infergate.stream.relay")
 
 local _M = {}
 
@@ -58,7 +59,9 @@ _M.SWITCHES = {
 -- ratelimit -> cache (exact, then semantic; a hit is answered here, after auth and rate
 -- limits, before any node is needed) -> upstream (the request's scheme and node API key,
 -- infergate.routing.upstream) -> eligible (no node for the model: 503) ->
--- admission (all saturated: wait, then 429).
+-- admission (all saturated: wait, then 429) -> relay (a streamed chat/completions
+-- request is driven by the edge over cosockets and ended here, infergate.stream.relay;
+-- every other request goes on to the proxy and the balancer phase).
 _M.ACCESS = {
     { name = "method", fn = access.step_method },
     { name = "auth", fn = auth.step },
@@ -70,6 +73,7 @@ _M.ACCESS = {
     { name = "upstream", fn = upstream.step },
     { name = "eligible", fn = access.step_eligible },
     { name = "admission", fn = shed.step_shed },
+    { name = "relay", fn = relay.step },
 }
 
 -- header_filter_by_lua: "proxy" for the API locations, "error" for the error pages.

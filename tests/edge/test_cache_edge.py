@@ -328,12 +328,14 @@ def test_node_is_asked_for_usage_only_for_streams_the_cache_stores(stack, edge_f
     assert res.headers["X-Cache-Status"] == "MISS"
     assert got == b'{"stream_options":{"include_usage":true},' + raw[1:]
     assert usage_chunks(sse_chunks(res.text)) == []   # the node sent one; taken out
-    # a stream_options of the client's own: only include_usage changes
-    res, raw, got = send({**body, "stream_options": {"include_usage": False, "x": 1}})
-    assert json.loads(got) == {**body, "stream_options": {"include_usage": True, "x": 1}}
+    # a stream_options of the client's own: only include_usage changes (another seed: the
+    # first answer, stored, would answer it)
+    res, raw, got = send({**body, "seed": 2, "stream_options": {"include_usage": False, "x": 1}})
+    assert json.loads(got) == {**body, "seed": 2,
+                               "stream_options": {"include_usage": True, "x": 1}}
     assert usage_chunks(sse_chunks(res.text)) == []
     # asked by the client: the body as sent, the usage chunk passed on
-    res, raw, got = send({**body, "stream_options": {"include_usage": True}})
+    res, raw, got = send({**body, "seed": 3, "stream_options": {"include_usage": True}})
     assert got == raw and usage_chunks(sse_chunks(res.text))[0]["usage"]["completion_tokens"] == 5
     # not stored: the body as sent
     res, raw, got = send(body, **{"Cache-Control": "no-store"})

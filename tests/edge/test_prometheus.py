@@ -95,7 +95,7 @@ def test_edge_metrics_follow_the_traffic(redis_server, tiny_upstreams, edge_fact
         "infergate_edge_rate_limited": "counter", "infergate_edge_cache_requests": "counter",
         "infergate_edge_affinity_picks": "counter", "infergate_edge_flush_dropped": "counter",
         "infergate_edge_semantic_lookups": "counter", "infergate_edge_semantic_calls": "counter",
-        "infergate_edge_semantic_call_lookups": "counter",
+        "infergate_edge_semantic_call_lookups": "counter", "infergate_edge_stream_relay": "counter",
         "infergate_edge_request_duration_seconds": "histogram", "infergate_edge_inflight": "gauge",
         "infergate_edge_breaker_open": "gauge", "infergate_edge_snapshot_age_seconds": "gauge",
         "infergate_edge_snapshot_version": "gauge", "infergate_edge_redis_up": "gauge",

@@ -12,7 +12,7 @@ from support.stack import lua_eval
 from controlplane.edge.options import lua_string, option_spec
 
 ACCESS = ["method", "auth", "body_read", "body", "models", "ratelimit", "cache", "upstream", "eligible",
-          "admission"]
+          "admission", "relay"]
 
 
 def phase_names(workdir, options: dict):

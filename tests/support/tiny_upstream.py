@@ -221,7 +221,8 @@ closes the port (connections refused)."""
                           "created": int(time.time()), "model": model,
                           "system_fingerprint": upstream.name,
                           "choices": [{"index": 0, "delta": {"content": f"tok{i} "},
-                                       "finish_reason": None}]}
+                                       "finish_reason": "stop" if i == upstream.chunks - 1
+                                       else None}]}
                     self._chunk(f"data: {json.dumps(ev)}\n\n".encode())
                 if include_usage:
                     ev = {"id": "chatcmpl-tiny", "object": "chat.completion.chunk",

@@ -451,10 +451,13 @@ local function learn_tail(req)
     local attempts = req.attempts
     local att = attempts and attempts[#attempts]
     local status = ngx.status
-    if not att or att.closed or not status or status < 200 or status >= 300 then
+    -- a stream the edge relayed (infergate.stream.relay) closed its attempts itself and
+    -- records the answer time of a stream that one node answered whole
+    local relayed = req.relay and req.relay.latency_s
+    if not att or (att.closed and not relayed) or not status or status < 200 or status >= 300 then
         return
     end
-    local rt = tonumber(last_entry(ngx_var("upstream_response_time")))
+    local rt = relayed or tonumber(last_entry(ngx_var("upstream_response_time")))
     if rt and rt > 0 then
         local tokens = (req.usage and req.usage.completion_tokens) or req.out_chunks
         learned.observe(att.node, rt, tokens)

@@ -74,7 +74,8 @@ function _M.body_filter()
         return
     end
     local status = ngx.status
-    if not status or status < 200 or status >= 300 or not ngx_var("upstream_status") then
+    if not status or status < 200 or status >= 300
+            or not (req.relay or ngx_var("upstream_status")) then
         return
     end
     local chunk, eof = ngx.arg[1], ngx.arg[2]

@@ -86,7 +86,8 @@ function _M.header_filter()
     end
     local status = ngx.status
     local enc = ngx.header["Content-Encoding"]
-    if status ~= 200 or (enc and enc ~= "identity") or not ngx_var("upstream_status") then
+    if status ~= 200 or (enc and enc ~= "identity")
+            or not (req.relay or ngx_var("upstream_status")) then
         c.store = false
         c.skip = "status " .. tostring(status)
         return
@@ -303,6 +304,12 @@ local function store_of(c, req)
     end
     if not c.eof then
         return nil, "answer incomplete"
+    end
+    if req and req.relay_error then
+        return nil, "stream ended with an error event" -- infergate.stream.relay
+    end
+    if req and req.relay and req.relay.continued then
+        return nil, "answer continued on another node" -- not one node's answer
     end
     local status = tonumber(ngx_var("status"))
     if status ~= 200 then

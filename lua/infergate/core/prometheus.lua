@@ -31,6 +31,12 @@
 --                                                            worker's flush queue was full
 --                                                            (infergate.core.flush; kind =
 --                                                            cache_store | ratelimit_correction)
+--   infergate_edge_stream_relay_total{outcome}     counter  streams the edge relays
+--                                                            (infergate.stream.relay):
+--                                                            completed | retried (a node failed
+--                                                            before content, another took over) |
+--                                                            continued (a continuation started) |
+--                                                            error_event (ended with an SSE error)
 --   infergate_edge_request_duration_seconds        histogram  arrival to last byte, seconds
 --   infergate_edge_inflight{node}                  gauge    tries in progress on the node
 --   infergate_edge_breaker_open{node}              gauge    1 while the breaker is open or half-open
@@ -164,6 +170,14 @@ function _M.semantic_lookup(outcome)
     local d = dict()
     if d then
         incr(d, "sl" .. SEP .. tostring(outcome))
+    end
+end
+
+-- A relayed stream's event. outcome: "completed" | "retried" | "continued" | "error_event".
+function _M.stream_relay(outcome)
+    local d = dict()
+    if d then
+        incr(d, "sr" .. SEP .. tostring(outcome))
     end
 end
 

@@ -128,6 +128,8 @@ local function counters(out, values)
     sample(out, P .. "affinity_picks_total", 'outcome="spill"', aff.spill)
     labelled(out, values, "flush_dropped_total", "kind", "fd",
              "Writes to Redis dropped because the worker's flush queue was full, by kind")
+    labelled(out, values, "stream_relay_total", "outcome", "sr",
+             "Relayed streams: completed, retried (before content), continued, error_event")
 end
 
 -- The request duration histogram (cumulative buckets, sum, count).

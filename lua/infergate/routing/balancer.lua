@@ -117,6 +117,7 @@ local function usable(node, tried, model)
     return node.addr and node.healthy and node.state == "active" and not tried[node.name]
         and models.serves(node, model)
 end
+_M.usable = usable
 
 -- Number of eligible nodes (including one ready for its half-open probe) for `model`
 -- (nil: any).

@@ -145,6 +145,7 @@ local function make_node(n)
         running = num(n.running),          -- the node's metrics (nil: unknown), for
         queue_depth = num(n.queue_depth),  -- infergate.routing.room
         kind = n.kind,
+        slots_source = n.slots_source,  -- "server": a llama.cpp server (infergate.stream.splice)
         models = model_set(n.models),  -- nil = unknown (any model)
         -- how the edge reaches it (infergate.routing.upstream): the API key is secret,
         -- never reported by /infergate/status

@@ -77,11 +77,12 @@ local function add_gap(d, name, gap)
     end
 end
 
--- Body filter step: every non-empty chunk of the node's answer is progress.
+-- Body filter step: every non-empty chunk of the node's answer is progress (the stream
+-- relay, infergate.stream.leg, calls byte() for what it reads itself).
 function _M.body_filter()
     local req = ngx.ctx.infergate
     local chunk = ngx.arg[1]
-    if req and chunk and chunk ~= "" then
+    if req and chunk and chunk ~= "" and not req.relay then
         _M.byte(req)
     end
 end

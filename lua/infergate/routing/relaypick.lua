@@ -1,0 +1,104 @@
+-- Node choice for the stream relay (infergate.stream.relay), which drives streamed
+-- requests itself over cosockets from the access phase: the same choice as the
+-- balancer phase (infergate.routing.balancer: held slot of the admission step, pick,
+-- known slots, the request's group of scheme and API key) and the same bookkeeping of
+-- the attempt (in-flight count, TTFB outlier, learned concurrency), without
+-- ngx.balancer. No I/O.
+--
+--   next(req, o, now, accept)  node, attempt, eligible count (the node included) for the
+--                              request's next attempt, or nil when no node is left;
+--                              accept(node) -> bool narrows the choice (the relay asks
+--                              for nodes that can continue an answer)
+--   close(att, outcome, now, latency_ms)  ends an attempt (stats.close_attempt,
+--                              learned concurrency for "ok", outlier.finished)
+--   hold(att, now)             a 500 whose verdict waits (see infergate.stream.leg)
+local snapshot = require("infergate.routing.snapshot")
+local balancer = require("infergate.routing.balancer")
+local stats = require("infergate.routing.stats")
+local breaker = require("infergate.routing.breaker")
+local held = require("infergate.routing.held")
+local upstream = require("infergate.routing.upstream")
+local outlier = require("infergate.routing.outlier")
+local speed = require("infergate.routing.speed")
+local affinity = require("infergate.routing.affinity")
+
+local _M = {}
+
+-- A node of the pick that cannot take the try: marked tried, what it held given back.
+local function skip(req, node, probe, claimed)
+    req.tried[node.name] = true
+    if probe then
+        breaker.neutral(node.name, true)
+    end
+    if claimed then
+        stats.release({ node = node.name })
+    end
+end
+
+local function choose(req, t, now, n)
+    if n == 0 then
+        return balancer.first_pick(req, t, req.tried, now)
+    end
+    return balancer.pick(t, req.tried, now, true, req.model, req.affinity, false)
+end
+
+function _M.next(req, o, now, accept)
+    local t = snapshot.current()
+    local attempts = req.attempts
+    local n = #attempts
+    local node, probe, eligible, claimed
+    if n == 0 and req.picked and not req.picked.used then
+        node, probe, eligible, claimed = held.take(req, t, now, balancer.usable,
+                                                   balancer.count_eligible)
+    end
+    for _ = 1, #t.nodes + 1 do
+        if not node then
+            node, probe, eligible = choose(req, t, now, n)
+            if not node then
+                return nil
+            end
+            claimed = nil
+            if node.slots and held.enforced() then
+                claimed = stats.claim(node.name, node.slots)
+                if not claimed then
+                    skip(req, node, probe, nil) -- every slot taken
+                    node = nil
+                end
+            end
+        end
+        if node and (not upstream.admit(req, node) or (accept and not accept(node))) then
+            skip(req, node, probe, claimed)
+            node = nil
+        elseif node then
+            break
+        end
+    end
+    if not node then
+        return nil
+    end
+    req.tried[node.name] = true
+    if req.affinity and not req.affinity_live and o.edge.prefix_affinity then
+        req.affinity_live = affinity.track(req.affinity)
+    end
+    local att = stats.open_attempt(node.name, now, probe, claimed)
+    attempts[n + 1] = att
+    outlier.track(att, true)
+    speed.track(att)
+    return node, att, eligible
+end
+
+-- A 500 held (infergate.routing.tries): its in-flight count released, its verdict given
+-- by close() once the request's end says whose fault it was.
+function _M.hold(att, now)
+    stats.hold(att, 500)
+    outlier.finished(att, now)
+end
+
+function _M.close(att, outcome, now, latency_ms)
+    if stats.close_attempt(att, outcome, now, latency_ms) and outcome == "ok" then
+        speed.observe(att, latency_ms)
+    end
+    outlier.finished(att, now)
+end
+
+return _M

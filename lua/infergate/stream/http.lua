@@ -1,0 +1,172 @@
+-- HTTP/1.1 over a cosocket for the stream relay (infergate.stream.relay): one request
+-- to a node, its status line and headers, then its body piece by piece (chunked,
+-- Content-Length or until the node closes). Every call has the socket's timeouts; errors
+-- are nil, err ("timeout", "closed", "bad chunk", ...).
+--
+--   request(sock, r)      writes r = {method, path, host, headers = {name = value},
+--                         body}; returns bytes sent or nil, err
+--   read_head(sock)       {status, headers = {lower-case name = value}, list = {{name,
+--                         value}} as sent} or nil, err
+--   read_body(head, sock) the next piece of the body (a string), or "" at its end
+--                         (head.done set), or nil, err
+local _M = {}
+
+local concat = table.concat
+local tonumber = tonumber
+local lower = string.lower
+local pairs = pairs
+local sub = string.sub
+local find = string.find
+
+-- Largest chunk read at once from a body without chunked framing (bytes).
+_M.READ_MAX = 16384
+
+function _M.request(sock, r)
+    local lines = { r.method or "POST", " ", r.path, " HTTP/1.1\r\nHost: ", r.host, "\r\n" }
+    for k, v in pairs(r.headers or {}) do
+        if v and v ~= "" then
+            lines[#lines + 1] = k .. ": " .. v .. "\r\n"
+        end
+    end
+    local body = r.body or ""
+    lines[#lines + 1] = "Content-Length: " .. #body .. "\r\n\r\n"
+    lines[#lines + 1] = body
+    return sock:send(concat(lines))
+end
+
+function _M.read_head(sock)
+    local line, err = sock:receive("*l")
+    if not line then
+        return nil, err
+    end
+    local status = tonumber(line:match("^HTTP/1%.[01] (%d%d%d)"))
+    if not status then
+        return nil, "not an HTTP status line"
+    end
+    local headers, list = {}, {}
+    while true do
+        local h, herr = sock:receive("*l")
+        if not h then
+            return nil, herr
+        end
+        if h == "" then
+            break
+        end
+        local k, v = h:match("^([^:]+):%s*(.-)%s*$")
+        if k then
+            headers[lower(k)] = v
+            list[#list + 1] = { k, v }
+        end
+    end
+    local head = { status = status, headers = headers, list = list }
+    local te = headers["transfer-encoding"]
+    if te and lower(te):find("chunked", 1, true) then
+        head.chunked = true
+        head.raw = ""
+    elseif headers["content-length"] then
+        head.left = tonumber(headers["content-length"]) or 0
+    end
+    if status == 204 or status == 304 or head.left == 0 then
+        head.done = true
+    end
+    return head
+end
+
+-- The chunk data available in head.raw (framing removed); "" when none is complete.
+-- Trailers after the last chunk are not read (the connection is not reused).
+local function dechunk(head)
+    if head.done then
+        return ""
+    end
+    local buf, out, pos = head.raw, {}, 1
+    while true do
+        local need = head.need
+        if need then
+            local avail = #buf - pos + 1
+            if avail <= 0 then
+                break
+            end
+            local take = avail < need and avail or need
+            out[#out + 1] = sub(buf, pos, pos + take - 1)
+            pos = pos + take
+            head.need = need - take
+            if head.need == 0 then
+                head.need, head.crlf = nil, true
+            end
+        elseif head.crlf then
+            if #buf - pos + 1 < 2 then
+                break
+            end
+            pos, head.crlf = pos + 2, nil
+        else
+            local e = find(buf, "\r\n", pos, true)
+            if not e then
+                break
+            end
+            local hex = sub(buf, pos, e - 1):match("^%s*(%x+)")
+            local size = hex and tonumber(hex, 16)
+            if not size then
+                return nil, "bad chunk"
+            end
+            pos = e + 2
+            if size == 0 then
+                head.done = true
+                break
+            end
+            head.need = size
+        end
+    end
+    head.raw = sub(buf, pos)
+    return concat(out)
+end
+_M._dechunk = dechunk
+
+-- Chunked body: what the buffered bytes hold, else one more read (a timeout loses
+-- nothing: the bytes read so far stay in head.raw).
+local function read_chunked(head, sock)
+    while true do
+        local data, err = dechunk(head)
+        if not data then
+            return nil, err
+        end
+        if data ~= "" or head.done then
+            return data
+        end
+        local more, rerr = sock:receiveany(_M.READ_MAX)
+        if not more then
+            return nil, rerr
+        end
+        head.raw = head.raw .. more
+    end
+end
+
+function _M.read_body(head, sock)
+    if head.done then
+        return ""
+    end
+    if head.chunked then
+        return read_chunked(head, sock)
+    end
+    local left = head.left
+    local want = _M.READ_MAX
+    if left and left < want then
+        want = left
+    end
+    local data, err = sock:receiveany(want)
+    if not data then
+        if err == "closed" and not left then
+            head.done = true -- the node closes the connection at the end
+            return ""
+        end
+        return nil, err
+    end
+    if left then
+        head.left = left - #data
+        if head.left <= 0 then
+            head.done = true
+        end
+    end
+    return data
+end
+
+return _M

@@ -1,0 +1,335 @@
+-- One leg of a relayed stream (infergate.stream.relay): the request `body` sent to one
+-- node over a cosocket, its answer read and passed to the client: held until the first
+-- content token (at most edge.stream_hold_s), spliced (infergate.stream.splice), and the
+-- attempt closed with its verdict (infergate.routing.relaypick.close). The relay state
+-- `r` records what happened: r.sent (headers out), r.finished (one finish_reason and
+-- [DONE] sent), r.last_answer (a node's error answer, for a client that got nothing),
+-- r.no_continue, r.client_gone.
+--
+-- Read timeouts: a stream's, as on the proxy path (edge.read_timeout_ms, at most the
+-- deadline's stream idle time; the request deadline does not cut a stream,
+-- infergate.admission.deadline.timeouts), shortened before content as a probe's when
+-- another node is left (2 x infergate.routing.outlier.probe_threshold, as the balancer);
+-- after content,
+-- 2 x the node's stall threshold (a node silent that long is stalled: the stream is
+-- continued elsewhere); while holding, at most until the hold ends (then the held bytes
+-- go out and the read goes on). Connect and send timeouts: the deadline's for a leg
+-- before content; a continuation starts after it as the stream goes on past it.
+local ngxapi = require("infergate.core.ngxapi")
+local deadline = require("infergate.admission.deadline")
+local relaypick = require("infergate.routing.relaypick")
+local stall = require("infergate.routing.stall")
+local outlier = require("infergate.routing.outlier")
+local sse = require("infergate.stream.sse")
+local http = require("infergate.stream.http")
+local splice = require("infergate.stream.splice")
+
+local _M = {}
+
+local ngx_now = ngxapi.now
+local min = math.min
+local concat = table.concat
+local log = ngx.log
+local INFO = ngx.INFO
+
+-- Most bytes of a node's answer that is not a stream (an error, or a stream request the
+-- node answered with one JSON document) read and passed on.
+_M.ANSWER_MAX = 16 * 1024 * 1024
+-- Longest SSE event (bytes) read from a node.
+_M.EVENT_MAX = 4 * 1024 * 1024
+
+local function write(r, piece)
+    ngx.print(piece)
+    local ok, err = ngx.flush(true)
+    if not ok then
+        r.client_gone = err or true
+    end
+end
+
+-- Headers of a node's answer that are the connection's, not the answer's (RFC 9110
+-- section 7.6.1), or that the relay sets itself: not passed on.
+local OWN = { connection = true, ["keep-alive"] = true, ["transfer-encoding"] = true,
+              ["content-length"] = true, te = true, trailer = true, upgrade = true,
+              ["proxy-connection"] = true, date = true, server = true,
+              ["content-type"] = true, ["cache-control"] = true }
+
+-- The node's own headers (X-Sim-Node, a request id of its own...), as nginx's proxy
+-- passes them.
+local function pass_headers(list)
+    for _, h in ipairs(list or {}) do
+        if not OWN[h[1]:lower()] then
+            ngx.header[h[1]] = h[2]
+        end
+    end
+end
+_M.pass_headers = pass_headers
+
+-- Headers and the held pieces go out (the first content token, or the hold ended).
+local function release(r, node)
+    if not r.sent then
+        r.sent = true
+        pass_headers(r.node_headers)
+        ngx.status = 200
+        ngx.header["Content-Type"] = r.content_type or "text/event-stream"
+        ngx.header["Cache-Control"] = "no-cache"
+        ngx.header["X-Infergate-Node"] = node.name
+        if r.continued then
+            ngx.header["X-Infergate-Continued"] = r.continued
+        end
+        ngx.send_headers()
+    end
+    local held = r.held
+    r.held = nil
+    if held and #held > 0 then
+        write(r, concat(held))
+    end
+end
+
+-- Read timeout (s) of the next read: see the header (no_hold: the hold does not shorten
+-- it, as for the answer's headers).
+local function read_timeout(r, lg, now, no_hold)
+    local o = r.o
+    local read = min(o.edge.read_timeout_ms / 1000, deadline.for_request(r.req).idle_s)
+    if r.out.produced > 0 and o.edge.stall_gap_factor > 0 then
+        read = min(read, 2 * stall.threshold(lg.node.name, o))
+    elseif lg.probe_read then
+        read = min(read, lg.probe_read)
+    end
+    if not r.sent and lg.hold_until and not no_hold then
+        read = min(read, lg.hold_until - now)
+    end
+    return read > 0.001 and read or 0.001
+end
+
+-- One event of the node: false to end the leg (lg.verdict set).
+local function on_event(r, lg, text)
+    local ev = sse.classify(text)
+    local kind = ev.kind
+    if kind == "error" then
+        lg.verdict, lg.why = "fail", "in-band error"
+        return false
+    end
+    if kind == "done" then
+        if r.out.finish then
+            release(r, lg.node)
+            write(r, text)
+            r.finished = true
+            lg.verdict = "ok"
+        else
+            lg.verdict, lg.why = "fail", "[DONE] without a finish_reason"
+        end
+        return false
+    end
+    if ev.tools or ev.many then
+        r.no_continue = true
+    end
+    if lg.echo then
+        lg.echo = splice.strip_echo(ev, lg.echo)
+    end
+    local piece = splice.rewrite(r.out, ev, text, lg.first and 1 or 2)
+    if piece then
+        if r.sent then
+            write(r, piece)
+        else
+            r.held[#r.held + 1] = piece
+        end
+    end
+    if kind == "content" and not r.sent then
+        release(r, lg.node)
+    end
+    return not r.client_gone
+end
+
+-- The node's answer that is not a 200 stream: kept for a client that got nothing yet
+-- (passed on when no other node answers); the verdict of the attempt.
+local function other_answer(r, lg, head, sock)
+    local parts, size = {}, 0
+    while size < _M.ANSWER_MAX do
+        local data = http.read_body(head, sock)
+        if not data or data == "" then
+            break
+        end
+        parts[#parts + 1] = data
+        size = size + #data
+    end
+    local status = head.status
+    r.last_answer = { status = status, body = concat(parts), node = lg.node.name,
+                      content_type = head.headers["content-type"], headers = head.list }
+    if status == 429 then
+        lg.verdict = "busy"
+    elseif status >= 500 then
+        lg.verdict = "fail"
+    else
+        -- the node answered what it was sent (a 4xx): no other node would do better
+        lg.verdict = (status == 404 or status == 405 or status == 501) and "unserved" or "ok"
+        lg.final = true
+    end
+    lg.why = "status " .. status
+end
+
+local function read_stream(r, lg, head, sock)
+    local st = sse.new()
+    while true do
+        local now = ngx_now()
+        local t = read_timeout(r, lg, now)
+        sock:settimeout(t * 1000)
+        local data, err = http.read_body(head, sock)
+        now = ngx_now()
+        if not data and err == "timeout" and not r.sent and lg.hold_until
+                and now >= lg.hold_until - 0.001 then
+            release(r, lg.node) -- the hold ended: what was held goes out, the read goes on
+            lg.hold_until = nil
+        elseif (not data or data == "") and r.out.finish then
+            release(r, lg.node) -- finished, closed without [DONE]: the relay's own
+            write(r, "data: [DONE]\n\n")
+            r.finished, lg.verdict = true, "ok"
+            return
+        elseif not data or data == "" then
+            lg.verdict, lg.why = "fail", err or "closed before the end"
+            lg.timeout = err == "timeout"
+            return
+        else
+            stall.byte(r.req, now)
+            outlier.first_byte(r.req, now)
+            for _, text in ipairs(sse.feed(st, data)) do
+                if not on_event(r, lg, text) then
+                    return
+                end
+            end
+            if #st.buf > _M.EVENT_MAX then
+                lg.verdict, lg.why = "fail", "an SSE event longer than " .. _M.EVENT_MAX .. " bytes"
+                return
+            end
+        end
+    end
+end
+
+local function start(r, lg, sock, body)
+    local o, req, node = r.o, r.req, lg.node
+    local connect, send = o.edge.connect_timeout_ms / 1000, o.edge.send_timeout_ms / 1000
+    if not r.sent then
+        connect, send = deadline.timeouts(req, o, ngx_now())
+        if not connect then
+            r.deadline_passed = true
+            return nil, "deadline"
+        end
+    end
+    sock:settimeouts(connect * 1000, send * 1000, send * 1000)
+    local ok, err = sock:connect(node.addr, node.port)
+    if not ok then
+        return nil, err
+    end
+    local path = r.path
+    if r.args and r.args ~= "" then
+        path = path .. "?" .. r.args
+    end
+    ok, err = http.request(sock, {
+        path = path, host = node.host or node.addr,
+        headers = { ["Content-Type"] = "application/json", Accept = "text/event-stream",
+                    Connection = "close", ["X-Request-Id"] = req.id,
+                    ["X-Infergate-Hop"] = "1", Authorization = ngx.var.infergate_node_auth },
+        body = body,
+    })
+    if not ok then
+        return nil, err
+    end
+    sock:settimeout(read_timeout(r, lg, ngx_now(), true) * 1000)
+    return http.read_head(sock)
+end
+
+-- The verdict on the attempt, as the balancer's (infergate.routing.tries): a 500 is held
+-- until another node answers (then it was the node's fault) or answers 500 as well (then
+-- neither counts: the request's own fault; that 500 is passed on, no further try).
+local function settle(r, lg, att)
+    local now = ngx_now()
+    if lg.verdict == "fail" and lg.why == "status 500" then
+        local prev = r.held500
+        if not prev then
+            r.held500 = att
+            return relaypick.hold(att, now)
+        end
+        r.held500 = nil
+        relaypick.close(prev, "neutral", now)
+        relaypick.close(att, "neutral", now)
+        lg.final = true
+        return
+    end
+    if r.held500 and lg.verdict == "ok" then
+        relaypick.close(r.held500, "fail", now) -- another node answered: the 500 was its node's
+        r.held500 = nil
+    end
+    local latency_ms = (lg.verdict == "ok") and (now - att.started) * 1000 or nil
+    if latency_ms and r.finished and not r.continued then
+        r.latency_s = latency_ms / 1000 -- one node's whole answer (admission.shed learns it)
+    end
+    relaypick.close(att, lg.verdict or "fail", now, latency_ms)
+end
+
+-- Runs one leg on `node` (attempt `att`, `eligible` nodes incl. this one).
+function _M.run(r, node, att, body, eligible)
+    local o, now = r.o, ngx_now()
+    local lg = { node = node, first = not r.sent, echo = r.echo }
+    r.echo = nil
+    if lg.first then
+        r.out = splice.new_out()
+        r.held = {}
+        lg.hold_until = o.edge.stream_hold_s > 0 and now + o.edge.stream_hold_s or nil
+    end
+    if eligible and eligible > 1 then
+        -- the balancer's bound (infergate.routing.balancer, deadline.probe_read)
+        local thr = outlier.probe_threshold(node.name, true, o)
+        lg.probe_read = thr and 2 * thr
+    end
+    local addrs = r.addrs or {}
+    r.addrs = addrs
+    addrs[#addrs + 1] = node.addr .. ":" .. node.port
+    pcall(function() ngx.var.infergate_relay_addr = table.concat(addrs, ", ") end)
+    local sock = ngx.socket.tcp()
+    local head, err = start(r, lg, sock, body)
+    if not head then
+        lg.verdict, lg.why = r.deadline_passed and "neutral" or "fail", err
+        lg.timeout = err == "timeout"
+    elseif head.status ~= 200
+            or not (head.headers["content-type"] or ""):find("event-stream", 1, true) then
+        other_answer(r, lg, head, sock) -- an error, or an answer that is not a stream
+    else
+        r.content_type = head.headers["content-type"]
+        if lg.first then
+            r.node_headers = head.list
+        end
+        if lg.first and not lg.hold_until then
+            release(r, node) -- no holding: the headers go out as the proxy sends them
+        end
+        read_stream(r, lg, head, sock)
+    end
+    sock:close()
+    if r.client_gone then
+        return -- the log phase closes the attempt (aborted)
+    end
+    if lg.verdict ~= "ok" and lg.verdict ~= "unserved" then
+        r.last_failure = { node = node.name, timeout = lg.timeout,
+                           invalid = lg.why == "not an HTTP status line" }
+        r.whys[#r.whys + 1] = node.name .. " " .. (lg.why or "?")
+    end
+    settle(r, lg, att)
+    if lg.final and r.sent then
+        r.no_continue = true -- a continuation refused (4xx): no other node would take it
+    elseif lg.final then
+        r.finished = true
+        do
+            local a = r.last_answer
+            pass_headers(a.headers)
+            ngx.status = a.status
+            ngx.header["Content-Type"] = a.content_type or "application/json"
+            ngx.header["X-Infergate-Node"] = node.name
+            ngx.print(a.body)
+            r.sent = true
+        end
+    end
+    if lg.verdict ~= "ok" then
+        log(INFO, "infergate: stream ", r.req.id or "", " on node ", node.name, " ended: ",
+            lg.why or "?", r.out.produced > 0 and " after content" or " before content")
+    end
+end
+
+return _M
