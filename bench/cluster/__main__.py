@@ -123,7 +123,9 @@ class Cycler:
             try:
                 snap = json.loads(self.r.get(keynames.ROUTING))
                 if not self.seen or self.seen[-1][1] != snap["version"]:
-                    self.seen.append((time.time(), snap["version"], snap["leader"]))
+                    # when the leader made it (its clock is this one's), not when seen here
+                    self.seen.append((float(snap.get("generated_at") or time.time()),
+                                      snap["version"], snap["leader"]))
             except Exception:  # noqa: BLE001
                 pass
             self._stop.wait(self.every_s)
@@ -234,7 +236,12 @@ def kill_drill(cluster: LocalCluster, url: str, key: str, r, upstream: str,  # t
     replica = phases.replica_of(cluster, victim)
     killed_at = time.time()
     victim.managed.signal(signal.SIGKILL)
-    ph = phases.watch(cluster, victim, replica, killed_at)
+    try:
+        ph = phases.watch(cluster, victim, replica, killed_at)
+    except BaseException:
+        stop.set()
+        cyc.stop()
+        raise
     recovered = ph["recovered"]
     time.sleep(3.0)  # load and cycles go on after the recovery
     stop.set()

@@ -35,9 +35,14 @@ def _flags(cluster: LocalCluster, node_id: str) -> set[str]:
         if not n.managed.alive():
             continue
         try:
-            with n.client(socket_timeout=0.2) as c:
+            with n.client() as c:
                 text = c.execute_command("CLUSTER NODES")
         except redis.RedisError:
+            continue
+        if isinstance(text, dict):   # redis-py parses the reply: {"ip:port": {"node_id", "flags"}}
+            for v in text.values():
+                if v.get("node_id") == node_id:
+                    out |= set(str(v.get("flags", "")).split(","))
             continue
         if isinstance(text, bytes):
             text = text.decode()
@@ -50,7 +55,7 @@ def _flags(cluster: LocalCluster, node_id: str) -> set[str]:
 
 def _role(node: ClusterNode) -> str | None:
     try:
-        with node.client(socket_timeout=0.2) as c:
+        with node.client() as c:
             return str(c.execute_command("ROLE")[0])
     except redis.RedisError:
         return None
