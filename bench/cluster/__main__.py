@@ -1,14 +1,17 @@
-"""``python -m bench.cluster [--duration S] [--rounds R] [--rate N] [--out DIR]``
+"""``python -m bench.cluster [--duration S] [--rounds R] [--rate N] [--parity-duration S] [--parts P] [--out DIR]``
 
 infergate on a 3-master, 3-replica loopback Redis Cluster
-(:mod:`controlplane.redisdb.localcluster`) against one redis-server, same machine, same run:
+(:mod:`controlplane.redisdb.localcluster`, ``cluster-node-timeout`` 1 s) against one
+redis-server, same machine, same run:
 
 - Overhead rows (``wrk --latency``, -c16, one nginx worker each, the static upstream of
-  :mod:`bench.edge_overhead`; each row ``--rounds`` times interleaved, the median round
-  reported): ``keys_ratelimit`` (API keys required, a per-key and a global rate limit
-  that never refuse: the token-bucket script -- on the cluster one call per slot group --
-  runs on every request) and ``exact_hit`` (one prompt answered from the exact cache),
-  on ``single`` Redis and on the ``cluster``; ``ratio`` = cluster req/s over single.
+  :mod:`bench.edge_overhead`): ``keys_ratelimit`` (API keys required, a per-key and a
+  global rate limit that never refuse: the token-bucket script -- on the cluster one call
+  per slot group -- runs on every request) and ``exact_hit`` (one prompt answered from
+  the exact cache), on ``single`` Redis and on the ``cluster``. ``--rounds`` interleaved
+  rounds: in each, every row runs on both back ends back to back (order alternating
+  round by round); ``ratio`` = the median over the rounds of cluster req/s over single
+  req/s, with its min and max, and the 1-minute load average after each round.
 - ``reshard``: ``redis-cli --cluster reshard`` moves half the slots (8192, from two
   masters to the third) while a steady load of ``--rate`` requests/s (valid keys, a mix
   of exact hits and misses) goes through the cluster's edge; then every state key
@@ -16,16 +19,19 @@ infergate on a 3-master, 3-replica loopback Redis Cluster
   expiry soon is read back. Figures: failed requests, 401s, lost keys, duration.
 - ``master_kill``: the master of the routing/API-key slots SIGKILLed under the same
   load while two control planes (in-process, leader TTL 2 s) cycle every 0.2 s. Figures:
-  failed requests, 401s, seconds until every live node reports ``cluster_state:ok``
-  (recovered), seconds until a snapshot is written again (leader takeover), the leaders
-  that wrote snapshots afterwards, and the fencing counter.
+  failed requests, 401s, and the phases in seconds after the kill
+  (:mod:`bench.cluster.phases`): the other nodes flag it PFAIL, then FAIL, its replica
+  answers ``ROLE`` as master, every live node reports ``cluster_state:ok``, and the
+  first routing snapshot written after the kill (its ``generated_at``: leader takeover);
+  the leaders that wrote snapshots afterwards, and the fencing counter.
 - ``skew``: keys per master (DBSIZE) before the reshard (slots split evenly, 5000 cache
   entries and the state written), max over mean.
-- ``rate_limit_parity``: two edges per back end sharing a key limited to 120 requests a
-  minute (plus a global limit, so the cluster charges two slot groups): of the same
-  sequence of requests, how many each back end lets through.
 - ``semantic``: an embedder and a semantic-cache edge on the cluster; paraphrases of a
   stored prompt answered from the semantic cache.
+- ``parity`` (:mod:`bench.cluster.parity`): per back end two ``infergate controlplane``
+  processes and two fair-share edges in front of a simulated pool: served tokens per
+  tenant and the shared virtual token counters of a saturated run with two tenants of
+  unequal rates, and how many requests a per-minute key lets through both edges.
 
 Writes ``redis_cluster.json`` (the commit and load average). The machine is shared: the
 figures of one run compare the two back ends, not machines.
