@@ -141,7 +141,7 @@ def _make_cluster(settings: RedisSettings, target: RedisTarget,
     the promoted replica at most 0.2 s after it took over."""
     kw = dict(common)
     kw.pop("health_check_interval", None)
-    kw["retry"] = retry if retry is not None else Retry(ExponentialBackoff(cap=0.2, base=0.05), 12)
+    kw["retry"] = retry if retry is not None else Retry(ExponentialBackoff(cap=0.2, base=0.05), 16)
     if target.tls:
         kw.update(connection_kwargs(settings, target))
         kw["ssl"] = True
