@@ -134,11 +134,12 @@ def _make_cluster(settings: RedisSettings, target: RedisTarget,
     """A ``redis.RedisCluster`` from the seed nodes of ``target`` (no I/O until the first
     command: the slot map is read then, from the first seed that answers). A command that
     meets a failover (``ConnectionError``, ``CLUSTERDOWN``, ``TRYAGAIN``) is retried on a
-    fresh slot map with a short back-off, about 2.3 s in all (redis-py's
-    ``ExponentialBackoff``: 0.1 s, then 0.2 s per retry; a promotion takes
-    ``cluster-node-timeout`` + 0.7 to 1.2 s, see docs/operations.md), unless ``retry``
-    says otherwise. The steps are short so that a command waiting out a failover reaches
-    the promoted replica at most 0.2 s after it took over."""
+    fresh slot map with a short back-off, about 3.1 s in all (redis-py's
+    ``ExponentialBackoff``: 0.1 s, then 0.2 s per retry): longer than a promotion
+    (``cluster-node-timeout`` + 0.7 to 1.8 s measured, see docs/operations.md), so that
+    a command in flight when a master dies rides the failover out instead of failing
+    its caller's cycle, and in short steps, so that it reaches the promoted replica at
+    most 0.2 s after it took over; unless ``retry`` says otherwise."""
     kw = dict(common)
     kw.pop("health_check_interval", None)
     kw["retry"] = retry if retry is not None else Retry(ExponentialBackoff(cap=0.2, base=0.05), 16)
