@@ -123,14 +123,15 @@ def _cluster_ok(cluster) -> bool:  # type: ignore[no-untyped-def]
 def test_edge_and_control_planes_through_a_master_failover(
         redis_cluster, rc, tiny_upstreams, edge_factory) -> None:
     key, _ = apikeys.create_key(rc, "acme", rpm=6)
-    free, _ = apikeys.create_key(rc, "beta")
+    free, rec = apikeys.create_key(rc, "beta", tpm=10**6)   # token reservation on
     a, b = tiny_upstreams(2)
     s = edge_settings(redis_cluster.url, [a.node_settings(), b.node_settings()])
     s.auth.mode = "required"
     s.limits.redis_retry_s = 0.2
     s.limits.global_rpm = 1000   # with the per-key limit: buckets in two slots
     s.cache = s.cache.model_validate({"enabled": True, "semantic": False})
-    snap = write_snapshot(rc, [a.snapshot_node(), b.snapshot_node(state="drained")])
+    # node a's slots known: requests pass the fair share's slot queue (and charge its counters)
+    snap = write_snapshot(rc, [a.snapshot_node(slots=4), b.snapshot_node(state="drained")])
     edge = edge_factory(s)
     assert edge.wait_snapshot(snap["version"])["snapshot"]["redis_ok"] is True
     # API keys: unknown refused, known served, only by the active node
@@ -148,6 +149,11 @@ def test_edge_and_control_planes_through_a_master_failover(
     # request's global charge was given back
     assert rc.hget(keynames.ratelimit_global("rpm"), "tokens") is not None
     assert "CROSSSLOT" not in edge.error_log() and "script failed" not in edge.error_log()
+    # the tokens reserved and settled in the key's tpm bucket (one slot with its rpm
+    # bucket); the fair share's virtual token counters flushed to their one-key hash
+    assert rc.hget(keynames.ratelimit_key(rec.id, "tpm"), "tokens") is not None
+    procs.wait_until(lambda: {"acme", "beta"} <= set(rc.hkeys(keynames.FAIRSHARE_COUNTERS)), 5,
+                     what="the fair-share counters written on the cluster")
     procs.wait_until(lambda: rc.hget(keynames.EDGES, edge.rendered.edge_id) is not None, 5,
                      what="edge stats written on the cluster")
     # two control planes: one leader, with a fencing token

@@ -188,3 +188,15 @@ def test_room_is_what_the_node_was_seen_running_while_others_waited(workdir: Pat
     assert got["seen"] == 4 and got["kept"] == 4
     assert got["full"] == [True]
     assert got["none"] is True
+
+
+def test_a_models_length_record_and_a_node_of_the_same_name_do_not_collide(workdir: Path) -> None:
+    got = run(workdir, """
+            lengths.observe("static", 20, 1000)                  -- model "static"
+            local ok, res = pcall(outlier.is_outlier, {name = "static"}, 1000)  -- node "static"
+            out.ok, out.res = ok, res
+            out.q = lengths.quantile("static", 1000)
+            return out
+    """)
+    assert got["ok"] is True and got["res"] is False, got
+    assert got["q"] == 20

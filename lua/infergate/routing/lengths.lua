@@ -15,7 +15,8 @@
 -- (the node's answer-time tail, which knows no length): 1 until STALE_S after the last
 -- answer, then halving every HALF_LIFE_S. No record: weight 0.
 --
--- Shared dict infergate_stats, "ol:<model>": packed doubles {q, time of the last answer
+-- Shared dict infergate_stats, "oq:<model>" (not "ol:", the outlier flags of nodes,
+-- which may share a model's name): packed doubles {q, time of the last answer
 -- (ngx.now(), s), run, largest of the run, largest T seen}. No I/O: safe in every phase.
 local config = require("infergate.core.config")
 local ngxapi = require("infergate.core.ngxapi")
@@ -40,7 +41,7 @@ local buf = ffi.new("double[5]")
 local type = type
 
 local function key(model)
-    return "ol:" .. (type(model) == "string" and model or "")
+    return "oq:" .. (type(model) == "string" and model or "")
 end
 
 local function read(model)
