@@ -79,9 +79,9 @@ def waiting(edge) -> int:
     return edge.status()["admission"]["waiting"]
 
 
-def queue_behind_held_slot(stack: Stack, edge, holder: str, calls: list[tuple[str, str]]):
+def queue_behind_held_slot(stack: Stack, edge, holder: str, calls: list[tuple]):
     """Hold the node's one slot with a stream of key `holder`, then send `calls` (key,
-    tag) one after the other, each once the previous one waits at the edge; release the
+    tag[, extra body members]) one after the other, each once the previous one waits at the edge; release the
     slot. Returns {tag: status} and the tags in the order the node received them."""
     up = stack.up
     up.gate, up.chunks = threading.Event(), 2
@@ -91,13 +91,13 @@ def queue_behind_held_slot(stack: Stack, edge, holder: str, calls: list[tuple[st
     status: dict[str, int] = {}
     threads = []
 
-    def call(key: str, tag: str) -> None:
-        status[tag] = post(edge, key, chat(tag)).status_code
+    def call(key: str, tag: str, extra: dict) -> None:
+        status[tag] = post(edge, key, chat(tag, **extra)).status_code
 
     try:
-        for key, tag in calls:
+        for key, tag, *extra in calls:
             before = waiting(edge)
-            threads.append(threading.Thread(target=call, args=(key, tag)))
+            threads.append(threading.Thread(target=call, args=(key, tag, *(extra or [{}]))))
             threads[-1].start()
             procs.wait_until(lambda b=before, t=tag: waiting(edge) > b or t in status, 10,
                              what=f"{tag} waiting at the edge")
@@ -107,7 +107,7 @@ def queue_behind_held_slot(stack: Stack, edge, holder: str, calls: list[tuple[st
         for t in threads:
             t.join(30)
         up.gate = None
-    tags = [tag for _, tag in calls]
+    tags = [c[1] for c in calls]
     order = [next(t for t in tags if f'"{t}"' in b.decode()) for b in up.bodies[first + 1:]]
     return status, order, up.bodies[first + 1:]
 
@@ -139,13 +139,16 @@ def test_higher_classes_go_first_and_vllm_gets_the_priority_field(stack, edge_fa
     crit, _ = apikeys.create_key(stack.r, "crit-tenant", priority="critical")
     cheap, _ = apikeys.create_key(stack.r, "cheap-tenant", priority="sheddable")
     edge = fair_edge(stack, edge_factory, forward_priority=True)
-    calls = [(cheap, "x1"), (std, "s1"), (std, "s2"), (crit, "c1")]
+    # a client's own priority never picks its place in the engine's queue
+    calls = [(cheap, "x1", {"priority": -100}), (std, "s1"), (std, "s2", {"priority": -50}),
+             (crit, "c1")]
     status, order, bodies = queue_behind_held_slot(stack, edge, std, calls)
     assert set(status.values()) == {200}
     assert order == ["c1", "s1", "s2", "x1"]
     sent = {o: json.loads(b).get("priority") for o, b in zip(order, bodies, strict=True)}
-    # vLLM handles lower values first; standard (0) is not sent
-    assert sent == {"c1": -1, "s1": None, "s2": None, "x1": 1}
+    # vLLM handles lower values first; standard (0, the default) is not added, and a
+    # body's own value is replaced by its class's
+    assert sent == {"c1": -1, "s1": None, "s2": 0, "x1": 1}
 
 
 def test_counters_in_redis_take_a_start_as_a_value_to_set(stack) -> None:

@@ -117,6 +117,33 @@ def test_queue_is_first_come_first_served_and_survives_a_lost_ticket(workdir: Pa
     assert got["length"] == 0 and got["empty_again"] is True
 
 
+def test_queue_length_counts_only_the_tickets_still_waiting(workdir: Path) -> None:
+    """Tickets that left behind a waiting head (shed, admitted out of order) are not
+    waiting: a churning flow is never taken for a full one."""
+    got = run(workdir, """
+            local now = ngx.now()
+            local head = queue.join("m", 0.02)
+            local out = {}
+            for _ = 1, 50 do
+                local t = queue.join("m", 0.02)
+                queue.leave("m", t, now)
+            end
+            out.churned = queue.length("m")
+            local t = queue.join("m", 0.02)
+            out.two = queue.length("m")
+            queue.leave("m", t, now)
+            queue.leave("m", t, now)               -- twice: counted once
+            out.one = queue.length("m")
+            ngx.shared.infergate_stats:delete("q:m:a" .. head)   -- its worker died
+            queue.ahead("m", head, now)
+            queue.ahead("m", head, now + queue.ALIVE_GRACE_S)
+            out.lost = queue.length("m")
+            out.empty = queue.empty("m")
+            return out
+    """)
+    assert got == {"churned": 1, "two": 2, "one": 1, "lost": 0, "empty": True}
+
+
 def test_tail_prediction_has_a_prior_bounds_decay_and_the_max_tokens_cap(workdir: Path) -> None:
     got = run(workdir, """
             local out = {}

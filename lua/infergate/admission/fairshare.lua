@@ -13,6 +13,7 @@
 --
 -- The class also sets how long a request may wait for a slot: WAIT_FACTOR x the wait of
 -- a standard request (critical waits longer, sheddable is shed first).
+local cjson = require("cjson.safe")
 local config = require("infergate.core.config")
 local reqctx = require("infergate.core.reqctx")
 local vtc = require("infergate.admission.vtc")
@@ -67,23 +68,36 @@ end
 -- higher values first (server_args.py schedule_low_priority_values_first = False by
 -- default; needs --enable-priority-scheduling). Standard is 0, the engines' default,
 -- and not sent.
-_M.ENGINE_PRIORITY = { vllm = { [3] = -1, [1] = 1 }, sglang = { [3] = 1, [1] = -1 } }
+_M.ENGINE_PRIORITY = { vllm = { [3] = -1, [2] = 0, [1] = 1 },
+                       sglang = { [3] = 1, [2] = 0, [1] = -1 } }
 
--- admission.forward_priority: the class as the engine's "priority" member, put right
--- after the body's opening brace (every other byte as sent), when the request's node is
--- known at admission (a pool with known slots, req.picked) and is of a kind that takes
--- it, and the body has no "priority" of its own. A retry on another node sends the same
--- body.
+-- admission.forward_priority: the class as the engine's "priority" member when the
+-- request's node is known at admission (a pool with known slots, req.picked) and is of
+-- a kind that takes it. A body without "priority" gets it right after its opening brace
+-- (every other byte as sent; nothing for standard, the engines' default 0); a body with
+-- its own is sent re-encoded with the class's value: a client never picks its place in
+-- the engine's queue. A retry on another node sends the same body.
 local function forward_priority(req, class)
     local picked = req.picked
     local body = req.body
-    if not picked or type(body) ~= "table" or body.priority ~= nil then
+    if not picked or type(body) ~= "table" then
         return
     end
     local node = snapshot.current().by_name[picked.name]
     local by_kind = node and _M.ENGINE_PRIORITY[node.kind]
     local p = by_kind and by_kind[class]
     if not p then
+        return
+    end
+    if body.priority ~= nil then
+        body.priority = p
+        local text = cjson.encode(body)
+        if text then
+            ngx.req.set_body_data(text)
+        end
+        return
+    end
+    if p == 0 then
         return
     end
     local text = ngx.req.get_body_data() or req.raw_body
@@ -97,7 +111,7 @@ end
 function _M.admitted(req, o)
     local tenant = req.tenant or ""
     local class, weight = _M.share(req, o)
-    if o.forward_priority and class ~= 2 then
+    if o.forward_priority then
         forward_priority(req, class)
     end
     local n = prompt_tokens(req)

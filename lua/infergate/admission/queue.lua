@@ -8,7 +8,9 @@
 -- itself done; whoever sees the head done moves the head on, once per ticket (an atomic
 -- add of "q:<pool>:x<t>" decides). A waiting request refreshes its "alive" key every
 -- poll (TTL alive_ttl_s): a ticket whose worker died is no longer alive and is passed
--- over ALIVE_GRACE_S after it was first seen so, so the queue never sticks.
+-- over ALIVE_GRACE_S after it was first seen so, so the queue never sticks. "qc:<pool>"
+-- counts the tickets still waiting (a ticket that left behind a waiting head is not
+-- waiting any more, though the head has not passed it yet).
 local config = require("infergate.core.config")
 local ngxapi = require("infergate.core.ngxapi")
 
@@ -32,7 +34,7 @@ local function keys_of(pool)
     local k = keys[pool]
     if not k then
         local pre = "q:" .. pool .. ":"
-        k = { n = "qn:" .. pool, h = "qh:" .. pool, pre = pre }
+        k = { n = "qn:" .. pool, h = "qh:" .. pool, c = "qc:" .. pool, pre = pre }
         keys[pool] = k
     end
     return k
@@ -63,6 +65,13 @@ local function lost(d, k, h, now)
     return now - seen >= _M.ALIVE_GRACE_S
 end
 
+-- Ticket t stops counting as waiting (once, however often it is called).
+local function uncount(d, k, t)
+    if d:add(k.pre .. "l" .. t, true, DONE_TTL_S) then
+        d:incr(k.c, -1, 1)
+    end
+end
+
 -- Moves the head past the tickets that left; returns the head.
 local function advance(d, k, now)
     for _ = 1, ADVANCE_MAX do
@@ -70,8 +79,11 @@ local function advance(d, k, now)
         if h > (d:get(k.n) or 0) then
             return h
         end
-        if not (d:get(k.pre .. "d" .. h) or lost(d, k, h, now)) then
-            return h
+        if not d:get(k.pre .. "d" .. h) then
+            if not lost(d, k, h, now) then
+                return h
+            end
+            uncount(d, k, h)
         end
         if d:add(k.pre .. "x" .. h, true, PASSED_TTL_S) then
             d:incr(k.h, 1, 1)
@@ -88,6 +100,7 @@ function _M.join(pool, poll_s)
     d:add(k.h, 1)
     local t = d:incr(k.n, 1, 0)
     d:set(k.pre .. "a" .. t, true, _M.alive_ttl_s(poll_s))
+    d:incr(k.c, 1, 0)
     return t
 end
 
@@ -109,13 +122,19 @@ function _M.leave(pool, t, now)
     local d, k = dict(), keys_of(pool)
     d:set(k.pre .. "d" .. t, true, DONE_TTL_S)
     d:delete(k.pre .. "a" .. t)
+    uncount(d, k, t)
     advance(d, k, now or ngx_now())
 end
 
--- Requests waiting in `pool` (tickets not yet passed by the head).
+-- Requests waiting in `pool`: the tickets that have not left, at most those the head
+-- has not passed.
 function _M.length(pool)
     local d, k = dict(), keys_of(pool)
     local n = (d:get(k.n) or 0) - (d:get(k.h) or 1) + 1
+    local c = d:get(k.c) or 0
+    if c < n then
+        n = c
+    end
     return n > 0 and n or 0
 end
 
