@@ -152,8 +152,9 @@ class EdgeSettings(_Section):
     """A relayed stream that breaks after content was sent is continued on another node
     (the partial answer as an assistant message to continue, max_tokens reduced) and
     spliced into the same client stream; false = it ends with an SSE error event."""
-    stream_continue_models: list[str] = Field(default_factory=list, max_length=1000)
-    """Models whose streams are continued (``stream_continue``); empty = every model."""
+    stream_continue_models: list[str] | None = Field(default=None, max_length=1000)
+    """Models whose streams are continued (``stream_continue``); unset or empty = every
+    model."""
     stream_continue_max: int = Field(default=2, ge=0, le=10)
     """Most continuations of one stream (each on another node)."""
     prefix_affinity: bool = True

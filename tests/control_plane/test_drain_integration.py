@@ -141,4 +141,4 @@ def test_drain_finishes_streams_avoids_node_and_undrain_ramps(
     late, n_late = share(SLOW_START_S + 0.5, SLOW_START_S + 3.0)
     msg = f"{victim}: early share {early:.2f} of {n_early}, late share {late:.2f} of {n_late}"
     assert late > 0.15, msg
-    assert early < 0.65 * late, msg
+    assert early < 0.75 * late, msg  # no ramp: early ≈ late
