@@ -257,3 +257,22 @@ def test_every_answer_carries_a_request_id(two_nodes) -> None:
     assert "uninitialized" not in edge.rendered.error_log.read_text()
     bad = requests.post(url, data=b"{nope", headers={"Content-Type": "application/json"}, timeout=10)
     assert bad.status_code == 400 and re.fullmatch(r"[0-9a-f]{32}", bad.headers.get("X-Request-Id", ""))
+
+
+def test_a_relayed_stream_passes_the_clients_headers_on(two_nodes) -> None:
+    """A streamed request the edge relays itself reaches the node with the client's own
+    headers, as nginx's proxy passes them, but the node's API key, the request id and
+    the loop guard are the edge's, and the answer comes uncompressed (the relay reads it)."""
+    edge, ups = two_nodes
+    body = {"model": "tiny", "stream": True,
+            "messages": [{"role": "user", "content": "headers please"}]}
+    res = requests.post(f"{edge.url}/v1/chat/completions", json=body, timeout=10,
+                        headers={"User-Agent": "sdk/1.2", "X-Trace-Id": "t-42",
+                                 "Accept-Encoding": "gzip", "X-Request-Id": "client-id"})
+    assert res.status_code == 200 and "[DONE]" in res.text
+    seen = [h for u in ups for h in u.headers_seen if h.get("X-Trace-Id") == "t-42"]
+    assert len(seen) == 1, seen
+    h = seen[0]
+    assert h["User-Agent"] == "sdk/1.2" and "Accept-Encoding" not in h
+    assert h["X-Infergate-Hop"] == "1" and h["X-Request-Id"] == res.headers["X-Request-Id"]
+    assert h["X-Request-Id"] != "client-id"

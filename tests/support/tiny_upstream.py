@@ -58,6 +58,7 @@ closes the port (connections refused)."""
         """X-Request-Id of every POST, in arrival order."""
         self.gzip = False
         self.accept_encodings: list[str | None] = []
+        self.headers_seen: list[dict[str, str]] = []
         self._lock = threading.Lock()
         self._released = threading.Event()
         self._conns: set[socket.socket] = set()
@@ -129,6 +130,7 @@ closes the port (connections refused)."""
                     upstream.bodies.append(raw)
                     upstream.request_ids.append(self.headers.get("X-Request-Id"))
                     upstream.accept_encodings.append(self.headers.get("Accept-Encoding"))
+                    upstream.headers_seen.append(dict(self.headers))
                 try:
                     self._answer(raw)
                 except (BrokenPipeError, ConnectionResetError):

@@ -29,6 +29,9 @@ local _M = {}
 local ngx_now = ngxapi.now
 local min = math.min
 local concat = table.concat
+local pairs = pairs
+local type = type
+local lower = string.lower
 local log = ngx.log
 local INFO = ngx.INFO
 
@@ -204,6 +207,41 @@ local function read_stream(r, lg, head, sock)
     end
 end
 
+-- Client request headers the relay does not pass on (lower case): hop-by-hop ones
+-- (RFC 9110 7.6.1), those it writes itself, and Accept-Encoding (the node must answer
+-- an SSE stream the relay can read).
+local NOT_PASSED = {
+    host = true, connection = true, ["keep-alive"] = true, ["proxy-connection"] = true,
+    ["proxy-authorization"] = true, ["proxy-authenticate"] = true, te = true, trailer = true,
+    ["transfer-encoding"] = true, upgrade = true, expect = true, ["content-length"] = true,
+    ["content-type"] = true, accept = true, ["accept-encoding"] = true,
+    authorization = true, ["x-request-id"] = true,
+    ["x-infergate-hop"] = true,
+}
+
+-- The request headers of a leg: the client's, as nginx's proxy passes them, but for
+-- NOT_PASSED; then the relay's own (node API key, request id, loop guard). Built once
+-- per request.
+local function leg_headers(r)
+    if r.leg_headers then
+        return r.leg_headers
+    end
+    local h = {}
+    for k, v in pairs(ngx.req.get_headers(100, true)) do
+        if not NOT_PASSED[lower(k)] then
+            h[k] = type(v) == "table" and concat(v, ", ") or v
+        end
+    end
+    h["Content-Type"] = "application/json"
+    h.Accept = "text/event-stream"
+    h.Connection = "close"
+    h["X-Request-Id"] = r.req.id
+    h["X-Infergate-Hop"] = "1"
+    h.Authorization = ngx.var.infergate_node_auth
+    r.leg_headers = h
+    return h
+end
+
 local function start(r, lg, sock, body)
     local o, req, node = r.o, r.req, lg.node
     local connect, send = o.edge.connect_timeout_ms / 1000, o.edge.send_timeout_ms / 1000
@@ -225,9 +263,7 @@ local function start(r, lg, sock, body)
     end
     ok, err = http.request(sock, {
         path = path, host = node.host or node.addr,
-        headers = { ["Content-Type"] = "application/json", Accept = "text/event-stream",
-                    Connection = "close", ["X-Request-Id"] = req.id,
-                    ["X-Infergate-Hop"] = "1", Authorization = ngx.var.infergate_node_auth },
+        headers = leg_headers(r),
         body = body,
     })
     if not ok then
