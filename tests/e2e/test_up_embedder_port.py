@@ -68,11 +68,16 @@ def _rendered_at(up: UpStack) -> float:
     return (up.folder / "stack" / "nginx" / "infergate-http.conf").stat().st_mtime
 
 
-def _only_workers_newer_than(master: int, t: float) -> bool:
-    """Every live worker of the nginx ``master`` started after ``t`` (wall clock, s):
-    they all read the configuration written at ``t``. Start times come from
+def _settled(up: UpStack, master: int) -> bool:
+    """Only the workers of the edge's last configuration run: as many as
+    ``worker_processes``, each started after the configuration was last written (a
+    reload in progress while it was written would start workers of the one before, but
+    they are then replaced by the next generation). Start times come from
     ``/proc/PID/stat`` (clock ticks since boot), compared on the same clock through
     ``/proc/uptime``."""
+    folder = up.folder / "stack" / "nginx"
+    want = int(re.search(r"worker_processes (\d+);", (folder / "nginx.conf").read_text())[1])
+    t = _rendered_at(up)
     since_boot_at_t = float(Path("/proc/uptime").read_text().split()[0]) - (time.time() - t)
     tick = os.sysconf("SC_CLK_TCK")
     starts = []
@@ -83,7 +88,7 @@ def _only_workers_newer_than(master: int, t: float) -> bool:
             except (OSError, IndexError, ValueError):
                 continue
             starts.append(ticks / tick)
-    return bool(starts) and all(s >= since_boot_at_t for s in starts)
+    return len(starts) == want and all(s >= since_boot_at_t for s in starts)
 
 
 def test_embedder_port_taken_after_a_crash(workdir: Path) -> None:
@@ -124,13 +129,16 @@ def test_embedder_port_taken_after_a_crash(workdir: Path) -> None:
         cp_pid = up.part_pid("controlplane --config")
         master = up.part_pid("nginx: master")
         assert pid and cp_pid and master
+        # the reload that turned the semantic cache on again is over
+        procs.wait_until(lambda: _settled(up, master), 30,
+                         what="the workers of the configuration with the embedder")
         os.kill(pid, signal.SIGKILL)
         squatter = _squat(port)
         procs.wait_until(lambda: up.text().count("semantic cache off until it is back") == 2,
                          15, what="embedder exit noticed")
         # nginx reloads (SIGHUP): workers started after the new configuration was written
         # take over, the older ones exit
-        procs.wait_until(lambda: _only_workers_newer_than(master, _rendered_at(up)), 30,
+        procs.wait_until(lambda: _settled(up, master), 30,
                          what="the workers of the configuration without the embedder")
         # no embedder of ours: no lookup goes to the stranger (a lookup sent there would
         # wait out the budget and answer BYPASS)
@@ -156,7 +164,7 @@ def test_embedder_port_taken_after_a_crash(workdir: Path) -> None:
         assert up.part_pid("controlplane --config") not in (None, cp_pid)
         runtime = (up.folder / "stack" / "infergate.toml").read_text()
         assert f"http://127.0.0.1:{new_port}" in runtime and f":{port}\"" not in runtime
-        procs.wait_until(lambda: _only_workers_newer_than(master, _rendered_at(up)), 30,
+        procs.wait_until(lambda: _settled(up, master), 30,
                          what="the workers of the configuration with the new embedder")
         # lookups go to the new embedder: a paraphrase-free new prompt is a plain MISS,
         # and the stranger still saw nothing
