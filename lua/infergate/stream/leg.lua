@@ -41,6 +41,7 @@ _M.ANSWER_MAX = 16 * 1024 * 1024
 -- Longest SSE event (bytes) read from a node.
 _M.EVENT_MAX = 4 * 1024 * 1024
 
+-- Sends `piece` to the client now; a client that left marks r.client_gone.
 local function write(r, piece)
     ngx.print(piece)
     local ok, err = ngx.flush(true)
@@ -48,6 +49,7 @@ local function write(r, piece)
         r.client_gone = err or true
     end
 end
+_M.write = write
 
 -- Headers of a node's answer that are the connection's, not the answer's (RFC 9110
 -- section 7.6.1), or that the relay sets itself: not passed on.

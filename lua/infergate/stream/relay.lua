@@ -91,13 +91,7 @@ local function next_body(r)
     end
 end
 
-local function write(r, piece)
-    ngx.print(piece)
-    local ok, err = ngx.flush(true)
-    if not ok then
-        r.client_gone = err or true
-    end
-end
+local write = leg.write
 
 -- Ends the client stream that could not be completed: an SSE error event and [DONE].
 local function fail_stream(r, message, code)
