@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, field_validator, model_validator
 
 from controlplane.config.base import _Section, key_message
-from controlplane.config.routing import ENV_NAME_RE
+from controlplane.config.routing import check_abs_file, check_api_key_env
 
 
 #: A cosine similarity, 0-1.
@@ -95,20 +95,10 @@ class SemanticDomain(_Section):
             raise ValueError(f"port: {exc}") from exc
         return v.rstrip("/")
 
-    @field_validator("api_key_env")
-    @classmethod
-    def _key_env(cls, v: str) -> str:
-        if v and not ENV_NAME_RE.match(v):
-            raise ValueError("api_key_env: the name of an environment variable (letters, "
-                             "digits, '_'), not the key itself")
-        return v
-
-    @field_validator("api_key_file", "ca_file")
-    @classmethod
-    def _abs_file(cls, v: str) -> str:
-        if v and (not v.startswith("/") or any(c.isspace() or not c.isprintable() for c in v)):
-            raise ValueError("must be an absolute file path without spaces")
-        return v
+    _key_env = field_validator("api_key_env")(classmethod(
+        lambda cls, v: check_api_key_env(v)))
+    _abs_file = field_validator("api_key_file", "ca_file")(classmethod(
+        lambda cls, v: check_abs_file(v)))
 
     @property
     def remote(self) -> bool:

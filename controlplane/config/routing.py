@@ -18,6 +18,25 @@ NodeKind = Literal["vllm", "tgi", "sglang", "json", "openai"]
 edge observes itself. ``vllm`` also accepts the pre-0.10 names (auto-detected)."""
 
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z")
+
+
+def check_api_key_env(v: str) -> str:
+    """``api_key_env`` of a node or an endpoint: the name of an environment variable
+    (letters, digits, '_'), never the key itself. Raises ValueError."""
+    if v and not ENV_NAME_RE.match(v):
+        raise ValueError("api_key_env: the name of an environment variable (letters, "
+                         "digits, '_'), not the key itself")
+    return v
+
+
+def check_abs_file(v: str) -> str:
+    """``api_key_file`` / ``ca_file``: an absolute path without spaces, quotes, ';', '#',
+    '$' or braces (it may be written into the nginx configuration). Raises ValueError."""
+    if v and (not v.startswith("/") or any(c.isspace() or not c.isprintable()
+                                           or c in ';#$"\'{}\\' for c in v)):
+        raise ValueError("must be an absolute file path without spaces, quotes, ';', "
+                         "'#', '$' or braces")
+    return v
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
 PATH_RE = re.compile(r"^/[A-Za-z0-9/_.-]{0,200}\Z")
 
@@ -152,22 +171,10 @@ class NodeSettings(_Section):
     """Absolute path of a file holding the node's API key (first line; read again when
     it changes), as ``api_key_env``. Set in the TOML file only."""
 
-    @field_validator("api_key_env")
-    @classmethod
-    def _key_env(cls, v: str) -> str:
-        if v and not ENV_NAME_RE.match(v):
-            raise ValueError("api_key_env: the name of an environment variable (letters, "
-                             "digits, '_'), not the key itself")
-        return v
-
-    @field_validator("api_key_file", "ca_file")
-    @classmethod
-    def _abs_file(cls, v: str) -> str:
-        if v and (not v.startswith("/") or any(c.isspace() or not c.isprintable()
-                                               or c in ';#$"\'{}\\' for c in v)):
-            raise ValueError("must be an absolute file path without spaces, quotes, ';', "
-                             "'#', '$' or braces")
-        return v
+    _key_env = field_validator("api_key_env")(classmethod(
+        lambda cls, v: check_api_key_env(v)))
+    _abs_file = field_validator("api_key_file", "ca_file")(classmethod(
+        lambda cls, v: check_abs_file(v)))
 
     @model_validator(mode="after")
     def _access(self) -> NodeSettings:
