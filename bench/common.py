@@ -308,3 +308,15 @@ http {{
     uwsgi_temp_path {prefix}/uwsgi_temp;
     scgi_temp_path {prefix}/scgi_temp;
 """
+
+
+def comma_names(value: str, allowed: tuple[str, ...], what: str) -> list[str]:
+    """The comma-separated names of a command-line option, each one of ``allowed``.
+    Raises click.BadParameter naming the unknown ones."""
+    import click
+
+    out = [x.strip() for x in value.split(",") if x.strip()]
+    bad = [x for x in out if x not in allowed]
+    if bad or not out:
+        raise click.BadParameter(f"unknown {what} {bad}; choose from {', '.join(allowed)}")
+    return out

@@ -22,7 +22,7 @@ import redis
 
 from controlplane import procs
 
-from ..common import (RESULTS_DIR, BenchError, Stack, load_prompts, log, machine_info,
+from ..common import (RESULTS_DIR, comma_names, BenchError, Stack, load_prompts, log, machine_info,
                       sigterm_as_interrupt, write_json)
 from . import report
 from .loadgen import Result, run_load
@@ -47,14 +47,6 @@ def _floats(value: str) -> list[float]:
         raise click.BadParameter("expected comma-separated numbers, e.g. 0.5,0.9,1.2") from None
     if not out or any(x <= 0 or x > 5 for x in out):
         raise click.BadParameter("load fractions must be within (0, 5]")
-    return out
-
-
-def _names(value: str, allowed: tuple[str, ...], what: str) -> list[str]:
-    out = [x.strip() for x in value.split(",") if x.strip()]
-    bad = [x for x in out if x not in allowed]
-    if bad or not out:
-        raise click.BadParameter(f"unknown {what} {bad}; choose from {', '.join(allowed)}")
     return out
 
 
@@ -95,9 +87,9 @@ def main(quick: bool, prompts_path: str | None, out_dir: str, time_scale: float 
     ts = time_scale or (0.1 if quick else 0.2)
     window = window_sim_s or (30.0 if quick else 120.0)
     load_list = _floats(loads) if loads else ([0.6, 1.1] if quick else [0.5, 0.75, 0.9, 1.05, 1.2])
-    scen = _names(scenarios, ("steady", *FAULTS), "scenario") if scenarios else (
+    scen = comma_names(scenarios, ("steady", *FAULTS), "scenario") if scenarios else (
         ["steady", "node_hang"] if quick else ["steady", *FAULTS])
-    strats = _names(strategies, STRATEGIES, "strategy")
+    strats = comma_names(strategies, STRATEGIES, "strategy")
     try:
         prompts = load_prompts(prompts_path)
     except BenchError as exc:

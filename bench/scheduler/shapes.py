@@ -64,7 +64,7 @@ import redis
 
 from controlplane import procs
 
-from ..common import (RESULTS_DIR, BenchError, Stack, format_table, load_prompts, log,
+from ..common import (RESULTS_DIR, comma_names, BenchError, Stack, format_table, load_prompts, log,
                       machine_info, rounded, sigterm_as_interrupt, write_json)
 from . import report
 from .loadgen import Result, StateSamples, _has_text, run_load, sample_states, stream_request
@@ -479,14 +479,6 @@ def run_shape(name: str, *, prompts: list[str], strategies: list[str], seed: int
     return facts
 
 
-def _list(value: str, allowed: tuple[str, ...], what: str) -> list[str]:
-    out = [x.strip() for x in value.split(",") if x.strip()]
-    bad = [x for x in out if x not in allowed]
-    if bad or not out:
-        raise click.BadParameter(f"unknown {what} {bad}; choose from {', '.join(allowed)}")
-    return out
-
-
 @click.command()
 @click.option("--shapes", "names", default=",".join(SHAPES), show_default=True)
 @click.option("--strategies", default="least_conn,infergate", show_default=True)
@@ -506,8 +498,8 @@ def main(names: str, strategies: str, loads: str | None, time_scale: float,
          prompts_path: str | None, out_dir: str, seed: int, keep: bool,
          per_request: str | None) -> None:
     """Run the traffic shapes of the scheduler benchmark."""
-    chosen = _list(names, SHAPES, "shape")
-    strats = _list(strategies, STRATEGIES, "strategy")
+    chosen = comma_names(names, SHAPES, "shape")
+    strats = comma_names(strategies, STRATEGIES, "strategy")
     try:
         load_list = tuple(float(x) for x in loads.split(",")) if loads else None
     except ValueError:
