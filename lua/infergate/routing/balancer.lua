@@ -271,6 +271,16 @@ function _M.least_delay(cands, n, total, fresh, now)
     return pick
 end
 
+-- Slow start (effective_weight below weight, after an undrain or a return): the node
+-- takes part in a pick with probability effective_weight / weight, so its share of
+-- traffic ramps whatever the cost says (an idle node returning from a drain is the
+-- cheapest and would otherwise take a full share at once). True: leave it out this time.
+local function ramp_skips(node)
+    local w, ew = node.weight, node.effective_weight
+    return w and ew and ew < w and random() * w >= ew
+end
+_M.ramp_skips = ramp_skips
+
 -- Picks a node for the next attempt. Returns node, is_probe, eligible_count or nil.
 -- retry: a later attempt of the request; a retry never spends itself on a half-open
 -- probe (the first attempt of another request does that), so the tries granted on
@@ -279,16 +289,30 @@ end
 -- the place of the cost-based choice among two or more candidates; first: the key is a
 -- leading prompt this edge has not seen (affinity.unseen), whose first node must not
 -- cost much more than the cheapest.
-function _M.pick(t, tried, now, retry, model, key, first)
-    local o = config.get()
+local function append(list, cands, n, total)
+    for _, node in ipairs(list) do
+        n = n + 1
+        cands[n] = node
+        total = total + node.effective_weight
+    end
+    return n, total
+end
+
+-- The candidates of a pick: cands[1..n] (sum of effective_weight: total), a node whose
+-- half-open probe this request takes (then nothing else), and how many nodes are
+-- eligible in all (those the slow-start ramp left out this time included).
+local function candidates(t, tried, now, retry, model, o)
     local cands, n, total = {}, 0, 0
-    local probes, outliers = nil, nil
+    local probes, outliers, ramping = nil, nil, nil
     for _, node in ipairs(t.nodes) do
         if usable(node, tried, model) then
             local allow = breaker.allow(node.name, now)
             if allow == "yes" and outlier.is_outlier(node, now, o) then
                 outliers = outliers or {}
                 outliers[#outliers + 1] = node
+            elseif allow == "yes" and ramp_skips(node) then
+                ramping = ramping or {}
+                ramping[#ramping + 1] = node
             elseif allow == "yes" then
                 n = n + 1
                 cands[n] = node
@@ -299,26 +323,37 @@ function _M.pick(t, tried, now, retry, model, key, first)
             end
         end
     end
+    local skipped = ramping and #ramping or 0
     if probes then
         for _, node in ipairs(probes) do
             if breaker.take_probe(node.name) then
-                return node, true, n + 1
+                return cands, n, total, node, n + skipped + 1
             end
         end
     end
+    if n == 0 and ramping then
+        -- only nodes in slow start: the ramp never leaves a request without a node
+        n, total = append(ramping, cands, n, total)
+        skipped = 0
+    end
     if n == 0 and outliers then
         -- every eligible node is an outlier: never nothing, pick among them
-        for _, node in ipairs(outliers) do
-            n = n + 1
-            cands[n] = node
-            total = total + node.effective_weight
-        end
+        n, total = append(outliers, cands, n, total)
+    end
+    return cands, n, total, nil, n + skipped
+end
+
+function _M.pick(t, tried, now, retry, model, key, first)
+    local o = config.get()
+    local cands, n, total, probe, eligible = candidates(t, tried, now, retry, model, o)
+    if probe then
+        return probe, true, eligible
     end
     if n == 0 then
         return nil, false, 0
     end
     if n == 1 then
-        return cands[1], false, 1
+        return cands[1], false, eligible
     end
     local fresh = snapshot.is_fresh(t, now)
     if key and o.edge.prefix_affinity then
@@ -328,19 +363,19 @@ function _M.pick(t, tried, now, retry, model, key, first)
             if cheapest ~= top
                     and _M.cost(top, fresh, o, now) > lowest + affinity.FIRST_SIGHT_MARGIN then
                 affinity.heat(key, now) -- counted: its next request follows the key
-                return cheapest, false, n
+                return cheapest, false, eligible
             end
         end
-        return affinity.choose(cands, n, key, o, fresh, now, retry), false, n
+        return affinity.choose(cands, n, key, o, fresh, now, retry), false, eligible
     end
     if o.edge.node_cost == "expected_delay" then
         local node = _M.least_delay(cands, n, total, fresh, now)
         if node then
-            return node, false, n
+            return node, false, eligible
         end
     end
     if n > 2 and n <= FULL_SCAN_MAX and not any_score(cands, n, fresh) then
-        return least_cost(cands, n, fresh, o, now), false, n
+        return least_cost(cands, n, fresh, o, now), false, eligible
     end
     local a = weighted(cands, n, total, nil)
     local b = weighted(cands, n, total - a.effective_weight, a)
@@ -355,7 +390,7 @@ function _M.pick(t, tried, now, retry, model, key, first)
     if d > TIE_EPSILON or (d >= -TIE_EPSILON and random() >= pa) then
         a = b
     end
-    return a, false, n
+    return a, false, eligible
 end
 
 local place
