@@ -71,20 +71,19 @@ local stats = require("infergate.routing.stats")
 local breaker = require("infergate.routing.breaker")
 local reqctx = require("infergate.core.reqctx")
 local deadline = require("infergate.admission.deadline")
-local models = require("infergate.routing.models")
 local outlier = require("infergate.routing.outlier")
 local speed = require("infergate.routing.speed")
 local room = require("infergate.routing.room")
 local affinity = require("infergate.routing.affinity")
 local upstream = require("infergate.routing.upstream")
 local held = require("infergate.routing.held")
+local candidates = require("infergate.routing.candidates")
 local tries = require("infergate.routing.tries")
 
 local _M = {}
 
 local random = math.random
 local min = math.min
-local ipairs = ipairs
 local log = ngx.log
 local ERR = ngx.ERR
 local WARN = ngx.WARN
@@ -113,24 +112,8 @@ function _M.cost(node, fresh, o, now)
     return c
 end
 
-local function usable(node, tried, model)
-    return node.addr and node.healthy and node.state == "active" and not tried[node.name]
-        and models.serves(node, model)
-end
-_M.usable = usable
-
--- Number of eligible nodes (including one ready for its half-open probe) for `model`
--- (nil: any).
-function _M.count_eligible(t, tried, now, model)
-    tried = tried or {}
-    local n = 0
-    for _, node in ipairs(t.nodes) do
-        if usable(node, tried, model) and breaker.allow(node.name, now) then
-            n = n + 1
-        end
-    end
-    return n
-end
+_M.usable = candidates.usable
+_M.count_eligible = candidates.count_eligible
 
 local function weighted(cands, n, total, skip)
     local r = random() * total
@@ -271,16 +254,6 @@ function _M.least_delay(cands, n, total, fresh, now)
     return pick
 end
 
--- Slow start (effective_weight below weight, after an undrain or a return): the node
--- takes part in a pick with probability effective_weight / weight, so its share of
--- traffic ramps whatever the cost says (an idle node returning from a drain is the
--- cheapest and would otherwise take a full share at once). True: leave it out this time.
-local function ramp_skips(node)
-    local w, ew = node.weight, node.effective_weight
-    return w and ew and ew < w and random() * w >= ew
-end
-_M.ramp_skips = ramp_skips
-
 -- Picks a node for the next attempt. Returns node, is_probe, eligible_count or nil.
 -- retry: a later attempt of the request; a retry never spends itself on a half-open
 -- probe (the first attempt of another request does that), so the tries granted on
@@ -289,63 +262,9 @@ _M.ramp_skips = ramp_skips
 -- the place of the cost-based choice among two or more candidates; first: the key is a
 -- leading prompt this edge has not seen (affinity.unseen), whose first node must not
 -- cost much more than the cheapest.
-local function append(list, cands, n, total)
-    for _, node in ipairs(list) do
-        n = n + 1
-        cands[n] = node
-        total = total + node.effective_weight
-    end
-    return n, total
-end
-
--- The candidates of a pick: cands[1..n] (sum of effective_weight: total), a node whose
--- half-open probe this request takes (then nothing else), and how many nodes are
--- eligible in all (those the slow-start ramp left out this time included).
-local function candidates(t, tried, now, retry, model, o)
-    local cands, n, total = {}, 0, 0
-    local probes, outliers, ramping = nil, nil, nil
-    for _, node in ipairs(t.nodes) do
-        if usable(node, tried, model) then
-            local allow = breaker.allow(node.name, now)
-            if allow == "yes" and outlier.is_outlier(node, now, o) then
-                outliers = outliers or {}
-                outliers[#outliers + 1] = node
-            elseif allow == "yes" and ramp_skips(node) then
-                ramping = ramping or {}
-                ramping[#ramping + 1] = node
-            elseif allow == "yes" then
-                n = n + 1
-                cands[n] = node
-                total = total + node.effective_weight
-            elseif allow == "probe" and not retry then
-                probes = probes or {}
-                probes[#probes + 1] = node
-            end
-        end
-    end
-    local skipped = ramping and #ramping or 0
-    if probes then
-        for _, node in ipairs(probes) do
-            if breaker.take_probe(node.name) then
-                return cands, n, total, node, n + skipped + 1
-            end
-        end
-    end
-    if n == 0 and ramping then
-        -- only nodes in slow start: the ramp never leaves a request without a node
-        n, total = append(ramping, cands, n, total)
-        skipped = 0
-    end
-    if n == 0 and outliers then
-        -- every eligible node is an outlier: never nothing, pick among them
-        n, total = append(outliers, cands, n, total)
-    end
-    return cands, n, total, nil, n + skipped
-end
-
 function _M.pick(t, tried, now, retry, model, key, first)
     local o = config.get()
-    local cands, n, total, probe, eligible = candidates(t, tried, now, retry, model, o)
+    local cands, n, total, probe, eligible = candidates.gather(t, tried, now, retry, model, o)
     if probe then
         return probe, true, eligible
     end
@@ -429,7 +348,7 @@ function place(req, o, now, n, grant, first)
     local tried = req.tried
     local node, probe, eligible, claimed
     if n == 0 and req.picked and not req.picked.used then
-        node, probe, eligible, claimed = held.take(req, snapshot.current(), now, usable,
+        node, probe, eligible, claimed = held.take(req, snapshot.current(), now, candidates.usable,
                                                    _M.count_eligible)
     end
     if not node then
