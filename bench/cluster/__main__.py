@@ -419,9 +419,13 @@ def _print_kill(mk: dict) -> None:
               help="Seconds of the fair-share run per back end.")
 @click.option("--parts", default=",".join(PARTS), show_default=True,
               help="Comma-separated subset (the docs table needs them all).")
+@click.option("--node-timeout-ms", default=1000, show_default=True,
+              help="cluster-node-timeout of the loopback cluster (ms).")
 @click.option("--out", "out_dir", default=str(RESULTS_DIR), show_default=True)
+@click.option("--name", default="redis_cluster", show_default=True,
+              help="Result file name (without .json) under --out.")
 def main(duration: float, rounds: int, rate: float, parity_duration: float, parts: str,
-         out_dir: str) -> None:
+         node_timeout_ms: int, out_dir: str, name: str) -> None:
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     with sigterm_as_interrupt(), Stack(prefix="infergate-bench-cluster-") as stack:
         up_port = procs.free_port()
@@ -435,30 +439,31 @@ def main(duration: float, rounds: int, rate: float, parity_duration: float, part
         rport = procs.free_port()
         stack.add(procs.start_redis(stack.dir / "redis", rport))
         log("starting the loopback cluster")
-        cluster = start_local_cluster(stack.dir / "cluster", node_timeout_ms=1000)
+        cluster = start_local_cluster(stack.dir / "cluster", node_timeout_ms=node_timeout_ms)
         for n in cluster.nodes:
             stack.add(n.managed)
         targets, edges = {}, {}
-        for name, url in (("single", f"redis://127.0.0.1:{rport}/0"), ("cluster", cluster.url)):
+        for backend, url in (("single", f"redis://127.0.0.1:{rport}/0"), ("cluster", cluster.url)):
             r = make_redis(_settings(url, upstream).redis)
-            cp = ControlPlane(_settings(url, upstream), r, ident=f"bench-{name}")
+            cp = ControlPlane(_settings(url, upstream), r, ident=f"bench-{backend}")
             cp.run_cycle()
             cp.elector.release()
             key, _ = apikeys.create_key(r, "bench", rpm=10**6, tpm=10**9)
             lim = {"auth": {"mode": "required"}, "limits": {"global_rpm": 10**7}}
-            u1 = _edge(stack, f"{name}-admission", url, upstream, **lim)
-            u2 = _edge(stack, f"{name}-cache", url, upstream, **lim,
+            u1 = _edge(stack, f"{backend}-admission", url, upstream, **lim)
+            u2 = _edge(stack, f"{backend}-cache", url, upstream, **lim,
                        cache={"enabled": True, "semantic": False})
             requests.post(f"{u2}/v1/chat/completions", data=body(PROMPT), timeout=10,
                           headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
             time.sleep(0.5)  # stored by the flush timer
-            targets[f"{name}_keys_ratelimit"] = (u1, key, "different prompts are not cached")
-            targets[f"{name}_exact_hit"] = (u2, key, PROMPT)
-            edges[name] = (u2, key, r)
+            targets[f"{backend}_keys_ratelimit"] = (u1, key, "different prompts are not cached")
+            targets[f"{backend}_exact_hit"] = (u2, key, PROMPT)
+            edges[backend] = (u2, key, r)
         want = set(parts.split(","))
         data: dict = {"meta": {"command": "python -m bench.cluster", "started": started,
                                "loadavg_before": [round(x, 2) for x in os.getloadavg()]},
-                      "rate": rate, "duration_s": duration, "rounds": rounds}
+                      "rate": rate, "duration_s": duration, "rounds": rounds,
+                      "cluster_node_timeout_ms": node_timeout_ms}
         if "overhead" in want:
             log("overhead rows")
             data["overhead"] = overhead(targets, rounds, duration, stack.dir)
@@ -479,7 +484,7 @@ def main(duration: float, rounds: int, rate: float, parity_duration: float, part
             data["parity"] = parity.run(stack, {"single": f"redis://127.0.0.1:{rport}/0",
                                                 "cluster": cluster.url}, parity_duration)
         data["meta"]["machine"] = machine_info()
-    path = write_json(Path(out_dir) / "redis_cluster.json", data)
+    path = write_json(Path(out_dir) / f"{name}.json", data)
     print_report(data)
     log(f"wrote {path}")
 

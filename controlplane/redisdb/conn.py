@@ -134,15 +134,15 @@ def _make_cluster(settings: RedisSettings, target: RedisTarget,
     """A ``redis.RedisCluster`` from the seed nodes of ``target`` (no I/O until the first
     command: the slot map is read then, from the first seed that answers). A command that
     meets a failover (``ConnectionError``, ``CLUSTERDOWN``, ``TRYAGAIN``) is retried on a
-    fresh slot map with a short back-off, about 3.1 s in all (redis-py's
-    ``ExponentialBackoff``: 0.1 s, then 0.2 s per retry): longer than a promotion
+    fresh slot map with a short back-off, about 3.2 s in all (redis-py's
+    ``ExponentialBackoff``: 0.1 s per retry, 32 retries): longer than a promotion
     (``cluster-node-timeout`` + 0.7 to 1.8 s measured, see docs/operations.md), so that
     a command in flight when a master dies rides the failover out instead of failing
     its caller's cycle, and in short steps, so that it reaches the promoted replica at
-    most 0.2 s after it took over; unless ``retry`` says otherwise."""
+    most 0.1 s after it took over; unless ``retry`` says otherwise."""
     kw = dict(common)
     kw.pop("health_check_interval", None)
-    kw["retry"] = retry if retry is not None else Retry(ExponentialBackoff(cap=0.2, base=0.05), 16)
+    kw["retry"] = retry if retry is not None else Retry(ExponentialBackoff(cap=0.1, base=0.05), 32)
     if target.tls:
         kw.update(connection_kwargs(settings, target))
         kw["ssl"] = True

@@ -9,6 +9,10 @@ over the masters with ``CLUSTER ADDSLOTSRANGE`` (Redis >= 7.0), makes every othe
 process a replica (``CLUSTER REPLICATE``), and waits, with a deadline, until every node
 reports ``cluster_state:ok`` with all slots assigned and every replica is attached.
 
+With ``persistent``, a folder that holds a cluster formed before (each node's
+``nodes-<port>.conf``) is started again on the same ports, from its append-only files,
+and waited for until ok: its data, slots and roles are kept (:func:`known_ports`).
+
 No ``redis-cli --cluster create`` is needed: the commands above are what it sends
 (redis ``src/redis-cli.c``, ``clusterManagerCommandCreate``), and issuing them here keeps
 the ports and readiness under our control. :meth:`LocalCluster.stop` stops every
@@ -184,12 +188,17 @@ def start_local_cluster(workdir: Path, *, masters: int = 3, replicas: int = 1,
     started before an error are stopped again."""
     nodes: list[ClusterNode] = []
     total = masters * (1 + replicas)
+    known = known_ports(workdir, total) if persistent else None
     try:
         for i in range(total):
             d = workdir / f"node{i}"
-            _start_node(d, persistent, maxmemory, node_timeout_ms, nodes, password)
+            _start_node(d, persistent, maxmemory, node_timeout_ms, nodes, password,
+                        port=known[i] if known else None)
         cluster = LocalCluster(nodes, masters, persistent=persistent, password=password)
-        _form(cluster, masters, replicas, timeout)
+        if known:
+            _resume(cluster, masters, replicas, timeout)
+        else:
+            _form(cluster, masters, replicas, timeout)
         return cluster
     except BaseException:
         for n in nodes:
@@ -197,8 +206,63 @@ def start_local_cluster(workdir: Path, *, masters: int = 3, replicas: int = 1,
         raise
 
 
+def known_ports(workdir: Path, total: int) -> list[int] | None:
+    """The ports of a persistent cluster formed in ``workdir`` before (each node's
+    ``node<i>/nodes-<port>.conf``, written by Redis), or None when there is none yet.
+    A cluster restarts on the same ports: every node finds the others at the addresses
+    its ``nodes-*.conf`` names. Only a configuration whose masters serve every slot
+    counts (the newest, when there are several). Raises :class:`controlplane.procs.StartError` when only
+    some nodes have one (the folder holds no cluster that can come back)."""
+    ports: list[int | None] = []
+    for i in range(total):
+        formed = [c for c in (workdir / f"node{i}").glob("nodes-*.conf")
+                  if c.stem.removeprefix("nodes-").isdigit() and covered_slots(c) == SLOTS]
+        formed.sort(key=lambda c: c.stat().st_mtime)
+        ports.append(int(formed[-1].stem.removeprefix("nodes-")) if formed else None)
+    if all(p is None for p in ports):
+        return None
+    if any(p is None for p in ports):
+        raise procs.StartError(
+            f"redis cluster in {workdir}: only some of its {total} nodes have a cluster "
+            "configuration (nodes-<port>.conf); move the folder away to start a new cluster")
+    return [p for p in ports if p is not None]
+
+
+def covered_slots(conf: Path) -> int:
+    """How many slots the masters of a ``nodes.conf`` serve (a cluster that was formed:
+    all 16384). Lines: ``<id> <ip:port@cport> <flags> <master> <ping> <pong> <epoch>
+    <link> <slot or lo-hi>...`` (redis ``src/cluster.c``, ``clusterGenNodesDescription``);
+    ``[slot->-id]`` migration marks are not counted."""
+    n = 0
+    try:
+        text = conf.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        f = line.split()
+        if len(f) < 9 or "master" not in f[2].split(","):
+            continue
+        for r in f[8:]:
+            lo, _, hi = r.partition("-")
+            if lo.isdigit() and (not hi or hi.isdigit()):
+                n += int(hi or lo) - int(lo) + 1
+    return n
+
+
 def _start_node(d: Path, persistent: bool, maxmemory: str, node_timeout_ms: int,
-                nodes: list[ClusterNode], password: str | None) -> None:
+                nodes: list[ClusterNode], password: str | None,
+                port: int | None = None) -> None:
+    """Start one node on ``port`` (a node coming back: that port or an error), else on a
+    free port (chosen again, up to 5 times, when another process took it meanwhile)."""
+    if port is not None:
+        if procs.port_open("127.0.0.1", port):
+            raise procs.StartError(
+                f"redis cluster node in {d}: its port {port} is in use by another process; "
+                "a cluster comes back on the ports it was formed on")
+        m = procs.start_redis(d, port, extra=cluster_args(port, node_timeout_ms),
+                              maxmemory=maxmemory, persistent=persistent, password=password)
+        nodes.append(ClusterNode(m, port, d, password=password))
+        return
     last: procs.StartError | None = None
     for _ in range(5):
         port = procs.free_port()
@@ -235,6 +299,23 @@ def _form(cluster: LocalCluster, masters: int, replicas: int, timeout: float) ->
     _wait_replicas(cluster, masters, replicas, deadline)
 
 
+def _resume(cluster: LocalCluster, masters: int, replicas: int, timeout: float) -> None:
+    """A persistent cluster restarted from its files: every node knows its slots and
+    peers already; wait until it is ok again and every master has its replicas (which
+    node is master may have changed in a failover before the restart)."""
+    deadline = time.monotonic() + timeout
+    for n in cluster.nodes:
+        with n.client() as c:
+            n.node_id = c.execute_command("CLUSTER MYID")
+    cluster.wait_ok(max(1.0, deadline - time.monotonic()))
+    while time.monotonic() < deadline:
+        now = cluster.masters_now()
+        if len(now) == masters:
+            break
+        time.sleep(0.05)
+    _wait_replicas(cluster, masters, replicas, deadline)
+
+
 def _retry_until(deadline: float, fn) -> None:  # type: ignore[no-untyped-def]
     last: Exception | None = None
     while time.monotonic() < deadline:
@@ -253,10 +334,10 @@ def _wait_replicas(cluster: LocalCluster, masters: int, replicas: int, deadline:
     want = replicas
     while time.monotonic() < deadline:
         counts = []
-        for n in cluster.nodes[:masters]:
+        for n in cluster.masters_now()[:masters]:
             with n.client() as c:
                 counts.append(int(c.info("replication").get("connected_slaves", 0)))
-        if all(x >= want for x in counts):
+        if len(counts) == masters and all(x >= want for x in counts):
             return
         time.sleep(0.05)
     raise procs.StartError("redis cluster: replicas did not attach before the deadline")
