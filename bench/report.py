@@ -165,6 +165,16 @@ def block_redis_cluster(results: Path) -> str:
         _captured(cl.print_report, data))
 
 
+def block_redis_cluster_failover(results: Path) -> str:
+    """``python -m bench.cluster.failover``: the master-kill drill's phases by
+    ``cluster-node-timeout``."""
+    from .cluster import failover
+
+    data = load(results, "redis_cluster_failover.json")
+    return provenance("redis_cluster_failover.json", data["meta"]) + "\n\n" + _fenced(
+        _captured(failover.print_report, data))
+
+
 INDEX_COLUMNS = [("entries", "entries"), ("backend", "index"), ("p50_ms", "p50 ms"),
                  ("p99_ms", "p99 ms"), ("mean_ms", "mean ms"), ("n", "lookups")]
 
@@ -375,6 +385,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "edge_overhead": block_edge_overhead,
     "admission": block_admission,
     "redis_cluster": block_redis_cluster,
+    "redis_cluster_failover": block_redis_cluster_failover,
     "noisy_tenant": block_noisy_tenant,
     "stream_survival": block_stream_survival,
     "cache_index": block_cache_index,
