@@ -132,7 +132,7 @@ class UpStack:
                 return pid
         return None
 
-    def stop(self, timeout: float = 30) -> int:
+    def stop(self, timeout: float = 60) -> int:
         """SIGTERM ``up`` and wait; SIGKILL its group if it hangs. Returns the exit code."""
         try:
             if self.proc.poll() is None:
