@@ -114,6 +114,12 @@ def test_missing_wrong_and_valid_keys(redis_server, upstream, edge_factory) -> N
     res = requests.post(f"{edge.url}/v1/chat/completions", json=CHAT, timeout=10,
                         headers={"Authorization": f"Basic {key}"})
     assert_invalid_key(res)
+    assert "Bearer scheme" in res.json()["error"]["message"]
+    res = requests.post(f"{edge.url}/v1/chat/completions", json=CHAT, timeout=10,
+                        headers={"Authorization": key})             # the key alone
+    assert_invalid_key(res)
+    assert "no 'Bearer ' before the key" in res.json()["error"]["message"]
+    assert "didn't provide" in post(edge, None).json()["error"]["message"]
     res = requests.post(f"{edge.url}/v1/chat/completions", json=CHAT, timeout=10,
                         headers={"Authorization": "Bearer " + "k" * 5000})
     assert_invalid_key(res)
@@ -131,7 +137,7 @@ def test_missing_wrong_and_valid_keys(redis_server, upstream, edge_factory) -> N
     assert all("authorization" not in h for h in upstream.headers)
 
     st = edge.status()["admission"]
-    assert st["auth_rejected"] == 6 and st["auth_unavailable"] == 0
+    assert st["auth_rejected"] == 8 and st["auth_unavailable"] == 0
 
     # the key appears in no log line, neither does the bogus one
     logs = edge.access_log() + edge.error_log()

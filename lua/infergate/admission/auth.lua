@@ -268,7 +268,11 @@ function _M.step(req)
     local digest = value and digests:get(value)
     if not digest then
         local token = _M.bearer(value)
-        if not token then
+        if not token and value and value:find("%S") then
+            return unauthorized("The Authorization header must name the Bearer scheme: "
+                .. "'Authorization: Bearer YOUR_KEY' (the value sent has no 'Bearer ' "
+                .. "before the key, or more than one word after it).")
+        elseif not token then
             return unauthorized("You didn't provide an API key. Send it in the Authorization "
                 .. "header: 'Authorization: Bearer YOUR_KEY'.")
         end
