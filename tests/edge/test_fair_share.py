@@ -112,21 +112,22 @@ def queue_behind_held_slot(stack: Stack, edge, holder: str, calls: list[tuple]):
     return status, order, up.bodies[first + 1:]
 
 
-def test_waiting_tenants_share_the_slot_by_tokens_served_and_the_bound_gives_429(
+def test_waiting_tenants_share_the_slot_by_tokens_served_and_the_bound_gives_429_to_crowding(
         stack, edge_factory) -> None:
     noisy, _ = apikeys.create_key(stack.r, "aaa-noisy")
     quiet, _ = apikeys.create_key(stack.r, "zzz-quiet")
     edge = fair_edge(stack, edge_factory, tenant_queue_max=3)
     calls = [(noisy, "n1"), (noisy, "n2"), (noisy, "n3"), (noisy, "n4"), (quiet, "q1"),
-             (quiet, "q2")]
+             (noisy, "n5"), (quiet, "q2")]
     status, order, _ = queue_behind_held_slot(stack, edge, noisy, calls)
-    # the noisy tenant's 4th waiting request is past its bound: the fast 429
-    assert status.pop("n4") == 429
+    # waiting alone, the noisy tenant is bounded by the deadline only (n4 waits); once
+    # another tenant waits, its request past the bound gets the fast 429
+    assert status.pop("n5") == 429
     assert set(status.values()) == {200}
-    # first come first served would be n1 n2 n3 q1 q2: the quiet tenant starts at the
+    # first come first served would be n1 n2 n3 n4 q1 q2: the quiet tenant starts at the
     # noisy one's counter (not at zero; on the tie, fewer waiting goes first),
     # and from there they take turns
-    assert order == ["q1", "n1", "q2", "n2", "n3"]
+    assert order == ["q1", "n1", "q2", "n2", "n3", "n4"]
     st = edge.status()["admission"]
     assert st["waiting"] == 0
     # the counters reach Redis through the flush queue: both tenants, equal weights

@@ -23,8 +23,13 @@
 -- it waited in the last FLOW_TTL_S; a flow past MAX_FLOWS in one pool is not listed
 -- (its requests still wait, ranked after the listed flows).
 --
--- A flow's queue holds at most admission.tenant_queue_max requests; past it a request
--- gets the fast 429 (infergate.admission.shed).
+-- While another flow waits in the pool, a flow's queue holds at most
+-- admission.tenant_queue_max requests; past it a request gets the fast 429
+-- (infergate.admission.shed). A flow waiting alone is bounded by the deadline rule only,
+-- as without the fair share: the cap is there to keep one tenant's backlog from
+-- crowding the others, and with nobody else waiting it would only refuse requests the
+-- pool can still serve in time. The order of service above, not the cap, is what keeps
+-- a tenant that arrives later from waiting behind that backlog.
 local config = require("infergate.core.config")
 local queue = require("infergate.admission.queue")
 local vtc = require("infergate.admission.vtc")
@@ -159,27 +164,28 @@ function _M.waiting(pool, fresh)
     return out
 end
 
--- Whether any request waits in `pool`.
-function _M.any_waiting(pool)
+-- Whether any request waits in `pool` (in a flow other than `except`, when given).
+function _M.any_waiting(pool, except)
     local d = dict()
     local n = d:get("fn:" .. pool) or 0
     local pre = "fe:" .. pool .. ":"
     for i = 1, n do
         local f = d:get(pre .. i)
-        if f and queue.length(qname(pool, f)) > 0 then
+        if f and f ~= except and queue.length(qname(pool, f)) > 0 then
             return true
         end
     end
     return false
 end
 
--- The request joins `flow` of `pool`: nil, "full" past `max` waiting, else its ticket.
+-- The request joins `flow` of `pool`: nil, "full" past `max` waiting while another flow
+-- waits in the pool, else its ticket.
 -- A flow that had nobody waiting starts its tenant's counter at the smallest counter of
 -- the other flows waiting in the pool (unchanged when none waits).
 function _M.join(pool, flow, max, poll_s)
     local q = qname(pool, flow)
     local len = queue.length(q)
-    if len >= max then
+    if len >= max and _M.any_waiting(pool, flow) then
         return nil, "full"
     end
     if len == 0 then
