@@ -36,6 +36,7 @@ import requests
 from controlplane import procs
 from controlplane.config import settings_from_dict
 from support.stack import edge_settings
+from support.upstack import alive, children
 
 pytestmark = pytest.mark.integration
 
@@ -242,9 +243,14 @@ def test_body_spilled_to_a_temp_file_is_proxied(edge_and_node) -> None:
     conf.write_text(re.sub(r"client_body_buffer_size [^;]+;", "client_body_buffer_size 16k;",
                            conf.read_text()))
     old_log = edge.error_log()
-    old_worker = edge.status()["worker_pid"]
+    master = edge.managed.pid
+    assert master is not None
+    old_workers = children(master)
     edge.managed.signal(signal.SIGHUP)
-    procs.wait_until(lambda: edge.status()["worker_pid"] != old_worker, 10,
+    # every worker of the old configuration gone, the new ones answering
+    procs.wait_until(lambda: not any(alive(w) for w in old_workers)
+                     and children(master) - old_workers
+                     and edge.status()["worker_pid"] not in old_workers, 10,
                      what="nginx to reload with the small body buffer")
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 300000}]}).encode()
     chunked = iter([body[i:i + 65536] for i in range(0, len(body), 65536)])

@@ -100,11 +100,14 @@ def got(tmp_path_factory: pytest.TempPathFactory) -> dict:
     for i = 1, 5 do porder[i] = serve_one("p", 10) end
     out.priority_order = porder
 
-    -- the per-flow bound
+    -- the per-flow bound: a flow waiting alone is not held to it; once another flow
+    -- waits in the pool, a request past it is refused
     local t1 = fq.join("b", fq.flow("x", 2), 2, 0.02)
     local t2 = fq.join("b", fq.flow("x", 2), 2, 0.02)
-    local t3, err = fq.join("b", fq.flow("x", 2), 2, 0.02)
-    out.bound = {t1 ~= nil, t2 ~= nil, t3 == nil, err}
+    local t3 = fq.join("b", fq.flow("x", 2), 2, 0.02)
+    local other = fq.join("b", fq.flow("y", 2), 2, 0.02)
+    local t4, err = fq.join("b", fq.flow("x", 2), 2, 0.02)
+    out.bound = {t1 ~= nil, t2 ~= nil, t3 ~= nil, other ~= nil, t4 == nil, err}
 
     -- the counters' flush: one EVAL with the changes, the hash read back, pending cleared
     vtc.commands(false)        -- (what the runs above charged)
@@ -177,8 +180,8 @@ def test_higher_class_first_whatever_the_counter(got: dict) -> None:
     assert got["priority_order"] == ["vip", "bulk", "bulk", "bulk", "cheap"]
 
 
-def test_a_flow_holds_at_most_its_bound(got: dict) -> None:
-    assert got["bound"] == [True, True, True, "full"]
+def test_a_flow_holds_at_most_its_bound_while_another_waits(got: dict) -> None:
+    assert got["bound"] == [True, True, True, True, True, "full"]
 
 
 def test_counters_go_to_redis_in_the_flush_and_come_back(got: dict) -> None:
