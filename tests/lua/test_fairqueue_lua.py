@@ -108,6 +108,12 @@ def got(tmp_path_factory: pytest.TempPathFactory) -> dict:
     local other = fq.join("b", fq.flow("y", 2), 2, 0.02)
     local t4, err = fq.join("b", fq.flow("x", 2), 2, 0.02)
     out.bound = {t1 ~= nil, t2 ~= nil, t3 ~= nil, other ~= nil, t4 == nil, err}
+    -- alone, a flow holds up to ALONE_FACTOR times its bound
+    local alone = {}
+    for i = 1, 2 * fq.ALONE_FACTOR + 1 do
+        alone[i] = fq.join("c", fq.flow("z", 2), 2, 0.02) ~= nil
+    end
+    out.alone = alone
 
     -- the counters' flush: one EVAL with the changes, the hash read back, pending cleared
     vtc.commands(false)        -- (what the runs above charged)
@@ -182,6 +188,7 @@ def test_higher_class_first_whatever_the_counter(got: dict) -> None:
 
 def test_a_flow_holds_at_most_its_bound_while_another_waits(got: dict) -> None:
     assert got["bound"] == [True, True, True, True, True, "full"]
+    assert got["alone"] == [True] * 16 + [False]          # ALONE_FACTOR 8 x bound 2
 
 
 def test_counters_go_to_redis_in_the_flush_and_come_back(got: dict) -> None:

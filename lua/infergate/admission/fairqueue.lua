@@ -25,11 +25,13 @@
 --
 -- While another flow waits in the pool, a flow's queue holds at most
 -- admission.tenant_queue_max requests; past it a request gets the fast 429
--- (infergate.admission.shed). A flow waiting alone is bounded by the deadline rule only,
--- as without the fair share: the cap is there to keep one tenant's backlog from
--- crowding the others, and with nobody else waiting it would only refuse requests the
--- pool can still serve in time. The order of service above, not the cap, is what keeps
--- a tenant that arrives later from waiting behind that backlog.
+-- (infergate.admission.shed). A flow waiting alone is bounded by the deadline rule, as
+-- without the fair share, and by ALONE_FACTOR x tenant_queue_max (512 by default: every
+-- waiting request polls, so one tenant's flood must not cost the edge unbounded CPU):
+-- the cap is there to keep one tenant's backlog from crowding the others, and with
+-- nobody else waiting it would only refuse requests the pool can still serve in time.
+-- The order of service above, not the cap, is what keeps a tenant that arrives later
+-- from waiting behind that backlog.
 local config = require("infergate.core.config")
 local queue = require("infergate.admission.queue")
 local vtc = require("infergate.admission.vtc")
@@ -42,6 +44,8 @@ local tonumber = tonumber
 -- Priority classes by name, higher first.
 _M.CLASSES = { critical = 3, standard = 2, sheddable = 1 }
 _M.MAX_FLOWS = 256
+-- A flow waiting alone may hold this many times admission.tenant_queue_max (see below).
+_M.ALONE_FACTOR = 8
 local FLOW_TTL_S = 60
 _M.WAITING_CACHE_S = 0.005
 local REFRESH_S = 0.5
@@ -179,13 +183,13 @@ function _M.any_waiting(pool, except)
 end
 
 -- The request joins `flow` of `pool`: nil, "full" past `max` waiting while another flow
--- waits in the pool, else its ticket.
+-- waits in the pool (past ALONE_FACTOR x `max` alone), else its ticket.
 -- A flow that had nobody waiting starts its tenant's counter at the smallest counter of
 -- the other flows waiting in the pool (unchanged when none waits).
 function _M.join(pool, flow, max, poll_s)
     local q = qname(pool, flow)
     local len = queue.length(q)
-    if len >= max and _M.any_waiting(pool, flow) then
+    if len >= max and (len >= max * _M.ALONE_FACTOR or _M.any_waiting(pool, flow)) then
         return nil, "full"
     end
     if len == 0 then
