@@ -57,13 +57,23 @@ def ephemeral_range(path: str = _EPHEMERAL_FILE) -> tuple[int, int]:
         return 32768, 60999
 
 
-def _bindable(family: int, host: str, port: int) -> bool:
+def _bindable(family: int, host: str, port: int, reuse_addr: bool = False) -> bool:
     try:
         with socket.socket(family, socket.SOCK_STREAM) as s:
+            if reuse_addr:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((host, port))
             return True
     except OSError:
         return False
+
+
+def port_bindable(port: int, host: str = "127.0.0.1", reuse_addr: bool = False) -> bool:
+    """True when a TCP socket can bind ``host:port`` now: nothing listens there and no
+    connection holds it. Without ``reuse_addr`` a port in TIME_WAIT counts as taken;
+    with it (``SO_REUSEADDR``, as redis-server and nginx bind) it does not."""
+    return _bindable(socket.AF_INET6 if ":" in host else socket.AF_INET, host, port,
+                     reuse_addr)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -36,6 +36,9 @@ from controlplane import procs
 
 #: Number of hash slots of Redis Cluster (``CLUSTER_SLOTS`` in redis ``src/cluster.h``).
 SLOTS = 16384
+#: A node's cluster bus listens on its port + this (``CLUSTER_PORT_INCR``, redis
+#: ``src/cluster.h``, 7.0).
+BUS_OFFSET = 10000
 
 
 @dataclass
@@ -249,23 +252,42 @@ def covered_slots(conf: Path) -> int:
     return n
 
 
+def node_port() -> int:
+    """A free port for a new node whose cluster bus port (+ BUS_OFFSET) is free too and,
+    when the range allows, below the kernel's ephemeral range as well (outgoing
+    connections draw from that range and could hold the bus port at a restart; see
+    :func:`controlplane.procs.free_port`); else any free port with a free bus port."""
+    low, _ = procs.ephemeral_range()
+    fallback = None
+    for _ in range(64):
+        port = procs.free_port()
+        bus = port + BUS_OFFSET
+        if bus > 65535 or not procs.port_bindable(bus):
+            continue
+        if bus < low:
+            return port
+        fallback = fallback or port
+    return fallback or procs.free_port()
+
+
 def _start_node(d: Path, persistent: bool, maxmemory: str, node_timeout_ms: int,
                 nodes: list[ClusterNode], password: str | None,
                 port: int | None = None) -> None:
     """Start one node on ``port`` (a node coming back: that port or an error), else on a
     free port (chosen again, up to 5 times, when another process took it meanwhile)."""
     if port is not None:
-        if procs.port_open("127.0.0.1", port):
-            raise procs.StartError(
-                f"redis cluster node in {d}: its port {port} is in use by another process; "
-                "a cluster comes back on the ports it was formed on")
+        for p, what in ((port, "port"), (port + BUS_OFFSET, "cluster bus port")):
+            if not procs.port_bindable(p, reuse_addr=True):   # as redis-server binds
+                raise procs.StartError(
+                    f"redis cluster node in {d}: its {what} {p} is in use by another "
+                    "process; a cluster comes back on the ports it was formed on")
         m = procs.start_redis(d, port, extra=cluster_args(port, node_timeout_ms),
                               maxmemory=maxmemory, persistent=persistent, password=password)
         nodes.append(ClusterNode(m, port, d, password=password))
         return
     last: procs.StartError | None = None
     for _ in range(5):
-        port = procs.free_port()
+        port = node_port()
         try:
             m = procs.start_redis(d, port, extra=cluster_args(port, node_timeout_ms),
                                   maxmemory=maxmemory, persistent=persistent, password=password)

@@ -1,10 +1,12 @@
 """`infergate up --redis-cluster`: the stack on its own loopback Redis Cluster (3 masters
-+ 3 replicas) answers with its demo key, caches, stops every process on SIGTERM, and
-starts again on the cluster's files: same ports, the data kept, the old demo key revoked."""
++ 3 replicas) answers with its demo key, caches, stops every process on SIGTERM, refuses
+to start when a node's port is taken (naming it), and starts again on the cluster's
+files: same ports, the data kept, the old demo key revoked."""
 
 from __future__ import annotations
 
 import re
+import socket
 import time
 from pathlib import Path
 
@@ -60,6 +62,23 @@ def test_up_on_its_own_cluster_serves_stops_and_comes_back_on_its_data(workdir: 
         assert hit_after_store(first) == "HIT"
     finally:
         stop_clean(first)
+    assert not any(procs.port_open("127.0.0.1", p) for p in ports)
+
+    # a node's cluster bus port (its port + 10000) taken meanwhile: one clear line, no
+    # traceback, nothing left running
+    squatter = socket.socket()
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    squatter.bind(("127.0.0.1", ports[1] + 10000))
+    squatter.listen(1)
+    try:
+        refused = UpStack.start(workdir, CONFIG, "--redis-cluster")
+        assert refused.proc.wait(timeout=60) == 1
+        text = refused.text()
+        assert f"cluster bus port {ports[1] + 10000} is in use" in text, text
+        assert "Traceback" not in text
+        refused.stop()
+    finally:
+        squatter.close()
     assert not any(procs.port_open("127.0.0.1", p) for p in ports)
 
     again = UpStack.start(workdir, CONFIG, "--redis-cluster")

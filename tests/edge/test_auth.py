@@ -121,6 +121,10 @@ def test_missing_wrong_and_valid_keys(redis_server, upstream, edge_factory) -> N
     assert "no 'Bearer ' before the key" in res.json()["error"]["message"]
     assert "didn't provide" in post(edge, None).json()["error"]["message"]
     res = requests.post(f"{edge.url}/v1/chat/completions", json=CHAT, timeout=10,
+                        headers={"Authorization": "Bearer "})             # the scheme alone
+    assert_invalid_key(res)
+    assert "didn't provide" in res.json()["error"]["message"]
+    res = requests.post(f"{edge.url}/v1/chat/completions", json=CHAT, timeout=10,
                         headers={"Authorization": "Bearer " + "k" * 5000})
     assert_invalid_key(res)
     assert upstream.headers == [], "no rejected request reaches a node"
@@ -137,7 +141,7 @@ def test_missing_wrong_and_valid_keys(redis_server, upstream, edge_factory) -> N
     assert all("authorization" not in h for h in upstream.headers)
 
     st = edge.status()["admission"]
-    assert st["auth_rejected"] == 8 and st["auth_unavailable"] == 0
+    assert st["auth_rejected"] == 9 and st["auth_unavailable"] == 0
 
     # the key appears in no log line, neither does the bogus one
     logs = edge.access_log() + edge.error_log()

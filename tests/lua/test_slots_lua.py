@@ -144,6 +144,59 @@ def test_queue_length_counts_only_the_tickets_still_waiting(workdir: Path) -> No
     assert got == {"churned": 1, "two": 2, "one": 1, "lost": 0, "empty": True}
 
 
+def test_a_queue_whose_marks_were_evicted_catches_up_after_one_grace(workdir: Path) -> None:
+    """A flood that filled the shared dict may evict the marks of thousands of tickets
+    that left: the head passes such a run after one ALIVE_GRACE_S, not one grace per
+    ticket, the waiting count never goes below 0, and passed tickets leave no marks."""
+    got = run(workdir, """
+            local d = ngx.shared.infergate_stats
+            local now = ngx.now()
+            local first = queue.join("m", 0.02)   -- holds the head while the others leave
+            local gone = {}
+            for i = 1, 1000 do
+                gone[i] = queue.join("m", 0.02)
+            end
+            local waiter = queue.join("m", 0.02)
+            for i = 1, 1000 do           -- left behind the head, then their marks evicted
+                queue.leave("m", gone[i], now)
+                d:delete("q:m:a" .. gone[i]); d:delete("q:m:d" .. gone[i])
+            end
+            queue.leave("m", first, now)
+            local out = {before = queue.ahead("m", waiter, now)}
+            -- after one grace, each look passes up to 64 tickets: 1000 in 16 looks, all at
+            -- the same time (not one grace per run of 64)
+            local looks = 0
+            local t = now + queue.ALIVE_GRACE_S
+            while queue.ahead("m", waiter, t) > 0 and looks < 100 do
+                looks = looks + 1
+                t = t + 0.001
+            end
+            out.looks = looks
+            out.ahead = queue.ahead("m", waiter, t)
+            out.length = queue.length("m")
+            local left = 0
+            for i = 1, 1000 do
+                for _, m in ipairs({"d", "m", "l"}) do
+                    if d:get("q:m:" .. m .. gone[i]) ~= nil then left = left + 1 end
+                end
+            end
+            out.marks_left = left
+            queue.leave("m", waiter, t)
+            out.count = d:get("qc:m")
+            -- a ticket uncounted twice (its once-only mark evicted) leaves the count at 0
+            local x = queue.join("m", 0.02)
+            queue.leave("m", x, t)
+            d:delete("q:m:l" .. x)
+            queue.leave("m", x, t)
+            out.count_twice = d:get("qc:m")
+            return out
+    """)
+    assert got["before"] == 1000
+    assert got["ahead"] == 0 and got["looks"] <= 20
+    assert got["length"] == 1 and got["marks_left"] == 0
+    assert got["count"] == 0 and got["count_twice"] == 0
+
+
 def test_tail_prediction_has_a_prior_bounds_decay_and_the_max_tokens_cap(workdir: Path) -> None:
     got = run(workdir, """
             local out = {}

@@ -49,7 +49,9 @@ def _own_cluster(settings: Settings, workdir: Path, stack: procs.ProcessSet) -> 
     new random password, append-only files under ``workdir/redis-cluster``
     (:func:`controlplane.redisdb.localcluster.start_local_cluster`); point
     ``settings.redis.url`` at it and return the banner description. A node that dies is
-    not restarted: its replica takes over, as in a real cluster. Raises
+    restarted like the stack's other parts, on its port and from its files (it comes
+    back before ``cluster-node-timeout`` runs out, so its replica is not promoted); a
+    node that hangs is failed over by its replica. Raises
     :class:`controlplane.procs.StartError`."""
     _say("starting a Redis Cluster (3 masters + 3 replicas, this stack's own, with a password)")
     cluster = start_local_cluster(workdir / "redis-cluster", persistent=True,

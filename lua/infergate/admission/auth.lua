@@ -268,7 +268,7 @@ function _M.step(req)
     local digest = value and digests:get(value)
     if not digest then
         local token = _M.bearer(value)
-        if not token and value and value:find("%S") then
+        if not token and value and value:find("%S") and not value:find("^%s*[Bb][Ee][Aa][Rr][Ee][Rr]%s*$") then
             return unauthorized("The Authorization header must name the Bearer scheme: "
                 .. "'Authorization: Bearer YOUR_KEY' (the value sent has no 'Bearer ' "
                 .. "before the key, or more than one word after it).")

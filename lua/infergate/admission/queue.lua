@@ -8,9 +8,12 @@
 -- itself done; whoever sees the head done moves the head on, once per ticket (an atomic
 -- add of "q:<pool>:x<t>" decides). A waiting request refreshes its "alive" key every
 -- poll (TTL alive_ttl_s): a ticket whose worker died is no longer alive and is passed
--- over ALIVE_GRACE_S after it was first seen so, so the queue never sticks. "qc:<pool>"
--- counts the tickets still waiting (a ticket that left behind a waiting head is not
--- waiting any more, though the head has not passed it yet).
+-- over ALIVE_GRACE_S after it was first seen so, so the queue never sticks (a run of
+-- such tickets after one grace: a flood that filled the dict may have evicted the marks
+-- of thousands). "qc:<pool>" counts the tickets still waiting (a ticket that left behind
+-- a waiting head is not waiting any more, though the head has not passed it yet). A
+-- ticket's marks are deleted when the head passes it, except the 2 s once-only mark, so
+-- the keys held stay about the queue's length, however many requests went through.
 local config = require("infergate.core.config")
 local ngxapi = require("infergate.core.ngxapi")
 
@@ -21,7 +24,7 @@ local ngx_now = ngxapi.now
 
 _M.ALIVE_GRACE_S = 1
 local DONE_TTL_S = 120        -- a ticket's "done" mark, until the head passes it
-local PASSED_TTL_S = 10       -- the once-only mark of a ticket the head passed
+local PASSED_TTL_S = 2        -- the once-only mark of a ticket the head passed
 local ADVANCE_MAX = 64        -- tickets passed over per call at most
 
 local keys = {}
@@ -51,8 +54,18 @@ function _M.empty(pool)
     return (d:get(k.h) or 1) > (d:get(k.n) or 0)
 end
 
--- Whether ticket h is gone without leaving (its worker died): not alive, first seen so
--- ALIVE_GRACE_S ago.
+-- Marks ticket t seen neither alive nor done at `at` (kept when it has a mark already).
+local function mark(d, k, t, at)
+    if t <= (d:get(k.n) or 0) and not d:get(k.pre .. "a" .. t) and not d:get(k.pre .. "d" .. t) then
+        d:add(k.pre .. "m" .. t, at, DONE_TTL_S)
+    end
+end
+
+-- Whether ticket h is gone without leaving (its worker died, or its marks were evicted
+-- from a full dict): not alive, first seen so ALIVE_GRACE_S ago. The first look at a
+-- ticket seen so also marks the next ADVANCE_MAX tickets that are neither alive nor
+-- done, and each ticket passed so marks the one ADVANCE_MAX + 1 further with its own
+-- time: a run of such tickets is passed after one grace, not one grace each.
 local function lost(d, k, h, now)
     if d:get(k.pre .. "a" .. h) then
         return false
@@ -60,15 +73,26 @@ local function lost(d, k, h, now)
     local seen = d:get(k.pre .. "m" .. h)
     if not seen then
         d:set(k.pre .. "m" .. h, now, DONE_TTL_S)
+        for t = h + 1, h + ADVANCE_MAX do
+            mark(d, k, t, now)
+        end
         return false
     end
-    return now - seen >= _M.ALIVE_GRACE_S
+    if now - seen >= _M.ALIVE_GRACE_S then
+        mark(d, k, h + ADVANCE_MAX + 1, seen)
+        return true
+    end
+    return false
 end
 
--- Ticket t stops counting as waiting (once, however often it is called).
+-- Ticket t stops counting as waiting (once, however often it is called; the count never
+-- goes below 0).
 local function uncount(d, k, t)
     if d:add(k.pre .. "l" .. t, true, DONE_TTL_S) then
-        d:incr(k.c, -1, 1)
+        local c = d:incr(k.c, -1, 1)
+        if c and c < 0 then
+            d:incr(k.c, -c)
+        end
     end
 end
 
@@ -89,6 +113,7 @@ local function advance(d, k, now)
             d:incr(k.h, 1, 1)
             d:delete(k.pre .. "d" .. h)
             d:delete(k.pre .. "m" .. h)
+            d:delete(k.pre .. "l" .. h)   -- passed: only the short "x" mark is left
         end
     end
     return d:get(k.h) or 1
