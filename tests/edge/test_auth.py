@@ -10,6 +10,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -59,7 +60,10 @@ class HeaderUpstream:
                                            "message": {"role": "assistant", "content": "ok"}}],
                               "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        class Server(ThreadingHTTPServer):
+            request_queue_size = 128   # listen backlog (5 by default): bursts of requests
+
+        self.server = Server(("127.0.0.1", self.port), Handler)
         self.server.daemon_threads = True
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -307,6 +311,31 @@ def test_failed_lookups_are_limited_per_address(redis_server, upstream, edge_fac
     assert edge.status()["admission"]["auth_throttled"] >= 1000 - calls
     procs.wait_until(lambda: post(edge, "ig-later-bogus").status_code == 401,
                      2 / rate + 5, what="the address's budget to refill")
+
+
+def test_many_first_requests_of_a_valid_key_share_one_lookup(redis_server, upstream,
+                                                              edge_factory) -> None:
+    """A client starting many requests at once with a key the edge has not cached: one
+    Redis lookup answers them all, so none is taken from the address's budget of failed
+    lookups (each lookup in flight used to take one: past the burst, 429 auth_throttled
+    for a valid key)."""
+    r = redis_server.client()
+    key, _ = apikeys.create_key(r, "burst")
+    edge = edge_factory(auth_settings(redis_server.url, upstream.node(), fail_burst=5,
+                                      fail_rate_per_s=0.1))
+    before = _hget_calls(r)
+    start = threading.Barrier(30)
+
+    def first_use(_: int) -> int:
+        start.wait()
+        return post(edge, key).status_code
+
+    # Redis holds every command for 60 ms: all 30 lookups are in flight at once
+    r.execute_command("CLIENT", "PAUSE", 60, "ALL")
+    with ThreadPoolExecutor(30) as pool:
+        codes = list(pool.map(first_use, range(30)))
+    assert codes == [200] * 30, sorted(codes)[-3:]
+    assert _hget_calls(r) - before <= 4            # one per worker at most, not 30
 
 
 def test_redis_back_empty_known_keys_kept_revoked_refused(redis_server, upstream,

@@ -23,7 +23,9 @@
 -- (infergate.admission.auththrottle, auth.fail_burst / auth.fail_rate_per_s): past the
 -- budget a key without a cached answer gets 429 auth_throttled without a Redis call.
 -- 429, not 401: the key was not checked (it may be valid, e.g. a client behind the same
--- NAT as the attacker), and OpenAI clients retry a 429 after Retry-After.
+-- NAT as the attacker), and OpenAI clients retry a 429 after Retry-After. Requests that
+-- look up one uncached key at once share the first one's lookup (first_lookup below),
+-- so a client starting hundreds of requests with a valid key spends no budget.
 --
 -- Key store lost: when a key this edge knew as valid is missing from Redis, the marker
 -- keynames.apikeys_marker (set by every write of the keys) tells why. Present: the
@@ -140,6 +142,8 @@ local function decode(raw)
     return answers:set(raw, e)
 end
 
+local first_lookup, wait_for_answer
+
 local function cache_get(digest)
     local k = "k:" .. digest
     return decode(dict(true):get(k)) or decode(dict(false):get(k))
@@ -215,6 +219,38 @@ local function fetch(digest, e, now, o)
     return fresh
 end
 
+-- A key no entry is cached for, looked up by many requests at once (a client starting
+-- hundreds of requests with a key this edge has not seen): the first one asks Redis,
+-- the others wait for its answer, up to LOOKUP_WAIT_S, instead of each asking Redis and
+-- each taking from the address's budget of failed lookups (which would answer a valid
+-- key 429 auth_throttled). Returns the dict holding the lock when this request asks,
+-- false when another one does, nil without the dict.
+_M.LOOKUP_WAIT_S = 0.3
+local LOOKUP_POLL_S = 0.005
+
+function first_lookup(digest)
+    local d = ngx.shared[options.DICT_AUTH_FAIL]
+    if not d then
+        return nil
+    end
+    if d:add("lk:" .. digest, true, 1) then
+        return d
+    end
+    return false
+end
+
+-- The entry another request's lookup cached, or nil after LOOKUP_WAIT_S.
+function wait_for_answer(digest)
+    for _ = 1, _M.LOOKUP_WAIT_S / LOOKUP_POLL_S do
+        ngx.sleep(LOOKUP_POLL_S)
+        local e = cache_get(digest)
+        if e then
+            return e
+        end
+    end
+    return nil
+end
+
 -- Cache entry for a key digest: cached, fetched, or stale when Redis is down.
 -- addr: the client address, whose failed lookups are limited (nil: not limited).
 -- Returns the entry, or nil, err when the key cannot be checked ("throttled", wait_s
@@ -227,6 +263,16 @@ function _M.lookup(digest, now, o, addr)
             return e
         end
     end
+    local lock
+    if not e then
+        lock = first_lookup(digest)
+    end
+    if lock == false then
+        e = wait_for_answer(digest)
+        if e then
+            return e
+        end
+    end
     local charged = not (e and e.ok)
     if charged then
         local wait = throttle.take(addr, now, o)
@@ -235,6 +281,9 @@ function _M.lookup(digest, now, o, addr)
         end
     end
     local fresh, err = fetch(digest, e, now, o)
+    if lock then
+        lock:delete("lk:" .. digest)
+    end
     if charged and not (fresh and not fresh.ok) then
         throttle.refund(addr, now, o)  -- a valid key, or none could be checked
     end
