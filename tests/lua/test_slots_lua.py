@@ -183,10 +183,10 @@ def test_a_queue_whose_marks_were_evicted_catches_up_after_one_grace(workdir: Pa
             out.marks_left = left
             queue.leave("m", waiter, t)
             out.count = d:get("qc:m")
-            -- a ticket uncounted twice (its once-only mark evicted) leaves the count at 0
+            -- a ticket that leaves again after the head passed it is not uncounted twice
             local x = queue.join("m", 0.02)
+            local y = queue.join("m", 0.02)
             queue.leave("m", x, t)
-            d:delete("q:m:l" .. x)
             queue.leave("m", x, t)
             out.count_twice = d:get("qc:m")
             return out
@@ -194,7 +194,7 @@ def test_a_queue_whose_marks_were_evicted_catches_up_after_one_grace(workdir: Pa
     assert got["before"] == 1000
     assert got["ahead"] == 0 and got["looks"] <= 20
     assert got["length"] == 1 and got["marks_left"] == 0
-    assert got["count"] == 0 and got["count_twice"] == 0
+    assert got["count"] == 0 and got["count_twice"] == 1      # y still waits
 
 
 def test_tail_prediction_has_a_prior_bounds_decay_and_the_max_tokens_cap(workdir: Path) -> None:

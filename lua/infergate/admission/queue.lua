@@ -86,8 +86,12 @@ local function lost(d, k, h, now)
 end
 
 -- Ticket t stops counting as waiting (once, however often it is called; the count never
--- goes below 0).
+-- goes below 0). A ticket the head passed was uncounted before (it had left, or was
+-- lost), and its once-only mark is gone: nothing to do.
 local function uncount(d, k, t)
+    if t < (d:get(k.h) or 1) then
+        return
+    end
     if d:add(k.pre .. "l" .. t, true, DONE_TTL_S) then
         local c = d:incr(k.c, -1, 1)
         if c and c < 0 then
