@@ -314,6 +314,17 @@ end
 
 local place
 
+-- A picked node that will not take the try: its half-open probe (probe) and the slot it
+-- held for the request (claimed) given back.
+function _M.give_back(node, probe, claimed)
+    if probe then
+        breaker.neutral(node.name, true)
+    end
+    if claimed then
+        stats.release({ node = node.name })
+    end
+end
+
 local function fail_no_node(req)
     req.no_node = true
     local ok = pcall(function() ngx.var.infergate_reason = "no_healthy_upstream" end)
@@ -382,12 +393,7 @@ function place(req, o, now, n, grant, first)
     end
     if not ok then
         log(ERR, "infergate: cannot use node ", node.name, " (", node.addr, ":", node.port, "): ", err)
-        if probe then
-            breaker.neutral(node.name, true)
-        end
-        if claimed then
-            stats.release({ node = node.name })
-        end
+        _M.give_back(node, probe, claimed)
         return place(req, o, now, n, grant, first)
     end
     local attempts = req.attempts

@@ -15,7 +15,6 @@
 local snapshot = require("infergate.routing.snapshot")
 local balancer = require("infergate.routing.balancer")
 local stats = require("infergate.routing.stats")
-local breaker = require("infergate.routing.breaker")
 local held = require("infergate.routing.held")
 local upstream = require("infergate.routing.upstream")
 local outlier = require("infergate.routing.outlier")
@@ -27,12 +26,7 @@ local _M = {}
 -- A node of the pick that cannot take the try: marked tried, what it held given back.
 local function skip(req, node, probe, claimed)
     req.tried[node.name] = true
-    if probe then
-        breaker.neutral(node.name, true)
-    end
-    if claimed then
-        stats.release({ node = node.name })
-    end
+    balancer.give_back(node, probe, claimed)
 end
 
 local function choose(req, t, now, n)
