@@ -131,12 +131,15 @@ function _M.log(req)
     vtc.charge(f.tenant, total - f.charged, f.weight)
 end
 
--- The fast 429 of a request whose flow already holds admission.tenant_queue_max.
+-- The fast 429 of a request whose flow already holds its bound (infergate.admission.
+-- fairqueue: admission.tenant_queue_max while another flow waits, ALONE_FACTOR times it
+-- alone).
 function _M.queue_full(o)
     return {
         status = 429,
         message = "Too many of this tenant's requests are waiting for capacity (at most "
-            .. tostring(o.tenant_queue_max) .. "); retry later.",
+            .. tostring(o.tenant_queue_max) .. " while other tenants wait, "
+            .. tostring(o.tenant_queue_max * fairqueue.ALONE_FACTOR) .. " alone); retry later.",
         type = "server_overloaded",
         code = "tenant_queue_full",
         headers = { ["Retry-After"] = tostring(o.retry_after_s) },
