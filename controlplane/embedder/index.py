@@ -146,6 +146,7 @@ class VectorStore:
         cluster = isinstance(self.r, redis.RedisCluster)
         pipe = self.r.pipeline(transaction=not cluster)
         at: list[tuple[int, int]] = []  # (item, position of its PTTL reply)
+        written: list[str] = []         # a cluster's hash keys, announced after the writes
         pos = 0
         for n, (it, vec, ettl) in enumerate(zip(items, vecs, entry_ttls)):
             ttl_ms = it.ttl_s * 1000
@@ -172,9 +173,20 @@ class VectorStore:
                 pipe.pttl(hk)  # what is in force now (an earlier, shorter TTL is kept)
                 at.append((n, pos + 2))
                 pos += 3
-            publish_vector(pipe, hk)
-            pos += 1
+            if cluster:
+                written.append(hk)
+            else:
+                publish_vector(pipe, hk)
+                pos += 1
         res = pipe.execute()
+        if written:
+            # A cluster pipeline sends each node its share in turn, so an SPUBLISH queued
+            # with the writes can reach a follower before the hash it names exists on
+            # another shard: announce only once every write has been answered.
+            pub = self.r.pipeline(transaction=False)
+            for hk in written:
+                publish_vector(pub, hk)
+            pub.execute()
         for n, i in at:
             pttl = res[i]
             if isinstance(pttl, int) and pttl > 0:
