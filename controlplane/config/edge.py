@@ -128,6 +128,12 @@ class EdgeSettings(_Section):
     reports it ``stalled`` instead of busy; 0 = off."""
     stall_min_s: float = Field(default=1.5, ge=0.2, le=3600)
     """Floor of the stall threshold above, seconds."""
+    liveness_check: bool = True
+    """Before a node found stalled or a TTFB outlier gets a client request as its
+    half-open probe, the edge asks it ``GET /health`` itself (plain http nodes given by
+    IP): a frozen process, which accepts connections and answers nothing, then gets no
+    client request at all until it answers (any HTTP status), for at most 30 s after it
+    was found silent. false = the half-open probes alone."""
     stall_first_byte_s: float = Field(default=10.0, ge=0, le=3600)
     """A stream sent to a node while another node is left to retry on reads with a
     timeout of at least this many seconds (more when the node's usual time to first

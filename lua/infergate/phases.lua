@@ -34,6 +34,7 @@ local routing_balancer = require("infergate.routing.balancer")
 local models = require("infergate.routing.models")
 local upstream = require("infergate.routing.upstream")
 local stall = require("infergate.routing.stall")
+local liveness = require("infergate.routing.liveness")
 local auth = require("infergate.admission.auth")
 local inputguard = require("infergate.admission.inputguard")
 local ratelimit = require("infergate.admission.ratelimit")
@@ -182,10 +183,14 @@ function _M.init()
     return true
 end
 
--- init_worker_by_lua: the snapshot sync timer and the flush timer (writes to Redis).
+-- init_worker_by_lua: the snapshot sync timer, the flush timer (writes to Redis) and, on
+-- worker 0, the liveness checks of silent nodes.
 function _M.init_worker()
     snapshot.init_worker()
     flush.init_worker(pool)
+    liveness.init_worker(function()
+        return snapshot.refresh().nodes
+    end, stall.threshold)
 end
 
 -- access_by_lua (see ACCESS).

@@ -211,6 +211,48 @@ def test_a_probe_of_a_node_still_hung_is_retried_in_time(tiny_upstreams, redis_s
         pool.shutdown(wait=True)
 
 
+def test_a_frozen_node_gets_no_probe_until_it_answers_a_liveness_check(
+        tiny_upstreams, redis_server, edge_factory) -> None:
+    """A frozen process (it accepts connections, answers nothing, GETs included) found an
+    outlier gets no client request as a probe: the edge asks it GET /health itself, and
+    only once that is answered does a probe go, and the node is back."""
+    a, b = tiny_upstreams(names=["a", "b"])
+    edge = edge_factory(edge_settings(redis_server.url, [a.node_settings(), b.node_settings()],
+                                      outlier_ttfb_min_s=MIN_S, outlier_stream_ttfb_min_s=MIN_S,
+                                      outlier_ttfb_factor=FACTOR, read_timeout_ms=15000))
+    for _ in range(10):
+        assert _post(edge).status_code == 200
+    threshold = _threshold(edge, "a")
+    a.mode = "frozen"
+    pool = ThreadPoolExecutor(8)
+    try:
+        stuck = _stick_one(pool, edge, a, b, 10)
+        _until_past(threshold, time.monotonic())
+        assert _post(edge).headers["X-Infergate-Node"] == "b"   # finds a an outlier
+        assert edge.node_status("a")["outlier"] is True
+        a.release()                      # the stuck request ends unanswered (retried on b)
+        for f in stuck:
+            assert f.result(timeout=20).status_code == 200
+        _wait(lambda: a.inflight == 0)
+        a.hold()                         # frozen again: checks hang, no probe goes
+        hits, gets = a.hits, a.gets
+        # past the outlier flag's life (3 x threshold, when a probe used to go), with
+        # checks asked and unanswered
+        until = time.monotonic() + 3 * threshold + 1.0
+        while time.monotonic() < until or (a.gets < gets + 2 and time.monotonic() < until + 10):
+            res = _post(edge)
+            assert res.status_code == 200 and res.headers["X-Infergate-Node"] == "b"
+        assert a.hits == hits, "a client request went to the frozen node"
+        # it thaws: the next check is answered, a probe goes, the node is back
+        a.mode = "ok"
+        a.release()
+        _wait(lambda: "a" in {_post(edge).headers["X-Infergate-Node"] for _ in range(5)}, 20)
+        assert "answers its liveness check" in edge.error_log()
+    finally:
+        a.release()
+        pool.shutdown(wait=True)
+
+
 def test_a_slow_answer_clears_the_outlier_at_once(pair) -> None:
     edge, a, b = pair
     for _ in range(10):

@@ -210,3 +210,38 @@ def test_a_stream_count_left_behind_cannot_make_an_idle_node_stalled(workdir: Pa
             return {blocked(1010), stall.flagged("n", 0)}
     """)
     assert got == [False, False]
+
+
+def test_a_silent_node_gets_no_probe_before_it_answers_a_liveness_check(workdir: Path) -> None:
+    """infergate.routing.liveness: a plain http node found stalled gets its half-open
+    probe only once it answered a check made after the finding, or HOLD_MAX_S after it;
+    https nodes and nodes without an IP are never held."""
+    got = run(workdir, """
+            local liveness = require("infergate.routing.liveness")
+            local out = {}
+            local t0 = 1000
+            local hn = {name = "n", scheme = "http", addr = "127.0.0.1", port = 9}
+            local req, att = req_on("n", t0, true)
+            stall.byte(req, t0 + 0.1)
+            out.found = outlier.is_outlier(hn, t0 + 1.5)
+            stats.close_attempt(att, "neutral", t0 + 1.6)
+            outlier.finished(att, t0 + 1.6)
+            d:delete("sl:n")                              -- the flag expired
+            out.held = outlier.is_outlier(hn, t0 + 10)
+            out.wanted = d:get("lw:n") == d:get("ss:n")
+            out.tls = outlier.is_outlier({name = "n", scheme = "https", addr = "127.0.0.1",
+                                          port = 9}, t0 + 10)
+            out.by_name = outlier.is_outlier({name = "n", scheme = "http", port = 9}, t0 + 10)
+            d:set("la:n", d:get("ss:n") - 1)              -- an answer from before the finding
+            out.old_answer = outlier.is_outlier(hn, t0 + 10)
+            out.past_hold = outlier.is_outlier(hn, d:get("ss:n") + liveness.HOLD_MAX_S + 1)
+            d:set("la:n", t0 + 9)                         -- answered after the finding
+            out.answered = outlier.is_outlier(hn, t0 + 10)
+            out.timeouts = {liveness.timeout(0.2), liveness.timeout(1.5), liveness.timeout(40)}
+            return out
+    """)
+    assert got["found"] is True and got["held"] is True and got["wanted"] is True
+    assert got["tls"] is False and got["by_name"] is False
+    assert got["old_answer"] is True and got["past_hold"] is False
+    assert got["answered"] is False
+    assert got["timeouts"] == [1, 1.5, 5]

@@ -29,7 +29,8 @@ class TinyUpstream:
     """An in-process OpenAI-compatible HTTP server on a free port.
 
     ``mode``: ``ok`` (answer), ``fail`` (500 JSON), ``busy`` (429), ``hang`` (never
-    answer until released or stopped), ``stall`` (as ``hang``, but a stream gets its
+    answer until released or stopped), ``frozen`` (as ``hang``, GETs too: a stopped
+    process whose kernel still accepts connections), ``stall`` (as ``hang``, but a stream gets its
     headers at once, as from vLLM whose engine hangs), ``garbage`` (non-HTTP bytes, then
     close), ``close_reused`` (answer the first request of a connection; close a kept-alive
     connection when a later request arrives on it, as a server that dropped an idle
@@ -38,7 +39,7 @@ class TinyUpstream:
     chunks ``chunk_interval_s`` apart (and, with ``stream_options.include_usage``, a
     last chunk with ``choices: []`` and the usage, as vLLM sends it). ``gate``: when set (a threading.Event), streams
     wait for it before their last chunk. ``hits`` counts inference requests,
-    ``inflight`` the ones being answered. Answers carry ``X-Sim-Node`` and
+    ``inflight`` the ones being answered, ``gets`` the GET requests. Answers carry ``X-Sim-Node`` and
     ``system_fingerprint`` = name. ``gzip``: non-streamed JSON answers are gzip-compressed
 for a request that accepts it (as a node behind a compressing proxy answers);
 ``accept_encodings`` holds every POST's Accept-Encoding (None without one). ``stop()``
@@ -53,6 +54,7 @@ closes the port (connections refused)."""
         self.gate: threading.Event | None = None
         self.hits = 0
         self.inflight = 0
+        self.gets = 0
         self.bodies: list[bytes] = []
         self.request_ids: list[str | None] = []
         """X-Request-Id of every POST, in arrival order."""
@@ -114,6 +116,12 @@ closes the port (connections refused)."""
                 self.wfile.write(body)
 
             def do_GET(self) -> None:
+                with upstream._lock:
+                    upstream.gets += 1
+                if upstream.mode == "frozen":
+                    upstream._released.wait(60)
+                    self.close_connection = True
+                    return
                 if self.path == "/v1/models":
                     self._send(200, {"object": "list", "data": [
                         {"id": "tiny", "object": "model", "created": 0, "owned_by": upstream.name}]})
@@ -147,7 +155,7 @@ closes the port (connections refused)."""
                     return
                 if upstream.delay_s:
                     time.sleep(upstream.delay_s)
-                if mode == "hang":
+                if mode in ("hang", "frozen"):
                     upstream._released.wait(60)
                     self.close_connection = True
                     return

@@ -26,7 +26,8 @@
 -- first byte since ("os:<node>" newer than "fb:<node>") gets one request of this edge at
 -- a time (an outlier while it has any in flight), like a half-open breaker; each such
 -- probe that waited past the threshold and ended without a first byte keeps the node
--- out for min(PROBE_BACKOFF_MAX_S, threshold x 2^probes) more, so a node that hangs for
+-- out for min(PROBE_BACKOFF_MAX_S, threshold x 2^probes) more (and no probe goes before
+-- the node answers a liveness check, infergate.routing.liveness), so a node that hangs for
 -- good costs a few requests, not one per request deadline. A probe with another node to
 -- retry on waits only part of its time (probe_threshold, and
 -- infergate.admission.deadline.probe_read): a probe of a node still hung is then retried
@@ -61,6 +62,7 @@ local ngx_now = ngxapi.now
 local stats = require("infergate.routing.stats")
 local speed = require("infergate.routing.speed")
 local stall = require("infergate.routing.stall")
+local liveness = require("infergate.routing.liveness")
 local ring = require("infergate.routing.ring")
 local guard = require("infergate.routing.guard")
 
@@ -257,6 +259,9 @@ function _M.is_outlier(node, now, o)
         end
         local until_s = d:get("ou:" .. name)
         if until_s and now < until_s then
+            return true
+        end
+        if liveness.holds(node, seen, now, o) then
             return true
         end
     end

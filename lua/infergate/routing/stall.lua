@@ -14,7 +14,8 @@
 -- (infergate.routing.outlier).
 --
 -- A node found stalled and silent since then ("ss:<node>" newer than "lb:<node>") is
--- half-open: one request of this edge at a time (none while any is in flight), and a
+-- half-open: one request of this edge at a time (none while any is in flight, nor before
+-- the node answers a liveness check, infergate.routing.liveness), and a
 -- probe that ended without a byte after waiting past the threshold keeps it out for
 -- min(PROBE_BACKOFF_MAX_S, threshold x 2^probes) more. A probe with another node to retry
 -- on waits for its first byte only twice the larger of this threshold and its TTFB
@@ -47,6 +48,7 @@
 local config = require("infergate.core.config")
 local ngxapi = require("infergate.core.ngxapi")
 local ring = require("infergate.routing.ring")
+local liveness = require("infergate.routing.liveness")
 local ngx_now = ngxapi.now
 
 local _M = {}
@@ -214,6 +216,9 @@ function _M.is_stalled(node, now, o, inflight)
         end
         local until_s = d:get("su:" .. name)
         if until_s and now < until_s then
+            return true
+        end
+        if liveness.holds(node, ss, now, o) then
             return true
         end
     end

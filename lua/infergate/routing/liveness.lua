@@ -1,0 +1,161 @@
+-- Liveness check of a silent node: a node found stalled mid-stream
+-- (infergate.routing.stall) or a TTFB outlier (infergate.routing.outlier), and silent
+-- since, would next get a client request as its half-open probe. A frozen process
+-- (SIGSTOP, a machine paused) accepts connections and answers nothing, so each such probe
+-- costs its client the wait before its retry. Before that probe, the edge asks the node
+-- itself: one `GET /health` over a new connection, from worker 0's liveness timer, at
+-- most one at a time per node. Any HTTP status line is an answer (a 404 or a 503 from a
+-- busy engine shows the process is running): from then on the half-open probes go as
+-- before, and a node that answers them is back. With no answer the node keeps getting
+-- no request, for at most HOLD_MAX_S after it was found silent; then the probes go
+-- anyway (a node that never answers the check is not kept out for good). A node that
+-- resumes sends bytes on the streams it holds and is back at once, check or not.
+-- https nodes, nodes reached by name and edge.liveness_check = false: no check, the
+-- half-open probes alone (as before).
+--
+-- Shared dict infergate_stats (all workers):
+--   "lw:<node>"  epoch s of the finding a check is wanted for (set by the balancer, TTL
+--                HOLD_MAX_S)
+--   "la:<node>"  epoch s of the node's last answer to a check
+--   "lc:<node>"  a check in flight or its pause running (TTL: the check's timeout)
+--
+-- holds(node, since, now, o)  balancer phase (no I/O): true while the node waits for an
+--                             answer to a check
+-- tick(nodes, o, threshold)   worker 0's timer: one check per node that waits, in parallel
+-- init_worker()               the timer (worker 0 only)
+local config = require("infergate.core.config")
+local ngxapi = require("infergate.core.ngxapi")
+local ngx_now = ngxapi.now
+
+local _M = {}
+
+local shared = ngx.shared
+local log = ngx.log
+local WARN = ngx.WARN
+
+_M.HOLD_MAX_S = 30
+_M.TICK_S = 0.25
+_M.TIMEOUT_MIN_S = 1
+_M.TIMEOUT_MAX_S = 5
+_M.PATH = "/health"
+
+local function dict()
+    return shared[config.DICT_STATS]
+end
+
+local function checkable(node, o)
+    return o.edge.liveness_check ~= false and node.scheme == "http" and node.addr ~= nil
+end
+
+-- True when node `node`, found silent at epoch s `since`, gets no probe yet: no answer
+-- to a check since then, within HOLD_MAX_S of the finding. Asks worker 0 for a check.
+function _M.holds(node, since, now, o)
+    o = o or config.get()
+    if not since or not checkable(node, o) or now - since > _M.HOLD_MAX_S then
+        return false
+    end
+    local d = dict()
+    local name = node.name
+    local la = d:get("la:" .. name)
+    if la and la >= since then
+        return false
+    end
+    if d:get("lw:" .. name) ~= since then
+        d:set("lw:" .. name, since, _M.HOLD_MAX_S)
+    end
+    return true
+end
+
+-- Timeout (s) of a check: the node's stall threshold, bounded.
+function _M.timeout(thr)
+    if thr < _M.TIMEOUT_MIN_S then
+        return _M.TIMEOUT_MIN_S
+    end
+    return thr > _M.TIMEOUT_MAX_S and _M.TIMEOUT_MAX_S or thr
+end
+
+-- One check of `node` (timeout `t` s); true when it answered an HTTP status line.
+function _M.check(node, t)
+    local sock = ngx.socket.tcp()
+    local ms = math.floor(t * 1000)
+    sock:settimeouts(ms, ms, ms)
+    local ok, err = sock:connect(node.addr, node.port)
+    if not ok then
+        return nil, err
+    end
+    local host = node.host or node.addr
+    ok, err = sock:send("GET " .. _M.PATH .. " HTTP/1.1\r\nHost: " .. host .. ":" .. node.port
+        .. "\r\nUser-Agent: infergate-liveness\r\nConnection: close\r\n\r\n")
+    if not ok then
+        sock:close()
+        return nil, err
+    end
+    local line
+    line, err = sock:receive("*l")
+    sock:close()
+    if line and line:match("^HTTP/%d") then
+        return true
+    end
+    return nil, err or "not an HTTP answer"
+end
+
+local function run_check(node, since, t)
+    local ok, err = _M.check(node, t)
+    local d = dict()
+    if ok then
+        d:set("la:" .. node.name, ngx_now(), _M.HOLD_MAX_S)
+        log(WARN, "infergate: node ", node.name, " answers its liveness check: probes resume")
+    elseif d:get("lw:" .. node.name) == since then
+        log(WARN, "infergate: node ", node.name, " silent and no answer to its liveness check",
+            " within ", t, " s: ", err or "?")
+    end
+end
+
+-- Start a check of every node that waits for one, and wait for them all.
+function _M.tick(nodes, o, threshold)
+    local d = dict()
+    local threads = {}
+    for _, node in ipairs(nodes) do
+        local since = d:get("lw:" .. node.name)
+        if since and checkable(node, o) then
+            local la = d:get("la:" .. node.name)
+            local t = _M.timeout(threshold(node.name, o))
+            if (not la or la < since) and d:add("lc:" .. node.name, true, t) then
+                threads[#threads + 1] = ngx.thread.spawn(run_check, node, since, t)
+            end
+        end
+    end
+    for _, th in ipairs(threads) do
+        ngx.thread.wait(th)
+    end
+    return #threads
+end
+
+local running = false
+
+-- init_worker_by_lua: the liveness timer, on worker 0 only. `nodes()` -> the node table,
+-- `threshold(name, o)` -> the node's stall threshold (s).
+function _M.init_worker(nodes, threshold)
+    local id = ngx.worker.id()
+    if id ~= nil and id ~= 0 then
+        return
+    end
+    local function tick(premature)
+        if premature or running then
+            return
+        end
+        running = true
+        local o = config.get()
+        local ok, err = pcall(_M.tick, nodes(), o, threshold)
+        if not ok then
+            log(WARN, "infergate: liveness checks failed: ", err)
+        end
+        running = false
+    end
+    local ok, err = ngx.timer.every(_M.TICK_S, tick)
+    if not ok then
+        log(WARN, "infergate: cannot start the liveness timer: ", err)
+    end
+end
+
+return _M
