@@ -329,13 +329,14 @@ def block_semantic_burst(results: Path) -> str:
     return out
 
 
-def block_realnode_compare(results: Path) -> str:
-    """``python -m bench.realnode compare``'s tables (means over repeats, noise)."""
+def block_realnode_compare(results: Path, name: str = "realnode_compare") -> str:
+    """``python -m bench.realnode compare``'s tables (means over repeats, noise; the
+    freeze runs), from ``<name>.json`` and its ``.meta.json``."""
     from .realnode import compare_stats
 
-    data = load(results, "realnode_compare.json")
-    meta = load(results, "realnode_compare.meta.json")
-    return (provenance("realnode_compare.json", meta) + "\n\n"
+    data = load(results, f"{name}.json")
+    meta = load(results, f"{name}.meta.json")
+    return (provenance(f"{name}.json", meta) + "\n\n"
             + _fenced(compare_stats.report_text(data, meta)))
 
 
@@ -382,6 +383,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "scheduler_guard_openai": lambda r: _scheduler(r, "scheduler_guard_openai"),
     "scheduler_guard_prefix": lambda r: _prefix(r, "scheduler_guard_prefix"),
     "realnode_compare": block_realnode_compare,
+    "realnode_freeze": lambda r: block_realnode_compare(r, "realnode_freeze"),
     "edge_overhead": block_edge_overhead,
     "admission": block_admission,
     "redis_cluster": block_redis_cluster,

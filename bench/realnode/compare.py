@@ -5,7 +5,9 @@ Starts the pool (default: one llama-server with 1 slot and one with 3, 1 thread 
 infergate (Redis + control plane; the nodes given by URL alone) and measures the pool's
 capacity with a short closed-loop calibration run. Then, for each load (fractions of
 that capacity, steady Poisson arrivals) and for a burst after a quiet spell, it sends
-the same seeded streaming requests through each strategy, the strategies interleaved
+the same seeded streaming requests through each strategy (with ``--freeze`` also a run
+in which one node is SIGSTOPped for longer than the deadline: :class:`Freeze`), the
+strategies interleaved
 (least_conn, infergate, least_conn, infergate, ...) so that a change in the machine's
 load hits both alike. nginx is started fresh for every run. Prints the table (means over
 the repeats), the noise (spread between repeats of one strategy) and writes
@@ -22,6 +24,7 @@ import argparse
 import asyncio
 import os
 import shlex
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -36,12 +39,15 @@ from bench.realnode.compare_load import NodeSamples, burst_workload, sample_node
 from bench.realnode.compare_stack import (PoolNode, calibrate, pool_detected, pool_idle,
                                           start_infergate, start_pool)
 from bench.scheduler.loadgen import RunOutput, run_load
+from bench.scheduler.shapes import access_tries, freeze_figures
 from bench.scheduler.stack import EdgeRun, InfergateStack
 from bench.scheduler.workload import LengthDist, RequestMix, Workload
 from controlplane import procs
 
 NAME = "realnode_compare"
 STRATEGIES = ("least_conn", "infergate", "round_robin")
+#: Load of the freeze run (``--freeze``): the other nodes can carry it alone.
+FREEZE_LOAD = 0.5
 #: Prompts longer than this (characters) are left out: the load is of short prompts.
 MAX_PROMPT_CHARS = 300
 
@@ -87,10 +93,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="arrival window of each run, seconds (default 30)")
     p.add_argument("--loads", type=_loads, default=[0.5, 0.9, 1.2],
                    help="steady loads, fractions of the measured capacity (default 0.5,0.9,1.2)")
+    p.add_argument("--steady", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the steady loads (default on; --no-steady: the burst and the "
+                   "freeze alone)")
     p.add_argument("--burst", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the burst after a quiet spell (default on)")
     p.add_argument("--burst-size", type=float, default=3.0,
                    help="burst = this many seconds of pool capacity, sent within 1 s (default 3)")
+    p.add_argument("--freeze", action=argparse.BooleanOptionalAction, default=False,
+                   help="also run a node freeze: steady at --freeze-load, the node with the "
+                   "most slots SIGSTOPped a quarter into the window (default off)")
+    p.add_argument("--freeze-load", type=float, default=FREEZE_LOAD,
+                   help=f"load of the freeze run, fraction of the capacity (default {FREEZE_LOAD})")
+    p.add_argument("--freeze-s", type=float, default=None,
+                   help="how long the node stays frozen, seconds (default: the deadline + 5)")
     p.add_argument("--repeats", type=int, default=2, help="runs per strategy and load (default 2)")
     p.add_argument("--strategies", type=_strategies, default=["least_conn", "infergate"],
                    help="comma list, run in this order (default least_conn,infergate)")
@@ -109,20 +125,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (configs, logs)")
 
 
-def plan_runs(loads: list[float], burst: bool, repeats: int,
-              strategies: list[str]) -> list[tuple[str, float | None, int, str]]:
+def plan_runs(loads: list[float], burst: bool, repeats: int, strategies: list[str],
+              freeze: float | None = None) -> list[tuple[str, float | None, int, str]]:
     """(scenario, load fraction or ``None`` for the burst, repeat, strategy) in run order:
-    per load, the strategies interleaved repeat by repeat (A, B, A, B, ...)."""
+    per load, the strategies interleaved repeat by repeat (A, B, A, B, ...); the freeze
+    run (at load ``freeze``, when given) last."""
     steps: list[tuple[str, float | None]] = [("steady", f) for f in loads]
     if burst:
         steps.append(("burst", None))
+    if freeze is not None:
+        steps.append(("freeze", freeze))
     return [(sc, f, rep, s) for sc, f in steps for rep in range(1, repeats + 1) for s in strategies]
 
 
 def make_workload(mix: RequestMix, scenario: str, frac: float | None, capacity: float,
                   args: argparse.Namespace) -> Workload:
     """The arrivals of one scenario (steady at ``frac`` x ``capacity``, or the burst)."""
-    if scenario == "steady":
+    if scenario in ("steady", "freeze"):
         assert frac is not None
         return mix.workload(frac * capacity, args.duration)
     size = max(1, round(args.burst_size * capacity))
@@ -130,15 +149,23 @@ def make_workload(mix: RequestMix, scenario: str, frac: float | None, capacity: 
                           burst_size=size, seed=args.seed)
 
 
-async def one_run(url: str, wl: Workload, deadline_s: float,
-                  nodes: list[PoolNode]) -> tuple[RunOutput, NodeSamples]:
+async def _send_indexed(session, url: str, req, deadline_s: float,  # type: ignore[no-untyped-def]
+                        lag_s: float = 0.0):
+    """:func:`send_real` with ``?i=<index>`` on the URL (the edge's access log then ties
+    every try to the request)."""
+    return await send_real(session, f"{url}?i={req.idx}", req, deadline_s, lag_s)
+
+
+async def one_run(url: str, wl: Workload, deadline_s: float, nodes: list[PoolNode],
+                  on_time: list | None = None) -> tuple[RunOutput, NodeSamples]:
     """Send ``wl`` to ``url`` (open loop, :func:`send_real`) while sampling the nodes'
-    ``/metrics`` every 0.5 s."""
+    ``/metrics`` every 0.5 s; ``on_time`` as :func:`bench.scheduler.loadgen.run_load`."""
     samples = NodeSamples()
     stop = asyncio.Event()
     sampler = asyncio.create_task(sample_nodes({n.name: n.url for n in nodes}, 0.5, stop, samples))
     try:
-        out = await run_load(url, wl, deadline_s, {}, sample_interval_s=1.0, send=send_real)
+        out = await run_load(url, wl, deadline_s, {}, sample_interval_s=1.0,
+                             on_time=on_time, send=_send_indexed)
     finally:
         stop.set()
         await sampler
@@ -162,7 +189,8 @@ def run_plan(stack: Stack, nodes: list[PoolNode], base: InfergateStack | None,
              mix: RequestMix, capacity: float, args: argparse.Namespace,
              slow_start_until: float, save) -> list[dict]:
     """Every run of :func:`plan_runs`; ``save(runs)`` after each."""
-    plan = plan_runs(args.loads, args.burst, args.repeats, args.strategies)
+    plan = plan_runs(args.loads if args.steady else [], args.burst, args.repeats, args.strategies,
+                     args.freeze_load if args.freeze else None)
     rconn = redis.Redis.from_url(base.redis_url, socket_timeout=2,
                                  decode_responses=True) if base else None
     slots = {n.name: n.slots for n in nodes}
@@ -174,9 +202,14 @@ def run_plan(stack: Stack, nodes: list[PoolNode], base: InfergateStack | None,
         wl = workloads[(scenario, frac)]
         _settle(nodes, rconn, strategy, slow_start_until)
         edge = EdgeRun(stack, strategy, nodes, 1.0, base, f"{i:02d}-{scenario}-{strategy}")  # type: ignore[arg-type]
+        freeze = Freeze(edge, nodes, args) if scenario == "freeze" else None
         try:
-            out, samples = asyncio.run(one_run(edge.url, wl, args.deadline, nodes))
+            out, samples = asyncio.run(one_run(edge.url, wl, args.deadline, nodes,
+                                               freeze.on_time() if freeze else None))
+            extra = freeze.figures(wl, out.results) if freeze else {}
         finally:
+            if freeze:
+                freeze.thaw_now()
             edge.stop()
         head = {"scenario": scenario, "strategy": strategy, "repeat": rep,
                 "load_fraction": round(frac if frac is not None else wl.rate_rps / capacity, 3),
@@ -184,6 +217,7 @@ def run_plan(stack: Stack, nodes: list[PoolNode], base: InfergateStack | None,
                 "window_s": args.duration, "loadavg_1m": round(os.getloadavg()[0], 2)}
         rec = cs.run_record(out.results, head=head, deadline_s=args.deadline,
                             window_s=args.duration, samples=samples, slots=slots)
+        rec.update(extra)
         rec["edge_errors"] = edge.error_lines(3)
         runs.append(rec)
         save(runs)
@@ -196,12 +230,73 @@ def run_plan(stack: Stack, nodes: list[PoolNode], base: InfergateStack | None,
     return runs
 
 
+class Freeze:
+    """The freeze of one run: the node with the most slots SIGSTOPped at a quarter of the
+    window for ``--freeze-s`` (default the deadline + 5 s), then SIGCONTed; the edge's
+    ``/infergate/status`` polled every 50 ms for when it shows the node stalled or a TTFB
+    outlier. Figures as :func:`bench.scheduler.shapes.freeze_figures` (times from the
+    freeze), plus ``found_after_s`` and ``freeze_s``."""
+
+    def __init__(self, edge: EdgeRun, nodes: list[PoolNode], args: argparse.Namespace) -> None:
+        self.edge = edge
+        self.victim = max(nodes, key=lambda n: n.slots)
+        self.t_f = args.duration / 4
+        self.t_t = self.t_f + (args.freeze_s if args.freeze_s else args.deadline + 5.0)
+        self.frozen = False
+        self.found: float | None = None
+
+    def _signal(self, sig: int) -> None:
+        managed = self.victim.node.managed
+        if managed is not None:
+            managed.signal(sig)
+
+    def on_time(self) -> list:
+        """(s from the start, coroutine function) pairs for ``run_load``."""
+        async def freeze() -> None:
+            self.frozen = True
+            self._signal(signal.SIGSTOP)
+
+        async def thaw() -> None:
+            self.thaw_now()
+
+        async def watch() -> None:
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < self.t_t - self.t_f:
+                st = await asyncio.to_thread(self.edge.edge_status)
+                node = next((x for x in (st or {}).get("nodes", [])
+                             if x.get("name") == self.victim.name), {})
+                if node.get("stalled") or node.get("outlier"):
+                    self.found = round(time.monotonic() - t0, 2)
+                    return
+                await asyncio.sleep(0.05)
+        return [(self.t_f, freeze), (self.t_f, watch), (self.t_t, thaw)]
+
+    def thaw_now(self) -> None:
+        """SIGCONT the node if it is frozen."""
+        if self.frozen:
+            self._signal(signal.SIGCONT)
+            self.frozen = False
+
+    def figures(self, wl: Workload, results: list) -> dict:
+        """The freeze figures of the run (class docstring)."""
+        tries = access_tries((self.edge.error_log.parent / "access.log").read_text(
+            errors="replace"))
+        out = freeze_figures(wl, results, tries, f"127.0.0.1:{self.victim.port}",
+                             self.t_f, self.t_t)
+        out["frozen_node"] = self.victim.name
+        out["freeze_s"] = round(self.t_t - self.t_f, 2)
+        if self.edge.strategy == "infergate":
+            out["found_after_s"] = self.found
+        return out
+
+
 def _meta(args: argparse.Namespace, argv: list[str], prompts: int) -> dict:
     return {"benchmark": NAME, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "command": "python -m bench.realnode compare " + shlex.join(argv),
             "machine": machine_info(), "note": args.note,
             "nodes_slots": args.nodes, "threads": args.threads, "window_s": args.duration,
             "loads": args.loads, "burst": args.burst, "burst_size_s": args.burst_size,
+            "freeze": args.freeze, "freeze_load": args.freeze_load, "freeze_s": args.freeze_s,
             "repeats": args.repeats, "strategies": args.strategies, "deadline_s": args.deadline,
             "seed": args.seed, "prompt_count": prompts, "max_prompt_chars": MAX_PROMPT_CHARS,
             "output_tokens": asdict(LengthDist())}

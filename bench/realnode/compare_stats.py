@@ -247,6 +247,31 @@ def noise_line(runs: Sequence[dict]) -> str:
             f"p99 median {_num(p['median_spread_pct'])} %, max {_num(p['max_spread_pct'])} %")
 
 
+def freeze_table(runs: Sequence[dict]) -> str:
+    """The freeze runs (``--freeze``), one row each: requests, failures (timeouts +
+    errors + 429), the send times (s after the freeze) of the requests that tried the
+    frozen node while it was frozen, when the edge showed it stalled, and the failed
+    requests that never received a byte ("" when there is no freeze run)."""
+    rows = [r for r in runs if r["scenario"] == "freeze"]
+    if not rows:
+        return ""
+    cols = [("strategy", "strategy"), ("repeat", "repeat"), ("load", "load %"),
+            ("frozen_node", "frozen node"), ("freeze_s", "frozen s"), ("requests", "requests"),
+            ("failures", "failures"), ("goodput_rps", "goodput/s"), ("sends", "sent to frozen"),
+            ("at", "at s after the freeze"), ("found", "found stalled s"),
+            ("lost_no_byte", "lost no byte")]
+    out = []
+    for r in rows:
+        at = r.get("to_frozen_at_s") or []
+        out.append({**r, "load": _load_cell(r),
+                    "failures": r["timeouts"] + r["errors"] + r["rejected"],
+                    "sends": len(at),
+                    "at": " ".join(f"{x:g}" for x in at[:6]) + (" ..." if len(at) > 6 else "")
+                    or "-",
+                    "found": "-" if r.get("found_after_s") is None else r["found_after_s"]})
+    return format_table(out, cols)
+
+
 def report_text(data: dict, meta: dict) -> str:
     """What ``compare`` prints at the end, also the block of the performance page: the
     table, the noise table and line, the calibration and the run's note. ``data``: the
@@ -258,6 +283,9 @@ def report_text(data: dict, meta: dict) -> str:
              f"capacity {_num(cal['capacity_rps'])} req/s ({per}; {cal.get('source', 'calibration')}"
              f"); window {meta['window_s']:g} s, deadline {meta['deadline_s']:g} s, "
              f"{meta['threads']} thread(s) per node"]
+    frozen = freeze_table(runs)
+    if frozen:
+        lines += ["", frozen]
     if meta.get("note"):
         lines.append(f"note: {meta['note']}")
     return "\n".join(lines)

@@ -231,3 +231,24 @@ def test_the_printed_report_has_both_tables_the_capacity_and_the_note() -> None:
     assert text.count("| scenario ") == 2 and "goodput/s min-max" in text
     assert "capacity 2.50 req/s (p1-1 (1 slots) 1.00/s, p3-2 (3 slots) 1.50/s; calibration)" in text
     assert text.endswith("note: machine busy") and "noise (spread between repeats" in text
+
+
+def test_the_freeze_run_comes_last_and_has_its_own_table() -> None:
+    plan = compare.plan_runs([0.9], False, 1, ["least_conn", "infergate"], freeze=0.5)
+    assert plan[-2:] == [("freeze", 0.5, 1, "least_conn"), ("freeze", 0.5, 1, "infergate")]
+    frozen = {**_run("infergate", 2.0, 3.0), "scenario": "freeze", "timeouts": 1, "errors": 0,
+              "requests": 40, "frozen_node": "p3-2", "freeze_s": 25.0,
+              "to_frozen_at_s": [], "found_after_s": 0.4, "lost_no_byte": 0}
+    lc = {**frozen, "strategy": "least_conn", "to_frozen_at_s": [0.5, 1.25, 3.0],
+          "found_after_s": None, "lost_no_byte": 3}
+    text = cs.freeze_table([RUNS[0], lc, frozen])
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()[2:]]
+    assert [r[0] for r in rows] == ["least_conn", "infergate"]
+    # sent to frozen, at s after the freeze, found stalled s, lost no byte
+    assert rows[0][8:] == ["3", "0.5 1.25 3", "-", "3"]
+    assert rows[1][8:] == ["0", "-", "0.400", "0"]
+    assert rows[1][6] == "2"                       # failures: 1 timeout + 0 errors + 1 × 429
+    assert cs.freeze_table(RUNS) == ""
+    data = {"calibration": {"capacity_rps": 2.5, "nodes": {}}, "runs": RUNS + [lc, frozen]}
+    assert "found stalled s" in cs.report_text(data, {"window_s": 20.0, "deadline_s": 20.0,
+                                                      "threads": 1})
