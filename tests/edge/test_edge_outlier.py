@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from support.stack import edge_settings
+from support.stack import edge_settings, write_snapshot
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -251,6 +251,46 @@ def test_a_frozen_node_gets_no_probe_until_it_answers_a_liveness_check(
     finally:
         a.release()
         pool.shutdown(wait=True)
+
+
+def test_a_stream_on_a_node_that_froze_moves_on_once_found_and_waits_for_a_slot(
+        tiny_upstreams, redis_server, edge_factory) -> None:
+    """Known slots, one each. A stream sent to a node that answers nothing, GETs
+    included (frozen), is retried once the edge found the node silent and its liveness
+    check got no answer, not after its 10 s first-byte read; the other node, slow to
+    its first byte (an outlier too, but it answers the check), keeps its request, and
+    the retry waits at the edge for its only slot instead of failing; all within a 12 s
+    deadline."""
+    a, b = tiny_upstreams(names=["a", "b"])
+    s = edge_settings(redis_server.url, [], stale_after_s=3600, read_timeout_ms=60000,
+                      outlier_ttfb_min_s=MIN_S, outlier_stream_ttfb_min_s=MIN_S,
+                      outlier_ttfb_factor=FACTOR)
+    s.deadlines.request_ms = 12000
+    s.admission.max_wait_ms = 5000
+    edge = edge_factory(s)
+    snap = write_snapshot(redis_server.client(), [
+        u.snapshot_node(kind="openai", models=["tiny"], max_concurrency=1, slots=1,
+                        slots_source="config", score=0.1) for u in (a, b)])
+    edge.wait_snapshot(snap["version"])
+    a.mode = "frozen"
+    b.delay_s = 4.0                        # b's one slot is busy until 4 s
+    pool = ThreadPoolExecutor(2)
+    try:
+        t0 = time.monotonic()
+        futs = [pool.submit(_stream, edge) for _ in range(2)]   # one slot each
+        got = [f.result(timeout=30) for f in futs]
+        took = time.monotonic() - t0
+    finally:
+        a.release()
+        pool.shutdown(wait=True)
+    assert [(st, node) for st, node, _ in got] == [(200, "b"), (200, "b")], got
+    assert all(body and b"[DONE]" in body for _, _, body in got)
+    assert a.hits == 1 and b.hits == 2
+    assert took < 12.0
+    log = edge.error_log()
+    assert "node a is an outlier" in log and "node b is an outlier" in log
+    assert "node a silent and no answer to its liveness check" in log
+    assert "node b silent and no answer" not in log
 
 
 def test_a_slow_answer_clears_the_outlier_at_once(pair) -> None:

@@ -245,3 +245,32 @@ def test_a_silent_node_gets_no_probe_before_it_answers_a_liveness_check(workdir:
     assert got["old_answer"] is True and got["past_hold"] is False
     assert got["answered"] is False
     assert got["timeouts"] == [1, 1.5, 5]
+
+
+def test_a_request_waiting_on_a_silent_node_gives_up_only_on_a_failed_liveness_check(
+        workdir: Path) -> None:
+    """infergate.routing.outlier.gone_silent: found stalled after the attempt started and
+    silent since is not enough; a liveness check made for that finding must have got no
+    answer (and none since). A probe sent after the finding is never cut."""
+    got = run(workdir, """
+            local out = {}
+            local t0 = 1000
+            local hn = {name = "n", scheme = "http", addr = "127.0.0.1", port = 9}
+            local req, att = req_on("n", t0, true)
+            stall.byte(req, t0 + 0.1)
+            local _, waiting = req_on("n", t0 + 0.2, true)     -- no byte yet
+            out.before = outlier.gone_silent(hn, waiting, t0 + 0.5)
+            out.found_no_check = outlier.gone_silent(hn, waiting, t0 + 1.5)
+            local ss = d:get("ss:n")
+            d:set("ln:n", ss)                                   -- the check got no answer
+            out.check_failed = outlier.gone_silent(hn, waiting, t0 + 2)
+            out.tls = outlier.gone_silent({name = "n", scheme = "https", addr = "127.0.0.1",
+                                           port = 9}, waiting, t0 + 2)
+            local _, probe = req_on("n", ss + 0.5, true)        -- sent after the finding
+            out.probe = outlier.gone_silent(hn, probe, ss + 1)
+            d:set("la:n", ss + 0.1)                             -- then it answered one
+            out.answered = outlier.gone_silent(hn, waiting, t0 + 2.5)
+            return out
+    """)
+    assert got == {"before": False, "found_no_check": False, "check_failed": True,
+                   "tls": False, "probe": False, "answered": False}

@@ -12,15 +12,22 @@
 -- resumes sends bytes on the streams it holds and is back at once, check or not.
 -- https nodes, nodes reached by name and edge.liveness_check = false: no check, the
 -- half-open probes alone (as before).
+-- A check that got no answer is also the evidence the stream relay needs before it
+-- gives up on a request still waiting for a silent node's first byte (dead(), asked by
+-- infergate.routing.outlier.gone_silent): found silent alone is not enough, a long
+-- prefill is silent too, but its server answers the check.
 --
 -- Shared dict infergate_stats (all workers):
 --   "lw:<node>"  epoch s of the finding a check is wanted for (set by the balancer, TTL
 --                HOLD_MAX_S)
 --   "la:<node>"  epoch s of the node's last answer to a check
 --   "lc:<node>"  a check in flight or its pause running (TTL: the check's timeout)
+--   "ln:<node>"  the finding (epoch s) a check got no answer for
 --
 -- holds(node, since, now, o)  balancer phase (no I/O): true while the node waits for an
 --                             answer to a check
+-- dead(node, since, o)        true when a check for the finding `since` got no answer
+--                             and none answered since (asks for a check; no I/O)
 -- tick(nodes, o, threshold)   worker 0's timer: one check per node that waits, in parallel
 -- init_worker()               the timer (worker 0 only)
 local config = require("infergate.core.config")
@@ -66,6 +73,23 @@ function _M.holds(node, since, now, o)
     return true
 end
 
+function _M.dead(node, since, o)
+    o = o or config.get()
+    if not checkable(node, o) then
+        return false
+    end
+    local d = dict()
+    local name = node.name
+    local la = d:get("la:" .. name)
+    if la and la >= since then
+        return false
+    end
+    if d:get("lw:" .. name) ~= since then
+        d:set("lw:" .. name, since, _M.HOLD_MAX_S)
+    end
+    return d:get("ln:" .. name) == since
+end
+
 -- Timeout (s) of a check: the node's stall threshold, bounded.
 function _M.timeout(thr)
     if thr < _M.TIMEOUT_MIN_S then
@@ -106,8 +130,11 @@ local function run_check(node, since, t)
         d:set("la:" .. node.name, ngx_now(), _M.HOLD_MAX_S)
         log(WARN, "infergate: node ", node.name, " answers its liveness check: probes resume")
     elseif d:get("lw:" .. node.name) == since then
-        log(WARN, "infergate: node ", node.name, " silent and no answer to its liveness check",
-            " within ", t, " s: ", err or "?")
+        if d:get("ln:" .. node.name) ~= since then
+            log(WARN, "infergate: node ", node.name, " silent and no answer to its liveness",
+                " check within ", t, " s: ", err or "?")
+        end
+        d:set("ln:" .. node.name, since, _M.HOLD_MAX_S)
     end
 end
 

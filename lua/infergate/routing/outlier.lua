@@ -332,6 +332,30 @@ function _M.probe_threshold(name, stream, o)
     return thr
 end
 
+-- True when attempt `att` on `node`, still without a byte, should give up now: the node
+-- was found a TTFB outlier or stalled (the detection runs here, as at a pick: a node
+-- whose every slot is taken is in no pick) after the attempt started, sent no first
+-- byte or byte since, and did not answer a liveness check made for that finding
+-- (infergate.routing.liveness.dead: a long prefill is silent too, but its server
+-- answers). A half-open probe (sent after the finding) is never cut by this: it waits
+-- its own bound. Called by the stream relay while it waits for the answer's head
+-- (infergate.stream.leg), as often as every WATCH_S.
+function _M.gone_silent(node, att, now, o)
+    o = o or config.get()
+    _M.is_outlier(node, now, o)
+    local d = dict()
+    local name = node.name
+    local os_ = d:get("os:" .. name)
+    if os_ and os_ >= att.started and os_ >= (d:get("fb:" .. name) or 0) then
+        return liveness.dead(node, os_, o)
+    end
+    local ss = d:get("ss:" .. name)
+    if ss and ss >= att.started and ss >= (d:get("lb:" .. name) or 0) then
+        return liveness.dead(node, ss, o)
+    end
+    return false
+end
+
 -- An attempt ended: a probe of a silent outlier (sent after it was found one) that waited
 -- past the threshold without a first byte backs the node off (see the header).
 function _M.finished(att, now)

@@ -6,9 +6,10 @@
 -- ngx.balancer. No I/O.
 --
 --   next(req, o, now, accept)  node, attempt, eligible count (the node included) for the
---                              request's next attempt, or nil when no node is left;
---                              accept(node) -> bool narrows the choice (the relay asks
---                              for nodes that can continue an answer)
+--                              request's next attempt, or nil when no node is left (nil,
+--                              nil, nil, "full" when the nodes left have every known slot
+--                              taken: one may free); accept(node) -> bool narrows the choice
+--                              (the relay asks for nodes that can continue an answer)
 --   close(att, outcome, now, latency_ms)  ends an attempt (stats.close_attempt,
 --                              learned concurrency for "ok", outlier.finished)
 --   hold(att, now)             a 500 whose verdict waits (see infergate.stream.leg)
@@ -20,6 +21,7 @@ local upstream = require("infergate.routing.upstream")
 local outlier = require("infergate.routing.outlier")
 local speed = require("infergate.routing.speed")
 local affinity = require("infergate.routing.affinity")
+local candidates = require("infergate.routing.candidates")
 
 local _M = {}
 
@@ -27,6 +29,21 @@ local _M = {}
 local function skip(req, node, probe, claimed)
     req.tried[node.name] = true
     balancer.give_back(node, probe, claimed)
+end
+
+-- True when a node left for this request (untried, usable, accepted) has every known
+-- slot taken: the pick leaves such a node out, and a slot may free.
+local function any_full(req, t, accept)
+    if not held.enforced() then
+        return false
+    end
+    for _, node in ipairs(t.nodes) do
+        if node.slots and candidates.usable(node, req.tried, req.model)
+                and stats.inflight(node.name) >= node.slots and (not accept or accept(node)) then
+            return true
+        end
+    end
+    return false
 end
 
 local function choose(req, t, now, n)
@@ -45,17 +62,20 @@ function _M.next(req, o, now, accept)
         node, probe, eligible, claimed = held.take(req, t, now, balancer.usable,
                                                    balancer.count_eligible)
     end
+    local full -- nodes skipped because every slot was taken: not tried, given back below
     for _ = 1, #t.nodes + 1 do
         if not node then
             node, probe, eligible = choose(req, t, now, n)
             if not node then
-                return nil
+                break
             end
             claimed = nil
             if node.slots and held.enforced() then
                 claimed = stats.claim(node.name, node.slots)
                 if not claimed then
                     skip(req, node, probe, nil) -- every slot taken
+                    full = full or {}
+                    full[#full + 1] = node.name
                     node = nil
                 end
             end
@@ -67,8 +87,13 @@ function _M.next(req, o, now, accept)
             break
         end
     end
+    if full then
+        for _, name in ipairs(full) do
+            req.tried[name] = nil
+        end
+    end
     if not node then
-        return nil
+        return nil, nil, nil, (full or any_full(req, t, accept)) and "full" or nil
     end
     req.tried[node.name] = true
     if req.affinity and not req.affinity_live and o.edge.prefix_affinity then

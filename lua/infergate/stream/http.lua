@@ -5,8 +5,10 @@
 --
 --   request(sock, r)      writes r = {method, path, host, headers = {name = value},
 --                         body}; returns bytes sent or nil, err
---   read_head(sock)       {status, headers = {lower-case name = value}, list = {{name,
---                         value}} as sent} or nil, err
+--   read_head(sock[, wait])  {status, headers = {lower-case name = value}, list = {{name,
+--                         value}} as sent} or nil, err; wait(got_bytes): called at a
+--                         read timeout of the status line, true to read on (the bytes
+--                         read so far are kept)
 --   read_body(head, sock) the next piece of the body (a string), or "" at its end
 --                         (head.done set), or nil, err
 local _M = {}
@@ -34,10 +36,23 @@ function _M.request(sock, r)
     return sock:send(concat(lines))
 end
 
-function _M.read_head(sock)
-    local line, err = sock:receive("*l")
-    if not line then
-        return nil, err
+function _M.read_head(sock, wait)
+    local line, err, partial
+    local buf = ""
+    while true do
+        line, err, partial = sock:receive("*l")
+        if line then
+            line = buf .. line
+            break
+        end
+        -- a read timeout: wait(got_bytes) -> true reads on (it may set a new timeout)
+        if err ~= "timeout" or not wait then
+            return nil, err
+        end
+        buf = buf .. (partial or "")
+        if not wait(buf ~= "") then
+            return nil, err
+        end
     end
     local status = tonumber(line:match("^HTTP/1%.[01] (%d%d%d)"))
     if not status then

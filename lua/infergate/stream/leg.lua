@@ -13,7 +13,9 @@
 -- after content,
 -- 2 x the node's stall threshold (a node silent that long is stalled: the stream is
 -- continued elsewhere); while holding, at most until the hold ends (then the held bytes
--- go out and the read goes on). Connect and send timeouts: the deadline's for a leg
+-- go out and the read goes on); while the head is awaited with another node left, the
+-- leg also gives up as soon as the node is found silent (a TTFB outlier or stalled)
+-- after the leg started. Connect and send timeouts: the deadline's for a leg
 -- before content; a continuation starts after it as the stream goes on past it.
 local ngxapi = require("infergate.core.ngxapi")
 local deadline = require("infergate.admission.deadline")
@@ -28,6 +30,8 @@ local _M = {}
 
 local ngx_now = ngxapi.now
 local min = math.min
+
+_M.WATCH_S = 0.5
 local concat = table.concat
 local pairs = pairs
 local type = type
@@ -271,8 +275,24 @@ local function start(r, lg, sock, body)
     if not ok then
         return nil, err
     end
-    sock:settimeout(read_timeout(r, lg, ngx_now(), true) * 1000)
-    return http.read_head(sock)
+    local read = read_timeout(r, lg, ngx_now(), true)
+    if not lg.probe_read then
+        sock:settimeout(read * 1000)
+        return http.read_head(sock)
+    end
+    -- another node is left: while the head does not come, every WATCH_S the node is
+    -- checked (infergate.routing.outlier.gone_silent); found silent since this leg
+    -- started, the leg gives up at once and the request is retried elsewhere
+    local give_up = ngx_now() + read
+    sock:settimeout(min(_M.WATCH_S, read) * 1000)
+    return http.read_head(sock, function(got)
+        local now = ngx_now()
+        if now >= give_up or (not got and outlier.gone_silent(node, lg.att, now, o)) then
+            return false
+        end
+        sock:settimeout(min(_M.WATCH_S, give_up - now) * 1000)
+        return true
+    end)
 end
 
 -- The verdict on the attempt, as the balancer's (infergate.routing.tries): a 500 is held
@@ -306,7 +326,7 @@ end
 -- Runs one leg on `node` (attempt `att`, `eligible` nodes incl. this one).
 function _M.run(r, node, att, body, eligible)
     local o, now = r.o, ngx_now()
-    local lg = { node = node, first = not r.sent, echo = r.echo }
+    local lg = { node = node, att = att, first = not r.sent, echo = r.echo }
     r.echo = nil
     if lg.first then
         r.out = splice.new_out()

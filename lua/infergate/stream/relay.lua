@@ -143,6 +143,30 @@ local function answer_unsent(r)
                        "upstream_error")
 end
 
+-- The node of the next leg (infergate.routing.relaypick.next). When the nodes left have
+-- every known slot taken (a retry or a continuation: the first leg's slot was held by
+-- admission), it waits for one to free, polling every admission.poll_ms: until the
+-- request's deadline before anything was sent, for at most the stream idle time after.
+local function wait_for_node(r, now, accept)
+    local o, req = r.o, r.req
+    local node, att, eligible, why = relaypick.next(req, o, now, accept)
+    local until_s = r.sent and now + deadline.for_request(req).idle_s or nil
+    while not node and why == "full" and not r.client_gone do
+        ngx.sleep(o.admission.poll_ms / 1000)
+        now = ngx_now()
+        if r.sent then
+            if now >= until_s then
+                break
+            end
+        elseif not deadline.timeouts(req, o, now) then
+            r.deadline_passed = true
+            break
+        end
+        node, att, eligible, why = relaypick.next(req, o, now, accept)
+    end
+    return node, att, eligible
+end
+
 local function run(r)
     local o, req = r.o, r.req
     local max_legs = o.edge.max_tries + o.edge.stream_continue_max
@@ -157,7 +181,7 @@ local function run(r)
             r.deadline_passed = true -- no new try past the deadline (a started stream goes on)
             break
         end
-        local node, att, eligible = relaypick.next(req, o, now, accept)
+        local node, att, eligible = wait_for_node(r, now, accept)
         if not node then
             break
         end
