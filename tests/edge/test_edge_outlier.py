@@ -260,7 +260,7 @@ def test_a_stream_on_a_node_that_froze_moves_on_once_found_and_waits_for_a_slot(
     check got no answer, not after its 10 s first-byte read; the other node, slow to
     its first byte (an outlier too, but it answers the check), keeps its request, and
     the retry waits at the edge for its only slot instead of failing; all within a 12 s
-    deadline."""
+    deadline. Later requests wait for that slot too, not for the frozen node's free one."""
     a, b = tiny_upstreams(names=["a", "b"])
     s = edge_settings(redis_server.url, [], stale_after_s=3600, read_timeout_ms=60000,
                       outlier_ttfb_min_s=MIN_S, outlier_stream_ttfb_min_s=MIN_S,
@@ -280,12 +280,16 @@ def test_a_stream_on_a_node_that_froze_moves_on_once_found_and_waits_for_a_slot(
         futs = [pool.submit(_stream, edge) for _ in range(2)]   # one slot each
         got = [f.result(timeout=30) for f in futs]
         took = time.monotonic() - t0
+        # a is still frozen, its slot free: two more streams both wait for b's slot
+        b.delay_s = 1.0
+        later = [f.result(timeout=30) for f in [pool.submit(_stream, edge) for _ in range(2)]]
     finally:
         a.release()
         pool.shutdown(wait=True)
     assert [(st, node) for st, node, _ in got] == [(200, "b"), (200, "b")], got
     assert all(body and b"[DONE]" in body for _, _, body in got)
-    assert a.hits == 1 and b.hits == 2
+    assert [(st, node) for st, node, _ in later] == [(200, "b"), (200, "b")], later
+    assert a.hits == 1 and b.hits == 4
     assert took < 12.0
     log = edge.error_log()
     assert "node a is an outlier" in log and "node b is an outlier" in log

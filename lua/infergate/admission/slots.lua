@@ -9,7 +9,9 @@
 -- balancer's own choice, infergate.routing.balancer.first_pick, among the nodes with a
 -- free slot) and takes the slot; the balancer's first try uses that node
 -- (infergate.routing.held). In such a pool a node without known slots counts as full at
--- its max_concurrency. When no slot is free the request waits at the edge, first come
+-- its max_concurrency; a node found silent (a TTFB outlier or stalled,
+-- infergate.routing.outlier) is not picked while a live node is merely full: the request
+-- waits for the live node's slot. When no slot is free the request waits at the edge, first come
 -- first served (infergate.admission.queue), until one frees or its deadline cannot be
 -- met (predict()).
 local stats = require("infergate.routing.stats")
@@ -17,6 +19,7 @@ local breaker = require("infergate.routing.breaker")
 local models = require("infergate.routing.models")
 local balancer = require("infergate.routing.balancer")
 local learned = require("infergate.routing.learned")
+local outlier = require("infergate.routing.outlier")
 
 local _M = {}
 
@@ -64,15 +67,22 @@ end
 -- Picks the request's node among those with a free slot and takes the slot: true when
 -- it did (req.picked set), false when every slot is taken.
 function _M.reserve(req, t, now)
-    local excluded = {}
+    local excluded, full_live = {}, false
     for _, node in ipairs(t.nodes) do
         if stats.inflight(node.name) >= cap_of(node) then
             excluded[node.name] = true
+            full_live = full_live or (open_to(node, req.model, now)
+                                      and not outlier.is_outlier(node, now))
         end
     end
     for _ = 1, #t.nodes do
         local node, probe = balancer.first_pick(req, t, excluded, now)
         if not node then
+            return false
+        end
+        if full_live and not probe and outlier.is_outlier(node, now) then
+            -- only nodes found silent have a free slot (the pick never leaves a request
+            -- without a node): wait for a slot on a live one instead
             return false
         end
         if stats.claim(node.name, cap_of(node)) then

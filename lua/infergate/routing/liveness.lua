@@ -54,23 +54,26 @@ local function checkable(node, o)
     return o.edge.liveness_check ~= false and node.scheme == "http" and node.addr ~= nil
 end
 
+-- True when a check answered after the finding `since`; otherwise asks worker 0 for one.
+local function answered(d, name, since)
+    local la = d:get("la:" .. name)
+    if la and la >= since then
+        return true
+    end
+    if d:get("lw:" .. name) ~= since then
+        d:set("lw:" .. name, since, _M.HOLD_MAX_S)
+    end
+    return false
+end
+
 -- True when node `node`, found silent at epoch s `since`, gets no probe yet: no answer
--- to a check since then, within HOLD_MAX_S of the finding. Asks worker 0 for a check.
+-- to a check since then, within HOLD_MAX_S of the finding.
 function _M.holds(node, since, now, o)
     o = o or config.get()
     if not since or not checkable(node, o) or now - since > _M.HOLD_MAX_S then
         return false
     end
-    local d = dict()
-    local name = node.name
-    local la = d:get("la:" .. name)
-    if la and la >= since then
-        return false
-    end
-    if d:get("lw:" .. name) ~= since then
-        d:set("lw:" .. name, since, _M.HOLD_MAX_S)
-    end
-    return true
+    return not answered(dict(), node.name, since)
 end
 
 function _M.dead(node, since, o)
@@ -79,15 +82,7 @@ function _M.dead(node, since, o)
         return false
     end
     local d = dict()
-    local name = node.name
-    local la = d:get("la:" .. name)
-    if la and la >= since then
-        return false
-    end
-    if d:get("lw:" .. name) ~= since then
-        d:set("lw:" .. name, since, _M.HOLD_MAX_S)
-    end
-    return d:get("ln:" .. name) == since
+    return not answered(d, node.name, since) and d:get("ln:" .. node.name) == since
 end
 
 -- Timeout (s) of a check: the node's stall threshold, bounded.
