@@ -39,7 +39,7 @@ from bench.realnode.compare_load import NodeSamples, burst_workload, sample_node
 from bench.realnode.compare_stack import (PoolNode, calibrate, pool_detected, pool_idle,
                                           start_infergate, start_pool)
 from bench.scheduler.loadgen import RunOutput, run_load
-from bench.scheduler.shapes import access_tries, freeze_figures
+from bench.scheduler.shapes import PROBE_GAP_S, access_tries, freeze_figures
 from bench.scheduler.stack import EdgeRun, InfergateStack
 from bench.scheduler.workload import LengthDist, RequestMix, Workload
 from controlplane import procs
@@ -230,12 +230,26 @@ def run_plan(stack: Stack, nodes: list[PoolNode], base: InfergateStack | None,
     return runs
 
 
+def first_cluster_end(times: list[float]) -> float:
+    """The last of the first run of ``times`` (sorted) less than PROBE_GAP_S apart; 0.0
+    when empty (as bench.scheduler.shapes.freeze_figures' ``to_frozen_after_s``)."""
+    until = times[0] if times else 0.0
+    for x in times:
+        if x - until > PROBE_GAP_S:
+            break
+        until = x
+    return until
+
+
 class Freeze:
     """The freeze of one run: the node with the most slots SIGSTOPped at a quarter of the
     window for ``--freeze-s`` (default the deadline + 5 s), then SIGCONTed; the edge's
     ``/infergate/status`` polled every 50 ms for when it shows the node stalled or a TTFB
-    outlier. Figures as :func:`bench.scheduler.shapes.freeze_figures` (times from the
-    freeze), plus ``found_after_s`` and ``freeze_s``."""
+    outlier, and for the rises of the node's in-flight count (infergate's tries to it:
+    its requests may wait at the edge, so the client's send time is not the try's).
+    Figures as :func:`bench.scheduler.shapes.freeze_figures` (times from the freeze; for
+    infergate the tries from the status, ``sends_from``), plus ``found_after_s`` and
+    ``freeze_s``."""
 
     def __init__(self, edge: EdgeRun, nodes: list[PoolNode], args: argparse.Namespace) -> None:
         self.edge = edge
@@ -244,6 +258,7 @@ class Freeze:
         self.t_t = self.t_f + (args.freeze_s if args.freeze_s else args.deadline + 5.0)
         self.frozen = False
         self.found: float | None = None
+        self.rises: list[float] = []
 
     def _signal(self, sig: int) -> None:
         managed = self.victim.node.managed
@@ -260,14 +275,22 @@ class Freeze:
             self.thaw_now()
 
         async def watch() -> None:
+            if self.edge.strategy != "infergate":
+                return                # no status to read
             t0 = time.monotonic()
+            last = None
             while time.monotonic() - t0 < self.t_t - self.t_f:
-                st = await asyncio.to_thread(self.edge.edge_status)
-                node = next((x for x in (st or {}).get("nodes", [])
+                st = await asyncio.to_thread(self.edge.edge_status) or {}
+                now = round(time.monotonic() - t0, 2)
+                node = next((x for x in st.get("nodes", [])
                              if x.get("name") == self.victim.name), {})
-                if node.get("stalled") or node.get("outlier"):
-                    self.found = round(time.monotonic() - t0, 2)
-                    return
+                if self.found is None and (node.get("stalled") or node.get("outlier")):
+                    self.found = now
+                inflight = node.get("inflight")
+                if isinstance(inflight, (int, float)):
+                    if last is not None and inflight > last:
+                        self.rises += [now] * int(inflight - last)
+                    last = inflight
                 await asyncio.sleep(0.05)
         return [(self.t_f, freeze), (self.t_f, watch), (self.t_t, thaw)]
 
@@ -286,7 +309,16 @@ class Freeze:
         out["frozen_node"] = self.victim.name
         out["freeze_s"] = round(self.t_t - self.t_f, 2)
         if self.edge.strategy == "infergate":
+            # requests can wait at infergate's edge for a slot, so a client's send time is
+            # not when its try went out: the tries are the rises of the node's in-flight
+            # count in /infergate/status (polled every 50 ms) during the freeze
             out["found_after_s"] = self.found
+            out["to_frozen_at_s"] = self.rises
+            out["to_frozen_after_s"] = first_cluster_end(self.rises)
+            out["to_frozen_last_s"] = self.rises[-1] if self.rises else 0.0
+            out["sends_from"] = "edge status"
+        else:
+            out["sends_from"] = "access log"
         return out
 
 

@@ -252,3 +252,9 @@ def test_the_freeze_run_comes_last_and_has_its_own_table() -> None:
     data = {"calibration": {"capacity_rps": 2.5, "nodes": {}}, "runs": RUNS + [lc, frozen]}
     assert "found stalled s" in cs.report_text(data, {"window_s": 20.0, "deadline_s": 20.0,
                                                       "threads": 1})
+
+
+def test_the_first_cluster_of_sends_ends_at_the_first_gap() -> None:
+    assert compare.first_cluster_end([]) == 0.0
+    assert compare.first_cluster_end([0.5, 0.6, 1.0, 3.0, 3.1]) == 1.0
+    assert compare.first_cluster_end([2.0]) == 2.0
