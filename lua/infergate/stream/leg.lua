@@ -14,8 +14,9 @@
 -- 2 x the node's stall threshold (a node silent that long is stalled: the stream is
 -- continued elsewhere); while holding, at most until the hold ends (then the held bytes
 -- go out and the read goes on); while the head is awaited with another node left, the
--- leg also gives up as soon as the node is found silent (a TTFB outlier or stalled)
--- after the leg started. Connect and send timeouts: the deadline's for a leg
+-- leg also gives up as soon as the node, found silent (a TTFB outlier or stalled) after
+-- the leg started, fails its liveness check (infergate.routing.outlier.gone_silent,
+-- asked every WATCH_S). Connect and send timeouts: the deadline's for a leg
 -- before content; a continuation starts after it as the stream goes on past it.
 local ngxapi = require("infergate.core.ngxapi")
 local deadline = require("infergate.admission.deadline")
@@ -30,8 +31,6 @@ local _M = {}
 
 local ngx_now = ngxapi.now
 local min = math.min
-
-_M.WATCH_S = 0.5
 local concat = table.concat
 local pairs = pairs
 local type = type
@@ -93,6 +92,8 @@ local function release(r, node)
         write(r, concat(held))
     end
 end
+
+_M.WATCH_S = 0.5
 
 -- Read timeout (s) of the next read: see the header (no_hold: the hold does not shorten
 -- it, as for the answer's headers).
@@ -282,7 +283,8 @@ local function start(r, lg, sock, body)
     end
     -- another node is left: while the head does not come, every WATCH_S the node is
     -- checked (infergate.routing.outlier.gone_silent); found silent since this leg
-    -- started, the leg gives up at once and the request is retried elsewhere
+    -- started and dead to its liveness check, the leg gives up at once and the request
+    -- is retried elsewhere
     local give_up = ngx_now() + read
     sock:settimeout(min(_M.WATCH_S, read) * 1000)
     return http.read_head(sock, function(got)
