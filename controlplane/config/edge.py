@@ -132,8 +132,10 @@ class EdgeSettings(_Section):
     """Before a node found stalled or a TTFB outlier gets a client request as its
     half-open probe, the edge asks it ``GET /health`` itself (plain http nodes given by
     IP): a frozen process, which accepts connections and answers nothing, then gets no
-    client request at all until it answers (any HTTP status), for at most 30 s after it
-    was found silent. false = the half-open probes alone."""
+    client request at all until it answers (anything at all, within twice its stall
+    threshold, 3-10 s), for at most 30 s after it was found silent (the circuit breaker's
+    probe waits for it too); streams still waiting for their first byte there are retried
+    elsewhere once it fails the check. false = the half-open probes alone."""
     stall_first_byte_s: float = Field(default=10.0, ge=0, le=3600)
     """A stream sent to a node while another node is left to retry on reads with a
     timeout of at least this many seconds (more when the node's usual time to first

@@ -244,7 +244,7 @@ def test_a_silent_node_gets_no_probe_before_it_answers_a_liveness_check(workdir:
     assert got["tls"] is False and got["by_name"] is False
     assert got["old_answer"] is True and got["past_hold"] is False
     assert got["answered"] is False
-    assert got["timeouts"] == [1, 1.5, 5]
+    assert got["timeouts"] == [3, 3, 10]
 
 
 def test_a_request_waiting_on_a_silent_node_gives_up_only_on_a_failed_liveness_check(
@@ -274,3 +274,32 @@ def test_a_request_waiting_on_a_silent_node_gives_up_only_on_a_failed_liveness_c
     """)
     assert got == {"before": False, "found_no_check": False, "check_failed": True,
                    "tls": False, "probe": False, "answered": False}
+
+
+def test_a_breaker_probe_waits_for_the_liveness_check_of_a_silent_node(workdir: Path) -> None:
+    """infergate.routing.candidates.gather: a node whose breaker is ready for its probe
+    and that was found silent without answering a liveness check since gets no probe
+    (its flags may have cleared: no request of this edge is left on it); once it
+    answers a check, the probe goes."""
+    got = run(workdir, """
+            local candidates = require("infergate.routing.candidates")
+            local out = {}
+            local t0 = 1000
+            local hn = {name = "n", scheme = "http", addr = "127.0.0.1", port = 9,
+                        healthy = true, state = "active", effective_weight = 1}
+            local t = {nodes = {hn}}
+            local req, att = req_on("n", t0, true)
+            stall.byte(req, t0 + 0.1)
+            out.found = outlier.is_outlier(hn, t0 + 1.5)
+            stats.close_attempt(att, "neutral", t0 + 1.6)
+            outlier.finished(att, t0 + 1.6)
+            d:delete("sl:n")
+            d:set("bo:n", t0)                      -- the breaker opened, its cooldown over
+            local _, _, _, probe = candidates.gather(t, {}, t0 + 20, false, nil, config.get())
+            out.probe_while_silent = probe ~= nil
+            d:set("la:n", t0 + 50)                 -- it answered a check
+            _, _, _, probe = candidates.gather(t, {}, t0 + 20, false, nil, config.get())
+            out.probe_after_answer = probe ~= nil
+            return out
+    """)
+    assert got == {"found": True, "probe_while_silent": False, "probe_after_answer": True}

@@ -4,8 +4,8 @@
 -- (SIGSTOP, a machine paused) accepts connections and answers nothing, so each such probe
 -- costs its client the wait before its retry. Before that probe, the edge asks the node
 -- itself: one `GET /health` over a new connection, from worker 0's liveness timer, at
--- most one at a time per node. Any HTTP status line is an answer (a 404 or a 503 from a
--- busy engine shows the process is running): from then on the half-open probes go as
+-- most one at a time per node. Any byte is an answer (a 404 or a 503 from a busy engine,
+-- even bytes that are not HTTP, show the process is running): from then on the half-open probes go as
 -- before, and a node that answers them is back. With no answer the node keeps getting
 -- no request, for at most HOLD_MAX_S after it was found silent; then the probes go
 -- anyway (a node that never answers the check is not kept out for good). A node that
@@ -26,6 +26,8 @@
 --
 -- holds(node, since, now, o)  balancer phase (no I/O): true while the node waits for an
 --                             answer to a check
+-- held(node, now, o)          the same for the node's latest silent finding, if any (the
+--                             breaker's half-open probe asks it too)
 -- dead(node, since, o)        true when a check for the finding `since` got no answer
 --                             and none answered since (asks for a check; no I/O)
 -- tick(nodes, o, threshold)   worker 0's timer: one check per node that waits, in parallel
@@ -42,8 +44,8 @@ local WARN = ngx.WARN
 
 _M.HOLD_MAX_S = 30
 _M.TICK_S = 0.25
-_M.TIMEOUT_MIN_S = 1
-_M.TIMEOUT_MAX_S = 5
+_M.TIMEOUT_MIN_S = 3
+_M.TIMEOUT_MAX_S = 10
 _M.PATH = "/health"
 
 local function dict()
@@ -76,6 +78,29 @@ function _M.holds(node, since, now, o)
     return not answered(dict(), node.name, since)
 end
 
+-- Epoch s of the node's latest finding as silent (a TTFB outlier without a first byte
+-- since, or stalled without a byte since), or nil.
+local function silent_since(d, name)
+    local since
+    local os_ = d:get("os:" .. name)
+    if os_ and os_ >= (d:get("fb:" .. name) or 0) then
+        since = os_
+    end
+    local ss = d:get("ss:" .. name)
+    if ss and ss >= (d:get("lb:" .. name) or 0) and (not since or ss > since) then
+        since = ss
+    end
+    return since
+end
+
+function _M.held(node, now, o)
+    o = o or config.get()
+    if not checkable(node, o) then
+        return false
+    end
+    return _M.holds(node, silent_since(dict(), node.name), now, o)
+end
+
 function _M.dead(node, since, o)
     o = o or config.get()
     if not checkable(node, o) then
@@ -85,15 +110,17 @@ function _M.dead(node, since, o)
     return not answered(d, node.name, since) and d:get("ln:" .. node.name) == since
 end
 
--- Timeout (s) of a check: the node's stall threshold, bounded.
+-- Timeout (s) of a check: twice the node's stall threshold, within TIMEOUT_MIN_S (an
+-- API server busy under load may answer late) and TIMEOUT_MAX_S.
 function _M.timeout(thr)
-    if thr < _M.TIMEOUT_MIN_S then
+    local t = 2 * thr
+    if t < _M.TIMEOUT_MIN_S then
         return _M.TIMEOUT_MIN_S
     end
-    return thr > _M.TIMEOUT_MAX_S and _M.TIMEOUT_MAX_S or thr
+    return t > _M.TIMEOUT_MAX_S and _M.TIMEOUT_MAX_S or t
 end
 
--- One check of `node` (timeout `t` s); true when it answered an HTTP status line.
+-- One check of `node` (timeout `t` s); true when it answered anything at all.
 function _M.check(node, t)
     local sock = ngx.socket.tcp()
     local ms = math.floor(t * 1000)
@@ -109,13 +136,13 @@ function _M.check(node, t)
         sock:close()
         return nil, err
     end
-    local line
-    line, err = sock:receive("*l")
+    local line, partial
+    line, err, partial = sock:receive("*l")
     sock:close()
-    if line and line:match("^HTTP/%d") then
-        return true
+    if line or (partial and partial ~= "") then
+        return true -- any byte: the process runs (a status line or not)
     end
-    return nil, err or "not an HTTP answer"
+    return nil, err
 end
 
 local function run_check(node, since, t)
