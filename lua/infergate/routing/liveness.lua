@@ -5,8 +5,8 @@
 -- costs its client the wait before its retry. Before that probe, the edge asks the node
 -- itself: one `GET /health` over a new connection, from worker 0's liveness timer, at
 -- most one at a time per node. Any byte is an answer (a 404 or a 503 from a busy engine,
--- even bytes that are not HTTP, show the process is running): from then on the half-open probes go as
--- before, and a node that answers them is back. With no answer the node keeps getting
+-- even bytes that are not HTTP, show the process is running): from then on the half-open
+-- probes go as before, and a node that answers them is back. With no answer the node keeps getting
 -- no request, for at most HOLD_MAX_S after it was found silent; then the probes go
 -- anyway (a node that never answers the check is not kept out for good). A node that
 -- resumes sends bytes on the streams it holds and is back at once, check or not.
@@ -18,8 +18,8 @@
 -- prefill is silent too, but its server answers the check.
 --
 -- Shared dict infergate_stats (all workers):
---   "lw:<node>"  epoch s of the finding a check is wanted for (set by the balancer, TTL
---                HOLD_MAX_S)
+--   "lw:<node>"  epoch s of the finding a check is wanted for (set by holds() and dead(),
+--                TTL HOLD_MAX_S)
 --   "la:<node>"  epoch s of the node's last answer to a check
 --   "lc:<node>"  a check in flight or its pause running (TTL: the check's timeout)
 --   "ln:<node>"  the finding (epoch s) a check got no answer for
