@@ -68,6 +68,20 @@ def _stick_one(pool: ThreadPoolExecutor, edge, a, b, answered: int, send=_post) 
     return stuck
 
 
+def _found_then_hung_again(pool: ThreadPoolExecutor, edge, a, b, threshold: float) -> None:
+    """With ``a`` hanging (``hang`` or ``frozen``): one request stuck on it until the edge
+    finds it an outlier, then released (retried on b), and ``a`` hangs again."""
+    stuck = _stick_one(pool, edge, a, b, 10)
+    _until_past(threshold, time.monotonic())
+    assert _post(edge).headers["X-Infergate-Node"] == "b"   # finds a an outlier
+    assert edge.node_status("a")["outlier"] is True
+    a.release()                      # the stuck request ends unanswered (retried on b)
+    for f in stuck:
+        assert f.result(timeout=20).status_code == 200
+    _wait(lambda: a.inflight == 0)
+    a.hold()
+
+
 @pytest.fixture
 def pair(tiny_upstreams, redis_server, edge_factory):
     a, b = tiny_upstreams(names=["a", "b"])
@@ -189,15 +203,7 @@ def test_a_probe_of_a_node_still_hung_is_retried_in_time(tiny_upstreams, redis_s
     a.mode = "hang"
     pool = ThreadPoolExecutor(8)
     try:
-        stuck = _stick_one(pool, edge, a, b, 10)
-        _until_past(threshold, time.monotonic())
-        assert _post(edge).headers["X-Infergate-Node"] == "b"   # finds a an outlier
-        assert edge.node_status("a")["outlier"] is True
-        a.release()                      # the stuck request ends unanswered (retried on b)
-        for f in stuck:
-            assert f.result(timeout=20).status_code == 200
-        _wait(lambda: a.inflight == 0)
-        a.hold()                         # and a hangs again
+        _found_then_hung_again(pool, edge, a, b, threshold)
         probed = a.hits
         until = time.monotonic() + 30
         while a.hits == probed:          # the flag expires, then a probe goes to a
@@ -226,15 +232,7 @@ def test_a_frozen_node_gets_no_probe_until_it_answers_a_liveness_check(
     a.mode = "frozen"
     pool = ThreadPoolExecutor(8)
     try:
-        stuck = _stick_one(pool, edge, a, b, 10)
-        _until_past(threshold, time.monotonic())
-        assert _post(edge).headers["X-Infergate-Node"] == "b"   # finds a an outlier
-        assert edge.node_status("a")["outlier"] is True
-        a.release()                      # the stuck request ends unanswered (retried on b)
-        for f in stuck:
-            assert f.result(timeout=20).status_code == 200
-        _wait(lambda: a.inflight == 0)
-        a.hold()                         # frozen again: checks hang, no probe goes
+        _found_then_hung_again(pool, edge, a, b, threshold)   # checks hang: no probe
         hits, gets = a.hits, a.gets
         # past the outlier flag's life (3 x threshold, when a probe used to go), with
         # checks asked and unanswered

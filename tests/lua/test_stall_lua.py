@@ -48,6 +48,17 @@ def run(workdir: Path, body: str, factor: float = 4.0, floor: float = 1.0):
             local function blocked(t)
                 return outlier.is_outlier(node, t)
             end
+            -- `nd` found stalled mid-stream (at t0 + 1.5), then its stream ended and the
+            -- flag expired: half-open; returns what is_outlier said at the finding
+            local function found_then_idle(nd, t0)
+                local req, att = req_on(nd.name, t0, true)
+                stall.byte(req, t0 + 0.1)
+                local found = outlier.is_outlier(nd, t0 + 1.5)
+                stats.close_attempt(att, "neutral", t0 + 1.6)
+                outlier.finished(att, t0 + 1.6)
+                d:delete("sl:" .. nd.name)
+                return found
+            end
 """
     return lua_eval(workdir, prelude + body, http_extra=DICTS)
 
@@ -221,12 +232,7 @@ def test_a_silent_node_gets_no_probe_before_it_answers_a_liveness_check(workdir:
             local out = {}
             local t0 = 1000
             local hn = {name = "n", scheme = "http", addr = "127.0.0.1", port = 9}
-            local req, att = req_on("n", t0, true)
-            stall.byte(req, t0 + 0.1)
-            out.found = outlier.is_outlier(hn, t0 + 1.5)
-            stats.close_attempt(att, "neutral", t0 + 1.6)
-            outlier.finished(att, t0 + 1.6)
-            d:delete("sl:n")                              -- the flag expired
+            out.found = found_then_idle(hn, t0)
             out.held = outlier.is_outlier(hn, t0 + 10)
             out.wanted = d:get("lw:n") == d:get("ss:n")
             out.tls = outlier.is_outlier({name = "n", scheme = "https", addr = "127.0.0.1",
@@ -288,12 +294,7 @@ def test_a_breaker_probe_waits_for_the_liveness_check_of_a_silent_node(workdir: 
             local hn = {name = "n", scheme = "http", addr = "127.0.0.1", port = 9,
                         healthy = true, state = "active", effective_weight = 1}
             local t = {nodes = {hn}}
-            local req, att = req_on("n", t0, true)
-            stall.byte(req, t0 + 0.1)
-            out.found = outlier.is_outlier(hn, t0 + 1.5)
-            stats.close_attempt(att, "neutral", t0 + 1.6)
-            outlier.finished(att, t0 + 1.6)
-            d:delete("sl:n")
+            out.found = found_then_idle(hn, t0)
             d:set("bo:n", t0)                      -- the breaker opened, its cooldown over
             local _, _, _, probe = candidates.gather(t, {}, t0 + 20, false, nil, config.get())
             out.probe_while_silent = probe ~= nil

@@ -64,15 +64,25 @@ function _M.free(t, now, model)
     return free, eligible
 end
 
+-- Whether a node of `model` that is eligible, not found silent and has every slot taken
+-- exists (asked only when the pick fell back on a silent node).
+local function full_live(t, model, now)
+    for _, node in ipairs(t.nodes) do
+        if stats.inflight(node.name) >= cap_of(node) and open_to(node, model, now)
+                and not outlier.is_outlier(node, now) then
+            return true
+        end
+    end
+    return false
+end
+
 -- Picks the request's node among those with a free slot and takes the slot: true when
 -- it did (req.picked set), false when every slot is taken.
 function _M.reserve(req, t, now)
-    local excluded, full_live = {}, false
+    local excluded = {}
     for _, node in ipairs(t.nodes) do
         if stats.inflight(node.name) >= cap_of(node) then
             excluded[node.name] = true
-            full_live = full_live or (open_to(node, req.model, now)
-                                      and not outlier.is_outlier(node, now))
         end
     end
     for _ = 1, #t.nodes do
@@ -80,7 +90,7 @@ function _M.reserve(req, t, now)
         if not node then
             return false
         end
-        if full_live and not probe and outlier.is_outlier(node, now) then
+        if not probe and outlier.is_outlier(node, now) and full_live(t, req.model, now) then
             -- only nodes found silent have a free slot (the pick never leaves a request
             -- without a node): wait for a slot on a live one instead
             return false

@@ -4,7 +4,6 @@
 local breaker = require("infergate.routing.breaker")
 local outlier = require("infergate.routing.outlier")
 local models = require("infergate.routing.models")
-local liveness = require("infergate.routing.liveness")
 
 local _M = {}
 
@@ -68,7 +67,7 @@ function _M.gather(t, tried, now, retry, model, o)
                 n = n + 1
                 cands[n] = node
                 total = total + node.effective_weight
-            elseif allow == "probe" and not retry and not liveness.held(node, now, o) then
+            elseif allow == "probe" and not retry and not outlier.probe_held(node, now, o) then
                 -- (a node found silent answers its liveness check before the breaker's
                 -- probe goes, as before a half-open probe of the outlier rule)
                 probes = probes or {}

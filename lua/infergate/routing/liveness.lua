@@ -26,8 +26,6 @@
 --
 -- holds(node, since, now, o)  balancer phase (no I/O): true while the node waits for an
 --                             answer to a check
--- held(node, now, o)          the same for the node's latest silent finding, if any (the
---                             breaker's half-open probe asks it too)
 -- dead(node, since, o)        true when a check for the finding `since` got no answer
 --                             and none answered since (asks for a check; no I/O)
 -- tick(nodes, o, threshold)   worker 0's timer: one check per node that waits, in parallel
@@ -76,29 +74,6 @@ function _M.holds(node, since, now, o)
         return false
     end
     return not answered(dict(), node.name, since)
-end
-
--- Epoch s of the node's latest finding as silent (a TTFB outlier without a first byte
--- since, or stalled without a byte since), or nil.
-local function silent_since(d, name)
-    local since
-    local os_ = d:get("os:" .. name)
-    if os_ and os_ >= (d:get("fb:" .. name) or 0) then
-        since = os_
-    end
-    local ss = d:get("ss:" .. name)
-    if ss and ss >= (d:get("lb:" .. name) or 0) and (not since or ss > since) then
-        since = ss
-    end
-    return since
-end
-
-function _M.held(node, now, o)
-    o = o or config.get()
-    if not checkable(node, o) then
-        return false
-    end
-    return _M.holds(node, silent_since(dict(), node.name), now, o)
 end
 
 function _M.dead(node, since, o)

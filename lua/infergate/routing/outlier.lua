@@ -332,6 +332,29 @@ function _M.probe_threshold(name, stream, o)
     return thr
 end
 
+-- Epoch s of the node's latest finding as silent: a TTFB outlier with no first byte
+-- since ("os" not older than "fb"), or stalled with no byte since
+-- (infergate.routing.stall.silent_since); nil when neither.
+local function silent_finding(d, name)
+    local since = d:get("os:" .. name)
+    if since and since < (d:get("fb:" .. name) or 0) then
+        since = nil
+    end
+    local ss = stall.silent_since(d, name)
+    if ss and (not since or ss > since) then
+        since = ss
+    end
+    return since
+end
+
+-- True when a node found silent has not answered a liveness check since
+-- (infergate.routing.liveness.holds): the circuit breaker's half-open probe waits too
+-- (infergate.routing.candidates).
+function _M.probe_held(node, now, o)
+    o = o or config.get()
+    return liveness.holds(node, silent_finding(dict(), node.name), now, o)
+end
+
 -- True when attempt `att` on `node`, still without a byte, should give up now: the node
 -- was found a TTFB outlier or stalled (the detection runs here, as at a pick: a node
 -- whose every slot is taken is in no pick) after the attempt started, sent no first
@@ -343,17 +366,8 @@ end
 function _M.gone_silent(node, att, now, o)
     o = o or config.get()
     _M.is_outlier(node, now, o)
-    local d = dict()
-    local name = node.name
-    local os_ = d:get("os:" .. name)
-    if os_ and os_ >= att.started and os_ >= (d:get("fb:" .. name) or 0) then
-        return liveness.dead(node, os_, o)
-    end
-    local ss = d:get("ss:" .. name)
-    if ss and ss >= att.started and ss >= (d:get("lb:" .. name) or 0) then
-        return liveness.dead(node, ss, o)
-    end
-    return false
+    local since = silent_finding(dict(), node.name)
+    return since ~= nil and since >= att.started and liveness.dead(node, since, o)
 end
 
 -- An attempt ended: a probe of a silent outlier (sent after it was found one) that waited

@@ -159,6 +159,7 @@ local function silent_since(d, name)
     end
     return nil
 end
+_M.silent_since = silent_since
 
 function _M.finished(att, now)
     if att.stall_done then
