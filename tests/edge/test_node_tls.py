@@ -313,8 +313,12 @@ def test_each_try_checks_its_own_node_name(workdir, redis_server, simnodes, tls_
     # no model list known: GET /v1/models/<id> goes to a node, its path (normalised)
     # escaped as a fixed proxy_pass would, the query string kept
     requests.get(edge.url + "/v1//models/org/some%20model?x=1", timeout=30)
-    fronts = "".join(p.read_text() for p in workdir.glob("front-*/access.log"))
-    assert "GET /v1/models/org/some%20model?x=1 " in fronts, fronts[-2000:]
+
+    def fronts() -> str:  # a front writes its access log line after the answer
+        return "".join(p.read_text() for p in workdir.glob("front-*/access.log"))
+
+    procs.wait_until(lambda: "GET /v1/models/org/some%20model?x=1 " in fronts(), 10,
+                     what=f"the front's access log line; it has {fronts()[-2000:]}")
 
 
 def test_a_mixed_pool_sends_each_request_within_one_group(redis_server, simnodes, tls_front,

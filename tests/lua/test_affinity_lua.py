@@ -309,3 +309,45 @@ def test_a_prompt_seen_first_goes_to_its_node_only_when_that_node_is_not_much_de
     assert got["busy_unseen_after"] is False
     assert got["busy_next"] == got["top2"]
     assert got["close_first"] == got["close_top"]
+
+
+def test_first_sights_follow_the_key_only_while_the_traffic_reuses_prefixes(
+        workdir: Path) -> None:
+    """Observed reuse (affinity.reuse): a prior of 0.5; after a run of prompts that share
+    nothing it falls under REUSE_MIN and a first sight is placed by the plain cost (here:
+    away from its first node, which costs a little more); a key seen again is still
+    followed; with no keyed traffic for a while the share decays back to its prior."""
+    got = run(workdir, """
+            local now = ngx.now()
+            local nodes = {node("a"), node("b"), node("c")}
+            local t = tbl(nodes)
+            local out = {prior = affinity.reuse(now), min = affinity.REUSE_MIN}
+            local function first_of(key, at)
+                local top = affinity.top(nodes, 3, key)
+                for _, n in ipairs(nodes) do n.score = 0 end
+                top.score = 0.05            -- within FIRST_SIGHT_MARGIN of the others
+                local first = affinity.first_sight("prefix", key, at)
+                local pick = balancer.pick(t, {}, at, false, nil, key, first).name
+                return pick == top.name, first
+            end
+            out.before = first_of(123457, now)
+            for k = 1, 60 do
+                affinity.first_sight("prefix", 500000 + k, now)
+            end
+            out.low = affinity.reuse(now)
+            out.after = first_of(123499, now)
+            local seen_top, seen_first = first_of(123499, now)
+            out.seen_top, out.seen_first = seen_top, seen_first
+            out.session_counted = affinity.first_sight("session", 42, now)
+            out.decayed = affinity.reuse(now + 20 * affinity.REUSE_HALF_LIFE_S)
+            out.later = first_of(123511, now + 20 * affinity.REUSE_HALF_LIFE_S)
+            return out
+    """)
+    assert got["prior"] == 0.5
+    assert got["before"] is True
+    assert got["low"] < got["min"]
+    assert got["after"] is False
+    assert got["seen_first"] is False and got["seen_top"] is True
+    assert got["session_counted"] is False
+    assert abs(got["decayed"] - 0.5) < 0.01
+    assert got["later"] is True

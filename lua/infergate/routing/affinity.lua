@@ -59,8 +59,11 @@
 -- node's plain cost is within FIRST_SIGHT_MARGIN of the cheapest candidate's, and to the
 -- cheapest otherwise (a one-off long document must not queue behind a busy node that
 -- the least loaded one would spare it). Either way the key is counted (heat()), and its
--- later requests (the next turn, the group's other users) follow the key. Session and
--- user keys are explicit and always followed.
+-- later requests (the next turn, the group's other users) follow the key. While under
+-- REUSE_MIN of the edge's recent prefix keys were seen before (reuse(), with a prior and
+-- a decay), a first sight is placed as a request without a key would be: with nothing
+-- reused, the key only makes the placement less even. Session and user keys are
+-- explicit and always followed.
 -- Counters (shared dict infergate_stats, exported by infergate.core.prometheus):
 -- "af:first" (the key's first node, or one of its m nodes), "af:spill" (a later one).
 local config = require("infergate.core.config")
@@ -222,16 +225,17 @@ _M.HEAT_HALF_LIFE_S = 10
 local HEAT_TTL_S = 600
 local exp2 = function(x) return 2 ^ x end
 
--- Decayed count stored under `name` (value and time) at `now`.
-local function decayed(d, name, now)
+-- Decayed count stored under `name` (value and time) at `now` (half-life: `half`
+-- seconds, HEAT_HALF_LIFE_S when nil).
+local function decayed(d, name, now, half)
     local v = d:get("v" .. name) or 0
     local t = d:get("t" .. name) or now
-    return v * exp2(-(now - t) / _M.HEAT_HALF_LIFE_S)
+    return v * exp2(-(now - t) / (half or _M.HEAT_HALF_LIFE_S))
 end
 
 -- That count plus `add`, stored; returns the new value.
-local function decayed_add(d, name, now, add)
-    local v = decayed(d, name, now) + add
+local function decayed_add(d, name, now, add, half)
+    local v = decayed(d, name, now, half) + add
     d:set("v" .. name, v, HEAT_TTL_S)
     d:set("t" .. name, now, HEAT_TTL_S)
     return v
@@ -272,6 +276,47 @@ _M.FIRST_SIGHT_MARGIN = 0.1
 function _M.unseen(key)
     local d = shared[_M.HEAT_DICT]
     return d ~= nil and d:get("v" .. key) == nil
+end
+
+-- Observed reuse: the share of this edge's recent prefix-keyed requests whose key it had
+-- seen before (decayed counts, half-life REUSE_HALF_LIFE_S), with a prior of
+-- REUSE_PRIOR_SEEN seen in REUSE_PRIOR_ALL requests (0.5: reuse is assumed until
+-- traffic shows none, and the share returns to it when no keyed request comes). Below
+-- REUSE_MIN the traffic shares no prefixes (one-off documents, prompts unique per
+-- request), so following a key at first sight buys no cached prefill and only makes the
+-- placement less even than the plain cost's: the balancer then places a first sight by
+-- the plain cost (a key seen again is still followed).
+_M.REUSE_HALF_LIFE_S = 60
+_M.REUSE_MIN = 0.05
+local REUSE_PRIOR_SEEN, REUSE_PRIOR_ALL = 1, 2
+
+-- Observed reuse (0-1; the prior without the shared dict), see above.
+function _M.reuse(now)
+    local d = shared[_M.HEAT_DICT]
+    if not d then
+        return REUSE_PRIOR_SEEN / REUSE_PRIOR_ALL
+    end
+    local half = _M.REUSE_HALF_LIFE_S
+    return (decayed(d, "#seen", now, half) + REUSE_PRIOR_SEEN)
+        / (decayed(d, "#keyed", now, half) + REUSE_PRIOR_ALL)
+end
+
+-- Balancer phase, first attempt of every request: counts it (count_request) and, for a
+-- prefix key (kind "prefix"), in the observed reuse. Returns true when the key is a
+-- first sight (unseen), false otherwise.
+function _M.first_sight(kind, key, now)
+    _M.count_request(now)
+    if kind ~= "prefix" then
+        return false
+    end
+    local first = _M.unseen(key)
+    local d = shared[_M.HEAT_DICT]
+    if d then
+        local half = _M.REUSE_HALF_LIFE_S
+        decayed_add(d, "#keyed", now, 1, half)
+        decayed_add(d, "#seen", now, first and 0 or 1, half)
+    end
+    return first
 end
 
 -- The key's first node among cands[1..n] in rendezvous order (no load considered).

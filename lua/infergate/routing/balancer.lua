@@ -15,7 +15,8 @@
 -- long leading prompt or a session, infergate.routing.affinity) then goes to the first
 -- node of its rendezvous order that is within the load bound (a leading prompt this
 -- edge has not seen yet: to its first node only when that node costs at most
--- affinity.FIRST_SIGHT_MARGIN more than the cheapest, else to the cheapest). Otherwise,
+-- affinity.FIRST_SIGHT_MARGIN more than the cheapest, else to the cheapest; while the
+-- edge's traffic shows no reuse of prefixes, affinity.reuse, by the plain cost). Otherwise,
 -- under edge.node_cost = "expected_delay" (the default) and when every candidate has a
 -- fresh score and a service time, the smallest predicted completion wins (least_delay
 -- below; infergate.routing.speed.expected_s). Otherwise power of two choices:
@@ -260,8 +261,9 @@ end
 -- the first attempt go to nodes believed good. model: the request's model (nil: any).
 -- key: the request's affinity key (infergate.routing.affinity; nil: none), which takes
 -- the place of the cost-based choice among two or more candidates; first: the key is a
--- leading prompt this edge has not seen (affinity.unseen), whose first node must not
--- cost much more than the cheapest.
+-- leading prompt this edge has not seen (affinity.first_sight), whose first node must not
+-- cost much more than the cheapest, and which the plain cost places while the traffic
+-- shows no reuse (affinity.reuse below affinity.REUSE_MIN).
 function _M.pick(t, tried, now, retry, model, key, first)
     local o = config.get()
     local cands, n, total, probe, eligible = candidates.gather(t, tried, now, retry, model, o)
@@ -275,6 +277,10 @@ function _M.pick(t, tried, now, retry, model, key, first)
         return cands[1], false, eligible
     end
     local fresh = snapshot.is_fresh(t, now)
+    if key and first and not retry and affinity.reuse(now) < affinity.REUSE_MIN then
+        affinity.heat(key, now) -- traffic shares no prefixes: the plain cost places it
+        key = nil
+    end
     if key and o.edge.prefix_affinity then
         if first and not retry then
             local cheapest, lowest = least_cost(cands, n, fresh, o, now)
@@ -343,8 +349,7 @@ function _M.first_pick(req, t, excluded, now)
     if first == nil then
         first = false
         if o.edge.prefix_affinity then
-            affinity.count_request(now)
-            first = (req.affinity_kind == "prefix" and affinity.unseen(req.affinity)) or false
+            first = affinity.first_sight(req.affinity_kind, req.affinity, now)
         end
         req.first_sight = first
     end
@@ -447,8 +452,7 @@ function _M.run()
     if n == 0 and o.edge.prefix_affinity then
         first = req.first_sight
         if first == nil then
-            affinity.count_request(now)
-            first = req.affinity_kind == "prefix" and affinity.unseen(req.affinity)
+            first = affinity.first_sight(req.affinity_kind, req.affinity, now)
         end
     end
     return place(req, o, now, n, grant, first)
