@@ -61,9 +61,9 @@
 -- the least loaded one would spare it). Either way the key is counted (heat()), and its
 -- later requests (the next turn, the group's other users) follow the key. While under
 -- REUSE_MIN of the edge's recent prefix keys were seen before (reuse(), with a prior and
--- a decay), a first sight is placed as a request without a key would be: with nothing
--- reused, the key only makes the placement less even. Session and user keys are
--- explicit and always followed.
+-- a decay), the margin is 0 (the first node only when it ties with the cheapest): with
+-- nothing reused, the key only makes the placement less even. Session and user keys
+-- are explicit and always followed.
 -- Counters (shared dict infergate_stats, exported by infergate.core.prometheus):
 -- "af:first" (the key's first node, or one of its m nodes), "af:spill" (a later one).
 local config = require("infergate.core.config")
@@ -284,8 +284,8 @@ end
 -- traffic shows none, and the share returns to it when no keyed request comes). Below
 -- REUSE_MIN the traffic shares no prefixes (one-off documents, prompts unique per
 -- request), so following a key at first sight buys no cached prefill and only makes the
--- placement less even than the plain cost's: the balancer then places a first sight by
--- the plain cost (a key seen again is still followed).
+-- placement less even than the plain cost's: the balancer then sends a first sight to
+-- the cheapest candidate (a key seen again is still followed).
 _M.REUSE_HALF_LIFE_S = 60
 _M.REUSE_MIN = 0.05
 local REUSE_PRIOR_SEEN, REUSE_PRIOR_ALL = 1, 2

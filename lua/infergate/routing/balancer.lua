@@ -16,7 +16,8 @@
 -- node of its rendezvous order that is within the load bound (a leading prompt this
 -- edge has not seen yet: to its first node only when that node costs at most
 -- affinity.FIRST_SIGHT_MARGIN more than the cheapest, else to the cheapest; while the
--- edge's traffic shows no reuse of prefixes, affinity.reuse, by the plain cost). Otherwise,
+-- edge's traffic shows no reuse of prefixes, affinity.reuse, only when it ties with the
+-- cheapest). Otherwise,
 -- under edge.node_cost = "expected_delay" (the default) and when every candidate has a
 -- fresh score and a service time, the smallest predicted completion wins (least_delay
 -- below; infergate.routing.speed.expected_s). Otherwise power of two choices:
@@ -262,8 +263,8 @@ end
 -- key: the request's affinity key (infergate.routing.affinity; nil: none), which takes
 -- the place of the cost-based choice among two or more candidates; first: the key is a
 -- leading prompt this edge has not seen (affinity.first_sight), whose first node must not
--- cost much more than the cheapest, and which the plain cost places while the traffic
--- shows no reuse (affinity.reuse below affinity.REUSE_MIN).
+-- cost much more than the cheapest (nothing more while the traffic shows no reuse:
+-- affinity.reuse below affinity.REUSE_MIN).
 function _M.pick(t, tried, now, retry, model, key, first)
     local o = config.get()
     local cands, n, total, probe, eligible = candidates.gather(t, tried, now, retry, model, o)
@@ -277,16 +278,16 @@ function _M.pick(t, tried, now, retry, model, key, first)
         return cands[1], false, eligible
     end
     local fresh = snapshot.is_fresh(t, now)
-    if key and first and not retry and affinity.reuse(now) < affinity.REUSE_MIN then
-        affinity.heat(key, now) -- traffic shares no prefixes: the plain cost places it
-        key = nil
-    end
     if key and o.edge.prefix_affinity then
         if first and not retry then
+            -- while the traffic shows no reuse, the key's first node only on a tie
+            local margin = affinity.FIRST_SIGHT_MARGIN
+            if affinity.reuse(now) < affinity.REUSE_MIN then
+                margin = 0
+            end
             local cheapest, lowest = least_cost(cands, n, fresh, o, now)
             local top = affinity.top(cands, n, key)
-            if cheapest ~= top
-                    and _M.cost(top, fresh, o, now) > lowest + affinity.FIRST_SIGHT_MARGIN then
+            if cheapest ~= top and _M.cost(top, fresh, o, now) > lowest + margin then
                 affinity.heat(key, now) -- counted: its next request follows the key
                 return cheapest, false, eligible
             end
