@@ -304,3 +304,30 @@ def test_a_breaker_probe_waits_for_the_liveness_check_of_a_silent_node(workdir: 
             return out
     """)
     assert got == {"found": True, "probe_while_silent": False, "probe_after_answer": True}
+
+
+def test_a_leg_gives_up_early_only_with_another_node_left(workdir: Path) -> None:
+    """infergate.routing.relaypick.other_left, asked by a stream leg before it gives up
+    waiting for a node's head: true only while an untried node with a closed breaker is
+    left (a half-open or open breaker takes no retry); and the leg's socket timeouts are
+    whole milliseconds, never 0 (which would mean lua_socket_read_timeout)."""
+    got = run(workdir, """
+            local relaypick = require("infergate.routing.relaypick")
+            local leg = require("infergate.stream.leg")
+            local function hn(name)
+                return {name = name, scheme = "http", addr = "127.0.0.1", port = 9,
+                        healthy = true, state = "active", weight = 1, effective_weight = 1}
+            end
+            local t = {nodes = {hn("a"), hn("b")}}
+            local now = 1000
+            local out = {}
+            out.untried = relaypick.other_left({tried = {a = true}}, now, t)
+            out.all_tried = relaypick.other_left({tried = {a = true, b = true}}, now, t)
+            d:set("bo:b", now - 1)                       -- b's breaker just opened
+            out.open = relaypick.other_left({tried = {a = true}}, now, t)
+            out.half_open = relaypick.other_left({tried = {a = true}}, now + 3600, t)
+            out.ms = {leg.ms(0.0004), leg.ms(0.3456), leg.ms(0), leg.ms(2)}
+            return out
+    """)
+    assert got == {"untried": True, "all_tried": False, "open": False, "half_open": False,
+                   "ms": [1, 346, 1, 2000]}

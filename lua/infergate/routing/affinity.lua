@@ -61,9 +61,9 @@
 -- the least loaded one would spare it). Either way the key is counted (heat()), and its
 -- later requests (the next turn, the group's other users) follow the key. While under
 -- REUSE_MIN of the edge's recent prefix keys were seen before (reuse(), with a prior and
--- a decay), the margin is 0 (the first node only when it ties with the cheapest): with
--- nothing reused, the key only makes the placement less even. Session and user keys
--- are explicit and always followed.
+-- a decay), the margin is the balancer's tie (the first node only when it ties with the
+-- cheapest): with nothing reused, the key only makes the placement less even. Session
+-- and user keys are explicit and always followed.
 -- Counters (shared dict infergate_stats, exported by infergate.core.prometheus):
 -- "af:first" (the key's first node, or one of its m nodes), "af:spill" (a later one).
 local config = require("infergate.core.config")
@@ -315,6 +315,11 @@ function _M.first_sight(kind, key, now)
         local half = _M.REUSE_HALF_LIFE_S
         decayed_add(d, "#keyed", now, 1, half)
         decayed_add(d, "#seen", now, first and 0 or 1, half)
+        if first then
+            -- seen from now on, wherever the request goes (heat() counts its share
+            -- when the key decides the node)
+            d:add("v" .. key, 0, HEAT_TTL_S)
+        end
     end
     return first
 end

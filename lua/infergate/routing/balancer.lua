@@ -283,7 +283,7 @@ function _M.pick(t, tried, now, retry, model, key, first)
             -- while the traffic shows no reuse, the key's first node only on a tie
             local margin = affinity.FIRST_SIGHT_MARGIN
             if affinity.reuse(now) < affinity.REUSE_MIN then
-                margin = 0
+                margin = TIE_EPSILON
             end
             local cheapest, lowest = least_cost(cands, n, fresh, o, now)
             local top = affinity.top(cands, n, key)

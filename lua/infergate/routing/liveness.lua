@@ -28,7 +28,7 @@
 --                             answer to a check
 -- dead(node, since, o)        true when a check for the finding `since` got no answer
 --                             and none answered since (asks for a check; no I/O)
--- tick(nodes, o, threshold)   worker 0's timer: one check per node that waits, in parallel
+-- tick(nodes, o, threshold)   worker 0's timer: starts a check (a timer each) per node that waits
 -- init_worker()               the timer (worker 0 only)
 local config = require("infergate.core.config")
 local ngxapi = require("infergate.core.ngxapi")
@@ -98,7 +98,7 @@ end
 -- One check of `node` (timeout `t` s); true when it answered anything at all.
 function _M.check(node, t)
     local sock = ngx.socket.tcp()
-    local ms = math.floor(t * 1000)
+    local ms = math.max(1, math.ceil(t * 1000)) -- 0 would mean lua_socket_*_timeout
     sock:settimeouts(ms, ms, ms)
     local ok, err = sock:connect(node.addr, node.port)
     if not ok then
@@ -135,24 +135,35 @@ local function run_check(node, since, t)
     end
 end
 
--- Start a check of every node that waits for one, and wait for them all.
+local function check_timer(premature, node, since, t)
+    if not premature then
+        run_check(node, since, t)
+    end
+end
+
+-- Start a check of every node that waits for one, each in a timer of its own (a frozen
+-- node's check, up to 10 s, does not hold up the check of a node found silent
+-- meanwhile; "lc:" keeps one check per node). Returns the number started.
 function _M.tick(nodes, o, threshold)
     local d = dict()
-    local threads = {}
+    local started = 0
     for _, node in ipairs(nodes) do
         local since = d:get("lw:" .. node.name)
         if since and checkable(node, o) then
             local la = d:get("la:" .. node.name)
             local t = _M.timeout(threshold(node.name, o))
             if (not la or la < since) and d:add("lc:" .. node.name, true, t) then
-                threads[#threads + 1] = ngx.thread.spawn(run_check, node, since, t)
+                local ok, err = ngx.timer.at(0, check_timer, node, since, t)
+                if ok then
+                    started = started + 1
+                else
+                    d:delete("lc:" .. node.name)
+                    log(WARN, "infergate: liveness check of ", node.name, " not started: ", err)
+                end
             end
         end
     end
-    for _, th in ipairs(threads) do
-        ngx.thread.wait(th)
-    end
-    return #threads
+    return started
 end
 
 local running = false

@@ -13,6 +13,7 @@
 --   close(att, outcome, now, latency_ms)  ends an attempt (stats.close_attempt,
 --                              learned concurrency for "ok", outlier.finished)
 --   hold(att, now)             a 500 whose verdict waits (see infergate.stream.leg)
+--   other_left(req, now)       true when an untried node could take a retry
 local snapshot = require("infergate.routing.snapshot")
 local balancer = require("infergate.routing.balancer")
 local stats = require("infergate.routing.stats")
@@ -22,6 +23,7 @@ local outlier = require("infergate.routing.outlier")
 local speed = require("infergate.routing.speed")
 local affinity = require("infergate.routing.affinity")
 local candidates = require("infergate.routing.candidates")
+local breaker = require("infergate.routing.breaker")
 
 local _M = {}
 
@@ -33,13 +35,28 @@ end
 
 -- True when a node left for this request (untried, usable, accepted) has every known
 -- slot taken: the pick leaves such a node out, and a slot may free.
-local function any_full(req, t, accept)
+local function any_full(req, t, accept, now)
     if not held.enforced() then
         return false
     end
     for _, node in ipairs(t.nodes) do
         if node.slots and candidates.usable(node, req.tried, req.model)
+                and breaker.allow(node.name, now) == "yes"
                 and stats.inflight(node.name) >= node.slots and (not accept or accept(node)) then
+            return true
+        end
+    end
+    return false
+end
+
+-- True when a node not tried yet by `req` could take a retry (usable, breaker closed:
+-- a retry never takes a half-open probe), now or once one of its slots frees. t: the
+-- routing snapshot (nil: the current one). Reads only.
+function _M.other_left(req, now, t)
+    t = t or snapshot.current()
+    for _, node in ipairs(t.nodes) do
+        if candidates.usable(node, req.tried, req.model)
+                and breaker.allow(node.name, now) == "yes" then
             return true
         end
     end
@@ -93,7 +110,7 @@ function _M.next(req, o, now, accept)
         end
     end
     if not node then
-        return nil, nil, nil, (full or any_full(req, t, accept)) and "full" or nil
+        return nil, nil, nil, (full or any_full(req, t, accept, now)) and "full" or nil
     end
     req.tried[node.name] = true
     if req.affinity and not req.affinity_live and o.edge.prefix_affinity then

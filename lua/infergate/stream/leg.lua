@@ -23,6 +23,7 @@ local deadline = require("infergate.admission.deadline")
 local relaypick = require("infergate.routing.relaypick")
 local stall = require("infergate.routing.stall")
 local outlier = require("infergate.routing.outlier")
+local speed = require("infergate.routing.speed")
 local sse = require("infergate.stream.sse")
 local http = require("infergate.stream.http")
 local splice = require("infergate.stream.splice")
@@ -31,6 +32,7 @@ local _M = {}
 
 local ngx_now = ngxapi.now
 local min = math.min
+local ceil = math.ceil
 local concat = table.concat
 local pairs = pairs
 local type = type
@@ -95,6 +97,14 @@ end
 
 _M.WATCH_S = 0.5
 
+-- A cosocket timeout of `s` seconds in whole milliseconds, at least 1 (0 would mean
+-- lua_socket_read_timeout, 60 s by default).
+local function ms(s)
+    local v = ceil(s * 1000)
+    return v >= 1 and v or 1
+end
+_M.ms = ms
+
 -- Read timeout (s) of the next read: see the header (no_hold: the hold does not shorten
 -- it, as for the answer's headers).
 local function read_timeout(r, lg, now, no_hold)
@@ -155,8 +165,13 @@ end
 local function other_answer(r, lg, head, sock)
     local parts, size = {}, 0
     while size < _M.ANSWER_MAX do
-        local data = http.read_body(head, sock)
-        if not data or data == "" then
+        local data, err = http.read_body(head, sock)
+        if not data then -- cut short: not passed on as if whole
+            lg.verdict, lg.why, lg.timeout = "fail", "answer cut: " .. (err or "?"),
+                err == "timeout"
+            return
+        end
+        if data == "" then
             break
         end
         parts[#parts + 1] = data
@@ -182,7 +197,7 @@ local function read_stream(r, lg, head, sock)
     while true do
         local now = ngx_now()
         local t = read_timeout(r, lg, now)
-        sock:settimeout(t * 1000)
+        sock:settimeout(ms(t))
         local data, err = http.read_body(head, sock)
         now = ngx_now()
         if not data and err == "timeout" and not r.sent and lg.hold_until
@@ -259,7 +274,7 @@ local function start(r, lg, sock, body)
             return nil, "deadline"
         end
     end
-    sock:settimeouts(connect * 1000, send * 1000, send * 1000)
+    sock:settimeouts(ms(connect), ms(send), ms(send))
     local ok, err = sock:connect(node.addr, node.port)
     if not ok then
         return nil, err
@@ -278,23 +293,42 @@ local function start(r, lg, sock, body)
     end
     local read = read_timeout(r, lg, ngx_now(), true)
     if not lg.probe_read then
-        sock:settimeout(read * 1000)
+        sock:settimeout(ms(read))
         return http.read_head(sock)
     end
     -- another node is left: while the head does not come, every WATCH_S the node is
     -- checked (infergate.routing.outlier.gone_silent); found silent since this leg
     -- started and dead to its liveness check, the leg gives up at once and the request
-    -- is retried elsewhere
-    local give_up = ngx_now() + read
-    sock:settimeout(min(_M.WATCH_S, read) * 1000)
-    return http.read_head(sock, function(got)
+    -- is retried elsewhere. At the probe's read timeout it gives up only when a node is
+    -- still left for the retry (relaypick.other_left); else it reads on for the whole
+    -- read timeout of a leg that has no other node.
+    local started = ngx_now()
+    local give_up, extended = started + read, false
+    sock:settimeout(ms(min(_M.WATCH_S, read)))
+    local head
+    head, err = http.read_head(sock, function(got)
         local now = ngx_now()
-        if now >= give_up or (not got and outlier.gone_silent(node, lg.att, now, o)) then
+        if not got and outlier.gone_silent(node, lg.att, now, o)
+                and relaypick.other_left(r.req, now) then
             return false
         end
-        sock:settimeout(min(_M.WATCH_S, give_up - now) * 1000)
+        if give_up - now < 0.002 then
+            if extended or not lg.probe_read or relaypick.other_left(r.req, now) then
+                return false
+            end
+            extended, lg.probe_read = true, nil
+            give_up = started + read_timeout(r, lg, started, true)
+            if give_up - now < 0.002 then
+                return false
+            end
+        end
+        sock:settimeout(ms(min(_M.WATCH_S, give_up - now)))
         return true
     end)
+    if head then -- the rest of the head and the body: the leg's own read timeout
+        sock:settimeout(ms(read_timeout(r, lg, ngx_now(), true)))
+    end
+    return head, err
 end
 
 -- The verdict on the attempt, as the balancer's (infergate.routing.tries): a 500 is held
@@ -336,8 +370,14 @@ function _M.run(r, node, att, body, eligible)
         lg.hold_until = o.edge.stream_hold_s > 0 and now + o.edge.stream_hold_s or nil
     end
     if eligible and eligible > 1 then
-        -- the balancer's bound (infergate.routing.balancer, deadline.probe_read)
+        -- the balancer's bound (infergate.routing.balancer, deadline.probe_read): never
+        -- less than twice the predicted completion on the node (queued on a node that
+        -- slowed down is not stalled)
         local thr = outlier.probe_threshold(node.name, true, o)
+        local e = thr and speed.expected_s(node)
+        if e and e > thr then
+            thr = e
+        end
         lg.probe_read = thr and 2 * thr
     end
     local addrs = r.addrs or {}

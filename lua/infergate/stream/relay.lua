@@ -145,20 +145,18 @@ end
 
 -- The node of the next leg (infergate.routing.relaypick.next). When the nodes left have
 -- every known slot taken (a retry or a continuation: the first leg's slot was held by
--- admission), it waits for one to free, polling every admission.poll_ms: until the
--- request's deadline before anything was sent, for at most the stream idle time after.
+-- admission), it waits for one to free, polling every admission.poll_ms: for at most
+-- the stream idle time, and before anything was sent until the request's deadline.
 local function wait_for_node(r, now, accept)
     local o, req = r.o, r.req
     local node, att, eligible, why = relaypick.next(req, o, now, accept)
-    local until_s = r.sent and now + deadline.for_request(req).idle_s or nil
+    local until_s = now + deadline.for_request(req).idle_s
     while not node and why == "full" and not r.client_gone do
         ngx.sleep(o.admission.poll_ms / 1000)
         now = ngx_now()
-        if r.sent then
-            if now >= until_s then
-                break
-            end
-        elseif not deadline.timeouts(req, o, now) then
+        if now >= until_s then
+            break
+        elseif not r.sent and not deadline.timeouts(req, o, now) then
             r.deadline_passed = true
             break
         end
