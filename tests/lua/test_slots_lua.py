@@ -280,3 +280,33 @@ def test_admission_predicts_the_requests_own_time_at_the_tail(workdir: Path) -> 
     assert got["short"] == pytest.approx(got["pt"] * 20)
     assert got["wait"] == pytest.approx(2.0)                 # the one in flight, then one ahead
     assert got["done"] == pytest.approx(2.0 + got["tail"])
+
+
+def test_a_silent_nodes_free_slots_do_not_count_while_a_live_node_is_full(workdir: Path) -> None:
+    """slots.free and slots.predict: a node found silent (here flagged a TTFB outlier)
+    is not picked while a live node is merely full, so its free slots do not count for a
+    waiting request (which would otherwise never get its 429 before giving up); with
+    no live node left they count again."""
+    got = run(workdir, """
+            local now = ngx.now()
+            local t = tbl({node("a", {slots = 2}), node("s", {slots = 2})})
+            t.by_name = {a = t.nodes[1], s = t.nodes[2]}
+            local att = stats.open_attempt("a", now)
+            stats.close_attempt(att, "ok", now, 500)          -- a answers in 0.5 s
+            busy("a", 2)                                      -- the live node is full
+            local out = {}
+            out.before = slots.free(t, now)
+            ngx.shared.infergate_stats:set("ol:s", now)       -- s found a TTFB outlier
+            out.silent = slots.free(t, now)
+            out.reserve = slots.reserve({tried = {}}, t, now)
+            local done, wait = slots.predict(t, now, {}, 0)
+            out.wait = wait
+            t.nodes[1].healthy = false                        -- no live node left
+            out.alone = slots.free(t, now)
+            return out
+    """)
+    assert got["before"] == 2
+    assert got["silent"] == 0
+    assert got["reserve"] is False
+    assert got["wait"] == pytest.approx(0.25)                # a's next slot, not s's free one
+    assert got["alone"] == 2

@@ -49,19 +49,25 @@ function _M.applies(t, now, model)
 end
 
 -- Free slots over the eligible nodes of `model` (their cap minus this edge's in flight),
--- and the number of eligible nodes.
+-- and the number of eligible nodes. While a node not found silent (a TTFB outlier or
+-- stalled) is eligible, the free slots of nodes found silent do not count: reserve()
+-- does not pick them, so they must not keep a waiting request from its 429.
 function _M.free(t, now, model)
-    local free, eligible = 0, 0
+    local free, live_free, live, eligible = 0, 0, false, 0
     for _, node in ipairs(t.nodes) do
         if open_to(node, model, now) then
             eligible = eligible + 1
             local f = cap_of(node) - stats.inflight(node.name)
-            if f > 0 then
-                free = free + f
+            if f < 0 then
+                f = 0
+            end
+            free = free + f
+            if not outlier.is_outlier(node, now) then
+                live, live_free = true, live_free + f
             end
         end
     end
-    return free, eligible
+    return live and live_free or free, eligible
 end
 
 -- Whether a node of `model` that is eligible, not found silent and has every slot taken
@@ -111,9 +117,11 @@ end
 -- the queue: the slots of the eligible nodes of `model` free up at sum(cap / s) per
 -- second (s: a node's latency EWMA; with its slots a hard limit that is its service
 -- time), and the request then takes its own high quantile (infergate.routing.learned
--- tail_s, capped by its max_tokens). nil when no eligible node has answered yet.
+-- tail_s, capped by its max_tokens); the slots free now are what free() counts. nil when no
+-- eligible node has answered yet.
 function _M.predict(t, now, req, ahead)
-    local rate, tail, free = 0, nil, 0
+    local rate, tail = 0, nil
+    local free = _M.free(t, now, req.model)
     for _, node in ipairs(t.nodes) do
         if open_to(node, req.model, now) then
             local lat = stats.latency_ewma_ms(node.name)
@@ -126,8 +134,6 @@ function _M.predict(t, now, req, ahead)
                     tail = own
                 end
             end
-            local f = cap_of(node) - stats.inflight(node.name)
-            free = free + (f > 0 and f or 0)
         end
     end
     if not tail then
