@@ -206,3 +206,21 @@ def test_class_and_weight_come_from_key_then_tenant_then_default(got: dict) -> N
 
 def test_reservation_is_max_tokens_or_the_model_default(got: dict) -> None:
     assert got["reserved"] == [100, 50, 300, 2048, 256, 0]
+
+
+def test_a_waiter_far_back_polls_less_but_never_outlives_its_alive_mark(workdir: Path) -> None:
+    """infergate.admission.shed's step between two looks of a waiting request: the poll
+    while it could be served, longer the further back it waits (at most 10 x), and never
+    over half the TTL of its alive mark (queue.alive_ttl_s), whatever admission.poll_ms."""
+    got = lua_eval(workdir, PRELUDE + """
+    local shed = require("infergate.admission.shed")
+    local queue = require("infergate.admission.queue")
+    out.front = shed.FAIR_STEP(0.02, 1, 2)
+    out.back = shed.FAIR_STEP(0.02, 200, 0)
+    out.slow_poll = shed.FAIR_STEP(1.0, 200, 0)
+    out.ttl = queue.alive_ttl_s(1.0)
+    return out
+""", http_extra=DICTS)
+    assert got["front"] == pytest.approx(0.02)
+    assert got["back"] == pytest.approx(0.2)
+    assert got["slow_poll"] == pytest.approx(got["ttl"] / 2) and got["slow_poll"] < 10
