@@ -12,8 +12,9 @@
 --   a timeout at the request's deadline  neutral (the node was working on it)
 -- A node's fault: connect error or reset, a timeout before the first byte (for a
 -- stream, before its first chunk: headers alone do not count), bytes that are not HTTP,
--- a 502/503/504 answer, and a 500 that another node did not repeat (the held 500 of an
--- earlier try is a failure when a later node answered the request).
+-- a 502/503/504 answer, a body cut short of its Content-Length, and a 500 that another
+-- node did not repeat (the held 500 of an earlier try is a failure when a later node
+-- answered the request).
 local reqctx = require("infergate.core.reqctx")
 local ngxapi = require("infergate.core.ngxapi")
 local ngx_now = ngxapi.now
@@ -52,6 +53,21 @@ local READ_SLACK_S = 0.01
 -- Routes a node may not serve: no verdict on its health.
 local UNSERVED = { [404] = true, [405] = true, [501] = true }
 _M.UNSERVED = UNSERVED
+
+-- Whether the last node's answer body ended before its Content-Length (the node closed
+-- the connection early: nginx logs "upstream prematurely closed connection"). The
+-- client got the same short body that plain nginx would pass on, since its headers
+-- were already sent; the node must not count it as an answer (a fast short answer would
+-- also make it look like the fastest node). $upstream_response_length: the body bytes
+-- read from the node; $upstream_http_content_length: the node's own header.
+local function cut_short()
+    local want = tonumber(ngx_var("upstream_http_content_length"))
+    if not want then
+        return false
+    end
+    local got = tonumber(last_entry(ngx_var("upstream_response_length")))
+    return got ~= nil and got < want
+end
 
 -- Outcome of the final attempt from nginx's view of it: result, status.
 local function outcome(req)
@@ -101,6 +117,9 @@ local function outcome(req)
     end
     if status >= 500 then
         return "fail", status
+    end
+    if status < 300 and not client_left and cut_short() then
+        return "fail", 502
     end
     return "ok", status
 end

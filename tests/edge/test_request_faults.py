@@ -106,3 +106,33 @@ def test_generations_past_the_deadline_open_no_breaker(simnodes, redis_server, e
     res = requests.post(f"{edge.url}/v1/chat/completions", json={**CHAT, "sim_output_tokens": 3},
                         timeout=30)
     assert res.status_code == 200
+
+
+def test_an_answer_cut_short_of_its_length_is_a_failure_of_its_node(
+        tiny_upstreams, redis_server, edge_factory) -> None:
+    """A node that sends a 200 whose body ends before its Content-Length: the client of a
+    plain request gets what plain nginx passes on (headers were sent: a short body and a
+    closed connection), but the node is failed, not credited with a fast answer, and
+    its breaker opens; a stream request is not passed on at all (the relay answers
+    502 when no other node is left)."""
+    a, b = tiny_upstreams(names=["a", "b"])
+    a.mode = "cut"
+    edge = edge_factory(edge_settings(redis_server.url, [a.node_settings(), b.node_settings()],
+                                      breaker_failures=3, breaker_cooldown_s=120.0))
+    cut = 0
+    for _ in range(30):
+        try:
+            res = requests.post(f"{edge.url}/v1/chat/completions", json=CHAT, timeout=10)
+        except requests.RequestException:
+            cut += 1
+            continue
+        assert res.status_code == 200 and res.json()["choices"], res.text
+    nodes = {n["name"]: n for n in edge.status()["nodes"]}
+    assert 1 <= cut <= 3, cut
+    assert nodes["a"]["failures"] >= cut
+    assert nodes["a"]["breaker"] == "open" or cut < 3, nodes["a"]
+    b.mode = "cut"
+    res = requests.post(f"{edge.url}/v1/chat/completions", timeout=10,
+                        json={**CHAT, "stream": True})
+    assert res.status_code == 502, res.text
+    assert "answer cut" in res.json()["error"]["message"]

@@ -34,7 +34,8 @@ class TinyUpstream:
     headers at once, as from vLLM whose engine hangs), ``garbage`` (non-HTTP bytes, then
     close), ``close_reused`` (answer the first request of a connection; close a kept-alive
     connection when a later request arrives on it, as a server that dropped an idle
-    connection the moment the proxy reused it).
+    connection the moment the proxy reused it), ``cut`` (a 200 JSON answer whose
+    Content-Length says 1000 bytes, 10 of them sent, then the connection closed).
     ``delay_s`` delays every answer; a ``"stream": true`` request gets ``chunks`` SSE
     chunks ``chunk_interval_s`` apart (and, with ``stream_options.include_usage``, a
     last chunk with ``choices: []`` and the usage, as vLLM sends it). ``gate``: when set (a threading.Event), streams
@@ -167,6 +168,16 @@ closes the port (connections refused)."""
                     if streams:
                         self._stream_headers()
                     upstream._released.wait(60)
+                    self.close_connection = True
+                    return
+                if mode == "cut":
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", "1000")
+                    self.send_header("X-Sim-Node", upstream.name)
+                    self.end_headers()
+                    self.wfile.write(b'{"id": "cu')
+                    self.wfile.flush()
                     self.close_connection = True
                     return
                 if mode == "garbage":
