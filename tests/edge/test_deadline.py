@@ -185,3 +185,25 @@ def test_a_connect_timeout_is_the_nodes_fault_not_the_deadlines(redis_server, ed
         for c in fillers:
             c.close()
         lsock.close()
+
+
+def test_a_stream_whose_node_never_answers_gets_504_at_the_deadline(
+        redis_server, tiny_upstreams, edge_factory) -> None:
+    """The stream idle time bounds a stream's reads, but while nothing has gone to the
+    client the wait for the node's answer to begin ends at the request's deadline: a
+    frozen node (connection accepted, nothing sent) gives 504 deadline_exceeded at
+    request_ms, not after the stream idle time."""
+    (node,) = tiny_upstreams(names=["frozen"])
+    node.mode = "hang"
+    s = settings(redis_server.url, [node.node_settings()], request_ms=1500, stream_idle_ms=20000)
+    edge = edge_factory(s)
+    started = time.monotonic()
+    try:
+        res = requests.post(f"{edge.url}/v1/chat/completions", json=chat(8, stream=True),
+                            timeout=30)
+        took = time.monotonic() - started
+    finally:
+        node.release()
+    assert res.status_code == 504, res.text
+    assert res.json()["error"]["code"] == "deadline_exceeded"
+    assert 1.4 < took < 10, took

@@ -8,7 +8,9 @@
 --
 -- Read timeouts: a stream's, as on the proxy path (edge.read_timeout_ms, at most the
 -- deadline's stream idle time; the request deadline does not cut a stream,
--- infergate.admission.deadline.timeouts), shortened before content as a probe's when
+-- infergate.admission.deadline.timeouts, but while nothing went to the client the
+-- node's head is not awaited past it: 504 deadline_exceeded, as for a request that
+-- is not a stream), shortened before content as a probe's when
 -- another node is left (2 x infergate.routing.outlier.probe_threshold, as the balancer);
 -- after content,
 -- 2 x the node's stall threshold (a node silent that long is stalled: the stream is
@@ -264,6 +266,31 @@ local function leg_headers(r)
     return h
 end
 
+-- How long (s) the leg waits for the node's head: its read timeout and, while nothing
+-- has gone to the client, no longer than the request's deadline (which a stream's
+-- reads are otherwise not bounded by: its head cannot come later and still be on time).
+local function head_read(r, lg, now)
+    local read = read_timeout(r, lg, now, true)
+    local left = not r.sent and deadline.remaining(r.req, now)
+    if left and left < read then
+        lg.deadline_read = true
+        return left > 0.001 and left or 0.001
+    end
+    return read
+end
+
+-- The head read's result; a timeout of a read the deadline bounded, at the deadline,
+-- is the deadline's (r.deadline_passed: 504 deadline_exceeded, not the node's fault).
+local function at_deadline(r, lg, head, err)
+    if not head and err == "timeout" and lg.deadline_read then
+        local left = deadline.remaining(r.req, ngx_now())
+        if left and left <= deadline.RETRY_MIN_S then
+            r.deadline_passed = true
+        end
+    end
+    return head, err
+end
+
 local function start(r, lg, sock, body)
     local o, req, node = r.o, r.req, lg.node
     local connect, send = o.edge.connect_timeout_ms / 1000, o.edge.send_timeout_ms / 1000
@@ -291,10 +318,10 @@ local function start(r, lg, sock, body)
     if not ok then
         return nil, err
     end
-    local read = read_timeout(r, lg, ngx_now(), true)
+    local read = head_read(r, lg, ngx_now())
     if not lg.probe_read then
         sock:settimeout(ms(read))
-        return http.read_head(sock)
+        return at_deadline(r, lg, http.read_head(sock))
     end
     -- another node is left: while the head does not come, every WATCH_S the node is
     -- checked (infergate.routing.outlier.gone_silent); found silent since this leg
@@ -317,7 +344,7 @@ local function start(r, lg, sock, body)
                 return false
             end
             extended, lg.probe_read = true, nil
-            give_up = started + read_timeout(r, lg, started, true)
+            give_up = started + head_read(r, lg, started)
             if give_up - now < 0.002 then
                 return false
             end
@@ -328,7 +355,7 @@ local function start(r, lg, sock, body)
     if head then -- the rest of the head and the body: the leg's own read timeout
         sock:settimeout(ms(read_timeout(r, lg, ngx_now(), true)))
     end
-    return head, err
+    return at_deadline(r, lg, head, err)
 end
 
 -- The verdict on the attempt, as the balancer's (infergate.routing.tries): a 500 is held
