@@ -289,8 +289,13 @@ def test_a_dead_workers_in_flight_attempts_are_given_back(tiny_upstreams, redis_
         t.start()
     procs.wait_until(lambda: a.inflight == 8, 15, what="8 requests held by the node")
     assert edge.status()["inflight_total"] == 8
-    workers = [int(p) for p in os.listdir("/proc") if p.isdigit()
-               and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(master)]
+    def parent(pid: str) -> str | None:
+        try:  # a process of another test may end between the listing and the read
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+        except (OSError, IndexError):
+            return None
+
+    workers = [int(p) for p in os.listdir("/proc") if p.isdigit() and parent(p) == str(master)]
     assert len(workers) == 2
     for victim in workers:  # both: whichever holds the requests
         os.kill(victim, signal.SIGKILL)
