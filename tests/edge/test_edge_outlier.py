@@ -258,7 +258,9 @@ def test_a_stream_on_a_node_that_froze_moves_on_once_found_and_waits_for_a_slot(
     check (3 s) got no answer, not after its 10 s first-byte read; the other node, slow to
     its first byte (an outlier too, but it answers the check), keeps its request, and
     the retry waits at the edge for its only slot instead of failing; all within a 15 s
-    deadline. Later requests wait for that slot too, not for the frozen node's free one."""
+    deadline. A plain request that comes while the retry waits leaves it the slot (an
+    answer under way goes first), then gets it. Later requests wait for that slot too,
+    not for the frozen node's free one."""
     a, b = tiny_upstreams(names=["a", "b"])
     s = edge_settings(redis_server.url, [], stale_after_s=3600, read_timeout_ms=60000,
                       outlier_ttfb_min_s=MIN_S, outlier_stream_ttfb_min_s=MIN_S,
@@ -272,12 +274,18 @@ def test_a_stream_on_a_node_that_froze_moves_on_once_found_and_waits_for_a_slot(
     edge.wait_snapshot(snap["version"])
     a.mode = "frozen"
     b.delay_s = 5.5                        # b's one slot is busy until 5.5 s
-    pool = ThreadPoolExecutor(2)
+    pool = ThreadPoolExecutor(3)
     try:
         t0 = time.monotonic()
         futs = [pool.submit(_stream, edge) for _ in range(2)]   # one slot each
+        _wait(lambda: b.hits == 1)
+        b.delay_s = 0.3                    # what b answers next is quick
+        _wait(lambda: "no answer to its liveness check" in edge.error_log(), 10)
+        plain = pool.submit(_post, edge)   # comes while the retry waits for b's slot
         got = [f.result(timeout=30) for f in futs]
         took = time.monotonic() - t0
+        answer = plain.result(timeout=30)
+        assert answer.status_code == 200, answer.text
         # a is still frozen, its slot free: two more streams both wait for b's slot
         b.delay_s = 1.0
         later = [f.result(timeout=30) for f in [pool.submit(_stream, edge) for _ in range(2)]]
@@ -287,7 +295,9 @@ def test_a_stream_on_a_node_that_froze_moves_on_once_found_and_waits_for_a_slot(
     assert [(st, node) for st, node, _ in got] == [(200, "b"), (200, "b")], got
     assert all(body and b"[DONE]" in body for _, _, body in got)
     assert [(st, node) for st, node, _ in later] == [(200, "b"), (200, "b")], later
-    assert a.hits == 1 and b.hits == 4
+    assert a.hits == 1 and b.hits == 5
+    streamed = [b'"stream": true' in body for body in b.bodies]
+    assert streamed[:3] == [True, True, False], streamed   # the retry, then the plain one
     assert took < 15.0
     log = edge.error_log()
     assert "node a is an outlier" in log and "node b is an outlier" in log

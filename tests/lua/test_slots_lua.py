@@ -310,3 +310,22 @@ def test_a_silent_nodes_free_slots_do_not_count_while_a_live_node_is_full(workdi
     assert got["reserve"] is False
     assert got["wait"] == pytest.approx(0.25)                # a's next slot, not s's free one
     assert got["alone"] == 2
+
+
+def test_an_answer_under_way_that_waits_gets_the_next_free_slot(workdir: Path) -> None:
+    """slots.mark_started_waiting (a relayed stream's retry or continuation waiting for a
+    slot): while the mark lasts, a new request does not take the last free slot, but
+    takes one of two; the mark lasts three polls and expires by itself."""
+    got = run(workdir, """
+            local now = ngx.now()
+            local t = tbl({node("a", {slots = 2}), node("b", {slots = 1})})
+            t.by_name = {a = t.nodes[1], b = t.nodes[2]}
+            busy("a", 1)
+            local out = {}
+            slots.mark_started_waiting(nil, now, 0.02)
+            out.two_free = slots.reserve({tried = {}}, t, now)       -- takes one of the two
+            out.last_free = slots.reserve({tried = {}}, t, now)      -- left to the waiting one
+            out.expired = slots.reserve({tried = {}}, t, now + 0.07) -- three polls later
+            return out
+    """)
+    assert got == {"two_free": True, "last_free": False, "expired": True}

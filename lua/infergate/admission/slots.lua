@@ -14,6 +14,7 @@
 -- waits for the live node's slot. When no slot is free the request waits at the edge, first come
 -- first served (infergate.admission.queue), until one frees or its deadline cannot be
 -- met (predict()).
+local config = require("infergate.core.config")
 local stats = require("infergate.routing.stats")
 local breaker = require("infergate.routing.breaker")
 local models = require("infergate.routing.models")
@@ -82,9 +83,33 @@ local function full_live(t, model, now)
     return false
 end
 
+-- Answers under way first. A relayed stream's retry or continuation that waits for a
+-- slot of `model` (infergate.stream.relay) marks it, for MARK_POLLS of its polls and
+-- again at each look; while the mark lasts a new request does not take the last free
+-- slot, so the answer already under way gets it instead of waiting behind requests
+-- that came later. The mark expires by itself (nothing to give back).
+local MARK_POLLS = 3
+
+function _M.mark_started_waiting(model, now, poll_s)
+    local d = ngx.shared[config.DICT_STATS]
+    if d then
+        d:set("sw:" .. (model or ""), now + MARK_POLLS * poll_s, MARK_POLLS * poll_s + 1)
+    end
+end
+
+local function started_waiting(model, now)
+    local d = ngx.shared[config.DICT_STATS]
+    local v = d and d:get("sw:" .. (model or ""))
+    return v ~= nil and v > now
+end
+
 -- Picks the request's node among those with a free slot and takes the slot: true when
--- it did (req.picked set), false when every slot is taken.
+-- it did (req.picked set), false when every slot is taken (or only one is free while
+-- an answer under way waits for it, see above).
 function _M.reserve(req, t, now)
+    if started_waiting(req.model, now) and _M.free(t, now, req.model) <= 1 then
+        return false
+    end
     local excluded = {}
     for _, node in ipairs(t.nodes) do
         if stats.inflight(node.name) >= cap_of(node) then

@@ -14,6 +14,7 @@
 --                              learned concurrency for "ok", outlier.finished)
 --   hold(att, now)             a 500 whose verdict waits (see infergate.stream.leg)
 --   other_left(req, now)       true when an untried node could take a retry
+--   accepts_all(req, accept)   true when accept takes every usable node of the model
 local snapshot = require("infergate.routing.snapshot")
 local balancer = require("infergate.routing.balancer")
 local stats = require("infergate.routing.stats")
@@ -61,6 +62,21 @@ function _M.other_left(req, now, t)
         end
     end
     return false
+end
+
+-- True when `accept` (nil: every node) takes every node of the request's model that is
+-- usable, tried or not (a retry or a continuation may then wait for any slot of the
+-- pool: infergate.admission.slots.mark_started_waiting). Reads only.
+function _M.accepts_all(req, accept)
+    if not accept then
+        return true
+    end
+    for _, node in ipairs(snapshot.current().nodes) do
+        if candidates.usable(node, {}, req.model) and not accept(node) then
+            return false
+        end
+    end
+    return true
 end
 
 local function choose(req, t, now, n)

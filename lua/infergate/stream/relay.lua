@@ -37,6 +37,7 @@ local ngxapi = require("infergate.core.ngxapi")
 local deadline = require("infergate.admission.deadline")
 local metrics = require("infergate.core.prometheus")
 local relaypick = require("infergate.routing.relaypick")
+local slots = require("infergate.admission.slots")
 local splice = require("infergate.stream.splice")
 local leg = require("infergate.stream.leg")
 
@@ -146,12 +147,18 @@ end
 -- The node of the next leg (infergate.routing.relaypick.next). When the nodes left have
 -- every known slot taken (a retry or a continuation: the first leg's slot was held by
 -- admission), it waits for one to free, polling every admission.poll_ms: for at most
--- the stream idle time, and before anything was sent until the request's deadline.
+-- the stream idle time, and before anything was sent until the request's deadline;
+-- meanwhile new requests leave it the next free slot
+-- (infergate.admission.slots.mark_started_waiting).
 local function wait_for_node(r, now, accept)
     local o, req = r.o, r.req
     local node, att, eligible, why = relaypick.next(req, o, now, accept)
     local until_s = now + deadline.for_request(req).idle_s
+    local mark = why == "full" and relaypick.accepts_all(req, accept)
     while not node and why == "full" and not r.client_gone do
+        if mark then -- new requests leave the next free slot to this one
+            slots.mark_started_waiting(req.model, now, o.admission.poll_ms / 1000)
+        end
         ngx.sleep(o.admission.poll_ms / 1000)
         now = ngx_now()
         if now >= until_s then
