@@ -37,21 +37,30 @@ def _metric(text: str, name: str) -> float:
     return 0.0
 
 
-def _start(redis_server, workdir: Path, n: int = 2) -> tuple[procs.Managed, str]:
-    port = procs.free_port()
-    m = procs.Managed("embedder", procs.infergate_argv(
-        "embedder", "--listen", f"127.0.0.1:{port}", "--redis-url", redis_server.url,
-        "--model", MODEL, "--index", "local", "--no-queue", "--processes", str(n)),
-        workdir / "embedder.log").start()
-    url = f"http://127.0.0.1:{port}"
+def _start(redis_server, workdir: Path, n: int = 2, attempts: int = 3) -> tuple[procs.Managed, str]:
+    for attempt in range(attempts):
+        # a free port can be taken by another test's process before the embedder binds
+        port = procs.free_port()
+        m = procs.Managed("embedder", procs.infergate_argv(
+            "embedder", "--listen", f"127.0.0.1:{port}", "--redis-url", redis_server.url,
+            "--model", MODEL, "--index", "local", "--no-queue", "--processes", str(n)),
+            workdir / f"embedder-{attempt}.log").start()
+        url = f"http://127.0.0.1:{port}"
 
-    def ready() -> bool:
-        # one process answering is not all of them: each logs when it serves
-        ok = requests.get(url + "/healthz", timeout=1).status_code == 200
-        return ok and m.log_path.read_text().count("embedder listening on") == n
+        def ready(m: procs.Managed = m, url: str = url) -> bool:
+            # one process answering is not all of them: each logs when it serves
+            ok = requests.get(url + "/healthz", timeout=1).status_code == 200
+            return ok and m.log_path.read_text().count("embedder listening on") == n
 
-    m.wait_ready(ready, 120)
-    return m, url
+        try:
+            m.wait_ready(ready, 120)
+        except procs.StartError as e:
+            m.stop()
+            if "Address already in use" not in str(e) or attempt == attempts - 1:
+                raise
+            continue
+        return m, url
+    raise AssertionError("unreachable")
 
 
 def test_processes_share_index_and_metrics(redis_server, workdir) -> None:
