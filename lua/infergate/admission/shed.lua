@@ -250,7 +250,7 @@ end
 -- counts while a slot is free (`free`). Returns true/false and the predicted wait (s, or
 -- nil).
 local function slot_hopeless(req, t, now, start, left, give_up, ahead, free)
-    local done, wait = slots.predict(t, now, req, ahead)
+    local done, wait = slots.predict(t, now, req, ahead, free)
     if now >= give_up then
         return true, wait
     end

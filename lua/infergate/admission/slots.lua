@@ -49,30 +49,8 @@ function _M.applies(t, now, model)
     return false
 end
 
--- Free slots over the eligible nodes of `model` (their cap minus this edge's in flight),
--- and the number of eligible nodes. While a node not found silent (a TTFB outlier or
--- stalled) is eligible, the free slots of nodes found silent do not count: reserve()
--- does not pick them, so they must not keep a waiting request from its 429.
-function _M.free(t, now, model)
-    local free, live_free, live, eligible = 0, 0, false, 0
-    for _, node in ipairs(t.nodes) do
-        if open_to(node, model, now) then
-            eligible = eligible + 1
-            local f = cap_of(node) - stats.inflight(node.name)
-            if f < 0 then
-                f = 0
-            end
-            free = free + f
-            if not outlier.is_outlier(node, now) then
-                live, live_free = true, live_free + f
-            end
-        end
-    end
-    return live and live_free or free, eligible
-end
-
 -- Whether a node of `model` that is eligible, not found silent and has every slot taken
--- exists (asked only when the pick fell back on a silent node).
+-- exists (asked only when the pick fell back on a silent node, or free() found one).
 local function full_live(t, model, now)
     for _, node in ipairs(t.nodes) do
         if stats.inflight(node.name) >= cap_of(node) and open_to(node, model, now)
@@ -81,6 +59,32 @@ local function full_live(t, model, now)
         end
     end
     return false
+end
+
+-- Free slots over the eligible nodes of `model` (their cap minus this edge's in flight),
+-- and the number of eligible nodes. While a node not found silent (a TTFB outlier or
+-- stalled) is eligible, the free slots of nodes found silent do not count: reserve()
+-- does not pick them, so they must not keep a waiting request from its 429. (Only a
+-- node with a free slot is asked whether it is silent; the nodes that are full, only
+-- when a silent node's slots would count and no live node has a free slot.)
+function _M.free(t, now, model)
+    local free, silent, eligible = 0, 0, 0
+    for _, node in ipairs(t.nodes) do
+        if open_to(node, model, now) then
+            eligible = eligible + 1
+            local f = cap_of(node) - stats.inflight(node.name)
+            if f > 0 then
+                free = free + f
+                if outlier.is_outlier(node, now) then
+                    silent = silent + f
+                end
+            end
+        end
+    end
+    if silent > 0 and (free > silent or full_live(t, model, now)) then
+        free = free - silent
+    end
+    return free, eligible
 end
 
 -- Answers under way first. A relayed stream's retry or continuation that waits for a
@@ -142,11 +146,11 @@ end
 -- the queue: the slots of the eligible nodes of `model` free up at sum(cap / s) per
 -- second (s: a node's latency EWMA; with its slots a hard limit that is its service
 -- time), and the request then takes its own high quantile (infergate.routing.learned
--- tail_s, capped by its max_tokens); the slots free now are what free() counts. nil when no
--- eligible node has answered yet.
-function _M.predict(t, now, req, ahead)
+-- tail_s, capped by its max_tokens); `free`: the slots free now, as free() counts them
+-- (counted here when nil). nil when no eligible node has answered yet.
+function _M.predict(t, now, req, ahead, free)
     local rate, tail = 0, nil
-    local free = _M.free(t, now, req.model)
+    free = free or _M.free(t, now, req.model)
     for _, node in ipairs(t.nodes) do
         if open_to(node, req.model, now) then
             local lat = stats.latency_ewma_ms(node.name)

@@ -166,26 +166,22 @@ function _M.tick(nodes, o, threshold)
     return started
 end
 
-local running = false
-
 -- init_worker_by_lua: the liveness timer, on worker 0 only. `nodes()` -> the node table,
--- `threshold(name, o)` -> the node's stall threshold (s).
+-- `threshold(name, o)` -> the node's stall threshold (s). A tick never yields (the
+-- checks run in timers of their own), so ticks cannot overlap.
 function _M.init_worker(nodes, threshold)
     local id = ngx.worker.id()
     if id ~= nil and id ~= 0 then
         return
     end
     local function tick(premature)
-        if premature or running then
+        if premature then
             return
         end
-        running = true
-        local o = config.get()
-        local ok, err = pcall(_M.tick, nodes(), o, threshold)
+        local ok, err = pcall(_M.tick, nodes(), config.get(), threshold)
         if not ok then
             log(WARN, "infergate: liveness checks failed: ", err)
         end
-        running = false
     end
     local ok, err = ngx.timer.every(_M.TICK_S, tick)
     if not ok then

@@ -330,7 +330,7 @@ local function start(r, lg, sock, body)
     -- still left for the retry (relaypick.other_left); else it reads on for the whole
     -- read timeout of a leg that has no other node.
     local started = ngx_now()
-    local give_up, extended = started + read, false
+    local give_up = started + read
     sock:settimeout(ms(min(_M.WATCH_S, read)))
     local head
     head, err = http.read_head(sock, function(got)
@@ -340,10 +340,10 @@ local function start(r, lg, sock, body)
             return false
         end
         if give_up - now < 0.002 then
-            if extended or not lg.probe_read or relaypick.other_left(r.req, now) then
-                return false
+            if not lg.probe_read or relaypick.other_left(r.req, now) then
+                return false -- read on once at most (probe_read is cleared for it)
             end
-            extended, lg.probe_read = true, nil
+            lg.probe_read = nil
             give_up = started + head_read(r, lg, started)
             if give_up - now < 0.002 then
                 return false
