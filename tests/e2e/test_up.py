@@ -18,6 +18,7 @@ import pytest
 import requests
 
 from controlplane import procs
+from controlplane.cli.up.nodes import SIM_NODES, SIM_SLOTS
 from support.upstack import alive, children
 
 
@@ -85,6 +86,12 @@ def test_up_serves_the_readme_requests_and_stops_cleanly(workdir: Path) -> None:
         text_out = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert len(text_out) > 10
         assert requests.get(metrics, timeout=5).text.count("infergate_edge_requests_total") > 0
+        # the simulated nodes' batch slots are known to the edge (requests beyond them
+        # wait at the edge, the fair share applies), as for a vLLM node with max_concurrency
+        # set to its --max-num-seqs
+        slots = {n["name"]: n["slots"] for n in
+                 requests.get(f"{base}/infergate/status", timeout=5).json()["nodes"]}
+        assert slots == {name: SIM_SLOTS for name, _ in SIM_NODES}, slots
         kids = children(p.pid)
         assert len(kids) >= 6                               # redis, 3 nodes, control plane, nginx
     finally:

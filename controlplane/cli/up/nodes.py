@@ -9,6 +9,7 @@ import click
 from controlplane import procs
 from controlplane.config import NodeSettings
 from controlplane.simnode import launch
+from controlplane.simnode.engine import EngineConfig
 
 from .common import START_ATTEMPTS
 
@@ -16,12 +17,19 @@ from .common import START_ATTEMPTS
 #: (name, speed factor) of the simulated pool: a fast, a medium and a slow GPU.
 SIM_NODES: tuple[tuple[str, float], ...] = (("sim-fast", 2.0), ("sim-medium", 1.0), ("sim-slow", 0.5))
 
+#: The simulated nodes' batch slots (their ``--max-running``, vLLM's ``--max-num-seqs``),
+#: given to the edge as ``max_concurrency`` as an operator gives a vLLM node's: the slots
+#: are then known, so requests beyond them wait at the edge and the fair share applies.
+SIM_SLOTS: int = EngineConfig().max_running
+
 
 def _sim_nodes(workdir: Path, stack: procs.ProcessSet, time_scale: float) -> list[NodeSettings]:
     """Start the :data:`SIM_NODES` on free loopback ports (no control port, logs in
-    ``workdir/logs``), added to ``stack``; wait for them (20 s). Raises
+    ``workdir/logs``), added to ``stack``, each with :data:`SIM_SLOTS` batch slots and
+    the same ``max_concurrency``; wait for them (20 s). Raises
     :class:`controlplane.procs.StartError` when one does not come up."""
-    specs = [(name, ["--speed", str(speed), "--time-scale", str(time_scale)])
+    specs = [(name, ["--speed", str(speed), "--time-scale", str(time_scale),
+                      "--max-running", str(SIM_SLOTS)])
              for name, speed in SIM_NODES]
     instance = procs.instance_id()
     last: procs.StartError | None = None
@@ -38,7 +46,8 @@ def _sim_nodes(workdir: Path, stack: procs.ProcessSet, time_scale: float) -> lis
         strangers = [s for s in sims
                      if procs.http_instance(f"{s.url}/health") != instance or not s.alive()]
         if not strangers:
-            return [NodeSettings(name=s.name, url=s.url, kind="vllm") for s in sims]
+            return [NodeSettings(name=s.name, url=s.url, kind="vllm", max_concurrency=SIM_SLOTS)
+                    for s in sims]
         launch.stop_nodes(sims)
         del stack.items[n0:]
         last = procs.StartError(f"{strangers[0].name}: port {strangers[0].port} is held by "
