@@ -68,12 +68,20 @@ function _M.page(status)
     local entry = errors.CATALOG[status] or errors.CATALOG[500]
     local message = entry[3]
     local etype, code = entry[1], entry[2]
-    if status == 500 and ngx_var("infergate_reason") == "no_healthy_upstream" then
+    local reason = status == 500 and ngx_var("infergate_reason")
+    if reason == "no_healthy_upstream" then
         status = 503
         entry = errors.CATALOG[503]
         etype, code, message = entry[1], entry[2],
             "No inference node is left to try (all are unhealthy, draining, have an open "
             .. "circuit breaker or already failed this request)."
+    elseif reason == "nodes_saturated" then
+        -- a retry (or a first try whose held node left) found every slot of the nodes
+        -- left taken (infergate.routing.balancer)
+        status = 429
+        etype, code, message = "server_overloaded", "nodes_saturated",
+            "Every inference node left to try has all its slots taken; retry after "
+            .. config.get().admission.retry_after_s .. " s."
     elseif status == 413 then
         message = "The request body is larger than the " .. config.get().edge.client_max_body_size
             .. " this gateway accepts."
@@ -90,7 +98,7 @@ function _M.page(status)
     ngx.header["Content-Type"] = "application/json"
     if status == 405 then
         ngx.header["Allow"] = "POST"
-    elseif status == 503 then
+    elseif status == 503 or status == 429 then
         ngx.header["Retry-After"] = tostring(config.get().admission.retry_after_s)
     elseif status == 502 or status == 504 then
         ngx.header[errors.NODE_HEADER] = last_node()

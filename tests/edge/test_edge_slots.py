@@ -12,6 +12,7 @@ import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import requests
 
 from controlplane import procs
@@ -121,6 +122,49 @@ def test_a_request_whose_deadline_cannot_be_met_gets_429_at_once(
         held.close()
     edge.wait_idle()
     assert edge.status()["admission"]["waiting"] == 0
+
+
+@pytest.mark.parametrize("kind,source,expect", [
+    ("openai", "server", 200),     # a llama.cpp server: queues beyond its slots
+    ("vllm", "config", 200),       # max_concurrency = --max-num-seqs: vLLM queues too
+    ("openai", "config", 429),     # unknown server (llama-cpp-python cuts a running one)
+], ids=["llamacpp-slots", "vllm-config", "openai-config"])
+def test_a_retry_with_every_other_slot_taken(tiny_upstreams, redis_server, edge_factory,
+                                             kind: str, source: str, expect: int) -> None:
+    """The first try fails (a 500) and the only other node has every slot taken. A node
+    that queues what is beyond its slots gets the retry over its slots, as nginx would
+    send it there; an OpenAI-compatible server of unknown kind does not, and the client
+    gets 429 nodes_saturated with Retry-After (not 503: every node is healthy)."""
+    a, b = tiny_upstreams(names=["a", "b"])
+    b.gate, b.chunks = threading.Event(), 2
+
+    def node(up, **kw):
+        return up.snapshot_node(kind=kind, slots=1, slots_source=source, score=None,
+                                has_metrics=False, **kw)
+
+    edge = _edge(redis_server, edge_factory, [node(a, healthy=False), node(b)])
+    held = requests.post(f"{edge.url}/v1/chat/completions", json={**CHAT, "stream": True},
+                         stream=True, timeout=30)          # b's one slot
+    try:
+        assert held.status_code == 200 and held.headers["X-Infergate-Node"] == "b"
+        snap = write_snapshot(redis_server.client(), [node(a), node(b)])
+        edge.wait_snapshot(snap["version"])
+        a.mode = "fail"
+        res = requests.post(f"{edge.url}/v1/chat/completions", json=CHAT, timeout=30)
+        assert a.hits == 1
+        assert res.status_code == expect, res.text
+        if expect == 200:
+            assert res.headers["X-Infergate-Node"] == "b" and b.hits == 2
+        else:
+            err = res.json()["error"]
+            assert (err["code"], err["type"]) == ("nodes_saturated", "server_overloaded")
+            assert res.headers["Retry-After"] == "1"        # admission.retry_after_s
+            assert b.hits == 1                              # b never saw a second one
+    finally:
+        b.gate.set()
+        held.close()
+    edge.wait_idle()
+    assert edge.node_status("b")["inflight"] == 0 and edge.node_status("a")["inflight"] == 0
 
 
 def test_a_one_at_a_time_server_never_sees_a_second_request(simnodes, redis_server,

@@ -9,7 +9,12 @@
 -- eligible nodes remain.
 -- Known slots (node.slots, with load shedding on) are a hard limit: the first try goes to
 -- the node the admission step picked and holds a slot on (infergate.admission.slots,
--- infergate.routing.held); a later try takes a slot atomically or skips the node.
+-- infergate.routing.held); a later try takes a slot atomically or skips the node. A
+-- retry that finds every other eligible node's slots taken goes over the slots of the
+-- cheapest of them when that node queues what is beyond its slots (queues_beyond: a
+-- llama.cpp server that reported its slots, or a vLLM, TGI or SGLang node), as nginx
+-- would send it there; otherwise it gets 429 nodes_saturated (an OpenAI-compatible
+-- server of unknown kind may cut a running request for a new one: llama-cpp-python).
 -- A node whose breaker is ready for its probe is taken first by a request's first
 -- attempt (its one probe request; never by a retry). A request with an affinity key (a
 -- long leading prompt or a session, infergate.routing.affinity) then goes to the first
@@ -63,7 +68,7 @@
 -- is not, see infergate.filters). The verdicts on the previous try, and nginx's free
 -- retry of a failed kept-alive connection: infergate.routing.tries.
 -- Nothing eligible: the balancer fails and the error page answers 503
--- no_healthy_upstream.
+-- no_healthy_upstream (429 nodes_saturated when the nodes left had every slot taken).
 local ngx_balancer = require("ngx.balancer")
 local ngxapi = require("infergate.core.ngxapi")
 local ngx_now = ngxapi.now
@@ -321,6 +326,15 @@ end
 
 local place
 
+-- Whether a node queues the requests beyond its known slots itself (a retry may then go
+-- over them): a llama.cpp server that reported them (slots_source "server": its requests
+-- wait for a free slot), or a node of a batching kind (vLLM, TGI, SGLang: beyond
+-- --max-num-seqs a request waits in the engine's queue). Not a node of kind "openai"
+-- with configured slots (llama-cpp-python interrupts a running request for a new one).
+local function queues_beyond(node)
+    return node.slots_source == "server" or (node.kind ~= nil and node.kind ~= "openai")
+end
+
 -- A picked node that will not take the try: its half-open probe (probe) and the slot it
 -- held for the request (claimed) given back.
 function _M.give_back(node, probe, claimed)
@@ -334,7 +348,8 @@ end
 
 local function fail_no_node(req)
     req.no_node = true
-    local ok = pcall(function() ngx.var.infergate_reason = "no_healthy_upstream" end)
+    local reason = req.slots_full and "nodes_saturated" or "no_healthy_upstream"
+    local ok = pcall(function() ngx.var.infergate_reason = reason end)
     if not ok then
         log(WARN, "infergate: $infergate_reason is not defined in this location")
     end
@@ -378,15 +393,22 @@ function place(req, o, now, n, grant, first)
             tried[tries.node_of(req, n)] = nil
             return place(req, o, now, n, grant, first)
         end
-        if not node then
+        local over = req.over_slots
+        if not node and over then
+            -- a retry with every slot of the nodes left taken: over the cheapest's slots
+            node, probe, eligible, req.over_slots = over, false, 1, false
+        elseif not node then
             return fail_no_node(req)
-        end
-        if node.slots and held.enforced() then
+        elseif node.slots and held.enforced() then
             claimed = stats.claim(node.name, node.slots)
             if not claimed then
-                tried[node.name] = true   -- every slot taken: never one more request
+                tried[node.name] = true   -- every slot taken: not from a new request
+                req.slots_full = true
                 if probe then
                     breaker.neutral(node.name, true)
+                end
+                if n > 0 and over == nil and queues_beyond(node) then
+                    req.over_slots = node
                 end
                 return place(req, o, now, n, grant, first)
             end
@@ -449,6 +471,7 @@ function _M.run()
     if not deadline.before_try(req, o, now, n > 0) then
         return deadline.fail()
     end
+    req.over_slots, req.slots_full = nil, nil
     local first = false
     if n == 0 and o.edge.prefix_affinity then
         first = req.first_sight
