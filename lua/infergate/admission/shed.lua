@@ -286,10 +286,6 @@ function FIFO.leave(w, now)
     queue.leave(w.pool, w.ticket, now)
 end
 
-function FIFO.step(poll_s)
-    return poll_s
-end
-
 function FAIR.busy(w)
     return fairqueue.any_waiting(w.pool)
 end
@@ -307,11 +303,11 @@ function FAIR.leave(w, now)
     fairqueue.leave(w.pool, w.flow, w.ticket, now)
 end
 
--- A request with many others before it polls less often (up to FAIR_STEP_MAX x poll,
--- and at most half the TTL of its alive mark, infergate.admission.queue.alive_ttl_s, so
--- a long sleep never makes it look gone): the requests ahead take the next free slots
--- anyway, and hundreds of waiting requests polling every few milliseconds would keep
--- the worker busy.
+-- A request with many others before it, in either line, polls less often (up to
+-- FAIR_STEP_MAX x poll, and at most half the TTL of its alive mark,
+-- infergate.admission.queue.alive_ttl_s, so a long sleep never makes it look gone): the
+-- requests ahead take the next free slots anyway, and hundreds of waiting requests
+-- polling every few milliseconds would keep the worker busy.
 local FAIR_STEP_MAX = 10
 function FAIR.step(poll_s, ahead, free)
     local behind = ahead - free
@@ -321,6 +317,7 @@ function FAIR.step(poll_s, ahead, free)
     return math.min(poll_s * math.min(FAIR_STEP_MAX, 1 + behind / 8),
                     queue.alive_ttl_s(poll_s) / 2)
 end
+FIFO.step = FAIR.step   -- the same in arrival order
 _M.FAIR_STEP = FAIR.step
 
 -- Admission in a pool with known slots (infergate.admission.slots): a free slot is
