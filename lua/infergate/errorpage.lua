@@ -62,6 +62,7 @@ function _M.page(status)
         ngx.status = dstatus
         ngx.header["Content-Type"] = "application/json"
         ngx.header[errors.NODE_HEADER] = last_node()
+        ngx.header[errors.NO_RETRY_HEADER] = errors.NO_RETRY
         ngx.say(errors.body(dmessage, dtype, dcode))
         return
     end

@@ -11,6 +11,8 @@ import socket
 import time
 from typing import Any
 
+import openai
+import pytest
 import requests
 
 from controlplane import procs
@@ -57,6 +59,15 @@ def test_deadline_gives_504_and_cancels_the_node(redis_server, simnodes, edge_fa
                      5, what="the node to see the request cancelled")
     assert total(nodes, "completed_total") == 0
     assert edge.status()["admission"]["deadline_exceeded"] == 1
+    # the answer tells the OpenAI SDKs not to retry (they retry a 5xx twice by default):
+    # the client gets the 504 after one try, not after three deadlines
+    assert res.headers["x-should-retry"] == "false"
+    client = openai.OpenAI(base_url=f"{edge.url}/v1", api_key="none")
+    with pytest.raises(openai.InternalServerError) as exc:
+        client.chat.completions.create(model="sim-llama", extra_body={"sim_output_tokens": 200},
+                                       messages=[{"role": "user", "content": "tell me a story"}])
+    assert exc.value.status_code == 504
+    assert total(nodes, "requests_total") == 2
 
     # another route keeps the global deadline: a short request completes
     res = requests.post(f"{edge.url}/v1/completions", timeout=15,
@@ -206,4 +217,5 @@ def test_a_stream_whose_node_never_answers_gets_504_at_the_deadline(
         node.release()
     assert res.status_code == 504, res.text
     assert res.json()["error"]["code"] == "deadline_exceeded"
+    assert res.headers["x-should-retry"] == "false"
     assert 1.4 < took < 10, took

@@ -70,3 +70,37 @@ def test_the_banner_names_a_runnable_cli(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PATH", str(venv_bin))
     (venv_bin / "infergate").chmod(0o755)
     assert up_mod.cli_name() == "infergate"
+
+
+def test_a_metrics_port_taken_meanwhile_is_said_and_moved(tmp_path, monkeypatch, capsys) -> None:
+    """The edge's metrics port, free when chosen, is taken by another process before
+    nginx binds it: ``up`` says so, renders again with a new port and starts nginx on it
+    (nginx is replaced by a recorder: no process runs)."""
+    from types import SimpleNamespace
+
+    from controlplane.cli.up import edge as up_edge
+    from controlplane.edge import render
+
+    tries: list[str] = []
+
+    def fake_render(settings, out, prefix):
+        tries.append(settings.edge.metrics_listen)
+        return SimpleNamespace(nginx_conf=out / "nginx.conf")
+
+    def fake_start(conf, prefix):
+        if len(tries) == 1:
+            raise procs.StartError("nginx: [emerg] bind() to 127.0.0.1:9145 failed "
+                                   "(98: Address already in use)")
+        return SimpleNamespace()
+
+    monkeypatch.setattr(render, "render_nginx", fake_render)
+    monkeypatch.setattr(render, "start_nginx", fake_start)
+    s = settings_from_dict({"edge": {"metrics_listen": "127.0.0.1:9145"}})
+    run = SimpleNamespace(settings=s, wd=tmp_path, edge_host="127.0.0.1", edge_port=8080,
+                          stack=_Stack(), metrics_desc="", metrics_moved=False)
+    up_edge.start_edge(run)
+    assert len(tries) == 2 and tries[0] == "127.0.0.1:9145" and tries[1] != tries[0]
+    assert run.metrics_moved and run.metrics_desc == f"http://{tries[1]}/metrics"
+    out = capsys.readouterr().out
+    assert "metrics port 9145 was taken by another process meanwhile" in out
+    assert f"metrics on {tries[1]}" in out

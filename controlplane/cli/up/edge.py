@@ -84,6 +84,8 @@ def start_edge(run: UpRun) -> None:
             # the free metrics port was taken in between: render with a new one
             m_host = HostPort.parse(settings.edge.metrics_listen)
             settings.edge.metrics_listen = f"{m_host.url_host}:{procs.free_port(m_host.host)}"
+            _say(f"the edge's metrics port {m_port} was taken by another process meanwhile; "
+                 f"starting nginx again with its metrics on {settings.edge.metrics_listen}")
             run.metrics_desc = f"http://{settings.edge.metrics_listen}/metrics"
             run.metrics_moved = True
 

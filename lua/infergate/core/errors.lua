@@ -11,6 +11,13 @@ local _M = {}
 -- The header naming a node (as infergate.filters sets it on proxied answers).
 _M.NODE_HEADER = "X-Infergate-Node"
 
+-- Header of a 504 deadline_exceeded: the OpenAI SDKs retry a 5xx twice by default
+-- unless the answer says `x-should-retry: false` (openai-python 1.x,
+-- _base_client.BaseClient._should_retry). A request that missed the gateway's deadline
+-- would take another full deadline of a slot on each retry (the gateway already retried
+-- on another node where a retry could help), so it tells the client not to.
+_M.NO_RETRY_HEADER, _M.NO_RETRY = "x-should-retry", "false"
+
 -- status -> {type, code, default message}
 _M.CATALOG = {
     [400] = { "invalid_request_error", "bad_request", "The request could not be understood." },

@@ -122,7 +122,8 @@ local function answer_unsent(r)
     end
     if r.deadline_passed then
         return errors.send(504, "The request did not finish within its deadline of "
-            .. deadline.for_request(r.req).request_ms .. " ms.", "timeout", "deadline_exceeded")
+            .. deadline.for_request(r.req).request_ms .. " ms.", "timeout", "deadline_exceeded",
+            { [errors.NO_RETRY_HEADER] = errors.NO_RETRY })
     end
     if not f then
         return errors.send(503, "No inference node is left to try (all are unhealthy, draining, "
