@@ -39,6 +39,31 @@ def model_path() -> Path:
     return Path(assemble())
 
 
+#: Gemma's turn format as a Jinja chat template (the one of Google's Gemma 3 instruction
+#: models, text only). llama-server runs Jinja templates by default, and with Jinja a
+#: --chat-template value is the template's text, not a built-in name ("gemma" would
+#: make every prompt that one word). Its built-in templates (--no-jinja) cannot continue
+#: a final assistant message (common/chat.cpp: the legacy path ignores
+#: continue_final_message), which stream continuation needs; with this template the
+#: server renders the earlier turns, then "<start_of_turn>model\n" and the partial answer.
+GEMMA_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = '' -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if message['role'] == 'assistant' -%}{%- set role = 'model' -%}"
+    "{%- else -%}{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+
 def server_argv(binary: Path, model: Path, port: int, *, host: str = "127.0.0.1",
                 parallel: int = 2, threads: int = 1, metrics: bool = True) -> list[str]:
     """llama-server's command line: ``parallel`` slots of :data:`CTX_PER_SLOT` tokens,
@@ -50,8 +75,8 @@ def server_argv(binary: Path, model: Path, port: int, *, host: str = "127.0.0.1"
             "--ctx-size", str(CTX_PER_SLOT * parallel), "--threads", str(threads),
             "--threads-batch", str(threads), "--slots", "--no-webui",
             # the GGUF carries no chat template (llama-server would fall back to ChatML,
-            # whose markers Gemma does not know): Gemma's own turn format, built in
-            "--chat-template", "gemma"]
+            # whose markers Gemma does not know): Gemma's own turn format
+            "--chat-template", GEMMA_TEMPLATE]
     if metrics:
         argv.append("--metrics")
     return argv

@@ -37,6 +37,34 @@ def _post(edge, path: str, key: bool = True, **kw) -> requests.Response:
     return requests.post(edge.url + path, headers=headers, timeout=120, **kw)
 
 
+def test_chat_prompts_reach_the_model_in_gemmas_turn_format(node, edge) -> None:
+    """The engine's chat template is Gemma's turn format with the messages in it (not a
+    fixed text): a longer question is a longer prompt, the system message goes before
+    the first user turn, and a final assistant message is continued, not closed."""
+    tmpl = requests.post(f"{node.url}/apply-template", timeout=30, json={"messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]})
+    assert tmpl.json()["prompt"] == ("<start_of_turn>user\nBe brief.\n\nHello there"
+                                     "<end_of_turn>\n<start_of_turn>model\n")
+
+    def usage(messages: list[dict]) -> dict:
+        res = _post(edge, "/v1/chat/completions", json={
+            "model": MODEL, "messages": messages, "max_tokens": 2, "temperature": 0})
+        assert res.status_code == 200, res.text
+        return res.json()["usage"]
+
+    short = usage([{"role": "user", "content": "Hi"}])["prompt_tokens"]
+    long = usage([{"role": "user", "content": "Tell me about load balancers " * 20}])
+    assert long["prompt_tokens"] > short + 100
+    ask = [{"role": "user", "content": "Count from one to ten."}]
+    # the prefill's tokens count in the prompt, with no end of turn after them
+    opened = usage(ask + [{"role": "assistant", "content": "one, two, three, four,"}])
+    assert opened["prompt_tokens"] > usage(ask)["prompt_tokens"] + 5
+    raw = requests.post(f"{node.url}/tokenize", timeout=30, json={"content": (
+        "<start_of_turn>user\nCount from one to ten.<end_of_turn>\n<start_of_turn>model\n"
+        "one, two, three, four,"), "add_special": True}).json()["tokens"]
+    assert opened["prompt_tokens"] == len(raw)
+
+
 def test_responses_and_tokenizer_reach_the_engine(edge) -> None:
     res = _post(edge, "/v1/responses", json={"model": MODEL, "input": "Say hi",
                                              "max_output_tokens": 4})

@@ -2,8 +2,9 @@
 edge: the server a greedy stream runs on is killed (SIGKILL) after a few tokens, and the
 client still gets one well-formed stream (one id, one finish_reason, one [DONE], no
 error): the edge continued the answer on the other server with the partial text as an
-assistant prefill (llama.cpp continues a last assistant message: tools/server/utils.hpp,
-oaicompat_chat_params_parse; docs/streams.md says what the seam looked like). Needs the
+assistant prefill (llama.cpp continues a last assistant message with a Jinja chat
+template: tools/server/server-common.cpp, oaicompat_chat_params_parse; docs/streams.md
+says what the seam looked like). Needs the
 binary of ``python -m bench.realnode build`` (see tests/support/realnode.py)."""
 
 from __future__ import annotations

@@ -42,6 +42,11 @@ def test_server_argv():
     assert argv[0] == "/b/llama-server"
     for part in ("--model /m.gguf", f"--alias {MODEL_ALIAS}", "--host 127.0.0.1",
                  "--port 9000", "--parallel 3", "--ctx-size 6144", "--threads 2",
-                 "--metrics", "--slots", "--chat-template gemma"):
+                 "--metrics", "--slots"):
         assert part in text
+    # a Jinja template with Gemma's turn markers (with Jinja on, a built-in name would be
+    # taken as the whole template text)
+    tmpl = argv[argv.index("--chat-template") + 1]
+    assert "<start_of_turn>" in tmpl and "add_generation_prompt" in tmpl and "{%" in tmpl
+    assert "--no-jinja" not in argv
     assert "--metrics" not in server_argv(Path("b"), Path("m"), 1, metrics=False)

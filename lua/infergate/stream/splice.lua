@@ -19,7 +19,11 @@
 --          (python/sglang/srt/entrypoints/openai/protocol.py, serving_chat.py).
 --   llama.cpp server: a last message from the assistant is a prefill the answer
 --          continues, unless started with --no-prefill-assistant
---          (tools/server/utils.hpp oaicompat_chat_params_parse, prefill_assistant).
+--          (tools/server/server-common.cpp oaicompat_chat_params_parse,
+--          prefill_assistant: it sets continue_final_message; common/chat.cpp renders
+--          the earlier turns, the generation prompt and the partial text with a Jinja
+--          chat template, the default; its built-in templates, --no-jinja, close the
+--          turn instead).
 --   TGI and any other OpenAI-compatible server ("openai", "json", "tgi"): no such
 --          contract; their streams cannot be continued.
 -- /v1/completions continues on every engine: the prompt followed by the partial text.
