@@ -24,6 +24,9 @@ the cached entry's text (the last user message of each):
   "Can you help me?" / "Can I help you?", 你欠我钱吗 / 我欠你钱吗). A generic "you" that
   replaces "I" ("How do I reset my password?" / "How do you reset your password?") names
   only one person on each side and passes.
+- ``contrast:<class>``: both texts name members of a closed class of English words, not
+  the same ones (Sunday / Saturday, soft / hard yolk, small / large packages, French /
+  Spanish; :mod:`.contrast`). Never overruled by the verifier.
 - ``key_terms``: a near-copy with one or two key terms replaced: each text has 1 or 2 key
   terms the other lacks (Chinese characters outside a function-character list such as
   皖 / 滇; English words outside a stop list such as Wisconsin / Michigan). The entity
@@ -44,6 +47,8 @@ import unicodedata
 from collections import Counter
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
+
+from .contrast import contrast_conflict
 
 MAX_GUARD_CHARS = 4000
 """Only the first 4000 characters of each text are compared (bounded work)."""
@@ -581,7 +586,9 @@ def check(query: str, candidate: str) -> GuardResult:
     Checks, in order: a text without a letter or digit (``no_words``: "???" against
     "!!!", only equal up to spacing may match), symbols (``symbols``: emoji, currency,
     maths and other Unicode symbols must be the same, "👍" against "👎"), numbers,
-    negation, antonyms, swapped sides (``order``), speaker and addressee swapped
+    negation, antonyms, another member of a closed class (``contrast:<class>``:
+    Sunday / Saturday, soft / hard; :mod:`.contrast`), swapped sides (``order``), speaker
+    and addressee swapped
     (``persons``), key-term substitution (``key_terms``); the first that differs rejects.
     Never raises for ``str`` inputs (non-``str`` is treated as empty text)."""
     q = query if isinstance(query, str) else ""
@@ -597,6 +604,9 @@ def check(query: str, candidate: str) -> GuardResult:
     conflict = antonym_conflict(q, c)
     if conflict:
         return GuardResult(False, f"antonym:{conflict}")
+    conflict = contrast_conflict(q, c)
+    if conflict:
+        return GuardResult(False, f"contrast:{conflict}")
     if swapped(q, c):
         return GuardResult(False, "order")
     if persons_swapped(q, c):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.embedder import guard
+from controlplane.embedder import contrast, guard
 
 
 @pytest.mark.parametrize("query,candidate,reason", [
@@ -52,6 +52,22 @@ from controlplane.embedder import guard
     ("Reply with the emoji 😀", "Reply with the emoji 😡", "symbols"),
     ("What does ⠓ mean in braille?", "What does ⠁ mean in braille?", "symbols"),
     ("Price in $ please", "Price in € please", "symbols"),
+    # another member of a closed class (controlplane/embedder/contrast.py)
+    ("Is the pharmacy open on Tuesdays?", "Is the pharmacy open on Thursdays?",
+     "contrast:weekday"),
+    ("Best places to visit in October", "Best places to visit in December", "contrast:month"),
+    ("Should I wear a coat in winter there?", "Should I wear a coat in summer there?",
+     "contrast:season"),
+    ("How to say thank you in French", "How to say thank you in Spanish", "contrast:language"),
+    ("Why is my cat's tongue pink?", "Why is my cat's tongue black?", "contrast:colour"),
+    ("Gift ideas for my mother", "Gift ideas for my father", "contrast:family"),
+    ("How long to grill a thick steak", "How long to grill a thin steak", "contrast:thick/thin"),
+    ("How do I start the backup service?", "How do I stop the backup service?",
+     "contrast:start/stop"),
+    ("Why does my phone charge slowly?", "Why does my phone charge fast?", "contrast:speed"),
+    ("Cheapest flights to Tokyo", "Most expensive flights to Tokyo", "contrast:price"),
+    ("What time does the museum open?", "What time does the museum close?",
+     "contrast:open/close"),
 ])
 def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason: str) -> None:
     res = guard.check(query, candidate)
@@ -102,11 +118,27 @@ def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason
     ("Could you tell me how to fix it?", "How do I fix it?"),
     ("你好，我的贷款为什么会失败", "我的贷款为什么会失败"),
     ("Is this a good idea? 👍", "is this a good idea 👍"),
+    ("Is the store open on Sundays?", "Is the store opening on Sunday?"),
 ])
 def test_passes_equivalent_pairs(query: str, candidate: str) -> None:
     res = guard.check(query, candidate)
     assert res.ok, res
     assert res.label == "pass"
+
+
+@pytest.mark.parametrize("query,candidate", [
+    ("How can I learn French fast?", "How can I learn French quickly?"),   # one member
+    ("Is the store open on Sundays?", "Is the store opening on Sunday?"),
+    ("Is the store open on Sunday?", "Is the store open?"),    # the class in one text only
+    ("Which is bigger, a large pizza or two small ones?",
+     "Which is larger: two small pizzas or a large one?"),
+    ("Can I go to the gym in May?", "Can I go to the gym in June?"),   # "may": a verb too
+    ("", "Sunday"),
+])
+def test_a_closed_class_named_alike_or_on_one_side_is_no_contrast(query: str,
+                                                                   candidate: str) -> None:
+    assert contrast.contrast_conflict(query, candidate) is None
+    assert contrast.contrast_conflict(candidate, query) is None
 
 
 @pytest.mark.parametrize("text,expected", [
