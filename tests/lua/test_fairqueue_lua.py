@@ -224,3 +224,37 @@ def test_a_waiter_far_back_polls_less_but_never_outlives_its_alive_mark(workdir:
     assert got["front"] == pytest.approx(0.02)
     assert got["back"] == pytest.approx(0.2)
     assert got["slow_poll"] == pytest.approx(got["ttl"] / 2) and got["slow_poll"] < 10
+
+
+def test_admission_charges_the_expected_output_and_the_log_settles_it(workdir: Path) -> None:
+    """infergate.admission.fairshare: a request admitted is charged its prompt and its
+    expected output at once (the model's learned quantile of completion tokens, or its
+    max_tokens when smaller or nothing is learned), so long requests in flight count
+    before they finish; the answer's usage settles the charge, down as well as up."""
+    got = lua_eval(workdir, PRELUDE + """
+    local lengths = require("infergate.routing.lengths")
+    local o = config.get().admission
+    local function exp(model, body) return fairshare.expected_output({model = model, body = body}) end
+    out.none = exp("m0", {messages = {}})
+    out.max_tokens = exp("m0", {max_tokens = 200})
+    lengths.observe("m1", 40)                  -- the first answer sets the quantile
+    out.learned = exp("m1", {})
+    out.capped = exp("m1", {max_completion_tokens = 10, max_tokens = 900})
+    out.above = exp("m1", {max_tokens = 500})
+    local req = {tenant = "t-exp", model = "m0", body = {max_tokens = 200}, est_tokens = 10}
+    fairshare.admitted(req, o)
+    out.admitted = vtc.get("t-exp")
+    req.usage = {total_tokens = 60}
+    fairshare.log(req)
+    out.settled = vtc.get("t-exp")
+    local cut = {tenant = "t-cut", model = "m0", body = {max_tokens = 50}, est_tokens = 5}
+    fairshare.admitted(cut, o)
+    fairshare.log(cut)                          -- no usage known: the charge stays
+    out.cut = vtc.get("t-cut")
+    return out
+""", http_extra=DICTS)
+    assert (got["none"], got["max_tokens"]) == (0, 200)
+    assert (got["learned"], got["capped"], got["above"]) == (40, 10, 40)
+    assert got["admitted"] == pytest.approx(210)
+    assert got["settled"] == pytest.approx(60)
+    assert got["cut"] == pytest.approx(55)

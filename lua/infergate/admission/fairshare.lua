@@ -4,12 +4,20 @@
 --   class, weight   from the API key (infergate.admission.auth: req.key_share =
 --                   {weight, priority}), else admission.tenants[<tenant>], else
 --                   admission.default_weight / admission.default_priority;
---   admitted(req)   charges the tenant's counter with the estimated prompt tokens /
---                   weight when the request is admitted (so a tenant with many
---                   requests in flight is behind at once), and asks for the answer's
---                   usage (req.track_usage, infergate.admission.usage);
---   log(req)        adds the rest when the answer's usage is known: usage.total_tokens
---                   minus what was charged, / weight.
+--   admitted(req)   charges the tenant's counter with the estimated prompt tokens
+--                   and the expected output tokens / weight when the request is
+--                   admitted (so a tenant with many or long requests in flight is
+--                   behind at once, not only once they finish: VTC charges output as
+--                   it is generated), and asks for the answer's usage
+--                   (req.track_usage, infergate.admission.usage). Expected output:
+--                   the model's learned high quantile of completion tokens
+--                   (infergate.routing.lengths, while its weight is above 0), or the
+--                   request's max_tokens when smaller or nothing is learned; 0 when
+--                   neither is known;
+--   log(req)        settles when the answer's usage is known: usage.total_tokens
+--                   minus what was charged, / weight (negative when the answer was
+--                   shorter than expected; an answer whose usage is never known, cut
+--                   or abandoned, keeps the charge).
 --
 -- The class also sets how long a request may wait for a slot: WAIT_FACTOR x the wait of
 -- a standard request (critical waits longer, sheddable is shed first).
@@ -19,6 +27,9 @@ local reqctx = require("infergate.core.reqctx")
 local vtc = require("infergate.admission.vtc")
 local fairqueue = require("infergate.admission.fairqueue")
 local snapshot = require("infergate.routing.snapshot")
+local lengths = require("infergate.routing.lengths")
+local learned = require("infergate.routing.learned")
+local ngxapi = require("infergate.core.ngxapi")
 
 local _M = {}
 
@@ -61,6 +72,21 @@ local function prompt_tokens(req)
     end
     return n
 end
+
+-- Expected output tokens of the request (see the top of this file).
+local function expected_output(req)
+    local n
+    local q, w = lengths.quantile(req.model, ngxapi.now())
+    if q and w > 0 then
+        n = q
+    end
+    local m = learned.max_tokens(req)
+    if m and (not n or m < n) then
+        n = m
+    end
+    return n and ceil(n) or 0
+end
+_M.expected_output = expected_output
 
 -- The engine "priority" of class 3 (critical) and 1 (sheddable) by node kind: vLLM
 -- handles lower values first (vllm/entrypoints/openai protocol.py, field priority,
@@ -114,13 +140,13 @@ function _M.admitted(req, o)
     if o.forward_priority then
         forward_priority(req, class)
     end
-    local n = prompt_tokens(req)
+    local n = prompt_tokens(req) + expected_output(req)
     vtc.charge(tenant, n, weight)
     req.fair = { tenant = tenant, weight = weight, charged = n }
     req.track_usage = true
 end
 
--- Log phase: the rest of the request's tokens once its usage is known.
+-- Log phase: the request's tokens settled once its usage is known.
 function _M.log(req)
     local f = req.fair
     local u = req.usage
