@@ -25,6 +25,7 @@ local config = require("infergate.core.config")
 local errors = require("infergate.core.errors")
 local reqctx = require("infergate.core.reqctx")
 local flush = require("infergate.core.flush")
+local knownkeys = require("infergate.admission.knownkeys")
 local access = require("infergate.access")
 local filters = require("infergate.filters")
 local log = require("infergate.log")
@@ -183,11 +184,13 @@ function _M.init()
     return true
 end
 
--- init_worker_by_lua: the snapshot sync timer, the flush timer (writes to Redis) and, on
--- worker 0, the liveness checks of silent nodes.
+-- init_worker_by_lua: the snapshot sync timer, the flush timer (writes to Redis), the
+-- refresh of the key store's digests (infergate.admission.knownkeys) and, on worker 0,
+-- the liveness checks of silent nodes.
 function _M.init_worker()
     snapshot.init_worker()
     flush.init_worker(pool)
+    knownkeys.init_worker()
     liveness.init_worker(function()
         return snapshot.refresh().nodes
     end, stall.threshold)

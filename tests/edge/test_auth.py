@@ -317,6 +317,29 @@ def test_failed_lookups_are_limited_per_address(redis_server, upstream, edge_fac
                      2 / rate + 5, what="the address's budget to refill")
 
 
+def test_a_new_valid_key_is_not_locked_out_by_a_flood_from_its_address(
+        redis_server, upstream, edge_factory) -> None:
+    """A flood of made-up keys spends its address's budget of failed lookups. A valid key
+    created meanwhile, sent from the same address (clients behind one NAT), is answered
+    once the edge's refresh of the key store's digests has it (every 5 s, per worker:
+    lua/infergate/admission/knownkeys.lua), not refused until the flood stops; made-up
+    keys stay refused without a Redis call."""
+    r = redis_server.client()
+    edge = edge_factory(auth_settings(redis_server.url, upstream.node(), fail_burst=5,
+                                      fail_rate_per_s=0.01))
+    codes = _flood(edge, 40, workers=4)
+    assert codes.count(429) >= 30, codes
+    key, _ = apikeys.create_key(r, "behind-the-nat")
+    seen: list[int] = []
+    procs.wait_until(lambda: seen.append(post(edge, key).status_code) or seen[-1] == 200,
+                     15, what="the new key answered from the flooded address")
+    assert set(seen) <= {429, 200}, seen
+    assert post(edge, key).status_code == 200
+    before = _hget_calls(r)
+    later = [post(edge, f"ig-still-bogus-{i}").status_code for i in range(5)]
+    assert later == [429] * 5 and _hget_calls(r) == before
+
+
 def test_many_first_requests_of_a_valid_key_share_one_lookup(redis_server, upstream,
                                                               edge_factory) -> None:
     """A client starting many requests at once with a key the edge has not cached: one

@@ -21,7 +21,9 @@
 --
 -- Lookups that find no valid key are limited per client address
 -- (infergate.admission.auththrottle, auth.fail_burst / auth.fail_rate_per_s): past the
--- budget a key without a cached answer gets 429 auth_throttled without a Redis call.
+-- budget a key without a cached answer gets 429 auth_throttled without a Redis call,
+-- unless its digest is one of the key store's (infergate.admission.knownkeys, refreshed
+-- every few seconds): a valid key is not locked out by a flood from its address.
 -- 429, not 401: the key was not checked (it may be valid, e.g. a client behind the same
 -- NAT as the attacker), and OpenAI clients retry a 429 after Retry-After. Requests that
 -- look up one uncached key at once share the first one's lookup (first_lookup below),
@@ -51,6 +53,7 @@ local ngx_now = ngxapi.now
 local ngx_var = ngxapi.var
 local options = require("infergate.admission.options")
 local keynames = require("infergate.redis.keynames")
+local knownkeys = require("infergate.admission.knownkeys")
 local cachekey = require("infergate.cache.key")  -- sha256_hex (libcrypto via FFI)
 local ar = require("infergate.admission.redis")
 local astats = require("infergate.admission.stats")
@@ -277,7 +280,10 @@ function _M.lookup(digest, now, o, addr)
     if charged then
         local wait = throttle.take(addr, now, o)
         if wait > 0 then
-            return nil, "throttled", wait
+            if not knownkeys.has(digest) then
+                return nil, "throttled", wait
+            end
+            charged = false   -- a key of the store: looked up whatever its address did
         end
     end
     local fresh, err = fetch(digest, e, now, o)

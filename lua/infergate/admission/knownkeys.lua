@@ -1,0 +1,122 @@
+-- The digests of the API keys the key store holds, per worker, refreshed off the request
+-- path, so that a flood of made-up keys from an address does not lock out the valid
+-- keys of that address (a NAT, a proxy, a shared egress): an address past its budget
+-- of failed lookups (infergate.admission.auththrottle) still has a key looked up in
+-- Redis when its digest is known here (infergate.admission.auth.lookup). A made-up key
+-- cannot be among them (a SHA-256 of 256 random bits), so the flood still costs Redis
+-- nothing; a valid key created since the last refresh is known at the next one.
+--
+-- Every EVERY_S a recurring timer per worker (init_worker) queues HLEN of the key
+-- store (keynames.apikeys) on the flush queue (infergate.core.flush, which runs it
+-- off the request path); when the count changed, or REFRESH_S passed, HKEYS follows and
+-- its digests replace the set. A store of more than MAX_KEYS keys is not held (the
+-- set is dropped: past the budget every uncached key is refused, as without this
+-- module). An error or no answer keeps the set the worker has. Only with
+-- auth.mode = "required".
+--
+--   has(digest)      whether the digest is a key of the store (as of the last refresh)
+--   tick(premature)  the timer's step
+--   init_worker()    starts the timer
+local config = require("infergate.core.config")
+local ngxapi = require("infergate.core.ngxapi")
+local flush = require("infergate.core.flush")
+local keynames = require("infergate.redis.keynames")
+local redis = require("infergate.redis.client")
+
+local _M = {}
+
+_M.EVERY_S = 5
+_M.REFRESH_S = 60
+_M.MAX_KEYS = 20000
+-- An ask whose answer never came (a flush that could not run) is given up after this.
+local PENDING_MAX_S = 30
+
+local type = type
+local log = ngx.log
+local ERR = ngx.ERR
+
+local known = nil       -- digest -> true, or nil (nothing held)
+local count = -1        -- HLEN the set was built for
+local built_at = 0
+local asked_at = 0
+local pending = false
+
+function _M.has(digest)
+    return known ~= nil and known[digest] == true
+end
+
+-- The number of digests held (nil: none), for the status endpoint and tests.
+function _M.size()
+    return known and count or nil
+end
+
+local function answer(replies, err)
+    local v = replies and replies[1]
+    if err or v == nil or redis.error_of(v) then
+        return nil
+    end
+    return v
+end
+
+local function on_keys(replies, err)
+    pending = false
+    local list = answer(replies, err)
+    if type(list) ~= "table" then
+        return
+    end
+    local n = #list
+    if n > _M.MAX_KEYS then
+        known, count = nil, n
+        return
+    end
+    local set = {}
+    for i = 1, n do
+        set[list[i]] = true
+    end
+    known, count, built_at = set, n, ngxapi.now()
+end
+
+local function on_len(replies, err)
+    local n = answer(replies, err)
+    if type(n) ~= "number" then
+        pending = false
+        return
+    end
+    if n > _M.MAX_KEYS then
+        known, count, pending = nil, n, false
+        return
+    end
+    if known and n == count and ngxapi.now() - built_at < _M.REFRESH_S then
+        pending = false
+        return
+    end
+    if not flush.push("auth_known", { { "HKEYS", keynames.apikeys } }, on_keys) then
+        pending = false
+    end
+end
+
+function _M.tick(premature)
+    if premature or config.get().auth.mode ~= "required" then
+        return
+    end
+    local now = ngxapi.now()
+    if pending and now - asked_at < PENDING_MAX_S then
+        return
+    end
+    asked_at, pending = now, true
+    if not flush.push("auth_known", { { "HLEN", keynames.apikeys } }, on_len) then
+        pending = false
+    end
+end
+
+function _M.init_worker()
+    local ok, err = ngx.timer.at(0, _M.tick)
+    if ok then
+        ok, err = ngx.timer.every(_M.EVERY_S, _M.tick)
+    end
+    if not ok then
+        log(ERR, "infergate: cannot start the known-keys refresh: ", err)
+    end
+end
+
+return _M
