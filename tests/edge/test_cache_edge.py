@@ -609,7 +609,9 @@ def test_a_parameter_the_node_refuses_is_never_answered_from_the_cache(stack, ed
     n = stack.node_requests()
     bads = ({"stream": "true"}, {"stream": 1}, {"stream_options": "x"}, {"top_p": 0},
             {"stream_options": []}, {"stream_options": [True]},
-            {"stream_options": {"include_usage": True}})
+            {"stream_options": {"include_usage": True}},
+            {"stream": True, "stream_options": {"include_usage": "x"}},
+            {"stream": True, "stream_options": {"continuous_usage_stats": 1}})
     for bad in bads:
         res = post(edge, {**good, **bad})
         assert res.headers["X-Cache-Status"] == "BYPASS", (bad, res.headers)

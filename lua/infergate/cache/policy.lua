@@ -85,6 +85,12 @@ local function bad_params(body)
         -- vLLM: "Stream options can only be defined when stream=True" (400)
         return "stream_options without stream"
     end
+    for _, f in ipairs({ "include_usage", "continuous_usage_stats" }) do
+        -- booleans in vLLM's StreamOptions and the OpenAI API (a string is a 400)
+        if given(so) and given(so[f]) and type(so[f]) ~= "boolean" then
+            return "stream_options." .. f .. " is not a boolean"
+        end
+    end
     local temp = body.temperature
     if given(temp) and (type(temp) ~= "number" or temp < 0 or temp > 2) then
         return "temperature out of range"
