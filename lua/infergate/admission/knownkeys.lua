@@ -45,11 +45,6 @@ function _M.has(digest)
     return known ~= nil and known[digest] == true
 end
 
--- The number of digests held (nil: none), for the status endpoint and tests.
-function _M.size()
-    return known and count or nil
-end
-
 local function answer(replies, err)
     local v = replies and replies[1]
     if err or v == nil or redis.error_of(v) then
