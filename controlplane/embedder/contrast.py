@@ -8,12 +8,16 @@ or two), and a one-word swap inside a closed class looks to it like a rewording.
 within one of the classes below is never a rewording: a text that names members of a
 class answers for those members only.
 
-The check (:func:`contrast_conflict`): when both texts name members of a class and not
-the same ones, the pair is a different question. A class named in one text only is left
-to the other checks ("open on Sunday" / "opening hours" is a rewording). Word forms of
-one member (``quick``, ``fast``, ``quickly``) are the same member. Whole words only,
-lowercased; ambiguous forms are left out (``may``: the month and the verb; ``fall`` and
-``spring``: the season and the verb; ``right``: the side and "correct"; ``light``).
+The check (:func:`contrast_conflict`): when each text names a member of a class that
+the other does not (a substitution: "Sunday" / "Saturday"), or, for the pronouns, the
+same ones in another order ("Does he owe her money?" / "Does she owe him money?"), the
+pair is a different question. A class named in one text only, or with the members of
+one text among the other's ("start it up" / "slowing it down on start up"), is left to
+the other checks ("open on Sunday" / "opening hours" is a rewording). Word forms of one member (``quick``,
+``fast``, ``quickly``) are the same member. Whole words, lowercased; the classes and the
+forms that need their context ("in May", "9 pm", "zoom out", "the US") are in
+:mod:`.contrast_words`. Then a word one text negates with a prefix ("safe" / "unsafe",
+"effective" / "ineffective", "useful" / "useless") is a different question too.
 
 Not used by the learned verifier's features (``verifier.py``), so its calibration is
 unchanged; a pure function of the two texts, cached per text.
@@ -24,59 +28,10 @@ from __future__ import annotations
 import functools
 import re
 
+from .contrast_words import CONTRASTS, PATTERNS, PREFIXES
+
 MAX_CHARS = 4000
 """Only the first 4000 characters of each text are read (as the guard's other checks)."""
-
-#: (class name, members); a member is the tuple of its word forms.
-CONTRASTS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
-    ("weekday", (("monday", "mondays"), ("tuesday", "tuesdays"), ("wednesday", "wednesdays"),
-                 ("thursday", "thursdays"), ("friday", "fridays"), ("saturday", "saturdays"),
-                 ("sunday", "sundays"))),
-    ("month", (("january",), ("february",), ("march",), ("april",), ("june",), ("july",),
-               ("august",), ("september",), ("october",), ("november",), ("december",))),
-    ("season", (("summer", "summers"), ("winter", "winters"), ("autumn", "autumns"))),
-    ("part of day", (("morning", "mornings"), ("afternoon", "afternoons"),
-                     ("evening", "evenings"), ("night", "nights", "tonight"))),
-    ("compass", (("north", "northern"), ("south", "southern"), ("east", "eastern"),
-                 ("west", "western"))),
-    ("temperature", (("hot", "hotter", "hottest"), ("cold", "colder", "coldest"))),
-    ("hardness", (("soft", "softer", "softest"), ("hard", "harder", "hardest", "firm",
-                                                   "firmer"))),
-    ("size", (("small", "smaller", "smallest", "tiny"),
-              ("large", "larger", "largest", "big", "bigger", "biggest", "huge"))),
-    ("height", (("high", "higher", "highest"), ("low", "lower", "lowest"))),
-    ("speed", (("fast", "faster", "fastest", "quick", "quicker", "quickest", "quickly"),
-               ("slow", "slower", "slowest", "slowly"))),
-    ("time", (("early", "earlier", "earliest"), ("late", "later", "latest"))),
-    ("open/close", (("open", "opens", "opened", "opening"),
-                    ("close", "closes", "closed", "closing"))),
-    ("start/stop", (("start", "starts", "started", "starting"),
-                    ("stop", "stops", "stopped", "stopping"))),
-    ("price", (("cheap", "cheaper", "cheapest", "inexpensive"),
-               ("expensive", "costly", "pricey"))),
-    ("wet/dry", (("wet", "wetter"), ("dry", "drier", "dryer"))),
-    ("thick/thin", (("thick", "thicker"), ("thin", "thinner"))),
-    ("full/empty", (("full",), ("empty",))),
-    ("win/lose", (("win", "wins", "won", "winning"), ("lose", "loses", "lost", "losing"))),
-    ("accept/reject", (("accept", "accepted", "accepting"),
-                       ("reject", "rejected", "rejecting", "decline", "declined"))),
-    ("allow/block", (("allow", "allowed", "allowing", "permit", "permitted"),
-                     ("block", "blocked", "blocking", "ban", "banned", "forbid", "forbidden"))),
-    ("positive/negative", (("positive",), ("negative",))),
-    ("inside/outside", (("inside", "indoor", "indoors"), ("outside", "outdoor", "outdoors"))),
-    ("first/last", (("first",), ("last",))),
-    ("gender", (("male", "males", "man", "men", "boy", "boys", "masculine"),
-                ("female", "females", "woman", "women", "girl", "girls", "feminine"))),
-    ("family", (("mother", "mom", "mum"), ("father", "dad"), ("son", "sons"),
-                ("daughter", "daughters"), ("brother", "brothers"), ("sister", "sisters"),
-                ("husband",), ("wife",), ("grandmother", "grandma"),
-                ("grandfather", "grandpa"), ("aunt",), ("uncle",))),
-    ("colour", (("red",), ("yellow",), ("green",), ("blue",), ("purple",), ("pink",),
-                ("black",), ("white",), ("brown",), ("gray", "grey"))),
-    ("language", (("english",), ("french",), ("spanish",), ("german",), ("italian",),
-                  ("portuguese",), ("russian",), ("chinese", "mandarin"), ("japanese",),
-                  ("korean",), ("arabic",), ("hindi",), ("dutch",))),
-)
 
 _WORD_RE = re.compile(r"[a-z]+")
 
@@ -93,28 +48,67 @@ def _index() -> dict[str, tuple[int, int]]:
 
 
 @functools.lru_cache(maxsize=8192)
-def members(text: str) -> dict[int, frozenset[int]]:
-    """Class -> the members ``text`` names (only the classes it names); cached (the
-    entries' texts recur in every lookup of their namespace)."""
+def members(text: str) -> dict[int, tuple[int, ...]]:
+    """Class -> the members ``text`` names, in the order they first appear (only the
+    classes it names); cached (the entries' texts recur in every lookup of their
+    namespace)."""
+    t = text[:MAX_CHARS]
     idx = _index()
-    found: dict[int, set[int]] = {}
-    for w in set(_WORD_RE.findall(text[:MAX_CHARS].lower())):
-        hit = idx.get(w)
+    hits: list[tuple[int, int, int]] = []   # (position, class, member)
+    for m in _WORD_RE.finditer(t.lower()):
+        hit = idx.get(m.group())
         if hit is not None:
-            found.setdefault(hit[0], set()).add(hit[1])
-    return {c: frozenset(m) for c, m in found.items()}
+            hits.append((m.start(), *hit))
+    for rx, form in PATTERNS:
+        for m in rx.finditer(t):
+            hits.append((m.start(), *idx[form]))
+    found: dict[int, list[int]] = {}
+    for _, ci, mi in sorted(hits):
+        seen = found.setdefault(ci, [])
+        if mi not in seen:
+            seen.append(mi)
+    return {c: tuple(m) for c, m in found.items()}
+
+
+#: Classes whose order tells who does what to whom ("he owes her" / "she owes him"); in
+#: the others an order is a list ("French and German" / "German and French").
+ORDERED = frozenset(ci for ci, (name, _) in enumerate(CONTRASTS) if name == "pronoun")
+
+
+@functools.lru_cache(maxsize=8192)
+def _words(text: str) -> frozenset[str]:
+    return frozenset(_WORD_RE.findall(text[:MAX_CHARS].lower()))
+
+
+def _negated_form(a: frozenset[str], b: frozenset[str]) -> str | None:
+    """A word of ``a`` (not of ``b``) that is a word of ``b`` (not of ``a``) with a
+    negating prefix ("safe" / "unsafe"), or with -less for -ful ("useful" / "useless")."""
+    for w in a - b:
+        for prefix, least in PREFIXES:
+            if len(w) >= least and prefix + w in b and prefix + w not in a:
+                return prefix + w
+        if w.endswith("ful") and w[:-3] + "less" in b and w[:-3] + "less" not in a:
+            return w[:-3] + "less"
+    return None
 
 
 def contrast_conflict(query: str, candidate: str) -> str | None:
-    """Name of the first class both texts name with different members, else None.
+    """Name of the first class in which each text names a member the other does not
+    (pronouns: or the same in another order), else ``"prefix"`` when one text negates a
+    word of the other with a prefix, else None.
 
-    "open on Sunday" / "open on Saturday" -> ``"weekday"``; "open on Sunday" / "opening
-    hours on Sunday" -> None; "a soft yolk" / "a runny yolk" -> None (one side only).
-    Never raises for ``str`` inputs."""
+    "open on Sunday" / "open on Saturday" -> ``"weekday"``; "Does he owe her money?" /
+    "Does she owe him money?" -> ``"pronoun"``; "Is tap water safe?" / "Is tap water
+    unsafe?" -> ``"prefix"``; "open on Sunday" / "opening hours on Sunday" -> None; "a
+    soft yolk" / "a runny yolk" -> None (the class in one text only). Never raises for
+    ``str`` inputs."""
     mq, mc = members(query), members(candidate)
-    if not mq or not mc:
-        return None
     for ci in sorted(mq.keys() & mc.keys()):
-        if mq[ci] != mc[ci]:
+        a, b = mq[ci], mc[ci]
+        sa, sb = set(a), set(b)
+        if (sa - sb and sb - sa) or (ci in ORDERED and sa == sb and a != b):
             return CONTRASTS[ci][0]
+    wq, wc = _words(query), _words(candidate)
+    if _negated_form(wq, wc) or _negated_form(wc, wq):
+        return "prefix"
     return None

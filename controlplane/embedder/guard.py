@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
 from .contrast import contrast_conflict
+from .operators import sign_conflict
 
 MAX_GUARD_CHARS = 4000
 """Only the first 4000 characters of each text are compared (bounded work)."""
@@ -585,7 +586,9 @@ def check(query: str, candidate: str) -> GuardResult:
 
     Checks, in order: a text without a letter or digit (``no_words``: "???" against
     "!!!", only equal up to spacing may match), symbols (``symbols``: emoji, currency,
-    maths and other Unicode symbols must be the same, "👍" against "👎"), numbers,
+    maths and other Unicode symbols must be the same, "👍" against "👎", and so must
+    operators and signs in their places, "8/2" against "8*2", "x++" against "++x":
+    :mod:`.operators`), numbers,
     negation, antonyms, another member of a closed class (``contrast:<class>``:
     Sunday / Saturday, soft / hard; :mod:`.contrast`), swapped sides (``order``), speaker
     and addressee swapped
@@ -595,7 +598,7 @@ def check(query: str, candidate: str) -> GuardResult:
     c = candidate if isinstance(candidate, str) else ""
     if (not has_words(q) or not has_words(c)) and q.split() != c.split():
         return GuardResult(False, "no_words")
-    if symbols(q) != symbols(c):
+    if symbols(q) != symbols(c) or sign_conflict(q, c):
         return GuardResult(False, "symbols")
     if numbers_key(q) != numbers_key(c):
         return GuardResult(False, "numbers")

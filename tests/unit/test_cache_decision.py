@@ -43,7 +43,7 @@ def _ask(query: str, cached: str, v: ver.Verifier | None, min_score: float | Non
 
 @pytest.mark.parametrize("query,cached,may", [
     ("How do I make pancakes?", "What is a good recipe for pancakes?", True),
-    ("What is the capital of France?", "What is the capital of Germany?", True),
+    ("What is the capital of Peru?", "What is the capital of Chile?", True),
     ("皖是哪个省会的简称", "滇是哪个省会的简称", False),       # Chinese key characters
     ("What is the capital of 法国?", "What is the capital of Germany?", False),
     ("How do I enable wifi?", "How do I disable wifi?", False),  # an antonym, not key terms

@@ -43,7 +43,8 @@ from controlplane.embedder import contrast, guard
     ("皖是哪个省会的简称", "滇是哪个省会的简称", "key_terms"),
     ("重设密码", "重置密钥", "key_terms"),   # synonyms read as one, the object still differs
     ("彬字的行书怎么写", "焱字的行书是怎么写", "key_terms"),
-    ("What is the capital of France?", "What is the capital of Germany?", "key_terms"),
+    ("What is the capital of France?", "What is the capital of Germany?", "contrast:country"),
+    ("What is the capital of Peru?", "What is the capital of Chile?", "key_terms"),
     ("Shotgun safety rules in Wisconsin", "Shotgun safety rules in Michigan", "key_terms"),
     ("???", "!!!", "no_words"),
     ("\x00", "\x01\x02\x03", "no_words"),
@@ -52,6 +53,17 @@ from controlplane.embedder import contrast, guard
     ("Reply with the emoji 😀", "Reply with the emoji 😡", "symbols"),
     ("What does ⠓ mean in braille?", "What does ⠁ mean in braille?", "symbols"),
     ("Price in $ please", "Price in € please", "symbols"),
+    # operators and signs (controlplane/embedder/operators.py)
+    ("What is 8/2?", "What is 8*2?", "symbols"),
+    ("What is 20/4?", "What is 20-4?", "symbols"),
+    ("How do I learn C#?", "How do I learn C?", "symbols"),
+    ("What is -5 squared?", "What is 5 squared?", "symbols"),
+    ("What is 10% of 200?", "What is 10 of 200?", "symbols"),
+    ("What is 7 % 3 in Python?", "What is 7 // 3 in Python?", "symbols"),
+    ("What does x++ return in C?", "What does ++x return in C?", "symbols"),
+    ("What does the ! operator do in JavaScript?",
+     "What does the ? operator do in JavaScript?", "symbols"),
+    ("Is a && b true?", "Is a b true?", "symbols"),
     # another member of a closed class (controlplane/embedder/contrast.py)
     ("Is the pharmacy open on Tuesdays?", "Is the pharmacy open on Thursdays?",
      "contrast:weekday"),
@@ -68,6 +80,15 @@ from controlplane.embedder import contrast, guard
     ("Cheapest flights to Tokyo", "Most expensive flights to Tokyo", "contrast:price"),
     ("What time does the museum open?", "What time does the museum close?",
      "contrast:open/close"),
+    ("Is the museum open in May?", "Is the museum open in June?", "contrast:month"),
+    ("Is the ferry at 7 am?", "Is the ferry at 7 pm?", "contrast:meridiem"),
+    ("How do I zoom in on a PDF?", "How do I zoom out on a PDF?", "contrast:in/out"),
+    ("Do I need a visa for the US?", "Do I need a visa for the UK?", "contrast:country"),
+    ("Did he call her back?", "Did she call him back?", "contrast:pronoun"),
+    ("How many grams in a pound?", "How many grams in a kilogram?", "contrast:mass"),
+    ("Is the data consistent?", "Is the data inconsistent?", "contrast:prefix"),
+    ("Is the bridge stable?", "Is the bridge unstable?", "contrast:prefix"),
+    ("Is this plugin useful?", "Is this plugin useless?", "contrast:prefix"),
 ])
 def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason: str) -> None:
     res = guard.check(query, candidate)
@@ -119,6 +140,12 @@ def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason
     ("你好，我的贷款为什么会失败", "我的贷款为什么会失败"),
     ("Is this a good idea? 👍", "is this a good idea 👍"),
     ("Is the store open on Sundays?", "Is the store opening on Sunday?"),
+    # punctuation that is not a sign: sentence ends, "and/or", "&" as "and", ranges, dashes
+    ("Hello! How do I reset my password?", "Hello, how do I reset my password"),
+    ("你好！怎么重置密码？", "你好，怎么重置密码"),
+    ("How do I set up two-factor login?", "How do I set up two factor login?"),
+    ("Is R&D spending deductible?", "Is R and D spending deductible?"),
+    ("Should I learn TCP/IP first?", "Should I learn TCP IP first?"),
 ])
 def test_passes_equivalent_pairs(query: str, candidate: str) -> None:
     res = guard.check(query, candidate)
@@ -132,8 +159,13 @@ def test_passes_equivalent_pairs(query: str, candidate: str) -> None:
     ("Is the store open on Sunday?", "Is the store open?"),    # the class in one text only
     ("Which is bigger, a large pizza or two small ones?",
      "Which is larger: two small pizzas or a large one?"),
-    ("Can I go to the gym in May?", "Can I go to the gym in June?"),   # "may": a verb too
+    ("May I go to the gym on Sunday?", "Can I go to the gym on Sunday?"),   # "may": a verb
     ("", "Sunday"),
+    ("Should I learn French and German?", "Should I learn German and French?"),  # a list
+    ("Why is my PC slow after starting it up?", "What is slowing my PC down on start up?"),
+    ("Am I eligible for a refund?", "Can I get a refund?"),      # "am": a verb, not a time
+    ("Can you tell us the opening hours?", "What are the opening hours in the UK?"),
+    ("How do I log in?", "How can I log in to my account?"),
 ])
 def test_a_closed_class_named_alike_or_on_one_side_is_no_contrast(query: str,
                                                                    candidate: str) -> None:

@@ -1,0 +1,108 @@
+"""Signs that change a question: operators and marks the embedding barely sees.
+
+"What is 8/2?" and "What is 8*2?", "How do I learn C#?" and "How do I learn C?", "What is
+-5 squared?" and "What is 5 squared?", "x++" and "++x": the texts differ only in ASCII
+punctuation, which a sentence embedder reads as noise, and which the verifier's
+equal-words shortcut (``verifier.same_words``: equal up to case and punctuation) drops.
+The guard's ``symbols`` check compares the Unicode symbol categories only (``+``, ``=``,
+``<``, emoji); ``*``, ``/``, ``%``, ``#``, ``&``, ``@``, ``\\`` are punctuation to Unicode.
+
+A **sign** here is ``*``, ``%``, ``#``, ``@`` or ``\\``, any Unicode symbol (So, Sm, Sc,
+Sk), a ``/`` not between two words (``8/2``, ``//``; not ``and/or``, ``good / bad``),
+``&&`` (a lone ``&`` is an "and"), a ``-`` that is a minus sign (``-5``, ``(-5``, or
+between spaces between two numbers, ``12 - 3``; not a range ``20-30``, ``two-factor``,
+``COVID-19`` or a dash between words), or a ``!`` / ``?`` that does not end a sentence
+(``the ! operator``, ``!=``; not ``Hello!``, ``Why?Please``, the text's last mark or a
+fullwidth ``！``/``？``).
+:func:`sign_conflict`: the two texts hold different signs (as multisets), or the same
+signs in other places of otherwise equal texts (``x++`` / ``++x``).
+
+Pure functions, cached per text; never raise on ``str`` input.
+"""
+
+from __future__ import annotations
+
+import functools
+import unicodedata
+from typing import NamedTuple
+
+MAX_CHARS = 4000
+"""Only the first 4000 characters of each text are read (as the guard's other checks)."""
+
+_ALWAYS = frozenset("*%#@\\")
+_SYMBOL_CATEGORIES = frozenset(("So", "Sm", "Sc", "Sk"))
+_SENTENCE_END = frozenset("!?！？")
+_FULLWIDTH_END = frozenset("！？")
+_CLOSERS = frozenset("\"')]}»”’")
+
+
+def _around(text: str, i: int) -> tuple[str, str]:
+    """The nearest characters before and after position i that are not spaces."""
+    before = text[:i].rstrip()
+    after = text[i + 1:].lstrip()
+    return (before[-1] if before else ""), (after[0] if after else "")
+
+
+def _significant(text: str, i: int) -> bool:
+    ch = text[i]
+    prev = text[i - 1] if i > 0 else ""
+    nxt = text[i + 1] if i + 1 < len(text) else ""
+    if ch in _ALWAYS:
+        return True
+    if ch == "/":   # "8/2", "12 / 3", "//"; not "and/or", "TCP/IP", "good / bad"
+        left, right = _around(text, i)
+        return not (left.isalpha() and right.isalpha())
+    if ch == "&":   # "&&"; not "500 & 1000", "R&D" (an "and")
+        return prev == "&" or nxt == "&"
+    if ch == "-":   # "-5", "(-5", "12 - 3"; not "20-30" (a range), "two-factor", "A - B"
+        if nxt.isdigit():
+            return prev == "" or prev.isspace() or prev in "(=+*/<>,[:"
+        if prev.isspace() and nxt.isspace():
+            left, right = _around(text, i)
+            return left.isdigit() and right.isdigit()
+        return False
+    if ch in _FULLWIDTH_END:
+        return False   # Chinese and Japanese end sentences with them, with no space after
+    if ch in _SENTENCE_END:
+        if text[i + 1:].strip(" \t\r\n!?！？.\"')]}»”’") == "":
+            return False   # the text's last mark, whatever is before it ("Chip) ?")
+        ends = (prev.isalnum() or prev in _SENTENCE_END or prev in ".)" or prev in _CLOSERS) \
+            and (nxt.isspace() or nxt in _SENTENCE_END or nxt in _CLOSERS or nxt.isupper()
+                 or (nxt.isalpha() and not nxt.isascii()))
+        return not ends
+    return not ch.isalnum() and unicodedata.category(ch) in _SYMBOL_CATEGORIES
+
+
+class Signs(NamedTuple):
+    """The signs of a text: ``multiset`` (sorted), ``placed`` (its letters and digits,
+    lowercased, with the signs in their places) and ``bare`` (the same without them)."""
+
+    multiset: str
+    placed: str
+    bare: str
+
+
+@functools.lru_cache(maxsize=8192)
+def signs(text: str) -> Signs:
+    """The :class:`Signs` of ``text``; cached (entries' texts recur in every lookup)."""
+    t = text[:MAX_CHARS]
+    found, placed, bare = [], [], []
+    for i, ch in enumerate(t):
+        if ch.isalnum():
+            low = ch.lower()
+            placed.append(low)
+            bare.append(low)
+        elif _significant(t, i):
+            found.append(ch)
+            placed.append(ch)
+    return Signs("".join(sorted(found)), "".join(placed), "".join(bare))
+
+
+def sign_conflict(query: str, candidate: str) -> bool:
+    """True when the texts hold different signs, or the same signs in other places of
+    otherwise equal texts. "What is 8/2?" / "What is 8*2?" -> True; "x++" / "++x" ->
+    True; "How do I reset my password?" / "how do I reset my password" -> False."""
+    a, b = signs(query), signs(candidate)
+    if a.multiset != b.multiset:
+        return True
+    return a.multiset != "" and a.bare == b.bare and a.placed != b.placed
