@@ -281,10 +281,14 @@ def test_verifier_decides_between_floor_and_hit(svc) -> None:
     ns = hx("verifier" + svc.backend)
     key = svc.add("What is the capital of France?", ns)
     # another question: an English key-term substitution goes to the verifier, which
-    # scores the entity swap far under its threshold
-    res = svc.lookup(ns, "What is the capital of Spain?", min_similarity=0.5)
+    # scores the entity swap far under its threshold (Peru is in no closed class of the
+    # guard; Spain is, a country: rejected by the guard itself)
+    res = svc.lookup(ns, "What is the capital of Peru?", min_similarity=0.5)
     assert res["hit"] is False and res["guard"] == "reject:verifier"
     assert 0 < res["verifier_score"] < 0.5
+    res = svc.lookup(ns, "What is the capital of Spain?", min_similarity=0.5)
+    assert res["hit"] is False and res["guard"] == "reject:contrast:country"
+    assert res["verifier_score"] is None
     # a Chinese one: the guard says no before the verifier is asked
     svc.add("皖是哪个省的简称", ns)
     res = svc.lookup(ns, "滇是哪个省的简称", min_similarity=0.5)

@@ -46,6 +46,10 @@ from controlplane.simnode import launch
 BAD_LOG_RE = re.compile(
     r"\[(alert|crit|emerg)\]|writing a global Lua variable|runtime error|"
     r"failed to run balancer_by_lua|lua entry thread aborted")
+#: Not a fault of the edge: a free port taken for a moment by another process on the
+#: host; nginx tries the bind again (five times, 0.5 s apart) and the edge that then
+#: served had bound it.
+BIND_RETRY_RE = re.compile(r"\[emerg\] .*bind\(\) to \S+ failed \(98: Address already in use\)")
 
 
 # --------------------------------------------------------------------------- snapshots
@@ -273,7 +277,8 @@ class Edge:
 
     def bad_log_lines(self) -> list[str]:
         pats = [BAD_LOG_RE] + [re.compile(p) for p in self.extra_bad_patterns]
-        return [line for line in self.error_log().splitlines() if any(p.search(line) for p in pats)]
+        return [line for line in self.error_log().splitlines()
+                if any(p.search(line) for p in pats) and not BIND_RETRY_RE.search(line)]
 
     def wait_snapshot(self, version: int, timeout: float = 10.0) -> dict:
         """Wait until the edge routes on snapshot ``version`` (or newer); return status."""
