@@ -329,10 +329,12 @@ local place
 -- Whether a node queues the requests beyond its known slots itself (a retry may then go
 -- over them): a llama.cpp server that reported them (slots_source "server": its requests
 -- wait for a free slot), or a node of a batching kind (vLLM, TGI, SGLang: beyond
--- --max-num-seqs a request waits in the engine's queue). Not a node of kind "openai"
--- with configured slots (llama-cpp-python interrupts a running request for a new one).
+-- --max-num-seqs a request waits in the engine's queue). Not a node of kind "openai" or
+-- "json" with configured slots: a server of unknown kind may not queue
+-- (llama-cpp-python interrupts a running request for a new one).
+local QUEUEING_KINDS = { vllm = true, tgi = true, sglang = true }
 local function queues_beyond(node)
-    return node.slots_source == "server" or (node.kind ~= nil and node.kind ~= "openai")
+    return node.slots_source == "server" or QUEUEING_KINDS[node.kind] == true
 end
 
 -- A picked node that will not take the try: its half-open probe (probe) and the slot it
