@@ -93,7 +93,10 @@ def test_chat_plain_and_streamed(stack) -> None:
     with requests.post(url, headers=_auth(stack), json={**body, "stream": True}, stream=True,
                        timeout=60) as s:
         assert s.status_code == 200 and "text/event-stream" in s.headers["Content-Type"]
-        for line in s.iter_lines(decode_unicode=True):
+        # bytes: a decoded line would also be split at U+2028 or U+0085 (str.splitlines),
+        # which a model may write raw inside a JSON string
+        for raw in s.iter_lines():
+            line = raw.decode()
             if not line.startswith("data: "):
                 continue
             if line == "data: [DONE]":
