@@ -69,6 +69,8 @@ def _significant(text: str, i: int) -> bool:
         ends = (prev.isalnum() or prev in _SENTENCE_END or prev in ".)" or prev in _CLOSERS) \
             and (nxt.isspace() or nxt in _SENTENCE_END or nxt in _CLOSERS or nxt.isupper()
                  or (nxt.isalpha() and not nxt.isascii()))
+        if not ends and prev.isspace() and nxt.isspace():
+            ends = _around(text, i)[1].isupper()   # "(GPS chip) ? Did any ..."
         return not ends
     return not ch.isalnum() and unicodedata.category(ch) in _SYMBOL_CATEGORIES
 

@@ -146,6 +146,8 @@ def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason
     ("How do I set up two-factor login?", "How do I set up two factor login?"),
     ("Is R&D spending deductible?", "Is R and D spending deductible?"),
     ("Should I learn TCP/IP first?", "Should I learn TCP IP first?"),
+    ("Do the new notes have a GPS chip ? Did any country do this?",
+     "Do the new notes have a GPS chip? Did any country do this?"),
 ])
 def test_passes_equivalent_pairs(query: str, candidate: str) -> None:
     res = guard.check(query, candidate)
