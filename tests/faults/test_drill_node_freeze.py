@@ -137,11 +137,16 @@ def test_a_frozen_node_gets_no_new_request_and_comes_back(redis_server, simnodes
         procs.wait_until(lambda: len(trickle.sent) >= 12, 15, what="warm-up requests")
         procs.wait_until(lambda: edge.node_status(victim.name)["inflight"] >= 1, 10,
                          what="a stream on the victim")
+        threshold = edge.node_status(victim.name)["stall_threshold_s"]
+        assert threshold >= s.edge.stall_min_s
         t_freeze = time.time()
         victim.managed.signal(signal.SIGSTOP)
         frozen = True
         procs.wait_until(lambda: edge.node_status(victim.name)["stalled"], 10,
                          what="the edge finds the node stalled")
+        # found once the node sent nothing for its threshold (its last byte came at most
+        # a poll before the freeze), as the status said it would be
+        assert time.time() - t_freeze >= threshold - 0.2
         procs.wait_until(lambda: _metrics_doc(r, victim.name).get("stalled") is True, 10,
                          what="the control plane reports the node stalled")
         doc = _metrics_doc(r, victim.name)

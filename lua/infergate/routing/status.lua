@@ -15,6 +15,9 @@
 --             "latency_ewma_ms", "failure_rate", "models" (served model ids, null =
 --             unknown), "outlier" (a TTFB outlier: infergate.routing.outlier),
 --             "stalled" (no byte while mid-stream: infergate.routing.stall),
+--             "stall_threshold_s" (how long the node may send no byte mid-stream before
+--             it is found stalled: max(edge.stall_min_s, edge.stall_gap_factor x the p90
+--             of its answers' largest chunk gap)),
 --             "ttfb_p90_s" ({"stream", "plain"}: p90 time to first byte, null = none),
 --             "learned_concurrency" (infergate.routing.speed, null before a sample),
 --             "service_s" (its service time, s, infergate.routing.speed; null before three
@@ -78,6 +81,7 @@ function _M.report(now)
             models = n.models and n.models.list or null,
             outlier = outlier.flagged(n.name),
             stalled = stall.flagged(n.name, inflight),
+            stall_threshold_s = stall.threshold(n.name),
             ttfb_p90_s = { stream = opt(outlier.p90(n.name, true)),
                            plain = opt(outlier.p90(n.name, false)) },
             learned_concurrency = opt(speed.learned(n.name)),
