@@ -13,10 +13,10 @@ the other does not (a substitution: "Sunday" / "Saturday"), or, for the pronouns
 same ones in another order ("Does he owe her money?" / "Does she owe him money?"), the
 pair is a different question. A class named in one text only, or with the members of
 one text among the other's ("start it up" / "slowing it down on start up"), is left to
-the other checks ("open on Sunday" / "opening hours" is a rewording). Word forms of one member (``quick``,
-``fast``, ``quickly``) are the same member. Whole words, lowercased; the classes and the
-forms that need their context ("in May", "9 pm", "zoom out", "the US") are in
-:mod:`.contrast_words`. Then a word one text negates with a prefix ("safe" / "unsafe",
+the other checks ("open on Sunday" / "opening hours" is a rewording). Word forms of one
+member (``quick``, ``fast``, ``quickly``) are the same member. Whole words, lowercased;
+the classes and the forms that need their context ("in May", "9 pm", "zoom out", "the
+US") are in :mod:`.contrast_words`. Then a word one text negates with a prefix ("safe" / "unsafe",
 "effective" / "ineffective", "useful" / "useless") is a different question too.
 
 Not used by the learned verifier's features (``verifier.py``), so its calibration is
