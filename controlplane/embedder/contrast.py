@@ -29,9 +29,7 @@ import functools
 import re
 
 from .contrast_words import CONTRASTS, PATTERNS, PREFIXES
-
-MAX_CHARS = 4000
-"""Only the first 4000 characters of each text are read (as the guard's other checks)."""
+from .operators import MAX_CHARS
 
 _WORD_RE = re.compile(r"[a-z]+")
 

@@ -43,16 +43,13 @@ from __future__ import annotations
 
 import functools
 import re
-import unicodedata
 from collections import Counter
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
 from .contrast import contrast_conflict
+from .operators import MAX_CHARS as MAX_GUARD_CHARS
 from .operators import sign_conflict
-
-MAX_GUARD_CHARS = 4000
-"""Only the first 4000 characters of each text are compared (bounded work)."""
 
 
 @dataclass(frozen=True)
@@ -80,21 +77,11 @@ the verifier, label ``pass:verifier``."""
 # ---------------------------------------------------------------- words and symbols
 
 _WORD_CHAR_RE = re.compile(r"[^\W_]")
-_SYMBOL_CATEGORIES = frozenset(("So", "Sm", "Sc", "Sk"))
 
 
 def has_words(text: str) -> bool:
     """Whether ``text`` holds a letter or a digit (of any script)."""
     return _WORD_CHAR_RE.search(text[:MAX_GUARD_CHARS]) is not None
-
-
-@functools.lru_cache(maxsize=8192)
-def symbols(text: str) -> str:
-    """The Unicode symbols of ``text`` (categories So, Sm, Sc, Sk: emoji, Braille,
-    currency, maths, modifiers), sorted. An embedding model often reads them all as one
-    unknown token, so two texts that differ only there embed the same."""
-    return "".join(sorted(ch for ch in text[:MAX_GUARD_CHARS]
-                          if not ch.isalnum() and unicodedata.category(ch) in _SYMBOL_CATEGORIES))
 
 
 # ---------------------------------------------------------------- numbers
@@ -598,7 +585,7 @@ def check(query: str, candidate: str) -> GuardResult:
     c = candidate if isinstance(candidate, str) else ""
     if (not has_words(q) or not has_words(c)) and q.split() != c.split():
         return GuardResult(False, "no_words")
-    if symbols(q) != symbols(c) or sign_conflict(q, c):
+    if sign_conflict(q, c):
         return GuardResult(False, "symbols")
     if numbers_key(q) != numbers_key(c):
         return GuardResult(False, "numbers")

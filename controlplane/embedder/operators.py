@@ -4,8 +4,9 @@
 -5 squared?" and "What is 5 squared?", "x++" and "++x": the texts differ only in ASCII
 punctuation, which a sentence embedder reads as noise, and which the verifier's
 equal-words shortcut (``verifier.same_words``: equal up to case and punctuation) drops.
-The guard's ``symbols`` check compares the Unicode symbol categories only (``+``, ``=``,
-``<``, emoji); ``*``, ``/``, ``%``, ``#``, ``&``, ``@``, ``\\`` are punctuation to Unicode.
+Unicode's symbol categories hold ``+``, ``=``, ``<``, ``$`` and the emoji (an embedding
+model often reads them all as one unknown token: "👍" / "👎"); ``*``, ``/``, ``%``, ``#``,
+``&``, ``@``, ``\\`` are punctuation to Unicode.
 
 A **sign** here is ``*``, ``%``, ``#``, ``@`` or ``\\``, any Unicode symbol (So, Sm, Sc,
 Sk), a ``/`` not between two words (``8/2``, ``//``; not ``and/or``, ``good / bad``),
@@ -27,7 +28,8 @@ import unicodedata
 from typing import NamedTuple
 
 MAX_CHARS = 4000
-"""Only the first 4000 characters of each text are read (as the guard's other checks)."""
+"""Only the first 4000 characters of each text are compared, by every check of the guard
+(bounded work; ``guard.MAX_GUARD_CHARS``)."""
 
 _ALWAYS = frozenset("*%#@\\")
 _SYMBOL_CATEGORIES = frozenset(("So", "Sm", "Sc", "Sk"))
