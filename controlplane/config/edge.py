@@ -136,6 +136,13 @@ class EdgeSettings(_Section):
     threshold, 3-10 s), for at most 30 s after it was found silent (the circuit breaker's
     probe waits for it too); streams still waiting for their first byte there are retried
     elsewhere once it fails the check. false = the half-open probes alone."""
+    liveness_suspect_s: float = Field(default=1.0, ge=0, le=3600)
+    """Seconds a node may be quiet (a request of this edge waiting for its first byte, no
+    byte at all from the node) before the edge asks it ``GET /health`` without waiting for
+    the TTFB outlier threshold: no answer within 1 s (a running engine answers it at once,
+    busy or not) finds the node silent then, so a frozen node stops getting requests about
+    2 s after it froze; an answer changes nothing. Needs ``liveness_check`` and outlier
+    detection on; 0 = no early check."""
     stall_first_byte_s: float = Field(default=10.0, ge=0, le=3600)
     """A stream sent to a node while another node is left to retry on reads with a
     timeout of at least this many seconds (more when the node's usual time to first

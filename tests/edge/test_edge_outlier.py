@@ -347,3 +347,56 @@ def test_every_node_an_outlier_still_routes(tiny_upstreams, redis_server, edge_f
         assert second.result(timeout=20).status_code == 200
     finally:
         pool.shutdown(wait=True)
+
+
+def test_a_frozen_node_is_found_by_an_early_liveness_check_before_its_threshold(
+        tiny_upstreams, redis_server, edge_factory) -> None:
+    """With the 5 s TTFB floor, a node that froze (it accepts connections and answers
+    nothing, GETs included) while a request of the edge waits on it is asked GET /health
+    after 1 s of quiet (edge.liveness_suspect_s), and stops getting requests once that
+    check goes unanswered for its 1 s, well before the threshold; the edge logs why. A
+    node that is merely slow to its first byte answers the check and keeps its requests."""
+    a, b = tiny_upstreams(names=["a", "b"])
+    edge = edge_factory(edge_settings(redis_server.url, [a.node_settings(), b.node_settings()],
+                                      outlier_ttfb_min_s=5.0, outlier_stream_ttfb_min_s=5.0,
+                                      outlier_ttfb_factor=FACTOR, read_timeout_ms=15000))
+    for _ in range(10):
+        assert _post(edge).status_code == 200
+    pool = ThreadPoolExecutor(24)
+    futs: list = []
+    try:
+        # slow, alive: the checks are answered, the node keeps getting requests
+        b.delay_s = 2.5
+        gets = b.gets
+        futs += _stick_one(pool, edge, b, a, 10)
+        end = time.monotonic() + 10
+        while b.gets == gets:                     # picks ask; after 1 s quiet, a check
+            assert time.monotonic() < end, "no liveness check of the slow node"
+            futs.append(pool.submit(_post, edge))
+            time.sleep(0.1)
+        assert not edge.node_status("b")["outlier"]
+        _wait(lambda: b.inflight == 0, 10)
+        b.delay_s = 0.0
+        # frozen: found by the check, not by the 5 s threshold
+        a.mode = "frozen"
+        answered = a.hits + b.hits
+        t0 = time.monotonic()
+        futs += _stick_one(pool, edge, a, b, answered)
+        last_hit, hits = t0, a.hits
+        while time.monotonic() < t0 + 4.5:
+            futs.append(pool.submit(_post, edge))
+            time.sleep(0.05)
+            if a.hits != hits:
+                last_hit, hits = time.monotonic(), a.hits
+        assert last_hit - t0 < 4.0, f"requests reached the frozen node until {last_hit - t0:.2f} s"
+        assert edge.node_status("a")["outlier"] is True
+        log = edge.error_log()
+        assert "node a quiet for" in log and "no answer to a liveness check" in log
+        assert "node b quiet for" not in log
+    finally:
+        a.mode = "ok"
+        a.release()
+        b.delay_s = 0.0
+        statuses = [f.result(timeout=30).status_code for f in futs]
+        pool.shutdown(wait=True)
+    assert statuses and set(statuses) == {200}

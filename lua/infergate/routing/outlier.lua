@@ -32,6 +32,8 @@
 -- retry on waits only part of its time (probe_threshold, and
 -- infergate.admission.deadline.probe_read): a probe of a node still hung is then retried
 -- on another node, and costs its client that wait, not a timeout.
+-- Before the threshold: a node quiet for edge.liveness_suspect_s gets an early liveness
+-- check, and is an outlier once that check got no answer (early(), below).
 -- The balancer never excludes every candidate:
 -- when all eligible nodes are outliers, it picks among them as usual.
 --
@@ -235,6 +237,35 @@ local function oldest_waiting(name)
 end
 _M._oldest_waiting = oldest_waiting
 
+-- The early liveness check (infergate.routing.liveness): `node`, with attempt `att`
+-- waiting past `suspect` s and no first byte since epoch s `fb`, gets one when no byte at
+-- all came from it for as long either; true (and the node found an outlier, as by the
+-- threshold) when such a check made since its last byte got no answer.
+local function early(d, node, att, fb, now, o, suspect)
+    local name = node.name
+    local last = d:get("lb:" .. name) or 0
+    if fb > last then
+        last = fb
+    end
+    local since = att.started > last and att.started or last
+    if now - since <= suspect then
+        return false
+    end
+    local failed = liveness.failed_early(name)
+    if failed and failed >= last then
+        local thr = _M.threshold(name, att.stream, o)
+        log(WARN, "infergate: node ", name, " is an outlier: a request has waited ",
+            string.format("%.1f", now - att.started), " s for its first byte, no byte for ",
+            string.format("%.1f", now - since), " s and no answer to a liveness check;",
+            " no new requests until it answers")
+        d:set("ol:" .. name, now, _M.FLAG_TTL_FACTOR * thr)
+        d:set("os:" .. name, now)
+        return true
+    end
+    liveness.suspect(node, since, o)
+    return false
+end
+
 function _M.is_outlier(node, now, o)
     o = o or config.get()
     if stall.is_stalled(node, now, o, stats.inflight) then
@@ -270,6 +301,11 @@ function _M.is_outlier(node, now, o)
         return false
     end
     local waited = now - att.started
+    local suspect = liveness.suspect_after(node, o)
+    if suspect and waited > suspect and now - fb > suspect and early(d, node, att, fb, now, o,
+            suspect) then
+        return true
+    end
     -- no threshold is below the lower floor: most picks end here, without the p90 read
     local floor = o.edge.outlier_ttfb_min_s
     local sfloor = o.edge.outlier_stream_ttfb_min_s
