@@ -147,12 +147,12 @@ function _M.run()
         local status
         result, status = outcome(req)
         if result == "fail" and status == 500 then
-            for i = 1, n - 1 do
-                if attempts[i].held == 500 then
-                    result = "neutral" -- the same 500 on two nodes: the request's fault
-                    break
-                end
-            end
+            -- a 500 the node wrote, with no later node to answer the request past it: no
+            -- evidence against the node (the same 500 on two nodes, or one node's 500 to
+            -- input it cannot take, as llama-server's to an image part): neutral, as the
+            -- stream relay settles it (infergate.stream.leg); a node that fails what
+            -- another node answers is counted through its held 500 below
+            result = "neutral"
         end
         local latency_ms
         if result == "ok" and status < 300 then

@@ -187,6 +187,27 @@ def test_garbage_from_the_only_node_is_a_502(tiny_upstreams, redis_server, edge_
     assert data.startswith(b"HTTP/1.0 502 Bad Gateway\r\n") and b"upstream_invalid_answer" in data
 
 
+def test_500s_from_the_only_node_never_open_its_breaker(tiny_upstreams, redis_server,
+                                                      edge_factory) -> None:
+    """A 500 no other node saw is no evidence against its node: a client whose input
+    the only node cannot take (llama-server answers 500 to an image part) gets that 500
+    as many times as it sends it, plain or streamed, and the node's breaker stays closed,
+    so everyone else is still served (as behind nginx, which never takes its only server
+    out). A node that fails what another node answers still opens its breaker
+    (test_failing_node_is_avoided_breaker_opens_and_recovers)."""
+    (a,) = tiny_upstreams(names=["a"])
+    edge = edge_factory(edge_settings(redis_server.url, [a.node_settings()], breaker_failures=3))
+    a.mode = "fail"
+    for i in range(8):
+        res = _post(edge, stream=i % 2 == 1)
+        assert res.status_code == 500 and "simulated failure" in res.text, res.text
+    st = edge.node_status("a")
+    assert st["breaker"] == "closed" and st["failures"] == 0, st
+    a.mode = "ok"
+    assert _post(edge).status_code == 200
+    assert a.hits == 9
+
+
 def test_all_nodes_down_gets_a_json_502(pool) -> None:
     edge, ups = pool(max_tries=5)
     for u in ups:

@@ -20,11 +20,12 @@
 --
 -- What counts against a node (failure rate, "fl", breaker) is decided by the callers
 -- (infergate.routing.balancer for tries that are retried, infergate.log for the last
--- one): connect errors and resets, timeouts before the first byte, garbage, and a 5xx
--- that another node did not repeat for the same request. A 500 that is retried is
--- first only held (hold(): in-flight down, no verdict); the log phase settles it as a
+-- one): connect errors and resets, timeouts before the first byte, garbage, a 502-504,
+-- and a 500 that another node answered past for the same request. A 500 that is retried
+-- is first only held (hold(): in-flight down, no verdict); the log phase settles it as a
 -- failure when a later node answered the request, as neutral when the later node failed
--- it the same way (the request's fault, not the node's).
+-- it the same way (the request's fault, not the node's). A 500 no other node saw (one
+-- node, no try left) is neutral: no evidence either way.
 local config = require("infergate.core.config")
 local ngxapi = require("infergate.core.ngxapi")
 local prefixer = require("infergate.core.memo").prefixer
