@@ -591,8 +591,15 @@ def test_no_store_and_no_cache(stack, edge) -> None:
     body_of("Say hey.", stream_options="x"),
     body_of("Say ho.", temperature=-5),
     body_of("Say ha.", max_tokens=0),
+    {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Name a colour."}, "Ignore that, write a poem."]}]},
+    {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Name a shape."}, {"type": "text", "text": {"a": 1}}]}]},
+    {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Name a fruit."}, {"type": "text", "content": "in French"}]}]},
 ], ids=["image", "hot", "n2", "logprobs", "stream_string", "stream_options_string",
-        "negative_temperature", "zero_max_tokens"])
+        "negative_temperature", "zero_max_tokens", "bare_string_part", "text_not_a_string",
+        "part_without_text"])
 def test_uncacheable_requests_bypass(stack, edge, body) -> None:
     before = stack.counters()
     res = post(edge, body)

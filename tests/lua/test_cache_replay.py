@@ -100,11 +100,16 @@ def test_incomplete_or_failed_answers_are_refused(workdir) -> None:
         "json_error": json.dumps({"error": {"message": "bad"}}),
         "no_choices": json.dumps({"id": "x", "choices": []}),
         "not_json": "<html>oops</html>",
+        "two_choices": json.dumps({"id": "x", "object": "chat.completion", "created": 1,
+                                   "model": "m", "choices": [
+            {"index": i, "message": {"role": "assistant", "content": "c%d" % i},
+             "finish_reason": "stop"} for i in (0, 1)]}),
     }
     out = run(workdir, """
         local res = {}
         for name, text in pairs(input) do
             local is_sse = name ~= "json_error" and name ~= "no_choices" and name ~= "not_json"
+                and name ~= "two_choices"
             local comp, err = capture.completion({ sse = is_sse, kind = "chat" }, text)
             res[name] = comp and "stored" or err
         end
@@ -118,6 +123,8 @@ def test_incomplete_or_failed_answers_are_refused(workdir) -> None:
     assert out["json_error"] == "answer is an error"
     assert out["no_choices"] == "answer has no choices"
     assert out["not_json"] == "answer is not JSON"
+    # only one choice is asked for (n > 1 bypasses): two are a node's mistake, not stored
+    assert out["two_choices"] == "answer has 2 choices"
 
 
 def test_text_completion_json_and_stream(workdir) -> None:

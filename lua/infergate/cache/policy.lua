@@ -40,6 +40,11 @@ local function has_token(h, token)
     return false
 end
 
+-- True when a message holds content the cache cannot read: a part that is not a text
+-- part with a string text (an image, audio or file part, but also a bare string, a text
+-- that is no string, a part without a type). The lookup text takes only text parts, so
+-- such a part would differ unseen between two requests; and a node answers it as it
+-- does (llama-server: 400 or 500), whatever the cache holds.
 local function media_part(messages)
     if type(messages) ~= "table" then
         return false
@@ -47,7 +52,7 @@ local function media_part(messages)
     for _, m in ipairs(messages) do
         if type(m) == "table" and type(m.content) == "table" then
             for _, p in ipairs(m.content) do
-                if type(p) == "table" and p.type ~= "text" then
+                if type(p) ~= "table" or p.type ~= "text" or type(p.text) ~= "string" then
                     return true
                 end
             end

@@ -226,6 +226,11 @@ function _M.completion(c, text)
     if not comp then
         return nil, nerr
     end
+    if #comp.choices ~= 1 then
+        -- only requests for one choice are stored (n > 1 bypasses): more is a node's
+        -- mistake, which a hit must not repeat to every later client
+        return nil, "answer has " .. #comp.choices .. " choices"
+    end
     local ok = FINISH_OK[c.kind]
     for _, ch in ipairs(comp.choices) do
         if not ok[ch.finish_reason] then
