@@ -73,9 +73,15 @@ def members(text: str) -> dict[int, tuple[int, ...]]:
 ORDERED = frozenset(ci for ci, (name, _) in enumerate(CONTRASTS) if name == "pronoun")
 
 
+#: A negating prefix written with a hyphen ("non-toxic", "un-American"): read as one word.
+_HYPHEN_PREFIX_RE = re.compile(
+    r"\b(" + "|".join(sorted({p for p, _ in PREFIXES}, key=len, reverse=True)) + r")-(?=[a-z])")
+
+
 @functools.lru_cache(maxsize=8192)
 def _words(text: str) -> frozenset[str]:
-    return frozenset(_WORD_RE.findall(text[:MAX_CHARS].lower()))
+    t = _HYPHEN_PREFIX_RE.sub(r"\1", text[:MAX_CHARS].lower())
+    return frozenset(_WORD_RE.findall(t))
 
 
 def _negated_form(a: frozenset[str], b: frozenset[str]) -> str | None:

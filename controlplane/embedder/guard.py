@@ -27,6 +27,9 @@ the cached entry's text (the last user message of each):
 - ``contrast:<class>``: both texts name members of a closed class of English words, not
   the same ones (Sunday / Saturday, soft / hard yolk, small / large packages, French /
   Spanish; :mod:`.contrast`). Never overruled by the verifier.
+- ``context``: a long shared context (a document, a policy, a report) with another
+  question or instruction in it: any key term that differs. Never overruled by the
+  verifier.
 - ``key_terms``: a near-copy with one or two key terms replaced: each text has 1 or 2 key
   terms the other lacks (Chinese characters outside a function-character list such as
   皖 / 滇; English words outside a stop list such as Wisconsin / Michigan). The entity
@@ -552,6 +555,29 @@ def persons_swapped(query: str, candidate: str) -> bool:
     return a is not None and b is not None and a != b
 
 
+#: Shared key terms (a CJK key character weighs half a word) from which two texts are
+#: one context with a question in it: any key term that differs then rejects.
+CONTEXT_SHARED_MIN = 8.0
+
+
+def _weight(terms: frozenset[str]) -> float:
+    return sum(0.5 if _CJK_RE.match(t) else 1.0 for t in terms)
+
+
+def context_changed(query: str, candidate: str) -> bool:
+    """True when the texts share a long context (key terms weighing at least
+    :data:`CONTEXT_SHARED_MIN`) and their key terms differ anyway: a document, report or
+    policy followed by another question ("... Can I return gift cards?" / "... Can I
+    return a laptop?"), another instruction ("... Summarize this in one sentence." /
+    "... List every risk mentioned.") or one word changed in a long text ("who approved"
+    / "who opposed"). The shared part dominates both the pooled embedding and the
+    verifier's features, so they score such pairs 0.95-0.98; a short question has no such
+    context, and its rewordings are left to the other checks and the verifier. Key terms
+    as :func:`key_term_substitution` reads them (stemmed, Chinese synonyms as one)."""
+    a, b = _canonical_terms(query), _canonical_terms(candidate)
+    return a != b and _weight(a & b) >= CONTEXT_SHARED_MIN
+
+
 # ---------------------------------------------------------------- the guard
 
 def verifier_may_overrule(result: GuardResult, query: str, candidate: str) -> bool:
@@ -579,7 +605,8 @@ def check(query: str, candidate: str) -> GuardResult:
     negation, antonyms, another member of a closed class (``contrast:<class>``:
     Sunday / Saturday, soft / hard; :mod:`.contrast`), swapped sides (``order``), speaker
     and addressee swapped
-    (``persons``), key-term substitution (``key_terms``); the first that differs rejects.
+    (``persons``), another question or instruction in a long shared context
+    (``context``), key-term substitution (``key_terms``); the first that differs rejects.
     Never raises for ``str`` inputs (non-``str`` is treated as empty text)."""
     q = query if isinstance(query, str) else ""
     c = candidate if isinstance(candidate, str) else ""
@@ -601,6 +628,8 @@ def check(query: str, candidate: str) -> GuardResult:
         return GuardResult(False, "order")
     if persons_swapped(q, c):
         return GuardResult(False, "persons")
+    if context_changed(q, c):
+        return GuardResult(False, "context")
     if key_term_substitution(q, c):
         return GuardResult(False, "key_terms")
     return PASS

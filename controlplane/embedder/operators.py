@@ -24,6 +24,7 @@ Pure functions, cached per text; never raise on ``str`` input.
 from __future__ import annotations
 
 import functools
+import re
 import unicodedata
 from typing import NamedTuple
 
@@ -102,11 +103,77 @@ def signs(text: str) -> Signs:
     return Signs("".join(sorted(found)), "".join(placed), "".join(bare))
 
 
+_QUOTES = frozenset("'\"`\u2018\u2019\u201c\u201d")
+_WORD_END_MARKS = frozenset(".,;:!?")
+_LETTERS_RE = re.compile(r"[A-Za-z]+")
+_FLAG_RE = re.compile(r"(?<![\w-])--?([A-Za-z][\w-]*)")
+_TOKEN_RE = re.compile(r"[^\W_]+")
+
+
+class Shape(NamedTuple):
+    """What two texts with the same letters and digits must also share to be one question:
+    ``marks`` (the text without spaces, quotes, commas, a ``. ; : ! ?`` that ends a word,
+    a hyphen between letters or digits, a ``/`` between words or non-ASCII punctuation,
+    letters lowercased, every other mark in its place), ``caps`` (its words of two or more capitals, "IT", "US", unless the text
+    has no lower-case letter) and ``flags`` (command-line options as written, "-v",
+    "--Help")."""
+
+    marks: str
+    caps: tuple[str, ...]
+    flags: tuple[str, ...]
+
+
+@functools.lru_cache(maxsize=8192)
+def shape(text: str) -> Shape:
+    """The :class:`Shape` of ``text``; cached."""
+    t = text[:MAX_CHARS]
+    out = []
+    n = len(t)
+    for i, ch in enumerate(t):
+        if ch.isalnum():
+            out.append(ch.lower())
+            continue
+        if ch.isspace() or ch in _QUOTES:
+            continue
+        if not ch.isascii() and unicodedata.category(ch).startswith("P"):
+            continue
+        nxt = t[i + 1] if i + 1 < n else ""
+        if ch in _WORD_END_MARKS:
+            j = i + 1
+            while j < n and t[j] in _WORD_END_MARKS:
+                j += 1
+            after = t[j] if j < n else ""
+            if after == "" or after.isspace() or after in _QUOTES or after in ")]}":
+                continue   # ends a word or a sentence ("Why?!", "done.)"), not "a[::-1]"
+        if ch == "," or (ch == "-" and i > 0 and t[i - 1].isalnum() and nxt.isalnum()):
+            continue   # "fuel,coal", "3-digit", "e-mail" (a minus between numbers changes them)
+        if ch == "/" and not _significant(t, i):
+            continue   # "TCP/IP", "and/or": a word's alternatives
+        out.append(ch)
+    caps: tuple[str, ...] = ()
+    if any(c.islower() for c in t):
+        caps = tuple(w.lower() for w in _LETTERS_RE.findall(t) if len(w) >= 2 and w.isupper())
+    return Shape("".join(out), caps, tuple(_FLAG_RE.findall(t)))
+
+
+@functools.lru_cache(maxsize=8192)
+def _tokens(text: str) -> tuple[str, ...]:
+    return tuple(sorted(_TOKEN_RE.findall(text[:MAX_CHARS].lower())))
+
+
 def sign_conflict(query: str, candidate: str) -> bool:
-    """True when the texts hold different signs, or the same signs in other places of
-    otherwise equal texts. "What is 8/2?" / "What is 8*2?" -> True; "x++" / "++x" ->
-    True; "How do I reset my password?" / "how do I reset my password" -> False."""
+    """True when the texts hold different signs, the same signs in other places of
+    otherwise equal texts, the same signs and words in another order ("a -> b" / "b ->
+    a"), or the same letters and digits in another :class:`Shape` (brackets, colons,
+    dots and minus signs in other places, "a[1:]" / "a[:1]", "(a+b)*c" / "a+(b*c)",
+    "sin(x)" / "sin(-x)", "rm -rf /" / "rm -rf ./"; an acronym or a command-line option in
+    another case, "What is IT?" / "What is it?", "grep -v" / "grep -V").
+    "What is 8/2?" / "What is 8*2?" -> True; "x++" / "++x" -> True; "How do I reset my
+    password?" / "how do I reset my password" -> False; "What's an e-mail?" / "Whats an
+    email" -> False."""
     a, b = signs(query), signs(candidate)
     if a.multiset != b.multiset:
         return True
-    return a.multiset != "" and a.bare == b.bare and a.placed != b.placed
+    if a.bare == b.bare:
+        return a.placed != b.placed or shape(query) != shape(candidate)
+    return a.multiset != "" and _tokens(query) == _tokens(candidate)

@@ -89,6 +89,36 @@ from controlplane.embedder import contrast, guard
     ("Is the data consistent?", "Is the data inconsistent?", "contrast:prefix"),
     ("Is the bridge stable?", "Is the bridge unstable?", "contrast:prefix"),
     ("Is this plugin useful?", "Is this plugin useless?", "contrast:prefix"),
+    ("Is the drug non-toxic?", "Is the drug toxic?", "contrast:prefix"),
+    ("How do I write a non-blocking socket?", "How do I write a blocking socket?",
+     "contrast:prefix"),
+    # the same letters and digits, marks in other places, an acronym or an option's case
+    ("What does a[1:] return in Python?", "What does a[:1] return in Python?", "symbols"),
+    ("What does s[::-1] do?", "What does s[:-1] do?", "symbols"),
+    ("Explain the expression (a+b)*c", "Explain the expression a+(b*c)", "symbols"),
+    ("What is *p++ in C?", "What is (*p)++ in C?", "symbols"),
+    ("Solve x^2 = 4", "Solve -x^2 = 4", "symbols"),
+    ("What is the derivative of sin(x)?", "What is the derivative of sin(-x)?", "symbols"),
+    ("Is f(x) = -x increasing?", "Is f(x) = x increasing?", "symbols"),
+    ("Is rm -rf / safe?", "Is rm -rf ./ safe?", "symbols"),
+    ("What does grep -v do?", "What does grep -V do?", "symbols"),
+    ("What is IT?", "What is it?", "symbols"),
+    ("What does a -> b mean?", "What does b -> a mean?", "symbols"),
+    # a long shared context with another question or instruction in it
+    ("Our refund policy: items can be returned within 30 days with a receipt. Opened "
+     "software and gift cards cannot be returned. Shipping fees are not refunded. "
+     "Question: Can I return gift cards?",
+     "Our refund policy: items can be returned within 30 days with a receipt. Opened "
+     "software and gift cards cannot be returned. Shipping fees are not refunded. "
+     "Question: Can I return a laptop?", "context"),
+    ("The board met on Monday to discuss the dividend. The CFO presented the numbers. "
+     "Who approved the dividend?",
+     "The board met on Monday to discuss the dividend. The CFO presented the numbers. "
+     "Who opposed the dividend?", "context"),
+    ("Quarterly report: revenue grew in Europe while costs in Asia rose sharply. "
+     "Summarize this in one sentence.",
+     "Quarterly report: revenue grew in Europe while costs in Asia rose sharply. "
+     "List every risk mentioned, as bullet points.", "context"),
 ])
 def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason: str) -> None:
     res = guard.check(query, candidate)
@@ -146,6 +176,10 @@ def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason
     ("How do I set up two-factor login?", "How do I set up two factor login?"),
     ("Is R&D spending deductible?", "Is R and D spending deductible?"),
     ("Should I learn TCP/IP first?", "Should I learn TCP IP first?"),
+    ("How many 3 digit numbers are divisible by 5?", "How many 3-digit numbers are divisible by 5?"),
+    ("Is oil (fossil fuel, coal) running out?", "Is oil (fossil fuel,coal) running out?"),
+    ("WHY IS THE SKY BLUE", "why is the sky blue?"),
+    ("Why?! Is the sky really blue", "why is the sky really blue"),
     ("Do the new notes have a GPS chip ? Did any country do this?",
      "Do the new notes have a GPS chip? Did any country do this?"),
 ])
