@@ -114,8 +114,10 @@ class Shape(NamedTuple):
     """What two texts with the same letters and digits must also share to be one question:
     ``marks`` (the text without spaces, quotes, commas, a ``. ; : ! ?`` that ends a word,
     a hyphen between letters or digits, a ``/`` between words or non-ASCII punctuation,
-    letters lowercased, every other mark in its place), ``caps`` (its words of two or more capitals, "IT", "US", unless the text
-    has no lower-case letter) and ``flags`` (command-line options as written, "-v",
+    letters lowercased, every other mark in its place), ``caps`` (its words of two or
+    three capitals, the length of an acronym that reads as a word in lower case, "IT",
+    "US", "WHO", unless the text has no lower-case letter; a longer word in capitals is
+    emphasis, "hello THERE") and ``flags`` (command-line options as written, "-v",
     "--Help")."""
 
     marks: str
@@ -152,7 +154,7 @@ def shape(text: str) -> Shape:
         out.append(ch)
     caps: tuple[str, ...] = ()
     if any(c.islower() for c in t):
-        caps = tuple(w.lower() for w in _LETTERS_RE.findall(t) if len(w) >= 2 and w.isupper())
+        caps = tuple(w.lower() for w in _LETTERS_RE.findall(t) if 2 <= len(w) <= 3 and w.isupper())
     return Shape("".join(out), caps, tuple(_FLAG_RE.findall(t)))
 
 
