@@ -80,9 +80,11 @@ class UrlTaken(InfergateError, ValueError):
 def _host_key(host: str) -> str:
     """A host in one spelling: lower case without a trailing dot; an IP address in its
     canonical form, whatever way it was written (``127.1``, ``0x7f000001``,
-    ``127.000.000.001``, ``::ffff:127.0.0.1`` are all ``127.0.0.1``). Names are not
-    resolved (``localhost`` stays a name)."""
+    ``127.000.000.001``, ``::ffff:127.0.0.1`` and ``localhost`` are all ``127.0.0.1``).
+    Other names are not resolved."""
     h = host.lower().rstrip(".")
+    if h == "localhost":
+        return "127.0.0.1"   # the loopback name (RFC 6761), as the HTTP clients resolve it
     try:
         ip = ipaddress.ip_address(h)
     except ValueError:
@@ -170,6 +172,81 @@ def seed_nodes(r: redis.Redis, nodes: list[NodeSettings]) -> int:
                 log.warning("configured node %s not added: %s (one server, one node)",
                             n.name, exc)
     return added
+
+
+@dataclass
+class RunSeed:
+    """What :func:`seed_run_nodes` did: ``nodes`` the run's nodes as registered (their
+    names and settings in the registry), ``notes`` one line each for the operator."""
+
+    nodes: list[NodeSettings]
+    notes: list[str]
+
+
+def _free_name(name: str, taken: set[str]) -> str:
+    base = name.rsplit("-", 1)[0] if name.rsplit("-", 1)[-1].isdigit() else name
+    i = 1
+    while name in taken:
+        i += 1
+        name = f"{base}-{i}"
+    return name
+
+
+def seed_run_nodes(r: redis.Redis, nodes: list[NodeSettings], *, by_url: bool,
+                   overrides: dict | None = None) -> RunSeed:
+    """Register the nodes of a start of ``infergate up`` on a registry that may hold an
+    earlier run's, keeping what was changed at run time (the docs promise that edits and
+    removals survive a restart on the same folder).
+
+    ``by_url`` False (the simulated pool, a file's nodes: a node is its name, its address
+    may change between starts): a name registered before keeps its settings with this
+    run's URL; a name seeded by an earlier start and gone since was removed at run time
+    and is not added again (a note says how); a new name is added. ``by_url`` True
+    (``--node URL``: a node is its server): a server registered under any name stays as
+    it is, with ``overrides`` (the options given on the command line, such as
+    ``max_concurrency``) applied; a new server is added under the run's name, or the next
+    free one. Registered nodes that are not of this run stay registered, with a note.
+    Seeding is recorded in ``keynames.NODES_SEEDED`` (names, and ``url:`` + URL)."""
+    current = {n.name: n for n in list_nodes(r)}
+    out: list[NodeSettings] = []
+    notes: list[str] = []
+    for n in nodes:
+        mark = ("url:" + n.url) if by_url else n.name
+        first = bool(r.sadd(keynames.NODES_SEEDED, mark))
+        if by_url:
+            same = next((c for c in current.values() if same_server(c.url, n.url)), None)
+            if same is not None:
+                node = same.model_copy(update=overrides) if overrides else same
+                if node != same:
+                    put_node(r, node)
+                if same.name != n.name:
+                    notes.append(f"{n.url} is registered as node {same.name}: kept, with its settings")
+                out.append(node)
+                continue
+            node = n.model_copy(update={"name": _free_name(n.name, set(current))})
+            if not first:
+                notes.append(f"node {node.name} ({n.url}) was removed at run time: added again, "
+                             "as --node names it")
+        else:
+            old = current.get(n.name)
+            if old is None and not first:
+                notes.append(f"node {n.name} was removed at run time: not added again "
+                             f"(`infergate nodes add {n.name} {n.url}` adds it)")
+                continue
+            node = n if old is None else old.model_copy(update={"url": n.url})
+        try:
+            put_node_unique(r, node)
+        except UrlTaken as exc:
+            notes.append(f"node {node.name} not registered: {exc} (one server, one node)")
+            continue
+        current[node.name] = node
+        out.append(node)
+    ours = {n.name for n in out}
+    for c in current.values():
+        if c.name not in ours:
+            notes.append(f"node {c.name} ({c.url}) stays registered from an earlier run or a "
+                         f"run-time add: `infergate nodes remove {c.name}` takes it out")
+    return RunSeed(out, notes)
 
 
 def get_states(r: redis.Redis) -> dict[str, NodeState]:

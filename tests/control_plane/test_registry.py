@@ -138,8 +138,54 @@ def test_put_node_unique_is_one_transaction(redis_server):
     ("http://127.0.0.1:8000", "http://127.0.0.2:8000", False),
     ("http://127.0.0.1:8000", "http://127.0.0.1:8001", False),
     ("http://127.0.0.1:8000", "https://127.0.0.1:8000", False),
-    ("http://localhost:8000", "http://127.0.0.1:8000", False),  # names are not resolved
+    ("http://localhost:8000", "http://127.0.0.1:8000", True),  # the loopback name
+    ("http://LOCALHOST.:8000", "http://[::ffff:127.0.0.1]:8000", True),
+    ("http://gpu-1:8000", "http://127.0.0.1:8000", False),  # other names are not resolved
 ])
 def test_same_server(a, b, same):
     assert registry.same_server(a, b) is same
     assert registry.same_server(b, a) is same
+
+
+def test_a_restart_of_up_keeps_run_time_edits_and_removals_of_the_simulated_pool(redis_server):
+    """``infergate up`` on the same folder: simulated nodes (a node is its name) get this
+    start's URL and keep their edits; one removed at run time stays removed; a node added
+    at run time stays, with a note."""
+    r = redis_server.client()
+    first = registry.seed_run_nodes(r, [node("a"), node("b"), node("c")], by_url=False)
+    assert [n.name for n in first.nodes] == ["a", "b", "c"] and first.notes == []
+    registry.put_node(r, node("a", weight=4, max_concurrency=10))   # edited
+    assert registry.remove_node(r, "b")                              # removed
+    registry.put_node(r, node("x", 9500))                            # added at run time
+    again = registry.seed_run_nodes(r, [node("a", 9200), node("b", 9201), node("c", 9202)],
+                                    by_url=False)
+    got = {n.name: n for n in registry.list_nodes(r)}
+    assert sorted(got) == ["a", "c", "x"]
+    assert got["a"].url.endswith(":9200") and got["a"].weight == 4 and got["a"].max_concurrency == 10
+    assert got["c"].url.endswith(":9202")
+    assert [n.name for n in again.nodes] == ["a", "c"]
+    assert any("node b was removed at run time: not added again" in x for x in again.notes)
+    assert any(x.startswith("node x (") and "stays registered" in x for x in again.notes)
+
+
+def test_a_restart_of_up_with_node_urls_keeps_each_server_as_registered(redis_server):
+    """``--node URL`` (a node is its server): a server registered under another name
+    keeps that name and its settings (with the options the command line gives); a new
+    server gets the run's name or the next free one; one removed at run time that the
+    command line names again is added again; the others stay, with a note."""
+    r = redis_server.client()
+    registry.seed_run_nodes(r, [node("node-1", 8600)], by_url=True)
+    registry.put_node(r, node("node-1", 8600, weight=3))
+    registry.put_node(r, node("node-2", 8601))                       # added at run time
+    again = registry.seed_run_nodes(r, [node("node-1", 8601), node("node-2", 8602)],
+                                    by_url=True, overrides={"max_concurrency": 2})
+    got = {n.name: n for n in registry.list_nodes(r)}
+    assert [(n.name, n.url[-4:]) for n in again.nodes] == [("node-2", "8601"), ("node-3", "8602")]
+    assert got["node-2"].max_concurrency == 2
+    assert got["node-1"].url.endswith(":8600") and got["node-1"].weight == 3
+    assert any("is registered as node node-2" in x for x in again.notes)
+    assert any(x.startswith("node node-1 (") and "stays registered" in x for x in again.notes)
+    assert registry.remove_node(r, "node-3")
+    back = registry.seed_run_nodes(r, [node("node-1", 8602)], by_url=True)
+    assert [(n.name, n.url[-4:]) for n in back.nodes] == [("node-3", "8602")]
+    assert any("was removed at run time: added again" in x for x in back.notes)

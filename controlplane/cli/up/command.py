@@ -76,15 +76,19 @@ def start_nodes(run: UpRun) -> None:
 
 
 def seed_registry(run: UpRun) -> None:
-    """Register the nodes (replacing same-named entries of an earlier run; a server
-    registered under another name is left alone, with a line) and, when API keys are
-    required, create the demo key (revoking the one an earlier run printed)."""
+    """Register the nodes, keeping what an earlier run on the same folder changed at run
+    time (:func:`registry.seed_run_nodes`: edits kept, a removed simulated node not
+    brought back, a ``--node`` server known under another name kept under it; a line for
+    each such case) and, when API keys are required, create the demo key (revoking the
+    one an earlier run printed)."""
     r = make_redis(run.settings.redis)
-    for n in run.nodes:  # the nodes of this run replace same-named entries of an earlier one
-        try:
-            registry.put_node_unique(r, n)
-        except registry.UrlTaken as exc:
-            _say(f"node {n.name} not registered: {exc} (one server, one node)")
+    overrides = ({"max_concurrency": run.node_max_concurrency}
+                 if run.node_urls and run.node_max_concurrency is not None else None)
+    seeded = registry.seed_run_nodes(r, run.nodes, by_url=bool(run.node_urls),
+                                     overrides=overrides)
+    for note in seeded.notes:
+        _say(note)
+    run.settings.nodes = run.nodes = seeded.nodes
     if run.settings.auth.mode != "required":
         return
     # one demo key at a time: the one an earlier run printed is revoked
