@@ -176,3 +176,56 @@ def test_embedder_port_taken_after_a_crash(workdir: Path) -> None:
         if squatter is not None:
             squatter.close()
         up.stop()
+
+
+_HEALTHZ = """
+import http.server, os, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("X-Infergate-Instance", os.environ["INFERGATE_INSTANCE_ID"])
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_frozen_embedder_is_killed_after_three_missed_health_checks(workdir: Path,
+                                                                     monkeypatch) -> None:
+    """EmbedderKeeper's proof of life, on a real process that answers /healthz as the
+    embedder does: answering, it is left alone; frozen (SIGSTOP: it never exits, so the
+    supervisor alone would never see it), it is killed after PROBE_FAILS checks missed in
+    a row, PROBE_EVERY_S apart (an explicit clock here), with one line saying why."""
+    import sys
+
+    from controlplane.cli.up.embedder import PROBE_EVERY_S, PROBE_FAILS, EmbedderKeeper
+    from controlplane.config import settings_from_dict
+
+    monkeypatch.setenv(procs.INSTANCE_ENV, "stack-under-test")
+    port = procs.free_port()
+    m = procs.Managed("embedder", [sys.executable, "-c", _HEALTHZ, str(port)],
+                      workdir / "emb.log", env=dict(os.environ)).start()
+    said: list[str] = []
+    now = [1000.0]
+    settings = settings_from_dict({"cache": {"enabled": True,
+                                             "embedder_url": f"http://127.0.0.1:{port}"}})
+    keeper = EmbedderKeeper(m, settings, procs.ProcessSet(), workdir, workdir / "cfg.toml",
+                            say=said.append, clock=lambda: now[0])
+    try:
+        procs.wait_until(lambda: procs.http_instance(f"http://127.0.0.1:{port}/healthz")
+                         == "stack-under-test", 10, what="the stand-in answers")
+        for _ in range(PROBE_FAILS + 1):
+            now[0] += PROBE_EVERY_S
+            keeper.tick()
+        assert m.alive() and said == [] and keeper.probe_fails == 0
+        m.signal(signal.SIGSTOP)
+        for _ in range(PROBE_FAILS):
+            now[0] += PROBE_EVERY_S
+            keeper.tick()
+        procs.wait_until(lambda: not m.alive(), 5, what="the frozen stand-in killed")
+        assert len(said) == 1 and "did not answer its health check 3 times" in said[0], said
+    finally:
+        m.signal(signal.SIGKILL)
+        m.stop(grace=1.0)

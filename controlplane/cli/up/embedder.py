@@ -25,6 +25,12 @@ EMBEDDER_START_S = 180.0
 PORT_RELEASE_S = 2.0
 
 
+PROBE_EVERY_S = 5.0
+"""Seconds between two health checks of a running embedder (:meth:`EmbedderKeeper._probe`)."""
+PROBE_FAILS = 3
+"""Health checks missed in a row after which a running embedder is killed and restarted."""
+
+
 def _embedder_healthy(url: str) -> bool:
     """``GET url/healthz`` answers 200 with this stack's instance id."""
     import requests
@@ -147,6 +153,8 @@ class EmbedderKeeper:
         self.given_up = False
         self.restarts = 0
         self.reloads = 0
+        self.next_probe = clock() + PROBE_EVERY_S
+        self.probe_fails = 0
 
     def _nginx(self) -> procs.Managed | None:
         return next((x for x in self.stack.items if x.name == "nginx"), None)
@@ -261,3 +269,24 @@ class EmbedderKeeper:
                 self.ready_by = None
                 self.m.stop(grace=1.0)
                 self._failed(now, "did not become ready")
+            return
+        self._probe(now)
+
+    def _probe(self, now: float) -> None:
+        """Proof of life of a running embedder: a frozen one (SIGSTOP, a stuck worker)
+        never exits, and every lookup would wait out its budget meanwhile. Its
+        ``/healthz`` is asked every PROBE_EVERY_S; after PROBE_FAILS misses in a row it is
+        killed, and the next tick restarts it with the semantic cache off meanwhile."""
+        if now < self.next_probe:
+            return
+        self.next_probe = now + PROBE_EVERY_S
+        if _embedder_healthy(self.url):
+            self.probe_fails = 0
+            return
+        self.probe_fails += 1
+        if self.probe_fails >= PROBE_FAILS:
+            self.say(f"embedder (pid {self.m.pid}) did not answer its health check "
+                     f"{self.probe_fails} times in a row, {PROBE_EVERY_S:g} s apart: killing it, "
+                     "to be restarted")
+            self.probe_fails = 0
+            self.m.signal(signal.SIGKILL)
