@@ -183,27 +183,41 @@ def test_revoked_key_stops_within_the_cache_interval(redis_server, upstream, edg
 
 
 def test_redis_down_cached_keys_work_unknown_keys_get_503(redis_server, upstream, edge_factory) -> None:
+    """Redis unreachable: a key with a cached answer works (stale), a known-bad one stays
+    bad, a key of the store the edge never saw is checked against the records the edge
+    holds (knownkeys: 200, or 401 when it was revoked), and only a key found nowhere gets
+    503 auth_unavailable."""
     r = redis_server.client()
     known, _ = apikeys.create_key(r, "acme")
     other, _ = apikeys.create_key(r, "acme")
+    gone, gone_rec = apikeys.create_key(r, "acme")
+    apikeys.revoke_key(r, gone_rec.id)
     edge = edge_factory(auth_settings(redis_server.url, upstream.node(), cache_ttl_s=0.2,
                                       negative_ttl_s=0.2, stale_ttl_s=60.0))
+    procs.wait_until(lambda: _hgetall_calls(r) >= 1, 10, what="the key store's records read")
     assert post(edge, known).status_code == 200
     assert_invalid_key(post(edge, "ig-bogus"))
     redis_server.stop()
     time.sleep(0.3)  # let the cached answers age past cache_ttl_s: they are now stale
 
-    for _ in range(3):
+    for i in range(3):
         assert post(edge, known).status_code == 200  # stale answer used while Redis is down
         assert_invalid_key(post(edge, "ig-bogus"))  # known-bad stays bad
-        res = post(edge, other)  # never seen: cannot be checked
+        assert post(edge, other).status_code == 200  # never seen: the store's record
+        assert_invalid_key(post(edge, gone))  # revoked in the record
+        res = post(edge, f"ig-never-issued-{i}")  # in no record: cannot be checked
         assert res.status_code == 503, res.text
         err = res.json()["error"]
         assert err["code"] == "auth_unavailable" and err["type"] == "service_unavailable"
         assert res.headers["Retry-After"] == "1"
-    assert edge.status()["admission"]["auth_unavailable"] == 3
+    adm = edge.status()["admission"]
+    assert adm["auth_unavailable"] == 3 and adm["auth_static"] == 6
     assert "Redis unreachable for API keys" in edge.error_log()
     assert all("authorization" not in h for h in upstream.headers)
+
+
+def _hgetall_calls(r: Any) -> int:
+    return int(r.info("commandstats").get("cmdstat_hgetall", {}).get("calls", 0))
 
 
 def test_auth_off_needs_no_key(redis_server, upstream, edge_factory) -> None:

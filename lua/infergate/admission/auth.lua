@@ -16,8 +16,10 @@
 -- (invalid) seconds, so a revoked key stops working at most cache_ttl_s after the
 -- revocation. The dicts keep answers up to auth.stale_ttl_s: while Redis is unreachable
 -- those stale answers are used (valid keys keep working, known-bad keys keep failing);
--- a key with no cached answer then gets 503 auth_unavailable. An unknown key is never
--- let through.
+-- a key with no cached answer is then checked against the key store's records the
+-- worker holds (infergate.admission.knownkeys, refreshed every minute or when the
+-- number of keys changes; counted in auth_static), and only a key found in neither
+-- gets 503 auth_unavailable. An unknown key is never let through.
 --
 -- Lookups that find no valid key are limited per client address
 -- (infergate.admission.auththrottle, auth.fail_burst / auth.fail_rate_per_s): past the
@@ -214,6 +216,12 @@ local function fetch(digest, e, now, o)
         -- key cannot be checked now.
         if e and now - e.at < math.max(o.stale_ttl_s, o.cache_ttl_s) then
             return e
+        end
+        local rec = knownkeys.record(digest)
+        if rec then
+            -- the key store's record as of the last refresh (infergate.admission.knownkeys)
+            astats.incr("auth_static")
+            return _M.from_record(rec, now)
         end
         return nil, err
     end

@@ -1,20 +1,28 @@
--- The digests of the API keys the key store holds, per worker, refreshed off the request
--- path, so that a flood of made-up keys from an address does not lock out the valid
--- keys of that address (a NAT, a proxy, a shared egress): an address past its budget
--- of failed lookups (infergate.admission.auththrottle) still has a key looked up in
--- Redis when its digest is known here (infergate.admission.auth.lookup). A made-up key
--- cannot be among them (a SHA-256 of 256 random bits), so the flood still costs Redis
--- nothing; a valid key created since the last refresh is known at the next one.
+-- The API keys of the key store, per worker, refreshed off the request path, for two
+-- uses:
+--   * a flood of made-up keys from an address does not lock out the valid keys of that
+--     address (a NAT, a proxy, a shared egress): an address past its budget of failed
+--     lookups (infergate.admission.auththrottle) still has a key looked up in Redis when
+--     its digest is known here (infergate.admission.auth.lookup). A made-up key cannot
+--     be among them (a SHA-256 of 256 random bits), so the flood still costs Redis
+--     nothing;
+--   * while Redis is unreachable, a key with no cached answer is checked against the
+--     record held here (infergate.admission.auth: fail-static, as nginx keeps serving
+--     its configuration): a valid key that has been idle does not get 503 for the
+--     outage, a revoked or unknown one is still refused. What is held is as of the last
+--     refresh (a revocation reaches it within REFRESH_S).
+-- A valid key created since the last refresh is known at the next one.
 --
 -- Every EVERY_S a recurring timer per worker (init_worker) queues HLEN of the key
 -- store (keynames.apikeys) on the flush queue (infergate.core.flush, which runs it
--- off the request path); when the count changed, or REFRESH_S passed, HKEYS follows and
--- its digests replace the set. A store of more than MAX_KEYS keys is not held (the
--- set is dropped: past the budget every uncached key is refused, as without this
--- module). An error or no answer keeps the set the worker has. Only with
--- auth.mode = "required".
+-- off the request path); when the count changed, or REFRESH_S passed, HGETALL follows
+-- and its records replace the set. A store of more than MAX_KEYS keys is not held (the
+-- set is dropped: past the budget every uncached key is refused, and during an outage
+-- only cached answers serve, as without this module). An error or no answer keeps the
+-- set the worker has. Only with auth.mode = "required".
 --
 --   has(digest)      whether the digest is a key of the store (as of the last refresh)
+--   record(digest)   its record (the JSON text the store holds), or nil
 --   tick(premature)  the timer's step
 --   init_worker()    starts the timer
 local config = require("infergate.core.config")
@@ -35,14 +43,18 @@ local type = type
 local log = ngx.log
 local ERR = ngx.ERR
 
-local known = nil       -- digest -> true, or nil (nothing held)
+local known = nil       -- digest -> record (JSON text), or nil (nothing held)
 local count = -1        -- HLEN the set was built for
 local built_at = 0
 local asked_at = 0
 local pending = false
 
 function _M.has(digest)
-    return known ~= nil and known[digest] == true
+    return known ~= nil and known[digest] ~= nil
+end
+
+function _M.record(digest)
+    return known and known[digest]
 end
 
 local function answer(replies, err)
@@ -59,14 +71,17 @@ local function on_keys(replies, err)
     if type(list) ~= "table" then
         return
     end
-    local n = #list
+    local n = #list / 2          -- HGETALL: digest, record, digest, record, ...
     if n > _M.MAX_KEYS then
         known, count = nil, n
         return
     end
     local set = {}
-    for i = 1, n do
-        set[list[i]] = true
+    for i = 1, 2 * n, 2 do
+        local digest, rec = list[i], list[i + 1]
+        if type(digest) == "string" and type(rec) == "string" then
+            set[digest] = rec
+        end
     end
     known, count, built_at = set, n, ngxapi.now()
 end
@@ -85,7 +100,7 @@ local function on_len(replies, err)
         pending = false
         return
     end
-    if not flush.push("auth_known", { { "HKEYS", keynames.apikeys } }, on_keys) then
+    if not flush.push("auth_known", { { "HGETALL", keynames.apikeys } }, on_keys) then
         pending = false
     end
 end

@@ -9,6 +9,8 @@
 --   auth_kept          valid keys honoured from this edge's memory while Redis answers
 --                      without its key store (infergate.admission.auth)
 --   auth_store_missing gauge: 1 while this edge sees Redis without its key store
+--   auth_static        keys checked against the key store's records held in memory
+--                      while Redis is unreachable (infergate.admission.knownkeys)
 --   rate_limited       429: a per-key or global token bucket was empty
 --   limits_local       rate-limit decisions taken on this edge's local buckets (Redis down)
 --   shed               429: every eligible node stayed saturated for the whole wait
@@ -21,7 +23,7 @@ local options = require("infergate.admission.options")
 local _M = {}
 
 _M.NAMES = { "auth_rejected", "auth_unavailable", "auth_throttled", "auth_kept",
-             "auth_store_missing", "rate_limited", "limits_local", "shed",
+             "auth_store_missing", "auth_static", "rate_limited", "limits_local", "shed",
              "deadline_exceeded", "waiting" }
 
 local function dict()
