@@ -60,6 +60,11 @@ class EdgeSettings(_Section):
     edge_id: str = Field(default="", pattern=r"^([\w.:\-]{1,128})?$")
     """Name this edge publishes its stats under (letters, digits, ``_``, ``.``, ``:``,
     ``-``, at most 128); empty = ``hostname:port``."""
+    state_dir: str = Field(default="", max_length=4096)
+    """Folder for the edge's last known good state (the last routing snapshot, the key
+    store's records), read when nginx starts while Redis is unreachable; nginx's worker
+    user must be able to write to it. Empty = ``infergate-state`` under nginx's prefix
+    (created by ``infergate render``)."""
     sync_interval_s: float = Field(default=0.5, ge=0.01, le=3600)
     """How often a worker pulls the routing snapshot from Redis, seconds."""
     stale_after_s: float = Field(default=10.0, ge=0.01, le=86400)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -351,13 +352,30 @@ def _dns_resolver(needs_resolver: bool, resolver: str | None, redis_host: str) -
     return resolver
 
 
+#: The user nginx's workers run as when the master is root and the config names none
+#: (the rendered standalone config names none): nginx's compiled-in default.
+WORKER_USER = "nobody"
+
+
 def _make_prefix(out: Path, pre: Path) -> None:
-    """Create ``out`` and the prefix with its ``logs/`` (mode 0755 when new)."""
+    """Create ``out`` and the prefix with its ``logs/`` (mode 0755 when new) and
+    ``infergate-state/`` (the edge's last known good state, ``edge.state_dir``'s default:
+    mode 0700, owned by the workers' user, :data:`WORKER_USER` when rendering as root)."""
     out.mkdir(parents=True, exist_ok=True)
     for d in (pre, pre / "logs"):
         if not d.exists():
             d.mkdir(parents=True)
             os.chmod(d, 0o755)
+    state = pre / "infergate-state"
+    if not state.exists():
+        state.mkdir()
+        os.chmod(state, 0o700)
+        if os.geteuid() == 0:
+            try:
+                pw = pwd.getpwnam(WORKER_USER)
+                os.chown(state, pw.pw_uid, pw.pw_gid)
+            except (KeyError, OSError):
+                pass   # the edge then says once that it cannot save its state
 
 
 def _template_context(settings: Settings, *, source: str, out: Path, pre: Path,

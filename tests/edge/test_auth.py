@@ -21,7 +21,7 @@ from controlplane import procs
 from controlplane.admin import apikeys
 from controlplane.config import NodeSettings, Settings
 from controlplane.edge.render import render_nginx, start_nginx
-from support.stack import Edge, edge_settings
+from support.stack import Edge, edge_settings, write_snapshot
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -427,3 +427,47 @@ def test_a_deleted_key_is_refused_when_the_store_is_intact(redis_server, upstrea
     r.hdel(keynames.APIKEYS, apikeys.hash_key(key))
     procs.wait_until(lambda: post(edge, key).status_code == 401, 5, what="the key to be refused")
     assert edge.status()["admission"]["auth_kept"] == 0
+
+
+def test_nginx_restarted_while_redis_is_down_keeps_the_last_state(redis_server, tiny_upstreams,
+                                                                  edge_factory) -> None:
+    """The edge saves its last routing snapshot and the key store's records
+    (edge.state_dir; infergate-state under the prefix here). nginx restarted while Redis
+    is unreachable routes on that snapshot (the drained node stays drained, the node added
+    at run time is there; not the rendered node list) and admits the keys of the store,
+    idle ones included, refusing the revoked ones."""
+    a, b = tiny_upstreams(names=["a", "b"])
+    r = redis_server.client()
+    idle, _ = apikeys.create_key(r, "acme")
+    gone, gone_rec = apikeys.create_key(r, "acme")
+    apikeys.revoke_key(r, gone_rec.id)
+    edge = edge_factory(auth_settings(redis_server.url, a.node_settings()))
+    snap = write_snapshot(r, [a.snapshot_node(models=["tiny"], state="draining"),
+                              b.snapshot_node(models=["tiny"])])
+    edge.wait_snapshot(snap["version"])
+    state = edge.rendered.prefix / "infergate-state"
+    procs.wait_until(lambda: (state / "routing.json").exists()
+                     and (state / "apikeys.json").exists(), 10, what="the state saved")
+    assert idle not in (state / "apikeys.json").read_text()
+    redis_server.stop()
+    edge.managed.stop()
+    edge.managed.start()
+    procs.wait_until(lambda: _status_or_none(edge) is not None, 10, what="nginx back")
+    st = edge.status()["snapshot"]
+    assert st["source"] == "disk" and st["version"] == snap["version"], st
+    hits = b.hits
+    for _ in range(3):
+        res = post(edge, idle)
+        assert res.status_code == 200, res.text
+        assert res.headers["X-Infergate-Node"] == "b"   # a is drained
+    assert b.hits == hits + 3 and a.hits == 0
+    assert_invalid_key(post(edge, gone))
+    assert post(edge, "ig-never-issued").status_code == 503
+    assert "routing on the snapshot saved last" in edge.error_log()
+
+
+def _status_or_none(edge: Any) -> dict | None:
+    try:
+        return edge.status()
+    except requests.RequestException:
+        return None

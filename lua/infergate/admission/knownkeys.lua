@@ -19,7 +19,10 @@
 -- and its records replace the set. A store of more than MAX_KEYS keys is not held (the
 -- set is dropped: past the budget every uncached key is refused, and during an outage
 -- only cached answers serve, as without this module). An error or no answer keeps the
--- set the worker has. Only with auth.mode = "required".
+-- set the worker has. Only with auth.mode = "required". Worker 0 also saves the records
+-- it read (infergate.core.statefile, "apikeys.json": digests and records, never a key),
+-- and every worker starts from that file, so an nginx started while Redis is
+-- unreachable still knows the keys of the store.
 --
 --   has(digest)      whether the digest is a key of the store (as of the last refresh)
 --   record(digest)   its record (the JSON text the store holds), or nil
@@ -30,6 +33,8 @@ local ngxapi = require("infergate.core.ngxapi")
 local flush = require("infergate.core.flush")
 local keynames = require("infergate.redis.keynames")
 local redis = require("infergate.redis.client")
+local statefile = require("infergate.core.statefile")
+local cjson = require("cjson.safe")
 
 local _M = {}
 
@@ -46,6 +51,9 @@ local ERR = ngx.ERR
 local known = nil       -- digest -> record (JSON text), or nil (nothing held)
 local count = -1        -- HLEN the set was built for
 local built_at = 0
+local saved_text = nil  -- what worker 0 saved last
+
+_M.STATE_FILE = "apikeys.json"
 local asked_at = 0
 local pending = false
 
@@ -84,6 +92,13 @@ local function on_keys(replies, err)
         end
     end
     known, count, built_at = set, n, ngxapi.now()
+    if ngx.worker.id() == 0 then
+        local text = cjson.encode(set)
+        if text and text ~= saved_text then
+            saved_text = text
+            statefile.write(_M.STATE_FILE, text)
+        end
+    end
 end
 
 local function on_len(replies, err)
@@ -119,7 +134,29 @@ function _M.tick(premature)
     end
 end
 
+-- The records saved last (statefile), held until the first refresh replaces them.
+local function load_saved()
+    local text = statefile.read(_M.STATE_FILE)
+    local set = text and cjson.decode(text)
+    if type(set) ~= "table" then
+        return
+    end
+    local n = 0
+    for digest, rec in pairs(set) do
+        if type(digest) ~= "string" or type(rec) ~= "string" then
+            return
+        end
+        n = n + 1
+    end
+    if n <= _M.MAX_KEYS then
+        known, count, built_at, saved_text = set, -1, 0, text
+    end
+end
+
 function _M.init_worker()
+    if config.get().auth.mode == "required" then
+        load_saved()
+    end
     local ok, err = ngx.timer.at(0, _M.tick)
     if ok then
         ok, err = ngx.timer.every(_M.EVERY_S, _M.tick)

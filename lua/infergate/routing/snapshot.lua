@@ -11,8 +11,11 @@
 -- Redis unreachable or the key missing: the last snapshot stays (fail-static); the
 -- outage is logged once when it starts and once when it ends. Redis is reached through
 -- infergate.redis.pool (pooled connection; after a failure the syncs of the back-off
--- interval skip Redis and report the back-off as redis_error). Before any snapshot:
--- the static node list from the rendered config, all nodes active and healthy.
+-- interval skip Redis and report the back-off as redis_error). Each new snapshot is
+-- also saved to disk (infergate.core.statefile, "routing.json", by worker 0's sync
+-- timer). Before any snapshot from Redis: the one saved last (source "disk": drains and
+-- nodes added at run time kept across an nginx restart during a Redis outage), else the
+-- static node list from the rendered config, all nodes active and healthy.
 local cjson = require("cjson.safe")
 local ngxapi = require("infergate.core.ngxapi")
 local ngx_now = ngxapi.now
@@ -22,6 +25,7 @@ local redis = require("infergate.redis.client")
 local pool = require("infergate.redis.pool")
 local sentinel = require("infergate.redis.sentinel")
 local stats = require("infergate.routing.stats")
+local statefile = require("infergate.core.statefile")
 
 local _M = {}
 
@@ -185,6 +189,28 @@ local function static_table()
     return t
 end
 
+_M.STATE_FILE = "routing.json"
+local saved = nil         -- this worker's table from the saved snapshot (false: none)
+
+-- The table before any snapshot from Redis: the saved one, else the static list.
+local function first_table()
+    if saved == nil then
+        saved = false
+        local raw = statefile.read(_M.STATE_FILE)
+        local snap = raw and cjson.decode(raw)
+        if type(snap) == "table" and type(snap.nodes) == "table" then
+            saved = build(snap.nodes, { source = "disk", version = num(snap.version, 0),
+                                        generated_at = num(snap.generated_at),
+                                        leader = snap.leader })
+            if ngx.worker.id() == 0 then
+                log(WARN, "infergate: routing on the snapshot saved last (version ",
+                    saved.version, ", ", #saved.nodes, " nodes) until Redis answers")
+            end
+        end
+    end
+    return saved or static_table()
+end
+
 -- Rebuild the worker-local table when the shared snapshot changed. Cheap: one dict
 -- read when nothing changed. Returns the current table.
 function _M.refresh()
@@ -194,7 +220,7 @@ function _M.refresh()
         return current
     end
     if gen == 0 then
-        current = static_table()
+        current = first_table()
         local_gen = 0
         return current
     end
@@ -266,6 +292,7 @@ function _M.store(raw, now)
         return nil, "cannot store routing snapshot in the shared dict: " .. tostring(serr)
     end
     d:incr("gen", 1, 0)
+    statefile.write(_M.STATE_FILE, raw)  -- a failure is logged once (statefile)
     return true
 end
 
