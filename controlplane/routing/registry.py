@@ -174,6 +174,19 @@ def seed_nodes(r: redis.Redis, nodes: list[NodeSettings]) -> int:
     return added
 
 
+def removed_at_run_time(r: redis.Redis, names: list[str]) -> set[str]:
+    """The ``names`` seeded by an earlier start (``keynames.NODES_SEEDED``) and no longer
+    registered: removed at run time."""
+    if not names:
+        return set()
+    pipe = r.pipeline()
+    for n in names:
+        pipe.sismember(keynames.NODES_SEEDED, n)
+    pipe.hkeys(keynames.NODES)
+    *seeded, registered = pipe.execute()
+    return {n for n, was in zip(names, seeded) if was and n not in set(registered)}
+
+
 @dataclass
 class RunSeed:
     """What :func:`seed_run_nodes` did: ``nodes`` the run's nodes as registered (their
@@ -230,8 +243,7 @@ def seed_run_nodes(r: redis.Redis, nodes: list[NodeSettings], *, by_url: bool,
         else:
             old = current.get(n.name)
             if old is None and not first:
-                notes.append(f"node {n.name} was removed at run time: not added again "
-                             f"(`infergate nodes add {n.name} {n.url}` adds it)")
+                notes.append(f"node {n.name} was removed at run time: not added again")
                 continue
             node = n if old is None else old.model_copy(update={"url": n.url})
         try:

@@ -166,6 +166,8 @@ def test_a_restart_of_up_keeps_run_time_edits_and_removals_of_the_simulated_pool
     assert [n.name for n in again.nodes] == ["a", "c"]
     assert any("node b was removed at run time: not added again" in x for x in again.notes)
     assert any(x.startswith("node x (") and "stays registered" in x for x in again.notes)
+    # the next start does not even start the removed one
+    assert registry.removed_at_run_time(r, ["a", "b", "c", "new"]) == {"b"}
 
 
 def test_a_restart_of_up_with_node_urls_keeps_each_server_as_registered(redis_server):

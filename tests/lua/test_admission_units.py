@@ -134,6 +134,21 @@ def test_reset_durations_look_like_openai(workdir: Path) -> None:
                    "1h2m5.25s", "2h0m0s"]
 
 
+def test_remaining_in_the_headers_is_never_above_the_limit(workdir: Path) -> None:
+    """x-ratelimit-remaining-*: a bucket's tokens plus what the worker holds granted
+    ahead (infergate.admission.leases) can exceed the capacity; the header says at most
+    the limit, and the reset is 0 then."""
+    got = lua_eval(workdir, """
+            local rlh = require("infergate.admission.rlheaders")
+            local list = {{kind = "requests", capacity = 2, rate = 2 / 60},
+                          {kind = "tokens", capacity = 20000, rate = 20000 / 60}}
+            return rlh.headers(list, {tokens = {1.5, 20021}})
+    """, http_extra=DICTS)
+    assert got["x-ratelimit-remaining-tokens"] == "20000"
+    assert got["x-ratelimit-limit-tokens"] == "20000" and got["x-ratelimit-reset-tokens"] == "0s"
+    assert got["x-ratelimit-remaining-requests"] == "1"
+
+
 def test_prompt_token_estimate(workdir: Path) -> None:
     got = lua_eval(workdir, """
             local rl = require("infergate.admission.ratelimit")

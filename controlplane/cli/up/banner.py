@@ -53,6 +53,23 @@ def _again_command(workdir: Path) -> str:
     return shlex.join(["infergate", "up", *out, "--workdir", str(workdir)])
 
 
+def _token_note(run: UpRun) -> str:
+    if run.generated_token:
+        return " (generated)"
+    return " (kept from the earlier run on this folder)" if run.token_kept else ""
+
+
+def _nodes_line(run: UpRun) -> str:
+    """Every registered node as ``name=url``, with its state when it is not active
+    (``(draining)``, ``(drained)``): after a restart on the same folder, what an earlier
+    run or the operator left is shown too."""
+    listed = run.registered or [(n, "active") for n in run.nodes]
+    if not listed:
+        return "none registered (infergate nodes add NAME URL)"
+    return ", ".join(f"{n.name}={n.url}" + ("" if st == "active" else f" ({st})")
+                     for n, st in listed)
+
+
 def banner(run: UpRun) -> str:
     """The lines printed once every part is up: the addresses, the admin token, the
     Redis, the nodes, the caches, the demo key and a curl example."""
@@ -65,16 +82,16 @@ def banner(run: UpRun) -> str:
     return f"""
 infergate is up.
   edge (OpenAI API)   {base}/v1
-  admin page and API  http://{run.admin_host}:{run.admin_port}/   token: {settings.controlplane.admin_token}{' (generated)' if run.generated_token else ''}
+  admin page and API  http://{run.admin_host}:{run.admin_port}/   token: {settings.controlplane.admin_token}{_token_note(run)}
   redis               {run.redis_desc}
-  nodes               {', '.join(f'{n.name}={n.url}' for n in nodes)}
+  nodes               {_nodes_line(run)}
   response cache      {'on' if settings.cache.enabled else 'off'}; semantic cache {run.semantic_desc}
   edge metrics        {run.metrics_desc}
   logs and config     {run.wd}{key_line}
 
 Try:
   curl -s {base}/v1/chat/completions -H 'Content-Type: application/json'{key_header} \\
-    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+    -d '{{"model": "{model}", "max_tokens": 32, "messages": [{{"role": "user", "content": "Hello!"}}]}}'
   export INFERGATE_REDIS_URL={settings.redis.url}
   {cli} nodes list    # also: {cli} keys list, {cli} cache stats
   (or pass --config {run.cfg} to those commands)

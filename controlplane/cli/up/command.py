@@ -70,8 +70,15 @@ def start_nodes(run: UpRun) -> None:
     elif run.settings.nodes:
         nodes = run.settings.nodes
     else:
-        _say(f"starting {len(SIM_NODES)} simulated nodes: {', '.join(n for n, _ in SIM_NODES)}")
-        nodes = _sim_nodes(run.wd, run.stack, run.time_scale)
+        removed = registry.removed_at_run_time(make_redis(run.settings.redis),
+                                                [n for n, _ in SIM_NODES])
+        names = [n for n, _ in SIM_NODES if n not in removed]
+        if removed:
+            _say(f"simulated node(s) {', '.join(sorted(removed))} removed at run time by an "
+                 "earlier run on this folder: not started again (a new folder starts the "
+                 "whole pool)")
+        _say(f"starting {len(names)} simulated nodes: {', '.join(names)}")
+        nodes = _sim_nodes(run.wd, run.stack, run.time_scale, skip=frozenset(removed))
     run.settings.nodes = run.nodes = nodes
 
 
@@ -89,6 +96,9 @@ def seed_registry(run: UpRun) -> None:
     for note in seeded.notes:
         _say(note)
     run.settings.nodes = run.nodes = seeded.nodes
+    states = registry.get_states(r)
+    run.registered = [(n, states.get(n.name, registry.NodeState()).state)
+                      for n in registry.list_nodes(r)]
     if run.settings.auth.mode != "required":
         return
     # one demo key at a time: the one an earlier run printed is revoked

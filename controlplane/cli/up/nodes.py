@@ -23,14 +23,18 @@ SIM_NODES: tuple[tuple[str, float], ...] = (("sim-fast", 2.0), ("sim-medium", 1.
 SIM_SLOTS: int = EngineConfig().max_running
 
 
-def _sim_nodes(workdir: Path, stack: procs.ProcessSet, time_scale: float) -> list[NodeSettings]:
-    """Start the :data:`SIM_NODES` on free loopback ports (no control port, logs in
+def _sim_nodes(workdir: Path, stack: procs.ProcessSet, time_scale: float,
+               skip: frozenset[str] = frozenset()) -> list[NodeSettings]:
+    """Start the :data:`SIM_NODES` (but those named in ``skip``: removed at run time by an
+    earlier run on the folder) on free loopback ports (no control port, logs in
     ``workdir/logs``), added to ``stack``, each with :data:`SIM_SLOTS` batch slots and
     the same ``max_concurrency``; wait for them (20 s). Raises
     :class:`controlplane.procs.StartError` when one does not come up."""
     specs = [(name, ["--speed", str(speed), "--time-scale", str(time_scale),
                       "--max-running", str(SIM_SLOTS)])
-             for name, speed in SIM_NODES]
+             for name, speed in SIM_NODES if name not in skip]
+    if not specs:
+        return []
     instance = procs.instance_id()
     last: procs.StartError | None = None
     for _ in range(START_ATTEMPTS):  # new free ports when another process took one first

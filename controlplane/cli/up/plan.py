@@ -42,6 +42,8 @@ class UpRun:
     admin_host: str
     admin_port: int
     generated_token: bool
+    #: the admin token of an earlier run on the same folder, kept (:func:`_keep_admin_token`)
+    token_kept: bool = False
     wd: Path = field(default_factory=Path)
     wd_lock: object = None  # held (and the folder locked) while up runs
     stack: procs.ProcessSet = field(default_factory=procs.ProcessSet)
@@ -57,6 +59,8 @@ class UpRun:
     #: ``--redis-cluster``: this stack's own loopback Redis Cluster instead of one Redis
     redis_cluster: bool = False
     nodes: list[NodeSettings] = field(default_factory=list)
+    #: every registered node after the seeding, with its state (the banner's list)
+    registered: list[tuple[NodeSettings, str]] = field(default_factory=list)
     demo_key: str | None = None
     semantic_desc: str = ""
     metrics_desc: str = "off"
@@ -157,3 +161,19 @@ def open_workdir(run: UpRun, workdir: str | None) -> None:
     run.wd = wd
     _say(f"infergate up: logs and config in {wd}")
     os.chmod(wd, 0o755)  # nginx workers (``nobody`` when started as root) traverse it
+    if run.generated_token:
+        _keep_admin_token(run, wd / "infergate.toml")
+
+
+def _keep_admin_token(run: UpRun, earlier: Path) -> None:
+    """On a folder an earlier run left, the admin token it generated stays (a bookmarked
+    admin page, a script with the token keep working); a token from the file or the
+    environment always wins."""
+    try:
+        token = load_settings(str(earlier)).controlplane.admin_token if earlier.is_file() else ""
+    except (ConfigError, OSError):
+        return
+    if token:
+        run.settings.controlplane.admin_token = token
+        run.generated_token = False
+        run.token_kept = True

@@ -43,6 +43,11 @@ end
 
 local function header_values(h, b, tokens)
     local names = HEADER_NAMES[b.kind]
+    -- at most the capacity: what a worker holds granted ahead (infergate.admission.leases)
+    -- or settled back after an answer used fewer tokens is not more than the limit
+    if tokens > b.capacity then
+        tokens = b.capacity
+    end
     h[names[1]] = tostring(b.capacity)
     h[names[2]] = tostring(max(0, floor(tokens)))
     h[names[3]] = _M.duration(max(0, (b.capacity - tokens) / b.rate))
