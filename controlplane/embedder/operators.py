@@ -131,6 +131,11 @@ def shape(text: str) -> Shape:
     t = text[:MAX_CHARS]
     out = []
     n = len(t)
+    # after[i]: the character after the run of word-end marks that starts at i (one pass
+    # from the end: a text of marks costs linear time, not quadratic)
+    after = [""] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        after[i] = after[i + 1] if t[i] in _WORD_END_MARKS else t[i]
     for i, ch in enumerate(t):
         if ch.isalnum():
             out.append(ch.lower())
@@ -141,11 +146,8 @@ def shape(text: str) -> Shape:
             continue
         nxt = t[i + 1] if i + 1 < n else ""
         if ch in _WORD_END_MARKS:
-            j = i + 1
-            while j < n and t[j] in _WORD_END_MARKS:
-                j += 1
-            after = t[j] if j < n else ""
-            if after == "" or after.isspace() or after in _QUOTES or after in ")]}":
+            nxt_run = after[i + 1]
+            if nxt_run == "" or nxt_run.isspace() or nxt_run in _QUOTES or nxt_run in ")]}":
                 continue   # ends a word or a sentence ("Why?!", "done.)"), not "a[::-1]"
         if ch == "," or (ch == "-" and i > 0 and t[i - 1].isalnum() and nxt.isalnum()):
             continue   # "fuel,coal", "3-digit", "e-mail" (a minus between numbers changes them)
