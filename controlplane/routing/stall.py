@@ -14,8 +14,10 @@ control plane's view agree.
 
 The node's own counters are the second evidence (:class:`CounterWatch`): a node whose
 metrics answer, say requests are running (``running`` > 0) and show no token counter
-(generated or prompt tokens, vLLM / TGI / SGLang / llama.cpp) and no finished-request
-count advancing for ``controlplane.stall_counters_s`` is stalled as well (an engine hung
+(generated or prompt tokens, vLLM / TGI / SGLang / llama.cpp; llama.cpp's decode calls,
+``llamacpp:n_decode_total``, since it counts a request's tokens only when it ends, so a
+generation longer than the window would look stalled), no finished-request count
+advancing for ``controlplane.stall_counters_s`` is stalled as well (an engine hung
 behind a live HTTP server, whatever the edges can see of non-streamed answers).
 """
 
@@ -55,8 +57,8 @@ class CounterWatch:
         nor starts a quiet spell."""
         if w is None:
             return None if self.quiet_since is None else now - self.quiet_since
-        deltas = [d for d in (w.generation_tokens_delta, w.prompt_tokens_delta, w.finished)
-                  if d is not None]
+        deltas = [d for d in (w.generation_tokens_delta, w.prompt_tokens_delta, w.finished,
+                              w.progress_delta) if d is not None]
         if not running or running <= 0 or not deltas or any(d > 0 for d in deltas):
             self.quiet_since = None
             return None

@@ -117,3 +117,39 @@ def test_counters_that_stand_still_while_requests_run_mean_stalled():
     for i in range(60):
         st, _ = off.update(_poll(3, 10), float(i))
     assert st.healthy and not st.stalled
+
+
+LLAMACPP_BODY = """# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing %d
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 0
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 500
+# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total 7064
+# TYPE llamacpp:n_decode_total counter
+llamacpp:n_decode_total %d
+"""
+
+
+def test_a_long_llama_cpp_generation_is_progress_not_a_stall():
+    """llama-server counts a request's generated tokens only when it ends
+    (``llamacpp:tokens_predicted_total`` stood still for 12 s mid-generation): its decode
+    calls (``llamacpp:n_decode_total``) are the progress of an answer under way, so a
+    generation longer than ``stall_counters_s`` stays busy; with the decode calls still
+    too, it is stalled."""
+    from controlplane.routing.nodemetrics import parse_metrics
+
+    s = settings_from_dict({"controlplane": {"stall_counters_s": 5.0, "unhealthy_after": 2}})
+    t = NodeTracker(NodeSettings(name="a", url="http://127.0.0.1:9"), s)
+
+    def poll(decodes: int) -> PollResult:
+        return PollResult(good=True, reachable=True, poll_ms=1.0,
+                          reading=parse_metrics(LLAMACPP_BODY % (2, decodes)))
+
+    for i in range(40):                              # 40 s of one long answer
+        st, _ = t.update(poll(100 + 20 * i), float(i))
+        assert st.healthy and not st.stalled, i
+    for i in range(40, 48):                          # the decode calls stop too: stalled
+        st, _ = t.update(poll(100 + 20 * 39), float(i))
+    assert st.stalled and not st.healthy

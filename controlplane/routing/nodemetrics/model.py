@@ -43,6 +43,8 @@ class Reading:
     ttft: dict[SeriesKey, HistTotals] | None = None
     prompt_tokens: dict[SeriesKey, float] | None = None
     generation_tokens: dict[SeriesKey, float] | None = None
+    progress: dict[SeriesKey, float] | None = None
+    """The dialect's progress counter per series (``PromDialect.progress``), or None."""
     e2e_avg_s_direct: float | None = None
     engines: int = 1
     models: tuple[str, ...] = field(default_factory=tuple)
@@ -64,5 +66,8 @@ class Window:
     finished: float | None = None
     prompt_tokens_delta: float | None = None
     generation_tokens_delta: float | None = None
+    progress_delta: float | None = None
+    """How far the dialect's progress counter advanced in between (llama.cpp's decode
+    calls), or None."""
     prompt_tokens_total: float | None = None
     generation_tokens_total: float | None = None

@@ -90,4 +90,5 @@ def window(prev: Reading | None, cur: Reading) -> Window:
     out.ttft_avg_s = _avg(hist_delta(prev.ttft, cur.ttft))
     out.prompt_tokens_delta = counters_delta(prev.prompt_tokens, cur.prompt_tokens)
     out.generation_tokens_delta = counters_delta(prev.generation_tokens, cur.generation_tokens)
+    out.progress_delta = counters_delta(prev.progress, cur.progress)
     return out
