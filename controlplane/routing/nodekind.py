@@ -123,6 +123,12 @@ class PropsPoller(BackgroundReader):
         except Exception as exc:  # noqa: BLE001 - a read never breaks the cycle
             props, answered, soon = None, f"{type(exc).__name__}: {exc}", True
         e.running = None
+        if props is None and soon and e.props is not None:
+            # no answer at all (a frozen or restarting server): its slots are what they
+            # were; forgetting them would let the whole backlog at the edge onto the
+            # server the moment it answers again
+            e.due = now + min(RETRY_S, self.refresh_s)
+            return
         e.props = props
         e.answered = None if props is not None else answered
         e.due = now + (min(RETRY_S, self.refresh_s) if soon else self.refresh_s)

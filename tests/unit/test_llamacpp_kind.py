@@ -110,6 +110,29 @@ def test_slots_lower_the_snapshot_max_concurrency_only():
         p.close()
 
 
+def test_a_server_that_stops_answering_keeps_its_slots():
+    """A llama.cpp server whose /props gets no answer at all (frozen, restarting) keeps
+    the slots it reported: forgetting them would send the edge's whole backlog to its
+    2 slots the moment it answers again. An answer that says otherwise (not llama.cpp any
+    more) does replace them."""
+    llama = NodeSettings(name="l", url="http://127.0.0.1:1")
+    answers = {llama.url + "/props": (Props(2, True), "llama.cpp", False)}
+    p = observed(answers, [llama])
+    try:
+        assert p.slots([llama]) == {"l": 2}
+        for answer in ((None, "timed out", True), (None, "HTTP 404", False)):
+            answers[llama.url + "/props"] = answer
+            with p._lock:
+                p._entries["l"].due = 0.0          # the next read is due now
+            p.observe(llama)
+            p.wait_idle()
+            p.observe(llama)
+            expected = {"l": 2} if answer[2] else {}
+            assert p.slots([llama]) == expected, answer
+    finally:
+        p.close()
+
+
 def test_hints():
     nometrics = NodeSettings(name="a", url="http://127.0.0.1:1")
     unknown = NodeSettings(name="b", url="http://127.0.0.1:2")
