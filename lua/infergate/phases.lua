@@ -36,6 +36,7 @@ local models = require("infergate.routing.models")
 local upstream = require("infergate.routing.upstream")
 local stall = require("infergate.routing.stall")
 local liveness = require("infergate.routing.liveness")
+local closing = require("infergate.core.closing")
 local auth = require("infergate.admission.auth")
 local inputguard = require("infergate.admission.inputguard")
 local ratelimit = require("infergate.admission.ratelimit")
@@ -184,10 +185,12 @@ function _M.init()
     return true
 end
 
--- init_worker_by_lua: the snapshot sync timer, the flush timer (writes to Redis), the
+-- init_worker_by_lua: this worker's start (infergate.core.closing: a reload is no
+-- shutdown), the snapshot sync timer, the flush timer (writes to Redis), the
 -- refresh of the key store's digests (infergate.admission.knownkeys) and, on worker 0,
 -- the liveness checks of silent nodes.
 function _M.init_worker()
+    closing.init_worker()
     snapshot.init_worker()
     flush.init_worker(pool)
     knownkeys.init_worker()

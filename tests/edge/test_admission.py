@@ -191,3 +191,35 @@ def test_a_request_waiting_for_capacity_gets_503_when_nginx_shuts_down(
     assert out["at"] - quit_at < 3
     assert up.hits == 0
     edge.managed.proc.wait(timeout=10)  # and nginx is done: nothing of ours holds it
+
+
+def test_a_request_waiting_for_capacity_waits_on_through_a_reload(
+        redis_server, tiny_upstreams, edge_factory) -> None:
+    """A reload (SIGHUP, `nginx -s reload`; `infergate up` reloads when its embedder moves)
+    is no shutdown: the old worker finishes what it holds, as nginx finishes its requests,
+    and a request waiting there for capacity is served once a node has room, not answered
+    503 shutting_down."""
+    import signal
+
+    (up,) = tiny_upstreams(1)
+    edge = edge_factory(settings(redis_server.url, [up.node_settings()], max_wait_ms=20000))
+    r = redis_server.client()
+    snap = write_snapshot(r, [up.snapshot_node(saturated=True)])
+    edge.wait_snapshot(snap["version"])
+    out: dict = {}
+
+    def call() -> None:
+        out["res"] = post(edge.url, timeout=30)
+
+    t = threading.Thread(target=call)
+    t.start()
+    procs.wait_until(lambda: edge.status()["admission"]["waiting"] == 1, 5,
+                     what="the request to wait for capacity")
+    edge.managed.signal(signal.SIGHUP)
+    time.sleep(1.5)   # past the time an exiting worker waits for its successors
+    assert "res" not in out, out["res"].text
+    write_snapshot(r, [up.snapshot_node(saturated=False)])
+    t.join(20)
+    res = out["res"]
+    assert res.status_code == 200, res.text
+    assert up.hits == 1

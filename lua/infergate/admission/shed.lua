@@ -43,7 +43,9 @@
 -- and "api" (/v1/responses, rerank, score, audio; infergate.access), not GET /v1/models,
 -- the tokenizer or other /v1/ paths. While
 -- nginx shuts down (SIGQUIT) a waiting request gets 503 {"code": "shutting_down"} with
--- Retry-After: 1 at its next check, instead of being held to the end of the shutdown.
+-- Retry-After: 1 at its next check, instead of being held to the end of the shutdown; on
+-- a reload it waits on in its old worker, as nginx finishes its requests
+-- (infergate.core.closing).
 -- Counted as "shed" (infergate.admission.stats).
 local ngxapi = require("infergate.core.ngxapi")
 local ngx_now = ngxapi.now
@@ -161,7 +163,7 @@ function _M.best_delay(t, now, model, req)
     return best
 end
 
-local exiting = ngx.worker.exiting
+local exiting = require("infergate.core.closing").now
 
 -- The admission state of the request now: "none", "saturated", "in_time" or what
 -- capacity() says. left: the seconds its deadline leaves (nil: none), counted from
