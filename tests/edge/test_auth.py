@@ -5,6 +5,7 @@ keys get 503, nothing gets 500), auth off."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import threading
@@ -449,6 +450,18 @@ def test_nginx_restarted_while_redis_is_down_keeps_the_last_state(redis_server, 
     procs.wait_until(lambda: (state / "routing.json").exists()
                      and (state / "apikeys.json").exists(), 10, what="the state saved")
     assert idle not in (state / "apikeys.json").read_text()
+    assert (state / "apikeys.json").stat().st_mode & 0o777 == 0o600
+    # a revocation after the save reaches the saved records within a refresh (5 s)
+    late, late_rec = apikeys.create_key(r, "acme")
+    assert post(edge, late).status_code == 200
+    apikeys.revoke_key(r, late_rec.id)
+    digest = hashlib.sha256(late.encode()).hexdigest()
+
+    def late_revoked_saved() -> bool:
+        rec = json.loads((state / "apikeys.json").read_text()).get(digest)
+        return rec is not None and json.loads(rec).get("revoked") is not None
+
+    procs.wait_until(late_revoked_saved, 15, what="the revocation saved")
     redis_server.stop()
     edge.managed.stop()
     edge.managed.start()
@@ -462,6 +475,7 @@ def test_nginx_restarted_while_redis_is_down_keeps_the_last_state(redis_server, 
         assert res.headers["X-Infergate-Node"] == "b"   # a is drained
     assert b.hits == hits + 3 and a.hits == 0
     assert_invalid_key(post(edge, gone))
+    assert_invalid_key(post(edge, late))
     assert post(edge, "ig-never-issued").status_code == 503
     assert "routing on the snapshot saved last" in edge.error_log()
 

@@ -10,13 +10,15 @@
 --     record held here (infergate.admission.auth: fail-static, as nginx keeps serving
 --     its configuration): a valid key that has been idle does not get 503 for the
 --     outage, a revoked or unknown one is still refused. What is held is as of the last
---     refresh (a revocation reaches it within REFRESH_S).
+--     refresh (a revocation reaches it within EVERY_S).
 -- A valid key created since the last refresh is known at the next one.
 --
 -- Every EVERY_S a recurring timer per worker (init_worker) queues HLEN of the key
--- store (keynames.apikeys) on the flush queue (infergate.core.flush, which runs it
--- off the request path); when the count changed, or REFRESH_S passed, HGETALL follows
--- and its records replace the set. A store of more than MAX_KEYS keys is not held (the
+-- store (keynames.apikeys) and GET of its marker (keynames.apikeys_marker, which every
+-- write of the keys renews: a creation, a revocation, an edit) on the flush queue
+-- (infergate.core.flush, which runs it off the request path); when the count or the
+-- marker changed, or REFRESH_S passed, HGETALL follows and its records replace the set
+-- (a revocation reaches it within EVERY_S). A store of more than MAX_KEYS keys is not held (the
 -- set is dropped: past the budget every uncached key is refused, and during an outage
 -- only cached answers serve, as without this module). An error or no answer keeps the
 -- set the worker has. Only with auth.mode = "required". Worker 0 also saves the records
@@ -52,6 +54,8 @@ local known = nil       -- digest -> record (JSON text), or nil (nothing held)
 local count = -1        -- HLEN the set was built for
 local built_at = 0
 local saved_text = nil  -- what worker 0 saved last
+local marker = nil      -- the key store's marker the set was built for
+local asked_marker = nil
 
 _M.STATE_FILE = "apikeys.json"
 local asked_at = 0
@@ -91,7 +95,7 @@ local function on_keys(replies, err)
             set[digest] = rec
         end
     end
-    known, count, built_at = set, n, ngxapi.now()
+    known, count, built_at, marker = set, n, ngxapi.now(), asked_marker
     if ngx.worker.id() == 0 then
         local text = cjson.encode(set)
         if text and text ~= saved_text then
@@ -111,7 +115,10 @@ local function on_len(replies, err)
         known, count, pending = nil, n, false
         return
     end
-    if known and n == count and ngxapi.now() - built_at < _M.REFRESH_S then
+    local m = replies[2]
+    asked_marker = type(m) == "string" and m or ""
+    if known and n == count and asked_marker == marker
+            and ngxapi.now() - built_at < _M.REFRESH_S then
         pending = false
         return
     end
@@ -129,7 +136,8 @@ function _M.tick(premature)
         return
     end
     asked_at, pending = now, true
-    if not flush.push("auth_known", { { "HLEN", keynames.apikeys } }, on_len) then
+    if not flush.push("auth_known", { { "HLEN", keynames.apikeys },
+                                       { "GET", keynames.apikeys_marker } }, on_len) then
         pending = false
     end
 end

@@ -3,8 +3,8 @@
 -- last routing snapshot (drains, nodes added at run time; infergate.routing.snapshot)
 -- and the key store's records (infergate.admission.knownkeys). Files in edge.state_dir
 -- (default: "infergate-state" under nginx's prefix, which `infergate render` creates),
--- written whole to a temporary file and renamed over the old one (a reader never sees
--- half a file), by one worker, only from timers (never on the request path), read at
+-- written whole (mode 0600) to a temporary file and renamed over the old one (a reader
+-- never sees half a file), by one worker, only from timers (never on the request path), read at
 -- worker start. A directory the workers cannot write to turns this off, with one
 -- warning per file and worker.
 --
@@ -12,6 +12,10 @@
 --   read(name)         the text, or nil
 --   path(name)         the file's path
 local config = require("infergate.core.config")
+local ffi = require("ffi")
+
+pcall(ffi.cdef, "int chmod(const char *path, unsigned int mode);")
+local MODE = 384   -- 0600: the records of the key store are for the workers' user only
 
 local _M = {}
 
@@ -46,6 +50,7 @@ function _M.write(name, text)
     end
     local ok, werr = f:write(text)
     f:close()
+    ffi.C.chmod(tmp, MODE)
     if not ok then
         os.remove(tmp)
         return failed(name, "write", werr)
