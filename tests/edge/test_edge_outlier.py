@@ -400,3 +400,30 @@ def test_a_frozen_node_is_found_by_an_early_liveness_check_before_its_threshold(
         statuses = [f.result(timeout=30).status_code for f in futs]
         pool.shutdown(wait=True)
     assert statuses and set(statuses) == {200}
+
+
+def test_a_stream_paused_mid_answer_on_a_live_node_is_not_cut(
+        tiny_upstreams, redis_server, edge_factory) -> None:
+    """A stream whose node pauses mid-answer longer than twice the stall threshold (a long
+    prefill of another request holds llama.cpp's batch for seconds) goes on when the node
+    answers its liveness check: with no other node to continue on, leaving it would cut
+    the answer (stream_interrupted) where nginx would deliver it."""
+    import threading
+
+    (a,) = tiny_upstreams(names=["a"])
+    a.chunks, a.chunk_interval_s = 6, 0.05
+    edge = edge_factory(edge_settings(redis_server.url, [a.node_settings()],
+                                      stall_min_s=0.5, read_timeout_ms=15000))
+    assert _stream(edge)[0] == 200
+    a.gate = threading.Event()            # the next stream pauses before its last chunk
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(_stream(edge)))
+    t.start()
+    _wait(lambda: a.inflight == 1)
+    time.sleep(3.0)                       # the pause: past 2 x 0.5 s and the check's wait
+    a.gate.set()
+    t.join(20)
+    status, node, body = got[0]
+    assert status == 200 and node == "a" and body is not None
+    assert b"[DONE]" in body and b"stream_interrupted" not in body, body[-300:]
+    assert a.hits == 2 and a.gets >= 1   # asked GET /health, not a second POST

@@ -46,6 +46,8 @@
 --                             quiet since epoch s `since`
 -- failed_early(name)          the `since` of an early check that got no answer, when no
 --                             check answered after it; else nil
+-- mid_stream(node, since, o)  "alive" | "dead" | "pending" for a stream silent since
+--                             `since` (asks for a check; no I/O)
 -- tick(nodes, o, threshold)   worker 0's timer: starts a check (a timer each) per node that waits
 -- init_worker()               the timer (worker 0 only)
 local config = require("infergate.core.config")
@@ -133,6 +135,28 @@ function _M.failed_early(name)
         return lx
     end
     return nil
+end
+
+-- A stream mid-answer on `node` got no byte since epoch s `since`: "alive" when the node
+-- answered a check made since (a long prefill of another request holds its batch; llama.cpp
+-- decodes every slot in one batch), "dead" when an early check for that silence got no
+-- answer, else "pending" (a check is asked; worker 0's next tick makes it). Nodes that
+-- cannot be checked are never "alive". No I/O.
+function _M.mid_stream(node, since, o)
+    o = o or config.get()
+    if not _M.suspect_after(node, o) then
+        return "dead"
+    end
+    local d = dict()
+    if (d:get("la:" .. node.name) or 0) >= since then
+        return "alive"
+    end
+    local failed = _M.failed_early(node.name)
+    if failed and failed >= since then
+        return "dead"
+    end
+    d:add("le:" .. node.name, since, _M.EARLY_REPEAT_S)
+    return "pending"
 end
 
 -- Timeout (s) of a check: twice the node's stall threshold, within TIMEOUT_MIN_S (an

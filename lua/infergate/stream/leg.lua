@@ -12,10 +12,11 @@
 -- node's head is not awaited past it: 504 deadline_exceeded, as for a request that
 -- is not a stream), shortened before content as a probe's when
 -- another node is left (2 x infergate.routing.outlier.probe_threshold, as the balancer);
--- after content,
--- 2 x the node's stall threshold (a node silent that long is stalled: the stream is
--- continued elsewhere); while holding, at most until the hold ends (then the held bytes
--- go out and the read goes on); while the head is awaited with another node left, the
+-- after content, 2 x the node's stall threshold (a node silent that long is stalled: the
+-- stream is continued elsewhere, unless the node answers a liveness check made since its
+-- last byte: then it is a long prefill of another request, and the read goes on,
+-- still_alive); while holding, at most until the hold ends (then the held bytes go out
+-- and the read goes on); while the head is awaited with another node left, the
 -- leg also gives up as soon as the node, found silent (a TTFB outlier or stalled) after
 -- the leg started, fails its liveness check (infergate.routing.outlier.gone_silent,
 -- asked every WATCH_S). Connect and send timeouts: the deadline's for a leg
@@ -25,6 +26,7 @@ local deadline = require("infergate.admission.deadline")
 local relaypick = require("infergate.routing.relaypick")
 local stall = require("infergate.routing.stall")
 local outlier = require("infergate.routing.outlier")
+local liveness = require("infergate.routing.liveness")
 local speed = require("infergate.routing.speed")
 local sse = require("infergate.stream.sse")
 local http = require("infergate.stream.http")
@@ -194,6 +196,27 @@ local function other_answer(r, lg, head, sock)
     lg.why = "status " .. status
 end
 
+-- A stream silent past its stall bound after content goes on while its node answers a
+-- liveness check made since its last byte (infergate.routing.liveness.mid_stream: a long
+-- prefill of another request on the node, not a freeze), for up to the stream's own read
+-- bound; a check still under way gets PENDING_S.
+_M.PENDING_S = 2
+
+local function still_alive(r, lg, now)
+    local since = lg.last_byte or (lg.att and lg.att.started) or now
+    local bound = min(r.o.edge.read_timeout_ms / 1000, deadline.for_request(r.req).idle_s)
+    if now - since >= bound then
+        return false
+    end
+    local verdict = liveness.mid_stream(lg.node, since, r.o)
+    if verdict == "pending" then
+        lg.pending_from = lg.pending_from or now
+        return now - lg.pending_from < _M.PENDING_S
+    end
+    lg.pending_from = nil
+    return verdict == "alive"
+end
+
 local function read_stream(r, lg, head, sock)
     local st = sse.new()
     while true do
@@ -211,11 +234,14 @@ local function read_stream(r, lg, head, sock)
             write(r, "data: [DONE]\n\n")
             r.finished, lg.verdict = true, "ok"
             return
+        elseif not data and err == "timeout" and r.out.produced > 0 and still_alive(r, lg, now) then
+            lg.silent_reads = (lg.silent_reads or 0) + 1 -- alive: the stream goes on
         elseif not data or data == "" then
             lg.verdict, lg.why = "fail", err or "closed before the end"
             lg.timeout = err == "timeout"
             return
         else
+            lg.last_byte = now
             stall.byte(r.req, now)
             outlier.first_byte(r.req, now)
             for _, text in ipairs(sse.feed(st, data)) do
