@@ -182,7 +182,7 @@ _HEALTHZ = """
 import http.server, os, sys
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
-        self.send_response(200)
+        self.send_response(503)   # degraded: its Redis does not answer
         self.send_header("X-Infergate-Instance", os.environ["INFERGATE_INSTANCE_ID"])
         self.send_header("Content-Length", "0")
         self.end_headers()
@@ -195,13 +195,17 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 def test_a_frozen_embedder_is_killed_after_three_missed_health_checks(workdir: Path,
                                                                      monkeypatch) -> None:
     """EmbedderKeeper's proof of life, on a real process that answers /healthz as the
-    embedder does: answering, it is left alone; frozen (SIGSTOP: it never exits, so the
+    embedder does while its Redis is down (503 degraded, with this stack's id): answering,
+    it is left alone (nothing to restart for); frozen (SIGSTOP: it never exits, so the
     supervisor alone would never see it), it is killed after PROBE_FAILS checks missed in
     a row, PROBE_EVERY_S apart (an explicit clock here), with one line saying why."""
     import sys
 
+    from controlplane.cli.up import embedder as up_embedder
     from controlplane.cli.up.embedder import PROBE_EVERY_S, PROBE_FAILS, EmbedderKeeper
     from controlplane.config import settings_from_dict
+
+    monkeypatch.setattr(up_embedder, "PROBE_TIMEOUT_S", 0.5)
 
     monkeypatch.setenv(procs.INSTANCE_ENV, "stack-under-test")
     port = procs.free_port()

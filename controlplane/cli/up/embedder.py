@@ -29,6 +29,10 @@ PROBE_EVERY_S = 5.0
 """Seconds between two health checks of a running embedder (:meth:`EmbedderKeeper._probe`)."""
 PROBE_FAILS = 3
 """Health checks missed in a row after which a running embedder is killed and restarted."""
+PROBE_TIMEOUT_S = 3.0
+"""Seconds a health check of a running embedder waits. Any answer with this stack's id
+counts, a 503 ``degraded`` included: its ``/healthz`` pings Redis, so a Redis that is down
+or frozen makes it late or degraded, not dead (the embedder has nothing to restart for)."""
 
 
 def _embedder_healthy(url: str) -> bool:
@@ -275,12 +279,13 @@ class EmbedderKeeper:
     def _probe(self, now: float) -> None:
         """Proof of life of a running embedder: a frozen one (SIGSTOP, a stuck worker)
         never exits, and every lookup would wait out its budget meanwhile. Its
-        ``/healthz`` is asked every PROBE_EVERY_S; after PROBE_FAILS misses in a row it is
-        killed, and the next tick restarts it with the semantic cache off meanwhile."""
+        ``/healthz`` is asked every PROBE_EVERY_S (any answer of this stack's embedder is
+        life, see PROBE_TIMEOUT_S); after PROBE_FAILS misses in a row it is killed, and the
+        next tick restarts it with the semantic cache off meanwhile."""
         if now < self.next_probe:
             return
         self.next_probe = now + PROBE_EVERY_S
-        if _embedder_healthy(self.url):
+        if procs.http_instance(f"{self.url}/healthz", timeout=PROBE_TIMEOUT_S) == procs.instance_id():
             self.probe_fails = 0
             return
         self.probe_fails += 1
