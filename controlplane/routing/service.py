@@ -100,6 +100,13 @@ from controlplane.routing.wire import (EDGE_FRESH_FACTOR, EdgeReport, RoutingSna
 
 log = logging.getLogger("infergate.controlplane")
 
+#: Connections the admin server holds open at once (waitress ``connection_limit``).
+ADMIN_CONNECTION_LIMIT = 1000
+#: Seconds an admin connection may send nothing before it is closed (waitress
+#: ``channel_timeout``), checked every ADMIN_CLEANUP_S.
+ADMIN_IDLE_TIMEOUT_S = 15
+ADMIN_CLEANUP_S = 5
+
 ACTOR = "controlplane"
 #: Seconds between two runs of the verification job (leader only).
 VERIFY_INTERVAL_S = 1.0
@@ -676,8 +683,13 @@ def controlplane_cmd(config_path: str | None, listen: str | None, redis_url: str
     app = DispatcherMiddleware(create_app(settings, r),
                                {"/metrics": ControlPlaneMetrics(cp).wsgi_app()})
     try:
-        server = waitress.create_server(app, host=host, port=port,
-                                        threads=8, ident="infergate")
+        # connection_limit / channel_timeout: waitress's defaults (100 connections, idle
+        # ones kept 120 s) let ~100 idle connections, with no request on them, lock
+        # everyone out of the admin API, `up`'s health checks included
+        server = waitress.create_server(app, host=host, port=port, threads=8, ident="infergate",
+                                        connection_limit=ADMIN_CONNECTION_LIMIT,
+                                        channel_timeout=ADMIN_IDLE_TIMEOUT_S,
+                                        cleanup_interval=ADMIN_CLEANUP_S)
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from None
 

@@ -480,3 +480,24 @@ def test_keys_page_says_when_edges_keep_keys_of_a_missing_store(r):
     r.hset(keynames.EDGES, "edge-a", json.dumps({"ts": time.time() - 3600,
                                                   "admission": {"auth_store_missing": 1}}))
     assert 'id="keys-store-missing"' not in c.get("/keys").text
+
+
+def test_idle_connections_do_not_lock_the_admin_api_out(redis_server, controlplane_factory) -> None:
+    """150 connections that send nothing (more than waitress's default of 100) leave the
+    admin API answering: `up`'s health check of the control plane, and the operator, get
+    through (before, ~100 idle connections locked everyone out and `up` killed the
+    control plane as frozen)."""
+    from controlplane.config import settings_from_dict
+
+    cp = controlplane_factory(settings_from_dict({"redis": {"url": redis_server.url}}),
+                              wait_snapshot=False)
+    host, port = cp.admin_url.removeprefix("http://").rstrip("/").split(":")
+    idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(150)]
+    try:
+        import requests
+
+        res = requests.get(cp.admin_url.rstrip("/") + "/healthz", timeout=5)
+        assert res.status_code == 200
+    finally:
+        for s in idle:
+            s.close()
