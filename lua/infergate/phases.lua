@@ -35,6 +35,7 @@ local routing_balancer = require("infergate.routing.balancer")
 local models = require("infergate.routing.models")
 local upstream = require("infergate.routing.upstream")
 local stall = require("infergate.routing.stall")
+local stats = require("infergate.routing.stats")
 local liveness = require("infergate.routing.liveness")
 local closing = require("infergate.core.closing")
 local auth = require("infergate.admission.auth")
@@ -196,7 +197,7 @@ function _M.init_worker()
     knownkeys.init_worker()
     liveness.init_worker(function()
         return snapshot.refresh().nodes
-    end, stall.threshold)
+    end, stall.threshold, stats.inflight)
 end
 
 -- access_by_lua (see ACCESS).

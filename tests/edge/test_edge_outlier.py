@@ -280,7 +280,8 @@ def test_a_stream_on_a_node_that_froze_moves_on_once_found_and_waits_for_a_slot(
         futs = [pool.submit(_stream, edge) for _ in range(2)]   # one slot each
         _wait(lambda: b.hits == 1)
         b.delay_s = 0.3                    # what b answers next is quick
-        _wait(lambda: "no answer to its liveness check" in edge.error_log(), 10)
+        # the finding's own check (3 s), after the early one (1 s)
+        _wait(lambda: "node a silent and no answer to its liveness check" in edge.error_log(), 10)
         plain = pool.submit(_post, edge)   # comes while the retry waits for b's slot
         got = [f.result(timeout=30) for f in futs]
         took = time.monotonic() - t0
@@ -427,3 +428,36 @@ def test_a_stream_paused_mid_answer_on_a_live_node_is_not_cut(
     assert status == 200 and node == "a" and body is not None
     assert b"[DONE]" in body and b"stream_interrupted" not in body, body[-300:]
     assert a.hits == 2 and a.gets >= 1   # asked GET /health, not a second POST
+
+
+def test_a_frozen_node_with_every_slot_taken_is_reported_stalled(
+        tiny_upstreams, redis_server, edge_factory) -> None:
+    """A node whose only slot holds a request when it freezes is in no pick, so no pick
+    asks about it; the liveness timer does (requests in flight, no byte for 1 s): its
+    check gets no answer and the edge reports the node stalled (to the control plane,
+    through its stats), well before the request's deadline. Once it answers, it is not."""
+    a, b = tiny_upstreams(names=["a", "b"])
+    s = edge_settings(redis_server.url, [], stale_after_s=3600, read_timeout_ms=20000,
+                      outlier_ttfb_min_s=5.0, outlier_stream_ttfb_min_s=5.0)
+    s.deadlines.request_ms = 20000
+    edge = edge_factory(s)
+    snap = write_snapshot(redis_server.client(), [
+        u.snapshot_node(kind="openai", models=["tiny"], max_concurrency=1, slots=1,
+                        slots_source="config", score=0.1, effective_weight=w)
+        for u, w in ((a, 1.0), (b, 1e-6))])
+    edge.wait_snapshot(snap["version"])
+    a.mode = "frozen"
+    pool = ThreadPoolExecutor(2)
+    try:
+        fut = pool.submit(_post, edge, 30)
+        _wait(lambda: a.inflight == 1)
+        t0 = time.monotonic()
+        _wait(lambda: edge.node_status("a")["stalled"] is True, 10)
+        assert time.monotonic() - t0 < 5.0
+        assert "quiet for" in edge.error_log()
+    finally:
+        a.mode = "ok"
+        a.release()
+        fut.result(timeout=30)
+        pool.shutdown(wait=True)
+    _wait(lambda: edge.node_status("a")["stalled"] is False, 10)

@@ -5,7 +5,7 @@
 -- finishes its requests. Only a shutdown (SIGQUIT, `nginx -s quit`, a stop of `up`)
 -- should answer a waiting request 503 shutting_down at once.
 --
--- Every worker writes its start time into the shared dict infergate_limits
+-- Every worker writes its start time into the shared dict infergate_stats
 -- ("workers_started_at", the newest); an exiting worker that sees a start newer than its
 -- own is being replaced: not closing. New workers start before the master signals the
 -- old ones, but may not have run init_worker yet: an exiting worker waits up to
@@ -13,7 +13,7 @@
 --
 --   init_worker()  records this worker's start
 --   now()          true while the worker is exiting and nginx is not reloading
-local options = require("infergate.admission.options")
+local config = require("infergate.core.config")
 local ngxapi = require("infergate.core.ngxapi")
 local ngx_now = ngxapi.now
 
@@ -26,7 +26,7 @@ local started_at = nil     -- this worker's start (epoch s)
 local exiting_since = nil  -- when this worker first saw itself exiting
 
 local function dict()
-    return ngx.shared[options.DICT_LIMITS]
+    return ngx.shared[config.DICT_STATS]
 end
 
 function _M.init_worker()

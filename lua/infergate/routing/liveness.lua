@@ -48,7 +48,8 @@
 --                             check answered after it; else nil
 -- mid_stream(node, since, o)  "alive" | "dead" | "pending" for a stream silent since
 --                             `since` (asks for a check; no I/O)
--- tick(nodes, o, threshold)   worker 0's timer: starts a check (a timer each) per node that waits
+-- tick(nodes, o, threshold, inflight)  worker 0's timer: starts a check (a timer each) per
+--                             node that waits; asks early ones of quiet nodes with requests
 -- init_worker()               the timer (worker 0 only)
 local config = require("infergate.core.config")
 local ngxapi = require("infergate.core.ngxapi")
@@ -72,6 +73,8 @@ _M.EARLY_REPEAT_S = 1
 local function dict()
     return shared[config.DICT_STATS]
 end
+
+local quiet_with_requests
 
 local function checkable(node, o)
     return o.edge.liveness_check ~= false and node.scheme == "http" and node.addr ~= nil
@@ -246,16 +249,36 @@ local function start(d, node, since, t, early)
     return true
 end
 
+-- A node with requests of this edge in flight and no byte from it (nor a first byte) for
+-- edge.liveness_suspect_s gets an early check from the timer too, not only from a pick:
+-- a node whose every slot is taken is in no pick, and its requests (and the control
+-- plane, through stall.flagged) need to know it froze.
+quiet_with_requests = function(d, node, o, now, n)
+    local after = n > 0 and _M.suspect_after(node, o)
+    if not after then
+        return
+    end
+    local name = node.name
+    local last = math.max(d:get("lb:" .. name) or 0, d:get("fb:" .. name) or 0)
+    if now - last > after then
+        d:add("le:" .. name, last > 0 and last or now - after, _M.EARLY_REPEAT_S)
+    end
+end
+
 -- Start a check of every node that waits for one, each in a timer of its own (a frozen
 -- node's check, up to 10 s, does not hold up the check of a node found silent
 -- meanwhile; "lc:" keeps one check per node, an early one included; a finding's check
 -- goes first). Returns the number started.
-function _M.tick(nodes, o, threshold)
+function _M.tick(nodes, o, threshold, inflight)
     local d = dict()
     local started = 0
+    local now = ngx_now()
     for _, node in ipairs(nodes) do
         if checkable(node, o) then
             local name = node.name
+            if inflight then
+                quiet_with_requests(d, node, o, now, inflight(name))
+            end
             local since = d:get("lw:" .. name)
             local la = d:get("la:" .. name)
             local early = d:get("le:" .. name)
@@ -276,7 +299,7 @@ end
 -- init_worker_by_lua: the liveness timer, on worker 0 only. `nodes()` -> the node table,
 -- `threshold(name, o)` -> the node's stall threshold (s). A tick never yields (the
 -- checks run in timers of their own), so ticks cannot overlap.
-function _M.init_worker(nodes, threshold)
+function _M.init_worker(nodes, threshold, inflight)
     local id = ngx.worker.id()
     if id ~= nil and id ~= 0 then
         return
@@ -285,7 +308,7 @@ function _M.init_worker(nodes, threshold)
         if premature then
             return
         end
-        local ok, err = pcall(_M.tick, nodes(), config.get(), threshold)
+        local ok, err = pcall(_M.tick, nodes(), config.get(), threshold, inflight)
         if not ok then
             log(WARN, "infergate: liveness checks failed: ", err)
         end

@@ -288,7 +288,11 @@ function _M.flagged(name, inflight)
     local d = dict()
     local ss = silent_since(d, name)
     if not ss then
-        return false
+        -- or: requests in flight, and no byte since a liveness check got no answer (a
+        -- frozen node none of whose requests was streaming: infergate.routing.liveness)
+        local lx = (inflight or 0) > 0 and liveness.failed_early(name)
+        return lx and lx >= math.max(d:get("lb:" .. name) or 0, d:get("fb:" .. name) or 0)
+            or false
     end
     return (d:get("sl:" .. name) ~= nil) or (inflight or 0) > 0
 end

@@ -14,7 +14,8 @@
 --             "requests", "failures", "breaker", "consecutive_failures",
 --             "latency_ewma_ms", "failure_rate", "models" (served model ids, null =
 --             unknown), "outlier" (a TTFB outlier: infergate.routing.outlier),
---             "stalled" (no byte while mid-stream: infergate.routing.stall),
+--             "stalled" (no byte while mid-stream, or requests in flight and no byte since a
+--             liveness check got no answer: infergate.routing.stall),
 --             "stall_threshold_s" (how long the node may send no byte mid-stream before
 --             it is found stalled: max(edge.stall_min_s, edge.stall_gap_factor x the p90
 --             of its answers' largest chunk gap)),
