@@ -199,8 +199,10 @@ end
 -- A stream silent past its stall bound after content goes on while its node answers a
 -- liveness check made since its last byte (infergate.routing.liveness.mid_stream: a long
 -- prefill of another request on the node, not a freeze), for up to the stream's own read
--- bound; a check still under way gets PENDING_S.
+-- bound; a check still under way gets PENDING_S. The answer must be recent (RECHECK_S):
+-- a node that answered and froze since is not waited on for the whole bound.
 _M.PENDING_S = 2
+_M.RECHECK_S = 3
 
 local function still_alive(r, lg, now)
     local since = lg.last_byte or (lg.att and lg.att.started) or now
@@ -208,7 +210,7 @@ local function still_alive(r, lg, now)
     if now - since >= bound then
         return false
     end
-    local verdict = liveness.mid_stream(lg.node, since, r.o)
+    local verdict = liveness.mid_stream(lg.node, math.max(since, now - _M.RECHECK_S), r.o)
     if verdict == "pending" then
         lg.pending_from = lg.pending_from or now
         return now - lg.pending_from < _M.PENDING_S
