@@ -461,3 +461,34 @@ def test_a_frozen_node_with_every_slot_taken_is_reported_stalled(
         fut.result(timeout=30)
         pool.shutdown(wait=True)
     _wait(lambda: edge.node_status("a")["stalled"] is False, 10)
+
+
+def test_a_stream_whose_node_answered_then_froze_is_not_waited_on_to_its_bound(
+        tiny_upstreams, redis_server, edge_factory) -> None:
+    """The liveness answer that keeps a silent stream waiting must be recent: a node that
+    answered its check and then froze (GETs hang too) is found again within a few
+    seconds, not after the stream's whole read bound (20 s here); with no other node to
+    continue on, the answer ends with an error event."""
+    import threading
+
+    (a,) = tiny_upstreams(names=["a"])
+    a.chunks, a.chunk_interval_s = 6, 0.05
+    edge = edge_factory(edge_settings(redis_server.url, [a.node_settings()],
+                                      stall_min_s=0.5, read_timeout_ms=20000))
+    assert _stream(edge)[0] == 200
+    a.gate = threading.Event()
+    got: list = []
+    t = threading.Thread(target=lambda: got.append((_stream(edge, timeout=40), time.monotonic())))
+    t.start()
+    _wait(lambda: a.inflight == 1)
+    gets = a.gets
+    _wait(lambda: a.gets > gets, 10)      # the paused stream's node answered a check
+    a.mode = "frozen"
+    frozen_at = time.monotonic()
+    t.join(40)
+    a.mode = "ok"
+    a.release()
+    a.gate.set()
+    (status, _, body), ended = got[0]
+    assert status == 200 and body is not None and b"stream_interrupted" in body, body[-300:]
+    assert ended - frozen_at < 12.0, ended - frozen_at
