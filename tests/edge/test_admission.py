@@ -160,13 +160,10 @@ def test_cache_hit_is_served_while_every_node_is_saturated(redis_server, tiny_up
     assert up.hits == hits
 
 
-def test_a_request_waiting_for_capacity_gets_503_when_nginx_shuts_down(
-        redis_server, tiny_upstreams, edge_factory) -> None:
-    """SIGQUIT (`nginx -s quit`, a stop of `infergate up`): a request waiting in admission
-    is answered at once with 503 ``shutting_down`` and Retry-After, not held to the end of
-    the shutdown and cut."""
-    import signal
-
+def _one_waiting(redis_server, tiny_upstreams, edge_factory):
+    """One node, saturated in the snapshot, and one request waiting for capacity (up to
+    20 s) in a thread: (node, edge, redis client, out = {"res", "at"} once answered,
+    the thread)."""
     (up,) = tiny_upstreams(1)
     edge = edge_factory(settings(redis_server.url, [up.node_settings()], max_wait_ms=20000))
     r = redis_server.client()
@@ -182,6 +179,17 @@ def test_a_request_waiting_for_capacity_gets_503_when_nginx_shuts_down(
     t.start()
     procs.wait_until(lambda: edge.status()["admission"]["waiting"] == 1, 5,
                      what="the request to wait for capacity")
+    return up, edge, r, out, t
+
+
+def test_a_request_waiting_for_capacity_gets_503_when_nginx_shuts_down(
+        redis_server, tiny_upstreams, edge_factory) -> None:
+    """SIGQUIT (`nginx -s quit`, a stop of `infergate up`): a request waiting in admission
+    is answered at once with 503 ``shutting_down`` and Retry-After, not held to the end of
+    the shutdown and cut."""
+    import signal
+
+    up, edge, _, out, t = _one_waiting(redis_server, tiny_upstreams, edge_factory)
     quit_at = time.monotonic()
     edge.managed.signal(signal.SIGQUIT)
     t.join(15)
@@ -201,20 +209,7 @@ def test_a_request_waiting_for_capacity_waits_on_through_a_reload(
     503 shutting_down."""
     import signal
 
-    (up,) = tiny_upstreams(1)
-    edge = edge_factory(settings(redis_server.url, [up.node_settings()], max_wait_ms=20000))
-    r = redis_server.client()
-    snap = write_snapshot(r, [up.snapshot_node(saturated=True)])
-    edge.wait_snapshot(snap["version"])
-    out: dict = {}
-
-    def call() -> None:
-        out["res"] = post(edge.url, timeout=30)
-
-    t = threading.Thread(target=call)
-    t.start()
-    procs.wait_until(lambda: edge.status()["admission"]["waiting"] == 1, 5,
-                     what="the request to wait for capacity")
+    up, edge, r, out, t = _one_waiting(redis_server, tiny_upstreams, edge_factory)
     edge.managed.signal(signal.SIGHUP)
     time.sleep(1.5)   # past the time an exiting worker waits for its successors
     assert "res" not in out, out["res"].text

@@ -66,15 +66,12 @@ _M.TICK_S = 0.25
 _M.TIMEOUT_MIN_S = 3
 _M.TIMEOUT_MAX_S = 10
 _M.PATH = "/health"
-_M.SUSPECT_S = 1
 _M.EARLY_TIMEOUT_S = 1
 _M.EARLY_REPEAT_S = 1
 
 local function dict()
     return shared[config.DICT_STATS]
 end
-
-local quiet_with_requests
 
 local function checkable(node, o)
     return o.edge.liveness_check ~= false and node.scheme == "http" and node.addr ~= nil
@@ -115,19 +112,22 @@ end
 -- 0 = none), or nil when it gets none.
 function _M.suspect_after(node, o)
     local s = o.edge.liveness_suspect_s
-    if s == nil then
-        s = _M.SUSPECT_S
-    end
     if s <= 0 or not checkable(node, o) then
         return nil
     end
     return s
 end
 
+-- Asks worker 0 for an early check of `name`, quiet since `since` (at most one ask per
+-- EARLY_REPEAT_S: a later one within it is dropped).
+local function ask_early(d, name, since)
+    d:add("le:" .. name, since, _M.EARLY_REPEAT_S)
+end
+
 function _M.suspect(node, since, o)
     o = o or config.get()
     if _M.suspect_after(node, o) then
-        dict():add("le:" .. node.name, since, _M.EARLY_REPEAT_S)
+        ask_early(dict(), node.name, since)
     end
 end
 
@@ -158,7 +158,7 @@ function _M.mid_stream(node, since, o)
     if failed and failed >= since then
         return "dead"
     end
-    d:add("le:" .. node.name, since, _M.EARLY_REPEAT_S)
+    ask_early(d, node.name, since)
     return "pending"
 end
 
@@ -253,7 +253,7 @@ end
 -- edge.liveness_suspect_s gets an early check from the timer too, not only from a pick:
 -- a node whose every slot is taken is in no pick, and its requests (and the control
 -- plane, through stall.flagged) need to know it froze.
-quiet_with_requests = function(d, node, o, now, n)
+local function quiet_with_requests(d, node, o, now, n)
     local after = n > 0 and _M.suspect_after(node, o)
     if not after then
         return
@@ -261,7 +261,7 @@ quiet_with_requests = function(d, node, o, now, n)
     local name = node.name
     local last = math.max(d:get("lb:" .. name) or 0, d:get("fb:" .. name) or 0)
     if now - last > after then
-        d:add("le:" .. name, last > 0 and last or now - after, _M.EARLY_REPEAT_S)
+        ask_early(d, name, last > 0 and last or now - after)
     end
 end
 
