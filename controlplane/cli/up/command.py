@@ -70,8 +70,8 @@ def start_nodes(run: UpRun) -> None:
     elif run.settings.nodes:
         nodes = run.settings.nodes
     else:
-        removed = registry.removed_at_run_time(make_redis(run.settings.redis),
-                                                [n for n, _ in SIM_NODES])
+        assert run.owner_r is not None   # start_redis comes first
+        removed = registry.removed_at_run_time(run.owner_r, [n for n, _ in SIM_NODES])
         names = [n for n, _ in SIM_NODES if n not in removed]
         if removed:
             _say(f"simulated node(s) {', '.join(sorted(removed))} removed at run time by an "
