@@ -16,7 +16,9 @@ default threshold chosen on the fit part (``bench.cache_quality.verifier``); eve
 here is measured on the judge part, whose normalised texts the verifier never saw (its
 file's fingerprint is checked: the overlap is printed). qqp-en gets one mined negative
 per query (``calibration.mine_negatives``, within the judge part): its wrong-hit rates are
-upper bounds.
+upper bounds. A pair of one text twice (equal after NFC; a few translated pairs of
+pawsx-zh, labelled either way) is left out and counted (``same_text_left_out``): the
+exact cache answers such a repeat, no semantic decision is made on it.
 
 Decision: ``controlplane.embedder.decision.choose``, the function the embedder calls on
 every lookup, with the embedder's defaults: the model ``use-multilingual-v3``, the
@@ -249,11 +251,13 @@ def run(data: Path, part: str, verifier_file: str | None, limit: int | None,
                               "overlap": f"{known}/{distinct} texts"}}
     res["verifier"]["part"] = ",".join(res["verifier"]["part"])
     for n, p in sets.items():
+        p, same = cal.drop_same_text(p)
         if not any(x == 0 for x in p.label):
             p = cal.mine_negatives(p, np.vstack([vecs[t] for t in p.text1]),
                                    np.vstack([vecs[t] for t in p.text2]))
         t0 = time.perf_counter()
         res["sets"][n] = evaluate(p, vecs, v, unknown)
+        res["sets"][n]["same_text_left_out"] = same
         print(f"{n} done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return {model.model_id: res}
 

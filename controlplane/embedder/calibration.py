@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -229,6 +230,29 @@ def normalise(t: str) -> str:
     """Lower case, runs of non-word characters to one space: the form in which
     :func:`groups` compares texts."""
     return re.sub(r"[\W_]+", " ", t.lower()).strip()
+
+
+def same_text(a: str, b: str) -> bool:
+    """True when the exact cache cannot tell ``a`` from ``b``: equal after Unicode NFC, the
+    only normalisation of the exact key (:mod:`controlplane.cache.key`)."""
+    return a == b or unicodedata.normalize("NFC", a) == unicodedata.normalize("NFC", b)
+
+
+def drop_same_text(pairs: Pairs) -> tuple[Pairs, int]:
+    """``pairs`` without the pairs whose two texts are the same text (:func:`same_text`),
+    and how many there were. The exact cache answers such a repeat whatever the semantic
+    settings, so it says nothing about a threshold; a same-text pair labelled 0 (label
+    noise, as in translated sets where two English sentences became one Chinese one)
+    would count a wrong hit no threshold avoids, and one labelled 1 a hit no threshold
+    loses."""
+    keep = [i for i, (a, b) in enumerate(zip(pairs.text1, pairs.text2))
+            if not same_text(a, b)]
+    if len(keep) == len(pairs):
+        return pairs, 0
+    out = Pairs([pairs.text1[i] for i in keep], [pairs.text2[i] for i in keep],
+                [pairs.label[i] for i in keep], [pairs.mined[i] for i in keep],
+                pairs.skipped)
+    return out, len(pairs) - len(keep)
 
 
 # ---------------------------------------------------------------- duplicate key

@@ -244,10 +244,14 @@ def calibrate(pairs: cal.Pairs, model, max_wrong: float = 0.01,
     (:func:`check_overlap`; ``allow_overlap`` turns that into a warning note)."""
     if not 0.0 < max_wrong < 1.0:
         raise TuningError("--max-wrong must be between 0 and 1 (e.g. 0.01)")
-    if not any(v == 1 for v in pairs.label):
-        raise TuningError("the pairs have no matching pair (label 1)")
-    known, distinct = check_overlap(pairs, verifier, allow_overlap)
     notes: list[str] = []
+    pairs, same = cal.drop_same_text(pairs)
+    if same:
+        notes.append(f"{same} pairs of one text twice left out: the exact cache answers "
+                     "such a repeat, no threshold decides it")
+    if not any(v == 1 for v in pairs.label):
+        raise TuningError("the pairs have no matching pair (label 1) of two different texts")
+    known, distinct = check_overlap(pairs, verifier, allow_overlap)
     if distinct and known / distinct > MAX_OVERLAP:
         notes.append(f"WARNING: {known} of {distinct} texts ({known / distinct:.0%}) are in "
                      "the verifier's training data (--allow-overlap): its scores on them are "

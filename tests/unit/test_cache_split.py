@@ -103,6 +103,30 @@ def test_calibration_reports_the_check_part() -> None:
     assert entry["wrong_hit_upper"] == round(res.check.wrong_upper, 5)
 
 
+def test_pairs_of_one_text_twice_are_left_out_of_calibration() -> None:
+    """The exact cache answers a repeat whatever the threshold: a same-text pair labelled
+    0 (NFC-equal counts as the same) must not count as a wrong hit, nor one labelled 1
+    as a hit."""
+    base = _pairs(200)
+    p = cal.Pairs(list(base.text1), list(base.text2), list(base.label), list(base.mined))
+    for g in range(40):
+        p.text1.append(f"Café {g} opens when?")
+        p.text2.append(f"Cafe\u0301 {g} opens when?")   # the same text after NFC
+        p.label.append(g % 2)
+        p.mined.append(False)
+    kept, same = cal.drop_same_text(p)
+    assert same == 40 and len(kept) == len(base) and kept.label == base.label
+    assert cal.drop_same_text(base) == (base, 0)
+    res = tuning.calibrate(p, _Model(), 0.05)
+    ref = tuning.calibrate(base, _Model(), 0.05)
+    assert res.fit_pairs + res.check_pairs == ref.fit_pairs + ref.check_pairs
+    assert res.chosen is not None and res.chosen.threshold == ref.chosen.threshold
+    assert any("40 pairs of one text twice" in n for n in res.notes)
+    twice = cal.Pairs(["same"] * 3, ["same"] * 3, [1, 1, 0], [False] * 3)
+    with pytest.raises(tuning.TuningError, match="two different texts"):
+        tuning.calibrate(twice, _Model(), 0.05)
+
+
 def test_check_part_bound_warns_and_a_weaker_trained_verifier_is_refused() -> None:
     row = cal.SweepRow(0.5, 10, 20, 3, 30, 0.5, 0.1, 0.2)
     res = tuning.CalibrationResult("cosine", 50, 20, 30, 0, [row], row, check=row)
