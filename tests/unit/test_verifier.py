@@ -4,7 +4,6 @@ engine combines it with per-domain thresholds (fake model, fakeredis)."""
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -147,7 +146,9 @@ def test_bad_files(tmp_path) -> None:
         ver.Verifier.load(tmp_path / "c.json")
 
 
-def test_shipped_verifier_loads_and_scores_fast() -> None:
+def test_shipped_verifier_loads_and_scores() -> None:
+    """The shipped file loads and scores a close paraphrase above an unrelated question
+    (its speed is measured by bench.cache_quality, decision_ms_per_pair)."""
     v = ver.load_for("use-multilingual-v3", 512)
     if v is None:
         pytest.skip("no verifier file shipped for use-multilingual-v3")
@@ -155,13 +156,11 @@ def test_shipped_verifier_loads_and_scores_fast() -> None:
     rng = np.random.default_rng(0)
     u = _unit(rng.standard_normal((1, 512)))
     w = _unit(u + 0.05 * rng.standard_normal((1, 512)))
-    q, c = ["How can I reset my password?"], ["How do I reset my password?"]
-    v.score(q, c, u, w)
-    t0 = time.perf_counter()
-    for _ in range(50):
-        v.score(q, c, u, w)
-    per_pair_ms = (time.perf_counter() - t0) * 1000 / 50
-    assert per_pair_ms < 5.0  # about 0.1-0.3 ms alone; generous for a shared machine
+    x = _unit(rng.standard_normal((1, 512)))
+    q = ["How can I reset my password?"]
+    close = v.score(q, ["How do I reset my password?"], u, w)
+    far = v.score(q, ["Where is the nearest branch open on Sunday?"], u, x)
+    assert 0.0 <= float(far[0]) < float(close[0]) <= 1.0
 
 
 # ---------------------------------------------------------------- engine thresholds
