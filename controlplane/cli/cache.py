@@ -53,7 +53,8 @@ def _mib(n: int | None) -> str:
 @click.option("--redis-url", default=None, help="Redis URL; overrides the config file.")
 @click.pass_context
 def cache_cmd(ctx: click.Context, config: str | None, redis_url: str | None) -> None:
-    """Response cache: counters, hit rates and purge."""
+    """Response cache: counters and hit rates, purge, and calibrating a domain's semantic
+    thresholds on labelled pairs."""
     ctx.obj = Ctx(config, redis_url)
 
 

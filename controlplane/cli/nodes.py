@@ -56,10 +56,10 @@ def _maxconc(v: NodeView) -> str:
 
 def _kind(v: NodeView) -> str:
     """KIND column: the configured kind, or the metrics dialect the control plane read
-    from the node when it differs (``llamacpp (detected)`` for a llama.cpp server added
-    with the default kind)."""
+    from the node after it when it differs (``vllm: llamacpp (detected)`` for a llama.cpp
+    server added with the default kind, whose metrics are read under it)."""
     if v.dialect and v.dialect != v.kind:
-        return f"{v.dialect} (detected)"
+        return f"{v.kind}: {v.dialect} (detected)"
     return v.kind
 
 

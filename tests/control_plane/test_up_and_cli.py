@@ -123,3 +123,66 @@ def test_a_work_folder_is_held_by_one_up(tmp_path) -> None:
     assert f"in use by another infergate up (pid {os.getpid()})" in exc.value.message
     held.close()  # the holder ends
     _lock_workdir(tmp_path).close()
+
+
+def test_up_refuses_bad_arguments_before_it_makes_a_folder(tmp_path, monkeypatch) -> None:
+    """A bad Redis URL, --node URL or --time-scale is refused with one line, before a work
+    folder is made or a part started; busy edge and admin addresses are named together."""
+    import socket
+    import tempfile
+
+    from click.testing import CliRunner
+
+    from controlplane import procs
+    from controlplane.cli.up import up_cmd
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("INFERGATE_REDIS_URL", raising=False)
+    monkeypatch.delenv(procs.INSTANCE_ENV, raising=False)      # up sets it; restored after
+    runner = CliRunner()
+    cases = {
+        ("--redis-url", "http://127.0.0.1:6379"): "invalid Redis URL http://127.0.0.1:6379: "
+                                                  "unsupported redis url scheme 'http'",
+        ("--node", "127.0.0.1:8000"): "--node 127.0.0.1:8000: url: node url must be http://",
+        ("--time-scale", "0"): "Invalid value for '--time-scale'",
+    }
+    for args, expected in cases.items():
+        res = runner.invoke(up_cmd, list(args))
+        assert res.exit_code != 0 and expected in res.output, res.output
+        assert "Traceback" not in res.output and "pydantic" not in res.output
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        a.listen()
+        b.listen()
+        edge, admin = (f"127.0.0.1:{s.getsockname()[1]}" for s in (a, b))
+        res = runner.invoke(up_cmd, ["--listen", edge, "--admin-listen", admin])
+    assert res.exit_code != 0
+    assert f"edge address {edge} is already in use" in res.output
+    assert f"admin address {admin} is already in use" in res.output
+    assert list(tmp_path.iterdir()) == []                 # no folder made by any of them
+
+
+def test_up_names_a_redis_that_refuses_its_password(tmp_path) -> None:
+    """A Redis that answers but refuses the URL's password is a Redis: the error says so
+    (not "taken by something that is not Redis"), and none is started in its place."""
+    from controlplane import procs
+    from controlplane.cli.up.store import _ensure_redis
+    from controlplane.config import Settings
+
+    m, port = procs.start_redis_free_port(tmp_path / "redis", password="right-one")
+    try:
+        for url in (f"redis://:wrong-one@127.0.0.1:{port}/0", f"redis://127.0.0.1:{port}/0"):
+            s = Settings()
+            s.redis.url = url
+            stack = procs.ProcessSet()
+            with pytest.raises(click.ClickException) as exc:
+                _ensure_redis(s, tmp_path, stack)
+            assert "refuses this stack" in exc.value.message and "password" in exc.value.message
+            assert "wrong-one" not in exc.value.message           # the URL shown redacted
+            assert stack.items == []
+        s = Settings()
+        s.redis.url = f"redis://:right-one@127.0.0.1:{port}/0"
+        assert "already running" in _ensure_redis(s, tmp_path, procs.ProcessSet())
+    finally:
+        m.stop()

@@ -21,8 +21,30 @@ def test_example_file_is_valid_and_matches_defaults():
     d = load_settings(None)
     assert [n.name for n in s.nodes] == ["gpu-a", "gpu-b"]
     # The example documents the defaults: every section but nodes equals them.
-    for section in ("redis", "edge", "controlplane", "scoring"):
+    sections = [n for n in type(d).model_fields if n != "nodes"]
+    for section in sections:
         assert getattr(s, section) == getattr(d, section), section
+
+
+def test_example_file_names_every_field():
+    """Every field of every section is in the example, as a key, a commented line
+    (``# key = ...``, for a field without a TOML default) or a sub-table header."""
+    import re
+    import tomllib
+
+    text = EXAMPLE.read_text()
+    doc = tomllib.loads(text)
+    d = load_settings(None)
+    missing = []
+    for section in (n for n in type(d).model_fields if n != "nodes"):
+        body = text.split(f"\n[{section}]\n", 1)[1]
+        body = re.split(r"\n\[(?!" + section + r"\.)[a-z]", body, maxsplit=1)[0]
+        for field in type(getattr(d, section)).model_fields:
+            if field in doc.get(section, {}):
+                continue
+            if not re.search(rf"^# {field} =|^#? ?\[\[?{section}\.{field}\b", body, re.M):
+                missing.append(f"{section}.{field}")
+    assert missing == []
 
 
 def test_env_overrides(monkeypatch):

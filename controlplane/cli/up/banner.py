@@ -50,7 +50,7 @@ def _again_command(workdir: Path) -> str:
             out.append(redact(a))   # the password stays off the screen and the logs
         elif not a.startswith("--workdir="):
             out.append(a)
-    return shlex.join(["infergate", "up", *out, "--workdir", str(workdir)])
+    return shlex.join([cli_name(), "up", *out, "--workdir", str(workdir)])
 
 
 def _token_note(run: UpRun) -> str:
@@ -75,7 +75,11 @@ def banner(run: UpRun) -> str:
     Redis, the nodes, the caches, the demo key and a curl example."""
     settings, nodes, demo_key = run.settings, run.nodes, run.demo_key
     base = f"http://{run.edge_host}:{run.edge_port}"
-    model = "sim-llama" if not run.node_urls else (_first_model(nodes) or "<your model>")
+    model = "sim-llama" if run.simulated else (_first_model(nodes) or "")
+    model_note = "" if model else (
+        "\n  (no node listed a model on GET /v1/models: put one your nodes serve, and check "
+        f"they answer: {cli_name()} nodes list)")
+    model = model or "<your model>"
     key_line = f"\n  API key (demo)      {demo_key}" if demo_key else ""
     key_header = f" -H 'Authorization: Bearer {demo_key}'" if demo_key else ""
     cli = cli_name()
@@ -91,7 +95,7 @@ infergate is up.
 
 Try:
   curl -s {base}/v1/chat/completions -H 'Content-Type: application/json'{key_header} \\
-    -d '{{"model": "{model}", "max_tokens": 32, "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+    -d '{{"model": "{model}", "max_tokens": 32, "messages": [{{"role": "user", "content": "Hello!"}}]}}'{model_note}
   export INFERGATE_REDIS_URL={settings.redis.url}
   {cli} nodes list    # also: {cli} keys list, {cli} cache stats
   (or pass --config {run.cfg} to those commands)

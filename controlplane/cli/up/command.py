@@ -79,6 +79,7 @@ def start_nodes(run: UpRun) -> None:
                  "whole pool)")
         _say(f"starting {len(names)} simulated nodes: {', '.join(names)}")
         nodes = _sim_nodes(run.wd, run.stack, run.time_scale, skip=frozenset(removed))
+        run.simulated = True
     run.settings.nodes = run.nodes = nodes
 
 
@@ -176,7 +177,8 @@ def stop_all(run: UpRun) -> None:
                    "instead of one redis-server: a demo of the cluster support.")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,
               help="Folder for logs, rendered nginx config and Redis [default: a new temp dir].")
-@click.option("--time-scale", default=1.0, show_default=True, type=float,
+@click.option("--time-scale", default=1.0, show_default=True,
+              type=click.FloatRange(min=0.0, min_open=True),
               help="Time scale of the simulated nodes (0.1 = ten times faster).")
 @click.option("--take-over", is_flag=True,
               help="With a shared Redis: replace the node registry even while another "

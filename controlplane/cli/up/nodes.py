@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
+from pydantic import ValidationError
 
 from controlplane import procs
+from controlplane.admin.ops import validation_message
 from controlplane.config import NodeSettings
 from controlplane.simnode import launch
 from controlplane.simnode.engine import EngineConfig
@@ -71,8 +73,8 @@ def _real_nodes(urls: tuple[str, ...], kind: str, health_path: str | None = None
     for i, url in enumerate(urls, 1):
         try:
             nodes.append(NodeSettings(name=f"node-{i}", url=url, kind=kind, **extra))  # type: ignore[arg-type]
-        except ValueError as exc:
-            raise click.BadParameter(f"--node {url}: {exc}") from None
+        except ValidationError as exc:
+            raise click.BadParameter(f"--node {url}: {validation_message(exc)}") from None
     return nodes
 
 

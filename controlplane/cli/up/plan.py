@@ -15,8 +15,10 @@ import redis as redis_lib
 
 from controlplane import procs
 from controlplane.config import ConfigError, NodeSettings, Settings, load_settings
+from controlplane.redisdb.url import parse_redis_url, redact
 
 from .common import _say, _split_hostport
+from .nodes import _real_nodes
 from .owner import _lock_workdir, _owner_doc
 
 
@@ -59,6 +61,8 @@ class UpRun:
     #: ``--redis-cluster``: this stack's own loopback Redis Cluster instead of one Redis
     redis_cluster: bool = False
     nodes: list[NodeSettings] = field(default_factory=list)
+    #: the nodes are this stack's simulated pool (no ``--node``, no ``[[nodes]]`` in the file)
+    simulated: bool = False
     #: every registered node after the seeding, with its state (the banner's list)
     registered: list[tuple[NodeSettings, str]] = field(default_factory=list)
     demo_key: str | None = None
@@ -98,11 +102,25 @@ def _redis_named_by(redis_url: str | None, settings: Settings,
 
 
 def _check_addresses_free(edge: tuple[str, int], admin: tuple[str, int]) -> None:
-    """Raise ``click.ClickException`` when the edge or admin address is in use."""
-    for (host, port), what in ((edge, "edge"), (admin, "admin")):
-        if procs.port_open("127.0.0.1" if host in ("0.0.0.0", "::") else host, port):
-            raise click.ClickException(f"{what} address {host}:{port} is already in use "
-                                       f"(choose another with --{'listen' if what == 'edge' else 'admin-listen'})")
+    """Raise ``click.ClickException`` naming every one of the edge and admin addresses
+    that is in use."""
+    taken = [f"{what} address {host}:{port} is already in use (choose another with "
+             f"--{option})"
+             for (host, port), what, option in ((edge, "edge", "listen"),
+                                                (admin, "admin", "admin-listen"))
+             if procs.port_open("127.0.0.1" if host in ("0.0.0.0", "::") else host, port)]
+    if taken:
+        raise click.ClickException("; ".join(taken))
+
+
+def _check_redis_url(settings: Settings) -> None:
+    """Raise ``click.ClickException`` when the Redis URL does not parse (an ``http://``
+    URL, a bad port), before any folder is made or part started."""
+    try:
+        parse_redis_url(settings.redis.url)
+    except ValueError as exc:
+        raise click.ClickException(f"invalid Redis URL {redact(settings.redis.url)}: {exc}") \
+            from None
 
 
 def _make_secrets(settings: Settings) -> bool:
@@ -137,6 +155,8 @@ def make_plan(config_path: str | None, node_urls: tuple[str, ...], node_kind: st
     shared_redis, named_by = _redis_named_by(redis_url, settings, config_path)
     if redis_url:
         settings.redis.url = redis_url
+    _check_redis_url(settings)
+    _real_nodes(node_urls, node_kind, node_health_path, node_max_concurrency)  # checked now
     instance = instance_id or f"up-{secrets.token_hex(6)}"
     os.environ[procs.INSTANCE_ENV] = instance  # every part inherits it and echoes it
     edge = _split_hostport(settings.edge.listen, "edge.listen")

@@ -20,8 +20,20 @@ from .common import LOCAL_HOSTS, _say
 
 
 def _redis_answers(settings: Settings) -> bool:
+    """Whether a Redis answers at ``settings.redis.url``. Raises
+    :class:`click.ClickException` when one answers but refuses this stack (a wrong or
+    missing password, an ACL user without the rights) or is still loading its data: a
+    Redis is there, so none is started in its place."""
+    shown = redact(settings.redis.url)
     try:
         return bool(make_redis(settings.redis).ping())
+    except (redis_lib.AuthenticationError, redis_lib.ResponseError) as exc:
+        raise click.ClickException(
+            f"the Redis at {shown} refuses this stack: {exc} (check the user and password "
+            "in the URL: redis://:PASSWORD@host:port/db)") from None
+    except redis_lib.BusyLoadingError:
+        raise click.ClickException(f"the Redis at {shown} is still loading its data; "
+                                   "start again when it answers") from None
     except redis_lib.RedisError:
         return False
 
