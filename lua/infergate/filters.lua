@@ -30,6 +30,7 @@ local ngxapi = require("infergate.core.ngxapi")
 local ngx_var = ngxapi.var
 local reqctx = require("infergate.core.reqctx")
 local outlier = require("infergate.routing.outlier")
+local stats = require("infergate.routing.stats")
 
 local _M = {}
 
@@ -90,6 +91,9 @@ function _M.run()
     end
     ngx.header[_M.NODE_HEADER] = last.node
     local status = ngx.status
+    if last.probe and status >= 200 and status < 300 then
+        stats.probe_answered(last)
+    end
     if req.stream and status < 300 then
         req.first_chunk_wait = true -- its first byte is the stream's first chunk: body()
     else

@@ -91,6 +91,51 @@ def test_half_open_admits_exactly_one_probe(pool) -> None:
     assert "reopened (probe failed)" in edge.error_log()
 
 
+@pytest.mark.parametrize("relay", [True, False], ids=["stream_relay", "proxied_stream"])
+def test_a_probe_that_streams_closes_the_breaker_at_its_response_head(pool, relay) -> None:
+    """A half-open probe that is a long stream: the breaker closes once the node answers
+    200, not when the stream ends, so the recovered node takes other requests meanwhile
+    (before, nothing else reached it for the stream's whole length)."""
+    edge, (a, b, c) = pool(stream_relay=relay, stream_hold_s=0.0)
+    a.mode = "fail"
+    procs.wait_until(lambda: _post(edge).status_code == 200
+                     and edge.node_status("a")["breaker"] in ("open", "half_open"), 15,
+                     interval=0.05, what="a's breaker open")
+    a.mode = "ok"
+    a.gate = threading.Event()              # a's streams wait before their last chunk
+    procs.wait_until(lambda: edge.node_status("a")["breaker"] == "half_open", 5,
+                     what="cooldown over")
+    streams: list[threading.Thread] = []
+
+    def stream() -> None:
+        with requests.post(f"{edge.url}/v1/chat/completions", json={**CHAT, "stream": True},
+                           stream=True, timeout=30) as res:
+            for _ in res.iter_content(None):
+                pass
+
+    def probe_on_a() -> bool:
+        t = threading.Thread(target=stream, daemon=True)
+        t.start()
+        streams.append(t)
+        procs.wait_until(lambda: a.inflight >= 1 or not t.is_alive(), 5, interval=0.02,
+                         what="stream done")
+        return a.inflight >= 1
+
+    try:
+        procs.wait_until(probe_on_a, 15, interval=0.0, what="the probe stream on a")
+        procs.wait_until(lambda: edge.node_status("a")["breaker"] == "closed", 5,
+                         interval=0.05, what="the breaker closed by the probe's head")
+        assert a.inflight == 1                            # the probe still streams
+        before = a.hits
+        served = _ok_nodes(edge, 30, workers=3)
+        assert sum(served.values()) == 30 and a.hits > before, served
+    finally:
+        a.gate.set()
+        for t in streams:
+            t.join(10)
+    assert "circuit breaker of node a closed (probe succeeded)" in edge.error_log()
+
+
 def test_hanging_node_times_out_and_is_avoided(pool) -> None:
     edge, (a, b, c) = pool(read_timeout_ms=400, breaker_failures=2, breaker_cooldown_s=30.0)
     a.mode = "hang"

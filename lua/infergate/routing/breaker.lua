@@ -3,6 +3,8 @@
 --   closed    --(breaker_failures consecutive failures)-->  open
 --   open      --(breaker_cooldown_s elapsed)-->            half_open (one probe allowed)
 --   half_open --(probe succeeds)--> closed ; --(probe fails)--> open (cooldown again)
+-- A probe succeeds at its 2xx response head (infergate.routing.stats.probe_answered), or
+-- at its end with any answer the node meant (stats.close_attempt).
 --
 -- Keys (dict infergate_stats): "bf:<node>" consecutive failures, "bo:<node>" epoch
 -- seconds the breaker opened (absent = closed), "bp:<node>" the probe in flight

@@ -266,6 +266,18 @@ function _M.close_attempt(att, outcome, now, latency_ms)
     return true
 end
 
+-- The half-open probe `att` got a 2xx response head: the node answers again, so its
+-- breaker closes now, not when the answer ends (a probe that is a long stream would
+-- otherwise keep every other request off the recovered node for its whole length).
+-- The attempt goes on as an ordinary one; its own verdict still counts at the end.
+function _M.probe_answered(att)
+    if att.probe and not att.closed then
+        att.probe = false
+        dict():set("fr:" .. att.node, 0) -- the breaker closes: a clean start
+        breaker.success(att.node, true, att.started)
+    end
+end
+
 -- This edge's view of one node, as published in infergate:v1:edges. stalled: the node
 -- was found stalled and sent nothing since (infergate.routing.stall.flagged); silent_s: seconds
 -- since its last byte (null: none yet).

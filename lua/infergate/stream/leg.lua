@@ -26,6 +26,7 @@ local deadline = require("infergate.admission.deadline")
 local relaypick = require("infergate.routing.relaypick")
 local stall = require("infergate.routing.stall")
 local outlier = require("infergate.routing.outlier")
+local stats = require("infergate.routing.stats")
 local liveness = require("infergate.routing.liveness")
 local speed = require("infergate.routing.speed")
 local sse = require("infergate.stream.sse")
@@ -448,6 +449,7 @@ function _M.run(r, node, att, body, eligible)
             or not (head.headers["content-type"] or ""):find("event-stream", 1, true) then
         other_answer(r, lg, head, sock) -- an error, or an answer that is not a stream
     else
+        stats.probe_answered(att)
         r.content_type = head.headers["content-type"]
         if lg.first then
             r.node_headers = head.list
