@@ -120,3 +120,51 @@ def test_unknown_model_and_missing_key_are_answered_by_the_edge(edge) -> None:
         assert "X-Infergate-Node" not in res.headers
         res = _post(edge, path, key=False, **kw)
         assert res.status_code == 401 and res.json()["error"]["code"] == "invalid_api_key"
+
+
+def _shape(res: requests.Response) -> tuple[dict, int]:
+    """Per choice index of an SSE answer: (its role chunks, content chunks, finish
+    reasons), and the number of [DONE] lines."""
+    import json as _json
+
+    per: dict = {}
+    done = 0
+    for line in res.iter_lines():
+        if not line.startswith(b"data: "):
+            continue
+        data = line[6:]
+        if data == b"[DONE]":
+            done += 1
+            continue
+        doc = _json.loads(data)
+        if not isinstance(doc, dict):
+            continue       # llama-server's "data: null" before a prompt array's chunks
+        for c in doc.get("choices") or []:
+            roles, parts, finishes = per.setdefault(c["index"], [0, 0, []])
+            delta = c.get("delta") or {}
+            per[c["index"]][0] += 1 if delta.get("role") else 0
+            per[c["index"]][1] += 1 if (delta.get("content") or c.get("text")) else 0
+            if c.get("finish_reason"):
+                finishes.append(c["finish_reason"])
+    return per, done
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Name two colours."}],
+                              "n": 2}),
+    ("/v1/completions", {"prompt": ["Colours: red,", "Fruits: apple,"]}),
+], ids=["chat_n2", "completions_two_prompts"])
+def test_streams_of_several_choices_reach_the_client_whole(node, edge, path, body) -> None:
+    """Every choice of a stream keeps its role chunk and its finish_reason through the
+    edge, as the engine sends them (before, choice 0 lost its role chunk and choice 1
+    its finish chunk), with one [DONE]."""
+    body = {"model": MODEL, "max_tokens": 4, "temperature": 0, "stream": True, **body}
+    direct = requests.post(node.url + path, json=body, timeout=120, stream=True)
+    via = _post(edge, path, json=body, stream=True)
+    assert direct.status_code == 200 and via.status_code == 200, via.text
+    want, _ = _shape(direct)
+    got, done = _shape(via)
+    assert len(want) == 2, want
+    assert {i: (r, f) for i, (r, _, f) in got.items()} == \
+        {i: (r, f) for i, (r, _, f) in want.items()}
+    assert all(f for _, _, f in got.values()) and done == 1

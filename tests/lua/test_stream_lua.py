@@ -9,6 +9,11 @@ import json
 
 from support.stack import lua_eval
 
+
+def lua_list(items: list[str]) -> str:
+    """A Lua array of the strings ``items`` (JSON string literals are Lua literals)."""
+    return "{" + ", ".join(json.dumps(i) for i in items) + "}"
+
 ROLE = ('data: {"id":"x1","choices":[{"index":0,"delta":{"role":"assistant","content":""},'
         '"finish_reason":null}]}\n\n')
 TOKEN = 'data: {"id":"x1","choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}]}\n\n'
@@ -131,6 +136,36 @@ def test_later_legs_are_spliced_into_the_first_stream(workdir) -> None:
     assert '"choices":[]' in out["last"], "an empty array stays an array"
     assert out["fin"]["id"] == "x1"
     assert out["fin"]["choices"] == [{"index": 0, "delta": {}, "finish_reason": "length"}]
+
+
+def test_a_stream_of_several_choices_passes_whole_on_its_first_leg(workdir) -> None:
+    """n = 2 as llama-server streams it: a role chunk and a finish chunk per choice; every
+    event of the first leg reaches the client (a second role chunk, or choice 1's finish
+    chunk, is no later leg's repeat)."""
+    def ev(index: int, delta: dict, finish: str | None = None) -> str:
+        return "data: " + json.dumps({"id": "x1", "choices": [
+            {"index": index, "delta": delta, "finish_reason": finish}]}) + "\n\n"
+
+    events = [ev(0, {"role": "assistant", "content": ""}), ev(1, {"role": "assistant",
+              "content": ""}), ev(0, {"content": "A"}), ev(1, {"content": "B"}),
+              ev(1, {}, "length"), ev(0, {}, "stop")]
+    out = lua_eval(workdir, f"""
+        local sse = require("infergate.stream.sse")
+        local splice = require("infergate.stream.splice")
+        local o, sent = splice.new_out(), {{}}
+        for _, text in ipairs({lua_list(events)}) do
+            local p = splice.rewrite(o, sse.classify(text), text, 1)
+            if p then sent[#sent + 1] = p end
+        end
+        local later = splice.rewrite(o, sse.classify({json.dumps(events[4])}),
+                                     {json.dumps(events[4])}, 2)
+        local role = splice.rewrite(o, sse.classify({json.dumps(events[0])}),
+                                    {json.dumps(events[0])}, 2)
+        return {{sent = sent, finish = o.finish, later = later or false, role = role or false}}
+    """)
+    assert out["sent"] == events and out["finish"] == "stop"
+    assert out["later"] == events[4]        # a later leg keeps another choice's finish
+    assert out["role"] is False             # and drops its role chunk, as before
 
 
 def test_the_prefill_a_llama_cpp_server_repeats_is_taken_out(workdir) -> None:

@@ -156,16 +156,15 @@ function _M.rewrite(out, ev, text, leg)
     if ev.finish then
         out.finish = ev.finish
     end
-    if ev.kind == "meta" and not ev.finish and not ev.usage then
-        if out.role_sent then
-            return nil -- a later leg's role chunk
-        end
+    local role = ev.kind == "meta" and not ev.finish and not ev.other_finish and not ev.usage
+    if leg == 1 then
         out.role_sent = true
+        return text -- as the node sent it (with n > 1, a role chunk per choice)
+    end
+    if role and out.role_sent then
+        return nil -- a later leg's role chunk
     end
     out.role_sent = true
-    if leg == 1 then
-        return text
-    end
     -- a later leg: edited as text (infergate.stream.jsontext), the rest as the node sent it
     if obj.id ~= out.id and type(out.id) == "string" then
         text = jsontext.set_string(text, "id", out.id)

@@ -24,7 +24,8 @@
 --   "comment"   only ":" comment lines or no data (keep-alives)
 --   "other"     data that is not a JSON object
 -- content: the text of choice 0 (what a continuation appends to); finish: choice 0's
--- finish_reason or nil; usage: the "usage" object when present.
+-- finish_reason or nil (other_finish: another choice ends, n > 1); usage: the "usage"
+-- object when present.
 local cjson = require("cjson.safe")
 
 local _M = {}
@@ -142,6 +143,8 @@ function _M.classify(text)
             end
             if finish and (c.index == nil or c.index == 0) then
                 ev.finish = finish
+            elseif finish then
+                ev.other_finish = true -- another choice (n > 1) ends: not a role chunk
             end
         end
     end
