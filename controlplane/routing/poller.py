@@ -22,8 +22,9 @@ Outcome of one poll (see also :mod:`controlplane.routing.health`):
 
 A health answer that does not come within ``poll_timeout_s`` after the connection was
 made (a read timeout: ``PollResult.busy``) while the node has work - requests in flight
-at the edges (their reports in ``infergate:v1:edges``) or running requests in its last
-metrics - means the node is **busy**, not down: a server generating a long answer may be
+at the edges (their reports in ``infergate:v1:edges``) or running requests in metrics it
+answered within the last ``HOLD_POLLS`` polls (a frozen server's last page is no evidence
+of work) - means the node is **busy**, not down: a server generating a long answer may be
 slow to answer anything else (a single-threaded Python server, one request at a time).
 Such a poll counts as good (:meth:`NodeTracker.update`, ``busy`` in the error text). A
 node that connects but never answers while it has nothing to do is a failed poll, and a
@@ -406,6 +407,8 @@ class NodeTracker:
         self.settings = settings
         self.health = HealthTracker(cp.unhealthy_after, cp.healthy_after)
         self.last_reading: Reading | None = None
+        #: when ``last_reading`` was read (s, the poll's ``now``)
+        self.last_reading_at = 0.0
         self.held = LastKnown(hold_s=HOLD_POLLS * cp.poll_interval_s)
         self.counters = CounterWatch()
 
@@ -438,7 +441,11 @@ class NodeTracker:
         if stall_cause is None and quiet is not None and limit > 0 and quiet >= limit:
             stall_cause = counters_error(r.running if r and r.running else 0.0, quiet)
         if not good and result.busy and stall_cause is None:
-            running = self.last_reading.running if self.last_reading is not None else None
+            # the node's own "running" counts only while recent: a frozen server's last
+            # page (its requests running when it stopped) is no evidence of work now
+            fresh = self.last_reading is not None \
+                and now - self.last_reading_at <= self.held.hold_s
+            running = self.last_reading.running if fresh and self.last_reading else None
             good = inflight > 0 or bool(running and running > 0)
         if stall_cause is not None:
             good = False
@@ -448,7 +455,7 @@ class NodeTracker:
             error = "; ".join(x for x in (error, "edges: circuit breaker open at every edge") if x)
         changed = self.health.observe(good)
         if r is not None:
-            self.last_reading = r
+            self.last_reading, self.last_reading_at = r, now
         inputs = ScoreInputs(
             queue_depth=r.queue_depth if r else None,
             kv_cache_usage=r.kv_cache_usage if r else None,

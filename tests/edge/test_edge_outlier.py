@@ -435,7 +435,8 @@ def test_a_frozen_node_with_every_slot_taken_is_reported_stalled(
     """A node whose only slot holds a request when it freezes is in no pick, so no pick
     asks about it; the liveness timer does (requests in flight, no byte for 1 s): its
     check gets no answer and the edge reports the node stalled (to the control plane,
-    through its stats), well before the request's deadline. Once it answers, it is not."""
+    through its stats), well before the request's deadline, and for as long as it stays
+    frozen (checked again). Once it answers, it is not."""
     a, b = tiny_upstreams(names=["a", "b"])
     s = edge_settings(redis_server.url, [], stale_after_s=3600, read_timeout_ms=20000,
                       outlier_ttfb_min_s=5.0, outlier_stream_ttfb_min_s=5.0)
@@ -446,6 +447,7 @@ def test_a_frozen_node_with_every_slot_taken_is_reported_stalled(
                         slots_source="config", score=0.1, effective_weight=w)
         for u, w in ((a, 1.0), (b, 1e-6))])
     edge.wait_snapshot(snap["version"])
+    assert _post(edge, 30).headers["X-Infergate-Node"] == "a"   # bytes before it freezes
     a.mode = "frozen"
     pool = ThreadPoolExecutor(2)
     try:
@@ -455,6 +457,10 @@ def test_a_frozen_node_with_every_slot_taken_is_reported_stalled(
         _wait(lambda: edge.node_status("a")["stalled"] is True, 10)
         assert time.monotonic() - t0 < 5.0
         assert "quiet for" in edge.error_log()
+        # still frozen: checked again every few seconds, and still reported stalled
+        # (before, the finding lapsed after 30 s and the node came back as busy)
+        _wait(lambda: edge.error_log().count("node a quiet for") >= 2, 10)
+        assert edge.node_status("a")["stalled"] is True
     finally:
         a.mode = "ok"
         a.release()

@@ -240,6 +240,26 @@ def test_a_busy_poll_is_good_only_while_the_node_has_work():
     assert not st.healthy, "refused connections are never busy"
 
 
+def test_a_busy_poll_trusts_the_nodes_own_running_count_only_while_it_is_recent():
+    """A server whose last metrics page showed requests running and that then stops
+    answering (frozen): its busy polls are good for a few polls, not for ever (before,
+    the page read before the freeze kept it healthy as long as it stayed frozen)."""
+    from controlplane.routing.nodemetrics.model import Reading
+
+    t = NodeTracker(NodeSettings(name="v", url="http://127.0.0.1:9"), settings())
+    page = PollResult(good=True, reachable=True,
+                      reading=Reading(dialect="vllm", queue_depth=0.0, running=3.0))
+    st, _ = t.update(page, 0.0)
+    assert st.healthy
+    busy = PollResult(good=False, reachable=False, error="health: busy", busy=True)
+    for now in (1.0, 2.0, 3.0, 4.0, 5.0):
+        st, _ = t.update(busy, now)
+        assert st.healthy and st.consecutive_failures == 0, now
+    for now in (6.0, 7.0, 8.0):
+        st, _ = t.update(busy, now)
+    assert not st.healthy, "no page for longer than the hold: its old count is no evidence"
+
+
 def test_breakers_open_needs_every_fresh_edge():
     def rep(ts, **breakers):
         return json.dumps({"ts": ts, "nodes": {n: {"breaker": b, "inflight": 0}

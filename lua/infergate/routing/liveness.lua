@@ -25,7 +25,10 @@
 -- API server, vllm/entrypoints/openai/api_server.py), so no answer within a second is a
 -- frozen process, and infergate.routing.outlier finds the node silent then (failed_early)
 -- instead of after its TTFB threshold (5 s for answers not streamed). An answer leaves
--- the node as it was: a long prefill stays a long prefill.
+-- the node as it was: a long prefill stays a long prefill. While the node stays quiet
+-- with requests (the same `since`), the check is made again every EARLY_RECHECK_S: a
+-- node still frozen stays found (and reported stalled: infergate.routing.stall.flagged)
+-- for as long as it is frozen, not HOLD_MAX_S, and one that answers is cleared.
 --
 -- Shared dict infergate_stats (all workers):
 --   "lw:<node>"  epoch s of the finding a check is wanted for (set by holds() and dead(),
@@ -35,7 +38,7 @@
 --   "ln:<node>"  the finding (epoch s) a check got no answer for
 --   "le:<node>"  epoch s since which the node is quiet, an early check wanted for it
 --                (TTL EARLY_REPEAT_S)
---   "lh:<node>"  the "le:" value whose early check was started
+--   "lh:<node>"  the "le:" value whose early check was started (TTL EARLY_RECHECK_S)
 --   "lx:<node>"  the "le:" value whose early check got no answer
 --
 -- holds(node, since, now, o)  balancer phase (no I/O): true while the node waits for an
@@ -68,6 +71,7 @@ _M.TIMEOUT_MAX_S = 10
 _M.PATH = "/health"
 _M.EARLY_TIMEOUT_S = 1
 _M.EARLY_REPEAT_S = 1
+_M.EARLY_RECHECK_S = 5
 
 local function dict()
     return shared[config.DICT_STATS]
@@ -288,7 +292,7 @@ function _M.tick(nodes, o, threshold, inflight)
                 end
             elseif early and d:get("lh:" .. name) ~= early
                     and start(d, node, early, _M.EARLY_TIMEOUT_S, true) then
-                d:set("lh:" .. name, early, _M.HOLD_MAX_S)
+                d:set("lh:" .. name, early, _M.EARLY_RECHECK_S)
                 started = started + 1
             end
         end
