@@ -304,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         # texts with the same words (verifier.same_words) score 1 on the serving path
         oof[n][[ver.same_words(q, c) for q, c in zip(p.text2, p.text1)]] = 1.0
         a = cal.choose(cal.sweep(cos, Y[n], cos_grid, guard_ok), args.max_wrong)
-        v_rows = cal.sweep(oof[n], Y[n], p_grid, (cos >= FLOOR) & serve_ok)
+        served = np.array([decision.served_score(g, float(x)) for g, x in zip(verdicts, oof[n])])
+        v_rows = cal.sweep(served, Y[n], p_grid, (cos >= FLOOR) & serve_ok)
         free_rows = cal.sweep(oof[n], Y[n], p_grid, cos >= FLOOR)
         b_ = cal.choose(v_rows, args.max_wrong)
         masks[n] = ((cos >= FLOOR) & serve_ok, (cos >= FLOOR) & guard_ok, cos)

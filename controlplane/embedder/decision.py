@@ -47,13 +47,23 @@ def guard_verdict(text: str, candidate: str, verifying: bool,
     verifier decides (``verifying``), a rejection it may overrule
     (:func:`guard.verifier_may_overrule`: an English key-term substitution, which the
     verifier sees as a feature) passes with the label ``pass:verifier``, so the verifier's
-    probability decides."""
+    probability decides: at the configured threshold when the words that differ are
+    spelled alike (:func:`guard.spelling_variant`), else at
+    :data:`guard.SUBSTITUTION_MIN_SCORE` at least (``min_score`` of the result)."""
     g = guard_mod.check(text, candidate)
     if g.ok and unknown is not None and unknown(text) != unknown(candidate):
         return guard_mod.GuardResult(False, "unknown_chars")
     if not g.ok and verifying and guard_mod.verifier_may_overrule(g, text, candidate):
-        return guard_mod.VERIFIER_DECIDES
+        if guard_mod.spelling_variant(text, candidate):
+            return guard_mod.VERIFIER_DECIDES
+        return guard_mod.VERIFIER_DECIDES_SUBSTITUTION
     return g
+
+
+def served_score(g: guard_mod.GuardResult, score: float) -> float:
+    """The verifier's ``score`` of a pair the guard passed with ``g``, as a threshold
+    sweep must read it: unchanged, or -1 (never served) when below ``g.min_score``."""
+    return score if g.min_score is None or score >= g.min_score else -1.0
 
 
 def choose(text: str, vec: np.ndarray | None, cands: Sequence[Candidate], threshold: float,
@@ -94,7 +104,7 @@ def choose(text: str, vec: np.ndarray | None, cands: Sequence[Candidate], thresh
             # one candidate at a time: a hit on the first spares the others' features
             score = verify(verifier, text, vec, [c], embed)[0]
             best_score = score if best_score is None else max(best_score, score)
-            if score < min_score:
+            if served_score(g, score) < min_score:
                 if on_reject is not None:
                     on_reject("verifier")
                 verdict = verdict or "reject:verifier"

@@ -33,6 +33,7 @@ import numpy as np
 import tomli_w
 
 from controlplane.embedder import calibration as cal
+from controlplane.embedder import decision
 from controlplane.embedder import split
 from controlplane.embedder import verifier as ver
 from controlplane.errors import InfergateError
@@ -167,21 +168,21 @@ def _cosine(fit: _Part, check: _Part, max_wrong: float, bound: str,
     return out[0], chosen, _at(out[1], chosen.threshold) if chosen else None
 
 
-def _serving_guard(pairs: cal.Pairs) -> np.ndarray:
-    """Per pair (``text2`` asked, ``text1`` cached), whether the guard lets the verifier
-    decide, as the embedder serves (``decision.guard_verdict``)."""
-    from controlplane.embedder import decision
-
-    return np.array([decision.guard_verdict(q, c, True).ok
-                     for q, c in zip(pairs.text2, pairs.text1)], dtype=bool)
+def _serving_guard(pairs: cal.Pairs) -> list:
+    """Per pair (``text2`` asked, ``text1`` cached), the guard's verdict when the verifier
+    decides, as the embedder serves (``decision.guard_verdict``)."""
+    return [decision.guard_verdict(q, c, True) for q, c in zip(pairs.text2, pairs.text1)]
 
 
 def _verifier_rows(v: ver.Verifier, part: _Part, bound: str) -> list[cal.SweepRow]:
     """The sweep of ``v``'s probability on ``part`` as the embedder serves: cosine >= the
-    floor, the guard, then the probability."""
+    floor, the guard, then the probability (at least the guard's own bar for a pair:
+    ``decision.served_score``)."""
     cos = np.einsum("ij,ij->i", part.u, part.v)
-    allowed = (cos >= v.floor) & _serving_guard(part.pairs)
+    verdicts = _serving_guard(part.pairs)
+    allowed = (cos >= v.floor) & np.array([g.ok for g in verdicts], dtype=bool)
     scores = v.score(part.pairs.text2, part.pairs.text1, part.u, part.v)
+    scores = np.array([decision.served_score(g, float(s)) for g, s in zip(verdicts, scores)])
     return cal.sweep(scores, part.y, cal.grid(0.0, 1.0, 0.005), allowed, bound=bound)
 
 
@@ -202,7 +203,8 @@ def _train(fit: _Part, check: _Part, model, max_wrong: float, floor: float, fold
     check part at that threshold."""
     x = ver.features(fit.pairs.text2, fit.pairs.text1, fit.u, fit.v)
     cos = ver.cosine_of(x)
-    guard_ok = _serving_guard(fit.pairs)
+    verdicts = _serving_guard(fit.pairs)
+    guard_ok = np.array([g.ok for g in verdicts], dtype=bool)
     fold = cal.fold_ids(fit.pairs, folds, seed)
     if len(np.unique(fold)) < 2:
         raise TuningError("too few distinct questions to cross-validate a verifier")
@@ -213,7 +215,8 @@ def _train(fit: _Part, check: _Part, model, max_wrong: float, floor: float, fold
         scores = ver.cross_val_scores(x, fit.y, fold, floor=floor, extra=extra)
     except ValueError as exc:
         raise TuningError(f"cannot train a verifier on these pairs: {exc}") from None
-    rows = cal.sweep(scores, fit.y, cal.grid(0.0, 1.0, 0.005), (cos >= floor) & guard_ok,
+    served = np.array([decision.served_score(g, float(s)) for g, s in zip(verdicts, scores)])
+    rows = cal.sweep(served, fit.y, cal.grid(0.0, 1.0, 0.005), (cos >= floor) & guard_ok,
                      bound=bound)
     chosen = cal.choose(rows, max_wrong)
     keep = cos >= floor

@@ -58,9 +58,25 @@ def test_only_english_key_term_rejections_go_to_the_verifier(query, cached, may)
 
 
 def test_the_verifier_decides_an_english_key_term_substitution() -> None:
+    """Other words substituted need the verifier at SUBSTITUTION_MIN_SCORE whatever the
+    threshold (it scored "New York City" / "New York State" 0.95, "fly" / "drive" 0.98);
+    the same words spelled otherwise need only the threshold."""
     q, c = "How do I make pancakes?", "What is a good recipe for pancakes?"
-    hit, verdict, score = _ask(q, c, _constant_verifier(0.9))
-    assert hit is not None and verdict == "pass:verifier" and score == pytest.approx(0.9)
+    hit, verdict, score = _ask(q, c, _constant_verifier(0.995))
+    assert hit is not None and verdict == "pass:verifier" and score == pytest.approx(0.995)
+    for q2, c2 in ((q, c), ("What is the population of New York State?",
+                            "What is the population of New York City?"),
+                   ("How long does it take to drive from London to Paris?",
+                    "How long does it take to fly from London to Paris?")):
+        hit, verdict, _ = _ask(q2, c2, _constant_verifier(0.98))
+        assert hit is None and verdict == "reject:verifier", (q2, c2)
+    for q2, c2 in (("What is the difference between data analytics and data mining?",
+                    "What is the difference between data analyticis and data mining?"),
+                   ("What are some mind blowing facts about Steve Jobs?",
+                    "What are some mindblowing facts about Steve Jobs?")):
+        assert guard.spelling_variant(q2, c2)
+        hit, verdict, _ = _ask(q2, c2, _constant_verifier(0.9))
+        assert hit is not None and verdict == "pass:verifier", (q2, c2)
     hit, verdict, _ = _ask(q, c, _constant_verifier(0.3))
     assert hit is None and verdict == "reject:verifier"
     hit, verdict, _ = _ask(q, c, None, None)  # without the verifier the guard decides
