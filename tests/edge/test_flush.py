@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -166,6 +167,39 @@ def test_waiters_go_to_a_node_when_the_leader_stores_nothing(redis_server, tiny_
     finally:
         stop.set()
         sampler.join()
+
+
+def test_a_generation_longer_than_the_coalescing_wait_is_still_one_node_request(
+        redis_server, tiny_upstreams, edge_factory) -> None:
+    """A waiter not streamed waits for the leader up to its own deadline, not
+    coalesce_wait_s: an answer that takes longer than coalesce_wait_s is one node
+    request, served to the waiter as a HIT (before, the waiter went to the node after
+    coalesce_wait_s and generated it again). A streamed waiter still goes on after
+    coalesce_wait_s (its client sees nothing while it waits)."""
+    (up,) = tiny_upstreams(1)
+    up.delay_s = 2.5
+    edge = cache_edge(redis_server, [up], edge_factory, {"coalesce_wait_s": 1.0})
+    with ThreadPoolExecutor(2) as pool:
+        lead = pool.submit(chat, edge, "coalesce a long one")
+        procs.wait_until(lambda: up.inflight == 1, 10, what="the leader at the node")
+        wait = pool.submit(chat, edge, "coalesce a long one")
+        first, second = lead.result(30), wait.result(30)
+    assert first.headers["X-Cache-Status"] == "MISS"
+    assert second.status_code == 200 and second.headers["X-Cache-Status"] == "HIT"
+    assert up.hits == 1
+
+    body = {"model": "m", "temperature": 0, "stream": True,
+            "messages": [{"role": "user", "content": "coalesce a long stream"}]}
+
+    def stream() -> requests.Response:
+        return requests.post(edge.url + CHAT, json=body, timeout=30)
+
+    with ThreadPoolExecutor(2) as pool:
+        lead = pool.submit(stream)
+        procs.wait_until(lambda: up.inflight == 1, 10, what="the streamed leader at the node")
+        wait = pool.submit(stream)
+        procs.wait_until(lambda: up.hits == 3, 10, what="the streamed waiter at the node")
+        assert lead.result(30).status_code == 200 and wait.result(30).status_code == 200
 
 
 def test_a_worker_that_exits_still_writes_what_its_last_requests_store(

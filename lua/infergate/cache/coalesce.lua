@@ -1,9 +1,18 @@
 -- Request coalescing (see infergate.cache.lookup): on an exact miss the first request
 -- takes a lock in the shared dict; identical requests arriving meanwhile wait for its
 -- answer to be stored, and serve it as an exact hit.
+--
+-- How long: the lock lives as long as its leader may run (its own deadline, at least
+-- coalesce_wait_s, at most LOCK_MAX_S), so a generation longer than coalesce_wait_s is
+-- still one node request. A waiter that is not streamed waits for it up to its own
+-- deadline (the leader started first: its answer is the soonest this request can have),
+-- at least coalesce_wait_s; a streamed waiter, whose client sees nothing while it waits,
+-- waits coalesce_wait_s at most. Either goes on to a node at once when the leader ends
+-- without an answer to store (the NOSTORE mark).
 local ngx_now = require("infergate.core.ngxapi").now
 local shared = require("infergate.cache.shared")
 local entries = require("infergate.cache.entry")
+local deadline = require("infergate.admission.deadline")
 
 local _M = {}
 
@@ -12,14 +21,30 @@ local with_redis = shared.with_redis
 
 local opts = nil
 
+_M.LOCK_MAX_S = 600
+
 -- The [cache] options (infergate.cache.lookup.init).
 function _M.configure(o)
     opts = o
 end
 
-local function wait_for_leader(c, lock)
+-- Seconds request `req` may wait for, or hold, an identical request's answer (see the
+-- top of this file).
+local function bound_s(req, leader)
+    local wait = opts.coalesce_wait_s
+    if leader or not req.stream then
+        local left = deadline.remaining(req)
+        if left and left > wait then
+            wait = left < _M.LOCK_MAX_S and left or _M.LOCK_MAX_S
+        end
+    end
+    return wait
+end
+_M.bound_s = bound_s
+
+local function wait_for_leader(req, c, lock)
     local dict = ngx.shared[shared.DICT]
-    local deadline = ngx_now() + opts.coalesce_wait_s
+    local until_s = ngx_now() + bound_s(req, false)
     local pause = opts.coalesce_poll_ms / 1000
     -- The leader releases the lock once its answer is stored, or marks it NOSTORE the
     -- moment it ends without one: poll the shared dict, and read Redis only then.
@@ -34,7 +59,7 @@ local function wait_for_leader(c, lock)
             return entry
         end
         ngx.update_time()
-        if ngx_now() >= deadline then
+        if ngx_now() >= until_s then
             return nil
         end
     end
@@ -50,11 +75,11 @@ function _M.run(req, c, k)
     local dict = ngx.shared[shared.DICT]
     local lock = "lock:" .. k.exact
     local owner = req.id or tostring(ngx_now())
-    local ok = dict and dict:add(lock, owner, opts.coalesce_wait_s)
+    local ok = dict and dict:add(lock, owner, bound_s(req, true))
     if ok then
         c.lock, c.owner = lock, owner
     elseif dict and dict:get(lock) ~= shared.NOSTORE then
-        return wait_for_leader(c, lock)
+        return wait_for_leader(req, c, lock)
     end
     return nil
 end

@@ -20,9 +20,10 @@
 --     BYPASS, nothing stored (through infergate.redis.pool: after a failure every worker
 --     skips Redis for the pool's back-off, limits.redis_retry_s, 1 s by default).
 --   * coalescing: on an exact miss the first request takes a lock in the shared dict
---     (add with TTL coalesce_wait_s); identical requests arriving meanwhile poll the lock
---     every coalesce_poll_ms and serve the entry as an exact HIT once the lock is gone,
---     or go on to a node when coalesce_wait_s passed or the leader ended without a
+--     (its TTL the leader's deadline, at least coalesce_wait_s); identical requests
+--     arriving meanwhile poll the lock every coalesce_poll_ms and serve the entry as an
+--     exact HIT once the lock is gone, or go on to a node when their wait ends
+--     (infergate.cache.coalesce: their deadline, a stream coalesce_wait_s) or the leader ended without a
 --     storable answer (the lock then holds NOSTORE for capture.NOSTORE_TTL_S, and
 --     identical requests in that time go to a node without waiting).
 --   * semantic (when the request has a namespace): subrequest to the internal location
