@@ -578,6 +578,16 @@ def test_no_store_and_no_cache(stack, edge) -> None:
     procs.wait_until(lambda: json.loads(stack.r.get(k))["created"] > created, 10,
                      what="fresh answer stored after no-cache")
     assert post(edge, body).headers["X-Cache-Status"] == "HIT"
+    # the other ways clients ask for a fresh answer (RFC 9111): max-age=0, and Pragma
+    # without a Cache-Control header; no-cache inside a list of directives
+    for headers in ({"Cache-Control": "max-age=0"}, {"Pragma": "no-cache"},
+                    {"Cache-Control": "no-transform, no-cache"}):
+        n = stack.node_requests()
+        res = post(edge, body, headers=headers)
+        assert res.headers["X-Cache-Status"] == "BYPASS", headers
+        assert stack.node_requests() == n + 1
+    assert post(edge, body, headers={"Cache-Control": "max-age=60", "Pragma": "no-cache"}) \
+        .headers["X-Cache-Status"] == "HIT"      # Cache-Control present: Pragma ignored
 
 
 @pytest.mark.parametrize("body", [
@@ -597,9 +607,13 @@ def test_no_store_and_no_cache(stack, edge) -> None:
         {"type": "text", "text": "Name a shape."}, {"type": "text", "text": {"a": 1}}]}]},
     {"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "Name a fruit."}, {"type": "text", "content": "in French"}]}]},
+    body_of("Say hiya.", n_probs=3),
+    body_of("Say howdy.", n_probs=2, post_sampling_probs=True),
+    body_of("Say yo.", prompt_logprobs=1),
 ], ids=["image", "hot", "n2", "logprobs", "stream_string", "stream_options_string",
         "negative_temperature", "zero_max_tokens", "bare_string_part", "text_not_a_string",
-        "part_without_text"])
+        "part_without_text", "llamacpp_n_probs", "llamacpp_post_sampling_probs",
+        "vllm_prompt_logprobs"])
 def test_uncacheable_requests_bypass(stack, edge, body) -> None:
     before = stack.counters()
     res = post(edge, body)

