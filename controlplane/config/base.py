@@ -73,4 +73,4 @@ def key_path(path: str, key: str) -> str:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)

@@ -268,6 +268,12 @@ local function decode_into(req, body)
         return err
     end
     if type(obj) == "table" then
+        local model = obj.model
+        if model ~= nil and model ~= cjson.null and type(model) ~= "string" then
+            return { status = 400, message = "The field 'model' must be a string (the id of "
+                         .. "a model, as GET /v1/models lists them).",
+                     type = "invalid_request_error", code = "invalid_model" }
+        end
         take_object(req, obj, o)
     end
 end

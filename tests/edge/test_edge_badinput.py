@@ -278,6 +278,21 @@ def test_invalid_utf8_is_400(edge_and_node, raw: bytes) -> None:
     assert up.hits == 0
 
 
+@pytest.mark.parametrize("model", [b"5", b"true", b'["m"]', b'{"id": "m"}'])
+def test_a_model_that_is_not_a_string_is_400(edge_and_node, model: bytes) -> None:
+    """The OpenAI API's model is a string id: any other JSON value is refused at the edge
+    (before, it was routed as if no model were named); null and no model still pass."""
+    edge, up = edge_and_node
+    res = post_raw(edge, b'{"model": ' + model + b', "messages": [{"role": "user", '
+                   b'"content": "hi"}]}')
+    assert res.status_code == 400 and error_code(res) == "invalid_model", res.text
+    assert "'model' must be a string" in res.json()["error"]["message"]
+    assert up.hits == 0
+    for body in (b'{"model": null, "messages": [{"role": "user", "content": "hi"}]}',
+                 b'{"messages": [{"role": "user", "content": "hi"}]}'):
+        assert post_raw(edge, body).status_code == 200
+
+
 def test_valid_utf8_and_escapes_pass(edge_and_node) -> None:
     edge, up = edge_and_node
     for content in ("你好，世界", "emoji 🚀 and ünïcödé", "\\ud83d\\ude80 escaped pair"):

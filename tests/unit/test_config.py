@@ -60,6 +60,8 @@ def test_env_overrides(monkeypatch):
     ({"name": "a", "url": "http://x:1/v1"}, "without a path"),
     ({"name": "a", "url": "http://x", "weight": 0}, "greater than or equal to 0.001"),
     ({"name": "a", "url": "http://x", "weight": 1e-300}, "greater than or equal to 0.001"),
+    ({"name": "a", "url": "http://x", "weight": "NaN"}, "finite number"),
+    ({"name": "a", "url": "http://x", "weight": float("inf")}, "finite number"),
     ({"name": "a", "url": "http://x:0"}, "1-65535"),
     ({"name": "a", "url": "http://u:pw@x:80"}, "credentials"),
     ({"name": "a", "url": "http://x", "health_path": "@evil:80/health"}, "absolute path"),

@@ -349,8 +349,9 @@ function _M.step(req)
         astats.incr("auth_throttled")
         return {
             status = 429,
-            message = "Too many requests with invalid API keys from your address; retry "
-                .. "shortly.",
+            message = "Too many requests with unknown or invalid API keys from your "
+                .. "address; retry shortly (a key created in the last seconds is known "
+                .. "within 5 s).",
             type = "rate_limit_error",
             code = "auth_throttled",
             headers = { ["Retry-After"] = tostring(math.ceil(wait)) },
