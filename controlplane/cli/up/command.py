@@ -145,6 +145,9 @@ def stop_all(run: UpRun) -> None:
     run.stack.stop_all(hurry=run.hurry)
     # the state (Redis's append-only file: API keys, nodes, drains, cached answers)
     # is in the folder; only a start on the same folder finds it again
+    if not run.up:
+        click.echo(f"stopped before the stack was up; its logs are in {run.wd}", err=True)
+        return
     click.echo(f"stopped; the work folder {run.wd} is kept (`{_again_command(run.wd)}` "
                "starts on its state again)", err=True)
 
@@ -207,6 +210,7 @@ def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
         start_controlplane(run)
         start_edge(run)
         print_banner(run)
+        run.up = True
         failed = supervise(run)
     except procs.StartError as exc:
         raise click.ClickException(str(exc)) from None

@@ -63,6 +63,8 @@ class UpRun:
     nodes: list[NodeSettings] = field(default_factory=list)
     #: the nodes are this stack's simulated pool (no ``--node``, no ``[[nodes]]`` in the file)
     simulated: bool = False
+    #: every part started and the banner printed
+    up: bool = False
     #: every registered node after the seeding, with its state (the banner's list)
     registered: list[tuple[NodeSettings, str]] = field(default_factory=list)
     demo_key: str | None = None
