@@ -186,3 +186,41 @@ def test_up_names_a_redis_that_refuses_its_password(tmp_path) -> None:
         assert "already running" in _ensure_redis(s, tmp_path, procs.ProcessSet())
     finally:
         m.stop()
+
+
+def test_a_restart_on_the_same_folder_keeps_its_redis_url(tmp_path) -> None:
+    """`up` again on a folder: its own Redis comes back on the port and with the password
+    of the earlier run (the banner's `export INFERGATE_REDIS_URL=...` stays good), unless
+    that port is taken; a URL the folder's Redis never had is not taken over."""
+    import socket
+
+    from controlplane import procs
+    from controlplane.cli.up.store import _earlier_own_redis, _own_redis
+    from controlplane.config import Settings
+
+    first = Settings()
+    stack = procs.ProcessSet()
+    _own_redis(first, tmp_path, stack)
+    (tmp_path / "infergate.toml").write_text(f'[redis]\nurl = "{first.redis.url}"\n')
+    stack.stop_all()
+    again = Settings()
+    stack = procs.ProcessSet()
+    try:
+        _own_redis(again, tmp_path, stack)
+        assert again.redis.url == first.redis.url
+    finally:
+        stack.stop_all()
+    port = _earlier_own_redis(tmp_path)[0]
+    with socket.socket() as s:                            # the port taken: another one
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        other = Settings()
+        stack = procs.ProcessSet()
+        try:
+            _own_redis(other, tmp_path, stack)
+            assert other.redis.url != first.redis.url and f":{port}/" not in other.redis.url
+        finally:
+            stack.stop_all()
+    (tmp_path / "infergate.toml").write_text('[redis]\nurl = "redis://:guess@127.0.0.1:6390/0"\n')
+    assert _earlier_own_redis(tmp_path) is None

@@ -4,6 +4,7 @@ purpose (started there when nothing answers at a local address)."""
 from __future__ import annotations
 
 import secrets
+import tomllib
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -38,17 +39,55 @@ def _redis_answers(settings: Settings) -> bool:
         return False
 
 
+def _earlier_own_redis(workdir: Path) -> tuple[int, str] | None:
+    """The port and password of the Redis an earlier run on ``workdir`` started for
+    itself: the URL its ``infergate.toml`` names, when that is 127.0.0.1 with the
+    password of ``workdir/redis/redis.conf`` (a Redis named on purpose is not this
+    folder's own). None otherwise."""
+    try:
+        with open(workdir / "infergate.toml", "rb") as f:
+            url = tomllib.load(f).get("redis", {}).get("url")
+        conf = (workdir / "redis" / "redis.conf").read_text(encoding="utf-8")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(url, str):
+        return None
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        return None
+    password = unquote(parts.password) if parts.password else None
+    if parts.scheme != "redis" or parts.hostname != "127.0.0.1" or not port or not password:
+        return None
+    if f"requirepass {password}\n" not in conf:
+        return None
+    return port, password
+
+
 def _own_redis(settings: Settings, workdir: Path, stack: procs.ProcessSet) -> str:
     """Start this stack's own ``redis-server`` (append-only file in ``workdir/redis``) on
     a free loopback port, chosen again when another process takes it first, with a new
     random password (``requirepass``: on a shared host another user's process could
     otherwise read the stored prompts and answers, or write API keys and nodes); point
     ``settings.redis.url`` at it, password included, and return the banner description.
+    A start on a folder an earlier run left takes that run's port and password again
+    while the port is free, so a URL exported from its banner stays good.
     Never joins a Redis that already runs (e.g. another stack's at 6379). Raises
     :class:`controlplane.procs.StartError`."""
     _say("starting redis-server (this stack's own, on a free port, with a password)")
-    password = secrets.token_urlsafe(24)
-    m, port = procs.start_redis_free_port(workdir / "redis", persistent=True, password=password)
+    m = None
+    earlier = _earlier_own_redis(workdir)
+    if earlier is not None and not procs.port_open("127.0.0.1", earlier[0]):
+        port, password = earlier
+        try:
+            m = procs.start_redis(workdir / "redis", port, persistent=True, password=password)
+        except procs.StartError:
+            m = None    # taken meanwhile: a free port
+    if m is None:
+        password = secrets.token_urlsafe(24)
+        m, port = procs.start_redis_free_port(workdir / "redis", persistent=True,
+                                              password=password)
     stack.add(m)
     settings.redis.url = f"redis://:{password}@127.0.0.1:{port}/0"
     return (f"{settings.redis.url} (this stack's own redis-server, password required, "
