@@ -25,6 +25,10 @@ strategy after the other for each load (interleaved), a fresh edge per run:
   the client, of them ``lost_no_byte_frozen`` had tried the frozen node.
 - ``speed_shift``: the same pool at :data:`SHIFT_LOAD`; ``fast-1`` becomes 3 times slower
   at a third of the window and recovers at two thirds (``slowdown`` fault of the simnode).
+- ``pool_slowdown``: the same pool at :data:`POOL_SLOW_LOAD`; every node becomes
+  :data:`SHIFT_FACTOR` times slower at a third of the window and recovers at two thirds
+  (the offered load is then about twice what the pool can serve): what is not served
+  should get a quick 429, not a timeout.
 - ``zero_reuse``: the four equal prefix-caching nodes of bench/scheduler/prefix.py
   (:data:`~bench.scheduler.prefix.POOL`), every prompt 2,000-6,000 tokens long and
   unique from its first character (nothing to reuse), the prefix term of infergate on.
@@ -79,17 +83,20 @@ from .stack import (EdgeRun, InfergateStack, SimNodeProc, clear_faults, infergat
 from .stats import summarise
 from .workload import PoolSpec, Request, RequestMix, Workload, pool_capacity_rps
 
-SHAPES = ("quiet_then_burst", "node_freeze", "speed_shift", "zero_reuse", "shared_prefix_open")
+SHAPES = ("quiet_then_burst", "node_freeze", "speed_shift", "pool_slowdown", "zero_reuse",
+          "shared_prefix_open")
 STRATEGIES = ("round_robin", "least_conn", "infergate")
 DEADLINE_SIM_S = 30.0
 TIME_SCALE = 0.2
 QUIET, BURST = 30, 200
 FREEZE_LOAD, FREEZE_SIM_S, FREEZE_NODE = 0.5, 40.0, "fast-1"
 SHIFT_LOAD, SHIFT_FACTOR = 0.7, 3.0
+POOL_SLOW_LOAD = 0.6
 ZERO_LOADS = (0.8,)
 OPEN_LOADS = (1.5, 2.0)
 GROUPS = 40
-WINDOW_SIM_S = {"node_freeze": 100.0, "speed_shift": 120.0, "zero_reuse": 90.0,
+WINDOW_SIM_S = {"node_freeze": 100.0, "speed_shift": 120.0, "pool_slowdown": 120.0,
+                "zero_reuse": 90.0,
                 "shared_prefix_open": 90.0}
 BASE = PoolSpec()
 
@@ -349,14 +356,17 @@ def run_one(plan: Plan, strategy: str, frac: float, wl: Workload, *, stack: Stac
                             return
                         await asyncio.sleep(0.05)
                 on_time = [(t_f, freeze), (t_f, watch), (t_t, thaw)]
-            elif plan.name == "speed_shift":
-                bad = next(n for n in nodes if n.name == FREEZE_NODE)
+            elif plan.name in ("speed_shift", "pool_slowdown"):
+                slowed = [n for n in nodes
+                          if plan.name == "pool_slowdown" or n.name == FREEZE_NODE]
 
                 async def slow() -> None:
-                    await asyncio.to_thread(bad.set_faults, slowdown=SHIFT_FACTOR)
+                    for n in slowed:
+                        await asyncio.to_thread(n.set_faults, slowdown=SHIFT_FACTOR)
 
                 async def back() -> None:
-                    await asyncio.to_thread(bad.set_faults, slowdown=1.0)
+                    for n in slowed:
+                        await asyncio.to_thread(n.set_faults, slowdown=1.0)
                 on_time = [(wl.duration_s / 3, slow), (2 * wl.duration_s / 3, back)]
             run = asyncio.run(run_load(edge.url, wl, deadline, controls, 0.1, on_time, send))
             results, states, duration = run.results, run.states, wl.duration_s
@@ -430,7 +440,8 @@ def build(name: str, prompts: list[str], seed: int, ts: float,
             wl = mix.workload(1000.0, (QUIET + BURST + 1) / 1000.0)
             wls = {0.0: replace(wl, requests=wl.requests[:QUIET + BURST])}
         else:
-            load = FREEZE_LOAD if name == "node_freeze" else SHIFT_LOAD
+            load = {"node_freeze": FREEZE_LOAD, "pool_slowdown": POOL_SLOW_LOAD}.get(
+                name, SHIFT_LOAD)
             plan = Plan(name, spec, loads or (load,))
             wls = {f: mix.workload(f * cap, WINDOW_SIM_S[name] * ts) for f in plan.loads}
     facts = {"scenario": name, "capacity_wall_rps": round(cap, 3),
