@@ -40,6 +40,7 @@
 --                (TTL EARLY_REPEAT_S)
 --   "lh:<node>"  the "le:" value whose early check was started (TTL EARLY_RECHECK_S)
 --   "lx:<node>"  the "le:" value whose early check got no answer
+--   "ly:<node>"  the same, once a second check of that silence got none either
 --
 -- holds(node, since, now, o)  balancer phase (no I/O): true while the node waits for an
 --                             answer to a check
@@ -47,8 +48,9 @@
 --                             and none answered since (asks for a check; no I/O)
 -- suspect(node, since, o)    balancer phase (no I/O): asks for an early check of a node
 --                             quiet since epoch s `since`
--- failed_early(name)          the `since` of an early check that got no answer, when no
---                             check answered after it; else nil
+-- failed_early(name, twice)   the `since` of an early check that got no answer (twice:
+--                             two checks of that silence), when no check answered
+--                             after it; else nil
 -- mid_stream(node, since, o)  "alive" | "dead" | "pending" for a stream silent since
 --                             `since` (asks for a check; no I/O)
 -- tick(nodes, o, threshold, inflight)  worker 0's timer: starts a check (a timer each) per
@@ -135,9 +137,9 @@ function _M.suspect(node, since, o)
     end
 end
 
-function _M.failed_early(name)
+function _M.failed_early(name, twice)
     local d = dict()
-    local lx = d:get("lx:" .. name)
+    local lx = d:get((twice and "ly:" or "lx:") .. name)
     if lx and (d:get("la:" .. name) or 0) < lx then
         return lx
     end
@@ -224,6 +226,9 @@ local function run_early(node, since, t)
     else
         log(WARN, "infergate: node ", node.name, " quiet for ", string.format("%.1f", ngx_now() - since),
             " s and no answer to its liveness check within ", t, " s: ", err or "?")
+        if d:get("lx:" .. node.name) == since then
+            d:set("ly:" .. node.name, since, _M.HOLD_MAX_S) -- a second one, same silence
+        end
         d:set("lx:" .. node.name, since, _M.HOLD_MAX_S)
     end
 end

@@ -288,9 +288,11 @@ function _M.flagged(name, inflight)
     local d = dict()
     local ss = silent_since(d, name)
     if not ss then
-        -- or: requests in flight, and no byte since a liveness check got no answer (a
-        -- frozen node none of whose requests was streaming: infergate.routing.liveness)
-        local lx = (inflight or 0) > 0 and liveness.failed_early(name)
+        -- or: requests in flight, and no byte since two liveness checks got no answer
+        -- (a frozen node none of whose requests was streaming: infergate.routing.liveness;
+        -- two, EARLY_RECHECK_S apart, as the report takes the node from every edge: one
+        -- check missed by a host short of CPU is no frozen node)
+        local lx = (inflight or 0) > 0 and liveness.failed_early(name, true)
         return lx and lx >= math.max(d:get("lb:" .. name) or 0, d:get("fb:" .. name) or 0)
             or false
     end
