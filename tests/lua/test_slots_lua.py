@@ -282,44 +282,6 @@ def test_admission_predicts_the_requests_own_time_at_the_tail(workdir: Path) -> 
     assert got["done"] == pytest.approx(2.0 + got["tail"])
 
 
-def test_full_slots_that_run_longer_than_the_mean_slow_the_prediction(workdir: Path) -> None:
-    """A pool that slowed down at once: its mean (0.5 s) learns it only as the slow
-    answers end. Every slot of the node taken and none freed for 3 s: the queue's
-    prediction takes 3 s as the node's service time (each request in flight has run that
-    long), so waiting requests get their 429 instead of timing out. Not while a slot is
-    free, and not on a node of one slot (its one request may be a long answer)."""
-    got = run(workdir, """
-            local now = ngx.now()
-            local d = ngx.shared.infergate_stats
-            local att = stats.open_attempt("a", now)
-            stats.close_attempt(att, "ok", now, 500)              -- mean 0.5 s
-            att = stats.open_attempt("b", now)
-            stats.close_attempt(att, "ok", now, 500)
-            local t = tbl({node("a", {slots = 2, score = nil})})
-            local one = tbl({node("b", {slots = 1, score = nil})})
-            local out = {}
-            busy("a", 1)
-            d:set("lf:a", now - 3)
-            out.free_left = {slots.predict(t, now, {}, 2)}        -- one slot still free
-            busy("a", 1)
-            d:set("lf:a", now - 3)                                -- full, filled 3 s ago
-            out.stuck = {slots.predict(t, now, {}, 2)}
-            d:set("lf:a", now - 0.2)                              -- filled just now
-            out.fresh = {slots.predict(t, now, {}, 2)}
-            busy("b", 1)
-            d:set("lf:b", now - 3)
-            out.single = {slots.predict(one, now, {}, 0)}
-            out.filled = stats.last_fill("b") ~= nil
-            return out
-    """)
-    assert got["free_left"][1] == pytest.approx(0.5)          # 2 ahead, 1 free: 2 / (2 / 0.5)
-    assert got["stuck"][1] == pytest.approx(3 * 3 / 2)        # 3 before it, 2 slots per 3 s
-    assert got["stuck"][0] >= got["stuck"][1] + 3.0           # its own time at least 3 s too
-    assert got["fresh"][1] == pytest.approx(3 * 0.5 / 2)
-    assert got["single"][1] == pytest.approx(0.5)             # one slot: the mean
-    assert got["filled"] is True
-
-
 def test_a_silent_nodes_free_slots_do_not_count_while_a_live_node_is_full(workdir: Path) -> None:
     """slots.free and slots.predict: a node found silent (here flagged a TTFB outlier)
     is not picked while a live node is merely full, so its free slots do not count for a

@@ -142,31 +142,12 @@ function _M.reserve(req, t, now)
     return false
 end
 
--- The service time (s) to predict node `node` by: its latency EWMA `s`, or, when every
--- one of its slots (at least 2) is taken and none has freed for longer than `s`, that
--- time: each request in flight there has run that long and not ended
--- (stats.last_fill), so the node is slower now than its mean says (a pool that slowed
--- down at once: the mean learns it only as the slow answers end, and meanwhile the
--- queue would be let grow by the old speed, each waiting request then timing out
--- instead of getting its 429). A lower bound from what is under way, never below the
--- mean; one slot is left out, as its one request may simply be a long answer.
-local function service_s(node, s, cap, now)
-    if cap < 2 or stats.inflight(node.name) < cap then
-        return s
-    end
-    local filled = stats.last_fill(node.name)
-    local age = filled and now - filled
-    return age and age > s and age or s
-end
-_M.service_s = service_s
-
 -- Predicted completion and wait (s) of a request with `ahead` requests before it in
 -- the queue: the slots of the eligible nodes of `model` free up at sum(cap / s) per
--- second (s: a node's latency EWMA, or the longer time its full slots have run without
--- an end: service_s; with its slots a hard limit that is its service time), and the
--- request then takes its own high quantile (infergate.routing.learned tail_s, capped
--- by its max_tokens); `free`: the slots free now, as free() counts them (counted here
--- when nil). nil when no eligible node has answered yet.
+-- second (s: a node's latency EWMA; with its slots a hard limit that is its service
+-- time), and the request then takes its own high quantile (infergate.routing.learned
+-- tail_s, capped by its max_tokens); `free`: the slots free now, as free() counts them
+-- (counted here when nil). nil when no eligible node has answered yet.
 function _M.predict(t, now, req, ahead, free)
     local rate, tail = 0, nil
     free = free or _M.free(t, now, req.model)
@@ -174,8 +155,8 @@ function _M.predict(t, now, req, ahead, free)
         if open_to(node, req.model, now) then
             local lat = stats.latency_ewma_ms(node.name)
             if lat and lat > 0 then
+                local s = lat / 1000
                 local cap = cap_of(node)
-                local s = service_s(node, lat / 1000, cap, now)
                 rate = rate + cap / s
                 local own = learned.tail_s(node.name, s, req)
                 if not tail or own < tail then

@@ -13,7 +13,6 @@
 --                towards 0 with a half-life of breaker_cooldown_s (at least 1 s) while
 --                the node gets no traffic, so a node is never sidelined for good;
 --   "ft:<node>"  epoch seconds of the last "fr" update
---   "lf:<node>"  epoch seconds an attempt last took an in-flight place on the node
 --
 -- Attempts are tables {node = name, started = epoch s, probe = bool, closed = bool,
 -- released = bool, held = HTTP status | nil} kept in the request context (see
@@ -50,7 +49,6 @@ local ESRCH = 3
 
 -- Key names per node, built once per worker ("if:<node>", "iw:<pid>:<node>").
 local if_key = prefixer("if:")
-local lf_key = prefixer("lf:")
 local iw_key_of -- made at its first use in a worker (its pid)
 
 local function iw_key(name)
@@ -143,15 +141,7 @@ function _M.claim(name, limit)
         return false
     end
     d:incr(iw_key(name), 1, 0)
-    d:set(lf_key(name), ngx_now())
     return true
-end
-
--- Epoch seconds an attempt last took an in-flight place on node `name`, or nil. On a
--- node whose places are all taken, every attempt in flight has run at least since then
--- and none has ended (an end frees a place, and taking it again is a later fill).
-function _M.last_fill(name)
-    return dict():get(lf_key(name))
 end
 
 -- A new attempt on node `name`; returns the attempt record. claimed: its in-flight
@@ -164,7 +154,6 @@ function _M.open_attempt(name, now, probe, claimed)
             log(ERR, "infergate: in-flight counter of ", name, ": ", err)
         end
         d:incr(iw_key(name), 1, 0)
-        d:set(lf_key(name), now)
     end
     d:incr("rq:" .. name, 1, 0)
     return { node = name, started = now, probe = probe or false, closed = false }
