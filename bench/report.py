@@ -353,13 +353,13 @@ def block_noisy_tenant(results: Path) -> str:
                                                                       noisy.table_text(data))
 
 
-def block_scheduler_shapes(results: Path, name: str = "scheduler_shapes") -> str:
+def block_scheduler_shapes(results: Path) -> str:
     """``python -m bench.scheduler.shapes``'s tables (figures, shape figures, ratios)."""
     from .scheduler import shapes
 
-    records = load(results, f"{name}.json")
-    meta = load(results, f"{name}.meta.json")
-    return provenance(f"{name}.json", meta) + "\n\n" + _fenced(shapes.table(records))
+    records = load(results, "scheduler_shapes.json")
+    meta = load(results, "scheduler_shapes.meta.json")
+    return provenance("scheduler_shapes.json", meta) + "\n\n" + _fenced(shapes.table(records))
 
 
 def block_stream_survival(results: Path) -> str:
@@ -379,7 +379,6 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "scheduler_mixed": lambda r: _scheduler(r, "scheduler_scenarios_mixed"),
     "scheduler_mixed_firstsight": lambda r: _scheduler(r, "scheduler_scenarios_mixed_firstsight"),
     "scheduler_shapes": block_scheduler_shapes,
-    "scheduler_pool_slowdown": lambda r: block_scheduler_shapes(r, "scheduler_pool_slowdown"),
     "scheduler_guard_steady": lambda r: _scheduler(r, "scheduler_guard_steady"),
     "scheduler_guard_openai": lambda r: _scheduler(r, "scheduler_guard_openai"),
     "scheduler_guard_prefix": lambda r: _prefix(r, "scheduler_guard_prefix"),
