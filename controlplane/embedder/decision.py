@@ -49,13 +49,17 @@ def guard_verdict(text: str, candidate: str, verifying: bool,
     verifier sees as a feature) passes with the label ``pass:verifier``, so the verifier's
     probability decides: at the configured threshold when the words that differ are
     spelled alike (:func:`guard.spelling_variant`), else at
-    :data:`guard.SUBSTITUTION_MIN_SCORE` at least (``min_score`` of the result)."""
+    :data:`guard.SUBSTITUTION_MIN_SCORE` at least (``min_score`` of the result). So does
+    a pair the guard passed where one English question for an amount adds a qualifier
+    (:func:`guard.qualifier_added`)."""
     g = guard_mod.check(text, candidate)
     if g.ok and unknown is not None and unknown(text) != unknown(candidate):
         return guard_mod.GuardResult(False, "unknown_chars")
     if not g.ok and verifying and guard_mod.verifier_may_overrule(g, text, candidate):
         if guard_mod.spelling_variant(text, candidate):
             return guard_mod.VERIFIER_DECIDES
+        return guard_mod.VERIFIER_DECIDES_SUBSTITUTION
+    if g.ok and verifying and guard_mod.qualifier_added(text, candidate):
         return guard_mod.VERIFIER_DECIDES_SUBSTITUTION
     return g
 

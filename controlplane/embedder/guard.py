@@ -505,6 +505,30 @@ def spelling_variant(query: str, candidate: str) -> bool:
                for p in itertools.permutations(large))
 
 
+#: An English question that asks for an amount: how many / much / long ..., or "what is
+#: the number / population / price ... of".
+_QUANTITY_RE = re.compile(
+    r"\bhow (?:many|much|long|far|old|big|tall|often|large|fast)\b|\bwhat(?:'s| is| are| was)"
+    r" the (?:number|population|price|cost|size|rate|percentage|average|total|gdp|salary"
+    r"|height|weight|length|distance|age|amount|value|speed|area)\b", re.IGNORECASE)
+
+
+def qualifier_added(query: str, candidate: str) -> bool:
+    """True when one English text asks for an amount and the other is the same question
+    with 1..KEY_CHAR_MAX key terms added ("How many students attend Harvard?" / "How many
+    undergraduate students ...", "the GDP" / "the GDP per capita"): the added words
+    narrow what is counted, so the answer differs, while the verifier scored such pairs
+    0.96. A pure addition elsewhere is left to the verifier's threshold."""
+    if _CJK_RE.search(query[:MAX_GUARD_CHARS]) or _CJK_RE.search(candidate[:MAX_GUARD_CHARS]):
+        return False
+    if not (_QUANTITY_RE.search(query[:MAX_GUARD_CHARS])
+            or _QUANTITY_RE.search(candidate[:MAX_GUARD_CHARS])):
+        return False
+    a, b = _canonical_terms(query), _canonical_terms(candidate)
+    extra = (a - b) if b < a else (b - a) if a < b else set()
+    return 0 < len(extra) <= KEY_CHAR_MAX
+
+
 def key_char_substitution(query: str, candidate: str) -> bool:
     """:func:`key_term_substitution` on Chinese key characters only."""
     if not _substituted(key_chars(query), key_chars(candidate)):

@@ -85,6 +85,25 @@ def test_the_verifier_decides_an_english_key_term_substitution() -> None:
     assert hit is None and verdict == "reject:key_terms"
 
 
+def test_a_qualifier_added_to_a_question_for_an_amount_needs_the_higher_bar() -> None:
+    """"How many students" / "How many undergraduate students", "the GDP" / "the GDP per
+    capita": the verifier scored them 0.96; an addition to another question keeps the
+    threshold."""
+    for q, c in (("How many undergraduate students attend Harvard?",
+                  "How many students attend Harvard?"),
+                 ("What is the GDP per capita of the United States?",
+                  "What is the GDP of the United States?")):
+        assert guard.check(q, c).ok and guard.qualifier_added(q, c)
+        hit, verdict, _ = _ask(q, c, _constant_verifier(0.96))
+        assert hit is None and verdict == "reject:verifier", q
+        hit, verdict, _ = _ask(q, c, _constant_verifier(0.995))
+        assert hit is not None and verdict == "pass:verifier", q
+    q, c = "How do I reset my account password?", "How do I reset my password?"
+    assert not guard.qualifier_added(q, c)
+    hit, verdict, _ = _ask(q, c, _constant_verifier(0.96))
+    assert hit is not None and verdict == "pass"
+
+
 def test_language_operating_points_rescale_the_probability() -> None:
     v = _constant_verifier(0.91, min_score=0.95,
                            language_min_score={"zh": 0.9, "other": 0.97})
