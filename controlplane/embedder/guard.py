@@ -27,6 +27,9 @@ the cached entry's text (the last user message of each):
 - ``contrast:<class>``: both texts name members of a closed class of English words, not
   the same ones (Sunday / Saturday, soft / hard yolk, small / large packages, French /
   Spanish; :mod:`.contrast`). Never overruled by the verifier.
+- ``tense``, ``audience``, ``question_type``: past against future, another audience
+  (children, students, seniors ...), what something is against how to fix it
+  (:mod:`.scope`).
 - ``context``: a long shared context (a document, a policy, a report) with another
   question or instruction in it: any key term that differs. Never overruled by the
   verifier.
@@ -52,6 +55,7 @@ from collections import Counter
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
+from . import scope
 from .contrast import contrast_conflict
 from .operators import MAX_CHARS as MAX_GUARD_CHARS
 from .operators import sign_conflict
@@ -671,7 +675,9 @@ def check(query: str, candidate: str) -> GuardResult:
     negation, antonyms, another member of a closed class (``contrast:<class>``:
     Sunday / Saturday, soft / hard; :mod:`.contrast`), swapped sides (``order``), speaker
     and addressee swapped
-    (``persons``), another question or instruction in a long shared context
+    (``persons``), past against future (``tense``), another audience (``audience``), what
+    something is against how to fix it (``question_type``; :mod:`.scope`), another
+    question or instruction in a long shared context
     (``context``), key-term substitution (``key_terms``); the first that differs rejects.
     Never raises for ``str`` inputs (non-``str`` is treated as empty text)."""
     q = query if isinstance(query, str) else ""
@@ -694,6 +700,12 @@ def check(query: str, candidate: str) -> GuardResult:
         return GuardResult(False, "order")
     if persons_swapped(q, c):
         return GuardResult(False, "persons")
+    if scope.tense_changed(q, c):
+        return GuardResult(False, "tense")
+    if scope.audience_changed(q, c):
+        return GuardResult(False, "audience")
+    if scope.definition_vs_remedy(q, c):
+        return GuardResult(False, "question_type")
     if context_changed(q, c):
         return GuardResult(False, "context")
     if key_term_substitution(q, c):
