@@ -15,10 +15,11 @@ check cannot see them (the words are stop words, or only added on one side):
 - ``question_type``: one text asks what something is and the other how to remedy it
   ("What is a 404 error?" / "How do I fix a 404 error?", 什么是死锁 / 怎么解决死锁).
 
-Found on a held-out set of hand-written pairs (353, English and Chinese: 4 wrong hits
-in 179 non-matching pairs before these checks, none of its 56 served matches lost to
-them); the cost on the dev sets is measured by ``bench/cache_quality``. Pure functions,
-no I/O, never raise on ``str`` input.
+Written for the wrong hits of a set of hand-written pairs outside the dev data (353,
+English and Chinese: 4 wrong hits in 179 non-matching pairs before these checks, 1
+after, none of its 56 served matches lost; made for that set, it does not measure them
+as held-out data would); on the dev sets' judge part they change no hit
+(``bench/cache_quality``). Pure functions, no I/O, never raise on ``str`` input.
 """
 
 from __future__ import annotations
