@@ -8,7 +8,8 @@ the cached entry's text (the last user message of each):
 
 - ``numbers``: the multiset of numbers differs (Arabic digits with ``,`` thousands and
   decimals; Chinese numerals with a magnitude such as 一万 / 两千 / 五十, or followed by a
-  counter such as 三个月; ``1万`` is 10000). A lone 一 (一下, 一个) is not a number.
+  counter such as 三个月; ``1万`` is 10000; English number words, "thirty", "twenty-five",
+  "two hundred"). A lone 一 (一下, 一个) or "one" (which one) is not a number.
 - ``negation``: a negation is present in one text only (English ``not``, ``no``,
   ``never``, ``n't`` ...; Chinese 不 / 没 / 无 / 未 / 别 / 非 / 否 / 勿, after removing
   A-not-A questions such as 能不能 / 有没有 and words that do not negate such as 不错,
@@ -149,11 +150,40 @@ def _parse_cn(s: str) -> int | None:
     return total + section + (digit or 0)
 
 
+_EN_UNITS = {w: i for i, w in enumerate(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen "
+    "fourteen fifteen sixteen seventeen eighteen nineteen".split())}
+_EN_TENS = {w: 10 * i for i, w in enumerate(
+    "twenty thirty forty fifty sixty seventy eighty ninety".split(), 2)}
+_EN_SCALES = {"hundred": 100, "thousand": 1000, "million": 10**6, "billion": 10**9}
+_EN_NUM_WORD = "|".join(sorted([*_EN_UNITS, *_EN_TENS, *_EN_SCALES], key=len, reverse=True))
+_EN_NUM_RE = re.compile(rf"\b(?:{_EN_NUM_WORD})(?:(?:[\s-]+(?:and\s+)?)(?:{_EN_NUM_WORD}))*\b")
+
+
+def _parse_en(words: list[str]) -> int:
+    """The value of English number words: ["twenty", "five"] -> 25, ["two", "hundred"] ->
+    200, ["three", "thousand", "four", "hundred"] -> 3400."""
+    total = current = 0
+    for w in words:
+        if w in _EN_UNITS:
+            current += _EN_UNITS[w]
+        elif w in _EN_TENS:
+            current += _EN_TENS[w]
+        elif w == "hundred":
+            current = (current or 1) * 100
+        else:
+            total += (current or 1) * _EN_SCALES[w]
+            current = 0
+    return total + current
+
+
 def numbers(text: str) -> Counter[str]:
     """Multiset of the numbers written in ``text``, as canonical strings.
 
     ``"借款1万"`` -> ``{"10000": 1}``; ``"10,000 and 3.10"`` -> ``{"10000", "3.10"}``;
-    ``"三个月"`` -> ``{"3"}``; ``"查一下"`` -> ``{}``."""
+    ``"三个月"`` -> ``{"3"}``; ``"查一下"`` -> ``{}``; English number words too:
+    ``"after thirty days"`` -> ``{"30"}``, ``"twenty-five"`` -> ``{"25"}`` (a lone "one"
+    is no number: "which one")."""
     text = text[:MAX_GUARD_CHARS].translate(_FULLWIDTH)
     found: Counter[str] = Counter()
     spans: list[tuple[int, int]] = []
@@ -187,6 +217,11 @@ def numbers(text: str) -> Counter[str]:
         value = _parse_cn(s)
         if value is not None:
             found[str(value)] += 1
+    for m in _EN_NUM_RE.finditer(text.lower()):
+        words = [w for w in re.split(r"[\s-]+", m.group(0)) if w != "and"]
+        if words == ["one"]:
+            continue  # "which one", "one of": a pronoun more often than a quantity
+        found[str(_parse_en(words))] += 1
     return found
 
 

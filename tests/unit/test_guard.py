@@ -224,6 +224,11 @@ def test_a_closed_class_named_alike_or_on_one_side_is_no_contrast(query: str,
     ("百度一下", {}),
     ("千万别借", {}),
     ("两只狗", {"2": 1}),
+    ("Can I return it after thirty days?", {"30": 1}),
+    ("twenty-five apples and two hundred and fifty pears", {"25": 1, "250": 1}),
+    ("three thousand four hundred", {"3400": 1}),
+    ("Which one is better, and how often?", {}),
+    ("top ten movies", {"10": 1}),
 ])
 def test_numbers(text: str, expected: dict) -> None:
     assert dict(guard.numbers(text)) == expected
