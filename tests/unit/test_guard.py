@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.embedder import contrast, guard
+from controlplane.embedder import contrast, guard, scope
 
 
 @pytest.mark.parametrize("query,candidate,reason", [
@@ -119,6 +119,16 @@ from controlplane.embedder import contrast, guard
      "Summarize this in one sentence.",
      "Quarterly report: revenue grew in Europe while costs in Asia rose sharply. "
      "List every risk mentioned, as bullet points.", "context"),
+    # time, audience and kind of question (controlplane/embedder/scope.py)
+    ("What did Apple announce?", "What will Apple announce?", "tense"),
+    ("What was the weather in Paris?", "What'll the weather be in Paris?", "tense"),
+    ("What vaccines do I need for Thailand?", "What vaccines do children need for Thailand?",
+     "audience"),
+    ("Is there a discount?", "Is there a discount for students?", "audience"),
+    ("Is ibuprofen safe for adults?", "Is ibuprofen safe for kids?", "audience"),
+    ("孩子发烧怎么办？", "老人发烧怎么办？", "audience"),
+    ("What is a 404 error?", "How do I fix a 404 error?", "question_type"),
+    ("什么是死锁？", "怎么解决死锁？", "question_type"),
 ])
 def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason: str) -> None:
     res = guard.check(query, candidate)
@@ -182,6 +192,10 @@ def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason
     ("Why?! Is the sky really blue", "why is the sky really blue"),
     ("Do the new notes have a GPS chip ? Did any country do this?",
      "Do the new notes have a GPS chip? Did any country do this?"),
+    # no change of time or kind of question (controlplane/embedder/scope.py)
+    ("What happens if I miss a payment?", "What will happen if I miss a payment?"),
+    ("How do I fix a flat tire?", "What is the way to fix a flat tire?"),
+    ("What is a 404 error and how do I fix it?", "How do I fix a 404 error?"),
 ])
 def test_passes_equivalent_pairs(query: str, candidate: str) -> None:
     res = guard.check(query, candidate)
@@ -207,6 +221,18 @@ def test_a_closed_class_named_alike_or_on_one_side_is_no_contrast(query: str,
                                                                    candidate: str) -> None:
     assert contrast.contrast_conflict(query, candidate) is None
     assert contrast.contrast_conflict(candidate, query) is None
+
+
+@pytest.mark.parametrize("a,b", [
+    ("Who won the election?", "Who'll win the election?"),     # "won": no auxiliary
+    ("Is this toy safe for kids?", "Is this toy safe for children?"),
+    ("小孩发烧怎么办？", "儿童发烧怎么办？"),
+])
+def test_one_audience_in_other_words_and_a_past_without_its_auxiliary(a: str, b: str) -> None:
+    """Left to the key terms and the verifier: not a change of time, audience or kind."""
+    for q, c in ((a, b), (b, a)):
+        assert not scope.tense_changed(q, c) and not scope.audience_changed(q, c)
+        assert not scope.definition_vs_remedy(q, c)
 
 
 @pytest.mark.parametrize("text,expected", [
