@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import re
 
+from .operators import MAX_CHARS
+
 _WORD_RE = re.compile(r"[a-z]+(?:'[a-z]+)?")
 _PAST = frozenset({"did", "was", "were", "had", "didn't", "wasn't", "weren't", "hadn't"})
 _FUTURE = frozenset({"will", "shall", "won't", "shan't"})
@@ -54,7 +56,6 @@ _DEFINITION_RE = re.compile(
 _REMEDY_EN = frozenset({"fix", "solve", "resolve", "repair", "debug", "treat", "cure",
                         "prevent", "remove", "avoid", "handle", "troubleshoot"})
 _REMEDY_ZH = ("解决", "修复", "治疗", "处理", "怎么办", "排查")
-MAX_CHARS = 2000
 
 
 def _words(text: str) -> set[str]:

@@ -18,7 +18,7 @@ from .common import _say
 from .edge import (NGINX_FINISH_S, choose_metrics_port, start_controlplane, start_edge,
                    watch_controlplane)
 from .embedder import EmbedderKeeper, _start_embedder
-from .nodes import SIM_NODES, _real_nodes, _sim_nodes
+from .nodes import SIM_NODES, _sim_nodes
 from .owner import _release_owner, claim_registry
 from .plan import UpRun, make_plan, open_workdir
 from .store import _ensure_redis, _own_cluster, _own_redis
@@ -65,8 +65,7 @@ def start_redis(run: UpRun) -> None:
 def start_nodes(run: UpRun) -> None:
     """The ``--node`` servers, else the file's nodes, else the simulated pool (started)."""
     if run.node_urls:
-        nodes = _real_nodes(run.node_urls, run.node_kind, run.node_health_path,
-                            run.node_max_concurrency)
+        nodes = run.nodes
     elif run.settings.nodes:
         nodes = run.settings.nodes
     else:

@@ -60,6 +60,7 @@ class UpRun:
     redis_desc: str = ""
     #: ``--redis-cluster``: this stack's own loopback Redis Cluster instead of one Redis
     redis_cluster: bool = False
+    #: the ``--node`` servers (checked with the options), then the stack's nodes
     nodes: list[NodeSettings] = field(default_factory=list)
     #: the nodes are this stack's simulated pool (no ``--node``, no ``[[nodes]]`` in the file)
     simulated: bool = False
@@ -158,7 +159,7 @@ def make_plan(config_path: str | None, node_urls: tuple[str, ...], node_kind: st
     if redis_url:
         settings.redis.url = redis_url
     _check_redis_url(settings)
-    _real_nodes(node_urls, node_kind, node_health_path, node_max_concurrency)  # checked now
+    given = _real_nodes(node_urls, node_kind, node_health_path, node_max_concurrency)
     instance = instance_id or f"up-{secrets.token_hex(6)}"
     os.environ[procs.INSTANCE_ENV] = instance  # every part inherits it and echoes it
     edge = _split_hostport(settings.edge.listen, "edge.listen")
@@ -171,7 +172,7 @@ def make_plan(config_path: str | None, node_urls: tuple[str, ...], node_kind: st
                  take_over=take_over, instance=instance, shared_redis=shared_redis,
                  redis_named_by=named_by, edge_host=edge[0], edge_port=edge[1],
                  admin_host=admin[0], admin_port=admin[1], generated_token=generated_token,
-                 owner_doc=_owner_doc(instance))
+                 owner_doc=_owner_doc(instance), nodes=given)
 
 
 def open_workdir(run: UpRun, workdir: str | None) -> None:
