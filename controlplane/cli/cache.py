@@ -389,6 +389,9 @@ def calibrate_cmd(c: Ctx, pairs_path: str, route: str, model: str, namespace_pre
     click.echo(f"chosen: {res.score} >= {res.chosen.threshold:.3f}; on the check part: hit "
                f"rate {_rate(res.check.hit_rate)}, wrong-hit rate {_rate(res.check.wrong_rate)}"
                f" (95% bound {_rate(res.check.wrong_upper)})")
+    if "languages" in entry:
+        click.echo(f"languages of the pairs: {', '.join(res.languages)}; their questions may "
+                   f"hit in this domain (languages = {entry['languages']})")
     if dry_run:
         return
     if not path:

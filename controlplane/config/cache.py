@@ -17,6 +17,19 @@ Similarity = Annotated[float, Field(ge=0.0, le=1.0)]
 CACHE_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
+def check_languages(where: str, v: list[str]) -> list[str]:
+    """``v`` (a list of ISO 639-1 codes or ``"*"``, lower-cased) or ValueError naming
+    ``where`` and the unknown code."""
+    from controlplane.embedder import language
+
+    out = [c.strip().lower() for c in v]
+    for code in out:
+        if not language.valid_code(code):
+            raise ValueError(f"{where}: unknown language {code!r}; use ISO 639-1 codes "
+                             f"({', '.join(language.CANDIDATES)}) or \"*\" for any")
+    return out
+
+
 class SemanticDomain(_Section):
     """Thresholds of one domain of the semantic cache, applied by the embedder (written by
     ``infergate cache calibrate``). A domain matches a lookup when every matcher it sets
@@ -38,6 +51,10 @@ class SemanticDomain(_Section):
     verifier_file: str = ""
     """This domain's own verifier file (``infergate cache calibrate --train-verifier``);
     empty = ``cache.verifier_file``, else the bundled verifier."""
+    languages: list[str] | None = None
+    """Languages whose questions may get a semantic hit in this domain (ISO 639-1 codes,
+    ``"*"`` = any); unset = ``cache.semantic_languages``. ``infergate cache calibrate``
+    writes the languages of the pairs it was run on."""
     pairs: int = Field(default=0, ge=0, le=10**9)
     """Informational, from calibration: labelled pairs the thresholds were chosen on."""
     hit_rate: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -99,6 +116,8 @@ class SemanticDomain(_Section):
         lambda cls, v: check_api_key_env(v)))
     _abs_file = field_validator("api_key_file", "ca_file")(classmethod(
         lambda cls, v: check_abs_file(v)))
+    _languages = field_validator("languages")(classmethod(
+        lambda cls, v: None if v is None else check_languages("languages", v)))
 
     @property
     def remote(self) -> bool:
@@ -193,6 +212,14 @@ class CacheSettings(_Section):
     verifier_file: str = ""
     """Verifier JSON file (``infergate cache calibrate --train-verifier``); empty = the one
     shipped for the embedder's model, if any."""
+    semantic_languages: list[str] = ["en", "zh"]
+    """Languages (ISO 639-1 codes, ``"*"`` = any) whose questions may get a semantic hit;
+    both questions must be in the same one. A question in another language gets exact
+    hits only: the precision guard's word lists and the verifier's training pairs are
+    English and Chinese, and in other languages a negation or another number passes the
+    guard unseen (docs/cache.md#languages). Add a language after calibrating a domain on
+    pairs of it (its ``languages``). The embedder detects the language (script, then
+    py3langid)."""
     semantic_domains: list[SemanticDomain] | None = None
     """Per-domain thresholds applied by the embedder (``[[cache.semantic_domains]]``);
     unset = none (None rather than ``[]``: the edge's options document drops nulls, and it
@@ -243,6 +270,11 @@ class CacheSettings(_Section):
         except ValueError as exc:
             raise ValueError(f"cache.embedder_url port: {exc}") from exc
         return v.rstrip("/")
+
+    @field_validator("semantic_languages")
+    @classmethod
+    def _languages(cls, v: list[str]) -> list[str]:
+        return check_languages("cache.semantic_languages", v)
 
     @field_validator("min_similarity_routes")
     @classmethod

@@ -16,8 +16,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from controlplane.embedder import guard as guard_mod
+from controlplane.embedder import language
 from controlplane.embedder.index import Candidate
-from controlplane.embedder.verifier import Verifier
+from controlplane.embedder.verifier import Verifier, same_words
 
 
 def verify(verifier: Verifier, text: str, vec: np.ndarray, cands: Sequence[Candidate],
@@ -76,6 +77,7 @@ def choose(text: str, vec: np.ndarray | None, cands: Sequence[Candidate], thresh
            unknown: Callable[[str], object] | None = None,
            embed: Callable[[list[str]], np.ndarray] | None = None,
            on_reject: Callable[[str], None] | None = None,
+           languages: Sequence[str] | None = language.GUARDED,
            ) -> tuple[Candidate | None, str | None, float | None]:
     """``(hit, verdict, best verifier score)`` among ``cands`` (best first) for the query
     ``text``: the first with similarity >= ``threshold`` that passes the guard (when
@@ -83,12 +85,22 @@ def choose(text: str, vec: np.ndarray | None, cands: Sequence[Candidate], thresh
     the model's vocabulary, which must agree), the verifier (when ``min_score`` and
     ``verifier`` are set: its probability >= ``min_score``) and ``live`` (None: taken as
     live). ``verdict`` is the guard's label of the hit (``pass``, ``pass:verifier``),
-    else the first rejection (``reject:<reason>``, ``reject:verifier``), else None; ``on_reject`` is told ``guard`` or ``verifier`` per
-    rejected candidate."""
+    else the first rejection (``reject:<reason>``, ``reject:verifier``), else None;
+    ``on_reject`` is told ``guard`` or ``verifier`` per rejected candidate.
+
+    With the guard, ``languages`` (``cache.semantic_languages``; None: no such rule) is the
+    language rule (:mod:`.language`): a candidate in another language than the query's,
+    or any candidate of a query whose language is not in ``languages`` unless it is the
+    same question up to case, spaces and punctuation (:func:`verifier.same_words`), is
+    rejected (``reject:language``)."""
     hit: Candidate | None = None
     verdict: str | None = None
     best_score: float | None = None
     verifying = min_score is not None and vec is not None and verifier is not None
+    lang, foreign = None, False
+    if use_guard and languages is not None:
+        lang = language.detect(text)
+        foreign = not language.allowed(lang, languages)
     for c in cands:
         if c.similarity < threshold:
             continue
@@ -97,7 +109,11 @@ def choose(text: str, vec: np.ndarray | None, cands: Sequence[Candidate], thresh
                 hit = c
                 break
             continue
-        g = guard_verdict(text, c.text, verifying, unknown)
+        if lang is not None and (language.detect(c.text) != lang
+                                 or (foreign and not same_words(text, c.text))):
+            g = guard_mod.GuardResult(False, "language")
+        else:
+            g = guard_verdict(text, c.text, verifying, unknown)
         if not g.ok:
             if on_reject is not None:
                 on_reject("guard")

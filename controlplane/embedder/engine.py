@@ -12,6 +12,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -19,7 +20,7 @@ import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from controlplane.redisdb import keynames
-from controlplane.embedder import decision
+from controlplane.embedder import decision, language
 from controlplane.embedder.activity import LookupActivity
 from controlplane.embedder.batcher import MicroBatcher
 from controlplane.embedder.index import Candidate, IndexItem, open_index
@@ -158,6 +159,8 @@ class Engine:
         self.max_text_chars = max_text_chars
         self.verifier = verifier
         self.policy = policy or PolicySource()
+        if not self.is_child:
+            language.warm()
         self._vec_cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._vec_cache_max = embed_cache
         self._vec_cache_lock = threading.Lock()
@@ -550,6 +553,9 @@ class Engine:
     def _lookup_many(self, reqs: list[LookupRequest], t0: float) -> list[LookupResult]:
         limits = [self.limits(q.namespace, q.min_similarity, q.route or None,
                               q.model or None) for q in reqs]
+        pol = self.policy.current()
+        langs = [pol.languages_for(q.namespace, q.route or None, q.model or None)
+                 for q in reqs]
         embed_at = [i for i, q in enumerate(reqs) if len(q.text) <= self.max_text_chars]
         vecs: list[np.ndarray | None] = [None] * len(reqs)
         if embed_at:
@@ -563,7 +569,7 @@ class Engine:
                 cands[i] = c
         # first pass as if every entry were live, then one pipeline for the chosen ones
         picks = [self._choose(q.text, vecs[i], cands[i], limits[i][0], limits[i][1], q.guard,
-                              None, limits[i][2]) for i, q in enumerate(reqs)]
+                              None, limits[i][2], langs[i]) for i, q in enumerate(reqs)]
         chosen = [i for i, p in enumerate(picks) if p[0] is not None]
         if chosen:
             if len(chosen) == 1:  # one round trip either way; a pipeline costs more Python
@@ -578,7 +584,7 @@ class Engine:
                     rest = [c for c in cands[i] if c is not picks[i][0]]
                     picks[i] = self._choose(reqs[i].text, vecs[i], rest, limits[i][0],
                                             limits[i][1], reqs[i].guard, self._live,
-                                            limits[i][2])
+                                            limits[i][2], langs[i])
         elapsed = time.perf_counter() - t0
         out = []
         for i, q in enumerate(reqs):
@@ -609,16 +615,18 @@ class Engine:
                 threshold: float, min_score: float | None, use_guard: bool,
                 live: Callable[[Candidate], bool] | None,
                 verifier: Verifier | None = None,
+                languages: Sequence[str] | None = language.GUARDED,
                 ) -> tuple[Candidate | None, str | None, float | None]:
         """``(hit, verdict, best verifier score)`` among ``cands`` (best first) for the
         query ``text``: :func:`decision.choose` with this engine's model (characters it
         does not know), verifier (``verifier``: a domain's own, else the engine's),
+        languages (the domain's, :meth:`policy.ThresholdPolicy.languages_for`),
         embedding and counters."""
         try:
             return decision.choose(
                 text, vec, cands, threshold, min_score, use_guard, verifier or self.verifier,
                 live, unknown=getattr(self.model, "unknown_chars", None), embed=self.embed,
-                on_reject=self._count_reject)
+                on_reject=self._count_reject, languages=languages)
         except EndpointError as exc:  # a rerank endpoint failed or is slow: a miss
             self._endpoint_failed("verification", exc)
             return None, "reject:verifier_unavailable", None

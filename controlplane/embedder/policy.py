@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from controlplane.embedder.language import GUARDED
+
 log = logging.getLogger("infergate.embedder")
 
 
@@ -51,6 +53,7 @@ class Domain:
     api_key_env: str = ""
     api_key_file: str = ""
     ca_file: str = ""
+    languages: tuple[str, ...] | None = None
 
     def matches(self, namespace: str, route: str | None, model: str | None) -> bool:
         return ((not self.route or self.route == route)
@@ -70,6 +73,7 @@ class ThresholdPolicy:
     domains: tuple[Domain, ...] = ()
     verifier: bool = True
     verifier_file: str = ""
+    languages: tuple[str, ...] = GUARDED
 
     @classmethod
     def from_cache_settings(cls, c) -> "ThresholdPolicy":
@@ -77,9 +81,10 @@ class ThresholdPolicy:
         return cls(tuple(Domain(d.route, d.model, d.namespace_prefix, d.min_similarity,
                                 d.min_verifier_score, d.verifier,
                                 getattr(d, "verifier_file", "") or "",
-                                **{f: getattr(d, f) for f in REMOTE_FIELDS})
+                                **{f: getattr(d, f) for f in REMOTE_FIELDS},
+                                languages=None if d.languages is None else tuple(d.languages))
                          for d in c.semantic_domains or ()),
-                   bool(c.verifier), c.verifier_file)
+                   bool(c.verifier), c.verifier_file, tuple(c.semantic_languages))
 
     def resolve(self, namespace: str, route: str | None = None,
                 model: str | None = None) -> Domain | None:
@@ -90,6 +95,15 @@ class ThresholdPolicy:
                                                        or d.specificity > best.specificity):
                 best = d
         return best
+
+    def languages_for(self, namespace: str, route: str | None = None,
+                      model: str | None = None) -> tuple[str, ...]:
+        """The languages whose questions may get a semantic hit in the lookup's domain
+        (its own ``languages``, else ``cache.semantic_languages``)."""
+        dom = self.resolve(namespace, route, model)
+        if dom is not None and dom.languages is not None:
+            return dom.languages
+        return self.languages
 
 
 class PolicySource:

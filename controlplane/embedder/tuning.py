@@ -26,6 +26,7 @@ is written. The file is rewritten by ``tomli-w``: values are kept, comments are 
 from __future__ import annotations
 
 import tomllib
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +34,7 @@ import numpy as np
 import tomli_w
 
 from controlplane.embedder import calibration as cal
-from controlplane.embedder import decision
+from controlplane.embedder import decision, language
 from controlplane.embedder import split
 from controlplane.embedder import verifier as ver
 from controlplane.errors import InfergateError
@@ -78,6 +79,21 @@ class CalibrationResult:
     check: cal.SweepRow | None = None
     baseline_check: cal.SweepRow | None = None
     overlap: tuple[int, int] = (0, 0)
+    languages: tuple[str, ...] = ()
+    """The languages of the pairs' questions (:func:`pair_languages`)."""
+
+
+def pair_languages(pairs: cal.Pairs, min_share: float = 0.02, min_texts: int = 5,
+                   ) -> tuple[str, ...]:
+    """The languages (:func:`language.detect`, sorted) of at least ``min_share`` of the
+    distinct texts of ``pairs`` and at least ``min_texts`` of them: what a threshold
+    calibrated on them was measured on (a text taken for another language now and then
+    does not count)."""
+    texts = set(pairs.text1) | set(pairs.text2)
+    counts = Counter(language.detect(t) for t in texts)
+    need = max(min_texts, min_share * len(texts))
+    return tuple(sorted(lang for lang, n in counts.items()
+                        if n >= need and lang != language.UNDETERMINED))
 
 
 @dataclass
@@ -264,7 +280,7 @@ def calibrate(pairs: cal.Pairs, model, max_wrong: float = 0.01,
     common = dict(pairs=len(y), positives=int((y == 1).sum()), negatives=int((y == 0).sum()),
                   mined_negatives=int(sum(fit.pairs.mined) + sum(check.pairs.mined)),
                   bound=bound, notes=notes, fit_pairs=len(fit.y), check_pairs=len(check.y),
-                  overlap=(known, distinct))
+                  overlap=(known, distinct), languages=pair_languages(pairs))
     if verifier is None and not train:
         rows, chosen, chk = _cosine(fit, check, max_wrong, bound)
         return CalibrationResult("cosine", rows=rows, chosen=chosen, check=chk, **common)
@@ -335,6 +351,9 @@ def domain_entry(res: CalibrationResult, route: str = "", model: str = "",
     if shown.hit_rate is not None:
         d["hit_rate"] = round(float(shown.hit_rate), 5)
     d["wrong_hit_upper"] = round(float(shown.wrong_upper), 5)
+    if set(res.languages) - set(language.GUARDED):
+        # measured on pairs of these languages: their questions may hit in this domain
+        d["languages"] = sorted(set(res.languages) | set(language.GUARDED))
     return d
 
 

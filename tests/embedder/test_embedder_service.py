@@ -330,6 +330,25 @@ def test_domain_thresholds_follow_route_and_model(svc, monkeypatch) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
 
 
+def test_other_languages_hit_only_when_listed(svc, monkeypatch) -> None:
+    """cache.semantic_languages (default English and Chinese): a German question gets no
+    semantic hit but the same question up to case and punctuation; listed, the guard and
+    the verifier decide as for English."""
+    from controlplane.embedder.policy import PolicySource, ThresholdPolicy
+
+    ns = hx("languages" + svc.backend)
+    key = svc.add("Was passiert, wenn ich die Rechnung bezahle?", ns)
+    near = "Was passiert, wenn ich die Rechnung nicht bezahle?"
+    res = svc.lookup(ns, near)
+    assert res["hit"] is False and res["guard"] == "reject:language"
+    assert res["similarity"] > 0.9                      # close, refused for its language
+    res = svc.lookup(ns, "was passiert wenn ich die rechnung bezahle")
+    assert res["hit"] is True and res["key"] == key and res["verifier_score"] == 1.0
+    monkeypatch.setattr(svc.engine, "policy",
+                        PolicySource(policy=ThresholdPolicy(languages=("*",))))
+    assert svc.lookup(ns, near)["guard"] != "reject:language"
+
+
 def test_long_texts_take_no_part_in_the_semantic_cache(svc) -> None:
     """A text over max_text_chars is neither indexed nor embedded for a lookup (the model
     reads only its beginning: two long texts that differ further on would embed the
