@@ -95,7 +95,9 @@ class EdgeSettings(_Section):
     breaker_failures: int = Field(default=5, ge=1, le=10000)
     """Consecutive failures that open a node's circuit breaker."""
     breaker_cooldown_s: float = Field(default=10.0, ge=0, le=86400)
-    """How long a breaker stays open before one half-open probe, seconds."""
+    """How long a breaker stays open before one half-open probe, seconds (when every node
+    of a request's model has its breaker open, a probe goes after 1 s: the edge's
+    ``breaker.ALONE_PROBE_S``)."""
     inflight_cost: float = Field(default=1.0, ge=0, le=1000)
     """Weight of the edge's own in-flight count (per unit of max_concurrency) in the cost."""
     node_cost: Literal["load", "expected_delay"] = "expected_delay"

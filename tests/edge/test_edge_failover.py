@@ -232,6 +232,30 @@ def test_garbage_from_the_only_node_is_a_502(tiny_upstreams, redis_server, edge_
     assert data.startswith(b"HTTP/1.0 502 Bad Gateway\r\n") and b"upstream_invalid_answer" in data
 
 
+def test_the_only_node_back_is_probed_before_its_cooldown_ends(tiny_upstreams, redis_server,
+                                                              edge_factory) -> None:
+    """nginx never marks the only server of an upstream down. When every node's breaker
+    is open, one probe goes after 1 s instead of 503s for the whole cooldown (30 s here):
+    a node restarted in half a second serves again within a few seconds."""
+    (a,) = tiny_upstreams(names=["a"])
+    edge = edge_factory(edge_settings(redis_server.url, [a.node_settings()],
+                                      breaker_failures=2, breaker_cooldown_s=30.0))
+    a.mode = "garbage"
+    for _ in range(2):
+        _json_error(_post(edge), 502)
+    opened = time.monotonic()
+    assert edge.node_status("a")["breaker"] == "open"
+    res = _post(edge)
+    if time.monotonic() - opened < 0.9:                  # (on a host not too loaded)
+        assert _json_error(res, 503)["code"] == "no_healthy_upstream"
+        assert res.headers["Retry-After"] == "1"
+    a.mode = "ok"
+    procs.wait_until(lambda: _post(edge).status_code == 200, 10, interval=0.2,
+                     what="the only node served again")
+    assert edge.node_status("a")["breaker"] == "closed"
+    assert "circuit breaker of node a closed (probe succeeded)" in edge.error_log()
+
+
 def test_500s_from_the_only_node_never_open_its_breaker(tiny_upstreams, redis_server,
                                                       edge_factory) -> None:
     """A 500 no other node saw is no evidence against its node: a client whose input

@@ -167,6 +167,39 @@ def test_retry_never_takes_the_probe(workdir: Path) -> None:
     assert got == {"retry": "q", "first": "p", "probe": True}
 
 
+def test_when_every_breaker_is_open_one_probe_goes_early(workdir: Path) -> None:
+    """As nginx never marks the only server of an upstream down: when no node of the
+    model has a closed breaker, a node open for ALONE_PROBE_S (1 s) takes one probe before
+    its 10 s cooldown ends, rather than a 503; never while another node is closed, never
+    by a retry, one at a time."""
+    got = run(workdir, """
+            local now = ngx.now()
+            local function trip(name, at)
+                for _ = 1, 3 do
+                    stats.close_attempt(stats.open_attempt(name, at), "fail", at)
+                end
+            end
+            local s = {}
+            trip("p", now - 0.5)                    -- opened 0.5 s ago
+            local alone = tbl({node("p")}, true)
+            local two = tbl({node("p"), node("q")}, true)
+            s.too_soon = balancer.count_eligible(alone, {}, now)
+            s.too_soon_pick = balancer.pick(alone, {}, now, false) == nil
+            trip("p", now - 2)                      -- (already open: stays opened 0.5 s ago)
+            s.later = balancer.count_eligible(alone, {}, now + 1)
+            s.retry = balancer.pick(alone, {}, now + 1, true) == nil
+            s.other_closed = balancer.pick(two, {}, now + 1, false).name
+            local n, probe = balancer.pick(alone, {}, now + 1, false)
+            s.first, s.probe = n.name, probe
+            s.second = balancer.pick(alone, {}, now + 1, false) == nil
+            s.state = breaker.state("p", now + 1)   -- still open: the probe decides
+            return s
+    """)
+    assert got == {"too_soon": 0, "too_soon_pick": True, "later": 1, "retry": True,
+                   "other_closed": "q", "first": "p", "probe": True, "second": True,
+                   "state": "open"}
+
+
 def test_attempts_close_exactly_once(workdir: Path) -> None:
     got = run(workdir, """
             local now = ngx.now()

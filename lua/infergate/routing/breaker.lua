@@ -2,6 +2,7 @@
 --
 --   closed    --(breaker_failures consecutive failures)-->  open
 --   open      --(breaker_cooldown_s elapsed)-->            half_open (one probe allowed)
+--             (after ALONE_PROBE_S already when no other node is left: allow_alone)
 --   half_open --(probe succeeds)--> closed ; --(probe fails)--> open (cooldown again)
 -- A probe succeeds at its 2xx response head (infergate.routing.stats.probe_answered), or
 -- at its end with any answer the node meant (stats.close_attempt).
@@ -60,6 +61,29 @@ function _M.allow(name, now)
     return "probe"
 end
 
+-- A node whose breaker has been open for ALONE_PROBE_S (or the whole cooldown, when
+-- shorter) may take a half-open probe early when no node of the request's model is left
+-- (infergate.routing.candidates): as nginx never marks the only server of an upstream
+-- down, a node back after a restart is not refused for the rest of the cooldown, and the
+-- 503's Retry-After of 1 s holds.
+local ALONE_PROBE_S = 1
+_M.ALONE_PROBE_S = ALONE_PROBE_S
+
+-- allow() for a node that is the last hope of a request: "probe" once its breaker has
+-- been open ALONE_PROBE_S and no probe is in flight.
+function _M.allow_alone(name, now)
+    local d = dict()
+    local opened = d:get("bo:" .. name)
+    if not opened then
+        return "yes"
+    end
+    if now - opened < math.min(ALONE_PROBE_S, config.get().edge.breaker_cooldown_s)
+            or d:get("bp:" .. name) then
+        return false
+    end
+    return "probe"
+end
+
 -- Takes the single half-open probe slot of a node; true when this caller got it.
 function _M.take_probe(name)
     local ok = dict():add("bp:" .. name, true, probe_ttl(config.get()))
@@ -110,7 +134,8 @@ function _M.failure(name, probe, _started, now)
         if ok then
             require("infergate.core.prometheus").breaker_opened(name)
             log(WARN, "infergate: circuit breaker of node ", name, " opened after ", n,
-                " consecutive failures; next probe in ", o.edge.breaker_cooldown_s, " s")
+                " consecutive failures; next probe in ", o.edge.breaker_cooldown_s,
+                " s (in ", ALONE_PROBE_S, " s when no other node is left)")
         end
     end
 end

@@ -17,16 +17,39 @@ end
 _M.usable = usable
 
 -- Number of eligible nodes (including one ready for its half-open probe) for `model`
--- (nil: any).
+-- (nil: any). When every usable node's breaker is open, those that may take an early
+-- probe (breaker.allow_alone) count.
 function _M.count_eligible(t, tried, now, model)
     tried = tried or {}
-    local n = 0
+    local n, open = 0, false
     for _, node in ipairs(t.nodes) do
-        if usable(node, tried, model) and breaker.allow(node.name, now) then
-            n = n + 1
+        if usable(node, tried, model) then
+            if breaker.allow(node.name, now) then
+                n = n + 1
+            else
+                open = true
+            end
+        end
+    end
+    if n == 0 and open then
+        for _, node in ipairs(t.nodes) do
+            if usable(node, tried, model) and breaker.allow_alone(node.name, now) then
+                n = n + 1
+            end
         end
     end
     return n
+end
+
+-- The node whose early probe (breaker.allow_alone) this request takes, when every
+-- usable node's breaker is open; nil when none may probe yet.
+local function alone_probe(t, tried, now, model, o)
+    for _, node in ipairs(t.nodes) do
+        if usable(node, tried, model) and breaker.allow_alone(node.name, now) == "probe"
+                and not outlier.probe_held(node, now, o) and breaker.take_probe(node.name) then
+            return node
+        end
+    end
 end
 
 -- Slow start (effective_weight below weight, after an undrain or a return): the node
@@ -53,10 +76,11 @@ end
 -- eligible in all (those the slow-start ramp left out this time included).
 function _M.gather(t, tried, now, retry, model, o)
     local cands, n, total = {}, 0, 0
-    local probes, outliers, ramping = nil, nil, nil
+    local probes, outliers, ramping, open = nil, nil, nil, false
     for _, node in ipairs(t.nodes) do
         if usable(node, tried, model) then
             local allow = breaker.allow(node.name, now)
+            open = open or not allow
             if allow == "yes" and outlier.is_outlier(node, now, o) then
                 outliers = outliers or {}
                 outliers[#outliers + 1] = node
@@ -91,6 +115,13 @@ function _M.gather(t, tried, now, retry, model, o)
     if n == 0 and outliers then
         -- every eligible node is an outlier: never nothing, pick among them
         n, total = append(outliers, cands, n, total)
+    end
+    if n == 0 and open and not retry then
+        -- every usable node's breaker is open (or probing): an early probe, not a 503
+        local node = alone_probe(t, tried, now, model, o)
+        if node then
+            return cands, 0, 0, node, 1
+        end
     end
     return cands, n, total, nil, n + skipped
 end
