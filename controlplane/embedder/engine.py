@@ -10,9 +10,9 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
