@@ -40,9 +40,10 @@ CANDIDATES: tuple[str, ...] = (
     "en", "zh", "ja", "ko", "de", "fr", "es", "pt", "it", "nl", "ru", "pl", "tr", "ar",
     "th", "vi", "id", "hi", "he", "el", "uk", "cs", "sv", "da", "no", "fi", "hu", "ro",
     "bg", "hr", "sr", "sk", "sl", "lt", "lv", "et", "fa", "ms", "tl", "bn", "ta", "ur")
-#: English wins at this share of py3langid's probability, first or not: 99.85 % of the
-#: qqp-en questions reach it (as written or lower-cased) (a short one often ranks first as another language), no
-#: question of a hand-written German, French, Spanish or Portuguese set got over 0.09.
+#: English wins at this share of py3langid's probability (as written or lower-cased),
+#: first or not: 99.85 % of the qqp-en questions reach it (a short one often ranks first
+#: as another language); no question of a hand-written German, French, Spanish or
+#: Portuguese set got over 0.09.
 EN_MIN_SHARE = 0.2
 #: Characters read (a question's language shows in its first words).
 MAX_CHARS = 1000
