@@ -8,9 +8,10 @@ the cached entry's text (the last user message of each):
 
 - ``numbers``: the multiset of numbers differs (Arabic digits with ``,`` thousands and
   decimals; Chinese numerals with a magnitude such as 一万 / 两千 / 五十, or followed by a
-  counter such as 三个月; ``1万`` is 10000; English number words, "thirty", "twenty-five",
+  counter such as 三个月; ``1万`` is 10000, spoken 一万五 15000; English number words, "thirty", "twenty-five",
   "two hundred"). A lone 一 (一下, 一个) or "one" (which one) is not a number.
-- ``negation``: a negation is present in one text only (English ``not``, ``no``,
+- ``negation``: the texts hold different numbers of negations, one of them none or a
+  second one turning the meaning again (English ``not``, ``no``,
   ``never``, ``n't`` ...; Chinese 不 / 没 / 无 / 未 / 别 / 非 / 否 / 勿, after removing
   A-not-A questions such as 能不能 / 有没有 and words that do not negate such as 不错,
   非常, 别人, 是否, 未来).
@@ -130,23 +131,32 @@ def _canonical(value: Decimal) -> str:
 
 
 def _parse_cn(s: str) -> int | None:
-    """Value of a Chinese numeral (一万五千 -> 15000, 三 -> 3, 十二 -> 12); None if not one."""
+    """Value of a Chinese numeral (一万五千 -> 15000, 三 -> 3, 十二 -> 12); None if not one.
+    A single digit right after a magnitude of a hundred or more counts in the next lower
+    place, as spoken: 一万五 -> 15000, 一千五 -> 1500, 三百五 -> 350, 两万三 -> 23000 (with a
+    零 between, the ones: 一万零五 -> 10005)."""
     total, section, digit = 0, 0, None
+    unit, zero, digits = 0, False, 0  # the last magnitude, a 零 since it, digits since it
     for ch in s:
         if ch in _CN_DIGITS:
+            zero = zero or _CN_DIGITS[ch] == 0
+            digits += 1
             if digit is not None:  # digit sequence read digit by digit (二零二四)
                 digit = digit * 10 + _CN_DIGITS[ch]
             else:
                 digit = _CN_DIGITS[ch]
         elif ch in _CN_SMALL_UNITS:
             section += (1 if digit is None else digit) * _CN_SMALL_UNITS[ch]
-            digit = None
+            digit, unit, zero, digits = None, _CN_SMALL_UNITS[ch], False, 0
         elif ch in _CN_BIG_UNITS:
             section += digit or 0
             total += (section or 1) * _CN_BIG_UNITS[ch]
             section, digit = 0, None
+            unit, zero, digits = _CN_BIG_UNITS[ch], False, 0
         else:
             return None
+    if digit is not None and unit >= 100 and digits == 1 and not zero:
+        digit *= unit // 10
     return total + section + (digit or 0)
 
 
@@ -256,15 +266,22 @@ def numbers_key(text: str) -> frozenset[tuple[str, int]]:
 @functools.lru_cache(maxsize=8192)
 def negated(text: str) -> bool:
     """True when ``text`` contains a negation (English or Chinese), see module doc."""
+    return negations(text) > 0
+
+
+@functools.lru_cache(maxsize=8192)
+def negations(text: str) -> int:
+    """How many negations ``text`` holds (English words and n't, Chinese characters after
+    the words that do not negate): a second one turns the meaning again, so the guard
+    compares the counts ("为什么不能不交年费" / "为什么不能交年费", "Why can't I log in if I
+    didn't change my password?" / "... if I changed ...")."""
     t = text[:MAX_GUARD_CHARS].lower().replace("’", "'")
-    if _EN_NT_RE.search(t):
-        return True
-    if any(w in _EN_NEGATIONS for w in _EN_WORD_RE.findall(t)):
-        return True
+    n = len(_EN_NT_RE.findall(t))
+    n += sum(1 for w in _EN_WORD_RE.findall(t) if w in _EN_NEGATIONS)
     z = _ZH_A_NOT_A_RE.sub(r"\1", t)
     for w in _ZH_NOT_NEGATING:
         z = z.replace(w, "")
-    return any(c in z for c in _ZH_NEGATIONS)
+    return n + sum(z.count(c) for c in _ZH_NEGATIONS)
 
 
 # ---------------------------------------------------------------- antonyms
@@ -723,7 +740,7 @@ def check(query: str, candidate: str) -> GuardResult:
         return GuardResult(False, "symbols")
     if numbers_key(q) != numbers_key(c):
         return GuardResult(False, "numbers")
-    if negated(q) != negated(c):
+    if negations(q) != negations(c):
         return GuardResult(False, "negation")
     conflict = antonym_conflict(q, c)
     if conflict:

@@ -129,6 +129,20 @@ from controlplane.embedder import contrast, guard, scope
     ("孩子发烧怎么办？", "老人发烧怎么办？", "audience"),
     ("What is a 404 error?", "How do I fix a 404 error?", "question_type"),
     ("什么是死锁？", "怎么解决死锁？", "question_type"),
+    # a second negation turns the meaning again
+    ("为什么不能不交年费", "为什么不能交年费", "negation"),
+    ("哪些商品不可以七天无理由退货", "哪些商品可以七天无理由退货", "negation"),
+    ("Why can't I log in if I didn't change my password?",
+     "Why can't I log in if I changed my password?", "negation"),
+    # spoken Chinese amounts: 一万五 is 15000, not 10005
+    ("借一万五利息多少", "借一万零五利息多少", "numbers"),
+    ("房费三百五块", "房费三百零五块", "numbers"),
+    # quantifiers and obligation
+    ("Do any of your stores open on Sunday?", "Do all of your stores open on Sunday?",
+     "contrast:quantifier"),
+    ("None of my emails are syncing, why?", "Some of my emails are not syncing, why?",
+     "contrast:quantifier"),
+    ("Must I update to version 2?", "Should I update to version 2?", "contrast:obligation"),
 ])
 def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason: str) -> None:
     res = guard.check(query, candidate)
@@ -196,6 +210,9 @@ def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason
     ("What happens if I miss a payment?", "What will happen if I miss a payment?"),
     ("How do I fix a flat tire?", "What is the way to fix a flat tire?"),
     ("What is a 404 error and how do I fix it?", "How do I fix a 404 error?"),
+    ("借一万五利息多少", "借15000利息多少"),
+    ("Are there any vegan options?", "Are there some vegan options?"),
+    ("Why can't I log in?", "Why am I not able to log in?"),
 ])
 def test_passes_equivalent_pairs(query: str, candidate: str) -> None:
     res = guard.check(query, candidate)
@@ -255,6 +272,9 @@ def test_one_audience_in_other_words_and_a_past_without_its_auxiliary(a: str, b:
     ("three thousand four hundred", {"3400": 1}),
     ("Which one is better, and how often?", {}),
     ("top ten movies", {"10": 1}),
+    ("一万五", {"15000": 1}), ("一千五", {"1500": 1}), ("两万三", {"23000": 1}),
+    ("一万零五", {"10005": 1}), ("一百零五", {"105": 1}), ("一万二千五", {"12500": 1}),
+    ("十五", {"15": 1}), ("二零二四年", {"2024": 1}),
 ])
 def test_numbers(text: str, expected: dict) -> None:
     assert dict(guard.numbers(text)) == expected
@@ -268,6 +288,14 @@ def test_numbers(text: str, expected: dict) -> None:
 ])
 def test_negated(text: str, neg: bool) -> None:
     assert guard.negated(text) is neg
+
+
+@pytest.mark.parametrize("text,n", [
+    ("I know", 0), ("I can't", 1), ("Why can't I log in if I didn't pay?", 2),
+    ("能不能借", 0), ("为什么不能不交年费", 2), ("没有不能退的商品吧", 2), ("非常好", 0),
+])
+def test_negations_are_counted(text: str, n: int) -> None:
+    assert guard.negations(text) == n
 
 
 def test_bounded_and_total_on_odd_input() -> None:
