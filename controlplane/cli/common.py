@@ -5,6 +5,7 @@ handling and plain-text tables."""
 from __future__ import annotations
 
 import getpass
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,6 +44,11 @@ class Ctx:
     def r(self) -> redis.Redis:
         """The Redis client; an unparseable URL exits 1."""
         if self._r is None:
+            if self.from_defaults():
+                click.echo(f"note: using Redis at {redact(self.settings.redis.url)}, the "
+                           "default: no --config, --redis-url or INFERGATE_REDIS_URL was "
+                           "given (for a stack started by `infergate up`, run the export "
+                           "line its banner prints first)", err=True)
             try:
                 self._r = make_redis(self.settings.redis)
             except ValueError as exc:
@@ -52,6 +58,12 @@ class Ctx:
             except redis.RedisError:
                 pass  # Redis unreachable: the command itself reports it
         return self._r
+
+    def from_defaults(self) -> bool:
+        """Whether the Redis URL is the built-in default (no --config, --redis-url or
+        ``INFERGATE_REDIS_URL``): on a shared host that Redis may be someone else's."""
+        return (self.config is None and not self.redis_url
+                and not os.environ.get("INFERGATE_REDIS_URL"))
 
     @property
     def events_max(self) -> int:

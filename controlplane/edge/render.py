@@ -357,17 +357,18 @@ def _dns_resolver(needs_resolver: bool, resolver: str | None, redis_host: str) -
 WORKER_USER = "nobody"
 
 
-def _make_prefix(out: Path, pre: Path) -> None:
-    """Create ``out`` and the prefix with its ``logs/`` (mode 0755 when new) and
-    ``infergate-state/`` (the edge's last known good state, ``edge.state_dir``'s default:
-    mode 0700, owned by the workers' user, :data:`WORKER_USER` when rendering as root)."""
+def _make_prefix(out: Path, pre: Path, state_default: bool = True) -> None:
+    """Create ``out`` and the prefix with its ``logs/`` (mode 0755 when new) and, when
+    ``state_default`` (``edge.state_dir`` unset), ``infergate-state/`` (the edge's last
+    known good state: mode 0700, owned by the workers' user, :data:`WORKER_USER` when
+    rendering as root)."""
     out.mkdir(parents=True, exist_ok=True)
     for d in (pre, pre / "logs"):
         if not d.exists():
             d.mkdir(parents=True)
             os.chmod(d, 0o755)
     state = pre / "infergate-state"
-    if not state.exists():
+    if state_default and not state.exists():
         state.mkdir()
         os.chmod(state, 0o700)
         if os.geteuid() == 0:
@@ -487,7 +488,7 @@ def render_nginx(settings: Settings, out_dir: str | Path, *, listen: str | None 
     except OptionError as exc:
         raise RenderError(f"invalid edge options: {exc}") from None
 
-    _make_prefix(out, pre)
+    _make_prefix(out, pre, not settings.edge.state_dir)
     files = {v: out / v for v in TEMPLATES.values()}
     ctx = _template_context(
         settings, source=source, out=out, pre=pre, lua_path=lua_path, files=files,

@@ -52,6 +52,7 @@ still ours) and exit 0.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import signal
@@ -691,7 +692,11 @@ def controlplane_cmd(config_path: str | None, listen: str | None, redis_url: str
                                         channel_timeout=ADMIN_IDLE_TIMEOUT_S,
                                         cleanup_interval=ADMIN_CLEANUP_S)
     except OSError as exc:
-        raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from None
+        hint = (" (another process has it? choose the address with controlplane.listen, or "
+                "--listen; `infergate up` takes --admin-listen)") \
+            if exc.errno == errno.EADDRINUSE else ""
+        raise click.ClickException(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from None
 
     def stop(signum: int, _frame: object) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

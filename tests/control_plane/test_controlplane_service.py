@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 
 import pytest
 import requests
@@ -68,3 +69,13 @@ def test_bad_config_and_listen_are_clear_errors(tmp_path):
     assert res.exit_code != 0 and "controlplane.poll_interval_s" in res.output
     res = runner.invoke(controlplane_cmd, ["--listen", "nowhere"])
     assert res.exit_code != 0 and "HOST:PORT" in res.output
+    # an address another process holds: named, with the setting and the flags
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        res = runner.invoke(controlplane_cmd, ["--listen", f"127.0.0.1:{port}",
+                                               "--redis-url", "redis://127.0.0.1:1/0"])
+    assert res.exit_code == 1
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in res.output
+    assert "controlplane.listen" in res.output and "--admin-listen" in res.output

@@ -436,3 +436,12 @@ def test_a_metrics_port_held_elsewhere_fails_the_start_not_the_first_requests(wo
             start_nginx(r.nginx_conf, r.prefix)
     finally:
         holder.close()
+
+
+def test_the_state_folder_is_made_under_the_prefix_only_when_it_is_the_default(
+        workdir: Path) -> None:
+    render_nginx(_settings(), workdir / "a", listen="127.0.0.1:18131", prefix=workdir / "pa")
+    assert (workdir / "pa" / "infergate-state").is_dir()
+    render_nginx(_settings(state_dir=str(workdir / "elsewhere")), workdir / "b", listen="127.0.0.1:18131", prefix=workdir / "pb")
+    assert (workdir / "pb" / "logs").is_dir()
+    assert not (workdir / "pb" / "infergate-state").exists()
