@@ -177,6 +177,19 @@ def _pool_models(dom, settings, no_verifier: bool) -> tuple[object | None, objec
     return m, rr
 
 
+def _languages_of(path: str | None) -> list[str]:
+    """``cache.semantic_languages`` of the config at ``path`` (defaults without one)."""
+    from pathlib import Path
+
+    from controlplane.config import ConfigError, load_settings
+
+    try:
+        return load_settings(path if path and Path(path).exists() else None) \
+            .cache.semantic_languages
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
 def _load_calibration(path: str | None, pairs_path: str, embedding_model: str | None,
                       no_verifier: bool, domain: tuple[str, str, str] = ("", "", ""),
                       ) -> tuple[Pairs, object, object | None]:
@@ -384,7 +397,7 @@ def calibrate_cmd(c: Ctx, pairs_path: str, route: str, model: str, namespace_pre
     warning = tuning.check_warning(res, max_wrong)
     if warning:
         click.secho(warning, err=True, fg="red", bold=True)
-    entry = tuning.domain_entry(res, route, model, namespace_prefix)
+    entry = tuning.domain_entry(res, route, model, namespace_prefix, _languages_of(path))
     entry.update(_endpoint_fields(path, route, model, namespace_prefix))
     click.echo(f"chosen: {res.score} >= {res.chosen.threshold:.3f}; on the check part: hit "
                f"rate {_rate(res.check.hit_rate)}, wrong-hit rate {_rate(res.check.wrong_rate)}"

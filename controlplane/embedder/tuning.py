@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import tomllib
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -329,8 +330,12 @@ def check_verdict(res: CalibrationResult, max_wrong: float) -> str | None:
 
 
 def domain_entry(res: CalibrationResult, route: str = "", model: str = "",
-                 namespace_prefix: str = "") -> dict:
-    """The ``[[cache.semantic_domains]]`` table of a result with a chosen row."""
+                 namespace_prefix: str = "",
+                 languages: Sequence[str] = language.GUARDED) -> dict:
+    """The ``[[cache.semantic_domains]]`` table of a result with a chosen row.
+    ``languages``: ``cache.semantic_languages`` of the configuration; when the pairs hold
+    others, the domain's ``languages`` lists those and these (nothing when it holds
+    ``"*"``)."""
     if res.chosen is None:
         raise TuningError("no threshold reaches the target")
     d: dict = {}
@@ -351,9 +356,9 @@ def domain_entry(res: CalibrationResult, route: str = "", model: str = "",
     if shown.hit_rate is not None:
         d["hit_rate"] = round(float(shown.hit_rate), 5)
     d["wrong_hit_upper"] = round(float(shown.wrong_upper), 5)
-    if set(res.languages) - set(language.GUARDED):
+    if language.ANY not in languages and set(res.languages) - set(languages):
         # measured on pairs of these languages: their questions may hit in this domain
-        d["languages"] = sorted(set(res.languages) | set(language.GUARDED))
+        d["languages"] = sorted(set(res.languages) | set(languages))
     return d
 
 

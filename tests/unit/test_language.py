@@ -32,6 +32,10 @@ DIM = 8
     ("O que acontece se eu não pagar a multa?", "pt"),
     ("Что будет, если я не оплачу штраф?", "ru"),
     ("12 * 7 = ?", language.UNDETERMINED),
+    # short queries the model cannot tell: read as English
+    ("Pricing?", "en"), ("Refund policy?", "en"), ("Best pasta recipe", "en"),
+    # a short one it can tell, or with letters outside ASCII
+    ("Wie spät ist es?", "de"), ("Politique de remboursement", "fr"),
     ("👍", language.UNDETERMINED),
 ])
 def test_detect(text: str, lang: str) -> None:
@@ -140,5 +144,10 @@ def test_pair_languages_and_the_domain_entry() -> None:
     res = tuning.CalibrationResult("cosine", 40, 20, 20, 0, [row], row, check=row,
                                    languages=("de",))
     assert tuning.domain_entry(res, model="m")["languages"] == ["de", "en", "zh"]
+    # the configuration's own list is kept; "*" needs nothing more
+    assert tuning.domain_entry(res, model="m", languages=["en", "fr"])["languages"] == \
+        ["de", "en", "fr"]
+    assert "languages" not in tuning.domain_entry(res, model="m", languages=["*"])
+    assert "languages" not in tuning.domain_entry(res, model="m", languages=["de"])
     res.languages = ("en",)
     assert "languages" not in tuning.domain_entry(res, model="m")
