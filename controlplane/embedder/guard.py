@@ -8,11 +8,11 @@ the cached entry's text (the last user message of each):
 
 - ``numbers``: the multiset of numbers differs (Arabic digits with ``,`` thousands and
   decimals; Chinese numerals with a magnitude such as 一万 / 两千 / 五十, or followed by a
-  counter such as 三个月; ``1万`` is 10000, spoken 一万五 15000; English number words, "thirty", "twenty-five",
-  "two hundred"). A lone 一 (一下, 一个) or "one" (which one) is not a number.
+  counter such as 三个月; ``1万`` is 10000, spoken 一万五 15000; English number words,
+  "thirty", "twenty-five", "two hundred"). A lone 一 (一下, 一个) or "one" (which one) is
+  not a number.
 - ``negation``: the texts hold different numbers of negations, one of them none or a
-  second one turning the meaning again (English ``not``, ``no``,
-  ``never``, ``n't`` ...; Chinese 不 / 没 / 无 / 未 / 别 / 非 / 否 / 勿, after removing
+  second one turning the meaning again (English ``not``, ``no``, ``never``, ``n't`` ...; Chinese 不 / 没 / 无 / 未 / 别 / 非 / 否 / 勿, after removing
   A-not-A questions such as 能不能 / 有没有 and words that do not negate such as 不错,
   非常, 别人, 是否, 未来).
 - ``antonym:<a>/<b>``: one text uses only one side of a pair (enable/disable, 借/还,
