@@ -12,9 +12,9 @@ the cached entry's text (the last user message of each):
   "thirty", "twenty-five", "two hundred"). A lone 一 (一下, 一个) or "one" (which one) is
   not a number.
 - ``negation``: the texts hold different numbers of negations, one of them none or a
-  second one turning the meaning again (English ``not``, ``no``, ``never``, ``n't`` ...; Chinese 不 / 没 / 无 / 未 / 别 / 非 / 否 / 勿, after removing
-  A-not-A questions such as 能不能 / 有没有 and words that do not negate such as 不错,
-  非常, 别人, 是否, 未来).
+  second one turning the meaning again (English ``not``, ``no``, ``never``, ``n't`` ...;
+  Chinese 不 / 没 / 无 / 未 / 别 / 非 / 否 / 勿, after removing A-not-A questions such as
+  能不能 / 有没有 and words that do not negate such as 不错, 非常, 别人, 是否, 未来).
 - ``antonym:<a>/<b>``: one text uses only one side of a pair (enable/disable, 借/还,
   开通/关闭, 增加/减少, ...) and the other text only the other side.
 - ``order``: the two sides of a direction or comparison are swapped (重庆到西安 /
