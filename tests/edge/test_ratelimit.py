@@ -138,11 +138,14 @@ def test_token_limit_uses_the_real_usage(redis_server, simnodes, edge_factory) -
     assert node.state()["requests_total"] == 2
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream_relay"])
 def test_a_request_the_node_refuses_gives_its_tokens_back(redis_server, simnodes,
-                                                         edge_factory) -> None:
+                                                         edge_factory, stream) -> None:
     """A 4xx from the node (here vLLM's context-length 400) means no token was read or
     generated: the estimate charged up front is given back, as OpenAI charges nothing for
-    a refused request. The request itself still counts against requests per minute."""
+    a refused request (also a stream, whose refusal the stream relay passes on itself:
+    nginx has no $upstream_status then). The request itself still counts against
+    requests per minute."""
     r = redis_server.client()
     key, rec = apikeys.create_key(r, "acme", tpm=1000, rpm=100)
     (node,) = simnodes(1, time_scale=0.02)
@@ -150,7 +153,8 @@ def test_a_request_the_node_refuses_gives_its_tokens_back(redis_server, simnodes
     bucket = keynames.ratelimit_key(rec.id, "tpm")
     # 80,000 characters: over the node's KV cache (16,384 tokens); estimated at 20,000
     # tokens, charged as the bucket's 1,000
-    body = {"model": "sim-llama", "messages": [{"role": "user", "content": "a" * 80000}]}
+    body = {"model": "sim-llama", "messages": [{"role": "user", "content": "a" * 80000}],
+            "stream": stream}
     res = post(edge.url, key, body)
     assert res.status_code == 400 and "maximum context length" in res.text, res.text
     assert res.headers["x-ratelimit-remaining-tokens"] == "0"

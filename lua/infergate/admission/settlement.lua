@@ -73,13 +73,18 @@ _M.queue_correction = queue_correction
 -- A request a node refused (its answer, the one the client got, is 4xx: a context too
 -- long, a parameter it rejects, 429 busy) read and generated nothing: the estimate is
 -- given back whole, as OpenAI charges nothing for a refused request.
-local function node_refused()
+-- The stream relay (infergate.stream.relay) passes the node's answer itself: nginx has no
+-- $upstream_status then, the relay notes it in req.relay_answer_status.
+local function node_refused(req)
     local st = ngx.status
     if not st or st < 400 or st >= 500 then
         return false
     end
-    local us = ngx_var("upstream_status")
-    local last = us and tonumber(us:match("(%d+)%s*$"))
+    local last = req.relay_answer_status
+    if not last then
+        local us = ngx_var("upstream_status")
+        last = us and tonumber(us:match("(%d+)%s*$"))
+    end
     return last ~= nil and last == st
 end
 
@@ -91,7 +96,7 @@ function _M.log(req)
     end
     local total = usage and usage.total_tokens
     if not total then
-        if req.track_usage and node_refused() then
+        if req.track_usage and node_refused(req) then
             total = 0
         elseif (req.reserved_tokens or 0) > 0 then
             -- no usage (a stream the client left, a failed try): the output reserved

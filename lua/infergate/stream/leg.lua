@@ -475,6 +475,7 @@ function _M.run(r, node, att, body, eligible)
         r.finished = true
         do
             local a = r.last_answer
+            r.req.relay_answer_status = a.status -- a refusal costs no token (settlement)
             pass_headers(a.headers)
             ngx.status = a.status
             ngx.header["Content-Type"] = a.content_type or "application/json"

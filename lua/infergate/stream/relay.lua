@@ -109,6 +109,8 @@ end
 local function answer_unsent(r)
     local a = r.last_answer
     if a then
+        -- the node's own answer (infergate.admission.settlement: a refusal costs nothing)
+        r.req.relay_answer_status = a.status
         leg.pass_headers(a.headers)
         ngx.status = a.status
         ngx.header["Content-Type"] = a.content_type or "application/json"
