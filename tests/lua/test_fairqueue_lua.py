@@ -66,6 +66,11 @@ def got(tmp_path_factory: pytest.TempPathFactory) -> dict:
     local d = {class = 2, vc = 10, n = 4, name = "2d"}
     out.before = {fq.before(b, a), fq.before(c, b), fq.before(a, b), fq.before(a, d)}
     out.rank = {fq.rank(a, 0, {a, b, c}), fq.rank(b, 2, {a, b, c}), fq.rank(c, 0, {a, b, c})}
+    -- every waiting request of a higher class ranks first: with 2 slots free at once, a
+    -- sheddable head (rank 5 behind 5 critical ones) takes none
+    local hi = {class = 3, vc = 50, n = 5, name = "3hi"}
+    local lo = {class = 1, vc = 0, n = 3, name = "1lo"}
+    out.rank_classes = {fq.rank(lo, 0, {hi, lo}), fq.rank(hi, 1, {hi, lo})}
 
     -- a noisy tenant with 12 waiting, two quiet ones with 3 each, one slot at a time
     for _ = 1, 12 do arrive("m", "noisy", 2) end
@@ -163,6 +168,7 @@ def test_flows_are_ordered_by_class_then_counter_then_fewer_waiting(got: dict) -
     assert got["before"] == [True, True, False, True]
     # a (vc 10) has b (vc 5) and c (critical) before it; b at position 2 has c; c none
     assert got["rank"] == [2, 3, 0]
+    assert got["rank_classes"] == [5, 1]
 
 
 def test_a_noisy_tenant_does_not_get_more_than_the_quiet_ones(got: dict) -> None:

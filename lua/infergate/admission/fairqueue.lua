@@ -99,13 +99,17 @@ function _M.before(a, b)
 end
 
 -- The rank of a request at `pos` (0 = head) in flow `mine` among the waiting flows
--- `others` (each {class, vc, n, name}; mine may be among them): the requests served before it.
+-- `others` (each {class, vc, n, name}; mine may be among them): the requests served
+-- before it. Every request of a higher class goes first (when several slots free at
+-- once, a sheddable request takes none while critical ones wait); of a flow of its own
+-- class ordered before it, its head (the slots of one round go one per tenant, in the
+-- order of the counters).
 function _M.rank(mine, pos, others)
     local r = pos
     for i = 1, #others do
         local o = others[i]
         if o.name ~= mine.name and _M.before(o, mine) then
-            r = r + 1
+            r = r + ((o.class > mine.class) and (o.n or 1) or 1)
         end
     end
     return r
