@@ -139,7 +139,7 @@ def test_edge_options_carry_every_setting() -> None:
                       "max_request_members",
                       "verify_fraction", "verify_answer_similarity", "verify_max_wrong",
                       "verify_threshold_step", "verify_max_raise", "verify_queue_max",
-                      "verify_timeout_s", "explain"}
+                      "verify_timeout_s", "explain", "semantic_languages"}
     # unset: null in the document, the embedder model's default at the edge
     assert edge_document(settings_from_dict({}))["cache"]["min_similarity"] is None
     assert embedder_server("http://[::1]:9000") == "[::1]:9000"
