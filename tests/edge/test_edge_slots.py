@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -96,6 +97,52 @@ def test_requests_beyond_the_slots_wait_at_the_edge_in_arrival_order(
     assert st["shed"] == 0 and st["waiting"] == 0
     assert edge.node_status("one")["inflight"] == 0
     assert edge.node_status("one")["slots"] == 1
+
+
+def test_a_client_that_leaves_while_waiting_leaves_the_line_at_once(
+        tiny_upstreams, redis_server, edge_factory) -> None:
+    """A waiting request whose client goes away leaves the queue at that moment: the
+    "waiting" gauge comes back down and the request behind it takes the next free slot
+    at once, not after the ghost's alive mark expires (seconds with the pool idle)."""
+    import socket
+
+    (up,) = tiny_upstreams(names=["one"])
+    up.gate, up.chunks = threading.Event(), 2
+    edge = _edge(redis_server, edge_factory, [up.snapshot_node(slots=1, slots_source="server",
+                                                               score=None, has_metrics=False)])
+    held = requests.post(f"{edge.url}/v1/chat/completions", json={**CHAT, "stream": True},
+                         stream=True, timeout=30)
+    assert held.status_code == 200
+    host, port = edge.url.removeprefix("http://").split(":")
+    body = b'{"model": "tiny", "messages": [{"role": "user", "content": "ghost"}]}'
+    ghosts = []
+    for _ in range(3):                       # three clients that will leave, first in line
+        s = socket.create_connection((host, int(port)), timeout=5)
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        ghosts.append(s)
+        procs.wait_until(lambda n=len(ghosts): _waiting(edge) == n, 10, what="ghost waiting")
+    result: dict[str, float] = {}
+
+    def call() -> None:
+        body = {**CHAT, "messages": [{"role": "user", "content": "behind"}]}
+        res = requests.post(f"{edge.url}/v1/chat/completions", json=body, timeout=30)
+        result["status"], result["at"] = res.status_code, time.monotonic()
+
+    t = threading.Thread(target=call)
+    t.start()
+    procs.wait_until(lambda: _waiting(edge) == 4, 10, what="the request behind waiting")
+    for s in ghosts:
+        s.close()
+    procs.wait_until(lambda: _waiting(edge) == 1, 5, interval=0.02,
+                     what="the ghosts out of the line")
+    up.gate.set()
+    held.close()
+    freed = time.monotonic()
+    t.join(30)
+    assert result["status"] == 200
+    assert result["at"] - freed < 1.5        # the alive mark of a ghost lasts 2 s + 1 s
+    assert _waiting(edge) == 0 and up.hits == 2   # the ghosts never reached the node
 
 
 def test_a_request_whose_deadline_cannot_be_met_gets_429_at_once(

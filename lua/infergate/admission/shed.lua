@@ -48,6 +48,7 @@
 -- (infergate.core.closing).
 -- Counted as "shed" (infergate.admission.stats).
 local ngxapi = require("infergate.core.ngxapi")
+local abort = require("infergate.core.abort")
 local ngx_now = ngxapi.now
 local snapshot = require("infergate.routing.snapshot")
 local stats = require("infergate.routing.stats")
@@ -356,10 +357,16 @@ local function wait_for_slot(req, o, t, now, left)
         return fairshare.queue_full(o)
     end
     astats.incr("waiting")
+    -- a client that leaves while waiting leaves the line at once (infergate.core.abort)
+    local gone = abort.watch(req, function()
+        line.leave(w, ngx_now())
+        astats.incr("waiting", -1)
+    end)
     while true do
         local free, eligible = slots.free(t, now, req.model)
         local ahead = line.rank(w, now, poll_s, free)
         if eligible == 0 or (ahead < free and slots.reserve(req, t, now)) then
+            abort.unwatch(req, gone)
             line.leave(w, now)
             astats.incr("waiting", -1)
             req.admission_wait_ms = (now - start) * 1000
@@ -367,6 +374,7 @@ local function wait_for_slot(req, o, t, now, left)
         end
         local stop, wait = slot_hopeless(req, t, now, start, left, give_up, ahead, free)
         if stop or exiting() then
+            abort.unwatch(req, gone)
             line.leave(w, now)
             if stop then
                 return shed_answer(req, o, now, true, wait)
@@ -396,10 +404,13 @@ local function admit(req, o)
     end
     local give_up = now + wait_s
     local poll_s = o.poll_ms / 1000
-    local waited = false
+    local waited, gone = false, nil
     while true do
         local t = snapshot.refresh()
         local state = admit_state(req, o, t, now, left, give_up, wait_s)
+        if state ~= "saturated" or now >= give_up or exiting() then
+            abort.unwatch(req, gone)
+        end
         if state ~= "saturated" then
             if waited then
                 astats.incr("waiting", -1)
@@ -415,6 +426,7 @@ local function admit(req, o)
         end
         if not waited then
             astats.incr("waiting")
+            gone = abort.watch(req, function() astats.incr("waiting", -1) end)
         end
         pause(give_up, now, poll_s)
         waited = true

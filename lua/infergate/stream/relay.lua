@@ -31,6 +31,7 @@
 -- abort). What the client gets goes through the body filters as a proxied answer
 -- does: usage counting (infergate.admission.usage), cache capture. https nodes and every
 -- other request keep the proxy path.
+local abort = require("infergate.core.abort")
 local config = require("infergate.core.config")
 local errors = require("infergate.core.errors")
 local ngxapi = require("infergate.core.ngxapi")
@@ -253,9 +254,8 @@ function _M.step(req)
         path = ngx.var.uri, args = ngx.var.args,
     }
     req.relay = r
-    local ok, err = ngx.on_abort(function()
+    local ok, err = abort.watch(req, function()
         r.client_gone = "aborted"
-        return ngx.exit(499)
     end)
     if not ok then
         log(WARN, "infergate: stream relay: ngx.on_abort: ", err,
