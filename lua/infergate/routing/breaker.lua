@@ -2,7 +2,7 @@
 --
 --   closed    --(breaker_failures consecutive failures)-->  open
 --   open      --(breaker_cooldown_s elapsed)-->            half_open (one probe allowed)
---             (after ALONE_PROBE_S already when no other node is left: allow_alone)
+--             (after ALONE_PROBE_S already when no other node is left: allow(.., true))
 --   half_open --(probe succeeds)--> closed ; --(probe fails)--> open (cooldown again)
 -- A probe succeeds at its 2xx response head (infergate.routing.stats.probe_answered), or
 -- at its end with any answer the node meant (stats.close_attempt).
@@ -45,22 +45,6 @@ function _M.state(name, now)
     return "open"
 end
 
--- "yes" (closed), "probe" (half-open and no probe in flight), or false.
-function _M.allow(name, now)
-    local d = dict()
-    local opened = d:get("bo:" .. name)
-    if not opened then
-        return "yes"
-    end
-    if now - opened < config.get().edge.breaker_cooldown_s then
-        return false
-    end
-    if d:get("bp:" .. name) then
-        return false
-    end
-    return "probe"
-end
-
 -- A node whose breaker has been open for ALONE_PROBE_S (or the whole cooldown, when
 -- shorter) may take a half-open probe early when no node of the request's model is left
 -- (infergate.routing.candidates): as nginx never marks the only server of an upstream
@@ -69,16 +53,19 @@ end
 local ALONE_PROBE_S = 1
 _M.ALONE_PROBE_S = ALONE_PROBE_S
 
--- allow() for a node that is the last hope of a request: "probe" once its breaker has
--- been open ALONE_PROBE_S and no probe is in flight.
-function _M.allow_alone(name, now)
+-- "yes" (closed), "probe" (half-open and no probe in flight), or false. alone: the node
+-- is the last hope of a request, half-open after ALONE_PROBE_S already.
+function _M.allow(name, now, alone)
     local d = dict()
     local opened = d:get("bo:" .. name)
     if not opened then
         return "yes"
     end
-    if now - opened < math.min(ALONE_PROBE_S, config.get().edge.breaker_cooldown_s)
-            or d:get("bp:" .. name) then
+    local cooldown = config.get().edge.breaker_cooldown_s
+    if alone and ALONE_PROBE_S < cooldown then
+        cooldown = ALONE_PROBE_S
+    end
+    if now - opened < cooldown or d:get("bp:" .. name) then
         return false
     end
     return "probe"

@@ -18,7 +18,7 @@ _M.usable = usable
 
 -- Number of eligible nodes (including one ready for its half-open probe) for `model`
 -- (nil: any). When every usable node's breaker is open, those that may take an early
--- probe (breaker.allow_alone) count.
+-- probe (breaker.allow, alone) count.
 function _M.count_eligible(t, tried, now, model)
     tried = tried or {}
     local n, open = 0, false
@@ -33,7 +33,7 @@ function _M.count_eligible(t, tried, now, model)
     end
     if n == 0 and open then
         for _, node in ipairs(t.nodes) do
-            if usable(node, tried, model) and breaker.allow_alone(node.name, now) then
+            if usable(node, tried, model) and breaker.allow(node.name, now, true) then
                 n = n + 1
             end
         end
@@ -41,11 +41,11 @@ function _M.count_eligible(t, tried, now, model)
     return n
 end
 
--- The node whose early probe (breaker.allow_alone) this request takes, when every
+-- The node whose early probe (breaker.allow, alone) this request takes, when every
 -- usable node's breaker is open; nil when none may probe yet.
 local function alone_probe(t, tried, now, model, o)
     for _, node in ipairs(t.nodes) do
-        if usable(node, tried, model) and breaker.allow_alone(node.name, now) == "probe"
+        if usable(node, tried, model) and breaker.allow(node.name, now, true) == "probe"
                 and not outlier.probe_held(node, now, o) and breaker.take_probe(node.name) then
             return node
         end
