@@ -8,6 +8,7 @@ or batching like vLLM)."""
 from __future__ import annotations
 
 import re
+import socket
 import threading
 import time
 from collections import Counter
@@ -60,8 +61,9 @@ class _Peak:
         self._t.join(5)
 
 
-def test_requests_beyond_the_slots_wait_at_the_edge_in_arrival_order(
-        tiny_upstreams, redis_server, edge_factory) -> None:
+def _one_slot_held(tiny_upstreams, redis_server, edge_factory):
+    """A tiny node "one" with 1 known slot, held by a stream that waits for ``up.gate``:
+    (upstream, edge, the held response)."""
     (up,) = tiny_upstreams(names=["one"])
     up.gate, up.chunks = threading.Event(), 2
     edge = _edge(redis_server, edge_factory, [up.snapshot_node(slots=1, slots_source="server",
@@ -69,6 +71,12 @@ def test_requests_beyond_the_slots_wait_at_the_edge_in_arrival_order(
     held = requests.post(f"{edge.url}/v1/chat/completions", json={**CHAT, "stream": True},
                          stream=True, timeout=30)
     assert held.status_code == 200
+    return up, edge, held
+
+
+def test_requests_beyond_the_slots_wait_at_the_edge_in_arrival_order(
+        tiny_upstreams, redis_server, edge_factory) -> None:
+    up, edge, held = _one_slot_held(tiny_upstreams, redis_server, edge_factory)
     results: dict[str, int] = {}
 
     def call(tag: str) -> None:
@@ -104,15 +112,7 @@ def test_a_client_that_leaves_while_waiting_leaves_the_line_at_once(
     """A waiting request whose client goes away leaves the queue at that moment: the
     "waiting" gauge comes back down and the request behind it takes the next free slot
     at once, not after the ghost's alive mark expires (seconds with the pool idle)."""
-    import socket
-
-    (up,) = tiny_upstreams(names=["one"])
-    up.gate, up.chunks = threading.Event(), 2
-    edge = _edge(redis_server, edge_factory, [up.snapshot_node(slots=1, slots_source="server",
-                                                               score=None, has_metrics=False)])
-    held = requests.post(f"{edge.url}/v1/chat/completions", json={**CHAT, "stream": True},
-                         stream=True, timeout=30)
-    assert held.status_code == 200
+    up, edge, held = _one_slot_held(tiny_upstreams, redis_server, edge_factory)
     host, port = edge.url.removeprefix("http://").split(":")
     body = b'{"model": "tiny", "messages": [{"role": "user", "content": "ghost"}]}'
     ghosts = []
