@@ -102,8 +102,8 @@ def detect(text: str) -> str:
         return UNDETERMINED
     ident = _langid()
     ranked = ident.rank(head.lower())
-    if max(dict(ranked).get("en", 0.0), dict(ident.rank(head)).get("en", 0.0)) \
-            >= EN_MIN_SHARE:
+    if dict(ranked).get("en", 0.0) >= EN_MIN_SHARE \
+            or (head != head.lower() and dict(ident.rank(head)).get("en", 0.0) >= EN_MIN_SHARE):
         return "en"
     if ranked[0][1] < SHORT_MAX_SHARE and head.isascii() \
             and len(_WORD_RE.findall(head)) <= SHORT_WORDS:
