@@ -95,8 +95,9 @@ def test_half_open_admits_exactly_one_probe(pool) -> None:
 def test_a_probe_that_streams_closes_the_breaker_at_its_response_head(pool, relay) -> None:
     """A half-open probe that is a long stream: the breaker closes once the node answers
     200, not when the stream ends, so the recovered node takes other requests meanwhile
-    (before, nothing else reached it for the stream's whole length)."""
-    edge, (a, b, c) = pool(stream_relay=relay, stream_hold_s=0.0)
+    (before, nothing else reached it for the stream's whole length). Stall detection is
+    off: the held stream sends nothing, which on a loaded host outlasts its 1.5 s floor."""
+    edge, (a, b, c) = pool(stream_relay=relay, stream_hold_s=0.0, stall_gap_factor=0.0)
     a.mode = "fail"
     procs.wait_until(lambda: _post(edge).status_code == 200
                      and edge.node_status("a")["breaker"] in ("open", "half_open"), 15,
