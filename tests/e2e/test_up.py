@@ -1,6 +1,6 @@
 """`infergate up`, the README's run command: the whole stack starts, answers the README's
 requests (plain, streaming, OpenAI client), survives a busy internal port, and stops
-every process it started on SIGTERM. Restarts and stacks side by side:
+every process it started on SIGTERM. Restarts: test_up_restarts.py; stacks side by side:
 test_up_supervision.py."""
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ Typical use::
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -17,12 +18,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+import redis
 import requests
 
 from controlplane import procs
+from controlplane.redisdb import keynames
 
 #: Longest wait for the banner of ``infergate up``, seconds.
 BANNER_TIMEOUT_S = 90.0
+
+#: A stack without the semantic cache and without a metrics listener.
+NO_CACHE = '[edge]\nmetrics_listen = ""\n[cache]\nenabled = false\n'
+
+
+def registry(url: str) -> dict[str, str]:
+    """The node registry in the Redis at ``url``: node name -> its URL."""
+    r = redis.Redis.from_url(url, decode_responses=True, socket_timeout=2)
+    try:
+        return {name: json.loads(doc)["url"] for name, doc in r.hgetall(keynames.NODES).items()}
+    finally:
+        r.close()
 
 
 def children(pid: int) -> set[int]:
@@ -158,3 +173,9 @@ class UpStack:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+
+def first_answer(up: UpStack) -> None:
+    """Wait (30 s at most) for the first 200 through the stack's edge."""
+    procs.wait_until(lambda: up.post_chat("warm up").status_code == 200, timeout=30,
+                     what="first answer through the edge")
