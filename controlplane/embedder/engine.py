@@ -41,6 +41,10 @@ class EngineUnavailable(InfergateError, RuntimeError):
     """Redis or the embedding model cannot serve now (HTTP 503)."""
 
 
+#: A lookup decided without comparing a score: what ``LookupResult.decided_by`` names.
+_NO_SCORE = {"reject:language": "language", "reject:too_long": "length"}
+
+
 @dataclass(frozen=True)
 class LookupResult:
     """The ``POST /v1/lookup`` answer.
@@ -58,7 +62,9 @@ class LookupResult:
     ``decided_by`` names the score the decision compared with its threshold: ``verifier``
     (the learned verifier: ``verifier_score`` against ``min_verifier_score``),
     ``rerank`` (a rerank endpoint of the pool, the same two fields) or ``cosine``
-    (``similarity`` against ``min_similarity``); ``model_id`` is the embedding model whose
+    (``similarity`` against ``min_similarity``), or, when no score was compared,
+    ``language`` (``reject:language``: a question outside ``cache.semantic_languages``) or
+    ``length`` (``reject:too_long``); ``model_id`` is the embedding model whose
     vectors were searched (``<model>@<host:port>`` for an endpoint of the pool)."""
 
     hit: bool
@@ -600,6 +606,7 @@ class Engine:
             ver = limits[i][2] or self.verifier
             by = "cosine" if min_score is None else \
                 "rerank" if getattr(ver, "kind", "") == "rerank" else "verifier"
+            by = _NO_SCORE.get(verdict or "", by)
             out.append(LookupResult(
                 hit=hit is not None, key=hit.key if hit else None,
                 similarity=None if shown is None else round(min(1.0, max(0.0, shown.similarity)),

@@ -341,6 +341,7 @@ def test_other_languages_hit_only_when_listed(svc, monkeypatch) -> None:
     near = "Was passiert, wenn ich die Rechnung nicht bezahle?"
     res = svc.lookup(ns, near)
     assert res["hit"] is False and res["guard"] == "reject:language"
+    assert res["decided_by"] == "language"              # no score compared
     assert res["similarity"] > 0.9                      # close, refused for its language
     res = svc.lookup(ns, "was passiert wenn ich die rechnung bezahle")
     assert res["hit"] is True and res["key"] == key and res["verifier_score"] == 1.0
@@ -364,6 +365,7 @@ def test_long_texts_take_no_part_in_the_semantic_cache(svc) -> None:
         assert r.status_code == 200 and r.json()["indexed"] is False
         res = svc.lookup(ns, text)
         assert res["hit"] is False and res["guard"] == "reject:too_long"
+        assert res["decided_by"] == "length"
     r = svc.post("/v1/embeddings", {"input": "x" * 50_000})
     assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == svc.engine.model.dim
 
