@@ -1,7 +1,8 @@
 """The closed classes of :mod:`.contrast`: English words whose members answer different
 questions. Lowercase single words (matched whole); a member is the tuple of its forms.
 Ambiguous forms are left out or matched by a pattern in :data:`PATTERNS` instead: ``may``
-(the verb; the month only as "in May", "May 5"), ``us`` (the pronoun; the country only
+(the verb; the month only as "in May", "May 5"), ``one`` (a quantity only before what it
+counts: "one photo", not "no one" or "one of"), ``us`` (the pronoun; the country only
 as "US"), ``am`` / ``pm`` (only after a time, "9 am"), ``in`` / ``out`` (only in "zoom
 in", "opt out" and the like), ``fall`` and ``spring``, ``right``, ``second`` and ``min``.
 """
@@ -73,7 +74,9 @@ CONTRASTS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
     ("quantifier", (("all", "every", "everything", "everyone", "everybody", "each", "entire"),
                     ("some", "any", "anything", "anyone", "anybody", "something", "someone",
                      "several"), ("none", "nothing", "nobody"))),
+    ("one/all", (("one-item",), ("all-item",))),
     ("obligation", (("must",), ("should", "ought"))),
+    ("permission", (("can-ask",), ("must-ask",))),
     ("gender", (("male", "males", "man", "men", "boy", "boys", "masculine"),
                 ("female", "females", "woman", "women", "girl", "girls", "feminine"))),
     ("pronoun", (("he", "him", "his", "himself"), ("she", "her", "hers", "herself"))),
@@ -135,6 +138,25 @@ PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"\b(?:zoom|opt|check|unplug|clock|cash|log|sign|logged|signed)[- ]out\b",
                 re.IGNORECASE), "out-phrase"),
     (re.compile(r"\b(?:days?|per day|a day)\b", re.IGNORECASE), "day-unit"),
+    # "one" / "a single" before the thing counted ("unsubscribe from one list" / "from
+    # all lists"), not the pronoun ("how can one stop", "what should one do") nor "no
+    # one", "the one", "which one", "one of", "one more", "one way"
+    (re.compile(r"(?<!\bno )(?<!\bthe )(?<!\bany )(?<!\bevery )(?<!\bwhich )(?<!\bthis )"
+                r"(?<!\bthat )(?<!\bcan )(?<!\bcould )(?<!\bshould )(?<!\bwould )"
+                r"(?<!\bmust )(?<!\bwill )(?<!\bmay )(?<!\bmight )(?<!\bdoes )(?<!\bdo )"
+                r"(?<!\bif )(?<!\bhow )(?<!\bwhat )(?<!\bwhen )(?<!\bwhere )(?<!\bwhy )"
+                r"(?<!\bwhom )\b(?:one|single)\s+(?!(?:of|another|more|or|and|by|"
+                r"day|time|way|at|to|is|was|can|should|would|will|thing|has|had|have|needs?|"
+                r"must|may|might|could|does|did|gets?|in|on|for|with|that|who|which|i|you|we|they|"
+                r"he|she|it)\b)[a-z]", re.IGNORECASE), "one-item"),
+    # (against "one", not "any": "if you could change one law" / "any law" is a rewording)
+    (re.compile(r"\b(?:all|every|each|entire)\b", re.IGNORECASE), "all-item"),
+    # a question asking leave ("Can I pay rent by card?") against one asking whether it
+    # is required ("Must I ...?", "Do I have to ...?"); "should" is neither
+    (re.compile(r"^\W*(?:can|could|may)\s+(?:i|we|you|one)\b", re.IGNORECASE), "can-ask"),
+    (re.compile(r"^\W*(?:must\s+(?:i|we|you|one)|(?:do|does)\s+(?:i|we|you|one)\s+"
+                r"(?:have|need)\s+to|(?:am\s+i|are\s+(?:we|you)|is\s+one)\s+required\s+to)\b",
+                re.IGNORECASE), "must-ask"),
 )
 
 #: Negating prefixes: "safe" / "unsafe", "effective" / "ineffective", "normal" /

@@ -116,7 +116,7 @@ from controlplane.embedder import contrast, guard, scope
      "The board met on Monday to discuss the dividend. The CFO presented the numbers. "
      "Who opposed the dividend?", "context"),
     ("Quarterly report: revenue grew in Europe while costs in Asia rose sharply. "
-     "Summarize this in one sentence.",
+     "Summarize this briefly.",
      "Quarterly report: revenue grew in Europe while costs in Asia rose sharply. "
      "List every risk mentioned, as bullet points.", "context"),
     # time, audience and kind of question (controlplane/embedder/scope.py)
@@ -143,6 +143,12 @@ from controlplane.embedder import contrast, guard, scope
     ("None of my emails are syncing, why?", "Some of my emails are not syncing, why?",
      "contrast:quantifier"),
     ("Must I update to version 2?", "Should I update to version 2?", "contrast:obligation"),
+    # one thing or all of them; leave or a duty
+    ("How do I unsubscribe from one mailing list?", "How do I unsubscribe from all mailing lists?",
+     "contrast:one/all"),
+    ("Can I pay my rent with a credit card?", "Must I pay my rent with a credit card?",
+     "contrast:permission"),
+    ("Can we bring our own wine?", "Do we have to bring our own wine?", "contrast:permission"),
 ])
 def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason: str) -> None:
     res = guard.check(query, candidate)
@@ -168,6 +174,12 @@ def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason
     ("借款一万", "借款10000"),
     ("借款1万", "借款1万元"),
     ("How do I reset my password?", "How can I reset my password?"),
+    # "can" / "should" and "one" as a pronoun or against "any" are rewordings
+    ("What should I do to improve my English?", "How can I improve my English?"),
+    ("Can I pay my rent with a credit card?", "Should I pay my rent with a credit card?"),
+    ("How can one stop caring about what people think?",
+     "How do I stop caring about what everyone thinks?"),
+    ("If you could change one law, what would it be?", "If you could change any law, what would it be?"),
     ("能不能借款", "能借款吗"),
     ("有没有额度", "有额度吗"),
     ("是不是要手续费", "是要手续费吗"),
