@@ -52,6 +52,14 @@ EN_MIN_SHARE = 0.2
 #: above 0.34 and few are that short in ASCII.
 SHORT_WORDS = 4
 SHORT_MAX_SHARE = 0.4
+#: Words of English and of no language in :data:`CANDIDATES` spelled in ASCII ("of",
+#: "is", "in", "on", "do", "a", "my" are words of others too). A longer ASCII text the
+#: model cannot place (its likeliest language under SHORT_MAX_SHARE) that holds one is
+#: read as English: "Convert 100 euros to US dollars" ranked fr 0.19, es 0.18, en 0.16.
+EN_ONLY_WORDS = frozenset({
+    "the", "to", "what", "how", "why", "when", "where", "which", "who", "whose", "you",
+    "your", "with", "does", "should", "would", "could", "can", "from", "and", "this",
+    "that", "it", "its", "into", "about", "between", "than", "there", "their", "they"})
 #: Characters read (a question's language shows in its first words).
 MAX_CHARS = 1000
 
@@ -90,7 +98,9 @@ def detect(text: str) -> str:
     Hangul, ``ja`` with kana making at least half as many characters as the Han ones,
     ``zh`` with other Han characters, else py3langid's best of :data:`CANDIDATES` (on the
     lower-cased text; ``en`` whenever English has :data:`EN_MIN_SHARE` of the
-    probability, as written or lower-cased); :data:`UNDETERMINED` without a letter."""
+    probability, as written or lower-cased; a short or unplaced ASCII text: ``en`` as
+    :data:`SHORT_WORDS` and :data:`EN_ONLY_WORDS` say); :data:`UNDETERMINED` without a
+    letter."""
     head = text[:MAX_CHARS]
     if _HANGUL_RE.search(head):
         return "ko"
@@ -105,11 +115,13 @@ def detect(text: str) -> str:
     if dict(ranked).get("en", 0.0) >= EN_MIN_SHARE \
             or (head != head.lower() and dict(ident.rank(head)).get("en", 0.0) >= EN_MIN_SHARE):
         return "en"
-    if ranked[0][1] < SHORT_MAX_SHARE and head.isascii() \
-            and len(_WORD_RE.findall(head)) <= SHORT_WORDS:
-        # "Pricing?", "Refund policy?", "Best pasta recipe": too short for the model to
-        # tell, read as English (as before the rule), the guard's English checks apply
-        return "en"
+    if ranked[0][1] < SHORT_MAX_SHARE and head.isascii():
+        words = _WORD_RE.findall(head)
+        if len(words) <= SHORT_WORDS or not EN_ONLY_WORDS.isdisjoint(w.lower() for w in words):
+            # "Pricing?", "Refund policy?", "Best pasta recipe": too short for the model
+            # to tell; "Convert 100 euros to US dollars": unsure, with a word only English
+            # has. Read as English (as before the rule), the guard's English checks apply
+            return "en"
     return str(ranked[0][0])
 
 

@@ -34,6 +34,11 @@ DIM = 8
     ("12 * 7 = ?", language.UNDETERMINED),
     # short queries the model cannot tell: read as English
     ("Pricing?", "en"), ("Refund policy?", "en"), ("Best pasta recipe", "en"),
+    # longer, unsure (fr 0.19, es 0.18, en 0.16), with a word only English has
+    ("Convert 100 euros to US dollars", "en"),
+    # unsure and ASCII, but without such a word; or sure of another language
+    ("Comment convertir 100 euros en dollars", "fr"),
+    ("Quanto custa o bilhete de comboio para Lisboa", "pt"),
     # a short one it can tell, or with letters outside ASCII
     ("Wie spät ist es?", "de"), ("Politique de remboursement", "fr"),
     ("👍", language.UNDETERMINED),
