@@ -41,6 +41,7 @@ local config = require("infergate.core.config")
 local deadline = require("infergate.admission.deadline")
 local inputguard = require("infergate.admission.inputguard")
 local bodykind = require("infergate.core.bodykind")
+local cors = require("infergate.core.cors")
 
 local _M = {}
 
@@ -100,6 +101,9 @@ local function step_method(req)
             type = "invalid_request_error",
             code = "loop_detected",
         }
+    end
+    if ngx.req.get_method() == "OPTIONS" then
+        return cors.preflight(m.allow) -- a browser's preflight: 204, before the API key
     end
     if not m[ngx.req.get_method()] then
         return {

@@ -23,6 +23,7 @@
 -- reads it from there.
 local config = require("infergate.core.config")
 local errors = require("infergate.core.errors")
+local cors = require("infergate.core.cors")
 local reqctx = require("infergate.core.reqctx")
 local flush = require("infergate.core.flush")
 local knownkeys = require("infergate.admission.knownkeys")
@@ -57,7 +58,8 @@ _M.SWITCHES = {
     end,
 }
 
--- access_by_lua of the API locations. Order: method -> auth (API key -> req.tenant) ->
+-- access_by_lua of the API locations. Order: method (OPTIONS: a CORS preflight answered
+-- here, infergate.core.cors) -> auth (API key -> req.tenant) ->
 -- body_read (slow body 408, compressed 415, invalid UTF-8 400) -> body (the JSON object,
 -- decoded once; its bounds) -> models (unknown model 404; GET /v1/models answered here) ->
 -- ratelimit -> cache (exact, then semantic; a hit is answered here, after auth and rate
@@ -84,9 +86,11 @@ _M.ACCESS = {
 _M.HEADER_FILTER = {
     proxy = {
         { name = "node", fn = filters.run },
+        { name = "cors", fn = cors.header_filter },
         { name = "cache_capture", fn = capture.header_filter, when = "cache" },
     },
     error = {
+        { name = "cors", fn = cors.header_filter },
         { name = "cache_capture", fn = capture.header_filter, when = "cache" },
     },
 }
