@@ -622,6 +622,17 @@ def test_uncacheable_requests_bypass(stack, edge, body) -> None:
     assert not stack.r.exists(keynames.cache_entry(exact_key(body)))
 
 
+def test_several_prompts_bypass_and_one_list_of_token_ids_does_not(stack, edge) -> None:
+    """/v1/completions with a list of prompts answers one choice each, which an entry does
+    not keep: BYPASS at once (it said MISS and then stored nothing)."""
+    several = {"model": MODEL, "prompt": ["Count to three.", "Count to four."], "max_tokens": 8}
+    res = post(edge, several, path=COMP)
+    # (the simulated node answers 400 to more than one prompt; llama-server answers them)
+    assert res.headers["X-Cache-Status"] == "BYPASS" and "X-Infergate-Node" in res.headers
+    one = {"model": MODEL, "prompt": [101, 102, 103], "max_tokens": 8}
+    assert post(edge, one, path=COMP).headers["X-Cache-Status"] == "MISS"
+
+
 def test_a_parameter_the_node_refuses_is_never_answered_from_the_cache(stack, edge) -> None:
     good = body_of("Name a primary colour.", temperature=0)
     assert post(edge, good).headers["X-Cache-Status"] == "MISS"

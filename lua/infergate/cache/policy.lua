@@ -139,6 +139,12 @@ function _M.uncacheable(body)
     if given(body.n) and body.n > 1 then             -- a positive integer (bad_params)
         return "n > 1"
     end
+    -- /v1/completions with several prompts (a list of strings or of token lists; one list
+    -- of token ids is one prompt): one choice per prompt, which an entry does not keep
+    local prompt = body.prompt
+    if type(prompt) == "table" and #prompt > 1 and type(prompt[1]) ~= "number" then
+        return "several prompts"
+    end
     local lp = body.logprobs
     if lp ~= nil and lp ~= null and lp ~= false then
         return "logprobs"
