@@ -39,6 +39,8 @@ DIM = 8
     # unsure and ASCII, but without such a word; or sure of another language
     ("Comment convertir 100 euros en dollars", "fr"),
     ("Quanto custa o bilhete de comboio para Lisboa", "pt"),
+    # unsure among Slavic languages, English nowhere: not English for its "to"
+    ("To je dobra otazka pro nasi podporu", "sl"),
     # a short one it can tell, or with letters outside ASCII
     ("Wie spät ist es?", "de"), ("Politique de remboursement", "fr"),
     ("👍", language.UNDETERMINED),

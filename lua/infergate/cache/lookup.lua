@@ -11,8 +11,9 @@
 -- The step, for POST /v1/chat/completions and /v1/completions with a JSON body:
 --   * BYPASS (neither read nor stored): Cache-Control: no-store; a body over
 --     max_request_bytes (its key would cost a canonical encoding of it); content parts other
---     than text (image, audio, file); n > 1; several prompts; logprobs asked (token positions cannot be
---     replayed); temperature above max_temperature (absent = 1.0, the API default).
+--     than text (image, audio, file); n > 1; several prompts; logprobs asked (token
+--     positions cannot be replayed); temperature above max_temperature (absent = 1.0, the
+--     API default).
 --   * Cache-Control: no-cache: not read, the fresh answer is stored (BYPASS).
 --   * exact: GET infergate:v1:cache:entry:<key>, in the same pipeline as the rate-limit
 --     script when limits apply (prefetch, infergate.admission.ratelimit.companion: one
