@@ -77,6 +77,7 @@ CONTRASTS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
     ("one/all", (("one-item",), ("all-item",))),
     ("obligation", (("must",), ("should", "ought"))),
     ("permission", (("can-ask",), ("must-ask",))),
+    ("actor", (("actor-self",), ("actor-other",))),
     ("gender", (("male", "males", "man", "men", "boy", "boys", "masculine"),
                 ("female", "females", "woman", "women", "girl", "girls", "feminine"))),
     ("pronoun", (("he", "him", "his", "himself"), ("she", "her", "hers", "herself"))),
@@ -157,6 +158,11 @@ PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"^\W*(?:must\s+(?:i|we|you|one)|(?:do|does)\s+(?:i|we|you|one)\s+"
                 r"(?:have|need)\s+to|(?:am\s+i|are\s+(?:we|you)|is\s+one)\s+required\s+to)\b",
                 re.IGNORECASE), "must-ask"),
+    # who acts in a condition: the asker ("if I cancel my flight"; a generic "you" is the
+    # asker too) or someone else ("if the airline cancels my flight", "if they cancel")
+    (re.compile(r"\b(?:if|when|unless)\s+(?:i|we|you)\b", re.IGNORECASE), "actor-self"),
+    (re.compile(r"\b(?:if|when|unless)\s+(?:he|she|they|the)\b",
+                re.IGNORECASE), "actor-other"),
 )
 
 #: Negating prefixes: "safe" / "unsafe", "effective" / "ineffective", "normal" /

@@ -149,6 +149,11 @@ from controlplane.embedder import contrast, guard, scope
     ("Can I pay my rent with a credit card?", "Must I pay my rent with a credit card?",
      "contrast:permission"),
     ("Can we bring our own wine?", "Do we have to bring our own wine?", "contrast:permission"),
+    # who acts in the condition
+    ("What happens if I cancel my flight?", "What happens if the airline cancels my flight?",
+     "contrast:actor"),
+    ("What happens if I cancel my flight?", "What happens if they cancel my flight?",
+     "contrast:actor"),
 ])
 def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason: str) -> None:
     res = guard.check(query, candidate)
@@ -180,6 +185,7 @@ def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason
     ("How can one stop caring about what people think?",
      "How do I stop caring about what everyone thinks?"),
     ("If you could change one law, what would it be?", "If you could change any law, what would it be?"),
+    ("What happens if I miss a payment?", "What happens if you miss a payment?"),
     ("能不能借款", "能借款吗"),
     ("有没有额度", "有额度吗"),
     ("是不是要手续费", "是要手续费吗"),
