@@ -150,8 +150,16 @@ PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
                 r"day|time|way|at|to|is|was|can|should|would|will|thing|has|had|have|needs?|"
                 r"must|may|might|could|does|did|gets?|in|on|for|with|that|who|which|i|you|we|they|"
                 r"he|she|it)\b)[a-z]", re.IGNORECASE), "one-item"),
+    (re.compile(r"\b(?:one|a single) of (?:my|your|our|his|her|their|these|those)\b",
+                re.IGNORECASE), "one-item"),
     # (against "one", not "any": "if you could change one law" / "any law" is a rewording)
-    (re.compile(r"\b(?:all|every|each|entire)\b", re.IGNORECASE), "all-item"),
+    (re.compile(r"\b(?:all|every|each|entire)\b(?! other\b)", re.IGNORECASE), "all-item"),
+    # the same in Chinese: 删除一行 / 删除所有行 (一 with a measure word, against 所有 or
+    # 每; not a span of time, 一个月的利息 / 每个月的利息, nor the adverb 全部, 全部还清)
+    (re.compile(r"(?<![第十百千万几])一(?:个(?!月|小时|星期|礼拜|季度|工作日)|行|列|张|条|份|项|"
+                r"页|件|封|笔|台|篇|首|部|本|位)"), "one-item"),
+    (re.compile(r"所有|每一?(?:个(?!月|小时|星期|礼拜|季度|工作日)|行|列|张|条|份|项|页|件|封|"
+                r"笔|台|篇|首|部|本|位)"), "all-item"),
     # a question asking leave ("Can I pay rent by card?") against one asking whether it
     # is required ("Must I ...?", "Do I have to ...?"); "should" is neither
     (re.compile(r"^\W*(?:can|could|may)\s+(?:i|we|you|one)\b", re.IGNORECASE), "can-ask"),
@@ -159,9 +167,11 @@ PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
                 r"(?:have|need)\s+to|(?:am\s+i|are\s+(?:we|you)|is\s+one)\s+required\s+to)\b",
                 re.IGNORECASE), "must-ask"),
     # who acts in a condition: the asker ("if I cancel my flight"; a generic "you" is the
-    # asker too) or someone else ("if the airline cancels my flight", "if they cancel")
+    # asker too) or someone else ("if the airline cancels my flight", "if they cancel",
+    # "if my landlord breaks the lease", "if someone hits my car")
     (re.compile(r"\b(?:if|when|unless)\s+(?:i|we|you)\b", re.IGNORECASE), "actor-self"),
-    (re.compile(r"\b(?:if|when|unless)\s+(?:he|she|they|the)\b",
+    (re.compile(r"\b(?:if|when|unless)\s+(?:he|she|they|the|someone|somebody|my|your|our|"
+                r"his|her|their)\b",
                 re.IGNORECASE), "actor-other"),
 )
 

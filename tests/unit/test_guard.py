@@ -154,6 +154,12 @@ from controlplane.embedder import contrast, guard, scope
      "contrast:actor"),
     ("What happens if I cancel my flight?", "What happens if they cancel my flight?",
      "contrast:actor"),
+    ("What happens if my landlord breaks the lease?", "What happens if I break the lease?",
+     "contrast:actor"),
+    ("If I hit a parked car, what should I do?",
+     "If someone hits my parked car, what should I do?", "contrast:actor"),
+    ("Can I cancel one of my orders?", "Can I cancel all of my orders?", "contrast:one/all"),
+    ("如何在Excel中删除一行？", "如何在Excel中删除所有行？", "contrast:one/all"),
 ])
 def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason: str) -> None:
     res = guard.check(query, candidate)
@@ -186,6 +192,8 @@ def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason
      "How do I stop caring about what everyone thinks?"),
     ("If you could change one law, what would it be?", "If you could change any law, what would it be?"),
     ("What happens if I miss a payment?", "What happens if you miss a payment?"),
+    ("What is one of the best ways to learn Python?", "What are the best ways to learn Python?"),
+    ("借款500元，一个月的利息是多少", "借款500元，每个月的利息是多少"),
     ("能不能借款", "能借款吗"),
     ("有没有额度", "有额度吗"),
     ("是不是要手续费", "是要手续费吗"),
