@@ -1,5 +1,6 @@
 """The closed classes of :mod:`.contrast`: English words whose members answer different
-questions. Lowercase single words (matched whole); a member is the tuple of its forms.
+questions (and, by pattern, a few Chinese forms: 一行 / 所有行). Lowercase single words
+(matched whole); a member is the tuple of its forms.
 Ambiguous forms are left out or matched by a pattern in :data:`PATTERNS` instead: ``may``
 (the verb; the month only as "in May", "May 5"), ``one`` (a quantity only before what it
 counts: "one photo", not "no one" or "one of"), ``us`` (the pronoun; the country only
