@@ -75,7 +75,7 @@ CONTRASTS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
     ("quantifier", (("all", "every", "everything", "everyone", "everybody", "each", "entire"),
                     ("some", "any", "anything", "anyone", "anybody", "something", "someone",
                      "several"), ("none", "nothing", "nobody"))),
-    ("one/all", (("one-item",), ("all-item",))),
+    ("one/all", (("one-item",), ("all-item",), ("alternate-item",))),
     ("obligation", (("must",), ("should", "ought"))),
     ("permission", (("can-ask",), ("must-ask",))),
     ("actor", (("actor-self",), ("actor-other",))),
@@ -155,6 +155,8 @@ PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
                 re.IGNORECASE), "one-item"),
     # (against "one", not "any": "if you could change one law" / "any law" is a rewording)
     (re.compile(r"\b(?:all|every|each|entire)\b(?! other\b)", re.IGNORECASE), "all-item"),
+    (re.compile(r"\bevery (?:other|second|alternate)\b|\balternate\b", re.IGNORECASE),
+     "alternate-item"),
     # the same in Chinese: 删除一行 / 删除所有行 (一 with a measure word, against 所有 or
     # 每; not a span of time, 一个月的利息 / 每个月的利息, nor the adverb 全部, 全部还清)
     (re.compile(r"(?<![第十百千万几])一(?:个(?!月|小时|星期|礼拜|季度|工作日)|行|列|张|条|份|项|"

@@ -159,6 +159,8 @@ from controlplane.embedder import contrast, guard, scope
     ("If I hit a parked car, what should I do?",
      "If someone hits my parked car, what should I do?", "contrast:actor"),
     ("Can I cancel one of my orders?", "Can I cancel all of my orders?", "contrast:one/all"),
+    ("How do I select every other row in Excel?", "How do I select every row in Excel?",
+     "contrast:one/all"),
     ("如何在Excel中删除一行？", "如何在Excel中删除所有行？", "contrast:one/all"),
 ])
 def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason: str) -> None:
