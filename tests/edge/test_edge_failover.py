@@ -96,8 +96,12 @@ def test_a_probe_that_streams_closes_the_breaker_at_its_response_head(pool, rela
     """A half-open probe that is a long stream: the breaker closes once the node answers
     200, not when the stream ends, so the recovered node takes other requests meanwhile
     (before, nothing else reached it for the stream's whole length). Stall detection is
-    off: the held stream sends nothing, which on a loaded host outlasts its 1.5 s floor."""
-    edge, (a, b, c) = pool(stream_relay=relay, stream_hold_s=0.0, stall_gap_factor=0.0)
+    off (the held stream sends nothing, which on a loaded host outlasts its 1.5 s floor),
+    and the nodes are ranked by requests in flight alone (node_cost "load"): b and c,
+    made slow, carry more than a's one held stream, so a is the least loaded whatever
+    the learned speeds of a loaded host say."""
+    edge, (a, b, c) = pool(stream_relay=relay, stream_hold_s=0.0, stall_gap_factor=0.0,
+                           node_cost="load")
     a.mode = "fail"
     procs.wait_until(lambda: _post(edge).status_code == 200
                      and edge.node_status("a")["breaker"] in ("open", "half_open"), 15,
@@ -128,7 +132,8 @@ def test_a_probe_that_streams_closes_the_breaker_at_its_response_head(pool, rela
                          interval=0.05, what="the breaker closed by the probe's head")
         assert a.inflight == 1                            # the probe still streams
         before = a.hits
-        served = _ok_nodes(edge, 30, workers=3)
+        b.delay_s = c.delay_s = 0.3
+        served = _ok_nodes(edge, 30, workers=6)
         assert sum(served.values()) == 30 and a.hits > before, served
     finally:
         a.gate.set()
