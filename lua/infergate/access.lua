@@ -102,13 +102,14 @@ local function step_method(req)
             code = "loop_detected",
         }
     end
-    if ngx.req.get_method() == "OPTIONS" then
+    local method = ngx.req.get_method()
+    if method == "OPTIONS" then
         return cors.preflight(m.allow) -- a browser's preflight: 204, before the API key
     end
-    if not m[ngx.req.get_method()] then
+    if not m[method] then
         return {
             status = 405,
-            message = "Method " .. ngx.req.get_method() .. " is not allowed on " .. ngx_var("uri")
+            message = "Method " .. method .. " is not allowed on " .. ngx_var("uri")
                 .. "; use " .. m.allow .. ".",
             headers = { Allow = m.allow },
         }
