@@ -6,6 +6,7 @@ asking the node (no ``X-Infergate-Node`` on a hit)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 import time
@@ -69,3 +70,28 @@ def test_exact_and_semantic_hits_on_real_answers(stack) -> None:
     semantic = _until(up, "what is the capital of france", "semantic")
     assert semantic.json()["choices"][0]["message"]["content"] == text
     assert "X-Infergate-Node" not in semantic.headers
+
+
+def _stream_events(url: str, key: str | None, content: str) -> list[str]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    res = requests.post(f"{url}/v1/chat/completions", timeout=60, headers=headers, stream=True,
+                        json={"model": MODEL_ALIAS, "max_tokens": 4, "temperature": 0,
+                              "stream": True, "messages": [{"role": "user", "content": content}]})
+    assert res.status_code == 200, res.text
+    return [line[len("data: "):] for line in res.iter_lines(decode_unicode=True)
+            if line.startswith("data: ")]
+
+
+def test_a_stored_stream_keeps_llama_cpp_timings_where_the_node_puts_them(stack) -> None:
+    """A MISS stream without include_usage goes to the node with it (so its entry has
+    usage); the client still gets what llama-server sends such a stream directly: no
+    usage-only chunk, and ``timings`` on the finish chunk."""
+    up, node = stack
+    direct = _stream_events(node.url, None, "Name a colour.")
+    edged = _stream_events(up.base, up.key, "Name a colour, please.")
+    for events in (direct, edged):
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert all(c["choices"] for c in chunks), "a usage-only chunk reached the client"
+        assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+        assert set(chunks[-1]["timings"]) >= {"prompt_n", "predicted_n"}

