@@ -17,8 +17,12 @@ from controlplane.procs import StartError
 
 def _build() -> int:
     built = ensure_binary(say=lambda s: print(s, flush=True))
-    verb = "built" if built.built else "reused"
-    print(f"{built.path} ({verb} in {built.seconds:.1f} s)", flush=True)
+    if built.built:
+        print(f"{built.path} (built in {built.seconds:.1f} s)", flush=True)
+    elif built.seconds >= 1.0:
+        print(f"{built.path} (built by another process; waited {built.seconds:.1f} s)", flush=True)
+    else:
+        print(f"{built.path} (already built)", flush=True)
     return 0
 
 

@@ -44,7 +44,8 @@ class BuildError(RuntimeError):
 
 @dataclass(frozen=True)
 class Built:
-    """Where the binary is and how long getting it took (seconds; ~0 when reused)."""
+    """Where the binary is and how long getting it took (seconds; ~0 when found, the wait
+    when another process was building it)."""
 
     path: Path
     seconds: float
@@ -127,7 +128,14 @@ def ensure_binary(version: str = VERSION, say=None) -> Built:
     folder = cache_dir(version)
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another caller's build: wait for it
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            # another process is building it (minutes on 2 cores): say so, then wait
+            if say:
+                say(f"waiting for another process's build of llama-server {version} "
+                    f"(its log: {folder / 'build.log'})")
+            fcntl.flock(lock, fcntl.LOCK_EX)
         found = find_binary(version)
         if found is not None:
             return Built(found, time.monotonic() - t0, built=False)

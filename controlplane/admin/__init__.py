@@ -23,6 +23,7 @@ Content-Security-Policy (inline script and style only with the per-response nonc
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import time
@@ -96,6 +97,24 @@ def _fmt_bytes(n: int | None) -> str:
     return f"{n} B"
 
 
+#: Prefix of the admin session cookie's name (:func:`session_cookie_name`).
+COOKIE_PREFIX = "infergate_admin_"
+
+
+def session_cookie_name(settings: Settings) -> str:
+    """The admin session cookie's name: ``infergate_admin_<8 hex>``, the hex from the
+    SHA-256 of the deployment's Redis URL without its user info (sessions live there).
+
+    Browsers and curl scope cookies by host, not port (RFC 6265, section 8.5): with one
+    name for every deployment, logging in to one stack's admin page on a host would log
+    the user out of another's on the same host. Control planes of one deployment share
+    the Redis URL, so they share the name."""
+    from controlplane.redisdb.url import without_userinfo
+
+    digest = hashlib.sha256(without_userinfo(settings.redis.url).encode()).hexdigest()
+    return COOKIE_PREFIX + digest[:8]
+
+
 def create_app(settings: Settings, r: redis.Redis, *, secret_key: str | None = None) -> flask.Flask:
     """Build the admin Flask app bound to ``settings`` and the Redis client ``r``
     (built with ``decode_responses=True``). Never touches Redis while building."""
@@ -105,7 +124,7 @@ def create_app(settings: Settings, r: redis.Redis, *, secret_key: str | None = N
     app.secret_key = secret_key or os.environ.get(SECRET_ENV) or secrets.token_hex(32)
     app.session_interface = auth.SessionInterface()  # Secure cookie over TLS (see auth)
     app.config.update(
-        SESSION_COOKIE_NAME="infergate_admin",
+        SESSION_COOKIE_NAME=session_cookie_name(settings),
         SESSION_COOKIE_HTTPONLY=True,
         SESSION_COOKIE_SAMESITE="Strict",
         MAX_CONTENT_LENGTH=1 << 20,

@@ -17,7 +17,7 @@ import redis
 from click.testing import CliRunner
 
 from controlplane import procs
-from controlplane.admin import auth, create_app, ops
+from controlplane.admin import COOKIE_PREFIX, auth, create_app, ops, session_cookie_name
 from controlplane.cli import main
 from controlplane.config import Settings
 from controlplane.redisdb import keynames
@@ -46,7 +46,36 @@ def login(c, **kw: object):
 
 
 def session_cookie(resp) -> str:
-    return next(h for h in resp.headers.getlist("Set-Cookie") if h.startswith("infergate_admin="))
+    return next(h for h in resp.headers.getlist("Set-Cookie") if h.startswith(COOKIE_PREFIX))
+
+
+def test_session_cookie_name_is_one_per_deployment() -> None:
+    """Cookies are scoped by host, not port: two stacks on one host (their own Redis
+    each) need two cookie names, or a login to one logs the user out of the other;
+    control planes sharing a Redis share the name, whatever password they spell."""
+    def name(url: str) -> str:
+        return session_cookie_name(Settings.model_validate({"redis": {"url": url}}))
+
+    a = name("redis://:pw1@127.0.0.1:6379/0")
+    assert a.startswith(COOKIE_PREFIX) and len(a) == len(COOKIE_PREFIX) + 8
+    assert a == name("redis://:other@127.0.0.1:6379/0") == name("redis://127.0.0.1:6379/0")
+    assert len({a, name("redis://127.0.0.1:6380/0"), name("redis://127.0.0.1:6379/1")}) == 3
+
+
+def test_two_deployments_on_one_host_keep_their_own_logins(r) -> None:
+    one = make_app(r)
+    other = create_app(Settings.model_validate({
+        "controlplane": {"admin_token": TOKEN}, "redis": {"url": "redis://127.0.0.1:1/0"}}),
+        r, secret_key="another-secret")
+    c = one.test_client()
+    assert login(c).status_code == 303
+    # the other stack's login lands in the same cookie jar (same host, other port)
+    c2 = other.test_client()
+    resp = login(c2)
+    set_cookie = next(h for h in resp.headers.getlist("Set-Cookie") if h.startswith(COOKIE_PREFIX))
+    name, value = set_cookie.split(";", 1)[0].split("=", 1)
+    c.set_cookie(name, value)
+    assert c.get("/nodes").status_code == 200  # still logged in to the first
 
 
 # ---- throttling -----------------------------------------------------------------------
@@ -148,7 +177,7 @@ def test_logout_revokes_the_session_server_side(r):
     assert r.keys(keynames.ADMIN_SESSION_PREFIX + "*") == []
     # the old cookie, replayed by another client, no longer works
     thief = app.test_client()
-    thief.set_cookie("infergate_admin", cookie)
+    thief.set_cookie(app.config["SESSION_COOKIE_NAME"], cookie)
     assert thief.get("/nodes").status_code == 302
     assert thief.get("/api/v1/nodes").status_code == 401
 
@@ -174,7 +203,7 @@ def test_logout_while_redis_is_down_stays_a_logout(workdir):
         # without any admin request (another control plane on this Redis refuses it too)
         procs.wait_until(lambda: not r.exists(key), 10, what="the ended session deleted")
         thief = app.test_client()
-        thief.set_cookie("infergate_admin", cookie)
+        thief.set_cookie(app.config["SESSION_COOKIE_NAME"], cookie)
         assert thief.get("/nodes").status_code == 302
         assert thief.get("/api/v1/nodes").status_code == 401
         assert c.get("/login").status_code == 200 and login(c).status_code == 303

@@ -50,3 +50,36 @@ def test_server_argv():
     assert "<start_of_turn>" in tmpl and "add_generation_prompt" in tmpl and "{%" in tmpl
     assert "--no-jinja" not in argv
     assert "--metrics" not in server_argv(Path("b"), Path("m"), 1, metrics=False)
+
+
+def test_a_build_held_by_another_process_is_announced_then_waited_for(monkeypatch, tmp_path):
+    """While another process holds the build lock, ensure_binary says it waits (and
+    where that build logs), then takes the binary that build left."""
+    import fcntl
+    import threading
+
+    from bench.realnode.build import ensure_binary
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(BINARY_ENV, raising=False)
+    folder = cache_dir()
+    folder.mkdir(parents=True)
+    said: list[str] = []
+    announced = threading.Event()
+
+    def say(line: str) -> None:
+        said.append(line)
+        announced.set()
+
+    with open(folder / "build.lock", "w") as other:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        waiter = threading.Thread(target=lambda: said.append(str(ensure_binary(say=say).path)))
+        waiter.start()
+        assert announced.wait(10), "no word while waiting for the other build"
+        binary = folder / "llama-server"
+        binary.write_text("#!/bin/sh\n")
+        os.chmod(binary, 0o755)
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert said[0].startswith("waiting for another process's build") and "build.log" in said[0]
+    assert said[1] == str(binary)
