@@ -41,7 +41,8 @@ def verify(verifier: Verifier, text: str, vec: np.ndarray, cands: Sequence[Candi
 
 
 def guard_verdict(text: str, candidate: str, verifying: bool,
-                  unknown: Callable[[str], object] | None = None) -> guard_mod.GuardResult:
+                  unknown: Callable[[str], object] | None = None,
+                  verbatim: bool = False) -> guard_mod.GuardResult:
     """The precision guard's verdict on serving ``candidate`` for the query ``text`` on
     the serving path: :func:`guard.check`, then the model's unknown characters (``unknown``
     gives a text's characters outside the model's vocabulary; they must agree). When the
@@ -52,8 +53,9 @@ def guard_verdict(text: str, candidate: str, verifying: bool,
     spelled alike (:func:`guard.spelling_variant`), else at
     :data:`guard.SUBSTITUTION_MIN_SCORE` at least (``min_score`` of the result). So does
     a pair the guard passed where one English question for an amount adds a qualifier
-    (:func:`guard.qualifier_added`)."""
-    g = guard_mod.check(text, candidate)
+    (:func:`guard.qualifier_added`). ``verbatim``: the texts are completion prompts
+    (:func:`guard.check`)."""
+    g = guard_mod.check(text, candidate, verbatim)
     if g.ok and unknown is not None and unknown(text) != unknown(candidate):
         return guard_mod.GuardResult(False, "unknown_chars")
     if not g.ok and verifying and guard_mod.verifier_may_overrule(g, text, candidate):
@@ -78,6 +80,7 @@ def choose(text: str, vec: np.ndarray | None, cands: Sequence[Candidate], thresh
            embed: Callable[[list[str]], np.ndarray] | None = None,
            on_reject: Callable[[str], None] | None = None,
            languages: Sequence[str] | None = language.GUARDED,
+           verbatim: bool = False,
            ) -> tuple[Candidate | None, str | None, float | None]:
     """``(hit, verdict, best verifier score)`` among ``cands`` (best first) for the query
     ``text``: the first with similarity >= ``threshold`` that passes the guard (when
@@ -92,7 +95,8 @@ def choose(text: str, vec: np.ndarray | None, cands: Sequence[Candidate], thresh
     language rule (:mod:`.language`): a candidate in another language than the query's,
     or any candidate of a query whose language is not in ``languages`` unless it is the
     same question up to case, spaces and punctuation (:func:`verifier.same_words`), is
-    rejected (``reject:language``)."""
+    rejected (``reject:language``). ``verbatim``: the texts are ``/v1/completions``
+    prompts (:func:`guard.check`)."""
     hit: Candidate | None = None
     verdict: str | None = None
     best_score: float | None = None
@@ -113,7 +117,7 @@ def choose(text: str, vec: np.ndarray | None, cands: Sequence[Candidate], thresh
                                  or (foreign and not same_words(text, c.text))):
             g = guard_mod.GuardResult(False, "language")
         else:
-            g = guard_verdict(text, c.text, verifying, unknown)
+            g = guard_verdict(text, c.text, verifying, unknown, verbatim)
         if not g.ok:
             if on_reject is not None:
                 on_reject("guard")

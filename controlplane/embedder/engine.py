@@ -43,6 +43,9 @@ class EngineUnavailable(InfergateError, RuntimeError):
 
 #: A lookup decided without comparing a score: what ``LookupResult.decided_by`` names.
 _NO_SCORE = {"reject:language": "language", "reject:too_long": "length"}
+#: The route whose texts are completion prompts: a continuation follows the prompt's last
+#: characters, so its guard compares the spelling too (``guard.check``, ``verbatim``).
+COMPLETIONS_ROUTE = "/v1/completions"
 
 
 @dataclass(frozen=True)
@@ -574,8 +577,10 @@ class Engine:
             for i, c in zip(embed_at, found):
                 cands[i] = c
         # first pass as if every entry were live, then one pipeline for the chosen ones
+        verbatim = [q.route == COMPLETIONS_ROUTE for q in reqs]
         picks = [self._choose(q.text, vecs[i], cands[i], limits[i][0], limits[i][1], q.guard,
-                              None, limits[i][2], langs[i]) for i, q in enumerate(reqs)]
+                              None, limits[i][2], langs[i], verbatim[i])
+                 for i, q in enumerate(reqs)]
         chosen = [i for i, p in enumerate(picks) if p[0] is not None]
         if chosen:
             if len(chosen) == 1:  # one round trip either way; a pipeline costs more Python
@@ -590,7 +595,7 @@ class Engine:
                     rest = [c for c in cands[i] if c is not picks[i][0]]
                     picks[i] = self._choose(reqs[i].text, vecs[i], rest, limits[i][0],
                                             limits[i][1], reqs[i].guard, self._live,
-                                            limits[i][2], langs[i])
+                                            limits[i][2], langs[i], verbatim[i])
         elapsed = time.perf_counter() - t0
         out = []
         for i, q in enumerate(reqs):
@@ -623,17 +628,18 @@ class Engine:
                 live: Callable[[Candidate], bool] | None,
                 verifier: Verifier | None = None,
                 languages: Sequence[str] | None = language.GUARDED,
+                verbatim: bool = False,
                 ) -> tuple[Candidate | None, str | None, float | None]:
         """``(hit, verdict, best verifier score)`` among ``cands`` (best first) for the
         query ``text``: :func:`decision.choose` with this engine's model (characters it
         does not know), verifier (``verifier``: a domain's own, else the engine's),
         languages (the domain's, :meth:`policy.ThresholdPolicy.languages_for`),
-        embedding and counters."""
+        embedding and counters; ``verbatim`` for a ``/v1/completions`` prompt."""
         try:
             return decision.choose(
                 text, vec, cands, threshold, min_score, use_guard, verifier or self.verifier,
                 live, unknown=getattr(self.model, "unknown_chars", None), embed=self.embed,
-                on_reject=self._count_reject, languages=languages)
+                on_reject=self._count_reject, languages=languages, verbatim=verbatim)
         except EndpointError as exc:  # a rerank endpoint failed or is slow: a miss
             self._endpoint_failed("verification", exc)
             return None, "reject:verifier_unavailable", None

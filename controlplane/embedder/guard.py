@@ -6,6 +6,10 @@ and "can I" next to "can't I": the words that flip the answer are few and carry 
 weight in a pooled vector. The guard compares those words directly, on the query text and
 the cached entry's text (the last user message of each):
 
+- ``literal``: the same words where their spelling is the subject: lines of code and
+  their indentation, words run together or split ("sun flower" / "sunflower", "its" /
+  "it's"), punctuation inside the text ("x!" / "x?"), quoted text ('Polish' /
+  'polish') and capitonyms (:mod:`.literal`).
 - ``numbers``: the multiset of numbers differs (Arabic digits with ``,`` thousands and
   decimals; Chinese numerals with a magnitude such as 一万 / 两千 / 五十, or followed by a
   counter such as 三个月; ``1万`` is 10000, spoken 一万五 15000; English number words,
@@ -59,6 +63,7 @@ from decimal import Decimal, InvalidOperation
 
 from . import scope
 from .contrast import contrast_conflict
+from .literal import literal_conflict
 from .operators import MAX_CHARS as MAX_GUARD_CHARS
 from .operators import sign_conflict
 
@@ -716,14 +721,17 @@ def verifier_may_overrule(result: GuardResult, query: str, candidate: str) -> bo
             and _CJK_RE.search(candidate[:MAX_GUARD_CHARS]) is None)
 
 
-def check(query: str, candidate: str) -> GuardResult:
+def check(query: str, candidate: str, verbatim: bool = False) -> GuardResult:
     """Decide whether ``candidate`` (the cached entry's text) may answer ``query``.
 
     Checks, in order: a text without a letter or digit (``no_words``: "???" against
     "!!!", only equal up to spacing may match), symbols (``symbols``: emoji, currency,
     maths and other Unicode symbols must be the same, "👍" against "👎", and so must
     operators and signs in their places, "8/2" against "8*2", "x++" against "++x":
-    :mod:`.operators`), numbers,
+    :mod:`.operators`), the same words where their spelling is the subject (``literal``:
+    lines of code and their indentation, "it's" / "its", punctuation inside the text,
+    quoted text, the case of "Polish" / "polish"; :mod:`.literal`; ``verbatim``, for a
+    completion prompt: equal up to case alone), numbers,
     negation, antonyms, another member of a closed class (``contrast:<class>``:
     Sunday / Saturday, soft / hard; :mod:`.contrast`), swapped sides (``order``), speaker
     and addressee swapped
@@ -738,6 +746,8 @@ def check(query: str, candidate: str) -> GuardResult:
         return GuardResult(False, "no_words")
     if sign_conflict(q, c):
         return GuardResult(False, "symbols")
+    if literal_conflict(q, c, verbatim):
+        return GuardResult(False, "literal")
     if numbers_key(q) != numbers_key(c):
         return GuardResult(False, "numbers")
     if negations(q) != negations(c):

@@ -429,6 +429,32 @@ def test_paraphrase_is_a_semantic_hit(stack, edge) -> None:
     assert other_ns.headers["X-Cache-Status"] == "MISS"
 
 
+def test_the_same_words_spelled_otherwise_are_a_semantic_miss(stack, edge) -> None:
+    """The guard's literal check end to end: code whose indentation differs is another
+    question; a /v1/completions prompt matches only up to case (the route reaches the
+    embedder), where a chat text may differ in its closing mark."""
+    code = body_of("Does this run?\nif True:\nprint('hi')", temperature=0)
+    post(edge, code)
+    wait_stored(stack, code)
+    wait_indexed(stack, code)
+    res = post(edge, body_of("Does this run?\nif True:\n    print('hi')", temperature=0))
+    assert res.headers["X-Cache-Status"] == "MISS"
+
+    prompt = {"model": MODEL, "prompt": "Roses are red, violets are", "max_tokens": 8,
+              "temperature": 0}
+    post(edge, prompt, COMP)
+    wait_stored(stack, prompt, COMP)
+    key = exact_key(prompt, COMP)
+    procs.wait_until(lambda: any(True for _ in stack.r.scan_iter(
+        match=f"{keynames.CACHE_VEC_PREFIX}*:{key}", count=1000)), 20,
+        what="semantic vector of the prompt")
+    same_case = post(edge, {**prompt, "prompt": "roses are red, violets are"}, COMP)
+    assert same_case.headers["X-Cache-Status"] == "HIT", dict(same_case.headers)
+    assert same_case.headers["X-Cache-Match"] == "semantic"
+    spaced = post(edge, {**prompt, "prompt": "Roses are red, violets are "}, COMP)
+    assert spaced.headers["X-Cache-Status"] == "MISS"
+
+
 def test_semantic_hit_reports_the_requesters_prompt_tokens(stack, edge) -> None:
     body = body_of("How do I delete my account?", temperature=0)
     first = post(edge, body)

@@ -1,0 +1,98 @@
+"""The guard's ``literal`` check (``controlplane.embedder.literal``): texts with the same
+words where the spelling is the subject, and the rewordings it must leave alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from controlplane.embedder import decision, guard
+from controlplane.embedder.index import Candidate
+from controlplane.embedder.literal import literal_conflict
+
+
+@pytest.mark.parametrize("a,b", [
+    # lines of code, indentation included
+    ("Does this Python code run?\nif True:\nprint('hi')",
+     "Does this Python code run?\nif True:\n    print('hi')"),
+    ("Is this YAML valid?\na:\n  b: 1\n c: 2", "Is this YAML valid?\na:\n  b: 1\n  c: 2"),
+    # quoted text: spacing, punctuation, order, and case when short or a capitonym
+    ("How long is the string 'a b'?", "How long is the string 'ab'?"),
+    ("Does this need a comma: 'However I disagree'?",
+     "Does this need a comma: 'However, I disagree'?"),
+    ("Is 'therapist' a compound of 'the rapist'?", "Is 'the rapist' a compound of 'therapist'?"),
+    ("What does print('A' + 'b') output in Python?", "What does print('a' + 'b') output in Python?"),
+    ("Translate 'Polish' into German.", "Translate 'polish' into German."),
+    ("Translate 'Polish' into German", "Please translate the word 'polish' into German"),
+    ("Is 'We're going home' correct?", "Is 'Were going home' correct?"),
+    # a mark on a word inside a sentence
+    ("What does the regex ab? match?", "What does the regex ab match?"),
+    ("In Swift, what does x! do?", "In Swift, what does x? do?"),
+    ("What does foo! do in Ruby?", "What does foo do in Ruby?"),
+    ("What is 5! equal to?", "What is 5 equal to?"),
+    # a contraction against the word it spells
+    ("Were going home now, right?", "We're going home now, right?"),
+    # a capitonym inside a sentence
+    ("Is Turkey in Europe?", "Is turkey in Europe?"),
+    # a question about the writing itself
+    ("Fix the punctuation: hello world", "Fix the punctuation: Hello, world!"),
+    ("How many capital letters are in Hello World?", "How many capital letters are in hello world?"),
+    # Chinese: the marks cut the text elsewhere
+    ("下雨天，留客天，留我不？留！这句话什么意思？", "下雨天留客，天留我不留。这句话什么意思？"),
+])
+def test_the_same_words_spelled_otherwise_are_another_question(a, b) -> None:
+    assert literal_conflict(a, b) and literal_conflict(b, a)
+    assert guard.check(a, b).reason == "literal"
+
+
+@pytest.mark.parametrize("a,b", [
+    ("How do I reset my password?", "how do i reset my password"),
+    ("WHAT IS THE CAPITAL OF FRANCE", "What is the capital of France?"),
+    ("Hello! How do I reset my password?", "Hello, how do I reset my password"),
+    ("Why?! Is the sky really blue", "why is the sky really blue"),
+    ("How do I set up two-factor login?", "How do I set up two factor login?"),
+    ("What are some mind blowing facts about Steve Jobs?",
+     "What are some mindblowing facts about Steve Jobs?"),
+    ("What does 'ubiquitous' mean?", "What does ubiquitous mean?"),
+    ("What is \"white guilt\"?", "What exactly is \"White guilt\"?"),
+    ("When do we use \"to\" and \"for\"?", "When do we use \"for\" and \"to\"?"),
+    ("What's the time in Tokyo?", "Whats the time in Tokyo?"),
+    ("How did Pakistan get its name?", "How did Pakistan get it's name?"),
+    ("What are good ways of creating tabs with JQuery", "What are good ways of creating tabs with jQuery?"),
+    ("Why do so many fear President Obama?", "Why do so many fear president Obama?"),
+    ("你好！怎么重置密码？", "你好，怎么重置密码"),
+    ("大汶口文化遗址在我国的哪里", "大汶口文化遗址在我国的：哪里？"),
+    ("Is this a good idea? 👍", "is this a good idea 👍"),
+])
+def test_rewordings_of_spelling_pass(a, b) -> None:
+    assert not literal_conflict(a, b) and not literal_conflict(b, a)
+
+
+def test_completion_prompts_differ_in_anything_but_case() -> None:
+    for a, b in (("Once upon a time", "Once upon a time "),
+                 ("Roses are red,", "Roses are red."),
+                 ("def sub(a, b):\n", "def sub(a, b):\n    ")):
+        assert literal_conflict(a, b, verbatim=True)
+        assert guard.check(a, b, verbatim=True).reason == "literal"
+    assert not literal_conflict("the capital of france is", "The capital of France is",
+                                verbatim=True)
+    # chat texts: trailing spaces and a final mark are the same question
+    assert not literal_conflict("Once upon a time", "Once upon a time ")
+
+
+def test_the_decision_applies_the_verbatim_rule_it_is_given() -> None:
+    rng = np.random.default_rng(0)
+    u = rng.standard_normal(8).astype(np.float32)
+    u /= np.linalg.norm(u)
+    cand = Candidate("e1", 1.0, "Roses are red.", u)
+    hit, verdict, _ = decision.choose("Roses are red,", u, [cand], 0.5, None, True, None)
+    assert hit is cand and verdict == "pass"
+    hit, verdict, _ = decision.choose("Roses are red,", u, [cand], 0.5, None, True, None,
+                                      verbatim=True)
+    assert hit is None and verdict == "reject:literal"
+
+
+def test_never_raises_on_odd_text() -> None:
+    for a, b in (("", ""), ("'", "''"), ("\n\n", "\n"), ("`", "```"), ("'a", "a'"),
+                 ("“”", "「」"), ("\x00?!", "?!\x00"), ("a" * 50000, "A" * 50000)):
+        assert literal_conflict(a, b) in (True, False)
