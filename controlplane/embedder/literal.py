@@ -27,7 +27,7 @@ Where the spelling is itself the subject they are different questions, and
   lower case says nothing about case;
 - a question about the writing itself (punctuation, commas, capital letters, spelling,
   grammar, indentation, 标点, 大写, 拼写 …) must be the same but for the spaces around it
-  ("Fix the punctuation: hello world" / "… Hello, world!").
+  and runs of spaces ("Fix the punctuation: hello world" / "… Hello, world!").
 
 Quoted text (``'…'``, ``"…"``, `````…`````, ``“…”``, ``‘…’``, ``「…」``, ``『…』``), when both
 texts quote and the quotes hold the same words, also when the rest of the texts
@@ -76,9 +76,11 @@ _WORD_RE = re.compile(r"\w+")
 _CJK = "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
 _CJK_RE = re.compile(f"[{_CJK}]")
 _CJK_SPACE_RE = re.compile(rf"(?<=[{_CJK}])\s+(?=[{_CJK}])")
-#: A "?" or "!" on a word inside a sentence: "the regex ab? match", "x! do", "5! is";
-#: not one that ends a sentence ("Why?! Is", "Hello! How") or the text.
-_TIGHT_RE = re.compile(r"(?<=[A-Za-z0-9_])[?!]+(?=[ \t]+[a-z]|[A-Za-z0-9_(.])")
+#: A "?" or "!" after a word and before another: "the regex ab? match", "Why?! Is".
+_MARK_RE = re.compile(r"(?<=[A-Za-z0-9_])[?!]+(?=[ \t]*[A-Za-z0-9_(.])")
+#: What follows a mark on a word inside a sentence ("ab? match", "x! do", "5!is"), not
+#: one that ends a sentence ("Why?! Is", "Hello! How").
+_TIGHT_AFTER_RE = re.compile(r"[ \t]+[a-z]|[A-Za-z0-9_(.]")
 #: Sentence ends: the word after one starts a sentence.
 _SENTENCE_END_RE = re.compile(r"[.?!。？！:;\n]")
 _CASED_RE = re.compile(r"\w+|" + _SENTENCE_END_RE.pattern)
@@ -101,6 +103,8 @@ _QUOTES = (
     re.compile(r"『([^』]+)』"),
 )
 _QUOTE_END_RE = re.compile(r"[\s.?!。？！]+$")
+_SPACE_RE = re.compile(r"\s+")
+_BLANKS_RE = re.compile(r"[ \t]+")
 
 
 def _plain(text: str) -> str:
@@ -121,8 +125,9 @@ def _quotes(text: str) -> tuple[str, ...]:
 
 
 def _quote_key(q: str) -> str:
-    """What two quotes must share: the text itself when short, a capitonym or mixed
-    case within a word... else the text up to case."""
+    """What two quotes must share: the text (its runs of spaces as one) when short or a
+    capitonym, else that text up to case."""
+    q = _SPACE_RE.sub(" ", q)
     if len(q) <= SHORT_QUOTE or q.lower() in CAPITONYMS:
         return q
     return q.lower()
@@ -135,8 +140,9 @@ def _form(text: str) -> tuple:
     t = unicodedata.normalize("NFKC", text[:MAX_CHARS])
     lines = tuple(ln.rstrip() for ln in t.strip("\n").splitlines() if ln.strip())
     flat = _CJK_SPACE_RE.sub("", t)
-    tight = tuple((len(_WORD_RE.findall(flat, 0, m.start())), m.group())
-                  for m in _TIGHT_RE.finditer(flat))
+    marks = {len(_WORD_RE.findall(flat, 0, m.start())):
+             (m.group(), _TIGHT_AFTER_RE.match(flat, m.end()) is not None)
+             for m in _MARK_RE.finditer(flat)}
     bare = frozenset(_WORD_RE.findall(_CONTRACTION_RE.sub(" ", flat).lower()))
     contracted = frozenset(m.group().replace("'", "").replace("’", "").lower()
                            for m in _CONTRACTION_RE.finditer(flat))
@@ -158,7 +164,17 @@ def _form(text: str) -> tuple:
             continue
         cased.append((tok, start))
         start = False
-    return (lines, bare, tight, tuple(cased), contracted, breaks, _META_RE.search(t) is not None)
+    return (lines, bare, marks, tuple(cased), contracted, breaks, _META_RE.search(t) is not None)
+
+
+def _marks_conflict(ma: dict, mb: dict) -> bool:
+    """A "?" or "!" after the same word differs, where the text that has it goes on
+    inside the sentence (module docstring)."""
+    for i in ma.keys() | mb.keys():
+        a, b = ma.get(i, ("", False)), mb.get(i, ("", False))
+        if a[0] != b[0] and (a[1] or b[1]):
+            return True
+    return False
 
 
 def _one_case(text: str) -> bool:
@@ -218,10 +234,10 @@ def literal_conflict(a: str, b: str, verbatim: bool = False) -> bool:
         return a[:MAX_CHARS].lower() != b[:MAX_CHARS].lower()
     fa, fb = _form(a), _form(b)
     if fa[6] or fb[6]:
-        return a[:MAX_CHARS].strip() != b[:MAX_CHARS].strip()
+        return _BLANKS_RE.sub(" ", a[:MAX_CHARS].strip()) != _BLANKS_RE.sub(" ", b[:MAX_CHARS].strip())
     if (len(fa[0]) > 1 or len(fb[0]) > 1) and fa[0] != fb[0]:
         return True
-    if fa[2] != fb[2] or quotes_conflict(a, b, ordered=True):
+    if _marks_conflict(fa[2], fb[2]) or quotes_conflict(a, b, ordered=True):
         return True
     if fa[5] != fb[5] and not (fa[5] <= fb[5] or fb[5] <= fa[5]):
         return True

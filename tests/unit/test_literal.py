@@ -63,6 +63,9 @@ def test_the_same_words_spelled_otherwise_are_another_question(a, b) -> None:
     ("你好！怎么重置密码？", "你好，怎么重置密码"),
     ("大汶口文化遗址在我国的哪里", "大汶口文化遗址在我国的：哪里？"),
     ("Is this a good idea? 👍", "is this a good idea 👍"),
+    # a whole text lowercased: its sentences then go on in lower case after their marks
+    ("Why were the notes banned? What led to it?", "why were the notes banned? what led to it?"),
+    ("What does \"goes  around\" mean?", "What does \"goes around\" mean?"),
 ])
 def test_rewordings_of_spelling_pass(a, b) -> None:
     assert not literal_conflict(a, b) and not literal_conflict(b, a)
