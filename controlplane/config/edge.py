@@ -179,6 +179,12 @@ class EdgeSettings(_Section):
     model."""
     stream_continue_max: int = Field(default=2, ge=0, le=10)
     """Most continuations of one stream (each on another node)."""
+    shutdown_stream_s: float = Field(default=0.0, ge=0, le=86400)
+    """Once nginx shuts down (SIGQUIT, ``nginx -s quit``), how long (seconds) a relayed
+    stream that has sent its headers may go on: past it, it ends with an SSE error event
+    (code ``shutting_down``) and ``data: [DONE]``, so that whatever stops nginx outright
+    later (a service manager's timeout, ``infergate up``'s 10 s) does not cut it without
+    a word. 0 = streams run to their end, as nginx lets them. ``infergate up`` sets 8."""
     prefix_affinity: bool = True
     """Prefix-cache-aware routing: a request whose leading prompt is at least
     ``prefix_min_tokens`` long (or that carries ``affinity_header``) goes to the first node

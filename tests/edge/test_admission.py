@@ -5,6 +5,7 @@ max_concurrency sheds too; shedding off lets requests through."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Any
@@ -218,3 +219,33 @@ def test_a_request_waiting_for_capacity_waits_on_through_a_reload(
     res = out["res"]
     assert res.status_code == 200, res.text
     assert up.hits == 1
+
+
+def test_a_stream_running_when_nginx_shuts_down_ends_with_an_error_event(
+        redis_server, tiny_upstreams, edge_factory) -> None:
+    """edge.shutdown_stream_s: a relayed stream still running that long after SIGQUIT
+    ends with an SSE error event (``shutting_down``) and ``[DONE]``, not a silent cut
+    when nginx is stopped outright later; nginx is then done."""
+    import signal
+
+    (up,) = tiny_upstreams(1)
+    up.chunks, up.chunk_interval_s = 400, 0.05  # a 20 s stream
+    s = settings(redis_server.url, [up.node_settings()])
+    s.edge.shutdown_stream_s = 1.0
+    edge = edge_factory(s)
+    body = {**CHAT, "stream": True}
+    res = requests.post(f"{edge.url}/v1/chat/completions", json=body, stream=True, timeout=30)
+    assert res.status_code == 200
+    lines = res.iter_lines(decode_unicode=True)
+    got = [next(lines) for _ in range(4)]  # content is flowing
+    quit_at = time.monotonic()
+    edge.managed.signal(signal.SIGQUIT)
+    got += list(lines)
+    ended = time.monotonic() - quit_at
+    events = [x[len("data: "):] for x in got if x.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == "shutting_down", err
+    assert 1.0 <= ended < 6, ended  # the bound (plus telling a shutdown from a reload)
+    assert len(events) < 300  # cut short, not run to its end
+    edge.managed.proc.wait(timeout=10)

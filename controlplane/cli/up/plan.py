@@ -140,6 +140,12 @@ def _make_secrets(settings: Settings) -> bool:
     return generated_token
 
 
+#: ``edge.shutdown_stream_s`` of ``up`` (unless its file sets one): a stream still running
+#: when the stack stops ends with an SSE error event within nginx's 10 s to finish
+#: (``edge.NGINX_FINISH_S``; the edge tells a shutdown from a reload within 1 s more).
+SHUTDOWN_STREAM_S = 7.0
+
+
 def make_plan(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
               node_health_path: str | None, node_max_concurrency: int | None,
               listen: str | None, admin_listen: str | None, redis_url: str | None,
@@ -155,6 +161,8 @@ def make_plan(config_path: str | None, node_urls: tuple[str, ...], node_kind: st
     if admin_listen:
         _split_hostport(admin_listen, "--admin-listen")
         settings.controlplane.listen = admin_listen
+    if "shutdown_stream_s" not in settings.edge.model_fields_set:
+        settings.edge.shutdown_stream_s = SHUTDOWN_STREAM_S
     shared_redis, named_by = _redis_named_by(redis_url, settings, config_path)
     if redis_url:
         settings.redis.url = redis_url

@@ -13,6 +13,8 @@
 --
 --   init_worker()  records this worker's start
 --   now()          true while the worker is exiting and nginx is not reloading
+--   stream_left(o, now)  seconds a started stream may still run (edge.shutdown_stream_s),
+--                  or nil: no shutdown, or no such bound
 local config = require("infergate.core.config")
 local ngxapi = require("infergate.core.ngxapi")
 local ngx_now = ngxapi.now
@@ -49,6 +51,19 @@ function _M.now()
     local now = ngx_now()
     exiting_since = exiting_since or now
     return now - exiting_since >= _M.RELOAD_GRACE_S
+end
+
+function _M.stream_left(o, now)
+    local bound = o.edge.shutdown_stream_s
+    if not bound or bound <= 0 or not ngx.worker.exiting() then
+        return nil
+    end
+    if not _M.now() then
+        -- a reload (the old worker finishes what it holds), or not told apart yet:
+        -- look again within RELOAD_GRACE_S
+        return exiting_since and _M.RELOAD_GRACE_S or nil
+    end
+    return exiting_since + _M.RELOAD_GRACE_S + bound - now
 end
 
 return _M

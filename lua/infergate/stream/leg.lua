@@ -7,20 +7,20 @@
 -- r.no_continue, r.client_gone.
 --
 -- Read timeouts: a stream's, as on the proxy path (edge.read_timeout_ms, at most the
--- deadline's stream idle time; the request deadline does not cut a stream,
--- infergate.admission.deadline.timeouts, but while nothing went to the client the
--- node's head is not awaited past it: 504 deadline_exceeded, as for a request that
--- is not a stream), shortened before content as a probe's when
--- another node is left (2 x infergate.routing.outlier.probe_threshold, as the balancer);
+-- deadline's stream idle time; the request deadline does not cut a stream, but while
+-- nothing went to the client the node's head is not awaited past it: 504
+-- deadline_exceeded, as for a request that is not a stream), shortened before content
+-- as a probe's when another node is left (2 x outlier.probe_threshold, as the balancer);
 -- after content, 2 x the node's stall threshold (a node silent that long is stalled: the
 -- stream is continued elsewhere, unless the node answers a liveness check made since its
--- last byte: then it is a long prefill of another request, and the read goes on,
--- still_alive); while holding, at most until the hold ends (then the held bytes go out
--- and the read goes on); while the head is awaited with another node left, the
--- leg also gives up as soon as the node, found silent (a TTFB outlier or stalled) after
--- the leg started, fails its liveness check (infergate.routing.outlier.gone_silent,
--- asked every WATCH_S). Connect and send timeouts: the deadline's for a leg
--- before content; a continuation starts after it as the stream goes on past it.
+-- last byte: a long prefill of another request, and the read goes on, still_alive);
+-- while holding, at most until the hold ends (then the held bytes go out); while the
+-- head is awaited with another node left, the leg also gives up as soon as the node,
+-- found silent after the leg started, fails its liveness check (outlier.gone_silent,
+-- asked every WATCH_S); once nginx shuts down, at most until edge.shutdown_stream_s is
+-- up (infergate.core.closing.stream_left; the relay then ends the stream with an error
+-- event). Connect and send timeouts: the deadline's for a leg before content; a
+-- continuation starts after it as the stream goes on past it.
 local ngxapi = require("infergate.core.ngxapi")
 local deadline = require("infergate.admission.deadline")
 local relaypick = require("infergate.routing.relaypick")
@@ -32,6 +32,7 @@ local speed = require("infergate.routing.speed")
 local sse = require("infergate.stream.sse")
 local http = require("infergate.stream.http")
 local splice = require("infergate.stream.splice")
+local closing = require("infergate.core.closing")
 
 local _M = {}
 
@@ -61,15 +62,13 @@ local function write(r, piece)
 end
 _M.write = write
 
--- Headers of a node's answer that are the connection's, not the answer's (RFC 9110
--- section 7.6.1), or that the relay sets itself: not passed on.
+-- Headers of a node's answer not passed on: the connection's (RFC 9110 7.6.1), the relay's.
 local OWN = { connection = true, ["keep-alive"] = true, ["transfer-encoding"] = true,
               ["content-length"] = true, te = true, trailer = true, upgrade = true,
               ["proxy-connection"] = true, date = true, server = true,
               ["content-type"] = true, ["cache-control"] = true }
 
--- The node's own headers (X-Sim-Node, a request id of its own...), as nginx's proxy
--- passes them.
+-- The node's own headers (X-Sim-Node, its request id...), as nginx's proxy passes them.
 local function pass_headers(list)
     for _, h in ipairs(list or {}) do
         if not OWN[h[1]:lower()] then
@@ -123,6 +122,8 @@ local function read_timeout(r, lg, now, no_hold)
     if not r.sent and lg.hold_until and not no_hold then
         read = min(read, lg.hold_until - now)
     end
+    local left = r.sent and closing.stream_left(o, now) -- nginx shuts down
+    read = left and left < read and left or read
     return read > 0.001 and read or 0.001
 end
 
@@ -224,6 +225,11 @@ local function read_stream(r, lg, head, sock)
     local st = sse.new()
     while true do
         local now = ngx_now()
+        local left = r.sent and closing.stream_left(r.o, now)
+        if left and left <= 0.001 then -- ends with an error event (infergate.stream.relay)
+            lg.verdict, lg.why, r.shutdown = "neutral", "nginx shuts down", true
+            return
+        end
         local t = read_timeout(r, lg, now)
         sock:settimeout(ms(t))
         local data, err = http.read_body(head, sock)
@@ -237,7 +243,8 @@ local function read_stream(r, lg, head, sock)
             write(r, "data: [DONE]\n\n")
             r.finished, lg.verdict = true, "ok"
             return
-        elseif not data and err == "timeout" and r.out.produced > 0 and still_alive(r, lg, now) then
+        elseif not data and err == "timeout" and (left or (r.out.produced > 0
+                and still_alive(r, lg, now))) then -- shutting down, or alive: goes on
             lg.silent_reads = (lg.silent_reads or 0) + 1 -- alive: the stream goes on
         elseif not data or data == "" then
             lg.verdict, lg.why = "fail", err or "closed before the end"

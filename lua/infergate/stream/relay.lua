@@ -24,6 +24,9 @@
 -- 3. Cancellation. A client that leaves ends the request at once (ngx.on_abort,
 --    lua_check_client_abort in the location): nginx closes the node's connection, and the
 --    node stops the work (continued requests too).
+-- 4. Shutdown. With edge.shutdown_stream_s, a stream that has sent its headers ends with
+--    an SSE error event (code "shutting_down") and [DONE] that long after nginx began to
+--    shut down (infergate.core.closing), before whatever stops nginx outright cuts it.
 --
 -- The attempts are the balancer's (infergate.routing.relaypick): in-flight counts, held
 -- slots, breaker verdicts, TTFB outliers, stall progress (stall.byte per piece read),
@@ -179,7 +182,7 @@ end
 local function run(r)
     local o, req = r.o, r.req
     local max_legs = o.edge.max_tries + o.edge.stream_continue_max
-    while not r.finished and not r.client_gone and r.legs < max_legs do
+    while not r.finished and not r.client_gone and not r.shutdown and r.legs < max_legs do
         local body, accept = next_body(r)
         if not body then
             return fail_stream(r, "The node serving this stream failed and the answer cannot "
@@ -237,6 +240,10 @@ local function run(r)
     end
     if r.deadline_passed then
         return fail_stream(r, "The request did not finish within its deadline.", "deadline_exceeded")
+    end
+    if r.shutdown then -- edge.shutdown_stream_s after nginx began to shut down
+        return fail_stream(r, "The gateway is shutting down; the answer was cut short.",
+                           "shutting_down")
     end
     return fail_stream(r, "The node serving this stream failed and no other node serving "
         .. "the model can continue it.", "stream_interrupted")
