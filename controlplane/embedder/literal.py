@@ -10,10 +10,15 @@ Where the spelling is itself the subject they are different questions, and
   be the same (trailing spaces and blank lines aside): ``if True:\\nprint(1)`` /
   ``if True:\\n    print(1)``;
 - a "?" or "!" on a word inside a sentence must be the same: "the regex ab? match" /
-  "the regex ab match", "x! do" / "x? do", "5! is" / "5 is" (one that ends a sentence,
-  "Why?! Is the sky blue" / "why is the sky blue", does not count, nor do commas,
-  hyphens or quote marks: "two-factor" / "two factor", "What does 'ubiquitous' mean?" /
-  "What does ubiquitous mean?");
+  "the regex ab match", "x! do" / "x? do", "5! is" / "5 is", "ab? 能匹配" (one that ends
+  a sentence, "Why?! Is the sky blue" / "why is the sky blue", does not count, nor do
+  commas, hyphens or quote marks: "two-factor" / "two factor", "What does 'ubiquitous'
+  mean?" / "What does ubiquitous mean?");
+- a mark standing alone between words must be in the other text too: "git add . do" /
+  "git add do", "cd .. do" / "cd . do" ("2 + 2" / "2+2" is one question);
+- the arguments of a call or an index must agree but for spaces: "print('Hi' 'there')"
+  / "print('Hi', 'there')" (a remark in brackets after a space is prose: "(Deepak,
+  Arnab)" / "(Deepak Arnab)" is one question);
 - in Chinese, the marks must not cut the text elsewhere ("下雨天，留客天，留我不？留！" /
   "下雨天留客，天留我不留。"; "你好！" / "你好，" or a mark added, "在哪里" / "在：哪里？", is
   one question);
@@ -21,13 +26,18 @@ Where the spelling is itself the subject they are different questions, and
 - a contraction against the word it spells without its apostrophe: "we're" / "were",
   "I'll" / "ill" (:data:`CONTRACTED_WORDS`; "what's" / "whats" and "it's" / "its",
   most often a typo, are one question);
-- a capitonym inside a sentence: "Is Turkey in Europe?" / "Is turkey in Europe?"
-  (:data:`CAPITONYMS`); other case differences are rewordings ("jQuery" / "JQuery",
-  "President Obama" / "president Obama"), and a text written all in capitals or all in
-  lower case says nothing about case;
-- a question about the writing itself (punctuation, commas, capital letters, spelling,
-  grammar, indentation, 标点, 大写, 拼写 …) must be the same but for the spaces around it
-  and runs of spaces ("Fix the punctuation: hello world" / "… Hello, world!").
+- a capitonym inside a sentence: "Is Turkey in Europe?" / "Is turkey in Europe?", "一个
+  Apple" / "一个apple" (:data:`CAPITONYMS`); other case differences are rewordings
+  ("jQuery" / "JQuery", "President Obama" / "president Obama"), and a text written all
+  in capitals or all in lower case (most of its letters having a case) says nothing
+  about case;
+- a question about the writing itself (punctuation, question marks, commas, capital
+  letters, spelling, grammar, indentation, "is this sentence correct", 标点, 大写, 拼写,
+  语气 …) must be the same but for runs of spaces, the shapes of quote marks and the case
+  of its first letter ("Fix the punctuation: hello world" / "… Hello, world!", "Does
+  this need a question mark: Can you help me" / "… help me?"); one about a sentence it
+  quotes ("What does this sentence mean: …", "这句话是什么意思：…") the same but for the
+  marks that end it too ("无鸡鸭亦可，无鱼肉亦可" / "无鸡，鸭亦可；无鱼，肉亦可").
 
 Quoted text (``'…'``, ``"…"``, `````…`````, ``“…”``, ``‘…’``, ``「…」``, ``『…』``), when both
 texts quote and the quotes hold the same words, also when the rest of the texts
@@ -55,9 +65,12 @@ from .operators import MAX_CHARS
 
 #: Words whose capital makes another word (a nationality, a country, a month, a name).
 CAPITONYMS = frozenset({
-    "polish", "turkey", "china", "march", "may", "august", "mercury", "bill", "nice",
-    "reading", "job", "rose", "frank", "sue", "will", "chile", "hungary", "jersey",
-    "java", "apple", "amazon", "windows", "word", "office", "us", "who", "it",
+    "polish", "turkey", "china", "japan", "march", "may", "august", "mercury", "bill",
+    "nice", "reading", "job", "rose", "frank", "sue", "will", "jack", "mark", "pat", "bob",
+    "art", "grant", "chile", "hungary", "jersey", "guinea", "java", "python", "ruby",
+    "apple", "amazon", "windows", "word", "office", "us", "who", "it", "pole", "hamlet",
+    "earth", "mass", "lent", "cancer", "catholic", "democrat", "republican", "titanic",
+    "phoenix", "buffalo", "mobile",
 })
 
 #: Words that a contraction spells without its apostrophe: "we're" / "were" are two
@@ -77,20 +90,34 @@ _CJK = "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
 _CJK_RE = re.compile(f"[{_CJK}]")
 _CJK_SPACE_RE = re.compile(rf"(?<=[{_CJK}])\s+(?=[{_CJK}])")
 #: A "?" or "!" after a word and before another: "the regex ab? match", "Why?! Is".
-_MARK_RE = re.compile(r"(?<=[A-Za-z0-9_])[?!]+(?=[ \t]*[A-Za-z0-9_(.])")
+_MARK_RE = re.compile(rf"(?<=[A-Za-z0-9_])[?!]+(?=[ \t]*[A-Za-z0-9_(.{_CJK}])")
+#: Marks standing alone between words: "git add . -A", "cd .. then" (not at the end).
+_ALONE_RE = re.compile(r"(?<=\S\s)[^\w\s]+(?=\s+\S)")
+_DASHES = str.maketrans("\u2010\u2011\u2012\u2013\u2014\u2015\u2212", "-------")
 #: What follows a mark on a word inside a sentence ("ab? match", "x! do", "5!is"), not
 #: one that ends a sentence ("Why?! Is", "Hello! How").
-_TIGHT_AFTER_RE = re.compile(r"[ \t]+[a-z]|[A-Za-z0-9_(.]")
+_TIGHT_AFTER_RE = re.compile(rf"[ \t]+[a-z{_CJK}]|[A-Za-z0-9_(.]")
 #: Sentence ends: the word after one starts a sentence.
 _SENTENCE_END_RE = re.compile(r"[.?!。？！:;\n]")
-_CASED_RE = re.compile(r"\w+|" + _SENTENCE_END_RE.pattern)
-#: A question about writing itself: then the texts must be the same but for the spaces
-#: around them ("Fix the punctuation: hello world" / "… Hello, world!").
+#: Words for their case: Latin runs apart from CJK runs ("一个Apple" holds "Apple").
+_CASED_RE = re.compile(r"[A-Za-z0-9]+|[^\W\dA-Za-z_]+|" + _SENTENCE_END_RE.pattern)
+#: A question about writing itself: then the texts must be the same but for spaces, the
+#: quote marks' shapes and the case of their first letter ("Fix the punctuation: hello
+#: world" / "… Hello, world!", "Is this sentence correct: i like cats." / "… I like
+#: cats.").
 _META_RE = re.compile(
     r"\b(?:punctuat\w*|commas?|apostrophes?|capital letters?|capitals|capitali[sz]\w*|"
     r"upper ?case|lower ?case|spell\w*|grammar|grammatical\w*|typos?|hyphen\w*|"
-    r"semicolons?|quotation\w*|whitespace|indent\w*|case[- ]sensitive)\b|"
-    r"标点|逗号|句号|大写|小写|拼写|语法|错别字|断句", re.I)
+    r"semicolons?|quotation\w*|whitespace|indent\w*|case[- ]sensitive|question marks?|"
+    r"exclamation (?:marks?|points?)|full stops?|proofread\w*|sentence (?:is )?correct)\b|"
+    r"标点|逗号|句号|大写|小写|拼写|语法|错别字|断句|语气", re.I)
+#: A question about a sentence it quotes ("What does this sentence mean: …", "这句话是什么
+#: 意思：…"): the same, but the marks that end the text do not count either.
+_SENTENCE_RE = re.compile(r"\b(?:this|the|following) sentence\b|这句|句子", re.I)
+_META_QUOTES = str.maketrans("‘’“”", "''\"\"")
+#: Arguments of a call or an index, right after a word: "print('Hi', 'there')", "a[1:]"
+#: (a remark in brackets after a space is prose: its commas are a rewording).
+_BRACKETS_RE = re.compile(r"(?<=\w)(?:\(([^()\n]*)\)|\[([^\[\]\n]*)\]|\{([^{}\n]*)\})")
 _QUOTE_CHAR_RE = re.compile("['\"`“‘「『]")
 _QUOTES = (
     # a single quote opens and closes only off a word: the one of "it's" stays inside
@@ -103,6 +130,7 @@ _QUOTES = (
     re.compile(r"『([^』]+)』"),
 )
 _QUOTE_END_RE = re.compile(r"[\s.?!。？！]+$")
+_END_MARKS_RE = re.compile(r"[\s.?!。？！…]+$")
 _SPACE_RE = re.compile(r"\s+")
 _BLANKS_RE = re.compile(r"[ \t]+")
 
@@ -125,9 +153,8 @@ def _quotes(text: str) -> tuple[str, ...]:
 
 
 def _quote_key(q: str) -> str:
-    """What two quotes must share: the text (its runs of spaces as one) when short or a
-    capitonym, else that text up to case."""
-    q = _SPACE_RE.sub(" ", q)
+    """What two quotes must share: the text when short or a capitonym, else the text up
+    to case (spaces count: 'hello  world' / 'hello world')."""
     if len(q) <= SHORT_QUOTE or q.lower() in CAPITONYMS:
         return q
     return q.lower()
@@ -136,8 +163,9 @@ def _quote_key(q: str) -> str:
 @functools.lru_cache(maxsize=8192)
 def _form(text: str) -> tuple:
     """(lines, bare words, marks on words, cased words, contractions without their
-    apostrophe, CJK breaks, meta) of a text cut to MAX_CHARS (module docstring)."""
-    t = unicodedata.normalize("NFKC", text[:MAX_CHARS])
+    apostrophe, CJK breaks, meta, marks standing alone, bracket contents) of a text cut
+    to MAX_CHARS (module docstring)."""
+    t = unicodedata.normalize("NFKC", text[:MAX_CHARS]).translate(_DASHES)
     lines = tuple(ln.rstrip() for ln in t.strip("\n").splitlines() if ln.strip())
     flat = _CJK_SPACE_RE.sub("", t)
     marks = {len(_WORD_RE.findall(flat, 0, m.start())):
@@ -164,7 +192,30 @@ def _form(text: str) -> tuple:
             continue
         cased.append((tok, start))
         start = False
-    return (lines, bare, marks, tuple(cased), contracted, breaks, _META_RE.search(t) is not None)
+    alone = frozenset(m.group() for m in _ALONE_RE.finditer(flat))
+    brackets = tuple(_SPACE_RE.sub("", "".join(m.groups(""))) for m in _BRACKETS_RE.finditer(t))
+    brackets = tuple(b if len(b) <= SHORT_QUOTE else b.lower() for b in brackets)
+    meta = 2 if _META_RE.search(t) else 1 if _SENTENCE_RE.search(t) else 0
+    return (lines, bare, marks, tuple(cased), contracted, breaks, meta, alone, brackets)
+
+
+def _written(text: str, meta: int) -> str:
+    """A question about writing as it must agree (``meta`` 2: writing, 1: a sentence)."""
+    t = _BLANKS_RE.sub(" ", unicodedata.normalize("NFKC", text[:MAX_CHARS]).strip())
+    t = t.translate(_META_QUOTES)
+    if meta == 1:
+        t = _END_MARKS_RE.sub("", t)
+    return t[:1].lower() + t[1:]
+
+
+def _alone_missing(alone: frozenset, other: str) -> bool:
+    """A mark standing alone between words of one text that the other text does not
+    hold at all ("What does git add . do?" / "What does git add do?"); spaced otherwise,
+    "2 + 2" / "2+2", it is the same mark."""
+    if not alone:
+        return False
+    o = unicodedata.normalize("NFKC", other[:MAX_CHARS]).translate(_DASHES)
+    return any(m not in o for m in alone)
 
 
 def _marks_conflict(ma: dict, mb: dict) -> bool:
@@ -178,10 +229,12 @@ def _marks_conflict(ma: dict, mb: dict) -> bool:
 
 
 def _one_case(text: str) -> bool:
-    """A text written all in capitals or all in lower case."""
-    letters = [ch for ch in text if ch.isalpha() and ch.lower() != ch.upper()]
-    return bool(letters) and (all(ch.isupper() for ch in letters)
-                              or all(ch.islower() for ch in letters))
+    """A text written all in capitals or all in lower case (most of its letters having a
+    case: a few Latin words in a Chinese text keep the case they were given)."""
+    letters = [ch for ch in text[:MAX_CHARS] if ch.isalpha()]
+    cased = [ch for ch in letters if ch.lower() != ch.upper()]
+    return 2 * len(cased) > len(letters) and (all(ch.isupper() for ch in cased)
+                                              or all(ch.islower() for ch in cased))
 
 
 def _case_conflict(a_cased: tuple, b_cased: tuple, a: str, b: str) -> bool:
@@ -234,10 +287,17 @@ def literal_conflict(a: str, b: str, verbatim: bool = False) -> bool:
         return a[:MAX_CHARS].lower() != b[:MAX_CHARS].lower()
     fa, fb = _form(a), _form(b)
     if fa[6] or fb[6]:
-        return _BLANKS_RE.sub(" ", a[:MAX_CHARS].strip()) != _BLANKS_RE.sub(" ", b[:MAX_CHARS].strip())
+        return _written(a, max(fa[6], fb[6])) != _written(b, max(fa[6], fb[6])) and not (
+            (_one_case(a) or _one_case(b))  # typed all in one case: its case says nothing
+            and _written(a, max(fa[6], fb[6])).lower() == _written(b, max(fa[6], fb[6])).lower())
     if (len(fa[0]) > 1 or len(fb[0]) > 1) and fa[0] != fb[0]:
         return True
     if _marks_conflict(fa[2], fb[2]) or quotes_conflict(a, b, ordered=True):
+        return True
+    if _alone_missing(fa[7], b) or _alone_missing(fb[7], a):
+        return True
+    one_case = _one_case(a) or _one_case(b)
+    if fa[8] != fb[8] and (not one_case or [x.lower() for x in fa[8]] != [x.lower() for x in fb[8]]):
         return True
     if fa[5] != fb[5] and not (fa[5] <= fb[5] or fb[5] <= fa[5]):
         return True

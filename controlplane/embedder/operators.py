@@ -160,6 +160,16 @@ def shape(text: str) -> Shape:
     return Shape("".join(out), caps, tuple(_FLAG_RE.findall(t)))
 
 
+_UPPER_RE = re.compile(r"[A-Z]")
+_PRONOUN_I_RE = re.compile(r"(?<![A-Za-z])I(?![A-Za-z])")
+
+
+def _lower_typed(text: str) -> bool:
+    """A text typed in lower case, the pronoun "I" aside ("should i use a vpn", "how do I
+    center a div in css"): it cannot tell an acronym from a word."""
+    return _UPPER_RE.search(_PRONOUN_I_RE.sub("", text[:MAX_CHARS])) is None
+
+
 @functools.lru_cache(maxsize=8192)
 def _tokens(text: str) -> tuple[str, ...]:
     return tuple(sorted(_TOKEN_RE.findall(text[:MAX_CHARS].lower())))
@@ -171,7 +181,8 @@ def sign_conflict(query: str, candidate: str) -> bool:
     a"), or the same letters and digits in another :class:`Shape` (brackets, colons,
     dots and minus signs in other places, "a[1:]" / "a[:1]", "(a+b)*c" / "a+(b*c)",
     "sin(x)" / "sin(-x)", "rm -rf /" / "rm -rf ./"; an acronym or a command-line option in
-    another case, "What is IT?" / "What is it?", "grep -v" / "grep -V").
+    another case, "What is IT?" / "What is it?", "grep -v" / "grep -V"; not the acronyms
+    of a text typed in lower case, "should i use a vpn" / "Should I use a VPN?").
     "What is 8/2?" / "What is 8*2?" -> True; "x++" / "++x" -> True; "How do I reset my
     password?" / "how do I reset my password" -> False; "What's an e-mail?" / "Whats an
     email" -> False."""
@@ -179,5 +190,8 @@ def sign_conflict(query: str, candidate: str) -> bool:
     if a.multiset != b.multiset:
         return True
     if a.bare == b.bare:
-        return a.placed != b.placed or shape(query) != shape(candidate)
+        sa, sb = shape(query), shape(candidate)
+        if sa.caps != sb.caps and (_lower_typed(query) or _lower_typed(candidate)):
+            sa, sb = sa._replace(caps=()), sb._replace(caps=())  # its case says nothing
+        return a.placed != b.placed or sa != sb
     return a.multiset != "" and _tokens(query) == _tokens(candidate)

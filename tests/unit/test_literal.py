@@ -25,6 +25,7 @@ from controlplane.embedder.literal import literal_conflict
     ("Translate 'Polish' into German.", "Translate 'polish' into German."),
     ("Translate 'Polish' into German", "Please translate the word 'polish' into German"),
     ("Is 'We're going home' correct?", "Is 'Were going home' correct?"),
+    ("How many spaces are in 'hello  world'?", "How many spaces are in 'hello world'?"),
     # a mark on a word inside a sentence
     ("What does the regex ab? match?", "What does the regex ab match?"),
     ("In Swift, what does x! do?", "In Swift, what does x? do?"),
@@ -39,6 +40,21 @@ from controlplane.embedder.literal import literal_conflict
     ("How many capital letters are in Hello World?", "How many capital letters are in hello world?"),
     # Chinese: the marks cut the text elsewhere
     ("下雨天，留客天，留我不？留！这句话什么意思？", "下雨天留客，天留我不留。这句话什么意思？"),
+    # a mark standing alone between words, or in a call's arguments
+    ("What does git add . do?", "What does git add do?"),
+    ("What does cd .. do in a terminal?", "What does cd . do in a terminal?"),
+    ("What does print('Hi' 'there') output in Python?", "What does print('Hi', 'there') output in Python?"),
+    # capitonyms, also among Chinese words
+    ("What is a Pole?", "What is a pole?"),
+    ("这句话里的 Apple 指什么：我买了一个Apple。", "这句话里的 apple 指什么：我买了一个apple。"),
+    # questions about a sentence or its writing, in English and Chinese
+    ("Is this sentence correct: i like cats.", "Is this sentence correct: I like cats."),
+    ("Does this sentence need a question mark: Can you help me",
+     "Does this sentence need a question mark: Can you help me?"),
+    ("这句话是什么意思：无鸡鸭亦可，无鱼肉亦可。", "这句话是什么意思：无鸡，鸭亦可；无鱼，肉亦可。"),
+    ("这句话是什么语气：他说我错了？", "这句话是什么语气：他说我错了。"),
+    ("正则表达式 ab? 能匹配字符串 a 吗？", "正则表达式 ab 能匹配字符串 a 吗？"),
+    ("在 Swift 中 x! 是什么意思？", "在 Swift 中 x? 是什么意思？"),
 ])
 def test_the_same_words_spelled_otherwise_are_another_question(a, b) -> None:
     assert literal_conflict(a, b) and literal_conflict(b, a)
@@ -63,9 +79,13 @@ def test_the_same_words_spelled_otherwise_are_another_question(a, b) -> None:
     ("你好！怎么重置密码？", "你好，怎么重置密码"),
     ("大汶口文化遗址在我国的哪里", "大汶口文化遗址在我国的：哪里？"),
     ("Is this a good idea? 👍", "is this a good idea 👍"),
+    ("What is 2+2?", "what is 2 + 2"),
+    ("How much do journalists earn? (Deepak, Arnab)", "How much do journalists earn? (Deepak Arnab)"),
+    ("这句英语如何翻译成中文呀？", "这句英语如何翻译成中文呀"),
+    ("• Do Indians lack civic sense? And how?", "Do Indians lack civic sense? And how?"),
+    ("Why must a question end with a question mark?", "why must a question end with a question mark?"),
     # a whole text lowercased: its sentences then go on in lower case after their marks
     ("Why were the notes banned? What led to it?", "why were the notes banned? what led to it?"),
-    ("What does \"goes  around\" mean?", "What does \"goes around\" mean?"),
 ])
 def test_rewordings_of_spelling_pass(a, b) -> None:
     assert not literal_conflict(a, b) and not literal_conflict(b, a)
@@ -93,6 +113,13 @@ def test_the_decision_applies_the_verbatim_rule_it_is_given() -> None:
     hit, verdict, _ = decision.choose("Roses are red,", u, [cand], 0.5, None, True, None,
                                       verbatim=True)
     assert hit is None and verdict == "reject:literal"
+
+
+def test_acronyms_of_a_text_typed_in_lower_case_are_a_rewording() -> None:
+    for a, b in (("Should I use a VPN?", "should i use a vpn"),
+                 ("How do I center a div in CSS?", "how do I center a div in css")):
+        assert guard.check(a, b).ok
+    assert guard.check("What is IT?", "What is it?").reason == "symbols"
 
 
 def test_never_raises_on_odd_text() -> None:
