@@ -25,7 +25,8 @@ class RedisSettings(_Section):
     name, not an IP address). ``false`` encrypts without checking (test setups only)."""
     tls_ca_file: str = ""
     """PEM file of the CA(s) that sign the server certificate; empty = the system bundle
-    (``/etc/ssl/certs/ca-certificates.crt`` at the edge). The edge renders it as
+    (``$SSL_CERT_FILE`` when set, else ``/etc/ssl/certs/ca-certificates.crt``, at the
+    edge). The edge renders it as
     ``lua_ssl_trusted_certificate``."""
     tls_cert_file: str = ""
     """PEM client certificate, for servers that ask for one (Redis' ``tls-auth-clients

@@ -351,7 +351,7 @@ def test_without_any_ca_bundle_https_nodes_are_refused(workdir, redis_server, si
     an https node in the file cannot be rendered."""
     import controlplane.edge.render as render_mod
 
-    monkeypatch.setattr(render_mod, "SYSTEM_CA_BUNDLE", str(workdir / "missing.crt"))
+    monkeypatch.setenv("SSL_CERT_FILE", str(workdir / "missing.crt"))
     (sim,) = simnodes(1)
     port = tls_front(sim.url)
     edge = edge_factory(edge_settings(redis_server.url, []))
