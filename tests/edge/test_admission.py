@@ -249,3 +249,25 @@ def test_a_stream_running_when_nginx_shuts_down_ends_with_an_error_event(
     assert 1.0 <= ended < 6, ended  # the bound (plus telling a shutdown from a reload)
     assert len(events) < 300  # cut short, not run to its end
     edge.managed.proc.wait(timeout=10)
+
+
+def test_a_stream_runs_on_through_a_reload_whatever_the_shutdown_bound(
+        redis_server, tiny_upstreams, edge_factory) -> None:
+    """A reload (SIGHUP) is not a shutdown: a stream the old worker holds goes on past
+    edge.shutdown_stream_s to its own end."""
+    import signal
+
+    (up,) = tiny_upstreams(1)
+    up.chunks, up.chunk_interval_s = 80, 0.05  # 4 s
+    s = settings(redis_server.url, [up.node_settings()])
+    s.edge.shutdown_stream_s = 0.5
+    edge = edge_factory(s)
+    res = requests.post(f"{edge.url}/v1/chat/completions", json={**CHAT, "stream": True},
+                        stream=True, timeout=30)
+    lines = res.iter_lines(decode_unicode=True)
+    got = [next(lines) for _ in range(4)]
+    edge.managed.signal(signal.SIGHUP)
+    got += list(lines)
+    events = [x[len("data: "):] for x in got if x.startswith("data: ")]
+    assert events[-1] == "[DONE]" and not any('"error"' in e for e in events), events[-3:]
+    assert len(events) >= 80

@@ -39,13 +39,17 @@ function _M.init_worker()
     end
 end
 
+local function reloaded()
+    local d = dict()
+    local newest = d and d:get(KEY)
+    return newest and started_at and newest > started_at
+end
+
 function _M.now()
     if not ngx.worker.exiting() then
         return false
     end
-    local d = dict()
-    local newest = d and d:get(KEY)
-    if newest and started_at and newest > started_at then
+    if reloaded() then
         return false   -- reloaded: new workers serve, this one finishes what it holds
     end
     local now = ngx_now()
@@ -55,13 +59,11 @@ end
 
 function _M.stream_left(o, now)
     local bound = o.edge.shutdown_stream_s
-    if not bound or bound <= 0 or not ngx.worker.exiting() then
-        return nil
+    if not bound or bound <= 0 or not ngx.worker.exiting() or reloaded() then
+        return nil -- a reload: the old worker finishes what it holds, streams included
     end
     if not _M.now() then
-        -- a reload (the old worker finishes what it holds), or not told apart yet:
-        -- look again within RELOAD_GRACE_S
-        return exiting_since and _M.RELOAD_GRACE_S or nil
+        return _M.RELOAD_GRACE_S -- not told apart from a reload yet: look again then
     end
     return exiting_since + _M.RELOAD_GRACE_S + bound - now
 end
