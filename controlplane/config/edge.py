@@ -185,7 +185,7 @@ class EdgeSettings(_Section):
     stream that has sent its headers may go on: past it, it ends with an SSE error event
     (code ``shutting_down``) and ``data: [DONE]``, so that whatever stops nginx outright
     later (a service manager's timeout, ``infergate up``'s 10 s) does not cut it without
-    a word. 0 = streams run to their end, as nginx lets them. ``infergate up`` sets 8."""
+    a word. 0 = streams run to their end, as nginx lets them. ``infergate up`` sets 7."""
     prefix_affinity: bool = True
     """Prefix-cache-aware routing: a request whose leading prompt is at least
     ``prefix_min_tokens`` long (or that carries ``affinity_header``) goes to the first node

@@ -60,6 +60,7 @@ from __future__ import annotations
 import functools
 import re
 import unicodedata
+from typing import NamedTuple
 
 from .operators import MAX_CHARS
 
@@ -160,11 +161,24 @@ def _quote_key(q: str) -> str:
     return q.lower()
 
 
+class _Form(NamedTuple):
+    """What :func:`literal_conflict` compares of a text cut to MAX_CHARS (module
+    docstring)."""
+
+    lines: tuple[str, ...]          # its non-blank lines, right-trimmed
+    bare: frozenset[str]            # its words outside contractions, lowercased
+    marks: dict[int, tuple[str, bool]]  # word index -> ("?"/"!" run after it, inside a sentence)
+    cased: tuple[tuple[str, bool], ...]  # (word as written, starts a sentence)
+    contracted: frozenset[str]      # its contractions without the apostrophe ("were")
+    breaks: frozenset[int]          # CJK: where marks cut its words run together
+    meta: int                       # 2: about writing, 1: about a sentence it quotes, 0
+    alone: frozenset[str]           # marks standing alone between words
+    brackets: tuple[str, ...]       # call and index arguments, spaces out
+
+
 @functools.lru_cache(maxsize=8192)
-def _form(text: str) -> tuple:
-    """(lines, bare words, marks on words, cased words, contractions without their
-    apostrophe, CJK breaks, meta, marks standing alone, bracket contents) of a text cut
-    to MAX_CHARS (module docstring)."""
+def _form(text: str) -> _Form:
+    """The :class:`_Form` of ``text``; cached per text."""
     t = unicodedata.normalize("NFKC", text[:MAX_CHARS]).translate(_DASHES)
     lines = tuple(ln.rstrip() for ln in t.strip("\n").splitlines() if ln.strip())
     flat = _CJK_SPACE_RE.sub("", t)
@@ -196,7 +210,7 @@ def _form(text: str) -> tuple:
     brackets = tuple(_SPACE_RE.sub("", "".join(m.groups(""))) for m in _BRACKETS_RE.finditer(t))
     brackets = tuple(b if len(b) <= SHORT_QUOTE else b.lower() for b in brackets)
     meta = 2 if _META_RE.search(t) else 1 if _SENTENCE_RE.search(t) else 0
-    return (lines, bare, marks, tuple(cased), contracted, breaks, meta, alone, brackets)
+    return _Form(lines, bare, marks, tuple(cased), contracted, breaks, meta, alone, brackets)
 
 
 def _written(text: str, meta: int) -> str:
@@ -286,21 +300,22 @@ def literal_conflict(a: str, b: str, verbatim: bool = False) -> bool:
     if verbatim:
         return a[:MAX_CHARS].lower() != b[:MAX_CHARS].lower()
     fa, fb = _form(a), _form(b)
-    if fa[6] or fb[6]:
-        return _written(a, max(fa[6], fb[6])) != _written(b, max(fa[6], fb[6])) and not (
-            (_one_case(a) or _one_case(b))  # typed all in one case: its case says nothing
-            and _written(a, max(fa[6], fb[6])).lower() == _written(b, max(fa[6], fb[6])).lower())
-    if (len(fa[0]) > 1 or len(fb[0]) > 1) and fa[0] != fb[0]:
+    one_case = _one_case(a) or _one_case(b)  # typed all in one case: its case says nothing
+    if fa.meta or fb.meta:
+        meta = max(fa.meta, fb.meta)
+        wa, wb = _written(a, meta), _written(b, meta)
+        return wa != wb and not (one_case and wa.lower() == wb.lower())
+    if (len(fa.lines) > 1 or len(fb.lines) > 1) and fa.lines != fb.lines:
         return True
-    if _marks_conflict(fa[2], fb[2]) or quotes_conflict(a, b, ordered=True):
+    if _marks_conflict(fa.marks, fb.marks) or quotes_conflict(a, b, ordered=True):
         return True
-    if _alone_missing(fa[7], b) or _alone_missing(fb[7], a):
+    if _alone_missing(fa.alone, b) or _alone_missing(fb.alone, a):
         return True
-    one_case = _one_case(a) or _one_case(b)
-    if fa[8] != fb[8] and (not one_case or [x.lower() for x in fa[8]] != [x.lower() for x in fb[8]]):
+    if fa.brackets != fb.brackets and (
+            not one_case or [x.lower() for x in fa.brackets] != [x.lower() for x in fb.brackets]):
         return True
-    if fa[5] != fb[5] and not (fa[5] <= fb[5] or fb[5] <= fa[5]):
+    if fa.breaks != fb.breaks and not (fa.breaks <= fb.breaks or fb.breaks <= fa.breaks):
         return True
-    if (fa[4] & fb[1] | fb[4] & fa[1]) & CONTRACTED_WORDS:
+    if (fa.contracted & fb.bare | fb.contracted & fa.bare) & CONTRACTED_WORDS:
         return True
-    return _case_conflict(fa[3], fb[3], a, b)
+    return _case_conflict(fa.cased, fb.cased, a, b)
