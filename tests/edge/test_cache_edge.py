@@ -432,7 +432,7 @@ def test_paraphrase_is_a_semantic_hit(stack, edge) -> None:
 def test_the_same_words_spelled_otherwise_are_a_semantic_miss(stack, edge) -> None:
     """The guard's literal check end to end: code whose indentation differs is another
     question; a /v1/completions prompt matches only up to case (the route reaches the
-    embedder), where a chat text may differ in its closing mark."""
+    embedder)."""
     code = body_of("Does this run?\nif True:\nprint('hi')", temperature=0)
     post(edge, code)
     wait_stored(stack, code)
