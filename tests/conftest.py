@@ -3,10 +3,8 @@ waited for with a deadline and stopped at teardown (see controlplane.procs)."""
 
 from __future__ import annotations
 
-import atexit
 import os
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import redis
 
 from controlplane import procs
 from controlplane.edge import render as _render
+from support import cabundle
 
 # Every configuration a test renders must pass ``nginx -t`` (the standalone config
 # includes both drop-in files, so this checks them too): the renderer is wrapped here,
@@ -36,19 +35,9 @@ def _render_and_check(*args, **kwargs):
 _render_and_check.unchecked = _render_nginx  # type: ignore[attr-defined]
 _render.render_nginx = _render_and_check
 
-# The system CA bundle every rendered API location loads (controlplane.edge.render:
-# $SSL_CERT_FILE, else Debian's 144 certificates, 0.5 s of CPU per nginx start or
-# `nginx -t`): a throwaway CA of one certificate for the whole run, set before any part
-# starts so that every nginx of the tests (edge_factory, `infergate up`, render-nginx)
-# starts in a few milliseconds. No test trusts it: TLS tests bring their own CAs.
-_CA_DIR = tempfile.mkdtemp(prefix="infergate-test-ca-")
-_THROWAWAY_CA = Path(_CA_DIR) / "unused-ca.pem"
-subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
-                "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2", "-subj",
-                "/CN=infergate tests unused CA", "-keyout", str(Path(_CA_DIR) / "key.pem"),
-                "-out", str(_THROWAWAY_CA)], check=True, capture_output=True)
-os.environ["SSL_CERT_FILE"] = str(_THROWAWAY_CA)
-atexit.register(shutil.rmtree, _CA_DIR, True)
+# Every nginx of the run starts on a one-certificate CA bundle (support.cabundle): set
+# before any part starts.
+cabundle.install()
 
 # Fixtures that start several parts together live in tests/support/.
 pytest_plugins = ["support.stack", "support.tiny_upstream", "support.realnode",

@@ -20,6 +20,7 @@ import pytest
 import requests
 
 from controlplane import procs
+from support import cabundle
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNTIME_APT = ("nginx", "libnginx-mod-http-lua", "lua-resty-core", "lua-resty-lrucache",
@@ -70,8 +71,9 @@ def test_runtime_install_then_up_serves_and_stops_clean(workdir: Path) -> None:
         pytest.skip(f"runtime Debian packages missing ({' '.join(missing)}): the install would "
                     "run apt-get; run .ci/install-runtime --apt-only first")
     home, bin_dir, etc = workdir / "home", workdir / "bin", workdir / "etc"
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("INFERGATE_", "VIRTUAL_ENV", "PYTHONPATH"))}
+    # pip verifies the package index with the real CA bundle
+    env = cabundle.real_env({k: v for k, v in os.environ.items()
+                             if not k.startswith(("INFERGATE_", "VIRTUAL_ENV", "PYTHONPATH"))})
     env.update(INFERGATE_HOME=str(home), INFERGATE_BIN=str(bin_dir), INFERGATE_ETC=str(etc),
                INFERGATE_USER="", INFERGATE_SYSTEMD="no")
     env["PATH"] = ":".join(p for p in env.get("PATH", "").split(":") if ".venv" not in p)
