@@ -17,8 +17,12 @@ Where the spelling is itself the subject they are different questions, and
 - a mark standing alone between words must be in the other text too: "git add . do" /
   "git add do", "cd .. do" / "cd . do" ("2 + 2" / "2+2" is one question);
 - the arguments of a call or an index must agree but for spaces: "print('Hi' 'there')"
-  / "print('Hi', 'there')" (a remark in brackets after a space is prose: "(Deepak,
-  Arnab)" / "(Deepak Arnab)" is one question);
+  / "print('Hi', 'there')", "type((1))" / "type((1,))" (a remark in brackets after a
+  space is prose: "(Deepak, Arnab)" / "(Deepak Arnab)" is one question);
+- in a text that reads as code (``=``, brackets, ``$``, a call, a backquote ...), the
+  quote marks and what they quote, and sigil words in their case: "{'a': 1}" / '{"a":
+  1}', "name = 'NULL'" / "name = NULL", "%S" / "%s", "$HOME" / "$home" (typographic
+  quotes are the plain ones);
 - in Chinese, the marks must not cut the text elsewhere ("下雨天，留客天，留我不？留！" /
   "下雨天留客，天留我不留。"; "你好！" / "你好，" or a mark added, "在哪里" / "在：哪里？", is
   one question);
@@ -32,19 +36,22 @@ Where the spelling is itself the subject they are different questions, and
   in capitals or all in lower case (most of its letters having a case) says nothing
   about case;
 - a question about the writing itself (punctuation, question marks, commas, capital
-  letters, spelling, grammar, indentation, "is this sentence correct", 标点, 大写, 拼写,
-  语气 …) must be the same but for runs of spaces, the shapes of quote marks and the case
+  letters, title or camel case, spelling, grammar, indentation, "is this sentence
+  correct", 标点, 大写, 拼写, 语气 …) must be the same but for runs of spaces, the shapes of quote marks and the case
   of its first letter ("Fix the punctuation: hello world" / "… Hello, world!", "Does
   this need a question mark: Can you help me" / "… help me?"); one about a sentence it
   quotes ("What does this sentence mean: …", "这句话是什么意思：…") the same but for the
   marks that end it too ("无鸡鸭亦可，无鱼肉亦可" / "无鸡，鸭亦可；无鱼，肉亦可").
 
-Quoted text (``'…'``, ``"…"``, `````…`````, ``“…”``, ``‘…’``, ``「…」``, ``『…』``), when both
-texts quote and the quotes hold the same words, also when the rest of the texts
-differs: the quotes must agree in spacing and punctuation ("How long is 'a b'?" / "…
-'ab'?", "'However I disagree'" / "'However, I disagree'"), and in case when a quote is
-short or a capitonym ("print('A' + 'b')" / "print('a' + 'b')", "Translate 'Polish'" /
-"Please translate 'polish'"); the marks that end a quote do not count.
+Quoted text (``'…'``, ``"…"``, `````…`````, ``“…”``, ``‘…’``, ``「…」``, ``『…』``; a quote
+inside another is part of it), when both texts quote and the quotes hold the same words,
+also when the rest of the texts differs: the quotes must agree in spacing and
+punctuation ("How long is 'a b'?" / "… 'ab'?", "'However I disagree'" / "'However, I
+disagree'"), and in case when a quote is short or a capitonym ("print('A' + 'b')" /
+"print('a' + 'b')", "Translate 'Polish'" / "Please translate 'polish'"); in texts
+otherwise the same, in any case ("'apple' or 'Banana'" / "'apple' or 'banana'"), and a
+short quote in its marks too ("'a'" / '"a"': a char, a string); the marks that end a
+quote do not count.
 
 With ``verbatim`` (``/v1/completions`` prompts, whose continuation follows their last
 characters), texts equal up to case, spaces and punctuation must be equal up to case
@@ -110,7 +117,8 @@ _META_RE = re.compile(
     r"\b(?:punctuat\w*|commas?|apostrophes?|capital letters?|capitals|capitali[sz]\w*|"
     r"upper ?case|lower ?case|spell\w*|grammar|grammatical\w*|typos?|hyphen\w*|"
     r"semicolons?|quotation\w*|whitespace|indent\w*|case[- ]sensitive|question marks?|"
-    r"exclamation (?:marks?|points?)|full stops?|proofread\w*|sentence (?:is )?correct)\b|"
+    r"exclamation (?:marks?|points?)|full stops?|proofread\w*|sentence (?:is )?correct|"
+    r"(?:title|sentence|camel|snake|kebab|pascal) ?case|ascii order)\b|"
     r"标点|逗号|句号|大写|小写|拼写|语法|错别字|断句|语气", re.I)
 #: A question about a sentence it quotes ("What does this sentence mean: …", "这句话是什么
 #: 意思：…"): the same, but the marks that end the text do not count either.
@@ -118,7 +126,13 @@ _SENTENCE_RE = re.compile(r"\b(?:this|the|following) sentence\b|这句|句子", 
 _META_QUOTES = str.maketrans("‘’“”", "''\"\"")
 #: Arguments of a call or an index, right after a word: "print('Hi', 'there')", "a[1:]"
 #: (a remark in brackets after a space is prose: its commas are a rewording).
-_BRACKETS_RE = re.compile(r"(?<=\w)(?:\(([^()\n]*)\)|\[([^\[\]\n]*)\]|\{([^{}\n]*)\})")
+_BRACKETS_RE = re.compile(r"(?<=[\w(\[])(?:\(([^()\n]*)\)|\[([^\[\]\n]*)\]|\{([^{}\n]*)\})")
+#: Code: then quote marks, quoting and the case of quotes and of sigil words count too
+#: ("{'a': 1}" / '{"a": 1}', "name = 'NULL'" / "name = NULL", "%S" / "%s").
+_CODE_RE = re.compile(r"[=<>{}\[\]$;|&@^~\\]|\w\(|`|%[A-Za-z]")
+_TYPOGRAPHIC = str.maketrans("‘’“”", "''\"\"")
+_SIGILS = "%$@\\"
+_CODE_TOKEN_RE = re.compile(r"['\"`“”‘’]|(?<!\w)[%$@\\][A-Za-z]\w*|\w+")
 _QUOTE_CHAR_RE = re.compile("['\"`“‘「『]")
 _QUOTES = (
     # a single quote opens and closes only off a word: the one of "it's" stays inside
@@ -146,11 +160,27 @@ def _plain_of(text: str) -> str:
 
 
 @functools.lru_cache(maxsize=8192)
-def _quotes(text: str) -> tuple[str, ...]:
-    """The quoted spans of a text, in order, without the marks that end them."""
+def _quotes(text: str) -> tuple[tuple[str, str], ...]:
+    """The quoted spans of a text, in order, as (quote mark, text without the marks that
+    end it); a quote inside another, "`echo '$HOME'`", is part of the outer one."""
     t = unicodedata.normalize("NFKC", text[:MAX_CHARS]).replace('""', '"')
-    spans = sorted((m.start(), m.group(1)) for rx in _QUOTES for m in rx.finditer(t))
-    return tuple(_QUOTE_END_RE.sub("", q) for _, q in spans)
+    spans = sorted((m.start(), m.end(), m.group(1)) for rx in _QUOTES for m in rx.finditer(t))
+    out, end = [], -1
+    for start, stop, q in spans:
+        if start >= end:
+            out.append((t[start].translate(_TYPOGRAPHIC), _QUOTE_END_RE.sub("", q)))
+            end = stop
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=8192)
+def _code(text: str) -> tuple[bool, tuple[str, ...]]:
+    """(whether the text reads as code, :data:`_CODE_RE`; its quote marks, sigil words
+    as written, "$HOME", "%S", and other words lowercased, in order)."""
+    t = unicodedata.normalize("NFKC", text[:MAX_CHARS]).replace('""', '"').translate(_TYPOGRAPHIC)
+    toks = tuple(m if m[0] in _SIGILS or not m[0].isalnum() and m[0] != "_" else m.lower()
+                 for m in _CODE_TOKEN_RE.findall(t))
+    return _CODE_RE.search(t) is not None, toks
 
 
 def _quote_key(q: str) -> str:
@@ -264,24 +294,32 @@ def _case_conflict(a_cased: tuple, b_cased: tuple, a: str, b: str) -> bool:
     return False
 
 
-def quotes_conflict(a: str, b: str, ordered: bool = False) -> bool:
+def quotes_conflict(a: str, b: str, ordered: bool = False, exact: bool = False) -> bool:
     """Both texts quote, and their quotes differ in spacing or punctuation ('a b' /
     'ab', 'However I disagree' / 'However, I disagree'), or in case when short or a
-    capitonym ('A' / 'a', 'Polish' / 'polish'), or (``ordered``) stand in another order:
-    a quote is the literal subject of the question. The marks that end a quote do not
-    count; quotes that differ in their words are left to the other checks."""
+    capitonym ('A' / 'a', 'Polish' / 'polish'; in any case with ``exact``, the texts
+    otherwise the same: "'apple' or 'Banana'" / "'apple' or 'banana'"), or (``ordered``)
+    stand in another order: a quote is the literal subject of the question. The marks
+    that end a quote do not count; quotes that differ in their words are left to the
+    other checks."""
     if not (_QUOTE_CHAR_RE.search(a) and _QUOTE_CHAR_RE.search(b)):
         return False
     qa, qb = _quotes(a), _quotes(b)
     if not qa or not qb:
         return False
-    ka, kb = [_quote_key(q) for q in qa], [_quote_key(q) for q in qb]
+    def key(mq: tuple[str, str]) -> str:
+        mark, q = mq
+        if not exact:
+            return _quote_key(q)
+        return mark + q if len(q) <= SHORT_QUOTE else q  # 'a' / "a": a char, a string
+
+    ka, kb = [key(q) for q in qa], [key(q) for q in qb]
     if not ordered:
         ka.sort()
         kb.sort()
     if ka == kb:
         return False
-    pa, pb = [_plain(q) for q in qa], [_plain(q) for q in qb]
+    pa, pb = [_plain(q) for _, q in qa], [_plain(q) for _, q in qb]
     if not ordered:
         pa.sort()
         pb.sort()
@@ -307,7 +345,10 @@ def literal_conflict(a: str, b: str, verbatim: bool = False) -> bool:
         return wa != wb and not (one_case and wa.lower() == wb.lower())
     if (len(fa.lines) > 1 or len(fb.lines) > 1) and fa.lines != fb.lines:
         return True
-    if _marks_conflict(fa.marks, fb.marks) or quotes_conflict(a, b, ordered=True):
+    if _marks_conflict(fa.marks, fb.marks) or quotes_conflict(a, b, True, not one_case):
+        return True
+    (code_a, ta), (code_b, tb) = _code(a), _code(b)
+    if (code_a or code_b) and ta != tb and not one_case:
         return True
     if _alone_missing(fa.alone, b) or _alone_missing(fb.alone, a):
         return True

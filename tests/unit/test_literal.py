@@ -55,6 +55,18 @@ from controlplane.embedder.literal import literal_conflict
     ("这句话是什么语气：他说我错了？", "这句话是什么语气：他说我错了。"),
     ("正则表达式 ab? 能匹配字符串 a 吗？", "正则表达式 ab 能匹配字符串 a 吗？"),
     ("在 Swift 中 x! 是什么意思？", "在 Swift 中 x? 是什么意思？"),
+    # code: quote marks, quoting, sigil words and nested brackets count
+    ("What does `echo $HOME` print in bash?", "What does `echo '$HOME'` print in bash?"),
+    ("Is this valid JSON: {'a': 1}", 'Is this valid JSON: {"a": 1}'),
+    ("What does SELECT * FROM t WHERE name = 'NULL' return?",
+     "What does SELECT * FROM t WHERE name = NULL return?"),
+    ("In Python's strftime, what does %S mean?", "In Python's strftime, what does %s mean?"),
+    ("In Python, what is type((1))?", "In Python, what is type((1,))?"),
+    ("In C, what is the type of 'a'?", 'In C, what is the type of "a"?'),
+    # quotes of otherwise equal texts keep their case; and questions about case
+    ("In ASCII order, which comes first: 'apple' or 'Banana'?",
+     "In ASCII order, which comes first: 'apple' or 'banana'?"),
+    ("Is 'Hello World' written in title case?", "Is 'Hello world' written in title case?"),
 ])
 def test_the_same_words_spelled_otherwise_are_another_question(a, b) -> None:
     assert literal_conflict(a, b) and literal_conflict(b, a)
@@ -81,6 +93,9 @@ def test_the_same_words_spelled_otherwise_are_another_question(a, b) -> None:
     ("Is this a good idea? 👍", "is this a good idea 👍"),
     ("What is 2+2?", "what is 2 + 2"),
     ("How much do journalists earn? (Deepak, Arnab)", "How much do journalists earn? (Deepak Arnab)"),
+    ("I'm in the top 20 percentile but got 75% (HSC). Am I eligible?",
+     "I’m in the top 20 percentile but got 75% (HSC). Am I eligible?"),
+    ("What does x = 5 do in Python?", "what does x = 5 do in Python?"),
     ("这句英语如何翻译成中文呀？", "这句英语如何翻译成中文呀"),
     ("• Do Indians lack civic sense? And how?", "Do Indians lack civic sense? And how?"),
     ("Why must a question end with a question mark?", "why must a question end with a question mark?"),
