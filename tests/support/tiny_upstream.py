@@ -25,6 +25,13 @@ from controlplane.config import NodeSettings
 from support.stack import snapshot_node
 
 
+class _Server(ThreadingHTTPServer):
+    # the accept queue (listen backlog; socketserver's default is 5): a burst of the
+    # edge's new connections past it has SYNs dropped, retried after 1 s, 3 s..., and the
+    # edge's 1 s connect timeout then answers 504 for a node that is only slow to accept
+    request_queue_size = 128
+
+
 class TinyUpstream:
     """An in-process OpenAI-compatible HTTP server on a free port.
 
@@ -256,7 +263,7 @@ closes the port (connections refused)."""
                 self._chunk(b"")
 
         self._released.clear()
-        self._server = ThreadingHTTPServer((self.host, self.port), Handler)
+        self._server = _Server((self.host, self.port), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
                                         name=f"tiny-{self.name}", daemon=True)

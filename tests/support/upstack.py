@@ -124,7 +124,9 @@ class UpStack:
 
     @property
     def key(self) -> str:
-        return re.search(r"API key \(demo\)\s+(\S+)", self.text()).group(1)
+        m = re.search(r"API key \(demo\)\s+(\S+)", self.text())
+        assert m, f"no demo key in the output of infergate up:\n{self.text()}"
+        return m.group(1)
 
     @property
     def redis_url(self) -> str:
