@@ -15,6 +15,7 @@ import signal
 
 import numpy as np
 import pytest
+import redis
 import requests
 from click.testing import CliRunner
 
@@ -168,6 +169,20 @@ def test_edge_and_control_planes_through_a_master_failover(
     slot = rc.keyslot(keynames.ROUTING)
     assert rc.keyslot(keynames.APIKEYS) // 5462 == slot // 5462  # the same (third) master
     port = int(rc.nodes_manager.get_node_from_slot(slot).port)
+    # the replica has what was written so far (replication is asynchronous: a master
+    # killed before its replica read the API keys loses them, as any Redis failover does;
+    # on a loaded host that lag made this drill lose the key it checks last)
+    master = redis.Redis(host="127.0.0.1", port=port, password=redis_cluster.password,
+                         socket_timeout=5)
+    written = master.info("replication")["master_repl_offset"]
+
+    def replicated() -> bool:
+        info = master.info("replication")
+        return any(isinstance(v, dict) and int(v.get("offset", -1)) >= written
+                   for k, v in info.items() if k.startswith("slave"))
+
+    procs.wait_until(replicated, 10, interval=0.05, what="the replica to have the writes")
+    master.close()
     redis_cluster.node_of_port(port).managed.signal(signal.SIGKILL)
     codes = []
 
