@@ -305,9 +305,9 @@ class OnlineVerifier:
             except (requests.RequestException, ValueError, KeyError, TypeError) as exc:
                 return self._error(item, f"embedder: {exc}", node.name)
         ok = verdict(cached, fresh, sim, self.settings.cache.verify_answer_similarity)
-        up = self._count(item.namespace, ok)
         if not ok:
-            store.drop_entry(self.r, item.key)
+            store.drop_entry(self.r, item.key)  # first: a wrong answer is served no more
+        up = self._count(item.namespace, ok)
         log.info("verified %s hit of namespace %.12s: %s (similarity %s, node %s)", kind,
                  item.namespace, "right" if ok else "wrong", sim, node.name)
         return Outcome(item.key, item.namespace, "right" if ok else "wrong", sim, node.name,
