@@ -308,16 +308,13 @@ USAGE_STREAM = sse(
 )
 
 
-def test_usage_chunk_is_stripped_wherever_the_reads_split_the_stream(workdir) -> None:
-    compact = USAGE_STREAM.replace('"choices": []', '"choices":[]')
-    crlf = USAGE_STREAM.replace("\n\n", "\r\n\r\n")
-    # an event with empty choices but no usage (e.g. prompt filter results) stays
-    other = sse({"id": "x", "choices": [], "prompt_filter_results": []}) + USAGE_STREAM
-    out = run(workdir, """
+#: Lua: every way reads can split each stream of `input` (two reads at every cut, one
+#: read per byte, the whole then an empty last read) -> name: the outputs seen.
+SPLIT_READS = """
         local res = {}
         for name, text in pairs(input) do
             local outs = {}
-            -- every split into two reads, and one read per byte
+            -- every split into two reads, one read per byte, an empty last read
             for cut = 0, #text do
                 local st = {}
                 local a = capture.strip_usage(st, text:sub(1, cut), false)
@@ -329,12 +326,24 @@ def test_usage_chunk_is_stripped_wherever_the_reads_split_the_stream(workdir) ->
                 parts[#parts + 1] = capture.strip_usage(st, text:sub(i, i), i == #text) or ""
             end
             outs[table.concat(parts)] = true
+            local st2 = {}
+            local a = capture.strip_usage(st2, text, false)
+            outs[(a or "") .. (capture.strip_usage(st2, "", true) or "")] = true
             local list = {}
             for k in pairs(outs) do list[#list + 1] = k end
             res[name] = list
         end
         return res
-    """, {"spaced": USAGE_STREAM, "compact": compact, "crlf": crlf, "other": other})
+"""
+
+
+def test_usage_chunk_is_stripped_wherever_the_reads_split_the_stream(workdir) -> None:
+    compact = USAGE_STREAM.replace('"choices": []', '"choices":[]')
+    crlf = USAGE_STREAM.replace("\n\n", "\r\n\r\n")
+    # an event with empty choices but no usage (e.g. prompt filter results) stays
+    other = sse({"id": "x", "choices": [], "prompt_filter_results": []}) + USAGE_STREAM
+    out = run(workdir, SPLIT_READS,
+              {"spaced": USAGE_STREAM, "compact": compact, "crlf": crlf, "other": other})
     for name, text in (("spaced", USAGE_STREAM), ("compact", compact), ("crlf", crlf),
                        ("other", other)):
         sep = "\r\n\r\n" if name == "crlf" else "\n\n"
@@ -366,31 +375,7 @@ def test_stripped_usage_chunk_leaves_its_timings_on_the_finish_chunk(workdir) ->
     plain = sse(chunk({"content": "Hi"}), chunk({}, "stop"), "[DONE]")
     # a stream that ends right after its finish chunk still sends it
     cut = sse(chunk({"content": "Hi"}), chunk({}, "length"))
-    out = run(workdir, """
-        local res = {}
-        for name, text in pairs(input) do
-            local outs = {}
-            for cut = 0, #text do
-                local st = {}
-                local a = capture.strip_usage(st, text:sub(1, cut), false)
-                local b = capture.strip_usage(st, text:sub(cut + 1), true)
-                outs[(a or "") .. (b or "")] = true
-            end
-            local st, parts = {}, {}
-            for i = 1, #text do
-                parts[#parts + 1] = capture.strip_usage(st, text:sub(i, i), i == #text) or ""
-            end
-            outs[table.concat(parts)] = true
-            -- the last read empty: the held finish event goes out with the end
-            local st2 = {}
-            local a = capture.strip_usage(st2, text, false)
-            outs[(a or "") .. (capture.strip_usage(st2, "", true) or "")] = true
-            local list = {}
-            for k in pairs(outs) do list[#list + 1] = k end
-            res[name] = list
-        end
-        return res
-    """, {"spaced": LLAMA_USAGE_STREAM, "crlf": crlf, "plain": plain, "cut": cut})
+    out = run(workdir, SPLIT_READS, {"spaced": LLAMA_USAGE_STREAM, "crlf": crlf, "plain": plain, "cut": cut})
     for name in ("spaced", "crlf"):
         assert len(out[name]) == 1, name
         sep = "\r\n\r\n" if name == "crlf" else "\n\n"
