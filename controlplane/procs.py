@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from controlplane.errors import InfergateError
 
@@ -44,6 +45,7 @@ _EPHEMERAL_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 _recent_ports: dict[int, float] = {}
 _recent_lock = threading.Lock()
 _rng = random.SystemRandom()
+T = TypeVar("T")
 
 
 def ephemeral_range(path: str = _EPHEMERAL_FILE) -> tuple[int, int]:
@@ -112,6 +114,22 @@ def free_port(host: str = "127.0.0.1") -> int:
                 _recent_ports[port] = now
                 return port
         return port
+
+
+def on_free_port(start: Callable[[int], T], attempts: int = 3) -> T:
+    """``start(port)`` on a :func:`free_port`, called again on a new port (up to
+    ``attempts`` times in all) when it raises a :class:`StartError` that says the
+    address is in use: a free port is only free when chosen, and another process on the
+    host may bind it before ``start``'s process does. ``start`` must leave nothing
+    running when it raises. Returns what ``start`` returns; raises its last error, or
+    any other error at once."""
+    for attempt in range(max(1, attempts)):
+        try:
+            return start(free_port())
+        except StartError as exc:
+            if "in use" not in str(exc).lower() or attempt >= attempts - 1:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def port_open(host: str, port: int, timeout: float = 0.2) -> bool:

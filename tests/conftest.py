@@ -145,8 +145,7 @@ class RedisServer:
 @pytest.fixture
 def redis_server(workdir: Path):
     """A fresh redis-server on a free port; ``.url``, ``.client()``, ``.stop()``."""
-    port = procs.free_port()
-    m = procs.start_redis(workdir / "redis", port)
+    m, port = procs.start_redis_free_port(workdir / "redis")
     server = RedisServer(m, port)
     try:
         yield server
@@ -159,8 +158,7 @@ def shared_redis_port():
     """One redis-server for a whole test module (pair with ``r``, which empties it before
     each test): much faster than a server per test."""
     d = Path(tempfile.mkdtemp(prefix="infergate-test-"))
-    port = procs.free_port()
-    m = procs.start_redis(d / "redis", port)
+    m, port = procs.start_redis_free_port(d / "redis")
     try:
         yield port
     finally:

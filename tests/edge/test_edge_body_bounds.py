@@ -95,8 +95,8 @@ def stack() -> Iterator[Stack]:
     ps = procs.ProcessSet()
     fake = _start_fake_embedder()
     try:
-        rport = procs.free_port()
-        ps.add(procs.start_redis(d / "redis", rport))
+        redis_m, rport = procs.start_redis_free_port(d / "redis")
+        ps.add(redis_m)
         node = launch.start_node("sim-b", d / "logs", "--time-scale", "0.02",
                                  "--output-tokens", "4:8", into=ps, cls=SimNode)
         r = redis.Redis(host="127.0.0.1", port=rport, decode_responses=True, socket_timeout=2)

@@ -42,8 +42,8 @@ def stack() -> Iterator[Stack]:
     ps = procs.ProcessSet()
     up = TinyUpstream("one")
     try:
-        rport = procs.free_port()
-        ps.add(procs.start_redis(d / "redis", rport))
+        redis_m, rport = procs.start_redis_free_port(d / "redis")
+        ps.add(redis_m)
         r = redis.Redis(host="127.0.0.1", port=rport, decode_responses=True, socket_timeout=2)
         yield Stack(f"redis://127.0.0.1:{rport}/0", r, up)
     finally:

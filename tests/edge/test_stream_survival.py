@@ -60,8 +60,8 @@ def stack() -> Iterator[Stack]:
     ps = procs.ProcessSet()
     edge = None
     try:
-        rport = procs.free_port()
-        ps.add(procs.start_redis(d / "redis", rport))
+        redis_m, rport = procs.start_redis_free_port(d / "redis")
+        ps.add(redis_m)
         specs = [(name, ["--time-scale", "0.05", "--output-tokens", "24:32"])
                  for name in ("a", "b")]
         nodes = launch.start_nodes(specs, d / "logs", into=ps, cls=SimNode)

@@ -81,8 +81,7 @@ def stack(realnodes, tmp_path_factory) -> Iterator[Stack]:
     own_stub = RerankStub()  # the embedder's own model, always up
     own = remote.RemoteEmbeddings(own_stub.root, "bag", 5.0, remote.EndpointAccess())
     own.probe()
-    port = procs.free_port()
-    managed = procs.start_redis(tmp_path_factory.mktemp("pool-redis"), port)
+    managed, port = procs.start_redis_free_port(tmp_path_factory.mktemp("pool-redis"))
     # a generous budget for the real engine (a shared 2-core host), a short one for the
     # stub's endpoints, which the tests make slow
     common = dict(embeddings_url=node.url, embeddings_model="gemma-emb",

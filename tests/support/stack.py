@@ -24,6 +24,7 @@ The in-process tiny upstream (``tiny_upstreams``) is in tests/support/tiny_upstr
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import time
@@ -95,16 +96,25 @@ def start_cache_backend(d: Path, ps: procs.ProcessSet) -> tuple[str, int, str, r
     started into ``ps`` under ``d`` on free ports; waits for the embedder and embeds once
     (a process's first embedding is slow: done before any edge budget applies). Returns
     (redis URL, Redis port, embedder URL, a decoding Redis client)."""
-    rport = procs.free_port()
-    ps.add(procs.start_redis(d / "redis", rport))
+    redis_m, rport = procs.start_redis_free_port(d / "redis")
+    ps.add(redis_m)
     url = f"redis://127.0.0.1:{rport}/0"
-    eport = procs.free_port()
-    emb = ps.add(procs.Managed("embedder", procs.infergate_argv(
-        "embedder", "--listen", f"127.0.0.1:{eport}", "--redis-url", url, "--index", "local",
-        "--threads", "4"), d / "logs" / "embedder.log").start())
-    embedder_url = f"http://127.0.0.1:{eport}"
-    emb.wait_ready(lambda: requests.get(embedder_url + "/healthz", timeout=1).status_code == 200,
-                   120)
+
+    def embedder_on(port: int) -> str:
+        emb = procs.Managed("embedder", procs.infergate_argv(
+            "embedder", "--listen", f"127.0.0.1:{port}", "--redis-url", url, "--index", "local",
+            "--threads", "4"), d / "logs" / "embedder.log").start()
+        embedder_url = f"http://127.0.0.1:{port}"
+        try:
+            emb.wait_ready(
+                lambda: requests.get(embedder_url + "/healthz", timeout=1).status_code == 200, 120)
+        except BaseException:
+            emb.stop()
+            raise
+        ps.add(emb)
+        return embedder_url
+
+    embedder_url = procs.on_free_port(embedder_on)
     requests.post(embedder_url + "/v1/lookup", json={"namespace": "0" * 64, "text": "warm up"},
                   timeout=30)
     r = redis.Redis(host="127.0.0.1", port=rport, decode_responses=True, socket_timeout=2)
@@ -397,15 +407,29 @@ def controlplane_factory(workdir: Path) -> Iterator[Callable[..., ControlPlanePr
     def start(settings: Settings, *, wait_snapshot: bool = True, timeout: float = 30.0) -> ControlPlaneProc:
         i = len(started) + 1
         s = settings.model_copy(deep=True)
-        port = procs.free_port()
-        s.controlplane.listen = f"127.0.0.1:{port}"
         cfg = workdir / f"controlplane-{i}.toml"
-        _write_toml(s, cfg)
-        m = procs.Managed(f"controlplane-{i}", procs.infergate_argv("controlplane", "--config", str(cfg)),
-                          workdir / "logs" / f"controlplane-{i}.log").start()
-        cp = ControlPlaneProc(m, cfg, f"http://127.0.0.1:{port}")
+
+        def on(port: int) -> ControlPlaneProc:
+            s.controlplane.listen = f"127.0.0.1:{port}"
+            _write_toml(s, cfg)
+            # its health answer echoes this id: a process of another stack that bound
+            # the port in between is not taken for it
+            tag = f"test-controlplane-{os.getpid()}-{port}"
+            m = procs.Managed(f"controlplane-{i}",
+                              procs.infergate_argv("controlplane", "--config", str(cfg)),
+                              workdir / "logs" / f"controlplane-{i}.log",
+                              env={**os.environ, procs.INSTANCE_ENV: tag}).start()
+            url = f"http://127.0.0.1:{port}"
+            try:
+                m.wait_ready(lambda: procs.http_instance(url + "/healthz") == tag, timeout)
+            except BaseException:
+                m.stop()
+                raise
+            return ControlPlaneProc(m, cfg, url)
+
+        cp = procs.on_free_port(on)
+        m = cp.managed
         started.append(cp)
-        m.wait_ready(lambda: procs.port_open("127.0.0.1", port), timeout)
         if wait_snapshot:
             r = redis.Redis.from_url(s.redis.url, socket_timeout=2)
             m.wait_ready(lambda: r.get(keynames.ROUTING) is not None, timeout)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import socket
 import threading
 
+import pytest
+
 from controlplane import procs
 
 
@@ -61,3 +63,38 @@ def test_concurrent_callers_get_distinct_ports() -> None:
     for t in threads:
         t.join()
     assert len(got) == 200 and len(set(got)) == 200
+
+
+def test_on_free_port_tries_a_new_port_when_the_address_is_taken() -> None:
+    tried: list[int] = []
+
+    def start(port: int) -> str:
+        tried.append(port)
+        if len(tried) < 3:
+            raise procs.StartError(f"x exited early:\nbind 127.0.0.1:{port}: Address already in use")
+        return f"on {port}"
+
+    assert procs.on_free_port(start) == f"on {tried[-1]}"
+    assert len(tried) == 3 and len(set(tried)) == 3
+
+
+def test_on_free_port_gives_up_after_its_attempts_and_on_other_errors() -> None:
+    calls: list[int] = []
+
+    def taken(port: int) -> None:
+        calls.append(port)
+        raise procs.StartError("Address already in use")
+
+    with pytest.raises(procs.StartError, match="in use"):
+        procs.on_free_port(taken, attempts=2)
+    assert len(calls) == 2
+
+    calls.clear()
+
+    def broken(port: int) -> None:
+        calls.append(port)
+        raise procs.StartError("x exited early: bad config")
+
+    with pytest.raises(procs.StartError, match="bad config"):
+        procs.on_free_port(broken)
+    assert len(calls) == 1
