@@ -116,18 +116,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
+#: What a process that could not bind its port says (lower case): the kernel's EADDRINUSE
+#: text (Python, Redis, nginx) and llama.cpp's server (tools/server/server.cpp:
+#: "couldn't bind HTTP server socket, hostname: ..., port: ...").
+PORT_TAKEN_MARKERS = ("address already in use", "couldn't bind")
+
+
 def on_free_port(start: Callable[[int], T], attempts: int = 3) -> T:
     """``start(port)`` on a :func:`free_port`, called again on a new port (up to
-    ``attempts`` times in all) when it raises a :class:`StartError` that says the
-    address is in use: a free port is only free when chosen, and another process on the
-    host may bind it before ``start``'s process does. ``start`` must leave nothing
-    running when it raises. Returns what ``start`` returns; raises its last error, or
-    any other error at once."""
+    ``attempts`` times in all) when it raises a :class:`StartError` whose message says
+    the port was taken (:data:`PORT_TAKEN_MARKERS`): a free port is only free when
+    chosen, and another process on the host may bind it before ``start``'s process
+    does. ``start`` must leave nothing running when it raises. Returns what ``start``
+    returns; raises its last error, or any other error at once."""
     for attempt in range(max(1, attempts)):
         try:
             return start(free_port())
         except StartError as exc:
-            if "in use" not in str(exc).lower() or attempt >= attempts - 1:
+            text = str(exc).lower()
+            if not any(m in text for m in PORT_TAKEN_MARKERS) or attempt >= attempts - 1:
                 raise
     raise AssertionError("unreachable")  # pragma: no cover
 

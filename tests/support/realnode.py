@@ -57,10 +57,13 @@ def realnodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[...
         require_engine()
         out = []
         for _ in range(n):
-            node = RealNode(port=procs.free_port(), parallel=parallel, threads=threads,
-                            metrics=metrics, log_dir=logs, extra_args=extra_args)
-            started.append(node)
-            out.append(node.start(timeout_s=READY_TIMEOUT_S))
+            def on(port: int) -> RealNode:
+                node = RealNode(port=port, parallel=parallel, threads=threads,
+                                metrics=metrics, log_dir=logs, extra_args=extra_args)
+                started.append(node)   # stopped at the end even when interrupted
+                return node.start(timeout_s=READY_TIMEOUT_S)
+
+            out.append(procs.on_free_port(on))
         return out
 
     try:

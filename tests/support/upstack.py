@@ -76,6 +76,10 @@ def alive(pid: int) -> bool:
         return False
 
 
+#: Times :meth:`UpStack.start` starts ``up`` on new ports when it lost one chosen free.
+PORT_ATTEMPTS = 3
+
+
 @dataclass
 class UpStack:
     """One running ``infergate up`` (``proc``) with its output in ``log_path``."""
@@ -97,27 +101,39 @@ class UpStack:
         os.chmod(folder, 0o755)
         cfg = folder / "up.toml"
         cfg.write_text(config)
-        edge, admin = procs.free_port(), procs.free_port()
-        argv = procs.infergate_argv("up", "--config", str(cfg), "--listen", f"127.0.0.1:{edge}",
-                                    "--admin-listen", f"127.0.0.1:{admin}",
-                                    "--workdir", str(folder / "stack"), "--time-scale", "0.05")
-        if redis_url:
-            argv += ["--redis-url", redis_url]
-        argv += list(args)
-        log_path = folder / "up.log"
-        log = open(log_path, "w")
-        env = {k: v for k, v in os.environ.items() if k != "INFERGATE_REDIS_URL"}
-        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                             env=env)
-        up = cls(folder, p, log_path, edge, admin, log)
-        if wait:
+        for attempt in range(PORT_ATTEMPTS):
+            edge, admin = procs.free_port(), procs.free_port()
+            argv = procs.infergate_argv("up", "--config", str(cfg),
+                                        "--listen", f"127.0.0.1:{edge}",
+                                        "--admin-listen", f"127.0.0.1:{admin}",
+                                        "--workdir", str(folder / "stack"), "--time-scale", "0.05")
+            if redis_url:
+                argv += ["--redis-url", redis_url]
+            argv += list(args)
+            log_path = folder / "up.log"
+            log = open(log_path, "w")
+            env = {k: v for k, v in os.environ.items() if k != "INFERGATE_REDIS_URL"}
+            p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True, env=env)
+            up = cls(folder, p, log_path, edge, admin, log)
+            if not wait:
+                return up
             try:
                 procs.wait_until(lambda: "infergate is up." in up.text() or p.poll() is not None,
                                  timeout=BANNER_TIMEOUT_S, what="infergate up banner")
             except procs.StartError:
                 up.kill()
                 raise
-        return up
+            if p.poll() is None or attempt == PORT_ATTEMPTS - 1 or not up._lost_a_port():
+                return up
+            up.kill()   # a port chosen free was taken in between by another process: new ones
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _lost_a_port(self) -> bool:
+        """The output says the edge or admin address this stack was given is in use."""
+        return any("already in use" in line and
+                   (f":{self.edge}" in line or f":{self.admin}" in line)
+                   for line in self.text().splitlines())
 
     def text(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -71,7 +71,9 @@ def test_on_free_port_tries_a_new_port_when_the_address_is_taken() -> None:
     def start(port: int) -> str:
         tried.append(port)
         if len(tried) < 3:
-            raise procs.StartError(f"x exited early:\nbind 127.0.0.1:{port}: Address already in use")
+            raise procs.StartError(f"x exited early:\nbind 127.0.0.1:{port}: Address already in use"
+                                  if len(tried) == 1 else
+                                  f"couldn't bind HTTP server socket, hostname: 127.0.0.1, port: {port}")
         return f"on {port}"
 
     assert procs.on_free_port(start) == f"on {tried[-1]}"
