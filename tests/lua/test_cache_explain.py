@@ -45,3 +45,15 @@ def test_explain_lists_the_figures_of_the_decision(workdir) -> None:
     # no candidate: the cosine is none; a header value keeps to safe characters
     assert out[1] == ("cosine=none; min_similarity=0.9000; guard=reject:embeddings_unavailable;"
                       " decided_by=cosine; model=bge_m3@10.0.0.5:8080")
+
+
+def test_a_guard_reason_with_words_of_the_question_stays_ascii(workdir) -> None:
+    out = run(workdir, """
+        return { semantic.explain_text({ hit = false, similarity = 0.9, decided_by = "cosine",
+                                         guard = "reject:antonym:最高/最低 100%;" }) }
+    """)
+    guard = out[0].split("; ")[1]
+    assert guard == "guard=reject:antonym:%E6%9C%80%E9%AB%98/%E6%9C%80%E4%BD%8E%20100%25%3B"
+    assert out[0].isascii()
+    from urllib.parse import unquote
+    assert unquote(guard) == "guard=reject:antonym:最高/最低 100%;"

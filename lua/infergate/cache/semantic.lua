@@ -20,6 +20,7 @@ local type = type
 local ipairs = ipairs
 local tonumber = tonumber
 local tostring = tostring
+local byte = string.byte
 local find = string.find
 local format = string.format
 local concat = table.concat
@@ -129,6 +130,10 @@ local function score_text(res)
 end
 _M.score_text = score_text
 
+local function pct(c)
+    return format("%%%02X", byte(c))
+end
+
 -- The X-Cache-Explain value of a lookup answer: the candidate's cosine, the verifier's
 -- score, the two thresholds, the guard's verdict, the deciding score and the model.
 local function explain_text(res)
@@ -138,7 +143,11 @@ local function explain_text(res)
                          { "min_verifier_score", res.min_verifier_score } }) do
         parts[#parts + 1] = figure(f[1], f[2]) or (f[1] == "cosine" and "cosine=none" or nil)
     end
-    parts[#parts + 1] = "guard=" .. (type(res.guard) == "string" and res.guard or "none")
+    -- the guard's reason may quote words of the question (antonym:最高/最低): a header
+    -- value keeps to printable ASCII: other bytes, spaces, % and ; percent-encoded as in
+    -- a URI
+    parts[#parts + 1] = "guard=" .. (type(res.guard) == "string"
+        and res.guard:gsub("[^\33-\36\38-\58\60-\126]", pct) or "none")
     parts[#parts + 1] = "decided_by=" .. tostring(res.decided_by or "cosine")
     if type(res.model_id) == "string" then
         -- a header value: printable ASCII only
