@@ -221,7 +221,9 @@ class Outcome:
 
 
 #: ``(nodes, served models per node)``: healthy, active nodes (None = models unknown).
-NodesFn = Callable[[], list[tuple[NodeSettings, list[str] | None]]]
+NodesFn = Callable[[], list[tuple[NodeSettings, list[str] | None, bool]]]
+"""The nodes a verification may ask: (node, its served models or ``None`` when unknown,
+whether it takes a model no node lists: :mod:`controlplane.routing.models`)."""
 
 
 class OnlineVerifier:
@@ -270,7 +272,11 @@ class OnlineVerifier:
         return out
 
     def _pick(self, model: str) -> NodeSettings | None:
-        cands = [n for n, models in self.nodes() if models is None or not model or model in models]
+        nodes = self.nodes()
+        cands = [n for n, models, _ in nodes if models is None or not model or model in models]
+        if not cands and not any(models and model in models for _, models, _ in nodes):
+            # a name no node lists: the nodes that take any model (the edge's rule)
+            cands = [n for n, _, takes_any in nodes if takes_any]
         return random.choice(cands) if cands else None
 
     def verify(self, item: VerifyItem) -> Outcome:

@@ -14,6 +14,15 @@ Where a node's served models come from, first match wins:
    uses the last answer it has;
 3. otherwise unknown (``None``): the edge may send the node any model.
 
+A node whose list says it is a single-model llama.cpp server (one entry, ``owned_by``
+``"llamacpp"``, without the ``status`` that its router mode gives each model: llama.cpp
+tools/server, ``/v1/models``) answers whatever ``model`` a request names, with its one
+model, as a client talking to it directly sees (the OpenAI SDKs need some name, and
+"gpt-3.5-turbo" or "local" are common). Such a node **takes any model**
+(:meth:`ModelsPoller.takes_any_model`, ``models_any`` in the snapshot): the edge sends
+it a model no node lists, instead of answering 404, and still sends the models other
+nodes list only to them.
+
 A failed or unparseable answer keeps the last known list (a node that never answered
 stays unknown) and is tried again after ``RETRY_S`` (at most ``models_refresh_s``).
 """
@@ -29,7 +38,7 @@ from controlplane.config import NodeSettings
 from controlplane.routing.background import BackgroundReader
 from controlplane.routing.nodeaccess import AccessTable
 
-__all__ = ["MAX_MODELS", "ModelsPoller", "RETRY_S", "parse_models"]
+__all__ = ["MAX_MODELS", "ModelsPoller", "RETRY_S", "parse_models", "takes_any_model"]
 
 #: Seconds before a failed ``/v1/models`` read is tried again (capped at the refresh).
 RETRY_S = 10.0
@@ -55,6 +64,22 @@ def parse_models(body: str) -> list[str]:
     return out
 
 
+def takes_any_model(body: str) -> bool:
+    """Whether an OpenAI ``GET /v1/models`` answer comes from a single-model llama.cpp
+    server, which serves any ``model`` a request names (see the module docstring): one
+    entry, ``"owned_by": "llamacpp"``, no ``status`` (llama.cpp's router mode lists each
+    model with a ``status`` and routes by name). ``False`` for anything else, also a body
+    that is not such a list."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return False
+    data = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(data, list) or len(data) != 1 or not isinstance(data[0], dict):
+        return False
+    return data[0].get("owned_by") == "llamacpp" and "status" not in data[0]
+
+
 @dataclass
 class _Entry:
     target: str
@@ -63,6 +88,8 @@ class _Entry:
     """monotonic time of the next read."""
     models: list[str] | None = None
     """Last list read; ``None`` = never read successfully."""
+    any_model: bool = False
+    """The last list read says the node takes any model (:func:`takes_any_model`)."""
     error: str | None = None
     read_at: float | None = None
     """Epoch s of the last successful read."""
@@ -77,12 +104,12 @@ class ModelsPoller(BackgroundReader):
                  clock=time.monotonic, access: AccessTable | None = None):
         super().__init__("models", refresh_s, timeout_s, max_workers, clock, access)
 
-    def _read(self, url: str) -> tuple[list[str] | None, str | None]:
+    def _read(self, url: str) -> tuple[tuple[list[str], bool] | None, str | None]:
         res = self._http.get(url)
         if not res.ok or res.body is None:
             return None, res.error or f"HTTP {res.status}"
         try:
-            return parse_models(res.body), None
+            return (parse_models(res.body), takes_any_model(res.body)), None
         except ValueError as exc:
             return None, f"not an OpenAI model list: {str(exc)[:120]}"
 
@@ -103,12 +130,13 @@ class ModelsPoller(BackgroundReader):
                 e = self._entries[node.name] = _Entry(target=url)
             if e.running is not None and e.running.done():
                 try:
-                    models, err = e.running.result()
+                    read, err = e.running.result()
                 except Exception as exc:  # noqa: BLE001 - a read never breaks the cycle
-                    models, err = None, f"{type(exc).__name__}: {exc}"
+                    read, err = None, f"{type(exc).__name__}: {exc}"
                 e.running = None
-                if models is not None:
-                    e.models, e.error, e.read_at = models, None, time.time()
+                if read is not None:
+                    e.models, e.any_model = read
+                    e.error, e.read_at = None, time.time()
                     e.due = now + self.refresh_s
                 else:
                     e.error = err
@@ -116,6 +144,16 @@ class ModelsPoller(BackgroundReader):
             if e.running is None and now >= e.due:
                 e.running = self._pool.submit(self._read, url)
             return None if e.models is None else list(e.models)
+
+    def takes_any_model(self, node: NodeSettings) -> bool:
+        """Whether the node takes any model (:func:`takes_any_model` of its last
+        ``/v1/models`` read); never for a node with configured ``models``, whose list is
+        what it may be sent."""
+        if node.models:
+            return False
+        with self._lock:
+            e = self._entries.get(node.name)
+            return bool(e and e.models is not None and e.any_model)
 
     def error(self, name: str) -> str | None:
         """Why the last read of node ``name`` failed (``None``: it did not, or none yet)."""

@@ -178,6 +178,8 @@ class CycleReport:
     duration_ms: float = 0.0
     models: dict[str, list[str] | None] = field(default_factory=dict)
     """Served model ids per node (``None`` = unknown; :mod:`controlplane.routing.models`)."""
+    models_any: set[str] = field(default_factory=set)
+    """Nodes that take any model (single-model llama.cpp servers)."""
 
 
 class ControlPlane:
@@ -401,6 +403,7 @@ class ControlPlane:
             self.models.forget(names)
             self.props.forget(names)
             report.models = {n.name: self.models.served(n) for n in nodes}
+            report.models_any = {n.name for n in nodes if self.models.takes_any_model(n)}
             slow_s = self.settings.controlplane.slow_start_s
             self.ramps = {k: v for k, v in self.ramps.items()
                           if k in names and now - v < slow_s}
@@ -530,6 +533,7 @@ class ControlPlane:
                 states=states,
                 statuses={k: v.metrics() for k, v in report.statuses.items()},
                 hosts=hosts, slow_start_s=cp.slow_start_s, models=report.models,
+                models_any=report.models_any,
                 ramps=self.ramps, auths={n.name: self.access.for_url(n.url).auth for n in nodes},
                 slots=self.props.slots(nodes))
             pipe = self.r.pipeline(transaction=False)
@@ -554,19 +558,19 @@ class ControlPlane:
 
     # -- online cache verification ----------------------------------------------------
 
-    def verify_nodes(self) -> list[tuple[NodeSettings, list[str] | None]]:
+    def verify_nodes(self) -> list[tuple[NodeSettings, list[str] | None, bool]]:
         """Nodes a verification may use: healthy at the last cycle and ``active``, with
-        their served models (None = unknown)."""
+        their served models (None = unknown) and whether they take any model."""
         rep = self.last_report
         if rep is None:
             return []
-        out: list[tuple[NodeSettings, list[str] | None]] = []
+        out: list[tuple[NodeSettings, list[str] | None, bool]] = []
         for n in self.nodes:
             st = rep.statuses.get(n.name)
             state = self.states.get(n.name)
             if st is None or not st.healthy or (state is not None and state.state != "active"):
                 continue
-            out.append((n, rep.models.get(n.name)))
+            out.append((n, rep.models.get(n.name), n.name in rep.models_any))
         return out
 
     def run_verify(self) -> list:

@@ -6,10 +6,10 @@ Snapshot shape: docs/internals.md, "the routing snapshot", as the dataclasses
 :class:`~controlplane.routing.wire.RoutingSnapshot` / ``SnapshotNode``. Per node:
 ``name, url, host, port, kind, state, healthy, weight, effective_weight,
 max_concurrency, slots, slots_source, score, saturated, queue_depth, running,
-kv_cache_usage, has_metrics, models, scheme, tls_name, auth`` (``auth``: the
-``Authorization`` value of a node with an API key, redacted wherever the snapshot is
-served; ``models``: :mod:`controlplane.routing.models`, ``null`` =
-unknown). Edge reports are read as :class:`~controlplane.routing.wire.EdgeReport`.
+kv_cache_usage, has_metrics, models, models_any, scheme, tls_name, auth`` (``auth``:
+the ``Authorization`` value of a node with an API key, redacted wherever the snapshot is
+served; ``models``: :mod:`controlplane.routing.models`, ``null`` = unknown;
+``models_any``: the node takes a model no node lists too). Edge reports are read as :class:`~controlplane.routing.wire.EdgeReport`.
 
 - ``host`` is an IP literal (the balancer phase of the edge cannot resolve names):
   hostnames are resolved here (IPv4 preferred), cached for ``HostResolver.ttl_s``;
@@ -149,12 +149,14 @@ def node_slots(node: NodeSettings, server_slots: int | None) -> tuple[int | None
 def node_entry(node: NodeSettings, state: NodeState, status: NodeMetricsDoc | None,
                host: str | None, now: float, slow_start_s: float,
                models: list[str] | None = None, ramp_since: float = 0.0,
-               auth: str | None = None, server_slots: int | None = None) -> SnapshotNode:
+               auth: str | None = None, server_slots: int | None = None,
+               models_any: bool = False) -> SnapshotNode:
     """One ``nodes[]`` entry. ``status``: the node's latest metrics (``None`` before its
     first poll: healthy, no metrics); ``models``: served model ids (``None`` unknown);
     ``ramp_since``: epoch s the node was added at run time or became healthy again;
     ``auth``: the ``Authorization`` value the edge sends it (its API key; secret);
-    ``server_slots``: the slots the server reports (``None``: not known)."""
+    ``server_slots``: the slots the server reports (``None``: not known);
+    ``models_any``: the node takes any model besides ``models`` (only with a list)."""
     st = status or NodeMetricsDoc(name=node.name)
     scheme = urlsplit(node.url).scheme
     slots, slots_source = node_slots(node, server_slots)
@@ -178,6 +180,7 @@ def node_entry(node: NodeSettings, state: NodeState, status: NodeMetricsDoc | No
         kv_cache_usage=st.kv_cache_usage,
         has_metrics=st.has_metrics,
         models=models,
+        models_any=bool(models_any and models is not None),
         scheme=scheme,
         tls_name=urlsplit(node.url).hostname if scheme == "https" else None,
         auth=auth,
@@ -190,12 +193,14 @@ def build_snapshot(*, version: int, now: float, leader: str, nodes: list[NodeSet
                    models: dict[str, list[str] | None] | None = None,
                    ramps: dict[str, float] | None = None,
                    auths: dict[str, str | None] | None = None,
-                   slots: dict[str, int] | None = None) -> RoutingSnapshot:
+                   slots: dict[str, int] | None = None,
+                   models_any: set[str] | None = None) -> RoutingSnapshot:
     """The routing snapshot (docs/internals.md); ``.to_json()`` is what the leader
     writes. Nodes sorted by name. ``models``: served model ids per node (missing =
     unknown); ``ramps``: slow-start start (epoch s) per node added at run time or
     healthy again; ``auths``: the ``Authorization`` value per node with an API key;
-    ``slots``: the slots each server reports (missing = not known)."""
+    ``slots``: the slots each server reports (missing = not known); ``models_any``: the
+    nodes that take any model besides their list (single-model llama.cpp servers)."""
     models = models or {}
     ramps = ramps or {}
     auths = auths or {}
@@ -207,7 +212,8 @@ def build_snapshot(*, version: int, now: float, leader: str, nodes: list[NodeSet
         nodes=[node_entry(n, states.get(n.name, NodeState()), statuses.get(n.name),
                           hosts.get(n.name), now, slow_start_s, models.get(n.name),
                           ramps.get(n.name, 0.0), auth=auths.get(n.name),
-                          server_slots=slots.get(n.name))
+                          server_slots=slots.get(n.name),
+                          models_any=n.name in (models_any or ()))
                for n in sorted(nodes, key=lambda n: n.name)],
     )
 

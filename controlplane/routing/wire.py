@@ -208,6 +208,10 @@ class SnapshotNode(_Doc):
     models: list[str] | None = None
     """Model ids the node serves (configured, or read from its ``GET /v1/models``);
     ``None`` = unknown: the edge may send it any model."""
+    models_any: bool = False
+    """With ``models``: the node also takes a model no node lists (a single-model
+    llama.cpp server answers any name with its one model; see
+    :mod:`controlplane.routing.models`)."""
     scheme: str = "http"
     """http | https (the edge verifies the certificate against ``tls_name``)."""
     tls_name: str | None = None
@@ -237,6 +241,7 @@ class SnapshotNode(_Doc):
                    queue_depth=_num(d.get("queue_depth")), running=_num(d.get("running")),
                    kv_cache_usage=_num(d.get("kv_cache_usage")),
                    has_metrics=bool(_bool(d.get("has_metrics"), False)), models=models,
+                   models_any=bool(_bool(d.get("models_any"), False)) and models is not None,
                    scheme="https" if d.get("scheme") == "https" else "http",
                    tls_name=_str(d.get("tls_name"), None), auth=_str(d.get("auth"), None))
 

@@ -1,6 +1,7 @@
 """Model-aware routing at the edge, against tiny upstreams: a request goes only to the
 nodes that serve its model (configured in the static list, or from the snapshot's
-``models``), an unknown model gets 404 model_not_found from the edge, GET /v1/models is
+``models``), an unknown model gets 404 model_not_found from the edge (unless a node
+takes any model: a single-model llama.cpp server), GET /v1/models is
 the union the edge answers itself, and shedding looks only at the model's nodes."""
 
 from __future__ import annotations
@@ -143,6 +144,39 @@ def test_snapshot_models_route_and_unknown_lists_keep_todays_behaviour(snap_pool
     res = _post(edge, "m-b")
     assert res.status_code == 503 and res.json()["error"]["code"] == "no_healthy_upstream"
     assert a.hits + c.hits == hits
+
+
+def test_a_node_that_takes_any_model_gets_the_names_nobody_lists(snap_pool) -> None:
+    edge, (a, b, c), r = snap_pool
+    # a serves m-a; b is a single-model llama.cpp server (its list, and any name); c m-c
+    snap = write_snapshot(r, [a.snapshot_node(models=["m-a"]),
+                              b.snapshot_node(models=["gemma"], models_any=True),
+                              c.snapshot_node(models=["m-c"])])
+    edge.wait_snapshot(snap["version"])
+    assert _nodes_for(edge, "gpt-3.5-turbo") == {"b": 20}   # listed nowhere: not a 404
+    assert _nodes_for(edge, "gemma") == {"b": 20}
+    # a model another node lists goes only there, never to the node taking any
+    assert _nodes_for(edge, "m-a") == {"a": 20}
+    assert _nodes_for(edge, "m-c") == {"c": 20}
+    assert [m["id"] for m in _models(edge).json()["data"]] == ["gemma", "m-a", "m-c"]
+    status = {n["name"]: n for n in edge.status()["nodes"]}
+    assert status["b"]["models_any"] is True and status["a"]["models_any"] is False
+
+    # the node taking any model is down: a name nobody lists has no node (503, not 404)
+    snap = write_snapshot(r, [a.snapshot_node(models=["m-a"]),
+                              b.snapshot_node(models=["gemma"], models_any=True, healthy=False),
+                              c.snapshot_node(models=["m-c"])])
+    edge.wait_snapshot(snap["version"])
+    hits = a.hits + c.hits
+    res = _post(edge, "gpt-3.5-turbo")
+    assert res.status_code == 503 and res.json()["error"]["code"] == "no_healthy_upstream"
+    assert a.hits + c.hits == hits
+
+    # without the flag the same names are 404 again
+    snap = write_snapshot(r, [a.snapshot_node(models=["m-a"]), b.snapshot_node(models=["gemma"]),
+                              c.snapshot_node(models=["m-c"])])
+    edge.wait_snapshot(snap["version"])
+    assert _post(edge, "gpt-3.5-turbo").json()["error"]["code"] == "model_not_found"
 
 
 def test_shedding_is_per_model(tiny_upstreams, redis_server, edge_factory) -> None:

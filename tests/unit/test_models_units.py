@@ -10,7 +10,7 @@ import pytest
 
 from controlplane.config import NodeSettings, settings_from_dict
 from controlplane.routing import models as models_mod
-from controlplane.routing.models import ModelsPoller, parse_models
+from controlplane.routing.models import ModelsPoller, parse_models, takes_any_model
 from controlplane.routing.registry import NodeState
 from controlplane.routing.snapshot import build_snapshot, effective_weight
 from controlplane.routing.wire import RoutingSnapshot, SnapshotNode
@@ -24,6 +24,27 @@ def test_parse_models_reads_openai_lists_and_refuses_others() -> None:
                 '{"data": [{"id": 3}]}'):
         with pytest.raises(ValueError):
             parse_models(bad)
+
+
+#: llama-server's /v1/models in single-model mode (as the engine the tests build answers,
+#: "meta" trimmed), and in router mode (a "status" per model: llama.cpp tools/server).
+LLAMACPP_ONE = ('{"models":[{"name":"gemma","model":"gemma"}],"object":"list","data":[{"id":'
+                '"gemma","aliases":["gemma"],"object":"model","created":1,"owned_by":"llamacpp",'
+                '"meta":{"n_vocab":262144}}]}')
+LLAMACPP_ROUTER = ('{"object":"list","data":[{"id":"a","object":"model","owned_by":"llamacpp",'
+                   '"status":{"value":"loaded"}}]}')
+
+
+def test_a_single_model_llamacpp_server_takes_any_model() -> None:
+    assert parse_models(LLAMACPP_ONE) == ["gemma"]
+    assert takes_any_model(LLAMACPP_ONE) is True
+    assert takes_any_model(LLAMACPP_ROUTER) is False        # routes by name
+    two = ('{"data":[{"id":"a","owned_by":"llamacpp"},{"id":"b","owned_by":"llamacpp"}]}')
+    assert takes_any_model(two) is False
+    for other in ('{"object":"list","data":[{"id":"m","object":"model","owned_by":"vllm"}]}',
+                  '{"data":[{"id":"m","owned_by":"sglang"}]}', '{"data":[{"id":"m"}]}',
+                  '{"data":[]}', "not json", "[]", '{"data":["llamacpp"]}'):
+        assert takes_any_model(other) is False, other
 
 
 def test_which_nodes_are_polled_for_models() -> None:
@@ -56,7 +77,7 @@ class FakeClock:
 def test_models_poller_reads_in_the_background_rarely_and_keeps_the_last_list(monkeypatch) -> None:
     clock = FakeClock()
     mp = ModelsPoller(refresh_s=60.0, timeout_s=1.0, clock=clock)
-    answers = [(["m-1"], None), (None, "HTTP 500"), (["m-1", "m-2"], None)]
+    answers = [((["m-1"], False), None), (None, "HTTP 500"), ((["m-1", "m-2"], True), None)]
     calls: list[str] = []
     gate = threading.Event()
 
@@ -80,12 +101,16 @@ def test_models_poller_reads_in_the_background_rarely_and_keeps_the_last_list(mo
         mp.served(node)                                  # due: second read (fails)
         mp.wait_idle()
         assert mp.served(node) == ["m-1"]                # failure keeps the last list
+        assert mp.takes_any_model(node) is False
         assert mp.error("v") == "HTTP 500"
         clock.t += models_mod.RETRY_S + 0.1              # a failure is retried sooner
         mp.served(node)
         mp.wait_idle()
         assert mp.served(node) == ["m-1", "m-2"] and len(calls) == 3
         assert mp.error("v") is None
+        # what the last good read said: takes any model (never with configured models)
+        assert mp.takes_any_model(node) is True
+        assert mp.takes_any_model(node.model_copy(update={"models": ["cfg"]})) is False
         # configured models win and no read happens; openai nodes are never read
         assert mp.served(node.model_copy(update={"models": ["cfg"]})) == ["cfg"]
         assert mp.served(NodeSettings(name="o", url="http://127.0.0.1:9", kind="openai")) is None
@@ -104,6 +129,14 @@ def test_snapshot_carries_models_and_parses_them_tolerantly() -> None:
                           slow_start_s=30, models={"a": ["m-a"]})
     again = RoutingSnapshot.from_json(snap.to_json())
     assert again.node("a").models == ["m-a"] and again.node("b").models is None
+    assert again.node("a").models_any is False
+    # takes any model: only a node with a list says so
+    snap = build_snapshot(version=1, now=100.0, leader="cp", nodes=nodes, states={},
+                          statuses={}, hosts={}, slow_start_s=30, models={"a": ["m-a"]},
+                          models_any={"a", "b"})
+    again = RoutingSnapshot.from_json(snap.to_json())
+    assert again.node("a").models_any is True and again.node("b").models_any is False
+    assert SnapshotNode.from_dict({"name": "x", "models_any": True}).models_any is False
     assert SnapshotNode.from_dict({"name": "x", "models": ["ok", 3, None]}).models == ["ok"]
     assert SnapshotNode.from_dict({"name": "x", "models": "m"}).models is None
 

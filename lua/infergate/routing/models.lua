@@ -6,7 +6,9 @@
 -- nil when unknown (the control plane could not read them, or none are configured).
 --
 --   serves(node, model)  the node may be sent `model`: no model asked, models unknown,
---                        or the model is in its list
+--                        the model is in its list, or the node takes any model
+--                        (models.any: a single-model llama.cpp server, which answers any
+--                        name) and no node of the table lists it
 --   known(t, model)      some node of the table (whatever its state or health) may serve
 --                        `model`; false = the table has nodes, every node's list is known
 --                        and none lists it
@@ -45,6 +47,7 @@ function _M.serves(node, model)
     end
     local m = node.models
     return m == nil or m.set[model] == true
+        or (m.any == true and not (m.listed and m.listed[model]))
 end
 
 function _M.known(t, model)

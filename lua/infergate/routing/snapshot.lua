@@ -80,9 +80,11 @@ local function num(v, default)
     return default
 end
 
--- Served models of a node: {list = {id, ...}, set = {id = true}}, or nil when unknown
--- (missing, null or an empty array: the node may be sent any model).
-local function model_set(models)
+-- Served models of a node: {list = {id, ...}, set = {id = true}, any = true|nil}, or nil
+-- when unknown (missing, null or an empty array: the node may be sent any model). any:
+-- the node also takes a model no node lists ("models_any": a single-model llama.cpp
+-- server); build() then adds listed = the union of every node's set, shared.
+local function model_set(models, any)
     if type(models) ~= "table" then
         return nil
     end
@@ -96,7 +98,7 @@ local function model_set(models)
     if #list == 0 then
         return nil
     end
-    return { list = list, set = set }
+    return { list = list, set = set, any = any == true or nil }
 end
 _M.model_set = model_set
 
@@ -150,7 +152,7 @@ local function make_node(n)
         queue_depth = num(n.queue_depth),  -- infergate.routing.room
         kind = n.kind,
         slots_source = n.slots_source,  -- "server": a llama.cpp server (infergate.stream.splice)
-        models = model_set(n.models),  -- nil = unknown (any model)
+        models = model_set(n.models, n.models_any),  -- nil = unknown (any model)
         -- how the edge reaches it (infergate.routing.upstream): the API key is secret,
         -- never reported by /infergate/status
         scheme = scheme,
@@ -178,6 +180,15 @@ local function build(nodes, meta)
             t.by_name[node.name] = node
         else
             problems = (problems and problems .. "; " or "") .. (err or ("duplicate node " .. tostring(n.name)))
+        end
+    end
+    local listed = {}
+    for _, node in ipairs(t.nodes) do
+        if node.models then
+            for id in pairs(node.models.set) do
+                listed[id] = true
+            end
+            node.models.listed = listed
         end
     end
     return t, problems

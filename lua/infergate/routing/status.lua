@@ -13,7 +13,8 @@
 --             "saturated", "eligible", "inflight",
 --             "requests", "failures", "breaker", "consecutive_failures",
 --             "latency_ewma_ms", "failure_rate", "models" (served model ids, null =
---             unknown), "outlier" (a TTFB outlier: infergate.routing.outlier),
+--             unknown), "models_any" (also takes a model no node lists: a single-model
+--             llama.cpp server), "outlier" (a TTFB outlier: infergate.routing.outlier),
 --             "stalled" (no byte while mid-stream, or requests in flight and no byte since a
 --             liveness check got no answer: infergate.routing.stall),
 --             "stall_threshold_s" (how long the node may send no byte mid-stream before
@@ -80,6 +81,7 @@ function _M.report(now)
             latency_ewma_ms = opt(lat),
             failure_rate = math.floor(stats.failure_rate(n.name, now) * 1000 + 0.5) / 1000,
             models = n.models and n.models.list or null,
+            models_any = (n.models and n.models.any) == true,
             outlier = outlier.flagged(n.name),
             stalled = stall.flagged(n.name, inflight),
             stall_threshold_s = stall.threshold(n.name),
