@@ -9,7 +9,8 @@ the cached entry's text (the last user message of each):
 - ``literal``: the same words where their spelling is the subject: lines of code and
   their indentation, words run together or split ("sun flower" / "sunflower", "its" /
   "it's"), punctuation inside the text ("x!" / "x?"), quoted text ('Polish' /
-  'polish') and capitonyms (:mod:`.literal`).
+  'polish') and capitonyms; whatever the other words, code in backquotes and
+  command-line options ("docker run -d" / "docker run -it") (:mod:`.literal`).
 - ``numbers``: the multiset of numbers differs (Arabic digits with ``,`` thousands and
   decimals; Chinese numerals with a magnitude such as 一万 / 两千 / 五十, or followed by a
   counter such as 三个月; ``1万`` is 10000, spoken 一万五 15000; English number words,
@@ -18,13 +19,17 @@ the cached entry's text (the last user message of each):
 - ``negation``: the texts hold different numbers of negations, one of them none or a
   second one turning the meaning again (English ``not``, ``no``, ``never``, ``n't`` ...;
   Chinese 不 / 没 / 无 / 未 / 别 / 非 / 否 / 勿, after removing A-not-A questions such as
-  能不能 / 有没有 and words that do not negate such as 不错, 非常, 别人, 是否, 未来).
+  能不能 / 有没有 and words that do not negate such as 不错, 非常, 别人, 是否, 未来); or, in
+  Chinese, a word one text negates said without negation in the other, whose own
+  negation names another word (:func:`negation_moved`).
 - ``antonym:<a>/<b>``: one text uses only one side of a pair (enable/disable, 借/还,
   开通/关闭, 增加/减少, ...) and the other text only the other side.
 - ``order``: the two sides of a direction or comparison are swapped (重庆到西安 /
   西安到重庆, 左脸比右脸大 / 右脸比左脸大, convert pdf to word / convert word to pdf), or
   the same words stand in another order around such a marker (flights from London to
-  New York / from New York to London, 5英里等于多少公里 / 5公里等于多少英里).
+  New York / from New York to London, 5英里等于多少公里 / 5公里等于多少英里); after
+  ``persons``, two sides that trade places around a word that stays ("Did Germany beat
+  Brazil?" / "Did Brazil beat Germany?", :func:`sides_traded`).
 - ``persons``: the speaker and the addressee trade places: both texts name a first and a
   second person, in the opposite order ("Do I owe you money?" / "Do you owe me money?",
   "Can you help me?" / "Can I help you?", 你欠我钱吗 / 我欠你钱吗). A generic "you" that
@@ -63,7 +68,7 @@ from decimal import Decimal, InvalidOperation
 
 from . import scope
 from .contrast import contrast_conflict
-from .literal import literal_conflict
+from .literal import code_conflict, literal_conflict
 from .operators import MAX_CHARS as MAX_GUARD_CHARS
 from .operators import sign_conflict
 
@@ -287,6 +292,53 @@ def negations(text: str) -> int:
     for w in _ZH_NOT_NEGATING:
         z = z.replace(w, "")
     return n + sum(z.count(c) for c in _ZH_NEGATIONS)
+
+
+_ZH_CJK2_RE = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]{2}")
+#: Where a Chinese clause ends: a mark, or a conjunction that starts another (但, 可是 ...).
+_ZH_CLAUSE_RE = re.compile(r"[\s,.;:?!，。；：？！、]+|但是|但|可是|却|而且|而")
+
+
+@functools.lru_cache(maxsize=8192)
+def _zh_negated(text: str) -> tuple[frozenset[str], tuple[str, ...]]:
+    """(the two characters each Chinese negation applies to, 没收到 -> 收到, 没有收到 ->
+    收到, a negation with nothing after it naming none; the clauses without a negation),
+    read as :func:`negations` reads the text: A-not-A questions and the words that do not
+    negate taken out."""
+    z = _ZH_A_NOT_A_RE.sub(r"\1", text[:MAX_GUARD_CHARS])
+    for w in _ZH_NOT_NEGATING:
+        z = z.replace(w, "")
+    out = set()
+    for i, ch in enumerate(z):
+        if ch in _ZH_NEGATIONS:
+            j = i + 2 if ch == "没" and z[i + 1:i + 2] == "有" else i + 1
+            m = _ZH_CJK2_RE.match(z, j)
+            if m:
+                out.add(m.group())
+    plain = tuple(c for c in _ZH_CLAUSE_RE.split(z)
+                  if c and not any(n in c for n in _ZH_NEGATIONS))
+    return frozenset(out), plain
+
+
+def negation_moved(query: str, candidate: str) -> bool:
+    """Chinese: a word one text negates stands in a clause without any negation in the
+    other, whose own negation names another word ("我没收到退款怎么办" /
+    "我收到退款了但金额不对怎么办": one negation each, so :func:`negations` counts them
+    equal). A negation with nothing named after it (而我没有) may stand for the word, and a
+    clause holding a negation anywhere may negate it (微粒贷怎么没显示), so neither counts.
+    A Chinese negation stands right before what it negates; English word order moves it
+    ("Why doesn't my phone charge?" / "Why is my phone not charging?"), so English is left
+    to the count."""
+    if _CJK_RE.search(query[:MAX_GUARD_CHARS]) is None or \
+            _CJK_RE.search(candidate[:MAX_GUARD_CHARS]) is None:
+        return False
+    (nq, pq), (nc, pc) = _zh_negated(query), _zh_negated(candidate)
+
+    def moved(neg: frozenset[str], other_neg: frozenset[str], plain: tuple[str, ...]) -> bool:
+        return bool(other_neg) and any(
+            w not in other_neg and any(w in c for c in plain) for w in neg)
+
+    return moved(nq, nc, pc) or moved(nc, nq, pq)
 
 
 # ---------------------------------------------------------------- antonyms
@@ -633,6 +685,60 @@ def _order_tokens(text: str) -> tuple[str, ...]:
     return tuple(_ORDER_TOKEN_RE.findall(text[:MAX_GUARD_CHARS].lower()))
 
 
+#: Words that join two sides which may trade places without changing the question:
+#: "TCP and UDP" / "UDP and TCP", 苹果和香蕉 / 香蕉和苹果, 又胖又矮 / 又矮又胖, A好还是B好.
+_JOINTS = frozenset({"and", "or", "nor", "和", "与", "跟", "及", "或", "同", "又", "还"})
+#: Longest run of differing words :func:`_sides_traded` looks at.
+_TRADE_MAX = 32
+
+
+def _trades(x: tuple[str, ...], y: tuple[str, ...]) -> tuple[bool, bool]:
+    """For two runs of words of one length: (whether ``y`` is ``x`` with two parts
+    trading places around a third, X M Y / Y M X, M holding no joint word; whether it is
+    ``x`` reordered harmlessly: two parts that trade places with nothing between them, or
+    around a joint word)."""
+    n, hard, soft = len(x), False, False
+    for j in range(1, n):
+        if y[:j] != x[n - j:]:      # y starts with x's last j words
+            continue
+        if y[j:] == x[:n - j]:
+            soft = True
+        for i in range(1, n - j):
+            if x[:i] == x[n - j:] or y[n - i:] != x[:i] or y[j:n - i] != x[i:n - j]:
+                continue
+            if any(t in _JOINTS for t in x[i:n - j]):
+                soft = True
+            else:
+                hard = True
+    return hard, soft
+
+
+def _sides_traded(tq: tuple[str, ...], tc: tuple[str, ...]) -> bool:
+    """Whether ``tc`` is ``tq`` with two runs of words trading places around a third that
+    stays ("Did Germany beat Brazil" / "Did Brazil beat Germany", "Celsius in
+    Fahrenheit" / "Fahrenheit in Celsius", 张翰喜欢郑爽吗 / 郑爽喜欢张翰吗), and no reading
+    of the change as a harmless one (:func:`_trades`): the words they share before and
+    after may belong to the parts ("运动鞋和休闲鞋有什么区别" / "休闲鞋和运动鞋…")."""
+    lo = 0
+    while lo < len(tq) and lo < len(tc) and tq[lo] == tc[lo]:
+        lo += 1
+    hq, hc = len(tq), len(tc)
+    while hq > lo and hc > lo and tq[hq - 1] == tc[hc - 1]:
+        hq, hc = hq - 1, hc - 1
+    if hq - lo != hc - lo or hq - lo < 2 or hq - lo > _TRADE_MAX:
+        return False
+    hard = False
+    for a in range(lo, max(-1, lo - 6), -1):
+        for b in range(hq, min(len(tq), hq + 6) + 1):
+            if b - a > _TRADE_MAX:
+                break
+            h, soft = _trades(tq[a:b], tc[a:b])
+            if soft:
+                return False
+            hard = hard or h
+    return hard
+
+
 def swapped(query: str, candidate: str) -> bool:
     """True when the two sides of a direction or comparison are swapped: "重庆到西安" /
     "西安到重庆", "左脸比右脸大" / "右脸比左脸大", "convert pdf to word" / "convert word to pdf";
@@ -647,6 +753,14 @@ def swapped(query: str, candidate: str) -> bool:
     tq, tc = _order_tokens(query), _order_tokens(candidate)
     return (len(tq) >= 2 and tq != tc and any(t in _ORDER_MARKERS for t in tq)
             and Counter(tq) == Counter(tc))
+
+
+def sides_traded(query: str, candidate: str) -> bool:
+    """True when two runs of the same words trade places around a third that stays
+    (:func:`_sides_traded`: "Did Germany beat Brazil?" / "Did Brazil beat Germany?",
+    "30 degrees Celsius in Fahrenheit" / "30 degrees Fahrenheit in Celsius")."""
+    tq, tc = _order_tokens(query), _order_tokens(candidate)
+    return tq != tc and Counter(tq) == Counter(tc) and _sides_traded(tq, tc)
 
 
 _EN_FIRST = frozenset({"i", "me", "my", "mine", "myself", "we", "us", "our", "ours",
@@ -746,11 +860,11 @@ def check(query: str, candidate: str, verbatim: bool = False) -> GuardResult:
         return GuardResult(False, "no_words")
     if sign_conflict(q, c):
         return GuardResult(False, "symbols")
-    if literal_conflict(q, c, verbatim):
+    if literal_conflict(q, c, verbatim) or code_conflict(q, c):
         return GuardResult(False, "literal")
     if numbers_key(q) != numbers_key(c):
         return GuardResult(False, "numbers")
-    if negations(q) != negations(c):
+    if negations(q) != negations(c) or negation_moved(q, c):
         return GuardResult(False, "negation")
     conflict = antonym_conflict(q, c)
     if conflict:
@@ -762,6 +876,8 @@ def check(query: str, candidate: str, verbatim: bool = False) -> GuardResult:
         return GuardResult(False, "order")
     if persons_swapped(q, c):
         return GuardResult(False, "persons")
+    if sides_traded(q, c):
+        return GuardResult(False, "order")
     if scope.tense_changed(q, c):
         return GuardResult(False, "tense")
     if scope.audience_changed(q, c):

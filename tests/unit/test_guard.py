@@ -162,6 +162,21 @@ from controlplane.embedder import contrast, guard, scope
     ("How do I select every other row in Excel?", "How do I select every row in Excel?",
      "contrast:one/all"),
     ("如何在Excel中删除一行？", "如何在Excel中删除所有行？", "contrast:one/all"),
+    # two sides trading places around what stays (guard.sides_traded)
+    ("Did Germany beat Brazil 7-1 in 2014?", "Did Brazil beat Germany 7-1 in 2014?", "order"),
+    ("What is 30 degrees Celsius in Fahrenheit?", "What is 30 degrees Fahrenheit in Celsius?",
+     "order"),
+    ("张翰喜欢郑爽吗", "郑爽喜欢张翰吗", "order"),
+    ("学生喜欢什么样的老师", "老师喜欢什么样的学生", "order"),
+    # what one negates, the other says plainly (guard.negation_moved)
+    ("我没收到退款怎么办？", "我收到退款了但金额不对怎么办？", "negation"),
+    ("我没有收到快递怎么办", "我收到快递了，可是不能打开怎么办", "negation"),
+    # code and command-line options (literal.code_conflict)
+    ("What does `docker run -d nginx` do?", "What does `docker run -it nginx` do?", "literal"),
+    ("What is `len('hello world')` in Python?", "What is `len('hello')` in Python?", "literal"),
+    ("What does ls -a show?", "What does ls -l show?", "literal"),
+    ("What does kubectl get pods -A show?", "What is shown by kubectl get pods -w?",
+     "literal"),
 ])
 def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason: str) -> None:
     res = guard.check(query, candidate)
@@ -241,6 +256,20 @@ def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason
     ("借一万五利息多少", "借15000利息多少"),
     ("Are there any vegan options?", "Are there some vegan options?"),
     ("Why can't I log in?", "Why am I not able to log in?"),
+    # sides that may trade places: joined by and / or / 和 / 还是, or reordered as a block
+    ("What is the difference between TCP and UDP?", "What is the difference between UDP and TCP?"),
+    ("运动鞋和休闲鞋有什么区别？", "休闲鞋和运动鞋有什么区别？"),
+    ("中国联通好还是中国移动好", "中国移动好还是中国联通好"),
+    ("又胖又矮的女生适合什么发型", "又矮又胖的女生适合什么发型"),
+    ("怎么申请信用卡", "信用卡怎么申请"),
+    # a negation with nothing named after it, or in the clause of the word
+    ("为什么朋友都可以使用微粒贷，而我没有", "为什么我没有微粒贷"),
+    ("我的微粒贷怎么没显示在钱包里？", "为什么我钱包没微粒贷"),
+    ("我没收到退款怎么办", "我没有收到退款怎么办"),
+    # the same code in other words around it; a hyphen that is no option
+    ("What does `git status` do?", "What is `git status` for?"),
+    ("How do I send an e-mail?", "How can I send an e-mail?"),
+    ("What does git commit --amend do?", "What is git commit --amend for?"),
 ])
 def test_passes_equivalent_pairs(query: str, candidate: str) -> None:
     res = guard.check(query, candidate)

@@ -8,7 +8,7 @@ import pytest
 
 from controlplane.embedder import decision, guard
 from controlplane.embedder.index import Candidate
-from controlplane.embedder.literal import literal_conflict
+from controlplane.embedder.literal import code_conflict, literal_conflict
 
 
 @pytest.mark.parametrize("a,b", [
@@ -141,3 +141,18 @@ def test_never_raises_on_odd_text() -> None:
     for a, b in (("", ""), ("'", "''"), ("\n\n", "\n"), ("`", "```"), ("'a", "a'"),
                  ("“”", "「」"), ("\x00?!", "?!\x00"), ("a" * 50000, "A" * 50000)):
         assert literal_conflict(a, b) in (True, False)
+
+
+@pytest.mark.parametrize("a,b,conflict", [
+    ("What does `git status` do?", "What does the git status command do?", False),
+    ("What does `git status` do?", "What does the git log command do?", True),
+    ("What does `ls  -a` do?", "What does `ls -a` do?", False),        # runs of spaces
+    ("docker run -d nginx", "docker run --detach nginx", True),       # options as written
+    ("grep -v x", "grep -V x", True),
+    ("gcc -O2 -Wall", "gcc -Wall -O2", False),                         # their order aside
+    ("Jaish-e -Mohammad chief", "Jaish-e-Mohammad chief", False),      # no option
+    ("Is -5 colder than 0?", "Is -5 below 0?", False),
+])
+def test_code_spans_and_command_line_options(a: str, b: str, conflict: bool) -> None:
+    assert code_conflict(a, b) is conflict
+    assert code_conflict(b, a) is conflict
