@@ -162,4 +162,23 @@ function _M.body()
     ngx.arg[2] = true
 end
 
+-- Last body filter step of a stream the edge relays (infergate.stream.relay prints it
+-- from the access phase): the chunk is handed on as a copy, so the relay's own buffers
+-- are never left waiting on a slow client. lua-nginx-module before 0.10.29 (Debian 12
+-- ships 0.10.23) left its context on "body filter" when the write event that drained
+-- them ran this filter with no data, and the relay's next ngx.print then failed with
+-- "API disabled in the context of body_filter_by_lua*", cutting the stream (fixed
+-- upstream in ngx_http_lua_bodyfilterby.c by "ensure context is restorable on fd
+-- writable events"). The copy keeps the pending bytes in the filter's own buffers,
+-- whose drain runs with the context restored.
+function _M.relay_copy()
+    local req = ngx.ctx.infergate
+    if req and req.relay then
+        local chunk = ngx.arg[1]
+        if chunk and chunk ~= "" then
+            ngx.arg[1] = chunk
+        end
+    end
+end
+
 return _M

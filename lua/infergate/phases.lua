@@ -102,6 +102,7 @@ _M.BODY_FILTER = {
     { name = "node", fn = filters.body },
     { name = "usage", fn = usage.body_filter },
     { name = "cache_capture", fn = capture.body_filter, when = "cache" },
+    { name = "relay_copy", fn = filters.relay_copy },
 }
 
 -- log_by_lua of the API locations and the error pages: the cache's part first (it reads

@@ -33,5 +33,5 @@ def test_steps_in_order_and_cache_steps_follow_the_option(workdir, enabled: bool
     assert got["access"] == [s for s in ACCESS if enabled or s != "cache"]
     assert got["header_filter"]["proxy"] == ["node", "cors", *cache]
     assert got["header_filter"]["error"] == ["cors", *cache]
-    assert got["body_filter"] == ["progress", "node", "usage", *cache]
+    assert got["body_filter"] == ["progress", "node", "usage", *cache, "relay_copy"]
     assert got["log"] == (["cache_store"] if enabled else []) + ["request"]

@@ -67,6 +67,10 @@ closes the port (connections refused)."""
         self.request_ids: list[str | None] = []
         """X-Request-Id of every POST, in arrival order."""
         self.gzip = False
+        self.chunk_text: str | None = None
+        """When set: the content of every stream chunk (``tok<i> `` otherwise)."""
+        self.stream_chunks_sent = 0
+        """Stream chunks written so far (a client that stops reading stops it growing)."""
         self.accept_encodings: list[str | None] = []
         self.headers_seen: list[dict[str, str]] = []
         self._lock = threading.Lock()
@@ -248,10 +252,12 @@ closes the port (connections refused)."""
                     ev = {"id": "chatcmpl-tiny", "object": "chat.completion.chunk",
                           "created": int(time.time()), "model": model,
                           "system_fingerprint": upstream.name,
-                          "choices": [{"index": 0, "delta": {"content": f"tok{i} "},
+                          "choices": [{"index": 0, "delta": {
+                              "content": upstream.chunk_text or f"tok{i} "},
                                        "finish_reason": "stop" if i == upstream.chunks - 1
                                        else None}]}
                     self._chunk(f"data: {json.dumps(ev)}\n\n".encode())
+                    upstream.stream_chunks_sent += 1
                 if include_usage:
                     ev = {"id": "chatcmpl-tiny", "object": "chat.completion.chunk",
                           "created": int(time.time()), "model": model,
