@@ -6,6 +6,7 @@ Each test uses its own prompts, so entries of one test never answer another."""
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import shutil
 import socket
@@ -17,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import openai
 import pytest
@@ -614,6 +616,33 @@ def test_no_store_and_no_cache(stack, edge) -> None:
         assert stack.node_requests() == n + 1
     assert post(edge, body, headers={"Cache-Control": "max-age=60", "Pragma": "no-cache"}) \
         .headers["X-Cache-Status"] == "HIT"      # Cache-Control present: Pragma ignored
+    # a directive on a second Cache-Control line counts (RFC 9110 5.3: one list)
+    for lines in (("private", "no-store"), ("max-age=60", "no-cache")):
+        n = stack.node_requests()
+        status = _post_lines(edge, body, [("Cache-Control", v) for v in lines])
+        assert status == "BYPASS", lines
+        assert stack.node_requests() == n + 1
+
+
+def _post_lines(edge, body: dict, lines: list[tuple[str, str]]) -> str:
+    """POST ``body`` with the header lines as given (repeated names too); returns its
+    X-Cache-Status."""
+    u = urlsplit(edge.url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    try:
+        raw = json.dumps(body).encode()
+        conn.putrequest("POST", CHAT)
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", str(len(raw)))
+        for name, value in lines:
+            conn.putheader(name, value)
+        conn.endheaders(raw)
+        res = conn.getresponse()
+        res.read()
+        assert res.status == 200
+        return res.getheader("X-Cache-Status") or ""
+    finally:
+        conn.close()
 
 
 @pytest.mark.parametrize("body", [

@@ -24,11 +24,23 @@ function _M.configure(o)
     opts = o
 end
 
--- The Cache-Control header of the request, lower case ("" when absent); nginx joins
--- repeated Cache-Control lines with ",". Read as a variable: no table of every header.
+-- Most request headers read to find every Cache-Control line.
+local HEADERS_MAX = 200
+
+-- The Cache-Control header of the request, lower case ("" when absent), its lines joined
+-- with "," (RFC 9110 5.3: one list). $http_cache_control holds the first line only in
+-- nginx before 1.23, so a request that has one also has its lines read from the header
+-- table; the others pay one variable read.
 local function cache_control()
     local v = ngx_var("http_cache_control")
-    return type(v) == "string" and v:lower() or ""
+    if type(v) ~= "string" then
+        return ""
+    end
+    local all = ngx.req.get_headers(HEADERS_MAX)["cache-control"]
+    if type(all) == "table" then
+        v = table.concat(all, ",")
+    end
+    return v:lower()
 end
 
 local function has_token(h, token)
