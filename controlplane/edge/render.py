@@ -38,6 +38,7 @@ import ipaddress
 import os
 import pwd
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -389,6 +390,29 @@ def _make_prefix(out: Path, pre: Path, state_default: bool = True) -> None:
                 pass   # the edge then says once that it cannot save its state
 
 
+#: File in the rendered folder holding the edge's hop id (kept across renders).
+HOP_ID_FILE = "hop-id"
+_HOP_ID_RE = re.compile(r"^[0-9a-f]{16}$")
+
+
+def hop_id(out: Path) -> str:
+    """The edge's hop id, 16 hex digits: every request it proxies carries it in
+    ``X-Infergate-Hop`` (after the ids of the edges it came through), and a request that
+    comes back with it is a routing loop (508). Random, kept in ``out/hop-id`` so every
+    render of a folder (a reload) keeps it; a client cannot guess it, so a header it sets
+    itself proves nothing (lua/infergate/access.lua)."""
+    path = out / HOP_ID_FILE
+    try:
+        found = path.read_text(encoding="ascii").strip()
+        if _HOP_ID_RE.match(found):
+            return found
+    except (OSError, UnicodeDecodeError):
+        pass
+    value = secrets.token_hex(8)
+    path.write_text(value + "\n", encoding="ascii")
+    return value
+
+
 def _template_context(settings: Settings, *, source: str, out: Path, pre: Path,
                       lua_path: Path, files: dict[str, Path], listen: str,
                       metrics_listen: str, redis_host: str, resolver: str | None,
@@ -430,6 +454,7 @@ def _template_context(settings: Settings, *, source: str, out: Path, pre: Path,
         "rendered_dir_lua": lua_string(str(out)),
         "embedder_token": settings.cache.embedder_token,
         "node_ca_bundle": node_ca_bundle(settings, out),
+        "hop_id": hop_id(out),
         **options_ctx,
     }
     return ctx

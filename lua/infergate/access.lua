@@ -77,6 +77,31 @@ _M.NODE_ADMIN_PATHS = {
     ["/v1/unload_lora_adapter"] = true,
 }
 
+-- Most bytes of the hop ids a request came with that are passed on.
+_M.HOP_MAX = 256
+
+-- Whether the X-Infergate-Hop value `came` lists the hop id `own`; otherwise what this
+-- edge sends on is set: the ids before (letters, digits and commas, the last HOP_MAX
+-- bytes), then its own.
+local function hop_seen(came, own)
+    if type(own) ~= "string" or own == "" then
+        return false
+    end
+    for id in came:gmatch("[^,%s]+") do
+        if id == own then
+            return true
+        end
+    end
+    local before = came:gsub("[^%w,]", "")
+    if #before > _M.HOP_MAX then
+        before = before:sub(-_M.HOP_MAX):gsub("^[^,]*,", "")
+    end
+    if before ~= "" then
+        ngx.var.infergate_hop = before .. "," .. own
+    end
+    return false
+end
+
 local function step_method(req)
     local m = METHODS[req.route]
     if not m then
@@ -91,9 +116,12 @@ local function step_method(req)
             code = "not_found",
         }
     end
-    -- Every proxied request carries X-Infergate-Hop: one that comes back means a node is
-    -- registered with the address of an infergate edge (a routing loop).
-    if ngx_var("http_x_infergate_hop") then
+    -- Every proxied request carries X-Infergate-Hop, the hop ids of the edges it went
+    -- through: one that comes back with this edge's id means a node is registered with
+    -- the address of an edge of the loop. The ids are random (controlplane/edge/render.py
+    -- hop_id): a header a client sets itself is passed on, never taken for a loop.
+    local came = ngx_var("http_x_infergate_hop")
+    if came and hop_seen(came, ngx_var("infergate_hop_id")) then
         return {
             status = 508,
             message = "Routing loop: this request already went through an infergate edge; "

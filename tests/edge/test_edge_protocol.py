@@ -11,6 +11,7 @@ import socket
 import pytest
 import requests
 
+from controlplane import procs
 from support.stack import edge_settings
 
 pytestmark = pytest.mark.integration
@@ -72,14 +73,32 @@ def test_requests_nginx_refuses_get_json(edge, request_bytes, status, code) -> N
     assert json.loads(body)["error"]["code"] == code
 
 
-def test_a_node_pointing_back_at_the_edge_is_refused(edge) -> None:
-    # A request that already went through an infergate edge (a node registered with the
-    # edge's own address) is not proxied again.
-    r = requests.post(edge.url + "/v1/chat/completions", timeout=10,
-                      json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
-                      headers={"X-Infergate-Hop": "1"})
-    assert r.status_code == 508
-    assert r.json()["error"]["code"] == "loop_detected"
+def test_a_node_pointing_back_at_the_edge_is_refused(redis_server, edge_factory) -> None:
+    # a node registered with the edge's own address: the request comes back with the
+    # edge's hop id and is not proxied again
+    port = procs.free_port()
+    edge = edge_factory(edge_settings(redis_server.url, [
+        {"name": "self", "url": f"http://127.0.0.1:{port}"}]), listen=f"127.0.0.1:{port}")
+    for stream in (False, True):
+        r = requests.post(edge.url + "/v1/chat/completions", timeout=20, json={
+            "model": "m", "stream": stream, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 508, (stream, r.text)
+        assert r.json()["error"]["code"] == "loop_detected"
+
+
+def test_a_hop_header_from_a_client_is_passed_on_not_taken_for_a_loop(
+        redis_server, tiny_upstreams, edge_factory) -> None:
+    (up,) = tiny_upstreams(1)
+    edge = edge_factory(edge_settings(redis_server.url, [up.node_settings()]))
+    own = (edge.rendered.out_dir / "hop-id").read_text().strip()
+    for stream in (False, True):
+        r = requests.post(edge.url + "/v1/chat/completions", timeout=10, json={
+            "model": "m", "stream": stream, "messages": [{"role": "user", "content": "hi"}]},
+            headers={"X-Infergate-Hop": "1, <b>x"})
+        assert r.status_code == 200, r.text
+        # what the node got: the ids before (cleaned), then this edge's
+        assert up.headers_seen[-1]["X-Infergate-Hop"] == f"1,bx,{own}"
+    assert len(own) == 16
 
 
 @pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "0x10"])

@@ -296,7 +296,7 @@ local function leg_headers(r)
     h.Accept = "text/event-stream"
     h.Connection = "close"
     h["X-Request-Id"] = r.req.id
-    h["X-Infergate-Hop"] = "1"
+    h["X-Infergate-Hop"] = ngx.var.infergate_hop
     h.Authorization = ngx.var.infergate_node_auth
     r.leg_headers = h
     return h
