@@ -253,7 +253,7 @@ def test_dropin_guide_step_by_step(workdir: Path, simnodes) -> None:
         # render-nginx wrote only the config into --out; runtime files under --prefix
         out_dir = g.moved["/etc/nginx/infergate"]
         assert sorted(p.name for p in out_dir.iterdir()) == [
-            "infergate-http.conf", "infergate-server.conf", "nginx.conf"]
+            "hop-id", "infergate-http.conf", "infergate-server.conf", "nginx.conf"]
         assert (g.moved["/var/lib/infergate"] / "nginx" / "logs").is_dir()
         # the first request: through the existing server, a node answered, the semantic
         # lookup reached the embedder (MISS, not BYPASS); the same request: a cache hit

@@ -141,6 +141,8 @@ def test_default_edge_id_is_host_and_port(workdir: Path) -> None:
 
 def test_openresty_rendering_differs_only_by_module_lines(workdir: Path) -> None:
     deb = render_nginx(_settings(edge_id="e"), workdir / "deb", listen="127.0.0.1:18129", prefix=workdir / "p")
+    (workdir / "ores").mkdir()   # the same edge: its hop id too
+    shutil.copy(deb.out_dir / "hop-id", workdir / "ores" / "hop-id")
     ores = render_nginx(_settings(edge_id="e"), workdir / "ores", listen="127.0.0.1:18129", prefix=workdir / "p",
                         openresty=True)
     assert "load_module" not in ores.nginx_conf.read_text()
@@ -227,7 +229,7 @@ def test_cli_writes_files_and_checks(workdir: Path) -> None:
     assert f"from {cfg}" in (workdir / "o" / "nginx.conf").read_text()
     # pid, logs and temp folders go under the prefix, never into the output folder
     assert sorted(p.name for p in (workdir / "o").iterdir()) == [
-        "infergate-http.conf", "infergate-server.conf", "nginx.conf"]
+        "hop-id", "infergate-http.conf", "infergate-server.conf", "nginx.conf"]
     assert (workdir / "run" / "logs").is_dir()
 
 
@@ -445,3 +447,17 @@ def test_the_state_folder_is_made_under_the_prefix_only_when_it_is_the_default(
     render_nginx(_settings(state_dir=str(workdir / "elsewhere")), workdir / "b", listen="127.0.0.1:18131", prefix=workdir / "pb")
     assert (workdir / "pb" / "logs").is_dir()
     assert not (workdir / "pb" / "infergate-state").exists()
+
+
+def test_the_hop_id_is_random_and_kept_across_renders(workdir: Path) -> None:
+    a = render_nginx(_settings(), workdir / "a", listen="127.0.0.1:18129", prefix=workdir / "p")
+    first = (a.out_dir / "hop-id").read_text().strip()
+    assert re.fullmatch(r"[0-9a-f]{16}", first)
+    assert f'set $infergate_hop_id "{first}";' in a.server_conf.read_text()
+    again = render_nginx(_settings(), workdir / "a", listen="127.0.0.1:18129", prefix=workdir / "p")
+    assert (again.out_dir / "hop-id").read_text().strip() == first
+    other = render_nginx(_settings(), workdir / "b", listen="127.0.0.1:18129", prefix=workdir / "p")
+    assert (other.out_dir / "hop-id").read_text().strip() != first
+    (workdir / "a" / "hop-id").write_text("not an id\n")       # replaced, never used
+    fixed = render_nginx(_settings(), workdir / "a", listen="127.0.0.1:18129", prefix=workdir / "p")
+    assert re.fullmatch(r"[0-9a-f]{16}", (fixed.out_dir / "hop-id").read_text().strip())
