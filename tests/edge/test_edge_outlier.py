@@ -501,3 +501,35 @@ def test_a_stream_whose_node_answered_then_froze_is_not_waited_on_to_its_bound(
     (status, _, body), ended = got[0]
     assert status == 200 and body is not None and b"stream_interrupted" in body, body[-300:]
     assert ended - frozen_at < 12.0, ended - frozen_at
+
+
+def test_a_stream_on_a_node_that_froze_while_idle_moves_on_after_the_early_check(
+        tiny_upstreams, redis_server, edge_factory) -> None:
+    """Both nodes idle, then one is frozen (it accepts connections, answers nothing, GETs
+    included): a stream sent to it is retried on the other node once the early liveness
+    check (after 1 s of quiet) got no answer in its 1 s, without waiting for a second,
+    regular check (3 s at least) or the 5 s TTFB floor."""
+    a, b = tiny_upstreams(names=["a", "b"])
+    edge = edge_factory(edge_settings(redis_server.url, [a.node_settings(), b.node_settings()],
+                                      outlier_ttfb_min_s=5.0, outlier_stream_ttfb_min_s=5.0,
+                                      read_timeout_ms=15000))
+    for _ in range(4):
+        assert _stream(edge)[0] == 200
+    a.mode = "frozen"
+    try:
+        took = None
+        for _ in range(6):                 # the least-loaded pick alternates: one lands on a
+            hits, t0 = a.hits, time.monotonic()
+            status, node, body = _stream(edge)
+            assert status == 200 and node == "b" and body and b"[DONE]" in body
+            if a.hits > hits:
+                took = time.monotonic() - t0
+                break
+        assert took is not None, "no stream was sent to the frozen node"
+        # quiet 1 s, the early check's 1 s, the relay's next look (WATCH_S); a second
+        # check would add its 3 s
+        assert took < 4.0, f"the stream waited {took:.1f} s on the frozen node"
+        assert "no answer to a liveness check" in edge.error_log()
+    finally:
+        a.mode = "ok"
+        a.release()

@@ -396,14 +396,27 @@ end
 -- whose every slot is taken is in no pick) after the attempt started, sent no first
 -- byte or byte since, and did not answer a liveness check made for that finding
 -- (infergate.routing.liveness.dead: a long prefill is silent too, but its server
--- answers). A half-open probe (sent after the finding) is never cut by this: it waits
--- its own bound. Called by the stream relay while it waits for the answer's head
--- (infergate.stream.leg), as often as every WATCH_S.
+-- answers), or was found so by an early check that got no answer and no byte came from
+-- it since (infergate.routing.liveness.failed_early: a running process answers /health
+-- within a second, busy or not, so no second check is waited for). A half-open probe
+-- (sent after the finding) is never cut by this: it waits its own bound. Called by the
+-- stream relay while it waits for the answer's head (infergate.stream.leg), as often as
+-- every WATCH_S.
 function _M.gone_silent(node, att, now, o)
     o = o or config.get()
     _M.is_outlier(node, now, o)
-    local since = silent_finding(dict(), node.name)
-    return since ~= nil and since >= att.started and liveness.dead(node, since, o)
+    local d = dict()
+    local name = node.name
+    local since = silent_finding(d, name)
+    if since == nil or since < att.started then
+        return false
+    end
+    if liveness.dead(node, since, o) then
+        return true
+    end
+    local failed = liveness.failed_early(name)
+    return failed ~= nil and failed >= (d:get("lb:" .. name) or 0)
+        and failed >= (d:get("fb:" .. name) or 0)
 end
 
 -- An attempt ended: a probe of a silent outlier (sent after it was found one) that waited
