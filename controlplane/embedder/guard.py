@@ -366,6 +366,7 @@ ANTONYMS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
      ("logout", "log out", "sign out", "signout")),
     ("show/hide", ("show", "unhide"), ("hide", "hidden")),
     ("before/after", ("before",), ("after",)),
+    ("above/below", ("above",), ("below",)),
     ("max/min", ("max", "maximum", "most", "highest", "best"),
      ("min", "minimum", "least", "lowest", "worst")),
     ("true/false", ("true", "valid", "legal", "possible"),

@@ -386,18 +386,31 @@ def _code_parts(text: str) -> tuple[tuple[str, ...], tuple[str, ...], str]:
     return spans, tuple(sorted(_FLAG_RE.findall(t))), _squeeze(t)
 
 
+@functools.lru_cache(maxsize=8192)
+def _quoted_words(text: str) -> tuple[str, ...]:
+    """The words of a text's quoted spans (:func:`_quotes`), lower case, sorted (two
+    single quoted words are compared: a longer quote reworded, or one in Chinese, is
+    often the same question, so the other checks and the verifier judge those)."""
+    return tuple(sorted(w.lower() for _, q in _quotes(text) for w in _WORD_RE.findall(q)))
+
+
 def code_conflict(a: str, b: str) -> bool:
     """Whether two texts differ in the code they hold, whatever the rest of the words: a
     code span in backquotes is literal, so one text's spans must be the other's (up to
     runs of spaces: "What does `len('hello world')` return?" / "… `len('hello')` …"), or,
     when only one text has spans, stand in the other up to case ("What does `git
-    status` do?" / "What does the git status command do?" is one question); and the
+    status` do?" / "What does the git status command do?" is one question); the
     command-line options of the two must be the same, in their case ("docker run -d
-    nginx" / "docker run -it nginx", "ls -a" / "ls -l", "-v" / "-V")."""
+    nginx" / "docker run -it nginx", "ls -a" / "ls -l", "-v" / "-V"); and when each
+    quotes one word, it must be the same, up to case: the quote names the question's
+    subject ("a comma before 'which'?" / "… before 'that'?")."""
     if not isinstance(a, str) or not isinstance(b, str) or a == b:
         return False
     (sa, fa, ta), (sb, fb, tb) = _code_parts(a), _code_parts(b)
     if fa != fb:
+        return True
+    qa, qb = _quoted_words(a), _quoted_words(b)
+    if len(qa) == 1 and len(qb) == 1 and qa != qb and qa[0].isascii() and qb[0].isascii():
         return True
     if sa and sb:
         return sa != sb

@@ -175,6 +175,10 @@ from controlplane.embedder import contrast, guard, scope
     ("What does `docker run -d nginx` do?", "What does `docker run -it nginx` do?", "literal"),
     ("What is `len('hello world')` in Python?", "What is `len('hello')` in Python?", "literal"),
     ("What does ls -a show?", "What does ls -l show?", "literal"),
+    ("Should there be a comma before 'which'?", "Should there be a comma before 'that'?",
+     "literal"),
+    ("Can I fly a drone above 400 feet?", "Can I fly a drone below 400 feet?",
+     "antonym:above/below"),
     ("What does kubectl get pods -A show?", "What is shown by kubectl get pods -w?",
      "literal"),
 ])
@@ -270,6 +274,7 @@ def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason
     ("What does `git status` do?", "What is `git status` for?"),
     ("How do I send an e-mail?", "How can I send an e-mail?"),
     ("What does git commit --amend do?", "What is git commit --amend for?"),
+    ("What does 'ubiquitous' mean?", "What is the meaning of 'Ubiquitous'?"),
 ])
 def test_passes_equivalent_pairs(query: str, candidate: str) -> None:
     res = guard.check(query, candidate)
