@@ -77,7 +77,7 @@ def stack(realnodes, tmp_path_factory) -> Iterator[Stack]:
     # the first call after the start is slow (buffers allocated): not within a budget
     requests.post(node.url + "/v1/embeddings", json={"input": ["warm up"]}, timeout=60)
     stub = RerankStub()
-    stub.delay_s = 0.6
+    stub.delay_s = 2.0   # "slow": past the 1 s budget below, with room on a loaded host
     own_stub = RerankStub()  # the embedder's own model, always up
     own = remote.RemoteEmbeddings(own_stub.root, "bag", 5.0, remote.EndpointAccess())
     own.probe()
@@ -91,9 +91,9 @@ def stack(realnodes, tmp_path_factory) -> Iterator[Stack]:
                min_similarity=0.3, min_verifier_score=0.5, **common),
         Domain(model="pool-cosine", min_similarity=0.999, **common),
         Domain(model="rerank-only", rerank_url=stub.url, min_similarity=0.5,
-               min_verifier_score=0.5, endpoint_timeout_ms=300),
+               min_verifier_score=0.5, endpoint_timeout_ms=1000),
         Domain(model="stub-emb", embeddings_url=stub.root, min_similarity=0.9,
-               endpoint_timeout_ms=300),
+               endpoint_timeout_ms=1000),
         Domain(model="dead", embeddings_url=f"http://127.0.0.1:{procs.free_port()}",
                min_similarity=0.5),
         # what the edge's requests of model "tiny" on the chat route get
