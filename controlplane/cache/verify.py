@@ -221,9 +221,10 @@ class Outcome:
 
 
 #: ``(nodes, served models per node)``: healthy, active nodes (None = models unknown).
-NodesFn = Callable[[], list[tuple[NodeSettings, list[str] | None, bool]]]
-"""The nodes a verification may ask: (node, its served models or ``None`` when unknown,
-whether it takes a model no node lists: :mod:`controlplane.routing.models`)."""
+NodesFn = Callable[[], list[tuple[NodeSettings, list[str] | None, bool, bool]]]
+"""Every node: (node, its served models or ``None`` when unknown, whether it takes a
+model no node lists: :mod:`controlplane.routing.models`, whether a verification may ask
+it now: healthy and active)."""
 
 
 class OnlineVerifier:
@@ -273,10 +274,13 @@ class OnlineVerifier:
 
     def _pick(self, model: str) -> NodeSettings | None:
         nodes = self.nodes()
-        cands = [n for n, models, _ in nodes if models is None or not model or model in models]
-        if not cands and not any(models and model in models for _, models, _ in nodes):
-            # a name no node lists: the nodes that take any model (the edge's rule)
-            cands = [n for n, _, takes_any in nodes if takes_any]
+        cands = [n for n, models, _, ok in nodes
+                 if ok and (models is None or not model or model in models)]
+        if not cands and model and all(models is not None and model not in models
+                                       for _, models, _, _ in nodes):
+            # a name no node lists, every list known: the nodes that take any model (the
+            # edge's rule, infergate.routing.models)
+            cands = [n for n, _, takes_any, ok in nodes if ok and takes_any]
         return random.choice(cands) if cands else None
 
     def verify(self, item: VerifyItem) -> Outcome:

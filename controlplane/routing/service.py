@@ -558,19 +558,20 @@ class ControlPlane:
 
     # -- online cache verification ----------------------------------------------------
 
-    def verify_nodes(self) -> list[tuple[NodeSettings, list[str] | None, bool]]:
-        """Nodes a verification may use: healthy at the last cycle and ``active``, with
-        their served models (None = unknown) and whether they take any model."""
+    def verify_nodes(self) -> list[tuple[NodeSettings, list[str] | None, bool, bool]]:
+        """Every node with its served models (None = unknown), whether it takes any model,
+        and whether a verification may use it: healthy at the last cycle and ``active``
+        (the others' lists still say which names some node serves)."""
         rep = self.last_report
         if rep is None:
             return []
-        out: list[tuple[NodeSettings, list[str] | None, bool]] = []
+        out: list[tuple[NodeSettings, list[str] | None, bool, bool]] = []
         for n in self.nodes:
             st = rep.statuses.get(n.name)
             state = self.states.get(n.name)
-            if st is None or not st.healthy or (state is not None and state.state != "active"):
-                continue
-            out.append((n, rep.models.get(n.name), n.name in rep.models_any))
+            usable = not (st is None or not st.healthy
+                          or (state is not None and state.state != "active"))
+            out.append((n, rep.models.get(n.name), n.name in rep.models_any, usable))
         return out
 
     def run_verify(self) -> list:

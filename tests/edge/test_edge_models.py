@@ -172,6 +172,16 @@ def test_a_node_that_takes_any_model_gets_the_names_nobody_lists(snap_pool) -> N
     assert res.status_code == 503 and res.json()["error"]["code"] == "no_healthy_upstream"
     assert a.hits + c.hits == hits
 
+    # a node whose list is unknown may serve any name (an engine still loading, an
+    # openai-kind node): no name goes to the node taking any model but its own
+    snap = write_snapshot(r, [a.snapshot_node(models=["m-a"]),
+                              b.snapshot_node(models=["gemma"], models_any=True),
+                              c.snapshot_node(models=None)])
+    edge.wait_snapshot(snap["version"])
+    assert _nodes_for(edge, "gpt-3.5-turbo") == {"c": 20}
+    assert _nodes_for(edge, "m-a", 30).keys() <= {"a", "c"}
+    assert _nodes_for(edge, "gemma", 30).keys() <= {"b", "c"}
+
     # without the flag the same names are 404 again
     snap = write_snapshot(r, [a.snapshot_node(models=["m-a"]), b.snapshot_node(models=["gemma"]),
                               c.snapshot_node(models=["m-c"])])

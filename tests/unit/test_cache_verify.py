@@ -141,7 +141,7 @@ def _setup(content: str, cached: str = "Reset it from the login page.",
     s = settings_from_dict({"cache": {"enabled": True}})
     node = NodeSettings(name="n1", url="http://127.0.0.1:9")
     session = FakeSession(content)
-    worker = v.OnlineVerifier(s, r, lambda: [(node, ["m"], False)], session=session,
+    worker = v.OnlineVerifier(s, r, lambda: [(node, ["m"], False, True)], session=session,
                               embed=lambda texts: [[1.0, 0.0], [sim, (1 - sim * sim) ** 0.5]])
     return worker, session, r
 
@@ -195,12 +195,19 @@ def test_the_node_asked_serves_the_model_or_takes_any_when_none_lists_it() -> No
     s = settings_from_dict({"cache": {"enabled": True}})
     a, b, c = (NodeSettings(name=x, url=f"http://127.0.0.1:{i}") for i, x in
                enumerate("abc", start=9))
-    nodes = [(a, ["m-a"], False), (b, ["gemma"], True), (c, None, False)]
+    nodes = [(a, ["m-a"], False, True), (b, ["gemma"], True, True), (c, None, False, True)]
     worker = v.OnlineVerifier(s, fakeredis.FakeRedis(), lambda: nodes)
     assert {worker._pick("m-a").name for _ in range(40)} == {"a", "c"}
     assert {worker._pick("gpt-4o").name for _ in range(40)} == {"c"}   # c may serve it
-    nodes.pop()
+    nodes[2] = (c, ["m-c"], False, True)
     assert {worker._pick("gpt-4o").name for _ in range(20)} == {"b"}   # listed nowhere
     assert {worker._pick("m-a").name for _ in range(20)} == {"a"}      # never b
-    nodes[1] = (b, ["gemma"], False)
+    # the only node of m-c is down: no node, never the one taking any name
+    nodes[2] = (c, ["m-c"], False, False)
+    assert worker._pick("m-c") is None
+    # a node whose list is unknown (even a down one) may serve the name: no fallback
+    nodes[2] = (c, None, False, False)
+    assert worker._pick("gpt-4o") is None
+    nodes[1] = (b, ["gemma"], False, True)
+    nodes[2] = (c, ["m-c"], False, True)
     assert worker._pick("gpt-4o") is None

@@ -8,7 +8,7 @@
 --   serves(node, model)  the node may be sent `model`: no model asked, models unknown,
 --                        the model is in its list, or the node takes any model
 --                        (models.any: a single-model llama.cpp server, which answers any
---                        name) and no node of the table lists it
+--                        name), every node's list is known and none lists it
 --   known(t, model)      some node of the table (whatever its state or health) may serve
 --                        `model`; false = the table has nodes, every node's list is known
 --                        and none lists it
@@ -46,8 +46,11 @@ function _M.serves(node, model)
         return true
     end
     local m = node.models
-    return m == nil or m.set[model] == true
-        or (m.any == true and not (m.listed and m.listed[model]))
+    if m == nil or m.set[model] == true then
+        return true
+    end
+    local listed = m.listed
+    return m.any == true and listed and not listed[model] or false
 end
 
 function _M.known(t, model)

@@ -83,7 +83,8 @@ end
 -- Served models of a node: {list = {id, ...}, set = {id = true}, any = true|nil}, or nil
 -- when unknown (missing, null or an empty array: the node may be sent any model). any:
 -- the node also takes a model no node lists ("models_any": a single-model llama.cpp
--- server); build() then adds listed = the union of every node's set, shared.
+-- server); build() then adds listed = the union of every node's set, shared, or false
+-- while some node's list is unknown (it may serve any name: the fallback is off).
 local function model_set(models, any)
     if type(models) ~= "table" then
         return nil
@@ -184,10 +185,16 @@ local function build(nodes, meta)
     end
     local listed = {}
     for _, node in ipairs(t.nodes) do
+        if not node.models then
+            listed = false
+            break
+        end
+        for id in pairs(node.models.set) do
+            listed[id] = true
+        end
+    end
+    for _, node in ipairs(t.nodes) do
         if node.models then
-            for id in pairs(node.models.set) do
-                listed[id] = true
-            end
             node.models.listed = listed
         end
     end
