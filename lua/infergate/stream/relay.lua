@@ -269,6 +269,12 @@ function _M.step(req)
             " (lua_check_client_abort off: a client that leaves is seen at the next write)")
     end
     run(r)
+    if r.client_gone then
+        -- a client that left, or stopped reading for send_timeout: the connection is
+        -- closed now (444), not held for another send_timeout while nginx tries to send
+        -- what is pending, with the node's slot counted until the log phase
+        return ngx.exit(444)
+    end
     return ngx.exit(ngx.HTTP_OK)
 end
 
