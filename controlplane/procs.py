@@ -628,16 +628,11 @@ def start_redis(workdir: Path, port: int, extra: Sequence[str] = (),
 
 
 def start_redis_free_port(workdir: Path, attempts: int = 5, **kwargs: object) -> tuple[Managed, int]:
-    """:func:`start_redis` on a port the kernel reports free, chosen again (up to
-    ``attempts`` times) when ``redis-server`` fails to start on it, e.g. because
-    another process bound it in between. ``kwargs`` go to :func:`start_redis`. Returns
-    the process and its port; raises the last :class:`StartError`."""
-    last: StartError | None = None
-    for _ in range(max(1, attempts)):
-        port = free_port()
-        try:
-            return start_redis(workdir, port, **kwargs), port  # type: ignore[arg-type]
-        except StartError as exc:
-            last = exc
-    assert last is not None
-    raise last
+    """:func:`start_redis` on a :func:`free_port`, chosen again (up to ``attempts`` times,
+    :func:`on_free_port`) when ``redis-server`` could not bind it because another process
+    bound it in between. ``kwargs`` go to :func:`start_redis`. Returns the process and
+    its port; raises the last :class:`StartError` (at once for any other failure)."""
+    def start(port: int) -> tuple[Managed, int]:
+        return start_redis(workdir, port, **kwargs), port  # type: ignore[arg-type]
+
+    return on_free_port(start, attempts)

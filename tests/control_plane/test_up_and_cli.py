@@ -224,3 +224,37 @@ def test_a_restart_on_the_same_folder_keeps_its_redis_url(tmp_path) -> None:
             stack.stop_all()
     (tmp_path / "infergate.toml").write_text('[redis]\nurl = "redis://:guess@127.0.0.1:6390/0"\n')
     assert _earlier_own_redis(tmp_path) is None
+
+
+def test_redis_on_a_free_port_moves_on_when_the_port_was_taken(tmp_path, monkeypatch) -> None:
+    """A port chosen free and bound by another process before redis-server starts: Redis
+    is started again on a new port; a failure of another kind is not retried."""
+    import socket
+
+    from controlplane import procs
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    first = taken.getsockname()[1]
+    real = procs.free_port
+    ports = iter([first])
+    monkeypatch.setattr(procs, "free_port", lambda host="127.0.0.1": next(ports, None) or real(host))
+    try:
+        m, port = procs.start_redis_free_port(tmp_path / "redis")
+        try:
+            assert port != first and procs.port_open("127.0.0.1", port)
+        finally:
+            m.stop()
+        tries: list[int] = []
+
+        def broken(workdir, port, **kw):
+            tries.append(port)
+            raise procs.StartError("redis exited early:\nbad option")
+
+        monkeypatch.setattr(procs, "start_redis", broken)
+        with pytest.raises(procs.StartError, match="bad option"):
+            procs.start_redis_free_port(tmp_path / "redis2")
+        assert len(tries) == 1
+    finally:
+        taken.close()
