@@ -533,3 +533,35 @@ def test_a_stream_on_a_node_that_froze_while_idle_moves_on_after_the_early_check
     finally:
         a.mode = "ok"
         a.release()
+
+
+def test_a_stream_whose_node_froze_after_its_headers_moves_on_after_the_early_check(
+        tiny_upstreams, redis_server, edge_factory) -> None:
+    """llama-server sends a stream's 200 and headers before its prefill: a node frozen
+    then (GETs hang too) has the stream continued on the other node once the early
+    liveness check got no answer, not after the leg's read bound before content (twice
+    the 5 s TTFB floor here); no content came, so the client gets the other node's whole
+    answer in one stream."""
+    a, b = tiny_upstreams(names=["a", "b"])
+    edge = edge_factory(edge_settings(redis_server.url, [a.node_settings(), b.node_settings()],
+                                      outlier_ttfb_min_s=5.0, outlier_stream_ttfb_min_s=5.0,
+                                      read_timeout_ms=15000))
+    for _ in range(4):
+        assert _stream(edge)[0] == 200
+    a.mode = "stall_frozen"
+    try:
+        took = None
+        for _ in range(16):                # ties between idle nodes are broken at random
+            hits, b_hits, t0 = a.hits, b.hits, time.monotonic()
+            status, _, body = _stream(edge)
+            assert status == 200 and body and b"[DONE]" in body and body.count(b"tok0") == 1
+            if a.hits > hits:
+                took = time.monotonic() - t0
+                assert b.hits == b_hits + 1      # continued on b
+                break
+        assert took is not None, "no stream was sent to the frozen node"
+        # quiet 1 s after the headers, the early check's 1 s, the relay's next look
+        assert took < 4.0, f"the stream waited {took:.1f} s on the frozen node"
+    finally:
+        a.mode = "ok"
+        a.release()

@@ -38,7 +38,9 @@ class TinyUpstream:
     ``mode``: ``ok`` (answer), ``fail`` (500 JSON), ``busy`` (429), ``hang`` (never
     answer until released or stopped), ``frozen`` (as ``hang``, GETs too: a stopped
     process whose kernel still accepts connections), ``stall`` (as ``hang``, but a stream gets its
-    headers at once, as from vLLM whose engine hangs), ``garbage`` (non-HTTP bytes, then
+    headers at once, as from vLLM whose engine hangs), ``stall_frozen`` (as ``stall``, GETs
+    hang too: llama-server, which sends a stream's headers before its prefill, stopped
+    then), ``garbage`` (non-HTTP bytes, then
     close), ``close_reused`` (answer the first request of a connection; close a kept-alive
     connection when a later request arrives on it, as a server that dropped an idle
     connection the moment the proxy reused it), ``cut`` (a 200 JSON answer whose
@@ -130,7 +132,7 @@ closes the port (connections refused)."""
             def do_GET(self) -> None:
                 with upstream._lock:
                     upstream.gets += 1
-                if upstream.mode == "frozen":
+                if upstream.mode in ("frozen", "stall_frozen"):
                     upstream._released.wait(60)
                     self.close_connection = True
                     return
@@ -171,7 +173,7 @@ closes the port (connections refused)."""
                     upstream._released.wait(60)
                     self.close_connection = True
                     return
-                if mode == "stall":
+                if mode in ("stall", "stall_frozen"):
                     try:
                         streams = json.loads(raw or b"{}").get("stream") is True
                     except (ValueError, AttributeError):

@@ -17,10 +17,12 @@
 -- while holding, at most until the hold ends (then the held bytes go out); while the
 -- head is awaited with another node left, the leg also gives up as soon as the node,
 -- found silent after the leg started, fails its liveness check (outlier.gone_silent,
--- asked every WATCH_S); once nginx shuts down, at most until edge.shutdown_stream_s is
--- up (infergate.core.closing.stream_left; the relay then ends the stream with an error
--- event). Connect and send timeouts: the deadline's for a leg before content; a
--- continuation starts after it as the stream goes on past it.
+-- asked every WATCH_S), and so does the leg that got its head but no content yet (the
+-- node's head may come before its prefill, as llama-server's does); once nginx shuts
+-- down, at most until edge.shutdown_stream_s is up (infergate.core.closing.stream_left;
+-- the relay then ends the stream with an error event). Connect and send timeouts: the
+-- deadline's for a leg before content; a continuation starts after it as the stream
+-- goes on past it.
 local ngxapi = require("infergate.core.ngxapi")
 local deadline = require("infergate.admission.deadline")
 local relaypick = require("infergate.routing.relaypick")
@@ -33,6 +35,7 @@ local sse = require("infergate.stream.sse")
 local http = require("infergate.stream.http")
 local splice = require("infergate.stream.splice")
 local closing = require("infergate.core.closing")
+local legheaders = require("infergate.stream.legheaders")
 
 local _M = {}
 
@@ -40,9 +43,6 @@ local ngx_now = ngxapi.now
 local min = math.min
 local ceil = math.ceil
 local concat = table.concat
-local pairs = pairs
-local type = type
-local lower = string.lower
 local log = ngx.log
 local INFO = ngx.INFO
 
@@ -62,21 +62,7 @@ local function write(r, piece)
 end
 _M.write = write
 
--- Headers of a node's answer not passed on: the connection's (RFC 9110 7.6.1), the relay's.
-local OWN = { connection = true, ["keep-alive"] = true, ["transfer-encoding"] = true,
-              ["content-length"] = true, te = true, trailer = true, upgrade = true,
-              ["proxy-connection"] = true, date = true, server = true,
-              ["content-type"] = true, ["cache-control"] = true }
-
--- The node's own headers (X-Sim-Node, its request id...), as nginx's proxy passes them.
-local function pass_headers(list)
-    for _, h in ipairs(list or {}) do
-        if not OWN[h[1]:lower()] then
-            ngx.header[h[1]] = h[2]
-        end
-    end
-end
-_M.pass_headers = pass_headers
+local pass_headers = legheaders.pass_headers
 
 -- Headers and the held pieces go out (the first content token, or the hold ended).
 local function release(r, node)
@@ -221,8 +207,22 @@ local function still_alive(r, lg, now)
     return verdict == "alive"
 end
 
+-- Before content with another node left (lg.probe_read), the end (epoch s) of the
+-- silence the leg waits out (its read bound from the head or its last byte); its reads
+-- then go in WATCH_S slices, as the head's, and give up as soon as the node is found
+-- gone silent (llama-server sends a stream's head before its prefill: a node frozen
+-- then is no longer waited on for the whole bound). nil otherwise.
+local function watch_end(r, lg)
+    if not lg.probe_read or r.out.produced > 0 then
+        return nil
+    end
+    local since = lg.last_byte or lg.head_at
+    return since + read_timeout(r, lg, since, true)
+end
+
 local function read_stream(r, lg, head, sock)
     local st = sse.new()
+    lg.head_at = ngx_now()
     while true do
         local now = ngx_now()
         local left = r.sent and closing.stream_left(r.o, now)
@@ -231,6 +231,10 @@ local function read_stream(r, lg, head, sock)
             return
         end
         local t = read_timeout(r, lg, now)
+        local quiet_end = watch_end(r, lg)
+        if quiet_end and t > _M.WATCH_S and quiet_end - now > _M.WATCH_S then
+            t = _M.WATCH_S
+        end
         sock:settimeout(ms(t))
         local data, err = http.read_body(head, sock)
         now = ngx_now()
@@ -238,6 +242,12 @@ local function read_stream(r, lg, head, sock)
                 and now >= lg.hold_until - 0.001 then
             release(r, lg.node) -- the hold ended: what was held goes out, the read goes on
             lg.hold_until = nil
+        elseif not data and err == "timeout" and quiet_end and now < quiet_end - 0.002 then
+            if outlier.gone_silent(lg.node, lg.att, now, r.o)
+                    and relaypick.other_left(r.req, now) then
+                lg.verdict, lg.why, lg.timeout = "fail", "silent, no answer to a liveness check", true
+                return
+            end
         elseif (not data or data == "") and r.out.finish then
             release(r, lg.node) -- finished, closed without [DONE]: the relay's own
             write(r, "data: [DONE]\n\n")
@@ -267,40 +277,7 @@ local function read_stream(r, lg, head, sock)
     end
 end
 
--- Client request headers the relay does not pass on (lower case): hop-by-hop ones
--- (RFC 9110 7.6.1), those it writes itself, and Accept-Encoding (the node must answer
--- an SSE stream the relay can read).
-local NOT_PASSED = {
-    host = true, connection = true, ["keep-alive"] = true, ["proxy-connection"] = true,
-    ["proxy-authorization"] = true, ["proxy-authenticate"] = true, te = true, trailer = true,
-    ["transfer-encoding"] = true, upgrade = true, expect = true, ["content-length"] = true,
-    ["content-type"] = true, accept = true, ["accept-encoding"] = true,
-    authorization = true, ["x-request-id"] = true,
-    ["x-infergate-hop"] = true,
-}
-
--- The request headers of a leg: the client's, as nginx's proxy passes them, but for
--- NOT_PASSED; then the relay's own (node API key, request id, loop guard). Built once
--- per request.
-local function leg_headers(r)
-    if r.leg_headers then
-        return r.leg_headers
-    end
-    local h = {}
-    for k, v in pairs(ngx.req.get_headers(100, true)) do
-        if not NOT_PASSED[lower(k)] then
-            h[k] = type(v) == "table" and concat(v, ", ") or v
-        end
-    end
-    h["Content-Type"] = "application/json"
-    h.Accept = "text/event-stream"
-    h.Connection = "close"
-    h["X-Request-Id"] = r.req.id
-    h["X-Infergate-Hop"] = ngx.var.infergate_hop
-    h.Authorization = ngx.var.infergate_node_auth
-    r.leg_headers = h
-    return h
-end
+local leg_headers = legheaders.request
 
 -- How long (s) the leg waits for the node's head: its read timeout and, while nothing
 -- has gone to the client, no longer than the request's deadline (which a stream's

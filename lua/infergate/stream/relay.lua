@@ -44,6 +44,7 @@ local relaypick = require("infergate.routing.relaypick")
 local slots = require("infergate.admission.slots")
 local splice = require("infergate.stream.splice")
 local leg = require("infergate.stream.leg")
+local legheaders = require("infergate.stream.legheaders")
 
 local _M = {}
 
@@ -115,7 +116,7 @@ local function answer_unsent(r)
     if a then
         -- the node's own answer (infergate.admission.settlement: a refusal costs nothing)
         r.req.relay_answer_status = a.status
-        leg.pass_headers(a.headers)
+        legheaders.pass_headers(a.headers)
         ngx.status = a.status
         ngx.header["Content-Type"] = a.content_type or "application/json"
         ngx.header["X-Infergate-Node"] = a.node

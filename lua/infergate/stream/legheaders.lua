@@ -1,0 +1,62 @@
+-- The headers of a relayed stream's legs (infergate.stream.leg): the request's, sent to
+-- the node, and the node's answer's, passed to the client. No I/O.
+local _M = {}
+
+local pairs = pairs
+local ipairs = ipairs
+local type = type
+local lower = string.lower
+local concat = table.concat
+
+-- Headers of a node's answer not passed on: the connection's (RFC 9110 7.6.1), the relay's.
+local OWN = { connection = true, ["keep-alive"] = true, ["transfer-encoding"] = true,
+              ["content-length"] = true, te = true, trailer = true, upgrade = true,
+              ["proxy-connection"] = true, date = true, server = true,
+              ["content-type"] = true, ["cache-control"] = true }
+
+-- The node's own headers (X-Sim-Node, its request id...), as nginx's proxy passes them.
+local function pass_headers(list)
+    for _, h in ipairs(list or {}) do
+        if not OWN[h[1]:lower()] then
+            ngx.header[h[1]] = h[2]
+        end
+    end
+end
+_M.pass_headers = pass_headers
+
+-- Client request headers the relay does not pass on (lower case): hop-by-hop ones
+-- (RFC 9110 7.6.1), those it writes itself, and Accept-Encoding (the node must answer
+-- an SSE stream the relay can read).
+local NOT_PASSED = {
+    host = true, connection = true, ["keep-alive"] = true, ["proxy-connection"] = true,
+    ["proxy-authorization"] = true, ["proxy-authenticate"] = true, te = true, trailer = true,
+    ["transfer-encoding"] = true, upgrade = true, expect = true, ["content-length"] = true,
+    ["content-type"] = true, accept = true, ["accept-encoding"] = true,
+    authorization = true, ["x-request-id"] = true,
+    ["x-infergate-hop"] = true,
+}
+
+-- The request headers of a leg: the client's, as nginx's proxy passes them, but for
+-- NOT_PASSED; then the relay's own (node API key, request id, loop guard). Built once
+-- per request.
+function _M.request(r)
+    if r.leg_headers then
+        return r.leg_headers
+    end
+    local h = {}
+    for k, v in pairs(ngx.req.get_headers(100, true)) do
+        if not NOT_PASSED[lower(k)] then
+            h[k] = type(v) == "table" and concat(v, ", ") or v
+        end
+    end
+    h["Content-Type"] = "application/json"
+    h.Accept = "text/event-stream"
+    h.Connection = "close"
+    h["X-Request-Id"] = r.req.id
+    h["X-Infergate-Hop"] = ngx.var.infergate_hop
+    h.Authorization = ngx.var.infergate_node_auth
+    r.leg_headers = h
+    return h
+end
+
+return _M
