@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import shutil
 import tempfile
 import urllib.error
 import urllib.request
@@ -122,6 +123,9 @@ class RealNode:
     """More command-line arguments, e.g. ``("--embeddings", "--pooling", "mean")`` for a
     server of ``POST /v1/embeddings`` only."""
     managed: procs.Managed | None = field(default=None, repr=False)
+    temp_log_dir: Path | None = field(default=None, repr=False)
+    """The temporary folder of the log when ``log_dir`` was not given: removed by
+    :meth:`stop`."""
 
     @property
     def url(self) -> str:
@@ -138,7 +142,9 @@ class RealNode:
         the message holds the log tail) - the process is stopped then."""
         binary = ensure_binary().path
         model = model_path()
-        log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix="realnode-"))
+        log_dir = self.log_dir
+        if log_dir is None:
+            log_dir = self.temp_log_dir = Path(tempfile.mkdtemp(prefix="realnode-"))
         argv = server_argv(binary, model, self.port, host=self.host, parallel=self.parallel,
                            threads=self.threads, metrics=self.metrics) + list(self.extra_args)
         self.managed = procs.Managed(f"llama-server:{self.port}", argv,
@@ -154,6 +160,10 @@ class RealNode:
         return self.managed is not None and self.managed.alive()
 
     def stop(self) -> None:
-        """SIGTERM the server's process group, SIGKILL after 5 s."""
+        """SIGTERM the server's process group, SIGKILL after 5 s; the log's temporary
+        folder (no ``log_dir`` given) is removed."""
         if self.managed is not None:
             self.managed.stop(grace=5.0)
+        if self.temp_log_dir is not None:
+            shutil.rmtree(self.temp_log_dir, ignore_errors=True)
+            self.temp_log_dir = None

@@ -76,10 +76,13 @@ def test_busy_is_healthy_killed_is_down_restarted_is_back(stack) -> None:
                      what="the killed node down")
     assert [_chat(up).status_code for _ in range(3)] == [200] * 3
     # started again on the same address: back
-    again = RealNode(port=a.port, parallel=2, threads=1, log_dir=a.log_dir).start()
+    again = RealNode(port=a.port, parallel=2, threads=1).start()   # its log in a temp folder
+    logs = again.temp_log_dir
+    assert logs is not None and logs.is_dir()
     try:
         procs.wait_until(lambda: _health(up).get(a.url) is True, timeout=CHANGE_TIMEOUT_S,
                          what="the restarted node healthy again")
         assert _chat(up).status_code == 200
     finally:
         again.stop()
+    assert not logs.exists()                  # removed by stop()
