@@ -3,6 +3,8 @@ redis-server), the banner's example model, the actor name of CLI changes."""
 
 from __future__ import annotations
 
+import subprocess
+
 import click
 import pytest
 
@@ -208,6 +210,10 @@ def test_a_restart_on_the_same_folder_keeps_its_redis_url(tmp_path) -> None:
     try:
         _own_redis(again, tmp_path, stack)
         assert again.redis.url == first.redis.url
+        # the banner's URL works in redis-cli too (7.0 refuses an empty user name)
+        cli = subprocess.run(["redis-cli", "-u", again.redis.url, "ping"], capture_output=True,
+                             text=True, timeout=10)
+        assert cli.stdout.strip() == "PONG", cli.stdout + cli.stderr
     finally:
         stack.stop_all()
     port = _earlier_own_redis(tmp_path)[0]

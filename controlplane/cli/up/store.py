@@ -89,7 +89,7 @@ def _own_redis(settings: Settings, workdir: Path, stack: procs.ProcessSet) -> st
         m, port = procs.start_redis_free_port(workdir / "redis", persistent=True,
                                               password=password)
     stack.add(m)
-    settings.redis.url = f"redis://:{password}@127.0.0.1:{port}/0"
+    settings.redis.url = f"redis://default:{password}@127.0.0.1:{port}/0"
     return (f"{settings.redis.url} (this stack's own redis-server, password required, "
             f"maxmemory 256mb, volatile-lru, append-only file in {workdir / 'redis'})")
 
