@@ -154,6 +154,7 @@ local function too_many_messages(max)
         message = "The request has more than " .. max .. " messages, the most this gateway accepts.",
         type = "invalid_request_error",
         code = "too_many_messages",
+        param = "messages",
     }
 end
 
@@ -305,7 +306,7 @@ local function decode_into(req, body)
         if model ~= nil and model ~= cjson.null and type(model) ~= "string" then
             return { status = 400, message = "The field 'model' must be a string (the id of "
                          .. "a model, as GET /v1/models lists them).",
-                     type = "invalid_request_error", code = "invalid_model" }
+                     type = "invalid_request_error", code = "invalid_model", param = "model" }
         end
         take_object(req, obj, o)
     end
@@ -348,6 +349,7 @@ local function proxied_body(req)
                     message = "The form field \"model\" is not valid UTF-8.",
                     type = "invalid_request_error",
                     code = "invalid_utf8",
+                    param = "model",
                 }
             end
             req.model = model

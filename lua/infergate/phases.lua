@@ -214,7 +214,7 @@ function _M.access(route)
         local e = list[i].fn(req)
         if e then
             req.rejected = e.status
-            return errors.send(e.status, e.message, e.type, e.code, e.headers)
+            return errors.send(e.status, e.message, e.type, e.code, e.headers, e.param)
         end
     end
 end

@@ -287,6 +287,7 @@ def test_a_model_that_is_not_a_string_is_400(edge_and_node, model: bytes) -> Non
                    b'"content": "hi"}]}')
     assert res.status_code == 400 and error_code(res) == "invalid_model", res.text
     assert "'model' must be a string" in res.json()["error"]["message"]
+    assert res.json()["error"]["param"] == "model"
     assert up.hits == 0
     for body in (b'{"model": null, "messages": [{"role": "user", "content": "hi"}]}',
                  b'{"messages": [{"role": "user", "content": "hi"}]}'):
@@ -336,6 +337,7 @@ def test_body_limits_are_configurable(redis_server, tiny_upstreams, edge_factory
     assert post_raw(edge, json.dumps({"model": "m", "messages": msgs}).encode()).status_code == 200
     res = post_raw(edge, json.dumps({"model": "m", "messages": msgs + msgs[:1]}).encode())
     assert res.status_code == 400 and error_code(res) == "too_many_messages", res.text
+    assert res.json()["error"]["param"] == "messages"
     res = post_raw(edge, json.dumps({"model": "m", "messages": msgs, "x": [[[[[[[[1]]]]]]]]}).encode())
     assert res.status_code == 400 and error_code(res) == "json_too_deep", res.text
     assert up.hits == 1

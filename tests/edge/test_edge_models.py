@@ -64,7 +64,7 @@ def test_unknown_model_is_404_from_the_edge_without_touching_a_node(static_pool)
     assert res.headers["Content-Type"].startswith("application/json")
     err = res.json()["error"]
     assert err["code"] == "model_not_found" and err["type"] == "invalid_request_error"
-    assert "m-nowhere" in err["message"]
+    assert err["param"] == "model" and "m-nowhere" in err["message"]
     assert "X-Infergate-Node" not in res.headers
     assert n1.hits + n2.hits == before
     # a 100 kB name is not echoed whole; the cut keeps the message valid UTF-8

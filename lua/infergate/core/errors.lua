@@ -1,5 +1,6 @@
--- OpenAI-style JSON errors: {"error": {"message", "type", "param": null, "code"}}
--- with Content-Type: application/json.
+-- OpenAI-style JSON errors: {"error": {"message", "type", "param", "code"}} with
+-- Content-Type: application/json; "param" names the request field at fault, null when
+-- none is (as OpenAI's own answers).
 --
 -- send() answers from the access/content phase with a specific message; the content
 -- of the error_page locations, for every error nginx itself produces (unknown path, body
@@ -43,14 +44,15 @@ _M.CATALOG = {
     [504] = { "gateway_timeout", "upstream_timeout", "The inference node did not answer in time." },
 }
 
-function _M.body(message, etype, code)
+function _M.body(message, etype, code, param)
     return cjson.encode({
-        error = { message = message, type = etype, param = cjson.null, code = code },
+        error = { message = message, type = etype, param = param or cjson.null, code = code },
     })
 end
 
--- Answer now with a JSON error and end the request. headers: optional table.
-function _M.send(status, message, etype, code, headers)
+-- Answer now with a JSON error and end the request. headers: optional table; param:
+-- the request field at fault (optional).
+function _M.send(status, message, etype, code, headers, param)
     local entry = _M.CATALOG[status] or _M.CATALOG[500]
     ngx.status = status
     ngx.header["Content-Type"] = "application/json"
@@ -59,7 +61,7 @@ function _M.send(status, message, etype, code, headers)
             ngx.header[k] = v
         end
     end
-    ngx.say(_M.body(message or entry[3], etype or entry[1], code or entry[2]))
+    ngx.say(_M.body(message or entry[3], etype or entry[1], code or entry[2], param))
     return ngx.exit(ngx.HTTP_OK)
 end
 

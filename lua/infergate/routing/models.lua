@@ -129,6 +129,7 @@ local function not_found(model)
             .. "this gateway; GET /v1/models lists the models it serves.",
         type = "invalid_request_error",
         code = "model_not_found",
+        param = "model",
     }
 end
 
