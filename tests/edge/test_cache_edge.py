@@ -796,6 +796,29 @@ def test_embedder_down_is_bypass_and_the_request_is_answered(stack, edge_factory
     assert post(edge, body).headers["X-Cache-Status"] == "HIT"
 
 
+def test_an_embedder_past_its_budget_or_down_is_named_in_the_edge_warning(
+        stack, edge_factory) -> None:
+    """A lookup that times out (an embedder that accepts and never answers) or cannot
+    connect fails open, and the edge's warn line says which: nginx's own line for it
+    ("upstream timed out" / "connect() failed", with subrequest
+    "/_infergate/cache/lookup") gives the errno only."""
+    import socket
+
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(64)                                  # accepts (backlog), never answers
+    try:
+        for url, why in ((f"http://127.0.0.1:{hung.getsockname()[1]}", "embedder timed out"),
+                         (f"http://127.0.0.1:{procs.free_port()}", "embedder unreachable")):
+            edge = edge_factory(cache_settings(stack, embedder_url=url, semantic_budget_ms=150))
+            res = post(edge, body_of(f"Why is the sky blue? ({why})", temperature=0))
+            assert res.status_code == 200 and res.headers["X-Cache-Status"] == "BYPASS"
+            log = edge.error_log()
+            assert f"semantic cache lookup skipped: {why}" in log, log[-2000:]
+    finally:
+        hung.close()
+
+
 def test_semantic_over_budget_is_bypass(stack, edge_factory) -> None:
     edge = edge_factory(cache_settings(stack, semantic_budget_ms=1))
     res = post(edge, body_of("How many legs does a spider have?", temperature=0))

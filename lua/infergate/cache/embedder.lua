@@ -78,6 +78,14 @@ function _M.send_lookups(items)
     if timed_out and embedder_busy() then
         return nil, "embedder busy (lookup timed out)"
     end
+    if res.status == ngx.HTTP_GATEWAY_TIMEOUT then -- nginx's own, as the 502 below
+        embedder_result(false, "timed out")
+        return nil, "embedder timed out (no answer within the lookup budget)"
+    end
+    if res.status == ngx.HTTP_BAD_GATEWAY then -- nginx's own: the location logs nothing
+        embedder_result(false, "unreachable")
+        return nil, "embedder unreachable (connection refused or reset, or not HTTP)"
+    end
     if res.status ~= 200 then
         if res.status >= 500 then
             embedder_result(false, "answered " .. tostring(res.status))
