@@ -249,6 +249,25 @@ class EdgeSettings(_Section):
     worker; a write beyond it is dropped and counted
     (``infergate_edge_flush_dropped_total``), never logged per request."""
 
+    lua_package_path_extra: str = Field(default="", max_length=4096,
+                                        pattern=r"""^[^"'\\\s]*$""")
+    """Lua module paths of the site's own, put before infergate's in the
+    ``lua_package_path`` the http include sets (nginx allows one per ``http {}``), e.g.
+    ``"/srv/shop/lua/?.lua;"``: kept at every render, unlike a hand edit of the file."""
+    init_lua_file: str = Field(default="", max_length=4096)
+    """Absolute path of a Lua file of the site's own that the http include's
+    ``init_by_lua_block`` runs first (``dofile``; nginx allows one block per ``http {}``):
+    an existing OpenResty site's init code, kept at every render. Empty = none."""
+    init_worker_lua_file: str = Field(default="", max_length=4096)
+    """As ``init_lua_file``, for ``init_worker_by_lua_block``."""
+
+    @field_validator("init_lua_file", "init_worker_lua_file")
+    @classmethod
+    def _lua_file(cls, v: str) -> str:
+        if v and (not v.startswith("/") or any(c in v for c in "\0\n\r")):
+            raise ValueError("must be an absolute path to a Lua file (or empty)")
+        return v
+
     @field_validator("metrics_listen")
     @classmethod
     def _metrics_listen(cls, v: str) -> str:

@@ -413,6 +413,13 @@ def hop_id(out: Path) -> str:
     return value
 
 
+def _path_entries(extra: str) -> str:
+    """``edge.lua_package_path_extra`` as the head of ``lua_package_path``: ends with one
+    ``;`` (empty stays empty)."""
+    extra = extra.strip().rstrip(";")
+    return extra + ";" if extra else ""
+
+
 def _template_context(settings: Settings, *, source: str, out: Path, pre: Path,
                       lua_path: Path, files: dict[str, Path], listen: str,
                       metrics_listen: str, redis_host: str, resolver: str | None,
@@ -422,6 +429,11 @@ def _template_context(settings: Settings, *, source: str, out: Path, pre: Path,
     ctx = {
         "source": source,
         "lua_dir": str(lua_path),
+        "lua_path_extra": _path_entries(settings.edge.lua_package_path_extra),
+        "init_lua_file": lua_string(settings.edge.init_lua_file)
+        if settings.edge.init_lua_file else "",
+        "init_worker_lua_file": lua_string(settings.edge.init_worker_lua_file)
+        if settings.edge.init_worker_lua_file else "",
         "resolver": resolver,
         "redis_host": redis_host,
         "snapshot_dict_size": "4m",

@@ -461,3 +461,41 @@ def test_the_hop_id_is_random_and_kept_across_renders(workdir: Path) -> None:
     (workdir / "a" / "hop-id").write_text("not an id\n")       # replaced, never used
     fixed = render_nginx(_settings(), workdir / "a", listen="127.0.0.1:18129", prefix=workdir / "p")
     assert re.fullmatch(r"[0-9a-f]{16}", (fixed.out_dir / "hop-id").read_text().strip())
+
+
+def test_a_sites_own_lua_is_kept_at_every_render(workdir: Path) -> None:
+    """An OpenResty site's module path and init code, named in [edge]
+    lua_package_path_extra / init_lua_file / init_worker_lua_file, run in the rendered
+    http include before infergate's (nginx allows one lua_package_path and one block of
+    each per http {}), and every render keeps them: a hand edit of the file would be
+    lost at the next render."""
+    lib = workdir / "shoplua"
+    lib.mkdir()
+    (lib / "shopmod.lua").write_text('return { name = "shop" }\n')
+    marks = workdir / "marks"
+    marks.mkdir()
+    marks.chmod(0o777)                       # the workers run as nobody
+    init = workdir / "shop-init.lua"
+    init.write_text(f'shop = require("shopmod")\n'
+                    f'local f = assert(io.open("{marks}/init", "w")) f:write(shop.name) f:close()\n')
+    worker = workdir / "shop-worker.lua"
+    worker.write_text(f'local f = assert(io.open("{marks}/worker", "w")) '
+                      f'f:write(shop.name) f:close()\n')
+    s = _settings(lua_package_path_extra=f"{lib}/?.lua", init_lua_file=str(init),
+                  init_worker_lua_file=str(worker))
+    listen = f"127.0.0.1:{procs.free_port()}"
+    for _ in range(2):                       # a second render keeps them
+        r = render_nginx(s, workdir / "out", listen=listen, prefix=workdir / "pre")
+        http = r.http_conf.read_text()
+        assert f'lua_package_path "{lib}/?.lua;' in http
+        assert http.index(str(init)) < http.index('require("infergate.core.config").init(')
+    nginx = start_nginx(r.nginx_conf, r.prefix)
+    try:
+        procs.wait_until(lambda: (marks / "worker").exists(), 10, what="the worker init ran")
+        assert (marks / "init").read_text() == "shop" == (marks / "worker").read_text()
+        assert requests.get(f"http://{listen}/infergate/status", timeout=5).status_code == 200
+    finally:
+        nginx.stop()
+    for bad in ({"init_lua_file": "shop-init.lua"}, {"lua_package_path_extra": 'a" b'}):
+        with pytest.raises(ConfigError):
+            _settings(**bad)
