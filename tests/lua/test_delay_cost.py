@@ -298,3 +298,41 @@ def test_retry_after_is_the_predicted_wait_up_to_a_cap(workdir: Path) -> None:
     assert got["cap"] == 30
     assert got["100"] == "30"
     assert got["20"] == "20", got                       # 2 ahead, 2 at a time, 20 s each
+
+
+def test_retry_after_waits_at_most_the_breaker_cooldown_while_a_node_is_out(workdir) -> None:
+    """The same 20 s predicted wait while another node of the model is out for ill health
+    (unhealthy in the snapshot, or its breaker open), not drained: Retry-After is the
+    breaker's cooldown (a restarted node is back sooner than the queue drains)."""
+    got = lua_eval(workdir, """
+            local config = require("infergate.core.config")
+            assert(config.init({edge = {node_cost = "load", stale_after_s = 10,
+                                        breaker_cooldown_s = 4},
+                                admission = {max_wait_ms = 0}},
+                               """ + lua_string(json.dumps(option_spec())) + """))
+            local stats = require("infergate.routing.stats")
+            local snapshot = require("infergate.routing.snapshot")
+            local shed = require("infergate.admission.shed")
+            local cjson = require("cjson.safe")
+            local out = {}
+            local d = ngx.shared.infergate_stats
+            for _, case in ipairs({"unhealthy", "breaker", "draining"}) do
+                local b = {name = "b", host = "127.0.0.1", port = 2, max_concurrency = 2,
+                           healthy = case ~= "unhealthy",
+                           state = case == "draining" and "draining" or "active"}
+                assert(snapshot.store(cjson.encode({version = 1, generated_at = ngx.now(),
+                    nodes = {{name = "a", host = "127.0.0.1", port = 1, max_concurrency = 2}, b}}),
+                    ngx.now()))
+                d:flush_all()
+                for _ = 1, 5 do
+                    local att = stats.open_attempt("a", ngx.now())
+                    stats.close_attempt(att, "ok", ngx.now(), 20000)
+                end
+                for _ = 1, 3 do stats.open_attempt("a", ngx.now()) end
+                if case == "breaker" then d:set("bo:b", ngx.now()) end
+                local err = shed.step_shed({route = "inference", deadline = {at = ngx.now() + 5}})
+                out[case] = err and err.headers["Retry-After"]
+            end
+            return out
+    """, http_extra=DICTS + " lua_shared_dict infergate_limits 1m;")
+    assert got == {"unhealthy": "4", "breaker": "4", "draining": "20"}, got

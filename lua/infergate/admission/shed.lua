@@ -33,8 +33,9 @@
 -- of the time left, shed past it, never sent where it is predicted to time out.
 -- A request that is shed gets Retry-After = the best predicted wait, rounded up (at least
 -- 1 s, at most RETRY_AFTER_MAX_S: a wait predicted from a node that has slowed down or
--- stopped says little about when it recovers; admission.retry_after_s when nothing
--- predicts).
+-- stopped says little about when it recovers; at most edge.breaker_cooldown_s while a
+-- node of the model is out for ill health, which a restart brings back sooner than the
+-- others' queue drains; admission.retry_after_s when nothing predicts).
 -- When no eligible node has capacity, the request waits up to admission.max_wait_ms
 -- (never past its deadline), checking again every admission.poll_ms with ngx.sleep,
 -- then gets 429 with Retry-After = admission.retry_after_s and
@@ -218,7 +219,8 @@ local function shed_answer(req, o, now, waited, wait)
         _, wait = _M.best_prediction(snapshot.current(), now, req.model)
     end
     if wait then
-        retry_after = math.max(1, math.min(math.ceil(wait), RETRY_AFTER_MAX_S))
+        retry_after = math.max(1, math.min(math.ceil(wait),
+            slots.retry_cap(snapshot.current(), req.model, now, RETRY_AFTER_MAX_S)))
     end
     local headers = { ["Retry-After"] = tostring(retry_after) }
     if req.headers_out then

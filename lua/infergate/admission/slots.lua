@@ -34,6 +34,21 @@ local function open_to(node, model, now)
 end
 _M.open_to = open_to
 
+-- The longest Retry-After (s) of a 429 for `model`: edge.breaker_cooldown_s (at least 1)
+-- while one of its nodes is out for ill health (unhealthy in the snapshot, or its circuit
+-- breaker open), not drained: a restart may bring it back within the cooldown, sooner
+-- than the others' queue drains; else `max_s` (infergate.admission.shed).
+function _M.retry_cap(t, model, now, max_s)
+    for _, node in ipairs(t.nodes) do
+        if node.addr and node.state == "active" and models.serves(node, model)
+                and (not node.healthy or not breaker.allow(node.name, now)) then
+            local back = math.ceil(config.get().edge.breaker_cooldown_s)
+            return back < 1 and 1 or back < max_s and back or max_s
+        end
+    end
+    return max_s
+end
+
 -- The most requests this edge may have in flight on `node` in a pool with known slots.
 local function cap_of(node)
     return node.slots or node.max_concurrency
