@@ -82,7 +82,7 @@ function _M.send_lookups(items)
         embedder_result(false, "timed out")
         return nil, "embedder timed out (no answer within the lookup budget)"
     end
-    if res.status == ngx.HTTP_BAD_GATEWAY then -- nginx's own: the location logs nothing
+    if res.status == ngx.HTTP_BAD_GATEWAY then -- nginx's own: no connection, or not HTTP
         embedder_result(false, "unreachable")
         return nil, "embedder unreachable (connection refused or reset, or not HTTP)"
     end
