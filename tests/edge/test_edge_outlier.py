@@ -565,3 +565,31 @@ def test_a_stream_whose_node_froze_after_its_headers_moves_on_after_the_early_ch
     finally:
         a.mode = "ok"
         a.release()
+
+
+def test_a_long_prefill_after_the_head_is_waited_on_while_the_node_answers_its_checks(
+        tiny_upstreams, redis_server, edge_factory) -> None:
+    """A stream whose node sent its head and then prefills for longer than the leg's
+    bound before content (twice the first-byte bound, 2 s here) is not redone on the other
+    node while the node answers its liveness checks: it is answered by its own node, as
+    through nginx, and the other node gets nothing."""
+    a, b = tiny_upstreams(names=["a", "b"])
+    s = edge_settings(redis_server.url, [a.node_settings(), b.node_settings()],
+                      outlier_ttfb_min_s=0.5, outlier_stream_ttfb_min_s=0.5, stall_min_s=0.5,
+                      read_timeout_ms=15000)
+    s.edge.stall_first_byte_s = 2.0
+    edge = edge_factory(s)
+    for _ in range(4):
+        assert _stream(edge)[0] == 200
+    a.head_first_s = 5.0
+    took = None
+    for _ in range(16):                    # ties between idle nodes are broken at random
+        a_hits, b_hits, t0 = a.hits, b.hits, time.monotonic()
+        status, _, body = _stream(edge, timeout=30)
+        assert status == 200 and body and b"[DONE]" in body and body.count(b"tok0") == 1
+        if a.hits > a_hits:
+            took = time.monotonic() - t0
+            assert b.hits == b_hits, "redone on b while a prefilled"
+            break
+    assert took is not None, "no stream was sent to a"
+    assert took >= 5.0 and a.gets > 0, (took, a.gets)   # a's own answer, after checks

@@ -45,7 +45,8 @@ class TinyUpstream:
     connection when a later request arrives on it, as a server that dropped an idle
     connection the moment the proxy reused it), ``cut`` (a 200 JSON answer whose
     Content-Length says 1000 bytes, 10 of them sent, then the connection closed).
-    ``delay_s`` delays every answer; a ``"stream": true`` request gets ``chunks`` SSE
+    ``delay_s`` delays every answer; ``head_first_s`` delays a stream's first chunk
+    after its head (llama-server's prefill); a ``"stream": true`` request gets ``chunks`` SSE
     chunks ``chunk_interval_s`` apart (and, with ``stream_options.include_usage``, a
     last chunk with ``choices: []`` and the usage, as vLLM sends it). ``gate``: when set (a threading.Event), streams
     wait for it before their last chunk. ``hits`` counts inference requests,
@@ -61,6 +62,7 @@ closes the port (connections refused)."""
         self.delay_s = 0.0
         self.chunks = 5
         self.chunk_interval_s = 0.05
+        self.head_first_s = 0.0
         self.gate: threading.Event | None = None
         self.hits = 0
         self.inflight = 0
@@ -246,6 +248,8 @@ closes the port (connections refused)."""
 
             def _stream(self, model: str, include_usage: bool = False) -> None:
                 self._stream_headers()
+                if upstream.head_first_s:
+                    time.sleep(upstream.head_first_s)   # a long prefill after the head
                 for i in range(upstream.chunks):
                     if i == upstream.chunks - 1 and upstream.gate is not None:
                         upstream.gate.wait(30)

@@ -208,7 +208,8 @@ local function still_alive(r, lg, now)
 end
 
 -- Before content with another node left (lg.probe_read), the end (epoch s) of the
--- silence the leg waits out (its read bound from the head or its last byte); its reads
+-- silence the leg waits out (its read bound from the head or its last byte, renewed
+-- while the node answers its liveness checks, up to still_alive's bound); its reads
 -- then go in WATCH_S slices, as the head's, and give up as soon as the node is found
 -- gone silent (llama-server sends a stream's head before its prefill: a node frozen
 -- then is no longer waited on for the whole bound). nil otherwise.
@@ -217,7 +218,8 @@ local function watch_end(r, lg)
         return nil
     end
     local since = lg.last_byte or lg.head_at
-    return since + read_timeout(r, lg, since, true)
+    local e = since + read_timeout(r, lg, since, true)
+    return lg.alive_to and lg.alive_to > e and lg.alive_to or e
 end
 
 local function read_stream(r, lg, head, sock)
@@ -248,6 +250,10 @@ local function read_stream(r, lg, head, sock)
                 lg.verdict, lg.why, lg.timeout = "fail", "silent, no answer to a liveness check", true
                 return
             end
+        elseif not data and err == "timeout" and quiet_end and still_alive(r, lg, now) then
+            -- its bound before content is up, but the node answers its liveness checks: a
+            -- long prefill, waited on (as nginx would) for another bound, still watched
+            lg.alive_to = now + read_timeout(r, lg, now, true)
         elseif (not data or data == "") and r.out.finish then
             release(r, lg.node) -- finished, closed without [DONE]: the relay's own
             write(r, "data: [DONE]\n\n")
