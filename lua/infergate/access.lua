@@ -293,6 +293,19 @@ local function not_an_object(body)
     return bad_request("The request body must be a JSON object.")
 end
 
+-- Longest model name (bytes) the edge takes: it goes into Redis key names (the cache's
+-- per-model index) and metrics labels; served names are a few dozen bytes.
+_M.MODEL_MAX = 512
+
+local function model_too_long(model)
+    if #model <= _M.MODEL_MAX then
+        return nil
+    end
+    return { status = 400, message = "The field 'model' is longer than " .. _M.MODEL_MAX
+                 .. " bytes; GET /v1/models lists the models this gateway serves.",
+             type = "invalid_request_error", code = "invalid_model", param = "model" }
+end
+
 -- Decodes a JSON body within the edge's bounds and takes its facts into the request
 -- state. Returns nil, or an error table.
 local function decode_into(req, body)
@@ -307,6 +320,10 @@ local function decode_into(req, body)
             return { status = 400, message = "The field 'model' must be a string (the id of "
                          .. "a model, as GET /v1/models lists them).",
                      type = "invalid_request_error", code = "invalid_model", param = "model" }
+        end
+        local long = type(model) == "string" and model_too_long(model)
+        if long then
+            return long
         end
         take_object(req, obj, o)
     end
@@ -351,6 +368,10 @@ local function proxied_body(req)
                     code = "invalid_utf8",
                     param = "model",
                 }
+            end
+            local long = model_too_long(model)
+            if long then
+                return long
             end
             req.model = model
         end

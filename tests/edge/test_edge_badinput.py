@@ -294,6 +294,21 @@ def test_a_model_that_is_not_a_string_is_400(edge_and_node, model: bytes) -> Non
         assert post_raw(edge, body).status_code == 200
 
 
+def test_a_model_name_over_512_bytes_is_400(edge_and_node) -> None:
+    """A model name goes into Redis key names and metrics labels: one over 512 bytes (a
+    1 MB name made a 1 MB key per request) is refused at the edge; 512 bytes pass."""
+    edge, up = edge_and_node
+    for n, status in ((513, 400), (1 << 20, 400), (512, 200)):
+        body = json.dumps({"model": "m" * n, "messages": [{"role": "user", "content": "hi"}]})
+        res = post_raw(edge, body.encode())
+        assert res.status_code == status, (n, res.text[:300])
+        if status == 400:
+            err = res.json()["error"]
+            assert err["code"] == "invalid_model" and err["param"] == "model"
+            assert "longer than 512 bytes" in err["message"] and len(res.content) < 1000
+    assert up.hits == 1
+
+
 def test_valid_utf8_and_escapes_pass(edge_and_node) -> None:
     edge, up = edge_and_node
     for content in ("你好，世界", "emoji 🚀 and ünïcödé", "\\ud83d\\ude80 escaped pair"):
