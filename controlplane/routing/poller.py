@@ -145,6 +145,7 @@ class NodeStatus:
     poll_ms: float
     has_metrics: bool
     stalled: bool = False
+    busy: bool = False
 
     def metrics(self) -> NodeMetricsDoc:
         """The per-node metrics document of docs/internals.md (``poll_ms`` to 0.1 ms)."""
@@ -480,6 +481,6 @@ class NodeTracker:
             consecutive_failures=self.health.consecutive_failures,
             consecutive_successes=self.health.consecutive_successes,
             last_error=error, poll_ms=result.poll_ms, has_metrics=r is not None,
-            stalled=stall_cause is not None,
+            stalled=stall_cause is not None, busy=result.busy,
         )
         return status, changed

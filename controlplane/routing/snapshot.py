@@ -168,6 +168,7 @@ def node_entry(node: NodeSettings, state: NodeState, status: NodeMetricsDoc | No
         kind=node.kind,
         state=state.state,
         healthy=True if st.healthy is None else st.healthy,
+        silent=st.healthy is False and st.busy,
         weight=node.weight,
         effective_weight=effective_weight(node.weight, state, now, slow_start_s, ramp_since),
         max_concurrency=node.max_concurrency,

@@ -151,6 +151,9 @@ class NodeMetricsDoc(_Doc):
     """An edge has streams on the node in the middle of their answer and no byte came
     from it for longer than its stall threshold (``edge.stall_gap_factor``): a frozen
     or hung process, not a busy one. The poll counts as failed."""
+    busy: bool = False
+    """The poll's health request connected and got no answer in time (a busy, hung or
+    frozen process; a refused connection is not this)."""
 
     @classmethod
     def from_dict(cls, d: dict) -> NodeMetricsDoc:
@@ -165,7 +168,8 @@ class NodeMetricsDoc(_Doc):
                    consecutive_successes=_int(d.get("consecutive_successes")) or 0,
                    last_error=str(d["last_error"]) if d.get("last_error") else None,
                    has_metrics=_bool(d.get("has_metrics"), False) or False,
-                   stalled=_bool(d.get("stalled"), False) or False, **nums)
+                   stalled=_bool(d.get("stalled"), False) or False,
+                   busy=_bool(d.get("busy"), False) or False, **nums)
 
 
 # ---- infergate:v1:routing -----------------------------------------------------------------
@@ -216,6 +220,11 @@ class SnapshotNode(_Doc):
     """http | https (the edge verifies the certificate against ``tls_name``)."""
     tls_name: str | None = None
     """Host name of an ``https`` node: SNI and certificate check."""
+    silent: bool = False
+    """Unhealthy, and its latest poll connected but got no answer (a frozen or hung
+    process, not a refused connection): while no node of a model is eligible, the edge
+    holds that model's requests for a node to come back, within their deadline, as
+    nginx's proxy would wait on the silent node (lua/infergate/access.lua)."""
     auth: str | None = field(default=None, repr=False)
     """``Authorization`` value the edge sends to the node (its API key), ``None``: none.
     Secret: every serving path redacts it
@@ -243,7 +252,8 @@ class SnapshotNode(_Doc):
                    has_metrics=bool(_bool(d.get("has_metrics"), False)), models=models,
                    models_any=bool(_bool(d.get("models_any"), False)) and models is not None,
                    scheme="https" if d.get("scheme") == "https" else "http",
-                   tls_name=_str(d.get("tls_name"), None), auth=_str(d.get("auth"), None))
+                   tls_name=_str(d.get("tls_name"), None),
+                   silent=bool(_bool(d.get("silent"), False)), auth=_str(d.get("auth"), None))
 
 
 @dataclass

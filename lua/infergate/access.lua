@@ -7,7 +7,9 @@
 --                  "passthrough" a JSON
 --                  body has the same bounds, a multipart/form-data body gives its "model"
 --                  field, any other body passes unread (infergate.core.bodykind)
---   step_eligible  no eligible node among those serving the request's model: 503
+--   step_eligible  no eligible node among those serving the request's model: 503, unless
+--                  one of them is silent (frozen: held_for_thaw waits for it within the
+--                  request's deadline, as nginx's proxy would)
 --
 -- The body step reads the whole body once into the request's state (req.raw_body,
 -- req.body_bytes: infergate.core.reqctx.body_text; nginx already enforces client_max_body_size:
@@ -37,6 +39,7 @@ local reqctx = require("infergate.core.reqctx")
 local snapshot = require("infergate.routing.snapshot")
 local balancer = require("infergate.routing.balancer")
 local affinity = require("infergate.routing.affinity")
+local models = require("infergate.routing.models")
 local config = require("infergate.core.config")
 local deadline = require("infergate.admission.deadline")
 local inputguard = require("infergate.admission.inputguard")
@@ -46,6 +49,7 @@ local cors = require("infergate.core.cors")
 local _M = {}
 
 local type = type
+local ipairs = ipairs
 local tostring = tostring
 local format = string.format
 
@@ -399,9 +403,49 @@ local function step_body(req)
     end
 end
 
+-- Whether an active node of `model` is out only as silent (unhealthy, its last poll
+-- connected but got no answer: a frozen or hung process, not a refused connection).
+local function silent_node(t, model)
+    for _, node in ipairs(t.nodes) do
+        if node.silent and node.addr and node.state == "active" and models.serves(node, model) then
+            return true
+        end
+    end
+    return false
+end
+
+-- Poll period (s) of a request held while its model's nodes are silent.
+_M.THAW_POLL_S = 0.2
+
+-- No node of the request's model is eligible and one of them is silent: as nginx's proxy
+-- waits on a frozen node, the request is held for one to come back while its deadline
+-- leaves room to be served after (at most half of it, at least 1 s left); true when a
+-- node is eligible again. No deadline: not held.
+local function held_for_thaw(req, t)
+    local now = ngx_now()
+    local left = deadline.remaining(req, now)
+    if not left or not silent_node(t, req.model) then
+        return false
+    end
+    local give_up = now + left - math.max(1, left / 2)
+    while now < give_up do
+        ngx.sleep(math.min(_M.THAW_POLL_S, give_up - now))
+        now = ngx_now()
+        t = snapshot.current()
+        if balancer.count_eligible(t, req.tried, now, req.model) > 0 then
+            return true
+        end
+        if not silent_node(t, req.model) then
+            return false
+        end
+    end
+    return false
+end
+
 local function step_eligible(req)
     local t = snapshot.current()
-    if balancer.count_eligible(t, req.tried, ngx_now(), req.model) == 0 then
+    if balancer.count_eligible(t, req.tried, ngx_now(), req.model) == 0
+            and not held_for_thaw(req, t) then
         return {
             status = 503,
             message = "No inference node is available (all are unhealthy, draining or have an "

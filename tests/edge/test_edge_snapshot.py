@@ -93,6 +93,38 @@ def test_all_unhealthy_gets_503_without_any_upstream_attempt(three) -> None:
     assert all(n["requests"] == 0 for n in edge.status()["nodes"])
 
 
+def test_a_frozen_pool_holds_requests_until_a_node_is_back(three) -> None:
+    """Every node unhealthy and silent (its polls connected, no answer: frozen) holds a
+    request within its deadline, as nginx's proxy waits on frozen nodes, and it is
+    served once a node is healthy again; when the last silent node turns refused
+    instead, the held request gets its 503 at once."""
+    edge, ups, r = three
+    snap = write_snapshot(r, [{**u.snapshot_node(healthy=False), "silent": True} for u in ups])
+    edge.wait_snapshot(snap["version"])
+    with ThreadPoolExecutor(2) as pool:
+        t0 = time.monotonic()
+        held = pool.submit(_post, edge, stream=False)
+        held_stream = pool.submit(_post, edge, stream=True)
+        time.sleep(1.0)                   # the outage's length (nothing to poll: held)
+        assert not held.done() and sum(u.hits for u in ups) == 0
+        snap = write_snapshot(r, [ups[0].snapshot_node()] + [
+            {**u.snapshot_node(healthy=False), "silent": True} for u in ups[1:]])
+        for f in (held, held_stream):
+            res = f.result(timeout=15)
+            assert res.status_code == 200 and res.headers["X-Infergate-Node"] == "a", res.text
+        assert 1.0 <= time.monotonic() - t0 < 10
+        snap = write_snapshot(r, [{**u.snapshot_node(healthy=False), "silent": True} for u in ups])
+        edge.wait_snapshot(snap["version"])
+        held = pool.submit(_post, edge)
+        time.sleep(0.3)                   # a request not held has its 503 within ms
+        assert not held.done()
+        snap = write_snapshot(r, [u.snapshot_node(healthy=False) for u in ups])   # refused now
+        t1 = time.monotonic()
+        res = held.result(timeout=15)
+        assert res.status_code == 503 and res.json()["error"]["code"] == "no_healthy_upstream"
+        assert time.monotonic() - t1 < 5
+
+
 def test_draining_node_gets_nothing_new_while_its_stream_finishes(three) -> None:
     edge, (a, b, c), r = three
     snap = write_snapshot(r, [a.snapshot_node(), b.snapshot_node(healthy=False),

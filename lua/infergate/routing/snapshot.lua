@@ -143,6 +143,7 @@ local function make_node(n)
         port = port,
         state = state,
         healthy = n.healthy ~= false,
+        silent = n.silent == true,  -- unhealthy, connected but no answer (infergate.access)
         weight = weight,
         effective_weight = ew,
         max_concurrency = maxc,
