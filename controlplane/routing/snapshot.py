@@ -168,7 +168,8 @@ def node_entry(node: NodeSettings, state: NodeState, status: NodeMetricsDoc | No
         kind=node.kind,
         state=state.state,
         healthy=True if st.healthy is None else st.healthy,
-        silent=st.healthy is False and st.busy,
+        connects=st.healthy is False and bool(st.busy or st.stalled
+                                              or st.consecutive_successes > 0),
         weight=node.weight,
         effective_weight=effective_weight(node.weight, state, now, slow_start_s, ramp_since),
         max_concurrency=node.max_concurrency,

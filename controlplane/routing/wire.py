@@ -220,11 +220,13 @@ class SnapshotNode(_Doc):
     """http | https (the edge verifies the certificate against ``tls_name``)."""
     tls_name: str | None = None
     """Host name of an ``https`` node: SNI and certificate check."""
-    silent: bool = False
-    """Unhealthy, and its latest poll connected but got no answer (a frozen or hung
-    process, not a refused connection): while no node of a model is eligible, the edge
-    holds that model's requests for a node to come back, within their deadline, as
-    nginx's proxy would wait on the silent node (lua/infergate/access.lua)."""
+    connects: bool = False
+    """Unhealthy, but likely to be back soon: its latest poll connected and got no answer
+    or an edge found it stalled (a frozen or hung process), or that poll was good (coming
+    back, not yet counted back by the health hysteresis); a refused connection or a
+    server that answers and fails is not this. While no node of a model is eligible, the edge holds
+    that model's requests for such a node within their deadline, as nginx's proxy would
+    wait on it (lua/infergate/access.lua)."""
     auth: str | None = field(default=None, repr=False)
     """``Authorization`` value the edge sends to the node (its API key), ``None``: none.
     Secret: every serving path redacts it
@@ -253,7 +255,7 @@ class SnapshotNode(_Doc):
                    models_any=bool(_bool(d.get("models_any"), False)) and models is not None,
                    scheme="https" if d.get("scheme") == "https" else "http",
                    tls_name=_str(d.get("tls_name"), None),
-                   silent=bool(_bool(d.get("silent"), False)), auth=_str(d.get("auth"), None))
+                   connects=bool(_bool(d.get("connects"), False)), auth=_str(d.get("auth"), None))
 
 
 @dataclass

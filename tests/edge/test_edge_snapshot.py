@@ -99,7 +99,7 @@ def test_a_frozen_pool_holds_requests_until_a_node_is_back(three) -> None:
     served once a node is healthy again; when the last silent node turns refused
     instead, the held request gets its 503 at once."""
     edge, ups, r = three
-    snap = write_snapshot(r, [{**u.snapshot_node(healthy=False), "silent": True} for u in ups])
+    snap = write_snapshot(r, [{**u.snapshot_node(healthy=False), "connects": True} for u in ups])
     edge.wait_snapshot(snap["version"])
     with ThreadPoolExecutor(2) as pool:
         t0 = time.monotonic()
@@ -108,12 +108,12 @@ def test_a_frozen_pool_holds_requests_until_a_node_is_back(three) -> None:
         time.sleep(1.0)                   # the outage's length (nothing to poll: held)
         assert not held.done() and sum(u.hits for u in ups) == 0
         snap = write_snapshot(r, [ups[0].snapshot_node()] + [
-            {**u.snapshot_node(healthy=False), "silent": True} for u in ups[1:]])
+            {**u.snapshot_node(healthy=False), "connects": True} for u in ups[1:]])
         for f in (held, held_stream):
             res = f.result(timeout=15)
             assert res.status_code == 200 and res.headers["X-Infergate-Node"] == "a", res.text
         assert 1.0 <= time.monotonic() - t0 < 10
-        snap = write_snapshot(r, [{**u.snapshot_node(healthy=False), "silent": True} for u in ups])
+        snap = write_snapshot(r, [{**u.snapshot_node(healthy=False), "connects": True} for u in ups])
         edge.wait_snapshot(snap["version"])
         held = pool.submit(_post, edge)
         time.sleep(0.3)                   # a request not held has its 503 within ms

@@ -49,30 +49,38 @@ def test_the_snapshot_json_is_the_documented_bytes():
         '"state":"active","healthy":true,"weight":1.0,"effective_weight":1.0,'
         '"max_concurrency":8,"slots":8,"slots_source":"config",'
         '"score":0.3,"saturated":false,"queue_depth":1.0,"running":2.0,'
-        '"kv_cache_usage":0.25,"has_metrics":true,"models":["m-1","m-2"],"models_any":false,"silent":false},'
+        '"kv_cache_usage":0.25,"has_metrics":true,"models":["m-1","m-2"],"models_any":false,"connects":false},'
         '{"name":"b","url":"http://10.0.0.2:8001","host":null,"port":8001,"kind":"vllm",'
         '"state":"draining","healthy":true,"weight":2.0,"effective_weight":2.0,'
         '"max_concurrency":64,"slots":null,"slots_source":null,'
         '"score":null,"saturated":false,"queue_depth":null,'
-        '"running":null,"kv_cache_usage":null,"has_metrics":false,"models":null,"models_any":false,"silent":false}]}')
+        '"running":null,"kv_cache_usage":null,"has_metrics":false,"models":null,"models_any":false,"connects":false}]}')
     again = RoutingSnapshot.from_json(snap.to_json())
     assert again == snap and again.to_json() == snap.to_json()
     assert again.node("b").state == "draining" and again.node("zz") is None
 
 
-def test_a_node_is_silent_when_unhealthy_and_its_poll_connected_without_an_answer():
-    """``silent`` (the edge holds requests for such a node while none is eligible): only
-    an unhealthy node whose last poll connected and timed out, not a refused one, not a
-    busy node that is still healthy."""
-    nodes = [NodeSettings(name=n, url=f"http://10.0.0.{i}:8000") for i, n in enumerate("abc", 1)]
+def test_a_node_connects_when_unhealthy_and_its_last_poll_connected():
+    """``connects`` (the edge holds requests for such a node while none is eligible): an
+    unhealthy node whose last poll connected and timed out (frozen), that an edge found
+    stalled, or whose last poll was good (coming back); not a refused one, not one that
+    answers and fails, not a healthy one."""
+    nodes = [NodeSettings(name=n, url=f"http://10.0.0.{i}:8000") for i, n in enumerate("abcd", 1)]
+    nodes.append(NodeSettings(name="e", url="http://10.0.0.5:8000"))
+    down = {"healthy": False, "consecutive_successes": 0}
     snap = build_snapshot(version=1, now=1.0, leader="cp", nodes=nodes, states={},
-                          statuses={"a": status("a", healthy=False, busy=True).metrics(),
-                                    "b": status("b", healthy=False, busy=False).metrics(),
-                                    "c": status("c", healthy=True, busy=True).metrics()},
+                          statuses={"a": status("a", **down, busy=True).metrics(),
+                                    "b": status("b", **down, reachable=True).metrics(),
+                                    "c": status("c", **down, stalled=True).metrics(),
+                                    "d": status("d", healthy=True, busy=True).metrics(),
+                                    "e": status("e", healthy=False,
+                                                consecutive_successes=1).metrics()},
                           hosts={}, slow_start_s=0)
-    assert [(n.name, n.silent) for n in snap.nodes] == [("a", True), ("b", False), ("c", False)]
+    # b: answered and failed (an engine that is down behind a live server): not waited for
+    assert [(n.name, n.connects) for n in snap.nodes] == [
+        ("a", True), ("b", False), ("c", True), ("d", False), ("e", True)]
     again = RoutingSnapshot.from_json(snap.to_json())
-    assert again.node("a").silent and not again.node("b").silent
+    assert again.node("a").connects and not again.node("b").connects
     assert NodeMetricsDoc.from_dict(status("a", busy=True).metrics_doc()).busy is True
 
 

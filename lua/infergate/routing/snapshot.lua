@@ -143,7 +143,7 @@ local function make_node(n)
         port = port,
         state = state,
         healthy = n.healthy ~= false,
-        silent = n.silent == true,  -- unhealthy, connected but no answer (infergate.access)
+        connects = n.connects == true,  -- unhealthy, its last poll connected (infergate.access)
         weight = weight,
         effective_weight = ew,
         max_concurrency = maxc,
