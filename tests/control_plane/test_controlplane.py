@@ -65,11 +65,11 @@ def cp_factory(redis_server):
 NODE_KEYS = {"name", "url", "host", "port", "kind", "state", "healthy", "weight",
              "effective_weight", "max_concurrency", "slots", "slots_source", "score",
              "saturated", "queue_depth", "running", "kv_cache_usage", "has_metrics", "models",
-             "models_any"}
+             "models_any", "connects"}
 METRICS_KEYS = {"name", "ts", "healthy", "reachable", "dialect", "queue_depth", "running",
                 "kv_cache_usage", "e2e_avg_s", "ttft_avg_s", "prompt_tokens_total",
                 "generation_tokens_total", "score", "saturated", "consecutive_failures",
-                "consecutive_successes", "last_error", "poll_ms", "has_metrics", "stalled"}
+                "consecutive_successes", "last_error", "poll_ms", "has_metrics", "stalled", "busy"}
 
 
 def test_snapshot_shape_and_per_node_keys(redis_server, sims, pool, cp_factory):
