@@ -45,6 +45,7 @@ local deadline = require("infergate.admission.deadline")
 local inputguard = require("infergate.admission.inputguard")
 local bodykind = require("infergate.core.bodykind")
 local cors = require("infergate.core.cors")
+local abort = require("infergate.core.abort")
 
 local _M = {}
 
@@ -434,22 +435,28 @@ local function held_for_thaw(req, t)
     end
     local give_up = now + left - math.max(1, math.min(5, left / 4))
     local gone
+    local watch = abort.watch(req, function() end)  -- a client that leaves ends it (499)
+    local back = false
     while now < give_up do
-        ngx.sleep(math.min(_M.THAW_POLL_S, give_up - now))
+        ngx.sleep(math.max(0.001, math.min(_M.THAW_POLL_S, give_up - now)))
         now = ngx_now()
         t = snapshot.current()
         if balancer.count_eligible(t, req.tried, now, req.model) > 0 then
-            return true
+            back = true
+            break
         end
         if node_may_return(t, req.model) then
             gone = nil
         elseif not gone then
             gone = now
         elseif now - gone >= _M.THAW_GONE_S then
-            return false  -- refused for a while, not one poll's flap: the 503
+            break  -- refused for a while, not one poll's flap: the 503
         end
     end
-    return false
+    if watch then
+        abort.unwatch(req, watch)
+    end
+    return back
 end
 
 local function step_eligible(req)

@@ -5,6 +5,7 @@ going away and coming back, bad snapshots, and the per-edge stats it publishes."
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import Counter
@@ -123,6 +124,14 @@ def test_a_frozen_pool_holds_requests_until_a_node_is_back(three) -> None:
         res = held.result(timeout=15)
         assert res.status_code == 503 and res.json()["error"]["code"] == "no_healthy_upstream"
         assert time.monotonic() - t1 < 5
+    # a client that leaves while held ends its request (499), no node is asked
+    snap = write_snapshot(r, [{**u.snapshot_node(healthy=False), "connects": True} for u in ups])
+    edge.wait_snapshot(snap["version"])
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(f"{edge.url}/v1/chat/completions", json=CHAT, timeout=0.5)
+    procs.wait_until(lambda: re.search(r'" 499 ', edge.access_log()), 10,
+                     what="the held request ended when its client left")
+    assert sum(u.hits for u in ups) == 2
 
 
 def test_draining_node_gets_nothing_new_while_its_stream_finishes(three) -> None:
