@@ -8,8 +8,9 @@
 --                  body has the same bounds, a multipart/form-data body gives its "model"
 --                  field, any other body passes unread (infergate.core.bodykind)
 --   step_eligible  no eligible node among those serving the request's model: 503, unless
---                  one of them may be back soon (frozen, or coming back: held_for_thaw
---                  waits for it within the request's deadline, as nginx's proxy would)
+--                  one of them may be back soon (frozen, or coming back: infergate.
+--                  admission.thaw holds the request for it within its deadline, as
+--                  nginx's proxy would wait)
 --
 -- The body step reads the whole body once into the request's state (req.raw_body,
 -- req.body_bytes: infergate.core.reqctx.body_text; nginx already enforces client_max_body_size:
@@ -39,18 +40,16 @@ local reqctx = require("infergate.core.reqctx")
 local snapshot = require("infergate.routing.snapshot")
 local balancer = require("infergate.routing.balancer")
 local affinity = require("infergate.routing.affinity")
-local models = require("infergate.routing.models")
+local thaw = require("infergate.admission.thaw")
 local config = require("infergate.core.config")
 local deadline = require("infergate.admission.deadline")
 local inputguard = require("infergate.admission.inputguard")
 local bodykind = require("infergate.core.bodykind")
 local cors = require("infergate.core.cors")
-local abort = require("infergate.core.abort")
 
 local _M = {}
 
 local type = type
-local ipairs = ipairs
 local tostring = tostring
 local format = string.format
 
@@ -404,65 +403,10 @@ local function step_body(req)
     end
 end
 
--- Whether an active node of `model` may be back soon: healthy in the snapshot (out for
--- its circuit breaker, or its one probe in flight), or unhealthy but its last poll
--- connected (frozen: no answer; or answering again, not yet counted back), not refused.
-local function node_may_return(t, model)
-    for _, node in ipairs(t.nodes) do
-        if (node.healthy or node.connects) and node.addr and node.state == "active"
-                and models.serves(node, model) then
-            return true
-        end
-    end
-    return false
-end
-
--- Poll period (s) of a request held while its model's nodes are out, and how long (s)
--- none of them may be back before the held request gets its 503 (one poll's result can
--- flap: a poll skipped while the previous one still waits says nothing).
-_M.THAW_POLL_S = 0.2
-_M.THAW_GONE_S = 2
-
--- No node of the request's model is eligible and one of them may be back soon: as
--- nginx's proxy waits on a frozen node, the request is held for one while its deadline
--- leaves room to be served after (a quarter of it left, 1-5 s); true when a node is
--- eligible again. No deadline: not held.
-local function held_for_thaw(req, t)
-    local now = ngx_now()
-    local left = deadline.remaining(req, now)
-    if not left or not node_may_return(t, req.model) then
-        return false
-    end
-    local give_up = now + left - math.max(1, math.min(5, left / 4))
-    local gone
-    local watch = abort.watch(req, function() end)  -- a client that leaves ends it (499)
-    local back = false
-    while now < give_up do
-        ngx.sleep(math.max(0.001, math.min(_M.THAW_POLL_S, give_up - now)))
-        now = ngx_now()
-        t = snapshot.current()
-        if balancer.count_eligible(t, req.tried, now, req.model) > 0 then
-            back = true
-            break
-        end
-        if node_may_return(t, req.model) then
-            gone = nil
-        elseif not gone then
-            gone = now
-        elseif now - gone >= _M.THAW_GONE_S then
-            break  -- refused for a while, not one poll's flap: the 503
-        end
-    end
-    if watch then
-        abort.unwatch(req, watch)
-    end
-    return back
-end
-
 local function step_eligible(req)
     local t = snapshot.current()
     if balancer.count_eligible(t, req.tried, ngx_now(), req.model) == 0
-            and not held_for_thaw(req, t) then
+            and not thaw.held(req, t) then
         return {
             status = 503,
             message = "No inference node is available (all are unhealthy, draining or have an "

@@ -102,6 +102,9 @@ def test_a_frozen_pool_holds_requests_until_a_node_is_back(three) -> None:
     edge, ups, r = three
     snap = write_snapshot(r, [{**u.snapshot_node(healthy=False), "connects": True} for u in ups])
     edge.wait_snapshot(snap["version"])
+    t0 = time.monotonic()             # the model list is not held: no slot to wait for
+    assert requests.get(f"{edge.url}/v1/models", timeout=5).status_code == 503
+    assert time.monotonic() - t0 < 1
     with ThreadPoolExecutor(2) as pool:
         t0 = time.monotonic()
         held = pool.submit(_post, edge, stream=False)
@@ -124,6 +127,17 @@ def test_a_frozen_pool_holds_requests_until_a_node_is_back(three) -> None:
         res = held.result(timeout=15)
         assert res.status_code == 503 and res.json()["error"]["code"] == "no_healthy_upstream"
         assert time.monotonic() - t1 < 5
+    # at most as many held as those nodes have slots (1 each here): the rest get the 503
+    # at once
+    snap = write_snapshot(r, [{**u.snapshot_node(healthy=False, max_concurrency=1),
+                               "connects": True} for u in ups])
+    edge.wait_snapshot(snap["version"])
+    with ThreadPoolExecutor(5) as pool:
+        futs = [pool.submit(_post, edge) for _ in range(5)]
+        procs.wait_until(lambda: sum(f.done() for f in futs) == 2, 10, what="two 503s at once")
+        assert all(f.result().status_code == 503 for f in futs if f.done())
+        write_snapshot(r, [u.snapshot_node(max_concurrency=1) for u in ups])
+        assert sorted(f.result(timeout=15).status_code for f in futs) == [200] * 3 + [503] * 2
     # a client that leaves while held ends its request (499), no node is asked
     snap = write_snapshot(r, [{**u.snapshot_node(healthy=False), "connects": True} for u in ups])
     edge.wait_snapshot(snap["version"])
@@ -131,7 +145,7 @@ def test_a_frozen_pool_holds_requests_until_a_node_is_back(three) -> None:
         requests.post(f"{edge.url}/v1/chat/completions", json=CHAT, timeout=0.5)
     procs.wait_until(lambda: re.search(r'" 499 ', edge.access_log()), 10,
                      what="the held request ended when its client left")
-    assert sum(u.hits for u in ups) == 2
+    assert sum(u.hits for u in ups) == 5
 
 
 def test_draining_node_gets_nothing_new_while_its_stream_finishes(three) -> None:
