@@ -353,3 +353,34 @@ def test_a_quiet_node_gets_an_early_liveness_check_and_is_found_when_it_fails(
     assert got["byte_since"] is False and got["answered_since"] is False
     assert got["by_name"] is True and got["off"] is True
     assert got["after"] == [False, 1]
+
+
+def test_a_node_that_answered_a_check_just_before_it_froze_is_still_found(
+        workdir: Path) -> None:
+    """A check answered just after the request started (the node froze a moment later)
+    is older than the early check that then got no answer: the node is found silent. The
+    answer is compared with when that failed check began, not with the start of the
+    silence it was made for (before, such a node was never found, and a stream waited on
+    it for its whole read bound: 37-67 s on real engines)."""
+    got = run(workdir, """
+            local d = ngx.shared.infergate_stats
+            local t0 = 1000
+            local hn = {name = "h", scheme = "http", addr = "127.0.0.1", port = 9}
+            for i = 1, 10 do answered("h", t0, 0.2, false) end      -- threshold: 5 s floor
+            d:set("lb:h", t0 + 0.05)                                -- its last byte
+            local att = stats.open_attempt("h", t0 + 0.1)
+            outlier.track(att, false)
+            d:set("la:h", t0 + 0.12)               -- answered a check, then froze
+            local out = {}
+            out.before = outlier.is_outlier(hn, t0 + 1.3)
+            d:set("lx:h", t0 + 0.1)                -- the early check of that silence...
+            d:set("lq:h", t0 + 1.3)                -- ...began after the answer: none came
+            out.found = outlier.is_outlier(hn, t0 + 2.4)
+            out.gone = outlier.gone_silent(hn, att, t0 + 2.4)
+            d:set("la:h", t0 + 2.5)                -- it answers again: not silent
+            d:delete("ol:h")
+            d:delete("os:h")
+            out.answered = outlier.is_outlier(hn, t0 + 2.6)
+            return out
+    """, floor=5.0, stream_floor=5.0)
+    assert got == {"before": False, "found": True, "gone": True, "answered": False}, got

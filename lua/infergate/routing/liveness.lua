@@ -41,6 +41,7 @@
 --   "lh:<node>"  the "le:" value whose early check was started (TTL EARLY_RECHECK_S)
 --   "lx:<node>"  the "le:" value whose early check got no answer
 --   "ly:<node>"  the same, once a second check of that silence got none either
+--   "lq:<node>"  epoch s the latest early check that got no answer began
 --
 -- holds(node, since, now, o)  balancer phase (no I/O): true while the node waits for an
 --                             answer to a check
@@ -50,7 +51,7 @@
 --                             quiet since epoch s `since`
 -- failed_early(name, twice)   the `since` of an early check that got no answer (twice:
 --                             two checks of that silence), when no check answered
---                             after it; else nil
+--                             after that check began; else nil
 -- mid_stream(node, since, o)  "alive" | "dead" | "pending" for a stream silent since
 --                             `since` (asks for a check; no I/O)
 -- tick(nodes, o, threshold, inflight)  worker 0's timer: starts a check (a timer each) per
@@ -140,7 +141,9 @@ end
 function _M.failed_early(name, twice)
     local d = dict()
     local lx = d:get((twice and "ly:" or "lx:") .. name)
-    if lx and (d:get("la:" .. name) or 0) < lx then
+    -- no answer since the failed check began ("lq:"; a node that answered a check just
+    -- before it froze, after its silence began, is still found)
+    if lx and (d:get("la:" .. name) or 0) < (d:get("lq:" .. name) or lx) then
         return lx
     end
     return nil
@@ -219,6 +222,7 @@ local function run_check(node, since, t)
 end
 
 local function run_early(node, since, t)
+    local began = ngx_now()
     local ok, err = _M.check(node, t)
     local d = dict()
     if ok then
@@ -230,6 +234,7 @@ local function run_early(node, since, t)
             d:set("ly:" .. node.name, since, _M.HOLD_MAX_S) -- a second one, same silence
         end
         d:set("lx:" .. node.name, since, _M.HOLD_MAX_S)
+        d:set("lq:" .. node.name, began, _M.HOLD_MAX_S)
     end
 end
 
