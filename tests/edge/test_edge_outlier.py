@@ -43,6 +43,21 @@ def _stream(edge, timeout: float = 20) -> tuple[int, str | None, bytes | None]:
     return res.status_code, res.headers.get("X-Infergate-Node"), body
 
 
+def _stream_until_on(edge, a, b, node_is: str | None = None, timeout: float = 20):
+    """Sends streams until one is sent to ``a`` (ties between idle nodes are broken at
+    random), each answered whole (200, [DONE], its first token once) and, with
+    ``node_is``, naming that node; returns (seconds that one took, b's new requests
+    meanwhile), or None after 16 streams."""
+    for _ in range(16):
+        hits, b_hits, t0 = a.hits, b.hits, time.monotonic()
+        status, node, body = _stream(edge, timeout=timeout)
+        assert status == 200 and body and b"[DONE]" in body and body.count(b"tok0") == 1
+        assert node_is is None or node == node_is, node
+        if a.hits > hits:
+            return time.monotonic() - t0, b.hits - b_hits
+    return None
+
+
 def _threshold(edge, name: str, kind: str = "plain") -> float:
     """The node's outlier threshold (s) as the edge computes it from its TTFB history
     (``kind``: "plain" or "stream"): max(floor, outlier_ttfb_factor x p90), the floor
@@ -517,15 +532,9 @@ def test_a_stream_on_a_node_that_froze_while_idle_moves_on_after_the_early_check
         assert _stream(edge)[0] == 200
     a.mode = "frozen"
     try:
-        took = None
-        for _ in range(6):                 # the least-loaded pick alternates: one lands on a
-            hits, t0 = a.hits, time.monotonic()
-            status, node, body = _stream(edge)
-            assert status == 200 and node == "b" and body and b"[DONE]" in body
-            if a.hits > hits:
-                took = time.monotonic() - t0
-                break
-        assert took is not None, "no stream was sent to the frozen node"
+        landed = _stream_until_on(edge, a, b, node_is="b")
+        assert landed is not None, "no stream was sent to the frozen node"
+        took = landed[0]
         # quiet 1 s, the early check's 1 s, the relay's next look (WATCH_S); a second
         # check would add its 3 s
         assert took < 4.0, f"the stream waited {took:.1f} s on the frozen node"
@@ -550,16 +559,10 @@ def test_a_stream_whose_node_froze_after_its_headers_moves_on_after_the_early_ch
         assert _stream(edge)[0] == 200
     a.mode = "stall_frozen"
     try:
-        took = None
-        for _ in range(16):                # ties between idle nodes are broken at random
-            hits, b_hits, t0 = a.hits, b.hits, time.monotonic()
-            status, _, body = _stream(edge)
-            assert status == 200 and body and b"[DONE]" in body and body.count(b"tok0") == 1
-            if a.hits > hits:
-                took = time.monotonic() - t0
-                assert b.hits == b_hits + 1      # continued on b
-                break
-        assert took is not None, "no stream was sent to the frozen node"
+        landed = _stream_until_on(edge, a, b)
+        assert landed is not None, "no stream was sent to the frozen node"
+        took, on_b = landed
+        assert on_b == 1                   # continued on b
         # quiet 1 s after the headers, the early check's 1 s, the relay's next look
         assert took < 4.0, f"the stream waited {took:.1f} s on the frozen node"
     finally:
@@ -582,14 +585,8 @@ def test_a_long_prefill_after_the_head_is_waited_on_while_the_node_answers_its_c
     for _ in range(4):
         assert _stream(edge)[0] == 200
     a.head_first_s = 5.0
-    took = None
-    for _ in range(16):                    # ties between idle nodes are broken at random
-        a_hits, b_hits, t0 = a.hits, b.hits, time.monotonic()
-        status, _, body = _stream(edge, timeout=30)
-        assert status == 200 and body and b"[DONE]" in body and body.count(b"tok0") == 1
-        if a.hits > a_hits:
-            took = time.monotonic() - t0
-            assert b.hits == b_hits, "redone on b while a prefilled"
-            break
-    assert took is not None, "no stream was sent to a"
+    landed = _stream_until_on(edge, a, b, timeout=30)
+    assert landed is not None, "no stream was sent to a"
+    took, on_b = landed
+    assert on_b == 0, "redone on b while a prefilled"
     assert took >= 5.0 and a.gets > 0, (took, a.gets)   # a's own answer, after checks
