@@ -16,6 +16,8 @@
 --   shed               429: every eligible node stayed saturated for the whole wait
 --   deadline_exceeded  504: the request's deadline passed before a node answered
 --   waiting            gauge: requests waiting for capacity right now
+--   held               gauge: requests held for a node of their model to come back
+--                      right now (infergate.admission.thaw)
 --
 -- No I/O: safe in every phase.
 local options = require("infergate.admission.options")
@@ -24,14 +26,15 @@ local _M = {}
 
 _M.NAMES = { "auth_rejected", "auth_unavailable", "auth_throttled", "auth_kept",
              "auth_store_missing", "auth_static", "rate_limited", "limits_local", "shed",
-             "deadline_exceeded", "waiting" }
+             "deadline_exceeded", "waiting", "held" }
 
 local function dict()
     return ngx.shared[options.DICT_LIMITS]
 end
 
+-- Adds n (default 1) to a counter; its new value (nil when the dict refused).
 function _M.incr(name, n)
-    dict():incr("c:" .. name, n or 1, 0)
+    return (dict():incr("c:" .. name, n or 1, 0))
 end
 
 -- Sets the gauge name to 1 for ttl seconds (then it reads 0 again).

@@ -1,14 +1,14 @@
 -- A request held for a node to come back (infergate.access, step "eligible"): when no
 -- node of its model is eligible but one may be back soon (a frozen pool: nginx's proxy
--- would wait on it; a 503 a second would send every client into the outage). Shared
--- dict infergate_stats: "thaw_held" = requests held at this edge now (all workers).
-local config = require("infergate.core.config")
+-- would wait on it; a 503 a second would send every client into the outage). The
+-- requests held at this edge now (all workers): the admission gauge "held".
 local ngxapi = require("infergate.core.ngxapi")
 local abort = require("infergate.core.abort")
 local snapshot = require("infergate.routing.snapshot")
 local balancer = require("infergate.routing.balancer")
 local models = require("infergate.routing.models")
 local deadline = require("infergate.admission.deadline")
+local astats = require("infergate.admission.stats")
 
 local _M = {}
 
@@ -36,9 +36,6 @@ end
 _M.THAW_POLL_S = 0.2
 _M.THAW_GONE_S = 2
 
--- Requests held at this edge now (all workers), in the stats dict.
-local HELD_KEY = "thaw_held"
-
 -- No node of the request's model is eligible and one of them may be back soon: as
 -- nginx's proxy waits on a frozen node, a request that takes a slot (routes "inference"
 -- and "api") is held for one while its deadline leaves room to be served after (a
@@ -55,17 +52,19 @@ function _M.held(req, t)
     if cap == 0 then
         return false
     end
-    local d = ngx.shared[config.DICT_STATS]
-    local held = d:incr(HELD_KEY, 1, 0)
-    if not held or held > cap then
-        d:incr(HELD_KEY, -1, 0)
+    local held = astats.incr("held")
+    if not held then
+        return false
+    end
+    if held > cap then
+        astats.incr("held", -1)
         return false
     end
     local released = false
     local function release()
         if not released then
             released = true
-            d:incr(HELD_KEY, -1, 0)
+            astats.incr("held", -1)
         end
     end
     local watch = abort.watch(req, release)  -- a client that leaves ends it (499)

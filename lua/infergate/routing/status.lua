@@ -7,7 +7,8 @@
 --  "inflight_total",
 --  "admission": {"auth_rejected", "auth_unavailable", "auth_throttled", "auth_kept",
 --                "auth_store_missing", "rate_limited", "limits_local",
---                "shed", "deadline_exceeded", "waiting"}   (infergate.admission.stats)
+--                "shed", "deadline_exceeded", "waiting", "held"}
+--                                                 (infergate.admission.stats)
 --  "nodes": [{"name", "host", "port", "state", "healthy", "weight", "effective_weight",
 --             "max_concurrency", "slots" (known hard limit, null = none), "score",
 --             "saturated", "eligible", "inflight",
