@@ -93,6 +93,14 @@ class EdgeSettings(_Section):
     """``proxy_next_upstream_timeout``: no new try after this long, seconds (0 = no limit)."""
     client_max_body_size: str = Field(default="8m", pattern=r"^[1-9][0-9]*[kKmMgG]?$")
     """Largest request body (nginx size: ``8m``, ``512k``, ``1048576`` bytes)."""
+    client_body_buffer_size: str = Field(default="1m", pattern=r"^[1-9][0-9]*[kKmMgG]?$")
+    """nginx ``client_body_buffer_size``: a body up to this size is read into memory, a
+    larger one goes to a temporary file under nginx's ``client_body_temp_path`` (read back
+    once for validation; plain nginx keeps it there too, and logs a ``[warn]`` "a client
+    request body is buffered to a temporary file" for each). It bounds what a slow upload
+    holds in memory per connection while it arrives: with the whole 8 MB
+    ``client_max_body_size`` in memory, each connection trickling an 8 MB body held about
+    7.6 MB of an nginx worker until the body timeout."""
     breaker_failures: int = Field(default=5, ge=1, le=10000)
     """Consecutive failures that open a node's circuit breaker."""
     breaker_cooldown_s: float = Field(default=10.0, ge=0, le=86400)

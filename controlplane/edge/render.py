@@ -20,7 +20,7 @@ Every ``edge.*`` setting is used: ``listen`` (standalone ``listen``), ``edge_id`
 ``inflight_cost`` go to the Lua options; ``max_tries`` -> ``proxy_next_upstream_tries``
 and the balancer's extra tries; ``*_timeout_ms`` -> ``proxy_*_timeout`` and the
 balancer's ``set_timeouts``; ``retry_window_s`` -> ``proxy_next_upstream_timeout``;
-``client_max_body_size`` -> ``client_max_body_size`` and ``client_body_buffer_size``;
+``client_max_body_size`` -> ``client_max_body_size``; ``client_body_buffer_size`` -> the same;
 ``keepalive`` -> upstream ``keepalive``; ``workers`` -> ``worker_processes``;
 ``metrics_listen`` -> the ``server {}`` of ``GET /metrics`` in the http include (none when
 empty); ``client_body_timeout_ms`` -> ``client_body_timeout`` and the Lua body read. The
@@ -443,6 +443,7 @@ def _template_context(settings: Settings, *, source: str, out: Path, pre: Path,
         "api_paths": PROXIED_API_PATHS,
         "tokenizer_paths": TOKENIZER_PATHS,
         "client_max_body_size": settings.edge.client_max_body_size,
+        "client_body_buffer_size": settings.edge.client_body_buffer_size,
         "connect_timeout": _duration(settings.edge.connect_timeout_ms),
         "send_timeout": _duration(settings.edge.send_timeout_ms),
         "read_timeout": _duration(settings.edge.read_timeout_ms),

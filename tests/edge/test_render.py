@@ -97,7 +97,8 @@ http {{
 
 def test_settings_reach_the_directives(workdir: Path) -> None:
     s = _settings(max_tries=4, connect_timeout_ms=1500, read_timeout_ms=30000, send_timeout_ms=45000,
-                  retry_window_s=12.5, client_max_body_size="2m", keepalive=16, workers=3,
+                  retry_window_s=12.5, client_max_body_size="2m",
+                  client_body_buffer_size="256k", keepalive=16, workers=3,
                   edge_id="edge-7", breaker_failures=7, breaker_cooldown_s=3.0, inflight_cost=2.0,
                   sync_interval_s=0.25, stale_after_s=4.0, redis_timeout_ms=150)
     r = render_nginx(s, workdir / "out", listen="127.0.0.1:18127")
@@ -108,7 +109,8 @@ def test_settings_reach_the_directives(workdir: Path) -> None:
     assert "proxy_connect_timeout 1500ms;" in server
     assert "proxy_read_timeout 30s;" in server and "proxy_send_timeout 45s;" in server
     assert "proxy_next_upstream_timeout 12500ms;" in server
-    assert "client_max_body_size 2m;" in server and "client_body_buffer_size 2m;" in server
+    assert "client_max_body_size 2m;" in server and "client_body_buffer_size 256k;" in server
+    assert "client_body_buffer_size 1m;" in render_nginx(_settings(), workdir / "d").server_conf.read_text()
     assert "non_idempotent" in server and "proxy_buffering off;" in server
     assert "proxy_request_buffering on;" in server and "proxy_http_version 1.1;" in server
     for code in (400, 404, 405, 413, 429, 500, 502, 503, 504):

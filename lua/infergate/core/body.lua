@@ -7,10 +7,9 @@
 --   local n = body.prompt_chars(obj)
 --
 -- text() returns the body as one string, whether nginx kept it in memory or spilled it
--- to a temp file (the rendered config keeps every accepted body in memory; the file is
--- only read for hand-written configs with a smaller client_body_buffer_size): the body,
--- nil when there is none, or nil, err when the temp file cannot be read (blocking disk
--- I/O, a fallback only).
+-- to a temp file (bodies over edge.client_body_buffer_size, 1m by default: the file was
+-- just written and is read from the page cache): the body, nil when there is none, or
+-- nil, err when the temp file cannot be read.
 local _M = {}
 
 local io_open = io.open
