@@ -1,5 +1,5 @@
 """The closed classes of :mod:`.contrast`: English words whose members answer different
-questions (and, by pattern, a few Chinese forms: 一行 / 所有行). Lowercase single words
+questions (and, by pattern, a few Chinese forms: 一行 / 所有行, 发货 / 到货). Lowercase single words
 (matched whole); a member is the tuple of its forms.
 Ambiguous forms are left out or matched by a pattern in :data:`PATTERNS` instead: ``may``
 (the verb; the month only as "in May", "May 5"), ``one`` (a quantity only before what it
@@ -61,6 +61,10 @@ CONTRASTS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
     ("send/receive", (("send", "sending", "sent", "sender"),
                       ("receive", "receiving", "received", "receiver", "recipient"))),
     ("borrow/lend", (("borrow", "borrowing", "borrowed"), ("lend", "lending", "lent"))),
+    # who hands it over: "How do I get a refund?" / "How do I give a refund?" ("given" is
+    # left out: "been given" is to get, "given that" neither)
+    ("give/get", (("give", "gives", "giving", "gave"),
+                  ("get", "gets", "getting", "got", "gotten", "obtain", "obtained"))),
     ("push/pull", (("push", "pushing"), ("pull", "pulling"))),
     ("arithmetic", (("add", "addition", "plus"), ("subtract", "subtraction", "minus"),
                     ("multiply", "multiplication"), ("divide", "division"))),
@@ -122,6 +126,7 @@ CONTRASTS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
     ("data size", (("kb", "kilobyte", "kilobytes"), ("mb", "megabyte", "megabytes"),
                    ("gb", "gigabyte", "gigabytes"), ("tb", "terabyte", "terabytes"),
                    ("bit", "bits"), ("byte", "bytes"))),
+    ("shipping", (("ship-dispatch",), ("ship-arrive",), ("ship-return",))),
     ("currency", (("dollar", "dollars", "usd"), ("euro", "euros", "eur"), ("yen", "jpy"),
                   ("rupee", "rupees", "inr"), ("yuan", "rmb", "cny"), ("peso", "pesos"),
                   ("bitcoin", "btc"))),
@@ -163,6 +168,12 @@ PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
                 r"页|件|封|笔|台|篇|首|部|本|位)"), "one-item"),
     (re.compile(r"所有|每一?(?:个(?!月|小时|星期|礼拜|季度|工作日)|行|列|张|条|份|项|页|件|封|"
                 r"笔|台|篇|首|部|本|位)"), "all-item"),
+    # an order's stages in Chinese: sent out (发货), arrived (到货, 送达, "什么时候到？"),
+    # sent back (退货): 订单什么时候发货 / 订单什么时候到货 ask different things
+    (re.compile(r"发货|发出|寄出|出库|发快递"), "ship-dispatch"),
+    (re.compile(r"到货|送达|寄到|送到|收到货|到(?=\s*(?:吗|呢|啊|了吗)?\s*[？?。!！]?\s*$)"),
+     "ship-arrive"),
+    (re.compile(r"退货|退回去|寄回"), "ship-return"),
     # a question asking leave ("Can I pay rent by card?") against one asking whether it
     # is required ("Must I ...?", "Do I have to ...?"); "should" is neither
     (re.compile(r"^\W*(?:can|could|may)\s+(?:i|we|you|one)\b", re.IGNORECASE), "can-ask"),

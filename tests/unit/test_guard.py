@@ -162,6 +162,13 @@ from controlplane.embedder import contrast, guard, scope
     ("How do I select every other row in Excel?", "How do I select every row in Excel?",
      "contrast:one/all"),
     ("如何在Excel中删除一行？", "如何在Excel中删除所有行？", "contrast:one/all"),
+    # who hands it over; which stage of an order
+    ("How can I get a refund?", "How can I give a refund?", "contrast:give/get"),
+    ("How do I give a customer a discount?", "How do I obtain a discount?", "contrast:give/get"),
+    ("订单什么时候发货？", "订单什么时候到货？", "contrast:shipping"),
+    ("我的订单什么时候发货？", "我的订单什么时候到？", "contrast:shipping"),
+    ("包裹什么时候寄出", "包裹什么时候送达", "contrast:shipping"),
+    ("怎么退货", "怎么发货", "contrast:shipping"),
     # two sides trading places around what stays (guard.sides_traded)
     ("Did Germany beat Brazil 7-1 in 2014?", "Did Brazil beat Germany 7-1 in 2014?", "order"),
     ("What is 30 degrees Celsius in Fahrenheit?", "What is 30 degrees Fahrenheit in Celsius?",
@@ -295,6 +302,11 @@ def test_passes_equivalent_pairs(query: str, candidate: str) -> None:
     ("Am I eligible for a refund?", "Can I get a refund?"),      # "am": a verb, not a time
     ("Can you tell us the opening hours?", "What are the opening hours in the UK?"),
     ("How do I log in?", "How can I log in to my account?"),
+    ("How do I get a refund?", "How can I get my money back?"),     # one member
+    ("What is the worst advice you have ever got?", "What is the worst advice you've been given?"),
+    ("我的快递什么时候到？", "我的快递多久能到？"),
+    ("订单什么时候发货", "订单一般多久发货？"),
+    ("到了北京怎么办理", "怎么办理"),            # 到 not at the end: no arrival asked
 ])
 def test_a_closed_class_named_alike_or_on_one_side_is_no_contrast(query: str,
                                                                    candidate: str) -> None:
