@@ -335,28 +335,39 @@ def check_node_url(node: NodeSettings, settings: Settings | None) -> NodeSetting
     return node
 
 
+def _no_node(name: str) -> NotFound:
+    return NotFound(f"no node named {registry.shorten(name)!r}", "node_not_found")
+
+
 def _require(r: redis.Redis, name: str) -> NodeSettings:
     node = registry.get_node(r, name)
     if node is None:
-        raise NotFound(f"no node named {name!r}", "node_not_found")
+        raise _no_node(name)
     return node
 
 
+def _taken(exc: registry.UrlTaken | registry.NameTaken) -> Conflict:
+    """A registry refusal as :class:`Conflict`: ``node_url_taken`` or ``node_exists``."""
+    if isinstance(exc, registry.NameTaken):
+        return Conflict(str(exc), "node_exists")
+    return Conflict(f"{exc} (drain, edit or remove that one)", "node_url_taken")
+
+
 def _put_unique(r: redis.Redis, node: NodeSettings, only_new: bool = False) -> bool:
-    """:func:`registry.put_node_unique`, its refusal as :class:`Conflict`
-    (``node_url_taken``)."""
+    """:func:`registry.put_node_unique`, its refusals as :class:`Conflict`
+    (``node_url_taken``, ``node_exists``)."""
     try:
         return registry.put_node_unique(r, node, only_new=only_new)
-    except registry.UrlTaken as exc:
-        raise Conflict(f"{exc} (drain, edit or remove that one)", "node_url_taken") from None
+    except (registry.UrlTaken, registry.NameTaken) as exc:
+        raise _taken(exc) from None
 
 
 def add_node(r: redis.Redis, data: object, actor: str, events_max: int = 10000,
              settings: Settings | None = None) -> NodeSettings:
     """Register a new node. Raises :class:`BadInput` (also for a refused URL, see
     :func:`node_url_refusal`; ``settings`` adds the own-port check and the allow list),
-    :class:`Conflict` (name taken: ``node_exists``; its server registered under another
-    name: ``node_url_taken``)."""
+    :class:`Conflict` (name taken, also in another case: ``node_exists``; its server
+    registered under another name: ``node_url_taken``). The node starts ``active``."""
     node = check_node_url(parse_node(data), settings)
     if node.has_credential() or node.ca_file:
         # a path or variable name given here would be read on the control plane's host
@@ -369,12 +380,29 @@ def add_node(r: redis.Redis, data: object, actor: str, events_max: int = 10000,
     return node
 
 
-def edit_node(r: redis.Redis, name: str, changes: object, actor: str,
-              events_max: int = 10000, settings: Settings | None = None) -> NodeSettings:
-    """Change some fields of a node (see :data:`EDITABLE`). Raises :class:`NotFound`,
-    :class:`BadInput` (unknown or invalid field, a refused URL as in :func:`add_node`,
-    or a rename attempt), :class:`Conflict` (a new URL another node has)."""
-    current = _require(r, name)
+class Stale(Conflict):
+    """A form's change to a field that someone else changed since the form was shown
+    (409 ``changed_meanwhile``): nothing is written."""
+
+    code = "changed_meanwhile"
+
+
+def _field(base: NodeSettings, field: str, value: object) -> object:
+    """``value`` of node ``field`` as stored (validated, normalised: ``"2"`` -> 2.0, a URL
+    without its trailing slash), on ``base``'s other fields. Raises :class:`BadInput`."""
+    return getattr(parse_node({**base.model_dump(), field: value, "name": base.name}), field)
+
+
+@dataclass
+class NodeEdit:
+    """Result of :func:`change_node`: the node as stored now, and ``{field: [old, new]}``
+    of what this call changed (empty: nothing changed, nothing written)."""
+
+    node: NodeSettings
+    diff: dict[str, list]
+
+
+def _check_changes(name: str, changes: object) -> dict:
     if not isinstance(changes, dict) or not changes:
         raise BadInput(f"expected a JSON object with some of {', '.join(EDITABLE)}")
     if "name" in changes and changes["name"] != name:
@@ -382,35 +410,93 @@ def edit_node(r: redis.Redis, name: str, changes: object, actor: str,
     unknown = sorted(set(changes) - set(EDITABLE) - {"name"})
     if unknown:
         raise BadInput(f"unknown field(s): {', '.join(unknown)}; editable: {', '.join(EDITABLE)}")
-    merged = {**current.model_dump(), **changes, "name": name}
-    node = parse_node(merged)
+    return {k: v for k, v in changes.items() if k != "name"}
+
+
+def change_node(r: redis.Redis, name: str, changes: object, actor: str,
+                events_max: int = 10000, settings: Settings | None = None,
+                seen: dict | None = None) -> NodeEdit:
+    """Change some fields of a node (see :data:`EDITABLE`), each on the document as
+    stored when it is written: the check that the node exists, the merge and the write
+    are one transaction (:func:`registry.update_node`), so a concurrent change of
+    another field is kept and a concurrent removal wins (404).
+
+    ``seen`` (a form): the values the form showed, by field. A field whose new value
+    equals what the form showed was not changed by the user and is left alone; a field
+    the user changed that someone else changed meanwhile (the stored value is no longer
+    the one shown) refuses the whole edit (:class:`Stale`). Without ``seen`` (the API,
+    the CLI) every field given is applied.
+
+    Writes ``node_edit`` (``{field: [old, new]}``) when something changed, nothing
+    otherwise. Raises :class:`NotFound`, :class:`BadInput` (unknown or invalid field, a
+    refused URL as in :func:`add_node`, or a rename attempt), :class:`Conflict` (a new
+    URL another node has), :class:`Stale`."""
+    changes = _check_changes(name, changes)
+    current = _require(r, name)
+    # validated first, outside the transaction (the URL check may resolve a name)
+    probe = parse_node({**current.model_dump(), **changes, "name": name})
     if "url" in changes:
-        check_node_url(node, settings)
-        _put_unique(r, node)
-    else:
-        registry.put_node(r, node)
-    diff = {k: [getattr(current, k), getattr(node, k)] for k in EDITABLE
-            if getattr(current, k) != getattr(node, k)}
-    registry.add_event(r, "node_edit", name, actor, diff, maxlen=events_max)
-    return node
+        check_node_url(probe, settings)
+    shown = {k: _field(current, k, seen[k]) for k in changes if seen is not None and k in seen}
+
+    def apply(now: NodeSettings) -> NodeSettings:
+        wanted = {}
+        stale = []
+        for k, v in changes.items():
+            if k in shown:
+                if _field(now, k, v) == shown[k]:
+                    continue            # as shown: not changed by this user
+                if getattr(now, k) != shown[k]:
+                    stale.append(k)     # changed by someone else since it was shown
+                    continue
+            wanted[k] = v
+        if stale:
+            raise Stale(", ".join(f"{k} was changed by someone else since you opened this "
+                                  f"page (now {registry.shorten(str(getattr(now, k)))})"
+                                  for k in stale)
+                        + "; reload the page and make your change again. Nothing was saved.")
+        return parse_node({**now.model_dump(), **wanted, "name": name})
+
+    try:
+        res = registry.update_node(r, name, apply)
+    except (registry.UrlTaken, registry.NameTaken) as exc:
+        raise _taken(exc) from None
+    if res is None:
+        raise _no_node(name)
+    diff = {k: [getattr(res.before, k), getattr(res.after, k)] for k in EDITABLE
+            if getattr(res.before, k) != getattr(res.after, k)}
+    if diff:
+        registry.add_event(r, "node_edit", name, actor, diff, maxlen=events_max)
+    return NodeEdit(res.after, diff)
+
+
+def edit_node(r: redis.Redis, name: str, changes: object, actor: str,
+              events_max: int = 10000, settings: Settings | None = None) -> NodeSettings:
+    """:func:`change_node` without ``seen`` (field-level merge, as ``PATCH``); returns
+    the node as stored now."""
+    return change_node(r, name, changes, actor, events_max, settings).node
 
 
 def remove_node(r: redis.Redis, name: str, actor: str, events_max: int = 10000) -> None:
-    """Delete a node with its state, metrics and history. Raises :class:`NotFound`."""
-    _require(r, name)
-    registry.remove_node(r, name)
+    """Delete a node with its state, metrics and history (entry and state in one
+    transaction, :func:`registry.remove_node`). Raises :class:`NotFound`, also to the
+    second of two removals at once."""
+    if not registry.remove_node(r, name):
+        raise _no_node(name)
     registry.add_event(r, "node_remove", name, actor, maxlen=events_max)
 
 
 @dataclass
 class StateChange:
-    """Result of drain/undrain: the state now, and whether this call changed it."""
+    """Result of drain/undrain: the state now, whether this call changed it, and a
+    ``warning`` for the operator (empty when none: see :func:`drain_warning`)."""
 
     name: str
     state: str
     since: float
     actor: str
     changed: bool
+    warning: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -420,30 +506,86 @@ def _state_change(name: str, st: NodeState, changed: bool) -> StateChange:
     return StateChange(name, st.state, st.since, st.actor, changed)
 
 
+def _served(node: NodeSettings, routed: dict[str, list[str] | None]) -> list[str] | None:
+    """The models ``node`` serves: configured, else as the routing snapshot lists them
+    (read from its ``/v1/models``); None = unknown (the edge may send it any model)."""
+    return node.models or routed.get(node.name) or None
+
+
+def _routed_models(r: redis.Redis) -> dict[str, list[str] | None]:
+    """Node name -> its models in the routing snapshot (missing or unreadable: none)."""
+    try:
+        snap = json.loads(r.get(keynames.ROUTING) or "{}")
+        return {str(n["name"]): (n.get("models") or None) for n in snap.get("nodes") or ()
+                if isinstance(n, dict) and "name" in n}
+    except (ValueError, TypeError, AttributeError):
+        return {}
+
+
+def drain_warning(r: redis.Redis, name: str) -> str:
+    """What a drain of ``name`` leaves without an active node, in words for the operator
+    (empty when nothing): no active node at all, or the models ``name`` serves (configured
+    or listed in the routing snapshot) that no other active node serves -- requests for
+    them get 503 ``no_healthy_upstream`` until a node is undrained or added. A node whose
+    models are unknown counts as serving every model."""
+    nodes = registry.list_nodes(r)
+    me = next((n for n in nodes if n.name == name), None)
+    if me is None:
+        return ""
+    states = registry.get_states(r)
+    active = [n for n in nodes
+              if n.name != name and states.get(n.name, NodeState()).state == "active"]
+    if not active:
+        return ("no active node is left: every request will get 503 no_healthy_upstream "
+                "until a node is undrained or added")
+    routed = _routed_models(r)
+    mine = _served(me, routed)
+    others = [_served(n, routed) for n in active]
+    if mine is None or any(o is None for o in others):
+        return ""
+    left = {m for o in others for m in (o or ())}
+    alone = [m for m in mine if m not in left]
+    if not alone:
+        return ""
+    return (f"no active node is left for model(s) {', '.join(alone)}: requests for "
+            f"{'it' if len(alone) == 1 else 'them'} will get 503 no_healthy_upstream until "
+            "a node serving it is undrained or added")
+
+
 def drain(r: redis.Redis, name: str, actor: str, events_max: int = 10000) -> StateChange:
     """Set the node ``draining`` (the leader turns it ``drained`` later, see
     docs/internals.md "Drain and slow start"). Idempotent: a node already draining or
-    drained keeps its state and ``since``. Raises :class:`NotFound`."""
-    _require(r, name)
-    st = registry.get_state(r, name)
-    if st.state in ("draining", "drained"):
-        return _state_change(name, st, False)
-    st = registry.set_state(r, name, "draining", actor)
-    registry.add_event(r, "drain", name, actor, {"from": "active"}, maxlen=events_max)
-    return _state_change(name, st, True)
+    drained keeps its state and ``since``. Checked and written in one transaction
+    (:func:`registry.change_state`): a node removed meanwhile is 404, never given a state
+    back. Never refused for leaving a model without an active node (maintenance), but
+    ``warning`` says so (:func:`drain_warning`). Raises :class:`NotFound`."""
+    res = registry.change_state(r, name, lambda st: None if st.state in ("draining", "drained")
+                                else NodeState("draining", time.time(), actor))
+    if res is None:
+        raise _no_node(name)
+    before, st = res
+    changed = before != st
+    if changed:
+        registry.add_event(r, "drain", name, actor, {"from": before.state}, maxlen=events_max)
+    out = _state_change(name, st, changed)
+    out.warning = drain_warning(r, name)
+    return out
 
 
 def undrain(r: redis.Redis, name: str, actor: str, events_max: int = 10000) -> StateChange:
     """Set the node ``active`` with a new ``since`` (slow start runs from it).
-    Idempotent: an active node keeps its ``since``. Raises :class:`NotFound`."""
-    _require(r, name)
-    st = registry.get_state(r, name)
-    if st.state == "active":
-        return _state_change(name, st, False)
-    prev = st.state
-    st = registry.set_state(r, name, "active", actor)
-    registry.add_event(r, "undrain", name, actor, {"from": prev}, maxlen=events_max)
-    return _state_change(name, st, True)
+    Idempotent: an active node keeps its ``since``. One transaction, as :func:`drain`.
+    Raises :class:`NotFound`."""
+    res = registry.change_state(r, name, lambda st: None if st.state == "active"
+                                else NodeState("active", time.time(), actor))
+    if res is None:
+        raise _no_node(name)
+    before, st = res
+    changed = before != st
+    if changed:
+        registry.add_event(r, "undrain", name, actor, {"from": before.state},
+                           maxlen=events_max)
+    return _state_change(name, st, changed)
 
 
 def node_json(node: NodeSettings) -> dict:
