@@ -293,36 +293,89 @@ def revoke_key(r: redis.Redis, key_id: str, now: float | None = None) -> ApiKey 
     return _update(r, key_id, revoke)
 
 
-def set_limits(r: redis.Redis, key_id: str, *, rpm: object = ..., tpm: object = ...,
-               label: object = ..., weight: object = ...,
-               priority: object = ...) -> ApiKey | None:
-    """Change the limits (``None`` or empty = no limit), the fair share (``weight``,
-    ``priority``; ``None`` or empty = the tenant's default) and/or the label of a key.
+class KeyChanged(ApiKeyError):
+    """A form's change to a field of a key that someone else changed since the form was
+    shown: nothing is written. ``fields``: those fields."""
 
-    Arguments left out keep their value. Returns the updated record, ``None`` if no key
-    has that id; raises :class:`ApiKeyError` for a bad value and :class:`KeyRevoked` for
-    a revoked key (nothing is written: a limit on a key that no edge accepts would only
-    mislead whoever reads the list)."""
-    changes: dict[str, object] = {}
-    if rpm is not ...:
-        changes["rpm"] = _check_limit("rpm", rpm)
-    if tpm is not ...:
-        changes["tpm"] = _check_limit("tpm", tpm)
-    if label is not ...:
-        changes["label"] = _check_label(label)
-    if weight is not ...:
-        changes["weight"] = _check_weight(weight)
-    if priority is not ...:
-        changes["priority"] = _check_priority(priority)
+    def __init__(self, message: str, fields: list[str]):
+        super().__init__(message)
+        self.fields = fields
+
+
+_CHECKS: dict[str, Callable[[object], object]] = {
+    "rpm": lambda v: _check_limit("rpm", v),
+    "tpm": lambda v: _check_limit("tpm", v),
+    "label": _check_label,
+    "weight": _check_weight,
+    "priority": _check_priority,
+}
+#: Fields :func:`change_key` may change.
+EDITABLE: tuple[str, ...] = tuple(_CHECKS)
+
+
+def change_key(r: redis.Redis, key_id: str, changes: dict[str, object],
+               seen: dict[str, object] | None = None) -> tuple[ApiKey, list[str]] | None:
+    """Change some of :data:`EDITABLE` of a key in one transaction (:func:`_update`):
+    ``rpm`` / ``tpm`` (``None`` or empty = no limit), ``weight`` / ``priority`` (``None``
+    or empty = the tenant's default), ``label``. Returns ``(record, the fields whose
+    value changed)`` (none changed: nothing written), ``None`` if no key has that id.
+
+    ``seen`` (a form): the values the form showed, by field. A field whose new value
+    equals the one shown was not changed by the user and is left alone; a field the
+    user changed that someone else changed meanwhile refuses the whole change
+    (:class:`KeyChanged`). Raises :class:`ApiKeyError` for an unknown field or a bad
+    value, :class:`KeyRevoked` for a revoked key (nothing is written: a limit on a key
+    that no edge accepts would only mislead whoever reads the list)."""
+    unknown = sorted(set(changes) - set(EDITABLE))
+    if unknown:
+        raise ApiKeyError(f"unknown field(s): {', '.join(unknown)}")
+    wanted = {k: _CHECKS[k](v) for k, v in changes.items()}
+    shown = {k: _CHECKS[k](seen[k]) for k in wanted if seen is not None and k in seen}
+    changed: list[str] = []
 
     def apply(rec: ApiKey) -> bool:
         if rec.revoked:
             raise KeyRevoked(f"API key {key_id} is revoked; create a new key instead")
-        for name, value in changes.items():
-            setattr(rec, name, value)
-        return True
+        changed.clear()
+        stale = []
+        for name, value in wanted.items():
+            if name in shown:
+                if value == shown[name]:
+                    continue                    # as shown: not changed by this user
+                if getattr(rec, name) != shown[name]:
+                    stale.append(name)          # changed by someone else since shown
+                    continue
+            if getattr(rec, name) != value:
+                changed.append(name)
+        if stale:
+            raise KeyChanged(", ".join(f"{n} was changed by someone else since you opened "
+                                       f"this page (now {_shown(getattr(rec, n))})"
+                                       for n in stale)
+                             + "; reload the page and make your change again. Nothing was "
+                               "saved.", stale)
+        for name in changed:
+            setattr(rec, name, wanted[name])
+        return bool(changed)
 
-    return _update(r, key_id, apply)
+    rec = _update(r, key_id, apply)
+    return None if rec is None else (rec, list(changed))
+
+
+def _shown(value: object) -> str:
+    return "no limit" if value is None else str(value)[:200]
+
+
+def set_limits(r: redis.Redis, key_id: str, *, rpm: object = ..., tpm: object = ...,
+               label: object = ..., weight: object = ...,
+               priority: object = ...) -> ApiKey | None:
+    """Change the limits (``None`` or empty = no limit), the fair share (``weight``,
+    ``priority``; ``None`` or empty = the tenant's default) and/or the label of a key
+    (:func:`change_key`). Arguments left out keep their value. Returns the updated
+    record, ``None`` if no key has that id; raises :class:`ApiKeyError` for a bad value
+    and :class:`KeyRevoked` for a revoked key."""
+    given = {"rpm": rpm, "tpm": tpm, "label": label, "weight": weight, "priority": priority}
+    res = change_key(r, key_id, {k: v for k, v in given.items() if v is not ...})
+    return None if res is None else res[0]
 
 
 #: ``format`` of an export document (:func:`export_keys`).

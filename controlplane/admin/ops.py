@@ -631,25 +631,47 @@ def create_key(r: redis.Redis, data: object, actor: str,
     return plaintext, rec
 
 
-def edit_key(r: redis.Redis, key_id: str, changes: object, actor: str,
-             events_max: int = 10000) -> apikeys.ApiKey:
+@dataclass
+class KeyEdit:
+    """Result of :func:`change_key`: the record as stored now and the fields this call
+    changed (empty: nothing changed, nothing written)."""
+
+    record: apikeys.ApiKey
+    changed: list[str]
+
+
+def change_key(r: redis.Redis, key_id: str, changes: object, actor: str,
+               events_max: int = 10000, seen: dict | None = None) -> KeyEdit:
     """Change some of ``rpm``, ``tpm`` (``None`` or empty = no limit), ``weight``,
-    ``priority`` (``None`` = the tenant's default) and ``label`` of a key; returns the record. Writes ``key_edit`` with the new values. Raises
-    :class:`BadInput` (nothing to change, unknown field, bad value), :class:`NotFound`,
-    :class:`Conflict` (409, ``key_revoked``: a revoked key does not change)."""
+    ``priority`` (``None`` = the tenant's default) and ``label`` of a key, in one
+    transaction (:func:`.apikeys.change_key`; ``seen``: the values a form showed, see
+    there). Writes ``key_edit`` with the new value of each changed field, nothing when
+    nothing changed. Raises :class:`BadInput` (nothing to change, unknown field, bad
+    value), :class:`NotFound`, :class:`Conflict` (409, ``key_revoked``: a revoked key
+    does not change), :class:`Stale` (409 ``changed_meanwhile``: a field the form's user
+    changed was changed by someone else since the form was shown)."""
     if not isinstance(changes, dict) or not changes or set(changes) - set(KEY_EDITABLE):
         raise BadInput(f"expected some of {', '.join(KEY_EDITABLE)}")
     try:
-        rec = apikeys.set_limits(r, key_id, **changes)
+        res = apikeys.change_key(r, key_id, changes, seen)
     except apikeys.KeyRevoked as exc:
         raise Conflict(str(exc), "key_revoked") from None
+    except apikeys.KeyChanged as exc:
+        raise Stale(str(exc)) from None
     except apikeys.ApiKeyError as exc:
         raise BadInput(str(exc)) from None
-    if rec is None:
-        raise NotFound(f"no API key with id {key_id!r}", "key_not_found")
-    _key_event(r, "key_edit", rec, actor, events_max,
-               **{k: getattr(rec, k) for k in KEY_EDITABLE if k in changes})
-    return rec
+    if res is None:
+        raise NotFound(f"no API key with id {registry.shorten(str(key_id))!r}", "key_not_found")
+    rec, changed = res
+    if changed:
+        _key_event(r, "key_edit", rec, actor, events_max, **{k: getattr(rec, k) for k in changed})
+    return KeyEdit(rec, changed)
+
+
+def edit_key(r: redis.Redis, key_id: str, changes: object, actor: str,
+             events_max: int = 10000) -> apikeys.ApiKey:
+    """:func:`change_key` without ``seen`` (as ``PATCH``); returns the record."""
+    return change_key(r, key_id, changes, actor, events_max).record
 
 
 @dataclass
@@ -669,7 +691,7 @@ def revoke_key(r: redis.Redis, key_id: str, actor: str, events_max: int = 10000,
     when = time.time() if now is None else now
     rec = apikeys.revoke_key(r, key_id, now=when)
     if rec is None:
-        raise NotFound(f"no API key with id {key_id!r}", "key_not_found")
+        raise NotFound(f"no API key with id {registry.shorten(str(key_id))!r}", "key_not_found")
     changed = rec.revoked == when
     if changed:
         _key_event(r, "key_revoke", rec, actor, events_max)

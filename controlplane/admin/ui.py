@@ -25,6 +25,7 @@ from controlplane.cache import store as cache_store
 from controlplane.routing import registry
 from controlplane.admin import auth, ops, svg
 from controlplane.admin.nodeview import NodeView, build_view, build_views
+from controlplane.config import NodeSettings
 from controlplane.routing import series
 
 bp = flask.Blueprint("ui", __name__)
@@ -216,13 +217,57 @@ def node(name: str) -> flask.Response:
                   kinds=("vllm", "tgi", "sglang", "json", "openai"))
 
 
+#: Fields of the node page's edit form; each comes with ``seen_<field>``, the value the
+#: page showed.
+EDIT_FIELDS: tuple[str, ...] = ("url", "kind", "weight", "max_concurrency", "metrics_path",
+                                "health_path")
+
+
+def _form_edit() -> tuple[dict, dict]:
+    """``(changes, seen)`` of the node edit form: each field sent, trimmed, an empty
+    optional one as its default (the form says so), and the values the page showed
+    (``seen_<field>``). Raises :class:`ops.BadInput` for an empty URL."""
+    f = flask.request.form
+    changes: dict = {}
+    seen: dict = {}
+    for k in EDIT_FIELDS:
+        if k not in f:
+            continue
+        v = f.get(k, "").strip()
+        if not v:
+            if k == "url":
+                raise ops.BadInput("url: required, the node's server root such as "
+                                   "http://10.0.0.5:8000 (to take the node out, remove it)")
+            v = NodeSettings.model_fields[k].default
+        changes[k] = v
+        if f"seen_{k}" in f:
+            seen[k] = f.get(f"seen_{k}", "").strip()
+    return changes, seen
+
+
+def _shown_diff(diff: dict[str, list]) -> str:
+    return ", ".join(f"{k} {registry.shorten(str(old), 60)} → {registry.shorten(str(new), 60)}"
+                     for k, (old, new) in diff.items())
+
+
 @bp.post("/nodes/<name>/edit")
 def edit_node(name: str) -> flask.Response:
-    changes = _form_node()
-    changes.pop("name", None)
+    """The node page's edit form: only the fields the user changed (their value differs
+    from ``seen_<field>``, what the page showed) are applied, each on the node as
+    stored now; one the user changed that someone else changed since the page was shown
+    refuses the whole form (nothing saved, a flash says which). An empty optional field
+    resets it to its default; an empty URL is refused. "Nothing changed" when nothing
+    did (no event)."""
     try:
-        ops.edit_node(_r(), name, changes, ACTOR, _events_max(), settings=auth.settings())
-        flask.flash(f"Node {name} saved.", "ok")
+        changes, seen = _form_edit()
+        if not changes:
+            raise ops.BadInput("the form sent no field")
+        res = ops.change_node(_r(), name, changes, ACTOR, _events_max(),
+                              settings=auth.settings(), seen=seen)
+        if res.diff:
+            flask.flash(f"Node {name} saved: {_shown_diff(res.diff)}.", "ok")
+        else:
+            flask.flash(f"Node {name}: nothing changed.", "ok")
     except ops.NotFound as exc:
         flask.flash(exc.message, "error")
         return _back(flask.url_for("ui.nodes"))
@@ -424,19 +469,27 @@ def revoke_key(key_id: str) -> flask.Response:
         rec = ops.revoke_key(_r(), key_id, ACTOR, _events_max()).record
         flask.flash(f"Key {rec.id} ({rec.tenant}) revoked.", "ok")
     except ops.NotFound:
-        flask.flash(f"No API key with id {key_id!r}.", "error")
+        flask.flash(f"No API key with id {registry.shorten(key_id)!r}.", "error")
     return _back(flask.url_for("ui.keys_page"))
 
 
 @bp.post("/keys/<key_id>/limits")
 def key_limits(key_id: str) -> flask.Response:
+    """The limits form of a key: ``rpm``, ``tpm`` (empty = no limit) and the values the
+    page showed (``seen_rpm``, ``seen_tpm``): only a limit the user changed is applied;
+    one that someone else changed since the page was shown refuses the form (nothing
+    saved)."""
     f = flask.request.form
-    changes = {"rpm": f.get("rpm", "").strip() or None, "tpm": f.get("tpm", "").strip() or None}
+    changes = {k: f.get(k, "").strip() or None for k in ("rpm", "tpm") if k in f}
+    seen = {k: f.get(f"seen_{k}", "").strip() or None for k in changes if f"seen_{k}" in f}
     try:
-        rec = ops.edit_key(_r(), key_id, changes, ACTOR, _events_max())
-        flask.flash(f"Key {rec.id}: limits saved.", "ok")
+        res = ops.change_key(_r(), key_id, changes, ACTOR, _events_max(), seen=seen)
+        if res.changed:
+            flask.flash(f"Key {res.record.id}: limits saved.", "ok")
+        else:
+            flask.flash(f"Key {res.record.id}: nothing changed.", "ok")
     except ops.NotFound:
-        flask.flash(f"No API key with id {key_id!r}.", "error")
+        flask.flash(f"No API key with id {registry.shorten(key_id)!r}.", "error")
     except ops.AdminError as exc:
         flask.flash(f"Limits not changed: {exc.message}", "error")
     return _back(flask.url_for("ui.keys_page"))

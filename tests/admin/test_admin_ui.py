@@ -203,7 +203,7 @@ def test_add_edit_remove_node_forms(client, r):
     assert "Not added: weight" in resp.text and registry.get_node(r, "gpu-2") is None
     resp = client.post("/nodes/gpu-1/edit", data={"csrf_token": client.csrf, "weight": "5"},
                        follow_redirects=True)
-    assert "Node gpu-1 saved." in resp.text and registry.get_node(r, "gpu-1").weight == 5.0
+    assert "Node gpu-1 saved: weight 2.0 → 5.0." in resp.text and registry.get_node(r, "gpu-1").weight == 5.0
     resp = client.post("/nodes/gpu-1/edit", data={"csrf_token": client.csrf, "url": "gopher://x"},
                        follow_redirects=True)
     assert "Not saved: url" in resp.text
@@ -359,3 +359,113 @@ def test_redis_down_page(redis_server):
     redis_server.stop()
     resp = client.get("/nodes")
     assert resp.status_code == 503 and "Redis unavailable" in resp.text
+
+
+def _node_form(page: str) -> dict:
+    """The fields of the node page's edit form as the browser would send them."""
+    form = re.search(r'<form method="post" action="/nodes/[^"]+/edit" id="edit-node">(.*?)</form>',
+                     page, re.S).group(1)
+    data = dict(re.findall(r'<input type="(?:hidden|text|number)" name="([^"]+)"[^>]*? value="([^"]*)"',
+                           form))
+    data.pop("csrf_token", None)
+    assert {"url", "weight", "seen_weight", "max_concurrency"} <= set(data), data
+    data["kind"] = re.search(r"<option selected>([^<]+)<", form).group(1)
+    return data
+
+
+def test_a_stale_node_form_never_reverts_a_change_made_meanwhile(app, client, r):
+    """Sessions A and B open /nodes/sim-a; A saves weight 2.5; B (page loaded before)
+    saves max concurrency 8: both changes are kept. B then changes the weight from the
+    value its page showed: refused, nothing saved."""
+    b = app.test_client()
+    b.csrf = login(b)
+    form_a = _node_form(client.get("/nodes/sim-a").text)
+    form_b = _node_form(b.get("/nodes/sim-a").text)
+    assert form_b["seen_weight"] == "1.0" and form_b["seen_max_concurrency"] == "64"
+    resp = client.post("/nodes/sim-a/edit", data={**form_a, "weight": "2.5",
+                                                   "csrf_token": client.csrf},
+                       follow_redirects=True)
+    assert "Node sim-a saved: weight 1.0 → 2.5." in resp.text
+    resp = b.post("/nodes/sim-a/edit", data={**form_b, "max_concurrency": "8",
+                                              "csrf_token": b.csrf}, follow_redirects=True)
+    assert "Node sim-a saved: max_concurrency 64 → 8." in resp.text
+    node = registry.get_node(r, "sim-a")
+    assert (node.weight, node.max_concurrency) == (2.5, 8)
+    # B's stale page changes the weight A changed: refused, nothing saved (not even kind)
+    resp = b.post("/nodes/sim-a/edit", data={**form_b, "weight": "3", "kind": "tgi",
+                                              "csrf_token": b.csrf}, follow_redirects=True)
+    assert ("Not saved: weight was changed by someone else since you opened this page "
+            "(now 2.5); reload the page") in resp.text
+    node = registry.get_node(r, "sim-a")
+    assert (node.weight, node.kind, node.max_concurrency) == (2.5, "vllm", 8)
+    # reloaded, the same change goes through
+    form_b = _node_form(b.get("/nodes/sim-a").text)
+    b.post("/nodes/sim-a/edit", data={**form_b, "weight": "3", "csrf_token": b.csrf})
+    assert registry.get_node(r, "sim-a").weight == 3.0
+
+
+def test_empty_node_form_fields_reset_to_defaults_and_an_empty_url_is_refused(client, r):
+    registry.put_node(r, NodeSettings(name="gpu-9", url="http://10.0.0.9:8000", kind="tgi",
+                                      weight=2, max_concurrency=8, metrics_path="/m",
+                                      health_path="/h"))
+    page = client.get("/nodes/gpu-9").text
+    assert "empty = default 64" in page and "empty = default /health" in page
+    form = {**_node_form(page), "csrf_token": client.csrf}
+    events = len(registry.recent_events(r, 100))
+    resp = client.post("/nodes/gpu-9/edit", data=form, follow_redirects=True)
+    assert "Node gpu-9: nothing changed." in resp.text
+    assert len(registry.recent_events(r, 100)) == events, "no event for nothing"
+    resp = client.post("/nodes/gpu-9/edit", data={**form, "url": " "}, follow_redirects=True)
+    assert "Not saved: url: required" in resp.text
+    assert registry.get_node(r, "gpu-9").url == "http://10.0.0.9:8000"
+    resp = client.post("/nodes/gpu-9/edit",
+                       data={**form, "weight": "", "max_concurrency": "", "metrics_path": "",
+                             "health_path": "", "kind": ""}, follow_redirects=True)
+    assert "Node gpu-9 saved: " in resp.text
+    node = registry.get_node(r, "gpu-9")
+    assert (node.kind, node.weight, node.max_concurrency, node.metrics_path,
+            node.health_path) == ("vllm", 1.0, 64, "/metrics", "/health")
+    ev = registry.recent_events(r, 1)[0]
+    assert ev["kind"] == "node_edit" and ev["detail"]["max_concurrency"] == [8, 64]
+    assert len(registry.recent_events(r, 100)) == events + 1
+
+
+def _key_form(page: str, key_id: str) -> dict:
+    row = re.search(rf'<tr id="key-{key_id}">(.*?)</tr>', page, re.S).group(1)
+    form = re.search(r'action="/keys/[^"]+/limits">(.*?)</form>', row, re.S).group(1)
+    data = dict(re.findall(r'<input type="(?:hidden|number)" name="([^"]+)"[^>]*? value="([^"]*)"',
+                           form))
+    data.pop("csrf_token", None)
+    return data
+
+
+def test_a_stale_keys_form_never_reverts_a_limit_set_meanwhile(app, client, r):
+    _, rec = apikeys.create_key(r, "acme")
+    b = app.test_client()
+    b.csrf = login(b)
+    form_a = _key_form(client.get("/keys").text, rec.id)
+    form_b = _key_form(b.get("/keys").text, rec.id)
+    assert form_b == {"seen_rpm": "", "seen_tpm": "", "rpm": "", "tpm": ""}
+    resp = client.post(f"/keys/{rec.id}/limits", data={**form_a, "rpm": "100",
+                                                       "csrf_token": client.csrf},
+                       follow_redirects=True)
+    assert f"Key {rec.id}: limits saved." in resp.text
+    # B's page still shows rpm empty: its tpm change keeps A's rpm
+    resp = b.post(f"/keys/{rec.id}/limits", data={**form_b, "tpm": "500", "csrf_token": b.csrf},
+                  follow_redirects=True)
+    assert f"Key {rec.id}: limits saved." in resp.text
+    got = apikeys.get_key(r, rec.id)
+    assert (got.rpm, got.tpm) == (100, 500)
+    # B (the same stale page) changes the rpm A changed: refused, nothing saved
+    resp = b.post(f"/keys/{rec.id}/limits", data={**form_b, "rpm": "7",
+                                                  "csrf_token": b.csrf}, follow_redirects=True)
+    assert ("Limits not changed: rpm was changed by someone else since you opened this page "
+            "(now 100); reload the page") in resp.text
+    got = apikeys.get_key(r, rec.id)
+    assert (got.rpm, got.tpm) == (100, 500)
+    events = len(registry.recent_events(r, 100))
+    form_a = _key_form(client.get("/keys").text, rec.id)
+    resp = client.post(f"/keys/{rec.id}/limits", data={**form_a, "csrf_token": client.csrf},
+                       follow_redirects=True)
+    assert f"Key {rec.id}: nothing changed." in resp.text
+    assert len(registry.recent_events(r, 100)) == events
