@@ -271,6 +271,10 @@ class ControlPlane:
             lost = self._check_state_marker()
             if not self._seeded or lost or (self.redis_ok is False and not self.r.exists(keynames.NODES)):
                 added = registry.seed_nodes(self.r, self.settings.nodes)
+                if not self._seeded:  # at start: the file's settings the registry overrides
+                    for line in registry.file_drift(self.settings.nodes,
+                                                    registry.list_nodes(self.r)):
+                        log.warning("%s", line)
                 self._seeded = True
             if lost:
                 self._record_state_lost()  # after the re-seed the event announces

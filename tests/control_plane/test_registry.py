@@ -191,3 +191,98 @@ def test_a_restart_of_up_with_node_urls_keeps_each_server_as_registered(redis_se
     back = registry.seed_run_nodes(r, [node("node-1", 8602)], by_url=True)
     assert [(n.name, n.url[-4:]) for n in back.nodes] == [("node-3", "8602")]
     assert any("was removed at run time: added again" in x for x in back.notes)
+
+
+def test_a_configured_node_refused_for_its_server_is_tried_again_once_the_server_is_free(
+        redis_server, caplog):
+    """The control plane's seeding: file-c names the server of a node registered at run
+    time, so it is not added; once that node is removed, the next start adds file-c
+    (it was never registered, so it was not removed at run time)."""
+    r = redis_server.client()
+    registry.put_node(r, node("rt-node", 9))
+    assert registry.seed_nodes(r, [node("file-c", 9)]) == 0
+    assert "configured node file-c not added" in caplog.text
+    assert registry.seed_nodes(r, [node("file-c", 9)]) == 0   # still taken
+    assert registry.remove_node(r, "rt-node")
+    assert registry.seed_nodes(r, [node("file-c", 9)]) == 1
+    assert [n.name for n in registry.list_nodes(r)] == ["file-c"]
+    # registered now: removed at run time, it stays removed
+    assert registry.remove_node(r, "file-c")
+    assert registry.seed_nodes(r, [node("file-c", 9)]) == 0
+    assert registry.list_nodes(r) == []
+
+
+def test_a_node_of_up_refused_for_its_server_is_registered_once_the_server_is_free(redis_server):
+    """``infergate up`` with the file's nodes: the same, with its notes."""
+    r = redis_server.client()
+    registry.put_node(r, node("rt-node", 9))
+    first = registry.seed_run_nodes(r, [node("file-c", 9)], by_url=False)
+    assert first.nodes == []
+    assert any(x.startswith("node file-c not registered: http://127.0.0.1:9 is already "
+                            "registered as node 'rt-node'") for x in first.notes), first.notes
+    assert registry.remove_node(r, "rt-node")
+    again = registry.seed_run_nodes(r, [node("file-c", 9)], by_url=False)
+    assert [n.name for n in again.nodes] == ["file-c"], again.notes
+    assert not any("removed at run time" in x for x in again.notes), again.notes
+    assert registry.remove_node(r, "file-c")
+    third = registry.seed_run_nodes(r, [node("file-c", 9)], by_url=False)
+    assert third.nodes == [] and any("node file-c was removed at run time: not added again" in x
+                                     for x in third.notes)
+
+
+def test_a_node_registered_under_its_name_at_run_time_counts_as_seeded(redis_server):
+    r = redis_server.client()
+    registry.put_node(r, node("a", weight=3))           # added at run time, same name
+    assert registry.seed_nodes(r, [node("a")]) == 0
+    assert registry.get_node(r, "a").weight == 3
+    assert registry.remove_node(r, "a")
+    assert registry.seed_nodes(r, [node("a")]) == 0     # removed at run time: stays out
+
+
+def test_file_settings_the_registry_overrides_get_one_line_per_node():
+    file_nodes = [node("file-a", 9001), node("file-b", 9002, weight=2.0),
+                  node("file-c", 9003, weight=2.0, max_concurrency=8), node("file-d", 9004)]
+    registered = [node("file-a", 9001), node("file-b", 9002), node("file-c", 9100)]
+    lines = registry.file_drift(file_nodes, registered)
+    assert lines == [
+        "node file-b: the file says weight 2.0, the registry keeps 1.0 (changed at run time "
+        "or seeded before); edit it with `infergate nodes edit` or the admin page",
+        "node file-c: the file says url http://127.0.0.1:9003, weight 2.0, max_concurrency 8; "
+        "the registry keeps url http://127.0.0.1:9100, weight 1.0, max_concurrency 64 (changed "
+        "at run time or seeded before); edit it with `infergate nodes edit` or the admin page",
+    ]
+    assert registry.file_drift(file_nodes, registered, skip=("url",))[1].startswith(
+        "node file-c: the file says weight 2.0, max_concurrency 8; the registry keeps weight")
+
+
+def test_up_and_the_control_plane_say_which_file_settings_the_registry_overrides(
+        redis_server, caplog):
+    from controlplane.config import Settings
+    from controlplane.routing.service import ControlPlane
+
+    r = redis_server.client()
+    registry.seed_run_nodes(r, [node("file-a", 9001), node("file-b", 9002)], by_url=False, from_file=True)
+    # the file is edited before the next start: up applies its URL, keeps the registry's rest
+    again = registry.seed_run_nodes(r, [node("file-a", 9200), node("file-b", 9002, weight=2.0)],
+                                    by_url=False, from_file=True)
+    assert [x for x in again.notes if "the file says" in x] == [
+        "node file-b: the file says weight 2.0, the registry keeps 1.0 (changed at run time "
+        "or seeded before); edit it with `infergate nodes edit` or the admin page"]
+    assert registry.get_node(r, "file-b").weight == 1.0
+    # the simulated pool is not a file: no such line
+    sim = registry.seed_run_nodes(r, [node("file-b", 9002, weight=2.0)], by_url=False)
+    assert not any("the file says" in x for x in sim.notes)
+    # the control plane started on that file logs the same line once
+    settings = Settings.model_validate({"redis": {"url": redis_server.url},
+                                        "nodes": [node("file-a", 9200).model_dump(),
+                                                  node("file-b", 9002, weight=2.0).model_dump()]})
+    cp = ControlPlane(settings, r)
+    try:
+        assert cp._read_registry()
+        assert cp._read_registry()
+    finally:
+        cp.shutdown()
+    found = [m for m in caplog.messages if "the file says" in m]
+    assert found == ["node file-b: the file says weight 2.0, the registry keeps 1.0 (changed "
+                     "at run time or seeded before); edit it with `infergate nodes edit` or "
+                     "the admin page"]

@@ -85,14 +85,16 @@ def start_nodes(run: UpRun) -> None:
 def seed_registry(run: UpRun) -> None:
     """Register the nodes, keeping what an earlier run on the same folder changed at run
     time (:func:`registry.seed_run_nodes`: edits kept, a removed simulated node not
-    brought back, a ``--node`` server known under another name kept under it; a line for
-    each such case) and, when API keys are required, create the demo key (revoking the
+    brought back, a ``--node`` server known under another name kept under it, a node of
+    the file whose settings there differ from the registry's; a line for each such case)
+    and, when API keys are required, create the demo key (revoking the
     one an earlier run printed)."""
     r = make_redis(run.settings.redis)
     overrides = ({"max_concurrency": run.node_max_concurrency}
                  if run.node_urls and run.node_max_concurrency is not None else None)
     seeded = registry.seed_run_nodes(r, run.nodes, by_url=bool(run.node_urls),
-                                     overrides=overrides)
+                                     overrides=overrides,
+                                     from_file=not run.node_urls and not run.simulated)
     for note in seeded.notes:
         _say(note)
     run.settings.nodes = run.nodes = seeded.nodes
