@@ -31,7 +31,7 @@ import secrets
 import time
 import unicodedata
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import redis
 
@@ -387,12 +387,14 @@ HASH_RE = re.compile(r"^[0-9a-f]{64}\Z")
 @dataclass
 class ImportResult:
     """What :func:`import_keys` did: ids written, ids already present (same hash,
-    unchanged unless ``overwrite``), and ids refused because the id belongs to another
-    key here."""
+    unchanged unless ``overwrite``), ids refused because the id belongs to another key
+    here, and ids revoked here that the file has valid (``overwrite``: written with the
+    revocation kept -- an import never un-revokes a key)."""
 
     added: list[str]
     kept: list[str]
     conflicts: list[str]
+    kept_revoked: list[str] = field(default_factory=list)
 
 
 def export_keys(r: redis.Redis, now: float | None = None) -> dict:
@@ -441,9 +443,12 @@ def import_keys(r: redis.Redis, doc: object, *, overwrite: bool = False) -> Impo
 
     Every record is checked before anything is written (:class:`ApiKeyError` names the
     first bad one). A record whose hash is already stored is kept as it is, unless
-    ``overwrite`` (then the file's tenant, limits and revocation win); a record whose id
-    is taken by another key is refused (listed in ``conflicts``). Each record is written
-    with its id index in one transaction."""
+    ``overwrite`` (then the file's record wins: tenant, label, limits, fair share) -- but a key
+    revoked here stays revoked, with its revocation time, whatever the file says (an old
+    backup must not bring a revoked key back; listed in ``kept_revoked``); a record whose
+    id is taken by another key is refused (listed in ``conflicts``). Each record is
+    checked and written with its id index in one transaction (``WATCH``), so a
+    revocation made during the import is kept too."""
     if not isinstance(doc, dict) or doc.get("format") != EXPORT_FORMAT:
         raise ApiKeyError(f'not an API key export (expected "format": "{EXPORT_FORMAT}")')
     if doc.get("version") != EXPORT_VERSION:
@@ -455,20 +460,42 @@ def import_keys(r: redis.Redis, doc: object, *, overwrite: bool = False) -> Impo
     recs = [_import_record(d, f"keys[{i}]") for i, d in enumerate(items)]
     out = ImportResult([], [], [])
     for digest, rec in recs:
-        have_digest = r.hget(keynames.APIKEY_IDS, rec.id)
-        if have_digest is not None and have_digest != digest:
-            out.conflicts.append(rec.id)
-            continue
-        exists = r.hexists(keynames.APIKEYS, digest)
-        if exists and not overwrite:
-            out.kept.append(rec.id)
-            if have_digest is None:  # the record survived, its id index did not
-                r.hset(keynames.APIKEY_IDS, rec.id, digest)
-            continue
-        pipe = r.pipeline(transaction=True)
-        pipe.hset(keynames.APIKEYS, digest, json.dumps(rec.to_dict(), sort_keys=True))
-        pipe.hset(keynames.APIKEY_IDS, rec.id, digest)
-        pipe.execute()
-        (out.kept if exists else out.added).append(rec.id)
+        _import_one(r, digest, rec, overwrite, out)
     mark_written(r)  # restored: the edges trust Redis' answers again
     return out
+
+
+def _import_one(r: redis.Redis, digest: str, rec: ApiKey, overwrite: bool,
+                out: ImportResult) -> None:
+    """One record of :func:`import_keys`, checked and written under ``WATCH``."""
+    with r.pipeline(transaction=True) as pipe:  # the keys share one slot (keynames)
+        while True:
+            try:
+                pipe.watch(keynames.APIKEYS, keynames.APIKEY_IDS)
+                have_digest = pipe.hget(keynames.APIKEY_IDS, rec.id)
+                if have_digest is not None and have_digest != digest:
+                    out.conflicts.append(rec.id)
+                    return
+                raw = pipe.hget(keynames.APIKEYS, digest)
+                exists = raw is not None
+                if exists and not overwrite:
+                    if have_digest is None:  # the record survived, its id index did not
+                        pipe.multi()
+                        pipe.hset(keynames.APIKEY_IDS, rec.id, digest)
+                        pipe.execute()
+                    out.kept.append(rec.id)
+                    return
+                write = rec
+                here = _load(raw) if exists else None
+                if here is not None and here.revoked is not None and rec.revoked is None:
+                    write = ApiKey(**{**rec.to_dict(), "revoked": here.revoked})
+                pipe.multi()
+                pipe.hset(keynames.APIKEYS, digest, json.dumps(write.to_dict(), sort_keys=True))
+                pipe.hset(keynames.APIKEY_IDS, rec.id, digest)
+                pipe.execute()
+                (out.kept if exists else out.added).append(rec.id)
+                if write is not rec:
+                    out.kept_revoked.append(rec.id)
+                return
+            except redis.WatchError:
+                continue

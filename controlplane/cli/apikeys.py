@@ -16,7 +16,8 @@
 - ``export [--out FILE]``: every key's hash and record as JSON (a backup: only hashes
   are stored, so a lost key store cannot be rebuilt any other way; the file holds no
   usable key). ``import FILE [--overwrite]``: writes them back; keys already present are
-  kept (``--overwrite``: the file wins), an id taken by another key is refused.
+  kept (``--overwrite``: the file's label, limits and fair share win, but a key revoked
+  here stays revoked: named in the output), an id taken by another key is refused.
 
 Changes go through the same operations as the admin API and page
 (:mod:`controlplane.admin.ops`) and write ``key_create`` / ``key_edit`` / ``key_revoke`` events (actor
@@ -184,7 +185,8 @@ def export_cmd(c: Ctx, out_path: str | None) -> None:
 @keys_cmd.command("import")
 @click.argument("path", type=click.Path(exists=True, dir_okay=False, allow_dash=True))
 @click.option("--overwrite", is_flag=True,
-              help="Replace keys already present with the file's records.")
+              help="Replace keys already present with the file's records (a key revoked "
+                   "here stays revoked).")
 @click.pass_obj
 def import_cmd(c: Ctx, path: str, overwrite: bool) -> None:
     """Write the keys of an export file (PATH, - for stdin) back into Redis."""
@@ -197,6 +199,10 @@ def import_cmd(c: Ctx, path: str, overwrite: bool) -> None:
     if overwrite:
         click.echo(f"imported {len(res.added)} new key(s), replaced {len(res.kept)} "
                    "already present")
+        if res.kept_revoked:
+            click.echo(f"kept revoked: {', '.join(res.kept_revoked)} (revoked here, valid "
+                       "in the file: an import never un-revokes a key; create a new key "
+                       "instead)")
     else:
         click.echo(f"imported {len(res.added)} key(s), {len(res.kept)} already present "
                    "(kept as they are; --overwrite replaces them)")

@@ -69,3 +69,28 @@ def test_import_refuses_bad_files_and_taken_ids(run, redis_server, tmp_path) -> 
     res = run("import", "-", input=json.dumps(other))
     assert res.exit_code == 1 and "id taken by another key" in res.output
     assert apikeys.get_key(r, rec.id).tenant == "acme"
+
+
+def test_import_overwrite_of_an_older_backup_never_un_revokes_a_key(run, redis_server,
+                                                                     tmp_path) -> None:
+    """Create, export, revoke, import --overwrite: the key stays revoked (with its first
+    revocation time), the output names it; the file's other fields still win."""
+    r = redis_server.client()
+    key, rec = apikeys.create_key(r, "acme", rpm=60)
+    other, rec2 = apikeys.create_key(r, "beta")
+    out = tmp_path / "old.json"
+    assert run("export", "--out", str(out)).exit_code == 0
+    revoked = apikeys.revoke_key(r, rec.id).revoked
+    apikeys.set_limits(r, rec2.id, rpm=5)
+    res = run("import", "--overwrite", str(out))
+    assert res.exit_code == 0, res.output
+    assert "replaced 2 already present" in res.output
+    assert f"kept revoked: {rec.id} (revoked here, valid in the file: an import never " \
+           "un-revokes a key" in res.output
+    assert apikeys.lookup(r, key) is None, "a revoked key answered again after an import"
+    assert apikeys.get_key(r, rec.id).revoked == revoked
+    assert apikeys.lookup(r, other).rpm is None   # the file's limits won for the valid key
+    # the default import keeps what is there, and never says it kept a revocation
+    res = run("import", str(out))
+    assert res.exit_code == 0 and "kept revoked" not in res.output
+    assert apikeys.lookup(r, key) is None
