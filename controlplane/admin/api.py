@@ -193,14 +193,18 @@ def delete_node(name: str) -> flask.Response:
 
 @bp.post("/nodes/<name>/drain")
 def drain(name: str) -> flask.Response:
-    """Start draining: ``{"name", "state", "since", "actor", "changed"}``. Idempotent
-    (200 with ``changed: false`` when already draining/drained); 404 unknown node."""
+    """Start draining: ``{"name", "state", "since", "actor", "changed", "warning"}``.
+    Idempotent (200 with ``changed: false`` when already draining/drained); 404 unknown
+    node. Never refused for leaving a model without an active node (maintenance), but
+    ``warning`` then says which models (their requests get 503 ``no_healthy_upstream``);
+    ``""`` otherwise."""
     return flask.jsonify(ops.drain(_r(), name, ACTOR, _events_max()).to_dict())
 
 
 @bp.post("/nodes/<name>/undrain")
 def undrain(name: str) -> flask.Response:
-    """Back to ``active`` (slow start from ``since``); same shape as drain; 404."""
+    """Back to ``active`` (slow start from ``since``); same shape as drain (``warning``
+    empty); 404."""
     return flask.jsonify(ops.undrain(_r(), name, ACTOR, _events_max()).to_dict())
 
 

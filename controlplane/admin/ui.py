@@ -294,6 +294,8 @@ def _state_change(name: str, fn: object, verb: str) -> flask.Response:
         ch = fn(_r(), name, ACTOR, _events_max())  # type: ignore[operator]
         flask.flash(f"{name}: {verb}, now {ch.state}." if ch.changed
                     else f"{name} is already {ch.state}.", "ok")
+        if ch.warning:
+            flask.flash(f"Warning: {ch.warning}.", "error")
     except ops.AdminError as exc:
         flask.flash(exc.message, "error")
     back = flask.request.form.get("back", "")

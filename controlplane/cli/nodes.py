@@ -188,9 +188,12 @@ def warn_if_unpublished(c: Ctx) -> None:
               help="Seconds to wait with --wait.")
 @click.pass_obj
 def drain_cmd(c: Ctx, name: str, wait: bool, timeout: float) -> None:
-    """Stop sending new requests to NAME; in-flight ones finish."""
+    """Stop sending new requests to NAME; in-flight ones finish. Warns when no active
+    node is left for a model NAME serves (its requests get 503 until one is back)."""
     ch = run(c, lambda: ops.drain(c.r, name, actor(), c.events_max))
     click.echo(f"{name}: {'draining' if ch.changed else 'already ' + ch.state}")
+    if ch.warning:
+        click.echo(f"warning: {ch.warning}", err=True)
     if ch.changed:
         warn_if_unpublished(c)
     if not wait or ch.state == "drained":

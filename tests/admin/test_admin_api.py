@@ -478,3 +478,31 @@ def test_cache_namespaces_and_flag(client, r):
     for bad in ("nothex", "0" * 64):
         e = client.post(f"/api/v1/cache/entries/{bad}/flag", headers=AUTH)
         assert e.status_code == 404 and err(e)["code"] == "entry_not_found"
+
+
+def test_draining_the_last_active_node_of_a_model_is_accepted_with_a_warning(client, r):
+    """Models as configured or, for a node without, as the routing snapshot lists them
+    (read from its /v1/models); a node whose models are unknown takes any model."""
+    add(r, "a", 9001, models=["llama"])
+    add(r, "b", 9002)                          # its models: from the snapshot
+    add(r, "c", 9003, models=["llama"])
+    r.set(keynames.ROUTING, json.dumps({"version": 1, "generated_at": time.time(), "nodes": [
+        {"name": "a", "models": ["llama"]}, {"name": "b", "models": ["qwen", "llama"]},
+        {"name": "c", "models": ["llama"]}]}))
+    resp = client.post("/api/v1/nodes/a/drain", headers=AUTH)
+    assert resp.status_code == 200 and resp.get_json()["warning"] == ""
+    resp = client.post("/api/v1/nodes/b/drain", headers=AUTH)
+    assert resp.status_code == 200
+    d = resp.get_json()
+    assert d["state"] == "draining" and d["changed"] is True
+    assert d["warning"] == ("no active node is left for model(s) qwen: requests for it will "
+                            "get 503 no_healthy_upstream until a node serving it is "
+                            "undrained or added")
+    assert registry.get_state(r, "b").state == "draining"
+    resp = client.post("/api/v1/nodes/c/drain", headers=AUTH)
+    assert resp.get_json()["warning"].startswith("no active node is left: every request "
+                                                 "will get 503 no_healthy_upstream")
+    assert client.post("/api/v1/nodes/c/undrain", headers=AUTH).get_json()["warning"] == ""
+    # a node whose models are unknown may be sent any model: no warning
+    add(r, "d", 9004)
+    assert client.post("/api/v1/nodes/c/drain", headers=AUTH).get_json()["warning"] == ""

@@ -91,6 +91,7 @@ def test_edit_without_changes_is_a_usage_error(run):
 
 def test_drain_undrain(run, r):
     run("add", "sim-a", "http://127.0.0.1:9001")
+    run("add", "sim-b", "http://127.0.0.1:9002")   # still active: no warning of that either
     # a control plane publishes routing snapshots: no warning
     r.set(keynames.ROUTING, json.dumps({"version": 1, "generated_at": time.time(), "nodes": []}))
     res = run("drain", "sim-a")
@@ -176,3 +177,21 @@ def test_a_change_no_control_plane_publishes_is_warned_about(run, r):
     assert res.exit_code == 0 and registry.get_state(r, "sim-a").state == "draining"
     assert "no control plane has published a routing snapshot for 60 s" in res.output
     assert "the edges apply this change once one does" in res.output
+
+
+def test_draining_the_last_node_of_a_model_is_done_with_a_warning(run, r):
+    r.set(keynames.ROUTING, json.dumps({"version": 1, "generated_at": time.time(), "nodes": []}))
+    run("add", "gpu-a", "http://127.0.0.1:9001", "--model", "llama")
+    run("add", "gpu-b", "http://127.0.0.1:9002", "--model", "llama", "--model", "qwen")
+    res = run("drain", "gpu-a")
+    assert res.exit_code == 0 and "warning" not in res.output   # gpu-b serves llama
+    res = run("drain", "gpu-b")
+    assert res.exit_code == 0 and "gpu-b: draining" in res.output
+    assert ("warning: no active node is left: every request will get 503 "
+            "no_healthy_upstream") in res.output
+    assert registry.get_state(r, "gpu-b").state == "draining"
+    run("undrain", "gpu-a")
+    res = run("drain", "gpu-b")
+    assert "already draining" in res.output
+    assert ("warning: no active node is left for model(s) qwen: requests for it will get "
+            "503 no_healthy_upstream") in res.output

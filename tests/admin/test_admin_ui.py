@@ -469,3 +469,13 @@ def test_a_stale_keys_form_never_reverts_a_limit_set_meanwhile(app, client, r):
                        follow_redirects=True)
     assert f"Key {rec.id}: nothing changed." in resp.text
     assert len(registry.recent_events(r, 100)) == events
+
+
+def test_draining_the_last_active_node_from_the_page_warns(client, r):
+    client.post("/nodes/sim-a/drain", data={"csrf_token": client.csrf})
+    resp = client.post("/nodes/sim-b/drain", data={"csrf_token": client.csrf},
+                       follow_redirects=True)
+    assert "sim-b: drain started, now draining." in resp.text
+    assert ('<div class="flash error" role="status">Warning: no active node is left: every '
+            'request will get 503 no_healthy_upstream') in resp.text
+    assert registry.get_state(r, "sim-b").state == "draining"
