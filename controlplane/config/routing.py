@@ -222,12 +222,13 @@ class NodeSettings(_Section):
         parts = urlsplit(v)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError("node url must be http://host[:port] or https://host[:port]")
-        if parts.path not in ("", "/") or parts.query:
-            raise ValueError("node url is the server root, without a path (the edge adds /v1/...)")
+        if parts.path not in ("", "/") or "?" in v or "#" in v:
+            raise ValueError("node url is the server root, without a path, query or fragment "
+                             "(the edge adds /v1/...)")
         try:
             port = parts.port
-        except ValueError as exc:
-            raise ValueError(f"node url port: {exc}") from exc
+        except ValueError:
+            raise ValueError("node url port must be 1-65535") from None
         if port == 0:
             raise ValueError("node url port must be 1-65535")
         if parts.username is not None or parts.password is not None:

@@ -200,6 +200,8 @@ def test_add_node(client, r):
     ({"name": "n1", "url": "ftp://10.0.0.5"}, "url"),
     ({"name": "n1", "url": "not a url"}, "url"),
     ({"name": "n1", "url": "http://10.0.0.5:8000/v1"}, "url"),
+    ({"name": "n1", "url": "http://10.0.0.5:8000#frag"}, "url"),
+    ({"name": "n1", "url": "http://10.0.0.5:8000/#"}, "url"),
     ({"name": "n1", "url": "http://10.0.0.5:99999"}, "url"),
     ({"name": "n1", "url": "http://10.0.0.5", "weight": 0}, "weight"),
     ({"name": "n1", "url": "http://10.0.0.5", "weight": -1}, "weight"),
@@ -239,6 +241,7 @@ def test_edit_node(client, r):
     assert ev["detail"] == {"kind": ["vllm", "tgi"], "weight": [1.0, 3.0]}
 
     for body, frag in [({"weight": 0}, "weight"), ({"url": "https://x"}, "url"),
+                       ({"url": "http://127.0.0.1:9001#x"}, "without a path, query or fragment"),
                        ({"name": "other"}, "name"), ({"port": 1}, "unknown field"), ({}, "expected")]:
         resp = client.patch("/api/v1/nodes/sim-a", json=body, headers=AUTH)
         assert resp.status_code == 400, body

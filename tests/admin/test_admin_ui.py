@@ -201,6 +201,10 @@ def test_add_edit_remove_node_forms(client, r):
                                        "url": "http://10.0.0.9:8000", "weight": "0"},
                        follow_redirects=True)
     assert "Not added: weight" in resp.text and registry.get_node(r, "gpu-2") is None
+    resp = client.post("/nodes", data={"csrf_token": client.csrf, "name": "gpu-2",
+                                       "url": "http://10.0.0.9:8001#x"}, follow_redirects=True)
+    assert "Not added: url: node url is the server root, without a path, query or fragment" \
+        in resp.text and registry.get_node(r, "gpu-2") is None
     resp = client.post("/nodes/gpu-1/edit", data={"csrf_token": client.csrf, "weight": "5"},
                        follow_redirects=True)
     assert "Node gpu-1 saved: weight 2.0 → 5.0." in resp.text and registry.get_node(r, "gpu-1").weight == 5.0

@@ -58,6 +58,11 @@ def test_env_overrides(monkeypatch):
 @pytest.mark.parametrize("node, msg", [
     ({"name": "a", "url": "ftp://x"}, "http://"),
     ({"name": "a", "url": "http://x:1/v1"}, "without a path"),
+    ({"name": "a", "url": "http://x:1#frag"}, "without a path, query or fragment"),
+    ({"name": "a", "url": "http://x:1/#"}, "without a path, query or fragment"),
+    ({"name": "a", "url": "http://x:1?"}, "without a path, query or fragment"),
+    ({"name": "a", "url": "http://x:1?a=b"}, "without a path, query or fragment"),
+    ({"name": "a", "url": "http://x:" + "9" * 5000}, "port must be 1-65535"),
     ({"name": "a", "url": "http://x", "weight": 0}, "greater than or equal to 0.001"),
     ({"name": "a", "url": "http://x", "weight": 1e-300}, "greater than or equal to 0.001"),
     ({"name": "a", "url": "http://x", "weight": "NaN"}, "finite number"),
