@@ -136,14 +136,19 @@ def add_cmd(c: Ctx, name: str, url: str, **opts: Any) -> None:
 @_node_options
 @click.pass_obj
 def edit_cmd(c: Ctx, name: str, **opts: Any) -> None:
-    """Change fields of node NAME."""
+    """Change fields of node NAME (only those given; "nothing changed" when they have
+    these values already)."""
     changes = _given(**opts)
     if not changes:
         raise click.UsageError("nothing to change: give --url, --kind, --weight, "
                                "--max-concurrency, --metrics-path, --health-path or --model")
-    node = run(c, lambda: ops.edit_node(c.r, name, changes, actor(), c.events_max,
-                                        settings=c.settings))
-    click.echo(f"saved {node.name}: " + ", ".join(f"{k}={getattr(node, k)}" for k in changes))
+    res = run(c, lambda: ops.change_node(c.r, name, changes, actor(), c.events_max,
+                                         settings=c.settings))
+    if not res.diff:
+        click.echo(f"{name}: nothing changed (it has these values already)")
+        return
+    click.echo(f"saved {res.node.name}: " + ", ".join(f"{k}={getattr(res.node, k)}"
+                                                      for k in res.diff))
     warn_if_unpublished(c)
 
 

@@ -509,3 +509,13 @@ def test_draining_the_last_active_node_of_a_model_is_accepted_with_a_warning(cli
     # a node whose models are unknown may be sent any model: no warning
     add(r, "d", 9004)
     assert client.post("/api/v1/nodes/c/drain", headers=AUTH).get_json()["warning"] == ""
+
+
+def test_an_edit_that_changes_nothing_writes_no_event(client, r):
+    add(r, "sim-a", 9001, weight=2)
+    resp = client.patch("/api/v1/nodes/sim-a", json={"weight": 2, "url": "http://127.0.0.1:9001/"},
+                        headers=AUTH)
+    assert resp.status_code == 200 and resp.get_json()["weight"] == 2.0
+    assert registry.recent_events(r, 5) == []
+    resp = client.patch("/api/v1/nodes/sim-a", json={"weight": 3}, headers=AUTH)
+    assert [e["detail"] for e in registry.recent_events(r, 5)] == [{"weight": [2.0, 3.0]}]

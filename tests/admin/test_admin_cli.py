@@ -89,6 +89,8 @@ def test_edit_without_changes_is_a_usage_error(run):
     run("add", "sim-a", "http://127.0.0.1:9001")
     res = run("edit", "sim-a")
     assert res.exit_code == 2 and "nothing to change" in res.output
+    res = run("edit", "sim-a", "--weight", "1")
+    assert res.exit_code == 0 and "sim-a: nothing changed" in res.output
 
 
 def test_drain_undrain(run, r):
