@@ -228,11 +228,12 @@ def _non_ascii_refusal(host: str) -> str:
     ASCII (IDNA) form only."""
     import idna
 
+    short = registry.shorten(host)
     try:
         ascii_host = idna.encode(host, uts46=True).decode("ascii")
     except (idna.IDNAError, UnicodeError) as exc:
-        return f"url: {host} is not a valid host name ({exc})"
-    return f"url: write the host name in ASCII, as {ascii_host}"
+        return f"url: {short} is not a valid host name ({registry.shorten(str(exc))})"
+    return f"url: write the host name in ASCII, as {registry.shorten(ascii_host)}"
 
 
 def _refused_address(host: str, port: int) -> tuple[list[IP], str | None]:
@@ -246,12 +247,13 @@ def _refused_address(host: str, port: int) -> tuple[list[IP], str | None]:
     else:
         resolved = resolve_host(host, port)
         if resolved is None:
-            return [], (f"url: the host name {host} does not resolve; add it to "
+            return [], (f"url: the host name {registry.shorten(host)} does not resolve; add it to "
                         "controlplane.node_url_allow to use it anyway")
         ips = resolved
     bad = [a for a in ips if _refused_ip(a)]
     if host in REFUSED_NODE_HOSTS or bad:
-        shown = host if ip is not None or not bad else f"{host} ({bad[0]})"
+        shown = registry.shorten(host) if ip is not None or not bad \
+            else f"{registry.shorten(host)} ({bad[0]})"
         return ips, (f"url: {shown} is a link-local or cloud-metadata address; add it to "
                      "controlplane.node_url_allow to use it anyway")
     return ips, None
@@ -321,7 +323,7 @@ def node_url_refusal(url: str, settings: Settings | None = None) -> str | None:
         o_ip = _ip(o_host)
         same = host == o_host or (o_ip is not None and o_ip in ips)
         if port == o_port and (same or (_is_local(host, ips) and _is_local(o_host))):
-            return (f"url: {host}:{port} is this stack's own {what} port; add it to "
+            return (f"url: {registry.shorten(host)}:{port} is this stack's own {what} port; add it to "
                     "controlplane.node_url_allow to use it anyway")
     return None
 

@@ -5,7 +5,8 @@
   prints it **once** (only its SHA-256 is stored); ``--rpm`` / ``--tpm`` are requests and
   tokens per minute (left out = no limit); ``--weight`` / ``--priority`` its fair share
   (``critical``, ``standard``, ``sheddable``; left out = the tenant's default).
-- ``list [--active] [--json]``: id, tenant, label, rpm, tpm, created, revoked (UTC) —
+- ``list [--active] [--json]``: id, tenant, label, rpm, tpm, weight, priority
+  (``default``: the tenant's), created, revoked (UTC) —
   never the key, which is not stored.
 - ``edit ID [--rpm N|none] [--tpm N|none] [--weight W|none] [--priority P|none]
   [--label TEXT]``: new limits (``none`` = no limit), fair share (``none`` = the
@@ -52,6 +53,16 @@ def _limit(v: int | None) -> str:
     return "-" if v is None else str(v)
 
 
+def _share(v: float | str | None) -> str:
+    """A key's weight or priority: ``default`` when unset (the tenant's, ``[admission]``)."""
+    return "default" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def _summary(rec: apikeys.ApiKey) -> str:
+    return (f"rpm {_limit(rec.rpm)}, tpm {_limit(rec.tpm)}, weight {_share(rec.weight)}, "
+            f"priority {_share(rec.priority)}, label {rec.label or '-'}")
+
+
 @click.group("keys", cls=ConnectedGroup)
 @click.option("--config", "config", type=click.Path(dir_okay=False), default=None,
               help="infergate TOML file (default: built-in defaults).")
@@ -84,7 +95,8 @@ def create_cmd(c: Ctx, tenant: str, rpm: int | None, tpm: int | None, label: str
         click.echo(json.dumps({"key": plaintext, **rec.to_dict()}, indent=2))
         return
     click.echo(f"created key {rec.id} for tenant {rec.tenant} "
-               f"(rpm {_limit(rec.rpm)}, tpm {_limit(rec.tpm)})")
+               f"(rpm {_limit(rec.rpm)}, tpm {_limit(rec.tpm)}, weight {_share(rec.weight)}, "
+               f"priority {_share(rec.priority)})")
     click.echo(plaintext)
     click.echo("Store it now: it is not shown again. Clients send it as "
                "'Authorization: Bearer <key>'.", err=True)
@@ -95,7 +107,8 @@ def create_cmd(c: Ctx, tenant: str, rpm: int | None, tpm: int | None, label: str
 @click.option("--json", "as_json", is_flag=True, help="Print the records as JSON.")
 @click.pass_obj
 def list_cmd(c: Ctx, active: bool, as_json: bool) -> None:
-    """Keys, newest first: id, tenant, label, limits, created, revoked (never the key)."""
+    """Keys, newest first: id, tenant, label, limits, fair share, created, revoked
+    (never the key)."""
     recs = _run(c, lambda: apikeys.list_keys(c.r, include_revoked=not active))
     if as_json:
         click.echo(json.dumps([k.to_dict() for k in recs], indent=2))
@@ -103,9 +116,10 @@ def list_cmd(c: Ctx, active: bool, as_json: bool) -> None:
     if not recs:
         click.echo("no keys")
         return
-    rows = [[k.id, k.tenant, k.label or "-", _limit(k.rpm), _limit(k.tpm), _when(k.created),
-             _when(k.revoked)] for k in recs]
-    click.echo(table(["ID", "TENANT", "LABEL", "RPM", "TPM", "CREATED (UTC)", "REVOKED (UTC)"], rows))
+    rows = [[k.id, k.tenant, k.label or "-", _limit(k.rpm), _limit(k.tpm), _share(k.weight),
+             _share(k.priority), _when(k.created), _when(k.revoked)] for k in recs]
+    click.echo(table(["ID", "TENANT", "LABEL", "RPM", "TPM", "WEIGHT", "PRIORITY",
+                      "CREATED (UTC)", "REVOKED (UTC)"], rows))
 
 
 def _limit_arg(v: str | None) -> object:
@@ -132,10 +146,13 @@ def edit_cmd(c: Ctx, key_id: str, rpm: str | None, tpm: str | None, label: str |
     if not changes:
         raise click.UsageError("nothing to change: give --rpm, --tpm, --weight, --priority "
                                "or --label")
-    rec = _run(c, lambda: ops.edit_key(c.r, key_id, changes, actor(), c.events_max))
-    click.echo(f"saved {rec.id} (tenant {rec.tenant}): rpm {_limit(rec.rpm)}, "
-               f"tpm {_limit(rec.tpm)}, label {rec.label or '-'}; edges apply it within "
-               f"{c.settings.auth.cache_ttl_s:g} s")
+    res = _run(c, lambda: ops.change_key(c.r, key_id, changes, actor(), c.events_max))
+    rec = res.record
+    if not res.changed:
+        click.echo(f"{rec.id} (tenant {rec.tenant}): nothing changed ({_summary(rec)})")
+        return
+    click.echo(f"saved {rec.id} (tenant {rec.tenant}): {_summary(rec)}; edges apply it "
+               f"within {c.settings.auth.cache_ttl_s:g} s")
 
 
 @keys_cmd.command("revoke")

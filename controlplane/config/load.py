@@ -46,10 +46,11 @@ class Settings(_Section):
     @field_validator("nodes")
     @classmethod
     def _unique(cls, v: list[NodeSettings]) -> list[NodeSettings]:
-        names = [n.name for n in v]
-        dup = {n for n in names if names.count(n) > 1}
+        # names that differ only in case are one name (the registry refuses the second)
+        names = [n.name.casefold() for n in v]
+        dup = {n.name for n in v if names.count(n.name.casefold()) > 1}
         if dup:
-            raise ValueError(f"duplicate node names: {sorted(dup)}")
+            raise ValueError(f"duplicate node names (case aside): {sorted(dup)}")
         return v
 
 

@@ -519,3 +519,24 @@ def test_an_edit_that_changes_nothing_writes_no_event(client, r):
     assert registry.recent_events(r, 5) == []
     resp = client.patch("/api/v1/nodes/sim-a", json={"weight": 3}, headers=AUTH)
     assert [e["detail"] for e in registry.recent_events(r, 5)] == [{"weight": [2.0, 3.0]}]
+
+
+def test_a_name_equal_to_another_but_for_case_is_refused(client, r):
+    assert client.post("/api/v1/nodes", json={"name": "sim-fast", "url": "http://10.0.0.5:8000"},
+                       headers=AUTH).status_code == 201
+    resp = client.post("/api/v1/nodes", json={"name": "SIM-FAST", "url": "http://10.0.0.6:8000"},
+                       headers=AUTH)
+    assert resp.status_code == 409 and err(resp)["code"] == "node_exists"
+    assert "'sim-fast' already exists" in err(resp)["message"]
+    assert [n.name for n in registry.list_nodes(r)] == ["sim-fast"]
+
+
+@pytest.mark.parametrize("url", ["http://" + "a" * 5000 + ":8000",
+                                 "http://" + "é" * 5000 + ":8000"])
+def test_a_huge_url_is_not_echoed_whole(client, r, url):
+    resp = client.post("/api/v1/nodes", json={"name": "n1", "url": url}, headers=AUTH)
+    assert resp.status_code == 400
+    msg = err(resp)["message"]
+    assert len(msg) < 500 and "characters)" in msg, msg[:300]
+    resp = client.patch("/api/v1/nodes/" + "x" * 5000, json={"weight": 2}, headers=AUTH)
+    assert resp.status_code == 404 and len(err(resp)["message"]) < 500

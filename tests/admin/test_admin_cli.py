@@ -65,6 +65,7 @@ def test_add_list_edit_remove(run, r):
 @pytest.mark.parametrize("args,frag", [
     (("add", "sim-a", "http://127.0.0.1:9001"), "already exists"),
     (("add", "x", "ftp://10.0.0.1"), "url"),
+    (("add", "SIM-A", "http://10.0.0.1"), "a node named 'sim-a' already exists"),
     (("add", "x", "http://10.0.0.1:8000#frag"), "without a path, query or fragment"),
     (("edit", "sim-a", "--url", "http://10.0.0.1:8000/#"), "without a path, query or fragment"),
     (("add", "x", "http://10.0.0.1", "--weight", "0"), "weight"),

@@ -31,7 +31,8 @@ def test_create_list_revoke(run, redis_server) -> None:
 
     res = run("create", "--tenant", "acme", "--rpm", "60", "--tpm", "10000", "--label", "ci bot")
     assert res.exit_code == 0, res.output
-    m = re.search(r"created key ([0-9a-f]{8}) for tenant acme \(rpm 60, tpm 10000\)\n(ig-\S+)\n",
+    m = re.search(r"created key ([0-9a-f]{8}) for tenant acme \(rpm 60, tpm 10000, weight "
+                  r"default, priority default\)\n(ig-\S+)\n",
                   res.output)
     assert m, res.output
     key_id, key = m.groups()
@@ -49,11 +50,12 @@ def test_create_list_revoke(run, redis_server) -> None:
     res = run("list")
     assert res.exit_code == 0
     lines = res.output.splitlines()
-    assert lines[0].split() == ["ID", "TENANT", "LABEL", "RPM", "TPM", "CREATED", "(UTC)",
-                                "REVOKED", "(UTC)"]
+    assert lines[0].split() == ["ID", "TENANT", "LABEL", "RPM", "TPM", "WEIGHT", "PRIORITY",
+                                "CREATED", "(UTC)", "REVOKED", "(UTC)"]
     rows = {line.split()[0]: line for line in lines[1:]}
     assert set(rows) == {key_id, beta_id}
-    assert rows[key_id].split()[1:6] == ["acme", "ci", "bot", "60", "10000"]
+    assert rows[key_id].split()[1:8] == ["acme", "ci", "bot", "60", "10000", "default",
+                                         "default"]
     assert rows[key_id].rstrip().endswith("-")  # not revoked
     assert key not in res.output and data["key"] not in res.output  # never the key
 
@@ -113,7 +115,8 @@ def test_edit_changes_limits_and_label_with_an_event(run, redis_server) -> None:
     key_id = json.loads(run("create", "--tenant", "acme", "--rpm", "60", "--json").output)["id"]
     res = run("edit", key_id, "--rpm", "none", "--tpm", "500", "--label", "batch jobs")
     assert res.exit_code == 0, res.output
-    assert f"saved {key_id} (tenant acme): rpm -, tpm 500, label batch jobs" in res.output
+    assert (f"saved {key_id} (tenant acme): rpm -, tpm 500, weight default, priority "
+            "default, label batch jobs") in res.output
     rec = apikeys.get_key(r, key_id)
     assert rec.rpm is None and rec.tpm == 500 and rec.label == "batch jobs"
     ev = registry.recent_events(r, 1)[0]
@@ -122,6 +125,12 @@ def test_edit_changes_limits_and_label_with_an_event(run, redis_server) -> None:
                             "label": "batch jobs"}
     res = run("edit", key_id, "--weight", "3", "--priority", "sheddable")
     assert res.exit_code == 0, res.output
+    assert (f"saved {key_id} (tenant acme): rpm -, tpm 500, weight 3, priority sheddable, "
+            "label batch jobs") in res.output
+    row = next(x for x in run("list").output.splitlines() if x.startswith(key_id))
+    assert row.split()[5:8] == ["500", "3", "sheddable"]
+    res = run("edit", key_id, "--weight", "3")
+    assert res.exit_code == 0 and f"{key_id} (tenant acme): nothing changed" in res.output
     rec = apikeys.get_key(r, key_id)
     assert rec.weight == 3 and rec.priority == "sheddable"
     assert run("edit", key_id, "--weight", "none").exit_code == 0

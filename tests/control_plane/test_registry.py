@@ -286,3 +286,13 @@ def test_up_and_the_control_plane_say_which_file_settings_the_registry_overrides
     assert found == ["node file-b: the file says weight 2.0, the registry keeps 1.0 (changed "
                      "at run time or seeded before); edit it with `infergate nodes edit` or "
                      "the admin page"]
+
+
+def test_a_configured_name_equal_to_a_registered_one_but_for_case_is_not_added(redis_server,
+                                                                            caplog):
+    r = redis_server.client()
+    registry.put_node(r, node("sim-fast", 9001))
+    assert registry.seed_nodes(r, [node("SIM-FAST", 9002)]) == 0
+    assert "configured node SIM-FAST not added: a node named 'sim-fast' already exists" \
+        in caplog.text
+    assert [n.name for n in registry.list_nodes(r)] == ["sim-fast"]

@@ -84,6 +84,9 @@ def test_invalid_nodes_are_named(node, msg):
 def test_duplicate_node_names():
     with pytest.raises(ConfigError, match="duplicate"):
         settings_from_dict({"nodes": [{"name": "a", "url": "http://x"}, {"name": "a", "url": "http://y"}]})
+    with pytest.raises(ConfigError, match=r"duplicate node names \(case aside\): \['SIM-FAST', 'sim-fast'\]"):
+        settings_from_dict({"nodes": [{"name": "sim-fast", "url": "http://x"},
+                                      {"name": "SIM-FAST", "url": "http://y"}]})
 
 
 def test_unknown_field_and_bad_toml(tmp_path):
