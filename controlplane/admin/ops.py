@@ -5,12 +5,12 @@ response-cache purge.
 Every change writes an event (``registry.add_event``) naming the actor: ``admin`` for
 the web page and API, ``cli:<user>`` for the command line. Event kinds and details:
 
-- ``node_add`` (the node document), ``node_edit`` (``{field: [old, new]}``),
-  ``node_remove``, ``drain`` / ``undrain`` (``{"from": state}``; none when nothing
-  changed);
+- ``node_add`` (the node document), ``node_edit`` (``{field: [old, new]}``; none when
+  nothing changed), ``node_remove``, ``drain`` / ``undrain`` (``{"from": state}``; none
+  when nothing changed);
 - ``key_create`` (``{"id", "tenant"}``), ``key_edit`` (``{"id", "tenant"}`` + the new
-  value of each changed field), ``key_revoke`` (``{"id", "tenant"}``; none when the key
-  was already revoked);
+  value of each changed field; none when nothing changed), ``key_revoke`` (``{"id",
+  "tenant"}``; none when the key was already revoked);
 - ``cache_purge`` (the scope + ``"purged"``, the entries deleted);
 - ``cache_flag`` (``{"id", "namespace"}``: an answer flagged as wrong and dropped; none
   when it was flagged before).

@@ -1,15 +1,21 @@
 """Node registry, node states and the event stream, kept in Redis.
 
-- Registry: hash ``keynames.NODES``, node name -> JSON of :class:`NodeSettings`. Seeded
-  from the TOML file at control-plane start, each configured node once
-  (:func:`seed_nodes`: run-time edits and removals survive a restart); edited at run
-  time by the admin page, API and CLI.
+- Registry: hash ``keynames.NODES``, node name -> JSON of :class:`NodeSettings` (names
+  unique ignoring case). Seeded from the TOML file at control-plane start, each
+  configured node once (:func:`seed_nodes`: run-time edits and removals survive a
+  restart); edited at run time by the admin page, API and CLI.
 - States: hash ``keynames.NODE_STATES``, name -> ``{"state", "since", "actor"}`` where
   state is ``active`` | ``draining`` | ``drained`` and ``since`` is epoch seconds.
   A node without an entry is ``active``. (``down`` is not a state: it is
   ``healthy == false`` in the metrics, shown as such on the admin page.)
 - Events: stream ``keynames.EVENTS``, capped near ``events_max`` entries, fields
   ``ts`` (epoch s), ``kind``, ``node``, ``actor``, ``detail`` (JSON text).
+
+Changes that depend on what is stored (:func:`put_node_unique`, :func:`seed_node`,
+:func:`update_node`, :func:`change_state`) check and write in one optimistic transaction
+on the three keys above (one hash slot, ``keynames.NODES_TAG``; :func:`_optimistic`), and
+:func:`remove_node` deletes a node's entry and state in one ``MULTI``: a change that
+checked a node before it was removed never writes it (or its state) back.
 
 All functions take a ``redis.Redis`` built with ``decode_responses=True`` and raise
 ``redis.exceptions.RedisError`` when Redis is unreachable.
