@@ -65,13 +65,23 @@ def test_cli_keys_and_nodes_on_the_cluster(redis_cluster, rc) -> None:
     key_id, key = re.search(r"created key ([0-9a-f]{8}) .*\n(ig-\S+)\n", out).groups()
     assert apikeys.lookup(rc, key).rpm == 60
     assert key_id in _cli(redis_cluster.url, "keys", "list")
+    backup = _cli(redis_cluster.url, "keys", "export")
     _cli(redis_cluster.url, "keys", "revoke", key_id)
     assert apikeys.get_key(rc, key_id).revoked
+    res = CliRunner().invoke(main, ["keys", "--redis-url", redis_cluster.url, "import",
+                                    "--overwrite", "-"], input=backup)
+    assert res.exit_code == 0 and f"kept revoked: {key_id}" in res.output, res.output
+    assert apikeys.lookup(rc, key) is None
     assert not apikeys.store_missing(rc)
     _cli(redis_cluster.url, "nodes", "add", "cli-n1", "http://127.0.0.1:9")
+    # edits, drains and removals are WATCH/MULTI transactions on the registry's slot
+    _cli(redis_cluster.url, "nodes", "edit", "cli-n1", "--weight", "2")
+    assert registry.get_node(rc, "cli-n1").weight == 2.0
     _cli(redis_cluster.url, "nodes", "drain", "cli-n1")
     assert registry.get_state(rc, "cli-n1").state == "draining"
     _cli(redis_cluster.url, "nodes", "remove", "cli-n1")
+    assert registry.get_node(rc, "cli-n1") is None
+    assert rc.hget(keynames.NODE_STATES, "cli-n1") is None
     # the groups' keys really sit in different slots (the cluster is used, not one node)
     assert len({rc.keyslot(k) for k in (keynames.APIKEYS, keynames.NODES, keynames.ROUTING)}) == 3
 
