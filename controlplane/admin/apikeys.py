@@ -322,8 +322,8 @@ def change_key(r: redis.Redis, key_id: str, changes: dict[str, object],
 
     ``seen`` (a form): the values the form showed, by field. A field whose new value
     equals the one shown was not changed by the user and is left alone; a field the
-    user changed that someone else changed meanwhile refuses the whole change
-    (:class:`KeyChanged`). Raises :class:`ApiKeyError` for an unknown field or a bad
+    user changed that someone else changed meanwhile to another value refuses the whole
+    change (:class:`KeyChanged`). Raises :class:`ApiKeyError` for an unknown field or a bad
     value, :class:`KeyRevoked` for a revoked key (nothing is written: a limit on a key
     that no edge accepts would only mislead whoever reads the list)."""
     unknown = sorted(set(changes) - set(EDITABLE))
@@ -340,8 +340,8 @@ def change_key(r: redis.Redis, key_id: str, changes: dict[str, object],
         stale = []
         for name, value in wanted.items():
             if name in shown:
-                if value == shown[name]:
-                    continue                    # as shown: not changed by this user
+                if value == shown[name] or value == getattr(rec, name):
+                    continue                    # as shown (not changed here), or as stored
                 if getattr(rec, name) != shown[name]:
                     stale.append(name)          # changed by someone else since shown
                     continue

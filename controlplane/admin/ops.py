@@ -425,8 +425,9 @@ def change_node(r: redis.Redis, name: str, changes: object, actor: str,
 
     ``seen`` (a form): the values the form showed, by field. A field whose new value
     equals what the form showed was not changed by the user and is left alone; a field
-    the user changed that someone else changed meanwhile (the stored value is no longer
-    the one shown) refuses the whole edit (:class:`Stale`). Without ``seen`` (the API,
+    the user changed that someone else changed meanwhile to another value (the stored
+    value is neither the one shown nor the user's) refuses the whole edit
+    (:class:`Stale`). Without ``seen`` (the API,
     the CLI) every field given is applied.
 
     Writes ``node_edit`` (``{field: [old, new]}``) when something changed, nothing
@@ -446,8 +447,9 @@ def change_node(r: redis.Redis, name: str, changes: object, actor: str,
         stale = []
         for k, v in changes.items():
             if k in shown:
-                if _field(now, k, v) == shown[k]:
-                    continue            # as shown: not changed by this user
+                mine = _field(now, k, v)
+                if mine == shown[k] or mine == getattr(now, k):
+                    continue            # as shown (not changed by this user), or as stored
                 if getattr(now, k) != shown[k]:
                     stale.append(k)     # changed by someone else since it was shown
                     continue

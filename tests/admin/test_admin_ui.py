@@ -402,6 +402,10 @@ def test_a_stale_node_form_never_reverts_a_change_made_meanwhile(app, client, r)
             "(now 2.5); reload the page") in resp.text
     node = registry.get_node(r, "sim-a")
     assert (node.weight, node.kind, node.max_concurrency) == (2.5, "vllm", 8)
+    # B's stale page sets the weight to what A set: no conflict, nothing to change
+    resp = b.post("/nodes/sim-a/edit", data={**form_b, "weight": "2.5", "csrf_token": b.csrf},
+                  follow_redirects=True)
+    assert "Node sim-a: nothing changed." in resp.text
     # reloaded, the same change goes through
     form_b = _node_form(b.get("/nodes/sim-a").text)
     b.post("/nodes/sim-a/edit", data={**form_b, "weight": "3", "csrf_token": b.csrf})
@@ -467,6 +471,9 @@ def test_a_stale_keys_form_never_reverts_a_limit_set_meanwhile(app, client, r):
             "(now 100); reload the page") in resp.text
     got = apikeys.get_key(r, rec.id)
     assert (got.rpm, got.tpm) == (100, 500)
+    resp = b.post(f"/keys/{rec.id}/limits", data={**form_b, "rpm": "100", "csrf_token": b.csrf},
+                  follow_redirects=True)
+    assert f"Key {rec.id}: nothing changed." in resp.text     # the value A set: no conflict
     events = len(registry.recent_events(r, 100))
     form_a = _key_form(client.get("/keys").text, rec.id)
     resp = client.post(f"/keys/{rec.id}/limits", data={**form_a, "csrf_token": client.csrf},
