@@ -540,3 +540,14 @@ def test_a_huge_url_is_not_echoed_whole(client, r, url):
     assert len(msg) < 500 and "characters)" in msg, msg[:300]
     resp = client.patch("/api/v1/nodes/" + "x" * 5000, json={"weight": 2}, headers=AUTH)
     assert resp.status_code == 404 and len(err(resp)["message"]) < 500
+
+
+def test_a_node_added_under_a_name_with_a_state_left_behind_starts_active(client, r):
+    """A state an older removal left (written before removals took it with the entry)
+    does not make a new node of that name drained."""
+    registry.set_state(r, "zz", "drained", "old")
+    resp = client.post("/api/v1/nodes", json={"name": "zz", "url": "http://10.0.0.5:8000"},
+                       headers=AUTH)
+    assert resp.status_code == 201
+    assert r.hget(keynames.NODE_STATES, "zz") is None
+    assert registry.get_state(r, "zz").state == "active"
