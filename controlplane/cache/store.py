@@ -17,7 +17,9 @@ Layout (schema v1, see docs/internals.md "Response cache"):
   ``stores`` (entries written).
 - ``keynames.cache_vec(model_slug, dim, hex)`` = ``infergate:v1:cache:vec:<slug>:<dim>:<hex>``:
   the embedder's vector hash of an entry (``controlplane.embedder.index``). A purge
-  deletes the vectors of the entries it deletes (:func:`purge_counts`).
+  deletes the vectors of the entries it deletes (:func:`purge_counts`) and announces each
+  on the vector channel (``controlplane.embedder.vecchannel``), so the embedders' local
+  indexes drop their rows at once.
 
 Every key of the cache carries a TTL, so Redis (``maxmemory-policy volatile-lru``) may
 evict any of them under memory pressure and never a state key (API keys, nodes, drain
@@ -42,6 +44,7 @@ from dataclasses import asdict, dataclass
 
 import redis
 
+from controlplane.embedder import vecchannel
 from controlplane.embedder.bounds import wilson_upper
 from controlplane.errors import InfergateError
 from controlplane.redisdb import keynames
@@ -278,12 +281,18 @@ def purge_vectors(r: redis.Redis, exact_keys: set[str] | None, *, batch: int = 5
     """Delete the embedder's vector hashes of the entries ``exact_keys`` (hex), of every
     model and dimension, or every vector hash when ``exact_keys`` is ``None``; returns
     how many were deleted. One ``SCAN`` over ``keynames.CACHE_VEC_PREFIX``, ``UNLINK``
-    in batches (a Redis search index drops the unlinked hashes by itself)."""
+    in batches (a Redis search index drops the unlinked hashes by itself), each batch
+    then announced on the vector channel (:func:`vecchannel.publish_gone`: the embedders'
+    in-process indexes drop those rows)."""
     n = 0
-    found = (k for k in r.scan_iter(match=keynames.CACHE_VEC_PREFIX + "*", count=1000)
+    found = (_s(k) for k in r.scan_iter(match=keynames.CACHE_VEC_PREFIX + "*", count=1000)
              if exact_keys is None or _s(k).rsplit(":", 1)[-1] in exact_keys)
     for b in _batches(found, batch):
         n += int(r.unlink(*b))
+        pipe = r.pipeline(transaction=False)
+        for hk in b:
+            vecchannel.publish_gone(pipe, hk)
+        pipe.execute()
     return n
 
 

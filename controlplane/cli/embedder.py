@@ -285,7 +285,8 @@ def _make_engine(settings, config_path: str | None, r, log: logging.Logger, *,
         engine = Engine(m, r, index_backend=index_backend, max_batch=max_batch,
                         max_wait_ms=max_wait_ms, top_k=top_k, verifier=ver, policy=policy,
                         model_workers=model_workers, activity=activity,
-                        endpoint_ca=settings.controlplane.node_ca_file)
+                        endpoint_ca=settings.controlplane.node_ca_file,
+                        index_max_rows=settings.cache.semantic_index_max_rows)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     log.info("model %s loaded (dim %d); default min_similarity %.2f, verifier %s, "

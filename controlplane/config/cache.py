@@ -224,6 +224,11 @@ class CacheSettings(_Section):
     """Per-domain thresholds applied by the embedder (``[[cache.semantic_domains]]``);
     unset = none (None rather than ``[]``: the edge's options document drops nulls, and it
     cannot tell an empty array from an empty table)."""
+    semantic_index_max_rows: int = Field(default=100_000, ge=1000, le=100_000_000)
+    """Most vectors the embedder's in-process index holds (``local`` backend: Redis
+    without the search module), per embedding model and per embedder process; over it the
+    vectors expiring soonest leave the index (their entries still answer exact hits;
+    logged once). About 2 KB each at 512 dimensions plus the question's text."""
     embedder_model: str = "use-multilingual-v3"
     """Model ``infergate up`` starts the embedder with: use-multilingual-v3 (numpy, no
     torch, 16 languages) or, with the ``semantic`` extra, all-MiniLM-L6-v2 or any

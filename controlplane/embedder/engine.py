@@ -27,6 +27,7 @@ from controlplane.embedder.index import Candidate, IndexItem, open_index
 from controlplane.embedder.models import EmbeddingModel, EmbedError, slug
 from controlplane.embedder.policy import Domain, PolicySource
 from controlplane.embedder.remote import EndpointError, PoolModels, remote_model_id
+from controlplane.embedder.rows import DEFAULT_MAX_ROWS
 from controlplane.embedder.verifier import Verifier
 from controlplane.embedder.wire import LookupRequest
 from controlplane.errors import InfergateError
@@ -155,9 +156,11 @@ class Engine:
                  embed_cache: int = 4096, model_workers: int = 1,
                  max_text_chars: int = 1000, activity: LookupActivity | None = None,
                  pool: PoolModels | None = None, endpoint_ca: str = "",
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, index_max_rows: int = DEFAULT_MAX_ROWS):
         self.model = model
         self.index_backend = index_backend
+        #: rows the in-process index holds at most (``cache.semantic_index_max_rows``)
+        self.index_max_rows = index_max_rows
         self.subscribe = subscribe
         #: the pool's endpoints (``remote.PoolModels``); a child engine (one endpoint's
         #: vectors) shares its parent's and dispatches nothing itself
@@ -179,7 +182,7 @@ class Engine:
         self.embed_timeout_s = embed_timeout_s
         self.metrics = metrics or Metrics()
         self.index = open_index(r, self.model_slug, model.dim, index_backend,
-                                subscribe=subscribe)
+                                subscribe=subscribe, max_rows=index_max_rows)
         self._inflight = 0
         self._inflight_lock = threading.Lock()
         safe = bool(getattr(model, "thread_safe", False))
@@ -205,7 +208,7 @@ class Engine:
                       embed_timeout_s=self.embed_timeout_s, subscribe=self.subscribe,
                       policy=self.policy, max_text_chars=self.max_text_chars,
                       activity=self.activity, model_workers=4, pool=self.pool,
-                      metrics=self.metrics)
+                      metrics=self.metrics, index_max_rows=self.index_max_rows)
 
     @property
     def verifier_active(self) -> bool:

@@ -17,7 +17,11 @@ Search backends:
 - :class:`LocalIndex` (``local``): exact search in process, one numpy matrix per
   namespace, loaded from Redis at start (``SCAN`` over the prefix), kept current by the
   embedder's own writes and by the pub/sub channel ``keynames.CACHE_VEC_CHANNEL`` (vectors
-  stored by other embedder processes). Rows are dropped when their TTL has passed.
+  stored by other embedder processes, vectors deleted by a purge:
+  :mod:`controlplane.embedder.vecchannel`). Bounded: at most ``max_rows`` rows
+  (``cache.semantic_index_max_rows``); rows past their TTL leave it in any namespace, and
+  rows whose vector hash left Redis (purged, evicted) within about a minute
+  (:mod:`controlplane.embedder.rows`, :class:`LocalIndex`).
 
 Either way the service checks that the cache entry of a candidate still exists before
 answering with it (an entry purged or expired is never a hit).
@@ -32,6 +36,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -39,6 +44,8 @@ from typing import Any, Protocol
 import numpy as np
 import redis
 
+from controlplane.embedder import vecchannel
+from controlplane.embedder.rows import DEFAULT_MAX_ROWS, RowTable
 from controlplane.redisdb import keynames
 
 log = logging.getLogger("infergate.embedder")
@@ -307,79 +314,75 @@ class RedisSearchIndex:
 
 # ---------------------------------------------------------------- in process
 
-
-@dataclass
-class _Block:
-    """The rows of one namespace."""
-
-    dim: int
-    keys: list[str] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)
-    expires: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    mat: np.ndarray | None = None
-    n: int = 0
-
-    def __post_init__(self) -> None:
-        self.mat = np.zeros((8, self.dim), dtype=np.float32)
-        self.expires = np.zeros(8, dtype=np.float64)
-
-    def append(self, key: str, text: str, vec: np.ndarray, expires_at: float) -> int:
-        if self.n == self.mat.shape[0]:
-            cap = self.n * 2
-            self.mat = np.resize(self.mat, (cap, self.dim))
-            self.expires = np.resize(self.expires, cap)
-        row = self.n
-        self.mat[row] = vec
-        self.expires[row] = expires_at
-        self.keys.append(key)
-        self.texts.append(text)
-        self.n += 1
-        return row
-
-    def remove(self, row: int) -> str | None:
-        """Swap-remove ``row``; returns the key that moved into ``row`` (or None)."""
-        last = self.n - 1
-        moved = None
-        if row != last:
-            self.mat[row] = self.mat[last]
-            self.expires[row] = self.expires[last]
-            self.keys[row] = self.keys[last]
-            self.texts[row] = self.texts[last]
-            moved = self.keys[row]
-        self.keys.pop()
-        self.texts.pop()
-        self.n -= 1
-        return moved
+#: Seconds between two rounds of the local index's upkeep thread.
+UPKEEP_EVERY_S = 1.0
+#: Heap items a put or a search looks at (expired rows of any namespace dropped).
+SWEEP_PER_CALL = 8
+#: Heap items the upkeep thread looks at per hold of the lock.
+SWEEP_CHUNK = 1000
+#: Seconds in which the upkeep thread checks every row's vector hash in Redis once (in
+#: batches of ``rows / VERIFY_ROUND_S`` per round, within the bounds below).
+VERIFY_ROUND_S = 60.0
+VERIFY_BATCH_MIN = 100
+VERIFY_BATCH_MAX = 2000
+#: Vector channel messages handled together (one Redis round trip for them).
+FOLLOW_BATCH = 256
 
 
 class LocalIndex:
-    """Exact cosine search in process (numpy), for Redis servers without search."""
+    """Exact cosine search in process (numpy), for Redis servers without search.
+
+    Memory is bounded (:mod:`controlplane.embedder.rows`): ``max_rows`` rows at most,
+    expired rows of any namespace are dropped (a few per put and search, and all of them
+    every :data:`UPKEEP_EVERY_S` by the upkeep thread), and rows whose vector hash left
+    Redis (purged, evicted) are dropped: at once for a purge announced on the vector
+    channel, else within about :data:`VERIFY_ROUND_S` (the upkeep thread checks every
+    row's hash with pipelined ``EXISTS``, a batch per round, in turn). The upkeep
+    thread runs when ``upkeep`` is true (default: when ``subscribe`` is);
+    :meth:`upkeep_once` is the same work, for tests."""
 
     backend = "local"
 
     def __init__(self, r: redis.Redis, model_slug: str, dim: int, subscribe: bool = True,
-                 clock=time.time):
+                 clock=time.time, max_rows: int = DEFAULT_MAX_ROWS,
+                 upkeep: bool | None = None):
         self.store = VectorStore(r, model_slug, dim)
         self.r = r
         self.dim = dim
         self._clock = clock
         self._lock = threading.Lock()
-        self._blocks: dict[str, _Block] = {}
-        self._where: dict[str, tuple[str, int]] = {}
+        self._rows = RowTable(dim, max_rows)
+        self._verify_next: deque[str] = deque()
         self._stop = threading.Event()
         self._subscribed = threading.Event()
-        self._pubsub_thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         if subscribe:
             # Subscribe first, then load: a vector published in between is not missed.
-            self._pubsub_thread = threading.Thread(target=self._follow, daemon=True,
-                                                   name="vec-follow")
-            self._pubsub_thread.start()
+            self._start(self._follow, "vec-follow")
             self._subscribed.wait(5.0)
         self.reload()
+        if subscribe if upkeep is None else upkeep:
+            self._start(self._upkeep, "vec-upkeep")
+
+    def _start(self, target, name: str) -> None:
+        t = threading.Thread(target=target, daemon=True, name=name)
+        t.start()
+        self._threads.append(t)
 
     def __len__(self) -> int:
         with self._lock:
-            return sum(b.n for b in self._blocks.values())
+            return len(self._rows)
+
+    @property
+    def namespaces(self) -> int:
+        """Namespaces with at least one row."""
+        with self._lock:
+            return len(self._rows.blocks)
+
+    @property
+    def dropped_over_cap(self) -> int:
+        """Rows dropped because ``max_rows`` was reached."""
+        return self._rows.dropped_over_cap
 
     def reload(self) -> int:
         """Read every vector hash of this model from Redis (SCAN); returns rows loaded."""
@@ -404,25 +407,10 @@ class LocalIndex:
     def put(self, key: str, namespace: str, text: str, vec: np.ndarray,
             expires_at: float) -> None:
         """Insert or replace one row (``expires_at`` epoch seconds, ``inf`` = never)."""
+        now = self._clock()
         with self._lock:
-            self._delete_locked(key)
-            block = self._blocks.get(namespace)
-            if block is None:
-                block = self._blocks[namespace] = _Block(self.dim)
-            row = block.append(key, text[:MAX_TEXT_CHARS], vec, expires_at)
-            self._where[key] = (namespace, row)
-
-    def _delete_locked(self, key: str) -> None:
-        loc = self._where.pop(key, None)
-        if loc is None:
-            return
-        ns, row = loc
-        block = self._blocks[ns]
-        moved = block.remove(row)
-        if moved is not None:
-            self._where[moved] = (ns, row)
-        if block.n == 0:
-            del self._blocks[ns]
+            self._rows.put(key, namespace, text[:MAX_TEXT_CHARS], vec, expires_at)
+            self._rows.sweep(now, SWEEP_PER_CALL)
 
     def add(self, items: list[IndexItem], vecs: np.ndarray) -> list[int]:
         applied = self.store.write(items, vecs)
@@ -432,14 +420,6 @@ class LocalIndex:
                 self.put(it.key, it.namespace, it.text, np.asarray(vec, np.float32),
                          now + ttl_ms / 1000.0)
         return applied
-
-    def _drop_expired_locked(self, namespace: str, now: float) -> None:
-        block = self._blocks.get(namespace)
-        if block is None:
-            return
-        dead = np.nonzero(block.expires[:block.n] <= now)[0]
-        for row in sorted(dead.tolist(), reverse=True):
-            self._delete_locked(block.keys[row])
 
     def search(self, namespace: str, vec: np.ndarray, k: int) -> list[Candidate]:
         return self.search_many([(namespace, vec)], k)[0]
@@ -455,9 +435,10 @@ class LocalIndex:
             by_ns.setdefault(ns, []).append(i)
         now = self._clock()
         with self._lock:
+            self._rows.sweep(now, SWEEP_PER_CALL)
             for ns, idx in by_ns.items():
-                self._drop_expired_locked(ns, now)
-                block = self._blocks.get(ns)
+                self._rows.drop_expired_in(ns, now)
+                block = self._rows.blocks.get(ns)
                 if block is None or block.n == 0:
                     continue
                 q = np.vstack([np.asarray(queries[i][1], dtype=np.float32) for i in idx])
@@ -472,8 +453,73 @@ class LocalIndex:
                                         block.mat[j].copy()) for j in top]
         return out
 
+    # -- upkeep: expiry across namespaces, rows whose keys left Redis ------------------
+
+    def sweep(self, budget: int = SWEEP_CHUNK) -> int:
+        """Drop expired rows of any namespace, looking at ``budget`` candidates at most;
+        returns how many it looked at (0: no expired row is left)."""
+        now = self._clock()
+        with self._lock:
+            return self._rows.sweep(now, budget)
+
+    def drop_gone(self, keys: list[str]) -> int:
+        """Check ``keys``' vector hashes in Redis (one pipeline of ``EXISTS``) and drop the
+        rows of those that are gone; returns rows dropped. A row replaced while Redis was
+        asked is kept. Raises ``RedisError``."""
+        with self._lock:
+            seen = [(k, e) for k in keys if (e := self._rows.expires_of(k)) is not None]
+        if not seen:
+            return 0
+        pipe = self.r.pipeline(transaction=False)
+        for k, _ in seen:
+            pipe.exists(self.store.hash_key(k))
+        gone = [ke for ke, there in zip(seen, pipe.execute()) if not there]
+        dropped = 0
+        with self._lock:
+            for k, e in gone:
+                if self._rows.expires_of(k) == e and self._rows.delete(k):
+                    dropped += 1
+        return dropped
+
+    def verify_some(self) -> int:
+        """One batch of the round-robin check of every row (:meth:`drop_gone`): about
+        ``rows / VERIFY_ROUND_S`` keys, within ``VERIFY_BATCH_MIN..MAX``; returns rows
+        dropped. Raises ``RedisError``."""
+        with self._lock:
+            n = len(self._rows)
+            if not self._verify_next:
+                self._verify_next.extend(self._rows.keys())
+        size = max(VERIFY_BATCH_MIN, min(VERIFY_BATCH_MAX,
+                                         math.ceil(n * UPKEEP_EVERY_S / VERIFY_ROUND_S)))
+        batch = [self._verify_next.popleft()
+                 for _ in range(min(size, len(self._verify_next)))]
+        return self.drop_gone(batch)
+
+    def upkeep_once(self) -> None:
+        """Drop every expired row (in chunks of :data:`SWEEP_CHUNK`, the lock released
+        between them), then :meth:`verify_some`. Raises ``RedisError``."""
+        while self.sweep(SWEEP_CHUNK):
+            pass
+        self.verify_some()
+
+    def _upkeep(self) -> None:
+        failing = False
+        while not self._stop.wait(UPKEEP_EVERY_S):
+            try:
+                self.upkeep_once()
+                failing = False
+            except redis.exceptions.RedisError as exc:
+                if not failing:
+                    log.warning("local vector index: rows not checked in Redis: %s", exc)
+                failing = True
+            except Exception:  # noqa: BLE001 - the thread must outlive any bug
+                log.exception("local vector index upkeep failed")
+
+    # -- the vector channel -------------------------------------------------------------
+
     def _follow(self) -> None:
-        """Apply vectors published by any embedder; resync after a lost connection."""
+        """Apply vectors published by any embedder (and deletions announced by a purge);
+        resync after a lost connection."""
         backoff, lost = 0.2, False
         while not self._stop.is_set():
             ps = None
@@ -497,16 +543,7 @@ class LocalIndex:
                     lost = False
                 backoff = 0.2
                 while not self._stop.is_set():
-                    msg = _next_message(ps, sharded)
-                    if not msg or msg.get("type") not in MESSAGES:
-                        continue
-                    hk = _s(msg["data"])
-                    if not hk.startswith(self.store.prefix):
-                        continue
-                    with self._lock:
-                        known = hk[len(self.store.prefix):] in self._where
-                    if not known:
-                        self._put_read(self.store.read([hk]))
+                    self._apply(_next_messages(ps, sharded, FOLLOW_BATCH))
             except redis.exceptions.RedisError as exc:
                 if not lost:
                     log.warning("vector channel lost: %s; retrying", exc)
@@ -520,10 +557,29 @@ class LocalIndex:
                     except Exception:  # noqa: BLE001
                         pass
 
+    def _apply(self, messages: list[dict]) -> None:
+        """Read the vectors announced that this index does not hold; check the ones
+        announced gone that it holds (:meth:`drop_gone`)."""
+        added: list[str] = []
+        gone: list[str] = []
+        plen = len(self.store.prefix)
+        for msg in messages:
+            is_gone, hk = vecchannel.parse(msg["data"])
+            if not hk.startswith(self.store.prefix):
+                continue
+            (gone if is_gone else added).append(hk)
+        with self._lock:
+            added = [hk for hk in added if hk[plen:] not in self._rows]
+            gone_keys = [hk[plen:] for hk in gone if hk[plen:] in self._rows]
+        if added:
+            self._put_read(self.store.read(added))
+        if gone_keys:
+            self.drop_gone(gone_keys)
+
     def close(self) -> None:
         self._stop.set()
-        if self._pubsub_thread is not None:
-            self._pubsub_thread.join(timeout=3)
+        for t in self._threads:
+            t.join(timeout=3)
 
 
 #: Pub/sub message types: subscribed (plain or sharded), a message (plain or sharded).
@@ -531,25 +587,38 @@ SUBSCRIBED = ("subscribe", b"subscribe", "ssubscribe", b"ssubscribe")
 MESSAGES = ("message", b"message", "smessage", b"smessage")
 
 
-def _next_message(ps: Any, sharded: bool) -> dict | None:
-    """The next pub/sub message within 0.5 s, or None."""
+def _next_message(ps: Any, sharded: bool, timeout: float = 0.5) -> dict | None:
+    """The next pub/sub message within ``timeout`` s, or None."""
     if sharded:
-        return ps.get_sharded_message(timeout=0.5)
-    return ps.get_message(timeout=0.5)
+        return ps.get_sharded_message(timeout=timeout)
+    return ps.get_message(timeout=timeout)
+
+
+def _next_messages(ps: Any, sharded: bool, most: int) -> list[dict]:
+    """The channel messages (not subscription replies) that arrive within 0.5 s, then
+    those already waiting, at most ``most``."""
+    out: list[dict] = []
+    msg = _next_message(ps, sharded)
+    while msg is not None:
+        if msg.get("type") in MESSAGES:
+            out.append(msg)
+        if len(out) >= most:
+            break
+        msg = _next_message(ps, sharded, 0.0)
+    return out
 
 
 def publish_vector(pipe: Any, hash_key: str) -> None:
-    """Announce a stored vector on :data:`keynames.CACHE_VEC_CHANNEL`: ``SPUBLISH`` on a
-    cluster pipeline (sharded pub/sub), ``PUBLISH`` on one Redis."""
-    if isinstance(pipe, redis.cluster.ClusterPipeline):
-        pipe.spublish(keynames.CACHE_VEC_CHANNEL, hash_key)
-    else:
-        pipe.publish(keynames.CACHE_VEC_CHANNEL, hash_key)
+    """Announce a stored vector on :data:`keynames.CACHE_VEC_CHANNEL`
+    (:func:`controlplane.embedder.vecchannel.publish_added`)."""
+    vecchannel.publish_added(pipe, hash_key)
 
 
 def open_index(r: redis.Redis, model_slug: str, dim: int, backend: str = "auto",
-               subscribe: bool = True) -> VectorIndex:
-    """The index for ``backend`` (``auto`` | ``redis-search`` | ``local``).
+               subscribe: bool = True, max_rows: int = DEFAULT_MAX_ROWS) -> VectorIndex:
+    """The index for ``backend`` (``auto`` | ``redis-search`` | ``local``); ``max_rows``
+    bounds the local index (rows held in process; the Redis search index has no bound of
+    its own).
 
     ``auto`` uses Redis search when ``FT._LIST`` answers, else the local index, and logs
     which; on a Redis Cluster ``auto`` is the local index (a search module's index on one
@@ -561,7 +630,7 @@ def open_index(r: redis.Redis, model_slug: str, dim: int, backend: str = "auto",
         raise ValueError(f"unknown index backend {backend!r}: auto | redis-search | local")
     if backend == "auto" and isinstance(r, redis.RedisCluster):
         log.info("semantic index backend: local (in-process exact search; Redis Cluster)")
-        return LocalIndex(r, model_slug, dim, subscribe=subscribe)
+        return LocalIndex(r, model_slug, dim, subscribe=subscribe, max_rows=max_rows)
     if backend in ("auto", "redis-search"):
         if search_available(r):
             log.info("semantic index backend: redis-search (FT.* commands available)")
@@ -571,4 +640,4 @@ def open_index(r: redis.Redis, model_slug: str, dim: int, backend: str = "auto",
     log.info("semantic index backend: local (in-process exact search; Redis has no "
              "search module)" if backend == "auto" else
              "semantic index backend: local (in-process exact search)")
-    return LocalIndex(r, model_slug, dim, subscribe=subscribe)
+    return LocalIndex(r, model_slug, dim, subscribe=subscribe, max_rows=max_rows)

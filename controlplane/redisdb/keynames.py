@@ -84,7 +84,8 @@ CACHE_INDEX_PREFIX = f"{BASE}:cache:idx:"
 CACHE_INDEX_QUEUE = f"{BASE}:cache:index_queue"
 #: Prefix of the embedder's vector hashes: ``CACHE_VEC_PREFIX + "<model_slug>:<dim>:" + exact_key_hex``.
 CACHE_VEC_PREFIX = f"{BASE}:cache:vec:"
-#: Pub/sub channel: the embedder publishes the hash key of every vector it stores.
+#: Pub/sub channel: the embedder publishes the hash key of every vector it stores, a purge
+#: ``-`` + the hash key of every vector it deletes (``controlplane.embedder.vecchannel``).
 CACHE_VEC_CHANNEL = f"{BASE}:cache:vec_added"
 #: Prefix of the per-namespace cache figures (hashes with TTL, ``CACHE_NS_STATS_PREFIX +
 #: namespace_hex``): ``hits_exact``, ``hits_semantic`` (the edge), ``flagged`` (operators),

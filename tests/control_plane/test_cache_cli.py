@@ -116,6 +116,8 @@ def test_cache_is_off_by_default_and_renders_nothing() -> None:
     ({"min_similarity_routes": {"/v1/completions": 1.1}}, "1.1 is above the maximum 1"),
     ({"min_similarity_models": {"m": -0.1}}, "-0.1 is below the minimum 0"),
     ({"ttl_s": 0}, "cache.ttl_s: 0 is below the minimum 1"),
+    ({"semantic_index_max_rows": 10},
+     "cache.semantic_index_max_rows: 10 is below the minimum 1000"),
     ({"bogus": 1}, "cache.bogus: unknown option"),
 ])
 def test_bad_cache_settings_are_named(cache, msg) -> None:
@@ -135,6 +137,7 @@ def test_edge_options_carry_every_setting() -> None:
                       "embedder_url", "semantic_budget_ms", "min_similarity",
                       "min_similarity_routes", "min_similarity_models", "coalesce",
                       "coalesce_wait_s", "coalesce_poll_ms", "local_ttl_ms", "embedder_model",
+                      "semantic_index_max_rows",
                       "verifier", "verifier_file", "semantic_domains", "max_request_bytes",
                       "max_request_members",
                       "verify_fraction", "verify_answer_similarity", "verify_max_wrong",

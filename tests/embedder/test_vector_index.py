@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from controlplane import procs
+from controlplane.cache import store as cache_store
 from controlplane.redisdb import keynames
 from controlplane.embedder.index import (IndexItem, LocalIndex, RedisSearchIndex, open_index,
                                          search_available)
@@ -202,3 +203,52 @@ def test_reindex_reports_the_ttl_in_force(index) -> None:
     again = add(index, k, ns, unit(1, 1, 1), ttl=500)
     assert 0 < again <= first <= 20_000
     assert [x.key for x in index.search(ns, unit(1, 1, 1), 3)] == [k]  # replaced, not doubled
+
+
+def _entry_and_vector(dec: redis.Redis, writer: LocalIndex, key: str, ns: str,
+                      vec: np.ndarray) -> None:
+    """A cache entry (as the edge stores it) and its vector (as the embedder does)."""
+    cache_store.store(dec, key, tenant="acme", model="m", namespace=ns, body="answer", ttl=300)
+    add(writer, key, ns, vec, ttl=300)
+
+
+def test_a_purged_entry_leaves_other_processes_indexes_unsearched(plain, redis_server) -> None:
+    """The purge announces the vectors it deleted on the vector channel: a follower drops
+    the row at once, without that namespace being searched (its round-robin check of
+    Redis is off here, so the announcement alone does it)."""
+    r, dec = plain, redis_server.client()
+    ns, gone, kept = hx("purged-ns"), hx("purged"), hx("kept")
+    writer = LocalIndex(r, "purge-model", DIM, subscribe=False)
+    follower = LocalIndex(r, "purge-model", DIM, upkeep=False)
+    try:
+        _entry_and_vector(dec, writer, gone, ns, unit(1, 0))
+        _entry_and_vector(dec, writer, kept, hx("other-ns"), unit(0, 1))
+        procs.wait_until(lambda: len(follower) == 2, 10, what="both vectors followed")
+        assert cache_store.purge_counts(dec, namespace=ns) == cache_store.PurgeCount(1, 1)
+        procs.wait_until(lambda: len(follower) == 1, 10,
+                         what="the purged row to leave the follower's index")
+        assert follower.namespaces == 1
+        assert [c.key for c in follower.search(hx("other-ns"), unit(0, 1), 3)] == [kept]
+    finally:
+        follower.close()
+        writer.close()
+
+
+def test_rows_whose_keys_were_evicted_leave_the_index(plain, redis_server) -> None:
+    """A vector hash gone without any announcement (evicted, or deleted by hand): the
+    index's own check of its rows in Redis drops the row within seconds, with no search
+    of its namespace."""
+    r, dec = plain, redis_server.client()
+    ns, k = hx("evicted-ns"), hx("evicted")
+    writer = LocalIndex(r, "evict-model", DIM, subscribe=False)
+    idx = LocalIndex(r, "evict-model", DIM)
+    try:
+        _entry_and_vector(dec, writer, k, ns, unit(1, 1))
+        _entry_and_vector(dec, writer, hx("stays"), ns, unit(1, 0))
+        procs.wait_until(lambda: len(idx) == 2, 10, what="both vectors followed")
+        r.delete(idx.store.hash_key(k))  # no PUBLISH
+        procs.wait_until(lambda: len(idx) == 1, 10, what="the evicted row to leave")
+        assert [c.key for c in idx.search(ns, unit(1, 1), 3)] == [hx("stays")]
+    finally:
+        idx.close()
+        writer.close()

@@ -1,8 +1,8 @@
 """Drill on a 3-master, 3-replica loopback Redis Cluster (one cluster for the module;
 its fixture also checks that stopping it leaves no process): the cluster as started (the
 single Redis' settings, every slot covered, replicas attached); the ``infergate``
-commands (API keys, node registry, drain); the embedder's vectors and sharded pub/sub; and
-the edge (real nginx + Lua, lua/infergate/redis/cluster.lua) with two control planes:
+commands (API keys, node registry, drain); the embedder's vectors and sharded pub/sub (a
+purge's announcement included); and the edge (real nginx + Lua, lua/infergate/redis/cluster.lua) with two control planes:
 routing snapshot, API keys (401 / 200), a per-key rate limit (429), an exact cache hit, a
 drained node, leader election with fencing tokens -- then the master of the routing and
 API-key slots SIGKILLed under requests: no failed request, no 401, one leader writing."""
@@ -21,6 +21,7 @@ from click.testing import CliRunner
 
 from controlplane import procs
 from controlplane.admin import apikeys
+from controlplane.cache import store as cache_store
 from controlplane.cli import main
 from controlplane.config import settings_from_dict
 from controlplane.embedder.index import IndexItem, LocalIndex, VectorStore, open_index
@@ -91,7 +92,8 @@ def test_embedder_vectors_and_sharded_pubsub_on_the_cluster(redis_cluster) -> No
     rc = make_redis(settings_from_dict({"redis": {"url": redis_cluster.url}}).redis,
                     decode_responses=False)
     assert isinstance(open_index(rc, "m", 4, subscribe=False), LocalIndex)  # auto: local
-    follower = LocalIndex(rc, "m", 4, subscribe=True)
+    dec = make_redis(settings_from_dict({"redis": {"url": redis_cluster.url}}).redis)
+    follower = LocalIndex(rc, "m", 4, subscribe=True, upkeep=False)
     writer = LocalIndex(rc, "m", 4, subscribe=False)
     try:
         items = [IndexItem(key=f"{i:016x}", namespace="a" * 16, text=f"t{i}", ttl_s=60)
@@ -105,9 +107,15 @@ def test_embedder_vectors_and_sharded_pubsub_on_the_cluster(redis_cluster) -> No
         procs.wait_until(lambda: len(follower) == 6, 5, what="vectors via SSUBSCRIBE")
         hits = follower.search("a" * 16, vecs[2], 1)
         assert hits and hits[0].key == items[2].key
+        # a purge announces the vectors it deleted (SPUBLISH): the follower, whose own
+        # check of Redis is off, drops that row without a search
+        assert cache_store.purge_vectors(dec, {items[2].key}) == 1
+        procs.wait_until(lambda: len(follower) == 5, 5, what="the purged row to leave")
+        assert follower.search("a" * 16, vecs[2], 1)[0].key != items[2].key
     finally:
         follower.close()
         writer.close()
+        dec.close()
 
 
 def _post(edge, key: str, content: str) -> requests.Response:  # type: ignore[no-untyped-def]
