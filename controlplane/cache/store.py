@@ -20,6 +20,8 @@ Layout (schema v1, see docs/internals.md "Response cache"):
   deletes the vectors of the entries it deletes (:func:`purge_counts`) and announces each
   on the vector channel (``controlplane.embedder.vecchannel``), so the embedders' local
   indexes drop their rows at once.
+- ``keynames.cache_ns_stats(ns)``: a namespace's figures (see :data:`NS_COUNTERS`);
+  ``keynames.cache_ns_sample(ns)``: its sample question, with the TTL of its entry.
 
 Every key of the cache carries a TTL, so Redis (``maxmemory-policy volatile-lru``) may
 evict any of them under memory pressure and never a state key (API keys, nodes, drain
@@ -258,22 +260,28 @@ def purge_counts(r: redis.Redis, *, tenant: str | None = None, model: str | None
             deleted += int(r.unlink(*b))
         for b in _batches(r.scan_iter(match=keynames.CACHE_INDEX_PREFIX + "*", count=1000), batch):
             r.unlink(*b)
-        _forget_samples(r, (_s(k) for k in r.scan_iter(
+        for b in _batches(r.scan_iter(match=keynames.CACHE_NS_SAMPLE_PREFIX + "*",
+                                      count=1000), batch):
+            r.unlink(*b)
+        ns_plen = len(keynames.CACHE_NS_STATS_PREFIX)
+        _forget_samples(r, (_s(k)[ns_plen:] for k in r.scan_iter(
             match=keynames.CACHE_NS_STATS_PREFIX + "*", count=1000)), batch)
         return PurgeCount(deleted, purge_vectors(r, None, batch=batch))
     spaces: set[str] = {namespace} if namespace else set()
     keys = _purge_scoped(r, _filters(tenant, model, namespace), batch, spaces)
-    _forget_samples(r, (keynames.cache_ns_stats(ns) for ns in spaces), batch)
+    _forget_samples(r, spaces, batch)
     return PurgeCount(len(keys), purge_vectors(r, keys, batch=batch) if keys else 0)
 
 
-def _forget_samples(r: redis.Redis, ns_keys: Iterable[str], batch: int) -> None:
-    """Drop the sample question of these namespace hashes (purged entries' questions are
-    not kept; the counters stay)."""
-    for b in _batches(ns_keys, batch):
+def _forget_samples(r: redis.Redis, spaces: Iterable[str], batch: int) -> None:
+    """Drop the sample question of these namespaces (purged entries' questions are not
+    kept; the counters stay), and the ``sample`` field earlier versions kept in the
+    namespace's hash."""
+    for b in _batches(spaces, batch):
         pipe = r.pipeline(transaction=False)
-        for k in b:
-            pipe.hdel(k, "sample")
+        for ns in b:
+            pipe.delete(keynames.cache_ns_sample(ns))
+            pipe.hdel(keynames.cache_ns_stats(ns), "sample")
         pipe.execute()
 
 
@@ -373,9 +381,10 @@ NS_COUNTERS: tuple[str, ...] = ("hits_exact", "hits_semantic", "flagged", "verif
                                 "win_wrong")
 #: Namespace hashes read at most by :func:`namespace_stats` (SCAN), per call.
 NS_SCAN_MAX = 10000
-#: Text fields of a namespace's hash, written by the embedder when it indexes an entry of
-#: the namespace (``Engine.index_items``): the requested ``model``, ``tenant``, ``route``,
-#: the ``embedding_model`` whose vectors its index holds and a ``sample`` question.
+#: Text fields of a namespace's figures, written by the embedder when it indexes an entry
+#: of the namespace (``Engine.index_items``): the requested ``model``, ``tenant``,
+#: ``route``, the ``embedding_model`` whose vectors its index holds (in its hash) and a
+#: ``sample`` question (its own key ``keynames.cache_ns_sample``, with the entry's TTL).
 NS_DETAILS: tuple[str, ...] = ("model", "tenant", "route", "embedding_model", "sample")
 
 
@@ -462,13 +471,17 @@ def namespace_stats(r: redis.Redis, limit: int = 50) -> list[NamespaceStats]:
         r.scan_iter(match=keynames.CACHE_NS_STATS_PREFIX + "*", count=1000), NS_SCAN_MAX))
     raises = threshold_raises(r)
     out: list[NamespaceStats] = []
+    plen = len(keynames.CACHE_NS_STATS_PREFIX)
     for b in _batches((_s(n) for n in names), 500):
         pipe = r.pipeline(transaction=False)
         for n in b:
             pipe.hgetall(n)
-        for n, raw in zip(b, pipe.execute()):
-            ns = n[len(keynames.CACHE_NS_STATS_PREFIX):]
-            raw = {_s(k): v for k, v in (raw or {}).items()}
+            pipe.get(keynames.cache_ns_sample(n[plen:]))
+        res = pipe.execute()
+        for i, n in enumerate(b):
+            ns = n[plen:]
+            raw = {_s(k): v for k, v in (res[2 * i] or {}).items()}
+            raw["sample"] = res[2 * i + 1] or ""  # its own key (not a stale hash field)
             out.append(namespace_figures(ns, raw, raises.get(ns, 0.0)))
     out.sort(key=lambda s: (-(s.hits_exact + s.hits_semantic), -s.verified, s.namespace))
     return out[:limit]

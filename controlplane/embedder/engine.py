@@ -292,8 +292,9 @@ class Engine:
         """Embed and store ``items``; returns applied TTLs in ms (0 = entry already gone, or
         its text longer than ``max_text_chars``, or its domain's embeddings endpoint
         failing: not stored). Each stored item's namespace hash
-        (``keynames.cache_ns_stats``) is given its ``model``, ``tenant``, ``route``, a
-        ``sample`` question and the ``embedding_model`` of its vectors (the admin page).
+        (``keynames.cache_ns_stats``) is given its ``model``, ``tenant``, ``route`` and the
+        ``embedding_model`` of its vectors, and its sample question
+        (``keynames.cache_ns_sample``) is set with the entry's TTL (the admin page).
 
         Raises :class:`EngineUnavailable` (model) or ``redis.exceptions.RedisError``."""
         if not items:
@@ -333,20 +334,23 @@ class Engine:
         error is logged, the entries are indexed all the same)."""
         from controlplane.cache.store import COUNTERS_TTL_S
 
-        seen: dict[str, dict[str, str]] = {}
+        seen: dict[str, tuple[dict[str, str], str, int]] = {}
         for it, t, mid in zip(items, applied, used):
             if t > 0 and it.namespace not in seen:
-                seen[it.namespace] = {"model": it.model, "tenant": it.tenant,
-                                      "route": it.route, "embedding_model": mid,
-                                      "sample": it.text[:self.SAMPLE_CHARS]}
+                seen[it.namespace] = ({"model": it.model, "tenant": it.tenant,
+                                       "route": it.route, "embedding_model": mid},
+                                      it.text[:self.SAMPLE_CHARS], t)
         if not seen:
             return
         try:
             pipe = self.r.pipeline(transaction=False)
-            for ns, fields in seen.items():
+            for ns, (fields, sample, ttl_ms) in seen.items():
                 key = keynames.cache_ns_stats(ns)
                 pipe.hset(key, mapping=fields)
+                pipe.hdel(key, "sample")  # where earlier versions kept it (30 days)
                 pipe.expire(key, COUNTERS_TTL_S)
+                # the question lives no longer than its answer
+                pipe.set(keynames.cache_ns_sample(ns), sample, px=ttl_ms)
             pipe.execute()
         except redis.exceptions.RedisError as exc:
             log.warning("namespace details not written: %s", exc)

@@ -92,6 +92,10 @@ CACHE_VEC_CHANNEL = f"{BASE}:cache:vec_added"
 #: ``verify_queued`` (the edge), ``verified``, ``wrong``, ``verify_errors``, ``win_verified``,
 #: ``win_wrong`` (the control plane's online verification, ``controlplane.cache.verify``).
 CACHE_NS_STATS_PREFIX = f"{BASE}:cache:ns:"
+#: Prefix of the sample question of a semantic namespace (strings, ``CACHE_NS_SAMPLE_PREFIX
+#: + namespace_hex``, at most 200 characters), written by the embedder with the TTL of the
+#: entry it comes from: a question is never kept past its answer.
+CACHE_NS_SAMPLE_PREFIX = f"{BASE}:cache:ns_sample:"
 #: Hash with TTL, semantic namespace hex -> how much its semantic threshold is raised above
 #: the configured one (float text, 0-1), written by the online verification and added by
 #: the embedder to the threshold that decides a hit.
@@ -176,6 +180,12 @@ def cache_ns_stats(namespace_hex: str) -> str:
     return f"{CACHE_NS_STATS_PREFIX}{namespace_hex}"
 
 
+def cache_ns_sample(namespace_hex: str) -> str:
+    """String with TTL (that of the entry it was taken from): a question stored in the
+    namespace, its first 200 characters (see :data:`CACHE_NS_SAMPLE_PREFIX`)."""
+    return f"{CACHE_NS_SAMPLE_PREFIX}{namespace_hex}"
+
+
 def cache_dropped(exact_key_hex: str) -> str:
     """String with TTL (the dropped entry's remaining lifetime): its namespace hex."""
     return f"{CACHE_DROPPED_PREFIX}{exact_key_hex}"
@@ -234,6 +244,7 @@ FIXED = {
     "cache_vec_prefix_base": CACHE_VEC_PREFIX,
     "cache_vec_channel": CACHE_VEC_CHANNEL,
     "cache_ns_stats_prefix": CACHE_NS_STATS_PREFIX,
+    "cache_ns_sample_prefix": CACHE_NS_SAMPLE_PREFIX,
     "cache_threshold_raise": CACHE_THRESHOLD_RAISE,
     "cache_verify_queue": CACHE_VERIFY_QUEUE,
     "cache_dropped_prefix": CACHE_DROPPED_PREFIX,

@@ -246,7 +246,8 @@ def test_cache_page_shows_namespaces_and_flags_an_entry(client, r):
     # what the embedder writes when it indexes an entry of the namespace
     r.hset(keynames.cache_ns_stats(ns), mapping={
         "model": "bank-bot", "tenant": "acme", "route": "/v1/chat/completions",
-        "embedding_model": "bge-m3@10.0.0.5:8080", "sample": "How do I <b>reset</b> it?"})
+        "embedding_model": "bge-m3@10.0.0.5:8080"})
+    r.set(keynames.cache_ns_sample(ns), "How do I <b>reset</b> it?", ex=300)
     r.hset(keynames.CACHE_THRESHOLD_RAISE, ns, "0.01")
     page = client.get("/cache")
     assert page.status_code == 200 and 'id="cache-namespaces"' in page.text
@@ -270,15 +271,21 @@ def test_cache_page_shows_namespaces_and_flags_an_entry(client, r):
 
 
 def test_purge_forgets_the_namespaces_sample_question(r):
+    """The sample's own key, and the hash field where earlier versions kept it."""
     ns, other = "ce" * 32, "cf" * 32
     cache_store.store(r, "ac" * 32, tenant="acme", model="m", namespace=ns, body="x", ttl=300)
     for n in (ns, other):
-        r.hset(keynames.cache_ns_stats(n), mapping={"hits_semantic": 3, "sample": "Q?"})
+        r.hset(keynames.cache_ns_stats(n), mapping={"hits_semantic": 3, "sample": "old Q?"})
+        r.set(keynames.cache_ns_sample(n), "Q?", ex=300)
+    assert [s.sample for s in cache_store.namespace_stats(r)] == ["Q?", "Q?"]
     assert cache_store.purge(r, tenant="acme") == 1
     assert r.hgetall(keynames.cache_ns_stats(ns)) == {"hits_semantic": "3"}
-    assert r.hget(keynames.cache_ns_stats(other), "sample") == "Q?"
+    assert not r.exists(keynames.cache_ns_sample(ns))
+    assert r.get(keynames.cache_ns_sample(other)) == "Q?"
     assert cache_store.purge(r, all=True) == 0
     assert not r.hexists(keynames.cache_ns_stats(other), "sample")
+    assert not r.exists(keynames.cache_ns_sample(other))
+    assert r.hgetall(keynames.cache_ns_stats(other)) == {"hits_semantic": "3"}  # kept
 
 
 def test_cache_purge_needs_confirmation(client, r):

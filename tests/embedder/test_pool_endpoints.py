@@ -141,8 +141,11 @@ def test_pool_models_serve_a_hit_decided_by_the_reranker(stack: Stack) -> None:
     assert miss["hit"] is False
     # what the admin page shows of the namespace
     h = stack.r.hgetall(keynames.cache_ns_stats(ns))
-    assert h["embedding_model"] == res["model_id"] and h["sample"] == PASSWORD
+    assert h["embedding_model"] == res["model_id"] and "sample" not in h
     assert h["model"] == "pool-bot" and h["tenant"] == "acme"
+    # the question is kept no longer than its answer (the index job's ttl_s: 60 s)
+    assert stack.r.get(keynames.cache_ns_sample(ns)) == PASSWORD
+    assert 0 < stack.r.pttl(keynames.cache_ns_sample(ns)) <= 60_000
     health = requests.get(stack.url + "/healthz", timeout=5).json()
     assert {"model_id": res["model_id"], "dim": 640,
             "url": stack.emb_url + "/v1/embeddings"} in health["pool_models"]

@@ -31,6 +31,8 @@ _M.cache_vec_channel = BASE .. ":cache:vec_added"
 -- Per-namespace cache figures (hashes with TTL), the threshold raises of the online
 -- verification (read by the embedder) and the queue of semantic hits to verify.
 _M.cache_ns_stats_prefix = BASE .. ":cache:ns:"
+-- Written by the embedder only: a namespace's sample question (TTL of its entry).
+_M.cache_ns_sample_prefix = BASE .. ":cache:ns_sample:"
 _M.cache_threshold_raise = BASE .. ":cache:threshold_raise"
 _M.cache_verify_queue = BASE .. ":cache:verify_queue"
 -- Written by the control plane only: marks of entries dropped as wrong.
@@ -57,6 +59,10 @@ end
 
 function _M.cache_ns_stats(namespace_hex)
     return _M.cache_ns_stats_prefix .. namespace_hex
+end
+
+function _M.cache_ns_sample(namespace_hex)
+    return _M.cache_ns_sample_prefix .. namespace_hex
 end
 
 function _M.cache_dropped(exact_key_hex)
