@@ -8,8 +8,10 @@ Layout (schema v1, see docs/internals.md "Response cache"):
   add fields). ``exact_key_hex`` is the hex digest the edge computes for a request.
 - ``keynames.cache_index(dim, value)`` = ``infergate:v1:cache:idx:<dim>:<value>`` for
   ``dim`` in tenant | model | namespace: set of the ``exact_key_hex`` of entries with
-  that value. Members may outlive their entry (the entry expired); readers treat a
-  member without entry as gone, and :func:`purge` removes such members as it meets them.
+  that value. Members may outlive their entry (the entry expired or was evicted); readers
+  treat a member without entry as gone, :func:`purge` removes such members as it meets
+  them and the leader control plane's sweep (:mod:`controlplane.cache.sweep`) walks every
+  set in turn and removes them.
 - ``keynames.CACHE_STATS``: hash of integer counters, incremented by the edge (HINCRBY):
   ``lookups`` (requests that looked in the cache), ``hits_exact``, ``hits_semantic``,
   ``misses`` (looked, found nothing), ``bypass`` (cacheable request that skipped the

@@ -28,6 +28,11 @@ cache hits on the leader only (:meth:`ControlPlane.run_verify`,
 active node again and moves the namespace's semantic threshold. Being its own job, a slow
 node never delays a poll cycle.
 
+A third job, every :data:`controlplane.cache.sweep.SWEEP_INTERVAL_S`, leader only,
+sweeps the response cache's index sets (:meth:`ControlPlane.run_sweep`,
+:mod:`controlplane.cache.sweep`): members whose entry expired or was evicted leave them, a
+bounded part per run.
+
 Redis going away never stops the loop: polling continues, writes resume when it
 answers again; "unreachable" and "reachable again" are logged once per outage.
 
@@ -70,6 +75,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from controlplane.cache.sweep import SWEEP_INTERVAL_S, IndexSweeper, SweepReport
 from controlplane.redisdb import keynames
 from controlplane.redisdb.migrate import migrate_key_names
 from controlplane.routing import registry
@@ -241,6 +247,8 @@ class ControlPlane:
 
         #: Online verification of semantic cache hits (leader only, :meth:`run_verify`).
         self.verifier = OnlineVerifier(settings, r, self.verify_nodes)
+        #: The sweep of the cache's index sets (leader only, :meth:`run_sweep`).
+        self.sweeper = IndexSweeper(r)
         if cp.leader_ttl_s < 2 * cp.poll_interval_s:
             log.warning("controlplane.leader_ttl_s (%g s) is under twice poll_interval_s "
                         "(%g s): the leader lock may expire between renewals",
@@ -590,6 +598,27 @@ class ControlPlane:
             self._redis_failed(exc)
             return []
 
+    def run_sweep(self) -> SweepReport | None:
+        """Leader only: one run of the index sets' sweep
+        (:meth:`controlplane.cache.sweep.IndexSweeper.run_once`); returns its report (None
+        on a follower or when Redis fails)."""
+        if not self.elector.is_leader:
+            return None
+        try:
+            rep = self.sweeper.run_once()
+        except redis.RedisError as exc:
+            self._redis_failed(exc)
+            return None
+        if rep.removed or rep.legacy_samples:
+            log.info("cache index sweep: %d of %d members checked had no entry (removed)%s",
+                     rep.removed, rep.checked,
+                     f"; {rep.legacy_samples} old sample field(s) deleted"
+                     if rep.legacy_samples else "")
+        return rep
+
+    def _sweep_job(self) -> None:
+        self._guarded("sweep", self.run_sweep, "cache index sweep")
+
     def _guarded(self, name: str, fn: Callable[[], object], what: str) -> None:
         """Run a scheduled job's work; an exception is logged once per distinct message
         (kept in ``self._job_errors[name]``) and the job runs again at its next time."""
@@ -622,6 +651,8 @@ class ControlPlane:
                       next_run_time=datetime.now(timezone.utc))
         sched.add_job(self._verify_job, "interval", seconds=VERIFY_INTERVAL_S, id="verify",
                       max_instances=1, coalesce=True, misfire_grace_time=5)
+        sched.add_job(self._sweep_job, "interval", seconds=SWEEP_INTERVAL_S, id="sweep",
+                      max_instances=1, coalesce=True, misfire_grace_time=30)
         sched.start()
         self._scheduler = sched
 

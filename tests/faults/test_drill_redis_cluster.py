@@ -2,7 +2,7 @@
 its fixture also checks that stopping it leaves no process): the cluster as started (the
 single Redis' settings, every slot covered, replicas attached); the ``infergate``
 commands (API keys, node registry, drain); the embedder's vectors and sharded pub/sub (a
-purge's announcement included); and the edge (real nginx + Lua, lua/infergate/redis/cluster.lua) with two control planes:
+purge's announcement included); the sweep of the cache's index sets; and the edge (real nginx + Lua, lua/infergate/redis/cluster.lua) with two control planes:
 routing snapshot, API keys (401 / 200), a per-key rate limit (429), an exact cache hit, a
 drained node, leader election with fencing tokens -- then the master of the routing and
 API-key slots SIGKILLed under requests: no failed request, no 401, one leader writing."""
@@ -22,6 +22,7 @@ from click.testing import CliRunner
 from controlplane import procs
 from controlplane.admin import apikeys
 from controlplane.cache import store as cache_store
+from controlplane.cache.sweep import IndexSweeper
 from controlplane.cli import main
 from controlplane.config import settings_from_dict
 from controlplane.embedder.index import IndexItem, LocalIndex, VectorStore, open_index
@@ -116,6 +117,32 @@ def test_embedder_vectors_and_sharded_pubsub_on_the_cluster(redis_cluster) -> No
         follower.close()
         writer.close()
         dec.close()
+
+
+def test_index_set_sweep_on_the_cluster(rc) -> None:
+    """The sweep's SCAN walks every master, its SSCAN, EXISTS and SREM go to each key's
+    node: members of expired entries leave every set, live ones stay."""
+    keys = [f"{i:064x}" for i in range(40)]
+    for i, k in enumerate(keys):
+        cache_store.store(rc, k, tenant=f"sweep-t{i % 4}", model="sweep-m",
+                          namespace=f"{i % 5:032x}", body="x", ttl=300)
+    sets = [keynames.cache_index("tenant", f"sweep-t{t}") for t in range(4)]
+    assert len({rc.keyslot(s) for s in sets}) > 1  # the sets live on several slots
+    for k in keys[:30]:
+        rc.pexpire(keynames.cache_entry(k), 1)
+    procs.wait_until(lambda: not any(rc.exists(keynames.cache_entry(k)) for k in keys[:30]),
+                     5, what="the entries to expire")
+    sweeper = IndexSweeper(rc)
+    removed = 0
+    while True:  # other tests' sets may share the walk
+        rep = sweeper.run_once()
+        removed += rep.removed
+        if rep.pass_done:
+            break
+    assert removed >= 90
+    for i, k in enumerate(keys):
+        assert rc.sismember(keynames.cache_index("model", "sweep-m"), k) == (i >= 30)
+        assert rc.sismember(sets[i % 4], k) == (i >= 30)
 
 
 def _post(edge, key: str, content: str) -> requests.Response:  # type: ignore[no-untyped-def]
