@@ -185,3 +185,29 @@ def test_the_engine_gives_its_index_the_configured_ceiling(fr) -> None:
         assert settings_from_dict({}).cache.semantic_index_max_rows == 100_000
     finally:
         e.close()
+
+
+def test_a_row_stored_again_while_redis_is_asked_is_kept(fr) -> None:
+    """The check found the hash gone, but the entry was indexed again before the drop:
+    the new row stays."""
+    clock = Clock()
+    idx = local(fr, clock)
+    idx.put(hx(1), hx(1, 32), "old", unit(8, 1), 2000.0)
+    idx.put(hx(2), hx(1, 32), "gone", unit(8, 2), 2000.0)
+    real = fr.pipeline
+
+    def pipeline(*args, **kwargs):
+        pipe = real(*args, **kwargs)
+        execute = pipe.execute
+
+        def execute_then_store_again():
+            res = execute()
+            idx.put(hx(1), hx(1, 32), "new", unit(8, 1), 3000.0)  # indexed again
+            return res
+
+        pipe.execute = execute_then_store_again
+        return pipe
+
+    idx.r.pipeline = pipeline  # type: ignore[method-assign]
+    assert idx.drop_gone([hx(1), hx(2)]) == 1
+    assert [c.text for c in idx.search(hx(1, 32), unit(8, 1), 3)] == ["new"]
