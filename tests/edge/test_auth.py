@@ -382,13 +382,14 @@ def test_many_first_requests_of_a_valid_key_share_one_lookup(redis_server, upstr
 
 def test_redis_back_empty_known_keys_kept_revoked_refused(redis_server, upstream,
                                                           edge_factory) -> None:
-    """Redis loses its state (FLUSHALL): the valid keys the edge knew keep working, the
-    key it saw revoked and keys it never saw get 401; the edge says so (error log, status
+    """Redis loses its state (FLUSHALL): the valid keys the edge knew keep working (one
+    in use, one idle: known from the key store's records the edge held), the key it saw
+    revoked and keys it never saw get 401; the edge says so (error log, status
     auth_store_missing); ``import_keys`` restores the store and Redis decides again."""
     r = redis_server.client()
     known, _ = apikeys.create_key(r, "acme")
     revoked, rec = apikeys.create_key(r, "acme")
-    unseen, _ = apikeys.create_key(r, "acme")
+    idle, idle_rec = apikeys.create_key(r, "acme")
     edge = edge_factory(auth_settings(redis_server.url, upstream.node(), cache_ttl_s=0.2,
                                       negative_ttl_s=0.2, stale_ttl_s=60.0))
     assert post(edge, known).status_code == 200
@@ -401,8 +402,8 @@ def test_redis_back_empty_known_keys_kept_revoked_refused(redis_server, upstream
     time.sleep(0.3)  # past cache_ttl_s: every answer is asked of Redis again
     for _ in range(5):  # several cache intervals: the kept answer is renewed
         assert post(edge, known).status_code == 200
+        assert post(edge, idle).status_code == 200
         assert_invalid_key(post(edge, revoked))
-        assert_invalid_key(post(edge, unseen))
         assert_invalid_key(post(edge, "ig-never-a-key"))
         time.sleep(0.1)
     adm = edge.status()["admission"]
@@ -411,8 +412,9 @@ def test_redis_back_empty_known_keys_kept_revoked_refused(redis_server, upstream
 
     apikeys.import_keys(r, backup)
     assert not apikeys.store_missing(r)
-    procs.wait_until(lambda: post(edge, unseen).status_code == 200, 5,
-                     what="the restored keys to work")
+    apikeys.revoke_key(r, idle_rec.id)
+    procs.wait_until(lambda: post(edge, idle).status_code == 401, 5,
+                     what="Redis to decide again")
     assert post(edge, known).status_code == 200
     assert_invalid_key(post(edge, revoked))
 
@@ -485,3 +487,57 @@ def _status_or_none(edge: Any) -> dict | None:
         return edge.status()
     except requests.RequestException:
         return None
+
+
+def test_nginx_restarted_while_redis_is_down_then_redis_back_empty_keeps_the_keys(
+        redis_server, upstream, edge_factory, workdir) -> None:
+    """nginx restarted while Redis is down starts from the saved records; Redis then comes
+    back empty (no persistence): the valid keys keep working (the used one and an idle
+    one), the revoked and unknown ones get 401, and the refresh of the records (every
+    5 s) merges the empty store into what it holds instead of replacing it, in memory and
+    in the file. A key write (the restore) makes Redis decide again."""
+    from controlplane.admin.apikeys import export_keys, import_keys
+
+    r = redis_server.client()
+    used, _ = apikeys.create_key(r, "acme")
+    idle, _ = apikeys.create_key(r, "acme")
+    gone, gone_rec = apikeys.create_key(r, "acme")
+    apikeys.revoke_key(r, gone_rec.id)
+    backup = export_keys(r)
+    edge = edge_factory(auth_settings(redis_server.url, upstream.node(), cache_ttl_s=0.2,
+                                      negative_ttl_s=0.2))
+    state = edge.rendered.prefix / "infergate-state" / "apikeys.json"
+    digests = {k: hashlib.sha256(k.encode()).hexdigest() for k in (used, idle, gone)}
+    procs.wait_until(lambda: state.exists() and all(d in state.read_text()
+                                                    for d in digests.values()),
+                     10, what="the key records saved")
+    assert post(edge, used).status_code == 200
+    assert_invalid_key(post(edge, gone))
+
+    redis_server.stop()
+    edge.managed.stop()
+    edge.managed.start()
+    procs.wait_until(lambda: _status_or_none(edge) is not None, 10, what="nginx back")
+    assert post(edge, used).status_code == 200     # the records of the file
+    redis_server.start_again(workdir / "redis")    # empty: nothing was persisted
+    procs.wait_until(lambda: edge.status()["snapshot"]["redis_ok"] is True, 10,
+                     what="the edge back on Redis")
+    # longer than a refresh of the records (knownkeys.EVERY_S = 5 s)
+    deadline = time.monotonic() + 6.5
+    while time.monotonic() < deadline:
+        assert post(edge, used).status_code == 200
+        assert post(edge, idle).status_code == 200
+        assert_invalid_key(post(edge, gone))
+        assert_invalid_key(post(edge, "ig-never-issued"))
+        time.sleep(0.2)
+    saved = json.loads(state.read_text())
+    assert set(digests.values()) <= set(saved), "the empty store replaced the saved records"
+    assert json.loads(saved[digests[gone]])["revoked"] is not None
+    adm = edge.status()["admission"]
+    assert adm["auth_store_missing"] == 1 and adm["auth_kept"] >= 2
+
+    import_keys(r, backup)   # the store is written again: Redis decides
+    apikeys.revoke_key(r, apikeys.lookup(r, idle).id)
+    procs.wait_until(lambda: post(edge, idle).status_code == 401, 5,
+                     what="the revocation after the restore")
+    assert post(edge, used).status_code == 200

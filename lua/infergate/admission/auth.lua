@@ -31,14 +31,16 @@
 -- look up one uncached key at once share the first one's lookup (first_lookup below),
 -- so a client starting hundreds of requests with a valid key spends no budget.
 --
--- Key store lost: when a key this edge knew as valid is missing from Redis, the marker
+-- Key store lost: when a key this edge knew as valid (a cached answer, or with none
+-- cached the record infergate.admission.knownkeys holds, also from the file an nginx
+-- started with) is missing from Redis, the marker
 -- keynames.apikeys_marker (set by every write of the keys) tells why. Present: the
 -- key was deleted, 401. Missing: Redis came back empty (a lost append-only file); the
 -- edge keeps honouring the key (its answer renewed, counted in auth_kept) until the keys
--- are written again (infergate keys import), logs it at ERR (at most once a minute) and
--- shows auth_store_missing = 1 in its admission counters (/infergate/status, the edge
--- stats the control plane reads). Keys it knew as revoked, and keys it never saw, stay
--- refused. A valid key idle longer than stale_ttl_s is forgotten.
+-- are written again (the control plane's restore, infergate keys import), logs it at
+-- ERR (at most once a minute) and shows auth_store_missing = 1 in its admission counters
+-- (/infergate/status, the edge stats the control plane reads). Keys it knew as revoked,
+-- and keys it never saw, stay refused.
 --
 -- On success: req.tenant (the response cache keys on it), req.key_id (8 hex, safe to
 -- log), req.key_limits = {rpm = n|nil, tpm = n|nil}, req.key_share = {weight, priority}
@@ -198,13 +200,27 @@ local function keep_known(digest, e, now, o)
     return kept
 end
 
+-- The entry of a key this edge knows as valid: its cached answer, else (nothing cached:
+-- an nginx started since, an idle key) the key store's record held by the worker
+-- (infergate.admission.knownkeys, kept over a lost store). nil when neither says valid;
+-- a cached refusal is never overruled.
+local function known_valid(digest, e, now)
+    if e then
+        return e.ok and e or nil
+    end
+    local rec = knownkeys.record(digest)
+    local k = rec and _M.from_record(rec, now)
+    return k and k.ok and k or nil
+end
+
 -- The fresh answer of Redis for digest (e: the cached entry, possibly stale), or nil, err.
 local function fetch(digest, e, now, o)
     local raw, err = ar.run(hget_key, digest)
     local kept
-    if raw and type(raw) ~= "string" and e and e.ok then
+    local valid = raw and type(raw) ~= "string" and known_valid(digest, e, now)
+    if valid then
         -- a key known as valid is gone: deleted, or the key store was lost
-        kept, err = keep_known(digest, e, now, o)
+        kept, err = keep_known(digest, valid, now, o)
         if kept then
             return kept
         elseif kept == nil then

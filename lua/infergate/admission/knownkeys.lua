@@ -26,6 +26,14 @@
 -- and every worker starts from that file, so an nginx started while Redis is
 -- unreachable still knows the keys of the store.
 --
+-- The store's marker missing means Redis lost the key store (it came back empty) or it
+-- was never written: what Redis holds then is merged into the set held (its records win,
+-- none held is dropped), never put in its place, so an empty store after a loss never
+-- replaces the last records seen, in memory or in the file, and an nginx restarted
+-- before or after the loss still knows the valid keys (infergate.admission.auth keeps
+-- honouring them until the keys are written again: a restore, a key write). Revoked
+-- records stay revoked; keys deleted while the marker was there were dropped then.
+--
 --   has(digest)      whether the digest is a key of the store (as of the last refresh)
 --   record(digest)   its record (the JSON text the store holds), or nil
 --   tick(premature)  the timer's step
@@ -88,12 +96,26 @@ local function on_keys(replies, err)
         known, count = nil, n
         return
     end
-    local set = {}
+    local set, size = {}, 0
+    if asked_marker == "" and known then
+        -- the store's marker is missing (lost): merge, never replace (see the top)
+        for digest, rec in pairs(known) do
+            set[digest] = rec
+            size = size + 1
+        end
+    end
     for i = 1, 2 * n, 2 do
         local digest, rec = list[i], list[i + 1]
         if type(digest) == "string" and type(rec) == "string" then
+            if set[digest] == nil then
+                size = size + 1
+            end
             set[digest] = rec
         end
+    end
+    if size > _M.MAX_KEYS then
+        known, count = nil, n
+        return
     end
     known, count, built_at, marker = set, n, ngxapi.now(), asked_marker
     if ngx.worker.id() == 0 then
