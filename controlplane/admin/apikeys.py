@@ -166,9 +166,12 @@ def _load(raw: str | None) -> ApiKey | None:
 
 
 def mark_written(r: redis.Redis | redis.client.Pipeline) -> None:
-    """Mark the key store as written (``keynames.APIKEYS_MARKER``): the edges tell a lost
-    store from a key that was never there by it."""
-    r.set(keynames.APIKEYS_MARKER, json.dumps({"written": round(time.time(), 3)}))
+    """Mark the key store as written (``keynames.APIKEYS_MARKER``, JSON ``{"written":
+    epoch_s, "n": 8 random hex}``): the edges tell a lost store from a key that was never
+    there by it, and every write gives it a new value (two writes in one millisecond
+    too), by which the edges and the control plane know to read the keys again."""
+    r.set(keynames.APIKEYS_MARKER, json.dumps({"written": round(time.time(), 3),
+                                               "n": secrets.token_hex(4)}))
 
 
 def store_missing(r: redis.Redis) -> bool:

@@ -67,7 +67,7 @@ APIKEYS_TAG = "{" + APIKEYS + "}"
 #: Hash, short key id -> SHA-256 hex of the key (listing and revoking by id).
 #: Before the cluster support: ``infergate:v1:apikeys:ids``.
 APIKEY_IDS = f"{BASE}:apikeys:ids:{APIKEYS_TAG}"
-#: String without TTL (state): JSON ``{"written": epoch_s}``, set with every write of the
+#: String without TTL (state): JSON ``{"written": epoch_s, "n": random hex}``, set with every write of the
 #: API keys (create, revoke, limits, import). Missing = the key store was lost (Redis
 #: came back empty) or never written: an edge then keeps honouring the valid keys it knew
 #: (``lua/infergate/admission/auth.lua``) until a write (``infergate keys import``) sets it.

@@ -20,6 +20,8 @@ name                                                        type       meaning
                                                                        state (state marker missing)
 ``infergate_controlplane_state_lost_timestamp_seconds``     gauge      when it last did (epoch s; absent
                                                                        until it happens)
+``infergate_controlplane_state_restored_total``             counter    times this control plane wrote its
+                                                                       copy of the state back after a loss
 ``infergate_controlplane_apikeys_missing``                  gauge      1 while Redis holds no API keys after
                                                                        losing its state (edges keep known keys)
 ``infergate_controlplane_node_healthy{node}``               gauge      1 healthy, 0 unhealthy (hysteresis)
@@ -83,6 +85,11 @@ class _StateCollector(Collector):
         if getattr(cp, "state_lost_at", None) is not None:
             lost_at.add_metric([], float(cp.state_lost_at))
         yield lost_at
+        restored = CounterMetricFamily(p + "state_restored", "Times this control plane "
+                                       "wrote its copy of the state (API keys, nodes, drain "
+                                       "states) back into Redis after a loss")
+        restored.add_metric([], float(getattr(cp, "state_restores", 0)))
+        yield restored
         keys_missing = GaugeMetricFamily(p + "apikeys_missing", "1 while Redis holds no API "
                                          "keys after losing its state (edges keep the keys "
                                          "they knew until `infergate keys import`)")

@@ -53,15 +53,21 @@ class NodeState:
     actor: str = ""
 
 
-def list_nodes(r: redis.Redis) -> list[NodeSettings]:
-    """All registered nodes, sorted by name. Invalid entries are skipped."""
+def parse_nodes(raw: dict[str, str]) -> list[NodeSettings]:
+    """The nodes of a ``keynames.NODES`` hash as read (name -> JSON), sorted by name.
+    Invalid entries are skipped."""
     out = []
-    for name, raw in r.hgetall(keynames.NODES).items():
+    for _name, value in raw.items():
         try:
-            out.append(NodeSettings.model_validate_json(raw))
+            out.append(NodeSettings.model_validate_json(value))
         except ValueError:
             continue
     return sorted(out, key=lambda n: n.name)
+
+
+def list_nodes(r: redis.Redis) -> list[NodeSettings]:
+    """All registered nodes, sorted by name. Invalid entries are skipped."""
+    return parse_nodes(r.hgetall(keynames.NODES))
 
 
 def get_node(r: redis.Redis, name: str) -> NodeSettings | None:
@@ -496,13 +502,20 @@ def _parse_state(raw: str | None) -> NodeState | None:
     return None
 
 
-def get_states(r: redis.Redis) -> dict[str, NodeState]:
+def parse_states(raw: dict[str, str]) -> dict[str, NodeState]:
+    """The states of a ``keynames.NODE_STATES`` hash as read (name -> JSON). Invalid
+    entries are skipped."""
     out: dict[str, NodeState] = {}
-    for name, raw in r.hgetall(keynames.NODE_STATES).items():
-        st = _parse_state(raw)
+    for name, value in raw.items():
+        st = _parse_state(value)
         if st is not None:
             out[name] = st
     return out
+
+
+def get_states(r: redis.Redis) -> dict[str, NodeState]:
+    """Every node's state entry (a node without one is ``active``)."""
+    return parse_states(r.hgetall(keynames.NODE_STATES))
 
 
 def get_state(r: redis.Redis, name: str) -> NodeState:

@@ -36,15 +36,23 @@ bounded part per run.
 Redis going away never stops the loop: polling continues, writes resume when it
 answers again; "unreachable" and "reachable again" are logged once per outage.
 
-State marker: every cycle ``SET infergate:v1:state_marker ... NX`` (no TTL). When it had
-to be created after this process had seen it (or while API keys or nodes are missing),
-Redis lost its state (restarted without its append-only file, flushed, or replaced):
-logged at ERROR ("REDIS STATE LOST"), recorded as a ``state_lost`` event (admin page,
-``/api/v1/events``), counted in ``infergate_controlplane_state_lost_total`` with the
-time in ``infergate_controlplane_state_lost_timestamp_seconds``, and the node registry
-is re-seeded from the TOML ``[[nodes]]``. API keys, nodes added at run time and drain
-states cannot be rebuilt from here: restore keys with ``infergate keys import``. Until
-then the edges keep honouring the valid keys they knew (``infergate:v1:apikeys:marker:{infergate:v1:apikeys}``
+State marker: every cycle ``SET infergate:v1:state_marker ... NX`` (no TTL), then GET.
+When this process created it after it had seen one, or finds another value than the one
+it saw (another control plane created it anew), Redis lost its state (restarted without
+its append-only file, flushed, or replaced): logged at ERROR ("REDIS STATE LOST"),
+recorded as a ``state_lost`` event (admin page, ``/api/v1/events``), counted in
+``infergate_controlplane_state_lost_total`` with the time in
+``infergate_controlplane_state_lost_timestamp_seconds``. Then the copy of the state this
+process last read (:mod:`controlplane.routing.statecopy`: API keys with their
+revocations, nodes with their weights, nodes added at run time, drain states) is written
+back where Redis lacks it (logged at ERROR, "REDIS STATE RESTORED", a ``state_restored``
+event ``{"nodes", "states", "apikeys", "revoked", "registry_at", "apikeys_at"}``,
+``infergate_controlplane_state_restored_total``), and the configured ``[[nodes]]`` not
+in it are seeded. The same restore runs for one group whose own marker went while the
+state marker stayed (a Redis Cluster shard, an eviction). A control plane that never read
+the state has no copy: it re-seeds the configured nodes only; restore keys with
+``infergate keys import``. Until the keys are written again the edges keep honouring the
+valid keys they knew (``infergate:v1:apikeys:marker:{infergate:v1:apikeys}``
 missing, ``lua/infergate/admission/auth.lua``): logged at ERROR ("API KEYS MISSING"), an
 ``apikeys_missing`` event (``apikeys_restored`` once the keys are written again), the
 gauge ``infergate_controlplane_apikeys_missing``, and on the admin keys page and
@@ -65,7 +73,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -78,7 +86,7 @@ from redis.retry import Retry
 from controlplane.cache.sweep import SWEEP_INTERVAL_S, IndexSweeper, SweepReport
 from controlplane.redisdb import keynames
 from controlplane.redisdb.migrate import migrate_key_names
-from controlplane.routing import registry
+from controlplane.routing import registry, statecopy
 from controlplane.cli.common import split_listen
 from controlplane.config import (ConfigError, NodeSettings, RedisSettings,
                                  Settings, load_settings)
@@ -94,7 +102,7 @@ from controlplane.routing.poller import (
     models_refusal,
 )
 from controlplane.redisdb.conn import make_redis
-from controlplane.redisdb.url import parse_redis_url
+from controlplane.redisdb.url import parse_redis_url, redact
 from controlplane.routing.registry import NodeState
 from controlplane.routing.series import SeriesRecorder
 from controlplane.routing.stall import stalled_nodes
@@ -240,7 +248,12 @@ class ControlPlane:
         #: when it last did (epoch s, or None).
         self.state_losses = 0
         self.state_lost_at: float | None = None
-        self._marker_seen = False
+        #: The state marker's value as last read (None: not read yet).
+        self._marker_value: str | None = None
+        #: The copy of the state last read, written back after a loss
+        #: (controlplane.routing.statecopy), and how often something was written back.
+        self.keeper = statecopy.StateKeeper(r)
+        self.state_restores = 0
         #: True while Redis holds no API keys after losing its state (see _check_apikeys).
         self.apikeys_missing = False
         from controlplane.cache.verify import OnlineVerifier
@@ -270,13 +283,16 @@ class ControlPlane:
         self.redis_ok = True
 
     def _read_registry(self) -> bool:
-        """Refresh nodes, states and edge stats from Redis. False if Redis failed."""
+        """Refresh nodes, states and edge stats from Redis (and the copy of the state,
+        :mod:`controlplane.routing.statecopy`); after a loss, write the copy back first.
+        False if Redis failed."""
         added = 0
         try:
             if not self._migrated:  # before any read: the registry may be under old names
                 migrate_key_names(self.r)
                 self._migrated = True
             lost = self._check_state_marker()
+            restored = self._restore(statecopy.GROUPS) if lost else None
             if not self._seeded or lost or (self.redis_ok is False and not self.r.exists(keynames.NODES)):
                 added = registry.seed_nodes(self.r, self.settings.nodes)
                 if not self._seeded:  # at start: the file's settings the registry overrides
@@ -285,9 +301,16 @@ class ControlPlane:
                         log.warning("%s", line)
                 self._seeded = True
             if lost:
-                self._record_state_lost()  # after the re-seed the event announces
-            nodes = registry.list_nodes(self.r)
-            states = registry.get_states(self.r)
+                self._record_state_lost(restored)  # after the re-seed the event announces
+            read = self.keeper.read()
+            if read.lost:  # a group gone while the state marker stayed (a shard, an eviction)
+                log.error("REDIS STATE LOST in part: %s gone from %s while its state marker "
+                          "stayed", " and ".join(sorted(read.lost)),
+                          redact(self.settings.redis.url))
+                self._restore(read.lost)
+                read = self.keeper.read()
+            nodes = registry.parse_nodes(read.nodes)
+            states = registry.parse_states(read.states)
             edges = self.r.hgetall(keynames.EDGES)
             self._check_apikeys(edges)
         except redis.RedisError as exc:
@@ -309,23 +332,45 @@ class ControlPlane:
         return True
 
     def _check_state_marker(self) -> bool:
-        """True when Redis came back without its state (see the module docstring).
-        Raises ``redis.RedisError``."""
+        """True when Redis came back without its state (see the module docstring): this
+        process created the state marker after it had seen one, or finds another value
+        than the one it saw (another control plane created it anew). Raises
+        ``redis.RedisError``."""
         now = time.time()
-        created = self.r.set(keynames.STATE_MARKER,
-                             json.dumps({"created": round(now, 3), "by": self.id}), nx=True)
-        seen, self._marker_seen = self._marker_seen, True
-        if not created or not seen:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.set(keynames.STATE_MARKER,
+                 json.dumps({"created": round(now, 3), "by": self.id}), nx=True)
+        pipe.get(keynames.STATE_MARKER)
+        _created, value = pipe.execute()
+        seen, self._marker_value = self._marker_value, value
+        if seen is None or value == seen:
             return False
         self.state_losses += 1
         self.state_lost_at = now
+        copy = self.keeper.copy
         log.error("REDIS STATE LOST: %s came back without %s (restarted without its "
-                  "append-only file, flushed or replaced). API keys, nodes added at run time "
-                  "and drain states are gone: re-seeding the nodes of the configuration; "
-                  "restore API keys with `infergate keys import`. Run Redis with "
+                  "append-only file, flushed or replaced). %s Run Redis with "
                   "appendonly yes and maxmemory-policy volatile-lru (docs/operations.md).",
-                  self.settings.redis.url.split("@")[-1], keynames.STATE_MARKER)
+                  redact(self.settings.redis.url), keynames.STATE_MARKER,
+                  "Writing back the API keys, nodes, weights and drain states this control "
+                  "plane last read." if copy is not None else
+                  "This control plane has no copy of the state (it never read it): "
+                  "re-seeding the nodes of the configuration; restore API keys with "
+                  "`infergate keys import`.")
         return True
+
+    def _restore(self, groups: Iterable[str]) -> statecopy.Restored:
+        """Write the copy back for ``groups`` (:meth:`statecopy.StateKeeper.restore`);
+        log it at ERROR and queue a ``state_restored`` event when something was written.
+        Raises ``redis.RedisError``."""
+        restored = self.keeper.restore(groups)
+        if restored.any():
+            self.state_restores += 1
+            log.error("REDIS STATE RESTORED: wrote back %s, from this control plane's copy; "
+                      "changes made in Redis after those reads are not in it",
+                      restored.describe())
+            self._pending.append(("state_restored", "", restored.to_dict()))
+        return restored
 
     def _check_apikeys(self, edges: dict[str, str]) -> None:
         """Set :attr:`apikeys_missing` (the key store's marker is missing after this
@@ -351,14 +396,22 @@ class ControlPlane:
         self._pending.append(("apikeys_missing" if missing else "apikeys_restored", "",
                               {"edges_keeping": st["edges_keeping"]}))
 
-    def _record_state_lost(self) -> None:
-        """The ``state_lost`` event (written once the nodes are seeded again)."""
+    def _record_state_lost(self, restored: statecopy.Restored | None) -> None:
+        """The ``state_lost`` event (written once the copy is written back and the nodes
+        are seeded again): ``{"message", "by": this control plane's id, "restored":
+        Restored.to_dict() | None}``."""
+        if restored is not None and restored.any():
+            message = ("Redis came back without its state; the API keys, nodes, weights and "
+                       "drain states this control plane last read were written back "
+                       "(state_restored event)")
+        else:
+            message = ("Redis came back without its state; nodes re-seeded from the "
+                       "configuration, API keys must be restored (infergate keys import); "
+                       "until then the edges keep the valid keys they knew")
         try:
             registry.add_event(self.r, "state_lost", "", actor=ACTOR,
-                               detail={"message": "Redis came back without its state; nodes "
-                                       "re-seeded from the configuration, API keys must be "
-                                       "restored (infergate keys import); until then the "
-                                       "edges keep the valid keys they knew"},
+                               detail={"message": message, "by": self.id,
+                                       "restored": restored.to_dict() if restored else None},
                                maxlen=self.settings.controlplane.events_max)
         except redis.RedisError as exc:
             log.warning("state_lost event not written: %s", exc)

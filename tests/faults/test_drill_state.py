@@ -7,8 +7,10 @@ survives what a production Redis meets, under steady load with API keys required
   evicted, no state key is, 0 x 401.
 - Every key the running stack writes (cache, keys, drain, events, edge stats, node
   metrics) is a known state key without TTL or carries a TTL.
-- A Redis that comes back empty is noticed by the control plane: ERROR log line,
-  ``state_lost`` event, Prometheus counter, nodes re-seeded from the configuration.
+- A Redis that comes back empty (nginx restarted meanwhile) is noticed by the control
+  plane: ERROR log line, ``state_lost`` event, Prometheus counter, and the state it last
+  read written back (``state_restored``); a control plane restarted meanwhile has no copy:
+  the configured nodes are seeded, the edges keep the keys they knew.
 """
 
 from __future__ import annotations
@@ -216,9 +218,31 @@ def test_every_key_the_stack_writes_is_state_or_has_a_ttl(
     assert r.exists(keynames.CACHE_STATS, keynames.EDGES) == 2
 
 
-def test_redis_back_empty_is_noticed_and_nodes_reseeded(
-        own_redis, simnodes, controlplane_factory, edge_factory, output_dir) -> None:
-    rs = own_redis(persistent=False)  # what README used to recommend: no persistence
+def _metric(cp, name: str) -> float:
+    text = requests.get(cp.admin_url + "/metrics", timeout=5).text
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    return fams[name].samples[0].value
+
+
+def _restart_edge(edge) -> None:
+    """nginx stopped and started again (its master killed, ``up`` restarts it)."""
+    edge.managed.stop()
+    edge.managed.start()
+
+    def answers() -> bool:
+        try:
+            return edge.status() is not None
+        except requests.RequestException:
+            return False
+
+    procs.wait_until(answers, 10, what="nginx back")
+
+
+def _empty_redis_drill(own_redis, simnodes, controlplane_factory, edge_factory):
+    """The stack of :func:`_stack` on a Redis without persistence, a second key revoked
+    (the edge refuses it), then Redis killed. Returns (rs, edge, cp, nodes, key, rec,
+    revoked key, ask)."""
+    rs = own_redis(persistent=False)  # a shared Redis run without persistence
     edge, cp, nodes, key, rec = _stack(rs.url, simnodes, controlplane_factory, edge_factory,
                                        auth={"mode": "required", "cache_ttl_s": 0.5},
                                        controlplane={"poll_interval_s": 0.3, "leader_ttl_s": 2.0,
@@ -234,24 +258,87 @@ def test_redis_back_empty_is_noticed_and_nodes_reseeded(
     assert ask(key) == 200 and ask(revoked) == 200
     apikeys.revoke_key(rs.client(), rev_rec.id)
     procs.wait_until(lambda: ask(revoked) == 401, 5, what="the revocation at the edge")
-    backup = apikeys.export_keys(rs.client())
+    # the edge saved the records (each worker reads them every 5 s) and the control plane
+    # ran two more cycles (its copy holds the revocation)
+    saved = edge.rendered.prefix / "infergate-state" / "apikeys.json"
+
+    def records_saved() -> bool:
+        recs = json.loads(saved.read_text()) if saved.exists() else {}
+        rev = recs.get(apikeys.hash_key(revoked))
+        return apikeys.hash_key(key) in recs and rev is not None \
+            and json.loads(rev)["revoked"] is not None
+
+    procs.wait_until(records_saved, 15, what="the edge's saved records")
+    cycles = _metric(cp, "infergate_controlplane_cycles")
+    procs.wait_until(lambda: _metric(cp, "infergate_controlplane_cycles") >= cycles + 2, 10,
+                     what="two control-plane cycles")
     rs.kill()
+    return rs, edge, cp, nodes, key, rec, revoked, ask
+
+
+def test_redis_back_empty_the_control_plane_writes_the_state_back(
+        own_redis, simnodes, controlplane_factory, edge_factory, output_dir) -> None:
+    """Redis without persistence dies, nginx restarts meanwhile, Redis comes back empty:
+    the keys keep working all along (the edge's saved records), the revoked one stays
+    refused; the control plane notices the loss and writes back what it last read (the
+    key and its revocation, the run-time node, the drain), says so (ERROR log,
+    ``state_lost`` and ``state_restored`` events, counters) and the edge's saved records
+    were never replaced by the empty store."""
+    rs, edge, cp, nodes, key, rec, revoked, ask = _empty_redis_drill(
+        own_redis, simnodes, controlplane_factory, edge_factory)
+    _restart_edge(edge)
+    assert ask(key) == 200 and ask(revoked) == 401
     rs.restart()
     r = rs.client()
-    procs.wait_until(lambda: any(e["kind"] == "state_lost" for e in registry.recent_events(r, 100)),
-                     10, what="the state_lost event")
+    procs.wait_until(lambda: any(e["kind"] == "state_restored"
+                                 for e in registry.recent_events(r, 100)),
+                     10, what="the state_restored event")
+    assert _state_ok(r, nodes, rec) == {"key_present": True, "runtime_node_present": True,
+                                        "node_drained": True}
+    log_text = cp.managed.log_path.read_text()
+    assert "REDIS STATE LOST" in log_text and "REDIS STATE RESTORED" in log_text
+    assert _metric(cp, "infergate_controlplane_state_lost") == 1
+    assert _metric(cp, "infergate_controlplane_state_lost_timestamp_seconds") > 0
+    assert _metric(cp, "infergate_controlplane_state_restored") == 1
+    assert _metric(cp, "infergate_controlplane_apikeys_missing") == 0
+    (lost,) = [e for e in registry.recent_events(r, 100) if e["kind"] == "state_lost"]
+    (restored,) = [e for e in registry.recent_events(r, 100) if e["kind"] == "state_restored"]
+    print(f"\n[drill] Redis back empty: {json.dumps(lost['detail'])}")
+    assert restored["detail"]["apikeys"] == 2 and restored["detail"]["revoked"] == 1
+    # longer than a refresh of the edge's records (5 s): the keys decide as before
+    deadline = time.monotonic() + 6
+    while time.monotonic() < deadline:
+        assert ask(key) == 200
+        assert ask(revoked) == 401
+        time.sleep(0.1)
+    saved = (edge.rendered.prefix / "infergate-state" / "apikeys.json").read_text()
+    assert apikeys.hash_key(key) in saved and apikeys.hash_key(revoked) in saved
+    # the drained node gets nothing, the run-time node is routed to again
+    st = {n["name"]: n for n in edge.status()["nodes"]}
+    assert nodes[2].name in st and st[nodes[0].name]["state"] in ("draining", "drained")
+
+
+def test_redis_back_empty_without_a_copy_the_edges_keep_the_keys(
+        own_redis, simnodes, controlplane_factory, edge_factory, output_dir) -> None:
+    """The control plane restarted while Redis was down has read nothing: it writes
+    nothing back, the configured nodes are seeded again. The edge keeps the valid key it
+    knew (never the revoked one) and says so; the control plane and the admin API report
+    the key store missing until the keys are imported."""
+    rs, edge, cp, nodes, key, rec, revoked, ask = _empty_redis_drill(
+        own_redis, simnodes, controlplane_factory, edge_factory)
+    cp.managed.stop()
+    cp.managed.start()
+    rs.restart()
+    r = rs.client()
+
+    def missing_reported() -> bool:
+        assert ask(key) == 200   # the edge's keeping is what the control plane reads
+        return any(e["kind"] == "apikeys_missing" for e in registry.recent_events(r, 100))
+
+    procs.wait_until(missing_reported, 15, what="the apikeys_missing event")
     assert {n.name for n in registry.list_nodes(r)} == {nodes[0].name, nodes[1].name}, \
         "the configured nodes are seeded again; the run-time one is gone"
-    assert "REDIS STATE LOST" in cp.managed.log_path.read_text()
-    text = requests.get(cp.admin_url + "/metrics", timeout=5).text
-    fams = {f.name: f for f in text_string_to_metric_families(text)}
-    assert fams["infergate_controlplane_state_lost"].samples[0].value == 1
-    assert fams["infergate_controlplane_state_lost_timestamp_seconds"].samples[0].value > 0
-    events = [e for e in registry.recent_events(r, 100) if e["kind"] == "state_lost"]
-    assert len(events) == 1
-    print(f"\n[drill] Redis back empty: {json.dumps(events[0]['detail'])}")
-
-    # the edge keeps the key it knew (never the one it saw revoked) and says so
+    assert not any(e["kind"] == "state_restored" for e in registry.recent_events(r, 100))
     deadline = time.monotonic() + 3
     while time.monotonic() < deadline:  # several cache intervals of the edge
         assert ask(key) == 200
@@ -259,21 +346,19 @@ def test_redis_back_empty_is_noticed_and_nodes_reseeded(
     adm = edge.status()["admission"]
     assert adm["auth_store_missing"] == 1 and adm["auth_kept"] >= 1
     assert "API KEY STORE MISSING" in edge.error_log()
-    # so do the control plane and the admin API
-    procs.wait_until(lambda: any(e["kind"] == "apikeys_missing" for e in registry.recent_events(r, 100)),
-                     10, what="the apikeys_missing event")
     assert "API KEYS MISSING" in cp.managed.log_path.read_text()
-    text = requests.get(cp.admin_url + "/metrics", timeout=5).text
-    fams = {f.name: f for f in text_string_to_metric_families(text)}
-    assert fams["infergate_controlplane_apikeys_missing"].samples[0].value == 1
+    assert _metric(cp, "infergate_controlplane_apikeys_missing") == 1
     admin = {"Authorization": "Bearer drill-admin-token"}
     listing = requests.get(cp.admin_url + "/api/v1/keys", headers=admin, timeout=5).json()
     assert listing["store_missing"] is True and listing["edges_keeping"] == [edge.status()["edge_id"]]
 
-    # restored: Redis decides again
-    apikeys.import_keys(r, backup)
+    # restored by hand: Redis decides again
+    backup_doc = {"format": apikeys.EXPORT_FORMAT, "version": apikeys.EXPORT_VERSION,
+                  "exported": time.time(),
+                  "keys": [{"hash": apikeys.hash_key(key), **rec.to_dict()}]}
+    apikeys.import_keys(r, backup_doc)
     procs.wait_until(lambda: any(e["kind"] == "apikeys_restored" for e in registry.recent_events(r, 100)),
                      10, what="the apikeys_restored event")
-    assert ask(key) == 200 and ask(revoked) == 401
+    assert ask(key) == 200
     assert requests.get(cp.admin_url + "/api/v1/keys", headers=admin,
                         timeout=5).json()["store_missing"] is False

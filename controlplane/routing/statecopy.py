@@ -1,0 +1,218 @@
+"""The state a control plane last saw in Redis, kept in its memory, and written back when
+Redis loses it.
+
+A Redis without persistence (or one that was flushed, replaced, or a Redis Cluster shard
+without a replica) comes back without the state the configuration cannot rebuild. Every
+control plane keeps a copy of it, as last read:
+
+- the node registry: ``keynames.NODES`` (each node as registered: URL, weight,
+  ``max_concurrency``..., nodes added at run time too), ``keynames.NODES_SEEDED`` and
+  ``keynames.NODE_STATES`` (drains);
+- the API keys: ``keynames.APIKEYS`` (every record, revoked ones included),
+  ``keynames.APIKEY_IDS``, and whether ``keynames.APIKEYS_MARKER`` was set.
+
+Reading (:meth:`StateKeeper.read`, every cycle): one pipelined round trip reads the
+registry (the cycle needs it anyway), the state marker, the key store's marker and its
+``HLEN``; the keys themselves (``HGETALL`` of both hashes and the marker, in one
+``MULTI``) only when the marker or the count changed, or every :data:`KEYS_REFRESH_S`. So
+the copy is the last state seen in Redis, revocations and deletions included: at most
+one poll interval old (:data:`KEYS_REFRESH_S` for a record changed by hand without the
+marker).
+
+A group whose marker is gone is lost, not copied (the copy keeps what it held): all of
+them while ``keynames.STATE_MARKER`` is missing; the registry when
+``keynames.NODES_SEEDED`` is gone and the copy has it; the keys when
+``keynames.APIKEYS_MARKER`` is gone and the copy had it. :attr:`Read.lost` names the
+groups lost while the state marker stayed (a Cluster shard, an eviction).
+
+Restore (:meth:`StateKeeper.restore`): every entry of the copy that Redis does not hold is
+written back (``HSETNX``, ``SADD``: what was written since the loss stays as it is, a key
+created or revoked since is not replaced), each group in one ``MULTI`` (one hash slot),
+the key store's marker set again when the copy had it (the edges then trust Redis'
+answers again). Nothing deleted or revoked before the last read comes back: the copy
+holds the revocation, and no longer holds what was deleted.
+
+All methods raise ``redis.RedisError`` when Redis fails.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+
+import redis
+
+from controlplane.admin import apikeys
+from controlplane.redisdb import keynames
+
+#: Seconds after which the API keys are read again even when neither their marker nor
+#: their count changed (a record edited by hand, without the marker).
+KEYS_REFRESH_S = 60.0
+
+REGISTRY = "registry"
+APIKEYS = "apikeys"
+GROUPS = (REGISTRY, APIKEYS)
+
+
+def _revoked(raw: str) -> bool:
+    """Whether an API key record (JSON text) is revoked."""
+    try:
+        return json.loads(raw).get("revoked") is not None
+    except (ValueError, AttributeError):
+        return False
+
+
+@dataclass
+class StateCopy:
+    """The state last read (raw values, as Redis holds them)."""
+
+    nodes: dict[str, str] = field(default_factory=dict)
+    """``keynames.NODES``: node name -> JSON of its settings."""
+    seeded: set[str] = field(default_factory=set)
+    """``keynames.NODES_SEEDED``."""
+    states: dict[str, str] = field(default_factory=dict)
+    """``keynames.NODE_STATES``: node name -> JSON ``{"state", "since", "actor"}``."""
+    apikeys: dict[str, str] = field(default_factory=dict)
+    """``keynames.APIKEYS``: SHA-256 hex -> JSON record."""
+    apikey_ids: dict[str, str] = field(default_factory=dict)
+    """``keynames.APIKEY_IDS``: key id -> SHA-256 hex."""
+    apikeys_marker: str | None = None
+    """The key store's marker as read (None: not set)."""
+    registry_at: float = 0.0
+    """Epoch seconds of the last read of the registry (0: never)."""
+    apikeys_at: float = 0.0
+    """Epoch seconds of the last read of the keys (0: never)."""
+
+
+@dataclass
+class Restored:
+    """What :meth:`StateKeeper.restore` wrote back (counts of entries)."""
+
+    nodes: int = 0
+    states: int = 0
+    apikeys: int = 0
+    revoked: int = 0
+    """Of ``apikeys``, the revoked ones (written back revoked)."""
+    registry_at: float = 0.0
+    apikeys_at: float = 0.0
+
+    def any(self) -> bool:
+        return bool(self.nodes or self.states or self.apikeys)
+
+    def to_dict(self) -> dict:
+        """``{"nodes", "states", "apikeys", "revoked", "registry_at", "apikeys_at"}``
+        (counts; epoch seconds of the copy's reads, 3 decimals)."""
+        d = asdict(self)
+        d["registry_at"] = round(self.registry_at, 3)
+        d["apikeys_at"] = round(self.apikeys_at, 3)
+        return d
+
+    def describe(self) -> str:
+        """One line for the log."""
+        def at(ts: float) -> str:
+            return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "never"
+        return (f"{self.apikeys} API key(s) ({self.revoked} of them revoked) as read at "
+                f"{at(self.apikeys_at)}, {self.nodes} node(s) and {self.states} node state(s) "
+                f"as read at {at(self.registry_at)}")
+
+
+@dataclass
+class Read:
+    """What one :meth:`StateKeeper.read` found."""
+
+    nodes: dict[str, str]
+    """``keynames.NODES`` as Redis holds it now."""
+    states: dict[str, str]
+    """``keynames.NODE_STATES`` as Redis holds it now."""
+    lost: set[str] = field(default_factory=set)
+    """Groups (:data:`GROUPS`) whose marker is gone while the state marker is there."""
+
+
+class StateKeeper:
+    """Keeps :attr:`copy` (None until the first read) and writes it back."""
+
+    def __init__(self, r: redis.Redis, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.r = r
+        self.copy: StateCopy | None = None
+        self._clock, self._wall = clock, wall
+        self._keys_read_mono = 0.0
+
+    def read(self) -> Read:
+        """Read the registry and refresh the copy (see the module docstring). Returns
+        the registry as Redis holds it now and the groups found lost."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.get(keynames.STATE_MARKER)
+        pipe.hgetall(keynames.NODES)
+        pipe.hgetall(keynames.NODE_STATES)
+        pipe.smembers(keynames.NODES_SEEDED)
+        pipe.get(keynames.APIKEYS_MARKER)
+        pipe.hlen(keynames.APIKEYS)
+        marker, nodes, states, seeded, keys_marker, keys_len = pipe.execute()
+        out = Read(nodes=nodes, states=states)
+        if marker is None:
+            return out   # lost between the cycle's marker check and now: copy nothing
+        c = self.copy
+        if c is None:
+            c = self.copy = StateCopy()
+        now = self._wall()
+        if c.seeded and not seeded:
+            out.lost.add(REGISTRY)
+        else:
+            c.nodes, c.states, c.seeded, c.registry_at = dict(nodes), dict(states), set(seeded), now
+        if c.apikeys_marker is not None and keys_marker is None:
+            out.lost.add(APIKEYS)
+        elif (keys_marker != c.apikeys_marker or keys_len != len(c.apikeys) or not c.apikeys_at
+              or self._clock() - self._keys_read_mono >= KEYS_REFRESH_S):
+            self._read_keys(c, now)
+        return out
+
+    def _read_keys(self, c: StateCopy, now: float) -> None:
+        # one slot: HGETALL of both hashes and the marker at one moment
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hgetall(keynames.APIKEYS)
+        pipe.hgetall(keynames.APIKEY_IDS)
+        pipe.get(keynames.APIKEYS_MARKER)
+        keys, ids, marker = pipe.execute()
+        if c.apikeys_marker is not None and marker is None:
+            return   # lost since the first read of this cycle
+        c.apikeys, c.apikey_ids, c.apikeys_marker, c.apikeys_at = keys, ids, marker, now
+        self._keys_read_mono = self._clock()
+
+    def restore(self, groups: Iterable[str] = GROUPS) -> Restored:
+        """Write back every entry of the copy that Redis lacks, for ``groups``
+        (:data:`GROUPS`); nothing without a copy. Returns the counts written."""
+        out = Restored()
+        c = self.copy
+        if c is None:
+            return out
+        groups = set(groups)
+        out.registry_at, out.apikeys_at = c.registry_at, c.apikeys_at
+        if REGISTRY in groups and (c.nodes or c.states or c.seeded):
+            pipe = self.r.pipeline(transaction=True)
+            for name, raw in c.nodes.items():
+                pipe.hsetnx(keynames.NODES, name, raw)
+            for name, raw in c.states.items():
+                pipe.hsetnx(keynames.NODE_STATES, name, raw)
+            if c.seeded:
+                pipe.sadd(keynames.NODES_SEEDED, *c.seeded)
+            res = pipe.execute()
+            out.nodes = sum(1 for x in res[:len(c.nodes)] if x)
+            out.states = sum(1 for x in res[len(c.nodes):len(c.nodes) + len(c.states)] if x)
+        if APIKEYS in groups and (c.apikeys or c.apikeys_marker is not None):
+            pipe = self.r.pipeline(transaction=True)
+            digests = list(c.apikeys)
+            for digest in digests:
+                pipe.hsetnx(keynames.APIKEYS, digest, c.apikeys[digest])
+            for key_id, digest in c.apikey_ids.items():
+                pipe.hsetnx(keynames.APIKEY_IDS, key_id, digest)
+            if c.apikeys_marker is not None:
+                apikeys.mark_written(pipe)
+            res = pipe.execute()
+            for digest, written in zip(digests, res):
+                if written:
+                    out.apikeys += 1
+                    out.revoked += _revoked(c.apikeys[digest])
+        return out

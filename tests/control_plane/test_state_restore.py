@@ -1,0 +1,182 @@
+"""The control plane writes back the state it last read when Redis loses it
+(controlplane/routing/statecopy.py): API keys with their revocations, nodes with their
+weights, nodes added at run time, drain states; never a key revoked or a node removed
+before the loss. Real redis-server (without persistence, as a shared Redis may run),
+cycles driven directly, nodes that do not answer (their polls fail at once)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from controlplane import procs
+from controlplane.admin import apikeys
+from controlplane.config import NodeSettings
+from controlplane.redisdb import keynames
+from controlplane.routing import registry, statecopy
+from controlplane.routing.service import ControlPlane, make_client
+from support.controlplane import cp_settings
+
+pytestmark = pytest.mark.integration
+
+
+def _node(name: str) -> NodeSettings:
+    return NodeSettings(name=name, url=f"http://127.0.0.1:{procs.free_port()}")
+
+
+@pytest.fixture
+def cps():
+    made: list[ControlPlane] = []
+
+    def make(*args, **kw) -> ControlPlane:
+        cp = ControlPlane(*args, **kw)
+        made.append(cp)
+        return cp
+
+    try:
+        yield make
+    finally:
+        for cp in made:
+            cp.shutdown()
+
+
+def _events(r, kind: str) -> list[dict]:
+    return [e for e in registry.recent_events(r, 200) if e["kind"] == kind]
+
+
+def test_redis_back_empty_gets_the_state_back(redis_server, workdir, cps, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="infergate.controlplane")
+    a, gone = _node("a"), _node("gone")
+    cp = cps(cp_settings([a, gone]), make_client(redis_server.url, 0.5))
+    r = redis_server.client()
+    cp.run_cycle()
+    # run-time changes: a weight, a node added, a drain, a configured node removed
+    registry.put_node(r, a.model_copy(update={"weight": 3.0}))
+    added = _node("added")
+    registry.put_node(r, added)
+    registry.set_state(r, "added", "draining", actor="test")
+    registry.remove_node(r, "gone")
+    valid, valid_rec = apikeys.create_key(r, "acme", rpm=60)
+    revoked, revoked_rec = apikeys.create_key(r, "acme")
+    apikeys.revoke_key(r, revoked_rec.id)
+    cp.run_cycle()
+    late, late_rec = apikeys.create_key(r, "acme")
+    apikeys.revoke_key(r, late_rec.id)         # revoked after the copy had it valid
+    apikeys.revoke_key(r, valid_rec.id)
+    valid2, valid2_rec = apikeys.create_key(r, "acme")
+    cp.run_cycle()
+
+    redis_server.stop()
+    assert not cp.run_cycle().redis_ok
+    redis_server.start_again(workdir / "redis")   # empty: nothing was persisted
+    rep = cp.run_cycle()
+    assert rep.redis_ok and rep.wrote
+
+    nodes = {n.name: n for n in registry.list_nodes(r)}
+    assert set(nodes) == {"a", "added"}, "the removed node stays removed"
+    assert nodes["a"].weight == 3.0
+    assert registry.get_states(r)["added"].state in ("draining", "drained")
+    assert apikeys.lookup(r, valid2).id == valid2_rec.id
+    assert apikeys.lookup(r, valid) is None and apikeys.get_key(r, valid_rec.id).revoked
+    assert apikeys.lookup(r, revoked) is None and apikeys.get_key(r, revoked_rec.id).revoked
+    assert apikeys.lookup(r, late) is None and apikeys.get_key(r, late_rec.id).revoked
+    assert apikeys.get_key(r, valid2_rec.id).rpm is None
+    assert not apikeys.store_missing(r) and cp.apikeys_missing is False
+    assert "REDIS STATE LOST" in caplog.text and "REDIS STATE RESTORED" in caplog.text
+    (lost,) = _events(r, "state_lost")
+    assert lost["detail"]["restored"]["apikeys"] == 4
+    (restored,) = _events(r, "state_restored")
+    assert restored["detail"]["apikeys"] == 4 and restored["detail"]["revoked"] == 3
+    assert restored["detail"]["nodes"] == 2 and restored["detail"]["states"] == 1
+    assert cp.state_losses == 1 and cp.state_restores == 1
+    # the snapshot the edges read holds the restored registry
+    snap = json.loads(r.get(keynames.ROUTING))
+    assert {n["name"]: n["weight"] for n in snap["nodes"]} == {"a": 3.0, "added": 1.0}
+    # nothing more written back by the next cycles
+    cp.run_cycle()
+    assert len(_events(r, "state_restored")) == 1 and cp.state_restores == 1
+
+
+def test_what_was_written_after_the_loss_is_kept(redis_server, workdir, cps) -> None:
+    """A key created and a node edited after Redis came back, before the control plane's
+    next cycle, stay as they are; the copy fills in the rest."""
+    a = _node("a")
+    cp = cps(cp_settings([a]), make_client(redis_server.url, 0.5))
+    r = redis_server.client()
+    old, old_rec = apikeys.create_key(r, "acme")
+    cp.run_cycle()
+    redis_server.stop()
+    redis_server.start_again(workdir / "redis")
+    new, new_rec = apikeys.create_key(r, "acme")
+    registry.put_node(r, a.model_copy(update={"weight": 5.0}))
+    cp.run_cycle()
+    assert apikeys.lookup(r, old).id == old_rec.id
+    assert apikeys.lookup(r, new).id == new_rec.id
+    assert registry.get_node(r, "a").weight == 5.0
+
+
+def test_key_store_lost_alone_is_written_back(redis_server, cps, caplog) -> None:
+    """The key store gone while the state marker stayed (a Redis Cluster shard without
+    replica, an eviction): the keys come back the same way."""
+    caplog.set_level(logging.INFO, logger="infergate.controlplane")
+    cp = cps(cp_settings([_node("a")]), make_client(redis_server.url, 0.5))
+    r = redis_server.client()
+    key, rec = apikeys.create_key(r, "acme")
+    cp.run_cycle()
+    r.delete(keynames.APIKEYS, keynames.APIKEY_IDS, keynames.APIKEYS_MARKER)
+    cp.run_cycle()
+    assert apikeys.lookup(r, key).id == rec.id and not apikeys.store_missing(r)
+    assert "REDIS STATE LOST in part: apikeys" in caplog.text
+    assert _events(r, "state_restored")[0]["detail"]["apikeys"] == 1
+    assert not _events(r, "state_lost")
+
+
+def test_a_second_control_plane_notices_the_loss_and_adds_nothing_twice(
+        redis_server, cps) -> None:
+    """Two control planes: the first to find Redis empty writes its copy back; the other
+    sees the state marker created anew (another value), counts the loss, and finds
+    nothing left to write."""
+    first = cps(cp_settings([_node("a")]), make_client(redis_server.url, 0.5))
+    second = cps(cp_settings([_node("a")]), make_client(redis_server.url, 0.5))
+    r = redis_server.client()
+    key, _ = apikeys.create_key(r, "acme")
+    first.run_cycle()
+    second.run_cycle()
+    r.flushall()
+    second.run_cycle()
+    first.run_cycle()
+    assert apikeys.lookup(r, key) is not None
+    assert first.state_losses == 1 and second.state_losses == 1
+    assert second.state_restores == 1 and first.state_restores == 0
+    assert len(_events(r, "state_restored")) == 1
+
+
+def test_a_control_plane_without_a_copy_restores_nothing(redis_server, cps) -> None:
+    """A control plane started on an empty Redis has seen nothing: no loss, nothing
+    written back (the configured nodes are seeded)."""
+    cp = cps(cp_settings([_node("a")]), make_client(redis_server.url, 0.5))
+    cp.run_cycle()
+    r = redis_server.client()
+    assert [n.name for n in registry.list_nodes(r)] == ["a"]
+    assert cp.state_losses == 0 and not _events(r, "state_restored")
+    assert apikeys.store_missing(r)
+
+
+def test_the_copy_is_not_taken_from_a_store_whose_marker_went(redis_server) -> None:
+    """Redis loses the key store between two reads: the copy keeps the keys it held."""
+    r = redis_server.client()
+    keeper = statecopy.StateKeeper(r)
+    r.set(keynames.STATE_MARKER, "{}")
+    key, _ = apikeys.create_key(r, "acme")
+    keeper.read()
+    assert keeper.copy is not None and len(keeper.copy.apikeys) == 1
+    r.delete(keynames.APIKEYS, keynames.APIKEY_IDS, keynames.APIKEYS_MARKER)
+    assert keeper.read().lost == {statecopy.APIKEYS}
+    assert len(keeper.copy.apikeys) == 1
+    r.flushall()                     # the state marker gone too: nothing copied
+    assert keeper.read().lost == set()
+    assert len(keeper.copy.apikeys) == 1
+    assert keeper.restore().apikeys == 1
+    assert apikeys.lookup(r, key) is not None
