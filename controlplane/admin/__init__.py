@@ -13,8 +13,9 @@ The admin token is ``controlplane.admin_token`` (env ``INFERGATE_ADMIN_TOKEN``).
 token configured, admin access is off: logins and API calls are refused (403) with a
 message saying how to set one.
 
-Sessions are signed with ``secret_key`` (argument or env ``INFERGATE_ADMIN_SECRET_KEY``),
-else a random key made at start, so a restart logs everyone out. The session cookie is
+Sessions are signed with ``secret_key`` (argument or env ``INFERGATE_ADMIN_SECRET_KEY``,
+which ``infergate up`` sets from its work folder's ``admin-secret.key``), else a random
+key made at start, so a restart logs everyone out. The session cookie is
 ``HttpOnly`` and ``SameSite=Strict`` (``Secure`` over TLS, see :mod:`.auth`), and
 logging out revokes the session server-side; every response carries a strict
 Content-Security-Policy (inline script and style only with the per-response nonce) and

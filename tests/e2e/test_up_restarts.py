@@ -253,3 +253,49 @@ def test_a_frozen_control_plane_is_killed_and_restarted(workdir: Path) -> None:
             except ProcessLookupError:
                 pass
         up.stop()
+
+
+def test_admin_logins_and_forms_outlive_a_control_plane_restart(workdir: Path) -> None:
+    """up signs admin sessions with one key per work folder (admin-secret.key, the
+    owner's only): a login and a form opened before the control plane was killed still
+    work with the restarted one."""
+    import re
+
+    import requests
+
+    up = UpStack.start(workdir, NO_CACHE)
+    try:
+        assert up.proc.poll() is None, up.text()
+        key_file = workdir / "stack" / "admin-secret.key"
+        assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+        token = re.search(r"token: (\S+)", up.text()).group(1)
+        admin = f"http://127.0.0.1:{up.admin}"
+        s = requests.Session()
+
+        def csrf_of(page: requests.Response) -> str:
+            return re.search(r'name="csrf_token" value="([^"]+)"', page.text).group(1)
+
+        res = s.post(admin + "/login", allow_redirects=False, timeout=10,
+                     data={"token": token, "csrf_token": csrf_of(s.get(admin + "/login"))})
+        assert res.status_code == 303, res.text
+        page = s.get(admin + "/keys", allow_redirects=False, timeout=10)
+        assert page.status_code == 200, page.status_code
+        csrf = csrf_of(page)
+
+        cp_pid = up.part_pid("controlplane --config")
+        assert cp_pid
+        os.kill(cp_pid, signal.SIGKILL)
+        procs.wait_until(lambda: up.part_pid("controlplane --config") not in (None, cp_pid)
+                         and procs.http_instance(admin + "/healthz") not in (None, ""),
+                         timeout=30, what="control plane restarted")
+        again = s.get(admin + "/keys", allow_redirects=False, timeout=10)
+        assert again.status_code == 200, (again.status_code, again.headers.get("Location"))
+        # the form filled in before the restart is taken
+        res = s.post(admin + "/keys", data={"csrf_token": csrf, "tenant": "after-restart"},
+                     allow_redirects=False, timeout=10)
+        assert res.status_code == 303 and res.headers["Location"].endswith("/keys"), res.text
+        listing = s.get(admin + "/api/v1/keys", timeout=10).json()
+        assert "after-restart" in {k["tenant"] for k in listing["keys"]}
+    finally:
+        rc = up.stop()
+    assert rc == 0

@@ -3,7 +3,11 @@ on a folder an earlier run left (controlplane/cli/up/banner.py), pure formatting
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
+
+import click
+import pytest
 
 from controlplane.cli.up.banner import _nodes_line, _token_note
 from controlplane.config import NodeSettings
@@ -48,3 +52,22 @@ def test_a_start_on_an_earlier_folder_keeps_its_generated_admin_token(tmp_path) 
         run.settings.controlplane.admin_token = "new-token-abcdefghij"
         _keep_admin_token(run, path)
         assert run.settings.controlplane.admin_token == "new-token-abcdefghij" and run.generated_token
+
+
+def test_the_admin_session_key_is_made_once_per_folder_and_kept_private(tmp_path) -> None:
+    from controlplane.cli.up.plan import ADMIN_SECRET_FILE, admin_secret_key
+
+    key = admin_secret_key(tmp_path)
+    path = tmp_path / ADMIN_SECRET_FILE
+    assert len(key) == 64 and path.stat().st_mode & 0o777 == 0o600
+    assert admin_secret_key(tmp_path) == key          # the next start on the folder
+    os.chmod(path, 0o644)
+    assert admin_secret_key(tmp_path) == key and path.stat().st_mode & 0o777 == 0o600
+    for bad in ("", "short", "x" * 40 + " y" * 10, "\x00" * 40):
+        path.write_text(bad)
+        new = admin_secret_key(tmp_path)
+        assert new != key and len(new) == 64 and path.read_text().strip() == new
+    (tmp_path / "ro").mkdir(mode=0o500)
+    if os.geteuid() != 0:   # root writes anywhere
+        with pytest.raises(click.ClickException, match="admin session key"):
+            admin_secret_key(tmp_path / "ro")

@@ -3,9 +3,11 @@ read, their start, the control plane's health watch."""
 
 from __future__ import annotations
 
+import os
 import signal
 
 from controlplane import procs
+from controlplane.admin import SECRET_ENV
 from controlplane.config import HostPort
 
 from .common import START_ATTEMPTS, _say, _split_hostport, _write_runtime_config
@@ -43,14 +45,17 @@ def _cp_healthz(run: UpRun) -> str:
 
 def start_controlplane(run: UpRun) -> None:
     """Write the runtime config (``wd/infergate.toml``) and start the control plane on
-    it; ready when its admin ``/healthz`` answers with this stack's id (30 s). Raises
+    it, with the folder's admin session key (``INFERGATE_ADMIN_SECRET_KEY``,
+    :func:`.plan.admin_secret_key`); ready when its admin ``/healthz`` answers with this stack's id (30 s). Raises
     :class:`controlplane.procs.StartError`."""
     run.cfg = run.wd / "infergate.toml"
     _write_runtime_config(run.settings, run.cfg)
     _say(f"starting the control plane on {run.admin_host}:{run.admin_port}")
+    # the session signing key of the folder: logins and forms outlive a restart
+    env = None if run.admin_secret is None else {**os.environ, SECRET_ENV: run.admin_secret}
     run.cp = cp = run.stack.add(procs.Managed(
         "controlplane", procs.infergate_argv("controlplane", "--config", str(run.cfg)),
-        run.wd / "logs" / "controlplane.log").start())
+        run.wd / "logs" / "controlplane.log", env=env).start())
     admin_probe = run.admin_host if run.admin_host not in ("0.0.0.0", "::") else "127.0.0.1"
     # ready when the admin port answers with this stack's id (never another's process)
     run.admin_probe = f"[{admin_probe}]" if ":" in admin_probe else admin_probe

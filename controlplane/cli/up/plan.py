@@ -14,6 +14,7 @@ import click
 import redis as redis_lib
 
 from controlplane import procs
+from controlplane.admin import SECRET_ENV
 from controlplane.config import ConfigError, NodeSettings, Settings, load_settings
 from controlplane.redisdb.url import parse_redis_url, redact
 
@@ -46,6 +47,9 @@ class UpRun:
     generated_token: bool
     #: the admin token of an earlier run on the same folder, kept (:func:`_keep_admin_token`)
     token_kept: bool = False
+    #: the key the control plane signs admin sessions with (:func:`admin_secret_key`;
+    #: None: ``INFERGATE_ADMIN_SECRET_KEY`` of the environment, inherited)
+    admin_secret: str | None = None
     wd: Path = field(default_factory=Path)
     wd_lock: object = None  # held (and the folder locked) while up runs
     stack: procs.ProcessSet = field(default_factory=procs.ProcessSet)
@@ -194,6 +198,42 @@ def open_workdir(run: UpRun, workdir: str | None) -> None:
     os.chmod(wd, 0o755)  # nginx workers (``nobody`` when started as root) traverse it
     if run.generated_token:
         _keep_admin_token(run, wd / "infergate.toml")
+    if not os.environ.get(SECRET_ENV):
+        run.admin_secret = admin_secret_key(wd)
+
+
+#: The file of the work folder that holds the key admin sessions are signed with.
+ADMIN_SECRET_FILE = "admin-secret.key"
+
+
+def admin_secret_key(wd: Path) -> str:
+    """The key the control plane signs admin sessions with, made once per work folder
+    (64 hex digits from :mod:`secrets`) and kept in ``wd/admin-secret.key`` (mode 0600, as
+    the admin token and the Redis password), so a control plane restarted by ``up``, or a
+    start on the same folder, keeps every login and submitted form valid. A file that
+    is not a usable key (empty, cut short) is made anew; one others may read is made
+    the owner's only. Raises ``click.ClickException`` when the file cannot be read or
+    written."""
+    path = wd / ADMIN_SECRET_FILE
+    try:
+        try:
+            key = path.read_text(encoding="ascii").strip()
+        except (FileNotFoundError, UnicodeDecodeError):
+            key = ""
+        if len(key) >= 32 and key.isprintable() and not any(c.isspace() for c in key):
+            if path.stat().st_mode & 0o077:
+                os.chmod(path, 0o600)
+            return key
+        key = secrets.token_hex(32)
+        tmp = path.with_name(f".{ADMIN_SECRET_FILE}.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(key + "\n")
+        os.replace(tmp, path)
+        return key
+    except OSError as exc:
+        raise click.ClickException(f"cannot keep the admin session key in {path}: "
+                                   f"{exc.strerror or exc}") from None
 
 
 def _keep_admin_token(run: UpRun, earlier: Path) -> None:
