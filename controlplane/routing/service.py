@@ -58,6 +58,10 @@ missing, ``lua/infergate/admission/auth.lua``): logged at ERROR ("API KEYS MISSI
 gauge ``infergate_controlplane_apikeys_missing``, and on the admin keys page and
 ``GET /api/v1/keys`` (``store_missing``, ``edges_keeping``).
 
+Persistence: at the first cycle that reaches Redis, ``CONFIG GET appendonly`` / ``save``
+(:mod:`controlplane.redisdb.persistence`); one WARNING line when Redis keeps nothing (or
+only snapshots) across a restart, or when the check is refused.
+
 Logs go to stderr, one line per change: leadership, node health, Redis down/up, nodes
 added/removed. SIGTERM/SIGINT stop the scheduler, release the leader lock (only if
 still ours) and exit 0.
@@ -102,6 +106,7 @@ from controlplane.routing.poller import (
     models_refusal,
 )
 from controlplane.redisdb.conn import make_redis
+from controlplane.redisdb.persistence import Persistence, check_persistence
 from controlplane.redisdb.url import parse_redis_url, redact
 from controlplane.routing.registry import NodeState
 from controlplane.routing.series import SeriesRecorder
@@ -254,6 +259,9 @@ class ControlPlane:
         #: (controlplane.routing.statecopy), and how often something was written back.
         self.keeper = statecopy.StateKeeper(r)
         self.state_restores = 0
+        #: Whether Redis keeps its data across a restart, as checked once it first
+        #: answered (None: not yet; controlplane.redisdb.persistence).
+        self.persistence: Persistence | None = None
         #: True while Redis holds no API keys after losing its state (see _check_apikeys).
         self.apikeys_missing = False
         from controlplane.cache.verify import OnlineVerifier
@@ -329,7 +337,21 @@ class ControlPlane:
                     self.ramps[name] = now
         self._registry_read = True
         self.nodes, self.states, self.edges = nodes, states, edges
+        if self.persistence is None:
+            self._check_persistence()
         return True
+
+    def _check_persistence(self) -> None:
+        """Once, at the first cycle that reaches Redis: whether Redis keeps its data
+        across a restart (:mod:`controlplane.redisdb.persistence`), one WARNING line when
+        it does not or cannot be checked. Sets :attr:`persistence`."""
+        try:
+            self.persistence = check_persistence(self.r)
+        except redis.RedisError:
+            return   # asked again at the next cycle
+        line = self.persistence.warning(self.settings.redis.url)
+        if line:
+            log.warning("%s", line)
 
     def _check_state_marker(self) -> bool:
         """True when Redis came back without its state (see the module docstring): this

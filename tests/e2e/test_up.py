@@ -150,3 +150,31 @@ def test_up_starts_its_local_redis_with_the_urls_password(workdir: Path, userinf
                  if "starts on its state again" in line)
     assert "s3cret-pw" not in again and f"@127.0.0.1:{redis_port}/0" in again
     assert not procs.port_open("127.0.0.1", redis_port)
+
+
+def test_up_warns_when_the_shared_redis_keeps_nothing(workdir: Path) -> None:
+    """``--redis-url`` to a Redis with a password, ``appendonly no`` and ``save ""``: up
+    says in one line, before the banner, that a Redis restart loses the run-time
+    configuration, and so does the control plane in its log; the password stays out of
+    both."""
+    from support.upstack import NO_CACHE, UpStack
+
+    m, port = procs.start_redis_free_port(workdir / "shared-redis", password="pw-shared-1")
+    up = None
+    try:
+        up = UpStack.start(workdir / "up", NO_CACHE,
+                           redis_url=f"redis://:pw-shared-1@127.0.0.1:{port}/0")
+        text = up.text()
+        assert up.proc.poll() is None, text
+        lines = [ln for ln in text.splitlines() if "keeps nothing across a restart" in ln]
+        assert len(lines) == 1 and lines[0].startswith("warning: "), text
+        assert "pw-shared-1" not in lines[0] and "run-time configuration" in lines[0]
+        assert text.index(lines[0]) < text.index("infergate is up.")
+        cp_log = workdir / "up" / "stack" / "logs" / "controlplane.log"
+        procs.wait_until(lambda: "keeps nothing across a restart" in cp_log.read_text(), 15,
+                         what="the control plane's warning")
+        assert "pw-shared-1" not in cp_log.read_text()
+    finally:
+        if up is not None:
+            up.stop()
+        m.stop()

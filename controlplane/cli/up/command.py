@@ -11,6 +11,7 @@ import redis as redis_lib
 from controlplane import procs
 from controlplane.admin import apikeys
 from controlplane.redisdb.conn import make_redis
+from controlplane.redisdb.persistence import check_persistence
 from controlplane.routing import registry
 
 from .banner import _again_command, print_banner
@@ -44,7 +45,9 @@ def trap_signals(run: UpRun) -> None:
 
 def start_redis(run: UpRun) -> None:
     """The Redis named on purpose (started there when it is local and silent), else this
-    stack's own; then this stack claims its node registry (``--take-over``)."""
+    stack's own; then this stack claims its node registry (``--take-over``). A Redis
+    named on purpose that keeps nothing across a restart (or whose ``CONFIG`` is
+    refused) gets one line (:mod:`controlplane.redisdb.persistence`)."""
     settings = run.settings
     if run.redis_cluster:
         if run.shared_redis:
@@ -58,8 +61,14 @@ def start_redis(run: UpRun) -> None:
     where = settings.redis.url.split("@")[-1]
     try:
         claim_registry(run.owner_r, run.owner_doc, run.take_over, where, run.redis_named_by)
+        # a Redis named on purpose may keep nothing across a restart (this stack's own
+        # keeps an append-only file): say so once, now
+        line = (check_persistence(run.owner_r).warning(settings.redis.url)
+                if run.shared_redis else None)
     except redis_lib.RedisError as exc:
         raise click.ClickException(f"Redis at {where}: {exc}") from None
+    if line:
+        _say(line)
 
 
 def start_nodes(run: UpRun) -> None:
