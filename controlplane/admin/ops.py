@@ -36,10 +36,10 @@ from pydantic import ValidationError
 
 from controlplane.admin import apikeys
 from controlplane.cache import store as cache_store
-from controlplane.config import HostPort, NodeSettings, Settings
+from controlplane.config import NodeSettings, Settings
 from controlplane.errors import InfergateError
 from controlplane.redisdb import keynames
-from controlplane.routing import registry
+from controlplane.routing import ownaddrs, registry
 from controlplane.routing.registry import NodeState
 
 EDITABLE: tuple[str, ...] = ("url", "kind", "weight", "max_concurrency", "metrics_path",
@@ -259,52 +259,20 @@ def _refused_address(host: str, port: int) -> tuple[list[IP], str | None]:
     return ips, None
 
 
-def _own_ports(settings: Settings) -> list[tuple[str, str, int]]:
-    """(what, host, port) of this stack's own Redis, admin, embedder, edge-metrics and
-    edge API addresses; the ones that do not parse are left out."""
-    own: list[tuple[str, str, int]] = []
-    try:
-        from controlplane.redisdb.url import parse_redis_url
-
-        t = parse_redis_url(settings.redis.url)
-        if t.host and t.port:
-            own.append(("Redis", t.host.lower(), t.port))
-    except ValueError:
-        pass
-    try:
-        hp = HostPort.parse(str(settings.controlplane.listen))
-        own.append(("admin", hp.host.lower(), hp.port))
-    except ValueError:
-        pass
-    try:
-        e = urlsplit(settings.cache.embedder_url)
-        if e.hostname and e.port:
-            own.append(("embedder", e.hostname.lower(), e.port))
-    except ValueError:
-        pass
-    for what, listen in (("edge metrics", settings.edge.metrics_listen),
-                         ("edge API", settings.edge.listen)):
-        if not listen:
-            continue
-        try:
-            hp = HostPort.parse(str(listen))
-            own.append((what, hp.host.lower(), hp.port))
-        except ValueError:
-            pass
-    return own
-
-
-def node_url_refusal(url: str, settings: Settings | None = None) -> str | None:
+def node_url_refusal(url: str, settings: Settings | None = None,
+                     published: list[ownaddrs.OwnAddress] | tuple = ()) -> str | None:
     """Why ``url`` may not be a node URL, or ``None`` when it may. Refused: hosts in
     :data:`REFUSED_NODE_NETS` / :data:`REFUSED_NODE_HOSTS` (IPv4-mapped IPv6 and the
     shorthand, octal and hexadecimal IPv4 spellings too, see :func:`_ip`), host names
     that resolve to any address in those networks or do not resolve at all within
-    :data:`RESOLVE_TIMEOUT_S` (:func:`resolve_host`), and, with ``settings``, this
-    stack's own Redis, admin, embedder, edge-metrics and edge API (``edge.listen``) ports
-    (on the same host or on a loopback address: a node there would loop requests back
-    into the edge) -- unless ``settings.controlplane.node_url_allow`` allows the
-    host. The check holds for the addresses the name has now; a name whose owner
-    points it elsewhere later is not watched."""
+    :data:`RESOLVE_TIMEOUT_S` (:func:`resolve_host`), and the stack's own Redis, admin,
+    embedder, edge-metrics and edge API (``edge.listen``) ports -- those of ``settings``
+    and the ``published`` ones of the running stack
+    (:func:`controlplane.routing.ownaddrs.published`) -- on the same host or on a
+    loopback address (a node there would loop requests back into the edge), unless
+    ``settings.controlplane.node_url_allow`` allows the host. The check holds for the
+    addresses the name has now; a name whose owner points it elsewhere later is not
+    watched."""
     parts = urlsplit(url)
     host = (parts.hostname or "").lower().rstrip(".")
     try:
@@ -317,9 +285,10 @@ def node_url_refusal(url: str, settings: Settings | None = None) -> str | None:
     if _allowed(host, port, allow):
         return None
     ips, refusal = _refused_address(host, port)
-    if refusal is not None or settings is None:
+    own = (ownaddrs.of_settings(settings) if settings is not None else []) + list(published)
+    if refusal is not None or not own:
         return refusal
-    for what, o_host, o_port in _own_ports(settings):
+    for what, o_host, o_port in ((a.what, a.host, a.port) for a in own):
         o_ip = _ip(o_host)
         same = host == o_host or (o_ip is not None and o_ip in ips)
         if port == o_port and (same or (_is_local(host, ips) and _is_local(o_host))):
@@ -328,10 +297,11 @@ def node_url_refusal(url: str, settings: Settings | None = None) -> str | None:
     return None
 
 
-def check_node_url(node: NodeSettings, settings: Settings | None) -> NodeSettings:
+def check_node_url(node: NodeSettings, settings: Settings | None,
+                   published: list[ownaddrs.OwnAddress] | tuple = ()) -> NodeSettings:
     """``node`` when its URL may be used (:func:`node_url_refusal`), else raises
     :class:`BadInput` (code ``node_url_refused``)."""
-    why = node_url_refusal(node.url, settings)
+    why = node_url_refusal(node.url, settings, published)
     if why:
         raise BadInput(why, "node_url_refused")
     return node
@@ -367,15 +337,17 @@ def _put_unique(r: redis.Redis, node: NodeSettings, only_new: bool = False) -> b
 def add_node(r: redis.Redis, data: object, actor: str, events_max: int = 10000,
              settings: Settings | None = None) -> NodeSettings:
     """Register a new node. Raises :class:`BadInput` (also for a refused URL, see
-    :func:`node_url_refusal`; ``settings`` adds the own-port check and the allow list),
+    :func:`node_url_refusal`: the running stack's published addresses are refused
+    whatever ``settings``; ``settings`` adds its own addresses and the allow list),
     :class:`Conflict` (name taken, also in another case: ``node_exists``; its server
     registered under another name: ``node_url_taken``). The node starts ``active``."""
-    node = check_node_url(parse_node(data), settings)
+    node = parse_node(data)
     if node.has_credential() or node.ca_file:
         # a path or variable name given here would be read on the control plane's host
         # and sent to the node: only the TOML file may name them
         raise BadInput("api_key_env, api_key_file and ca_file are set in the TOML file's "
                        "[[nodes]] only", "node_access_refused")
+    check_node_url(node, settings, ownaddrs.published(r))
     if not _put_unique(r, node, only_new=True):
         raise Conflict(f"a node named {node.name!r} already exists", "node_exists")
     registry.add_event(r, "node_add", node.name, actor, node.model_dump(), maxlen=events_max)
@@ -439,7 +411,7 @@ def change_node(r: redis.Redis, name: str, changes: object, actor: str,
     # validated first, outside the transaction (the URL check may resolve a name)
     probe = parse_node({**current.model_dump(), **changes, "name": name})
     if "url" in changes:
-        check_node_url(probe, settings)
+        check_node_url(probe, settings, ownaddrs.published(r))
     shown = {k: _field(current, k, seen[k]) for k in changes if seen is not None and k in seen}
 
     def apply(now: NodeSettings) -> NodeSettings:

@@ -127,6 +127,11 @@ STATE_MARKER = f"{BASE}:state_marker"
 #: ``infergate up`` that owns this Redis' node registry, refreshed by it every few
 #: seconds; another ``up`` refuses to write the registry while it lives (``--take-over``).
 STACK_OWNER = f"{BASE}:stack_owner"
+#: Hash (cache kind: TTL renewed by every write), control plane id -> JSON ``{"ts":
+#: epoch_s, "addresses": [{"what", "host", "port"}]}``: the addresses the running stack
+#: serves on, so that no writer of the registry takes one for a node
+#: (``controlplane.routing.ownaddrs``).
+STACK_ADDRESSES = f"{BASE}:stack_addresses"
 #: Prefix of the admin page's login sessions (strings with TTL, value ``"1"``):
 #: ``ADMIN_SESSION_PREFIX + session id``; logging out deletes the key.
 ADMIN_SESSION_PREFIX = f"{BASE}:admin:session:"

@@ -58,6 +58,11 @@ missing, ``lua/infergate/admission/auth.lua``): logged at ERROR ("API KEYS MISSI
 gauge ``infergate_controlplane_apikeys_missing``, and on the admin keys page and
 ``GET /api/v1/keys`` (``store_missing``, ``edges_keeping``).
 
+Own addresses: every ``ownaddrs.PUBLISH_EVERY_S`` the addresses of the stack in the
+settings (Redis, admin, embedder, edge metrics and API) are published in Redis
+(:mod:`controlplane.routing.ownaddrs`), taken back at the stop: every writer of the node
+registry refuses them as node URLs, whatever its own configuration.
+
 Persistence: at the first cycle that reaches Redis, ``CONFIG GET appendonly`` / ``save``
 (:mod:`controlplane.redisdb.persistence`); one WARNING line when Redis keeps nothing (or
 only snapshots) across a restart, or when the check is refused.
@@ -90,7 +95,7 @@ from redis.retry import Retry
 from controlplane.cache.sweep import SWEEP_INTERVAL_S, IndexSweeper, SweepReport
 from controlplane.redisdb import keynames
 from controlplane.redisdb.migrate import migrate_key_names
-from controlplane.routing import registry, statecopy
+from controlplane.routing import ownaddrs, registry, statecopy
 from controlplane.cli.common import split_listen
 from controlplane.config import (ConfigError, NodeSettings, RedisSettings,
                                  Settings, load_settings)
@@ -262,6 +267,8 @@ class ControlPlane:
         #: Whether Redis keeps its data across a restart, as checked once it first
         #: answered (None: not yet; controlplane.redisdb.persistence).
         self.persistence: Persistence | None = None
+        #: When the stack's addresses are published next (monotonic s; ownaddrs).
+        self._addresses_due = 0.0
         #: True while Redis holds no API keys after losing its state (see _check_apikeys).
         self.apikeys_missing = False
         from controlplane.cache.verify import OnlineVerifier
@@ -339,7 +346,23 @@ class ControlPlane:
         self.nodes, self.states, self.edges = nodes, states, edges
         if self.persistence is None:
             self._check_persistence()
+        self._publish_addresses()
         return True
+
+    def _publish_addresses(self) -> None:
+        """Every :data:`ownaddrs.PUBLISH_EVERY_S`: publish the stack's addresses of this
+        control plane's settings (:mod:`controlplane.routing.ownaddrs`), so that no
+        writer of the registry takes one for a node. A Redis error waits for the next
+        cycle."""
+        now = time.monotonic()
+        if now < self._addresses_due:
+            return
+        try:
+            ownaddrs.publish(self.r, self.id, ownaddrs.of_settings(self.settings))
+        except redis.RedisError as exc:
+            self._redis_failed(exc)
+            return
+        self._addresses_due = now + ownaddrs.PUBLISH_EVERY_S
 
     def _check_persistence(self) -> None:
         """Once, at the first cycle that reaches Redis: whether Redis keeps its data
@@ -744,6 +767,8 @@ class ControlPlane:
             try:
                 if self.elector.release():
                     log.info("leadership released")
+                if self._addresses_due:
+                    ownaddrs.withdraw(self.r, self.id)
             except redis.RedisError:
                 pass
             self.poller.close()

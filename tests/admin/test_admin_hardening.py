@@ -292,6 +292,58 @@ def test_api_refuses_own_ports_and_edits_too(r):
     assert registry.get_node(r, "ok").url == "http://127.0.0.1:9001"
 
 
+def test_the_running_stacks_published_addresses_are_refused_whatever_the_config(r):
+    """A control plane publishes the stack's addresses (controlplane.routing.ownaddrs):
+    the CLI without the stack's file (only the Redis URL) and the admin API of a control
+    plane with another file refuse them as nodes, for an add and an edit; a publication
+    of a control plane gone quiet no longer counts."""
+    from controlplane.routing import ownaddrs
+
+    ownaddrs.publish(r, "cp-elsewhere", [ownaddrs.OwnAddress("edge API", "127.0.0.1", 18480),
+                                         ownaddrs.OwnAddress("admin", "0.0.0.0", 18481)])
+    url = f"redis://127.0.0.1:{r.connection_pool.connection_kwargs['port']}/0"
+    runner = CliRunner()
+    for name, target, what in (("loop", "http://127.0.0.1:18480", "own edge API port"),
+                               ("loop2", "http://localhost:18481/", "own admin port")):
+        res = runner.invoke(main, ["nodes", "--redis-url", url, "add", name, target])
+        assert res.exit_code == 1 and what in res.output, res.output
+        assert registry.get_node(r, name) is None
+    c = make_app(r).test_client()
+    h = {"Authorization": f"Bearer {TOKEN}"}
+    resp = c.post("/api/v1/nodes", headers=h, json={"name": "loop", "url": "http://127.0.0.1:18480"})
+    assert resp.status_code == 400 and resp.get_json()["error"]["code"] == "node_url_refused"
+    assert c.post("/api/v1/nodes", headers=h,
+                  json={"name": "ok", "url": "http://127.0.0.1:18482"}).status_code == 201
+    resp = c.patch("/api/v1/nodes/ok", headers=h, json={"url": "http://127.0.0.1:18481"})
+    assert resp.status_code == 400 and "own admin port" in resp.get_json()["error"]["message"]
+    assert registry.get_node(r, "ok").url == "http://127.0.0.1:18482"
+    # another host's server on the same port is a node; a stale publication counts no more
+    assert ops.node_url_refusal("http://10.0.0.5:18480", Settings(), ownaddrs.published(r)) is None
+    ownaddrs.publish(r, "cp-elsewhere", [ownaddrs.OwnAddress("edge API", "127.0.0.1", 18480)],
+                     now=time.time() - ownaddrs.FRESH_S - 1)
+    assert ownaddrs.published(r) == []
+    assert c.post("/api/v1/nodes", headers=h,
+                  json={"name": "loop", "url": "http://127.0.0.1:18480"}).status_code == 201
+
+
+def test_the_control_plane_publishes_its_addresses_and_takes_them_back(redis_server):
+    from controlplane.routing import ownaddrs
+
+    s = Settings.model_validate({"redis": {"url": redis_server.url},
+                                 "controlplane": {"listen": "127.0.0.1:18591"},
+                                 "edge": {"listen": "127.0.0.1:18590", "metrics_listen": ""}})
+    r = redis_server.client()
+    cp = ControlPlane(s, r)
+    try:
+        cp.run_cycle()
+        got = {(a.what, a.host, a.port) for a in ownaddrs.published(r)}
+        assert {("edge API", "127.0.0.1", 18590), ("admin", "127.0.0.1", 18591)} <= got
+        assert r.ttl(keynames.STACK_ADDRESSES) > 0
+    finally:
+        cp.shutdown()
+    assert ownaddrs.published(r) == []
+
+
 def test_node_url_allow_list(r):
     app = make_app(r, node_url_allow=["169.254.10.0/24", "metadata.google.internal:8080"])
     c = app.test_client()

@@ -178,3 +178,31 @@ def test_up_warns_when_the_shared_redis_keeps_nothing(workdir: Path) -> None:
         if up is not None:
             up.stop()
         m.stop()
+
+
+def test_the_cli_without_the_config_refuses_the_stacks_own_ports(workdir: Path) -> None:
+    """Used as the banner says (``export INFERGATE_REDIS_URL=...``, no ``--config``),
+    ``infergate nodes add`` refuses the stack's edge and admin ports as nodes: its
+    control plane publishes them in Redis. A real node is still taken."""
+    from support.upstack import NO_CACHE, UpStack, registry
+
+    up = UpStack.start(workdir, NO_CACHE)
+    try:
+        assert up.proc.poll() is None, up.text()
+        env = {**os.environ, "INFERGATE_REDIS_URL": up.redis_url}
+        env.pop("INFERGATE_CONFIG", None)
+
+        def nodes_add(name: str, url: str) -> subprocess.CompletedProcess:
+            return subprocess.run(procs.infergate_argv("nodes", "add", name, url), env=env,
+                                  capture_output=True, text=True, timeout=60)
+
+        for name, port, what in (("loop", up.edge, "own edge API port"),
+                                 ("loop2", up.admin, "own admin port")):
+            res = nodes_add(name, f"http://127.0.0.1:{port}")
+            assert res.returncode == 1 and what in res.stderr + res.stdout, (res.stdout, res.stderr)
+        assert not {"loop", "loop2"} & set(registry(up.redis_url))
+        res = nodes_add("extra", f"http://127.0.0.1:{procs.free_port()}")
+        assert res.returncode == 0, res.stderr
+        assert "extra" in registry(up.redis_url)
+    finally:
+        up.stop()
