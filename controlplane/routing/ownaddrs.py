@@ -12,7 +12,7 @@ control plane reads) every :data:`PUBLISH_EVERY_S`, and takes them back when it 
 hash ``keynames.STACK_ADDRESSES``, field = the control plane's id, value JSON ``{"ts":
 epoch_s, "addresses": [{"what", "host", "port"}, ...]}`` (cache kind: the hash expires
 :data:`TTL_S` after the last write). A reader counts the entries newer than
-:data:`FRESH_S` (:func:`published`); :func:`controlplane.admin.ops.node_url_refusal`
+:data:`FRESH_S` (:func:`published`); :func:`controlplane.admin.nodeurl.node_url_refusal`
 compares a node URL against them as against its own settings' addresses.
 
 Redis errors are raised (``redis.RedisError``).
