@@ -282,6 +282,50 @@ def test_admission_predicts_the_requests_own_time_at_the_tail(workdir: Path) -> 
     assert got["done"] == pytest.approx(2.0 + got["tail"])
 
 
+def test_the_queue_prediction_yields_to_slots_seen_freeing_faster(workdir: Path) -> None:
+    """infergate.admission.freerate: slots seen freeing up (while requests wait) more than
+    FREE_YIELD_RATIO times faster than the nodes' figures say make the prediction yield
+    (wait and own time shrink by the same factor, FREE_YIELD_MAX at most); slower, too
+    few gaps, a gap without a queue, or a stale record change nothing."""
+    got = run(workdir, """
+            local freerate = require("infergate.admission.freerate")
+            local now = ngx.now()
+            local att = stats.open_attempt("a", now)
+            stats.close_attempt(att, "ok", now, 1000)               -- mean 1 s: 1 slot/s
+            local one = tbl({node("a", {slots = 1, score = nil})})
+            busy("a", 1)
+            local out = {}
+            out.base_done, out.base_wait = slots.predict(one, now, {}, 3)
+            local clock = now - 100
+            local function ends(n, gap, waiting)
+                for _ = 1, n do
+                    clock = clock + gap
+                    freerate.ended("", clock, waiting)
+                end
+                return clock
+            end
+            local last = ends(5, 0.125, true)                       -- too few gaps yet
+            out.few_done = slots.predict(one, last, {}, 3)
+            last = ends(60, 0.125, true)                            -- 8 slots/s seen
+            out.fast_done, out.fast_wait = slots.predict(one, last, {}, 3)
+            out.rate = freerate.rate("", last)
+            out.stale = freerate.rate("", last + 5) == nil
+            freerate.ended("", last + 0.1, false)                   -- the queue emptied
+            out.after_idle = freerate.rate("", last + 0.1) == nil
+            last = ends(60, 1.2, true)                              -- slower than 1/s
+            out.slow_done = slots.predict(one, last, {}, 3)
+            return out
+    """)
+    assert got["base_wait"] == pytest.approx(4.0)           # the one in flight + 3 ahead, 1/s
+    assert got["few_done"] == pytest.approx(got["base_done"])
+    assert got["rate"] == pytest.approx(8.0, rel=0.05)
+    # 8x faster, held to FREE_YIELD_MAX = 4: wait and own time a quarter
+    assert got["fast_wait"] == pytest.approx(1.0, rel=0.01)
+    assert got["fast_done"] == pytest.approx(got["base_done"] / 4, rel=0.01)
+    assert got["stale"] is True and got["after_idle"] is True
+    assert got["slow_done"] == pytest.approx(got["base_done"])
+
+
 def test_a_silent_nodes_free_slots_do_not_count_while_a_live_node_is_full(workdir: Path) -> None:
     """slots.free and slots.predict: a node found silent (here flagged a TTFB outlier)
     is not picked while a live node is merely full, so its free slots do not count for a

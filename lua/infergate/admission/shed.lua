@@ -66,6 +66,7 @@ local learned = require("infergate.routing.learned")
 local fairqueue = require("infergate.admission.fairqueue")
 local fairshare = require("infergate.admission.fairshare")
 local lengths = require("infergate.routing.lengths")
+local freerate = require("infergate.admission.freerate")
 local ngx_var = ngxapi.var
 
 local _M = {}
@@ -73,8 +74,7 @@ local _M = {}
 local RETRY_AFTER_MAX_S = 30
 _M.RETRY_AFTER_MAX_S = RETRY_AFTER_MAX_S
 
-local ipairs = ipairs
-local pairs = pairs
+local ipairs, pairs = ipairs, pairs
 local tostring = tostring
 local tonumber = tonumber
 
@@ -483,12 +483,13 @@ local function learn_tail(req)
 end
 
 -- Log phase hook: rate-limit correction from the real token usage, a slot held for a
--- try that never started given back, the answer time learned (no I/O here).
+-- try that never started given back, the answer time and slot frees learned (no I/O).
 function _M.log(req)
     ratelimit.log(req)
     fairshare.log(req)
     held.give_back(req)
     learn_tail(req)
+    freerate.log(req)
 end
 
 -- Counters for the edge stats and the status endpoint.

@@ -21,6 +21,7 @@ local models = require("infergate.routing.models")
 local balancer = require("infergate.routing.balancer")
 local learned = require("infergate.routing.learned")
 local outlier = require("infergate.routing.outlier")
+local freerate = require("infergate.admission.freerate")
 
 local _M = {}
 
@@ -162,7 +163,13 @@ end
 -- second (s: a node's latency EWMA; with its slots a hard limit that is its service
 -- time), and the request then takes its own high quantile (infergate.routing.learned
 -- tail_s, capped by its max_tokens); `free`: the slots free now, as free() counts them
--- (counted here when nil). nil when no eligible node has answered yet.
+-- (counted here when nil). When the slots were seen to free up more than
+-- FREE_YIELD_RATIO times faster than that (infergate.admission.freerate: the nodes sped
+-- up, and the figures learn it only from answers that start after), the rate is the
+-- one seen and the request's own time shrinks by the same factor, FREE_YIELD_MAX at
+-- most. nil when no eligible node has answered yet.
+_M.FREE_YIELD_RATIO = 1.5
+_M.FREE_YIELD_MAX = 4
 function _M.predict(t, now, req, ahead, free)
     local rate, tail = 0, nil
     free = free or _M.free(t, now, req.model)
@@ -182,6 +189,13 @@ function _M.predict(t, now, req, ahead, free)
     end
     if not tail then
         return nil
+    end
+    -- slots freeing up far faster than the nodes' figures say (they sped up again):
+    -- the prediction yields to what is seen (infergate.admission.freerate)
+    local seen = freerate.rate(req.model or "", now)
+    if seen and seen > _M.FREE_YIELD_RATIO * rate then
+        local f = math.min(seen / rate, _M.FREE_YIELD_MAX)
+        rate, tail = rate * f, tail / f
     end
     local before = ahead + 1 - free
     local wait = before > 0 and before / rate or 0
