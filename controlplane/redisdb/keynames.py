@@ -122,6 +122,10 @@ OVERVIEW_SERIES = f"{BASE}:overview:series"
 #: (``SET NX``) by the first control plane that finds it missing. Missing after it was
 #: seen means Redis came back empty (``controlplane.routing.service``).
 STATE_MARKER = f"{BASE}:state_marker"
+#: ``SET NX`` (with a TTL) by the control plane that writes its copy of the state back
+#: after a loss, one per value of :data:`STATE_MARKER` (its text is appended): the others
+#: that notice the same loss write nothing (controlplane/routing/statecopy.py).
+STATE_RESTORE_CLAIM_PREFIX = f"{BASE}:state_restore:"
 
 #: String with TTL: JSON ``{"instance_id", "pid", "host", "since"}`` of the running
 #: ``infergate up`` that owns this Redis' node registry, refreshed by it every few

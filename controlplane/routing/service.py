@@ -307,7 +307,7 @@ class ControlPlane:
                 migrate_key_names(self.r)
                 self._migrated = True
             lost = self._check_state_marker()
-            restored = self._restore(statecopy.GROUPS) if lost else None
+            restored = self._restore_after_loss() if lost else None
             if not self._seeded or lost or (self.redis_ok is False and not self.r.exists(keynames.NODES)):
                 added = registry.seed_nodes(self.r, self.settings.nodes)
                 if not self._seeded:  # at start: the file's settings the registry overrides
@@ -403,6 +403,23 @@ class ControlPlane:
                   "re-seeding the nodes of the configuration; restore API keys with "
                   "`infergate keys import`.")
         return True
+
+    def _restore_after_loss(self) -> statecopy.Restored | None:
+        """After a loss of the whole state: write the copy back when this control plane
+        may (:meth:`statecopy.StateKeeper.claim`: one restore per loss, from a fresh
+        copy), else log why not. Raises ``redis.RedisError``."""
+        created = None
+        try:
+            created = float(json.loads(self._marker_value or "")["created"])
+        except (ValueError, TypeError, KeyError):
+            pass
+        why = self.keeper.claim(self._marker_value, created)
+        if why is not None:
+            if self.keeper.copy is not None:
+                log.error("REDIS STATE LOST: not writing this control plane's copy back: %s",
+                          why)
+            return None
+        return self._restore(statecopy.GROUPS)
 
     def _restore(self, groups: Iterable[str]) -> statecopy.Restored:
         """Write the copy back for ``groups`` (:meth:`statecopy.StateKeeper.restore`);

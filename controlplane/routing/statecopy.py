@@ -30,7 +30,18 @@ written back (``HSETNX``, ``SADD``: what was written since the loss stays as it 
 created or revoked since is not replaced), each group in one ``MULTI`` (one hash slot),
 the key store's marker set again when the copy had it (the edges then trust Redis'
 answers again). Nothing deleted or revoked before the last read comes back: the copy
-holds the revocation, and no longer holds what was deleted.
+holds the revocation, and no longer holds what was deleted. A node of the copy whose
+server or name (ignoring case) another node has now (the configuration's nodes, seeded
+again by a control plane that had no copy) is not written back, nor its state: one
+server never becomes two nodes.
+
+One restore per loss (``claim``): the control plane that writes its copy back first takes
+``keynames.STATE_RESTORE_CLAIM_PREFIX`` + the new state marker with ``SET NX``; another
+that notices the same loss later (one frozen meanwhile, cut off from Redis, or slower)
+writes nothing, since what it holds may be older than what the operators changed after
+the first restore. A copy read more than :data:`COPY_FRESH_S` before the new state marker
+was created is not written back either (it was taken before a freeze or a partition, and
+the loss may have come long after it).
 
 All methods raise ``redis.RedisError`` when Redis fails.
 """
@@ -46,6 +57,13 @@ import redis
 
 from controlplane.admin import apikeys
 from controlplane.redisdb import keynames
+from controlplane.routing import registry
+
+#: A copy read longer than this before Redis lost its state (the new state marker's
+#: creation) is not written back, seconds.
+COPY_FRESH_S = 10.0
+#: TTL of a restore claim, seconds.
+CLAIM_TTL_S = 3600
 
 #: Seconds after which the API keys are read again even when neither their marker nor
 #: their count changed (a record edited by hand, without the marker).
@@ -97,13 +115,16 @@ class Restored:
     """Of ``apikeys``, the revoked ones (written back revoked)."""
     registry_at: float = 0.0
     apikeys_at: float = 0.0
+    skipped: list[str] = field(default_factory=list)
+    """Nodes of the copy not written back: their server or name is another node's now."""
 
     def any(self) -> bool:
-        return bool(self.nodes or self.states or self.apikeys)
+        return bool(self.nodes or self.states or self.apikeys or self.skipped)
 
     def to_dict(self) -> dict:
-        """``{"nodes", "states", "apikeys", "revoked", "registry_at", "apikeys_at"}``
-        (counts; epoch seconds of the copy's reads, 3 decimals)."""
+        """``{"nodes", "states", "apikeys", "revoked", "registry_at", "apikeys_at",
+        "skipped"}`` (counts; epoch seconds of the copy's reads, 3 decimals; the names of
+        the nodes not written back)."""
         d = asdict(self)
         d["registry_at"] = round(self.registry_at, 3)
         d["apikeys_at"] = round(self.apikeys_at, 3)
@@ -115,7 +136,9 @@ class Restored:
             return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "never"
         return (f"{self.apikeys} API key(s) ({self.revoked} of them revoked) as read at "
                 f"{at(self.apikeys_at)}, {self.nodes} node(s) and {self.states} node state(s) "
-                f"as read at {at(self.registry_at)}")
+                f"as read at {at(self.registry_at)}"
+                + (f"; not written back, their server or name is another node's now: "
+                   f"{', '.join(self.skipped)}" if self.skipped else ""))
 
 
 @dataclass
@@ -181,9 +204,54 @@ class StateKeeper:
         c.apikeys, c.apikey_ids, c.apikeys_marker, c.apikeys_at = keys, ids, marker, now
         self._keys_read_mono = self._clock()
 
+    def claim(self, marker: str | None, created: float | None) -> str | None:
+        """Whether this copy may be written back after the loss that made the state marker
+        ``marker`` (created at ``created``, epoch s, when known): None when it may (the
+        claim for that marker is taken), else why not (no copy, a copy older than
+        :data:`COPY_FRESH_S` before the loss, or another control plane restored first)."""
+        c = self.copy
+        if c is None:
+            return "no copy"
+        read_at = max(c.registry_at, c.apikeys_at)
+        if created is not None and read_at and created - read_at > COPY_FRESH_S:
+            return (f"this control plane's copy was read {created - read_at:.0f} s before "
+                    "the loss (it was frozen or cut off from Redis meanwhile)")
+        key = keynames.STATE_RESTORE_CLAIM_PREFIX + (marker or "")
+        if not self.r.set(key, "1", nx=True, ex=CLAIM_TTL_S):
+            return "another control plane wrote its copy back first"
+        return None
+
+    def _restore_nodes(self, c: StateCopy) -> tuple[int, int, list[str]]:
+        """Nodes of the copy that Redis lacks, each unless its server or name is taken
+        (:func:`registry.put_node_unique`), then the states of the nodes registered;
+        returns (nodes, states written, names skipped)."""
+        from controlplane.config import NodeSettings
+
+        written, skipped = 0, []
+        current = set(self.r.hkeys(keynames.NODES))
+        for name, raw in c.nodes.items():
+            if name in current:
+                continue
+            try:
+                node = NodeSettings.model_validate_json(raw)
+                if registry.put_node_unique(self.r, node, only_new=True):
+                    written += 1
+            except (registry.UrlTaken, registry.NameTaken, ValueError):
+                skipped.append(name)
+        names = set(self.r.hkeys(keynames.NODES))
+        pipe = self.r.pipeline(transaction=True)
+        states = [(n, raw) for n, raw in c.states.items() if n in names]
+        for name, raw in states:
+            pipe.hsetnx(keynames.NODE_STATES, name, raw)
+        if c.seeded:
+            pipe.sadd(keynames.NODES_SEEDED, *c.seeded)
+        res = pipe.execute() if (states or c.seeded) else []
+        return written, sum(1 for x in res[:len(states)] if x), skipped
+
     def restore(self, groups: Iterable[str] = GROUPS) -> Restored:
         """Write back every entry of the copy that Redis lacks, for ``groups``
-        (:data:`GROUPS`); nothing without a copy. Returns the counts written."""
+        (:data:`GROUPS`); nothing without a copy. Returns the counts written (the
+        caller takes the claim first, :meth:`claim`)."""
         out = Restored()
         c = self.copy
         if c is None:
@@ -191,16 +259,7 @@ class StateKeeper:
         groups = set(groups)
         out.registry_at, out.apikeys_at = c.registry_at, c.apikeys_at
         if REGISTRY in groups and (c.nodes or c.states or c.seeded):
-            pipe = self.r.pipeline(transaction=True)
-            for name, raw in c.nodes.items():
-                pipe.hsetnx(keynames.NODES, name, raw)
-            for name, raw in c.states.items():
-                pipe.hsetnx(keynames.NODE_STATES, name, raw)
-            if c.seeded:
-                pipe.sadd(keynames.NODES_SEEDED, *c.seeded)
-            res = pipe.execute()
-            out.nodes = sum(1 for x in res[:len(c.nodes)] if x)
-            out.states = sum(1 for x in res[len(c.nodes):len(c.nodes) + len(c.states)] if x)
+            out.nodes, out.states, out.skipped = self._restore_nodes(c)
         if APIKEYS in groups and (c.apikeys or c.apikeys_marker is not None):
             pipe = self.r.pipeline(transaction=True)
             digests = list(c.apikeys)

@@ -153,6 +153,57 @@ def test_a_second_control_plane_notices_the_loss_and_adds_nothing_twice(
     assert len(_events(r, "state_restored")) == 1
 
 
+def test_a_control_plane_that_notices_the_loss_late_writes_nothing_back(redis_server,
+                                                                         cps) -> None:
+    """One restore per loss: after the first control plane wrote its copy back, the
+    operators remove a node and add another under a removed name; a second control plane
+    that notices the same loss only now (it was frozen) writes none of its older copy."""
+    conf = [_node("a")]
+    first = cps(cp_settings(conf), make_client(redis_server.url, 0.5))
+    late = cps(cp_settings(conf), make_client(redis_server.url, 0.5))
+    r = redis_server.client()
+    extra = _node("extra")
+    registry.put_node(r, extra)
+    registry.set_state(r, "a", "draining", actor="test")
+    first.run_cycle()
+    late.run_cycle()
+    r.flushall()
+    first.run_cycle()                                   # the restore
+    assert {n.name for n in registry.list_nodes(r)} == {"a", "extra"}
+    registry.remove_node(r, "extra")                    # the operators move on
+    registry.remove_node(r, "a")
+    registry.put_node(r, _node("a"))
+    late.run_cycle()
+    assert {n.name for n in registry.list_nodes(r)} == {"a"}, "the removed node came back"
+    assert "a" not in registry.get_states(r), "the re-added node was drained again"
+    assert late.state_losses == 1 and late.state_restores == 0
+    assert len(_events(r, "state_restored")) == 1
+
+
+def test_a_copy_never_makes_one_server_two_nodes(redis_server, workdir, cps, caplog) -> None:
+    """A control plane restarted while Redis was down has no copy and seeds the
+    configuration's nodes when Redis comes back empty; the copy of another, which had
+    the configured node removed and its server added under a new name, does not add
+    that second name for the same server."""
+    caplog.set_level(logging.INFO, logger="infergate.controlplane")
+    n1, n2 = _node("n1"), _node("n2")
+    holder = cps(cp_settings([n1, n2]), make_client(redis_server.url, 0.5))
+    r = redis_server.client()
+    holder.run_cycle()
+    registry.remove_node(r, "n1")
+    registry.put_node(r, NodeSettings(name="n1b", url=n1.url))
+    holder.run_cycle()
+    redis_server.stop()
+    redis_server.start_again(workdir / "redis")
+    fresh = cps(cp_settings([n1, n2]), make_client(redis_server.url, 0.5))
+    fresh.run_cycle()                                   # no copy: seeds n1 and n2
+    holder.run_cycle()
+    urls = [n.url for n in registry.list_nodes(r)]
+    assert len(urls) == len(set(urls)), registry.list_nodes(r)
+    assert holder.state_restores == 1
+    assert "their server or name is another node's now: n1b" in caplog.text
+
+
 def test_a_control_plane_without_a_copy_restores_nothing(redis_server, cps) -> None:
     """A control plane started on an empty Redis has seen nothing: no loss, nothing
     written back (the configured nodes are seeded)."""
