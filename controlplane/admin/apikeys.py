@@ -206,6 +206,23 @@ def store_status(r: redis.Redis, now: float | None = None,
     return {"store_missing": store_missing(r), "edges_keeping": keeping}
 
 
+def loss_pending(r: redis.Redis | redis.client.Pipeline) -> bool:
+    """True while the key store was lost and not restored: its marker is missing and an
+    edge says it keeps honouring the keys it knew (:func:`store_status`). A key created,
+    edited or revoked meanwhile does not set the marker again (:func:`mark_changed`), so
+    the edges go on merging what Redis holds into the records they keep instead of
+    refusing every key not restored; ``keys import`` (or a control plane's copy) sets
+    it. Raises ``redis.RedisError``."""
+    return store_missing(r) and bool(store_status(r)["edges_keeping"])
+
+
+def mark_changed(r: redis.Redis | redis.client.Pipeline, pending: bool) -> None:
+    """:func:`mark_written` after a key write, unless a loss is pending (``pending``:
+    :func:`loss_pending` as read before the write)."""
+    if not pending:
+        mark_written(r)
+
+
 def create_key(r: redis.Redis, tenant: str, *, rpm: object = None, tpm: object = None,
                label: str | None = None, now: float | None = None, weight: object = None,
                priority: object = None) -> tuple[str, ApiKey]:
@@ -225,8 +242,9 @@ def create_key(r: redis.Redis, tenant: str, *, rpm: object = None, tpm: object =
             break
     else:  # pragma: no cover - 20 collisions in 2^32 ids
         raise ApiKeyError("could not allocate a key id")
+    pending = loss_pending(r)
     r.hset(keynames.APIKEYS, digest, json.dumps(rec.to_dict(), sort_keys=True))
-    mark_written(r)
+    mark_changed(r, pending)
     return plaintext, rec
 
 
@@ -272,9 +290,10 @@ def _update(r: redis.Redis, key_id: str, change: Callable[[ApiKey], bool]) -> Ap
                 if not change(rec):
                     pipe.unwatch()
                     return rec
+                pending = loss_pending(pipe)
                 pipe.multi()
                 pipe.hset(keynames.APIKEYS, digest, json.dumps(rec.to_dict(), sort_keys=True))
-                mark_written(pipe)
+                mark_changed(pipe, pending)
                 pipe.execute()
                 return rec
             except redis.WatchError:

@@ -100,6 +100,10 @@ def create_cmd(c: Ctx, tenant: str, rpm: int | None, tpm: int | None, label: str
     click.echo(plaintext)
     click.echo("Store it now: it is not shown again. Clients send it as "
                "'Authorization: Bearer <key>'.", err=True)
+    if _run(c, lambda: apikeys.loss_pending(c.r)):
+        click.echo("warning: the key store was lost (Redis came back without it) and is not "
+                   "restored: the edges keep honouring the keys they knew and this one; "
+                   "restore the others with `infergate keys import`.", err=True)
 
 
 @keys_cmd.command("list")

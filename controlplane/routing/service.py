@@ -441,7 +441,8 @@ class ControlPlane:
         from controlplane.admin import apikeys
 
         st = apikeys.store_status(self.r, edges=edges)
-        if st["store_missing"] and self.r.exists(keynames.APIKEYS):
+        if (st["store_missing"] and self.r.exists(keynames.APIKEYS) and self.state_losses == 0
+                and not st["edges_keeping"]):
             apikeys.mark_written(self.r)  # keys written before the marker existed
             st["store_missing"] = False
         missing = st["store_missing"] and (self.state_losses > 0 or bool(st["edges_keeping"]))

@@ -352,6 +352,15 @@ def test_redis_back_empty_without_a_copy_the_edges_keep_the_keys(
     listing = requests.get(cp.admin_url + "/api/v1/keys", headers=admin, timeout=5).json()
     assert listing["store_missing"] is True and listing["edges_keeping"] == [edge.status()["edge_id"]]
 
+    # a key created before the import: it works, and the keys the edge kept still do
+    # (the store stays "missing" until the import; the control plane does not mark it)
+    new_key, _ = apikeys.create_key(r, "late")
+    procs.wait_until(lambda: ask(new_key) == 200, 10, what="the key created after the loss")
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        assert ask(key) == 200 and ask(revoked) == 401
+    assert apikeys.store_missing(r)
+
     # restored by hand: Redis decides again
     backup_doc = {"format": apikeys.EXPORT_FORMAT, "version": apikeys.EXPORT_VERSION,
                   "exported": time.time(),
