@@ -164,6 +164,18 @@ def test_a_request_whose_deadline_cannot_be_met_gets_429_at_once(
         assert res.json()["error"]["code"] == "nodes_saturated"
         assert res.headers["Retry-After"] == "2"
         assert up.hits == 2
+        # a stream need only start within its deadline (its chunks then have the idle
+        # timeout): the 1.5 s wait for the slot fits, so it waits instead of a 429
+        got: list[requests.Response] = []
+        t = threading.Thread(target=lambda: got.append(requests.post(
+            f"{edge.url}/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30)))
+        t.start()
+        procs.wait_until(lambda: _waiting(edge) == 1 or got, 5, what="the stream to wait")
+        assert not got, got[0].text
+        up.gate.set()                                   # the held stream ends, its slot frees
+        t.join(10)
+        assert got and got[0].status_code == 200, got[0].text
+        assert FINISHED.search(got[0].text)
     finally:
         up.gate.set()
         held.close()

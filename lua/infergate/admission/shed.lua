@@ -75,8 +75,7 @@ local RETRY_AFTER_MAX_S = 30
 _M.RETRY_AFTER_MAX_S = RETRY_AFTER_MAX_S
 
 local ipairs, pairs = ipairs, pairs
-local tostring = tostring
-local tonumber = tonumber
+local tostring, tonumber = tostring, tonumber
 
 local open_to = slots.open_to
 
@@ -251,9 +250,9 @@ local function pause(give_up, now, poll_s)
 end
 
 -- Whether a request waiting for a slot since `start` gives up now: past give_up, or its
--- deadline (`left` s at start) cannot be met by the predicted completion, which never
--- counts while a slot is free (`free`). Returns true/false and the predicted wait (s, or
--- nil).
+-- deadline (`left` s at start) cannot be met by the predicted completion (a stream's:
+-- its slot, as no try starts past the deadline but a started one runs on), which never
+-- counts while a slot is free (`free`). Returns true/false and the predicted wait (s).
 local function slot_hopeless(req, t, now, start, left, give_up, ahead, free)
     local done, wait = slots.predict(t, now, req, ahead, free)
     if now >= give_up then
@@ -262,6 +261,7 @@ local function slot_hopeless(req, t, now, start, left, give_up, ahead, free)
     if free > 0 then
         return false, wait
     end
+    done = req.stream and wait or done   -- a stream need only start in time
     return (left and done and (now - start) + done > left) or false, wait
 end
 
