@@ -191,6 +191,11 @@ class CacheSettings(_Section):
     for its answer (per edge, shared by the nginx workers)."""
     coalesce_wait_s: float = Field(default=10.0, ge=0.0, le=600.0)
     """Longest wait for the first request's answer; then a waiter goes to a node itself."""
+    coalesce_stream_wait_s: float = Field(default=1.0, ge=0.0, le=600.0)
+    """Longest wait of a streamed request for an identical one's answer, seconds: its
+    client sees nothing while it waits, so an answer longer than this costs its first
+    token that long, and then it goes to a node itself (plain nginx: no wait). 0 =
+    streams never wait."""
     coalesce_poll_ms: int = Field(default=50, ge=5, le=5000)
     """How often a waiting request looks for the answer in Redis, milliseconds."""
     embedder_token: str = Field(default="", pattern=r"^([A-Za-z0-9._~+/=-]{16,256})?$")

@@ -174,11 +174,13 @@ def test_a_generation_longer_than_the_coalescing_wait_is_still_one_node_request(
     """A waiter not streamed waits for the leader up to its own deadline, not
     coalesce_wait_s: an answer that takes longer than coalesce_wait_s is one node
     request, served to the waiter as a HIT (before, the waiter went to the node after
-    coalesce_wait_s and generated it again). A streamed waiter still goes on after
-    coalesce_wait_s (its client sees nothing while it waits)."""
+    coalesce_wait_s and generated it again). A streamed waiter goes on after
+    coalesce_stream_wait_s (its client sees nothing while it waits), its first byte
+    long before the leader's answer ends."""
     (up,) = tiny_upstreams(1)
     up.delay_s = 2.5
-    edge = cache_edge(redis_server, [up], edge_factory, {"coalesce_wait_s": 1.0})
+    edge = cache_edge(redis_server, [up], edge_factory, {"coalesce_wait_s": 1.0,
+                                                         "coalesce_stream_wait_s": 0.3})
     with ThreadPoolExecutor(2) as pool:
         lead = pool.submit(chat, edge, "coalesce a long one")
         procs.wait_until(lambda: up.inflight == 1, 10, what="the leader at the node")
@@ -194,12 +196,14 @@ def test_a_generation_longer_than_the_coalescing_wait_is_still_one_node_request(
     def stream() -> requests.Response:
         return requests.post(edge.url + CHAT, json=body, timeout=30)
 
+    up.delay_s = 0.8     # under coalesce_wait_s: a waiter not streamed would get the HIT
     with ThreadPoolExecutor(2) as pool:
         lead = pool.submit(stream)
         procs.wait_until(lambda: up.inflight == 1, 10, what="the streamed leader at the node")
         wait = pool.submit(stream)
-        procs.wait_until(lambda: up.hits == 3, 10, what="the streamed waiter at the node")
-        assert lead.result(30).status_code == 200 and wait.result(30).status_code == 200
+        first, second = lead.result(30), wait.result(30)
+    assert first.status_code == 200 and second.status_code == 200
+    assert second.headers["X-Cache-Status"] == "MISS" and up.hits == 3
 
 
 def test_a_worker_that_exits_still_writes_what_its_last_requests_store(

@@ -6,9 +6,10 @@
 -- coalesce_wait_s, at most LOCK_MAX_S), so a generation longer than coalesce_wait_s is
 -- still one node request. A waiter that is not streamed waits for it up to its own
 -- deadline (the leader started first: its answer is the soonest this request can have),
--- at least coalesce_wait_s; a streamed waiter, whose client sees nothing while it waits,
--- waits coalesce_wait_s at most. Either goes on to a node at once when the leader ends
--- without an answer to store (the NOSTORE mark).
+-- at least coalesce_wait_s; a streamed waiter, whose client sees nothing while it waits
+-- (its first token comes that much later), waits coalesce_stream_wait_s at most, and not
+-- at all at 0. Either goes on to a node at once when the leader ends without an answer
+-- to store (the NOSTORE mark).
 local ngx_now = require("infergate.core.ngxapi").now
 local shared = require("infergate.cache.shared")
 local entries = require("infergate.cache.entry")
@@ -31,12 +32,13 @@ end
 -- Seconds request `req` may wait for, or hold, an identical request's answer (see the
 -- top of this file).
 local function bound_s(req, leader)
+    if req.stream and not leader then
+        return opts.coalesce_stream_wait_s or opts.coalesce_wait_s
+    end
     local wait = opts.coalesce_wait_s
-    if leader or not req.stream then
-        local left = deadline.remaining(req)
-        if left and left > wait then
-            wait = left < _M.LOCK_MAX_S and left or _M.LOCK_MAX_S
-        end
+    local left = deadline.remaining(req)
+    if left and left > wait then
+        wait = left < _M.LOCK_MAX_S and left or _M.LOCK_MAX_S
     end
     return wait
 end
@@ -78,7 +80,7 @@ function _M.run(req, c, k)
     local ok = dict and dict:add(lock, owner, bound_s(req, true))
     if ok then
         c.lock, c.owner = lock, owner
-    elseif dict and dict:get(lock) ~= shared.NOSTORE then
+    elseif dict and dict:get(lock) ~= shared.NOSTORE and bound_s(req, false) > 0 then
         return wait_for_leader(req, c, lock)
     end
     return nil
