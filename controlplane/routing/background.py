@@ -38,6 +38,16 @@ class BackgroundReader:
             for name in set(self._entries) - names:
                 del self._entries[name]
 
+    def refresh(self, name: str) -> None:
+        """Read node ``name`` again at the next look instead of after ``refresh_s``: it
+        came back from being down, and a restarted server may have other slots or
+        models (llama-server restarted with another ``--parallel``). A read under way
+        is left to finish."""
+        with self._lock:
+            e = self._entries.get(name)
+            if e is not None:
+                e.due = 0.0
+
     def wait_idle(self, timeout_s: float = 5.0) -> None:
         """Wait until no read is running (tests)."""
         end = self._clock() + timeout_s

@@ -554,6 +554,9 @@ class ControlPlane:
                     report.health_changes.append((n.name, status.healthy))
                     if status.healthy:  # back from unhealthy: slow start
                         self.ramps[n.name] = now
+                        # a restarted server may have other slots or models
+                        self.props.refresh(n.name)
+                        self.models.refresh(n.name)
             if redis_ok:  # breaker openings/closings the edges reported since the last cycle
                 self.breakers, changes = breaker_changes(self.breakers, fresh_edge_reports(
                     self.edges, now, edge_fresh_s(self.settings.edge.stale_after_s)))

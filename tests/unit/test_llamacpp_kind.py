@@ -133,6 +133,28 @@ def test_a_server_that_stops_answering_keeps_its_slots():
         p.close()
 
 
+def test_a_server_back_from_down_is_read_again_at_once():
+    """refresh(): the control plane calls it when a node turns healthy again (a restart
+    may change --parallel); the slots then follow at the next look, not after
+    models_refresh_s."""
+    llama = NodeSettings(name="l", url="http://127.0.0.1:1")
+    answers = {llama.url + "/props": (Props(2, True), "llama.cpp", False)}
+    p = observed(answers, [llama])
+    try:
+        answers[llama.url + "/props"] = (Props(3, True), "llama.cpp", False)
+        p.observe(llama)
+        p.wait_idle()
+        assert p.slots([llama]) == {"l": 2}            # not due for 60 s
+        p.refresh("l")
+        p.refresh("not-seen")                          # nothing known: nothing to do
+        p.observe(llama)
+        p.wait_idle()
+        p.observe(llama)
+        assert p.slots([llama]) == {"l": 3}
+    finally:
+        p.close()
+
+
 def test_hints():
     nometrics = NodeSettings(name="a", url="http://127.0.0.1:1")
     unknown = NodeSettings(name="b", url="http://127.0.0.1:2")
