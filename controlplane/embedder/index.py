@@ -5,8 +5,10 @@ Storage (both backends): one Redis hash per entry at
 with fields ``namespace`` (hex), ``key`` (hex), ``text`` (the last user message, at most
 4000 characters), ``model``, ``tenant``, ``vec`` (``dim`` float32, little endian, L2-normalised)
 and a TTL equal to the entry's remaining TTL: the job's ``ttl_s``, lowered to the entry's
-own ``PTTL`` when the entry already exists, applied with ``PEXPIRE ... LT`` so a re-index
-never extends it. Model slug and dimension are part of the key, so two models never mix.
+own ``PTTL`` when the entry exists, and then set as it is (an entry stored again with a
+new TTL takes its vector along: a paraphrase hits as long as the entry lives); when the
+entry is not there, applied with ``PEXPIRE ... LT``, so a late job never extends a
+vector. Model slug and dimension are part of the key, so two models never mix.
 
 Search backends:
 
@@ -114,12 +116,16 @@ def _s(v: bytes | str | None) -> str:
     return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
 
 
-#: KEYS[1] = a vector hash, ARGV[1] = TTL (ms), ARGV[2..] = field, value pairs. Writes the
-#: fields and lowers the TTL to ARGV[1] (PEXPIRE LT: a key without TTL gets it); returns
-#: the TTL in force (ms).
+#: KEYS[1] = a vector hash, ARGV[1] = TTL (ms), ARGV[2] = "LT" (only lower the TTL; a key
+#: without TTL gets it) or "" (set it), ARGV[3..] = field, value pairs. Writes the fields
+#: and the TTL; returns the TTL in force (ms).
 VEC_WRITE_LUA = """
-redis.call('HSET', KEYS[1], unpack(ARGV, 2))
-redis.call('PEXPIRE', KEYS[1], ARGV[1], 'LT')
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+if ARGV[2] == 'LT' then
+  redis.call('PEXPIRE', KEYS[1], ARGV[1], 'LT')
+else
+  redis.call('PEXPIRE', KEYS[1], ARGV[1])
+end
 return redis.call('PTTL', KEYS[1])
 """
 
@@ -137,10 +143,11 @@ class VectorStore:
         return keynames.cache_vec(self.model_slug, self.dim, exact_key)
 
     def write(self, items: list[IndexItem], vecs: np.ndarray) -> list[int]:
-        """HSET + PEXPIRE LT each item; PUBLISH its hash key. Returns the TTLs in force (ms).
+        """HSET + PEXPIRE each item; PUBLISH its hash key. Returns the TTLs in force (ms).
 
-        The TTL is ``min(ttl_s, PTTL(entry))`` when the entry exists with a TTL; an item whose
-        entry existed with no time left is skipped (0)."""
+        The TTL is ``min(ttl_s, PTTL(entry))`` when the entry exists with a TTL (set as it
+        is: it follows an entry stored again); without the entry it only lowers the TTL
+        (``LT``); an item whose entry existed with no time left is skipped (0)."""
         if not items:
             return []
         pipe = self.r.pipeline(transaction=False)
@@ -157,7 +164,8 @@ class VectorStore:
         pos = 0
         for n, (it, vec, ettl) in enumerate(zip(items, vecs, entry_ttls)):
             ttl_ms = it.ttl_s * 1000
-            if isinstance(ettl, int) and ettl > 0:
+            follow = isinstance(ettl, int) and ettl > 0
+            if follow:
                 ttl_ms = min(ttl_ms, ettl)
             elif ettl == 0:
                 ttl_ms = 0
@@ -171,13 +179,14 @@ class VectorStore:
             if cluster:
                 # (EVAL by name: redis-py's cluster pipeline has no .eval)
                 pipe.execute_command("EVAL", VEC_WRITE_LUA, 1, hk, ttl_ms,
+                                     "" if follow else "LT",
                                      *(x for kv in fields.items() for x in kv))
                 at.append((n, pos))
                 pos += 1
             else:
                 pipe.hset(hk, mapping=fields)
-                pipe.pexpire(hk, ttl_ms, lt=True)
-                pipe.pttl(hk)  # what is in force now (an earlier, shorter TTL is kept)
+                pipe.pexpire(hk, ttl_ms, lt=not follow)
+                pipe.pttl(hk)  # what is in force now
                 at.append((n, pos + 2))
                 pos += 3
             if cluster:

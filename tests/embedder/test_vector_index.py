@@ -125,16 +125,20 @@ def test_top_k_bounds_answers(index) -> None:
     assert [x.key for x in res] == [hx("k0"), hx("k1"), hx("k2")]
 
 
-def test_ttl_follows_entry_and_is_never_extended(index, r) -> None:
+def test_ttl_follows_the_entry_and_a_late_job_never_extends_it(index, r) -> None:
     ns, k = hx("ttl"), hx("ttl-key")
     r.set(keynames.cache_entry(k), "{}", ex=30)
     applied = add(index, k, ns, unit(0, 1), ttl=300)
     assert 25_000 < applied <= 30_000  # capped by the entry's own remaining TTL
     hk = index.store.hash_key(k)
     assert 0 < r.pttl(hk) <= 30_000
+    r.set(keynames.cache_entry(k), "{}", ex=300)   # the entry stored again: 300 s more
+    applied = add(index, k, ns, unit(0, 1), ttl=300)
+    assert 250_000 < applied <= 300_000 and 250_000 < r.pttl(hk) <= 300_000
+    r.set(keynames.cache_entry(k), "{}", ex=30)
     r.delete(keynames.cache_entry(k))
-    add(index, k, ns, unit(0, 1), ttl=3000)  # a re-index must not extend it
-    assert 0 < r.pttl(hk) <= 30_000
+    add(index, k, ns, unit(0, 1), ttl=3000)  # a late job for a gone entry never extends it
+    assert 0 < r.pttl(hk) <= 300_000
 
 
 def test_expired_vectors_are_not_returned(index) -> None:
