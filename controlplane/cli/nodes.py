@@ -15,7 +15,8 @@ import click
 import redis
 
 from controlplane.redisdb import keynames
-from controlplane.routing import registry
+from controlplane.config import Settings
+from controlplane.routing import ownaddrs, registry
 from controlplane.routing.nodekind import hint_of
 from controlplane.cli.common import ConnectedGroup, Ctx, actor, run_or_exit, table
 from controlplane.admin import ops
@@ -117,6 +118,17 @@ def _given(**kw: Any) -> dict:
     return {k: v for k, v in kw.items() if v is not None}
 
 
+def url_settings(c: Ctx) -> Settings | None:
+    """The settings a node URL is checked against (:func:`ops.node_url_refusal`): the
+    configuration file's; without ``--config``, the defaults only while no running stack
+    publishes its addresses (:func:`ownaddrs.published`, always checked): the defaults'
+    ports (8080, 8081, ...) are not that stack's, and may be a node's (llama-server's
+    default is 8080)."""
+    if c.config is not None:
+        return c.settings
+    return None if run(c, lambda: ownaddrs.published(c.r)) else c.settings
+
+
 @nodes_cmd.command("add")
 @click.argument("name")
 @click.argument("url")
@@ -124,8 +136,9 @@ def _given(**kw: Any) -> dict:
 @click.pass_obj
 def add_cmd(c: Ctx, name: str, url: str, **opts: Any) -> None:
     """Register node NAME at URL (server root, e.g. http://10.0.0.5:8000)."""
+    check = url_settings(c)
     node = run(c, lambda: ops.add_node(c.r, {"name": name, "url": url, **_given(**opts)},
-                                       actor(), c.events_max, settings=c.settings))
+                                       actor(), c.events_max, settings=check))
     click.echo(f"added {node.name} ({node.kind}, {node.url}, weight {node.weight:g})")
     warn_if_unpublished(c)
 
@@ -142,8 +155,9 @@ def edit_cmd(c: Ctx, name: str, **opts: Any) -> None:
     if not changes:
         raise click.UsageError("nothing to change: give --url, --kind, --weight, "
                                "--max-concurrency, --metrics-path, --health-path or --model")
+    check = url_settings(c)
     res = run(c, lambda: ops.change_node(c.r, name, changes, actor(), c.events_max,
-                                         settings=c.settings))
+                                         settings=check))
     if not res.diff:
         click.echo(f"{name}: nothing changed (it has these values already)")
         return

@@ -308,6 +308,11 @@ def test_the_running_stacks_published_addresses_are_refused_whatever_the_config(
         res = runner.invoke(main, ["nodes", "--redis-url", url, "add", name, target])
         assert res.exit_code == 1 and what in res.output, res.output
         assert registry.get_node(r, name) is None
+    # the defaults' ports are not that stack's: a node there is taken (llama-server's 8080)
+    res = runner.invoke(main, ["nodes", "--redis-url", url, "add", "llama", "http://127.0.0.1:8080"])
+    assert res.exit_code == 0, res.output
+    assert registry.get_node(r, "llama") is not None
+    registry.remove_node(r, "llama")
     c = make_app(r).test_client()
     h = {"Authorization": f"Bearer {TOKEN}"}
     resp = c.post("/api/v1/nodes", headers=h, json={"name": "loop", "url": "http://127.0.0.1:18480"})
