@@ -19,7 +19,7 @@
 -- else nil. Guard rails: the caller uses it only to yield (a faster rate than its own,
 -- by at most infergate.admission.slots.FREE_YIELD_MAX), never to shed more.
 --
--- Shared dict infergate_stats, "fr:<pool>": packed doubles {time of the last end (s),
+-- Shared dict infergate_stats, "qfr:<pool>": packed doubles {time of the last end (s),
 -- EWMA gap (s) or -1, gaps counted}. Two workers ending at once may count one end:
 -- an average loses nothing by it. No I/O.
 local config = require("infergate.core.config")
@@ -46,7 +46,7 @@ local function dict()
 end
 
 local function load(pool)
-    local raw = dict():get("fr:" .. pool)
+    local raw = dict():get("qfr:" .. pool)
     if type(raw) ~= "string" or #raw ~= BYTES then
         return nil
     end
@@ -63,7 +63,7 @@ function _M.ended(pool, now, waiting)
     end
     if not waiting then
         if rec then
-            dict():delete("fr:" .. pool)   -- no queue: the next gap starts afresh
+            dict():delete("qfr:" .. pool)   -- no queue: the next gap starts afresh
         end
         return
     end
@@ -81,7 +81,7 @@ function _M.ended(pool, now, waiting)
         end
     end
     buf[0], buf[1], buf[2] = now, gap, n
-    dict():set("fr:" .. pool, ffi.string(buf, BYTES), _M.IDLE_S * 4)
+    dict():set("qfr:" .. pool, ffi.string(buf, BYTES), _M.IDLE_S * 4)
 end
 
 -- Slots of `pool` freed per second while requests waited (see the top of this file),
