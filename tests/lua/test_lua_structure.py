@@ -8,6 +8,8 @@ compiler parses, nothing runs; Debian package lua5.1, installed by .ci/install):
   keeps the two modules tangled);
 - lua/infergate/core/ is the bottom layer: none of its modules requires, at module level
   or inside a function, anything from admission/, cache/, routing/ or redis/.
+- a shared-dict key prefix ("<prefix>:" .. x) belongs to one module, but for the
+  deliberate ones listed in SHARED_PREFIXES (read from the sources).
 
 The Python checks and the file-length check are in tests/unit/test_structure.py; the
 checkers are in tests/support/structure.py. The tests at the end run luac on a tiny tree
@@ -103,6 +105,39 @@ def _tree(root: Path, files: dict[str, str]) -> list[st.LuaFunction]:
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(text)
     return st.lua_listing(st.lua_files(root / "lua"), root)
+
+
+#: Shared-dict key prefixes ("<prefix>:" .. name) that more than one module writes or
+#: reads, each on purpose: the modules read one another's keys, or the keys cannot meet.
+SHARED_PREFIXES = {
+    # a node's last byte and first byte: stall detection writes, the others read
+    "fb": {"routing/liveness.lua", "routing/outlier.lua", "routing/stall.lua"},
+    "lb": {"routing/liveness.lua", "routing/outlier.lua", "routing/stall.lua"},
+    # learned tail "tq:<node>" and the outlier rule's "tq:s:<node>" / "tq:n:<node>"
+    # (node names have no ':')
+    "tq": {"routing/learned.lua", "routing/outlier.lua"},
+    # two dicts: infergate_auth_fail and infergate_limits
+    "b": {"admission/auththrottle.lua", "admission/localbuckets.lua"},
+    # a node's failure rate "fr:<node>" and a fair-queue flow "fr:<pool>\1<flow>"
+    "fr": {"admission/fairqueue.lua", "routing/stats.lua"},
+}
+
+
+def test_shared_dict_key_prefixes_are_each_one_modules() -> None:
+    """A module that takes a key prefix another module already uses for its own keys
+    shares them by accident (a model named like a node read the node's failure rate):
+    every "<prefix>:" .. x key of lua/infergate belongs to one module, except the
+    deliberate ones of SHARED_PREFIXES."""
+    import re
+
+    users: dict[str, set[str]] = {}
+    for f in st.lua_files():
+        rel = str(f.relative_to(st.ROOT / "lua" / "infergate"))
+        for m in re.finditer(r'"([a-z]{1,8}):"\s*\.\.', f.read_text()):
+            users.setdefault(m.group(1), set()).add(rel)
+    assert len(users) > 30                      # the keys were found
+    shared = {k: v for k, v in users.items() if len(v) > 1}
+    assert shared == SHARED_PREFIXES, shared
 
 
 def test_checkers_pass_a_good_tree(tmp_path: Path) -> None:
