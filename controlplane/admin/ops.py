@@ -326,6 +326,23 @@ def drain_warning(r: redis.Redis, name: str) -> str:
             "a node serving it is undrained or added")
 
 
+def _set_state(r: redis.Redis, name: str, state: registry.State, keep: tuple[str, ...], kind: str,
+               actor: str, events_max: int) -> StateChange:
+    """Node ``name`` to ``state`` (with a new ``since``) unless its state is one of
+    ``keep``, in one transaction (:func:`registry.change_state`); writes the event
+    ``kind`` (``{"from": state}``) when it changed. Raises :class:`NotFound` (a node
+    removed meanwhile included)."""
+    res = registry.change_state(r, name, lambda st: None if st.state in keep
+                                else NodeState(state, time.time(), actor))
+    if res is None:
+        raise _no_node(name)
+    before, st = res
+    changed = before != st
+    if changed:
+        registry.add_event(r, kind, name, actor, {"from": before.state}, maxlen=events_max)
+    return _state_change(name, st, changed)
+
+
 def drain(r: redis.Redis, name: str, actor: str, events_max: int = 10000) -> StateChange:
     """Set the node ``draining`` (the leader turns it ``drained`` later, see
     docs/internals.md "Drain and slow start"). Idempotent: a node already draining or
@@ -333,15 +350,7 @@ def drain(r: redis.Redis, name: str, actor: str, events_max: int = 10000) -> Sta
     (:func:`registry.change_state`): a node removed meanwhile is 404, never given a state
     back. Never refused for leaving a model without an active node (maintenance), but
     ``warning`` says so (:func:`drain_warning`). Raises :class:`NotFound`."""
-    res = registry.change_state(r, name, lambda st: None if st.state in ("draining", "drained")
-                                else NodeState("draining", time.time(), actor))
-    if res is None:
-        raise _no_node(name)
-    before, st = res
-    changed = before != st
-    if changed:
-        registry.add_event(r, "drain", name, actor, {"from": before.state}, maxlen=events_max)
-    out = _state_change(name, st, changed)
+    out = _set_state(r, name, "draining", ("draining", "drained"), "drain", actor, events_max)
     out.warning = drain_warning(r, name)
     return out
 
@@ -350,16 +359,7 @@ def undrain(r: redis.Redis, name: str, actor: str, events_max: int = 10000) -> S
     """Set the node ``active`` with a new ``since`` (slow start runs from it).
     Idempotent: an active node keeps its ``since``. One transaction, as :func:`drain`.
     Raises :class:`NotFound`."""
-    res = registry.change_state(r, name, lambda st: None if st.state == "active"
-                                else NodeState("active", time.time(), actor))
-    if res is None:
-        raise _no_node(name)
-    before, st = res
-    changed = before != st
-    if changed:
-        registry.add_event(r, "undrain", name, actor, {"from": before.state},
-                           maxlen=events_max)
-    return _state_change(name, st, changed)
+    return _set_state(r, name, "active", ("active",), "undrain", actor, events_max)
 
 
 def node_json(node: NodeSettings) -> dict:

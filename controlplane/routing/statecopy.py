@@ -56,6 +56,7 @@ from dataclasses import asdict, dataclass, field
 import redis
 
 from controlplane.admin import apikeys
+from controlplane.config import NodeSettings
 from controlplane.redisdb import keynames
 from controlplane.routing import registry
 
@@ -225,8 +226,6 @@ class StateKeeper:
         """Nodes of the copy that Redis lacks, each unless its server or name is taken
         (:func:`registry.put_node_unique`), then the states of the nodes registered;
         returns (nodes, states written, names skipped)."""
-        from controlplane.config import NodeSettings
-
         written, skipped = 0, []
         current = set(self.r.hkeys(keynames.NODES))
         for name, raw in c.nodes.items():
