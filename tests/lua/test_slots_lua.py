@@ -267,6 +267,7 @@ def test_admission_predicts_the_requests_own_time_at_the_tail(workdir: Path) -> 
             for i = 1, 300 do learned.observe("a", (i % 5 == 0) and 4.0 or 1.0, 100, now) end
             out.tail = shed.best_prediction(t, now, nil, {})
             out.short = shed.best_prediction(t, now, nil, {body = {max_tokens = 20}})
+            out.stream_done, out.stream_wait = shed.best_prediction(t, now, nil, {stream = true})
             out.pt = learned.info("a").pt
             -- the queue's prediction: one slot, one ahead
             local one = tbl({node("a", {slots = 1, score = nil})})
@@ -278,6 +279,8 @@ def test_admission_predicts_the_requests_own_time_at_the_tail(workdir: Path) -> 
     assert got["prior"] == pytest.approx(2.0)
     assert 3.0 < got["tail"] < 4.5                           # a fifth of the answers take 4 s
     assert got["short"] == pytest.approx(got["pt"] * 20)
+    # a stream need only start in time: its own answer time does not count
+    assert got["stream_done"] == pytest.approx(got["stream_wait"])
     assert got["wait"] == pytest.approx(2.0)                 # the one in flight, then one ahead
     assert got["done"] == pytest.approx(2.0 + got["tail"])
 

@@ -74,8 +74,7 @@ local _M = {}
 local RETRY_AFTER_MAX_S = 30
 _M.RETRY_AFTER_MAX_S = RETRY_AFTER_MAX_S
 
-local ipairs, pairs = ipairs, pairs
-local tostring, tonumber = tostring, tonumber
+local ipairs, pairs, tostring, tonumber = ipairs, pairs, tostring, tonumber
 
 local open_to = slots.open_to
 
@@ -103,7 +102,8 @@ end
 
 -- Best predicted (completion, wait) in s over the eligible nodes of `model`, or nil.
 -- req (optional): the request's own time is then the node's high quantile
--- (infergate.routing.learned.tail_s, capped by its max_tokens), not its mean.
+-- (infergate.routing.learned.tail_s, capped by its max_tokens), not its mean; 0 for a
+-- stream, which need only start in time (then idle timeouts: admission.deadline).
 function _M.best_prediction(t, now, model, req)
     local fresh = snapshot.is_fresh(t, now)
     local best, best_wait
@@ -113,7 +113,7 @@ function _M.best_prediction(t, now, model, req)
         if not (fresh and node.saturated) and open_to(node, model, now) then
             local done, wait = speed.predicted(node, (fresh and node.score) and true or false)
             if done and req then
-                done = wait + learned.tail_s(node.name, done - wait, req, now)
+                done = wait + (req.stream and 0 or learned.tail_s(node.name, done - wait, req, now))
             end
             if done and (not best or done < best) then
                 best, best_wait = done, wait
