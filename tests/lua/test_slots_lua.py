@@ -273,6 +273,7 @@ def test_admission_predicts_the_requests_own_time_at_the_tail(workdir: Path) -> 
             local one = tbl({node("a", {slots = 1, score = nil})})
             busy("a", 1)
             out.done, out.wait = slots.predict(one, now, {}, 1)
+            out.sdone, out.swait = slots.predict(one, now, {stream = true}, 1)
             return out
     """)
     assert got["mean"] == pytest.approx(1.0)
@@ -283,6 +284,7 @@ def test_admission_predicts_the_requests_own_time_at_the_tail(workdir: Path) -> 
     assert got["stream_done"] == pytest.approx(got["stream_wait"])
     assert got["wait"] == pytest.approx(2.0)                 # the one in flight, then one ahead
     assert got["done"] == pytest.approx(2.0 + got["tail"])
+    assert got["sdone"] == pytest.approx(got["swait"]) and got["swait"] == pytest.approx(2.0)
 
 
 def test_the_queue_prediction_yields_to_slots_seen_freeing_faster(workdir: Path) -> None:

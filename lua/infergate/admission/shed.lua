@@ -261,7 +261,6 @@ local function slot_hopeless(req, t, now, start, left, give_up, ahead, free)
     if free > 0 then
         return false, wait
     end
-    done = req.stream and wait or done   -- a stream need only start in time
     return (left and done and (now - start) + done > left) or false, wait
 end
 

@@ -167,7 +167,8 @@ end
 -- FREE_YIELD_RATIO times faster than that (infergate.admission.freerate: the nodes sped
 -- up, and the figures learn it only from answers that start after), the rate is the
 -- one seen and the request's own time shrinks by the same factor, FREE_YIELD_MAX at
--- most. nil when no eligible node has answered yet.
+-- most. A stream's completion is its wait: it need only start in time (then idle
+-- timeouts, infergate.admission.deadline). nil when no eligible node has answered yet.
 _M.FREE_YIELD_RATIO = 1.5
 _M.FREE_YIELD_MAX = 4
 function _M.predict(t, now, req, ahead, free)
@@ -199,7 +200,7 @@ function _M.predict(t, now, req, ahead, free)
     end
     local before = ahead + 1 - free
     local wait = before > 0 and before / rate or 0
-    return wait + tail, wait
+    return wait + (req.stream and 0 or tail), wait
 end
 
 return _M
