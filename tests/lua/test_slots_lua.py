@@ -331,6 +331,53 @@ def test_the_queue_prediction_yields_to_slots_seen_freeing_faster(workdir: Path)
     assert got["slow_done"] == pytest.approx(got["base_done"])
 
 
+def test_the_free_rate_counts_slots_held_and_answered_and_reads_paired_ends_right(
+        workdir: Path) -> None:
+    """infergate.admission.freerate: only a request that held a slot (req.picked) and got a
+    2xx counts as a slot freed (a burst of 429s from the queue, or fast errors, would read
+    as slots freeing up by the dozen); slots that end in pairs (gaps 0, s, 0, s, ...) read
+    as their true rate from the first counted gaps on, so a pool at its figures' speed
+    never yields."""
+    got = run(workdir, """
+            local freerate = require("infergate.admission.freerate")
+            local queue = require("infergate.admission.queue")
+            local now = ngx.now()
+            local out = {}
+            -- 2 slots answering in 1 s: 2 slots/s, ends in pairs
+            local att = stats.open_attempt("a", now)
+            stats.close_attempt(att, "ok", now, 1000)
+            local two = tbl({node("a", {slots = 2, score = nil})})
+            busy("a", 2)
+            out.base_done = slots.predict(two, now, {}, 3)
+            local clock = now - 20
+            out.max_pair_rate = 0
+            for i = 1, 12 do
+                clock = clock + (i % 2 == 1 and 1.0 or 0.001)
+                freerate.ended("", clock, true)
+                out.max_pair_rate = math.max(out.max_pair_rate, freerate.rate("", clock) or 0)
+            end
+            out.paired_done = slots.predict(two, clock, {}, 3)
+            -- the log hook: a shed request (no slot held) and an error count nothing
+            local orig = queue.empty
+            queue.empty = function() return false end       -- someone waits
+            for _ = 1, 30 do freerate.log({slot_pool = true, model = "m"}, 429) end
+            out.shed_counted = ngx.shared.infergate_stats:get("qfr:m") ~= nil
+            for _ = 1, 30 do
+                freerate.log({slot_pool = true, model = "m", picked = {name = "a"}}, 502)
+            end
+            out.error_counted = ngx.shared.infergate_stats:get("qfr:m") ~= nil
+            freerate.log({slot_pool = true, model = "m", picked = {name = "a"}}, 200)
+            out.ok_counted = ngx.shared.infergate_stats:get("qfr:m") ~= nil
+            queue.empty = orig
+            return out
+    """)
+    # ends in pairs at the figures' own 2 slots/s: never read as more than 1.5x that
+    assert got["max_pair_rate"] < 1.5 * 2, got
+    assert got["paired_done"] == pytest.approx(got["base_done"])
+    assert got["shed_counted"] is False and got["error_counted"] is False
+    assert got["ok_counted"] is True
+
+
 def test_a_silent_nodes_free_slots_do_not_count_while_a_live_node_is_full(workdir: Path) -> None:
     """slots.free and slots.predict: a node found silent (here flagged a TTFB outlier)
     is not picked while a live node is merely full, so its free slots do not count for a

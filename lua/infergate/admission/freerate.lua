@@ -9,11 +9,18 @@
 -- burst right after the recovery of the pool_slowdown benchmark). Slots that free up
 -- faster than predicted are seen at once.
 --
--- Per pool (the request's model; "" without one), from every request admitted through
--- the slot queue that ends (the log phase; any status: its slot is free either way)
--- while another waits in the queue (the pool's slots were all taken): the gap since
--- the previous such end, an EWMA of it (ALPHA) and how many gaps it holds. A gap
--- longer than IDLE_S (no queue meanwhile, or nothing ending) restarts the count.
+-- Per pool (the request's model; "" without one), from every request that held one of
+-- the pool's slots (req.picked: it went through the slot queue and reserved a node) and
+-- ends with a 2xx answer (the log phase) while another waits in the queue (the pool's
+-- slots were all taken): the gap since the previous such end, the mean of the first
+-- MIN_GAPS gaps and then an EWMA of it (ALPHA), and how many gaps it holds. A request
+-- shed from the queue held no slot: counted, a burst of 429s would read as slots
+-- freeing up by the dozen. An error answer may free its slot early, but says nothing
+-- of the pool's speed: left out, the rate errs slow, which never yields. The mean
+-- first: slots that started together end together (gaps 0, s, 0, s, ...), and an EWMA
+-- seeded with the first gap would read those slots as freeing up faster than they do
+-- for many gaps. A gap longer than IDLE_S (no queue meanwhile, or nothing ending)
+-- restarts the count.
 -- rate(pool, now) = 1 / EWMA gap (slots freed per second) once MIN_GAPS gaps are in
 -- and while the last end is recent (within max(STALE_MIN_S, STALE_GAPS x the gap));
 -- else nil. Guard rails: the caller uses it only to yield (a faster rate than its own,
@@ -77,7 +84,8 @@ function _M.ended(pool, now, waiting)
         elseif gap < 0 then
             gap, n = g, 1
         else
-            gap, n = gap + _M.ALPHA * (g - gap), n + 1
+            n = n + 1
+            gap = gap + math.max(_M.ALPHA, 1 / n) * (g - gap)
         end
     end
     buf[0], buf[1], buf[2] = now, gap, n
@@ -99,9 +107,11 @@ function _M.rate(pool, now)
     return 1 / gap
 end
 
--- Log phase: the end of a request admitted in a pool with known slots (req.slot_pool).
-function _M.log(req)
-    if req.slot_pool then
+-- Log phase: the end of a request that held a slot of a pool with known slots
+-- (req.slot_pool and req.picked), counted when its answer was a 2xx (`status`: the
+-- status sent to the client).
+function _M.log(req, status)
+    if req.slot_pool and req.picked and status and status >= 200 and status < 300 then
         local pool = req.model or ""
         _M.ended(pool, ngxapi.now(), not queue.empty(pool) or fairqueue.any_waiting(pool))
     end

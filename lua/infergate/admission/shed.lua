@@ -488,7 +488,7 @@ function _M.log(req)
     fairshare.log(req)
     held.give_back(req)
     learn_tail(req)
-    freerate.log(req)
+    freerate.log(req, ngx.status)
 end
 
 -- Counters for the edge stats and the status endpoint.
