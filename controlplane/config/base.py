@@ -4,10 +4,12 @@ reads the same (``<path>: <value> <words> <bound>``)."""
 
 from __future__ import annotations
 
+import types
 import typing
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from controlplane.errors import InfergateError
 
@@ -72,5 +74,46 @@ def key_path(path: str, key: str) -> str:
     return f'{path}["{key}"]'
 
 
+def _is_number(ann: Any) -> bool:
+    """A field annotated ``int`` or ``float`` (also ``| None``, ``Annotated``)."""
+    if typing.get_origin(ann) is typing.Annotated:
+        return _is_number(typing.get_args(ann)[0])
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        return len(args) == 1 and _is_number(args[0])
+    return ann in (int, float)
+
+
+def _bool_text(value: Any) -> Any:
+    """``true``/``false`` for a boolean, else ``value``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return value
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """A JSON or TOML ``true``/``false`` given for a number (a field, or a value of a
+        map of numbers) is refused: pydantic's lax mode read it as 1 or 0
+        (``{"max_concurrency": true}`` became 1). A field's refusal is a type error
+        ("not a boolean"); a map's value is validated as its text, which is no number, so
+        the refusal names the key too. On the file's path both read as the edge
+        validator's ``must be an integer`` / ``must be a number``."""
+        field = cls.model_fields.get(info.field_name or "")
+        if field is None:
+            return value
+        ann = field.annotation
+        if isinstance(value, bool) and _is_number(ann):
+            if int in (ann, *typing.get_args(ann)):
+                raise PydanticCustomError("int_type", "Input should be a valid integer, "
+                                          "not a boolean")
+            raise PydanticCustomError("float_type", "Input should be a valid number, "
+                                      "not a boolean")
+        if isinstance(value, dict) and typing.get_origin(ann) is dict \
+                and _is_number(typing.get_args(ann)[1]):
+            return {k: _bool_text(v) for k, v in value.items()}
+        return value

@@ -208,6 +208,8 @@ def test_add_node(client, r):
     ({"name": "n1", "url": "http://10.0.0.5", "weight": "heavy"}, "weight"),
     ({"name": "n1", "url": "http://10.0.0.5", "kind": "llamacpp"}, "kind"),
     ({"name": "n1", "url": "http://10.0.0.5", "max_concurrency": 0}, "max_concurrency"),
+    ({"name": "n1", "url": "http://10.0.0.5", "max_concurrency": True}, "max_concurrency"),
+    ({"name": "n1", "url": "http://10.0.0.5", "weight": True}, "weight"),
     ({"name": "bad name!", "url": "http://10.0.0.5"}, "name"),
     ({"name": "../x", "url": "http://10.0.0.5"}, "name"),
     ({"url": "http://10.0.0.5"}, "name"),
@@ -242,7 +244,8 @@ def test_edit_node(client, r):
 
     for body, frag in [({"weight": 0}, "weight"), ({"url": "https://x"}, "url"),
                        ({"url": "http://127.0.0.1:9001#x"}, "without a path, query or fragment"),
-                       ({"name": "other"}, "name"), ({"port": 1}, "unknown field"), ({}, "expected")]:
+                       ({"name": "other"}, "name"), ({"port": 1}, "unknown field"), ({}, "expected"),
+                       ({"max_concurrency": True}, "max_concurrency: Input should be a valid integer")]:
         resp = client.patch("/api/v1/nodes/sim-a", json=body, headers=AUTH)
         assert resp.status_code == 400, body
         assert frag in err(resp)["message"]

@@ -46,6 +46,7 @@ def _leaf_cases(path: tuple, s: dict) -> list[tuple[tuple, Any, str]]:
         cases.append((path, None, "default null"))
     kind = s.get("type")
     if kind in ("number", "integer"):
+        cases.append((path, True, "a boolean for a number"))
         for name, inside, outside in (("minimum", 0, -1), ("maximum", 0, 1),
                                       ("exclusiveMinimum", 1, 0), ("exclusiveMaximum", -1, 0)):
             if name not in s:
