@@ -210,6 +210,7 @@ def node_url_refusal(url: str, settings: Settings | None = None,
         o_ip = _ip(o_host)
         same = host == o_host or (o_ip is not None and o_ip in ips)
         if port == o_port and (same or (_is_local(host, ips) and _is_local(o_host))):
-            return (f"url: {registry.shorten(host)}:{port} is this stack's own {what} port; add it to "
+            shown = registry.shorten(f"[{host}]" if ":" in host else host)
+            return (f"url: {shown}:{port} is this stack's own {what} port; add it to "
                     "controlplane.node_url_allow to use it anyway")
     return None

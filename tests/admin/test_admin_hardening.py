@@ -416,6 +416,9 @@ def test_numeric_spellings_of_loopback_reach_no_own_port():
                 "http://2130706433:18081", "http://[::ffff:7f00:1]:18081"):
         assert "own admin port" in (ops.node_url_refusal(url, s) or ""), url
     assert ops.node_url_refusal("http://127.1:18082", s) is None
+    # an IPv6 address is shown as it is written in a URL, in brackets
+    assert (ops.node_url_refusal("http://[::1]:18081", s) or "").startswith(
+        "url: [::1]:18081 is this stack's own admin port")
 
 
 def test_embedder_and_edge_metrics_ports_are_refused():
