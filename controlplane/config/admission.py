@@ -48,8 +48,10 @@ class LimitSettings(_Section):
 
     Per key: the key's ``rpm`` (requests per minute) and ``tpm`` (tokens per minute) from
     ``infergate keys``. Each bucket holds at most its per-minute limit and refills evenly.
-    Tokens are estimated up front as ceil(prompt characters / ``chars_per_token``) and
-    corrected with the response's ``usage.total_tokens`` afterwards. Redis down: each edge
+    Tokens are estimated up front as ceil(prompt characters / ``chars_per_token``), times
+    what the key's prompts on that model were billed per estimated token once three
+    answers taught it (1 to 8), and corrected with the response's ``usage.total_tokens``
+    afterwards. Redis down: each edge
     enforces the limits on its own (so N edges allow up to N times the limit)."""
 
     enabled: bool = True
@@ -59,7 +61,8 @@ class LimitSettings(_Section):
     global_tpm: int = Field(default=0, ge=0, le=10**12)
     """Tokens per minute across all clients and edges; 0 = no global limit."""
     chars_per_token: float = Field(default=4.0, ge=0.01, le=1000)
-    """Prompt characters counted as one token by the up-front estimate."""
+    """Prompt characters counted as one token by the up-front estimate (the prior: the
+    edge raises the estimate of a key whose answers bill more, never lowers it)."""
     default_max_tokens: int = Field(default=256, ge=0, le=10_000_000)
     """Output tokens a chat or completions request without ``max_tokens`` /
     ``max_completion_tokens`` reserves from the token buckets at admission (with

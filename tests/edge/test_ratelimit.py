@@ -138,6 +138,41 @@ def test_token_limit_uses_the_real_usage(redis_server, simnodes, edge_factory) -
     assert node.state()["requests_total"] == 2
 
 
+def test_the_up_front_estimate_learns_what_a_keys_prompts_are_billed(
+        redis_server, simnodes, edge_factory) -> None:
+    """The edge estimates 160 characters at 16 a token (10) where the node bills 4 a
+    token (40): after three answers the key's requests are charged the billed figure up
+    front, while another key's first request is charged the configured estimate."""
+    r = redis_server.client()
+    key, rec = apikeys.create_key(r, "acme", tpm=600)      # refills 10 tokens a second
+    other, _ = apikeys.create_key(r, "beta", tpm=600)
+    (node,) = simnodes(1, time_scale=0.02)
+    # no leases: the headers then show the bucket itself
+    edge = edge_factory(settings(redis_server.url, [node.node_settings()], default_max_tokens=0,
+                                 chars_per_token=16, lease_fraction=0))
+    bucket = keynames.ratelimit_key(rec.id, "tpm")
+    body = {"model": "sim-llama", "sim_output_tokens": 1,
+            "messages": [{"role": "user", "content": "a" * 160}]}
+
+    first = post(edge.url, key, body)
+    assert first.status_code == 200, first.text
+    billed = first.json()["usage"]["prompt_tokens"]
+    assert billed >= 40
+    assert first.headers["x-ratelimit-remaining-tokens"] == str(600 - 10)
+    for _ in range(2):
+        assert post(edge.url, key, body).status_code == 200
+    # all three answers settled (each costs billed + 1; the bucket refills 10/s), then
+    # the bucket is emptied of its history
+    wait_bucket(r, bucket, lambda v: v < 600 - 3 * (billed + 1) + 25)
+    r.delete(bucket)
+    res = post(edge.url, key, body)
+    assert res.status_code == 200, res.text
+    charged = 600 - int(res.headers["x-ratelimit-remaining-tokens"])
+    assert billed - 1 <= charged <= billed + 1, (charged, billed)
+    fresh = post(edge.url, other, body)
+    assert fresh.headers["x-ratelimit-remaining-tokens"] == str(600 - 10)
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream_relay"])
 def test_a_request_the_node_refuses_gives_its_tokens_back(redis_server, simnodes,
                                                          edge_factory, stream) -> None:

@@ -200,3 +200,48 @@ def test_a_models_length_record_and_a_node_of_the_same_name_do_not_collide(workd
     """)
     assert got["ok"] is True and got["res"] is False, got
     assert got["q"] == 20
+
+
+def test_prompt_ratio_has_a_prior_floor_ceiling_and_stays_per_key(workdir: Path) -> None:
+    """infergate.admission.promptratio: the rate limiter's prompt estimate is multiplied
+    by the prompt tokens billed per estimated token, learned per key and model: 1 until
+    MIN_OBS answers, never below 1 (the configured chars_per_token), at most CEIL, the
+    mean of the first answers (not the first one alone), and only from a 2xx with the
+    node's own usage."""
+    got = run(workdir, """
+            local pr = require("infergate.admission.promptratio")
+            local a = {key_id = "ka", model = "m"}
+            local b = {key_id = "kb", model = "m"}
+            out.prior = pr.factor(a)
+            pr.observe(a, 40, 10)
+            pr.observe(a, 44, 10)
+            out.few = pr.factor(a)                              -- 2 answers: still the prior
+            pr.observe(a, 36, 10)
+            out.learned = pr.factor(a)                          -- (40 + 44 + 36) / 30
+            out.other_key = pr.factor(b)                        -- another tenant: untouched
+            out.other_model = pr.factor({key_id = "ka", model = "n"})
+            for _ = 1, 3 do pr.observe(b, 5, 10) end            -- billed fewer than estimated
+            out.floor = pr.factor(b)
+            local c = {key_id = "kc", model = "m"}
+            for _ = 1, 3 do pr.observe(c, 1000, 10) end
+            out.ceil = pr.factor(c)
+            -- the log hook: a 429, a refused request and an estimated usage teach nothing
+            local d = {key_id = "kd", model = "m", est_raw = 10}
+            for _ = 1, 3 do
+                d.usage = {prompt_tokens = 40}
+                pr.log(d, 429)
+                d.usage = {prompt_tokens = 40, estimated = true}
+                pr.log(d, 200)
+            end
+            out.ignored = pr.factor(d)
+            d.usage = {prompt_tokens = 40}
+            for _ = 1, 3 do pr.log(d, 200) end
+            out.logged = pr.factor(d)
+            return out
+    """)
+    assert got["prior"] == 1 and got["few"] == 1
+    assert got["learned"] == pytest.approx(4.0)
+    assert got["other_key"] == 1 and got["other_model"] == 1
+    assert got["floor"] == 1
+    assert got["ceil"] == 8
+    assert got["ignored"] == 1 and got["logged"] == pytest.approx(4.0)

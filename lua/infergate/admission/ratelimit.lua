@@ -12,8 +12,10 @@
 --                 tokens    capacity = limits.global_tpm (0 = none), cost as above
 --
 -- Token estimate up front: ceil(characters of the prompt / limits.chars_per_token),
--- at least 1; characters are Unicode code points of the message contents (chat), the
--- prompt (completions) or the input (embeddings). A cost above a bucket's capacity is
+-- at least 1, times what this key's prompts on this model were billed per estimated
+-- token (infergate.admission.promptratio: 1 until learned, at most 8); characters
+-- are Unicode code points of the message contents (chat), the prompt (completions) or
+-- the input (embeddings). A cost above a bucket's capacity is
 -- capped at the capacity (the request waits for a full bucket). After the answer the
 -- log phase settles the charge on the real usage.total_tokens of the response (the unused
 -- part of the reservation goes back; an answer without usage, e.g. a stream the client
@@ -80,6 +82,7 @@ local bucketcharge = require("infergate.admission.bucketcharge")
 local leases = require("infergate.admission.leases")
 local settlement = require("infergate.admission.settlement")
 local tokencount = require("infergate.admission.tokencount")
+local promptratio = require("infergate.admission.promptratio")
 local rlheaders = require("infergate.admission.rlheaders")
 local reqctx = require("infergate.core.reqctx")
 
@@ -106,7 +109,12 @@ _M.sweep_leases = leases.sweep_leases
 _M.LEASE_TTL_S = leases.LEASE_TTL_S
 _M.LEASE_TARGET_S = leases.LEASE_TARGET_S
 _M.LEASE_MAX = leases.LEASE_MAX
-_M.log = settlement.log
+
+-- Log phase: learns the prompt ratio, then settles the charge on the real usage.
+function _M.log(req)
+    promptratio.log(req, ngx.status)
+    settlement.log(req)
+end
 
 -- The buckets a request is charged to (see the header).
 -- (no closure per request: a function created on the hot path stops the JIT compiler)
@@ -185,7 +193,9 @@ function _M.step(req)
     -- with the answer's usage
     if req.route ~= "models" and (o.global_tpm > 0 or (kl and kl.tpm)) then
         -- the prompt's characters are counted once per request (infergate.core.reqctx)
-        req.est_tokens = max(1, ceil(reqctx.prompt_chars(req) / o.chars_per_token))
+        local raw = max(1, ceil(reqctx.prompt_chars(req) / o.chars_per_token))
+        req.est_raw = raw
+        req.est_tokens = ceil(raw * promptratio.factor(req))
         req.reserved_tokens = tokencount.reserved_output(req.body, req.model, o)
     end
     local list = _M.buckets(req, o)

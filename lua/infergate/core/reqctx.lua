@@ -23,7 +23,7 @@
 --   body          the decoded JSON object; include_usage = stream_options.include_usage
 --   prompt_chars  characters of the prompt (prompt_chars(req) counts them, once)
 -- Admission control adds: tenant ("default" with auth off), key_id, key_limits
--- (infergate.admission.auth); est_tokens, ratelimit, track_usage, usage, headers_out
+-- (infergate.admission.auth); est_raw, est_tokens, ratelimit, track_usage, usage, headers_out
 -- (infergate.admission.ratelimit, infergate.admission.usage); deadline (infergate.admission.deadline).
 -- The stream relay adds relay_answer_status: the status of a node's answer it passed on
 -- itself (nginx's $upstream_status is empty then).
