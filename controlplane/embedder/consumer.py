@@ -1,9 +1,13 @@
-"""Consumer of the index queue ``keynames.CACHE_INDEX_QUEUE``.
+"""Consumer of the index queue (``keynames.cache_index_queues()``).
 
 The edge cannot call HTTP from its timers, so after writing a cache entry it RPUSHes a
-job (JSON, see ``wire.index_item``) to that list. One thread here waits with ``BLPOP``
-(1 s timeout, so it stops promptly), then takes up to ``batch - 1`` more jobs already
-waiting (``LPOP key count``), embeds them in one batch and stores the vectors. Malformed
+job (JSON, see ``wire.index_item``) to one shard of the queue (a tenant's own shard with
+API keys, see ``keynames.cache_index_queue_shard``). One thread here waits with ``BLPOP``
+on every shard (1 s timeout, so it stops promptly; the shard it starts from turns with
+each batch), then takes up to ``(batch - 1) / shards`` more jobs from each shard in one
+pipeline (``LPOP key count``), embeds them in one batch and stores the vectors: a
+tenant that floods its shard gets one share of each batch, and the jobs of the others
+are not queued behind its backlog. Malformed
 jobs are logged and counted (``infergate_embedder_invalid_jobs_total``) and dropped.
 While Redis is unreachable the thread retries with backoff (0.2 s doubling to 5 s); jobs
 popped just before an outage may be lost (the cache entry then simply has no vector).
@@ -38,12 +42,13 @@ class QueueConsumer:
     ``r`` must have a socket timeout longer than the BLPOP timeout (1 s)."""
 
     def __init__(self, engine: Engine, r: redis.Redis, batch: int = 32,
-                 queue_key: str = keynames.CACHE_INDEX_QUEUE, block_s: int = 1):
+                 queue_keys: list[str] | None = None, block_s: int = 1):
         self.engine = engine
         self.r = r
         self.batch = batch
-        self.queue_key = queue_key
+        self.queue_keys = list(queue_keys or keynames.cache_index_queues())
         self.block_s = block_s
+        self._turn = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="index-queue", daemon=True)
         self.processed = 0
@@ -57,14 +62,24 @@ class QueueConsumer:
         self._thread.join(timeout)
 
     def _take(self) -> list[bytes]:
-        got = self.r.blpop([self.queue_key], timeout=self.block_s)
+        """The next batch: one job from a ``BLPOP`` on every shard (the first shard in
+        the turn's order that has one), then up to ``(batch - 1) / shards`` (at least 1)
+        from each shard, the same turn's order. ``[]`` after ``block_s`` with none."""
+        n = len(self.queue_keys)
+        t, self._turn = self._turn, (self._turn + 1) % n
+        keys = self.queue_keys[t:] + self.queue_keys[:t]
+        got = self.r.blpop(keys, timeout=self.block_s)
         if not got:
             return []
         raws = [got[1]]
         if self.batch > 1:
-            more = self.r.lpop(self.queue_key, self.batch - 1)
-            if more:
-                raws.extend(more)
+            share = max(1, (self.batch - 1) // n)
+            pipe = self.r.pipeline(transaction=False)
+            for key in keys:
+                pipe.lpop(key, share)
+            for more in pipe.execute():
+                if more:
+                    raws.extend(more)
         return raws
 
     def _parse(self, raws: list[bytes]):

@@ -82,6 +82,8 @@ CACHE_INDEX_PREFIX = f"{BASE}:cache:idx:"
 #: List of semantic-index jobs: the edge RPUSHes JSON ``{"key", "namespace", "text", "model",
 #: "tenant", "ttl_s"}``, the embedder consumes with BLPOP (docs/internals.md "Semantic cache").
 CACHE_INDEX_QUEUE = f"{BASE}:cache:index_queue"
+#: Number of shards of the semantic-index queue (:func:`cache_index_queue_shard`).
+CACHE_INDEX_QUEUE_SHARDS = 8
 #: Prefix of the embedder's vector hashes: ``CACHE_VEC_PREFIX + "<model_slug>:<dim>:" + exact_key_hex``.
 CACHE_VEC_PREFIX = f"{BASE}:cache:vec:"
 #: Pub/sub channel: the embedder publishes the hash key of every vector it stores, a purge
@@ -225,6 +227,22 @@ def ratelimit_key(key_id: str, kind: str) -> str:
 def ratelimit_global(kind: str) -> str:
     """Hash with TTL: the global ``kind`` (``rpm`` | ``tpm``) token bucket (tag ``{rl:global}``)."""
     return f"{RATELIMIT_PREFIX}{{rl:global}}:{kind}"
+
+
+def cache_index_queue_shard(shard: int) -> str:
+    """List of semantic-index jobs of one shard (0 .. :data:`CACHE_INDEX_QUEUE_SHARDS` - 1):
+    the edge pushes a job to the shard of its tenant (with API keys) or of its entry, so
+    one tenant's flood fills its own shard, and the embedder takes from every shard in
+    turn. Hash-tagged on :data:`CACHE_INDEX_QUEUE` (one slot with it: one ``BLPOP`` waits
+    on all of them); :data:`CACHE_INDEX_QUEUE` itself is still consumed (jobs of older
+    edges)."""
+    return f"{CACHE_INDEX_QUEUE}:{shard}:{{{CACHE_INDEX_QUEUE}}}"
+
+
+def cache_index_queues() -> list[str]:
+    """Every list the embedder consumes: the shards, then :data:`CACHE_INDEX_QUEUE`."""
+    return [cache_index_queue_shard(i) for i in range(CACHE_INDEX_QUEUE_SHARDS)] + [
+        CACHE_INDEX_QUEUE]
 
 
 def cache_index(dimension: str, value: str) -> str:

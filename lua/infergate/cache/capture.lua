@@ -27,17 +27,20 @@
 -- The Redis work goes into the worker's flush queue (infergate.core.flush: one recurring
 -- timer per worker, one pipeline per flush, no timer per request): for a store SET entry
 -- EX ttl, SADD to the tenant, model and namespace index sets, RPUSH of the semantic
--- index job; the request's counters (and "stores") are summed per flush and sent as
--- HINCRBY on the stats hash after the stores. Every key written carries a TTL (cache
--- keys may be evicted, state keys never: Redis runs with maxmemory-policy
--- volatile-lru): the entry its own, each index set the longest TTL of its entries
--- (EXPIRE NX, then EXPIRE GT), the stats hash COUNTERS_TTL_S and the index queue
--- INDEX_QUEUE_TTL_S, both renewed by every write. The coalescing lock of the request
--- (infergate.cache.lookup) is released after the store is written, so waiting requests
--- find the entry when the lock is gone; a request with nothing to store replaces its
--- lock at once (log phase) with the mark lookup.NOSTORE, and the waiters go to a node
--- without waiting any longer. A full queue drops the store (counted in
--- infergate_edge_flush_dropped_total{kind="cache_store"}) and releases the lock.
+-- index job (to one shard of the queue, keynames.cache_index_queue_shard: with API keys
+-- the tenant's, so a tenant's flood fills and trims its own shard while the embedder
+-- takes from every shard in turn; without, the entry's, to spread the jobs); the
+-- request's counters (and "stores") are summed per flush and sent as HINCRBY on the
+-- stats hash after the stores. Every key written carries a TTL (cache keys may be
+-- evicted, state keys never: Redis runs with maxmemory-policy volatile-lru): the entry
+-- its own, each index set the longest TTL of its entries (EXPIRE NX, then EXPIRE GT),
+-- the stats hash COUNTERS_TTL_S and the index queue INDEX_QUEUE_TTL_S, both renewed by
+-- every write. The coalescing lock of the request (infergate.cache.lookup) is released
+-- after the store is written, so waiting requests find the entry when the lock is gone;
+-- a request with nothing to store replaces its lock at once (log phase) with the mark
+-- lookup.NOSTORE, and the waiters go to a node without waiting any longer. A full queue
+-- drops the store (counted in infergate_edge_flush_dropped_total{kind="cache_store"})
+-- and releases the lock.
 local ngxapi = require("infergate.core.ngxapi")
 local ngx_now = ngxapi.now
 local ngx_var = ngxapi.var
@@ -48,11 +51,13 @@ local replay = require("infergate.cache.replay")
 local flush = require("infergate.core.flush")
 local cachekey = require("infergate.cache.key")
 local reassemble = require("infergate.cache.reassemble")
+local config = require("infergate.core.config")
 
 local _M = {}
 
--- Longest the semantic index queue grows (jobs) while no embedder reads it.
-_M.INDEX_QUEUE_MAX = 10000
+-- Longest a shard of the semantic index queue grows (jobs) while no embedder reads it
+-- (keynames.CACHE_INDEX_QUEUE_SHARDS shards: 20,000 jobs in all at most).
+_M.INDEX_QUEUE_MAX = 2500
 -- TTLs (s) of the cache counters and the index queue, renewed by every write; the same
 -- as controlplane.cache.store.COUNTERS_TTL_S / INDEX_QUEUE_TTL_S.
 _M.COUNTERS_TTL_S = 30 * 86400
@@ -285,6 +290,14 @@ local function release_lock(job, stored)
 end
 _M._release_lock = release_lock
 
+-- The index queue shard of a job: the tenant's when tenants are told apart by API keys
+-- (`keyed`), else the entry's (`key`: its exact key hex).
+function _M.index_queue(tenant, key, keyed)
+    local by = keyed and tenant or key
+    return keynames.cache_index_queue_shard(ngx.crc32_short(by or "")
+                                            % keynames.CACHE_INDEX_QUEUE_SHARDS)
+end
+
 -- The Redis commands of a store.
 function _M.store_commands(s)
     local cmds = {}
@@ -303,10 +316,11 @@ function _M.store_commands(s)
         cmds[#cmds + 1] = { "EXPIRE", set, s.ttl, "GT" }
     end
     if s.index_job then
-        cmds[#cmds + 1] = { "RPUSH", keynames.cache_index_queue, s.index_job }
+        local queue = s.index_queue or keynames.cache_index_queue
+        cmds[#cmds + 1] = { "RPUSH", queue, s.index_job }
         -- bounded while no embedder consumes it: the newest jobs are kept
-        cmds[#cmds + 1] = { "LTRIM", keynames.cache_index_queue, -_M.INDEX_QUEUE_MAX, -1 }
-        cmds[#cmds + 1] = { "EXPIRE", keynames.cache_index_queue, _M.INDEX_QUEUE_TTL_S }
+        cmds[#cmds + 1] = { "LTRIM", queue, -_M.INDEX_QUEUE_MAX, -1 }
+        cmds[#cmds + 1] = { "EXPIRE", queue, _M.INDEX_QUEUE_TTL_S }
     end
     return cmds
 end
@@ -388,16 +402,17 @@ local function store_of(c, req)
         -- prompt_tokens by the requester's prompt length (infergate.cache.lookup)
         prompt_chars = req and reqctx.prompt_chars(req) or 0,
     })
-    local index_job
+    local index_job, index_queue
     if c.namespace and c.text then
         index_job = replay.encode({
             key = c.key, namespace = c.namespace, text = c.text, model = c.model or "",
             tenant = c.tenant, ttl_s = c.ttl, route = c.path,
         })
+        index_queue = _M.index_queue(c.tenant, c.key, config.get().auth.mode == "required")
     end
     return {
         key = c.key, entry = entry, ttl = c.ttl, tenant = c.tenant, model = c.model or "",
-        namespace = c.namespace or "", index_job = index_job,
+        namespace = c.namespace or "", index_job = index_job, index_queue = index_queue,
     }
 end
 

@@ -26,6 +26,8 @@ _M.cache_stats = BASE .. ":cache:stats"
 _M.cache_entry_prefix = BASE .. ":cache:entry:"
 _M.cache_index_prefix = BASE .. ":cache:idx:"
 _M.cache_index_queue = BASE .. ":cache:index_queue"
+-- Shards of the semantic-index queue (controlplane.redisdb.keynames.cache_index_queue_shard).
+_M.CACHE_INDEX_QUEUE_SHARDS = 8
 _M.cache_vec_prefix_base = BASE .. ":cache:vec:"
 _M.cache_vec_channel = BASE .. ":cache:vec_added"
 -- Per-namespace cache figures (hashes with TTL), the threshold raises of the online
@@ -92,6 +94,23 @@ end
 
 function _M.cache_index(dimension, value)
     return _M.cache_index_prefix .. dimension .. ":" .. value
+end
+
+-- List of semantic-index jobs of shard 0 .. CACHE_INDEX_QUEUE_SHARDS - 1, hash-tagged on
+-- the queue's own name (one slot with it).
+local QUEUE_TAG = "{" .. _M.cache_index_queue .. "}"
+function _M.cache_index_queue_shard(shard)
+    return _M.cache_index_queue .. ":" .. shard .. ":" .. QUEUE_TAG
+end
+
+-- Every list the embedder consumes: the shards, then cache_index_queue.
+function _M.cache_index_queues()
+    local out = {}
+    for i = 0, _M.CACHE_INDEX_QUEUE_SHARDS - 1 do
+        out[#out + 1] = _M.cache_index_queue_shard(i)
+    end
+    out[#out + 1] = _M.cache_index_queue
+    return out
 end
 
 return _M
