@@ -32,6 +32,9 @@ from controlplane.embedder.wire import BadRequest, index_item
 log = logging.getLogger("infergate.embedder")
 
 
+#: Rounds of ``LPOP`` that fill a batch after its first job (see ``QueueConsumer._take``).
+FILL_PASSES = 3
+
 #: Longest wait (s) for running lookups to end before a batch is embedded anyway.
 DEFER_MAX_S = 1.0
 
@@ -63,8 +66,12 @@ class QueueConsumer:
 
     def _take(self) -> list[bytes]:
         """The next batch: one job from a ``BLPOP`` on every shard (the first shard in
-        the turn's order that has one), then up to ``(batch - 1) / shards`` (at least 1)
-        from each shard, the same turn's order. ``[]`` after ``block_s`` with none."""
+        the turn's order that has one), then an equal share of the rest of the batch
+        from each shard (at least 1), the same turn's order; room a short shard left goes
+        to the shards that still have jobs, in further passes (:data:`FILL_PASSES` in
+        all), so a lone busy shard still fills whole batches. A batch may pass
+        ``batch`` by less than the number of shards (a share is at least 1). ``[]``
+        after ``block_s`` with none."""
         n = len(self.queue_keys)
         t, self._turn = self._turn, (self._turn + 1) % n
         keys = self.queue_keys[t:] + self.queue_keys[:t]
@@ -72,14 +79,21 @@ class QueueConsumer:
         if not got:
             return []
         raws = [got[1]]
-        if self.batch > 1:
-            share = max(1, (self.batch - 1) // n)
+        for _ in range(FILL_PASSES):
+            room = self.batch - len(raws)
+            if room <= 0 or not keys:
+                break
+            share = max(1, room // len(keys))
             pipe = self.r.pipeline(transaction=False)
             for key in keys:
                 pipe.lpop(key, share)
-            for more in pipe.execute():
-                if more:
-                    raws.extend(more)
+            more_keys = []
+            for key, more in zip(keys, pipe.execute()):
+                more = more or []
+                raws.extend(more)
+                if len(more) == share:
+                    more_keys.append(key)   # it may hold more
+            keys = more_keys
         return raws
 
     def _parse(self, raws: list[bytes]):
