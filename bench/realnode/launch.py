@@ -139,7 +139,14 @@ class RealNode:
         """Build or reuse the binary, assemble the model, start the server and wait for
         ``/health``. Raises :class:`BuildError` (binary or model missing) or
         :class:`controlplane.procs.StartError` (exited, or not ready in ``timeout_s``;
-        the message holds the log tail) - the process is stopped then."""
+        the message holds the log tail) - the process is stopped then. A port another
+        process holds is refused before anything starts: a server already there (another
+        llama-server, say) would answer ``/health`` before this one fails to bind, and be
+        taken for it."""
+        if not procs.port_bindable(self.port, self.host, reuse_addr=True):
+            raise procs.StartError(
+                f"llama-server:{self.port}: {self.host}:{self.port}: address already in use "
+                "(another process listens there; choose another port)")
         binary = ensure_binary().path
         model = model_path()
         log_dir = self.log_dir

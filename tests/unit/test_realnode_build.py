@@ -1,15 +1,21 @@
 """bench.realnode without building or starting anything: the cache folder, the binary
-lookup with its override, and llama-server's command line."""
+lookup with its override, llama-server's command line, and a port another process holds."""
 
 from __future__ import annotations
 
 import os
+import signal
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
 
 from bench.realnode import MODEL_ALIAS, VERSION, BuildError, cache_dir, find_binary, server_argv
+from bench.realnode import launch
+from bench.realnode.__main__ import main as realnode_main
 from bench.realnode.build import BINARY_ENV
+from controlplane.procs import StartError
 
 
 def test_cache_folder_is_outside_the_repository_and_keyed_by_version(monkeypatch, tmp_path):
@@ -83,3 +89,43 @@ def test_a_build_held_by_another_process_is_announced_then_waited_for(monkeypatc
     assert not waiter.is_alive()
     assert said[0].startswith("waiting for another process's build") and "build.log" in said[0]
     assert said[1] == str(binary)
+
+
+class _Healthy(BaseHTTPRequestHandler):
+    """Another server on the port that answers ``GET /health`` with 200, as a running
+    llama-server does."""
+
+    def do_GET(self) -> None:  # noqa: N802
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_port_in_use_is_refused_before_anything_starts(monkeypatch, capsys):
+    """``serve --port P`` on a port another server holds says so and prints no ``ready``
+    line: that server's ``/health`` 200 is not taken for the new llama-server's (which
+    then fails to bind), and nothing is built or started."""
+    def no_build(*args: object, **kwargs: object) -> None:
+        raise AssertionError("nothing is built or started on a port in use")
+
+    monkeypatch.setattr(launch, "ensure_binary", no_build)
+    server = HTTPServer(("127.0.0.1", 0), _Healthy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    port = server.server_address[1]
+    try:
+        with pytest.raises(StartError, match="address already in use"):
+            launch.RealNode(port=port).start()
+        assert realnode_main(["serve", "--port", str(port)]) == 1
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        server.shutdown()
+        server.server_close()
+    out = capsys.readouterr()
+    assert "ready" not in out.out
+    assert f"127.0.0.1:{port}: address already in use" in out.err
