@@ -95,6 +95,21 @@ http {{
     assert out.returncode == 0, out.stderr
 
 
+def test_the_drop_in_guide_names_every_location_outside_v1(workdir: Path) -> None:
+    """A site's own prefix or regex location for one of these paths passes ``nginx -t``
+    and is then shadowed by the include's exact one: the guide's list of what may clash
+    names each of them, so that an operator can look for them before the reload."""
+    r = render_nginx(_settings(), workdir / "out", listen="127.0.0.1:18127", prefix=workdir)
+    paths = set(re.findall(r"^location (?:=|\^~) (\S+) \{", r.server_conf.read_text(), re.M))
+    outside = {("/_infergate/..." if p.startswith("/_infergate/") else p)
+               for p in paths if not p.startswith("/v1/")}
+    assert {"/tokenize", "/rerank", "/infergate/status"} <= outside
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "dropin.md").read_text()
+    clashes = guide[guide.index("What the includes may clash with"):]
+    missing = sorted(p for p in outside if f"`= {p}`" not in clashes)
+    assert not missing, f"docs/dropin.md does not name these locations: {missing}"
+
+
 def test_settings_reach_the_directives(workdir: Path) -> None:
     s = _settings(max_tries=4, connect_timeout_ms=1500, read_timeout_ms=30000, send_timeout_ms=45000,
                   retry_window_s=12.5, client_max_body_size="2m",
