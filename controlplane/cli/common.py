@@ -13,6 +13,7 @@ import click
 import redis
 
 from controlplane.config import ConfigError, HostPort, HostPortError, Settings, load_settings
+from controlplane.redisdb import keynames
 from controlplane.redisdb.conn import make_redis
 from controlplane.redisdb.migrate import migrate_key_names
 from controlplane.redisdb.url import redact
@@ -53,6 +54,15 @@ class Ctx:
                 self._r = make_redis(self.settings.redis)
             except ValueError as exc:
                 raise click.ClickException(f"invalid Redis URL {self.settings.redis.url!r}: {exc}")
+            if self.from_defaults() and not holds_infergate_state(self._r):
+                url = redact(self.settings.redis.url)
+                self._r = None
+                raise click.ClickException(
+                    f"the Redis at {url} (the default: no --config, --redis-url or "
+                    "INFERGATE_REDIS_URL was given) holds no infergate state, so it may be "
+                    "another service's; nothing was read or written. For a stack started by "
+                    "`infergate up`, run the export line its banner prints; to start "
+                    f"infergate's state in this Redis, name it: --redis-url {url}")
             try:  # state keys under their old names (an earlier version) are carried over
                 migrate_key_names(self._r)
             except redis.RedisError:
@@ -68,6 +78,25 @@ class Ctx:
     @property
     def events_max(self) -> int:
         return self.settings.controlplane.events_max
+
+
+#: Keys one of which a Redis that infergate uses holds: the control plane's routing
+#: snapshot and leader lease, the node registry, the API keys, the event log, the state
+#: marker, an ``up`` stack's owner record, the edges' list.
+STATE_PROBE_KEYS = (keynames.ROUTING, keynames.LEADER, keynames.NODES, keynames.APIKEYS,
+                    keynames.EVENTS, keynames.STATE_MARKER, keynames.STACK_OWNER,
+                    keynames.EDGES)
+
+
+def holds_infergate_state(r: redis.Redis) -> bool:
+    """Whether ``r`` holds any of :data:`STATE_PROBE_KEYS` or of the older names that
+    :func:`migrate_key_names` carries over. ``True`` when Redis cannot be reached: the
+    command then reports that itself."""
+    try:
+        keys = list(STATE_PROBE_KEYS) + [old for old in keynames.RENAMED]
+        return bool(r.exists(*keys))
+    except redis.RedisError:
+        return True
 
 
 def _late_option(field: str):

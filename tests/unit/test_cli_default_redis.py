@@ -4,9 +4,11 @@ shared host, redis://127.0.0.1:6379 may be another team's (pure logic, no Redis)
 from __future__ import annotations
 
 import click
+import fakeredis
 import pytest
 
 from controlplane.cli import common
+from controlplane.redisdb import keynames
 
 
 @pytest.mark.parametrize("config,url,env,default", [
@@ -25,7 +27,9 @@ def test_the_default_url_is_named(monkeypatch, capsys, config, url, env, default
     if config:
         return  # (the file is not read here)
     made = []
-    monkeypatch.setattr(common, "make_redis", lambda s: made.append(s.url) or object())
+    held = fakeredis.FakeRedis()
+    held.set(keynames.ROUTING, "{}")                 # a Redis that infergate uses
+    monkeypatch.setattr(common, "make_redis", lambda s: made.append(s.url) or held)
     monkeypatch.setattr(common, "migrate_key_names", lambda r: None)
     assert ctx.r is not None and len(made) == 1
     err = capsys.readouterr().err
@@ -37,8 +41,30 @@ def test_the_note_goes_to_stderr_once(monkeypatch) -> None:
     monkeypatch.delenv("INFERGATE_REDIS_URL", raising=False)
     said: list[tuple[str, bool]] = []
     monkeypatch.setattr(click, "echo", lambda msg, err=False: said.append((msg, err)))
-    monkeypatch.setattr(common, "make_redis", lambda s: object())
+    held = fakeredis.FakeRedis()
+    held.hset(keynames.NODES, "a", "{}")
+    monkeypatch.setattr(common, "make_redis", lambda s: held)
     monkeypatch.setattr(common, "migrate_key_names", lambda r: None)
     ctx = common.Ctx(None, None)
     _ = ctx.r, ctx.r
     assert len(said) == 1 and said[0][1] is True
+
+
+@pytest.mark.parametrize("url,refused", [(None, True), ("redis://127.0.0.1:6379/0", False)])
+def test_a_default_redis_without_infergate_state_is_refused(monkeypatch, url, refused) -> None:
+    """On a shared host the default redis://127.0.0.1:6379 may be another service's: with
+    no infergate key in it, a command that did not name it reads and writes nothing.
+    Naming it (``--redis-url``) uses it."""
+    monkeypatch.delenv("INFERGATE_REDIS_URL", raising=False)
+    foreign = fakeredis.FakeRedis()
+    foreign.set("someone:else", "1")
+    monkeypatch.setattr(common, "make_redis", lambda s: foreign)
+    monkeypatch.setattr(common, "migrate_key_names", lambda r: None)
+    ctx = common.Ctx(None, url)
+    if refused:
+        with pytest.raises(click.ClickException, match="holds no infergate state") as exc:
+            _ = ctx.r
+        assert "--redis-url redis://127.0.0.1:6379/0" in exc.value.message
+    else:
+        assert ctx.r is foreign
+    assert foreign.keys("*") == [b"someone:else"]
