@@ -108,6 +108,33 @@ def test_a_model_is_retrieved_from_the_edge(tiny_upstreams, redis_server, edge_f
     assert n1.hits == 0
 
 
+def test_a_model_whose_id_is_a_file_path_is_retrieved(tiny_upstreams, redis_server,
+                                                      edge_factory) -> None:
+    """llama-server started with `-m /path/model.gguf` names its model by that path. The
+    OpenAI SDK retrieves it as /v1/models/%2Fpath%2Fmodel.gguf and a hand-written URL reads
+    /v1/models//path/model.gguf: the id is the path as the client wrote it (decoded), not
+    nginx's normalised $uri, whose merged slashes lost the leading "/"."""
+    (n1,) = tiny_upstreams(names=["n1"])
+    model = "/models/gemma-3-270m-q4_k_m.gguf"
+    edge = edge_factory(edge_settings(redis_server.url, [
+        n1.node_settings(models=[model, "org/Model-7B", "a+b c"])]))
+    client = openai.OpenAI(base_url=f"{edge.url}/v1", api_key="none", max_retries=0)
+    assert client.models.retrieve(model).id == model
+    for path in ("/v1/models//models/gemma-3-270m-q4_k_m.gguf",
+                 "/v1/models/%2Fmodels%2Fgemma-3-270m-q4_k_m.gguf?x=1"):
+        res = requests.get(edge.url + path, timeout=10)
+        assert res.status_code == 200, (path, res.text)
+        assert res.json()["id"] == model
+    assert requests.get(f"{edge.url}/v1/models/org%2FModel-7B", timeout=10).json()["id"] \
+        == "org/Model-7B"
+    assert requests.get(f"{edge.url}/v1/models/a+b%20c", timeout=10).json()["id"] == "a+b c"
+    assert client.models.retrieve("a+b c").id == "a+b c"
+    # without the leading "/" it is another id, which no node lists
+    res = requests.get(f"{edge.url}/v1/models/models/gemma-3-270m-q4_k_m.gguf", timeout=10)
+    assert res.status_code == 404 and res.json()["error"]["code"] == "model_not_found"
+    assert n1.hits == 0
+
+
 @pytest.fixture
 def snap_pool(tiny_upstreams, redis_server, edge_factory):
     ups = tiny_upstreams(names=["a", "b", "c"])

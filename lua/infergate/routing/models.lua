@@ -40,6 +40,8 @@ local ipairs = ipairs
 local pairs = pairs
 local sort = table.sort
 local sub = string.sub
+local match = string.match
+local gsub = string.gsub
 
 function _M.serves(node, model)
     if not model then
@@ -133,6 +135,22 @@ local function not_found(model)
     }
 end
 
+-- The id of GET /v1/models/<id> as the client wrote it, decoded. Not from $uri, nginx's
+-- normalised path: its merged slashes turn llama-server's default id, the model file's
+-- path ("/models/m.gguf", which the OpenAI SDK sends as "%2Fmodels%2Fm.gguf"), into
+-- "models/m.gguf". "%20", "%2B" are decoded as in $uri, a "+" stays one. A raw path
+-- that does not start with the prefix ("/v1//models/...") falls back to $uri.
+local MODELS_PREFIX = "/v1/models/"
+
+local function requested_id(uri)
+    local path = match(ngx_var("request_uri") or "", "^[^?]*")
+    if sub(path, 1, #MODELS_PREFIX) == MODELS_PREFIX then
+        -- ngx.unescape_uri reads "+" as a space
+        return ngx.unescape_uri((gsub(sub(path, #MODELS_PREFIX + 1), "+", "%%2B")))
+    end
+    return sub(uri, #MODELS_PREFIX + 1)
+end
+
 function _M.step(req)
     local t = snapshot.current()
     if req.route ~= "models" then
@@ -152,8 +170,8 @@ function _M.step(req)
     if uri == "/v1/models" then
         body = _M.encode_list(ids)
     else
-        -- GET /v1/models/<id>: location ^~ /v1/models/ (the normalised path)
-        local id = sub(uri, #"/v1/models/" + 1)
+        -- GET /v1/models/<id>: location ^~ /v1/models/
+        local id = requested_id(uri)
         local found = false
         for _, v in ipairs(ids) do
             if v == id then
