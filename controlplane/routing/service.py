@@ -318,6 +318,12 @@ class ControlPlane:
             if lost:
                 self._record_state_lost(restored)  # after the re-seed the event announces
             read = self.keeper.read()
+            if read.revoked_again:
+                log.error("REDIS STATE WENT BACK: API key(s) %s, revoked when last read, were "
+                          "active again in %s (an older snapshot or replica?); revoked again",
+                          ", ".join(read.revoked_again), redact(self.settings.redis.url))
+                self._pending.append(("keys_revoked_again", "",
+                                      {"ids": read.revoked_again}))
             if read.lost:  # a group gone while the state marker stayed (a shard, an eviction)
                 log.error("REDIS STATE LOST in part: %s gone from %s while its state marker "
                           "stayed", " and ".join(sorted(read.lost)),

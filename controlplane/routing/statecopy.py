@@ -35,6 +35,13 @@ server or name (ignoring case) another node has now (the configuration's nodes, 
 again by a control plane that had no copy) is not written back, nor its state: one
 server never becomes two nodes.
 
+A revocation is for good (a revoked key cannot be edited, and ``keys import`` keeps
+revocations): a key the copy holds revoked that Redis holds active again, as when Redis
+comes back from an older snapshot (an RDB file, a lagging replica promoted) without
+losing its markers, is revoked again at once (:meth:`StateKeeper.read`, in one
+``MULTI`` with the key store's marker, so the edges read it again), and listed in
+:attr:`Read.revoked_again`.
+
 One restore per loss (``claim``): the control plane that writes its copy back first takes
 ``keynames.STATE_RESTORE_CLAIM_PREFIX`` + the new state marker with ``SET NX``; another
 that notices the same loss later (one frozen meanwhile, cut off from Redis, or slower)
@@ -81,6 +88,14 @@ def _revoked(raw: str) -> bool:
         return json.loads(raw).get("revoked") is not None
     except (ValueError, AttributeError):
         return False
+
+
+def _key_id(raw: str) -> str:
+    """The id of an API key record (JSON text), ``"?"`` when it has none."""
+    try:
+        return str(json.loads(raw).get("id") or "?")
+    except (ValueError, AttributeError):
+        return "?"
 
 
 @dataclass
@@ -152,6 +167,9 @@ class Read:
     """``keynames.NODE_STATES`` as Redis holds it now."""
     lost: set[str] = field(default_factory=set)
     """Groups (:data:`GROUPS`) whose marker is gone while the state marker is there."""
+    revoked_again: list[str] = field(default_factory=list)
+    """Ids of the API keys found active again after the copy saw them revoked, and
+    revoked again (see the module docstring)."""
 
 
 class StateKeeper:
@@ -190,10 +208,12 @@ class StateKeeper:
             out.lost.add(APIKEYS)
         elif (keys_marker != c.apikeys_marker or keys_len != len(c.apikeys) or not c.apikeys_at
               or self._clock() - self._keys_read_mono >= KEYS_REFRESH_S):
-            self._read_keys(c, now)
+            out.revoked_again = self._read_keys(c, now)
         return out
 
-    def _read_keys(self, c: StateCopy, now: float) -> None:
+    def _read_keys(self, c: StateCopy, now: float) -> list[str]:
+        """Refresh the copy of the keys; revoke again those the copy held revoked and
+        Redis holds active (returns their ids)."""
         # one slot: HGETALL of both hashes and the marker at one moment
         pipe = self.r.pipeline(transaction=True)
         pipe.hgetall(keynames.APIKEYS)
@@ -201,9 +221,20 @@ class StateKeeper:
         pipe.get(keynames.APIKEYS_MARKER)
         keys, ids, marker = pipe.execute()
         if c.apikeys_marker is not None and marker is None:
-            return   # lost since the first read of this cycle
+            return []   # lost since the first read of this cycle
+        back = {d: c.apikeys[d] for d, raw in keys.items()
+                if d in c.apikeys and _revoked(c.apikeys[d]) and not _revoked(raw)}
+        if back:
+            pipe = self.r.pipeline(transaction=True)
+            for digest, raw in back.items():
+                pipe.hset(keynames.APIKEYS, digest, raw)
+            apikeys.mark_written(pipe)
+            pipe.execute()
+            keys = {**keys, **back}
+            marker = self.r.get(keynames.APIKEYS_MARKER)
         c.apikeys, c.apikey_ids, c.apikeys_marker, c.apikeys_at = keys, ids, marker, now
         self._keys_read_mono = self._clock()
+        return sorted(_key_id(raw) for raw in back.values())
 
     def claim(self, marker: str | None, created: float | None) -> str | None:
         """Whether this copy may be written back after the loss that made the state marker

@@ -231,3 +231,31 @@ def test_the_copy_is_not_taken_from_a_store_whose_marker_went(redis_server) -> N
     assert len(keeper.copy.apikeys) == 1
     assert keeper.restore().apikeys == 1
     assert apikeys.lookup(r, key) is not None
+
+
+def test_a_key_revoked_after_an_older_snapshot_is_revoked_again(redis_server, workdir, cps,
+                                                                 caplog) -> None:
+    """Redis restarted from a snapshot taken before a revocation (``SAVE``, then a
+    restart that loads that dump.rdb) holds the key active again, markers and all: the
+    control plane, whose copy holds the revocation, revokes it again in its next cycle,
+    says so and records it; the other keys stay as the snapshot has them."""
+    caplog.set_level(logging.INFO, logger="infergate.controlplane")
+    cp = cps(cp_settings([_node("a")]), make_client(redis_server.url, 0.5))
+    r = redis_server.client()
+    bad, bad_rec = apikeys.create_key(r, "acme")
+    good, good_rec = apikeys.create_key(r, "acme")
+    cp.run_cycle()
+    r.save()                                            # the older snapshot
+    apikeys.revoke_key(r, bad_rec.id)
+    cp.run_cycle()                                      # the copy sees the revocation
+    redis_server.stop()
+    redis_server.start_again(workdir / "redis")         # back from the snapshot
+    assert apikeys.lookup(r, bad).id == bad_rec.id      # active again, as the snapshot was
+    cp.run_cycle()
+    assert apikeys.lookup(r, bad) is None and apikeys.get_key(r, bad_rec.id).revoked
+    assert apikeys.lookup(r, good).id == good_rec.id
+    assert "REDIS STATE WENT BACK" in caplog.text and bad_rec.id in caplog.text
+    cp.run_cycle()                                      # events are written by the cycle
+    (ev,) = _events(r, "keys_revoked_again")
+    assert ev["detail"]["ids"] == [bad_rec.id]
+    assert not _events(r, "state_lost")                 # nothing was lost: it went back
