@@ -245,3 +245,28 @@ def test_prompt_ratio_has_a_prior_floor_ceiling_and_stays_per_key(workdir: Path)
     assert got["floor"] == 1
     assert got["ceil"] == 8
     assert got["ignored"] == 1 and got["logged"] == pytest.approx(4.0)
+
+
+def test_answers_cut_by_max_tokens_never_teach_shorter_lengths(workdir: Path) -> None:
+    """infergate.routing.lengths: an answer cut by its max_tokens is a lower bound on
+    what the model would have written. A flood of 1-token answers asked as such (a
+    classifier) starts no record and leaves a learned quantile as it was; a cut answer
+    longer than the quantile still raises it. Uncut short answers still pull it down."""
+    got = run(workdir, """
+            local now = ngx.now()
+            for _ = 1, 50 do lengths.observe("c", 1, now, true) end
+            out.none = lengths.info("c") == nil
+            for _ = 1, 40 do lengths.observe("m", 100, now) end
+            local q0 = lengths.info("m").q
+            for _ = 1, 200 do lengths.observe("m", 1, now, true) end
+            out.kept = lengths.info("m").q / q0
+            lengths.observe("m", 400, now, true)
+            out.raised = lengths.info("m").q > q0
+            for _ = 1, 8 do lengths.observe("m", 1, now) end
+            out.uncut = lengths.info("m").q
+            return out
+    """)
+    assert got["none"] is True
+    assert got["kept"] == pytest.approx(1.0)
+    assert got["raised"] is True
+    assert got["uncut"] == pytest.approx(1.0)

@@ -477,7 +477,8 @@ local function learn_tail(req)
     if rt and rt > 0 then
         local tokens = (req.usage and req.usage.completion_tokens) or req.out_chunks
         learned.observe(att.node, rt, tokens)
-        lengths.observe(req.model, tokens)
+        local m = learned.max_tokens(req)
+        lengths.observe(req.model, tokens, nil, m ~= nil and tokens ~= nil and tokens >= m)
     end
 end
 

@@ -9,6 +9,11 @@
 --   q  the QUANTILE (0.9) of T: a stochastic quantile estimate, moved by STEP x q up
 --      (times QUANTILE) when T > q and down (times 1 - QUANTILE) otherwise; the first
 --      answer sets it
+-- An answer cut by its request's max_tokens (T >= max_tokens) says only that the model
+-- would have written T tokens or more: it may raise q (as above when T > q), never
+-- lower it or count in a run below, and it starts no record. A client that asks for 1
+-- token (a classifier, a probe) would otherwise teach the model's answers to be 1 token
+-- long, and the queue would admit long answers it cannot finish in time.
 -- Guard rails: q stays within [1, the largest T seen]; YIELD_RUN answers in a row
 -- shorter than q / YIELD_FACTOR set it to the largest of them at once
 -- (infergate.routing.guard.yield); weight(): how much q still counts against the prior
@@ -53,13 +58,23 @@ local function read(model)
     return p[0], p[1], p[2], p[3], p[4]
 end
 
--- A successful answer of `model` with `tokens` completion tokens.
-function _M.observe(model, tokens, now)
+-- A successful answer of `model` with `tokens` completion tokens; `capped`: it was cut
+-- by the request's max_tokens (a lower bound, see the top of this file).
+function _M.observe(model, tokens, now, capped)
     if type(tokens) ~= "number" or tokens < 1 then
         return
     end
     local q, _, run, run_max, top = read(model)
-    if not q then
+    if capped then
+        if not q or tokens <= q then
+            return
+        end
+        q = q + _M.STEP * q * _M.QUANTILE
+        if tokens > top then
+            top = tokens
+        end
+        q = guard.clamp(q, 1, top)
+    elseif not q then
         q, run, run_max, top = tokens, 0, 0, tokens
     else
         if tokens > q then
