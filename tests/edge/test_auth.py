@@ -154,6 +154,27 @@ def test_missing_wrong_and_valid_keys(redis_server, upstream, edge_factory) -> N
     assert key not in logs and key[3:20] not in logs and "ig-not-a-key" not in logs
 
 
+def test_a_key_in_x_api_key_is_taken_and_never_passed_on(redis_server, upstream,
+                                                           edge_factory) -> None:
+    """Anthropic's SDK sends its key in ``x-api-key``: without an Authorization header
+    that header is the key (a wrong one is a 401 like any other), neither header reaches
+    the node, and an Authorization header, when sent, is the one checked."""
+    r = redis_server.client()
+    key, _ = apikeys.create_key(r, "acme")
+    edge = edge_factory(auth_settings(redis_server.url, upstream.node()))
+    url = f"{edge.url}/v1/chat/completions"
+    res = requests.post(url, json=CHAT, headers={"x-api-key": key}, timeout=10)
+    assert res.status_code == 200, res.text
+    assert_invalid_key(requests.post(url, json=CHAT, headers={"x-api-key": key + "x"},
+                                     timeout=10))
+    both = requests.post(url, json=CHAT, timeout=10,
+                         headers={"x-api-key": key, "Authorization": "Bearer ig-wrong"})
+    assert_invalid_key(both)
+    assert "x-api-key" in post(edge, None).json()["error"]["message"]
+    assert len(upstream.headers) == 1
+    assert all(h not in upstream.headers[0] for h in ("authorization", "x-api-key"))
+
+
 def test_revoked_key_stops_within_the_cache_interval(redis_server, upstream, edge_factory) -> None:
     r = redis_server.client()
     key, rec = apikeys.create_key(r, "acme")

@@ -1,4 +1,5 @@
--- API keys at the edge (access phase): "Authorization: Bearer KEY" -> tenant and limits.
+-- API keys at the edge (access phase): "Authorization: Bearer KEY" (or, without an
+-- Authorization header, "x-api-key: KEY", as Anthropic's SDK sends it) -> tenant and limits.
 --
 -- Mode (auth.mode): "off" -> every request belongs to the tenant "default" and nothing
 -- is checked (trusted networks); "required" -> a valid key is needed on every API path.
@@ -44,8 +45,9 @@
 --
 -- On success: req.tenant (the response cache keys on it), req.key_id (8 hex, safe to
 -- log), req.key_limits = {rpm = n|nil, tpm = n|nil}, req.key_share = {weight, priority}
--- when the key sets either (the fair share, infergate.admission.fairshare); the Authorization header is
--- removed from the request so the nodes never see the key. The key itself is never
+-- when the key sets either (the fair share, infergate.admission.fairshare); the
+-- Authorization and x-api-key headers are removed from the request so the nodes never
+-- see the key. The key itself is never
 -- logged or stored (a worker keeps the digests of the keys in use in its own memory).
 --
 -- Errors: 401 {"type": "invalid_request_error", "code": "invalid_api_key"} with
@@ -344,6 +346,13 @@ function _M.step(req)
         return nil
     end
     local value = ngx_var("http_authorization")
+    if not value or not value:find("%S") then
+        -- the header Anthropic's SDK sends its key in (api_key=...), with no Authorization
+        local xkey = ngx_var("http_x_api_key")
+        if xkey and xkey:find("%S") then
+            value = "Bearer " .. xkey
+        end
+    end
     local digest = value and digests:get(value)
     if not digest then
         local token = _M.bearer(value)
@@ -353,7 +362,7 @@ function _M.step(req)
                 .. "before the key, or more than one word after it).")
         elseif not token then
             return unauthorized("You didn't provide an API key. Send it in the Authorization "
-                .. "header: 'Authorization: Bearer YOUR_KEY'.")
+                .. "header: 'Authorization: Bearer YOUR_KEY' (or in 'x-api-key: YOUR_KEY').")
         end
         if #token > _M.MAX_KEY_LEN then
             return unauthorized("Incorrect API key provided.")
@@ -395,6 +404,7 @@ function _M.step(req)
         req.key_share = { weight = e.weight, priority = e.priority }
     end
     ngx.req.clear_header("Authorization")
+    ngx.req.clear_header("x-api-key")
     return nil
 end
 
