@@ -171,8 +171,9 @@ def test_a_key_in_x_api_key_is_taken_and_never_passed_on(redis_server, upstream,
                          headers={"x-api-key": key, "Authorization": "Bearer ig-wrong"})
     assert_invalid_key(both)
     assert "x-api-key" in post(edge, None).json()["error"]["message"]
-    assert len(upstream.headers) == 1
-    assert all(h not in upstream.headers[0] for h in ("authorization", "x-api-key"))
+    proxied = [h for h in upstream.headers if "x-request-id" in h]   # not the edge's checks
+    assert len(proxied) == 1
+    assert all(h not in proxied[0] for h in ("authorization", "x-api-key"))
 
 
 def test_revoked_key_stops_within_the_cache_interval(redis_server, upstream, edge_factory) -> None:
