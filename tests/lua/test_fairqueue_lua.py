@@ -264,3 +264,37 @@ def test_admission_charges_the_expected_output_and_the_log_settles_it(workdir: P
     assert got["admitted"] == pytest.approx(210)
     assert got["settled"] == pytest.approx(60)
     assert got["cut"] == pytest.approx(55)
+
+
+def test_an_answer_without_usage_is_charged_what_its_slot_could_write_while_held(workdir: Path) -> None:
+    """infergate.admission.fairshare: a request cut by its deadline never says its usage;
+    it is charged the output its slot could have written since its admission (the time
+    held over its node's learned time per token, at most its max_tokens) when that is
+    above the admission charge, so a tenant whose requests hold slots for the whole
+    deadline is not charged a typical short answer per request."""
+    got = lua_eval(workdir, PRELUDE + """
+    local learned = require("infergate.routing.learned")
+    local lengths = require("infergate.routing.lengths")
+    local o = config.get().admission
+    learned.observe("n-held", 1.0, 10)          -- 0.1 s per output token
+    lengths.observe("m-held", 16)               -- the model's answers: 16 tokens
+    local function cut(tenant, body, held_s, node)
+        local req = {tenant = tenant, model = "m-held", body = body, est_tokens = 5}
+        fairshare.admitted(req, o)
+        out[tenant .. "_admitted"] = vtc.get(tenant)
+        req.fair.at = req.fair.at - held_s
+        req.attempts = {{node = node}}
+        fairshare.log(req)
+        out[tenant] = vtc.get(tenant)
+    end
+    cut("t-long", {max_tokens = 10000000}, 30, "n-held")   -- 30 s held: 300 tokens
+    cut("t-capped", {max_tokens = 100}, 30, "n-held")      -- at most its max_tokens
+    cut("t-short", {max_tokens = 10000000}, 0.5, "n-held") -- 5 tokens < the charge: kept
+    cut("t-unknown", {max_tokens = 10000000}, 30, "n-none") -- no time per token: kept
+    return out
+""", http_extra=DICTS)
+    assert got["t-long_admitted"] == pytest.approx(21)
+    assert got["t-long"] == pytest.approx(305)
+    assert got["t-capped"] == pytest.approx(105)
+    assert got["t-short"] == pytest.approx(21)
+    assert got["t-unknown"] == pytest.approx(21)

@@ -16,8 +16,15 @@
 --                   neither is known;
 --   log(req)        settles when the answer's usage is known: usage.total_tokens
 --                   minus what was charged, / weight (negative when the answer was
---                   shorter than expected; an answer whose usage is never known, cut
---                   or abandoned, keeps the charge).
+--                   shorter than expected). An answer whose usage is never known (cut
+--                   by the deadline, abandoned) is charged what its slot could have
+--                   written while held: the time since admission over the learned time
+--                   per output token of its last node (infergate.routing.learned pt),
+--                   at most its max_tokens, when that is above the charge; else it
+--                   keeps the charge. Without it a tenant whose requests never finish
+--                   (max_tokens far past the deadline) was charged a typical answer per
+--                   request while holding slots for the whole deadline, and so took the
+--                   turns of tenants whose short answers it was measured against.
 --
 -- The class also sets how long a request may wait for a slot: WAIT_FACTOR x the wait of
 -- a standard request (critical waits longer, sheddable is shed first).
@@ -34,6 +41,7 @@ local ngxapi = require("infergate.core.ngxapi")
 local _M = {}
 
 local max = math.max
+local floor = math.floor
 local ceil = math.ceil
 local tostring = tostring
 local type = type
@@ -142,19 +150,49 @@ function _M.admitted(req, o)
     end
     local n = prompt_tokens(req) + expected_output(req)
     vtc.charge(tenant, n, weight)
-    req.fair = { tenant = tenant, weight = weight, charged = n }
+    req.fair = { tenant = tenant, weight = weight, charged = n, at = ngxapi.now() }
     req.track_usage = true
 end
 
--- Log phase: the request's tokens settled once its usage is known.
+-- Output tokens the slot of a request without usage could have written since its
+-- admission (fair share `f`), at its last node's learned time per token; nil unknown.
+local function output_while_held(req, f, now)
+    local attempts = req.attempts
+    local att = attempts and attempts[#attempts]
+    local info = att and att.node and learned.info(att.node)
+    local pt = info and info.pt
+    if not pt or pt <= 0 or not f.at then
+        return nil
+    end
+    local n = floor(max(0, now - f.at) / pt)
+    local m = learned.max_tokens(req)
+    if m and m < n then
+        n = m
+    end
+    return n
+end
+
+-- Log phase: the request's tokens settled once its usage is known; without usage, the
+-- output its slot could have written while held, when above the charge.
 function _M.log(req)
     local f = req.fair
-    local u = req.usage
-    local total = u and u.total_tokens
-    if not f or not total then
+    if not f then
         return
     end
-    vtc.charge(f.tenant, total - f.charged, f.weight)
+    local u = req.usage
+    local total = u and u.total_tokens
+    if total then
+        vtc.charge(f.tenant, total - f.charged, f.weight)
+        return
+    end
+    local n = output_while_held(req, f, ngxapi.now())
+    if n then
+        local held = prompt_tokens(req) + n
+        if held > f.charged then
+            vtc.charge(f.tenant, held - f.charged, f.weight)
+            f.charged = held
+        end
+    end
 end
 
 -- The fast 429 of a request whose flow already holds its bound (infergate.admission.
