@@ -55,11 +55,14 @@ _NO_KIND = re.compile(r"metrics: (HTTP (404|405|501)\b|no .*metric names)")
 @dataclass(frozen=True)
 class Props:
     """What a llama.cpp ``/props`` answer says. ``total_slots``: ``--parallel``;
-    ``metrics``: ``/metrics`` is on (``None``: not said)."""
+    ``metrics``: ``/metrics`` is on (``None``: not said); ``ctx_tokens``: the context
+    of one slot, tokens (``default_generation_settings.n_ctx``: ``--ctx-size`` /
+    ``--parallel``; llama.cpp b4000 and later; ``None``: not said)."""
 
     total_slots: int
     metrics: bool | None = None
     build_info: str | None = None
+    ctx_tokens: int | None = None
 
 
 def parse_props(body: str) -> Props:
@@ -73,8 +76,12 @@ def parse_props(body: str) -> Props:
         raise ValueError("no integer total_slots")
     metrics = doc.get("endpoint_metrics")
     build = doc.get("build_info")
+    gen = doc.get("default_generation_settings")
+    ctx = gen.get("n_ctx") if isinstance(gen, dict) else None
+    if isinstance(ctx, bool) or not isinstance(ctx, int) or ctx < 1:
+        ctx = None
     return Props(total_slots=slots, metrics=metrics if isinstance(metrics, bool) else None,
-                 build_info=build if isinstance(build, str) else None)
+                 build_info=build if isinstance(build, str) else None, ctx_tokens=ctx)
 
 
 def hint_of(last_error: str | None) -> str | None:
@@ -172,6 +179,17 @@ class PropsPoller(BackgroundReader):
                 e = self._entries.get(n.name)
                 if e is not None and e.props is not None:
                     out[n.name] = e.props.total_slots
+        return out
+
+    def contexts(self, nodes: list[NodeSettings]) -> dict[str, int]:
+        """The context of one slot (tokens) per llama.cpp server among ``nodes`` that
+        reports it (name -> tokens; the others absent)."""
+        out: dict[str, int] = {}
+        with self._lock:
+            for n in nodes:
+                e = self._entries.get(n.name)
+                if e is not None and e.props is not None and e.props.ctx_tokens is not None:
+                    out[n.name] = e.props.ctx_tokens
         return out
 
     def hint(self, node: NodeSettings, status: NodeStatus) -> str | None:

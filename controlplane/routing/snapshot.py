@@ -150,13 +150,14 @@ def node_entry(node: NodeSettings, state: NodeState, status: NodeMetricsDoc | No
                host: str | None, now: float, slow_start_s: float,
                models: list[str] | None = None, ramp_since: float = 0.0,
                auth: str | None = None, server_slots: int | None = None,
-               models_any: bool = False) -> SnapshotNode:
+               models_any: bool = False, ctx_tokens: int | None = None) -> SnapshotNode:
     """One ``nodes[]`` entry. ``status``: the node's latest metrics (``None`` before its
     first poll: healthy, no metrics); ``models``: served model ids (``None`` unknown);
     ``ramp_since``: epoch s the node was added at run time or became healthy again;
     ``auth``: the ``Authorization`` value the edge sends it (its API key; secret);
     ``server_slots``: the slots the server reports (``None``: not known);
-    ``models_any``: the node takes any model besides ``models`` (only with a list)."""
+    ``models_any``: the node takes any model besides ``models`` (only with a list);
+    ``ctx_tokens``: the context of one of its slots (``None``: not known)."""
     st = status or NodeMetricsDoc(name=node.name)
     scheme = urlsplit(node.url).scheme
     slots, slots_source = node_slots(node, server_slots)
@@ -175,6 +176,7 @@ def node_entry(node: NodeSettings, state: NodeState, status: NodeMetricsDoc | No
         max_concurrency=node.max_concurrency,
         slots=slots,
         slots_source=slots_source,
+        ctx_tokens=ctx_tokens,
         score=st.score,
         saturated=bool(st.saturated),
         queue_depth=st.queue_depth,
@@ -196,14 +198,17 @@ def build_snapshot(*, version: int, now: float, leader: str, nodes: list[NodeSet
                    ramps: dict[str, float] | None = None,
                    auths: dict[str, str | None] | None = None,
                    slots: dict[str, int] | None = None,
-                   models_any: set[str] | None = None) -> RoutingSnapshot:
+                   models_any: set[str] | None = None,
+                   contexts: dict[str, int] | None = None) -> RoutingSnapshot:
     """The routing snapshot (docs/internals.md); ``.to_json()`` is what the leader
     writes. Nodes sorted by name. ``models``: served model ids per node (missing =
     unknown); ``ramps``: slow-start start (epoch s) per node added at run time or
     healthy again; ``auths``: the ``Authorization`` value per node with an API key;
     ``slots``: the slots each server reports (missing = not known); ``models_any``: the
-    nodes that take any model besides their list (single-model llama.cpp servers)."""
+    nodes that take any model besides their list (single-model llama.cpp servers);
+    ``contexts``: the context of one slot per server that reports it (tokens)."""
     models = models or {}
+    contexts = contexts or {}
     ramps = ramps or {}
     auths = auths or {}
     slots = slots or {}
@@ -215,7 +220,8 @@ def build_snapshot(*, version: int, now: float, leader: str, nodes: list[NodeSet
                           hosts.get(n.name), now, slow_start_s, models.get(n.name),
                           ramps.get(n.name, 0.0), auth=auths.get(n.name),
                           server_slots=slots.get(n.name),
-                          models_any=n.name in (models_any or ()))
+                          models_any=n.name in (models_any or ()),
+                          ctx_tokens=contexts.get(n.name))
                for n in sorted(nodes, key=lambda n: n.name)],
     )
 

@@ -201,6 +201,9 @@ class SnapshotNode(_Doc):
     slots_source: str | None = None
     """Where ``slots`` came from: ``server`` (llama.cpp ``/props`` ``total_slots``) or
     ``config`` (``max_concurrency`` set to another value than its default); ``None``."""
+    ctx_tokens: int | None = None
+    """The context one request may fill on the node, tokens (llama.cpp ``/props``
+    ``default_generation_settings.n_ctx``); ``None`` = not known."""
     score: float | None = None
     """Health score, lower is better, divided by weight; ``None`` = no metrics."""
     saturated: bool = False

@@ -34,6 +34,7 @@ local errorpage = require("infergate.errorpage")
 local snapshot = require("infergate.routing.snapshot")
 local routing_balancer = require("infergate.routing.balancer")
 local models = require("infergate.routing.models")
+local ctxfit = require("infergate.routing.ctxfit")
 local upstream = require("infergate.routing.upstream")
 local stall = require("infergate.routing.stall")
 local stats = require("infergate.routing.stats")
@@ -62,6 +63,7 @@ _M.SWITCHES = {
 -- here, infergate.core.cors) -> auth (API key -> req.tenant) ->
 -- body_read (slow body 408, compressed 415, invalid UTF-8 400) -> body (the JSON object,
 -- decoded once; its bounds) -> models (unknown model 404; GET /v1/models answered here) ->
+-- ctxfit (a prompt far over every serving node's context: 400, infergate.routing.ctxfit) ->
 -- ratelimit -> cache (exact, then semantic; a hit is answered here, after auth and rate
 -- limits, before any node is needed) -> upstream (the request's scheme and node API key,
 -- infergate.routing.upstream) -> eligible (no node for the model: 503) ->
@@ -74,6 +76,7 @@ _M.ACCESS = {
     { name = "body_read", fn = inputguard.step },
     { name = "body", fn = access.step_body },
     { name = "models", fn = models.step },
+    { name = "ctxfit", fn = ctxfit.step },
     { name = "ratelimit", fn = ratelimit.step },
     { name = "cache", fn = lookup.step, when = "cache", init = lookup.init },
     { name = "upstream", fn = upstream.step },

@@ -63,7 +63,7 @@ def cp_factory(redis_server):
 # -- tests ---------------------------------------------------------------------------
 
 NODE_KEYS = {"name", "url", "host", "port", "kind", "state", "healthy", "weight",
-             "effective_weight", "max_concurrency", "slots", "slots_source", "score",
+             "effective_weight", "max_concurrency", "slots", "slots_source", "ctx_tokens", "score",
              "saturated", "queue_depth", "running", "kv_cache_usage", "has_metrics", "models",
              "models_any", "connects"}
 METRICS_KEYS = {"name", "ts", "healthy", "reachable", "dialect", "queue_depth", "running",

@@ -89,3 +89,48 @@ def test_streams_beyond_the_slot_wait_at_the_edge(realnodes, redis_server, contr
     assert all(done for _, done in got), got          # no stream was cut
     assert deferred_max[0] == 0.0                     # nothing waited in the server
     assert edge.status()["admission"]["shed"] == 0
+
+
+def test_a_prompt_far_over_the_slot_context_is_refused_at_the_edge(
+        realnodes, redis_server, controlplane_factory, edge_factory) -> None:
+    """The control plane reads the slot's context from ``/props`` into the snapshot; a
+    prompt estimated at over twice it gets the edge's 400 ``context_length_exceeded`` at
+    once and never reaches the node (which would tokenize it all first); a prompt below
+    that goes to the node, whose own answer comes back."""
+    (node,) = realnodes(1, parallel=1, threads=1)
+    s = edge_settings(redis_server.url, [NodeSettings(name="cpp", url=node.url)])
+    s.controlplane.poll_interval_s = 0.5
+    controlplane_factory(s)
+
+    def detected() -> bool:
+        n = _snapshot_node(redis_server.url)
+        return bool(n and n["healthy"] and n.get("ctx_tokens"))
+
+    procs.wait_until(detected, timeout=60, what="the slot context read into the snapshot")
+    ctx = _snapshot_node(redis_server.url)["ctx_tokens"]
+    props = requests.get(node.url + "/props", timeout=5).json()
+    assert ctx == props["default_generation_settings"]["n_ctx"]
+    edge = edge_factory(s)
+    procs.wait_until(lambda: edge.node_status("cpp").get("healthy") is True, timeout=10,
+                     what="the edge to have the snapshot")
+
+    def prompt_tokens_total() -> float:
+        m = re.search(r"^llamacpp:prompt_tokens_total\s+([0-9.eE+-]+)",
+                      requests.get(node.url + "/metrics", timeout=5).text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    def ask(words: int) -> requests.Response:
+        body = {"model": MODEL_ALIAS, "max_tokens": 2,
+                "messages": [{"role": "user", "content": "lorem ipsum " * words}]}
+        return requests.post(f"{edge.url}/v1/chat/completions", json=body, timeout=120)
+
+    before = prompt_tokens_total()
+    far = ask(ctx * 2)                                   # ~24 characters a pair: ~6x ctx
+    assert far.status_code == 400, far.text
+    err = far.json()["error"]
+    assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
+    assert str(ctx) in err["message"]
+    near = ask(ctx // 4)                                 # ~0.75x ctx by the estimate
+    assert near.status_code == 200, near.text
+    assert prompt_tokens_total() > before                # only the second one was read
+    assert prompt_tokens_total() - before < ctx

@@ -11,7 +11,7 @@ from support.stack import lua_eval
 
 from controlplane.edge.options import lua_string, option_spec
 
-ACCESS = ["method", "auth", "body_read", "body", "models", "ratelimit", "cache", "upstream", "eligible",
+ACCESS = ["method", "auth", "body_read", "body", "models", "ctxfit", "ratelimit", "cache", "upstream", "eligible",
           "admission", "relay"]
 
 

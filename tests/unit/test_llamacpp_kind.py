@@ -56,6 +56,12 @@ PROPS = {"total_slots": 4, "endpoint_metrics": True, "build_info": "b11434-abc",
 def test_parse_props():
     assert parse_props(json.dumps(PROPS)) == Props(4, True, "b11434-abc")
     assert parse_props('{"total_slots": 1}') == Props(1, None, None)
+    # the context of one slot (default_generation_settings.n_ctx); anything else: unknown
+    ctx = {**PROPS, "default_generation_settings": {"n_ctx": 512}}
+    assert parse_props(json.dumps(ctx)).ctx_tokens == 512
+    for gen in ({"n_ctx": 0}, {"n_ctx": True}, {"n_ctx": "512"}, [512], None):
+        doc = {**PROPS, "default_generation_settings": gen}
+        assert parse_props(json.dumps(doc)).ctx_tokens is None, gen
     for bad in ('{"detail": "Not Found"}', '{"total_slots": 0}', '{"total_slots": true}',
                 '[1]', '{"total_slots": "4"}'):
         with pytest.raises(ValueError):

@@ -132,6 +132,10 @@ local function make_node(n)
     if slots and slots < 1 then
         slots = nil
     end
+    local ctx = num(n.ctx_tokens)
+    if ctx and ctx < 1 then
+        ctx = nil
+    end
     local state = n.state
     if state ~= "active" and state ~= "draining" and state ~= "drained" then
         state = "active"
@@ -154,6 +158,7 @@ local function make_node(n)
         queue_depth = num(n.queue_depth),  -- infergate.routing.room
         kind = n.kind,
         slots_source = n.slots_source,  -- "server": a llama.cpp server (infergate.stream.splice)
+        ctx_tokens = ctx,  -- context of one slot, tokens (nil: not known; routing.ctxfit)
         models = model_set(n.models, n.models_any),  -- nil = unknown (any model)
         -- how the edge reaches it (infergate.routing.upstream): the API key is secret,
         -- never reported by /infergate/status

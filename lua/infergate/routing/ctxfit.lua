@@ -1,0 +1,92 @@
+-- A prompt far longer than any node serving its model can hold gets its 400 at the edge
+-- (access phase), without reaching a node.
+--
+-- llama-server tokenizes a whole prompt before it refuses one longer than a slot's
+-- context (exceed_context_size_error): a 7.8 MB prompt held a slot of a real node for
+-- 14 s to end in that 400. The control plane reads each llama.cpp server's slot context
+-- from its /props (default_generation_settings.n_ctx, the snapshot's ctx_tokens).
+--
+-- The prompt's tokens are estimated as characters / CHARS_PER_TOKEN (a chat request's
+-- message contents, a completions request's prompt string; other bodies, a list of
+-- prompts or inputs, are not checked: each of those has its own context). The estimate
+-- is rough (the rate limiter's chars / 4 is 1.1x under for English text and far under
+-- for Chinese, far over for runs of one character), so a request is refused only when
+-- it is over FACTOR times the largest context among the nodes serving its model, and
+-- only when every one of them reports its context (a node that does not may hold
+-- anything, and answers for itself). Below that the node answers, as it would without
+-- the edge. No I/O.
+--
+-- Error: 400 {"type": "invalid_request_error", "code": "context_length_exceeded",
+-- "param": "messages" | "prompt"}.
+local snapshot = require("infergate.routing.snapshot")
+local models = require("infergate.routing.models")
+local body = require("infergate.core.body")
+
+local _M = {}
+
+_M.CHARS_PER_TOKEN = 4
+_M.FACTOR = 2
+
+local type = type
+local ipairs = ipairs
+local ceil = math.ceil
+
+-- Characters of the one prompt of a decoded body and the field named in the error, or
+-- nil when the body is not one prompt.
+local function prompt_of(b)
+    if type(b) ~= "table" then
+        return nil
+    end
+    if type(b.messages) == "table" then
+        return body.prompt_chars({ messages = b.messages }), "messages"
+    end
+    if type(b.prompt) == "string" then
+        return body.prompt_chars({ prompt = b.prompt }), "prompt"
+    end
+    return nil
+end
+
+-- The largest slot context (tokens) among the nodes of snapshot `t` serving `model`,
+-- or nil when none does or one of them does not report its context.
+function _M.largest_context(t, model)
+    local largest
+    for _, node in ipairs(t.nodes) do
+        if models.serves(node, model) then
+            local c = node.ctx_tokens
+            if not c then
+                return nil
+            end
+            if not largest or c > largest then
+                largest = c
+            end
+        end
+    end
+    return largest
+end
+
+-- Access step: nil to continue, or the 400 error table.
+function _M.step(req)
+    if req.route ~= "inference" then
+        return nil
+    end
+    local chars, param = prompt_of(req.body)
+    if not chars or chars <= _M.FACTOR * _M.CHARS_PER_TOKEN then
+        return nil
+    end
+    local largest = _M.largest_context(snapshot.current(), req.model)
+    local est = ceil(chars / _M.CHARS_PER_TOKEN)
+    if not largest or est <= _M.FACTOR * largest then
+        return nil
+    end
+    return {
+        status = 400,
+        message = "This model's maximum context length is " .. largest .. " tokens; the "
+            .. "prompt is about " .. est .. " tokens (estimated from its " .. chars
+            .. " characters). Shorten the prompt.",
+        type = "invalid_request_error",
+        code = "context_length_exceeded",
+        param = param,
+    }
+end
+
+return _M
