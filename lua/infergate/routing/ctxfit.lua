@@ -69,13 +69,15 @@ function _M.step(req)
     if req.route ~= "inference" then
         return nil
     end
-    local chars, param = prompt_of(req.body)
-    if not chars or chars <= _M.FACTOR * _M.CHARS_PER_TOKEN then
+    local largest = _M.largest_context(snapshot.current(), req.model)
+    -- the cheap checks first: no context known, or a body too short to be over it (a
+    -- prompt has at most as many characters as its body has bytes)
+    if not largest or (req.body_bytes or 0) <= _M.FACTOR * largest * _M.CHARS_PER_TOKEN then
         return nil
     end
-    local largest = _M.largest_context(snapshot.current(), req.model)
-    local est = ceil(chars / _M.CHARS_PER_TOKEN)
-    if not largest or est <= _M.FACTOR * largest then
+    local chars, param = prompt_of(req.body)
+    local est = chars and ceil(chars / _M.CHARS_PER_TOKEN)
+    if not est or est <= _M.FACTOR * largest then
         return nil
     end
     return {
