@@ -354,6 +354,42 @@ def test_failed_lookups_are_limited_per_address(redis_server, upstream, edge_fac
                      2 / rate + 5, what="the address's budget to refill")
 
 
+def test_a_flood_spread_over_many_addresses_is_limited_as_a_whole(
+        redis_server, upstream, edge_factory) -> None:
+    """Made-up keys from 150 client addresses, one each (every address within its own
+    budget): past the budget of all addresses together (ALL_FACTOR = 50 times an
+    address's) they get 429 auth_throttled without a Redis call, and a valid key of the
+    store still gets through from a new address meanwhile."""
+    import http.client
+
+    r = redis_server.client()
+    key, _ = apikeys.create_key(r, "acme")
+    burst, rate = 2, 0.02                      # all addresses: 100 lookups, 1 a second
+    edge = edge_factory(auth_settings(redis_server.url, upstream.node(), fail_burst=burst,
+                                      fail_rate_per_s=rate))
+    port = int(edge.url.rsplit(":", 1)[1])
+
+    def post_from(addr: str, token: str) -> int:
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=10, source_address=(addr, 0))
+        try:
+            c.request("POST", "/v1/chat/completions", body=json.dumps(CHAT),
+                      headers={"Authorization": f"Bearer {token}",
+                               "Content-Type": "application/json"})
+            return c.getresponse().status
+        finally:
+            c.close()
+
+    before = _hget_calls(r)
+    started = time.monotonic()
+    codes = [post_from(f"127.0.{1 + i // 200}.{1 + i % 200}", f"ig-spread-{i}")
+             for i in range(150)]
+    elapsed = time.monotonic() - started
+    calls = _hget_calls(r) - before
+    assert calls <= burst * 50 + rate * 50 * elapsed + 2, (calls, elapsed)
+    assert codes.count(401) == calls and codes.count(429) == 150 - calls, codes
+    assert post_from("127.0.9.9", key) == 200          # a key of the store: checked
+
+
 def test_a_new_valid_key_is_not_locked_out_by_a_flood_from_its_address(
         redis_server, upstream, edge_factory) -> None:
     """A flood of made-up keys spends its address's budget of failed lookups. A valid key

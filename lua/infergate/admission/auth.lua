@@ -23,8 +23,9 @@
 -- gets 503 auth_unavailable. An unknown key is never let through.
 --
 -- Lookups that find no valid key are limited per client address
--- (infergate.admission.auththrottle, auth.fail_burst / auth.fail_rate_per_s): past the
--- budget a key without a cached answer gets 429 auth_throttled without a Redis call,
+-- (infergate.admission.auththrottle, auth.fail_burst / auth.fail_rate_per_s), and for all
+-- addresses together (50 times that): past either budget a key without a cached answer
+-- gets 429 auth_throttled without a Redis call,
 -- unless its digest is one of the key store's (infergate.admission.knownkeys, refreshed
 -- every few seconds): a valid key is not locked out by a flood from its address.
 -- 429, not 401: the key was not checked (it may be valid, e.g. a client behind the same
@@ -303,8 +304,17 @@ function _M.lookup(digest, now, o, addr)
         end
     end
     local charged = not (e and e.ok)
+    local charged_all = false
     if charged then
         local wait = throttle.take(addr, now, o)
+        if wait <= 0 then
+            -- and from the budget of all addresses together (a flood spread over many)
+            wait = throttle.take_all(now, o)
+            charged_all = wait <= 0
+            if not charged_all then
+                throttle.refund(addr, now, o)
+            end
+        end
         if wait > 0 then
             if not knownkeys.has(digest) then
                 return nil, "throttled", wait
@@ -318,6 +328,9 @@ function _M.lookup(digest, now, o, addr)
     end
     if charged and not (fresh and not fresh.ok) then
         throttle.refund(addr, now, o)  -- a valid key, or none could be checked
+        if charged_all then
+            throttle.refund_all(now, o)
+        end
     end
     return fresh, err
 end
