@@ -8,9 +8,14 @@
 --
 -- The prompt's tokens are estimated as characters / CHARS_PER_TOKEN (a chat request's
 -- message contents, a completions request's prompt string; other bodies, a list of
--- prompts or inputs, are not checked: each of those has its own context). The estimate
--- is rough (the rate limiter's chars / 4 is 1.1x under for English text and far under
--- for Chinese, far over for runs of one character), so a request is refused only when
+-- prompts or inputs, are not checked: each of those has its own context), every 8
+-- characters of a run of whitespace or of one ASCII punctuation mark counted
+-- as one character: llama.cpp's tokenizers take such a run in few tokens (gemma 3: 31
+-- spaces or newlines a token, 16 dashes a token), so a fixed-width table padded with
+-- spaces (9.8 characters a token) was refused at over twice the context while it fit
+-- in it; a run still counts (a body of spaces alone is refused too). The estimate
+-- is rough (chars / 4 is 1.1x over for English text and far under for Chinese), so a
+-- request is refused only when
 -- it is over FACTOR times the largest context among the nodes serving its model, and
 -- only when every one of them reports its context (a node that does not may hold
 -- anything, and answers for itself). Below that the node answers, as it would without
@@ -30,21 +35,58 @@ _M.FACTOR = 2
 local type = type
 local ipairs = ipairs
 local ceil = math.ceil
+local re_gsub = ngx.re.gsub
 
--- Characters of the one prompt of a decoded body and the field named in the error, or
--- nil when the body is not one prompt.
+-- Up to 8 characters of a run of whitespace, or of one ASCII punctuation
+-- mark repeated (PCRE): one character of the estimate (a token per 32 of them, where
+-- gemma 3 takes 31 spaces or 16 dashes in one).
+local RUNS = [[\s{2,8}|([!-/:-@\[-`{-~])\1{1,7}]]
+
+-- Characters (code points) of string `s`, each match of RUNS counted as one.
+local function dense_chars(s)
+    local t = re_gsub(s, RUNS, " ", "jo")
+    return body.prompt_chars({ prompt = t or s })
+end
+
+-- The same for a message's content: a string or a list of parts.
+local function content_chars(v)
+    if type(v) == "string" then
+        return dense_chars(v)
+    end
+    local n = 0
+    if type(v) == "table" then
+        for _, part in ipairs(v) do
+            if type(part) == "string" then
+                n = n + dense_chars(part)
+            elseif type(part) == "table" and type(part.text) == "string" then
+                n = n + dense_chars(part.text)
+            end
+        end
+    end
+    return n
+end
+
+-- Characters of the one prompt of a decoded body (runs counted as one, see above) and
+-- the field named in the error, or nil when the body is not one prompt.
 local function prompt_of(b)
     if type(b) ~= "table" then
         return nil
     end
     if type(b.messages) == "table" then
-        return body.prompt_chars({ messages = b.messages }), "messages"
+        local n = 0
+        for _, m in ipairs(b.messages) do
+            if type(m) == "table" then
+                n = n + content_chars(m.content)
+            end
+        end
+        return n, "messages"
     end
     if type(b.prompt) == "string" then
-        return body.prompt_chars({ prompt = b.prompt }), "prompt"
+        return dense_chars(b.prompt), "prompt"
     end
     return nil
 end
+_M._prompt_of = prompt_of
 
 -- The largest slot context (tokens) among the nodes of snapshot `t` serving `model`,
 -- or nil when none does or one of them does not report its context.
