@@ -247,6 +247,31 @@ def test_prompt_ratio_has_a_prior_floor_ceiling_and_stays_per_key(workdir: Path)
     assert got["ignored"] == 1 and got["logged"] == pytest.approx(4.0)
 
 
+def test_prompt_ratio_of_short_prompts_is_not_stretched_to_long_ones(workdir: Path) -> None:
+    """infergate.admission.promptratio.scale: short chat messages bill mostly their
+    template's fixed tokens (a gemma 3 llama-server: 27 tokens for 13 characters,
+    estimated 4); their ratio (capped at 8) applies up to SPAN times the learned mean
+    estimate, the rest of a far longer prompt at 1: three greetings no longer make the
+    key's next 8,000-character prompt (2,000 estimated, 1,629 billed) cost 16,000."""
+    got = run(workdir, """
+            local pr = require("infergate.admission.promptratio")
+            local a = {key_id = "ka", model = "m"}
+            out.prior = pr.scale(a, 2000)
+            for _ = 1, 3 do pr.observe(a, 27, 4) end
+            out.short = pr.scale(a, 4)
+            out.long = pr.scale(a, 2000)
+            local z = {key_id = "kz", model = "m"}               -- Chinese: ~1 token a char
+            for _ = 1, 3 do pr.observe(z, 4000, 1000) end
+            out.zh = pr.scale(z, 1000)
+            out.zh_long = pr.scale(z, 4000)
+            return out
+    """)
+    assert got["prior"] == 2000
+    assert got["short"] == 27
+    assert got["long"] == 16 * 27 // 4 + 2000 - 16, got
+    assert got["zh"] == 4000 and got["zh_long"] == 16000
+
+
 def test_answers_cut_by_max_tokens_never_teach_shorter_lengths(workdir: Path) -> None:
     """infergate.routing.lengths: an answer cut by its max_tokens is a lower bound on
     what the model would have written. A flood of 1-token answers asked as such (a

@@ -16,6 +16,13 @@
 -- estimated is given back at settlement, as before); CEIL 8; forgotten TTL_S after
 -- the last answer (back to the prior, the configured figure). Per key and model, so
 -- one tenant's prompts never raise another's estimates (without a key: per model).
+-- The ratio is applied (scale) to a prompt up to SPAN times the learned mean estimate;
+-- the part of a longer prompt beyond that counts at 1, as before any answer: short
+-- prompts bill mostly their chat template's fixed tokens (a 13-character message, 4
+-- estimated, billed 27 by a gemma 3 llama-server), a ratio that does not grow with the
+-- prompt. Three such messages had made a key's next 8,000-character prompt (2,000
+-- estimated, 1,629 billed) cost 16,000, so a 6,000 tokens-a-minute key got a 429
+-- (Retry-After 15 s) on its second such prompt with 3,300 tokens used.
 --
 -- Shared dict infergate_stats, "ptr:<key id>|<model>": packed doubles
 -- {EWMA billed prompt tokens, EWMA raw estimate, answers counted}. No I/O.
@@ -29,10 +36,12 @@ _M.MIN_OBS = 3
 _M.FLOOR = 1
 _M.CEIL = 8
 _M.TTL_S = 600
+_M.SPAN = 4
 
 local type = type
 local min = math.min
 local max = math.max
+local ceil = math.ceil
 local shared = ngx.shared
 local cdouble_p = ffi.typeof("const double *")
 local buf = ffi.new("double[3]")
@@ -43,7 +52,8 @@ local function key_of(req)
 end
 
 -- Prompt tokens billed per estimated prompt token for `req`'s key and model: 1 until
--- MIN_OBS answers are known (see the top of this file), then within [FLOOR, CEIL].
+-- MIN_OBS answers are known (see the top of this file), then within [FLOOR, CEIL];
+-- and the learned mean estimate (nil with 1).
 function _M.factor(req)
     local raw = shared[config.DICT_STATS]:get(key_of(req))
     if type(raw) ~= "string" or #raw ~= BYTES then
@@ -53,7 +63,18 @@ function _M.factor(req)
     if rec[2] < _M.MIN_OBS or rec[1] <= 0 then
         return 1
     end
-    return min(_M.CEIL, max(_M.FLOOR, rec[0] / rec[1]))
+    return min(_M.CEIL, max(_M.FLOOR, rec[0] / rec[1])), rec[1]
+end
+
+-- The up-front prompt tokens of `req` from its raw estimate `est` (characters /
+-- chars_per_token): the factor applied up to SPAN times the learned mean estimate.
+function _M.scale(req, est)
+    local f, mean = _M.factor(req)
+    if f == 1 or not mean then
+        return est
+    end
+    local within = min(est, _M.SPAN * mean)
+    return ceil(within * f + (est - within))
 end
 
 -- One answer: `billed` prompt tokens (the node's usage) against `estimate` (the raw

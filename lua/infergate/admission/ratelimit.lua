@@ -13,7 +13,8 @@
 --
 -- Token estimate up front: ceil(characters of the prompt / limits.chars_per_token),
 -- at least 1, times what this key's prompts on this model were billed per estimated
--- token (infergate.admission.promptratio: 1 until learned, at most 8); characters
+-- token (infergate.admission.promptratio: 1 until learned, at most 8, up to 4 times
+-- the key's mean prompt); characters
 -- are Unicode code points of the message contents (chat), the prompt (completions) or
 -- the input (embeddings). A cost above a bucket's capacity is
 -- capped at the capacity (the request waits for a full bucket). After the answer the
@@ -195,7 +196,7 @@ function _M.step(req)
         -- the prompt's characters are counted once per request (infergate.core.reqctx)
         local raw = max(1, ceil(reqctx.prompt_chars(req) / o.chars_per_token))
         req.est_raw = raw
-        req.est_tokens = ceil(raw * promptratio.factor(req))
+        req.est_tokens = promptratio.scale(req, raw)
         req.reserved_tokens = tokencount.reserved_output(req.body, req.model, o)
     end
     local list = _M.buckets(req, o)
