@@ -14,7 +14,7 @@
 -- spaces or newlines a token, 16 dashes a token), so a fixed-width table padded with
 -- spaces (9.8 characters a token) was refused at over twice the context while it fit
 -- in it; a run still counts (a body of spaces alone is refused too). The estimate
--- is rough (chars / 4 is 1.1x over for English text and far under for Chinese), so a
+-- is rough (chars / 4 is 1.1x under for English text and far under for Chinese), so a
 -- request is refused only when
 -- it is over FACTOR times the largest context among the nodes serving its model, and
 -- only when every one of them reports its context (a node that does not may hold
