@@ -165,6 +165,8 @@ def test_a_key_in_x_api_key_is_taken_and_never_passed_on(redis_server, upstream,
     url = f"{edge.url}/v1/chat/completions"
     res = requests.post(url, json=CHAT, headers={"x-api-key": key}, timeout=10)
     assert res.status_code == 200, res.text
+    res = requests.post(url, json=CHAT, headers={"x-api-key": f"Bearer {key}"}, timeout=10)
+    assert res.status_code == 200, res.text
     assert_invalid_key(requests.post(url, json=CHAT, headers={"x-api-key": key + "x"},
                                      timeout=10))
     both = requests.post(url, json=CHAT, timeout=10,
@@ -172,7 +174,7 @@ def test_a_key_in_x_api_key_is_taken_and_never_passed_on(redis_server, upstream,
     assert_invalid_key(both)
     assert "x-api-key" in post(edge, None).json()["error"]["message"]
     proxied = [h for h in upstream.headers if "x-request-id" in h]   # not the edge's checks
-    assert len(proxied) == 1
+    assert len(proxied) == 2
     assert all(h not in proxied[0] for h in ("authorization", "x-api-key"))
 
 

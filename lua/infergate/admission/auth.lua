@@ -363,7 +363,8 @@ function _M.step(req)
         -- the header Anthropic's SDK sends its key in (api_key=...), with no Authorization
         local xkey = ngx_var("http_x_api_key")
         if xkey and xkey:find("%S") then
-            value = "Bearer " .. xkey
+            -- the key alone, or (some clients) with the Bearer scheme before it
+            value = xkey:find("^%s*[Bb][Ee][Aa][Rr][Ee][Rr]%s") and xkey or "Bearer " .. xkey
         end
     end
     local digest = value and digests:get(value)
