@@ -14,7 +14,8 @@
 -- Besides each address's, one budget for all addresses together ("b:*", ALL_FACTOR times
 -- the size and the rate of an address's: 2,500 lookups, 250 a second by default): a
 -- flood of made-up keys spread over hundreds of addresses, each within its own budget,
--- sent the key store 2,400 lookups a second until Redis timed out for every client.
+-- sent the key store 2,400 lookups a second: the edge's Redis calls timed out, and it
+-- skipped the cache and fell back to per-edge rate limits for every client.
 -- take_all / refund_all; keys the key store holds pass whatever either budget says
 -- (infergate.admission.auth).
 local options = require("infergate.admission.options")
