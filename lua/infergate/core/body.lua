@@ -41,22 +41,28 @@ local function chars(s)
     return n
 end
 
-local function text_chars(v)
+_M.chars = chars
+
+-- Characters of a message content or prompt `v` (a string, or a list of strings or
+-- content parts {"type": "text", "text": ...}); `count` counts one string (chars).
+local function text_chars(v, count)
+    count = count or chars
     if type(v) == "string" then
-        return chars(v)
+        return count(v)
     end
     local n = 0
     if type(v) == "table" then
         for _, part in ipairs(v) do
             if type(part) == "string" then
-                n = n + chars(part)
+                n = n + count(part)
             elseif type(part) == "table" and type(part.text) == "string" then
-                n = n + chars(part.text)   -- content parts {"type": "text", "text": ...}
+                n = n + count(part.text)
             end
         end
     end
     return n
 end
+_M.text_chars = text_chars
 
 -- Characters of the prompt of a decoded request body (chat, completions, embeddings):
 -- the message contents, "prompt" and "input"; 0 for anything but a table.

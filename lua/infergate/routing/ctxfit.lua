@@ -45,25 +45,7 @@ local RUNS = [[\s{2,8}|([!-/:-@\[-`{-~])\1{1,7}]]
 -- Characters (code points) of string `s`, each match of RUNS counted as one.
 local function dense_chars(s)
     local t = re_gsub(s, RUNS, " ", "jo")
-    return body.prompt_chars({ prompt = t or s })
-end
-
--- The same for a message's content: a string or a list of parts.
-local function content_chars(v)
-    if type(v) == "string" then
-        return dense_chars(v)
-    end
-    local n = 0
-    if type(v) == "table" then
-        for _, part in ipairs(v) do
-            if type(part) == "string" then
-                n = n + dense_chars(part)
-            elseif type(part) == "table" and type(part.text) == "string" then
-                n = n + dense_chars(part.text)
-            end
-        end
-    end
-    return n
+    return body.chars(t or s)
 end
 
 -- Characters of the one prompt of a decoded body (runs counted as one, see above) and
@@ -76,7 +58,7 @@ local function prompt_of(b)
         local n = 0
         for _, m in ipairs(b.messages) do
             if type(m) == "table" then
-                n = n + content_chars(m.content)
+                n = n + body.text_chars(m.content, dense_chars)
             end
         end
         return n, "messages"
