@@ -216,6 +216,13 @@ def loss_pending(r: redis.Redis | redis.client.Pipeline) -> bool:
     return store_missing(r) and bool(store_status(r)["edges_keeping"])
 
 
+def bump(r: redis.Redis | redis.client.Pipeline) -> None:
+    """Queue the INCR of the key store's generation (``keynames.APIKEYS_GEN``) that goes
+    with every write of a key record (:mod:`controlplane.routing.statecopy` tells by it
+    that Redis came back older)."""
+    r.incr(keynames.APIKEYS_GEN)
+
+
 def mark_changed(r: redis.Redis | redis.client.Pipeline, pending: bool) -> None:
     """:func:`mark_written` after a key write, unless a loss is pending (``pending``:
     :func:`loss_pending` as read before the write)."""
@@ -243,8 +250,11 @@ def create_key(r: redis.Redis, tenant: str, *, rpm: object = None, tpm: object =
     else:  # pragma: no cover - 20 collisions in 2^32 ids
         raise ApiKeyError("could not allocate a key id")
     pending = loss_pending(r)
-    r.hset(keynames.APIKEYS, digest, json.dumps(rec.to_dict(), sort_keys=True))
-    mark_changed(r, pending)
+    with r.pipeline(transaction=True) as pipe:   # the keys share one slot (keynames)
+        pipe.hset(keynames.APIKEYS, digest, json.dumps(rec.to_dict(), sort_keys=True))
+        bump(pipe)
+        mark_changed(pipe, pending)
+        pipe.execute()
     return plaintext, rec
 
 
@@ -293,6 +303,7 @@ def _update(r: redis.Redis, key_id: str, change: Callable[[ApiKey], bool]) -> Ap
                 pending = loss_pending(pipe)
                 pipe.multi()
                 pipe.hset(keynames.APIKEYS, digest, json.dumps(rec.to_dict(), sort_keys=True))
+                bump(pipe)
                 mark_changed(pipe, pending)
                 pipe.execute()
                 return rec
@@ -504,6 +515,7 @@ def _import_one(r: redis.Redis, digest: str, rec: ApiKey, overwrite: bool,
                     if have_digest is None:  # the record survived, its id index did not
                         pipe.multi()
                         pipe.hset(keynames.APIKEY_IDS, rec.id, digest)
+                        bump(pipe)
                         pipe.execute()
                     out.kept.append(rec.id)
                     return
@@ -514,6 +526,7 @@ def _import_one(r: redis.Redis, digest: str, rec: ApiKey, overwrite: bool,
                 pipe.multi()
                 pipe.hset(keynames.APIKEYS, digest, json.dumps(write.to_dict(), sort_keys=True))
                 pipe.hset(keynames.APIKEY_IDS, rec.id, digest)
+                bump(pipe)
                 pipe.execute()
                 (out.kept if exists else out.added).append(rec.id)
                 if write is not rec:

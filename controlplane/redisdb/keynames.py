@@ -14,9 +14,10 @@ slot, the existing key needs no rename, and every name still starts with ``infer
 
 - :data:`ROUTING` + :data:`LEADER` + :data:`LEADER_FENCE` (the snapshot is written only
   by the lease holder, in one script);
-- :data:`NODES` + :data:`NODES_SEEDED` + :data:`NODE_STATES` (the registry);
-- :data:`APIKEYS` + :data:`APIKEY_IDS` + :data:`APIKEYS_MARKER` (written together under
-  ``WATCH``/``MULTI``);
+- :data:`NODES` + :data:`NODES_SEEDED` + :data:`NODE_STATES` + :data:`NODES_GEN` (the
+  registry);
+- :data:`APIKEYS` + :data:`APIKEY_IDS` + :data:`APIKEYS_MARKER` + :data:`APIKEYS_GEN`
+  (written together under ``WATCH``/``MULTI``);
 - the token buckets of one API key (``{rl:key:<id>}``) and the two global buckets
   (``{rl:global}``): see :func:`ratelimit_key`.
 
@@ -56,6 +57,11 @@ NODES_SEEDED = f"{BASE}:nodes_seeded:{NODES_TAG}"
 #: Hash, node name -> JSON ``{"state": "active"|"draining"|"drained", "since": epoch_s}``.
 #: Before the cluster support: ``infergate:v1:node_states``.
 NODE_STATES = f"{BASE}:node_states:{NODES_TAG}"
+#: String without TTL (state), integer INCRed by every write of :data:`NODES` or
+#: :data:`NODE_STATES` (``controlplane.routing.registry``): the registry's generation.
+#: It never goes back in a healthy Redis; lower than a control plane last read, Redis
+#: came back from an older snapshot (``controlplane.routing.statecopy``).
+NODES_GEN = f"{BASE}:nodes_gen:{NODES_TAG}"
 #: Hash, edge id -> JSON per-edge stats ``{"ts": epoch_s, "nodes": {name: {...}}}``.
 EDGES = f"{BASE}:edges"
 #: Stream of operator-visible events (drains, health changes, config changes), capped.
@@ -73,6 +79,9 @@ APIKEY_IDS = f"{BASE}:apikeys:ids:{APIKEYS_TAG}"
 #: (``lua/infergate/admission/auth.lua``) until a write (``infergate keys import``) sets it.
 #: Before the cluster support: ``infergate:v1:apikeys:marker``.
 APIKEYS_MARKER = f"{BASE}:apikeys:marker:{APIKEYS_TAG}"
+#: String without TTL (state), integer INCRed by every write of an API key record
+#: (``controlplane.admin.apikeys``): the key store's generation, as :data:`NODES_GEN`.
+APIKEYS_GEN = f"{BASE}:apikeys:gen:{APIKEYS_TAG}"
 #: Hash of response-cache counters: lookups, hits_exact, hits_semantic, misses, bypass, stores.
 CACHE_STATS = f"{BASE}:cache:stats"
 #: Prefix of response-cache entries (strings, JSON, with TTL): ``CACHE_ENTRY_PREFIX + exact_key_hex``.
@@ -148,8 +157,8 @@ ADMIN_SESSION_PREFIX = f"{BASE}:admin:session:"
 #: rewritten by the leader, and the version must never go back because of an eviction.
 #: Every other key is cache kind and always carries a TTL.
 STATE_KEYS = frozenset({
-    ROUTING, ROUTING_VERSION, NODES, NODES_SEEDED, NODE_STATES, EVENTS, APIKEYS, APIKEY_IDS,
-    APIKEYS_MARKER, STATE_MARKER, LEADER_FENCE,
+    ROUTING, ROUTING_VERSION, NODES, NODES_SEEDED, NODE_STATES, NODES_GEN, EVENTS, APIKEYS,
+    APIKEY_IDS, APIKEYS_MARKER, APIKEYS_GEN, STATE_MARKER, LEADER_FENCE,
 })
 
 #: State keys renamed for Redis Cluster hash tags: old name -> new name. Carried over
@@ -164,8 +173,8 @@ RENAMED = {
 #: The key groups that one script or transaction touches together: each shares one slot.
 SLOT_GROUPS = {
     "routing": (ROUTING, LEADER, LEADER_FENCE),
-    "registry": (NODES, NODES_SEEDED, NODE_STATES),
-    "apikeys": (APIKEYS, APIKEY_IDS, APIKEYS_MARKER),
+    "registry": (NODES, NODES_SEEDED, NODE_STATES, NODES_GEN),
+    "apikeys": (APIKEYS, APIKEY_IDS, APIKEYS_MARKER, APIKEYS_GEN),
 }
 
 

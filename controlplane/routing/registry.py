@@ -16,6 +16,9 @@ Changes that depend on what is stored (:func:`put_node_unique`, :func:`seed_node
 on the three keys above (one hash slot, ``keynames.NODES_TAG``; :func:`_optimistic`), and
 :func:`remove_node` deletes a node's entry and state in one ``MULTI``: a change that
 checked a node before it was removed never writes it (or its state) back.
+Every write of a node or a state also INCRs ``keynames.NODES_GEN`` in its transaction
+(:func:`bump`), by which a control plane tells that Redis came back older
+(:mod:`controlplane.routing.statecopy`).
 
 All functions take a ``redis.Redis`` built with ``decode_responses=True`` and raise
 ``redis.exceptions.RedisError`` when Redis is unreachable.
@@ -75,10 +78,20 @@ def get_node(r: redis.Redis, name: str) -> NodeSettings | None:
     return NodeSettings.model_validate_json(raw) if raw else None
 
 
+def bump(pipe: redis.Redis | redis.client.Pipeline) -> None:
+    """Queue the INCR of the registry's generation (``keynames.NODES_GEN``) that goes
+    with every write of a node or a state (:mod:`controlplane.routing.statecopy` tells
+    by it that Redis came back older)."""
+    pipe.incr(keynames.NODES_GEN)
+
+
 def put_node(r: redis.Redis, node: NodeSettings) -> None:
     """Store ``node``, replacing an entry of the same name (no check of its URL: see
     :func:`put_node_unique`)."""
-    r.hset(keynames.NODES, node.name, node.model_dump_json())
+    with r.pipeline(transaction=True) as pipe:
+        pipe.hset(keynames.NODES, node.name, node.model_dump_json())
+        bump(pipe)
+        pipe.execute()
 
 
 #: Longest piece of a value an error message repeats (characters); a longer value is cut.
@@ -176,6 +189,7 @@ def _optimistic(r: redis.Redis, step: Callable[[redis.client.Pipeline], tuple[T,
                     return result
                 pipe.multi()
                 writes(pipe)
+                bump(pipe)
                 pipe.execute()
                 return result
             except redis.WatchError:
@@ -307,6 +321,7 @@ def remove_node(r: redis.Redis, name: str) -> bool:
     with r.pipeline(transaction=True) as pipe:
         pipe.hdel(keynames.NODES, name)
         pipe.hdel(keynames.NODE_STATES, name)
+        bump(pipe)
         existed = bool(pipe.execute()[0])
     pipe = r.pipeline(transaction=False)
     pipe.delete(keynames.node_metrics(name))  # one key each: different slots on a cluster
@@ -530,7 +545,10 @@ def set_state(r: redis.Redis, name: str, state: State, actor: str = "",
     if state not in STATES:
         raise ValueError(f"unknown state {state!r}; expected one of {STATES}")
     st = NodeState(state, time.time() if now is None else now, actor)
-    r.hset(keynames.NODE_STATES, name, json.dumps(asdict(st)))
+    with r.pipeline(transaction=True) as pipe:
+        pipe.hset(keynames.NODE_STATES, name, json.dumps(asdict(st)))
+        bump(pipe)
+        pipe.execute()
     return st
 
 

@@ -324,6 +324,9 @@ class ControlPlane:
                           ", ".join(read.revoked_again), redact(self.settings.redis.url))
                 self._pending.append(("keys_revoked_again", "",
                                       {"ids": read.revoked_again}))
+            if read.went_back:
+                self._put_back(read)
+                read = self.keeper.read()
             if read.lost:  # a group gone while the state marker stayed (a shard, an eviction)
                 log.error("REDIS STATE LOST in part: %s gone from %s while its state marker "
                           "stayed", " and ".join(sorted(read.lost)),
@@ -439,6 +442,23 @@ class ControlPlane:
                       restored.describe())
             self._pending.append(("state_restored", "", restored.to_dict()))
         return restored
+
+    def _put_back(self, read: statecopy.Read) -> None:
+        """Redis went back (:attr:`statecopy.Read.went_back`): put each group back as the
+        copy holds it (:meth:`statecopy.StateKeeper.put_back`, once per claim), log it at
+        ERROR and queue a ``state_went_back`` event ``PutBack.to_dict()``. Raises
+        ``redis.RedisError``."""
+        for group, gen in sorted(read.went_back.items()):
+            if not self.keeper.claim_back(group, gen):
+                log.warning("redis state went back (%s at generation %d): another control "
+                            "plane is writing its copy back", group, gen)
+                continue
+            done = self.keeper.put_back(group, gen, read)
+            self.state_restores += 1
+            log.error("REDIS STATE WENT BACK: %s holds an older %s than this control plane "
+                      "last read (an older snapshot or a lagging replica?); wrote its copy "
+                      "back: %s", redact(self.settings.redis.url), group, done.describe())
+            self._pending.append(("state_went_back", "", done.to_dict()))
 
     def _check_apikeys(self, edges: dict[str, str]) -> None:
         """Set :attr:`apikeys_missing` (the key store's marker is missing after this

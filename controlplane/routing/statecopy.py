@@ -35,12 +35,25 @@ server or name (ignoring case) another node has now (the configuration's nodes, 
 again by a control plane that had no copy) is not written back, nor its state: one
 server never becomes two nodes.
 
+Redis back from an older snapshot (an RDB file written minutes before a crash, a lagging
+replica promoted) keeps its markers but not the changes made after the snapshot: a node
+added, removed or edited, a drain, a key created or revoked. Every write of the registry
+and of the keys INCRs its group's generation (``keynames.NODES_GEN``,
+``keynames.APIKEYS_GEN``), which never goes back in a healthy Redis. A generation lower
+than the copy's (read in the same round trip, before the group's content, so the copy
+is never newer than its generation) means that Redis went back: the copy is then not
+refreshed, :attr:`Read.went_back` names the group, and :meth:`StateKeeper.put_back`
+makes the group in Redis what the copy holds (entries added, changed and removed since
+the snapshot as the copy saw them), with the generation set past the copy's. Changes
+written to the restarted Redis before this control plane's next read (one poll
+interval) are overwritten by the copy. An operator who rolls Redis back on purpose
+stops the control planes first (docs/operations.md).
+
 A revocation is for good (a revoked key cannot be edited, and ``keys import`` keeps
-revocations): a key the copy holds revoked that Redis holds active again, as when Redis
-comes back from an older snapshot (an RDB file, a lagging replica promoted) without
-losing its markers, is revoked again at once (:meth:`StateKeeper.read`, in one
-``MULTI`` with the key store's marker, so the edges read it again), and listed in
-:attr:`Read.revoked_again`.
+revocations): a key the copy holds revoked that Redis holds active again (a record
+written by hand, a generation that went back with it) is revoked again at once
+(:meth:`StateKeeper.read`, in one ``MULTI`` with the key store's marker, so the edges
+read it again), and listed in :attr:`Read.revoked_again`.
 
 One restore per loss (``claim``): the control plane that writes its copy back first takes
 ``keynames.STATE_RESTORE_CLAIM_PREFIX`` + the new state marker with ``SET NX``; another
@@ -48,7 +61,9 @@ that notices the same loss later (one frozen meanwhile, cut off from Redis, or s
 writes nothing, since what it holds may be older than what the operators changed after
 the first restore. A copy read more than :data:`COPY_FRESH_S` before the new state marker
 was created is not written back either (it was taken before a freeze or a partition, and
-the loss may have come long after it).
+the loss may have come long after it). After a loss the generations are set back to at
+least the copy's, so the group written back does not read as gone back. One put-back per
+generation pair (``claim``, :data:`BACK_CLAIM_TTL_S`).
 
 All methods raise ``redis.RedisError`` when Redis fails.
 """
@@ -72,6 +87,9 @@ from controlplane.routing import registry
 COPY_FRESH_S = 10.0
 #: TTL of a restore claim, seconds.
 CLAIM_TTL_S = 3600
+#: TTL of the claim of a put-back after Redis went back (one per group, generation in
+#: Redis and generation of the copy), seconds.
+BACK_CLAIM_TTL_S = 60
 
 #: Seconds after which the API keys are read again even when neither their marker nor
 #: their count changed (a record edited by hand, without the marker).
@@ -88,6 +106,14 @@ def _revoked(raw: str) -> bool:
         return json.loads(raw).get("revoked") is not None
     except (ValueError, AttributeError):
         return False
+
+
+def _gen(raw: object) -> int:
+    """A generation as read (None or not a number: 0)."""
+    try:
+        return int(raw)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return 0
 
 
 def _key_id(raw: str) -> str:
@@ -118,6 +144,41 @@ class StateCopy:
     """Epoch seconds of the last read of the registry (0: never)."""
     apikeys_at: float = 0.0
     """Epoch seconds of the last read of the keys (0: never)."""
+    nodes_gen: int = 0
+    """``keynames.NODES_GEN`` read with the registry (0: not set)."""
+    apikeys_gen: int = 0
+    """``keynames.APIKEYS_GEN`` read with the keys (0: not set)."""
+
+
+@dataclass
+class PutBack:
+    """What :meth:`StateKeeper.put_back` changed in one group: the names (node names,
+    key ids) written back (missing or different in Redis), removed again (in Redis, not
+    in the copy) and, for the registry, the nodes whose state changed."""
+
+    group: str
+    written: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    states: list[str] = field(default_factory=list)
+    gen: int = 0
+    """The group's generation in Redis before (the copy's was higher)."""
+    copy_gen: int = 0
+
+    def to_dict(self) -> dict:
+        """``{"group", "written", "removed", "states", "gen", "copy_gen"}``."""
+        return asdict(self)
+
+    def describe(self) -> str:
+        """One line for the log."""
+        what = "node(s)" if self.group == REGISTRY else "API key(s)"
+        parts = [f"{self.group} at generation {self.gen} in Redis, {self.copy_gen} in the copy"]
+        if self.written:
+            parts.append(f"{what} written back: {', '.join(self.written)}")
+        if self.removed:
+            parts.append(f"{what} removed again: {', '.join(self.removed)}")
+        if self.states:
+            parts.append(f"state(s) set back: {', '.join(self.states)}")
+        return "; ".join(parts)
 
 
 @dataclass
@@ -170,6 +231,9 @@ class Read:
     revoked_again: list[str] = field(default_factory=list)
     """Ids of the API keys found active again after the copy saw them revoked, and
     revoked again (see the module docstring)."""
+    went_back: dict[str, int] = field(default_factory=dict)
+    """Groups (:data:`GROUPS`) whose generation in Redis is lower than the copy's ->
+    that generation: Redis came back older; the copy was not refreshed."""
 
 
 class StateKeeper:
@@ -187,12 +251,14 @@ class StateKeeper:
         the registry as Redis holds it now and the groups found lost."""
         pipe = self.r.pipeline(transaction=False)
         pipe.get(keynames.STATE_MARKER)
+        pipe.get(keynames.NODES_GEN)   # before the content: the copy is never newer
         pipe.hgetall(keynames.NODES)
         pipe.hgetall(keynames.NODE_STATES)
         pipe.smembers(keynames.NODES_SEEDED)
         pipe.get(keynames.APIKEYS_MARKER)
         pipe.hlen(keynames.APIKEYS)
-        marker, nodes, states, seeded, keys_marker, keys_len = pipe.execute()
+        pipe.get(keynames.APIKEYS_GEN)
+        marker, nodes_gen, nodes, states, seeded, keys_marker, keys_len, keys_gen = pipe.execute()
         out = Read(nodes=nodes, states=states)
         if marker is None:
             return out   # lost between the cycle's marker check and now: copy nothing
@@ -200,13 +266,20 @@ class StateKeeper:
         if c is None:
             c = self.copy = StateCopy()
         now = self._wall()
+        nodes_gen, keys_gen = _gen(nodes_gen), _gen(keys_gen)
         if c.seeded and not seeded:
             out.lost.add(REGISTRY)
+        elif c.registry_at and nodes_gen < c.nodes_gen:
+            out.went_back[REGISTRY] = nodes_gen
         else:
             c.nodes, c.states, c.seeded, c.registry_at = dict(nodes), dict(states), set(seeded), now
+            c.nodes_gen = nodes_gen
         if c.apikeys_marker is not None and keys_marker is None:
             out.lost.add(APIKEYS)
+        elif c.apikeys_at and keys_gen < c.apikeys_gen:
+            out.went_back[APIKEYS] = keys_gen
         elif (keys_marker != c.apikeys_marker or keys_len != len(c.apikeys) or not c.apikeys_at
+              or keys_gen != c.apikeys_gen
               or self._clock() - self._keys_read_mono >= KEYS_REFRESH_S):
             out.revoked_again = self._read_keys(c, now)
         return out
@@ -219,20 +292,25 @@ class StateKeeper:
         pipe.hgetall(keynames.APIKEYS)
         pipe.hgetall(keynames.APIKEY_IDS)
         pipe.get(keynames.APIKEYS_MARKER)
-        keys, ids, marker = pipe.execute()
+        pipe.get(keynames.APIKEYS_GEN)
+        keys, ids, marker, gen = pipe.execute()
         if c.apikeys_marker is not None and marker is None:
             return []   # lost since the first read of this cycle
+        if c.apikeys_at and _gen(gen) < c.apikeys_gen:
+            return []   # went back since the first read: the next read tells
         back = {d: c.apikeys[d] for d, raw in keys.items()
                 if d in c.apikeys and _revoked(c.apikeys[d]) and not _revoked(raw)}
         if back:
             pipe = self.r.pipeline(transaction=True)
             for digest, raw in back.items():
                 pipe.hset(keynames.APIKEYS, digest, raw)
+            apikeys.bump(pipe)
             apikeys.mark_written(pipe)
             pipe.execute()
             keys = {**keys, **back}
             marker = self.r.get(keynames.APIKEYS_MARKER)
         c.apikeys, c.apikey_ids, c.apikeys_marker, c.apikeys_at = keys, ids, marker, now
+        c.apikeys_gen = _gen(gen) + (1 if back else 0)
         self._keys_read_mono = self._clock()
         return sorted(_key_id(raw) for raw in back.values())
 
@@ -252,6 +330,68 @@ class StateKeeper:
         if not self.r.set(key, "1", nx=True, ex=CLAIM_TTL_S):
             return "another control plane wrote its copy back first"
         return None
+
+    def claim_back(self, group: str, gen: int) -> bool:
+        """Take the claim to put ``group`` back (:meth:`put_back`) while Redis holds it at
+        generation ``gen``: False when another control plane took it first."""
+        c = self.copy
+        copy_gen = (c.nodes_gen if group == REGISTRY else c.apikeys_gen) if c else 0
+        key = f"{keynames.STATE_RESTORE_CLAIM_PREFIX}back:{group}:{gen}:{copy_gen}"
+        return bool(self.r.set(key, "1", nx=True, ex=BACK_CLAIM_TTL_S))
+
+    def put_back(self, group: str, gen: int, current: Read | None = None) -> PutBack:
+        """Make ``group`` (:data:`GROUPS`) in Redis what the copy holds, in one
+        ``MULTI`` (one hash slot), with its generation set to the copy's + 1, after Redis
+        went back to generation ``gen`` (:attr:`Read.went_back`; the caller takes the
+        claim first, :meth:`claim_back`). ``current``: the read that found it, for the
+        registry's names. The key store's marker is set again when the copy had it (the
+        edges read the keys again). Returns what changed; nothing without a copy."""
+        c = self.copy
+        out = PutBack(group, gen=gen)
+        if c is None:
+            return out
+        pipe = self.r.pipeline(transaction=True)
+        if group == REGISTRY:
+            nodes = current.nodes if current is not None else self.r.hgetall(keynames.NODES)
+            states = (current.states if current is not None
+                      else self.r.hgetall(keynames.NODE_STATES))
+            out.copy_gen = c.nodes_gen
+            out.written = sorted(n for n, raw in c.nodes.items() if nodes.get(n) != raw)
+            out.removed = sorted(set(nodes) - set(c.nodes))
+            keep = {n: raw for n, raw in c.states.items() if n in c.nodes}
+            out.states = sorted(n for n in set(keep) | (set(states) & set(c.nodes))
+                                if keep.get(n) != states.get(n))
+            pipe.delete(keynames.NODES, keynames.NODE_STATES)
+            if c.nodes:
+                pipe.hset(keynames.NODES, mapping=c.nodes)
+            if keep:
+                pipe.hset(keynames.NODE_STATES, mapping=keep)
+            if c.seeded:
+                pipe.sadd(keynames.NODES_SEEDED, *c.seeded)
+            pipe.set(keynames.NODES_GEN, c.nodes_gen + 1)
+            pipe.execute()
+            c.nodes_gen += 1
+            return out
+        keys = self.r.hgetall(keynames.APIKEYS)
+        out.copy_gen = c.apikeys_gen
+        out.written = sorted(_key_id(raw) for d, raw in c.apikeys.items() if keys.get(d) != raw)
+        out.removed = sorted(_key_id(raw) for d, raw in keys.items() if d not in c.apikeys)
+        pipe.delete(keynames.APIKEYS, keynames.APIKEY_IDS)
+        if c.apikeys:
+            pipe.hset(keynames.APIKEYS, mapping=c.apikeys)
+        if c.apikey_ids:
+            pipe.hset(keynames.APIKEY_IDS, mapping=c.apikey_ids)
+        if c.apikeys_marker is not None:
+            apikeys.mark_written(pipe)
+        pipe.set(keynames.APIKEYS_GEN, c.apikeys_gen + 1)
+        pipe.execute()
+        c.apikeys_gen += 1
+        return out
+
+    def _gen_at_least(self, key: str, gen: int) -> None:
+        """Set the generation ``key`` to ``gen`` unless Redis holds a higher one."""
+        if gen and _gen(self.r.get(key)) < gen:
+            self.r.set(key, gen)
 
     def _restore_nodes(self, c: StateCopy) -> tuple[int, int, list[str]]:
         """Nodes of the copy that Redis lacks, each unless its server or name is taken
@@ -290,6 +430,8 @@ class StateKeeper:
         out.registry_at, out.apikeys_at = c.registry_at, c.apikeys_at
         if REGISTRY in groups and (c.nodes or c.states or c.seeded):
             out.nodes, out.states, out.skipped = self._restore_nodes(c)
+        if REGISTRY in groups:
+            self._gen_at_least(keynames.NODES_GEN, c.nodes_gen)
         if APIKEYS in groups and (c.apikeys or c.apikeys_marker is not None):
             pipe = self.r.pipeline(transaction=True)
             digests = list(c.apikeys)
@@ -300,6 +442,7 @@ class StateKeeper:
             if c.apikeys_marker is not None:
                 apikeys.mark_written(pipe)
             res = pipe.execute()
+            self._gen_at_least(keynames.APIKEYS_GEN, c.apikeys_gen)
             for digest, written in zip(digests, res):
                 if written:
                     out.apikeys += 1

@@ -233,29 +233,128 @@ def test_the_copy_is_not_taken_from_a_store_whose_marker_went(redis_server) -> N
     assert apikeys.lookup(r, key) is not None
 
 
-def test_a_key_revoked_after_an_older_snapshot_is_revoked_again(redis_server, workdir, cps,
-                                                                 caplog) -> None:
-    """Redis restarted from a snapshot taken before a revocation (``SAVE``, then a
-    restart that loads that dump.rdb) holds the key active again, markers and all: the
-    control plane, whose copy holds the revocation, revokes it again in its next cycle,
-    says so and records it; the other keys stay as the snapshot has them."""
+def test_changes_after_an_older_snapshot_are_put_back(redis_server, workdir, cps,
+                                                     caplog) -> None:
+    """Redis restarted from a snapshot taken before some changes (``SAVE``, then a
+    restart that loads that dump.rdb, as after a crash with the default save points)
+    holds the state of the snapshot, markers and all: the control plane, whose copy
+    holds the changes, writes them back in its next cycle -- a node added, edited and
+    removed, a drain, a key created and one revoked -- says so and records it once."""
     caplog.set_level(logging.INFO, logger="infergate.controlplane")
-    cp = cps(cp_settings([_node("a")]), make_client(redis_server.url, 0.5))
+    a, b, gone = _node("a"), _node("b"), _node("gone")
+    cp = cps(cp_settings([a, b, gone]), make_client(redis_server.url, 0.5))
     r = redis_server.client()
     bad, bad_rec = apikeys.create_key(r, "acme")
     good, good_rec = apikeys.create_key(r, "acme")
     cp.run_cycle()
     r.save()                                            # the older snapshot
     apikeys.revoke_key(r, bad_rec.id)
-    cp.run_cycle()                                      # the copy sees the revocation
+    new, new_rec = apikeys.create_key(r, "acme", rpm=30)
+    registry.set_state(r, "b", "draining", actor="test")
+    registry.put_node(r, a.model_copy(update={"weight": 4.0}))
+    added = _node("added")
+    registry.put_node(r, added)
+    registry.remove_node(r, "gone")
+    cp.run_cycle()                                      # the copy sees the changes
     redis_server.stop()
     redis_server.start_again(workdir / "redis")         # back from the snapshot
-    assert apikeys.lookup(r, bad).id == bad_rec.id      # active again, as the snapshot was
+    assert apikeys.lookup(r, bad).id == bad_rec.id      # as the snapshot was
+    assert apikeys.lookup(r, new) is None
+    assert "gone" in {n.name for n in registry.list_nodes(r)}
+    cp.run_cycle()
+    assert apikeys.lookup(r, bad) is None and apikeys.get_key(r, bad_rec.id).revoked
+    assert apikeys.lookup(r, new).rpm == 30
+    assert apikeys.lookup(r, good).id == good_rec.id
+    nodes = {n.name: n for n in registry.list_nodes(r)}
+    assert set(nodes) == {"a", "b", "added"}, "the removed node is removed again"
+    assert nodes["a"].weight == 4.0
+    assert registry.get_states(r)["b"].state in ("draining", "drained")  # idle: may finish
+    assert not apikeys.store_missing(r)
+    assert "REDIS STATE WENT BACK" in caplog.text and "gone" in caplog.text
+    cp.run_cycle()                                      # events are written by the cycle
+    evs = {e["detail"]["group"]: e["detail"] for e in _events(r, "state_went_back")}
+    assert set(evs) == {statecopy.REGISTRY, statecopy.APIKEYS}, evs
+    assert evs[statecopy.REGISTRY]["removed"] == ["gone"]
+    assert {"a", "added"} <= set(evs[statecopy.REGISTRY]["written"])
+    assert evs[statecopy.REGISTRY]["states"] == ["b"]
+    assert set(evs[statecopy.APIKEYS]["written"]) == {bad_rec.id, new_rec.id}
+    assert not _events(r, "state_lost")                 # nothing was lost: it went back
+    registry.set_state(r, "b", "active", actor="test")  # later changes read as usual
+    cp.run_cycle()
+    cp.run_cycle()
+    assert len(_events(r, "state_went_back")) == 2
+    assert registry.get_states(r)["b"].state == "active"
+
+
+def test_one_control_plane_puts_the_state_back(redis_server, workdir, cps) -> None:
+    """Two control planes read the same changes, then Redis goes back: one writes its
+    copy back; the other, reading after it, finds the state as its copy holds it and
+    writes nothing (one event per group)."""
+    a = _node("a")
+    one = cps(cp_settings([a]), make_client(redis_server.url, 0.5))
+    two = cps(cp_settings([a]), make_client(redis_server.url, 0.5))
+    r = redis_server.client()
+    one.run_cycle()
+    two.run_cycle()
+    r.save()
+    registry.set_state(r, "a", "drained", actor="test")
+    one.run_cycle()
+    two.run_cycle()
+    redis_server.stop()
+    redis_server.start_again(workdir / "redis")
+    assert registry.get_state(r, "a").state == "active"
+    one.run_cycle()
+    two.run_cycle()
+    one.run_cycle()
+    assert registry.get_state(r, "a").state == "drained"
+    assert one.state_restores + two.state_restores == 1
+    assert len(_events(r, "state_went_back")) == 1
+
+
+def test_a_lost_state_written_back_does_not_read_as_gone_back(redis_server, workdir,
+                                                              cps) -> None:
+    """After Redis came back empty and the copy was written back, the generations are
+    at least the copy's: the next cycles find nothing gone back, and a change made
+    after the restore stays."""
+    cp = cps(cp_settings([_node("a")]), make_client(redis_server.url, 0.5))
+    r = redis_server.client()
+    cp.run_cycle()
+    for _ in range(3):
+        apikeys.create_key(r, "acme")
+        registry.set_state(r, "a", "draining", actor="test")
+    cp.run_cycle()
+    redis_server.stop()
+    redis_server.start_again(workdir / "redis")         # empty: nothing was persisted
+    cp.run_cycle()
+    assert cp.state_restores == 1
+    registry.set_state(r, "a", "active", actor="test")
+    cp.run_cycle()
+    cp.run_cycle()
+    assert cp.state_restores == 1 and not _events(r, "state_went_back")
+    assert registry.get_state(r, "a").state == "active"
+
+
+def test_a_key_made_active_by_hand_is_revoked_again(redis_server, cps, caplog) -> None:
+    """A revoked key's record written back active by hand (no generation change): the
+    control plane, whose copy holds the revocation, revokes it again within a cycle,
+    says so and records it; the other keys stay as they are."""
+    caplog.set_level(logging.INFO, logger="infergate.controlplane")
+    cp = cps(cp_settings([_node("a")]), make_client(redis_server.url, 0.5))
+    r = redis_server.client()
+    bad, bad_rec = apikeys.create_key(r, "acme")
+    good, good_rec = apikeys.create_key(r, "acme")
+    digest = apikeys.hash_key(bad)
+    active = r.hget(keynames.APIKEYS, digest)
+    apikeys.revoke_key(r, bad_rec.id)
+    cp.run_cycle()                                      # the copy sees the revocation
+    r.hset(keynames.APIKEYS, digest, active)
+    apikeys.mark_written(r)
+    assert apikeys.lookup(r, bad).id == bad_rec.id
     cp.run_cycle()
     assert apikeys.lookup(r, bad) is None and apikeys.get_key(r, bad_rec.id).revoked
     assert apikeys.lookup(r, good).id == good_rec.id
     assert "REDIS STATE WENT BACK" in caplog.text and bad_rec.id in caplog.text
-    cp.run_cycle()                                      # events are written by the cycle
+    cp.run_cycle()
     (ev,) = _events(r, "keys_revoked_again")
     assert ev["detail"]["ids"] == [bad_rec.id]
-    assert not _events(r, "state_lost")                 # nothing was lost: it went back
+    assert not _events(r, "state_went_back")
