@@ -35,7 +35,8 @@ so a slow start (the embedder loading its model) shows where it is.
 Modules: :mod:`.plan` (options and settings checked before anything starts),
 :mod:`.store` (Redis), :mod:`.owner` (work-folder lock, registry owner key),
 :mod:`.nodes`, :mod:`.embedder`, :mod:`.edge` (control plane and nginx), :mod:`.banner`,
-:mod:`.supervise`, and :mod:`.command`, the command itself: a short list of these steps.
+:mod:`.supervise`, :mod:`.logs` (the log files kept under a size cap), and
+:mod:`.command`, the command itself: a short list of these steps.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from .common import _say
 from .edge import (NGINX_FINISH_S, choose_metrics_port, start_controlplane, start_edge,
                    watch_controlplane)
 from .embedder import EmbedderKeeper, _start_embedder
+from .logs import DEFAULT_MAX_MB, LogCap
 from .nodes import SIM_NODES, _sim_nodes
 from .owner import _release_owner, claim_registry
 from .plan import UpRun, make_plan, open_workdir
@@ -140,7 +141,9 @@ def supervise(run: UpRun) -> str:
               and run.settings.cache.semantic else None)
     watch_controlplane(run)
     assert run.owner_r is not None
-    return _supervise(run.stack, run.stop, run.owner_r, run.owner_doc, embedder=keeper)
+    logs = LogCap([run.wd / "logs", run.wd / "nginx" / "logs"], run.log_max_mb * 2**20, _say)
+    return _supervise(run.stack, run.stop, run.owner_r, run.owner_doc, embedder=keeper,
+                      logs=logs)
 
 
 def stop_all(run: UpRun) -> None:
@@ -196,6 +199,11 @@ def stop_all(run: UpRun) -> None:
 @click.option("--take-over", is_flag=True,
               help="With a shared Redis: replace the node registry even while another "
                    "running infergate up owns it.")
+@click.option("--log-max-mb", default=DEFAULT_MAX_MB, show_default=True,
+              type=click.IntRange(0, 10**6),
+              help="Cap of each log file of the stack (nginx's access log included), MiB: "
+                   "one past it keeps its last quarter in <name>.1 and starts again "
+                   "empty. 0: no cap.")
 @click.option("--instance-id", default=None, metavar="ID",
               help="Id of this stack, echoed by every part's health answer "
                    "[default: a new random one].")
@@ -203,12 +211,14 @@ def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
            node_health_path: str | None, node_max_concurrency: int | None,
            listen: str | None, admin_listen: str | None, redis_url: str | None,
            workdir: str | None, time_scale: float, take_over: bool = False,
-           instance_id: str | None = None, redis_cluster: bool = False) -> None:
+           instance_id: str | None = None, redis_cluster: bool = False,
+           log_max_mb: int = DEFAULT_MAX_MB) -> None:
     """Run the whole stack locally: Redis, nodes, control plane, nginx edge."""
     run = make_plan(config_path, node_urls, node_kind, node_health_path,
                     node_max_concurrency, listen, admin_listen, redis_url, time_scale,
                     take_over, instance_id)
     run.redis_cluster = redis_cluster
+    run.log_max_mb = log_max_mb
     open_workdir(run, workdir)
     trap_signals(run)
     try:

@@ -64,6 +64,8 @@ class UpRun:
     redis_desc: str = ""
     #: ``--redis-cluster``: this stack's own loopback Redis Cluster instead of one Redis
     redis_cluster: bool = False
+    #: ``--log-max-mb``: cap of each log file, MiB (0: none; controlplane.cli.up.logs)
+    log_max_mb: int = 0
     #: the ``--node`` servers (checked with the options), then the stack's nodes
     nodes: list[NodeSettings] = field(default_factory=list)
     #: the nodes are this stack's simulated pool (no ``--node``, no ``[[nodes]]`` in the file)

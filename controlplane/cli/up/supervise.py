@@ -12,6 +12,7 @@ from controlplane import procs
 
 from .common import _say
 from .embedder import EmbedderKeeper
+from .logs import LogCap
 from .owner import OWNER_REFRESH_S, refresh_owner
 
 
@@ -21,7 +22,7 @@ SUPERVISE_EVERY_S = 0.25
 
 def _supervise(stack: procs.ProcessSet, stop: threading.Event, owner_r: redis_lib.Redis,
                owner_doc: str, policy: procs.RestartPolicy | None = None,
-               embedder: EmbedderKeeper | None = None) -> str:
+               embedder: EmbedderKeeper | None = None, logs: LogCap | None = None) -> str:
     """Keep the parts of ``stack`` running until ``stop`` is set (Ctrl-C, SIGTERM) and
     keep the stack-owner key alive. A part that dies is restarted with back-off
     (:class:`controlplane.procs.Supervisor`, one line per exit and per restart); the
@@ -32,7 +33,8 @@ def _supervise(stack: procs.ProcessSet, stop: threading.Event, owner_r: redis_li
     stack takes the registry over (``--take-over``) this one says so once and stops renewing the owner key, but keeps
     its parts running: its Redis may be the one the new owner uses. ``embedder``: the
     embedder is kept by it (:class:`EmbedderKeeper`: new port when its own is taken, edge
-    re-pointed) instead of by the plain supervisor."""
+    re-pointed) instead of by the plain supervisor. ``logs``: the log files kept under
+    their cap (:class:`LogCap`)."""
     sup = procs.Supervisor(_say, policy)
     for m in stack.items:
         if embedder is not None and m is embedder.m:
@@ -53,6 +55,8 @@ def _supervise(stack: procs.ProcessSet, stop: threading.Event, owner_r: redis_li
             except Exception as exc:  # noqa: BLE001 - the optional part never stops the stack
                 _say(f"embedder supervision: {exc}")
         now = time.monotonic()
+        if logs is not None:
+            logs.tick(now)
         if owned and now >= next_refresh:
             next_refresh = now + OWNER_REFRESH_S
             try:
