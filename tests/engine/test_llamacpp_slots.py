@@ -134,3 +134,40 @@ def test_a_prompt_far_over_the_slot_context_is_refused_at_the_edge(
     assert near.status_code == 200, near.text
     assert prompt_tokens_total() > before                # only the second one was read
     assert prompt_tokens_total() - before < ctx
+
+
+def test_a_prompt_over_a_small_nodes_context_goes_to_the_larger_one(
+        realnodes, redis_server, controlplane_factory, edge_factory) -> None:
+    """Two llama-servers of different slot contexts (512 and the default): a prompt
+    between the two goes to the larger one every time, where the smaller would answer
+    400 (exceed_context_size_error); a short one may go to either."""
+    small, = realnodes(1, parallel=1, threads=1, extra_args=("--ctx-size", "512"))
+    big, = realnodes(1, parallel=1, threads=1)
+    s = edge_settings(redis_server.url, [NodeSettings(name="small", url=small.url),
+                                         NodeSettings(name="big", url=big.url)])
+    s.controlplane.poll_interval_s = 0.5
+    controlplane_factory(s)
+
+    def contexts() -> dict:
+        raw = redis.Redis.from_url(redis_server.url, decode_responses=True,
+                                   socket_timeout=2).get(keynames.ROUTING)
+        nodes = json.loads(raw)["nodes"] if raw else []
+        return {n["name"]: n.get("ctx_tokens") for n in nodes if n.get("healthy")}
+
+    procs.wait_until(lambda: all(contexts().get(n) for n in ("small", "big")), timeout=60,
+                     what="both slot contexts read into the snapshot")
+    ctx = contexts()
+    assert ctx["small"] == 512 and ctx["big"] > 1024, ctx
+    edge = edge_factory(s)
+    procs.wait_until(lambda: all(edge.node_status(n).get("healthy") for n in ("small", "big")),
+                     timeout=10, what="the edge to have the snapshot")
+    direct = requests.post(f"{small.url}/v1/chat/completions", timeout=120, json={
+        "model": MODEL_ALIAS, "max_tokens": 2,
+        "messages": [{"role": "user", "content": "lorem ipsum " * 300}]})
+    assert direct.status_code == 400, direct.text     # the small node refuses it itself
+    for i in range(6):   # the same long prefix: the slot's prompt cache reads it once
+        body = {"model": MODEL_ALIAS, "max_tokens": 2,
+                "messages": [{"role": "user", "content": "lorem ipsum " * 300 + str(i)}]}
+        res = requests.post(f"{edge.url}/v1/chat/completions", json=body, timeout=120)
+        assert res.status_code == 200, (i, res.text)
+        assert res.json()["usage"]["prompt_tokens"] > 512

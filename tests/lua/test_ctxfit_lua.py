@@ -68,3 +68,66 @@ def test_a_padded_table_that_fits_the_slot_is_not_refused(workdir: Path) -> None
     # tokens on gemma 3) pass; 400,000 (about 13,000) do not
     assert got["blank_fits"] == "passed", got
     assert got["blank_far"] == "context_length_exceeded", got
+
+
+def mixed(workdir: Path, nodes: str, body: str):
+    """Run ``body`` with the snapshot's nodes replaced by ``nodes`` (a Lua list)."""
+    prelude = """
+            local config = require("infergate.core.config")
+            assert(config.init({}, """ + lua_string(json.dumps(option_spec())) + """))
+            local snapshot = require("infergate.routing.snapshot")
+            snapshot.current = function() return {nodes = """ + nodes + """} end
+            local ctxfit = require("infergate.routing.ctxfit")
+            local cjson = require("cjson.safe")
+            local function left_out(words)
+                local b = {messages = {{role = "user", content = string.rep("lorem ipsum ", words)}}}
+                local req = {route = "inference", model = "m", body = b,
+                             body_bytes = #cjson.encode(b), tried = {}}
+                local err = ctxfit.step(req)
+                local names = {}
+                for name in pairs(req.tried) do names[#names + 1] = name end
+                table.sort(names)
+                return err and err.code or table.concat(names, ",")
+            end
+            local out = {}
+"""
+    return lua_eval(workdir, prelude + body,
+                    http_extra="lua_shared_dict infergate_snapshot 1m;")
+
+
+UP = 'addr = "127.0.0.1:1", healthy = true, state = "active"'
+
+
+def test_a_prompt_over_a_small_context_leaves_those_nodes_out(workdir: Path) -> None:
+    """Nodes of 512 and 4,096 tokens: a prompt of about 900 (by the estimate) leaves the
+    small one out; a short one leaves none; one over the large context keeps the large
+    one (the best chance), one over twice it is refused; a node whose context is not
+    known may hold it; the small node stays when no node that holds it is up."""
+    got = mixed(workdir, f"""{{
+                {{name = "small", ctx_tokens = 512, {UP}}},
+                {{name = "big", ctx_tokens = 4096, {UP}}},
+                {{name = "other", ctx_tokens = 4096, {UP}, models = {{set = {{x = true}}}}}}}}""", """
+            out.short = left_out(100)          -- ~300 tokens by the estimate
+            out.between = left_out(300)        -- ~900
+            out.over_big = left_out(1500)      -- ~4,500: over 4,096, under twice it
+            out.far = left_out(3000)           -- ~9,000
+            return out
+    """)
+    assert got == {"short": "", "between": "small", "over_big": "small",
+                   "far": "context_length_exceeded"}, got
+    got = mixed(workdir, f"""{{
+                {{name = "small", ctx_tokens = 512, {UP}}},
+                {{name = "vllm", {UP}}}}}""", """
+            out.between = left_out(300)
+            out.far = left_out(3000)           -- vllm's context is not known: no 400
+            return out
+    """)
+    assert got == {"between": "small", "far": "small"}, got
+    got = mixed(workdir, f"""{{
+                {{name = "small", ctx_tokens = 512, {UP}}},
+                {{name = "big", ctx_tokens = 4096, addr = "127.0.0.1:1", healthy = false,
+                  state = "active"}}}}""", """
+            out.between = left_out(300)        -- big is down: small answers for itself
+            return out
+    """)
+    assert got == {"between": ""}, got

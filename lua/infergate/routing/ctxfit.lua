@@ -19,7 +19,17 @@
 -- it is over FACTOR times the largest context among the nodes serving its model, and
 -- only when every one of them reports its context (a node that does not may hold
 -- anything, and answers for itself). Below that the node answers, as it would without
--- the edge. No I/O.
+-- the edge.
+--
+-- Nodes of different contexts: a prompt estimated over the context of some of the nodes
+-- serving its model leaves them out for this request (marked tried, as
+-- infergate.routing.upstream does with other groups: no pick, no retry there) while a
+-- node with a larger context serves the model and is up -- a node whose context is
+-- not known may hold it too; with every context known, the nodes of the largest stay.
+-- The estimate is off either way (gemma 3: "lorem ipsum" 1.5x over, Chinese text
+-- 3.5x under); a node left out for a prompt it would have held costs balance, not an
+-- answer, where one sent a prompt it cannot hold answers 400
+-- (exceed_context_size_error). No I/O.
 --
 -- Error: 400 {"type": "invalid_request_error", "code": "context_length_exceeded",
 -- "param": "messages" | "prompt"}.
@@ -70,22 +80,62 @@ local function prompt_of(b)
 end
 _M._prompt_of = prompt_of
 
--- The largest slot context (tokens) among the nodes of snapshot `t` serving `model`,
--- or nil when none does or one of them does not report its context.
-function _M.largest_context(t, model)
-    local largest
+-- The smallest and largest slot contexts (tokens) known among the nodes of snapshot `t`
+-- serving `model` (nil, nil: none known), and whether one of them does not report it.
+local function contexts(t, model)
+    local smallest, largest, unknown = nil, nil, false
     for _, node in ipairs(t.nodes) do
         if models.serves(node, model) then
             local c = node.ctx_tokens
             if not c then
-                return nil
-            end
-            if not largest or c > largest then
-                largest = c
+                unknown = true
+            else
+                if not smallest or c < smallest then
+                    smallest = c
+                end
+                if not largest or c > largest then
+                    largest = c
+                end
             end
         end
     end
-    return largest
+    return smallest, largest, unknown
+end
+
+-- The largest slot context (tokens) among the nodes of snapshot `t` serving `model`,
+-- or nil when none does or one of them does not report its context.
+function _M.largest_context(t, model)
+    local _, largest, unknown = contexts(t, model)
+    return not unknown and largest or nil
+end
+
+local function up(node, tried)
+    return node.addr and node.healthy and node.state == "active" and not tried[node.name]
+end
+
+-- Mark tried (req.tried) the nodes serving the model whose context is below `need`
+-- tokens (the largest known context when it is below that and every one is known), if
+-- a node that is up and serves the model stays.
+local function leave_out_small(t, req, need, largest, unknown)
+    if not unknown and need > largest then
+        need = largest
+    end
+    local tried, out, stays = req.tried, {}, false
+    for _, node in ipairs(t.nodes) do
+        if models.serves(node, req.model) then
+            local c = node.ctx_tokens
+            if c and c < need then
+                out[#out + 1] = node.name
+            elseif up(node, tried) then
+                stays = true
+            end
+        end
+    end
+    if stays then
+        for _, name in ipairs(out) do
+            tried[name] = true
+        end
+    end
 end
 
 -- Access step: nil to continue, or the 400 error table.
@@ -93,15 +143,22 @@ function _M.step(req)
     if req.route ~= "inference" then
         return nil
     end
-    local largest = _M.largest_context(snapshot.current(), req.model)
-    -- the cheap checks first: no context known, or a body too short to be over it (a
-    -- prompt has at most as many characters as its body has bytes)
-    if not largest or (req.body_bytes or 0) <= _M.FACTOR * largest * _M.CHARS_PER_TOKEN then
+    local t = snapshot.current()
+    local smallest, largest, unknown = contexts(t, req.model)
+    -- the cheap checks first: no context known, or a body too short to be over the
+    -- smallest (a prompt has at most as many characters as its body has bytes)
+    if not smallest or (req.body_bytes or 0) <= smallest * _M.CHARS_PER_TOKEN then
         return nil
     end
     local chars, param = prompt_of(req.body)
     local est = chars and ceil(chars / _M.CHARS_PER_TOKEN)
-    if not est or est <= _M.FACTOR * largest then
+    if not est or est <= smallest then
+        return nil
+    end
+    if unknown or est <= _M.FACTOR * largest then
+        if smallest < largest or unknown then
+            leave_out_small(t, req, est, largest, unknown)
+        end
         return nil
     end
     return {

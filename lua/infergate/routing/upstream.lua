@@ -68,13 +68,14 @@ local function groups_of(t)
     return g
 end
 
--- A group drawn by the effective weight of its eligible nodes for `model`; nil when
--- no node is eligible (the eligible step answers 503).
-local function draw(t, groups, model, now)
+-- A group drawn by the effective weight of its eligible nodes for `model` (those not
+-- in `tried`: left out by an earlier step, infergate.routing.ctxfit); nil when no node
+-- is eligible (the eligible step answers 503).
+local function draw(t, groups, model, now, tried)
     local weight, total = {}, 0
     for _, node in ipairs(t.nodes) do
         if node.addr and node.healthy and node.state == "active" and models.serves(node, model)
-                and breaker.allow(node.name, now) then
+                and not tried[node.name] and breaker.allow(node.name, now) then
             local k = _M.key(node)
             weight[k] = (weight[k] or 0) + node.effective_weight
             total = total + node.effective_weight
@@ -148,7 +149,7 @@ function _M.step(req)
     if groups.n <= 1 then
         g = groups.list[1]
     else
-        g = draw(t, groups, req.model, ngx_now())
+        g = draw(t, groups, req.model, ngx_now(), req.tried)
     end
     if not g then
         return nil
