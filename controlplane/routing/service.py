@@ -138,7 +138,8 @@ VERIFY_INTERVAL_S = 1.0
 #: Longest one verification run keeps taking items, seconds.
 VERIFY_BUDGET_S = 5.0
 
-#: KEYS[1] = node states hash; ARGV = name, since of the draining state seen, new JSON.
+#: KEYS = node states hash, registry generation (one slot); ARGV = name, since of the
+#: draining state seen, new JSON.
 #: Sets the new state only if the node is still draining since the same time.
 DRAINED_LUA = """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
@@ -148,6 +149,7 @@ if not ok or type(d) ~= 'table' or d.state ~= 'draining' then return 0 end
 local since = tonumber(d.since) or -1
 if math.abs(since - tonumber(ARGV[2])) > 0.001 then return 0 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+redis.call('INCR', KEYS[2])
 return 1
 """
 
@@ -657,8 +659,8 @@ class ControlPlane:
                 pipe.hdel(keynames.EDGES, *gone)
             for d in decisions:
                 # EVAL by name: redis-py's cluster pipeline has no .eval
-                pipe.execute_command("EVAL", DRAINED_LUA, 1, keynames.NODE_STATES, d.name,
-                                     repr(d.since), drained_json)
+                pipe.execute_command("EVAL", DRAINED_LUA, 2, keynames.NODE_STATES,
+                                     keynames.NODES_GEN, d.name, repr(d.since), drained_json)
             for st in report.statuses.values():
                 pipe.set(keynames.node_metrics(st.name), json.dumps(st.metrics_doc()), px=ttl_ms)
                 pipe.lpush(keynames.node_history(st.name), json.dumps(st.history_point()))
