@@ -693,11 +693,12 @@ _JOINTS = frozenset({"and", "or", "nor", "和", "与", "跟", "及", "或", "同
 _TRADE_MAX = 32
 
 
-def _trades(x: tuple[str, ...], y: tuple[str, ...]) -> tuple[bool, bool]:
+def _trades(x: tuple[str, ...], y: tuple[str, ...],
+            strict: bool = False) -> tuple[bool, bool]:
     """For two runs of words of one length: (whether ``y`` is ``x`` with two parts
     trading places around a third, X M Y / Y M X, M holding no joint word; whether it is
     ``x`` reordered harmlessly: two parts that trade places with nothing between them, or
-    around a joint word)."""
+    around a joint word, with ``strict`` a joint word alone)."""
     n, hard, soft = len(x), False, False
     for j in range(1, n):
         if y[:j] != x[n - j:]:      # y starts with x's last j words
@@ -707,19 +708,24 @@ def _trades(x: tuple[str, ...], y: tuple[str, ...]) -> tuple[bool, bool]:
         for i in range(1, n - j):
             if x[:i] == x[n - j:] or y[n - i:] != x[:i] or y[j:n - i] != x[i:n - j]:
                 continue
-            if any(t in _JOINTS for t in x[i:n - j]):
-                soft = True
+            mid = x[i:n - j]
+            if any(t in _JOINTS for t in mid):
+                soft = soft or not strict or (len(mid) == 1 and mid[0] in _JOINTS)
             else:
                 hard = True
     return hard, soft
 
 
-def _sides_traded(tq: tuple[str, ...], tc: tuple[str, ...]) -> bool:
-    """Whether ``tc`` is ``tq`` with two runs of words trading places around a third that
-    stays ("Did Germany beat Brazil" / "Did Brazil beat Germany", "Celsius in
-    Fahrenheit" / "Fahrenheit in Celsius", 张翰喜欢郑爽吗 / 郑爽喜欢张翰吗), and no reading
-    of the change as a harmless one (:func:`_trades`): the words they share before and
-    after may belong to the parts ("运动鞋和休闲鞋有什么区别" / "休闲鞋和运动鞋…")."""
+def _trade_kinds(tq: tuple[str, ...], tc: tuple[str, ...],
+                 strict: bool = False) -> tuple[bool, bool]:
+    """For ``tc``, ``tq`` with its words in another order: (whether two runs of words
+    trade places around a third that stays, :func:`_trades`; whether some reading of the
+    change is a harmless one: a block moved as a whole, "To bake bread, what flour ...?" /
+    "What flour ... to bake bread?", or two sides trading places around a joint word,
+    "rent or buy" / "buy or rent"; with ``strict`` the joint word alone between them,
+    not "第十名和1968年的第八名" / "第八名和1968年的第十名"). The words the texts share before and after the part
+    that differs may belong to the parts ("运动鞋和休闲鞋有什么区别" / "休闲鞋和运动鞋…"). A
+    part longer than :data:`_TRADE_MAX` words is read as neither."""
     lo = 0
     while lo < len(tq) and lo < len(tc) and tq[lo] == tc[lo]:
         lo += 1
@@ -727,17 +733,26 @@ def _sides_traded(tq: tuple[str, ...], tc: tuple[str, ...]) -> bool:
     while hq > lo and hc > lo and tq[hq - 1] == tc[hc - 1]:
         hq, hc = hq - 1, hc - 1
     if hq - lo != hc - lo or hq - lo < 2 or hq - lo > _TRADE_MAX:
-        return False
+        return False, False
     hard = False
     for a in range(lo, max(-1, lo - 6), -1):
         for b in range(hq, min(len(tq), hq + 6) + 1):
             if b - a > _TRADE_MAX:
                 break
-            h, soft = _trades(tq[a:b], tc[a:b])
+            h, soft = _trades(tq[a:b], tc[a:b], strict)
             if soft:
-                return False
+                return hard or h, True
             hard = hard or h
-    return hard
+    return hard, False
+
+
+def _sides_traded(tq: tuple[str, ...], tc: tuple[str, ...]) -> bool:
+    """Whether ``tc`` is ``tq`` with two runs of words trading places around a third that
+    stays ("Did Germany beat Brazil" / "Did Brazil beat Germany", "Celsius in
+    Fahrenheit" / "Fahrenheit in Celsius", 张翰喜欢郑爽吗 / 郑爽喜欢张翰吗), and no reading
+    of the change as a harmless one (:func:`_trade_kinds`)."""
+    hard, soft = _trade_kinds(tq, tc)
+    return hard and not soft
 
 
 def swapped(query: str, candidate: str) -> bool:
@@ -753,7 +768,7 @@ def swapped(query: str, candidate: str) -> bool:
             return True
     tq, tc = _order_tokens(query), _order_tokens(candidate)
     return (len(tq) >= 2 and tq != tc and any(t in _ORDER_MARKERS for t in tq)
-            and Counter(tq) == Counter(tc))
+            and Counter(tq) == Counter(tc) and not _trade_kinds(tq, tc, True)[1])
 
 
 def sides_traded(query: str, candidate: str) -> bool:

@@ -175,6 +175,11 @@ from controlplane.embedder import contrast, guard, scope
      "order"),
     ("张翰喜欢郑爽吗", "郑爽喜欢张翰吗", "order"),
     ("学生喜欢什么样的老师", "老师喜欢什么样的学生", "order"),
+    # two parts trading places across more than a joint word, beside a direction word
+    ("Is it cheaper to fly to Rome and then Paris?", "Is it cheaper to fly to Paris and then Rome?",
+     "order"),
+    ("Should I drive to work or take the bus to school?",
+     "Should I drive to school or take the bus to work?", "order"),
     # what one negates, the other says plainly (guard.negation_moved)
     ("我没收到退款怎么办？", "我收到退款了但金额不对怎么办？", "negation"),
     ("我没有收到快递怎么办", "我收到快递了，可是不能打开怎么办", "negation"),
@@ -273,6 +278,13 @@ def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason
     ("中国联通好还是中国移动好", "中国移动好还是中国联通好"),
     ("又胖又矮的女生适合什么发型", "又矮又胖的女生适合什么发型"),
     ("怎么申请信用卡", "信用卡怎么申请"),
+    # ... also in a text holding a direction or comparison word elsewhere ("to", 比, 到)
+    ("Should I use TCP or UDP to stream video?", "Should I use UDP or TCP to stream video?"),
+    ("Is it cheaper to rent or buy a house?", "Is it cheaper to buy or rent a house?"),
+    ("To bake bread, what flour should I use?", "What flour should I use to bake bread?"),
+    ("From downtown, how do I get to the airport?", "How do I get to the airport from downtown?"),
+    ("我的电脑为什么比以前慢", "为什么我的电脑比以前慢"),
+    ("我的手机为什么连不到电脑", "为什么我的手机连不到电脑"),
     # a negation with nothing named after it, or in the clause of the word
     ("为什么朋友都可以使用微粒贷，而我没有", "为什么我没有微粒贷"),
     ("我的微粒贷怎么没显示在钱包里？", "为什么我钱包没微粒贷"),
