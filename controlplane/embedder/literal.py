@@ -276,10 +276,16 @@ def _marks_conflict(ma: dict, mb: dict) -> bool:
     return False
 
 
+#: The pronoun "I" (also in "I'm", "I've" ...), which phone keyboards capitalise in a
+#: text typed in lower case: "how do I install python".
+_PRONOUN_I_RE = re.compile(r"(?<![\w'’])I(?![\w])")
+
+
 def _one_case(text: str) -> bool:
     """A text written all in capitals or all in lower case (most of its letters having a
-    case: a few Latin words in a Chinese text keep the case they were given)."""
-    letters = [ch for ch in text[:MAX_CHARS] if ch.isalpha()]
+    case: a few Latin words in a Chinese text keep the case they were given; the pronoun
+    "I" is left out: it stays capitalised in a text typed in lower case)."""
+    letters = [ch for ch in _PRONOUN_I_RE.sub("", text[:MAX_CHARS]) if ch.isalpha()]
     cased = [ch for ch in letters if ch.lower() != ch.upper()]
     return 2 * len(cased) > len(letters) and (all(ch.isupper() for ch in cased)
                                               or all(ch.islower() for ch in cased))

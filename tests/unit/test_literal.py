@@ -137,6 +137,20 @@ def test_acronyms_of_a_text_typed_in_lower_case_are_a_rewording() -> None:
     assert guard.check("What is IT?", "What is it?").reason == "symbols"
 
 
+def test_a_text_typed_in_lower_case_keeps_its_capital_pronoun_i() -> None:
+    # phone keyboards capitalise "I" in a text typed in lower case: its capitonyms are
+    # then no sign of another word, as without the "I"
+    for a, b in (("How do I install Python on a Mac?", "how do I install python on a mac"),
+                 ("Can I run Windows on a Chromebook?", "can I run windows on a chromebook"),
+                 ("Do I need a visa for China if I'm in transit?",
+                  "do I need a visa for china if I'm in transit")):
+        assert not literal_conflict(a, b) and not literal_conflict(b, a), (a, b)
+    # written in mixed case, a capitonym's case still tells the words apart
+    assert literal_conflict("Is Turkey in Europe, I wonder?", "Is turkey in Europe, I wonder?")
+    assert literal_conflict("How do I install Python?", "How do I install python?")
+    assert guard.check("HOW DO I INSTALL PYTHON", "how do I install python").ok
+
+
 def test_never_raises_on_odd_text() -> None:
     for a, b in (("", ""), ("'", "''"), ("\n\n", "\n"), ("`", "```"), ("'a", "a'"),
                  ("“”", "「」"), ("\x00?!", "?!\x00"), ("a" * 50000, "A" * 50000)):
