@@ -22,6 +22,7 @@ CONTRASTS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                ("november",), ("december",))),
     ("season", (("summer", "summers"), ("winter", "winters"), ("autumn", "autumns"))),
     ("day", (("today",), ("tomorrow",), ("yesterday",))),
+    ("relative time", (("rel-this",), ("rel-last",), ("rel-next",))),
     ("part of day", (("morning", "mornings"), ("afternoon", "afternoons"),
                      ("evening", "evenings"), ("night", "nights", "tonight"))),
     ("meridiem", (("am-time",), ("pm-time",))),
@@ -134,7 +135,19 @@ CONTRASTS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
 
 #: (pattern on the original text, its form in :data:`CONTRASTS`): the forms that need
 #: their context.
+#: Spans of time named from now: "this year" / "last year" / "next year".
+_PERIOD = (r"(?:week|weekend|month|year|semester|term|quarter|season|summer|winter|spring|"
+           r"fall|autumn|night|time|monday|tuesday|wednesday|thursday|friday|saturday|"
+           r"sunday)\b")
+
 PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
+    # a span of time named from now, this one against the last or the next ("sales this
+    # month" / "sales last month", "open this Sunday" / "next Sunday"); "last" alone is
+    # also of first / last
+    (re.compile(r"\b(?:this|current)\s+" + _PERIOD + r"|\btonight\b", re.IGNORECASE),
+     "rel-this"),
+    (re.compile(r"\b(?:last|previous|past)\s+" + _PERIOD, re.IGNORECASE), "rel-last"),
+    (re.compile(r"\b(?:next|coming|upcoming)\s+" + _PERIOD, re.IGNORECASE), "rel-next"),
     (re.compile(r"\b(?:in|of|on|during|since|until|by|early|late|mid|next|last|this)"
                 r"\s+May\b|\bMay\s+\d"), "may-month"),
     (re.compile(r"\bUS\b|\bU\.S\.(?!\w)"), "us-country"),

@@ -68,6 +68,11 @@ from controlplane.embedder import contrast, guard, scope
     ("Is the pharmacy open on Tuesdays?", "Is the pharmacy open on Thursdays?",
      "contrast:weekday"),
     ("Best places to visit in October", "Best places to visit in December", "contrast:month"),
+    ("What were our sales this month?", "What were our sales last month?",
+     "contrast:relative time"),
+    ("Is the museum open this Sunday?", "Is the museum open next Sunday?",
+     "contrast:relative time"),
+    ("Who won the game last night?", "Who won the game tonight?", "contrast:relative time"),
     ("Should I wear a coat in winter there?", "Should I wear a coat in summer there?",
      "contrast:season"),
     ("How to say thank you in French", "How to say thank you in Spanish", "contrast:language"),
@@ -310,6 +315,8 @@ def test_passes_equivalent_pairs(query: str, candidate: str) -> None:
     ("May I go to the gym on Sunday?", "Can I go to the gym on Sunday?"),   # "may": a verb
     ("", "Sunday"),
     ("Should I learn French and German?", "Should I learn German and French?"),  # a list
+    ("What happened last year?", "What happened in the past year?"),  # one span, named alike
+    ("What are the sales figures this year?", "What are this year's sales figures?"),
     ("Why is my PC slow after starting it up?", "What is slowing my PC down on start up?"),
     ("Am I eligible for a refund?", "Can I get a refund?"),      # "am": a verb, not a time
     ("Can you tell us the opening hours?", "What are the opening hours in the UK?"),
