@@ -516,3 +516,55 @@ def test_a_sites_own_lua_is_kept_at_every_render(workdir: Path) -> None:
     for bad in ({"init_lua_file": "shop-init.lua"}, {"lua_package_path_extra": 'a" b'}):
         with pytest.raises(ConfigError):
             _settings(**bad)
+
+
+def test_a_sites_log_format_with_the_edges_variables_logs_no_warning(workdir: Path) -> None:
+    """``$infergate_rid`` (and ``$infergate_upstream_addr``) in a log_format of the site's:
+    requests to the site's own locations and to a server without the server include are
+    logged with nginx's ``$request_id``, and without a ``using uninitialized variable``
+    warning in the error log for each of them."""
+    s = _settings(metrics_listen=f"127.0.0.1:{procs.free_port()}")
+    r = render_nginx(s, workdir / "out", listen=f"127.0.0.1:{procs.free_port()}",
+                     prefix=workdir / "pre")
+    api, other = procs.free_port(), procs.free_port()
+    site = workdir / "site"
+    (site / "logs").mkdir(parents=True)
+    conf = site / "nginx.conf"
+    modules = MODULE_LINES.replace("; ", ";\n")
+    conf.write_text(f"""{modules}
+pid {site}/nginx.pid;
+error_log {site}/logs/error.log warn;
+events {{}}
+http {{
+    log_format site '"$request" $status rid=$infergate_rid ua="$infergate_upstream_addr"';
+    access_log {site}/logs/access.log site;
+    client_body_temp_path {site}/cbt;
+    proxy_temp_path {site}/pt;
+    include {r.http_conf};
+    server {{
+        listen 127.0.0.1:{api};
+        location / {{ return 200 "host site"; }}
+        include {r.server_conf};
+    }}
+    server {{
+        listen 127.0.0.1:{other};
+        location / {{ return 200 "other site"; }}
+    }}
+}}
+""")
+    nginx = start_nginx(conf, site)
+    try:
+        assert requests.get(f"http://127.0.0.1:{api}/", timeout=5).text == "host site"
+        assert requests.get(f"http://127.0.0.1:{other}/x", timeout=5).text == "other site"
+        assert requests.get(f"http://{s.edge.metrics_listen}/metrics", timeout=5).ok
+        assert requests.get(f"http://127.0.0.1:{api}/infergate/status", timeout=5).ok
+    finally:
+        nginx.stop()
+    log = (site / "logs" / "access.log").read_text()
+    for request in ("GET / ", "GET /x ", "GET /infergate/status "):
+        lines = [ln for ln in log.splitlines() if ln.startswith(f'"{request}')]
+        assert lines, log
+        for line in lines:
+            assert re.search(r" 200 rid=[0-9a-f]{32} ", line), line
+    errors = (site / "logs" / "error.log").read_text()
+    assert "uninitialized" not in errors, errors
