@@ -104,3 +104,33 @@ def test_a_metrics_port_taken_meanwhile_is_said_and_moved(tmp_path, monkeypatch,
     out = capsys.readouterr().out
     assert "metrics port 9145 was taken by another process meanwhile" in out
     assert f"metrics on {tries[1]}" in out
+
+
+def test_an_embedder_port_taken_meanwhile_is_said_and_moved(tmp_path: Path, monkeypatch,
+                                                            capsys) -> None:
+    """The embedder's port, free when checked, is bound by another process before the
+    embedder binds it: ``up`` starts it on a free port and says so, so that its progress
+    lines do not name the address it lost (the banner names the new one)."""
+
+    class _LostPort(_Recorder):
+        def wait_ready(self, fn, timeout: float) -> None:
+            if len(_Recorder.started) == 1:
+                raise procs.StartError("embedder exited")
+
+        def stop(self) -> None:
+            return None
+
+        def log_tail(self, n: int) -> str:
+            return "Error: cannot listen on 127.0.0.1:8090: Address already in use"
+
+    monkeypatch.setattr(procs, "Managed", _LostPort)
+    monkeypatch.setattr(procs, "port_open", lambda host, port: False)
+    _Recorder.started = []
+    s = settings_from_dict({"cache": {"enabled": True, "embedder_url": "http://127.0.0.1:8090"}})
+    desc = up._start_embedder(s, tmp_path, _Stack())
+    first, second = (st["argv"][st["argv"].index("--listen") + 1] for st in _Recorder.started)
+    assert first == "127.0.0.1:8090" and second != first
+    assert desc.startswith(f"http://{second} ") and s.cache.embedder_url == f"http://{second}"
+    out = capsys.readouterr().out
+    assert (f"the embedder's port 8090 was taken by another process meanwhile: starting it "
+            f"on http://{second}") in out, out

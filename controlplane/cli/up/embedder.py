@@ -94,8 +94,10 @@ def _start_embedder(settings: Settings, workdir: Path, stack: procs.ProcessSet,
             m.stop()
             if "in use" in m.log_tail(5).lower() and attempt < START_ATTEMPTS - 1:
                 # another process bound the port in between: a new free one
-                port = procs.free_port()
+                taken, port = port, procs.free_port()
                 url = c.embedder_url = f"http://127.0.0.1:{port}"
+                _say(f"the embedder's port {taken} was taken by another process meanwhile: "
+                     f"starting it on {url}")
                 argv = procs.infergate_argv("embedder", "--listen", f"127.0.0.1:{port}",
                                             "--model", c.embedder_model)
                 continue
