@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import getpass
 import os
+import tomllib
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import click
@@ -50,6 +52,12 @@ class Ctx:
                            "default: no --config, --redis-url or INFERGATE_REDIS_URL was "
                            "given (for a stack started by `infergate up`, run the export "
                            "line its banner prints first)", err=True)
+            file_url = self.url_overridden_by_env()
+            if file_url is not None:
+                click.echo(f"note: using Redis at {redact(self.settings.redis.url)} from "
+                           f"INFERGATE_REDIS_URL, which overrides the [redis] url of "
+                           f"{self.config} ({redact(file_url)}); unset it, or pass "
+                           "--redis-url, to use another", err=True)
             try:
                 self._r = make_redis(self.settings.redis)
             except ValueError as exc:
@@ -68,6 +76,24 @@ class Ctx:
             except redis.RedisError:
                 pass  # Redis unreachable: the command itself reports it
         return self._r
+
+    def url_overridden_by_env(self) -> str | None:
+        """The ``[redis] url`` of the ``--config`` file (its default when the file names
+        none) when ``INFERGATE_REDIS_URL`` replaces it with another, else ``None``: an
+        export line of an ``infergate up`` banner left in the shell would otherwise send a
+        command given ``--config F`` to that stack's Redis without a word."""
+        env = os.environ.get("INFERGATE_REDIS_URL")
+        if not self.config or self.redis_url or not env:
+            return None
+        try:
+            data = tomllib.loads(Path(self.config).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+            return None  # the loader reports the file itself
+        redis_section = data.get("redis")
+        url = redis_section.get("url") if isinstance(redis_section, dict) else None
+        if not isinstance(url, str):
+            url = Settings().redis.url
+        return url if url != env else None
 
     def from_defaults(self) -> bool:
         """Whether the Redis URL is the built-in default (no --config, --redis-url or

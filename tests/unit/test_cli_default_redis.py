@@ -68,3 +68,32 @@ def test_a_default_redis_without_infergate_state_is_refused(monkeypatch, url, re
     else:
         assert ctx.r is foreign
     assert foreign.keys("*") == [b"someone:else"]
+
+
+@pytest.mark.parametrize("file_redis,said", [
+    ('[redis]\nurl = "redis://:pw@127.0.0.1:6380/0"\n', True),
+    ("", True),                                       # the file's default 6379
+    ('[redis]\nurl = "redis://127.0.0.1:7001/0"\n', False),  # the same URL
+])
+def test_a_config_files_redis_replaced_by_the_environment_is_said(
+        tmp_path, monkeypatch, capsys, file_redis, said) -> None:
+    """``--config F`` with an ``INFERGATE_REDIS_URL`` left in the shell (an ``infergate up``
+    banner's export line): the environment wins, as documented, and the command says so
+    on standard error, naming both URLs (passwords hidden)."""
+    cfg = tmp_path / "infergate.toml"
+    cfg.write_text(file_redis)
+    monkeypatch.setenv("INFERGATE_REDIS_URL", "redis://127.0.0.1:7001/0")
+    held = fakeredis.FakeRedis()
+    held.set(keynames.ROUTING, "{}")
+    made: list[str] = []
+    monkeypatch.setattr(common, "make_redis", lambda s: made.append(s.url) or held)
+    monkeypatch.setattr(common, "migrate_key_names", lambda r: None)
+    assert common.Ctx(str(cfg), None).r is held
+    assert made == ["redis://127.0.0.1:7001/0"]
+    err = capsys.readouterr().err
+    assert ("note: using Redis at redis://127.0.0.1:7001/0 from INFERGATE_REDIS_URL, which "
+            f"overrides the [redis] url of {cfg}" in err) is said, err
+    assert "pw" not in err
+    # --redis-url names the Redis itself: nothing to say
+    assert common.Ctx(str(cfg), "redis://127.0.0.1:7002/0").r is held
+    assert capsys.readouterr().err == ""
