@@ -241,6 +241,33 @@ def test_redis_down_cached_keys_work_unknown_keys_get_503(redis_server, upstream
     assert all("authorization" not in h for h in upstream.headers)
 
 
+def test_a_key_revoked_before_redis_went_down_stays_refused(redis_server, upstream,
+                                                             edge_factory) -> None:
+    """A key the edge cached as valid and that was revoked while Redis answered is refused
+    during a later outage (it was accepted on its stale answer for up to stale_ttl_s): the
+    key store's records the worker read after the revocation outrank the older cached
+    answer. A key still valid keeps working on its stale answer."""
+    r = redis_server.client()
+    revoked, rec = apikeys.create_key(r, "acme")
+    valid, _ = apikeys.create_key(r, "acme")
+    edge = edge_factory(auth_settings(redis_server.url, upstream.node(), cache_ttl_s=0.2,
+                                      negative_ttl_s=0.2, stale_ttl_s=60.0))
+    procs.wait_until(lambda: _hgetall_calls(r) >= 1, 10, what="the key store's records read")
+    assert post(edge, revoked).status_code == 200
+    assert post(edge, valid).status_code == 200
+    calls = _hgetall_calls(r)
+    apikeys.revoke_key(r, rec.id)
+    procs.wait_until(lambda: _hgetall_calls(r) > calls, 15,
+                     what="the key store's records read after the revocation")
+    redis_server.stop()
+    time.sleep(0.3)  # the cached answers are stale now, and older than the records read
+
+    for _ in range(3):
+        assert_invalid_key(post(edge, revoked))
+        assert post(edge, valid).status_code == 200
+    assert all("authorization" not in h for h in upstream.headers)
+
+
 def _hgetall_calls(r: Any) -> int:
     return int(r.info("commandstats").get("cmdstat_hgetall", {}).get("calls", 0))
 

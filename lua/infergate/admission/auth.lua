@@ -16,7 +16,9 @@
 -- A cached answer is trusted for auth.cache_ttl_s (valid) or auth.negative_ttl_s
 -- (invalid) seconds, so a revoked key stops working at most cache_ttl_s after the
 -- revocation. The dicts keep answers up to auth.stale_ttl_s: while Redis is unreachable
--- those stale answers are used (valid keys keep working, known-bad keys keep failing);
+-- those stale answers are used (valid keys keep working, known-bad keys keep failing),
+-- except a valid answer that the key store's records the worker read after it was cached
+-- (infergate.admission.knownkeys) contradict: a key revoked before the outage is refused;
 -- a key with no cached answer is then checked against the key store's records the
 -- worker holds (infergate.admission.knownkeys, refreshed every minute or when the
 -- number of keys changes; counted in auth_static), and only a key found in neither
@@ -234,6 +236,16 @@ local function fetch(digest, e, now, o)
         -- nil: Redis unreachable (or backed off); false: an error reply. Either way the
         -- key cannot be checked now.
         if e and now - e.at < math.max(o.stale_ttl_s, o.cache_ttl_s) then
+            -- a valid answer the store's records read since contradict (the key was
+            -- revoked or deleted before the outage) is not used
+            local newer = nil
+            if e.ok then
+                newer = knownkeys.newer_record(digest, e.at)
+            end
+            if newer == false or (newer and not _M.from_record(newer, now).ok) then
+                astats.incr("auth_static")
+                return { ok = false, at = now }
+            end
             return e
         end
         local rec = knownkeys.record(digest)

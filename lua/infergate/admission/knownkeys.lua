@@ -36,6 +36,7 @@
 --
 --   has(digest)      whether the digest is a key of the store (as of the last refresh)
 --   record(digest)   its record (the JSON text the store holds), or nil
+--   newer_record(digest, at)  its record in a set read after at (false: not in it), or nil
 --   tick(premature)  the timer's step
 --   init_worker()    starts the timer
 local config = require("infergate.core.config")
@@ -75,6 +76,16 @@ end
 
 function _M.record(digest)
     return known and known[digest]
+end
+
+-- The record of digest in a set read after time at (epoch s): the record, false when
+-- the store of that read did not hold the key, nil when the set held is not that new
+-- (or none is held). An answer cached at `at` is then older than what the store said.
+function _M.newer_record(digest, at)
+    if known == nil or built_at <= at then
+        return nil
+    end
+    return known[digest] or false
 end
 
 local function answer(replies, err)
