@@ -344,6 +344,32 @@ def test_a_mixed_pool_sends_each_request_within_one_group(redis_server, simnodes
     assert st["plain"]["failures"] == 0 and st["tls"]["failures"] == 0, st
 
 
+def test_a_prompt_only_one_group_holds_goes_to_that_group(redis_server, simnodes, tls_front,
+                                                         certs, edge_factory):
+    """In a mixed pool, a prompt over the plain node's slot context (but within the https
+    node's) is drawn into the https node's group every time: the plain node, left out of
+    the request's choice, gives its group no weight (drawn by it, the request had no
+    node left: 503)."""
+    sims = simnodes(2)
+    port = tls_front(sims[1].url)
+    settings = edge_settings(redis_server.url, [], max_tries=2)
+    settings.controlplane.node_ca_file = str(certs / "ca.crt")
+    edge = edge_factory(settings)
+    snap = write_snapshot(redis_server.client(), [
+        {**sims[0].snapshot_node(), "name": "plain", "score": None, "has_metrics": False,
+         "ctx_tokens": 256},
+        {"name": "tls", "url": f"https://localhost:{port}", "host": "127.0.0.1",
+         "port": port, "kind": "vllm", "scheme": "https", "tls_name": "localhost",
+         "auth": f"Bearer {KEY}", "ctx_tokens": 4096}])
+    edge.wait_snapshot(snap["version"])
+    long_chat = {**CHAT, "messages": [{"role": "user", "content": "word " * 1000}]}
+    got = []
+    for _ in range(12):
+        res = requests.post(edge.url + "/v1/chat/completions", json=long_chat, timeout=30)
+        got.append((res.status_code, res.headers.get("X-Infergate-Node")))
+    assert got == [(200, "tls")] * 12, got
+
+
 def test_without_any_ca_bundle_https_nodes_are_refused(workdir, redis_server, simnodes,
                                                        tls_front, edge_factory, monkeypatch):
     """A host without the system CA bundle and no node CA configured: the configuration

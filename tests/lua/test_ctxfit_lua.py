@@ -131,3 +131,57 @@ def test_a_prompt_over_a_small_context_leaves_those_nodes_out(workdir: Path) -> 
             return out
     """)
     assert got == {"between": ""}, got
+
+
+def test_nodes_that_would_refuse_the_request_are_left_out_while_another_can_take_it(
+        workdir: Path) -> None:
+    """A prompt over a node's slot context, or an ``n`` over a llama.cpp server's slots,
+    marks that node tried for the request (the balancer, the admission's pick and the
+    upstream group then leave it out), only while a usable node of the model would take
+    the request; a node that does not report the figure is taken to hold it."""
+    got = run(workdir, """
+            local nodes = {
+                {name = "big", addr = "127.0.0.1", healthy = true, state = "active",
+                 ctx_tokens = 4096, slots = 1, slots_source = "server"},
+                {name = "small", addr = "127.0.0.1", healthy = true, state = "active",
+                 ctx_tokens = 1024, slots = 2, slots_source = "server"},
+            }
+            snapshot.current = function() return {nodes = nodes} end
+            local function tried(b)
+                local raw = cjson.encode(b)
+                local req = {route = "inference", model = "m", body = b, body_bytes = #raw,
+                             tried = {}}
+                local err = ctxfit.step(req)
+                local names = {}
+                for name in pairs(req.tried) do names[#names + 1] = name end
+                table.sort(names)
+                return err and err.code or table.concat(names, ",")
+            end
+            local words = function(n) return string.rep("word ", n) end
+            out.short = tried({messages = {{role = "user", content = words(100)}}})
+            out.mid = tried({messages = {{role = "user", content = words(1200)}}})
+            out.mid_prompt = tried({prompt = words(1200)})
+            out.n2 = tried({n = 2, messages = {{role = "user", content = "hi"}}})
+            out.n3 = tried({n = 3, messages = {{role = "user", content = "hi"}}})
+            out.n2_mid = tried({n = 2, messages = {{role = "user", content = words(1200)}}})
+            out.over_all = tried({messages = {{role = "user", content = words(5000)}}})
+            out.far = tried({messages = {{role = "user", content = words(9000)}}})
+            nodes[1].healthy = false
+            out.mid_big_down = tried({messages = {{role = "user", content = words(1200)}}})
+            nodes[1].healthy = true
+            nodes[1].ctx_tokens = nil   -- not reported: may hold anything
+            out.mid_unknown = tried({messages = {{role = "user", content = words(1200)}}})
+            out.far_unknown = tried({messages = {{role = "user", content = words(9000)}}})
+            return out
+    """)
+    assert got["short"] == "", got
+    assert got["mid"] == got["mid_prompt"] == "small", got       # ~1,500 tokens > 1,024
+    assert got["n2"] == "big", got                               # one slot: refuses n = 2
+    assert got["n3"] == "", got                                  # nobody takes it: both answer
+    # no node takes both: big left out for n, small, the only one left, answers itself
+    assert got["n2_mid"] == "big", got
+    assert got["over_all"] == "small", got                       # ~6,250: the largest stays
+    assert got["far"] == "context_length_exceeded", got          # over twice the largest
+    assert got["mid_big_down"] == "", got                        # the node that fits is down
+    assert got["mid_unknown"] == "small", got
+    assert got["far_unknown"] == "small", got                    # no refusal: a context unknown

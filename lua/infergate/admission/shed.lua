@@ -364,7 +364,7 @@ local function wait_for_slot(req, o, t, now, left)
         astats.incr("waiting", -1)
     end)
     while true do
-        local free, eligible = slots.free(t, now, req.model)
+        local free, eligible = slots.free(t, now, req.model, req.tried)
         local ahead = line.rank(w, now, poll_s, free)
         if eligible == 0 or (ahead < free and slots.reserve(req, t, now)) then
             abort.unwatch(req, gone)

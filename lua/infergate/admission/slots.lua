@@ -78,15 +78,17 @@ local function full_live(t, model, now)
 end
 
 -- Free slots over the eligible nodes of `model` (their cap minus this edge's in flight),
--- and the number of eligible nodes. While a node not found silent (a TTFB outlier or
--- stalled) is eligible, the free slots of nodes found silent do not count: reserve()
+-- and the number of eligible nodes; `tried` (nil: none): nodes left out of the request's
+-- choice (infergate.routing.upstream, infergate.routing.ctxfit), not counted. While a
+-- node not found silent (a TTFB outlier or stalled) is eligible, the free slots of
+-- nodes found silent do not count: reserve()
 -- does not pick them, so they must not keep a waiting request from its 429. (Only a
 -- node with a free slot is asked whether it is silent; the nodes that are full, only
 -- when a silent node's slots would count and no live node has a free slot.)
-function _M.free(t, now, model)
+function _M.free(t, now, model, tried)
     local free, silent, eligible = 0, 0, 0
     for _, node in ipairs(t.nodes) do
-        if open_to(node, model, now) then
+        if open_to(node, model, now) and not (tried and tried[node.name]) then
             eligible = eligible + 1
             local f = cap_of(node) - stats.inflight(node.name)
             if f > 0 then
@@ -123,16 +125,17 @@ local function started_waiting(model, now)
     return v ~= nil and v > now
 end
 
--- Picks the request's node among those with a free slot and takes the slot: true when
--- it did (req.picked set), false when every slot is taken (or only one is free while
--- an answer under way waits for it, see above).
+-- Picks the request's node among those with a free slot, not left out of its choice
+-- (req.tried), and takes the slot: true when it did (req.picked set), false when every
+-- such slot is taken (or only one is free while an answer under way waits for it, see
+-- above).
 function _M.reserve(req, t, now)
     if started_waiting(req.model, now) and _M.free(t, now, req.model) <= 1 then
         return false
     end
-    local excluded = {}
+    local excluded, tried = {}, req.tried or {}
     for _, node in ipairs(t.nodes) do
-        if stats.inflight(node.name) >= cap_of(node) then
+        if tried[node.name] or stats.inflight(node.name) >= cap_of(node) then
             excluded[node.name] = true
         end
     end

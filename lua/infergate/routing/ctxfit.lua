@@ -18,23 +18,28 @@
 -- request is refused only when
 -- it is over FACTOR times the largest context among the nodes serving its model, and
 -- only when every one of them reports its context (a node that does not may hold
--- anything, and answers for itself). Below that the node answers, as it would without
--- the edge.
---
--- Nodes of different contexts: a prompt estimated over the context of some of the nodes
--- serving its model leaves them out for this request (marked tried, as
--- infergate.routing.upstream does with other groups: no pick, no retry there) while a
--- node with a larger context serves the model and is up -- a node whose context is
--- not known may hold it too; with every context known, the nodes of the largest stay.
--- The estimate is off either way (gemma 3: "lorem ipsum" 1.5x over, Chinese text
--- 3.5x under); a node left out for a prompt it would have held costs balance, not an
--- answer, where one sent a prompt it cannot hold answers 400
--- (exceed_context_size_error). No I/O.
+-- anything, and answers for itself). Below that a node answers, as it would without
+-- the edge. No I/O.
 --
 -- Error: 400 {"type": "invalid_request_error", "code": "context_length_exceeded",
 -- "param": "messages" | "prompt"}.
+--
+-- Which node: those that would refuse the request are left out of its choice (marked
+-- tried, as infergate.routing.upstream does with other groups) while a usable node
+-- serving its model would not: a node whose slot context is under the prompt's
+-- estimate (llama-server answers 400 exceed_context_size_error, and a node's 4xx is the
+-- client's answer), and a llama.cpp server (slots_source "server") with fewer slots
+-- than the request's `n` (llama-server refuses an `n` over its --parallel). In a pool of
+-- a 4,096-token and a 1,024-token llama-server, a 2,231-token prompt went to the small
+-- node 10 times out of 10 (both idle), and an `n` = 2 request got the one-slot node's
+-- 400 whenever that node was picked. The estimate is rough (over for some texts, far
+-- under for Chinese): a node left out for a prompt it would have held costs balance,
+-- not an answer; a prompt estimated under a node's context still goes to it. One
+-- estimated over every context (all known, under FACTOR times the largest) goes to the
+-- nodes of the largest context.
 local snapshot = require("infergate.routing.snapshot")
 local models = require("infergate.routing.models")
+local candidates = require("infergate.routing.candidates")
 local body = require("infergate.core.body")
 
 local _M = {}
@@ -80,60 +85,59 @@ local function prompt_of(b)
 end
 _M._prompt_of = prompt_of
 
--- The smallest and largest slot contexts (tokens) known among the nodes of snapshot `t`
--- serving `model` (nil, nil: none known), and whether one of them does not report it.
+-- The largest slot context (tokens) among the nodes of snapshot `t` serving `model`
+-- (nil when none does or one of them does not report its context), and the smallest
+-- one reported (nil: none).
 local function contexts(t, model)
-    local smallest, largest, unknown = nil, nil, false
+    local largest, smallest, unknown = nil, nil, false
     for _, node in ipairs(t.nodes) do
         if models.serves(node, model) then
             local c = node.ctx_tokens
             if not c then
                 unknown = true
             else
-                if not smallest or c < smallest then
-                    smallest = c
-                end
                 if not largest or c > largest then
                     largest = c
                 end
+                if not smallest or c < smallest then
+                    smallest = c
+                end
             end
         end
     end
-    return smallest, largest, unknown
+    return not unknown and largest or nil, smallest
 end
 
--- The largest slot context (tokens) among the nodes of snapshot `t` serving `model`,
--- or nil when none does or one of them does not report its context.
 function _M.largest_context(t, model)
-    local _, largest, unknown = contexts(t, model)
-    return not unknown and largest or nil
+    return (contexts(t, model))
 end
 
-local function up(node, tried)
-    return node.addr and node.healthy and node.state == "active" and not tried[node.name]
-end
-
--- Mark tried (req.tried) the nodes serving the model whose context is below `need`
--- tokens (the largest known context when it is below that and every one is known), if
--- a node that is up and serves the model stays.
-local function leave_out_small(t, req, need, largest, unknown)
-    if not unknown and need > largest then
-        need = largest
+-- Whether `node` would refuse a request of `need` prompt tokens (what = "ctx") or of
+-- `n` = need (what = "n"); a node that does not report the figure is taken to hold it.
+local function refuses(node, what, need)
+    if what == "ctx" then
+        local c = node.ctx_tokens
+        return c ~= nil and c < need
     end
-    local tried, out, stays = req.tried, {}, false
+    return node.slots_source == "server" and node.slots ~= nil and node.slots < need
+end
+
+-- Marks tried the nodes serving the request's model that would refuse it, when a
+-- usable node of the model, not tried yet, would not.
+local function leave_out(req, t, what, need)
+    local tried, model, other = req.tried, req.model, false
     for _, node in ipairs(t.nodes) do
-        if models.serves(node, req.model) then
-            local c = node.ctx_tokens
-            if c and c < need then
-                out[#out + 1] = node.name
-            elseif up(node, tried) then
-                stays = true
-            end
+        if candidates.usable(node, tried, model) and not refuses(node, what, need) then
+            other = true
+            break
         end
     end
-    if stays then
-        for _, name in ipairs(out) do
-            tried[name] = true
+    if not other then
+        return
+    end
+    for _, node in ipairs(t.nodes) do
+        if models.serves(node, model) and refuses(node, what, need) then
+            tried[node.name] = true
         end
     end
 end
@@ -144,21 +148,25 @@ function _M.step(req)
         return nil
     end
     local t = snapshot.current()
-    local smallest, largest, unknown = contexts(t, req.model)
-    -- the cheap checks first: no context known, or a body too short to be over the
-    -- smallest (a prompt has at most as many characters as its body has bytes)
+    local b = req.body
+    local n = type(b) == "table" and b.n
+    if type(n) == "number" and n > 1 then
+        leave_out(req, t, "n", n)
+    end
+    local largest, smallest = contexts(t, req.model)
+    -- the cheap checks first: no context known, or a body too short to be over any (a
+    -- prompt has at most as many characters as its body has bytes)
     if not smallest or (req.body_bytes or 0) <= smallest * _M.CHARS_PER_TOKEN then
         return nil
     end
-    local chars, param = prompt_of(req.body)
+    local chars, param = prompt_of(b)
     local est = chars and ceil(chars / _M.CHARS_PER_TOKEN)
     if not est or est <= smallest then
         return nil
     end
-    if unknown or est <= _M.FACTOR * largest then
-        if smallest < largest or unknown then
-            leave_out_small(t, req, est, largest, unknown)
-        end
+    if not largest or est <= _M.FACTOR * largest then
+        -- over every context (all known): the nodes of the largest, the best chance
+        leave_out(req, t, "ctx", (largest and est > largest) and largest or est)
         return nil
     end
     return {

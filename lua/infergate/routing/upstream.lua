@@ -69,8 +69,8 @@ local function groups_of(t)
 end
 
 -- A group drawn by the effective weight of its eligible nodes for `model` (those not
--- in `tried`: left out by an earlier step, infergate.routing.ctxfit); nil when no node
--- is eligible (the eligible step answers 503).
+-- left out of the request's choice already: `tried`); nil when no node is eligible
+-- (the eligible step answers 503).
 local function draw(t, groups, model, now, tried)
     local weight, total = {}, 0
     for _, node in ipairs(t.nodes) do
