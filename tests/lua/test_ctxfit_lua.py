@@ -185,3 +185,26 @@ def test_nodes_that_would_refuse_the_request_are_left_out_while_another_can_take
     assert got["mid_big_down"] == "", got                        # the node that fits is down
     assert got["mid_unknown"] == "small", got
     assert got["far_unknown"] == "small", got                    # no refusal: a context unknown
+
+
+def test_a_chinese_prompt_counts_its_characters_as_tokens(workdir: Path) -> None:
+    """1,880 Chinese characters (1,431 tokens on gemma 3) are estimated at 0.6 tokens
+    each, over a 1,024-token slot: that node is left out (at 4 characters a token they
+    read as 470 and went to it, which answered 400); 600 stay under it."""
+    got = mixed(workdir, f"""{{
+                {{name = "small", ctx_tokens = 1024, {UP}}},
+                {{name = "big", ctx_tokens = 4096, {UP}}}}}""", """
+            local function ask(chars)
+                local b = {messages = {{role = "user",
+                                        content = string.rep("请介绍一下这个城市的历史", chars / 12)}}}
+                local req = {route = "inference", model = "m", body = b,
+                             body_bytes = #cjson.encode(b), tried = {}}
+                local err = ctxfit.step(req)
+                return err and err.code or (req.tried.small and "small" or "")
+            end
+            out.long = ask(1884)
+            out.short = ask(600)
+            out.far = ask(14400)           -- ~8,640 tokens: over twice 4,096
+            return out
+    """)
+    assert got == {"long": "small", "short": "", "far": "context_length_exceeded"}, got

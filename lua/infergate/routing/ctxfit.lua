@@ -6,7 +6,8 @@
 -- 14 s to end in that 400. The control plane reads each llama.cpp server's slot context
 -- from its /props (default_generation_settings.n_ctx, the snapshot's ctx_tokens).
 --
--- The prompt's tokens are estimated as characters / CHARS_PER_TOKEN (a chat request's
+-- The prompt's tokens are estimated as characters / CHARS_PER_TOKEN, a CJK character as
+-- CJK_TOKENS (a chat request's
 -- message contents, a completions request's prompt string; other bodies, a list of
 -- prompts or inputs, are not checked: each of those has its own context), every 8
 -- characters of a run of whitespace or of one ASCII punctuation mark counted
@@ -14,8 +15,9 @@
 -- spaces or newlines a token, 16 dashes a token), so a fixed-width table padded with
 -- spaces (9.8 characters a token) was refused at over twice the context while it fit
 -- in it; a run still counts (a body of spaces alone is refused too). The estimate
--- is rough (chars / 4 is 1.1x under for English text and far under for Chinese), so a
--- request is refused only when
+-- is rough (gemma 3: 1.1x under for English text, 1.5x over for "lorem ipsum", 1.3x
+-- under for Chinese; chars / 4 alone was 3x under there), so a request is refused only
+-- when
 -- it is over FACTOR times the largest context among the nodes serving its model, and
 -- only when every one of them reports its context (a node that does not may hold
 -- anything, and answers for itself). Below that a node answers, as it would without
@@ -32,8 +34,8 @@
 -- than the request's `n` (llama-server refuses an `n` over its --parallel). In a pool of
 -- a 4,096-token and a 1,024-token llama-server, a 2,231-token prompt went to the small
 -- node 10 times out of 10 (both idle), and an `n` = 2 request got the one-slot node's
--- 400 whenever that node was picked. The estimate is rough (over for some texts, far
--- under for Chinese): a node left out for a prompt it would have held costs balance,
+-- 400 whenever that node was picked. The estimate is rough (see above): a node left
+-- out for a prompt it would have held costs balance,
 -- not an answer; a prompt estimated under a node's context still goes to it. One
 -- estimated over every context (all known, under FACTOR times the largest) goes to the
 -- nodes of the largest context.
@@ -57,10 +59,23 @@ local re_gsub = ngx.re.gsub
 -- gemma 3 takes 31 spaces or 16 dashes in one).
 local RUNS = [[\s{2,8}|([!-/:-@\[-`{-~])\1{1,7}]]
 
--- Characters (code points) of string `s`, each match of RUNS counted as one.
+-- Han, kana and hangul: about CJK_TOKENS tokens each where other text takes 1 /
+-- CHARS_PER_TOKEN (gemma 3: 1,880 Chinese characters read as 1,431 tokens, 0.76 each;
+-- 0.6 stays under the tokenizers that pack Chinese tighter).
+local CJK = [=[[\x{3040}-\x{30ff}\x{3400}-\x{4dbf}\x{4e00}-\x{9fff}\x{ac00}-\x{d7af}]=]
+    .. [=[\x{f900}-\x{faff}]]=]
+_M.CJK_TOKENS = 0.6
+
+-- Characters (code points) of string `s`, each match of RUNS counted as one and each
+-- CJK character as CJK_TOKENS x CHARS_PER_TOKEN.
 local function dense_chars(s)
-    local t = re_gsub(s, RUNS, " ", "jo")
-    return body.chars(t or s)
+    local t = re_gsub(s, RUNS, " ", "jo") or s
+    local n = body.chars(t)
+    local _, cjk = re_gsub(t, CJK, "", "jou")
+    if cjk and cjk > 0 then
+        n = n + cjk * (_M.CJK_TOKENS * _M.CHARS_PER_TOKEN - 1)
+    end
+    return n
 end
 
 -- Characters of the one prompt of a decoded body (runs counted as one, see above) and
@@ -172,8 +187,9 @@ function _M.step(req)
     return {
         status = 400,
         message = "This model's maximum context length is " .. largest .. " tokens; the "
-            .. "prompt is about " .. est .. " tokens (estimated from its " .. chars
-            .. " characters). Shorten the prompt.",
+            .. "prompt is about " .. est .. " tokens (estimated from its " .. ceil(chars)
+            .. " characters, a CJK character counted as " .. _M.CJK_TOKENS
+            .. " token). Shorten the prompt.",
         type = "invalid_request_error",
         code = "context_length_exceeded",
         param = param,
