@@ -321,21 +321,30 @@ def test_each_try_checks_its_own_node_name(workdir, redis_server, simnodes, tls_
                      what=f"the front's access log line; it has {fronts()[-2000:]}")
 
 
-def test_a_mixed_pool_sends_each_request_within_one_group(redis_server, simnodes, tls_front,
-                                                          certs, edge_factory):
-    """A plain node and an https node with a key: each request is sent with the scheme
-    and key of the node it reaches (both serve, none fails)."""
+def _mixed_pool(redis_server, simnodes, tls_front, certs, edge_factory, plain: dict,
+                tls: dict):
+    """An edge whose snapshot holds a plain node ("plain") and an https node with a key
+    ("tls", behind a TLS front), each with the extra fields given; returns the edge."""
     sims = simnodes(2)
     port = tls_front(sims[1].url)
     settings = edge_settings(redis_server.url, [], max_tries=2)
     settings.controlplane.node_ca_file = str(certs / "ca.crt")
     edge = edge_factory(settings)
     snap = write_snapshot(redis_server.client(), [
-        {**sims[0].snapshot_node(), "name": "plain", "score": None, "has_metrics": False},
+        {**sims[0].snapshot_node(), "name": "plain", "score": None, "has_metrics": False,
+         **plain},
         {"name": "tls", "url": f"https://localhost:{port}", "host": "127.0.0.1",
          "port": port, "kind": "vllm", "scheme": "https", "tls_name": "localhost",
-         "auth": f"Bearer {KEY}"}])
+         "auth": f"Bearer {KEY}", **tls}])
     edge.wait_snapshot(snap["version"])
+    return edge
+
+
+def test_a_mixed_pool_sends_each_request_within_one_group(redis_server, simnodes, tls_front,
+                                                          certs, edge_factory):
+    """A plain node and an https node with a key: each request is sent with the scheme
+    and key of the node it reaches (both serve, none fails)."""
+    edge = _mixed_pool(redis_server, simnodes, tls_front, certs, edge_factory, {}, {})
     for _ in range(16):
         res = requests.post(edge.url + "/v1/chat/completions", json=CHAT, timeout=30)
         assert res.status_code == 200, res.text
@@ -350,18 +359,8 @@ def test_a_prompt_only_one_group_holds_goes_to_that_group(redis_server, simnodes
     node's) is drawn into the https node's group every time: the plain node, left out of
     the request's choice, gives its group no weight (drawn by it, the request had no
     node left: 503)."""
-    sims = simnodes(2)
-    port = tls_front(sims[1].url)
-    settings = edge_settings(redis_server.url, [], max_tries=2)
-    settings.controlplane.node_ca_file = str(certs / "ca.crt")
-    edge = edge_factory(settings)
-    snap = write_snapshot(redis_server.client(), [
-        {**sims[0].snapshot_node(), "name": "plain", "score": None, "has_metrics": False,
-         "ctx_tokens": 256},
-        {"name": "tls", "url": f"https://localhost:{port}", "host": "127.0.0.1",
-         "port": port, "kind": "vllm", "scheme": "https", "tls_name": "localhost",
-         "auth": f"Bearer {KEY}", "ctx_tokens": 4096}])
-    edge.wait_snapshot(snap["version"])
+    edge = _mixed_pool(redis_server, simnodes, tls_front, certs, edge_factory,
+                       {"ctx_tokens": 256}, {"ctx_tokens": 4096})
     long_chat = {**CHAT, "messages": [{"role": "user", "content": "word " * 1000}]}
     got = []
     for _ in range(12):

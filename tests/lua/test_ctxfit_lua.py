@@ -76,11 +76,12 @@ def mixed(workdir: Path, nodes: str, body: str):
             local config = require("infergate.core.config")
             assert(config.init({}, """ + lua_string(json.dumps(option_spec())) + """))
             local snapshot = require("infergate.routing.snapshot")
-            snapshot.current = function() return {nodes = """ + nodes + """} end
+            local nodes = """ + nodes + """
+            snapshot.current = function() return {nodes = nodes} end
             local ctxfit = require("infergate.routing.ctxfit")
             local cjson = require("cjson.safe")
-            local function left_out(words)
-                local b = {messages = {{role = "user", content = string.rep("lorem ipsum ", words)}}}
+            -- the edge's 400 code, or the names of the nodes left out ("," between)
+            local function tried(b)
                 local req = {route = "inference", model = "m", body = b,
                              body_bytes = #cjson.encode(b), tried = {}}
                 local err = ctxfit.step(req)
@@ -88,6 +89,10 @@ def mixed(workdir: Path, nodes: str, body: str):
                 for name in pairs(req.tried) do names[#names + 1] = name end
                 table.sort(names)
                 return err and err.code or table.concat(names, ",")
+            end
+            local function left_out(words)
+                return tried({messages = {{role = "user",
+                                           content = string.rep("lorem ipsum ", words)}}})
             end
             local out = {}
 """
@@ -139,24 +144,12 @@ def test_nodes_that_would_refuse_the_request_are_left_out_while_another_can_take
     marks that node tried for the request (the balancer, the admission's pick and the
     upstream group then leave it out), only while a usable node of the model would take
     the request; a node that does not report the figure is taken to hold it."""
-    got = run(workdir, """
-            local nodes = {
+    got = mixed(workdir, """{
                 {name = "big", addr = "127.0.0.1", healthy = true, state = "active",
                  ctx_tokens = 4096, slots = 1, slots_source = "server"},
                 {name = "small", addr = "127.0.0.1", healthy = true, state = "active",
                  ctx_tokens = 1024, slots = 2, slots_source = "server"},
-            }
-            snapshot.current = function() return {nodes = nodes} end
-            local function tried(b)
-                local raw = cjson.encode(b)
-                local req = {route = "inference", model = "m", body = b, body_bytes = #raw,
-                             tried = {}}
-                local err = ctxfit.step(req)
-                local names = {}
-                for name in pairs(req.tried) do names[#names + 1] = name end
-                table.sort(names)
-                return err and err.code or table.concat(names, ",")
-            end
+            }""", """
             local words = function(n) return string.rep("word ", n) end
             out.short = tried({messages = {{role = "user", content = words(100)}}})
             out.mid = tried({messages = {{role = "user", content = words(1200)}}})
@@ -195,12 +188,8 @@ def test_a_chinese_prompt_counts_its_characters_as_tokens(workdir: Path) -> None
                 {{name = "small", ctx_tokens = 1024, {UP}}},
                 {{name = "big", ctx_tokens = 4096, {UP}}}}}""", """
             local function ask(chars)
-                local b = {messages = {{role = "user",
-                                        content = string.rep("请介绍一下这个城市的历史", chars / 12)}}}
-                local req = {route = "inference", model = "m", body = b,
-                             body_bytes = #cjson.encode(b), tried = {}}
-                local err = ctxfit.step(req)
-                return err and err.code or (req.tried.small and "small" or "")
+                return tried({messages = {{role = "user",
+                                           content = string.rep("请介绍一下这个城市的历史", chars / 12)}}})
             end
             out.long = ask(1884)
             out.short = ask(600)
