@@ -127,6 +127,10 @@ from controlplane.embedder import contrast, guard, scope
     # time, audience and kind of question (controlplane/embedder/scope.py)
     ("What did Apple announce?", "What will Apple announce?", "tense"),
     ("What was the weather in Paris?", "What'll the weather be in Paris?", "tense"),
+    ("Who is the president of France?", "Who was the president of France?", "tense"),
+    ("What is the tallest building in the world?", "What was the tallest building in the world?",
+     "tense"),
+    ("Does the museum open on Mondays?", "Did the museum open on Mondays?", "tense"),
     ("What vaccines do I need for Thailand?", "What vaccines do children need for Thailand?",
      "audience"),
     ("Is there a discount?", "Is there a discount for students?", "audience"),
@@ -335,6 +339,8 @@ def test_a_closed_class_named_alike_or_on_one_side_is_no_contrast(query: str,
 
 @pytest.mark.parametrize("a,b", [
     ("Who won the election?", "Who'll win the election?"),     # "won": no auxiliary
+    ("Who is the president of France?", "Who was the first president of France?"),
+    ("What is a mortgage?", "What's a mortgage?"),
     ("Is this toy safe for kids?", "Is this toy safe for children?"),
     ("小孩发烧怎么办？", "儿童发烧怎么办？"),
 ])
