@@ -429,6 +429,9 @@ class ControlPlane:
             if self.keeper.copy is not None:
                 log.error("REDIS STATE LOST: not writing this control plane's copy back: %s",
                           why)
+            # the copy is not written back later either (its generations read as gone
+            # back, its key store's marker as lost): the next read copies Redis anew
+            self.keeper.copy = None
             return None
         return self._restore(statecopy.GROUPS)
 

@@ -358,3 +358,42 @@ def test_a_key_made_active_by_hand_is_revoked_again(redis_server, cps, caplog) -
     (ev,) = _events(r, "keys_revoked_again")
     assert ev["detail"]["ids"] == [bad_rec.id]
     assert not _events(r, "state_went_back")
+
+
+@pytest.mark.parametrize("operators_write", [True, False])
+def test_a_copy_refused_after_a_loss_is_not_written_back_later(redis_server, cps, caplog,
+                                                               operators_write) -> None:
+    """A control plane frozen for 30 s notices a loss that one without a copy re-seeded:
+    its copy, refused as read too long before the loss, is not written back at its next
+    cycles either -- not as a store that went back (its generations are higher than the
+    new Redis'), nor as a key store lost -- so the keys and nodes the operators wrote
+    since stay, and nothing of the old copy comes back."""
+    caplog.set_level(logging.INFO, logger="infergate.controlplane")
+    conf = [_node("a")]
+    late = cps(cp_settings(conf), make_client(redis_server.url, 0.5))
+    r = redis_server.client()
+    registry.put_node(r, _node("extra"))
+    for _ in range(3):
+        registry.set_state(r, "extra", "draining", actor="test")
+        registry.set_state(r, "extra", "active", actor="test")
+    old = [apikeys.create_key(r, "acme")[0] for _ in range(4)]
+    late.run_cycle()
+    assert late.keeper.copy is not None
+    late.keeper.copy.registry_at -= 30                  # frozen since
+    late.keeper.copy.apikeys_at -= 30
+    r.flushall()
+    fresh = cps(cp_settings(conf), make_client(redis_server.url, 0.5))
+    fresh.run_cycle()                                   # no copy: seeds the file's node
+    new = None
+    if operators_write:
+        registry.put_node(r, _node("b"))
+        new, _ = apikeys.create_key(r, "ops")
+    for _ in range(3):
+        late.run_cycle()
+    names = {n.name for n in registry.list_nodes(r)}
+    assert "extra" not in names, "the refused copy's node came back"
+    assert all(apikeys.lookup(r, k) is None for k in old), "the refused copy's keys came back"
+    if operators_write:
+        assert "b" in names and apikeys.lookup(r, new) is not None
+    assert "REDIS STATE WENT BACK" not in caplog.text
+    assert late.state_restores == 0
