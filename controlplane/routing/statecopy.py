@@ -46,7 +46,9 @@ refreshed, :attr:`Read.went_back` names the group, and :meth:`StateKeeper.put_ba
 makes the group in Redis what the copy holds (entries added, changed and removed since
 the snapshot as the copy saw them), with the generation set past the copy's. Changes
 written to the restarted Redis before this control plane's next read (one poll
-interval) are overwritten by the copy. An operator who rolls Redis back on purpose
+interval) are overwritten by the copy, but for the keys': keys are never deleted and a
+revocation is for good, so a key created since the restart stays, and so does a
+revocation made since. An operator who rolls Redis back on purpose
 stops the control planes first (docs/operations.md).
 
 A revocation is for good (a revoked key cannot be edited, and ``keys import`` keeps
@@ -114,6 +116,16 @@ def _gen(raw: object) -> int:
         return int(raw)  # type: ignore[call-overload]
     except (TypeError, ValueError):
         return 0
+
+
+def _keys_to_put_back(copy: dict[str, str], held: dict[str, str]) -> dict[str, str]:
+    """The records of the copy to write over ``held`` (``keynames.APIKEYS`` as Redis
+    holds it) after Redis went back: those missing or different, but a record revoked
+    in Redis stays revoked (a revocation is for good: one made since the restart). Keys
+    are never deleted, so a key Redis holds and the copy does not was created since the
+    restart and stays too."""
+    return {d: raw for d, raw in copy.items() if held.get(d) != raw
+            and not (d in held and _revoked(held[d]) and not _revoked(raw))}
 
 
 def _key_id(raw: str) -> str:
@@ -343,7 +355,8 @@ class StateKeeper:
         """Make ``group`` (:data:`GROUPS`) in Redis what the copy holds, in one
         ``MULTI`` (one hash slot), with its generation set to the copy's + 1, after Redis
         went back to generation ``gen`` (:attr:`Read.went_back`; the caller takes the
-        claim first, :meth:`claim_back`). ``current``: the read that found it, for the
+        claim first, :meth:`claim_back`); the keys are merged (:func:`_keys_to_put_back`:
+        none removed, a revocation in Redis kept). ``current``: the read that found it, for the
         registry's names. The key store's marker is set again when the copy had it (the
         edges read the keys again). Returns what changed; nothing without a copy."""
         c = self.copy
@@ -372,19 +385,25 @@ class StateKeeper:
             pipe.execute()
             c.nodes_gen += 1
             return out
-        keys = self.r.hgetall(keynames.APIKEYS)
         out.copy_gen = c.apikeys_gen
-        out.written = sorted(_key_id(raw) for d, raw in c.apikeys.items() if keys.get(d) != raw)
-        out.removed = sorted(_key_id(raw) for d, raw in keys.items() if d not in c.apikeys)
-        pipe.delete(keynames.APIKEYS, keynames.APIKEY_IDS)
-        if c.apikeys:
-            pipe.hset(keynames.APIKEYS, mapping=c.apikeys)
-        if c.apikey_ids:
-            pipe.hset(keynames.APIKEY_IDS, mapping=c.apikey_ids)
-        if c.apikeys_marker is not None:
-            apikeys.mark_written(pipe)
-        pipe.set(keynames.APIKEYS_GEN, c.apikeys_gen + 1)
-        pipe.execute()
+        with pipe:
+            while True:
+                try:
+                    pipe.watch(keynames.APIKEYS)   # a revocation meanwhile is kept
+                    write = _keys_to_put_back(c.apikeys, pipe.hgetall(keynames.APIKEYS))
+                    pipe.multi()
+                    if write:
+                        pipe.hset(keynames.APIKEYS, mapping=write)
+                    if c.apikey_ids:
+                        pipe.hset(keynames.APIKEY_IDS, mapping=c.apikey_ids)
+                    if c.apikeys_marker is not None:
+                        apikeys.mark_written(pipe)
+                    pipe.set(keynames.APIKEYS_GEN, c.apikeys_gen + 1)
+                    pipe.execute()
+                    break
+                except redis.WatchError:
+                    continue
+        out.written = sorted(_key_id(raw) for raw in write.values())
         c.apikeys_gen += 1
         return out
 

@@ -397,3 +397,29 @@ def test_a_copy_refused_after_a_loss_is_not_written_back_later(redis_server, cps
         assert "b" in names and apikeys.lookup(r, new) is not None
     assert "REDIS STATE WENT BACK" not in caplog.text
     assert late.state_restores == 0
+
+
+def test_keys_revoked_or_created_after_an_older_snapshot_came_back_stay(
+        redis_server, workdir, cps) -> None:
+    """Redis back from an older snapshot; before the control plane's next cycle an
+    operator revokes a leaked key and creates a new one. Keys are never deleted and a
+    revocation is for good, so the put-back keeps both: the key stays revoked and the new
+    key valid (the copy's keys that the snapshot lacked are written back too)."""
+    cp = cps(cp_settings([_node("a")]), make_client(redis_server.url, 0.5))
+    r = redis_server.client()
+    leaked, leaked_rec = apikeys.create_key(r, "acme")
+    cp.run_cycle()
+    r.save()                                            # the older snapshot
+    later = [apikeys.create_key(r, "acme")[0] for _ in range(3)]
+    cp.run_cycle()
+    redis_server.stop()
+    redis_server.start_again(workdir / "redis")         # back from the snapshot
+    apikeys.revoke_key(r, leaked_rec.id)                # the operators, at once
+    fresh, fresh_rec = apikeys.create_key(r, "ops")
+    cp.run_cycle()
+    cp.run_cycle()
+    assert all(apikeys.lookup(r, k) is not None for k in later), "the copy's keys are lost"
+    assert apikeys.lookup(r, leaked) is None, "a key revoked after the restart is valid again"
+    assert apikeys.get_key(r, leaked_rec.id).revoked
+    assert apikeys.lookup(r, fresh) is not None, "a key created after the restart is gone"
+    assert apikeys.get_key(r, fresh_rec.id) is not None
