@@ -28,3 +28,17 @@ def test_a_file_past_its_cap_keeps_its_last_whole_lines(tmp_path: Path) -> None:
     assert cap.tick(100.0 + CHECK_EVERY_S) == [log]
     assert len(said) == 1, "said once per file"
     assert LogCap([tmp_path], 0, said.append).tick(1e9) == [], "0: no cap"
+
+
+def test_the_stack_s_own_redis_logs_are_capped_too(tmp_path: Path) -> None:
+    """The stack's own Redis logs to ``redis/redis-<port>.log`` and its Redis Cluster to
+    ``redis-cluster/node<i>/redis-<port>.log``: both are under the cap, as said."""
+    from controlplane.cli.up.logs import log_dirs
+    for d in ("logs", "nginx/logs", "redis", "redis-cluster/node0", "redis-cluster/node1"):
+        (tmp_path / d).mkdir(parents=True)
+    big = [tmp_path / "redis" / "redis-6000.log",
+           tmp_path / "redis-cluster" / "node1" / "redis-6001.log"]
+    for log in big:
+        log.write_bytes(b"x\n" * 3000)
+    cap = LogCap(log_dirs(tmp_path), 4000, lambda _line: None)
+    assert sorted(cap.tick(100.0)) == sorted(big)

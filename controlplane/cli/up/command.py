@@ -19,7 +19,7 @@ from .common import _say
 from .edge import (NGINX_FINISH_S, choose_metrics_port, start_controlplane, start_edge,
                    watch_controlplane)
 from .embedder import EmbedderKeeper, _start_embedder
-from .logs import DEFAULT_MAX_MB, LogCap
+from .logs import DEFAULT_MAX_MB, LogCap, log_dirs
 from .nodes import SIM_NODES, _sim_nodes
 from .owner import _release_owner, claim_registry
 from .plan import UpRun, make_plan, open_workdir
@@ -141,7 +141,7 @@ def supervise(run: UpRun) -> str:
               and run.settings.cache.semantic else None)
     watch_controlplane(run)
     assert run.owner_r is not None
-    logs = LogCap([run.wd / "logs", run.wd / "nginx" / "logs"], run.log_max_mb * 2**20, _say)
+    logs = LogCap(log_dirs(run.wd), run.log_max_mb * 2**20, _say)
     return _supervise(run.stack, run.stop, run.owner_r, run.owner_doc, embedder=keeper,
                       logs=logs)
 

@@ -26,6 +26,14 @@ DEFAULT_MAX_MB = 256
 KEEP_FRACTION = 0.25
 
 
+def log_dirs(wd: Path) -> list[Path]:
+    """The folders of the log files of a stack whose work folder is ``wd``: its parts'
+    (``logs``), nginx's, its own Redis' (``redis/redis-<port>.log``) and its own Redis
+    Cluster's (``redis-cluster/node<i>``)."""
+    return [wd / "logs", wd / "nginx" / "logs", wd / "redis",
+            *sorted((wd / "redis-cluster").glob("node*"))]
+
+
 def cut(path: Path, keep_bytes: int) -> int:
     """Copy the last ``keep_bytes`` of ``path`` (from its first whole line on) to
     ``path`` + ``.1`` and truncate ``path`` to 0. Returns the size it had, bytes.
