@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 
 import redis
 
-from controlplane.redisdb import keynames
+from controlplane.redisdb import genlog, keynames
 from controlplane.errors import InfergateError
 
 KEY_PREFIX = "ig-"
@@ -216,11 +216,12 @@ def loss_pending(r: redis.Redis | redis.client.Pipeline) -> bool:
     return store_missing(r) and bool(store_status(r)["edges_keeping"])
 
 
-def bump(r: redis.Redis | redis.client.Pipeline) -> None:
+def bump(r: redis.Redis | redis.client.Pipeline) -> str:
     """Queue the INCR of the key store's generation (``keynames.APIKEYS_GEN``) that goes
     with every write of a key record (:mod:`controlplane.routing.statecopy` tells by it
-    that Redis came back older)."""
-    r.incr(keynames.APIKEYS_GEN)
+    that Redis came back older), with the push of a token on its write log
+    (:mod:`controlplane.redisdb.genlog`); returns the token."""
+    return genlog.push(r, keynames.APIKEYS_GEN, keynames.APIKEYS_GEN_LOG)
 
 
 def mark_changed(r: redis.Redis | redis.client.Pipeline, pending: bool) -> None:

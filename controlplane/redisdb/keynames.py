@@ -62,6 +62,9 @@ NODE_STATES = f"{BASE}:node_states:{NODES_TAG}"
 #: It never goes back in a healthy Redis; lower than a control plane last read, Redis
 #: came back from an older snapshot (``controlplane.routing.statecopy``).
 NODES_GEN = f"{BASE}:nodes_gen:{NODES_TAG}"
+#: List without TTL (state): a token per write of :data:`NODES_GEN`, newest first, capped
+#: (``controlplane.redisdb.genlog``): an older Redis that has had as many writes since.
+NODES_GEN_LOG = f"{BASE}:nodes_gen_log:{NODES_TAG}"
 #: Hash, edge id -> JSON per-edge stats ``{"ts": epoch_s, "nodes": {name: {...}}}``.
 EDGES = f"{BASE}:edges"
 #: Stream of operator-visible events (drains, health changes, config changes), capped.
@@ -82,6 +85,8 @@ APIKEYS_MARKER = f"{BASE}:apikeys:marker:{APIKEYS_TAG}"
 #: String without TTL (state), integer INCRed by every write of an API key record
 #: (``controlplane.admin.apikeys``): the key store's generation, as :data:`NODES_GEN`.
 APIKEYS_GEN = f"{BASE}:apikeys:gen:{APIKEYS_TAG}"
+#: List without TTL (state): the write log of :data:`APIKEYS_GEN`, as :data:`NODES_GEN_LOG`.
+APIKEYS_GEN_LOG = f"{BASE}:apikeys:gen_log:{APIKEYS_TAG}"
 #: Hash of response-cache counters: lookups, hits_exact, hits_semantic, misses, bypass, stores.
 CACHE_STATS = f"{BASE}:cache:stats"
 #: Prefix of response-cache entries (strings, JSON, with TTL): ``CACHE_ENTRY_PREFIX + exact_key_hex``.
@@ -157,8 +162,9 @@ ADMIN_SESSION_PREFIX = f"{BASE}:admin:session:"
 #: rewritten by the leader, and the version must never go back because of an eviction.
 #: Every other key is cache kind and always carries a TTL.
 STATE_KEYS = frozenset({
-    ROUTING, ROUTING_VERSION, NODES, NODES_SEEDED, NODE_STATES, NODES_GEN, EVENTS, APIKEYS,
-    APIKEY_IDS, APIKEYS_MARKER, APIKEYS_GEN, STATE_MARKER, LEADER_FENCE,
+    ROUTING, ROUTING_VERSION, NODES, NODES_SEEDED, NODE_STATES, NODES_GEN, NODES_GEN_LOG,
+    EVENTS, APIKEYS, APIKEY_IDS, APIKEYS_MARKER, APIKEYS_GEN, APIKEYS_GEN_LOG, STATE_MARKER,
+    LEADER_FENCE,
 })
 
 #: State keys renamed for Redis Cluster hash tags: old name -> new name. Carried over
@@ -173,8 +179,8 @@ RENAMED = {
 #: The key groups that one script or transaction touches together: each shares one slot.
 SLOT_GROUPS = {
     "routing": (ROUTING, LEADER, LEADER_FENCE),
-    "registry": (NODES, NODES_SEEDED, NODE_STATES, NODES_GEN),
-    "apikeys": (APIKEYS, APIKEY_IDS, APIKEYS_MARKER, APIKEYS_GEN),
+    "registry": (NODES, NODES_SEEDED, NODE_STATES, NODES_GEN, NODES_GEN_LOG),
+    "apikeys": (APIKEYS, APIKEY_IDS, APIKEYS_MARKER, APIKEYS_GEN, APIKEYS_GEN_LOG),
 }
 
 

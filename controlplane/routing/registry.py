@@ -38,7 +38,7 @@ from urllib.parse import SplitResult, urlsplit
 
 import redis
 
-from controlplane.redisdb import keynames
+from controlplane.redisdb import genlog, keynames
 from controlplane.config import NodeSettings
 from controlplane.errors import InfergateError
 
@@ -81,8 +81,9 @@ def get_node(r: redis.Redis, name: str) -> NodeSettings | None:
 def bump(pipe: redis.Redis | redis.client.Pipeline) -> None:
     """Queue the INCR of the registry's generation (``keynames.NODES_GEN``) that goes
     with every write of a node or a state (:mod:`controlplane.routing.statecopy` tells
-    by it that Redis came back older)."""
-    pipe.incr(keynames.NODES_GEN)
+    by it that Redis came back older), with the push of a token on its write log
+    (:mod:`controlplane.redisdb.genlog`)."""
+    genlog.push(pipe, keynames.NODES_GEN, keynames.NODES_GEN_LOG)
 
 
 def put_node(r: redis.Redis, node: NodeSettings) -> None:

@@ -77,6 +77,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import secrets
 import signal
 import sys
 import threading
@@ -93,7 +94,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from controlplane.cache.sweep import SWEEP_INTERVAL_S, IndexSweeper, SweepReport
-from controlplane.redisdb import keynames
+from controlplane.redisdb import genlog, keynames
 from controlplane.redisdb.migrate import migrate_key_names
 from controlplane.routing import ownaddrs, registry, statecopy
 from controlplane.cli.common import split_listen
@@ -138,8 +139,9 @@ VERIFY_INTERVAL_S = 1.0
 #: Longest one verification run keeps taking items, seconds.
 VERIFY_BUDGET_S = 5.0
 
-#: KEYS = node states hash, registry generation (one slot); ARGV = name, since of the
-#: draining state seen, new JSON.
+#: KEYS = node states hash, registry generation, its write log (one slot); ARGV = name,
+#: since of the draining state seen, new JSON, token of the write log, its length
+#: (controlplane.redisdb.genlog).
 #: Sets the new state only if the node is still draining since the same time.
 DRAINED_LUA = """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
@@ -150,6 +152,8 @@ local since = tonumber(d.since) or -1
 if math.abs(since - tonumber(ARGV[2])) > 0.001 then return 0 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
 redis.call('INCR', KEYS[2])
+redis.call('LPUSH', KEYS[3], ARGV[4])
+redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[5]) - 1)
 return 1
 """
 
@@ -662,8 +666,10 @@ class ControlPlane:
                 pipe.hdel(keynames.EDGES, *gone)
             for d in decisions:
                 # EVAL by name: redis-py's cluster pipeline has no .eval
-                pipe.execute_command("EVAL", DRAINED_LUA, 2, keynames.NODE_STATES,
-                                     keynames.NODES_GEN, d.name, repr(d.since), drained_json)
+                pipe.execute_command("EVAL", DRAINED_LUA, 3, keynames.NODE_STATES,
+                                     keynames.NODES_GEN, keynames.NODES_GEN_LOG, d.name,
+                                     repr(d.since), drained_json, secrets.token_hex(6),
+                                     genlog.LEN)
             for st in report.statuses.values():
                 pipe.set(keynames.node_metrics(st.name), json.dumps(st.metrics_doc()), px=ttl_ms)
                 pipe.lpush(keynames.node_history(st.name), json.dumps(st.history_point()))

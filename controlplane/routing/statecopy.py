@@ -39,9 +39,12 @@ Redis back from an older snapshot (an RDB file written minutes before a crash, a
 replica promoted) keeps its markers but not the changes made after the snapshot: a node
 added, removed or edited, a drain, a key created or revoked. Every write of the registry
 and of the keys INCRs its group's generation (``keynames.NODES_GEN``,
-``keynames.APIKEYS_GEN``), which never goes back in a healthy Redis. A generation lower
-than the copy's (read in the same round trip, before the group's content, so the copy
-is never newer than its generation) means that Redis went back: the copy is then not
+``keynames.APIKEYS_GEN``), which never goes back in a healthy Redis, and pushes a token
+on the group's write log (:mod:`controlplane.redisdb.genlog`). A generation lower than
+the copy's (read in the same round trip, before the group's content, so the copy is
+never newer than its generation), or the copy's last token missing from the log (as many
+writes as were lost reached the restarted Redis before this read), means that Redis
+went back: the copy is then not
 refreshed, :attr:`Read.went_back` names the group, and :meth:`StateKeeper.put_back`
 makes the group in Redis what the copy holds (entries added, changed and removed since
 the snapshot as the copy saw them), with the generation set past the copy's. Changes
@@ -81,7 +84,7 @@ import redis
 
 from controlplane.admin import apikeys
 from controlplane.config import NodeSettings
-from controlplane.redisdb import keynames
+from controlplane.redisdb import genlog, keynames
 from controlplane.routing import registry
 
 #: A copy read longer than this before Redis lost its state (the new state marker's
@@ -160,6 +163,11 @@ class StateCopy:
     """``keynames.NODES_GEN`` read with the registry (0: not set)."""
     apikeys_gen: int = 0
     """``keynames.APIKEYS_GEN`` read with the keys (0: not set)."""
+    nodes_tok: str | None = None
+    """The newest token of ``keynames.NODES_GEN_LOG`` read with the registry (None: none
+    there, or Redis lost it since: :mod:`controlplane.redisdb.genlog`)."""
+    apikeys_tok: str | None = None
+    """The same of ``keynames.APIKEYS_GEN_LOG`` for the keys."""
 
 
 @dataclass
@@ -264,13 +272,16 @@ class StateKeeper:
         pipe = self.r.pipeline(transaction=False)
         pipe.get(keynames.STATE_MARKER)
         pipe.get(keynames.NODES_GEN)   # before the content: the copy is never newer
+        pipe.lrange(keynames.NODES_GEN_LOG, 0, -1)
         pipe.hgetall(keynames.NODES)
         pipe.hgetall(keynames.NODE_STATES)
         pipe.smembers(keynames.NODES_SEEDED)
         pipe.get(keynames.APIKEYS_MARKER)
         pipe.hlen(keynames.APIKEYS)
         pipe.get(keynames.APIKEYS_GEN)
-        marker, nodes_gen, nodes, states, seeded, keys_marker, keys_len, keys_gen = pipe.execute()
+        pipe.lrange(keynames.APIKEYS_GEN_LOG, 0, -1)
+        (marker, nodes_gen, nodes_log, nodes, states, seeded, keys_marker, keys_len, keys_gen,
+         keys_log) = pipe.execute()
         out = Read(nodes=nodes, states=states)
         if marker is None:
             return out   # lost between the cycle's marker check and now: copy nothing
@@ -281,14 +292,16 @@ class StateKeeper:
         nodes_gen, keys_gen = _gen(nodes_gen), _gen(keys_gen)
         if c.seeded and not seeded:
             out.lost.add(REGISTRY)
-        elif c.registry_at and nodes_gen < c.nodes_gen:
+        elif c.registry_at and (nodes_gen < c.nodes_gen or genlog.lost(
+                nodes_log, c.nodes_tok, nodes_gen, c.nodes_gen)):
             out.went_back[REGISTRY] = nodes_gen
         else:
             c.nodes, c.states, c.seeded, c.registry_at = dict(nodes), dict(states), set(seeded), now
-            c.nodes_gen = nodes_gen
+            c.nodes_gen, c.nodes_tok = nodes_gen, (nodes_log[0] if nodes_log else None)
         if c.apikeys_marker is not None and keys_marker is None:
             out.lost.add(APIKEYS)
-        elif c.apikeys_at and keys_gen < c.apikeys_gen:
+        elif c.apikeys_at and (keys_gen < c.apikeys_gen or genlog.lost(
+                keys_log, c.apikeys_tok, keys_gen, c.apikeys_gen)):
             out.went_back[APIKEYS] = keys_gen
         elif (keys_marker != c.apikeys_marker or keys_len != len(c.apikeys) or not c.apikeys_at
               or keys_gen != c.apikeys_gen
@@ -305,7 +318,8 @@ class StateKeeper:
         pipe.hgetall(keynames.APIKEY_IDS)
         pipe.get(keynames.APIKEYS_MARKER)
         pipe.get(keynames.APIKEYS_GEN)
-        keys, ids, marker, gen = pipe.execute()
+        pipe.lindex(keynames.APIKEYS_GEN_LOG, 0)
+        keys, ids, marker, gen, tok = pipe.execute()
         if c.apikeys_marker is not None and marker is None:
             return []   # lost since the first read of this cycle
         if c.apikeys_at and _gen(gen) < c.apikeys_gen:
@@ -316,13 +330,13 @@ class StateKeeper:
             pipe = self.r.pipeline(transaction=True)
             for digest, raw in back.items():
                 pipe.hset(keynames.APIKEYS, digest, raw)
-            apikeys.bump(pipe)
+            tok = apikeys.bump(pipe)
             apikeys.mark_written(pipe)
             pipe.execute()
             keys = {**keys, **back}
             marker = self.r.get(keynames.APIKEYS_MARKER)
         c.apikeys, c.apikey_ids, c.apikeys_marker, c.apikeys_at = keys, ids, marker, now
-        c.apikeys_gen = _gen(gen) + (1 if back else 0)
+        c.apikeys_gen, c.apikeys_tok = _gen(gen) + (1 if back else 0), tok
         self._keys_read_mono = self._clock()
         return sorted(_key_id(raw) for raw in back.values())
 
@@ -381,11 +395,15 @@ class StateKeeper:
                 pipe.hset(keynames.NODE_STATES, mapping=keep)
             if c.seeded:
                 pipe.sadd(keynames.NODES_SEEDED, *c.seeded)
+            tok = genlog.put_back_token(c.nodes_gen)
             pipe.set(keynames.NODES_GEN, c.nodes_gen + 1)
+            pipe.lpush(keynames.NODES_GEN_LOG, tok)
+            pipe.ltrim(keynames.NODES_GEN_LOG, 0, genlog.LEN - 1)
             pipe.execute()
-            c.nodes_gen += 1
+            c.nodes_gen, c.nodes_tok = c.nodes_gen + 1, tok
             return out
         out.copy_gen = c.apikeys_gen
+        tok = genlog.put_back_token(c.apikeys_gen)
         with pipe:
             while True:
                 try:
@@ -399,12 +417,14 @@ class StateKeeper:
                     if c.apikeys_marker is not None:
                         apikeys.mark_written(pipe)
                     pipe.set(keynames.APIKEYS_GEN, c.apikeys_gen + 1)
+                    pipe.lpush(keynames.APIKEYS_GEN_LOG, tok)
+                    pipe.ltrim(keynames.APIKEYS_GEN_LOG, 0, genlog.LEN - 1)
                     pipe.execute()
                     break
                 except redis.WatchError:
                     continue
         out.written = sorted(_key_id(raw) for raw in write.values())
-        c.apikeys_gen += 1
+        c.apikeys_gen, c.apikeys_tok = c.apikeys_gen + 1, tok
         return out
 
     def _gen_at_least(self, key: str, gen: int) -> None:
@@ -447,6 +467,11 @@ class StateKeeper:
             return out
         groups = set(groups)
         out.registry_at, out.apikeys_at = c.registry_at, c.apikeys_at
+        # Redis lost the groups' write logs with them: the copy's tokens are not there
+        if REGISTRY in groups:
+            c.nodes_tok = None
+        if APIKEYS in groups:
+            c.apikeys_tok = None
         if REGISTRY in groups and (c.nodes or c.states or c.seeded):
             out.nodes, out.states, out.skipped = self._restore_nodes(c)
         if REGISTRY in groups:

@@ -423,3 +423,60 @@ def test_keys_revoked_or_created_after_an_older_snapshot_came_back_stay(
     assert apikeys.get_key(r, leaked_rec.id).revoked
     assert apikeys.lookup(r, fresh) is not None, "a key created after the restart is gone"
     assert apikeys.get_key(r, fresh_rec.id) is not None
+
+
+def test_an_older_snapshot_is_told_after_as_many_writes_since(redis_server, workdir,
+                                                             cps) -> None:
+    """Redis back from a snapshot three key writes and a node write older than the copy,
+    then three keys created and two nodes written at once (its generations as high as
+    the copy's again, or higher): the control plane still tells it went back by the
+    write logs and puts the copy's keys and nodes back, keeping the imported keys."""
+    cp = cps(cp_settings([_node("a")]), make_client(redis_server.url, 0.5))
+    r = redis_server.client()
+    apikeys.create_key(r, "acme")
+    cp.run_cycle()
+    r.save()                                            # the older snapshot
+    later = [apikeys.create_key(r, "acme")[0] for _ in range(3)]
+    registry.put_node(r, _node("added"))
+    cp.run_cycle()
+    redis_server.stop()
+    redis_server.start_again(workdir / "redis")         # back from the snapshot
+    fresh = [apikeys.create_key(r, "ops")[0] for _ in range(3)]
+    registry.put_node(r, _node("b"))
+    registry.put_node(r, _node("c"))
+    cp.run_cycle()
+    assert all(apikeys.lookup(r, k) is not None for k in later), "the copy's keys are lost"
+    assert all(apikeys.lookup(r, k) is not None for k in fresh)
+    assert "added" in {n.name for n in registry.list_nodes(r)}, "the copy's node is lost"
+    assert cp.state_restores == 2
+    cp.run_cycle()
+    assert cp.state_restores == 2, "put back once"
+
+
+def test_a_newer_copy_is_put_back_after_an_older_one(redis_server, workdir, cps) -> None:
+    """Two control planes; a key created between their reads is in one copy only. Redis
+    goes back; the control plane with the older copy puts it back first (its generation
+    then the newer copy's): the other still tells its key is missing and puts its copy
+    back; then neither writes again."""
+    a = cps(cp_settings([_node("a")]), make_client(redis_server.url, 0.5))
+    b = cps(cp_settings([_node("a")]), make_client(redis_server.url, 0.5))
+    r = redis_server.client()
+    apikeys.create_key(r, "acme")
+    a.run_cycle()
+    b.run_cycle()
+    r.save()
+    k1, _ = apikeys.create_key(r, "acme")
+    a.run_cycle()
+    b.run_cycle()
+    k2, _ = apikeys.create_key(r, "acme")              # in a's copy only
+    a.run_cycle()
+    redis_server.stop()
+    redis_server.start_again(workdir / "redis")
+    b.run_cycle()                                      # the older copy first
+    a.run_cycle()
+    assert apikeys.lookup(r, k1) is not None and apikeys.lookup(r, k2) is not None
+    restores = a.state_restores + b.state_restores
+    for cp in (b, a, b, a):
+        cp.run_cycle()
+    assert a.state_restores + b.state_restores == restores
+    assert apikeys.lookup(r, k2) is not None
