@@ -47,7 +47,7 @@ writes as were lost reached the restarted Redis before this read), means that Re
 went back: the copy is then not
 refreshed, :attr:`Read.went_back` names the group, and :meth:`StateKeeper.put_back`
 makes the group in Redis what the copy holds (entries added, changed and removed since
-the snapshot as the copy saw them), with the generation set past the copy's. Changes
+the snapshot as the copy saw them), with the generation set past the copy's and Redis'. Changes
 written to the restarted Redis before this control plane's next read (one poll
 interval) are overwritten by the copy, but for the keys': keys are never deleted and a
 revocation is for good, so a key created since the restart stays, and so does a
@@ -367,7 +367,9 @@ class StateKeeper:
 
     def put_back(self, group: str, gen: int, current: Read | None = None) -> PutBack:
         """Make ``group`` (:data:`GROUPS`) in Redis what the copy holds, in one
-        ``MULTI`` (one hash slot), with its generation set to the copy's + 1, after Redis
+        ``MULTI`` (one hash slot), with its generation set past the copy's and Redis' (a
+        copy of the older Redis then reads as older) and a token on its write log
+        (:mod:`controlplane.redisdb.genlog`), after Redis
         went back to generation ``gen`` (:attr:`Read.went_back`; the caller takes the
         claim first, :meth:`claim_back`); the keys are merged (:func:`_keys_to_put_back`:
         none removed, a revocation in Redis kept). ``current``: the read that found it, for the
@@ -396,11 +398,11 @@ class StateKeeper:
             if c.seeded:
                 pipe.sadd(keynames.NODES_SEEDED, *c.seeded)
             tok = genlog.put_back_token(c.nodes_gen)
-            pipe.set(keynames.NODES_GEN, c.nodes_gen + 1)
+            pipe.set(keynames.NODES_GEN, max(c.nodes_gen, gen) + 1)
             pipe.lpush(keynames.NODES_GEN_LOG, tok)
             pipe.ltrim(keynames.NODES_GEN_LOG, 0, genlog.LEN - 1)
             pipe.execute()
-            c.nodes_gen, c.nodes_tok = c.nodes_gen + 1, tok
+            c.nodes_gen, c.nodes_tok = max(c.nodes_gen, gen) + 1, tok
             return out
         out.copy_gen = c.apikeys_gen
         tok = genlog.put_back_token(c.apikeys_gen)
@@ -416,7 +418,7 @@ class StateKeeper:
                         pipe.hset(keynames.APIKEY_IDS, mapping=c.apikey_ids)
                     if c.apikeys_marker is not None:
                         apikeys.mark_written(pipe)
-                    pipe.set(keynames.APIKEYS_GEN, c.apikeys_gen + 1)
+                    pipe.set(keynames.APIKEYS_GEN, max(c.apikeys_gen, gen) + 1)
                     pipe.lpush(keynames.APIKEYS_GEN_LOG, tok)
                     pipe.ltrim(keynames.APIKEYS_GEN_LOG, 0, genlog.LEN - 1)
                     pipe.execute()
@@ -424,7 +426,7 @@ class StateKeeper:
                 except redis.WatchError:
                     continue
         out.written = sorted(_key_id(raw) for raw in write.values())
-        c.apikeys_gen, c.apikeys_tok = c.apikeys_gen + 1, tok
+        c.apikeys_gen, c.apikeys_tok = max(c.apikeys_gen, gen) + 1, tok
         return out
 
     def _gen_at_least(self, key: str, gen: int) -> None:

@@ -480,3 +480,28 @@ def test_a_newer_copy_is_put_back_after_an_older_one(redis_server, workdir, cps)
         cp.run_cycle()
     assert a.state_restores + b.state_restores == restores
     assert apikeys.lookup(r, k2) is not None
+
+
+def test_a_put_back_is_not_undone_by_a_copy_of_the_older_redis(redis_server, workdir,
+                                                              cps) -> None:
+    """Redis back from an older snapshot, then more writes than it lost; a control plane
+    started meanwhile copies that state. The one whose copy holds the lost keys puts
+    them back at a generation past the other's copy, so the other reads the put-back
+    state and does not write its older copy over it."""
+    old = cps(cp_settings([_node("a")]), make_client(redis_server.url, 0.5))
+    r = redis_server.client()
+    apikeys.create_key(r, "acme")
+    old.run_cycle()
+    r.save()
+    lost = [apikeys.create_key(r, "acme")[0] for _ in range(2)]
+    old.run_cycle()
+    redis_server.stop()
+    redis_server.start_again(workdir / "redis")
+    fresh = [apikeys.create_key(r, "ops")[0] for _ in range(4)]
+    new = cps(cp_settings([_node("a")]), make_client(redis_server.url, 0.5))
+    new.run_cycle()                                    # copies the older Redis
+    old.run_cycle()                                    # puts the lost keys back
+    for cp in (new, old, new, old):
+        cp.run_cycle()
+    assert all(apikeys.lookup(r, k) is not None for k in lost + fresh)
+    assert new.state_restores == 0 and old.state_restores == 1
