@@ -68,6 +68,7 @@ local asked_marker = nil
 
 _M.STATE_FILE = "apikeys.json"
 local asked_at = 0
+local keys_asked_at = 0 -- when the HGETALL under way was asked: the date of its set
 local pending = false
 
 function _M.has(digest)
@@ -128,7 +129,9 @@ local function on_keys(replies, err)
         known, count = nil, n
         return
     end
-    known, count, built_at, marker = set, n, ngxapi.now(), asked_marker
+    -- dated when asked: an answer cached while the read was under way (a key created
+    -- just after it ran) is not taken for older than the set (newer_record)
+    known, count, built_at, marker = set, n, keys_asked_at, asked_marker
     if ngx.worker.id() == 0 then
         local text = cjson.encode(set)
         if text and text ~= saved_text then
@@ -155,6 +158,7 @@ local function on_len(replies, err)
         pending = false
         return
     end
+    keys_asked_at = ngxapi.now()
     if not flush.push("auth_known", { { "HGETALL", keynames.apikeys } }, on_keys) then
         pending = false
     end
