@@ -246,6 +246,8 @@ class ControlPlane:
         #: (edge id, node) -> breaker state last reported (see :func:`breaker_changes`).
         self.breakers: dict[tuple[str, str], str] = {}
         self.redis_ok: bool | None = None
+        #: epoch s of the first failed call since Redis last answered (None: it answers)
+        self.redis_unreachable_since: float | None = None
         self.last_snapshot: RoutingSnapshot | None = None
         self.last_report: CycleReport | None = None
         #: The overview time series (leader only; see controlplane.routing.series).
@@ -293,6 +295,7 @@ class ControlPlane:
     def _redis_failed(self, exc: Exception) -> None:
         self.redis_errors += 1
         if self.redis_ok is not False:
+            self.redis_unreachable_since = time.time()
             log.warning("redis unreachable (%s: %s); polling continues on the last known "
                         "%d nodes, writes resume when it answers",
                         type(exc).__name__, exc, len(self.nodes))
@@ -302,6 +305,7 @@ class ControlPlane:
         if self.redis_ok is False:
             log.info("redis reachable again")
         self.redis_ok = True
+        self.redis_unreachable_since = None
 
     def _read_registry(self) -> bool:
         """Refresh nodes, states and edge stats from Redis (and the copy of the state,
@@ -428,7 +432,8 @@ class ControlPlane:
             created = float(json.loads(self._marker_value or "")["created"])
         except (ValueError, TypeError, KeyError):
             pass
-        why = self.keeper.claim(self._marker_value, created)
+        why = self.keeper.claim(self._marker_value, created,
+                                self.redis_unreachable_since if self.redis_ok is False else None)
         if why is not None:
             if self.keeper.copy is not None:
                 log.error("REDIS STATE LOST: not writing this control plane's copy back: %s",

@@ -66,7 +66,10 @@ that notices the same loss later (one frozen meanwhile, cut off from Redis, or s
 writes nothing, since what it holds may be older than what the operators changed after
 the first restore. A copy read more than :data:`COPY_FRESH_S` before the new state marker
 was created is not written back either (it was taken before a freeze or a partition, and
-the loss may have come long after it). After a loss the generations are set back to at
+the loss may have come long after it), unless it was read within :data:`COPY_FRESH_S` of
+the moment Redis stopped answering this control plane, which tried it every cycle until
+it came back: Redis down for an hour and back empty gets the copy, nothing could have
+changed the state while it was down. After a loss the generations are set back to at
 least the copy's, so the group written back does not read as gone back. One put-back per
 generation pair (``claim``, :data:`BACK_CLAIM_TTL_S`).
 
@@ -340,17 +343,27 @@ class StateKeeper:
         self._keys_read_mono = self._clock()
         return sorted(_key_id(raw) for raw in back.values())
 
-    def claim(self, marker: str | None, created: float | None) -> str | None:
+    def claim(self, marker: str | None, created: float | None,
+              unreachable_since: float | None = None) -> str | None:
         """Whether this copy may be written back after the loss that made the state marker
         ``marker`` (created at ``created``, epoch s, when known): None when it may (the
         claim for that marker is taken), else why not (no copy, a copy older than
-        :data:`COPY_FRESH_S` before the loss, or another control plane restored first)."""
+        :data:`COPY_FRESH_S` before the loss, or another control plane restored first).
+        ``unreachable_since`` (epoch s): when Redis stopped answering this control plane,
+        which tried it every cycle since until it answered again (None: it answered
+        throughout, or this control plane was frozen); a copy read within
+        :data:`COPY_FRESH_S` of that is fresh however long Redis was away: nothing could
+        change the state in a Redis that was down (the first to restore takes the claim,
+        and a control plane that kept reaching Redis notices first)."""
         c = self.copy
         if c is None:
             return "no copy"
         read_at = max(c.registry_at, c.apikeys_at)
-        if created is not None and read_at and created - read_at > COPY_FRESH_S:
-            return (f"this control plane's copy was read {created - read_at:.0f} s before "
+        lost_at = created
+        if unreachable_since is not None and (lost_at is None or unreachable_since < lost_at):
+            lost_at = unreachable_since
+        if lost_at is not None and read_at and lost_at - read_at > COPY_FRESH_S:
+            return (f"this control plane's copy was read {lost_at - read_at:.0f} s before "
                     "the loss (it was frozen or cut off from Redis meanwhile)")
         key = keynames.STATE_RESTORE_CLAIM_PREFIX + (marker or "")
         if not self.r.set(key, "1", nx=True, ex=CLAIM_TTL_S):

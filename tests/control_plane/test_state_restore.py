@@ -153,6 +153,34 @@ def test_a_second_control_plane_notices_the_loss_and_adds_nothing_twice(
     assert len(_events(r, "state_restored")) == 1
 
 
+def test_redis_back_empty_after_a_long_outage_gets_the_state_back(redis_server, workdir,
+                                                                  cps) -> None:
+    """Redis away for a minute (a reboot, a Redis without persistence restarted late)
+    comes back empty: the control plane tried it every cycle meanwhile, so its copy,
+    read just before Redis stopped answering, is as new as the state was (nothing could
+    change it in a Redis that was down) and is written back, however long the outage."""
+    cp = cps(cp_settings([_node("a")]), make_client(redis_server.url, 0.5))
+    r = redis_server.client()
+    cp.run_cycle()                                # seeds the configured node
+    key, _ = apikeys.create_key(r, "acme")
+    registry.put_node(r, _node("added"))
+    registry.set_state(r, "a", "draining", actor="test")
+    cp.run_cycle()
+    redis_server.stop()
+    assert not cp.run_cycle().redis_ok
+    # a minute passed: the copy was read, and Redis stopped answering, 60 s ago
+    c = cp.keeper.copy
+    c.registry_at -= 60
+    c.apikeys_at -= 60
+    cp.redis_unreachable_since -= 60
+    redis_server.start_again(workdir / "redis")   # empty: nothing was persisted
+    cp.run_cycle()
+    assert cp.state_restores == 1
+    assert {n.name for n in registry.list_nodes(r)} == {"a", "added"}
+    assert registry.get_state(r, "a").state in ("draining", "drained")
+    assert apikeys.lookup(r, key) is not None
+
+
 def test_a_control_plane_that_notices_the_loss_late_writes_nothing_back(redis_server,
                                                                          cps) -> None:
     """One restore per loss: after the first control plane wrote its copy back, the
