@@ -6,23 +6,24 @@
 -- 14 s to end in that 400. The control plane reads each llama.cpp server's slot context
 -- from its /props (default_generation_settings.n_ctx, the snapshot's ctx_tokens).
 --
--- The prompt's tokens are estimated as characters / CHARS_PER_TOKEN, a CJK character as
--- CJK_TOKENS (a chat request's
--- message contents, a completions request's prompt string; other bodies, a list of
--- prompts or inputs, are not checked: each of those has its own context), every 8
--- characters of a run of whitespace or of one ASCII punctuation mark counted
--- as one character: llama.cpp's tokenizers take such a run in few tokens (gemma 3: 31
--- spaces or newlines a token, 16 dashes a token), so a fixed-width table padded with
--- spaces (9.8 characters a token) was refused at over twice the context while it fit
--- in it; a run still counts (a body of spaces alone is refused too). The estimate
--- is rough (gemma 3: 1.1x under for English text, 1.5x over for "lorem ipsum", 1.3x
--- under for Chinese; chars / 4 alone was 3x under there; 2.3x over for a Spanish
--- prompt of 919 tokens, 8,330 characters, and 2.6x for long English words), so a request
--- is refused only when
--- it is over FACTOR times the largest context among the nodes serving its model, and
--- only when every one of them reports its context (a node that does not may hold
--- anything, and answers for itself). Below that a node answers, as it would without
--- the edge. No I/O.
+-- The prompt's tokens (a chat request's message contents, a completions request's
+-- prompt string; other bodies, a list of prompts or inputs, are not checked: each of
+-- those has its own context) are estimated from its text (estimate()): a token for
+-- each word (a run of letters, or of other characters that are none of whitespace,
+-- digits and ASCII punctuation), each digit and each ASCII punctuation mark (a run of
+-- one mark repeated counting one per 16, as llama.cpp's tokenizers take such a run:
+-- gemma 3 has 16 dashes in a token), CJK_TOKENS a Han, kana or hangul character, and
+-- one per 16 pairs of whitespace (gemma 3: 31 spaces or newlines a token). Measured
+-- against gemma 3's own count: 0.84-1.19x for English prose, code, JSON, digits, hex,
+-- Spanish, Chinese, Japanese and Korean, a fixed-width table padded with spaces and
+-- lines of dashes; under for long words (German 0.62x, Russian 0.70x, base64 0.47x).
+-- Characters / 4 was 0.25-2.6x (2.3x over for a Spanish prompt of 919 tokens, which
+-- the edge then refused while the node served it; 4x under for digits). Gemma 3's 262k
+-- vocabulary is among the largest, so other tokenizers, taking more tokens for a text,
+-- read further under it. A request is refused only when it is over FACTOR times the
+-- largest context among the nodes serving its model, and only when every one of them
+-- reports its context (a node that does not may hold anything, and answers for
+-- itself). Below that a node answers, as it would without the edge. No I/O.
 --
 -- Error: 400 {"type": "invalid_request_error", "code": "context_length_exceeded",
 -- "param": "messages" | "prompt"}.
@@ -35,9 +36,9 @@
 -- than the request's `n` (llama-server refuses an `n` over its --parallel). In a pool of
 -- a 4,096-token and a 1,024-token llama-server, a 2,231-token prompt went to the small
 -- node 10 times out of 10 (both idle), and an `n` = 2 request got the one-slot node's
--- 400 whenever that node was picked. The estimate is rough (see above): a node left
--- out for a prompt it would have held costs balance,
--- not an answer; a prompt estimated under a node's context still goes to it. One
+-- 400 whenever that node was picked. The estimate errs (see above): a node left out
+-- for a prompt it would have held (its context within a fifth of the estimate) costs
+-- balance, not an answer; a prompt estimated under a node's context still goes to it. One
 -- estimated over every context (all known, under FACTOR times the largest) goes to the
 -- nodes of the largest context.
 local snapshot = require("infergate.routing.snapshot")
@@ -47,40 +48,48 @@ local body = require("infergate.core.body")
 
 local _M = {}
 
-_M.CHARS_PER_TOKEN = 4
-_M.FACTOR = 4
+_M.FACTOR = 2
+_M.CJK_TOKENS = 0.6
 
 local type = type
 local ipairs = ipairs
 local ceil = math.ceil
 local re_gsub = ngx.re.gsub
 
--- Up to 8 characters of a run of whitespace, or of one ASCII punctuation
--- mark repeated (PCRE): one character of the estimate (a token per 32 of them, where
--- gemma 3 takes 31 spaces or 16 dashes in one).
-local RUNS = [[\s{2,8}|([!-/:-@\[-`{-~])\1{1,7}]]
-
--- Han, kana and hangul: about CJK_TOKENS tokens each where other text takes 1 /
--- CHARS_PER_TOKEN (gemma 3: 1,880 Chinese characters read as 1,431 tokens, 0.76 each;
--- 0.6 stays under the tokenizers that pack Chinese tighter).
+-- A run of one ASCII punctuation mark, up to 16 (PCRE): one mark of the estimate.
+local PUNCT_RUN = [[([!-/:-@\[-`{-~])\1{1,15}]]
+-- Han, kana and hangul (gemma 3: 0.76 tokens a Chinese character; CJK_TOKENS stays
+-- under the tokenizers that pack Chinese tighter).
 local CJK = [=[[\x{3040}-\x{30ff}\x{3400}-\x{4dbf}\x{4e00}-\x{9fff}\x{ac00}-\x{d7af}]=]
     .. [=[\x{f900}-\x{faff}]]=]
-_M.CJK_TOKENS = 0.6
+local WORD = [[[^\s\d!-/:-@\[-`{-~]+]]
+local DIGIT = [[\d]]
+local PUNCT = [=[[!-/:-@\[-`{-~]]=]
+local WS_PAIR = [[\s\s]]
 
--- Characters (code points) of string `s`, each match of RUNS counted as one and each
--- CJK character as CJK_TOKENS x CHARS_PER_TOKEN.
-local function dense_chars(s)
-    local t = re_gsub(s, RUNS, " ", "jo") or s
-    local n = body.chars(t)
-    local _, cjk = re_gsub(t, CJK, "", "jou")
-    if cjk and cjk > 0 then
-        n = n + cjk * (_M.CJK_TOKENS * _M.CHARS_PER_TOKEN - 1)
-    end
-    return n
+-- Matches of `pat` in `s` (0 on a regex error).
+local function count(s, pat, flags)
+    local _, n = re_gsub(s, pat, "", flags)
+    return n or 0
 end
 
--- Characters of the one prompt of a decoded body (runs counted as one, see above) and
--- the field named in the error, or nil when the body is not one prompt.
+-- The estimated tokens of string `s` (see the top of this file).
+local function estimate(s)
+    local t = re_gsub(s, PUNCT_RUN, "$1", "jo") or s
+    local cjk = 0
+    if t:find("[\227-\239]") then   -- lead bytes of U+3000-U+FFFF: CJK may be there
+        local u, n = re_gsub(t, CJK, " ", "jou")
+        if u and n > 0 then
+            t, cjk = u, n
+        end
+    end
+    return count(t, WORD, "jo") + count(t, DIGIT, "jo") + count(t, PUNCT, "jo")
+        + count(s, WS_PAIR, "jo") / 16 + cjk * _M.CJK_TOKENS
+end
+_M._estimate = estimate
+
+-- The estimated tokens of the one prompt of a decoded body (see above) and the field
+-- named in the error, or nil when the body is not one prompt.
 local function prompt_of(b)
     if type(b) ~= "table" then
         return nil
@@ -89,13 +98,13 @@ local function prompt_of(b)
         local n = 0
         for _, m in ipairs(b.messages) do
             if type(m) == "table" then
-                n = n + body.text_chars(m.content, dense_chars)
+                n = n + body.text_chars(m.content, estimate)
             end
         end
         return n, "messages"
     end
     if type(b.prompt) == "string" then
-        return dense_chars(b.prompt), "prompt"
+        return estimate(b.prompt), "prompt"
     end
     return nil
 end
@@ -170,13 +179,13 @@ function _M.step(req)
         leave_out(req, t, "n", n)
     end
     local largest, smallest = contexts(t, req.model)
-    -- the cheap checks first: no context known, or a body too short to be over any (a
-    -- prompt has at most as many characters as its body has bytes)
-    if not smallest or (req.body_bytes or 0) <= smallest * _M.CHARS_PER_TOKEN then
+    -- the cheap checks first: no context known, or a body too short to be over any (the
+    -- estimate counts at most a token a byte)
+    if not smallest or (req.body_bytes or 0) <= smallest then
         return nil
     end
-    local chars, param = prompt_of(b)
-    local est = chars and ceil(chars / _M.CHARS_PER_TOKEN)
+    local tokens, param = prompt_of(b)
+    local est = tokens and ceil(tokens)
     if not est or est <= smallest then
         return nil
     end
@@ -188,9 +197,8 @@ function _M.step(req)
     return {
         status = 400,
         message = "This model's maximum context length is " .. largest .. " tokens; the "
-            .. "prompt is about " .. est .. " tokens (estimated from its " .. ceil(chars)
-            .. " characters, a CJK character counted as " .. _M.CJK_TOKENS
-            .. " token). Shorten the prompt.",
+            .. "prompt is about " .. est .. " tokens (estimated from its words, digits and "
+            .. "punctuation). Shorten the prompt.",
         type = "invalid_request_error",
         code = "context_length_exceeded",
         param = param,
