@@ -72,6 +72,10 @@ closes the port (connections refused)."""
         """X-Request-Id of every POST, in arrival order."""
         self.gzip = False
         self.chunk_text: str | None = None
+        self.finish_reason = "stop"
+        """The finish reason of every answer (a JSON answer's and a stream's last chunk)."""
+        self.completion_tokens = 3
+        """The usage's completion tokens of a JSON answer (a stream's: its chunks)."""
         """When set: the content of every stream chunk (``tok<i> `` otherwise)."""
         self.stream_chunks_sent = 0
         """Stream chunks written so far (a client that stops reading stops it growing)."""
@@ -230,9 +234,10 @@ closes the port (connections refused)."""
                 self._send(200, {
                     "id": "chatcmpl-tiny", "object": "chat.completion", "created": int(time.time()),
                     "model": model, "system_fingerprint": upstream.name,
-                    "choices": [{"index": 0, "finish_reason": "stop",
+                    "choices": [{"index": 0, "finish_reason": upstream.finish_reason,
                                  "message": {"role": "assistant", "content": f"hello from {upstream.name}"}}],
-                    "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}})
+                    "usage": {"prompt_tokens": 3, "completion_tokens": upstream.completion_tokens,
+                              "total_tokens": 3 + upstream.completion_tokens}})
 
             def _chunk(self, data: bytes) -> None:
                 self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
@@ -260,7 +265,8 @@ closes the port (connections refused)."""
                           "system_fingerprint": upstream.name,
                           "choices": [{"index": 0, "delta": {
                               "content": upstream.chunk_text or f"tok{i} "},
-                                       "finish_reason": "stop" if i == upstream.chunks - 1
+                                       "finish_reason": upstream.finish_reason
+                                       if i == upstream.chunks - 1
                                        else None}]}
                     self._chunk(f"data: {json.dumps(ev)}\n\n".encode())
                     upstream.stream_chunks_sent += 1

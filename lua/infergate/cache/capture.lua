@@ -10,7 +10,8 @@
 -- bytes up to cache.max_entry_bytes (over: capture dropped). The log phase decides:
 -- stored only when the answer is 200, complete (body filter saw the last buffer; every
 -- choice finished with "stop" or "length", or "tool_calls" for chat: "length" is the
--- whole answer to a request with that max_tokens, which is part of the cache key; for a
+-- whole answer to a request with that max_tokens, which is part of the cache key, unless
+-- its usage shows fewer tokens than that: the node's context cut it; for a
 -- stream the "[DONE]" event came), the client did not abort (status 499) and the size
 -- limit held. A JSON answer or an SSE stream (reassembled by infergate.cache.reassemble:
 -- role, content, reasoning content, tool calls, finish reasons, usage) becomes the
@@ -375,6 +376,7 @@ local function store_of(c, req)
     if status ~= 200 then
         return nil, "status " .. tostring(status)
     end
+    c.max_tokens = reassemble.max_tokens(req and req.body)
     local comp, err = _M.completion(c, concat(c.buf))
     c.buf = nil
     if not comp then

@@ -208,7 +208,8 @@ function _M.reassemble(text, kind)
     return top
 end
 
--- The stored form of a captured answer, or nil, reason.
+-- The stored form of a captured answer, or nil, reason. c.max_tokens: the request's
+-- (_M.max_tokens), when it gave one.
 function _M.completion(c, text)
     local o, err
     if c.sse then
@@ -237,7 +238,31 @@ function _M.completion(c, text)
             return nil, "finish_reason " .. tostring(ch.finish_reason)
         end
     end
+    -- "length" with fewer tokens than the request's max_tokens: cut by the node's context
+    -- (a small llama-server slot), not the whole answer for that max_tokens
+    local u = comp.usage
+    local written = type(u) == "table" and tonumber(u.completion_tokens)
+    if c.max_tokens and written and written < c.max_tokens
+        and comp.choices[1].finish_reason == "length" then
+        return nil, "cut at " .. written .. " tokens, short of max_tokens " .. c.max_tokens
+    end
     return comp
+end
+
+-- The least of a request body's max_tokens and max_completion_tokens (positive numbers),
+-- or nil: the most output tokens a node writes for it.
+function _M.max_tokens(body)
+    if type(body) ~= "table" then
+        return nil
+    end
+    local m
+    for _, f in ipairs({ "max_tokens", "max_completion_tokens" }) do
+        local v = body[f]
+        if type(v) == "number" and v > 0 and (not m or v < m) then
+            m = v
+        end
+    end
+    return m
 end
 
 return _M
