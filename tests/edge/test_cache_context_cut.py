@@ -95,3 +95,20 @@ def test_a_stream_cut_before_max_tokens_is_not_stored(redis_server, tiny_upstrea
     whole = body_of("cut at max_tokens stream", max_tokens=4, stream=True)
     send(edge, r, whole)
     assert stored(r, whole)
+
+
+def test_a_length_answer_without_max_tokens_is_not_stored(redis_server, tiny_upstreams,
+                                                          edge_factory) -> None:
+    """Without max_tokens, "length" is the node's own limit (its context: a node of a
+    larger one writes more): the answer is not the whole one, and is not stored."""
+    (up,) = tiny_upstreams(1)
+    up.finish_reason, up.completion_tokens = "length", 150
+    edge = cache_edge(redis_server, up, edge_factory)
+    r = redis_server.client()
+    body = body_of("context cut without max_tokens")
+    assert send(edge, r, body).headers["X-Cache-Status"] == "MISS"
+    assert not stored(r, body)
+    up.finish_reason = "stop"
+    done = body_of("a whole answer without max_tokens")
+    send(edge, r, done)
+    assert stored(r, done)

@@ -113,11 +113,17 @@ def test_incomplete_or_failed_answers_are_refused(workdir) -> None:
             local comp, err = capture.completion({ sse = is_sse, kind = "chat" }, text)
             res[name] = comp and "stored" or err
         end
+        -- the same answer to a request that set max_tokens 1 (no usage to say otherwise)
+        local comp, err = capture.completion({ sse = true, kind = "chat", max_tokens = 1 },
+                                             input.length)
+        res.length_max_tokens = comp and "stored" or err
         return res
     """, cases)
     assert out["no_done"] == "stream ended without [DONE]"
-    # cut by max_tokens: the complete answer for that max_tokens (part of the key)
-    assert out["length"] == "stored"
+    # cut by max_tokens: the complete answer for that max_tokens (part of the key); without
+    # one, "length" is the node's own limit (its context), not the whole answer
+    assert out["length_max_tokens"] == "stored"
+    assert out["length"] == "cut by the node's limit (no max_tokens)"
     assert out["filtered"] == "finish_reason content_filter"
     assert out["error_event"] == "stream carried an error"
     assert out["json_error"] == "answer is an error"

@@ -11,7 +11,8 @@
 -- stored only when the answer is 200, complete (body filter saw the last buffer; every
 -- choice finished with "stop" or "length", or "tool_calls" for chat: "length" is the
 -- whole answer to a request with that max_tokens, which is part of the cache key, unless
--- its usage shows fewer tokens than that: the node's context cut it; for a
+-- its usage shows fewer tokens than that, or the request set none: the node's context
+-- cut it; for a
 -- stream the "[DONE]" event came), the client did not abort (status 499) and the size
 -- limit held. A JSON answer or an SSE stream (reassembled by infergate.cache.reassemble:
 -- role, content, reasoning content, tool calls, finish reasons, usage) becomes the

@@ -238,13 +238,18 @@ function _M.completion(c, text)
             return nil, "finish_reason " .. tostring(ch.finish_reason)
         end
     end
-    -- "length" with fewer tokens than the request's max_tokens: cut by the node's context
-    -- (a small llama-server slot), not the whole answer for that max_tokens
-    local u = comp.usage
-    local written = type(u) == "table" and tonumber(u.completion_tokens)
-    if c.max_tokens and written and written < c.max_tokens
-        and comp.choices[1].finish_reason == "length" then
-        return nil, "cut at " .. written .. " tokens, short of max_tokens " .. c.max_tokens
+    -- "length" with fewer tokens than the request's max_tokens, or without one: cut by
+    -- the node's context (a small llama-server slot), not the whole answer for that
+    -- max_tokens
+    if comp.choices[1].finish_reason == "length" then
+        if not c.max_tokens then
+            return nil, "cut by the node's limit (no max_tokens)"
+        end
+        local u = comp.usage
+        local written = type(u) == "table" and tonumber(u.completion_tokens)
+        if written and written < c.max_tokens then
+            return nil, "cut at " .. written .. " tokens, short of max_tokens " .. c.max_tokens
+        end
     end
     return comp
 end
