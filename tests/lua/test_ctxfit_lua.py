@@ -222,3 +222,22 @@ def test_a_spanish_prompt_a_node_holds_is_not_refused(workdir: Path) -> None:
             return out
     """)
     assert got == {"es": ""}, got
+
+
+def test_a_long_chinese_prompt_is_estimated_in_linear_time(workdir: Path) -> None:
+    """The CJK count checks the text as UTF-8 once, not again at each character it
+    matches: 96 KB of Chinese took about 5 s of the nginx worker (1 MB: minutes)."""
+    got = run(workdir, """
+            local s = string.rep("中文字", 10923)
+            ngx.update_time()
+            local t0 = ngx.now()
+            out.est = ctxfit._estimate(s)
+            ngx.update_time()
+            out.s = ngx.now() - t0
+            -- text that is not UTF-8 is not counted as CJK (and raises nothing)
+            out.bad = ctxfit._estimate("\\228\\184" .. string.rep("中", 10) .. "\\255")
+            return out
+    """)
+    assert got["s"] < 1.0, got
+    assert abs(got["est"] - 10923 * 3 * 0.6) < 1, got
+    assert got["bad"] >= 1, got

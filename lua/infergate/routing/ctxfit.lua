@@ -55,6 +55,7 @@ local type = type
 local ipairs = ipairs
 local ceil = math.ceil
 local re_gsub = ngx.re.gsub
+local re_find = ngx.re.find
 
 -- A run of one ASCII punctuation mark, up to 16 (PCRE): one mark of the estimate.
 local PUNCT_RUN = [[([!-/:-@\[-`{-~])\1{1,15}]]
@@ -77,8 +78,10 @@ end
 local function estimate(s)
     local t = re_gsub(s, PUNCT_RUN, "$1", "jo") or s
     local cjk = 0
-    if t:find("[\227-\239]") then   -- lead bytes of U+3000-U+FFFF: CJK may be there
-        local u, n = re_gsub(t, CJK, " ", "jou")
+    -- lead bytes of U+3000-U+FFFF: CJK may be there. The text is checked as UTF-8 once
+    -- ("u" checks the whole text again at each match: 64 KB of Chinese took 2.4 s)
+    if t:find("[\227-\239]") and re_find(t, "^", "jou") then
+        local u, n = re_gsub(t, CJK, " ", "joU")
         if u and n > 0 then
             t, cjk = u, n
         end
