@@ -439,8 +439,9 @@ class ControlPlane:
                 log.error("REDIS STATE LOST: not writing this control plane's copy back: %s",
                           why)
             # the copy is not written back later either (its generations read as gone
-            # back, its key store's marker as lost): the next read copies Redis anew
-            self.keeper.copy = None
+            # back, its key store's marker as lost): the next read copies Redis anew,
+            # revoking again the keys the copy holds revoked
+            self.keeper.drop()
             return None
         return self._restore(statecopy.GROUPS)
 

@@ -69,7 +69,11 @@ was created is not written back either (it was taken before a freeze or a partit
 the loss may have come long after it), unless it was read within :data:`COPY_FRESH_S` of
 the moment Redis stopped answering this control plane, which tried it every cycle until
 it came back: Redis down for an hour and back empty gets the copy, nothing could have
-changed the state while it was down. After a loss the generations are set back to at
+changed the state while it was down. (Nothing but what this control plane could not
+see: Redis up for the others while this one alone was cut off from it. A key revoked
+meanwhile through another control plane is revoked again by that one, whose copy, refused,
+keeps its revocations: :meth:`StateKeeper.drop`; one revoked with the CLI, or a node
+added, comes back as this copy holds it.) After a loss the generations are set back to at
 least the copy's, so the group written back does not read as gone back. One put-back per
 generation pair (``claim``, :data:`BACK_CLAIM_TTL_S`).
 
@@ -369,6 +373,16 @@ class StateKeeper:
         if not self.r.set(key, "1", nx=True, ex=CLAIM_TTL_S):
             return "another control plane wrote its copy back first"
         return None
+
+    def drop(self) -> None:
+        """Drop the copy after :meth:`claim` refused it, but for its revoked keys: a
+        revocation is for good, so the next read revokes again a key the copy holds
+        revoked and Redis holds valid (:meth:`_read_keys`): one written back valid by
+        a control plane that was cut off from Redis while the key was revoked (its copy
+        counts as fresh, read just before Redis stopped answering it)."""
+        c = self.copy
+        revoked = {d: raw for d, raw in c.apikeys.items() if _revoked(raw)} if c else {}
+        self.copy = StateCopy(apikeys=revoked) if revoked else None
 
     def claim_back(self, group: str, gen: int) -> bool:
         """Take the claim to put ``group`` back (:meth:`put_back`) while Redis holds it at

@@ -533,3 +533,43 @@ def test_a_put_back_is_not_undone_by_a_copy_of_the_older_redis(redis_server, wor
         cp.run_cycle()
     assert all(apikeys.lookup(r, k) is not None for k in lost + fresh)
     assert new.state_restores == 0 and old.state_restores == 1
+
+
+def test_a_revocation_made_while_a_control_plane_was_cut_off_is_not_undone(
+        redis_server, workdir, cps) -> None:
+    """A control plane cut off from Redis (Redis up for the others) while an operator
+    revokes a key through another control plane, then Redis restarted empty: the cut-off
+    one may write its copy back first (read just before Redis stopped answering it, it
+    counts as fresh), with the key valid; the other's copy, which has the revocation, is
+    refused the restore but still revokes the key again (a revocation is for good)."""
+    from support.tcpcut import TcpCut
+
+    proxy = TcpCut("127.0.0.1", redis_server.port)
+    try:
+        cut_off = cps(cp_settings([_node("a")]),
+                      make_client(f"redis://127.0.0.1:{proxy.port}/0", 0.5))
+        other = cps(cp_settings([_node("a")]), make_client(redis_server.url, 0.5))
+        r = redis_server.client()
+        cut_off.run_cycle()
+        other.run_cycle()
+        key, rec = apikeys.create_key(r, "acme")
+        cut_off.run_cycle()
+        other.run_cycle()
+        proxy.cut()
+        assert not cut_off.run_cycle().redis_ok
+        apikeys.revoke_key(r, rec.id)        # through the other control plane's admin page
+        other.run_cycle()
+        assert apikeys.lookup(r, key) is None
+        redis_server.stop()
+        redis_server.start_again(workdir / "redis")   # empty: nothing was persisted
+        proxy.open()
+        cut_off.run_cycle()                  # first to notice: writes its copy back
+        assert cut_off.state_restores == 1
+        other.run_cycle()
+        assert apikeys.lookup(r, key) is None, "the revoked key is valid again"
+        assert apikeys.get_key(r, rec.id).revoked
+        other.run_cycle()
+        cut_off.run_cycle()
+        assert apikeys.lookup(r, key) is None
+    finally:
+        proxy.close()
