@@ -432,8 +432,14 @@ class ControlPlane:
             created = float(json.loads(self._marker_value or "")["created"])
         except (ValueError, TypeError, KeyError):
             pass
-        why = self.keeper.claim(self._marker_value, created,
-                                self.redis_unreachable_since if self.redis_ok is False else None)
+        since = self.redis_unreachable_since if self.redis_ok is False else None
+        if (since is not None and created is not None and time.time() - created
+                > statecopy.COPY_FRESH_S + self.settings.controlplane.poll_interval_s):
+            # Redis answered the control plane that made the marker long before it
+            # answered this one: not down, this one alone was cut off from it, and the
+            # others may have changed the state meanwhile
+            since = None
+        why = self.keeper.claim(self._marker_value, created, since)
         if why is not None:
             if self.keeper.copy is not None:
                 log.error("REDIS STATE LOST: not writing this control plane's copy back: %s",

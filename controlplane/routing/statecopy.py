@@ -69,7 +69,9 @@ was created is not written back either (it was taken before a freeze or a partit
 the loss may have come long after it), unless it was read within :data:`COPY_FRESH_S` of
 the moment Redis stopped answering this control plane, which tried it every cycle until
 it came back: Redis down for an hour and back empty gets the copy, nothing could have
-changed the state while it was down. (Nothing but what this control plane could not
+changed the state while it was down (the caller passes no such moment when another
+control plane made the new state marker more than :data:`COPY_FRESH_S` and a poll interval
+before: Redis answered it, this one alone was cut off). (Nothing but what this control plane could not
 see: Redis up for the others while this one alone was cut off from it. A key revoked
 meanwhile through another control plane is revoked again by that one, whose copy, refused,
 keeps its revocations: :meth:`StateKeeper.drop`; one revoked with the CLI, or a node

@@ -573,3 +573,52 @@ def test_a_revocation_made_while_a_control_plane_was_cut_off_is_not_undone(
         assert apikeys.lookup(r, key) is None
     finally:
         proxy.close()
+
+
+def test_a_control_plane_cut_off_while_another_restored_writes_nothing_back(
+        redis_server, workdir, cps) -> None:
+    """A control plane cut off from Redis for over an hour (Redis up for the others),
+    while Redis came back empty, another control plane wrote its copy back and an
+    operator removed a node: the cut-off one finds a state marker another control plane
+    made long before Redis answered it again (Redis was up, it alone was cut off), so
+    its copy, read just before Redis stopped answering it and half an hour before the
+    loss, is not written back (the restore's claim had expired)."""
+    from support.tcpcut import TcpCut
+
+    proxy = TcpCut("127.0.0.1", redis_server.port)
+    try:
+        cut_off = cps(cp_settings([_node("a")]),
+                      make_client(f"redis://127.0.0.1:{proxy.port}/0", 0.5))
+        other = cps(cp_settings([_node("a")]), make_client(redis_server.url, 0.5))
+        r = redis_server.client()
+        cut_off.run_cycle()
+        other.run_cycle()
+        registry.put_node(r, _node("gone"))
+        cut_off.run_cycle()
+        other.run_cycle()
+        proxy.cut()
+        assert not cut_off.run_cycle().redis_ok
+        redis_server.stop()
+        redis_server.start_again(workdir / "redis")   # empty: nothing was persisted
+        other.run_cycle()
+        assert other.state_restores == 1
+        registry.remove_node(r, "gone")
+        other.run_cycle()
+        # the cut came an hour ago, Redis' restart (the marker, the restore's claim)
+        # half an hour ago
+        marker = json.loads(r.get(keynames.STATE_MARKER))
+        marker["created"] -= 1800
+        r.set(keynames.STATE_MARKER, json.dumps(marker))
+        other._marker_value = r.get(keynames.STATE_MARKER)
+        for k in r.scan_iter(keynames.STATE_RESTORE_CLAIM_PREFIX + "*"):
+            r.delete(k)
+        c = cut_off.keeper.copy
+        c.registry_at -= 3600
+        c.apikeys_at -= 3600
+        cut_off.redis_unreachable_since -= 3600
+        proxy.open()
+        cut_off.run_cycle()
+        assert cut_off.state_restores == 0
+        assert {n.name for n in registry.list_nodes(r)} == {"a"}, "the removed node is back"
+    finally:
+        proxy.close()
