@@ -248,6 +248,8 @@ class ControlPlane:
         self.redis_ok: bool | None = None
         #: epoch s of the first failed call since Redis last answered (None: it answers)
         self.redis_unreachable_since: float | None = None
+        #: epoch s of the last failed call (0: none yet)
+        self._redis_failed_at = 0.0
         self.last_snapshot: RoutingSnapshot | None = None
         self.last_report: CycleReport | None = None
         #: The overview time series (leader only; see controlplane.routing.series).
@@ -292,10 +294,24 @@ class ControlPlane:
 
     # -- Redis bookkeeping ---------------------------------------------------------
 
+    def _tries_broken(self, now: float) -> bool:
+        """Whether this process went longer than :data:`statecopy.COPY_FRESH_S` and a
+        cycle (its interval, Redis' timeouts twice with their retry, a node's) without
+        trying Redis since its last failed call (it was frozen or stalled: Redis may
+        have answered the others meanwhile)."""
+        cp = self.settings.controlplane
+        cycle = (cp.poll_interval_s + 4 * self.settings.redis.socket_timeout_s
+                 + cp.poll_timeout_s + cp.models_timeout_s)
+        return now - self._redis_failed_at > statecopy.COPY_FRESH_S + cycle
+
     def _redis_failed(self, exc: Exception) -> None:
         self.redis_errors += 1
+        now = time.time()
+        if self.redis_ok is False and self._tries_broken(now):
+            self.redis_unreachable_since = None   # not tried throughout: no longer known
+        self._redis_failed_at = now
         if self.redis_ok is not False:
-            self.redis_unreachable_since = time.time()
+            self.redis_unreachable_since = now
             log.warning("redis unreachable (%s: %s); polling continues on the last known "
                         "%d nodes, writes resume when it answers",
                         type(exc).__name__, exc, len(self.nodes))
@@ -433,10 +449,13 @@ class ControlPlane:
         except (ValueError, TypeError, KeyError):
             pass
         since = self.redis_unreachable_since if self.redis_ok is False else None
-        if (since is not None and created is not None and time.time() - created
-                > statecopy.COPY_FRESH_S + self.settings.controlplane.poll_interval_s):
+        now = time.time()
+        if since is not None and (self._tries_broken(now) or (
+                created is not None and now - created
+                > statecopy.COPY_FRESH_S + self.settings.controlplane.poll_interval_s)):
+            # this process stopped trying Redis (frozen) since its last failed call, or
             # Redis answered the control plane that made the marker long before it
-            # answered this one: not down, this one alone was cut off from it, and the
+            # answered this one (not down, this one alone was cut off from it): the
             # others may have changed the state meanwhile
             since = None
         why = self.keeper.claim(self._marker_value, created, since)

@@ -622,3 +622,39 @@ def test_a_control_plane_cut_off_while_another_restored_writes_nothing_back(
         assert {n.name for n in registry.list_nodes(r)} == {"a"}, "the removed node is back"
     finally:
         proxy.close()
+
+
+def test_a_control_plane_frozen_during_an_outage_writes_nothing_back(
+        redis_server, workdir, cps) -> None:
+    """A control plane that saw Redis fail once and was then frozen (SIGSTOP) for an
+    hour, while Redis answered again, an operator revoked a key and added a node, and
+    Redis was restarted empty: it did not try Redis every cycle meanwhile, so its copy,
+    read an hour ago, is not written back (the key stays refused, no stale registry)."""
+    from support.tcpcut import TcpCut
+
+    proxy = TcpCut("127.0.0.1", redis_server.port)
+    try:
+        cp = cps(cp_settings([_node("a")]),
+                 make_client(f"redis://127.0.0.1:{proxy.port}/0", 0.5))
+        r = redis_server.client()
+        cp.run_cycle()
+        key, rec = apikeys.create_key(r, "acme")
+        cp.run_cycle()
+        proxy.cut()
+        assert not cp.run_cycle().redis_ok   # one failed cycle, then frozen
+        proxy.open()
+        apikeys.revoke_key(r, rec.id)
+        registry.put_node(r, _node("added"))
+        redis_server.stop()
+        redis_server.start_again(workdir / "redis")   # empty: nothing was persisted
+        # resumed an hour later
+        c = cp.keeper.copy
+        c.registry_at -= 3600
+        c.apikeys_at -= 3600
+        cp.redis_unreachable_since -= 3600
+        cp._redis_failed_at -= 3600
+        cp.run_cycle()
+        assert cp.state_restores == 0
+        assert apikeys.lookup(r, key) is None
+    finally:
+        proxy.close()
