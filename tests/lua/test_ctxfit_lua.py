@@ -241,3 +241,21 @@ def test_a_long_chinese_prompt_is_estimated_in_linear_time(workdir: Path) -> Non
     assert got["s"] < 1.0, got
     assert abs(got["est"] - 10923 * 3 * 0.6) < 1, got
     assert got["bad"] >= 1, got
+
+
+def test_a_prompt_of_one_long_word_far_over_the_context_is_refused(workdir: Path) -> None:
+    """A word counts a token per 64 bytes at least (gemma 3 took 8 bytes a token of
+    "aaa...", 4 of emoji, 48 of "………", its densest): 600,000 letters without a space
+    (about 75,000 tokens on gemma 3) were estimated at one token and sent to the node,
+    which holds a slot while it tokenizes the whole of it."""
+    got = run(workdir, """
+            out.letters = ask({messages = {{role = "user", content = string.rep("a", 600000)}}})
+            out.emoji = ask({prompt = string.rep("\\240\\159\\152\\128", 150000)})
+            -- under the floor's reach: a long word still passes (20,000 letters: 2,500
+            -- tokens on gemma 3; the node answers for itself)
+            out.word = ask({prompt = string.rep("a", 20000)})
+            out.est = ctxfit._estimate(string.rep("a", 20000))
+            return out
+    """)
+    assert got["letters"] == got["emoji"] == "context_length_exceeded", got
+    assert got["word"] == "passed" and got["est"] == 20000 // 64, got
