@@ -259,3 +259,21 @@ def test_a_prompt_of_one_long_word_far_over_the_context_is_refused(workdir: Path
     """)
     assert got["letters"] == got["emoji"] == "context_length_exceeded", got
     assert got["word"] == "passed" and got["est"] == 20000 // 64, got
+
+
+def test_marks_in_a_row_that_a_node_holds_are_not_refused(workdir: Path) -> None:
+    """ASCII punctuation marks in a row count a token a pair (gemma 3 has "</", "></",
+    "!?", "[]", "},{" in one token): a 4,096-token llama-server served these prompts at
+    3,529 and 2,529 prompt tokens, which the edge refused, estimated at 10,004 each."""
+    got = mixed(workdir, '{{name = "cpp", ctx_tokens = 4096}}', """
+            local function ask(text)
+                return tried({messages = {{role = "user", content = text}}})
+            end
+            out.tags = ask("Fix this HTML:\\n" .. string.rep("</div></span></p></li></ul>", 500))
+            out.marks = ask("Count the marks: " .. string.rep("!?", 5000))
+            -- still refused at over twice the context: the same marks four times over
+            out.far = ask("Count the marks: " .. string.rep("!?", 20000))
+            return out
+    """)
+    assert got["tags"] == got["marks"] == "", got
+    assert got["far"] == "context_length_exceeded", got
