@@ -535,6 +535,20 @@ def test_a_put_back_is_not_undone_by_a_copy_of_the_older_redis(redis_server, wor
     assert new.state_restores == 0 and old.state_restores == 1
 
 
+def _cut_pair(redis_server, cps):
+    """A TCP proxy in front of Redis that can cut one control plane off (Redis up for the
+    others), that control plane behind it and another one, each after a first cycle."""
+    from support.tcpcut import TcpCut
+
+    proxy = TcpCut("127.0.0.1", redis_server.port)
+    cut_off = cps(cp_settings([_node("a")]),
+                  make_client(f"redis://127.0.0.1:{proxy.port}/0", 0.5))
+    other = cps(cp_settings([_node("a")]), make_client(redis_server.url, 0.5))
+    cut_off.run_cycle()
+    other.run_cycle()
+    return proxy, cut_off, other
+
+
 def test_a_revocation_made_while_a_control_plane_was_cut_off_is_not_undone(
         redis_server, workdir, cps) -> None:
     """A control plane cut off from Redis (Redis up for the others) while an operator
@@ -542,16 +556,9 @@ def test_a_revocation_made_while_a_control_plane_was_cut_off_is_not_undone(
     one may write its copy back first (read just before Redis stopped answering it, it
     counts as fresh), with the key valid; the other's copy, which has the revocation, is
     refused the restore but still revokes the key again (a revocation is for good)."""
-    from support.tcpcut import TcpCut
-
-    proxy = TcpCut("127.0.0.1", redis_server.port)
+    proxy, cut_off, other = _cut_pair(redis_server, cps)
     try:
-        cut_off = cps(cp_settings([_node("a")]),
-                      make_client(f"redis://127.0.0.1:{proxy.port}/0", 0.5))
-        other = cps(cp_settings([_node("a")]), make_client(redis_server.url, 0.5))
         r = redis_server.client()
-        cut_off.run_cycle()
-        other.run_cycle()
         key, rec = apikeys.create_key(r, "acme")
         cut_off.run_cycle()
         other.run_cycle()
@@ -583,16 +590,9 @@ def test_a_control_plane_cut_off_while_another_restored_writes_nothing_back(
     made long before Redis answered it again (Redis was up, it alone was cut off), so
     its copy, read just before Redis stopped answering it and half an hour before the
     loss, is not written back (the restore's claim had expired)."""
-    from support.tcpcut import TcpCut
-
-    proxy = TcpCut("127.0.0.1", redis_server.port)
+    proxy, cut_off, other = _cut_pair(redis_server, cps)
     try:
-        cut_off = cps(cp_settings([_node("a")]),
-                      make_client(f"redis://127.0.0.1:{proxy.port}/0", 0.5))
-        other = cps(cp_settings([_node("a")]), make_client(redis_server.url, 0.5))
         r = redis_server.client()
-        cut_off.run_cycle()
-        other.run_cycle()
         registry.put_node(r, _node("gone"))
         cut_off.run_cycle()
         other.run_cycle()
