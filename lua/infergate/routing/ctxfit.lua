@@ -187,12 +187,32 @@ local function leave_out(req, t, what, need)
     end
 end
 
+-- Whether a node of snapshot table `t` reports its slot context or slots, worked out
+-- once per table (cached on it): a pool where none does (vLLM, TGI...) skips the step.
+local function reports(t)
+    local r = t.ctxfit_reports
+    if r == nil then
+        r = false
+        for _, node in ipairs(t.nodes) do
+            if node.ctx_tokens or node.slots_source == "server" then
+                r = true
+                break
+            end
+        end
+        t.ctxfit_reports = r
+    end
+    return r
+end
+
 -- Access step: nil to continue, or the 400 error table.
 function _M.step(req)
     if req.route ~= "inference" then
         return nil
     end
     local t = snapshot.current()
+    if not reports(t) then
+        return nil
+    end
     local b = req.body
     local n = type(b) == "table" and b.n
     if type(n) == "number" and n > 1 then
