@@ -281,16 +281,16 @@ class StateKeeper:
         pipe = self.r.pipeline(transaction=False)
         pipe.get(keynames.STATE_MARKER)
         pipe.get(keynames.NODES_GEN)   # before the content: the copy is never newer
-        pipe.lrange(keynames.NODES_GEN_LOG, 0, -1)
+        pipe.lindex(keynames.NODES_GEN_LOG, 0)
         pipe.hgetall(keynames.NODES)
         pipe.hgetall(keynames.NODE_STATES)
         pipe.smembers(keynames.NODES_SEEDED)
         pipe.get(keynames.APIKEYS_MARKER)
         pipe.hlen(keynames.APIKEYS)
         pipe.get(keynames.APIKEYS_GEN)
-        pipe.lrange(keynames.APIKEYS_GEN_LOG, 0, -1)
-        (marker, nodes_gen, nodes_log, nodes, states, seeded, keys_marker, keys_len, keys_gen,
-         keys_log) = pipe.execute()
+        pipe.lindex(keynames.APIKEYS_GEN_LOG, 0)
+        (marker, nodes_gen, nodes_head, nodes, states, seeded, keys_marker, keys_len, keys_gen,
+         keys_head) = pipe.execute()
         out = Read(nodes=nodes, states=states)
         if marker is None:
             return out   # lost between the cycle's marker check and now: copy nothing
@@ -301,22 +301,31 @@ class StateKeeper:
         nodes_gen, keys_gen = _gen(nodes_gen), _gen(keys_gen)
         if c.seeded and not seeded:
             out.lost.add(REGISTRY)
-        elif c.registry_at and (nodes_gen < c.nodes_gen or genlog.lost(
-                nodes_log, c.nodes_tok, nodes_gen, c.nodes_gen)):
+        elif c.registry_at and (nodes_gen < c.nodes_gen or self._log_lost(
+                keynames.NODES_GEN_LOG, nodes_head, c.nodes_tok, nodes_gen, c.nodes_gen)):
             out.went_back[REGISTRY] = nodes_gen
         else:
             c.nodes, c.states, c.seeded, c.registry_at = dict(nodes), dict(states), set(seeded), now
-            c.nodes_gen, c.nodes_tok = nodes_gen, (nodes_log[0] if nodes_log else None)
+            c.nodes_gen, c.nodes_tok = nodes_gen, nodes_head
         if c.apikeys_marker is not None and keys_marker is None:
             out.lost.add(APIKEYS)
-        elif c.apikeys_at and (keys_gen < c.apikeys_gen or genlog.lost(
-                keys_log, c.apikeys_tok, keys_gen, c.apikeys_gen)):
+        elif c.apikeys_at and (keys_gen < c.apikeys_gen or self._log_lost(
+                keynames.APIKEYS_GEN_LOG, keys_head, c.apikeys_tok, keys_gen, c.apikeys_gen)):
             out.went_back[APIKEYS] = keys_gen
         elif (keys_marker != c.apikeys_marker or keys_len != len(c.apikeys) or not c.apikeys_at
               or keys_gen != c.apikeys_gen
               or self._clock() - self._keys_read_mono >= KEYS_REFRESH_S):
             out.revoked_again = self._read_keys(c, now)
         return out
+
+    def _log_lost(self, key: str, head: str | None, token: str | None, gen: int,
+                  copy_gen: int) -> bool:
+        """:func:`genlog.lost` for the write log ``key`` whose newest token is ``head``:
+        the whole log is read only when something was written since the copy's token
+        (``head`` is another one), not every cycle."""
+        if not token or head == token:
+            return False
+        return genlog.lost(self.r.lrange(key, 0, -1), token, gen, copy_gen)
 
     def _read_keys(self, c: StateCopy, now: float) -> list[str]:
         """Refresh the copy of the keys; revoke again those the copy held revoked and
