@@ -152,6 +152,37 @@ def test_a_frozen_pool_holds_requests_until_a_node_is_back(three) -> None:
     assert sum(u.hits for u in ups) == 5
 
 
+def test_a_request_waiting_for_a_slot_is_held_when_the_pool_freezes(three) -> None:
+    """A request already waiting at the edge for a slot when every node of its model
+    turns unhealthy but still connects (frozen) is held for them like a new arrival,
+    and served once a node is back; not sent on to the 503 at once."""
+    edge, ups, r = three
+    for u in ups:
+        u.delay_s = 1.5
+    snap = write_snapshot(r, [u.snapshot_node(slots=1) for u in ups])
+    edge.wait_snapshot(snap["version"])
+    with ThreadPoolExecutor(4) as pool:
+        busy = [pool.submit(_post, edge) for _ in range(3)]
+        procs.wait_until(lambda: sum(u.inflight for u in ups) == 3, 10,
+                         what="every slot taken")
+        waiting = pool.submit(_post, edge)
+        procs.wait_until(lambda: edge.status()["admission"]["waiting"] == 1, 10,
+                         what="a request waiting for a slot")
+        snap = write_snapshot(r, [{**u.snapshot_node(healthy=False, slots=1), "connects": True}
+                                  for u in ups])
+        edge.wait_snapshot(snap["version"])
+        procs.wait_until(lambda: edge.status()["admission"]["held"] == 1, 10,
+                         what="the waiting request held")
+        assert [f.result(timeout=15).status_code for f in busy] == [200] * 3
+        time.sleep(0.5)
+        assert not waiting.done()
+        write_snapshot(r, [u.snapshot_node(slots=1) for u in ups])
+        res = waiting.result(timeout=15)
+        assert res.status_code == 200, res.text
+    assert edge.status()["admission"]["held"] == 0
+    assert edge.status()["admission"]["waiting"] == 0
+
+
 def test_draining_node_gets_nothing_new_while_its_stream_finishes(three) -> None:
     edge, (a, b, c), r = three
     snap = write_snapshot(r, [a.snapshot_node(), b.snapshot_node(healthy=False),

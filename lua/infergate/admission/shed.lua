@@ -5,11 +5,12 @@
 -- lookup] -> eligible -> admission. A cache hit answers before "eligible", so it never
 -- waits here and is served even when every node is saturated.
 --
--- Known slots (infergate.admission.slots): when an eligible node of the request's model
--- has known slots, the slots are a hard limit and the rules below give way to the edge
--- queue (wait_for_slot): a free slot is taken at once, else the request waits in
--- arrival order until one frees for it, and gets the 429 as soon as its predicted
--- completion at the tail of answer times misses its deadline.
+-- Known slots (infergate.admission.slots): when an eligible node of the request's model has known
+-- slots, the slots are a hard limit and the rules below give way to the edge queue (wait_for_slot):
+-- a free slot is taken at once, else the request waits in arrival order until one frees for it, and
+-- gets the 429 as soon as its predicted completion at the tail of answer times misses its deadline.
+-- When every node of its model leaves the pool while it waits, it is held for them as at the
+-- "eligible" step (infergate.admission.thaw).
 --
 -- Otherwise, shedding per model: a node has capacity when it is eligible (healthy,
 -- active, an IP address, breaker not open, serves the request's model:
@@ -17,37 +18,32 @@
 --   * saturated in a fresh snapshot (queue depth or KV-cache use over the
 --     [scoring] saturation_queue / saturation_kv caps, computed by the control plane), nor
 --   * at its max_concurrency in this edge's own in-flight count.
--- A request is never shed while a node has capacity (no prediction overrides that).
--- When none has, with a deadline (infergate.admission.deadline), a request is shed only
--- when even the best node cannot finish it in time: when the smallest predicted
--- completion (infergate.routing.speed.predicted: the work ahead at this edge over the
--- node's learned concurrency at the node's latency EWMA, plus its own time at the
--- node's high quantile, infergate.routing.learned.tail_s, capped by its max_tokens) is
--- within the time left, it is admitted and queues at the node. Nodes without latency
--- history, and nodes saturated in a fresh snapshot, predict nothing; when none predicts,
--- the wait below applies.
--- With edge.node_cost = "expected_delay", a fresh snapshot and a service time for every
--- eligible node (infergate.routing.balancer.delay_cost: the predicted completion the
--- balancer itself picks on, its own part taken at the tail: tail_extra), that cost
--- decides instead: admitted while the best is at most admission.deadline_fraction (1)
--- of the time left, shed past it, never sent where it is predicted to time out.
--- A request that is shed gets Retry-After = the best predicted wait, rounded up (at least
--- 1 s, at most RETRY_AFTER_MAX_S: a wait predicted from a node that has slowed down or
--- stopped says little about when it recovers; at most edge.breaker_cooldown_s while a
--- node of the model is out for ill health, which a restart brings back sooner than the
--- others' queue drains; admission.retry_after_s when nothing predicts).
--- When no eligible node has capacity, the request waits up to admission.max_wait_ms
--- (never past its deadline), checking again every admission.poll_ms with ngx.sleep,
--- then gets 429 with Retry-After = admission.retry_after_s and
--- {"type": "server_overloaded", "code": "nodes_saturated"}: a quick, retryable answer
--- instead of a timeout. Only requests that take a slot are shed: the routes "inference"
--- and "api" (/v1/responses, rerank, score, audio; infergate.access), not GET /v1/models,
--- the tokenizer or other /v1/ paths. While
--- nginx shuts down (SIGQUIT) a waiting request gets 503 {"code": "shutting_down"} with
--- Retry-After: 1 at its next check, instead of being held to the end of the shutdown; on
--- a reload it waits on in its old worker, as nginx finishes its requests
--- (infergate.core.closing).
--- Counted as "shed" (infergate.admission.stats).
+-- A request is never shed while a node has capacity (no prediction overrides that). When none has,
+-- with a deadline (infergate.admission.deadline), a request is shed only when even the best node
+-- cannot finish it in time: when the smallest predicted completion
+-- (infergate.routing.speed.predicted: the work ahead at this edge over the node's learned
+-- concurrency at the node's latency EWMA, plus its own time at the node's high quantile,
+-- infergate.routing.learned.tail_s, capped by its max_tokens) is within the time left, it is
+-- admitted and queues at the node. Nodes without latency history, and nodes saturated in a fresh
+-- snapshot, predict nothing; when none predicts, the wait below applies. With edge.node_cost =
+-- "expected_delay", a fresh snapshot and a service time for every eligible node
+-- (infergate.routing.balancer.delay_cost: the predicted completion the balancer itself picks on,
+-- its own part taken at the tail: tail_extra), that cost decides instead: admitted while the best
+-- is at most admission.deadline_fraction (1) of the time left, shed past it, never sent where it is
+-- predicted to time out.
+-- A request that is shed gets Retry-After = the best predicted wait, rounded up (at least 1 s, at
+-- most RETRY_AFTER_MAX_S: a wait predicted from a node that has slowed down or stopped says little
+-- about when it recovers; at most edge.breaker_cooldown_s while a node of the model is out for ill
+-- health, which a restart brings back sooner than the others' queue drains; admission.retry_after_s
+-- when nothing predicts). When no eligible node has capacity, the request waits up to
+-- admission.max_wait_ms (never past its deadline), checking again every admission.poll_ms with
+-- ngx.sleep, then gets 429 with Retry-After = admission.retry_after_s and {"type":
+-- "server_overloaded", "code": "nodes_saturated"}: a quick, retryable answer instead of a timeout.
+-- Only requests that take a slot are shed: the routes "inference" and "api" (/v1/responses, rerank,
+-- score, audio; infergate.access), not GET /v1/models, the tokenizer or other /v1/ paths. While
+-- nginx shuts down (SIGQUIT) a waiting request gets 503 {"code": "shutting_down"} with Retry-After:
+-- 1 at its next check, instead of being held to the end of the shutdown; on a reload it waits on in
+-- its old worker, as nginx finishes its requests (infergate.core.closing). Counted: "shed".
 local ngxapi = require("infergate.core.ngxapi")
 local abort = require("infergate.core.abort")
 local ngx_now = ngxapi.now
@@ -64,6 +60,7 @@ local queue = require("infergate.admission.queue")
 local held = require("infergate.routing.held")
 local learned = require("infergate.routing.learned")
 local fairqueue = require("infergate.admission.fairqueue")
+local thaw = require("infergate.admission.thaw")
 local fairshare = require("infergate.admission.fairshare")
 local lengths = require("infergate.routing.lengths")
 local freerate = require("infergate.admission.freerate")
@@ -269,7 +266,7 @@ end
 -- infergate.admission.fairqueue: per tenant and class). rank(w) = the requests served
 -- before it (FAIR: or only those ahead in its own flow when they fill the free slots);
 -- step = how long it sleeps between two looks.
-local FIFO, FAIR = {}, {}
+local FIFO, FAIR, AGAIN = {}, {}, {}
 
 function FIFO.busy(w)
     return not queue.empty(w.pool)
@@ -371,7 +368,8 @@ local function wait_for_slot(req, o, t, now, left)
             line.leave(w, now)
             astats.incr("waiting", -1)
             req.admission_wait_ms = (now - start) * 1000
-            return nil
+            -- its nodes froze while it waited: held as a new arrival, else the 503
+            return eligible == 0 and thaw.held(req, t) and AGAIN or nil
         end
         local stop, wait = slot_hopeless(req, t, now, start, left, give_up, ahead, free)
         if stop or exiting() then
@@ -396,7 +394,9 @@ local function admit(req, o)
     local t0 = snapshot.refresh()
     if slots.applies(t0, now, req.model) then
         req.slot_pool = true
-        return wait_for_slot(req, o, t0, now, left0)
+        local e = wait_for_slot(req, o, t0, now, left0)
+        if e == AGAIN then return admit(req, o) end
+        return e
     end
     local wait_s = o.max_wait_ms / 1000
     local left = deadline.remaining(req, now)
