@@ -369,7 +369,7 @@ local function wait_for_slot(req, o, t, now, left)
             astats.incr("waiting", -1)
             req.admission_wait_ms = (now - start) * 1000
             -- its nodes froze while it waited: held as a new arrival, else the 503
-            return eligible == 0 and thaw.held(req, t) and AGAIN or nil
+            return eligible == 0 and thaw.held_if_none(req, t) and AGAIN or nil
         end
         local stop, wait = slot_hopeless(req, t, now, start, left, give_up, ahead, free)
         if stop or exiting() then

@@ -94,4 +94,11 @@ function _M.held(req, t)
     return back
 end
 
+-- held() for a request that no node of its model is open to now (as the "eligible" step
+-- counts them, req.tried left out): true once it held it until one is back; false at
+-- once while one is eligible (a breaker's half-open probe), or when none came back.
+function _M.held_if_none(req, t)
+    return balancer.count_eligible(t, req.tried, ngx_now(), req.model) == 0 and _M.held(req, t)
+end
+
 return _M
