@@ -35,6 +35,20 @@ def _render_and_check(*args, **kwargs):
 _render_and_check.unchecked = _render_nginx  # type: ignore[attr-defined]
 _render.render_nginx = _render_and_check
 
+#: Variables of a running stack that override the configuration of every part: the shell
+#: that runs the tests may hold them (the banner of ``infergate up`` has the user export
+#: INFERGATE_REDIS_URL; an admin token, the instance id ``up`` hands its parts, ...). They
+#: are dropped for the whole run, its workers and every process it starts, so the tests'
+#: control planes, edges and embedders keep to the Redis and tokens their tests set up
+#: instead of writing into that stack's Redis. A test that needs one sets it itself.
+STACK_ENV = ("INFERGATE_REDIS_URL", "INFERGATE_ADMIN_TOKEN", "INFERGATE_ADMIN_SECRET_KEY",
+             "INFERGATE_EMBEDDER_TOKEN", "INFERGATE_INSTANCE_ID", "INFERGATE_CONFIG",
+             "INFERGATE_API_KEY")
+STACK_ENV_PREFIXES = ("INFERGATE_EMBEDDER_",)  # the embedder's options (click envvars)
+for _name in list(os.environ):
+    if _name in STACK_ENV or _name.startswith(STACK_ENV_PREFIXES):
+        del os.environ[_name]
+
 # Every nginx of the run starts on a one-certificate CA bundle (support.cabundle): set
 # before any part starts.
 cabundle.install()
