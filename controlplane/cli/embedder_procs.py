@@ -12,9 +12,10 @@ replaced (at most :data:`MAX_RESTARTS` in :data:`RESTART_WINDOW_S`, then the ser
 with status 1); a child that exits before it served (Redis unreachable, model not
 loadable) stops the others and the command exits with that child's status, as the single
 process would. SIGTERM or SIGINT to the parent is passed to the children, which finish
-their requests (at most :data:`STOP_GRACE_S`, then SIGKILL). A child whose parent died
-notices within a second, removes the parent's metrics folder and stops itself as on
-SIGTERM (a few seconds in all).
+their requests (at most :data:`STOP_GRACE_S`, then SIGKILL; at once on a second signal,
+after which the parent still reaps them and removes its metrics folder). A child whose
+parent died notices within a second, removes the parent's metrics folder and stops itself
+as on SIGTERM (a few seconds in all).
 
 Prometheus counters are shared through ``prometheus_client``'s multiprocess mode: the
 parent sets ``PROMETHEUS_MULTIPROC_DIR`` to a directory of its own (removed at exit; named
@@ -221,24 +222,39 @@ def supervise(n: int, serve: Callable[[Callable[[], None], int], None],
     except _Stop:
         status = 0
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        _stop_children(children)
+        _shut_down(children, old, metrics_dir)
         os.close(ready_r)
         os.close(ready_w)
-        shutil.rmtree(metrics_dir, ignore_errors=True)
     return status
 
 
-def _stop_children(children: dict[int, bool]) -> None:
-    """SIGTERM every child, SIGKILL what is left after :data:`STOP_GRACE_S`, reap all."""
+def _shut_down(children: dict[int, bool], old_handlers: dict, metrics_dir: str) -> None:
+    """Stop the children (:func:`_stop_children`), remove the metrics folder, then put
+    back ``old_handlers``. A signal meanwhile (a second Ctrl-C; the SIGTERM that a
+    multi-threaded parent's PR_SET_PDEATHSIG sends once per thread when it is killed)
+    cuts the children's grace short instead of ending this process before it has reaped
+    them and removed its folder."""
+    hurry = threading.Event()
+    for s in old_handlers:
+        signal.signal(s, lambda signum, frame: hurry.set())
+    try:
+        _stop_children(children, hurry)
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+    finally:
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
+
+
+def _stop_children(children: dict[int, bool], hurry: threading.Event | None = None) -> None:
+    """SIGTERM every child, SIGKILL what is left after :data:`STOP_GRACE_S` (at once when
+    ``hurry`` is set meanwhile), reap all."""
     for pid in list(children):
         try:
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + STOP_GRACE_S
-    while children and time.monotonic() < deadline:
+    while children and time.monotonic() < deadline and not (hurry and hurry.is_set()):
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:

@@ -146,6 +146,32 @@ def test_children_of_a_killed_parent_stop_and_remove_its_metrics_folder(redis_se
         m.stop()
 
 
+def test_a_second_signal_while_stopping_still_removes_the_metrics_folder(redis_server,
+                                                                         workdir) -> None:
+    """A parent started by a multi-threaded process with PR_SET_PDEATHSIG (as ``infergate
+    up`` starts it) gets its SIGTERM once per thread of that process when it is killed
+    outright: the second one, a few ms after the first, must not kill the embedder halfway
+    through its stop, leaving its metrics folder in the temp directory."""
+    tmp = Path(tempfile.gettempdir())
+    before = set(tmp.glob("infergate-embedder-metrics-*"))
+    m, _ = _start(redis_server, workdir)
+    try:
+        kids = _children(m.proc.pid)
+        ours = [d for d in set(tmp.glob("infergate-embedder-metrics-*")) - before
+                if any(f.name.endswith(f"_{k}.db") for k in kids for f in d.iterdir())]
+        assert len(ours) == 1
+        os.kill(m.proc.pid, signal.SIGTERM)
+        time.sleep(0.02)
+        os.kill(m.proc.pid, signal.SIGTERM)
+        assert m.proc.wait(timeout=20) == 0
+        for k in kids:
+            procs.wait_until(lambda k=k: not Path(f"/proc/{k}").exists(), 5, interval=0.05,
+                             what=f"process {k} gone")
+        assert not ours[0].exists()
+    finally:
+        m.stop()
+
+
 def test_start_failure_ends_the_command(workdir) -> None:
     dead_redis = f"redis://127.0.0.1:{procs.free_port()}/0"
     port = procs.free_port()
