@@ -204,6 +204,33 @@ def _die_with_parent(parent_pid: int) -> Callable[[], None] | None:
     return pre
 
 
+def _proc_stat(pid: int) -> tuple[int, int] | None:
+    """(process group, start time in clock ticks since boot) of ``pid`` from
+    ``/proc/<pid>/stat``; None when it is gone (or there is no /proc)."""
+    try:
+        rest = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(rest[2]), int(rest[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _group_members(pgid: int) -> dict[int, int] | None:
+    """pid -> start time of every process in the process group ``pgid`` (a pid and its
+    start time name one process: a pid number used again has a later start time); None
+    without /proc."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return None
+    members = {}
+    for name in names:
+        if name.isdigit():
+            st = _proc_stat(int(name))
+            if st is not None and st[0] == pgid:
+                members[int(name)] = st[1]
+    return members
+
+
 @dataclass
 class Managed:
     """One child process with its log file."""
@@ -219,7 +246,12 @@ class Managed:
     restarted (nginx: SIGQUIT, so the orphaned workers close their listening sockets and
     finish the requests they serve); None: the group is killed (SIGKILL) first."""
     orphan_groups: list[int] = field(default_factory=list)
-    """Process groups left to finish that way; killed when the part is stopped for good."""
+    """Process groups left to finish that way; what is left of them is killed when the
+    part is stopped for good."""
+    orphan_members: dict[int, dict[int, int]] = field(default_factory=dict)
+    """Per group of :attr:`orphan_groups`: pid -> start time of each process it held when
+    it was left (:func:`_group_members`). Only these are killed at the stop: by then the
+    group's number may lead another process's group (pid numbers wrap)."""
     finish_signal: int | None = None
     """Signal that asks the part to finish what it serves before :meth:`stop` falls back
     to SIGTERM (nginx: SIGQUIT, its graceful shutdown, as ``nginx -s quit`` and Debian's
@@ -286,18 +318,36 @@ class Managed:
         except (ProcessLookupError, PermissionError):
             return True  # nothing left in it
         self.orphan_groups.append(pgid)
+        members = _group_members(pgid)
+        if members is not None:
+            self.orphan_members[pgid] = members
         return True
 
-    def stop(self, grace: float = 5.0, hurry: threading.Event | None = None) -> None:
-        """Stop the part: with a :attr:`finish_signal`, send it and wait up to
-        :attr:`finish_grace` seconds (less once ``hurry`` is set) for the leader to exit;
-        then SIGTERM the process group, SIGKILL it after ``grace`` seconds; SIGKILL the
-        groups earlier leaders left to finish (:meth:`release_group`)."""
-        for pgid in self.orphan_groups:
+    def _kill_orphans(self, pgid: int) -> None:
+        """SIGKILL what is left of the orphaned group ``pgid``: the processes recorded in
+        :attr:`orphan_members` that still run in it (same pid, group and start time);
+        the whole group only where that could not be recorded (no /proc)."""
+        members = self.orphan_members.pop(pgid, None)
+        if members is None:
             try:
                 os.killpg(pgid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+            return
+        for pid, started in members.items():
+            if _proc_stat(pid) == (pgid, started):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def stop(self, grace: float = 5.0, hurry: threading.Event | None = None) -> None:
+        """Stop the part: with a :attr:`finish_signal`, send it and wait up to
+        :attr:`finish_grace` seconds (less once ``hurry`` is set) for the leader to exit;
+        then SIGTERM the process group, SIGKILL it after ``grace`` seconds; SIGKILL what
+        is left of the groups earlier leaders left to finish (:meth:`release_group`)."""
+        for pgid in self.orphan_groups:
+            self._kill_orphans(pgid)
         self.orphan_groups.clear()
         if self.proc is None:
             return
