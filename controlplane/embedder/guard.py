@@ -42,8 +42,10 @@ the cached entry's text (the last user message of each):
   (children, students, seniors ...), what something is against how to fix it
   (:mod:`.scope`).
 - ``context``: a long shared context (a document, a policy, a report) with another
-  question or instruction in it: any key term that differs. Never overruled by the
-  verifier.
+  question or instruction in it: any key term that differs, or a word changed into one
+  the text already holds (a key term, a member of a closed class or a side of an
+  antonym pair named more often, another less often: "... 8:30 am ... 6:15 pm" /
+  "... 6:15 am"). Never overruled by the verifier.
 - ``key_terms``: a near-copy with one or two key terms replaced: each text has 1 or 2 key
   terms the other lacks (Chinese characters outside a function-character list such as
   皖 / 滇; English words outside a stop list such as Wisconsin / Michigan). The entity
@@ -63,11 +65,14 @@ import functools
 import itertools
 import re
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
+from typing import Any
 
 from . import scope
 from .contrast import contrast_conflict
+from .contrast import member_counts as contrast_member_counts
 from .literal import code_conflict, literal_conflict
 from .operators import MAX_CHARS as MAX_GUARD_CHARS
 from .operators import sign_conflict
@@ -830,9 +835,76 @@ def context_changed(query: str, candidate: str) -> bool:
     / "who opposed"). The shared part dominates both the pooled embedding and the
     verifier's features, so they score such pairs 0.95-0.98; a short question has no such
     context, and its rewordings are left to the other checks and the verifier. Key terms
-    as :func:`key_term_substitution` reads them (stemmed, Chinese synonyms as one)."""
+    as :func:`key_term_substitution` reads them (stemmed, Chinese synonyms as one).
+
+    In a long text a word is often changed into one the text already holds elsewhere
+    ("... to 8:30 am ... 6:15 pm" / "... 6:15 am", a function called with "bob" / "ann"
+    of a list holding both, "tls: true ... enabled: false" / "tls: false"): the sets of
+    words stay the same, and so do the classes each side names, so the counts decide:
+    a key term, a member of a closed class (:mod:`.contrast`) or a side of an antonym
+    pair named more often while another is named less often, in a class or pair both
+    texts name, is another text too (:func:`_counts_changed`)."""
     a, b = _canonical_terms(query), _canonical_terms(candidate)
-    return a != b and _weight(a & b) >= CONTEXT_SHARED_MIN
+    if _weight(a & b) < CONTEXT_SHARED_MIN:
+        return False
+    return a != b or _counts_changed(query, candidate)
+
+
+@functools.lru_cache(maxsize=8192)
+def _term_counts(text: str) -> Counter[str]:
+    """Key terms of ``text`` as :func:`_canonical_terms` reads them, each counted."""
+    t = zh_canonical(text[:MAX_GUARD_CHARS])
+    found: Counter[str] = Counter(c for c in _CJK_RE.findall(t) if c not in _ZH_FUNCTION)
+    for w in _EN_WORD_RE.findall(t.lower()):
+        if w in _EN_STOP or w in _ANTONYM_WORDS:
+            continue
+        s = _stem(w)
+        if s and s not in _EN_STOP:
+            found[s] += 1
+    return found
+
+
+@functools.lru_cache(maxsize=8192)
+def _antonym_counts(text: str) -> tuple[int, ...]:
+    """Per slot of :class:`_AntonymIndex`, how many times ``text`` uses that side."""
+    idx = _antonym_index()
+    t = text[:MAX_GUARD_CHARS].lower()
+    used = [0] * (2 * len(ANTONYMS))
+    for w in _EN_WORD_RE.findall(t):
+        for slot in idx.words.get(w, ()):
+            used[slot] += 1
+    for phrase, rx, slot in idx.phrases:
+        if phrase in t:
+            used[slot] += len(rx.findall(t))
+    if not t.isascii():
+        for w, slot in idx.others:
+            used[slot] += t.count(w)
+    return tuple(used)
+
+
+def _switched(q: Mapping[Any, int], c: Mapping[Any, int]) -> bool:
+    """Whether one thing is counted more in ``c`` than in ``q`` and another less: a word
+    changed into another, not one only added or dropped."""
+    more = any(c.get(k, 0) > n for k, n in q.items()) or any(k not in q for k in c)
+    less = any(q.get(k, 0) > n for k, n in c.items()) or any(k not in c for k in q)
+    return more and less
+
+
+def _counts_changed(query: str, candidate: str) -> bool:
+    """Whether, between two texts with the same key terms, one word was changed into
+    another the text already holds: one key term is named more often and another less
+    often, or so are two members of a closed class both texts name or the two sides of
+    an antonym pair both use. A word only added or dropped ("Startups in India: Is it
+    better ... in India" / "Is it better ... in India", "expect sales" / "expect any
+    sales") is left to the other checks and the verifier, as in a short text."""
+    if _switched(_term_counts(query), _term_counts(candidate)):
+        return True
+    mq, mc = contrast_member_counts(query), contrast_member_counts(candidate)
+    if any(_switched(mq[ci], mc[ci]) for ci in mq.keys() & mc.keys()):
+        return True
+    uq, uc = _antonym_counts(query), _antonym_counts(candidate)
+    return any(_switched({0: uq[i], 1: uq[i + 1]}, {0: uc[i], 1: uc[i + 1]})
+               for i in range(0, len(uq), 2))
 
 
 # ---------------------------------------------------------------- the guard

@@ -84,3 +84,30 @@ def test_everyday_paraphrases_hit(decide) -> None:
 
 def test_near_misses_never_hit(decide) -> None:
     assert [p for p in NEAR_MISSES if decide(*p)] == []
+
+
+_SCHOOL = ("Starting next semester, Westfield High School will move its first class from "
+           "7:45 am to 8:30 am. The school board approved the change after a survey found "
+           "that most students slept fewer than seven hours on school nights. Buses will "
+           "leave their first stops about forty minutes later, and after-school sports "
+           "practice will end at 6:15 pm instead of 5:30 pm. The school will open the "
+           "library at 7:00 am for students who need to arrive early.")
+_CODE = ('def find_index(items, target):\n    for i in range(len(items)):\n'
+         '        if items[i] == target:\n            return i\n    return -1\n\n'
+         'names = ["ann", "bob", "cy"]\nprint(find_index(names, "bob"))')
+# A long text with one word changed into another it already holds elsewhere (cosine
+# 0.989-0.999, verifier 0.95-0.98: both were served before the guard counted words).
+LONG_NEAR_MISSES = [
+    ("Summarize this text in three sentences:\n\n" + _SCHOOL,
+     "Summarize this text in three sentences:\n\n"
+     + _SCHOOL.replace("at 6:15 pm instead", "at 6:15 am instead")),
+    ("Fix the bug in this code:\n\n" + _CODE,
+     "Fix the bug in this code:\n\n" + _CODE.replace('names, "bob"', 'names, "ann"')),
+]
+LONG_HITS = [(_SCHOOL + "\n\nSummarize the text above.",
+              _SCHOOL + "\n\nCan you summarize the above text?")]
+
+
+def test_a_word_changed_in_a_long_text_never_hits(decide) -> None:
+    assert [p for p in LONG_NEAR_MISSES if decide(*p)] == []
+    assert [p for p in LONG_HITS if not decide(*p)] == []

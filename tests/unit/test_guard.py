@@ -402,3 +402,64 @@ def test_bounded_and_total_on_odd_input() -> None:
     assert guard.check(long, long).ok
     assert not guard.check(None, "1") .ok  # type: ignore[arg-type]
     assert guard.check("\x00\ud800", "\x00\ud800").ok
+
+
+# A long text with one word changed into another it already holds elsewhere: the sets of
+# key terms and of closed-class members stay the same, and the embedding (cosine
+# 0.989-0.999) and the verifier (0.95-0.98) cannot tell them apart.
+_SCHOOL = ("Starting next semester, Westfield High School will move its first class from "
+           "7:45 am to 8:30 am. The school board approved the change after a survey found "
+           "that most students slept fewer than seven hours on school nights. After-school "
+           "sports practice will end at 6:15 pm instead of 5:30 pm, and the library opens "
+           "at 7:00 am for students who need to arrive early.")
+_CODE = ('def find_index(items, target):\n    for i in range(len(items)):\n'
+         '        if items[i] == target:\n            return i\n    return -1\n\n'
+         'names = ["ann", "bob", "cy"]\nprint(find_index(names, "bob"))')
+_CONFIG = ("server:\n  host: 0.0.0.0\n  port: 8080\n  tls: true\nlogging:\n  level: info\n"
+           "  file: /var/log/app.log\ncache:\n  enabled: true\n  ttl: 300\nauth:\n"
+           "  enabled: false\n")
+_RULES = ("Employees must wear badges at all times and should lock their screens. Visitors "
+          "should sign in at reception and must be escorted by a host from the office they "
+          "visit. Deliveries are left at the loading dock behind the warehouse.")
+_LEASE = ("Lease terms: The tenant pays for water and internet. The landlord pays for "
+          "electricity and heating. The landlord repairs the roof and the tenant mows the "
+          "lawn. Rent is due on the first of the month. Pets may stay with a deposit.")
+
+
+@pytest.mark.parametrize("query,candidate", [
+    ("Summarize this text:\n\n" + _SCHOOL,
+     "Summarize this text:\n\n" + _SCHOOL.replace("at 6:15 pm instead", "at 6:15 am instead")),
+    ("Fix the bug in this code:\n\n" + _CODE,
+     "Fix the bug in this code:\n\n" + _CODE.replace('names, "bob"', 'names, "ann"')),
+    ("Explain this config file:\n\n" + _CONFIG,
+     "Explain this config file:\n\n" + _CONFIG.replace("tls: true", "tls: false")),
+    ("Summarize these rules:\n" + _RULES,
+     "Summarize these rules:\n" + _RULES.replace("Employees must", "Employees should")),
+    ("Summarize this lease:\n" + _LEASE,
+     "Summarize this lease:\n" + _LEASE.replace("The landlord pays", "The tenant pays")),
+    ("Take the tablet after meals, and drink water before and after exercise. " + _RULES,
+     "Take the tablet before meals, and drink water before and after exercise. " + _RULES),
+])
+def test_a_word_changed_into_one_the_long_text_holds_is_another_text(query: str,
+                                                                      candidate: str) -> None:
+    assert guard.check(query, candidate).label == "reject:context"
+    assert guard.check(candidate, query).label == "reject:context"
+
+
+@pytest.mark.parametrize("query,candidate", [
+    (_LEASE + "\n\nSummarize the text above.", _LEASE + "\n\nCan you summarize the above text?"),
+    ("Startups in India: Is it better to pursue freelance design in India or join the "
+     "startup wave and find your spot in it as a designer?",
+     "Is it better to pursue freelance design in India or join the startup wave and find "
+     "your spot in it as a designer?"),
+    ("If you publish an eBook on KDP (Amazon Kindle Publishing) and do nothing to promote "
+     "it (basically, just upload and walk away) should you expect sales?",
+     "If you publish an eBook on KDP (Amazon Kindle Publishing) and do nothing to promote "
+     "it (basically, just upload and walk away) should you expect any sales?"),
+    ("Summarize this text:\n\n" + _SCHOOL,
+     "Summarize this text:\n\n" + _SCHOOL + " Students who need to arrive early."),
+])
+def test_a_word_only_added_or_dropped_in_a_long_text_is_left_to_the_verifier(
+        query: str, candidate: str) -> None:
+    assert guard.check(query, candidate).ok
+    assert guard.check(candidate, query).ok
