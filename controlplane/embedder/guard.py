@@ -27,7 +27,8 @@ the cached entry's text (the last user message of each):
 - ``order``: the two sides of a direction or comparison are swapped (重庆到西安 /
   西安到重庆, 左脸比右脸大 / 右脸比左脸大, convert pdf to word / convert word to pdf), or
   the same words stand in another order around such a marker (flights from London to
-  New York / from New York to London, 5英里等于多少公里 / 5公里等于多少英里); after
+  New York / from New York to London, 5英里等于多少公里 / 5公里等于多少英里), or two
+  numbers around a dash, colon, slash or "to" (a score "3-1" / "1-3", "1:3" / "3:1"); after
   ``persons``, two sides that trade places around a word that stays ("Did Germany beat
   Brazil?" / "Did Brazil beat Germany?", :func:`sides_traded`).
 - ``persons``: the speaker and the addressee trade places: both texts name a first and a
@@ -680,6 +681,20 @@ def _en_pairs(text: str) -> frozenset[tuple[str, str]]:
                      if w in _EN_DIRECTION and 0 < i < len(words) - 1)
 
 
+# Two numbers joined by a dash, colon, slash or "to": a score, ratio, range or vote
+# ("3-1", "1:3", "18-65", "9 to 3"), whose order is its meaning. Overlapping, so a date's
+# parts pair up in turn ("2024-03-05": 2024-3, 3-5).
+_NUM_PAIR_RE = re.compile(r"(?<![\d.,])(?=(\d+(?:\.\d+)?)\s*(?:[-\u2013:/]|\s(?:to)\s)\s*"
+                          r"(\d+(?:\.\d+)?)(?![\d]))", re.IGNORECASE)
+
+
+@functools.lru_cache(maxsize=8192)
+def _num_pairs(text: str) -> frozenset[tuple[str, str]]:
+    t = text[:MAX_GUARD_CHARS].translate(_FULLWIDTH)
+    return frozenset((_canonical(Decimal(a)), _canonical(Decimal(b)))
+                     for a, b in _NUM_PAIR_RE.findall(t))
+
+
 # Words (a CJK character is one) for the reordering check; direction and comparison
 # markers among them.
 _ORDER_TOKEN_RE = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]|(?:(?![\u3400-\u9fff\uf900-\ufaff])[^\W_])+")
@@ -766,8 +781,10 @@ def swapped(query: str, candidate: str) -> bool:
     also when the two texts hold the same words in another order around such a marker,
     whatever the sides are made of ("flights from London to New York" / "from New York to
     London", "Is Bob taller than Alice?" / "Is Alice taller than Bob?", "5英里等于多少公里" /
-    "5公里等于多少英里")."""
-    for pairs in (_zh_pairs, _en_pairs):
+    "5公里等于多少英里"); and two numbers that trade places around a dash, colon, slash or
+    "to" (a score "3-1" / "1-3", a ratio "1:3" / "3:1", a range, a vote "9 to 3" / "3 to
+    9", a date's day and month), which the multiset of numbers does not see."""
+    for pairs in (_zh_pairs, _en_pairs, _num_pairs):
         pq, pc = pairs(query), pairs(candidate)
         if any((b, a) in pc and a != b and (a, b) not in pc for a, b in pq):
             return True

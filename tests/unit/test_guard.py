@@ -463,3 +463,29 @@ def test_a_word_only_added_or_dropped_in_a_long_text_is_left_to_the_verifier(
         query: str, candidate: str) -> None:
     assert guard.check(query, candidate).ok
     assert guard.check(candidate, query).ok
+
+
+@pytest.mark.parametrize("query,candidate", [
+    ("Who won the match that ended 3-1?", "Who won the match that ended 1-3?"),
+    ("Mix cement and sand at a ratio of 1:3, is that right?",
+     "Mix cement and sand at a ratio of 3:1, is that right?"),
+    ("The panel voted 9 to 3 to recommend approval. Summarize the decision.",
+     "The panel voted 3 to 9 to recommend approval. Summarize the decision."),
+    ("The trial enrolled adults aged 18-65 with migraines. Who could take part?",
+     "The trial enrolled adults aged 65-18 with migraines. Who could take part?"),
+    ("Remind the guest: check-in 2024-03-05.", "Remind the guest: check-in 2024-05-03."),
+])
+def test_two_numbers_that_trade_places_around_a_dash_colon_or_to(query: str,
+                                                                 candidate: str) -> None:
+    assert guard.check(query, candidate).label == "reject:order"
+    assert guard.check(candidate, query).label == "reject:order"
+
+
+@pytest.mark.parametrize("query,candidate", [
+    ("How many days are there between 2024-01-05 and 2024-05-01?",
+     "How many days are there between 2024-05-01 and 2024-01-05?"),
+    ("Was the final score 3-1?", "Did the match end 3-1?"),
+])
+def test_numbers_paired_alike_or_listed_in_another_order_are_no_swap(query: str,
+                                                                    candidate: str) -> None:
+    assert guard.check(query, candidate).reason != "order"
