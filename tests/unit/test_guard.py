@@ -489,3 +489,33 @@ def test_two_numbers_that_trade_places_around_a_dash_colon_or_to(query: str,
 def test_numbers_paired_alike_or_listed_in_another_order_are_no_swap(query: str,
                                                                     candidate: str) -> None:
     assert guard.check(query, candidate).reason != "order"
+
+
+@pytest.mark.parametrize("query,candidate", [
+    ("Cats are allowed but dogs are not allowed. Can I bring my pet?",
+     "Cats are not allowed but dogs are allowed. Can I bring my pet?"),
+    ("Visitors may park here on weekdays but not at night. Can I park at 11 pm?",
+     "Visitors may park here not on weekdays but at night. Can I park at 11 pm?"),
+    ("Fix the bug in this code:\n\nif user.is_admin and not user.is_banned:\n"
+     "    grant_access(user)\n",
+     "Fix the bug in this code:\n\nif not user.is_admin and user.is_banned:\n"
+     "    grant_access(user)\n"),
+    ("The drug isn't approved for children but is approved for adults. Summarize.",
+     "The drug is approved for children but is not approved for adults. Summarize."),
+])
+def test_a_negation_or_only_moved_among_the_same_words(query: str, candidate: str) -> None:
+    assert guard.check(query, candidate).label == "reject:negation"
+    assert guard.check(candidate, query).label == "reject:negation"
+
+
+@pytest.mark.parametrize("query,candidate", [
+    ("Will that only happen if I abuse it?", "Will that happen only if I abuse it?"),
+    ("Why aren't cats allowed?", "Why are cats not allowed?"),
+    ("Why doesn't my phone charge?", "Why is my phone not charging?"),
+    ("Why doesn't the app open on my phone?", "Why does the app not open on my phone?"),
+    ("I only want to see the totals for each region.",
+     "I want to see only the totals for each region."),
+])
+def test_a_negation_moved_inside_a_clause_or_in_other_words_is_no_move(query: str,
+                                                                    candidate: str) -> None:
+    assert guard.check(query, candidate).reason != "negation"
