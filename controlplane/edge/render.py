@@ -104,6 +104,7 @@ class RenderedConfig:
     edge_id: str
     openresty: bool
     warnings: tuple[str, ...] = ()
+    lua_dir: Path | None = None
 
     @property
     def url(self) -> str:
@@ -549,6 +550,7 @@ def render_nginx(settings: Settings, out_dir: str | Path, *, listen: str | None 
         server_conf=files["infergate-server.conf"], nginx_conf=files["nginx.conf"],
         prefix=pre, error_log=pre / "logs" / "error.log", access_log=pre / "logs" / "access.log",
         listen=listen, edge_id=edge_id, openresty=openresty, warnings=tuple(warnings),
+        lua_dir=lua_path,
     )
 
 
@@ -720,12 +722,39 @@ def check_listen(value: str, what: str, probe_path: str,
         sock.close()
 
 
+def lua_file_problems(settings: Settings, lua_dir: Path | None) -> list[str]:
+    """The Lua files the http include's init blocks load that nginx could not read:
+    infergate's own modules under ``lua_dir`` and ``edge.init_lua_file`` /
+    ``edge.init_worker_lua_file``. ``nginx -t`` does not run ``init_by_lua``, so it
+    passes with any of them missing while nginx then refuses to start (or to reload)."""
+    problems = []
+    if lua_dir is not None:
+        for module in ("infergate/core/config.lua", "infergate/phases.lua"):
+            if not (lua_dir / module).is_file():
+                problems.append(f"--lua-dir {lua_dir}: no {module} there (the folder holding "
+                                "infergate/*.lua); nginx would not start")
+    for field in ("init_lua_file", "init_worker_lua_file"):
+        name = getattr(settings.edge, field)
+        if not name:
+            continue
+        path = Path(name)
+        if not path.is_file():
+            why = "is not a file" if path.exists() else "does not exist"
+        elif not os.access(path, os.R_OK):
+            why = "is not readable"
+        else:
+            continue
+        problems.append(f"edge.{field}: {name} {why}; nginx would not start")
+    return problems
+
+
 def check_rendered(settings: Settings, rendered: RenderedConfig, *,
                    nginx_bin: str | None = None) -> list[str]:
     """What ``render-nginx --check`` does after writing: bind every listen address the
     rendering names (``edge.metrics_listen`` of the http include, the standalone
-    ``listen``), then ``nginx -t`` on the standalone config under its prefix (pid, logs
-    and temp folders go there, never into the output folder). Returns notes (addresses
+    ``listen``), look for the Lua files the init blocks load (:func:`lua_file_problems`:
+    ``nginx -t`` does not run them), then ``nginx -t`` on the standalone config under its
+    prefix (pid, logs and temp folders go there, never into the output folder). Returns notes (addresses
     held by the running edge of this same output folder, i.e. before a reload). Raises :class:`RenderError` naming every address that
     is taken or not bindable, :class:`NginxError` when nginx rejects the config,
     :class:`procs.StartError` when the nginx (or openresty) binary is missing."""
@@ -740,6 +769,7 @@ def check_rendered(settings: Settings, rendered: RenderedConfig, *,
         found = check_listen(value, what, path, rendered.out_dir)
         if found:
             (notes if found[0] == "note" else problems).append(found[1])
+    problems += lua_file_problems(settings, rendered.lua_dir)
     if problems:
         raise RenderError("\n".join(problems))
     nginx_test(rendered.nginx_conf, rendered.prefix,
@@ -768,7 +798,8 @@ def check_rendered(settings: Settings, rendered: RenderedConfig, *,
               help="DNS server for a Redis host name [default: from /etc/resolv.conf].")
 @click.option("--check", is_flag=True, default=False,
               help="After writing: bind every listen address the config names (fails on "
-                   "one in use), then nginx -t (openresty -t with --openresty) on the "
+                   "one in use), look for the Lua files the init blocks load (nginx -t "
+                   "does not), then nginx -t (openresty -t with --openresty) on the "
                    "standalone config.")
 def render_nginx_cmd(config_path: str | None, out_dir: str, listen: str | None, prefix: str | None,
                      openresty: bool, modules_dir: str | None, lua_dir: str | None,

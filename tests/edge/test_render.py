@@ -266,6 +266,39 @@ def test_cli_check_names_a_listen_address_in_use(workdir: Path) -> None:
     assert "nginx -t: ok" not in res.output and "Traceback" not in res.output
 
 
+def test_cli_check_refuses_lua_files_nginx_t_does_not_load(workdir: Path) -> None:
+    """nginx -t does not run init_by_lua: an init file or a --lua-dir without infergate's
+    modules passes it, and nginx then refuses to start. --check names them."""
+    cfg = workdir / "infergate.toml"
+    missing = workdir / "shop-init.lua"
+    cfg.write_text(f'[edge]\nmetrics_listen = "127.0.0.1:{procs.free_port()}"\n'
+                   f'init_lua_file = "{missing}"\ninit_worker_lua_file = "{workdir}"\n')
+    empty_lua = workdir / "lua"
+    empty_lua.mkdir()
+
+    def check(*extra: str):
+        return CliRunner().invoke(render_nginx_cmd, [
+            "--config", str(cfg), "--out", str(workdir / "o"), "--prefix", str(workdir / "run"),
+            "--listen", f"127.0.0.1:{procs.free_port()}", "--check", *extra])
+
+    res = check()
+    assert res.exit_code == 1, res.output
+    assert f"edge.init_lua_file: {missing} does not exist; nginx would not start" in res.output
+    assert f"edge.init_worker_lua_file: {workdir} is not a file" in res.output
+    assert "nginx -t: ok" not in res.output and "Traceback" not in res.output
+    missing.write_text("shop = true\n")
+    worker = workdir / "shop-worker.lua"
+    worker.write_text("\n")
+    cfg.write_text(cfg.read_text().replace(f'"{workdir}"', f'"{worker}"'))
+    res = check("--lua-dir", str(empty_lua))
+    assert res.exit_code == 1, res.output
+    assert f"--lua-dir {empty_lua}: no infergate/core/config.lua there" in res.output
+    assert "init_lua_file" not in res.output
+    res = check()
+    assert res.exit_code == 0, res.output
+    assert "nginx -t: ok" in res.output
+
+
 def test_cli_check_accepts_the_address_of_its_own_running_edge(workdir: Path, redis_server,
                                                               edge_factory) -> None:
     """Re-rendering into the folder the running nginx reads: its own metrics address is
