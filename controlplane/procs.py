@@ -562,6 +562,7 @@ class Supervisor:
             if w.m.alive():
                 continue
             rc = w.m.proc.returncode if w.m.proc is not None else None
+            why = _exit_reason(w.m, rc)
             w.failures = [t for t in w.failures if now - t <= pol.window_s] + [now]
             if len(w.failures) < pol.max_failures:
                 w.degraded = False
@@ -570,7 +571,7 @@ class Supervisor:
                     w.degraded = True
                     self.say(f"{w.m.name} exited (code {rc}) {len(w.failures)} times within "
                              f"{pol.window_s:.0f} s (log {w.m.log_path}); the rest runs on "
-                             f"without it, restarting it every {pol.max_s:.0f} s")
+                             f"without it, restarting it every {pol.max_s:.0f} s{why}")
             else:
                 w.given_up = True
                 msg = (f"{w.m.name} exited (code {rc}) {len(w.failures)} times within "
@@ -582,9 +583,28 @@ class Supervisor:
                 return msg
             delay = pol.max_s if w.degraded else pol.delay(len(w.failures))
             self.say(f"{w.m.name} exited (code {rc}, restarts so far {w.restarts}, log "
-                     f"{w.m.log_path}); restarting in {delay:.1f} s")
+                     f"{w.m.log_path}); restarting in {delay:.1f} s{why}")
             w.restart_at = now + delay
         return None
+
+
+#: Longest last log line :func:`_exit_reason` repeats.
+EXIT_REASON_MAX = 300
+
+
+def _exit_reason(m: Managed, rc: int | None) -> str:
+    """``": <its log's last line>"`` for a part that ended itself with an error (exit
+    code above 0: a configuration it refuses, a port it cannot bind, ...), so the one line
+    ``up`` prints says why; ``""`` for a part killed by a signal (its last line is then
+    unrelated) or with an empty log."""
+    if rc is None or rc <= 0:
+        return ""
+    last = next((ln.strip() for ln in reversed(m.log_tail(5).splitlines()) if ln.strip()), "")
+    if not last:
+        return ""
+    if len(last) > EXIT_REASON_MAX:
+        last = last[:EXIT_REASON_MAX - 1] + "…"
+    return f": {last}"
 
 
 def infergate_argv(*args: str) -> list[str]:

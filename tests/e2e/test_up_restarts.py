@@ -214,7 +214,10 @@ def test_a_part_kept_trying_is_restarted_on_past_the_limit(workdir: Path) -> Non
     lines: list[str] = []
     policy = procs.RestartPolicy(initial_s=0.02, max_s=0.1, max_failures=3, window_s=60)
     sup = procs.Supervisor(lines.append, policy)
-    cp = procs.Managed("controlplane", [sys.executable, "-c", "raise SystemExit(5)"],
+    cp = procs.Managed("controlplane", [sys.executable, "-c",
+                                        "import sys; print('Error: x.toml: invalid configuration: "
+                                        "controlplane.poll_interval_s: -1 is below the minimum "
+                                        "0.01', file=sys.stderr); raise SystemExit(5)"],
                        workdir / "cp.log").start()
     sup.watch(cp, keep_trying=True)
     t0 = time.monotonic()
@@ -226,6 +229,10 @@ def test_a_part_kept_trying_is_restarted_on_past_the_limit(workdir: Path) -> Non
     assert len(degraded) == 1, lines
     assert degraded[0].startswith("controlplane exited (code 5) 3 times within 60 s")
     assert "restarting in 0.1 s" in lines[-1] or "restarted" in lines[-1]
+    # each exit line says why, from the part's own last log line
+    reason = ": Error: x.toml: invalid configuration: controlplane.poll_interval_s: -1 is below"
+    exits = [ln for ln in lines if ln.startswith("controlplane exited")]
+    assert exits and all(reason in ln for ln in exits), exits
 
 
 def test_a_frozen_control_plane_is_killed_and_restarted(workdir: Path) -> None:

@@ -20,7 +20,8 @@ it once it answers with this stack's id (:class:`EmbedderKeeper`); the rest keep
 a curl example; Ctrl-C or SIGTERM stops every process it started, in reverse order.
 
 Stays up: a part that dies is restarted with back-off (0.5 s doubling to 10 s; one
-line per exit with the part, its exit code, the restarts so far and its log file); a
+line per exit with the part, its exit code, the restarts so far, its log file and, after
+an error exit, the log's last line); a
 part that fails 5 times within 60 s stops everything and ``up`` exits non-zero naming
 it (the embedder is optional: it then stays off). Stays alone: the node registry of a
 shared Redis belongs to one running ``up`` (key ``infergate:v1:stack_owner`` with a TTL
