@@ -253,3 +253,34 @@ def test_policy_source_reloads_a_changed_file(tmp_path) -> None:
     os.utime(cfg, (st.st_atime, st.st_mtime + 10))
     assert src.current().resolve("00" * 32, None, "m").min_similarity == 0.7
     assert Domain(model="m", min_similarity=0.1).specificity == (2, 0)
+
+
+def test_write_domain_keeps_the_files_mode_owner_and_link(tmp_path) -> None:
+    """`cache calibrate` rewrites the operator's configuration, which holds the admin
+    token and maybe a Redis password (the runtime install makes it 0640
+    root:infergate): the new file keeps the old one's mode and owner instead of the
+    writer's umask (0644 under 022, readable by every user), and a symbolic link stays a
+    link to the file it names."""
+    from controlplane.embedder.tuning import write_domain
+
+    real = tmp_path / "etc" / "infergate.toml"
+    real.parent.mkdir()
+    real.write_text('[controlplane]\nadmin_token = "s3cret-token-0123456789"\n')
+    os.chmod(real, 0o640)
+    link = tmp_path / "infergate.toml"
+    link.symlink_to(real)
+    old_umask = os.umask(0o022)
+    try:
+        write_domain(link, {"model": "m", "min_similarity": 0.9})
+    finally:
+        os.umask(old_umask)
+    assert link.is_symlink() and os.path.realpath(link) == str(real)
+    st = os.stat(real)
+    assert st.st_mode & 0o777 == 0o640, oct(st.st_mode)
+    assert (st.st_uid, st.st_gid) == (os.geteuid(), os.getegid())
+    text = real.read_text()
+    assert "s3cret-token-0123456789" in text and 'model = "m"' in text
+    assert sorted(p.name for p in real.parent.iterdir()) == ["infergate.toml"]  # no leftovers
+    new = tmp_path / "new.toml"
+    write_domain(new, {"model": "m", "min_similarity": 0.9})
+    assert new.exists() and not new.is_symlink()
