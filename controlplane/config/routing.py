@@ -39,6 +39,10 @@ def check_abs_file(v: str) -> str:
     return v
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
 PATH_RE = re.compile(r"^/[A-Za-z0-9/_.-]{0,200}\Z")
+#: Most model ids a node's ``models`` may list. The registry's nodes are parsed again at
+#: every control-plane cycle: twenty thousand ids took seconds each time, past the
+#: leader's lease, so leadership changed hands every few seconds.
+MAX_NODE_MODELS = 1000
 
 
 class ControlPlaneSettings(_Section):
@@ -191,12 +195,16 @@ class NodeSettings(_Section):
     @field_validator("models")
     @classmethod
     def _models(cls, v: list[str]) -> list[str]:
+        if len(v) > MAX_NODE_MODELS:
+            raise ValueError(f"models: at most {MAX_NODE_MODELS} model ids, got {len(v)}")
+        seen: set[str] = set()
         out: list[str] = []
         for m in v:
             if not isinstance(m, str) or not m or len(m) > 256 or not m.isprintable():
                 raise ValueError("models: each entry is a non-empty model id of at most 256 "
                                  "printable characters")
-            if m not in out:
+            if m not in seen:
+                seen.add(m)
                 out.append(m)
         return out
 

@@ -158,3 +158,20 @@ def test_slow_start_from_ramp_since() -> None:
                           states={}, statuses={}, hosts={"a": "10.0.0.1"}, slow_start_s=30,
                           ramps={"a": 94.0})
     assert snap.node("a").effective_weight == pytest.approx(0.2)
+
+
+def test_a_nodes_models_list_is_bounded() -> None:
+    """The registry's nodes are validated again at every control-plane cycle: a node
+    given 20,000 model ids through the API was accepted, and each validation then took
+    seconds (a quadratic duplicate check), past the leader's 5 s lease, so leadership
+    changed hands every few seconds and the admin API took 17 s to answer. More than
+    1000 ids are refused, duplicates are dropped in one pass."""
+    with pytest.raises(ValueError, match="at most 1000 model ids, got 20000"):
+        NodeSettings(name="a", url="http://127.0.0.1:9001",
+                     models=[f"m{i:05d}" for i in range(20000)])
+    many = [f"m{i:04d}-" + "x" * 250 for i in range(999)] + ["m0000-" + "x" * 250]
+    n = NodeSettings(name="a", url="http://127.0.0.1:9001", models=many)
+    assert n.models == many[:-1]
+    with pytest.raises(ValueError, match="at most 1000 model ids"):
+        settings_from_dict({"nodes": [{"name": "a", "url": "http://127.0.0.1:9001",
+                                       "models": [str(i) for i in range(1001)]}]})
