@@ -479,7 +479,8 @@ PURGE_FIELDS: tuple[str, ...] = ("tenant", "model", "namespace", "all")
 
 def purge_scope(data: object) -> dict:
     """Validate a purge scope: ``{"all": true}`` or some of tenant/model/namespace
-    (non-empty strings of at most 256 characters, combined with AND); returns the scope
+    (non-empty printable texts of at most 256 characters, as the cache stores them,
+    combined with AND); returns the scope
     with only those keys. Raises :class:`BadInput`."""
     if not isinstance(data, dict):
         raise BadInput("expected a JSON object with tenant, model, namespace or all")
@@ -497,8 +498,8 @@ def purge_scope(data: object) -> dict:
     for f in ("tenant", "model", "namespace"):
         if f in data:
             v = data[f]
-            if not isinstance(v, str) or not v or len(v) > 256:
-                raise BadInput(f"{f}: a non-empty string of at most 256 characters")
+            if not isinstance(v, str) or not v or len(v) > 256 or not v.isprintable():
+                raise BadInput(f"{f}: a non-empty printable text of at most 256 characters")
             scope[f] = v
     if not scope:
         raise BadInput("purge scope: give tenant, model, namespace or all: true")

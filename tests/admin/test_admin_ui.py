@@ -322,6 +322,28 @@ def test_cache_purge_needs_confirmation(client, r):
     assert resp.status_code == 400
 
 
+def test_cache_purge_form_with_a_value_the_cache_cannot_hold_says_so(client, r):
+    """A scope value with a control character (a pasted tab, NUL) or over 256 characters
+    got a 500 from the confirmation page and from the confirm form (the cache's own check
+    raised past the page); it is refused with a message, and nothing is purged."""
+    cache_store.store(r, f"{1:032x}", tenant="acme", model="m", namespace="ns",
+                      body="hello", ttl=300)
+    for bad in ("sim\tllama", "a\x00b", "m" * 257):
+        page = client.get("/cache/purge", query_string={"model": bad})
+        assert page.status_code == 303, (bad, page.status_code)
+        shown = client.get(page.location)
+        assert "Nothing purged: model: a non-empty printable text" in shown.text
+        done = client.post("/cache/purge/confirm", data={"csrf_token": client.csrf,
+                                                         "model": bad, "confirm": "yes"})
+        assert done.status_code == 303, (bad, done.status_code)
+        assert "Nothing purged" in client.get(done.location).text
+    assert cache_store.stats(r).entries == 1
+    resp = client.post("/api/v1/cache/purge", json={"tenant": "a\u0000b"},
+                       headers={"Authorization": f"Bearer {TOKEN}"})
+    assert resp.status_code == 400
+    assert resp.get_json()["error"]["message"].startswith("tenant: a non-empty printable text")
+
+
 def test_cache_purge_from_the_page_deletes_the_vectors(client, r):
     pytest.importorskip("numpy")
     keys = [f"{i:032x}" for i in range(4)]
