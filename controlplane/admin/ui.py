@@ -76,7 +76,10 @@ def _safe_next(target: str | None) -> str:
     """Only local paths are followed after login (no open redirect, no header
     injection: a target with a control character is never followed)."""
     if target and not _has_control_chars(target):
-        parts = urlsplit(target)
+        try:
+            parts = urlsplit(target)
+        except ValueError:  # "http://[::1": an unbalanced IPv6 bracket
+            return flask.url_for("ui.overview")
         if not parts.scheme and not parts.netloc and target.startswith("/") \
                 and not target.startswith("//") and "\\" not in target:
             return target

@@ -83,11 +83,26 @@ def test_login_wrong_token_and_missing_csrf(app):
 
 def test_login_never_redirects_off_site(app):
     c = app.test_client()
-    for target in ("https://evil.example/", "//evil.example/x", "/\\evil.example"):
+    for target in ("https://evil.example/", "//evil.example/x", "/\\evil.example",
+                   "http://[::1", "//[evil"):
         tok = csrf_of(c.get("/login").text)
         resp = c.post("/login", data={"token": TOKEN, "csrf_token": tok, "next": target})
         assert resp.status_code == 303 and resp.location == "/", target
         c.post("/logout", data={"csrf_token": csrf_of(c.get("/nodes").text)})
+
+
+def test_a_target_urlsplit_cannot_read_is_not_a_500(client, r):
+    """next / back holding an unbalanced IPv6 bracket ("http://[::1") made urlsplit raise:
+    a correct login, a logged-in /login and a drain form answered 500 (the login and the
+    drain done all the same). They go to the overview or the nodes page instead."""
+    resp = client.get("/login?next=http://[::1")
+    assert resp.status_code == 302 and resp.location == "/"
+    r.hset(keynames.NODES, "gpu-a", NodeSettings(name="gpu-a", url="http://127.0.0.1:9001")
+           .model_dump_json())
+    for back in ("http://[::1", "/[::1]"):
+        resp = client.post("/nodes/gpu-a/drain", data={"csrf_token": client.csrf, "back": back})
+        assert resp.status_code == 303, back
+    assert registry.get_state(r, "gpu-a").state in ("draining", "drained")
 
 
 def test_session_cookie_flags(app):
