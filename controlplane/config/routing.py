@@ -241,6 +241,14 @@ class NodeSettings(_Section):
             raise ValueError("node url port must be 1-65535")
         if parts.username is not None or parts.password is not None:
             raise ValueError("node url must not carry credentials (user:password@)")
+        # urlsplit reads the host of "[::1]]:5" or "[::1]x:5" as ::1: the address part must
+        # be the host alone, [IPv6] bracketed, then at most ":port"
+        host = parts.hostname
+        shown = f"[{host}]" if ":" in host else host
+        netloc = parts.netloc.lower()
+        if netloc != shown and not netloc.startswith(shown + ":"):
+            raise ValueError("node url host must be a name, an IPv4 address or an [IPv6] "
+                             "address, then at most :port")
         return v.rstrip("/")
 
     @field_validator("metrics_path", "health_path")

@@ -69,6 +69,9 @@ def test_env_overrides(monkeypatch):
     ({"name": "a", "url": "http://x", "weight": float("inf")}, "finite number"),
     ({"name": "a", "url": "http://x:0"}, "1-65535"),
     ({"name": "a", "url": "http://u:pw@x:80"}, "credentials"),
+    ({"name": "a", "url": "http://[::1]]:5"}, "[IPv6] address, then at most :port"),
+    ({"name": "a", "url": "http://[::1]x:5"}, "[IPv6] address, then at most :port"),
+    ({"name": "a", "url": "http://[::1]a"}, "[IPv6] address, then at most :port"),
     ({"name": "a", "url": "http://x", "health_path": "@evil:80/health"}, "absolute path"),
     ({"name": "a", "url": "http://x", "metrics_path": "//evil/metrics"}, "absolute path"),
     ({"name": "a", "url": "http://x", "metrics_path": "/a/../b"}, "absolute path"),
@@ -79,6 +82,13 @@ def test_invalid_nodes_are_named(node, msg):
     with pytest.raises(ConfigError) as exc:
         settings_from_dict({"nodes": [node]})
     assert msg in str(exc.value)
+
+
+def test_node_urls_with_their_host_as_written_are_kept():
+    for url in ("http://[::1]:8000", "http://[::1]", "http://[FE80::1%25eth0]:80",
+                "https://Gpu-A.example:8443", "http://10.0.0.7:8000/", "http://x"):
+        s = settings_from_dict({"nodes": [{"name": "a", "url": url}]})
+        assert s.nodes[0].url == url.rstrip("/")
 
 
 def test_duplicate_node_names():
