@@ -43,6 +43,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -476,21 +477,40 @@ def _template_context(settings: Settings, *, source: str, out: Path, pre: Path,
 
 def _write_templates(settings: Settings, files: dict[str, Path], ctx: dict) -> None:
     """Render every template of :data:`TEMPLATES` with ``ctx`` into ``files``; a file
-    holding a secret is not readable by others."""
+    holding a secret is not readable by others, not even while it is written.
+
+    All or nothing: every file is written beside its target first (synced), then each
+    is renamed over its target, so a failed write (a full disk) leaves the files of the
+    last render as they were, never a cut-off include next to a new one, and a reload
+    meanwhile reads whole files."""
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(paths.nginx_templates_dir())),
         undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
         keep_trailing_newline=True, autoescape=False,
     )
-    for tpl, name in TEMPLATES.items():
-        text = env.get_template(tpl).render(**ctx)
-        files[name].write_text(text, encoding="utf-8")
-        # the http include carries the Redis URL, the server include the embedder token:
-        # no read access for others when they hold a secret (nginx's master process reads
-        # them as root)
-        secret = ((name == "infergate-http.conf" and _has_secret(settings))
-                  or (name == "infergate-server.conf" and bool(settings.cache.embedder_token)))
-        os.chmod(files[name], 0o640 if secret else 0o644)
+    written: list[tuple[str, Path]] = []
+    try:
+        for tpl, name in TEMPLATES.items():
+            data = env.get_template(tpl).render(**ctx).encode("utf-8")
+            # the http include carries the Redis URL, the server include the embedder
+            # token: no read access for others when they hold a secret (nginx's master
+            # process reads them as root)
+            secret = ((name == "infergate-http.conf" and _has_secret(settings))
+                      or (name == "infergate-server.conf"
+                          and bool(settings.cache.embedder_token)))
+            fd, tmp = tempfile.mkstemp(dir=files[name].parent, prefix=f".{name}.",
+                                       suffix=".tmp")
+            written.append((tmp, files[name]))
+            with os.fdopen(fd, "wb") as f:
+                os.fchmod(f.fileno(), 0o640 if secret else 0o644)
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        for tmp, target in written:
+            os.replace(tmp, target)
+    finally:
+        for tmp, _ in written:
+            Path(tmp).unlink(missing_ok=True)
 
 
 def render_nginx(settings: Settings, out_dir: str | Path, *, listen: str | None = None,

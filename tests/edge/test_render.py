@@ -454,6 +454,33 @@ def test_http_include_with_a_redis_password_is_not_world_readable(workdir: Path)
     assert secret.server_conf.stat().st_mode & 0o777 == 0o644
 
 
+def test_a_render_that_cannot_write_leaves_the_last_one_whole(workdir: Path) -> None:
+    """A render that fails half-way (here: files over 30,000 bytes cannot be written, as
+    on a full disk) left the new http include next to a cut-off server include, which
+    nginx refuses at the next start. Every file is written aside first: the last render
+    stays as it was, and no temporary file is left."""
+    import sys
+
+    out = workdir / "out"
+    render_nginx(_settings(), out, listen="127.0.0.1:18123", prefix=workdir / "pre")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert len(before["infergate-server.conf"]) > 30000 > len(before["infergate-http.conf"])
+    script = (
+        "import resource, signal, sys\n"
+        "from controlplane.config import settings_from_dict\n"
+        "from controlplane.edge.render import render_nginx\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (30000, 30000))\n"
+        f"s = settings_from_dict({{'redis': {{'url': 'redis://127.0.0.1:6391/0'}}, "
+        f"'edge': {{'workers': 2, 'metrics_listen': '{METRICS_LISTEN}'}}}})\n"
+        f"render_nginx(s, {str(out)!r}, listen='127.0.0.1:18124', prefix={str(workdir / 'pre')!r})\n")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[2], timeout=60)
+    assert res.returncode != 0 and "File too large" in res.stderr, res.stderr[-2000:]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    nginx_test(out / "nginx.conf", workdir / "pre")
+
+
 def test_embedder_token_goes_into_the_lookup_location_only(workdir: Path) -> None:
     """cache.embedder_token: the lookup subrequest sends it; the server include that holds
     it is not world-readable; the options every worker keeps never carry it."""
