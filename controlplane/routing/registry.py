@@ -119,7 +119,8 @@ class UrlTaken(InfergateError, ValueError):
 def _host_key(host: str) -> str:
     """A host in one spelling: lower case without a trailing dot; an IP address in its
     canonical form, whatever way it was written (``127.1``, ``0x7f000001``,
-    ``127.000.000.001``, ``::ffff:127.0.0.1`` and ``localhost`` are all ``127.0.0.1``).
+    ``2130706433``, ``127.000.000.001``, ``::ffff:127.0.0.1`` and ``localhost`` are all
+    ``127.0.0.1``).
     Other names are not resolved."""
     h = host.lower().rstrip(".")
     if h == "localhost":
@@ -128,9 +129,9 @@ def _host_key(host: str) -> str:
         ip = ipaddress.ip_address(h)
     except ValueError:
         try:
-            # the forms the C library (and so the HTTP clients) accept besides dotted quads
-            ip = ipaddress.IPv4Address(socket.inet_aton(h)) if h and "." in h or h.startswith("0x") \
-                else None
+            # the forms the C library (and so the HTTP clients) accept besides dotted quads:
+            # 127.1, 0x7f000001, 017700000001 and the plain number 2130706433
+            ip = ipaddress.IPv4Address(socket.inet_aton(h)) if h[:1].isdigit() else None
         except OSError:
             ip = None
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:

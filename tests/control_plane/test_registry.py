@@ -131,6 +131,11 @@ def test_put_node_unique_is_one_transaction(redis_server):
     ("http://127.0.0.1:8000", "HTTP://127.0.0.1:8000/", True),
     ("http://127.0.0.1:8000", "http://127.1:8000", True),
     ("http://127.0.0.1:8000", "http://0x7f000001:8000", True),
+    ("http://127.0.0.1:8000", "http://2130706433:8000", True),   # one number, as curl reads it
+    ("http://127.0.0.1:8000", "http://017700000001:8000", True),  # octal
+    ("http://10.0.0.5:8000", "http://167772165:8000", True),
+    ("http://127.0.0.1:8000", "http://2130706434:8000", False),
+    ("http://127.0.0.1:8000", "http://1gpu:8000", False),          # a name starting with a digit
     ("http://127.0.0.1:8000", "http://127.000.000.001:8000", True),
     ("http://127.0.0.1:8000", "http://[::ffff:127.0.0.1]:8000", True),
     ("http://10.0.0.5", "http://10.0.0.5.:80/", True),
