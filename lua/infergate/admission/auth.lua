@@ -32,8 +32,9 @@
 -- every few seconds): a valid key is not locked out by a flood from its address.
 -- 429, not 401: the key was not checked (it may be valid, e.g. a client behind the same
 -- NAT as the attacker), and OpenAI clients retry a 429 after Retry-After. Requests that
--- look up one uncached key at once share the first one's lookup (first_lookup below),
--- so a client starting hundreds of requests with a valid key spends no budget.
+-- look up one key with no answer cached, or one whose answer expired, at once share the
+-- first one's lookup (first_lookup below), so a client starting hundreds of requests with
+-- a valid key spends no budget and a busy key costs Redis one lookup per expiry.
 --
 -- Key store lost: when a key this edge knew as valid (a cached answer, or with none
 -- cached the record infergate.admission.knownkeys holds, also from the file an nginx
@@ -261,12 +262,14 @@ local function fetch(digest, e, now, o)
     return fresh
 end
 
--- A key no entry is cached for, looked up by many requests at once (a client starting
--- hundreds of requests with a key this edge has not seen): the first one asks Redis,
--- the others wait for its answer, up to LOOKUP_WAIT_S, instead of each asking Redis and
--- each taking from the address's budget of failed lookups (which would answer a valid
--- key 429 auth_throttled). Returns the dict holding the lock when this request asks,
--- false when another one does, nil without the dict.
+-- A key whose cached answer is missing or past its TTL, looked up by many requests at
+-- once (a client starting hundreds of requests with a key this edge has not seen, or
+-- any busy key, valid or not, each time its answer expires): the first one asks Redis,
+-- the others wait for its answer, up to LOOKUP_WAIT_S, instead of each asking Redis
+-- (1,000 connections on one revoked key sent Redis about 300 HGETs every time its
+-- answer expired) and each taking from the address's budget of failed lookups (which
+-- would answer a valid key 429 auth_throttled). Returns the dict holding the lock when
+-- this request asks, false when another one does, nil without the dict.
 _M.LOOKUP_WAIT_S = 0.3
 local LOOKUP_POLL_S = 0.005
 
@@ -281,13 +284,18 @@ function first_lookup(digest)
     return false
 end
 
--- The entry another request's lookup cached, or nil after LOOKUP_WAIT_S.
-function wait_for_answer(digest)
+-- The entry another request's lookup cached (one cached after `after`, the time of the
+-- expired entry this request holds, when given), or nil after LOOKUP_WAIT_S or once that
+-- lookup ended without caching one (Redis did not answer it).
+function wait_for_answer(digest, lock, after)
     for _ = 1, _M.LOOKUP_WAIT_S / LOOKUP_POLL_S do
         ngx.sleep(LOOKUP_POLL_S)
         local e = cache_get(digest)
-        if e then
+        if e and (not after or e.at > after) then
             return e
+        end
+        if after and not lock:get("lk:" .. digest) then
+            return nil
         end
     end
     return nil
@@ -305,14 +313,11 @@ function _M.lookup(digest, now, o, addr)
             return e
         end
     end
-    local lock
-    if not e then
-        lock = first_lookup(digest)
-    end
+    local lock = first_lookup(digest)
     if lock == false then
-        e = wait_for_answer(digest)
-        if e then
-            return e
+        local w = wait_for_answer(digest, ngx.shared[options.DICT_AUTH_FAIL], e and e.at)
+        if w then
+            return w
         end
     end
     local charged = not (e and e.ok)
