@@ -125,6 +125,13 @@ def test_dead_process_is_replaced_and_sigterm_stops_all(redis_server, workdir) -
         m.stop()
 
 
+def _metrics_folders(tmp: Path, before: set[Path], kids: set[int]) -> list[Path]:
+    """The metrics folders made since ``before`` that hold files of the processes ``kids``
+    (prometheus_client names each process's files by its pid): the parent's folder."""
+    return [d for d in set(tmp.glob("infergate-embedder-metrics-*")) - before
+            if any(f.name.endswith(f"_{k}.db") for k in kids for f in d.iterdir())]
+
+
 def test_children_of_a_killed_parent_stop_and_remove_its_metrics_folder(redis_server,
                                                                         workdir) -> None:
     tmp = Path(tempfile.gettempdir())
@@ -132,9 +139,7 @@ def test_children_of_a_killed_parent_stop_and_remove_its_metrics_folder(redis_se
     m, _ = _start(redis_server, workdir)
     try:
         kids = _children(m.proc.pid)
-        # the parent's folder: prometheus_client names each process's files by its pid
-        ours = [d for d in set(tmp.glob("infergate-embedder-metrics-*")) - before
-                if any(f.name.endswith(f"_{k}.db") for k in kids for f in d.iterdir())]
+        ours = _metrics_folders(tmp, before, kids)
         assert len(ours) == 1
         os.kill(m.proc.pid, signal.SIGKILL)  # the parent only: no SIGTERM reaches them
         for k in kids:
@@ -157,8 +162,7 @@ def test_a_second_signal_while_stopping_still_removes_the_metrics_folder(redis_s
     m, _ = _start(redis_server, workdir)
     try:
         kids = _children(m.proc.pid)
-        ours = [d for d in set(tmp.glob("infergate-embedder-metrics-*")) - before
-                if any(f.name.endswith(f"_{k}.db") for k in kids for f in d.iterdir())]
+        ours = _metrics_folders(tmp, before, kids)
         assert len(ours) == 1
         os.kill(m.proc.pid, signal.SIGTERM)
         time.sleep(0.02)
