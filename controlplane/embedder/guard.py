@@ -355,13 +355,42 @@ _CLAUSE_JOINTS = frozenset({"and", "but", "or", "nor", "while", "whereas", "yet"
                             "though", "except", "unless"})
 _NT_RE = re.compile(r"n't\b")
 _CANNOT_RE = re.compile(r"\bcannot\b")
-_SCOPE_TOKEN_RE = re.compile(r"[^\W_]+")
+_SCOPE_TOKEN_RE = re.compile(r"[^\W_]+|[.,;:!?]")
+_CLAUSE_END = frozenset(".,;:!?")
+#: Joints of a list ("red and blue", "cash or card"), which a trailing "only" covers whole.
+_LIST_JOINTS = frozenset({"and", "or"})
 
 
 @functools.lru_cache(maxsize=8192)
-def _scope_tokens(text: str) -> tuple[str, ...]:
+def _scope_marks(text: str) -> tuple[tuple[str, ...], frozenset[int]]:
+    """The words of ``text`` for :func:`negation_word_moved` and the places of those that
+    end a clause (a punctuation mark or the end of the text follows)."""
     t = text[:MAX_GUARD_CHARS].lower().replace("\u2019", "'")
-    return tuple(_SCOPE_TOKEN_RE.findall(_CANNOT_RE.sub("can not", _NT_RE.sub(" not", t))))
+    words: list[str] = []
+    ends: set[int] = set()
+    for w in _SCOPE_TOKEN_RE.findall(_CANNOT_RE.sub("can not", _NT_RE.sub(" not", t))):
+        if w in _CLAUSE_END:
+            if words:
+                ends.add(len(words) - 1)
+        else:
+            words.append(w)
+    if words:
+        ends.add(len(words) - 1)
+    return tuple(words), frozenset(ends)
+
+
+def _only_around_list(a: tuple[str, ...], b: tuple[str, ...], lo: int, hi: int,
+                      b_ends: frozenset[int]) -> bool:
+    """Whether ``b`` ends a clause with the "only" that ``a`` puts before the same words
+    (``a[lo]`` moved to ``b[hi - 1]``), the words between holding a list joined by "and"
+    or "or" that neither starts nor ends with its joint: "We ship to the US and Canada
+    only." / "We only ship to the US and Canada.", "Respond with yes or no only." /
+    "Respond only with yes or no.", where the "only" covers the whole list either way."""
+    span = a[lo + 1:hi]
+    return (a[lo] == "only" and b[hi - 1] == "only" and span == b[lo:hi - 1]
+            and hi - 1 in b_ends and bool(span)
+            and span[0] not in _CLAUSE_JOINTS and span[-1] not in _CLAUSE_JOINTS
+            and all(w in _LIST_JOINTS for w in span if w in _CLAUSE_JOINTS))
 
 
 def negation_word_moved(query: str, candidate: str) -> bool:
@@ -373,8 +402,12 @@ def negation_word_moved(query: str, candidate: str) -> bool:
     the same words (cosine 0.997-0.999, verifier 0.955-0.996). "n't" reads as "not"; a
     move inside one clause is left to the verifier, as English places them freely there
     ("Why doesn't the app open?" / "Why does the app not open?", "I only want to see the
-    totals" / "I want to see only the totals"), and so is a text with other words too."""
-    a, b = _scope_tokens(query), _scope_tokens(candidate)
+    totals" / "I want to see only the totals"), and so is a text with other words too,
+    and an "only" that moves from before a list joined by "and" or "or" to the end of its
+    clause ("for members and guests only" / "only for members and guests"), which
+    restricts the same list (:func:`_only_around_list`); one put inside the list ("for
+    members only and guests") is a move."""
+    (a, a_ends), (b, b_ends) = _scope_marks(query), _scope_marks(candidate)
     if a == b or Counter(a) != Counter(b):
         return False
     if [w for w in a if w not in _SCOPE_WORDS] != [w for w in b if w not in _SCOPE_WORDS]:
@@ -384,6 +417,8 @@ def negation_word_moved(query: str, candidate: str) -> bool:
         lo += 1
     while a[hi - 1] == b[hi - 1]:
         hi -= 1
+    if _only_around_list(a, b, lo, hi, b_ends) or _only_around_list(b, a, lo, hi, a_ends):
+        return False
     return any(w in _CLAUSE_JOINTS for w in a[lo:hi])
 
 

@@ -519,3 +519,34 @@ def test_a_negation_or_only_moved_among_the_same_words(query: str, candidate: st
 def test_a_negation_moved_inside_a_clause_or_in_other_words_is_no_move(query: str,
                                                                     candidate: str) -> None:
     assert guard.check(query, candidate).reason != "negation"
+
+
+@pytest.mark.parametrize("query,candidate", [
+    ("We ship to the US and Canada only. Can I order from Mexico?",
+     "We only ship to the US and Canada. Can I order from Mexico?"),
+    ("The pool is for members and guests only, can I bring my kids?",
+     "The pool is only for members and guests, can I bring my kids?"),
+    ("Respond with yes or no only.", "Respond only with yes or no."),
+    ("I want to see the names and emails only", "I only want to see the names and emails"),
+    ("Dry clean or hand wash only: can I machine wash this sweater?",
+     "Only dry clean or hand wash: can I machine wash this sweater?"),
+])
+def test_only_before_a_list_or_ending_its_clause_is_no_move(query: str, candidate: str) -> None:
+    assert guard.check(query, candidate).reason != "negation"
+    assert guard.check(candidate, query).reason != "negation"
+
+
+@pytest.mark.parametrize("query,candidate", [
+    ("The pool is for members only and guests, can I bring my kids?",
+     "The pool is for members and guests only, can I bring my kids?"),
+    ("Respond with yes or no only.", "Respond with yes only or no."),
+    ("Is it true that only cats and dogs can get this virus?",
+     "Is it true that cats and only dogs can get this virus?"),
+    ("The drug is safe for adults but only for children. Summarize.",
+     "The drug is only safe for adults but for children. Summarize."),
+    ("Cats are allowed but dogs are not allowed.", "Cats are not allowed but dogs are allowed."),
+])
+def test_only_moved_into_a_list_or_across_another_joint_is_a_move(query: str,
+                                                                  candidate: str) -> None:
+    assert guard.check(query, candidate).label == "reject:negation"
+    assert guard.check(candidate, query).label == "reject:negation"
