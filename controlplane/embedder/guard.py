@@ -982,14 +982,45 @@ def _switched(q: Mapping[Any, int], c: Mapping[Any, int]) -> bool:
     return more and less
 
 
+#: Pronouns a reworded question puts for a thing the text names, or names in their stead.
+_STAND_INS = frozenset({"it", "its", "they", "them", "their", "this", "that", "these",
+                        "those"})
+_PLAIN_WORD_RE = re.compile(r"[^\W_]+")
+
+
+def _pronouns_traded(query: str, candidate: str) -> bool:
+    """Whether the texts' words differ only where one says "it", "they", "this" ... and
+    the other names a thing in up to three words: "Does it say when the plan starts?" /
+    "Does the article say when it starts?" after an article, or "What does it want changed
+    in the quote?" / "What does the email want changed in it?" after an email, the same
+    question with its references said the other way round."""
+    a = _PLAIN_WORD_RE.findall(query[:MAX_GUARD_CHARS].lower())
+    b = _PLAIN_WORD_RE.findall(candidate[:MAX_GUARD_CHARS].lower())
+    lo = 0
+    while lo < min(len(a), len(b)) and a[lo] == b[lo]:
+        lo += 1
+    end = 0
+    while end < min(len(a), len(b)) - lo and a[-1 - end] == b[-1 - end]:
+        end += 1
+    a, b = a[lo:len(a) - end], b[lo:len(b) - end]
+    ops = [op for op in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
+           if op[0] != "equal"]
+    return bool(ops) and all(
+        tag == "replace" and ((i2 - i1 == 1 and a[i1] in _STAND_INS and j2 - j1 <= 3)
+                              or (j2 - j1 == 1 and b[j1] in _STAND_INS and i2 - i1 <= 3))
+        for tag, i1, i2, j1, j2 in ops)
+
+
 def _counts_changed(query: str, candidate: str) -> bool:
     """Whether, between two texts with the same key terms, one word was changed into
     another the text already holds: one key term is named more often and another less
     often, or so are two members of a closed class both texts name or the two sides of
     an antonym pair both use. A word only added or dropped ("Startups in India: Is it
     better ... in India" / "Is it better ... in India", "expect sales" / "expect any
-    sales") is left to the other checks and the verifier, as in a short text."""
-    if _switched(_term_counts(query), _term_counts(candidate)):
+    sales") is left to the other checks and the verifier, as in a short text, and so
+    are key terms that trade places with pronouns (:func:`_pronouns_traded`)."""
+    if (_switched(_term_counts(query), _term_counts(candidate))
+            and not _pronouns_traded(query, candidate)):
         return True
     mq, mc = contrast_member_counts(query), contrast_member_counts(candidate)
     if any(_switched(mq[ci], mc[ci]) for ci in mq.keys() & mc.keys()):
