@@ -482,7 +482,8 @@ def _write_templates(settings: Settings, files: dict[str, Path], ctx: dict) -> N
     All or nothing: every file is written beside its target first (synced), then each
     is renamed over its target, so a failed write (a full disk) leaves the files of the
     last render as they were, never a cut-off include next to a new one, and a reload
-    meanwhile reads whole files."""
+    meanwhile reads whole files. A file keeps its owner, and a symbolic link the file it
+    names (that file is replaced, not the link)."""
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(paths.nginx_templates_dir())),
         undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
@@ -498,11 +499,23 @@ def _write_templates(settings: Settings, files: dict[str, Path], ctx: dict) -> N
             secret = ((name == "infergate-http.conf" and _has_secret(settings))
                       or (name == "infergate-server.conf"
                           and bool(settings.cache.embedder_token)))
-            fd, tmp = tempfile.mkstemp(dir=files[name].parent, prefix=f".{name}.",
+            # a symbolic link keeps pointing at the file it names, now rewritten; a file
+            # keeps its owner (an operator's chgrp lets a group read a 0640 include)
+            target = Path(os.path.realpath(files[name]))
+            try:
+                st: os.stat_result | None = os.stat(target)
+            except FileNotFoundError:
+                st = None
+            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.",
                                        suffix=".tmp")
-            written.append((tmp, files[name]))
+            written.append((tmp, target))
             with os.fdopen(fd, "wb") as f:
                 os.fchmod(f.fileno(), 0o640 if secret else 0o644)
+                if st is not None and (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
+                    try:
+                        os.fchown(f.fileno(), st.st_uid, st.st_gid)
+                    except PermissionError:
+                        pass  # not root: the file becomes the writer's
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())

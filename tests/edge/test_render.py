@@ -6,6 +6,7 @@ gets a clear error."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import socket
@@ -478,6 +479,29 @@ def test_a_render_that_cannot_write_leaves_the_last_one_whole(workdir: Path) -> 
                          cwd=Path(__file__).resolve().parents[2], timeout=60)
     assert res.returncode != 0 and "File too large" in res.stderr, res.stderr[-2000:]
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    nginx_test(out / "nginx.conf", workdir / "pre")
+
+
+def test_a_render_keeps_a_linked_file_linked_and_a_file_its_owner(workdir: Path) -> None:
+    """A rendered include that is a symbolic link (into a folder the operator manages) is
+    rewritten where the link points, the link kept; an include an operator gave another
+    owner or group (a group that may read the 0640 include) keeps them. Renaming the new
+    file over the path replaced the link by a plain file, leaving the linked file stale,
+    and gave the file the writer's owner and group."""
+    out, real = workdir / "out", workdir / "real"
+    real.mkdir()
+    render_nginx(_settings(), out, listen="127.0.0.1:18123", prefix=workdir / "pre")
+    (out / "infergate-http.conf").rename(real / "infergate-http.conf")
+    (out / "infergate-http.conf").symlink_to(real / "infergate-http.conf")
+    (real / "infergate-http.conf").write_text("# old\n", encoding="utf-8")
+    owner = (65534, 65534) if os.geteuid() == 0 else (os.geteuid(), os.getegid())
+    os.chown(out / "infergate-server.conf", *owner)
+    render_nginx(_settings(), out, listen="127.0.0.1:18124", prefix=workdir / "pre")
+    assert (out / "infergate-http.conf").is_symlink()
+    assert "lua_shared_dict" in (real / "infergate-http.conf").read_text(encoding="utf-8")
+    st = (out / "infergate-server.conf").stat()
+    assert (st.st_uid, st.st_gid) == owner
+    assert not [p.name for d in (out, real) for p in d.iterdir() if p.name.endswith(".tmp")]
     nginx_test(out / "nginx.conf", workdir / "pre")
 
 
