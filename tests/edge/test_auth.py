@@ -498,6 +498,32 @@ def test_requests_of_a_key_whose_answer_expired_share_one_lookup(redis_server, u
     assert _hget_calls(r) - before <= 4            # one per worker at most, not 30
 
 
+def test_a_throttled_key_whose_answer_expired_is_answered_at_once(redis_server, upstream,
+                                                                   edge_factory) -> None:
+    """An unknown key repeated from an address past its budget of failed lookups, once its
+    cached refusal expired: every request gets the 429 at once. The first one took the
+    lookup's lock and, throttled, kept it, so the others waited LOOKUP_WAIT_S (0.3 s) for
+    a lookup that never came, then got the 429."""
+    edge = edge_factory(auth_settings(redis_server.url, upstream.node(), fail_burst=3,
+                                      fail_rate_per_s=0.01, negative_ttl_s=0.2))
+    assert post(edge, "ig-bogus-repeated").status_code == 401   # its refusal cached
+    assert [post(edge, f"ig-bogus-{i}").status_code for i in range(2)] == [401, 401]
+    assert post(edge, "ig-bogus-spent").status_code == 429      # the budget is spent
+    time.sleep(0.3)                                              # ... and the refusal expired
+    start = threading.Barrier(12)
+
+    def use(_: int) -> tuple[int, float]:
+        start.wait()
+        t = time.monotonic()
+        code = post(edge, "ig-bogus-repeated").status_code
+        return code, time.monotonic() - t
+
+    with ThreadPoolExecutor(12) as pool:
+        got = list(pool.map(use, range(12)))
+    assert {code for code, _ in got} == {429}, got
+    assert max(s for _, s in got) < 0.25, sorted(s for _, s in got)
+
+
 def test_redis_back_empty_known_keys_kept_revoked_refused(redis_server, upstream,
                                                           edge_factory) -> None:
     """Redis loses its state (FLUSHALL): the valid keys the edge knew keep working (one

@@ -334,6 +334,9 @@ function _M.lookup(digest, now, o, addr)
         end
         if wait > 0 then
             if not knownkeys.has(digest) then
+                if lock then
+                    lock:delete("lk:" .. digest)  -- no lookup: its waiters go on at once
+                end
                 return nil, "throttled", wait
             end
             charged = false   -- a key of the store: looked up whatever its address did
