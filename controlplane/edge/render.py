@@ -43,7 +43,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -51,7 +50,7 @@ from urllib.parse import urlsplit
 import click
 import jinja2
 
-from controlplane import paths, procs
+from controlplane import filewrite, paths, procs
 from controlplane.config import (
     ConfigError,
     HostPort,
@@ -499,26 +498,9 @@ def _write_templates(settings: Settings, files: dict[str, Path], ctx: dict) -> N
             secret = ((name == "infergate-http.conf" and _has_secret(settings))
                       or (name == "infergate-server.conf"
                           and bool(settings.cache.embedder_token)))
-            # a symbolic link keeps pointing at the file it names, now rewritten; a file
-            # keeps its owner (an operator's chgrp lets a group read a 0640 include)
-            target = Path(os.path.realpath(files[name]))
-            try:
-                st: os.stat_result | None = os.stat(target)
-            except FileNotFoundError:
-                st = None
-            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.",
-                                       suffix=".tmp")
-            written.append((tmp, target))
-            with os.fdopen(fd, "wb") as f:
-                os.fchmod(f.fileno(), 0o640 if secret else 0o644)
-                if st is not None and (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
-                    try:
-                        os.fchown(f.fileno(), st.st_uid, st.st_gid)
-                    except PermissionError:
-                        pass  # not root: the file becomes the writer's
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            # a symbolic link keeps naming the file it names, now rewritten; a file keeps
+            # its owner (an operator's chgrp lets a group read a 0640 include)
+            written.append(filewrite.stage(files[name], data, 0o640 if secret else 0o644))
         for tmp, target in written:
             os.replace(tmp, target)
     finally:

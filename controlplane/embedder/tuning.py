@@ -25,8 +25,6 @@ is written. The file is rewritten by ``tomli-w``: values are kept, comments are 
 
 from __future__ import annotations
 
-import os
-import tempfile
 import tomllib
 from collections import Counter
 from collections.abc import Sequence
@@ -36,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import tomli_w
 
+from controlplane import filewrite
 from controlplane.embedder import calibration as cal
 from controlplane.embedder import decision, language
 from controlplane.embedder import split
@@ -369,7 +368,7 @@ def write_domain(config_path: str | Path, entry: dict, verifier_file: str | None
     """Replace or add ``entry`` in ``[[cache.semantic_domains]]`` of the TOML file (created
     when missing), optionally setting ``cache.verifier_file`` /
     ``cache.verifier``. The new document is validated first; the file keeps its mode,
-    owner and symbolic link (:func:`replace_file`). Raises :class:`TuningError`
+    owner and symbolic link (:func:`controlplane.filewrite.replace_file`). Raises :class:`TuningError`
     (unreadable or unwritable file, invalid result)."""
     from controlplane.config import ConfigError, settings_from_dict
 
@@ -394,48 +393,9 @@ def write_domain(config_path: str | Path, entry: dict, verifier_file: str | None
     except ConfigError as exc:
         raise TuningError(str(exc)) from None
     try:
-        replace_file(p, tomli_w.dumps(doc).encode("utf-8"))
+        filewrite.replace_file(p, tomli_w.dumps(doc).encode("utf-8"))
     except OSError as exc:
         raise TuningError(f"{p}: cannot write: {exc}") from None
-
-
-def replace_file(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` at once (a new file beside it, synced, then renamed over
-    it), keeping what the file was: its mode and owner (a configuration holding the
-    admin token stays ``0640 root:infergate``, not the writer's umask and group) and a
-    symbolic link (the file it points to is replaced, not the link). A new file gets
-    the mode the umask gives, as an ``open`` would."""
-    target = Path(os.path.realpath(path))
-    try:
-        st = os.stat(target)
-    except FileNotFoundError:
-        st = None
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, (st.st_mode & 0o7777) if st is not None else _new_file_mode())
-        if st is not None and (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
-            try:
-                os.fchown(fd, st.st_uid, st.st_gid)
-            except PermissionError:
-                pass  # not root: the file becomes the writer's, with the mode it had
-        with os.fdopen(fd, "wb") as f:
-            fd = -1
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _new_file_mode() -> int:
-    """The mode ``open`` gives a new file under this process's umask."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
 
 
 def plot(res: CalibrationResult, path: str | Path, title: str = "") -> bool:
