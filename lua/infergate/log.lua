@@ -25,7 +25,6 @@ local metrics = require("infergate.core.prometheus")
 local deadline = require("infergate.admission.deadline")
 local speed = require("infergate.routing.speed")
 local learned = require("infergate.routing.learned")
-local snapshot = require("infergate.routing.snapshot")
 local affinity = require("infergate.routing.affinity")
 local outlier = require("infergate.routing.outlier")
 
@@ -165,11 +164,9 @@ function _M.run()
         end
         stats.close_attempt(last, result, now, latency_ms)
         speed.observe(last, latency_ms) -- learned concurrency (infergate.routing.speed)
-        if result == "neutral" and status == 504 and req.slot_pool then
-            -- cut by the deadline with no answer, in a slot it held: a lower bound of the
-            -- node's answer time to learn (infergate.routing.learned.cut)
-            learned.cut(snapshot.current().by_name[last.node],
-                        tonumber(last_entry(ngx_var("upstream_response_time"))), now)
+        if result == "neutral" and status == 504 then
+            -- cut by the deadline with no answer: its time is a lower bound to learn
+            learned.cut(last.node, tonumber(last_entry(ngx_var("upstream_response_time"))), now)
         end
     end
     outlier.finished(last, now) -- an unanswered probe of a hung node backs it off

@@ -131,21 +131,16 @@ function _M.observe(name, lat_s, tokens, now)
     dict():set("tq:" .. name, ffi.string(buf, BYTES))
 end
 
--- A try of `node` (its routing-snapshot entry) that the request's deadline cut after
--- lat_s seconds with no answer (the log phase; the stream relay for a stream without its
--- head): the answer would have taken longer than lat_s, a lower bound. Learned only from
--- a llama.cpp server that reported its slots (slots_source "server"), whose slots the
--- edge keeps to: a try there waits in no queue of the node's, which
--- infergate.routing.speed.predicted counts apart (configured slots may be more than an
--- engine runs at once). The latency EWMA moves up toward it
+-- A try of node `name` that the request's deadline cut after lat_s seconds with no
+-- answer (the log phase; the stream relay for a stream without its head): the answer
+-- would have taken longer than lat_s, a lower bound. The latency EWMA moves up toward it
 -- (infergate.routing.stats.censored); above q it moves q up as a longer answer does and
 -- breaks a run of short answers (the yield); at or below q it says nothing. Starts the
 -- record at lat_s when there is none. Never moves either figure down.
-function _M.cut(node, lat_s, now)
-    if not node or node.slots_source ~= "server" or not lat_s or lat_s <= 0 then
+function _M.cut(name, lat_s, now)
+    if not lat_s or lat_s <= 0 then
         return
     end
-    local name = node.name
     stats.censored(name, lat_s * 1000)
     local q, _, pt, _, _, p = read(name)
     if q and lat_s <= q then

@@ -436,8 +436,8 @@ function _M.run(r, node, att, body, eligible)
     if not head then
         lg.verdict, lg.why = r.deadline_passed and "neutral" or "fail", err
         lg.timeout = err == "timeout"
-        if r.deadline_passed and lg.timeout and r.req.slot_pool then -- no head by then
-            learned.cut(node, ngx_now() - att.started)
+        if r.deadline_passed and lg.timeout then -- no head by the deadline: a lower bound
+            learned.cut(node.name, ngx_now() - att.started)
         end
     elseif head.status ~= 200
             or not (head.headers["content-type"] or ""):find("event-stream", 1, true) then
