@@ -24,7 +24,6 @@ local admission = require("infergate.admission.shed")
 local metrics = require("infergate.core.prometheus")
 local deadline = require("infergate.admission.deadline")
 local speed = require("infergate.routing.speed")
-local learned = require("infergate.routing.learned")
 local affinity = require("infergate.routing.affinity")
 local outlier = require("infergate.routing.outlier")
 
@@ -164,10 +163,6 @@ function _M.run()
         end
         stats.close_attempt(last, result, now, latency_ms)
         speed.observe(last, latency_ms) -- learned concurrency (infergate.routing.speed)
-        if result == "neutral" and status == 504 then
-            -- cut by the deadline with no answer: its time is a lower bound to learn
-            learned.cut(last.node, tonumber(last_entry(ngx_var("upstream_response_time"))), now)
-        end
     end
     outlier.finished(last, now) -- an unanswered probe of a hung node backs it off
     for i = 1, n - 1 do

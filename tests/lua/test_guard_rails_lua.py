@@ -295,36 +295,3 @@ def test_answers_cut_by_max_tokens_never_teach_shorter_lengths(workdir: Path) ->
     assert got["kept"] == pytest.approx(1.0)
     assert got["raised"] is True
     assert got["uncut"] == pytest.approx(1.0)
-
-
-def test_a_try_cut_by_the_deadline_only_raises_the_tail_and_the_mean(workdir: Path) -> None:
-    """learned.cut: a lower bound of an answer time. It starts a record, moves q up like a
-    longer answer and breaks a run of short answers; below q, or below the latency EWMA,
-    it changes neither."""
-    got = run(workdir, """
-            local now = 1000
-            learned.cut("new", 4.0, now)
-            out.new_q, out.new_lt = learned.info("new").q, stats.latency_ewma_ms("new")
-            for _ = 1, 20 do learned.observe("a", 1.0, nil, now) end
-            local dict = ngx.shared.infergate_stats
-            dict:set("lt:a", 1000)
-            for _ = 1, 7 do learned.observe("a", 0.1, nil, now) end
-            out.q0, out.run0 = learned.info("a").q, learned.info("a").run
-            learned.cut("a", 0.5, now)              -- below q: nothing
-            out.q_below, out.lt_below = learned.info("a").q, stats.latency_ewma_ms("a")
-            learned.cut("a", 30, now)               -- above q: up, the run broken
-            out.q_up, out.run_up = learned.info("a").q, learned.info("a").run
-            out.lt_up = stats.latency_ewma_ms("a")
-            learned.observe("a", 0.1, nil, now)     -- an eighth short answer: no yield now
-            out.q_after = learned.info("a").q
-            return out
-    """)
-    assert got["new_q"] == pytest.approx(4.0)
-    assert got["new_lt"] == pytest.approx(4000)
-    assert got["run0"] == 7
-    assert got["q_below"] == pytest.approx(got["q0"])
-    assert got["lt_below"] == pytest.approx(1000)
-    assert got["q_up"] > got["q0"]
-    assert got["run_up"] == 0
-    assert got["lt_up"] == pytest.approx(1000 + 0.3 * (30000 - 1000))
-    assert got["q_after"] > 0.5 * got["q_up"]

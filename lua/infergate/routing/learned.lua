@@ -28,7 +28,6 @@
 local config = require("infergate.core.config")
 local ngxapi = require("infergate.core.ngxapi")
 local guard = require("infergate.routing.guard")
-local stats = require("infergate.routing.stats")
 local lengths = require("infergate.routing.lengths")
 local ffi = require("ffi")
 
@@ -128,31 +127,6 @@ function _M.observe(name, lat_s, tokens, now)
     end
     buf[0], buf[1], buf[2], buf[3], buf[4] = q, now or ngx_now(), pt or -1, run, run_max
     buf[5], buf[6], buf[7], buf[8] = mt, ml, mtt, mtl
-    dict():set("tq:" .. name, ffi.string(buf, BYTES))
-end
-
--- A try of node `name` that the request's deadline cut after lat_s seconds with no
--- answer (the log phase; the stream relay for a stream without its head): the answer
--- would have taken longer than lat_s, a lower bound. The latency EWMA moves up toward it
--- (infergate.routing.stats.censored); above q it moves q up as a longer answer does and
--- breaks a run of short answers (the yield); at or below q it says nothing. Starts the
--- record at lat_s when there is none. Never moves either figure down.
-function _M.cut(name, lat_s, now)
-    if not lat_s or lat_s <= 0 then
-        return
-    end
-    stats.censored(name, lat_s * 1000)
-    local q, _, pt, _, _, p = read(name)
-    if q and lat_s <= q then
-        return
-    end
-    q = q and q + _M.STEP * q * _M.QUANTILE or lat_s
-    buf[0], buf[1], buf[2], buf[3], buf[4] = q, now or ngx_now(), pt or -1, 0, 0
-    if p then
-        buf[5], buf[6], buf[7], buf[8] = p[5], p[6], p[7], p[8]
-    else
-        buf[5], buf[6], buf[7], buf[8] = -1, 0, 0, 0
-    end
     dict():set("tq:" .. name, ffi.string(buf, BYTES))
 end
 

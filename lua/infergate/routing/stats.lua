@@ -86,19 +86,6 @@ function _M.latency_ewma_ms(name)
     return dict():get("lt:" .. name)
 end
 
--- A try of node `name` that the request's deadline cut after elapsed_ms (ms) with no
--- answer: its answer would have taken longer, so the latency EWMA moves toward
--- elapsed_ms when that is above it (LATENCY_ALPHA), and never down: only a lower bound
--- is known. Without it a pool whose long answers all meet the deadline would teach the
--- edge only its short ones and go on admitting queues it cannot finish.
-function _M.censored(name, elapsed_ms)
-    local d = dict()
-    local old = d:get("lt:" .. name)
-    if elapsed_ms and elapsed_ms > 0 and (old == nil or elapsed_ms > old) then
-        ewma(d, "lt:" .. name, elapsed_ms, _M.LATENCY_ALPHA)
-    end
-end
-
 local function half_life()
     local h = config.get().edge.breaker_cooldown_s
     if h < 1 then

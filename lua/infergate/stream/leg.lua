@@ -31,7 +31,6 @@ local outlier = require("infergate.routing.outlier")
 local stats = require("infergate.routing.stats")
 local liveness = require("infergate.routing.liveness")
 local speed = require("infergate.routing.speed")
-local learned = require("infergate.routing.learned")
 local sse = require("infergate.stream.sse")
 local http = require("infergate.stream.http")
 local splice = require("infergate.stream.splice")
@@ -436,9 +435,6 @@ function _M.run(r, node, att, body, eligible)
     if not head then
         lg.verdict, lg.why = r.deadline_passed and "neutral" or "fail", err
         lg.timeout = err == "timeout"
-        if r.deadline_passed and lg.timeout then -- no head by the deadline: a lower bound
-            learned.cut(node.name, ngx_now() - att.started)
-        end
     elseif head.status ~= 200
             or not (head.headers["content-type"] or ""):find("event-stream", 1, true) then
         other_answer(r, lg, head, sock) -- an error, or an answer that is not a stream
