@@ -30,7 +30,8 @@
 --   infergate_edge_flush_dropped_total{kind}       counter  writes to Redis dropped because this
 --                                                            worker's flush queue was full
 --                                                            (infergate.core.flush; kind =
---                                                            cache_store | ratelimit_correction)
+--                                                            cache_store | ratelimit_correction |
+--                                                            cache_verify)
 --   infergate_edge_stream_relay_total{outcome}     counter  streams the edge relays
 --                                                            (infergate.stream.relay):
 --                                                            completed | retried (a node failed
