@@ -104,8 +104,10 @@ class Metrics:
                                         "Candidates above the cosine floor rejected by the "
                                         "learned verifier", registry=r)
         self.errors = Counter("infergate_embedder_errors_total",
-                              "Requests answered 503 (Redis or model unavailable)", ["kind"],
-                              registry=r)
+                              "Failures by kind: redis, embed, embed_timeout (Redis or the "
+                              "model unavailable: a request gets 503), endpoint (an embeddings "
+                              "or rerank endpoint of the pool failed: its lookups miss)",
+                              ["kind"], registry=r)
         self.indexed = Counter("infergate_embedder_indexed_total",
                                "Vectors stored in the semantic index", ["source"], registry=r)
         self.invalid_jobs = Counter("infergate_embedder_invalid_jobs_total",

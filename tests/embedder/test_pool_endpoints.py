@@ -228,6 +228,10 @@ def test_embeddings_endpoint_down_is_a_miss_and_indexes_nothing(stack: Stack) ->
     assert res["hit"] is False and res["guard"] == "reject:embeddings_unavailable"
     assert stack.engine.metrics.registry.get_sample_value(
         "infergate_embedder_errors_total", {"kind": "endpoint"}) >= 2
+    # its HELP names the kind too: an endpoint's failure is a miss, never a 503
+    (fam,) = [f for f in stack.engine.metrics.registry.collect()
+              if f.name == "infergate_embedder_errors"]
+    assert "endpoint" in fam.documentation and "miss" in fam.documentation, fam.documentation
     # the other lookups of the same call are answered as usual
     resp = stack.post("/v1/lookups", {"lookups": [{"namespace": ns, "text": PASSWORD,
                                                    "model": "dead"},
