@@ -16,10 +16,11 @@
 --    model that can continue (infergate.stream.splice.engine) with the partial answer as
 --    an assistant message to continue (/v1/completions: prompt + partial text) and
 --    max_tokens reduced by the content chunks sent (one token each on vLLM, SGLang and
---    llama.cpp), at most edge.stream_continue_max times; its chunks are spliced into the
---    same client stream (same id, one finish_reason, one [DONE], usage completion tokens
---    summed). Off (edge.stream_continue, or a model not in edge.stream_continue_models),
---    or no node able to: the client gets an SSE error event and [DONE], never a silent
+--    llama.cpp, but for text held back: a possible stop string start), at most
+--    edge.stream_continue_max times; its chunks are spliced into the same client stream
+--    (same id, one finish_reason, one [DONE], usage completion tokens summed).
+--    Off (edge.stream_continue, or a model not in edge.stream_continue_models), or no
+--    node able to: the client gets an SSE error event and [DONE], never a silent
 --    cut.
 -- 3. Cancellation. A client that leaves ends the request at once (ngx.on_abort,
 --    lua_check_client_abort in the location): nginx closes the node's connection, and the
