@@ -46,22 +46,29 @@ def _index() -> dict[str, tuple[int, int]]:
 
 
 @functools.lru_cache(maxsize=8192)
+def _spots(text: str) -> tuple[tuple[int, int, int], ...]:
+    """Every place ``text`` names a member of a class: ``(position, class, member)``
+    sorted by position, each place once (a word and a pattern may find the same one)."""
+    t = text[:MAX_CHARS]
+    idx = _index()
+    spots: set[tuple[int, int, int]] = set()
+    for m in _WORD_RE.finditer(t.lower()):
+        hit = idx.get(m.group())
+        if hit is not None:
+            spots.add((m.start(), *hit))
+    for rx, form in PATTERNS:
+        for m in rx.finditer(t):
+            spots.add((m.start(), *idx[form]))
+    return tuple(sorted(spots))
+
+
+@functools.lru_cache(maxsize=8192)
 def members(text: str) -> dict[int, tuple[int, ...]]:
     """Class -> the members ``text`` names, in the order they first appear (only the
     classes it names); cached (the entries' texts recur in every lookup of their
     namespace)."""
-    t = text[:MAX_CHARS]
-    idx = _index()
-    hits: list[tuple[int, int, int]] = []   # (position, class, member)
-    for m in _WORD_RE.finditer(t.lower()):
-        hit = idx.get(m.group())
-        if hit is not None:
-            hits.append((m.start(), *hit))
-    for rx, form in PATTERNS:
-        for m in rx.finditer(t):
-            hits.append((m.start(), *idx[form]))
     found: dict[int, list[int]] = {}
-    for _, ci, mi in sorted(hits):
+    for _, ci, mi in _spots(text):
         seen = found.setdefault(ci, [])
         if mi not in seen:
             seen.append(mi)
@@ -73,18 +80,8 @@ def member_counts(text: str) -> dict[int, dict[int, int]]:
     """Class -> member -> how many times ``text`` names it (as :func:`members` finds
     them, each place counted): "7:45 am to 8:30 am ... 6:15 pm" names ``am`` twice and
     ``pm`` once."""
-    t = text[:MAX_CHARS]
-    idx = _index()
-    spots: set[tuple[int, int, int]] = set()   # (position, class, member)
-    for m in _WORD_RE.finditer(t.lower()):
-        hit = idx.get(m.group())
-        if hit is not None:
-            spots.add((m.start(), *hit))
-    for rx, form in PATTERNS:
-        for m in rx.finditer(t):
-            spots.add((m.start(), *idx[form]))
     out: dict[int, dict[int, int]] = {}
-    for _, ci, mi in spots:
+    for _, ci, mi in _spots(text):
         per = out.setdefault(ci, {})
         per[mi] = per.get(mi, 0) + 1
     return out
