@@ -22,6 +22,8 @@ bodies from a wrk Lua script) at the connections of its name (no suffix: -c16):
   (every request carries a valid key) and a global and a per-key rate limit configured
   (high enough never to refuse: the token-bucket script runs on every request).
 - ``infergate_exact_hit``: one prompt answered from the exact cache (no node).
+- ``infergate_proxy_path``: as ``infergate`` with ``edge.answer_relay`` off: the miss
+  goes through nginx's proxy module instead of the edge's relay over cosockets.
 - ``infergate_exact_hit_local``: the same with ``cache.local_ttl_ms`` = LOCAL_TTL_MS (each
   worker answers repeats from its own copy of the entry, no Redis round trip).
 - ``infergate_all_hit_c1000``: ALL_HIT_PROMPTS distinct prompts, all stored, at -c1000;
@@ -75,6 +77,7 @@ CASES: dict[str, tuple[str, int, str | None, dict[str, str]]] = {
     "lua_floor": ("floor", 16, "nginx_proxy", {}),
     "lua_hit_floor": ("floor_hit", 16, "nginx_proxy", {}),
     "infergate": ("edge", 16, "nginx_proxy", {}),
+    "infergate_proxy_path": ("edge_proxy_path", 16, "nginx_proxy", {}),
     "infergate_admission": ("edge_admission", 16, "nginx_proxy", {}),
     "infergate_exact_hit": ("edge_cache", 16, "nginx_proxy", {}),
     "infergate_exact_hit_local": ("edge_cache_local", 16, "nginx_proxy", {}),
@@ -297,7 +300,9 @@ def edge_settings(redis_url: str, upstream_url: str, cache: dict | None,
     section (``None``: ``enabled = false``); ``metrics``: the edge's Prometheus listener
     on a free port (else none: several edges run at once); ``sections``: more settings
     sections (``auth``, ``limits``)."""
-    data: dict = {"redis": {"url": redis_url}, "edge": {"workers": 1, "redis_pool_size": REDIS_POOL},
+    edge = sections.pop("edge", {})
+    data: dict = {"redis": {"url": redis_url},
+                  "edge": {"workers": 1, "redis_pool_size": REDIS_POOL, **edge},
                   "nodes": [{"name": "static", "url": upstream_url, "kind": "openai",
                              "max_concurrency": 100000}]}
     data["edge"]["metrics_listen"] = f"127.0.0.1:{procs.free_port()}" if metrics else ""
@@ -632,6 +637,12 @@ def _start_targets(stack: Stack, home: Path, rows: dict[str, dict], semantic: bo
     edges.append(edge)
     targets["edge"] = (edge.url + chat, [body(PROMPT)])
     pids["edge"] = worker_pid(edge.rendered.prefix)
+
+    plain = EdgeProc(stack, "edge-proxy-path",
+                     edge_settings(redis_url, upstream, None, edge={"answer_relay": False}))
+    edges.append(plain)
+    targets["edge_proxy_path"] = (plain.url + chat, [body(PROMPT)])
+    pids["edge_proxy_path"] = worker_pid(plain.rendered.prefix)
 
     from controlplane.admin import apikeys
 

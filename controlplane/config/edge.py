@@ -173,6 +173,13 @@ class EdgeSettings(_Section):
     that they survive their node: retried on another node before the first content
     token, continued after it; false = nginx's proxy path (a stream cut when its node
     fails)."""
+    answer_relay: bool = True
+    """``/v1/chat/completions`` and ``/v1/completions`` requests that are not streams, to
+    http nodes, are driven by the edge too (lua/infergate/stream/answer.lua): a node that
+    freezes while it holds one (found silent, no answer to its liveness check) has it
+    retried on another node before the request's deadline, which nginx's proxy path
+    cannot do once the request was sent; its connections to the nodes are pooled as
+    the proxy path's (``keepalive``). false = nginx's proxy path."""
     stream_hold_s: float = Field(default=2.0, ge=0, le=60)
     """Longest time (seconds) the relay holds the headers and role-only chunk of a stream
     while waiting for its first content token; the first token goes out the moment it

@@ -106,6 +106,20 @@ function _M.run()
     end
 end
 
+-- The OpenAI-style JSON error (a string) replacing node `node`'s error answer `text`
+-- (status `status`) that is not JSON: its first WRAP_MAX bytes, ASCII only, whitespace
+-- collapsed (the text may be any bytes).
+function _M.error_json(status, node, text)
+    text = text:sub(1, _M.WRAP_MAX):gsub("[^\32-\126]", " "):gsub("%s+", " ")
+    text = text:match("^%s*(.-)%s*$")
+    local message = "Node " .. node .. " answered " .. status
+    if text ~= "" then
+        message = message .. ": " .. text
+    end
+    local etype = status >= 500 and "server_error" or "invalid_request_error"
+    return errors.body(message, etype, "upstream_error")
+end
+
 -- Body filter part of the plain-text error wrapping (see the header).
 local function wrap_body(w)
     local chunk = ngx.arg[1]
@@ -118,15 +132,7 @@ local function wrap_body(w)
         ngx.arg[1] = nil
         return
     end
-    -- ASCII only, whitespace collapsed: the text may be any bytes
-    local text = table.concat(w.parts):gsub("[^\32-\126]", " "):gsub("%s+", " ")
-    text = text:match("^%s*(.-)%s*$")
-    local message = "Node " .. w.node .. " answered " .. w.status
-    if text ~= "" then
-        message = message .. ": " .. text
-    end
-    local etype = w.status >= 500 and "server_error" or "invalid_request_error"
-    ngx.arg[1] = errors.body(message, etype, "upstream_error") .. "\n"
+    ngx.arg[1] = _M.error_json(w.status, w.node, table.concat(w.parts)) .. "\n"
 end
 
 function _M.body()

@@ -184,10 +184,13 @@ def test_busy_node_is_retried_elsewhere(pool) -> None:
     assert st["breaker"] == "closed", "429 means busy, not broken"
 
 
-def test_garbage_node_gets_502s_until_its_breaker_opens(pool) -> None:
-    """nginx cannot retry a non-HTTP answer (it takes it for HTTP/0.9): that attempt
-    becomes a clean 502 JSON, the breaker counts it, and the node is soon avoided."""
-    edge, (a, b, c) = pool(breaker_failures=2, breaker_cooldown_s=30.0)
+@pytest.mark.parametrize("relay", [True, False], ids=["relay", "proxy"])
+def test_garbage_node_gets_502s_until_its_breaker_opens(pool, relay: bool) -> None:
+    """nginx's proxy path cannot retry a non-HTTP answer (it takes it for HTTP/0.9): that
+    attempt becomes a clean 502 JSON; relayed (edge.answer_relay), the request is
+    retried on another node. Either way the breaker counts it, and the node is soon
+    avoided."""
+    edge, (a, b, c) = pool(breaker_failures=2, breaker_cooldown_s=30.0, answer_relay=relay)
     a.mode = "garbage"
     codes = Counter()
     for _ in range(30):
@@ -198,7 +201,8 @@ def test_garbage_node_gets_502s_until_its_breaker_opens(pool) -> None:
             assert err["code"] == "upstream_invalid_answer" and "not HTTP" in err["message"]
         else:
             assert res.status_code == 200 and res.headers["X-Infergate-Node"] in ("b", "c")
-    assert codes[502] == a.hits <= 2 and codes[200] == 30 - codes[502]
+    assert codes[502] == (0 if relay else a.hits) and 1 <= a.hits <= 2
+    assert codes[200] == 30 - codes[502]
     assert edge.node_status("a")["breaker"] == "open" or a.hits < 2
 
 
@@ -213,10 +217,12 @@ def test_openai_sdk_rides_over_a_garbage_node(pool) -> None:
         assert out.system_fingerprint in ("b", "c")
 
 
-def test_garbage_from_the_only_node_is_a_502(tiny_upstreams, redis_server, edge_factory) -> None:
+@pytest.mark.parametrize("relay", [True, False], ids=["relay", "proxy"])
+def test_garbage_from_the_only_node_is_a_502(tiny_upstreams, redis_server, edge_factory,
+                                             relay: bool) -> None:
     (a,) = tiny_upstreams(names=["a"])
     a.mode = "garbage"
-    edge = edge_factory(edge_settings(redis_server.url, [a.node_settings()]))
+    edge = edge_factory(edge_settings(redis_server.url, [a.node_settings()], answer_relay=relay))
     for stream in (False, True):
         err = _json_error(_post(edge, stream=stream), 502)
         assert err["type"] == "bad_gateway" and err["code"] == "upstream_invalid_answer"
@@ -227,7 +233,8 @@ def test_garbage_from_the_only_node_is_a_502(tiny_upstreams, redis_server, edge_
     assert '" 009 ' not in edge.access_log()
     metrics = requests.get(edge.metrics_url, timeout=5).text
     assert 'status="502"' in metrics and 'status="9"' not in metrics
-    # an HTTP/1.0 client gets an HTTP/1.0 answer
+    # an HTTP/1.0 client gets an HTTP/1.0 answer on the proxy path (nginx's own answers,
+    # as the relay's, have an HTTP/1.1 status line)
     host, port = edge.url.removeprefix("http://").split(":")
     body = b'{"model": "tiny"}'
     with socket.create_connection((host, int(port)), timeout=5) as s:
@@ -235,7 +242,8 @@ def test_garbage_from_the_only_node_is_a_502(tiny_upstreams, redis_server, edge_
         data = b""
         while chunk := s.recv(65536):
             data += chunk
-    assert data.startswith(b"HTTP/1.0 502 Bad Gateway\r\n") and b"upstream_invalid_answer" in data
+    version = b"HTTP/1.1" if relay else b"HTTP/1.0"
+    assert data.startswith(version + b" 502 Bad Gateway\r\n") and b"upstream_invalid_answer" in data
 
 
 def test_the_only_node_back_is_probed_before_its_cooldown_ends(tiny_upstreams, redis_server,

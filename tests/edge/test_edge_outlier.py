@@ -451,10 +451,12 @@ def test_a_frozen_node_with_every_slot_taken_is_reported_stalled(
     asks about it; the liveness timer does (requests in flight, no byte for 1 s): once
     two checks of its silence got no answer the edge reports the node stalled (to the
     control plane, through its stats), well before the request's deadline, and for as
-    long as it stays frozen (checked again). Once it answers, it is not."""
+    long as it stays frozen (checked again). Once it answers, it is not. (nginx's proxy
+    path: a relayed request, edge.answer_relay, would be retried on b instead.)"""
     a, b = tiny_upstreams(names=["a", "b"])
     s = edge_settings(redis_server.url, [], stale_after_s=3600, read_timeout_ms=20000,
-                      outlier_ttfb_min_s=5.0, outlier_stream_ttfb_min_s=5.0)
+                      outlier_ttfb_min_s=5.0, outlier_stream_ttfb_min_s=5.0,
+                      answer_relay=False)
     s.deadlines.request_ms = 20000
     edge = edge_factory(s)
     snap = write_snapshot(redis_server.client(), [

@@ -190,10 +190,12 @@ def test_a_request_whose_deadline_cannot_be_met_gets_429_at_once(
 ], ids=["llamacpp-slots", "vllm-config", "openai-config"])
 def test_a_retry_with_every_other_slot_taken(tiny_upstreams, redis_server, edge_factory,
                                              kind: str, source: str, expect: int) -> None:
-    """The first try fails (a 500) and the only other node has every slot taken. A node
-    that queues what is beyond its slots gets the retry over its slots, as nginx would
-    send it there; an OpenAI-compatible server of unknown kind does not, and the client
-    gets 429 nodes_saturated with Retry-After (not 503: every node is healthy)."""
+    """nginx's proxy path (edge.answer_relay off): the first try fails (a 500) and the
+    only other node has every slot taken. A node that queues what is beyond its slots
+    gets the retry over its slots, as nginx would send it there; an OpenAI-compatible
+    server of unknown kind does not, and the client gets 429 nodes_saturated with
+    Retry-After (not 503: every node is healthy). Relayed, the retry waits for a slot:
+    test_a_relayed_retry_waits_for_a_slot."""
     a, b = tiny_upstreams(names=["a", "b"])
     b.gate, b.chunks = threading.Event(), 2
 
@@ -201,7 +203,8 @@ def test_a_retry_with_every_other_slot_taken(tiny_upstreams, redis_server, edge_
         return up.snapshot_node(kind=kind, slots=1, slots_source=source, score=None,
                                 has_metrics=False, **kw)
 
-    edge = _edge(redis_server, edge_factory, [node(a, healthy=False), node(b)])
+    edge = _edge(redis_server, edge_factory, [node(a, healthy=False), node(b)],
+                 answer_relay=False)
     held = requests.post(f"{edge.url}/v1/chat/completions", json={**CHAT, "stream": True},
                          stream=True, timeout=30)          # b's one slot
     try:
@@ -222,6 +225,47 @@ def test_a_retry_with_every_other_slot_taken(tiny_upstreams, redis_server, edge_
     finally:
         b.gate.set()
         held.close()
+    edge.wait_idle()
+    assert edge.node_status("b")["inflight"] == 0 and edge.node_status("a")["inflight"] == 0
+
+
+def test_a_relayed_retry_waits_for_a_slot(tiny_upstreams, redis_server, edge_factory) -> None:
+    """Relayed (edge.answer_relay), a plain request whose first try fails (a 500) while
+    the only other node, of unknown kind, has its one slot taken waits at the edge for
+    that slot, as a relayed stream's retry does, and is answered by it once it frees,
+    within its deadline; the node never holds two."""
+    a, b = tiny_upstreams(names=["a", "b"])
+    b.gate, b.chunks = threading.Event(), 2
+
+    def node(up, **kw):
+        return up.snapshot_node(kind="openai", slots=1, slots_source="config", score=None,
+                                has_metrics=False, **kw)
+
+    edge = _edge(redis_server, edge_factory, [node(a, healthy=False), node(b)])
+    held = requests.post(f"{edge.url}/v1/chat/completions", json={**CHAT, "stream": True},
+                         stream=True, timeout=30)          # b's one slot
+    pool = ThreadPoolExecutor(1)
+    try:
+        assert held.status_code == 200 and held.headers["X-Infergate-Node"] == "b"
+        snap = write_snapshot(redis_server.client(), [node(a), node(b)])
+        edge.wait_snapshot(snap["version"])
+        a.mode = "fail"
+        fut = pool.submit(requests.post, f"{edge.url}/v1/chat/completions", json=CHAT, timeout=30)
+        procs.wait_until(lambda: "on node a ended: status 500" in edge.error_log(), 10,
+                         what="the first try on a")
+        # for a second after it, the retry does not reach b (whose slot is taken)
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            assert not fut.done() and b.hits == 1, (b.hits, fut.done() and fut.result().text)
+            time.sleep(0.05)
+        b.gate.set()                                        # the stream ends, b's slot frees
+        res = fut.result(timeout=20)
+    finally:
+        b.gate.set()
+        held.close()
+        pool.shutdown(wait=True)
+    assert res.status_code == 200 and res.headers["X-Infergate-Node"] == "b", res.text
+    assert b.hits == 2 and a.hits == 1
     edge.wait_idle()
     assert edge.node_status("b")["inflight"] == 0 and edge.node_status("a")["inflight"] == 0
 

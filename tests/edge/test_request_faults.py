@@ -108,17 +108,20 @@ def test_generations_past_the_deadline_open_no_breaker(simnodes, redis_server, e
     assert res.status_code == 200
 
 
+@pytest.mark.parametrize("relay", [True, False], ids=["relay", "proxy"])
 def test_an_answer_cut_short_of_its_length_is_a_failure_of_its_node(
-        tiny_upstreams, redis_server, edge_factory) -> None:
-    """A node that sends a 200 whose body ends before its Content-Length: the client of a
-    plain request gets what plain nginx passes on (headers were sent: a short body and a
-    closed connection), but the node is failed, not credited with a fast answer, and
-    its breaker opens; a stream request is not passed on at all (the relay answers
-    502 when no other node is left)."""
+        tiny_upstreams, redis_server, edge_factory, relay: bool) -> None:
+    """A node that sends a 200 whose body ends before its Content-Length: relayed
+    (edge.answer_relay), a plain request is answered by the other node, since nothing
+    went to the client; on nginx's proxy path its client gets what plain nginx passes on
+    (headers were sent: a short body and a closed connection). Either way the node is
+    failed, not credited with a fast answer, and its breaker opens; a stream request is
+    not passed on at all (the relay answers 502 when no other node is left)."""
     a, b = tiny_upstreams(names=["a", "b"])
     a.mode = "cut"
     edge = edge_factory(edge_settings(redis_server.url, [a.node_settings(), b.node_settings()],
-                                      breaker_failures=3, breaker_cooldown_s=120.0))
+                                      breaker_failures=3, breaker_cooldown_s=120.0,
+                                      answer_relay=relay))
     cut = 0
     for _ in range(30):
         try:
@@ -128,9 +131,12 @@ def test_an_answer_cut_short_of_its_length_is_a_failure_of_its_node(
             continue
         assert res.status_code == 200 and res.json()["choices"], res.text
     nodes = {n["name"]: n for n in edge.status()["nodes"]}
-    assert 1 <= cut <= 3, cut
-    assert nodes["a"]["failures"] >= cut
-    assert nodes["a"]["breaker"] == "open" or cut < 3, nodes["a"]
+    if relay:
+        assert cut == 0 and 1 <= a.hits <= 3, (cut, a.hits)
+    else:
+        assert 1 <= cut <= 3 and a.hits == cut, (cut, a.hits)
+    assert nodes["a"]["failures"] >= a.hits
+    assert nodes["a"]["breaker"] == "open" or a.hits < 3, nodes["a"]
     b.mode = "cut"
     res = requests.post(f"{edge.url}/v1/chat/completions", timeout=10,
                         json={**CHAT, "stream": True})

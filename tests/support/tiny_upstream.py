@@ -67,6 +67,8 @@ closes the port (connections refused)."""
         self.hits = 0
         self.inflight = 0
         self.gets = 0
+        self.connections = 0
+        """Connections accepted so far."""
         self.bodies: list[bytes] = []
         self.request_ids: list[str | None] = []
         """X-Request-Id of every POST, in arrival order."""
@@ -115,6 +117,7 @@ closes the port (connections refused)."""
                 self.served = 0
                 with upstream._lock:
                     upstream._conns.add(self.connection)
+                    upstream.connections += 1
 
             def finish(self) -> None:
                 with upstream._lock:

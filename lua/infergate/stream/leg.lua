@@ -36,6 +36,7 @@ local http = require("infergate.stream.http")
 local splice = require("infergate.stream.splice")
 local closing = require("infergate.core.closing")
 local legheaders = require("infergate.stream.legheaders")
+local answer = require("infergate.stream.answer")
 
 local _M = {}
 
@@ -45,10 +46,8 @@ local ceil = math.ceil
 local concat = table.concat
 local log = ngx.log
 local INFO = ngx.INFO
+local WARN = ngx.WARN
 
--- Most bytes of a node's answer that is not a stream (an error, or a stream request the
--- node answered with one JSON document) read and passed on.
-_M.ANSWER_MAX = 16 * 1024 * 1024
 -- Longest SSE event (bytes) read from a node.
 _M.EVENT_MAX = 4 * 1024 * 1024
 
@@ -99,7 +98,10 @@ _M.ms = ms
 -- it, as for the answer's headers).
 local function read_timeout(r, lg, now, no_hold)
     local o = r.o
-    local read = min(o.edge.read_timeout_ms / 1000, deadline.for_request(r.req).idle_s)
+    local read = o.edge.read_timeout_ms / 1000
+    if r.req.stream then -- not a stream: bounded by the deadline (head_read)
+        read = min(read, deadline.for_request(r.req).idle_s)
+    end
     if r.out.produced > 0 and o.edge.stall_gap_factor > 0 then
         read = min(read, 2 * stall.threshold(lg.node.name, o))
     elseif lg.probe_read then
@@ -150,38 +152,6 @@ local function on_event(r, lg, text)
         release(r, lg.node)
     end
     return not r.client_gone
-end
-
--- The node's answer that is not a 200 stream: kept for a client that got nothing yet
--- (passed on when no other node answers); the verdict of the attempt.
-local function other_answer(r, lg, head, sock)
-    local parts, size = {}, 0
-    while size < _M.ANSWER_MAX do
-        local data, err = http.read_body(head, sock)
-        if not data then -- cut short: not passed on as if whole
-            lg.verdict, lg.why, lg.timeout = "fail", "answer cut: " .. (err or "?"),
-                err == "timeout"
-            return
-        end
-        if data == "" then
-            break
-        end
-        parts[#parts + 1] = data
-        size = size + #data
-    end
-    local status = head.status
-    r.last_answer = { status = status, body = concat(parts), node = lg.node.name,
-                      content_type = head.headers["content-type"], headers = head.list }
-    if status == 429 then
-        lg.verdict = "busy"
-    elseif status >= 500 then
-        lg.verdict = "fail"
-    else
-        -- the node answered what it was sent (a 4xx): no other node would do better
-        lg.verdict = (status == 404 or status == 405 or status == 501) and "unserved" or "ok"
-        lg.final = true
-    end
-    lg.why = "status " .. status
 end
 
 -- A stream silent past its stall bound after content goes on while its node answers a
@@ -310,7 +280,9 @@ local function at_deadline(r, lg, head, err)
     return head, err
 end
 
-local function start(r, lg, sock, body)
+-- Connects lg.sock to the node (a pooled connection for a request that is not a
+-- stream, infergate.stream.answer.connect) and sends the request: true or nil, err.
+local function send_request(r, lg, body)
     local o, req, node = r.o, r.req, lg.node
     local connect, send = o.edge.connect_timeout_ms / 1000, o.edge.send_timeout_ms / 1000
     if not r.sent then
@@ -320,8 +292,14 @@ local function start(r, lg, sock, body)
             return nil, "deadline"
         end
     end
+    local sock = lg.sock
     sock:settimeouts(ms(connect), ms(send), ms(send))
-    local ok, err = sock:connect(node.addr, node.port)
+    local ok, err
+    if req.stream then
+        ok, err = sock:connect(node.addr, node.port)
+    else
+        ok, err = answer.connect(r, sock, node)
+    end
     if not ok then
         return nil, err
     end
@@ -329,16 +307,18 @@ local function start(r, lg, sock, body)
     if r.args and r.args ~= "" then
         path = path .. "?" .. r.args
     end
-    ok, err = http.request(sock, {
+    return http.request(sock, {
         path = path, host = node.host or node.addr,
         headers = leg_headers(r),
         body = body,
     })
-    if not ok then
-        return nil, err
-    end
+end
+
+-- Waits for the node's head on lg.sock: {status, headers, ...} or nil, err.
+local function await_head(r, lg)
+    local o, node, sock = r.o, lg.node, lg.sock
     local read = head_read(r, lg, ngx_now())
-    if not lg.probe_read then
+    if not lg.probe_read and not lg.watch then
         sock:settimeout(ms(read))
         return at_deadline(r, lg, http.read_head(sock))
     end
@@ -347,12 +327,13 @@ local function start(r, lg, sock, body)
     -- started and dead to its liveness check, the leg gives up at once and the request
     -- is retried elsewhere. At the probe's read timeout it gives up only when a node is
     -- still left for the retry (relaypick.other_left); else it reads on for the whole
-    -- read timeout of a leg that has no other node.
+    -- read timeout of a leg that has no other node. A request that is not a stream
+    -- (lg.watch) has no probe's read timeout unless its node is a probe: its head comes
+    -- with its whole answer.
     local started = ngx_now()
     local give_up = started + read
     sock:settimeout(ms(min(_M.WATCH_S, read)))
-    local head
-    head, err = http.read_head(sock, function(got)
+    local head, err = http.read_head(sock, function(got)
         local now = ngx_now()
         if not got and outlier.gone_silent(node, lg.att, now, o)
                 and relaypick.other_left(r.req, now) then
@@ -372,9 +353,37 @@ local function start(r, lg, sock, body)
         return true
     end)
     if head then -- the rest of the head and the body: the leg's own read timeout
-        sock:settimeout(ms(read_timeout(r, lg, ngx_now(), true)))
+        local now = ngx_now()
+        sock:settimeout(ms(r.req.stream and read_timeout(r, lg, now, true)
+            or head_read(r, lg, now)))
     end
     return at_deadline(r, lg, head, err)
+end
+
+-- Sends the request and waits for the head. A pooled connection the node closed while
+-- it was idle (the send fails, or the head read finds it closed or reset at once) is
+-- replaced by a new one and the request sent again, as nginx does for its cached
+-- upstream connections (not counted as a try).
+local function start(r, lg, body)
+    local t0 = ngx_now()
+    local ok, err = send_request(r, lg, body)
+    local reused = (lg.sock:getreusedtimes() or 0) > 0
+    local head
+    if ok then
+        head, err = await_head(r, lg)
+        reused = reused and (err == "closed" or err == "connection reset by peer")
+            and ngx_now() - t0 < 1
+    end
+    if head or not reused then
+        return head, err
+    end
+    lg.sock:close()
+    lg.sock = ngx.socket.tcp()
+    ok, err = send_request(r, lg, body)
+    if not ok then
+        return nil, err
+    end
+    return await_head(r, lg)
 end
 
 -- The verdict on the attempt, as the balancer's (infergate.routing.tries): a 500 is held
@@ -399,7 +408,7 @@ local function settle(r, lg, att)
         r.held500 = nil
     end
     local latency_ms = (lg.verdict == "ok") and (now - att.started) * 1000 or nil
-    if latency_ms and r.finished and not r.continued then
+    if latency_ms and (r.finished or lg.final) and not r.continued then
         r.latency_s = latency_ms / 1000 -- one node's whole answer (admission.shed learns it)
     end
     relaypick.close(att, lg.verdict or "fail", now, latency_ms)
@@ -413,13 +422,15 @@ function _M.run(r, node, att, body, eligible)
     if lg.first then
         r.out = splice.new_out()
         r.held = {}
-        lg.hold_until = o.edge.stream_hold_s > 0 and now + o.edge.stream_hold_s or nil
+        lg.hold_until = o.edge.stream_hold_s > 0 and r.req.stream
+            and now + o.edge.stream_hold_s or nil
     end
     if eligible and eligible > 1 then
         -- the balancer's bound (infergate.routing.balancer, deadline.probe_read): never
         -- less than twice the predicted completion on the node (queued on a node that
         -- slowed down is not stalled)
-        local thr = outlier.probe_threshold(node.name, true, o)
+        lg.watch = not r.req.stream
+        local thr = outlier.probe_threshold(node.name, r.req.stream, o)
         local e = thr and speed.expected_s(node)
         if e and e > thr then
             thr = e
@@ -430,14 +441,15 @@ function _M.run(r, node, att, body, eligible)
     r.addrs = addrs
     addrs[#addrs + 1] = node.addr .. ":" .. node.port
     pcall(function() ngx.var.infergate_relay_addr = table.concat(addrs, ", ") end)
-    local sock = ngx.socket.tcp()
-    local head, err = start(r, lg, sock, body)
+    lg.sock = ngx.socket.tcp()
+    local head, err = start(r, lg, body)
+    local sock = lg.sock
     if not head then
         lg.verdict, lg.why = r.deadline_passed and "neutral" or "fail", err
         lg.timeout = err == "timeout"
     elseif head.status ~= 200
             or not (head.headers["content-type"] or ""):find("event-stream", 1, true) then
-        other_answer(r, lg, head, sock) -- an error, or an answer that is not a stream
+        answer.read(r, lg, head, sock) -- an error, or an answer that is not a stream
     else
         stats.probe_answered(att)
         r.content_type = head.headers["content-type"]
@@ -449,7 +461,7 @@ function _M.run(r, node, att, body, eligible)
         end
         read_stream(r, lg, head, sock)
     end
-    sock:close()
+    answer.keep(r, lg, head, sock)
     if r.client_gone then
         return -- the log phase closes the attempt (aborted)
     end
@@ -463,20 +475,12 @@ function _M.run(r, node, att, body, eligible)
         r.no_continue = true -- a continuation refused (4xx): no other node would take it
     elseif lg.final then
         r.finished = true
-        do
-            local a = r.last_answer
-            r.req.relay_answer_status = a.status -- a refusal costs no token (settlement)
-            pass_headers(a.headers)
-            ngx.status = a.status
-            ngx.header["Content-Type"] = a.content_type or "application/json"
-            ngx.header["X-Infergate-Node"] = node.name
-            ngx.print(a.body)
-            r.sent = true
-        end
+        answer.send(r, r.last_answer, node.name)
     end
-    if lg.verdict ~= "ok" then
-        log(INFO, "infergate: stream ", r.req.id or "", " on node ", node.name, " ended: ",
-            lg.why or "?", r.out.produced > 0 and " after content" or " before content")
+    if lg.verdict ~= "ok" then -- a failure as nginx's proxy logs its own (a warning here)
+        log(lg.verdict == "fail" and WARN or INFO, "infergate: relayed request ", r.req.id or "",
+            " on node ", node.name, " ended: ", lg.timeout and "upstream timed out" or lg.why or "?",
+            r.out.produced > 0 and " after content" or " before content")
     end
 end
 

@@ -50,8 +50,15 @@ function _M.request(r)
         end
     end
     h["Content-Type"] = "application/json"
-    h.Accept = "text/event-stream"
-    h.Connection = "close"
+    if r.req.stream then
+        h.Accept = "text/event-stream"
+        h.Connection = "close"
+    else -- an answer read whole, its connection kept (infergate.stream.answer); a body
+        -- the node compresses passes unchanged, as on the proxy path (the cache lookup
+        -- took the header out of a request whose answer it stores)
+        h.Accept = "application/json"
+        h["Accept-Encoding"] = ngx.var.http_accept_encoding
+    end
     h["X-Request-Id"] = r.req.id
     h["X-Infergate-Hop"] = ngx.var.infergate_hop
     h.Authorization = ngx.var.infergate_node_auth

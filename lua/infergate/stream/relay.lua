@@ -40,12 +40,13 @@ local config = require("infergate.core.config")
 local errors = require("infergate.core.errors")
 local ngxapi = require("infergate.core.ngxapi")
 local deadline = require("infergate.admission.deadline")
+local astats = require("infergate.admission.stats")
 local metrics = require("infergate.core.prometheus")
 local relaypick = require("infergate.routing.relaypick")
 local slots = require("infergate.admission.slots")
 local splice = require("infergate.stream.splice")
 local leg = require("infergate.stream.leg")
-local legheaders = require("infergate.stream.legheaders")
+local answer = require("infergate.stream.answer")
 
 local _M = {}
 
@@ -55,9 +56,13 @@ local WARN = ngx.WARN
 
 _M.PATHS = { ["/v1/chat/completions"] = true, ["/v1/completions"] = true }
 
--- Whether the relay drives request `req`.
+-- Whether the relay drives request `req`: a stream (edge.stream_relay), or a request
+-- that is not one (edge.answer_relay).
 function _M.wanted(req, o)
-    if not o.edge.stream_relay or not req.stream or req.route ~= "inference" then
+    if req.route ~= "inference" then
+        return false
+    end
+    if req.stream and not o.edge.stream_relay or not req.stream and not o.edge.answer_relay then
         return false
     end
     if not _M.PATHS[ngx.var.uri] then
@@ -116,12 +121,7 @@ local function answer_unsent(r)
     local a = r.last_answer
     if a then
         -- the node's own answer (infergate.admission.settlement: a refusal costs nothing)
-        r.req.relay_answer_status = a.status
-        legheaders.pass_headers(a.headers)
-        ngx.status = a.status
-        ngx.header["Content-Type"] = a.content_type or "application/json"
-        ngx.header["X-Infergate-Node"] = a.node
-        ngx.print(a.body)
+        answer.send(r, a, a.node)
         return ngx.exit(ngx.HTTP_OK)
     end
     local f = r.last_failure
@@ -129,11 +129,12 @@ local function answer_unsent(r)
         ngx.header["X-Infergate-Node"] = f.node
     end
     if r.deadline_passed then
+        astats.incr("deadline_exceeded")
         return errors.send(504, "The request did not finish within its deadline of "
             .. deadline.for_request(r.req).request_ms .. " ms.", "timeout", "deadline_exceeded",
             { [errors.NO_RETRY_HEADER] = errors.NO_RETRY })
     end
-    if not f then
+    if not f or r.no_node then -- as the balancer's retry with no node left
         return errors.send(503, "No inference node is left to try (all are unhealthy, draining, "
             .. "have an open circuit breaker or already failed this request).",
             "service_unavailable", "no_healthy_upstream",
@@ -156,13 +157,15 @@ end
 -- The node of the next leg (infergate.routing.relaypick.next). When the nodes left have
 -- every known slot taken (a retry or a continuation: the first leg's slot was held by
 -- admission), it waits for one to free, polling every admission.poll_ms: for at most
--- the stream idle time, and before anything was sent until the request's deadline;
+-- the stream idle time (a request that is not a stream: until its deadline), and
+-- before anything was sent until the request's deadline;
 -- meanwhile new requests leave it the next free slot
 -- (infergate.admission.slots.mark_started_waiting).
 local function wait_for_node(r, now, accept)
     local o, req = r.o, r.req
     local node, att, eligible, why = relaypick.next(req, o, now, accept)
-    local until_s = now + deadline.for_request(req).idle_s
+    local d = deadline.for_request(req)
+    local until_s = (req.stream or not d.at) and now + d.idle_s or d.at
     local mark = why == "full" and relaypick.accepts_all(req, accept)
     while not node and why == "full" and not r.client_gone do
         if mark then -- new requests leave the next free slot to this one
@@ -178,7 +181,7 @@ local function wait_for_node(r, now, accept)
         end
         node, att, eligible, why = relaypick.next(req, o, now, accept)
     end
-    return node, att, eligible
+    return node, att, eligible, why
 end
 
 local function run(r)
@@ -195,10 +198,12 @@ local function run(r)
             r.deadline_passed = true -- no new try past the deadline (a started stream goes on)
             break
         end
-        local node, att, eligible = wait_for_node(r, now, accept)
+        local node, att, eligible, why = wait_for_node(r, now, accept)
         if not node then
+            r.no_node = r.retry_wanted and why == nil and r.out.produced == 0
             break
         end
+        r.retry_wanted = eligible > 1
         if body == true then
             local err
             body, err = splice.continuation(r.body, r.path, splice.partial(r.out), r.out.produced,
@@ -221,7 +226,7 @@ local function run(r)
                 r.echo = splice.partial(r.out) -- llama.cpp repeats the prefill (splice.strip_echo)
             end
         end
-        if r.legs > 0 and r.out.produced == 0 then
+        if r.legs > 0 and r.out.produced == 0 and req.stream then
             metrics.stream_relay("retried")
         end
         r.legs = r.legs + 1
@@ -231,7 +236,7 @@ local function run(r)
         relaypick.close(r.held500, "neutral", ngx_now())
         r.held500 = nil
     end
-    if r.finished then
+    if r.finished and req.stream then
         metrics.stream_relay("completed")
     end
     if r.finished or r.client_gone then

@@ -1,0 +1,191 @@
+"""Requests that are not streams, driven by the edge over cosockets (edge.answer_relay,
+lua/infergate/stream/answer.lua) against tiny upstreams: one in flight on a node that
+freezes is retried on another node well before its deadline (nginx's proxy path holds
+it to the deadline), a long answer of a live node is waited on, connections to the
+nodes are kept alive, and the node's answer reaches the client as the proxy path's."""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from controlplane import procs
+from support.stack import edge_settings
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _post(edge, timeout: float = 30, **kw) -> requests.Response:
+    return requests.post(f"{edge.url}/v1/chat/completions", json={**CHAT, **kw}, timeout=timeout)
+
+
+def _pair(tiny_upstreams, redis_server, edge_factory, request_ms: int = 8000, **edge):
+    a, b = tiny_upstreams(names=["a", "b"])
+    s = edge_settings(redis_server.url, [a.node_settings(), b.node_settings()],
+                      outlier_ttfb_min_s=5.0, read_timeout_ms=60000, **edge)
+    s.deadlines.request_ms = request_ms
+    e = edge_factory(s)
+    for _ in range(4):                       # both nodes answered: TTFB histories
+        assert _post(e).status_code == 200
+    return e, a, b
+
+
+def _until_one_on(edge, a, b, timeout: float = 30) -> tuple[requests.Response, float, int]:
+    """Plain requests until one is sent to ``a``: (its answer, seconds, b's new requests
+    meanwhile); fails after 16."""
+    for _ in range(16):
+        hits, b_hits, t0 = a.hits, b.hits, time.monotonic()
+        res = _post(edge, timeout=timeout)
+        if a.hits > hits:
+            return res, time.monotonic() - t0, b.hits - b_hits
+        assert res.status_code == 200 and res.headers["X-Infergate-Node"] == "b", res.text
+    raise AssertionError("no request was sent to a")
+
+
+@pytest.mark.parametrize("relay", [True, False], ids=["relay", "proxy"])
+def test_a_request_on_a_node_that_froze_is_retried_before_its_deadline(
+        tiny_upstreams, redis_server, edge_factory, relay: bool) -> None:
+    """A plain request sent to a node frozen while idle (it accepts connections, answers
+    nothing, GETs included): relayed, it is answered by the other node once the early
+    liveness check (after 1 s of quiet, 1 s timeout) got no answer, seconds before the
+    8 s deadline; on nginx's proxy path it waits for the deadline and gets 504."""
+    edge, a, b = _pair(tiny_upstreams, redis_server, edge_factory, answer_relay=relay)
+    a.mode = "frozen"
+    try:
+        res, took, on_b = _until_one_on(edge, a, b)
+    finally:
+        a.mode = "ok"
+        a.release()
+    if relay:
+        assert res.status_code == 200 and res.headers["X-Infergate-Node"] == "b", res.text
+        assert on_b == 1 and res.json()["system_fingerprint"] == "b"
+        # quiet 1 s, the early check's 1 s, the relay's next look (0.5 s); not the deadline
+        assert took < 5.0, f"the request waited {took:.1f} s on the frozen node"
+        assert "no answer to a liveness check" in edge.error_log()
+    else:
+        assert res.status_code == 504 and res.json()["error"]["code"] == "deadline_exceeded"
+        assert took >= 7.5 and on_b == 0
+
+
+def test_a_long_answer_of_a_live_node_is_waited_on(tiny_upstreams, redis_server,
+                                                  edge_factory) -> None:
+    """A node that takes longer than its TTFB threshold's floor (5 s) for a whole answer
+    but answers its liveness checks is not left: its own answer comes back, and the
+    other node gets nothing."""
+    edge, a, b = _pair(tiny_upstreams, redis_server, edge_factory, request_ms=20000)
+    a.delay_s = 6.0
+    res, took, on_b = _until_one_on(edge, a, b)
+    assert res.status_code == 200 and res.headers["X-Infergate-Node"] == "a", res.text
+    assert on_b == 0 and took >= 6.0 and a.gets > 0, (on_b, took, a.gets)
+
+
+def test_connections_to_the_node_are_kept_alive(tiny_upstreams, redis_server,
+                                               edge_factory) -> None:
+    """Sequential plain requests of one worker reuse one connection to the node, as the
+    proxy path's upstream keepalive does; a stream's connection is not kept. The
+    answer's own headers, length and body reach the client unchanged."""
+    (a,) = tiny_upstreams(names=["a"])
+    edge = edge_factory(edge_settings(redis_server.url, [a.node_settings()], workers=1))
+    for _ in range(10):
+        res = _post(edge)
+        assert res.status_code == 200, res.text
+        assert res.headers["X-Sim-Node"] == "a" and res.headers["X-Infergate-Node"] == "a"
+        assert int(res.headers["Content-Length"]) == len(res.content)
+        assert res.json()["choices"][0]["message"]["content"] == "hello from a"
+    assert a.hits == 10 and a.connections == 1, a.connections
+    assert _post(edge, stream=True).status_code == 200
+    assert _post(edge).status_code == 200
+    assert a.connections == 2, a.connections      # the stream's own, closed after it
+    assert edge.node_status("a")["failures"] == 0
+
+
+@contextlib.contextmanager
+def _one_answer_node(status: int, ctype: str, body: bytes) -> Iterator[str]:
+    """A node on a free port answering every POST with ``status``, ``ctype`` and
+    ``body`` (with its Content-Length); yields its URL."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", procs.free_port()), Handler)
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        th.join(5)
+
+
+@pytest.mark.parametrize("status,ctype,text", [
+    (400, "text/plain", b"bad things"),
+    (503, "text/html", b"<html>down</html>"),
+])
+def test_an_error_answer_that_is_not_json_is_wrapped(redis_server, edge_factory, status: int,
+                                                    ctype: str, text: bytes) -> None:
+    """A node's error answer that is not JSON (a proxy's HTML page, plain text) reaches
+    the client as an OpenAI-style JSON error with the same status, as on the proxy path
+    (infergate.filters)."""
+    with _one_answer_node(status, ctype, text) as url:
+        edge = edge_factory(edge_settings(redis_server.url, [{"name": "x", "url": url}]))
+        res = _post(edge)
+    assert res.status_code == status and res.headers["Content-Type"] == "application/json"
+    err = res.json()["error"]
+    assert err["code"] == "upstream_error" and f"Node x answered {status}" in err["message"]
+    assert text.decode() in err["message"], err
+
+
+def test_an_answer_longer_than_the_relay_keeps_is_passed_on_whole(redis_server,
+                                                                 edge_factory) -> None:
+    """An answer longer than the relay reads before passing it on (16 MB) goes to the
+    client as it comes, whole, with the node's Content-Length."""
+    content = "x" * (17 * 1024 * 1024)
+    body = json.dumps({"id": "big", "object": "chat.completion", "choices": [
+        {"index": 0, "finish_reason": "stop",
+         "message": {"role": "assistant", "content": content}}]}).encode()
+    with _one_answer_node(200, "application/json", body) as url:
+        edge = edge_factory(edge_settings(redis_server.url, [{"name": "x", "url": url}]))
+        res = _post(edge, timeout=60)
+        again = _post(edge, timeout=60)          # its connection was kept and works
+    assert res.status_code == 200 and int(res.headers["Content-Length"]) == len(body)
+    assert res.content == body and res.headers["X-Infergate-Node"] == "x"
+    assert again.status_code == 200 and again.content == body
+
+
+def test_a_client_that_leaves_frees_the_node(tiny_upstreams, redis_server, edge_factory) -> None:
+    """A plain request whose client leaves while the node works ends at once, its
+    in-flight count freed."""
+    (a,) = tiny_upstreams(names=["a"])
+    edge = edge_factory(edge_settings(redis_server.url, [a.node_settings()], workers=1))
+    a.mode = "hang"
+    pool = ThreadPoolExecutor(1)
+    try:
+        fut = pool.submit(_post, edge, 1.0)
+        procs.wait_until(lambda: a.inflight == 1, 5, what="the request on a")
+        with pytest.raises(requests.exceptions.ReadTimeout):
+            fut.result(timeout=10)
+        procs.wait_until(lambda: edge.node_status("a")["inflight"] == 0, 10,
+                         what="the edge to free the node")
+    finally:
+        a.mode = "ok"
+        a.release()
+        pool.shutdown(wait=True)
