@@ -43,7 +43,7 @@ local function spill(r, lg, head, sock, parts)
     ngx.header["Content-Length"] = head.headers["content-length"]
     ngx.header["X-Infergate-Node"] = lg.node.name
     r.sent, r.finished = true, true
-    local data, err = concat(parts), nil
+    local data = concat(parts)
     while data ~= "" do
         ngx.print(data)
         local ok, ferr = ngx.flush(true)
@@ -51,6 +51,7 @@ local function spill(r, lg, head, sock, parts)
             r.client_gone = ferr or true
             return
         end
+        local err
         data, err = http.read_body(head, sock)
         if not data then
             lg.verdict, lg.why, lg.timeout = "fail", "answer cut: " .. (err or "?"),
