@@ -1,5 +1,5 @@
--- Node choice for the stream relay (infergate.stream.relay), which drives streamed
--- requests itself over cosockets from the access phase: the same choice as the
+-- Node choice for the relay (infergate.stream.relay), which drives streamed requests
+-- and, with edge.answer_relay, the others itself over cosockets from the access phase: the same choice as the
 -- balancer phase (infergate.routing.balancer: held slot of the admission step, pick,
 -- known slots, the request's group of scheme and API key) and the same bookkeeping of
 -- the attempt (in-flight count, TTFB outlier, learned concurrency), without

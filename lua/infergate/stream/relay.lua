@@ -33,8 +33,10 @@
 -- slots, breaker verdicts, TTFB outliers, stall progress (stall.byte per piece read),
 -- learned concurrency; the log phase closes an attempt the relay left open (client
 -- abort). What the client gets goes through the body filters as a proxied answer
--- does: usage counting (infergate.admission.usage), cache capture. https nodes and every
--- other request keep the proxy path.
+-- does: usage counting (infergate.admission.usage), cache capture. With
+-- edge.answer_relay the relay drives the same requests that are not streams
+-- (infergate.stream.answer: a node that freezes while it holds one has it retried
+-- before its deadline). https nodes and every other request keep the proxy path.
 local abort = require("infergate.core.abort")
 local config = require("infergate.core.config")
 local errors = require("infergate.core.errors")
