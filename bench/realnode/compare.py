@@ -35,7 +35,8 @@ import redis
 from bench.common import (RESULTS_DIR, BenchError, Stack, load_prompts, log, machine_info,
                           sigterm_as_interrupt, write_json)
 from bench.realnode import compare_stats as cs
-from bench.realnode.compare_load import NodeSamples, burst_workload, sample_nodes, send_real
+from bench.realnode.compare_load import (NodeSamples, burst_workload, sample_nodes, send_real,
+                                        send_real_plain)
 from bench.realnode.compare_stack import (PoolNode, calibrate, pool_detected, pool_idle,
                                           start_infergate, start_pool)
 from bench.scheduler.loadgen import RunOutput, run_load
@@ -107,6 +108,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"load of the freeze run, fraction of the capacity (default {FREEZE_LOAD})")
     p.add_argument("--freeze-s", type=float, default=None,
                    help="how long the node stays frozen, seconds (default: the deadline + 5)")
+    p.add_argument("--plain", action="store_true",
+                   help="send requests that are not streams (default: streams)")
     p.add_argument("--repeats", type=int, default=2, help="runs per strategy and load (default 2)")
     p.add_argument("--strategies", type=_strategies, default=["least_conn", "infergate"],
                    help="comma list, run in this order (default least_conn,infergate)")
@@ -156,8 +159,15 @@ async def _send_indexed(session, url: str, req, deadline_s: float,  # type: igno
     return await send_real(session, f"{url}?i={req.idx}", req, deadline_s, lag_s)
 
 
+async def _send_indexed_plain(session, url: str, req, deadline_s: float,  # type: ignore[no-untyped-def]
+                              lag_s: float = 0.0):
+    """:func:`send_real_plain` with ``?i=<index>`` on the URL."""
+    return await send_real_plain(session, f"{url}?i={req.idx}", req, deadline_s, lag_s)
+
+
 async def one_run(url: str, wl: Workload, deadline_s: float, nodes: list[PoolNode],
-                  on_time: list | None = None) -> tuple[RunOutput, NodeSamples]:
+                  on_time: list | None = None,
+                  plain: bool = False) -> tuple[RunOutput, NodeSamples]:
     """Send ``wl`` to ``url`` (open loop, :func:`send_real`) while sampling the nodes'
     ``/metrics`` every 0.5 s; ``on_time`` as :func:`bench.scheduler.loadgen.run_load`."""
     samples = NodeSamples()
@@ -165,7 +175,8 @@ async def one_run(url: str, wl: Workload, deadline_s: float, nodes: list[PoolNod
     sampler = asyncio.create_task(sample_nodes({n.name: n.url for n in nodes}, 0.5, stop, samples))
     try:
         out = await run_load(url, wl, deadline_s, {}, sample_interval_s=1.0,
-                             on_time=on_time, send=_send_indexed)
+                             on_time=on_time,
+                             send=_send_indexed_plain if plain else _send_indexed)
     finally:
         stop.set()
         await sampler
@@ -205,7 +216,8 @@ def run_plan(stack: Stack, nodes: list[PoolNode], base: InfergateStack | None,
         freeze = Freeze(edge, nodes, args) if scenario == "freeze" else None
         try:
             out, samples = asyncio.run(one_run(edge.url, wl, args.deadline, nodes,
-                                               freeze.on_time() if freeze else None))
+                                               freeze.on_time() if freeze else None,
+                                               plain=args.plain))
             extra = freeze.figures(wl, out.results) if freeze else {}
         finally:
             if freeze:
@@ -329,6 +341,7 @@ def _meta(args: argparse.Namespace, argv: list[str], prompts: int) -> dict:
             "nodes_slots": args.nodes, "threads": args.threads, "window_s": args.duration,
             "loads": args.loads, "burst": args.burst, "burst_size_s": args.burst_size,
             "freeze": args.freeze, "freeze_load": args.freeze_load, "freeze_s": args.freeze_s,
+            "plain": args.plain,
             "repeats": args.repeats, "strategies": args.strategies, "deadline_s": args.deadline,
             "seed": args.seed, "prompt_count": prompts, "max_prompt_chars": MAX_PROMPT_CHARS,
             "output_tokens": asdict(LengthDist())}

@@ -15,6 +15,8 @@ Schedules (wall seconds from the start of a run):
   ``quiet_s``), then ``burst_size`` requests spread uniformly over ``burst_s`` seconds,
   then nothing until the window ends (:func:`burst_workload`).
 
+With ``--plain`` the requests are not streams (:func:`send_real_plain`).
+
 A stream is **cut** when the answer began (HTTP 200) and ended before the client's
 deadline without a ``finish_reason`` or without ``data: [DONE]`` (:func:`is_cut`).
 """
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field, replace
 import aiohttp
 
 from bench.realnode.launch import MODEL_ALIAS
-from bench.scheduler.loadgen import Result, stream_request
+from bench.scheduler.loadgen import NO_CACHE_HEADERS, Result, stream_request
 from bench.scheduler.workload import Request, RequestMix, Workload
 
 
@@ -93,6 +95,38 @@ async def send_real(session: aiohttp.ClientSession, url: str, req: Request, dead
         res.outcome = "error"
         res.e2e_s = None
         res.error = res.error or "stream ended without finish_reason"
+    return res
+
+
+async def send_real_plain(session: aiohttp.ClientSession, url: str, req: Request,
+                          deadline_s: float, lag_s: float = 0.0) -> RealResult:
+    """Send ``req`` as a request that is not a stream (:func:`request_body` with
+    ``stream`` false) and read its JSON answer within ``deadline_s``; its time to first
+    token is its whole answer's. Never raises for network or HTTP problems."""
+    res = RealResult(idx=req.idx, outcome="error", lag_s=lag_s)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    try:
+        async with asyncio.timeout(deadline_s):
+            async with session.post(url, json={**request_body(req), "stream": False},
+                                    headers=NO_CACHE_HEADERS) as resp:
+                res.status = resp.status
+                res.node = resp.headers.get("X-Sim-Node")
+                raw = await resp.read()
+                if resp.status != 200:
+                    res.error = f"HTTP {resp.status}: {raw[:300].decode('utf-8', 'replace')}"
+                    return res
+                choice = json.loads(raw)["choices"][0]
+                res.finish_reason = choice.get("finish_reason")
+                res.e2e_s = res.ttft_s = loop.time() - start
+                res.events = 1
+                res.outcome = "ok"
+    except TimeoutError:
+        res.outcome = "timeout"
+        res.error = f"no complete answer within {deadline_s:g} s"
+    except (aiohttp.ClientError, OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+        res.outcome = "error"
+        res.error = f"{type(exc).__name__}: {exc}"
     return res
 
 
