@@ -18,7 +18,7 @@ import pytest
 import requests
 
 from controlplane import procs
-from support.stack import edge_settings
+from support.stack import edge_settings, write_snapshot
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -87,24 +87,27 @@ def test_a_long_answer_of_a_live_node_is_waited_on(tiny_upstreams, redis_server,
     assert on_b == 0 and took >= 6.0 and a.gets > 0, (on_b, took, a.gets)
 
 
-def test_connections_to_the_node_are_kept_alive(tiny_upstreams, redis_server,
-                                               edge_factory) -> None:
-    """Sequential plain requests of one worker reuse one connection to the node, as the
+def test_connections_to_the_nodes_are_kept_alive(tiny_upstreams, redis_server,
+                                                edge_factory) -> None:
+    """Sequential plain requests of one worker reuse one connection per node, as the
     proxy path's upstream keepalive does; a stream's connection is not kept. The
     answer's own headers, length and body reach the client unchanged."""
-    (a,) = tiny_upstreams(names=["a"])
-    edge = edge_factory(edge_settings(redis_server.url, [a.node_settings()], workers=1))
+    ups = tiny_upstreams(names=["a", "b"])
+    edge = edge_factory(edge_settings(redis_server.url, [u.node_settings() for u in ups],
+                                      workers=1))
     for _ in range(10):
         res = _post(edge)
         assert res.status_code == 200, res.text
-        assert res.headers["X-Sim-Node"] == "a" and res.headers["X-Infergate-Node"] == "a"
+        node = res.headers["X-Infergate-Node"]
+        assert res.headers["X-Sim-Node"] == node and node in ("a", "b")
         assert int(res.headers["Content-Length"]) == len(res.content)
-        assert res.json()["choices"][0]["message"]["content"] == "hello from a"
-    assert a.hits == 10 and a.connections == 1, a.connections
+        assert res.json()["choices"][0]["message"]["content"] == f"hello from {node}"
+    assert sum(u.hits for u in ups) == 10
+    assert [u.connections for u in ups] == [min(u.hits, 1) for u in ups]
     assert _post(edge, stream=True).status_code == 200
-    assert _post(edge).status_code == 200
-    assert a.connections == 2, a.connections      # the stream's own, closed after it
-    assert edge.node_status("a")["failures"] == 0
+    assert sum(u.connections for u in ups) == sum(min(u.hits - 1, 1) for u in ups) + 1
+    for u in ups:
+        assert edge.node_status(u.name)["failures"] == 0
 
 
 @contextlib.contextmanager
@@ -145,12 +148,14 @@ def test_an_error_answer_that_is_not_json_is_wrapped(redis_server, edge_factory,
     """A node's error answer that is not JSON (a proxy's HTML page, plain text) reaches
     the client as an OpenAI-style JSON error with the same status, as on the proxy path
     (infergate.filters)."""
-    with _one_answer_node(status, ctype, text) as url:
-        edge = edge_factory(edge_settings(redis_server.url, [{"name": "x", "url": url}]))
+    with _one_answer_node(status, ctype, text) as x, _one_answer_node(status, ctype, text) as y:
+        edge = edge_factory(edge_settings(redis_server.url, [{"name": "x", "url": x},
+                                                             {"name": "y", "url": y}]))
         res = _post(edge)
     assert res.status_code == status and res.headers["Content-Type"] == "application/json"
     err = res.json()["error"]
-    assert err["code"] == "upstream_error" and f"Node x answered {status}" in err["message"]
+    node = res.headers["X-Infergate-Node"]
+    assert err["code"] == "upstream_error" and f"Node {node} answered {status}" in err["message"]
     assert text.decode() in err["message"], err
 
 
@@ -162,30 +167,89 @@ def test_an_answer_longer_than_the_relay_keeps_is_passed_on_whole(redis_server,
     body = json.dumps({"id": "big", "object": "chat.completion", "choices": [
         {"index": 0, "finish_reason": "stop",
          "message": {"role": "assistant", "content": content}}]}).encode()
-    with _one_answer_node(200, "application/json", body) as url:
-        edge = edge_factory(edge_settings(redis_server.url, [{"name": "x", "url": url}]))
-        res = _post(edge, timeout=60)
-        again = _post(edge, timeout=60)          # its connection was kept and works
-    assert res.status_code == 200 and int(res.headers["Content-Length"]) == len(body)
-    assert res.content == body and res.headers["X-Infergate-Node"] == "x"
-    assert again.status_code == 200 and again.content == body
+    with _one_answer_node(200, "application/json", body) as x, \
+            _one_answer_node(200, "application/json", body) as y:
+        edge = edge_factory(edge_settings(redis_server.url, [{"name": "x", "url": x},
+                                                             {"name": "y", "url": y}],
+                                          workers=1))
+        got = [_post(edge, timeout=60) for _ in range(4)]   # kept connections work too
+    for res in got:
+        assert res.status_code == 200 and int(res.headers["Content-Length"]) == len(body)
+        assert res.content == body and res.headers["X-Infergate-Node"] in ("x", "y")
+
+
+def test_with_one_node_a_request_keeps_the_proxy_path(tiny_upstreams, redis_server,
+                                                     edge_factory) -> None:
+    """With one node serving the model there is nowhere to retry: a plain request goes
+    through nginx's proxy path (its access log has the node's $upstream_status), a
+    stream through the relay (none)."""
+    (a,) = tiny_upstreams(names=["a"])
+    edge = edge_factory(edge_settings(redis_server.url, [a.node_settings()], workers=1))
+    assert _post(edge).status_code == 200
+    assert _post(edge, stream=True).status_code == 200
+    procs.wait_until(lambda: edge.access_log().count("POST /v1/chat") == 2, 5, what="log")
+    plain, stream = [ln for ln in edge.access_log().splitlines() if "POST /v1/chat" in ln]
+    assert 'us="200"' in plain and 'us="-"' in stream, (plain, stream)
+    assert a.hits == 2
 
 
 def test_a_client_that_leaves_frees_the_node(tiny_upstreams, redis_server, edge_factory) -> None:
     """A plain request whose client leaves while the node works ends at once, its
     in-flight count freed."""
-    (a,) = tiny_upstreams(names=["a"])
-    edge = edge_factory(edge_settings(redis_server.url, [a.node_settings()], workers=1))
-    a.mode = "hang"
+    ups = tiny_upstreams(names=["a", "b"])
+    edge = edge_factory(edge_settings(redis_server.url, [u.node_settings() for u in ups],
+                                      workers=1))
+    for u in ups:
+        u.mode = "hang"
     pool = ThreadPoolExecutor(1)
     try:
         fut = pool.submit(_post, edge, 1.0)
-        procs.wait_until(lambda: a.inflight == 1, 5, what="the request on a")
+        procs.wait_until(lambda: sum(u.inflight for u in ups) == 1, 5, what="the request")
         with pytest.raises(requests.exceptions.ReadTimeout):
             fut.result(timeout=10)
-        procs.wait_until(lambda: edge.node_status("a")["inflight"] == 0, 10,
-                         what="the edge to free the node")
+        procs.wait_until(lambda: all(edge.node_status(u.name)["inflight"] == 0 for u in ups),
+                         10, what="the edge to free the node")
+        assert sum(u.hits for u in ups) == 1
     finally:
-        a.mode = "ok"
-        a.release()
+        for u in ups:
+            u.mode = "ok"
+            u.release()
         pool.shutdown(wait=True)
+
+
+@pytest.mark.parametrize("source", ["server", "config"])
+def test_a_llamacpp_node_keeps_its_slot_counted_after_the_client_left(
+        tiny_upstreams, redis_server, edge_factory, source: str) -> None:
+    """llama-server goes on with an answer that is not a stream after its client's
+    connection closed. For a llama.cpp server (slots_source "server": it answered
+    /props) the edge reads the answer to its end when the client leaves, so the node's
+    in-flight count (its slot) stays taken while it works; a node of another kind gets
+    its connection closed at once (vLLM stops the work then) and the count is freed."""
+    ups = tiny_upstreams(names=["a", "b"])
+    edge = edge_factory(edge_settings(redis_server.url, [], stale_after_s=3600, workers=1))
+    snap = write_snapshot(redis_server.client(), [
+        u.snapshot_node(kind="openai", slots=2, slots_source=source, score=None,
+                        has_metrics=False) for u in ups])
+    edge.wait_snapshot(snap["version"])
+    for u in ups:
+        u.delay_s = 3.0
+    pool = ThreadPoolExecutor(1)
+    try:
+        fut = pool.submit(_post, edge, 1.0)
+        procs.wait_until(lambda: sum(u.inflight for u in ups) == 1, 5, what="the request")
+        with pytest.raises(requests.exceptions.ReadTimeout):
+            fut.result(timeout=10)
+        node = next(u for u in ups if u.inflight == 1)
+        if source == "server":
+            t0 = time.monotonic()
+            while node.inflight == 1:     # the node works: its slot stays counted
+                assert edge.node_status(node.name)["inflight"] == 1
+                assert time.monotonic() - t0 < 5
+                time.sleep(0.1)
+        procs.wait_until(lambda: edge.node_status(node.name)["inflight"] == 0, 10,
+                         what="the count freed")
+        if source == "config":
+            assert node.inflight == 1, "freed only once the node finished"
+    finally:
+        pool.shutdown(wait=True)
+

@@ -10,6 +10,10 @@ local pcall = pcall
 local log = ngx.log
 local WARN = ngx.WARN
 
+-- What a function returns to keep the request running after its client left (it ends
+-- it itself later: a relayed answer read to its end, infergate.stream.relay).
+_M.STAY = "stay"
+
 -- Adds fn() to what runs when the client of `req` leaves; returns its id for unwatch(),
 -- or nil, err when ngx.on_abort is refused (lua_check_client_abort off: the client's
 -- leaving is then seen only at the next write).
@@ -18,16 +22,21 @@ function _M.watch(req, fn)
     if not list then
         list = {}
         local ok, err = ngx.on_abort(function()
+            local stay = false
             for i = #list, 1, -1 do
                 local f = list[i]
                 if f then
                     local fine, e = pcall(f)
                     if not fine then
                         log(WARN, "infergate: on client abort: ", e)
+                    elseif e == _M.STAY then
+                        stay = true
                     end
                 end
             end
-            return ngx.exit(499)
+            if not stay then
+                return ngx.exit(499)
+            end
         end)
         if not ok then
             return nil, err

@@ -441,6 +441,10 @@ function _M.run(r, node, att, body, eligible)
     r.addrs = addrs
     addrs[#addrs + 1] = node.addr .. ":" .. node.port
     pcall(function() ngx.var.infergate_relay_addr = table.concat(addrs, ", ") end)
+    -- a llama.cpp server (it answered /props) goes on with an answer that is not a
+    -- stream after its connection closes: when the client leaves, the leg reads it to
+    -- its end, so that the node's slot counts as taken for as long as it is
+    r.read_on = not r.req.stream and node.slots_source == "server"
     lg.sock = ngx.socket.tcp()
     local head, err = start(r, lg, body)
     local sock = lg.sock
@@ -462,6 +466,7 @@ function _M.run(r, node, att, body, eligible)
         read_stream(r, lg, head, sock)
     end
     answer.keep(r, lg, head, sock)
+    r.read_on = nil
     if r.client_gone then
         return -- the log phase closes the attempt (aborted)
     end

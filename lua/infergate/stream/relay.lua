@@ -45,6 +45,8 @@ local deadline = require("infergate.admission.deadline")
 local astats = require("infergate.admission.stats")
 local metrics = require("infergate.core.prometheus")
 local relaypick = require("infergate.routing.relaypick")
+local snapshot = require("infergate.routing.snapshot")
+local candidates = require("infergate.routing.candidates")
 local slots = require("infergate.admission.slots")
 local splice = require("infergate.stream.splice")
 local leg = require("infergate.stream.leg")
@@ -58,13 +60,35 @@ local WARN = ngx.WARN
 
 _M.PATHS = { ["/v1/chat/completions"] = true, ["/v1/completions"] = true }
 
+local EMPTY = {}
+
+-- Whether another usable node than the one a request is sent to serves `model`: a
+-- request that is not a stream is relayed only then (with one node nginx's proxy path
+-- does all the relay could, for less CPU). Reads the routing snapshot only.
+local function two_nodes(model)
+    local n = 0
+    for _, node in ipairs(snapshot.current().nodes) do
+        if candidates.usable(node, EMPTY, model) then
+            n = n + 1
+            if n > 1 then
+                return true
+            end
+        end
+    end
+    return false
+end
+
 -- Whether the relay drives request `req`: a stream (edge.stream_relay), or a request
--- that is not one (edge.answer_relay).
+-- that is not one (edge.answer_relay) when two nodes serve its model.
 function _M.wanted(req, o)
     if req.route ~= "inference" then
         return false
     end
-    if req.stream and not o.edge.stream_relay or not req.stream and not o.edge.answer_relay then
+    if req.stream then
+        if not o.edge.stream_relay then
+            return false
+        end
+    elseif not o.edge.answer_relay or not two_nodes(req.model) then
         return false
     end
     if not _M.PATHS[ngx.var.uri] then
@@ -272,6 +296,9 @@ function _M.step(req)
     req.relay = r
     local ok, err = abort.watch(req, function()
         r.client_gone = "aborted"
+        if r.read_on then -- infergate.stream.leg: its node finishes the answer anyway
+            return abort.STAY
+        end
     end)
     if not ok then
         log(WARN, "infergate: stream relay: ngx.on_abort: ", err,
