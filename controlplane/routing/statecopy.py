@@ -22,7 +22,12 @@ marker).
 A group whose marker is gone is lost, not copied (the copy keeps what it held): all of
 them while ``keynames.STATE_MARKER`` is missing; the registry when
 ``keynames.NODES_SEEDED`` is gone and the copy has it; the keys when
-``keynames.APIKEYS_MARKER`` is gone and the copy had it. :attr:`Read.lost` names the
+``keynames.APIKEYS_MARKER`` is gone and the copy had it. So is a group whose hash
+(``keynames.NODES``, ``keynames.APIKEYS``) is empty while the copy holds entries and its
+generation did not move: every write INCRs the generation, so only an eviction (a
+``maxmemory-policy`` that evicts keys without a TTL) or a deletion by hand empties it
+so; taken for a removal, it would leave every node out for good (the names stay in
+``keynames.NODES_SEEDED``, so nothing seeds them again). :attr:`Read.lost` names the
 groups lost while the state marker stayed (a Cluster shard, an eviction).
 
 Restore (:meth:`StateKeeper.restore`): every entry of the copy that Redis does not hold is
@@ -301,6 +306,8 @@ class StateKeeper:
         nodes_gen, keys_gen = _gen(nodes_gen), _gen(keys_gen)
         if c.seeded and not seeded:
             out.lost.add(REGISTRY)
+        elif c.nodes and not nodes and nodes_gen == c.nodes_gen:
+            out.lost.add(REGISTRY)   # emptied without a write: evicted (or deleted by hand)
         elif c.registry_at and (nodes_gen < c.nodes_gen or self._log_lost(
                 keynames.NODES_GEN_LOG, nodes_head, c.nodes_tok, nodes_gen, c.nodes_gen)):
             out.went_back[REGISTRY] = nodes_gen
@@ -309,6 +316,8 @@ class StateKeeper:
             c.nodes_gen, c.nodes_tok = nodes_gen, nodes_head
         if c.apikeys_marker is not None and keys_marker is None:
             out.lost.add(APIKEYS)
+        elif c.apikeys and not keys_len and keys_gen == c.apikeys_gen:
+            out.lost.add(APIKEYS)    # emptied without a write, its marker left
         elif c.apikeys_at and (keys_gen < c.apikeys_gen or self._log_lost(
                 keynames.APIKEYS_GEN_LOG, keys_head, c.apikeys_tok, keys_gen, c.apikeys_gen)):
             out.went_back[APIKEYS] = keys_gen

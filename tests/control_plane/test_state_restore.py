@@ -133,6 +133,48 @@ def test_key_store_lost_alone_is_written_back(redis_server, cps, caplog) -> None
     assert not _events(r, "state_lost")
 
 
+def test_a_registry_evicted_alone_is_written_back(redis_server, cps, caplog) -> None:
+    """The node registry's hash evicted (``maxmemory-policy allkeys-lru``) while the
+    seeded names, the generation and the state marker stayed: not taken for a removal of
+    every node (nothing would seed them again), the copy is written back. Nodes removed
+    for real (a write, which moves the generation) stay removed."""
+    caplog.set_level(logging.INFO, logger="infergate.controlplane")
+    cp = cps(cp_settings([_node("a"), _node("b")]), make_client(redis_server.url, 0.5))
+    r = redis_server.client()
+    cp.run_cycle()
+    registry.put_node(r, _node("added"))
+    cp.run_cycle()
+    r.delete(keynames.NODES)
+    cp.run_cycle()
+    cp.run_cycle()
+    assert {n.name for n in registry.list_nodes(r)} == {"a", "b", "added"}
+    assert "REDIS STATE LOST in part: registry" in caplog.text
+    assert _events(r, "state_restored")[0]["detail"]["nodes"] == 3
+
+    for name in ("a", "b", "added"):
+        registry.remove_node(r, name)
+    cp.run_cycle()
+    cp.run_cycle()
+    assert registry.list_nodes(r) == []
+
+
+def test_a_key_store_evicted_without_its_marker_is_written_back(redis_server, cps,
+                                                                caplog) -> None:
+    """The key store's hash evicted while its marker stayed (the edges then refuse every
+    key as deleted): the copy is written back."""
+    caplog.set_level(logging.INFO, logger="infergate.controlplane")
+    cp = cps(cp_settings([_node("a")]), make_client(redis_server.url, 0.5))
+    r = redis_server.client()
+    key, rec = apikeys.create_key(r, "acme")
+    cp.run_cycle()
+    r.delete(keynames.APIKEYS)
+    assert not apikeys.store_missing(r)
+    cp.run_cycle()
+    found = apikeys.lookup(r, key)
+    assert found is not None and found.id == rec.id
+    assert "REDIS STATE LOST in part: apikeys" in caplog.text
+
+
 def test_a_second_control_plane_notices_the_loss_and_adds_nothing_twice(
         redis_server, cps) -> None:
     """Two control planes: the first to find Redis empty writes its copy back; the other
