@@ -560,6 +560,37 @@ def test_redis_back_empty_known_keys_kept_revoked_refused(redis_server, upstream
     assert_invalid_key(post(edge, revoked))
 
 
+def test_a_lost_key_store_stays_reported_while_no_request_comes(redis_server, upstream,
+                                                                edge_factory) -> None:
+    """Redis loses its state and the clients go quiet: the edge still holds a valid key
+    the store lacks, so it goes on reporting the store missing (its refresh of the
+    records, not only a request, flags it), the loss stays pending, and a key created
+    before the restore neither marks the store written nor gets the kept keys refused."""
+    r = redis_server.client()
+    known, _ = apikeys.create_key(r, "acme")
+    edge = edge_factory(auth_settings(redis_server.url, upstream.node(), cache_ttl_s=0.2,
+                                      negative_ttl_s=0.2))
+    state = edge.rendered.prefix / "infergate-state" / "apikeys.json"
+    procs.wait_until(lambda: state.exists() and apikeys.hash_key(known) in state.read_text(),
+                     10, what="the key records saved")
+    assert post(edge, known).status_code == 200
+    r.flushall()
+    time.sleep(0.3)
+    assert post(edge, known).status_code == 200    # kept: the flag of this request
+    time.sleep(12)    # no request for longer than that flag lasts (10 s)
+    assert edge.status()["admission"]["auth_store_missing"] == 1
+    procs.wait_until(lambda: apikeys.loss_pending(r), 5, what="the edge reporting the loss")
+
+    late, _ = apikeys.create_key(r, "late")
+    assert apikeys.store_missing(r), "a key created before the restore ended the loss"
+    procs.wait_until(lambda: post(edge, late).status_code == 200, 10,
+                     what="the key created after the loss")
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:   # several cache intervals
+        assert post(edge, known).status_code == 200
+        time.sleep(0.1)
+
+
 def test_a_deleted_key_is_refused_when_the_store_is_intact(redis_server, upstream,
                                                           edge_factory) -> None:
     from controlplane.redisdb import keynames

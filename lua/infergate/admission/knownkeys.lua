@@ -33,6 +33,11 @@
 -- before or after the loss still knows the valid keys (infergate.admission.auth keeps
 -- honouring them until the keys are written again: a restore, a key write). Revoked
 -- records stay revoked; keys deleted while the marker was there were dropped then.
+-- While the marker is missing and the set holds a valid key the store lacks, every
+-- refresh (EVERY_S) flags auth_store_missing (infergate.admission.stats), whether or not
+-- a request used such a key: the control plane and `infergate keys` read that flag from
+-- the edge stats to tell a lost store that waits for its restore (a key written
+-- meanwhile must not end it) from one that was never written.
 --
 --   has(digest)      whether the digest is a key of the store (as of the last refresh)
 --   record(digest)   its record (the JSON text the store holds), or nil
@@ -45,6 +50,7 @@ local flush = require("infergate.core.flush")
 local keynames = require("infergate.redis.keynames")
 local redis = require("infergate.redis.client")
 local statefile = require("infergate.core.statefile")
+local astats = require("infergate.admission.stats")
 local cjson = require("cjson.safe")
 
 local _M = {}
@@ -65,6 +71,7 @@ local built_at = 0
 local saved_text = nil  -- what worker 0 saved last
 local marker = nil      -- the key store's marker the set was built for
 local asked_marker = nil
+local kept_valid = 0    -- valid keys of the set the store lacked at the last read (marker missing)
 
 _M.STATE_FILE = "apikeys.json"
 local asked_at = 0
@@ -97,6 +104,20 @@ local function answer(replies, err)
     return v
 end
 
+local function valid_record(rec)
+    local r = cjson.decode(rec)
+    return type(r) == "table" and (r.revoked == nil or r.revoked == cjson.null)
+end
+
+-- The store was lost and this worker keeps valid keys it lacks: say so for longer than
+-- one refresh interval (infergate.admission.auth flags it too, on a request).
+local function flag_kept()
+    if marker == "" and kept_valid > 0 then
+        local ttl = config.get().auth.cache_ttl_s or 0
+        astats.flag("auth_store_missing", math.max(2 * ttl, 2 * _M.EVERY_S, 10))
+    end
+end
+
 local function on_keys(replies, err)
     pending = false
     local list = answer(replies, err)
@@ -108,7 +129,7 @@ local function on_keys(replies, err)
         known, count = nil, n
         return
     end
-    local set, size = {}, 0
+    local set, size, held = {}, 0, 0
     if asked_marker == "" and known then
         -- the store's marker is missing (lost): merge, never replace (see the top)
         for digest, rec in pairs(known) do
@@ -116,6 +137,8 @@ local function on_keys(replies, err)
             size = size + 1
         end
     end
+    local merged = size > 0
+    local stored = {}
     for i = 1, 2 * n, 2 do
         local digest, rec = list[i], list[i + 1]
         if type(digest) == "string" and type(rec) == "string" then
@@ -123,6 +146,15 @@ local function on_keys(replies, err)
                 size = size + 1
             end
             set[digest] = rec
+            stored[digest] = true
+        end
+    end
+    if merged then
+        -- valid keys held that the store lacks: kept over the loss
+        for digest, rec in pairs(set) do
+            if not stored[digest] and valid_record(rec) then
+                held = held + 1
+            end
         end
     end
     if size > _M.MAX_KEYS then
@@ -132,6 +164,8 @@ local function on_keys(replies, err)
     -- dated when asked: an answer cached while the read was under way (a key created
     -- just after it ran) is not taken for older than the set (newer_record)
     known, count, built_at, marker = set, n, keys_asked_at, asked_marker
+    kept_valid = held
+    flag_kept()
     if ngx.worker.id() == 0 then
         local text = cjson.encode(set)
         if text and text ~= saved_text then
@@ -156,6 +190,7 @@ local function on_len(replies, err)
     if known and n == count and asked_marker == marker
             and ngxapi.now() - built_at < _M.REFRESH_S then
         pending = false
+        flag_kept()
         return
     end
     keys_asked_at = ngxapi.now()
