@@ -8,7 +8,9 @@ Layout (schema v1, see docs/internals.md "API keys"):
   the tenant's default, ``[admission]`` in the configuration).
   The edge hashes the ``Authorization: Bearer`` value and does one ``HGET``; the key is
   valid only if the record exists **and** ``revoked`` is ``null``.
-- ``keynames.APIKEY_IDS``: hash, key id -> SHA-256 hex, to list and revoke by id.
+- ``keynames.APIKEY_IDS``: hash, key id -> SHA-256 hex, to list and revoke by id. An id
+  it lacks (the index evicted or deleted while the records stayed) is looked for among the
+  records and written back by the change that needs it (:func:`_update`).
 - ``keynames.APIKEYS_MARKER``: set by every write. Without it (Redis came back empty)
   the edges keep honouring the valid keys they knew, never a revoked one, until the keys
   are written again (``infergate keys import``).
@@ -265,11 +267,26 @@ def lookup(r: redis.Redis, plaintext: str) -> ApiKey | None:
     return rec if rec is not None and rec.active else None
 
 
+def _digest_of(r: redis.Redis | redis.client.Pipeline, key_id: str) -> tuple[str | None, bool]:
+    """``(digest, indexed)``: the digest of the key with id ``key_id`` from the id index,
+    else found among the records (``indexed`` False: the index lacks it, lost without
+    the records: an eviction, a deletion by hand); ``(None, False)`` when no record has
+    that id."""
+    digest = r.hget(keynames.APIKEY_IDS, key_id)
+    if digest:
+        return digest, True
+    for d, raw in r.hgetall(keynames.APIKEYS).items():
+        rec = _load(raw)
+        if rec is not None and rec.id == key_id:
+            return d, False
+    return None, False
+
+
 def get_key(r: redis.Redis, key_id: str) -> ApiKey | None:
     """The record with id ``key_id`` (revoked ones included), else ``None``."""
     if not ID_RE.match(key_id or ""):
         return None
-    digest = r.hget(keynames.APIKEY_IDS, key_id)
+    digest, _ = _digest_of(r, key_id)
     return _load(r.hget(keynames.APIKEYS, digest)) if digest else None
 
 
@@ -293,7 +310,7 @@ def _update(r: redis.Redis, key_id: str, change: Callable[[ApiKey], bool]) -> Ap
         while True:
             try:
                 pipe.watch(keynames.APIKEY_IDS, keynames.APIKEYS)
-                digest = pipe.hget(keynames.APIKEY_IDS, key_id)
+                digest, indexed = _digest_of(pipe, key_id)
                 rec = _load(pipe.hget(keynames.APIKEYS, digest)) if digest else None
                 if rec is None:
                     pipe.unwatch()
@@ -304,6 +321,8 @@ def _update(r: redis.Redis, key_id: str, change: Callable[[ApiKey], bool]) -> Ap
                 pending = loss_pending(pipe)
                 pipe.multi()
                 pipe.hset(keynames.APIKEYS, digest, json.dumps(rec.to_dict(), sort_keys=True))
+                if not indexed:
+                    pipe.hset(keynames.APIKEY_IDS, key_id, digest)
                 bump(pipe)
                 mark_changed(pipe, pending)
                 pipe.execute()

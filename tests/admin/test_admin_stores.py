@@ -53,6 +53,21 @@ def test_revoke_and_limits(r):
     assert apikeys.set_limits(r, "00000000", rpm=1) is None
 
 
+def test_a_key_whose_id_index_was_lost_is_still_revoked_by_id(r):
+    """The id index evicted (or deleted) while the records stayed: the key listed with
+    its id is found, revoked and edited by that id, and the index entry is written back."""
+    key, rec = apikeys.create_key(r, "acme")
+    other, _ = apikeys.create_key(r, "acme")
+    r.delete(keynames.APIKEY_IDS)
+    assert [k.id for k in apikeys.list_keys(r) if k.id == rec.id] == [rec.id]
+    assert apikeys.get_key(r, rec.id).id == rec.id
+    revoked = apikeys.revoke_key(r, rec.id, now=70.0)
+    assert revoked is not None and revoked.revoked == 70.0
+    assert apikeys.lookup(r, key) is None and apikeys.lookup(r, other) is not None
+    assert r.hget(keynames.APIKEY_IDS, rec.id) == apikeys.hash_key(key)
+    assert apikeys.revoke_key(r, "00000000") is None
+
+
 @pytest.mark.parametrize("kw,frag", [
     ({"tenant": ""}, "tenant"), ({"tenant": "a:b"}, "tenant"), ({"tenant": None}, "tenant"),
     ({"tenant": "t", "rpm": 0}, "rpm"), ({"tenant": "t", "tpm": -5}, "tpm"),

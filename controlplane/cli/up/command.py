@@ -116,10 +116,13 @@ def seed_registry(run: UpRun) -> None:
     # one demo key at a time: the one an earlier run printed is revoked
     old = [k for k in apikeys.list_keys(r, include_revoked=False)
            if k.tenant == "demo" and k.label == DEMO_KEY_LABEL]
-    for k in old:
-        apikeys.revoke_key(r, k.id)
-    if old:
-        _say(f"revoked the demo key of an earlier run ({', '.join(k.id for k in old)})")
+    done = [k.id for k in old if apikeys.revoke_key(r, k.id) is not None]
+    if done:
+        _say(f"revoked the demo key of an earlier run ({', '.join(done)})")
+    missed = [k.id for k in old if k.id not in done]
+    if missed:
+        _say(f"warning: could not revoke the demo key of an earlier run ({', '.join(missed)}):"
+             " revoke it with `infergate keys revoke ID`")
     run.demo_key, _ = apikeys.create_key(r, "demo", label=DEMO_KEY_LABEL)
 
 
