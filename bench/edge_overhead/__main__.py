@@ -22,8 +22,10 @@ bodies from a wrk Lua script) at the connections of its name (no suffix: -c16):
   (every request carries a valid key) and a global and a per-key rate limit configured
   (high enough never to refuse: the token-bucket script runs on every request).
 - ``infergate_exact_hit``: one prompt answered from the exact cache (no node).
-- ``infergate_proxy_path``: as ``infergate`` with ``edge.answer_relay`` off: the miss
-  goes through nginx's proxy module instead of the edge's relay over cosockets.
+- ``infergate_two_nodes``: as ``infergate`` with two nodes (the upstream on a second
+  port): the miss is relayed by the edge over cosockets (``edge.answer_relay``; with one
+  node it takes nginx's proxy path, as in ``infergate``);
+  ``infergate_two_nodes_proxy_path``: the same with ``edge.answer_relay`` off.
 - ``infergate_exact_hit_local``: the same with ``cache.local_ttl_ms`` = LOCAL_TTL_MS (each
   worker answers repeats from its own copy of the entry, no Redis round trip).
 - ``infergate_all_hit_c1000``: ALL_HIT_PROMPTS distinct prompts, all stored, at -c1000;
@@ -77,7 +79,8 @@ CASES: dict[str, tuple[str, int, str | None, dict[str, str]]] = {
     "lua_floor": ("floor", 16, "nginx_proxy", {}),
     "lua_hit_floor": ("floor_hit", 16, "nginx_proxy", {}),
     "infergate": ("edge", 16, "nginx_proxy", {}),
-    "infergate_proxy_path": ("edge_proxy_path", 16, "nginx_proxy", {}),
+    "infergate_two_nodes": ("edge_two", 16, "nginx_proxy", {}),
+    "infergate_two_nodes_proxy_path": ("edge_two_proxy", 16, "nginx_proxy", {}),
     "infergate_admission": ("edge_admission", 16, "nginx_proxy", {}),
     "infergate_exact_hit": ("edge_cache", 16, "nginx_proxy", {}),
     "infergate_exact_hit_local": ("edge_cache_local", 16, "nginx_proxy", {}),
@@ -168,6 +171,7 @@ http {{
     }}
     server {{
         listen 127.0.0.1:{port} backlog=4096;
+        listen 127.0.0.1:{port2} backlog=4096;
         location / {{
             default_type application/json;
             return 200 $bench_answer;
@@ -292,19 +296,23 @@ def cache_support(home: Path) -> tuple[bool, str]:
 
 
 def edge_settings(redis_url: str, upstream_url: str, cache: dict | None,
-                  metrics: bool = False, **sections: dict) -> Settings:
+                  metrics: bool = False, second: str = "", **sections: dict) -> Settings:
     """One-worker edge with the static upstream as its only node (kind ``openai``: no
     metrics endpoint; max_concurrency above any wrk connection count, so admission
     control never sheds what plain nginx would pass; :data:`REDIS_POOL` pooled Redis
     connections). ``cache`` is the ``[cache]``
     section (``None``: ``enabled = false``); ``metrics``: the edge's Prometheus listener
     on a free port (else none: several edges run at once); ``sections``: more settings
-    sections (``auth``, ``limits``)."""
+    sections (``auth``, ``limits``, ``edge``: more ``[edge]`` fields); ``second``: the URL
+    of a second node serving the model."""
     edge = sections.pop("edge", {})
     data: dict = {"redis": {"url": redis_url},
                   "edge": {"workers": 1, "redis_pool_size": REDIS_POOL, **edge},
                   "nodes": [{"name": "static", "url": upstream_url, "kind": "openai",
                              "max_concurrency": 100000}]}
+    if second:
+        data["nodes"].append({"name": "static-2", "url": second, "kind": "openai",
+                              "max_concurrency": 100000})
     data["edge"]["metrics_listen"] = f"127.0.0.1:{procs.free_port()}" if metrics else ""
     data["cache"] = cache if cache is not None else {"enabled": False}
     data.update(sections)
@@ -591,7 +599,9 @@ def _start_targets(stack: Stack, home: Path, rows: dict[str, dict], semantic: bo
     d = stack.dir / "upstream"
     (d / "logs").mkdir(parents=True)
     conf = d / "nginx.conf"
-    conf.write_text(UPSTREAM_CONF.format(prefix=d, port=up_port, answer=STATIC_ANSWER,
+    up_port2 = procs.free_port()
+    conf.write_text(UPSTREAM_CONF.format(prefix=d, port=up_port, port2=up_port2,
+                                         answer=STATIC_ANSWER,
                                          length_answer=LENGTH_ANSWER, filter_answer=FILTER_ANSWER))
     stack.add(start_nginx(conf, d))
     upstream = f"http://127.0.0.1:{up_port}"
@@ -638,11 +648,16 @@ def _start_targets(stack: Stack, home: Path, rows: dict[str, dict], semantic: bo
     targets["edge"] = (edge.url + chat, [body(PROMPT)])
     pids["edge"] = worker_pid(edge.rendered.prefix)
 
-    plain = EdgeProc(stack, "edge-proxy-path",
-                     edge_settings(redis_url, upstream, None, edge={"answer_relay": False}))
-    edges.append(plain)
-    targets["edge_proxy_path"] = (plain.url + chat, [body(PROMPT)])
-    pids["edge_proxy_path"] = worker_pid(plain.rendered.prefix)
+    # two nodes: their own routing snapshot, in Redis database 1
+    second, redis_two = f"http://127.0.0.1:{up_port2}", f"redis://127.0.0.1:{rport}/1"
+    _start_controlplane(stack, edge_settings(redis_two, upstream, None, second=second), "two")
+    for target, relay in (("edge_two", True), ("edge_two_proxy", False)):
+        two = EdgeProc(stack, target.replace("_", "-"),
+                       edge_settings(redis_two, upstream, None, second=second,
+                                     edge={"answer_relay": relay}))
+        edges.append(two)
+        targets[target] = (two.url + chat, [body(PROMPT)])
+        pids[target] = worker_pid(two.rendered.prefix)
 
     from controlplane.admin import apikeys
 
@@ -714,17 +729,17 @@ def _start_targets(stack: Stack, home: Path, rows: dict[str, dict], semantic: bo
     return env
 
 
-def _start_controlplane(stack: Stack, settings: Settings) -> None:
+def _start_controlplane(stack: Stack, settings: Settings, name: str = "infergate") -> None:
     import tomli_w
 
     s = settings.model_copy(deep=True)
     cport = procs.free_port()
     s.controlplane.listen = f"127.0.0.1:{cport}"
-    cfg = stack.dir / "infergate.toml"
+    cfg = stack.dir / f"{name}.toml"
     cfg.write_text(tomli_w.dumps(s.model_dump(mode="json", exclude_none=True)), encoding="utf-8")
-    m = stack.add(procs.Managed("controlplane",
+    m = stack.add(procs.Managed(f"controlplane ({name})",
                                 procs.infergate_argv("controlplane", "--config", str(cfg)),
-                                stack.dir / "logs" / "controlplane.log").start())
+                                stack.dir / "logs" / f"controlplane-{name}.log").start())
     r = redis.Redis.from_url(s.redis.url, socket_timeout=2)
     m.wait_ready(lambda: r.get(keynames.ROUTING) is not None, 60)
 

@@ -175,7 +175,8 @@ class EdgeSettings(_Section):
     fails)."""
     answer_relay: bool = True
     """``/v1/chat/completions`` and ``/v1/completions`` requests that are not streams, to
-    http nodes, are driven by the edge too (lua/infergate/stream/answer.lua): a node that
+    http nodes, for a model that two usable nodes serve (with one there is nowhere to
+    retry), are driven by the edge too (lua/infergate/stream/answer.lua): a node that
     freezes while it holds one (found silent, no answer to its liveness check) has it
     retried on another node before the request's deadline, which nginx's proxy path
     cannot do once the request was sent; its connections to the nodes are pooled as
