@@ -1,0 +1,93 @@
+"""Two real llama.cpp servers (``llama-server``, Gemma 3 270M, one slot each) behind the
+edge, requests that are not streams (edge.answer_relay, lua/infergate/stream/answer.lua):
+
+- the server holding one is frozen (SIGSTOP: its kernel still accepts connections): the
+  request is answered by the other server seconds later, not at its deadline;
+- a client that leaves: llama-server goes on with the answer after the connection
+  closed, and the edge keeps its slot counted until the server is done.
+
+Needs the binary of ``python -m bench.realnode build`` (see tests/support/realnode.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from bench.realnode import MODEL_ALIAS
+from controlplane import procs
+from support.stack import edge_settings, snapshot_node, write_snapshot
+
+pytestmark = pytest.mark.integration
+
+#: A long answer (several seconds on one CPU thread): EOS ignored, max_tokens generated.
+LONG = {"model": MODEL_ALIAS, "max_tokens": 160, "ignore_eos": True, "temperature": 0,
+        "messages": [{"role": "user", "content": "Tell me about lighthouses."}]}
+
+
+def _slots_busy(node) -> int:
+    """Busy slots of a llama-server (GET /slots)."""
+    return sum(1 for s in requests.get(f"{node.url}/slots", timeout=5).json()
+               if s.get("is_processing"))
+
+
+@pytest.fixture
+def pair(realnodes, redis_server, edge_factory):
+    nodes = realnodes(2, parallel=1, threads=1)
+    edge = edge_factory(edge_settings(redis_server.url, [], stale_after_s=3600,
+                                      read_timeout_ms=60000))
+    snap = write_snapshot(redis_server.client(), [
+        snapshot_node(f"cpp-{i}", "127.0.0.1", n.port, kind="openai", slots=1,
+                      slots_source="server", max_concurrency=1, score=None, has_metrics=False)
+        for i, n in enumerate(nodes)])
+    edge.wait_snapshot(snap["version"])
+    return edge, {f"cpp-{i}": n for i, n in enumerate(nodes)}
+
+
+def test_a_request_on_a_server_that_froze_is_answered_by_the_other(pair) -> None:
+    edge, nodes = pair
+    pool = ThreadPoolExecutor(1)
+    frozen = None
+    try:
+        fut = pool.submit(requests.post, f"{edge.url}/v1/chat/completions", json=LONG,
+                          timeout=60)
+        procs.wait_until(lambda: any(_slots_busy(n) for n in nodes.values()), 20,
+                         what="the answer to start")
+        frozen = next(n for n in nodes.values() if _slots_busy(n))
+        os.kill(frozen.managed.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        res = fut.result(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if frozen is not None:
+            os.kill(frozen.managed.pid, signal.SIGCONT)
+        pool.shutdown(wait=True)
+    assert res.status_code == 200, res.text
+    other = next(name for name, n in nodes.items() if n is not frozen)
+    assert res.headers["X-Infergate-Node"] == other
+    assert res.json()["usage"]["completion_tokens"] == LONG["max_tokens"]
+    # found silent (1 s of quiet, a 1 s check), then the whole answer on the other server;
+    # the deadline (30 s) is not waited for
+    assert took < 25.0, took
+    assert "no answer to a liveness check" in edge.error_log()
+
+
+def test_a_client_that_leaves_keeps_the_slot_counted_while_the_server_works(pair) -> None:
+    edge, nodes = pair
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(f"{edge.url}/v1/chat/completions", json=LONG, timeout=1.5)
+    busy = [name for name, n in nodes.items() if _slots_busy(n)]
+    assert len(busy) == 1, "llama-server went on with the answer"
+    name = busy[0]
+    # while the server works, the edge counts its slot as taken (an answer just sent
+    # may leave /slots busy a moment after the edge freed it)
+    while _slots_busy(nodes[name]):
+        if edge.node_status(name)["inflight"] != 1:
+            procs.wait_until(lambda: not _slots_busy(nodes[name]), 1, what="the server done")
+            break
+        time.sleep(0.2)
+    procs.wait_until(lambda: edge.node_status(name)["inflight"] == 0, 10, what="the slot freed")
