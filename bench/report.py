@@ -384,6 +384,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "scheduler_guard_prefix": lambda r: _prefix(r, "scheduler_guard_prefix"),
     "realnode_compare": block_realnode_compare,
     "realnode_freeze": lambda r: block_realnode_compare(r, "realnode_freeze"),
+    "realnode_freeze_plain": lambda r: block_realnode_compare(r, "realnode_freeze_plain"),
     "edge_overhead": block_edge_overhead,
     "admission": block_admission,
     "redis_cluster": block_redis_cluster,

@@ -111,14 +111,21 @@ def test_connections_to_the_nodes_are_kept_alive(tiny_upstreams, redis_server,
 
 
 @contextlib.contextmanager
-def _one_answer_node(status: int, ctype: str, body: bytes) -> Iterator[str]:
+def _one_answer_node(status: int, ctype: str, body: bytes,
+                     protocol: str = "HTTP/1.1", seen: list | None = None) -> Iterator[str]:
     """A node on a free port answering every POST with ``status``, ``ctype`` and
-    ``body`` (with its Content-Length); yields its URL."""
+    ``body`` (with its Content-Length) in ``protocol``; yields its URL. ``seen`` gets one
+    entry per connection accepted."""
     class Handler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+        protocol_version = protocol
 
         def log_message(self, *args) -> None:
             pass
+
+        def setup(self) -> None:
+            super().setup()
+            if seen is not None:
+                seen.append(1)
 
         def do_POST(self) -> None:
             self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -176,6 +183,24 @@ def test_an_answer_longer_than_the_relay_keeps_is_passed_on_whole(redis_server,
     for res in got:
         assert res.status_code == 200 and int(res.headers["Content-Length"]) == len(body)
         assert res.content == body and res.headers["X-Infergate-Node"] in ("x", "y")
+
+
+def test_an_http10_node_is_not_kept_alive(redis_server, edge_factory) -> None:
+    """A node answering HTTP/1.0 without keep-alive closes each connection: every
+    request gets a connection of its own, none fails or counts against the node."""
+    body = json.dumps({"id": "x", "object": "chat.completion", "choices": [
+        {"index": 0, "finish_reason": "stop",
+         "message": {"role": "assistant", "content": "ok"}}]}).encode()
+    seen: list = []
+    with _one_answer_node(200, "application/json", body, "HTTP/1.0", seen) as x, \
+            _one_answer_node(200, "application/json", body, "HTTP/1.0", seen) as y:
+        edge = edge_factory(edge_settings(redis_server.url, [{"name": "x", "url": x},
+                                                             {"name": "y", "url": y}],
+                                          workers=1))
+        got = [_post(edge) for _ in range(6)]
+    assert [r.status_code for r in got] == [200] * 6 and all(r.content == body for r in got)
+    assert len(seen) == 6
+    assert edge.node_status("x")["failures"] == 0 and edge.node_status("y")["failures"] == 0
 
 
 def test_with_one_node_a_request_keeps_the_proxy_path(tiny_upstreams, redis_server,

@@ -134,9 +134,12 @@ function _M.connect(r, sock, node)
 end
 
 function _M.keep(r, lg, head, sock)
-    if r.req.stream or not head or not head.done or head.chunked or lg.verdict == "fail"
-            or lower(head.headers.connection or ""):find("close", 1, true) then
+    if r.req.stream or not head or not head.done or head.chunked or lg.verdict == "fail" then
         return sock:close()
+    end
+    local conn = lower(head.headers.connection or "")
+    if conn:find("close", 1, true) or head.http10 and not conn:find("keep-alive", 1, true) then
+        return sock:close() -- HTTP/1.0 closes unless it says keep-alive
     end
     local ok = sock:setkeepalive(_M.IDLE_MS)
     if not ok then

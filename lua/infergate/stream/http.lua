@@ -6,7 +6,7 @@
 --   request(sock, r)      writes r = {method, path, host, headers = {name = value},
 --                         body}; returns bytes sent or nil, err
 --   read_head(sock[, wait])  {status, headers = {lower-case name = value}, list = {{name,
---                         value}} as sent} or nil, err; wait(got_bytes): called at a
+--                         value}} as sent, http10 = an HTTP/1.0 answer} or nil, err; wait(got_bytes): called at a
 --                         read timeout of the status line, true to read on (the bytes
 --                         read so far are kept)
 --   read_body(head, sock) the next piece of the body (a string), or "" at its end
@@ -73,7 +73,8 @@ function _M.read_head(sock, wait)
             list[#list + 1] = { k, v }
         end
     end
-    local head = { status = status, headers = headers, list = list }
+    local head = { status = status, headers = headers, list = list,
+                   http10 = sub(line, 8, 8) == "0" }
     local te = headers["transfer-encoding"]
     if te and lower(te):find("chunked", 1, true) then
         head.chunked = true
