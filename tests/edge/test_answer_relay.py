@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -70,9 +71,42 @@ def test_a_request_on_a_node_that_froze_is_retried_before_its_deadline(
         # quiet 1 s, the early check's 1 s, the relay's next look (0.5 s); not the deadline
         assert took < 5.0, f"the request waited {took:.1f} s on the frozen node"
         assert "no answer to a liveness check" in edge.error_log()
+        # the access log names both tries, with a status (504: the frozen node timed
+        # out) and a time each, as nginx's proxy logs its own retries
+        line = _log_line(edge, res)
+        assert f'ua="{a.host}:{a.port}, {b.host}:{b.port}"' in line, line
+        assert re.search(r'us="504, 200" urt="\d+\.\d{3}, \d+\.\d{3}"', line), line
     else:
         assert res.status_code == 504 and res.json()["error"]["code"] == "deadline_exceeded"
         assert took >= 7.5 and on_b == 0
+
+
+def _log_line(edge, res: requests.Response) -> str:
+    rid = res.headers["X-Request-Id"]
+    for _ in range(50):                      # the log phase writes after the answer
+        lines = [ln for ln in edge.access_log().splitlines() if f"rid={rid}" in ln]
+        if lines:
+            return lines[0]
+        time.sleep(0.1)
+    raise AssertionError(f"no access log line for {rid}")
+
+
+@pytest.mark.parametrize("relay", [True, False], ids=["relay", "proxy"])
+def test_the_access_log_has_the_nodes_status_and_time(tiny_upstreams, redis_server,
+                                                      edge_factory, relay: bool) -> None:
+    """A request the edge relays itself is logged like one nginx proxied: the node's
+    address, its status and its response time (us=, urt=), for plain requests and
+    streams alike."""
+    edge, a, b = _pair(tiny_upstreams, redis_server, edge_factory, answer_relay=relay,
+                       stream_relay=relay)
+    addrs = {"a": f"{a.host}:{a.port}", "b": f"{b.host}:{b.port}"}
+    for stream in (False, True):
+        res = _post(edge, stream=stream)
+        assert res.status_code == 200, res.text
+        line = _log_line(edge, res)
+        node = res.headers["X-Infergate-Node"]
+        assert f'ua="{addrs[node]}" us="200" ' in line, line
+        assert re.search(r' urt="\d+\.\d{3}" ', line), line
 
 
 def test_a_long_answer_of_a_live_node_is_waited_on(tiny_upstreams, redis_server,
@@ -206,16 +240,17 @@ def test_an_http10_node_is_not_kept_alive(redis_server, edge_factory) -> None:
 def test_with_one_node_a_request_keeps_the_proxy_path(tiny_upstreams, redis_server,
                                                      edge_factory) -> None:
     """With one node serving the model there is nowhere to retry: a plain request goes
-    through nginx's proxy path (its access log has the node's $upstream_status), a
-    stream through the relay (none)."""
+    through nginx's proxy path (its Host is the upstream's name), a stream through the
+    relay (the node's address); the access log has the node's status for both."""
     (a,) = tiny_upstreams(names=["a"])
     edge = edge_factory(edge_settings(redis_server.url, [a.node_settings()], workers=1))
     assert _post(edge).status_code == 200
     assert _post(edge, stream=True).status_code == 200
     procs.wait_until(lambda: edge.access_log().count("POST /v1/chat") == 2, 5, what="log")
     plain, stream = [ln for ln in edge.access_log().splitlines() if "POST /v1/chat" in ln]
-    assert 'us="200"' in plain and 'us="-"' in stream, (plain, stream)
+    assert 'us="200"' in plain and 'us="200"' in stream, (plain, stream)
     assert a.hits == 2
+    assert [h["Host"] for h in a.headers_seen] == ["infergate_nodes", a.host]
 
 
 def test_a_client_that_leaves_frees_the_node(tiny_upstreams, redis_server, edge_factory) -> None:

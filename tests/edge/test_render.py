@@ -603,7 +603,8 @@ def test_a_sites_own_lua_is_kept_at_every_render(workdir: Path) -> None:
 
 
 def test_a_sites_log_format_with_the_edges_variables_logs_no_warning(workdir: Path) -> None:
-    """``$infergate_rid`` (and ``$infergate_upstream_addr``) in a log_format of the site's:
+    """``$infergate_rid`` (and ``$infergate_upstream_addr``, ``_status``,
+    ``_response_time``) in a log_format of the site's:
     requests to the site's own locations and to a server without the server include are
     logged with nginx's ``$request_id``, and without a ``using uninitialized variable``
     warning in the error log for each of them."""
@@ -620,7 +621,8 @@ pid {site}/nginx.pid;
 error_log {site}/logs/error.log warn;
 events {{}}
 http {{
-    log_format site '"$request" $status rid=$infergate_rid ua="$infergate_upstream_addr"';
+    log_format site '"$request" $status rid=$infergate_rid ua="$infergate_upstream_addr" '
+                    'us="$infergate_upstream_status" urt="$infergate_upstream_response_time"';
     access_log {site}/logs/access.log site;
     client_body_temp_path {site}/cbt;
     proxy_temp_path {site}/pt;

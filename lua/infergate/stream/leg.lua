@@ -37,6 +37,7 @@ local splice = require("infergate.stream.splice")
 local closing = require("infergate.core.closing")
 local legheaders = require("infergate.stream.legheaders")
 local answer = require("infergate.stream.answer")
+local trylog = require("infergate.stream.trylog")
 
 local _M = {}
 
@@ -437,10 +438,7 @@ function _M.run(r, node, att, body, eligible)
         end
         lg.probe_read = thr and 2 * thr
     end
-    local addrs = r.addrs or {}
-    r.addrs = addrs
-    addrs[#addrs + 1] = node.addr .. ":" .. node.port
-    pcall(function() ngx.var.infergate_relay_addr = table.concat(addrs, ", ") end)
+    trylog.start(r, node)
     -- a llama.cpp server (it answered /props) goes on with an answer that is not a
     -- stream after its connection closes: when the client leaves, the leg reads it to
     -- its end, so that the node's slot counts as taken for as long as it is
@@ -467,6 +465,7 @@ function _M.run(r, node, att, body, eligible)
     end
     answer.keep(r, lg, head, sock)
     r.read_on = nil
+    trylog.done(r, head, lg.timeout, ngx_now() - now)
     if r.client_gone then
         return -- the log phase closes the attempt (aborted)
     end
