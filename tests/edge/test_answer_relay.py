@@ -313,3 +313,27 @@ def test_a_llamacpp_node_keeps_its_slot_counted_after_the_client_left(
     finally:
         pool.shutdown(wait=True)
 
+
+def test_a_node_that_resumes_after_a_freeze_gets_requests_again(tiny_upstreams, redis_server,
+                                                                edge_factory) -> None:
+    """A node found frozen by the early liveness check (its request moved to the other
+    node) that answers a later check gets requests again (one at a time until its first
+    answer), not none until its outlier flag expires (3 x its 5 s threshold): no request
+    stays on it to clear the flag with its answer, as on nginx's proxy path."""
+    edge, a, b = _pair(tiny_upstreams, redis_server, edge_factory)
+    a.mode = "frozen"
+    try:
+        res, _, on_b = _until_one_on(edge, a, b)
+    finally:
+        a.mode = "ok"
+        a.release()
+    assert res.status_code == 200 and on_b == 1, res.text
+    procs.wait_until(lambda: "node a answers its liveness check" in edge.error_log(), 10,
+                     what="a's answer to a liveness check")
+    b.delay_s = 1.0                          # b busy: a is the cheaper pick
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda _: _post(edge), range(4)))
+    assert [r.status_code for r in got] == [200] * 4, [r.text for r in got]
+    nodes = [r.headers["X-Infergate-Node"] for r in got]
+    assert "a" in nodes, f"every request went to the busy b: {nodes}"
+    assert not edge.node_status("a")["outlier"]

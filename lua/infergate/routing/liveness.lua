@@ -45,6 +45,8 @@
 --
 -- holds(node, since, now, o)  balancer phase (no I/O): true while the node waits for an
 --                             answer to a check
+-- answered_since(node, since, o)  true when a check answered after epoch s `since`
+--                             (asks for one when none did; no I/O)
 -- dead(node, since, o)        true when a check for the finding `since` got no answer
 --                             and none answered since (asks for a check; no I/O)
 -- suspect(node, since, o)    balancer phase (no I/O): asks for an early check of a node
@@ -104,6 +106,11 @@ function _M.holds(node, since, now, o)
         return false
     end
     return not answered(dict(), node.name, since)
+end
+
+function _M.answered_since(node, since, o)
+    o = o or config.get()
+    return checkable(node, o) and answered(dict(), node.name, since)
 end
 
 function _M.dead(node, since, o)

@@ -44,6 +44,7 @@
 --                            per worker, and with every change of the p90)
 --   "fb:<node>"              epoch s of the node's last first byte seen by this edge
 --   "ol:<node>"              epoch s the node was found an outlier (with a TTL)
+--   "oe:<node>"              the "ol:" value when an early check set it (same TTL)
 --   "os:<node>"              the same, without a TTL (the last time it was found one;
 --                            removed with the others at its next first byte)
 --   "op:<node>"              probes in a row that ended unanswered, "ou:<node>" epoch s
@@ -259,11 +260,21 @@ local function early(d, node, att, fb, now, o, suspect)
             string.format("%.1f", now - since), " s and no answer to a liveness check;",
             " no new requests until it answers")
         d:set("ol:" .. name, now, _M.FLAG_TTL_FACTOR * thr)
+        d:set("oe:" .. name, now, _M.FLAG_TTL_FACTOR * thr)
         d:set("os:" .. name, now)
         return true
     end
     liveness.suspect(node, since, o)
     return false
+end
+
+-- A flag an early check set (no answer: a frozen process) no longer holds once a later
+-- check answered: the process runs again, and the node gets its probes one at a time as
+-- a node found silent (below), not none until the flag expires. On nginx's proxy path
+-- the request left waiting on the node ends with its answer, whose first byte clears
+-- the flag; one the relay moved to another node has none to give.
+local function refuted(d, node, flagged, o)
+    return d:get("oe:" .. node.name) == flagged and liveness.answered_since(node, flagged, o)
 end
 
 function _M.is_outlier(node, now, o)
@@ -278,7 +289,7 @@ function _M.is_outlier(node, now, o)
     local d = dict()
     local fb = d:get("fb:" .. name) or 0
     local flagged = d:get("ol:" .. name)
-    if flagged and flagged >= fb then
+    if flagged and flagged >= fb and not refuted(d, node, flagged, o) then
         return true
     end
     local seen = d:get("os:" .. name)
@@ -455,6 +466,7 @@ function _M.flagged(name)
     local d = dict()
     local flagged = d:get("ol:" .. name)
     return flagged ~= nil and flagged >= (d:get("fb:" .. name) or 0)
+        and not (d:get("oe:" .. name) == flagged and (d:get("la:" .. name) or 0) >= flagged)
 end
 
 return _M
