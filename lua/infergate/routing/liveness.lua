@@ -47,6 +47,7 @@
 --                             answer to a check
 -- answered_since(node, since, o)  true when a check answered after epoch s `since`
 --                             (asks for one when none did; no I/O)
+-- last_answer(name)           epoch s of the node's last answer to a check (0: none)
 -- dead(node, since, o)        true when a check for the finding `since` got no answer
 --                             and none answered since (asks for a check; no I/O)
 -- suspect(node, since, o)    balancer phase (no I/O): asks for an early check of a node
@@ -111,6 +112,10 @@ end
 function _M.answered_since(node, since, o)
     o = o or config.get()
     return checkable(node, o) and answered(dict(), node.name, since)
+end
+
+function _M.last_answer(name)
+    return dict():get("la:" .. name) or 0
 end
 
 function _M.dead(node, since, o)

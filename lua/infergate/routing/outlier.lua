@@ -466,7 +466,7 @@ function _M.flagged(name)
     local d = dict()
     local flagged = d:get("ol:" .. name)
     return flagged ~= nil and flagged >= (d:get("fb:" .. name) or 0)
-        and not (d:get("oe:" .. name) == flagged and (d:get("la:" .. name) or 0) >= flagged)
+        and not (d:get("oe:" .. name) == flagged and liveness.last_answer(name) >= flagged)
 end
 
 return _M
