@@ -337,3 +337,45 @@ def test_a_node_that_resumes_after_a_freeze_gets_requests_again(tiny_upstreams, 
     nodes = [r.headers["X-Infergate-Node"] for r in got]
     assert "a" in nodes, f"every request went to the busy b: {nodes}"
     assert not edge.node_status("a")["outlier"]
+
+
+@pytest.mark.parametrize("relay", [True, False], ids=["relay", "proxy"])
+def test_a_header_the_node_sends_twice_reaches_the_client_twice(redis_server, edge_factory,
+                                                                relay: bool) -> None:
+    """Two Set-Cookie (or Vary) headers of the node's answer both reach the client, as
+    nginx's proxy passes them; the relay kept only the last."""
+    body = json.dumps({"id": "x", "object": "chat.completion", "choices": []}).encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Set-Cookie", "a=1")
+            self.send_header("Set-Cookie", "b=2")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    srvs = [http.server.ThreadingHTTPServer(("127.0.0.1", procs.free_port()), Handler)
+            for _ in range(2)]            # two nodes: a relayed answer
+    ths = [threading.Thread(target=srv.serve_forever, daemon=True) for srv in srvs]
+    for th in ths:
+        th.start()
+    try:
+        edge = edge_factory(edge_settings(redis_server.url, [
+            {"name": f"n{i}", "url": f"http://127.0.0.1:{srv.server_address[1]}"}
+            for i, srv in enumerate(srvs)], answer_relay=relay))
+        res = _post(edge)
+    finally:
+        for srv, th in zip(srvs, ths):
+            srv.shutdown()
+            srv.server_close()
+            th.join(5)
+    assert res.status_code == 200, res.text
+    assert res.raw.headers.getlist("Set-Cookie") == ["a=1", "b=2"], res.raw.headers

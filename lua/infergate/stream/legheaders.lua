@@ -14,11 +14,24 @@ local OWN = { connection = true, ["keep-alive"] = true, ["transfer-encoding"] = 
               ["proxy-connection"] = true, date = true, server = true,
               ["content-type"] = true, ["cache-control"] = true }
 
--- The node's own headers (X-Sim-Node, its request id...), as nginx's proxy passes them.
+-- The node's own headers (X-Sim-Node, its request id...), as nginx's proxy passes them:
+-- a header the node sent several times (Set-Cookie, Vary, Link) goes out as many times.
 local function pass_headers(list)
+    local seen
     for _, h in ipairs(list or {}) do
-        if not OWN[h[1]:lower()] then
-            ngx.header[h[1]] = h[2]
+        local k = lower(h[1])
+        if not OWN[k] then
+            seen = seen or {}
+            local prev = seen[k]
+            if prev == nil then
+                seen[k] = h[2]
+                ngx.header[h[1]] = h[2]
+            else
+                prev = type(prev) == "table" and prev or { prev }
+                prev[#prev + 1] = h[2]
+                seen[k] = prev
+                ngx.header[h[1]] = prev
+            end
         end
     end
 end
