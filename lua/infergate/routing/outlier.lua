@@ -409,7 +409,10 @@ end
 -- (infergate.routing.liveness.dead: a long prefill is silent too, but its server
 -- answers), or was found so by an early check that got no answer and no byte came from
 -- it since (infergate.routing.liveness.failed_early: a running process answers /health
--- within a second, busy or not, so no second check is waited for). A half-open probe
+-- within a second, busy or not, so no second check is waited for; for an attempt that
+-- is not a stream, whose node may have most of a long answer done, one more early check
+-- of that silence, or the finding's own check with its longer timeout, must fail too: a
+-- host short of CPU can miss one 1 s check of a live node). A half-open probe
 -- (sent after the finding) is never cut by this: it waits its own bound. Called by the
 -- stream relay while it waits for the answer's head (infergate.stream.leg), as often as
 -- every WATCH_S.
@@ -425,7 +428,7 @@ function _M.gone_silent(node, att, now, o)
     if liveness.dead(node, since, o) then
         return true
     end
-    local failed = liveness.failed_early(name)
+    local failed = liveness.failed_early(name, not att.stream)
     return failed ~= nil and failed >= (d:get("lb:" .. name) or 0)
         and failed >= (d:get("fb:" .. name) or 0)
 end
