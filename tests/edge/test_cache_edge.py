@@ -1081,6 +1081,66 @@ def test_a_busy_embedder_does_not_open_the_lookup_breaker(stack, edge_factory) -
         assert res.headers["X-Cache-Status"] == "BYPASS" and seen["requests"] == n
 
 
+def test_clients_that_leave_during_lookups_do_not_stall_the_later_ones(stack, edge_factory) -> None:
+    """Clients that leave while their semantic lookups are in flight or queued end their
+    requests at once (lua_check_client_abort), the senders of the worker's lookup calls
+    with them. The calls they held no longer count once their own bound has passed (3 x
+    the 0.4 s budget + 1 s): later lookups go to the embedder again and are answered,
+    instead of waiting out their budget (BYPASS) behind the dead calls for 30 s."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    delay = {"s": 1.5}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            items = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["lookups"]
+            time.sleep(delay["s"])
+            doc = json.dumps({"results": [{"hit": False, "key": None, "similarity": 0.5}
+                                          for _ in items]}).encode()
+            try:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(doc)))
+                self.end_headers()
+                self.wfile.write(doc)
+            except OSError:
+                pass   # the edge gave up on the call
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    try:
+        s = cache_settings(stack, embedder_url=f"http://127.0.0.1:{srv.server_address[1]}",
+                           semantic_budget_ms=400)
+        s.edge.workers = 1
+        edge = edge_factory(s)
+
+        def leave(i: int) -> None:
+            with pytest.raises(requests.exceptions.ReadTimeout):
+                post(edge, body_of(f"A question its client leaves {i}?", temperature=0),
+                     timeout=0.2)
+
+        with ThreadPoolExecutor(6) as ex:
+            list(ex.map(leave, range(6)))
+        delay["s"] = 0.0
+        t0, n = time.monotonic(), [0]
+
+        def answered() -> bool:
+            n[0] += 1
+            res = post(edge, body_of(f"A question after they left {n[0]}?", temperature=0))
+            return res.headers["X-Cache-Status"] == "MISS"
+
+        procs.wait_until(answered, 8, interval=0.2, what="a lookup answered again")
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        th.join(5)
+
+
 @contextlib.contextmanager
 def slow_lookup_embedder(call_s: float) -> Iterator[tuple[str, list[list[str]], dict]]:
     """An embedder whose every POST /v1/lookups takes ``call_s`` and answers a miss for

@@ -376,11 +376,15 @@ def test_a_node_that_answered_a_check_just_before_it_froze_is_still_found(
             d:set("lx:h", t0 + 0.1)                -- the early check of that silence...
             d:set("lq:h", t0 + 1.3)                -- ...began after the answer: none came
             out.found = outlier.is_outlier(hn, t0 + 2.4)
-            out.gone = outlier.gone_silent(hn, att, t0 + 2.4)
-            d:set("la:h", t0 + 2.5)                -- it answers again: not silent
+            -- a request that is not a stream leaves it after a second failed check only
+            out.gone_once = outlier.gone_silent(hn, att, t0 + 2.4)
+            d:set("ly:h", t0 + 0.1)                -- a second check of that silence failed
+            out.gone = outlier.gone_silent(hn, att, t0 + 3.4)
+            d:set("la:h", t0 + 3.5)                -- it answers again: not silent
             d:delete("ol:h")
             d:delete("os:h")
-            out.answered = outlier.is_outlier(hn, t0 + 2.6)
+            out.answered = outlier.is_outlier(hn, t0 + 3.6)
             return out
     """, floor=5.0, stream_floor=5.0)
-    assert got == {"before": False, "found": True, "gone": True, "answered": False}, got
+    assert got == {"before": False, "found": True, "gone_once": False, "gone": True,
+                   "answered": False}, got

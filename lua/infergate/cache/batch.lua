@@ -1,7 +1,7 @@
 -- Group commit of semantic lookups within a worker (no timer, no extra coroutine).
 --
 --   local batch = require("infergate.cache.batch")
---   local result, err = batch.submit(item, budget_s, send)
+--   local result, err = batch.submit(item, budget_s, send[, req])
 --
 -- A lookup goes out at once, alone, while fewer than MAX_FLIGHTS calls of this worker
 -- are in flight, so a lone request never waits. Otherwise it waits in the worker's
@@ -24,7 +24,15 @@
 -- lookups that can still use it. The sender of a call had at least one call's time left
 -- when it was chosen, and waits for the call itself even past its own budget (bounded by
 -- the lookup location's timeouts: the others of the call wait for it).
+--
+-- A client that leaves ends its request at once (lua_check_client_abort), the lookup's
+-- coroutine with it. With `req` (the request's state), its lookup then leaves the queue
+-- (infergate.core.abort): a sender's call stops counting against MAX_FLIGHTS and the
+-- others of its call are answered "sender left" at once; a waiting one is never handed
+-- a call. Without that, two calls whose senders were gone kept every later lookup of the
+-- worker waiting past its budget (BYPASS) until STALE_FLIGHT_S.
 local semaphore = require("ngx.semaphore")
+local abort = require("infergate.core.abort")
 
 local _M = {}
 
@@ -36,8 +44,15 @@ local update_time = ngx.update_time
 -- queue there), and most lookups in one call (the embedder's /v1/lookups takes 64).
 _M.MAX_FLIGHTS = 2
 _M.MAX_BATCH = 32
--- A call in flight for longer than this (s) no longer counts against MAX_FLIGHTS: a
--- safety net should a sender never come back, so lookups cannot queue behind it forever.
+-- A call in flight for longer than its own bound no longer counts against MAX_FLIGHTS:
+-- its sender never came back. A client that leaves ends its request at once
+-- (lua_check_client_abort), its sender's coroutine with it, mid-call or before it could
+-- send the call it was handed; two such calls would otherwise keep every later lookup
+-- of the worker waiting past its budget. The bound: STALE_FACTOR x the call's budget (the
+-- lookup location's connect, send and read timeouts are each at most the budget, see
+-- infergate.cache.embedder) plus STALE_SLACK_S, at most STALE_FLIGHT_S.
+_M.STALE_FACTOR = 3
+_M.STALE_SLACK_S = 1
 _M.STALE_FLIGHT_S = 30
 -- Weight of the latest call in the moving average of call durations.
 _M.CALL_EWMA = 0.3
@@ -48,10 +63,12 @@ local nflights = 0
 -- how long a call takes (s, moving average of this worker's calls; nil before the first)
 local call_s = nil
 
--- A call starts: counted against MAX_FLIGHTS until fly() ends it; returns its token.
-local function start_flight()
+-- A call starts (its budget `budget_s`, s): counted against MAX_FLIGHTS until fly()
+-- ends it or its bound passes (see STALE_FACTOR); returns its token.
+local function start_flight(budget_s)
     local token = {}
-    flights[token] = now()
+    local bound = _M.STALE_FACTOR * budget_s + _M.STALE_SLACK_S
+    flights[token] = now() + (bound < _M.STALE_FLIGHT_S and bound or _M.STALE_FLIGHT_S)
     nflights = nflights + 1
     return token
 end
@@ -61,8 +78,8 @@ local function live_flights()
         return nflights
     end
     local t = now()
-    for token, started in pairs(flights) do
-        if t - started > _M.STALE_FLIGHT_S then
+    for token, ends in pairs(flights) do
+        if t > ends then
             flights[token] = nil
             nflights = nflights - 1
         end
@@ -77,8 +94,10 @@ local function release()
         local batch, rest = {}, {}
         local t = now()
         for _, e in ipairs(queue) do
-            if e.state == "queued" and call_s and e.deadline - t < call_s then
-                -- its answer would come after its budget: it gives up now, unsent
+            if e.state == "queued" and (e.deadline <= t or call_s and e.deadline - t < call_s) then
+                -- its answer would come after its budget: it gives up now, unsent (one
+                -- past its budget and still queued is gone: its client left, which ended
+                -- its request; it must not be handed a call it would never send)
                 e.state = "expired"
                 e.sema:post(1)
             elseif e.state == "queued" then
@@ -94,7 +113,7 @@ local function release()
             return
         end
         local lead = batch[#batch]
-        local token = start_flight()
+        local token = start_flight(lead.budget)
         for _, e in ipairs(batch) do
             e.state = "sent"
         end
@@ -142,38 +161,73 @@ local function fly(batch, token, send, me)
     return mine, mine_err
 end
 
---- One lookup: `item` (what send gets for it), `budget_s` (s) the longest it may wait
--- before its call starts or while a call it is in runs (see the header).
-function _M.submit(item, budget_s, send)
-    if #queue == 0 and live_flights() < _M.MAX_FLIGHTS then
-        local e = { item = item, state = "lead" }
-        return fly({ e }, start_flight(), send, e)
+-- The client of entry `e` left (its request ends now): see the header.
+local function left(e)
+    local state = e.state
+    e.state = "gone"
+    if state == "lead" and e.token then
+        if flights[e.token] then
+            flights[e.token] = nil
+            nflights = nflights - 1
+        end
+        for _, o in ipairs(e.batch or {}) do
+            if o ~= e and o.state == "sent" then
+                o.state, o.err = "done", "sender left"
+                o.sema:post(1)
+            end
+        end
     end
-    update_time()
-    local deadline = now() + budget_s
-    local e = { item = item, state = "queued", sema = semaphore.new(0), deadline = deadline }
-    queue[#queue + 1] = e
-    -- the queue may hold only lookups that gave up while a call could start
     release()
+end
+
+local function wait_turn(e, send)
     while true do
         if e.state == "lead" then
             -- chosen to send: it sends even when its own time runs out (see the header)
-            e.sema = nil
             return fly(e.batch, e.token, send, e)
         elseif e.state == "done" then
             return e.result, e.err
         elseif e.state == "expired" then
             return nil, "timeout"
         end
-        local left = deadline - now()
-        local posted = left > 0 and e.sema:wait(left)
+        local left_s = e.deadline - now()
+        local posted = left_s > 0 and e.sema:wait(left_s)
         update_time()
-        if not posted and (e.state == "queued" or e.state == "sent") and now() >= deadline then
+        if not posted and (e.state == "queued" or e.state == "sent") and now() >= e.deadline then
             -- still queued (release skips it) or sent (its result will be dropped)
             e.state = "gone"
             return nil, "timeout"
         end
     end
+end
+
+--- One lookup: `item` (what send gets for it), `budget_s` (s) the longest it may wait
+-- before its call starts or while a call it is in runs (see the header); `req`: the
+-- request's state, for its client leaving (optional).
+function _M.submit(item, budget_s, send, req)
+    local e
+    if #queue == 0 and live_flights() < _M.MAX_FLIGHTS then
+        e = { item = item, state = "lead" }
+        e.batch, e.token = { e }, start_flight(budget_s)
+    else
+        update_time()
+        e = { item = item, state = "queued", sema = semaphore.new(0),
+              deadline = now() + budget_s, budget = budget_s }
+        queue[#queue + 1] = e
+    end
+    local id = req and abort.watch(req, function() left(e) end)
+    local result, err
+    if e.state == "lead" then
+        result, err = fly(e.batch, e.token, send, e)
+    else
+        -- the queue may hold only lookups that gave up while a call could start
+        release()
+        result, err = wait_turn(e, send)
+    end
+    if id then
+        abort.unwatch(req, id)
+    end
+    return result, err
 end
 
 return _M

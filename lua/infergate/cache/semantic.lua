@@ -80,7 +80,7 @@ _M.semantic_usage = semantic_usage
 
 -- Semantic lookup through the embedder (grouped with this worker's concurrent lookups by
 -- infergate.cache.batch). Returns the lookup answer table or nil, err.
-local function semantic_lookup(c)
+local function semantic_lookup(c, req)
     -- route and model select the embedder's per-domain thresholds
     local payload = { namespace = c.namespace, text = cut_utf8(c.text, shared.MAX_TEXT_BYTES),
                       route = c.path, model = cut_utf8(c.model or "", 256) }
@@ -89,7 +89,7 @@ local function semantic_lookup(c)
         payload.min_similarity = th
     end
     local res, err = batch.submit(payload, (opts.semantic_budget_ms or 150) / 1000,
-                                  embedder.send_lookups)
+                                  embedder.send_lookups, req)
     if res == nil then
         if err == "timeout" then
             -- waited for this worker's earlier lookups past the budget: busy, not down
@@ -202,7 +202,7 @@ function _M.run(req, c, k)
         return true, bypass(c, "embedder_breaker_open", true)
     end
     if opts.semantic and k.namespace then
-        local res, serr = semantic_lookup(c)
+        local res, serr = semantic_lookup(c, req)
         if not res then
             local now = ngx_now()
             if now - last_skip_log >= shared.LOG_EVERY_S then
