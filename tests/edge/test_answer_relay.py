@@ -39,6 +39,17 @@ def _pair(tiny_upstreams, redis_server, edge_factory, request_ms: int = 8000, **
     return e, a, b
 
 
+def _on_frozen(edge, a, b) -> tuple[requests.Response, float, int]:
+    """With ``a`` frozen (it accepts connections, answers nothing, GETs included):
+    :func:`_until_one_on` ``a``; ``a`` runs again afterwards."""
+    a.mode = "frozen"
+    try:
+        return _until_one_on(edge, a, b)
+    finally:
+        a.mode = "ok"
+        a.release()
+
+
 def _until_one_on(edge, a, b, timeout: float = 30) -> tuple[requests.Response, float, int]:
     """Plain requests until one is sent to ``a``: (its answer, seconds, b's new requests
     meanwhile); fails after 16."""
@@ -62,12 +73,7 @@ def test_a_request_on_a_node_that_froze_is_retried_before_its_deadline(
     proxy path it waits for the deadline and gets 504."""
     edge, a, b = _pair(tiny_upstreams, redis_server, edge_factory, request_ms=12000,
                        answer_relay=relay)
-    a.mode = "frozen"
-    try:
-        res, took, on_b = _until_one_on(edge, a, b)
-    finally:
-        a.mode = "ok"
-        a.release()
+    res, took, on_b = _on_frozen(edge, a, b)
     if relay:
         assert res.status_code == 200 and res.headers["X-Infergate-Node"] == "b", res.text
         assert on_b == 1 and res.json()["system_fingerprint"] == "b"
@@ -257,6 +263,15 @@ def test_with_one_node_a_request_keeps_the_proxy_path(tiny_upstreams, redis_serv
     assert [h["Host"] for h in a.headers_seen] == ["infergate_nodes", a.host]
 
 
+def _leave_one(edge, ups) -> None:
+    """One plain request whose client leaves (1 s) while a node of ``ups`` works."""
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(_post, edge, 1.0)
+        procs.wait_until(lambda: sum(u.inflight for u in ups) == 1, 5, what="the request")
+        with pytest.raises(requests.exceptions.ReadTimeout):
+            fut.result(timeout=10)
+
+
 def test_a_client_that_leaves_frees_the_node(tiny_upstreams, redis_server, edge_factory) -> None:
     """A plain request whose client leaves while the node works ends at once, its
     in-flight count freed."""
@@ -265,12 +280,8 @@ def test_a_client_that_leaves_frees_the_node(tiny_upstreams, redis_server, edge_
                                       workers=1))
     for u in ups:
         u.mode = "hang"
-    pool = ThreadPoolExecutor(1)
     try:
-        fut = pool.submit(_post, edge, 1.0)
-        procs.wait_until(lambda: sum(u.inflight for u in ups) == 1, 5, what="the request")
-        with pytest.raises(requests.exceptions.ReadTimeout):
-            fut.result(timeout=10)
+        _leave_one(edge, ups)
         procs.wait_until(lambda: all(edge.node_status(u.name)["inflight"] == 0 for u in ups),
                          10, what="the edge to free the node")
         assert sum(u.hits for u in ups) == 1
@@ -278,7 +289,6 @@ def test_a_client_that_leaves_frees_the_node(tiny_upstreams, redis_server, edge_
         for u in ups:
             u.mode = "ok"
             u.release()
-        pool.shutdown(wait=True)
 
 
 @pytest.mark.parametrize("source", ["server", "config"])
@@ -297,25 +307,18 @@ def test_a_llamacpp_node_keeps_its_slot_counted_after_the_client_left(
     edge.wait_snapshot(snap["version"])
     for u in ups:
         u.delay_s = 3.0
-    pool = ThreadPoolExecutor(1)
-    try:
-        fut = pool.submit(_post, edge, 1.0)
-        procs.wait_until(lambda: sum(u.inflight for u in ups) == 1, 5, what="the request")
-        with pytest.raises(requests.exceptions.ReadTimeout):
-            fut.result(timeout=10)
-        node = next(u for u in ups if u.inflight == 1)
-        if source == "server":
-            t0 = time.monotonic()
-            while node.inflight == 1:     # the node works: its slot stays counted
-                assert edge.node_status(node.name)["inflight"] == 1
-                assert time.monotonic() - t0 < 5
-                time.sleep(0.1)
-        procs.wait_until(lambda: edge.node_status(node.name)["inflight"] == 0, 10,
-                         what="the count freed")
-        if source == "config":
-            assert node.inflight == 1, "freed only once the node finished"
-    finally:
-        pool.shutdown(wait=True)
+    _leave_one(edge, ups)
+    node = next(u for u in ups if u.inflight == 1)
+    if source == "server":
+        t0 = time.monotonic()
+        while node.inflight == 1:     # the node works: its slot stays counted
+            assert edge.node_status(node.name)["inflight"] == 1
+            assert time.monotonic() - t0 < 5
+            time.sleep(0.1)
+    procs.wait_until(lambda: edge.node_status(node.name)["inflight"] == 0, 10,
+                     what="the count freed")
+    if source == "config":
+        assert node.inflight == 1, "freed only once the node finished"
 
 
 def test_a_node_that_resumes_after_a_freeze_gets_requests_again(tiny_upstreams, redis_server,
@@ -325,12 +328,7 @@ def test_a_node_that_resumes_after_a_freeze_gets_requests_again(tiny_upstreams, 
     answer), not none until its outlier flag expires (3 x its 5 s threshold): no request
     stays on it to clear the flag with its answer, as on nginx's proxy path."""
     edge, a, b = _pair(tiny_upstreams, redis_server, edge_factory)
-    a.mode = "frozen"
-    try:
-        res, _, on_b = _until_one_on(edge, a, b)
-    finally:
-        a.mode = "ok"
-        a.release()
+    res, _, on_b = _on_frozen(edge, a, b)
     assert res.status_code == 200 and on_b == 1, res.text
     procs.wait_until(lambda: "node a answers its liveness check" in edge.error_log(), 10,
                      what="a's answer to a liveness check")

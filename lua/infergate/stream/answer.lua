@@ -12,6 +12,7 @@
 --   send(r, a, node_name)    answer `a` to the client (ngx.print; the caller exits)
 --   keep(r, lg, head, sock)  the connection back to the pool, or closed
 --   connect(r, sock, node)   sock:connect into the pool of the node's relayed answers
+--   write(r, piece)          `piece` to the client now (false: the client left)
 local outlier = require("infergate.routing.outlier")
 local stall = require("infergate.routing.stall")
 local stats = require("infergate.routing.stats")
@@ -32,6 +33,17 @@ _M.ANSWER_MAX = 16 * 1024 * 1024
 -- upstream keepalive_timeout (nginx/infergate-http.conf.j2).
 _M.IDLE_MS = 60000
 
+-- Sends `piece` to the client now; a client that left marks r.client_gone (false then).
+function _M.write(r, piece)
+    ngx.print(piece)
+    local ok, err = ngx.flush(true)
+    if not ok then
+        r.client_gone = err or true
+        return false
+    end
+    return true
+end
+
 -- A whole answer longer than ANSWER_MAX goes on as it comes, as the proxy path passes
 -- it: its head and what was read, then the rest piece by piece; it cannot move to
 -- another node past that, and a node that fails in its middle cuts it (the client's
@@ -45,10 +57,7 @@ local function spill(r, lg, head, sock, parts)
     r.sent, r.finished = true, true
     local data = concat(parts)
     while data ~= "" do
-        ngx.print(data)
-        local ok, ferr = ngx.flush(true)
-        if not ok then
-            r.client_gone = ferr or true
+        if not _M.write(r, data) then
             return
         end
         local err

@@ -52,14 +52,7 @@ local WARN = ngx.WARN
 -- Longest SSE event (bytes) read from a node.
 _M.EVENT_MAX = 4 * 1024 * 1024
 
--- Sends `piece` to the client now; a client that left marks r.client_gone.
-local function write(r, piece)
-    ngx.print(piece)
-    local ok, err = ngx.flush(true)
-    if not ok then
-        r.client_gone = err or true
-    end
-end
+local write = answer.write
 _M.write = write
 
 local pass_headers = legheaders.pass_headers
