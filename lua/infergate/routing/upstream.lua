@@ -176,15 +176,21 @@ function _M.step(req)
     return nil
 end
 
+local function set_ssl_name(name)
+    ngx.var.infergate_ssl_name = name
+end
+
 -- Balancer hook: whether `node` may take this try of `req` (same group); sets the
--- certificate name of an https node.
+-- certificate name of an https node. (No closure in here: a function that creates one
+-- closes upvalues at every return, a bytecode LuaJIT does not compile, and the
+-- balancer's traces through it were aborted and blacklisted.)
 function _M.admit(req, node)
     if req.group and _M.key(node) ~= req.group then
         return false
     end
     local name = node.tls_name
     if name and name ~= req.ssl_name then
-        local ok = pcall(function() ngx.var.infergate_ssl_name = name end)
+        local ok = pcall(set_ssl_name, name)
         if ok then
             req.ssl_name = name
         end

@@ -282,12 +282,8 @@ local function run(r)
         .. "the model can continue it.", "stream_interrupted")
 end
 
--- Access step (the last): drives the request when wanted(), then ends it.
-function _M.step(req)
-    local o = config.get()
-    if not _M.wanted(req, o) then
-        return nil
-    end
+-- Drives request `req` (wanted) and ends it.
+local function drive(req, o)
     local r = {
         req = req, o = o, out = splice.new_out(), legs = 0, sent = false, whys = {},
         body = ngx.req.get_body_data() or req.raw_body or "",
@@ -312,6 +308,18 @@ function _M.step(req)
         return ngx.exit(444)
     end
     return ngx.exit(ngx.HTTP_OK)
+end
+
+-- Access step (the last): drives the request when wanted(), then ends it. (The closure
+-- for the client's leaving is made in drive(): a function that creates one closes
+-- upvalues at every return, which LuaJIT does not compile, and every request's trace
+-- through this step was aborted.)
+function _M.step(req)
+    local o = config.get()
+    if not _M.wanted(req, o) then
+        return nil
+    end
+    return drive(req, o)
 end
 
 return _M

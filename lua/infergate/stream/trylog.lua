@@ -11,8 +11,12 @@ local _M = {}
 local concat = table.concat
 local format = string.format
 
+local function assign(name, value)
+    ngx.var[name] = value
+end
+
 local function set(name, list)
-    pcall(function() ngx.var[name] = concat(list, ", ") end)
+    pcall(assign, name, concat(list, ", "))
 end
 
 local function add(r, field, value)
