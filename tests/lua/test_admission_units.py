@@ -169,6 +169,16 @@ def test_prompt_token_estimate(workdir: Path) -> None:
     assert got == [3, 2, 3, 3, 1, 1, 4, 0]
 
 
+def test_characters_are_code_points(workdir: Path) -> None:
+    got = lua_eval(workdir, """
+            local chars = require("infergate.core.body").chars
+            return {chars(""), chars("abc"), chars("héllo wörld"), chars("日本語"),
+                    chars("😀!"), chars(string.rep("é", 1000)), chars("\\128\\191x")}
+    """)
+    # continuation bytes (0x80-0xBF) are not counted, a lone one included
+    assert got == [0, 3, 11, 3, 2, 1000, 1]
+
+
 def test_bearer_parsing_and_key_records(workdir: Path) -> None:
     got = lua_eval(workdir, """
             local auth = require("infergate.admission.auth")
@@ -217,6 +227,8 @@ def test_usage_parsing(workdir: Path) -> None:
                 u.parse(json), u.parse(sse), u.parse(no_total),
                 u.parse("no usage here") or "nil", u.parse('"usage": {}') or "nil",
                 u.content_chunks(chunks),
+                -- a later "usage" that is a value, not a key of an object
+                u.parse('{"usage": {"total_tokens": 3}, "object": "usage"}'),
             }
     """)
     assert got[0] == {"prompt_tokens": 12, "completion_tokens": 30, "total_tokens": 42}
@@ -224,6 +236,7 @@ def test_usage_parsing(workdir: Path) -> None:
     assert got[2] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}
     assert got[3:5] == ["nil", "nil"]
     assert got[5] == 2
+    assert got[6] == {"total_tokens": 3}
 
 
 def test_deadline_timeouts_per_try(workdir: Path) -> None:

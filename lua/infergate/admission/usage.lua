@@ -20,29 +20,55 @@ local _M = {}
 
 local tonumber = tonumber
 local type = type
+local ipairs = ipairs
 
 _M.TAIL = 16384
 
+local find = string.find
+local match = string.match
+
+local FIELD_PATTERN = {}
+for _, name in ipairs({ "prompt_tokens", "completion_tokens", "total_tokens" }) do
+    FIELD_PATTERN[name] = '"' .. name .. '"%s*:%s*(%d+)'
+end
+
+local function field(obj, name)
+    return tonumber(match(obj, FIELD_PATTERN[name]))
+end
+
 -- The last "usage": {...} object of text: {prompt_tokens, completion_tokens,
--- total_tokens} (numbers or nil), or nil.
+-- total_tokens} (numbers or nil), or nil. The "usage" keys are found by plain search
+-- (a pattern tried at every byte of a 16 KB tail costs more than the rest of the body
+-- filter), the last one followed by an object wins.
 function _M.parse(text)
     if type(text) ~= "string" then
         return nil
     end
+    local at, n = {}, 0
+    local from = 1
+    while true do
+        local s = find(text, '"usage"', from, true)
+        if not s then
+            break
+        end
+        n = n + 1
+        at[n] = s
+        from = s + 7
+    end
     local last
-    for obj in text:gmatch('"usage"%s*:%s*(%b{})') do
-        last = obj
+    for i = n, 1, -1 do
+        last = match(text, '^"usage"%s*:%s*(%b{})', at[i])
+        if last then
+            break
+        end
     end
     if not last then
         return nil
     end
-    local function field(name)
-        return tonumber(last:match('"' .. name .. '"%s*:%s*(%d+)'))
-    end
     local u = {
-        prompt_tokens = field("prompt_tokens"),
-        completion_tokens = field("completion_tokens"),
-        total_tokens = field("total_tokens"),
+        prompt_tokens = field(last, "prompt_tokens"),
+        completion_tokens = field(last, "completion_tokens"),
+        total_tokens = field(last, "total_tokens"),
     }
     if not u.total_tokens and (u.prompt_tokens or u.completion_tokens) then
         u.total_tokens = (u.prompt_tokens or 0) + (u.completion_tokens or 0)

@@ -10,8 +10,12 @@
 -- to a temp file (bodies over edge.client_body_buffer_size, 1m by default: the file was
 -- just written and is read from the page cache): the body, nil when there is none, or
 -- nil, err when the temp file cannot be read.
+local ffi = require("ffi")
+
 local _M = {}
 
+local ffi_cast = ffi.cast
+local U8P = ffi.typeof("const uint8_t *")
 local io_open = io.open
 local tostring = tostring
 local type = type
@@ -35,10 +39,20 @@ function _M.text()
     return data
 end
 
--- Characters (Unicode code points) of a UTF-8 string.
+-- Characters (Unicode code points) of a UTF-8 string: its bytes less the continuation
+-- bytes (0x80-0xBF), counted in a loop the JIT compiles (gsub built a copy of the
+-- string to count).
 local function chars(s)
-    local _, n = s:gsub("[^\128-\191]", "")
-    return n
+    local len = #s
+    local p = ffi_cast(U8P, s)
+    local cont = 0
+    for i = 0, len - 1 do
+        local b = p[i]
+        if b >= 128 and b < 192 then
+            cont = cont + 1
+        end
+    end
+    return len - cont
 end
 
 _M.chars = chars

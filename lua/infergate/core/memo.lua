@@ -7,6 +7,8 @@
 --   m:set(k, v)                   -- returns v
 --   local key_of = memo.prefixer("if:")
 --   key_of("node-a")              -- "if:node-a", built once
+--   local key = memo.keyer()
+--   key("xy:", "node-a")          -- "xy:node-a", built once
 local _M = {}
 
 local setmetatable = setmetatable
@@ -45,6 +47,34 @@ function _M.prefixer(prefix)
         if not k then
             k = prefix .. name
             built[name] = k
+        end
+        return k
+    end
+end
+
+-- A function (prefix, name) -> prefix .. name that builds each string once, for the
+-- shared-dict keys of a node (names of a bounded set) on paths run for every request:
+-- a table read instead of a concatenation, which hashes a new string and leaves
+-- garbage. Starts afresh past `max` keys (default 4096).
+function _M.keyer(max)
+    max = max or 4096
+    local built, n = {}, 0
+    return function(prefix, name)
+        local by = built[prefix]
+        if not by then
+            by = {}
+            built[prefix] = by
+        end
+        local k = by[name]
+        if not k then
+            if n >= max then
+                built, n = {}, 0
+                by = {}
+                built[prefix] = by
+            end
+            k = prefix .. name
+            by[name] = k
+            n = n + 1
         end
         return k
     end

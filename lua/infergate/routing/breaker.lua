@@ -12,6 +12,7 @@
 -- (added with a TTL so a lost probe cannot block the node forever).
 -- No I/O: safe in the balancer and log phases.
 local config = require("infergate.core.config")
+local key = require("infergate.core.memo").keyer()
 
 local _M = {}
 
@@ -35,7 +36,7 @@ end
 -- "closed" | "open" | "half_open" (open, cooldown over: probing or ready to probe)
 function _M.state(name, now)
     local d = dict()
-    local opened = d:get("bo:" .. name)
+    local opened = d:get(key("bo:", name))
     if not opened then
         return "closed"
     end
@@ -57,7 +58,7 @@ _M.ALONE_PROBE_S = ALONE_PROBE_S
 -- is the last hope of a request, half-open after ALONE_PROBE_S already.
 function _M.allow(name, now, alone)
     local d = dict()
-    local opened = d:get("bo:" .. name)
+    local opened = d:get(key("bo:", name))
     if not opened then
         return "yes"
     end
@@ -65,7 +66,7 @@ function _M.allow(name, now, alone)
     if alone and ALONE_PROBE_S < cooldown then
         cooldown = ALONE_PROBE_S
     end
-    if now - opened < cooldown or d:get("bp:" .. name) then
+    if now - opened < cooldown or d:get(key("bp:", name)) then
         return false
     end
     return "probe"
@@ -73,22 +74,22 @@ end
 
 -- Takes the single half-open probe slot of a node; true when this caller got it.
 function _M.take_probe(name)
-    local ok = dict():add("bp:" .. name, true, probe_ttl(config.get()))
+    local ok = dict():add(key("bp:", name), true, probe_ttl(config.get()))
     return ok and true or false
 end
 
 local function release_probe(name)
-    dict():delete("bp:" .. name)
+    dict():delete(key("bp:", name))
 end
 
 -- An attempt on the node succeeded. probe: it was the half-open probe.
 -- started: epoch seconds the attempt started.
 function _M.success(name, probe, started)
     local d = dict()
-    local opened = d:get("bo:" .. name)
+    local opened = d:get(key("bo:", name))
     if probe then
-        d:delete("bo:" .. name)
-        d:set("bf:" .. name, 0)
+        d:delete(key("bo:", name))
+        d:set(key("bf:", name), 0)
         release_probe(name)
         log(WARN, "infergate: circuit breaker of node ", name, " closed (probe succeeded)")
         return
@@ -96,7 +97,7 @@ function _M.success(name, probe, started)
     if opened and started < opened then
         return -- an attempt from before the breaker opened; only the probe closes it
     end
-    d:set("bf:" .. name, 0)
+    d:set(key("bf:", name), 0)
 end
 
 -- An attempt on the node failed (connect error, timeout, 5xx, invalid answer).
@@ -105,19 +106,19 @@ function _M.failure(name, probe, _started, now)
     local d = dict()
     local o = config.get()
     if probe then
-        d:set("bo:" .. name, now)
+        d:set(key("bo:", name), now)
         release_probe(name)
         require("infergate.core.prometheus").breaker_opened(name)
         log(WARN, "infergate: circuit breaker of node ", name, " reopened (probe failed)")
         return
     end
-    if d:get("bo:" .. name) then
+    if d:get(key("bo:", name)) then
         return -- already open
     end
-    local n = d:incr("bf:" .. name, 1, 0)
+    local n = d:incr(key("bf:", name), 1, 0)
     if n and n >= o.edge.breaker_failures then
         -- add: only one worker opens it (and logs)
-        local ok = d:add("bo:" .. name, now)
+        local ok = d:add(key("bo:", name), now)
         if ok then
             require("infergate.core.prometheus").breaker_opened(name)
             log(WARN, "infergate: circuit breaker of node ", name, " opened after ", n,
@@ -135,7 +136,7 @@ function _M.neutral(name, probe)
 end
 
 function _M.consecutive_failures(name)
-    return dict():get("bf:" .. name) or 0
+    return dict():get(key("bf:", name)) or 0
 end
 
 return _M

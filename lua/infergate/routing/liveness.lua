@@ -61,6 +61,7 @@
 --                             node that waits; asks early ones of quiet nodes with requests
 -- init_worker()               the timer (worker 0 only)
 local config = require("infergate.core.config")
+local key = require("infergate.core.memo").keyer()
 local ngxapi = require("infergate.core.ngxapi")
 local ngx_now = ngxapi.now
 
@@ -89,12 +90,12 @@ end
 
 -- True when a check answered after the finding `since`; otherwise asks worker 0 for one.
 local function answered(d, name, since)
-    local la = d:get("la:" .. name)
+    local la = d:get(key("la:", name))
     if la and la >= since then
         return true
     end
-    if d:get("lw:" .. name) ~= since then
-        d:set("lw:" .. name, since, _M.HOLD_MAX_S)
+    if d:get(key("lw:", name)) ~= since then
+        d:set(key("lw:", name), since, _M.HOLD_MAX_S)
     end
     return false
 end
@@ -115,7 +116,7 @@ function _M.answered_since(node, since, o)
 end
 
 function _M.last_answer(name)
-    return dict():get("la:" .. name) or 0
+    return dict():get(key("la:", name)) or 0
 end
 
 function _M.dead(node, since, o)
@@ -124,7 +125,7 @@ function _M.dead(node, since, o)
         return false
     end
     local d = dict()
-    return not answered(d, node.name, since) and d:get("ln:" .. node.name) == since
+    return not answered(d, node.name, since) and d:get(key("ln:", node.name)) == since
 end
 
 -- Seconds of quiet after which a node gets an early check (edge.liveness_suspect_s,
@@ -140,7 +141,7 @@ end
 -- Asks worker 0 for an early check of `name`, quiet since `since` (at most one ask per
 -- EARLY_REPEAT_S: a later one within it is dropped).
 local function ask_early(d, name, since)
-    d:add("le:" .. name, since, _M.EARLY_REPEAT_S)
+    d:add(key("le:", name), since, _M.EARLY_REPEAT_S)
 end
 
 function _M.suspect(node, since, o)
@@ -155,7 +156,7 @@ function _M.failed_early(name, twice)
     local lx = d:get((twice and "ly:" or "lx:") .. name)
     -- no answer since the failed check began ("lq:"; a node that answered a check just
     -- before it froze, after its silence began, is still found)
-    if lx and (d:get("la:" .. name) or 0) < (d:get("lq:" .. name) or lx) then
+    if lx and (d:get(key("la:", name)) or 0) < (d:get(key("lq:", name)) or lx) then
         return lx
     end
     return nil
@@ -172,7 +173,7 @@ function _M.mid_stream(node, since, o)
         return "dead"
     end
     local d = dict()
-    if (d:get("la:" .. node.name) or 0) >= since then
+    if (d:get(key("la:", node.name)) or 0) >= since then
         return "alive"
     end
     local failed = _M.failed_early(node.name)
@@ -222,14 +223,14 @@ local function run_check(node, since, t)
     local ok, err = _M.check(node, t)
     local d = dict()
     if ok then
-        d:set("la:" .. node.name, ngx_now(), _M.HOLD_MAX_S)
+        d:set(key("la:", node.name), ngx_now(), _M.HOLD_MAX_S)
         log(WARN, "infergate: node ", node.name, " answers its liveness check: probes resume")
-    elseif d:get("lw:" .. node.name) == since then
-        if d:get("ln:" .. node.name) ~= since then
+    elseif d:get(key("lw:", node.name)) == since then
+        if d:get(key("ln:", node.name)) ~= since then
             log(WARN, "infergate: node ", node.name, " silent and no answer to its liveness",
                 " check within ", t, " s: ", err or "?")
         end
-        d:set("ln:" .. node.name, since, _M.HOLD_MAX_S)
+        d:set(key("ln:", node.name), since, _M.HOLD_MAX_S)
     end
 end
 
@@ -238,15 +239,15 @@ local function run_early(node, since, t)
     local ok, err = _M.check(node, t)
     local d = dict()
     if ok then
-        d:set("la:" .. node.name, ngx_now(), _M.HOLD_MAX_S)
+        d:set(key("la:", node.name), ngx_now(), _M.HOLD_MAX_S)
     else
         log(WARN, "infergate: node ", node.name, " quiet for ", string.format("%.1f", ngx_now() - since),
             " s and no answer to its liveness check within ", t, " s: ", err or "?")
-        if d:get("lx:" .. node.name) == since then
-            d:set("ly:" .. node.name, since, _M.HOLD_MAX_S) -- a second one, same silence
+        if d:get(key("lx:", node.name)) == since then
+            d:set(key("ly:", node.name), since, _M.HOLD_MAX_S) -- a second one, same silence
         end
-        d:set("lx:" .. node.name, since, _M.HOLD_MAX_S)
-        d:set("lq:" .. node.name, began, _M.HOLD_MAX_S)
+        d:set(key("lx:", node.name), since, _M.HOLD_MAX_S)
+        d:set(key("lq:", node.name), began, _M.HOLD_MAX_S)
     end
 end
 
@@ -263,12 +264,12 @@ end
 
 -- Starts one check of `node` in a timer of its own unless one is running; true if started.
 local function start(d, node, since, t, early)
-    if not d:add("lc:" .. node.name, true, t) then
+    if not d:add(key("lc:", node.name), true, t) then
         return false
     end
     local ok, err = ngx.timer.at(0, check_timer, node, since, t, early)
     if not ok then
-        d:delete("lc:" .. node.name)
+        d:delete(key("lc:", node.name))
         log(WARN, "infergate: liveness check of ", node.name, " not started: ", err)
         return false
     end
@@ -285,7 +286,7 @@ local function quiet_with_requests(d, node, o, now, n)
         return
     end
     local name = node.name
-    local last = math.max(d:get("lb:" .. name) or 0, d:get("fb:" .. name) or 0)
+    local last = math.max(d:get(key("lb:", name)) or 0, d:get(key("fb:", name)) or 0)
     if now - last > after then
         ask_early(d, name, last > 0 and last or now - after)
     end
@@ -305,16 +306,16 @@ function _M.tick(nodes, o, threshold, inflight)
             if inflight then
                 quiet_with_requests(d, node, o, now, inflight(name))
             end
-            local since = d:get("lw:" .. name)
-            local la = d:get("la:" .. name)
-            local early = d:get("le:" .. name)
+            local since = d:get(key("lw:", name))
+            local la = d:get(key("la:", name))
+            local early = d:get(key("le:", name))
             if since and (not la or la < since) then
                 if start(d, node, since, _M.timeout(threshold(name, o)), false) then
                     started = started + 1
                 end
-            elseif early and d:get("lh:" .. name) ~= early
+            elseif early and d:get(key("lh:", name)) ~= early
                     and start(d, node, early, _M.EARLY_TIMEOUT_S, true) then
-                d:set("lh:" .. name, early, _M.EARLY_RECHECK_S)
+                d:set(key("lh:", name), early, _M.EARLY_RECHECK_S)
                 started = started + 1
             end
         end

@@ -60,6 +60,7 @@
 -- is_outlier(node, now) balancer phase (no I/O: shared dict and local tables only); also
 --                      true for a node stalled mid-stream (infergate.routing.stall)
 local config = require("infergate.core.config")
+local key = require("infergate.core.memo").keyer()
 local ngxapi = require("infergate.core.ngxapi")
 local ngx_now = ngxapi.now
 local stats = require("infergate.routing.stats")
@@ -199,13 +200,13 @@ function _M.first_byte(req, now)
     local name = att.node
     -- "ol", "op" and "ou" are only ever set once "os" is: a node never found an outlier
     -- costs one read here
-    local seen = d:get("os:" .. name)
-    d:set("fb:" .. name, now)
+    local seen = d:get(key("os:", name))
+    d:set(key("fb:", name), now)
     if seen then
-        d:delete("ol:" .. name)
-        d:delete("op:" .. name)
-        d:delete("ou:" .. name)
-        d:delete("os:" .. name)
+        d:delete(key("ol:", name))
+        d:delete(key("op:", name))
+        d:delete(key("ou:", name))
+        d:delete(key("os:", name))
     end
     local ttfb = now - att.started
     if ttfb >= 0 and not speed.queued(att) then
@@ -244,7 +245,7 @@ _M._oldest_waiting = oldest_waiting
 -- threshold) when such a check made since its last byte got no answer.
 local function early(d, node, att, fb, now, o, suspect)
     local name = node.name
-    local last = d:get("lb:" .. name) or 0
+    local last = d:get(key("lb:", name)) or 0
     if fb > last then
         last = fb
     end
@@ -259,9 +260,9 @@ local function early(d, node, att, fb, now, o, suspect)
             string.format("%.1f", now - att.started), " s for its first byte, no byte for ",
             string.format("%.1f", now - since), " s and no answer to a liveness check;",
             " no new requests until it answers")
-        d:set("ol:" .. name, now, _M.FLAG_TTL_FACTOR * thr)
-        d:set("oe:" .. name, now, _M.FLAG_TTL_FACTOR * thr)
-        d:set("os:" .. name, now)
+        d:set(key("ol:", name), now, _M.FLAG_TTL_FACTOR * thr)
+        d:set(key("oe:", name), now, _M.FLAG_TTL_FACTOR * thr)
+        d:set(key("os:", name), now)
         return true
     end
     liveness.suspect(node, since, o)
@@ -274,7 +275,7 @@ end
 -- the request left waiting on the node ends with its answer, whose first byte clears
 -- the flag; one the relay moved to another node has none to give.
 local function refuted(d, node, flagged, o)
-    return d:get("oe:" .. node.name) == flagged and liveness.answered_since(node, flagged, o)
+    return d:get(key("oe:", node.name)) == flagged and liveness.answered_since(node, flagged, o)
 end
 
 function _M.is_outlier(node, now, o)
@@ -287,19 +288,19 @@ function _M.is_outlier(node, now, o)
     end
     local name = node.name
     local d = dict()
-    local fb = d:get("fb:" .. name) or 0
-    local flagged = d:get("ol:" .. name)
+    local fb = d:get(key("fb:", name)) or 0
+    local flagged = d:get(key("ol:", name))
     if flagged and flagged >= fb and not refuted(d, node, flagged, o) then
         return true
     end
-    local seen = d:get("os:" .. name)
+    local seen = d:get(key("os:", name))
     if seen and seen >= fb then
         -- silent since it was found an outlier: one request at a time, and none while
         -- the last probes' backoff runs
         if stats.inflight(name) >= 1 then
             return true
         end
-        local until_s = d:get("ou:" .. name)
+        local until_s = d:get(key("ou:", name))
         if until_s and now < until_s then
             return true
         end
@@ -335,8 +336,8 @@ function _M.is_outlier(node, now, o)
             string.format("%.1f", waited), " s for its first byte (threshold ",
             string.format("%.1f", thr), " s); no new requests until it answers")
     end
-    d:set("ol:" .. name, now, _M.FLAG_TTL_FACTOR * thr)
-    d:set("os:" .. name, now)
+    d:set(key("ol:", name), now, _M.FLAG_TTL_FACTOR * thr)
+    d:set(key("os:", name), now)
     return true
 end
 
@@ -356,8 +357,8 @@ local function probe_of(name, stream, o)
         return nil
     end
     local d = dict()
-    local seen = d:get("os:" .. name)
-    if not seen or seen < (d:get("fb:" .. name) or 0) then
+    local seen = d:get(key("os:", name))
+    if not seen or seen < (d:get(key("fb:", name)) or 0) then
         return nil
     end
     return _M.threshold(name, stream, o)
@@ -383,8 +384,8 @@ end
 -- since ("os" not older than "fb"), or stalled with no byte since
 -- (infergate.routing.stall.silent_since); nil when neither.
 local function silent_finding(d, name)
-    local since = d:get("os:" .. name)
-    if since and since < (d:get("fb:" .. name) or 0) then
+    local since = d:get(key("os:", name))
+    if since and since < (d:get(key("fb:", name)) or 0) then
         since = nil
     end
     local ss = stall.silent_since(d, name)
@@ -429,8 +430,8 @@ function _M.gone_silent(node, att, now, o)
         return true
     end
     local failed = liveness.failed_early(name, not att.stream)
-    return failed ~= nil and failed >= (d:get("lb:" .. name) or 0)
-        and failed >= (d:get("fb:" .. name) or 0)
+    return failed ~= nil and failed >= (d:get(key("lb:", name)) or 0)
+        and failed >= (d:get(key("fb:", name)) or 0)
 end
 
 -- An attempt ended: a probe of a silent outlier (sent after it was found one) that waited
@@ -448,28 +449,28 @@ function _M.finished(att, now)
     end
     local d = dict()
     local name = att.node
-    local seen = d:get("os:" .. name)
-    if not seen or seen < (d:get("fb:" .. name) or 0) or att.started < seen then
+    local seen = d:get(key("os:", name))
+    if not seen or seen < (d:get(key("fb:", name)) or 0) or att.started < seen then
         return
     end
     local thr = _M.threshold(name, att.stream, o)
     if now - att.started < thr then
         return -- ended early (the client left): no evidence either way
     end
-    local n = d:incr("op:" .. name, 1, 0) or 1
+    local n = d:incr(key("op:", name), 1, 0) or 1
     local wait = thr * 2 ^ n
     if wait > _M.PROBE_BACKOFF_MAX_S then
         wait = _M.PROBE_BACKOFF_MAX_S
     end
-    d:set("ou:" .. name, now + wait)
+    d:set(key("ou:", name), now + wait)
 end
 
 -- Outlier state of node `name` for the status endpoint: true, false.
 function _M.flagged(name)
     local d = dict()
-    local flagged = d:get("ol:" .. name)
-    return flagged ~= nil and flagged >= (d:get("fb:" .. name) or 0)
-        and not (d:get("oe:" .. name) == flagged and liveness.last_answer(name) >= flagged)
+    local flagged = d:get(key("ol:", name))
+    return flagged ~= nil and flagged >= (d:get(key("fb:", name)) or 0)
+        and not (d:get(key("oe:", name)) == flagged and liveness.last_answer(name) >= flagged)
 end
 
 return _M

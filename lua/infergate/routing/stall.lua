@@ -46,6 +46,7 @@
 -- is_stalled(node, now, o, inflight)  balancer phase (no I/O)
 -- body_filter()           the body filter step (infergate.phases)
 local config = require("infergate.core.config")
+local key = require("infergate.core.memo").keyer()
 local ngxapi = require("infergate.core.ngxapi")
 local ring = require("infergate.routing.ring")
 local liveness = require("infergate.routing.liveness")
@@ -75,7 +76,7 @@ _M._p90_of = ring.p90_of
 local function add_gap(d, name, gap)
     local p = ring.push(rings, name, gap, _M.SAMPLES)
     if p then
-        d:set("gq:" .. name, p)
+        d:set(key("gq:", name), p)
     end
 end
 
@@ -93,7 +94,7 @@ end
 function _M.threshold(name, o)
     o = o or config.get()
     local thr = o.edge.stall_min_s
-    local p = dict():get("gq:" .. name)
+    local p = dict():get(key("gq:", name))
     if p and o.edge.stall_gap_factor * p > thr then
         thr = o.edge.stall_gap_factor * p
     end
@@ -104,12 +105,12 @@ end
 -- found earlier), and the attempt's largest gap between two chunks.
 local function progress(d, name, now)
     written[name] = now
-    d:set("lb:" .. name, now)
-    if d:get("ss:" .. name) then
-        d:delete("sl:" .. name)
-        d:delete("ss:" .. name)
-        d:delete("sp:" .. name)
-        d:delete("su:" .. name)
+    d:set(key("lb:", name), now)
+    if d:get(key("ss:", name)) then
+        d:delete(key("sl:", name))
+        d:delete(key("ss:", name))
+        d:delete(key("sp:", name))
+        d:delete(key("su:", name))
         log(WARN, "infergate: node ", name, " sends bytes again: no longer stalled")
     end
 end
@@ -153,8 +154,8 @@ end
 
 -- Epoch s the node was found stalled when it sent no byte since, else nil.
 local function silent_since(d, name)
-    local ss = d:get("ss:" .. name)
-    if ss and ss >= (d:get("lb:" .. name) or 0) then
+    local ss = d:get(key("ss:", name))
+    if ss and ss >= (d:get(key("lb:", name)) or 0) then
         return ss
     end
     return nil
@@ -188,12 +189,12 @@ function _M.finished(att, now)
     if now - att.started < thr then
         return -- ended early (the client left): no evidence either way
     end
-    local n = d:incr("sp:" .. name, 1, 0) or 1
+    local n = d:incr(key("sp:", name), 1, 0) or 1
     local wait = thr * 2 ^ n
     if wait > _M.PROBE_BACKOFF_MAX_S then
         wait = _M.PROBE_BACKOFF_MAX_S
     end
-    d:set("su:" .. name, now + wait)
+    d:set(key("su:", name), now + wait)
 end
 
 -- True when node `node` gets no new request: found stalled (here or by another worker)
@@ -205,17 +206,17 @@ function _M.is_stalled(node, now, o, inflight)
     o = o or config.get()
     local name = node.name
     local d = dict()
-    local ss = d:get("ss:" .. name)
+    local ss = d:get(key("ss:", name))
     if (not ss and not streaming[name]) or o.edge.stall_gap_factor <= 0 then
         return false -- most picks end here, after one read
     end
-    local lb = d:get("lb:" .. name) or 0
+    local lb = d:get(key("lb:", name)) or 0
     local found = ss and ss >= lb
     if found then
-        if d:get("sl:" .. name) or inflight(name) >= 1 then
+        if d:get(key("sl:", name)) or inflight(name) >= 1 then
             return true
         end
-        local until_s = d:get("su:" .. name)
+        local until_s = d:get(key("su:", name))
         if until_s and now < until_s then
             return true
         end
@@ -241,9 +242,9 @@ function _M.is_stalled(node, now, o, inflight)
         log(WARN, "infergate: node ", name, " is stalled: streams in flight and no byte for ",
             string.format("%.1f", silent), " s (threshold ", string.format("%.1f", thr),
             " s); no new requests until it sends again")
-        d:set("ss:" .. name, now)
+        d:set(key("ss:", name), now)
     end
-    d:set("sl:" .. name, now, _M.FLAG_TTL_FACTOR * thr)
+    d:set(key("sl:", name), now, _M.FLAG_TTL_FACTOR * thr)
     return true
 end
 
@@ -293,15 +294,15 @@ function _M.flagged(name, inflight)
         -- two, EARLY_RECHECK_S apart, as the report takes the node from every edge: one
         -- check missed by a host short of CPU is no frozen node)
         local lx = (inflight or 0) > 0 and liveness.failed_early(name, true)
-        return lx and lx >= math.max(d:get("lb:" .. name) or 0, d:get("fb:" .. name) or 0)
+        return lx and lx >= math.max(d:get(key("lb:", name)) or 0, d:get(key("fb:", name)) or 0)
             or false
     end
-    return (d:get("sl:" .. name) ~= nil) or (inflight or 0) > 0
+    return (d:get(key("sl:", name)) ~= nil) or (inflight or 0) > 0
 end
 
 -- Seconds since the node's last byte seen by this edge, or nil (never).
 function _M.silent_s(name, now)
-    local lb = dict():get("lb:" .. name)
+    local lb = dict():get(key("lb:", name))
     return lb and (now or ngx_now()) - lb or nil
 end
 

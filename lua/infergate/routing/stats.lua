@@ -29,6 +29,7 @@
 local config = require("infergate.core.config")
 local ngxapi = require("infergate.core.ngxapi")
 local prefixer = require("infergate.core.memo").prefixer
+local key = require("infergate.core.memo").keyer()
 local ngx_now = ngxapi.now
 local breaker = require("infergate.routing.breaker")
 local stall = require("infergate.routing.stall")
@@ -66,15 +67,15 @@ local function dict()
     return shared[config.DICT_STATS]
 end
 
-local function ewma(d, key, sample, alpha)
-    local old = d:get(key)
+local function ewma(d, k, sample, alpha)
+    local old = d:get(k)
     local new
     if old == nil then
         new = sample
     else
         new = old + alpha * (sample - old)
     end
-    d:set(key, new)
+    d:set(k, new)
     return new
 end
 
@@ -83,7 +84,7 @@ function _M.inflight(name)
 end
 
 function _M.latency_ewma_ms(name)
-    return dict():get("lt:" .. name)
+    return dict():get(key("lt:", name))
 end
 
 local function half_life()
@@ -95,11 +96,11 @@ local function half_life()
 end
 
 local function decayed_failure_rate(d, name, now)
-    local fr = d:get("fr:" .. name)
+    local fr = d:get(key("fr:", name))
     if not fr or fr == 0 then
         return 0
     end
-    local t = d:get("ft:" .. name) or now
+    local t = d:get(key("ft:", name)) or now
     local dt = now - t
     if dt <= 0 then
         return fr
@@ -114,16 +115,16 @@ end
 
 local function update_failure_rate(d, name, sample, now)
     local old = decayed_failure_rate(d, name, now)
-    d:set("fr:" .. name, old + _M.FAILURE_ALPHA * (sample - old))
-    d:set("ft:" .. name, now)
+    d:set(key("fr:", name), old + _M.FAILURE_ALPHA * (sample - old))
+    d:set(key("ft:", name), now)
 end
 
 function _M.requests(name)
-    return dict():get("rq:" .. name) or 0
+    return dict():get(key("rq:", name)) or 0
 end
 
 function _M.failures(name)
-    return dict():get("fl:" .. name) or 0
+    return dict():get(key("fl:", name)) or 0
 end
 
 -- Takes one of node `name`'s `limit` slots: its in-flight count up by one unless that
@@ -155,7 +156,7 @@ function _M.open_attempt(name, now, probe, claimed)
         end
         d:incr(iw_key(name), 1, 0)
     end
-    d:incr("rq:" .. name, 1, 0)
+    d:incr(key("rq:", name), 1, 0)
     return { node = name, started = now, probe = probe or false, closed = false }
 end
 
@@ -234,20 +235,20 @@ function _M.close_attempt(att, outcome, now, latency_ms)
     local name = att.node
     if outcome == "ok" then
         if att.probe then
-            d:set("fr:" .. name, 0) -- the breaker closes: a clean start
+            d:set(key("fr:", name), 0) -- the breaker closes: a clean start
         else
             update_failure_rate(d, name, 0, now)
         end
         if latency_ms then
-            ewma(d, "lt:" .. name, latency_ms, _M.LATENCY_ALPHA)
+            ewma(d, key("lt:", name), latency_ms, _M.LATENCY_ALPHA)
         end
         breaker.success(name, att.probe, att.started)
     elseif outcome == "fail" then
-        d:incr("fl:" .. name, 1, 0)
+        d:incr(key("fl:", name), 1, 0)
         update_failure_rate(d, name, 1, now)
         breaker.failure(name, att.probe, att.started, now)
     elseif outcome == "busy" then
-        d:incr("fl:" .. name, 1, 0)
+        d:incr(key("fl:", name), 1, 0)
         -- a node that says "busy" is alive: no breaker failure, but it answered the
         -- probe, so a half-open breaker closes
         breaker.neutral(name, false)
