@@ -381,3 +381,111 @@ def test_a_header_the_node_sends_twice_reaches_the_client_twice(redis_server, ed
             th.join(5)
     assert res.status_code == 200, res.text
     assert res.raw.headers.getlist("Set-Cookie") == ["a=1", "b=2"], res.raw.headers
+
+
+ANSWER = json.dumps({"id": "x", "object": "chat.completion", "choices": [
+    {"index": 0, "finish_reason": "stop",
+     "message": {"role": "assistant", "content": "ok"}}]}).encode()
+
+
+@contextlib.contextmanager
+def _raw_nodes(head: bytes, body: bytes = ANSWER, close: bool = True) -> Iterator[list[dict]]:
+    """Two nodes on free ports answering every POST with the bytes ``head`` (status line
+    and header lines, without the blank line) and ``body``, then closing the connection
+    (``close``) or waiting for the next request on it; yields their node settings."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.wfile.write(head + b"\r\n\r\n" + body)
+            self.close_connection = close
+
+    srvs = [http.server.ThreadingHTTPServer(("127.0.0.1", procs.free_port()), Handler)
+            for _ in range(2)]
+    ths = [threading.Thread(target=srv.serve_forever, daemon=True) for srv in srvs]
+    for th in ths:
+        th.start()
+    try:
+        yield [{"name": f"n{i}", "url": f"http://127.0.0.1:{srv.server_address[1]}"}
+               for i, srv in enumerate(srvs)]
+    finally:
+        for srv, th in zip(srvs, ths):
+            srv.shutdown()
+            srv.server_close()
+            th.join(5)
+
+
+def _ok_head(*lines: str) -> bytes:
+    return "\r\n".join(("HTTP/1.1 200 OK", "Content-Type: application/json")
+                       + lines).encode()
+
+
+@pytest.mark.parametrize("interim", [
+    "HTTP/1.1 100 Continue\r\n\r\n",
+    "HTTP/1.1 103 Early Hints\r\nLink: </s.css>; rel=preload\r\n\r\n"
+    "HTTP/1.1 100 Continue\r\n\r\n",
+], ids=["100", "103+100"])
+def test_interim_answers_before_the_answer_are_skipped(redis_server, edge_factory,
+                                                       interim: str) -> None:
+    """A node that sends 1xx interim answers (100 Continue, 103 Early Hints) before its
+    answer, as HTTP/1.1 allows, and keeps its connection open, is answered at once with
+    its final answer; the relay took the 1xx for the answer, read its body until the
+    node closed (the read timeout on each node) and answered 504, both nodes blamed."""
+    head = interim.encode() + _ok_head(f"Content-Length: {len(ANSWER)}", "X-Final: yes")
+    with _raw_nodes(head, close=False) as nodes:
+        edge = edge_factory(edge_settings(redis_server.url, nodes))
+        t0 = time.monotonic()
+        res = _post(edge, timeout=40)
+        took = time.monotonic() - t0
+    assert res.status_code == 200 and res.content == ANSWER, (res.status_code, res.text)
+    assert res.headers["X-Final"] == "yes" and "Link" not in res.headers
+    assert took < 5, f"{took:.1f} s"
+    for n in nodes:
+        assert edge.node_status(n["name"])["failures"] == 0
+
+
+@pytest.mark.parametrize("lengths", [
+    ["abc"], ["-5"], ["0x10"], ["+44"], [""], ["44", "5"], ["44, 5"],
+], ids=["word", "negative", "hex", "plus", "empty", "two-headers", "list"])
+def test_an_answer_with_an_invalid_content_length_is_not_passed_on(
+        redis_server, edge_factory, lengths: list[str]) -> None:
+    """A node's answer whose Content-Length is not a length (or two different ones) has
+    no known end: it is an invalid answer (502 upstream_invalid_answer after the other
+    node, as nginx's proxy treats an invalid header), never an empty or cut 200 (the
+    relay read "abc" as 0 and "0x10" as 16 bytes) nor a Lua error ("-5": 500)."""
+    head = _ok_head(*(f"Content-Length: {v}" for v in lengths))
+    with _raw_nodes(head) as nodes:
+        edge = edge_factory(edge_settings(redis_server.url, nodes))
+        res = _post(edge)
+    assert res.status_code == 502, (res.status_code, res.text)
+    assert res.json()["error"]["code"] == "upstream_invalid_answer", res.text
+    assert "runtime error" not in edge.error_log()
+
+
+@pytest.mark.parametrize("lengths", [["244, 244"], ["244", "244"]], ids=["list", "twice"])
+def test_a_content_length_sent_twice_with_one_value_is_the_length(
+        redis_server, edge_factory, lengths: list[str]) -> None:
+    """One length sent twice (in a list or two header lines) is that length (RFC 9110
+    8.6): the whole answer reaches the client (the relay read "244, 244" as 0 bytes)."""
+    body = ANSWER.ljust(244)
+    head = _ok_head(*(f"Content-Length: {v}" for v in lengths))
+    with _raw_nodes(head, body) as nodes:
+        edge = edge_factory(edge_settings(redis_server.url, nodes))
+        res = _post(edge)
+    assert res.status_code == 200 and res.content == body, (res.status_code, res.text)
+
+
+def test_a_folded_header_line_is_an_invalid_answer(redis_server, edge_factory) -> None:
+    """A header line folded onto the next (obs-fold, RFC 9112 5.2), as nginx's proxy
+    finds it: an invalid answer, 502, not a header whose name starts with a space."""
+    head = _ok_head(f"Content-Length: {len(ANSWER)}", "X-Folded: first", " more: part")
+    with _raw_nodes(head) as nodes:
+        edge = edge_factory(edge_settings(redis_server.url, nodes))
+        res = _post(edge)
+    assert res.status_code == 502, (res.status_code, res.text)
+    assert res.json()["error"]["code"] == "upstream_invalid_answer", res.text
+

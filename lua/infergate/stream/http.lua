@@ -6,9 +6,10 @@
 --   request(sock, r)      writes r = {method, path, host, headers = {name = value},
 --                         body}; returns bytes sent or nil, err
 --   read_head(sock[, wait])  {status, headers = {lower-case name = value}, list = {{name,
---                         value}} as sent, http10 = an HTTP/1.0 answer} or nil, err; wait(got_bytes): called at a
---                         read timeout of the status line, true to read on (the bytes
---                         read so far are kept)
+--                         value}} as sent, http10 = an HTTP/1.0 answer} of the final
+--                         answer (1xx dropped) or nil, err (INVALID[err]: not valid
+--                         HTTP); wait(got_bytes): called at a read timeout of the status
+--                         line, true to read on (the bytes read so far are kept)
 --   read_body(head, sock) the next piece of the body (a string), or "" at its end
 --                         (head.done set), or nil, err
 local _M = {}
@@ -36,14 +37,14 @@ function _M.request(sock, r)
     return sock:send(concat(lines))
 end
 
-function _M.read_head(sock, wait)
+-- The status line (nil, err on a read that failed and was not read on: wait()).
+local function status_line(sock, wait)
     local line, err, partial
     local buf = ""
     while true do
         line, err, partial = sock:receive("*l")
         if line then
-            line = buf .. line
-            break
+            return buf .. line
         end
         -- a read timeout: wait(got_bytes) -> true reads on (it may set a new timeout)
         if err ~= "timeout" or not wait then
@@ -54,11 +55,43 @@ function _M.read_head(sock, wait)
             return nil, err
         end
     end
+end
+
+-- Errors of read_head for bytes that are not a valid HTTP answer (the proxy path's
+-- "upstream sent invalid header": 502 upstream_invalid_answer, another node tried).
+_M.INVALID = { ["not an HTTP status line"] = true, ["invalid header line"] = true,
+               ["invalid Content-Length"] = true }
+
+-- The length of the Content-Length values `cls` (one per header line; "244, 244" is one
+-- length sent twice, RFC 9110 8.6): nil for a value that is not digits or lengths that
+-- differ (the answer's framing is unknown: RFC 9112 6.3 makes it invalid).
+local function content_length(cls)
+    local n
+    for i = 1, #cls do
+        for part in (cls[i] .. ","):gmatch("([^,]*),") do
+            local d = part:match("^[ \t]*(%d+)[ \t]*$")
+            d = d and #d <= 15 and tonumber(d)
+            if not d or n and d ~= n then
+                return nil
+            end
+            n = d
+        end
+    end
+    return n
+end
+_M._content_length = content_length
+
+-- One answer's head: status line and header lines.
+local function head_of(sock, wait)
+    local line, err = status_line(sock, wait)
+    if not line then
+        return nil, err
+    end
     local status = tonumber(line:match("^HTTP/1%.[01] (%d%d%d)"))
     if not status then
         return nil, "not an HTTP status line"
     end
-    local headers, list = {}, {}
+    local headers, list, cls = {}, {}, {}
     while true do
         local h, herr = sock:receive("*l")
         if not h then
@@ -67,11 +100,18 @@ function _M.read_head(sock, wait)
         if h == "" then
             break
         end
-        local k, v = h:match("^([^:]+):%s*(.-)%s*$")
-        if k then
-            headers[lower(k)] = v
-            list[#list + 1] = { k, v }
+        -- a name without spaces, a colon: a folded line (obs-fold) or one without a
+        -- colon is invalid, as nginx's proxy finds it
+        local k, v = h:match("^([^:%s]+):[ \t]*(.-)[ \t]*$")
+        if not k then
+            return nil, "invalid header line"
         end
+        local lk = lower(k)
+        if lk == "content-length" then
+            cls[#cls + 1] = v
+        end
+        headers[lk] = v
+        list[#list + 1] = { k, v }
     end
     local head = { status = status, headers = headers, list = list,
                    http10 = sub(line, 8, 8) == "0" }
@@ -79,13 +119,27 @@ function _M.read_head(sock, wait)
     if te and lower(te):find("chunked", 1, true) then
         head.chunked = true
         head.raw = ""
-    elseif headers["content-length"] then
-        head.left = tonumber(headers["content-length"]) or 0
+    elseif #cls > 0 then
+        head.left = content_length(cls)
+        if not head.left then
+            return nil, "invalid Content-Length"
+        end
     end
     if status == 204 or status == 304 or head.left == 0 then
         head.done = true
     end
     return head
+end
+
+-- The final answer's head: interim answers (100 Continue, 103 Early Hints), which
+-- HTTP/1.1 lets a server send first (RFC 9110 15.2), are read and dropped.
+function _M.read_head(sock, wait)
+    while true do
+        local head, err = head_of(sock, wait)
+        if not head or head.status >= 200 or head.status == 101 then
+            return head, err
+        end
+    end
 end
 
 -- The chunk data available in head.raw (framing removed); "" when none is complete.

@@ -464,7 +464,7 @@ function _M.run(r, node, att, body, eligible)
     end
     if lg.verdict ~= "ok" and lg.verdict ~= "unserved" then
         r.last_failure = { node = node.name, timeout = lg.timeout,
-                           invalid = lg.why == "not an HTTP status line" }
+                           invalid = http.INVALID[lg.why or ""] }
         r.whys[#r.whys + 1] = node.name .. " " .. (lg.why or "?")
     end
     settle(r, lg, att)
