@@ -489,3 +489,15 @@ def test_a_folded_header_line_is_an_invalid_answer(redis_server, edge_factory) -
     assert res.status_code == 502, (res.status_code, res.text)
     assert res.json()["error"]["code"] == "upstream_invalid_answer", res.text
 
+
+@pytest.mark.parametrize("relay", [True, False], ids=["relay", "proxy"])
+def test_the_nodes_cache_control_reaches_the_client(redis_server, edge_factory,
+                                                   relay: bool) -> None:
+    """The node's Cache-Control header reaches the client, as nginx's proxy passes it;
+    the relay dropped it."""
+    head = _ok_head(f"Content-Length: {len(ANSWER)}", "Cache-Control: private, max-age=5")
+    with _raw_nodes(head) as nodes:
+        edge = edge_factory(edge_settings(redis_server.url, nodes, answer_relay=relay))
+        res = _post(edge)
+    assert res.status_code == 200 and res.content == ANSWER, res.text
+    assert res.headers["Cache-Control"] == "private, max-age=5"

@@ -8,11 +8,13 @@ local type = type
 local lower = string.lower
 local concat = table.concat
 
--- Headers of a node's answer not passed on: the connection's (RFC 9110 7.6.1), the relay's.
+-- Headers of a node's answer not passed on: the connection's (RFC 9110 7.6.1), the relay's
+-- (a stream's Cache-Control is the relay's own, set after these; an answer that is not
+-- a stream keeps the node's, as the proxy path passes it).
 local OWN = { connection = true, ["keep-alive"] = true, ["transfer-encoding"] = true,
               ["content-length"] = true, te = true, trailer = true, upgrade = true,
               ["proxy-connection"] = true, date = true, server = true,
-              ["content-type"] = true, ["cache-control"] = true }
+              ["content-type"] = true }
 
 -- The node's own headers (X-Sim-Node, its request id...), as nginx's proxy passes them:
 -- a header the node sent several times (Set-Cookie, Vary, Link) goes out as many times.
