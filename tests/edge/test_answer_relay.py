@@ -501,3 +501,22 @@ def test_the_nodes_cache_control_reaches_the_client(redis_server, edge_factory,
         res = _post(edge)
     assert res.status_code == 200 and res.content == ANSWER, res.text
     assert res.headers["Cache-Control"] == "private, max-age=5"
+
+
+def test_a_long_chunked_answer_goes_on_without_a_content_length(redis_server,
+                                                                edge_factory) -> None:
+    """An answer longer than the relay keeps (16 MB) sent chunked, with a Content-Length
+    as well (which chunked framing overrides, RFC 9112 6.3), reaches the client whole:
+    the relay passed that Content-Length on and the client read only that much."""
+    content = "y" * (17 * 1024 * 1024)
+    body = json.dumps({"id": "big", "object": "chat.completion", "choices": [
+        {"index": 0, "finish_reason": "stop",
+         "message": {"role": "assistant", "content": content}}]}).encode()
+    step = 1 << 20
+    chunked = b"".join(b"%x\r\n" % len(body[i:i + step]) + body[i:i + step] + b"\r\n"
+                       for i in range(0, len(body), step)) + b"0\r\n\r\n"
+    head = _ok_head("Transfer-Encoding: chunked", "Content-Length: 100")
+    with _raw_nodes(head, chunked) as nodes:
+        edge = edge_factory(edge_settings(redis_server.url, nodes))
+        res = _post(edge, timeout=60)
+    assert res.status_code == 200 and res.content == body, (res.status_code, len(res.content))

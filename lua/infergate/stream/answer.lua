@@ -52,7 +52,7 @@ local function spill(r, lg, head, sock, parts)
     legheaders.pass_headers(head.list)
     ngx.status = head.status
     ngx.header["Content-Type"] = head.headers["content-type"] or "application/json"
-    ngx.header["Content-Length"] = head.headers["content-length"]
+    ngx.header["Content-Length"] = head.length -- (not a chunked answer's Content-Length)
     ngx.header["X-Infergate-Node"] = lg.node.name
     r.sent, r.finished = true, true
     local data = concat(parts)

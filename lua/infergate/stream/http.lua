@@ -6,7 +6,8 @@
 --   request(sock, r)      writes r = {method, path, host, headers = {name = value},
 --                         body}; returns bytes sent or nil, err
 --   read_head(sock[, wait])  {status, headers = {lower-case name = value}, list = {{name,
---                         value}} as sent, http10 = an HTTP/1.0 answer} of the final
+--                         value}} as sent, http10 = an HTTP/1.0 answer, length = its
+--                         body's (nil: chunked or until the node closes)} of the final
 --                         answer (1xx dropped) or nil, err (INVALID[err]: not valid
 --                         HTTP); wait(got_bytes): called at a read timeout of the status
 --                         line, true to read on (the bytes read so far are kept)
@@ -124,6 +125,7 @@ local function head_of(sock, wait)
         if not head.left then
             return nil, "invalid Content-Length"
         end
+        head.length = head.left
     end
     if status == 204 or status == 304 or head.left == 0 then
         head.done = true
