@@ -389,10 +389,12 @@ ANSWER = json.dumps({"id": "x", "object": "chat.completion", "choices": [
 
 
 @contextlib.contextmanager
-def _raw_nodes(head: bytes, body: bytes = ANSWER, close: bool = True) -> Iterator[list[dict]]:
+def _raw_nodes(head: bytes, body: bytes = ANSWER, close: bool = True, pause_s: float = 0,
+               seen: list | None = None) -> Iterator[list[dict]]:
     """Two nodes on free ports answering every POST with the bytes ``head`` (status line
-    and header lines, without the blank line) and ``body``, then closing the connection
-    (``close``) or waiting for the next request on it; yields their node settings."""
+    and header lines, without the blank line; ``pause_s`` between the status line and
+    the rest) and ``body``, then closing the connection (``close``) or waiting for the
+    next request on it; yields their node settings. ``seen`` gets one entry per POST."""
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -401,7 +403,16 @@ def _raw_nodes(head: bytes, body: bytes = ANSWER, close: bool = True) -> Iterato
 
         def do_POST(self) -> None:
             self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            self.wfile.write(head + b"\r\n\r\n" + body)
+            if seen is not None:
+                seen.append(1)
+            data = head + b"\r\n\r\n" + body
+            if pause_s:
+                cut = data.index(b"\r\n") + 2
+                self.wfile.write(data[:cut])
+                self.wfile.flush()
+                time.sleep(pause_s)
+                data = data[cut:]
+            self.wfile.write(data)
             self.close_connection = close
 
     srvs = [http.server.ThreadingHTTPServer(("127.0.0.1", procs.free_port()), Handler)
@@ -446,6 +457,21 @@ def test_interim_answers_before_the_answer_are_skipped(redis_server, edge_factor
     assert took < 5, f"{took:.1f} s"
     for n in nodes:
         assert edge.node_status(n["name"])["failures"] == 0
+
+
+def test_header_lines_that_come_after_the_status_line_are_waited_for(
+        redis_server, edge_factory) -> None:
+    """A node whose header lines come a second after its status line is waited for (it
+    answered): the relay gave up on it after 0.5 s (its watch of a silent node), counted
+    a failure against it and sent the request to the other node."""
+    seen: list = []
+    with _raw_nodes(_ok_head(f"Content-Length: {len(ANSWER)}"), pause_s=1.0,
+                    seen=seen) as nodes:
+        edge = edge_factory(edge_settings(redis_server.url, nodes))
+        res = _post(edge)
+        assert res.status_code == 200 and res.content == ANSWER, res.text
+        assert len(seen) == 1, "the request was sent to both nodes"
+        assert sum(edge.node_status(n["name"])["failures"] for n in nodes) == 0
 
 
 @pytest.mark.parametrize("lengths", [

@@ -9,8 +9,8 @@
 --                         value}} as sent, http10 = an HTTP/1.0 answer, length = its
 --                         body's (nil: chunked or until the node closes)} of the final
 --                         answer (1xx dropped) or nil, err (INVALID[err]: not valid
---                         HTTP); wait(got_bytes): called at a read timeout of the status
---                         line, true to read on (the bytes read so far are kept)
+--                         HTTP); wait(got_bytes): called at a read timeout of the head,
+--                         true to read on (the bytes read so far are kept)
 --   read_body(head, sock) the next piece of the body (a string), or "" at its end
 --                         (head.done set), or nil, err
 local _M = {}
@@ -38,12 +38,13 @@ function _M.request(sock, r)
     return sock:send(concat(lines))
 end
 
--- The status line (nil, err on a read that failed and was not read on: wait()).
-local function status_line(sock, wait)
-    local line, err, partial
+-- One line of the head (nil, err on a read that failed and was not read on: wait());
+-- `more`: a line after the status line (bytes of the head came: wait(true), so a node
+-- whose header lines come a while after its status line is read on as one still silent).
+local function head_line(sock, wait, more)
     local buf = ""
     while true do
-        line, err, partial = sock:receive("*l")
+        local line, err, partial = sock:receive("*l")
         if line then
             return buf .. line
         end
@@ -52,7 +53,7 @@ local function status_line(sock, wait)
             return nil, err
         end
         buf = buf .. (partial or "")
-        if not wait(buf ~= "") then
+        if not wait(more or buf ~= "") then
             return nil, err
         end
     end
@@ -84,7 +85,7 @@ _M._content_length = content_length
 
 -- One answer's head: status line and header lines.
 local function head_of(sock, wait)
-    local line, err = status_line(sock, wait)
+    local line, err = head_line(sock, wait)
     if not line then
         return nil, err
     end
@@ -94,7 +95,7 @@ local function head_of(sock, wait)
     end
     local headers, list, cls = {}, {}, {}
     while true do
-        local h, herr = sock:receive("*l")
+        local h, herr = head_line(sock, wait, true)
         if not h then
             return nil, herr
         end
