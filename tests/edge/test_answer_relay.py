@@ -390,11 +390,12 @@ ANSWER = json.dumps({"id": "x", "object": "chat.completion", "choices": [
 
 @contextlib.contextmanager
 def _raw_nodes(head: bytes, body: bytes = ANSWER, close: bool = True, pause_s: float = 0,
-               seen: list | None = None) -> Iterator[list[dict]]:
+               seen: list | None = None, read: bool = True) -> Iterator[list[dict]]:
     """Two nodes on free ports answering every POST with the bytes ``head`` (status line
     and header lines, without the blank line; ``pause_s`` between the status line and
     the rest) and ``body``, then closing the connection (``close``) or waiting for the
-    next request on it; yields their node settings. ``seen`` gets one entry per POST."""
+    next request on it; yields their node settings. ``seen`` gets one entry per POST;
+    without ``read`` the request's body is not read (the answer comes before it)."""
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -402,7 +403,8 @@ def _raw_nodes(head: bytes, body: bytes = ANSWER, close: bool = True, pause_s: f
             pass
 
         def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if read:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
             if seen is not None:
                 seen.append(1)
             data = head + b"\r\n\r\n" + body
@@ -546,3 +548,19 @@ def test_a_long_chunked_answer_goes_on_without_a_content_length(redis_server,
         edge = edge_factory(edge_settings(redis_server.url, nodes))
         res = _post(edge, timeout=60)
     assert res.status_code == 200 and res.content == body, (res.status_code, len(res.content))
+
+
+def test_an_answer_the_node_sends_before_reading_a_long_body_is_passed_on(
+        redis_server, edge_factory) -> None:
+    """A node that refuses a long request at once (413, before reading its body) and
+    closes the connection (reset: the body unread) has its answer passed on, as nginx's
+    proxy reads it while it sends: the relay stopped at the failed send, tried the other
+    node, and answered 502 with both nodes blamed."""
+    err = b'{"error":{"message":"too large","type":"invalid_request_error"}}'
+    head = ("HTTP/1.1 413 Payload Too Large\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(err)}").encode()
+    with _raw_nodes(head, err, read=False) as nodes:
+        edge = edge_factory(edge_settings(redis_server.url, nodes))
+        res = _post(edge, messages=[{"role": "user", "content": "x" * (7 << 20)}])
+        assert res.status_code == 413 and res.content == err, (res.status_code, res.text)
+        assert sum(edge.node_status(n["name"])["failures"] for n in nodes) == 0

@@ -357,13 +357,15 @@ end
 -- Sends the request and waits for the head. A pooled connection the node closed while
 -- it was idle (the send fails, or the head read finds it closed or reset at once) is
 -- replaced by a new one and the request sent again, as nginx does for its cached
--- upstream connections (not counted as a try).
+-- upstream connections (not counted as a try). A send the node cut (reset, broken pipe)
+-- still has its answer read: a node may answer before reading a long body (a 413), as
+-- nginx's proxy reads it while it sends.
 local function start(r, lg, body)
     local t0 = ngx_now()
     local ok, err = send_request(r, lg, body)
     local reused = (lg.sock:getreusedtimes() or 0) > 0
     local head
-    if ok then
+    if ok or err == "connection reset by peer" or err == "broken pipe" then
         head, err = await_head(r, lg)
         reused = reused and (err == "closed" or err == "connection reset by peer")
             and ngx_now() - t0 < 1
