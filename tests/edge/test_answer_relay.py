@@ -7,6 +7,7 @@ nodes are kept alive, and the node's answer reaches the client as the proxy path
 from __future__ import annotations
 
 import contextlib
+import http.client
 import http.server
 import json
 import re
@@ -564,3 +565,25 @@ def test_an_answer_the_node_sends_before_reading_a_long_body_is_passed_on(
         res = _post(edge, messages=[{"role": "user", "content": "x" * (7 << 20)}])
         assert res.status_code == 413 and res.content == err, (res.status_code, res.text)
         assert sum(edge.node_status(n["name"])["failures"] for n in nodes) == 0
+
+
+def test_two_cookie_lines_of_the_client_reach_the_node_as_one_cookie_list(
+        tiny_upstreams, redis_server, edge_factory) -> None:
+    """A client's two Cookie lines reach the node as one Cookie header of both cookies
+    ("a=1; b=2", RFC 6265 5.4); the relay joined them with a comma, which makes one
+    cookie "a" of value "1, b=2"."""
+    ups = tiny_upstreams(names=["a", "b"])
+    edge = edge_factory(edge_settings(redis_server.url, [u.node_settings() for u in ups]))
+    host, port = edge.url.split("//")[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    body = json.dumps(CHAT)
+    conn.putrequest("POST", "/v1/chat/completions")
+    for name, value in (("Content-Type", "application/json"), ("Cookie", "a=1"),
+                        ("Cookie", "b=2"), ("Content-Length", str(len(body)))):
+        conn.putheader(name, value)
+    conn.endheaders(body.encode())
+    res = conn.getresponse()
+    assert res.status == 200, res.read()
+    conn.close()
+    seen = [h for u in ups for h in u.headers_seen if "Cookie" in h]
+    assert [h["Cookie"] for h in seen] == ["a=1; b=2"], seen

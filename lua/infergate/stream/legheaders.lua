@@ -60,8 +60,9 @@ function _M.request(r)
     end
     local h = {}
     for k, v in pairs(ngx.req.get_headers(100, true)) do
-        if not NOT_PASSED[lower(k)] then
-            h[k] = type(v) == "table" and concat(v, ", ") or v
+        local lk = lower(k)
+        if not NOT_PASSED[lk] then -- a header sent twice, one line (cookies: "; ", RFC 6265)
+            h[k] = type(v) == "table" and concat(v, lk == "cookie" and "; " or ", ") or v
         end
     end
     h["Content-Type"] = "application/json"
