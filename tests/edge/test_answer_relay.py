@@ -11,6 +11,7 @@ import http.client
 import http.server
 import json
 import re
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -587,3 +588,30 @@ def test_two_cookie_lines_of_the_client_reach_the_node_as_one_cookie_list(
     conn.close()
     seen = [h for u in ups for h in u.headers_seen if "Cookie" in h]
     assert [h["Cookie"] for h in seen] == ["a=1; b=2"], seen
+
+
+@pytest.mark.parametrize("relay", [True, False], ids=["relay", "proxy"])
+@pytest.mark.parametrize("status", [204, 304])
+def test_an_answer_without_a_body_gets_no_length_or_type(redis_server, edge_factory,
+                                                         relay: bool, status: int) -> None:
+    """A node's 204 or 304 reaches the client without a Content-Length (a server must
+    not send one with a 204, RFC 9110 8.6) or a Content-Type the node did not send, as
+    nginx's proxy passes it; the relay added "Content-Length: 0" and, to a 304,
+    "Content-Type: application/json"."""
+    head = f"HTTP/1.1 {status} X\r\nETag: \"e1\"".encode()
+    with _raw_nodes(head, b"", close=False) as nodes:
+        edge = edge_factory(edge_settings(redis_server.url, nodes, answer_relay=relay))
+        host, port = edge.url.split("//")[1].split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            body = json.dumps(CHAT).encode()
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                      % len(body) + body)
+            raw = b""
+            while chunk := s.recv(65536):
+                raw += chunk
+    lines = raw.split(b"\r\n\r\n")[0].decode().split("\r\n")
+    names = [ln.split(":")[0].lower() for ln in lines[1:]]
+    assert lines[0].startswith(f"HTTP/1.1 {status}"), lines
+    assert "content-length" not in names and "content-type" not in names, lines
+    assert 'ETag: "e1"' in lines

@@ -128,11 +128,15 @@ function _M.send(r, a, node_name)
             and not ngx.header["Content-Encoding"] then
         ctype, body = "application/json", filters.error_json(a.status, node_name, body) .. "\n"
     end
+    ngx.header["X-Infergate-Node"] = node_name
+    r.sent = true
+    if a.status == 204 or a.status == 304 then -- no body: the node's type only, no length
+        ngx.header["Content-Type"] = ctype -- (RFC 9110 8.6, as the proxy passes them)
+        return
+    end
     ngx.header["Content-Type"] = ctype or "application/json"
     ngx.header["Content-Length"] = #body
-    ngx.header["X-Infergate-Node"] = node_name
     ngx.print(body)
-    r.sent = true
 end
 
 function _M.connect(r, sock, node)
