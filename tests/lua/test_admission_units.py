@@ -169,6 +169,29 @@ def test_prompt_token_estimate(workdir: Path) -> None:
     assert got == [3, 2, 3, 3, 1, 1, 4, 0]
 
 
+def test_usage_keeps_the_last_bytes_of_a_body_in_pieces(workdir: Path) -> None:
+    got = lua_eval(workdir, r"""
+            local u = require("infergate.admission.usage")
+            u.TAIL = 10
+            local req, whole = {}, ""
+            for i = 1, 40 do
+                local piece = string.rep(string.char(64 + i % 26), i % 4 + 1)
+                u.keep(req, piece)
+                whole = whole .. piece
+            end
+            local one = {}
+            u.keep(one, "abc")
+            return {u.tail(req), whole:sub(-10), req.usage_n - req.usage_first + 1,
+                    u.tail(one), u.tail({}) or "nil",
+                    u.content_chunks('"content": "a" "content":"" "content" :"b"'),
+                    u.content_chunks('no content key'), u.content_chunks('"content": null')}
+    """)
+    assert got[0] == got[1]
+    assert got[2] <= 6                           # a few pieces kept, not all 40
+    assert got[3:5] == ["abc", "nil"]
+    assert got[5:] == [2, 0, 0]
+
+
 def test_characters_are_code_points(workdir: Path) -> None:
     got = lua_eval(workdir, """
             local chars = require("infergate.core.body").chars

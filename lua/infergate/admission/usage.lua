@@ -26,6 +26,8 @@ _M.TAIL = 16384
 
 local find = string.find
 local match = string.match
+local sub = string.sub
+local concat = table.concat
 
 local FIELD_PATTERN = {}
 for _, name in ipairs({ "prompt_tokens", "completion_tokens", "total_tokens" }) do
@@ -79,10 +81,55 @@ function _M.parse(text)
     return u
 end
 
--- Number of SSE events in chunk carrying non-empty content.
+-- Number of SSE events in chunk carrying non-empty content (plain search for the key,
+-- then the pattern at it: no copy of the chunk).
 function _M.content_chunks(chunk)
-    local _, n = chunk:gsub('"content"%s*:%s*"[^"]', "")
-    return n
+    local n, from = 0, 1
+    while true do
+        local _, e = find(chunk, '"content"', from, true)
+        if not e then
+            return n
+        end
+        if find(chunk, '^%s*:%s*"[^"]', e + 1) then
+            n = n + 1
+        end
+        from = e + 1
+    end
+end
+
+-- Keeps chunk among the body's last pieces: at least the last TAIL bytes, as a list
+-- (req.usage_parts from req.usage_first to req.usage_n, req.usage_bytes in all), so a
+-- stream's many small chunks are not each copied into a new 16 KB string.
+function _M.keep(req, chunk)
+    local p = req.usage_parts
+    if not p then
+        p = {}
+        req.usage_parts, req.usage_first, req.usage_n, req.usage_bytes = p, 1, 0, 0
+    end
+    local n = req.usage_n + 1
+    p[n] = chunk
+    local bytes = req.usage_bytes + #chunk
+    local first = req.usage_first
+    -- the oldest pieces go while the others still hold TAIL bytes
+    while first < n and bytes - #p[first] >= _M.TAIL do
+        bytes = bytes - #p[first]
+        p[first] = nil
+        first = first + 1
+    end
+    req.usage_first, req.usage_n, req.usage_bytes = first, n, bytes
+end
+
+-- The last TAIL bytes of the body kept by keep(), or nil when none was.
+function _M.tail(req)
+    local p = req.usage_parts
+    if not p then
+        return nil
+    end
+    local s = concat(p, "", req.usage_first, req.usage_n)
+    if #s > _M.TAIL then
+        s = sub(s, -_M.TAIL)
+    end
+    return s
 end
 
 function _M.body_filter()
@@ -106,17 +153,13 @@ function _M.body_filter()
     end
     local chunk, eof = ngx.arg[1], ngx.arg[2]
     if type(chunk) == "string" and chunk ~= "" then
-        local tail = (req.usage_tail or "") .. chunk
-        if #tail > _M.TAIL then
-            tail = tail:sub(-_M.TAIL)
-        end
-        req.usage_tail = tail
+        _M.keep(req, chunk)
         if req.stream then
             req.usage_chunks = (req.usage_chunks or 0) + _M.content_chunks(chunk)
         end
     end
     if eof then
-        local u = _M.parse(req.usage_tail)
+        local u = _M.parse(_M.tail(req))
         if not u and req.stream then
             local prompt = req.est_tokens or 0
             local completion = req.usage_chunks or 0
@@ -124,7 +167,7 @@ function _M.body_filter()
                   total_tokens = prompt + completion, estimated = true }
         end
         req.usage = u
-        req.usage_tail = nil
+        req.usage_parts = nil
     end
 end
 
