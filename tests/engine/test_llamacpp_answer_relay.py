@@ -4,7 +4,9 @@ edge, requests that are not streams (edge.answer_relay, lua/infergate/stream/ans
 - the server holding one is frozen (SIGSTOP: its kernel still accepts connections): the
   request is answered by the other server seconds later, not at its deadline;
 - a client that leaves: llama-server goes on with the answer after the connection
-  closed, and the edge keeps its slot counted until the server is done.
+  closed, and the edge keeps its slot counted until the server is done;
+- past the deadline (the client has its 504): the same, and the next request goes to
+  the idle server.
 
 Needs the binary of ``python -m bench.realnode build`` (see tests/support/realnode.py)."""
 
@@ -85,6 +87,49 @@ def test_a_client_that_leaves_keeps_the_slot_counted_while_the_server_works(pair
     name = busy[0]
     # while the server works, the edge counts its slot as taken (an answer just sent
     # may leave /slots busy a moment after the edge freed it)
+    while _slots_busy(nodes[name]):
+        if edge.node_status(name)["inflight"] != 1:
+            procs.wait_until(lambda: not _slots_busy(nodes[name]), 1, what="the server done")
+            break
+        time.sleep(0.2)
+    procs.wait_until(lambda: edge.node_status(name)["inflight"] == 0, 10, what="the slot freed")
+
+
+@pytest.fixture
+def short_deadline_pair(realnodes, redis_server, edge_factory):
+    nodes = realnodes(2, parallel=1, threads=1)
+    s = edge_settings(redis_server.url, [], stale_after_s=3600, read_timeout_ms=60000)
+    s.deadlines.request_ms = 3000
+    edge = edge_factory(s)
+    snap = write_snapshot(redis_server.client(), [
+        snapshot_node(f"cpp-{i}", "127.0.0.1", n.port, kind="openai", slots=1,
+                      slots_source="server", max_concurrency=1, score=None, has_metrics=False)
+        for i, n in enumerate(nodes)])
+    edge.wait_snapshot(snap["version"])
+    return edge, {f"cpp-{i}": n for i, n in enumerate(nodes)}
+
+
+def test_past_its_deadline_the_slot_stays_counted_while_the_server_works(
+        short_deadline_pair) -> None:
+    edge, nodes = short_deadline_pair
+    session = requests.Session()  # the next request comes on the same connection
+    t0 = time.monotonic()
+    res = session.post(f"{edge.url}/v1/chat/completions", json={**LONG, "max_tokens": 400},
+                       timeout=30)
+    assert res.status_code == 504, res.text
+    assert res.json()["error"]["code"] == "deadline_exceeded"
+    assert time.monotonic() - t0 < 6.0  # at the deadline, not once the server is done
+    busy = [name for name, n in nodes.items() if _slots_busy(n)]
+    assert len(busy) == 1, "llama-server went on with the answer"
+    name = busy[0]
+    assert edge.node_status(name)["inflight"] == 1, "the slot the server still works in"
+    # the next request goes to the idle server and is answered at once
+    t0 = time.monotonic()
+    nxt = session.post(f"{edge.url}/v1/chat/completions", json={**LONG, "max_tokens": 4},
+                       timeout=30)
+    assert nxt.status_code == 200, nxt.text
+    assert nxt.headers["X-Infergate-Node"] != name
+    assert time.monotonic() - t0 < 3.0
     while _slots_busy(nodes[name]):
         if edge.node_status(name)["inflight"] != 1:
             procs.wait_until(lambda: not _slots_busy(nodes[name]), 1, what="the server done")

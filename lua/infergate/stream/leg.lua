@@ -37,6 +37,7 @@ local splice = require("infergate.stream.splice")
 local closing = require("infergate.core.closing")
 local legheaders = require("infergate.stream.legheaders")
 local answer = require("infergate.stream.answer")
+local slothold = require("infergate.stream.slothold")
 local trylog = require("infergate.stream.trylog")
 
 local _M = {}
@@ -436,7 +437,8 @@ function _M.run(r, node, att, body, eligible)
     trylog.start(r, node)
     -- a llama.cpp server (it answered /props) goes on with an answer that is not a
     -- stream after its connection closes: when the client leaves, the leg reads it to
-    -- its end, so that the node's slot counts as taken for as long as it is
+    -- its end, so that the node's slot counts as taken for as long as it is (past the
+    -- deadline: infergate.stream.slothold)
     r.read_on = not r.req.stream and node.slots_source == "server"
     lg.sock = ngx.socket.tcp()
     local head, err = start(r, lg, body)
@@ -444,6 +446,9 @@ function _M.run(r, node, att, body, eligible)
     if not head then
         lg.verdict, lg.why = r.deadline_passed and "neutral" or "fail", err
         lg.timeout = err == "timeout"
+        if r.read_on and r.deadline_passed and lg.timeout then
+            slothold.hold(r, node, att) -- it works on past the deadline
+        end
     elseif head.status ~= 200
             or not (head.headers["content-type"] or ""):find("event-stream", 1, true) then
         answer.read(r, lg, head, sock) -- an error, or an answer that is not a stream
