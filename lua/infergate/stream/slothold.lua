@@ -21,6 +21,7 @@ local _M = {}
 
 local concat = table.concat
 local ipairs = ipairs
+local pcall = pcall
 local type = type
 local ngx_now = ngxapi.now
 local log = ngx.log
@@ -30,6 +31,11 @@ local WARN = ngx.WARN
 _M.POLL_S = 0.5
 -- Timeouts (ms) of one /slots call.
 _M.CALL_MS = 1000
+-- Most counts a worker holds at once (each a running timer: lua_max_running_timers is
+-- 256); past it a count is given back at once, as before.
+_M.MAX_HELD = 64
+
+local holding = 0 -- counts this worker holds
 
 -- Busy slots of the llama.cpp server at addr:port (GET /slots), or nil.
 local function busy_slots(addr, port, host, auth)
@@ -73,18 +79,19 @@ end
 
 local function run(premature, held, addr, port, host, auth, until_s)
     while not premature and ngx_now() < until_s do
-        local busy = busy_slots(addr, port, host, auth)
-        if not busy or busy < stats.inflight(held.node) then
+        local fine, busy = pcall(busy_slots, addr, port, host, auth) -- (the count goes back)
+        if not fine or not busy or busy < stats.inflight(held.node) then
             break
         end
         ngx.sleep(_M.POLL_S)
         premature = ngx.worker.exiting()
     end
+    holding = holding - 1
     stats.release(held)
 end
 
 function _M.hold(r, node, att)
-    if att.released then
+    if att.released or holding >= _M.MAX_HELD then
         return
     end
     local held = { node = att.node }
@@ -95,6 +102,7 @@ function _M.hold(r, node, att)
         log(WARN, "infergate: slot of ", att.node, " past a deadline not held: ", err)
         return
     end
+    holding = holding + 1
     att.released = true -- its in-flight count is the timer's now
 end
 
