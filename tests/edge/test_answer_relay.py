@@ -323,6 +323,49 @@ def test_a_llamacpp_node_keeps_its_slot_counted_after_the_client_left(
         assert node.inflight == 1, "freed only once the node finished"
 
 
+@pytest.mark.parametrize("slots", [True, False], ids=["slots", "no-slots"])
+def test_past_the_deadline_llamacpp_slots_stay_counted_until_slots_shows_them_done(
+        tiny_upstreams, redis_server, edge_factory, slots: bool) -> None:
+    """Answers that are not streams past their deadline on llama.cpp nodes (they work on
+    after the 504 closed the connection): each node's in-flight count stays at what the
+    server still runs, as its /slots shows (two answers held on a node go back one by
+    one as they finish), and goes back at once for a server whose /slots does not
+    answer."""
+    ups = tiny_upstreams(names=["a", "b"])
+    s = edge_settings(redis_server.url, [], stale_after_s=3600, workers=1,
+                      read_timeout_ms=60000)
+    s.deadlines.request_ms = 1000
+    edge = edge_factory(s)
+    snap = write_snapshot(redis_server.client(), [
+        u.snapshot_node(kind="openai", slots=2, slots_source="server", score=None,
+                        has_metrics=False) for u in ups])
+    edge.wait_snapshot(snap["version"])
+    for u in ups:
+        u.slots = 2 if slots else 0
+        u.mode = "hang"
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda _: _post(edge, timeout=10), range(4)))
+        assert [r.status_code for r in got] == [504] * 4, [r.text for r in got]
+        assert [u.inflight for u in ups] == [2, 2]
+        if not slots:
+            procs.wait_until(lambda: all(edge.node_status(u.name)["inflight"] == 0
+                                         for u in ups), 5, what="the counts given back")
+            return
+        time.sleep(1.5)                  # three polls of /slots: nothing is done yet
+        assert [edge.node_status(u.name)["inflight"] for u in ups] == [2, 2]
+        ups[0].slots_busy = 1            # one of a's answers is done
+        procs.wait_until(lambda: edge.node_status("a")["inflight"] == 1, 5,
+                         what="one of a's counts given back")
+        assert edge.node_status("b")["inflight"] == 2
+    finally:
+        for u in ups:
+            u.mode, u.slots_busy = "ok", None
+            u.release()
+    procs.wait_until(lambda: all(edge.node_status(u.name)["inflight"] == 0 for u in ups), 5,
+                     what="every count given back")
+
+
 def test_a_node_that_resumes_after_a_freeze_gets_requests_again(tiny_upstreams, redis_server,
                                                                 edge_factory) -> None:
     """A node found frozen by the early liveness check (its request moved to the other

@@ -73,6 +73,10 @@ closes the port (connections refused)."""
         self.request_ids: list[str | None] = []
         """X-Request-Id of every POST, in arrival order."""
         self.gzip = False
+        self.slots = 0
+        """When > 0: GET /slots answers as llama-server's, this many slots, as many busy
+        as ``inflight`` (or ``slots_busy`` when set)."""
+        self.slots_busy: int | None = None
         self.chunk_text: str | None = None
         self.finish_reason = "stop"
         """The finish reason of every answer (a JSON answer's and a stream's last chunk)."""
@@ -145,7 +149,13 @@ closes the port (connections refused)."""
                     upstream._released.wait(60)
                     self.close_connection = True
                     return
-                if self.path == "/v1/models":
+                if self.path == "/slots" and upstream.slots:
+                    # llama-server's /slots: a slot is processing while an answer is
+                    # worked on, its client gone or not
+                    busy = upstream.inflight if upstream.slots_busy is None else upstream.slots_busy
+                    self._send(200, [{"id": i, "is_processing": i < busy}
+                                     for i in range(upstream.slots)])
+                elif self.path == "/v1/models":
                     self._send(200, {"object": "list", "data": [
                         {"id": "tiny", "object": "model", "created": 0, "owned_by": upstream.name}]})
                 else:

@@ -4,14 +4,16 @@
 -- the node is closed) still holds one of the node's slots. Counted free at once, the
 -- next request sent there waits behind it (seen: 16 tokens answered after 24 s on the
 -- node of two such answers while another node was idle). The attempt's in-flight count
--- passes to a timer that asks the node's /slots every POLL_S and gives the count back
--- once the node runs fewer requests than the edge counts on it (the answer is done),
--- when /slots does not answer (a server started with --no-slots or an API key the
--- edge does not send there: as before, at once) or after edge.read_timeout_ms. The
--- test counts this edge's requests only: with several edges sending to the node, the
--- others' requests running there keep the count held too (at most read_timeout_ms).
+-- is held instead: one poller per worker (a timer started with the first hold, ending
+-- when none is left; never one per request) asks each node with held counts for its
+-- /slots every POLL_S and gives back as many as the node runs fewer requests than the
+-- edge counts on it (those answers are done); all of a node's when /slots does not
+-- answer (a server started with --no-slots or an API key the edge does not send there:
+-- as before, at once); each after edge.read_timeout_ms. The test counts this edge's
+-- requests only: with several edges sending to the node, the others' requests running
+-- there keep the counts held too (at most read_timeout_ms).
 --
---   hold(r, node, att)   the attempt's in-flight count to the timer (att.released)
+--   hold(r, node, att)   the attempt's in-flight count to the poller (att.released)
 local cjson = require("cjson.safe")
 local stats = require("infergate.routing.stats")
 local http = require("infergate.stream.http")
@@ -22,6 +24,8 @@ local _M = {}
 local concat = table.concat
 local ipairs = ipairs
 local pcall = pcall
+local pairs = pairs
+local next = next
 local type = type
 local ngx_now = ngxapi.now
 local log = ngx.log
@@ -31,11 +35,14 @@ local WARN = ngx.WARN
 _M.POLL_S = 0.5
 -- Timeouts (ms) of one /slots call.
 _M.CALL_MS = 1000
--- Most counts a worker holds at once (each a running timer: lua_max_running_timers is
--- 256); past it a count is given back at once, as before.
-_M.MAX_HELD = 64
+-- Most counts a worker holds at once; past it a count is given back at once, as before.
+_M.MAX_HELD = 256
 
+-- node name -> {addr, port, host, auth, ends = {when (s) each count held goes back at
+-- the latest, oldest first}}
+local held = {}
 local holding = 0 -- counts this worker holds
+local polling = false
 
 -- Busy slots of the llama.cpp server at addr:port (GET /slots), or nil.
 local function busy_slots(addr, port, host, auth)
@@ -77,33 +84,93 @@ local function busy_slots(addr, port, host, auth)
     return n
 end
 
-local function run(premature, held, addr, port, host, auth, until_s)
-    while not premature and ngx_now() < until_s do
-        local fine, busy = pcall(busy_slots, addr, port, host, auth) -- (the count goes back)
-        if not fine or not busy or busy < stats.inflight(held.node) then
+-- Gives back the first k counts held on `name`.
+local function give_back(name, h, k)
+    for _ = 1, k do
+        table.remove(h.ends, 1)
+        holding = holding - 1
+        stats.release({ node = name })
+    end
+    if #h.ends == 0 then
+        held[name] = nil
+    end
+end
+
+-- One pass over the nodes with held counts (a list of names first: the /slots calls
+-- yield, and a hold taken meanwhile may add a node).
+local function pass(exiting)
+    local names = {}
+    for name in pairs(held) do
+        names[#names + 1] = name
+    end
+    for _, name in ipairs(names) do
+        local h = held[name]
+        if h then
+            local now, gone = ngx_now(), 0
+            for _, u in ipairs(h.ends) do
+                if u <= now then
+                    gone = gone + 1
+                end
+            end
+            if exiting then
+                gone = #h.ends
+            end
+            if gone < #h.ends then
+                local fine, busy = pcall(busy_slots, h.addr, h.port, h.host, h.auth)
+                if not fine or not busy then
+                    gone = #h.ends
+                else
+                    local done = stats.inflight(name) - busy
+                    if done > gone then
+                        gone = math.min(done, #h.ends)
+                    end
+                end
+            end
+            give_back(name, h, gone)
+        end
+    end
+end
+
+local function run(premature)
+    while true do
+        local fine, err = pcall(pass, premature)
+        if not fine then
+            log(WARN, "infergate: held llama.cpp slots: ", err)
+            premature = true -- everything goes back
+            pcall(pass, true)
+            held, holding = {}, 0
+        end
+        if premature or next(held) == nil then
             break
         end
         ngx.sleep(_M.POLL_S)
         premature = ngx.worker.exiting()
     end
-    holding = holding - 1
-    stats.release(held)
+    polling = false
 end
 
 function _M.hold(r, node, att)
     if att.released or holding >= _M.MAX_HELD then
         return
     end
-    local held = { node = att.node }
-    local ok, err = ngx.timer.at(0, run, held, node.addr, node.port, node.host or node.addr,
-                                 ngx.var.infergate_node_auth,
-                                 ngx_now() + r.o.edge.read_timeout_ms / 1000)
-    if not ok then
-        log(WARN, "infergate: slot of ", att.node, " past a deadline not held: ", err)
-        return
+    if not polling then
+        local ok, err = ngx.timer.at(0, run)
+        if not ok then
+            log(WARN, "infergate: slot of ", att.node, " past a deadline not held: ", err)
+            return
+        end
+        polling = true
     end
+    local h = held[att.node]
+    if not h then
+        h = { addr = node.addr, port = node.port, host = node.host or node.addr,
+              auth = ngx.var.infergate_node_auth, ends = {} }
+        held[att.node] = h
+    end
+    local ends = h.ends
+    ends[#ends + 1] = ngx_now() + r.o.edge.read_timeout_ms / 1000
     holding = holding + 1
-    att.released = true -- its in-flight count is the timer's now
+    att.released = true -- its in-flight count is the poller's now
 end
 
 return _M
