@@ -37,17 +37,25 @@ def _slots_busy(node) -> int:
                if s.get("is_processing"))
 
 
-@pytest.fixture
-def pair(realnodes, redis_server, edge_factory):
+def _two_servers(realnodes, redis_server, edge_factory, request_ms: int | None = None):
+    """Two one-slot llama-servers behind an edge that knows them as llama.cpp servers
+    (slots_source "server"): (edge, {name: node})."""
     nodes = realnodes(2, parallel=1, threads=1)
-    edge = edge_factory(edge_settings(redis_server.url, [], stale_after_s=3600,
-                                      read_timeout_ms=60000))
+    s = edge_settings(redis_server.url, [], stale_after_s=3600, read_timeout_ms=60000)
+    if request_ms is not None:
+        s.deadlines.request_ms = request_ms
+    edge = edge_factory(s)
     snap = write_snapshot(redis_server.client(), [
         snapshot_node(f"cpp-{i}", "127.0.0.1", n.port, kind="openai", slots=1,
                       slots_source="server", max_concurrency=1, score=None, has_metrics=False)
         for i, n in enumerate(nodes)])
     edge.wait_snapshot(snap["version"])
     return edge, {f"cpp-{i}": n for i, n in enumerate(nodes)}
+
+
+@pytest.fixture
+def pair(realnodes, redis_server, edge_factory):
+    return _two_servers(realnodes, redis_server, edge_factory)
 
 
 def test_a_request_on_a_server_that_froze_is_answered_by_the_other(pair) -> None:
@@ -97,16 +105,7 @@ def test_a_client_that_leaves_keeps_the_slot_counted_while_the_server_works(pair
 
 @pytest.fixture
 def short_deadline_pair(realnodes, redis_server, edge_factory):
-    nodes = realnodes(2, parallel=1, threads=1)
-    s = edge_settings(redis_server.url, [], stale_after_s=3600, read_timeout_ms=60000)
-    s.deadlines.request_ms = 3000
-    edge = edge_factory(s)
-    snap = write_snapshot(redis_server.client(), [
-        snapshot_node(f"cpp-{i}", "127.0.0.1", n.port, kind="openai", slots=1,
-                      slots_source="server", max_concurrency=1, score=None, has_metrics=False)
-        for i, n in enumerate(nodes)])
-    edge.wait_snapshot(snap["version"])
-    return edge, {f"cpp-{i}": n for i, n in enumerate(nodes)}
+    return _two_servers(realnodes, redis_server, edge_factory, request_ms=3000)
 
 
 def test_past_its_deadline_the_slot_stays_counted_while_the_server_works(
