@@ -190,6 +190,34 @@ def test_up_names_a_redis_that_refuses_its_password(tmp_path) -> None:
         m.stop()
 
 
+def test_a_named_loopback_redis_that_does_not_answer_is_started_there(tmp_path) -> None:
+    """A banner's export line left in the shell after its stack stopped: `up` starts a
+    redis-server on that URL's port with its password, its files in the new work folder
+    (so it starts empty), and the banner says it started it."""
+    import redis as redis_lib
+
+    from controlplane import procs
+    from controlplane.cli.up.store import _ensure_redis
+    from controlplane.config import Settings
+
+    port = procs.free_port()
+    s = Settings()
+    s.redis.url = f"redis://default:left-in-shell@127.0.0.1:{port}/0"
+    stack = procs.ProcessSet()
+    try:
+        said = _ensure_redis(s, tmp_path, stack)
+        assert "local redis-server started" in said and "password from the URL" in said
+        assert "left-in-shell" not in said                     # shown redacted
+        assert str(tmp_path / "redis") in said
+        assert (tmp_path / "redis").is_dir()
+        r = redis_lib.Redis.from_url(s.redis.url)
+        assert r.dbsize() == 0
+        with pytest.raises(redis_lib.AuthenticationError):
+            redis_lib.Redis(host="127.0.0.1", port=port, password="other").ping()
+    finally:
+        stack.stop_all()
+
+
 def test_a_restart_on_the_same_folder_keeps_its_redis_url(tmp_path) -> None:
     """`up` again on a folder: its own Redis comes back on the port and with the password
     of the earlier run (the banner's `export INFERGATE_REDIS_URL=...` stays good), unless
