@@ -292,3 +292,16 @@ def test_redis_on_a_free_port_moves_on_when_the_port_was_taken(tmp_path, monkeyp
         assert len(tries) == 1
     finally:
         taken.close()
+
+
+def test_up_help_says_where_its_redis_comes_from() -> None:
+    """`up --help` names what picks the Redis when --redis-url is not given: the
+    environment, the file, else a redis-server of the stack's own (not just redis.url,
+    whose default 127.0.0.1:6379 `up` never joins)."""
+    from click.testing import CliRunner
+
+    from controlplane.cli.up import up_cmd
+
+    text = " ".join(CliRunner().invoke(up_cmd, ["--help"]).output.split())
+    assert "INFERGATE_REDIS_URL" in text
+    assert "this stack's own redis-server on a free port" in text

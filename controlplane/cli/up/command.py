@@ -190,7 +190,10 @@ def stop_all(run: UpRun) -> None:
               help="Edge address [default: edge.listen, 127.0.0.1:8080].")
 @click.option("--admin-listen", default=None, metavar="HOST:PORT",
               help="Admin page and API address [default: controlplane.listen, 127.0.0.1:8081].")
-@click.option("--redis-url", default=None, help="Redis URL [default: redis.url].")
+@click.option("--redis-url", default=None,
+              help="A Redis to share (one started here when nothing answers at a loopback "
+                   "redis:// URL) [default: INFERGATE_REDIS_URL, else the file's redis.url, "
+                   "else this stack's own redis-server on a free port].")
 @click.option("--redis-cluster", is_flag=True,
               help="Start this stack's own loopback Redis Cluster (3 masters + 3 replicas) "
                    "instead of one redis-server: a demo of the cluster support.")
