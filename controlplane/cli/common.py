@@ -174,10 +174,14 @@ def run_or_exit(ctx: Ctx, fn: Callable[[], Any], errors: tuple[type[Exception], 
     except errors as exc:
         raise click.ClickException(getattr(exc, "message", None) or str(exc)) from None
     except redis.exceptions.RedisError as exc:
-        raise click.ClickException(
-            f"cannot reach Redis at {redact(ctx.settings.redis.url)}: {exc} (for a stack started by "
-            "`infergate up`, pass --config WORKDIR/infergate.toml or set INFERGATE_REDIS_URL "
-            "as its banner shows)") from None
+        url = ctx.settings.redis.url
+        if (os.environ.get("INFERGATE_REDIS_URL") or "").strip() == url:
+            hint = ("INFERGATE_REDIS_URL names it: the stack whose banner printed that line may "
+                    "have stopped; unset it, or export the line of the running stack's banner")
+        else:
+            hint = ("for a stack started by `infergate up`, pass --config WORKDIR/infergate.toml "
+                    "or set INFERGATE_REDIS_URL as its banner shows")
+        raise click.ClickException(f"cannot reach Redis at {redact(url)}: {exc} ({hint})") from None
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -110,6 +110,16 @@ def test_redis_unreachable() -> None:
         assert f"cannot reach Redis at redis://{shown}@127.0.0.1:{port}/0" in res.output
 
 
+def test_redis_unreachable_by_the_banners_variable_says_its_stack_may_have_stopped() -> None:
+    url = f"redis://127.0.0.1:{procs.free_port()}/0"
+    res = CliRunner().invoke(main, ["keys", "list"], env={"INFERGATE_REDIS_URL": url})
+    assert res.exit_code == 1
+    assert "INFERGATE_REDIS_URL names it" in res.output and "may have stopped" in res.output
+    res = CliRunner().invoke(main, ["keys", "--redis-url", url, "list"],
+                             env={"INFERGATE_REDIS_URL": ""})
+    assert res.exit_code == 1 and "as its banner shows" in res.output
+
+
 def test_edit_changes_limits_and_label_with_an_event(run, redis_server) -> None:
     r = redis_server.client()
     key_id = json.loads(run("create", "--tenant", "acme", "--rpm", "60", "--json").output)["id"]
