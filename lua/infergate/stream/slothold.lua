@@ -41,7 +41,6 @@ _M.MAX_HELD = 256
 -- node name -> {addr, port, host, auth, ends = {when (s) each count held goes back at
 -- the latest, oldest first}}
 local held = {}
-local holding = 0 -- counts this worker holds
 local polling = false
 
 -- Busy slots of the llama.cpp server at addr:port (GET /slots), or nil.
@@ -88,7 +87,6 @@ end
 local function give_back(name, h, k)
     for _ = 1, k do
         table.remove(h.ends, 1)
-        holding = holding - 1
         stats.release({ node = name })
     end
     if #h.ends == 0 then
@@ -138,7 +136,7 @@ local function run(premature)
             log(WARN, "infergate: held llama.cpp slots: ", err)
             premature = true -- everything goes back
             pcall(pass, true)
-            held, holding = {}, 0
+            held = {}
         end
         if premature or next(held) == nil then
             break
@@ -149,8 +147,17 @@ local function run(premature)
     polling = false
 end
 
+-- Counts this worker holds.
+local function holding()
+    local n = 0
+    for _, h in pairs(held) do
+        n = n + #h.ends
+    end
+    return n
+end
+
 function _M.hold(r, node, att)
-    if att.released or holding >= _M.MAX_HELD then
+    if att.released or holding() >= _M.MAX_HELD then
         return
     end
     if not polling then
@@ -169,7 +176,6 @@ function _M.hold(r, node, att)
     end
     local ends = h.ends
     ends[#ends + 1] = ngx_now() + r.o.edge.read_timeout_ms / 1000
-    holding = holding + 1
     att.released = true -- its in-flight count is the poller's now
 end
 
