@@ -11,7 +11,9 @@
 -- answer (a server started with --no-slots or an API key the edge does not send there:
 -- as before, at once); each after edge.read_timeout_ms. The test counts this edge's
 -- requests only: with several edges sending to the node, the others' requests running
--- there keep the counts held too (at most read_timeout_ms).
+-- there keep the counts held too (at most read_timeout_ms); a request this edge just
+-- sent there that the server has not started yet makes one count go back early (the
+-- node may then get one request more than it runs, as without the hold).
 --
 --   hold(r, node, att)   the attempt's in-flight count to the poller (att.released)
 local cjson = require("cjson.safe")
