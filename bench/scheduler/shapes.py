@@ -36,6 +36,11 @@ strategy after the other for each load (interleaved), a fresh edge per run:
   system message of one of 40 groups (2,000-6,000 tokens) and a user message of
   50-200 tokens, at :data:`OPEN_LOADS` of the pool's capacity *without* prefix caching,
   so that only prefix reuse can raise goodput.
+- ``two_lengths``: four equal nodes (:data:`TWO_POOL`, the fast node of bench.scheduler,
+  batch 4) at :data:`TWO_LENGTHS_LOADS`, the answers in two modes: :data:`LONG_SHARE` of the requests (the same ones at every load) ask
+  :data:`LONG_TOKENS` tokens (uniform), the others the usual log-normal lengths. Answers
+  in flight are then mostly long ones, and the answer times at a level of in-flight
+  requests vary by a factor of ten: what a node runs at once is hard to learn from them.
 
 Loads are fractions of the pool's capacity (bench/scheduler/workload.py; the prefix pool's
 without prefix caching). Time constants of the infergate edge are scaled as in
@@ -84,7 +89,7 @@ from .stats import summarise
 from .workload import PoolSpec, Request, RequestMix, Workload, pool_capacity_rps
 
 SHAPES = ("quiet_then_burst", "node_freeze", "speed_shift", "pool_slowdown", "zero_reuse",
-          "shared_prefix_open")
+          "shared_prefix_open", "two_lengths")
 STRATEGIES = ("round_robin", "least_conn", "infergate")
 DEADLINE_SIM_S = 30.0
 TIME_SCALE = 0.2
@@ -95,10 +100,13 @@ POOL_SLOW_LOAD = 0.6
 ZERO_LOADS = (0.8,)
 OPEN_LOADS = (1.5, 2.0)
 GROUPS = 40
+TWO_LENGTHS_LOADS = (0.5, 0.8)
+LONG_SHARE, LONG_TOKENS = 0.2, (100, 200)
 WINDOW_SIM_S = {"node_freeze": 100.0, "speed_shift": 120.0, "pool_slowdown": 120.0,
                 "zero_reuse": 90.0,
-                "shared_prefix_open": 90.0}
+                "shared_prefix_open": 90.0, "two_lengths": 150.0}
 BASE = PoolSpec()
+TWO_POOL = PoolSpec(n_fast=4, n_slow=0)
 
 
 @dataclass
@@ -110,6 +118,23 @@ class Plan:
     loads: tuple[float, ...]
     messages: dict[int, list[dict]] = field(default_factory=dict)
     """request index -> chat messages (empty: one user message, the request's prompt)."""
+
+
+def two_lengths(wl: Workload, seed: int) -> Workload:
+    """``wl`` with :data:`LONG_SHARE` of its requests (drawn per request index, so the same
+    at every load) made :data:`LONG_TOKENS` tokens long."""
+    out = []
+    for r in wl.requests:
+        rng = random.Random(f"{seed}-{r.idx}")
+        if rng.random() < LONG_SHARE:
+            r = replace(r, output_tokens=rng.randint(*LONG_TOKENS))
+        out.append(r)
+    return replace(wl, requests=out)
+
+
+def two_lengths_mean(mean_short: float) -> float:
+    """Mean output tokens of :func:`two_lengths` given the mean of the usual lengths."""
+    return (1 - LONG_SHARE) * mean_short + LONG_SHARE * sum(LONG_TOKENS) / 2
 
 
 def prefix_requests(n: int, seed: int, shared: bool) -> tuple[list[tuple[list[dict], int]], float]:
@@ -433,17 +458,21 @@ def build(name: str, prompts: list[str], seed: int, ts: float,
     else:
         mix = RequestMix(prompts, seed=seed)
         mean_out, mean_prompt = mix.sample_means()
-        spec = BASE
+        if name == "two_lengths":
+            mean_out = two_lengths_mean(mean_out)
+        spec = TWO_POOL if name == "two_lengths" else BASE
         cap = pool_capacity_rps(spec, mean_out, mean_prompt) / ts
         if name == "quiet_then_burst":
             plan = Plan(name, spec, (0.0,))
             wl = mix.workload(1000.0, (QUIET + BURST + 1) / 1000.0)
             wls = {0.0: replace(wl, requests=wl.requests[:QUIET + BURST])}
         else:
-            load = {"node_freeze": FREEZE_LOAD, "pool_slowdown": POOL_SLOW_LOAD}.get(
-                name, SHIFT_LOAD)
-            plan = Plan(name, spec, loads or (load,))
+            load = {"node_freeze": (FREEZE_LOAD,), "pool_slowdown": (POOL_SLOW_LOAD,),
+                    "two_lengths": TWO_LENGTHS_LOADS}.get(name, (SHIFT_LOAD,))
+            plan = Plan(name, spec, loads or load)
             wls = {f: mix.workload(f * cap, WINDOW_SIM_S[name] * ts) for f in plan.loads}
+            if name == "two_lengths":
+                wls = {f: two_lengths(w, seed) for f, w in wls.items()}
     facts = {"scenario": name, "capacity_wall_rps": round(cap, 3),
              "mean_output_tokens": round(mean_out, 2), "mean_prompt_tokens": round(mean_prompt, 1),
              "nodes": [n for n, _ in spec.nodes()], "max_running": spec.max_running}

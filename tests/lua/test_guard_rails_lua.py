@@ -190,6 +190,93 @@ def test_room_is_what_the_node_was_seen_running_while_others_waited(workdir: Pat
     assert got["none"] is True
 
 
+def test_requests_seen_running_at_once_set_the_learned_concurrency_and_the_room(
+        workdir: Path) -> None:
+    from support.stack import lua_node_helpers
+
+    got = run(workdir, lua_node_helpers(max_concurrency=8, score=0.1) + """
+            local alongside = require("infergate.routing.alongside")
+            local room = require("infergate.routing.room")
+            local speed = require("infergate.routing.speed")
+            local now = ngx.now()
+            local a, b = node("a"), node("b", {slots = 3})
+            local function start(name, stream)
+                local att = stats.open_attempt(name, now)
+                att.stream = stream
+                speed.track(att)
+                return att
+            end
+            local function first(att) outlier.first_byte({attempts = {att}}, now) end
+            -- answer times that grow with the level, as one at a time would: learned 1
+            local function answered(att) speed.observe(att, att.k * 1000) end
+            local function ends(att) stats.close_attempt(att, "ok", now, 1000) end
+            for _ = 1, 20 do speed.observe({node = "a", k = 1}, 1000) end
+            out.learned = speed.effective(a)
+            local x1, x2, x3 = start("a"), start("a"), start("a")
+            first(x3); first(x2)
+            answered(x3)                               -- 3 at once, seen once: no floor yet
+            out.once = alongside.at_once("a") or 0
+            answered(x2)                               -- 2 at once seen too: floor 2
+            out.twice = alongside.at_once("a")
+            local x4 = start("a")
+            first(x4); answered(x4)                    -- 4 seen, with 3 before: floor 3
+            out.third = alongside.at_once("a")
+            ends(x1)
+            local x5 = start("a")                      -- 4 in flight again, one ended before
+            first(x5); answered(x5)                    -- it started: 4 seen twice
+            out.four = alongside.at_once("a")
+            local x6 = start("a")                      -- 5 in flight
+            ends(x2)                                   -- an earlier one ends first: it may
+            first(x6); answered(x6)                    -- have waited for that slot
+            local x7 = start("a")
+            ends(x3)
+            first(x7); answered(x7)
+            out.not_five = alongside.at_once("a")
+            out.effective = speed.effective(a)
+            out.room = room.batch(a)
+            -- streams above the floor that keep waiting for a slot cap it at the floor;
+            -- answers that are not streams wait through their whole answer: no evidence
+            local open = {x4, x5, x6, x7}
+            local function waits(n, stream)
+                for _ = 1, n do
+                    while stats.inflight("a") < 4 do open[#open + 1] = start("a") end
+                    local y = start("a", stream)       -- 5 in flight
+                    ends(table.remove(open, 1))
+                    first(y); answered(y); ends(y)
+                end
+            end
+            waits(alongside.CAP_RUN, false)
+            out.plain_capped = select(2, alongside.at_once("a"))
+            waits(alongside.CAP_RUN - 1, true)
+            out.almost = select(2, alongside.at_once("a"))
+            waits(1, true)
+            out.capped = select(2, alongside.at_once("a"))
+            out.capped_at = speed.effective(a)
+            while stats.inflight("a") < 4 do open[#open + 1] = start("a") end
+            local y = start("a", true)                 -- 5 at once after all: the cap goes
+            first(y); answered(y); ends(y)
+            out.uncapped = select(2, alongside.at_once("a"))
+            -- a node with 3 known slots seen running 4 (other edges' requests counted):
+            -- its prior stays the ceiling
+            local z = {}
+            for i = 1, 4 do z[i] = start("b") end
+            first(z[4]); first(z[3]); answered(z[4]); answered(z[3])
+            out.b_floor = alongside.at_once("b")
+            out.b_room = room.batch(b)
+            out.ttl = ngx.shared.infergate_stats:ttl("ak:a")
+            return out
+    """)
+    assert got["learned"] == 1
+    assert got["once"] == 0 and got["twice"] == 2 and got["third"] == 3 and got["four"] == 4
+    assert got["not_five"] == 4                  # 5 never started with nothing ended
+    assert got["effective"] == 4 and got["room"] == 4
+    assert got["plain_capped"] is False and got["almost"] is False
+    assert got["capped"] is True and got["capped_at"] == 4
+    assert got["uncapped"] is False
+    assert got["b_floor"] == 3 and got["b_room"] == 3
+    assert 590 < got["ttl"] <= 600
+
+
 def test_a_models_length_record_and_a_node_of_the_same_name_do_not_collide(workdir: Path) -> None:
     got = run(workdir, """
             lengths.observe("static", 20, 1000)                  -- model "static"

@@ -1,13 +1,14 @@
 """The pure figures of the traffic-shape benchmark (bench/scheduler/shapes.py): tries
 read from an access log, the frozen-node figures, 429s counted against free batch slots,
-and the infergate / least_conn ratios."""
+the infergate / least_conn ratios and the answers of two lengths."""
 
 from __future__ import annotations
 
 from bench.scheduler.loadgen import Result
-from bench.scheduler.shapes import (access_tries, freeze_figures, prefix_requests, ratios,
-                                    rejected_with_free_slot)
-from bench.scheduler.workload import Request, Workload
+from bench.scheduler.shapes import (LONG_SHARE, LONG_TOKENS, access_tries, freeze_figures,
+                                    prefix_requests, ratios, rejected_with_free_slot,
+                                    two_lengths, two_lengths_mean)
+from bench.scheduler.workload import Request, RequestMix, Workload
 
 LOG = """\
 127.0.0.1 [05/Dec/2026:04:42:36 +0000] "POST /v1/chat/completions?i=7 HTTP/1.1" 200 9 rt=1 ua="127.0.0.1:9001, 127.0.0.1:9002" us="504, 200"
@@ -68,3 +69,19 @@ def test_prefix_requests_share_system_prompts_or_nothing() -> None:
     unique, mean = prefix_requests(20, 3, shared=False)
     firsts = {m[0]["content"][:64] for m, _ in unique}      # one simnode block
     assert len(firsts) == 20 and 2000 <= mean <= 6000
+
+
+def test_two_lengths_makes_the_same_requests_long_at_every_load() -> None:
+    mix = RequestMix([f"prompt {i}" for i in range(50)], seed=3)
+    slow, fast = (two_lengths(mix.workload(rate, 400.0), 7) for rate in (5.0, 10.0))
+    long_slow = {r.idx for r in slow.requests if r.output_tokens >= LONG_TOKENS[0]}
+    long_fast = {r.idx for r in fast.requests if r.output_tokens >= LONG_TOKENS[0]}
+    assert long_slow and long_slow <= long_fast
+    assert abs(len(long_fast) / len(fast.requests) - LONG_SHARE) < 0.05
+    assert all(LONG_TOKENS[0] <= r.output_tokens <= LONG_TOKENS[1] for r in fast.requests
+               if r.idx in long_fast)
+    short = mix.workload(10.0, 400.0)
+    assert [r.idx for r in short.requests] == [r.idx for r in fast.requests]
+    mean_short = sum(r.output_tokens for r in short.requests
+                     if r.idx not in long_fast) / (len(short.requests) - len(long_fast))
+    assert abs(fast.mean_output_tokens - two_lengths_mean(mean_short)) < 10

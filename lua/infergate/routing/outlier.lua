@@ -65,6 +65,7 @@ local ngxapi = require("infergate.core.ngxapi")
 local ngx_now = ngxapi.now
 local stats = require("infergate.routing.stats")
 local speed = require("infergate.routing.speed")
+local alongside = require("infergate.routing.alongside")
 local stall = require("infergate.routing.stall")
 local liveness = require("infergate.routing.liveness")
 local ring = require("infergate.routing.ring")
@@ -195,6 +196,7 @@ function _M.first_byte(req, now)
     end
     att.first_byte = true
     unlink(att)
+    alongside.first_byte(att)
     now = now or ngx_now()
     local d = dict()
     local name = att.node

@@ -7,12 +7,15 @@
 -- What a node runs at once: the most it was seen running while requests waited there
 -- (a fresh snapshot with queue_depth > 0; a request that just arrived waits for the
 -- next step, so one sight can be short of the limit, never over it), kept for
--- SEEN_TTL_S after it was last raised (shared dict infergate_stats "rb:<node>"), else
--- its learned concurrency with its guard rails (infergate.routing.speed.batch), which
--- answers of very different lengths make noisy.
+-- SEEN_TTL_S after it was last raised (shared dict infergate_stats "rb:<node>"; at least
+-- the most this edge saw it run at once, within the node's prior), else its learned
+-- concurrency with its guard rails (infergate.routing.speed.batch: answer times, which
+-- answers of very different lengths blur, held to what was seen running at once,
+-- infergate.routing.alongside).
 local config = require("infergate.core.config")
 local stats = require("infergate.routing.stats")
 local speed = require("infergate.routing.speed")
+local alongside = require("infergate.routing.alongside")
 
 local _M = {}
 
@@ -30,7 +33,15 @@ function _M.batch(node)
         seen = r
         d:set(key, r, _M.SEEN_TTL_S)
     end
-    return seen or speed.batch(node)
+    if not seen then
+        return speed.batch(node)
+    end
+    local fl = alongside.at_once(node.name)
+    if fl and fl > seen then
+        local prior = node.slots or node.max_concurrency or fl
+        return fl < prior and fl or prior
+    end
+    return seen
 end
 
 -- Whether `node` has room.

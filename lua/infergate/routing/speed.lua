@@ -18,8 +18,10 @@
 -- taken alone on the node, k = 1) is the fallback latency of predicted() below.
 --
 -- Guard rails (effective_of): the prior is the node's known slots, else its
--- max_concurrency, and also the ceiling; the floor is the most in flight seen to finish
--- far sooner than predicted (yield_to: the estimate rises to it at once); LEARNED_STALE_S
+-- max_concurrency, and also the ceiling; the floors are the most in flight seen to finish
+-- far sooner than predicted (yield_to: the estimate rises to it at once) and the most
+-- seen running at once (infergate.routing.alongside, which also caps the estimate at
+-- that when requests above it keep waiting for a slot); LEARNED_STALE_S
 -- after the last answer it returns to the prior with a half-life of LEARNED_HALF_LIFE_S.
 -- concurrency(node, has_score): the balancer's in-flight denominator: max_concurrency
 -- with a fresh score, else min(max_concurrency, learned + 1, prior before a sample).
@@ -61,6 +63,7 @@ local ngxapi = require("infergate.core.ngxapi")
 local prefixer = require("infergate.core.memo").prefixer
 local ngx_now = ngxapi.now
 local stats = require("infergate.routing.stats")
+local alongside = require("infergate.routing.alongside")
 local snapshot = require("infergate.routing.snapshot")
 
 local _M = {}
@@ -190,6 +193,7 @@ end
 -- Balancer phase, after stats.open_attempt: in-flight on the node, this one included.
 function _M.track(att)
     att.k = stats.inflight(att.node)
+    alongside.track(att)
 end
 
 -- Loads node `name`'s record (dict key `key`) into rec; a fresh one when it has none.
@@ -306,6 +310,7 @@ function _M.observe(att, latency_ms)
     if not latency_ms or latency_ms <= 0 or not att.k then
         return
     end
+    alongside.learn(att)
     local node = snapshot.current().by_name[att.node]
     local maxc = node and (node.slots or node.max_concurrency) or 64
     local d = dict()
@@ -380,15 +385,18 @@ local function effective_of(raw, node, now)
     if fl and lc < fl then
         lc = fl
     end
+    local seen, capped = alongside.at_once(node.name)
+    if capped then
+        lc = seen or 1
+    elseif seen and lc < seen then
+        lc = seen
+    end
     local at = value(raw, F_SA)
     local idle = at and (now or ngx_now()) - at
     if idle and idle > _M.LEARNED_STALE_S then
         lc = prior + (lc - prior) * 0.5 ^ ((idle - _M.LEARNED_STALE_S) / _M.LEARNED_HALF_LIFE_S)
     end
-    if lc > prior then
-        return prior
-    end
-    return lc < 1 and 1 or lc
+    return lc > prior and prior or (lc < 1 and 1 or lc)
 end
 
 -- B of the formula above: the learned concurrency of `node` (with its guard rails),
@@ -463,27 +471,18 @@ end
 
 function _M.concurrency(node, has_score)
     local maxc = node.max_concurrency
-    if has_score then
-        return maxc
-    end
-    local lc = effective_of(record(dict(), node.name), node)
-    if not lc then
-        return maxc
-    end
-    lc = lc + 1
-    if lc < maxc then
-        return lc
+    local lc = not has_score and effective_of(record(dict(), node.name), node)
+    if lc and lc + 1 < maxc then
+        return lc + 1
     end
     return maxc
 end
 
 -- Predicted completion (s) of one more request on `node` at this edge: the work ahead
 -- of it, max(0, inflight + 1 - C) requests at C at a time, plus its own, each taking
--- s = the node's latency EWMA (what its requests take at the load it has had, queueing
--- included, so a node that is getting overloaded predicts longer and longer waits;
--- s_min while it has no EWMA):
---     wait = max(0, inflight + 1 - C) / C x s,   completion = wait + s
--- Returns completion, wait; nil when the node has no latency history yet.
+-- s = the node's latency EWMA (queueing included: an overloaded node predicts longer and
+-- longer waits; s_min while it has no EWMA): wait = max(0, inflight + 1 - C) / C x s,
+-- completion = wait + s. Returns completion, wait; nil before any latency history.
 function _M.predicted(node, has_score)
     local name = node.name
     local lat = stats.latency_ewma_ms(name)
