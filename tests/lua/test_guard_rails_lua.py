@@ -190,8 +190,7 @@ def test_room_is_what_the_node_was_seen_running_while_others_waited(workdir: Pat
     assert got["none"] is True
 
 
-def test_requests_seen_running_at_once_set_the_learned_concurrency_and_the_room(
-        workdir: Path) -> None:
+def test_requests_seen_running_at_once_set_the_room(workdir: Path) -> None:
     from support.stack import lua_node_helpers
 
     got = run(workdir, lua_node_helpers(max_concurrency=8, score=0.1) + """
@@ -199,7 +198,7 @@ def test_requests_seen_running_at_once_set_the_learned_concurrency_and_the_room(
             local room = require("infergate.routing.room")
             local speed = require("infergate.routing.speed")
             local now = ngx.now()
-            local a, b = node("a"), node("b", {slots = 3})
+            local a, b, c = node("a"), node("b", {slots = 3}), node("c")
             local function start(name, stream)
                 local att = stats.open_attempt(name, now)
                 att.stream = stream
@@ -212,6 +211,7 @@ def test_requests_seen_running_at_once_set_the_learned_concurrency_and_the_room(
             local function ends(att) stats.close_attempt(att, "ok", now, 1000) end
             for _ = 1, 20 do speed.observe({node = "a", k = 1}, 1000) end
             out.learned = speed.effective(a)
+            out.room_before = room.batch(a)
             local x1, x2, x3 = start("a"), start("a"), start("a")
             first(x3); first(x2)
             answered(x3)                               -- 3 at once, seen once: no floor yet
@@ -232,46 +232,48 @@ def test_requests_seen_running_at_once_set_the_learned_concurrency_and_the_room(
             ends(x3)
             first(x7); answered(x7)
             out.not_five = alongside.at_once("a")
-            out.effective = speed.effective(a)
+            out.effective = speed.effective(a)         -- the answer times' figure stays
             out.room = room.batch(a)
-            -- streams above the floor that keep waiting for a slot cap it at the floor;
-            -- answers that are not streams wait through their whole answer: no evidence
-            local open = {x4, x5, x6, x7}
+            -- streams that keep waiting for a slot cap the room at the floor (1 without
+            -- one); answers that are not streams wait through their whole answer: no
+            -- evidence. Node c has answered nothing: its figure is the prior, 8.
             local function waits(n, stream)
                 for _ = 1, n do
-                    while stats.inflight("a") < 4 do open[#open + 1] = start("a") end
-                    local y = start("a", stream)       -- 5 in flight
-                    ends(table.remove(open, 1))
-                    first(y); answered(y); ends(y)
+                    local z1 = start("c")
+                    local z2 = start("c", stream)      -- 2 in flight
+                    ends(z1)
+                    first(z2); answered(z2); ends(z2)
                 end
             end
+            out.c_prior = room.batch(c)
             waits(alongside.CAP_RUN, false)
-            out.plain_capped = select(2, alongside.at_once("a"))
+            out.plain_capped = select(2, alongside.at_once("c"))
             waits(alongside.CAP_RUN - 1, true)
-            out.almost = select(2, alongside.at_once("a"))
+            out.almost = select(2, alongside.at_once("c"))
             waits(1, true)
-            out.capped = select(2, alongside.at_once("a"))
-            out.capped_at = speed.effective(a)
-            while stats.inflight("a") < 4 do open[#open + 1] = start("a") end
-            local y = start("a", true)                 -- 5 at once after all: the cap goes
-            first(y); answered(y); ends(y)
-            out.uncapped = select(2, alongside.at_once("a"))
+            out.capped = select(2, alongside.at_once("c"))
+            out.c_capped = room.batch(c)
+            local z1 = start("c")
+            local z2 = start("c", true)                -- 2 at once after all: the cap goes
+            first(z2); answered(z2); ends(z2); ends(z1)
+            out.uncapped = select(2, alongside.at_once("c"))
             -- a node with 3 known slots seen running 4 (other edges' requests counted):
             -- its prior stays the ceiling
-            local z = {}
-            for i = 1, 4 do z[i] = start("b") end
-            first(z[4]); first(z[3]); answered(z[4]); answered(z[3])
+            local y = {}
+            for i = 1, 4 do y[i] = start("b") end
+            first(y[4]); first(y[3]); answered(y[4]); answered(y[3])
             out.b_floor = alongside.at_once("b")
             out.b_room = room.batch(b)
             out.ttl = ngx.shared.infergate_stats:ttl("ak:a")
             return out
     """)
-    assert got["learned"] == 1
+    assert got["learned"] == 1 and got["room_before"] == 1
     assert got["once"] == 0 and got["twice"] == 2 and got["third"] == 3 and got["four"] == 4
     assert got["not_five"] == 4                  # 5 never started with nothing ended
-    assert got["effective"] == 4 and got["room"] == 4
+    assert got["effective"] == 1 and got["room"] == 4
+    assert got["c_prior"] == 8
     assert got["plain_capped"] is False and got["almost"] is False
-    assert got["capped"] is True and got["capped_at"] == 4
+    assert got["capped"] is True and got["c_capped"] == 1
     assert got["uncapped"] is False
     assert got["b_floor"] == 3 and got["b_room"] == 3
     assert 590 < got["ttl"] <= 600

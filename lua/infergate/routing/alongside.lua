@@ -26,10 +26,10 @@
 --
 -- at_once(name) -> floor (the highest level so confirmed, or nil), capped (boolean): kept
 -- TTL_S after the floor was last seen, the waits TTL_S after the first of a run (a node
--- restarted with a smaller batch stops showing its floor). They set the learned
--- concurrency (infergate.routing.speed): at least the floor, exactly the floor when
--- capped, within the node's prior (known slots, else max_concurrency); the room rule
--- (infergate.routing.room) takes that where the node's metrics have shown no queue.
+-- restarted with a smaller batch stops showing its floor). The room rule
+-- (infergate.routing.room) takes what a node runs at once as at least the floor, and
+-- at most the floor when capped (unless the node's metrics showed its batch), within the
+-- node's prior (known slots, else max_concurrency).
 --
 -- Shared dict infergate_stats: "ak:<node>" the floor, "ap:<node>" a level seen once,
 -- "aw:<node>" the waits in a row above the floor. No I/O: safe in every phase.

@@ -18,10 +18,8 @@
 -- taken alone on the node, k = 1) is the fallback latency of predicted() below.
 --
 -- Guard rails (effective_of): the prior is the node's known slots, else its
--- max_concurrency, and also the ceiling; the floors are the most in flight seen to finish
--- far sooner than predicted (yield_to: the estimate rises to it at once) and the most
--- seen running at once (infergate.routing.alongside, which also caps the estimate at
--- that when requests above it keep waiting for a slot); LEARNED_STALE_S
+-- max_concurrency, and also the ceiling; the floor is the most in flight seen to finish
+-- far sooner than predicted (yield_to: the estimate rises to it at once); LEARNED_STALE_S
 -- after the last answer it returns to the prior with a half-life of LEARNED_HALF_LIFE_S.
 -- concurrency(node, has_score): the balancer's in-flight denominator: max_concurrency
 -- with a fresh score, else min(max_concurrency, learned + 1, prior before a sample).
@@ -384,12 +382,6 @@ local function effective_of(raw, node, now)
     local fl = value(raw, F_FL)
     if fl and lc < fl then
         lc = fl
-    end
-    local seen, capped = alongside.at_once(node.name)
-    if capped then
-        lc = seen or 1
-    elseif seen and lc < seen then
-        lc = seen
     end
     local at = value(raw, F_SA)
     local idle = at and (now or ngx_now()) - at
