@@ -14,15 +14,17 @@
 -- starts in another worker between the two reads can hide one end, so a level counts once
 -- seen twice (the lower of two sightings above the floor).
 --
--- Waits: a stream's first byte is its first token (the engines send it once the request
--- runs), so one that started with k above the floor and got it only after an earlier
--- attempt ended waited for that slot, more often than not; CAP_RUN such waits in a row
--- above the floor (no start alongside in between) cap what the node runs at once at the
--- floor (1 without one): a node of max_concurrency 64 that runs one request at a time,
--- or a batch-4 node whose answer times read 6. A non-stream's first byte is its whole
--- answer, during which others end anyway: a start alongside counts, a wait does not.
--- Both count only for attempts answered 2xx (speed.observe): an error answered at once
--- says nothing of the node's slots.
+-- Waits: a stream's first byte is its first token, sent once the request runs
+-- (llama-server: tests/engine/test_llamacpp_at_once.py; vLLM's chat stream sends its
+-- first chunk, the role, on the engine's first output), so one that started with k
+-- above the floor and got it only after an earlier attempt ended most likely waited for
+-- that slot (or another ended during its prefill: short answers behind a long prompt);
+-- CAP_RUN such waits in a row above the floor (no start alongside in between) cap what
+-- the node runs at once at the floor (1 without one): a node of max_concurrency 64 that
+-- runs one request at a time, or a batch-4 node whose answer times read 6. A
+-- non-stream's first byte is its whole answer, during which others end anyway: a start
+-- alongside counts, a wait does not. Both count only for attempts answered 2xx
+-- (speed.observe): an error answered at once says nothing of the node's slots.
 --
 -- at_once(name) -> floor (the highest level so confirmed, or nil), capped (boolean): kept
 -- TTL_S after the floor was last seen, the waits TTL_S after the first of a run (a node
