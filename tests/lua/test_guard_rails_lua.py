@@ -265,6 +265,7 @@ def test_requests_seen_running_at_once_set_the_room(workdir: Path) -> None:
             out.b_floor = alongside.at_once("b")
             out.b_room = room.batch(b)
             out.ttl = ngx.shared.infergate_stats:ttl("ak:a")
+            out.raw = ngx.shared.infergate_stats:get("ak:a")
             return out
     """)
     assert got["learned"] == 1 and got["room_before"] == 1
@@ -276,7 +277,7 @@ def test_requests_seen_running_at_once_set_the_room(workdir: Path) -> None:
     assert got["capped"] is True and got["c_capped"] == 1
     assert got["uncapped"] is False
     assert got["b_floor"] == 3 and got["b_room"] == 3
-    assert 590 < got["ttl"] <= 600
+    assert 590 < got["ttl"] <= 600 and got["raw"] == 8
 
 
 def test_a_models_length_record_and_a_node_of_the_same_name_do_not_collide(workdir: Path) -> None:

@@ -27,14 +27,15 @@
 -- (speed.observe): an error answered at once says nothing of the node's slots.
 --
 -- at_once(name) -> floor (the highest level so confirmed, or nil), capped (boolean): kept
--- TTL_S after the floor was last seen, the waits TTL_S after the first of a run (a node
--- restarted with a smaller batch stops showing its floor). The room rule
--- (infergate.routing.room) takes what a node runs at once as at least the floor, and
--- at most the floor when capped (unless the node's metrics showed its batch), within the
--- node's prior (known slots, else max_concurrency).
+-- TTL_S after the floor was last seen or the cap set (a node restarted with a smaller
+-- batch stops showing its floor). The room rule (infergate.routing.room) takes what a
+-- node runs at once as at least the floor, and at most the floor when capped (unless the
+-- node's metrics showed its batch), within the node's prior (known slots, else
+-- max_concurrency).
 --
--- Shared dict infergate_stats: "ak:<node>" the floor, "ap:<node>" a level seen once,
--- "aw:<node>" the waits in a row above the floor. No I/O: safe in every phase.
+-- Shared dict infergate_stats: "ak:<node>" 2 x the floor (0 without one) + 1 when capped
+-- (one read per use), "ap:<node>" a level seen once, "aw:<node>" the waits in a row
+-- above the floor. No I/O: safe in every phase.
 local config = require("infergate.core.config")
 local key = require("infergate.core.memo").keyer()
 local stats = require("infergate.routing.stats")
@@ -45,6 +46,7 @@ _M.TTL_S = 600
 _M.CAP_RUN = 8
 
 local shared = ngx.shared
+local floor = math.floor
 
 -- Balancer phase, with att.k just set: the attempts ended so far on the node.
 function _M.track(att)
@@ -59,9 +61,13 @@ function _M.first_byte(att)
     end
 end
 
--- A start alongside at level k above the floor f of node `name`.
-local function sighting(d, name, k, f)
+-- A start alongside at level k above the floor f (0: none) of node `name`, capped or not.
+local function sighting(d, name, k, f, capped)
     d:delete(key("aw:", name))
+    local fk = key("ak:", name)
+    if capped then
+        d:set(fk, 2 * f, _M.TTL_S)
+    end
     local pk = key("ap:", name)
     local p = d:get(pk)
     if not p then
@@ -73,7 +79,7 @@ local function sighting(d, name, k, f)
         lo, hi = hi, lo
     end
     if lo > f then
-        d:set(key("ak:", name), lo, _M.TTL_S)
+        d:set(fk, 2 * lo, _M.TTL_S)
     end
     if hi > lo then
         d:set(pk, hi, _M.TTL_S)
@@ -91,23 +97,31 @@ function _M.learn(att)
     local d = shared[config.DICT_STATS]
     local name, k = att.node, att.k
     local fk = key("ak:", name)
-    local f = d:get(fk) or 1
-    if k <= f then
+    local v = d:get(fk) or 0
+    local f = floor(v / 2)
+    local capped = v - 2 * f == 1
+    if k <= (f > 0 and f or 1) then
         if k == f and not waited then
             d:expire(fk, _M.TTL_S)
         end
     elseif not waited then
-        sighting(d, name, k, f)
-    elseif att.stream then
-        d:incr(key("aw:", name), 1, 0, _M.TTL_S)
+        sighting(d, name, k, f, capped)
+    elseif att.stream and not capped then
+        local n = d:incr(key("aw:", name), 1, 0, _M.TTL_S)
+        if n and n >= _M.CAP_RUN then
+            d:set(fk, 2 * f + 1, _M.TTL_S)
+        end
     end
 end
 
 -- What node `name` was seen running at once: floor (nil: none), capped (see the top).
 function _M.at_once(name)
-    local d = shared[config.DICT_STATS]
-    local f = d:get(key("ak:", name))
-    return f, (d:get(key("aw:", name)) or 0) >= _M.CAP_RUN
+    local v = shared[config.DICT_STATS]:get(key("ak:", name))
+    if not v then
+        return nil, false
+    end
+    local f = floor(v / 2)
+    return f > 0 and f or nil, v - 2 * f == 1
 end
 
 return _M
