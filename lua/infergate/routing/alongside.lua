@@ -28,9 +28,9 @@
 --
 -- at_once(name) -> floor (the highest level so confirmed, or nil), capped (boolean): kept
 -- TTL_S after the floor was last seen or the cap set (a node restarted with a smaller
--- batch stops showing its floor). The room rule (infergate.routing.room) takes what a
--- node runs at once as at least the floor, and at most the floor when capped (unless the
--- node's metrics showed its batch), within the node's prior (known slots, else
+-- batch stops showing its floor). Where the node's metrics have shown no queue, the room
+-- rule (infergate.routing.room) takes what a node runs at once as at least the floor,
+-- and at most the floor when capped, within the node's prior (known slots, else
 -- max_concurrency).
 --
 -- Shared dict infergate_stats: "ak:<node>" 2 x the floor (0 without one) + 1 when capped
