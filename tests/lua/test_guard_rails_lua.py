@@ -212,8 +212,12 @@ def test_requests_seen_running_at_once_set_the_room(workdir: Path) -> None:
             for _ = 1, 20 do speed.observe({node = "a", k = 1}, 1000) end
             out.learned = speed.effective(a)
             out.room_before = room.batch(a)
-            local x1, x2, x3 = start("a"), start("a"), start("a")
-            first(x3); first(x2)
+            local x1 = start("a")
+            first(x1)                                  -- one runs
+            local x2 = start("a")
+            first(x2)                                  -- with it: 2 at once
+            local x3 = start("a")
+            first(x3)                                  -- 3
             answered(x3)                               -- 3 at once, seen once: no floor yet
             out.once = alongside.at_once("a") or 0
             answered(x2)                               -- 2 at once seen too: floor 2
@@ -222,16 +226,29 @@ def test_requests_seen_running_at_once_set_the_room(workdir: Path) -> None:
             first(x4); answered(x4)                    -- 4 seen, with 3 before: floor 3
             out.third = alongside.at_once("a")
             ends(x1)
-            local x5 = start("a")                      -- 4 in flight again, one ended before
+            local x5 = start("a")                      -- 3 running again, one ended before
             first(x5); answered(x5)                    -- it started: 4 seen twice
             out.four = alongside.at_once("a")
-            local x6 = start("a")                      -- 5 in flight
+            local x6 = start("a")                      -- 4 running
             ends(x2)                                   -- an earlier one ends first: it may
             first(x6); answered(x6)                    -- have waited for that slot
             local x7 = start("a")
             ends(x3)
             first(x7); answered(x7)
             out.not_five = alongside.at_once("a")
+            -- started while 4 ran, but one of them ended just after its first byte, as
+            -- the edge counts ends (a node sends its last chunk and the next request's
+            -- first one together)
+            local x8 = start("a")
+            first(x8); ends(x4); answered(x8)
+            out.settled = alongside.at_once("a")
+            -- in flight but not yet running (no first byte): not counted as running
+            local q1, q2 = start("a"), start("a")
+            local x9 = start("a")
+            first(x9); answered(x9)
+            out.queued_not_counted = alongside.at_once("a")
+            out.pending = ngx.shared.infergate_stats:get("ap:a")   -- 5 at once seen once
+            ends(q1); ends(q2)
             out.effective = speed.effective(a)         -- the answer times' figure stays
             out.room = room.batch(a)
             -- streams that keep waiting for a slot cap the room at the floor (1 without
@@ -240,7 +257,8 @@ def test_requests_seen_running_at_once_set_the_room(workdir: Path) -> None:
             local function waits(n, stream)
                 for _ = 1, n do
                     local z1 = start("c")
-                    local z2 = start("c", stream)      -- 2 in flight
+                    first(z1)
+                    local z2 = start("c", stream)      -- started while one ran
                     ends(z1)
                     first(z2); answered(z2); ends(z2)
                 end
@@ -254,14 +272,18 @@ def test_requests_seen_running_at_once_set_the_room(workdir: Path) -> None:
             out.capped = select(2, alongside.at_once("c"))
             out.c_capped = room.batch(c)
             local z1 = start("c")
+            first(z1)
             local z2 = start("c", true)                -- 2 at once after all: the cap goes
             first(z2); answered(z2); ends(z2); ends(z1)
             out.uncapped = select(2, alongside.at_once("c"))
             -- a node with 3 known slots seen running 4 (other edges' requests counted):
             -- its prior stays the ceiling
             local y = {}
-            for i = 1, 4 do y[i] = start("b") end
-            first(y[4]); first(y[3]); answered(y[4]); answered(y[3])
+            for i = 1, 4 do
+                y[i] = start("b")
+                first(y[i])
+            end
+            answered(y[4]); answered(y[3])
             out.b_floor = alongside.at_once("b")
             out.b_room = room.batch(b)
             out.ttl = ngx.shared.infergate_stats:ttl("ak:a")
@@ -271,6 +293,7 @@ def test_requests_seen_running_at_once_set_the_room(workdir: Path) -> None:
     assert got["learned"] == 1 and got["room_before"] == 1
     assert got["once"] == 0 and got["twice"] == 2 and got["third"] == 3 and got["four"] == 4
     assert got["not_five"] == 4                  # 5 never started with nothing ended
+    assert got["settled"] == 4 and got["queued_not_counted"] == 4 and got["pending"] == 5
     assert got["effective"] == 1 and got["room"] == 4
     assert got["c_prior"] == 8
     assert got["plain_capped"] is False and got["almost"] is False

@@ -196,8 +196,8 @@ function _M.first_byte(req, now)
     end
     att.first_byte = true
     unlink(att)
-    alongside.first_byte(att)
     now = now or ngx_now()
+    alongside.first_byte(att, now)
     local d = dict()
     local name = att.node
     -- "ol", "op" and "ou" are only ever set once "os" is: a node never found an outlier
