@@ -44,30 +44,3 @@ def test_one_at_a_time_nodes_share_a_burst(simnodes, redis_server, edge_factory)
             splits.append(Counter(pool.map(lambda _: _post(edge), range(8))))
     for split in splits:
         assert min(split["one-a"], split["one-b"]) >= 3, splits
-
-
-def _stream(edge) -> str:
-    res = requests.post(f"{edge.url}/v1/chat/completions", json={**CHAT, "stream": True},
-                        timeout=60)
-    assert res.status_code == 200 and "[DONE]" in res.text, res.text
-    return res.headers["X-Infergate-Node"]
-
-
-def test_what_a_node_was_seen_running_at_once(simnodes, redis_server, edge_factory) -> None:
-    """A node that runs one request at a time is never seen running two, however many
-    are in flight there; one that runs four is seen running more than one and never
-    more than four."""
-    one, four = simnodes(2, "--output-tokens", "12:12", "--dialect", "none",
-                         names=["serial", "batch4"], node_flags={"serial": ["--max-running", "1"],
-                                                                 "batch4": ["--max-running", "4"]})
-    settings = edge_settings(redis_server.url, [one.node_settings(kind="openai"),
-                                                four.node_settings(kind="openai")],
-                             read_timeout_ms=60000)
-    edge = edge_factory(settings)
-    for _ in range(4):
-        with ThreadPoolExecutor(10) as pool:
-            nodes = Counter(pool.map(lambda _: _stream(edge), range(10)))
-        assert nodes["serial"] + nodes["batch4"] == 10
-    assert edge.node_status("serial")["seen_at_once"] is None
-    seen = edge.node_status("batch4")["seen_at_once"]
-    assert seen is not None and 2 <= seen <= 4, seen

@@ -65,7 +65,6 @@ local ngxapi = require("infergate.core.ngxapi")
 local ngx_now = ngxapi.now
 local stats = require("infergate.routing.stats")
 local speed = require("infergate.routing.speed")
-local alongside = require("infergate.routing.alongside")
 local stall = require("infergate.routing.stall")
 local liveness = require("infergate.routing.liveness")
 local ring = require("infergate.routing.ring")
@@ -197,7 +196,6 @@ function _M.first_byte(req, now)
     att.first_byte = true
     unlink(att)
     now = now or ngx_now()
-    alongside.first_byte(att, now)
     local d = dict()
     local name = att.node
     -- "ol", "op" and "ou" are only ever set once "os" is: a node never found an outlier

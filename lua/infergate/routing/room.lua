@@ -9,18 +9,10 @@
 -- next step, so one sight can be short of the limit, never over it), kept for
 -- SEEN_TTL_S after it was last raised (shared dict infergate_stats "rb:<node>"), else
 -- its learned concurrency with its guard rails (infergate.routing.speed.batch), which
--- answers of very different lengths blur (a batch-4 node read anywhere from 1 to 8):
--- that is raised to the most of this edge's requests seen running there at once
--- (infergate.routing.alongside: slots, whatever the answers' lengths), within the node's
--- prior (known slots, else max_concurrency), and capped at it when streams above it keep
--- waiting for a slot. What the metrics showed is not raised: a node whose KV cache is
--- full runs fewer than its slots. The learned concurrency itself stays what the answer
--- times show: how many run at once at full speed, the B of the expected-delay cost,
--- which a node whose long prefills stall its batch runs fewer of than its slots.
+-- answers of very different lengths make noisy.
 local config = require("infergate.core.config")
 local stats = require("infergate.routing.stats")
 local speed = require("infergate.routing.speed")
-local alongside = require("infergate.routing.alongside")
 
 local _M = {}
 
@@ -38,18 +30,7 @@ function _M.batch(node)
         seen = r
         d:set(key, r, _M.SEEN_TTL_S)
     end
-    if seen then
-        return seen
-    end
-    local b = speed.batch(node)
-    local fl, capped = alongside.at_once(node.name)
-    if fl and fl > b then
-        local prior = node.slots or node.max_concurrency or fl
-        return fl < prior and fl or prior
-    elseif capped then
-        return fl or 1
-    end
-    return b
+    return seen or speed.batch(node)
 end
 
 -- Whether `node` has room.

@@ -61,7 +61,6 @@ local ngxapi = require("infergate.core.ngxapi")
 local prefixer = require("infergate.core.memo").prefixer
 local ngx_now = ngxapi.now
 local stats = require("infergate.routing.stats")
-local alongside = require("infergate.routing.alongside")
 local snapshot = require("infergate.routing.snapshot")
 
 local _M = {}
@@ -191,7 +190,6 @@ end
 -- Balancer phase, after stats.open_attempt: in-flight on the node, this one included.
 function _M.track(att)
     att.k = stats.inflight(att.node)
-    alongside.track(att)
 end
 
 -- Loads node `name`'s record (dict key `key`) into rec; a fresh one when it has none.
@@ -308,7 +306,6 @@ function _M.observe(att, latency_ms)
     if not latency_ms or latency_ms <= 0 or not att.k then
         return
     end
-    alongside.learn(att)
     local node = snapshot.current().by_name[att.node]
     local maxc = node and (node.slots or node.max_concurrency) or 64
     local d = dict()
@@ -388,7 +385,10 @@ local function effective_of(raw, node, now)
     if idle and idle > _M.LEARNED_STALE_S then
         lc = prior + (lc - prior) * 0.5 ^ ((idle - _M.LEARNED_STALE_S) / _M.LEARNED_HALF_LIFE_S)
     end
-    return lc > prior and prior or (lc < 1 and 1 or lc)
+    if lc > prior then
+        return prior
+    end
+    return lc < 1 and 1 or lc
 end
 
 -- B of the formula above: the learned concurrency of `node` (with its guard rails),
@@ -463,18 +463,27 @@ end
 
 function _M.concurrency(node, has_score)
     local maxc = node.max_concurrency
-    local lc = not has_score and effective_of(record(dict(), node.name), node)
-    if lc and lc + 1 < maxc then
-        return lc + 1
+    if has_score then
+        return maxc
+    end
+    local lc = effective_of(record(dict(), node.name), node)
+    if not lc then
+        return maxc
+    end
+    lc = lc + 1
+    if lc < maxc then
+        return lc
     end
     return maxc
 end
 
 -- Predicted completion (s) of one more request on `node` at this edge: the work ahead
 -- of it, max(0, inflight + 1 - C) requests at C at a time, plus its own, each taking
--- s = the node's latency EWMA (queueing included: an overloaded node predicts longer and
--- longer waits; s_min while it has no EWMA): wait = max(0, inflight + 1 - C) / C x s,
--- completion = wait + s. Returns completion, wait; nil before any latency history.
+-- s = the node's latency EWMA (what its requests take at the load it has had, queueing
+-- included, so a node that is getting overloaded predicts longer and longer waits;
+-- s_min while it has no EWMA):
+--     wait = max(0, inflight + 1 - C) / C x s,   completion = wait + s
+-- Returns completion, wait; nil when the node has no latency history yet.
 function _M.predicted(node, has_score)
     local name = node.name
     local lat = stats.latency_ewma_ms(name)

@@ -33,7 +33,6 @@ local key = require("infergate.core.memo").keyer()
 local ngx_now = ngxapi.now
 local breaker = require("infergate.routing.breaker")
 local stall = require("infergate.routing.stall")
-local alongside = require("infergate.routing.alongside")
 local ffi = require("ffi")
 
 local _M = {}
@@ -176,7 +175,6 @@ function _M.release(att)
         log(ERR, "infergate: in-flight counter of ", name, " went below zero")
     end
     d:incr(iw_key(name), -1, 0)
-    alongside.ended(att)
     return true
 end
 

@@ -23,10 +23,6 @@
 --             of its answers' largest chunk gap)),
 --             "ttfb_p90_s" ({"stream", "plain"}: p90 time to first byte, null = none),
 --             "learned_concurrency" (infergate.routing.speed, null before a sample),
---             "seen_at_once" (the most of this edge's requests the node was seen running
---             at once, infergate.routing.alongside; null = none seen),
---             "at_once" (what the edge takes it to run at once: the room rule's figure,
---             infergate.routing.room),
 --             "service_s" (its service time, s, infergate.routing.speed; null before three
 --             unqueued answers),
 --             "expected_s" (predicted completion of one more request, s; null likewise)}]}
@@ -41,8 +37,6 @@ local breaker = require("infergate.routing.breaker")
 local errors = require("infergate.core.errors")
 local outlier = require("infergate.routing.outlier")
 local speed = require("infergate.routing.speed")
-local alongside = require("infergate.routing.alongside")
-local room = require("infergate.routing.room")
 local stall = require("infergate.routing.stall")
 
 local _M = {}
@@ -95,8 +89,6 @@ function _M.report(now)
             ttfb_p90_s = { stream = opt(outlier.p90(n.name, true)),
                            plain = opt(outlier.p90(n.name, false)) },
             learned_concurrency = opt(speed.learned(n.name)),
-            seen_at_once = opt((alongside.at_once(n.name))),
-            at_once = room.batch(n),
             service_s = opt(speed.service_s(n.name)),
             expected_s = opt(speed.expected_s(n)),
         }
