@@ -37,10 +37,11 @@ strategy after the other for each load (interleaved), a fresh edge per run:
   50-200 tokens, at :data:`OPEN_LOADS` of the pool's capacity *without* prefix caching,
   so that only prefix reuse can raise goodput.
 - ``two_lengths``: four equal nodes (:data:`TWO_POOL`, the fast node of bench.scheduler,
-  batch 4) at :data:`TWO_LENGTHS_LOADS`, the answers in two modes: :data:`LONG_SHARE` of the requests (the same ones at every load) ask
-  :data:`LONG_TOKENS` tokens (uniform), the others the usual log-normal lengths. Answers
-  in flight are then mostly long ones, and the answer times at a level of in-flight
-  requests vary by a factor of ten: what a node runs at once is hard to learn from them.
+  batch 4) at :data:`TWO_LENGTHS_LOADS`, the answers in two modes: :data:`LONG_SHARE` of
+  the requests (the same ones at every load) ask :data:`LONG_TOKENS` tokens (uniform),
+  the others the usual log-normal lengths. Answers in flight are then mostly long ones,
+  and the answer times at a level of in-flight requests vary by a factor of ten: what a
+  node runs at once, and its service time, are hard to learn from them.
 
 Loads are fractions of the pool's capacity (bench/scheduler/workload.py; the prefix pool's
 without prefix caching). Time constants of the infergate edge are scaled as in
