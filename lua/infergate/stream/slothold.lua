@@ -1,7 +1,9 @@
 -- The slot of a llama.cpp server's answer that outlives its request (infergate.stream.leg):
--- such a server goes on with an answer that is not a stream after its connection closes,
--- so a request whose deadline passed there (its client has the 504, the connection to
--- the node is closed) still holds one of the node's slots. Counted free at once, the
+-- such a server goes on with an answer that is not a stream after its connection closes
+-- (it looks at the connection only after a second with no result of any request on the
+-- server: one with other work, or asked for /slots, finishes the answer), so a request
+-- whose deadline passed there (its client has the 504, the connection to the node is
+-- closed) still holds one of the node's slots. Counted free at once, the
 -- next request sent there waits behind it (seen: 16 tokens answered after 24 s on the
 -- node of two such answers while another node was idle). The attempt's in-flight count
 -- is held instead: one poller per worker (a timer started with the first hold, ending
