@@ -162,7 +162,8 @@ function _M.run()
             end
         end
         stats.close_attempt(last, result, now, latency_ms)
-        speed.observe(last, latency_ms) -- learned concurrency (infergate.routing.speed)
+        -- learned concurrency and service time (infergate.routing.speed)
+        speed.observe(last, latency_ms, req.usage and req.usage.completion_tokens or req.out_chunks)
     end
     outlier.finished(last, now) -- an unanswered probe of a hung node backs it off
     for i = 1, n - 1 do

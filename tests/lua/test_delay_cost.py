@@ -29,9 +29,12 @@ def run(workdir: Path, body: str, node_cost: str = "expected_delay"):
             local balancer = require("infergate.routing.balancer")
             local outlier = require("infergate.routing.outlier")
 """ + lua_node_helpers(max_concurrency=8, score=0.1) + """
+            local learned = require("infergate.routing.learned")
             -- one successful attempt of `lat` s that started with k in flight on `name`
-            local function answered(name, k, lat)
-                speed.observe({node = name, k = k}, lat * 1000)
+            -- (tokens: its completion tokens, learned first as the log phase does)
+            local function answered(name, k, lat, tokens)
+                if tokens then learned.observe(name, lat, tokens) end
+                speed.observe({node = name, k = k}, lat * 1000, tokens)
             end
             -- `n` attempts left in flight on `name`
             local function busy(name, n)
@@ -336,3 +339,31 @@ def test_retry_after_waits_at_most_the_breaker_cooldown_while_a_node_is_out(work
             return out
     """, http_extra=DICTS + " lua_shared_dict infergate_limits 1m;")
     assert got == {"unhealthy": "4", "breaker": "4", "draining": "20"}, got
+
+
+def test_equal_nodes_show_equal_service_times_whichever_got_the_long_answers(
+        workdir: Path) -> None:
+    got = run(workdir, """
+            -- four nodes of 0.1 s + 20 ms a token: a mix of lengths first, then "a" gets
+            -- the 200-token answers and "b" the 10-token ones; "c" and "d" the same
+            -- without their tokens known
+            local out = {}
+            for i = 1, 40 do
+                local t = 10 + (i % 3) * 95
+                for _, name in ipairs({"a", "b"}) do answered(name, 1, 0.1 + 0.02 * t, t) end
+                for _, name in ipairs({"c", "d"}) do answered(name, 1, 0.1 + 0.02 * t) end
+            end
+            out.mixed = speed.service_s("a")
+            for _ = 1, 20 do
+                answered("a", 1, 0.1 + 0.02 * 200, 200)
+                answered("b", 1, 0.1 + 0.02 * 10, 10)
+                answered("c", 1, 0.1 + 0.02 * 200)
+                answered("d", 1, 0.1 + 0.02 * 10)
+            end
+            out.a, out.b = speed.service_s("a"), speed.service_s("b")
+            out.c, out.d = speed.service_s("c"), speed.service_s("d")
+            return out
+    """)
+    assert got["a"] == pytest.approx(got["b"], rel=0.1)
+    assert got["a"] == pytest.approx(got["mixed"], rel=0.1)
+    assert got["c"] > 3 * got["d"]          # without the tokens: which got the long ones

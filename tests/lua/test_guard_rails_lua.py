@@ -295,3 +295,32 @@ def test_answers_cut_by_max_tokens_never_teach_shorter_lengths(workdir: Path) ->
     assert got["kept"] == pytest.approx(1.0)
     assert got["raised"] is True
     assert got["uncut"] == pytest.approx(1.0)
+
+
+def test_length_ratio_is_against_the_mean_length_on_the_nodes_own_line(
+        workdir: Path) -> None:
+    got = run(workdir, """
+            local now = 1000
+            out.before = learned.length_ratio("a", 100)       -- nothing learned yet
+            -- "a" answers in 0.2 s + 10 ms a token, "slow" in twice that; lengths 20-100
+            for i = 1, 400 do
+                local t = 20 + (i % 5) * 20
+                learned.observe("a", 0.2 + 0.01 * t, t, now)
+                learned.observe("slow", 2 * (0.2 + 0.01 * t), t, now)
+            end
+            out.short = learned.length_ratio("a", 20)
+            out.long = learned.length_ratio("a", 100)
+            out.slow_long = learned.length_ratio("slow", 100)
+            out.huge = learned.length_ratio("a", 100000)
+            out.unknown_tokens = learned.length_ratio("a", nil)
+            out.zero_tokens = learned.length_ratio("a", 0)
+            out.unknown_node = learned.length_ratio("b", 100)
+            return out
+    """)
+    assert got["before"] == 1 and got["unknown_tokens"] == 1 and got["zero_tokens"] == 1
+    assert got["unknown_node"] == 1
+    # the mean length is about 60 tokens: 0.4 s and 1.2 s against 0.8 s
+    assert got["short"] == pytest.approx(0.4 / 0.8, rel=0.05)
+    assert got["long"] == pytest.approx(1.2 / 0.8, rel=0.05)
+    assert got["slow_long"] == pytest.approx(got["long"], rel=1e-6)  # its line, its speed
+    assert got["huge"] == pytest.approx(16)                             # RATIO_MAX

@@ -22,9 +22,16 @@
 -- shed more than the node's own tail does. A request with max_tokens (or
 -- max_completion_tokens) takes at most pt x that many tokens.
 --
+-- Length ratio (length_ratio): what an answer of T tokens takes on the node against
+-- one of the edge's mean answer length Tm (an EWMA, FIT_ALPHA, of every answer's T,
+-- all nodes together), by the node's own line: (a + b x T) / (a + b x Tm), within
+-- [1 / RATIO_MAX, RATIO_MAX]; 1 while either is unknown. The answer times of equal nodes
+-- over their ratios match whichever got the long answers (infergate.routing.speed); a
+-- node slower at every length stays slower, as its a and b both grow.
+--
 -- Shared dict infergate_stats, "tq:<node>": packed doubles {q, time of the last answer
--- (ngx.now(), s), pt or -1, run, largest of the run, E[T] or -1, E[L], E[T^2], E[T x L]}.
--- No I/O: safe in every phase.
+-- (ngx.now(), s), pt or -1, run, largest of the run, E[T] or -1, E[L], E[T^2], E[T x L]};
+-- "tq*": Tm, one double. No I/O: safe in every phase.
 local config = require("infergate.core.config")
 local ngxapi = require("infergate.core.ngxapi")
 local guard = require("infergate.routing.guard")
@@ -42,6 +49,7 @@ _M.PT_ALPHA = 0.1
 _M.YIELD_FACTOR = 4
 _M.YIELD_RUN = 8
 _M.FIT_ALPHA = 0.05
+_M.RATIO_MAX = 16
 
 local shared = ngx.shared
 local ngx_now = ngxapi.now
@@ -49,7 +57,9 @@ local cdouble_p = ffi.typeof("const double *")
 local FIELDS = 9
 local BYTES = FIELDS * 8
 local buf = ffi.new("double[9]")
+local one_buf = ffi.new("double[1]")
 local type = type
+local TM_KEY = "tq*"
 
 local function dict()
     return shared[config.DICT_STATS]
@@ -62,6 +72,15 @@ local function record(name)
         return nil
     end
     return ffi.cast(cdouble_p, raw)
+end
+
+-- The edge's mean answer length Tm (tokens), or nil before the first answer with one.
+local function mean_tokens(d)
+    local raw = d:get(TM_KEY)
+    if type(raw) ~= "string" or #raw ~= 8 then
+        return nil
+    end
+    return ffi.cast(cdouble_p, raw)[0]
 end
 
 -- q, time of the last answer, pt (nil when unknown), run, largest of the run of node
@@ -127,7 +146,34 @@ function _M.observe(name, lat_s, tokens, now)
     end
     buf[0], buf[1], buf[2], buf[3], buf[4] = q, now or ngx_now(), pt or -1, run, run_max
     buf[5], buf[6], buf[7], buf[8] = mt, ml, mtt, mtl
-    dict():set("tq:" .. name, ffi.string(buf, BYTES))
+    local d = dict()
+    d:set("tq:" .. name, ffi.string(buf, BYTES))
+    if tokens and tokens > 0 then
+        local tm = mean_tokens(d)
+        one_buf[0] = tm and tm + _M.FIT_ALPHA * (tokens - tm) or tokens
+        d:set(TM_KEY, ffi.string(one_buf, 8))
+    end
+end
+
+-- The length ratio (see the top of this file) of an answer of `tokens` completion tokens
+-- on node `name`; 1 when tokens, the node's line or the mean length is not known.
+function _M.length_ratio(name, tokens)
+    if not tokens or tokens <= 0 then
+        return 1
+    end
+    local tm = mean_tokens(dict())
+    local p = tm and record(name)
+    local at_m = p and time_at(p, tm)
+    if not at_m or at_m <= 0 then
+        return 1
+    end
+    local r = time_at(p, tokens) / at_m
+    if r > _M.RATIO_MAX then
+        return _M.RATIO_MAX
+    elseif r < 1 / _M.RATIO_MAX then
+        return 1 / _M.RATIO_MAX
+    end
+    return r
 end
 
 -- The max_tokens of the request's body (max_completion_tokens first), or nil.

@@ -146,9 +146,11 @@ function _M.hold(att, now)
     outlier.finished(att, now)
 end
 
-function _M.close(att, outcome, now, latency_ms)
+-- An attempt's end: its verdict (outcome), answer time (latency_ms, when "ok") and the
+-- answer's completion tokens (nil: not known) to the node's learned figures.
+function _M.close(att, outcome, now, latency_ms, tokens)
     if stats.close_attempt(att, outcome, now, latency_ms) and outcome == "ok" then
-        speed.observe(att, latency_ms)
+        speed.observe(att, latency_ms, tokens)
     end
     outlier.finished(att, now)
 end

@@ -24,14 +24,15 @@
 -- concurrency(node, has_score): the balancer's in-flight denominator: max_concurrency
 -- with a fresh score, else min(max_concurrency, learned + 1, prior before a sample).
 --
--- Service time: what one request takes on the node when it does not queue behind this
--- edge's others (batching with them included): the EWMA (SERVICE_ALPHA) over the
--- successful attempts of L x min(1, B / k), B the learned concurrency -- an answer that
--- started with no more in flight than the node runs at once counts as it is, a later
--- one with its predicted queueing taken out, so the estimate warms up under any load.
--- It starts as the median of the first WARMUP answers (and is not used before them),
--- and a later answer counts as at most CLIP times the estimate, so one long answer (a
--- 250-token stream among short questions) cannot make a node look slow for minutes.
+-- Service time: what one request of the mean answer length takes on the node when it
+-- does not queue behind this edge's others (batching with them included): the EWMA
+-- (SERVICE_ALPHA) over the successful attempts of L x min(1, B / k), B the learned
+-- concurrency (an answer that started with no more in flight than the node runs at once
+-- counts as it is, a later one with its predicted queueing taken out, so the estimate
+-- warms up under any load), over the same EWMA of their length ratios (1 for an answer
+-- of unknown tokens; infergate.routing.learned.length_ratio: which node got the long
+-- answers is noise, not speed). It starts as the median of the first WARMUP answers
+-- (not used before them); a later answer counts as at most CLIP times the estimate.
 --
 -- expected_s(node): the balancer's cost under edge.node_cost = "expected_delay", the
 -- predicted completion time (s) of one more request on the node,
@@ -51,7 +52,8 @@
 -- Shared dict infergate_stats, as packed doubles (one read and one write per answer):
 -- "sp:<node>" the node's record {time of the last answer (ngx.now(), s), s_min (s),
 -- answers counted (up to WARMUP), service time (s), the first two of them (s), highest
--- level seen, learned concurrency, floor, mean log(answer / prediction)}, a field not yet known stored as -1;
+-- level seen, learned concurrency, floor, mean log(answer / prediction), mean length
+-- ratio}, a field not yet known stored as -1;
 -- "lv:<node>:<k>" {mean log L (L in s) at level k, its answers (up to 1 / LEVEL_ALPHA)}.
 -- Workers update a record by read and write, so two answers at the same instant in two
 -- workers may count as one: the estimates are averages and lose nothing by it.
@@ -62,6 +64,7 @@ local prefixer = require("infergate.core.memo").prefixer
 local ngx_now = ngxapi.now
 local stats = require("infergate.routing.stats")
 local snapshot = require("infergate.routing.snapshot")
+local learned = require("infergate.routing.learned")
 
 local _M = {}
 
@@ -95,10 +98,10 @@ end
 local ffi = require("ffi")
 local cdouble_p = ffi.typeof("const double *")
 local F_SA, F_SM, F_SN, F_SV, F_S1, F_LM, F_LC = 0, 1, 2, 3, 4, 6, 7  -- 5: the second early answer
-local F_FL, F_MR = 8, 9
-local REC_BYTES, LVL_BYTES = 10 * 8, 2 * 8
+local F_FL, F_MR, F_LR = 8, 9, 10
+local REC_BYTES, LVL_BYTES = 11 * 8, 2 * 8
 local NONE = -1
-local rec = ffi.new("double[10]")
+local rec = ffi.new("double[11]")
 local lvl = ffi.new("double[2]")
 local rec_key = prefixer("sp:")
 local lvl_keys = {}
@@ -198,7 +201,7 @@ local function load_rec(d, key)
     if type(raw) == "string" and #raw == REC_BYTES then
         ffi.copy(rec, raw, REC_BYTES)
     else
-        for i = 0, 9 do
+        for i = 0, 10 do
             rec[i] = NONE
         end
         rec[F_SN], rec[F_LM] = 0, 0
@@ -246,9 +249,11 @@ local function learn_concurrency(d, name, k, maxc, now)
     return lc
 end
 
--- The service time in rec after an answer `one` (s, its queueing taken out): the
--- median of the first WARMUP answers, then a clipped moving average.
-local function learn_service(one)
+-- The service time in rec after an answer `one` (s, its queueing taken out) of length
+-- ratio `lr`: the median of the first WARMUP answers, then a clipped moving average.
+local function learn_service(one, lr)
+    local lm = rec[F_LR]
+    rec[F_LR] = lm == NONE and lr or lm + _M.SERVICE_ALPHA * (lr - lm)
     local sn = rec[F_SN]
     if sn >= _M.WARMUP then
         local sv = rec[F_SV]
@@ -301,8 +306,8 @@ function yield_to(d, name, k, b, lat, maxc)
 end
 
 -- Log phase: a finished attempt. latency_ms: upstream response time of a 2xx answer
--- (nil otherwise: nothing learned).
-function _M.observe(att, latency_ms)
+-- (nil otherwise: nothing learned); tokens: its completion tokens (nil: not known).
+function _M.observe(att, latency_ms, tokens)
     if not latency_ms or latency_ms <= 0 or not att.k then
         return
     end
@@ -322,7 +327,6 @@ function _M.observe(att, latency_ms)
         smin = smin + _M.MIN_DRIFT * (lat - smin)  -- alone on the node: no queueing in lat
     end
     rec[F_SM] = smin
-
     local k = att.k
     if k > _M.LEVELS_MAX then
         k = _M.LEVELS_MAX
@@ -332,16 +336,15 @@ function _M.observe(att, latency_ms)
     yield_to(d, name, k, b, lat, maxc)
     b = _M.round_concurrency(rec[F_LC])
     local one = att.k > b and lat * b / att.k or lat   -- its predicted queueing taken out
-    learn_service(one)
+    learn_service(one, learned.length_ratio(name, tokens))
     d:set(key, ffi.string(rec, REC_BYTES))
 end
 
 -- Test hook: sets the time of node `name`'s last answer (s) in its record.
 function _M._set_last_answer(name, t)
     local d = dict()
-    local raw = d:get(rec_key(name))
-    if type(raw) == "string" and #raw == REC_BYTES then
-        ffi.copy(rec, raw, REC_BYTES)
+    if record(d, name) then
+        load_rec(d, rec_key(name))
         rec[F_SA] = t
         d:set(rec_key(name), ffi.string(rec, REC_BYTES))
     end
@@ -350,10 +353,7 @@ end
 -- A learned concurrency as a whole number of requests (at least 1).
 function _M.round_concurrency(lc)
     local b = floor(lc + 0.5)
-    if b < 1 then
-        return 1
-    end
-    return b
+    return b < 1 and 1 or b
 end
 
 -- Whether an attempt started queued behind this edge's own requests on its node (more in
@@ -407,7 +407,7 @@ local function service_of(raw)
     if (value(raw, F_SN) or 0) < _M.WARMUP then
         return nil
     end
-    return value(raw, F_SV)
+    return value(raw, F_SV) / (value(raw, F_LR) or 1)
 end
 
 function _M.service_s(name)

@@ -405,10 +405,13 @@ local function settle(r, lg, att)
         r.held500 = nil
     end
     local latency_ms = (lg.verdict == "ok") and (now - att.started) * 1000 or nil
+    local tokens
     if latency_ms and (r.finished or lg.final) and not r.continued then
         r.latency_s = latency_ms / 1000 -- one node's whole answer (admission.shed learns it)
+        local q = r.req
+        tokens = q.usage and q.usage.completion_tokens or q.out_chunks
     end
-    relaypick.close(att, lg.verdict or "fail", now, latency_ms)
+    relaypick.close(att, lg.verdict or "fail", now, latency_ms, tokens)
 end
 
 -- Runs one leg on `node` (attempt `att`, `eligible` nodes incl. this one).
