@@ -362,8 +362,14 @@ def test_equal_nodes_show_equal_service_times_whichever_got_the_long_answers(
             end
             out.a, out.b = speed.service_s("a"), speed.service_s("b")
             out.c, out.d = speed.service_s("c"), speed.service_s("d")
+            -- an answer far past the clip: its length ratio is clipped with it
+            answered("a", 1, 0.1 + 0.02 * 2000, 2000)
+            out.a_clipped = speed.service_s("a")
             return out
     """)
     assert got["a"] == pytest.approx(got["b"], rel=0.1)
     assert got["a"] == pytest.approx(got["mixed"], rel=0.1)
     assert got["c"] > 3 * got["d"]          # without the tokens: which got the long ones
+    # an answer far longer than the rest can make the node look a little slower, never
+    # faster (its time clipped, its length ratio not, would have halved the estimate)
+    assert got["a"] <= got["a_clipped"] <= 1.25 * got["a"]

@@ -317,8 +317,8 @@ def test_length_ratio_is_against_the_mean_length_on_the_nodes_own_line(
             out.unknown_node = learned.length_ratio("b", 100)
             return out
     """)
-    assert got["before"] == 1 and got["unknown_tokens"] == 1 and got["zero_tokens"] == 1
-    assert got["unknown_node"] == 1
+    for unknown in ("before", "unknown_tokens", "zero_tokens", "unknown_node"):
+        assert unknown not in got
     # the mean length is about 60 tokens: 0.4 s and 1.2 s against 0.8 s
     assert got["short"] == pytest.approx(0.4 / 0.8, rel=0.05)
     assert got["long"] == pytest.approx(1.2 / 0.8, rel=0.05)

@@ -25,9 +25,10 @@
 -- Length ratio (length_ratio): what an answer of T tokens takes on the node against
 -- one of the edge's mean answer length Tm (an EWMA, FIT_ALPHA, of every answer's T,
 -- all nodes together), by the node's own line: (a + b x T) / (a + b x Tm), within
--- [1 / RATIO_MAX, RATIO_MAX]; 1 while either is unknown. The answer times of equal nodes
--- over their ratios match whichever got the long answers (infergate.routing.speed); a
--- node slower at every length stays slower, as its a and b both grow.
+-- [1 / RATIO_MAX, RATIO_MAX]; none while either is unknown. The answer times of equal
+-- nodes over their ratios match whichever got the long answers
+-- (infergate.routing.speed); a node slower at every length stays slower, as its a and
+-- b both grow.
 --
 -- Shared dict infergate_stats, "tq:<node>": packed doubles {q, time of the last answer
 -- (ngx.now(), s), pt or -1, run, largest of the run, E[T] or -1, E[L], E[T^2], E[T x L]};
@@ -156,16 +157,16 @@ function _M.observe(name, lat_s, tokens, now)
 end
 
 -- The length ratio (see the top of this file) of an answer of `tokens` completion tokens
--- on node `name`; 1 when tokens, the node's line or the mean length is not known.
+-- on node `name`; nil when tokens, the node's line or the mean length is not known.
 function _M.length_ratio(name, tokens)
     if not tokens or tokens <= 0 then
-        return 1
+        return nil
     end
     local tm = mean_tokens(dict())
     local p = tm and record(name)
     local at_m = p and time_at(p, tm)
     if not at_m or at_m <= 0 then
-        return 1
+        return nil
     end
     local r = time_at(p, tokens) / at_m
     if r > _M.RATIO_MAX then

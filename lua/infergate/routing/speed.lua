@@ -250,18 +250,16 @@ local function learn_concurrency(d, name, k, maxc, now)
 end
 
 -- The service time in rec after an answer `one` (s, its queueing taken out) of length
--- ratio `lr`: the median of the first WARMUP answers, then a clipped moving average.
+-- ratio `lr` (nil: 1): the median of the first WARMUP answers, then a clipped EWMA.
 local function learn_service(one, lr)
-    local lm = rec[F_LR]
-    rec[F_LR] = lm == NONE and lr or lm + _M.SERVICE_ALPHA * (lr - lm)
     local sn = rec[F_SN]
     if sn >= _M.WARMUP then
-        local sv = rec[F_SV]
-        if sv == NONE then
-            sv = one
-        end
+        local sv = rec[F_SV] ~= NONE and rec[F_SV] or one
         local cap = _M.CLIP * sv
-        rec[F_SV] = sv + _M.SERVICE_ALPHA * ((one < cap and one or cap) - sv)
+        if one > cap then -- clipped, a known length ratio with it: the two stay a pair
+            one, lr = cap, lr and lr * cap / one
+        end
+        rec[F_SV] = sv + _M.SERVICE_ALPHA * (one - sv)
     elseif sn == _M.WARMUP - 1 then
         -- the estimate starts at the median of the first WARMUP answers
         local first = { one }
@@ -276,6 +274,8 @@ local function learn_service(one, lr)
         rec[F_S1 + sn] = one
         rec[F_SN] = sn + 1
     end
+    local lm, r = rec[F_LR], lr or 1
+    rec[F_LR] = lm == NONE and r or lm + _M.SERVICE_ALPHA * (r - lm)
 end
 
 -- Guard rail: an answer at level k > b was predicted to take S x k / b (S: the mean
