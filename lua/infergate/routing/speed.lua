@@ -12,10 +12,11 @@
 -- level means best in log space (least squares, each level weighted by its answers up to
 -- 1 / LEVEL_ALPHA, log S fitted with it; ties: the larger c, so levels that show no
 -- queueing give the highest of them). Levels, not single answers, keep the estimate
--- unbiased when answer lengths vary: length does not depend on level. Each worker
--- refits a node at most every FIT_INTERVAL_S (s), and at once on a new level.
--- s_min (the smallest L seen, drifting up by MIN_DRIFT of the gap with every later answer
--- taken alone on the node, k = 1) is the fallback latency of predicted() below.
+-- unbiased when answer lengths vary (length does not depend on level), and L over its
+-- length ratio (below), when known, takes that noise out. Each worker refits a node at
+-- most every FIT_INTERVAL_S (s), and at once on a new level. s_min (the smallest L seen,
+-- drifting up by MIN_DRIFT of the gap with every later answer taken alone on the node,
+-- k = 1) is the fallback latency of predicted() below.
 --
 -- Guard rails (effective_of): the prior is the node's known slots, else its
 -- max_concurrency, and also the ceiling; the floor is the most in flight seen to finish
@@ -212,10 +213,7 @@ end
 local function learn_level(d, name, k, lat)
     local y, n = level(d, name, k)
     n = (n or 0) + 1
-    local alpha = 1 / n
-    if alpha < _M.LEVEL_ALPHA then
-        alpha = _M.LEVEL_ALPHA
-    end
+    local alpha = 1 / n < _M.LEVEL_ALPHA and _M.LEVEL_ALPHA or 1 / n
     lvl[0] = y and (y + alpha * (log(lat) - y)) or log(lat)
     lvl[1] = n < 1 / _M.LEVEL_ALPHA and n or 1 / _M.LEVEL_ALPHA
     d:set(lvl_key(name, k), ffi.string(lvl, LVL_BYTES))
@@ -331,12 +329,14 @@ function _M.observe(att, latency_ms, tokens)
     if k > _M.LEVELS_MAX then
         k = _M.LEVELS_MAX
     end
-    learn_level(d, name, k, lat)
+    local lr = learned.length_ratio(name, tokens)
+    local ln = lr and lat / lr or lat   -- as if of the mean length
+    learn_level(d, name, k, ln)
     local b = _M.round_concurrency(learn_concurrency(d, name, k, maxc, now))
-    yield_to(d, name, k, b, lat, maxc)
+    yield_to(d, name, k, b, ln, maxc)
     b = _M.round_concurrency(rec[F_LC])
     local one = att.k > b and lat * b / att.k or lat   -- its predicted queueing taken out
-    learn_service(one, learned.length_ratio(name, tokens))
+    learn_service(one, lr)
     d:set(key, ffi.string(rec, REC_BYTES))
 end
 
