@@ -408,8 +408,8 @@ local function settle(r, lg, att)
     local tokens
     if latency_ms and (r.finished or lg.final) and not r.continued then
         r.latency_s = latency_ms / 1000 -- one node's whole answer (admission.shed learns it)
-        local q = r.req
-        tokens = q.usage and q.usage.completion_tokens or q.out_chunks
+        local u, out = r.req.usage, r.out -- the usage is parsed at the client's eof
+        tokens = u and u.completion_tokens or out and out.produced > 0 and out.produced or nil
     end
     relaypick.close(att, lg.verdict or "fail", now, latency_ms, tokens)
 end
