@@ -23,8 +23,8 @@
 --             of its answers' largest chunk gap)),
 --             "ttfb_p90_s" ({"stream", "plain"}: p90 time to first byte, null = none),
 --             "learned_concurrency" (infergate.routing.speed, null before a sample),
---             "service_s" (its service time, s, infergate.routing.speed; null before three
---             unqueued answers),
+--             "service_s" (its service time for an answer of the mean length, s,
+--             infergate.routing.speed; null before three unqueued answers),
 --             "expected_s" (predicted completion of one more request, s; null likewise)}]}
 local cjson = require("cjson.safe")
 local ngxapi = require("infergate.core.ngxapi")
