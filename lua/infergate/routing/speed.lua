@@ -30,9 +30,9 @@
 -- (SERVICE_ALPHA) over the successful attempts of L x min(1, B / k), B the learned
 -- concurrency (an answer that started with no more in flight than the node runs at once
 -- counts as it is, a later one with its predicted queueing taken out, so the estimate
--- warms up under any load), over the same EWMA of their length ratios (1 for a queued
--- answer or one of unknown tokens; infergate.routing.learned.length_ratio: which node
--- got the long answers is noise, not speed). It starts as the median of the first WARMUP answers
+-- warms up under any load), over the same EWMA of their length ratios (1 for an answer
+-- of unknown tokens; infergate.routing.learned.length_ratio: which node got the long
+-- answers is noise, not speed). It starts as the median of the first WARMUP answers
 -- (not used before them); a later answer counts as at most CLIP times the estimate.
 --
 -- expected_s(node): the balancer's cost under edge.node_cost = "expected_delay", the
@@ -335,8 +335,8 @@ function _M.observe(att, latency_ms, tokens)
     local b = _M.round_concurrency(learn_concurrency(d, name, k, maxc, now))
     yield_to(d, name, k, b, ln, maxc)
     b = _M.round_concurrency(rec[F_LC])
-    -- queued: its predicted queueing taken out, and its ratio 1 (the wait is not its length)
-    learn_service(att.k > b and lat * b / att.k or lat, att.k <= b and lr or nil)
+    local one = att.k > b and lat * b / att.k or lat   -- its predicted queueing taken out
+    learn_service(one, lr)
     d:set(key, ffi.string(rec, REC_BYTES))
 end
 
