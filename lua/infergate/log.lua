@@ -26,6 +26,7 @@ local deadline = require("infergate.admission.deadline")
 local speed = require("infergate.routing.speed")
 local affinity = require("infergate.routing.affinity")
 local outlier = require("infergate.routing.outlier")
+local usage = require("infergate.admission.usage")
 
 local _M = {}
 
@@ -163,7 +164,7 @@ function _M.run()
         end
         stats.close_attempt(last, result, now, latency_ms)
         -- learned concurrency and service time (infergate.routing.speed)
-        speed.observe(last, latency_ms, req.usage and req.usage.completion_tokens or req.out_chunks)
+        speed.observe(last, latency_ms, usage.completion_tokens(req))
     end
     outlier.finished(last, now) -- an unanswered probe of a hung node backs it off
     for i = 1, n - 1 do

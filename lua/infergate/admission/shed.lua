@@ -64,6 +64,7 @@ local thaw = require("infergate.admission.thaw")
 local fairshare = require("infergate.admission.fairshare")
 local lengths = require("infergate.routing.lengths")
 local freerate = require("infergate.admission.freerate")
+local usage = require("infergate.admission.usage")
 local ngx_var = ngxapi.var
 
 local _M = {}
@@ -460,9 +461,8 @@ local function last_entry(v)
     return v:match("([^%s,:]+)%s*$")
 end
 
--- Log phase: a successful answer teaches the node's answer-time tail
--- (infergate.routing.learned) and its model's output length (infergate.routing.lengths;
--- completion tokens from the answer's usage, or a stream's content chunks).
+-- Log phase: a successful answer teaches the node's answer-time tail (routing.learned)
+-- and its model's output length (routing.lengths; tokens: usage.completion_tokens).
 local function learn_tail(req)
     local attempts = req.attempts
     local att = attempts and attempts[#attempts]
@@ -475,7 +475,7 @@ local function learn_tail(req)
     end
     local rt = relayed or tonumber(last_entry(ngx_var("upstream_response_time")))
     if rt and rt > 0 then
-        local tokens = (req.usage and req.usage.completion_tokens) or req.out_chunks
+        local tokens = usage.completion_tokens(req)
         learned.observe(att.node, rt, tokens)
         local m = learned.max_tokens(req)
         lengths.observe(req.model, tokens, nil, m ~= nil and tokens ~= nil and tokens >= m)

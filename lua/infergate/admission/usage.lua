@@ -132,6 +132,13 @@ function _M.tail(req)
     return s
 end
 
+-- Completion tokens of the request's answer as known so far: its usage's, else a
+-- stream's counted content chunks; nil when neither is known.
+function _M.completion_tokens(req)
+    local u = req.usage
+    return u and u.completion_tokens or req.out_chunks
+end
+
 function _M.body_filter()
     local req = reqctx.get()
     if not req or req.usage then

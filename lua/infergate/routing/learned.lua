@@ -32,7 +32,7 @@
 --
 -- Shared dict infergate_stats, "tq:<node>": packed doubles {q, time of the last answer
 -- (ngx.now(), s), pt or -1, run, largest of the run, E[T] or -1, E[L], E[T^2], E[T x L]};
--- "tq*": Tm, one double. No I/O: safe in every phase.
+-- "tq*": Tm, a number. No I/O: safe in every phase.
 local config = require("infergate.core.config")
 local ngxapi = require("infergate.core.ngxapi")
 local guard = require("infergate.routing.guard")
@@ -58,7 +58,6 @@ local cdouble_p = ffi.typeof("const double *")
 local FIELDS = 9
 local BYTES = FIELDS * 8
 local buf = ffi.new("double[9]")
-local one_buf = ffi.new("double[1]")
 local type = type
 local TM_KEY = "tq*"
 
@@ -77,11 +76,8 @@ end
 
 -- The edge's mean answer length Tm (tokens), or nil before the first answer with one.
 local function mean_tokens(d)
-    local raw = d:get(TM_KEY)
-    if type(raw) ~= "string" or #raw ~= 8 then
-        return nil
-    end
-    return ffi.cast(cdouble_p, raw)[0]
+    local tm = d:get(TM_KEY)
+    return type(tm) == "number" and tm or nil
 end
 
 -- q, time of the last answer, pt (nil when unknown), run, largest of the run of node
@@ -151,8 +147,7 @@ function _M.observe(name, lat_s, tokens, now)
     d:set("tq:" .. name, ffi.string(buf, BYTES))
     if tokens and tokens > 0 then
         local tm = mean_tokens(d)
-        one_buf[0] = tm and tm + _M.FIT_ALPHA * (tokens - tm) or tokens
-        d:set(TM_KEY, ffi.string(one_buf, 8))
+        d:set(TM_KEY, tm and tm + _M.FIT_ALPHA * (tokens - tm) or tokens)
     end
 end
 
@@ -168,13 +163,7 @@ function _M.length_ratio(name, tokens)
     if not at_m or at_m <= 0 then
         return nil
     end
-    local r = time_at(p, tokens) / at_m
-    if r > _M.RATIO_MAX then
-        return _M.RATIO_MAX
-    elseif r < 1 / _M.RATIO_MAX then
-        return 1 / _M.RATIO_MAX
-    end
-    return r
+    return guard.clamp(time_at(p, tokens) / at_m, 1 / _M.RATIO_MAX, _M.RATIO_MAX)
 end
 
 -- The max_tokens of the request's body (max_completion_tokens first), or nil.

@@ -39,6 +39,7 @@ local legheaders = require("infergate.stream.legheaders")
 local answer = require("infergate.stream.answer")
 local slothold = require("infergate.stream.slothold")
 local trylog = require("infergate.stream.trylog")
+local usage = require("infergate.admission.usage")
 
 local _M = {}
 
@@ -408,8 +409,8 @@ local function settle(r, lg, att)
     local tokens
     if latency_ms and (r.finished or lg.final) and not r.continued then
         r.latency_s = latency_ms / 1000 -- one node's whole answer (admission.shed learns it)
-        local u, out = r.req.usage, r.out -- the usage is parsed at the client's eof
-        tokens = u and u.completion_tokens or out and out.produced > 0 and out.produced or nil
+        local out = r.out -- the usage is parsed at the client's eof
+        tokens = usage.completion_tokens(r.req) or out and out.produced > 0 and out.produced or nil
     end
     relaypick.close(att, lg.verdict or "fail", now, latency_ms, tokens)
 end
