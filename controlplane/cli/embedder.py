@@ -326,9 +326,9 @@ def _serve(sock, host: str, port: int, settings, config_path: str | None, url: s
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    ready()  # before the log line: what reads the log may count this process as serving
     log.info("embedder listening on http://%s:%d (index %s)", host, port,
              engine.index.backend)
-    ready()
     try:
         server.run()
     finally:

@@ -180,6 +180,17 @@ def supervise(n: int, serve: Callable[[Callable[[], None], int], None],
     def on_signal(signum, frame):  # noqa: ARG001
         raise _Stop()
 
+    def read_ready() -> set[int]:
+        """Marks the children that said they serve; returns every pid read."""
+        try:
+            data = os.read(ready_r, 4096)
+        except BlockingIOError:
+            data = b""
+        pids = {pid for (pid,) in struct.iter_unpack("=i", data[: len(data) // 4 * 4])}
+        for pid in pids & children.keys():
+            children[pid] = True
+        return pids
+
     status = 0
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -189,13 +200,7 @@ def supervise(n: int, serve: Callable[[Callable[[], None], int], None],
                  " ".join(str(p) for p in children))
         while True:
             select.select([ready_r], [], [], 0.5)
-            try:
-                data = os.read(ready_r, 4096)
-            except BlockingIOError:
-                data = b""
-            for (pid,) in struct.iter_unpack("=i", data[: len(data) // 4 * 4]):
-                if pid in children:
-                    children[pid] = True
+            read_ready()
             while children:
                 pid, wstatus = os.waitpid(-1, os.WNOHANG)
                 if pid == 0:
@@ -205,7 +210,8 @@ def supervise(n: int, serve: Callable[[Callable[[], None], int], None],
                 if served is None:
                     continue
                 code = os.waitstatus_to_exitcode(wstatus)
-                if not served:
+                # it may have said so since the read above, just before it died
+                if not served and pid not in read_ready():
                     log.error("embedder process %d exited with status %d before it "
                               "served; stopping", pid, code)
                     return code if code > 0 else 1
