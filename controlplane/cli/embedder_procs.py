@@ -180,17 +180,6 @@ def supervise(n: int, serve: Callable[[Callable[[], None], int], None],
     def on_signal(signum, frame):  # noqa: ARG001
         raise _Stop()
 
-    def read_ready() -> set[int]:
-        """Marks the children that said they serve; returns every pid read."""
-        try:
-            data = os.read(ready_r, 4096)
-        except BlockingIOError:
-            data = b""
-        pids = {pid for (pid,) in struct.iter_unpack("=i", data[: len(data) // 4 * 4])}
-        for pid in pids & children.keys():
-            children[pid] = True
-        return pids
-
     status = 0
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -200,7 +189,7 @@ def supervise(n: int, serve: Callable[[Callable[[], None], int], None],
                  " ".join(str(p) for p in children))
         while True:
             select.select([ready_r], [], [], 0.5)
-            read_ready()
+            _read_ready(ready_r, children)
             while children:
                 pid, wstatus = os.waitpid(-1, os.WNOHANG)
                 if pid == 0:
@@ -211,7 +200,7 @@ def supervise(n: int, serve: Callable[[Callable[[], None], int], None],
                     continue
                 code = os.waitstatus_to_exitcode(wstatus)
                 # it may have said so since the read above, just before it died
-                if not served and pid not in read_ready():
+                if not served and pid not in _read_ready(ready_r, children):
                     log.error("embedder process %d exited with status %d before it "
                               "served; stopping", pid, code)
                     return code if code > 0 else 1
@@ -232,6 +221,19 @@ def supervise(n: int, serve: Callable[[Callable[[], None], int], None],
         os.close(ready_r)
         os.close(ready_w)
     return status
+
+
+def _read_ready(fd: int, children: dict[int, bool]) -> set[int]:
+    """Reads the pids the children wrote to the ready pipe ``fd`` (non-blocking), marks
+    those still in ``children`` as serving, and returns every pid read."""
+    try:
+        data = os.read(fd, 4096)
+    except BlockingIOError:
+        data = b""
+    pids = {pid for (pid,) in struct.iter_unpack("=i", data[: len(data) // 4 * 4])}
+    for pid in pids & children.keys():
+        children[pid] = True
+    return pids
 
 
 def _shut_down(children: dict[int, bool], old_handlers: dict, metrics_dir: str) -> None:
