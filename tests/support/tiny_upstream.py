@@ -69,6 +69,9 @@ closes the port (connections refused)."""
         self.gets = 0
         self.connections = 0
         """Connections accepted so far."""
+        self.post_connections = 0
+        """Connections that carried at least one POST (a liveness check's GET /health
+        opens a connection of its own)."""
         self.bodies: list[bytes] = []
         self.request_ids: list[str | None] = []
         """X-Request-Id of every POST, in arrival order."""
@@ -119,6 +122,7 @@ closes the port (connections refused)."""
             def setup(self) -> None:
                 super().setup()
                 self.served = 0
+                self.posted = False
                 with upstream._lock:
                     upstream._conns.add(self.connection)
                     upstream.connections += 1
@@ -166,6 +170,9 @@ closes the port (connections refused)."""
                 n = int(self.headers.get("Content-Length") or 0)
                 raw = self.rfile.read(n)
                 with upstream._lock:
+                    if not self.posted:
+                        self.posted = True
+                        upstream.post_connections += 1
                     upstream.hits += 1
                     upstream.inflight += 1
                     upstream.bodies.append(raw)
