@@ -210,6 +210,17 @@ def test_a_node_that_takes_any_model_gets_the_names_nobody_lists(snap_pool) -> N
     assert _nodes_for(edge, "m-a", 30).keys() <= {"a", "c"}
     assert _nodes_for(edge, "gemma", 30).keys() <= {"b", "c"}
 
+    # ... but not while that node is down (an address with nothing behind it, never read)
+    # or drained: it can be sent nothing, and the name goes to the node taking any model
+    # instead of the 503 of no eligible node
+    for down in ({"healthy": False}, {"state": "drained"}):
+        snap = write_snapshot(r, [a.snapshot_node(models=["m-a"]),
+                                  b.snapshot_node(models=["gemma"], models_any=True),
+                                  c.snapshot_node(models=None, **down)])
+        edge.wait_snapshot(snap["version"])
+        assert _nodes_for(edge, "gpt-3.5-turbo") == {"b": 20}, down
+        assert _nodes_for(edge, "m-a") == {"a": 20}, down
+
     # without the flag the same names are 404 again
     snap = write_snapshot(r, [a.snapshot_node(models=["m-a"]), b.snapshot_node(models=["gemma"]),
                               c.snapshot_node(models=["m-c"])])

@@ -84,7 +84,11 @@ end
 -- when unknown (missing, null or an empty array: the node may be sent any model). any:
 -- the node also takes a model no node lists ("models_any": a single-model llama.cpp
 -- server); build() then adds listed = the union of every node's set, shared, or false
--- while some node's list is unknown (it may serve any name: the fallback is off).
+-- while a node whose list is unknown is healthy and active (it may serve any name: the
+-- fallback is off). An unknown node that is down or drained (one that never answered,
+-- an address with nothing behind it) does not turn it off: every name it might serve
+-- would otherwise get the 503 of no eligible node while the nodes that take any name
+-- are up, where nginx would have sent it to them.
 local function model_set(models, any)
     if type(models) ~= "table" then
         return nil
@@ -191,12 +195,14 @@ local function build(nodes, meta)
     end
     local listed = {}
     for _, node in ipairs(t.nodes) do
-        if not node.models then
+        if node.models then
+            for id in pairs(node.models.set) do
+                listed[id] = true
+            end
+        elseif node.healthy and node.state == "active" then
+            -- it may serve any name, and it can be sent one now: no fallback
             listed = false
             break
-        end
-        for id in pairs(node.models.set) do
-            listed[id] = true
         end
     end
     for _, node in ipairs(t.nodes) do
