@@ -26,7 +26,11 @@
 -- and with at most edge.max_json_members members (object fields + array elements over
 -- the whole body, 400 too_many_json_members; counted before decoding, see
 -- over_member_count: decoding and the cache key's canonical encoding of a body with
--- hundreds of thousands of fields would hold the worker for seconds).
+-- hundreds of thousands of fields would hold the worker for seconds). Decoded, its
+-- "model" must be a string of at most MODEL_MAX bytes (400 invalid_model), no output
+-- limit may be negative (400 integer_below_min_value: negative_limit) and each of its
+-- messages must be an object with a string role (400 missing_required_parameter:
+-- roleless_message).
 local cjson = require("cjson.safe")
 local ngxapi = require("infergate.core.ngxapi")
 local ngx_now = ngxapi.now
@@ -310,8 +314,52 @@ local function model_too_long(model)
              type = "invalid_request_error", code = "invalid_model", param = "model" }
 end
 
+-- The output limits of a body (chat and completions, the Responses API). A negative one
+-- is refused: llama.cpp reads -1 as no limit (its n_predict; Ollama's num_predict too),
+-- which would hold a slot until the context is full, long after the client's 504, and
+-- reserve no output against the tenant's tokens per minute; vLLM and the OpenAI API
+-- refuse any limit below 1 (vLLM's SamplingParams: "max_tokens must be at least 1").
+-- 0 passes on as sent (no tokens to generate).
+local OUTPUT_LIMITS = { "max_tokens", "max_completion_tokens", "max_output_tokens" }
+
+local function negative_limit(obj)
+    for _, f in ipairs(OUTPUT_LIMITS) do
+        local v = obj[f]
+        if type(v) == "number" and v < 0 then
+            return { status = 400, message = "Invalid '" .. f .. "': " .. tostring(v)
+                         .. " is below the minimum value (0; -1 is not 'no limit' here): "
+                         .. "leave the field out for the server's default.",
+                     type = "invalid_request_error", code = "integer_below_min_value",
+                     param = f }
+        end
+    end
+    return nil
+end
+
+-- A chat message that is not an object with a string "role" (the OpenAI API requires
+-- one; llama-server answers such a body with a 500, which is the client's error and
+-- not the node's): the 400 the OpenAI API gives. Bodies without a messages array pass.
+local function roleless_message(obj)
+    local msgs = obj.messages
+    if type(msgs) ~= "table" then
+        return nil
+    end
+    for i, m in ipairs(msgs) do
+        if type(m) ~= "table" or type(m.role) ~= "string" then
+            local param = "messages[" .. (i - 1) .. "].role"
+            return { status = 400, message = "Missing required parameter: '" .. param
+                         .. "' (each message is an object with a role: system, user, "
+                         .. "assistant or tool).",
+                     type = "invalid_request_error", code = "missing_required_parameter",
+                     param = param }
+        end
+    end
+    return nil
+end
+
 -- Decodes a JSON body within the edge's bounds and takes its facts into the request
--- state. Returns nil, or an error table.
+-- state. Returns nil, or an error table (a negative output limit: negative_limit; a
+-- message without a role: roleless_message).
 local function decode_into(req, body)
     local o = config.get()
     local obj, err = decode_json(body, o)
@@ -325,9 +373,10 @@ local function decode_into(req, body)
                          .. "a model, as GET /v1/models lists them).",
                      type = "invalid_request_error", code = "invalid_model", param = "model" }
         end
-        local long = type(model) == "string" and model_too_long(model)
-        if long then
-            return long
+        local bad = type(model) == "string" and model_too_long(model)
+            or negative_limit(obj) or roleless_message(obj)
+        if bad then
+            return bad
         end
         take_object(req, obj, o)
     end

@@ -294,6 +294,51 @@ def test_a_model_that_is_not_a_string_is_400(edge_and_node, model: bytes) -> Non
         assert post_raw(edge, body).status_code == 200
 
 
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens", "max_output_tokens"])
+def test_a_negative_output_limit_is_400(edge_and_node, field: str) -> None:
+    """llama.cpp reads max_tokens -1 as no limit: such an answer held a slot for minutes
+    past the client's 504 and reserved nothing against the key's tokens per minute. A
+    negative limit is refused at the edge, as vLLM and the OpenAI API refuse it; 0 and a
+    positive limit pass."""
+    edge, up = edge_and_node
+    msgs = [{"role": "user", "content": "hi"}]
+    for v in (-1, -2, -0.5, -10**12):
+        res = post_raw(edge, json.dumps({"model": "m", "messages": msgs, field: v}).encode())
+        assert res.status_code == 400 and error_code(res) == "integer_below_min_value", res.text
+        err = res.json()["error"]
+        assert err["param"] == field and err["type"] == "invalid_request_error"
+        assert field in err["message"] and "leave the field out" in err["message"]
+    assert up.hits == 0
+    for v in (0, 1, 64):
+        res = post_raw(edge, json.dumps({"model": "m", "messages": msgs, field: v}).encode())
+        assert res.status_code == 200, (v, res.text)
+    assert up.hits == 3
+
+
+@pytest.mark.parametrize("messages, param", [
+    ([{"content": "hi"}], "messages[0].role"),
+    ([{"role": "system", "content": "be brief"}, {"role": None, "content": "hi"}],
+     "messages[1].role"),
+    ([{"role": "user", "content": "a"}, "hi"], "messages[1].role"),
+    ([{"role": 3, "content": "hi"}], "messages[0].role"),
+])
+def test_a_message_without_a_role_is_400(edge_and_node, messages: list, param: str) -> None:
+    """Each chat message is an object with a string role (the OpenAI API's 400
+    missing_required_parameter); llama-server answered a message without one with a 500,
+    which read as the node's fault. Streamed or not, the edge refuses it."""
+    edge, up = edge_and_node
+    for stream in (False, True):
+        body = {"model": "m", "messages": messages, "stream": stream}
+        res = post_raw(edge, json.dumps(body).encode())
+        assert res.status_code == 400, res.text
+        err = res.json()["error"]
+        assert err["code"] == "missing_required_parameter" and err["param"] == param, err
+        assert param in err["message"]
+    assert up.hits == 0
+    ok = [{"role": "user", "content": "hi"}]
+    assert post_raw(edge, json.dumps({"model": "m", "messages": ok}).encode()).status_code == 200
+
+
 def test_a_model_name_over_512_bytes_is_400(edge_and_node) -> None:
     """A model name goes into Redis key names and metrics labels: one over 512 bytes (a
     1 MB name made a 1 MB key per request) is refused at the edge; 512 bytes pass."""
