@@ -145,6 +145,46 @@ def test_a_client_that_leaves_while_waiting_leaves_the_line_at_once(
     assert _waiting(edge) == 0 and up.hits == 2   # the ghosts never reached the node
 
 
+def test_the_request_at_the_head_of_the_queue_takes_a_freed_slot_before_its_next_poll(
+        tiny_upstreams, redis_server, edge_factory) -> None:
+    """The slot a request frees wakes the request at the head of the edge queue in the
+    same worker (infergate.admission.wake): it is sent at once, not at its next look
+    (admission.poll_ms, set to its most here, 1 s). Four rounds, each timed from the
+    end of the stream that held the slot to the waiting request's arrival at the node;
+    by polling alone each comes at the request's next look, about 1 s later here (the
+    stream ends just after the request began its sleep)."""
+    (up,) = tiny_upstreams(names=["one"])
+    up.chunks = 2
+    s = edge_settings(redis_server.url, [], stale_after_s=3600, read_timeout_ms=60000)
+    s.admission.poll_ms = 1000
+    edge = edge_factory(s)
+    snap = write_snapshot(redis_server.client(), [up.snapshot_node(
+        slots=1, slots_source="server", score=None, has_metrics=False)])
+    edge.wait_snapshot(snap["version"])
+    delays = []
+    for i in range(4):
+        up.gate = threading.Event()
+        held = requests.post(f"{edge.url}/v1/chat/completions", json={**CHAT, "stream": True},
+                             stream=True, timeout=30)
+        assert held.status_code == 200
+        hits = up.hits
+        status: list[int] = []
+        body = {**CHAT, "messages": [{"role": "user", "content": f"waiting {i}"}]}
+        t = threading.Thread(target=lambda: status.append(requests.post(
+            f"{edge.url}/v1/chat/completions", json=body, timeout=30).status_code))
+        t.start()
+        procs.wait_until(lambda: _waiting(edge) == 1, 10, what="a request waiting at the edge")
+        up.gate.set()
+        assert b"[DONE]" in held.content    # the stream that held the slot has ended
+        ended = time.monotonic()
+        procs.wait_until(lambda: up.hits == hits + 1, 10, interval=0.002,
+                         what="the waiting request at the node")
+        delays.append(time.monotonic() - ended)
+        t.join(30)
+        assert status == [200]
+    assert max(delays) < 0.35, delays
+
+
 def test_a_request_whose_deadline_cannot_be_met_gets_429_at_once(
         tiny_upstreams, redis_server, edge_factory) -> None:
     (up,) = tiny_upstreams(names=["one"])

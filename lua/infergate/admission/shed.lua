@@ -65,6 +65,7 @@ local fairshare = require("infergate.admission.fairshare")
 local lengths = require("infergate.routing.lengths")
 local freerate = require("infergate.admission.freerate")
 local usage = require("infergate.admission.usage")
+local wake = require("infergate.admission.wake")
 local ngx_var = ngxapi.var
 
 local _M = {}
@@ -235,14 +236,13 @@ local function shed_answer(req, o, now, waited, wait)
     }
 end
 
--- One pause of the wait: up to poll_s, never past give_up, at least 1 ms.
-local function pause(give_up, now, poll_s)
-    local step = give_up - now
-    if step > poll_s then
-        step = poll_s
-    end
-    if step < 0.001 then
-        step = 0.001  -- ngx.sleep(0) only yields (and warns): wait at least 1 ms
+-- One pause of the wait: up to poll_s, never past give_up, at least 1 ms (ngx.sleep(0)
+-- only yields, and warns); `near`: a request near the head of the slot queue, woken
+-- when a slot frees in this worker (infergate.admission.wake).
+local function pause(give_up, now, poll_s, near)
+    local step = math.max(math.min(give_up - now, poll_s), 0.001)
+    if near then
+        return wake.sleep(step)
     end
     ngx.sleep(step)
 end
@@ -381,7 +381,7 @@ local function wait_for_slot(req, o, t, now, left)
             end
             return shutting_down(true)
         end
-        pause(give_up, now, line.step(poll_s, ahead, free))
+        pause(give_up, now, line.step(poll_s, ahead, free), ahead - free < wake.NEAR)
         ngx.update_time()
         now = ngx_now()
         t = snapshot.refresh()

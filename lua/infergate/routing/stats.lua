@@ -33,6 +33,7 @@ local key = require("infergate.core.memo").keyer()
 local ngx_now = ngxapi.now
 local breaker = require("infergate.routing.breaker")
 local stall = require("infergate.routing.stall")
+local wake = require("infergate.admission.wake")
 local ffi = require("ffi")
 
 local _M = {}
@@ -175,6 +176,7 @@ function _M.release(att)
         log(ERR, "infergate: in-flight counter of ", name, " went below zero")
     end
     d:incr(iw_key(name), -1, 0)
+    wake.released()   -- a request waiting for a slot at the edge looks at once
     return true
 end
 
