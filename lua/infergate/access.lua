@@ -30,7 +30,7 @@
 -- "model" must be a string of at most MODEL_MAX bytes (400 invalid_model), no output
 -- limit may be negative (400 integer_below_min_value: negative_limit) and each of its
 -- messages must be an object with a string role (400 missing_required_parameter:
--- roleless_message), the last two on the routes "inference" and "api".
+-- roleless_message; on the routes "inference" and "api").
 local cjson = require("cjson.safe")
 local ngxapi = require("infergate.core.ngxapi")
 local ngx_now = ngxapi.now
@@ -373,12 +373,13 @@ local function decode_into(req, body)
                          .. "a model, as GET /v1/models lists them).",
                      type = "invalid_request_error", code = "invalid_model", param = "model" }
         end
-        -- the output limits and the messages are checked on the routes that take a
-        -- slot (chat and completions; the Responses API), not on bodies passed through
+        -- the messages are checked on the routes that take a slot (chat and
+        -- completions; the Responses API), not on bodies passed through to other paths
+        -- (whose "messages" may be another API's); a negative output limit on any
+        -- (an Anthropic-style /v1/messages passed through has max_tokens too)
         local route = req.route
-        local bad = type(model) == "string" and model_too_long(model)
-            or (route == "inference" or route == "api") and (negative_limit(obj)
-                or roleless_message(obj))
+        local bad = type(model) == "string" and model_too_long(model) or negative_limit(obj)
+            or (route == "inference" or route == "api") and roleless_message(obj)
         if bad then
             return bad
         end

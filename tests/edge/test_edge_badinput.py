@@ -308,6 +308,10 @@ def test_a_negative_output_limit_is_400(edge_and_node, field: str) -> None:
         err = res.json()["error"]
         assert err["param"] == field and err["type"] == "invalid_request_error"
         assert field in err["message"] and "leave the field out" in err["message"]
+    # a body passed through to another path under /v1 is refused the same
+    res = requests.post(edge.url + "/v1/messages", json={"model": "m", "messages": msgs,
+                                                         field: -1}, timeout=30)
+    assert res.status_code == 400 and error_code(res) == "integer_below_min_value", res.text
     assert up.hits == 0
     for v in (0, 1, 64):
         res = post_raw(edge, json.dumps({"model": "m", "messages": msgs, field: v}).encode())

@@ -182,7 +182,7 @@ def test_the_request_at_the_head_of_the_queue_takes_a_freed_slot_before_its_next
         delays.append(time.monotonic() - ended)
         t.join(30)
         assert status == [200]
-    assert max(delays) < 0.35, delays
+    assert max(delays) < 0.5, delays
 
 
 def test_a_request_whose_deadline_cannot_be_met_gets_429_at_once(
