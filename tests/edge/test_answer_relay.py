@@ -153,8 +153,13 @@ def test_connections_to_the_nodes_are_kept_alive(tiny_upstreams, redis_server,
         assert res.json()["choices"][0]["message"]["content"] == f"hello from {node}"
     assert sum(u.hits for u in ups) == 10
     assert [u.post_connections for u in ups] == [min(u.hits, 1) for u in ups]
+    conns, hits = sum(u.post_connections for u in ups), sum(u.hits for u in ups)
     assert _post(edge, stream=True).status_code == 200
-    assert sum(u.post_connections for u in ups) == sum(min(u.hits - 1, 1) for u in ups) + 1
+    tries = sum(u.hits for u in ups) - hits
+    # every try of the stream on a connection of its own, none on a kept one (a try
+    # may be retried on the other node when a host short of CPU delays the first byte
+    # past the early liveness check)
+    assert tries >= 1 and sum(u.post_connections for u in ups) - conns == tries
     for u in ups:
         assert edge.node_status(u.name)["failures"] == 0
 
