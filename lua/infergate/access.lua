@@ -319,7 +319,7 @@ end
 -- which would hold a slot until the context is full, long after the client's 504, and
 -- reserve no output against the tenant's tokens per minute; vLLM and the OpenAI API
 -- refuse any limit below 1 (vLLM's SamplingParams: "max_tokens must be at least 1").
--- 0 passes on as sent (no tokens to generate).
+-- 0 passes on as sent (the node answers it as it does directly).
 local OUTPUT_LIMITS = { "max_tokens", "max_completion_tokens", "max_output_tokens" }
 
 local function negative_limit(obj)
