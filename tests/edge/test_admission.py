@@ -6,6 +6,7 @@ max_concurrency sheds too; shedding off lets requests through."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from typing import Any
@@ -88,6 +89,31 @@ def test_capacity_returning_during_the_wait_admits(redis_server, tiny_upstreams,
     assert out["elapsed"] < 2.5
     st = edge.status()["admission"]
     assert st["shed"] == 0 and st["waiting"] == 0
+
+
+def test_a_client_that_leaves_while_waiting_for_capacity_is_counted_out_at_once(
+        redis_server, tiny_upstreams, edge_factory) -> None:
+    """Every node saturated, max_wait_ms long: a client that goes away while its request
+    waits for capacity takes it out of the "waiting" gauge at that moment (the abort
+    watch), not when its wait would have ended, and nothing reaches the node."""
+    (up,) = tiny_upstreams(1)
+    edge = edge_factory(settings(redis_server.url, [up.node_settings()], max_wait_ms=20000))
+    snap = write_snapshot(redis_server.client(), [up.snapshot_node(saturated=True)])
+    edge.wait_snapshot(snap["version"])
+    host, port = edge.url.removeprefix("http://").split(":")
+    body = json.dumps(CHAT).encode()
+    s = socket.create_connection((host, int(port)), timeout=5)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+              b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    procs.wait_until(lambda: edge.status()["admission"]["waiting"] == 1, 5,
+                     what="the request to wait for capacity")
+    s.close()
+    left = time.monotonic()
+    procs.wait_until(lambda: edge.status()["admission"]["waiting"] == 0, 5, interval=0.02,
+                     what="the request out of the waiting gauge")
+    assert time.monotonic() - left < 2      # its wait had 20 s to run
+    st = edge.status()["admission"]
+    assert st["shed"] == 0 and up.hits == 0
 
 
 def test_stale_snapshot_saturation_is_ignored(redis_server, tiny_upstreams, edge_factory) -> None:

@@ -1,9 +1,8 @@
 -- Admission control: load shedding (an access step), plus the hooks the shared
 -- phases call for auth, rate limits and deadlines.
 --
--- Access pipeline (infergate.access): method -> auth -> body -> ratelimit -> [cache
--- lookup] -> eligible -> admission. A cache hit answers before "eligible", so it never
--- waits here and is served even when every node is saturated.
+-- Access pipeline (infergate.access): method -> auth -> body -> ratelimit -> [cache lookup]
+-- -> eligible -> admission; a cache hit answers before "eligible", never waiting here.
 --
 -- Known slots (infergate.admission.slots): when an eligible node of the request's model has known
 -- slots, the slots are a hard limit and the rules below give way to the edge queue (wait_for_slot):
@@ -37,13 +36,12 @@
 -- health, which a restart brings back sooner than the others' queue drains; admission.retry_after_s
 -- when nothing predicts). When no eligible node has capacity, the request waits up to
 -- admission.max_wait_ms (never past its deadline), checking again every admission.poll_ms with
--- ngx.sleep, then gets 429 with Retry-After = admission.retry_after_s and {"type":
--- "server_overloaded", "code": "nodes_saturated"}: a quick, retryable answer instead of a timeout.
--- Only requests that take a slot are shed: the routes "inference" and "api" (/v1/responses, rerank,
--- score, audio; infergate.access), not GET /v1/models, the tokenizer or other /v1/ paths. While
--- nginx shuts down (SIGQUIT) a waiting request gets 503 {"code": "shutting_down"} with Retry-After:
--- 1 at its next check, instead of being held to the end of the shutdown; on a reload it waits on in
--- its old worker, as nginx finishes its requests (infergate.core.closing). Counted: "shed".
+-- ngx.sleep, then gets 429 (Retry-After = admission.retry_after_s, {"type": "server_overloaded",
+-- "code": "nodes_saturated"}): a quick, retryable answer instead of a timeout.
+-- Only requests that take a slot are shed: the routes "inference" and "api" (infergate.access).
+-- While nginx shuts down (SIGQUIT) a waiting request gets 503 {"code": "shutting_down"} with
+-- Retry-After: 1 at its next check, instead of being held to the end of the shutdown; on a reload
+-- it waits on in its old worker, as nginx finishes its requests (core.closing). Counted: "shed".
 local ngxapi = require("infergate.core.ngxapi")
 local abort = require("infergate.core.abort")
 local ngx_now = ngxapi.now
@@ -321,6 +319,12 @@ function FAIR.step(poll_s, ahead, free)
 end
 FIFO.step = FAIR.step   -- the same in arrival order
 _M.FAIR_STEP = FAIR.step
+-- A client that leaves while waiting leaves the line at once (infergate.core.abort). No
+-- closure in wait_for_slot or admit: LuaJIT compiles no return from a function with one.
+local function unwait() astats.incr("waiting", -1) end
+local function watch_line(req, line, w)
+    return abort.watch(req, function() line.leave(w, ngx_now()) unwait() end)
+end
 
 -- Admission in a pool with known slots (infergate.admission.slots): a free slot is
 -- taken at once when nobody waits; otherwise the request waits at the edge
@@ -356,11 +360,7 @@ local function wait_for_slot(req, o, t, now, left)
         return fairshare.queue_full(o)
     end
     astats.incr("waiting")
-    -- a client that leaves while waiting leaves the line at once (infergate.core.abort)
-    local gone = abort.watch(req, function()
-        line.leave(w, ngx_now())
-        astats.incr("waiting", -1)
-    end)
+    local gone = watch_line(req, line, w)
     while true do
         local free, eligible = slots.free(t, now, req.model, req.tried)
         local ahead = line.rank(w, now, poll_s, free)
@@ -428,7 +428,7 @@ local function admit(req, o)
         end
         if not waited then
             astats.incr("waiting")
-            gone = abort.watch(req, function() astats.incr("waiting", -1) end)
+            gone = abort.watch(req, unwait)
         end
         pause(give_up, now, poll_s)
         waited = true
