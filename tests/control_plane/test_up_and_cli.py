@@ -9,6 +9,7 @@ import click
 import pytest
 
 from controlplane.cli.up import _owner_doc, claim_registry
+from controlplane.cli.up.owner import OWNER_KEEP_S, OWNER_TTL_S
 from controlplane.redisdb import keynames
 
 
@@ -84,9 +85,9 @@ def test_cli_actor_is_always_writable(monkeypatch) -> None:
 
 
 def test_a_claim_left_by_a_killed_up_of_this_host_is_taken_over(r) -> None:
-    """An ``up`` killed outright (SIGKILL) leaves its claim for 15 s more; a new ``up``
-    on the same host sees that the pid in it is gone and takes the registry over at once.
-    A claim of a live process, or of another host, is still refused."""
+    """An ``up`` killed outright (SIGKILL) leaves its claim until it goes stale; a new
+    ``up`` on the same host sees that the pid in it is gone and takes the registry over at
+    once. A fresh claim of a live process, or of another host, is still refused."""
     import json
     import socket
     import subprocess
@@ -96,20 +97,64 @@ def test_a_claim_left_by_a_killed_up_of_this_host_is_taken_over(r) -> None:
     dead.wait()
     gone = json.dumps({"instance_id": "up-killed", "pid": dead.pid,
                        "host": socket.gethostname(), "since": 0})
-    r.set(keynames.STACK_OWNER, gone, ex=15)
+    r.set(keynames.STACK_OWNER, gone, ex=OWNER_KEEP_S)
     mine = _owner_doc("up-next")
     claim_registry(r, mine, False, "127.0.0.1:1/0")
     assert r.get(keynames.STACK_OWNER) == mine
     elsewhere = json.dumps({"instance_id": "up-far", "pid": dead.pid, "host": "another-host",
                             "since": 0})
-    r.set(keynames.STACK_OWNER, elsewhere, ex=15)
+    r.set(keynames.STACK_OWNER, elsewhere, ex=OWNER_KEEP_S)
     with pytest.raises(click.ClickException, match="up-far"):
         claim_registry(r, mine, False, "127.0.0.1:1/0")
     live = json.dumps({"instance_id": "up-live", "pid": 1, "host": socket.gethostname(),
                        "since": 0})
-    r.set(keynames.STACK_OWNER, live, ex=15)
+    r.set(keynames.STACK_OWNER, live, ex=OWNER_KEEP_S)
     with pytest.raises(click.ClickException, match="up-live"):
         claim_registry(r, mine, False, "127.0.0.1:1/0")
+
+
+def test_a_stale_claim_is_free_unless_its_up_still_runs_here(r) -> None:
+    """A claim not refreshed for OWNER_TTL_S: free when its ``up`` ran on another host or
+    its pid is now another program's; kept, with the refusal saying how to resume it, when
+    its ``up`` still exists on this host (stopped with SIGSTOP, while the stack it started
+    serves on: another ``up`` must not repoint that stack's nodes)."""
+    import json
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    stale = OWNER_KEEP_S - OWNER_TTL_S - 5
+    mine = _owner_doc("up-next")
+    far = json.dumps({"instance_id": "up-far", "pid": 12345, "host": "another-host", "since": 0})
+    r.set(keynames.STACK_OWNER, far, ex=stale)
+    claim_registry(r, mine, False, "127.0.0.1:1/0")
+    assert r.get(keynames.STACK_OWNER) == mine
+    assert r.ttl(keynames.STACK_OWNER) > OWNER_KEEP_S - 5
+    other_program = json.dumps({"instance_id": "up-reused", "pid": 1,
+                                "host": socket.gethostname(), "since": 0})
+    r.set(keynames.STACK_OWNER, other_program, ex=stale)
+    claim_registry(r, mine, False, "127.0.0.1:1/0")
+    assert r.get(keynames.STACK_OWNER) == mine
+    frozen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
+                               "infergate-up-test"])
+    try:
+        os.kill(frozen.pid, signal.SIGSTOP)
+        doc = json.dumps({"instance_id": "up-frozen", "pid": frozen.pid,
+                          "host": socket.gethostname(), "since": 0})
+        r.set(keynames.STACK_OWNER, doc, ex=stale)
+        with pytest.raises(click.ClickException) as exc:
+            claim_registry(r, mine, False, "127.0.0.1:1/0")
+        assert "up-frozen" in exc.value.message
+        assert f"kill -CONT {frozen.pid}" in exc.value.message
+        assert r.get(keynames.STACK_OWNER) == doc       # kept, not refreshed by the refusal
+        assert r.ttl(keynames.STACK_OWNER) <= stale
+        claim_registry(r, mine, True, "127.0.0.1:1/0")  # --take-over still replaces it
+        assert r.get(keynames.STACK_OWNER) == mine
+    finally:
+        frozen.kill()
+        frozen.wait()
 
 
 def test_a_work_folder_is_held_by_one_up(tmp_path) -> None:

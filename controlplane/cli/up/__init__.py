@@ -24,9 +24,10 @@ line per exit with the part, its exit code, the restarts so far, its log file an
 an error exit, the log's last line); a
 part that fails 5 times within 60 s stops everything and ``up`` exits non-zero naming
 it (the embedder is optional: it then stays off). Stays alone: the node registry of a
-shared Redis belongs to one running ``up`` (key ``infergate:v1:stack_owner`` with a TTL
-the owner refreshes); another refuses to start on it unless ``--take-over`` (the old
-owner then says so and runs on without renewing the key). Every part
+shared Redis belongs to one running ``up`` (key ``infergate:v1:stack_owner``, which the
+owner refreshes; a stale claim is kept while its ``up`` still exists on this host, see
+:func:`.owner.claim_registry`); another refuses to start on it unless ``--take-over`` (the
+old owner then says so and runs on without renewing the key). Every part
 inherits the stack's instance id (``INFERGATE_INSTANCE_ID``) and echoes it in its health
 answer; ``up`` counts a part ready only with its own id there, so a process of another
 stack that took a port first is never adopted (the part is retried on a new free port).

@@ -1,5 +1,5 @@
 """Who runs on a work folder and on a shared node registry: the folder's ``up.lock`` and
-the stack-owner key in Redis (a TTL the running ``up`` refreshes)."""
+the stack-owner key in Redis (which the running ``up`` refreshes)."""
 
 from __future__ import annotations
 
@@ -17,20 +17,24 @@ from controlplane.redisdb import keynames
 from .common import _say
 
 
-#: Seconds the stack-owner key lives without a refresh; ``up`` refreshes it every
+#: Seconds without a refresh after which a claim is stale; ``up`` refreshes it every
 #: :data:`OWNER_REFRESH_S` seconds, so a stack that died frees its registry this long later.
 OWNER_TTL_S = 15
 OWNER_REFRESH_S = 3.0
+#: The key's own TTL, set anew at each refresh: its remaining TTL tells how long the owner
+#: has not refreshed it, so a stale claim still names its owner (an ``up`` stopped with
+#: SIGSTOP, whose stack serves on, keeps its registry).
+OWNER_KEEP_S = 86400
 
 #: SET the owner document (ARGV[1], TTL ARGV[2] s) when the key is missing or already
-#: ours; else return the current owner's document.
+#: ours and return 1; else return {the current owner's document, the key's TTL}.
 _OWNER_REFRESH_LUA = """
 local cur = redis.call('GET', KEYS[1])
 if cur == false or cur == ARGV[1] then
   redis.call('SET', KEYS[1], ARGV[1], 'EX', tonumber(ARGV[2]))
   return 1
 end
-return cur
+return {cur, redis.call('TTL', KEYS[1])}
 """
 
 
@@ -43,24 +47,55 @@ return 0
 """
 
 
-def _owner_gone(raw: object) -> bool:
-    """Whether the stack-owner value ``raw`` names an ``up`` process of this host that no
-    longer exists (killed with SIGKILL, its claim not yet expired). Any doubt (another
-    host, no pid, a pid that exists, whoever runs it) is "not gone"."""
+def _owner_pid_here(raw: object) -> int | None:
+    """The pid of the ``up`` named by the stack-owner value ``raw`` when it ran on this
+    host (not this process); ``None`` otherwise (another host, no pid, unreadable)."""
     try:
         d = json.loads(raw)  # type: ignore[arg-type]
         pid = int(d["pid"])
         if d.get("host") != socket.gethostname() or pid <= 0 or pid == os.getpid():
-            return False
+            return None
     except (TypeError, ValueError, KeyError):
-        return False
+        return None
+    return pid
+
+
+def _pid_exists(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return True
-    except OSError:
         return False
-    return False
+    except OSError:
+        return True
+    return True
+
+
+def _runs_infergate(pid: int) -> bool:
+    """Whether process ``pid`` exists and its command line names infergate (unreadable:
+    assumed so); a pid that the system gave to another program is not the owner."""
+    if not _pid_exists(pid):
+        return False
+    try:
+        return b"infergate" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True
+
+
+def _owner_gone(raw: object) -> bool:
+    """Whether the stack-owner value ``raw`` names an ``up`` process of this host that no
+    longer exists (killed with SIGKILL, its claim not yet stale). Any doubt (another
+    host, no pid, a pid that exists, whoever runs it) is "not gone"."""
+    pid = _owner_pid_here(raw)
+    return pid is not None and not _pid_exists(pid)
+
+
+def _owner_idle_s(ttl: object) -> float:
+    """Seconds since the owner last refreshed its claim, from the key's remaining TTL."""
+    try:
+        left = int(ttl)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return 0.0
+    return float(OWNER_KEEP_S - left) if left >= 0 else 0.0
 
 
 def _lock_workdir(wd: Path) -> object:
@@ -105,36 +140,53 @@ def _describe_owner(raw: object) -> str:
 def claim_registry(r: redis_lib.Redis, doc: str, take_over: bool, where: str,
                    named_by: str = "--redis-url") -> None:
     """Make this stack the owner of the registry in ``r`` (key
-    ``keynames.STACK_OWNER``, value ``doc``, TTL :data:`OWNER_TTL_S`). Raises
-    ``click.ClickException`` naming the other stack when a live one owns it and
-    ``take_over`` is false; with ``take_over`` the key is overwritten. ``named_by``: what
-    pointed this stack at that Redis (``--redis-url``, ``INFERGATE_REDIS_URL``, the
-    file's ``redis.url``), named in the hint to leave it out."""
+    ``keynames.STACK_OWNER``, value ``doc``, TTL :data:`OWNER_KEEP_S`, refreshed). The
+    registry is free when nobody claims it, when its owner's ``up`` process is gone from
+    this host, or when the claim is stale (not refreshed for :data:`OWNER_TTL_S` s) and
+    its owner is not a process of this host that still exists: a frozen ``up`` (SIGSTOP)
+    keeps its registry while its stack serves on. Raises ``click.ClickException`` naming
+    the other stack when it is not free and ``take_over`` is false; with ``take_over``
+    the key is overwritten. ``named_by``: what pointed this stack at that Redis
+    (``--redis-url``, ``INFERGATE_REDIS_URL``, the file's ``redis.url``), named in the
+    hint to leave it out."""
     if take_over:
-        r.set(keynames.STACK_OWNER, doc, ex=OWNER_TTL_S)
+        r.set(keynames.STACK_OWNER, doc, ex=OWNER_KEEP_S)
         return
-    cur = r.eval(_OWNER_REFRESH_LUA, 1, keynames.STACK_OWNER, doc, OWNER_TTL_S)
-    if cur != 1 and _owner_gone(cur):
-        # an up of this host that was killed outright: its claim has not expired yet
-        if r.eval(_OWNER_REPLACE_LUA, 1, keynames.STACK_OWNER, cur, doc, OWNER_TTL_S) == 1:
-            _say(f"the node registry's last owner, {_describe_owner(cur)}, is gone: "
-                 "taking it over")
+    cur = r.eval(_OWNER_REFRESH_LUA, 1, keynames.STACK_OWNER, doc, OWNER_KEEP_S)
+    if cur == 1:
+        return
+    raw, ttl = cur
+    idle, pid = _owner_idle_s(ttl), _owner_pid_here(raw)
+    stale = idle > OWNER_TTL_S
+    # a stale claim is kept only by an up of this host that still runs (frozen)
+    alive_here = pid is not None and (_runs_infergate(pid) if stale else _pid_exists(pid))
+    if (pid is not None or stale) and not alive_here:
+        # killed outright (its claim not yet stale), or stale and not running here
+        if r.eval(_OWNER_REPLACE_LUA, 1, keynames.STACK_OWNER, raw, doc, OWNER_KEEP_S) == 1:
+            why = "is gone" if pid is not None else f"has not renewed its claim for {idle:.0f} s"
+            _say(f"the node registry's last owner, {_describe_owner(raw)}, {why}: taking it over")
             return
-        cur = r.eval(_OWNER_REFRESH_LUA, 1, keynames.STACK_OWNER, doc, OWNER_TTL_S)
-    if cur != 1:
-        raise click.ClickException(
-            f"the node registry in the Redis at {where} belongs to another running "
-            f"infergate up: {_describe_owner(cur)}. Stop it (its claim expires {OWNER_TTL_S} s "
-            f"after it stops), give this stack its own Redis (leave out {named_by}), or pass "
-            "--take-over to replace its registry entries")
+        cur = r.eval(_OWNER_REFRESH_LUA, 1, keynames.STACK_OWNER, doc, OWNER_KEEP_S)
+        if cur == 1:
+            return
+        raw, alive_here = cur[0], False
+    stopped = ""
+    if alive_here and stale:
+        stopped = (f" Its process still exists but has not renewed its claim for {idle:.0f} s "
+                   f"(stopped? `kill -CONT {pid}` resumes it).")
+    raise click.ClickException(
+        f"the node registry in the Redis at {where} belongs to another running "
+        f"infergate up: {_describe_owner(raw)}.{stopped} Stop it (its claim is free "
+        f"{OWNER_TTL_S} s after it stops), give this stack its own Redis (leave out "
+        f"{named_by}), or pass --take-over to replace its registry entries")
 
 
 def refresh_owner(r: redis_lib.Redis, doc: str) -> str | None:
     """Renew the stack-owner key; ``None`` when it is ours (or was gone and is ours
     again), else the description of the stack that took it over. Raises
     ``redis.RedisError``."""
-    cur = r.eval(_OWNER_REFRESH_LUA, 1, keynames.STACK_OWNER, doc, OWNER_TTL_S)
-    return None if cur == 1 else _describe_owner(cur)
+    cur = r.eval(_OWNER_REFRESH_LUA, 1, keynames.STACK_OWNER, doc, OWNER_KEEP_S)
+    return None if cur == 1 else _describe_owner(cur[0])
 
 
 def _release_owner(r: redis_lib.Redis, doc: str) -> None:
