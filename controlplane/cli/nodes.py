@@ -100,7 +100,9 @@ def _node_options(fn: Callable) -> Callable:
     fn = click.option("--metrics-path", default=None, help="Metrics path (default /metrics).")(fn)
     fn = click.option("--max-concurrency", type=int, default=None,
                       help="Requests the node runs at once (>= 1, default 64).")(fn)
-    fn = click.option("--weight", type=float, default=None, help="Routing weight (> 0, default 1).")(fn)
+    fn = click.option("--weight", type=float, default=None,
+                      help="Routing weight, relative to the other nodes (0.001 to 1000, "
+                           "default 1).")(fn)
     fn = click.option("--kind", type=click.Choice(KINDS), default=None,
                       help="Metrics dialect (default vllm).")(fn)
     fn = click.option("--model", "models", multiple=True, callback=_models_given,

@@ -50,7 +50,7 @@ from urllib.parse import urlsplit
 import click
 import jinja2
 
-from controlplane import filewrite, paths, procs
+from controlplane import filewrite, paths, portholder, procs
 from controlplane.config import (
     ConfigError,
     HostPort,
@@ -730,7 +730,9 @@ def check_listen(value: str, what: str, probe_path: str,
             if _ephemeral_port(port):
                 hint = (f" (port {port} is in this host's ephemeral range, where outgoing "
                         "connections take ports too: prefer a port below it)")
-            return ("error", f"{what} {value} is already in use by another process: nginx "
+            who = portholder.holder(port)
+            by = f" ({who})" if who else ""
+            return ("error", f"{what} {value} is already in use by another process{by}: nginx "
                              f"would fail to start; choose a free address{hint}")
         return ("error", f"{what} {value} cannot be bound here: {reason}")
     finally:

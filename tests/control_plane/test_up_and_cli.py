@@ -161,6 +161,7 @@ def test_a_work_folder_is_held_by_one_up(tmp_path) -> None:
     """A second ``up`` on a folder another one holds stops at once, naming its pid (before
     it writes anything there); the lock goes with the process that held it."""
     import os
+    import socket
 
     from controlplane.cli.up import _lock_workdir
 
@@ -168,6 +169,19 @@ def test_a_work_folder_is_held_by_one_up(tmp_path) -> None:
     with pytest.raises(click.ClickException) as exc:
         _lock_workdir(tmp_path)
     assert f"in use by another infergate up (pid {os.getpid()})" in exc.value.message
+    # `up` on that folder says so before it finds the ports of that up's stack in use
+    from click.testing import CliRunner
+
+    from controlplane.cli.up import up_cmd
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        edge = f"127.0.0.1:{taken.getsockname()[1]}"
+        res = CliRunner().invoke(up_cmd, ["--workdir", str(tmp_path), "--listen", edge])
+    assert res.exit_code != 0
+    assert f"in use by another infergate up (pid {os.getpid()})" in res.output, res.output
+    assert "already in use" not in res.output
     held.close()  # the holder ends
     _lock_workdir(tmp_path).close()
 
@@ -175,6 +189,7 @@ def test_a_work_folder_is_held_by_one_up(tmp_path) -> None:
 def test_up_refuses_bad_arguments_before_it_makes_a_folder(tmp_path, monkeypatch) -> None:
     """A bad Redis URL, --node URL or --time-scale is refused with one line, before a work
     folder is made or a part started; busy edge and admin addresses are named together."""
+    import os
     import socket
     import tempfile
 
@@ -205,7 +220,7 @@ def test_up_refuses_bad_arguments_before_it_makes_a_folder(tmp_path, monkeypatch
         edge, admin = (f"127.0.0.1:{s.getsockname()[1]}" for s in (a, b))
         res = runner.invoke(up_cmd, ["--listen", edge, "--admin-listen", admin])
     assert res.exit_code != 0
-    assert f"edge address {edge} is already in use" in res.output
+    assert f"edge address {edge} is already in use by pid {os.getpid()} (" in res.output
     assert f"admin address {admin} is already in use" in res.output
     assert list(tmp_path.iterdir()) == []                 # no folder made by any of them
 

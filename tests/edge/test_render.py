@@ -252,7 +252,8 @@ def test_cli_writes_files_and_checks(workdir: Path) -> None:
 
 
 def test_cli_check_names_a_listen_address_in_use(workdir: Path) -> None:
-    """nginx -t does not bind: --check does, and names the setting whose port is taken."""
+    """nginx -t does not bind: --check does, and names the setting whose port is taken
+    and the process that holds it (here the test's own)."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
@@ -264,6 +265,7 @@ def test_cli_check_names_a_listen_address_in_use(workdir: Path) -> None:
             "--listen", f"127.0.0.1:{procs.free_port()}", "--check"])
     assert res.exit_code == 1, res.output
     assert f"edge.metrics_listen (infergate-http.conf) 127.0.0.1:{port} is already in use" in res.output
+    assert f"another process (pid {os.getpid()} (" in res.output
     assert "nginx -t: ok" not in res.output and "Traceback" not in res.output
 
 

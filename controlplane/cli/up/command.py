@@ -4,6 +4,7 @@ package's docstring)."""
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import click
 import redis as redis_lib
@@ -21,7 +22,7 @@ from .edge import (NGINX_FINISH_S, choose_metrics_port, start_controlplane, star
 from .embedder import EmbedderKeeper, _start_embedder
 from .logs import DEFAULT_MAX_MB, LogCap, log_dirs
 from .nodes import SIM_NODES, _sim_nodes
-from .owner import _release_owner, claim_registry
+from .owner import _release_owner, check_workdir_free, claim_registry
 from .plan import UpRun, make_plan, open_workdir
 from .store import _ensure_redis, _own_cluster, _own_redis
 from .supervise import _supervise
@@ -220,6 +221,8 @@ def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
            instance_id: str | None = None, redis_cluster: bool = False,
            log_max_mb: int = DEFAULT_MAX_MB) -> None:
     """Run the whole stack locally: Redis, nodes, control plane, nginx edge."""
+    if workdir:
+        check_workdir_free(Path(workdir))
     run = make_plan(config_path, node_urls, node_kind, node_health_path,
                     node_max_concurrency, listen, admin_listen, redis_url, time_scale,
                     take_over, instance_id)

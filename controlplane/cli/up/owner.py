@@ -8,6 +8,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import IO
 
 import click
 import redis as redis_lib
@@ -98,6 +99,33 @@ def _owner_idle_s(ttl: object) -> float:
     return float(OWNER_KEEP_S - left) if left >= 0 else 0.0
 
 
+def _workdir_busy(wd: Path, f: IO[str]) -> click.ClickException:
+    """The error for a work folder whose ``up.lock`` (open as ``f``) another ``up`` holds."""
+    f.seek(0)
+    other = f.read().strip() or "?"
+    return click.ClickException(
+        f"the work folder {wd} is in use by another infergate up (pid {other}): stop "
+        "it, or give this one another --workdir")
+
+
+def check_workdir_free(wd: Path) -> None:
+    """Raise ``click.ClickException`` when another ``up`` holds ``wd/up.lock``; checked
+    before the listen addresses, which that ``up``'s own processes may hold (their "in
+    use" would send the operator to another --listen first). Takes no lock."""
+    import fcntl
+
+    try:
+        f = open(wd / "up.lock")
+    except OSError:
+        return
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _workdir_busy(wd, f) from None
+        fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _lock_workdir(wd: Path) -> object:
     """Hold ``wd/up.lock`` (an exclusive ``flock``, released when this process ends, also
     when it is killed) so that a second ``up`` on the same folder stops before it touches
@@ -110,12 +138,9 @@ def _lock_workdir(wd: Path) -> object:
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        f.seek(0)
-        other = f.read().strip() or "?"
+        err = _workdir_busy(wd, f)
         f.close()
-        raise click.ClickException(
-            f"the work folder {wd} is in use by another infergate up (pid {other}): stop "
-            "it, or give this one another --workdir") from None
+        raise err from None
     f.seek(0)
     f.truncate()
     f.write(f"{os.getpid()}\n")

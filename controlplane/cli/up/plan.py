@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 import redis as redis_lib
 
-from controlplane import procs
+from controlplane import portholder, procs
 from controlplane.admin import SECRET_ENV
 from controlplane.config import ConfigError, NodeSettings, Settings, load_settings
 from controlplane.redisdb.url import parse_redis_url, redact
@@ -110,11 +110,17 @@ def _redis_named_by(redis_url: str | None, settings: Settings,
     return shared_redis, named_by
 
 
+def _by(port: int) -> str:
+    """`` by pid N (name)`` of the process listening on ``port``, or ``""``."""
+    who = portholder.holder(port)
+    return f" by {who}" if who else ""
+
+
 def _check_addresses_free(edge: tuple[str, int], admin: tuple[str, int]) -> None:
     """Raise ``click.ClickException`` naming every one of the edge and admin addresses
     that is in use."""
-    taken = [f"{what} address {host}:{port} is already in use (choose another with "
-             f"--{option})"
+    taken = [f"{what} address {host}:{port} is already in use{_by(port)} (choose another "
+             f"with --{option})"
              for (host, port), what, option in ((edge, "edge", "listen"),
                                                 (admin, "admin", "admin-listen"))
              if procs.port_open("127.0.0.1" if host in ("0.0.0.0", "::") else host, port)]
