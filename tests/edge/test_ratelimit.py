@@ -254,6 +254,40 @@ def sequential_posts(url: str, n: int, r) -> tuple[list[int], int]:
         return codes, script_calls(r) - before
 
 
+def test_a_key_flooding_past_its_limit_costs_redis_one_call_per_worker_and_second(
+        redis_server, tiny_upstreams, edge_factory) -> None:
+    """A request bucket that refused cannot refill before its wait: the worker refuses
+    that key's next requests itself for up to REFUSED_MAX_S (1 s), with the same 429 and
+    a Retry-After that counts down, then asks Redis again. Another key is unaffected."""
+    r = redis_server.client()
+    key, _ = apikeys.create_key(r, "flood", rpm=2)
+    other, _ = apikeys.create_key(r, "calm", rpm=100)
+    (up,) = tiny_upstreams(1)
+    edge = edge_factory(settings(redis_server.url, [up.node_settings()], lease_fraction=0))
+    headers = {"Authorization": f"Bearer {key}"}
+    with requests.Session() as http:
+        def send() -> requests.Response:
+            return http.post(f"{edge.url}/v1/chat/completions", json=CHAT, headers=headers,
+                             timeout=15)
+
+        assert [send().status_code for _ in range(2)] == [200, 200]
+        first = send()
+        assert first.status_code == 429
+        before, started = script_calls(r), time.monotonic()
+        refused = [send() for _ in range(40)]
+        calls, elapsed = script_calls(r) - before, time.monotonic() - started
+    assert {x.status_code for x in refused} == {429}
+    assert all(x.json()["error"]["code"] == "rate_limit_exceeded" for x in refused)
+    retries = [int(x.headers["Retry-After"]) for x in refused]
+    assert max(retries) <= int(first.headers["Retry-After"]) and min(retries) >= 1
+    # one call per worker at most each second (the bucket is asked again after 1 s)
+    workers = edge.settings.edge.workers
+    assert calls <= workers * (1 + int(elapsed)), (calls, elapsed)
+    assert up.hits == 2
+    assert post(edge.url, other).status_code == 200
+    assert edge.status()["admission"]["rate_limited"] == 41
+
+
 def test_leases_spare_round_trips_and_never_exceed_the_limit(redis_server, tiny_upstreams,
                                                              edge_factory) -> None:
     (up,) = tiny_upstreams(1)
@@ -340,7 +374,9 @@ def test_redis_down_falls_back_to_local_buckets(redis_server, tiny_upstreams, ed
     assert res.status_code == 429 and res.json()["error"]["code"] == "rate_limit_exceeded"
     assert res.headers["x-ratelimit-limit-requests"] == "4"
     st = edge.status()["admission"]
-    assert st["limits_local"] == 8 and st["rate_limited"] == 4
+    # charged in the local buckets: the 4 admitted and the first refusal; the next
+    # refusals come within that refusal's wait, which the worker remembers
+    assert st["limits_local"] == 5 and st["rate_limited"] == 4
     # the outage is logged once, not per request
     assert edge.error_log().count("Redis unreachable for API keys and rate limits") == 1
 

@@ -69,6 +69,12 @@
 -- until the bucket is full again); with both a key and a global bucket, the headers
 -- show the one with fewer remaining.
 --
+-- A request bucket (cost 1) that refused a request cannot hold a token again before its
+-- wait has passed: this worker refuses the requests of that bucket on its own for that
+-- wait, at most REFUSED_MAX_S, without a round trip (a key flooding past its limit
+-- costs Redis one script call per bucket and worker per REFUSED_MAX_S, not one per
+-- request). Token buckets are not remembered: a smaller request may still fit.
+--
 -- The parts live in their own modules: infergate.admission.bucketscript (the script
 -- and its call in Redis), .localbuckets (the shared-dict buckets), .bucketcharge (one
 -- charge, Redis or local), .leases, .settlement (log-phase corrections), .tokencount
@@ -96,6 +102,7 @@ local pairs = pairs
 local min = math.min
 local max = math.max
 local ceil = math.ceil
+local tostring = tostring
 
 -- The parts, under their former names.
 _M.SCRIPT = bucketscript.SCRIPT
@@ -182,6 +189,40 @@ local function charge(req, list, o)
     return bucketcharge.apply("take", list, nil, extra, on_extra)
 end
 
+-- Request buckets that refused lately, in this worker: bucket key -> {until (ngx.now()
+-- s), wait (s) at `at`, at, the refusal's error table}.
+_M.REFUSED_MAX_S = 1
+local refused = require("infergate.core.memo").new(_M.KEY_NAMES_MAX)
+
+local function remember_refusal(list, res, err, now)
+    for i, b in ipairs(list) do
+        local w = res.wait[i]
+        if b.kind == "requests" and w and w > 0 then
+            refused:set(b.key, { till = now + min(w, _M.REFUSED_MAX_S), wait = w, at = now,
+                                 err = err })
+        end
+    end
+end
+
+-- The refusal of a request bucket in `list` that refused within its wait, brought up to
+-- date (Retry-After), or nil.
+local function still_refused(list, now)
+    for _, b in ipairs(list) do
+        local r = b.kind == "requests" and refused:get(b.key)
+        if r and r.till > now then
+            local h = {}
+            for k, v in pairs(r.err.headers) do
+                h[k] = v
+            end
+            h["Retry-After"] = tostring(max(1, ceil(r.wait - (now - r.at))))
+            local e = r.err
+            return { status = e.status, message = e.message, type = e.type, code = e.code,
+                     headers = h }
+        end
+    end
+    return nil
+end
+
 -- Access step: nil to continue, or a 429 error table.
 function _M.step(req)
     local o = config.get().limits
@@ -203,6 +244,12 @@ function _M.step(req)
     if #list == 0 then
         return nil
     end
+    local now = ngx_now()
+    local again = still_refused(list, now)
+    if again then
+        astats.incr("rate_limited")
+        return again
+    end
     local res, source = charge(req, list, o)
     local h = rlheaders.headers(list, res)
     if res.allowed then
@@ -223,7 +270,9 @@ function _M.step(req)
         return nil
     end
     astats.incr("rate_limited")
-    return rlheaders.refusal(list, res, h)
+    local err = rlheaders.refusal(list, res, h)
+    remember_refusal(list, res, err, now)
+    return err
 end
 
 flush.on_tick(_M.sweep_leases)
