@@ -19,7 +19,7 @@ from controlplane.config import Settings
 from controlplane.routing import ownaddrs, registry
 from controlplane.routing.nodekind import hint_of
 from controlplane.cli.common import ConnectedGroup, Ctx, actor, run_or_exit, table
-from controlplane.admin import ops
+from controlplane.admin import nodebackup, ops
 from controlplane.admin.nodeview import NodeView, build_views
 
 KINDS = ("vllm", "tgi", "sglang", "json", "openai")
@@ -241,3 +241,47 @@ def undrain_cmd(c: Ctx, name: str) -> None:
     click.echo(f"{name}: {'active' if ch.changed else 'already active'}")
     if ch.changed:
         warn_if_unpublished(c)
+
+
+@nodes_cmd.command("export")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Write to this file instead of stdout.")
+@click.pass_obj
+def export_cmd(c: Ctx, out_path: str | None) -> None:
+    """Print every node with its drain state as JSON, for a backup (what `nodes import`
+    writes back: run-time nodes, weights and drains live only in Redis)."""
+    doc = run(c, lambda: nodebackup.export_nodes(c.r))
+    text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
+    if out_path is None:
+        click.echo(text, nl=False)
+        return
+    with open(out_path, "w", encoding="utf-8") as f:
+        f.write(text)
+    click.echo(f"exported {len(doc['nodes'])} node(s) to {out_path}", err=True)
+
+
+@nodes_cmd.command("import")
+@click.argument("path", type=click.Path(exists=True, dir_okay=False, allow_dash=True))
+@click.option("--overwrite", is_flag=True,
+              help="Replace the fields and drain state of nodes already registered.")
+@click.pass_obj
+def import_cmd(c: Ctx, path: str, overwrite: bool) -> None:
+    """Write the nodes of an export file (PATH, - for stdin) back into the registry."""
+    with click.open_file(path, encoding="utf-8") as f:
+        try:
+            doc = json.load(f)
+        except ValueError as exc:
+            raise click.ClickException(f"{path}: not JSON: {exc}") from None
+    check = url_settings(c)
+    res = run(c, lambda: nodebackup.import_nodes(c.r, doc, actor(), overwrite=overwrite,
+                                                 events_max=c.events_max, settings=check))
+    click.echo(f"imported {len(res.added)} node(s), replaced {len(res.replaced)}, "
+               f"{len(res.kept)} already registered"
+               + ("" if overwrite or not res.kept else " (kept as they are; --overwrite "
+                  "replaces them)"))
+    for name, why in res.skipped.items():
+        click.echo(f"skipped {name}: {why}", err=True)
+    if res.added or res.replaced:
+        warn_if_unpublished(c)
+    if res.skipped:
+        raise SystemExit(1)

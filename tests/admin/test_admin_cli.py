@@ -200,3 +200,59 @@ def test_draining_the_last_node_of_a_model_is_done_with_a_warning(run, r):
     assert "already draining" in res.output
     assert ("warning: no active node is left for model(s) qwen: requests for it will get "
             "503 no_healthy_upstream") in res.output
+
+
+def test_export_and_import_restore_nodes_weights_and_drains(run, r, tmp_path):
+    """A backup of the registry brings back what a Redis without persistence loses:
+    run-time nodes with their fields and drain state. An import keeps registered nodes
+    unless --overwrite; a bad file is refused whole with the entry named."""
+    assert run("add", "gpu-a", "http://127.0.0.1:9001", "--weight", "2.5",
+               "--max-concurrency", "8", "--model", "qwen").exit_code == 0
+    assert run("add", "gpu-b", "http://127.0.0.1:9002", "--kind", "tgi").exit_code == 0
+    assert run("drain", "gpu-b").exit_code == 0
+    backup = tmp_path / "nodes.json"
+    res = run("export", "--out", str(backup))
+    assert res.exit_code == 0 and "exported 2 node(s)" in res.output, res.output
+    doc = json.loads(backup.read_text())
+    assert [(n["name"], n["state"]) for n in doc["nodes"]] == [("gpu-a", "active"),
+                                                              ("gpu-b", "draining")]
+    r.flushdb()                                          # the Redis came back empty
+    res = run("import", str(backup))
+    assert res.exit_code == 0 and "imported 2 node(s)" in res.output, res.output
+    a, b = registry.get_node(r, "gpu-a"), registry.get_node(r, "gpu-b")
+    assert (a.weight, a.max_concurrency, a.models, a.url) == (2.5, 8, ["qwen"],
+                                                               "http://127.0.0.1:9001")
+    assert b.kind == "tgi" and registry.get_state(r, "gpu-b").state == "draining"
+    assert registry.get_state(r, "gpu-a").state == "active"
+
+    # registered nodes are kept unless --overwrite
+    assert run("edit", "gpu-a", "--weight", "1").exit_code == 0
+    assert run("undrain", "gpu-b").exit_code == 0
+    res = run("import", str(backup))
+    assert res.exit_code == 0 and "2 already registered (kept" in res.output
+    assert registry.get_node(r, "gpu-a").weight == 1.0
+    res = run("import", "--overwrite", str(backup))
+    assert res.exit_code == 0 and "replaced 2" in res.output, res.output
+    assert registry.get_node(r, "gpu-a").weight == 2.5
+    assert registry.get_state(r, "gpu-b").state == "draining"
+
+    # a bad entry refuses the whole file, naming it; nothing is written
+    r.flushdb()
+    bad = {**doc, "nodes": [doc["nodes"][0], {**doc["nodes"][1], "weight": -1}]}
+    backup.write_text(json.dumps(bad))
+    res = run("import", str(backup))
+    assert res.exit_code == 1 and "nodes[1]" in res.output and "weight" in res.output
+    assert registry.list_nodes(r) == []
+    backup.write_text('{"nodes": []}')
+    res = run("import", str(backup))
+    assert res.exit_code == 1 and "not an export of infergate nodes" in res.output
+    backup.write_text("{")
+    res = run("import", str(backup))
+    assert res.exit_code == 1 and "not JSON" in res.output
+
+    # a node whose URL another registered node has is skipped with the reason (exit 1)
+    assert run("add", "other", "http://127.0.0.1:9001").exit_code == 0
+    backup.write_text(json.dumps(doc))
+    res = run("import", str(backup))
+    assert res.exit_code == 1 and "skipped gpu-a:" in res.output, res.output
+    assert registry.get_node(r, "gpu-b") is not None and registry.get_node(r, "gpu-a") is None
