@@ -72,14 +72,16 @@ def _pid_exists(pid: int) -> bool:
 
 
 def _runs_infergate(pid: int) -> bool:
-    """Whether process ``pid`` exists and its command line names infergate (unreadable:
-    assumed so); a pid that the system gave to another program is not the owner."""
+    """Whether process ``pid`` exists and its command line names infergate (the
+    ``infergate`` script, or ``python -m controlplane.cli``; unreadable: assumed so); a
+    pid that the system gave to another program is not the owner."""
     if not _pid_exists(pid):
         return False
     try:
-        return b"infergate" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return True
+    return b"infergate" in cmd or b"controlplane.cli" in cmd
 
 
 def _owner_gone(raw: object) -> bool:
