@@ -381,6 +381,22 @@ def test_redis_down_falls_back_to_local_buckets(redis_server, tiny_upstreams, ed
     assert edge.error_log().count("Redis unreachable for API keys and rate limits") == 1
 
 
+def test_local_buckets_go_on_from_the_level_redis_last_reported(
+        redis_server, tiny_upstreams, edge_factory) -> None:
+    """A key that used up its minute in Redis does not get its burst again from the
+    local buckets when Redis goes away: they start from the level Redis last reported."""
+    r = redis_server.client()
+    key, _ = apikeys.create_key(r, "spent", rpm=3)
+    (up,) = tiny_upstreams(1)
+    edge = edge_factory(settings(redis_server.url, [up.node_settings()], lease_fraction=0))
+    assert [post(edge.url, key).status_code for _ in range(3)] == [200, 200, 200]
+    redis_server.stop()
+    res = post(edge.url, key)
+    assert res.status_code == 429, res.text
+    assert int(res.headers["Retry-After"]) >= 15          # one request refills in 20 s
+    assert edge.status()["admission"]["limits_local"] >= 1
+
+
 def test_script_sha_matches_redis(redis_server, tiny_upstreams, edge_factory) -> None:
     (up,) = tiny_upstreams(1)
     edge = edge_factory(settings(redis_server.url, [up.node_settings()], auth=False, global_rpm=100))

@@ -20,6 +20,9 @@ local ERR = ngx.ERR
 function _M.apply(mode, list, costs, extra, on_extra, wants)
     local res, err = bucketscript.redis_apply(mode, list, costs, extra, on_extra, wants)
     if res then
+        if mode ~= "adjust" and res.tokens then
+            localbuckets.mirror(list, res.tokens)
+        end
         return res, "redis"
     end
     if res == false then

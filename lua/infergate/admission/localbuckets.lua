@@ -74,4 +74,18 @@ function _M.apply(mode, list, costs)
     return out
 end
 
+-- After a charge in Redis: each bucket of `list` at the level Redis reported (tokens[i]),
+-- so that buckets taken over by this edge while Redis cannot be reached go on from there
+-- instead of starting full (a key that had used up its minute would get its burst again).
+function _M.mirror(list, tokens)
+    local d = dict()
+    local now = ngx_now()
+    for i, b in ipairs(list) do
+        local t = tonumber(tokens[i])
+        if t and t < b.capacity then
+            d:set("b:" .. b.key, format("%.6f %.6f", t, now), (b.capacity - t) / b.rate + 1)
+        end
+    end
+end
+
 return _M

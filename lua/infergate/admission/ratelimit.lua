@@ -61,6 +61,8 @@
 -- Redis unreachable or backed off (infergate.admission.redis, infergate.redis.pool): the
 -- same buckets live in this edge's infergate_limits shared dict, so limits then apply
 -- per edge (N edges allow up to N times the limit), and requests are never failed for it.
+-- Each charge in Redis leaves its buckets' levels there (localbuckets.mirror), so a local
+-- bucket goes on from what Redis last reported to this edge instead of starting full.
 --
 -- Over a limit: 429, Retry-After (integer seconds >= 1), an OpenAI-style error
 -- {"type": "requests"|"tokens", "code": "rate_limit_exceeded"}. Every answer (429 or
