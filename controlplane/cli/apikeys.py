@@ -173,6 +173,13 @@ def revoke_cmd(c: Ctx, key_id: str) -> None:
 
     ch = _run(c, revoke)
     if ch is None:
+        if _run(c, lambda: apikeys.store_missing(c.r)):
+            raise click.ClickException(
+                f"no key with id {key_id!r} in Redis, whose key store is missing (lost): the "
+                "edges keep accepting the keys they knew until it is restored. Restore a "
+                "backup ('infergate keys import FILE'), then revoke the key; without one, "
+                "importing an export that holds no key ends the edges' kept keys, all of "
+                "them (see docs/operations.md, durable state)")
         raise click.ClickException(f"no key with id {key_id!r} (see 'infergate keys list')")
     rec = ch.record
     if not ch.changed:

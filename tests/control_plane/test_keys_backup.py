@@ -94,3 +94,16 @@ def test_import_overwrite_of_an_older_backup_never_un_revokes_a_key(run, redis_s
     res = run("import", str(out))
     assert res.exit_code == 0 and "kept revoked" not in res.output
     assert apikeys.lookup(r, key) is None
+
+
+def test_revoking_a_key_of_a_lost_store_says_how_to_end_the_kept_keys(run, redis_server) -> None:
+    """Redis lost the key store (no marker): a key the edges still accept has no record
+    to revoke; the refusal says why and how to restore, instead of "see keys list"."""
+    r = redis_server.client()
+    _, rec = apikeys.create_key(r, "acme")
+    res = run("revoke", "nosuchid")
+    assert res.exit_code == 1 and "see 'infergate keys list'" in res.output
+    r.flushdb()                                       # Redis came back empty
+    res = run("revoke", rec.id)
+    assert res.exit_code == 1, res.output
+    assert "key store is missing" in res.output and "keys import" in res.output
