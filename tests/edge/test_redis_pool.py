@@ -3,8 +3,10 @@ real nginx edge: requests reuse pooled connections instead of opening new ones, 
 ``edge.redis_pool_size`` / ``edge.redis_idle_timeout_ms`` bound how many idle
 connections a worker keeps and for how long.
 
-Every request costs one Redis call here (the global rate-limit script; the bucket holds
-one request, so all but the first are answered 429 by the edge itself, without a node);
+Every request costs one Redis call here (the global rate-limit script on a token bucket
+of one token per minute, so all but the first are answered 429 by the edge itself,
+without a node; a refusal of a requests bucket would be remembered by the worker for up
+to a second, a token bucket's is not: a smaller request may fit);
 ``CLIENT PAUSE`` holds a burst of requests inside Redis so that many connections are
 open at once."""
 
@@ -25,10 +27,10 @@ BURST = 16
 
 
 def _settings(redis_url: str, node, **edge) -> Settings:
-    # a Redis call per request (the global bucket), and a timeout above the pause below
+    # a Redis call per request (the global token bucket), and a timeout above the pause
     s = edge_settings(redis_url, [node], redis_timeout_ms=3000, **edge)
     s.auth.mode = "off"
-    s.limits.global_rpm = 1
+    s.limits.global_tpm = 1
     return s
 
 
