@@ -36,7 +36,8 @@ from typing import Any
 import click
 
 from controlplane.admin import apikeys, ops
-from controlplane.cli.common import ConnectedGroup, Ctx, actor, run_or_exit, table
+from controlplane.cli.common import (ConnectedGroup, Ctx, actor, read_json_file, run_or_exit,
+                                     table)
 
 
 def _run(ctx: Ctx, fn: Callable[[], Any]) -> Any:
@@ -218,11 +219,7 @@ def export_cmd(c: Ctx, out_path: str | None) -> None:
 @click.pass_obj
 def import_cmd(c: Ctx, path: str, overwrite: bool) -> None:
     """Write the keys of an export file (PATH, - for stdin) back into Redis."""
-    with click.open_file(path, encoding="utf-8") as f:
-        try:
-            doc = json.load(f)
-        except ValueError as exc:
-            raise click.ClickException(f"{path}: not JSON: {exc}") from None
+    doc = read_json_file(path)
     res = _run(c, lambda: apikeys.import_keys(c.r, doc, overwrite=overwrite))
     if overwrite:
         click.echo(f"imported {len(res.added)} new key(s), replaced {len(res.kept)} "

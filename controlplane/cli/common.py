@@ -184,6 +184,18 @@ def run_or_exit(ctx: Ctx, fn: Callable[[], Any], errors: tuple[type[Exception], 
         raise click.ClickException(f"cannot reach Redis at {redact(url)}: {exc} ({hint})") from None
 
 
+def read_json_file(path: str) -> Any:
+    """The JSON document in file ``path`` (``-``: standard input), for the import
+    commands. Raises ``click.ClickException`` naming the file when it is not JSON."""
+    import json
+
+    with click.open_file(path, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except ValueError as exc:
+            raise click.ClickException(f"{path}: not JSON: {exc}") from None
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """Plain text table, columns padded to their widest cell."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)

@@ -18,7 +18,8 @@ from controlplane.redisdb import keynames
 from controlplane.config import Settings
 from controlplane.routing import ownaddrs, registry
 from controlplane.routing.nodekind import hint_of
-from controlplane.cli.common import ConnectedGroup, Ctx, actor, run_or_exit, table
+from controlplane.cli.common import (ConnectedGroup, Ctx, actor, read_json_file, run_or_exit,
+                                     table)
 from controlplane.admin import nodebackup, ops
 from controlplane.admin.nodeview import NodeView, build_views
 
@@ -267,11 +268,7 @@ def export_cmd(c: Ctx, out_path: str | None) -> None:
 @click.pass_obj
 def import_cmd(c: Ctx, path: str, overwrite: bool) -> None:
     """Write the nodes of an export file (PATH, - for stdin) back into the registry."""
-    with click.open_file(path, encoding="utf-8") as f:
-        try:
-            doc = json.load(f)
-        except ValueError as exc:
-            raise click.ClickException(f"{path}: not JSON: {exc}") from None
+    doc = read_json_file(path)
     check = url_settings(c)
     res = run(c, lambda: nodebackup.import_nodes(c.r, doc, actor(), overwrite=overwrite,
                                                  events_max=c.events_max, settings=check))
