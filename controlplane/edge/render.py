@@ -572,10 +572,20 @@ def render_nginx(settings: Settings, out_dir: str | Path, *, listen: str | None 
 def nginx_test(conf_path: str | Path, prefix: str | Path, *, nginx_bin: str | None = None,
                timeout: float = 30.0) -> str:
     """Run ``nginx -t -p PREFIX -c CONF``; return its output. Raises :class:`NginxError`
-    with nginx's messages when the configuration is rejected."""
+    with nginx's messages when the configuration is rejected. ``nginx -t`` creates the
+    pid file (``PREFIX/nginx.pid``, empty) to check it can: one that was not there before
+    is removed again, so that no empty pid file is left for a later ``nginx -s``."""
     exe = nginx_bin or nginx_binary()
+    pid_file = Path(prefix) / "nginx.pid"
+    had_pid = pid_file.exists()
     res = subprocess.run([exe, "-t", "-q", "-p", str(prefix), "-c", str(conf_path)],
                          capture_output=True, text=True, timeout=timeout)
+    if not had_pid:
+        try:
+            if pid_file.stat().st_size == 0:
+                pid_file.unlink()
+        except OSError:
+            pass
     output = (res.stdout + res.stderr).strip()
     if res.returncode != 0:
         raise NginxError(f"nginx -t failed for {conf_path}:\n{output}")

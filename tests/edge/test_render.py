@@ -300,6 +300,8 @@ def test_cli_check_refuses_lua_files_nginx_t_does_not_load(workdir: Path) -> Non
     res = check()
     assert res.exit_code == 0, res.output
     assert "nginx -t: ok" in res.output
+    # nginx -t made an empty pid file to check it could: not left behind
+    assert not (workdir / "run" / "nginx.pid").exists()
 
 
 def test_cli_check_accepts_the_address_of_its_own_running_edge(workdir: Path, redis_server,
