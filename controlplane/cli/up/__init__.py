@@ -53,7 +53,7 @@ from .embedder import (EMBEDDER_START_S, PORT_RELEASE_S, EmbedderKeeper, _embedd
                        _port_free, _start_embedder)
 from .nodes import SIM_NODES, _first_model, _real_nodes, _sim_nodes
 from .owner import (OWNER_REFRESH_S, OWNER_TTL_S, _describe_owner, _lock_workdir, _owner_doc,
-                    _owner_gone, _release_owner, claim_registry, refresh_owner)
+                    _release_owner, claim_registry, refresh_owner)
 from .plan import UpRun, make_plan
 from .store import _ensure_redis, _own_redis, _redis_answers
 from .supervise import SUPERVISE_EVERY_S, _supervise
@@ -63,7 +63,7 @@ __all__ = [
     "EMBEDDER_START_S", "LOCAL_HOSTS", "NGINX_FINISH_S", "OWNER_REFRESH_S", "OWNER_TTL_S",
     "PORT_RELEASE_S", "SIM_NODES", "START_ATTEMPTS", "SUPERVISE_EVERY_S", "EmbedderKeeper",
     "UpRun", "_again_command", "_describe_owner", "_embedder_healthy", "_ensure_redis",
-    "_first_model", "_lock_workdir", "_own_redis", "_owner_doc", "_owner_gone", "_port_free",
+    "_first_model", "_lock_workdir", "_own_redis", "_owner_doc", "_port_free",
     "_real_nodes", "_redis_answers", "_release_owner", "_say", "_sim_nodes",
     "_split_hostport", "_start_embedder", "_supervise", "_write_runtime_config", "banner",
     "claim_registry", "cli_name", "make_plan", "refresh_owner", "sys", "up_cmd",

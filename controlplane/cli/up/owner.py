@@ -84,14 +84,6 @@ def _runs_infergate(pid: int) -> bool:
     return b"infergate" in cmd or b"controlplane.cli" in cmd
 
 
-def _owner_gone(raw: object) -> bool:
-    """Whether the stack-owner value ``raw`` names an ``up`` process of this host that no
-    longer exists (killed with SIGKILL, its claim not yet stale). Any doubt (another
-    host, no pid, a pid that exists, whoever runs it) is "not gone"."""
-    pid = _owner_pid_here(raw)
-    return pid is not None and not _pid_exists(pid)
-
-
 def _owner_idle_s(ttl: object) -> float:
     """Seconds since the owner last refreshed its claim, from the key's remaining TTL."""
     try:
