@@ -19,7 +19,7 @@ from controlplane import procs
 from controlplane.admin import apikeys
 from controlplane.redisdb import keynames
 from controlplane.config import Settings
-from support.stack import edge_settings
+from support.stack import edge_settings, write_snapshot
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 RESET_RE = re.compile(r"^(\d+h)?(\d+m)?(\d+(\.\d+)?s|\d+ms)$")
@@ -196,6 +196,62 @@ def test_a_request_the_node_refuses_gives_its_tokens_back(redis_server, simnodes
     wait_bucket(r, bucket, lambda v: v >= 999)  # given back (and a little refill)
     assert res.headers["x-ratelimit-remaining-requests"] == "99"
     assert node.state()["requests_total"] == 1
+
+
+def _abandon(url: str, key: str, body: dict) -> None:
+    """POST ``body`` and leave after 0.5 s, before the answer."""
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(f"{url}/v1/chat/completions", json=body, timeout=0.5,
+                      headers={"Authorization": f"Bearer {key}"})
+
+
+ABANDONED = {**CHAT, "max_tokens": 500}
+
+
+def test_an_answer_left_at_a_node_keeps_its_reservation(redis_server, tiny_upstreams,
+                                                        edge_factory) -> None:
+    """A request that is not a stream, left by its client once a node has it: the node
+    may write the answer to its end (llama-server does), so the output reserved is not
+    given back (it was, and a key could send and abandon answers past its token limit).
+    A later request of another key, settled after it in the same worker's queue, shows
+    that the correction queue had run."""
+    r = redis_server.client()
+    key, rec = apikeys.create_key(r, "leaver", tpm=60)
+    other, rec2 = apikeys.create_key(r, "other", tpm=6000)
+    (up,) = tiny_upstreams(1)
+    up.delay_s = 2.0
+    s = settings(redis_server.url, [up.node_settings()], lease_fraction=0)
+    s.edge.workers = 1
+    edge = edge_factory(s)
+    bucket = keynames.ratelimit_key(rec.id, "tpm")
+    _abandon(edge.url, key, ABANDONED)        # charged the bucket's 60 up front
+    assert float(r.hget(bucket, "tokens")) <= 1
+    up.delay_s = 0.0
+    assert post(edge.url, other).status_code == 200
+    # the other key's correction (its reservation of 256 back, less its usage) landed
+    wait_bucket(r, keynames.ratelimit_key(rec2.id, "tpm"), lambda v: v > 6000 - 50)
+    assert float(r.hget(bucket, "tokens")) <= 1, "the abandoned reservation went back"
+
+
+def test_an_answer_read_on_after_its_client_left_is_charged_its_usage(
+        redis_server, tiny_upstreams, edge_factory) -> None:
+    """On llama.cpp nodes (slots_source "server") the relay reads an answer whose client
+    left to its end, for the node's slot: the key is settled on that answer's usage, as
+    if the client had got it (403 tokens on a 60-per-minute bucket: 343 owed)."""
+    r = redis_server.client()
+    key, rec = apikeys.create_key(r, "leaver", tpm=60)
+    ups = tiny_upstreams(names=["a", "b"])
+    for u in ups:
+        u.delay_s, u.completion_tokens = 2.0, 400
+    s = settings(redis_server.url, [], lease_fraction=0)
+    s.edge.workers, s.edge.stale_after_s = 1, 3600
+    edge = edge_factory(s)
+    snap = write_snapshot(r, [u.snapshot_node(kind="openai", slots=2, slots_source="server",
+                                              score=None, has_metrics=False) for u in ups])
+    edge.wait_snapshot(snap["version"])
+    _abandon(edge.url, key, ABANDONED)
+    owed = wait_bucket(r, keynames.ratelimit_key(rec.id, "tpm"), lambda v: v < -300, 10)
+    assert owed > -60 - 403, owed
 
 
 def test_stream_usage_corrects_the_token_bucket(redis_server, simnodes, edge_factory) -> None:

@@ -20,7 +20,8 @@
 -- capped at the capacity (the request waits for a full bucket). After the answer the
 -- log phase settles the charge on the real usage.total_tokens of the response (the unused
 -- part of the reservation goes back; an answer without usage, e.g. a stream the client
--- left, is settled on the prompt estimate + the content chunks seen)
+-- left, is settled on the prompt estimate + the content chunks seen; one that is not a
+-- stream, left at a node, keeps its reservation: infergate.admission.settlement)
 -- (infergate.admission.usage; a stream without usage counts one token per content chunk): the
 -- difference goes into the worker's flush queue (infergate.core.flush, one recurring
 -- timer per worker) and is applied from there, so the request path never waits on

@@ -65,6 +65,26 @@ end
 
 _M.queue_correction = queue_correction
 
+-- Whether the client left a request that is not a stream after it reached a node,
+-- before its answer (and usage) came: 499 on nginx's proxy path, 444 from the relay
+-- (infergate.stream.relay). A llama.cpp server writes such an answer to its end after
+-- its connection closes (infergate.stream.slothold), so giving back the output reserved
+-- would let a key send and abandon answers past its token limit.
+local function left_at_node(req)
+    if req.stream then
+        return false
+    end
+    local st = ngx.status
+    if st ~= 499 and st ~= 444 then
+        return false
+    end
+    local r = req.relay
+    if r then
+        return (r.legs or 0) > 0
+    end
+    return (ngx_var("upstream_addr") or "") ~= ""
+end
+
 -- Log phase: charge the difference between the real token usage and the estimate (the
 -- prompt estimate + the output tokens reserved, infergate.admission.tokencount).
 -- No I/O here: the correction goes into the worker's flush queue (infergate.core.flush),
@@ -98,6 +118,8 @@ function _M.log(req)
     if not total then
         if req.track_usage and node_refused(req) then
             total = 0
+        elseif left_at_node(req) then
+            return -- the node may be writing the answer still: the reservation stands
         elseif (req.reserved_tokens or 0) > 0 then
             -- no usage (a stream the client left, a failed try): the output reserved
             -- and not seen goes back

@@ -139,6 +139,21 @@ function _M.completion_tokens(req)
     return u and u.completion_tokens or req.out_chunks
 end
 
+-- The usage of a whole answer `a` ({status, body}) read for a request whose client left
+-- (infergate.stream.leg reads on for a llama.cpp node's slot): what the token buckets
+-- are settled on, as if the client had got it.
+function _M.note_answer(req, a)
+    if req.usage or not req.track_usage or not a or not a.status
+            or a.status < 200 or a.status >= 300 or type(a.body) ~= "string" then
+        return
+    end
+    local body = a.body
+    if #body > _M.TAIL then
+        body = sub(body, -_M.TAIL)
+    end
+    req.usage = _M.parse(body)
+end
+
 function _M.body_filter()
     local req = reqctx.get()
     if not req or req.usage then

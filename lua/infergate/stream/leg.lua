@@ -456,6 +456,9 @@ function _M.run(r, node, att, body, eligible)
     elseif head.status ~= 200
             or not (head.headers["content-type"] or ""):find("event-stream", 1, true) then
         answer.read(r, lg, head, sock) -- an error, or an answer that is not a stream
+        if r.client_gone then
+            usage.note_answer(r.req, r.last_answer) -- read on for the slot: still charged
+        end
     else
         stats.probe_answered(att)
         r.content_type = head.headers["content-type"]
