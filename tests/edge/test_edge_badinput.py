@@ -117,6 +117,24 @@ def test_a_client_that_leaves_in_its_headers_is_logged_without_warnings(edge_and
     assert up.hits == 0
 
 
+def test_a_client_that_half_closes_after_its_body_is_not_answered_400(edge_and_node) -> None:
+    """A whole body, then shutdown(SHUT_WR): the edge sees the client's side closed, as
+    nginx's proxy does (499, no answer), never "400 the request body could not be read"
+    counted as the client's bad request."""
+    edge, up = edge_and_node
+    body = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}'
+    with socket.create_connection(_host_port(edge)) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        s.shutdown(socket.SHUT_WR)
+        data, _ = _read_until_closed(s, 10)
+    assert b" 400 " not in data.split(b"\r\n", 1)[0], data[:200]
+    assert b"could not be read" not in data
+    if not data:
+        procs.wait_until(lambda: '" 499 ' in edge.access_log(), 5, what="499 in the access log")
+    assert '" 400 ' not in edge.access_log()
+
+
 def _chunked(body: bytes, size: int) -> bytes:
     out = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + size]), body[i:i + size])
                    for i in range(0, len(body), size))

@@ -166,7 +166,9 @@ function _M.step(req)
                 req.rejected = 408
                 return ngx.exec(_M.TIMEOUT_LOCATION)
             end
-            if err == "closed" then
+            -- "client aborted": a client that closed its side (lua_check_client_abort
+            -- sees a half-close so), as nginx's proxy ends it: 499, not a bad request
+            if err == "closed" or err == "client aborted" then
                 return ngx.exit(499)
             end
             return { status = 400, message = "The request body could not be read: " .. tostring(err) }
