@@ -329,6 +329,9 @@ def test_a_llamacpp_node_keeps_its_slot_counted_after_the_client_left(
                      what="the count freed")
     if source == "config":
         assert node.inflight == 1, "freed only once the node finished"
+    # logged as a cancel, as nginx's proxy logs one
+    procs.wait_until(lambda: '" 499 ' in edge.access_log(), 10, what="499 in the access log")
+    assert '" 444 ' not in edge.access_log()
 
 
 @pytest.mark.parametrize("slots", [True, False], ids=["slots", "no-slots"])

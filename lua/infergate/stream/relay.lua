@@ -302,10 +302,11 @@ local function drive(req, o)
     end
     run(r)
     if r.client_gone then
-        -- a client that left, or stopped reading for send_timeout: the connection is
-        -- closed now (444), not held for another send_timeout while nginx tries to send
-        -- what is pending, with the node's slot counted until the log phase
-        return ngx.exit(444)
+        -- a client that left (499, as nginx's proxy logs a cancel), or stopped reading
+        -- for send_timeout (444): the connection is closed now, not held for another
+        -- send_timeout while nginx tries to send what is pending, with the node's slot
+        -- counted until the log phase
+        return ngx.exit(r.client_gone == "aborted" and 499 or 444)
     end
     return ngx.exit(ngx.HTTP_OK)
 end
