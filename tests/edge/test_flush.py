@@ -237,3 +237,31 @@ def test_a_worker_that_exits_still_writes_what_its_last_requests_store(
                      what="the answer stored by the exiting worker")
     res = chat(edge, "flush across a reload", timeout=5)
     assert res.status_code == 200 and res.headers["X-Cache-Status"] == "HIT", res.headers
+
+
+def test_an_answer_read_on_after_its_client_left_is_served_to_the_requests_waiting_on_it(
+        redis_server, tiny_upstreams, edge_factory) -> None:
+    """On llama.cpp nodes the relay reads an answer whose client left to its end (the
+    node writes it anyway): it is stored, so an identical request coalesced on it gets it
+    as a HIT instead of generating it again after the leader's node finished."""
+    from support.stack import write_snapshot
+
+    ups = tiny_upstreams(names=["a", "b"])
+    for u in ups:
+        u.delay_s = 1.5
+    edge = cache_edge(redis_server, [], edge_factory, {"coalesce_wait_s": 5.0},
+                      stale_after_s=3600, workers=1)
+    snap = write_snapshot(redis_server.client(), [
+        u.snapshot_node(kind="openai", slots=2, slots_source="server", score=None,
+                        has_metrics=False) for u in ups])
+    edge.wait_snapshot(snap["version"])
+    with ThreadPoolExecutor(2) as pool:
+        lead = pool.submit(chat, edge, "left by its client", None, 0.5)
+        procs.wait_until(lambda: sum(u.inflight for u in ups) == 1, 10,
+                         what="the leader at a node")
+        wait = pool.submit(chat, edge, "left by its client")
+        with pytest.raises(requests.exceptions.ReadTimeout):
+            lead.result(30)
+        second = wait.result(30)
+    assert second.status_code == 200 and second.headers["X-Cache-Status"] == "HIT"
+    assert sum(u.hits for u in ups) == 1

@@ -13,8 +13,8 @@
 -- whole answer to a request with that max_tokens, which is part of the cache key, unless
 -- its usage shows fewer tokens than that, or the request set none: the node's context
 -- cut it; for a
--- stream the "[DONE]" event came), the client did not abort (status 499) and the size
--- limit held. A JSON answer or an SSE stream (reassembled by infergate.cache.reassemble:
+-- stream the "[DONE]" event came), the client did not abort (status 499; but see
+-- note_answer: a whole answer read on after it) and the size limit held. A JSON answer or an SSE stream (reassembled by infergate.cache.reassemble:
 -- role, content, reasoning content, tool calls, finish reasons, usage) becomes the
 -- stored form of infergate.cache.replay. Errors and answers cut by a client abort or a broken stream
 -- are never stored. The entry keeps "prompt_chars", the characters of the request's
@@ -111,6 +111,23 @@ function _M.header_filter()
         c.strip = {}
         ngx.header["Content-Length"] = nil
     end
+end
+
+-- A whole answer `a` ({status, body, content_type}) the relay read on for a llama.cpp
+-- node's slot after the client left (infergate.stream.leg): stored as if the client had
+-- got it, so identical requests waiting on it (coalescing) get it instead of generating
+-- it again.
+function _M.note_answer(req, a)
+    local c = req.cache
+    if not c or not c.store or c.status == "HIT" or c.buf or not a or a.status ~= 200
+            or type(a.body) ~= "string" then
+        return
+    end
+    if #a.body > c.max_bytes then
+        c.store, c.skip = false, "larger than " .. c.max_bytes .. " bytes"
+        return
+    end
+    c.sse, c.buf, c.size, c.eof, c.whole_status = false, { a.body }, #a.body, true, 200
 end
 
 -- ------------------------------------------------------------------ usage chunk
@@ -373,7 +390,7 @@ local function store_of(c, req)
     if req and req.relay and req.relay.continued then
         return nil, "answer continued on another node" -- not one node's answer
     end
-    local status = tonumber(ngx_var("status"))
+    local status = c.whole_status or tonumber(ngx_var("status"))
     if status ~= 200 then
         return nil, "status " .. tostring(status)
     end

@@ -40,6 +40,7 @@ local answer = require("infergate.stream.answer")
 local slothold = require("infergate.stream.slothold")
 local trylog = require("infergate.stream.trylog")
 local usage = require("infergate.admission.usage")
+local capture = require("infergate.cache.capture")
 
 local _M = {}
 
@@ -456,8 +457,9 @@ function _M.run(r, node, att, body, eligible)
     elseif head.status ~= 200
             or not (head.headers["content-type"] or ""):find("event-stream", 1, true) then
         answer.read(r, lg, head, sock) -- an error, or an answer that is not a stream
-        if r.client_gone then
-            usage.note_answer(r.req, r.last_answer) -- read on for the slot: still charged
+        if r.client_gone then -- read on for the slot: still charged, and stored
+            usage.note_answer(r.req, r.last_answer)
+            capture.note_answer(r.req, r.last_answer)
         end
     else
         stats.probe_answered(att)
