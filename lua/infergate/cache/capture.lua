@@ -14,7 +14,8 @@
 -- its usage shows fewer tokens than that, or the request set none: the node's context
 -- cut it; for a
 -- stream the "[DONE]" event came), the client did not abort (status 499; but see
--- note_answer: a whole answer read on after it) and the size limit held. A JSON answer or an SSE stream (reassembled by infergate.cache.reassemble:
+-- note_answer: a whole answer read on after it) and the size limit held. A JSON answer
+-- or an SSE stream (reassembled by infergate.cache.reassemble:
 -- role, content, reasoning content, tool calls, finish reasons, usage) becomes the
 -- stored form of infergate.cache.replay. Errors and answers cut by a client abort or a broken stream
 -- are never stored. The entry keeps "prompt_chars", the characters of the request's
