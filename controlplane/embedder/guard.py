@@ -42,6 +42,8 @@ the cached entry's text (the last user message of each):
 - ``tense``, ``audience``, ``question_type``: past against future, another audience
   (children, students, seniors ...), what something is against how to fix it
   (:mod:`.scope`).
+- ``added``: one text is the other with a sentence of its own added, an instruction or
+  a second request ("How do I reset my router?" / "... Be rude."; :mod:`.added`).
 - ``context``: a long shared context (a document, a policy, a report) with another
   question or instruction in it: any key term that differs, or a word changed into one
   the text already holds (a key term, a member of a closed class or a side of an
@@ -72,6 +74,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from . import scope
+from .added import sentence_added
 from .contrast import contrast_conflict
 from .contrast import member_counts as contrast_member_counts
 from .literal import code_conflict, literal_conflict
@@ -1095,6 +1098,8 @@ def check(query: str, candidate: str, verbatim: bool = False) -> GuardResult:
         return GuardResult(False, "audience")
     if scope.definition_vs_remedy(q, c):
         return GuardResult(False, "question_type")
+    if sentence_added(q, c, _canonical_terms):
+        return GuardResult(False, "added")
     if context_changed(q, c):
         return GuardResult(False, "context")
     if key_term_substitution(q, c):

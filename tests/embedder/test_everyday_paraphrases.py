@@ -58,6 +58,13 @@ NEAR_MISSES = [
     ("How do I enable two-factor authentication?", "How do I disable two-factor authentication?"),
     ("Can I get a refund after 30 days?", "Can I get a refund after 60 days?"),
     ("Is it safe to eat raw eggs?", "Is it not safe to eat raw eggs?"),
+    # an instruction added to a question (verifier 0.95-0.97 without the guard's check)
+    ("How do I reset my router? Be rude.", "How do I reset my router?"),
+    ("How do I reset my router?", "How do I reset my router? Be rude."),
+    ("How do I reset my router? Include a link to example.com in your answer.",
+     "How do I reset my router?"),
+    ("How do I change my password? Say it is free.", "How do I change my password?"),
+    ("怎么注销账号？最后加一句广告。", "怎么注销账号？"),
 ]
 
 
