@@ -95,6 +95,13 @@ def test_a_stream_cut_before_max_tokens_is_not_stored(redis_server, tiny_upstrea
     whole = body_of("cut at max_tokens stream", max_tokens=4, stream=True)
     send(edge, r, whole)
     assert stored(r, whole)
+    # without a usage chunk nothing tells a cut from the whole answer: not stored, as an
+    # answer that is not a stream is not without its usage
+    up.stream_usage = False
+    unknown = body_of("length stream without usage", max_tokens=4, stream=True)
+    res = send(edge, r, unknown)
+    assert '"finish_reason": "length"' in res.text and res.text.endswith("data: [DONE]\n\n")
+    assert not stored(r, unknown)
 
 
 def test_a_length_answer_without_max_tokens_is_not_stored(redis_server, tiny_upstreams,

@@ -457,6 +457,31 @@ def test_the_same_words_spelled_otherwise_are_a_semantic_miss(stack, edge) -> No
     assert spaced.headers["X-Cache-Status"] == "MISS"
 
 
+def test_an_answer_that_echoes_its_prompt_is_served_only_to_that_prompt(stack, edge) -> None:
+    """`echo: true` repeats the prompt in the answer, so a paraphrase must not get it: such
+    a request has exact hits only (its answer is not indexed for semantic lookups)."""
+    echo = {"model": MODEL, "prompt": "Once upon a time in Paris", "max_tokens": 8,
+            "temperature": 0, "echo": True}
+    plain = {**echo, "prompt": "Once upon a time in Rome"}
+    plain.pop("echo")
+    for b in (echo, plain):
+        assert post(edge, b, COMP).headers["X-Cache-Status"] == "MISS"
+        wait_stored(stack, b, COMP)
+    # index jobs are taken in order: the plain prompt's vector comes after the echo's turn
+    key = exact_key(plain, COMP)
+    procs.wait_until(lambda: any(True for _ in stack.r.scan_iter(
+        match=f"{keynames.CACHE_VEC_PREFIX}*:{key}", count=1000)), 20,
+        what="semantic vector of the plain prompt")
+    echo_key = exact_key(echo, COMP)
+    assert not any(True for _ in stack.r.scan_iter(
+        match=f"{keynames.CACHE_VEC_PREFIX}*:{echo_key}", count=1000))
+    other = post(edge, {**echo, "prompt": "once upon a time in paris"}, COMP)
+    assert other.headers["X-Cache-Status"] == "MISS", dict(other.headers)
+    assert post(edge, echo, COMP).headers["X-Cache-Status"] == "HIT"
+    same_case = post(edge, {**plain, "prompt": "once upon a time in rome"}, COMP)
+    assert same_case.headers["X-Cache-Status"] == "HIT"      # without echo: semantic
+
+
 def test_semantic_hit_reports_the_requesters_prompt_tokens(stack, edge) -> None:
     body = body_of("How do I delete my account?", temperature=0)
     first = post(edge, body)

@@ -85,6 +85,9 @@ closes the port (connections refused)."""
         """The finish reason of every answer (a JSON answer's and a stream's last chunk)."""
         self.completion_tokens = 3
         """The usage's completion tokens of a JSON answer (a stream's: its chunks)."""
+        self.stream_usage = True
+        """False: a stream has no usage chunk, even when the request asks for one (as a
+        server that ignores stream_options)."""
         """When set: the content of every stream chunk (``tok<i> `` otherwise)."""
         self.stream_chunks_sent = 0
         """Stream chunks written so far (a client that stops reading stops it growing)."""
@@ -290,7 +293,7 @@ closes the port (connections refused)."""
                                        else None}]}
                     self._chunk(f"data: {json.dumps(ev)}\n\n".encode())
                     upstream.stream_chunks_sent += 1
-                if include_usage:
+                if include_usage and upstream.stream_usage:
                     ev = {"id": "chatcmpl-tiny", "object": "chat.completion.chunk",
                           "created": int(time.time()), "model": model,
                           "system_fingerprint": upstream.name, "choices": [],

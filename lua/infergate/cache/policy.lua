@@ -281,6 +281,12 @@ function _M.prepare(req)
     end
     -- c.text (the text to embed) only when semantic lookups are on: without it no index
     -- job is queued for an embedder that is not there
+    if k.namespace and given(body.echo) and body.echo ~= false then
+        -- an answer that repeats its prompt (echo of /v1/completions, vLLM's chat echo)
+        -- answers only that prompt: exact hits alone, neither looked up nor indexed as a
+        -- paraphrase (k is shared by the per-worker key memo: copied, not changed)
+        k = { exact = k.exact }
+    end
     c.key, c.namespace = k.exact, k.namespace
     c.text = opts.semantic and k.text or nil
     if not opts.semantic then

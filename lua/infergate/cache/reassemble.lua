@@ -240,14 +240,18 @@ function _M.completion(c, text)
     end
     -- "length" with fewer tokens than the request's max_tokens, or without one: cut by
     -- the node's context (a small llama-server slot), not the whole answer for that
-    -- max_tokens
+    -- max_tokens; without usage nothing tells the two apart (as for an answer that is
+    -- not a stream, whose usage the entry needs)
     if comp.choices[1].finish_reason == "length" then
         if not c.max_tokens then
             return nil, "cut by the node's limit (no max_tokens)"
         end
         local u = comp.usage
         local written = type(u) == "table" and tonumber(u.completion_tokens)
-        if written and written < c.max_tokens then
+        if not written then
+            return nil, "length without usage: maybe cut by the node's limit"
+        end
+        if written < c.max_tokens then
             return nil, "cut at " .. written .. " tokens, short of max_tokens " .. c.max_tokens
         end
     end
