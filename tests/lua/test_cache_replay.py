@@ -90,10 +90,63 @@ def test_a_streamed_tool_call_without_text_has_null_content(workdir) -> None:
         assert "content" in msg and msg["content"] == content
 
 
+def test_refusal_reasoning_name_and_stop_reason_survive_a_hit(workdir) -> None:
+    """What a node sends is what a hit replays: a streamed refusal (content null beside
+    it, as in a plain answer), the reasoning under the name the node gave it (newer
+    vLLM: "reasoning"), vLLM's stop_reason; both when stored from a stream and from a
+    plain answer, replayed as JSON and as a stream."""
+    stream = sse(
+        chunk({"role": "assistant", "content": ""}),
+        chunk({"reasoning": "Weigh it."}),
+        chunk({"refusal": "I can't "}),
+        chunk({"refusal": "help."}),
+        {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 5, "model": "m",
+         "choices": [{"index": 0, "delta": {}, "finish_reason": "stop", "stop_reason": "END"}]},
+        "[DONE]")
+    plain = json.dumps({"id": "c", "object": "chat.completion", "created": 1, "model": "m",
+                        "choices": [{"index": 0, "finish_reason": "stop", "stop_reason": "END",
+                                     "message": {"role": "assistant", "content": None,
+                                                 "reasoning": "Weigh it.",
+                                                 "refusal": "I can't help."}}],
+                        "usage": {"prompt_tokens": 1, "completion_tokens": 2,
+                                  "total_tokens": 3}})
+    out = run(workdir, """
+        local res = {}
+        for i, text in ipairs(input) do
+            local comp, err = capture.completion({ sse = i == 1, kind = "chat" }, text)
+            if not comp then error(err) end
+            local stored = replay.encode(comp)
+            local again = replay.decode_stored(stored, "chat")
+            res[i] = { json = cjson.decode(stored),
+                       sse = replay.sse(again, "chat", "chatcmpl-x", 42, false) }
+        end
+        return res
+    """, [stream, plain])
+    for got in out:
+        ch = got["json"]["choices"][0]
+        assert ch["message"]["content"] is None
+        assert ch["message"]["refusal"] == "I can't help."
+        assert ch["message"]["reasoning"] == "Weigh it."
+        assert "reasoning_content" not in ch["message"]
+        assert ch["stop_reason"] == "END"
+        chunks = [json.loads(e[len("data: "):]) for e in got["sse"].split("\n\n")
+                  if e and e != "data: [DONE]"]
+        deltas = [c["choices"][0]["delta"] for c in chunks]
+        assert "".join(d.get("refusal", "") for d in deltas) == "I can't help."
+        assert "".join(d.get("reasoning", "") for d in deltas) == "Weigh it."
+        assert not any(d.get("content") for d in deltas)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+        assert chunks[-1]["choices"][0]["stop_reason"] == "END"
+
+
 def test_incomplete_or_failed_answers_are_refused(workdir) -> None:
     cases = {
         "no_done": STREAM.replace("data: [DONE]\n\n", ""),
         "length": sse(chunk({"role": "assistant", "content": "cut"}), chunk({}, "length"), "[DONE]"),
+        "length_usage": sse(chunk({"role": "assistant", "content": "cut"}), chunk({}, "length"),
+                            {"id": "chatcmpl-1", "choices": [],
+                             "usage": {"prompt_tokens": 2, "completion_tokens": 1,
+                                       "total_tokens": 3}}, "[DONE]"),
         "filtered": sse(chunk({"role": "assistant", "content": "x"}), chunk({}, "content_filter"),
                         "[DONE]"),
         "error_event": sse(chunk({"content": "a"}), {"error": {"message": "boom"}}, "[DONE]"),
@@ -113,16 +166,21 @@ def test_incomplete_or_failed_answers_are_refused(workdir) -> None:
             local comp, err = capture.completion({ sse = is_sse, kind = "chat" }, text)
             res[name] = comp and "stored" or err
         end
-        -- the same answer to a request that set max_tokens 1 (no usage to say otherwise)
+        -- the same answer to a request that set max_tokens 1: without usage nothing
+        -- tells it from a cut by the node's context; with usage showing 1 token it is whole
         local comp, err = capture.completion({ sse = true, kind = "chat", max_tokens = 1 },
                                              input.length)
         res.length_max_tokens = comp and "stored" or err
+        comp, err = capture.completion({ sse = true, kind = "chat", max_tokens = 1 },
+                                       input.length_usage)
+        res.length_usage = comp and "stored" or err
         return res
     """, cases)
     assert out["no_done"] == "stream ended without [DONE]"
     # cut by max_tokens: the complete answer for that max_tokens (part of the key); without
     # one, "length" is the node's own limit (its context), not the whole answer
-    assert out["length_max_tokens"] == "stored"
+    assert out["length_usage"] == "stored"
+    assert out["length_max_tokens"] == "length without usage: maybe cut by the node's limit"
     assert out["length"] == "cut by the node's limit (no max_tokens)"
     assert out["filtered"] == "finish_reason content_filter"
     assert out["error_event"] == "stream carried an error"

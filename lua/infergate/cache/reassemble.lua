@@ -90,12 +90,15 @@ local function add_delta(a, d)
         a.content[#a.content + 1] = dc
         a.has_content = true
     end
-    local r = d.reasoning_content
+    -- the reasoning under the name the node gives it (reasoning_content: vLLM, llama.cpp;
+    -- reasoning: newer vLLM), which a hit keeps; a node sending both sends one text twice
+    local r, field = d.reasoning_content, "reasoning_content"
     if type(r) ~= "string" then
-        r = d.reasoning
+        r, field = d.reasoning, "reasoning"
     end
     if type(r) == "string" then
         a.reasoning[#a.reasoning + 1] = r
+        a.reasoning_field = a.reasoning_field or field
     end
     if type(d.refusal) == "string" then
         a.refusal = (a.refusal or "") .. d.refusal
@@ -118,6 +121,10 @@ local function add_choice(acc, order, ch, kind)
     end
     if type(ch.finish_reason) == "string" then
         a.finish_reason = ch.finish_reason
+    end
+    local sr = ch.stop_reason          -- vLLM: the stop string or token id that ended it
+    if type(sr) == "string" or type(sr) == "number" then
+        a.stop_reason = sr
     end
     if kind == "text" then
         if type(ch.text) == "string" then
@@ -162,7 +169,8 @@ local function choices_of(acc, order, kind)
     local choices = {}
     for i, idx in ipairs(order) do
         local a = acc[idx]
-        local choice = { index = idx, finish_reason = a.finish_reason }
+        local choice = { index = idx, finish_reason = a.finish_reason,
+                         stop_reason = a.stop_reason }
         if kind == "text" then
             choice.text = concat(a.text)
         else
@@ -173,13 +181,17 @@ local function choices_of(acc, order, kind)
                 tools[j] = { id = t.id, type = t.type or "function",
                              ["function"] = { name = concat(t.name), arguments = concat(t.args) } }
             end
+            -- null content next to tool calls or a refusal, as in a plain answer
             choice.message = {
                 role = a.role or "assistant",
-                content = (a.has_content or #tools == 0) and concat(a.content) or nil,
-                reasoning_content = #a.reasoning > 0 and concat(a.reasoning) or nil,
+                content = (a.has_content or (#tools == 0 and not a.refusal))
+                    and concat(a.content) or nil,
                 tool_calls = #tools > 0 and tools or nil,
                 refusal = a.refusal,
             }
+            if #a.reasoning > 0 then
+                choice.message[a.reasoning_field] = concat(a.reasoning)
+            end
         end
         choices[i] = choice
     end

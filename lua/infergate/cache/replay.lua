@@ -8,17 +8,18 @@
 -- Stored form (the entry's "body"): an OpenAI completion reduced to what a client reads,
 --   chat: {"id", "object": "chat.completion", "created", "model", "system_fingerprint"?,
 --          "choices": [{"index", "message": {"role", "content", "reasoning_content"?,
---                       "tool_calls"?, "refusal"?}, "logprobs": null, "finish_reason"}],
+--                       "reasoning"?, "tool_calls"?, "refusal"?}, "logprobs": null,
+--                       "finish_reason", "stop_reason"?}],
 --          "usage": {...} | null}
 --   text: {"id", "object": "text_completion", "created", "model", "choices": [{"index",
---          "text", "logprobs": null, "finish_reason"}], "usage": {...} | null}
+--          "text", "logprobs": null, "finish_reason", "stop_reason"?}], "usage": {...} | null}
 -- A hit gets a fresh "id" and "created". The entry also keeps "tail" (tail(comp): the
 -- body's JSON text without "id" and "created" and without its opening brace) and "usage"
 -- (whether the body has usage): a non-streaming hit is then answered by splice(), which
 -- writes the fresh "id" and "created" in front of the stored bytes, with no JSON decoded
 -- or encoded. A streaming request gets an SSE replay: a role
--- chunk, the reasoning and content split into several chunks (on UTF-8 character
--- boundaries), tool calls, the finish chunk, a usage chunk when the request asked for
+-- chunk, the reasoning, content and refusal split into several chunks (on UTF-8
+-- character boundaries), tool calls, the finish chunk, a usage chunk when the request asked for
 -- stream_options.include_usage, then "data: [DONE]".
 --
 -- Debian's lua-cjson (2.1.0) decodes [] and {} alike and has no empty-array marker, so
@@ -197,6 +198,10 @@ function _M.normalize(o, kind)
         end
         local oc = obj({ index = int(c.index, i - 1), logprobs = null,
                          finish_reason = str(c.finish_reason) or null })
+        local sr = c.stop_reason           -- vLLM's, kept as sent (a string, an id, null)
+        if type(sr) == "string" or type(sr) == "number" or sr == null then
+            oc.stop_reason = sr
+        end
         if kind == "chat" then
             local m = type(c.message) == "table" and c.message or {}
             local content = m.content
@@ -210,7 +215,8 @@ function _M.normalize(o, kind)
             oc.message = obj({
                 role = str(m.role) or "assistant",
                 content = content,
-                reasoning_content = str(m.reasoning_content) or str(m.reasoning),
+                reasoning_content = str(m.reasoning_content),
+                reasoning = str(m.reasoning),
                 tool_calls = tcs,
                 refusal = str(m.refusal),
             })
@@ -287,6 +293,10 @@ _M.pieces = pieces
 
 local MAX_PIECES = 32
 
+-- The text fields of a chat message a stream replay sends, in the order a node sends
+-- them: the reasoning (under either name), the content, a refusal.
+local TEXT_FIELDS = { "reasoning_content", "reasoning", "content", "refusal" }
+
 local function event(t)
     return "data: " .. _M.encode(t) .. "\n\n"
 end
@@ -310,16 +320,12 @@ function _M.sse(comp, kind, id, created, include_usage)
             local m = c.message
             chunk(obj({ index = c.index, logprobs = null, finish_reason = null,
                         delta = obj({ role = m.role or "assistant", content = "" }) }))
-            if m.reasoning_content then
-                for _, p in ipairs(pieces(m.reasoning_content, MAX_PIECES)) do
-                    chunk(obj({ index = c.index, logprobs = null, finish_reason = null,
-                                delta = obj({ reasoning_content = p }) }))
-                end
-            end
-            if type(m.content) == "string" then
-                for _, p in ipairs(pieces(m.content, MAX_PIECES)) do
-                    chunk(obj({ index = c.index, logprobs = null, finish_reason = null,
-                                delta = obj({ content = p }) }))
+            for _, f in ipairs(TEXT_FIELDS) do
+                if type(m[f]) == "string" then
+                    for _, p in ipairs(pieces(m[f], MAX_PIECES)) do
+                        chunk(obj({ index = c.index, logprobs = null, finish_reason = null,
+                                    delta = obj({ [f] = p }) }))
+                    end
                 end
             end
             if m.tool_calls then
@@ -331,13 +337,13 @@ function _M.sse(comp, kind, id, created, include_usage)
                 end
             end
             chunk(obj({ index = c.index, logprobs = null, finish_reason = c.finish_reason,
-                        delta = obj() }))
+                        stop_reason = c.stop_reason, delta = obj() }))
         else
             for _, p in ipairs(pieces(c.text or "", MAX_PIECES)) do
                 chunk(obj({ index = c.index, text = p, logprobs = null, finish_reason = null }))
             end
             chunk(obj({ index = c.index, text = "", logprobs = null,
-                        finish_reason = c.finish_reason }))
+                        finish_reason = c.finish_reason, stop_reason = c.stop_reason }))
         end
     end
     if include_usage then

@@ -7,8 +7,9 @@
 --   classify(text)     what one event is: {kind, obj, content, finish, usage, event}
 --
 -- Kinds:
---   "content"   a chunk that carries text for the client: choices[i].delta.content or
---               .reasoning_content (chat), choices[i].text (completions) non-empty, or
+--   "content"   a chunk that carries text for the client: choices[i].delta.content,
+--               .reasoning_content, .reasoning or .refusal (chat), choices[i].text
+--               (completions) non-empty, or
 --               delta.tool_calls (content, but not text a continuation can append to:
 --               ev.tools = true)
 --   "meta"      a chunk without content: role-only first chunk (delta {"role":
@@ -90,9 +91,11 @@ local function choice_parts(c)
     if type(delta) == "table" then
         if nonempty(delta.content) then
             text = delta.content
-        elseif nonempty(delta.reasoning_content) then
+        elseif nonempty(delta.reasoning_content) or nonempty(delta.reasoning)
+                or nonempty(delta.refusal) then
             text = ""
-            tools = true -- reasoning is content for the client, not text to continue
+            tools = true -- reasoning (under either name: newer vLLM's "reasoning") and a
+                         -- refusal are content for the client, not text to continue
         end
         if type(delta.tool_calls) == "table" and next(delta.tool_calls) then
             tools = true
