@@ -421,6 +421,77 @@ def http_instance(url: str, timeout: float = 1.0) -> str | None:
         return None
 
 
+def cpu_state(pid: int | None) -> tuple[float, str] | None:
+    """CPU time (user + system, seconds, all threads) and state letter (``R``, ``S``,
+    ``T`` stopped, ...) of process ``pid`` from ``/proc/<pid>/stat`` (proc(5)), or None
+    when it cannot be read."""
+    if not pid:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode("ascii", "replace")
+        fields = raw[raw.rindex(")") + 2:].split()
+        ticks = os.sysconf("SC_CLK_TCK")
+        return (int(fields[11]) + int(fields[12])) / ticks, fields[0]
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+#: A process that misses its health checks but used at least this share of one CPU
+#: meanwhile is working (a flood of its port, a long burst of work), not frozen: a
+#: stopped process uses none, a deadlocked one no more than its idle background work.
+BUSY_CPU_SHARE = 0.25
+#: How long such a busy process may miss its health checks before it is killed all the
+#: same (s): an interpreter stuck in a loop is busy too.
+BUSY_MAX_S = 120.0
+
+
+class Liveness:
+    """Counts the health checks a part missed and says when to kill it: after
+    ``fail_after`` misses in a row, unless the process is busy rather than frozen (it
+    used BUSY_CPU_SHARE of a CPU since the first miss and is not stopped), for at most
+    BUSY_MAX_S; ``say`` gets one line when the kill is held back so. Clock: monotonic s."""
+
+    def __init__(self, name: str, fail_after: int, say: Callable[[str], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.name = name
+        self.fail_after = fail_after
+        self.say = say
+        self.clock = clock
+        self.fails = 0
+        self._first: tuple[float, float] | None = None   # (time, CPU s) at the first miss
+        self._told = False
+
+    def answered(self) -> None:
+        """The part answered its check."""
+        self.fails = 0
+        self._first = None
+        self._told = False
+
+    def missed(self, pid: int | None) -> bool:
+        """The part missed a check: whether to kill it now."""
+        self.fails += 1
+        now = self.clock()
+        st = cpu_state(pid)
+        if self._first is None:
+            self._first = (now, st[0] if st else 0.0)
+        if self.fails < self.fail_after:
+            return False
+        t0, cpu0 = self._first
+        span = now - t0
+        if st and st[1] not in "Tt" and span < BUSY_MAX_S \
+                and st[0] - cpu0 >= BUSY_CPU_SHARE * span > 0:
+            if not self._told:
+                self.say(f"{self.name} (pid {pid}) did not answer its health check {self.fails} "
+                         f"times in a row but is working ({st[0] - cpu0:.1f} s of CPU in "
+                         f"{span:.0f} s: a flood of its port?): not killed unless it stays so "
+                         f"for {BUSY_MAX_S:g} s")
+                self._told = True
+            return False
+        self.answered()
+        return True
+
+
 @dataclass
 class RestartPolicy:
     """How :class:`Supervisor` restarts a part that died: after ``initial_s`` seconds,
@@ -458,7 +529,9 @@ class HangWatch:
     A daemon thread calls ``probe()`` (True: the part answered) every ``every_s``
     seconds while the part's process lives; after ``fail_after`` failures in a row (so
     ``every_s * fail_after`` seconds without an answer, at least) it says so and sends
-    SIGKILL to the part's process group. ``stop()`` ends the thread."""
+    SIGKILL to the part's process group, unless the part is busy, not frozen
+    (:class:`Liveness`: a flood of its port, which a restart would not end and which
+    would cost the part's state). ``stop()`` ends the thread."""
 
     def __init__(self, m: Managed, probe: Callable[[], bool], say: Callable[[str], None],
                  every_s: float = 5.0, fail_after: int = 3) -> None:
@@ -473,22 +546,24 @@ class HangWatch:
         self._thread.start()
 
     def _run(self) -> None:
-        fails = 0
+        live = Liveness(self.m.name, self.fail_after, self.say)
         while not self._stop.wait(self.every_s):
             if not self.m.alive():
-                fails = 0  # exited: the supervisor restarts it; a new one starts afresh
+                live.answered()  # exited: the supervisor restarts it; a new one starts afresh
                 continue
             try:
                 ok = bool(self.probe())
             except Exception:  # noqa: BLE001 - a probe that fails is a failed probe
                 ok = False
-            fails = 0 if ok else fails + 1
-            if fails >= self.fail_after and not self._stop.is_set():
+            if ok:
+                live.answered()
+                continue
+            fails = live.fails + 1
+            if live.missed(self.m.pid) and not self._stop.is_set():
                 self.say(f"{self.m.name} (pid {self.m.pid}) did not answer its health check "
                          f"{fails} times in a row, {self.every_s:g} s apart: killing it, to be "
                          "restarted")
                 self.m.signal(signal.SIGKILL)
-                fails = 0
 
     def stop(self) -> None:
         self._stop.set()

@@ -205,6 +205,10 @@ def _create_server(late_app: _LateApp, sock, threads: int):
     """The waitress server of one process, on the bound ``sock``."""
     import waitress
 
+    from controlplane.logthrottle import throttle
+
+    throttle("waitress.queue")   # one "Task queue depth" line per 30 s in a burst
+
     # connection_limit: waitress's default of 100 would let the edges' idle keepalive
     # connections (64 per nginx worker, nginx/infergate-http.conf.j2) and a burst's
     # lookups hold every slot, leaving new connections in the kernel's backlog

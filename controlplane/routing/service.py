@@ -907,6 +907,9 @@ def controlplane_cmd(config_path: str | None, listen: str | None, redis_url: str
 
     from controlplane.routing.exporter import ControlPlaneMetrics
 
+    from controlplane.logthrottle import throttle
+
+    throttle("waitress.queue")   # one "Task queue depth" line per 30 s under a flood
     r = make_client(settings.redis.url, settings.redis.socket_timeout_s, settings.redis)
     cp = ControlPlane(settings, r)
     # GET /metrics: Prometheus text format (controlplane/routing/exporter.py), no login

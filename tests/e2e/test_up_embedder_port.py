@@ -229,7 +229,7 @@ def test_a_frozen_embedder_is_killed_after_three_missed_health_checks(workdir: P
         for _ in range(PROBE_FAILS + 1):
             now[0] += PROBE_EVERY_S
             keeper.tick()
-        assert m.alive() and said == [] and keeper.probe_fails == 0
+        assert m.alive() and said == [] and keeper.live.fails == 0
         m.signal(signal.SIGSTOP)
         for _ in range(PROBE_FAILS):
             now[0] += PROBE_EVERY_S

@@ -160,7 +160,7 @@ class EmbedderKeeper:
         self.restarts = 0
         self.reloads = 0
         self.next_probe = clock() + PROBE_EVERY_S
-        self.probe_fails = 0
+        self.live = procs.Liveness("embedder", PROBE_FAILS, self.say, clock=clock)
 
     def _nginx(self) -> procs.Managed | None:
         return next((x for x in self.stack.items if x.name == "nginx"), None)
@@ -288,12 +288,11 @@ class EmbedderKeeper:
             return
         self.next_probe = now + PROBE_EVERY_S
         if procs.http_instance(f"{self.url}/healthz", timeout=PROBE_TIMEOUT_S) == procs.instance_id():
-            self.probe_fails = 0
+            self.live.answered()
             return
-        self.probe_fails += 1
-        if self.probe_fails >= PROBE_FAILS:
+        fails = self.live.fails + 1
+        if self.live.missed(self.m.pid):
             self.say(f"embedder (pid {self.m.pid}) did not answer its health check "
-                     f"{self.probe_fails} times in a row, {PROBE_EVERY_S:g} s apart: killing it, "
+                     f"{fails} times in a row, {PROBE_EVERY_S:g} s apart: killing it, "
                      "to be restarted")
-            self.probe_fails = 0
             self.m.signal(signal.SIGKILL)
