@@ -37,7 +37,7 @@ import click
 
 from controlplane.admin import apikeys, ops
 from controlplane.cli.common import (ConnectedGroup, Ctx, actor, read_json_file, run_or_exit,
-                                     table)
+                                     table, write_text_file)
 
 
 def _run(ctx: Ctx, fn: Callable[[], Any]) -> Any:
@@ -203,11 +203,7 @@ def export_cmd(c: Ctx, out_path: str | None) -> None:
     if out_path is None:
         click.echo(text, nl=False)
         return
-    import os
-
-    fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
+    write_text_file(out_path, text, 0o600)
     click.echo(f"exported {len(doc['keys'])} key(s) to {out_path}", err=True)
 
 

@@ -196,6 +196,23 @@ def read_json_file(path: str) -> Any:
             raise click.ClickException(f"{path}: not JSON: {exc}") from None
 
 
+def write_text_file(path: str, text: str, mode: int = 0o644) -> None:
+    """Write ``text`` to file ``path`` (created with ``mode``, or truncated), for the
+    export commands. Raises ``click.ClickException`` naming the file when it cannot be
+    written (no such folder, no room, no permission)."""
+    import os
+
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {path}: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """Plain text table, columns padded to their widest cell."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)

@@ -19,7 +19,7 @@ from controlplane.config import Settings
 from controlplane.routing import ownaddrs, registry
 from controlplane.routing.nodekind import hint_of
 from controlplane.cli.common import (ConnectedGroup, Ctx, actor, read_json_file, run_or_exit,
-                                     table)
+                                     table, write_text_file)
 from controlplane.admin import nodebackup, ops
 from controlplane.admin.nodeview import NodeView, build_views
 
@@ -256,8 +256,7 @@ def export_cmd(c: Ctx, out_path: str | None) -> None:
     if out_path is None:
         click.echo(text, nl=False)
         return
-    with open(out_path, "w", encoding="utf-8") as f:
-        f.write(text)
+    write_text_file(out_path, text)
     click.echo(f"exported {len(doc['nodes'])} node(s) to {out_path}", err=True)
 
 

@@ -107,3 +107,16 @@ def test_revoking_a_key_of_a_lost_store_says_how_to_end_the_kept_keys(run, redis
     res = run("revoke", rec.id)
     assert res.exit_code == 1, res.output
     assert "key store is missing" in res.output and "keys import" in res.output
+
+
+@pytest.mark.parametrize("what", ["keys", "nodes"])
+def test_an_export_that_cannot_be_written_says_so_without_a_traceback(redis_server, tmp_path,
+                                                                      what) -> None:
+    runner = CliRunner()
+    for out, why in ((tmp_path / "no-such-dir" / "x.json", "No such file or directory"),
+                     ("/dev/full", "No space left on device")):
+        res = runner.invoke(main, [what, "--redis-url", redis_server.url, "export",
+                                   "--out", str(out)])
+        assert res.exit_code == 1, res.output
+        assert f"cannot write {out}: {why}" in res.output, res.output
+        assert "Traceback" not in res.output
