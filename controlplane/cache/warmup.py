@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 import threading
 import time
@@ -98,8 +99,12 @@ def parse_line(line: str, lineno: int, model: str | None) -> Prompt | None:
     if text.lstrip().startswith("{"):
         try:
             obj = json.loads(text)
-        except ValueError:
-            obj = None  # plain text that happens to start with "{"
+        except ValueError as exc:
+            if re.match(r'\s*\{\s*"', text):
+                # a JSON object cut or mistyped: sent as a prompt, its answer would be
+                # stored under the broken text
+                raise PromptError(f"line {lineno}: not valid JSON ({exc})") from None
+            obj = None  # plain text that happens to start with "{" ("{x} is a set")
     if obj is None:
         if not model:
             raise PromptError(f"line {lineno}: plain-text prompt needs --model")

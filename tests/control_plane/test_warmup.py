@@ -34,6 +34,10 @@ def test_parse_plain_and_jsonl_lines() -> None:
     ('{"messages": []}', "non-empty"),
     ('{"messages": "not a list"}', "non-empty"),
     ('{"prompt": "p"}', "no \"model\""),
+    # a JSON object cut short is no prompt: its answer would be stored under the broken text
+    ('{"model":"m","max_tokens":8,"messages":[{"role":"user","content":"trunc"}]',
+     "line 7: not valid JSON"),
+    (' { "messages": [1,]}', "not valid JSON"),
 ])
 def test_bad_lines_are_named(line, msg) -> None:
     with pytest.raises(PromptError, match=msg):
