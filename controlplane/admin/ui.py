@@ -63,8 +63,15 @@ def _guard() -> flask.Response | None:
 
 @bp.errorhandler(redis.exceptions.RedisError)
 def _redis_down(exc: redis.exceptions.RedisError) -> flask.Response:
+    from controlplane.redisdb.conn import describe_error, refused_credentials
+
+    if refused_credentials(exc):
+        text = describe_error(exc)
+        return render("error.html", 503, title="Redis refuses the password",
+                      message=text[:1].upper() + text[1:] + ".")
     return render("error.html", 503, title="Redis unavailable",
-                  message=f"Cannot reach Redis: {exc}. The page works again once Redis answers.")
+                  message=f"Cannot reach Redis: {str(exc).rstrip('. ')}. The page works "
+                          "again once Redis answers.")
 
 
 def _has_control_chars(value: str | None) -> bool:

@@ -16,7 +16,7 @@ import redis
 
 from controlplane.config import ConfigError, HostPort, HostPortError, Settings, load_settings
 from controlplane.redisdb import keynames
-from controlplane.redisdb.conn import make_redis
+from controlplane.redisdb.conn import describe_error, make_redis, refused_credentials
 from controlplane.redisdb.migrate import migrate_key_names
 from controlplane.redisdb.url import redact
 
@@ -175,6 +175,8 @@ def run_or_exit(ctx: Ctx, fn: Callable[[], Any], errors: tuple[type[Exception], 
         raise click.ClickException(getattr(exc, "message", None) or str(exc)) from None
     except redis.exceptions.RedisError as exc:
         url = ctx.settings.redis.url
+        if refused_credentials(exc):
+            raise click.ClickException(f"at {redact(url)}: {describe_error(exc)}") from None
         if (os.environ.get("INFERGATE_REDIS_URL") or "").strip() == url:
             hint = ("INFERGATE_REDIS_URL names it: the stack whose banner printed that line may "
                     "have stopped; unset it, or export the line of the running stack's banner")

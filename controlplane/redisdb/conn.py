@@ -149,3 +149,36 @@ def _make_cluster(settings: RedisSettings, target: RedisTarget,
     nodes = [ClusterNode(h, p) for h, p in target.nodes]
     return RedisCluster(startup_nodes=nodes, username=target.username,
                         password=target.password, require_full_coverage=False, **kw)
+
+
+#: Words of Redis's refusals of a connection's credentials: WRONGPASS / NOAUTH replies,
+#: redis-py's AuthenticationError ("invalid username-password pair ..."), and the reply
+#: to HELLO without AUTH when the server requires a password ("HELLO must be called with
+#: the client already authenticated ..."; Redis 6+, src/networking.c).
+_AUTH_WORDS = ("wrongpass", "noauth", "invalid username-password", "authentication required",
+               "hello must be called with the client already authenticated",
+               "invalid password", "user is disabled")
+
+
+def refused_credentials(exc: BaseException) -> bool:
+    """Whether ``exc`` is Redis refusing the URL's user or password (it answers, but not
+    to these credentials), rather than Redis not answering."""
+    import redis as redis_lib
+
+    if isinstance(exc, redis_lib.AuthenticationError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, redis_lib.RedisError) and any(w in text for w in _AUTH_WORDS)
+
+
+def describe_error(exc: BaseException) -> str:
+    """One sentence on a Redis error for an operator: a refused password names the fix
+    (the ``[redis] url`` password, then the parts that read it restarted); anything else
+    is "cannot reach Redis" with redis-py's text."""
+    text = str(exc).rstrip(". ")
+    if refused_credentials(exc):
+        return (f"Redis answers but refuses this deployment's user or password ({text}): "
+                "set the password Redis now requires (requirepass, or its ACL user) in "
+                "[redis] url, then restart the control plane and the embedder and render "
+                "nginx's config again (docs/operations.md, \"Fault behaviour\")")
+    return f"cannot reach Redis: {text}"
