@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 
 import redis
 
+from controlplane.config.routing import DECIMAL_RE
 from controlplane.redisdb import genlog, keynames
 from controlplane.errors import InfergateError
 
@@ -110,7 +111,9 @@ def _check_limit(name: str, value: object) -> int | None:
 def _check_weight(value: object) -> float | None:
     if value is None or value == "":
         return None
-    if isinstance(value, bool):
+    if isinstance(value, bool) or (isinstance(value, str)
+                                   and not DECIMAL_RE.match(value.strip())):
+        # text is a plain decimal number: Python's float() also reads "1_000" and "inf"
         raise ApiKeyError("weight must be a number from 0.01 to 1000 or empty (default)")
     try:
         w = float(value)  # type: ignore[arg-type]

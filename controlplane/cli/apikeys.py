@@ -36,8 +36,8 @@ from typing import Any
 import click
 
 from controlplane.admin import apikeys, ops
-from controlplane.cli.common import (ConnectedGroup, Ctx, actor, read_json_file, run_or_exit,
-                                     table, write_text_file)
+from controlplane.cli.common import (ConnectedGroup, Ctx, PlainNumber, actor, read_json_file,
+                                     run_or_exit, table, write_text_file)
 
 
 def _run(ctx: Ctx, fn: Callable[[], Any]) -> Any:
@@ -80,7 +80,7 @@ def keys_cmd(ctx: click.Context, config: str | None, redis_url: str | None) -> N
 @click.option("--tpm", type=int, default=None,
               help="Tokens per minute, prompt + completion (>= 1); default: no limit.")
 @click.option("--label", default=None, help="A note shown in the list (at most 200 characters).")
-@click.option("--weight", type=float, default=None,
+@click.option("--weight", type=PlainNumber(), default=None,
               help="Fair-share weight (0.01-1000); default: the tenant's ([admission]).")
 @click.option("--priority", type=click.Choice(apikeys.PRIORITIES), default=None,
               help="Priority class; default: the tenant's ([admission]).")

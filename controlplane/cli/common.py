@@ -15,6 +15,7 @@ import click
 import redis
 
 from controlplane.config import ConfigError, HostPort, HostPortError, Settings, load_settings
+from controlplane.config.routing import DECIMAL_RE
 from controlplane.redisdb import keynames
 from controlplane.redisdb.conn import describe_error, make_redis, refused_credentials
 from controlplane.redisdb.migrate import migrate_key_names
@@ -196,6 +197,21 @@ def read_json_file(path: str) -> Any:
             return json.load(f)
         except ValueError as exc:
             raise click.ClickException(f"{path}: not JSON: {exc}") from None
+
+
+class PlainNumber(click.ParamType):
+    """A click option value that is a plain decimal number ("1", "0.5"), as a float:
+    ``type=float`` would also read "1_000", "1e3" and "inf"."""
+
+    name = "number"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> float:
+        if isinstance(value, float):
+            return value
+        if not DECIMAL_RE.match(str(value).strip()):
+            self.fail(f"{value!r} is not a plain decimal number such as 1 or 0.5", param, ctx)
+        return float(value)
 
 
 def write_text_file(path: str, text: str, mode: int = 0o644) -> None:

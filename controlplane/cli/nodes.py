@@ -18,8 +18,8 @@ from controlplane.redisdb import keynames
 from controlplane.config import Settings
 from controlplane.routing import ownaddrs, registry
 from controlplane.routing.nodekind import hint_of
-from controlplane.cli.common import (ConnectedGroup, Ctx, actor, read_json_file, run_or_exit,
-                                     table, write_text_file)
+from controlplane.cli.common import (ConnectedGroup, Ctx, PlainNumber, actor, read_json_file,
+                                     run_or_exit, table, write_text_file)
 from controlplane.admin import nodebackup, ops
 from controlplane.admin.nodeview import NodeView, build_views
 
@@ -101,7 +101,7 @@ def _node_options(fn: Callable) -> Callable:
     fn = click.option("--metrics-path", default=None, help="Metrics path (default /metrics).")(fn)
     fn = click.option("--max-concurrency", type=int, default=None,
                       help="Requests the node runs at once (>= 1, default 64).")(fn)
-    fn = click.option("--weight", type=float, default=None,
+    fn = click.option("--weight", type=PlainNumber(), default=None,
                       help="Routing weight, relative to the other nodes (0.001 to 1000, "
                            "default 1).")(fn)
     fn = click.option("--kind", type=click.Choice(KINDS), default=None,

@@ -7,7 +7,7 @@ import re
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from controlplane.config.base import _Section
 from controlplane.config.hostport import HostPort
@@ -39,6 +39,10 @@ def check_abs_file(v: str) -> str:
     return v
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
 PATH_RE = re.compile(r"^/[A-Za-z0-9/_.-]{0,200}\Z")
+#: Longest health or metrics path (characters).
+PATH_MAX = 201
+#: A plain decimal number ("1", "0.5", "2.", ".5", "1e3" refused), for values given as text.
+DECIMAL_RE = re.compile(r"^[0-9]+(?:\.[0-9]*)?\Z|^\.[0-9]+\Z")
 #: Most model ids a node's ``models`` may list. The registry's nodes are parsed again at
 #: every control-plane cycle: twenty thousand ids took seconds each time, past the
 #: leader's lease, so leadership changed hands every few seconds.
@@ -253,9 +257,22 @@ class NodeSettings(_Section):
 
     @field_validator("metrics_path", "health_path")
     @classmethod
-    def _path(cls, v: str) -> str:
+    def _path(cls, v: str, info: ValidationInfo) -> str:
         # appended to the node URL: a path on the same server, nothing that could name
         # another host ("@", "//") or leave the path ("..", "?", "#")
+        if len(v) > PATH_MAX:
+            raise ValueError(f"at most {PATH_MAX} characters, got {len(v)}")
         if not PATH_RE.match(v) or "//" in v or ".." in v:
-            raise ValueError("must be an absolute path such as /metrics (letters, digits, '/', '-', '_', '.')")
+            example = "/health" if info.field_name == "health_path" else "/metrics"
+            raise ValueError(f"must be an absolute path such as {example} (letters, digits, "
+                             "'/', '-', '_', '.')")
+        return v
+
+    @field_validator("weight", mode="before")
+    @classmethod
+    def _plain_number(cls, v: object) -> object:
+        # a weight written as text (the page's form, the CLI) is a plain decimal number:
+        # Python's float() would also read "1_000", "1e3 " or "inf"
+        if isinstance(v, str) and not DECIMAL_RE.match(v.strip()):
+            raise ValueError(f"must be a plain decimal number such as 1 or 0.5, got {v!r}")
         return v

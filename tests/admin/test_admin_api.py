@@ -206,6 +206,9 @@ def test_add_node(client, r):
     ({"name": "n1", "url": "http://10.0.0.5", "weight": 0}, "weight"),
     ({"name": "n1", "url": "http://10.0.0.5", "weight": -1}, "weight"),
     ({"name": "n1", "url": "http://10.0.0.5", "weight": "heavy"}, "weight"),
+    ({"name": "n1", "url": "http://10.0.0.5", "weight": "1_000"}, "weight"),
+    ({"name": "n1", "url": "http://10.0.0.5", "health_path": "/" + "h" * 10_000},
+     "health_path"),
     ({"name": "n1", "url": "http://10.0.0.5", "kind": "llamacpp"}, "kind"),
     ({"name": "n1", "url": "http://10.0.0.5", "max_concurrency": 0}, "max_concurrency"),
     ({"name": "n1", "url": "http://10.0.0.5", "max_concurrency": True}, "max_concurrency"),
@@ -441,6 +444,7 @@ def test_api_keys_fair_share_is_set_and_reset(client, r):
     ({"tenant": "t", "rpm": "many"}, "rpm"), ({"tenant": "t", "tpm": 1.5}, "tpm"),
     ({"tenant": "t", "rpm": True}, "rpm"), ({"tenant": "t", "secret": "x"}, "unknown"),
     ({"tenant": "t", "weight": 0}, "weight"), ({"tenant": "t", "weight": "heavy"}, "weight"),
+    ({"tenant": "t", "weight": "1_000"}, "weight"),
     ({"tenant": "t", "priority": "urgent"}, "priority"),
 ])
 def test_api_keys_bad_input(client, r, body, frag):
