@@ -16,7 +16,7 @@ accepts the page's session cookie). Errors are JSON
   this client address (:mod:`.auth`), with ``Retry-After`` (seconds)
 - 503 ``unavailable_error`` / ``redis_unavailable`` — Redis unreachable
 
-Every change writes an event with actor ``admin``.
+Every change writes an event with actor ``admin@ADDR (api)`` (:func:`.auth.actor`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from controlplane.routing.nodeaccess import redact_snapshot
 from controlplane.routing.wire import RoutingSnapshot, WireError
 
 bp = flask.Blueprint("api", __name__, url_prefix="/api/v1")
-ACTOR = "admin"
 
 
 def error(status: int, message: str, type_: str, code: str) -> flask.Response:
@@ -172,7 +171,7 @@ def add_node() -> tuple[flask.Response, int]:
     """Add a node: body ``{"name", "url", "kind"?, "weight"?, "max_concurrency"?,
     "metrics_path"?, "health_path"?}`` validated by ``NodeSettings``. 201 with the node
     document; 400 invalid; 409 name taken."""
-    node = ops.add_node(_r(), _body(), ACTOR, _events_max(), settings=auth.settings())
+    node = ops.add_node(_r(), _body(), auth.actor("api"), _events_max(), settings=auth.settings())
     return flask.jsonify(ops.node_json(node)), 201
 
 
@@ -180,14 +179,14 @@ def add_node() -> tuple[flask.Response, int]:
 def edit_node(name: str) -> flask.Response:
     """Change fields of a node (``url``, ``kind``, ``weight``, ``max_concurrency``,
     ``metrics_path``, ``health_path``). 200 with the node document; 400; 404."""
-    node = ops.edit_node(_r(), name, _body(), ACTOR, _events_max(), settings=auth.settings())
+    node = ops.edit_node(_r(), name, _body(), auth.actor("api"), _events_max(), settings=auth.settings())
     return flask.jsonify(ops.node_json(node))
 
 
 @bp.delete("/nodes/<name>")
 def delete_node(name: str) -> flask.Response:
     """Remove a node with its state, metrics and history. ``{"deleted": name}``; 404."""
-    ops.remove_node(_r(), name, ACTOR, _events_max())
+    ops.remove_node(_r(), name, auth.actor("api"), _events_max())
     return flask.jsonify({"deleted": name})
 
 
@@ -198,14 +197,14 @@ def drain(name: str) -> flask.Response:
     node. Never refused for leaving a model without an active node (maintenance), but
     ``warning`` then says which models (their requests get 503 ``no_healthy_upstream``);
     ``""`` otherwise."""
-    return flask.jsonify(ops.drain(_r(), name, ACTOR, _events_max()).to_dict())
+    return flask.jsonify(ops.drain(_r(), name, auth.actor("api"), _events_max()).to_dict())
 
 
 @bp.post("/nodes/<name>/undrain")
 def undrain(name: str) -> flask.Response:
     """Back to ``active`` (slow start from ``since``); same shape as drain (``warning``
     empty); 404."""
-    return flask.jsonify(ops.undrain(_r(), name, ACTOR, _events_max()).to_dict())
+    return flask.jsonify(ops.undrain(_r(), name, auth.actor("api"), _events_max()).to_dict())
 
 
 # ---- events, snapshot ------------------------------------------------------------------
@@ -305,7 +304,7 @@ def cache_flag(entry_id: str) -> flask.Response:
     (:func:`.ops.flag_entry`). ``{"id", "namespace", "dropped", "flagged"}``;
     idempotent (``dropped: false`` when flagged before); 404 ``entry_not_found`` for an
     unknown or expired id."""
-    return flask.jsonify(ops.flag_entry(_r(), entry_id, ACTOR, _events_max()).to_dict())
+    return flask.jsonify(ops.flag_entry(_r(), entry_id, auth.actor("api"), _events_max()).to_dict())
 
 
 @bp.post("/cache/purge")
@@ -313,7 +312,7 @@ def cache_purge() -> flask.Response:
     """Body ``{"tenant"|"model"|"namespace": str, ...}`` (AND) or ``{"all": true}``
     (:func:`.ops.purge_scope`). Deletes the entries and their semantic-index vectors;
     ``{"purged": n, "scope": {...}}`` (``n`` entries); writes a ``cache_purge`` event."""
-    res = ops.purge_cache(_r(), _body(), ACTOR, _events_max())
+    res = ops.purge_cache(_r(), _body(), auth.actor("api"), _events_max())
     return flask.jsonify({"purged": res.purged, "scope": res.scope})
 
 
@@ -336,7 +335,7 @@ def list_keys() -> flask.Response:
 def create_key() -> tuple[flask.Response, int]:
     """Body ``{"tenant", "rpm"?, "tpm"?, "label"?}`` (limits per minute, null = none).
     201 ``{"key": "ig-...", "id", "tenant", ...}``: the only time the key is shown."""
-    plaintext, rec = ops.create_key(_r(), _body(), ACTOR, _events_max())
+    plaintext, rec = ops.create_key(_r(), _body(), auth.actor("api"), _events_max())
     return flask.jsonify({"key": plaintext, **rec.to_dict()}), 201
 
 
@@ -344,7 +343,7 @@ def create_key() -> tuple[flask.Response, int]:
 def edit_key(key_id: str) -> flask.Response:
     """Change ``rpm``, ``tpm`` (null = no limit) or ``label``; 200 record; 400; 404; 409
     ``key_revoked`` for a revoked key."""
-    rec = ops.edit_key(_r(), key_id, _body(), ACTOR, _events_max())
+    rec = ops.edit_key(_r(), key_id, _body(), auth.actor("api"), _events_max())
     return flask.jsonify(rec.to_dict())
 
 
@@ -352,4 +351,4 @@ def edit_key(key_id: str) -> flask.Response:
 def revoke_key(key_id: str) -> flask.Response:
     """Revoke (idempotent: the first ``revoked`` time is kept, one ``key_revoke``
     event); 200 with the record (``revoked`` set); 404 unknown id."""
-    return flask.jsonify(ops.revoke_key(_r(), key_id, ACTOR, _events_max()).record.to_dict())
+    return flask.jsonify(ops.revoke_key(_r(), key_id, auth.actor("api"), _events_max()).record.to_dict())

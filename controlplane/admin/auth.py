@@ -269,6 +269,19 @@ def client_addr() -> str:
     return hops[0] if hops else peer
 
 
+def actor(via: str) -> str:
+    """Who made a change, for its event: ``admin@ADDR (page 1a2b3c)`` for the page (the
+    client address of :func:`client_addr` and a tag of the login session: six hex digits
+    of the SHA-256 of its id, so two browsers of one address are told apart without the
+    id itself in the events), ``admin@ADDR (api)`` for the JSON API (``via`` "api")."""
+    addr = client_addr() or "?"
+    if via != "page":
+        return f"admin@{addr} (api)"
+    sid = flask.session.get("sid")
+    tag = hashlib.sha256(sid.encode()).hexdigest()[:6] if isinstance(sid, str) and sid else "-"
+    return f"admin@{addr} (page {tag})"
+
+
 def request_is_tls() -> bool:
     """The page was requested over TLS: directly, or through a trusted proxy that says
     so with ``X-Forwarded-Proto: https``."""

@@ -3,7 +3,8 @@ API keys.
 
 Every page needs a login with the admin token (:mod:`.auth`); every POST needs the
 form's CSRF token (400 without it). Changes use the same operations as the API
-(:mod:`.ops`) and write events with actor ``admin``. Every form that changes something
+(:mod:`.ops`) and write events with actor ``admin@ADDR (page TAG)``
+(:func:`.auth.actor`). Every form that changes something
 answers with a redirect (303) to a page and a flash message (post/redirect/get), so a
 reload never repeats it; a new API key is handed to the page after the redirect through
 a one-time token in the session (the key itself stays in this process's memory for at
@@ -29,7 +30,6 @@ from controlplane.config import NodeSettings
 from controlplane.routing import series
 
 bp = flask.Blueprint("ui", __name__)
-ACTOR = "admin"
 OPEN_ENDPOINTS = {"ui.login"}
 
 
@@ -206,7 +206,7 @@ def _back(default: str) -> flask.Response:
 @bp.post("/nodes")
 def add_node() -> flask.Response:
     try:
-        node = ops.add_node(_r(), _form_node(), ACTOR, _events_max(), settings=auth.settings())
+        node = ops.add_node(_r(), _form_node(), auth.actor("page"), _events_max(), settings=auth.settings())
         flask.flash(f"Node {node.name} added.", "ok")
     except ops.AdminError as exc:
         flask.flash(f"Not added: {exc.message}", "error")
@@ -272,7 +272,7 @@ def edit_node(name: str) -> flask.Response:
         changes, seen = _form_edit()
         if not changes:
             raise ops.BadInput("the form sent no field")
-        res = ops.change_node(_r(), name, changes, ACTOR, _events_max(),
+        res = ops.change_node(_r(), name, changes, auth.actor("page"), _events_max(),
                               settings=auth.settings(), seen=seen)
         if res.diff:
             flask.flash(f"Node {name} saved: {_shown_diff(res.diff)}.", "ok")
@@ -292,7 +292,7 @@ def remove_node(name: str) -> flask.Response:
         flask.flash(f"Not removed: tick the box to confirm removing {name}.", "error")
         return _back(flask.url_for("ui.node", name=name))
     try:
-        ops.remove_node(_r(), name, ACTOR, _events_max())
+        ops.remove_node(_r(), name, auth.actor("page"), _events_max())
         flask.flash(f"Node {name} removed.", "ok")
     except ops.AdminError as exc:
         flask.flash(exc.message, "error")
@@ -301,7 +301,7 @@ def remove_node(name: str) -> flask.Response:
 
 def _state_change(name: str, fn: object, verb: str) -> flask.Response:
     try:
-        ch = fn(_r(), name, ACTOR, _events_max())  # type: ignore[operator]
+        ch = fn(_r(), name, auth.actor("page"), _events_max())  # type: ignore[operator]
         flask.flash(f"{name}: {verb}, now {ch.state}." if ch.changed
                     else f"{name} is already {ch.state}.", "ok")
         if ch.warning:
@@ -353,7 +353,7 @@ def cache_flag() -> flask.Response:
     (:func:`.ops.flag_entry`); back to the cache page with a flash message."""
     entry_id = flask.request.form.get("entry", "").strip()
     try:
-        res = ops.flag_entry(_r(), entry_id, ACTOR, _events_max())
+        res = ops.flag_entry(_r(), entry_id, auth.actor("page"), _events_max())
     except ops.AdminError as exc:
         flask.flash(f"Nothing flagged: {exc.message}", "error")
         return _back(flask.url_for("ui.cache"))
@@ -400,7 +400,7 @@ def cache_purge_confirm() -> flask.Response:
     except ops.AdminError as exc:
         flask.flash(f"Nothing purged: {exc.message}", "error")
         return _back(flask.url_for("ui.cache"))
-    n = ops.purge_cache(_r(), scope, ACTOR, _events_max()).purged
+    n = ops.purge_cache(_r(), scope, auth.actor("page"), _events_max()).purged
     flask.flash(f"Purged {n} cache entr{'y' if n == 1 else 'ies'}.", "ok")
     return _back(flask.url_for("ui.cache"))
 
@@ -467,7 +467,7 @@ def create_key() -> flask.Response:
                                                "rpm": f.get("rpm", "").strip() or None,
                                                "tpm": f.get("tpm", "").strip() or None,
                                                "label": f.get("label", "").strip()},
-                                        ACTOR, _events_max())
+                                        auth.actor("page"), _events_max())
     except ops.AdminError as exc:
         flask.flash(f"No key created: {exc.message}", "error")
         return _back(flask.url_for("ui.keys_page"))
@@ -478,7 +478,7 @@ def create_key() -> flask.Response:
 @bp.post("/keys/<key_id>/revoke")
 def revoke_key(key_id: str) -> flask.Response:
     try:
-        rec = ops.revoke_key(_r(), key_id, ACTOR, _events_max()).record
+        rec = ops.revoke_key(_r(), key_id, auth.actor("page"), _events_max()).record
         flask.flash(f"Key {rec.id} ({rec.tenant}) revoked.", "ok")
     except ops.NotFound:
         flask.flash(f"No API key with id {registry.shorten(key_id)!r}.", "error")
@@ -495,7 +495,7 @@ def key_limits(key_id: str) -> flask.Response:
     changes = {k: f.get(k, "").strip() or None for k in ("rpm", "tpm") if k in f}
     seen = {k: f.get(f"seen_{k}", "").strip() or None for k in changes if f"seen_{k}" in f}
     try:
-        res = ops.change_key(_r(), key_id, changes, ACTOR, _events_max(), seen=seen)
+        res = ops.change_key(_r(), key_id, changes, auth.actor("page"), _events_max(), seen=seen)
         if res.changed:
             flask.flash(f"Key {res.record.id}: limits saved.", "ok")
         else:

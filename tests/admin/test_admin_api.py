@@ -175,7 +175,7 @@ def test_add_node(client, r):
     assert node is not None and node.kind == "sglang" and node.weight == 2.5
     assert node.max_concurrency == 128
     ev = registry.recent_events(r, 1)[0]
-    assert ev["kind"] == "node_add" and ev["node"] == "gpu-1" and ev["actor"] == "admin"
+    assert ev["kind"] == "node_add" and ev["node"] == "gpu-1" and ev["actor"] == "admin@127.0.0.1 (api)"
 
     resp = client.post("/api/v1/nodes", json={**body, "weight": 1}, headers=AUTH)
     assert resp.status_code == 409
@@ -242,7 +242,7 @@ def test_edit_node(client, r):
     assert d["weight"] == 3.0 and d["kind"] == "tgi" and d["url"] == "http://127.0.0.1:9001"
     assert registry.get_node(r, "sim-a").weight == 3.0
     ev = registry.recent_events(r, 1)[0]
-    assert ev["kind"] == "node_edit" and ev["actor"] == "admin"
+    assert ev["kind"] == "node_edit" and ev["actor"] == "admin@127.0.0.1 (api)"
     assert ev["detail"] == {"kind": ["vllm", "tgi"], "weight": [1.0, 3.0]}
 
     for body, frag in [({"weight": 0}, "weight"), ({"url": "https://x"}, "url"),
@@ -274,7 +274,7 @@ def test_drain_and_undrain(client, r):
     resp = client.post("/api/v1/nodes/sim-a/drain", headers=AUTH)
     assert resp.status_code == 200
     d = resp.get_json()
-    assert d["state"] == "draining" and d["changed"] is True and d["actor"] == "admin"
+    assert d["state"] == "draining" and d["changed"] is True and d["actor"] == "admin@127.0.0.1 (api)"
     st = registry.get_state(r, "sim-a")
     assert st.state == "draining" and abs(st.since - time.time()) < 5
 
@@ -293,7 +293,7 @@ def test_drain_and_undrain(client, r):
     u = resp.get_json()
     assert u["state"] == "active" and u["changed"] is True and u["since"] > d["since"]
     ev = registry.recent_events(r, 1)[0]
-    assert ev["kind"] == "undrain" and ev["actor"] == "admin" and ev["detail"] == {"from": "drained"}
+    assert ev["kind"] == "undrain" and ev["actor"] == "admin@127.0.0.1 (api)" and ev["detail"] == {"from": "drained"}
     assert client.post("/api/v1/nodes/sim-a/undrain", headers=AUTH).get_json()["changed"] is False
 
     for path in ("/api/v1/nodes/nope/drain", "/api/v1/nodes/nope/undrain"):
@@ -356,7 +356,7 @@ def test_cache_purge(client, r):
     assert resp.status_code == 200
     assert resp.get_json() == {"purged": 2, "scope": {"tenant": "t1", "model": "m-a"}}
     ev = registry.recent_events(r, 1)[0]
-    assert ev["kind"] == "cache_purge" and ev["actor"] == "admin" and ev["detail"]["purged"] == 2
+    assert ev["kind"] == "cache_purge" and ev["actor"] == "admin@127.0.0.1 (api)" and ev["detail"]["purged"] == 2
     assert client.post("/api/v1/cache/purge", json={"tenant": "t2"}, headers=AUTH).get_json()["purged"] == 2
     assert client.post("/api/v1/cache/purge", json={"all": True}, headers=AUTH).get_json()["purged"] == 2
     assert cache_store.stats(r).entries == 0

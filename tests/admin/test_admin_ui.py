@@ -152,12 +152,26 @@ def test_drain_form_requires_csrf(client, r):
     assert registry.recent_events(r, 5) == []
 
 
+def test_two_page_sessions_are_told_apart_in_the_events(client, app, r):
+    """Two browsers of one address log in with the one admin token: their changes carry
+    the address and a tag of each login session, never the session id itself."""
+    other = app.test_client()
+    other_csrf = login(other)
+    assert client.post("/nodes/sim-a/drain", data={"csrf_token": client.csrf}).status_code == 303
+    assert other.post("/nodes/sim-a/undrain", data={"csrf_token": other_csrf}).status_code == 303
+    undrain, drain = registry.recent_events(r, 2)
+    assert (drain["kind"], undrain["kind"]) == ("drain", "undrain")
+    pattern = r"admin@127\.0\.0\.1 \(page [0-9a-f]{6}\)"
+    assert re.fullmatch(pattern, drain["actor"]) and re.fullmatch(pattern, undrain["actor"])
+    assert drain["actor"] != undrain["actor"]
+
+
 def test_drain_and_undrain_forms(client, r):
     resp = client.post("/nodes/sim-a/drain", data={"csrf_token": client.csrf})
     assert resp.status_code == 303
     assert registry.get_state(r, "sim-a").state == "draining"
     ev = registry.recent_events(r, 1)[0]
-    assert ev["kind"] == "drain" and ev["actor"] == "admin"
+    assert ev["kind"] == "drain" and re.fullmatch(r"admin@127\.0\.0\.1 \(page [0-9a-f]{6}\)", ev["actor"])
     page = client.get("/nodes")
     row = re.search(r'<tr id="node-sim-a".*?</tr>', page.text, re.S).group(0)
     assert "draining" in row and "Undrain" in row and "sim-a: drain started" in page.text
@@ -370,7 +384,7 @@ def test_cache_purge_from_the_page_deletes_the_vectors(client, r):
                                               "confirm": "yes"})
     assert cache_store.stats(r).entries == 1 and vector_keys(r) == {vecs[3]}
     ev = registry.recent_events(r, 1)[0]
-    assert ev["kind"] == "cache_purge" and ev["actor"] == "admin"
+    assert ev["kind"] == "cache_purge" and re.fullmatch(r"admin@127\.0\.0\.1 \(page [0-9a-f]{6}\)", ev["actor"])
     assert ev["detail"] == {"tenant": "acme", "purged": 3}
     client.post("/cache/purge/confirm", data={"csrf_token": client.csrf, "scope": "all",
                                               "confirm": "yes"})

@@ -5,6 +5,7 @@ and 1400 px (screenshots in tests/output/<test name>/)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 import threading
@@ -94,7 +95,7 @@ def test_login_drain_from_the_nodes_page(browser, redis_server, simnodes, contro
     assert state_text(browser, "sim-b") == "active"
     assert registry.get_state(r, "sim-a").state in ("draining", "drained")
     ev = registry.recent_events(r, 20, node="sim-a")
-    assert any(e["kind"] == "drain" and e["actor"] == "admin" for e in ev)
+    assert any(e["kind"] == "drain" and re.fullmatch(r"admin@127\.0\.0\.1 \(page [0-9a-f]{6}\)", e["actor"]) for e in ev)
 
     # no traffic: the control plane marks it drained, and the page shows it without reload
     marker = browser.find_element(By.TAG_NAME, "h1")
