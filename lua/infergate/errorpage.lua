@@ -13,6 +13,7 @@ local deadline = require("infergate.admission.deadline")
 local _M = {}
 
 local tostring = tostring
+local ipairs = ipairs
 
 local function tries_summary()
     local us = ngx_var("upstream_status")
@@ -49,6 +50,19 @@ local function request_id()
     end
 end
 
+-- Whether nginx's limit_req or limit_conn refused the request ($limit_req_status and
+-- $limit_conn_status, nginx 1.17.6; kept on the main request across the error_page
+-- redirect).
+local function site_limited()
+    for _, v in ipairs({ "limit_req_status", "limit_conn_status" }) do
+        local ok, val = pcall(ngx_var, v)
+        if ok and val == "REJECTED" then
+            return true
+        end
+    end
+    return false
+end
+
 -- Content of the error_page locations: the status nginx was about to send.
 -- 502 and 504 answers name the node of the last try (the one that failed or timed out)
 -- in X-Infergate-Node; 503 answers carry Retry-After (admission.retry_after_s).
@@ -72,8 +86,7 @@ function _M.page(status)
     local reason = status == 500 and ngx_var("infergate_reason")
     if reason == "no_healthy_upstream" then
         status = 503
-        entry = errors.CATALOG[503]
-        etype, code, message = entry[1], entry[2],
+        etype, code, message = "service_unavailable", "no_healthy_upstream",
             "No inference node is left to try (all are unhealthy, draining, have an open "
             .. "circuit breaker or already failed this request)."
     elseif reason == "nodes_saturated" then
@@ -83,6 +96,12 @@ function _M.page(status)
         etype, code, message = "server_overloaded", "nodes_saturated",
             "Every inference node left to try has all its slots taken; retry after "
             .. config.get().admission.retry_after_s .. " s."
+    elseif (status == 503 or status == 429) and site_limited() then
+        -- the site's own limit_req / limit_conn (limit_req_status 503 by default), not
+        -- the nodes: said so, not "no node available"
+        etype, code = "rate_limit_error", "rate_limit_exceeded"
+        message = "This server's own limit on requests or connections (nginx limit_req / "
+            .. "limit_conn) refused the request; retry later."
     elseif status == 413 then
         message = "The request body is larger than the " .. config.get().edge.client_max_body_size
             .. " this gateway accepts."

@@ -658,3 +658,76 @@ http {{
             assert re.search(r" 200 rid=[0-9a-f]{32} ", line), line
     errors = (site / "logs" / "error.log").read_text()
     assert "uninitialized" not in errors, errors
+
+
+def test_a_sites_inherited_proxy_directives_limits_and_denials_keep_openai_answers(
+        workdir: Path, tiny_upstreams) -> None:
+    """Directives an nginx site sets in http {} or server {} and the includes inherit:
+    ``proxy_intercept_errors on`` must not replace a node's own error answer with the
+    edge's page; the site's ``limit_req`` answers JSON that names that limit, not "no
+    node available"; a site's ``deny`` still gets a JSON 403; nodes get the client's
+    address in X-Forwarded-For (as a site's own proxy_set_header would have sent it)."""
+    (up,) = tiny_upstreams(1)
+    s = settings_from_dict({"redis": {"url": f"redis://127.0.0.1:{procs.free_port()}/0"},
+                            "edge": {"workers": 1,
+                                     "metrics_listen": f"127.0.0.1:{procs.free_port()}"},
+                            "nodes": [up.node_settings().model_dump(mode="json")]})
+    r = render_nginx(s, workdir / "out", listen=f"127.0.0.1:{procs.free_port()}",
+                     prefix=workdir / "pre")
+    api, denied = procs.free_port(), procs.free_port()
+    site = workdir / "site"
+    (site / "logs").mkdir(parents=True)
+    conf = site / "nginx.conf"
+    modules = MODULE_LINES.replace("; ", ";\n")
+    conf.write_text(f"""{modules}
+pid {site}/nginx.pid;
+error_log {site}/logs/error.log warn;
+events {{}}
+http {{
+    access_log off;
+    client_body_temp_path {site}/cbt;
+    proxy_temp_path {site}/pt;
+    proxy_intercept_errors on;
+    limit_req_zone $binary_remote_addr zone=perip:1m rate=1r/m;
+    include {r.http_conf};
+    server {{
+        listen 127.0.0.1:{api};
+        location / {{ return 200 "host site"; }}
+        include {r.server_conf};
+    }}
+    server {{
+        listen 127.0.0.1:{denied};
+        deny 127.0.0.1;
+        limit_req zone=perip;
+        include {r.server_conf};
+    }}
+}}
+""")
+    nginx = start_nginx(conf, site)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        # the node's own 404 for a path it does not serve, as it wrote it
+        res = requests.post(f"http://127.0.0.1:{api}/v1/not-served", json=body, timeout=10)
+        assert res.status_code == 404, res.text
+        assert res.json()["error"]["message"] == "no route /v1/not-served"
+        ok = requests.post(f"http://127.0.0.1:{api}/v1/chat/completions", json=body, timeout=10)
+        assert ok.status_code == 200, ok.text
+        assert up.headers_seen[-1].get("X-Forwarded-For") == "127.0.0.1"
+        # a site's deny: a JSON 403, not nginx's HTML page
+        res = requests.post(f"http://127.0.0.1:{denied}/v1/chat/completions", json=body,
+                            timeout=10)
+        assert res.status_code == 403 and res.json()["error"]["code"] == "forbidden"
+    finally:
+        nginx.stop()
+    # the limit: a server without the deny, the zone shared
+    conf.write_text(conf.read_text().replace("        deny 127.0.0.1;\n", ""))
+    nginx = start_nginx(conf, site)
+    try:
+        first = requests.get(f"http://127.0.0.1:{denied}/v1/models", timeout=10)
+        second = requests.get(f"http://127.0.0.1:{denied}/v1/models", timeout=10)
+        assert first.status_code == 200, first.text
+        assert second.status_code == 503, second.text
+        err = second.json()["error"]
+        assert err["code"] == "rate_limit_exceeded" and "limit_req" in err["message"]
+    finally:
+        nginx.stop()

@@ -39,8 +39,10 @@ _M.CATALOG = {
     [429] = { "rate_limit_error", "rate_limit_exceeded", "Too many requests; retry later." },
     [500] = { "server_error", "internal_error", "The gateway failed to handle the request." },
     [502] = { "bad_gateway", "upstream_error", "No inference node gave a valid answer." },
-    [503] = { "service_unavailable", "no_healthy_upstream",
-              "No inference node is available (all are unhealthy, draining or have an open circuit breaker)." },
+    -- a 503 nginx answers itself (the site's `return 503`, a limit): the edge's own
+    -- "no node" answers carry no_healthy_upstream (infergate.errorpage, access)
+    [503] = { "service_unavailable", "service_unavailable",
+              "The server is unavailable for this request (answered by nginx itself, not an inference node)." },
     [504] = { "gateway_timeout", "upstream_timeout", "The inference node did not answer in time." },
 }
 

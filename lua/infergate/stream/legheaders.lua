@@ -48,11 +48,12 @@ local NOT_PASSED = {
     ["transfer-encoding"] = true, upgrade = true, expect = true, ["content-length"] = true,
     ["content-type"] = true, accept = true, ["accept-encoding"] = true,
     authorization = true, ["x-request-id"] = true,
-    ["x-infergate-hop"] = true,
+    ["x-infergate-hop"] = true, ["x-forwarded-for"] = true,
 }
 
 -- The request headers of a leg: the client's, as nginx's proxy passes them, but for
--- NOT_PASSED; then the relay's own (node API key, request id, loop guard). Built once
+-- NOT_PASSED; then the relay's own (node API key, request id, loop guard, the client's
+-- address in X-Forwarded-For). Built once
 -- per request.
 function _M.request(r)
     if r.leg_headers then
@@ -77,6 +78,8 @@ function _M.request(r)
     end
     h["X-Request-Id"] = r.req.id
     h["X-Infergate-Hop"] = ngx.var.infergate_hop
+    -- the client's address, appended to what it sent (as the proxy path sends it)
+    h["X-Forwarded-For"] = ngx.var.proxy_add_x_forwarded_for
     h.Authorization = ngx.var.infergate_node_auth
     r.leg_headers = h
     return h
