@@ -109,6 +109,31 @@ def test_stream_idle_timeout(redis_server, simnodes, edge_factory) -> None:
     procs.wait_until(lambda: node.state()["cancelled_total"] == 1, 5, what="node-side cancel")
 
 
+def test_every_gap_of_a_stream_is_cut_at_the_idle_time(redis_server, tiny_upstreams,
+                                                       edge_factory) -> None:
+    """A node that goes silent mid-stream for longer than stream_idle_ms, while it still
+    answers the edge's liveness checks, is cut at that time after its last chunk, the
+    first gap as any later one: the reads after content (2 x the stall threshold each)
+    used to run past the bound, so a gap a little over it went through. The stream ends
+    with an error event that names the idle limit."""
+    (up,) = tiny_upstreams(1)
+    up.chunks, up.chunk_interval_s = 3, 1.15
+    s = edge_settings(redis_server.url, [up.node_settings()], stall_min_s=0.2,
+                      stream_hold_s=0, read_timeout_ms=20000)
+    s.deadlines.request_ms, s.deadlines.stream_idle_ms = 20000, 1000
+    edge = edge_factory(s)
+    started = time.monotonic()
+    with requests.post(f"{edge.url}/v1/chat/completions", json=chat(3, stream=True),
+                       stream=True, timeout=15) as res:
+        assert res.status_code == 200
+        events = [(time.monotonic() - started, ln) for ln in res.iter_lines() if ln]
+    assert len(events) == 3, events      # the first chunk, the error event, [DONE]
+    at, error = events[1]
+    assert 0.9 < at < 1.12, events       # cut at the bound, before the next chunk (1.15 s)
+    err = json.loads(error[len(b"data: "):])["error"]
+    assert err["code"] == "stream_interrupted" and "stream idle limit" in err["message"], err
+
+
 def test_streams_are_not_cut_by_the_request_deadline(redis_server, simnodes, edge_factory) -> None:
     (node,) = simnodes(1)  # real time: ~21 ms between chunks, ~0.9 s in all
     s = settings(redis_server.url, [node.node_settings()], request_ms=300, stream_idle_ms=2000)

@@ -13,8 +13,8 @@
 -- as a probe's when another node is left (2 x outlier.probe_threshold, as the balancer);
 -- after content, 2 x the node's stall threshold (a node silent that long is stalled: the
 -- stream is continued elsewhere, unless the node answers a liveness check made since its
--- last byte: a long prefill of another request, and the read goes on, still_alive);
--- while holding, at most until the hold ends (then the held bytes go out); while the
+-- last byte: a long prefill of another request, and the read goes on, still_alive), and
+-- never past the idle time after the last byte (each gap is cut there); while holding, at most until the hold ends (then the held bytes go out); while the
 -- head is awaited with another node left, the leg also gives up as soon as the node,
 -- found silent after the leg started, fails its liveness check (outlier.gone_silent,
 -- asked every WATCH_S), and so does the leg that got its head but no content yet (the
@@ -58,13 +58,11 @@ _M.EVENT_MAX = 4 * 1024 * 1024
 local write = answer.write
 _M.write = write
 
-local pass_headers = legheaders.pass_headers
-
 -- Headers and the held pieces go out (the first content token, or the hold ended).
 local function release(r, node)
     if not r.sent then
         r.sent = true
-        pass_headers(r.node_headers)
+        legheaders.pass_headers(r.node_headers)
         ngx.status = 200
         ngx.header["Content-Type"] = r.content_type or "text/event-stream"
         ngx.header["Cache-Control"] = "no-cache"
@@ -97,7 +95,9 @@ local function read_timeout(r, lg, now, no_hold)
     local o = r.o
     local read = o.edge.read_timeout_ms / 1000
     if r.req.stream then -- not a stream: bounded by the deadline (head_read)
-        read = min(read, deadline.for_request(r.req).idle_s)
+        local idle = min(read, deadline.for_request(r.req).idle_s)
+        local since = r.out.produced > 0 and (lg.last_byte or (lg.att and lg.att.started))
+        read = since and min(idle, since + idle - now) or idle
     end
     if r.out.produced > 0 and o.edge.stall_gap_factor > 0 then
         read = min(read, 2 * stall.threshold(lg.node.name, o))
@@ -479,7 +479,7 @@ function _M.run(r, node, att, body, eligible)
         return -- the log phase closes the attempt (aborted)
     end
     if lg.verdict ~= "ok" and lg.verdict ~= "unserved" then
-        r.last_failure = { node = node.name, timeout = lg.timeout,
+        r.last_failure = { node = node.name, timeout = lg.timeout, last_byte = lg.last_byte,
                            invalid = http.INVALID[lg.why or ""] }
         r.whys[#r.whys + 1] = node.name .. " " .. (lg.why or "?")
     end

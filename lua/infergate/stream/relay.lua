@@ -278,6 +278,13 @@ local function run(r)
         return fail_stream(r, "The gateway is shutting down; the answer was cut short.",
                            "shutting_down")
     end
+    local f, idle = r.last_failure, deadline.for_request(req).idle_s
+    if f and f.timeout and f.last_byte and ngx_now() - f.last_byte >= idle - 0.01 then
+        -- silent past the stream's idle time (its gaps' bound), its node still answering
+        return fail_stream(r, "The node serving this stream sent nothing for " .. idle
+            .. " s (the gateway's stream idle limit, deadlines.stream_idle_ms) and no other "
+            .. "node serving the model can continue it.", "stream_interrupted")
+    end
     return fail_stream(r, "The node serving this stream failed and no other node serving "
         .. "the model can continue it.", "stream_interrupted")
 end
