@@ -845,7 +845,9 @@ def render_nginx_cmd(config_path: str | None, out_dir: str, listen: str | None, 
         settings = load_settings(config_path)
         rendered = render_nginx(settings, out_dir, listen=listen, prefix=pre,
                                 openresty=openresty, modules_dir=modules_dir, lua_dir=lua_dir,
-                                resolver=resolver, source=config_path or "default settings")
+                                resolver=resolver,
+                                source=str(Path(config_path).absolute()) if config_path
+                                else "default settings")
     except (ConfigError, RenderError) as exc:
         raise click.ClickException(str(exc)) from None
     except OSError as exc:
