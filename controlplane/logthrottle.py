@@ -1,8 +1,8 @@
 """A logging filter that passes at most one record of a logger per interval.
 
 waitress logs "Task queue depth is N" (logger ``waitress.queue``) on every request that
-waits for a thread: a flood of the admin port wrote 58,000 such lines in 36 s. One a
-interval tells the operator the same."""
+waits for a thread: a flood of the admin port wrote 58,000 such lines in 36 s. One line
+an interval tells the operator the same."""
 
 from __future__ import annotations
 

@@ -13,10 +13,10 @@ get.
 The rule: split both texts into sentences (``.``, ``?`` or ``!`` followed by a space,
 ``?`` or ``!`` before a letter, ``。？！；;`` and line breaks); count the substantive ones
 (with a key term that is not a courtesy word: "Hi.", "Thanks!", 谢谢。 are not); when one
-text has more of them (and the other at least one), a sentence of it whose key terms are mostly (more than half) absent
-from the other text is added. A longer rewording that splits the question in two ("I
-forgot my password. How do I reset it?" / "How do I reset my forgotten password?") shares
-its terms and passes.
+text has more of them (and the other at least one), a sentence of it whose key terms are
+mostly (more than half) absent from the other text is added. A longer rewording that
+splits the question in two ("I forgot my password. How do I reset it?" / "How do I reset
+my forgotten password?") shares its terms and passes.
 
 Pure functions, no I/O, never raise on ``str`` input. Written for hand-made injection
 pairs outside the dev data; the effect on the dev sets is measured by

@@ -19,8 +19,8 @@
 -- writes the fresh "id" and "created" in front of the stored bytes, with no JSON decoded
 -- or encoded. A streaming request gets an SSE replay: a role
 -- chunk, the reasoning, content and refusal split into several chunks (on UTF-8
--- character boundaries), tool calls, the finish chunk, a usage chunk when the request asked for
--- stream_options.include_usage, then "data: [DONE]".
+-- character boundaries), tool calls, the finish chunk, a usage chunk when the request
+-- asked for stream_options.include_usage, then "data: [DONE]".
 --
 -- Debian's lua-cjson (2.1.0) decodes [] and {} alike and has no empty-array marker, so
 -- answers are written by infergate.core.jsonenc (default spelling): tables with ARRAY_MT are

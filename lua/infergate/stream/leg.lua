@@ -13,16 +13,16 @@
 -- as a probe's when another node is left (2 x outlier.probe_threshold, as the balancer);
 -- after content, 2 x the node's stall threshold (a node silent that long is stalled: the
 -- stream is continued elsewhere, unless the node answers a liveness check made since its
--- last byte: a long prefill of another request, and the read goes on, still_alive), and
--- never past the idle time after the last byte (each gap is cut there); while holding, at most until the hold ends (then the held bytes go out); while the
--- head is awaited with another node left, the leg also gives up as soon as the node,
--- found silent after the leg started, fails its liveness check (outlier.gone_silent,
--- asked every WATCH_S), and so does the leg that got its head but no content yet (the
--- node's head may come before its prefill, as llama-server's does); once nginx shuts
--- down, at most until edge.shutdown_stream_s is up (infergate.core.closing.stream_left;
--- the relay then ends the stream with an error event). Connect and send timeouts: the
--- deadline's for a leg before content; a continuation starts after it as the stream
--- goes on past it.
+-- last byte: a long prefill, and the read goes on, still_alive), never past the idle time
+-- after the last byte (each gap is cut there); while holding, at most until the hold ends
+-- (then the held bytes go out); while the head is awaited with another node left, the
+-- leg also gives up as soon as the node, found silent after the leg started, fails its
+-- liveness check (outlier.gone_silent, asked every WATCH_S), and so does the leg that
+-- got its head but no content yet (the node's head may come before its prefill, as
+-- llama-server's does); once nginx shuts down, at most until edge.shutdown_stream_s is
+-- up (infergate.core.closing.stream_left; the relay then ends the stream with an error
+-- event). Connect and send timeouts: the deadline's for a leg before content; a
+-- continuation starts after it as the stream goes on past it.
 local ngxapi = require("infergate.core.ngxapi")
 local deadline = require("infergate.admission.deadline")
 local relaypick = require("infergate.routing.relaypick")
