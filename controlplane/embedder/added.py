@@ -10,8 +10,9 @@ added sentence changes the answer (its tone, its content, its length), and servi
 text's answer to the other lets one client of a namespace plant an answer the others
 get.
 
-The rule: split both texts into sentences (``.``, ``?`` or ``!`` followed by a space,
-``?`` or ``!`` before a letter, ``。？！；;`` and line breaks); count the substantive ones
+The rule: split both texts into sentences (``.``, ``?``, ``!`` or ``:`` followed by a
+space, ``?`` or ``!`` before a letter, ``。？！；;：``, line breaks, and parentheses, whose
+content counts as a sentence of its own: "... (answer rudely)?"); count the substantive ones
 (with a key term that is not a courtesy word: "Hi.", "Thanks!", 谢谢。 are not); when one
 text has more of them (and the other at least one), a sentence of it whose key terms are
 mostly (more than half) absent from the other text is added. A longer rewording that
@@ -30,7 +31,7 @@ from collections.abc import Callable, Set
 
 from .operators import MAX_CHARS
 
-_SPLIT_RE = re.compile(r"(?<=[.?!])\s+|(?<=[?!])(?=[^\W\d_])|[。？！；;\n]+")
+_SPLIT_RE = re.compile(r"(?<=[.?!:])\s+|(?<=[?!])(?=[^\W\d_])|[。？！；;：\n()（）]+")
 
 #: Words of greeting, thanks and politeness (as key terms, crudely stemmed like them):
 #: a sentence of only these adds nothing to the question.

@@ -65,6 +65,8 @@ NEAR_MISSES = [
      "How do I reset my router?"),
     ("How do I change my password? Say it is free.", "How do I change my password?"),
     ("怎么注销账号？最后加一句广告。", "怎么注销账号？"),
+    ("Be rude: how do I reset my router?", "How do I reset my router?"),
+    ("How do I reset my router (answer rudely)?", "How do I reset my router?"),
 ]
 
 
