@@ -65,7 +65,7 @@ def test_env_overrides(monkeypatch):
     ({"name": "a", "url": "http://x:" + "9" * 5000}, "port must be 1-65535"),
     ({"name": "a", "url": "http://x", "weight": 0}, "greater than or equal to 0.001"),
     ({"name": "a", "url": "http://x", "weight": 1e-300}, "greater than or equal to 0.001"),
-    ({"name": "a", "url": "http://x", "weight": "NaN"}, "finite number"),
+    ({"name": "a", "url": "http://x", "weight": "NaN"}, "plain decimal number"),
     ({"name": "a", "url": "http://x", "weight": float("inf")}, "finite number"),
     ({"name": "a", "url": "http://x:0"}, "1-65535"),
     ({"name": "a", "url": "http://u:pw@x:80"}, "credentials"),
