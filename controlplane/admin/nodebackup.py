@@ -7,7 +7,7 @@ re-seeds the nodes of its TOML file only). The export is what restores them.
 
 Document (version 1)::
 
-    {"format": "infergate-nodes", "version": 1, "exported_at": 1733560000.0,
+    {"format": "infergate-nodes", "version": 1, "exported": 1733560000.0,
      "nodes": [{"name": "gpu-1", "url": "http://10.0.0.5:8000", "kind": "vllm",
                 "weight": 1.0, "max_concurrency": 64, ..., "state": "drained"}, ...]}
 
@@ -41,7 +41,7 @@ def export_nodes(r: redis.Redis, now: float | None = None) -> dict:
         st = states.get(node.name)
         nodes.append({**ops.node_json(node), "state": st.state if st else "active"})
     return {"format": FORMAT, "version": VERSION,
-            "exported_at": round(time.time() if now is None else now, 3), "nodes": nodes}
+            "exported": round(time.time() if now is None else now, 3), "nodes": nodes}
 
 
 @dataclass

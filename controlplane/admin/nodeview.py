@@ -70,7 +70,8 @@ class NodeView:
     health_path: str
     state: str
     """active | draining | drained (the registry state)."""
-    state_since: float
+    state_since: float | None
+    """When the state last changed (epoch s); ``None`` when it never did."""
     state_actor: str
     healthy: bool | None
     """Health after hysteresis from the latest poll; ``None`` = never polled / expired."""
@@ -211,7 +212,7 @@ def build_views(r: redis.Redis, settings: Settings, *, name: str | None = None,
         v = NodeView(
             name=n.name, url=n.url, kind=n.kind, weight=n.weight,
             max_concurrency=n.max_concurrency, metrics_path=n.metrics_path,
-            health_path=n.health_path, state=st.state, state_since=st.since,
+            health_path=n.health_path, state=st.state, state_since=st.since or None,
             state_actor=st.actor, healthy=healthy, status=status,
             reachable=m.reachable, dialect=m.dialect, score=_num(m.score),
             saturated=m.saturated, queue_depth=_num(m.queue_depth), running=_num(m.running),

@@ -143,7 +143,25 @@ def add_cmd(c: Ctx, name: str, url: str, **opts: Any) -> None:
     node = run(c, lambda: ops.add_node(c.r, {"name": name, "url": url, **_given(**opts)},
                                        actor(), c.events_max, settings=check))
     click.echo(f"added {node.name} ({node.kind}, {node.url}, weight {node.weight:g})")
+    warn_if_unreachable(node.url)
     warn_if_unpublished(c)
+
+
+def warn_if_unreachable(url: str, timeout_s: float = 1.0) -> None:
+    """A warning on stderr when nothing accepts a TCP connection at ``url``'s host and
+    port within ``timeout_s`` (the node is registered all the same: it may start
+    later; the control plane reports it down until it answers)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname or "", port), timeout=timeout_s).close()
+    except OSError as exc:
+        click.echo(f"warning: nothing answers at {parts.hostname}:{port} now "
+                   f"({exc.strerror or exc}); the node is added and shows down until it does",
+                   err=True)
 
 
 @nodes_cmd.command("edit")

@@ -257,3 +257,22 @@ def test_export_and_import_restore_nodes_weights_and_drains(run, r, tmp_path):
     res = run("import", str(backup))
     assert res.exit_code == 1 and "skipped gpu-a:" in res.output, res.output
     assert registry.get_node(r, "gpu-b") is not None and registry.get_node(r, "gpu-a") is None
+
+
+def test_add_warns_when_nothing_answers_at_the_url(run, r):
+    """A node added where nothing listens is registered, with a warning that it shows
+    down until it answers; one where something accepts connections gets none."""
+    import socket
+
+    from controlplane import procs
+
+    port = procs.free_port()
+    res = run("add", "later", f"http://127.0.0.1:{port}")
+    assert res.exit_code == 0 and "added later" in res.output
+    assert f"warning: nothing answers at 127.0.0.1:{port} now" in res.output
+    assert registry.get_node(r, "later") is not None
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        there = listener.getsockname()[1]
+        res = run("add", "there", f"http://127.0.0.1:{there}")
+    assert res.exit_code == 0, res.output
+    assert "warning: nothing answers" not in res.output

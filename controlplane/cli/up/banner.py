@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import sys
@@ -33,7 +34,8 @@ def cli_name() -> str:
 
 def _again_command(workdir: Path) -> str:
     """The command line this ``up`` was started with (its options after ``up``, as
-    typed, a ``--redis-url`` password shown as ``***``), with ``--workdir`` naming
+    typed, a ``--redis-url`` password shown as ``***``, a ``--config`` file by its
+    absolute path), with ``--workdir`` naming
     ``workdir``: what starts the same stack on its state again."""
     argv = sys.argv[1:]
     args = argv[argv.index("up") + 1:] if "up" in argv else []
@@ -48,6 +50,10 @@ def _again_command(workdir: Path) -> str:
             out.append("--redis-url=" + redact(a.partition("=")[2]))
         elif out and out[-1] == "--redis-url":
             out.append(redact(a))   # the password stays off the screen and the logs
+        elif out and out[-1] == "--config":
+            out.append(os.path.abspath(a))   # pasted from any folder
+        elif a.startswith("--config="):
+            out.append("--config=" + os.path.abspath(a.partition("=")[2]))
         elif not a.startswith("--workdir="):
             out.append(a)
     return shlex.join([cli_name(), "up", *out, "--workdir", str(workdir)])
