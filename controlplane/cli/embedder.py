@@ -215,7 +215,9 @@ def _create_server(late_app: _LateApp, sock, threads: int):
     # channel_request_lookahead: waitress reads on while a request waits for a thread, so
     # it notices a caller that closed the connection (the edge after its lookup budget)
     # and skips that request instead of running the model for nobody
+    # asyncore_use_poll: select() fails once a descriptor passes 1023
     return waitress.create_server(late_app, sockets=[sock], threads=threads,
+                                  asyncore_use_poll=True,
                                   connection_limit=CONNECTION_LIMIT,
                                   channel_request_lookahead=1,
                                   ident="infergate-embedder")

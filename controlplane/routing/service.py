@@ -128,6 +128,21 @@ log = logging.getLogger("infergate.controlplane")
 
 #: Connections the admin server holds open at once (waitress ``connection_limit``).
 ADMIN_CONNECTION_LIMIT = 1000
+
+
+def _raise_fd_limit(want: int = 4096) -> None:
+    """Raise this process's soft limit of open files to ``want`` (at most the hard
+    limit): systemd's default soft limit of 1024 is about ADMIN_CONNECTION_LIMIT, and
+    past it the admin port's accept() fails."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            pass
 #: Seconds an admin connection may send nothing before it is closed (waitress
 #: ``channel_timeout``), checked every ADMIN_CLEANUP_S.
 ADMIN_IDLE_TIMEOUT_S = 15
@@ -919,7 +934,11 @@ def controlplane_cmd(config_path: str | None, listen: str | None, redis_url: str
         # connection_limit / channel_timeout: waitress's defaults (100 connections, idle
         # ones kept 120 s) let ~100 idle connections, with no request on them, lock
         # everyone out of the admin API, `up`'s health checks included
+        _raise_fd_limit()
+        # asyncore_use_poll: waitress's select() loop fails ("filedescriptor out of range
+        # in select()") once a descriptor passes 1023, which a flood of connections reaches
         server = waitress.create_server(app, host=host, port=port, threads=8, ident="infergate",
+                                        asyncore_use_poll=True,
                                         connection_limit=ADMIN_CONNECTION_LIMIT,
                                         channel_timeout=ADMIN_IDLE_TIMEOUT_S,
                                         cleanup_interval=ADMIN_CLEANUP_S)

@@ -713,6 +713,12 @@ http {{
         ok = requests.post(f"http://127.0.0.1:{api}/v1/chat/completions", json=body, timeout=10)
         assert ok.status_code == 200, ok.text
         assert up.headers_seen[-1].get("X-Forwarded-For") == "127.0.0.1"
+        # a stream (relayed by the edge itself): the same header, the client's own kept
+        ok = requests.post(f"http://127.0.0.1:{api}/v1/chat/completions",
+                           json={**body, "stream": True},
+                           headers={"X-Forwarded-For": "198.51.100.4"}, timeout=10)
+        assert ok.status_code == 200 and ok.text.rstrip().endswith("[DONE]"), ok.text
+        assert up.headers_seen[-1].get("X-Forwarded-For") == "198.51.100.4, 127.0.0.1"
         # a site's deny: a JSON 403, not nginx's HTML page
         res = requests.post(f"http://127.0.0.1:{denied}/v1/chat/completions", json=body,
                             timeout=10)

@@ -78,8 +78,10 @@ function _M.request(r)
     end
     h["X-Request-Id"] = r.req.id
     h["X-Infergate-Hop"] = ngx.var.infergate_hop
-    -- the client's address, appended to what it sent (as the proxy path sends it)
-    h["X-Forwarded-For"] = ngx.var.proxy_add_x_forwarded_for
+    -- the client's address, appended to what it sent: nginx's $proxy_add_x_forwarded_for,
+    -- as the proxy path sends it (that variable reads empty outside proxy_pass)
+    local xff, addr = ngx.var.http_x_forwarded_for, ngx.var.remote_addr
+    h["X-Forwarded-For"] = xff and xff ~= "" and (xff .. ", " .. addr) or addr
     h.Authorization = ngx.var.infergate_node_auth
     r.leg_headers = h
     return h
