@@ -442,15 +442,36 @@ def cpu_state(pid: int | None) -> tuple[float, str] | None:
 #: stopped process uses none, a deadlocked one no more than its idle background work.
 BUSY_CPU_SHARE = 0.25
 #: How long such a busy process may miss its health checks before it is killed all the
-#: same (s): an interpreter stuck in a loop is busy too.
+#: same (s): an interpreter stuck in a loop is busy too, unless it holds FLOOD_SOCKETS
+#: sockets or more (a flood of connections, which a restart would not end).
 BUSY_MAX_S = 120.0
+FLOOD_SOCKETS = 200
+
+
+def socket_count(pid: int | None) -> int:
+    """Open sockets of process ``pid`` (its ``/proc/<pid>/fd`` links to ``socket:``);
+    0 when they cannot be read."""
+    if not pid:
+        return 0
+    n = 0
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:"):
+                    n += 1
+            except OSError:
+                continue
+    except OSError:
+        return 0
+    return n
 
 
 class Liveness:
     """Counts the health checks a part missed and says when to kill it: after
     ``fail_after`` misses in a row, unless the process is busy rather than frozen (it
     used BUSY_CPU_SHARE of a CPU since the first miss and is not stopped), for at most
-    BUSY_MAX_S; ``say`` gets one line when the kill is held back so. Clock: monotonic s."""
+    BUSY_MAX_S, or for as long as it holds FLOOD_SOCKETS sockets or more (a flood);
+    ``say`` gets one line when the kill is held back so. Clock: monotonic s."""
 
     def __init__(self, name: str, fail_after: int, say: Callable[[str], None],
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -479,13 +500,14 @@ class Liveness:
             return False
         t0, cpu0 = self._first
         span = now - t0
-        if st and st[1] not in "Tt" and span < BUSY_MAX_S \
-                and st[0] - cpu0 >= BUSY_CPU_SHARE * span > 0:
+        busy = st is not None and st[1] not in "Tt" and st[0] - cpu0 >= BUSY_CPU_SHARE * span > 0
+        flood = busy and socket_count(pid) >= FLOOD_SOCKETS
+        if busy and (span < BUSY_MAX_S or flood):
             if not self._told:
                 self.say(f"{self.name} (pid {pid}) did not answer its health check {self.fails} "
                          f"times in a row but is working ({st[0] - cpu0:.1f} s of CPU in "
                          f"{span:.0f} s: a flood of its port?): not killed unless it stays so "
-                         f"for {BUSY_MAX_S:g} s")
+                         f"for {BUSY_MAX_S:g} s with fewer than {FLOOD_SOCKETS} connections")
                 self._told = True
             return False
         self.answered()
