@@ -606,6 +606,22 @@ def test_a_sites_own_lua_is_kept_at_every_render(workdir: Path) -> None:
             _settings(**bad)
 
 
+def _site_conf(site: Path, http_body: str) -> Path:
+    """A site's own nginx.conf under ``site`` (logs/ made): the Lua module, a pid and
+    error log there, and ``http {`` ``http_body`` ``}``."""
+    (site / "logs").mkdir(parents=True)
+    conf = site / "nginx.conf"
+    modules = MODULE_LINES.replace("; ", ";\n")
+    conf.write_text(f"""{modules}
+pid {site}/nginx.pid;
+error_log {site}/logs/error.log warn;
+events {{}}
+http {{
+{http_body}}}
+""")
+    return conf
+
+
 def test_a_sites_log_format_with_the_edges_variables_logs_no_warning(workdir: Path) -> None:
     """``$infergate_rid`` (and ``$infergate_upstream_addr``, ``_status``,
     ``_response_time``) in a log_format of the site's:
@@ -617,15 +633,7 @@ def test_a_sites_log_format_with_the_edges_variables_logs_no_warning(workdir: Pa
                      prefix=workdir / "pre")
     api, other = procs.free_port(), procs.free_port()
     site = workdir / "site"
-    (site / "logs").mkdir(parents=True)
-    conf = site / "nginx.conf"
-    modules = MODULE_LINES.replace("; ", ";\n")
-    conf.write_text(f"""{modules}
-pid {site}/nginx.pid;
-error_log {site}/logs/error.log warn;
-events {{}}
-http {{
-    log_format site '"$request" $status rid=$infergate_rid ua="$infergate_upstream_addr" '
+    conf = _site_conf(site, f"""    log_format site '"$request" $status rid=$infergate_rid ua="$infergate_upstream_addr" '
                     'us="$infergate_upstream_status" urt="$infergate_upstream_response_time"';
     access_log {site}/logs/access.log site;
     client_body_temp_path {site}/cbt;
@@ -640,7 +648,6 @@ http {{
         listen 127.0.0.1:{other};
         location / {{ return 200 "other site"; }}
     }}
-}}
 """)
     nginx = start_nginx(conf, site)
     try:
@@ -676,15 +683,7 @@ def test_a_sites_inherited_proxy_directives_limits_and_denials_keep_openai_answe
                      prefix=workdir / "pre")
     api, denied = procs.free_port(), procs.free_port()
     site = workdir / "site"
-    (site / "logs").mkdir(parents=True)
-    conf = site / "nginx.conf"
-    modules = MODULE_LINES.replace("; ", ";\n")
-    conf.write_text(f"""{modules}
-pid {site}/nginx.pid;
-error_log {site}/logs/error.log warn;
-events {{}}
-http {{
-    access_log off;
+    conf = _site_conf(site, f"""    access_log off;
     client_body_temp_path {site}/cbt;
     proxy_temp_path {site}/pt;
     proxy_intercept_errors on;
@@ -701,7 +700,6 @@ http {{
         limit_req zone=perip;
         include {r.server_conf};
     }}
-}}
 """)
     nginx = start_nginx(conf, site)
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
