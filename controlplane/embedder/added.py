@@ -34,6 +34,7 @@ longer measure it as held-out data would); the effect on the dev sets is measure
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Set
 
@@ -55,6 +56,7 @@ _COURTESY_WORDS = (
     "experts anyone kind kindly wonder wondering happy weekend wishes best bless")
 
 
+@functools.lru_cache(maxsize=1)
 def _courtesy() -> frozenset[str]:
     from .guard import _stem   # guard imports this module: read at first use
 
