@@ -124,15 +124,18 @@ def sentences(text: str) -> list[str]:
             if s]
 
 
-def _substantive(parts: list[str], terms: Callable[[str], Set[str]]
-                 ) -> list[tuple[str, set[str]]]:
+@functools.lru_cache(maxsize=8192)
+def _substantive(text: str, terms: Callable[[str], Set[str]]
+                 ) -> tuple[tuple[str, frozenset[str]], ...]:
+    """The substantive sentences of ``text`` with their key terms (per text, cached as
+    the guard's other per-text work: an entry's text recurs in every lookup)."""
     courtesy = _courtesy()
     out = []
-    for s in parts:
-        t = set(terms(_ZH_COURTESY_RE.sub("", s))) - courtesy
+    for s in sentences(text):
+        t = frozenset(terms(_ZH_COURTESY_RE.sub("", s))) - courtesy
         if t:
             out.append((s, t))
-    return out
+    return tuple(out)
 
 
 def sentence_added(query: str, candidate: str, terms: Callable[[str], Set[str]]) -> bool:
@@ -140,8 +143,8 @@ def sentence_added(query: str, candidate: str, terms: Callable[[str], Set[str]])
     is an instruction whose verb the other text lacks, or has at least two key terms
     (``terms``: a text's key terms) absent from the other text, more than half of its
     own (see the top of this module)."""
-    a = _substantive(sentences(query), terms)
-    b = _substantive(sentences(candidate), terms)
+    a = _substantive(query, terms)
+    b = _substantive(candidate, terms)
     if not a or not b:
         return False
     for text, other in ((a, candidate), (b, query)):
