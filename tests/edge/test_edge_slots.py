@@ -204,23 +204,54 @@ def test_a_request_whose_deadline_cannot_be_met_gets_429_at_once(
         assert res.json()["error"]["code"] == "nodes_saturated"
         assert res.headers["Retry-After"] == "2"
         assert up.hits == 2
-        # a stream need only start within its deadline (its chunks then have the idle
-        # timeout): the 1.5 s wait for the slot fits, so it waits instead of a 429
-        got: list[requests.Response] = []
-        t = threading.Thread(target=lambda: got.append(requests.post(
-            f"{edge.url}/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30)))
-        t.start()
-        procs.wait_until(lambda: _waiting(edge) == 1 or got, 5, what="the stream to wait")
-        assert not got, got[0].text
+        # a stream too: it would start in time but end past its deadline (a stream whose
+        # answers alone outrun the deadline need only start: tests/lua/test_fit_lua.py)
+        res = requests.post(f"{edge.url}/v1/chat/completions", json={**CHAT, "stream": True},
+                            timeout=30)
+        assert res.status_code == 429, res.text
+        assert up.hits == 2
         up.gate.set()                                   # the held stream ends, its slot frees
-        t.join(10)
-        assert got and got[0].status_code == 200, got[0].text
-        assert FINISHED.search(got[0].text)
+        assert FINISHED.search(held.text)
     finally:
         up.gate.set()
         held.close()
     edge.wait_idle()
     assert edge.status()["admission"]["waiting"] == 0
+
+
+def test_a_stream_whose_answers_outrun_the_deadline_waits_to_start(
+        tiny_upstreams, redis_server, edge_factory) -> None:
+    """A deadline shorter than the node's answers cannot be one for a whole stream: such a
+    stream need only start in time (its chunks then have the idle timeout), so it waits
+    for a slot predicted to free in time instead of a 429."""
+    (up,) = tiny_upstreams(names=["one"])
+    up.chunks, up.chunk_interval_s = 4, 0.5              # 1.5 s streams, 2 slots
+    edge = _edge(redis_server, edge_factory, [up.snapshot_node(slots=2, slots_source="config",
+                                                               score=None, has_metrics=False)],
+                 request_ms=1200, max_wait_ms=100)
+    first = requests.post(f"{edge.url}/v1/chat/completions", json={**CHAT, "stream": True},
+                          timeout=30)
+    assert first.status_code == 200 and FINISHED.search(first.text)
+    up.gate, up.chunks, up.chunk_interval_s = threading.Event(), 2, 0.0
+    held = [requests.post(f"{edge.url}/v1/chat/completions", json={**CHAT, "stream": True},
+                          stream=True, timeout=30) for _ in range(2)]
+    got: list[requests.Response] = []
+    try:
+        assert [h.status_code for h in held] == [200, 200]
+        t = threading.Thread(target=lambda: got.append(requests.post(
+            f"{edge.url}/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30)))
+        t.start()
+        procs.wait_until(lambda: _waiting(edge) == 1 or got, 5, what="the stream to wait")
+        assert not got, got[0].text
+        up.gate.set()                                   # the held streams end, slots free
+        t.join(10)
+        assert got and got[0].status_code == 200, got[0].text
+        assert FINISHED.search(got[0].text)
+    finally:
+        up.gate.set()
+        for h in held:
+            h.close()
+    edge.wait_idle()
 
 
 @pytest.mark.parametrize("kind,source,expect", [

@@ -111,7 +111,7 @@ def test_queue_is_first_come_first_served_and_survives_a_lost_ticket(workdir: Pa
     """)
     assert got["empty"] is True and got["other"] is True
     assert got["ahead"] == [0, 1, 2]
-    assert got["after_middle"] == [0, 2]
+    assert got["after_middle"] == [0, 1]          # t2 left: not ahead of t3
     assert got["after_head"] == 0
     assert got["lost_first"] == 1 and got["lost_later"] == 0
     assert got["length"] == 0 and got["empty_again"] is True
@@ -162,12 +162,15 @@ def test_a_queue_whose_marks_were_evicted_catches_up_after_one_grace(workdir: Pa
                 d:delete("q:m:a" .. gone[i]); d:delete("q:m:d" .. gone[i])
             end
             queue.leave("m", first, now)
-            local out = {before = queue.ahead("m", waiter, now)}
+            -- the tickets that left are not ahead of it, though the head has not passed them
+            local out = {before = queue.ahead("m", waiter, now), head = d:get("qh:m")}
             -- after one grace, each look passes up to 64 tickets: 1000 in 16 looks, all at
             -- the same time (not one grace per run of 64)
             local looks = 0
             local t = now + queue.ALIVE_GRACE_S
-            while queue.ahead("m", waiter, t) > 0 and looks < 100 do
+            queue.ahead("m", waiter, t)
+            while d:get("qh:m") < waiter and looks < 100 do
+                queue.ahead("m", waiter, t)
                 looks = looks + 1
                 t = t + 0.001
             end
@@ -191,7 +194,7 @@ def test_a_queue_whose_marks_were_evicted_catches_up_after_one_grace(workdir: Pa
             out.count_twice = d:get("qc:m")
             return out
     """)
-    assert got["before"] == 1000
+    assert got["before"] == 0 and got["head"] < 1000
     assert got["ahead"] == 0 and got["looks"] <= 20
     assert got["length"] == 1 and got["marks_left"] == 0
     assert got["count"] == 0 and got["count_twice"] == 1      # y still waits
@@ -204,8 +207,12 @@ def test_tail_prediction_has_a_prior_bounds_decay_and_the_max_tokens_cap(workdir
             out.prior = learned.tail_s("a", 1.0, nil, now)          -- nothing learned: 2 x mean
             for i = 1, 400 do learned.observe("a", (i % 10 == 0) and 5.0 or 1.0, 100, now) end
             out.learned = learned.tail_s("a", 1.4, nil, now)
+            out.excess = learned.info("a").e
             out.floor = learned.tail_s("a", 9.0, nil, now)          -- never below the mean
-            out.ceiling = learned.tail_s("a", 0.1, nil, now)        -- at most 8 x the mean
+            for _ = 1, 200 do learned.observe("b", 1.0, nil, now) end
+            out.floor_excess = learned.info("b").e                  -- no spread: the mean
+            for _ = 1, 200 do learned.observe_cut("b", 1000, now) end
+            out.ceiling = learned.tail_s("b", 0.1, nil, now)        -- at most 8 x the mean
             out.decayed = learned.tail_s("a", 1.4, nil, now + 60 + learned.HALF_LIFE_S * 20)
             out.pt = learned.info("a").pt
             out.capped = learned.tail_s("a", 1.4, {body = {max_tokens = 50}}, now)
@@ -217,7 +224,8 @@ def test_tail_prediction_has_a_prior_bounds_decay_and_the_max_tokens_cap(workdir
     assert got["prior"] == pytest.approx(2.0)
     # 10 % of the answers take 5 s: the 0.9 quantile sits between 1 and 5 s
     assert 1.0 < got["learned"] <= 5.0
-    assert got["floor"] == pytest.approx(9.0)
+    assert got["floor"] == pytest.approx(9.0 + got["excess"]) and got["excess"] > 0
+    assert got["floor_excess"] == pytest.approx(0.0, abs=0.01)
     assert got["ceiling"] == pytest.approx(0.8)
     assert got["decayed"] == pytest.approx(2 * 1.4, rel=0.01)
     assert 0.01 < got["pt"] < 0.05                               # 1-5 s over 100 tokens

@@ -130,7 +130,8 @@ class LuaError(AssertionError):
 def lua_node_helpers(max_concurrency: int = 10, score: float = 0) -> str:
     """Lua for the start of a :func:`lua_eval` body: ``node(name, extra)``, a routing
     snapshot node (active, healthy, weight 1, the given ``max_concurrency`` and
-    ``score``, fields of ``extra`` on top), and ``tbl(nodes)``, a fresh snapshot of them."""
+    ``score``, fields of ``extra`` on top), and ``tbl(nodes)``, a fresh snapshot of them.
+    Request tables get the deadline they carry (``req.deadline``), else none."""
     return f"""
             local function node(name, extra)
                 local n = {{name = name, addr = "127.0.0.1", host = "127.0.0.1", port = 1,
@@ -142,6 +143,11 @@ def lua_node_helpers(max_concurrency: int = 10, score: float = 0) -> str:
             end
             local function tbl(nodes)
                 return {{source = "redis", generated_at = ngx.now(), nodes = nodes}}
+            end
+            -- a request table made here has the deadline it carries (req.deadline:
+            -- {{at = epoch s, request_ms}}), else none: no nginx request to read its route
+            require("infergate.admission.deadline").for_request = function(req)
+                return req.deadline or {{request_ms = 0, idle_s = 30}}
             end
 """
 

@@ -71,6 +71,28 @@ function _M.remaining(req, now)
     return d.at - (now or ngx_now())
 end
 
+-- The request's whole deadline (s), or nil without one.
+function _M.whole_s(req)
+    local d = _M.for_request(req)
+    return d.at and d.request_ms / 1000 or nil
+end
+
+-- The part of a request's own time `tail_s` (its predicted answer time, s) that admission
+-- requires to fit before its deadline: all of it, a stream's too, so what is admitted
+-- finishes in time for a client whose timeout covers the whole answer; only for a
+-- stream whose `tail_s` alone is longer than its whole deadline (answers longer than the
+-- deadline, which a client reading a stream lets run on) nothing: it need only start in
+-- time, then the idle timeout bounds it.
+function _M.own_s(req, tail_s)
+    if req.stream then
+        local whole = _M.whole_s(req)
+        if not whole or tail_s > whole then
+            return 0
+        end
+    end
+    return tail_s
+end
+
 -- Timeouts (s) of the next try: connect, send, read, bound_by_deadline; or nil when
 -- the deadline has passed. o: infergate.core.config options.
 function _M.timeouts(req, o, now)

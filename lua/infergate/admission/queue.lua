@@ -138,11 +138,19 @@ function _M.alive(pool, t, poll_s)
     dict():set(keys_of(pool).pre .. "a" .. t, true, _M.alive_ttl_s(poll_s))
 end
 
--- The requests before ticket t in `pool` (0: it is the head).
+-- The requests before ticket t in `pool` (0: it is the head), at most: the tickets
+-- between the head and t, of which those that left behind a waiting head (shed, gone)
+-- still count, and the tickets still waiting other than t (exact for the newest
+-- ticket): the smaller. Counting the tickets that left would make a run of 429s look
+-- like a long queue, and shed the requests after them in turn.
 function _M.ahead(pool, t, now)
     local d, k = dict(), keys_of(pool)
     local h = advance(d, k, now or ngx_now())
     local a = t - h
+    local others = (d:get(k.c) or 0) - 1
+    if others < a then
+        a = others
+    end
     return a > 0 and a or 0
 end
 

@@ -7,7 +7,10 @@
 -- Known slots (infergate.admission.slots): when an eligible node of the request's model has known
 -- slots, the slots are a hard limit and the rules below give way to the edge queue (wait_for_slot):
 -- a free slot is taken at once, else the request waits in arrival order until one frees for it, and
--- gets the 429 as soon as its predicted completion at the tail of answer times misses its deadline.
+-- gets the 429 as soon as its predicted completion at the tail of answer times misses its deadline
+-- (a stream's whole answer too, unless the node's answers outrun its deadline). A slot on a node
+-- that would finish the request too late is left for one that would not (slots.reserve), and goes
+-- to a request behind it with time enough.
 -- When every node of its model leaves the pool while it waits, it is held for them as at the
 -- "eligible" step (infergate.admission.thaw).
 --
@@ -27,9 +30,9 @@
 -- snapshot, predict nothing; when none predicts, the wait below applies. With edge.node_cost =
 -- "expected_delay", a fresh snapshot and a service time for every eligible node
 -- (infergate.routing.balancer.delay_cost: the predicted completion the balancer itself picks on,
--- its own part taken at the tail: tail_extra), that cost decides instead: admitted while the best
--- is at most admission.deadline_fraction (1) of the time left, shed past it, never sent where it is
--- predicted to time out.
+-- its own part taken at the tail: infergate.routing.fit.extra), that cost decides instead:
+-- admitted while the best is at most admission.deadline_fraction (1) of the time left, shed past
+-- it, never sent where it is predicted to time out.
 -- A request that is shed gets Retry-After = the best predicted wait, rounded up (at least 1 s, at
 -- most RETRY_AFTER_MAX_S: a wait predicted from a node that has slowed down or stopped says little
 -- about when it recovers; at most edge.breaker_cooldown_s while a node of the model is out for ill
@@ -51,6 +54,7 @@ local deadline = require("infergate.admission.deadline")
 local ratelimit = require("infergate.admission.ratelimit")
 local astats = require("infergate.admission.stats")
 local speed = require("infergate.routing.speed")
+local fit = require("infergate.routing.fit")
 local balancer = require("infergate.routing.balancer")
 local config = require("infergate.core.config")
 local slots = require("infergate.admission.slots")
@@ -99,8 +103,8 @@ end
 
 -- Best predicted (completion, wait) in s over the eligible nodes of `model`, or nil.
 -- req (optional): the request's own time is then the node's high quantile
--- (infergate.routing.learned.tail_s, capped by its max_tokens), not its mean; 0 for a
--- stream, which need only start in time (then idle timeouts: admission.deadline).
+-- (infergate.routing.learned.tail_s, capped by its max_tokens), not its mean; a stream's
+-- too, unless its answers outrun its whole deadline (infergate.admission.deadline.own_s).
 function _M.best_prediction(t, now, model, req)
     local fresh = snapshot.is_fresh(t, now)
     local best, best_wait
@@ -110,7 +114,7 @@ function _M.best_prediction(t, now, model, req)
         if not (fresh and node.saturated) and open_to(node, model, now) then
             local done, wait = speed.predicted(node, (fresh and node.score) and true or false)
             if done and req then
-                done = wait + (req.stream and 0 or learned.tail_s(node.name, done - wait, req, now))
+                done = wait + deadline.own_s(req, learned.tail_s(node.name, done - wait, req, now))
             end
             if done and (not best or done < best) then
                 best, best_wait = done, wait
@@ -120,25 +124,12 @@ function _M.best_prediction(t, now, model, req)
     return best, best_wait
 end
 
--- What the request's own time adds to a node's delay cost at its high quantile: its
--- service time x (tail / mean - 1), the tail and mean of the node's answer times
--- (infergate.routing.learned.tail_s, capped by the request's max_tokens: then it may
--- take off); 0 while the node has no history.
-local function tail_extra(node, now, req)
-    local lat = stats.latency_ewma_ms(node.name)
-    local s = speed.aged_service_s(node.name, now)
-    if not lat or lat <= 0 or not s then
-        return 0
-    end
-    local m = lat / 1000
-    return s * (learned.tail_s(node.name, m, req, now) / m - 1)
-end
-
 -- The smallest delay cost (s) over the eligible nodes of `model` (nil: any), or nil when
 -- it does not apply: node_cost is not expected_delay, the snapshot is stale, no node is
 -- eligible and unsaturated, or one of them has no fresh score or no service time yet.
 -- A node saturated in the snapshot (over the [scoring] caps) offers nothing here, as in
--- the rule above: the operator's caps still shed. req (optional): see tail_extra.
+-- the rule above: the operator's caps still shed. req (optional): its own time is taken
+-- at the node's high quantile (infergate.routing.fit.extra).
 function _M.best_delay(t, now, model, req)
     if config.get().edge.node_cost ~= "expected_delay" or not snapshot.is_fresh(t, now) then
         return nil
@@ -151,7 +142,7 @@ function _M.best_delay(t, now, model, req)
                 return nil
             end
             if req then
-                c = c + tail_extra(node, now, req)
+                c = c + fit.extra(node, now, req)
             end
             if not best or c < best then
                 best = c
@@ -246,9 +237,9 @@ local function pause(give_up, now, poll_s, near)
 end
 
 -- Whether a request waiting for a slot since `start` gives up now: past give_up, or its
--- deadline (`left` s at start) cannot be met by the predicted completion (a stream's:
--- its slot, as no try starts past the deadline but a started one runs on), which never
--- counts while a slot is free (`free`). Returns true/false and the predicted wait (s).
+-- deadline (`left` s at start) cannot be met by the predicted completion
+-- (infergate.admission.slots.predict), which never counts while a slot is free (`free`).
+-- Returns true/false and the predicted wait (s).
 local function slot_hopeless(req, t, now, start, left, give_up, ahead, free)
     local done, wait = slots.predict(t, now, req, ahead, free)
     if now >= give_up then
@@ -364,7 +355,8 @@ local function wait_for_slot(req, o, t, now, left)
     while true do
         local free, eligible = slots.free(t, now, req.model, req.tried)
         local ahead = line.rank(w, now, poll_s, free)
-        if eligible == 0 or (ahead < free and slots.reserve(req, t, now)) then
+        if eligible == 0 or (ahead < free and slots.reserve(req, t, now))
+                or (ahead >= free and free > 0 and slots.reserve(req, t, now, true)) then
             abort.unwatch(req, gone)
             line.leave(w, now)
             astats.incr("waiting", -1)
@@ -461,7 +453,8 @@ local function last_entry(v)
     return v:match("([^%s,:]+)%s*$")
 end
 
--- Log phase: a successful answer teaches the node's answer-time tail (routing.learned)
+-- Log phase: a successful answer teaches the node's answer-time tail (routing.learned;
+-- one its client left before the end, only that it took longer)
 -- and its model's output length (routing.lengths; tokens: usage.completion_tokens).
 local function learn_tail(req)
     local attempts = req.attempts
@@ -470,6 +463,10 @@ local function learn_tail(req)
     -- a stream the edge relayed (infergate.stream.relay) closed its attempts itself and
     -- records the answer time of a stream that one node answered whole
     local relayed = req.relay and req.relay.latency_s
+    if att and not att.closed and (status == 499 or status == 444) and att.started then
+        learned.observe_cut(att.node, ngx_now() - att.started)   -- the client left first
+        return
+    end
     if not att or (att.closed and not relayed) or not status or status < 200 or status >= 300 then
         return
     end

@@ -19,9 +19,10 @@ local stats = require("infergate.routing.stats")
 local breaker = require("infergate.routing.breaker")
 local models = require("infergate.routing.models")
 local balancer = require("infergate.routing.balancer")
-local learned = require("infergate.routing.learned")
 local outlier = require("infergate.routing.outlier")
 local freerate = require("infergate.admission.freerate")
+local deadline = require("infergate.admission.deadline")
+local fit = require("infergate.routing.fit")
 
 local _M = {}
 
@@ -125,20 +126,48 @@ local function started_waiting(model, now)
     return v ~= nil and v > now
 end
 
+-- A slot the requests at the head of the queue leave because its node would finish them
+-- too late goes to the first request behind them that it can finish in time (a younger
+-- one, with more time left: reserve(..., true)): marked for REFUSED_S.
+local REFUSED_S = 1
+
+local function refused(name)
+    local d = ngx.shared[config.DICT_STATS]
+    if d then
+        d:set("uf:" .. name, true, REFUSED_S)
+    end
+end
+
+-- Whether an eligible node of the request's model other than `node`, not left out of
+-- its choice, can finish it within `left` s (infergate.routing.fit), free slot or not.
+local function fits_elsewhere(t, req, now, left, node)
+    local tried = req.tried or {}
+    for _, other in ipairs(t.nodes) do
+        if other ~= node and not tried[other.name] and open_to(other, req.model, now)
+                and not outlier.is_outlier(other, now) and fit.fits(other, now, req, left) then
+            return true
+        end
+    end
+    return false
+end
+
 -- Picks the request's node among those with a free slot, not left out of its choice
 -- (req.tried), and takes the slot: true when it did (req.picked set), false when every
 -- such slot is taken (or only one is free while an answer under way waits for it, see
 -- above).
-function _M.reserve(req, t, now)
+function _M.reserve(req, t, now, refused_only)
     if started_waiting(req.model, now) and _M.free(t, now, req.model) <= 1 then
         return false
     end
     local excluded, tried = {}, req.tried or {}
+    local d = refused_only and ngx.shared[config.DICT_STATS]
     for _, node in ipairs(t.nodes) do
-        if tried[node.name] or stats.inflight(node.name) >= cap_of(node) then
+        if tried[node.name] or stats.inflight(node.name) >= cap_of(node)
+                or (d and not d:get("uf:" .. node.name)) then
             excluded[node.name] = true
         end
     end
+    local left = deadline.remaining(req, now)
     for _ = 1, #t.nodes do
         local node, probe = balancer.first_pick(req, t, excluded, now)
         if not node then
@@ -149,61 +178,81 @@ function _M.reserve(req, t, now)
             -- without a node): wait for a slot on a live one instead
             return false
         end
-        if stats.claim(node.name, cap_of(node)) then
+        if not probe and left and not fit.fits(node, now, req, left)
+                and (refused_only or fits_elsewhere(t, req, now, left, node)) then
+            excluded[node.name] = true   -- too late for it, not for another: not here
+            if not refused_only then
+                refused(node.name)
+            end
+        elseif stats.claim(node.name, cap_of(node)) then
             req.picked = { name = node.name, probe = probe, claimed = true }
             return true
+        else
+            if probe then
+                breaker.neutral(node.name, true)
+            end
+            excluded[node.name] = true   -- taken by another request meanwhile
         end
-        if probe then
-            breaker.neutral(node.name, true)
-        end
-        excluded[node.name] = true   -- taken by another request meanwhile
     end
     return false
 end
 
 -- Predicted completion and wait (s) of a request with `ahead` requests before it in
--- the queue: the slots of the eligible nodes of `model` free up at sum(cap / s) per
--- second (s: a node's latency EWMA; with its slots a hard limit that is its service
--- time), and the request then takes its own high quantile (infergate.routing.learned
--- tail_s, capped by its max_tokens); `free`: the slots free now, as free() counts them
--- (counted here when nil). When the slots were seen to free up more than
--- FREE_YIELD_RATIO times faster than that (infergate.admission.freerate: the nodes sped
--- up, and the figures learn it only from answers that start after), the rate is the
--- one seen and the request's own time shrinks by the same factor, FREE_YIELD_MAX at
--- most. A stream's completion is its wait: it need only start in time (then idle
--- timeouts, infergate.admission.deadline). nil when no eligible node has answered yet.
+-- the queue. Each eligible node of `model` with a latency EWMA s frees slots at cap / s
+-- per second (with its slots a hard limit, s is its service time) and would finish the
+-- request in c = its own high quantile there (infergate.routing.fit.completion: the
+-- tail of the node's answer times, capped by the request's max_tokens; a stream whose
+-- answers outrun its deadline need only start). A request at the head takes a node that
+-- can still finish it (reserve()), so the queue's wait is what keeps every node usable:
+-- the nodes that could finish a request of a whole deadline (c within it; the fastest
+-- when none) serve the queue, at the sum of their rates R, and the request is predicted
+-- to wait W = (ahead + 1 - free) / R and finish at W + the largest c of them: the wait
+-- allowed is the one after which the slowest of them can still finish it (a longer
+-- queue would leave it idle, and the pool serving less). `free`: the slots free now, as
+-- free() counts them (counted here when nil). When the slots were seen to free up more
+-- than FREE_YIELD_RATIO times faster than R (infergate.admission.freerate: the nodes sped
+-- up, and the figures learn it only from answers that start after), the rate is the one
+-- seen and the request's own time shrinks by the same factor, FREE_YIELD_MAX at most.
+-- nil when no eligible node has answered yet.
 _M.FREE_YIELD_RATIO = 1.5
 _M.FREE_YIELD_MAX = 4
 function _M.predict(t, now, req, ahead, free)
-    local rate, tail = 0, nil
     free = free or _M.free(t, now, req.model)
+    local whole = deadline.whole_s(req)
+    local rate, own, best_rate, best = 0, nil, nil, nil
     for _, node in ipairs(t.nodes) do
         if open_to(node, req.model, now) then
-            local lat = stats.latency_ewma_ms(node.name)
-            if lat and lat > 0 then
-                local s = lat / 1000
-                local cap = cap_of(node)
-                rate = rate + cap / s
-                local own = learned.tail_s(node.name, s, req)
-                if not tail or own < tail then
-                    tail = own
+            local c = fit.completion(node, now, req)
+            if c then
+                local r = cap_of(node) / (stats.latency_ewma_ms(node.name) / 1000)
+                if not whole or c <= whole then
+                    rate = rate + r
+                    if not own or c < own then
+                        own = c
+                    end
+                end
+                if not best or c < best then
+                    best, best_rate = c, r
                 end
             end
         end
     end
-    if not tail then
+    if not best then
         return nil
+    end
+    if not own then   -- no node finishes within a whole deadline: the fastest
+        rate, own = best_rate, best
     end
     -- slots freeing up far faster than the nodes' figures say (they sped up again):
     -- the prediction yields to what is seen (infergate.admission.freerate)
     local seen = freerate.rate(req.model or "", now)
     if seen and seen > _M.FREE_YIELD_RATIO * rate then
         local f = math.min(seen / rate, _M.FREE_YIELD_MAX)
-        rate, tail = rate * f, tail / f
+        rate, own = rate * f, own / f
     end
     local before = ahead + 1 - free
     local wait = before > 0 and before / rate or 0
-    return wait + (req.stream and 0 or tail), wait
+    return wait + own, wait
 end
 
 return _M

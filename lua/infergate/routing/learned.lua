@@ -3,21 +3,34 @@
 -- only while a long answer, not the mean one, still meets its deadline.
 --
 -- Per node, from every successful answer (its upstream time L, s; the log phase):
---   q   the QUANTILE (0.9) of L: a stochastic quantile estimate, moved by STEP x q up
---       (times QUANTILE) when L > q and down (times 1 - QUANTILE) otherwise
+--   m   the mean of L: an EWMA (MEAN_ALPHA, as the node's latency EWMA,
+--       infergate.routing.stats)
+--   e   the QUANTILE (0.9) of L - m (m before the answer: how far a long answer runs
+--       past the mean), a stochastic quantile estimate moved by STEP x m up (times
+--       QUANTILE) when L - m > e and down (times 1 - QUANTILE) otherwise. The tail is
+--       the node's mean now plus e: a queue growing at the node adds to every answer's
+--       time, which the mean carries at once, while the spread of the answers (their
+--       lengths) stays. A quantile of the times themselves, moved a few percent per
+--       answer, trails a growing queue by dozens of answers, below the mean meanwhile.
 --   pt  time per output token (s): an EWMA (PT_ALPHA) of L / completion_tokens, when the
 --       answer's tokens are known (its usage, or a stream's counted content chunks)
--- Guard rails, given the node's mean m (its latency EWMA, s): the prior of q is
--- PRIOR x m (before the first answer, and what q decays back to with a half-life of
--- HALF_LIFE_S while no answer comes); q is kept within [m, CEILING x m]; YIELD_RUN
--- answers in a row shorter than q / YIELD_FACTOR set q to the largest of them at once
--- (infergate.routing.guard.yield: requests finishing far sooner than predicted).
+-- An answer its client left unfinished after T s (observe_cut) would have taken longer:
+-- T - m past e moves e up as a longer answer does; before it, it says nothing. Without
+-- it the tail would learn only from the answers clients waited for.
+-- Guard rails, given the node's mean m (the caller's: its latency EWMA, s): the prior of
+-- the tail is PRIOR x m (e = (PRIOR - 1) x m before the first answer, and what e decays
+-- back to with a half-life of HALF_LIFE_S while no answer comes); the tail is kept
+-- within [m, CEILING x m]. Requests finishing far sooner than predicted bring the mean
+-- down, and the tail with it; when the node sped up (its answers' spread shrank with
+-- them), YIELD_RUN answers in a row shorter than the tail / YIELD_FACTOR set the tail to
+-- the largest of them at once (infergate.routing.guard.yield).
 -- Answer time against length: a least-squares line L = a + b x T over the answers
 -- that said their completion tokens T (EWMAs, FIT_ALPHA, of T, L, T^2 and T x L; b >= 0,
 -- a >= 0, else L proportional to T). When the request's model has an output-length
 -- quantile (infergate.routing.lengths: n tokens, or the request's max_tokens when
--- fewer) and a + b x n is below q, the request's own time moves from q toward it (not
--- below m) by the weight of that quantile (1 while fresh, decaying to 0: back to q):
+-- fewer) and a + b x n is below the tail, the request's own time moves from the tail
+-- toward it (not below m) by the weight of that quantile (1 while fresh, decaying to 0:
+-- back to the tail):
 -- what the model's answers are known to need can only make the prediction yield, never
 -- shed more than the node's own tail does. A request with max_tokens (or
 -- max_completion_tokens) takes at most pt x that many tokens.
@@ -30,8 +43,9 @@
 -- (infergate.routing.speed); a node slower at every length stays slower, as its a and
 -- b both grow.
 --
--- Shared dict infergate_stats, "tq:<node>": packed doubles {q, time of the last answer
--- (ngx.now(), s), pt or -1, run, largest of the run, E[T] or -1, E[L], E[T^2], E[T x L]};
+-- Shared dict infergate_stats, "tq:<node>": packed doubles {e (s), time of the last
+-- answer (ngx.now(), s), pt or -1, run, largest of the run, E[T] or -1, E[L], E[T^2],
+-- E[T x L], m};
 -- "tq*": Tm, a number. No I/O: safe in every phase.
 local config = require("infergate.core.config")
 local ngxapi = require("infergate.core.ngxapi")
@@ -47,17 +61,18 @@ _M.PRIOR = 2
 _M.CEILING = 8
 _M.HALF_LIFE_S = 60
 _M.PT_ALPHA = 0.1
-_M.YIELD_FACTOR = 4
-_M.YIELD_RUN = 8
 _M.FIT_ALPHA = 0.05
 _M.RATIO_MAX = 16
+_M.YIELD_FACTOR = 4
+_M.YIELD_RUN = 8
+_M.MEAN_ALPHA = 0.3
 
 local shared = ngx.shared
 local ngx_now = ngxapi.now
 local cdouble_p = ffi.typeof("const double *")
-local FIELDS = 9
+local FIELDS = 10
 local BYTES = FIELDS * 8
-local buf = ffi.new("double[9]")
+local buf = ffi.new("double[10]")
 local type = type
 local TM_KEY = "tq*"
 
@@ -80,15 +95,15 @@ local function mean_tokens(d)
     return type(tm) == "number" and tm or nil
 end
 
--- q, time of the last answer, pt (nil when unknown), run, largest of the run of node
--- `name`, and the record; nil without a record.
+-- e, time of the last answer, pt (nil when unknown) of node `name`, and the record; nil
+-- without a record.
 local function read(name)
     local p = record(name)
     if not p then
         return nil
     end
     local pt = p[2]
-    return p[0], p[1], pt >= 0 and pt or nil, p[3], p[4], p
+    return p[0], p[1], pt >= 0 and pt or nil, p
 end
 
 -- The fitted answer time (s) at n tokens from record p, or nil before any length.
@@ -107,26 +122,40 @@ local function time_at(p, n)
 end
 _M._time_at = time_at
 
+-- e moved by an answer x s past the mean m (see the top of this file), within
+-- [0, (CEILING - 1) x m].
+local function excess_after(e, x, m)
+    if x > e then
+        e = e + _M.STEP * m * _M.QUANTILE
+    else
+        e = e - _M.STEP * m * (1 - _M.QUANTILE)
+    end
+    return guard.clamp(e, 0, (_M.CEILING - 1) * m)
+end
+
 -- A successful answer of node `name` after lat_s seconds; tokens: its completion tokens
 -- (nil: not known).
 function _M.observe(name, lat_s, tokens, now)
     if not lat_s or lat_s <= 0 then
         return
     end
-    local q, _, pt, run, run_max, p = read(name)
-    local mt, ml, mtt, mtl = -1, 0, 0, 0
+    local e, _, pt, p = read(name)
+    local mt, ml, mtt, mtl, m = -1, 0, 0, 0, lat_s
     if p then
-        mt, ml, mtt, mtl = p[5], p[6], p[7], p[8]
+        mt, ml, mtt, mtl, m = p[5], p[6], p[7], p[8], p[9]
     end
-    if not q then
-        q, run, run_max = lat_s, 0, 0
+    local run, run_max, m_after = 0, 0, m + _M.MEAN_ALPHA * (lat_s - m)
+    if not e then
+        e = (_M.PRIOR - 1) * lat_s
     else
-        if lat_s > q then
-            q = q + _M.STEP * q * _M.QUANTILE
-        else
-            q = q - _M.STEP * q * (1 - _M.QUANTILE)
+        local tail = m + e
+        e = excess_after(e, lat_s - m, m)
+        local yielded
+        yielded, run, run_max = guard.yield(tail, lat_s, p[3], p[4], _M.YIELD_FACTOR,
+                                            _M.YIELD_RUN)
+        if yielded ~= tail then   -- a run far sooner than the tail: it is where they are
+            e = math.max(0, yielded - m_after)
         end
-        q, run, run_max = guard.yield(q, lat_s, run, run_max, _M.YIELD_FACTOR, _M.YIELD_RUN)
     end
     if tokens and tokens > 0 then
         local one = lat_s / tokens
@@ -141,8 +170,9 @@ function _M.observe(name, lat_s, tokens, now)
             mtl = mtl + a * (tokens * lat_s - mtl)
         end
     end
-    buf[0], buf[1], buf[2], buf[3], buf[4] = q, now or ngx_now(), pt or -1, run, run_max
+    buf[0], buf[1], buf[2], buf[3], buf[4] = e, now or ngx_now(), pt or -1, run, run_max
     buf[5], buf[6], buf[7], buf[8] = mt, ml, mtt, mtl
+    buf[9] = m_after
     local d = dict()
     d:set("tq:" .. name, ffi.string(buf, BYTES))
     if tokens and tokens > 0 then
@@ -187,14 +217,12 @@ _M.max_tokens = max_tokens
 -- high quantile with its guard rails (see the top of this file).
 function _M.tail_s(name, mean_s, req, now)
     now = now or ngx_now()
-    local prior = _M.PRIOR * mean_s
-    local q, at, pt, _, _, p = read(name)
-    if not q then
-        q = prior
-    else
-        q = guard.decay(q, prior, now - at, 0, _M.HALF_LIFE_S)
+    local e, at, pt, p = read(name)
+    local prior = (_M.PRIOR - 1) * mean_s
+    if e then
+        e = guard.decay(e, prior, now - at, 0, _M.HALF_LIFE_S)
     end
-    q = guard.clamp(q, mean_s, _M.CEILING * mean_s)
+    local q = guard.clamp(mean_s + (e or prior), mean_s, _M.CEILING * mean_s)
     local m = pt and max_tokens(req)
     if pt then
         local n, w = lengths.quantile(req and req.model, now)
@@ -214,13 +242,28 @@ function _M.tail_s(name, mean_s, req, now)
     return q
 end
 
--- {q (s), at, pt (s) or nil, run} of node `name` as stored (status, tests), or nil.
+-- An answer of node `name` cut after lat_s seconds, unfinished (its client left): see
+-- the top of this file.
+function _M.observe_cut(name, lat_s, now)
+    local p = record(name)
+    if not p or not lat_s or lat_s - p[9] <= p[0] then
+        return
+    end
+    for i = 0, FIELDS - 1 do
+        buf[i] = p[i]
+    end
+    buf[0] = excess_after(p[0], lat_s - p[9], p[9])
+    buf[1], buf[3], buf[4] = now or ngx_now(), 0, 0   -- a run of far shorter ones ends
+    dict():set("tq:" .. name, ffi.string(buf, BYTES))
+end
+
+-- {e (s), at, pt (s) or nil, m (s)} of node `name` as stored (status, tests), or nil.
 function _M.info(name)
-    local q, at, pt, run = read(name)
-    if not q then
+    local e, at, pt, p = read(name)
+    if not e then
         return nil
     end
-    return { q = q, at = at, pt = pt, run = run }
+    return { e = e, at = at, pt = pt, m = p[9] }
 end
 
 return _M
