@@ -380,6 +380,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "scheduler_mixed_firstsight": lambda r: _scheduler(r, "scheduler_scenarios_mixed_firstsight"),
     "scheduler_shapes": block_scheduler_shapes,
     "scheduler_guard_steady": lambda r: _scheduler(r, "scheduler_guard_steady"),
+    "scheduler_guard_steady_long": lambda r: _scheduler(r, "scheduler_guard_steady_long"),
     "scheduler_guard_openai": lambda r: _scheduler(r, "scheduler_guard_openai"),
     "scheduler_guard_prefix": lambda r: _prefix(r, "scheduler_guard_prefix"),
     "realnode_compare": block_realnode_compare,
