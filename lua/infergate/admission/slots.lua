@@ -202,13 +202,12 @@ end
 -- per second (with its slots a hard limit, s is its service time) and would finish the
 -- request in c = its own high quantile there (infergate.routing.fit.completion: the
 -- tail of the node's answer times, capped by the request's max_tokens; a stream whose
--- answers outrun its deadline need only start). A request at the head takes a node that
--- can still finish it (reserve()), so the queue's wait is what keeps every node usable:
--- the nodes that could finish a request of a whole deadline (c within it; the fastest
--- when none) serve the queue, at the sum of their rates R, and the request is predicted
--- to wait W = (ahead + 1 - free) / R and finish at W + the largest c of them: the wait
--- allowed is the one after which the slowest of them can still finish it (a longer
--- queue would leave it idle, and the pool serving less). `free`: the slots free now, as
+-- answers outrun its deadline need only start). The nodes that could finish a request
+-- of a whole deadline (c within it; the fastest when none) serve the queue, at the sum
+-- of their rates R: a request that has waited takes a node that can still finish it,
+-- and the slots it leaves go to the newer arrivals behind it (reserve()). The request is
+-- predicted to wait W = (ahead + 1 - free) / R and finish at W + the smallest c of
+-- them. `free`: the slots free now, as
 -- free() counts them (counted here when nil). When the slots were seen to free up more
 -- than FREE_YIELD_RATIO times faster than R (infergate.admission.freerate: the nodes sped
 -- up, and the figures learn it only from answers that start after), the rate is the one

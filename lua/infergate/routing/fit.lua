@@ -8,12 +8,13 @@
 --                               mean of its answer times (infergate.routing.learned.tail_s,
 --                               capped by the request's max_tokens: then it may be
 --                               negative); 0 while the node has no history
---   completion(node, now, req)  the node's work ahead of the request, B at a time
---                               (infergate.routing.speed.expected_s less one service
---                               time), plus the request's own time at the tail, of which
---                               a stream whose answers outrun its deadline counts nothing
+--   completion(node, now, req)  one more request's time on the node at the tail of its
+--                               answer times (infergate.routing.learned.tail_s of its
+--                               latency EWMA: its own queue included, as the answers
+--                               that taught it waited there too), of which a stream whose
+--                               answers outrun its deadline counts nothing
 --                               (infergate.admission.deadline.own_s); nil while the node
---                               has no service time
+--                               has no latency history
 --   fits(node, now, req, left)  completion within `left` s, or unknown (nil completion)
 local stats = require("infergate.routing.stats")
 local speed = require("infergate.routing.speed")
