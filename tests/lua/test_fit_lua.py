@@ -8,32 +8,19 @@ init_by_lua with real shared dicts (support.stack.lua_eval)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from support.stack import lua_eval, lua_node_helpers
-
-from controlplane.edge.options import lua_string, option_spec
+from support.stack import lua_eval, lua_slot_prelude
 
 DICTS = "lua_shared_dict infergate_snapshot 1m; lua_shared_dict infergate_stats 1m;"
 
 
 def run(workdir: Path, body: str):
-    prelude = """
-            local config = require("infergate.core.config")
-            assert(config.init({edge = {stale_after_s = 10}},
-                               """ + lua_string(json.dumps(option_spec())) + """))
-            local stats = require("infergate.routing.stats")
-            local learned = require("infergate.routing.learned")
-            local fit = require("infergate.routing.fit")
-            local slots = require("infergate.admission.slots")
-            local queue = require("infergate.admission.queue")
-            local deadline = require("infergate.admission.deadline")
-""" + lua_node_helpers(max_concurrency=64) + """
-            local function busy(name, n)
-                for _ = 1, n do stats.open_attempt(name, ngx.now()) end
-            end
+    prelude = lua_slot_prelude({
+        "learned": "infergate.routing.learned", "fit": "infergate.routing.fit",
+        "slots": "infergate.admission.slots", "queue": "infergate.admission.queue",
+        "deadline": "infergate.admission.deadline"}) + """
             local function mean(name, s)          -- the node's latency EWMA: s
                 local att = stats.open_attempt(name, ngx.now())
                 stats.close_attempt(att, "ok", ngx.now(), s * 1000)

@@ -6,32 +6,19 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from support.stack import lua_eval, lua_node_helpers
-
-from controlplane.edge.options import lua_string, option_spec
+from support.stack import lua_eval, lua_slot_prelude
 
 DICTS = "lua_shared_dict infergate_snapshot 1m; lua_shared_dict infergate_stats 1m;"
 
 
 def run(workdir: Path, body: str):
-    prelude = """
-            local config = require("infergate.core.config")
-            assert(config.init({edge = {stale_after_s = 10}},
-                               """ + lua_string(json.dumps(option_spec())) + """))
-            local stats = require("infergate.routing.stats")
-            local speed = require("infergate.routing.speed")
-            local learned = require("infergate.routing.learned")
-            local slots = require("infergate.admission.slots")
-            local queue = require("infergate.admission.queue")
-            local held = require("infergate.routing.held")
-""" + lua_node_helpers(max_concurrency=64, score=0.1) + """
-            local function busy(name, n)
-                for _ = 1, n do stats.open_attempt(name, ngx.now()) end
-            end
+    prelude = lua_slot_prelude({
+        "speed": "infergate.routing.speed", "learned": "infergate.routing.learned",
+        "slots": "infergate.admission.slots", "queue": "infergate.admission.queue",
+        "held": "infergate.routing.held"}, score=0.1) + """
             local function answered(name, k, lat)
                 speed.observe({node = name, k = k}, lat * 1000)
             end

@@ -152,6 +152,28 @@ def lua_node_helpers(max_concurrency: int = 10, score: float = 0) -> str:
 """
 
 
+def lua_slot_prelude(modules: dict[str, str], *, max_concurrency: int = 64,
+                     score: float = 0) -> str:
+    """Lua for the start of a :func:`lua_eval` body of the slot and admission tests: the
+    edge options (``edge.stale_after_s`` 10), ``local stats`` and ``local NAME =
+    require(MODULE)`` for each of ``modules``, the helpers of :func:`lua_node_helpers`
+    and ``busy(name, n)``: n attempts open on node ``name``."""
+    from controlplane.edge.options import lua_string, option_spec
+
+    requires = "".join(f'            local {name} = require("{module}")\n'
+                       for name, module in modules.items())
+    return """
+            local config = require("infergate.core.config")
+            assert(config.init({edge = {stale_after_s = 10}},
+                               """ + lua_string(json.dumps(option_spec())) + """))
+            local stats = require("infergate.routing.stats")
+""" + requires + lua_node_helpers(max_concurrency=max_concurrency, score=score) + """
+            local function busy(name, n)
+                for _ = 1, n do stats.open_attempt(name, ngx.now()) end
+            end
+"""
+
+
 def lua_eval(workdir: Path, code: str, *, http_extra: str = "", timeout: float = 15.0) -> Any:
     """Run ``code`` (a Lua function body ending in ``return value``) inside nginx's
     ``init_by_lua`` with the infergate Lua path, and return the value decoded from
