@@ -108,8 +108,8 @@ def test_a_slot_that_would_finish_too_late_waits_for_one_that_would_not(
     """reserve(): a free slot on a node predicted to finish the request after its deadline
     is left while another node could finish it (the request waits for that one's slot),
     and marked for a request behind it with time enough; when no node could finish it in
-    time the free slot is taken (a free slot never sheds); without a deadline nothing
-    changes."""
+    time the free slot is taken (a free slot never sheds), as it is by a request whose
+    wait is over ("any"); without a deadline nothing changes."""
     got = run(workdir, """
             local t = tbl({node("fast", {slots = 1}), node("slow", {slots = 1})})
             t.by_name = {fast = t.nodes[1], slow = t.nodes[2]}
@@ -126,19 +126,22 @@ def test_a_slot_that_would_finish_too_late_waits_for_one_that_would_not(
             out.slow_after_tight = stats.inflight("slow")
             -- a younger request behind it, 20 s left: the slot it left is its
             local young = due(20)
-            out.young = slots.reserve(young, t, now, true)
+            out.young = slots.reserve(young, t, now, "refused")
             out.young_node = young.picked and young.picked.name
             stats.release({node = "slow"})
             -- one with 6 s left takes only a slot left to it, and this one does not fit
-            out.mid_refused_only = slots.reserve(due(6), t, now, true)
+            out.mid_refused_only = slots.reserve(due(6), t, now, "refused")
             -- 1.5 s left: no node finishes it in time, so the free slot is taken
             local hopeless = due(1.5)
             out.hopeless = slots.reserve(hopeless, t, now)
             out.hopeless_node = hopeless.picked and hopeless.picked.name
             stats.release({node = "slow"})
             ngx.shared.infergate_stats:delete("uf:slow")
-            out.unmarked = slots.reserve(due(20), t, now, true)
+            out.unmarked = slots.reserve(due(20), t, now, "refused")
             out.no_deadline = slots.reserve({tried = {}}, t, now)
+            stats.release({node = "slow"})
+            -- a request whose wait is over takes the free slot rather than a 429
+            out.any = slots.reserve(due(5), t, now, "any")
             return out
     """)
     assert got["c_fast"] == pytest.approx(2.0) and got["c_slow"] == pytest.approx(10.0)
@@ -149,6 +152,7 @@ def test_a_slot_that_would_finish_too_late_waits_for_one_that_would_not(
     assert got["hopeless"] is True and got["hopeless_node"] == "slow"
     assert got["unmarked"] is False                  # not left by anyone ahead: not its
     assert got["no_deadline"] is True
+    assert got["any"] is True
 
 
 def test_the_queue_prediction_counts_the_nodes_that_can_finish_a_request(

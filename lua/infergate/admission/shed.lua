@@ -356,7 +356,8 @@ local function wait_for_slot(req, o, t, now, left)
         local free, eligible = slots.free(t, now, req.model, req.tried)
         local ahead = line.rank(w, now, poll_s, free)
         if eligible == 0 or (ahead < free and slots.reserve(req, t, now))
-                or (ahead >= free and free > 0 and slots.reserve(req, t, now, true)) then
+                or (ahead >= free and free > 0 and slots.reserve(req, t, now, "refused"))
+                or (free > 0 and now >= give_up and slots.reserve(req, t, now, "any")) then
             abort.unwatch(req, gone)
             line.leave(w, now)
             astats.incr("waiting", -1)
@@ -463,7 +464,8 @@ local function learn_tail(req)
     -- a stream the edge relayed (infergate.stream.relay) closed its attempts itself and
     -- records the answer time of a stream that one node answered whole
     local relayed = req.relay and req.relay.latency_s
-    if att and not att.closed and (status == 499 or status == 444) and att.started then
+    local gone = status == 499 or status == 444 or (req.relay and req.relay.client_gone)
+    if att and not att.closed and gone and att.started then
         learned.observe_cut(att.node, ngx_now() - att.started)   -- the client left first
         return
     end

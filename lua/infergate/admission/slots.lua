@@ -128,7 +128,7 @@ end
 
 -- A slot the requests at the head of the queue leave because its node would finish them
 -- too late goes to the first request behind them that it can finish in time (a younger
--- one, with more time left: reserve(..., true)): marked for REFUSED_S.
+-- one, with more time left: reserve(..., "refused")): marked for REFUSED_S.
 local REFUSED_S = 1
 
 local function refused(name)
@@ -154,12 +154,16 @@ end
 -- Picks the request's node among those with a free slot, not left out of its choice
 -- (req.tried), and takes the slot: true when it did (req.picked set), false when every
 -- such slot is taken (or only one is free while an answer under way waits for it, see
--- above).
-function _M.reserve(req, t, now, refused_only)
+-- above), or left for a node that can finish the request in time. `how`: nil, or
+-- "refused" (only the slots left so, and only one whose node finishes it in time), or
+-- "any" (whichever node finishes it: a request whose wait is over takes a free slot
+-- rather than a 429).
+function _M.reserve(req, t, now, how)
     if started_waiting(req.model, now) and _M.free(t, now, req.model) <= 1 then
         return false
     end
     local excluded, tried = {}, req.tried or {}
+    local refused_only = how == "refused"
     local d = refused_only and ngx.shared[config.DICT_STATS]
     for _, node in ipairs(t.nodes) do
         if tried[node.name] or stats.inflight(node.name) >= cap_of(node)
@@ -167,7 +171,7 @@ function _M.reserve(req, t, now, refused_only)
             excluded[node.name] = true
         end
     end
-    local left = deadline.remaining(req, now)
+    local left = how ~= "any" and deadline.remaining(req, now)
     for _ = 1, #t.nodes do
         local node, probe = balancer.first_pick(req, t, excluded, now)
         if not node then
