@@ -225,9 +225,9 @@ function _M.predict(t, now, req, ahead, free)
     local rate, own, best_rate, best = 0, nil, nil, nil
     for _, node in ipairs(t.nodes) do
         if open_to(node, req.model, now) then
-            local c = fit.completion(node, now, req)
+            local c, m = fit.completion(node, now, req)
             if c then
-                local r = cap_of(node) / (stats.latency_ewma_ms(node.name) / 1000)
+                local r = cap_of(node) / m
                 if not whole or c <= whole then
                     rate = rate + r
                     if not own or c < own then

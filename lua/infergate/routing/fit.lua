@@ -13,8 +13,9 @@
 --                               latency EWMA: its own queue included, as the answers
 --                               that taught it waited there too), of which a stream whose
 --                               answers outrun its deadline counts nothing
---                               (infergate.admission.deadline.own_s); nil while the node
---                               has no latency history
+--                               (infergate.admission.deadline.own_s), and the latency
+--                               EWMA (s) it came from; nil while the node has no latency
+--                               history
 --   fits(node, now, req, left)  completion within `left` s, or unknown (nil completion)
 local stats = require("infergate.routing.stats")
 local speed = require("infergate.routing.speed")
@@ -38,7 +39,8 @@ function _M.completion(node, now, req)
     if not lat or lat <= 0 then
         return nil
     end
-    return deadline.own_s(req, learned.tail_s(node.name, lat / 1000, req, now))
+    local m = lat / 1000
+    return deadline.own_s(req, learned.tail_s(node.name, m, req, now)), m
 end
 
 function _M.fits(node, now, req, left)
