@@ -182,6 +182,52 @@ def test_outlier_needs_a_long_wait_and_no_answer_and_clears_on_an_answer(workdir
     assert got["after_probe_answer"] is False
 
 
+def test_a_request_queued_behind_a_busy_batch_is_no_sign_of_a_hang(workdir: Path) -> None:
+    """A request queued at the node behind this edge's full batch waits for its first
+    byte as long as the batch takes: while bytes of the running answers arrive, the node
+    is busy, not an outlier; once no byte at all comes for the threshold, it is one. A
+    request the node had room for gets no such excuse."""
+    got = run(workdir, """
+            local out = {}
+            local speed = require("infergate.routing.speed")
+            local stall = require("infergate.routing.stall")
+            local t0 = 1000
+            for _ = 1, 20 do      -- both nodes run one request at a time
+                speed.observe({node = "n", k = 1}, 1000); speed.observe({node = "n", k = 3}, 3000)
+                speed.observe({node = "r", k = 1}, 1000); speed.observe({node = "r", k = 3}, 3000)
+            end
+            for i = 1, 10 do answered("n", t0, 0.5, true); answered("r", t0, 0.5, true) end
+            local function running(name, at)      -- a stream under way, its first byte at `at`
+                local att = stats.open_attempt(name, at)
+                att.k = 1
+                outlier.track(att, true)
+                local req = {attempts = {att}, stream = true}
+                outlier.first_byte(req, at)
+                stall.byte(req, at)
+                return req
+            end
+            local busy = running("n", t0 + 1)
+            local queued = stats.open_attempt("n", t0 + 1)
+            queued.k = 2                                            -- behind the running one
+            outlier.track(queued, true)
+            stall.byte(busy, t0 + 3.2)
+            stall.byte(busy, t0 + 3.4)
+            out.busy = outlier.is_outlier(node, t0 + 3.5)          -- waited 2.5 s: bytes flow
+            out.silent = outlier.is_outlier(node, t0 + 5.5)        -- no byte for 2.1 s
+            -- on a node it had room on, the same wait is an outlier, bytes or not
+            local other = running("r", t0 + 1)
+            local alone = stats.open_attempt("r", t0 + 1)
+            alone.k = 1
+            outlier.track(alone, true)
+            stall.byte(other, t0 + 3.4)
+            out.room = outlier.is_outlier({name = "r"}, t0 + 3.5)
+            return out
+    """, stream_floor=2.0)
+    assert got["busy"] is False
+    assert got["silent"] is True
+    assert got["room"] is True
+
+
 def test_unanswered_probes_back_a_hung_node_off(workdir: Path) -> None:
     """A silent outlier gets one probe at a time; a probe that waited past the threshold
     and ended unanswered keeps the node out for threshold x 2^n (n probes in a row, at

@@ -5,7 +5,10 @@
 --
 -- A node is an outlier when either
 --   * this worker's oldest attempt on it still waiting for its first byte has waited
---     longer than the threshold, and no first byte came from the node for as long; or
+--     longer than the threshold, and no first byte came from the node for as long (for
+--     an attempt queued behind this edge's full batch on the node,
+--     infergate.routing.speed.queued: no byte at all, infergate.routing.stall "lb:", as
+--     a busy node's queue moves only when an answer of its batch ends); or
 --   * another worker found that and flagged it ("ol:<node>"), and no first byte came from
 --     the node since.
 -- threshold = max(floor, edge.outlier_ttfb_factor x p90), where p90 is the 90th
@@ -330,6 +333,9 @@ function _M.is_outlier(node, now, o)
     local thr = _M.threshold(name, att.stream, o)
     if waited <= thr or now - fb <= thr then
         return false
+    end
+    if speed.queued(att) and now - (d:get(key("lb:", name)) or 0) <= thr then
+        return false   -- queued behind a full batch, and the batch makes progress: busy
     end
     if not flagged then
         log(WARN, "infergate: node ", name, " is an outlier: a request has waited ",
