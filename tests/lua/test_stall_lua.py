@@ -170,6 +170,41 @@ def test_the_flag_holds_for_other_workers_and_a_stalled_node_is_half_open(workdi
     assert got["resumed"] is False and got["no_probe_read"] is False and got["flagged"] is False
 
 
+def test_a_stall_leaves_what_the_edge_learned_of_the_node_and_backs_probes_off_in_turn(
+        workdir: Path) -> None:
+    """The stall's own records live beside the node's learned figures in one shared
+    dict: finding a node stalled and seeing it resume keeps its learned concurrency and
+    service time, and unanswered probes back it off for twice as long each time while
+    those figures are there."""
+    got = run(workdir, """
+            local out = {}
+            local speed = require("infergate.routing.speed")
+            local t0 = 1000
+            for _ = 1, 20 do
+                speed.observe({node = "n", k = 1}, 1000); speed.observe({node = "n", k = 3}, 3000)
+            end
+            out.before = speed.learned("n")
+            found_then_idle(node, t0)
+            local function probe(at, ends)
+                local preq, patt = req_on("n", at, true)
+                stats.close_attempt(patt, "fail", ends)
+                outlier.finished(patt, ends)
+            end
+            probe(t0 + 10, t0 + 12)                      -- backoff 1 x 2^1 s
+            out.first = d:get("su:n") - (t0 + 12)
+            probe(t0 + 14.1, t0 + 16)                    -- then 1 x 2^2 s
+            out.second = d:get("su:n") - (t0 + 16)
+            local req, att = req_on("n", t0 + 20.1, true)
+            stall.byte(req, t0 + 20.2)                   -- it resumes
+            ended(req, att, t0 + 20.3)
+            out.after = speed.learned("n")
+            return out
+    """)
+    assert got["before"] == pytest.approx(1.0, abs=0.05)
+    assert got["first"] == pytest.approx(2.0) and got["second"] == pytest.approx(4.0)
+    assert got["after"] == pytest.approx(got["before"])
+
+
 def test_a_larger_usual_gap_raises_the_bar(workdir: Path) -> None:
     got = run(workdir, """
             local out = {}

@@ -35,7 +35,7 @@
 --   "gq:<node>"  p90 (s) of the largest inter-chunk gap of the node's last answers
 --   "sl:<node>"  epoch s the node was found stalled (TTL FLAG_TTL_FACTOR x threshold)
 --   "ss:<node>"  the same without a TTL; removed at the node's next byte
---   "sp:<node>"  probes in a row that ended without a byte, "su:<node>" epoch s before
+--   "sn:<node>"  probes in a row that ended without a byte, "su:<node>" epoch s before
 --                which it gets no probe
 -- Worker-local: the number of this worker's attempts per node that are mid-stream (dies
 -- with the worker; a node also needs this edge's requests in flight to be found
@@ -109,7 +109,7 @@ local function progress(d, name, now)
     if d:get(key("ss:", name)) then
         d:delete(key("sl:", name))
         d:delete(key("ss:", name))
-        d:delete(key("sp:", name))
+        d:delete(key("sn:", name))
         d:delete(key("su:", name))
         log(WARN, "infergate: node ", name, " sends bytes again: no longer stalled")
     end
@@ -189,7 +189,7 @@ function _M.finished(att, now)
     if now - att.started < thr then
         return -- ended early (the client left): no evidence either way
     end
-    local n = d:incr(key("sp:", name), 1, 0) or 1
+    local n = d:incr(key("sn:", name), 1, 0) or 1
     local wait = thr * 2 ^ n
     if wait > _M.PROBE_BACKOFF_MAX_S then
         wait = _M.PROBE_BACKOFF_MAX_S
