@@ -5,10 +5,14 @@
 --
 -- A node is an outlier when either
 --   * this worker's oldest attempt on it still waiting for its first byte has waited
---     longer than the threshold, and no first byte came from the node for as long (for
---     an attempt queued behind this edge's full batch on the node,
---     infergate.routing.speed.queued: no byte at all, infergate.routing.stall "lb:", as
---     a busy node's queue moves only when an answer of its batch ends); or
+--     longer than the threshold, and no first byte came from the node for as long. An
+--     attempt that queued `ahead` places behind this edge's full batch on the node (in
+--     flight at its start beyond the learned concurrency, infergate.routing.speed) waits
+--     for its turn: while fewer than `ahead` of this edge's attempts on the node ended
+--     since it started and some byte came from the node within the threshold
+--     (infergate.routing.stall "lb:"), the node is busy, not an outlier (a busy node's
+--     queue moves only when an answer of its batch ends; one that ends answers and
+--     still starts nothing new is found as before); or
 --   * another worker found that and flagged it ("ol:<node>"), and no first byte came from
 --     the node since.
 -- threshold = max(floor, edge.outlier_ttfb_factor x p90), where p90 is the 90th
@@ -143,6 +147,11 @@ function _M.threshold(name, stream, o, now)
     return guard.clamp(thr, floor, _M.CEILING_FACTOR * prior)
 end
 
+-- Attempts on node `name` this edge has ended so far (opened, no longer in flight).
+local function ended(name)
+    return stats.requests(name) - stats.inflight(name)
+end
+
 function _M.track(att, stream)
     att.stream = stream == true
     if config.get().edge.outlier_ttfb_factor <= 0 then
@@ -163,6 +172,7 @@ function _M.track(att, stream)
     end
     q.tail = att
     att.waiting = true
+    att.ended0 = ended(name)
 end
 
 -- Takes the attempt off its node's waiting list (once).
@@ -334,8 +344,10 @@ function _M.is_outlier(node, now, o)
     if waited <= thr or now - fb <= thr then
         return false
     end
-    if speed.queued(att) and now - (d:get(key("lb:", name)) or 0) <= thr then
-        return false   -- queued behind a full batch, and the batch makes progress: busy
+    local lc = att.k and speed.learned(name)
+    if lc and ended(name) - att.ended0 < att.k - speed.round_concurrency(lc)
+            and now - (d:get(key("lb:", name)) or 0) <= thr then
+        return false   -- its turn has not come, and the batch before it sends bytes: busy
     end
     if not flagged then
         log(WARN, "infergate: node ", name, " is an outlier: a request has waited ",
