@@ -185,9 +185,9 @@ def test_outlier_needs_a_long_wait_and_no_answer_and_clears_on_an_answer(workdir
 def test_a_request_queued_behind_a_busy_batch_is_no_sign_of_a_hang(workdir: Path) -> None:
     """A request queued at the node behind this edge's full batch waits for its first
     byte as long as the batch takes: while bytes of the running answers arrive, the node
-    is busy, not an outlier; once no byte at all comes for the threshold, or once its
-    turn came (answers before it ended) and it still has no first byte, it is one. A
-    request the node had room for gets no such excuse."""
+    is busy, not an outlier, also just as its turn comes; once no byte at all comes for
+    the threshold, or once another answer ended after its turn came and it still has no
+    first byte, it is one. A request the node had room for gets no such excuse."""
     got = run(workdir, """
             local out = {}
             local speed = require("infergate.routing.speed")
@@ -209,6 +209,7 @@ def test_a_request_queued_behind_a_busy_batch_is_no_sign_of_a_hang(workdir: Path
             end
             local busy = running("n", t0 + 1)
             local busy2 = running("n", t0 + 1)
+            local busy3 = running("n", t0 + 1)
             local queued = stats.open_attempt("n", t0 + 1)
             queued.k = 2                                            -- behind the running one
             outlier.track(queued, true)
@@ -216,12 +217,17 @@ def test_a_request_queued_behind_a_busy_batch_is_no_sign_of_a_hang(workdir: Path
             stall.byte(busy, t0 + 3.4)
             out.busy = outlier.is_outlier(node, t0 + 3.5)          -- waited 2.5 s: bytes flow
             out.silent = outlier.is_outlier(node, t0 + 5.5)        -- no byte for 2.1 s
-            -- the answer before it ended (its turn came), the node still sends bytes of
-            -- others and starts nothing new: an outlier again
+            -- the answer before it ended: its turn came, and it may still read its prompt
             ngx.shared.infergate_stats:delete("ol:n")
             ngx.shared.infergate_stats:delete("os:n")
             stats.close_attempt(busy.attempts[1], "ok", t0 + 5.6)
-            stall.byte(busy2, t0 + 8.4)
+            stall.byte(busy2, t0 + 5.6)
+            stall.byte(busy2, t0 + 6.0)
+            out.its_turn = outlier.is_outlier(node, t0 + 6.1)
+            -- one more answer ended, the node still sends bytes of others and has started
+            -- nothing new: an outlier again
+            stats.close_attempt(busy2.attempts[1], "ok", t0 + 6.2)
+            stall.byte(busy3, t0 + 8.4)
             out.turn_came = outlier.is_outlier(node, t0 + 8.5)
             -- on a node it had room on, the same wait is an outlier, bytes or not
             local other = running("r", t0 + 1)
@@ -234,6 +240,7 @@ def test_a_request_queued_behind_a_busy_batch_is_no_sign_of_a_hang(workdir: Path
     """, stream_floor=2.0)
     assert got["busy"] is False
     assert got["silent"] is True
+    assert got["its_turn"] is False
     assert got["turn_came"] is True
     assert got["room"] is True
 

@@ -8,8 +8,9 @@
 --     longer than the threshold, and no first byte came from the node for as long. An
 --     attempt that queued `ahead` places behind this edge's full batch on the node (in
 --     flight at its start beyond the learned concurrency, infergate.routing.speed) waits
---     for its turn: while fewer than `ahead` of this edge's attempts on the node ended
---     since it started and some byte came from the node within the threshold
+--     for its turn: while at most `ahead` of this edge's attempts on the node ended since
+--     it started (the last of them gave it its place in the batch, and it may still be
+--     reading its prompt) and some byte came from the node within the threshold
 --     (infergate.routing.stall "lb:"), the node is busy, not an outlier (a busy node's
 --     queue moves only when an answer of its batch ends; one that ends answers and
 --     still starts nothing new is found as before); or
@@ -345,9 +346,10 @@ function _M.is_outlier(node, now, o)
         return false
     end
     local lc = att.k and speed.learned(name)
-    if lc and ended(name) - att.ended0 < att.k - speed.round_concurrency(lc)
+    local ahead = lc and att.k - speed.round_concurrency(lc) or 0
+    if ahead > 0 and ended(name) - att.ended0 <= ahead
             and now - (d:get(key("lb:", name)) or 0) <= thr then
-        return false   -- its turn has not come, and the batch before it sends bytes: busy
+        return false   -- its turn is now or still to come, and the batch sends bytes: busy
     end
     if not flagged then
         log(WARN, "infergate: node ", name, " is an outlier: a request has waited ",
