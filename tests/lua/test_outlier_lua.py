@@ -211,7 +211,7 @@ def test_a_request_queued_behind_a_busy_batch_is_no_sign_of_a_hang(workdir: Path
             local busy2 = running("n", t0 + 1)
             local busy3 = running("n", t0 + 1)
             local queued = stats.open_attempt("n", t0 + 1)
-            queued.k = 2                                            -- behind the running one
+            queued.k = 2                                            -- one place back
             outlier.track(queued, true)
             stall.byte(busy, t0 + 3.2)
             stall.byte(busy, t0 + 3.4)
