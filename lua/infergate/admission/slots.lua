@@ -138,13 +138,14 @@ local function refused(name)
     end
 end
 
--- Whether an eligible node of the request's model other than `node`, not left out of
--- its choice, can finish it within `left` s (infergate.routing.fit), free slot or not.
-local function fits_elsewhere(t, req, now, left, node)
+-- Whether an eligible node of the request's model, not left out of its choice and not
+-- found silent, can finish it within `left` s (infergate.routing.fit), free slot or not.
+-- Asked for a node that cannot: any node that can is another one.
+local function fits_somewhere(t, req, now, left)
     local tried = req.tried or {}
-    for _, other in ipairs(t.nodes) do
-        if other ~= node and not tried[other.name] and open_to(other, req.model, now)
-                and not outlier.is_outlier(other, now) and fit.fits(other, now, req, left) then
+    for _, node in ipairs(t.nodes) do
+        if not tried[node.name] and open_to(node, req.model, now)
+                and not outlier.is_outlier(node, now) and fit.fits(node, now, req, left) then
             return true
         end
     end
@@ -172,6 +173,7 @@ function _M.reserve(req, t, now, how)
         end
     end
     local left = how ~= "any" and deadline.remaining(req, now)
+    local elsewhere   -- fits_somewhere, asked once
     for _ = 1, #t.nodes do
         local node, probe = balancer.first_pick(req, t, excluded, now)
         if not node then
@@ -182,8 +184,11 @@ function _M.reserve(req, t, now, how)
             -- without a node): wait for a slot on a live one instead
             return false
         end
-        if not probe and left and not fit.fits(node, now, req, left)
-                and (refused_only or fits_elsewhere(t, req, now, left, node)) then
+        local late = not probe and left and not fit.fits(node, now, req, left)
+        if late and not refused_only and elsewhere == nil then
+            elsewhere = fits_somewhere(t, req, now, left)
+        end
+        if late and (refused_only or elsewhere) then
             excluded[node.name] = true   -- too late for it, not for another: not here
             if not refused_only then
                 refused(node.name)
