@@ -286,7 +286,8 @@ end
 
 -- The entry another request's lookup cached (one cached after `after`, the time of the
 -- expired entry this request holds, when given), or nil after LOOKUP_WAIT_S or once that
--- lookup ended without caching one (Redis did not answer it).
+-- lookup ended without caching one (Redis did not answer it). A wait that runs out is
+-- counted (auth_wait_expired).
 function wait_for_answer(digest, lock, after)
     for _ = 1, _M.LOOKUP_WAIT_S / LOOKUP_POLL_S do
         ngx.sleep(LOOKUP_POLL_S)
@@ -298,6 +299,7 @@ function wait_for_answer(digest, lock, after)
             return nil
         end
     end
+    astats.incr("auth_wait_expired")
     return nil
 end
 

@@ -11,6 +11,9 @@
 --   auth_store_missing gauge: 1 while this edge sees Redis without its key store
 --   auth_static        keys checked against the key store's records held in memory
 --                      while Redis is unreachable (infergate.admission.knownkeys)
+--   auth_wait_expired  requests that waited the whole LOOKUP_WAIT_S for another
+--                      request's lookup of the same key and then looked it up themselves
+--                      (infergate.admission.auth; stays 0 while lookups end in time)
 --   rate_limited       429: a per-key or global token bucket was empty
 --   limits_local       rate-limit decisions taken on this edge's local buckets (Redis down)
 --   shed               429: every eligible node stayed saturated for the whole wait
@@ -25,7 +28,7 @@ local options = require("infergate.admission.options")
 local _M = {}
 
 _M.NAMES = { "auth_rejected", "auth_unavailable", "auth_throttled", "auth_kept",
-             "auth_store_missing", "auth_static", "rate_limited", "limits_local", "shed",
+             "auth_store_missing", "auth_static", "auth_wait_expired", "rate_limited", "limits_local", "shed",
              "deadline_exceeded", "waiting", "held" }
 
 local function dict()

@@ -6,7 +6,8 @@
 --               "age_s", "stale", "leader", "redis_ok", "redis_error", "nodes"},
 --  "inflight_total",
 --  "admission": {"auth_rejected", "auth_unavailable", "auth_throttled", "auth_kept",
---                "auth_store_missing", "rate_limited", "limits_local",
+--                "auth_store_missing", "auth_static", "auth_wait_expired",
+--                "rate_limited", "limits_local",
 --                "shed", "deadline_exceeded", "waiting", "held"}
 --                                                 (infergate.admission.stats)
 --  "nodes": [{"name", "host", "port", "state", "healthy", "weight", "effective_weight",
