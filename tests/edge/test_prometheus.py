@@ -2,10 +2,12 @@
 edge.metrics_listen) and the control plane's GET /metrics (controlplane/routing/exporter.py),
 read with prometheus_client's own parser after real traffic: names, types, labels and
 values that match what happened (retries, breaker openings, cache results, 404s, rate
-limits, in-flight back to zero, Redis going away)."""
+limits, in-flight back to zero, Redis going away, the time to first byte and the wait for
+a free slot)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -96,7 +98,9 @@ def test_edge_metrics_follow_the_traffic(redis_server, tiny_upstreams, edge_fact
         "infergate_edge_affinity_picks": "counter", "infergate_edge_flush_dropped": "counter",
         "infergate_edge_semantic_lookups": "counter", "infergate_edge_semantic_calls": "counter",
         "infergate_edge_semantic_call_lookups": "counter", "infergate_edge_stream_relay": "counter",
-        "infergate_edge_request_duration_seconds": "histogram", "infergate_edge_inflight": "gauge",
+        "infergate_edge_request_duration_seconds": "histogram",
+        "infergate_edge_time_to_first_byte_seconds": "histogram",
+        "infergate_edge_admission_wait_seconds": "histogram", "infergate_edge_inflight": "gauge",
         "infergate_edge_breaker_open": "gauge", "infergate_edge_snapshot_age_seconds": "gauge",
         "infergate_edge_snapshot_version": "gauge", "infergate_edge_redis_up": "gauge",
         "infergate_edge_info": "gauge",
@@ -125,6 +129,14 @@ def test_edge_metrics_follow_the_traffic(redis_server, tiny_upstreams, edge_fact
     buckets = [(float(lab["le"]), v) for lab, v in m.series("infergate_edge_request_duration_seconds_bucket")]
     assert buckets == sorted(buckets) and buckets[-1] == (float("inf"), total)
     assert 0 < m.value("infergate_edge_request_duration_seconds_sum") < total * 10
+    # requests a node answered: an admission wait each (none waited: every one in the
+    # first bucket); a first byte each that was 2xx (not the 404s, not the retried 500s)
+    to_nodes = sum(v for (node, _), v in req.items() if node not in ("none", "cache"))
+    assert m.value("infergate_edge_admission_wait_seconds_count") == to_nodes
+    assert m.value("infergate_edge_admission_wait_seconds_bucket", le="0.005") == to_nodes
+    assert m.value("infergate_edge_admission_wait_seconds_sum") == 0
+    answered = sum(v for (node, st), v in req.items() if node == "good" and st.startswith("2"))
+    assert m.value("infergate_edge_time_to_first_byte_seconds_count") == answered
     assert m.value("infergate_edge_inflight", node="good") == 0
     assert m.value("infergate_edge_inflight", node="bad") == 0
     assert 0 <= m.value("infergate_edge_snapshot_age_seconds") < 60
@@ -138,6 +150,48 @@ def test_edge_metrics_follow_the_traffic(redis_server, tiny_upstreams, edge_fact
     redis_server.stop()
     procs.wait_until(lambda: scrape(edge.metrics_url).value("infergate_edge_redis_up") == 0, 5,
                      what="redis_up to drop to 0")
+
+
+def test_edge_metrics_time_the_first_byte_and_the_wait_for_a_slot(
+        redis_server, tiny_upstreams, edge_factory) -> None:
+    """A node with one known slot: a stream whose first chunk comes 0.3 s after its
+    headers (a prefill) holds the slot; a second request waits at the edge until the
+    stream ends. The first byte is timed from the arrival to the stream's first chunk
+    (not its headers) and to the waiting request's answer (its wait included); the wait
+    is observed for both (0 for the stream)."""
+    (up,) = tiny_upstreams(names=["one"])
+    up.gate, up.chunks, up.head_first_s = threading.Event(), 2, 0.3
+    s = edge_settings(redis_server.url, [], stale_after_s=3600, read_timeout_ms=60000)
+    edge = edge_factory(s)
+    snap = write_snapshot(redis_server.client(), [up.snapshot_node(
+        slots=1, slots_source="server", score=None, has_metrics=False)])
+    edge.wait_snapshot(snap["version"])
+    body = {"model": "m", "messages": [{"role": "user", "content": "timed"}]}
+    held = requests.post(edge.url + CHAT, json={**body, "stream": True}, stream=True, timeout=30)
+    assert held.status_code == 200
+    waiter: dict = {}
+    t = threading.Thread(target=lambda: waiter.update(
+        res=requests.post(edge.url + CHAT, json=body, timeout=30)))
+    t.start()
+    procs.wait_until(lambda: edge.status()["admission"]["waiting"] == 1, 10,
+                     what="the second request to wait for the slot")
+    seen = time.monotonic()
+    time.sleep(0.2)  # the wait to be timed
+    up.gate.set()
+    assert b"[DONE]" in b"".join(held.iter_content(None))
+    t.join(30)
+    assert waiter["res"].status_code == 200
+    edge.wait_idle()
+    waited = time.monotonic() - seen
+
+    m = scrape(edge.metrics_url)
+    assert m.value("infergate_edge_admission_wait_seconds_count") == 2
+    assert m.value("infergate_edge_admission_wait_seconds_bucket", le="0.005") == 1
+    assert m.value("infergate_edge_admission_wait_seconds_bucket", le="0.1") == 1
+    assert 0.2 <= m.value("infergate_edge_admission_wait_seconds_sum") <= waited + 1
+    assert m.value("infergate_edge_time_to_first_byte_seconds_count") == 2
+    assert m.value("infergate_edge_time_to_first_byte_seconds_bucket", le="0.1") == 0
+    assert m.value("infergate_edge_time_to_first_byte_seconds_sum") >= 0.5
 
 
 def test_edge_metrics_server_can_be_turned_off(redis_server, tiny_upstreams, edge_factory) -> None:

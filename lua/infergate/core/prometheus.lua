@@ -39,6 +39,12 @@
 --                                                            continued (a continuation started) |
 --                                                            error_event (ended with an SSE error)
 --   infergate_edge_request_duration_seconds        histogram  arrival to last byte, seconds
+--   infergate_edge_time_to_first_byte_seconds     histogram  arrival to the first byte of a node's
+--                                                            2xx answer (a stream's first chunk:
+--                                                            its TTFT with the edge's part), s
+--   infergate_edge_admission_wait_seconds          histogram  time a request sent to a node waited
+--                                                            at the edge for one with room (0:
+--                                                            none), s (infergate.admission.shed)
 --   infergate_edge_inflight{node}                  gauge    tries in progress on the node
 --   infergate_edge_breaker_open{node}              gauge    1 while the breaker is open or half-open
 --   infergate_edge_snapshot_age_seconds            gauge    now - generated_at of the routing
@@ -87,10 +93,27 @@ local function incr(d, key, n)
     end
 end
 
--- Shared-dict keys of the histogram buckets, built once.
+-- The histograms by the prefix of their dict keys: bucket i is "<prefix><SEP><i>" (not
+-- cumulative; NBUCKETS + 1 is +Inf), the sum "<prefix>sum". "hb" (duration) keeps its
+-- sum under "hsum".
+_M.HISTOGRAMS = {
+    { prefix = "hb", sum = "hsum", name = "request_duration_seconds",
+      help = "Time from the request's arrival to its last byte, seconds" },
+    { prefix = "ft", sum = "ftsum", name = "time_to_first_byte_seconds",
+      help = "Time from the request's arrival to the first byte of a node's 2xx answer "
+          .. "(a stream's first chunk), seconds" },
+    { prefix = "aw", sum = "awsum", name = "admission_wait_seconds",
+      help = "Time a request sent to a node waited at the edge for one with room, seconds" },
+}
+
+-- Shared-dict keys of the histogram buckets by prefix, built once.
 local BUCKET_KEYS = {}
-for i = 1, NBUCKETS + 1 do
-    BUCKET_KEYS[i] = "hb" .. SEP .. i
+for _, h in ipairs(_M.HISTOGRAMS) do
+    local keys = {}
+    for i = 1, NBUCKETS + 1 do
+        keys[i] = h.prefix .. SEP .. i
+    end
+    BUCKET_KEYS[h.prefix] = keys
 end
 
 -- Index of the first bucket whose bound is >= s (NBUCKETS + 1: none). A binary search
@@ -112,10 +135,20 @@ local function bucket_of(s)
 end
 _M._bucket_of = bucket_of
 
+-- One observation of s seconds in the histogram of dict-key prefix `prefix`.
+local function observe(d, prefix, sum_key, s)
+    if s and s >= 0 then
+        incr(d, BUCKET_KEYS[prefix][bucket_of(s)])
+        incr(d, sum_key, s)
+    end
+end
+
 -- Counts one finished request. node: name of the node of the last try, "cache" or
 -- "none"; status: HTTP status sent; duration_s: seconds since arrival; tries: number
--- of tries started; cache_result: "hit_exact" | "hit_semantic" | "miss" | "bypass" | nil.
-function _M.request_done(node, status, duration_s, tries, cache_result)
+-- of tries started; cache_result: "hit_exact" | "hit_semantic" | "miss" | "bypass" | nil;
+-- ttfb_s: seconds from arrival to the first byte of the node's answer (observed for a
+-- 2xx status only); wait_s: seconds it waited at admission (observed when tries > 0).
+function _M.request_done(node, status, duration_s, tries, cache_result, ttfb_s, wait_s)
     local d = dict()
     if not d then
         return
@@ -124,9 +157,12 @@ function _M.request_done(node, status, duration_s, tries, cache_result)
     if tries and tries > 1 then
         incr(d, "retries", tries - 1)
     end
-    if duration_s and duration_s >= 0 then
-        incr(d, BUCKET_KEYS[bucket_of(duration_s)])
-        incr(d, "hsum", duration_s)
+    observe(d, "hb", "hsum", duration_s)
+    if tries and tries > 0 then
+        observe(d, "aw", "awsum", wait_s or 0)
+        if status >= 200 and status < 300 then
+            observe(d, "ft", "ftsum", ttfb_s)
+        end
     end
     if cache_result then
         incr(d, "cache" .. SEP .. cache_result)
@@ -209,7 +245,8 @@ function _M.log(req)
     if not status or status == 0 then
         status = ngx.status or 0
     end
-    local node, tries, cres = "none", 0, nil
+    local node, tries, cres, ttfb, wait = "none", 0, nil, nil, nil
+    local start = ngx_start_time()
     if type(req) == "table" then
         local attempts = req.attempts
         tries = attempts and #attempts or 0
@@ -220,9 +257,10 @@ function _M.log(req)
         if cres == "hit_exact" or cres == "hit_semantic" then
             node = "cache"
         end
+        ttfb = req.first_byte_at and req.first_byte_at - start
+        wait = req.admission_wait_ms and req.admission_wait_ms / 1000
     end
-    local dur = ngx_now() - ngx_start_time()
-    _M.request_done(node, status, dur, tries, cres)
+    _M.request_done(node, status, ngx_now() - start, tries, cres, ttfb, wait)
 end
 
 -- Every numeric value of the metrics dict by key (empty without the dict), for the

@@ -24,7 +24,10 @@
 --   prompt_chars  characters of the prompt (prompt_chars(req) counts them, once)
 -- Admission control adds: tenant ("default" with auth off), key_id, key_limits
 -- (infergate.admission.auth); est_raw, est_tokens, ratelimit, track_usage, usage, headers_out
--- (infergate.admission.ratelimit, infergate.admission.usage); deadline (infergate.admission.deadline).
+-- (infergate.admission.ratelimit, infergate.admission.usage); deadline (infergate.admission.deadline);
+-- admission_wait_ms, the wait for a node with room (infergate.admission.shed). Routing
+-- adds first_byte_at (epoch s): when a node's answer first sent a byte
+-- (infergate.routing.outlier).
 -- The stream relay adds relay_answer_status: the status of a node's answer it passed on
 -- itself (nginx's $upstream_status is empty then).
 local _M = {}

@@ -132,23 +132,25 @@ local function counters(out, values)
              "Relayed streams: completed, retried (before content), continued, error_event")
 end
 
--- The request duration histogram (cumulative buckets, sum, count).
-local function histogram(out, values)
-    local h = P .. "request_duration_seconds"
+-- The histograms of infergate.core.prometheus (cumulative buckets, sum, count).
+local function histograms(out, values)
     local bounds = prometheus.BUCKETS
     local nb = #bounds
-    family(out, h, "histogram", "Time from the request's arrival to its last byte, seconds")
-    local cum = 0
-    for i = 1, nb + 1 do
-        cum = cum + (values["hb" .. SEP .. i] or 0)
-        local le = i <= nb and num(bounds[i]) or "+Inf"
-        if le ~= "+Inf" and not le:find("[.e]") then
-            le = le .. ".0"
+    for _, hist in ipairs(prometheus.HISTOGRAMS) do
+        local h = P .. hist.name
+        family(out, h, "histogram", hist.help)
+        local cum = 0
+        for i = 1, nb + 1 do
+            cum = cum + (values[hist.prefix .. SEP .. i] or 0)
+            local le = i <= nb and num(bounds[i]) or "+Inf"
+            if le ~= "+Inf" and not le:find("[.e]") then
+                le = le .. ".0"
+            end
+            sample(out, h .. "_bucket", 'le="' .. le .. '"', cum)
         end
-        sample(out, h .. "_bucket", 'le="' .. le .. '"', cum)
+        sample(out, h .. "_sum", nil, values[hist.sum] or 0)
+        sample(out, h .. "_count", nil, cum)
     end
-    sample(out, h .. "_sum", nil, values.hsum or 0)
-    sample(out, h .. "_count", nil, cum)
 end
 
 -- The gauges read now: per-node in-flight and breakers, the snapshot, Redis.
@@ -185,7 +187,7 @@ function _M.render(now)
     sample(out, P .. "info", 'edge_id="' .. esc(config.get_or_empty().edge.edge_id or "")
            .. '",config_dir="' .. esc(config.rendered_dir() or "") .. '"', 1)
     counters(out, values)
-    histogram(out, values)
+    histograms(out, values)
     gauges(out, now)
     out[#out + 1] = ""
     return concat(out, "\n")

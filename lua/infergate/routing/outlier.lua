@@ -210,6 +210,7 @@ function _M.first_byte(req, now)
     att.first_byte = true
     unlink(att)
     now = now or ngx_now()
+    req.first_byte_at = req.first_byte_at or now  -- the client's TTFB (core.prometheus)
     local d = dict()
     local name = att.node
     -- "ol", "op" and "ou" are only ever set once "os" is: a node never found an outlier
