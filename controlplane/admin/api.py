@@ -350,5 +350,12 @@ def edit_key(key_id: str) -> flask.Response:
 @bp.delete("/keys/<key_id>")
 def revoke_key(key_id: str) -> flask.Response:
     """Revoke (idempotent: the first ``revoked`` time is kept, one ``key_revoke``
-    event); 200 with the record (``revoked`` set); 404 unknown id."""
-    return flask.jsonify(ops.revoke_key(_r(), key_id, auth.actor("api"), _events_max()).record.to_dict())
+    event); 200 with the record (``revoked`` set) once the control planes' copies of the
+    state hold the revocation (at most ``keycopies.WAIT_MAX_S``), header
+    ``X-Infergate-State-Copied``: ``yes``, ``no`` (not confirmed in time: a Redis that
+    loses its data before they read it would have the key written back valid) or
+    ``none`` (no control plane keeps a copy, or it was revoked before); 404 unknown id."""
+    ch = ops.revoke_key(_r(), key_id, auth.actor("api"), _events_max())
+    resp = flask.jsonify(ch.record.to_dict())
+    resp.headers["X-Infergate-State-Copied"] = {True: "yes", False: "no", None: "none"}[ch.copied]
+    return resp

@@ -35,7 +35,7 @@ from controlplane.cache import store as cache_store
 from controlplane.config import NodeSettings, Settings
 from controlplane.errors import InfergateError
 from controlplane.redisdb import keynames
-from controlplane.routing import ownaddrs, registry
+from controlplane.routing import keycopies, ownaddrs, registry
 from controlplane.routing.registry import NodeState
 
 EDITABLE: tuple[str, ...] = ("url", "kind", "weight", "max_concurrency", "metrics_path",
@@ -450,26 +450,39 @@ def edit_key(r: redis.Redis, key_id: str, changes: object, actor: str,
 
 @dataclass
 class KeyRevocation:
-    """Result of :func:`revoke_key`: the record (``revoked`` set, epoch s) and whether
-    this call revoked it (``False``: it was revoked before, at ``record.revoked``)."""
+    """Result of :func:`revoke_key`: the record (``revoked`` set, epoch s), whether this
+    call revoked it (``False``: it was revoked before, at ``record.revoked``), and whether
+    every running control plane's copy of the state holds the revocation
+    (:func:`controlplane.routing.keycopies.wait_copied`: True; False when one did not
+    within its wait, or Redis failed meanwhile; None when no control plane keeps a copy,
+    or the key was revoked before)."""
 
     record: apikeys.ApiKey
     changed: bool
+    copied: bool | None = None
 
 
 def revoke_key(r: redis.Redis, key_id: str, actor: str, events_max: int = 10000,
                now: float | None = None) -> KeyRevocation:
     """Revoke a key (the edges refuse it at most ``auth.cache_ttl_s`` later). Idempotent:
     the first revocation time is kept and only the first call writes ``key_revoke``.
-    Raises :class:`NotFound`."""
+    Returns once the control planes' copies of the state hold the revocation (at most
+    ``keycopies.WAIT_MAX_S``; ``copied`` says whether they do), so that a Redis that
+    loses its data just after cannot have the key written back valid. Raises
+    :class:`NotFound`."""
     when = time.time() if now is None else now
     rec = apikeys.revoke_key(r, key_id, now=when)
     if rec is None:
         raise NotFound(f"no API key with id {registry.shorten(str(key_id))!r}", "key_not_found")
     changed = rec.revoked == when
+    copied = None
     if changed:
         _key_event(r, "key_revoke", rec, actor, events_max)
-    return KeyRevocation(rec, changed)
+        try:
+            copied = keycopies.wait_copied(r, keycopies.current_gen(r))
+        except redis.RedisError:
+            copied = False   # revoked; whether a copy holds it is unknown
+    return KeyRevocation(rec, changed, copied)
 
 
 # ---- response cache --------------------------------------------------------------------

@@ -478,8 +478,14 @@ def create_key() -> flask.Response:
 @bp.post("/keys/<key_id>/revoke")
 def revoke_key(key_id: str) -> flask.Response:
     try:
-        rec = ops.revoke_key(_r(), key_id, auth.actor("page"), _events_max()).record
+        ch = ops.revoke_key(_r(), key_id, auth.actor("page"), _events_max())
+        rec = ch.record
         flask.flash(f"Key {rec.id} ({rec.tenant}) revoked.", "ok")
+        if ch.copied is False:
+            flask.flash("The control plane has not confirmed that its copy of the state holds "
+                        "this revocation: should Redis lose its data before it reads it, the "
+                        "key would come back valid. Check the key after a restart of Redis.",
+                        "error")
     except ops.NotFound:
         flask.flash(f"No API key with id {registry.shorten(key_id)!r}.", "error")
     return _back(flask.url_for("ui.keys_page"))

@@ -13,7 +13,9 @@
   tenant's default) or label; the edges apply them at most ``auth.cache_ttl_s`` seconds later.
 - ``revoke ID``: the edges refuse the key at most ``auth.cache_ttl_s`` seconds later (an
   edge that cannot reach Redis meanwhile keeps a key it knew valid for up to
-  ``auth.stale_ttl_s``: fail-static).
+  ``auth.stale_ttl_s``: fail-static); returns once the running control planes' copies of
+  the state hold the revocation (:mod:`controlplane.routing.keycopies`, a poll interval
+  or two), and warns on stderr when they did not.
 - ``export [--out FILE]``: every key's hash and record as JSON (a backup: only hashes
   are stored, so a lost key store cannot be rebuilt any other way; the file holds no
   usable key). ``import FILE [--overwrite]``: writes them back; keys already present are
@@ -190,6 +192,12 @@ def revoke_cmd(c: Ctx, key_id: str) -> None:
     click.echo(f"revoked {rec.id} (tenant {rec.tenant}); edges refuse it within "
                f"{a.cache_ttl_s:g} s (an edge that cannot reach Redis keeps accepting a key "
                f"it knew for up to {a.stale_ttl_s:g} s)")
+    if ch.copied is False:
+        click.echo("warning: no confirmation that the control planes' copies of the state "
+                   "hold this revocation: should Redis lose its data before they read it, "
+                   "their write-back would make the key valid again. Check it with "
+                   "'infergate keys list' after a restart of Redis, and revoke it again if "
+                   "needed.", err=True)
 
 
 @keys_cmd.command("export")

@@ -87,6 +87,12 @@ APIKEYS_MARKER = f"{BASE}:apikeys:marker:{APIKEYS_TAG}"
 APIKEYS_GEN = f"{BASE}:apikeys:gen:{APIKEYS_TAG}"
 #: List without TTL (state): the write log of :data:`APIKEYS_GEN`, as :data:`NODES_GEN_LOG`.
 APIKEYS_GEN_LOG = f"{BASE}:apikeys:gen_log:{APIKEYS_TAG}"
+#: Hash with a TTL (refreshed by every write): control plane id -> JSON ``{"gen": the
+#: generation (:data:`APIKEYS_GEN`) of the keys its copy of the state holds, "at": epoch
+#: s of that report, "every": its poll interval, s}``
+#: (``controlplane.routing.statecopy``). A revocation waits for every fresh report to
+#: reach its generation, so that no copy written back after a loss brings the key back.
+APIKEYS_COPIES = f"{BASE}:apikeys:copies"
 #: Hash of response-cache counters: lookups, hits_exact, hits_semantic, misses, bypass, stores.
 CACHE_STATS = f"{BASE}:cache:stats"
 #: Prefix of response-cache entries (strings, JSON, with TTL): ``CACHE_ENTRY_PREFIX + exact_key_hex``.

@@ -96,7 +96,7 @@ from redis.retry import Retry
 from controlplane.cache.sweep import SWEEP_INTERVAL_S, IndexSweeper, SweepReport
 from controlplane.redisdb import genlog, keynames
 from controlplane.redisdb.migrate import migrate_key_names
-from controlplane.routing import ownaddrs, registry, statecopy
+from controlplane.routing import keycopies, ownaddrs, registry, statecopy
 from controlplane.cli.common import split_listen
 from controlplane.config import (ConfigError, NodeSettings, RedisSettings,
                                  Settings, load_settings)
@@ -294,6 +294,10 @@ class ControlPlane:
         self.persistence: Persistence | None = None
         #: When the stack's addresses are published next (monotonic s; ownaddrs).
         self._addresses_due = 0.0
+        #: The key generation last reported as held by the copy, and when the report is
+        #: due again (monotonic s; controlplane.routing.keycopies).
+        self._copy_reported: int | None = None
+        self._copy_report_due = 0.0
         #: True while Redis holds no API keys after losing its state (see _check_apikeys).
         self.apikeys_missing = False
         from controlplane.cache.verify import OnlineVerifier
@@ -374,6 +378,7 @@ class ControlPlane:
                           redact(self.settings.redis.url))
                 self._restore(read.lost)
                 read = self.keeper.read()
+            self._report_copy()
             nodes = registry.parse_nodes(read.nodes)
             states = registry.parse_states(read.states)
             edges = self.r.hgetall(keynames.EDGES)
@@ -398,6 +403,19 @@ class ControlPlane:
             self._check_persistence()
         self._publish_addresses()
         return True
+
+    def _report_copy(self) -> None:
+        """Report the key generation this control plane's copy holds
+        (:mod:`controlplane.routing.keycopies`): when it moved, and every
+        :data:`keycopies.REPORT_EVERY_S`. Raises ``redis.RedisError``."""
+        c = self.keeper.copy
+        if c is None or not c.apikeys_at:
+            return
+        now = time.monotonic()
+        if c.apikeys_gen == self._copy_reported and now < self._copy_report_due:
+            return
+        keycopies.report(self.r, self.id, c.apikeys_gen, self.settings.controlplane.poll_interval_s)
+        self._copy_reported, self._copy_report_due = c.apikeys_gen, now + keycopies.REPORT_EVERY_S
 
     def _publish_addresses(self) -> None:
         """Every :data:`ownaddrs.PUBLISH_EVERY_S`: publish the stack's addresses of this
@@ -873,6 +891,8 @@ class ControlPlane:
                     log.info("leadership released")
                 if self._addresses_due:
                     ownaddrs.withdraw(self.r, self.id)
+                if self._copy_reported is not None:
+                    keycopies.withdraw(self.r, self.id)
             except redis.RedisError:
                 pass
             self.poller.close()

@@ -17,7 +17,9 @@ registry (the cycle needs it anyway), the state marker, the key store's marker a
 ``MULTI``) only when the marker or the count changed, or every :data:`KEYS_REFRESH_S`. So
 the copy is the last state seen in Redis, revocations and deletions included: at most
 one poll interval old (:data:`KEYS_REFRESH_S` for a record changed by hand without the
-marker).
+marker). The control plane reports the key generation its copy holds
+(:mod:`controlplane.routing.keycopies`), and a revocation returns once every running
+control plane's copy holds it, so a loss right after it does not undo it.
 
 A group whose marker is gone is lost, not copied (the copy keeps what it held): all of
 them while ``keynames.STATE_MARKER`` is missing; the registry when

@@ -10,7 +10,7 @@ import pytest
 from controlplane.admin import apikeys
 from controlplane.cache import store as cache_store
 from controlplane.redisdb import keynames
-from controlplane.routing import registry
+from controlplane.routing import keycopies, registry
 from controlplane.admin import create_app
 from controlplane.config import NodeSettings, Settings
 from support.vectors import vector_keys, write_vectors
@@ -410,9 +410,14 @@ def test_api_keys_lifecycle(client, r):
     assert resp.get_json()["tpm"] == 10000 and resp.get_json()["rpm"] is None
     assert apikeys.lookup(r, key).tpm == 10000
 
+    # a running control plane whose copy of the state is ahead of the revocation
+    keycopies.report(r, "cp-1", keycopies.current_gen(r) + 5, every_s=1.0)
     resp = client.delete(f"/api/v1/keys/{d['id']}", headers=AUTH)
     assert resp.status_code == 200 and resp.get_json()["revoked"] is not None
+    assert resp.headers["X-Infergate-State-Copied"] == "yes"
     assert apikeys.lookup(r, key) is None
+    again = client.delete(f"/api/v1/keys/{d['id']}", headers=AUTH)
+    assert again.status_code == 200 and again.headers["X-Infergate-State-Copied"] == "none"
     # a revoked key does not change (409), and no event says it did
     resp = client.patch(f"/api/v1/keys/{d['id']}", json={"rpm": 5}, headers=AUTH)
     assert resp.status_code == 409 and resp.get_json()["error"]["code"] == "key_revoked"

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from controlplane import procs
 from controlplane.admin import apikeys
-from controlplane.routing import registry
+from controlplane.routing import keycopies, registry
 from controlplane.cli import main
 
 
@@ -62,6 +62,7 @@ def test_create_list_revoke(run, redis_server) -> None:
     res = run("revoke", key_id)
     assert res.exit_code == 0, res.output
     assert f"revoked {key_id} (tenant acme)" in res.output and "within 5 s" in res.output
+    assert "warning" not in res.output   # no control plane keeps a copy: nothing to confirm
     assert apikeys.lookup(r, key) is None
     res = run("revoke", key_id)
     assert res.exit_code == 0 and "already revoked" in res.output
@@ -151,3 +152,16 @@ def test_edit_changes_limits_and_label_with_an_event(run, redis_server) -> None:
         res = run("edit", *args)
         assert res.exit_code != 0 and message in res.output, res.output
     assert len(registry.recent_events(r, 10)) == 4  # no event for a refused edit
+
+
+def test_revoke_warns_when_no_copy_confirms_it(run, redis_server) -> None:
+    """A control plane reports a copy of the state that does not move (frozen): the
+    revocation is made, and the command says that no copy confirmed it (a Redis that lost
+    its data before the copies read it would have the key written back valid)."""
+    r = redis_server.client()
+    _, rec = apikeys.create_key(r, "acme")
+    keycopies.report(r, "frozen", keycopies.current_gen(r), every_s=0.1)
+    res = run("revoke", rec.id)
+    assert res.exit_code == 0, res.output
+    assert f"revoked {rec.id}" in res.output and "warning: no confirmation" in res.output
+    assert apikeys.get_key(r, rec.id).revoked is not None

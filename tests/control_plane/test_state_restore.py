@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import pytest
 
 from controlplane import procs
-from controlplane.admin import apikeys
+from controlplane.admin import apikeys, ops
 from controlplane.config import NodeSettings
 from controlplane.redisdb import keynames
-from controlplane.routing import registry, statecopy
+from controlplane.routing import keycopies, registry, statecopy
 from controlplane.routing.service import ControlPlane, make_client
 from support.controlplane import cp_settings
 
@@ -700,3 +701,46 @@ def test_a_control_plane_frozen_during_an_outage_writes_nothing_back(
         assert apikeys.lookup(r, key) is None
     finally:
         proxy.close()
+
+
+def test_a_key_revoked_just_before_a_loss_stays_revoked(redis_server, cps) -> None:
+    """Redis loses its data right after a revocation: the revocation returned once the
+    running control plane's copy held it, so the copy written back keeps the key revoked.
+    Without that wait the copy, up to a poll interval old, held the key valid and wrote
+    it back so, for good."""
+    cp = cps(cp_settings([_node("a")], poll_interval_s=0.3), make_client(redis_server.url, 0.5))
+    r = redis_server.client()
+    _, rec = apikeys.create_key(r, "acme")
+    cp.start()
+    procs.wait_until(lambda: cp.id in keycopies.fresh_reports(r), 5,
+                     what="the control plane's report of its copy")
+    ch = ops.revoke_key(r, rec.id, "test")
+    assert ch.changed and ch.copied is True
+    held = keycopies.fresh_reports(r)[cp.id]["gen"]
+    assert held >= keycopies.current_gen(r)
+    r.flushall()   # the loss, before the next poll
+    procs.wait_until(lambda: _events(r, "state_restored"), 10, what="the write-back")
+    assert apikeys.get_key(r, rec.id).revoked == ch.record.revoked
+    cp.shutdown()
+    assert cp.id not in keycopies.fresh_reports(r), "a stopped control plane is not waited for"
+
+
+def test_a_revocation_waits_only_for_running_control_planes(redis_server) -> None:
+    """No control plane reports a copy: the revocation returns at once (copied None). One
+    reports a copy that does not move (frozen): it returns after two of its poll intervals
+    and a second, copied False. A report older than FRESH_S is of a stopped one: ignored."""
+    r = redis_server.client()
+    _, rec = apikeys.create_key(r, "acme")
+    ch = ops.revoke_key(r, rec.id, "test")
+    assert ch.changed and ch.copied is None
+    _, rec2 = apikeys.create_key(r, "acme")
+    keycopies.report(r, "frozen", keycopies.current_gen(r), every_s=0.1)
+    t0 = time.monotonic()
+    ch = ops.revoke_key(r, rec2.id, "test")
+    took = time.monotonic() - t0
+    assert ch.changed and ch.copied is False and took >= 1.2
+    assert ops.revoke_key(r, rec2.id, "test").copied is None   # revoked before: no wait
+    _, rec3 = apikeys.create_key(r, "acme")
+    keycopies.report(r, "stopped", 0, every_s=0.1, now=time.time() - keycopies.FRESH_S - 1)
+    r.hdel(keynames.APIKEYS_COPIES, "frozen")
+    assert ops.revoke_key(r, rec3.id, "test").copied is None
