@@ -28,7 +28,8 @@
 -- over_member_count: decoding and the cache key's canonical encoding of a body with
 -- hundreds of thousands of fields would hold the worker for seconds). Decoded, its
 -- "model" must be a string of at most MODEL_MAX bytes (400 invalid_model), no output
--- limit may be negative (400 integer_below_min_value: negative_limit) and each of its
+-- limit may be negative or above 2^31 - 1 (400 integer_below_min_value,
+-- integer_above_max_value: negative_limit) and each of its
 -- messages must be an object with a string role (400 missing_required_parameter:
 -- roleless_message; on the routes "inference" and "api").
 local cjson = require("cjson.safe")
@@ -319,8 +320,11 @@ end
 -- which would hold a slot until the context is full, long after the client's 504, and
 -- reserve no output against the tenant's tokens per minute; vLLM and the OpenAI API
 -- refuse any limit below 1 (vLLM's SamplingParams: "max_tokens must be at least 1").
--- 0 passes on as sent (the node answers it as it does directly).
+-- 0 passes on as sent (the node answers it as it does directly). One above 2^31 - 1 is
+-- refused too: llama-server reads it into a 32-bit int (4294967295 became -1, no limit),
+-- and it would reserve the whole of a tenant's tokens per minute.
 local OUTPUT_LIMITS = { "max_tokens", "max_completion_tokens", "max_output_tokens" }
+_M.OUTPUT_LIMIT_MAX = 2147483647
 
 local function negative_limit(obj)
     for _, f in ipairs(OUTPUT_LIMITS) do
@@ -330,6 +334,12 @@ local function negative_limit(obj)
                          .. " is below the minimum value (0; -1 is not 'no limit' here): "
                          .. "leave the field out for the server's default.",
                      type = "invalid_request_error", code = "integer_below_min_value",
+                     param = f }
+        elseif type(v) == "number" and v > _M.OUTPUT_LIMIT_MAX then
+            return { status = 400, message = "Invalid '" .. f .. "': " .. format("%.17g", v)
+                         .. " is above the maximum value (" .. _M.OUTPUT_LIMIT_MAX .. "): "
+                         .. "leave the field out for the server's default.",
+                     type = "invalid_request_error", code = "integer_above_max_value",
                      param = f }
         end
     end

@@ -313,11 +313,12 @@ def test_a_model_that_is_not_a_string_is_400(edge_and_node, model: bytes) -> Non
 
 
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens", "max_output_tokens"])
-def test_a_negative_output_limit_is_400(edge_and_node, field: str) -> None:
+def test_an_output_limit_below_0_or_above_int32_is_400(edge_and_node, field: str) -> None:
     """llama.cpp reads max_tokens -1 as no limit: such an answer held a slot for minutes
     past the client's 504 and reserved nothing against the key's tokens per minute. A
-    negative limit is refused at the edge, as vLLM and the OpenAI API refuse it; 0 and a
-    positive limit pass."""
+    negative limit is refused at the edge, as vLLM and the OpenAI API refuse it, and so is
+    one above 2^31 - 1 (llama.cpp's 32-bit int: 4294967295 read as -1); 0 and a positive
+    limit up to that pass."""
     edge, up = edge_and_node
     msgs = [{"role": "user", "content": "hi"}]
     for v in (-1, -2, -0.5, -10**12):
@@ -331,10 +332,21 @@ def test_a_negative_output_limit_is_400(edge_and_node, field: str) -> None:
                                                          field: -1}, timeout=30)
     assert res.status_code == 400 and error_code(res) == "integer_below_min_value", res.text
     assert up.hits == 0
-    for v in (0, 1, 64):
+    # above 2^31 - 1: llama-server read 4294967295 into a 32-bit int as -1, no limit
+    for raw in (b"2147483648", b"4294967295", b"9223372036854775807", b"1e12", b"1e400"):
+        body = (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "'
+                + field.encode() + b'": ' + raw + b"}")
+        res = post_raw(edge, body)
+        if raw == b"1e400":   # not a number JSON allows here (infinite): the body's 400
+            assert res.status_code == 400, res.text
+            continue
+        assert res.status_code == 400 and error_code(res) == "integer_above_max_value", res.text
+        assert res.json()["error"]["param"] == field
+    assert up.hits == 0
+    for v in (0, 1, 64, 2147483647):
         res = post_raw(edge, json.dumps({"model": "m", "messages": msgs, field: v}).encode())
         assert res.status_code == 200, (v, res.text)
-    assert up.hits == 3
+    assert up.hits == 4
 
 
 @pytest.mark.parametrize("messages, param", [
