@@ -352,6 +352,8 @@ class ControlPlane:
                 migrate_key_names(self.r)
                 self._migrated = True
             lost = self._check_state_marker()
+            if lost:
+                self._copy_reported = None   # the reports went with the rest: report again
             restored = self._restore_after_loss() if lost else None
             if not self._seeded or lost or (self.redis_ok is False and not self.r.exists(keynames.NODES)):
                 added = registry.seed_nodes(self.r, self.settings.nodes)

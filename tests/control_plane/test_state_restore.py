@@ -721,6 +721,9 @@ def test_a_key_revoked_just_before_a_loss_stays_revoked(redis_server, cps) -> No
     r.flushall()   # the loss, before the next poll
     procs.wait_until(lambda: _events(r, "state_restored"), 10, what="the write-back")
     assert apikeys.get_key(r, rec.id).revoked == ch.record.revoked
+    # its report went with the rest: made again at once, so revocations wait for it again
+    procs.wait_until(lambda: cp.id in keycopies.fresh_reports(r), 3,
+                     what="the control plane's report after the loss")
     cp.shutdown()
     assert cp.id not in keycopies.fresh_reports(r), "a stopped control plane is not waited for"
 
