@@ -139,7 +139,9 @@ _M._bucket_of = bucket_of
 local function observe(d, prefix, sum_key, s)
     if s and s >= 0 then
         incr(d, BUCKET_KEYS[prefix][bucket_of(s)])
-        incr(d, sum_key, s)
+        if s > 0 then   -- most requests wait 0 s for a slot: one write, not two
+            incr(d, sum_key, s)
+        end
     end
 end
 
