@@ -145,10 +145,12 @@ def test_up_starts_its_local_redis_with_the_urls_password(workdir: Path, userinf
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
             log.close()
-    # the way back names the Redis URL without its password
+    # the way back names the Redis URL by the variable the banner exports (its password
+    # masked and pasted back, Redis would have been started with "***" for one)
     again = next(line for line in (workdir / "up.log").read_text().splitlines()
                  if "starts on its state again" in line)
-    assert "s3cret-pw" not in again and f"@127.0.0.1:{redis_port}/0" in again
+    assert "s3cret-pw" not in again and '--redis-url "$INFERGATE_REDIS_URL"' in again
+    assert f"@127.0.0.1:{redis_port}/0" in again.split("exported as the banner showed")[1]
     assert not procs.port_open("127.0.0.1", redis_port)
 
 

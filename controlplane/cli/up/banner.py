@@ -32,11 +32,18 @@ def cli_name() -> str:
         return str(here)
 
 
+#: How the printed command names a Redis URL that holds a password: the variable the
+#: banner's ``export`` line sets (``up`` reads it when ``--redis-url`` is left out too).
+REDIS_URL_FROM_ENV = '"$INFERGATE_REDIS_URL"'
+
+
 def _again_command(workdir: Path) -> str:
     """The command line this ``up`` was started with (its options after ``up``, as
-    typed, a ``--redis-url`` password shown as ``***``, a ``--config`` file by its
-    absolute path), with ``--workdir`` naming
-    ``workdir``: what starts the same stack on its state again."""
+    typed, a ``--config`` file by its absolute path), with ``--workdir`` naming
+    ``workdir``: what starts the same stack on its state again, pasted as it is. A
+    ``--redis-url`` holding a password becomes ``--redis-url "$INFERGATE_REDIS_URL"``:
+    the password stays off the screen and the logs, and a masked one pasted back would
+    have started this stack's Redis with ``***`` for its password."""
     argv = sys.argv[1:]
     args = argv[argv.index("up") + 1:] if "up" in argv else []
     out: list[str] = []
@@ -47,16 +54,18 @@ def _again_command(workdir: Path) -> str:
         elif a == "--workdir":
             skip = True
         elif a.startswith("--redis-url="):
-            out.append("--redis-url=" + redact(a.partition("=")[2]))
+            url = a.partition("=")[2]
+            out.extend(["--redis-url", REDIS_URL_FROM_ENV if redact(url) != url else url])
         elif out and out[-1] == "--redis-url":
-            out.append(redact(a))   # the password stays off the screen and the logs
+            out.append(REDIS_URL_FROM_ENV if redact(a) != a else a)
         elif out and out[-1] == "--config":
             out.append(os.path.abspath(a))   # pasted from any folder
         elif a.startswith("--config="):
             out.append("--config=" + os.path.abspath(a.partition("=")[2]))
         elif not a.startswith("--workdir="):
             out.append(a)
-    return shlex.join([cli_name(), "up", *out, "--workdir", str(workdir)])
+    words = [cli_name(), "up", *out, "--workdir", str(workdir)]
+    return " ".join(w if w == REDIS_URL_FROM_ENV else shlex.quote(w) for w in words)
 
 
 def _token_note(run: UpRun) -> str:

@@ -13,9 +13,10 @@ from controlplane import procs
 from controlplane.admin import apikeys
 from controlplane.redisdb.conn import make_redis
 from controlplane.redisdb.persistence import check_persistence
+from controlplane.redisdb.url import redact
 from controlplane.routing import registry
 
-from .banner import _again_command, print_banner
+from .banner import REDIS_URL_FROM_ENV, _again_command, print_banner
 from .common import _say
 from .edge import (NGINX_FINISH_S, choose_metrics_port, start_controlplane, start_edge,
                    watch_controlplane)
@@ -165,7 +166,10 @@ def stop_all(run: UpRun) -> None:
     if not run.up:
         click.echo(f"stopped before the stack was up; its logs are in {run.wd}", err=True)
         return
-    click.echo(f"stopped; the work folder {run.wd} is kept (`{_again_command(run.wd)}` "
+    again = _again_command(run.wd)
+    env = (f" with INFERGATE_REDIS_URL exported as the banner showed, "
+           f"{redact(run.settings.redis.url)}" if REDIS_URL_FROM_ENV in again else "")
+    click.echo(f"stopped; the work folder {run.wd} is kept (`{again}`{env} "
                "starts on its state again)", err=True)
 
 
