@@ -257,9 +257,12 @@ def numbers(text: str) -> Counter[str]:
 # ---------------------------------------------------------------- negation
 
 _EN_WORD_RE = re.compile(r"[a-z]+(?:'[a-z]+)?")
+# and the adverbs that turn a statement almost into its negation ("I can hardly log
+# in", "my app rarely crashes"): the embedding and the verifier read them as the same
+# question without them
 _EN_NEGATIONS = frozenset({
     "not", "no", "never", "cannot", "without", "nor", "neither", "none", "nothing",
-    "nobody", "nowhere", "unable",
+    "nobody", "nowhere", "unable", "hardly", "barely", "scarcely", "rarely", "seldom",
 })
 _EN_NT_RE = re.compile(r"n't\b|n’t\b")
 
