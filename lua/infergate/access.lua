@@ -29,7 +29,7 @@
 -- hundreds of thousands of fields would hold the worker for seconds). Decoded, its
 -- "model" must be a string of at most MODEL_MAX bytes (400 invalid_model), no output
 -- limit may be negative or above 2^31 - 1 (400 integer_below_min_value,
--- integer_above_max_value: negative_limit) and each of its
+-- integer_above_max_value: limit_out_of_range) and each of its
 -- messages must be an object with a string role (400 missing_required_parameter:
 -- roleless_message; on the routes "inference" and "api").
 local cjson = require("cjson.safe")
@@ -326,20 +326,17 @@ end
 local OUTPUT_LIMITS = { "max_tokens", "max_completion_tokens", "max_output_tokens" }
 _M.OUTPUT_LIMIT_MAX = 2147483647
 
-local function negative_limit(obj)
+local function limit_out_of_range(obj)
     for _, f in ipairs(OUTPUT_LIMITS) do
         local v = obj[f]
-        if type(v) == "number" and v < 0 then
-            return { status = 400, message = "Invalid '" .. f .. "': " .. tostring(v)
-                         .. " is below the minimum value (0; -1 is not 'no limit' here): "
-                         .. "leave the field out for the server's default.",
-                     type = "invalid_request_error", code = "integer_below_min_value",
-                     param = f }
-        elseif type(v) == "number" and v > _M.OUTPUT_LIMIT_MAX then
+        local low = type(v) == "number" and v < 0
+        if low or type(v) == "number" and v > _M.OUTPUT_LIMIT_MAX then
             return { status = 400, message = "Invalid '" .. f .. "': " .. format("%.17g", v)
-                         .. " is above the maximum value (" .. _M.OUTPUT_LIMIT_MAX .. "): "
-                         .. "leave the field out for the server's default.",
-                     type = "invalid_request_error", code = "integer_above_max_value",
+                         .. (low and " is below the minimum value (0; -1 is not 'no limit' here)"
+                             or " is above the maximum value (" .. _M.OUTPUT_LIMIT_MAX .. ")")
+                         .. ": leave the field out for the server's default.",
+                     type = "invalid_request_error",
+                     code = low and "integer_below_min_value" or "integer_above_max_value",
                      param = f }
         end
     end
@@ -368,8 +365,8 @@ local function roleless_message(obj)
 end
 
 -- Decodes a JSON body within the edge's bounds and takes its facts into the request
--- state. Returns nil, or an error table (a negative output limit: negative_limit; a
--- message without a role: roleless_message).
+-- state. Returns nil, or an error table (an output limit out of range:
+-- limit_out_of_range; a message without a role: roleless_message).
 local function decode_into(req, body)
     local o = config.get()
     local obj, err = decode_json(body, o)
@@ -388,7 +385,7 @@ local function decode_into(req, body)
         -- (whose "messages" may be another API's); a negative output limit on any
         -- (an Anthropic-style /v1/messages passed through has max_tokens too)
         local route = req.route
-        local bad = type(model) == "string" and model_too_long(model) or negative_limit(obj)
+        local bad = type(model) == "string" and model_too_long(model) or limit_out_of_range(obj)
             or (route == "inference" or route == "api") and roleless_message(obj)
         if bad then
             return bad
