@@ -208,3 +208,22 @@ def test_the_cli_without_the_config_refuses_the_stacks_own_ports(workdir: Path) 
         assert "extra" in registry(up.redis_url)
     finally:
         up.stop()
+
+
+def test_a_start_refused_before_any_part_leaves_no_folder(tmp_path: Path) -> None:
+    """A Redis that ``up`` cannot use (an ACL user at a local port where nothing answers):
+    it says why and exits 1 before starting anything, without the lines of a stop
+    ("stopping...", "its logs are in") and without leaving the temp folder it made."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    port = procs.free_port()
+    res = subprocess.run(
+        procs.infergate_argv("up", "--listen", f"127.0.0.1:{procs.free_port()}",
+                             "--admin-listen", f"127.0.0.1:{procs.free_port()}",
+                             "--redis-url", f"redis://alice:pw@127.0.0.1:{port}/0"),
+        env={**os.environ, "TMPDIR": str(tmp)}, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "not for the ACL user 'alice'" in res.stderr
+    assert "stopping" not in res.stderr and "logs are in" not in res.stderr
+    assert "logs and config in" in res.stdout    # the folder was made, then removed
+    assert list(tmp.iterdir()) == []

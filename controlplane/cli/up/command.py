@@ -3,6 +3,7 @@ package's docstring)."""
 
 from __future__ import annotations
 
+import shutil
 import signal
 from pathlib import Path
 
@@ -156,10 +157,16 @@ def stop_all(run: UpRun) -> None:
     unless a second Ctrl-C hurries it), and free the registry; the work folder is kept."""
     if run.cp_watch is not None:
         run.cp_watch.stop()
-    click.echo(f"stopping... (requests in flight get up to {NGINX_FINISH_S:.0f} s to "
-               "finish; Ctrl-C again cuts them)", err=True)
     if run.owner_r is not None:
         _release_owner(run.owner_r, run.owner_doc)
+    if not run.stack.items and not run.up:
+        # refused before any part started (Redis not there or owned by another stack):
+        # nothing to stop, no log to keep, and a temp folder of its own is removed
+        if run.wd_made:
+            shutil.rmtree(run.wd, ignore_errors=True)
+        return
+    click.echo(f"stopping... (requests in flight get up to {NGINX_FINISH_S:.0f} s to "
+               "finish; Ctrl-C again cuts them)", err=True)
     run.stack.stop_all(hurry=run.hurry)
     # the state (Redis's append-only file: API keys, nodes, drains, cached answers)
     # is in the folder; only a start on the same folder finds it again
@@ -224,7 +231,7 @@ def up_cmd(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
            workdir: str | None, time_scale: float, take_over: bool = False,
            instance_id: str | None = None, redis_cluster: bool = False,
            log_max_mb: int = DEFAULT_MAX_MB) -> None:
-    """Run the whole stack locally: Redis, nodes, control plane, nginx edge."""
+    """Run the whole stack locally: Redis, nodes, embedder, control plane, nginx edge."""
     if workdir:
         check_workdir_free(Path(workdir))
     run = make_plan(config_path, node_urls, node_kind, node_health_path,

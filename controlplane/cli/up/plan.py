@@ -52,6 +52,8 @@ class UpRun:
     admin_secret: str | None = None
     wd: Path = field(default_factory=Path)
     wd_lock: object = None  # held (and the folder locked) while up runs
+    #: the work folder is a temp dir this run made (no ``--workdir``)
+    wd_made: bool = False
     stack: procs.ProcessSet = field(default_factory=procs.ProcessSet)
     stop: threading.Event = field(default_factory=threading.Event)
     hurry: threading.Event = field(default_factory=threading.Event)
@@ -202,6 +204,7 @@ def open_workdir(run: UpRun, workdir: str | None) -> None:
     wd.mkdir(parents=True, exist_ok=True)
     run.wd_lock = _lock_workdir(wd)
     run.wd = wd
+    run.wd_made = not workdir
     _say(f"infergate up: logs and config in {wd}")
     os.chmod(wd, 0o755)  # nginx workers (``nobody`` when started as root) traverse it
     if run.generated_token:
