@@ -652,7 +652,7 @@ def test_nginx_restarted_while_redis_is_down_keeps_the_last_state(redis_server, 
     assert_invalid_key(post(edge, gone))
     assert_invalid_key(post(edge, late))
     assert post(edge, "ig-never-issued").status_code == 503
-    assert "routing on the snapshot saved last" in edge.error_log()
+    assert "started routing on the snapshot saved last" in edge.error_log()
 
 
 def _status_or_none(edge: Any) -> dict | None:

@@ -19,17 +19,21 @@ from .plan import UpRun
 def cli_name() -> str:
     """How to run this infergate from the shell ``up`` was started in: ``infergate`` when
     that name is on PATH (a venv that is activated, the runtime install's wrapper), else
-    the script beside this interpreter (``.venv/bin/infergate``, relative to the current
-    folder when it is below it)."""
+    the script beside this interpreter: ``.venv/bin/infergate`` when that is where it is
+    from the current folder (the README's commands), else by its absolute path, which
+    works pasted in any folder."""
     if shutil.which("infergate"):
         return "infergate"
     here = Path(sys.executable).parent / "infergate"
     if not here.exists():
         return "infergate"
+    local = Path(".venv", "bin", "infergate")
     try:
-        return str(here.relative_to(Path.cwd()))
+        if here.relative_to(Path.cwd()) == local:
+            return str(local)
     except ValueError:
-        return str(here)
+        pass
+    return str(here)
 
 
 #: How the printed command names a Redis URL that holds a password: the variable the

@@ -36,6 +36,8 @@ def choose_metrics_port(run: UpRun) -> None:
         m_url_host = HostPort.parse(settings.edge.metrics_listen).url_host
         settings.edge.metrics_listen = f"{m_url_host}:{procs.free_port(m_host)}"
         run.metrics_moved = True
+        _say(f"the edge's metrics port {m_port} is taken by another process: its /metrics "
+             f"go on {settings.edge.metrics_listen}")
     run.metrics_desc = f"http://{settings.edge.metrics_listen}/metrics"
 
 

@@ -196,8 +196,8 @@ def claim_registry(r: redis_lib.Redis, doc: str, take_over: bool, where: str,
     raise click.ClickException(
         f"the node registry in the Redis at {where} belongs to another running "
         f"infergate up: {_describe_owner(raw)}.{stopped} Stop it (its claim is free "
-        f"{OWNER_TTL_S} s after it stops), give this stack its own Redis (leave out "
-        f"{named_by}), or pass --take-over to replace its registry entries")
+        f"{OWNER_TTL_S} s after it stops), pass --take-over to replace its registry "
+        f"entries, or give this stack its own Redis: leave out {named_by}")
 
 
 def refresh_owner(r: redis_lib.Redis, doc: str) -> str | None:

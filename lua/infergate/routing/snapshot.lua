@@ -233,8 +233,10 @@ local function first_table()
                                         generated_at = num(snap.generated_at),
                                         leader = snap.leader })
             if ngx.worker.id() == 0 then
-                log(WARN, "infergate: routing on the snapshot saved last (version ",
-                    saved.version, ", ", #saved.nodes, " nodes) until Redis answers")
+                -- on every start with a saved snapshot; a fault only while it lasts
+                log(WARN, "infergate: started routing on the snapshot saved last (version ",
+                    saved.version, ", ", #saved.nodes, " nodes), until the first one read ",
+                    "from Redis (at once when it answers)")
             end
         end
     end
