@@ -14,6 +14,7 @@ processes in their health answers."""
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import random
 import shutil
@@ -42,6 +43,9 @@ FREE_PORT_TRIES = 64
 #: Seconds a port :func:`free_port` returned is not returned again by this process.
 FREE_PORT_REUSE_S = 600.0
 _EPHEMERAL_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+#: ``LOW-HIGH`` (e.g. ``21000-21999``): the only ports :func:`free_port` picks, for a
+#: shared host where each stack keeps to its own share.
+PORT_RANGE_ENV = "INFERGATE_PORT_RANGE"
 _recent_ports: dict[int, float] = {}
 _recent_lock = threading.Lock()
 _rng = random.SystemRandom()
@@ -57,6 +61,20 @@ def ephemeral_range(path: str = _EPHEMERAL_FILE) -> tuple[int, int]:
         return low, high
     except (OSError, ValueError):
         return 32768, 60999
+
+
+def port_range() -> tuple[int, int] | None:
+    """The ports ``INFERGATE_PORT_RANGE`` (``LOW-HIGH``, both included, 1024-65535) allows
+    :func:`free_port` to pick, or ``None`` when it is unset or empty. Raises
+    :class:`StartError` naming the variable when its value is not such a range."""
+    raw = os.environ.get(PORT_RANGE_ENV, "").strip()
+    if not raw:
+        return None
+    lo, sep, hi = (x.strip() for x in raw.partition("-"))
+    if sep and lo.isdigit() and hi.isdigit() and 1024 <= int(lo) <= int(hi) <= 65535:
+        return int(lo), int(hi)
+    raise StartError(f"{PORT_RANGE_ENV}={raw!r} is not a port range LOW-HIGH within "
+                     "1024-65535 (e.g. 21000-21999)")
 
 
 def _bindable(family: int, host: str, port: int, reuse_addr: bool = False) -> bool:
@@ -91,8 +109,14 @@ def free_port(host: str = "127.0.0.1") -> int:
     choice. Concurrent callers: the choice is random over ~12,000 ports, and a port this
     process returned is not returned again for ``FREE_PORT_REUSE_S`` seconds (the caller
     binds it later, so two callers of one process never get the same port). Like every
-    "free port" helper, the port may be taken between this call and the caller's bind."""
+    "free port" helper, the port may be taken between this call and the caller's bind.
+
+    With ``INFERGATE_PORT_RANGE`` set (:func:`port_range`) only a port of that range is
+    taken; :class:`StartError` when none of it is free."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    allowed = port_range()
+    if allowed is not None:
+        return _free_port_in(family, host, *allowed)
     low, _ = ephemeral_range()
     top = low - 1
     now = time.monotonic()
@@ -114,6 +138,25 @@ def free_port(host: str = "127.0.0.1") -> int:
                 _recent_ports[port] = now
                 return port
         return port
+
+
+def _free_port_in(family: int, host: str, lo: int, hi: int) -> int:
+    """A bindable port of ``lo``..``hi`` not returned in the last ``FREE_PORT_REUSE_S``:
+    random candidates first, then every port of the range from a random start."""
+    now = time.monotonic()
+    with _recent_lock:
+        for p, t in list(_recent_ports.items()):
+            if now - t > FREE_PORT_REUSE_S:
+                del _recent_ports[p]
+        n = hi - lo + 1
+        start = _rng.randint(lo, hi)
+        tries = (_rng.randint(lo, hi) for _ in range(min(FREE_PORT_TRIES, n)))
+        sweep = (lo + (start - lo + i) % n for i in range(n))
+        for port in itertools.chain(tries, sweep):
+            if port not in _recent_ports and _bindable(family, host, port):
+                _recent_ports[port] = now
+                return port
+    raise StartError(f"no free port on {host} in {PORT_RANGE_ENV}={lo}-{hi}")
 
 
 #: What a process that could not bind its port says (lower case): the kernel's EADDRINUSE

@@ -100,3 +100,60 @@ def test_on_free_port_gives_up_after_its_attempts_and_on_other_errors() -> None:
     with pytest.raises(procs.StartError, match="bad config"):
         procs.on_free_port(broken)
     assert len(calls) == 1
+
+
+def _held_ports(n: int) -> tuple[list[socket.socket], int]:
+    """``n`` consecutive ports bound by this process (a window the kernel picked, retried
+    until all of it binds): the sockets and the first port."""
+    for _ in range(50):
+        first = procs.free_port()
+        held: list[socket.socket] = []
+        try:
+            for port in range(first, first + n):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", port))
+            return held, first
+        except OSError:
+            for s in held:
+                s.close()
+    raise AssertionError("no window of consecutive free ports")
+
+
+def test_the_port_range_variable_keeps_every_pick_inside_it(monkeypatch) -> None:
+    """``INFERGATE_PORT_RANGE``: every port picked is of the range and bindable, a busy
+    one is skipped even when the random candidates all hit it, and a range with nothing
+    free is an error naming the variable, not a port outside it."""
+    held, first = _held_ports(4)
+    try:
+        # ports first .. first+3 are held: only first+3 is let go, the one free port
+        held.pop().close()
+        monkeypatch.setenv(procs.PORT_RANGE_ENV, f"{first}-{first + 3}")
+        monkeypatch.setattr(procs, "_recent_ports", {})
+        assert procs.port_range() == (first, first + 3)
+        assert procs.free_port() == first + 3
+        # returned once, not again within FREE_PORT_REUSE_S: the range is now full
+        with pytest.raises(procs.StartError, match=procs.PORT_RANGE_ENV):
+            procs.free_port()
+    finally:
+        for s in held:
+            s.close()
+    monkeypatch.setattr(procs, "_recent_ports", {})
+    monkeypatch.setenv(procs.PORT_RANGE_ENV, f" {first} - {first + 3} ")
+    assert {procs.free_port() for _ in range(4)} == set(range(first, first + 4))
+
+
+@pytest.mark.parametrize("raw", ["21000", "21000-", "abc-def", "30000-20000", "80-90",
+                                 "60000-70000", "21000:21999"])
+def test_a_malformed_port_range_is_refused(monkeypatch, raw: str) -> None:
+    monkeypatch.setenv(procs.PORT_RANGE_ENV, raw)
+    with pytest.raises(procs.StartError, match="is not a port range"):
+        procs.port_range()
+    with pytest.raises(procs.StartError, match="is not a port range"):
+        procs.free_port()
+
+
+def test_an_empty_port_range_variable_is_no_range(monkeypatch) -> None:
+    monkeypatch.setenv(procs.PORT_RANGE_ENV, " ")
+    assert procs.port_range() is None
+    assert procs.FREE_PORT_MIN <= procs.free_port()

@@ -53,8 +53,9 @@ def test_embedder_gets_the_config_file(tmp_path: Path, monkeypatch, with_config:
 
 
 def test_the_banner_names_a_runnable_cli(tmp_path, monkeypatch) -> None:
-    """``infergate`` when the name is on PATH; else the script beside the interpreter, as
-    the user can type it from where up was started."""
+    """``infergate`` when the name is on PATH; else the script beside the interpreter:
+    ``.venv/bin/infergate`` from the project's folder, by its absolute path from any
+    other."""
     up_mod = up
 
     venv_bin = tmp_path / "proj" / ".venv" / "bin"
@@ -64,12 +65,37 @@ def test_the_banner_names_a_runnable_cli(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     monkeypatch.chdir(tmp_path / "proj")
     assert up_mod.cli_name() == ".venv/bin/infergate"
+    # from a folder above the project (or /) the path in full: it works pasted anywhere
+    monkeypatch.chdir(tmp_path)
+    assert up_mod.cli_name() == str(venv_bin / "infergate")
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
     assert up_mod.cli_name() == str(venv_bin / "infergate")
     monkeypatch.setenv("PATH", str(venv_bin))
     (venv_bin / "infergate").chmod(0o755)
     assert up_mod.cli_name() == "infergate"
+
+
+def test_a_busy_metrics_port_of_the_file_is_said_and_moved(capsys) -> None:
+    """``edge.metrics_listen`` names a port another process listens on: ``up`` takes a
+    free one and says so in a line of its own (not only in the banner)."""
+    import socket
+    from types import SimpleNamespace
+
+    from controlplane.cli.up import edge as up_edge
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        s = settings_from_dict({"edge": {"metrics_listen": f"127.0.0.1:{port}"}})
+        run = SimpleNamespace(settings=s, metrics_desc="", metrics_moved=False)
+        up_edge.choose_metrics_port(run)
+    moved = s.edge.metrics_listen
+    assert run.metrics_moved and moved != f"127.0.0.1:{port}"
+    assert run.metrics_desc == f"http://{moved}/metrics"
+    out = capsys.readouterr().out
+    assert f"metrics port {port} is taken by another process" in out and moved in out
 
 
 def test_a_metrics_port_taken_meanwhile_is_said_and_moved(tmp_path, monkeypatch, capsys) -> None:
@@ -134,3 +160,32 @@ def test_an_embedder_port_taken_meanwhile_is_said_and_moved(tmp_path: Path, monk
     out = capsys.readouterr().out
     assert (f"the embedder's port 8090 was taken by another process meanwhile: starting it "
             f"on http://{second}") in out, out
+
+
+def test_the_port_range_variable_moves_the_default_ports_into_it(monkeypatch) -> None:
+    """``INFERGATE_PORT_RANGE``: the embedder's and the edge metrics' default ports come
+    from the range too; ports the file names stay; without the variable the defaults
+    stay; a malformed value stops ``up`` before anything starts."""
+    import click
+
+    from controlplane.cli.up import plan as up_plan
+
+    lo = procs.free_port()
+    monkeypatch.setenv(procs.PORT_RANGE_ENV, f"{lo}-{lo + 40}")
+    s = settings_from_dict({})
+    up_plan._defaults_in_port_range(s)
+    emb = int(s.cache.embedder_url.rsplit(":", 1)[1])
+    met = int(s.edge.metrics_listen.rsplit(":", 1)[1])
+    assert lo <= emb <= lo + 40 and lo <= met <= lo + 40 and emb != met
+    s = settings_from_dict({"edge": {"metrics_listen": "127.0.0.1:9999"},
+                            "cache": {"embedder_url": "http://127.0.0.1:9998"}})
+    up_plan._defaults_in_port_range(s)
+    assert s.edge.metrics_listen == "127.0.0.1:9999"
+    assert s.cache.embedder_url == "http://127.0.0.1:9998"
+    monkeypatch.delenv(procs.PORT_RANGE_ENV)
+    s = settings_from_dict({})
+    up_plan._defaults_in_port_range(s)
+    assert s.edge.metrics_listen == "127.0.0.1:9145"
+    monkeypatch.setenv(procs.PORT_RANGE_ENV, "9000")
+    with pytest.raises(click.ClickException, match="is not a port range"):
+        up_plan.make_plan(None, (), "vllm", None, None, None, None, None, 1.0, False, None)

@@ -230,7 +230,11 @@ class EmbedderKeeper:
             time.sleep(0.05)
         if not _port_free(port):
             old = port
-            port = procs.free_port()
+            try:
+                port = procs.free_port()
+            except procs.StartError as exc:   # INFERGATE_PORT_RANGE has no free port left
+                self._failed(now, f"restart failed: {exc}")
+                return
             self.say(f"embedder port {old} is taken by another process; moving the embedder "
                      f"to 127.0.0.1:{port}")
         moved = f"http://127.0.0.1:{port}" != self.url

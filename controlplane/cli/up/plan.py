@@ -160,6 +160,20 @@ def _make_secrets(settings: Settings) -> bool:
 SHUTDOWN_STREAM_S = 7.0
 
 
+def _defaults_in_port_range(settings: Settings) -> None:
+    """With ``INFERGATE_PORT_RANGE`` set (:func:`controlplane.procs.port_range`), the
+    embedder's and the edge metrics' default ports (8090, 9145) are replaced by free ports
+    of the range, as every port ``up`` picks itself; ports the file names stay. Raises
+    :class:`controlplane.procs.StartError` when the variable is malformed or the range
+    has no free port."""
+    if procs.port_range() is None:
+        return
+    if "embedder_url" not in settings.cache.model_fields_set:
+        settings.cache.embedder_url = f"http://127.0.0.1:{procs.free_port()}"
+    if "metrics_listen" not in settings.edge.model_fields_set:
+        settings.edge.metrics_listen = f"127.0.0.1:{procs.free_port()}"
+
+
 def make_plan(config_path: str | None, node_urls: tuple[str, ...], node_kind: str,
               node_health_path: str | None, node_max_concurrency: int | None,
               listen: str | None, admin_listen: str | None, redis_url: str | None,
@@ -169,6 +183,10 @@ def make_plan(config_path: str | None, node_urls: tuple[str, ...], node_kind: st
     (``INFERGATE_INSTANCE_ID``), tokens exist. Raises ``click.ClickException`` or
     ``click.BadParameter``."""
     settings = _load(config_path)
+    try:
+        _defaults_in_port_range(settings)
+    except procs.StartError as exc:
+        raise click.ClickException(str(exc)) from None
     if listen:
         _split_hostport(listen, "--listen")
         settings.edge.listen = listen
