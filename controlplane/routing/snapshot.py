@@ -5,7 +5,7 @@ Pure functions, plus a small caching host resolver.
 Snapshot shape: docs/internals.md, "the routing snapshot", as the dataclasses
 :class:`~controlplane.routing.wire.RoutingSnapshot` / ``SnapshotNode``. Per node:
 ``name, url, host, port, kind, state, healthy, weight, effective_weight,
-max_concurrency, slots, slots_source, score, saturated, queue_depth, running,
+max_concurrency, slots, slots_source, score, saturated, queue_depth, running, polled_at,
 kv_cache_usage, has_metrics, models, models_any, scheme, tls_name, auth`` (``auth``:
 the ``Authorization`` value of a node with an API key, redacted wherever the snapshot is
 served; ``models``: :mod:`controlplane.routing.models`, ``null`` = unknown;
@@ -181,6 +181,7 @@ def node_entry(node: NodeSettings, state: NodeState, status: NodeMetricsDoc | No
         saturated=bool(st.saturated),
         queue_depth=st.queue_depth,
         running=st.running,
+        polled_at=st.ts,
         kv_cache_usage=st.kv_cache_usage,
         has_metrics=st.has_metrics,
         models=models,

@@ -209,6 +209,9 @@ class SnapshotNode(_Doc):
     saturated: bool = False
     queue_depth: float | None = None
     running: float | None = None
+    polled_at: float | None = None
+    """Epoch s of the poll ``queue_depth`` and ``running`` come from (the edge counts
+    them as others' requests only while they are fresh); ``None`` before a poll."""
     kv_cache_usage: float | None = None
     """0-1."""
     has_metrics: bool = False
@@ -253,6 +256,7 @@ class SnapshotNode(_Doc):
                    slots_source=_str(d.get("slots_source"), None),
                    score=_num(d.get("score")), saturated=bool(_bool(d.get("saturated"), False)),
                    queue_depth=_num(d.get("queue_depth")), running=_num(d.get("running")),
+                   polled_at=_num(d.get("polled_at")),
                    kv_cache_usage=_num(d.get("kv_cache_usage")),
                    has_metrics=bool(_bool(d.get("has_metrics"), False)), models=models,
                    models_any=bool(_bool(d.get("models_any"), False)) and models is not None,

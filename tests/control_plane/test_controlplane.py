@@ -64,8 +64,8 @@ def cp_factory(redis_server):
 
 NODE_KEYS = {"name", "url", "host", "port", "kind", "state", "healthy", "weight",
              "effective_weight", "max_concurrency", "slots", "slots_source", "ctx_tokens", "score",
-             "saturated", "queue_depth", "running", "kv_cache_usage", "has_metrics", "models",
-             "models_any", "connects"}
+             "saturated", "queue_depth", "running", "polled_at", "kv_cache_usage", "has_metrics",
+             "models", "models_any", "connects"}
 METRICS_KEYS = {"name", "ts", "healthy", "reachable", "dialect", "queue_depth", "running",
                 "kv_cache_usage", "e2e_avg_s", "ttft_avg_s", "prompt_tokens_total",
                 "generation_tokens_total", "score", "saturated", "consecutive_failures",
@@ -96,6 +96,7 @@ def test_snapshot_shape_and_per_node_keys(redis_server, sims, pool, cp_factory):
     assert v["kind"] == "vllm" and v["has_metrics"] and v["weight"] == 2.0
     assert v["effective_weight"] == 2.0
     assert v["queue_depth"] == 0 and v["running"] == 0 and v["kv_cache_usage"] == 0
+    assert t0 <= v["polled_at"] <= snap["generated_at"]   # the poll its figures are from
     assert v["score"] == 0.0 and v["saturated"] is False
     assert t["kind"] == "tgi" and t["has_metrics"] and t["kv_cache_usage"] is None
     assert t["score"] == 0.0

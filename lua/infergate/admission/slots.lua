@@ -2,7 +2,9 @@
 -- so (node.slots: a llama.cpp server's total_slots, or a max_concurrency set to another
 -- value than its default, see controlplane/routing/snapshot.py); this edge then never
 -- has more requests in flight on it than its slots, counted over all workers
--- (infergate.routing.stats "if:<node>", taken atomically with stats.claim).
+-- (infergate.routing.stats "if:<node>", taken atomically with stats.claim), nor more than
+-- its slots less the requests of others its metrics show there while this edge has none
+-- (infergate.routing.others: other edges, clients past the gateway).
 --
 -- For a request whose model has an eligible node with known slots (applies()), the
 -- admission step (infergate.admission.shed) picks the node itself (reserve(): the
@@ -23,6 +25,7 @@ local outlier = require("infergate.routing.outlier")
 local freerate = require("infergate.admission.freerate")
 local deadline = require("infergate.admission.deadline")
 local fit = require("infergate.routing.fit")
+local others = require("infergate.routing.others")
 
 local _M = {}
 
@@ -51,9 +54,15 @@ function _M.retry_cap(t, model, now, max_s)
     return max_s
 end
 
--- The most requests this edge may have in flight on `node` in a pool with known slots.
+-- The most requests `node` runs in a pool with known slots.
 local function cap_of(node)
     return node.slots or node.max_concurrency
+end
+
+-- The most requests this edge may have in flight on `node` now: its cap less the
+-- requests of others its metrics show there (infergate.routing.others).
+local function limit_of(node, now)
+    return cap_of(node) - others.count(node, now)
 end
 
 -- Whether an eligible node of `model` has known slots.
@@ -70,7 +79,7 @@ end
 -- exists (asked only when the pick fell back on a silent node, or free() found one).
 local function full_live(t, model, now)
     for _, node in ipairs(t.nodes) do
-        if stats.inflight(node.name) >= cap_of(node) and open_to(node, model, now)
+        if stats.inflight(node.name) >= limit_of(node, now) and open_to(node, model, now)
                 and not outlier.is_outlier(node, now) then
             return true
         end
@@ -78,7 +87,8 @@ local function full_live(t, model, now)
     return false
 end
 
--- Free slots over the eligible nodes of `model` (their cap minus this edge's in flight),
+-- Free slots over the eligible nodes of `model` (their cap minus others' requests there
+-- and this edge's in flight),
 -- and the number of eligible nodes; `tried` (nil: none): nodes left out of the request's
 -- choice (infergate.routing.upstream, infergate.routing.ctxfit), not counted. While a
 -- node not found silent (a TTFB outlier or stalled) is eligible, the free slots of
@@ -91,7 +101,7 @@ function _M.free(t, now, model, tried)
     for _, node in ipairs(t.nodes) do
         if open_to(node, model, now) and not (tried and tried[node.name]) then
             eligible = eligible + 1
-            local f = cap_of(node) - stats.inflight(node.name)
+            local f = limit_of(node, now) - stats.inflight(node.name)
             if f > 0 then
                 free = free + f
                 if outlier.is_outlier(node, now) then
@@ -167,7 +177,7 @@ function _M.reserve(req, t, now, how)
     local refused_only = how == "refused"
     local d = refused_only and ngx.shared[config.DICT_STATS]
     for _, node in ipairs(t.nodes) do
-        if tried[node.name] or stats.inflight(node.name) >= cap_of(node)
+        if tried[node.name] or stats.inflight(node.name) >= limit_of(node, now)
                 or (d and not d:get("uf:" .. node.name)) then
             excluded[node.name] = true
         end
@@ -193,7 +203,7 @@ function _M.reserve(req, t, now, how)
             if not refused_only then
                 refused(node.name)
             end
-        elseif stats.claim(node.name, cap_of(node)) then
+        elseif stats.claim(node.name, limit_of(node, now)) then
             req.picked = { name = node.name, probe = probe, claimed = true }
             return true
         else

@@ -1,4 +1,5 @@
--- Room on a node: fewer of this edge's requests in flight than the node runs at once.
+-- Room on a node: fewer of this edge's requests in flight (or, while it has none, of
+-- others' requests its metrics show) than the node runs at once.
 -- The delay cost (infergate.routing.balancer.least_delay) never queues a request behind
 -- others on one node while another candidate has room: at loads where least_conn queues
 -- nothing, nothing queues here either, and a node that is faster but full does not make
@@ -13,6 +14,7 @@
 local config = require("infergate.core.config")
 local stats = require("infergate.routing.stats")
 local speed = require("infergate.routing.speed")
+local others = require("infergate.routing.others")
 
 local _M = {}
 
@@ -33,9 +35,15 @@ function _M.batch(node)
     return seen or speed.batch(node)
 end
 
--- Whether `node` has room.
-function _M.has(node)
-    return stats.inflight(node.name) < _M.batch(node)
+-- Whether `node` has room: this edge's requests in flight there, or the requests of
+-- others its metrics show while this edge has none (infergate.routing.others), are
+-- fewer than it runs at once.
+function _M.has(node, now)
+    local n = stats.inflight(node.name)
+    if n == 0 then
+        n = others.count(node, now or ngx.now())
+    end
+    return n < _M.batch(node)
 end
 
 -- The candidates of pool[1..m] to pass over ({[i] = true}): those without room, when at

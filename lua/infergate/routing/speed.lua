@@ -37,13 +37,12 @@
 --
 -- expected_s(node): the balancer's cost under edge.node_cost = "expected_delay", the
 -- predicted completion time (s) of one more request on the node,
---     n = this edge's requests in flight on the node
+--     n = this edge's requests in flight on the node (none: others', routing.others)
 --     B = learned concurrency, rounded (max_concurrency before the first sample)
 --     expected = s x (1 + max(0, n + 1 - B) / B)
 -- its own service time plus the work ahead of it, B requests at a time: shortest
 -- expected delay among the nodes with room (infergate.routing.room) while any has, else
--- among all. Not in n: other edges' requests; they show in the service time, which
--- grows when they make this edge's unqueued requests wait.
+-- among all. Others' requests beside this edge's show in the service time instead.
 --
 -- An estimate that nothing refreshes ages: once a node has answered nothing for STALE_S
 -- and has none of this edge's requests in flight, the service time used in expected_s
@@ -66,6 +65,7 @@ local ngx_now = ngxapi.now
 local stats = require("infergate.routing.stats")
 local snapshot = require("infergate.routing.snapshot")
 local learned = require("infergate.routing.learned")
+local others = require("infergate.routing.others")
 
 local _M = {}
 
@@ -444,7 +444,7 @@ function _M.expected_s(node)
         return nil
     end
     local b = batch_of(raw, node)
-    local ahead = n + 1 - b
+    local ahead = (n > 0 and n or others.count(node, ngx_now())) + 1 - b
     if ahead > 0 then
         return s * (1 + ahead / b)
     end

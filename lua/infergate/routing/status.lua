@@ -12,7 +12,8 @@
 --                                                 (infergate.admission.stats)
 --  "nodes": [{"name", "host", "port", "state", "healthy", "weight", "effective_weight",
 --             "max_concurrency", "slots" (known hard limit, null = none), "score",
---             "saturated", "eligible", "inflight",
+--             "saturated", "eligible", "inflight", "others" (others' requests its
+--             metrics show while this edge has none: infergate.routing.others),
 --             "requests", "failures", "breaker", "consecutive_failures",
 --             "latency_ewma_ms", "failure_rate", "models" (served model ids, null =
 --             unknown), "models_any" (also takes a model no node lists: a single-model
@@ -38,6 +39,7 @@ local breaker = require("infergate.routing.breaker")
 local errors = require("infergate.core.errors")
 local outlier = require("infergate.routing.outlier")
 local speed = require("infergate.routing.speed")
+local others = require("infergate.routing.others")
 local stall = require("infergate.routing.stall")
 
 local _M = {}
@@ -76,6 +78,7 @@ function _M.report(now)
             eligible = (n.addr ~= nil and n.healthy and n.state == "active"
                         and breaker.allow(n.name, now)) and true or false,
             inflight = inflight,
+            others = others.count(n, now),
             requests = stats.requests(n.name),
             failures = stats.failures(n.name),
             breaker = br,
