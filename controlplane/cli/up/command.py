@@ -76,9 +76,14 @@ def start_redis(run: UpRun) -> None:
 
 
 def start_nodes(run: UpRun) -> None:
-    """The ``--node`` servers, else the file's nodes, else the simulated pool (started)."""
+    """The ``--node`` servers (a line says so when the file has nodes too: they are
+    left out), else the file's nodes, else the simulated pool (started)."""
     if run.node_urls:
         nodes = run.nodes
+        if run.settings.nodes:
+            names = ", ".join(n.name for n in run.settings.nodes)
+            _say(f"--node replaces the nodes of the file ({names}): they are not used "
+                 "(leave out --node to front them)")
     elif run.settings.nodes:
         nodes = run.settings.nodes
     else:
