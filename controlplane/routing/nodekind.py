@@ -9,8 +9,9 @@ it decodes at once; more wait in its queue as ``requests_deferred``),
 limit: the routing snapshot gives such a node ``max_concurrency`` = the smaller of the
 configured value and ``total_slots`` (:meth:`PropsPoller.effective`), so requests beyond
 its slots wait at the edge. ``/props`` is read when a node is first seen, then every
-``controlplane.models_refresh_s``, and at once when the node turns healthy again (a
-restart may change ``--parallel``), like ``/v1/models`` (:mod:`controlplane.routing.models`),
+``controlplane.models_refresh_s``, and at once when the node turns healthy again or its
+metrics' counters began again between two polls (a restart may change ``--parallel``),
+like ``/v1/models`` (:mod:`controlplane.routing.models`),
 on a small pool of its own; the poll cycle never waits for it. An answer that is not a
 JSON object with an integer ``total_slots`` >= 1 means "not llama.cpp" (vLLM, TGI and
 SGLang answer 404); a failed read is tried again after ``RETRY_S``.

@@ -412,6 +412,9 @@ class NodeTracker:
         self.last_reading_at = 0.0
         self.held = LastKnown(hold_s=HOLD_POLLS * cp.poll_interval_s)
         self.counters = CounterWatch()
+        #: the last poll's metrics showed a restart since the reading before (its
+        #: counters began again: ``Window.restarted``), though it never looked down
+        self.restarted = False
 
     def same_target(self, node: NodeSettings) -> bool:
         """False when the node's address or kind changed (start afresh)."""
@@ -436,6 +439,7 @@ class NodeTracker:
         error = result.error
         r = result.reading
         w = window(self.last_reading, r) if r is not None else None
+        self.restarted = w is not None and w.restarted
         stall_cause = None if stalled_s is None else stalled_error(stalled_s)
         quiet = self.counters.observe(w, r.running if r is not None else None, now)
         limit = self.settings.controlplane.stall_counters_s

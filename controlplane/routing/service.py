@@ -658,6 +658,13 @@ class ControlPlane:
                         # a restarted server may have other slots or models
                         self.props.refresh(n.name)
                         self.models.refresh(n.name)
+                elif self._tracker(n).restarted:
+                    # restarted between two polls (its counters began again): it may
+                    # have other slots (llama-server's --parallel) or models, now
+                    log.info("node %s restarted (its metrics' counters began again): "
+                             "reading its slots and models again", n.name)
+                    self.props.refresh(n.name)
+                    self.models.refresh(n.name)
             if redis_ok:  # breaker openings/closings the edges reported since the last cycle
                 self.breakers, changes = breaker_changes(self.breakers, fresh_edge_reports(
                     self.edges, now, edge_fresh_s(self.settings.edge.stale_after_s)))

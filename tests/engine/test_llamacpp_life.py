@@ -1,6 +1,7 @@
 """A real llama.cpp node's life behind ``infergate up --node URL --node URL``: healthy
 while it generates (busy is not down), down when its process is killed (requests go to
-the other node, none fails), back when it is started again on the same address."""
+the other node, none fails), back when it is started again on the same address, and
+read again at once when it was restarted with other slots between two polls."""
 
 from __future__ import annotations
 
@@ -40,11 +41,14 @@ def stack(realnodes):
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _health(up: UpStack) -> dict[str, bool]:
+def _nodes(up: UpStack) -> dict[str, dict]:
     raw = redis.Redis.from_url(up.redis_url, decode_responses=True,
                                socket_timeout=2).get(keynames.ROUTING)
-    nodes = json.loads(raw)["nodes"] if raw else []
-    return {n["url"]: bool(n["healthy"]) for n in nodes}
+    return {n["url"]: n for n in (json.loads(raw)["nodes"] if raw else [])}
+
+
+def _health(up: UpStack) -> dict[str, bool]:
+    return {url: bool(n["healthy"]) for url, n in _nodes(up).items()}
 
 
 def _chat(up: UpStack, max_tokens: int = 8) -> requests.Response:
@@ -86,3 +90,25 @@ def test_busy_is_healthy_killed_is_down_restarted_is_back(stack) -> None:
     finally:
         again.stop()
     assert not logs.exists()                  # removed by stop()
+
+
+def test_a_node_restarted_with_other_slots_is_read_again_at_once(stack) -> None:
+    """Stopped and started again with ``--parallel 3`` on the same address: its metrics'
+    counters begin again, and the control plane reads its slots anew within seconds,
+    not at the next scheduled read of ``/props`` (``controlplane.models_refresh_s``,
+    60 s), whether or not it looked down in between."""
+    up, (_, b) = stack
+    procs.wait_until(lambda: _nodes(up).get(b.url, {}).get("slots") == 2,
+                     timeout=CHANGE_TIMEOUT_S, what="the node's 2 slots known")
+    res = requests.post(f"{b.url}/v1/chat/completions", timeout=120,   # counters above 0
+                        json={"max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]})
+    assert res.status_code == 200
+    b.stop()
+    again = RealNode(port=b.port, parallel=3, threads=1).start()
+    try:
+        procs.wait_until(lambda: _nodes(up).get(b.url, {}).get("slots") == 3,
+                         timeout=CHANGE_TIMEOUT_S, what="the restarted node's 3 slots known")
+        procs.wait_until(lambda: _health(up).get(b.url) is True, timeout=CHANGE_TIMEOUT_S,
+                         what="the restarted node healthy")
+    finally:
+        again.stop()

@@ -89,3 +89,16 @@ def test_counter_delta_never_negative():
 def test_hist_delta_missing_side_is_none():
     assert hist_delta(None, {}) is None
     assert hist_delta({}, None) is None
+
+
+def test_a_counter_that_went_down_says_the_server_restarted():
+    """``Window.restarted``: any counter or histogram count of both scrapes lower than
+    before (the server began counting again); not for counters that grew or stayed, nor
+    without an earlier scrape."""
+    before = parse_metrics(scrape(1000, 5000.0, gen=90000))
+    assert window(before, parse_metrics(scrape(3, 4.5, gen=250))).restarted
+    # only the generated tokens went down (the histogram kept its count by chance)
+    assert window(before, parse_metrics(scrape(1000, 5000.0, gen=10))).restarted
+    assert not window(before, parse_metrics(scrape(1004, 5008.0, gen=90400))).restarted
+    assert not window(before, parse_metrics(scrape(1000, 5000.0, gen=90000))).restarted
+    assert not window(None, parse_metrics(scrape(3, 4.5, gen=250))).restarted

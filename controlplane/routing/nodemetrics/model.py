@@ -71,3 +71,6 @@ class Window:
     calls), or None."""
     prompt_tokens_total: float | None = None
     generation_tokens_total: float | None = None
+    restarted: bool = False
+    """A counter or histogram series of both scrapes went down: the server (or one of
+    its engine ranks) restarted in between and began counting again from zero."""

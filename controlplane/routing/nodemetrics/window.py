@@ -91,4 +91,19 @@ def window(prev: Reading | None, cur: Reading) -> Window:
     out.prompt_tokens_delta = counters_delta(prev.prompt_tokens, cur.prompt_tokens)
     out.generation_tokens_delta = counters_delta(prev.generation_tokens, cur.generation_tokens)
     out.progress_delta = counters_delta(prev.progress, cur.progress)
+    out.restarted = (_went_down(prev.prompt_tokens, cur.prompt_tokens)
+                     or _went_down(prev.generation_tokens, cur.generation_tokens)
+                     or _went_down(prev.progress, cur.progress)
+                     or _went_down(_counts(prev.e2e), _counts(cur.e2e)))
     return out
+
+
+def _counts(h: dict[SeriesKey, HistTotals] | None) -> dict[SeriesKey, float] | None:
+    return None if h is None else {k: v.count for k, v in h.items()}
+
+
+def _went_down(prev: dict[SeriesKey, float] | None, cur: dict[SeriesKey, float] | None) -> bool:
+    """Whether a series of both scrapes is lower in ``cur``: a counter that began again."""
+    if not prev or not cur:
+        return False
+    return any(k in prev and v < prev[k] for k, v in cur.items())
