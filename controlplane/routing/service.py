@@ -655,14 +655,12 @@ class ControlPlane:
                     report.health_changes.append((n.name, status.healthy))
                     if status.healthy:  # back from unhealthy: slow start
                         self.ramps[n.name] = now
-                        # a restarted server may have other slots or models
-                        self.props.refresh(n.name)
-                        self.models.refresh(n.name)
-                elif self._tracker(n).restarted:
-                    # restarted between two polls (its counters began again): it may
-                    # have other slots (llama-server's --parallel) or models, now
+                elif self._tracker(n).restarted:   # between two polls: counters began again
                     log.info("node %s restarted (its metrics' counters began again): "
                              "reading its slots and models again", n.name)
+                if (changed and status.healthy) or (not changed and self._tracker(n).restarted):
+                    # a restarted server may have other slots (llama-server's --parallel)
+                    # or models
                     self.props.refresh(n.name)
                     self.models.refresh(n.name)
             if redis_ok:  # breaker openings/closings the edges reported since the last cycle
