@@ -244,3 +244,37 @@ def test_a_stream_whose_node_never_answers_gets_504_at_the_deadline(
     assert res.json()["error"]["code"] == "deadline_exceeded"
     assert res.headers["x-should-retry"] == "false"
     assert 1.4 < took < 10, took
+
+
+def test_the_clients_own_timeout_shortens_the_deadline(redis_server, simnodes, edge_factory) -> None:
+    """A client that says its timeout (``X-Request-Timeout``, the OpenAI SDKs'
+    ``X-Stainless-Read-Timeout`` / ``X-Stainless-Timeout``) gets its 504 within it, a
+    tenth of it (at most 1 s) early, not at the route's longer deadline it would have
+    given up before; a longer timeout, and values that are not a timeout, leave the
+    route's deadline; an OpenAI SDK client with ``timeout=1.5`` gets the 504 too."""
+    (node,) = simnodes(1)                      # real time: 200 tokens take ~4 s
+    edge = edge_factory(settings(redis_server.url, [node.node_settings()], request_ms=20000))
+    url = f"{edge.url}/v1/chat/completions"
+
+    def deadline_of(headers: dict) -> str:
+        res = requests.post(url, json=chat(200), headers=headers, timeout=30)
+        assert res.status_code == 504, res.text
+        return res.json()["error"]["message"]
+
+    assert "deadline of 900 ms (the timeout the client sent" in deadline_of(
+        {"X-Request-Timeout": "1"})
+    assert "deadline of 1350 ms" in deadline_of({"X-Stainless-Read-Timeout": "1.5"})
+    assert "deadline of 1800 ms" in deadline_of({"X-Stainless-Timeout": "2",
+                                                 "X-Request-Timeout": "30"})
+    # a timeout longer than the route's deadline, or no timeout, changes nothing
+    for headers in ({"X-Stainless-Read-Timeout": "600"}, {"X-Request-Timeout": "abc"},
+                    {"X-Request-Timeout": "0"}, {"X-Request-Timeout": "-5"},
+                    {"X-Request-Timeout": "nan"}):
+        res = requests.post(url, json=chat(4), headers=headers, timeout=30)
+        assert res.status_code == 200, (headers, res.text)
+    client = openai.OpenAI(base_url=f"{edge.url}/v1", api_key="x", timeout=1.5, max_retries=0)
+    with pytest.raises(openai.APIStatusError) as exc:
+        client.chat.completions.create(model="sim-llama", max_tokens=200,
+                                       messages=[{"role": "user", "content": "tell me a story"}],
+                                       extra_body={"sim_output_tokens": 200})
+    assert exc.value.status_code == 504 and "deadline of 1350 ms" in str(exc.value)

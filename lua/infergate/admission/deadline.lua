@@ -46,7 +46,38 @@ local MIN_TIMEOUT_S = 0.001
 -- then be named (X-Infergate-Node, metrics) for a timeout it had no part in.
 _M.RETRY_MIN_S = 0.05
 
--- {at = epoch s | nil, request_ms, idle_s} of the current request (cached in req).
+-- The client's own timeout (s), from the headers that say it: X-Request-Timeout (s, any
+-- client), X-Stainless-Read-Timeout (s: the OpenAI Python SDK's read timeout, sent with
+-- every request: openai-python _base_client.py, seen in openai 3.63.0; default 600) and
+-- X-Stainless-Timeout (s: the OpenAI Node SDK's). The smallest that is a number within
+-- CLIENT_MIN_S .. CLIENT_MAX_S; nil without one.
+_M.CLIENT_MIN_S = 0.1
+_M.CLIENT_MAX_S = 86400
+local CLIENT_HEADERS = { "http_x_request_timeout", "http_x_stainless_read_timeout",
+                         "http_x_stainless_timeout" }
+
+local function client_timeout_s()
+    local best
+    for _, name in ipairs(CLIENT_HEADERS) do
+        local v = tonumber(ngx_var(name))
+        if v and v >= _M.CLIENT_MIN_S and v <= _M.CLIENT_MAX_S and (not best or v < best) then
+            best = v
+        end
+    end
+    return best
+end
+
+-- The deadline (ms) a client timeout of `s` seconds gives: its answer (a 429, a 504)
+-- must reach the client before it gives up, so a tenth of it, at most 1 s, is kept back.
+function _M.client_ms(s)
+    return math.floor((s - min(1, s / 10)) * 1000)
+end
+
+-- {at = epoch s | nil, request_ms, idle_s, client (the client's timeout set request_ms)}
+-- of the current request (cached in req): the route's deadline, shortened to the
+-- client's own timeout when one is sent and shorter (client_timeout_s: what admission
+-- predicts against and a 429 answers within, instead of admitting requests the client
+-- will have given up on; a stream then need only start within it).
 function _M.for_request(req)
     local d = req.deadline
     if d then
@@ -55,8 +86,15 @@ function _M.for_request(req)
     local o = config.get().deadlines
     local r = o.routes[ngx_var("uri")] or o
     d = { request_ms = r.request_ms, idle_s = r.stream_idle_ms / 1000 }
-    if r.request_ms > 0 then
-        d.at = ngx_start_time() + r.request_ms / 1000
+    local c = client_timeout_s()
+    if c then
+        local ms = _M.client_ms(c)
+        if r.request_ms == 0 or ms < r.request_ms then
+            d.request_ms, d.client = ms, true
+        end
+    end
+    if d.request_ms > 0 then
+        d.at = ngx_start_time() + d.request_ms / 1000
     end
     req.deadline = d
     return d
@@ -91,6 +129,13 @@ function _M.own_s(req, tail_s)
         end
     end
     return tail_s
+end
+
+-- "its deadline of N ms", and where it came from when the client's timeout set it.
+function _M.describe(req)
+    local d = _M.for_request(req)
+    return "its deadline of " .. d.request_ms .. " ms"
+        .. (d.client and " (the timeout the client sent, less a margin)" or "")
 end
 
 -- Timeouts (s) of the next try: connect, send, read, bound_by_deadline; or nil when
@@ -212,7 +257,7 @@ function _M.error_page(status)
         or (status == 504 and passed(req.deadline)) then
         astats.incr("deadline_exceeded")
         return 504, "timeout", "deadline_exceeded",
-            "The request did not finish within its deadline of " .. req.deadline.request_ms .. " ms."
+            "The request did not finish within " .. _M.describe(req) .. "."
     end
     return nil
 end

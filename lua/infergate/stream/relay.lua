@@ -156,8 +156,8 @@ local function answer_unsent(r)
     end
     if r.deadline_passed then
         astats.incr("deadline_exceeded")
-        return errors.send(504, "The request did not finish within its deadline of "
-            .. deadline.for_request(r.req).request_ms .. " ms.", "timeout", "deadline_exceeded",
+        return errors.send(504, "The request did not finish within "
+            .. deadline.describe(r.req) .. ".", "timeout", "deadline_exceeded",
             { [errors.NO_RETRY_HEADER] = errors.NO_RETRY })
     end
     if not f or r.no_node then -- as the balancer's retry with no node left
