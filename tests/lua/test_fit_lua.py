@@ -88,19 +88,28 @@ def test_an_answer_cut_by_its_client_past_the_tail_raises_it(workdir: Path) -> N
 def test_a_stream_counts_its_own_time_only_when_it_fits_a_whole_deadline(
         workdir: Path) -> None:
     """What is admitted finishes: a stream's own answer time counts as a non-stream's, but
-    a stream whose answers alone outrun the whole deadline need only start in time."""
+    a stream whose answers alone outrun the whole deadline need only start in time, as
+    does one whose deadline the client's timeout set (it bounds the wait for each read)."""
     got = run(workdir, """
+            local function client(r)   -- a deadline the client's timeout set
+                r.deadline.client = true
+                return r
+            end
             return {
                 plain = deadline.own_s(due(10, 30), 12),
                 stream = deadline.own_s(due(10, 30, {stream = true}), 12),
                 long_stream = deadline.own_s(due(10, 30, {stream = true}), 45),
                 no_deadline = deadline.own_s({stream = true}, 12),
                 whole = deadline.whole_s(due(10, 30)),
+                -- the deadline the client's timeout set bounds a stream's start only
+                client_stream = deadline.own_s(client(due(10, 30, {stream = true})), 12),
+                client_plain = deadline.own_s(client(due(10, 30)), 12),
             }
     """)
     assert got["plain"] == 12 and got["stream"] == 12
     assert got["long_stream"] == 0 and got["no_deadline"] == 0
     assert got["whole"] == 30
+    assert got["client_stream"] == 0 and got["client_plain"] == 12
 
 
 def test_a_slot_that_would_finish_too_late_waits_for_one_that_would_not(

@@ -120,11 +120,13 @@ end
 -- finishes in time for a client whose timeout covers the whole answer; only for a
 -- stream whose `tail_s` alone is longer than its whole deadline (answers longer than the
 -- deadline, which a client reading a stream lets run on) nothing: it need only start in
--- time, then the idle timeout bounds it.
+-- time, then the idle timeout bounds it. A stream whose deadline the client's timeout set
+-- need only start too: those timeouts bound the wait for the answer's head and for each
+-- chunk after it, not the whole stream.
 function _M.own_s(req, tail_s)
     if req.stream then
-        local whole = _M.whole_s(req)
-        if not whole or tail_s > whole then
+        local d = _M.for_request(req)
+        if not d.at or d.client or tail_s > d.request_ms / 1000 then
             return 0
         end
     end
