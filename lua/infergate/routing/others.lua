@@ -10,7 +10,7 @@
 --   * this edge has no request in flight on the node (its own would be in the figures,
 --     and cannot be told apart from others'), and
 --   * no attempt of this edge on the node ended later than SKEW_S before the poll
---     ("le:<node>", infergate.routing.stats: an answer that ended after the poll is in
+--     ("ae:<node>", infergate.routing.stats: an answer that ended after the poll is in
 --     its figures too; SKEW_S covers the clocks of the control plane and the edge)
 -- else 0: the rules then stand as before, on this edge's own count. The figures are up
 -- to a poll interval old: a node that freed up since is seen free at the next poll (a
@@ -28,7 +28,7 @@ local _M = {}
 _M.FRESH_S = 5
 _M.SKEW_S = 1
 
-local le_key = prefixer("le:")
+local ae_key = prefixer("ae:")
 
 -- Requests of others on `node` (see the header), 0 when not known.
 function _M.count(node, now)
@@ -41,7 +41,7 @@ function _M.count(node, now)
     if n < 1 or stats.inflight(node.name) > 0 then
         return 0
     end
-    local ended = ngx.shared[config.DICT_STATS]:get(le_key(node.name))
+    local ended = ngx.shared[config.DICT_STATS]:get(ae_key(node.name))
     if ended and ended > at - _M.SKEW_S then
         return 0
     end

@@ -7,7 +7,7 @@
 --                (killed, crashed; nginx starts another in its place) never reaches the
 --                log phase of its attempts, and reconcile() gives its count back
 --   "rq:<node>"  attempts started (counter since nginx start)
---   "le:<node>"  epoch s the last attempt on the node ended (infergate.routing.others)
+--   "ae:<node>"  epoch s the last attempt on the node ended (infergate.routing.others)
 --   "fl:<node>"  attempts failed (counter since nginx start; includes 429 answers)
 --   "lt:<node>"  latency EWMA in ms of successful attempts (upstream response time)
 --   "fr:<node>"  failure-rate EWMA, 0-1 (1 per failed attempt, 0 per success), decaying
@@ -52,7 +52,7 @@ local ESRCH = 3
 
 -- Key names per node, built once per worker ("if:<node>", "iw:<pid>:<node>").
 local if_key = prefixer("if:")
-local le_key = prefixer("le:")
+local ae_key = prefixer("ae:")
 local iw_key_of -- made at its first use in a worker (its pid)
 
 local function iw_key(name)
@@ -178,7 +178,7 @@ function _M.release(att)
         log(ERR, "infergate: in-flight counter of ", name, " went below zero")
     end
     d:incr(iw_key(name), -1, 0)
-    d:set(le_key(name), ngx_now())   -- infergate.routing.others
+    d:set(ae_key(name), ngx_now())   -- infergate.routing.others
     wake.released()   -- a request waiting for a slot at the edge looks at once
     return true
 end
@@ -191,7 +191,7 @@ _M._alive = alive
 
 -- Gives back the in-flight attempts of workers that are gone: for every
 -- "iw:<pid>:<node>" of a pid that no longer exists, its count comes off "if:<node>" and
--- the key is removed ("le:<node>" set: the node may still run them). A worker that
+-- the key is removed ("ae:<node>" set: the node may still run them). A worker that
 -- exits normally (reload, shutdown) has released its attempts by then (its keys are at
 -- 0). Run by the snapshot sync timer every few
 -- seconds, in one worker at a time. Returns the number of attempts given back.
@@ -210,7 +210,7 @@ function _M.reconcile()
                     d:set(if_key(name), 0)
                 end
                 back = back + v
-                d:set(le_key(name), ngx_now())
+                d:set(ae_key(name), ngx_now())
                 log(WARN, "infergate: ", v, " in-flight attempt(s) on ", name,
                     " of worker ", pid, ", which is gone, given back")
             end
