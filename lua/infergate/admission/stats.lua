@@ -24,6 +24,8 @@
 --
 -- No I/O: safe in every phase.
 local options = require("infergate.admission.options")
+local config = require("infergate.core.config")
+local workers = require("infergate.core.workers")
 
 local _M = {}
 
@@ -35,9 +37,43 @@ local function dict()
     return ngx.shared[options.DICT_LIMITS]
 end
 
+-- The gauges (counts a request takes and gives back): each worker also keeps its own
+-- share in the infergate_stats dict, "ag:<pid>:<gauge>", so that what a worker that is
+-- gone (killed, crashed) held is given back (give_back, from
+-- infergate.routing.stats.reconcile) instead of staying in the gauge for good.
+local GAUGES = { waiting = true, held = true }
+local own_keys = {}   -- gauge -> this worker's "ag:<pid>:<gauge>"
+
+local function own_key(name)
+    local k = own_keys[name]
+    if not k then
+        k = "ag:" .. workers.pid() .. ":" .. name
+        own_keys[name] = k
+    end
+    return k
+end
+
 -- Adds n (default 1) to a counter; its new value (nil when the dict refused).
 function _M.incr(name, n)
-    return (dict():incr("c:" .. name, n or 1, 0))
+    n = n or 1
+    if GAUGES[name] then
+        ngx.shared[config.DICT_STATS]:incr(own_key(name), n, 0)
+    end
+    return (dict():incr("c:" .. name, n, 0))
+end
+
+-- The share `v` of gauge `name` a worker that is gone (`pid`) held comes off the gauge
+-- (never below 0).
+function _M.give_back(name, v, pid)
+    if not (GAUGES[name] and v and v ~= 0) then
+        return
+    end
+    local left = dict():incr("c:" .. name, -v, 0)
+    if left and left < 0 then
+        dict():set("c:" .. name, 0)
+    end
+    ngx.log(ngx.WARN, "infergate: ", v, " ", name, " request(s) of worker ", pid,
+            ", which is gone, taken off the admission gauge")
 end
 
 -- Sets the gauge name to 1 for ttl seconds (then it reads 0 again).

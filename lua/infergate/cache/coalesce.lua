@@ -9,8 +9,11 @@
 -- at least coalesce_wait_s; a streamed waiter, whose client sees nothing while it waits
 -- (its first token comes that much later), waits coalesce_stream_wait_s at most, and not
 -- at all at 0. Either goes on to a node at once when the leader ends without an answer
--- to store (the NOSTORE mark).
+-- to store (the NOSTORE mark). The lock names the leader's worker ("<pid>:<request
+-- id>"): when that worker is gone (killed, crashed) the leader never ends, and a waiter
+-- takes the lock over and goes to a node itself, the others waiting for it instead.
 local ngx_now = require("infergate.core.ngxapi").now
+local workers = require("infergate.core.workers")
 local shared = require("infergate.cache.shared")
 local entries = require("infergate.cache.entry")
 local deadline = require("infergate.admission.deadline")
@@ -44,6 +47,25 @@ local function bound_s(req, leader)
 end
 _M.bound_s = bound_s
 
+-- The lock's value for leader `req`: "<worker pid>:<request id>".
+local function owner_of(req)
+    return workers.pid() .. ":" .. (req.id or tostring(ngx_now()))
+end
+
+-- Takes the lock of a leader whose worker is gone (value `v`, still there): true when
+-- this request is the leader now (c.lock, c.owner set).
+local function take_over(req, c, lock, dict, v)
+    if dict:get(lock) == v then
+        dict:delete(lock)
+    end
+    local owner = owner_of(req)
+    if dict:add(lock, owner, bound_s(req, true)) then
+        c.lock, c.owner = lock, owner
+        return true
+    end
+    return false
+end
+
 local function wait_for_leader(req, c, lock)
     local dict = ngx.shared[shared.DICT]
     local until_s = ngx_now() + bound_s(req, false)
@@ -54,6 +76,9 @@ local function wait_for_leader(req, c, lock)
         ngx.sleep(pause)
         local v = dict:get(lock)
         if v == shared.NOSTORE then
+            return nil
+        end
+        if v and workers.holder_gone(v) and take_over(req, c, lock, dict, v) then
             return nil
         end
         if not v then
@@ -76,7 +101,7 @@ function _M.run(req, c, k)
     end
     local dict = ngx.shared[shared.DICT]
     local lock = "lock:" .. k.exact
-    local owner = req.id or tostring(ngx_now())
+    local owner = owner_of(req)
     local ok = dict and dict:add(lock, owner, bound_s(req, true))
     if ok then
         c.lock, c.owner = lock, owner

@@ -8,11 +8,13 @@
 -- at its end with any answer the node meant (stats.close_attempt).
 --
 -- Keys (dict infergate_stats): "bf:<node>" consecutive failures, "bo:<node>" epoch
--- seconds the breaker opened (absent = closed), "bp:<node>" the probe in flight
--- (added with a TTL so a lost probe cannot block the node forever).
+-- seconds the breaker opened (absent = closed), "bp:<node>" the probe in flight: the pid
+-- of the worker that sent it (added with a TTL so a lost probe cannot block the node
+-- forever; freed at once when that worker is gone).
 -- No I/O: safe in the balancer and log phases.
 local config = require("infergate.core.config")
 local key = require("infergate.core.memo").keyer()
+local workers = require("infergate.core.workers")
 
 local _M = {}
 
@@ -46,6 +48,19 @@ function _M.state(name, now)
     return "open"
 end
 
+-- Whether a probe of node `name` is in flight: its slot is held by a worker that is
+-- still running (one that is gone, killed or crashed, never ends its probe: the slot is
+-- freed at once rather than after its TTL, which is minutes).
+local function probing(d, name)
+    local k = key("bp:", name)
+    local holder = d:get(k)
+    if holder and workers.holder_gone(holder) then
+        d:delete(k)
+        return false
+    end
+    return holder ~= nil
+end
+
 -- A node whose breaker has been open for ALONE_PROBE_S (or the whole cooldown, when
 -- shorter) may take a half-open probe early when no node of the request's model is left
 -- (infergate.routing.candidates): as nginx never marks the only server of an upstream
@@ -66,15 +81,16 @@ function _M.allow(name, now, alone)
     if alone and ALONE_PROBE_S < cooldown then
         cooldown = ALONE_PROBE_S
     end
-    if now - opened < cooldown or d:get(key("bp:", name)) then
+    if now - opened < cooldown or probing(d, name) then
         return false
     end
     return "probe"
 end
 
--- Takes the single half-open probe slot of a node; true when this caller got it.
+-- Takes the single half-open probe slot of a node (holding this worker's pid); true when
+-- this caller got it.
 function _M.take_probe(name)
-    local ok = dict():add(key("bp:", name), true, probe_ttl(config.get()))
+    local ok = dict():add(key("bp:", name), workers.pid(), probe_ttl(config.get()))
     return ok and true or false
 end
 

@@ -35,7 +35,8 @@ local ngx_now = ngxapi.now
 local breaker = require("infergate.routing.breaker")
 local stall = require("infergate.routing.stall")
 local wake = require("infergate.admission.wake")
-local ffi = require("ffi")
+local workers = require("infergate.core.workers")
+local astats = require("infergate.admission.stats")
 
 local _M = {}
 
@@ -45,10 +46,6 @@ local ERR = ngx.ERR
 local WARN = ngx.WARN
 local tonumber = tonumber
 local ipairs = ipairs
-
-pcall(ffi.cdef, "int kill(int pid, int sig);")
-local C = ffi.C
-local ESRCH = 3
 
 -- Key names per node, built once per worker ("if:<node>", "iw:<pid>:<node>").
 local if_key = prefixer("if:")
@@ -183,24 +180,29 @@ function _M.release(att)
     return true
 end
 
--- Whether process `pid` exists (kill(pid, 0): only ESRCH says it does not).
-local function alive(pid)
-    return C.kill(pid, 0) == 0 or ffi.errno() ~= ESRCH
-end
+local alive = workers.alive
 _M._alive = alive
 
 -- Gives back the in-flight attempts of workers that are gone: for every
 -- "iw:<pid>:<node>" of a pid that no longer exists, its count comes off "if:<node>" and
--- the key is removed ("ae:<node>" set: the node may still run them). A worker that
--- exits normally (reload, shutdown) has released its attempts by then (its keys are at
--- 0). Run by the snapshot sync timer every few
--- seconds, in one worker at a time. Returns the number of attempts given back.
+-- the key is removed ("ae:<node>" set: the node may still run them); so are the
+-- admission gauges it held ("ag:<pid>:<gauge>", infergate.admission.stats). A worker
+-- that exits normally (reload, shutdown) has released its attempts by then (its keys
+-- are at 0). Run by the snapshot sync timer every few seconds, in one worker at a time.
+-- Returns the number of attempts given back.
 function _M.reconcile()
     local d = dict()
     local back = 0
     for _, k in ipairs(d:get_keys(0)) do
         local pid, name = k:match("^iw:(%d+):(.+)$")
         pid = tonumber(pid)
+        local gpid, gauge = k:match("^ag:(%d+):(.+)$")
+        gpid = tonumber(gpid)
+        if gpid and not alive(gpid) then
+            local v = d:get(k)
+            d:delete(k)
+            astats.give_back(gauge, v, gpid)
+        end
         if pid and not alive(pid) then
             local v = d:get(k)
             d:delete(k)
