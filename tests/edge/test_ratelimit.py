@@ -485,3 +485,25 @@ def test_openai_client_sees_rate_limit_and_auth_errors(redis_server, tiny_upstre
     with pytest.raises(openai.AuthenticationError) as refused:
         bad.models.list()
     assert refused.value.status_code == 401 and refused.value.code == "invalid_api_key"
+
+
+def test_a_script_redis_refuses_on_every_request_is_logged_once(redis_server, tiny_upstreams,
+                                                                edge_factory) -> None:
+    """Redis out of memory with ``noeviction`` refuses the rate-limit script (an error
+    reply, not an outage): every request is still answered, decided on the edge's local
+    buckets, and the error log gets one line for the burst, not one per request."""
+    (up,) = tiny_upstreams(1)
+    r = redis_server.client()
+    key, _ = apikeys.create_key(r, "acme", rpm=100000)
+    edge = edge_factory(settings(redis_server.url, [up.node_settings()]), check_log=False)
+    assert post(edge.url, key).status_code == 200
+    r.config_set("maxmemory-policy", "noeviction")
+    r.config_set("maxmemory", "1")
+    try:
+        codes = [post(edge.url, key).status_code for _ in range(20)]
+    finally:
+        r.config_set("maxmemory", "0")
+    assert codes == [200] * 20
+    lines = [ln for ln in edge.error_log().splitlines() if "rate-limit script failed" in ln]
+    assert len(lines) == 1, lines
+    assert "OOM" in lines[0] and "failure(s) since the last such line" in lines[0]
