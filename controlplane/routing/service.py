@@ -331,9 +331,13 @@ class ControlPlane:
         self._redis_failed_at = now
         if self.redis_ok is not False:
             self.redis_unreachable_since = now
-            log.warning("redis unreachable (%s: %s); polling continues on the last known "
+            # an error reply (out of memory with noeviction, a read-only replica) is
+            # Redis answering and refusing, not Redis away
+            what = ("redis refuses the control plane's commands"
+                    if isinstance(exc, redis.ResponseError) else "redis unreachable")
+            log.warning("%s (%s: %s); polling continues on the last known "
                         "%d nodes, writes resume when it answers",
-                        type(exc).__name__, exc, len(self.nodes))
+                        what, type(exc).__name__, exc, len(self.nodes))
         self.redis_ok = False
 
     def _redis_answered(self) -> None:

@@ -162,3 +162,29 @@ def test_redis_absent_at_start_uses_configured_nodes(redis_server, healthy_sim, 
         assert [n["name"] for n in routing(redis_server.client())["nodes"]] == ["sim-f"]
     finally:
         cp.shutdown()
+
+
+def test_redis_refusing_writes_is_said_as_refusing_not_unreachable(redis_server, healthy_sim,
+                                                                   caplog):
+    """Redis out of memory with ``noeviction`` answers every write with an error: the
+    control plane says Redis refuses its commands (it is there; its memory or its role is
+    the fix), not that it is unreachable, and writes again once it accepts them."""
+    caplog.set_level(logging.INFO, logger="infergate.controlplane")
+    r = redis_server.client()
+    cp = ControlPlane(cp_settings([healthy_sim.node()]), make_client(redis_server.url, 0.5))
+    try:
+        assert cp.run_cycle().wrote
+        r.config_set("maxmemory-policy", "noeviction")
+        r.config_set("maxmemory", "1")
+        try:
+            rep = cp.run_cycle()
+        finally:
+            r.config_set("maxmemory", "0")
+        assert not rep.wrote
+        said = [m for m in caplog.messages if m.startswith("redis ")]
+        assert any("redis refuses the control plane's commands" in m and "OutOfMemory" in m
+                   for m in said), said
+        assert not any("redis unreachable" in m for m in said)
+        assert cp.run_cycle().wrote
+    finally:
+        cp.shutdown()
