@@ -415,6 +415,9 @@ class NodeTracker:
         #: the last poll's metrics showed a restart since the reading before (its
         #: counters began again: ``Window.restarted``), though it never looked down
         self.restarted = False
+        #: epoch s of the last reading of the process before the latest such restart:
+        #: what the edges sent the node before it went to that process (``None``: none)
+        self.restarted_after: float | None = None
 
     def same_target(self, node: NodeSettings) -> bool:
         """False when the node's address or kind changed (start afresh)."""
@@ -440,6 +443,8 @@ class NodeTracker:
         r = result.reading
         w = window(self.last_reading, r) if r is not None else None
         self.restarted = w is not None and w.restarted
+        if self.restarted:
+            self.restarted_after = round(self.last_reading_at, 3)
         stall_cause = None if stalled_s is None else stalled_error(stalled_s)
         quiet = self.counters.observe(w, r.running if r is not None else None, now)
         limit = self.settings.controlplane.stall_counters_s

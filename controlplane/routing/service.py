@@ -778,7 +778,9 @@ class ControlPlane:
                 hosts=hosts, slow_start_s=cp.slow_start_s, models=report.models,
                 models_any=report.models_any,
                 ramps=self.ramps, auths={n.name: self.access.for_url(n.url).auth for n in nodes},
-                slots=self.props.slots(nodes), contexts=self.props.contexts(nodes))
+                slots=self.props.slots(nodes), contexts=self.props.contexts(nodes),
+                restarts={n.name: t.restarted_after for n in nodes
+                          if (t := self.trackers.get(n.name)) and t.restarted_after})
             pipe = self.r.pipeline(transaction=False)
             pipe.execute_command("EVAL", SNAPSHOT_IF_LEADER_LUA, 3, keynames.LEADER,
                                  keynames.ROUTING, keynames.LEADER_FENCE, self.id,

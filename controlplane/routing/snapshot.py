@@ -6,9 +6,9 @@ Snapshot shape: docs/internals.md, "the routing snapshot", as the dataclasses
 :class:`~controlplane.routing.wire.RoutingSnapshot` / ``SnapshotNode``. Per node:
 ``name, url, host, port, kind, state, healthy, weight, effective_weight,
 max_concurrency, slots, slots_source, score, saturated, queue_depth, running, polled_at,
-kv_cache_usage, has_metrics, models, models_any, scheme, tls_name, auth`` (``auth``:
-the ``Authorization`` value of a node with an API key, redacted wherever the snapshot is
-served; ``models``: :mod:`controlplane.routing.models`, ``null`` = unknown;
+restarted_after, kv_cache_usage, has_metrics, models, models_any, scheme, tls_name, auth``
+(``auth``: the ``Authorization`` value of a node with an API key, redacted wherever the
+snapshot is served; ``models``: :mod:`controlplane.routing.models`, ``null`` = unknown;
 ``models_any``: the node takes a model no node lists too). Edge reports are read as :class:`~controlplane.routing.wire.EdgeReport`.
 
 - ``host`` is an IP literal (the balancer phase of the edge cannot resolve names):
@@ -150,14 +150,17 @@ def node_entry(node: NodeSettings, state: NodeState, status: NodeMetricsDoc | No
                host: str | None, now: float, slow_start_s: float,
                models: list[str] | None = None, ramp_since: float = 0.0,
                auth: str | None = None, server_slots: int | None = None,
-               models_any: bool = False, ctx_tokens: int | None = None) -> SnapshotNode:
+               models_any: bool = False, ctx_tokens: int | None = None,
+               restarted_after: float | None = None) -> SnapshotNode:
     """One ``nodes[]`` entry. ``status``: the node's latest metrics (``None`` before its
     first poll: healthy, no metrics); ``models``: served model ids (``None`` unknown);
     ``ramp_since``: epoch s the node was added at run time or became healthy again;
     ``auth``: the ``Authorization`` value the edge sends it (its API key; secret);
     ``server_slots``: the slots the server reports (``None``: not known);
     ``models_any``: the node takes any model besides ``models`` (only with a list);
-    ``ctx_tokens``: the context of one of its slots (``None``: not known)."""
+    ``ctx_tokens``: the context of one of its slots (``None``: not known);
+    ``restarted_after``: epoch s of the last reading of the process before its latest
+    restart (``None``: none seen)."""
     st = status or NodeMetricsDoc(name=node.name)
     scheme = urlsplit(node.url).scheme
     slots, slots_source = node_slots(node, server_slots)
@@ -182,6 +185,7 @@ def node_entry(node: NodeSettings, state: NodeState, status: NodeMetricsDoc | No
         queue_depth=st.queue_depth,
         running=st.running,
         polled_at=st.ts,
+        restarted_after=restarted_after,
         kv_cache_usage=st.kv_cache_usage,
         has_metrics=st.has_metrics,
         models=models,
@@ -200,14 +204,17 @@ def build_snapshot(*, version: int, now: float, leader: str, nodes: list[NodeSet
                    auths: dict[str, str | None] | None = None,
                    slots: dict[str, int] | None = None,
                    models_any: set[str] | None = None,
-                   contexts: dict[str, int] | None = None) -> RoutingSnapshot:
+                   contexts: dict[str, int] | None = None,
+                   restarts: dict[str, float] | None = None) -> RoutingSnapshot:
     """The routing snapshot (docs/internals.md); ``.to_json()`` is what the leader
     writes. Nodes sorted by name. ``models``: served model ids per node (missing =
     unknown); ``ramps``: slow-start start (epoch s) per node added at run time or
     healthy again; ``auths``: the ``Authorization`` value per node with an API key;
     ``slots``: the slots each server reports (missing = not known); ``models_any``: the
     nodes that take any model besides their list (single-model llama.cpp servers);
-    ``contexts``: the context of one slot per server that reports it (tokens)."""
+    ``contexts``: the context of one slot per server that reports it (tokens);
+    ``restarts``: per node restarted between two polls (its metrics' counters began
+    again), the time of the last reading of the process before."""
     models = models or {}
     contexts = contexts or {}
     ramps = ramps or {}
@@ -222,7 +229,8 @@ def build_snapshot(*, version: int, now: float, leader: str, nodes: list[NodeSet
                           ramps.get(n.name, 0.0), auth=auths.get(n.name),
                           server_slots=slots.get(n.name),
                           models_any=n.name in (models_any or ()),
-                          ctx_tokens=contexts.get(n.name))
+                          ctx_tokens=contexts.get(n.name),
+                          restarted_after=(restarts or {}).get(n.name))
                for n in sorted(nodes, key=lambda n: n.name)],
     )
 

@@ -212,6 +212,10 @@ class SnapshotNode(_Doc):
     polled_at: float | None = None
     """Epoch s of the poll ``queue_depth`` and ``running`` come from (the edge counts
     them as others' requests only while they are fresh); ``None`` before a poll."""
+    restarted_after: float | None = None
+    """Epoch s of the last reading of the node's process before its latest restart seen
+    between two polls (its metrics' counters began again): a request the edge sent
+    before it went to that process, and no answer will come from it; ``None``: none."""
     kv_cache_usage: float | None = None
     """0-1."""
     has_metrics: bool = False
@@ -257,6 +261,7 @@ class SnapshotNode(_Doc):
                    score=_num(d.get("score")), saturated=bool(_bool(d.get("saturated"), False)),
                    queue_depth=_num(d.get("queue_depth")), running=_num(d.get("running")),
                    polled_at=_num(d.get("polled_at")),
+                   restarted_after=_num(d.get("restarted_after")),
                    kv_cache_usage=_num(d.get("kv_cache_usage")),
                    has_metrics=bool(_bool(d.get("has_metrics"), False)), models=models,
                    models_any=bool(_bool(d.get("models_any"), False)) and models is not None,

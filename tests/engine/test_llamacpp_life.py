@@ -108,6 +108,9 @@ def test_a_node_restarted_with_other_slots_is_read_again_at_once(stack) -> None:
     try:
         procs.wait_until(lambda: _nodes(up).get(b.url, {}).get("slots") == 3,
                          timeout=CHANGE_TIMEOUT_S, what="the restarted node's 3 slots known")
+        # the snapshot names when the old process was last seen: what the edges sent
+        # before went to it (lua/infergate/routing/restarts.lua)
+        assert _nodes(up)[b.url]["restarted_after"] is not None
         procs.wait_until(lambda: _health(up).get(b.url) is True, timeout=CHANGE_TIMEOUT_S,
                          what="the restarted node healthy")
     finally:

@@ -161,6 +161,7 @@ local function make_node(n)
         running = num(n.running),          -- the node's metrics (nil: unknown), for
         queue_depth = num(n.queue_depth),  -- infergate.routing.room
         polled_at = num(n.polled_at),      -- their poll (epoch s; infergate.routing.others)
+        restarted_after = num(n.restarted_after),  -- infergate.routing.restarts
         kind = n.kind,
         slots_source = n.slots_source,  -- "server": a llama.cpp server (infergate.stream.splice)
         ctx_tokens = ctx,  -- context of one slot, tokens (nil: not known; routing.ctxfit)

@@ -17,17 +17,18 @@
 -- after the last byte (each gap is cut there); while holding, at most until the hold ends
 -- (then the held bytes go out); while the head is awaited with another node left, the
 -- leg also gives up as soon as the node, found silent after the leg started, fails its
--- liveness check (outlier.gone_silent, asked every WATCH_S), and so does the leg that
--- got its head but no content yet (the node's head may come before its prefill, as
--- llama-server's does); once nginx shuts down, at most until edge.shutdown_stream_s is
--- up (infergate.core.closing.stream_left; the relay then ends the stream with an error
--- event). Connect and send timeouts: the deadline's for a leg before content; a
--- continuation starts after it as the stream goes on past it.
+-- liveness check (outlier.gone_silent, asked every WATCH_S) or restarted since
+-- (routing.restarts), as does the leg that got its head but no content yet (a head may
+-- come before the prefill, as llama-server's does); once nginx shuts down, at most until
+-- edge.shutdown_stream_s is up (core.closing.stream_left; the relay then ends the stream
+-- with an error event). Connect and send timeouts: the deadline's for a leg before
+-- content; a continuation starts after it as the stream goes on past it.
 local ngxapi = require("infergate.core.ngxapi")
 local deadline = require("infergate.admission.deadline")
 local relaypick = require("infergate.routing.relaypick")
 local stall = require("infergate.routing.stall")
 local outlier = require("infergate.routing.outlier")
+local restarts = require("infergate.routing.restarts")
 local stats = require("infergate.routing.stats")
 local liveness = require("infergate.routing.liveness")
 local speed = require("infergate.routing.speed")
@@ -320,9 +321,8 @@ local function await_head(r, lg)
         return at_deadline(r, lg, http.read_head(sock))
     end
     -- another node is left: while the head does not come, every WATCH_S the node is
-    -- checked (infergate.routing.outlier.gone_silent); found silent since this leg
-    -- started and dead to its liveness check, the leg gives up at once and the request
-    -- is retried elsewhere. At the probe's read timeout it gives up only when a node is
+    -- checked (see the header); found gone, the leg gives up at once and the request is
+    -- retried elsewhere. At the probe's read timeout it gives up only when a node is
     -- still left for the retry (relaypick.other_left); else it reads on for the whole
     -- read timeout of a leg that has no other node. A request that is not a stream
     -- (lg.watch) has no probe's read timeout unless its node is a probe: its head comes
@@ -332,8 +332,8 @@ local function await_head(r, lg)
     sock:settimeout(ms(min(_M.WATCH_S, read)))
     local head, err = http.read_head(sock, function(got)
         local now = ngx_now()
-        if not got and outlier.gone_silent(node, lg.att, now, o)
-                and relaypick.other_left(r.req, now) then
+        if not got and (outlier.gone_silent(node, lg.att, now, o)
+                or restarts.sent_before(node, lg.att)) and relaypick.other_left(r.req, now) then
             return false
         end
         if give_up - now < 0.002 then
