@@ -12,18 +12,13 @@ import time
 import requests
 
 from controlplane import procs
-from support.stack import edge_settings, write_snapshot
+from support.stack import edge_on_snapshot, write_snapshot
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 
 
 def _edge(redis_server, edge_factory, nodes):
-    s = edge_settings(redis_server.url, [], stale_after_s=3600, read_timeout_ms=60000)
-    s.deadlines.request_ms = 30000
-    e = edge_factory(s)
-    snap = write_snapshot(redis_server.client(), nodes)
-    e.wait_snapshot(snap["version"])
-    return e
+    return edge_on_snapshot(redis_server, edge_factory, nodes, read_timeout_ms=60000)
 
 
 def _node(up, **kw):

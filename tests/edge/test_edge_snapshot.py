@@ -355,16 +355,11 @@ def test_a_dead_workers_in_flight_attempts_are_given_back(tiny_upstreams, redis_
     left in the shared dict are given back once they are gone (reconciliation by the sync
     timer of the workers nginx starts in their place), so the node does not look busy
     for good (a drain would never finish, a one-at-a-time node would stay full)."""
-    import os
-    import signal
-    from pathlib import Path
-
     (a,) = tiny_upstreams(names=["a"])
     a.mode = "hang"
     edge = edge_factory(edge_settings(redis_server.url, [a.node_settings()], workers=2),
                         check_log=False)  # the killed workers' [alert] lines are expected
     write_snapshot(redis_server.client(), [a.snapshot_node()])
-    master = int(Path(edge.rendered.prefix, "nginx.pid").read_text())
     results: list[int] = []
 
     def one() -> None:
@@ -379,18 +374,8 @@ def test_a_dead_workers_in_flight_attempts_are_given_back(tiny_upstreams, redis_
         t.start()
     procs.wait_until(lambda: a.inflight == 8, 15, what="8 requests held by the node")
     assert edge.status()["inflight_total"] == 8
-    def parent(pid: str) -> str | None:
-        try:  # a process of another test may end between the listing and the read
-            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
-        except (OSError, IndexError):
-            return None
-
-    workers = [int(p) for p in os.listdir("/proc") if p.isdigit() and parent(p) == str(master)]
-    assert len(workers) == 2
-    for victim in workers:  # both: whichever holds the requests
-        os.kill(victim, signal.SIGKILL)
-    procs.wait_until(lambda: not any(Path(f"/proc/{v}").exists() for v in workers), 10,
-                     what="the killed workers reaped")
+    assert len(edge.workers()) == 2
+    edge.kill_workers()   # both: whichever holds the requests
     a.release()
     for t in threads:
         t.join(30)

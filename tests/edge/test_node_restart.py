@@ -12,18 +12,9 @@ import time
 import requests
 
 from controlplane import procs
-from support.stack import edge_settings, write_snapshot
+from support.stack import edge_on_snapshot, write_snapshot
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
-
-
-def _edge(redis_server, edge_factory, nodes):
-    s = edge_settings(redis_server.url, [], stale_after_s=3600, workers=1)
-    s.deadlines.request_ms = 30000
-    e = edge_factory(s)
-    snap = write_snapshot(redis_server.client(), nodes)
-    e.wait_snapshot(snap["version"])
-    return e
 
 
 def _one_on(up, edge) -> tuple[threading.Thread, list]:
@@ -53,7 +44,7 @@ def test_a_request_held_by_a_replaced_process_is_retried_elsewhere(
     def nodes(**kw) -> list[dict]:
         return [old.snapshot_node(score=None, **kw), other.snapshot_node(score=None)]
 
-    edge = _edge(redis_server, edge_factory, nodes())
+    edge = edge_on_snapshot(redis_server, edge_factory, nodes(), workers=1)
     t, out = _one_on(old, edge)
     # the process it was sent to was last seen after it was sent: retried on "other"
     # at the leg's next look, well within the client's 5 s (without the restart, the

@@ -7,40 +7,14 @@ out its deadline. Real nginx with one worker, killed with SIGKILL."""
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
-from pathlib import Path
 
 import requests
 
 from controlplane import procs
-from support.stack import edge_settings, write_snapshot
+from support.stack import edge_on_snapshot, edge_settings
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "the same question"}]}
-
-
-def _workers(edge) -> list[int]:
-    master = int(Path(edge.rendered.prefix, "nginx.pid").read_text())
-
-    def parent(pid: str) -> str | None:
-        try:  # a process of another test may end between the listing and the read
-            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
-        except (OSError, IndexError):
-            return None
-
-    return [int(p) for p in os.listdir("/proc") if p.isdigit() and parent(p) == str(master)]
-
-
-def _kill_workers(edge) -> None:
-    victims = _workers(edge)
-    assert victims
-    for pid in victims:
-        os.kill(pid, signal.SIGKILL)
-    procs.wait_until(lambda: not any(Path(f"/proc/{v}").exists() for v in victims), 10,
-                     what="the killed workers reaped")
-    procs.wait_until(lambda: len(_workers(edge)) == len(victims), 10,
-                     what="nginx's new workers")
 
 
 def _send(edge, out: list, body: dict = CHAT) -> threading.Thread:
@@ -60,18 +34,15 @@ def test_requests_waiting_on_a_killed_worker_leave_the_waiting_gauge(
         tiny_upstreams, redis_server, edge_factory) -> None:
     (a,) = tiny_upstreams(names=["a"])
     a.mode = "hang"
-    s = edge_settings(redis_server.url, [], workers=1, stale_after_s=3600)
-    s.deadlines.request_ms = 30000
-    edge = edge_factory(s, check_log=False)   # the killed worker's [alert] line is expected
-    snap = write_snapshot(redis_server.client(),
-                          [a.snapshot_node(slots=1, slots_source="server", score=None)])
-    edge.wait_snapshot(snap["version"])
+    edge = edge_on_snapshot(redis_server, edge_factory,
+                            [a.snapshot_node(slots=1, slots_source="server", score=None)],
+                            workers=1, check_log=False)   # the kill's [alert] is expected
     out: list = []
     threads = [_send(edge, out, {**CHAT, "messages": [{"role": "user", "content": f"q{i}"}]})
                for i in range(4)]
     procs.wait_until(lambda: edge.status()["admission"]["waiting"] == 3, 15,
                      what="3 requests waiting at the edge behind the one on the node")
-    _kill_workers(edge)
+    edge.kill_workers()
     a.release()
     for t in threads:
         t.join(30)
@@ -97,7 +68,7 @@ def test_an_identical_request_takes_over_the_lock_of_a_killed_leader(
     out: list = []
     leader = _send(edge, out)
     procs.wait_until(lambda: a.inflight == 1, 15, what="the leader on the node")
-    _kill_workers(edge)
+    edge.kill_workers()
     leader.join(30)
     a.release()
     a.hold()

@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -78,6 +79,18 @@ def write_snapshot(r: redis.Redis, nodes: list[dict], *, version: int | None = N
             "leader": leader, "nodes": nodes}
     r.set(keynames.ROUTING, json.dumps(snap))
     return snap
+
+
+def edge_on_snapshot(redis_server: Any, edge_factory: Callable[..., Any], nodes: list[dict], *,
+                     request_ms: int = 30000, check_log: bool = True, **edge: Any) -> Any:
+    """An edge (``edge_settings(**edge)``, no static nodes, snapshots never stale, the
+    deadline ``request_ms``) routing on a snapshot of ``nodes`` written into Redis."""
+    s = edge_settings(redis_server.url, [], stale_after_s=3600, **edge)
+    s.deadlines.request_ms = request_ms
+    e = edge_factory(s, check_log=check_log)
+    snap = write_snapshot(redis_server.client(), nodes)
+    e.wait_snapshot(snap["version"])
+    return e
 
 
 def edge_settings(redis_url: str, nodes: list[NodeSettings] | list[dict] = (), **edge: Any) -> Settings:
@@ -329,6 +342,31 @@ class Edge:
 
         procs.wait_until(seen, timeout, what=f"edge to load snapshot version {version}")
         return out
+
+    def workers(self) -> list[int]:
+        """The pids of this nginx's worker processes (children of its master)."""
+        master = str(int(Path(self.rendered.prefix, "nginx.pid").read_text()))
+
+        def parent(pid: str) -> str | None:
+            try:  # a process of another test may end between the listing and the read
+                return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+            except (OSError, IndexError):
+                return None
+
+        return [int(p) for p in os.listdir("/proc") if p.isdigit() and parent(p) == master]
+
+    def kill_workers(self) -> list[int]:
+        """SIGKILL every worker (as a crash would end them), wait until they are reaped
+        and nginx has started as many new ones; the killed pids."""
+        victims = self.workers()
+        assert victims
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        procs.wait_until(lambda: not any(Path(f"/proc/{v}").exists() for v in victims), 10,
+                         what="the killed workers reaped")
+        procs.wait_until(lambda: len(self.workers()) == len(victims), 10,
+                         what="nginx's new workers")
+        return victims
 
     def wait_idle(self, timeout: float = 15.0) -> None:
         """Wait until every node's in-flight counter is back to zero."""
