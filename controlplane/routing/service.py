@@ -659,10 +659,11 @@ class ControlPlane:
                     report.health_changes.append((n.name, status.healthy))
                     if status.healthy:  # back from unhealthy: slow start
                         self.ramps[n.name] = now
-                elif self._tracker(n).restarted:   # between two polls: counters began again
+                restarted = self._tracker(n).restarted   # counters began again since
+                if restarted:
                     log.info("node %s restarted (its metrics' counters began again): "
                              "reading its slots and models again", n.name)
-                if (changed and status.healthy) or (not changed and self._tracker(n).restarted):
+                if (changed and status.healthy) or restarted:
                     # a restarted server may have other slots (llama-server's --parallel)
                     # or models
                     self.props.refresh(n.name)

@@ -34,11 +34,13 @@ def test_only_attempts_sent_before_the_restart_went_to_the_old_process(workdir: 
             local r, n = snapshot.current().by_name.r, snapshot.current().by_name.n
             return {
                 long_before = restarts.sent_before(r, {started = 990}),
-                in_margin = restarts.sent_before(r, {started = 999.5}),
+                in_margin = restarts.sent_before(r, {started = 999.9}),
+                just_before = restarts.sent_before(r, {started = 999.5}),
                 after = restarts.sent_before(r, {started = 1001}),
                 no_restart = restarts.sent_before(n, {started = 990}),
                 unlisted = restarts.sent_before({name = "gone"}, {started = 990}),
             }
     """, http_extra=DICTS)
-    assert got == {"long_before": True, "in_margin": False, "after": False,
+    assert got == {"long_before": True, "in_margin": False, "just_before": True,
+                   "after": False,
                    "no_restart": False, "unlisted": False}

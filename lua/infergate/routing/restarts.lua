@@ -11,9 +11,11 @@ local snapshot = require("infergate.routing.snapshot")
 
 local _M = {}
 
--- Margin (s) for the clocks of the control plane and the edge: only an attempt started
--- this long before the process was last seen counts as sent to it.
-_M.SKEW_S = 1
+-- Margin (s) for the clocks of the control plane and the edge (one host under `up`, NTP
+-- across hosts): only an attempt started this long before the process was last seen
+-- counts as sent to it. One sent after that last reading (up to a poll interval before
+-- the stop) cannot be told from one sent to the new process, and waits as before.
+_M.SKEW_S = 0.25
 
 -- Whether attempt `att` (its `started`, epoch s) on `node` went to a process of the node
 -- that the current snapshot says was replaced since.
