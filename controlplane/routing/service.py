@@ -648,10 +648,9 @@ class ControlPlane:
             stalled = stalled_nodes(self.edges, now, fresh_s)  # busy needs progress
             for n in nodes:
                 result = models_refusal(results[n.name], self.models.error(n.name))
-                status, changed = self._tracker(n).update(result, now,
-                                                          inflight.get(n.name, 0.0),
-                                                          n.name in tripped,
-                                                          stalled.get(n.name))
+                tracker = self._tracker(n)
+                status, changed = tracker.update(result, now, inflight.get(n.name, 0.0),
+                                                 n.name in tripped, stalled.get(n.name))
                 self.props.annotate(n, status)
                 report.statuses[n.name] = status
                 if changed:
@@ -659,7 +658,7 @@ class ControlPlane:
                     report.health_changes.append((n.name, status.healthy))
                     if status.healthy:  # back from unhealthy: slow start
                         self.ramps[n.name] = now
-                restarted = self._tracker(n).restarted   # counters began again since
+                restarted = tracker.restarted   # its counters began again since the last
                 if restarted:
                     log.info("node %s restarted (its metrics' counters began again): "
                              "reading its slots and models again", n.name)

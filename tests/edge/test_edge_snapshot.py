@@ -360,18 +360,8 @@ def test_a_dead_workers_in_flight_attempts_are_given_back(tiny_upstreams, redis_
     edge = edge_factory(edge_settings(redis_server.url, [a.node_settings()], workers=2),
                         check_log=False)  # the killed workers' [alert] lines are expected
     write_snapshot(redis_server.client(), [a.snapshot_node()])
-    results: list[int] = []
-
-    def one() -> None:
-        try:
-            results.append(requests.post(f"{edge.url}/v1/chat/completions", json=CHAT,
-                                         headers={"Connection": "close"}, timeout=30).status_code)
-        except requests.RequestException:
-            results.append(-1)  # the killed worker's clients lose their connection
-
-    threads = [threading.Thread(target=one) for _ in range(8)]
-    for t in threads:
-        t.start()
+    results: list[int] = []   # -1: the killed worker's clients lose their connection
+    threads = [edge.post_in_background(CHAT, results) for _ in range(8)]
     procs.wait_until(lambda: a.inflight == 8, 15, what="8 requests held by the node")
     assert edge.status()["inflight_total"] == 8
     assert len(edge.workers()) == 2

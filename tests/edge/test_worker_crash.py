@@ -7,27 +7,12 @@ out its deadline. Real nginx with one worker, killed with SIGKILL."""
 
 from __future__ import annotations
 
-import threading
-
 import requests
 
 from controlplane import procs
 from support.stack import edge_on_snapshot, edge_settings
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "the same question"}]}
-
-
-def _send(edge, out: list, body: dict = CHAT) -> threading.Thread:
-    def one() -> None:
-        try:
-            out.append(requests.post(f"{edge.url}/v1/chat/completions", json=body,
-                                     headers={"Connection": "close"}, timeout=30).status_code)
-        except requests.RequestException:
-            out.append(-1)   # the killed worker's clients lose their connection
-
-    t = threading.Thread(target=one)
-    t.start()
-    return t
 
 
 def test_requests_waiting_on_a_killed_worker_leave_the_waiting_gauge(
@@ -38,8 +23,8 @@ def test_requests_waiting_on_a_killed_worker_leave_the_waiting_gauge(
                             [a.snapshot_node(slots=1, slots_source="server", score=None)],
                             workers=1, check_log=False)   # the kill's [alert] is expected
     out: list = []
-    threads = [_send(edge, out, {**CHAT, "messages": [{"role": "user", "content": f"q{i}"}]})
-               for i in range(4)]
+    threads = [edge.post_in_background(
+        {**CHAT, "messages": [{"role": "user", "content": f"q{i}"}]}, out) for i in range(4)]
     procs.wait_until(lambda: edge.status()["admission"]["waiting"] == 3, 15,
                      what="3 requests waiting at the edge behind the one on the node")
     edge.kill_workers()
@@ -66,7 +51,7 @@ def test_an_identical_request_takes_over_the_lock_of_a_killed_leader(
                                       "coalesce_wait_s": 10.0, "coalesce_poll_ms": 20})
     edge = edge_factory(s, check_log=False)
     out: list = []
-    leader = _send(edge, out)
+    leader = edge.post_in_background(CHAT, out)
     procs.wait_until(lambda: a.inflight == 1, 15, what="the leader on the node")
     edge.kill_workers()
     leader.join(30)

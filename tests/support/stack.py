@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -354,6 +355,22 @@ class Edge:
                 return None
 
         return [int(p) for p in os.listdir("/proc") if p.isdigit() and parent(p) == master]
+
+    def post_in_background(self, body: dict, out: list, timeout: float = 30) -> threading.Thread:
+        """POST ``body`` to /v1/chat/completions on a new connection in a started thread;
+        its status code goes to ``out`` (-1 when the connection is lost, as a killed
+        worker's clients' are)."""
+        def one() -> None:
+            try:
+                out.append(requests.post(f"{self.url}/v1/chat/completions", json=body,
+                                         headers={"Connection": "close"},
+                                         timeout=timeout).status_code)
+            except requests.RequestException:
+                out.append(-1)
+
+        t = threading.Thread(target=one)
+        t.start()
+        return t
 
     def kill_workers(self) -> list[int]:
         """SIGKILL every worker (as a crash would end them), wait until they are reaped

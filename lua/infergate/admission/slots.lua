@@ -61,8 +61,14 @@ end
 
 -- The most requests this edge may have in flight on `node` now: its cap less the
 -- requests of others its metrics show there (infergate.routing.others).
-local function limit_of(node, now)
-    return cap_of(node) - others.count(node, now)
+local function limit_of(node, now, own)
+    return cap_of(node) - others.count(node, now, own)
+end
+
+-- The slots of `node` free for this edge now (0 or less: none).
+local function free_of(node, now)
+    local own = stats.inflight(node.name)
+    return limit_of(node, now, own) - own
 end
 
 -- Whether an eligible node of `model` has known slots.
@@ -79,7 +85,7 @@ end
 -- exists (asked only when the pick fell back on a silent node, or free() found one).
 local function full_live(t, model, now)
     for _, node in ipairs(t.nodes) do
-        if stats.inflight(node.name) >= limit_of(node, now) and open_to(node, model, now)
+        if free_of(node, now) <= 0 and open_to(node, model, now)
                 and not outlier.is_outlier(node, now) then
             return true
         end
@@ -101,7 +107,7 @@ function _M.free(t, now, model, tried)
     for _, node in ipairs(t.nodes) do
         if open_to(node, model, now) and not (tried and tried[node.name]) then
             eligible = eligible + 1
-            local f = limit_of(node, now) - stats.inflight(node.name)
+            local f = free_of(node, now)
             if f > 0 then
                 free = free + f
                 if outlier.is_outlier(node, now) then
@@ -177,7 +183,7 @@ function _M.reserve(req, t, now, how)
     local refused_only = how == "refused"
     local d = refused_only and ngx.shared[config.DICT_STATS]
     for _, node in ipairs(t.nodes) do
-        if tried[node.name] or stats.inflight(node.name) >= limit_of(node, now)
+        if tried[node.name] or free_of(node, now) <= 0
                 or (d and not d:get("uf:" .. node.name)) then
             excluded[node.name] = true
         end

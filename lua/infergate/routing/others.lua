@@ -30,15 +30,16 @@ _M.SKEW_S = 1
 
 local ae_key = prefixer("ae:")
 
--- Requests of others on `node` (see the header), 0 when not known.
-function _M.count(node, now)
+-- Requests of others on `node` (see the header), 0 when not known. own: this edge's
+-- requests in flight there, when the caller has read them (else read here).
+function _M.count(node, now, own)
     local at = node.polled_at
     local running = node.running
     if not at or not running or now - at > _M.FRESH_S then
         return 0
     end
     local n = running + (node.queue_depth or 0)
-    if n < 1 or stats.inflight(node.name) > 0 then
+    if n < 1 or (own or stats.inflight(node.name)) > 0 then
         return 0
     end
     local ended = ngx.shared[config.DICT_STATS]:get(ae_key(node.name))

@@ -41,7 +41,7 @@ end
 function _M.has(node, now)
     local n = stats.inflight(node.name)
     if n == 0 then
-        n = others.count(node, now or ngx.now())
+        n = others.count(node, now or ngx.now(), 0)
     end
     return n < _M.batch(node)
 end

@@ -444,7 +444,7 @@ function _M.expected_s(node)
         return nil
     end
     local b = batch_of(raw, node)
-    local ahead = (n > 0 and n or others.count(node, ngx_now())) + 1 - b
+    local ahead = (n > 0 and n or others.count(node, ngx_now(), 0)) + 1 - b
     if ahead > 0 then
         return s * (1 + ahead / b)
     end

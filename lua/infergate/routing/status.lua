@@ -78,7 +78,7 @@ function _M.report(now)
             eligible = (n.addr ~= nil and n.healthy and n.state == "active"
                         and breaker.allow(n.name, now)) and true or false,
             inflight = inflight,
-            others = others.count(n, now),
+            others = others.count(n, now, inflight),
             requests = stats.requests(n.name),
             failures = stats.failures(n.name),
             breaker = br,
