@@ -418,6 +418,10 @@ class NodeTracker:
         #: epoch s of the last reading of the process before the latest such restart:
         #: what the edges sent the node before it went to that process (``None``: none)
         self.restarted_after: float | None = None
+        #: epoch s of the poll that saw the node come back: healthy again, or a new
+        #: process (``restarted``); ``None``: not seen. An edge whose breaker opened on
+        #: the node before then gives the new process its probe at once
+        self.back_at: float | None = None
 
     def same_target(self, node: NodeSettings) -> bool:
         """False when the node's address or kind changed (start afresh)."""
@@ -464,6 +468,8 @@ class NodeTracker:
             good = False
             error = "; ".join(x for x in (error, "edges: circuit breaker open at every edge") if x)
         changed = self.health.observe(good)
+        if (changed and self.health.healthy) or self.restarted:
+            self.back_at = round(now, 3)
         if r is not None:
             self.last_reading, self.last_reading_at = r, now
         inputs = ScoreInputs(

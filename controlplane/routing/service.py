@@ -690,6 +690,17 @@ class ControlPlane:
                     log.exception("cycle listener failed")
             return report
 
+    def _tracked(self, nodes: list[NodeSettings], attr: str) -> dict[str, float]:
+        """Per node, a time its tracker holds (``restarted_after``, ``back_at``: epoch
+        s), for the nodes that have one."""
+        out: dict[str, float] = {}
+        for n in nodes:
+            t = self.trackers.get(n.name)
+            v = getattr(t, attr) if t else None
+            if v:
+                out[n.name] = v
+        return out
+
     def _read_keys(self, nodes: list[NodeSettings]) -> None:
         """Read every node's API key (env or file) into :attr:`access`; a key that cannot
         be read is logged when that changes (never the key itself)."""
@@ -779,8 +790,8 @@ class ControlPlane:
                 models_any=report.models_any,
                 ramps=self.ramps, auths={n.name: self.access.for_url(n.url).auth for n in nodes},
                 slots=self.props.slots(nodes), contexts=self.props.contexts(nodes),
-                restarts={n.name: t.restarted_after for n in nodes
-                          if (t := self.trackers.get(n.name)) and t.restarted_after})
+                restarts=self._tracked(nodes, "restarted_after"),
+                backs=self._tracked(nodes, "back_at"))
             pipe = self.r.pipeline(transaction=False)
             pipe.execute_command("EVAL", SNAPSHOT_IF_LEADER_LUA, 3, keynames.LEADER,
                                  keynames.ROUTING, keynames.LEADER_FENCE, self.id,

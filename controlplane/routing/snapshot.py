@@ -6,7 +6,7 @@ Snapshot shape: docs/internals.md, "the routing snapshot", as the dataclasses
 :class:`~controlplane.routing.wire.RoutingSnapshot` / ``SnapshotNode``. Per node:
 ``name, url, host, port, kind, state, healthy, weight, effective_weight,
 max_concurrency, slots, slots_source, score, saturated, queue_depth, running, polled_at,
-restarted_after, kv_cache_usage, has_metrics, models, models_any, scheme, tls_name, auth``
+restarted_after, back_at, kv_cache_usage, has_metrics, models, models_any, scheme, tls_name, auth``
 (``auth``: the ``Authorization`` value of a node with an API key, redacted wherever the
 snapshot is served; ``models``: :mod:`controlplane.routing.models`, ``null`` = unknown;
 ``models_any``: the node takes a model no node lists too). Edge reports are read as :class:`~controlplane.routing.wire.EdgeReport`.
@@ -151,7 +151,8 @@ def node_entry(node: NodeSettings, state: NodeState, status: NodeMetricsDoc | No
                models: list[str] | None = None, ramp_since: float = 0.0,
                auth: str | None = None, server_slots: int | None = None,
                models_any: bool = False, ctx_tokens: int | None = None,
-               restarted_after: float | None = None) -> SnapshotNode:
+               restarted_after: float | None = None,
+               back_at: float | None = None) -> SnapshotNode:
     """One ``nodes[]`` entry. ``status``: the node's latest metrics (``None`` before its
     first poll: healthy, no metrics); ``models``: served model ids (``None`` unknown);
     ``ramp_since``: epoch s the node was added at run time or became healthy again;
@@ -160,7 +161,8 @@ def node_entry(node: NodeSettings, state: NodeState, status: NodeMetricsDoc | No
     ``models_any``: the node takes any model besides ``models`` (only with a list);
     ``ctx_tokens``: the context of one of its slots (``None``: not known);
     ``restarted_after``: epoch s of the last reading of the process before its latest
-    restart (``None``: none seen)."""
+    restart (``None``: none seen); ``back_at``: epoch s of the poll that saw it come
+    back, healthy again or restarted (``None``: not seen)."""
     st = status or NodeMetricsDoc(name=node.name)
     scheme = urlsplit(node.url).scheme
     slots, slots_source = node_slots(node, server_slots)
@@ -186,6 +188,7 @@ def node_entry(node: NodeSettings, state: NodeState, status: NodeMetricsDoc | No
         running=st.running,
         polled_at=st.ts,
         restarted_after=restarted_after,
+        back_at=back_at,
         kv_cache_usage=st.kv_cache_usage,
         has_metrics=st.has_metrics,
         models=models,
@@ -205,7 +208,8 @@ def build_snapshot(*, version: int, now: float, leader: str, nodes: list[NodeSet
                    slots: dict[str, int] | None = None,
                    models_any: set[str] | None = None,
                    contexts: dict[str, int] | None = None,
-                   restarts: dict[str, float] | None = None) -> RoutingSnapshot:
+                   restarts: dict[str, float] | None = None,
+                   backs: dict[str, float] | None = None) -> RoutingSnapshot:
     """The routing snapshot (docs/internals.md); ``.to_json()`` is what the leader
     writes. Nodes sorted by name. ``models``: served model ids per node (missing =
     unknown); ``ramps``: slow-start start (epoch s) per node added at run time or
@@ -214,7 +218,8 @@ def build_snapshot(*, version: int, now: float, leader: str, nodes: list[NodeSet
     nodes that take any model besides their list (single-model llama.cpp servers);
     ``contexts``: the context of one slot per server that reports it (tokens);
     ``restarts``: per node restarted between two polls (its metrics' counters began
-    again), the time of the last reading of the process before."""
+    again), the time of the last reading of the process before; ``backs``: per node,
+    the time of the poll that saw it come back (healthy again, or restarted)."""
     models = models or {}
     contexts = contexts or {}
     ramps = ramps or {}
@@ -230,7 +235,8 @@ def build_snapshot(*, version: int, now: float, leader: str, nodes: list[NodeSet
                           server_slots=slots.get(n.name),
                           models_any=n.name in (models_any or ()),
                           ctx_tokens=contexts.get(n.name),
-                          restarted_after=(restarts or {}).get(n.name))
+                          restarted_after=(restarts or {}).get(n.name),
+                          back_at=(backs or {}).get(n.name))
                for n in sorted(nodes, key=lambda n: n.name)],
     )
 

@@ -216,6 +216,10 @@ class SnapshotNode(_Doc):
     """Epoch s of the last reading of the node's process before its latest restart seen
     between two polls (its metrics' counters began again): a request the edge sent
     before it went to that process, and no answer will come from it; ``None``: none."""
+    back_at: float | None = None
+    """Epoch s of the poll that saw the node come back: healthy again, or a new process
+    (its counters began again). An edge breaker opened on the node before then takes
+    its half-open probe at once (lua/infergate/routing/breaker.lua); ``None``: not seen."""
     kv_cache_usage: float | None = None
     """0-1."""
     has_metrics: bool = False
@@ -262,6 +266,7 @@ class SnapshotNode(_Doc):
                    queue_depth=_num(d.get("queue_depth")), running=_num(d.get("running")),
                    polled_at=_num(d.get("polled_at")),
                    restarted_after=_num(d.get("restarted_after")),
+                   back_at=_num(d.get("back_at")),
                    kv_cache_usage=_num(d.get("kv_cache_usage")),
                    has_metrics=bool(_bool(d.get("has_metrics"), False)), models=models,
                    models_any=bool(_bool(d.get("models_any"), False)) and models is not None,

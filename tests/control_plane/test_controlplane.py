@@ -65,7 +65,7 @@ def cp_factory(redis_server):
 NODE_KEYS = {"name", "url", "host", "port", "kind", "state", "healthy", "weight",
              "effective_weight", "max_concurrency", "slots", "slots_source", "ctx_tokens", "score",
              "saturated", "queue_depth", "running", "polled_at", "restarted_after",
-             "kv_cache_usage", "has_metrics", "models", "models_any", "connects"}
+             "back_at", "kv_cache_usage", "has_metrics", "models", "models_any", "connects"}
 METRICS_KEYS = {"name", "ts", "healthy", "reachable", "dialect", "queue_depth", "running",
                 "kv_cache_usage", "e2e_avg_s", "ttft_avg_s", "prompt_tokens_total",
                 "generation_tokens_total", "score", "saturated", "consecutive_failures",

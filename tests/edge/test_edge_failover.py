@@ -91,6 +91,34 @@ def test_half_open_admits_exactly_one_probe(pool) -> None:
     assert "reopened (probe failed)" in edge.error_log()
 
 
+def test_a_node_seen_back_since_its_breaker_opened_is_probed_at_once(pool, redis_server) -> None:
+    """A server killed and started again: the breaker its failures opened would keep
+    the new process idle for the whole cooldown (30 s here) while other nodes are left.
+    Once the control plane saw the node come back after the opening (the snapshot's
+    ``back_at``), the next request is its half-open probe, and it serves again."""
+    edge, ups = pool(breaker_failures=3, breaker_cooldown_s=30.0)
+    a = ups[0]
+    a.mode = "fail"
+    procs.wait_until(lambda: edge.node_status("a")["breaker"] == "open"
+                     or not _ok_nodes(edge, 3), 10, what="a's breaker open")
+    opened = time.time()
+    a.mode = "ok"
+    before = a.hits
+    assert "a" not in _ok_nodes(edge, 12) and a.hits == before, "open: a gets nothing"
+    # a snapshot that saw a back before its breaker opened changes nothing
+    snap = write_snapshot(redis_server.client(), [
+        u.snapshot_node(score=0.0, back_at=opened - 5 if u is a else None) for u in ups])
+    edge.wait_snapshot(snap["version"])
+    assert "a" not in _ok_nodes(edge, 6) and a.hits == before
+    snap = write_snapshot(redis_server.client(), [
+        u.snapshot_node(score=0.0, back_at=time.time() if u is a else None) for u in ups])
+    edge.wait_snapshot(snap["version"])
+    assert _ok_nodes(edge, 1) == Counter({"a": 1}), "the next request is a's probe"
+    assert edge.node_status("a")["breaker"] == "closed"
+    assert "circuit breaker of node a closed (probe succeeded)" in edge.error_log()
+    assert time.time() - opened < 30
+
+
 @pytest.mark.parametrize("relay", [True, False], ids=["stream_relay", "proxied_stream"])
 def test_a_probe_that_streams_closes_the_breaker_at_its_response_head(pool, relay) -> None:
     """A half-open probe that is a long stream: the breaker closes once the node answers

@@ -153,3 +153,33 @@ def test_a_long_llama_cpp_generation_is_progress_not_a_stall():
     for i in range(40, 48):                          # the decode calls stop too: stalled
         st, _ = t.update(poll(100 + 20 * 39), float(i))
     assert st.stalled and not st.healthy
+
+
+def test_back_at_names_the_poll_that_saw_the_node_come_back():
+    """``NodeTracker.back_at`` (the snapshot's ``back_at``, which lets an edge breaker
+    opened before then probe at once): set by the poll that turns the node healthy again
+    and by one whose metrics show a new process; not by polls that stay healthy or down."""
+    from controlplane.routing.nodemetrics import parse_metrics
+
+    def reading(count: int):
+        return parse_metrics(
+            f'vllm:e2e_request_latency_seconds_count{{model_name="m"}} {count}\n'
+            f'vllm:e2e_request_latency_seconds_sum{{model_name="m"}} {count * 2.0}\n')
+
+    t = NodeTracker(NodeSettings(name="a", url="http://127.0.0.1:9"), settings())
+    ok = PollResult(good=True, reachable=True, reading=reading(100))
+    t.update(ok, 1.0)
+    t.update(PollResult(good=True, reachable=True, reading=reading(104)), 2.0)
+    assert t.back_at is None, "healthy from the start: never came back"
+    down = PollResult(good=False, reachable=False, error="connection refused")
+    for i in range(3):
+        st, _ = t.update(down, 3.0 + i)
+    assert not st.healthy and t.back_at is None
+    st, changed = t.update(PollResult(good=True, reachable=True, reading=reading(2)), 6.0)
+    assert t.restarted and t.back_at == 6.0, "a new process, seen before health turned"
+    st, changed = t.update(PollResult(good=True, reachable=True, reading=reading(3)), 7.0)
+    assert changed and st.healthy and t.back_at == 7.0
+    t.update(PollResult(good=True, reachable=True, reading=reading(9)), 8.0)
+    assert t.back_at == 7.0
+    t.update(PollResult(good=True, reachable=True, reading=reading(1)), 9.5)
+    assert t.restarted and t.back_at == 9.5, "restarted between two polls, never down"

@@ -49,13 +49,13 @@ def test_the_snapshot_json_is_the_documented_bytes():
         '"state":"active","healthy":true,"weight":1.0,"effective_weight":1.0,'
         '"max_concurrency":8,"slots":8,"slots_source":"config","ctx_tokens":null,'
         '"score":0.3,"saturated":false,"queue_depth":1.0,"running":2.0,"polled_at":100.5,'
-        '"restarted_after":null,'
+        '"restarted_after":null,"back_at":null,'
         '"kv_cache_usage":0.25,"has_metrics":true,"models":["m-1","m-2"],"models_any":false,"connects":false},'
         '{"name":"b","url":"http://10.0.0.2:8001","host":null,"port":8001,"kind":"vllm",'
         '"state":"draining","healthy":true,"weight":2.0,"effective_weight":2.0,'
         '"max_concurrency":64,"slots":null,"slots_source":null,"ctx_tokens":null,'
         '"score":null,"saturated":false,"queue_depth":null,'
-        '"running":null,"polled_at":null,"restarted_after":null,"kv_cache_usage":null,"has_metrics":false,"models":null,"models_any":false,"connects":false}]}')
+        '"running":null,"polled_at":null,"restarted_after":null,"back_at":null,"kv_cache_usage":null,"has_metrics":false,"models":null,"models_any":false,"connects":false}]}')
     again = RoutingSnapshot.from_json(snap.to_json())
     assert again == snap and again.to_json() == snap.to_json()
     assert again.node("b").state == "draining" and again.node("zz") is None

@@ -2,7 +2,8 @@
 --
 --   closed    --(breaker_failures consecutive failures)-->  open
 --   open      --(breaker_cooldown_s elapsed)-->            half_open (one probe allowed)
---             (after ALONE_PROBE_S already when no other node is left: allow(.., true))
+--             (after ALONE_PROBE_S already when no other node is left: allow(.., true);
+--             at once when the control plane saw the node come back since it opened)
 --   half_open --(probe succeeds)--> closed ; --(probe fails)--> open (cooldown again)
 -- A probe succeeds at its 2xx response head (infergate.routing.stats.probe_answered), or
 -- at its end with any answer the node meant (stats.close_attempt).
@@ -12,6 +13,7 @@
 -- of the worker that sent it (added with a TTL so a lost probe cannot block the node
 -- forever; freed at once when that worker is gone).
 -- No I/O: safe in the balancer and log phases.
+local backat = require("infergate.routing.backat")
 local config = require("infergate.core.config")
 local key = require("infergate.core.memo").keyer()
 local workers = require("infergate.core.workers")
@@ -35,6 +37,17 @@ local function probe_ttl(o)
     return s
 end
 
+-- Whether the control plane saw node `name` come back after its breaker opened at
+-- `opened` (epoch s): healthy again, or a new process behind its address (the
+-- snapshot's back_at). The breaker judged a process that is gone: after a kill -9 and a
+-- restart, the new one would otherwise get nothing for the rest of the cooldown while
+-- other nodes are left. A probe still decides: one that fails opens it again, and a
+-- later back_at is needed to skip that cooldown.
+local function back_since(name, opened)
+    local back = backat.get(name)
+    return back ~= nil and back > opened
+end
+
 -- "closed" | "open" | "half_open" (open, cooldown over: probing or ready to probe)
 function _M.state(name, now)
     local d = dict()
@@ -42,7 +55,7 @@ function _M.state(name, now)
     if not opened then
         return "closed"
     end
-    if now - opened >= config.get().edge.breaker_cooldown_s then
+    if now - opened >= config.get().edge.breaker_cooldown_s or back_since(name, opened) then
         return "half_open"
     end
     return "open"
@@ -81,7 +94,7 @@ function _M.allow(name, now, alone)
     if alone and ALONE_PROBE_S < cooldown then
         cooldown = ALONE_PROBE_S
     end
-    if now - opened < cooldown or probing(d, name) then
+    if (now - opened < cooldown and not back_since(name, opened)) or probing(d, name) then
         return false
     end
     return "probe"

@@ -19,6 +19,7 @@
 local cjson = require("cjson.safe")
 local ngxapi = require("infergate.core.ngxapi")
 local ngx_now = ngxapi.now
+local backat = require("infergate.routing.backat")
 local config = require("infergate.core.config")
 local keynames = require("infergate.redis.keynames")
 local redis = require("infergate.redis.client")
@@ -162,6 +163,7 @@ local function make_node(n)
         queue_depth = num(n.queue_depth),  -- infergate.routing.room
         polled_at = num(n.polled_at),      -- their poll (epoch s; infergate.routing.others)
         restarted_after = num(n.restarted_after),  -- infergate.routing.restarts
+        back_at = num(n.back_at),  -- came back (healthy again, restarted): routing.breaker
         kind = n.kind,
         slots_source = n.slots_source,  -- "server": a llama.cpp server (infergate.stream.splice)
         ctx_tokens = ctx,  -- context of one slot, tokens (nil: not known; routing.ctxfit)
@@ -279,6 +281,7 @@ function _M.refresh()
     end
     current = t
     local_gen = gen
+    backat.update(t.nodes)
     return current
 end
 
