@@ -154,17 +154,17 @@ end
 
 -- A stream silent past its stall bound after content goes on while its node answers a
 -- liveness check made since its last byte (infergate.routing.liveness.mid_stream: a long
--- prefill of another request on the node, not a freeze), for up to the stream's own read
--- bound; a check still under way gets PENDING_S. The answer must be recent (RECHECK_S):
--- a node that answered and froze since is not waited on for the whole bound.
+-- prefill of another request on the node, not a freeze) and was not restarted since it
+-- was sent, for up to its own read bound; a check still under way gets PENDING_S. The
+-- answer must be recent (RECHECK_S): one that answered and froze since is not waited on.
 _M.PENDING_S = 2
 _M.RECHECK_S = 3
 
 local function still_alive(r, lg, now)
     local since = lg.last_byte or (lg.att and lg.att.started) or now
     local bound = min(r.o.edge.read_timeout_ms / 1000, deadline.for_request(r.req).idle_s)
-    if now - since >= bound then
-        return false
+    if now - since >= bound or (lg.att and restarts.sent_before(lg.node, lg.att)) then
+        return false -- (a restarted node answers from a process without the stream)
     end
     local verdict = liveness.mid_stream(lg.node, math.max(since, now - _M.RECHECK_S), r.o)
     if verdict == "pending" then
