@@ -335,6 +335,10 @@ def _serve(sock, host: str, port: int, settings, config_path: str | None, url: s
     ready()  # before the log line: what reads the log may count this process as serving
     log.info("embedder listening on http://%s:%d (index %s)", host, port,
              engine.index.backend)
+    if not settings.cache.embedder_token:
+        log.warning("no cache.embedder_token set: any process that reaches this port can "
+                    "read stored prompts or index a question under another answer; set "
+                    "one on a shared host (docs/cache.md)")
     try:
         server.run()
     finally:

@@ -820,7 +820,10 @@ def check_rendered(settings: Settings, rendered: RenderedConfig, *,
 @click.option("--modules-dir", default=None, metavar="DIR",
               help="Folder of ndk_http_module.so and ngx_http_lua_module.so [default: Debian's].")
 @click.option("--lua-dir", default=None, type=click.Path(file_okay=False),
-              help="Folder holding infergate/*.lua [default: $INFERGATE_HOME/lua].")
+              help="Folder holding infergate/*.lua, read by nginx at each start and reload "
+                   "[default: $INFERGATE_HOME/lua; without it, the lua/ folder beside the "
+                   "installed package: /opt/infergate/lua after .ci/install-runtime, the "
+                   "checkout's own from a clone].")
 @click.option("--resolver", default=None, metavar="ADDR",
               help="DNS server for a Redis host name [default: from /etc/resolv.conf].")
 @click.option("--check", is_flag=True, default=False,

@@ -127,6 +127,8 @@ def test_unknown_paths_and_methods(two_nodes) -> None:
         res = requests.get(f"{edge.url}{path}", timeout=10)
         _assert_openai_error(res, 404, code="not_found")
         assert "X-Request-Id" not in res.headers, (path, res.headers)
+        # readable in curl's output: "/" is not escaped
+        assert "under /v1 (/v1/chat/completions" in res.text and "\\/" not in res.text
     # any other /v1 path goes to a node, whose own 404 comes back with the request id
     for path in ("/v1/nope", "/v1/chat/completions/"):
         res = requests.get(f"{edge.url}{path}", timeout=10)

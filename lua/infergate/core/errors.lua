@@ -6,6 +6,7 @@
 -- of the error_page locations, for every error nginx itself produces (unknown path, body
 -- too large, all nodes failed, ...), is infergate.errorpage.
 local cjson = require("cjson.safe")
+local jsonenc = require("infergate.core.jsonenc")
 
 local _M = {}
 
@@ -46,10 +47,11 @@ _M.CATALOG = {
     [504] = { "gateway_timeout", "upstream_timeout", "The inference node did not answer in time." },
 }
 
+-- The body's JSON text: infergate.core.jsonenc writes "/" as is (cjson escapes it, and
+-- a person reading curl's output would see "\/v1\/chat\/completions").
 function _M.body(message, etype, code, param)
-    return cjson.encode({
-        error = { message = message, type = etype, param = param or cjson.null, code = code },
-    })
+    local v = { error = { message = message, type = etype, param = param or cjson.null, code = code } }
+    return jsonenc.encode(v) or cjson.encode(v)
 end
 
 -- Answer now with a JSON error and end the request. headers: optional table; param:
