@@ -420,3 +420,25 @@ def test_an_answer_under_way_that_waits_gets_the_next_free_slot(workdir: Path) -
             return out
     """)
     assert got == {"two_free": True, "last_free": False, "expired": True}
+
+
+def test_the_waiting_answers_node_left_out_does_not_count_for_the_mark(workdir: Path) -> None:
+    """The mark names the nodes the waiting answer leaves out (the node it failed on, a
+    restarted node whose slots show free): the last free slot of the other nodes is left
+    to it, however many that node has free, and a new request takes one of those."""
+    got = run(workdir, """
+            local now = ngx.now()
+            local t = tbl({node("a", {slots = 2}), node("r", {slots = 4})})
+            t.by_name = {a = t.nodes[1], r = t.nodes[2]}
+            busy("a", 1)
+            local out = {}
+            slots.mark_started_waiting(nil, now, 0.02, {r = true})
+            out.only_a = slots.reserve({tried = {r = true}}, t, now)   -- a's last: left
+            local req = {tried = {}}
+            out.new = slots.reserve(req, t, now)
+            out.new_on = req.picked and req.picked.name
+            slots.mark_started_waiting(nil, now, 0.02, {})           -- none left out
+            out.all_counted = slots.reserve({tried = {}}, t, now)    -- 1 + 3 free: takes one
+            return out
+    """)
+    assert got == {"only_a": False, "new": True, "new_on": "r", "all_counted": True}

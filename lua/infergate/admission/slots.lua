@@ -124,22 +124,38 @@ end
 
 -- Answers under way first. A relayed stream's retry or continuation that waits for a
 -- slot of `model` (infergate.stream.relay) marks it, for MARK_POLLS of its polls and
--- again at each look; while the mark lasts a new request does not take the last free
--- slot, so the answer already under way gets it instead of waiting behind requests
--- that came later. The mark expires by itself (nothing to give back).
+-- again at each look, with the nodes it leaves out (`tried`: the node it failed on,
+-- which may show free slots, e.g. a restarted one); while the mark lasts a new request
+-- does not take the last free slot of the other nodes, so the answer already under way
+-- gets it instead of waiting behind requests that came later. The mark expires by
+-- itself (nothing to give back); the latest marker's nodes left out count.
 local MARK_POLLS = 3
 
-function _M.mark_started_waiting(model, now, poll_s)
+function _M.mark_started_waiting(model, now, poll_s, tried)
     local d = ngx.shared[config.DICT_STATS]
     if d then
-        d:set("sw:" .. (model or ""), now + MARK_POLLS * poll_s, MARK_POLLS * poll_s + 1)
+        local ttl = MARK_POLLS * poll_s + 1
+        local names = {}
+        for name in pairs(tried or {}) do
+            names[#names + 1] = name
+        end
+        d:set("sx:" .. (model or ""), table.concat(names, "\n"), ttl)
+        d:set("sw:" .. (model or ""), now + MARK_POLLS * poll_s, ttl)
     end
 end
 
+-- nil, or the nodes the waiting answer leaves out ({name = true}) while the mark lasts.
 local function started_waiting(model, now)
     local d = ngx.shared[config.DICT_STATS]
     local v = d and d:get("sw:" .. (model or ""))
-    return v ~= nil and v > now
+    if v == nil or v <= now then
+        return nil
+    end
+    local out = {}
+    for name in string.gmatch(d:get("sx:" .. (model or "")) or "", "[^\n]+") do
+        out[name] = true
+    end
+    return out
 end
 
 -- A slot the requests at the head of the queue leave because its node would finish them
@@ -176,14 +192,15 @@ end
 -- "any" (whichever node finishes it: a request whose wait is over takes a free slot
 -- rather than a 429).
 function _M.reserve(req, t, now, how)
-    if started_waiting(req.model, now) and _M.free(t, now, req.model) <= 1 then
-        return false
-    end
+    -- an answer under way waits and only one slot it can take is free: that one is its
+    -- (a node it leaves out may still take this request)
+    local waiting = started_waiting(req.model, now)
+    local keep = waiting and _M.free(t, now, req.model, waiting) <= 1
     local excluded, tried = {}, req.tried or {}
     local refused_only = how == "refused"
     local d = refused_only and ngx.shared[config.DICT_STATS]
     for _, node in ipairs(t.nodes) do
-        if tried[node.name] or free_of(node, now) <= 0
+        if tried[node.name] or free_of(node, now) <= 0 or (keep and not waiting[node.name])
                 or (d and not d:get("uf:" .. node.name)) then
             excluded[node.name] = true
         end

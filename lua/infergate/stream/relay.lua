@@ -195,7 +195,7 @@ local function wait_for_node(r, now, accept)
     local mark = why == "full" and relaypick.accepts_all(req, accept)
     while not node and why == "full" and not r.client_gone do
         if mark then -- new requests leave the next free slot to this one
-            slots.mark_started_waiting(req.model, now, o.admission.poll_ms / 1000)
+            slots.mark_started_waiting(req.model, now, o.admission.poll_ms / 1000, req.tried)
         end
         ngx.sleep(o.admission.poll_ms / 1000)
         now = ngx_now()
