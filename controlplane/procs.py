@@ -156,7 +156,11 @@ def _free_port_in(family: int, host: str, lo: int, hi: int) -> int:
             if port not in _recent_ports and _bindable(family, host, port):
                 _recent_ports[port] = now
                 return port
-    raise StartError(f"no free port on {host} in {PORT_RANGE_ENV}={lo}-{hi}")
+        taken = sum(1 for p in _recent_ports if lo <= p <= hi)
+    raise StartError(f"no free port on {host} in {PORT_RANGE_ENV}={lo}-{hi} "
+                     f"({n} port(s), {taken} of them given to this run's other parts; "
+                     "`infergate up` needs one each for Redis, every simulated node, the "
+                     "embedder and the edge's metrics: give it a wider range)")
 
 
 #: What a process that could not bind its port says (lower case): the kernel's EADDRINUSE

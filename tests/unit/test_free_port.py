@@ -133,8 +133,10 @@ def test_the_port_range_variable_keeps_every_pick_inside_it(monkeypatch) -> None
         assert procs.port_range() == (first, first + 3)
         assert procs.free_port() == first + 3
         # returned once, not again within FREE_PORT_REUSE_S: the range is now full
-        with pytest.raises(procs.StartError, match=procs.PORT_RANGE_ENV):
+        with pytest.raises(procs.StartError, match=procs.PORT_RANGE_ENV) as err:
             procs.free_port()
+        assert "(4 port(s), 1 of them given to this run's other parts" in str(err.value)
+        assert "give it a wider range" in str(err.value)
     finally:
         for s in held:
             s.close()
