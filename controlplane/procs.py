@@ -461,6 +461,9 @@ def http_instance(url: str, timeout: float = 1.0) -> str | None:
 
     try:
         with urllib.request.urlopen(url, timeout=timeout) as res:  # noqa: S310 - http only
+            # the (small) body is read too: a server still writing it when the connection
+            # closes logs each probe as a client that went away (waitress)
+            res.read(65536)
             return res.headers.get(INSTANCE_HEADER, "")
     except urllib.error.HTTPError as exc:
         return exc.headers.get(INSTANCE_HEADER, "") if exc.headers else ""
