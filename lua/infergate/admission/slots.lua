@@ -212,9 +212,10 @@ function _M.reserve(req, t, now, how)
         if not node then
             return false
         end
-        if not probe and outlier.is_outlier(node, now) and full_live(t, req.model, now) then
+        if not probe and outlier.is_outlier(node, now) and (keep or full_live(t, req.model, now)) then
             -- only nodes found silent have a free slot (the pick never leaves a request
-            -- without a node): wait for a slot on a live one instead
+            -- without a node), or a free one of a live node is kept for an answer under
+            -- way: wait for a slot on a live one instead
             return false
         end
         local late = not probe and left and not fit.fits(node, now, req, left)
