@@ -6,6 +6,7 @@ edge still routes."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -443,6 +444,50 @@ def test_a_stream_paused_mid_answer_on_a_live_node_is_not_cut(
     assert status == 200 and node == "a" and body is not None
     assert b"[DONE]" in body and b"stream_interrupted" not in body, body[-300:]
     assert a.hits == 2 and a.gets >= 1   # asked GET /health, not a second POST
+
+
+def test_a_stream_whose_node_freezes_mid_answer_is_continued_at_its_first_silent_read(
+        tiny_upstreams, redis_server, edge_factory) -> None:
+    """A stream silent mid-answer on a node that failed a liveness check of that silence
+    (frozen: its /health hangs) is continued on the other node at its first silent read,
+    twice the stall threshold (3 s here), however long ago the check failed; not after a
+    second read bound spent waiting for a check to be asked again (the client's 9 s read
+    timeout catches that: 12 s). The freeze, once the node resumes, is not one of its
+    gaps: its threshold stays at the floor."""
+    import threading
+
+    a, b = tiny_upstreams(names=["a", "b"])
+    for u in (a, b):
+        u.chunks, u.chunk_interval_s = 6, 0.05
+    s = edge_settings(redis_server.url, [], stale_after_s=3600, stall_min_s=3.0,
+                      read_timeout_ms=20000)
+    edge = edge_factory(s)
+    snap = write_snapshot(redis_server.client(), [
+        a.snapshot_node(score=None), b.snapshot_node(score=None, effective_weight=1e-6)])
+    edge.wait_snapshot(snap["version"])
+    a.gate = threading.Event()                  # pauses before its last chunk
+    got: list = []
+
+    def stream() -> None:
+        with requests.post(f"{edge.url}/v1/chat/completions", json={**CHAT, "stream": True},
+                           stream=True, timeout=(2, 9)) as res:
+            got.append((res.status_code, b"".join(res.iter_content(None))))
+
+    t = threading.Thread(target=stream)
+    t.start()
+    _wait(lambda: a.stream_chunks_sent == 5 or not t.is_alive())
+    a.mode = "frozen"                           # its /health hangs too
+    t.join(20)
+    a.mode = "ok"
+    a.gate.set()
+    assert got, "the client's 9 s read timeout: the stream waited on the frozen node"
+    status, body = got[0]
+    assert status == 200 and body.endswith(b"data: [DONE]\n\n"), body[-300:]
+    writers = [json.loads(e[len(b"data: "):]).get("system_fingerprint")
+               for e in body.split(b"\n\n") if e.startswith(b"data: {")]
+    assert writers[0] == "a" and writers[-1] == "b", writers
+    assert "no answer to its liveness check" in edge.error_log()
+    assert edge.node_status("a")["stall_threshold_s"] == pytest.approx(3.0)
 
 
 def test_a_frozen_node_with_every_slot_taken_is_reported_stalled(

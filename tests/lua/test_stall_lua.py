@@ -219,6 +219,41 @@ def test_a_larger_usual_gap_raises_the_bar(workdir: Path) -> None:
     assert got == {"at_2s": False, "at_3_5s": True}
 
 
+def test_a_freeze_the_node_resumed_from_is_not_one_of_its_gaps(workdir: Path) -> None:
+    """A gap in which an early liveness check of the node got no answer (SIGSTOP, then
+    SIGCONT: its streams resume) is left out of the gap figures: each freeze survived
+    would otherwise raise the threshold (factor 4 x a gap of up to twice the threshold),
+    and the next freeze would be found later and later. A pause the node answered a check
+    in (a long prefill) still counts."""
+    got = run(workdir, """
+            local out = {}
+            local t = 1000
+            for _ = 1, 10 do
+                local req, att = req_on("n", t, true)
+                stall.byte(req, t + 0.1)
+                d:set("lq:n", t + 1.1)                 -- a check began, never answered
+                stall.byte(req, t + 2.6)                -- resumed: a 2.5 s gap
+                stall.byte(req, t + 2.7)
+                ended(req, att, t + 2.7)
+                t = t + 5
+            end
+            out.frozen = stall.threshold("n")
+            for _ = 1, 10 do
+                local req, att = req_on("p", t, true)
+                stall.byte(req, t + 0.1)
+                d:set("lq:p", t + 1.1)
+                d:set("la:p", t + 1.5)                 -- ... and then one was answered
+                stall.byte(req, t + 2.6)
+                ended(req, att, t + 2.6)
+                t = t + 5
+            end
+            out.paused = stall.threshold("p")
+            return out
+    """)
+    assert got["frozen"] == pytest.approx(1.0)          # the floor: 4 x 0.1
+    assert got["paused"] == pytest.approx(10.0)         # 4 x 2.5
+
+
 def test_factor_zero_turns_it_off(workdir: Path) -> None:
     got = run(workdir, """
             local req = req_on("n", 1000, true)

@@ -55,8 +55,9 @@
 -- failed_early(name, twice)   the `since` of an early check that got no answer (twice:
 --                             two checks of that silence), when no check answered
 --                             after that check began; else nil
--- mid_stream(node, since, o)  "alive" | "dead" | "pending" for a stream silent since
---                             `since` (asks for a check; no I/O)
+-- mid_stream(node, since, o, alive_since)  "alive" | "dead" | "pending" for a stream
+--                             silent since `since` (asks for a check; no I/O)
+-- failed_since(name, t)       true when an early check begun after `t` got no answer
 -- tick(nodes, o, threshold, inflight)  worker 0's timer: starts a check (a timer each) per
 --                             node that waits; asks early ones of quiet nodes with requests
 -- init_worker()               the timer (worker 0 only)
@@ -162,18 +163,28 @@ function _M.failed_early(name, twice)
     return nil
 end
 
+-- True when an early check of `name` that began after epoch s `t` got no answer, none
+-- answering since (the node was frozen then, not slow: infergate.routing.stall leaves
+-- such a gap out of the node's figures).
+function _M.failed_since(name, t)
+    local d = dict()
+    local lq = d:get(key("lq:", name))
+    return lq ~= nil and lq >= t and (d:get(key("la:", name)) or 0) < lq
+end
+
 -- A stream mid-answer on `node` got no byte since epoch s `since`: "alive" when the node
--- answered a check made since (a long prefill of another request holds its batch; llama.cpp
--- decodes every slot in one batch), "dead" when an early check for that silence got no
--- answer, else "pending" (a check is asked; worker 0's next tick makes it). Nodes that
--- cannot be checked are never "alive". No I/O.
-function _M.mid_stream(node, since, o)
+-- answered a check made since `alive_since` (default `since`; a later time keeps an old
+-- answer from vouching for a node that froze after it: a long prefill of another request
+-- holds its batch, llama.cpp decodes every slot in one batch), "dead" when an early check
+-- for that silence got no answer, else "pending" (a check is asked; worker 0's next tick
+-- makes it). Nodes that cannot be checked are never "alive". No I/O.
+function _M.mid_stream(node, since, o, alive_since)
     o = o or config.get()
     if not _M.suspect_after(node, o) then
         return "dead"
     end
     local d = dict()
-    if (d:get(key("la:", node.name)) or 0) >= since then
+    if (d:get(key("la:", node.name)) or 0) >= (alive_since or since) then
         return "alive"
     end
     local failed = _M.failed_early(node.name)

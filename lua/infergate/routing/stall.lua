@@ -138,7 +138,10 @@ function _M.byte(req, now)
     local last = att.last_byte
     if last then
         local gap = now - last
-        if gap > (att.max_gap or 0) then
+        -- a gap in which the node failed a liveness check was a freeze (SIGSTOP, a hung
+        -- engine) it resumed from, not one of its pauses: counted, each freeze survived
+        -- would raise the threshold, and the next one would be found later
+        if gap > (att.max_gap or 0) and not liveness.failed_since(name, last) then
             att.max_gap = capped(name, gap)
         end
     elseif req.stream then

@@ -100,8 +100,8 @@ local function read_timeout(r, lg, now, no_hold)
         local since = r.out.produced > 0 and (lg.last_byte or (lg.att and lg.att.started))
         read = since and min(idle, since + idle - now) or idle
     end
-    if r.out.produced > 0 and o.edge.stall_gap_factor > 0 then
-        read = min(read, 2 * stall.threshold(lg.node.name, o))
+    if r.out.produced > 0 and o.edge.stall_gap_factor > 0 then -- (a check pending: WATCH_S)
+        read = min(read, lg.pending_from and _M.WATCH_S or 2 * stall.threshold(lg.node.name, o))
     elseif lg.probe_read then
         read = min(read, lg.probe_read)
     end
@@ -166,7 +166,7 @@ local function still_alive(r, lg, now)
     if now - since >= bound or (lg.att and restarts.sent_before(lg.node, lg.att)) then
         return false -- (a restarted node answers from a process without the stream)
     end
-    local verdict = liveness.mid_stream(lg.node, math.max(since, now - _M.RECHECK_S), r.o)
+    local verdict = liveness.mid_stream(lg.node, since, r.o, math.max(since, now - _M.RECHECK_S))
     if verdict == "pending" then
         lg.pending_from = lg.pending_from or now
         return now - lg.pending_from < _M.PENDING_S
