@@ -119,6 +119,11 @@ class PropsPoller(BackgroundReader):
         res = self._http.get(url)
         if res.status is None:
             return None, res.error or "no answer", True
+        if res.status >= 500:
+            # llama-server answers 503 {"error": {"message": "Loading model"}} while it
+            # loads its model after a restart: the server cannot say yet, and its slots
+            # are kept until it can (as for no answer at all)
+            return None, f"HTTP {res.status}", True
         if not res.ok or res.body is None:
             return None, f"HTTP {res.status}", False
         try:
@@ -157,6 +162,21 @@ class PropsPoller(BackgroundReader):
             if e.running is None and now >= e.due:
                 e.running = self._pool.submit(self._read, url)
             return e.props
+
+    def seed(self, node: NodeSettings, total_slots: int, ctx_tokens: int | None = None) -> None:
+        """Known slots of a node whose ``/props`` this poller has not read yet (a control
+        plane that just started or took the lead: the routing snapshot it takes over
+        says them): kept until a read says otherwise, so that the first snapshot it
+        writes does not drop the limit while its first read is under way (the edges
+        would send the whole backlog to a one-slot server). No effect once a read
+        finished."""
+        url = node.url + PROPS_PATH
+        with self._lock:
+            e = self._entries.get(node.name)
+            if e is None or e.target != url:
+                e = self._entries[node.name] = _Entry(target=url)
+            if e.props is None and e.answered is None:
+                e.props = Props(total_slots=total_slots, ctx_tokens=ctx_tokens)
 
     def effective(self, nodes: list[NodeSettings]) -> list[NodeSettings]:
         """``nodes`` with ``max_concurrency`` lowered to the slots of the llama.cpp

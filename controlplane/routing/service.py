@@ -594,6 +594,7 @@ class ControlPlane:
         if gained:
             log.info("leadership acquired (id %s)", self.id)
             self._pending.append(("leader", "", {"id": self.id}))
+            self._seed_slots()
         elif was and not is_leader:
             try:
                 holder = self.elector.holder()
@@ -601,6 +602,24 @@ class ControlPlane:
                 holder = None
             log.warning("leadership lost (now held by %s)", holder or "nobody")
         return True
+
+    def _seed_slots(self) -> None:
+        """The llama.cpp slots of the routing snapshot this leader takes over, for the
+        nodes whose ``/props`` it has not read yet (:meth:`PropsPoller.seed`): its first
+        snapshots keep the edges' hard limit while its own reads are under way."""
+        try:
+            raw = self.r.get(keynames.ROUTING)
+        except redis.RedisError as exc:
+            log.debug("previous routing snapshot not read: %s", exc)
+            return
+        prev = RoutingSnapshot.parse(raw)
+        if prev is None:
+            return
+        for n in self.nodes:
+            old = prev.node(n.name)
+            if old is not None and old.url == n.url and old.slots_source == "server" \
+                    and old.slots:
+                self.props.seed(n, old.slots, old.ctx_tokens)
 
     # -- the cycle -------------------------------------------------------------------
 

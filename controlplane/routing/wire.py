@@ -262,6 +262,7 @@ class SnapshotNode(_Doc):
                    max_concurrency=_int(d.get("max_concurrency"), None),
                    slots=_int(d.get("slots"), None),
                    slots_source=_str(d.get("slots_source"), None),
+                   ctx_tokens=_int(d.get("ctx_tokens"), None),
                    score=_num(d.get("score")), saturated=bool(_bool(d.get("saturated"), False)),
                    queue_depth=_num(d.get("queue_depth")), running=_num(d.get("running")),
                    polled_at=_num(d.get("polled_at")),

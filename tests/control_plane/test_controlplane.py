@@ -294,3 +294,34 @@ def test_long_gone_edges_are_forgotten(redis_server, sims, pool, cp_factory):
     cp = cp_factory(cp_settings(pool))
     cp.run_cycle()
     assert set(r.hkeys(keynames.EDGES)) == {"live"}
+
+
+def test_a_new_leader_keeps_the_llama_cpp_slots_of_the_snapshot_it_takes_over(
+        redis_server, cp_factory):
+    """A control plane that starts (or takes the lead) has read no node's /props yet: its
+    first snapshots keep the slots a llama.cpp server had in the snapshot it takes over
+    (the edges' hard limit; without them a one-slot server got the edge's whole backlog
+    for the second its first read took), until its own read says otherwise. Here the
+    server does not answer at all, so the kept slots stay; a node whose address changed
+    is not given another's slots."""
+    from controlplane import procs
+
+    port = procs.free_port()                 # nothing listens: no read ever finishes
+    node = NodeSettings(name="llama", url=f"http://127.0.0.1:{port}", kind="openai")
+    moved = NodeSettings(name="moved", url=f"http://127.0.0.1:{procs.free_port()}",
+                         kind="openai")
+    r = redis_server.client()
+    old = {"version": 7, "generated_at": time.time(), "leader": "cp-old", "nodes": [
+        {"name": "llama", "url": node.url, "slots": 1, "slots_source": "server",
+         "ctx_tokens": 2048, "max_concurrency": 1},
+        {"name": "moved", "url": "http://127.0.0.1:1", "slots": 1, "slots_source": "server"}]}
+    r.set(keynames.ROUTING, json.dumps(old))
+    cp = cp_factory(cp_settings([node, moved]), ident="cp-new")
+    rep = cp.run_cycle()
+    assert rep.leader and rep.wrote
+    snap = {n["name"]: n for n in routing(r)["nodes"]}
+    assert snap["llama"]["slots"] == 1 and snap["llama"]["slots_source"] == "server"
+    assert snap["llama"]["max_concurrency"] == 1 and snap["llama"]["ctx_tokens"] == 2048
+    assert snap["moved"]["slots"] is None
+    cp.run_cycle()
+    assert {n["name"]: n for n in routing(r)["nodes"]}["llama"]["slots"] == 1

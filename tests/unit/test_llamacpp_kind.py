@@ -139,6 +139,85 @@ def test_a_server_that_stops_answering_keeps_its_slots():
         p.close()
 
 
+def test_a_server_loading_its_model_keeps_its_slots():
+    """llama-server answers ``/props`` with 503 ``Loading model`` while it loads its model
+    after a restart (seen with b-11434): the server cannot say yet, so the slots it
+    reported are kept, as for no answer; once it answers, its new figure replaces them.
+    Read over real HTTP (PropsPoller._read)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    answer = {"status": 200, "body": json.dumps({**PROPS, "total_slots": 2})}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            body = answer["body"].encode()
+            self.send_response(answer["status"])
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    node = NodeSettings(name="l", url=f"http://127.0.0.1:{srv.server_address[1]}")
+    p = PropsPoller(refresh_s=60.0, timeout_s=2.0)
+
+    def read() -> dict:
+        with p._lock:
+            if "l" in p._entries:
+                p._entries["l"].due = 0.0
+        p.observe(node)
+        p.wait_idle()
+        p.observe(node)
+        return p.slots([node])
+
+    try:
+        assert read() == {"l": 2}
+        answer.update(status=503, body='{"error":{"code":503,"message":"Loading model",'
+                                        '"type":"unavailable_error"}}')
+        assert read() == {"l": 2}
+        answer.update(status=200, body=json.dumps({**PROPS, "total_slots": 1}))
+        assert read() == {"l": 1}
+        answer.update(status=404, body='{"detail": "Not Found"}')
+        assert read() == {}
+    finally:
+        p.close()
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_seeded_slots_hold_until_a_read_says_otherwise():
+    """PropsPoller.seed (a control plane taking the lead, from the snapshot it takes
+    over): the slots count before the first read finishes, stay while the server does
+    not answer, and give way to what a read says; a seed after a finished read changes
+    nothing."""
+    llama = NodeSettings(name="l", url="http://127.0.0.1:1")
+    answers = {llama.url + "/props": (None, "timed out", True)}
+    p = CannedProps(answers)
+    try:
+        p.seed(llama, 2, 1024)
+        assert p.slots([llama]) == {"l": 2} and p.contexts([llama]) == {"l": 1024}
+        p.observe(llama)
+        p.wait_idle()
+        p.observe(llama)
+        assert p.slots([llama]) == {"l": 2}, "no answer: the seed holds"
+        answers[llama.url + "/props"] = (Props(3, True), "llama.cpp", False)
+        with p._lock:
+            p._entries["l"].due = 0.0
+        p.observe(llama)
+        p.wait_idle()
+        p.observe(llama)
+        assert p.slots([llama]) == {"l": 3}
+        p.seed(llama, 7)
+        assert p.slots([llama]) == {"l": 3}, "a finished read wins"
+    finally:
+        p.close()
+
+
 def test_a_server_back_from_down_is_read_again_at_once():
     """refresh(): the control plane calls it when a node turns healthy again (a restart
     may change --parallel); the slots then follow at the next look, not after
