@@ -269,7 +269,8 @@ def test_the_clients_own_timeout_shortens_the_deadline(redis_server, simnodes, e
     # a timeout longer than the route's deadline, or no timeout, changes nothing
     for headers in ({"X-Stainless-Read-Timeout": "600"}, {"X-Request-Timeout": "abc"},
                     {"X-Request-Timeout": "0"}, {"X-Request-Timeout": "-5"},
-                    {"X-Request-Timeout": "nan"}):
+                    {"X-Request-Timeout": "nan"}, {"X-Request-Timeout": "0x1"},
+                    {"X-Request-Timeout": "1e0"}, {"X-Request-Timeout": "inf"}):
         res = requests.post(url, json=chat(4), headers=headers, timeout=30)
         assert res.status_code == 200, (headers, res.text)
     client = openai.OpenAI(base_url=f"{edge.url}/v1", api_key="x", timeout=1.5, max_retries=0)

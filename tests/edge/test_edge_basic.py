@@ -123,12 +123,15 @@ def test_bad_json_gets_400_without_touching_nodes(two_nodes) -> None:
 
 def test_unknown_paths_and_methods(two_nodes) -> None:
     edge, ups = two_nodes
-    for path in ("/", "/nope", "/v2/chat/completions"):
-        res = requests.get(f"{edge.url}{path}", timeout=10)
+    for path in ("/", "/nope", "/v2/chat/completions", "/v1"):
+        res = requests.get(f"{edge.url}{path}", timeout=10, allow_redirects=False)
         _assert_openai_error(res, 404, code="not_found")
         assert "X-Request-Id" not in res.headers, (path, res.headers)
         # readable in curl's output: "/" is not escaped
         assert "under /v1 (/v1/chat/completions" in res.text and "\\/" not in res.text
+    # a POST to "/v1" (no slash) too: no HTML 301 that a client would follow as a GET
+    _assert_openai_error(requests.post(f"{edge.url}/v1", json={}, timeout=10,
+                                       allow_redirects=False), 404, code="not_found")
     # any other /v1 path goes to a node, whose own 404 comes back with the request id
     for path in ("/v1/nope", "/v1/chat/completions/"):
         res = requests.get(f"{edge.url}{path}", timeout=10)

@@ -56,10 +56,19 @@ _M.CLIENT_MAX_S = 86400
 local CLIENT_HEADERS = { "http_x_request_timeout", "http_x_stainless_read_timeout",
                          "http_x_stainless_timeout" }
 
+-- A decimal number of seconds ("30", "2.5", ".5"), else nil: Lua's tonumber would also
+-- take hex ("0x10"), exponents, "inf" and "nan", which no client means.
+local function seconds(raw)
+    if raw and (raw:find("^%s*%d+%.?%d*%s*$") or raw:find("^%s*%.%d+%s*$")) then
+        return tonumber(raw)
+    end
+    return nil
+end
+
 local function client_timeout_s()
     local best
     for _, name in ipairs(CLIENT_HEADERS) do
-        local v = tonumber(ngx_var(name))
+        local v = seconds(ngx_var(name))
         if v and v >= _M.CLIENT_MIN_S and v <= _M.CLIENT_MAX_S and (not best or v < best) then
             best = v
         end
