@@ -422,6 +422,15 @@ class NodeTracker:
         #: process (``restarted``); ``None``: not seen. An edge whose breaker opened on
         #: the node before then gives the new process its probe at once
         self.back_at: float | None = None
+        #: the last poll got no connection at all (refused; not a busy node)
+        self.was_refused = False
+
+    def _just_back(self, now: float) -> bool:
+        """Within a breaker cooldown of :attr:`back_at`: the edges' open breakers judged
+        the process before, and they give the new one its probe at once (the snapshot's
+        ``back_at``), so they do not fail an ``openai`` node's polls meanwhile."""
+        return self.back_at is not None \
+            and now - self.back_at < self.settings.edge.breaker_cooldown_s
 
     def same_target(self, node: NodeSettings) -> bool:
         """False when the node's address or kind changed (start afresh)."""
@@ -437,7 +446,8 @@ class NodeTracker:
         reports). A busy poll (connected, no answer in time) of a node with work - edge
         requests in flight, or running requests in its last metrics - is good.
         ``edges_open``: the node's breaker is open at every fresh edge
-        (:func:`breakers_open`); for an ``openai`` node that fails the poll.
+        (:func:`breakers_open`); for an ``openai`` node that fails the poll, except
+        within a breaker cooldown of the node coming back (:meth:`_just_back`).
         ``stalled_s``: not ``None`` when a fresh edge reports the node stalled (no byte
         in the middle of its streams, :mod:`controlplane.routing.stall`; the silence in
         s): the poll fails, busy or not. So does a poll whose metrics show requests
@@ -464,7 +474,11 @@ class NodeTracker:
         if stall_cause is not None:
             good = False
             error = "; ".join(x for x in (stall_cause, error) if x)
-        if good and edges_open and self.node.kind == "openai":
+        if result.reachable and self.was_refused:
+            # it answers again after refusing: a new process (kill -9 and a restart)
+            self.back_at = round(now, 3)
+        self.was_refused = not result.reachable and not result.busy
+        if good and edges_open and self.node.kind == "openai" and not self._just_back(now):
             good = False
             error = "; ".join(x for x in (error, "edges: circuit breaker open at every edge") if x)
         changed = self.health.observe(good)

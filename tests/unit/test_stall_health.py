@@ -183,3 +183,28 @@ def test_back_at_names_the_poll_that_saw_the_node_come_back():
     assert t.back_at == 7.0
     t.update(PollResult(good=True, reachable=True, reading=reading(1)), 9.5)
     assert t.restarted and t.back_at == 9.5, "restarted between two polls, never down"
+
+
+def test_an_openai_node_back_after_refusing_is_not_held_down_by_open_breakers():
+    """An ``openai`` node (no metrics: no restart seen in counters) killed and started
+    again: its refused polls turn it unhealthy and open the edges' breakers, which then
+    fail its polls (passive health). Answering again after refusing is a new process:
+    ``back_at`` is set, and for a breaker cooldown the open breakers, which judged the
+    old process, do not fail its polls, so it is healthy again at once and the edges
+    probe it (not after the cooldown). Later, open breakers count again."""
+    node = NodeSettings(name="o", url="http://127.0.0.1:9", kind="openai")
+    t = NodeTracker(node, settings())
+    ok = PollResult(good=True, reachable=True)
+    refused = PollResult(good=False, reachable=False, error="connection refused")
+    t.update(ok, 1.0)
+    for i in range(3):
+        st, _ = t.update(refused, 2.0 + i, edges_open=True)
+    assert not st.healthy and t.back_at is None
+    st, _ = t.update(ok, 5.0, edges_open=True)
+    assert t.back_at == 5.0 and not st.healthy           # one good poll of two
+    st, changed = t.update(ok, 6.0, edges_open=True)
+    assert changed and st.healthy and t.back_at == 6.0
+    cooldown = t.settings.edge.breaker_cooldown_s
+    for i in range(3):
+        st, _ = t.update(ok, 6.0 + cooldown + i, edges_open=True)
+    assert not st.healthy and "circuit breaker open at every edge" in st.last_error
