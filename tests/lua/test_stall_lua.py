@@ -254,6 +254,53 @@ def test_a_freeze_the_node_resumed_from_is_not_one_of_its_gaps(workdir: Path) ->
     assert got["paused"] == pytest.approx(10.0)         # 4 x 2.5
 
 
+def test_a_freeze_shorter_than_the_checks_timeout_is_not_one_of_its_gaps(workdir: Path) -> None:
+    """A SIGSTOP of 1.6 s: the early check begun at 1 s of quiet gets its answer only
+    when the node resumes. Answered after liveness.LATE_S, it was frozen, not paused:
+    that gap is left out too; a check answered at once leaves the gap counted."""
+    got = run(workdir, """
+            local out = {}
+            local t = 1000
+            for _, late in ipairs({true, false}) do
+                local name = late and "z" or "q"
+                for _ = 1, 10 do
+                    local req, att = req_on(name, t, true)
+                    stall.byte(req, t + 0.1)
+                    if late then d:set("lz:" .. name, t + 1.1) end   -- answered at 1.7
+                    d:set("la:" .. name, t + 1.7)
+                    stall.byte(req, t + 1.7)
+                    ended(req, att, t + 1.7)
+                    t = t + 5
+                end
+            end
+            out.late = stall.threshold("z")
+            out.prompt = stall.threshold("q")
+            return out
+    """)
+    assert got["late"] == pytest.approx(1.0)
+    assert got["prompt"] == pytest.approx(6.4)          # 4 x 1.6
+
+
+def test_a_check_that_failed_after_the_streams_last_byte_ends_its_wait(workdir: Path) -> None:
+    """liveness.mid_stream: "dead" when an early check that began after the stream's last
+    byte got no answer, though the silence it was asked for began a little before that
+    byte (the node's last-byte time is written every 0.1 s); "alive" only for a recent
+    answer; "pending" otherwise."""
+    got = run(workdir, """
+            local liveness = require("infergate.routing.liveness")
+            local nd = {name = "m", scheme = "http", addr = "127.0.0.1", port = 9}
+            local out = {}
+            d:set("lx:m", 1000.0)                    -- the check's silence: since 1000.0
+            d:set("lq:m", 1001.0)                    -- it began at 1001.0, no answer
+            out.dead = liveness.mid_stream(nd, 1000.08, nil, 1000.08)
+            d:set("la:m", 1001.5)                    -- a later check answered
+            out.alive = liveness.mid_stream(nd, 1000.08, nil, 1000.08)
+            out.stale = liveness.mid_stream(nd, 1000.08, nil, 1003.0)
+            return out
+    """)
+    assert got == {"dead": "dead", "alive": "alive", "stale": "pending"}
+
+
 def test_factor_zero_turns_it_off(workdir: Path) -> None:
     got = run(workdir, """
             local req = req_on("n", 1000, true)

@@ -42,6 +42,7 @@
 --   "lx:<node>"  the "le:" value whose early check got no answer
 --   "ly:<node>"  the same, once a second check of that silence got none either
 --   "lq:<node>"  epoch s the latest early check that got no answer began
+--   "lz:<node>"  epoch s the latest early check answered only after LATE_S began
 --
 -- holds(node, since, now, o)  balancer phase (no I/O): true while the node waits for an
 --                             answer to a check
@@ -58,6 +59,7 @@
 -- mid_stream(node, since, o, alive_since)  "alive" | "dead" | "pending" for a stream
 --                             silent since `since` (asks for a check; no I/O)
 -- failed_since(name, t)       true when an early check begun after `t` got no answer
+-- frozen_since(name, t)       the same, or one answered only after LATE_S
 -- tick(nodes, o, threshold, inflight)  worker 0's timer: starts a check (a timer each) per
 --                             node that waits; asks early ones of quiet nodes with requests
 -- init_worker()               the timer (worker 0 only)
@@ -79,7 +81,7 @@ _M.TIMEOUT_MAX_S = 10
 _M.PATH = "/health"
 _M.EARLY_TIMEOUT_S = 1
 _M.EARLY_REPEAT_S = 1
-_M.EARLY_RECHECK_S = 5
+_M.EARLY_RECHECK_S = 2
 
 local function dict()
     return shared[config.DICT_STATS]
@@ -164,12 +166,23 @@ function _M.failed_early(name, twice)
 end
 
 -- True when an early check of `name` that began after epoch s `t` got no answer, none
--- answering since (the node was frozen then, not slow: infergate.routing.stall leaves
--- such a gap out of the node's figures).
+-- answering since.
 function _M.failed_since(name, t)
     local d = dict()
     local lq = d:get(key("lq:", name))
     return lq ~= nil and lq >= t and (d:get(key("la:", name)) or 0) < lq
+end
+
+-- True when an early check of `name` that began after epoch s `t` got no answer, or one
+-- only after LATE_S (a running server answers /health in milliseconds, busy or not:
+-- one that takes this long was frozen, and resumed, while the check waited; a SIGSTOP of
+-- 1.6 s answers the check begun at 1 s of quiet). infergate.routing.stall leaves such a
+-- gap out of the node's figures.
+_M.LATE_S = 0.5
+
+function _M.frozen_since(name, t)
+    local lz = dict():get(key("lz:", name))
+    return (lz ~= nil and lz >= t) or _M.failed_since(name, t)
 end
 
 -- A stream mid-answer on `node` got no byte since epoch s `since`: "alive" when the node
@@ -188,8 +201,8 @@ function _M.mid_stream(node, since, o, alive_since)
         return "alive"
     end
     local failed = _M.failed_early(node.name)
-    if failed and failed >= since then
-        return "dead"
+    if (failed and failed >= since) or _M.failed_since(node.name, since) then
+        return "dead" -- (the check began after the last byte: lb: is written every 0.1 s)
     end
     ask_early(d, node.name, since)
     return "pending"
@@ -250,7 +263,11 @@ local function run_early(node, since, t)
     local ok, err = _M.check(node, t)
     local d = dict()
     if ok then
-        d:set(key("la:", node.name), ngx_now(), _M.HOLD_MAX_S)
+        local now = ngx_now()
+        d:set(key("la:", node.name), now, _M.HOLD_MAX_S)
+        if now - began > _M.LATE_S then
+            d:set(key("lz:", node.name), began, _M.HOLD_MAX_S)
+        end
     else
         log(WARN, "infergate: node ", node.name, " quiet for ", string.format("%.1f", ngx_now() - since),
             " s and no answer to its liveness check within ", t, " s: ", err or "?")

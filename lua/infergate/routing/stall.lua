@@ -138,10 +138,11 @@ function _M.byte(req, now)
     local last = att.last_byte
     if last then
         local gap = now - last
-        -- a gap in which the node failed a liveness check was a freeze (SIGSTOP, a hung
-        -- engine) it resumed from, not one of its pauses: counted, each freeze survived
-        -- would raise the threshold, and the next one would be found later
-        if gap > (att.max_gap or 0) and not liveness.failed_since(name, last) then
+        -- a gap in which the node failed a liveness check, or answered one late, was a
+        -- freeze (SIGSTOP, a hung engine) it resumed from, not one of its pauses:
+        -- counted, each freeze survived would raise the threshold, and the next one would
+        -- be found later
+        if gap > (att.max_gap or 0) and not liveness.frozen_since(name, last) then
             att.max_gap = capped(name, gap)
         end
     elseif req.stream then
