@@ -163,6 +163,28 @@ class PropsPoller(BackgroundReader):
                 e.running = self._pool.submit(self._read, url)
             return e.props
 
+    def reread(self, node: NodeSettings, wait_s: float) -> None:
+        """Read the node's ``/props`` now and wait up to ``wait_s`` for the answer (a
+        read under way is waited for instead): a server seen restarted, whose new slots
+        (llama-server restarted with a smaller ``--parallel``) then reach the snapshot
+        written in this cycle, not two cycles later while the edges fill the old count.
+        A read that takes longer settles at a later look."""
+        url = node.url + PROPS_PATH
+        with self._lock:
+            e = self._entries.get(node.name)
+            if e is None or e.target != url:
+                e = self._entries[node.name] = _Entry(target=url)
+            if e.running is None:
+                e.running = self._pool.submit(self._read, url)
+            fut = e.running
+        try:
+            fut.result(timeout=wait_s)
+        except Exception:  # noqa: BLE001 - not yet, or failed: _settle reads it later
+            pass
+        with self._lock:
+            if e.running is fut and fut.done():
+                self._settle(e, self._clock())
+
     def seed(self, node: NodeSettings, total_slots: int, ctx_tokens: int | None = None) -> None:
         """Known slots of a node whose ``/props`` this poller has not read yet (a control
         plane that just started or took the lead: the routing snapshot it takes over

@@ -227,6 +227,12 @@ class CycleReport:
     """Nodes that take any model (single-model llama.cpp servers)."""
 
 
+#: Longest wait (s) of a cycle for the ``/props`` of a node seen back or restarted, so
+#: that its new slots reach the snapshot written in that cycle (a local llama-server
+#: answers in milliseconds; a read that takes longer settles at a later cycle).
+REREAD_WAIT_S = 0.5
+
+
 class ControlPlane:
     """Poller + scorer + leader + snapshot writer. :meth:`run_cycle` is the whole
     periodic job and can be called directly (tests drive cycles this way)."""
@@ -684,7 +690,7 @@ class ControlPlane:
                 if (changed and status.healthy) or restarted:
                     # a restarted server may have other slots (llama-server's --parallel)
                     # or models
-                    self.props.refresh(n.name)
+                    self.props.reread(n, REREAD_WAIT_S)
                     self.models.refresh(n.name)
             if redis_ok:  # breaker openings/closings the edges reported since the last cycle
                 self.breakers, changes = breaker_changes(self.breakers, fresh_edge_reports(

@@ -240,6 +240,33 @@ def test_a_server_back_from_down_is_read_again_at_once():
         p.close()
 
 
+def test_a_restarted_server_is_read_again_within_the_cycle():
+    """reread(): the control plane calls it for a node seen back or restarted; the new
+    slots count as soon as the read answers (within the wait), so the snapshot of that
+    cycle has them; a read slower than the wait settles at a later look."""
+    import threading
+
+    llama = NodeSettings(name="l", url="http://127.0.0.1:1")
+    answers = {llama.url + "/props": (Props(2, True), "llama.cpp", False)}
+    p = observed(answers, [llama])
+    try:
+        answers[llama.url + "/props"] = (Props(1, True), "llama.cpp", False)
+        p.reread(llama, wait_s=2.0)
+        assert p.slots([llama]) == {"l": 1}, "no observe() needed"
+        gate = threading.Event()
+        slow = CannedProps({})
+        slow._read = lambda url: (gate.wait(5), (Props(3, True), "llama.cpp", False))[1]
+        slow.reread(llama, wait_s=0.05)
+        assert slow.slots([llama]) == {}
+        gate.set()
+        slow.wait_idle()
+        slow.observe(llama)
+        assert slow.slots([llama]) == {"l": 3}
+        slow.close()
+    finally:
+        p.close()
+
+
 def test_hints():
     nometrics = NodeSettings(name="a", url="http://127.0.0.1:1")
     unknown = NodeSettings(name="b", url="http://127.0.0.1:2")
