@@ -403,21 +403,29 @@ def test_a_silent_nodes_free_slots_do_not_count_while_a_live_node_is_full(workdi
     assert got["alone"] == 2
 
 
+def _one_of_a_busy(workdir: Path, other: str, other_slots: int, body: str):
+    """Runs `body` on a pool of "a" (2 slots, 1 busy) and `other` (`other_slots` free),
+    with `now`, `t` and `out` set."""
+    return run(workdir, """
+            local now = ngx.now()
+            local t = tbl({node("a", {slots = 2}), node("%s", {slots = %d})})
+            t.by_name = {a = t.nodes[1], %s = t.nodes[2]}
+            busy("a", 1)
+            local out = {}
+    """ % (other, other_slots, other) + body + """
+            return out
+    """)
+
+
 def test_an_answer_under_way_that_waits_gets_the_next_free_slot(workdir: Path) -> None:
     """slots.mark_started_waiting (a relayed stream's retry or continuation waiting for a
     slot): while the mark lasts, a new request does not take the last free slot, but
     takes one of two; the mark lasts three polls and expires by itself."""
-    got = run(workdir, """
-            local now = ngx.now()
-            local t = tbl({node("a", {slots = 2}), node("b", {slots = 1})})
-            t.by_name = {a = t.nodes[1], b = t.nodes[2]}
-            busy("a", 1)
-            local out = {}
+    got = _one_of_a_busy(workdir, "b", 1, """
             slots.mark_started_waiting(nil, now, 0.02)
             out.two_free = slots.reserve({tried = {}}, t, now)       -- takes one of the two
             out.last_free = slots.reserve({tried = {}}, t, now)      -- left to the waiting one
             out.expired = slots.reserve({tried = {}}, t, now + 0.07) -- three polls later
-            return out
     """)
     assert got == {"two_free": True, "last_free": False, "expired": True}
 
@@ -426,12 +434,7 @@ def test_the_waiting_answers_node_left_out_does_not_count_for_the_mark(workdir: 
     """The mark names the nodes the waiting answer leaves out (the node it failed on, a
     restarted node whose slots show free): the last free slot of the other nodes is left
     to it, however many that node has free, and a new request takes one of those."""
-    got = run(workdir, """
-            local now = ngx.now()
-            local t = tbl({node("a", {slots = 2}), node("r", {slots = 4})})
-            t.by_name = {a = t.nodes[1], r = t.nodes[2]}
-            busy("a", 1)
-            local out = {}
+    got = _one_of_a_busy(workdir, "r", 4, """
             slots.mark_started_waiting(nil, now, 0.02, {r = true})
             out.only_a = slots.reserve({tried = {r = true}}, t, now)   -- a's last: left
             local req = {tried = {}}
@@ -439,6 +442,5 @@ def test_the_waiting_answers_node_left_out_does_not_count_for_the_mark(workdir: 
             out.new_on = req.picked and req.picked.name
             slots.mark_started_waiting(nil, now, 0.02, {})           -- none left out
             out.all_counted = slots.reserve({tried = {}}, t, now)    -- 1 + 3 free: takes one
-            return out
     """)
     assert got == {"only_a": False, "new": True, "new_on": "r", "all_counted": True}
