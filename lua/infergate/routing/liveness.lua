@@ -178,7 +178,7 @@ end
 -- one that takes this long was frozen, and resumed, while the check waited; a SIGSTOP of
 -- 1.6 s answers the check begun at 1 s of quiet). infergate.routing.stall leaves such a
 -- gap out of the node's figures.
-_M.LATE_S = 0.5
+_M.LATE_S = 0.25
 
 function _M.frozen_since(name, t)
     local lz = dict():get(key("lz:", name))

@@ -9,8 +9,10 @@
 --
 -- threshold = max(edge.stall_min_s, edge.stall_gap_factor x p90), where p90 is the 90th
 -- percentile of the largest gap between two chunks of the node's last SAMPLES answers
--- seen by one worker (published when it changes); stall_gap_factor = 0 turns detection
--- off. Requests still waiting for their first byte are the TTFB outlier rule's
+-- seen by one worker (published when it changes), the answers not seen yet counted as
+-- gaps of 0 (a prior: the third largest gap of a new node's first answers, not its
+-- largest, so that one long pause does not raise it fivefold); stall_gap_factor = 0
+-- turns detection off. Requests still waiting for their first byte are the TTFB outlier rule's
 -- (infergate.routing.outlier).
 --
 -- A node found stalled and silent since then ("ss:<node>" newer than "lb:<node>") is
@@ -74,7 +76,7 @@ end
 _M._p90_of = ring.p90_of
 
 local function add_gap(d, name, gap)
-    local p = ring.push(rings, name, gap, _M.SAMPLES)
+    local p = ring.push(rings, name, gap, _M.SAMPLES, true)
     if p then
         d:set(key("gq:", name), p)
     end
