@@ -450,16 +450,16 @@ def test_a_stream_whose_node_freezes_mid_answer_is_continued_at_its_first_silent
         tiny_upstreams, redis_server, edge_factory) -> None:
     """A stream silent mid-answer on a node that failed a liveness check of that silence
     (frozen: its /health hangs) is continued on the other node at its first silent read,
-    twice the stall threshold (3 s here), however long ago the check failed; not after a
-    second read bound spent waiting for a check to be asked again (the client's 9 s read
-    timeout catches that: 12 s). The freeze, once the node resumes, is not one of its
+    twice the stall threshold (2 s here), however long ago the check failed; not after a
+    second read bound spent waiting for a check to be asked again (the client's 7 s read
+    timeout catches that: 8 s). The freeze, once the node resumes, is not one of its
     gaps: its threshold stays at the floor."""
     import threading
 
     a, b = tiny_upstreams(names=["a", "b"])
     for u in (a, b):
         u.chunks, u.chunk_interval_s = 6, 0.05
-    s = edge_settings(redis_server.url, [], stale_after_s=3600, stall_min_s=3.0,
+    s = edge_settings(redis_server.url, [], stale_after_s=3600, stall_min_s=2.0,
                       read_timeout_ms=20000)
     edge = edge_factory(s)
     snap = write_snapshot(redis_server.client(), [
@@ -470,7 +470,7 @@ def test_a_stream_whose_node_freezes_mid_answer_is_continued_at_its_first_silent
 
     def stream() -> None:
         with requests.post(f"{edge.url}/v1/chat/completions", json={**CHAT, "stream": True},
-                           stream=True, timeout=(2, 9)) as res:
+                           stream=True, timeout=(2, 7)) as res:
             got.append((res.status_code, b"".join(res.iter_content(None))))
 
     t = threading.Thread(target=stream)
@@ -480,14 +480,14 @@ def test_a_stream_whose_node_freezes_mid_answer_is_continued_at_its_first_silent
     t.join(20)
     a.mode = "ok"
     a.gate.set()
-    assert got, "the client's 9 s read timeout: the stream waited on the frozen node"
+    assert got, "the client's 7 s read timeout: the stream waited on the frozen node"
     status, body = got[0]
     assert status == 200 and body.endswith(b"data: [DONE]\n\n"), body[-300:]
     writers = [json.loads(e[len(b"data: "):]).get("system_fingerprint")
                for e in body.split(b"\n\n") if e.startswith(b"data: {")]
     assert writers[0] == "a" and writers[-1] == "b", writers
     assert "no answer to its liveness check" in edge.error_log()
-    assert edge.node_status("a")["stall_threshold_s"] == pytest.approx(3.0)
+    assert edge.node_status("a")["stall_threshold_s"] == pytest.approx(2.0)
 
 
 def test_a_frozen_node_with_every_slot_taken_is_reported_stalled(
