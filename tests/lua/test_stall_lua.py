@@ -45,6 +45,16 @@ def run(workdir: Path, body: str, factor: float = 4.0, floor: float = 1.0):
                 ended(req, att, t + n * gap)
                 return t + n * gap
             end
+            -- a streamed answer on `name` from t, paused `gap` s after its first chunk
+            -- (`during(t)`, if any, runs in the pause); returns t + 5
+            local function paused(name, t, gap, during)
+                local req, att = req_on(name, t, true)
+                stall.byte(req, t + 0.1)
+                if during then during(t) end
+                stall.byte(req, t + 0.1 + gap)
+                ended(req, att, t + 0.1 + gap)
+                return t + 5
+            end
             local function blocked(t)
                 return outlier.is_outlier(node, t)
             end
@@ -227,12 +237,8 @@ def test_one_long_pause_of_a_new_node_does_not_raise_its_threshold(workdir: Path
             local out = {}
             local t = 1000
             for k = 1, 3 do
-                local req, att = req_on("n", t, true)
-                stall.byte(req, t + 0.1)
-                stall.byte(req, t + 1.7)                  -- a 1.6 s pause
-                ended(req, att, t + 1.7)
+                t = paused("n", t, 1.6)
                 out[k] = stall.threshold("n")
-                t = t + 5
             end
             return out
     """)
@@ -249,24 +255,15 @@ def test_a_freeze_the_node_resumed_from_is_not_one_of_its_gaps(workdir: Path) ->
     got = run(workdir, """
             local out = {}
             local t = 1000
-            for _ = 1, 10 do
-                local req, att = req_on("n", t, true)
-                stall.byte(req, t + 0.1)
-                d:set("lq:n", t + 1.1)                 -- a check began, never answered
-                stall.byte(req, t + 2.6)                -- resumed: a 2.5 s gap
-                stall.byte(req, t + 2.7)
-                ended(req, att, t + 2.7)
-                t = t + 5
+            for _ = 1, 10 do                          -- a check began, never answered
+                t = paused("n", t, 2.5, function(at) d:set("lq:n", at + 1.1) end)
             end
             out.frozen = stall.threshold("n")
-            for _ = 1, 10 do
-                local req, att = req_on("p", t, true)
-                stall.byte(req, t + 0.1)
-                d:set("lq:p", t + 1.1)
-                d:set("la:p", t + 1.5)                 -- ... and then one was answered
-                stall.byte(req, t + 2.6)
-                ended(req, att, t + 2.6)
-                t = t + 5
+            for _ = 1, 10 do                          -- ... and then one was answered
+                t = paused("p", t, 2.5, function(at)
+                    d:set("lq:p", at + 1.1)
+                    d:set("la:p", at + 1.5)
+                end)
             end
             out.paused = stall.threshold("p")
             return out
@@ -285,13 +282,10 @@ def test_a_freeze_shorter_than_the_checks_timeout_is_not_one_of_its_gaps(workdir
             for _, late in ipairs({true, false}) do
                 local name = late and "z" or "q"
                 for _ = 1, 10 do
-                    local req, att = req_on(name, t, true)
-                    stall.byte(req, t + 0.1)
-                    if late then d:set("lz:" .. name, t + 1.1) end   -- answered at 1.7
-                    d:set("la:" .. name, t + 1.7)
-                    stall.byte(req, t + 1.7)
-                    ended(req, att, t + 1.7)
-                    t = t + 5
+                    t = paused(name, t, 1.6, function(at)
+                        if late then d:set("lz:" .. name, at + 1.1) end   -- answered at 1.7
+                        d:set("la:" .. name, at + 1.7)
+                    end)
                 end
             end
             out.late = stall.threshold("z")
