@@ -147,6 +147,13 @@ class PropsPoller(BackgroundReader):
         e.answered = None if props is not None else answered
         e.due = now + (min(RETRY_S, self.refresh_s) if soon else self.refresh_s)
 
+    def _entry(self, name: str, url: str) -> _Entry:
+        """The node's entry, made anew when its ``/props`` URL changed (under the lock)."""
+        e = self._entries.get(name)
+        if e is None or e.target != url:
+            e = self._entries[name] = _Entry(target=url)
+        return e
+
     def observe(self, node: NodeSettings) -> Props | None:
         """The node's last known :class:`Props` (``None``: not llama.cpp, or not known
         yet). Starts a background read when one is due (its result shows from a later
@@ -154,9 +161,7 @@ class PropsPoller(BackgroundReader):
         url = node.url + PROPS_PATH
         now = self._clock()
         with self._lock:
-            e = self._entries.get(node.name)
-            if e is None or e.target != url:
-                e = self._entries[node.name] = _Entry(target=url)
+            e = self._entry(node.name, url)
             if e.running is not None and e.running.done():
                 self._settle(e, now)
             if e.running is None and now >= e.due:
@@ -171,9 +176,7 @@ class PropsPoller(BackgroundReader):
         A read that takes longer settles at a later look."""
         url = node.url + PROPS_PATH
         with self._lock:
-            e = self._entries.get(node.name)
-            if e is None or e.target != url:
-                e = self._entries[node.name] = _Entry(target=url)
+            e = self._entry(node.name, url)
             if e.running is None:
                 e.running = self._pool.submit(self._read, url)
             fut = e.running
@@ -194,9 +197,7 @@ class PropsPoller(BackgroundReader):
         finished."""
         url = node.url + PROPS_PATH
         with self._lock:
-            e = self._entries.get(node.name)
-            if e is None or e.target != url:
-                e = self._entries[node.name] = _Entry(target=url)
+            e = self._entry(node.name, url)
             if e.props is None and e.answered is None:
                 e.props = Props(total_slots=total_slots, ctx_tokens=ctx_tokens)
 

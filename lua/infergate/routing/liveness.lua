@@ -200,9 +200,10 @@ function _M.mid_stream(node, since, o, alive_since)
     if (d:get(key("la:", node.name)) or 0) >= (alive_since or since) then
         return "alive"
     end
-    local failed = _M.failed_early(node.name)
-    if (failed and failed >= since) or _M.failed_since(node.name, since) then
-        return "dead" -- (the check began after the last byte: lb: is written every 0.1 s)
+    -- a check that began after the stream's last byte (not: whose silence began after
+    -- it, as the node's last byte is written every 0.1 s) and got no answer
+    if _M.failed_since(node.name, since) then
+        return "dead"
     end
     ask_early(d, node.name, since)
     return "pending"
