@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from support.stack import edge_settings, write_snapshot
+from support.stack import edge_on_snapshot, edge_settings, write_snapshot
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -459,12 +459,9 @@ def test_a_stream_whose_node_freezes_mid_answer_is_continued_at_its_first_silent
     a, b = tiny_upstreams(names=["a", "b"])
     for u in (a, b):
         u.chunks, u.chunk_interval_s = 6, 0.05
-    s = edge_settings(redis_server.url, [], stale_after_s=3600, stall_min_s=2.0,
-                      read_timeout_ms=20000)
-    edge = edge_factory(s)
-    snap = write_snapshot(redis_server.client(), [
-        a.snapshot_node(score=None), b.snapshot_node(score=None, effective_weight=1e-6)])
-    edge.wait_snapshot(snap["version"])
+    edge = edge_on_snapshot(redis_server, edge_factory, [
+        a.snapshot_node(score=None), b.snapshot_node(score=None, effective_weight=1e-6)],
+        stall_min_s=2.0, read_timeout_ms=20000)
     a.gate = threading.Event()                  # pauses before its last chunk
     got: list = []
 
