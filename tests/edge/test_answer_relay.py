@@ -21,7 +21,7 @@ import pytest
 import requests
 
 from controlplane import procs
-from support.stack import edge_settings, write_snapshot
+from support.stack import edge_on_snapshot, edge_settings, write_snapshot
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -91,6 +91,30 @@ def test_a_request_on_a_node_that_froze_is_retried_before_its_deadline(
     else:
         assert res.status_code == 504 and res.json()["error"]["code"] == "deadline_exceeded"
         assert took >= 11.5 and on_b == 0
+
+
+def test_a_request_on_a_frozen_node_goes_to_a_node_back_meanwhile(
+        tiny_upstreams, redis_server, edge_factory) -> None:
+    """The other node of the model is unhealthy when a plain request is sent: the request
+    is still relayed, and when its node froze and the other is back before the deadline,
+    it is answered there (on nginx's proxy path it waited for the deadline: 504)."""
+    a, b = tiny_upstreams(names=["a", "b"])
+    edge = edge_on_snapshot(redis_server, edge_factory,
+                            [a.snapshot_node(), b.snapshot_node(healthy=False)],
+                            request_ms=12000, outlier_ttfb_min_s=5.0)
+    a.mode = "frozen"
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(_post, edge)
+            procs.wait_until(lambda: a.hits == 1, 5, what="the request on a")
+            snap = write_snapshot(redis_server.client(), [a.snapshot_node(), b.snapshot_node()])
+            edge.wait_snapshot(snap["version"])
+            res = fut.result(timeout=20)
+    finally:
+        a.mode = "ok"
+        a.release()
+    assert res.status_code == 200 and res.headers["X-Infergate-Node"] == "b", res.text
+    assert b.hits == 1 and res.json()["system_fingerprint"] == "b"
 
 
 def _log_line(edge, res: requests.Response) -> str:

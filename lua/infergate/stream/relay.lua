@@ -46,7 +46,7 @@ local astats = require("infergate.admission.stats")
 local metrics = require("infergate.core.prometheus")
 local relaypick = require("infergate.routing.relaypick")
 local snapshot = require("infergate.routing.snapshot")
-local candidates = require("infergate.routing.candidates")
+local models = require("infergate.routing.models")
 local slots = require("infergate.admission.slots")
 local splice = require("infergate.stream.splice")
 local leg = require("infergate.stream.leg")
@@ -60,15 +60,16 @@ local WARN = ngx.WARN
 
 _M.PATHS = { ["/v1/chat/completions"] = true, ["/v1/completions"] = true }
 
-local EMPTY = {}
-
--- Whether another usable node than the one a request is sent to serves `model`: a
+-- Whether another active node than the one a request is sent to serves `model`: a
 -- request that is not a stream is relayed only then (with one node nginx's proxy path
--- does all the relay could, for less CPU). Reads the routing snapshot only.
+-- does all the relay could, for less CPU). A node found unhealthy counts: it may be
+-- back before the request's deadline, and a relayed request on a node that froze
+-- meanwhile is then retried on it, where the proxy path waits for the deadline.
+-- Reads the routing snapshot only.
 local function two_nodes(model)
     local n = 0
     for _, node in ipairs(snapshot.current().nodes) do
-        if candidates.usable(node, EMPTY, model) then
+        if node.addr and node.state == "active" and models.serves(node, model) then
             n = n + 1
             if n > 1 then
                 return true
