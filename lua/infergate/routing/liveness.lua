@@ -43,6 +43,8 @@
 --   "ly:<node>"  the same, once a second check of that silence got none either
 --   "lq:<node>"  epoch s the latest early check that got no answer began
 --   "lz:<node>"  epoch s the latest early check answered only after LATE_S began
+--   "l0:<node>"  epoch s the quiet of a node that never sent a byte is dated from
+--                (TTL HOLD_MAX_S)
 --
 -- holds(node, since, now, o)  balancer phase (no I/O): true while the node waits for an
 --                             answer to a check
@@ -81,7 +83,7 @@ _M.TIMEOUT_MAX_S = 10
 _M.PATH = "/health"
 _M.EARLY_TIMEOUT_S = 1
 _M.EARLY_REPEAT_S = 1
-_M.EARLY_RECHECK_S = 2
+_M.EARLY_RECHECK_S = 1
 
 local function dict()
     return shared[config.DICT_STATS]
@@ -316,9 +318,21 @@ local function quiet_with_requests(d, node, o, now, n)
     end
     local name = node.name
     local last = math.max(d:get(key("lb:", name)) or 0, d:get(key("fb:", name)) or 0)
-    if now - last > after then
-        ask_early(d, name, last > 0 and last or now - after)
+    if last > 0 then
+        if now - last > after then
+            ask_early(d, name, last)
+        end
+        return
     end
+    -- no byte ever came from the node (new, or this edge just started): its quiet is
+    -- dated from the first tick that saw it with requests, so that its checks are of one
+    -- silence (two that get no answer find it frozen), not each of a silence of its own
+    local since = d:get(key("l0:", name))
+    if not since then
+        since = now - after
+        d:set(key("l0:", name), since, _M.HOLD_MAX_S)
+    end
+    ask_early(d, name, since)
 end
 
 -- Start a check of every node that waits for one, each in a timer of its own (a frozen
