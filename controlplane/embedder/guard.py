@@ -39,9 +39,9 @@ the cached entry's text (the last user message of each):
 - ``contrast:<class>``: both texts name members of a closed class of English words, not
   the same ones (Sunday / Saturday, soft / hard yolk, small / large packages, French /
   Spanish; :mod:`.contrast`). Never overruled by the verifier.
-- ``tense``, ``audience``, ``question_type``: past against future, another audience
-  (children, students, seniors ...), what something is against how to fix it
-  (:mod:`.scope`).
+- ``tense``, ``audience``, ``question_type``, ``actor``: past against future, another
+  audience (children, students, seniors ...), what something is against how to fix it
+  or why against whether, the asker acting against someone else (:mod:`.scope`).
 - ``added``: one text is the other with a sentence of its own added, an instruction or
   a second request ("How do I reset my router?" / "... Be rude."; :mod:`.added`).
 - ``context``: a long shared context (a document, a policy, a report) with another
@@ -1067,7 +1067,8 @@ def check(query: str, candidate: str, verbatim: bool = False) -> GuardResult:
     Sunday / Saturday, soft / hard; :mod:`.contrast`), swapped sides (``order``), speaker
     and addressee swapped
     (``persons``), past against future (``tense``), another audience (``audience``), what
-    something is against how to fix it (``question_type``; :mod:`.scope`), another
+    something is against how to fix it, or why against whether (``question_type``),
+    the asker acting against someone else (``actor``; :mod:`.scope`), another
     question or instruction in a long shared context
     (``context``), key-term substitution (``key_terms``); the first that differs rejects.
     Never raises for ``str`` inputs (non-``str`` is treated as empty text)."""
@@ -1099,8 +1100,10 @@ def check(query: str, candidate: str, verbatim: bool = False) -> GuardResult:
         return GuardResult(False, "tense")
     if scope.audience_changed(q, c):
         return GuardResult(False, "audience")
-    if scope.definition_vs_remedy(q, c):
+    if scope.definition_vs_remedy(q, c) or scope.why_vs_yes_no(q, c):
         return GuardResult(False, "question_type")
+    if scope.actor_changed(q, c):
+        return GuardResult(False, "actor")
     if sentence_added(q, c, _canonical_terms):
         return GuardResult(False, "added")
     if context_changed(q, c):

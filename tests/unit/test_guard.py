@@ -147,6 +147,13 @@ from controlplane.embedder import contrast, guard, scope
     ("孩子发烧怎么办？", "老人发烧怎么办？", "audience"),
     ("What is a 404 error?", "How do I fix a 404 error?", "question_type"),
     ("什么是死锁？", "怎么解决死锁？", "question_type"),
+    ("Why is my Wi-Fi slow?", "Is my Wi-Fi slow?", "question_type"),
+    ("Why is my order late?", "Is my order late?", "question_type"),
+    ("Can I cancel my order after it has shipped?",
+     "Can the seller cancel my order after it has shipped?", "actor"),
+    ("Can I cancel my order after it has shipped?",
+     "Can the store cancel my order once it has shipped?", "actor"),
+    ("How do I end the lease early?", "How does my landlord end the lease early?", "actor"),
     # an instruction or a second request added in a sentence of its own
     ("How do I reset my router?", "How do I reset my router? Be rude.", "added"),
     ("How do I reset my router?",
@@ -350,6 +357,15 @@ def test_rejects_pairs_that_differ_in_meaning(query: str, candidate: str, reason
     ("Can I change my delivery date?", "Can I change my delivery date? Thanks a lot!"),
     ("Why is my bread dense?", "My bread came out dense. What did I do wrong?"),
     ("How do I reset my password?", "Hello, tell me how to reset my password."),
+    # "how can I" against "can I", a generic "you", "they" or "a person" acting, a
+    # subject that is no actor
+    ("Can I earn money online?", "How can I earn money online?"),
+    ("How do I reset my password?", "How do you reset your password?"),
+    ("How do they know that quarks exist?", "How do we know that quarks exist?"),
+    ("How can an ordinary person make the world a better place?",
+     "How can I make the world a better place?"),
+    ("Can I get a refund?", "Can a refund be issued?"),
+    ("Why is the sky blue?", "Why is the sky blue in color?"),
 ])
 def test_passes_equivalent_pairs(query: str, candidate: str) -> None:
     res = guard.check(query, candidate)
