@@ -451,3 +451,38 @@ def test_a_node_that_answered_a_check_just_before_it_froze_is_still_found(
     """, floor=5.0, stream_floor=5.0)
     assert got == {"before": False, "found": True, "gone_once": False, "gone": True,
                    "answered": False}, got
+
+
+def test_the_quiet_of_a_node_that_never_sent_a_byte_is_dated_once(workdir: Path) -> None:
+    """Worker 0's tick asks early checks of a node with requests and no byte: for a node
+    that never sent one (new, or the edge just started) every check is of one silence,
+    dated from the first tick that saw it, so that a second failed check finds it frozen
+    (before, each tick dated a silence of its own, and a plain request on such a node
+    that froze waited for its deadline); once it sent a byte, the quiet is dated from it."""
+    got = run(workdir, """
+            package.loaded["infergate.routing.liveness"] = nil
+            local ngxapi = require("infergate.core.ngxapi")
+            local real, clock = ngxapi.now, 1000
+            ngxapi.now = function() return clock end
+            local lv = require("infergate.routing.liveness")
+            ngxapi.now = real
+            local d = ngx.shared.infergate_stats
+            local hn = {name = "h", scheme = "http", addr = "127.0.0.1", port = 9}
+            local o = config.get()
+            local function tick()
+                d:delete("le:h")                    -- the ask's own TTL has run out
+                local timer_at = ngx.timer.at       -- no timers in init_by_lua: none started
+                ngx.timer.at = function() return nil, "not here" end
+                lv.tick({hn}, o, function() return 1.5 end, function() return 1 end)
+                ngx.timer.at = timer_at
+                return d:get("le:h") or false
+            end
+            local out = {tick()}
+            clock = 1002.5
+            out[2] = tick()
+            d:set("lb:h", 1003)
+            clock = 1004.5
+            out[3] = tick()
+            return out
+    """)
+    assert got == [pytest.approx(999.0), pytest.approx(999.0), pytest.approx(1003.0)], got
