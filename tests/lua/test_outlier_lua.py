@@ -486,3 +486,35 @@ def test_the_quiet_of_a_node_that_never_sent_a_byte_is_dated_once(workdir: Path)
             return out
     """)
     assert got == [pytest.approx(999.0), pytest.approx(999.0), pytest.approx(1003.0)], got
+
+
+def test_a_request_not_streamed_that_asked_for_a_long_answer_is_waited_on(
+        workdir: Path) -> None:
+    """A request that is not a stream gets its first byte with its whole answer: one that
+    asked for 400 tokens of a node that writes 0.05 s per token (an answer of 20 s, its
+    bound twice that) is no sign of a hang at the 5 s threshold; past its own bound, or
+    with no max_tokens and no learned length, the threshold holds as before."""
+    got = run(workdir, """
+            local learned = require("infergate.routing.learned")
+            local t0 = 1000
+            local out = {}
+            for _, name in ipairs({"a", "b"}) do
+                for i = 1, 10 do answered(name, t0, 0.2, false) end  -- threshold: 5 s floor
+                for i = 1, 20 do learned.observe(name, 0.05 * (10 + i), 10 + i, t0) end
+            end
+            local a = {name = "a"}
+            local att = stats.open_attempt("a", t0 + 1)
+            outlier.track(att, false, {model = "m", body = {max_tokens = 400}})
+            out.bound = learned.answer_bound_s("a", {body = {max_tokens = 400}}, t0)
+            out.at_7 = outlier.is_outlier(a, t0 + 8)
+            out.at_30 = outlier.is_outlier(a, t0 + 31)
+            out.past = outlier.is_outlier(a, t0 + 42)
+            local b = {name = "b"}
+            local bt = stats.open_attempt("b", t0 + 1)
+            outlier.track(bt, false, {model = "m", body = {}})
+            out.no_max = outlier.is_outlier(b, t0 + 8)
+            return out
+    """, floor=5.0, stream_floor=5.0)
+    assert got["bound"] == pytest.approx(40.0, rel=0.05)
+    assert got["at_7"] is False and got["at_30"] is False and got["past"] is True
+    assert got["no_max"] is True

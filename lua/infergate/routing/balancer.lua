@@ -450,7 +450,7 @@ function place(req, o, now, n, grant, first)
         end
     end
     attempts[n + 1] = stats.open_attempt(node.name, now, probe, claimed)
-    outlier.track(attempts[n + 1], req.stream)
+    outlier.track(attempts[n + 1], req.stream, req)
     if thr then
         deadline.probe_read(req, o, now, thr)
     end

@@ -242,6 +242,31 @@ function _M.tail_s(name, mean_s, req, now)
     return q
 end
 
+-- How long the answer of `req`, a request that is not a stream, may take on node `name`
+-- (s): OWN_FACTOR x the node's fitted answer time (or pt x tokens) at the request's
+-- max_tokens, or without it at its model's output-length quantile (infergate.routing.
+-- lengths) while that has weight; nil while the node or the length is unknown. Its first
+-- byte comes with its whole answer: infergate.routing.outlier does not take a node for
+-- hung before a request asked for many tokens had this long.
+_M.OWN_FACTOR = 2
+
+function _M.answer_bound_s(name, req, now)
+    local _, _, pt, p = read(name)
+    if not p then
+        return nil
+    end
+    local n = max_tokens(req)
+    if not n then
+        local q, w = lengths.quantile(req and req.model, now)
+        if not q or w <= 0 then
+            return nil
+        end
+        n = q
+    end
+    local t = time_at(p, n) or (pt and pt * n)
+    return t and _M.OWN_FACTOR * t or nil
+end
+
 -- An answer of node `name` cut after lat_s seconds, unfinished (its client left): see
 -- the top of this file.
 function _M.observe_cut(name, lat_s, now)

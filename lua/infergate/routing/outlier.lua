@@ -60,10 +60,10 @@
 -- Worker-local: this worker's attempts per node in start order (a queue whose head is the
 -- oldest attempt not yet answered, closed or released).
 --
--- track(att, stream)   balancer phase, after infergate.routing.stats.open_attempt
+-- track(att, stream, req)  balancer phase, after stats.open_attempt (req, not a stream:
+--                      not an outlier before learned.answer_bound_s, its own answer time)
 -- first_byte(req[, now]) the node answered: the headers of a complete answer, the first
---                      body chunk of a stream (infergate.filters); now: epoch s, default
---                      the clock
+--                      body chunk of a stream (infergate.filters); now: epoch s (clock)
 -- finished(att, now)   when an attempt ends (log phase, or the balancer before a retry)
 -- is_outlier(node, now) balancer phase (no I/O: shared dict and local tables only); also
 --                      true for a node stalled mid-stream (infergate.routing.stall)
@@ -77,6 +77,7 @@ local stall = require("infergate.routing.stall")
 local liveness = require("infergate.routing.liveness")
 local ring = require("infergate.routing.ring")
 local guard = require("infergate.routing.guard")
+local learned = require("infergate.routing.learned")
 
 local _M = {}
 
@@ -91,10 +92,9 @@ _M.CEILING_FACTOR = 12
 _M.STALE_S = 60
 _M.HALF_LIFE_S = 60
 
--- node -> {head = attempt, tail = attempt}: this worker's attempts still waiting for a
--- first byte, oldest first, linked through att.wprev / att.wnext (unlinked when the first
--- byte comes or the attempt ends: no loop on the request path, which would keep the
--- balancer phase from being compiled by LuaJIT).
+-- node -> {head = attempt, tail = attempt}: this worker's attempts still waiting for a first
+-- byte, oldest first, linked through att.wprev / att.wnext (unlinked at the first byte or
+-- the attempt's end: no loop on the request path, which LuaJIT would not compile).
 local waiting = {}
 
 local function dict()
@@ -102,7 +102,6 @@ local function dict()
 end
 
 local rings = {}        -- "<s|n>:<node>" -> {n = samples held, i = next slot, [1..SAMPLES]}
-
 _M._p90_of = ring.p90_of
 
 -- Adds a TTFB sample (s) to this worker's ring and stores the ring's p90 for every
@@ -153,8 +152,9 @@ local function ended(name)
     return stats.requests(name) - stats.inflight(name)
 end
 
-function _M.track(att, stream)
+function _M.track(att, stream, req)
     att.stream = stream == true
+    att.req = not att.stream and req or nil
     if config.get().edge.outlier_ttfb_factor <= 0 then
         return -- detection off: nothing would ever take the attempt off the queue
     end
@@ -343,7 +343,10 @@ function _M.is_outlier(node, now, o)
         return false
     end
     local thr = _M.threshold(name, att.stream, o)
-    if waited <= thr or now - fb <= thr then
+    if waited > thr and att.req and att.own == nil then  -- not a stream: at least its own
+        att.own = learned.answer_bound_s(name, att.req, now) or false
+    end
+    if waited <= thr or now - fb <= thr or waited <= (att.own or 0) then
         return false
     end
     local lc = att.k and speed.learned(name)

@@ -134,7 +134,7 @@ function _M.next(req, o, now, accept)
     end
     local att = stats.open_attempt(node.name, now, probe, claimed)
     attempts[n + 1] = att
-    outlier.track(att, req.stream)
+    outlier.track(att, req.stream, req)
     speed.track(att)
     return node, att, eligible
 end
