@@ -804,6 +804,39 @@ def check_rendered(settings: Settings, rendered: RenderedConfig, *,
     return notes
 
 
+def _files_now(out: Path) -> dict[Path, tuple[bytes, int] | None]:
+    """What :func:`render_nginx` would replace in ``out``: each file's bytes and mode, or
+    ``None`` when it is not there. Raises :class:`click.ClickException` when one cannot
+    be read."""
+    now: dict[Path, tuple[bytes, int] | None] = {}
+    for name in (*TEMPLATES.values(), HOP_ID_FILE):
+        path = out / name
+        try:
+            now[path] = (path.read_bytes(), path.stat().st_mode & 0o7777)
+        except FileNotFoundError:
+            now[path] = None
+        except OSError as exc:
+            raise click.ClickException(f"cannot read {path}: {exc}") from None
+    return now
+
+
+def _put_back(before: dict[Path, tuple[bytes, int] | None]) -> str:
+    """Put the files of ``before`` (:func:`_files_now`) back as they were after a failed
+    ``--check``, so that a render into the live include folder never leaves a config that
+    failed it for the next reload; says what it did (one line)."""
+    try:
+        for path, was in before.items():
+            if was is None:
+                path.unlink(missing_ok=True)
+            else:
+                filewrite.replace_file(path, was[0], was[1])
+    except OSError as exc:
+        return f"the new files stay in place: putting the previous ones back failed: {exc}"
+    if all(was is None for was in before.values()):
+        return "nothing was left in the --out folder"
+    return "the files in the --out folder were put back as they were before this render"
+
+
 @click.command("render-nginx")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
               help="infergate TOML file (defaults apply without one).")
@@ -830,7 +863,8 @@ def check_rendered(settings: Settings, rendered: RenderedConfig, *,
               help="After writing: bind every listen address the config names (fails on "
                    "one in use), look for the Lua files the init blocks load (nginx -t "
                    "does not), then nginx -t (openresty -t with --openresty) on the "
-                   "standalone config.")
+                   "standalone config; when a check fails, the files of --out are put "
+                   "back as they were.")
 def render_nginx_cmd(config_path: str | None, out_dir: str, listen: str | None, prefix: str | None,
                      openresty: bool, modules_dir: str | None, lua_dir: str | None,
                      resolver: str | None, check: bool) -> None:
@@ -844,6 +878,7 @@ def render_nginx_cmd(config_path: str | None, out_dir: str, listen: str | None, 
             nginx_binary(True)  # before writing anything: say so in one line
         except procs.StartError as exc:
             raise click.ClickException(str(exc)) from None
+    before = _files_now(Path(out_dir)) if check else {}
     try:
         settings = load_settings(config_path)
         rendered = render_nginx(settings, out_dir, listen=listen, prefix=pre,
@@ -863,7 +898,8 @@ def render_nginx_cmd(config_path: str | None, out_dir: str, listen: str | None, 
         try:
             notes = check_rendered(settings, rendered)
         except (RenderError, NginxError, procs.StartError) as exc:
-            raise click.ClickException(str(exc)) from None
+            kept = _put_back(before)
+            raise click.ClickException(f"{exc}\n{kept}") from None
         for n in notes:
             click.echo(f"note: {n}", err=True)
         click.echo(f"listen addresses free, {'openresty' if openresty else 'nginx'} -t: ok "

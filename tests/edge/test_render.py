@@ -269,6 +269,34 @@ def test_cli_check_names_a_listen_address_in_use(workdir: Path) -> None:
     assert "nginx -t: ok" not in res.output and "Traceback" not in res.output
 
 
+def test_a_failed_check_puts_the_previous_files_back(workdir: Path) -> None:
+    """A render into the live include folder whose --check fails (a listen address in use)
+    leaves the files of the last good render for the next reload, not the new ones; a
+    first render that fails its check leaves none."""
+    cfg = workdir / "infergate.toml"
+
+    def render(out: Path, metrics_port: int):
+        cfg.write_text(f'[edge]\nmetrics_listen = "127.0.0.1:{metrics_port}"\n')
+        return CliRunner().invoke(render_nginx_cmd, [
+            "--config", str(cfg), "--out", str(out), "--prefix", str(workdir / "run"),
+            "--listen", f"127.0.0.1:{procs.free_port()}", "--check"])
+
+    live, first = workdir / "live", workdir / "first"
+    good_port = procs.free_port()
+    assert render(live, good_port).exit_code == 0
+    before = {p.name: p.read_bytes() for p in live.iterdir()}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        res = render(live, taken.getsockname()[1])
+        new = render(first, taken.getsockname()[1])
+    assert res.exit_code == 1 and "put back as they were" in res.output, res.output
+    assert {p.name: p.read_bytes() for p in live.iterdir()} == before
+    assert f"127.0.0.1:{good_port}" in (live / "infergate-http.conf").read_text()
+    assert new.exit_code == 1 and "nothing was left" in new.output, new.output
+    assert list(first.iterdir()) == []
+
+
 def test_cli_check_refuses_lua_files_nginx_t_does_not_load(workdir: Path) -> None:
     """nginx -t does not run init_by_lua: an init file or a --lua-dir without infergate's
     modules passes it, and nginx then refuses to start. --check names them."""
