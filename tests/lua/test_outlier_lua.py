@@ -518,3 +518,43 @@ def test_a_request_not_streamed_that_asked_for_a_long_answer_is_waited_on(
     assert got["bound"] == pytest.approx(40.0, rel=0.05)
     assert got["at_7"] is False and got["at_30"] is False and got["past"] is True
     assert got["no_max"] is True
+
+
+def test_a_probe_of_a_node_that_froze_again_gives_up_at_a_failed_check(workdir: Path) -> None:
+    """A half-open probe, sent after the node was found silent and answered the check
+    that let it go, gives up once an early check begun after it was sent (and after the
+    node's last byte) got no answer: one for a stream, two in a row for an answer not
+    streamed (before, it waited its whole probe read bound, 13-17 s on real engines). Two
+    failed checks are in a row when nothing came from the node between them, whichever
+    silence each was dated from."""
+    got = run(workdir, """
+            local liveness = require("infergate.routing.liveness")
+            local d = ngx.shared.infergate_stats
+            local t0 = 1000
+            local hn = {name = "h", scheme = "http", addr = "127.0.0.1", port = 9}
+            for i = 1, 10 do answered("h", t0, 0.2, false) end     -- its last first byte: t0
+            d:set("os:h", t0 + 1)                                  -- found silent
+            d:set("la:h", t0 + 2)                                  -- answered: probes go
+            local att = stats.open_attempt("h", t0 + 3)
+            outlier.track(att, true)
+            local pl = stats.open_attempt("h", t0 + 3)
+            outlier.track(pl, false)
+            local out = {}
+            out.none = outlier.gone_silent(hn, att, t0 + 3.5)
+            d:set("lx:h", t0)                                      -- an early check begun
+            d:set("lq:h", t0 + 4)                                  -- after the probe: none
+            out.stream = outlier.gone_silent(hn, att, t0 + 5)
+            out.plain_once = outlier.gone_silent(hn, pl, t0 + 5)
+            out.row = liveness._in_a_row(d, "h", t0 + 5.2)         -- the next one fails too
+            d:set("ly:h", t0)
+            out.plain_twice = outlier.gone_silent(hn, pl, t0 + 6.3)
+            out.finding = d:get("os:h")
+            d:set("lb:h", t0 + 4.5)                 -- a byte after that check began
+            out.after_byte = outlier.gone_silent(hn, att, t0 + 6.5)
+            out.row_after_byte = liveness._in_a_row(d, "h", t0 + 5.2)
+            out.row_late = liveness._in_a_row(d, "h", t0 + 9)
+            return out
+    """, floor=5.0, stream_floor=5.0)
+    assert got == {"none": False, "stream": True, "plain_once": False, "row": True,
+                   "plain_twice": True, "finding": 1001, "after_byte": False,
+                   "row_after_byte": False, "row_late": False}, got

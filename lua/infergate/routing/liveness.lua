@@ -40,7 +40,8 @@
 --                (TTL EARLY_REPEAT_S)
 --   "lh:<node>"  the "le:" value whose early check was started (TTL EARLY_RECHECK_S)
 --   "lx:<node>"  the "le:" value whose early check got no answer
---   "ly:<node>"  the same, once a second check of that silence got none either
+--   "ly:<node>"  the same, once a second check of that silence got none either (or the
+--                check just before it: two in a row, nothing from the node between)
 --   "lq:<node>"  epoch s the latest early check that got no answer began
 --   "lz:<node>"  epoch s the latest early check answered only after LATE_S began
 --   "l0:<node>"  epoch s the quiet of a node that never sent a byte is dated from
@@ -261,6 +262,20 @@ local function run_check(node, since, t)
     end
 end
 
+-- Whether the early check of `name` that began at `began` follows one that got no answer
+-- either, just before (within EARLY_RECHECK_S + 2 x EARLY_TIMEOUT_S), with no answer to a
+-- check and no byte from the node since: two in a row of one silence, whichever `since`
+-- each was asked for (worker 0's tick dates a silence from the node's last byte, a pick
+-- from its request's start).
+local function in_a_row(d, name, began)
+    local prev = d:get(key("lq:", name))
+    return prev ~= nil and began - prev <= _M.EARLY_RECHECK_S + 2 * _M.EARLY_TIMEOUT_S
+        and (d:get(key("la:", name)) or 0) < prev and (d:get(key("lb:", name)) or 0) < prev
+        and (d:get(key("fb:", name)) or 0) < prev
+end
+
+_M._in_a_row = in_a_row
+
 local function run_early(node, since, t)
     local began = ngx_now()
     local ok, err = _M.check(node, t)
@@ -274,7 +289,7 @@ local function run_early(node, since, t)
     else
         log(WARN, "infergate: node ", node.name, " quiet for ", string.format("%.1f", ngx_now() - since),
             " s and no answer to its liveness check within ", t, " s: ", err or "?")
-        if d:get(key("lx:", node.name)) == since then
+        if d:get(key("lx:", node.name)) == since or in_a_row(d, node.name, began) then
             d:set(key("ly:", node.name), since, _M.HOLD_MAX_S) -- a second one, same silence
         end
         d:set(key("lx:", node.name), since, _M.HOLD_MAX_S)

@@ -37,13 +37,12 @@
 -- out for min(PROBE_BACKOFF_MAX_S, threshold x 2^probes) more (and no probe goes before
 -- the node answers a liveness check, infergate.routing.liveness), so a node that hangs for
 -- good costs a few requests, not one per request deadline. A probe with another node to
--- retry on waits only part of its time (probe_threshold, and
--- infergate.admission.deadline.probe_read): a probe of a node still hung is then retried
--- on another node, and costs its client that wait, not a timeout.
--- Before the threshold: a node quiet for edge.liveness_suspect_s gets an early liveness
--- check, and is an outlier once that check got no answer (early(), below).
--- The balancer never excludes every candidate:
--- when all eligible nodes are outliers, it picks among them as usual.
+-- retry on waits only part of its time (probe_threshold, and admission.deadline.probe_read):
+-- a probe of a node still hung is then retried on another node, and costs its client that
+-- wait, not a timeout. Before the threshold: a node quiet for edge.liveness_suspect_s gets
+-- an early liveness check, and is an outlier once that check got no answer (early(), below).
+-- The balancer never excludes every candidate: when all eligible nodes are outliers, it
+-- picks among them as usual.
 --
 -- Shared dict infergate_stats (all workers):
 --   "tq:<s|n>:<node>"        p90 TTFB (s) of the node's last SAMPLES streams / non-streams
@@ -285,10 +284,9 @@ local function early(d, node, att, fb, now, o, suspect)
 end
 
 -- A flag an early check set (no answer: a frozen process) no longer holds once a later
--- check answered: the process runs again, and the node gets its probes one at a time as
--- a node found silent (below), not none until the flag expires. On nginx's proxy path
--- the request left waiting on the node ends with its answer, whose first byte clears
--- the flag; one the relay moved to another node has none to give.
+-- check answered: the process runs again, and the node gets its probes one at a time as a
+-- node found silent (below), not none until the flag expires. On nginx's proxy path the
+-- request left on the node ends with its answer, whose first byte clears the flag.
 local function refuted(d, node, flagged, o)
     return d:get(key("oe:", node.name)) == flagged and liveness.answered_since(node, flagged, o)
 end
@@ -428,34 +426,36 @@ function _M.probe_held(node, now, o)
 end
 
 -- True when attempt `att` on `node`, still without a byte, should give up now: the node
--- was found a TTFB outlier or stalled (the detection runs here, as at a pick: a node
--- whose every slot is taken is in no pick) after the attempt started, sent no first
--- byte or byte since, and did not answer a liveness check made for that finding
--- (infergate.routing.liveness.dead: a long prefill is silent too, but its server
--- answers), or was found so by an early check that got no answer and no byte came from
--- it since (infergate.routing.liveness.failed_early: a running process answers /health
--- within a second, busy or not, so no second check is waited for; for an attempt that
--- is not a stream, whose node may have most of a long answer done, one more early check
--- of that silence, or the finding's own check with its longer timeout, must fail too: a
--- host short of CPU can miss one 1 s check of a live node). A half-open probe
--- (sent after the finding) is never cut by this: it waits its own bound. Called by the
--- stream relay while it waits for the answer's head (infergate.stream.leg), as often as
--- every WATCH_S.
+-- was found a TTFB outlier or stalled (detected here too, as at a pick: a node whose every
+-- slot is taken is in no pick) after the attempt started, sent no byte since, and did not
+-- answer a liveness check made for that finding (infergate.routing.liveness.dead: a long
+-- prefill is silent too, but its server answers), or was found so by an early check that
+-- got no answer (liveness.failed_early: a running process answers /health within a
+-- second, busy or not; for an answer not streamed, whose node may have most of it done,
+-- a second check must fail too: a host short of CPU can miss one). A half-open probe
+-- (sent after the finding) gives up when an early check begun after it was sent and
+-- after the node's last byte got no answer (two, for an answer not streamed): the node
+-- answered the check that let the probe go, then froze again. Called by the stream relay
+-- while it waits for the answer's head (infergate.stream.leg), every WATCH_S.
 function _M.gone_silent(node, att, now, o)
     o = o or config.get()
     _M.is_outlier(node, now, o)
     local d = dict()
     local name = node.name
     local since = silent_finding(d, name)
-    if since == nil or since < att.started then
+    if since == nil then
         return false
+    end
+    local last = math.max(d:get(key("lb:", name)) or 0, d:get(key("fb:", name)) or 0)
+    if since < att.started then
+        return liveness.failed_since(name, math.max(att.started, last))
+            and (att.stream or liveness.failed_early(name, true) ~= nil)
     end
     if liveness.dead(node, since, o) then
         return true
     end
     local failed = liveness.failed_early(name, not att.stream)
-    return failed ~= nil and failed >= (d:get(key("lb:", name)) or 0)
-        and failed >= (d:get(key("fb:", name)) or 0)
+    return failed ~= nil and failed >= last
 end
 
 -- An attempt ended: a probe of a silent outlier (sent after it was found one) that waited
