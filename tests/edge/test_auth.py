@@ -655,6 +655,34 @@ def test_nginx_restarted_while_redis_is_down_keeps_the_last_state(redis_server, 
     assert "started routing on the snapshot saved last" in edge.error_log()
 
 
+def test_a_revocation_the_edge_could_not_save_is_saved_once_it_can(redis_server, upstream,
+                                                                    edge_factory) -> None:
+    """The key records are saved again once the state folder takes writes again (a full
+    disk, a folder made read-only for a while): a write that failed is not taken for done,
+    so the file never keeps a key revoked since for an nginx started while Redis is down."""
+    r = redis_server.client()
+    key, rec = apikeys.create_key(r, "acme")
+    edge = edge_factory(auth_settings(redis_server.url, upstream.node()))
+    state = edge.rendered.prefix / "infergate-state"
+    procs.wait_until(lambda: (state / "apikeys.json").exists(), 10, what="the records saved")
+    digest = hashlib.sha256(key.encode()).hexdigest()
+
+    def revoked_saved() -> bool:
+        saved = json.loads((state / "apikeys.json").read_text()).get(digest)
+        return saved is not None and json.loads(saved).get("revoked") is not None
+
+    mode = state.stat().st_mode
+    state.chmod(0o555)          # the workers' user may no longer create files there
+    try:
+        apikeys.revoke_key(r, rec.id)
+        procs.wait_until(lambda: "cannot write" in edge.error_log()
+                         or "cannot replace" in edge.error_log(), 15, what="a failed save")
+        assert not revoked_saved()
+    finally:
+        state.chmod(mode & 0o7777)
+    procs.wait_until(revoked_saved, 15, what="the revocation saved once the folder takes writes")
+
+
 def _status_or_none(edge: Any) -> dict | None:
     try:
         return edge.status()

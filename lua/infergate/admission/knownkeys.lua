@@ -22,7 +22,8 @@
 -- set is dropped: past the budget every uncached key is refused, and during an outage
 -- only cached answers serve, as without this module). An error or no answer keeps the
 -- set the worker has. Only with auth.mode = "required". Worker 0 also saves the records
--- it read (infergate.core.statefile, "apikeys.json": digests and records, never a key),
+-- it read (infergate.core.statefile, "apikeys.json": digests and records, never a key;
+-- a save that failed is tried again every EVERY_S, the stale file removed meanwhile),
 -- and every worker starts from that file, so an nginx started while Redis is
 -- unreachable still knows the keys of the store.
 --
@@ -69,6 +70,7 @@ local known = nil       -- digest -> record (JSON text), or nil (nothing held)
 local count = -1        -- HLEN the set was built for
 local built_at = 0
 local saved_text = nil  -- what worker 0 saved last
+local unsaved = nil     -- worker 0: the set it could not save, tried again every tick
 local marker = nil      -- the key store's marker the set was built for
 local asked_marker = nil
 local kept_valid = 0    -- valid keys of the set the store lacked at the last read (marker missing)
@@ -169,8 +171,16 @@ local function on_keys(replies, err)
     if ngx.worker.id() == 0 then
         local text = cjson.encode(set)
         if text and text ~= saved_text then
-            saved_text = text
-            statefile.write(_M.STATE_FILE, text)
+            -- saved only once written: a write that failed (a full disk, a folder made
+            -- read-only) is tried again at every tick, and the old file, whose records
+            -- may name a key revoked since, is removed meanwhile (an nginx started while
+            -- Redis is down then refuses keys, 503, rather than take one)
+            if statefile.write(_M.STATE_FILE, text) then
+                saved_text, unsaved = text, nil
+            else
+                unsaved = text
+                os.remove(statefile.path(_M.STATE_FILE))
+            end
         end
     end
 end
@@ -202,6 +212,9 @@ end
 function _M.tick(premature)
     if premature or config.get().auth.mode ~= "required" then
         return
+    end
+    if unsaved and statefile.write(_M.STATE_FILE, unsaved) then
+        saved_text, unsaved = unsaved, nil
     end
     local now = ngxapi.now()
     if pending and now - asked_at < PENDING_MAX_S then
