@@ -291,6 +291,7 @@ class ControlPlane:
         self.state_lost_at: float | None = None
         #: The state marker's value as last read (None: not read yet).
         self._marker_value: str | None = None
+        self._restore_refused: str | None = None  # why the last loss was not written back
         #: The copy of the state last read, written back after a loss
         #: (controlplane.routing.statecopy), and how often something was written back.
         self.keeper = statecopy.StateKeeper(r)
@@ -504,6 +505,7 @@ class ControlPlane:
             # others may have changed the state meanwhile
             since = None
         why = self.keeper.claim(self._marker_value, created, since)
+        self._restore_refused = why
         if why is not None:
             if self.keeper.copy is not None:
                 log.error("REDIS STATE LOST: not writing this control plane's copy back: %s",
@@ -578,6 +580,9 @@ class ControlPlane:
             message = ("Redis came back without its state; the API keys, nodes, weights and "
                        "drain states this control plane last read were written back "
                        "(state_restored event)")
+        elif self._restore_refused == statecopy.CLAIMED_BY_ANOTHER:
+            message = ("Redis came back without its state; another control plane wrote its "
+                       "copy back (its state_lost and state_restored events)")
         else:
             message = ("Redis came back without its state; nodes re-seeded from the "
                        "configuration, API keys must be restored (infergate keys import); "

@@ -106,6 +106,8 @@ from controlplane.routing import registry
 #: A copy read longer than this before Redis lost its state (the new state marker's
 #: creation) is not written back, seconds.
 COPY_FRESH_S = 10.0
+#: Why a control plane writes nothing back after a loss another one restored.
+CLAIMED_BY_ANOTHER = "another control plane wrote its copy back first"
 #: TTL of a restore claim, seconds.
 CLAIM_TTL_S = 3600
 #: TTL of the claim of a put-back after Redis went back (one per group, generation in
@@ -393,7 +395,7 @@ class StateKeeper:
                     "the loss (it was frozen or cut off from Redis meanwhile)")
         key = keynames.STATE_RESTORE_CLAIM_PREFIX + (marker or "")
         if not self.r.set(key, "1", nx=True, ex=CLAIM_TTL_S):
-            return "another control plane wrote its copy back first"
+            return CLAIMED_BY_ANOTHER
         return None
 
     def drop(self) -> None:

@@ -194,6 +194,10 @@ def test_a_second_control_plane_notices_the_loss_and_adds_nothing_twice(
     assert first.state_losses == 1 and second.state_losses == 1
     assert second.state_restores == 1 and first.state_restores == 0
     assert len(_events(r, "state_restored")) == 1
+    # the first's event says the other wrote its copy back, not that keys must be restored
+    by = {e["detail"]["by"]: e["detail"]["message"] for e in _events(r, "state_lost")}
+    assert "another control plane wrote its copy back" in by[first.id], by
+    assert "must be restored" not in by[first.id] and "written back" in by[second.id]
 
 
 def test_redis_back_empty_after_a_long_outage_gets_the_state_back(redis_server, workdir,
