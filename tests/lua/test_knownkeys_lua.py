@@ -26,7 +26,7 @@ def test_a_set_is_dated_when_its_read_was_asked(workdir: Path) -> None:
                 push = function(_name, _cmds, cb) asked[#asked + 1] = cb; return true end,
             }
             package.loaded["infergate.core.statefile"] = {
-                read = function() return nil end, write = function() end,
+                read = function() return nil end, write = function() return true end,
             }
             local knownkeys = require("infergate.admission.knownkeys")
             knownkeys.tick(false)
