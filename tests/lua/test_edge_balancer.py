@@ -225,21 +225,25 @@ def test_upstream_list_parsing(workdir: Path) -> None:
 
 
 def test_two_nodes_split_by_weight_when_idle(workdir: Path) -> None:
-    # With two eligible nodes both are always sampled: the weights (and the slow-start
-    # ramp, which lowers effective_weight) must still shape the shares.
+    # With two eligible nodes both are always sampled: the weights shape the shares, and
+    # the slow-start ramp (effective_weight below weight) acts once, on whether the node
+    # takes part in a pick, not on its cost as well.
     got = run(workdir, """
             local t = tbl({node("ramp", {effective_weight = 0.25}), node("full")}, true)
             local idle = count_picks(t, 1000)
-            -- the in-flight term is per unit of weight: 1 in flight on the ramping node
-            -- costs 1 / (10 * 0.25) = 0.4, more than 3 on the full node (0.3)
+            local heavy = tbl({node("two", {weight = 2, effective_weight = 2}), node("one")}, true)
+            local by_weight = count_picks(heavy, 1000)
+            -- 1 in flight on the ramping node costs 1 / 10, less than 3 on the full node
             stats.open_attempt("ramp", ngx.now())
             for _ = 1, 3 do stats.open_attempt("full", ngx.now()) end
-            return {idle = idle, loaded = count_picks(t, 100)}
+            return {idle = idle, loaded = count_picks(t, 1000), by_weight = by_weight}
     """)
     # in slow start the node takes part in a pick with probability 0.25 (effective
-    # weight / weight), and then wins 0.25 / 1.25 of the weighted draws: 50 of 1000
-    assert 15 < got["idle"]["ramp"] < 100
-    assert got["loaded"] == {"full": 100}
+    # weight / weight), then wins half of the idle ties (weights 1 and 1): 125 of 1000;
+    # with fewer in flight it wins whenever it takes part: 250 of 1000
+    assert 80 < got["idle"]["ramp"] < 175
+    assert 190 < got["loaded"]["ramp"] < 310
+    assert 590 < got["by_weight"]["two"] < 740          # 2 / 3 of the idle ties
 
 
 def test_a_node_in_slow_start_is_left_out_in_proportion_but_never_leaves_none(

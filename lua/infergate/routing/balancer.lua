@@ -26,15 +26,15 @@
 -- under edge.node_cost = "expected_delay" (the default) and when every candidate has a
 -- fresh score and a service time, the smallest predicted completion wins (least_delay
 -- below; infergate.routing.speed.expected_s). Otherwise power of two choices:
--- two distinct nodes are sampled with probability proportional to effective_weight
+-- two distinct nodes are sampled with probability proportional to weight
 -- and the one with the lower cost wins (ties: a coin, see below). When no candidate has
 -- a fresh score (nodes without metrics, a stale snapshot, the static list) and there are
 -- 3 to FULL_SCAN_MAX (16) of them, the cost is made of this edge's own signals only and
--- every candidate is costed instead: the cheapest wins, ties drawn by effective_weight
+-- every candidate is costed instead: the cheapest wins, ties drawn by weight
 -- (a shared score a few seconds old is what power of two choices guards against).
 --
 --   cost = inflight_cost * inflight / (C * w)                (this edge's own load;
---                                                             w = effective_weight)
+--                                                             w = weight)
 --        + score + (saturated and 1 or 0)                     when the snapshot is fresh
 --                                                              and the node has a score
 --        | min(latency_ewma_s / latency_norm_s, 1)            otherwise (stale snapshot,
@@ -54,8 +54,12 @@
 -- latency_norm_s, or less than one request in flight at max_concurrency 64) count as a
 -- tie and a coin decides, so measurement noise does not send everything to one node.
 -- With exactly two eligible nodes both are always sampled, so that coin is weighted by
--- effective_weight: weights (and the slow-start ramp after an undrain) still shape the
--- shares.
+-- weight: weights still shape the shares. Costs, draws and coins use the configured
+-- weight, not effective_weight: the slow-start ramp acts once, in
+-- infergate.routing.candidates (a node in slow start takes part in a pick with
+-- probability effective_weight / weight), so its share ramps linearly; counted in the
+-- costs as well, a node at 10 % of its ramp looked ten times as costly and got next to
+-- nothing for half the ramp, then most of the traffic at once.
 -- The in-flight term moves with every pick, so an idle-looking score a few seconds old
 -- cannot herd all traffic onto one node.
 --
@@ -103,7 +107,7 @@ function _M.cost(node, fresh, o, now)
     local name = node.name
     local has_score = (fresh and node.score) and true or false
     local c = o.edge.inflight_cost * stats.inflight(name)
-        / (speed.concurrency(node, has_score) * node.effective_weight)
+        / (speed.concurrency(node, has_score) * node.weight)
     if has_score then
         c = c + node.score
         if node.saturated then
@@ -129,7 +133,7 @@ local function weighted(cands, n, total, skip)
         local node = cands[i]
         if node ~= skip then
             last = node
-            r = r - node.effective_weight
+            r = r - node.weight
             if r < 0 then
                 return node
             end
@@ -140,7 +144,7 @@ end
 
 -- Local signals only (no fresh score among the candidates): they are this edge's own and
 -- move with every pick, so every candidate is costed and the cheapest taken (costs
--- within TIE_EPSILON of the cheapest: drawn in proportion to effective_weight).
+-- within TIE_EPSILON of the cheapest: drawn in proportion to weight).
 local FULL_SCAN_MAX = 16
 _M.FULL_SCAN_MAX = FULL_SCAN_MAX
 
@@ -156,7 +160,7 @@ local function any_score(cands, n, fresh)
     return false
 end
 
--- The cheapest of cands[1..n] (ties within TIE_EPSILON drawn by effective_weight) and
+-- The cheapest of cands[1..n] (ties within TIE_EPSILON drawn by weight) and
 -- its cost.
 local function least_cost(cands, n, fresh, o, now)
     local costs, best = {}, nil
@@ -170,7 +174,7 @@ local function least_cost(cands, n, fresh, o, now)
     local total = 0
     for i = 1, n do
         if costs[i] <= best + TIE_EPSILON then
-            total = total + cands[i].effective_weight
+            total = total + cands[i].weight
         end
     end
     local r = random() * total
@@ -178,7 +182,7 @@ local function least_cost(cands, n, fresh, o, now)
     for i = 1, n do
         if costs[i] <= best + TIE_EPSILON then
             last, last_cost = cands[i], costs[i]
-            r = r - last.effective_weight
+            r = r - last.weight
             if r < 0 then
                 return last, last_cost
             end
@@ -187,15 +191,15 @@ local function least_cost(cands, n, fresh, o, now)
     return last, last_cost
 end
 
--- Delay cost (s) of `node`: infergate.routing.speed.expected_s over effective_weight
--- (a node in slow start looks slower), doubled while the node is saturated, times
+-- Delay cost (s) of `node`: infergate.routing.speed.expected_s over weight,
+-- doubled while the node is saturated, times
 -- 1 + this edge's failure rate of it; nil without a service time.
 function _M.delay_cost(node, fresh, now)
     local e = speed.expected_s(node)
     if not e then
         return nil
     end
-    local c = e / node.effective_weight
+    local c = e / node.weight
     if fresh and node.saturated then
         c = c * (1 + SATURATED_PENALTY)
     end
@@ -204,14 +208,14 @@ end
 
 -- Load of `node` relative to its capacity: what breaks near-ties of the delay cost.
 local function relative_load(node)
-    return (stats.inflight(node.name) + 1) / (speed.batch(node) * node.effective_weight)
+    return (stats.inflight(node.name) + 1) / (speed.batch(node) * node.weight)
 end
 
 -- edge.node_cost = "expected_delay": the candidate with the smallest delay cost (every
--- one costed up to FULL_SCAN_MAX, else the better of two sampled by effective_weight),
+-- one costed up to FULL_SCAN_MAX, else the better of two sampled by weight),
 -- among those with room (infergate.routing.room) when any has.
 -- Costs within DELAY_TIE (relative) of the best count as a tie, won by the lowest
--- in-flight per unit of concurrency (a coin by effective_weight when equal), so equal
+-- in-flight per unit of concurrency (a coin by weight when equal), so equal
 -- idle nodes share the load as least_conn would. nil (the load cost decides) when a
 -- candidate has no service time yet, or no fresh score: a node without metrics (kind
 -- openai) often runs one request at a time, so it answers too rarely for its service
@@ -227,7 +231,7 @@ function _M.least_delay(cands, n, total, fresh, now)
     local pool, m = cands, n
     if n > FULL_SCAN_MAX then
         local a = weighted(cands, n, total, nil)
-        pool, m = { a, weighted(cands, n, total - a.effective_weight, a) }, 2
+        pool, m = { a, weighted(cands, n, total - a.weight, a) }, 2
     end
     local full = room.full(pool, m)   -- no queueing while a candidate has room
     local costs, best = {}, nil
@@ -249,10 +253,10 @@ function _M.least_delay(cands, n, total, fresh, now)
             local node = pool[i]
             local l = relative_load(node)
             if not pick or l < pick_load - 1e-9 then
-                pick, pick_load, weight_sum = node, l, node.effective_weight
+                pick, pick_load, weight_sum = node, l, node.weight
             elseif l <= pick_load + 1e-9 then
-                weight_sum = weight_sum + node.effective_weight
-                if random() * weight_sum < node.effective_weight then
+                weight_sum = weight_sum + node.weight
+                if random() * weight_sum < node.weight then
                     pick = node
                 end
             end
@@ -309,14 +313,14 @@ function _M.pick(t, tried, now, retry, model, key, first)
         return least_cost(cands, n, fresh, o, now), false, eligible
     end
     local a = weighted(cands, n, total, nil)
-    local b = weighted(cands, n, total - a.effective_weight, a)
+    local b = weighted(cands, n, total - a.weight, a)
     local ca, cb = _M.cost(a, fresh, o, now), _M.cost(b, fresh, o, now)
     local d = ca - cb
     -- With two candidates both are always sampled, so the tie coin carries the weights;
     -- with more, the weighted sampling already does and the coin is fair.
     local pa = 0.5
     if n == 2 then
-        pa = a.effective_weight / (a.effective_weight + b.effective_weight)
+        pa = a.weight / (a.weight + b.weight)
     end
     if d > TIE_EPSILON or (d >= -TIE_EPSILON and random() >= pa) then
         a = b

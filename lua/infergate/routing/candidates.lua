@@ -66,12 +66,12 @@ local function append(list, cands, n, total)
     for _, node in ipairs(list) do
         n = n + 1
         cands[n] = node
-        total = total + node.effective_weight
+        total = total + node.weight
     end
     return n, total
 end
 
--- The candidates of a pick: cands[1..n] (sum of effective_weight: total), a node whose
+-- The candidates of a pick: cands[1..n] (sum of weight: total), a node whose
 -- half-open probe this request takes (then nothing else), and how many nodes are
 -- eligible in all (those the slow-start ramp left out this time included).
 function _M.gather(t, tried, now, retry, model, o)
@@ -90,7 +90,7 @@ function _M.gather(t, tried, now, retry, model, o)
             elseif allow == "yes" then
                 n = n + 1
                 cands[n] = node
-                total = total + node.effective_weight
+                total = total + node.weight
             elseif allow == "probe" and not retry and not outlier.probe_held(node, now, o) then
                 -- (a node found silent answers its liveness check before the breaker's
                 -- probe goes, as before a half-open probe of the outlier rule)
