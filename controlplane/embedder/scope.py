@@ -185,7 +185,7 @@ def _rest_after_other(words: list[str], rest: list[str]) -> bool:
 
 #: The forms of one auxiliary that agree with another subject ("do I" / "does he").
 _AGREE = {"does": "do", "am": "is", "are": "is", "has": "have", "doesn't": "don't",
-          "isn't": "is not", "aren't": "is not", "hasn't": "haven't"}
+          "aren't": "isn't", "hasn't": "haven't"}
 
 
 def _opening(words: list[str], i: int) -> list[str]:
