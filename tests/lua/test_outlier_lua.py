@@ -558,3 +558,26 @@ def test_a_probe_of_a_node_that_froze_again_gives_up_at_a_failed_check(workdir: 
     assert got == {"none": False, "stream": True, "plain_once": False, "row": True,
                    "plain_twice": True, "finding": 1001, "after_byte": False,
                    "row_after_byte": False, "row_late": False}, got
+
+
+def test_a_finding_right_after_a_failed_early_check_gets_the_early_timeout(
+        workdir: Path) -> None:
+    """The check of a finding made just after an early check got no answer (nothing from
+    the node since) is the second of one silence: it waits the early check's 1 s, not
+    the finding's own 3 s or more, so a request not streamed on a frozen node moves 1 s
+    after the finding; otherwise, or with an answer or a byte since, the longer one."""
+    got = run(workdir, """
+            local liveness = require("infergate.routing.liveness")
+            local d = ngx.shared.infergate_stats
+            local t0 = 1000
+            local out = {}
+            out.none = liveness._finding_timeout(d, "h", t0, 1.5)
+            d:set("fb:h", t0 - 5)
+            d:set("lq:h", t0 - 1)                  -- an early check began 1 s before: none
+            out.after_failed = liveness._finding_timeout(d, "h", t0, 1.5)
+            out.long_after = liveness._finding_timeout(d, "h", t0 + 10, 1.5)
+            d:set("lb:h", t0 - 0.5)                -- a byte since that check began
+            out.byte_since = liveness._finding_timeout(d, "h", t0, 1.5)
+            return out
+    """)
+    assert got == {"none": 3, "after_failed": 1, "long_after": 3, "byte_since": 3}, got

@@ -262,14 +262,15 @@ local function run_check(node, since, t)
     end
 end
 
--- Whether the early check of `name` that began at `began` follows one that got no answer
--- either, just before (within EARLY_RECHECK_S + 2 x EARLY_TIMEOUT_S), with no answer to a
--- check and no byte from the node since: two in a row of one silence, whichever `since`
--- each was asked for (worker 0's tick dates a silence from the node's last byte, a pick
--- from its request's start).
+-- Whether a check of `name` at `began` follows an early one that got no answer just
+-- before (began within EARLY_RECHECK_S + 2 x EARLY_TIMEOUT_S), with no answer to a check
+-- and no byte from the node since: then both are two in a row of one silence, whichever
+-- `since` each was asked for (worker 0's tick dates a silence from the node's last byte,
+-- a pick from its request's start, a finding from when it was made).
 local function in_a_row(d, name, began)
     local prev = d:get(key("lq:", name))
-    return prev ~= nil and began - prev <= _M.EARLY_RECHECK_S + 2 * _M.EARLY_TIMEOUT_S
+    return prev ~= nil and prev <= began
+        and began - prev <= _M.EARLY_RECHECK_S + 2 * _M.EARLY_TIMEOUT_S
         and (d:get(key("la:", name)) or 0) < prev and (d:get(key("lb:", name)) or 0) < prev
         and (d:get(key("fb:", name)) or 0) < prev
 end
@@ -350,6 +351,15 @@ local function quiet_with_requests(d, node, o, now, n)
     ask_early(d, name, since)
 end
 
+-- Timeout (s) of the check of a finding made at `since`: _M.timeout(thr), or
+-- EARLY_TIMEOUT_S when an early check that got no answer came just before (in_a_row):
+-- the finding's check is then the second of one silence, as two early ones in a row (a
+-- frozen node's request not streamed is retried 1 s later, not after the longer timeout).
+local function finding_timeout(d, name, since, thr)
+    return in_a_row(d, name, since) and _M.EARLY_TIMEOUT_S or _M.timeout(thr)
+end
+_M._finding_timeout = finding_timeout
+
 -- Start a check of every node that waits for one, each in a timer of its own (a frozen
 -- node's check, up to 10 s, does not hold up the check of a node found silent
 -- meanwhile; "lc:" keeps one check per node, an early one included; a finding's check
@@ -368,7 +378,8 @@ function _M.tick(nodes, o, threshold, inflight)
             local la = d:get(key("la:", name))
             local early = d:get(key("le:", name))
             if since and (not la or la < since) then
-                if start(d, node, since, _M.timeout(threshold(name, o)), false) then
+                if start(d, node, since, finding_timeout(d, name, since, threshold(name, o)),
+                         false) then
                     started = started + 1
                 end
             elseif early and d:get(key("lh:", name)) ~= early
