@@ -341,6 +341,72 @@ def test_a_relayed_retry_waits_for_a_slot(tiny_upstreams, redis_server, edge_fac
     assert edge.node_status("b")["inflight"] == 0 and edge.node_status("a")["inflight"] == 0
 
 
+def _retry_behind_a_held_slot(tiny_upstreams, redis_server, edge_factory, request_ms: int,
+                              fails: str):
+    """Nodes a and b of one slot each, b's held by a stream; a plain request whose try on
+    a fails (tiny upstream mode ``fails``) then waits for a slot: (a, b, edge, held
+    stream, pool, its future, the snapshot node maker)."""
+    a, b = tiny_upstreams(names=["a", "b"])
+    b.gate, b.chunks = threading.Event(), 2
+
+    def node(up, **kw):
+        return up.snapshot_node(kind="openai", slots=1, slots_source="config", score=None,
+                                has_metrics=False, **kw)
+
+    edge = _edge(redis_server, edge_factory, [node(a, healthy=False), node(b)],
+                 request_ms=request_ms)
+    held = requests.post(f"{edge.url}/v1/chat/completions", json={**CHAT, "stream": True},
+                         stream=True, timeout=30)          # b's one slot
+    assert held.status_code == 200 and held.headers["X-Infergate-Node"] == "b"
+    snap = write_snapshot(redis_server.client(), [node(a), node(b)])
+    edge.wait_snapshot(snap["version"])
+    a.mode = fails
+    pool = ThreadPoolExecutor(1)
+    fut = pool.submit(requests.post, f"{edge.url}/v1/chat/completions", json=CHAT, timeout=30)
+    procs.wait_until(lambda: "on node a ended:" in edge.error_log(), 10,
+                     what="the first try on a")
+    return a, b, edge, held, pool, fut, node
+
+
+def test_a_retry_that_waits_out_its_deadline_gets_504(tiny_upstreams, redis_server,
+                                                      edge_factory) -> None:
+    """A retry that waited for a slot until the request's deadline answers 504
+    deadline_exceeded, not 502 for its first node's answer cut short."""
+    a, b, edge, held, pool, fut, _ = _retry_behind_a_held_slot(
+        tiny_upstreams, redis_server, edge_factory, request_ms=3000, fails="cut")
+    try:
+        res = fut.result(timeout=20)
+    finally:
+        b.gate.set()
+        held.close()
+        pool.shutdown(wait=True)
+    assert res.status_code == 504, res.text
+    assert res.json()["error"]["code"] == "deadline_exceeded" and b.hits == 1
+
+
+def test_a_retry_waiting_for_a_slot_takes_its_first_node_once_it_is_back(
+        tiny_upstreams, redis_server, edge_factory) -> None:
+    """The node that failed the request's first try and that the control plane then saw
+    come back (restarted: the snapshot's back_at) may take the retry that waits for a
+    slot, as a new request may; before, the retry waited for the other node's slot until
+    its deadline."""
+    a, b, edge, held, pool, fut, node = _retry_behind_a_held_slot(
+        tiny_upstreams, redis_server, edge_factory, request_ms=20000, fails="cut")
+    try:
+        time.sleep(0.5)       # the retry waits for b's slot
+        assert not fut.done() and a.hits == 1
+        a.mode = "ok"
+        snap = write_snapshot(redis_server.client(), [node(a, back_at=time.time()), node(b)])
+        edge.wait_snapshot(snap["version"])
+        res = fut.result(timeout=10)
+    finally:
+        b.gate.set()
+        held.close()
+        pool.shutdown(wait=True)
+    assert res.status_code == 200 and res.headers["X-Infergate-Node"] == "a", res.text
+    assert a.hits == 2 and b.hits == 1
+
+
 def test_a_one_at_a_time_server_never_sees_a_second_request(simnodes, redis_server,
                                                            edge_factory) -> None:
     nodes = simnodes(2, "--llamacpp", "--output-tokens", "6:6", time_scale=0.05,

@@ -250,7 +250,9 @@ end
 -- hung before a request asked for many tokens had this long.
 _M.OWN_FACTOR = 2
 
-function _M.answer_bound_s(name, req, now)
+-- The node's fitted answer time (s) at the request's max_tokens (or its model's length
+-- quantile, as above), without the factor; nil while unknown.
+function _M.answer_s(name, req, now)
     local _, _, pt, p = read(name)
     if not p then
         return nil
@@ -263,7 +265,11 @@ function _M.answer_bound_s(name, req, now)
         end
         n = q
     end
-    local t = time_at(p, n) or (pt and pt * n)
+    return time_at(p, n) or (pt and pt * n)
+end
+
+function _M.answer_bound_s(name, req, now)
+    local t = _M.answer_s(name, req, now)
     return t and _M.OWN_FACTOR * t or nil
 end
 

@@ -14,6 +14,7 @@
 --                              learned concurrency for "ok", outlier.finished)
 --   hold(att, now)             a 500 whose verdict waits (see infergate.stream.leg)
 --   other_left(req, now)       true when an untried node could take a retry
+--   untry_back(req)            tried nodes seen back since are untried again
 --   accepts_all(req, accept)   true when accept takes every usable node of the model
 local snapshot = require("infergate.routing.snapshot")
 local balancer = require("infergate.routing.balancer")
@@ -25,6 +26,9 @@ local speed = require("infergate.routing.speed")
 local affinity = require("infergate.routing.affinity")
 local candidates = require("infergate.routing.candidates")
 local breaker = require("infergate.routing.breaker")
+local backat = require("infergate.routing.backat")
+local learned = require("infergate.routing.learned")
+local deadline = require("infergate.admission.deadline")
 
 local _M = {}
 
@@ -51,17 +55,35 @@ local function any_full(req, t, accept, now)
 end
 
 -- True when a node not tried yet by `req` could take a retry (usable, breaker closed:
--- a retry never takes a half-open probe), now or once one of its slots frees. t: the
--- routing snapshot (nil: the current one). Reads only.
+-- a retry never takes a half-open probe), now or once one of its slots frees. A request
+-- that is not a stream and names its max_tokens counts only a node whose fitted answer
+-- time for that many tokens (infergate.routing.learned.answer_s) fits the time its
+-- deadline leaves: moved to a node that cannot answer it in time, it would hold a slot
+-- there until its deadline (504 all the same), where the node it waits on may resume in
+-- time. t: the routing snapshot (nil: the current one). Reads only.
 function _M.other_left(req, now, t)
     t = t or snapshot.current()
+    local left = not req.stream and learned.max_tokens(req) and deadline.remaining(req, now)
     for _, node in ipairs(t.nodes) do
         if candidates.usable(node, req.tried, req.model)
-                and breaker.allow(node.name, now) == "yes" then
+                and breaker.allow(node.name, now) == "yes"
+                and not (left and (learned.answer_s(node.name, req, now) or 0) > left) then
             return true
         end
     end
     return false
+end
+
+-- A node this request tried that the control plane saw come back since (restarted, or
+-- healthy again: infergate.routing.backat) is not tried any more: what failed there was
+-- the node before, and a retry that waits for a slot may take it.
+function _M.untry_back(req)
+    for _, att in ipairs(req.attempts or {}) do
+        local name = att.node
+        if req.tried[name] and (backat.get(name) or 0) > att.started then
+            req.tried[name] = nil
+        end
+    end
 end
 
 -- True when `accept` (nil: every node) takes every node of the request's model that is

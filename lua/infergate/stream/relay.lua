@@ -201,11 +201,13 @@ local function wait_for_node(r, now, accept)
         ngx.sleep(o.admission.poll_ms / 1000)
         now = ngx_now()
         if now >= until_s then
+            r.deadline_passed = not r.sent and until_s == d.at -- 504, not its last node's error
             break
         elseif not r.sent and not deadline.timeouts(req, o, now) then
             r.deadline_passed = true
             break
         end
+        relaypick.untry_back(req) -- a node back since it failed this request may take it
         node, att, eligible, why = relaypick.next(req, o, now, accept)
     end
     return node, att, eligible, why
