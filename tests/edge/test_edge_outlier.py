@@ -7,6 +7,7 @@ edge still routes."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -271,7 +272,7 @@ def test_a_stream_on_a_node_that_froze_moves_on_once_found_and_waits_for_a_slot(
         tiny_upstreams, redis_server, edge_factory) -> None:
     """Known slots, one each. A stream sent to a node that answers nothing, GETs
     included (frozen), is retried once the edge found the node silent and its liveness
-    check (3 s) got no answer, not after its 10 s first-byte read; the other node, slow to
+    check got no answer, not after its 10 s first-byte read; the other node, slow to
     its first byte (an outlier too, but it answers the check), keeps its request, and
     the retry waits at the edge for its only slot instead of failing; all within a 15 s
     deadline. A plain request that comes while the retry waits leaves it the slot (an
@@ -289,14 +290,15 @@ def test_a_stream_on_a_node_that_froze_moves_on_once_found_and_waits_for_a_slot(
                         slots_source="config", score=0.1) for u in (a, b)])
     edge.wait_snapshot(snap["version"])
     a.mode = "frozen"
-    b.delay_s = 5.5                        # b's one slot is busy until 5.5 s
+    b.delay_s = 4.0                        # b's one slot is busy until 4 s (a is found
+    #                                        frozen at its second failed 1 s check, ~3 s)
     pool = ThreadPoolExecutor(3)
     try:
         t0 = time.monotonic()
         futs = [pool.submit(_stream, edge) for _ in range(2)]   # one slot each
         _wait(lambda: b.hits == 1)
         b.delay_s = 0.3                    # what b answers next is quick
-        # the finding's own check (3 s), after the early one (1 s)
+        # the finding's own check (1 s, after a failed early one of 1 s)
         _wait(lambda: "node a silent and no answer to its liveness check" in edge.error_log(), 10)
         plain = pool.submit(_post, edge)   # comes while the retry waits for b's slot
         got = [f.result(timeout=30) for f in futs]
@@ -318,7 +320,8 @@ def test_a_stream_on_a_node_that_froze_moves_on_once_found_and_waits_for_a_slot(
     assert took < 15.0
     log = edge.error_log()
     assert "node a is an outlier" in log and "node b is an outlier" in log
-    assert "node a silent and no answer to its liveness check within 3 s" in log
+    # within 1 s right after a failed early check, else the finding's own 3 s
+    assert re.search(r"node a silent and no answer to its liveness check within [13] s", log)
     assert "node b silent and no answer" not in log
 
 
