@@ -427,11 +427,11 @@ function _M.run(r, node, att, body, eligible)
         lg.hold_until = o.edge.stream_hold_s > 0 and r.req.stream
             and now + o.edge.stream_hold_s or nil
     end
+    lg.watch = not r.req.stream -- relayed only while another node may take it (relay.wanted)
     if eligible and eligible > 1 then
         -- the balancer's bound (infergate.routing.balancer, deadline.probe_read): never
         -- less than twice the predicted completion on the node (queued on a node that
         -- slowed down is not stalled)
-        lg.watch = not r.req.stream
         local thr = outlier.probe_threshold(node.name, r.req.stream, o)
         local e = thr and speed.expected_s(node)
         if e and e > thr then
