@@ -7,6 +7,7 @@ or batching like vLLM)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import threading
@@ -300,52 +301,12 @@ def test_a_retry_with_every_other_slot_taken(tiny_upstreams, redis_server, edge_
     assert edge.node_status("b")["inflight"] == 0 and edge.node_status("a")["inflight"] == 0
 
 
-def test_a_relayed_retry_waits_for_a_slot(tiny_upstreams, redis_server, edge_factory) -> None:
-    """Relayed (edge.answer_relay), a plain request whose first try fails (a 500) while
-    the only other node, of unknown kind, has its one slot taken waits at the edge for
-    that slot, as a relayed stream's retry does, and is answered by it once it frees,
-    within its deadline; the node never holds two."""
-    a, b = tiny_upstreams(names=["a", "b"])
-    b.gate, b.chunks = threading.Event(), 2
-
-    def node(up, **kw):
-        return up.snapshot_node(kind="openai", slots=1, slots_source="config", score=None,
-                                has_metrics=False, **kw)
-
-    edge = _edge(redis_server, edge_factory, [node(a, healthy=False), node(b)])
-    held = requests.post(f"{edge.url}/v1/chat/completions", json={**CHAT, "stream": True},
-                         stream=True, timeout=30)          # b's one slot
-    pool = ThreadPoolExecutor(1)
-    try:
-        assert held.status_code == 200 and held.headers["X-Infergate-Node"] == "b"
-        snap = write_snapshot(redis_server.client(), [node(a), node(b)])
-        edge.wait_snapshot(snap["version"])
-        a.mode = "fail"
-        fut = pool.submit(requests.post, f"{edge.url}/v1/chat/completions", json=CHAT, timeout=30)
-        procs.wait_until(lambda: "on node a ended: status 500" in edge.error_log(), 10,
-                         what="the first try on a")
-        # for a second after it, the retry does not reach b (whose slot is taken)
-        end = time.monotonic() + 1.0
-        while time.monotonic() < end:
-            assert not fut.done() and b.hits == 1, (b.hits, fut.done() and fut.result().text)
-            time.sleep(0.05)
-        b.gate.set()                                        # the stream ends, b's slot frees
-        res = fut.result(timeout=20)
-    finally:
-        b.gate.set()
-        held.close()
-        pool.shutdown(wait=True)
-    assert res.status_code == 200 and res.headers["X-Infergate-Node"] == "b", res.text
-    assert b.hits == 2 and a.hits == 1
-    edge.wait_idle()
-    assert edge.node_status("b")["inflight"] == 0 and edge.node_status("a")["inflight"] == 0
-
-
+@contextlib.contextmanager
 def _retry_behind_a_held_slot(tiny_upstreams, redis_server, edge_factory, request_ms: int,
                               fails: str):
     """Nodes a and b of one slot each, b's held by a stream; a plain request whose try on
-    a fails (tiny upstream mode ``fails``) then waits for a slot: (a, b, edge, held
-    stream, pool, its future, the snapshot node maker)."""
+    a fails (tiny upstream mode ``fails``) then waits for a slot: yields (a, b, edge, its
+    future, the snapshot node maker); b's stream ends on the way out."""
     a, b = tiny_upstreams(names=["a", "b"])
     b.gate, b.chunks = threading.Event(), 2
 
@@ -357,29 +318,50 @@ def _retry_behind_a_held_slot(tiny_upstreams, redis_server, edge_factory, reques
                  request_ms=request_ms)
     held = requests.post(f"{edge.url}/v1/chat/completions", json={**CHAT, "stream": True},
                          stream=True, timeout=30)          # b's one slot
-    assert held.status_code == 200 and held.headers["X-Infergate-Node"] == "b"
-    snap = write_snapshot(redis_server.client(), [node(a), node(b)])
-    edge.wait_snapshot(snap["version"])
-    a.mode = fails
     pool = ThreadPoolExecutor(1)
-    fut = pool.submit(requests.post, f"{edge.url}/v1/chat/completions", json=CHAT, timeout=30)
-    procs.wait_until(lambda: "on node a ended:" in edge.error_log(), 10,
-                     what="the first try on a")
-    return a, b, edge, held, pool, fut, node
+    try:
+        assert held.status_code == 200 and held.headers["X-Infergate-Node"] == "b"
+        snap = write_snapshot(redis_server.client(), [node(a), node(b)])
+        edge.wait_snapshot(snap["version"])
+        a.mode = fails
+        fut = pool.submit(requests.post, f"{edge.url}/v1/chat/completions", json=CHAT,
+                          timeout=30)
+        procs.wait_until(lambda: "on node a ended:" in edge.error_log(), 10,
+                         what="the first try on a")
+        yield a, b, edge, fut, node
+    finally:
+        b.gate.set()
+        held.close()
+        pool.shutdown(wait=True)
+
+
+def test_a_relayed_retry_waits_for_a_slot(tiny_upstreams, redis_server, edge_factory) -> None:
+    """Relayed (edge.answer_relay), a plain request whose first try fails (a 500) while
+    the only other node, of unknown kind, has its one slot taken waits at the edge for
+    that slot, as a relayed stream's retry does, and is answered by it once it frees,
+    within its deadline; the node never holds two."""
+    with _retry_behind_a_held_slot(tiny_upstreams, redis_server, edge_factory,
+                                   request_ms=30000, fails="fail") as (a, b, edge, fut, _):
+        # for a second after it, the retry does not reach b (whose slot is taken)
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            assert not fut.done() and b.hits == 1, (b.hits, fut.done() and fut.result().text)
+            time.sleep(0.05)
+        b.gate.set()                                        # the stream ends, b's slot frees
+        res = fut.result(timeout=20)
+    assert res.status_code == 200 and res.headers["X-Infergate-Node"] == "b", res.text
+    assert b.hits == 2 and a.hits == 1
+    edge.wait_idle()
+    assert edge.node_status("b")["inflight"] == 0 and edge.node_status("a")["inflight"] == 0
 
 
 def test_a_retry_that_waits_out_its_deadline_gets_504(tiny_upstreams, redis_server,
                                                       edge_factory) -> None:
     """A retry that waited for a slot until the request's deadline answers 504
     deadline_exceeded, not 502 for its first node's answer cut short."""
-    a, b, edge, held, pool, fut, _ = _retry_behind_a_held_slot(
-        tiny_upstreams, redis_server, edge_factory, request_ms=3000, fails="cut")
-    try:
+    with _retry_behind_a_held_slot(tiny_upstreams, redis_server, edge_factory,
+                                   request_ms=3000, fails="cut") as (_, b, _e, fut, _):
         res = fut.result(timeout=20)
-    finally:
-        b.gate.set()
-        held.close()
-        pool.shutdown(wait=True)
     assert res.status_code == 504, res.text
     assert res.json()["error"]["code"] == "deadline_exceeded" and b.hits == 1
 
@@ -390,19 +372,13 @@ def test_a_retry_waiting_for_a_slot_takes_its_first_node_once_it_is_back(
     come back (restarted: the snapshot's back_at) may take the retry that waits for a
     slot, as a new request may; before, the retry waited for the other node's slot until
     its deadline."""
-    a, b, edge, held, pool, fut, node = _retry_behind_a_held_slot(
-        tiny_upstreams, redis_server, edge_factory, request_ms=20000, fails="cut")
-    try:
-        time.sleep(0.5)       # the retry waits for b's slot
-        assert not fut.done() and a.hits == 1
+    with _retry_behind_a_held_slot(tiny_upstreams, redis_server, edge_factory,
+                                   request_ms=20000, fails="cut") as (a, b, edge, fut, node):
+        assert not fut.done() and a.hits == 1     # the retry waits for b's slot
         a.mode = "ok"
         snap = write_snapshot(redis_server.client(), [node(a, back_at=time.time()), node(b)])
         edge.wait_snapshot(snap["version"])
         res = fut.result(timeout=10)
-    finally:
-        b.gate.set()
-        held.close()
-        pool.shutdown(wait=True)
     assert res.status_code == 200 and res.headers["X-Infergate-Node"] == "a", res.text
     assert a.hits == 2 and b.hits == 1
 
