@@ -110,8 +110,9 @@ def _tree(root: Path, files: dict[str, str]) -> list[st.LuaFunction]:
 #: Shared-dict key prefixes ("<prefix>:" .. name) that more than one module writes or
 #: reads, each on purpose: the modules read one another's keys, or the keys cannot meet.
 SHARED_PREFIXES = {
-    # a node's last byte and first byte: stall detection writes, the others read
-    "fb": {"routing/liveness.lua", "routing/outlier.lua", "routing/stall.lua"},
+    # a node's last byte and first byte: stall detection and the outlier rule write,
+    # liveness reads both (last_byte)
+    "fb": {"routing/liveness.lua", "routing/outlier.lua"},
     "lb": {"routing/liveness.lua", "routing/outlier.lua", "routing/stall.lua"},
     # learned tail "tq:<node>" and the outlier rule's "tq:s:<node>" / "tq:n:<node>"
     # (node names have no ':')

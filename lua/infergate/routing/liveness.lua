@@ -62,6 +62,7 @@
 -- mid_stream(node, since, o, alive_since)  "alive" | "dead" | "pending" for a stream
 --                             silent since `since` (asks for a check; no I/O)
 -- failed_since(name, t)       true when an early check begun after `t` got no answer
+-- last_byte(name)             epoch s of the node's last byte seen by this edge (0: none)
 -- frozen_since(name, t)       the same, or one answered only after LATE_S
 -- tick(nodes, o, threshold, inflight)  worker 0's timer: starts a check (a timer each) per
 --                             node that waits; asks early ones of quiet nodes with requests
@@ -168,6 +169,14 @@ function _M.failed_early(name, twice)
     return nil
 end
 
+-- Epoch s of the last byte this edge got from node `name`, a stream's chunk
+-- (infergate.routing.stall "lb:") or an answer's first byte (infergate.routing.outlier
+-- "fb:"); 0 when none.
+function _M.last_byte(name)
+    local d = dict()
+    return math.max(d:get(key("lb:", name)) or 0, d:get(key("fb:", name)) or 0)
+end
+
 -- True when an early check of `name` that began after epoch s `t` got no answer, none
 -- answering since.
 function _M.failed_since(name, t)
@@ -271,8 +280,7 @@ local function in_a_row(d, name, began)
     local prev = d:get(key("lq:", name))
     return prev ~= nil and prev <= began
         and began - prev <= _M.EARLY_RECHECK_S + 2 * _M.EARLY_TIMEOUT_S
-        and (d:get(key("la:", name)) or 0) < prev and (d:get(key("lb:", name)) or 0) < prev
-        and (d:get(key("fb:", name)) or 0) < prev
+        and (d:get(key("la:", name)) or 0) < prev and _M.last_byte(name) < prev
 end
 
 _M._in_a_row = in_a_row
@@ -333,7 +341,7 @@ local function quiet_with_requests(d, node, o, now, n)
         return
     end
     local name = node.name
-    local last = math.max(d:get(key("lb:", name)) or 0, d:get(key("fb:", name)) or 0)
+    local last = _M.last_byte(name)
     if last > 0 then
         if now - last > after then
             ask_early(d, name, last)

@@ -446,7 +446,7 @@ function _M.gone_silent(node, att, now, o)
     if since == nil then
         return false
     end
-    local last = math.max(d:get(key("lb:", name)) or 0, d:get(key("fb:", name)) or 0)
+    local last = liveness.last_byte(name)
     if since < att.started then
         return liveness.failed_since(name, math.max(att.started, last))
             and (att.stream or liveness.failed_early(name, true) ~= nil)

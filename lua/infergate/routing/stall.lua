@@ -300,7 +300,7 @@ function _M.flagged(name, inflight)
         -- two, EARLY_RECHECK_S apart, as the report takes the node from every edge: one
         -- check missed by a host short of CPU is no frozen node)
         local lx = (inflight or 0) > 0 and liveness.failed_early(name, true)
-        return lx and lx >= math.max(d:get(key("lb:", name)) or 0, d:get(key("fb:", name)) or 0)
+        return lx and lx >= liveness.last_byte(name)
             or false
     end
     return (d:get(key("sl:", name)) ~= nil) or (inflight or 0) > 0
